@@ -1,0 +1,1 @@
+"""Core machinery: hookspecs, plugin manager, registry, errors, config and CLI."""

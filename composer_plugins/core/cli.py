@@ -1,0 +1,132 @@
+"""The ``composer-plugins`` command line. Plugins add subcommands through ``register_commands(cli)``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from typing import Any
+
+import click
+
+from composer_plugins import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="composer-plugins")
+def cli() -> None:
+    """Compose RL, hint self-distillation and multi-teacher replay losses from plugins."""
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    width = shutil.get_terminal_size((120, 20)).columns
+    cols = list(zip(headers, *rows, strict=False))
+    widths = [max(len(str(c)) for c in col) for col in cols]
+    # shrink the description column (index 2) to fit the terminal
+    fixed = sum(w for i, w in enumerate(widths) if i != 2) + 2 * (len(widths) - 1)
+    widths[2] = max(20, min(widths[2], width - fixed))
+    lines = []
+    for r in [headers, ["-" * w for w in widths], *rows]:
+        cells = []
+        for i, c in enumerate(r):
+            c = str(c)
+            if len(c) > widths[i]:
+                c = c[: widths[i] - 1] + "…"
+            cells.append(c.ljust(widths[i]))
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+@cli.command(name="list")
+@click.argument("kind", required=False)
+@click.argument("pattern", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
+    """List registered components, optionally of one KIND and matching PATTERN.
+
+    KIND is one of losses, teachers, envs, hints, backends. PATTERN is an fnmatch
+    pattern (a plain word matches as a substring; a leading ! excludes).
+    """
+    from composer_plugins.core.errors import UnknownPluginError
+    from composer_plugins.core.plugins import get_registry
+
+    reg = get_registry()
+    try:
+        entries = reg.entries(kind, pattern)
+    except UnknownPluginError as e:
+        raise click.UsageError(str(e)) from e
+    if as_json:
+        click.echo(json.dumps([_entry_json(e) for e in entries], indent=2))
+        return
+    rows = []
+    for e in entries:
+        desc = e.description
+        if not e.available:
+            desc = f"[not installed: {e.install or 'pip install ' + ' '.join(e.missing)}] {desc}"
+        rows.append([e.name, e.kind, desc, e.provider or e.plugin])
+    if not rows:
+        click.echo(f"No {kind or 'components'} match{' ' + repr(pattern) if pattern else ''}.")
+        return
+    click.echo(_table(rows, ["NAME", "KIND", "DESCRIPTION", "PROVIDER"]))
+    for msg in reg.broken:
+        click.secho(f"warning: {msg}", err=True, fg="yellow")
+
+
+def _entry_json(e: Any) -> dict[str, Any]:
+    return {
+        "name": e.name,
+        "kind": e.kind,
+        "description": e.description,
+        "distribution": e.distribution,
+        "version": e.version,
+        "plugin": e.plugin,
+        "available": e.available,
+        **({"install": e.install or "pip install " + " ".join(e.missing)} if not e.available else {}),
+    }
+
+
+@cli.command()
+@click.option("--all", "include_all", is_flag=True, help="Include the built-in default plugins.")
+@click.option("--hook", "hooks", multiple=True, help="Only plugins implementing this hook.")
+@click.option("--requirements", is_flag=True, help="Print pinned distributions (name==version) instead.")
+def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> None:
+    """Print installed plugins as JSON: distribution, version, hooks implemented."""
+    from composer_plugins.core.plugins import get_plugin_manager
+
+    infos = get_plugin_manager().plugin_infos(include_defaults=include_all)
+    if hooks:
+        infos = [i for i in infos if set(hooks) & set(i.hooks)]
+    if requirements:
+        for d in sorted({(i.distribution, i.version) for i in infos if i.distribution and not i.default}):
+            click.echo(f"{d[0]}=={d[1]}")
+        return
+    click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
+
+
+_commands_loaded = False
+
+
+def load_commands() -> click.Group:
+    """Let every plugin add its subcommands (once), then return the group."""
+    global _commands_loaded
+    if not _commands_loaded:
+        from composer_plugins.core.plugins import get_plugin_manager
+
+        get_plugin_manager().hook.register_commands(cli=cli)
+        _commands_loaded = True
+    return cli
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console-script entry point."""
+    from composer_plugins.core.errors import ComposerPluginsError
+
+    try:
+        return load_commands().main(args=argv, prog_name="composer-plugins", standalone_mode=True)
+    except ComposerPluginsError as e:  # pragma: no cover - click handles most errors
+        click.secho(f"Error: {e}", err=True, fg="red")
+        sys.exit(2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

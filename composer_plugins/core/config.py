@@ -1,0 +1,316 @@
+"""Config loading: YAML with line numbers, dotted overrides, ``$env`` secrets, typed sections.
+
+Errors name the file, the line and the dotted key, and list the valid keys with a
+"did you mean". Components are given by registry shorthand (``"grpo"`` or
+``{"name": "grpo", "epsilon_low": 0.2}``) or Lightning-style
+``{"class_path": "pkg.mod.Class", "init_args": {...}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+from composer_plugins.core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Secret(str):
+    """A string read from the environment; its ``repr``/``str`` formatting in logs is masked.
+
+    ``str(secret)`` is masked too; use :meth:`reveal` where the real value is needed
+    (an HTTP header), so it cannot leak into logs, MLflow params or exceptions by accident.
+    """
+
+    env_var: str
+
+    def __new__(cls, value: str, env_var: str = "") -> Secret:
+        obj = super().__new__(cls, value)
+        obj.env_var = env_var
+        return obj
+
+    def reveal(self) -> str:
+        """The real value."""
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"Secret(${self.env_var})" if self.env_var else "Secret(****)"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+
+class Config(dict[str, Any]):
+    """A loaded config: plain nested dicts plus where each dotted key came from."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None, source: str | None = None,
+                 lines: Mapping[str, int] | None = None) -> None:  # fmt: skip
+        super().__init__(data or {})
+        self.source = source
+        self.lines: dict[str, int] = dict(lines or {})
+
+    def line_of(self, key: str) -> int | None:
+        """Line of ``key`` (or of its closest parent) in :attr:`source`."""
+        parts = key.split(".")
+        while parts:
+            k = ".".join(parts)
+            if k in self.lines:
+                return self.lines[k]
+            parts.pop()
+        return None
+
+    def error(self, key: str, message: str, valid: Sequence[str] | None = None) -> ConfigError:
+        """A :class:`ConfigError` located at ``key``."""
+        return ConfigError(message, key=key, file=self.source, line=self.line_of(key), valid=valid)
+
+    def get_path(self, key: str, default: Any = None) -> Any:
+        """Value at dotted ``key``, or ``default``."""
+        node: Any = self
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+
+def _line_map(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}.{k.value}" if prefix else str(k.value)
+            out[key] = k.start_mark.line + 1
+            _line_map(v, key, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            key = f"{prefix}.{i}"
+            out[key] = v.start_mark.line + 1
+            _line_map(v, key, out)
+
+
+def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Config:
+    """Read a YAML mapping from ``path``, apply ``key.sub=value`` overrides, resolve ``$env``."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config: {e.strerror}", file=str(p)) from e
+    return loads_config(text, source=str(p), overrides=overrides)
+
+
+def loads_config(text: str, source: str = "<string>", overrides: Iterable[str] = ()) -> Config:
+    """Like :func:`load_config` for YAML text."""
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(
+            f"invalid YAML: {getattr(e, 'problem', e)}", file=source, line=mark.line + 1 if mark else None
+        ) from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"the top level must be a mapping of keys, got {type(data).__name__}", file=source, line=1)
+    lines: dict[str, int] = {}
+    if node is not None:
+        _line_map(node, "", lines)
+    cfg = Config(data, source, lines)
+    apply_overrides(cfg, overrides)
+    resolve_env(cfg, cfg)
+    return cfg
+
+
+def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str]) -> None:
+    """Set ``a.b.c=value`` pairs in place; values are parsed as YAML (``1`` is an int, ``[a]`` a list)."""
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like key.sub=value")
+        key, _, raw = ov.partition("=")
+        key = key.strip().lstrip("-")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        node: dict[str, Any] = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"cannot set {key!r}: {part!r} is a {type(nxt).__name__}, not a mapping", key=key)
+            node = nxt
+        node[parts[-1]] = value
+
+
+def resolve_env(node: Any, cfg: Config, key: str = "") -> Any:
+    """Replace ``{"$env": "NAME"}`` values in place with :class:`Secret` values from the environment."""
+    if isinstance(node, dict):
+        if set(node) == {"$env"}:
+            var = str(node["$env"])
+            if var not in os.environ:
+                raise cfg.error(key, f"environment variable {var} is not set. HINT: export {var}=...")
+            return Secret(os.environ[var], var)
+        for k in list(node):
+            node[k] = resolve_env(node[k], cfg, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            node[i] = resolve_env(v, cfg, f"{key}.{i}")
+    return node
+
+
+def redact(value: Any) -> Any:
+    """A copy of ``value`` with every :class:`Secret` (and ``*key*``/``*token*`` field) masked."""
+    if isinstance(value, Secret):
+        return repr(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            sensitive = any(s in str(k).lower() for s in ("api_key", "apikey", "token", "secret", "password"))
+            out[k] = "****" if sensitive and isinstance(v, str) and not str(k).endswith("_env") else redact(v)
+        return out
+    if isinstance(value, list | tuple):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+# -- typed sections -----------------------------------------------------------------
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is Any or tp is object:
+        return True
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, a) for a in get_args(tp))
+    if origin is typing.Literal:
+        return value in get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, Sequence, tuple):
+        return isinstance(value, list | tuple)
+    if origin in (dict, Mapping):
+        return isinstance(value, Mapping)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, cfg: Config | None = None, key: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``: unknown keys and wrong types raise a located :class:`ConfigError`."""
+    cfg = cfg if cfg is not None else Config()
+    data = {} if data is None else data
+    if not isinstance(data, Mapping):
+        raise cfg.error(key or "<root>", f"expected a mapping for {cls.__name__}, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for k, v in data.items():
+        sub = f"{key}.{k}" if key else str(k)
+        if k not in fields:
+            raise cfg.error(sub, "unknown key.", valid=list(fields))
+        tp = hints[k]
+        nested = _dataclass_in(tp)
+        if nested is not None and isinstance(v, Mapping):
+            kwargs[k] = from_dict(nested, v, cfg, sub)
+        elif not _type_ok(v, tp):
+            raise cfg.error(sub, f"expected {_describe(tp)}, got {v!r} ({type(v).__name__}).")
+        else:
+            kwargs[k] = v
+    missing = [
+        n for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]  # fmt: skip
+    if missing:
+        raise cfg.error(f"{key}.{missing[0]}" if key else missing[0], "required key is missing.", valid=list(fields))
+    return cls(**kwargs)
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return tp
+    if get_origin(tp) in (Union, types.UnionType):
+        for a in get_args(tp):
+            if dataclasses.is_dataclass(a) and isinstance(a, type):
+                return a
+    return None
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass config back to plain data (for ``--print-config`` and MLflow params)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+# -- components ---------------------------------------------------------------------
+
+
+def component_spec(value: Any, key: str = "", cfg: Config | None = None) -> tuple[str, dict[str, Any]]:
+    """Normalise ``"name"``, ``{"name": n, **kw}`` or ``{"class_path": p, "init_args": kw}`` to ``(target, kw)``.
+
+    For ``class_path`` the target is returned as ``"class_path:<dotted path>"``.
+    """
+    cfg = cfg if cfg is not None else Config()
+    if isinstance(value, str):
+        return value, {}
+    if isinstance(value, Mapping):
+        if "class_path" in value:
+            extra = set(value) - {"class_path", "init_args"}
+            if extra:
+                raise cfg.error(f"{key}.{sorted(extra)[0]}", "unknown key next to class_path.",
+                                valid=["class_path", "init_args"])  # fmt: skip
+            return "class_path:" + str(value["class_path"]), dict(value.get("init_args") or {})
+        if "name" in value:
+            kw = {k: v for k, v in value.items() if k != "name"}
+            return str(value["name"]), kw
+    raise cfg.error(
+        key, f"expected a name, {{name: ..., <args>}} or {{class_path: ..., init_args: ...}}; got {value!r}"
+    )
+
+
+def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = None, **extra: Any) -> Any:
+    """Build a component of ``kind`` from config ``value`` (see :func:`component_spec`)."""
+    from composer_plugins.core.plugins import get_registry
+
+    cfg = cfg if cfg is not None else Config()
+    target, kw = component_spec(value, key, cfg)
+    kw.update(extra)
+    if target.startswith("class_path:"):
+        path = target.split(":", 1)[1]
+        mod, _, attr = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise cfg.error(f"{key}.class_path" if key else "class_path", f"cannot import {path!r}: {e}") from e
+        return cls(**kw)
+    from composer_plugins.core.errors import UnknownPluginError
+
+    try:
+        return get_registry().get(kind, target).build(**kw)
+    except UnknownPluginError as e:
+        raise cfg.error(key or kind, str(e)) from e

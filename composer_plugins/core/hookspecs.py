@@ -1,0 +1,47 @@
+"""The hook specifications of composer-plugins: the whole public plugin API.
+
+Every hook takes a callback. ``register_*`` hooks receive a ``register`` function
+that records one component per call; the core attaches provenance (which plugin,
+which distribution and version) to what each call registers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "composer_plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def register_loss_channels(register: Any) -> None:
+    """Register loss channels with ``register(name, factory, description=None, **init_params)``."""
+
+
+@hookspec
+def register_teachers(register: Any) -> None:
+    """Register teacher providers with ``register(name, factory, description=None, **init_params)``."""
+
+
+@hookspec
+def register_envs(register: Any) -> None:
+    """Register environment adapters with ``register(name, factory, description=None, **init_params)``."""
+
+
+@hookspec
+def register_hint_providers(register: Any) -> None:
+    """Register hint providers with ``register(name, factory, description=None, **init_params)``."""
+
+
+@hookspec
+def register_backends(register: Any) -> None:
+    """Register backend runners with ``register(name, factory, description=None, requires=(), install=None)``."""
+
+
+@hookspec
+def register_commands(cli: Any) -> None:
+    """Add subcommands to the ``composer-plugins`` click group passed as ``cli``."""

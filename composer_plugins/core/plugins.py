@@ -1,0 +1,261 @@
+"""Plugin manager: default plugins, entry-point discovery, validation and the registry.
+
+Nothing loads at import time. :func:`get_registry` and :func:`get_plugin_manager` load
+plugins once, on first use. ``COMPOSER_PLUGINS_LOAD`` restricts which third-party
+plugins load (``''`` loads none, ``'a,b'`` loads only the entry points or
+distributions named); built-in default plugins always load. A plugin that fails to
+import, or that implements a hook that does not exist, is left out and named in a
+warning and in later "unknown name" errors; the other plugins load as usual. Set
+``COMPOSER_PLUGINS_STRICT=1`` to turn such failures into exceptions.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata as md
+import os
+import threading
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from composer_plugins.core import hookspecs
+from composer_plugins.core.errors import ComposerPluginsError, PluginLoadError, closest
+from composer_plugins.core.registry import KINDS, Registry
+
+ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
+LOAD_ENV = "COMPOSER_PLUGINS_LOAD"
+STRICT_ENV = "COMPOSER_PLUGINS_STRICT"
+
+#: Built-in plugins, registered through the same hooks third parties implement.
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "composer_plugins.losses.plugin",
+    "composer_plugins.teachers.plugin",
+    "composer_plugins.envs.plugin",
+    "composer_plugins.backends.plugin",
+    "composer_plugins.core.commands",
+)
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin was left out because it failed to load; the message names it."""
+
+
+@dataclass
+class PluginInfo:
+    """What ``composer-plugins plugins`` reports for one plugin."""
+
+    name: str
+    distribution: str
+    version: str
+    hooks: list[str] = field(default_factory=list)
+    default: bool = False
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "distribution": self.distribution, "version": self.version}
+        d["hooks"] = self.hooks
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+class ComposerPluginManager(pluggy.PluginManager):
+    """A pluggy manager that remembers which distribution provided each plugin and which failed."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self.provenance: dict[str, tuple[str, str]] = {}
+        self.defaults: set[str] = set()
+        self.failures: dict[str, PluginLoadError] = {}
+
+    # -- loading ------------------------------------------------------------------
+    def load_defaults(self, modules: Iterable[str] = DEFAULT_PLUGINS) -> None:
+        """Import and register the built-in plugin modules."""
+        from composer_plugins import __version__
+
+        for modname in modules:
+            mod = importlib.import_module(modname)
+            if self.is_registered(mod):
+                continue
+            self.register(mod, name=modname)
+            self.provenance[modname] = ("composer-plugins", __version__)
+            self.defaults.add(modname)
+
+    def load_entrypoints(self, group: str = ENTRY_POINT_GROUP, only: set[str] | None = None) -> None:
+        """Import every entry point of ``group`` (restricted to ``only`` names when given).
+
+        A failing plugin is recorded in :attr:`failures` and warned about; the rest still load.
+        """
+        seen: set[str] = set()
+        for ep in md.entry_points(group=group):
+            dist = ep.dist
+            dname, dver = (dist.metadata["Name"], dist.version) if dist is not None else ("", "")
+            if only is not None and ep.name not in only and dname not in only:
+                continue
+            seen.update({ep.name, dname})
+            if self.get_plugin(ep.name) is not None or ep.name in self.failures:
+                continue
+            label = f"{ep.name} (from {dname} {dver})" if dname else ep.name
+            try:
+                plugin = ep.load()
+                self.register(plugin, name=ep.name)
+            except Exception as e:
+                self._fail(ep.name, PluginLoadError(label, f"{type(e).__name__}: {e}"))
+                continue
+            self.provenance[ep.name] = (dname, dver)
+        if only:
+            missing = sorted(only - seen)
+            if missing:
+                self._fail(
+                    ",".join(missing),
+                    PluginLoadError(
+                        ", ".join(missing),
+                        f"named in {LOAD_ENV} but no installed distribution provides an entry point "
+                        f"in group {group!r} with that name",
+                    ),
+                )
+
+    def validate(self) -> None:
+        """Reject plugins that implement hooks with no spec (typos), then ``check_pending()``."""
+        for hook_name in sorted(vars(self.hook)):
+            caller = getattr(self.hook, hook_name)
+            if not isinstance(caller, pluggy.HookCaller) or caller.has_spec():
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.opts.get("optionalhook"):
+                    continue
+                sugg = closest(hook_name, _spec_names())
+                why = f"unknown hook {hook_name!r}" + (f"; did you mean {sugg[0]!r}?" if sugg else "")
+                why += " Known hooks: " + ", ".join(_spec_names()) + "."
+                self._fail(impl.plugin_name, PluginLoadError(self._label(impl.plugin_name), why))
+                self.unregister(name=impl.plugin_name)
+        self.check_pending()
+
+    def _label(self, plugin_name: str) -> str:
+        dist = self.provenance.get(plugin_name)
+        return f"{plugin_name} (from {dist[0]} {dist[1]})" if dist and dist[0] else plugin_name
+
+    def _fail(self, name: str, err: PluginLoadError) -> None:
+        if os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
+            raise err
+        self.failures[name] = err
+        warnings.warn(
+            str(err) + " The plugin was skipped; other plugins are unaffected.", PluginLoadWarning, stacklevel=3
+        )
+
+    # -- reporting ----------------------------------------------------------------
+    def plugin_infos(self, include_defaults: bool = False) -> list[PluginInfo]:
+        """Plugins, their distribution and the hooks each implements (failed ones included)."""
+        hooks_by: dict[str, list[str]] = {}
+        for hook_name in vars(self.hook):
+            caller = getattr(self.hook, hook_name)
+            if isinstance(caller, pluggy.HookCaller):
+                for impl in caller.get_hookimpls():
+                    hooks_by.setdefault(impl.plugin_name, []).append(hook_name)
+        out = []
+        for name, _plugin in self.list_name_plugin():
+            if name in self.defaults and not include_defaults:
+                continue
+            dname, dver = self.provenance.get(name, ("", ""))
+            out.append(PluginInfo(name, dname, dver, sorted(hooks_by.get(name, [])), name in self.defaults))
+        for name, err in self.failures.items():
+            out.append(PluginInfo(name, "", "", [], error=str(err)))
+        return sorted(out, key=lambda p: (not p.default, p.name))
+
+
+def _spec_names() -> list[str]:
+    return sorted(n for n in vars(hookspecs) if n.startswith("register_"))
+
+
+def _load_filter() -> set[str] | None:
+    raw = os.environ.get(LOAD_ENV)
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def make_plugin_manager(*, defaults: bool = True, entrypoints: bool = True) -> ComposerPluginManager:
+    """A new, loaded and validated plugin manager (tests use ``entrypoints=False``)."""
+    pm = ComposerPluginManager()
+    if defaults:
+        pm.load_defaults()
+    if entrypoints:
+        only = _load_filter()
+        if only != set():
+            pm.load_entrypoints(only=only)
+    pm.validate()
+    return pm
+
+
+def build_registry(pm: pluggy.PluginManager) -> Registry:
+    """Call every ``register_*`` hook of ``pm``, one plugin at a time, recording provenance."""
+    registry = Registry()
+    provenance = getattr(pm, "provenance", {})
+    failures = getattr(pm, "failures", {})
+    for kind, hook_name in KINDS.items():
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            dname, dver = provenance.get(impl.plugin_name, ("", ""))
+            register = functools.partial(
+                _register_as, registry, kind, plugin=impl.plugin_name, distribution=dname, version=dver
+            )
+            try:
+                impl.function(register=register)
+            except Exception as e:
+                if isinstance(e, ComposerPluginsError):
+                    raise
+                err = PluginLoadError(impl.plugin_name, f"{hook_name} raised {type(e).__name__}: {e}")
+                if os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
+                    raise err from e
+                failures[impl.plugin_name] = err
+                warnings.warn(str(err), PluginLoadWarning, stacklevel=2)
+    registry.broken = [str(e) for e in failures.values()]
+    return registry
+
+
+def _register_as(
+    registry: Registry, kind: str, name: str, factory: Any, description: str | None = None, **kw: Any
+) -> None:
+    registry.register(kind, name, factory, description, **kw)
+
+
+_lock = threading.RLock()
+_pm: ComposerPluginManager | None = None
+_registry: Registry | None = None
+
+
+def get_plugin_manager() -> ComposerPluginManager:
+    """The process-wide plugin manager, loaded on first call."""
+    global _pm
+    with _lock:
+        if _pm is None:
+            _pm = make_plugin_manager()
+        return _pm
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built from :func:`get_plugin_manager` on first call."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = build_registry(get_plugin_manager())
+        return _registry
+
+
+def reset() -> None:
+    """Forget the loaded plugins; the next accessor reloads them (for tests and notebooks)."""
+    global _pm, _registry
+    with _lock:
+        _pm, _registry = None, None
+
+
+def use_plugin_manager(pm: ComposerPluginManager) -> None:
+    """Make ``pm`` the process-wide manager and rebuild the registry from it."""
+    global _pm, _registry
+    with _lock:
+        _pm, _registry = pm, None

@@ -1,0 +1,261 @@
+"""The component registry: one table of named factories per kind, with provenance.
+
+Entries are added only through the ``register`` callbacks handed to plugin hooks
+(:mod:`composer_plugins.core.hookspecs`); built-ins go through the same path.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import inspect
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer_plugins.core.errors import (
+    DuplicatePluginError,
+    MissingDependencyError,
+    UnknownPluginError,
+)
+
+#: Kind name -> hook that fills it. The order is the order ``composer-plugins list`` prints.
+KINDS: dict[str, str] = {
+    "losses": "register_loss_channels",
+    "teachers": "register_teachers",
+    "envs": "register_envs",
+    "hints": "register_hint_providers",
+    "backends": "register_backends",
+}
+
+_KIND_ALIASES = {
+    "loss": "losses",
+    "loss_channels": "losses",
+    "loss_channel": "losses",
+    "channels": "losses",
+    "teacher": "teachers",
+    "env": "envs",
+    "environments": "envs",
+    "environment": "envs",
+    "hint": "hints",
+    "hint_providers": "hints",
+    "backend": "backends",
+}
+
+#: Backends published as separate distributions: name -> pip install command.
+KNOWN_BACKENDS: dict[str, str] = {
+    "trl": "pip install composer-plugins-trl",
+    "verl": "pip install composer-plugins-verl",
+    "prime_rl": "pip install composer-plugins-prime-rl",
+    "monarch": "pip install composer-plugins-monarch",
+}
+
+
+def normalize_kind(kind: str) -> str:
+    """Map ``'loss'``, ``'Losses'``, ``'env'`` ... to the canonical kind name, or raise."""
+    k = kind.strip().lower().replace("-", "_")
+    k = _KIND_ALIASES.get(k, k)
+    if k not in KINDS:
+        raise UnknownPluginError("kind", kind, list(KINDS))
+    return k
+
+
+def _first_line(obj: Any) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """One registered component: what builds it, what it is, and who provided it."""
+
+    name: str
+    kind: str
+    target: Callable[..., Any] | str
+    description: str
+    plugin: str
+    distribution: str
+    version: str
+    init_params: dict[str, Any] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    install: str | None = None
+
+    @property
+    def factory(self) -> Callable[..., Any]:
+        """The callable that builds the component; a ``"module:attr"`` target is imported now."""
+        if callable(self.target):
+            return self.target
+        return _resolve(self.target, f"{self.kind} {self.name!r} (plugin {self.plugin!r})")
+
+    @property
+    def provider(self) -> str:
+        """``distribution version`` of the package that registered this entry."""
+        return f"{self.distribution} {self.version}".strip()
+
+    @property
+    def missing(self) -> list[str]:
+        """Import names in ``requires`` that cannot be found (checked without importing them)."""
+        return [m for m in self.requires if importlib.util.find_spec(m.split(".")[0]) is None]
+
+    @property
+    def available(self) -> bool:
+        """True when every optional requirement is importable."""
+        return not self.missing
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the factory with the preset ``init_params`` updated by ``kwargs``."""
+        missing = self.missing
+        if missing:
+            raise MissingDependencyError(
+                self.kind, self.name, missing, self.install or f"pip install {' '.join(missing)}"
+            )
+        params = {**self.init_params, **kwargs}
+        return self.factory(*args, **params)
+
+
+def _resolve(target: str, what: str) -> Callable[..., Any]:
+    module, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"{what}: cannot import factory {target!r}: {type(e).__name__}: {e}") from e
+    return obj
+
+
+def _natural_key(s: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s.lower())]
+
+
+class Registry:
+    """Named factories, per kind. Filled by :func:`composer_plugins.core.plugins.build_registry`."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, dict[str, RegistryEntry]] = {k: {} for k in KINDS}
+        self._aliases: dict[str, dict[str, str]] = {k: {} for k in KINDS}
+        #: Messages about plugins that failed to load, shown with unknown-name errors.
+        self.broken: list[str] = []
+
+    # -- filling -----------------------------------------------------------------
+    def register(
+        self,
+        kind: str,
+        name: str,
+        factory: Callable[..., Any] | str,
+        description: str | None = None,
+        *,
+        plugin: str = "<direct>",
+        distribution: str = "",
+        version: str = "",
+        aliases: Iterable[str] = (),
+        override: bool = False,
+        requires: Iterable[str] = (),
+        install: str | None = None,
+        **init_params: Any,
+    ) -> RegistryEntry:
+        """Add ``name`` to ``kind``. A duplicate raises unless ``override=True``."""
+        kind = normalize_kind(kind)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{plugin}: a {kind} name must be a non-empty string, got {name!r}")
+        if not callable(factory) and not (isinstance(factory, str) and ":" in factory):
+            raise TypeError(
+                f"{plugin}: factory for {kind} {name!r} must be a callable or a 'module:attr' string, got {factory!r}"
+            )
+        if description is None and isinstance(factory, str):
+            description = _first_line(_resolve(factory, f"{kind} {name!r} (plugin {plugin!r})"))
+        key = name.lower()
+        table = self._entries[kind]
+        clash = table.get(key) or table.get(self._aliases[kind].get(key, ""))
+        if clash is not None and not override:
+            raise DuplicatePluginError(kind, name, f"plugin {clash.plugin!r} ({clash.provider})", f"plugin {plugin!r}")
+        entry = RegistryEntry(
+            name=key,
+            kind=kind,
+            target=factory,
+            description=(description or _first_line(factory)).strip(),
+            plugin=plugin,
+            distribution=distribution,
+            version=version,
+            init_params=dict(init_params),
+            aliases=tuple(a.lower() for a in aliases),
+            requires=tuple(requires),
+            install=install,
+        )
+        table[key] = entry
+        for a in entry.aliases:
+            if a in table and not override:
+                raise DuplicatePluginError(kind, a, f"plugin {table[a].plugin!r}", f"plugin {plugin!r} (as an alias)")
+            self._aliases[kind][a] = key
+        return entry
+
+    def unregister(self, kind: str, name: str) -> None:
+        """Remove ``name`` (and its aliases) from ``kind``."""
+        kind = normalize_kind(kind)
+        entry = self._entries[kind].pop(name.lower())
+        for a in entry.aliases:
+            self._aliases[kind].pop(a, None)
+
+    # -- reading -----------------------------------------------------------------
+    def get(self, kind: str, name: str) -> RegistryEntry:
+        """The entry for ``name`` of ``kind``; unknown names raise :class:`UnknownPluginError`."""
+        kind = normalize_kind(kind)
+        key = name.strip().lower()
+        key = self._aliases[kind].get(key, key)
+        try:
+            return self._entries[kind][key]
+        except KeyError:
+            hint = KNOWN_BACKENDS.get(key.replace("-", "_")) if kind == "backends" else None
+            raise UnknownPluginError(
+                kind.rstrip("s") if kind != "losses" else "loss channel",
+                name,
+                self.names(kind),
+                install_hint=hint,
+                broken=self.broken,
+            ) from None
+
+    def build(self, kind: str, spec: Any, **kwargs: Any) -> Any:
+        """Build a component from a name, or return ``spec`` unchanged if it is already an object."""
+        if isinstance(spec, str):
+            return self.get(kind, spec).build(**kwargs)
+        if kwargs:
+            raise TypeError(f"keyword arguments given for an already-built {kind} object {spec!r}")
+        return spec
+
+    def names(self, kind: str) -> list[str]:
+        """Registered names of ``kind``, naturally sorted."""
+        return sorted(self._entries[normalize_kind(kind)], key=_natural_key)
+
+    def entries(self, kind: str | None = None, pattern: str | None = None) -> list[RegistryEntry]:
+        """Entries of ``kind`` (all kinds if None) whose name matches the fnmatch ``pattern``.
+
+        A pattern without wildcards matches as a substring; a leading ``!`` excludes.
+        """
+        kinds = [normalize_kind(kind)] if kind else list(KINDS)
+        out: list[RegistryEntry] = []
+        for k in kinds:
+            for n in sorted(self._entries[k], key=_natural_key):
+                if pattern and not _match(n, pattern):
+                    continue
+                out.append(self._entries[k][n])
+        return out
+
+    def __iter__(self) -> Iterator[RegistryEntry]:
+        return iter(self.entries())
+
+    def __contains__(self, item: tuple[str, str]) -> bool:
+        kind, name = item
+        kind = normalize_kind(kind)
+        key = name.lower()
+        return key in self._entries[kind] or key in self._aliases[kind]
+
+
+def _match(name: str, pattern: str) -> bool:
+    negate = pattern.startswith("!")
+    pat = pattern[1:] if negate else pattern
+    if not any(c in pat for c in "*?["):
+        pat = f"*{pat}*"
+    hit = fnmatch.fnmatch(name, pat.lower())
+    return not hit if negate else hit

@@ -1,0 +1,1 @@
+"""Built-in losses of composer-plugins (registered by :mod:`composer_plugins.losses.plugin`)."""
