@@ -1,0 +1,66 @@
+"""The composer-plugins CLI, in-process (click runner) and as the installed console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+from click.testing import CliRunner
+
+from composer_plugins import __version__
+from composer_plugins.core.cli import cli, load_commands
+
+
+def run(*args: str):
+    return CliRunner().invoke(load_commands(), list(args), catch_exceptions=False)
+
+
+def test_version():
+    r = run("--version")
+    assert r.exit_code == 0 and __version__ in r.output
+
+
+def test_list_table_has_columns_and_example_plugin(isolated_plugins):
+    r = run("list", "losses")
+    assert r.exit_code == 0, r.output
+    header = r.output.splitlines()[0].split()
+    assert header == ["NAME", "KIND", "DESCRIPTION", "PROVIDER"]
+    row = next(line for line in r.output.splitlines() if line.startswith("focal_pg"))
+    assert "losses" in row and "composer-plugins-focal 0.1.0" in row
+
+
+def test_list_pattern_and_json(isolated_plugins):
+    r = run("list", "loss", "focal*", "--json")
+    data = json.loads(r.output)
+    assert [d["name"] for d in data] == ["focal_pg"]
+    assert data[0]["distribution"] == "composer-plugins-focal" and data[0]["available"] is True
+
+
+def test_list_unknown_kind_is_a_usage_error(isolated_plugins):
+    r = CliRunner().invoke(cli, ["list", "widgetz"])
+    assert r.exit_code == 2 and "Unknown kind 'widgetz'" in r.output and "losses" in r.output
+
+
+def test_plugins_json_reports_distribution_version_hooks(isolated_plugins):
+    r = run("plugins")
+    data = json.loads(r.output)
+    focal = next(d for d in data if d["name"] == "focal")
+    assert focal == {
+        "name": "focal",
+        "distribution": "composer-plugins-focal",
+        "version": "0.1.0",
+        "hooks": ["register_loss_channels"],
+    }
+    r = run("plugins", "--all", "--hook", "register_envs")
+    names = [d["name"] for d in json.loads(r.output)]
+    assert "composer_plugins.envs.plugin" in names and "focal" not in names
+    r = run("plugins", "--requirements")
+    assert "composer-plugins-focal==0.1.0" in r.output.splitlines()
+
+
+def test_console_script_lists_the_third_party_channel():
+    exe = shutil.which("composer-plugins")
+    assert exe, "composer-plugins console script is not installed"
+    out = subprocess.run([exe, "list", "losses", "focal"], capture_output=True, text=True, check=True).stdout
+    assert "focal_pg" in out and "composer-plugins-focal" in out
