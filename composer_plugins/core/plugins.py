@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.envs.plugin",
     "composer_plugins.backends.plugin",
     "composer_plugins.core.commands",
+    "composer_plugins.pipeline.plugin",
 )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -60,7 +62,8 @@ def test_plugins_json_reports_distribution_version_hooks(isolated_plugins):
 
 
 def test_console_script_lists_the_third_party_channel():
-    exe = shutil.which("composer-plugins")
+    beside = Path(sys.executable).with_name("composer-plugins")
+    exe = str(beside) if beside.exists() else shutil.which("composer-plugins")
     assert exe, "composer-plugins console script is not installed"
     out = subprocess.run([exe, "list", "losses", "focal"], capture_output=True, text=True, check=True).stdout
     assert "focal_pg" in out and "composer-plugins-focal" in out
