@@ -39,6 +39,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.backends.plugin",
     "composer_plugins.core.commands",
     "composer_plugins.pipeline.plugin",
+    "composer_plugins.core.launch",
 )
 
 
