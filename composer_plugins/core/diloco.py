@@ -1,0 +1,941 @@
+"""DiLoCo for the Lightning training loop, built on torchft (``torchft.local_sgd.DiLoCo``).
+
+Design
+------
+DiLoCo (Douillard et al., arXiv 2311.08105) runs ``H`` inner optimizer steps locally on every replica,
+then averages the *pseudo-gradient* (``global weights - local weights``) across replicas and applies it
+with an outer optimizer (SGD, lr 0.7, momentum 0.9, Nesterov by default). All of that — the backup copy
+of the global weights, the all-reduce, the outer step, streaming fragments, rolling back a failed sync —
+is torchft's own implementation; this module only wires it into Lightning.
+
+It is a Lightning **callback** (:class:`DiLoCoCallback`), not a ``Strategy``: each replica is an ordinary
+single-process Lightning run (``SingleDeviceStrategy``), and torchft's ``DiLoCo`` attaches itself to the
+run's one inner optimizer through optimizer step hooks. So it works with any ``LightningModule`` that has
+one optimizer, composes with any precision/logging setup, and needs no change to the training loop. On
+``on_train_start`` the callback creates, per replica:
+
+* a ``TCPStore`` master for the replica group (torchft requires one before the ``Manager``),
+* ``torchft.ProcessGroupGloo`` (reconfigured by torchft on every quorum change),
+* ``torchft.Manager(use_async_quorum=False, min_replica_size=...)`` talking to the lighthouse
+  (``diloco.lighthouse`` or ``$TORCHFT_LIGHTHOUSE``) and advertising ``hostname`` (``localhost`` for
+  loopback runs), with the model + inner optimizer state registered for live recovery,
+* ``torchft.local_sgd.DiLoCo(manager, fragments, inner_optimizer, outer_optimizers, sync_every=H)``.
+
+Fault tolerance is torchft's: a replica that dies stops heartbeating, the lighthouse drops it from the
+next quorum, and the others keep training (``num_participants()`` falls). A restarted replica asks for a
+quorum at its first sync; it is behind (torchft step 0), so it *heals*: torchft fetches model, inner
+optimizer, global weights and outer optimizer state from a live peer (``recover_src_replica_rank``) and
+it continues from the current weights instead of from scratch. Its own first ``H`` local steps are
+discarded by that recovery (torchft's synchronous-quorum behaviour).
+
+Checkpoints: only the replica with participating rank 0 in the current quorum writes, and only right
+after a committed sync, into ``checkpoint_dir/diloco-outer<step>.ckpt`` where ``<step>`` is the torchft
+step. At that point all replicas hold the same global weights, so one writer is enough, and the rank-0
+role moves to a survivor if replica 0 dies. The checkpoint carries this callback's state (torchft step,
+global weights, outer optimizer state) so a resumed job restarts DiLoCo where it stopped.
+
+Sync log: with ``sync_log`` (or ``$COMPOSER_DILOCO_SYNC_LOG``) set, every sync appends one JSON line with
+the torchft step, whether it committed, the number of participants, whether this replica healed, and a
+SHA-256 of the parameters — tests compare those across replicas.
+
+Run ``python -m composer_plugins.core.diloco --target toy`` for the self-contained tiny causal LM used
+by the tests and the benchmark; ``composer-plugins diloco --replicas N`` (see
+:mod:`composer_plugins.core.launch`) starts the lighthouse and the replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from composer_plugins.core import launch as _launch
+from composer_plugins.core.config import Config, component_spec, from_dict, load_config, loads_config
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DiLoCoCallback",
+    "DiLoCoConfig",
+    "ReplicaInfo",
+    "ToyCausalLM",
+    "ToyConfig",
+    "diloco_callback_from_config",
+    "make_process_group",
+    "param_digest",
+    "run_project_train",
+    "run_toy",
+    "split_fragments",
+]
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DiLoCoConfig:
+    """The ``diloco:`` config section. Every field has a sensible default.
+
+    Attributes:
+        sync_every: ``H``, inner steps between syncs of the whole model (with ``num_fragments`` > 1,
+            one fragment syncs every ``H / num_fragments`` steps).
+        outer_lr, outer_momentum, outer_nesterov: the default outer optimizer, ``torch.optim.SGD``.
+        outer_optimizer: instead, ``{class_path: ..., init_args: {...}}`` of any ``torch.optim`` class.
+        num_fragments: Streaming DiLoCo fragments (contiguous parameter groups of about equal size).
+        fragment_sync_delay: inner steps between starting a fragment's all-reduce and applying it.
+        fragment_update_alpha: mix of local into global weights after a fragment sync (0 = global only).
+        outer_steps: stop once the torchft step (committed syncs; with fragments, fragment syncs) reaches
+            this (default ``trainer.max_steps // (sync_every / num_fragments)``); a healed replica has
+            the peers' step, so it stops together with them.
+        min_replica_size: a sync commits only with at least this many replicas in the quorum.
+        lighthouse: lighthouse address; default ``$TORCHFT_LIGHTHOUSE``.
+        hostname: host the manager advertises to the lighthouse and peers.
+        store_host: address of this replica group's ``TCPStore``.
+        timeout_s, quorum_timeout_s, connect_timeout_s: torchft timeouts; the quorum one must exceed the
+            time between syncs (a joining replica waits up to one round for the others).
+        init_sync: heal everyone from one replica at step 0 (needed when replicas initialise differently).
+        checkpoint_transport: how live-recovery state travels: over the replicas' gloo process group
+            (``pg``, torchft's ``PGTransport``; no extra server) or torchft's ``http`` checkpoint server.
+        checkpoint_dir, checkpoint_every: write ``diloco-outer<step>.ckpt`` every N committed syncs
+            (participating rank 0 only).
+        sync_log: JSONL file, one line per sync (default ``$COMPOSER_DILOCO_SYNC_LOG``).
+        stop_file: if this file exists at a sync, stop (when it holds a number: once the torchft step
+            reaches it). Default ``$COMPOSER_DILOCO_STOP_FILE``.
+        use_bucketization, bucket_cap_mb: torchft's bucketed all-reduce of pseudo-gradients.
+        max_retries: raise after this many consecutive failed commits (``None``: retry forever).
+        barrier_timeout_s: how long a first-generation replica waits for the others at the start barrier.
+        replicas: default for ``composer-plugins diloco --replicas``.
+        log_param_hash: put a SHA-256 of the parameters in each sync-log line (reads all weights once per sync).
+    """
+
+    sync_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_optimizer: dict[str, Any] | None = None
+    num_fragments: int = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    outer_steps: int | None = None
+    min_replica_size: int = 1
+    lighthouse: str | None = None
+    hostname: str = "localhost"
+    store_host: str = _launch.LOOPBACK
+    timeout_s: float = 60.0
+    quorum_timeout_s: float = 3600.0
+    connect_timeout_s: float = 60.0
+    init_sync: bool = True
+    checkpoint_transport: Literal["pg", "http"] = "pg"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 1
+    sync_log: str | None = None
+    stop_file: str | None = None
+    use_bucketization: bool = False
+    bucket_cap_mb: int | None = None
+    max_retries: int | None = None
+    barrier_timeout_s: float = 600.0
+    replicas: int | None = None
+    log_param_hash: bool = True
+
+    def validate(self, cfg: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
+        """Check the values against each other; errors name the key and the fix."""
+        cfg = cfg if cfg is not None else Config()
+
+        def bad(field: str, msg: str) -> ConfigError:
+            return cfg.error(f"{key}.{field}", msg)
+
+        if self.sync_every < 1:
+            raise bad("sync_every", f"must be >= 1, got {self.sync_every}.")
+        if self.num_fragments < 1:
+            raise bad("num_fragments", f"must be >= 1, got {self.num_fragments}.")
+        if self.sync_every % self.num_fragments:
+            raise bad(
+                "num_fragments",
+                f"sync_every ({self.sync_every}) must be a multiple of num_fragments ({self.num_fragments}).",
+            )
+        per = self.sync_every // self.num_fragments
+        if not 0 <= self.fragment_sync_delay < per:
+            raise bad("fragment_sync_delay", f"must be in [0, sync_every/num_fragments = {per}), got "
+                      f"{self.fragment_sync_delay}.")  # fmt: skip
+        if not 0.0 <= self.fragment_update_alpha <= 1.0:
+            raise bad("fragment_update_alpha", f"must be in [0, 1], got {self.fragment_update_alpha}.")
+        if self.min_replica_size < 1:
+            raise bad("min_replica_size", f"must be >= 1, got {self.min_replica_size}.")
+        if self.outer_steps is not None and self.outer_steps < 1:
+            raise bad("outer_steps", f"must be >= 1, got {self.outer_steps}.")
+        if self.checkpoint_every < 1:
+            raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
+        if self.outer_optimizer is not None:
+            component_spec(self.outer_optimizer, f"{key}.outer_optimizer", cfg)
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: Config | Mapping[str, Any], key: str = "diloco") -> DiLoCoConfig:
+        """Read and validate ``cfg[key]`` (missing section: defaults)."""
+        c = cfg if isinstance(cfg, Config) else Config(dict(cfg))
+        return from_dict(cls, c.get_path(key) or {}, c, key).validate(c, key)
+
+
+@dataclasses.dataclass
+class ReplicaInfo:
+    """Who this replica is, from the environment the launcher sets (defaults: a lone replica 0)."""
+
+    index: int = 0
+    num_replicas: int = 1
+    replica_id: str = "replica0"
+    lighthouse: str | None = None
+    restart: int = 0
+    seed: int | None = None
+    barrier: str | None = None
+    barrier_size: int = 0
+    stop_file: str | None = None
+    sync_log: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaInfo:
+        e = os.environ if env is None else env
+        index = int(e.get(_launch.ENV_INDEX, "0"))
+        seed = e.get(_launch.ENV_SEED)
+        return cls(
+            index=index,
+            num_replicas=int(e.get(_launch.ENV_NUM, "1")),
+            replica_id=e.get(_launch.ENV_REPLICA_ID, f"replica{index}"),
+            lighthouse=e.get(_launch.ENV_LIGHTHOUSE) or None,
+            restart=int(e.get(_launch.ENV_RESTART, "0")),
+            seed=int(seed) if seed not in (None, "") else None,
+            barrier=e.get(_launch.ENV_BARRIER) or None,
+            barrier_size=int(e.get(_launch.ENV_BARRIER_SIZE, "0")),
+            stop_file=e.get(_launch.ENV_STOP_FILE) or None,
+            sync_log=e.get(_launch.ENV_SYNC_LOG) or None,
+        )
+
+    @property
+    def active(self) -> bool:
+        """True when a lighthouse is known, i.e. this process is meant to be a DiLoCo replica."""
+        return self.lighthouse is not None
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
+    """``(sha256 hex of the raw bytes, float sum)`` of ``params``, in order. Bitwise-identical weights match."""
+    h = hashlib.sha256()
+    total = 0.0
+    with torch.no_grad():
+        for p in params:
+            t = p.detach().to("cpu").contiguous()
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+            total += float(t.double().sum())
+    return h.hexdigest(), total
+
+
+class _ParamFragment(nn.Module):
+    """A container that registers (shares, never copies) a subset of another module's parameters."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        self.source_names = [n for n, _ in named]
+        for i, (name, p) in enumerate(named):
+            self.register_parameter(f"p{i:04d}_{name.replace('.', '_')}", p)
+
+
+def split_fragments(module: nn.Module, num_fragments: int) -> list[nn.Module]:
+    """Split ``module``'s trainable parameters into ``num_fragments`` contiguous groups of similar size.
+
+    Each fragment is a module holding the *same* ``Parameter`` objects (tied weights appear once).
+    """
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ComposerPluginsError(f"{type(module).__name__} has no trainable parameters for DiLoCo to sync")
+    if num_fragments > len(named):
+        raise ComposerPluginsError(
+            f"num_fragments={num_fragments} but the model has only {len(named)} trainable parameter tensors; "
+            f"use at most {len(named)} fragments"
+        )
+    total = sum(p.numel() for _, p in named)
+    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
+    acc = 0
+    for i, (n, p) in enumerate(named):
+        left_items = len(named) - i
+        need_groups = num_fragments - len(groups)
+        boundary = total * len(groups) / num_fragments
+        if groups[-1] and need_groups > 0 and (acc >= boundary or left_items <= need_groups):
+            groups.append([])
+        groups[-1].append((n, p))
+        acc += p.numel()
+    assert len(groups) == num_fragments, (len(groups), num_fragments)
+    return [_ParamFragment(g) for g in groups]
+
+
+def make_process_group(timeout: timedelta) -> Any:
+    """A ``torchft.ProcessGroupGloo`` that also counts the bytes it all-reduces (``.bytes_allreduced``)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class CountingProcessGroupGloo(ProcessGroupGloo):
+        """torchft's reconfigurable gloo group; ``allreduce`` adds its tensors' sizes to a counter."""
+
+        bytes_allreduced: int = 0
+        allreduce_calls: int = 0
+
+        def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:
+            self.bytes_allreduced += sum(t.numel() * t.element_size() for t in tensors)
+            self.allreduce_calls += 1
+            return super().allreduce(tensors, opts)
+
+    return CountingProcessGroupGloo(timeout=timeout)
+
+
+def _build_outer(config: DiLoCoConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    if config.outer_optimizer is None:
+        return torch.optim.SGD(
+            params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
+        )
+    target, kw = component_spec(config.outer_optimizer, "diloco.outer_optimizer")
+    path = target.removeprefix("class_path:")
+    if "." not in path:
+        path = f"torch.optim.{path}"
+    mod, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"cannot import outer optimizer {path!r}: {e}", key="diloco.outer_optimizer") from e
+    return cls(params, **kw)
+
+
+def _wait_barrier(address: str, size: int, timeout_s: float, key: str = "diloco/start") -> None:
+    from torch.distributed import TCPStore
+
+    host, _, port = address.rpartition(":")
+    store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < size:
+        if time.monotonic() > deadline:
+            log.warning("start barrier: only %d of %d replicas arrived in %.0fs; going on", store.add(key, 0), size,
+                        timeout_s)  # fmt: skip
+            return
+        time.sleep(0.05)
+
+
+# -- the callback ---------------------------------------------------------------------------
+
+
+class DiLoCoCallback(pl.Callback):
+    """Turn a single-optimizer Lightning run into one DiLoCo replica (torchft ``Manager`` + ``DiLoCo``).
+
+    Add it to the ``Trainer``'s callbacks in every replica process; the launcher
+    (:mod:`composer_plugins.core.launch`) sets the environment that says which replica this is. Outside
+    Lightning, call :meth:`attach` with the model and inner optimizer, and :meth:`close` at the end.
+
+    Attributes (after the first sync): ``outer_step`` (torchft step), ``num_participants``,
+    ``bytes_allreduced``, ``history`` (one dict per sync, as written to the sync log).
+    """
+
+    def __init__(self, config: DiLoCoConfig | None = None, replica: ReplicaInfo | None = None) -> None:
+        super().__init__()
+        self.config = (config or DiLoCoConfig()).validate()
+        self.replica = replica or ReplicaInfo.from_env()
+        self.manager: Any = None
+        self.diloco: Any = None
+        self.process_group: Any = None
+        self.outer_optimizers: list[torch.optim.Optimizer] = []
+        self.fragments: list[nn.Module] = []
+        self.history: list[dict[str, Any]] = []
+        self.heal_count = 0
+        self._store: Any = None
+        self._module: nn.Module | None = None
+        self._inner: torch.optim.Optimizer | None = None
+        self._trainer: pl.Trainer | None = None
+        self._hook: Any = None
+        self._inner_steps = 0
+        self._since_sync = 0
+        self._last_step = 0
+        self._healed_since_sync = False
+        self._target: int | None = self.config.outer_steps
+        self._stop = False
+        self._checkpoint_due: int | None = None
+        self._resume: dict[str, Any] | None = None
+
+    # -- public state ------------------------------------------------------------------
+    @property
+    def outer_step(self) -> int:
+        return int(self.manager.current_step()) if self.manager is not None else 0
+
+    @property
+    def num_participants(self) -> int:
+        return int(self.manager.num_participants()) if self.manager is not None else 0
+
+    @property
+    def bytes_allreduced(self) -> int:
+        return int(getattr(self.process_group, "bytes_allreduced", 0))
+
+    @property
+    def inner_steps(self) -> int:
+        return self._inner_steps
+
+    # -- Lightning hooks ---------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizers = trainer.optimizers
+        if len(optimizers) != 1:
+            raise ComposerPluginsError(
+                f"DiLoCo needs exactly one optimizer; {type(pl_module).__name__}.configure_optimizers returned "
+                f"{len(optimizers)}. HINT: return a single optimizer (parameter groups are fine)."
+            )
+        if not pl_module.automatic_optimization:
+            log.warning("DiLoCo: manual optimization; syncs happen on the optimizer's step() calls")
+        self._trainer = trainer
+        if self._target is None and trainer.max_steps and trainer.max_steps > 0:
+            per_sync = self.config.sync_every // self.config.num_fragments
+            self._target = max(1, trainer.max_steps // per_sync)
+        self.attach(pl_module, optimizers[0])
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.manager is None:
+            return
+        if self.history:
+            last = self.history[-1]
+            pl_module.log_dict(
+                {
+                    "diloco/outer_step": float(last["outer_step"]),
+                    "diloco/participants": float(last["participants"]),
+                    "diloco/bytes_allreduced": float(self.bytes_allreduced),
+                },
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
+            )
+        if self._checkpoint_due is not None:
+            step, self._checkpoint_due = self._checkpoint_due, None
+            assert self.config.checkpoint_dir is not None
+            path = Path(self.config.checkpoint_dir) / f"diloco-outer{step:06d}.ckpt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(str(path))
+            if self.history:
+                self.history[-1]["checkpoint"] = str(path)
+        if self._stop:
+            trainer.should_stop = True
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # after ``on_train_end``, so a final checkpoint written there still carries the DiLoCo state
+        if stage == "fit":
+            self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointed with the run: torchft step, global weights and outer optimizer state."""
+        if self.manager is None:
+            return {}
+        global_params: list[dict[str, torch.Tensor]] = []
+        for frag in getattr(self.diloco, "_fragments", []):
+            # torchft keeps the last global weights per fragment in ``original_parameters``.
+            orig = getattr(frag, "original_parameters", {})
+            global_params.append({k: v.detach().clone() for k, v in orig.items()})
+        return {
+            "manager": dict(self.manager.state_dict()),
+            "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
+            "global_params": global_params,
+            "inner_steps": self._inner_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume = dict(state_dict) if state_dict else None
+        if self.manager is not None and self._resume:
+            self._apply_resume()
+
+    # -- wiring --------------------------------------------------------------------------
+    def attach(self, module: nn.Module, inner_optimizer: torch.optim.Optimizer) -> DiLoCoCallback:
+        """Create the torchft manager and ``DiLoCo`` around ``module`` and its ``inner_optimizer``."""
+        from torch.distributed import TCPStore
+        from torchft import Manager
+        from torchft.local_sgd import DiLoCo
+
+        if self.manager is not None:
+            return self
+        c = self.config
+        lighthouse = c.lighthouse or self.replica.lighthouse or os.environ.get(_launch.ENV_LIGHTHOUSE)
+        if not lighthouse:
+            raise ConfigError(
+                "no torchft lighthouse address. HINT: start replicas with `composer-plugins diloco --replicas N`, "
+                f"or set diloco.lighthouse / ${_launch.ENV_LIGHTHOUSE} to a running `torchft_lighthouse`.",
+                key="diloco.lighthouse",
+            )
+        _quiet_torchft()
+        self._module, self._inner = module, inner_optimizer
+        timeout = timedelta(seconds=c.timeout_s)
+        self._store = TCPStore(c.store_host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.process_group = make_process_group(timeout)
+        transport = None
+        if c.checkpoint_transport == "pg":
+            from torchft.checkpointing.pg_transport import PGTransport
+
+            device = next(module.parameters()).device
+            transport = PGTransport(self.process_group, timeout=timeout, device=device)
+        self.manager = Manager(
+            pg=self.process_group,
+            load_state_dict=self._load_replica_state,
+            state_dict=self._replica_state,
+            min_replica_size=c.min_replica_size,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=c.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=c.connect_timeout_s),
+            rank=0,
+            world_size=1,
+            store_addr=c.store_host,
+            store_port=self._store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=self.replica.replica_id,
+            hostname=c.hostname,
+            checkpoint_transport=transport,
+            init_sync=c.init_sync,
+            max_retries=c.max_retries,
+        )
+        self.fragments = split_fragments(module, c.num_fragments)
+        self.outer_optimizers = [_build_outer(c, f.parameters()) for f in self.fragments]
+        self.diloco = DiLoCo(
+            self.manager,
+            self.fragments,
+            inner_optimizer,
+            self.outer_optimizers,
+            sync_every=c.sync_every,
+            pin_memory=False,
+            use_bucketization=c.use_bucketization,
+            bucket_cap_mb=c.bucket_cap_mb,
+            fragment_sync_delay=c.fragment_sync_delay,
+            fragment_update_alpha=c.fragment_update_alpha,
+        )
+        if self._resume:
+            self._apply_resume()
+        self.diloco.__enter__()
+        # Registered after DiLoCo's own post-hook, so it runs right after a sync has happened.
+        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        if self.replica.barrier and self.replica.restart == 0 and self.replica.barrier_size > 1:
+            _wait_barrier(self.replica.barrier, self.replica.barrier_size, c.barrier_timeout_s)
+        log.info(
+            "DiLoCo replica %s (%d/%d) on lighthouse %s: H=%d, fragments=%d, %d params",
+            self.replica.replica_id, self.replica.index, self.replica.num_replicas, lighthouse, c.sync_every,
+            c.num_fragments, sum(p.numel() for f in self.fragments for p in f.parameters()),
+        )  # fmt: skip
+        return self
+
+    def close(self) -> None:
+        """Remove the hooks and shut the torchft manager down (idempotent)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
+        if self.manager is not None:
+            try:
+                self.manager.shutdown(wait=False)
+            except Exception as e:  # pragma: no cover - best effort on the way out
+                log.warning("torchft manager shutdown: %s", e)
+        self.manager = None
+        self.diloco = None
+        self._store = None
+
+    # -- torchft state (live recovery) ----------------------------------------------------
+    def _schedulers(self) -> list[Any]:
+        t = self._trainer
+        return [c.scheduler for c in t.lr_scheduler_configs] if t is not None else []
+
+    def _replica_state(self) -> dict[str, Any]:
+        assert self._module is not None and self._inner is not None
+        return {
+            "model": self._module.state_dict(),
+            "inner_optimizer": self._inner.state_dict(),
+            "lr_schedulers": [s.state_dict() for s in self._schedulers()],
+            "progress": {"inner_steps": self._inner_steps, "replica": self.replica.index},
+        }
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        assert self._module is not None and self._inner is not None
+        self._module.load_state_dict(state["model"])
+        self._inner.load_state_dict(state["inner_optimizer"])
+        for sched, sd in zip(self._schedulers(), state.get("lr_schedulers", []), strict=False):
+            sched.load_state_dict(sd)
+        self.heal_count += 1
+        self._healed_since_sync = True
+        # torchft set its step to the peers' step before calling us; a sync commits if it moves past it.
+        self._last_step = int(self.manager.current_step())
+        log.info("DiLoCo: healed from a peer at torchft step %d", self._last_step)
+
+    def _apply_resume(self) -> None:
+        state, self._resume = self._resume, None
+        if not state:
+            return
+        self.manager.load_state_dict(state["manager"])
+        for opt, sd in zip(self.outer_optimizers, state.get("outer_optimizers", []), strict=False):
+            opt.load_state_dict(sd)
+        for frag, saved in zip(getattr(self.diloco, "_fragments", []), state.get("global_params", []), strict=False):
+            orig = getattr(frag, "original_parameters", {})
+            for k, v in saved.items():
+                if k in orig:
+                    orig[k].copy_(v)
+        self._inner_steps = int(state.get("inner_steps", 0))
+        self._last_step = int(self.manager.current_step())
+
+    # -- after every inner step ----------------------------------------------------------
+    def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        c = self.config
+        self._inner_steps += 1
+        self._since_sync += 1
+        if self._since_sync < c.sync_every // c.num_fragments:
+            return
+        self._since_sync = 0
+        m = self.manager
+        step = int(m.current_step())
+        committed = step > self._last_step
+        fragment = (step - 1 if committed else step) % c.num_fragments
+        self._last_step = step
+        rec: dict[str, Any] = {
+            "replica": self.replica.index,
+            "replica_id": self.replica.replica_id,
+            "restart": self.replica.restart,
+            "outer_step": step,
+            "inner_step": self._inner_steps,
+            "committed": committed,
+            "participants": int(m.num_participants()),
+            "fragment": fragment,
+            "healed": self._healed_since_sync,
+            "bytes_allreduced": self.bytes_allreduced,
+            "time": time.time(),
+        }
+        self._healed_since_sync = False
+        if committed:
+            if c.checkpoint_dir and step % c.checkpoint_every == 0 and m.participating_rank() == 0:
+                self._checkpoint_due = step  # written in on_train_batch_end, once the step has finished
+            if self._target is not None and step >= self._target:
+                self._stop = True
+            if self._stop_file_says_stop(step):
+                self._stop = True
+        else:
+            log.warning("DiLoCo: sync at torchft step %d did not commit; weights rolled back", step)
+        rec["writes_checkpoint"] = self._checkpoint_due == step
+        rec["stop"] = self._stop
+        sync_log = c.sync_log or self.replica.sync_log
+        if sync_log and c.log_param_hash:
+            assert self._module is not None
+            rec["param_hash"], rec["param_sum"] = param_digest(self._module.parameters())
+            rec["fragment_hash"] = param_digest(self.fragments[fragment].parameters())[0]
+        self.history.append(rec)
+        if sync_log:
+            with open(sync_log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self._stop and self._trainer is not None:
+            self._trainer.should_stop = True
+
+    def _stop_file_says_stop(self, step: int) -> bool:
+        path = self.config.stop_file or self.replica.stop_file
+        if not path or not os.path.exists(path):
+            return False
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            return False
+        try:
+            return not text or step >= int(text)
+        except ValueError:
+            return True
+
+
+def _quiet_torchft() -> None:
+    # torchft warns on every quorum that it cannot reset the NCCL flight recorder (CPU runs); keep errors.
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+
+
+def diloco_callback_from_config(
+    cfg: Config | Mapping[str, Any], env: Mapping[str, str] | None = None, *, force: bool = False
+) -> DiLoCoCallback | None:
+    """The DiLoCo callback for a training config, or ``None`` when this process is not a DiLoCo replica.
+
+    A process is a replica when a lighthouse is known (``diloco.lighthouse`` or ``$TORCHFT_LIGHTHOUSE``,
+    which ``composer-plugins diloco`` sets) or ``force`` is true. The ``diloco:`` section configures it.
+    """
+    dcfg = DiLoCoConfig.from_config(cfg)
+    replica = ReplicaInfo.from_env(env)
+    if not (force or dcfg.lighthouse or replica.active):
+        return None
+    return DiLoCoCallback(dcfg, replica)
+
+
+# -- a tiny causal LM on synthetic data (tests, benchmark, smoke runs) ------------------------
+
+
+@dataclasses.dataclass
+class ToyConfig:
+    """The ``toy:`` section of the built-in toy target (a tiny causal LM on a synthetic Markov chain)."""
+
+    vocab_size: int = 32
+    d_model: int = 32
+    n_heads: int = 2
+    n_layers: int = 1
+    seq_len: int = 24
+    batch_size: int = 16
+    branching: int = 3
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    max_steps: int = 64
+    seed: int = 0
+    data_seed: int = 1234
+    eval_batches: int = 8
+    output: str | None = None
+    threads: int = 1
+
+
+class ToyMarkovStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Endless batches of token sequences from a fixed random sparse Markov chain.
+
+    The chain (``chain_seed``) is shared by every replica; the samples (``sample_seed``) are this replica's
+    own shard. The best achievable loss is the chain's entropy, about ``log(branching)``.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, branching: int, chain_seed: int,
+                 sample_seed: int) -> None:  # fmt: skip
+        super().__init__()
+        g = torch.Generator().manual_seed(chain_seed)
+        probs = torch.zeros(vocab_size, vocab_size)
+        for v in range(vocab_size):
+            succ = torch.randperm(vocab_size, generator=g)[:branching]
+            probs[v, succ] = torch.rand(branching, generator=g) + 0.5
+        self.transition = probs / probs.sum(-1, keepdim=True)
+        self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
+        self.sample_seed = sample_seed
+
+    def batches(self, n: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(self.sample_seed)
+        i = 0
+        while n is None or i < n:
+            tok = torch.randint(self.vocab_size, (self.batch_size,), generator=g)
+            seq = [tok]
+            for _ in range(self.seq_len):
+                tok = torch.multinomial(self.transition[tok], 1, generator=g).squeeze(1)
+                seq.append(tok)
+            yield {"input_ids": torch.stack(seq, 1)}
+            i += 1
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self.batches()
+
+
+class ToyCausalLM(pl.LightningModule):
+    """A one-block causal transformer LM (a few thousand parameters); AdamW inner optimizer."""
+
+    def __init__(self, vocab_size: int = 32, d_model: int = 32, n_heads: int = 2, n_layers: int = 1,
+                 seq_len: int = 24, lr: float = 3e-3, weight_decay: float = 0.0) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Parameter(torch.randn(seq_len + 1, d_model) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1]
+        h = self.embed(input_ids) + self.pos[:t]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=input_ids.device)
+        for blk in self.blocks:
+            h = blk(h, src_mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+    def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"]
+        logits = self(ids[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=(0.9, 0.95)
+        )
+
+
+def toy_model(toy: ToyConfig) -> ToyCausalLM:
+    return ToyCausalLM(toy.vocab_size, toy.d_model, toy.n_heads, toy.n_layers, toy.seq_len, toy.lr, toy.weight_decay)
+
+
+def toy_stream(toy: ToyConfig, shard: int, eval: bool = False) -> ToyMarkovStream:
+    sample_seed = 10_000_019 + toy.data_seed if eval else toy.data_seed * 1000 + 7919 * (shard + 1)
+    return ToyMarkovStream(toy.vocab_size, toy.seq_len, toy.batch_size, toy.branching, toy.data_seed, sample_seed)
+
+
+@torch.no_grad()
+def toy_eval_loss(model: ToyCausalLM, toy: ToyConfig) -> float:
+    """Mean loss on ``eval_batches`` held-out batches (the same for every replica)."""
+    model.eval()
+    losses = [float(model.loss(b)) for b in toy_stream(toy, 0, eval=True).batches(toy.eval_batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: Sequence[pl.Callback] = ()) -> dict:
+    """Train the toy LM as one replica (DiLoCo when a lighthouse is known); returns a small summary.
+
+    Reads ``toy:`` (:class:`ToyConfig`) and ``diloco:`` (:class:`DiLoCoConfig`). The replica's seed is
+    ``$COMPOSER_DILOCO_SEED`` (else ``toy.seed + index``), its data shard its replica index.
+    """
+    c = cfg if isinstance(cfg, Config) else Config(dict(cfg or {}))
+    toy = from_dict(ToyConfig, c.get("toy") or {}, c, "toy")
+    torch.set_num_threads(max(1, toy.threads))
+    cb = diloco_callback_from_config(c)
+    replica = cb.replica if cb is not None else ReplicaInfo.from_env()
+    seed = replica.seed if replica.seed is not None else toy.seed + replica.index
+    pl.seed_everything(seed, verbose=False)
+    model = toy_model(toy)
+    loader = torch.utils.data.DataLoader(toy_stream(toy, replica.index), batch_size=None)
+    callbacks = [*extra_callbacks, *([cb] if cb is not None else [])]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=toy.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(model, loader)
+    out = {
+        "replica": replica.index,
+        "restart": replica.restart,
+        "seed": seed,
+        "inner_steps": trainer.global_step,
+        "tokens": trainer.global_step * toy.batch_size * toy.seq_len,
+        "eval_loss": toy_eval_loss(model, toy),
+        "param_hash": param_digest(model.parameters())[0],
+        "outer_step": cb.history[-1]["outer_step"] if cb is not None and cb.history else 0,
+        "bytes_allreduced": cb.bytes_allreduced if cb is not None else 0,
+        "heal_count": cb.heal_count if cb is not None else 0,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "seconds": time.perf_counter() - t0,
+    }
+    if toy.output:
+        Path(toy.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(toy.output).write_text(json.dumps(out))
+    return out
+
+
+def _run_target(target: str, config: str | None, overrides: Sequence[str], section: str | None = None) -> Any:
+    if target == "train":
+        return run_project_train(config, overrides, section=section)
+    if section:
+        full = load_config(config, ()) if config else Config()
+        node = full.get_path(section)
+        if not isinstance(node, Mapping):
+            raise full.error(section, f"section {section!r} not found or not a mapping.", valid=list(full))
+        cfg = Config(dict(node), full.source, {})
+        from composer_plugins.core.config import apply_overrides
+
+        apply_overrides(cfg, overrides)
+    else:
+        cfg = load_config(config, overrides) if config else loads_config("{}", overrides=overrides)
+    if target == "toy":
+        return run_toy(cfg)
+    mod, _, attr = target.partition(":")
+    if not attr:
+        raise ConfigError(f"--target must be 'train', 'toy' or 'module:function', got {target!r}")
+    return getattr(importlib.import_module(mod), attr)(cfg)
+
+
+def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
+    """Overrides that make the project's ``train`` config one replica of a DiLoCo job.
+
+    * ``seed``: ``$COMPOSER_DILOCO_SEED`` or ``seed + index`` — each replica draws its own tasks (its data
+      shard) and samples with its own seed;
+    * ``output_dir``: ``<output_dir>/replica<i>`` (history, metrics, exported model per replica);
+    * Lightning's per-step ``ModelCheckpoint`` is turned off: DiLoCo checkpoints go to
+      ``diloco.checkpoint_dir`` (default ``<output_dir>/diloco_checkpoints``), written by one replica;
+    * evaluation runs on replica 0 only (all replicas hold the same weights after the last sync).
+    """
+    base = str(src.get_path("output_dir", "runs/default"))
+    seed = replica.seed if replica.seed is not None else int(src.get_path("seed", 0) or 0) + replica.index
+    out = [f"seed={seed}", f"output_dir={base}/replica{replica.index}", "trainer.checkpoint_every_n_steps=0"]
+    if src.get_path("diloco.checkpoint_dir") is None:
+        out.append(f"diloco.checkpoint_dir={base}/diloco_checkpoints")
+    if replica.index != 0:
+        out += ["eval.at_start=false", "eval.at_end=false"]
+    return out
+
+
+def run_project_train(config: str | None, overrides: Sequence[str] = (), *, section: str | None = None) -> Any:
+    """One replica of the project's ``train`` run (``ComposerModule``) with :class:`DiLoCoCallback` added."""
+    try:
+        from composer_plugins.core.train import load_train_config, run_train
+    except ImportError as e:
+        raise ComposerPluginsError(f"the project's training module is not available ({e}). HINT: --target toy") from e
+    replica = ReplicaInfo.from_env()
+    _, src = load_train_config(config, list(overrides), section=section)
+    cfg, src = load_train_config(config, [*overrides, *replica_train_overrides(src, replica)], section=section)
+    cb = diloco_callback_from_config(src, force=True)
+    assert cb is not None
+    res = run_train(cfg, src, extra_callbacks=[cb])
+    summary = {
+        "replica": replica.index,
+        "restart": replica.restart,
+        "seed": cfg.seed,
+        "output_dir": cfg.output_dir,
+        "outer_step": cb.history[-1]["outer_step"] if cb.history else 0,
+        "heal_count": cb.heal_count,
+        "bytes_allreduced": cb.bytes_allreduced,
+        "param_hash": cb.history[-1].get("param_hash") if cb.history else None,
+        "metrics": res.metrics,
+    }
+    Path(res.output_dir, "diloco.json").write_text(json.dumps(summary, indent=2))
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Replica entry point: ``python -m composer_plugins.core.diloco --target train|toy|mod:fn [--config C] k=v``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m composer_plugins.core.diloco", description=main.__doc__)
+    p.add_argument("--target", default="toy")
+    p.add_argument("--config", default=None)
+    p.add_argument("--section", default=None)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _run_target(a.target, a.config, a.overrides, a.section)
+    except ComposerPluginsError as e:
+        print(f"Error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # torchft's quorum thread and native servers can outlive the run; do not let them hold the exit.
+    os._exit(code)

@@ -1,0 +1,692 @@
+"""Start a torchft lighthouse and N DiLoCo replica groups on this machine, and stop them cleanly.
+
+This module is import-light (no torch at import time): it is the default plugin that adds the
+``composer-plugins diloco`` command, so it is imported by every CLI invocation.
+
+Pieces:
+
+* :class:`ReplicaExecutor` / :class:`ReplicaHandle` — the seam for *where* a replica runs. The only
+  executor built today is :class:`LocalProcessExecutor` (one OS process group per replica on this host).
+  A later "serverless DiLoCo" executor (replicas launched as jobs that meet through object storage)
+  implements the same two-method protocol; nothing else in the launcher changes.
+* :class:`Lighthouse` — the torchft lighthouse, run in-process (``torchft.coordination.LighthouseServer``)
+  on ``127.0.0.1`` with a free port, or an existing one given by address (a cluster).
+* :class:`StartBarrier` — a ``TCPStore`` the first generation of replicas meets at *after* their torchft
+  managers are heartbeating, so the first quorum has every replica in it (without it, the fastest
+  replica forms a quorum of one and trains alone until the others catch up).
+* :class:`ReplicaGroup` — starts the replicas, restarts crashed ones (``max_restarts``), and terminates
+  every child process group on exit, on Ctrl-C and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol, runtime_checkable
+
+from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.hookspecs import hookimpl
+
+#: Environment variables a replica reads (see :class:`composer_plugins.core.diloco.ReplicaInfo`).
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+ENV_INDEX = "COMPOSER_DILOCO_REPLICA_INDEX"
+ENV_NUM = "COMPOSER_DILOCO_NUM_REPLICAS"
+ENV_REPLICA_ID = "COMPOSER_DILOCO_REPLICA_ID"
+ENV_RESTART = "COMPOSER_DILOCO_RESTART"
+ENV_SEED = "COMPOSER_DILOCO_SEED"
+ENV_BARRIER = "COMPOSER_DILOCO_BARRIER"
+ENV_BARRIER_SIZE = "COMPOSER_DILOCO_BARRIER_SIZE"
+ENV_STOP_FILE = "COMPOSER_DILOCO_STOP_FILE"
+ENV_SYNC_LOG = "COMPOSER_DILOCO_SYNC_LOG"
+
+LOOPBACK = "127.0.0.1"
+
+
+class LaunchError(ComposerPluginsError, RuntimeError):
+    """The launcher could not start or keep the replicas running."""
+
+
+# -- executors ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReplicaSpec:
+    """Everything needed to start one replica group (one process here; a job elsewhere)."""
+
+    index: int
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str | None = None
+    log_path: Path | None = None
+    restart: int = 0
+
+
+@runtime_checkable
+class ReplicaHandle(Protocol):
+    """A running replica. ``poll`` returns the exit code once it has ended, else ``None``."""
+
+    spec: ReplicaSpec
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+@runtime_checkable
+class ReplicaExecutor(Protocol):
+    """Starts replicas somewhere. Implement this for another backend (jobs meeting through object storage)."""
+
+    def start(self, spec: ReplicaSpec) -> ReplicaHandle: ...
+
+
+class LocalProcessHandle:
+    """A replica running as its own process group (``start_new_session``) on this host."""
+
+    def __init__(self, spec: ReplicaSpec, proc: subprocess.Popen[bytes], log: IO[bytes] | None) -> None:
+        self.spec = spec
+        self.proc = proc
+        self._log = log
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll()
+        if rc is not None:
+            self._close_log()
+        return rc
+
+    def _signal_group(self, sig: int) -> None:
+        # The child is a session leader, so its pgid is its pid; this also reaches its own children.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM to the replica's whole process group."""
+        self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the replica's whole process group."""
+        self._signal_group(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._close_log()
+        return rc
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                self._log.close()
+            self._log = None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM this child if the launcher dies without cleaning up (e.g. it was SIGKILLed)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class LocalProcessExecutor:
+    """Runs each replica as a local subprocess in a new session; output goes to ``spec.log_path``.
+
+    The replica is a session (and process group) leader, so stopping it reaches its own children too; on
+    Linux it also gets SIGTERM if the launcher itself dies.
+    """
+
+    def start(self, spec: ReplicaSpec) -> LocalProcessHandle:
+        log: IO[bytes] | None = None
+        if spec.log_path is not None:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(spec.log_path, "ab")
+            log.write(f"\n=== replica {spec.index} start (restart {spec.restart}): {shlex.join(spec.argv)}\n".encode())
+            log.flush()
+        try:
+            proc = subprocess.Popen(
+                spec.argv,
+                env=spec.env,
+                cwd=spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log if log is not None else None,
+                stderr=subprocess.STDOUT if log is not None else None,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        except OSError as e:
+            if log is not None:
+                log.close()
+            raise LaunchError(f"cannot start replica {spec.index}: {e}. Command: {shlex.join(spec.argv)}") from e
+        return LocalProcessHandle(spec, proc, log)
+
+
+# -- lighthouse and start barrier ------------------------------------------------------
+
+
+class Lighthouse:
+    """The torchft lighthouse: started in-process on ``bind`` (default a free loopback port), or external.
+
+    ``Lighthouse(address="http://host:29510")`` only records an existing lighthouse (a cluster); nothing
+    is started or stopped. Otherwise a ``torchft.coordination.LighthouseServer`` runs in this process
+    until :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        bind: str = f"{LOOPBACK}:0",
+        min_replicas: int = 1,
+        join_timeout_ms: int = 60_000,
+        heartbeat_timeout_ms: int = 5_000,
+        quorum_tick_ms: int = 100,
+    ) -> None:
+        self._server: Any = None
+        self.external = address is not None
+        if address is not None:
+            self.address = address if "://" in address else f"http://{address}"
+            return
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO
+        try:
+            from torchft.coordination import LighthouseServer
+        except ImportError as e:  # pragma: no cover - torchft is an optional extra
+            raise LaunchError("the DiLoCo launcher needs torchft. HINT: pip install 'composer-plugins[diloco]'") from e
+        self._server = LighthouseServer(
+            bind=bind,
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            quorum_tick_ms=quorum_tick_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
+        addr = self._server.address()
+        host = bind.rsplit(":", 1)[0].strip("[]")
+        if host in (LOOPBACK, "localhost"):
+            # torchft advertises socket.gethostname(); on a loopback-only run use the address we bound.
+            addr = f"http://{LOOPBACK}:{addr.rsplit(':', 1)[1]}"
+        self.address = addr
+
+    @property
+    def local(self) -> bool:
+        """True when this process runs the lighthouse."""
+        return self._server is not None
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+            self._server = None
+
+    def __enter__(self) -> Lighthouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class StartBarrier:
+    """A ``TCPStore`` on ``127.0.0.1:<free port>`` that the first generation of replicas meets at."""
+
+    def __init__(self, size: int, host: str = LOOPBACK) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self.size = size
+        self._store: Any = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.address = f"{host}:{self._store.port}"
+
+    def close(self) -> None:
+        self._store = None
+
+
+# -- the replica group -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReplicaState:
+    """Book-keeping for one replica slot."""
+
+    index: int
+    handle: ReplicaHandle | None = None
+    restarts: int = 0
+    exit_codes: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """What :meth:`ReplicaGroup.wait` returns."""
+
+    exit_codes: dict[int, list[int]]
+    restarts: dict[int, int]
+
+    @property
+    def ok(self) -> bool:
+        """True when every replica's last run exited 0."""
+        return all(codes and codes[-1] == 0 for codes in self.exit_codes.values())
+
+
+ArgvFactory = Callable[[int], Sequence[str]] | Sequence[str]
+
+
+class ReplicaGroup:
+    """N replica groups plus (optionally) a local lighthouse; a context manager that always cleans up.
+
+    Args:
+        argv: the command each replica runs (a list), or ``index -> list`` for per-replica commands.
+        num_replicas: how many replica groups to start.
+        lighthouse: an existing lighthouse address (cluster mode) or ``None`` to start one here.
+        executor: where replicas run (default :class:`LocalProcessExecutor`).
+        max_restarts: how many times a replica that exits non-zero is started again (it rejoins the
+            quorum and heals from a live peer). ``0`` leaves it dead; the others keep training.
+        log_dir: one ``replica<i>.log`` per replica (stdout+stderr), plus the ``STOP`` file path.
+        base_seed: replica ``i`` gets ``COMPOSER_DILOCO_SEED=base_seed + i`` (default: the target derives
+            it from its config, e.g. ``seed + i``).
+        barrier: meet at a start barrier (default: only when the lighthouse is local).
+        env: extra environment for every replica.
+        grace_s: seconds between SIGTERM and SIGKILL on shutdown.
+        threads_per_replica: sets ``OMP_NUM_THREADS`` (default ``cpu_count // N``, at least 1) unless set.
+        index_offset, total_replicas: on a cluster, the replicas started here are
+            ``index_offset .. index_offset + N - 1`` of ``total_replicas`` (their ids, seeds and data shards).
+    """
+
+    def __init__(
+        self,
+        argv: ArgvFactory,
+        num_replicas: int,
+        *,
+        lighthouse: str | None = None,
+        executor: ReplicaExecutor | None = None,
+        max_restarts: int = 0,
+        log_dir: str | os.PathLike[str] | None = None,
+        base_seed: int | None = None,
+        barrier: bool | None = None,
+        env: Mapping[str, str] | None = None,
+        grace_s: float = 10.0,
+        heartbeat_timeout_ms: int = 5_000,
+        join_timeout_ms: int = 60_000,
+        threads_per_replica: int | None = None,
+        cwd: str | None = None,
+        index_offset: int = 0,
+        total_replicas: int | None = None,
+    ) -> None:
+        if num_replicas < 1:
+            raise LaunchError(f"--replicas must be at least 1, got {num_replicas}")
+        self.argv = argv
+        self.num_replicas = num_replicas
+        self.executor: ReplicaExecutor = executor or LocalProcessExecutor()
+        self.max_restarts = max_restarts
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.base_seed = base_seed
+        self.extra_env = dict(env or {})
+        self.grace_s = grace_s
+        self.cwd = cwd
+        self._lighthouse_arg = lighthouse
+        self._lh_opts = {"heartbeat_timeout_ms": heartbeat_timeout_ms, "join_timeout_ms": join_timeout_ms}
+        self._use_barrier = barrier
+        self.threads = threads_per_replica or max(1, (os.cpu_count() or 1) // num_replicas)
+        self.lighthouse: Lighthouse | None = None
+        self.barrier: StartBarrier | None = None
+        self.index_offset = index_offset
+        self.total_replicas = total_replicas or index_offset + num_replicas
+        if index_offset < 0 or self.total_replicas < index_offset + num_replicas:
+            raise LaunchError(
+                f"replicas {index_offset}..{index_offset + num_replicas - 1} do not fit in total_replicas="
+                f"{self.total_replicas}"
+            )
+        self.replicas = [ReplicaState(i) for i in range(num_replicas)]
+        self._started = False
+
+    # -- paths -------------------------------------------------------------------------
+    @property
+    def stop_file(self) -> Path | None:
+        """Touch this file to ask every replica to stop after its next committed sync."""
+        return self.log_dir / "STOP" if self.log_dir is not None else None
+
+    def global_index(self, index: int) -> int:
+        """The job-wide replica index of local slot ``index``."""
+        return self.index_offset + index
+
+    def log_path(self, index: int) -> Path | None:
+        gi = self.global_index(index)
+        return self.log_dir / f"replica{gi}.log" if self.log_dir is not None else None
+
+    def sync_log_path(self, index: int) -> Path | None:
+        gi = self.global_index(index)
+        return self.log_dir / f"replica{gi}.sync.jsonl" if self.log_dir is not None else None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> ReplicaGroup:
+        """Start the lighthouse (unless external), the barrier, and every replica."""
+        if self._started:
+            return self
+        self._started = True
+        try:
+            self.lighthouse = Lighthouse(self._lighthouse_arg, **self._lh_opts)  # type: ignore[arg-type]
+            use_barrier = self._use_barrier if self._use_barrier is not None else self.lighthouse.local
+            if use_barrier and self.num_replicas > 1:
+                self.barrier = StartBarrier(self.num_replicas)
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                if self.stop_file is not None and self.stop_file.exists():
+                    self.stop_file.unlink()
+            for r in self.replicas:
+                self._spawn(r)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def spec(self, index: int, restart: int = 0) -> ReplicaSpec:
+        """The spec for replica ``index`` (its command and environment)."""
+        assert self.lighthouse is not None, "start() first"
+        gi = self.global_index(index)
+        argv = list(self.argv(gi) if callable(self.argv) else self.argv)
+        env = dict(os.environ)
+        env.update(
+            {
+                ENV_LIGHTHOUSE: self.lighthouse.address,
+                ENV_INDEX: str(gi),
+                ENV_NUM: str(self.total_replicas),
+                ENV_REPLICA_ID: f"replica{gi}",
+                ENV_RESTART: str(restart),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.setdefault("RUST_LOG", "warn")
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        if self.lighthouse.local:
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        for k in (ENV_BARRIER, ENV_BARRIER_SIZE, ENV_STOP_FILE, ENV_SYNC_LOG, ENV_SEED):
+            env.pop(k, None)
+        if self.base_seed is not None:
+            env[ENV_SEED] = str(self.base_seed + gi)
+        if self.barrier is not None and restart == 0:
+            env[ENV_BARRIER] = self.barrier.address
+            env[ENV_BARRIER_SIZE] = str(self.barrier.size)
+        if self.stop_file is not None:
+            env[ENV_STOP_FILE] = str(self.stop_file)
+        sync_log = self.sync_log_path(index)
+        if sync_log is not None:
+            env[ENV_SYNC_LOG] = str(sync_log)
+        env.update(self.extra_env)
+        return ReplicaSpec(index, argv, env, cwd=self.cwd, log_path=self.log_path(index), restart=restart)
+
+    def _spawn(self, r: ReplicaState) -> None:
+        r.handle = self.executor.start(self.spec(r.index, restart=r.restarts))
+        r.done = False
+
+    def restart(self, index: int) -> ReplicaHandle:
+        """Start replica ``index`` again (after it died); it rejoins without the start barrier."""
+        r = self.replicas[index]
+        if r.handle is not None:
+            rc = r.handle.poll()
+            if rc is None:
+                raise LaunchError(f"replica {index} is still running (pid {r.handle.pid}); kill it first")
+            if not r.done:
+                r.exit_codes.append(rc)
+        r.restarts += 1
+        self._spawn(r)
+        assert r.handle is not None
+        return r.handle
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to replica ``index``'s process group (fault injection)."""
+        h = self.replicas[index].handle
+        if h is not None:
+            if sig == signal.SIGKILL:
+                h.kill()
+            else:
+                h.terminate()
+
+    def poll(self) -> dict[int, int | None]:
+        """Exit code (or ``None`` while running) of each replica's current run."""
+        out: dict[int, int | None] = {}
+        for r in self.replicas:
+            out[r.index] = r.handle.poll() if r.handle is not None else None
+        return out
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> LaunchResult:
+        """Supervise until every replica has exited for good; restart crashed ones up to ``max_restarts``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for r in self.replicas:
+                if r.done or r.handle is None:
+                    continue
+                rc = r.handle.poll()
+                if rc is None:
+                    continue
+                r.exit_codes.append(rc)
+                if rc != 0 and r.restarts < self.max_restarts and not self._stop_requested():
+                    _log(f"replica {r.index} exited with {rc}; restarting ({r.restarts + 1}/{self.max_restarts})")
+                    r.restarts += 1
+                    self._spawn(r)
+                    continue
+                r.done = True
+                _log(f"replica {r.index} exited with {rc}")
+            if all(r.done for r in self.replicas):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise LaunchError(f"replicas still running after {timeout:.0f}s")
+            time.sleep(poll_s)
+        return self.result()
+
+    def result(self) -> LaunchResult:
+        return LaunchResult(
+            exit_codes={r.index: list(r.exit_codes) for r in self.replicas},
+            restarts={r.index: r.restarts for r in self.replicas},
+        )
+
+    def _stop_requested(self) -> bool:
+        return self.stop_file is not None and self.stop_file.exists()
+
+    def request_stop(self, at_outer_step: int | None = None) -> None:
+        """Ask replicas to stop after their next committed sync (or once the outer step reaches ``at_outer_step``)."""
+        if self.stop_file is None:
+            raise LaunchError("request_stop needs a log_dir (the STOP file lives there)")
+        tmp = self.stop_file.with_suffix(".tmp")
+        tmp.write_text("" if at_outer_step is None else str(at_outer_step))
+        tmp.replace(self.stop_file)
+
+    def stop(self) -> None:
+        """Terminate every replica (SIGTERM, then SIGKILL after ``grace_s``), the barrier and the lighthouse."""
+        running = [r.handle for r in self.replicas if r.handle is not None and r.handle.poll() is None]
+        for h in running:
+            h.terminate()
+        deadline = time.monotonic() + self.grace_s
+        for h in running:
+            left = max(0.0, deadline - time.monotonic())
+            if h.wait(left) is None:
+                h.kill()
+                h.wait(5.0)
+        # A replica that already exited may have left children in its group; reap them too.
+        for r in self.replicas:
+            if r.handle is not None:
+                r.handle.kill()
+        if self.barrier is not None:
+            self.barrier.close()
+            self.barrier = None
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+            self.lighthouse = None
+
+    def __enter__(self) -> ReplicaGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _log(msg: str) -> None:
+    print(f"[diloco-launch] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM (and SIGINT, even where a shell started us with it ignored) into KeyboardInterrupt,
+    so ``kill <launcher>`` and Ctrl-C both clean up the replicas."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def replica_argv(
+    target: str, config: str | None, overrides: Sequence[str] = (), section: str | None = None
+) -> list[str]:
+    """The command a local replica runs: ``python -m composer_plugins.core.diloco --target T --config C ...``."""
+    argv = [sys.executable, "-m", "composer_plugins.core.diloco", "--target", target]
+    if config:
+        argv += ["--config", str(config)]
+    if section:
+        argv += ["--section", section]
+    return argv + list(overrides)
+
+
+def launch(
+    num_replicas: int,
+    *,
+    target: str = "train",
+    config: str | None = None,
+    overrides: Sequence[str] = (),
+    section: str | None = None,
+    **kwargs: Any,
+) -> LaunchResult:
+    """Run ``num_replicas`` replicas of ``target`` to completion (blocking); children are always cleaned up.
+
+    ``kwargs`` go to :class:`ReplicaGroup` (``lighthouse``, ``max_restarts``, ``log_dir``, ``base_seed`` ...).
+    """
+    group = ReplicaGroup(replica_argv(target, config, overrides, section), num_replicas, **kwargs)
+    with _sigterm_as_interrupt(), group:
+        _log(f"lighthouse {group.lighthouse.address if group.lighthouse else '?'}; {num_replicas} replicas")
+        return group.wait()
+
+
+# -- CLI -------------------------------------------------------------------------------
+
+
+def _replicas_from_config(config: str | None, section: str | None, overrides: Sequence[str]) -> int:
+    """``diloco.replicas`` from the config file and overrides, else 2."""
+    from composer_plugins.core.config import Config, apply_overrides, load_config
+
+    cfg = load_config(config) if config else Config()
+    prefix = f"{section}." if section else ""
+    apply_overrides(cfg, [prefix + o for o in overrides if "=" in o])
+    value = cfg.get_path(f"{prefix}diloco.replicas")
+    if value is None:
+        return 2
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise cfg.error(f"{prefix}diloco.replicas", f"expected a positive integer, got {value!r}.")
+    return value
+
+
+@hookimpl
+def register_commands(cli: Any) -> None:
+    """Add ``composer-plugins diloco``."""
+    import click
+
+    @cli.command(name="diloco", context_settings={"ignore_unknown_options": True})
+    @click.option("--replicas", "-n", type=int, default=None, help="Replica groups (default: diloco.replicas or 2).")
+    @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="Training config (YAML).")
+    @click.option("--section", default=None, help="Use this top-level key of the config file as the config.")
+    @click.option(
+        "--target",
+        default="train",
+        show_default=True,
+        help="What each replica trains: 'train' (the project's train config), 'toy' (built-in tiny LM) "
+        "or 'module:function' taking the loaded Config.",
+    )
+    @click.option("--lighthouse", help="Address of an existing torchft lighthouse (cluster); default: start one here.")
+    @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart a crashed replica.")
+    @click.option("--log-dir", type=click.Path(file_okay=False), default="diloco_logs", show_default=True)
+    @click.option("--seed", type=int, default=None, help="Replica i gets seed + i (default: config seed + i).")
+    @click.option(
+        "--first-index",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Cluster: index of the first replica started on this node.",
+    )
+    @click.option("--total-replicas", type=int, default=None, help="Cluster: replicas in the whole job.")
+    @click.option("--heartbeat-timeout-ms", type=int, default=5000, show_default=True)
+    @click.option("--join-timeout-ms", type=int, default=60000, show_default=True)
+    @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+    def diloco_cmd(
+        replicas: int | None,
+        config: str | None,
+        section: str | None,
+        target: str,
+        lighthouse: str | None,
+        max_restarts: int,
+        log_dir: str,
+        seed: int | None,
+        first_index: int,
+        total_replicas: int | None,
+        heartbeat_timeout_ms: int,
+        join_timeout_ms: int,
+        overrides: tuple[str, ...],
+    ) -> None:
+        """Train N DiLoCo replicas (torchft) on this machine: lighthouse + one process group per replica.
+
+        OVERRIDES are dotted ``key=value`` config overrides passed to every replica, e.g.
+        ``diloco.sync_every=100``. Touch ``<log-dir>/STOP`` to stop all replicas after their next sync;
+        Ctrl-C terminates them. Each replica writes ``<log-dir>/replica<i>.log`` and ``.sync.jsonl``.
+        """
+        if replicas is None:
+            replicas = _replicas_from_config(config, section, overrides)
+        try:
+            res = launch(
+                replicas,
+                target=target,
+                config=config,
+                overrides=overrides,
+                section=section,
+                lighthouse=lighthouse,
+                max_restarts=max_restarts,
+                log_dir=log_dir,
+                base_seed=seed,
+                index_offset=first_index,
+                total_replicas=total_replicas,
+                heartbeat_timeout_ms=heartbeat_timeout_ms,
+                join_timeout_ms=join_timeout_ms,
+            )
+        except KeyboardInterrupt:
+            click.secho("interrupted: all replicas terminated", err=True, fg="yellow")
+            sys.exit(130)
+        for i, codes in sorted(res.exit_codes.items()):
+            click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
+        if not res.ok:
+            click.secho(f"some replicas failed; see {log_dir}/replica<i>.log", err=True, fg="red")
+            sys.exit(1)
