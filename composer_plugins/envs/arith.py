@@ -1,0 +1,285 @@
+"""A seeded generator of GSM8K-format arithmetic word problems with known answers.
+
+Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these.
+Each problem has a question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's
+format, optionally with ``<<a+b=c>>`` calculator annotations) and the answer.
+
+Difficulty levels (``difficulty=`` an int or a name):
+
+====  ===========  =====================================================================
+ 0    trivial      one addition of two single-digit numbers, one phrasing
+ 1    easy         one addition of 1-2 digit numbers, three phrasings (tiny-model level)
+ 2    medium       one step: +, -, x or exact division, 1-2 digit numbers
+ 3    two_step     two chained steps (+, -, groups of, times)
+ 4    multi_step   three steps, adds percentages and a money question
+ 5    hard         four or five steps, larger numbers, money
+====  ===========  =====================================================================
+
+Train and test problems never share a question: each question text is assigned to a split
+by a hash (10% test). The same ``(n, difficulty, split, seed)`` always gives the same problems.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DIFFICULTIES", "ArithProblem", "generate_problems", "resolve_difficulty"]
+
+DIFFICULTIES: dict[str, int] = {"trivial": 0, "easy": 1, "medium": 2, "two_step": 3, "multi_step": 4, "hard": 5}
+
+_NAMES_SMALL = ["Tom", "Ann", "Ben", "Mia", "Sam", "Eva"]
+_ITEMS_SMALL = ["apples", "books", "pens", "cards", "eggs", "balls"]
+_NAMES = [*_NAMES_SMALL, "Liam", "Noah", "Olivia", "Emma", "Lucas", "Zoe", "Omar", "Priya", "Kenji", "Sofia", "Diego",
+          "Aisha", "Leo", "Nora", "Ivan", "Grace"]  # fmt: skip
+_ITEMS = [*_ITEMS_SMALL, "stickers", "marbles", "cookies", "shells", "stamps", "pencils", "cupcakes", "beads",
+          "toy cars", "oranges", "coins", "bottles"]  # fmt: skip
+_FRIENDS = ["her brother", "his sister", "a friend", "the teacher", "a neighbor", "the class"]
+_HE = {"Tom": "He", "Ben": "He", "Sam": "He", "Liam": "He", "Noah": "He", "Lucas": "He", "Omar": "He",
+       "Kenji": "He", "Diego": "He", "Leo": "He", "Ivan": "He"}  # fmt: skip
+
+
+def _pron(name: str) -> str:
+    return _HE.get(name, "She")
+
+
+def resolve_difficulty(difficulty: int | str) -> int:
+    """Map a level name or number to 0..5."""
+    if isinstance(difficulty, str):
+        key = difficulty.strip().lower().replace("-", "_")
+        if key.isdigit():
+            difficulty = int(key)
+        elif key in DIFFICULTIES:
+            return DIFFICULTIES[key]
+        else:
+            raise ValueError(f"unknown difficulty {difficulty!r}; use 0-5 or one of {', '.join(DIFFICULTIES)}")
+    d = int(difficulty)
+    if not 0 <= d <= 5:
+        raise ValueError(f"difficulty must be between 0 and 5, got {d}")
+    return d
+
+
+@dataclass(frozen=True)
+class ArithProblem:
+    """One generated problem."""
+
+    question: str
+    solution: str
+    answer: int
+    difficulty: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data."""
+        return {"question": self.question, "solution": self.solution, "answer": str(self.answer)}
+
+
+def _calc(expr: str, value: int, annotate: bool) -> str:
+    """``a + b = c`` or, annotated like GSM8K, ``a + b = <<a+b=c>>c``."""
+    if annotate:
+        return f"{expr} = <<{expr.replace(' ', '')}={value}>>{value}"
+    return f"{expr} = {value}"
+
+
+class _Story:
+    """Builds a question and its solution one step at a time."""
+
+    def __init__(self, rng: random.Random, annotate: bool, small: bool) -> None:
+        self.rng = rng
+        self.annotate = annotate
+        self.name = rng.choice(_NAMES_SMALL if small else _NAMES)
+        self.item = rng.choice(_ITEMS_SMALL if small else _ITEMS)
+        self.he = _pron(self.name)
+        self.q: list[str] = []
+        self.s: list[str] = []
+        self.value = 0
+
+    def calc(self, expr: str, value: int) -> str:
+        return _calc(expr, value, self.annotate)
+
+
+def _step_add(st: _Story, lo: int, hi: int) -> None:
+    x = st.rng.randint(lo, hi)
+    verb = st.rng.choice(["buys", "finds", "gets"])
+    st.q.append(f"{st.he} {verb} {x} more {st.item}.")
+    new = st.value + x
+    st.s.append(f"After that {st.name} has {st.calc(f'{st.value} + {x}', new)} {st.item}.")
+    st.value = new
+
+
+def _step_sub(st: _Story, lo: int, hi: int) -> None:
+    if st.value < 2:
+        return _step_add(st, lo, hi)
+    x = st.rng.randint(1, min(st.value - 1, max(1, hi)))
+    st.q.append(f"{st.he} gives {x} {st.item} to {st.rng.choice(_FRIENDS)}.")
+    new = st.value - x
+    st.s.append(f"After giving some away {st.name} has {st.calc(f'{st.value} - {x}', new)} {st.item}.")
+    st.value = new
+
+
+def _step_groups(st: _Story, lo: int, hi: int) -> None:
+    k, m = st.rng.randint(2, 9), st.rng.randint(2, max(2, min(hi, 12)))
+    box = st.rng.choice(["boxes", "bags", "packs"])
+    st.q.append(f"{st.he} buys {k} {box} with {m} {st.item} in each.")
+    got = k * m
+    st.s.append(f"The {box} hold {st.calc(f'{k} * {m}', got)} {st.item}.")
+    new = st.value + got
+    st.s.append(f"Now {st.name} has {st.calc(f'{st.value} + {got}', new)} {st.item}.")
+    st.value = new
+
+
+def _step_times(st: _Story, lo: int, hi: int) -> None:
+    k = st.rng.choice([2, 3]) if st.value > 50 else st.rng.randint(2, 4)
+    word = {2: "doubles", 3: "triples", 4: "quadruples"}[k]
+    st.q.append(f"Then {st.he.lower()} {word} the number of {st.item}.")
+    new = st.value * k
+    st.s.append(f"{st.name} now has {st.calc(f'{st.value} * {k}', new)} {st.item}.")
+    st.value = new
+
+
+def _step_percent(st: _Story, lo: int, hi: int) -> None:
+    options = [p for p in (10, 20, 25, 50, 75) if st.value * p % 100 == 0 and st.value * p // 100 > 0]
+    if not options:
+        return _step_add(st, lo, hi)
+    p = st.rng.choice(options)
+    sold = st.value * p // 100
+    st.q.append(f"{st.he} sells {p}% of the {st.item}.")
+    st.s.append(f"{st.he} sells {st.calc(f'{st.value} * {p} / 100', sold)} {st.item}.")
+    new = st.value - sold
+    st.s.append(f"{st.he} keeps {st.calc(f'{st.value} - {sold}', new)} {st.item}.")
+    st.value = new
+
+
+_STEPS: dict[str, Callable[[_Story, int, int], None]] = {
+    "add": _step_add,
+    "sub": _step_sub,
+    "groups": _step_groups,
+    "times": _step_times,
+    "percent": _step_percent,
+}
+
+
+def _how_many(st: _Story) -> str:
+    return f"How many {st.item} does {st.name} have now?"
+
+
+def _level01(rng: random.Random, difficulty: int, annotate: bool) -> ArithProblem:
+    small = difficulty == 0
+    lo, hi = (1, 9) if small else (1, 99)
+    name = rng.choice(_NAMES_SMALL)
+    item = rng.choice(_ITEMS_SMALL)
+    he = _pron(name)
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    c = a + b
+    calc = _calc(f"{a} + {b}", c, annotate)
+    templates = [
+        (
+            f"{name} has {a} {item}. {he} buys {b} more {item}. How many {item} does {name} have now?",
+            f"{name} has {calc} {item} now.",
+        ),
+        (
+            f"{name} had {a} {item}. {he} found {b} more {item}. How many {item} does {name} have in total?",
+            f"In total {name} has {calc} {item}.",
+        ),
+        (
+            f"There are {a} {item} in a basket. {name} puts {b} more {item} in the basket. "
+            f"How many {item} are in the basket now?",
+            f"The basket has {calc} {item} now.",
+        ),
+    ]
+    q, s = templates[0] if small else rng.choice(templates)
+    return ArithProblem(q, f"{s}\n#### {c}", c, difficulty)
+
+
+def _level2(rng: random.Random, annotate: bool) -> ArithProblem:
+    st = _Story(rng, annotate, small=False)
+    op = rng.choice(["add", "sub", "times", "share"])
+    a = rng.randint(2, 99)
+    st.value = a
+    st.q.append(f"{st.name} has {a} {st.item}.")
+    if op == "share":
+        k = rng.randint(2, 9)
+        per = rng.randint(1, 11)
+        a = k * per
+        st.q[-1] = f"{st.name} has {a} {st.item}."
+        st.q.append(f"{st.he} shares them equally among {k} friends. How many {st.item} does each friend get?")
+        st.s.append(f"Each friend gets {st.calc(f'{a} / {k}', per)} {st.item}.")
+        return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {per}", per, 2)
+    if op == "times":
+        st.value = rng.randint(2, 30)
+        st.q[-1] = f"{st.name} has {st.value} {st.item}."
+    _STEPS[op](st, 1, 99)
+    st.q.append(_how_many(st))
+    return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {st.value}", st.value, 2)
+
+
+def _multi(rng: random.Random, difficulty: int, annotate: bool) -> ArithProblem:
+    st = _Story(rng, annotate, small=False)
+    if difficulty == 3:
+        n_steps, ops, lo, hi, start = 2, ["add", "sub", "groups", "times"], 1, 40, (5, 60)
+    elif difficulty == 4:
+        n_steps, ops, lo, hi, start = 3, ["add", "sub", "groups", "times", "percent"], 1, 60, (10, 120)
+    else:
+        n_steps, ops, lo, hi, start = rng.randint(4, 5), ["add", "sub", "groups", "times", "percent"], 5, 250, (40, 500)
+    st.value = rng.randint(*start)
+    st.q.append(f"{st.name} has {st.value} {st.item}.")
+    for _ in range(n_steps - (1 if difficulty >= 4 and rng.random() < 0.5 else 0)):
+        _STEPS[rng.choice(ops)](st, lo, hi)
+    if difficulty >= 4 and len(st.s) and rng.random() < 0.5:
+        price = rng.randint(2, 9 if difficulty == 4 else 25)
+        st.q.append(f"Each of the {st.item} is worth ${price}. How much money are all of {st.name}'s {st.item} worth?")
+        total = st.value * price
+        st.s.append(f"They are worth {st.calc(f'{st.value} * {price}', total)} dollars.")
+        return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {total}", total, difficulty)
+    st.q.append(_how_many(st))
+    return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {st.value}", st.value, difficulty)
+
+
+def _make(rng: random.Random, difficulty: int, annotate: bool) -> ArithProblem:
+    if difficulty <= 1:
+        return _level01(rng, difficulty, annotate)
+    if difficulty == 2:
+        return _level2(rng, annotate)
+    return _multi(rng, difficulty, annotate)
+
+
+def split_of(question: str, test_fraction: float = 0.1) -> str:
+    """``train`` or ``test``: a stable hash of the question text decides."""
+    h = int.from_bytes(hashlib.sha1(question.encode()).digest()[:4], "big")
+    return "test" if h % 1000 < int(test_fraction * 1000) else "train"
+
+
+def generate_problems(
+    n: int,
+    difficulty: int | str = 1,
+    seed: int = 0,
+    split: str = "train",
+    annotations: bool | None = None,
+    test_fraction: float = 0.1,
+) -> list[ArithProblem]:
+    """``n`` problems of ``difficulty`` for ``split``, deterministic in ``seed``.
+
+    ``annotations`` adds GSM8K's ``<<a+b=c>>`` calculator annotations; by default only from
+    difficulty 2 up (the lowest levels stay short so a tiny model can learn them).
+    """
+    d = resolve_difficulty(difficulty)
+    if split not in ("train", "test", "validation"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    want = "test" if split != "train" else "train"
+    annotate = d >= 2 if annotations is None else annotations
+    rng = random.Random(f"arith|{d}|{want}|{seed}")
+    out: list[ArithProblem] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        p = _make(rng, d, annotate)
+        if split_of(p.question, test_fraction) != want:
+            continue
+        if p.question in seen and attempts < 50 * (n + 10):
+            continue
+        seen.add(p.question)
+        out.append(p)
+    return out

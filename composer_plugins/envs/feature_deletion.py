@@ -1,0 +1,677 @@
+"""``feature_deletion``: synthetic "reimplement the deleted feature" tasks from any repo with pytest tests.
+
+The recipe (after Cursor's synthetic tasks):
+
+1. run the repository's tests in the sandbox and keep the ones that pass;
+2. for each chosen symbol (function, method or class), delete its body (the docstring stays,
+   the body becomes ``raise NotImplementedError``; ``mode="body"``) or the whole definition
+   (``mode="symbol"``), and run the tests again;
+3. keep the deletion when some tests now fail (``fail_to_pass``) while others still pass
+   (``pass_to_pass``); record the deleted symbols and the golden diff (deleted -> original);
+4. the task: "reimplement ``name``", with the file as it is after the deletion.
+
+Reward: the fraction of ``fail_to_pass`` tests that pass once the completion's definition is
+put back, and 0 if any ``pass_to_pass`` test regresses. Every run happens in the
+:class:`~composer_plugins.envs.sandbox.Sandbox` on a cleaned copy of the repository (no
+bytecode, type-checker caches, ``.git`` history, build output) that is mounted read-only,
+with the original checkout and any installed copy of its packages hidden, so the deleted
+code cannot be recovered from leftovers.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import difflib
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.envs.base import Env, Feedback
+from composer_plugins.envs.code_env import _FENCE
+from composer_plugins.envs.sandbox import LEAKY_DIRS, Sandbox, SandboxError, SandboxLimits, SandboxResult
+
+__all__ = [
+    "FIXTURE_REPO",
+    "FeatureDeletionEnv",
+    "Symbol",
+    "delete_symbol",
+    "find_installed_copies",
+    "find_symbols",
+    "splice_completion",
+]
+
+#: The small real repository shipped with the project (``textkit``: slugs, stats, Roman numerals, wrap).
+FIXTURE_REPO = Path(__file__).with_name("fixtures") / "textkit"
+
+_TEST_DIRS = {"tests", "test", "testing"}
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A deletable definition in a repository file."""
+
+    file: str
+    qualname: str
+    kind: Literal["function", "class", "method"]
+    lineno: int
+    end_lineno: int
+    indent: str
+
+    @property
+    def name(self) -> str:
+        """The last component of :attr:`qualname`."""
+        return self.qualname.rsplit(".", 1)[-1]
+
+    @property
+    def spec(self) -> str:
+        """``file::qualname`` (how symbols are chosen in config)."""
+        return f"{self.file}::{self.qualname}"
+
+
+def _is_test_path(rel: str) -> bool:
+    parts = Path(rel).parts
+    name = parts[-1]
+    return (
+        any(p in _TEST_DIRS for p in parts[:-1])
+        or name.startswith("test_")
+        or name.endswith("_test.py")
+        or name == "conftest.py"
+    )
+
+
+def _python_files(repo: Path) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(repo):
+        dirnames[:] = sorted(d for d in dirnames if d not in LEAKY_DIRS and not d.startswith(".") and d not in
+                             ("build", "dist", "docs", "venv", "examples", "fixtures"))  # fmt: skip
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                out.append(os.path.relpath(os.path.join(dirpath, f), repo))
+    return out
+
+
+def _start_line(node: ast.AST) -> int:
+    decos = getattr(node, "decorator_list", None) or []
+    return min([d.lineno for d in decos] + [node.lineno])  # type: ignore[attr-defined]
+
+
+def _deletable(node: ast.AST, min_body_lines: int) -> bool:
+    body = getattr(node, "body", [])
+    if not body or body[0].lineno == node.lineno:  # type: ignore[attr-defined]
+        return False  # one-line definitions
+    stmts = body[1:] if _docstring_node(node) is not None else body
+    if not stmts:
+        return False
+    span = stmts[-1].end_lineno - stmts[0].lineno + 1
+    return span >= min_body_lines
+
+
+def _docstring_node(node: ast.AST) -> ast.Expr | None:
+    body = getattr(node, "body", [])
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            return body[0]
+    return None
+
+
+def find_symbols(
+    repo: str | os.PathLike[str], *, min_body_lines: int = 2, include_private: bool = False
+) -> list[Symbol]:
+    """Top-level functions and classes, and methods of top-level classes, outside the tests."""
+    repo_p = Path(repo)
+    out: list[Symbol] = []
+    for rel in _python_files(repo_p):
+        if _is_test_path(rel) or Path(rel).name in ("setup.py", "conftest.py", "noxfile.py"):
+            continue
+        try:
+            tree = ast.parse((repo_p / rel).read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if node.name.startswith("_") and not include_private:
+                    continue
+                kind: Literal["function", "class"] = "class" if isinstance(node, ast.ClassDef) else "function"
+                if _deletable(node, min_body_lines):
+                    out.append(Symbol(rel, node.name, kind, _start_line(node), node.end_lineno or node.lineno, ""))
+                if isinstance(node, ast.ClassDef):
+                    for sub in node.body:
+                        if not isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
+                            continue
+                        dunder = sub.name.startswith("__") and sub.name.endswith("__")
+                        if (dunder and sub.name != "__init__") or (sub.name.startswith("_") and not dunder
+                                                                   and not include_private):  # fmt: skip
+                            continue
+                        if _deletable(sub, 1):
+                            indent = " " * sub.col_offset
+                            out.append(Symbol(rel, f"{node.name}.{sub.name}", "method", _start_line(sub),
+                                              sub.end_lineno or sub.lineno, indent))  # fmt: skip
+    return out
+
+
+def _locate(tree: ast.Module, qualname: str) -> tuple[ast.AST, ast.ClassDef | None]:
+    parts = qualname.split(".")
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == parts[0]:
+            if len(parts) == 1:
+                return node, None
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef) and sub.name == parts[1]:
+                        return sub, node
+    raise KeyError(qualname)
+
+
+def delete_symbol(source: str, qualname: str, mode: Literal["body", "symbol"] = "body",
+                  keep_docstring: bool = True) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """Delete ``qualname`` from ``source``. Returns the new source and where the definition goes back.
+
+    ``mode="body"`` keeps the signature (and docstring) and makes the body ``raise
+    NotImplementedError`` (``pass`` for a class); ``mode="symbol"`` removes the definition.
+    The info dict has ``span`` (1-based inclusive lines of the stub in the new source, body mode),
+    ``insert_at`` (0-based line index, symbol mode), ``indent``, ``class_line`` (for methods),
+    and ``original`` (the deleted definition's source).
+    """
+    lines = source.splitlines(keepends=True)
+    tree = ast.parse(source)
+    node, cls = _locate(tree, qualname)
+    start, end = _start_line(node), node.end_lineno or node.lineno  # type: ignore[attr-defined]
+    indent = " " * node.col_offset  # type: ignore[attr-defined]
+    original = "".join(lines[start - 1 : end])
+    info: dict[str, Any] = {"indent": indent, "original": original, "mode": mode}
+    if cls is not None:
+        info["class_line"] = _start_line(cls)
+    if mode == "symbol":
+        before, after = lines[: start - 1], lines[end:]
+        # drop the blank lines the definition leaves behind
+        while after and not after[0].strip():
+            after = after[1:]
+        if cls is not None and not any(s is not node for s in cls.body if s is not _docstring_node(cls)):
+            after = [f"{indent}pass\n", *after]  # the class would be empty
+        new_lines = [*before, *(["\n"] if before and after else []), *after]
+        info["insert_at"] = len(before)
+        return "".join(new_lines), info
+    body = node.body  # type: ignore[attr-defined]
+    doc = _docstring_node(node) if keep_docstring else None
+    body_indent = " " * body[0].col_offset
+    head = lines[start - 1 : body[0].lineno - 1]
+    doc_lines = lines[doc.lineno - 1 : doc.end_lineno] if doc is not None else []
+    filler = "pass" if isinstance(node, ast.ClassDef) else "raise NotImplementedError"
+    stub = [*head, *doc_lines, f"{body_indent}{filler}\n"]
+    new_lines = [*lines[: start - 1], *stub, *lines[end:]]
+    info["span"] = [start, start + len(stub) - 1]
+    return "".join(new_lines), info
+
+
+def _completion_code(completion: str) -> str:
+    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
+    return blocks[-1] if blocks else completion
+
+
+def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: str) -> str:
+    """Put the completion's definition of the task's symbol back into ``deleted_source``.
+
+    New imports and helpers the completion defines at module level go just before the
+    definition (or before its class, for a method). Raises ``ValueError`` when the
+    completion defines no such symbol and ``SyntaxError`` when it does not parse.
+    """
+    code = textwrap.dedent(_completion_code(completion))
+    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
+    if blocks:
+        # prefer the block that defines the symbol
+        name = str(task["symbol"]).rsplit(".", 1)[-1]
+        for b in reversed(blocks):
+            with contextlib.suppress(SyntaxError):
+                if any(getattr(n, "name", None) == name for n in ast.walk(ast.parse(textwrap.dedent(b)))):
+                    code = textwrap.dedent(b)
+                    break
+    tree = ast.parse(code)
+    qual = str(task["symbol"])
+    parts = qual.split(".")
+    name = parts[-1]
+    is_method = task.get("kind") == "method"
+    target: ast.AST | None = None
+    for n in tree.body:
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name == name:
+            target = n
+        if is_method and isinstance(n, ast.ClassDef) and n.name == parts[0]:
+            for sub in n.body:
+                if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef) and sub.name == name:
+                    target = sub
+    if target is None:
+        raise ValueError(f"the answer does not define `{name}`")
+    code_lines = code.splitlines(keepends=True)
+    t_start, t_end = _start_line(target), target.end_lineno  # type: ignore[attr-defined]
+    definition = textwrap.dedent("".join(code_lines[t_start - 1 : t_end]))
+    indent = str(task.get("indent", ""))
+    definition = textwrap.indent(definition, indent, lambda line: True) if indent else definition
+    if not definition.endswith("\n"):
+        definition += "\n"
+    existing = {getattr(n, "name", None) for n in ast.parse(deleted_source).body}
+    extras = []
+    for n in tree.body:
+        if n is target or (is_method and isinstance(n, ast.ClassDef) and n.name == parts[0]):
+            continue
+        if isinstance(n, ast.Import | ast.ImportFrom):
+            extras.append(ast.get_source_segment(code, n) or "")
+        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name not in existing:
+            seg = "".join(code_lines[_start_line(n) - 1 : n.end_lineno])
+            extras.append(textwrap.dedent(seg))
+        elif isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) and t.id not in existing for t in n.targets):
+            extras.append(ast.get_source_segment(code, n) or "")
+    extra_text = "".join(e if e.endswith("\n") else e + "\n" for e in extras if e)
+    lines = deleted_source.splitlines(keepends=True)
+    if task.get("mode") == "symbol":
+        at = int(task["insert_at"])
+        new = [*lines[:at], definition, *(["\n"] if at < len(lines) else []), *lines[at:]]
+    else:
+        s, e = task["span"]
+        new = [*lines[: s - 1], definition, *lines[e:]]
+    if extra_text:
+        anchor = int(task["class_line"]) - 1 if is_method else (
+            int(task["insert_at"]) if task.get("mode") == "symbol" else int(task["span"][0]) - 1
+        )  # fmt: skip
+        # for body mode the stub was replaced in place, so line numbers before it are unchanged
+        new = [*new[:anchor], extra_text, "\n\n", *new[anchor:]]
+    result = "".join(new)
+    ast.parse(result)
+    return result
+
+
+def _interpreter_probe(python: str, code: str) -> Any:
+    out = subprocess.run(
+        [python, "-I", "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise SandboxError(f"cannot inspect interpreter {python}: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def find_installed_copies(python: str, packages: Iterable[str], repo: str | os.PathLike[str]) -> list[str]:
+    """Where ``python`` would import ``packages`` from outside ``repo`` (site-packages copies, editable links)."""
+    names = sorted(set(packages))
+    if not names:
+        return []
+    code = (
+        "import importlib.util, json\n"
+        "out = {}\n"
+        f"for n in {names!r}:\n"
+        "    try:\n"
+        "        s = importlib.util.find_spec(n)\n"
+        "    except Exception:\n"
+        "        s = None\n"
+        "    if s is not None:\n"
+        "        out[n] = list(s.submodule_search_locations or []) or [s.origin]\n"
+        "print(json.dumps(out))\n"
+    )
+    found = _interpreter_probe(python, code)
+    repo_r = os.path.realpath(repo)
+    copies = []
+    for locs in found.values():
+        for loc in locs:
+            if not loc or loc in ("built-in", "frozen"):
+                continue
+            r = os.path.realpath(loc)
+            if not (r == repo_r or r.startswith(repo_r + os.sep)) and os.path.exists(r):
+                copies.append(r)
+    return sorted(set(copies))
+
+
+def top_level_packages(repo: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """The repo's importable top-level names and the source dirs they live in (``.`` or ``src``)."""
+    repo_p = Path(repo)
+    names, roots = [], []
+    for root in (repo_p / "src", repo_p):
+        if not root.is_dir():
+            continue
+        here = []
+        for p in sorted(root.iterdir()):
+            if p.is_dir() and (p / "__init__.py").exists() and p.name not in _TEST_DIRS:
+                here.append(p.name)
+            elif (
+                p.suffix == ".py"
+                and p.name not in ("setup.py", "conftest.py", "noxfile.py")
+                and not _is_test_path(p.name)
+            ):
+                here.append(p.stem)
+        if here:
+            names.extend(here)
+            roots.append(os.path.relpath(root, repo_p))
+    return sorted(set(names)), roots
+
+
+class FeatureDeletionEnv(Env):
+    """Reimplement a function/class deleted from a real repo; reward = fail-to-pass tests fixed, no regression.
+
+    Args:
+        repo: a Python repository with pytest tests (default: the shipped ``textkit`` fixture).
+        symbols: which symbols to delete (``"qualname"`` or ``"path.py::qualname"``); default:
+            every public function/method/class, shuffled with ``seed`` and capped by ``max_tasks``.
+        modes: ``"body"`` and/or ``"symbol"`` deletions.
+        max_tasks: how many verified tasks to build (None: all).
+        min_pass_to_pass: a deletion is kept only if at least this many tests still pass.
+        test_split: fraction of tasks in the ``test`` split (by a hash of the task id).
+        python: interpreter that runs the tests (needs pytest); default: this one.
+        timeout_s: wall-clock limit of one test run. ``isolation``: sandbox isolation.
+        num_workers: test runs in parallel (building and scoring).
+        cache_path: optional JSON file to store/load the built tasks (holds golden code: keep it private).
+    """
+
+    name = "feature_deletion"
+
+    def __init__(
+        self,
+        repo: str | os.PathLike[str] | None = None,
+        *,
+        symbols: Sequence[str] | None = None,
+        modes: Sequence[Literal["body", "symbol"]] | str = ("body",),
+        max_tasks: int | None = None,
+        min_body_lines: int = 2,
+        min_pass_to_pass: int = 1,
+        keep_docstring: bool = True,
+        test_split: float = 0.25,
+        seed: int = 0,
+        python: str | None = None,
+        timeout_s: float = 60.0,
+        memory_mb: int = 2048,
+        isolation: Literal["auto", "namespaces", "guard"] = "auto",
+        num_workers: int = 2,
+        cache_path: str | os.PathLike[str] | None = None,
+        max_turns: int = 1,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(max_turns=max_turns, num_workers=num_workers, **kwargs)
+        self.repo = Path(repo or FIXTURE_REPO).resolve()
+        if not self.repo.is_dir():
+            raise ConfigError(f"repository not found: {self.repo}", key="repo")
+        modes_t = (modes,) if isinstance(modes, str) else tuple(modes)
+        bad = [m for m in modes_t if m not in ("body", "symbol")]
+        if bad or not modes_t:
+            raise ConfigError(f"modes must be 'body' and/or 'symbol', got {list(modes_t)}", key="modes",
+                              valid=["body", "symbol"])  # fmt: skip
+        self.modes = modes_t
+        self.symbols = list(symbols) if symbols else None
+        self.max_tasks = max_tasks
+        self.min_body_lines = min_body_lines
+        self.min_pass_to_pass = min_pass_to_pass
+        self.keep_docstring = keep_docstring
+        self.test_split = test_split
+        self.seed = seed
+        self.python = os.path.abspath(python or sys.executable)
+        self.progress = progress
+        self.cache_path = Path(cache_path) if cache_path else None
+        self.packages, self.src_dirs = top_level_packages(self.repo)
+        self.installed_copies = find_installed_copies(self.python, self.packages, self.repo)
+        hide = [str(self.repo), *self.installed_copies]
+        if self.cache_path is not None:
+            hide.append(str(self.cache_path.resolve()))
+        if getattr(sys, "pycache_prefix", None):
+            hide.append(str(sys.pycache_prefix))
+        if os.environ.get("PYTHONPYCACHEPREFIX"):
+            hide.append(os.environ["PYTHONPYCACHEPREFIX"])
+        self.sandbox = Sandbox(
+            SandboxLimits(wall_time_s=timeout_s, memory_mb=memory_mb, max_processes=64, max_output_bytes=1_000_000),
+            isolation=isolation,
+            python=self.python,
+            hide=hide,
+        )
+        self._built: list[dict[str, Any]] | None = None
+        self.baseline: dict[str, str] = {}
+
+    # -- running tests -----------------------------------------------------------------------
+    def run_tests(self, overrides: Mapping[str, str] | None = None, nodeids: Sequence[str] = ()) -> SandboxResult:
+        """Run pytest on a clean, read-only copy of the repo (with ``overrides`` written over files).
+
+        ``nodeids`` restrict the run to the files that hold them (pytest aborts the whole run when a
+        node id cannot be collected, which is what a deleted symbol does to its test module).
+        """
+        files = list(dict.fromkeys(n.split("::", 1)[0] for n in nodeids))
+        argv = ["python", "-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "cp_pytest_reporter",
+                "-o", "addopts=", "--rootdir", ".", "--color=no", "--continue-on-collection-errors",
+                *files]  # fmt: skip
+        return self.sandbox.run(
+            argv,
+            tree=self.repo,
+            tree_overrides=overrides,
+            readonly=["."],
+            pythonpath=[d for d in self.src_dirs if d != "."] + ["."],
+            protected_packages=self.packages,
+            scripts=["cp_pytest_reporter"],
+        )
+
+    @staticmethod
+    def outcomes(res: SandboxResult) -> tuple[dict[str, str], list[str], bool]:
+        """``nodeid -> outcome``, collection errors, and whether tampering was detected."""
+        out: dict[str, str] = {}
+        collect_errors: list[str] = []
+        tampered = res.forged_records > 0
+        for r in res.records:
+            kind = r.get("kind")
+            if kind == "test":
+                nid = str(r.get("nodeid"))
+                if nid in out:
+                    tampered = True
+                out[nid] = str(r.get("outcome"))
+            elif kind == "collect_error":
+                collect_errors.append(f"{r.get('nodeid')}: {str(r.get('message', ''))[-400:]}")
+            elif kind == "tamper":
+                tampered = True
+        return out, collect_errors, tampered
+
+    # -- building tasks ---------------------------------------------------------------------
+    def build_tasks(self) -> list[dict[str, Any]]:
+        """Delete, verify and record tasks (cached; see ``cache_path``)."""
+        if self._built is not None:
+            return self._built
+        if self.cache_path is not None and self.cache_path.exists():
+            self._built = json.loads(self.cache_path.read_text())
+            return self._built
+        base = self.run_tests()
+        outcomes, _errors, _ = self.outcomes(base)
+        if base.killed or not outcomes:
+            raise SandboxError(
+                f"the repository's tests did not run in the sandbox ({base.killed or 'no results'}): "
+                f"{(base.stdout + base.stderr)[-1500:]}"
+            )
+        self.baseline = outcomes
+        passing = sorted(n for n, o in outcomes.items() if o == "passed")
+        candidates = self._candidates()
+        jobs = [(sym, mode) for sym in candidates for mode in self.modes]
+        built: list[dict[str, Any]] = []
+        bar = _progress(len(jobs), "feature_deletion: verifying deletions", self.progress)
+        try:
+            with ThreadPoolExecutor(self.num_workers) as pool:
+                for task in pool.map(lambda j: self._make_task(j[0], j[1], passing), jobs):
+                    bar.update(1)
+                    if task is not None:
+                        built.append(task)
+                    if self.max_tasks is not None and len(built) >= self.max_tasks:
+                        break
+        finally:
+            bar.close()
+        if self.max_tasks is not None:
+            built = built[: self.max_tasks]
+        self._built = built
+        if self.cache_path is not None:
+            self.cache_path.write_text(json.dumps(built))
+        return built
+
+    def _candidates(self) -> list[Symbol]:
+        found = find_symbols(self.repo, min_body_lines=self.min_body_lines)
+        if self.symbols:
+            chosen = []
+            for want in self.symbols:
+                hits = [s for s in found if want in (s.qualname, s.spec)]
+                if not hits:
+                    raise ConfigError(
+                        f"symbol {want!r} not found (or not deletable) in {self.repo}",
+                        key="symbols",
+                        valid=[s.spec for s in found],
+                    )
+                chosen.extend(hits)
+            return chosen
+        rng = random.Random(self.seed)
+        rng.shuffle(found)
+        return found
+
+    def _make_task(self, sym: Symbol, mode: str, passing: list[str]) -> dict[str, Any] | None:
+        path = self.repo / sym.file
+        source = path.read_text(encoding="utf-8")
+        deleted, info = delete_symbol(source, sym.qualname, mode, self.keep_docstring)  # type: ignore[arg-type]
+        res = self.run_tests({sym.file: deleted}, passing)
+        outcomes, _, _ = self.outcomes(res)
+        f2p = [n for n in passing if outcomes.get(n) != "passed"]
+        p2p = [n for n in passing if outcomes.get(n) == "passed"]
+        if not f2p or len(p2p) < self.min_pass_to_pass or res.killed == "output_limit":
+            return None
+        diff = "".join(
+            difflib.unified_diff(
+                deleted.splitlines(keepends=True), source.splitlines(keepends=True), f"a/{sym.file}", f"b/{sym.file}"
+            )
+        )
+        task_id = f"{self.repo.name}:{sym.file}::{sym.qualname}:{mode}"
+        return {
+            "task_id": task_id,
+            "prompt": self._prompt(sym, mode, deleted, f2p),
+            "repo": str(self.repo),
+            "file": sym.file,
+            "symbol": sym.qualname,
+            "kind": sym.kind,
+            "mode": mode,
+            "deleted_symbols": [sym.qualname],
+            "deleted_source": deleted,
+            "span": info.get("span"),
+            "insert_at": info.get("insert_at"),
+            "indent": info["indent"],
+            "class_line": info.get("class_line"),
+            "fail_to_pass": f2p,
+            "pass_to_pass": p2p,
+            "golden_diff": diff,
+            "original_source": info["original"],
+            "split": "test" if _frac_hash(task_id) < self.test_split else "train",
+        }
+
+    def _prompt(self, sym: Symbol, mode: str, deleted: str, f2p: list[str]) -> str:
+        what = (
+            "its body was removed (it now raises NotImplementedError)"
+            if mode == "body"
+            else "its whole definition was deleted"
+        )
+        if sym.kind == "method":
+            cls, meth = sym.qualname.split(".", 1)
+            ask = (
+                f"Reimplement the method `{meth}` of class `{cls}`. Reply with the complete `def {meth}` "
+                f"in one ```python code block; it will be placed inside the class."
+            )
+        else:
+            ask = (
+                f"Reimplement `{sym.name}`. Reply with the complete definition of `{sym.name}` in one ```python "
+                f"code block (you may put new imports or helper functions above it)."
+            )
+        shown = "\n".join(f"- {n}" for n in f2p[:10]) + (f"\n- ... and {len(f2p) - 10} more" if len(f2p) > 10 else "")
+        return (
+            f"In the Python repository `{self.repo.name}`, `{sym.qualname}` in `{sym.file}` is missing: {what}.\n"
+            f"These tests fail because of it:\n{shown}\n\n"
+            f"`{sym.file}` now reads:\n```python\n{deleted}```\n\n{ask}"
+        )
+
+    # -- Env API ------------------------------------------------------------------------------
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        """Built tasks of ``split`` (``"all"`` for every task)."""
+        built = self.build_tasks()
+        if split == "all":
+            return [dict(t) for t in built]
+        want = "test" if split in ("test", "validation", "eval") else "train"
+        return [dict(t) for t in built if t["split"] == want]
+
+    def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+        """``n`` tasks of ``split`` (cycling through shuffles; all tasks if a split is empty)."""
+        pool = self.tasks(split) or self.tasks("all")
+        rng = random.Random(seed)
+        out: list[dict[str, Any]] = []
+        while pool and len(out) < n:
+            order = list(range(len(pool)))
+            rng.shuffle(order)
+            out.extend(dict(pool[i]) for i in order[: n - len(out)])
+        return out
+
+    def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
+        need = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")
+        if any(task.get(k) is None for k in need):
+            return Feedback("unscorable", f"the task lacks one of {need}", {}, None)
+        f2p, p2p = list(task["fail_to_pass"]), list(task["pass_to_pass"])
+        try:
+            new_source = splice_completion(str(task["deleted_source"]), task, completion)
+        except SyntaxError as e:
+            return Feedback("syntax_error", f"The code does not parse: {e.msg} (line {e.lineno}).",
+                            {"error": "SyntaxError", "message": e.msg, "lineno": e.lineno}, 0.0)  # fmt: skip
+        except ValueError as e:
+            return Feedback("no_code", f"{str(e)[0].upper()}{str(e)[1:]}.", {"symbol": task["symbol"]}, 0.0)
+        try:
+            res = self.run_tests({str(task["file"]): new_source}, [*f2p, *p2p])
+        except SandboxError as e:
+            return Feedback("sandbox_error", str(e), {}, None)
+        outcomes, collect_errors, tampered = self.outcomes(res)
+        base = {"stdout": res.stdout[-3000:], "stderr": res.stderr[-1500:], "killed": res.killed,
+                "collect_errors": collect_errors[:3]}  # fmt: skip
+        if tampered:
+            return Feedback("tampered", "The code interfered with the test runner; the run is not scored.", base, 0.0)
+        fixed = [n for n in f2p if outcomes.get(n) == "passed"]
+        still_failing = [n for n in f2p if outcomes.get(n) != "passed"]
+        regressed = [n for n in p2p if outcomes.get(n) != "passed"]
+        details = {**base, "passed": len(fixed), "total": len(f2p), "failed": still_failing, "regressed": regressed}
+        messages = {r.get("nodeid"): r.get("message") for r in res.records if r.get("kind") == "test"}
+        if regressed:
+            first = regressed[0]
+            details.update(test=first, message=messages.get(first) or "not run")
+            return Feedback("regression", f"{len(regressed)} test(s) that passed before now fail, e.g. {first}.",
+                            details, 0.0)  # fmt: skip
+        reward = len(fixed) / len(f2p) if f2p else None
+        if not still_failing:
+            return Feedback("correct", f"All {len(f2p)} failing tests pass now.", details, reward)
+        first = still_failing[0]
+        msg = messages.get(first) or (collect_errors[0] if collect_errors else "not run")
+        details.update(test=first, message=msg)
+        if res.killed in ("timeout", "cpu_limit"):
+            return Feedback("timeout", f"The tests timed out; {len(fixed)}/{len(f2p)} pass.", details, reward)
+        return Feedback(
+            "test_failure", f"{len(fixed)}/{len(f2p)} tests pass; {first} still fails: {str(msg)[:300]}",
+            details, reward,
+        )  # fmt: skip
+
+
+def _frac_hash(text: str) -> float:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "big") / 2**32
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False)
+    except ImportError:  # pragma: no cover
+        return _NoBar()
