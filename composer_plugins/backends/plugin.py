@@ -1,12 +1,163 @@
-"""Default plugin: registers the built-in backends through the public ``register_backends`` hook."""
+"""Default plugin: registers the built-in backends through the public ``register_backends`` hook.
+
+Every backend is registered lazily (a ``"module:attr"`` string plus a description), so
+``composer-plugins list backends`` never imports an upstream library. ``requires`` names the
+upstream import, ``install`` the command that brings it: ``composer-plugins list backends``
+shows a backend whose upstream is missing as ``[not installed: <command>]``, and building it
+raises :class:`~composer_plugins.core.errors.MissingDependencyError` with that command.
+
+The separate distributions ``composer-plugins-<backend>`` (``packages/``) declare no
+``composer_plugins`` entry point: this plugin already registers every backend, so they only
+bring the tested upstream versions (and, for VeRL, a ``verl.plugins`` entry point).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from composer_plugins.core.hookspecs import hookimpl
+from composer_plugins.core.registry import KNOWN_BACKENDS
+
+#: PRIME-RL is not on PyPI; it installs from its source tree with uv (Python 3.12), and the loss
+#: distribution goes into that environment.
+PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
+PRIME_RL_INSTALL = (
+    "git clone https://github.com/PrimeIntellect-ai/prime-rl && cd prime-rl && uv sync --all-extras && "
+    "uv pip install composer-plugins-prime-rl"
+)
+
+#: name -> (target, description, requires, install, aliases)
+BUILTIN_BACKENDS: dict[str, tuple[str, str, tuple[str, ...], str, tuple[str, ...]]] = {
+    "lightning": (
+        "composer_plugins.backends.lightning:LightningBackend",
+        "Native path: the composed channels in ComposerModule, trained by a Lightning Trainer.",
+        ("lightning",),
+        "pip install composer-plugins",
+        ("native",),
+    ),
+    "trl": (
+        "composer_plugins.backends.trl:TRLBackend",
+        "trl.GRPOTrainer subclass whose loss is the composed channels (TRL generation, rewards, advantages).",
+        ("trl",),
+        KNOWN_BACKENDS["trl"],
+        (),
+    ),
+    "verl": (
+        "composer_plugins.backends.verl:VeRLBackend",
+        "Our policy losses and advantage estimators in VeRL's own registries (loss_mode=composer_*).",
+        ("verl",),
+        KNOWN_BACKENDS["verl"],
+        (),
+    ),
+    "prime_rl": (
+        "composer_plugins.backends.prime_rl:PrimeRLBackend",
+        'PRIME-RL custom loss ([trainer.loss] type = "custom") composed from our channels, per-sample contract.',
+        ("prime_rl",),
+        PRIME_RL_INSTALL,
+        ("prime-rl", "primerl"),
+    ),
+    "monarch": (
+        "composer_plugins.backends.monarch:MonarchBackend",
+        "Generator, Rewarder and Trainer actors on a Monarch process mesh; the trainer applies the composed loss.",
+        ("monarch",),
+        KNOWN_BACKENDS["monarch"],
+        (),
+    ),
+}
 
 
 @hookimpl
 def register_backends(register: Any) -> None:
     """Register the built-in backends."""
+    for name, (target, description, requires, install, aliases) in BUILTIN_BACKENDS.items():
+        register(name, target, description, requires=list(requires), install=install, aliases=aliases)
+
+
+@hookimpl
+def register_commands(cli: Any) -> None:
+    """Add ``composer-plugins backend info|run|export``."""
+    import click
+
+    @cli.group(name="backend")
+    def backend() -> None:
+        """Run the loss channels in another trainer (lightning, trl, verl, prime_rl, monarch)."""
+
+    @backend.command(name="info")
+    @click.argument("name", required=False)
+    def info(name: str | None) -> None:
+        """Install command, tested upstream, what runs on CPU here and what needs GPUs."""
+        import json
+
+        from composer_plugins.core.plugins import get_registry
+
+        reg = get_registry()
+        names = [name] if name else [n for n in reg.names("backends")]
+        out = []
+        for n in names:
+            e = reg.get("backends", n)
+            row: dict[str, Any] = {"name": e.name, "available": e.available, "install": e.install}
+            if e.available:
+                cls = e.factory
+                if hasattr(cls, "info"):
+                    row.update({k: v for k, v in cls.info().items() if k != "name"})
+            out.append(row)
+        click.echo(json.dumps(out, indent=2))
+
+    def _build(name: str, config_path: str | None, section: str | None, overrides: tuple[str, ...],
+               options: tuple[str, ...], need_upstream: bool = True) -> Any:  # fmt: skip
+        import yaml
+
+        from composer_plugins.core.plugins import get_registry
+        from composer_plugins.core.train import load_train_config
+
+        kw: dict[str, Any] = {}
+        for opt in options:
+            key, sep, value = opt.partition("=")
+            if not sep:
+                raise click.BadParameter(f"expected KEY=VALUE, got {opt!r}", param_hint="--opt")
+            kw[key.strip()] = yaml.safe_load(value)
+        loaded = load_train_config(config_path, list(overrides), section=section)
+        entry = get_registry().get("backends", name)
+        if need_upstream:
+            return entry.build(config=loaded, **kw)
+        return entry.factory(config=loaded, **kw)  # exporting a launch config does not import the upstream
+
+    def _common(f: Any) -> Any:
+        f = click.argument("overrides", nargs=-1, metavar="[KEY.SUB=VALUE]...")(f)
+        f = click.option("--opt", "options", multiple=True, metavar="KEY=VALUE",
+                         help="Backend option (e.g. mode=local, generators=2, max_steps=5).")(f)  # fmt: skip
+        f = click.option("--section", default=None, help="Use this top-level key of the file as the config.")(f)
+        f = click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False), default=None,
+                         help="Training config YAML (default: the packaged configs/default.yaml).")(f)  # fmt: skip
+        return click.argument("name")(f)
+
+    @backend.command(name="run")
+    @_common
+    def run(name: str, config_path: str | None, section: str | None, options: tuple[str, ...],
+            overrides: tuple[str, ...]) -> None:  # fmt: skip
+        """Train the config's channels with backend NAME; print the final metrics as JSON."""
+        import json
+
+        from composer_plugins.core.errors import ComposerPluginsError
+
+        try:
+            res = _build(name, config_path, section, overrides, options).train()
+        except ComposerPluginsError as e:
+            raise click.ClickException(str(e)) from e
+        click.echo(json.dumps(res.metrics, indent=2, sort_keys=True, default=str))
+        click.echo(f"model: {res.model_dir}")
+
+    @backend.command(name="export")
+    @_common
+    def export(name: str, config_path: str | None, section: str | None, options: tuple[str, ...],
+               overrides: tuple[str, ...]) -> None:  # fmt: skip
+        """Print what launches the config in the upstream trainer (VeRL command line, PRIME-RL TOML)."""
+        import shlex
+
+        b = _build(name, config_path, section, overrides, options, need_upstream=False)
+        if hasattr(b, "command"):
+            click.echo(shlex.join(b.command()))
+        elif hasattr(b, "toml"):
+            click.echo(b.toml(), nl=False)
+        else:
+            raise click.ClickException(f"backend {name!r} runs in-process: use `composer-plugins backend run {name}`")

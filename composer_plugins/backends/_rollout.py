@@ -1,0 +1,92 @@
+"""The in-process pieces the backends share: policy, env, seeded task draws, rollouts, optimizer.
+
+Built from the same :class:`~composer_plugins.core.train.TrainConfig` helpers the native
+Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``), so a
+backend differs from the native path only in the trainer, never in the data or the reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def build_optimizer(cfg: Any, params: Any) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg.optim`` (adamw / adam / sgd) over ``params``."""
+    o = cfg.optim
+    params = [p for p in params if p.requires_grad]
+    if o.name == "adamw":
+        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "adam":
+        return torch.optim.Adam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+
+def generate(policy: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], seed: int) -> Any:
+    """Sample ``cfg.rollout.num_generations`` completions per prompt with the config's sampling settings."""
+    from composer_plugins.models.generation import generate_completions
+
+    r = cfg.rollout
+    return generate_completions(
+        policy, tokenizer, list(prompts), r.num_generations, max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed, max_prompt_length=r.max_prompt_length,
+    )  # fmt: skip
+
+
+class LocalRun:
+    """Policy, tokenizer, env, task stream and optimizer of one in-process run."""
+
+    def __init__(self, cfg: Any, src: Any = None, *, policy: Any = None, tokenizer: Any = None,
+                 env: Any = None) -> None:  # fmt: skip
+        from composer_plugins.core import train as T
+
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        self.cfg = cfg
+        self.env = env if env is not None else T.build_env(cfg, src)
+        if policy is None:
+            policy, tokenizer = T.load_policy_for(cfg, self.env)
+        torch.manual_seed(cfg.seed)
+        self.policy, self.tokenizer = policy, tokenizer
+        self.policy.train()
+        self.draw = T.task_drawer(self.env, cfg, "train")
+        self.optimizer = build_optimizer(cfg, self.policy.parameters())
+
+    def tasks(self, step: int) -> list[dict[str, Any]]:
+        """The prompts of ``step`` (depend only on ``cfg.seed`` and ``step``)."""
+        from composer_plugins.core.module import derive_seed
+
+        return self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))
+
+    def rollout(self, step: int) -> tuple[list[dict[str, Any]], Any, list[float], list[Any]]:
+        """``(tasks, rollout, rewards, feedback)`` of ``step``."""
+        from composer_plugins.core.module import derive_seed, env_rewards, task_prompt
+
+        tasks = self.tasks(step)
+        ro = generate(self.policy, self.tokenizer, self.cfg, [task_prompt(t) for t in tasks],
+                      derive_seed(self.cfg.seed, 1, step))  # fmt: skip
+        rewards = env_rewards(self.env, tasks, ro.completions, self.cfg.rollout.num_generations)
+        return tasks, ro, rewards, [None] * len(rewards)
+
+    def optimizer_step(self, loss: Tensor) -> float:
+        """Backward, clip (``trainer.gradient_clip_val``) and step; returns the gradient norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip = self.cfg.trainer.gradient_clip_val
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+        self.optimizer.step()
+        return float(norm)
+
+
+def state_dict_cpu(model: Any) -> dict[str, Tensor]:
+    """A detached CPU copy of ``model``'s weights (what actors send over the wire)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def load_weights(model: Any, weights: Mapping[str, Tensor]) -> None:
+    """Copy ``weights`` into ``model`` in place (strict: every key must match)."""
+    model.load_state_dict(dict(weights), strict=True)

@@ -1,0 +1,130 @@
+"""What every backend shares: the config it reads, the result it returns, its run history.
+
+A backend is the trainer a set of loss channels runs in. All of them read the same
+:class:`~composer_plugins.core.train.TrainConfig` (``env``, ``losses``, ``hints``, ``replay``,
+``rollout``, ``optim``, ``model`` ...) and take their own options as keyword arguments, so
+``composer_plugins.build("backends", "trl", config="train.yaml", max_steps=2)`` and
+``build("backends", "monarch", config=cfg)`` run the *same* channels in different trainers.
+``train()`` returns a :class:`~composer_plugins.core.train.RunResult` and writes
+``<output_dir>/model`` (``save_pretrained``), ``history.csv`` and ``metrics.json`` like the
+native path does.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from composer_plugins.core.errors import ConfigError
+
+
+def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
+    """``(TrainConfig, Config)`` from a ``TrainConfig``, a mapping, a YAML path or ``None`` (packaged default).
+
+    An already loaded ``(TrainConfig, Config)`` pair (from ``load_train_config``) is returned as is.
+    """
+    from composer_plugins.core.config import Config
+    from composer_plugins.core.train import TrainConfig, load_train_config, train_config_from_dict
+
+    if isinstance(config, tuple) and len(config) == 2 and isinstance(config[0], TrainConfig):
+        return config[0], config[1]
+    if isinstance(config, TrainConfig):
+        if overrides:
+            raise ConfigError("overrides need a config file or mapping, not an already built TrainConfig", key="config")
+        return config, Config()
+    if config is None or isinstance(config, str | os.PathLike):
+        return load_train_config(config, overrides)
+    if isinstance(config, Mapping):
+        from composer_plugins.core.config import apply_overrides
+
+        src = Config(dict(config))
+        apply_overrides(src, overrides)
+        return train_config_from_dict(src, src), src
+    raise ConfigError(f"expected a TrainConfig, a mapping or a YAML path, got {type(config).__name__}", key="config")
+
+
+class Backend:
+    """Base class of the built-in backends.
+
+    Args:
+        config: the shared training config (:class:`~composer_plugins.core.train.TrainConfig`,
+            a mapping, a YAML path, or ``None`` for the packaged default).
+        overrides: dotted ``key=value`` overrides applied to a file/mapping config.
+        output_dir: overrides ``config.output_dir``.
+    """
+
+    #: Registry name.
+    name: ClassVar[str] = ""
+    #: The upstream requirement the backend was tested with.
+    upstream: ClassVar[str] = ""
+    #: What runs on a CPU-only machine, and what needs GPUs (shown by ``composer-plugins backends info``).
+    runs_here: ClassVar[str] = ""
+    needs_gpu: ClassVar[str] = ""
+
+    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None) -> None:
+        self.config, self.src = resolve_config(config, overrides)
+        if output_dir is not None:
+            import dataclasses
+
+            self.config = dataclasses.replace(self.config, output_dir=str(output_dir))
+
+    @property
+    def output_dir(self) -> Path:
+        """Where ``train()`` writes the model, ``history.csv`` and ``metrics.json``."""
+        return Path(self.config.output_dir)
+
+    def train(self) -> Any:  # pragma: no cover - abstract
+        """Run training; return a :class:`~composer_plugins.core.train.RunResult`."""
+        raise NotImplementedError
+
+    @classmethod
+    def info(cls) -> dict[str, str]:
+        """Name, tested upstream, what runs on CPU here and what needs GPUs."""
+        return {"name": cls.name, "upstream": cls.upstream, "runs_here": cls.runs_here, "needs_gpu": cls.needs_gpu}
+
+    # -- outputs shared by the backends ------------------------------------------------
+    def write_outputs(self, history: list[dict[str, float]], metrics: dict[str, float], model: Any = None,
+                      tokenizer: Any = None) -> Any:  # fmt: skip
+        """Write ``history.csv``, ``metrics.json`` and (when given) ``model/``; return a ``RunResult``."""
+        from composer_plugins.core.train import RunResult
+
+        out = self.output_dir
+        out.mkdir(parents=True, exist_ok=True)
+        write_history(out / "history.csv", history)
+        model_dir = out / "model"
+        if model is not None:
+            model.save_pretrained(model_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(model_dir)
+        final = dict(metrics)
+        if history:
+            final.update({f"train/{k}": v for k, v in history[-1].items() if k != "step"})
+        (out / "metrics.json").write_text(json.dumps(final, indent=2, default=str))
+        return RunResult(metrics=final, output_dir=str(out), model_dir=str(model_dir), history=history)
+
+
+def write_history(path: Path, rows: list[dict[str, float]]) -> None:
+    """One CSV row per optimizer step; columns are the union of the rows' keys, ``step`` first."""
+    keys: list[str] = ["step"]
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def scalar_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric scalars of ``metrics`` as floats (tensors with one element included)."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if hasattr(v, "numel") and v.numel() == 1:
+            out[prefix + k] = float(v.detach().float().item())
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[prefix + k] = float(v)
+    return out

@@ -1,0 +1,49 @@
+"""The ``lightning`` backend: the native path, registered like every other backend.
+
+:class:`~composer_plugins.core.module.ComposerModule` samples rollouts, scores them with the
+env and optimises the composed channels; a Lightning ``Trainer`` (built by
+:func:`~composer_plugins.core.train.build_trainer`) runs it. This is exactly
+:func:`composer_plugins.core.train.run_train`; the backend object only gives it the same
+``build("backends", name, config=...).train()`` interface as TRL, VeRL, PRIME-RL and Monarch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from composer_plugins.backends.base import Backend
+
+
+class LightningBackend(Backend):
+    """Train with :class:`~composer_plugins.core.module.ComposerModule` and a Lightning ``Trainer``.
+
+    Args:
+        config, overrides, output_dir: see :class:`~composer_plugins.backends.base.Backend`.
+        max_steps: overrides ``trainer.max_steps``.
+        resume: ``"last"`` or a checkpoint path (passed to ``run_train``).
+        strategy, extra_callbacks, logger: passed to :func:`~composer_plugins.core.train.run_train`.
+    """
+
+    name = "lightning"
+    upstream = "lightning>=2.6,<2.7"
+    runs_here = "everything (all channels, tiny model on CPU)"
+    needs_gpu = "nothing (set trainer.accelerator=gpu for GPUs)"
+
+    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
+                 max_steps: int | None = None, resume: str | None = None, strategy: Any = None,
+                 extra_callbacks: Sequence[Any] = (), logger: Any = None) -> None:  # fmt: skip
+        super().__init__(config, overrides, output_dir=output_dir)
+        if max_steps is not None:
+            self.config = dataclasses.replace(
+                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
+            )
+        self.resume, self.strategy, self.extra_callbacks, self.logger = resume, strategy, list(extra_callbacks), logger
+
+    def train(self) -> Any:
+        """:func:`~composer_plugins.core.train.run_train` on the config; returns its ``RunResult``."""
+        from composer_plugins.core.train import run_train
+
+        return run_train(self.config, self.src, resume=self.resume, extra_callbacks=self.extra_callbacks,
+                         strategy=self.strategy, logger=self.logger)  # fmt: skip

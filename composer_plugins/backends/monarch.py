@@ -1,0 +1,389 @@
+"""The ``monarch`` backend: Generator, Rewarder and Trainer actors on a Monarch process mesh.
+
+One training step, driven by :class:`MonarchBackend` from the client process:
+
+1. the :class:`RewarderActor` (owns the env) draws the step's seeded tasks;
+2. the :class:`GeneratorActor` mesh (``generators`` processes; each samples its shard of the
+   prompts with HF ``generate``) returns the rollout;
+3. the :class:`RewarderActor` scores the completions with the env plugin (``env.reward``);
+4. the :class:`TrainerActor` applies the composed loss (the native
+   :class:`~composer_plugins.core.module.ComposerModule` step on the received rollout: group
+   advantages, policy forward, hint-teacher forward, replay pairs, ``ChannelComposer``) and
+   takes an optimizer step;
+5. the trainer's new weights are sent back to every generator (``load_weights``).
+
+Every actor runs in its own OS process of a local process mesh
+(``this_host().spawn_procs(per_host={"gpus": n})`` works on CPU); actor failures surface in
+the client as ``monarch.actor.ActorError``. Tested with torchmonarch 0.7.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from monarch.actor import Actor, ActorError, current_rank, current_size, endpoint, this_host
+from torch import Tensor
+
+from composer_plugins.backends import _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
+from composer_plugins.backends.base import Backend, scalar_metrics
+from composer_plugins.core import module as _module  # noqa: F401
+from composer_plugins.core import train as _train  # noqa: F401
+from composer_plugins.models import generation as _generation  # noqa: F401
+from composer_plugins.models import tiny as _tiny  # noqa: F401
+
+#: Actors placed in the same process are constructed concurrently; their (lazy) imports of
+#: lightning/transformers modules must not interleave (Python raises _DeadlockError), so the
+#: heavy modules are imported above and every actor's __init__ holds this lock.
+_INIT_LOCK = threading.Lock()
+
+__all__ = [
+    "ActorError",
+    "GeneratorActor",
+    "MonarchBackend",
+    "MonarchSession",
+    "RewarderActor",
+    "TrainerActor",
+    "merge_rollouts",
+]
+
+
+def _config(config: Mapping[str, Any]) -> Any:
+    from composer_plugins.core.train import train_config_from_dict
+
+    return train_config_from_dict(config)
+
+
+def _threads(cfg: Any) -> None:
+    torch.set_num_threads(int(cfg.trainer.num_threads or 1))
+
+
+def _rollout_to_wire(ro: Any) -> dict[str, Any]:
+    return {
+        "prompt_ids": ro.prompt_ids.cpu(), "prompt_mask": ro.prompt_mask.cpu(),
+        "completion_ids": ro.completion_ids.cpu(), "completion_mask": ro.completion_mask.cpu(),
+        "completions": list(ro.completions), "prompts": list(ro.prompts), "num_generations": ro.num_generations,
+    }  # fmt: skip
+
+
+def merge_rollouts(parts: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Concatenate wire rollouts (in order): prompts re-left-padded, completions re-right-padded."""
+    parts = [p for p in parts if p["completion_ids"].shape[0]]
+    P = max(p["prompt_ids"].shape[1] for p in parts)
+    C = max(p["completion_ids"].shape[1] for p in parts)
+
+    def lpad(x: Tensor, width: int, value: int) -> Tensor:
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    def rpad(x: Tensor, width: int, value: int) -> Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    return {
+        "prompt_ids": torch.cat([lpad(p["prompt_ids"], P, pad_id) for p in parts]),
+        "prompt_mask": torch.cat([lpad(p["prompt_mask"], P, 0) for p in parts]),
+        "completion_ids": torch.cat([rpad(p["completion_ids"], C, pad_id) for p in parts]),
+        "completion_mask": torch.cat([rpad(p["completion_mask"], C, 0) for p in parts]),
+        "completions": [c for p in parts for c in p["completions"]],
+        "prompts": [c for p in parts for c in p["prompts"]],
+        "num_generations": parts[0]["num_generations"],
+    }
+
+
+def _rollout_from_wire(w: Mapping[str, Any]) -> Any:
+    from composer_plugins.models.generation import Rollout
+
+    G = int(w["num_generations"])
+    n = w["completion_ids"].shape[0]
+    return Rollout(
+        prompt_ids=w["prompt_ids"], prompt_mask=w["prompt_mask"], completion_ids=w["completion_ids"],
+        completion_mask=w["completion_mask"], completions=list(w["completions"]), prompts=list(w["prompts"]),
+        group_index=torch.arange(n // G).repeat_interleave(G), num_generations=G,
+    )  # fmt: skip
+
+
+class GeneratorActor(Actor):
+    """Holds a copy of the policy and samples completions for its shard of the prompts."""
+
+    def __init__(self, config: dict[str, Any], model_dir: str) -> None:
+        from composer_plugins.models.tiny import load_policy
+
+        with _INIT_LOCK:
+            self.cfg = _config(config)
+            _threads(self.cfg)
+            self.policy, self.tokenizer = load_policy(model_dir, dtype=self.cfg.model.dtype)
+            self.policy.eval()
+            self.version = 0
+
+    @endpoint
+    async def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
+        """Sample ``G`` completions for prompts ``rank::size`` (this replica's shard)."""
+        from composer_plugins.backends._rollout import generate
+
+        rank, size = current_rank().rank, _mesh_size()
+        mine = prompts[rank::size]
+        if not mine:
+            return {"completion_ids": torch.zeros(0, 0, dtype=torch.long), "rank": rank}
+        ro = generate(self.policy, self.tokenizer, self.cfg, mine, seed * 1009 + rank)
+        return {**_rollout_to_wire(ro), "rank": rank, "version": self.version, "pid": os.getpid()}
+
+    @endpoint
+    async def load_weights(self, weights: dict[str, Tensor], version: int) -> int:
+        """Replace the policy weights with the trainer's; returns the new version."""
+        from composer_plugins.backends._rollout import load_weights
+
+        load_weights(self.policy, weights)
+        self.version = int(version)
+        return self.version
+
+    @endpoint
+    async def checksum(self) -> float:
+        """Sum of all weights (to check generators and trainer agree)."""
+        return float(sum(p.detach().double().sum() for p in self.policy.parameters()))
+
+
+def _mesh_size() -> int:
+    size = 1
+    for n in current_size().values():
+        size *= int(n)
+    return size
+
+
+class RewarderActor(Actor):
+    """Owns the env plugin: draws the seeded tasks of each step and scores completions with ``env.reward``."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from composer_plugins.core import train as T
+
+        with _INIT_LOCK:
+            self.cfg = _config(config)
+            _threads(self.cfg)
+            self.env = T.build_env(self.cfg)
+            self.draw = T.task_drawer(self.env, self.cfg, "train")
+
+    @endpoint
+    async def tasks(self, step: int) -> list[dict[str, Any]]:
+        """The tasks of ``step`` (seeded by ``config.seed`` and ``step``)."""
+        from composer_plugins.core.module import derive_seed
+
+        return [dict(t) for t in self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))]
+
+    @endpoint
+    async def score(self, tasks: list[dict[str, Any]], completions: list[str]) -> list[float]:
+        """``env.reward`` of each completion (``G`` per task, in order)."""
+        from composer_plugins.core.module import env_rewards
+
+        return env_rewards(self.env, tasks, completions, self.cfg.rollout.num_generations)
+
+
+class TrainerActor(Actor):
+    """Applies the composed loss to a received rollout and steps the optimizer; serves its weights."""
+
+    def __init__(self, config: dict[str, Any], model_dir: str) -> None:
+        from composer_plugins.backends._rollout import build_optimizer
+        from composer_plugins.core.module import ComposerModule
+        from composer_plugins.models.tiny import load_policy
+
+        with _INIT_LOCK:
+            self.cfg = _config(config)
+            _threads(self.cfg)
+            torch.manual_seed(self.cfg.seed)
+            policy, tok = load_policy(model_dir, dtype=self.cfg.model.dtype)
+            self.module = ComposerModule(self.cfg, policy=policy, tokenizer=tok)
+            self.module.policy.train()
+            self.optimizer = build_optimizer(self.cfg, self.module.policy.parameters())
+            self.steps = 0
+
+    def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict]:
+        m = self.module
+        feedback = [None] * len(rewards)
+        if hasattr(m, "loss_from_rollout"):
+            return m.loss_from_rollout(tasks, ro, rewards, feedback, seed)
+        # Same step as the native path: ComposerModule.compute_step on the rollout we were sent.
+        m.rollout = lambda _tasks, _seed: (ro, list(rewards), feedback)  # type: ignore[method-assign]
+        try:
+            return m.compute_step(tasks, seed)
+        finally:
+            del m.rollout
+
+    @endpoint
+    async def train_step(self, tasks: list[dict[str, Any]], rollout: dict[str, Any], rewards: list[float],
+                         step: int) -> dict[str, float]:  # fmt: skip
+        """One optimizer step of the composed loss on ``rollout``; returns the step's statistics."""
+        from composer_plugins.core.module import derive_seed
+
+        t0 = time.perf_counter()
+        ro = _rollout_from_wire(rollout)
+        loss, stats = self._loss(tasks, ro, rewards, derive_seed(self.cfg.seed, 1, step))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip = self.cfg.trainer.gradient_clip_val
+        params = [p for p in self.module.policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.zeros(())
+        self.optimizer.step()
+        self.steps += 1
+        out = scalar_metrics(stats)
+        out.update(loss=float(loss.detach()), grad_norm=float(norm), trainer_step_time=time.perf_counter() - t0,
+                   trainer_pid=float(os.getpid()))  # fmt: skip
+        return out
+
+    @endpoint
+    async def weights(self) -> dict[str, Tensor]:
+        """A CPU copy of the policy weights (sent to the generators)."""
+        from composer_plugins.backends._rollout import state_dict_cpu
+
+        return state_dict_cpu(self.module.policy)
+
+    @endpoint
+    async def checksum(self) -> float:
+        """Sum of all weights."""
+        return float(sum(p.detach().double().sum() for p in self.module.policy.parameters()))
+
+    @endpoint
+    async def save(self, path: str) -> str:
+        """``save_pretrained`` the policy and tokenizer to ``path``."""
+        self.module.export_pretrained(path)
+        return path
+
+
+class MonarchBackend(Backend):
+    """Train the config's channels with Generator / Rewarder / Trainer actors on a local Monarch mesh.
+
+    Args:
+        config, overrides, output_dir: see :class:`~composer_plugins.backends.base.Backend`.
+        generators: processes of the mesh; a generator replica runs on each (each samples a shard of
+            the step's prompts).
+        colocate: ``True`` (default) places the rewarder on the first and the trainer on the last
+            process of that mesh (fewest processes); ``False`` gives each its own one-process mesh.
+        max_steps: overrides ``trainer.max_steps``.
+    """
+
+    name = "monarch"
+    upstream = "torchmonarch>=0.7,<0.8"
+    runs_here = "the three actor roles in separate processes of a local CPU process mesh, real training steps"
+    needs_gpu = "nothing; on GPU hosts the same actors run with per_host={'gpus': N} and CUDA policies"
+
+    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
+                 generators: int = 2, colocate: bool = True, max_steps: int | None = None) -> None:  # fmt: skip
+        super().__init__(config, overrides, output_dir=output_dir)
+        if max_steps is not None:
+            self.config = dataclasses.replace(
+                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
+            )
+        self.generators = max(1, int(generators))
+        self.colocate = bool(colocate)
+
+    def session(self) -> MonarchSession:
+        """An async context manager holding the spawned meshes (``async with backend.session() as s``)."""
+        return MonarchSession(self)
+
+    def train(self) -> Any:
+        """Run the actor loop; returns a :class:`~composer_plugins.core.train.RunResult`."""
+        return asyncio.run(self.run())
+
+    async def run(self) -> Any:
+        """The actor loop (async; use :meth:`train` from synchronous code)."""
+        async with self.session() as s:
+            for step in range(self.config.trainer.max_steps):
+                await s.step(step)
+            return await s.finish()
+
+
+class MonarchSession:
+    """Spawned actors of one :class:`MonarchBackend` run; :meth:`step` runs one training step."""
+
+    def __init__(self, backend: MonarchBackend) -> None:
+        self.backend = backend
+        self.history: list[dict[str, float]] = []
+        self._meshes: list[Any] = []
+
+    async def __aenter__(self) -> MonarchSession:
+        from composer_plugins.core import train as T
+        from composer_plugins.core.config import to_dict
+        from composer_plugins.models.tiny import load_policy
+
+        b = self.backend
+        model_dir = T.resolve_policy(b.config)  # base / SFT warm start, built once here, loaded by every actor
+        wire = to_dict(b.config)
+        host = this_host()
+        procs = host.spawn_procs(per_host={"gpus": b.generators})
+        self._meshes.append(procs)
+        if b.colocate:
+            rew_procs, trn_procs = procs.slice(gpus=0), procs.slice(gpus=b.generators - 1)
+        else:
+            rew_procs, trn_procs = host.spawn_procs(per_host={"gpus": 1}), host.spawn_procs(per_host={"gpus": 1})
+            self._meshes += [rew_procs, trn_procs]
+        self.generators = procs.spawn("generator", GeneratorActor, wire, model_dir)
+        self.rewarder = rew_procs.spawn("rewarder", RewarderActor, wire)
+        self.trainer = trn_procs.spawn("trainer", TrainerActor, wire, model_dir)
+        tok = load_policy(model_dir)[1]
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for pm in self._meshes:
+            try:
+                await pm.stop()
+            except Exception:  # pragma: no cover - best-effort shutdown
+                pass
+
+    async def step(self, step: int) -> dict[str, float]:
+        """Tasks (rewarder) -> rollout (generators) -> rewards (rewarder) -> update (trainer) -> weights back."""
+        from composer_plugins.core.module import derive_seed, task_prompt
+
+        c = self.backend.config
+        t0 = time.perf_counter()
+        tasks = await self.rewarder.tasks.call_one(step)
+        prompts = [task_prompt(t) for t in tasks]
+        shards = await self.generators.generate.call(prompts, derive_seed(c.seed, 1, step))
+        ordered = sorted((v for _, v in shards.items()), key=lambda sh: sh["rank"])
+        rollout = _interleave(ordered, len(prompts), self.pad)
+        rewards = await self.rewarder.score.call_one(tasks, rollout["completions"])
+        stats = await self.trainer.train_step.call_one(tasks, rollout, rewards, step)
+        weights = await self.trainer.weights.call_one()
+        await self.generators.load_weights.call(weights, step + 1)
+        row = {"step": float(step + 1), "reward": float(sum(rewards) / max(len(rewards), 1)), **stats}
+        row["generator_pids"] = float(len({sh.get("pid") for sh in ordered if "pid" in sh}))
+        row["step_time"] = time.perf_counter() - t0
+        self.history.append(row)
+        return row
+
+    async def finish(self) -> Any:
+        """Save the trainer's policy, check the generators hold the same weights, write the outputs."""
+        b = self.backend
+        await self.trainer.save.call_one(str(b.output_dir / "model"))
+        trainer_sum = await self.trainer.checksum.call_one()
+        gen_sums = [v for _, v in (await self.generators.checksum.call()).items()]
+        tol = 1e-6 * max(1.0, abs(trainer_sum))
+        in_sync = float(all(abs(g - trainer_sum) <= tol for g in gen_sums))
+        return b.write_outputs(self.history, {"monarch/trainer_checksum": trainer_sum,
+                                              "monarch/generators_in_sync": in_sync})  # fmt: skip
+
+
+def _interleave(shards: Sequence[Mapping[str, Any]], n_prompts: int, pad: int) -> dict[str, Any]:
+    """Undo the ``rank::size`` sharding: rows back in prompt order (``G`` rows per prompt)."""
+    size = len(shards)
+    merged = merge_rollouts(shards, pad)
+    G = int(merged["num_generations"])
+    # row blocks of G per prompt; shard r holds prompts r, r+size, ...
+    order: list[int] = []
+    starts, acc = [], 0
+    for s in shards:
+        starts.append(acc)
+        acc += s["completion_ids"].shape[0] if s["completion_ids"].shape[0] else 0
+    for p in range(n_prompts):
+        r, j = p % size, p // size
+        base = starts[r] + j * G
+        order.extend(range(base, base + G))
+    idx = torch.tensor(order)
+    out = dict(merged)
+    for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
+        out[k] = merged[k][idx]
+    out["completions"] = [merged["completions"][i] for i in order]
+    out["prompts"] = [merged["prompts"][i] for i in order]
+    return out

@@ -1,0 +1,428 @@
+"""The ``prime_rl`` backend: a PRIME-RL custom loss composed from our channels.
+
+PRIME-RL replaces its ``rl`` loss component with a user function when the trainer config says::
+
+    [trainer.loss]
+    type = "custom"
+    import_path = "composer_plugins.backends.prime_rl.loss_fn"
+
+    [trainer.loss.kwargs]
+    policy = "dppo"        # PRIME-RL's default loss; or dapo / cispo / gspo
+    hint_weight = 0.0      # > 0: hint self-distillation on ref_logprobs (see below)
+
+The interface is implemented from PRIME-RL's published source, ``src/prime_rl/trainer/rl/loss.py``
+of https://github.com/PrimeIntellect-ai/prime-rl at commit
+``559b44772e471d1538537b8805cc77f3824a5e64`` (2026-08-21): the loss is called **per sample** as
+``loss_fn(inputs: LossInputs, **kwargs) -> LossOutputs`` with ``LossInputs(trainer_logprobs,
+inference_logprobs, ref_logprobs, advantages, loss_mask, loss_weights)`` (1-D per-token tensors;
+``loss_weights`` ``None`` means 1.0) and must return the *summed* token loss of that sample;
+PRIME-RL adds the samples up and divides by the global count of loss tokens (``rl_scale``).
+Older PRIME-RL versions (before commit ``0be5ac4``) named the reference stream
+``teacher_logprobs`` and had no ``loss_weights``; both layouts are accepted.
+
+When ``prime_rl`` is importable, :data:`LossInputs` / :data:`LossOutputs` are PRIME-RL's own
+classes; otherwise they are structurally identical stand-ins (prime-rl is not on PyPI and needs
+Python 3.12), which is what the tests use.
+
+Channels: the policy channel is always on — ``policy="dppo"`` is
+:func:`~composer_plugins.losses.functional.dppo_kl_loss`, PRIME-RL's default DPPO+KL loss (with
+the extra channels off, this function returns exactly PRIME-RL's default loss); ``dapo`` /
+``cispo`` / ``gspo`` use :func:`~composer_plugins.losses.functional.policy_loss` with the
+inference log-probs as the old policy. ``hint_weight > 0`` adds hint self-distillation where the
+sample carries ``ref_logprobs`` (PRIME-RL's ``opsd`` scores the sample under the live policy
+conditioned on a demonstration: our hint teacher): ``hint_weight · Σ_t KL̂(π‖π_hint)`` with the
+``hint_estimator`` of :func:`~composer_plugins.losses.functional.kl_estimate`. PRIME-RL hands
+the loss only sampled-token log-probs, so the full-vocabulary divergences (JSD, TAID) of the
+native hint channel cannot run here, and the replay-DPO channel (which needs chosen/rejected pairs)
+has no place in a per-sample contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_plugins.backends.base import Backend
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.losses import functional as F
+
+#: The PRIME-RL commit the per-sample contract was read from.
+PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
+#: Import path to put in ``[trainer.loss] import_path``.
+IMPORT_PATH = "composer_plugins.backends.prime_rl.loss_fn"
+#: Policy losses usable per sample (their aggregate is a token sum, which PRIME-RL normalises).
+POLICIES: tuple[str, ...] = ("dppo", "dapo", "cispo", "gspo")
+
+
+@dataclass
+class _StandInLossInputs:
+    """Stand-in for ``prime_rl.trainer.rl.loss.LossInputs`` (same fields, order and defaults)."""
+
+    trainer_logprobs: Tensor
+    inference_logprobs: Tensor
+    ref_logprobs: Tensor | None
+    advantages: Tensor
+    loss_mask: Tensor
+    loss_weights: Tensor | None = field(default=None)
+
+
+@dataclass
+class _StandInLossOutputs:
+    """Stand-in for ``prime_rl.trainer.rl.loss.LossOutputs``."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+def _upstream_classes() -> tuple[type, type, bool]:
+    if importlib.util.find_spec("prime_rl") is not None:
+        try:
+            from prime_rl.trainer.rl.loss import LossInputs as _LI
+            from prime_rl.trainer.rl.loss import LossOutputs as _LO
+
+            return _LI, _LO, True
+        except Exception:  # prime_rl present but its trainer deps are not (e.g. no GPU stack)
+            pass
+    return _StandInLossInputs, _StandInLossOutputs, False
+
+
+LossInputs, LossOutputs, USING_PRIME_RL = _upstream_classes()
+
+
+def _tensor_metrics(metrics: Mapping[str, Any], device: torch.device) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for k, v in metrics.items():
+        if isinstance(v, Tensor):
+            t = v.detach()
+            out[k] = t if t.dim() == 0 and t.dtype == torch.float32 else t.float().reshape(())
+        else:
+            out[k] = torch.tensor(float(v), device=device)
+    return out
+
+
+def loss_fn(
+    inputs: Any,
+    policy: str = "dppo",
+    dppo_mask_low: float = 0.2,
+    dppo_mask_high: float = 0.2,
+    adv_tau: float = 1.0,
+    kl_tau: float = 1e-3,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    hint_weight: float = 0.0,
+    hint_estimator: str = "k3",
+) -> Any:
+    """Our composed loss for one PRIME-RL sample (see the module docstring for the contract).
+
+    Args:
+        inputs: a ``LossInputs`` (current layout, or the older one with ``teacher_logprobs``).
+        policy: ``dppo`` (PRIME-RL's default loss), ``dapo``, ``cispo`` or ``gspo``.
+        dppo_mask_low, dppo_mask_high, adv_tau, kl_tau: PRIME-RL's ``DefaultLossConfig`` knobs (``dppo``).
+        epsilon_low, epsilon_high: clip range of ``dapo``/``gspo`` (``cispo`` caps the ratio at ``epsilon_high``).
+        hint_weight: weight of the hint self-distillation term (0 = off).
+        hint_estimator: ``k1``, ``k2`` or ``k3`` (per-token KL estimate from sampled-token log-probs).
+
+    Returns:
+        ``LossOutputs(loss, metrics)``: ``loss`` is the sample's summed token loss.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}", key="trainer.loss.kwargs.policy", valid=list(POLICIES))
+    trainer = inputs.trainer_logprobs
+    inference = inputs.inference_logprobs
+    mask = inputs.loss_mask.bool()
+    weights = getattr(inputs, "loss_weights", None)
+    ref = getattr(inputs, "ref_logprobs", None)
+    if ref is None:
+        ref = getattr(inputs, "teacher_logprobs", None)
+    adv = inputs.advantages
+    if adv is None:  # distillation-only samples ship no advantages
+        adv = torch.zeros_like(trainer)
+    adv = adv.to(trainer.dtype)
+
+    if policy == "dppo":
+        out = F.dppo_kl_loss(trainer, inference, adv, mask, dppo_mask_low=dppo_mask_low,
+                             dppo_mask_high=dppo_mask_high, adv_tau=adv_tau, kl_tau=kl_tau,
+                             loss_weights=weights)  # fmt: skip
+        loss, metrics = out.loss, dict(out.metrics)
+    else:
+        # One sample as a batch of one; "dapo" aggregation with num_items_in_batch=1 is the token sum.
+        out = F.policy_loss(
+            trainer.unsqueeze(0), inference.unsqueeze(0), adv.unsqueeze(0), mask.unsqueeze(0),
+            loss_type="cispo" if policy == "cispo" else "dapo",
+            epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+            importance_sampling_level="sequence" if policy == "gspo" else "token",
+            num_items_in_batch=1.0,
+            importance_sampling_ratio=None if weights is None else weights.unsqueeze(0).to(trainer.dtype),
+        )  # fmt: skip
+        loss, metrics = out.loss, dict(out.metrics)
+
+    if hint_weight:
+        if ref is not None:
+            kl = F.kl_estimate(trainer, ref.to(trainer.dtype), hint_estimator)  # type: ignore[arg-type]
+            per_token = kl * mask.to(trainer.dtype)
+            if weights is not None:
+                per_token = per_token * weights
+            hint = per_token.sum()
+            loss = loss + hint_weight * hint
+            metrics["hint/kl"] = hint.detach() / mask.sum().clamp(min=1)
+            metrics["hint/skipped"] = 0.0
+        else:
+            metrics["hint/skipped"] = 1.0
+    return LossOutputs(loss=loss, metrics=_tensor_metrics(metrics, trainer.device))
+
+
+# ----------------------------------------------------------------------------------------------
+# PRIME-RL's aggregation, for running the loss outside PRIME-RL (tests, local mode)
+# ----------------------------------------------------------------------------------------------
+def aggregate(samples: Sequence[Any], fn: Any = loss_fn, rl_scale: int | None = None,
+              **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """PRIME-RL's ``rl`` component: ``Σ_samples fn(sample).loss / rl_scale``, metrics stacked per sample.
+
+    ``rl_scale`` defaults to the number of loss tokens in ``samples`` (PRIME-RL all-reduces it
+    over ranks). Restates the ``rl`` branch of ``compute_loss`` in PRIME-RL's ``loss.py``.
+    """
+    if not samples:
+        raise ValueError("no samples")
+    scale = rl_scale if rl_scale is not None else int(sum(int(s.loss_mask.sum()) for s in samples))
+    total = samples[0].trainer_logprobs.sum() * 0.0
+    collected: dict[str, list[Tensor]] = {}
+    for s in samples:
+        res = fn(s, **kwargs)
+        total = total + res.loss
+        for k, v in res.metrics.items():
+            collected.setdefault(k, []).append(v)
+    metrics = {k: torch.stack(v) if v[0].dim() == 0 else torch.cat(v) for k, v in collected.items()}
+    return total / max(scale, 1), metrics
+
+
+def samples_from_batch(trainer_logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                       ref_logprobs: Tensor | None = None, cls: type | None = None) -> list[Any]:  # fmt: skip
+    """Split ``(B, T)`` tensors into per-sample ``LossInputs`` (padding dropped, as PRIME-RL's packing does)."""
+    cls = cls or LossInputs
+    out = []
+    for i in range(trainer_logprobs.shape[0]):
+        on = mask[i].nonzero().flatten()
+        sl = slice(0, int(on[-1]) + 1 if on.numel() else 0)
+        adv = advantages[i] if advantages.dim() == 2 else advantages[i].expand(trainer_logprobs.shape[1])
+        kw = {
+            "trainer_logprobs": trainer_logprobs[i, sl],
+            "inference_logprobs": inference_logprobs[i, sl],
+            "advantages": adv[sl],
+            "loss_mask": mask[i, sl].bool(),
+        }
+        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        ref = ref_logprobs[i, sl] if ref_logprobs is not None else None
+        if "teacher_logprobs" in names:
+            kw["teacher_logprobs"] = ref
+        else:
+            kw["ref_logprobs"] = ref
+        out.append(cls(**kw))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend
+# ----------------------------------------------------------------------------------------------
+class PrimeRLBackend(Backend):
+    """Run our channels with PRIME-RL's loss contract.
+
+    ``mode="prime-rl"`` writes a PRIME-RL TOML (:meth:`toml`) and runs ``rl @ <toml>`` (needs
+    prime-rl installed, vLLM and GPUs). ``mode="local"`` runs the same per-sample ``loss_fn`` in
+    this process on CPU: HF ``generate`` plays the inference server (its log-probs are the
+    ``inference_logprobs``), the config's env scores, group advantages are broadcast per token,
+    failed samples are re-scored under the policy conditioned on the hint provider's hint
+    (``ref_logprobs``, as PRIME-RL's ``opsd`` does), and :func:`aggregate` applies PRIME-RL's
+    normalisation before a torch optimizer step.
+
+    Loss kwargs come from the policy channel of ``config.losses`` (``loss_type``/its name picks
+    ``policy``; ``dppo`` knobs pass through) and from ``hint_weight`` (the weight of an enabled
+    ``hint_distill`` channel).
+    """
+
+    name = "prime_rl"
+    upstream = f"prime-rl @ git+https://github.com/PrimeIntellect-ai/prime-rl@{PRIME_RL_COMMIT}"
+    runs_here = "the custom loss_fn on stand-in LossInputs, PRIME-RL's per-sample aggregation on the tiny model"
+    needs_gpu = "`rl @ config.toml` (vLLM inference server + FSDP trainer; Python 3.12)"
+
+    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
+                 mode: str = "local", max_steps: int | None = None, model_name: str | None = None) -> None:  # fmt: skip
+        super().__init__(config, overrides, output_dir=output_dir)
+        if mode not in ("local", "prime-rl"):
+            raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "prime-rl"])
+        self.mode = mode
+        self.model_name = model_name
+        if max_steps is not None:
+            self.config = dataclasses.replace(
+                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
+            )
+        self.loss_kwargs = self._loss_kwargs()
+
+    def _loss_kwargs(self) -> dict[str, Any]:
+        from composer_plugins.core.train import _channel_spec
+
+        kwargs: dict[str, Any] = {}
+        policies = []
+        for key, spec in self.config.losses.items():
+            enabled, name, weight, kw = _channel_spec(key, spec, self.src)
+            if not enabled:
+                continue
+            kind = str(kw.get("loss_type") or name)
+            if kind in POLICIES:
+                policies.append(key)
+                kwargs["policy"] = kind
+                for k in ("dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau", "epsilon_low", "epsilon_high"):
+                    if k in kw:
+                        kwargs[k] = kw[k]
+            elif name in ("hint_distill", "hint"):
+                kwargs["hint_weight"] = float(weight)
+            else:
+                raise self.src.error(
+                    f"losses.{key}",
+                    f"channel {name!r} cannot run inside PRIME-RL's per-sample loss contract (it needs "
+                    "full logits or preference pairs); disable it for the prime_rl backend.",
+                    valid=[*POLICIES, "hint_distill"],
+                )
+        if len(policies) != 1:
+            msg = (
+                f"the prime_rl backend needs exactly one policy channel ({', '.join(POLICIES)}), found {len(policies)}"
+            )
+            raise self.src.error("losses", msg, valid=list(POLICIES))
+        return kwargs
+
+    # -- PRIME-RL run --------------------------------------------------------------------
+    def toml(self) -> str:
+        """A PRIME-RL ``rl`` config selecting our loss (model, batch, sampling and optimizer from the config)."""
+        c = self.config
+        model = self.model_name or c.model.name_or_path
+        kw = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.loss_kwargs.items())
+        return (
+            f"# Generated by composer-plugins (backend prime_rl); PRIME-RL commit {PRIME_RL_COMMIT[:7]}.\n"
+            f"max_steps = {c.trainer.max_steps}\n\n[model]\nname = {_toml_value(model)}\n\n"
+            f"[orchestrator]\nbatch_size = {c.rollout.prompts_per_step * c.rollout.num_generations}\n"
+            f"group_size = {c.rollout.num_generations}\n\n[orchestrator.train.sampling]\n"
+            f"max_completion_tokens = {c.rollout.max_new_tokens}\ntemperature = {c.rollout.temperature}\n\n"
+            f'[trainer.optim]\nlr = {c.optim.lr}\n\n[trainer.loss]\ntype = "custom"\n'
+            f'import_path = "{IMPORT_PATH}"\n\n[trainer.loss.kwargs]\n{kw}\n'
+        )
+
+    def train(self) -> Any:
+        """Train (see the class docstring); returns a :class:`~composer_plugins.core.train.RunResult`."""
+        if self.mode == "prime-rl":
+            exe = shutil.which("rl")
+            if importlib.util.find_spec("prime_rl") is None or exe is None:
+                raise ComposerPluginsError(
+                    "mode='prime-rl' needs prime-rl installed (Python 3.12, GPUs); see docs/backends.md#prime_rl. "
+                    "Use mode='local' on this machine."
+                )
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            path = self.output_dir / "prime_rl.toml"
+            path.write_text(self.toml())
+            subprocess.run([exe, "@", str(path)], check=True)
+            return self.write_outputs([], {"prime_rl/exit_code": 0.0})
+        return self._train_local()
+
+    def _train_local(self) -> Any:
+        from composer_plugins.backends import _rollout as R
+        from composer_plugins.models.logprobs import completion_forward, completion_logprobs_no_grad
+
+        c = self.config
+        run = R.LocalRun(c, self.src)
+        hint_provider = None
+        if self.loss_kwargs.get("hint_weight"):
+            from composer_plugins.core.train import build_hint_provider
+
+            hint_provider = build_hint_provider(c, self.src)
+        history: list[dict[str, float]] = []
+        G, T = c.rollout.num_generations, c.rollout.temperature
+        for step in range(c.trainer.max_steps):
+            t0 = time.perf_counter()
+            tasks, ro, rewards, _feedback = run.rollout(step)
+            args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+            inference = completion_logprobs_no_grad(run.policy, *args, temperature=T)
+            r = torch.tensor(rewards, dtype=torch.float32)
+            adv = F.group_advantages(r, G, **c.rollout.advantage_kwargs).unsqueeze(-1).expand_as(inference)
+            ref = None
+            if hint_provider is not None:
+                ref = hint_logprobs(run.policy, run.tokenizer, hint_provider, run.env, tasks, ro, r,
+                                    c.rollout.success_threshold, c.hints.max_context_length, T)  # fmt: skip
+            trainer_lp = completion_forward(run.policy, *args, temperature=T).logps
+            samples = samples_from_batch(trainer_lp, inference, adv, ro.completion_mask, ref)
+            loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
+            grad_norm = run.optimizer_step(loss)
+            row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(r.mean()),
+                   "grad_norm": grad_norm, "step_time": time.perf_counter() - t0}  # fmt: skip
+            row.update({k: float(v.float().mean()) for k, v in metrics.items() if v.numel()})
+            history.append(row)
+        return self.write_outputs(history, {}, run.policy, run.tokenizer)
+
+
+def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: Sequence[Mapping[str, Any]], ro: Any,
+                  rewards: Tensor, threshold: float, max_context_length: int,
+                  temperature: float = 1.0) -> Tensor | None:  # fmt: skip
+    """Sampled-token log-probs of each *failed* completion under the policy conditioned on its hint.
+
+    Rows that passed (or got no hint) keep the policy's own log-probs, so their KL term is 0 —
+    PRIME-RL's ``opsd`` reference stream. The teacher contexts come from the same
+    :func:`~composer_plugins.core.module.teacher_contexts` the native path uses. ``None`` when no
+    row was hinted.
+    """
+    from composer_plugins.core.module import teacher_contexts
+    from composer_plugins.models.generation import tokenize_prompts
+    from composer_plugins.models.logprobs import completion_logprobs_no_grad
+
+    G = ro.num_generations
+    failed = (rewards < threshold).nonzero().flatten().tolist()
+    if not failed:
+        return None
+    contexts = teacher_contexts(env, provider, [tasks[i // G] for i in failed], [ro.completions[i] for i in failed])
+    rows = [i for i, c in zip(failed, contexts, strict=True) if c is not None]
+    prompts = [c for c in contexts if c is not None]
+    if not rows:
+        return None
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    ref = completion_logprobs_no_grad(policy, *args, temperature=temperature)
+    idx = torch.tensor(rows)
+    h_ids, h_mask = tokenize_prompts(tokenizer, prompts, max_context_length)
+    ref[idx] = completion_logprobs_no_grad(policy, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx],
+                                           temperature=temperature)  # fmt: skip
+    return ref
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_toml(backend: PrimeRLBackend, path: str | Path) -> Path:
+    """Write :meth:`PrimeRLBackend.toml` to ``path``."""
+    p = Path(path)
+    p.write_text(backend.toml())
+    return p
+
+
+__all__ = [
+    "IMPORT_PATH",
+    "POLICIES",
+    "PRIME_RL_COMMIT",
+    "USING_PRIME_RL",
+    "LossInputs",
+    "LossOutputs",
+    "PrimeRLBackend",
+    "aggregate",
+    "hint_logprobs",
+    "loss_fn",
+    "samples_from_batch",
+]

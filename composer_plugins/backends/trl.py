@@ -1,0 +1,475 @@
+"""The ``trl`` backend: ``trl.GRPOTrainer`` whose loss is the composed loss channels.
+
+:class:`ComposerGRPOTrainer` keeps everything of TRL's ``GRPOTrainer`` up to the loss — dataset
+and sampler, generation (transformers or vLLM), reward functions, group advantages, old/reference
+log-probs, logging — and replaces ``_compute_loss`` by
+:class:`~composer_plugins.losses.base.ChannelComposer` over our channels:
+
+* the policy channel reads TRL's per-token log-probs (computed by TRL's own fused-head path),
+  ``old_per_token_logps``, ``ref_per_token_logps``, the advantages and TRL's token normaliser, so
+  with only the policy channel live the loss equals TRL's own ``GRPOTrainer`` loss for every
+  ``loss_type`` (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, and ``gspo`` =
+  ``importance_sampling_level="sequence"``);
+* hint self-distillation: after TRL scores a generation batch, completions below
+  ``hint_threshold`` get a hint from the hint provider; the same policy, conditioned on the hinted
+  prompt, scores the student's tokens without gradient (teacher logits) and the ``hint_distill``
+  channel distils it into the student's logits on those tokens;
+* replay: ``pairs_per_step`` preference pairs per micro-batch are scored by the policy (with grad)
+  and the reference (TRL's ``ref_model``, or a frozen copy of the initial policy) for the
+  ``replay_dpo`` / ``replay_simpo`` channels.
+
+Gradient accumulation follows TRL: the composed loss is divided by the accumulation steps, and
+``dapo``/``cispo`` get TRL's global token count (per micro-batch) as ``num_items_in_batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from trl import GRPOConfig, GRPOTrainer
+
+from composer_plugins.backends.base import Backend, scalar_metrics
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.losses import functional as LF
+from composer_plugins.losses.base import ChannelComposer, LossChannel
+
+#: TRL loss types the composed trainer reproduces (``gspo`` is TRL's ``grpo`` at sequence level).
+SUPPORTED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+_PAIR_KEYS = ("chosen_logps", "rejected_logps", "chosen_avg_logps", "rejected_avg_logps")
+_MULTIMODAL_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)  # fmt: skip
+
+
+def policy_channel_from_args(args: GRPOConfig, weight: float = 1.0, name: str = "policy") -> LossChannel:
+    """Our policy channel configured exactly like TRL's loss for ``args`` (loss type, clip range, β, IS level)."""
+    from composer_plugins import build
+
+    lt = args.loss_type
+    if lt not in SUPPORTED_LOSS_TYPES:
+        raise ConfigError(f"loss_type {lt!r} has no composer-plugins channel", key="loss_type",
+                          valid=list(SUPPORTED_LOSS_TYPES))  # fmt: skip
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    return build(
+        "losses", lt, weight=weight, name=name, epsilon_low=args.epsilon, epsilon_high=eps_high,
+        importance_sampling_level=args.importance_sampling_level, beta=args.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl, max_completion_length=args.max_completion_length,
+        delta=args.delta,
+    )  # fmt: skip
+
+
+def _right_pad(tokenizer: Any, texts: Sequence[str], max_length: int, device: Any) -> tuple[Tensor, Tensor]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [(tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:max_length]
+            for t in texts]  # fmt: skip
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _left_pad(rows: Sequence[Sequence[int]], pad: int, device: Any) -> tuple[Tensor, Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.tensor(list(r))
+            mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class ComposerGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose loss is the sum of composer-plugins loss channels.
+
+    Args:
+        model, reward_funcs, args, ...: as ``trl.GRPOTrainer`` (every positional/keyword argument is passed on).
+        channels: loss channels — built channels, registry specs (``"hint_distill"``,
+            ``{"name": "replay_dpo", "weight": 0.1}``) or a :class:`ChannelComposer`. The spec
+            ``"policy"`` (the default, alone) is :func:`policy_channel_from_args` (TRL's own loss).
+        hint_provider: a hint provider (``hints(feedbacks, prompts, completions, tasks)`` or
+            ``hint(feedback, prompt=, completion=, task=)``), such a callable, or a ``hints`` registry
+            spec; required when a live channel needs a teacher.
+        hint_env: the env whose ``feedback(prompt, completion, **task)`` the provider reads (optional).
+        hint_threshold: completions whose total reward is below it get a hint.
+        max_hinted_per_step: at most this many hinted completions per generation batch.
+        max_hint_length: teacher-context tokens kept (from the right).
+        pairs: preference pairs (``prompt``, ``chosen``, ``rejected``) or a JSONL path, for replay channels.
+        pairs_per_step: pairs scored per micro-batch.
+        pair_max_length: completion tokens kept per pair side.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        channels: Sequence[Any] | ChannelComposer | None = None,
+        hint_provider: Any = None,
+        hint_env: Any = None,
+        hint_threshold: float = 1.0,
+        max_hinted_per_step: int | None = None,
+        max_hint_length: int = 256,
+        pairs: Sequence[Mapping[str, str]] | str | None = None,
+        pairs_per_step: int = 4,
+        pair_max_length: int = 128,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_supported()
+        self.composer = self._build_composer(channels).to(self.accelerator.device)
+        live = [c for c in self.composer.channels if c.weight != 0.0]
+        for c in live:  # dr_grpo normalises by the *configured* completion length in TRL, not the batch's width
+            if getattr(c, "loss_type", None) == "dr_grpo" and getattr(c, "max_completion_length", 0) is None:
+                c.max_completion_length = self.args.max_completion_length
+        self.needs_teacher = self.composer.needs_teacher
+        self.needs_pairs = any(set(_PAIR_KEYS) & set(_all_inputs(c)) for c in live)
+        if hint_provider is not None and isinstance(hint_provider, str | Mapping):
+            from composer_plugins.core.config import build_component
+
+            hint_provider = build_component("hints", hint_provider, key="hint_provider")
+        if self.needs_teacher and hint_provider is None:
+            raise ConfigError("a hint-distillation channel is live but no hint_provider was given", key="hint_provider")
+        self.hint_provider = hint_provider
+        self.hint_env = hint_env
+        self.hint_threshold = float(hint_threshold)
+        self.max_hinted_per_step = max_hinted_per_step
+        self.max_hint_length = int(max_hint_length)
+        if isinstance(pairs, str):
+            from composer_plugins.core.module import load_pairs
+
+            pairs = load_pairs(pairs)
+        self.pairs: list[Mapping[str, str]] = list(pairs or [])
+        if self.needs_pairs and not self.pairs:
+            raise ConfigError("a replay channel is live but no preference pairs were given", key="pairs")
+        self.pairs_per_step = int(pairs_per_step)
+        self.pair_max_length = int(pair_max_length)
+        self._pair_reference: Any = None
+        if self.needs_pairs and self.ref_model is None:
+            self._pair_reference = self._frozen_copy(self.accelerator.unwrap_model(self.model))
+        self._last_rewards_per_func: Tensor | None = None
+        self._loss_calls = 0
+
+    # -- setup ---------------------------------------------------------------------------
+    def _check_supported(self) -> None:
+        a = self.args
+        if a.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ConfigError(f"loss_type {a.loss_type!r} is not reproduced by the composed trainer", key="loss_type",
+                              valid=list(SUPPORTED_LOSS_TYPES))  # fmt: skip
+        unsupported = {
+            "top_entropy_quantile": a.top_entropy_quantile < 1.0,
+            "off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
+            "entropy_coef": bool(self._entropy_bonus_enabled),
+            "router_aux_loss_coef": bool(self.aux_loss_enabled),
+        }
+        for key, bad in unsupported.items():
+            if bad:
+                raise ConfigError(
+                    "is not supported by ComposerGRPOTrainer (the composed loss would silently drop it); "
+                    "use the default for this option or add a loss channel that implements it",
+                    key=key,
+                )
+
+    def _build_composer(self, channels: Sequence[Any] | ChannelComposer | None) -> ChannelComposer:
+        if isinstance(channels, ChannelComposer):
+            return channels
+        specs = list(channels) if channels is not None else ["policy"]
+        built: list[Any] = []
+        for s in specs:
+            if s == "policy":
+                built.append(policy_channel_from_args(self.args))
+            elif isinstance(s, Mapping) and s.get("name") == "policy":
+                kw = {k: v for k, v in s.items() if k != "name"}
+                built.append(policy_channel_from_args(self.args, **kw))
+            else:
+                built.append(s)
+        return ChannelComposer.from_specs(built)
+
+    @staticmethod
+    def _frozen_copy(model: Any) -> Any:
+        """An independent, frozen copy of ``model`` (weights copied; TRL's forward patch not shared)."""
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype)
+        ref.load_state_dict(model.state_dict())
+        ref.to(next(model.parameters()).device).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # -- generation batch: capture rewards, attach hints ---------------------------------------
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
+        out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = out
+        return out
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        out = super()._generate_and_score_completions(inputs)
+        n = out["completion_ids"].shape[0]
+        rewards = torch.zeros(n)
+        rpf = self._last_rewards_per_func
+        if rpf is not None:
+            w = self.reward_weights.to(rpf.device).unsqueeze(0)
+            total = (rpf * w).nansum(dim=1)
+            total[torch.isnan(rpf).all(dim=1)] = float("nan")
+            start = self.accelerator.process_index * n
+            rewards = total[start : start + n].detach().cpu()
+        out["rewards"] = rewards
+        if self.needs_teacher:
+            out["hint_prompt_ids"] = self._hint_prompt_ids(inputs, out, rewards)
+        return out
+
+    def _hint_prompt_ids(self, inputs: list[dict[str, Any]], out: Mapping[str, Any],
+                         rewards: Tensor) -> list[list[int] | None]:  # fmt: skip
+        from composer_plugins.core.module import teacher_contexts
+
+        tok = self.processing_class
+        ids, mask = out["completion_ids"], out["completion_mask"]
+        texts = tok.batch_decode([r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)],
+                                 skip_special_tokens=True)  # fmt: skip
+        result: list[list[int] | None] = [None] * len(inputs)
+        failed = [i for i in range(len(inputs)) if not (rewards[i] >= self.hint_threshold)]
+        if self.max_hinted_per_step is not None:
+            failed = failed[: self.max_hinted_per_step]
+        if not failed:
+            return result
+        tasks = []
+        for i in failed:
+            task = dict(inputs[i])
+            prompt = task.get("prompt")
+            if isinstance(prompt, list):  # conversational: the hint goes into the last message
+                task["prompt"] = prompt[-1]["content"]
+            tasks.append(task)
+        contexts = teacher_contexts(self.hint_env, self.hint_provider, tasks, [texts[i] for i in failed])
+        for i, text in zip(failed, contexts, strict=True):
+            if text is None:
+                continue
+            prompt = inputs[i].get("prompt")
+            if isinstance(prompt, list):
+                msgs = [*prompt[:-1], {**prompt[-1], "content": text}]
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            result[i] = tok(text, add_special_tokens=False)["input_ids"][-self.max_hint_length :]
+        return result
+
+    # -- the loss ------------------------------------------------------------------------
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mm = {k: inputs.get(k) for k in _MULTIMODAL_KEYS}  # passed exactly as TRL passes them
+        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, **mm
+        )
+        mode = "train" if self.model.training else "eval"
+        # TRL's dapo/cispo normaliser, per micro-batch (the composed loss is divided by the accumulation below).
+        n_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            n_items = n_items / self.args.steps_per_generation
+        outputs: dict[str, Any] = {"logprobs": per_token_logps}
+        batch: dict[str, Any] = {
+            "completion_mask": mask,
+            "completion_ids": completion_ids,
+            "advantages": inputs["advantages"],
+            "old_logprobs": inputs.get("old_per_token_logps"),
+            "ref_logprobs": inputs.get("ref_per_token_logps"),
+            "num_items_in_batch": n_items,
+            "rewards": inputs.get("rewards"),
+            "num_generations": self.num_generations,
+            "global_step": self.state.global_step,
+            "total_steps": self.state.max_steps,
+        }
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            batch["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
+        stats: dict[str, float] = {}
+        if self.needs_teacher:
+            stats.update(self._hint_inputs(model, inputs, input_ids, attention_mask, mask, outputs, batch))
+        if self.needs_pairs:
+            self._pair_inputs(model, outputs, batch)
+        loss, metrics = self.composer(outputs, batch)
+        if mode == "train":
+            loss = loss / self.current_gradient_accumulation_steps
+        self._loss_calls += 1
+        m = self._metrics[mode]
+        ent = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+        m["entropy"].append(float(self.accelerator.gather(ent.detach()).mean()))
+        for k, v in {**scalar_metrics(metrics), **stats}.items():
+            if k != "loss" and v == v:
+                m[f"composer/{k}"].append(v)
+        return loss
+
+    def _hint_inputs(self, model: Any, inputs: Mapping[str, Any], input_ids: Tensor, attention_mask: Tensor,
+                     mask: Tensor, outputs: dict[str, Any], batch: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+        """Student logits (with grad) and hinted-context teacher logits (no grad) on the hinted rows."""
+        hint_ids = inputs.get("hint_prompt_ids") or []
+        rows = [i for i, h in enumerate(hint_ids) if h]
+        if not rows:
+            return {"hint/rows": 0.0}
+        device = input_ids.device
+        idx = torch.tensor(rows, device=device)
+        P = inputs["prompt_ids"].shape[1]
+        C = inputs["completion_ids"].shape[1]
+        student = model(input_ids=input_ids[idx], attention_mask=attention_mask[idx], use_cache=False).logits
+        pad = self.processing_class.pad_token_id or 0
+        h_ids, h_mask = _left_pad([hint_ids[i] for i in rows], pad, device)
+        Ph = h_ids.shape[1]
+        comp_ids, comp_mask = inputs["completion_ids"][idx], inputs["completion_mask"][idx]
+        with torch.no_grad():
+            teacher = model(input_ids=torch.cat([h_ids, comp_ids], 1), attention_mask=torch.cat([h_mask, comp_mask], 1),
+                            use_cache=False).logits  # fmt: skip
+        outputs["student_logits"] = student[:, P - 1 : P - 1 + C]
+        outputs["teacher_logits"] = teacher[:, Ph - 1 : Ph - 1 + C].detach()
+        batch["hint_mask"] = mask[idx].float()
+        batch["hint_rows"] = idx
+        return {"hint/rows": float(len(rows))}
+
+    def _pair_inputs(self, model: Any, outputs: dict[str, Any], batch: dict[str, Any]) -> None:
+        """Sequence log-probs of ``pairs_per_step`` sampled pairs: policy with grad, reference without."""
+        from composer_plugins.models.generation import tokenize_prompts
+        from composer_plugins.models.logprobs import completion_forward, completion_logprobs_no_grad
+
+        rng = random.Random(self.args.seed * 1_000_003 + self._loss_calls)
+        k = min(self.pairs_per_step, len(self.pairs))
+        picked = [self.pairs[i] for i in rng.sample(range(len(self.pairs)), k)]
+        device = self.accelerator.device
+        tok = self.processing_class
+        prompts = [str(p["prompt"]) for p in picked] * 2
+        comps = [str(p["chosen"]) for p in picked] + [str(p["rejected"]) for p in picked]
+        p_ids, p_mask = tokenize_prompts(tok, prompts, self.max_hint_length, device)
+        c_ids, c_mask = _right_pad(tok, comps, self.pair_max_length, device)
+        logps = completion_forward(model, p_ids, p_mask, c_ids, c_mask).logps
+        cm = c_mask.to(logps.dtype)
+        seq = (logps * cm).sum(-1)
+        lengths = cm.sum(-1)
+        ref_model = self.ref_model if self.ref_model is not None else self._pair_reference
+        ref_seq = (completion_logprobs_no_grad(ref_model, p_ids, p_mask, c_ids, c_mask) * cm).sum(-1)
+        outputs["chosen_logps"], outputs["rejected_logps"] = seq[:k], seq[k:]
+        outputs["chosen_avg_logps"], outputs["rejected_avg_logps"] = seq[:k] / lengths[:k], seq[k:] / lengths[k:]
+        batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref_seq[:k], ref_seq[k:]
+        batch["chosen_lengths"], batch["rejected_lengths"] = lengths[:k], lengths[k:]
+
+
+def _all_inputs(ch: Any) -> tuple[str, ...]:
+    req = tuple(ch.required_inputs()) if hasattr(ch, "required_inputs") else tuple(ch.requires)
+    opts = tuple(k for grp in getattr(ch, "input_options", ()) for k in grp)
+    return req + opts
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend
+# ----------------------------------------------------------------------------------------------
+def env_reward_func(env: Any, task_keys: Sequence[str]) -> Callable[..., list[float | None]]:
+    """A TRL reward function calling ``env.reward(prompts, completions, **task)`` with the dataset's task columns."""
+    keys = list(task_keys)
+
+    def env_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        task = {k: kwargs[k] for k in keys if k in kwargs}
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return list(env.reward(list(prompts), texts, **task))
+
+    env_reward.__name__ = f"{type(env).__name__.lower()}_reward"
+    return env_reward
+
+
+class TRLBackend(Backend):
+    """Train the config's channels with :class:`ComposerGRPOTrainer` (TRL generation, rewards, advantages).
+
+    The dataset is ``max_steps × prompts_per_step`` seeded tasks of the config's env; the reward
+    function is the env's ``reward``; the ``GRPOConfig`` comes from the config (policy channel ->
+    ``loss_type``/clip range/β, rollout -> sampling, optim -> learning rate). Extra ``GRPOConfig``
+    fields can be given as ``grpo_args``.
+    """
+
+    name = "trl"
+    upstream = "trl>=1.16,<1.17"
+    runs_here = "ComposerGRPOTrainer training steps on the tiny model (all channels), loss parity with GRPOTrainer"
+    needs_gpu = "nothing (vLLM generation, use_vllm=True, needs a GPU)"
+
+    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
+                 max_steps: int | None = None, grpo_args: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+        super().__init__(config, overrides, output_dir=output_dir)
+        if max_steps is not None:
+            self.config = dataclasses.replace(
+                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
+            )
+        self.grpo_args = dict(grpo_args or {})
+
+    def grpo_config(self, policy: Any) -> GRPOConfig:
+        """The ``GRPOConfig`` equivalent of the config, consistent with the built policy channel."""
+        c = self.config
+        G = c.rollout.num_generations
+        lt = getattr(policy, "loss_type", "dapo")
+        adv = dict(c.rollout.advantage_kwargs)
+        if adv.get("estimator", "grpo") != "grpo" or set(adv) - {"estimator", "scale"}:
+            msg = "TRL's GRPOTrainer computes GRPO advantages; only 'scale' (group|batch|none) maps to scale_rewards"
+            raise self.src.error("rollout.advantage_kwargs", msg, valid=["scale"])
+        kw: dict[str, Any] = dict(
+            output_dir=str(self.output_dir / "trl"), per_device_train_batch_size=c.rollout.prompts_per_step * G,
+            num_generations=G, max_completion_length=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
+            top_p=c.rollout.top_p, top_k=c.rollout.top_k, learning_rate=c.optim.lr, weight_decay=c.optim.weight_decay,
+            max_steps=c.trainer.max_steps, gradient_accumulation_steps=c.trainer.accumulate_grad_batches,
+            max_grad_norm=c.trainer.gradient_clip_val or 0.0, seed=c.seed, data_seed=c.seed,
+            use_cpu=c.trainer.accelerator == "cpu", bf16=False, fp16=False, report_to="none", save_strategy="no",
+            logging_steps=1, disable_tqdm=not c.trainer.enable_progress_bar, lr_scheduler_type="constant",
+            loss_type="grpo" if lt == "gspo" else lt, epsilon=getattr(policy, "epsilon_low", 0.2),
+            epsilon_high=getattr(policy, "epsilon_high", None), beta=getattr(policy, "beta", 0.0),
+            importance_sampling_level="sequence" if lt == "gspo" else "token",
+            scale_rewards=adv.get("scale", "group"),
+        )  # fmt: skip
+        kw.update(self.grpo_args)
+        return GRPOConfig(**kw)
+
+    def train(self) -> Any:
+        """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.core.train.RunResult`."""
+        from datasets import Dataset
+
+        from composer_plugins.core import train as T
+        from composer_plugins.core.module import load_pairs
+
+        c = self.config
+        if c.trainer.num_threads:
+            torch.set_num_threads(c.trainer.num_threads)
+        env = T.build_env(c, self.src)
+        model, tok = T.load_policy_for(c, env)
+        tasks = T.task_drawer(env, c, "train")(c.trainer.max_steps * c.rollout.prompts_per_step, c.seed)
+        if not tasks or "prompt" not in tasks[0]:
+            raise ConfigError("the env's tasks need a 'prompt' field for TRL", key="env")
+        task_keys = [k for k in tasks[0] if k != "prompt"]
+        dataset = Dataset.from_list([{k: t.get(k) for k in ["prompt", *task_keys]} for t in tasks])
+        channels = T.build_channels(c, self.src)
+        composer = ChannelComposer(channels)
+        policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
+        args = self.grpo_config(policy)
+        hint_provider = T.build_hint_provider(c, self.src) if composer.needs_teacher else None
+        live = [ch for ch in channels if ch.weight != 0.0]
+        needs_pairs = any(set(_PAIR_KEYS) & set(_all_inputs(ch)) for ch in live)
+        pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None
+        t0 = time.perf_counter()
+        trainer = ComposerGRPOTrainer(
+            model=model, reward_funcs=[env_reward_func(env, task_keys)], args=args, train_dataset=dataset,
+            processing_class=tok, channels=composer, hint_provider=hint_provider, hint_env=env,
+            hint_threshold=c.rollout.success_threshold, max_hinted_per_step=c.hints.max_hinted_per_step,
+            max_hint_length=c.hints.max_context_length, pairs=pairs, pairs_per_step=c.replay.pairs_per_step,
+            pair_max_length=c.replay.max_completion_length,
+        )  # fmt: skip
+        trainer.train()
+        history = []
+        for rec in trainer.state.log_history:
+            if "step" in rec and "loss" in rec:
+                row = {"step": float(rec["step"])}
+                row.update({k: float(v) for k, v in rec.items() if isinstance(v, int | float) and k != "step"})
+                history.append(row)
+        return self.write_outputs(history, {"train_seconds": time.perf_counter() - t0}, trainer.model, tok)
+
+
+__all__ = ["SUPPORTED_LOSS_TYPES", "ComposerGRPOTrainer", "TRLBackend", "env_reward_func", "policy_channel_from_args"]

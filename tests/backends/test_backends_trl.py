@@ -1,0 +1,116 @@
+"""TRL backend: ComposerGRPOTrainer's loss equals GRPOTrainer's, and trains with every channel live."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from composer_plugins.backends.trl import ComposerGRPOTrainer
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.models.tiny import load_policy
+
+PROMPTS = [{"prompt": f"Q: {a}+{a}=? A:", "answer": str(2 * a)} for a in range(8)]
+PAIRS = [{"prompt": f"Q: {a}+{a}=? A:", "chosen": f" {2 * a}", "rejected": f" {2 * a + 1}"} for a in range(6)]
+
+
+def length_reward(completions, **kwargs):
+    """A reward with variance inside every group (so advantages, and the policy loss, are non-zero)."""
+    return [float(len(c) % 4) / 3 for c in completions]
+
+
+def answer_hint(feedback, prompt="", completion="", task=None):
+    """A plain-callable hint provider (the ``hint(feedback, prompt=, completion=, task=)`` shape)."""
+    return f"The answer is {task['answer']}."
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                max_steps=1, use_cpu=True, report_to="none", logging_steps=1, bf16=False, save_strategy="no",
+                disable_tqdm=True, seed=0)  # fmt: skip
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def _trainer(tiny_model_dir, tmp_path, **kw):
+    model, tok = load_policy(tiny_model_dir)
+    extra = {k: kw.pop(k) for k in list(kw) if k in ("channels", "hint_provider", "pairs", "pairs_per_step")}
+    return ComposerGRPOTrainer(model=model, reward_funcs=length_reward, args=_args(tmp_path, **kw),
+                               train_dataset=Dataset.from_list(PROMPTS), processing_class=tok, **extra)  # fmt: skip
+
+
+LOSS_CASES = [
+    ("grpo", {}),
+    ("bnpo", {}),
+    ("dr_grpo", {}),
+    ("dapo", {"epsilon_high": 0.28}),
+    ("cispo", {"epsilon_high": 5.0}),
+    ("gspo", {"loss_type": "grpo", "importance_sampling_level": "sequence"}),
+    # a registry channel spec instead of "policy": TRL's max_completion_length still normalises dr_grpo
+    ("dr_grpo_by_name", {"loss_type": "dr_grpo", "channels": [{"name": "dr_grpo", "beta": 0.05}]}),
+]
+
+
+@pytest.mark.parametrize(("name", "extra"), LOSS_CASES, ids=[c[0] for c in LOSS_CASES])
+def test_policy_channel_loss_and_gradient_equal_trl(tiny_model_dir, tmp_path, name, extra):
+    kw = {"loss_type": name, "beta": 0.05, "gradient_accumulation_steps": 2, **extra}
+    tr = _trainer(tiny_model_dir, tmp_path, **kw)
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 2
+    inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    # a batch narrower than max_completion_length (dr_grpo must still divide by the configured length)
+    width = inputs["completion_ids"].shape[1] - 2
+    for k in ("completion_ids", "completion_mask", "ref_per_token_logps"):
+        inputs[k] = inputs[k][:, :width]
+    # off-policy old log-probs (so clipping is active) and ragged completions
+    g = torch.Generator().manual_seed(0)
+    mask = inputs["completion_mask"].clone()
+    for i, n in enumerate(torch.randint(1, mask.shape[1] + 1, (mask.shape[0],), generator=g).tolist()):
+        mask[i, n:] = 0
+    inputs["completion_mask"] = mask
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], mask], 1)
+    with torch.no_grad():
+        lp, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, att, mask.shape[1])
+    inputs["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
+    inputs["advantages"] = torch.randn(mask.shape[0], generator=g)
+    assert "ref_per_token_logps" in inputs  # beta != 0: TRL computed reference log-probs
+
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    ours = tr._compute_loss(tr.model, inputs)
+    g_ours = torch.autograd.grad(ours, params)
+    theirs = GRPOTrainer._compute_loss(tr, tr.model, inputs)
+    g_theirs = torch.autograd.grad(theirs, params)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_training_steps_with_every_channel_live(tiny_model_dir, tmp_path):
+    channels = ["policy", {"name": "hint_distill", "weight": 0.5}, {"name": "replay_dpo", "weight": 0.2}]
+    tr = _trainer(tiny_model_dir, tmp_path, max_steps=2, learning_rate=1e-3, loss_type="dapo", channels=channels,
+                  hint_provider=answer_hint, pairs=PAIRS, pairs_per_step=2)  # fmt: skip
+    before = {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+    tr.train()
+    logs = [r for r in tr.state.log_history if "loss" in r]
+    assert len(logs) == 2
+    for r in logs:
+        assert r["composer/policy/skipped"] == 0.0
+        assert r["composer/hint_distill/skipped"] == 0.0 and r["composer/hint/rows"] > 0
+        assert r["composer/replay_dpo/skipped"] == 0.0 and r["composer/replay_dpo/pairs"] == 2.0
+        assert torch.isfinite(torch.tensor(r["loss"]))
+    changed = [k for k, v in tr.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "no weight moved"
+    # after one update the policy differs from the replay reference: the DPO loss is no longer log 2
+    assert abs(logs[-1]["composer/replay_dpo/loss"] - 0.6931472) > 1e-5
+
+
+def test_hint_channel_without_provider_and_unsupported_options_fail_clearly(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="hint_provider"):
+        _trainer(tiny_model_dir, tmp_path, channels=["policy", "hint_distill"])
+    with pytest.raises(ConfigError, match="top_entropy_quantile"):
+        _trainer(tiny_model_dir, tmp_path, top_entropy_quantile=0.5)
