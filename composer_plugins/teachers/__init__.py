@@ -1,1 +1,51 @@
-"""Built-in teachers of composer-plugins (registered by :mod:`composer_plugins.teachers.plugin`)."""
+"""Teachers and multi-teacher trace replay.
+
+* Teacher providers: ``openai`` (OpenAI-compatible HTTP), ``hf`` (local transformers), ``oracle``.
+* :func:`load_traces` → :class:`TraceState` per student step (OpenAI messages / Claude Code JSONL).
+* :class:`ReplayEngine`: async, per-teacher concurrency, retries, budget, persistent cache.
+* :func:`extract_pairs` → preference pairs; :func:`normalize_pairs` runs the data-juicer recipe.
+
+Everything is imported lazily, so ``import composer_plugins.teachers`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Teacher": "base",
+    "TeacherResponse": "base",
+    "TeacherCallError": "base",
+    "TeacherError": "base",
+    "render_action": "base",
+    "render_messages": "base",
+    "prompt_text": "base",
+    "OpenAITeacher": "openai_compat",
+    "HFTeacher": "hf",
+    "OracleTeacher": "oracle",
+    "TraceState": "traces",
+    "TraceFormatError": "traces",
+    "load_traces": "traces",
+    "ReplayCache": "cache",
+    "Budget": "budget",
+    "ReplayEngine": "engine",
+    "ReplayResult": "engine",
+    "RetryPolicy": "engine",
+    "replay": "engine",
+    "extract_pairs": "pairs",
+    "normalize_action": "pairs",
+    "normalize_pairs": "normalize",
+    "run_from_file": "runner",
+    "run_replay": "runner",
+    "ReplayConfig": "runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'composer_plugins.teachers' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"composer_plugins.teachers.{mod}"), name)

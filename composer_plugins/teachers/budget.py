@@ -1,0 +1,79 @@
+"""The dollar ceiling of a replay run.
+
+Before a paid call is sent its worst-case cost is *reserved*; a call whose reservation
+would take ``spent + uncertain + reserved`` past the ceiling is not sent. When the call
+ends the reservation becomes the actual cost (``settle``), is dropped (``release``: the
+provider provably charged nothing, e.g. an HTTP 429/5xx) or stays at the worst case as
+*uncertain* spend (``mark_uncertain``: a timeout or dropped connection, which the provider
+may have billed). The invariant ``spent + uncertain + reserved <= max_usd`` therefore holds
+at every moment, as long as a provider never bills more than the worst case (prompt-byte
+upper bound and ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+class BudgetExceeded(Exception):
+    """Raised internally when a reservation would break the ceiling."""
+
+
+@dataclass
+class Budget:
+    """Running totals against an optional ceiling (``max_usd=None``: no ceiling, still accounted)."""
+
+    max_usd: float | None = None
+    spent_usd: float = 0.0
+    uncertain_usd: float = 0.0
+    reserved_usd: float = 0.0
+    #: Set once a reservation has been refused (no new paid calls are started after that).
+    exhausted: bool = False
+    #: Calls whose actual cost exceeded their reservation (should stay 0; logged).
+    overruns: int = 0
+    #: Reservations currently held (calls in flight).
+    in_flight: int = 0
+
+    @property
+    def committed_usd(self) -> float:
+        """Spent, uncertain and reserved together: what the ceiling is checked against."""
+        return self.spent_usd + self.uncertain_usd + self.reserved_usd
+
+    @property
+    def remaining_usd(self) -> float | None:
+        return None if self.max_usd is None else max(0.0, self.max_usd - self.committed_usd)
+
+    def try_reserve(self, amount: float) -> bool:
+        """Reserve ``amount``; ``False`` (and :attr:`exhausted`) when it would pass the ceiling."""
+        amount = max(0.0, float(amount))
+        if self.max_usd is not None and amount > 0 and self.committed_usd + amount > self.max_usd * (1 + 1e-12):
+            self.exhausted = True
+            return False
+        self.reserved_usd += amount
+        self.in_flight += 1
+        return True
+
+    def _drop(self, reserved: float) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+        # exact zero when nothing is in flight, so float residue never blocks a reservation
+        self.reserved_usd = max(0.0, self.reserved_usd - reserved) if self.in_flight else 0.0
+
+    def settle(self, reserved: float, actual: float) -> None:
+        """A reserved call completed and cost ``actual``."""
+        self._drop(reserved)
+        self.spent_usd += actual
+        if actual > reserved + 1e-12:
+            self.overruns += 1
+            log.warning("a call cost $%.6f, more than its worst-case reservation $%.6f", actual, reserved)
+
+    def release(self, reserved: float) -> None:
+        """A reserved call provably cost nothing."""
+        self._drop(reserved)
+
+    def mark_uncertain(self, reserved: float) -> None:
+        """A reserved call ended without an answer but may have been billed: keep its worst case."""
+        self._drop(reserved)
+        self.uncertain_usd += reserved

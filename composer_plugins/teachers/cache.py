@@ -1,0 +1,341 @@
+"""The persistent replay cache and spend ledger (one sqlite file, WAL mode).
+
+* ``responses``: one row per completed teacher call, keyed on a hash of
+  ``(teacher id, provider, model, params, messages)``. A response is committed (WAL,
+  ``synchronous=FULL`` by default, so it is fsynced) *before* the engine uses it, so a run
+  killed at any point resumes and re-sends only the calls whose answers never landed.
+* ``ledger``: per run, one ``paid`` row per completed call (committed in the same
+  transaction as its response), one ``maybe`` row per call that got no answer but may have
+  been billed (timeouts, dropped connections), and one ``lease`` row: a durable upper bound
+  of the worst-case cost of the calls the process has in flight, raised *before* a call is
+  sent whenever the in-flight reservations would exceed it. A resumed run starts from the
+  ledger's total and counts a dead process's lease as spent, so the dollar ceiling holds
+  across ``kill -9``.
+
+Writes go through one writer thread that commits whatever is queued in a single
+transaction (group commit), so durability costs one fsync per batch, not per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from composer_plugins.core.errors import ComposerPluginsError
+
+#: Bump when the key recipe changes (old entries then simply stop matching).
+KEY_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    key TEXT PRIMARY KEY,
+    teacher TEXT NOT NULL,
+    model TEXT NOT NULL,
+    response TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ledger (
+    attempt TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    teacher TEXT NOT NULL,
+    status TEXT NOT NULL,
+    amount REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_run ON ledger (run_id, status);
+"""
+
+
+class CacheError(ComposerPluginsError):
+    """The cache file cannot be opened or is locked by another run."""
+
+
+try:  # orjson serialises responses several times faster; the stored text is plain JSON either way
+    import orjson as _orjson
+
+    def _dump_response(response: Mapping[str, Any]) -> str:
+        return _orjson.dumps(response).decode("utf-8")
+
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _dump_response(response: Mapping[str, Any]) -> str:
+        return json.dumps(dict(response), ensure_ascii=False, separators=(",", ":"))
+
+
+def cache_key(teacher: str, kind: str, model: str, params: Mapping[str, Any], messages: Sequence[Any]) -> str:
+    """The cache key of one teacher call: sha256 over a canonical JSON of everything that shapes the answer."""
+    blob = json.dumps(
+        {"v": KEY_VERSION, "teacher": teacher, "kind": kind, "model": model, "params": params, "messages": messages},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class RunTotals:
+    """What a run has spent according to the ledger."""
+
+    paid_usd: float = 0.0
+    uncertain_usd: float = 0.0
+    paid_calls: int = 0
+    uncertain_calls: int = 0
+
+    @property
+    def total_usd(self) -> float:
+        return self.paid_usd + self.uncertain_usd
+
+
+#: A queued write: statements, and either a concurrent future or ``(loop, asyncio future)``.
+_Op = tuple[list[tuple[str, tuple[Any, ...]]], Any]
+
+
+def _resolve_async(items: list[asyncio.Future], err: BaseException | None) -> None:
+    for fut in items:
+        if not fut.done():
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)
+
+
+class ReplayCache:
+    """Responses and the spend ledger in one sqlite file.
+
+    Args:
+        path: the sqlite file (created with its directory).
+        synchronous: ``"FULL"`` (fsync every commit: survives power loss) or ``"NORMAL"``
+            (survives a killed process, not an OS crash; faster on slow disks).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], synchronous: Literal["FULL", "NORMAL"] = "FULL") -> None:
+        self.path = Path(path)
+        self.synchronous = synchronous.upper()
+        if self.synchronous not in ("FULL", "NORMAL"):
+            raise CacheError(f"cache synchronous must be FULL or NORMAL, got {synchronous!r}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._read = self._connect()
+            self._read.executescript(_SCHEMA)
+            self._read.commit()
+        except sqlite3.Error as e:
+            raise CacheError(f"{self.path}: cannot open the replay cache: {e}") from e
+        self._q: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()
+        self._locks: list[Any] = []
+        self.commits = 0
+
+    def _connect(self) -> sqlite3.Connection:
+        con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute(f"PRAGMA synchronous={self.synchronous}")
+        con.execute("PRAGMA busy_timeout=30000")
+        return con
+
+    # -- reads -----------------------------------------------------------------------------
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The stored response dict for ``key``, or ``None``."""
+        row = self._read.execute("SELECT response FROM responses WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Stored responses for those of ``keys`` that are present."""
+        out: dict[str, dict[str, Any]] = {}
+        ks = list(dict.fromkeys(keys))
+        for i in range(0, len(ks), 500):
+            chunk = ks[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            for k, r in self._read.execute(f"SELECT key, response FROM responses WHERE key IN ({marks})", chunk):
+                out[k] = json.loads(r)
+        return out
+
+    def __contains__(self, key: str) -> bool:
+        return self._read.execute("SELECT 1 FROM responses WHERE key = ?", (key,)).fetchone() is not None
+
+    def __len__(self) -> int:
+        return int(self._read.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+    def keys(self) -> list[str]:
+        """All cached keys."""
+        return [r[0] for r in self._read.execute("SELECT key FROM responses")]
+
+    def run_totals(self, run_id: str) -> RunTotals:
+        """Ledger totals of ``run_id`` (``pending`` rows count as uncertain)."""
+        t = RunTotals()
+        for status, n, s in self._read.execute(
+            "SELECT status, COUNT(*), COALESCE(SUM(amount), 0) FROM ledger WHERE run_id = ? GROUP BY status", (run_id,)
+        ):
+            if status == "paid":
+                t.paid_usd, t.paid_calls = float(s), int(n)
+            else:
+                t.uncertain_usd += float(s)
+                t.uncertain_calls += int(n)
+        return t
+
+    # -- writes (group commit on the writer thread) -------------------------------------------
+    def _ensure_writer(self) -> None:
+        if self._writer is not None and self._writer.is_alive():
+            return
+        with self._writer_lock:
+            if self._writer is None or not self._writer.is_alive():
+                self._writer = threading.Thread(target=self._write_loop, name="replay-cache-writer", daemon=True)
+                self._writer.start()
+
+    def _write_loop(self) -> None:
+        con = self._connect()
+        stop = False
+        while not stop:
+            first = self._q.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < 1024:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            try:
+                con.execute("BEGIN IMMEDIATE")
+                for stmts, _ in batch:
+                    for sql, params in stmts:
+                        con.execute(sql, params)
+                con.execute("COMMIT")
+                self.commits += 1
+                err: BaseException | None = None
+            except BaseException as e:  # report to every waiter; keep serving later batches
+                with contextlib.suppress(sqlite3.Error):
+                    con.execute("ROLLBACK")
+                err = CacheError(f"{self.path}: cache write failed: {type(e).__name__}: {e}")
+            by_loop: dict[Any, list[asyncio.Future]] = {}
+            for _, fut in batch:
+                if isinstance(fut, tuple):  # (loop, asyncio future): resolved on its loop, once per batch
+                    by_loop.setdefault(fut[0], []).append(fut[1])
+                elif not fut.cancelled():
+                    if err is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(err)
+            for loop, items in by_loop.items():
+                with contextlib.suppress(RuntimeError):  # loop already closed
+                    loop.call_soon_threadsafe(_resolve_async, items, err)
+        con.close()
+
+    def submit(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> cf.Future:
+        """Queue statements to run in one transaction; the future resolves once committed."""
+        self._ensure_writer()
+        fut: cf.Future = cf.Future()
+        self._q.put((stmts, fut))
+        return fut
+
+    @staticmethod
+    def put_stmts(key: str, teacher: str, model: str, response: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
+        """Statements that store one response."""
+        blob = _dump_response(response)
+        return [
+            (
+                "INSERT OR REPLACE INTO responses (key, teacher, model, response, created) VALUES (?, ?, ?, ?, ?)",
+                (key, teacher, model, blob, time.time()),
+            )
+        ]
+
+    @staticmethod
+    def ledger_stmts(
+        attempt: str, run_id: str, key: str, teacher: str, status: str, amount: float
+    ) -> list[tuple[str, tuple[Any, ...]]]:
+        """Statements that set a ledger row (``status='released'`` deletes it)."""
+        if status == "released":
+            return [("DELETE FROM ledger WHERE attempt = ?", (attempt,))]
+        return [
+            (
+                "INSERT OR REPLACE INTO ledger (attempt, run_id, key, teacher, status, amount, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (attempt, run_id, key, teacher, status, float(amount), time.time()),
+            )
+        ]
+
+    def put(self, key: str, teacher: str, model: str, response: Mapping[str, Any]) -> None:
+        """Store a response and wait until it is committed."""
+        self.submit(self.put_stmts(key, teacher, model, response)).result()
+
+    async def acommit(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Await the commit of ``stmts`` (many waiters are woken with one loop callback per batch)."""
+        self._ensure_writer()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._q.put((stmts, (loop, fut)))
+        await fut
+
+    def mark_orphans(self, run_id: str) -> int:
+        """Turn ``pending``/``lease`` rows of ``run_id`` (left by a dead process) into ``maybe``; returns how many.
+
+        A lease is the durable upper bound of what a process had in flight; after a crash it
+        is counted at its full amount (the calls may have been billed).
+        """
+        cur = self._read.execute(
+            "UPDATE ledger SET status = 'maybe', updated = ? WHERE run_id = ? AND status IN ('pending', 'lease')",
+            (time.time(), run_id),
+        )
+        return cur.rowcount
+
+    def reset_run(self, run_id: str) -> None:
+        """Forget the ledger of ``run_id`` (its cached responses stay)."""
+        self._read.execute("DELETE FROM ledger WHERE run_id = ?", (run_id,))
+
+    # -- run lock ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def run_lock(self, run_id: str) -> Iterator[None]:
+        """Hold an exclusive lock for ``run_id`` (two live processes must not share a ledger)."""
+        import fcntl
+
+        digest = hashlib.sha256(run_id.encode()).hexdigest()[:12]
+        lock_path = self.path.with_name(f"{self.path.name}.{digest}.lock")
+        fh = open(lock_path, "w")
+        try:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise CacheError(
+                    f"another replay process is running with run_id {run_id!r} on {self.path}. "
+                    "HINT: wait for it, or give this run a different run_id"
+                ) from None
+            yield
+        finally:
+            fh.close()
+
+    def close(self) -> None:
+        """Flush pending writes and close."""
+        if self._writer is not None and self._writer.is_alive():
+            self._q.put(None)
+            self._writer.join()
+        self._writer = None
+        with contextlib.suppress(sqlite3.Error):
+            self._read.close()
+
+    def __enter__(self) -> ReplayCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ReplayCache({str(self.path)!r})"

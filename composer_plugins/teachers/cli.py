@@ -1,0 +1,178 @@
+"""``composer-plugins replay``: run a replay from a config, record traces, inspect, normalise.
+
+Attached to the main CLI by :mod:`composer_plugins.teachers.plugin` through ``register_commands``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from composer_plugins.core.errors import ComposerPluginsError
+
+
+def _fail(e: Exception) -> None:
+    click.secho(f"Error: {e}", err=True, fg="red")
+    sys.exit(2)
+
+
+@click.group(name="replay")
+def replay() -> None:
+    """Replay recorded student traces through N teachers and turn their agreement into preference pairs."""
+
+
+@replay.command(name="run")
+@click.option(
+    "--config",
+    "-c",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Replay YAML config (see docs/replay.md).",
+)
+@click.argument("overrides", nargs=-1)
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@click.option("--fresh-budget", is_flag=True, help="Forget what earlier runs with this run_id spent.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON only.")
+def run_cmd(config_path: str, overrides: tuple[str, ...], no_progress: bool, fresh_budget: bool, as_json: bool) -> None:
+    """Run the replay described by --config (OVERRIDES: key.sub=value)."""
+    from composer_plugins.teachers.runner import run_from_file
+
+    try:
+        summary = run_from_file(
+            config_path, list(overrides), progress=False if no_progress else None, fresh_budget=fresh_budget or None
+        )
+    except ComposerPluginsError as e:
+        _fail(e)
+        return
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+        return
+    _print_summary(summary)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    r, p = s["replay"], s["pairs"]
+    cap = f" / ${r['max_usd']:g}" if r.get("max_usd") is not None else ""
+    click.echo(f"run {s['run_id']}: {s['states']} states x {len(s['teachers'])} teachers")
+    click.echo(
+        f"  calls sent {r['calls']}  completed {r['completed']}  cache hits {r['cache_hits']}  retries {r['retries']}  "
+        f"failures {r['failures']} (budget-skipped {r['skipped_budget']})"
+    )
+    click.echo(
+        f"  spend this process ${r['spent_usd']:.6f} (+${r['uncertain_usd']:.6f} uncertain); "
+        f"run total ${r['total_spent_usd']:.6f}{cap}"
+    )
+    click.echo(
+        f"  pairs {p['pairs']}  student agrees {p['student_agrees']}  no consensus {p['no_consensus']}  "
+        f"ties {p['ties']}  too few answers {p['too_few_answers']}"
+    )
+    if s.get("normalize"):
+        n = s["normalize"]
+        click.echo(f"  data-juicer kept {n['n_out']}/{n['n_in']} pairs")
+    click.echo(f"  wrote {s['output']}")
+    if s["failures"]["total"]:
+        click.secho(f"  {s['failures']['total']} call(s) got no answer: {s['failures']['by_kind']}", fg="yellow")
+
+
+@replay.command(name="record")
+@click.option("--policy", required=True, help="Student policy: a local HF model directory (save_pretrained).")
+@click.option("--env", "env_name", required=True, help="Env name from the registry (composer-plugins list envs).")
+@click.option("--env-arg", "env_args", multiple=True, help="key=value passed to the env factory (repeatable).")
+@click.option("--episodes", default=8, show_default=True, type=int)
+@click.option("--max-turns", default=4, show_default=True, type=int)
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output OpenAI-messages JSONL.")
+@click.option("--no-progress", is_flag=True)
+def record_cmd(
+    policy: str,
+    env_name: str,
+    env_args: tuple[str, ...],
+    episodes: int,
+    max_turns: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    out_path: str,
+    no_progress: bool,
+) -> None:
+    """Record traces of POLICY rolling out in ENV (ready for `replay run`)."""
+    import yaml
+
+    from composer_plugins.teachers.record import record_to_file
+
+    kwargs: dict[str, Any] = {}
+    for a in env_args:
+        if "=" not in a:
+            raise click.BadParameter(f"{a!r} must look like key=value", param_hint="--env-arg")
+        k, _, v = a.partition("=")
+        kwargs[k.strip()] = yaml.safe_load(v) if v.strip() else v
+    try:
+        summary = record_to_file(
+            policy,
+            env_name,
+            out_path,
+            env_args=kwargs,
+            episodes=episodes,
+            max_turns=max_turns,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            progress=not no_progress,
+        )
+    except ComposerPluginsError as e:
+        _fail(e)
+        return
+    click.echo(json.dumps(summary, sort_keys=True))
+
+
+@replay.command(name="states")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--format", "fmt", default="auto", type=click.Choice(["auto", "openai", "claude_code"]))
+@click.option("--limit", default=None, type=int)
+@click.option("--jsonl", is_flag=True, help="Print every state as JSON lines instead of a summary.")
+def states_cmd(paths: tuple[str, ...], fmt: str, limit: int | None, jsonl: bool) -> None:
+    """Show the student steps read from trace files."""
+    from composer_plugins.teachers.traces import load_traces
+
+    try:
+        states = load_traces(list(paths), format=fmt, limit=limit)  # type: ignore[arg-type]
+    except ComposerPluginsError as e:
+        _fail(e)
+        return
+    if jsonl:
+        for s in states:
+            click.echo(json.dumps(s.to_dict(), ensure_ascii=False))
+        return
+    traces = {s.trace_id for s in states}
+    click.echo(f"{len(states)} student steps in {len(traces)} trace(s)")
+    for s in states[:5]:
+        click.echo(f"  {s.state_id}  ({len(s.messages)} msgs)  student: {s.student_text[:70]!r}")
+
+
+@replay.command(name="normalize")
+@click.argument("in_path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_path", type=click.Path(dir_okay=False))
+@click.option(
+    "--recipe",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="data-juicer recipe (default: the shipped recipes/pairs.yaml).",
+)
+def normalize_cmd(in_path: str, out_path: str, recipe: str | None) -> None:
+    """Run the data-juicer recipe over a pairs JSONL file."""
+    from composer_plugins.teachers.io import atomic_write_jsonl, read_jsonl
+    from composer_plugins.teachers.normalize import normalize_pairs
+
+    try:
+        kept, report = normalize_pairs(read_jsonl(in_path), recipe)
+    except ComposerPluginsError as e:
+        _fail(e)
+        return
+    atomic_write_jsonl(out_path, kept)
+    click.echo(json.dumps(report.to_dict(), sort_keys=True))

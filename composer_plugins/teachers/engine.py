@@ -1,0 +1,530 @@
+"""The replay engine: every state through every teacher, async, cached, budgeted, resumable.
+
+For each ``(state, teacher)`` the engine first looks in the :class:`ReplayCache`; only
+misses are sent. Identical requests (same teacher, params and messages) are sent once.
+Each teacher has its own concurrency limit (``teacher.max_concurrency`` workers).
+
+A call is sent only after its worst-case cost is reserved against the ceiling (and, with a
+cache and a ceiling, covered by the durable spend lease in the ledger). Retryable failures (HTTP 429/5xx,
+timeouts, dropped connections, malformed bodies) are retried with exponential backoff and
+jitter, never sooner than the server's ``Retry-After`` (which also pauses that teacher's
+other workers). A successful answer is committed to the cache (with its ledger entry, in
+one transaction) before it is used; that commit runs off the teacher's concurrency slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from composer_plugins.teachers.base import Teacher, TeacherCallError, TeacherError, TeacherResponse
+from composer_plugins.teachers.budget import Budget
+from composer_plugins.teachers.cache import CacheError, ReplayCache, cache_key
+from composer_plugins.teachers.traces import TraceState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetryPolicy:
+    """How failed calls are retried.
+
+    The n-th retry waits ``uniform(d/2, d)`` with ``d = min(backoff_max_s, backoff_base_s * 2**n)``
+    ("equal jitter"), and never less than the server's ``Retry-After`` (capped at ``retry_after_max_s``).
+    """
+
+    max_retries: int = 6
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    retry_after_max_s: float = 300.0
+
+    def delay(self, retry: int, retry_after: float | None, rng: random.Random) -> float:
+        """Seconds to wait before retry number ``retry`` (0-based)."""
+        d = min(self.backoff_max_s, self.backoff_base_s * (2**retry))
+        wait = rng.uniform(d / 2, d)
+        if retry_after is not None:
+            wait = max(wait, min(retry_after, self.retry_after_max_s))
+        return wait
+
+
+@dataclass
+class CallFailure:
+    """A ``(state, teacher)`` pair that got no answer in this run."""
+
+    state_id: str
+    teacher: str
+    kind: str
+    message: str
+    attempts: int
+
+
+@dataclass
+class TeacherStats:
+    """Per-teacher counters."""
+
+    calls: int = 0
+    completed: int = 0
+    cache_hits: int = 0
+    retries: int = 0
+    failures: int = 0
+    spent_usd: float = 0.0
+
+
+@dataclass
+class ReplayStats:
+    """Counters of a run.
+
+    ``calls`` counts attempts actually sent (HTTP requests for ``openai``, retries included),
+    ``completed`` the calls that returned an answer, ``cache_hits`` answers served from the cache.
+    """
+
+    jobs: int = 0
+    calls: int = 0
+    completed: int = 0
+    cache_hits: int = 0
+    deduplicated: int = 0
+    retries: int = 0
+    failures: int = 0
+    skipped_budget: int = 0
+    spent_usd: float = 0.0
+    uncertain_usd: float = 0.0
+    prior_spent_usd: float = 0.0
+    prior_uncertain_usd: float = 0.0
+    max_usd: float | None = None
+    elapsed_s: float = 0.0
+    by_teacher: dict[str, TeacherStats] = field(default_factory=dict)
+
+    @property
+    def total_spent_usd(self) -> float:
+        """Spend of the run including earlier (resumed) processes and uncertain calls."""
+        return self.spent_usd + self.uncertain_usd + self.prior_spent_usd + self.prior_uncertain_usd
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_spent_usd"] = self.total_spent_usd
+        return d
+
+
+@dataclass
+class ReplayResult:
+    """Answers per state and teacher, failures and counters."""
+
+    responses: dict[str, dict[str, TeacherResponse]]
+    failures: list[CallFailure]
+    stats: ReplayStats
+    teachers: list[str]
+
+
+@dataclass
+class _Job:
+    key: str | None
+    state: TraceState
+    followers: list[TraceState] = field(default_factory=list)
+
+
+@dataclass
+class _Answer:
+    """A successful call whose response still has to be committed before use."""
+
+    resp: TeacherResponse
+    reserve: float
+    attempt: str
+
+
+class ReplayEngine:
+    """Replays states through teachers.
+
+    Args:
+        teachers: teacher objects; their ``id`` must be unique.
+        cache: the persistent cache/ledger (``None``: nothing persisted, no resume).
+        max_usd: the dollar ceiling of the run (``None``: no ceiling).
+        retry: the :class:`RetryPolicy`.
+        run_id: names the run in the ledger; a rerun with the same id resumes its budget.
+        fresh_budget: forget the ledger of ``run_id`` first (start the ceiling from zero).
+        durable_reservations: keep a durable *lease* covering the worst case of every call in
+            flight (raised before sending when needed), so the ceiling holds across a
+            ``kill -9``. Only used with a cache and a ceiling.
+        progress: show a tqdm bar (calls, cache hits, spend, ETA).
+        seed: seeds the backoff jitter.
+    """
+
+    def __init__(
+        self,
+        teachers: Sequence[Teacher],
+        *,
+        cache: ReplayCache | None = None,
+        max_usd: float | None = None,
+        retry: RetryPolicy | None = None,
+        run_id: str = "default",
+        fresh_budget: bool = False,
+        durable_reservations: bool = True,
+        progress: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if not teachers:
+            raise TeacherError("a replay needs at least one teacher")
+        ids = [t.id for t in teachers]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise TeacherError(f"teacher ids must be unique; duplicated: {dupes}. HINT: give each teacher an `id:`")
+        if max_usd is not None and max_usd < 0:
+            raise TeacherError(f"max_usd must be >= 0, got {max_usd}")
+        self.teachers = list(teachers)
+        self.cache = cache
+        self.max_usd = max_usd
+        self.retry = retry or RetryPolicy()
+        self.run_id = run_id
+        self.fresh_budget = fresh_budget
+        self.durable_reservations = durable_reservations
+        self.progress = progress
+        self._rng = random.Random(seed)
+
+    # -- public -------------------------------------------------------------------------------
+    def run(self, states: Sequence[TraceState]) -> ReplayResult:
+        """Synchronous :meth:`arun`."""
+        return asyncio.run(self.arun(states))
+
+    async def arun(self, states: Sequence[TraceState]) -> ReplayResult:
+        """Replay ``states`` through every teacher."""
+        if self.cache is not None:
+            with self.cache.run_lock(self.run_id):
+                return await self._arun(states)
+        return await self._arun(states)
+
+    # -- internals ------------------------------------------------------------------------------
+    def key_for(self, teacher: Teacher, state: TraceState) -> str:
+        """The cache key of ``state`` under ``teacher``."""
+        return cache_key(teacher.id, teacher.kind, teacher.model, teacher.cache_params(), state.messages)
+
+    def _setup(self, stats: ReplayStats) -> None:
+        budget = Budget(self.max_usd)
+        if self.cache is not None:
+            if self.fresh_budget:
+                self.cache.reset_run(self.run_id)
+            orphans = self.cache.mark_orphans(self.run_id)
+            if orphans:
+                log.warning(
+                    "run %r: a previous process died with calls in flight; counting them at their worst-case cost",
+                    self.run_id,
+                )
+            prior = self.cache.run_totals(self.run_id)
+            stats.prior_spent_usd, stats.prior_uncertain_usd = prior.paid_usd, prior.uncertain_usd
+            budget.spent_usd, budget.uncertain_usd = prior.paid_usd, prior.uncertain_usd
+        self._budget = budget
+        self._budget_cond = asyncio.Condition()
+        self._budget_waiters = 0
+        self._pause_until: dict[str, float] = defaultdict(float)
+        self._stats = stats
+        self._nonce = uuid.uuid4().hex[:12]
+        self._attempts = itertools.count()
+        self._use_lease = self.cache is not None and self.durable_reservations and self.max_usd is not None
+        self._lease = 0.0
+        self._lease_task: asyncio.Task[None] | None = None
+        self._headroom_slots = sum(t.max_concurrency for t in self.teachers)
+        self._interrupted = 0
+
+    def _lookup(
+        self, states: Sequence[TraceState], responses: dict[str, dict[str, TeacherResponse]]
+    ) -> dict[str, list[_Job]]:
+        """Serve cache hits; return the remaining jobs per teacher (identical requests merged)."""
+        stats = self._stats
+        queues: dict[str, list[_Job]] = {}
+        for t in self.teachers:
+            jobs: dict[str, _Job] = {}
+            plain: list[_Job] = []
+            for s in states:
+                stats.jobs += 1
+                if self.cache is None or not t.cacheable:
+                    plain.append(_Job(None, s))
+                    continue
+                k = self.key_for(t, s)
+                if k in jobs:
+                    jobs[k].followers.append(s)
+                    stats.deduplicated += 1
+                else:
+                    jobs[k] = _Job(k, s)
+            if jobs and self.cache is not None:
+                for k, data in self.cache.get_many(jobs).items():
+                    job = jobs.pop(k)
+                    resp = TeacherResponse.from_dict(data, cached=True)
+                    for s in (job.state, *job.followers):
+                        responses[s.state_id][t.id] = resp
+                        stats.cache_hits += 1
+                        stats.by_teacher[t.id].cache_hits += 1
+            queues[t.id] = list(jobs.values()) + plain
+        return queues
+
+    async def _arun(self, states: Sequence[TraceState]) -> ReplayResult:
+        t0 = time.perf_counter()
+        stats = ReplayStats(max_usd=self.max_usd, by_teacher={t.id: TeacherStats() for t in self.teachers})
+        self._setup(stats)
+        responses: dict[str, dict[str, TeacherResponse]] = {s.state_id: {} for s in states}
+        failures: list[CallFailure] = []
+        queues = self._lookup(states, responses)
+        for t in self.teachers:  # fail fast (missing key variable ...) for teachers that will be called
+            if queues[t.id] and not (self.max_usd == 0 and t.max_cost(queues[t.id][0].state.messages) > 0):
+                t.check()
+        bar = self._make_bar(stats)
+        self._last_postfix = 0.0
+        finishing: set[asyncio.Task[None]] = set()
+
+        def record(t: Teacher, job: _Job, result: TeacherResponse | CallFailure) -> None:
+            group = (job.state, *job.followers)
+            for s in group:
+                if isinstance(result, TeacherResponse):
+                    responses[s.state_id][t.id] = result
+                else:
+                    failures.append(CallFailure(s.state_id, t.id, result.kind, result.message, result.attempts))
+            if not isinstance(result, TeacherResponse):
+                stats.failures += len(group)
+                stats.by_teacher[t.id].failures += len(group)
+                if result.kind == "budget":
+                    stats.skipped_budget += len(group)
+            if bar is not None:
+                bar.update(len(group))
+                self._postfix(bar, stats)
+
+        # answers received but not yet committed, per teacher: at most max_concurrency, so a kill
+        # loses at most 2 x max_concurrency answers per teacher (in flight + awaiting their commit)
+        committing = {t.id: asyncio.Semaphore(t.max_concurrency) for t in self.teachers}
+
+        async def finish(t: Teacher, job: _Job, ans: _Answer) -> None:
+            # commit (response + ledger, one transaction), then account and use it
+            try:
+                record(t, job, await self._commit_answer(t, job, ans))
+            finally:
+                committing[t.id].release()
+
+        async def worker(t: Teacher, q: asyncio.Queue[_Job]) -> None:
+            while True:
+                try:
+                    job = q.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                result = await self._call(t, job)
+                if isinstance(result, _Answer):
+                    # the commit runs off this worker's slot: the teacher's concurrency is spent on requests
+                    await committing[t.id].acquire()
+                    task = asyncio.create_task(finish(t, job, result))
+                    finishing.add(task)
+                    task.add_done_callback(finishing.discard)
+                else:
+                    record(t, job, result)
+
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for t in self.teachers:
+                q: asyncio.Queue[_Job] = asyncio.Queue()
+                for j in queues[t.id]:
+                    q.put_nowait(j)
+                n = min(t.max_concurrency, max(1, q.qsize()))
+                tasks += [asyncio.create_task(worker(t, q), name=f"replay-{t.id}-{i}") for i in range(n)]
+            await asyncio.gather(*tasks)
+            while finishing:
+                await asyncio.gather(*list(finishing))
+        finally:
+            for task in [*tasks, *finishing]:
+                task.cancel()
+            await asyncio.gather(*tasks, *finishing, return_exceptions=True)
+            # no call was cut off mid-flight: nothing unrecorded can have been billed, drop the lease
+            # (otherwise it stays and the next run counts it as spent)
+            if self._interrupted == 0 and self._budget.in_flight == 0:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._release_lease()
+            for t in self.teachers:
+                try:
+                    await t.aclose()
+                except Exception as e:  # pragma: no cover - best effort
+                    log.warning("closing teacher %r failed: %s", t.id, e)
+            b = self._budget
+            stats.spent_usd = b.spent_usd - stats.prior_spent_usd
+            stats.uncertain_usd = b.uncertain_usd - stats.prior_uncertain_usd
+            stats.elapsed_s = time.perf_counter() - t0
+            if bar is not None:
+                self._postfix(bar, stats, force=True)
+                bar.close()
+        return ReplayResult(responses, failures, stats, [t.id for t in self.teachers])
+
+    def _make_bar(self, stats: ReplayStats) -> Any:
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=stats.jobs, initial=stats.cache_hits, desc="replay", unit="call", dynamic_ncols=True)
+
+    def _postfix(self, bar: Any, stats: ReplayStats, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_postfix < 0.25:
+            return
+        self._last_postfix = now
+        b = self._budget
+        spend = f"${b.spent_usd + b.uncertain_usd:.4f}"
+        if b.max_usd is not None:
+            spend += f"/{b.max_usd:g}"
+        bar.set_postfix(calls=stats.calls, hits=stats.cache_hits, retries=stats.retries, spend=spend, refresh=False)
+
+    # -- budget -----------------------------------------------------------------------------------
+    async def _notify_budget(self) -> None:
+        if self._budget_waiters:
+            async with self._budget_cond:
+                self._budget_cond.notify_all()
+
+    async def _reserve(self, amount: float) -> bool:
+        """Reserve ``amount``, waiting for in-flight calls to settle while they might free room."""
+        b = self._budget
+        if b.try_reserve(amount):
+            return True
+        async with self._budget_cond:
+            while not b.try_reserve(amount):
+                if b.in_flight == 0:
+                    b.exhausted = True
+                    return False
+                self._budget_waiters += 1
+                try:
+                    await self._budget_cond.wait()
+                finally:
+                    self._budget_waiters -= 1
+        return True
+
+    async def _ensure_lease(self) -> None:
+        """Make the durable lease cover every reservation in flight before a call is sent."""
+        if not self._use_lease:
+            return
+        assert self.cache is not None and self.max_usd is not None
+        b = self._budget
+        while b.reserved_usd > self._lease * (1 + 1e-12):
+            if self._lease_task is None or self._lease_task.done():
+                room = max(0.0, self.max_usd - b.spent_usd - b.uncertain_usd)
+                per_call = b.reserved_usd / max(1, b.in_flight)
+                target = min(room, b.reserved_usd + per_call * self._headroom_slots)
+                self._lease_task = asyncio.create_task(self._write_lease(max(target, b.reserved_usd)))
+            await asyncio.shield(self._lease_task)
+
+    async def _write_lease(self, amount: float) -> None:
+        assert self.cache is not None
+        await self.cache.acommit(
+            ReplayCache.ledger_stmts(f"lease:{self._nonce}", self.run_id, "", "*", "lease", amount)
+        )
+        self._lease = max(self._lease, amount)
+
+    async def _release_lease(self) -> None:
+        if self._use_lease and self.cache is not None and self._lease > 0:
+            if self._lease_task is not None and not self._lease_task.done():
+                await self._lease_task
+            await self.cache.acommit(
+                ReplayCache.ledger_stmts(f"lease:{self._nonce}", self.run_id, "", "*", "released", 0.0)
+            )
+            self._lease = 0.0
+
+    # -- one call -------------------------------------------------------------------------------------
+    async def _call(self, t: Teacher, job: _Job) -> _Answer | CallFailure:
+        """Send ``job`` to ``t`` (with retries); an answer is returned uncommitted, with its reservation held."""
+        state, key = job.state, job.key
+        st = self._stats.by_teacher[t.id]
+        retry = 0
+        while True:
+            wait = self._pause_until[t.id] - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            try:
+                reserve = t.max_cost(state.messages)
+            except Exception as e:
+                return CallFailure(state.state_id, t.id, "estimate", f"{type(e).__name__}: {e}", retry)
+            if not await self._reserve(reserve):
+                return CallFailure(
+                    state.state_id,
+                    t.id,
+                    "budget",
+                    f"skipped: worst-case cost ${reserve:.6f} does not fit under max_usd={self.max_usd}",
+                    retry,
+                )
+            attempt = f"{self._nonce}-{next(self._attempts)}"
+            try:
+                if reserve > 0:
+                    await self._ensure_lease()
+                self._stats.calls += 1
+                st.calls += 1
+                resp = await t.complete(state.messages, metadata=state.metadata)
+            except TeacherCallError as e:
+                if e.billed == "maybe" and reserve > 0:
+                    if self.cache is not None:  # durable while the reservation (and the lease) still cover it
+                        await self.cache.acommit(
+                            ReplayCache.ledger_stmts(attempt, self.run_id, key or "", t.id, "maybe", reserve)
+                        )
+                    self._budget.mark_uncertain(reserve)
+                else:
+                    self._budget.release(reserve)
+                await self._notify_budget()
+                if e.retryable and retry < self.retry.max_retries:
+                    if e.retry_after is not None:
+                        until = time.monotonic() + min(e.retry_after, self.retry.retry_after_max_s)
+                        self._pause_until[t.id] = max(self._pause_until[t.id], until)
+                    delay = self.retry.delay(retry, e.retry_after, self._rng)
+                    retry += 1
+                    self._stats.retries += 1
+                    st.retries += 1
+                    await asyncio.sleep(delay)
+                    continue
+                return CallFailure(state.state_id, t.id, e.kind, str(e), retry + 1)
+            except TeacherError:
+                self._budget.release(reserve)
+                raise
+            except Exception as e:
+                self._budget.release(reserve)
+                await self._notify_budget()
+                return CallFailure(state.state_id, t.id, "error", f"{type(e).__name__}: {e}", retry + 1)
+            except BaseException:  # cancelled mid-call: it may have been billed
+                self._interrupted += 1
+                self._budget.mark_uncertain(reserve)
+                raise
+            return _Answer(resp, reserve, attempt)
+
+    async def _commit_answer(self, t: Teacher, job: _Job, ans: _Answer) -> TeacherResponse | CallFailure:
+        """Commit an answer (cache row + ``paid`` ledger row in one transaction), then settle its reservation."""
+        resp, key = ans.resp, job.key
+        stmts: list[tuple[str, tuple[Any, ...]]] = []
+        if self.cache is not None:
+            if key is not None:
+                stmts += ReplayCache.put_stmts(key, t.id, resp.model, resp.to_dict())
+            if ans.reserve > 0 or resp.cost_usd > 0:
+                stmts += ReplayCache.ledger_stmts(ans.attempt, self.run_id, key or "", t.id, "paid", resp.cost_usd)
+        failure: CallFailure | None = None
+        if stmts:
+            assert self.cache is not None
+            try:
+                await self.cache.acommit(stmts)
+            except CacheError as e:
+                failure = CallFailure(job.state.state_id, t.id, "cache", str(e), 1)
+        self._budget.settle(ans.reserve, resp.cost_usd)
+        st = self._stats.by_teacher[t.id]
+        self._stats.completed += 1
+        st.completed += 1
+        st.spent_usd += resp.cost_usd
+        await self._notify_budget()
+        return failure if failure is not None else resp
+
+
+def replay(
+    states: Sequence[TraceState],
+    teachers: Sequence[Teacher],
+    **engine_kwargs: Any,
+) -> ReplayResult:
+    """Convenience: ``ReplayEngine(teachers, **engine_kwargs).run(states)``."""
+    return ReplayEngine(teachers, **engine_kwargs).run(states)
+
+
+def responses_table(result: ReplayResult) -> list[dict[str, Any]]:
+    """One JSON-able row per state: every teacher's action text (for inspection / DVC outputs)."""
+    rows = []
+    for sid, by_t in result.responses.items():
+        rows.append({"state_id": sid, "teachers": {tid: r.text for tid, r in by_t.items()}})
+    return rows

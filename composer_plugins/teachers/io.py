@@ -1,0 +1,71 @@
+"""Small durable-file helpers: atomic JSONL writes and located JSONL reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from composer_plugins.core.errors import ComposerPluginsError
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename inside it survives a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically: temp file in the same dir, fsync, ``os.replace``, fsync dir."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(p.parent)
+
+
+def atomic_write_jsonl(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
+    """Write ``records`` as JSON lines atomically; returns the number written."""
+    lines = [json.dumps(r, ensure_ascii=False, sort_keys=False) for r in records]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return len(lines)
+
+
+def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
+    """``(line number, object)`` for each non-empty line; bad JSON raises naming file and line."""
+    p = Path(path)
+    with p.open(encoding="utf-8") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ComposerPluginsError(f"{p}:{lineno}: invalid JSON at column {e.colno}: {e.msg}") from None
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[Any]:
+    """All objects of a JSONL file."""
+    return [obj for _, obj in iter_jsonl(path)]

@@ -1,0 +1,282 @@
+"""The ``replay`` pipeline from a YAML config: traces → teachers → pairs → data-juicer → JSONL.
+
+Example config (every key but ``traces`` and ``teachers`` is optional)::
+
+    run_id: gsm8k-replay-v1            # names the run in the spend ledger (default: from output.pairs)
+    traces:
+      - path: traces/student.jsonl     # OpenAI-messages or Claude Code JSONL (format: auto)
+    teachers:
+      - name: openai                   # registry name
+        id: llama70b                   # the teacher's name in pairs and the cache key
+        model: meta-llama/llama-3.3-70b-instruct
+        base_url: https://openrouter.ai/api/v1
+        api_key_env: OPENROUTER_API_KEY
+        prompt_usd_per_token: 1.2e-7
+        completion_usd_per_token: 3.0e-7
+        max_tokens: 512
+        max_concurrency: 16
+      - name: oracle
+    consensus: {k: 2, compare: final_answer}
+    budget: {max_usd: 5.0}
+    cache: {path: .replay/cache.sqlite}
+    retry: {max_retries: 6, backoff_base_s: 0.5, backoff_max_s: 30}
+    output: {pairs: data/pairs.jsonl, responses: data/responses.jsonl}
+    normalize: {enabled: true}         # recipe: path to a data-juicer recipe (default: the shipped one)
+
+Relative paths are relative to the working directory (what DVC stages expect).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from composer_plugins.core.config import Config, build_component, from_dict, load_config, redact
+from composer_plugins.core.errors import UnknownPluginError
+from composer_plugins.teachers.base import Teacher, TeacherError
+from composer_plugins.teachers.engine import ReplayEngine, ReplayResult, RetryPolicy, responses_table
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConsensusConfig:
+    """How teacher agreement becomes a pair."""
+
+    k: int = 2
+    compare: Literal["text", "final_answer"] = "text"
+
+
+@dataclass
+class BudgetConfig:
+    """The dollar ceiling."""
+
+    max_usd: float | None = None
+    fresh: bool = False
+    durable_reservations: bool = True
+
+
+@dataclass
+class CacheConfig:
+    """The persistent response cache / spend ledger."""
+
+    path: str = ".replay/cache.sqlite"
+    enabled: bool = True
+    synchronous: Literal["FULL", "NORMAL"] = "FULL"
+
+
+@dataclass
+class OutputConfig:
+    """Where results go."""
+
+    pairs: str = "replay/pairs.jsonl"
+    raw_pairs: str | None = None
+    responses: str | None = None
+    summary: str | None = None
+
+
+@dataclass
+class NormalizeConfig:
+    """The data-juicer pass over the pairs."""
+
+    enabled: bool = True
+    recipe: str | None = None
+
+
+@dataclass
+class ReplayConfig:
+    """The whole ``replay run`` config."""
+
+    traces: list[Any]
+    teachers: list[Any]
+    run_id: str | None = None
+    limit: int | None = None
+    progress: bool = True
+    seed: int = 0
+    consensus: ConsensusConfig = field(default_factory=ConsensusConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+
+
+def parse_config(cfg: Config) -> ReplayConfig:
+    """Typed :class:`ReplayConfig` from a loaded config; errors name the file, line and key."""
+    rc = from_dict(ReplayConfig, cfg, cfg)
+    if not rc.traces:
+        raise cfg.error("traces", "at least one trace file is required (a path or {path: ..., format: ...}).")
+    if not rc.teachers:
+        raise cfg.error("teachers", "at least one teacher is required (e.g. {name: openai, model: ...}).")
+    for i, t in enumerate(rc.traces):
+        if isinstance(t, dict):
+            extra = set(t) - {"path", "format"}
+            if "path" not in t or extra:
+                raise cfg.error(
+                    f"traces.{i}",
+                    "a trace entry is a path or {path: ..., format: auto|openai|claude_code}.",
+                    valid=["path", "format"],
+                )
+            if t.get("format", "auto") not in ("auto", "openai", "claude_code"):
+                raise cfg.error(
+                    f"traces.{i}.format", f"unknown format {t['format']!r}.", valid=["auto", "openai", "claude_code"]
+                )
+        elif not isinstance(t, str):
+            raise cfg.error(f"traces.{i}", f"expected a path, got {t!r}")
+    if rc.consensus.k < 1:
+        raise cfg.error("consensus.k", f"k must be >= 1, got {rc.consensus.k}.")
+    if rc.consensus.k > len(rc.teachers):
+        raise cfg.error("consensus.k", f"k={rc.consensus.k} but only {len(rc.teachers)} teacher(s) are configured.")
+    if rc.budget.max_usd is not None and rc.budget.max_usd < 0:
+        raise cfg.error("budget.max_usd", "must be >= 0.")
+    return rc
+
+
+def build_teachers(specs: list[Any], cfg: Config | None = None) -> list[Teacher]:
+    """Build teachers from config entries (``{name: <registry name>, id: ..., <args>}``)."""
+    cfg = cfg if cfg is not None else Config()
+    out: list[Teacher] = []
+    for i, spec in enumerate(specs):
+        key = f"teachers.{i}"
+        try:
+            t = build_component("teachers", spec, key, cfg)
+        except TypeError as e:
+            valid = _param_names(spec)
+            m = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+            if m:
+                raise cfg.error(f"{key}.{m.group(1)}", "unknown teacher argument.", valid=valid) from None
+            raise cfg.error(key, f"bad teacher arguments: {e}", valid=valid) from None
+        except (TeacherError, UnknownPluginError) as e:
+            raise cfg.error(key, str(e)) from None
+        if not isinstance(t, Teacher):
+            raise cfg.error(key, f"built {type(t).__name__}, which is not a Teacher")
+        out.append(t)
+    ids = [t.id for t in out]
+    for i, tid in enumerate(ids):
+        if tid in ids[:i]:
+            raise cfg.error(f"teachers.{i}.id", f"teacher id {tid!r} is used twice; give each teacher a distinct id.")
+    return out
+
+
+def _param_names(spec: Any) -> list[str] | None:
+    from composer_plugins.core.plugins import get_registry
+
+    name = spec.get("name") if isinstance(spec, dict) else spec
+    try:
+        factory = get_registry().get("teachers", str(name)).factory
+        return ["name", *[p for p in inspect.signature(factory).parameters if p not in ("self",)]]
+    except Exception:
+        return None
+
+
+def default_run_id(rc: ReplayConfig) -> str:
+    """``replay:<absolute path of output.pairs>`` (reruns of one config share a ledger)."""
+    return "replay:" + os.path.abspath(rc.output.pairs)
+
+
+def run_replay(
+    rc: ReplayConfig,
+    cfg: Config | None = None,
+    *,
+    teachers: list[Teacher] | None = None,
+    progress: bool | None = None,
+    fresh_budget: bool | None = None,
+) -> dict[str, Any]:
+    """Run the whole pipeline; returns the summary (also written to ``output.summary`` if set)."""
+    from composer_plugins.teachers.cache import ReplayCache
+    from composer_plugins.teachers.io import atomic_write_jsonl, atomic_write_text
+    from composer_plugins.teachers.pairs import extract_pairs
+    from composer_plugins.teachers.traces import load_traces
+
+    cfg = cfg if cfg is not None else Config()
+    states = load_traces(rc.traces, limit=rc.limit)
+    teachers = teachers if teachers is not None else build_teachers(rc.teachers, cfg)
+    run_id = rc.run_id or default_run_id(rc)
+    cache = ReplayCache(rc.cache.path, rc.cache.synchronous) if rc.cache.enabled else None
+    try:
+        engine = ReplayEngine(
+            teachers,
+            cache=cache,
+            max_usd=rc.budget.max_usd,
+            retry=rc.retry,
+            run_id=run_id,
+            fresh_budget=rc.budget.fresh if fresh_budget is None else fresh_budget,
+            durable_reservations=rc.budget.durable_reservations,
+            progress=rc.progress if progress is None else progress,
+            seed=rc.seed,
+        )
+        result = engine.run(states)
+    finally:
+        if cache is not None:
+            cache.close()
+    pairs, pstats = extract_pairs(
+        states, result.responses, k=rc.consensus.k, compare=rc.consensus.compare, teacher_order=result.teachers
+    )
+    if rc.output.raw_pairs:
+        atomic_write_jsonl(rc.output.raw_pairs, pairs)
+    norm: dict[str, Any] | None = None
+    if rc.normalize.enabled and pairs:
+        from composer_plugins.teachers.normalize import normalize_pairs
+
+        pairs, report = normalize_pairs(pairs, rc.normalize.recipe)
+        norm = report.to_dict()
+    atomic_write_jsonl(rc.output.pairs, pairs)
+    if rc.output.responses:
+        atomic_write_jsonl(rc.output.responses, responses_table(result))
+    summary = build_summary(rc, run_id, len(states), result, pstats.to_dict(), norm, teachers)
+    if rc.output.summary:
+        import json
+
+        atomic_write_text(rc.output.summary, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def build_summary(
+    rc: ReplayConfig,
+    run_id: str,
+    n_states: int,
+    result: ReplayResult,
+    pair_stats: dict[str, int],
+    norm: dict[str, Any] | None,
+    teachers: list[Teacher],
+) -> dict[str, Any]:
+    """The JSON summary of a run (no secrets: teachers appear by id, kind, model and params)."""
+    st = result.stats
+    kinds: dict[str, int] = {}
+    for f in result.failures:
+        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    return redact(
+        {
+            "run_id": run_id,
+            "states": n_states,
+            "teachers": [{"id": t.id, "kind": t.kind, "model": t.model} for t in teachers],
+            "replay": st.to_dict(),
+            "failures": {
+                "total": len(result.failures),
+                "by_kind": kinds,
+                "examples": [f.message for f in result.failures[:5]],
+            },
+            "pairs": pair_stats,
+            "normalize": norm,
+            "output": str(Path(rc.output.pairs)),
+        }
+    )
+
+
+def run_from_file(
+    path: str | os.PathLike[str],
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    progress: bool | None = None,
+    fresh_budget: bool | None = None,
+) -> dict[str, Any]:
+    """Load ``path`` (+ ``key=value`` overrides), validate, run; returns the summary."""
+    cfg = load_config(path, overrides)
+    rc = parse_config(cfg)
+    teachers = build_teachers(rc.teachers, cfg)
+    return run_replay(rc, cfg, teachers=teachers, progress=progress, fresh_budget=fresh_budget)
