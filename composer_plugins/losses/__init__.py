@@ -1,1 +1,10 @@
-"""Built-in losses of composer-plugins (registered by :mod:`composer_plugins.losses.plugin`)."""
+"""Built-in losses of composer-plugins (registered by :mod:`composer_plugins.losses.plugin`).
+
+* :mod:`composer_plugins.losses.functional` — the functional API (advantages, policy losses,
+  DPPO, distillation divergences, DPO/SimPO, chunked hidden-state versions, TAID schedule);
+* :mod:`composer_plugins.losses.base` — the :class:`LossChannel` contract and :class:`ChannelComposer`;
+* :mod:`composer_plugins.losses.policy`, :mod:`~composer_plugins.losses.distill`,
+  :mod:`~composer_plugins.losses.preference` — the built-in channels.
+
+Importing this package does not import torch; import the submodules you need.
+"""

@@ -1,9 +1,15 @@
 """The loss-channel contract and the composer that sums channels.
 
-A channel declares the batch fields it needs (``requires``). When any is absent from a
-batch the composer skips it and reports ``<name>/skipped = 1`` instead of a fake zero
-loss. ``forward(model_outputs, batch)`` returns ``(loss, metrics)``; the composer returns
+A channel declares the batch fields it needs (``requires``) and, optionally, alternative
+groups of fields of which one must be complete (``input_options``, e.g. logits *or* hidden
+states + LM head). When a required field is absent from a batch the composer skips the
+channel and reports ``<name>/skipped = 1`` and ``<name>/missing = "..."`` instead of a fake
+zero loss. ``forward(model_outputs, batch)`` returns ``(loss, metrics)``; the composer returns
 ``Σ weight_i · loss_i`` and every channel's metrics prefixed with its name.
+
+Fields are looked up in ``model_outputs`` first, then in ``batch`` (:meth:`LossChannel.get`).
+Channel state that must survive a resume (e.g. TAID's schedule) lives in buffers, so
+``ChannelComposer.state_dict()`` / ``load_state_dict()`` carry it.
 """
 
 from __future__ import annotations
@@ -28,18 +34,37 @@ class LossChannel(nn.Module):
     needs_teacher: ClassVar[bool] = False
     #: True when the channel needs reference-model log-probs.
     needs_reference: ClassVar[bool] = False
+    #: Alternative input groups; when non-empty, at least one group must be fully present.
+    input_options: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         super().__init__()
         self.weight = float(weight)
         self.name = name or type(self).__name__
 
+    def required_inputs(self) -> tuple[str, ...]:
+        """Keys this channel needs for its current configuration (default: ``requires``)."""
+        return tuple(self.requires)
+
     def missing_inputs(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list[str]:
-        """Required keys found in neither ``batch`` nor ``model_outputs`` (or present but ``None``)."""
-        return [
-            k for k in self.requires
-            if batch.get(k) is None and model_outputs.get(k) is None
-        ]  # fmt: skip
+        """Required keys found in neither ``batch`` nor ``model_outputs`` (or present but ``None``).
+
+        With ``input_options``, an incomplete set of alternatives is reported as one entry
+        ``"a+b|c+d"`` (every alternative, ``+`` joining the keys of one group).
+        """
+        missing = [k for k in self.required_inputs() if not has_input(k, model_outputs, batch)]
+        options = self.input_options
+        if options and not any(all(has_input(k, model_outputs, batch) for k in grp) for grp in options):
+            missing.append("|".join("+".join(grp) for grp in options))
+        return missing
+
+    @staticmethod
+    def get(key: str, model_outputs: Mapping[str, Any], batch: Mapping[str, Any], default: Any = None) -> Any:
+        """``model_outputs[key]`` if present and not None, else ``batch[key]``, else ``default``."""
+        v = model_outputs.get(key)
+        if v is None:
+            v = batch.get(key)
+        return default if v is None else v
 
     def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         """Return ``(scalar loss, metrics)`` for this batch."""
@@ -59,6 +84,41 @@ class ChannelComposer(nn.Module):
         if dupes:
             raise ValueError(f"two loss channels share the name(s) {sorted(dupes)}; give each a distinct name=")
         self.channels = nn.ModuleList(channels)
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[Any]) -> ChannelComposer:
+        """Build from registry specs: ``"dapo"``, ``{"name": "hint_distill", "weight": 0.5, ...}``,
+        ``{"class_path": ..., "init_args": ...}`` or already-built :class:`LossChannel` objects."""
+        from composer_plugins.core.config import build_component
+
+        built: list[LossChannel] = []
+        for i, spec in enumerate(specs):
+            ch = spec if isinstance(spec, LossChannel) else build_component("losses", spec, key=f"losses[{i}]")
+            if not isinstance(ch, LossChannel):
+                raise TypeError(f"losses[{i}]: {spec!r} built a {type(ch).__name__}, not a LossChannel")
+            built.append(ch)
+        return cls(built)
+
+    def __getitem__(self, name: str) -> LossChannel:
+        for ch in self.channels:
+            if ch.name == name:
+                return ch  # type: ignore[return-value]
+        raise KeyError(f"no loss channel named {name!r}; channels: {[c.name for c in self.channels]}")
+
+    @property
+    def names(self) -> list[str]:
+        """Channel names, in order."""
+        return [c.name for c in self.channels]
+
+    @property
+    def needs_teacher(self) -> bool:
+        """True when an active channel needs a teacher forward pass."""
+        return any(c.needs_teacher and c.weight != 0.0 for c in self.channels)
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when an active channel needs reference-model log-probs."""
+        return any(c.needs_reference and c.weight != 0.0 for c in self.channels)
 
     def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         total: Tensor | None = None
@@ -84,6 +144,11 @@ class ChannelComposer(nn.Module):
             total = torch.zeros((), device=device, requires_grad=False)
         metrics["loss"] = total.detach()
         return total, metrics
+
+
+def has_input(key: str, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> bool:
+    """True when ``key`` is present (and not None) in ``model_outputs`` or ``batch``."""
+    return model_outputs.get(key) is not None or batch.get(key) is not None
 
 
 def _first_tensor_device(*maps: Mapping[str, Any]) -> torch.device:

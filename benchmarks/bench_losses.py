@@ -1,0 +1,323 @@
+"""Peak memory and time of the chunked vs the materialised loss paths (not a timed test).
+
+Two workloads, each forward + backward at one shape (default: Qwen2.5-0.5B-like head,
+V=151,936, H=896, T=2,048, batch 1; ``--quick``: V=32,000, H=256, T=512):
+
+* ``logprobs``: per-token log-probs of the sampled tokens from the final hidden states, then a
+  policy-gradient-like weighted sum — ``selective_log_softmax(h @ W.T, ids)`` (materialised, TRL's
+  way) vs :func:`~composer_plugins.losses.functional.chunked_logprobs`;
+* ``hint_distill``: the ``hint_distill`` channel (generalised JSD, beta=0.5) on every token, fed
+  student/teacher logits (materialised) vs student/teacher hidden states + the LM head (chunked,
+  with the channel's default ``grad_mode="precompute"``, and with ``"recompute"``).
+
+How memory is measured, honestly:
+
+* CUDA: ``torch.cuda.max_memory_allocated()`` minus the allocation before the step.
+* CPU: each variant runs in a **fresh subprocess**. After the timed runs, glibc's mmap threshold is
+  fixed at 1 MiB (``mallopt``) and its cached heap trimmed, so every tensor buffer is mmap-ed and
+  returned to the OS when freed and the resident set tracks live memory (timing runs keep the
+  default allocator). Inputs are created in place (no temporaries). Right before the measured
+  step the kernel's peak-RSS counter is reset (``echo 5 > /proc/self/clear_refs``) and the
+  resident set read from ``/proc/self/statm``; after it the peak is ``VmHWM`` from
+  ``/proc/self/status``. Peak extra memory = VmHWM − RSS before (fallback where the reset is not
+  allowed: ``ru_maxrss`` of the fresh process). This counts every allocation torch makes, without
+  instrumenting torch. ``excl grads`` subtracts the gradient buffers both paths must produce
+  (``dL/dW`` — V×H, 519 MiB at the full shape — and ``dL/dhidden``), leaving the loss's working memory.
+
+Time: on CPU the process CPU time of the step with one torch thread (default ``--threads 1``),
+robust to other processes sharing the machine; the wall time is reported too. On CUDA, wall time
+after synchronisation. Best of ``repeats`` runs after one warm-up run; memory is measured on a
+separate, final run. The chunked and
+materialised results of each workload are checked to agree (loss and gradient norms).
+
+Run: ``python -m benchmarks.bench_losses [--quick] [--threads N] [--chunk-size C]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+FULL = {"B": 1, "T": 2048, "H": 896, "V": 151_936}
+QUICK = {"B": 1, "T": 512, "H": 256, "V": 32_000}
+VARIANTS = (
+    "logprobs_materialised",
+    "logprobs_chunked",
+    "hint_distill_materialised",
+    "hint_distill_chunked",
+    "hint_distill_chunked_recompute",
+)
+#: (ratio prefix, chunked variant, materialised baseline)
+COMPARISONS = (
+    ("logprobs", "logprobs_chunked", "logprobs_materialised"),
+    ("hint_distill", "hint_distill_chunked", "hint_distill_materialised"),
+    ("hint_distill_recompute", "hint_distill_chunked_recompute", "hint_distill_materialised"),
+)
+TARGETS = {
+    **{f"{p}_peak_mem_ratio": "<= 0.125 (chunked / materialised, all memory)" for p, _, _ in COMPARISONS},
+    **{
+        f"{p}_peak_mem_ratio_excl_grads": "<= 0.125 (chunked / materialised, minus the gradient buffers both produce)"
+        for p, _, _ in COMPARISONS
+    },
+    **{f"{p}_time_ratio": "<= 1.0 (chunked / materialised)" for p, _, _ in COMPARISONS},
+}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _hwm_bytes() -> int | None:
+    """Peak resident set size since the last :func:`_reset_hwm` (``VmHWM``), or None if unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _exact_cpu_allocator() -> None:
+    """Make the resident set track live memory: a fixed 1 MiB glibc mmap threshold (every tensor
+    buffer is mmap-ed and unmapped when freed) and no cached heap (``malloc_trim``)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it disables the dynamic threshold)
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: keep the default allocator
+        pass
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS counter to the current RSS (Linux >= 4.0: ``echo 5 > clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repeats: int) -> dict[str, Any]:
+    """Run one variant in this (fresh) process and return its measurements."""
+    import torch
+
+    from composer_plugins.losses import functional as LF
+    from composer_plugins.losses.distill import HintDistillChannel
+
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    b, t, h, v = shape["B"], shape["T"], shape["H"], shape["V"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*size: int, std: float) -> torch.Tensor:
+        x = torch.empty(*size, device=dev)
+        x.normal_(0.0, std, generator=gen)  # in place: no temporary copies
+        return x
+
+    weight = randn(v, h, std=0.05).requires_grad_(True)
+    hidden = randn(b, t, h, std=1.0).requires_grad_(True)
+    teacher_hidden = randn(b, t, h, std=1.0)
+    teacher_hidden.mul_(0.5).add_(hidden.detach(), alpha=0.8)  # a teacher close to the student
+    ids = torch.randint(0, v, (b, t), device=dev, generator=gen)
+    adv = randn(b, t, std=1.0)
+    hint_mask = torch.ones(b, t, dtype=torch.bool, device=dev)
+    grad_mode = "recompute" if variant.endswith("_recompute") else "precompute"  # the channel's default
+    channel = HintDistillChannel(criterion="jsd", beta=0.5, chunk_size=chunk, grad_mode=grad_mode)
+
+    def step() -> float:
+        weight.grad = None
+        hidden.grad = None
+        if variant == "logprobs_materialised":
+            logits = hidden @ weight.T
+            loss = -(LF.selective_log_softmax(logits, ids) * adv).sum() / t
+            del logits
+        elif variant == "logprobs_chunked":
+            lp = LF.chunked_logprobs(hidden, weight, ids, chunk_size=chunk)
+            assert isinstance(lp, torch.Tensor)
+            loss = -(lp * adv).sum() / t
+        elif variant == "hint_distill_materialised":
+            with torch.no_grad():
+                t_logits = teacher_hidden @ weight.T
+            s_logits = hidden @ weight.T
+            loss, _ = channel({"student_logits": s_logits, "teacher_logits": t_logits}, {"hint_mask": hint_mask})
+            del s_logits, t_logits
+        elif variant.startswith("hint_distill_chunked"):
+            outs = {"student_hidden": hidden, "teacher_hidden": teacher_hidden, "lm_head_weight": weight}
+            loss, _ = channel(outs, {"hint_mask": hint_mask})
+        else:
+            raise ValueError(variant)
+        loss.backward()
+        return float(loss.detach())
+
+    step()  # warm-up (lazy library initialisation is not what we measure); not timed, not measured
+    # 1) time, with the allocator as users run it
+    walls: list[float] = []
+    cpus: list[float] = []
+    loss_value = float("nan")
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss_value = step()
+        if cuda:
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    # 2) peak memory of one more step
+    weight.grad = None
+    hidden.grad = None
+    if cuda:
+        method = "cuda.max_memory_allocated"
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        high = torch.cuda.max_memory_allocated()
+    else:
+        method = "VmHWM (reset before the step), mmap threshold 1 MiB"
+        _exact_cpu_allocator()
+        if not _reset_hwm():
+            method = "ru_maxrss (fresh process), mmap threshold 1 MiB"
+        before = _rss_bytes()
+        step()
+        hwm = _hwm_bytes() if method.startswith("VmHWM") else None
+        high = hwm if hwm is not None else _maxrss_bytes()
+    peak = high - before
+    assert weight.grad is not None and hidden.grad is not None
+    grad_bytes = weight.grad.numel() * weight.grad.element_size() + hidden.grad.numel() * hidden.grad.element_size()
+    return {
+        "variant": variant,
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({threads} thread(s))",
+        "peak_mib": peak / 2**20,
+        "peak_excl_grads_mib": (peak - grad_bytes) / 2**20,
+        "memory_method": method,
+        # CPU: process CPU time (robust to other processes sharing the cores); CUDA: wall time
+        "time_s": min(walls) if cuda else min(cpus),
+        "wall_s": min(walls),
+        "cpu_s": min(cpus),
+        "loss": loss_value,
+        "grad_norm_w": float(weight.grad.norm()),
+        "grad_norm_h": float(hidden.grad.norm()),
+    }
+
+
+def _run_variant(variant: str, shape: dict[str, int], chunk: int, threads: int, repeats: int) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        variant,
+        "--shape",
+        json.dumps(shape),
+        "--chunk-size",
+        str(chunk),
+        "--threads",
+        str(threads),
+        "--repeats",
+        str(repeats),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker {variant} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(
+    quick: bool = False, threads: int | None = None, chunk_size: int | None = None, repeats: int | None = None
+) -> dict[str, Any]:
+    """Measure every variant (each in a fresh process) and return results, ratios and targets."""
+    shape = dict(QUICK if quick else FULL)
+    threads = threads or 1
+    chunk = chunk_size or (64 if quick else 256)  # the same number of chunks (8) at both shapes
+    repeats = repeats or (3 if quick else 1)
+    try:
+        from tqdm import tqdm
+
+        variants = tqdm(VARIANTS, desc="bench_losses", leave=False)
+    except ImportError:  # pragma: no cover
+        variants = VARIANTS
+    results = {v: _run_variant(v, shape, chunk, threads, repeats) for v in variants}
+    ratios: dict[str, float] = {}
+    checks: dict[str, bool] = {}
+    for w, chunked, base in COMPARISONS:
+        mat, chk = results[base], results[chunked]
+        ratios[f"{w}_peak_mem_ratio"] = chk["peak_mib"] / max(mat["peak_mib"], 1e-9)
+        ratios[f"{w}_peak_mem_ratio_excl_grads"] = chk["peak_excl_grads_mib"] / max(mat["peak_excl_grads_mib"], 1e-9)
+        ratios[f"{w}_time_ratio"] = chk["time_s"] / max(mat["time_s"], 1e-12)
+        checks[f"{w}_same_result"] = (
+            abs(chk["loss"] - mat["loss"]) <= 1e-4 * max(1.0, abs(mat["loss"]))
+            and abs(chk["grad_norm_w"] - mat["grad_norm_w"]) <= 1e-3 * max(1e-6, mat["grad_norm_w"])
+            and abs(chk["grad_norm_h"] - mat["grad_norm_h"]) <= 1e-3 * max(1e-6, mat["grad_norm_h"])
+        )
+    return {
+        "name": "losses",
+        "shape": shape,
+        "chunk_size": chunk,
+        "device": results[VARIANTS[0]]["device"],
+        "results": results,
+        "checks": checks,
+        "ratios": ratios,
+        "targets": TARGETS,
+    }
+
+
+def _print(report: dict[str, Any]) -> None:
+    s = report["shape"]
+    print(
+        f"bench_losses  B={s['B']} T={s['T']} H={s['H']} V={s['V']}  chunk={report['chunk_size']}  "
+        f"device={report['device']}"
+    )
+    print(f"{'variant':<34}{'peak MiB':>10}{'excl grads':>12}{'time s':>9}{'wall s':>9}{'loss':>12}")
+    for name, r in report["results"].items():
+        print(
+            f"{name:<34}{r['peak_mib']:>10.1f}{r['peak_excl_grads_mib']:>12.1f}{r['time_s']:>9.2f}"
+            f"{r['wall_s']:>9.2f}{r['loss']:>12.6f}"
+        )
+    for k, v in report["ratios"].items():
+        print(f"{k:<46}{v:>7.3f}   target {report['targets'][k]}")
+    for k, v in report["checks"].items():
+        print(f"{k:<46}{'ok' if v else 'MISMATCH':>7}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shape (V=32000, H=256, T=512)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per variant (default: 1)")
+    p.add_argument("--chunk-size", type=int, default=None, help="token rows per chunk (default 256; quick 64)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (best is kept)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        out = _worker(a.worker, json.loads(a.shape), a.chunk_size or 256, a.threads or 1, a.repeats or 1)
+        print(json.dumps(out))
+        return
+    report = run(quick=a.quick, threads=a.threads, chunk_size=a.chunk_size, repeats=a.repeats)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+
+
+if __name__ == "__main__":
+    main()

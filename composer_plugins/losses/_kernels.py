@@ -1,0 +1,287 @@
+"""Per-token distillation divergences over a block of rows, with closed-form gradients.
+
+Each kernel maps student logits ``zs`` ``(n, V)`` and teacher logits ``zt`` ``(n, V)`` to a
+per-token loss ``(n,)`` (float32, or float64 for float64 inputs). Two implementations:
+
+* :meth:`Kernel.value` — plain tensor code, differentiable with respect to ``zs`` by autograd;
+  the materialised reference path uses it.
+* :meth:`Kernel.compute` — the chunked path's implementation: the same values and, optionally,
+  ``grad_out[:, None] · dloss/dzs`` in closed form, computed **in place** in the buffers of ``zs``
+  and ``zt`` (which it consumes) with row-wise dot products instead of product temporaries, so a
+  chunk costs ~3–4 ``(n, V)`` buffers instead of the ~12 autograd keeps alive.
+
+The two are checked against each other (values and gradients) in ``tests/losses``.
+The teacher side is never differentiated: kernels treat ``zt`` as a constant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+#: Names of the per-token statistics a kernel reports (columns of ``stats``).
+STAT_NAMES: dict[str, tuple[str, ...]] = {
+    "jsd": (),
+    "taid": (),
+    "entropy_opd": ("teacher_entropy", "high_entropy", "reverse_kl", "forward_kl"),
+}
+
+Computed = tuple[Tensor, Tensor | None, Tensor | None]
+
+
+def _up(z: Tensor) -> Tensor:
+    """Upcast half-precision logits to float32 (float32/float64 are kept)."""
+    return z if z.dtype in (torch.float32, torch.float64) else z.float()
+
+
+def _scaled(z: Tensor, temperature: float) -> Tensor:
+    z = _up(z)
+    return z / temperature if temperature != 1.0 else z
+
+
+def _log_softmax_(z: Tensor, temperature: float = 1.0) -> Tensor:
+    """In-place ``log_softmax(z / temperature)`` (``z`` must be owned by the caller)."""
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+
+
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(-1)`` for 2-D inputs without materialising the product."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
+
+
+def _own(z: Tensor) -> Tensor:
+    """A float32/64 tensor the kernel may overwrite (copies only when it must)."""
+    up = _up(z.detach())
+    return up if up is not z else z.detach().clone()
+
+
+class Kernel:
+    """A per-token divergence. Subclasses implement ``value`` and ``compute``."""
+
+    name: str = ""
+
+    def value(self, zs: Tensor, zt: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def stats(self, zs: Tensor, zt: Tensor) -> Tensor:
+        """Per-token statistics ``(n, k)`` reported as metrics (k may be 0)."""
+        return zs.new_zeros((zs.shape[0], 0), dtype=_up(zs).dtype)
+
+    def compute(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None = None, with_stats: bool = False) -> Computed:
+        """``(value, grad or None, stats or None)``; may overwrite ``zs`` and ``zt``.
+
+        Generic fallback through autograd; subclasses override it with closed forms.
+        """
+        st = self.stats(zs, zt) if with_stats else None
+        if grad_out is None:
+            with torch.no_grad():
+                return self.value(zs, zt), None, st
+        with torch.enable_grad():
+            z = _up(zs.detach()).requires_grad_(True)
+            v = self.value(z, zt.detach())
+            (g,) = torch.autograd.grad(v, z, grad_out.to(v.dtype))
+        return v.detach(), g, st
+
+    def value_and_grad(self, zs: Tensor, zt: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-token loss and ``grad_out[:, None] · dloss/dzs`` (inputs left untouched)."""
+        v, g, _ = self.compute(_own(zs), _own(zt), grad_out)
+        assert g is not None
+        return v, g
+
+
+@dataclass
+class JSDKernel(Kernel):
+    """Generalised JSD of Agarwal et al. (GKD, Eq. 1), TRL ``GKDTrainer.generalized_jsd_loss`` semantics.
+
+    ``beta == 0``: forward KL(teacher‖student); ``beta == 1``: reverse KL(student‖teacher);
+    otherwise ``beta·KL(teacher‖M) + (1-beta)·KL(student‖M)`` with ``M = (1-beta)·student + beta·teacher``.
+    """
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    name: str = "jsd"
+
+    def value(self, zs: Tensor, zt: Tensor) -> Tensor:
+        s = torch.log_softmax(_scaled(zs, self.temperature), dim=-1)
+        t = torch.log_softmax(_scaled(zt, self.temperature), dim=-1)
+        b = self.beta
+        if b == 0:
+            return (t.exp() * (t - s)).sum(-1)
+        if b == 1:
+            return (s.exp() * (s - t)).sum(-1)
+        m = torch.logaddexp(s + math.log1p(-b), t + math.log(b))
+        return b * (t.exp() * (t - m)).sum(-1) + (1 - b) * (s.exp() * (s - m)).sum(-1)
+
+    def compute(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None = None, with_stats: bool = False) -> Computed:
+        tau, b = self.temperature, self.beta
+        s = _log_softmax_(_up(zs), tau)
+        t = _log_softmax_(_up(zt), tau)
+        g: Tensor | None = None
+        if b == 0:
+            q = t.exp()
+            val = _rowdot(q, t.sub_(s))  # Σ q (t - s)
+            if grad_out is not None:
+                g = s.exp_().sub_(q)  # d/dz KL(q‖p) = p - q
+        elif b == 1:
+            p = s.exp()
+            d = s.sub_(t)  # s - t
+            val = _rowdot(p, d)
+            if grad_out is not None:
+                g = d.sub_(val.unsqueeze(-1)).mul_(p)  # p (d - <p, d>)
+        else:
+            m = torch.add(s, math.log1p(-b))
+            torch.logaddexp(m, t + math.log(b), out=m)
+            q = t.exp()
+            kt = _rowdot(q, t.sub_(m))  # Σ q (t - m)
+            del q, t
+            p = s.exp()
+            sm = s.sub_(m)  # s - m
+            del m
+            ks = _rowdot(p, sm)
+            val = b * kt + (1 - b) * ks
+            if grad_out is not None:
+                # dL/dp = (1-b)(s - m)  =>  dL/dz = (1-b) p ((s-m) - <p, s-m>)
+                g = sm.sub_(ks.unsqueeze(-1)).mul_(p).mul_(1 - b)
+        if g is not None and grad_out is not None:
+            scale = grad_out.to(val.dtype).unsqueeze(-1)
+            g.mul_(scale / tau if tau != 1.0 else scale)
+        return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
+
+
+@dataclass
+class TAIDKernel(Kernel):
+    """TAID (Shing et al., ICLR 2025; SakanaAI/TAID ``src/distil_losses/taid.py``) at interpolation ``t``.
+
+    Target ``p_t = softmax((1-t)·stopgrad(zs) + t·zt)``; loss ``-Σ_v p_t(v) log q(v)`` with
+    ``q = softmax(zs)``, where terms at infinite student logits are dropped (upstream's
+    ``forward_kl``, after DistiLLM). This is the cross-entropy form of KL(p_t‖q): it differs
+    from the KL by ``H(p_t)``, which has no gradient with respect to the student.
+    """
+
+    t: float = 0.4
+    name: str = "taid"
+
+    def value(self, zs: Tensor, zt: Tensor) -> Tensor:
+        t = self.t
+        mixed = (1 - t) * _up(zs.detach()) + t * _up(zt)
+        p = torch.softmax(mixed, dim=-1, dtype=mixed.dtype)
+        logq = torch.log_softmax(_up(zs), dim=-1)
+        prod = torch.masked_fill(p * logq, torch.isinf(zs), 0)
+        return -prod.sum(-1)
+
+    def compute(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None = None, with_stats: bool = False) -> Computed:
+        t = self.t
+        zs, zt = _up(zs), _up(zt)
+        inf = torch.isinf(zs)
+        if not bool(inf.any()):
+            inf = None
+        # target p_t, in zt's buffer
+        p = zt.mul_(t).add_(zs, alpha=1 - t)
+        p = _log_softmax_(p).exp_()
+        logq = _log_softmax_(zs)
+        if inf is not None:
+            p.masked_fill_(inf, 0.0)
+            logq_safe = logq.masked_fill(inf, 0.0)
+            val = -_rowdot(p, logq_safe)
+            del logq_safe
+        else:
+            val = -_rowdot(p, logq)
+        g: Tensor | None = None
+        if grad_out is not None:
+            # d/dz_i [-Σ_j p_j log q_j] = q_i Σ_j p_j - p_i   (p_j zeroed where the term is dropped)
+            g = logq.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p)
+            g.mul_(grad_out.to(val.dtype).unsqueeze(-1))
+        return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
+
+
+@dataclass
+class EntropyOPDKernel(Kernel):
+    """Entropy-aware on-policy distillation (Jin et al., 2026, arXiv:2603.07079).
+
+    Per token: ``KL(student‖teacher) + fkl_weight · 1[H(teacher) > entropy_threshold] · KL(teacher‖student)``
+    where the entropy is the teacher's at the distillation temperature. With ``top_k`` the forward KL
+    is taken over the teacher's top-k tokens with the teacher renormalised over them; ``None`` uses the
+    full vocabulary (exact).
+    """
+
+    entropy_threshold: float = 0.8
+    fkl_weight: float = 1.0
+    top_k: int | None = None
+    temperature: float = 1.0
+    name: str = "entropy_opd"
+
+    def _parts(self, zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        s = torch.log_softmax(_scaled(zs, self.temperature), dim=-1)
+        t = torch.log_softmax(_scaled(zt, self.temperature), dim=-1)
+        q = t.exp()
+        ent = -(q * t).sum(-1)
+        high = (ent > self.entropy_threshold).to(ent.dtype)
+        rkl = (s.exp() * (s - t)).sum(-1)
+        if self.top_k is None:
+            fkl = (q * (t - s)).sum(-1)
+        else:
+            k = min(int(self.top_k), t.shape[-1])
+            tk, idx = t.topk(k, dim=-1)
+            tk = tk - torch.logsumexp(tk, dim=-1, keepdim=True)
+            fkl = (tk.exp() * (tk - s.gather(-1, idx))).sum(-1)
+        return rkl, fkl, ent, high
+
+    def value(self, zs: Tensor, zt: Tensor) -> Tensor:
+        rkl, fkl, _, high = self._parts(zs, zt)
+        return rkl + self.fkl_weight * high * fkl
+
+    def stats(self, zs: Tensor, zt: Tensor) -> Tensor:
+        rkl, fkl, ent, high = self._parts(zs, zt)
+        return torch.stack([ent, high, rkl, fkl], dim=-1)
+
+    def compute(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None = None, with_stats: bool = False) -> Computed:
+        tau = self.temperature
+        s = _log_softmax_(_up(zs), tau)
+        t = _log_softmax_(_up(zt), tau)
+        q = t.exp()
+        p = s.exp()
+        qt = _rowdot(q, t)
+        ent = -qt
+        high = (ent > self.entropy_threshold).to(ent.dtype)
+        gate = high * self.fkl_weight
+        rkl = _rowdot(p, s) - _rowdot(p, t)
+        qk = idx = None
+        if self.top_k is None:
+            fkl = qt - _rowdot(q, s)
+        else:
+            k = min(int(self.top_k), t.shape[-1])
+            tk, idx = t.topk(k, dim=-1)
+            tk = tk - torch.logsumexp(tk, dim=-1, keepdim=True)
+            qk = tk.exp()
+            fkl = (qk * (tk - s.gather(-1, idx))).sum(-1)
+        val = rkl + gate * fkl
+        g: Tensor | None = None
+        if grad_out is not None:
+            g = s.sub_(t).sub_(rkl.unsqueeze(-1)).mul_(p)  # reverse KL: p (d - <p, d>), d = s - t
+            del t
+            if qk is None:
+                g.add_(p.sub_(q).mul_(gate.unsqueeze(-1)))  # forward KL: p - q
+            else:
+                assert idx is not None
+                g.add_(p.mul_(gate.unsqueeze(-1)))  # top-k forward KL: p - q̃ (q̃ zero off the top-k)
+                g.scatter_add_(-1, idx, -qk * gate.unsqueeze(-1))
+            scale = grad_out.to(val.dtype).unsqueeze(-1)
+            g.mul_(scale / tau if tau != 1.0 else scale)
+        st = torch.stack([ent, high, rkl, fkl], dim=-1) if with_stats else None
+        return val, g, st
+
+
+def make_kernel(criterion: str, **params: float | int | None) -> Kernel:
+    """Build the kernel for ``criterion`` in ``{"jsd", "taid", "entropy_opd"}``."""
+    if criterion == "jsd":
+        return JSDKernel(**params)  # type: ignore[arg-type]
+    if criterion == "taid":
+        return TAIDKernel(**params)  # type: ignore[arg-type]
+    if criterion == "entropy_opd":
+        return EntropyOPDKernel(**params)  # type: ignore[arg-type]
+    raise ValueError(f"unknown distillation criterion {criterion!r}; valid: 'jsd', 'taid', 'entropy_opd'")

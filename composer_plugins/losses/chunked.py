@@ -1,0 +1,516 @@
+"""Memory-efficient log-probs and distillation divergences straight from hidden states.
+
+The materialised path computes ``logits = hidden @ W.T`` for every token at once: ``B×T×V``
+floats per model (1.2 GB per sequence of 2,048 tokens at V=151,936 in fp32), and the softmax
+intermediates of a divergence multiply that several times. The functions here instead walk
+the tokens in chunks of ``chunk_size`` rows inside a custom :class:`torch.autograd.Function`:
+
+* forward computes each chunk's logits, reduces them to per-token values and drops them;
+* backward **recomputes** each chunk's logits, forms ``dL/dlogits`` in closed form (checked
+  against autograd of the materialised path in the tests), and accumulates
+  ``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+
+Peak extra memory is therefore ``O(chunk_size × V)`` instead of ``O(T × V)``; gradients equal the
+materialised path's up to floating-point summation order. Only the rows selected by ``mask``
+are computed at all (prompt/padding tokens cost nothing).
+
+Public helpers: :func:`chunked_logprobs`, :func:`chunked_generalized_jsd`,
+:func:`chunked_taid_loss`, :func:`chunked_entropy_aware_opd`, and the generic
+:func:`chunked_distill` they share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_plugins.losses._kernels import EntropyOPDKernel, JSDKernel, Kernel, TAIDKernel, _rowdot, _up
+
+#: Default rows per chunk. At V=151,936 one fp32 chunk of logits is 155 MB.
+DEFAULT_CHUNK_SIZE = 256
+
+_REDUCTIONS = ("batchmean", "sum", "mean", "token", "none")
+
+
+def _acc(weight: Tensor) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 weights, float32 otherwise."""
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def _check_hidden(name: str, hidden: Tensor, weight: Tensor) -> None:
+    if hidden.dim() < 2:
+        raise ValueError(f"{name} must be (..., H) hidden states, got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"lm_head_weight must be (V, H), got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{name} hidden size {hidden.shape[-1]} does not match lm_head_weight (V, H)={tuple(weight.shape)}"
+        )
+
+
+def _flat_rows(hidden: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(..., H) -> (N, H) rows, keeping only ``mask`` rows when given; also the flat row index."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if mask is None:
+        return flat, None
+    idx = mask.reshape(-1).nonzero(as_tuple=True)[0]
+    return flat.index_select(0, idx), idx
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probs
+# ----------------------------------------------------------------------------------------------
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Selected-token log-probs ``log softmax(h W^T / T)[ids]`` over row chunks; recomputes in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, ids: Tensor, chunk_size: int, temperature: float, with_ent: bool
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=_acc(weight), device=hidden.device)
+        ent = torch.empty(n if with_ent else 0, dtype=_acc(weight), device=hidden.device)
+        lse_all = torch.empty(n, dtype=_acc(weight), device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            z = _up(hidden[s:e] @ weight.T)
+            if temperature != 1.0:
+                z.div_(temperature)
+            picked = z.gather(-1, ids[s:e].unsqueeze(-1)).squeeze(-1)
+            # logsumexp in place (one (chunk, V) buffer): z <- z - max, then sum(exp)
+            mx = z.amax(-1, keepdim=True)
+            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+            z.sub_(mx)
+            if with_ent:  # entropy = log S - <exp(z'), z'> / S  with z' = z - max, S = sum exp(z')
+                w = z.exp()
+                ssum = w.sum(-1)
+                ent[s:e] = ssum.log() - _rowdot(w, z) / ssum
+                del w
+            else:
+                ssum = z.exp_().sum(-1)
+            lse = ssum.log() + mx.squeeze(-1)
+            lse_all[s:e] = lse
+            logp[s:e] = picked - lse
+            del z
+        ctx.save_for_backward(hidden, weight, ids, lse_all)
+        ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: Tensor, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, ids, lse_all = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cs, tau = ctx.chunk_size, ctx.temperature
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device) if need_w else None
+        n = hidden.shape[0]
+        for s in range(0, n, cs):
+            e = min(s + cs, n)
+            h = hidden[s:e]
+            z = _up(h @ weight.T)
+            if tau != 1.0:
+                z.div_(tau)
+            # d logp / dz = onehot - softmax(z);   g = grad * (onehot - p) / tau
+            g_out = grad_logp[s:e].to(z.dtype)
+            p = z.sub_(lse_all[s:e].unsqueeze(-1)).exp_()
+            g = p.mul_(-g_out.unsqueeze(-1))
+            g.scatter_add_(-1, ids[s:e].unsqueeze(-1), g_out.unsqueeze(-1))
+            if tau != 1.0:
+                g.div_(tau)
+            if grad_h is not None:
+                grad_h[s:e] = g.to(weight.dtype) @ weight
+            if grad_w is not None:
+                grad_w.addmm_(g.T, h.to(grad_w.dtype))
+            del z, p, g
+        gw = grad_w.to(weight.dtype) if grad_w is not None else None
+        return grad_h, gw, None, None, None, None
+
+
+def chunked_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    ids: Tensor,
+    *,
+    mask: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token log-probs of ``ids`` under ``softmax(hidden @ lm_head_weight.T / temperature)``.
+
+    Equals ``selective_log_softmax(hidden @ W.T / temperature, ids)`` (values and gradients with
+    respect to ``hidden`` and ``lm_head_weight``) without materialising the ``(..., V)`` logits.
+
+    Args:
+        hidden: ``(..., H)`` final hidden states at the positions that *predict* ``ids``.
+        lm_head_weight: ``(V, H)`` output-embedding matrix (``model.lm_head.weight``).
+        ids: ``(...)`` token ids to score (same leading shape as ``hidden``).
+        mask: optional ``(...)`` bool/0-1 mask; unmasked positions are not computed and return 0.
+        chunk_size: rows of logits alive at once.
+        temperature: logits are divided by it (sampling temperature), as in TRL.
+        return_entropy: also return the per-token entropy of the distribution (no gradient).
+
+    Returns:
+        ``(...)`` float32 log-probs, or ``(logprobs, entropy)`` when ``return_entropy``.
+    """
+    _check_hidden("hidden", hidden, lm_head_weight)
+    if ids.shape != hidden.shape[:-1]:
+        raise ValueError(f"ids shape {tuple(ids.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}")
+    if mask is not None and mask.shape != ids.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must equal ids shape {tuple(ids.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows, idx = _flat_rows(hidden, mask)
+    flat_ids = ids.reshape(-1) if idx is None else ids.reshape(-1).index_select(0, idx)
+    logp, ent = _ChunkedLogProbs.apply(
+        rows, lm_head_weight, flat_ids.long(), int(chunk_size), float(temperature), bool(return_entropy)
+    )
+    if idx is not None:
+        logp = logp.new_zeros(ids.numel()).index_put((idx,), logp)
+        if return_entropy:
+            ent = ent.new_zeros(ids.numel()).index_put((idx,), ent)
+    logp = logp.reshape(ids.shape)
+    if return_entropy:
+        return logp, ent.reshape(ids.shape)
+    return logp
+
+
+# ----------------------------------------------------------------------------------------------
+# distillation divergences
+# ----------------------------------------------------------------------------------------------
+class _ChunkedDistill(torch.autograd.Function):
+    """Per-token ``kernel(student_logits, teacher_logits)`` over row chunks; recomputes in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        s_hidden: Tensor,
+        weight: Tensor,
+        t_hidden: Tensor,
+        t_weight: Tensor,
+        kernel: Kernel,
+        chunk_size: int,
+        with_stats: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = s_hidden.shape[0]
+        out = torch.empty(n, dtype=_acc(weight), device=s_hidden.device)
+        stats_chunks: list[Tensor] = []
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            zs = _up(s_hidden[s:e] @ weight.T)
+            zt = _up(t_hidden[s:e] @ t_weight.T)
+            val, _, st = kernel.compute(zs, zt, None, with_stats)  # consumes zs, zt
+            out[s:e] = val
+            if st is not None:
+                stats_chunks.append(st)
+            del zs, zt
+        stats = torch.cat(stats_chunks) if stats_chunks else out.new_zeros((n, 0))
+        ctx.save_for_backward(s_hidden, weight, t_hidden, t_weight)
+        ctx.kernel = kernel
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(stats)
+        return out, stats
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, grad_stats: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        s_hidden, weight, t_hidden, t_weight = ctx.saved_tensors
+        kernel: Kernel = ctx.kernel
+        cs = ctx.chunk_size
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(s_hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device) if need_w else None
+        n = s_hidden.shape[0]
+        for s in range(0, n, cs):
+            e = min(s + cs, n)
+            h = s_hidden[s:e]
+            zs = _up(h @ weight.T)
+            zt = _up(t_hidden[s:e] @ t_weight.T)
+            _, g, _ = kernel.compute(zs, zt, grad_out[s:e])  # consumes zs, zt
+            del zs, zt
+            assert g is not None
+            if grad_h is not None:
+                grad_h[s:e] = g.to(weight.dtype) @ weight
+            if grad_w is not None:
+                grad_w.addmm_(g.T, h.to(grad_w.dtype))
+            del g
+        gw = grad_w.to(weight.dtype) if grad_w is not None else None
+        return grad_h, gw, None, None, None, None, None
+
+
+class _PrecomputedDistill(torch.autograd.Function):
+    """``scale · Σ_i kernel_i`` whose gradients are formed *during* the forward pass.
+
+    Valid when every token has the same weight in the loss (``batchmean``/``sum``/``mean``): the
+    gradient of the scalar is then ``grad_output × (precomputed gradient)``, so no chunk has to be
+    recomputed in backward. Same memory bound as the recompute path (``O(chunk × V)`` plus the
+    ``V × H`` weight gradient, which is allocated in forward instead of backward) and two fewer
+    logits matmuls per chunk.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        s_hidden: Tensor,
+        weight: Tensor,
+        t_hidden: Tensor,
+        t_weight: Tensor,
+        kernel: Kernel,
+        chunk_size: int,
+        with_stats: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = s_hidden.shape[0]
+        acc = _acc(weight)
+        total = torch.zeros((), dtype=acc, device=s_hidden.device)
+        grad_h = torch.empty_like(s_hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        stats_chunks: list[Tensor] = []
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            h = s_hidden[s:e]
+            zs = _up(h @ weight.T)
+            zt = _up(t_hidden[s:e] @ t_weight.T)
+            go = torch.full((e - s,), scale, dtype=acc, device=zs.device) if (need_h or need_w) else None
+            val, g, st = kernel.compute(zs, zt, go, with_stats)  # consumes zs, zt
+            del zs, zt
+            if st is not None:
+                stats_chunks.append(st)
+            if g is not None:
+                if grad_h is not None:
+                    grad_h[s:e] = g.to(weight.dtype) @ weight
+                if grad_w is not None:
+                    grad_w.addmm_(g.T, h.to(acc))
+                del g
+            total += val.sum() * scale
+        stats = torch.cat(stats_chunks) if stats_chunks else total.new_zeros((n, 0))
+        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        ctx.mark_non_differentiable(stats)
+        return total, stats
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, grad_stats: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if ctx.grads is None:
+            raise RuntimeError(
+                "chunked distillation with grad_mode='precompute' supports one backward pass; "
+                "use grad_mode='recompute' to backpropagate through it more than once"
+            )
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None  # scaled in place below: no second V×H buffer
+        if grad_h is not None:
+            grad_h.mul_(grad_total.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w.mul_(grad_total.to(grad_w.dtype))
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _reduce(per_token: Tensor, idx: Tensor | None, shape: torch.Size, reduction: str, vocab: int) -> Tensor:
+    n = per_token.shape[0]
+    if reduction == "batchmean":
+        # TRL GKD semantics: with a mask, divide by the number of masked tokens (at least 1);
+        # without one, by the leading (batch) dimension.
+        denom = max(n, 1) if idx is not None else max(int(shape[0]) if len(shape) else 1, 1)
+        return per_token.sum() / denom
+    if reduction == "sum":
+        return per_token.sum()
+    if reduction == "mean":
+        # element-wise mean over (tokens × vocabulary), as F.kl_div(reduction="mean") / TRL
+        return per_token.sum() / max(n * vocab, 1)
+    if reduction in ("token", "none"):
+        full = per_token.new_zeros(int(torch.Size(shape).numel()))
+        if idx is None:
+            full = per_token
+        else:
+            full = full.index_put((idx,), per_token)
+        return full.reshape(shape)
+    raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(_REDUCTIONS)}")
+
+
+def chunked_distill(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    lm_head_weight: Tensor,
+    kernel: Kernel,
+    mask: Tensor | None = None,
+    *,
+    teacher_lm_head_weight: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    reduction: str = "batchmean",
+    return_stats: bool = False,
+    grad_mode: str = "recompute",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Reduce ``kernel`` over the masked tokens, computing logits chunk by chunk.
+
+    The teacher side gets no gradient (``teacher_hidden`` and its weight are detached).
+
+    Args:
+        student_hidden: ``(..., H)`` student hidden states predicting each token.
+        teacher_hidden: ``(..., H)`` teacher hidden states aligned to the same tokens.
+        lm_head_weight: ``(V, H)`` student LM head (receives gradients).
+        kernel: a per-token divergence from :mod:`composer_plugins.losses._kernels`.
+        mask: ``(...)`` tokens to distil on (all when None).
+        teacher_lm_head_weight: teacher LM head when different from the student's (default: same, detached).
+        reduction: ``batchmean`` (sum / #masked tokens, or / batch size without a mask — TRL GKD),
+            ``sum``, ``mean`` (sum / (#tokens × V)), or ``token``/``none`` (per-token ``(...)`` tensor, 0 off-mask).
+        return_stats: also return the kernel's per-token statistics ``(N, k)`` for the masked rows.
+        grad_mode: ``"recompute"`` (default): backward recomputes each chunk's logits;
+            ``"precompute"``: gradients are formed in the forward pass (no recompute, two fewer
+            matmuls per chunk; only for the scalar reductions ``batchmean``/``sum``/``mean``, and
+            it spends the gradient work even if no backward follows).
+    """
+    _check_hidden("student_hidden", student_hidden, lm_head_weight)
+    if teacher_hidden.shape != student_hidden.shape:
+        raise ValueError(
+            f"teacher_hidden shape {tuple(teacher_hidden.shape)} must equal student_hidden shape "
+            f"{tuple(student_hidden.shape)} (align the teacher's positions to the student's tokens)"
+        )
+    t_weight = (teacher_lm_head_weight if teacher_lm_head_weight is not None else lm_head_weight).detach()
+    if t_weight.shape[0] != lm_head_weight.shape[0]:
+        raise ValueError("teacher and student LM heads must share the vocabulary size")
+    if mask is not None and tuple(mask.shape) != tuple(student_hidden.shape[:-1]):
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} must equal student_hidden.shape[:-1] = {tuple(student_hidden.shape[:-1])}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(_REDUCTIONS)}")
+    if grad_mode not in ("recompute", "precompute"):
+        raise ValueError(f"unknown grad_mode {grad_mode!r}; valid: 'recompute', 'precompute'")
+    m = mask.bool() if mask is not None else None
+    s_rows, idx = _flat_rows(student_hidden, m)
+    t_rows, _ = _flat_rows(teacher_hidden.detach(), m)
+    if grad_mode == "precompute" and reduction in ("batchmean", "sum", "mean"):
+        n, vocab = s_rows.shape[0], lm_head_weight.shape[0]
+        if reduction == "batchmean":
+            denom = (
+                max(n, 1)
+                if idx is not None
+                else max(int(student_hidden.shape[0]) if student_hidden.dim() > 1 else 1, 1)
+            )
+        elif reduction == "mean":
+            denom = max(n * vocab, 1)
+        else:
+            denom = 1
+        total, stats = _PrecomputedDistill.apply(
+            s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats), 1.0 / denom
+        )
+        return (total, stats) if return_stats else total
+    if grad_mode == "precompute":
+        raise ValueError(f"grad_mode='precompute' needs a scalar reduction (batchmean, sum, mean), not {reduction!r}")
+    per_token, stats = _ChunkedDistill.apply(
+        s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats)
+    )
+    out = _reduce(per_token, idx, student_hidden.shape[:-1], reduction, lm_head_weight.shape[0])
+    if return_stats:
+        return out, stats
+    return out
+
+
+def chunked_generalized_jsd(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    lm_head_weight: Tensor,
+    mask: Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    teacher_lm_head_weight: Tensor | None = None,
+    grad_mode: str = "recompute",
+) -> Tensor:
+    """:func:`~composer_plugins.losses.functional.generalized_jsd` from hidden states, chunked.
+
+    Same value and gradients as ``generalized_jsd(student_hidden @ W.T, (teacher_hidden @ W.T).detach(),
+    mask, beta, temperature, reduction)`` with ``O(chunk_size × V)`` peak memory. ``grad_mode``: see
+    :func:`chunked_distill`.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = chunked_distill(
+        student_hidden,
+        teacher_hidden,
+        lm_head_weight,
+        JSDKernel(beta=float(beta), temperature=float(temperature)),
+        mask,
+        teacher_lm_head_weight=teacher_lm_head_weight,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        grad_mode=grad_mode,
+    )
+    assert isinstance(out, Tensor)
+    return out
+
+
+def chunked_taid_loss(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    lm_head_weight: Tensor,
+    mask: Tensor | None,
+    t: float | Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    teacher_lm_head_weight: Tensor | None = None,
+    grad_mode: str = "recompute",
+) -> Tensor:
+    """:func:`~composer_plugins.losses.functional.taid_loss` from hidden states, chunked (token mean over ``mask``)."""
+    if mask is None:
+        mask = torch.ones(student_hidden.shape[:-1], dtype=torch.bool, device=student_hidden.device)
+    out = chunked_distill(
+        student_hidden,
+        teacher_hidden,
+        lm_head_weight,
+        TAIDKernel(t=float(t)),
+        mask,
+        teacher_lm_head_weight=teacher_lm_head_weight,
+        chunk_size=chunk_size,
+        reduction="batchmean",
+        grad_mode=grad_mode,
+    )
+    assert isinstance(out, Tensor)
+    return out
+
+
+def chunked_entropy_aware_opd(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    lm_head_weight: Tensor,
+    mask: Tensor | None = None,
+    *,
+    entropy_threshold: float = 0.8,
+    fkl_weight: float = 1.0,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    teacher_lm_head_weight: Tensor | None = None,
+    grad_mode: str = "recompute",
+) -> Tensor:
+    """:func:`~composer_plugins.losses.functional.entropy_aware_opd` from hidden states, chunked."""
+    out = chunked_distill(
+        student_hidden,
+        teacher_hidden,
+        lm_head_weight,
+        EntropyOPDKernel(
+            entropy_threshold=float(entropy_threshold),
+            fkl_weight=float(fkl_weight),
+            top_k=top_k,
+            temperature=float(temperature),
+        ),
+        mask,
+        teacher_lm_head_weight=teacher_lm_head_weight,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        grad_mode=grad_mode,
+    )
+    assert isinstance(out, Tensor)
+    return out

@@ -1,0 +1,214 @@
+"""Hint self-distillation channel: the student learns, on its own tokens, what it would say with a hint.
+
+The teacher is the *same model* run with the hint in its context, without gradient. Both
+forward passes score the tokens the student produced at the hinted turn; the divergence between
+the two next-token distributions is applied only where ``hint_mask`` is set.
+
+Inputs (``model_outputs`` first, then ``batch``):
+
+========================  ==========  =================================================================
+key                       shape       meaning
+========================  ==========  =================================================================
+``hint_mask``             (B, T)      1 on the student's own tokens at the hinted turn (the only tokens
+                                      that are distilled)
+``student_hidden``        (B, T, H)   chunked path: student final hidden states predicting each token
+``teacher_hidden``        (B, T, H)   teacher (hinted-context) hidden states aligned to the same tokens
+``lm_head_weight``        (V, H)      the LM head (shared by student and teacher; the teacher side is
+                                      detached)
+``teacher_lm_head_weight`` (V, H)     optional, when the teacher's head differs
+``student_logits``        (B, T, V)   materialised path (reference): student logits
+``teacher_logits``        (B, T, V)   materialised path: teacher logits (detached)
+``global_step``           int         optional (TAID): optimizer step for the linear target
+``total_steps``           int         optional (TAID): total optimizer steps (else the channel's)
+========================  ==========  =================================================================
+
+When both hidden states and logits are present, the chunked hidden-state path is used.
+Positions: row ``t`` of the student tensors and row ``t`` of the teacher tensors must predict the
+*same* token (the caller aligns the teacher's positions, which are shifted by the hint's length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from composer_plugins.losses._kernels import STAT_NAMES, Kernel, make_kernel
+from composer_plugins.losses.base import LossChannel
+from composer_plugins.losses.chunked import DEFAULT_CHUNK_SIZE, chunked_distill
+from composer_plugins.losses.taid import TAIDScheduler
+
+CRITERIA: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
+
+
+class HintDistillChannel(LossChannel):
+    """Hint self-distillation on the student's hinted-turn tokens (criterion jsd | taid | entropy_opd).
+
+    The loss is the mean over ``hint_mask`` tokens of the per-token divergence:
+
+    * ``jsd``: generalised JSD (TRL GKD; ``beta`` 0 = forward KL, 1 = reverse KL), at ``temperature``;
+    * ``taid``: TAID's interpolated forward KL; the channel owns a :class:`TAIDScheduler` (saved in
+      ``state_dict``) and steps it after each training forward (``auto_step``);
+    * ``entropy_opd``: reverse KL + ``fkl_weight``·forward KL where the teacher's entropy exceeds
+      ``entropy_threshold`` (optionally over the teacher's ``top_k``).
+
+    Args:
+        weight: channel weight.
+        criterion: ``jsd``, ``taid`` or ``entropy_opd``.
+        beta, temperature: JSD interpolation and softmax temperature (temperature also for entropy_opd).
+        chunk_size: token rows per chunk on the hidden-state path.
+        t_start, t_end, alpha, taid_beta, adaptive, total_steps: TAID schedule (upstream defaults).
+        auto_step: step the TAID schedule in ``forward`` while ``training``; set False to call
+            ``channel.scheduler.step(loss, global_step, total_steps)`` yourself.
+        entropy_threshold, fkl_weight, top_k: entropy-aware OPD parameters.
+        grad_mode: hidden-state path only. ``"precompute"`` (default): the chunked pass forms the
+            gradients during the forward (backward only scales them; no logits recomputed — faster
+            than the materialised path, one backward pass per forward); ``"recompute"``: backward
+            recomputes each chunk's logits (supports repeated backward, costs two extra matmuls per
+            chunk). Both keep peak memory at ``O(chunk_size × V)`` and give identical gradients.
+        name / label: channel name (``label`` usable from config).
+    """
+
+    needs_teacher: ClassVar[bool] = True
+    requires: ClassVar[tuple[str, ...]] = ("hint_mask",)
+    input_options: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("student_hidden", "teacher_hidden", "lm_head_weight"),
+        ("student_logits", "teacher_logits"),
+    )
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        criterion: str = "jsd",
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        t_start: float = 0.4,
+        t_end: float = 1.0,
+        alpha: float = 5e-4,
+        taid_beta: float = 0.99,
+        adaptive: bool = True,
+        total_steps: int | None = None,
+        auto_step: bool = True,
+        entropy_threshold: float = 0.8,
+        fkl_weight: float = 1.0,
+        top_k: int | None = None,
+        grad_mode: str = "precompute",
+        name: str | None = None,
+        label: str | None = None,
+    ) -> None:
+        if grad_mode not in ("recompute", "precompute"):
+            raise ValueError(f"unknown grad_mode {grad_mode!r}; valid: 'recompute', 'precompute'")
+        if criterion not in CRITERIA:
+            raise ValueError(f"unknown hint_distill criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        super().__init__(weight=weight, name=label or name or "hint_distill")
+        self.criterion = criterion
+        self.beta = float(beta)
+        self.temperature = float(temperature)
+        self.chunk_size = int(chunk_size)
+        self.auto_step = bool(auto_step)
+        self.entropy_threshold = float(entropy_threshold)
+        self.fkl_weight = float(fkl_weight)
+        self.top_k = top_k
+        self.grad_mode = grad_mode
+        self.scheduler: TAIDScheduler | None = None
+        if criterion == "taid":
+            self.scheduler = TAIDScheduler(
+                t_start=t_start, t_end=t_end, alpha=alpha, beta=taid_beta, adaptive=adaptive, total_steps=total_steps
+            )
+
+    def kernel(self) -> Kernel:
+        """The per-token divergence at the current state (TAID: the current ``t``)."""
+        if self.criterion == "jsd":
+            return make_kernel("jsd", beta=self.beta, temperature=self.temperature)
+        if self.criterion == "taid":
+            assert self.scheduler is not None
+            return make_kernel("taid", t=self.scheduler.value)
+        return make_kernel(
+            "entropy_opd",
+            entropy_threshold=self.entropy_threshold,
+            fkl_weight=self.fkl_weight,
+            top_k=self.top_k,
+            temperature=self.temperature,
+        )
+
+    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        g = self.get
+        mask = g("hint_mask", model_outputs, batch).bool()
+        kernel = self.kernel()
+        want_stats = bool(STAT_NAMES[self.criterion])
+        s_hidden = g("student_hidden", model_outputs, batch)
+        t_hidden = g("teacher_hidden", model_outputs, batch)
+        weight = g("lm_head_weight", model_outputs, batch)
+        n_tokens = mask.sum()
+        metrics: dict[str, Any] = {"tokens": n_tokens.detach()}
+        if self.criterion == "taid":
+            metrics["taid_t"] = kernel.t  # type: ignore[attr-defined]
+        if s_hidden is not None and t_hidden is not None and weight is not None:
+            metrics["chunked"] = 1.0
+            res = chunked_distill(
+                s_hidden,
+                t_hidden,
+                weight,
+                kernel,
+                mask,
+                teacher_lm_head_weight=g("teacher_lm_head_weight", model_outputs, batch),
+                chunk_size=self.chunk_size,
+                reduction="batchmean",
+                return_stats=want_stats,
+                grad_mode=self.grad_mode,
+            )
+            loss, stats = res if isinstance(res, tuple) else (res, None)
+        else:
+            metrics["chunked"] = 0.0
+            s_logits = g("student_logits", model_outputs, batch)
+            t_logits = g("teacher_logits", model_outputs, batch)
+            if s_logits.shape != t_logits.shape or tuple(mask.shape) != tuple(s_logits.shape[:-1]):
+                raise ValueError(
+                    f"hint_distill: student_logits {tuple(s_logits.shape)}, teacher_logits {tuple(t_logits.shape)} "
+                    f"and hint_mask {tuple(mask.shape)} must agree as (B, T, V) / (B, T)"
+                )
+            zs = s_logits[mask]
+            zt = t_logits.detach()[mask]
+            per_token = kernel.value(zs, zt)
+            loss = per_token.sum() / max(per_token.shape[0], 1)
+            stats = None
+            if want_stats:
+                with torch.no_grad():
+                    stats = kernel.stats(zs.detach(), zt)
+        if int(n_tokens) == 0:
+            metrics["empty"] = 1.0
+            return loss, metrics
+        metrics["empty"] = 0.0
+        if stats is not None and stats.shape[1]:
+            means = stats.float().mean(0)
+            for i, key in enumerate(STAT_NAMES[self.criterion]):
+                metrics[key] = means[i]
+        if self.criterion == "taid" and self.training and self.auto_step:
+            assert self.scheduler is not None
+            delta = self.scheduler.step(
+                loss.detach(),
+                global_step=_as_int(g("global_step", model_outputs, batch)),
+                total_steps=_as_int(g("total_steps", model_outputs, batch)),
+            )
+            metrics["taid_delta_t"] = delta
+        return loss, metrics
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, criterion={self.criterion!r}"
+
+
+def _as_int(v: Any) -> int | None:
+    if v is None:
+        return None
+    return int(v.item()) if isinstance(v, Tensor) else int(v)

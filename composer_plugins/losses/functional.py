@@ -1,0 +1,751 @@
+"""Functional loss API of composer-plugins: exact restatements of the upstream losses users trust.
+
+Everything here is a pure function of tensors (no modules, no registry), typed and shape-checked.
+
+RL on verifiable rewards
+    :func:`group_advantages` (TRL ``GRPOTrainer`` / ``RLOOTrainer`` advantage semantics),
+    :func:`policy_loss` (TRL 1.16 ``GRPOTrainer._compute_loss`` for ``grpo``, ``bnpo``, ``dr_grpo``,
+    ``dapo``, ``cispo`` and ``gspo`` = sequence-level importance sampling), :func:`kl_estimate`,
+    :func:`dppo_kl_loss` (PRIME-RL's default loss).
+Distillation
+    :func:`generalized_jsd` (TRL ``GKDTrainer.generalized_jsd_loss``), :func:`taid_loss` with
+    :class:`TAIDScheduler` (SakanaAI/TAID), :func:`entropy_aware_opd`, plus the memory-efficient
+    hidden-state versions :func:`chunked_generalized_jsd`, :func:`chunked_taid_loss`,
+    :func:`chunked_entropy_aware_opd` and :func:`chunked_logprobs`.
+Preferences
+    :func:`dpo_loss` (TRL ``DPOTrainer``: sigmoid / ipo / hinge) and :func:`simpo_loss` (princeton-nlp/SimPO).
+Utilities
+    :func:`selective_log_softmax`, :func:`masked_mean`.
+
+Functions that also report metrics return a :class:`LossOutput` ``(loss, metrics)`` named tuple;
+metric values are detached 0-d tensors (no device sync is forced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from composer_plugins.losses._kernels import EntropyOPDKernel, JSDKernel, TAIDKernel
+from composer_plugins.losses.chunked import (
+    DEFAULT_CHUNK_SIZE,
+    chunked_distill,
+    chunked_entropy_aware_opd,
+    chunked_generalized_jsd,
+    chunked_logprobs,
+    chunked_taid_loss,
+)
+from composer_plugins.losses.taid import TAIDScheduler
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "POLICY_LOSS_TYPES",
+    "LossOutput",
+    "TAIDScheduler",
+    "chunked_distill",
+    "chunked_entropy_aware_opd",
+    "chunked_generalized_jsd",
+    "chunked_logprobs",
+    "chunked_taid_loss",
+    "dpo_loss",
+    "dppo_kl_loss",
+    "entropy_aware_opd",
+    "generalized_jsd",
+    "group_advantages",
+    "kl_estimate",
+    "masked_mean",
+    "nanstd",
+    "policy_loss",
+    "rloo_advantages",
+    "selective_log_softmax",
+    "simpo_loss",
+    "taid_loss",
+]
+
+#: Loss types accepted by :func:`policy_loss`.
+POLICY_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo")
+
+PolicyLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo"]
+
+
+class LossOutput(NamedTuple):
+    """A scalar loss and its metrics (detached 0-d tensors or floats)."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor | float]
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _shape(x: Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _require_same(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} shape {_shape(a)} must equal {name_b} shape {_shape(b)}")
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over ``mask`` (0 where the mask is empty)."""
+    m = mask.to(x.dtype)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+    return (x * m).sum(dim) / m.sum(dim).clamp(min=1.0)
+
+
+def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs (NaN when fewer than 2 values), as TRL's ``nanstd``."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    corr = torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
+    std = torch.sqrt(var * corr)
+    if keepdim:
+        return std
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(logits / temperature)[..., ids]`` without materialising the full log-softmax.
+
+    Args:
+        logits: ``(..., V)``.
+        ids: ``(...)`` token ids (same leading shape).
+        temperature: logits are divided by it first (TRL's sampling-temperature convention).
+
+    Returns:
+        ``(...)`` log-probabilities in float32 (float64 stays float64).
+    """
+    if ids.shape != logits.shape[:-1]:
+        raise ValueError(f"ids shape {_shape(ids)} must equal logits.shape[:-1] = {_shape(logits)[:-1]}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# advantages
+# ----------------------------------------------------------------------------------------------
+def _rewards_tensor(
+    rewards: Tensor | Sequence[float | None] | Sequence[Sequence[float | None]],
+    reward_weights: Sequence[float] | Tensor | None,
+) -> Tensor:
+    """Sum per-function rewards (``nansum``) with weights; rows where every function is ``None``/NaN become NaN."""
+    if isinstance(rewards, Tensor):
+        r = rewards.detach().float()
+    else:
+        rows = list(rewards)
+        if rows and isinstance(rows[0], Sequence) and not isinstance(rows[0], str):
+            r = torch.tensor([[float("nan") if v is None else float(v) for v in row] for row in rows])  # type: ignore[union-attr]
+        else:
+            r = torch.tensor([float("nan") if v is None else float(v) for v in rows], dtype=torch.float32)  # type: ignore[arg-type]
+    if r.dim() == 1:
+        if reward_weights is not None:
+            raise ValueError("reward_weights needs rewards of shape (N, num_reward_funcs)")
+        return r
+    if r.dim() != 2:
+        raise ValueError(f"rewards must be (N,) or (N, num_reward_funcs), got shape {_shape(r)}")
+    w = torch.ones(r.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
+    if w.shape != (r.shape[1],):
+        raise ValueError(f"reward_weights has {w.numel()} entries but rewards has {r.shape[1]} columns")
+    unscorable = torch.isnan(r).all(dim=1)
+    total = (r * w.to(r.device).unsqueeze(0)).nansum(dim=1)
+    total[unscorable] = float("nan")
+    return total
+
+
+def group_advantages(
+    rewards: Tensor | Sequence[float | None] | Sequence[Sequence[float | None]],
+    group_size: int,
+    scale: Literal["group", "batch", "none"] | None = None,
+    *,
+    estimator: Literal["grpo", "rloo"] = "grpo",
+    reward_weights: Sequence[float] | Tensor | None = None,
+    eps: float = 1e-4,
+) -> Tensor:
+    """Group-relative advantages with TRL semantics.
+
+    ``rewards`` holds ``N = num_prompts × group_size`` completions, grouped contiguously
+    (the ``group_size`` completions of prompt 0 first). A reward of ``None`` (or NaN) marks an
+    unscorable completion: it is left out of the baselines and statistics and its advantage is 0.
+    A 2-D ``(N, K)`` input holds one column per reward function, summed with ``reward_weights``
+    (TRL's ``sum_then_normalize``; a row is unscorable when every function returned ``None``).
+
+    ``estimator="grpo"`` (TRL ``GRPOTrainer``): ``A = r - mean_group(r)``, divided by
+    ``std + eps`` where std is the group's (``scale="group"``, default) or the whole batch's
+    (``"batch"``); ``"none"`` does not divide (Dr. GRPO).
+
+    ``estimator="rloo"`` (TRL ``RLOOTrainer``): ``A_i = r_i - mean_{j≠i} r_j`` over the scorable
+    siblings; ``scale="batch"`` then normalises by the batch mean and std (TRL
+    ``normalize_advantages=True``); ``"none"`` (default for rloo) leaves them.
+
+    Any NaN (unscorable rows, a group with a single scorable completion) becomes 0.
+
+    Returns:
+        ``(N,)`` float32 advantages.
+    """
+    r = _rewards_tensor(rewards, reward_weights)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if r.numel() % group_size != 0:
+        raise ValueError(f"{r.numel()} rewards are not a whole number of groups of group_size={group_size}")
+    if estimator == "rloo":
+        return rloo_advantages(r, group_size, normalize=(scale or "none") == "batch", eps=eps, _check_scale=scale)
+    if estimator != "grpo":
+        raise ValueError(f"unknown estimator {estimator!r}; valid: 'grpo', 'rloo'")
+    scale = scale or "group"
+    grouped = r.view(-1, group_size)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
+    if scale in ("group", "none"):
+        std = nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(r)
+    elif scale == "batch":
+        std = nanstd(r).expand_as(r) if r.numel() > 1 else torch.zeros_like(r)
+    else:
+        raise ValueError(f"unknown scale {scale!r}; valid: 'group', 'batch', 'none'")
+    adv = r - mean
+    if scale != "none":
+        adv = adv / (std + eps)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+def rloo_advantages(
+    rewards: Tensor | Sequence[float | None],
+    group_size: int,
+    normalize: bool = False,
+    *,
+    eps: float = 1e-4,
+    _check_scale: str | None = None,
+) -> Tensor:
+    """REINFORCE leave-one-out advantages, TRL ``RLOOTrainer`` semantics (see :func:`group_advantages`)."""
+    if _check_scale not in (None, "none", "batch"):
+        raise ValueError(f"scale {_check_scale!r} is not defined for RLOO; use 'none' or 'batch'")
+    r = _rewards_tensor(rewards, None)
+    if r.numel() % group_size != 0:
+        raise ValueError(f"{r.numel()} rewards are not a whole number of groups of group_size={group_size}")
+    grouped = r.view(-1, group_size)
+    if group_size > 1:
+        counts = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+        total = torch.nansum(grouped, dim=1, keepdim=True)
+        baselines = ((total - grouped) / (counts - 1)).view(-1)
+        adv = r - baselines
+    else:
+        adv = torch.zeros_like(r)
+    if normalize:
+        adv = (adv - torch.nanmean(adv)) / (nanstd(adv) + eps)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# policy losses
+# ----------------------------------------------------------------------------------------------
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
+    """Per-token estimate of KL(π‖π_ref) from sampled-token log-probs (Schulman's k1/k2/k3).
+
+    ``k1 = log π - log π_ref``; ``k2 = ½ (log π - log π_ref)²``;
+    ``k3 = exp(log π_ref - log π) - (log π_ref - log π) - 1`` (TRL GRPO's estimator).
+    """
+    _require_same("logprobs", logprobs, "ref_logprobs", ref_logprobs)
+    if estimator == "k3":
+        d = ref_logprobs - logprobs
+        return torch.exp(d) - d - 1
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid: 'k1', 'k2', 'k3'")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    loss_type: PolicyLossType = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    importance_sampling_level: Literal["token", "sequence"] | None = None,
+    beta: float = 0.0,
+    ref_logprobs: Tensor | None = None,
+    max_completion_length: int | None = None,
+    *,
+    num_items_in_batch: Tensor | float | None = None,
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3",
+    use_bias_correction_kl: bool = True,
+    delta: float | None = None,
+    importance_sampling_ratio: Tensor | None = None,
+) -> LossOutput:
+    """Clipped policy-gradient loss with TRL 1.16 ``GRPOTrainer._compute_loss`` semantics.
+
+    Per token, with ``r = exp(log_w)``, ``log_w = logprobs - old_logprobs`` (``"token"`` level)
+    or its masked mean per sequence (``"sequence"``, GSPO):
+
+    * ``grpo``/``bnpo``/``dr_grpo``/``dapo``/``gspo``: ``-min(r·A, clip(r, 1-ε_low, 1+ε_high)·A)``
+      (``r`` first capped at ``delta`` when given — two-sided GRPO);
+    * ``cispo``: ``-stopgrad(min(r, ε_high))·A·logprobs`` (note: TRL caps at ``epsilon_high`` itself);
+    * times ``importance_sampling_ratio`` when given (vLLM truncated IS correction);
+    * plus ``beta·KL`` (``kl_estimator``, TRL uses ``k3``), multiplied by ``r`` when
+      ``use_bias_correction_kl`` (TRL default True).
+
+    Aggregation (``M`` = mask): ``grpo``/``gspo``: mean over sequences of the per-sequence masked
+    mean; ``bnpo``: ``Σ loss·M / ΣM``; ``dr_grpo``: ``Σ loss·M / (B · max_completion_length)``
+    (default ``T``); ``dapo``/``cispo``: ``Σ loss·M / num_items_in_batch`` (default ``ΣM``; pass the
+    token count of the whole accumulated/global batch to match TRL under gradient accumulation).
+    The returned loss is *not* divided by the gradient-accumulation steps (TRL does that inside the
+    trainer for grpo/bnpo/dr_grpo).
+
+    Args:
+        logprobs: ``(B, T)`` current-policy log-probs of the completion tokens (with grad).
+        old_logprobs: ``(B, T)`` log-probs under the sampling-time policy; ``None`` = ``logprobs.detach()``.
+        advantages: ``(B,)`` or ``(B, T)``.
+        mask: ``(B, T)`` 1 on completion tokens that count.
+        loss_type: one of :data:`POLICY_LOSS_TYPES`.
+        epsilon_low, epsilon_high: clip range (``epsilon_high`` defaults to ``epsilon_low``).
+        importance_sampling_level: ``"token"`` or ``"sequence"``; default ``"sequence"`` for ``gspo``, else token.
+        beta: KL coefficient; needs ``ref_logprobs`` when non-zero.
+        max_completion_length: ``dr_grpo`` constant (default ``T``).
+
+    Returns:
+        :class:`LossOutput` with metrics ``ratio_mean``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+        ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max`` (clipped types),
+        ``cispo_clip_ratio`` (cispo), ``kl`` (when ``beta != 0``), ``tokens``.
+    """
+    if loss_type not in POLICY_LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(POLICY_LOSS_TYPES)}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (B, T), got shape {_shape(logprobs)}")
+    _require_same("mask", mask, "logprobs", logprobs)
+    if old_logprobs is not None:
+        _require_same("old_logprobs", old_logprobs, "logprobs", logprobs)
+    if advantages.dim() == 1:
+        if advantages.shape[0] != logprobs.shape[0]:
+            raise ValueError(f"advantages shape {_shape(advantages)} must be (B,)=({logprobs.shape[0]},) or (B, T)")
+        adv = advantages.unsqueeze(1)
+    elif advantages.dim() == 2:
+        _require_same("advantages", advantages, "logprobs", logprobs)
+        adv = advantages
+    else:
+        raise ValueError(f"advantages must be (B,) or (B, T), got shape {_shape(advantages)}")
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError("beta != 0 needs ref_logprobs (the reference model's per-token log-probs)")
+    if ref_logprobs is not None:
+        _require_same("ref_logprobs", ref_logprobs, "logprobs", logprobs)
+    level = importance_sampling_level or ("sequence" if loss_type == "gspo" else "token")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown importance_sampling_level {level!r}; valid: 'token', 'sequence'")
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+
+    mask_f = mask.to(logprobs.dtype)
+    adv = adv.to(logprobs.dtype)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    log_ratio = logprobs - old
+    if level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+
+    per_token_kl: Tensor | None = None
+    if beta != 0.0:
+        assert ref_logprobs is not None
+        per_token_kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    if loss_type == "cispo":
+        clamped = torch.clamp(coef_1, max=eps_high).detach()
+        per_token_loss = -clamped * adv * logprobs
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+
+    if importance_sampling_ratio is not None:
+        per_token_loss = per_token_loss * importance_sampling_ratio
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + beta * per_token_kl
+
+    if loss_type in ("grpo", "gspo"):
+        loss = ((per_token_loss * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask_f).sum() / mask_f.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        length = max_completion_length if max_completion_length is not None else logprobs.shape[1]
+        loss = (per_token_loss * mask_f).sum() / (per_token_loss.size(0) * length)
+    else:  # dapo, cispo
+        if num_items_in_batch is None:
+            norm = mask_f.sum().clamp(min=1.0)
+        else:
+            norm = torch.as_tensor(num_items_in_batch, dtype=logprobs.dtype, device=logprobs.device).clamp(min=1.0)
+        loss = (per_token_loss * mask_f).sum() / norm
+
+    metrics = _policy_metrics(loss_type, coef_1, adv, mask_f, epsilon_low, eps_high, per_token_kl)
+    return LossOutput(loss, metrics)
+
+
+@torch.no_grad()
+def _policy_metrics(
+    loss_type: str,
+    coef_1: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    eps_low: float,
+    eps_high: float,
+    per_token_kl: Tensor | None,
+) -> dict[str, Tensor | float]:
+    coef_1 = coef_1.detach()
+
+    def gmean(x: Tensor) -> Tensor:
+        if x.shape[1] == 1:  # sequence level: one value per sequence
+            return x.sum() / max(x.shape[0], 1)
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def seq_mean(x: Tensor) -> Tensor:
+        if x.shape[1] == 1:
+            return x.squeeze(1)
+        return (x * mask).sum(-1) / mask.sum(-1)  # NaN for empty rows, skipped by nanmin/nanmax
+
+    out: dict[str, Tensor | float] = {"tokens": mask.sum().detach()}
+    out["ratio_mean"] = gmean(coef_1.expand_as(mask) if coef_1.shape[1] == 1 else coef_1)
+    if per_token_kl is not None:
+        out["kl"] = gmean(per_token_kl.detach())
+    if loss_type == "cispo":
+        out["cispo_clip_ratio"] = gmean(((coef_1 > eps_high) & (adv > 0)).float())
+    else:
+        low = ((coef_1 < 1 - eps_low) & (adv < 0)).float()
+        high = ((coef_1 > 1 + eps_high) & (adv > 0)).float()
+        out["clip_ratio/low_mean"] = gmean(low)
+        out["clip_ratio/high_mean"] = gmean(high)
+        out["clip_ratio/region_mean"] = gmean(((low + high) > 0).float())
+        lo, hi = seq_mean(low), seq_mean(high)
+        out["clip_ratio/low_min"] = _nanreduce(lo, torch.min)
+        out["clip_ratio/high_max"] = _nanreduce(hi, torch.max)
+    return out
+
+
+def _nanreduce(x: Tensor, fn: object) -> Tensor:
+    valid = x[~torch.isnan(x)]
+    if valid.numel() == 0:
+        return torch.tensor(float("nan"), device=x.device)
+    return fn(valid)  # type: ignore[operator]
+
+
+def dppo_kl_loss(
+    trainer_logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    dppo_mask_low: float = 0.2,
+    dppo_mask_high: float = 0.2,
+    adv_tau: float = 1.0,
+    kl_tau: float = 1e-3,
+    loss_weights: Tensor | None = None,
+) -> LossOutput:
+    """PRIME-RL's default RL loss: DPPO-Binary-TV trust-region mask + importance-weighted PG + squared-log-ratio KL.
+
+    Restates ``default_loss_fn`` of ``src/prime_rl/trainer/rl/loss.py`` in PrimeIntellect-ai/prime-rl at
+    commit ``559b44772e471d1538537b8805cc77f3824a5e64`` (formula last changed in
+    ``e48a53853ef82dc4549645685cd0065b875f05fa``). Per token, with ``log_r = trainer - inference``,
+    ``r = exp(log_r)`` and ``Δp = exp(trainer) - exp(inference)``:
+
+    * masked (trust-region violation) = ``Δp > dppo_mask_high`` where ``A > 0``, else ``Δp < -dppo_mask_low``;
+    * ``loss_t = -keep·adv_tau·A·r + kl_tau·loss_mask·log_r²`` with ``keep = loss_mask & ~masked``;
+    * times ``loss_weights`` when given; summed per sample and over the batch.
+
+    The result is the *sum* over samples of each sample's summed token loss, exactly what
+    PRIME-RL accumulates before dividing by its global loss-token count (``rl_scale``); divide
+    it yourself (the ``dppo`` channel divides by the masked-token count by default).
+
+    Args:
+        trainer_logprobs: ``(B, T)`` or ``(T,)`` current-policy log-probs (with grad).
+        inference_logprobs: same shape, log-probs reported by the inference engine.
+        advantages: ``(B,)`` per sample or same shape as the log-probs (per token).
+        loss_mask: same shape, bool/0-1.
+        loss_weights: optional per-token weights (PRIME-RL's component weight stream).
+
+    Returns:
+        :class:`LossOutput`; metrics follow PRIME-RL: ``masked_mismatch_kl``, ``unmasked_mismatch_kl``,
+        ``is_masked``, ``is_masked_low``, ``is_masked_high``, ``masked_advantage_positive``,
+        ``masked_advantage_negative`` (means over the relevant tokens of the whole batch), plus ``tokens``.
+    """
+    _require_same("inference_logprobs", inference_logprobs, "trainer_logprobs", trainer_logprobs)
+    _require_same("loss_mask", loss_mask, "trainer_logprobs", trainer_logprobs)
+    if loss_weights is not None:
+        _require_same("loss_weights", loss_weights, "trainer_logprobs", trainer_logprobs)
+    if advantages.shape != trainer_logprobs.shape:
+        if trainer_logprobs.dim() == 2 and advantages.shape == trainer_logprobs.shape[:1]:
+            advantages = advantages.unsqueeze(-1).expand_as(trainer_logprobs)
+        else:
+            raise ValueError(
+                f"advantages shape {_shape(advantages)} must be (B,) or equal trainer_logprobs shape "
+                f"{_shape(trainer_logprobs)}"
+            )
+    mask = loss_mask.bool()
+    log_r = trainer_logprobs - inference_logprobs
+    ratio = torch.exp(log_r)
+    mismatch_kl = ratio - log_r - 1
+
+    probs_diff = torch.exp(trainer_logprobs) - torch.exp(inference_logprobs)
+    invalid_high = probs_diff > dppo_mask_high
+    invalid_low = probs_diff < -dppo_mask_low
+    pos = advantages > 0
+    neg = advantages < 0
+    is_masked = torch.where(pos, invalid_high, invalid_low)
+    is_masked_high = pos & invalid_high
+    is_masked_low = neg & invalid_low
+    drop = mask & is_masked
+    keep = mask & ~is_masked
+
+    adv = adv_tau * advantages
+    pg = keep * adv * ratio
+    kl = mask * log_r**2
+    per_token = -pg + kl_tau * kl
+    if loss_weights is not None:
+        per_token = per_token * loss_weights
+    loss = per_token.sum()
+
+    with torch.no_grad():
+
+        def smean(values: Tensor, m: Tensor) -> Tensor:
+            return values[m].float().sum() / m.sum().clamp(min=1)
+
+        metrics: dict[str, Tensor | float] = {
+            "masked_mismatch_kl": smean(mismatch_kl.detach(), drop),
+            "unmasked_mismatch_kl": smean(mismatch_kl.detach(), keep),
+            "is_masked": smean(is_masked, mask),
+            "is_masked_low": smean(is_masked_low, mask),
+            "is_masked_high": smean(is_masked_high, mask),
+            "masked_advantage_positive": smean(pos, drop),
+            "masked_advantage_negative": smean(neg, drop),
+            "tokens": mask.sum(),
+        }
+    return LossOutput(loss, metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# distillation (materialised reference path)
+# ----------------------------------------------------------------------------------------------
+def _check_logits(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None) -> None:
+    _require_same("teacher_logits", teacher_logits, "student_logits", student_logits)
+    if student_logits.dim() < 2:
+        raise ValueError(f"logits must be (..., V), got shape {_shape(student_logits)}")
+    if mask is not None and tuple(mask.shape) != tuple(student_logits.shape[:-1]):
+        raise ValueError(f"mask shape {_shape(mask)} must equal logits.shape[:-1] = {_shape(student_logits)[:-1]}")
+
+
+def _reduce_tokens(per_token: Tensor, mask: Tensor | None, reduction: str, vocab: int) -> Tensor:
+    if mask is not None:
+        m = mask.bool()
+        vals = per_token[m]
+        n = vals.shape[0]
+    else:
+        vals = per_token
+        n = per_token.numel()
+    if reduction == "batchmean":
+        denom = max(n, 1) if mask is not None else max(per_token.shape[0] if per_token.dim() else 1, 1)
+        return vals.sum() / denom
+    if reduction == "sum":
+        return vals.sum()
+    if reduction == "mean":
+        return vals.sum() / max(n * vocab, 1)
+    if reduction in ("token", "none"):
+        return per_token * mask.to(per_token.dtype) if mask is not None else per_token
+    raise ValueError(f"unknown reduction {reduction!r}; valid: batchmean, sum, mean, token")
+
+
+def generalized_jsd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: Literal["batchmean", "sum", "mean", "token"] = "batchmean",
+) -> Tensor:
+    """Generalised Jensen–Shannon divergence (GKD, Agarwal et al. 2024, Eq. 1) with TRL semantics.
+
+    Same values as ``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss(student_logits,
+    teacher_logits, labels, beta, temperature, reduction)`` where ``labels != -100`` ⇔ ``mask``:
+    ``beta = 0`` is KL(teacher‖student), ``beta = 1`` is KL(student‖teacher), otherwise
+    ``beta·KL(teacher‖M) + (1-beta)·KL(student‖M)`` with ``M = (1-beta)·student + beta·teacher``;
+    logits are divided by ``temperature``.
+
+    Reductions: ``batchmean`` = sum over masked tokens / their number (at least 1; without a mask,
+    / ``student_logits.shape[0]``), ``sum``, ``mean`` = sum / (tokens × V) (TRL's element mean),
+    ``token`` = per-token divergence ``(...)`` (0 off-mask). Computed in float32.
+
+    Materialises the ``(..., V)`` softmax intermediates; for long sequences use
+    :func:`chunked_generalized_jsd` on hidden states instead.
+    """
+    _check_logits(student_logits, teacher_logits, mask)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    per_token = JSDKernel(beta=float(beta), temperature=float(temperature)).value(student_logits, teacher_logits)
+    return _reduce_tokens(per_token, mask, reduction, student_logits.shape[-1])
+
+
+def taid_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None, t: float | Tensor) -> Tensor:
+    """TAID distillation loss at interpolation ``t`` (SakanaAI/TAID ``TAID.compute_loss``).
+
+    ``p_t = softmax((1-t)·stopgrad(student_logits) + t·teacher_logits)`` (float32) and the loss is
+    the masked token mean of ``-Σ_v p_t(v)·log_softmax(student_logits)(v)``, terms at infinite student
+    logits dropped (upstream ``forward_kl``). Differences from upstream: an empty mask gives 0, not
+    NaN; ``t`` comes from a :class:`TAIDScheduler` you step yourself (the ``hint_distill`` channel does).
+
+    Args:
+        student_logits, teacher_logits: ``(..., V)``.
+        mask: ``(...)`` tokens to distil on (None = all).
+        t: interpolation in [0, 1] (float or 0-d tensor).
+    """
+    _check_logits(student_logits, teacher_logits, mask)
+    tv = float(t)
+    if not 0.0 <= tv <= 1.0:
+        raise ValueError(f"TAID t must be in [0, 1], got {tv}")
+    per_token = TAIDKernel(t=tv).value(student_logits, teacher_logits.detach())
+    if mask is None:
+        return per_token.mean()
+    m = mask.reshape(per_token.shape).to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
+def entropy_aware_opd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor | None = None,
+    entropy_threshold: float = 0.8,
+    fkl_weight: float = 1.0,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+    reduction: Literal["batchmean", "sum", "mean", "token"] = "batchmean",
+) -> Tensor:
+    """Entropy-aware on-policy distillation (Jin et al., 2026, arXiv:2603.07079, Eq. 9–10).
+
+    Rule implemented, per token ``t`` with student ``p_t`` and teacher ``q_t`` (both at ``temperature``)::
+
+        loss_t = KL(p_t ‖ q_t) + fkl_weight · 1[H(q_t) > entropy_threshold] · KL(q_t ‖ p_t)
+
+    i.e. the usual reverse-KL OPD objective everywhere, *augmented* (not replaced) with the
+    mode-covering forward KL on the tokens where the teacher is uncertain (entropy in nats above
+    the threshold). The reverse KL is the exact full-vocabulary divergence (the paper's OPD term
+    estimates it from samples). ``top_k=k`` computes the forward KL over the teacher's top-k
+    tokens with the teacher renormalised over them (the paper's efficient estimate, Eq. 10);
+    ``None`` uses the whole vocabulary. Defaults ``entropy_threshold=0.8``, ``fkl_weight=1`` are ours
+    to tune (the paper treats τ as a hyperparameter). Reductions as :func:`generalized_jsd`.
+    """
+    _check_logits(student_logits, teacher_logits, mask)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    kernel = EntropyOPDKernel(
+        entropy_threshold=float(entropy_threshold), fkl_weight=float(fkl_weight), top_k=top_k, temperature=temperature
+    )
+    per_token = kernel.value(student_logits, teacher_logits.detach())
+    return _reduce_tokens(per_token, mask, reduction, student_logits.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# preference losses
+# ----------------------------------------------------------------------------------------------
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid",
+    label_smoothing: float = 0.0,
+    *,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+) -> LossOutput:
+    """Direct Preference Optimisation loss, TRL ``DPOTrainer`` semantics (reverse-KL f-divergence).
+
+    With ``Δ = (chosen - ref_chosen) - (rejected - ref_rejected)`` (sequence log-prob sums):
+
+    * ``sigmoid``: ``-(1-ε)·logσ(βΔ) - ε·logσ(-βΔ)`` (``ε = label_smoothing``; ε=0 is TRL 1.16's
+      sigmoid, ε>0 the conservative-DPO form of the original DPO code / earlier TRL);
+    * ``hinge``: ``relu(1 - βΔ)``;
+    * ``ipo``: ``(Δ' - 1/(2β))²`` where ``Δ'`` divides each side's log-ratio by its completion length
+      when ``chosen_lengths``/``rejected_lengths`` are given (TRL 1.16's length-normalised IPO).
+
+    Returns the mean over pairs and metrics ``rewards/chosen``, ``rewards/rejected``,
+    ``rewards/accuracies``, ``rewards/margins`` (TRL's, with rewards ``β·log-ratio``).
+    """
+    for n, x in (("rejected_logps", rejected_logps), ("ref_chosen_logps", ref_chosen_logps),
+                 ("ref_rejected_logps", ref_rejected_logps)):  # fmt: skip
+        _require_same(n, x, "chosen_logps", chosen_logps)
+    if chosen_logps.dim() != 1:
+        raise ValueError(f"chosen_logps must be (N,) per-sequence log-probs, got shape {_shape(chosen_logps)}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    chosen_lr = chosen_logps - ref_chosen_logps
+    rejected_lr = rejected_logps - ref_rejected_logps
+    delta = chosen_lr - rejected_lr
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * delta)
+        if label_smoothing:
+            losses = losses * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        c, r = chosen_lr, rejected_lr
+        if chosen_lengths is not None:
+            c = c / chosen_lengths.to(c.dtype).clamp(min=1.0)
+        if rejected_lengths is not None:
+            r = r / rejected_lengths.to(r.dtype).clamp(min=1.0)
+        losses = (c - r - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; valid: 'sigmoid', 'ipo', 'hinge'")
+    return LossOutput(losses.mean(), _pref_metrics(beta * chosen_lr.detach(), beta * rejected_lr.detach()))
+
+
+def simpo_loss(
+    chosen_avg_logps: Tensor,
+    rejected_avg_logps: Tensor,
+    beta: float = 2.0,
+    gamma_beta_ratio: float = 0.25,
+    label_smoothing: float = 0.0,
+    loss_type: Literal["sigmoid", "hinge"] = "sigmoid",
+) -> LossOutput:
+    """SimPO (Meng et al., 2024), princeton-nlp/SimPO ``SimPOTrainer.simpo_loss`` semantics.
+
+    With length-averaged log-probs and ``x = (chosen_avg - rejected_avg) - gamma_beta_ratio``:
+    ``sigmoid``: ``-(1-ε)·logσ(βx) - ε·logσ(-βx)``; ``hinge``: ``relu(1 - βx)``. Mean over pairs;
+    rewards are ``β·avg_logps``.
+    """
+    _require_same("rejected_avg_logps", rejected_avg_logps, "chosen_avg_logps", chosen_avg_logps)
+    if chosen_avg_logps.dim() != 1:
+        raise ValueError(f"chosen_avg_logps must be (N,), got shape {_shape(chosen_avg_logps)}")
+    logits = (chosen_avg_logps - rejected_avg_logps) - gamma_beta_ratio
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * logits)
+    else:
+        raise ValueError(f"unknown SimPO loss_type {loss_type!r}; valid: 'sigmoid', 'hinge'")
+    return LossOutput(
+        losses.mean(), _pref_metrics(beta * chosen_avg_logps.detach(), beta * rejected_avg_logps.detach())
+    )
+
+
+def _pref_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tensor | float]:
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "pairs": float(chosen_rewards.shape[0]),
+    }

@@ -1,0 +1,243 @@
+"""RL policy-loss channels: the GRPO family (TRL semantics) and PRIME-RL's DPPO+KL.
+
+Inputs (looked up in ``model_outputs`` first, then ``batch``):
+
+===========================  ==========  ==================================================================
+key                          shape       meaning
+===========================  ==========  ==================================================================
+``logprobs``                 (B, T)      current-policy log-probs of the completion tokens (with grad)
+``hidden_states``            (B, T, H)   alternative to ``logprobs``: final hidden states predicting each
+``lm_head_weight``           (V, H)      completion token + the LM head + ``completion_ids`` (B, T); the
+``completion_ids``           (B, T)      log-probs are then computed chunked (never materialising B×T×V)
+``completion_mask``          (B, T)      1 on completion tokens that count in the loss
+``advantages``               (B,)/(B,T)  advantages (e.g. from ``functional.group_advantages``)
+``old_logprobs``             (B, T)      optional: log-probs at sampling time (default: ``logprobs.detach()``)
+``ref_logprobs``             (B, T)      reference-model log-probs; required when ``beta != 0``
+``inference_logprobs``       (B, T)      ``dppo`` only: log-probs reported by the inference engine
+``importance_sampling_ratio`` (B, T)     optional: vLLM truncated-IS correction (TRL)
+``loss_weights``             (B, T)      optional, ``dppo`` only: per-token weights
+``num_items_in_batch``       scalar      optional: active-token count of the whole accumulated batch
+                                         (``dapo``/``cispo``/``dppo`` normaliser under grad accumulation)
+===========================  ==========  ==================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from composer_plugins.losses import functional as LF
+from composer_plugins.losses.base import LossChannel
+from composer_plugins.losses.chunked import DEFAULT_CHUNK_SIZE
+
+#: Per loss type: (epsilon_low, epsilon_high) used by the channels when not given.
+#: grpo/bnpo/dr_grpo: TRL defaults; dapo: DAPO paper's clip-higher 0.28; cispo: ε_max=5.0
+#: (ScaleRL, recommended in TRL's docs); gspo: the GSPO paper's 3e-4 / 4e-4.
+CHANNEL_EPSILONS: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2),
+    "bnpo": (0.2, 0.2),
+    "dr_grpo": (0.2, 0.2),
+    "dapo": (0.2, 0.28),
+    "cispo": (0.2, 5.0),
+    "gspo": (3e-4, 4e-4),
+}
+
+_LOGPROB_OPTIONS: tuple[tuple[str, ...], ...] = (
+    ("logprobs",),
+    ("hidden_states", "lm_head_weight", "completion_ids"),
+)
+
+
+class _LogprobInputs(LossChannel):
+    """Shared: read ``logprobs`` or compute them chunked from hidden states."""
+
+    input_options: ClassVar[tuple[tuple[str, ...], ...]] = _LOGPROB_OPTIONS
+    #: Where off-mask positions of hidden-state log-probs take their (ratio-1) value from.
+    fill_from: ClassVar[tuple[str, ...]] = ("old_logprobs",)
+
+    def __init__(self, weight: float, name: str | None, temperature: float, chunk_size: int) -> None:
+        super().__init__(weight=weight, name=name)
+        self.temperature = float(temperature)
+        self.chunk_size = int(chunk_size)
+
+    def policy_logprobs(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Tensor:
+        """``logprobs`` if given, else :func:`chunked_logprobs` of ``hidden_states`` under ``lm_head_weight``."""
+        lp = self.get("logprobs", model_outputs, batch)
+        if lp is not None:
+            return lp
+        hidden = self.get("hidden_states", model_outputs, batch)
+        weight = self.get("lm_head_weight", model_outputs, batch)
+        ids = self.get("completion_ids", model_outputs, batch)
+        mask = self.get("completion_mask", model_outputs, batch)
+        keep = mask.bool()
+        out = LF.chunked_logprobs(
+            hidden, weight, ids, mask=keep, chunk_size=self.chunk_size, temperature=self.temperature
+        )
+        assert isinstance(out, Tensor)
+        # positions off the mask are not computed; give them the sampling-time value (ratio 1) rather
+        # than 0, so no exp(0 - old) overflow can turn into inf·0 = NaN in a masked sum
+        for key in self.fill_from:
+            ref = self.get(key, model_outputs, batch)
+            if ref is not None:
+                return torch.where(keep, out, ref.detach().to(out.dtype))
+        return out
+
+
+class PolicyLossChannel(_LogprobInputs):
+    """Clipped policy-gradient loss (grpo | bnpo | dr_grpo | dapo | cispo | gspo), TRL 1.16 semantics.
+
+    See :func:`composer_plugins.losses.functional.policy_loss` for the exact formulas. Registered
+    once per loss type; epsilons default to :data:`CHANNEL_EPSILONS` for the type.
+
+    Args:
+        weight: channel weight in the composer.
+        loss_type: one of ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, ``gspo``.
+        epsilon_low, epsilon_high: clip range (``cispo``: ``epsilon_high`` is the ratio cap ε_max).
+        importance_sampling_level: ``token``/``sequence`` (default: sequence for gspo, else token).
+        beta: KL-to-reference coefficient (needs ``ref_logprobs`` in the batch when non-zero).
+        kl_estimator: ``k1``/``k2``/``k3`` (TRL: k3).
+        use_bias_correction_kl: multiply the KL by the importance ratio (TRL default True).
+        max_completion_length: ``dr_grpo`` normaliser (default: the batch's T).
+        delta: optional upper cap on the ratio (two-sided GRPO, INTELLECT-2).
+        temperature: sampling temperature, used when log-probs are computed from hidden states.
+        chunk_size: token rows per chunk for the hidden-state path.
+        name / label: the channel's name (metrics prefix); ``label`` is the same, usable from config
+            where ``name`` selects the registered plugin.
+    """
+
+    requires: ClassVar[tuple[str, ...]] = ("advantages", "completion_mask")
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        loss_type: str = "dapo",
+        epsilon_low: float | None = None,
+        epsilon_high: float | None = None,
+        importance_sampling_level: str | None = None,
+        beta: float = 0.0,
+        kl_estimator: str = "k3",
+        use_bias_correction_kl: bool = True,
+        max_completion_length: int | None = None,
+        delta: float | None = None,
+        temperature: float = 1.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        name: str | None = None,
+        label: str | None = None,
+    ) -> None:
+        if loss_type not in LF.POLICY_LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LF.POLICY_LOSS_TYPES)}")
+        if kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"unknown kl_estimator {kl_estimator!r}; valid: 'k1', 'k2', 'k3'")
+        if importance_sampling_level not in (None, "token", "sequence"):
+            raise ValueError(
+                f"unknown importance_sampling_level {importance_sampling_level!r}; valid: 'token', 'sequence'"
+            )
+        super().__init__(weight, label or name or loss_type, temperature, chunk_size)
+        lo, hi = CHANNEL_EPSILONS[loss_type]
+        self.loss_type = loss_type
+        self.epsilon_low = float(lo if epsilon_low is None else epsilon_low)
+        self.epsilon_high = float(hi if epsilon_high is None else epsilon_high)
+        self.importance_sampling_level = importance_sampling_level
+        self.beta = float(beta)
+        self.kl_estimator = kl_estimator
+        self.use_bias_correction_kl = bool(use_bias_correction_kl)
+        self.max_completion_length = max_completion_length
+        self.delta = delta
+        self.needs_reference = self.beta != 0.0  # type: ignore[misc]
+
+    def required_inputs(self) -> tuple[str, ...]:
+        return (*self.requires, "ref_logprobs") if self.beta != 0.0 else tuple(self.requires)
+
+    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        g = self.get
+        logprobs = self.policy_logprobs(model_outputs, batch)
+        out = LF.policy_loss(
+            logprobs,
+            g("old_logprobs", model_outputs, batch),
+            g("advantages", model_outputs, batch),
+            g("completion_mask", model_outputs, batch),
+            loss_type=self.loss_type,  # type: ignore[arg-type]
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            importance_sampling_level=self.importance_sampling_level,  # type: ignore[arg-type]
+            beta=self.beta,
+            ref_logprobs=g("ref_logprobs", model_outputs, batch) if self.beta != 0.0 else None,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=g("num_items_in_batch", model_outputs, batch),
+            kl_estimator=self.kl_estimator,  # type: ignore[arg-type]
+            use_bias_correction_kl=self.use_bias_correction_kl,
+            delta=self.delta,
+            importance_sampling_ratio=g("importance_sampling_ratio", model_outputs, batch),
+        )
+        return out.loss, out.metrics
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, loss_type={self.loss_type!r}, epsilon=({self.epsilon_low}, {self.epsilon_high}), "
+            f"beta={self.beta}"
+        )
+
+
+class DPPOChannel(_LogprobInputs):
+    """PRIME-RL's default loss: DPPO trust-region mask + importance-weighted PG + squared-log-ratio KL.
+
+    See :func:`composer_plugins.losses.functional.dppo_kl_loss`. The summed token loss is divided by
+    ``normalize``: ``"tokens"`` (default; ``num_items_in_batch`` if given, else the masked-token
+    count, as PRIME-RL divides by its global loss-token count), ``"sequences"`` (B) or ``"none"``.
+    """
+
+    requires: ClassVar[tuple[str, ...]] = ("inference_logprobs", "advantages", "completion_mask")
+    fill_from: ClassVar[tuple[str, ...]] = ("inference_logprobs",)
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        dppo_mask_low: float = 0.2,
+        dppo_mask_high: float = 0.2,
+        adv_tau: float = 1.0,
+        kl_tau: float = 1e-3,
+        normalize: str = "tokens",
+        temperature: float = 1.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        name: str | None = None,
+        label: str | None = None,
+    ) -> None:
+        if normalize not in ("tokens", "sequences", "none"):
+            raise ValueError(f"unknown normalize {normalize!r}; valid: 'tokens', 'sequences', 'none'")
+        for k, v in (("dppo_mask_low", dppo_mask_low), ("dppo_mask_high", dppo_mask_high),
+                     ("adv_tau", adv_tau), ("kl_tau", kl_tau)):  # fmt: skip
+            if v < 0:
+                raise ValueError(f"{k} must be >= 0 (PRIME-RL constraint), got {v}")
+        super().__init__(weight, label or name or "dppo", temperature, chunk_size)
+        self.dppo_mask_low = float(dppo_mask_low)
+        self.dppo_mask_high = float(dppo_mask_high)
+        self.adv_tau = float(adv_tau)
+        self.kl_tau = float(kl_tau)
+        self.normalize = normalize
+
+    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        g = self.get
+        logprobs = self.policy_logprobs(model_outputs, batch)
+        mask = g("completion_mask", model_outputs, batch)
+        out = LF.dppo_kl_loss(
+            logprobs,
+            g("inference_logprobs", model_outputs, batch),
+            g("advantages", model_outputs, batch),
+            mask.bool(),
+            dppo_mask_low=self.dppo_mask_low,
+            dppo_mask_high=self.dppo_mask_high,
+            adv_tau=self.adv_tau,
+            kl_tau=self.kl_tau,
+            loss_weights=g("loss_weights", model_outputs, batch),
+        )
+        loss = out.loss
+        if self.normalize == "tokens":
+            n = g("num_items_in_batch", model_outputs, batch)
+            denom = mask.sum() if n is None else n
+            loss = loss / (denom.clamp(min=1) if isinstance(denom, Tensor) else max(float(denom), 1.0))
+        elif self.normalize == "sequences":
+            loss = loss / max(logprobs.shape[0], 1)
+        return loss, out.metrics
