@@ -1,16 +1,122 @@
-"""Default plugin that adds the built-in subcommands (``train``, ``replay``, ``eval`` ...).
+"""Default plugin that adds the built-in training subcommands: ``train``, ``sft`` and ``eval``.
 
 Each subcommand lives next to the feature it drives and is attached here through the
 public ``register_commands(cli)`` hook, the same way a third-party plugin adds one.
+Heavy imports (torch, lightning, transformers) happen only when a command runs.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from collections.abc import Callable
 from typing import Any
+
+import click
 
 from composer_plugins.core.hookspecs import hookimpl
 
 
+def _config_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--config``, ``--section``, ``--print-config`` and positional ``key.sub=value`` overrides."""
+    f = click.argument("overrides", nargs=-1, metavar="[KEY.SUB=VALUE]...")(f)
+    f = click.option("--print-config", is_flag=True, help="Print the effective config (YAML) and exit.")(f)
+    f = click.option("--section", default=None, help="Use this top-level key of the file as the config.")(f)
+    f = click.option(
+        "--config",
+        "-c",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="YAML config (default: the packaged configs/default.yaml).",
+    )(f)
+    return f
+
+
+def _load(config_path: str | None, section: str | None, overrides: tuple[str, ...]) -> tuple[Any, Any]:
+    from composer_plugins.core.train import load_train_config
+
+    return load_train_config(config_path, list(overrides), section=section)
+
+
+def _errors_as_click(f: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from composer_plugins.core.errors import ComposerPluginsError
+
+        try:
+            return f(*args, **kwargs)
+        except ComposerPluginsError as e:
+            raise click.ClickException(str(e)) from e
+
+    return wrapper
+
+
+@click.command(name="train")
+@_config_options
+@click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
+@_errors_as_click
+def train_cmd(
+    config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...], resume: str | None
+) -> None:
+    """RL training: generate rollouts, score them with the env and optimise the composed loss channels.
+
+    Example: composer-plugins train -c run.yaml trainer.max_steps=20 losses.hint_distill.enabled=false
+    """
+    from composer_plugins.core.train import config_to_yaml, run_train
+
+    cfg, src = _load(config_path, section, overrides)
+    if print_config:
+        click.echo(config_to_yaml(cfg), nl=False)
+        return
+    res = run_train(cfg, src, resume=resume)
+    click.echo(json.dumps(res.metrics, indent=2, sort_keys=True))
+    click.echo(f"model: {res.model_dir}")
+    if res.run_id:
+        click.echo(f"mlflow run: {res.run_id}")
+
+
+@click.command(name="sft")
+@_config_options
+@_errors_as_click
+def sft_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...]) -> None:
+    """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
+    from composer_plugins.core.train import config_to_yaml, run_sft
+
+    cfg, src = _load(config_path, section, overrides)
+    if print_config:
+        click.echo(config_to_yaml(cfg), nl=False)
+        return
+    click.echo(f"model: {run_sft(cfg, src)}")
+
+
+@click.command(name="eval")
+@_config_options
+@click.option("--checkpoint", default=None, help="A Lightning .ckpt, a save_pretrained dir or a hub id.")
+@click.option("--output", "-o", default=None, help="Write the metrics JSON here.")
+@_errors_as_click
+def eval_cmd(
+    config_path: str | None,
+    section: str | None,
+    print_config: bool,
+    overrides: tuple[str, ...],
+    checkpoint: str | None,
+    output: str | None,
+) -> None:
+    """Held-out evaluation (accuracy, pass@k, mean reward) of a checkpoint or of the configured policy."""
+    from composer_plugins.core.train import config_to_yaml, run_eval
+
+    cfg, src = _load(config_path, section, overrides)
+    if print_config:
+        click.echo(config_to_yaml(cfg), nl=False)
+        return
+    metrics = run_eval(cfg, src, checkpoint=checkpoint, output=output)
+    click.echo(json.dumps(metrics, indent=2, sort_keys=True))
+
+
 @hookimpl
 def register_commands(cli: Any) -> None:
-    """Attach the built-in subcommands."""
+    """Attach the built-in training subcommands."""
+    for cmd in (train_cmd, sft_cmd, eval_cmd):
+        if cmd.name not in cli.commands:
+            cli.add_command(cmd)

@@ -1,0 +1,909 @@
+"""``ComposerModule``: the Lightning module that samples rollouts and optimises the composed loss.
+
+One training step (one micro-batch of prompts):
+
+1. generate ``G`` completions per prompt with HF ``generate`` (sampling, KV cache);
+   tool-using envs are driven through their ``reset``/``step`` loop instead;
+2. score them with the env's ``reward`` and compute group-relative advantages;
+3. build hint-teacher contexts for failed completions (the same policy, conditioned on a
+   hint, scores the student's tokens without gradient);
+4. run the policy forward once and let :class:`~composer_plugins.losses.base.ChannelComposer`
+   sum ``weight · loss`` over the live channels (policy-gradient, hint distillation, replay
+   DPO when preference pairs are present).
+
+Only the inputs some live channel ``requires`` are computed: with the hint channel off, no
+teacher forward runs; with replay off, no pair forward runs; a reference model exists only
+when a live channel needs reference log-probs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+from torchmetrics import MeanMetric, Metric
+
+from composer_plugins.models.generation import Rollout, generate_completions, left_pad, tokenize_prompts
+from composer_plugins.models.logprobs import completion_forward, completion_logprobs_no_grad, sequence_logprob
+
+# ---------------------------------------------------------------------------------------
+# seeds and data streams
+# ---------------------------------------------------------------------------------------
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integer ``parts`` (stable across processes and runs)."""
+    h = 0x9E3779B1
+    for p in parts:
+        h = (h * 1_000_003 + int(p) + 0x7F4A7C15) % (2**61 - 1)
+    return h % (2**31 - 1)
+
+
+class TaskStream:
+    """A resumable, length-known stream of prompt batches for Lightning.
+
+    Batch ``i`` is ``{"index": i, "tasks": [...]}`` where the tasks are drawn by
+    ``draw(n, seed)`` with a seed derived from ``(seed, epoch, i)``: the content of a batch
+    depends only on its position. ``state_dict``/``load_state_dict`` record that position, so
+    Lightning's ``ckpt_path=...`` resumes at the exact next batch (Lightning stores the state
+    of stateful iterables in the checkpoint's ``loops`` section).
+    """
+
+    def __init__(self, draw: Any, batch_size: int, num_batches: int, seed: int = 0) -> None:
+        self.draw = draw
+        self.batch_size = int(batch_size)
+        self.num_batches = int(num_batches)
+        self.seed = int(seed)
+        self.position = 0
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.position >= self.num_batches:
+            self.position = 0
+            self.epoch += 1
+        while self.position < self.num_batches:
+            i = self.position
+            tasks = self.draw(self.batch_size, derive_seed(self.seed, self.epoch, i))
+            self.position += 1
+            yield {"index": self.epoch * self.num_batches + i, "tasks": tasks}
+
+    def state_dict(self) -> dict[str, int]:
+        """Position of the next batch."""
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume at the recorded position."""
+        self.position = int(state["position"])
+        self.epoch = int(state.get("epoch", 0))
+
+
+class StaticBatches:
+    """A fixed sequence of batches that Lightning treats as *one* dataloader (a plain list would be many)."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches = list(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches)
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    v, s, g = state["python"]
+    random.setstate((v, tuple(s), g))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+
+
+# ---------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+class PassAtK(Metric):
+    """Mean unbiased pass@k over problems; ``update(correct)`` takes a ``(problems, n)`` bool tensor."""
+
+    full_state_update = False
+
+    def __init__(self, k: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.k = int(k)
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, correct: Tensor) -> None:
+        n = correct.shape[1]
+        if n < self.k:
+            raise ValueError(f"pass@{self.k} needs at least {self.k} samples per problem, got {n}")
+        for row in correct:
+            self.total += pass_at_k(n, int(row.sum().item()), self.k)
+        self.count += correct.shape[0]
+
+    def compute(self) -> Tensor:
+        return (self.total / self.count.clamp(min=1)).float()
+
+
+# ---------------------------------------------------------------------------------------
+# env adapters (the env contract lives in composer_plugins.envs; see docs/envs.md)
+# ---------------------------------------------------------------------------------------
+
+_PROMPT_KEYS = ("prompt", "question")
+
+
+def task_prompt(task: Mapping[str, Any]) -> str:
+    """The prompt text of a task dict."""
+    for k in _PROMPT_KEYS:
+        if k in task:
+            return str(task[k])
+    raise KeyError(f"task has no prompt field (expected one of {_PROMPT_KEYS}); keys: {sorted(task)}")
+
+
+def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str, list[Any]]:
+    """Column-wise task fields other than the prompt, each row repeated ``repeat`` times."""
+    keys: list[str] = []
+    for t in tasks:
+        for k in t:
+            if k not in _PROMPT_KEYS and k not in keys:
+                keys.append(k)
+    return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
+
+
+def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int) -> list[float]:
+    """Rewards from ``env.reward(prompts, completions, **task_columns)``; ``None`` (unscorable) counts as 0."""
+    prompts = [task_prompt(t) for t in tasks for _ in range(repeat)]
+    rewards = env.reward(prompts, list(completions), **task_kwargs(tasks, repeat))
+    if len(rewards) != len(completions):
+        raise ValueError(f"env.reward returned {len(rewards)} rewards for {len(completions)} completions")
+    return [0.0 if r is None else float(r) for r in rewards]
+
+
+def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
+    """``env.feedback(prompt, completion, **task)`` (free after ``reward``), or ``None`` if the env has none."""
+    fn = getattr(env, "feedback", None)
+    if fn is None:
+        return None
+    fields = {k: v for k, v in task.items() if k not in _PROMPT_KEYS}
+    return fn(task_prompt(task), completion, **fields)
+
+
+def insert_hint(prompt: str, hint: str) -> str:
+    """The teacher context for a text prompt (the envs' ``build_teacher_context`` when available)."""
+    try:
+        from composer_plugins.envs.hints import build_teacher_context
+    except ImportError:  # pragma: no cover - the envs package ships with the project
+        return f"{prompt.rstrip()}\nHint: {hint}\n"
+    return str(build_teacher_context(prompt, hint))
+
+
+def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str],
+                     feedbacks: Sequence[Any] | None = None) -> list[str | None]:  # fmt: skip
+    """Hinted teacher contexts for failed completions (``None`` where the provider gives no hint).
+
+    The provider is a hint provider (``hints(feedbacks, prompts, completions, tasks)`` or
+    ``hint(feedback, prompt=, completion=, task=)``) or a plain callable with that signature;
+    the feedback comes from the env (``env.feedback``) unless given (multi-turn episodes).
+    """
+    feedbacks = list(feedbacks) if feedbacks is not None else [None] * len(tasks)
+    fbs = [
+        fb if fb is not None else env_feedback(env, t, c)
+        for fb, t, c in zip(feedbacks, tasks, completions, strict=True)
+    ]
+    prompts = [task_prompt(t) for t in tasks]
+    if hasattr(provider, "hints"):
+        hints = provider.hints(fbs, prompts, list(completions), list(tasks))
+    else:
+        fn = provider.hint if hasattr(provider, "hint") else provider
+        hints = [fn(fb, prompt=p, completion=c, task=t) for fb, p, c, t in zip(fbs, prompts, completions, tasks,
+                                                                               strict=True)]  # fmt: skip
+    return [insert_hint(p, str(h)) if h else None for p, h in zip(prompts, hints, strict=True)]
+
+
+def load_pairs(path: str | Path) -> list[dict[str, str]]:
+    """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
+    pairs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{n}: preference pair lacks {missing}")
+            pairs.append(row)
+    return pairs
+
+
+def _numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, Tensor) and v.numel() == 1:
+            out[k] = float(v.detach().float().item())
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[k] = float(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# SFT warm start
+# ---------------------------------------------------------------------------------------
+
+
+class SFTModule(L.LightningModule):
+    """Supervised warm start: next-token cross-entropy on the completion part of ``prompt + solution``."""
+
+    def __init__(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+    ) -> None:
+        super().__init__()
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.lr, self.weight_decay = lr, weight_decay
+        self.warmup_steps, self.total_steps = warmup_steps, max(1, total_steps)
+
+    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
+        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        logits = out.logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
+        self.log("sft/loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(self.warmup_steps, self.total_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _warmup_cosine(warmup: int, total: int, final: float = 0.1) -> Any:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+def _schedule(kind: str, warmup: int, total: int) -> Any:
+    if kind == "cosine":
+        return _warmup_cosine(warmup, total)
+    if kind == "linear":
+        return lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, 1 - (s - warmup) / max(1, total - warmup))
+    return lambda s: (s + 1) / max(1, warmup) if s < warmup else 1.0
+
+
+def sft_collate(tokenizer: Any, examples: Sequence[tuple[str, str]], max_length: int = 256) -> dict[str, Tensor]:
+    """Right-padded ``prompt + completion + EOS`` with labels ``-100`` on prompt and padding."""
+    pad = tokenizer.pad_token_id
+    rows, labels = [], []
+    for prompt, completion in examples:
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = (p + c)[:max_length]
+        lab = ([-100] * len(p) + c)[:max_length]
+        rows.append(ids)
+        labels.append(lab)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    lab_t = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (r, lab) in enumerate(zip(rows, labels, strict=True)):
+        input_ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+        lab_t[i, : len(lab)] = torch.tensor(lab)
+    return {"input_ids": input_ids, "attention_mask": attn, "labels": lab_t}
+
+
+# ---------------------------------------------------------------------------------------
+# the RL module
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutBatch:
+    """Scored rollouts of one step: what the loss needs besides the current policy's forward."""
+
+    tasks: list[Mapping[str, Any]]
+    rollout: Rollout
+    rewards: Tensor
+    advantages: Tensor
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    #: Rows (failed completions) that got a hint, and their teacher contexts.
+    hint_rows: list[int] = field(default_factory=list)
+    hint_contexts: list[str] = field(default_factory=list)
+
+    def state(self) -> dict[str, Any]:
+        """Plain data (tensors, lists) for a checkpoint."""
+        ro = self.rollout
+        return {
+            "tasks": [dict(t) for t in self.tasks],
+            "rollout": {
+                "prompt_ids": ro.prompt_ids, "prompt_mask": ro.prompt_mask, "completion_ids": ro.completion_ids,
+                "completion_mask": ro.completion_mask, "completions": list(ro.completions),
+                "prompts": list(ro.prompts), "group_index": ro.group_index, "num_generations": ro.num_generations,
+                "extra": {k: v for k, v in ro.extra.items() if isinstance(v, Tensor)},
+            },
+            "rewards": self.rewards, "advantages": self.advantages, "old_logprobs": self.old_logprobs,
+            "ref_logprobs": self.ref_logprobs, "hint_rows": list(self.hint_rows),
+            "hint_contexts": list(self.hint_contexts),
+        }  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> RolloutBatch:
+        """Inverse of :meth:`state`."""
+        r = dict(state["rollout"])
+        extra = r.pop("extra", {})
+        ro = Rollout(**r)
+        ro.extra.update(extra)
+        kw = {k: v for k, v in state.items() if k != "rollout"}
+        return cls(rollout=ro, **kw)
+
+
+class ComposerModule(L.LightningModule):
+    """Samples rollouts from the env, and optimises the sum of the configured loss channels.
+
+    Args:
+        config: a :class:`~composer_plugins.core.train.TrainConfig` (or its dict form).
+        policy, tokenizer: an already loaded policy; by default loaded with
+            ``from_pretrained`` from ``config.model`` (the tiny default is built and cached).
+        env, channels, hint_provider: already built components; by default built from the
+            registry by the names in ``config``.
+        pairs: preference pairs for the replay channel; by default read from
+            ``config.replay.pairs_path`` when a live channel needs them.
+        src: the loaded :class:`~composer_plugins.core.config.Config`, used to locate errors.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        policy: Any = None,
+        tokenizer: Any = None,
+        env: Any = None,
+        channels: Sequence[Any] | None = None,
+        hint_provider: Any = None,
+        pairs: Sequence[Mapping[str, str]] | None = None,
+        src: Any = None,
+    ) -> None:
+        super().__init__()
+        from composer_plugins.core import train as T
+        from composer_plugins.core.config import redact, to_dict
+        from composer_plugins.losses.base import ChannelComposer
+
+        cfg = config if isinstance(config, T.TrainConfig) else T.train_config_from_dict(config)
+        self.cfg = cfg
+        self.save_hyperparameters(redact(to_dict(cfg)))
+        if policy is None:
+            policy, tokenizer = T.load_policy_for(cfg)
+        if tokenizer is None:
+            raise ValueError("pass tokenizer= together with policy=")
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.env = env if env is not None else T.build_env(cfg, src)
+        if channels is None:
+            channels = T.build_channels(cfg, src)
+        self.composer = ChannelComposer(list(channels))
+        self._live = [c for c in self.composer.channels if c.weight != 0.0]
+        self._required: set[str] = set()
+        for c in self._live:
+            req = c.required_inputs() if hasattr(c, "required_inputs") else getattr(c, "requires", ())
+            self._required.update(req)
+            for group in getattr(c, "input_options", ()) or ():
+                self._required.update(group)
+        self.needs_teacher = any(getattr(c, "needs_teacher", False) for c in self._live)
+        self.needs_ref_tokens = "ref_logprobs" in self._required
+        self.needs_pairs = bool(self._required & {"chosen_logps", "rejected_logps", "chosen_avg_logps"})
+        self.hint_provider = hint_provider
+        if self.needs_teacher and self.hint_provider is None:
+            self.hint_provider = T.build_hint_provider(cfg, src)
+        self.pairs: list[Mapping[str, str]] = list(pairs) if pairs is not None else []
+        if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
+            self.pairs = load_pairs(cfg.replay.pairs_path)
+        # A frozen reference copy is kept outside the module tree: not optimised, not checkpointed
+        # (it is the initial policy, rebuilt identically on resume).
+        self._reference: list[Any] = []
+        needs_ref_pairs = bool(self._required & {"ref_chosen_logps", "ref_rejected_logps"}) and bool(self.pairs)
+        if self.needs_ref_tokens or needs_ref_pairs:
+            ref = copy.deepcopy(self.policy).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self._reference.append(ref)
+        self.val_accuracy = MeanMetric()
+        self.val_reward = MeanMetric()
+        self.val_pass = PassAtK(cfg.eval.k)
+        self._resume_rng: dict[str, Any] | None = None
+        self._rollout_cache: tuple[int, RolloutBatch] | None = None
+        #: Set to a list to collect per-problem validation predictions.
+        self.predictions: list[dict[str, Any]] | None = None
+        self.last_step_stats: dict[str, float] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+    @property
+    def reference(self) -> Any:
+        """The frozen reference policy, or ``None`` when no live channel needs one."""
+        return self._reference[0] if self._reference else None
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        num_generations: int,
+        *,
+        seed: int | None,
+        do_sample: bool = True,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
+        """Sample completions with the rollout settings of the config."""
+        r = self.cfg.rollout
+        return generate_completions(
+            self.policy,
+            self.tokenizer,
+            prompts,
+            num_generations,
+            max_new_tokens=max_new_tokens or r.max_new_tokens,
+            temperature=temperature or r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            do_sample=do_sample,
+            seed=seed,
+            max_prompt_length=r.max_prompt_length,
+        )
+
+    def rollout(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Rollout, list[float], list[Any]]:
+        """Rollouts and rewards for ``tasks``: single-turn generate+score, or the env's reset/step loop."""
+        G = self.cfg.rollout.num_generations
+        if self.cfg.rollout.max_turns > 1 and hasattr(self.env, "reset") and hasattr(self.env, "step"):
+            return self._multi_turn(tasks, seed)
+        prompts = [task_prompt(t) for t in tasks]
+        ro = self.generate(prompts, G, seed=seed)
+        rewards = env_rewards(self.env, tasks, ro.completions, G)
+        return ro, rewards, [None] * len(rewards)
+
+    def _multi_turn(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Rollout, list[float], list[Any]]:
+        """Drive ``env.reset(task)`` / ``env.step(action)`` for the ``G`` episodes of each task.
+
+        Every episode runs on a shallow copy of the env (its own episode state, shared score
+        cache). Contexts are kept as token ids: turn ``k`` is generated from
+        ``prompt + action_1 + observation_1 + ... `` exactly as the trajectory is later scored,
+        and only action tokens are trained on (observation tokens are masked out). The episode
+        reward is the reward of its last step; the feedback of the last step goes to the hint
+        provider.
+        """
+        G = self.cfg.rollout.num_generations
+        max_turns = self.cfg.rollout.max_turns
+        pad = self.tokenizer.pad_token_id
+        episodes: list[dict[str, Any]] = []
+        for t in tasks:
+            for _ in range(G):
+                env = copy.copy(self.env)
+                obs = env.reset(task=dict(t))
+                prompt = _obs_text(obs)
+                p_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                p_ids = p_ids[-self.cfg.rollout.max_prompt_length :]
+                episodes.append(
+                    {
+                        "env": env,
+                        "prompt": prompt,
+                        "prompt_ids": p_ids,
+                        "ids": [],
+                        "mask": [],
+                        "reward": 0.0,
+                        "done": False,
+                        "actions": [],
+                        "feedback": None,
+                    }
+                )
+        for turn in range(max_turns):
+            live = [e for e in episodes if not e["done"]]
+            if not live:
+                break
+            ro = generate_completions(
+                self.policy,
+                self.tokenizer,
+                None,
+                1,
+                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                temperature=self.cfg.rollout.temperature,
+                top_p=self.cfg.rollout.top_p,
+                top_k=self.cfg.rollout.top_k,
+                seed=derive_seed(seed, turn),
+                prompt_token_ids=[e["prompt_ids"] + e["ids"] for e in live],
+            )
+            for j, e in enumerate(live):
+                act_ids = ro.completion_ids[j][ro.completion_mask[j].bool()].tolist()
+                obs, reward, done, info = _step_result(e["env"].step(ro.completions[j]))
+                e["ids"] += act_ids
+                e["mask"] += [1] * len(act_ids)
+                e["actions"].append(ro.completions[j])
+                e["reward"] = 0.0 if reward is None else float(reward)
+                e["feedback"] = (info or {}).get("feedback", getattr(obs, "feedback", None))
+                if done or turn == max_turns - 1:
+                    e["done"] = True
+                    continue
+                obs_ids = self.tokenizer("\n" + _obs_text(obs) + "\n", add_special_tokens=False)["input_ids"]
+                e["ids"] += obs_ids
+                e["mask"] += [0] * len(obs_ids)
+        for e in episodes:
+            close = getattr(e["env"], "close", None)
+            if close is not None and e["env"] is not self.env:
+                close()
+        prompt_ids, prompt_mask = left_pad([e["prompt_ids"] for e in episodes], pad, self.device)
+        width = max(1, max(len(e["ids"]) for e in episodes))
+        cids = torch.full((len(episodes), width), pad, dtype=torch.long, device=self.device)
+        cmask = torch.zeros((len(episodes), width), dtype=torch.long, device=self.device)
+        for i, e in enumerate(episodes):
+            if e["ids"]:
+                cids[i, : len(e["ids"])] = torch.tensor(e["ids"], device=self.device)
+                cmask[i, : len(e["mask"])] = torch.tensor(e["mask"], device=self.device)
+        ro = Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=cids,
+            completion_mask=cmask,
+            completions=["\n".join(e["actions"]) for e in episodes],
+            prompts=[e["prompt"] for e in episodes],
+            group_index=torch.arange(len(tasks), device=self.device).repeat_interleave(G),
+            num_generations=G,
+        )
+        ro.extra["attention_mask"] = _trajectory_attention(episodes, width, self.device)
+        return ro, [e["reward"] for e in episodes], [e["feedback"] for e in episodes]
+
+    # -- training ----------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        if self._resume_rng is not None:
+            _set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        for ref in self._reference:
+            ref.to(self.device)
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        index = int(batch["index"])
+        mu = max(1, self.cfg.rollout.num_iterations)
+        if mu == 1:
+            loss, stats = self.compute_step(batch["tasks"], seed=derive_seed(self.cfg.seed, 1, index))
+        else:
+            # one rollout batch every `mu` batches, optimised on `mu` times (PPO-style epochs):
+            # the importance ratio against the kept sampling-time log-probs is then live
+            start = index - index % mu
+            if self._rollout_cache is None or self._rollout_cache[0] != start:
+                rb = self.make_rollout_batch(batch["tasks"], derive_seed(self.cfg.seed, 1, start), old_logprobs=True)
+                self._rollout_cache = (start, rb)
+            loss, stats = self.loss_on(self._rollout_cache[1], derive_seed(self.cfg.seed, 1, index))
+            stats["iteration"] = float(index - start)
+        self.last_step_stats = stats
+        # the progress bar shows reward, loss and each channel's loss; every statistic goes to the
+        # loggers (MLflow) directly, once per optimizer step (cheaper than one self.log per key)
+        bar = {f"train/{k}": v for k, v in stats.items() if k in ("reward", "loss") or k.endswith("/loss")}
+        self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(batch["tasks"]))
+        self._log_step({f"train/{k}": v for k, v in stats.items()})
+        return loss
+
+    def _log_step(self, metrics: Mapping[str, float]) -> None:
+        trainer = self._trainer
+        if trainer is None or not trainer.loggers or trainer.fit_loop._should_accumulate():
+            return
+        if trainer.global_step % max(1, trainer.log_every_n_steps) != 0:
+            return
+        for lg in trainer.loggers:
+            lg.log_metrics(dict(metrics), step=trainer.global_step)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Prompt batches hold only Python data (tasks); tensors are made on the device later."""
+        if isinstance(batch, Mapping) and "tasks" in batch:
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def compute_step(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Tensor, dict[str, float]]:
+        """Rollout, score and compute the composed loss for one micro-batch of ``tasks``."""
+        return self.loss_on(self.make_rollout_batch(tasks, seed), seed)
+
+    def make_rollout_batch(self, tasks: Sequence[Mapping[str, Any]], seed: int,
+                           old_logprobs: bool = False) -> RolloutBatch:  # fmt: skip
+        """Generate and score rollouts, compute advantages and the hinted teacher contexts.
+
+        With ``old_logprobs`` the sampling-time log-probs are computed now (no grad), for
+        ``rollout.num_iterations > 1`` where the same rollouts are optimised on several times;
+        otherwise they equal the first forward's detached log-probs and cost nothing extra.
+        """
+        from composer_plugins.losses import functional as F
+
+        G = self.cfg.rollout.num_generations
+        ro, rewards_list, feedback = self.rollout(tasks, seed)
+        rewards = torch.tensor(rewards_list, dtype=torch.float32, device=self.device)
+        advantages = F.group_advantages(rewards, G, **self.cfg.rollout.advantage_kwargs)
+        if isinstance(advantages, tuple):
+            advantages = advantages[0]
+        rb = RolloutBatch(tasks=list(tasks), rollout=ro, rewards=rewards, advantages=advantages.detach().float())
+        att = ro.extra.get("attention_mask")
+        args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        temp = self.cfg.rollout.temperature
+        if old_logprobs:
+            rb.old_logprobs = completion_logprobs_no_grad(
+                self.policy, *args, temperature=temp, completion_attention_mask=att
+            )
+        if self.needs_ref_tokens and self.reference is not None:
+            rb.ref_logprobs = completion_logprobs_no_grad(
+                self.reference, *args, temperature=temp, completion_attention_mask=att
+            )
+        if self.needs_teacher:
+            failed = (rewards < self.cfg.rollout.success_threshold).nonzero().flatten().tolist()
+            cap = self.cfg.hints.max_hinted_per_step
+            if cap is not None:
+                failed = failed[:cap]
+            contexts = teacher_contexts(
+                self.env,
+                self.hint_provider,
+                [tasks[i // G] for i in failed],
+                [ro.completions[i] for i in failed],
+                [feedback[i] for i in failed],
+            )
+            rb.hint_rows = [i for i, c in zip(failed, contexts, strict=True) if c is not None]
+            rb.hint_contexts = [c for c in contexts if c is not None]
+        return rb
+
+    def loss_on(self, rb: RolloutBatch, seed: int) -> tuple[Tensor, dict[str, float]]:
+        """The composed loss of the current policy on the rollouts ``rb`` (``seed`` picks replay pairs)."""
+        ro = rb.rollout
+        G = ro.num_generations
+        batch: dict[str, Any] = {
+            "completion_mask": ro.completion_mask.float(),
+            "advantages": rb.advantages,
+            "rewards": rb.rewards,
+            "num_generations": G,
+            "group_index": ro.group_index,
+        }
+        outputs: dict[str, Any] = {}
+        fwd = completion_forward(
+            self.policy,
+            ro.prompt_ids,
+            ro.prompt_mask,
+            ro.completion_ids,
+            ro.completion_mask,
+            temperature=self.cfg.rollout.temperature,
+            return_logits=self.needs_teacher,
+            completion_attention_mask=ro.extra.get("attention_mask"),
+        )
+        outputs["logprobs"] = fwd.logps
+        batch["old_logprobs"] = rb.old_logprobs if rb.old_logprobs is not None else fwd.logps.detach()
+        if rb.ref_logprobs is not None:
+            batch["ref_logprobs"] = rb.ref_logprobs
+        stats: dict[str, float] = {}
+        if self.needs_teacher:
+            stats.update(self._hint_inputs(rb, fwd.logits, outputs, batch))
+        if self.needs_pairs and self.pairs:
+            self._pair_inputs(seed, outputs, batch)
+        loss, metrics = self.composer(outputs, batch)
+        rewards = rb.rewards
+        stats.update(_numeric(metrics))
+        stats["reward"] = float(rewards.mean())
+        stats["accuracy"] = float((rewards >= self.cfg.rollout.success_threshold).float().mean())
+        stats["completion_tokens"] = float(ro.num_completion_tokens)
+        stats["completion_length"] = float(ro.completion_mask.sum(1).float().mean())
+        stats["groups_with_signal"] = float((rewards.view(-1, G).std(1) > 0).float().mean())
+        return loss, stats
+
+    def _hint_inputs(self, rb: RolloutBatch, student_logits: Tensor | None, outputs: dict[str, Any],
+                     batch: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+        """Teacher logits (the current policy on prompt + hint, no grad) on the failed completions."""
+        if not rb.hint_rows or student_logits is None:
+            return {"hint/rows": 0.0}
+        ro = rb.rollout
+        idx = torch.tensor(rb.hint_rows, device=self.device)
+        att = ro.extra.get("attention_mask")
+        h_ids, h_mask = tokenize_prompts(
+            self.tokenizer, rb.hint_contexts, self.cfg.hints.max_context_length, self.device
+        )
+        with torch.no_grad():
+            teacher = completion_forward(
+                self.policy,
+                h_ids,
+                h_mask,
+                ro.completion_ids[idx],
+                ro.completion_mask[idx],
+                temperature=self.cfg.rollout.temperature,
+                return_logits=True,
+                completion_attention_mask=None if att is None else att[idx],
+            )
+        outputs["student_logits"] = student_logits[idx]
+        outputs["teacher_logits"] = teacher.logits.detach()
+        batch["hint_mask"] = ro.completion_mask[idx].float()
+        batch["hint_rows"] = idx
+        return {"hint/rows": float(len(rb.hint_rows))}
+
+    def _pair_inputs(self, seed: int, outputs: dict[str, Any], batch: dict[str, Any]) -> None:
+        """Policy (with grad) and reference (no grad) sequence log-probs of sampled preference pairs."""
+        rng = random.Random(seed)
+        k = min(self.cfg.replay.pairs_per_step, len(self.pairs))
+        picked = rng.sample(range(len(self.pairs)), k)
+        pairs = [self.pairs[i] for i in picked]
+        prompts = [str(p["prompt"]) for p in pairs] * 2
+        comps = [str(p["chosen"]) for p in pairs] + [str(p["rejected"]) for p in pairs]
+        p_ids, p_mask = tokenize_prompts(self.tokenizer, prompts, self.cfg.rollout.max_prompt_length, self.device)
+        c_ids, c_mask = _right_pad(self.tokenizer, comps, self.cfg.replay.max_completion_length, self.device)
+        logps = completion_forward(self.policy, p_ids, p_mask, c_ids, c_mask).logps
+        seq = sequence_logprob(logps, c_mask.float())
+        lengths = c_mask.sum(-1).float()
+        outputs["chosen_logps"], outputs["rejected_logps"] = seq[:k], seq[k:]
+        outputs["chosen_avg_logps"], outputs["rejected_avg_logps"] = seq[:k] / lengths[:k], seq[k:] / lengths[k:]
+        batch["chosen_lengths"], batch["rejected_lengths"] = lengths[:k], lengths[k:]
+        if not self._required & {"ref_chosen_logps", "ref_rejected_logps"}:
+            return
+        ref = self.reference if self.reference is not None else self.policy
+        ref_logps = completion_logprobs_no_grad(ref, p_ids, p_mask, c_ids, c_mask)
+        ref_seq = sequence_logprob(ref_logps, c_mask.float())
+        batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref_seq[:k], ref_seq[k:]
+
+    # -- evaluation ------------------------------------------------------------------
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        stats = self.evaluate_tasks(batch["tasks"], seed=derive_seed(self.cfg.eval.seed, 2, int(batch["index"])))
+        self.val_accuracy.update(stats["correct_greedy"])
+        # mean reward of the sampled completions (eval.temperature) when there are any, else greedy
+        sampled = stats["rewards_samples"]
+        self.val_reward.update(sampled.flatten() if sampled is not None else stats["rewards_greedy"])
+        if stats["correct_samples"] is not None:
+            self.val_pass.update(stats["correct_samples"])
+        n = len(batch["tasks"])
+        self.log("val/accuracy", self.val_accuracy, prog_bar=True, batch_size=n)
+        self.log("val/mean_reward", self.val_reward, batch_size=n)
+        if stats["correct_samples"] is not None:
+            self.log(f"val/pass_at_{self.cfg.eval.k}", self.val_pass, batch_size=n)
+        if self.predictions is not None:
+            for i, task in enumerate(batch["tasks"]):
+                row = {k: v for k, v in task.items() if isinstance(v, str | int | float | bool | type(None))}
+                row.update(
+                    completion=stats["completions"][i],
+                    reward=float(stats["rewards_greedy"][i]),
+                    correct=bool(stats["correct_greedy"][i] > 0),
+                )
+                if stats["correct_samples"] is not None:
+                    row["samples_correct"] = int(stats["correct_samples"][i].sum())
+                self.predictions.append(row)
+
+    @torch.no_grad()
+    def evaluate_tasks(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> dict[str, Any]:
+        """Greedy accuracy / reward and ``eval.num_samples`` sampled completions per task (pass@k, mean reward)."""
+        e = self.cfg.eval
+        thr = self.cfg.rollout.success_threshold
+        prompts = [task_prompt(t) for t in tasks]
+        mnt = e.max_new_tokens or self.cfg.rollout.max_new_tokens
+        greedy = self.generate(prompts, 1, seed=None, do_sample=False, max_new_tokens=mnt)
+        r_greedy = torch.tensor(env_rewards(self.env, tasks, greedy.completions, 1), device=self.device)
+        out: dict[str, Any] = {
+            "rewards_greedy": r_greedy,
+            "correct_greedy": (r_greedy >= thr).float(),
+            "correct_samples": None,
+            "rewards_samples": None,
+            "completions": greedy.completions,
+        }
+        if e.k > 0 and e.num_samples >= e.k:
+            ro = self.generate(prompts, e.num_samples, seed=seed, temperature=e.temperature, max_new_tokens=mnt)
+            r = torch.tensor(env_rewards(self.env, tasks, ro.completions, e.num_samples), device=self.device)
+            out["correct_samples"] = (r >= thr).view(len(tasks), e.num_samples)
+            out["rewards_samples"] = r.view(len(tasks), e.num_samples)
+        return out
+
+    # -- optimisation / checkpoint state ---------------------------------------------
+    def configure_optimizers(self) -> Any:
+        o = self.cfg.optim
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if o.name == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(
+                params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+            )
+        elif o.name == "adam":
+            opt = torch.optim.Adam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        else:
+            opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        total = max(1, self.cfg.trainer.max_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(o.scheduler, o.warmup_steps, total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["composer_rng"] = _rng_state()
+        if self._rollout_cache is not None:  # rollouts being re-used (num_iterations > 1)
+            checkpoint["composer_rollout_cache"] = (self._rollout_cache[0], self._rollout_cache[1].state())
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_rng = checkpoint.get("composer_rng")
+        cached = checkpoint.get("composer_rollout_cache")
+        self._rollout_cache = (cached[0], RolloutBatch.from_state(cached[1])) if cached else None
+
+    def export_pretrained(self, path: str | Path) -> Path:
+        """Write the policy and tokenizer with ``save_pretrained`` (loadable by any HF ``from_pretrained``)."""
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(p)
+        self.tokenizer.save_pretrained(p)
+        return p
+
+
+def _right_pad(tokenizer: Any, texts: Sequence[str], max_length: int, device: Any) -> tuple[Tensor, Tensor]:
+    pad = tokenizer.pad_token_id
+    rows = [
+        (tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:max_length] for t in texts
+    ]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _trajectory_attention(episodes: Sequence[Mapping[str, Any]], width: int, device: Any) -> Tensor:
+    """Attention over a multi-turn trajectory: every real token (actions and observations)."""
+    att = torch.zeros((len(episodes), width), dtype=torch.long, device=device)
+    for i, e in enumerate(episodes):
+        att[i, : len(e["ids"])] = 1
+    return att
+
+
+def _obs_text(obs: Any) -> str:
+    if isinstance(obs, str):
+        return obs
+    if isinstance(obs, Mapping):
+        for k in ("text", "observation", "prompt"):
+            if k in obs:
+                return str(obs[k])
+    for k in ("text", "observation", "prompt"):
+        if hasattr(obs, k):
+            return str(getattr(obs, k))
+    return str(obs)
+
+
+def _step_result(res: Any) -> tuple[Any, float | None, bool, dict[str, Any]]:
+    """``(observation, reward, done, info)`` from a ``StepResult``/tuple/mapping/object."""
+    if isinstance(res, tuple):
+        obs, reward, done = res[0], res[1], bool(res[2])
+        info = res[3] if len(res) > 3 and isinstance(res[3], Mapping) else {}
+        return obs, reward, done, dict(info)
+    if isinstance(res, Mapping):
+        return res.get("observation"), res.get("reward"), bool(res.get("done", False)), dict(res.get("info") or {})
+    return (
+        getattr(res, "observation", None),
+        getattr(res, "reward", None),
+        bool(getattr(res, "done", False)),
+        dict(getattr(res, "info", None) or {}),
+    )

@@ -1,0 +1,1050 @@
+"""Training entry points: typed config, policy resolution, the Lightning ``Trainer`` and the runs.
+
+* :class:`TrainConfig` (+ sections) is the schema of ``composer-plugins train|sft|eval --config``;
+  :func:`load_train_config` reads YAML with dotted overrides and raises located
+  :class:`~composer_plugins.core.errors.ConfigError` naming the key, file:line and valid keys.
+* :func:`resolve_policy` turns ``model.name_or_path`` into a directory or hub id: ``tiny``
+  builds the embedded default (tokenizer + model, cached by config hash), and ``sft.enabled``
+  adds a cached SFT warm start on the env's worked solutions.
+* :func:`build_trainer` is the single place a Lightning ``Trainer`` is made (callbacks,
+  MLflow logger, checkpointing); wrappers (e.g. DiLoCo) inject ``extra_callbacks``/``strategy``.
+* :func:`run_sft`, :func:`run_train`, :func:`run_eval` are what the CLI commands call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import json
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.pytorch.callbacks import Callback
+
+from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.models.tiny import TinyModelConfig, build_cached, cache_dir_for, load_policy, tiny_model_dir
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _set_threads(cfg: TrainConfig) -> None:
+    if cfg.trainer.num_threads:
+        import torch
+
+        torch.set_num_threads(cfg.trainer.num_threads)
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    import logging
+    import warnings
+
+    import transformers
+
+    names = (
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.pytorch.accelerators.cuda",
+        "lightning.fabric",
+        "lightning.pytorch.trainer.connectors.signal_connector",
+    )
+    transformers.utils.logging.disable_progress_bar()
+    old = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
+        warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+        warnings.filterwarnings("ignore", message=".*Found .* module.*in eval mode.*")
+        warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")
+        try:
+            yield
+        finally:
+            for n, lvl in old.items():
+                logging.getLogger(n).setLevel(lvl)
+
+
+# ---------------------------------------------------------------------------------------
+# config schema
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelSection:
+    """Policy to train: a hub id, a local ``save_pretrained`` directory, or ``tiny`` (embedded default)."""
+
+    name_or_path: str = "tiny"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class DataSection:
+    """Where tasks come from. By default the env's own seeded generator; JSONL files override it."""
+
+    train_path: str | None = None
+    test_path: str | None = None
+    train_split: str = "train"
+    test_split: str = "test"
+
+
+@dataclass
+class SFTSection:
+    """Supervised warm start on the env's worked solutions (cached by config hash)."""
+
+    enabled: bool = True
+    steps: int = 140
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    num_examples: int = 4000
+    max_length: int = 256
+    seed: int = 0
+    #: Fraction of examples whose prompt is a hinted teacher context (hint for a wrong attempt,
+    #: from ``hints.provider``), so the policy learns to use hints before hint distillation.
+    hint_fraction: float = 0.5
+    #: Use the cache (``cache_dir``) for the SFT checkpoint.
+    cache: bool = True
+    #: Show a progress bar.
+    progress: bool = True
+
+
+@dataclass
+class RolloutSection:
+    """Sampling of the ``G`` completions per prompt."""
+
+    prompts_per_step: int = 8
+    num_generations: int = 8
+    temperature: float = 0.5
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    max_prompt_length: int = 192
+    #: > 1 drives the env's reset/step loop (tool-using envs).
+    max_turns: int = 1
+    #: Optimizer steps per rollout batch (PPO-style epochs, TRL's ``num_iterations``); > 1 keeps the
+    #: sampling-time log-probs as ``old_logprobs`` so the clipped importance ratio is live.
+    num_iterations: int = 1
+    #: Reward at or above which a completion counts as correct (accuracy; no hint below it).
+    success_threshold: float = 1.0
+    #: Extra keyword arguments of ``losses.functional.group_advantages``.
+    advantage_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HintsSection:
+    """Hint provider for the hint-distillation channel (registry kind ``hints``)."""
+
+    provider: Any = field(
+        default_factory=lambda: {
+            "name": "template",
+            "reveal_answer": True,
+            "templates": {"wrong_answer": "The answer is {expected}.", "no_answer": "The answer is {expected}."},
+        }
+    )
+    max_hinted_per_step: int | None = None
+    max_context_length: int = 256
+
+
+@dataclass
+class ReplaySection:
+    """Preference pairs (JSONL ``prompt``/``chosen``/``rejected``) for the replay DPO channel."""
+
+    pairs_path: str | None = None
+    pairs_per_step: int = 4
+    max_completion_length: int = 128
+
+
+@dataclass
+class OptimSection:
+    """Optimizer and learning-rate schedule of the RL phase."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.0
+    warmup_steps: int = 0
+    scheduler: Literal["constant", "cosine", "linear"] = "cosine"
+
+
+@dataclass
+class TrainerSection:
+    """Lightning ``Trainer`` settings."""
+
+    max_steps: int = 80
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = 1.0
+    gradient_clip_algorithm: Literal["norm", "value"] = "norm"
+    log_every_n_steps: int = 1
+    #: Validate every N optimizer steps (``None``: only at the start and end).
+    val_every_n_steps: int | None = None
+    checkpoint_every_n_steps: int = 10
+    keep_checkpoints: int = 1
+    enable_progress_bar: bool = True
+    accelerator: str = "cpu"
+    devices: Any = 1
+    precision: str = "32-true"
+    deterministic: bool = False
+    #: ``torch.set_num_threads`` (``None`` keeps the default).
+    num_threads: int | None = None
+
+
+@dataclass
+class EvalSection:
+    """Held-out evaluation (torchmetrics): greedy accuracy, mean reward, pass@k."""
+
+    num_problems: int = 400
+    batch_size: int = 200
+    k: int = 4
+    num_samples: int = 4
+    temperature: float = 0.5
+    max_new_tokens: int | None = None
+    seed: int = 1234
+    #: Evaluate the starting policy before RL (the "SFT start" figure).
+    at_start: bool = True
+    at_end: bool = True
+    #: Write per-problem predictions JSONL next to the metrics.
+    predictions: bool = False
+
+
+@dataclass
+class MLflowSection:
+    """MLflow tracking through Lightning's ``MLFlowLogger`` (``sqlite:///`` store by default)."""
+
+    enabled: bool = False
+    tracking_uri: str | None = None
+    experiment: str | None = None
+    run_name: str | None = None
+    tags: dict[str, Any] = field(default_factory=dict)
+    log_checkpoints: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The whole ``train`` config. ``losses`` maps channel keys to ``{enabled, weight, name, **kwargs}``."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    cache_dir: str = ".composer_cache"
+    model: ModelSection = field(default_factory=ModelSection)
+    env: Any = field(default_factory=lambda: {"name": "gsm8k", "difficulty": "trivial"})
+    data: DataSection = field(default_factory=DataSection)
+    losses: dict[str, Any] = field(default_factory=lambda: {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 1.0}})
+    hints: HintsSection = field(default_factory=HintsSection)
+    replay: ReplaySection = field(default_factory=ReplaySection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    mlflow: MLflowSection = field(default_factory=MLflowSection)
+    #: Free-form settings read by wrappers of the training loop (e.g. DiLoCo replicas).
+    diloco: dict[str, Any] = field(default_factory=dict)
+
+
+CHANNEL_KEYS = ("enabled", "weight", "name")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+def train_config_from_dict(data: Mapping[str, Any], src: Config | None = None, key: str = "") -> TrainConfig:
+    """Build a :class:`TrainConfig` from plain data, with located errors (see :func:`from_dict`)."""
+    cfg = from_dict(TrainConfig, data, src, key)
+    _check(cfg, src if src is not None else Config(), key)
+    return cfg
+
+
+def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
+    pre = f"{key}." if key else ""
+    positive = {
+        "rollout.num_generations": cfg.rollout.num_generations,
+        "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
+        "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+        "rollout.num_iterations": cfg.rollout.num_iterations,
+        "trainer.max_steps": cfg.trainer.max_steps,
+        "trainer.accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
+        "eval.batch_size": cfg.eval.batch_size,
+    }
+    for k, v in positive.items():
+        if v < 1:
+            raise src.error(pre + k, f"must be >= 1, got {v}.")
+    if cfg.rollout.temperature <= 0:
+        raise src.error(pre + "rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}.")
+    if cfg.eval.k > cfg.eval.num_samples:
+        raise src.error(pre + "eval.k", f"pass@{cfg.eval.k} needs eval.num_samples >= {cfg.eval.k}.")
+    if not isinstance(cfg.losses, Mapping) or not cfg.losses:
+        raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
+    for name, spec in cfg.losses.items():
+        _channel_spec(name, spec, src, pre)
+
+
+def _channel_spec(key: str, spec: Any, src: Config, pre: str = "") -> tuple[bool, str, float, dict[str, Any]]:
+    """``(enabled, registry name, weight, kwargs)`` of one ``losses.<key>`` entry."""
+    where = f"{pre}losses.{key}"
+    if spec is None or isinstance(spec, bool):
+        return bool(spec), key, 1.0, {}
+    if isinstance(spec, int | float):
+        return True, key, float(spec), {}
+    if not isinstance(spec, Mapping):
+        raise src.error(where, f"expected a mapping like {{weight: 1.0}}, true/false or a weight; got {spec!r}.")
+    spec = dict(spec)
+    enabled = spec.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise src.error(f"{where}.enabled", f"expected true or false, got {enabled!r}.")
+    weight = spec.pop("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise src.error(f"{where}.weight", f"expected a number, got {weight!r}.")
+    name = str(spec.pop("name", key))
+    return enabled, name, float(weight), spec
+
+
+#: Free-form component fields whose defaults are whole specs: a file that omits one gets the default
+#: spec, so an override such as ``losses.hint_distill.enabled=false`` edits it instead of replacing it.
+COMPONENT_DEFAULTS: tuple[str, ...] = ("env", "losses", "hints.provider")
+
+
+def _fill_component_defaults(src: Config) -> None:
+    import copy
+
+    defaults = to_dict(TrainConfig())
+    for key in COMPONENT_DEFAULTS:
+        node: Any = src
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.get(part) if isinstance(node, Mapping) else None
+            if nxt is None:
+                nxt = node[part] = {}
+            node = nxt
+        if isinstance(node, dict) and parts[-1] not in node:
+            value: Any = defaults
+            for part in parts:
+                value = value[part]
+            node[parts[-1]] = copy.deepcopy(value)
+
+
+def _finish(src: Config, overrides: Sequence[str]) -> tuple[TrainConfig, Config]:
+    from composer_plugins.core.config import apply_overrides, resolve_env
+
+    _fill_component_defaults(src)
+    apply_overrides(src, overrides)
+    resolve_env(src, src)
+    return train_config_from_dict(src, src), src
+
+
+def load_train_config(
+    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), section: str | None = None
+) -> tuple[TrainConfig, Config]:
+    """Read ``path`` (default: the packaged ``configs/default.yaml``), apply overrides, validate.
+
+    ``section`` selects a sub-mapping of the file (e.g. ``train`` in a DVC ``params.yaml``);
+    overrides are then relative to that section. Keys the file omits take the
+    :class:`TrainConfig` defaults (component specs ``env``, ``losses``, ``hints.provider``
+    included, so overrides edit the default spec).
+    """
+    p = Path(path) if path is not None else DEFAULT_CONFIG
+    if section:
+        full = load_config(p)
+        node = full.get_path(section)
+        if not isinstance(node, Mapping):
+            raise full.error(section, f"section {section!r} not found or not a mapping.", valid=list(full))
+        lines = {k[len(section) + 1 :]: v for k, v in full.lines.items() if k.startswith(section + ".")}
+        src = Config(dict(node), str(p), lines)
+    else:
+        src = load_config(p)
+    return _finish(src, overrides)
+
+
+def loads_train_config(text: str, overrides: Sequence[str] = ()) -> tuple[TrainConfig, Config]:
+    """Like :func:`load_train_config` for YAML text."""
+    return _finish(loads_config(text), overrides)
+
+
+def config_to_yaml(cfg: TrainConfig) -> str:
+    """The effective config as YAML (secrets redacted), for ``--print-config``."""
+    import yaml
+
+    return yaml.safe_dump(redact(to_dict(cfg)), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------
+# components
+# ---------------------------------------------------------------------------------------
+
+
+def build_env(cfg: TrainConfig, src: Config | None = None) -> Any:
+    """The env named by ``cfg.env`` (registry kind ``envs``)."""
+    from composer_plugins.core.config import build_component
+
+    return build_component("envs", cfg.env, key="env", cfg=src)
+
+
+def build_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
+    """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``)."""
+    from composer_plugins.core.config import build_component
+
+    if cfg.hints.provider is None:
+        raise (src or Config()).error("hints.provider", "a hint-distillation channel is on but no provider is set.")
+    return build_component("hints", cfg.hints.provider, key="hints.provider", cfg=src)
+
+
+def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
+    """The enabled loss channels of ``cfg.losses`` (disabled ones are not built at all)."""
+    import inspect
+
+    from composer_plugins.core.errors import UnknownPluginError
+    from composer_plugins.core.plugins import get_registry
+
+    src = src if src is not None else Config()
+    reg = get_registry()
+    out = []
+    for key, spec in cfg.losses.items():
+        enabled, name, weight, kw = _channel_spec(key, spec, src)
+        if not enabled:
+            continue
+        where = f"losses.{key}"
+        if "class_path" in kw:
+            from composer_plugins.core.config import build_component
+
+            spec_cp = {"class_path": kw.pop("class_path"), "init_args": kw.pop("init_args", {})}
+            if kw:
+                raise src.error(
+                    f"{where}.{sorted(kw)[0]}",
+                    "unknown key next to class_path.",
+                    valid=[*CHANNEL_KEYS, "class_path", "init_args"],
+                )
+            out.append(build_component("losses", spec_cp, key=where, cfg=src, weight=weight, name=key))
+            continue
+        try:
+            entry = reg.get("losses", name)
+        except UnknownPluginError as e:
+            raise src.error(where if name == key else f"{where}.name", str(e)) from e
+        try:
+            sig = inspect.signature(entry.factory)
+            params = sig.parameters
+            accepts_var = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            params, accepts_var = {}, True  # type: ignore[assignment]
+        if not accepts_var:
+            valid = [p for p in params if p not in ("self", "args", "kwargs")]
+            for k in kw:
+                if k not in params:
+                    raise src.error(
+                        f"{where}.{k}", f"loss channel {name!r} has no parameter {k!r}.", valid=[*CHANNEL_KEYS, *valid]
+                    )
+        out.append(entry.build(weight=weight, name=key, **kw))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# tasks
+# ---------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rows of a JSONL file."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def env_tasks(env: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` seeded tasks of ``split`` from the env's generator."""
+    return [dict(t) for t in env.sample_tasks(n, split=split, seed=seed)]
+
+
+def task_drawer(env: Any, cfg: TrainConfig, split: Literal["train", "test"]) -> Callable[[int, int], list[dict]]:
+    """``draw(n, seed) -> tasks`` for ``split``: from ``data.<split>_path`` JSONL if set, else the env."""
+    path = cfg.data.train_path if split == "train" else cfg.data.test_path
+    name = cfg.data.train_split if split == "train" else cfg.data.test_split
+    if path:
+        pool = read_jsonl(path)
+        if not pool:
+            raise ConfigError(f"{path} holds no tasks", key=f"data.{split}_path")
+
+        def draw_pool(n: int, seed: int) -> list[dict[str, Any]]:
+            rng = random.Random(seed)
+            return [dict(pool[rng.randrange(len(pool))]) for _ in range(n)]
+
+        return draw_pool
+    return lambda n, seed: env_tasks(env, name, n, seed)
+
+
+def eval_batches(env: Any, cfg: TrainConfig) -> Any:
+    """The fixed held-out problems as validation batches ``{"index", "tasks"}``."""
+    path = cfg.data.test_path
+    if path:
+        tasks = read_jsonl(path)[: cfg.eval.num_problems]
+    else:
+        tasks = env_tasks(env, cfg.data.test_split, cfg.eval.num_problems, cfg.eval.seed)
+    bs = cfg.eval.batch_size
+    from composer_plugins.core.module import StaticBatches
+
+    return StaticBatches([{"index": i, "tasks": tasks[s : s + bs]} for i, s in enumerate(range(0, len(tasks), bs))])
+
+
+def sft_pairs(env: Any, cfg: TrainConfig) -> list[tuple[str, str]]:
+    """``(prompt, solution)`` pairs for the SFT warm start from the env's train generator."""
+    from composer_plugins.core.module import task_prompt
+
+    if cfg.data.train_path:
+        tasks = read_jsonl(cfg.data.train_path)[: cfg.sft.num_examples]
+    else:
+        tasks = env_tasks(env, cfg.data.train_split, cfg.sft.num_examples, derive_seed_sft(cfg))
+    out = []
+    for t in tasks:
+        sol = t.get("target")
+        if sol is None and t.get("solution") is not None:
+            sol = " " + str(t["solution"]).lstrip()
+        if sol is None:
+            raise ConfigError(
+                "the env's tasks carry no worked 'solution'; SFT needs one. HINT: set sft.enabled=false "
+                "and start from an already fine-tuned model.name_or_path",
+                key="sft.enabled",
+            )
+        out.append((task_prompt(t), str(sol)))
+    if cfg.sft.hint_fraction > 0 and cfg.hints.provider is not None:
+        out = _hint_augment(env, cfg, tasks, out)
+    return out
+
+
+def _wrong_attempt(task: Mapping[str, Any], rng: random.Random) -> str | None:
+    """A plausible wrong final answer for a task with a numeric ``answer`` (``None`` otherwise)."""
+    try:
+        value = int(str(task.get("answer")))
+    except (TypeError, ValueError):
+        return None
+    delta = rng.choice([d for d in range(-10, 11) if d != 0])
+    return f"#### {value + delta}"
+
+
+def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]],
+                  pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:  # fmt: skip
+    """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt."""
+    from composer_plugins.core.module import derive_seed, teacher_contexts
+
+    rng = random.Random(derive_seed(cfg.sft.seed, 91))
+    picked = [i for i in range(len(pairs)) if rng.random() < cfg.sft.hint_fraction]
+    attempts = {i: _wrong_attempt(tasks[i], rng) for i in picked}
+    picked = [i for i in picked if attempts[i] is not None]
+    if not picked:
+        return pairs
+    provider = build_hint_provider(cfg)
+    ctxs = teacher_contexts(env, provider, [tasks[i] for i in picked], [str(attempts[i]) for i in picked])
+    out = list(pairs)
+    for i, ctx in zip(picked, ctxs, strict=True):
+        if ctx is not None:
+            out[i] = (ctx, pairs[i][1])
+    return out
+
+
+def derive_seed_sft(cfg: TrainConfig) -> int:
+    from composer_plugins.core.module import derive_seed
+
+    return derive_seed(cfg.sft.seed, 77)
+
+
+# ---------------------------------------------------------------------------------------
+# policy resolution (tiny default, SFT warm start cache)
+# ---------------------------------------------------------------------------------------
+
+
+def _tiny_corpus_key(cfg: TrainConfig) -> Any:
+    return {"env": redact(cfg.env), "train_path": _file_digest(cfg.data.train_path)}
+
+
+def _file_digest(path: str | None) -> str | None:
+    """``path@sha256`` of a data file, so a cache keyed on it notices new contents."""
+    if not path:
+        return None
+    import hashlib
+
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return str(path)
+    return f"{path}@{digest}"
+
+
+def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
+    """``model.name_or_path``, or the cached directory of the embedded tiny model when it is ``tiny``."""
+    if cfg.model.name_or_path != "tiny":
+        return cfg.model.name_or_path
+    env = env if env is not None else build_env(cfg)
+    tcfg = cfg.model.tiny
+
+    def corpus() -> Iterator[str]:
+        from composer_plugins.core.module import task_prompt
+
+        if cfg.data.train_path:
+            tasks = read_jsonl(cfg.data.train_path)[: tcfg.tokenizer_corpus_size]
+        else:
+            tasks = env_tasks(env, cfg.data.train_split, tcfg.tokenizer_corpus_size, 1)
+        for t in tasks:
+            yield task_prompt(t) + str(t.get("target", t.get("solution", "")))
+
+    return str(tiny_model_dir(tcfg, corpus, cfg.cache_dir, corpus_key=_tiny_corpus_key(cfg)))
+
+
+def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
+    """What determines an SFT checkpoint: the base policy, the data and the SFT settings."""
+    sft = asdict(cfg.sft)
+    sft.pop("cache")
+    sft.pop("progress")
+    return {
+        "base": base,
+        "tiny": asdict(cfg.model.tiny) if cfg.model.name_or_path == "tiny" else None,
+        "env": redact(cfg.env),
+        "data": _file_digest(cfg.data.train_path),
+        "sft": sft,
+        "dtype": cfg.model.dtype,
+    }
+
+
+def resolve_policy(cfg: TrainConfig, env: Any = None) -> str:
+    """The path/id the RL policy is loaded from: base policy, plus the cached SFT warm start if enabled."""
+    env = env if env is not None else build_env(cfg)
+    base = base_policy_path(cfg, env)
+    if not cfg.sft.enabled:
+        return base
+    key = sft_cache_key(cfg, base)
+    if not cfg.sft.cache:
+        out = Path(cfg.output_dir) / "sft"
+        sft_train(cfg, base, env, out)
+        return str(out)
+    target = cache_dir_for(cfg.cache_dir, "sft", key)
+    build_cached(target, lambda tmp: sft_train(cfg, base, env, tmp), meta=key)
+    return str(target)
+
+
+def load_policy_for(cfg: TrainConfig, env: Any = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the resolved policy, loaded with ``from_pretrained``."""
+    return load_policy(resolve_policy(cfg, env), dtype=cfg.model.dtype)
+
+
+@_quiet_lightning()
+def sft_train(
+    cfg: TrainConfig, base: str, env: Any, out_dir: str | os.PathLike[str], extra_callbacks: Sequence[Any] = ()
+) -> dict[str, float]:
+    """Supervised warm start of ``base`` on the env's solutions; ``save_pretrained`` to ``out_dir``."""
+    import lightning as L
+    import torch
+
+    from composer_plugins.core.module import SFTModule, sft_collate
+
+    _set_threads(cfg)
+    model, tok = load_policy(base, dtype=cfg.model.dtype)
+    pairs = sft_pairs(env, cfg)
+    s = cfg.sft
+    gen = torch.Generator().manual_seed(s.seed)
+    loader = torch.utils.data.DataLoader(
+        pairs,
+        batch_size=s.batch_size,
+        shuffle=True,
+        generator=gen,
+        collate_fn=lambda b: sft_collate(tok, b, s.max_length),
+        drop_last=True,
+    )
+    module = SFTModule(
+        model, tok, lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, total_steps=s.steps
+    )
+    L.seed_everything(s.seed, verbose=False)
+    trainer = L.Trainer(
+        max_steps=s.steps,
+        accelerator=cfg.trainer.accelerator,
+        devices=cfg.trainer.devices,
+        precision=cfg.trainer.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=s.progress,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        log_every_n_steps=10,
+        callbacks=list(extra_callbacks),
+        num_sanity_val_steps=0,
+    )
+    with _quiet_lightning():
+        trainer.fit(module, train_dataloaders=loader)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    final = {k: float(v) for k, v in trainer.callback_metrics.items() if hasattr(v, "item")}
+    (out / "sft_metrics.json").write_text(json.dumps(final, indent=2))
+    return final
+
+
+# ---------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------
+
+
+def mlflow_settings(cfg: TrainConfig) -> dict[str, Any] | None:
+    """``{tracking_uri, experiment, tags}`` when MLflow logging is on (``COMPOSER_MLFLOW=0`` turns it off)."""
+    if os.environ.get("COMPOSER_MLFLOW", "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not cfg.mlflow.enabled:
+        return None
+    params = {"mlflow": {k: v for k, v in asdict(cfg.mlflow).items() if v is not None}}
+    try:
+        from composer_plugins.pipeline import tracking
+
+        uri = tracking.tracking_uri(params)
+        exp = tracking.experiment_name(params)
+        tags = tracking.run_tags(seed=cfg.seed, extra=redact(cfg.mlflow.tags))
+    except ImportError:  # pragma: no cover - the pipeline package ships with the project
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or "sqlite:///mlflow.db"
+        exp = os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.mlflow.experiment or "composer-plugins"
+        tags = {str(k): str(v) for k, v in redact(cfg.mlflow.tags).items()}
+    return {"tracking_uri": uri, "experiment": exp, "tags": tags}
+
+
+def build_logger(cfg: TrainConfig) -> Any:
+    """Lightning's ``MLFlowLogger`` for ``cfg.mlflow``, or ``False`` when MLflow is off."""
+    s = mlflow_settings(cfg)
+    if s is None:
+        return False
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return MLFlowLogger(
+        experiment_name=s["experiment"],
+        tracking_uri=s["tracking_uri"],
+        run_name=cfg.mlflow.run_name,
+        tags=s["tags"],
+        log_model=cfg.mlflow.log_checkpoints,
+    )
+
+
+def build_trainer(
+    cfg: TrainConfig,
+    *,
+    extra_callbacks: Sequence[Any] = (),
+    strategy: Any = None,
+    logger: Any = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    **overrides: Any,
+) -> Any:
+    """The Lightning ``Trainer`` of the RL phase: checkpoints, clipping, accumulation, progress bar, MLflow.
+
+    Args:
+        cfg: the training config.
+        extra_callbacks: callbacks appended to the built-in ones (e.g. a DiLoCo outer-step callback).
+        strategy: a Lightning strategy (default: Lightning's choice for ``trainer.accelerator``).
+        logger: a logger to use instead of the one built from ``cfg.mlflow`` (``False`` disables it).
+        checkpoint_dir: where ``ModelCheckpoint`` writes (default ``<output_dir>/checkpoints``).
+        overrides: any other ``lightning.Trainer`` keyword argument.
+    """
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    t = cfg.trainer
+    ckpt = (
+        ModelCheckpoint(
+            dirpath=str(checkpoint_dir or Path(cfg.output_dir) / "checkpoints"),
+            filename="{step}",
+            every_n_train_steps=t.checkpoint_every_n_steps,
+            save_last=True,
+            save_top_k=t.keep_checkpoints,
+            monitor="step",
+            mode="max",
+            save_on_exception=False,
+        )
+        if t.checkpoint_every_n_steps > 0
+        else None
+    )
+    callbacks: list[Any] = [c for c in (ckpt, HistoryCallback(Path(cfg.output_dir) / "history.csv")) if c]
+    callbacks += list(extra_callbacks)
+    if t.enable_progress_bar:
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    val_every = t.val_every_n_steps
+    kw: dict[str, Any] = {
+        "max_steps": t.max_steps,
+        "accelerator": t.accelerator,
+        "devices": t.devices,
+        "precision": t.precision,
+        "accumulate_grad_batches": t.accumulate_grad_batches,
+        "gradient_clip_val": t.gradient_clip_val,
+        "gradient_clip_algorithm": t.gradient_clip_algorithm,
+        "log_every_n_steps": t.log_every_n_steps,
+        "enable_progress_bar": t.enable_progress_bar,
+        "enable_checkpointing": ckpt is not None,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "deterministic": t.deterministic,
+        "logger": build_logger(cfg) if logger is None else logger,
+        "callbacks": callbacks,
+        "default_root_dir": cfg.output_dir,
+        "val_check_interval": val_every * t.accumulate_grad_batches if val_every else None,
+        "check_val_every_n_epoch": None if val_every else 1,
+    }
+    if strategy is not None:
+        kw["strategy"] = strategy
+    kw.update(overrides)
+    return L.Trainer(**kw)
+
+
+class HistoryCallback(Callback):
+    """Writes one CSV row per optimizer step (``step`` + the module's step statistics) to ``path``.
+
+    On resume, rows of the interrupted run up to the restored step are kept.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.rows: list[dict[str, float]] = []
+        self._keys: list[str] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.rows = []
+        self._keys = []
+        if trainer.ckpt_path and self.path.exists():
+            with open(self.path) as f:
+                for r in csv.DictReader(f):
+                    if float(r["step"]) <= trainer.global_step:
+                        self.rows.append({k: float(v) for k, v in r.items() if v not in ("", None)})
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return
+        stats = getattr(pl_module, "last_step_stats", {}) or {}
+        row = {"step": float(trainer.global_step)}
+        row.update({k: float(v) for k, v in stats.items()})
+        self.rows.append(row)
+        if trainer.global_rank == 0:
+            self.write(append=True)
+
+    def write(self, append: bool = False) -> None:
+        """Write the CSV (columns: union of every row's keys, ``step`` first); append when the columns are unchanged."""
+        if append and self._keys and self.rows and set(self.rows[-1]) <= set(self._keys) and self.path.exists():
+            with open(self.path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self._keys).writerow(self.rows[-1])
+            return
+        keys: list[str] = ["step"]
+        for r in self.rows:
+            keys += [k for k in r if k not in keys]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(self.rows)
+        self._keys = keys
+
+
+# ---------------------------------------------------------------------------------------
+# runs
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """What :func:`run_train` returns: metrics, paths and the MLflow run id (if any)."""
+
+    metrics: dict[str, float]
+    output_dir: str
+    model_dir: str
+    run_id: str | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    start_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@_quiet_lightning()
+def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
+    """Run (or reuse from cache) the SFT warm start; copy the policy to ``<output_dir>/model``."""
+    import shutil
+
+    env = build_env(cfg, src)
+    path = resolve_policy(dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, enabled=True)), env)
+    out = Path(cfg.output_dir) / "model"
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(path, out, ignore=shutil.ignore_patterns("composer_meta.json"))
+    metrics_file = Path(path) / "sft_metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    Path(cfg.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return str(out)
+
+
+def _val_metrics(trainer: Any) -> dict[str, float]:
+    """``val/*`` metrics of the last validation, with ``pass_at_k`` spelled ``pass@k``."""
+    return {
+        k.replace("pass_at_", "pass@"): float(v)
+        for k, v in trainer.callback_metrics.items()
+        if k.startswith("val/") and hasattr(v, "item")
+    }
+
+
+@_quiet_lightning()
+def run_train(
+    cfg: TrainConfig,
+    src: Config | None = None,
+    *,
+    resume: str | None = None,
+    extra_callbacks: Sequence[Any] = (),
+    strategy: Any = None,
+    logger: Any = None,
+    module: Any = None,
+) -> RunResult:
+    """RL from the resolved policy. ``resume="last"`` (or a ``.ckpt`` path) continues a run exactly.
+
+    Writes ``<output_dir>/model`` (``save_pretrained``), ``history.csv``, ``metrics.json`` and
+    ``checkpoints/``; logs params, per-channel metrics, reward, accuracy and checkpoints to MLflow.
+    """
+    import lightning as L
+
+    from composer_plugins.core.module import ComposerModule, TaskStream
+
+    _set_threads(cfg)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = build_env(cfg, src) if module is None else module.env
+    if module is None:
+        policy, tok = load_policy_for(cfg, env)
+        L.seed_everything(cfg.seed, verbose=False)
+        module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    else:
+        L.seed_everything(cfg.seed, verbose=False)
+    stream = TaskStream(
+        task_drawer(env, cfg, "train"),
+        cfg.rollout.prompts_per_step,
+        cfg.trainer.max_steps * cfg.trainer.accumulate_grad_batches,
+        seed=cfg.seed,
+    )
+    val = eval_batches(env, cfg)
+    trainer = build_trainer(cfg, extra_callbacks=extra_callbacks, strategy=strategy, logger=logger)
+    run_id = getattr(trainer.logger, "run_id", None) if trainer.logger else None
+    ckpt_path = _resolve_resume(resume, trainer)
+    start: dict[str, float] = {}
+    with _quiet_lightning():
+        if cfg.eval.at_start and ckpt_path is None and val:
+            trainer.validate(module, dataloaders=val, verbose=False)
+            start = {k.replace("val/", "start/"): v for k, v in _val_metrics(trainer).items()}
+            if trainer.logger:
+                trainer.logger.log_metrics({k.replace("@", "_at_"): v for k, v in start.items()}, step=0)
+        trainer.fit(
+            module,
+            train_dataloaders=stream,
+            val_dataloaders=val if cfg.trainer.val_every_n_steps else None,
+            ckpt_path=ckpt_path,
+            weights_only=False,
+        )
+        final: dict[str, float] = {}
+        if cfg.eval.at_end and val:
+            trainer.validate(module, dataloaders=val, verbose=False)
+            final = _val_metrics(trainer)
+    model_dir = module.export_pretrained(out / "model")
+    hist_cb = next((c for c in trainer.callbacks if isinstance(c, HistoryCallback)), None)
+    history = list(hist_cb.rows) if hist_cb else []
+    metrics: dict[str, float] = {**start, **final}
+    if history:
+        last = history[-1]
+        metrics.update({f"train/{k}": v for k, v in last.items() if k != "step"})
+        metrics["train/reward_mean_all"] = sum(r.get("reward", 0.0) for r in history) / len(history)
+    if trainer.logger:
+        _log_artifacts(trainer.logger, [model_dir, out / "history.csv"])
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if run_id:
+        (out / "mlflow_run.txt").write_text(str(run_id) + "\n")
+    return RunResult(
+        metrics=metrics,
+        output_dir=str(out),
+        model_dir=str(model_dir),
+        run_id=run_id,
+        history=history,
+        start_metrics=start,
+    )
+
+
+def _resolve_resume(resume: str | None, trainer: Any) -> str | None:
+    if not resume:
+        return None
+    if resume == "last":
+        ckpt = trainer.checkpoint_callback
+        last = Path(ckpt.dirpath) / "last.ckpt" if ckpt is not None and ckpt.dirpath else None
+        return "last" if last is not None and last.exists() else None
+    return resume
+
+
+def _log_artifacts(logger: Any, paths: Sequence[Path | str]) -> None:
+    exp = logger.experiment
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            exp.log_artifacts(logger.run_id, str(p), artifact_path=p.name)
+        elif p.exists():
+            exp.log_artifact(logger.run_id, str(p))
+
+
+@_quiet_lightning()
+def run_eval(
+    cfg: TrainConfig, src: Config | None = None, *, checkpoint: str | None = None, output: str | None = None
+) -> dict[str, float]:
+    """Held-out evaluation of ``checkpoint`` (a Lightning ``.ckpt`` or a ``save_pretrained`` dir / hub id).
+
+    Without ``checkpoint`` the resolved policy of ``cfg`` is evaluated (e.g. the SFT start).
+    Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass@k", "<env>/mean_reward"}``.
+    """
+    import lightning as L
+    import torch
+
+    from composer_plugins.core.module import ComposerModule
+
+    _set_threads(cfg)
+    env = build_env(cfg, src)
+    ckpt_file: str | None = None
+    if checkpoint and str(checkpoint).endswith(".ckpt"):
+        ckpt_file = checkpoint
+        path = resolve_policy(cfg, env)
+    else:
+        path = checkpoint or resolve_policy(cfg, env)
+    policy, tok = load_policy(path, dtype=cfg.model.dtype)
+    module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, channels=[], src=src)
+    if ckpt_file:
+        state = torch.load(ckpt_file, map_location="cpu", weights_only=False)["state_dict"]
+        module.load_state_dict(state, strict=False)
+    L.seed_everything(cfg.seed, verbose=False)
+    trainer = L.Trainer(
+        accelerator=cfg.trainer.accelerator,
+        devices=cfg.trainer.devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_model_summary=False,
+    )
+    if cfg.eval.predictions:
+        module.predictions = []
+    trainer.validate(module, dataloaders=eval_batches(env, cfg), verbose=False)
+    env_name = _env_name(cfg)
+    metrics = {f"{env_name}/{k[4:]}": v for k, v in _val_metrics(trainer).items()}
+    if output:
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(metrics, indent=2))
+        if module.predictions is not None:
+            with open(out.with_suffix(".predictions.jsonl"), "w") as f:
+                for row in module.predictions:
+                    f.write(json.dumps(row) + "\n")
+    return metrics
+
+
+def _env_name(cfg: TrainConfig) -> str:
+    e = cfg.env
+    if isinstance(e, str):
+        return e
+    if isinstance(e, Mapping):
+        return str(e.get("name") or str(e.get("class_path", "env")).rsplit(".", 1)[-1])
+    return "env"

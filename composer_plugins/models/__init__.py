@@ -1,0 +1,1 @@
+"""Policy models: the embedded tiny default, tokenizer training, generation and log-prob utilities."""

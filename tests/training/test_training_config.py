@@ -1,0 +1,202 @@
+"""Training config: located, actionable errors (key, file:line, valid keys) and the CLI's config handling."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from composer_plugins.core.cli import load_commands
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.train import DEFAULT_CONFIG, TrainConfig, build_channels, load_train_config
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "run.yaml"
+    p.write_text(textwrap.dedent(text).lstrip())
+    return p
+
+
+def test_packaged_default_loads_and_matches_schema():
+    cfg, _ = load_train_config(None)
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.model.name_or_path == "tiny" and cfg.rollout.num_generations == 8
+    assert set(cfg.losses) >= {"grpo", "hint_distill"}
+    assert DEFAULT_CONFIG.exists()
+
+
+def test_unknown_key_names_file_line_and_valid_keys(tmp_path):
+    p = write(
+        tmp_path,
+        """
+        seed: 1
+        rollout:
+          num_generation: 4
+    """,
+    )
+    with pytest.raises(ConfigError) as e:
+        load_train_config(p)
+    msg = str(e.value)
+    assert f"{p}:3" in msg
+    assert "rollout.num_generation" in msg
+    assert "Did you mean: 'num_generations'" in msg
+    assert "Valid keys:" in msg and "temperature" in msg and "max_new_tokens" in msg
+
+
+def test_wrong_type_names_key_and_expected_type(tmp_path):
+    p = write(
+        tmp_path,
+        """
+        trainer:
+          max_steps: ten
+    """,
+    )
+    with pytest.raises(ConfigError) as e:
+        load_train_config(p)
+    assert f"{p}:2" in str(e.value) and "trainer.max_steps" in str(e.value) and "expected int" in str(e.value)
+
+
+def test_literal_choice_and_range_checks(tmp_path):
+    p = write(tmp_path, "optim:\n  name: adagrad\n")
+    with pytest.raises(ConfigError, match=r"optim\.name: expected one of 'adamw', 'adam', 'sgd'"):
+        load_train_config(p)
+    p = write(tmp_path, "rollout:\n  num_generations: 0\n")
+    with pytest.raises(ConfigError, match=r"rollout\.num_generations: must be >= 1"):
+        load_train_config(p)
+
+
+def test_override_errors_are_located_too(tmp_path):
+    p = write(tmp_path, "seed: 0\n")
+    with pytest.raises(ConfigError, match=r"eval\.k: pass@8 needs eval.num_samples >= 8"):
+        load_train_config(p, ["eval.k=8"])
+
+
+def test_unknown_channel_lists_registered_channels(tmp_path):
+    p = write(
+        tmp_path,
+        """
+        losses:
+          grpo: {weight: 1.0}
+          hint_distil: {weight: 0.5}
+    """,
+    )
+    cfg, src = load_train_config(p)
+    with pytest.raises(ConfigError) as e:
+        build_channels(cfg, src)
+    msg = str(e.value)
+    assert f"{p}:3" in msg and "losses.hint_distil" in msg
+    assert "Did you mean: 'hint_distill'" in msg and "grpo" in msg and "replay_dpo" in msg
+
+
+def test_unknown_channel_argument_lists_valid_parameters(tmp_path):
+    p = write(
+        tmp_path,
+        """
+        losses:
+          grpo:
+            weight: 1.0
+            epsilon_lo: 0.1
+    """,
+    )
+    cfg, src = load_train_config(p)
+    with pytest.raises(ConfigError) as e:
+        build_channels(cfg, src)
+    msg = str(e.value)
+    assert f"{p}:4" in msg and "losses.grpo.epsilon_lo" in msg
+    assert "Did you mean: 'epsilon_low'" in msg and "enabled" in msg and "weight" in msg
+
+
+def test_bad_channel_switch_values(tmp_path):
+    p = write(tmp_path, "losses:\n  grpo: {enabled: maybe}\n")
+    with pytest.raises(ConfigError, match=r"losses\.grpo\.enabled: expected true or false"):
+        load_train_config(p)
+    p = write(tmp_path, "losses:\n  grpo: {weight: heavy}\n")
+    with pytest.raises(ConfigError, match=r"losses\.grpo\.weight: expected a number"):
+        load_train_config(p)
+
+
+def test_disabled_channels_are_not_built(tmp_path):
+    p = write(
+        tmp_path,
+        """
+        losses:
+          grpo: {weight: 1.0}
+          hint_distill: {enabled: false, weight: 0.5}
+          replay_dpo: false
+          dapo: 0.25
+    """,
+    )
+    cfg, src = load_train_config(p)
+    chans = build_channels(cfg, src)
+    assert [(c.name, c.weight) for c in chans] == [("grpo", 1.0), ("dapo", 0.25)]
+    assert chans[1].loss_type == "dapo"
+
+
+def test_section_selects_a_subtree(tmp_path):
+    p = write(
+        tmp_path,
+        """
+        prepare: {n: 3}
+        train:
+          seed: 7
+          rollout: {num_generations: 4}
+    """,
+    )
+    cfg, _ = load_train_config(p, ["rollout.temperature=0.7"], section="train")
+    assert cfg.seed == 7 and cfg.rollout.num_generations == 4 and cfg.rollout.temperature == 0.7
+    p2 = write(tmp_path, "train:\n  sed: 7\n")
+    with pytest.raises(ConfigError) as e:
+        load_train_config(p2, section="train")
+    assert f"{p2}:2" in str(e.value) and "Did you mean: 'seed'" in str(e.value)
+
+
+def test_cli_print_config_applies_overrides(tmp_path):
+    p = write(tmp_path, "seed: 3\n")
+    r = CliRunner().invoke(
+        load_commands(), ["train", "-c", str(p), "--print-config", "losses.grpo.weight=0.3", "trainer.max_steps=5"]
+    )
+    assert r.exit_code == 0, r.output
+    data = yaml.safe_load(r.output)
+    assert data["seed"] == 3 and data["trainer"]["max_steps"] == 5 and data["losses"]["grpo"]["weight"] == 0.3
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path):
+    p = write(tmp_path, "rollout:\n  temprature: 0.5\n")
+    for cmd in ("train", "sft", "eval"):
+        r = CliRunner().invoke(load_commands(), [cmd, "-c", str(p), "--print-config"])
+        assert r.exit_code != 0
+        assert f"{p}:2" in r.output and "rollout.temprature" in r.output and "'temperature'" in r.output
+        assert "Traceback" not in r.output
+
+
+def test_cli_print_config_redacts_secrets(tmp_path, monkeypatch):
+    monkeypatch.setenv("MY_TOKEN", "s3cr3t-value")
+    p = write(tmp_path, "mlflow:\n  tags: {api_token: {$env: MY_TOKEN}}\n")
+    r = CliRunner().invoke(load_commands(), ["train", "-c", str(p), "--print-config"])
+    assert r.exit_code == 0, r.output
+    assert "s3cr3t-value" not in r.output
+
+
+def test_overrides_edit_the_default_channel_set(tmp_path):
+    p = write(tmp_path, "seed: 0\n")
+    cfg, src = load_train_config(p, ["losses.hint_distill.enabled=false", "env.difficulty=easy"])
+    assert [c.name for c in build_channels(cfg, src)] == ["grpo"]
+    assert cfg.env == {"name": "gsm8k", "difficulty": "easy"}
+    p = write(tmp_path, "losses:\n  dapo: {weight: 1.0}\n")
+    cfg, src = load_train_config(p)
+    assert [c.name for c in build_channels(cfg, src)] == ["dapo"]  # a file's own channel set replaces the default
+
+
+def test_unknown_env_and_hint_provider_are_located(tmp_path):
+    from composer_plugins.core.train import build_env, build_hint_provider
+
+    p = write(tmp_path, "seed: 0\nenv: {name: gsm8kk, difficulty: trivial}\nhints:\n  provider: templat\n")
+    cfg, src = load_train_config(p)
+    with pytest.raises(ConfigError) as e:
+        build_env(cfg, src)
+    assert f"{p}:2" in str(e.value) and "env" in str(e.value) and "'gsm8k'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build_hint_provider(cfg, src)
+    assert f"{p}:4" in str(e.value) and "hints.provider" in str(e.value) and "'template'" in str(e.value)

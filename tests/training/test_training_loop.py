@@ -1,0 +1,250 @@
+"""Real training steps on the tiny policy: live channels, switches, exact resume, MLflow contents, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from composer_plugins.core.cli import load_commands
+from composer_plugins.core.module import ComposerModule, derive_seed
+from composer_plugins.core.train import build_env, eval_batches, load_policy_for, resolve_policy, run_train
+
+CHANNELS = """
+losses:
+  grpo: {{weight: 1.0}}
+  hint_distill: {{weight: 0.5}}
+  replay_dpo: {{weight: 0.1}}
+replay: {{pairs_path: {pairs}, pairs_per_step: 2}}
+"""
+
+
+def _state(path):
+    from composer_plugins.models.tiny import load_policy
+
+    model, _ = load_policy(path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_all_three_channels_live_finite_and_logged(make_cfg, pairs_file):
+    cfg, src = make_cfg(CHANNELS.format(pairs=pairs_file))
+    res = run_train(cfg, src)
+    assert [r["step"] for r in res.history] == [1.0, 2.0]
+    for row in res.history:
+        for ch in ("grpo", "hint_distill", "replay_dpo"):
+            assert row[f"{ch}/skipped"] == 0.0, (ch, row)
+            assert math.isfinite(row[f"{ch}/loss"]), (ch, row)
+        assert row["hint/rows"] > 0 and math.isfinite(row["loss"])
+        assert 0.0 <= row["reward"] <= 1.0
+    # the hint channel is live with a non-zero divergence (the hinted teacher disagrees with the student)
+    assert all(row["hint_distill/loss"] > 0 for row in res.history)
+    # and the policy actually moved away from the SFT start
+    start, end = _state(resolve_policy(cfg)), _state(res.model_dir)
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+    # the CSV history has one row per optimizer step with every channel's loss
+    header = (cfg_out := res.output_dir + "/history.csv") and open(cfg_out).readline().strip().split(",")
+    assert header[0] == "step" and {"grpo/loss", "hint_distill/loss", "replay_dpo/loss", "reward"} <= set(header)
+
+
+def _count_policy_forwards(module: ComposerModule, tasks, seed: int) -> tuple[int, dict]:
+    calls = []
+    h = module.policy.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        _, stats = module.compute_step(tasks, seed)
+    finally:
+        h.remove()
+    return len(calls), stats
+
+
+@pytest.mark.parametrize("off", ["hint_distill", "replay_dpo"])
+def test_channel_turned_off_is_not_computed(make_cfg, pairs_file, off):
+    cfg_on, src_on = make_cfg(CHANNELS.format(pairs=pairs_file))
+    env = build_env(cfg_on)
+    policy, tok = load_policy_for(cfg_on, env)
+    tasks = env.sample_tasks(2, "train", seed=11)
+    on = ComposerModule(cfg_on, policy=policy, tokenizer=tok, env=env, src=src_on)
+    n_on, stats_on = _count_policy_forwards(on, tasks, 5)
+    assert stats_on[f"{off}/skipped"] == 0.0
+
+    for switch in (f"losses.{off}.enabled=false", f"losses.{off}.weight=0"):
+        cfg, src = make_cfg(CHANNELS.format(pairs=pairs_file), switch)
+        mod = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+        n_off, stats = _count_policy_forwards(mod, tasks, 5)
+        assert n_off == n_on - 1, (switch, n_on, n_off)  # the teacher / pair forward is gone
+        if switch.endswith("false"):
+            assert off not in [c.name for c in mod.composer.channels]
+            assert not any(k.startswith(f"{off}/") for k in stats)
+        else:
+            assert stats[f"{off}/skipped"] == 1.0 and f"{off}/loss" not in stats
+        if off == "hint_distill":
+            assert not mod.needs_teacher and "hint/rows" not in stats
+        else:
+            assert not mod.needs_pairs
+    # with both extra channels off no reference model is even created
+    cfg, src = make_cfg(CHANNELS.format(pairs=pairs_file), "losses.hint_distill=false", "losses.replay_dpo=false")
+    assert ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src).reference is None
+
+
+@pytest.mark.parametrize("num_iterations,stop_at", [(1, 2), (2, 3)])
+def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterations, stop_at):
+    from lightning.pytorch.callbacks import Callback
+
+    class StopAfter(Callback):
+        def on_train_batch_end(self, trainer, *a):
+            if trainer.global_step >= stop_at:
+                trainer.should_stop = True
+
+    extra = "trainer: {max_steps: 4, checkpoint_every_n_steps: 1, enable_progress_bar: false, num_threads: 1}\n"
+    over = f"rollout.num_iterations={num_iterations}"
+    cfg_a, src_a = make_cfg(extra, over, out=tmp_path / "a")
+    full = run_train(cfg_a, src_a)
+    cfg_b, src_b = make_cfg(extra, over, out=tmp_path / "b")
+    first = run_train(cfg_b, src_b, extra_callbacks=[StopAfter()])
+    assert [r["step"] for r in first.history] == [float(s) for s in range(1, stop_at + 1)]
+    resumed = run_train(cfg_b, src_b, resume="last")
+    keys = ("loss", "grpo/loss", "grpo/ratio_mean", "hint_distill/loss", "reward", "completion_tokens")
+    got = [[r["step"], *(r[k] for k in keys)] for r in resumed.history]
+    want = [[r["step"], *(r[k] for k in keys)] for r in full.history]
+    assert got == want  # bit-exact on CPU: same data position, optimizer state and sampling streams
+    a, b = _state(full.model_dir), _state(resumed.model_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if num_iterations == 2:
+        # every second step re-uses the rollouts: same tokens, and the importance ratio is live
+        assert [r["iteration"] for r in full.history] == [0.0, 1.0, 0.0, 1.0]
+        assert full.history[1]["completion_tokens"] == full.history[0]["completion_tokens"]
+        assert full.history[1]["grpo/ratio_mean"] != 1.0 and full.history[0]["grpo/ratio_mean"] == 1.0
+
+
+def test_mlflow_run_has_params_metrics_and_checkpoints(make_cfg, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("COMPOSER_MLFLOW", raising=False)
+    monkeypatch.setenv("CP_TRAIN_TEST_SECRET", "hunter2-secret")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    extra = f"""
+    mlflow: {{enabled: true, tracking_uri: "{uri}", experiment: train-test, run_name: tiny,
+             tags: {{api_token: {{$env: CP_TRAIN_TEST_SECRET}}}}}}
+    diloco: {{token: {{$env: CP_TRAIN_TEST_SECRET}}}}
+    eval: {{num_problems: 4, batch_size: 4, k: 2, num_samples: 2, at_start: true, at_end: true}}
+    """
+    cfg, src = make_cfg(extra, "losses.hint_distill.weight=0.5")
+    res = run_train(cfg, src)
+    assert res.run_id
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(res.run_id)
+    params = run.data.params
+    assert params["rollout/num_generations"] == "4" and params["losses/hint_distill/weight"] == "0.5"
+    assert params["env/name"] == "gsm8k" and params["trainer/max_steps"] == "2"
+    metrics = run.data.metrics
+    for k in ("train/reward", "train/accuracy", "train/grpo/loss", "train/hint_distill/loss", "train/loss",
+              "val/accuracy", "val/mean_reward", "val/pass_at_2", "start/accuracy"):  # fmt: skip
+        assert k in metrics, (k, sorted(metrics))
+    hist = client.get_metric_history(res.run_id, "train/hint_distill/loss")
+    assert len(hist) == 2 and all(m.value > 0 for m in hist)
+    arts = {a.path for a in client.list_artifacts(res.run_id)}
+    assert {"model", "history.csv"} <= arts and any(a.startswith(("last", "step")) for a in arts)
+    ckpts = [a.path for p in arts for a in client.list_artifacts(res.run_id, p) if a.path.endswith(".ckpt")]
+    assert ckpts
+    blob = json.dumps([params, run.data.tags])
+    assert "hunter2-secret" not in blob
+    assert (tmp_path / "run" / "mlflow_run.txt").read_text().strip() == res.run_id
+
+
+def test_cli_sft_train_eval(tiny_yaml, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(tiny_yaml)
+    cli = load_commands()
+    runner = CliRunner()
+    r = runner.invoke(cli, ["sft", "-c", str(cfg), f"output_dir={tmp_path}/sft"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "sft" / "model" / "model.safetensors").exists()
+    r = runner.invoke(cli, ["train", "-c", str(cfg), f"output_dir={tmp_path}/rl", "trainer.max_steps=1",
+                            f"model.name_or_path={tmp_path}/sft/model", "sft.enabled=false"],
+                      catch_exceptions=False)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output[: r.output.rindex("}") + 1])
+    assert "train/loss" in out and "train/grpo/loss" in out
+    assert (tmp_path / "rl" / "model" / "config.json").exists() and (tmp_path / "rl" / "history.csv").exists()
+    assert json.loads((tmp_path / "rl" / "metrics.json").read_text())["train/loss"] == out["train/loss"]
+    for ckpt in (f"{tmp_path}/rl/model", f"{tmp_path}/rl/checkpoints/last.ckpt"):
+        r = runner.invoke(cli, ["eval", "-c", str(cfg), "--checkpoint", ckpt, "-o", f"{tmp_path}/eval.json",
+                                "eval.predictions=true", "sft.enabled=false",
+                                f"model.name_or_path={tmp_path}/sft/model"], catch_exceptions=False)  # fmt: skip
+        assert r.exit_code == 0, r.output
+        m = json.loads((tmp_path / "eval.json").read_text())
+        assert set(m) == {"gsm8k/accuracy", "gsm8k/mean_reward", "gsm8k/pass@2"}
+        assert all(0.0 <= v <= 1.0 for v in m.values())
+        preds = (tmp_path / "eval.predictions.jsonl").read_text().splitlines()
+        assert len(preds) == 8 and {"prompt", "completion", "reward", "correct"} <= set(json.loads(preds[0]))
+
+
+def test_validation_metrics_are_consistent(make_cfg):
+    import lightning as L
+
+    cfg, src = make_cfg()
+    env = build_env(cfg)
+    policy, tok = load_policy_for(cfg, env)
+    module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    module.predictions = []
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.validate(module, dataloaders=eval_batches(env, cfg), verbose=False)
+    acc = float(trainer.callback_metrics["val/accuracy"])
+    assert acc == pytest.approx(sum(p["correct"] for p in module.predictions) / len(module.predictions))
+    sampled = sum(p["samples_correct"] for p in module.predictions) / (2 * len(module.predictions))
+    assert float(trainer.callback_metrics["val/mean_reward"]) == pytest.approx(sampled)  # 0/1 reward, 2 samples
+    assert 0.0 <= float(trainer.callback_metrics["val/pass_at_2"]) <= 1.0
+    # the held-out split never overlaps the training stream
+    held = {p["question"] for p in module.predictions}
+    train = {t["question"] for i in range(20) for t in env.sample_tasks(4, "train", derive_seed(0, 0, i))}
+    assert not held & train
+
+
+def test_multi_turn_episode_masks_observations(make_cfg):
+    cfg, src = make_cfg("env: {name: gsm8k, difficulty: trivial, max_turns: 2}\n", "rollout.max_turns=2",
+                        "rollout.num_generations=4", "rollout.prompts_per_step=2")  # fmt: skip
+    env = build_env(cfg)
+    policy, tok = load_policy_for(cfg, env)
+    module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    tasks = env.sample_tasks(2, "train", seed=4)
+    ro, rewards, _ = module.rollout(tasks, seed=9)
+    assert ro.completion_ids.shape[0] == 8 and len(rewards) == 8
+    att = ro.extra["attention_mask"]
+    # observation tokens are attended to but not trained on; they only appear after a failed first turn
+    obs = (att == 1) & (ro.completion_mask == 0)
+    two_turn = obs.any(1)
+    assert two_turn.any() or all(r == 1.0 for r in rewards)
+    for i in two_turn.nonzero().flatten().tolist():
+        row_obs = obs[i].nonzero().flatten()
+        after = ro.completion_mask[i, row_obs.max() + 1 :]
+        assert after.sum() > 0  # a second action follows the observation
+        assert "Please try again" in tok.decode(ro.completion_ids[i, row_obs])
+    loss, stats = module.compute_step(tasks, seed=9)
+    assert torch.isfinite(loss) and stats["hint_distill/skipped"] in (0.0, 1.0)
+    loss.backward()
+
+
+def test_tasks_from_jsonl_files(make_cfg, tmp_path):
+    from composer_plugins.core.train import run_eval
+    from composer_plugins.envs.gsm8k import GSM8KEnv
+
+    env = GSM8KEnv(difficulty="trivial")
+    paths = {}
+    for split, n in (("train", 12), ("test", 5)):
+        paths[split] = tmp_path / f"{split}.jsonl"
+        paths[split].write_text("".join(json.dumps(t) + "\n" for t in env.sample_tasks(n, split, seed=21)))
+    cfg, src = make_cfg(
+        "", f"data.train_path={paths['train']}", f"data.test_path={paths['test']}", "trainer.max_steps=1",
+        "eval.predictions=true",
+    )  # fmt: skip
+    res = run_train(cfg, src)
+    assert len(res.history) == 1 and res.history[0]["grpo/skipped"] == 0.0
+    out = tmp_path / "eval.json"
+    metrics = run_eval(cfg, src, checkpoint=res.model_dir, output=str(out))
+    assert set(metrics) == {"gsm8k/accuracy", "gsm8k/mean_reward", "gsm8k/pass@2"}
+    preds = [json.loads(x) for x in out.with_suffix(".predictions.jsonl").read_text().splitlines()]
+    want = [json.loads(x)["question"] for x in paths["test"].read_text().splitlines()]
+    assert [p["question"] for p in preds] == want
