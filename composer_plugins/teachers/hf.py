@@ -2,7 +2,8 @@
 
 The model and tokenizer load lazily on the first call (``local_files_only`` by default, so
 a run never reaches the hub). Prompts use the tokenizer's chat template when it has one,
-else :func:`~composer_plugins.teachers.base.render_messages` plus an assistant header.
+else :func:`~composer_plugins.teachers.base.prompt_text` (a lone user message verbatim, as the
+policy saw it in single-turn rollouts; longer conversations with ``<|role|>`` headers).
 Generation runs in a worker thread (one at a time per teacher) so the event loop keeps
 serving the other teachers.
 """
@@ -22,7 +23,7 @@ from composer_plugins.teachers.base import (
     TeacherError,
     TeacherResponse,
     assistant_message,
-    render_messages,
+    prompt_text,
 )
 
 
@@ -125,7 +126,7 @@ class HFTeacher(Teacher):
         msgs = [dict(m) for m in messages]
         if getattr(tok, "chat_template", None):
             return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return render_messages(msgs) + "\n<|assistant|>\n"
+        return prompt_text(msgs)
 
     def _generate(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, int, int]:
         import torch
