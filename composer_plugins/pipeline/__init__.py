@@ -1,0 +1,1 @@
+"""DVC pipeline stages and run comparison."""

@@ -1,0 +1,138 @@
+"""``composer-plugins compare``: the ablation table (channels on/off × seeds) from the MLflow store.
+
+Every ``eval`` stage run logs one MLflow run tagged ``dvc.stage=eval@<variant>-<seed>`` (the SFT
+baseline: ``eval_sft``, channels ``none``), with
+params ``study.channels`` (``rl+hint+replay``), ``study.variant``, ``study.seed`` and the held-out
+metrics. :func:`fetch_eval_records` reads them back, keeps the newest run per
+(group, seed) so repeated ``dvc repro``/``dvc exp run`` calls do not double-count, and
+:func:`~composer_plugins.pipeline.study.ablation_rows` aggregates mean ± std over seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from composer_plugins.pipeline import study, tracking
+
+#: MLflow param names written by the eval stage (and read back here).
+P_CHANNELS = "study.channels"
+P_VARIANT = "study.variant"
+P_SEED = "study.seed"
+
+
+def _client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def fetch_eval_records(
+    tracking_uri: str,
+    experiment: str,
+    *,
+    stage_prefix: str = "eval",
+    filters: Mapping[str, str] | None = None,
+    group_by: Sequence[str] = ("channels",),
+    all_runs: bool = False,
+    max_results: int = 5000,
+) -> list[dict[str, Any]]:
+    """Flat records (one per finished eval run) from ``experiment`` in the store at ``tracking_uri``.
+
+    Each record has ``channels``, ``variant``, ``seed``, ``run_id``, ``start_time``, every
+    ``params.*`` (as ``param:<name>``) and every metric. ``filters`` are tag equalities
+    (``{"dvc.exp": "my-exp"}``). Unless ``all_runs``, only the newest run per
+    (group, seed) is kept.
+    """
+    client = _client(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    clauses = ["attributes.status = 'FINISHED'"]
+    for k, v in (filters or {}).items():
+        clauses.append(f"tags.`{k}` = '{v}'")
+    runs = client.search_runs(
+        [exp.experiment_id], filter_string=" and ".join(clauses), max_results=max_results, order_by=["start_time DESC"]
+    )
+    records: list[dict[str, Any]] = []
+    for r in runs:
+        stage = r.data.tags.get(tracking.TAG_STAGE, "")
+        if not (stage == stage_prefix or stage.startswith((stage_prefix + "@", stage_prefix + "_"))):
+            continue
+        p = r.data.params
+        rec: dict[str, Any] = {
+            "channels": p.get(P_CHANNELS, "?"),
+            "variant": p.get(P_VARIANT) or r.data.tags.get(tracking.TAG_VARIANT, "?"),
+            "seed": _int(p.get(P_SEED, r.data.tags.get(tracking.TAG_SEED))),
+            "run_id": r.info.run_id,
+            "start_time": r.info.start_time,
+            "stage": stage,
+            "exp": r.data.tags.get(tracking.TAG_EXP, ""),
+            "commit": r.data.tags.get(tracking.TAG_COMMIT, ""),
+        }
+        for k, v in p.items():
+            rec[f"param:{k}"] = v
+        for k, v in r.data.metrics.items():
+            rec[k] = v
+        records.append(rec)
+    if all_runs:
+        return records
+    seen: set[tuple[Any, ...]] = set()
+    kept = []
+    for rec in records:  # newest first
+        key = (*[_group_value(rec, g) for g in group_by], rec["seed"])
+        if key in seen:
+            continue
+        seen.add(key)
+        kept.append(rec)
+    return kept
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _group_value(rec: Mapping[str, Any], key: str) -> Any:
+    if key in rec:
+        return rec[key]
+    return rec.get(f"param:{key}")
+
+
+def compare_table(
+    records: Sequence[Mapping[str, Any]],
+    metrics: Sequence[str] = study.HEADLINE_METRICS,
+    group_by: Sequence[str] = ("channels",),
+    fmt: str = "text",
+) -> str:
+    """The ablation table of ``records`` as text, markdown, JSON or CSV (rows ordered by headline mean)."""
+    recs = [{**r, **{g: _group_value(r, g) for g in group_by}} for r in records]
+    rows = study.ablation_rows(recs, metrics, group_by)
+    rows.sort(key=lambda r: -_sortable(r[metrics[0]][0]) if metrics else 0)
+    if fmt == "json":
+        return json.dumps(
+            [{**{k: v for k, v in r.items() if k not in metrics},
+              **{m: {"mean": _nan_none(r[m][0]), "std": _nan_none(r[m][1])} for m in metrics}} for r in rows],
+            indent=2,
+        )  # fmt: skip
+    if fmt == "csv":
+        head = [*group_by, "n", *[f"{m}_{s}" for m in metrics for s in ("mean", "std")]]
+        lines = [",".join(head)]
+        for r in rows:
+            vals = [str(r[g]) for g in group_by] + [str(r["n"])]
+            vals += [f"{r[m][i]:.6g}" for m in metrics for i in (0, 1)]
+            lines.append(",".join(vals))
+        return "\n".join(lines)
+    return study.format_table(rows, metrics, group_by, "markdown" if fmt == "markdown" else "text")
+
+
+def _sortable(v: float) -> float:
+    return -math.inf if v is None or math.isnan(v) else v
+
+
+def _nan_none(v: float) -> float | None:
+    return None if v is None or math.isnan(v) else v

@@ -1,0 +1,244 @@
+"""The study: variants (loss channels on/off) × seeds, and the ablation table over them.
+
+``params.yaml`` holds a ``study`` section::
+
+    study:
+      seeds: [0, 1]
+      variants:                 # each variant is a set of overrides of the ``train`` section
+        full: {}
+        no_hint: {losses: {hint_distill: {weight: 0}}}
+        no_replay: {losses: {replay: {weight: 0}}}
+
+DVC expands the ``train`` and ``eval`` stages over ``variant × seed`` (``matrix:``). Run
+``<variant>-s<seed>`` trains with ``train`` deep-merged with ``study.variants.<variant>`` and
+``seed: <seed>``. :func:`ablation_rows` aggregates held-out metrics per variant over seeds
+(mean ± sample std), which both ``composer-plugins report`` and ``composer-plugins compare`` print.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from composer_plugins.core.config import Config, load_config
+from composer_plugins.core.errors import ConfigError
+
+#: Held-out metrics shown in the ablation table, in order (the first is the headline).
+HEADLINE_METRICS: tuple[str, ...] = ("gsm8k/accuracy", "code/pass@1", "feature_deletion/reward")
+
+
+def load_params(path: str | os.PathLike[str] = "params.yaml", overrides: Iterable[str] = (),
+                resolve_secrets: bool = False) -> Config:  # fmt: skip
+    """Load ``params.yaml`` (with ``key.sub=value`` overrides) as a located :class:`Config`.
+
+    ``{$env: NAME}`` values stay unresolved unless ``resolve_secrets``: a stage that does not
+    call a teacher must not need (or ever hold) its API key.
+    """
+    if resolve_secrets:
+        return load_config(path, overrides)
+    import yaml
+
+    from composer_plugins.core.config import apply_overrides
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read params: {e.strerror}", file=str(p)) from e
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"invalid YAML: {getattr(e, 'problem', e)}", file=str(p),
+                          line=mark.line + 1 if mark else None) from e  # fmt: skip
+    if not isinstance(data, dict):
+        raise ConfigError("the top level must be a mapping of keys", file=str(p), line=1)
+    lines: dict[str, int] = {}
+    if node is not None:
+        _lines(node, "", lines)
+    cfg = Config(data, str(p), lines)
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def _lines(node: Any, prefix: str, out: dict[str, int]) -> None:
+    """Record the 1-based line of every dotted key under the YAML ``node``."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}.{k.value}" if prefix else str(k.value)
+            out[key] = k.start_mark.line + 1
+            _lines(v, key, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            key = f"{prefix}.{i}"
+            out[key] = v.start_mark.line + 1
+            _lines(v, key, out)
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``base`` with ``override`` merged in (mappings recursively, everything else replaced)."""
+    out = copy.deepcopy(dict(base))
+    for k, v in override.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+REPLACE_MARKER = "_replace"
+
+
+def merge_params(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`deep_merge` where an override mapping holding ``_replace: true`` replaces instead of merging.
+
+    This is how ``tests/pipeline/params.ci.yaml`` shrinks ``params.yaml`` (e.g. keeps only two
+    study variants) while every key it does not mention stays as in ``params.yaml``.
+    """
+    out = copy.deepcopy(dict(base))
+    for k, v in override.items():
+        if isinstance(v, Mapping) and v.get(REPLACE_MARKER):
+            out[k] = {kk: copy.deepcopy(vv) for kk, vv in v.items() if kk != REPLACE_MARKER}
+        elif isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge_params(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def write_merged_params(base: str | os.PathLike[str], override: str | os.PathLike[str],
+                        out: str | os.PathLike[str]) -> Path:  # fmt: skip
+    """Write ``base`` (YAML) merged with ``override`` (YAML, :func:`merge_params` rules) to ``out``."""
+    import yaml
+
+    b = yaml.safe_load(Path(base).read_text()) or {}
+    o = yaml.safe_load(Path(override).read_text()) or {}
+    text = f"# {Path(base).name} merged with {Path(override).name}\n"
+    text += yaml.safe_dump(merge_params(b, o), sort_keys=False)
+    return write_text(out, text)
+
+
+def run_name(variant: str, seed: int | str) -> str:
+    """Directory/run name of one study cell: ``<variant>-s<seed>``."""
+    return f"{variant}-s{seed}"
+
+
+def parse_run_name(name: str) -> tuple[str, int]:
+    """Inverse of :func:`run_name`."""
+    variant, _, seed = name.rpartition("-s")
+    if not variant or not seed.lstrip("-").isdigit():
+        raise ValueError(f"{name!r} is not a study run name of the form <variant>-s<seed>")
+    return variant, int(seed)
+
+
+def variants(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``study.variants`` (``{"full": {}}`` when absent)."""
+    v = (params.get("study") or {}).get("variants")
+    if v is None:
+        return {"full": {}}
+    if not isinstance(v, Mapping) or not v:
+        raise _err(params, "study.variants", "must be a non-empty mapping of variant name -> train overrides")
+    return {str(k): dict(x or {}) for k, x in v.items()}
+
+
+def seeds(params: Mapping[str, Any]) -> list[int]:
+    """``study.seeds`` (``[train.seed or 0]`` when absent)."""
+    s = (params.get("study") or {}).get("seeds")
+    if s is None:
+        return [int((params.get("train") or {}).get("seed", 0))]
+    if not isinstance(s, list) or not all(isinstance(x, int) for x in s):
+        raise _err(params, "study.seeds", f"must be a list of integers, got {s!r}")
+    return list(s)
+
+
+def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]:
+    """The ``train`` overrides of ``variant``; a located error naming the valid variants otherwise."""
+    v = variants(params)
+    if variant not in v:
+        raise _err(params, f"study.variants.{variant}", "unknown variant.", valid=list(v))
+    return v[variant]
+
+
+def _err(params: Mapping[str, Any], key: str, msg: str, valid: Sequence[str] | None = None) -> ConfigError:
+    if isinstance(params, Config):
+        return params.error(key, msg, valid)
+    return ConfigError(msg, key=key, valid=valid)
+
+
+# -- aggregation ------------------------------------------------------------------------------
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value; NaN for none)."""
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return m, 0.0
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var)
+
+
+def ablation_rows(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] = HEADLINE_METRICS,
+                  group_by: Sequence[str] = ("channels",)) -> list[dict[str, Any]]:  # fmt: skip
+    """Aggregate per-run records over seeds.
+
+    Each record is a flat mapping with at least ``seed``, the ``group_by`` keys and the
+    ``metrics``. Returns one row per group (in first-seen order) with ``n`` (number of seeds),
+    ``seeds`` and ``<metric>`` -> ``(mean, std)``.
+    """
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(tuple(r.get(k) for k in group_by), []).append(r)
+    rows = []
+    for key, rs in groups.items():
+        row: dict[str, Any] = dict(zip(group_by, key, strict=True))
+        row["n"] = len(rs)
+        row["seeds"] = sorted({r.get("seed") for r in rs}, key=lambda s: (s is None, s))
+        for m in metrics:
+            row[m] = mean_std([r[m] for r in rs if r.get(m) is not None])
+        rows.append(row)
+    return rows
+
+
+def _cell(v: tuple[float, float]) -> str:
+    m, s = v
+    if math.isnan(m):
+        return "n/a"
+    return f"{m:.3f} ± {s:.3f}"
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str] = HEADLINE_METRICS,
+                 group_by: Sequence[str] = ("channels",), fmt: str = "markdown") -> str:  # fmt: skip
+    """Render :func:`ablation_rows` as a markdown (``fmt="markdown"``) or plain-text table."""
+    headers = [*group_by, "seeds", *[f"{m} (mean ± std)" for m in metrics]]
+    body = [
+        [*(str(r.get(k)) for k in group_by), f"{r['n']} ({','.join(str(s) for s in r['seeds'])})",
+         *(_cell(r[m]) for m in metrics)]
+        for r in rows
+    ]  # fmt: skip
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in body]
+    return "\n".join(out)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` (parents created); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p

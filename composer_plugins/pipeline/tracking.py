@@ -1,0 +1,150 @@
+"""MLflow helpers shared by every stage that trains or evaluates.
+
+All stages of one study log into **one** MLflow experiment in a local sqlite store at the
+repository root (``sqlite:///mlflow.db``, ignored by git). :func:`run_tags` gives the tags
+that tie a run to the code and the pipeline: the git commit, the DVC stage that ran it
+(``DVC_STAGE``, which DVC sets for every stage command), the DVC experiment name and the
+study variant/seed. Nothing here imports mlflow at import time.
+
+Environment variables (each overrides the matching ``mlflow:`` entry of ``params.yaml``):
+
+- ``MLFLOW_TRACKING_URI``: tracking store (default ``sqlite:///<repo root>/mlflow.db``).
+- ``MLFLOW_EXPERIMENT_NAME``: experiment (default ``composer-plugins``).
+- ``COMPOSER_MLFLOW=0``: disable MLflow logging entirely.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DEFAULT_EXPERIMENT = "composer-plugins"
+DEFAULT_DB = "mlflow.db"
+
+#: Tag keys written by :func:`run_tags`.
+TAG_STAGE = "dvc.stage"
+TAG_EXP = "dvc.exp"
+TAG_COMMIT = "git.commit"
+TAG_DIRTY = "git.dirty"
+TAG_VARIANT = "study.variant"
+TAG_SEED = "study.seed"
+
+
+def repo_root(start: str | os.PathLike[str] | None = None) -> Path:
+    """The DVC (or git) root above ``start`` (``DVC_ROOT`` when DVC runs the stage), else the cwd."""
+    env = os.environ.get("DVC_ROOT")
+    if env:
+        return Path(env)
+    here = Path(start or os.getcwd()).resolve()
+    for p in (here, *here.parents):
+        if (p / ".dvc").is_dir() or (p / "dvc.yaml").is_file():
+            return p
+    for p in (here, *here.parents):
+        if (p / ".git").exists():
+            return p
+    return here
+
+
+def git_commit(root: str | os.PathLike[str] | None = None) -> tuple[str, bool]:
+    """``(commit sha, dirty)`` of the git checkout at ``root``; ``("unknown", False)`` outside git."""
+    cwd = str(root or repo_root())
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
+    try:
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        status = ""
+    return sha or "unknown", bool(status.strip())
+
+
+def tracking_uri(params: Mapping[str, Any] | None = None, root: str | os.PathLike[str] | None = None) -> str:
+    """The MLflow tracking URI: ``$MLFLOW_TRACKING_URI``, else ``params['mlflow']['tracking_uri']``, else sqlite.
+
+    A relative ``sqlite:///file.db`` is resolved against the repository root, so every stage
+    (whatever its working directory) writes into the same store.
+    """
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or ((params or {}).get("mlflow") or {}).get("tracking_uri")
+    base = Path(root) if root else repo_root()
+    if not uri:
+        return f"sqlite:///{(base / DEFAULT_DB).as_posix()}"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        rel = uri[len("sqlite:///") :]
+        return f"sqlite:///{(base / rel).resolve().as_posix()}"
+    return uri
+
+
+def experiment_name(params: Mapping[str, Any] | None = None) -> str:
+    """``$MLFLOW_EXPERIMENT_NAME``, else ``params['mlflow']['experiment']``, else ``composer-plugins``."""
+    return (
+        os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        or ((params or {}).get("mlflow") or {}).get("experiment")
+        or DEFAULT_EXPERIMENT
+    )
+
+
+def mlflow_enabled(params: Mapping[str, Any] | None = None) -> bool:
+    """False when ``COMPOSER_MLFLOW=0`` or ``mlflow.enabled: false`` in params."""
+    if os.environ.get("COMPOSER_MLFLOW", "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return bool(((params or {}).get("mlflow") or {}).get("enabled", True))
+
+
+def run_tags(stage: str | None = None, *, variant: str | None = None, seed: int | None = None,
+             extra: Mapping[str, Any] | None = None) -> dict[str, str]:  # fmt: skip
+    """Tags for an MLflow run of a pipeline stage.
+
+    Args:
+        stage: DVC stage name; defaults to ``$DVC_STAGE`` (set by DVC), else ``"manual"``.
+        variant: study variant (e.g. ``full``, ``no_hint``); defaults to ``$COMPOSER_VARIANT``.
+        seed: study seed; defaults to ``$COMPOSER_SEED``.
+        extra: more tags (values are stringified).
+    """
+    sha, dirty = git_commit()
+    tags = {
+        TAG_STAGE: stage or os.environ.get("DVC_STAGE") or "manual",
+        TAG_COMMIT: sha,
+        TAG_DIRTY: str(dirty).lower(),
+        "mlflow.source.git.commit": sha,
+    }
+    exp = os.environ.get("DVC_EXP_NAME")
+    if exp:
+        tags[TAG_EXP] = exp
+    baseline = os.environ.get("DVC_EXP_BASELINE_REV")
+    if baseline:
+        tags["dvc.exp.baseline"] = baseline
+    variant = variant or os.environ.get("COMPOSER_VARIANT")
+    if variant:
+        tags[TAG_VARIANT] = variant
+    if seed is None and os.environ.get("COMPOSER_SEED"):
+        seed = int(os.environ["COMPOSER_SEED"])
+    if seed is not None:
+        tags[TAG_SEED] = str(seed)
+    for k, v in (extra or {}).items():
+        tags[str(k)] = str(v)
+    return tags
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists are kept as values)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key, sep))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,210 @@
+"""End to end: the DVC pipeline on the reduced params file, in a temporary copy of the repository.
+
+One module-scoped fixture builds a fresh repo (``git init`` + ``dvc init``, the pipeline files,
+params.yaml merged with tests/pipeline/params.ci.yaml, the package sources that stages hash as
+dependencies), commits it and runs ``dvc repro``. The tests then check the produced metrics,
+the MLflow store, that a second repro is a no-op, and that changing one param re-runs only the
+stages downstream of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+CI_PARAMS = Path(__file__).with_name("params.ci.yaml")
+RUN_RE = re.compile(r"Running stage '([^']+)'")
+
+UPSTREAM = {"prepare", "sft", "eval_sft", "rollout", "replay", "pairs"}
+
+
+def _env(repo: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "COMPOSER_MLFLOW", "DVC_ROOT", "DVC_STAGE"):
+        env.pop(k, None)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        DVC_NO_ANALYTICS="1",
+        GIT_AUTHOR_NAME="ci",
+        GIT_AUTHOR_EMAIL="ci@localhost",
+        GIT_COMMITTER_NAME="ci",
+        GIT_COMMITTER_EMAIL="ci@localhost",
+        MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
+    )
+    return env
+
+
+def run(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a command in ``repo``; on failure the assertion shows its output."""
+    proc = subprocess.run(list(args), cwd=repo, env=_env(repo), capture_output=True, text=True, timeout=900)
+    if check:
+        tail = f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{tail}"
+    return proc
+
+
+def ran_stages(output: str) -> set[str]:
+    """Stage names that ``dvc repro`` / ``dvc exp run`` actually executed."""
+    return set(RUN_RE.findall(output))
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A fresh copy of the pipeline with CI-sized params, after one ``dvc repro``."""
+    from composer_plugins.pipeline.study import write_merged_params
+
+    repo = tmp_path_factory.mktemp("pipeline") / "repo"
+    repo.mkdir()
+    run(repo, "git", "init", "-q")
+    run(repo, str(BIN / "dvc"), "init", "-q")
+    run(repo, str(BIN / "dvc"), "config", "core.analytics", "false")
+    run(repo, str(BIN / "dvc"), "config", "core.autostage", "false")
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    shutil.copy(ROOT / ".dvcignore", repo / ".dvcignore")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
+    shutil.copytree(ROOT / "composer_plugins", repo / "composer_plugins",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))  # fmt: skip
+    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
+    write_merged_params(ROOT / "params.yaml", CI_PARAMS, repo / "params.yaml")
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "commit", "-q", "-m", "pipeline")
+    out = run(repo, str(BIN / "dvc"), "repro")
+    return repo, out.stdout + out.stderr
+
+
+def _params(repo: Path) -> dict:
+    return yaml.safe_load((repo / "params.yaml").read_text())
+
+
+def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> None:
+    path, log = repo
+    params = _params(path)
+    cells = [f"{v}-{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]
+    expected = UPSTREAM | {"report"} | {f"train@{c}" for c in cells} | {f"eval@{c}" for c in cells}
+    assert ran_stages(log) == expected
+
+    metrics = json.loads((path / "metrics.json").read_text())
+    assert set(metrics) == {"sft", *params["study"]["variants"]}
+    for row in metrics.values():
+        acc = row["gsm8k_accuracy"]["mean"]
+        assert 0.0 <= acc <= 1.0
+        assert row["n"] == (1 if row is metrics["sft"] else len(params["study"]["seeds"]))
+        assert "code_pass_at_1" in row and "feature_deletion_reward" in row
+
+    for name in [f"{v}-s{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]:
+        run_dir = path / "runs" / name
+        assert (run_dir / "model" / "config.json").exists()
+        assert (run_dir / "config.yaml").exists()
+        hist = (run_dir / "history.csv").read_text().splitlines()
+        assert hist[0].startswith("step") and len(hist) == 1 + params["train"]["trainer"]["max_steps"]
+        ev = json.loads((path / "evals" / f"{name}.json").read_text())
+        assert {"gsm8k/accuracy", "code/pass@1", "feature_deletion/reward"} <= set(ev["metrics"])
+
+    # the no_hint variant really trains without the hint channel
+    cfg = yaml.safe_load((path / "runs" / "no_hint-s0" / "config.yaml").read_text())
+    assert cfg["losses"]["hint_distill"]["weight"] == 0.0
+    assert cfg["model"]["name_or_path"] == "models/sft/model" and cfg["sft"]["enabled"] is False
+
+    # data, teacher cache and pairs
+    manifest = json.loads((path / "data" / "tasks" / "manifest.json").read_text())
+    assert manifest["envs"]["gsm8k"]["train"]["n"] == params["data"]["gsm8k"]["train"]
+    assert manifest["envs"]["gsm8k"]["overlap"] == 0
+    assert (path / "data" / "teacher_cache" / "cache.sqlite").stat().st_size > 0
+    pairs = [json.loads(x) for x in (path / "data" / "pairs.jsonl").read_text().splitlines() if x.strip()]
+    assert pairs and all({"prompt", "chosen", "rejected"} <= set(p) for p in pairs)
+
+    # plots and the ablation table
+    curves = (path / "plots" / "train_curves.csv").read_text().splitlines()
+    assert curves[0].startswith("step,run,variant,seed,reward,loss")
+    assert len(curves) == 1 + len(cells) * params["train"]["trainer"]["max_steps"]
+    table = (path / "results" / "ablation.md").read_text()
+    assert "| full |" in table and "| no_hint |" in table and "±" in table
+    shown = run(path, str(BIN / "dvc"), "plots", "show", "--json")
+    assert "Train reward per step" in shown.stdout
+
+
+def test_mlflow_runs_are_tagged_and_compare_prints_the_table(repo: tuple[Path, str]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    path, _ = repo
+    client = MlflowClient(tracking_uri=f"sqlite:///{path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("composer-plugins-ci")
+    assert exp is not None
+    runs = client.search_runs([exp.experiment_id])
+    stages = {r.data.tags.get("dvc.stage") for r in runs}
+    assert {"train@full-0", "eval@full-0", "eval@no_hint-0", "eval_sft", "report"} <= stages
+    commit = run(path, "git", "rev-parse", "HEAD").stdout.strip()
+    for r in runs:
+        assert r.data.tags.get("git.commit") == commit
+    ev = next(r for r in runs if r.data.tags.get("dvc.stage") == "eval@no_hint-0")
+    assert ev.data.params["study.channel.hint_distill"] == "off"
+    assert ev.data.params["study.channel.grpo"] == "on"
+    assert "gsm8k/accuracy" in ev.data.metrics
+    arts = {a.path for a in client.list_artifacts(ev.info.run_id)}
+    assert "no_hint-s0.json" in arts and "history.csv" in arts
+
+    out = run(path, str(BIN / "composer-plugins"), "compare", "--format", "json").stdout
+    rows = json.loads(out)
+    by = {r["channels"]: r for r in rows}
+    assert "grpo+replay" in by and "grpo+hint_distill+replay" in by
+    assert all(0.0 <= r["gsm8k/accuracy"]["mean"] <= 1.0 for r in rows)
+    text = run(path, str(BIN / "composer-plugins"), "compare").stdout
+    assert "±" in text and "grpo+replay" in text
+
+
+def test_second_repro_is_a_noop(repo: tuple[Path, str]) -> None:
+    path, _ = repo
+    st = run(path, str(BIN / "dvc"), "status")
+    assert "up to date" in st.stdout, st.stdout
+    again = run(path, str(BIN / "dvc"), "repro")
+    assert ran_stages(again.stdout + again.stderr) == set()
+
+
+def test_one_param_reruns_only_downstream_stages(repo: tuple[Path, str]) -> None:
+    path, _ = repo
+    params = _params(path)
+    steps = params["train"]["trainer"]["max_steps"] + 1
+    out = run(path, str(BIN / "dvc"), "exp", "run", "-S", f"train.trainer.max_steps={steps}")
+    ran = ran_stages(out.stdout + out.stderr)
+    cells = [f"{v}-{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]
+    assert ran == {f"train@{c}" for c in cells} | {f"eval@{c}" for c in cells} | {"report"}
+    assert not ran & UPSTREAM
+    hist = (path / "runs" / "full-s0" / "history.csv").read_text().splitlines()
+    assert len(hist) == 1 + steps
+    shown = json.loads(run(path, str(BIN / "dvc"), "exp", "show", "--json").stdout)
+    assert shown  # the experiment is recorded next to the baseline
+
+
+def test_replicas_train_a_cell_with_diloco(repo: tuple[Path, str]) -> None:
+    """``train.diloco.replicas > 1``: the cell trains with DiLoCo; replica 0's model lands in the cell directory.
+
+    Runs last: it adds runs/diloco-s0 next to the pipeline's outputs (an extra cell, not a DVC output).
+    """
+    path, _ = repo
+    out = run(path, str(BIN / "composer-plugins"), "study", "train", "--variant", "diloco", "--seed", "0",
+              "-S", "study.variants.diloco={}", "-S", "train.diloco.replicas=2", "-S", "train.diloco.sync_every=1",
+              "-S", "mlflow.enabled=false")  # fmt: skip
+    assert "composer-plugins diloco --replicas 2" in out.stdout
+    cell = path / "runs" / "diloco-s0"
+    assert (cell / "model" / "config.json").exists()
+    assert (cell / "replica0" / "model").is_dir() and (cell / "replica1" / "model").is_dir()
+    syncs = [json.loads(x) for x in (cell / "diloco_logs" / "replica0.sync.jsonl").read_text().splitlines() if x]
+    assert syncs and any(s.get("committed") for s in syncs)
+    cfg = yaml.safe_load((cell / "config.yaml").read_text())
+    assert cfg["diloco"]["replicas"] == 2

@@ -1,0 +1,228 @@
+"""Unit tests of the pipeline helpers: params merging, study cells, aggregation, MLflow compare, run_all."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from composer_plugins.core.config import loads_config
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.pipeline import compare, stages, study, tracking
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_params_yaml_and_ci_params_are_consistent() -> None:
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    ci = yaml.safe_load((ROOT / "tests" / "pipeline" / "params.ci.yaml").read_text())
+
+    def keys(d: dict, pre: str = "") -> set[str]:
+        out = set()
+        for k, v in d.items():
+            if k == study.REPLACE_MARKER:
+                continue
+            out.add(pre + k)
+            if isinstance(v, dict) and not v.get(study.REPLACE_MARKER) and k not in ("variants",):
+                out |= keys(v, pre + k + ".")
+        return out
+
+    # every CI override names a key that exists in params.yaml (no silent typos), lists aside
+    missing = {k for k in keys(ci) if k not in keys(base) and not k.startswith(("replay.teachers", "study.variants."))}
+    assert not missing, f"params.ci.yaml overrides keys absent from params.yaml: {sorted(missing)}"
+    merged = study.merge_params(base, ci)
+    assert set(merged["study"]["variants"]) == {"full", "no_hint"}
+    assert merged["train"]["optim"] == base["train"]["optim"]  # untouched keys survive
+    assert merged["data"]["gsm8k"]["source"] == "embedded"
+
+
+def test_merge_params_replace_marker() -> None:
+    base = {"a": {"x": 1, "y": 2}, "b": {"k": {"p": 1}}}
+    out = study.merge_params(base, {"a": {"y": 3}, "b": {"_replace": True, "q": 5}})
+    assert out == {"a": {"x": 1, "y": 3}, "b": {"q": 5}}
+    assert base == {"a": {"x": 1, "y": 2}, "b": {"k": {"p": 1}}}
+
+
+def test_train_config_merges_variant_and_wires_the_pipeline() -> None:
+    params = loads_config((ROOT / "params.yaml").read_text(), source="params.yaml")
+    cfg = stages.train_config(params, "no_hint", 3)
+    assert cfg["seed"] == 3
+    assert cfg["output_dir"] == "runs/no_hint-s3"
+    assert cfg["losses"]["hint_distill"]["weight"] == 0.0
+    assert cfg["losses"]["grpo"] == params["train"]["losses"]["grpo"]
+    assert cfg["model"]["name_or_path"] == "models/sft/model"
+    assert cfg["sft"]["enabled"] is False
+    assert cfg["data"]["train_path"] == "data/tasks/gsm8k/train.jsonl"
+    assert cfg["replay"]["pairs_path"] == "data/pairs.jsonl"
+    assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+replay"
+    assert cfg["mlflow"]["run_name"] == "train@no_hint-s3"
+    # the effective config is a valid TrainConfig
+    from composer_plugins.core.train import train_config_from_dict
+
+    train_config_from_dict(cfg)
+
+
+def test_unknown_variant_is_a_located_error() -> None:
+    params = loads_config((ROOT / "params.yaml").read_text(), source="params.yaml")
+    with pytest.raises(ConfigError) as e:
+        stages.train_config(params, "no_hnt", 0)
+    msg = str(e.value)
+    assert "params.yaml:" in msg and "study.variants.no_hnt" in msg and "no_hint" in msg
+
+
+def test_data_section_errors_name_the_key() -> None:
+    params = loads_config("data:\n  gsm8k:\n    train: 10\n    tset: 5\n", source="p.yaml")
+    with pytest.raises(ConfigError, match=r"p.yaml:4: data.gsm8k.tset: unknown key.*'test'"):
+        stages.data_envs(params)
+    params = loads_config("data:\n  gsm8k:\n    source: web\n", source="p.yaml")
+    with pytest.raises(ConfigError, match="data.gsm8k.source"):
+        stages.data_envs(params)
+
+
+def test_channel_flags_and_label() -> None:
+    flags = stages.channel_flags({"losses": {"grpo": {"weight": 1}, "hint": {"weight": 0}, "r": {"enabled": False},
+                                             "x": 0.5, "y": False}})  # fmt: skip
+    assert flags == {"grpo": True, "hint": False, "r": False, "x": True, "y": False}
+    assert stages.channels_label(flags) == "grpo+x"
+    assert stages.channels_label({"a": False}) == "none"
+
+
+def test_ablation_rows_mean_and_sample_std() -> None:
+    recs = [
+        {"channels": "a", "seed": 0, "m": 0.2},
+        {"channels": "a", "seed": 1, "m": 0.4},
+        {"channels": "b", "seed": 0, "m": 0.5},
+    ]
+    rows = study.ablation_rows(recs, ["m"])
+    a, b = rows
+    assert a["n"] == 2 and a["seeds"] == [0, 1]
+    assert a["m"][0] == pytest.approx(0.3) and a["m"][1] == pytest.approx(math.sqrt(0.02))
+    assert b["m"] == (0.5, 0.0)
+    text = study.format_table(rows, ["m"])
+    assert "0.300 ± 0.141" in text and "| b |" in text
+    assert math.isnan(study.mean_std([])[0])
+
+
+def test_tracking_uri_resolves_relative_sqlite_to_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    assert tracking.tracking_uri({"mlflow": {"tracking_uri": "sqlite:///mlflow.db"}}) == (
+        f"sqlite:///{(tmp_path / 'mlflow.db').resolve().as_posix()}"
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking.tracking_uri({}) == "http://127.0.0.1:5000"
+    monkeypatch.setenv("COMPOSER_MLFLOW", "0")
+    assert not tracking.mlflow_enabled({"mlflow": {"enabled": True}})
+
+
+def test_run_tags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DVC_STAGE", "train@full-0")
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-1")
+    tags = tracking.run_tags(variant="full", seed=0, extra={"x": 1})
+    assert tags["dvc.stage"] == "train@full-0" and tags["dvc.exp"] == "exp-1"
+    assert tags["study.variant"] == "full" and tags["study.seed"] == "0" and tags["x"] == "1"
+    assert tags["git.commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                                text=True).stdout.strip()  # fmt: skip
+
+
+def test_compare_reads_mlflow_dedupes_and_aggregates(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment("study", artifact_location=str(tmp_path / "mlruns"))
+
+    def log(stage: str, channels: str, seed: int, acc: float, status: str = "FINISHED") -> None:
+        r = client.create_run(exp_id, tags={"dvc.stage": stage})
+        client.log_param(r.info.run_id, "study.channels", channels)
+        client.log_param(r.info.run_id, "study.seed", seed)
+        client.log_param(r.info.run_id, "study.variant", channels)
+        client.log_metric(r.info.run_id, "gsm8k/accuracy", acc)
+        client.set_terminated(r.info.run_id, status)
+
+    log("eval@full-0", "grpo+hint", 0, 0.1)  # superseded by the newer run below
+    log("eval@full-0", "grpo+hint", 0, 0.5)
+    log("eval@full-1", "grpo+hint", 1, 0.7)
+    log("eval@no_hint-0", "grpo", 0, 0.2)
+    log("eval@no_hint-1", "grpo", 1, 0.9, status="FAILED")  # failed runs are ignored
+    log("train@no_hint-0", "grpo", 0, 0.99)  # not an eval stage
+
+    recs = compare.fetch_eval_records(uri, "study")
+    assert sorted((r["channels"], r["seed"], r["gsm8k/accuracy"]) for r in recs) == [
+        ("grpo", 0, 0.2), ("grpo+hint", 0, 0.5), ("grpo+hint", 1, 0.7)
+    ]  # fmt: skip
+    assert len(compare.fetch_eval_records(uri, "study", all_runs=True)) == 4
+    rows = json.loads(compare.compare_table(recs, ["gsm8k/accuracy"], fmt="json"))
+    assert rows[0]["channels"] == "grpo+hint" and rows[0]["gsm8k/accuracy"]["mean"] == pytest.approx(0.6)
+    assert rows[0]["n"] == 2 and rows[1]["n"] == 1
+    csv = compare.compare_table(recs, ["gsm8k/accuracy"], fmt="csv").splitlines()
+    assert csv[0] == "channels,n,gsm8k/accuracy_mean,gsm8k/accuracy_std"
+    assert compare.fetch_eval_records(uri, "missing") == []
+
+
+def test_run_all_isolates_failures_and_writes_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import run_all
+
+    pkg = tmp_path / "fakebench"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bench_good.py").write_text(textwrap.dedent("""
+        def run(quick=False):
+            return {"name": "good", "results": {"quick": quick}, "ratios": {"speedup": 2.0 if quick else 3.0},
+                    "targets": {"speedup": ">= 1.5"}}
+    """))  # fmt: skip
+    (pkg / "bench_bad.py").write_text("def run(quick=False):\n    raise RuntimeError('boom')\n")
+    (pkg / "bench_shape.py").write_text("def run(quick=False):\n    return {'name': 'shape'}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    mods = run_all.discover(pkg)
+    assert mods == ["fakebench.bench_bad", "fakebench.bench_good", "fakebench.bench_shape"]
+    report = run_all.run_all(quick=True, modules=mods)
+    by = {b["name"]: b for b in report["benchmarks"]}
+    assert by["good"]["ok"] and by["good"]["results"] == {"quick": True}
+    assert not by["bad"]["ok"] and "boom" in by["bad"]["error"]
+    assert not by["shape"]["ok"] and "ratios" in by["shape"]["error"]
+    assert report["ratios"] == {"good/speedup": 2.0}
+    jpath, mpath = run_all.write_report(report, tmp_path / "out" / "bench")
+    assert json.loads(jpath.read_text())["quick"] is True
+    md = mpath.read_text()
+    assert "| good | speedup | 2 | >= 1.5 |" in md and "| bad | FAILED |" in md
+    only = run_all.run_all(quick=True, modules=mods, only=["good"], in_process=True)
+    assert [b["name"] for b in only["benchmarks"]] == ["good"]
+
+
+def test_run_all_cli_lists_project_benchmarks() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--list"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.split()  # fmt: skip
+    found = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert out == found
+
+
+def test_secrets_stay_references_in_params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PIPELINE_TEST_KEY", raising=False)
+    text = (
+        (ROOT / "params.yaml")
+        .read_text()
+        .replace(
+            "    - name: oracle\n      id: oracle\n",
+            "    - name: oracle\n      id: oracle\n    - {name: openai, id: paid, model: m, base_url: http://127.0.0.1:9,"
+            " api_key: {$env: PIPELINE_TEST_KEY}}\n",
+        )
+    )
+    assert "PIPELINE_TEST_KEY" in text
+    (tmp_path / "params.yaml").write_text(text)
+    params = study.load_params(tmp_path / "params.yaml")  # does not need the variable
+    assert params["replay"]["teachers"][-1]["api_key"] == {"$env": "PIPELINE_TEST_KEY"}
+    stages.train_config(params, "full", 0)
+    cfg = stages.replay_config(params)
+    assert cfg["teachers"][-1]["api_key"] == {"$env": "PIPELINE_TEST_KEY"}  # a reference, never a value
+    assert cfg["cache"]["path"] == "data/teacher_cache/cache.sqlite" and cfg["normalize"] == {"enabled": False}
+    with pytest.raises(ConfigError, match="PIPELINE_TEST_KEY"):
+        study.load_params(tmp_path / "params.yaml", resolve_secrets=True)
