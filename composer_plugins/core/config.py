@@ -97,17 +97,23 @@ def _line_map(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
             _line_map(v, key, out)
 
 
-def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Config:
-    """Read a YAML mapping from ``path``, apply ``key.sub=value`` overrides, resolve ``$env``."""
+def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), resolve_secrets: bool = True) -> Config:
+    """Read a YAML mapping from ``path``, apply ``key.sub=value`` overrides, resolve ``$env``.
+
+    With ``resolve_secrets=False`` the ``{$env: NAME}`` references stay as they are (for a
+    step that never uses the secret and so must not need it set).
+    """
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise ConfigError(f"cannot read config: {e.strerror}", file=str(p)) from e
-    return loads_config(text, source=str(p), overrides=overrides)
+    return loads_config(text, source=str(p), overrides=overrides, resolve_secrets=resolve_secrets)
 
 
-def loads_config(text: str, source: str = "<string>", overrides: Iterable[str] = ()) -> Config:
+def loads_config(
+    text: str, source: str = "<string>", overrides: Iterable[str] = (), resolve_secrets: bool = True
+) -> Config:
     """Like :func:`load_config` for YAML text."""
     try:
         node = yaml.compose(text)
@@ -126,7 +132,8 @@ def loads_config(text: str, source: str = "<string>", overrides: Iterable[str] =
         _line_map(node, "", lines)
     cfg = Config(data, source, lines)
     apply_overrides(cfg, overrides)
-    resolve_env(cfg, cfg)
+    if resolve_secrets:
+        resolve_env(cfg, cfg)
     return cfg
 
 

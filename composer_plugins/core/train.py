@@ -611,6 +611,8 @@ def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
         "data": _file_digest(cfg.data.train_path),
         "sft": sft,
         "dtype": cfg.model.dtype,
+        # hinted SFT examples are built with the hint provider: a new template is a new warm start
+        "hints": redact(to_dict(cfg.hints.provider)) if cfg.sft.hint_fraction > 0 else None,
     }
 
 

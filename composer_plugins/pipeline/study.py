@@ -38,48 +38,7 @@ def load_params(path: str | os.PathLike[str] = "params.yaml", overrides: Iterabl
     ``{$env: NAME}`` values stay unresolved unless ``resolve_secrets``: a stage that does not
     call a teacher must not need (or ever hold) its API key.
     """
-    if resolve_secrets:
-        return load_config(path, overrides)
-    import yaml
-
-    from composer_plugins.core.config import apply_overrides
-
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read params: {e.strerror}", file=str(p)) from e
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"invalid YAML: {getattr(e, 'problem', e)}", file=str(p),
-                          line=mark.line + 1 if mark else None) from e  # fmt: skip
-    if not isinstance(data, dict):
-        raise ConfigError("the top level must be a mapping of keys", file=str(p), line=1)
-    lines: dict[str, int] = {}
-    if node is not None:
-        _lines(node, "", lines)
-    cfg = Config(data, str(p), lines)
-    apply_overrides(cfg, overrides)
-    return cfg
-
-
-def _lines(node: Any, prefix: str, out: dict[str, int]) -> None:
-    """Record the 1-based line of every dotted key under the YAML ``node``."""
-    import yaml
-
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            key = f"{prefix}.{k.value}" if prefix else str(k.value)
-            out[key] = k.start_mark.line + 1
-            _lines(v, key, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            key = f"{prefix}.{i}"
-            out[key] = v.start_mark.line + 1
-            _lines(v, key, out)
+    return load_config(path, overrides, resolve_secrets=resolve_secrets)
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
