@@ -155,7 +155,7 @@ HACKS = {
     "forge_channel": (
         "    return None\n"
         "import os, json\n"
-        "for fd in range(3, 20):\n"
+        "for fd in sorted(int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2):\n"
         "    try:\n"
         "        for i in range(10):\n"
         "            os.write(fd, json.dumps({'kind': 'case', 'i': i, 'ok': True, 'output': 14}).encode() + b'\\n')\n"
