@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from composer_plugins.core.config import iter_jsonl
 from composer_plugins.core.errors import ConfigError, MissingDependencyError
 from composer_plugins.envs.base import Env, Feedback
 from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
@@ -48,15 +49,7 @@ def load_code_tasks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     opener = gzip.open if p.endswith(".gz") else open
     tasks = []
     with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"invalid JSON ({e.msg} at column {e.colno})", file=p, line=lineno) from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"each line must be a JSON object, got {type(row).__name__}", file=p, line=lineno)
+        for lineno, row in iter_jsonl(f, p):
             try:
                 tasks.append(_validate_task(row))
             except ValueError as e:

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from composer_plugins.core.config import iter_jsonl
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.envs.answers import extract_answer_value, format_number
 from composer_plugins.envs.arith import generate_problems, resolve_difficulty
@@ -104,15 +105,7 @@ def load_gsm8k_file(path: str | os.PathLike[str], split: str = "train",
             except ValueError as e:
                 raise ConfigError(str(e), file=p) from None
         return tasks
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"invalid JSON ({e.msg} at column {e.colno})", file=p, line=lineno) from None
-        if not isinstance(row, Mapping):
-            raise ConfigError(f"each line must be a JSON object, got {type(row).__name__}", file=p, line=lineno)
+    for lineno, row in iter_jsonl(text.splitlines(), p):
         try:
             tasks.append(_row_to_task(row, "line", template, len(tasks), split))
         except ValueError as e:
