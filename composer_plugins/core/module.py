@@ -34,7 +34,14 @@ from torch import Tensor
 from torchmetrics import MeanMetric, Metric
 
 from composer_plugins.models.generation import Rollout, generate_completions, left_pad, tokenize_prompts
-from composer_plugins.models.logprobs import completion_forward, completion_logprobs_no_grad, sequence_logprob
+from composer_plugins.models.logprobs import (
+    completion_hidden,
+    completion_logprobs,
+    completion_logprobs_no_grad,
+    decoder_body,
+    lm_head_weight,
+    sequence_logprob,
+)
 
 # ---------------------------------------------------------------------------------------
 # seeds and data streams
@@ -279,12 +286,18 @@ class SFTModule(L.LightningModule):
         self.warmup_steps, self.total_steps = warmup_steps, max(1, total_steps)
 
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
-        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        logits = out.logits[:, :-1].float()
+        """Token-mean cross-entropy over the labelled tokens, chunked through the LM head from hidden states."""
+        from composer_plugins.losses.chunked import chunked_logprobs
+
+        body = decoder_body(self.policy)
+        hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         labels = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        mask = labels != -100
+        logps = chunked_logprobs(
+            hidden.last_hidden_state[:, :-1], lm_head_weight(self.policy), labels.clamp(min=0), mask=mask
         )
+        assert isinstance(logps, Tensor)
+        loss = -logps.sum() / mask.sum().clamp(min=1)
         self.log("sft/loss", loss, prog_bar=True)
         return loss
 
@@ -420,6 +433,13 @@ class ComposerModule(L.LightningModule):
             raise ValueError("pass tokenizer= together with policy=")
         self.policy = policy
         self.tokenizer = tokenizer
+        if cfg.compute.gradient_checkpointing:
+            if not getattr(policy, "supports_gradient_checkpointing", False):
+                raise ValueError(
+                    f"compute.gradient_checkpointing: {type(policy).__name__} does not support gradient "
+                    "checkpointing; set it to false"
+                )
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.env = env if env is not None else T.build_env(cfg, src)
         if channels is None:
             channels = T.build_channels(cfg, src)
@@ -657,15 +677,16 @@ class ComposerModule(L.LightningModule):
         rb = RolloutBatch(tasks=list(tasks), rollout=ro, rewards=rewards, advantages=advantages.detach().float())
         att = ro.extra.get("attention_mask")
         args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
-        temp = self.cfg.rollout.temperature
+        kw = {
+            "temperature": self.cfg.rollout.temperature,
+            "completion_attention_mask": att,
+            "micro_batch_size": self.micro_batch_size(ro.prompt_ids, ro.completion_ids),
+            "chunk_size": self.cfg.compute.chunk_size,
+        }
         if old_logprobs:
-            rb.old_logprobs = completion_logprobs_no_grad(
-                self.policy, *args, temperature=temp, completion_attention_mask=att
-            )
+            rb.old_logprobs = completion_logprobs_no_grad(self.policy, *args, **kw)
         if self.needs_ref_tokens and self.reference is not None:
-            rb.ref_logprobs = completion_logprobs_no_grad(
-                self.reference, *args, temperature=temp, completion_attention_mask=att
-            )
+            rb.ref_logprobs = completion_logprobs_no_grad(self.reference, *args, **kw)
         if self.needs_teacher:
             failed = (rewards < self.cfg.rollout.success_threshold).nonzero().flatten().tolist()
             cap = self.cfg.hints.max_hinted_per_step
@@ -682,10 +703,22 @@ class ComposerModule(L.LightningModule):
             rb.hint_contexts = [c for c in contexts if c is not None]
         return rb
 
+    def micro_batch_size(self, *tensors: Tensor) -> int:
+        """Rows per micro-batch for sequences as long as the concatenated ``tensors`` (``compute`` section)."""
+        return self.cfg.compute.rows_per_micro_batch(sum(t.shape[1] for t in tensors))
+
     def loss_on(self, rb: RolloutBatch, seed: int) -> tuple[Tensor, dict[str, float]]:
-        """The composed loss of the current policy on the rollouts ``rb`` (``seed`` picks replay pairs)."""
+        """The composed loss of the current policy on the rollouts ``rb`` (``seed`` picks replay pairs).
+
+        The policy's decoder body runs micro-batch by micro-batch (:func:`completion_hidden`), and
+        every channel input comes from the final hidden states through the LM head in chunks:
+        per-token log-probs (``logprobs``), the hinted rows' student/teacher hidden states for the
+        distillation channel, the replay pairs' sequence log-probs. The composed loss is computed
+        once over the whole batch, so it equals the one-shot loss for every loss type and channel.
+        """
         ro = rb.rollout
         G = ro.num_generations
+        T = self.cfg.rollout.temperature
         batch: dict[str, Any] = {
             "completion_mask": ro.completion_mask.float(),
             "advantages": rb.advantages,
@@ -694,23 +727,26 @@ class ComposerModule(L.LightningModule):
             "group_index": ro.group_index,
         }
         outputs: dict[str, Any] = {}
-        fwd = completion_forward(
+        out = completion_logprobs(
             self.policy,
             ro.prompt_ids,
             ro.prompt_mask,
             ro.completion_ids,
             ro.completion_mask,
-            temperature=self.cfg.rollout.temperature,
-            return_logits=self.needs_teacher,
+            temperature=T,
             completion_attention_mask=ro.extra.get("attention_mask"),
+            micro_batch_size=self.micro_batch_size(ro.prompt_ids, ro.completion_ids),
+            chunk_size=self.cfg.compute.chunk_size,
+            return_hidden=self.needs_teacher,
         )
-        outputs["logprobs"] = fwd.logps
-        batch["old_logprobs"] = rb.old_logprobs if rb.old_logprobs is not None else fwd.logps.detach()
+        logps, hidden = out if isinstance(out, tuple) else (out, None)
+        outputs["logprobs"] = logps
+        batch["old_logprobs"] = rb.old_logprobs if rb.old_logprobs is not None else logps.detach()
         if rb.ref_logprobs is not None:
             batch["ref_logprobs"] = rb.ref_logprobs
         stats: dict[str, float] = {}
         if self.needs_teacher:
-            stats.update(self._hint_inputs(rb, fwd.logits, outputs, batch))
+            stats.update(self._hint_inputs(rb, hidden, outputs, batch))
         if self.needs_pairs and self.pairs:
             self._pair_inputs(seed, outputs, batch)
         loss, metrics = self.composer(outputs, batch)
@@ -723,30 +759,36 @@ class ComposerModule(L.LightningModule):
         stats["groups_with_signal"] = float((rewards.view(-1, G).std(1) > 0).float().mean())
         return loss, stats
 
-    def _hint_inputs(self, rb: RolloutBatch, student_logits: Tensor | None, outputs: dict[str, Any],
+    def _hint_inputs(self, rb: RolloutBatch, student_hidden: Tensor | None, outputs: dict[str, Any],
                      batch: dict[str, Any]) -> dict[str, float]:  # fmt: skip
-        """Teacher logits (the current policy on prompt + hint, no grad) on the failed completions."""
-        if not rb.hint_rows or student_logits is None:
+        """Teacher hidden states (the current policy on prompt + hint, no grad) on the failed completions.
+
+        Both sides are divided by the sampling temperature, so the divergence compares the
+        distributions the rollout sampled from (``softmax(h W^T / T)``), as the logits path did.
+        """
+        if not rb.hint_rows or student_hidden is None:
             return {"hint/rows": 0.0}
         ro = rb.rollout
+        T = self.cfg.rollout.temperature
         idx = torch.tensor(rb.hint_rows, device=self.device)
         att = ro.extra.get("attention_mask")
         h_ids, h_mask = tokenize_prompts(
             self.tokenizer, rb.hint_contexts, self.cfg.hints.max_context_length, self.device
         )
         with torch.no_grad():
-            teacher = completion_forward(
+            teacher = completion_hidden(
                 self.policy,
                 h_ids,
                 h_mask,
                 ro.completion_ids[idx],
                 ro.completion_mask[idx],
-                temperature=self.cfg.rollout.temperature,
-                return_logits=True,
                 completion_attention_mask=None if att is None else att[idx],
+                micro_batch_size=self.micro_batch_size(h_ids, ro.completion_ids),
             )
-        outputs["student_logits"] = student_logits[idx]
-        outputs["teacher_logits"] = teacher.logits.detach()
+        scale = 1.0 / T
+        outputs["student_hidden"] = student_hidden[idx] * scale if T != 1.0 else student_hidden[idx]
+        outputs["teacher_hidden"] = teacher * scale if T != 1.0 else teacher
+        outputs["lm_head_weight"] = lm_head_weight(self.policy)
         batch["hint_mask"] = ro.completion_mask[idx].float()
         batch["hint_rows"] = idx
         return {"hint/rows": float(len(rb.hint_rows))}
@@ -761,7 +803,10 @@ class ComposerModule(L.LightningModule):
         comps = [str(p["chosen"]) for p in pairs] + [str(p["rejected"]) for p in pairs]
         p_ids, p_mask = tokenize_prompts(self.tokenizer, prompts, self.cfg.rollout.max_prompt_length, self.device)
         c_ids, c_mask = _right_pad(self.tokenizer, comps, self.cfg.replay.max_completion_length, self.device)
-        logps = completion_forward(self.policy, p_ids, p_mask, c_ids, c_mask).logps
+        mb = self.micro_batch_size(p_ids, c_ids)
+        cs = self.cfg.compute.chunk_size
+        logps = completion_logprobs(self.policy, p_ids, p_mask, c_ids, c_mask, micro_batch_size=mb, chunk_size=cs)
+        assert isinstance(logps, Tensor)
         seq = sequence_logprob(logps, c_mask.float())
         lengths = c_mask.sum(-1).float()
         outputs["chosen_logps"], outputs["rejected_logps"] = seq[:k], seq[k:]
@@ -770,7 +815,7 @@ class ComposerModule(L.LightningModule):
         if not self._required & {"ref_chosen_logps", "ref_rejected_logps"}:
             return
         ref = self.reference if self.reference is not None else self.policy
-        ref_logps = completion_logprobs_no_grad(ref, p_ids, p_mask, c_ids, c_mask)
+        ref_logps = completion_logprobs_no_grad(ref, p_ids, p_mask, c_ids, c_mask, micro_batch_size=mb, chunk_size=cs)
         ref_seq = sequence_logprob(ref_logps, c_mask.float())
         batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref_seq[:k], ref_seq[k:]
 

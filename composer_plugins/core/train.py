@@ -202,6 +202,33 @@ class TrainerSection:
 
 
 @dataclass
+class ComputeSection:
+    """How one training step holds memory: micro-batches of rows, chunks of the LM head.
+
+    The rollout batch's forward/backward runs ``micro_batch_size`` rows at a time (activation
+    checkpointing per micro-batch when there are several), and every log-prob, entropy and
+    divergence is computed from the final hidden states through the LM head ``chunk_size`` rows
+    at a time: no ``rows × tokens × vocab`` tensor is built. The composed loss is the same as the
+    one-shot loss (it is computed once, over the whole batch, from the hidden states).
+    """
+
+    #: Rows per forward/backward micro-batch (``null``: as many as fit ``micro_batch_tokens``).
+    micro_batch_size: int | None = None
+    #: Token budget of one micro-batch, rows × (prompt + completion length), when ``micro_batch_size`` is null.
+    micro_batch_tokens: int = 8192
+    #: LM-head rows per chunk (``null``: about 16M logits per chunk, e.g. 96 rows at a 151,936 vocabulary).
+    chunk_size: int | None = None
+    #: Hugging Face gradient checkpointing inside each micro-batch (per decoder layer).
+    gradient_checkpointing: bool = False
+
+    def rows_per_micro_batch(self, seq_len: int) -> int:
+        """Rows of one micro-batch for sequences of ``seq_len`` tokens."""
+        if self.micro_batch_size is not None:
+            return int(self.micro_batch_size)
+        return max(1, int(self.micro_batch_tokens) // max(1, int(seq_len)))
+
+
+@dataclass
 class EvalSection:
     """Held-out evaluation (torchmetrics): greedy accuracy, mean reward, pass@k."""
 
@@ -248,6 +275,7 @@ class TrainConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     optim: OptimSection = field(default_factory=OptimSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    compute: ComputeSection = field(default_factory=ComputeSection)
     eval: EvalSection = field(default_factory=EvalSection)
     mlflow: MLflowSection = field(default_factory=MLflowSection)
     #: Free-form settings read by wrappers of the training loop (e.g. DiLoCo replicas).
@@ -275,7 +303,12 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
         "trainer.max_steps": cfg.trainer.max_steps,
         "trainer.accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         "eval.batch_size": cfg.eval.batch_size,
+        "compute.micro_batch_tokens": cfg.compute.micro_batch_tokens,
     }
+    for k in ("micro_batch_size", "chunk_size"):
+        v = getattr(cfg.compute, k)
+        if v is not None and v < 1:
+            positive[f"compute.{k}"] = v
     for k, v in positive.items():
         if v < 1:
             raise src.error(pre + k, f"must be >= 1, got {v}.")

@@ -28,8 +28,30 @@ from torch import Tensor
 
 from composer_plugins.losses._kernels import EntropyOPDKernel, JSDKernel, Kernel, TAIDKernel, _rowdot, _up
 
-#: Default rows per chunk. At V=151,936 one fp32 chunk of logits is 155 MB.
+#: Rows per chunk used where a caller asks for a fixed size. At V=151,936 one fp32 chunk of logits is 155 MB.
 DEFAULT_CHUNK_SIZE = 256
+
+#: Logit elements one chunk may hold when the chunk size is chosen from the shape (64 MiB in fp32).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def auto_chunk_size(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
+    """Rows per chunk so that one ``(rows, vocab)`` logits block holds about ``elements`` values.
+
+    A multiple of 16 in ``[16, 4096]``: 96 rows at V=151,936 (Qwen2.5), 128 at V=128,256 (Llama 3),
+    4,096 for small vocabularies, where a chunk is already tiny.
+    """
+    rows = max(16, min(4096, int(elements) // max(int(vocab), 1)))
+    return rows - rows % 16
+
+
+def resolve_chunk_size(chunk_size: int | None, vocab: int) -> int:
+    """``chunk_size`` when given (must be >= 1), else :func:`auto_chunk_size` of ``vocab``."""
+    if chunk_size is None:
+        return auto_chunk_size(vocab)
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1 (or None for a size chosen from the vocabulary), got {chunk_size}")
+    return int(chunk_size)
 
 _REDUCTIONS = ("batchmean", "sum", "mean", "token", "none")
 
@@ -136,7 +158,7 @@ def chunked_logprobs(
     ids: Tensor,
     *,
     mask: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -150,7 +172,7 @@ def chunked_logprobs(
         lm_head_weight: ``(V, H)`` output-embedding matrix (``model.lm_head.weight``).
         ids: ``(...)`` token ids to score (same leading shape as ``hidden``).
         mask: optional ``(...)`` bool/0-1 mask; unmasked positions are not computed and return 0.
-        chunk_size: rows of logits alive at once.
+        chunk_size: rows of logits alive at once (None: :func:`auto_chunk_size` of the vocabulary).
         temperature: logits are divided by it (sampling temperature), as in TRL.
         return_entropy: also return the per-token entropy of the distribution (no gradient).
 
@@ -162,8 +184,7 @@ def chunked_logprobs(
         raise ValueError(f"ids shape {tuple(ids.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}")
     if mask is not None and mask.shape != ids.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} must equal ids shape {tuple(ids.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rows, idx = _flat_rows(hidden, mask)
@@ -340,7 +361,7 @@ def chunked_distill(
     mask: Tensor | None = None,
     *,
     teacher_lm_head_weight: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     reduction: str = "batchmean",
     return_stats: bool = False,
     grad_mode: str = "recompute",
@@ -377,8 +398,7 @@ def chunked_distill(
         raise ValueError(
             f"mask shape {tuple(mask.shape)} must equal student_hidden.shape[:-1] = {tuple(student_hidden.shape[:-1])}"
         )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
     if reduction not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(_REDUCTIONS)}")
     if grad_mode not in ("recompute", "precompute"):
@@ -422,7 +442,7 @@ def chunked_generalized_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     reduction: str = "batchmean",
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     teacher_lm_head_weight: Tensor | None = None,
     grad_mode: str = "recompute",
 ) -> Tensor:
@@ -458,7 +478,7 @@ def chunked_taid_loss(
     mask: Tensor | None,
     t: float | Tensor,
     *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     teacher_lm_head_weight: Tensor | None = None,
     grad_mode: str = "recompute",
 ) -> Tensor:
@@ -491,7 +511,7 @@ def chunked_entropy_aware_opd(
     top_k: int | None = None,
     temperature: float = 1.0,
     reduction: str = "batchmean",
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     teacher_lm_head_weight: Tensor | None = None,
     grad_mode: str = "recompute",
 ) -> Tensor:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from composer_plugins.losses._kernels import STAT_NAMES, Kernel, make_kernel
 from composer_plugins.losses.base import LossChannel
-from composer_plugins.losses.chunked import DEFAULT_CHUNK_SIZE, chunked_distill
+from composer_plugins.losses.chunked import chunked_distill
 from composer_plugins.losses.taid import TAIDScheduler
 
 CRITERIA: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
@@ -58,7 +58,7 @@ class HintDistillChannel(LossChannel):
         weight: channel weight.
         criterion: ``jsd``, ``taid`` or ``entropy_opd``.
         beta, temperature: JSD interpolation and softmax temperature (temperature also for entropy_opd).
-        chunk_size: token rows per chunk on the hidden-state path.
+        chunk_size: token rows per chunk on the hidden-state path (None: chosen from the vocabulary).
         t_start, t_end, alpha, taid_beta, adaptive, total_steps: TAID schedule (upstream defaults).
         auto_step: step the TAID schedule in ``forward`` while ``training``; set False to call
             ``channel.scheduler.step(loss, global_step, total_steps)`` yourself.
@@ -84,7 +84,7 @@ class HintDistillChannel(LossChannel):
         criterion: str = "jsd",
         beta: float = 0.5,
         temperature: float = 1.0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
         t_start: float = 0.4,
         t_end: float = 1.0,
         alpha: float = 5e-4,
@@ -107,15 +107,15 @@ class HintDistillChannel(LossChannel):
             raise ValueError(f"beta must be in [0, 1], got {beta}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if chunk_size is not None and int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or null: chosen from the vocabulary), got {chunk_size}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
         super().__init__(weight=weight, name=label or name or "hint_distill")
         self.criterion = criterion
         self.beta = float(beta)
         self.temperature = float(temperature)
-        self.chunk_size = int(chunk_size)
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.auto_step = bool(auto_step)
         self.entropy_threshold = float(entropy_threshold)
         self.fkl_weight = float(fkl_weight)

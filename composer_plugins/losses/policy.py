@@ -31,7 +31,6 @@ from torch import Tensor
 
 from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import LossChannel
-from composer_plugins.losses.chunked import DEFAULT_CHUNK_SIZE
 
 #: Per loss type: (epsilon_low, epsilon_high) used by the channels when not given.
 #: grpo/bnpo/dr_grpo: TRL defaults; dapo: DAPO paper's clip-higher 0.28; cispo: ε_max=5.0
@@ -58,10 +57,12 @@ class _LogprobInputs(LossChannel):
     #: Where off-mask positions of hidden-state log-probs take their (ratio-1) value from.
     fill_from: ClassVar[tuple[str, ...]] = ("old_logprobs",)
 
-    def __init__(self, weight: float, name: str | None, temperature: float, chunk_size: int) -> None:
+    def __init__(self, weight: float, name: str | None, temperature: float, chunk_size: int | None) -> None:
         super().__init__(weight=weight, name=name)
+        if chunk_size is not None and int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or null: chosen from the vocabulary), got {chunk_size}")
         self.temperature = float(temperature)
-        self.chunk_size = int(chunk_size)
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
 
     def policy_logprobs(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Tensor:
         """``logprobs`` if given, else :func:`chunked_logprobs` of ``hidden_states`` under ``lm_head_weight``."""
@@ -103,7 +104,7 @@ class PolicyLossChannel(_LogprobInputs):
         max_completion_length: ``dr_grpo`` normaliser (default: the batch's T).
         delta: optional upper cap on the ratio (two-sided GRPO, INTELLECT-2).
         temperature: sampling temperature, used when log-probs are computed from hidden states.
-        chunk_size: token rows per chunk for the hidden-state path.
+        chunk_size: token rows per chunk for the hidden-state path (None: chosen from the vocabulary).
         name / label: the channel's name (metrics prefix); ``label`` is the same, usable from config
             where ``name`` selects the registered plugin.
     """
@@ -123,7 +124,7 @@ class PolicyLossChannel(_LogprobInputs):
         max_completion_length: int | None = None,
         delta: float | None = None,
         temperature: float = 1.0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
         name: str | None = None,
         label: str | None = None,
     ) -> None:
@@ -201,7 +202,7 @@ class DPPOChannel(_LogprobInputs):
         kl_tau: float = 1e-3,
         normalize: str = "tokens",
         temperature: float = 1.0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
         name: str | None = None,
         label: str | None = None,
     ) -> None:

@@ -50,8 +50,10 @@ def test_all_three_channels_live_finite_and_logged(make_cfg, pairs_file):
 
 
 def _count_policy_forwards(module: ComposerModule, tasks, seed: int) -> tuple[int, dict]:
-    calls = []
-    h = module.policy.register_forward_hook(lambda *a: calls.append(1))
+    from composer_plugins.models.logprobs import decoder_body
+
+    calls = []  # generation and scoring both run the decoder body (scoring without the LM head)
+    h = decoder_body(module.policy).register_forward_hook(lambda *a: calls.append(1))
     try:
         _, stats = module.compute_step(tasks, seed)
     finally:
