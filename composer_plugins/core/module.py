@@ -725,6 +725,9 @@ class ComposerModule(L.LightningModule):
             "rewards": rb.rewards,
             "num_generations": G,
             "group_index": ro.group_index,
+            # schedules inside channels (TAID's t) follow the optimizer step
+            "global_step": self.global_step,
+            "total_steps": self.cfg.trainer.max_steps,
         }
         outputs: dict[str, Any] = {}
         out = completion_logprobs(
@@ -742,6 +745,8 @@ class ComposerModule(L.LightningModule):
         logps, hidden = out if isinstance(out, tuple) else (out, None)
         outputs["logprobs"] = logps
         batch["old_logprobs"] = rb.old_logprobs if rb.old_logprobs is not None else logps.detach()
+        # HF generate samples from this policy, so the inference engine's log-probs are the sampling-time ones
+        batch["inference_logprobs"] = batch["old_logprobs"]
         if rb.ref_logprobs is not None:
             batch["ref_logprobs"] = rb.ref_logprobs
         stats: dict[str, float] = {}

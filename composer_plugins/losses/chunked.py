@@ -53,6 +53,7 @@ def resolve_chunk_size(chunk_size: int | None, vocab: int) -> int:
         raise ValueError(f"chunk_size must be >= 1 (or None for a size chosen from the vocabulary), got {chunk_size}")
     return int(chunk_size)
 
+
 _REDUCTIONS = ("batchmean", "sum", "mean", "token", "none")
 
 

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -153,3 +153,71 @@ def load_policy(name_or_path: str | os.PathLike[str], dtype: str = "float32", **
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
+
+
+#: Shapes of real checkpoints, for building locally initialised stand-ins (random weights) that
+#: train and benchmark at the real vocabulary and body size without a hub download. Values are
+#: those of the published Qwen2.5 configs; ``cpu-proxy`` keeps the real vocabulary with a tiny body.
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {
+        "vocab_size": 151_936, "hidden_size": 896, "intermediate_size": 4_864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32_768,
+    },
+    "qwen2.5-1.5b": {
+        "vocab_size": 151_936, "hidden_size": 1_536, "intermediate_size": 8_960, "num_hidden_layers": 28,
+        "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32_768,
+    },
+    "cpu-proxy": {
+        "vocab_size": 151_936, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "max_position_embeddings": 4_096,
+    },
+}  # fmt: skip
+
+
+def build_shaped_model(
+    tokenizer_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    shape: str | Mapping[str, Any],
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    **overrides: Any,
+) -> Path:
+    """A Qwen2 causal LM of ``shape`` with random weights and the tokenizer of ``tokenizer_dir``, saved to ``out_dir``.
+
+    ``shape`` is a key of :data:`MODEL_SHAPES` or a mapping of ``Qwen2Config`` fields; ``overrides``
+    change single fields (e.g. ``vocab_size=32768``). The model's vocabulary may be larger than the
+    tokenizer's, as in the released Qwen2.5 checkpoints (151,936 rows for 151,665 tokens); ids past
+    the tokenizer decode to nothing. The result loads with ``from_pretrained`` like any checkpoint.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    if isinstance(shape, str):
+        if shape not in MODEL_SHAPES:
+            raise ValueError(f"unknown model shape {shape!r}; available: {', '.join(sorted(MODEL_SHAPES))}")
+        fields = dict(MODEL_SHAPES[shape])
+    else:
+        fields = dict(shape)
+    fields.update(overrides)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if fields.get("vocab_size", 0) < len(tok):
+        raise ValueError(f"vocab_size {fields.get('vocab_size')} is smaller than the tokenizer's {len(tok)} tokens")
+    mcfg = Qwen2Config(
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **fields
+    )
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(mcfg, dtype=torch_dtype)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
