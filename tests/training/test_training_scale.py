@@ -108,7 +108,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) 
     + [("dapo", "jsd", "replay_dpo"), ("grpo", "taid", "replay_simpo")],
 )
 def test_micro_batched_step_equals_one_shot(make_cfg, pairs_file, policy, criterion, replay):
-    cfg, src = make_cfg(PARITY.format(pairs=pairs_file), *_losses(policy, criterion, replay))
+    cfg, _ = make_cfg(PARITY.format(pairs=pairs_file), *_losses(policy, criterion, replay))
     env = build_env(cfg)
     base, tok = load_policy_for(cfg, env)
     tasks = env.sample_tasks(3, "train", seed=5)
@@ -186,7 +186,8 @@ def wide_vocab_policy(make_cfg, tmp_path):
 
 
 def test_training_step_never_builds_rows_tokens_vocab(make_cfg, pairs_file, wide_vocab_policy):
-    extra = PARITY.format(pairs=pairs_file) + "\nmodel: {name_or_path: %s}\nsft: {enabled: false}\n" % wide_vocab_policy
+    model = f"\nmodel: {{name_or_path: {wide_vocab_policy}}}\nsft: {{enabled: false}}\n"
+    extra = PARITY.format(pairs=pairs_file) + model
     cfg, src = make_cfg(
         extra,
         "rollout.prompts_per_step=4",
