@@ -163,8 +163,12 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
     return out
 
 
-def trl_steps(path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]]) -> list[dict[str, float]] | str:
-    """TRL ``GRPOTrainer`` on the same model and batch; per-step seconds and completion tokens."""
+def trl_steps(path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]],
+              device: str = "cpu") -> list[dict[str, float]] | str:  # fmt: skip
+    """TRL ``GRPOTrainer`` on the same model and batch; per-step seconds and completion tokens.
+
+    ``device="cuda"`` trains on the GPU in bf16 mixed precision; otherwise on the CPU in fp32.
+    """
     try:
         from datasets import Dataset
         from transformers import AutoTokenizer, TrainerCallback
@@ -191,7 +195,8 @@ def trl_steps(path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]]
         args = GRPOConfig(
             output_dir=out, per_device_train_batch_size=r.prompts_per_step * r.num_generations,
             num_generations=r.num_generations, max_completion_length=r.max_new_tokens, max_steps=len(batches),
-            learning_rate=cfg.optim.lr, logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+            learning_rate=cfg.optim.lr, logging_steps=1, report_to=[], use_cpu=device == "cpu", bf16=device == "cuda",
+            save_strategy="no",
             temperature=r.temperature, top_k=r.top_k or 0, top_p=r.top_p, beta=0.0, loss_type="grpo",
             disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=cfg.trainer.gradient_clip_val,
             shuffle_dataset=False, seed=cfg.seed,
