@@ -333,7 +333,7 @@ class PrimeRLBackend(Backend):
 
     def _train_local(self) -> Any:
         from composer_plugins.backends import _rollout as R
-        from composer_plugins.models.logprobs import completion_forward, completion_logprobs_no_grad
+        from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad
 
         c = self.config
         run = R.LocalRun(c, self.src)
@@ -355,7 +355,8 @@ class PrimeRLBackend(Backend):
             if hint_provider is not None:
                 ref = hint_logprobs(run.policy, run.tokenizer, hint_provider, run.env, tasks, ro, r,
                                     c.rollout.success_threshold, c.hints.max_context_length, T)  # fmt: skip
-            trainer_lp = completion_forward(run.policy, *args, temperature=T).logps
+            trainer_lp = completion_logprobs(run.policy, *args, temperature=T)  # from hidden states, LM head chunked
+            assert isinstance(trainer_lp, Tensor)
             samples = samples_from_batch(trainer_lp, inference, adv, ro.completion_mask, ref)
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
             grad_norm = run.optimizer_step(loss)

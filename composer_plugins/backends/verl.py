@@ -541,8 +541,10 @@ def verl_batch(ro: Any, rewards: Sequence[float], old_log_probs: Tensor, adv_est
 
 def nested_log_probs(model: Any, td: Any, temperature: float = 1.0) -> Tensor:
     """Log-probs in VeRL's no-padding layout: entry ``t`` of a sequence is ``log p(token_{t+1} | ≤ t)``."""
-    from composer_plugins.models.logprobs import token_logprobs
+    from composer_plugins.losses.chunked import chunked_logprobs
+    from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 
+    body, head = decoder_body(model), lm_head_weight(model)
     ids = td["input_ids"]
     offsets = ids.offsets()
     values = ids.values()
@@ -551,9 +553,9 @@ def nested_log_probs(model: Any, td: Any, temperature: float = 1.0) -> Tensor:
     for i in range(offsets.shape[0] - 1):
         s, e = int(offsets[i]), int(offsets[i + 1])
         seq = values[s:e].unsqueeze(0)
-        logits = model(input_ids=seq, position_ids=pos[s:e].unsqueeze(0), use_cache=False).logits[0]
+        hidden = body(input_ids=seq, position_ids=pos[s:e].unsqueeze(0), use_cache=False).last_hidden_state[0]
         nxt = torch.cat([values[s + 1 : e], values[s : s + 1]])  # last entry is never read
-        parts.append(token_logprobs(logits, nxt, temperature))
+        parts.append(chunked_logprobs(hidden, head, nxt, temperature=temperature))  # LM head in chunks
     flat = torch.cat(parts)
     return torch.nested.nested_tensor_from_jagged(flat, offsets=offsets)
 
