@@ -41,6 +41,16 @@ from composer_plugins.losses.chunked import chunked_distill
 from composer_plugins.losses.taid import TAIDScheduler
 
 CRITERIA: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
+KERNELS: tuple[str, ...] = ("auto", "torch", "liger")
+
+
+def liger_available() -> bool:
+    """True when Liger-Kernel's fused linear JSD can be imported (the ``liger`` extra)."""
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class HintDistillChannel(LossChannel):
@@ -68,6 +78,10 @@ class HintDistillChannel(LossChannel):
             than the materialised path, one backward pass per forward); ``"recompute"``: backward
             recomputes each chunk's logits (supports repeated backward, costs two extra matmuls per
             chunk). Both keep peak memory at ``O(chunk_size × V)`` and give identical gradients.
+        kernels: hidden-state path only. ``"auto"`` (default): Liger-Kernel's fused linear JSD when the
+            criterion is ``jsd``, the hidden states are on CUDA and the ``liger`` extra is installed,
+            else the project's chunked kernels; ``"liger"``: always Liger (``jsd`` only; eager on CPU,
+            ``torch.compile``-d chunks on CUDA); ``"torch"``: always the project's kernels.
         name / label: channel name (``label`` usable from config).
     """
 
@@ -96,9 +110,22 @@ class HintDistillChannel(LossChannel):
         fkl_weight: float = 1.0,
         top_k: int | None = None,
         grad_mode: str = "precompute",
+        kernels: str = "auto",
         name: str | None = None,
         label: str | None = None,
     ) -> None:
+        if kernels not in KERNELS:
+            raise ValueError(f"unknown hint_distill kernels {kernels!r}; valid: {', '.join(KERNELS)}")
+        if kernels == "liger":
+            if criterion != "jsd":
+                raise ValueError(
+                    f"hint_distill kernels='liger' fuses the jsd criterion only, not {criterion!r}; "
+                    "use kernels: auto or torch"
+                )
+            if not liger_available():
+                raise ImportError(
+                    "hint_distill kernels='liger' needs Liger-Kernel: pip install 'composer-plugins[liger]'"
+                )
         if grad_mode not in ("recompute", "precompute"):
             raise ValueError(f"unknown grad_mode {grad_mode!r}; valid: 'recompute', 'precompute'")
         if criterion not in CRITERIA:
@@ -121,6 +148,7 @@ class HintDistillChannel(LossChannel):
         self.fkl_weight = float(fkl_weight)
         self.top_k = top_k
         self.grad_mode = grad_mode
+        self.kernels = kernels
         self.scheduler: TAIDScheduler | None = None
         if criterion == "taid":
             self.scheduler = TAIDScheduler(
@@ -154,7 +182,12 @@ class HintDistillChannel(LossChannel):
         metrics: dict[str, Any] = {"tokens": n_tokens.detach()}
         if self.criterion == "taid":
             metrics["taid_t"] = kernel.t  # type: ignore[attr-defined]
-        if s_hidden is not None and t_hidden is not None and weight is not None:
+        if s_hidden is not None and t_hidden is not None and weight is not None and self._use_liger(s_hidden):
+            metrics["chunked"] = 1.0
+            metrics["liger"] = 1.0
+            loss = self._liger_jsd(s_hidden, t_hidden, weight, mask, g("teacher_lm_head_weight", model_outputs, batch))
+            stats = None
+        elif s_hidden is not None and t_hidden is not None and weight is not None:
             metrics["chunked"] = 1.0
             res = chunked_distill(
                 s_hidden,
@@ -203,6 +236,40 @@ class HintDistillChannel(LossChannel):
             )
             metrics["taid_delta_t"] = delta
         return loss, metrics
+
+    def _use_liger(self, hidden: Tensor) -> bool:
+        if self.criterion != "jsd" or self.kernels == "torch":
+            return False
+        if self.kernels == "liger":
+            return True
+        return hidden.is_cuda and liger_available()
+
+    def _liger_jsd(self, s_hidden: Tensor, t_hidden: Tensor, weight: Tensor, mask: Tensor,
+                   t_weight: Tensor | None) -> Tensor:  # fmt: skip
+        """Liger's fused linear generalised JSD over the masked tokens: the same token mean as the jsd kernel.
+
+        Liger's ``beta`` and ``temperature`` mean what TRL's ``generalized_jsd`` (and this channel)
+        mean; with ``weight_hard_loss=0`` and every selected token valid, its loss is the sum of
+        per-token divergences over the number of tokens (checked against the chunked kernel in
+        ``tests/losses``).
+        """
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        s_rows = s_hidden[mask]
+        if s_rows.shape[0] == 0:
+            return (s_hidden.sum() * 0.0).float()
+        t_rows = t_hidden.detach()[mask]
+        tw = (t_weight if t_weight is not None else weight).detach()
+        fn = LigerFusedLinearJSDLoss(
+            weight_hard_loss=0.0,
+            weight_soft_loss=1.0,
+            beta=self.beta,
+            temperature=self.temperature,
+            compiled=s_rows.is_cuda,
+            chunk_size=self.chunk_size or 1024,
+        )
+        labels = torch.zeros(s_rows.shape[0], dtype=torch.long, device=s_rows.device)  # all valid (CE is off)
+        return fn(s_rows, weight, t_rows, tw, labels)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, criterion={self.criterion!r}"

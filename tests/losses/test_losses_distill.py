@@ -413,3 +413,44 @@ def test_entropy_aware_opd_matches_restatement(top_k, tau_h):
                                atol=1e-7)  # fmt: skip
     if tau_h == 100.0:  # no token is high-entropy: plain reverse-KL OPD == JSD(beta=1)
         torch.testing.assert_close(got, LF.generalized_jsd(s, te, mask, beta=1.0, temperature=1.1))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_liger_fused_jsd_matches_the_chunked_kernel(beta, temperature):
+    """kernels='liger' (Liger-Kernel's fused linear JSD, eager on CPU) = the project's chunked jsd: loss and grads.
+
+    In float64, so the comparison is of the formulas, not of fp32 summation order.
+    """
+    from composer_plugins.losses.distill import HintDistillChannel
+
+    g = torch.Generator().manual_seed(0)
+    V, H, B, T = 3001, 16, 3, 9
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64).requires_grad_(True)
+    s_hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64).requires_grad_(True)
+    t_hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    out = {}
+    for kernels in ("torch", "liger"):
+        ch = HintDistillChannel(criterion="jsd", beta=beta, temperature=temperature, kernels=kernels)
+        weight.grad = s_hidden.grad = None
+        loss, metrics = ch({"student_hidden": s_hidden, "teacher_hidden": t_hidden, "lm_head_weight": weight},
+                           {"hint_mask": mask})  # fmt: skip
+        loss.backward()
+        assert metrics.get("liger", 0.0) == (1.0 if kernels == "liger" else 0.0)
+        out[kernels] = (loss.detach(), weight.grad.clone(), s_hidden.grad.clone())
+    # Liger accumulates the loss in a float32 scalar; its gradients stay in float64
+    torch.testing.assert_close(out["liger"][0].double(), out["torch"][0], rtol=1e-6, atol=1e-7)
+    for a, b in zip(out["liger"][1:], out["torch"][1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_liger_kernels_reject_other_criteria_and_auto_stays_on_cpu():
+    from composer_plugins.losses.distill import HintDistillChannel
+
+    with pytest.raises(ValueError, match="jsd criterion only"):
+        HintDistillChannel(criterion="taid", kernels="liger")
+    with pytest.raises(ValueError, match="valid: auto, torch, liger"):
+        HintDistillChannel(kernels="triton")
+    ch = HintDistillChannel(criterion="jsd")  # auto: Liger only for CUDA tensors
+    assert not ch._use_liger(torch.zeros(2, 3))
