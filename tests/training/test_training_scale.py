@@ -219,3 +219,38 @@ def test_training_step_never_builds_rows_tokens_vocab(make_cfg, pairs_file, wide
         ro = rb.rollout
         completion_forward(m.policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     assert probe_mat.numel >= full
+
+
+def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_file):
+    """``compute.gradient_checkpointing`` recomputes each decoder layer in backward: same loss, same gradients."""
+    over = _losses("grpo", "jsd", None)
+    cfg, _ = make_cfg(PARITY.format(pairs=pairs_file), *over)
+    env = build_env(cfg)
+    tasks = env.sample_tasks(3, "train", seed=5)
+    out = {}
+    for flag in ("false", "true"):
+        base, tok = load_policy_for(cfg, env)
+        c, s = make_cfg(PARITY.format(pairs=pairs_file), *over, f"compute.gradient_checkpointing={flag}",
+                        "compute.micro_batch_size=4")  # fmt: skip
+        m = ComposerModule(c, policy=base, tokenizer=tok, env=env, src=s)
+        m.train()
+        assert base.is_gradient_checkpointing == (flag == "true")
+        rb = m.make_rollout_batch(tasks, 11)
+        rb.advantages = torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0))
+        loss, _ = m.loss_on(rb, 11)
+        loss.backward()
+        out[flag] = (loss.detach(), _grads(m))
+    torch.testing.assert_close(out["true"][0], out["false"][0], rtol=1e-6, atol=1e-7)
+    _close(out["true"][1], out["false"][1], 1e-6)
+
+
+def test_bf16_mixed_precision_trains_through_lightning(make_cfg, pairs_file):
+    """``trainer.precision: bf16-mixed`` runs the step under Lightning's autocast (CPU here; a GPU in practice)."""
+    from composer_plugins.core.train import run_train
+
+    cfg, src = make_cfg(PARITY.format(pairs=pairs_file), "trainer.precision=bf16-mixed", "trainer.max_steps=1",
+                        "trainer.checkpoint_every_n_steps=0")  # fmt: skip
+    res = run_train(cfg, src)
+    row = res.history[-1]
+    assert row["hint_distill/skipped"] == 0.0 and row["grpo/skipped"] == 0.0
+    assert torch.isfinite(torch.tensor(row["loss"]))
