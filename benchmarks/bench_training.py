@@ -10,7 +10,8 @@ policy forward/backward on the loss and take an optimizer step.
   progress bar off, grad clipping on); the step time is measured between consecutive batch starts,
   so Lightning's loop overhead (logging, hooks) is included.
 * ``raw``: the same computation written as a plain loop over the primitives (generate, reward,
-  ``group_advantages``, forward, the channel's loss, ``backward``, ``clip_grad_norm_``, ``step``).
+  ``group_advantages``, hidden-state forward with chunked log-probs, the channel's loss, ``backward``,
+  ``clip_grad_norm_``, ``step``).
 * ``trl``: TRL's ``GRPOTrainer`` (``loss_type="grpo"``, ``beta=0``) on the same model and batch.
 
 Tokens/s counts generated completion tokens per second of step wall time. Sampling is seeded
@@ -112,7 +113,7 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
     from composer_plugins.core.module import derive_seed, env_rewards, task_prompt, teacher_contexts
     from composer_plugins.losses import functional as F
     from composer_plugins.models.generation import generate_completions, tokenize_prompts
-    from composer_plugins.models.logprobs import completion_forward
+    from composer_plugins.models.logprobs import completion_hidden, completion_logprobs, lm_head_weight
 
     r = cfg.rollout
     out = []
@@ -126,13 +127,13 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
                                   max_prompt_length=r.max_prompt_length)  # fmt: skip
         rewards = torch.tensor(env_rewards(env, tasks, ro.completions, r.num_generations))
         adv = F.group_advantages(rewards, r.num_generations)
-        want_logits = hint_provider is not None
-        fwd = completion_forward(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
-                                 temperature=r.temperature, return_logits=want_logits)  # fmt: skip
-        mo: dict[str, Any] = {"logprobs": fwd.logps}
+        want_hidden = hint_provider is not None
+        args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        logps, hidden = completion_logprobs(policy, *args, temperature=r.temperature, return_hidden=True)
+        mo: dict[str, Any] = {"logprobs": logps}
         b: dict[str, Any] = {"advantages": adv, "completion_mask": ro.completion_mask.float(),
-                             "old_logprobs": fwd.logps.detach()}  # fmt: skip
-        if want_logits:
+                             "old_logprobs": logps.detach()}  # fmt: skip
+        if want_hidden:
             failed = (rewards < r.success_threshold).nonzero().flatten().tolist()
             ctxs = teacher_contexts(env, hint_provider, [tasks[j // r.num_generations] for j in failed],
                                     [ro.completions[j] for j in failed])  # fmt: skip
@@ -142,11 +143,10 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
                 idx = torch.tensor(rows)
                 h_ids, h_mask = tokenize_prompts(tok, hp, cfg.hints.max_context_length)
                 with torch.no_grad():
-                    teacher = completion_forward(policy, h_ids, h_mask, ro.completion_ids[idx],
-                                                 ro.completion_mask[idx], temperature=r.temperature,
-                                                 return_logits=True)  # fmt: skip
-                mo["student_logits"] = fwd.logits[idx]
-                mo["teacher_logits"] = teacher.logits
+                    teacher = completion_hidden(policy, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx])
+                mo["student_hidden"] = hidden[idx] / r.temperature
+                mo["teacher_hidden"] = teacher / r.temperature
+                mo["lm_head_weight"] = lm_head_weight(policy)
                 b["hint_mask"] = ro.completion_mask[idx].float()
         loss = None
         for ch in channels:
