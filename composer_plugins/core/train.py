@@ -215,7 +215,7 @@ class ComputeSection:
     #: Rows per forward/backward micro-batch (``null``: as many as fit ``micro_batch_tokens``).
     micro_batch_size: int | None = None
     #: Token budget of one micro-batch, rows × (prompt + completion length), when ``micro_batch_size`` is null.
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 4096
     #: LM-head rows per chunk (``null``: about 16M logits per chunk, e.g. 96 rows at a 151,936 vocabulary).
     chunk_size: int | None = None
     #: Hugging Face gradient checkpointing inside each micro-batch (per decoder layer).
