@@ -280,7 +280,8 @@ class SFTModule(L.LightningModule):
         total_steps: int = 1,
     ) -> None:
         super().__init__()
-        self.policy = policy
+        # from_pretrained returns eval mode; Lightning trains modules in the mode it finds them in
+        self.policy = policy.train()
         self.tokenizer = tokenizer
         self.lr, self.weight_decay = lr, weight_decay
         self.warmup_steps, self.total_steps = warmup_steps, max(1, total_steps)
@@ -431,7 +432,9 @@ class ComposerModule(L.LightningModule):
             policy, tokenizer = T.load_policy_for(cfg)
         if tokenizer is None:
             raise ValueError("pass tokenizer= together with policy=")
-        self.policy = policy
+        # from_pretrained returns eval mode; Lightning trains modules in the mode it finds them in
+        # (dropout on in training; generation and validation switch to eval mode themselves)
+        self.policy = policy.train()
         self.tokenizer = tokenizer
         if cfg.compute.gradient_checkpointing:
             if not getattr(policy, "supports_gradient_checkpointing", False):

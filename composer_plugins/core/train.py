@@ -64,7 +64,6 @@ def _quiet_lightning() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
         warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-        warnings.filterwarnings("ignore", message=".*Found .* module.*in eval mode.*")
         warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")
         try:
             yield
@@ -697,6 +696,14 @@ def sft_train(
         model, tok, lr=s.lr, weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, total_steps=s.steps
     )
     L.seed_everything(s.seed, verbose=False)
+    history: list[dict[str, float]] = []
+
+    class _Losses(Callback):
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            loss = trainer.callback_metrics.get("sft/loss")
+            if loss is not None:
+                history.append({"step": float(trainer.global_step), "sft/loss": float(loss)})
+
     trainer = L.Trainer(
         max_steps=s.steps,
         accelerator=cfg.trainer.accelerator,
@@ -708,7 +715,7 @@ def sft_train(
         enable_model_summary=False,
         gradient_clip_val=1.0,
         log_every_n_steps=10,
-        callbacks=list(extra_callbacks),
+        callbacks=[_Losses(), *extra_callbacks],
         num_sanity_val_steps=0,
     )
     with _quiet_lightning():
@@ -719,6 +726,7 @@ def sft_train(
     tok.save_pretrained(out)
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if hasattr(v, "item")}
     (out / "sft_metrics.json").write_text(json.dumps(final, indent=2))
+    (out / "sft_history.json").write_text(json.dumps(history))
     return final
 
 
@@ -907,11 +915,46 @@ def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
     out = Path(cfg.output_dir) / "model"
     if out.exists():
         shutil.rmtree(out)
-    shutil.copytree(path, out, ignore=shutil.ignore_patterns("composer_meta.json"))
+    shutil.copytree(path, out, ignore=shutil.ignore_patterns("composer_meta.json", "sft_history.json"))
     metrics_file = Path(path) / "sft_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
     Path(cfg.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    hist_file = Path(path) / "sft_history.json"
+    history = json.loads(hist_file.read_text()) if hist_file.exists() else []
+    log_sft_run(cfg, metrics, history)
     return str(out)
+
+
+def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequence[Mapping[str, float]]) -> str | None:
+    """One MLflow run for the SFT warm start (when ``mlflow`` is on): its config, final and per-step loss.
+
+    Tagged like every pipeline stage (``dvc.stage`` from ``$DVC_STAGE``, git commit, seed); the run
+    name is ``cfg.mlflow.run_name`` or ``sft``. A cached warm start logs the history recorded when
+    it was trained. Returns the run id.
+    """
+    settings = mlflow_settings(cfg)
+    if settings is None:
+        return None
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from composer_plugins.pipeline import tracking
+
+    client = MlflowClient(tracking_uri=settings["tracking_uri"])
+    exp = client.get_experiment_by_name(settings["experiment"])
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(settings["experiment"])
+    tags = {**settings["tags"], "mlflow.runName": cfg.mlflow.run_name or "sft"}
+    run = client.create_run(exp_id, tags=tags)
+    conf = {"sft": asdict(cfg.sft), "model": asdict(cfg.model), "env": redact(cfg.env), "seed": cfg.seed}
+    params = [Param(k, str(v)[:500]) for k, v in tracking.flatten(conf).items()]
+    points = [Metric(k, float(v), 0, int(row.get("step", 0))) for row in history for k, v in row.items() if k != "step"]
+    points += [Metric(k, float(v), 0, int(cfg.sft.steps)) for k, v in metrics.items()]
+    for i in range(0, len(params), 100):  # MLflow's per-batch limits: 100 params, 1000 metrics
+        client.log_batch(run.info.run_id, params=params[i : i + 100])
+    for i in range(0, len(points), 1000):
+        client.log_batch(run.info.run_id, metrics=points[i : i + 1000])
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
 
 
 def _val_metrics(trainer: Any) -> dict[str, float]:

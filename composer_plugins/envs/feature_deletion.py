@@ -480,6 +480,12 @@ class FeatureDeletionEnv(Env):
             return self._built
         base = self.run_tests()
         outcomes, _errors, _ = self.outcomes(base)
+        if not outcomes and "No module named pytest" in base.stdout + base.stderr:
+            raise SandboxError(
+                f"the feature_deletion env runs the repository's tests with pytest, which {self.python} cannot "
+                "import: install it into that interpreter (`pip install pytest`; `bash scripts/install.sh` "
+                "installs it with composer-plugins), or pass python= an interpreter that has it"
+            )
         if base.killed or not outcomes:
             raise SandboxError(
                 f"the repository's tests did not run in the sandbox ({base.killed or 'no results'}): "

@@ -300,6 +300,18 @@ def test_leftover_hacks_work_naively_but_not_in_the_env(hack, dirty_env, dirty_r
     assert "MCMXCIV" not in fb.message
 
 
+def test_interpreter_without_pytest_gets_the_fix(tmp_path):
+    """The plain install ships pytest; an interpreter without it is named, with the install command."""
+    from composer_plugins.envs.sandbox import SandboxError
+
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    env = FeatureDeletionEnv(python=str(venv / "bin" / "python"), max_tasks=1, progress=False, timeout_s=30)
+    with pytest.raises(SandboxError, match=r"cannot import: install it .*pip install pytest") as err:
+        env.build_tasks()
+    assert str(venv / "bin" / "python") in str(err.value)
+
+
 def test_site_packages_copy_is_hidden(dirty_repo, tmp_path):
     """The repo installed (non-editable) into the interpreter's site-packages, bytecode and all."""
     venv = tmp_path / "venv"

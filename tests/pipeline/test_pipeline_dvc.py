@@ -10,6 +10,7 @@ stages downstream of it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -148,7 +149,12 @@ def test_mlflow_runs_are_tagged_and_compare_prints_the_table(repo: tuple[Path, s
     assert exp is not None
     runs = client.search_runs([exp.experiment_id])
     stages = {r.data.tags.get("dvc.stage") for r in runs}
-    assert {"train@full-0", "eval@full-0", "eval@no_hint-0", "eval_sft", "report"} <= stages
+    assert {"sft", "train@full-0", "eval@full-0", "eval@no_hint-0", "eval_sft", "report"} <= stages
+    # the SFT warm start is a run of its own, with its config and its per-step loss curve
+    sft = next(r for r in runs if r.data.tags.get("dvc.stage") == "sft")
+    assert sft.info.run_name == "sft" and sft.data.params["sft.steps"] == str(_params(path)["train"]["sft"]["steps"])
+    curve = client.get_metric_history(sft.info.run_id, "sft/loss")
+    assert len(curve) >= _params(path)["train"]["sft"]["steps"] and all(math.isfinite(m.value) for m in curve)
     commit = run(path, "git", "rev-parse", "HEAD").stdout.strip()
     for r in runs:
         assert r.data.tags.get("git.commit") == commit

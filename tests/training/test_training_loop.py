@@ -250,3 +250,29 @@ def test_tasks_from_jsonl_files(make_cfg, tmp_path):
     preds = [json.loads(x) for x in out.with_suffix(".predictions.jsonl").read_text().splitlines()]
     want = [json.loads(x)["question"] for x in paths["test"].read_text().splitlines()]
     assert [p["question"] for p in preds] == want
+
+
+def test_policy_trains_in_train_mode_without_lightning_eval_mode_warning(make_cfg):
+    """from_pretrained returns eval mode; the modules put the policy in train mode before Lightning starts."""
+    import warnings
+
+    from lightning.pytorch.callbacks import Callback
+
+    from composer_plugins.core.train import run_train, sft_train
+
+    modes = []
+
+    class Mode(Callback):
+        def on_train_batch_start(self, trainer, pl_module, *a):
+            modes.append(pl_module.policy.training)
+
+    cfg, src = make_cfg("", "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0", "sft.cache=false",
+                        "sft.steps=2")  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_train(cfg, src, extra_callbacks=[Mode()])
+        base = resolve_policy(cfg)
+        sft_train(cfg, base, build_env(cfg), cfg.output_dir + "/sft", extra_callbacks=[Mode()])
+    assert modes and all(modes), modes
+    eval_mode = [str(w.message) for w in caught if "eval mode" in str(w.message)]
+    assert not eval_mode, eval_mode
