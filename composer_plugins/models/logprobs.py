@@ -47,6 +47,19 @@ def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> 
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def sequence_inputs(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+                    completion_attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(input_ids, attention_mask, position_ids)`` of left-padded prompts followed by right-padded completions.
+
+    ``completion_attention_mask`` (default: ``completion_mask``) is what the model attends to in the
+    completion part; multi-turn trajectories attend to observation tokens that the loss mask excludes.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    c_att = completion_mask if completion_attention_mask is None else completion_attention_mask
+    attention_mask = torch.cat([prompt_mask, c_att.to(prompt_mask.dtype)], dim=1)
+    return input_ids, attention_mask, position_ids_from_mask(attention_mask)
+
+
 @dataclass
 class CompletionForward:
     """Result of :func:`completion_forward`: ``logps`` ``(N, C)`` and, if asked, ``logits`` ``(N, C, V)``."""
@@ -74,14 +87,14 @@ def completion_forward(
     in the completion part; multi-turn trajectories attend to observation tokens that the loss
     mask excludes.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    c_att = completion_mask if completion_attention_mask is None else completion_attention_mask
-    attention_mask = torch.cat([prompt_mask, c_att], dim=1)
+    input_ids, attention_mask, position_ids = sequence_inputs(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, completion_attention_mask
+    )
     c = completion_ids.shape[1]
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=position_ids,
         logits_to_keep=c + 1,
         use_cache=False,
     )
@@ -160,10 +173,9 @@ def completion_hidden(
     backward (the returned hidden states are the only per-row tensors kept). With one micro-batch
     it is a plain forward.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    c_att = completion_mask if completion_attention_mask is None else completion_attention_mask
-    attention_mask = torch.cat([prompt_mask, c_att.to(prompt_mask.dtype)], dim=1)
-    position_ids = position_ids_from_mask(attention_mask)
+    input_ids, attention_mask, position_ids = sequence_inputs(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, completion_attention_mask
+    )
     body = decoder_body(model)
     c = completion_ids.shape[1]
 
