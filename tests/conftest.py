@@ -1,10 +1,23 @@
-"""Shared fixtures: a fresh plugin manager per test, and isolation of the process-wide registry."""
+"""Shared fixtures: a fresh plugin manager per test, and isolation of the process-wide registry.
+
+Also a safety net for tests that start processes: every process started while a fixture sets up or
+while a test runs carries a tag in its environment (inherited by its own children, even those in
+sessions of their own), and whatever is still alive once that fixture is torn down, or once the test
+and its function-scoped fixtures are, is SIGKILLed and reported as a :class:`LeftoverProcessWarning`.
+So a failing or timed-out test (pytest-timeout bounds every test; see ``pyproject.toml``) cannot leave
+servers or workers behind; the tests still clean up after themselves (``finally``), this only catches
+what they miss.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
 
 import pytest
+
+from composer_plugins.core import procs
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,3 +43,86 @@ def isolated_plugins():
     plugins.reset()
     yield plugins
     plugins.reset()
+
+
+# -- no process outlives the test or fixture that started it -------------------------------------
+
+
+class LeftoverProcessWarning(UserWarning):
+    """A test or fixture left processes running; they were killed."""
+
+
+class _Sweep:
+    """Tags processes started from now on (through the environment) and kills the tagged ones later."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.tag = procs.new_tag("pytest")
+        self.before = set(procs.all_pids())
+
+    def activate(self) -> str | None:
+        old = os.environ.get(procs.TAG_ENV)
+        os.environ[procs.TAG_ENV] = procs.tag_env(self.tag)[procs.TAG_ENV]
+        return old
+
+    @staticmethod
+    def restore(old: str | None) -> None:
+        if old is None:
+            os.environ.pop(procs.TAG_ENV, None)
+        else:
+            os.environ[procs.TAG_ENV] = old
+
+    def finish(self) -> None:
+        new = [p for p in procs.all_pids() if p not in self.before]
+        left = procs.tagged_pids(self.tag, among=new)
+        if not left:
+            return
+        lines = procs.describe(left)
+        procs.kill_tree(tag=self.tag)
+        if lines:
+            msg = f"{self.what} left {len(lines)} process(es) running; killed:\n  " + "\n  ".join(lines)
+            warnings.warn(LeftoverProcessWarning(msg), stacklevel=1)
+
+
+_fixture_sweeps: dict[int, _Sweep] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
+    sweep = _Sweep(f"fixture {fixturedef.argname!r}")
+    _fixture_sweeps[id(fixturedef)] = sweep
+    old = sweep.activate()
+    try:
+        return (yield)
+    finally:
+        sweep.restore(old)
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
+    # runs after the fixture's own teardown
+    sweep = _fixture_sweeps.pop(id(fixturedef), None)
+    if sweep is not None:
+        sweep.finish()
+
+
+_test_sweep = pytest.StashKey[_Sweep]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    sweep = item.stash[_test_sweep] = _Sweep(f"test {item.nodeid}")
+    old = sweep.activate()
+    try:
+        return (yield)
+    finally:
+        sweep.restore(old)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)  # the test's function-scoped fixtures are torn down in here
+    finally:
+        sweep = item.stash.get(_test_sweep, None)
+        if sweep is not None:
+            sweep.finish()

@@ -205,7 +205,13 @@ def test_plain_import_verl_registers_through_the_distributions_entry_point():
         )
         for e in envs
     ]
-    outs = [p.communicate(timeout=240) for p in procs]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
     assert "ok True" in outs[0][0]  # loaded through the distribution's verl.plugins entry point

@@ -151,7 +151,8 @@ def test_plugins_load_lazily_once(isolated_plugins, monkeypatch):
 def test_importing_the_package_loads_no_plugins_and_no_torch():
     code = "import sys, composer_plugins; from composer_plugins.core import plugins; " \
            "print(json.dumps(['torch' in sys.modules, plugins._pm is None]))"  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True,
+                         timeout=120)  # fmt: skip
     assert json.loads(out.stdout) == [False, True]
 
 

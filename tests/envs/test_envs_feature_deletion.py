@@ -256,7 +256,7 @@ if HAS_GIT:
 def dirty_repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("dirty") / "textkit"
     shutil.copytree(FIXTURE_REPO, repo)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(repo / "textkit")], check=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(repo / "textkit")], check=True, timeout=120)
     assert list((repo / "textkit" / "__pycache__").glob("roman*.pyc"))
     mypy = repo / ".mypy_cache" / "3.11" / "textkit"
     mypy.mkdir(parents=True)
@@ -266,9 +266,9 @@ def dirty_repo(tmp_path_factory) -> Path:
     shutil.copy(repo / "textkit" / "roman.py", repo / "build" / "lib" / "textkit" / "roman.py")
     if HAS_GIT:
         git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
-        subprocess.run([*git, "init", "-q"], check=True)
-        subprocess.run([*git, "add", "-A"], check=True)
-        subprocess.run([*git, "commit", "-q", "-m", "init"], check=True)
+        subprocess.run([*git, "init", "-q"], check=True, timeout=60)
+        subprocess.run([*git, "add", "-A"], check=True, timeout=60)
+        subprocess.run([*git, "commit", "-q", "-m", "init"], check=True, timeout=60)
     return repo
 
 
@@ -305,7 +305,7 @@ def test_interpreter_without_pytest_gets_the_fix(tmp_path):
     from composer_plugins.envs.sandbox import SandboxError
 
     venv = tmp_path / "bare"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     env = FeatureDeletionEnv(python=str(venv / "bin" / "python"), max_tasks=1, progress=False, timeout_s=30)
     with pytest.raises(SandboxError, match=r"cannot import: install it .*pip install pytest") as err:
         env.build_tasks()
@@ -315,10 +315,10 @@ def test_interpreter_without_pytest_gets_the_fix(tmp_path):
 def test_site_packages_copy_is_hidden(dirty_repo, tmp_path):
     """The repo installed (non-editable) into the interpreter's site-packages, bytecode and all."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
     site_dir = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                                   capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+                                   capture_output=True, text=True, check=True, timeout=60).stdout.strip())  # fmt: skip
     (site_dir / "host.pth").write_text(sysconfig_purelib() + "\n")  # pytest comes from the test's environment
     shutil.copytree(dirty_repo / "textkit", site_dir / "textkit")
     env = FeatureDeletionEnv(dirty_repo, symbols=["to_roman"], python=py, progress=False, timeout_s=30)

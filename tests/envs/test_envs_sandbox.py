@@ -465,7 +465,7 @@ def test_no_bytecode_is_written_in_the_sandbox():
 def test_outside_process_is_unaffected_by_sandbox_limits():
     """rlimits apply to the sandbox only (the test process can still fork)."""
     make("auto", SandboxLimits(wall_time_s=3, max_processes=2)).run_code("print(1)")
-    out = subprocess.run([sys.executable, "-c", "print(2)"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", "print(2)"], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "2"
 
 

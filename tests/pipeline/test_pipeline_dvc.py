@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from composer_plugins.core import procs
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CI_PARAMS = Path(__file__).with_name("params.ci.yaml")
@@ -52,8 +54,12 @@ def _env(repo: Path) -> dict[str, str]:
 
 
 def run(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run a command in ``repo``; on failure the assertion shows its output."""
-    proc = subprocess.run(list(args), cwd=repo, env=_env(repo), capture_output=True, text=True, timeout=900)
+    """Run a command in ``repo``; on failure the assertion shows its output.
+
+    Bounded below the suite's pytest-timeout (600 s), and the whole tree is killed on a timeout or any
+    interruption (``dvc repro`` runs the stages, and ``study train`` the DiLoCo replicas, as grandchildren).
+    """
+    proc = procs.run(list(args), cwd=repo, env=_env(repo), capture_output=True, text=True, timeout=570)
     if check:
         tail = f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{tail}"

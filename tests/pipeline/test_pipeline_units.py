@@ -128,7 +128,7 @@ def test_run_tags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tags["dvc.stage"] == "train@full-0" and tags["dvc.exp"] == "exp-1"
     assert tags["study.variant"] == "full" and tags["study.seed"] == "0" and tags["x"] == "1"
     assert tags["git.commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                                text=True).stdout.strip()  # fmt: skip
+                                                text=True, timeout=60).stdout.strip()  # fmt: skip
 
 
 def test_compare_reads_mlflow_dedupes_and_aggregates(tmp_path: Path) -> None:
@@ -200,7 +200,7 @@ def test_run_all_isolates_failures_and_writes_reports(tmp_path: Path, monkeypatc
 
 def test_run_all_cli_lists_project_benchmarks() -> None:
     out = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--list"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout.split()  # fmt: skip
+                         text=True, check=True, timeout=120).stdout.split()  # fmt: skip
     found = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py"))
     assert out == found
 
