@@ -318,19 +318,28 @@ def _build_outer(config: DiLoCoConfig, params: Iterable[nn.Parameter]) -> torch.
     return cls(params, **kw)
 
 
-def _wait_barrier(address: str, size: int, timeout_s: float, key: str = "diloco/start") -> None:
+def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
+    """Meet the other first-generation replicas at the launcher's start barrier (as replica ``index``).
+
+    Returns at once when the last one arrives, or when every missing one is known to have exited (the
+    launcher marks those; they are logged by index and exit code). After ``timeout_s`` it logs which
+    replicas never arrived and goes on without them: torchft lets them join a later quorum.
+    """
     from torch.distributed import TCPStore
+
+    from composer_plugins.core.procs import RendezvousError, StoreRendezvous
 
     host, _, port = address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < size:
-        if time.monotonic() > deadline:
-            log.warning("start barrier: only %d of %d replicas arrived in %.0fs; going on", store.add(key, 0), size,
-                        timeout_s)  # fmt: skip
-            return
-        time.sleep(0.05)
+    rendezvous = StoreRendezvous(store, None, name=_launch.StartBarrier.NAME, what="replica")
+    try:
+        gone = rendezvous.wait(index, timeout_s, allow_gone=True)
+    except RendezvousError as e:
+        log.warning("start barrier: %s; going on without them", e)
+        return {}
+    for m, reason in sorted(gone.items()):
+        log.warning("start barrier: replica %d %s before arriving; going on without it", m, reason)
+    return gone
 
 
 # -- the callback ---------------------------------------------------------------------------
@@ -530,7 +539,7 @@ class DiLoCoCallback(pl.Callback):
         # Registered after DiLoCo's own post-hook, so it runs right after a sync has happened.
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
         if self.replica.barrier and self.replica.restart == 0 and self.replica.barrier_size > 1:
-            _wait_barrier(self.replica.barrier, self.replica.barrier_size, c.barrier_timeout_s)
+            _wait_barrier(self.replica.barrier, self.replica.index, c.barrier_timeout_s)
         log.info(
             "DiLoCo replica %s (%d/%d) on lighthouse %s: H=%d, fragments=%d, %d params",
             self.replica.replica_id, self.replica.index, self.replica.num_replicas, lighthouse, c.sync_every,

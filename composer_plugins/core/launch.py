@@ -13,9 +13,12 @@ Pieces:
   on ``127.0.0.1`` with a free port, or an existing one given by address (a cluster).
 * :class:`StartBarrier` — a ``TCPStore`` the first generation of replicas meets at *after* their torchft
   managers are heartbeating, so the first quorum has every replica in it (without it, the fastest
-  replica forms a quorum of one and trains alone until the others catch up).
-* :class:`ReplicaGroup` — starts the replicas, restarts crashed ones (``max_restarts``), and terminates
-  every child process group on exit, on Ctrl-C and on SIGTERM.
+  replica forms a quorum of one and trains alone until the others catch up). A replica that exits
+  before arriving is marked gone there by the launcher, so the others stop waiting for it at once.
+* :class:`ReplicaGroup` — starts the replicas, restarts crashed ones (``max_restarts``) or, with
+  ``wait(fail_fast=True)``, stops at the first one that fails, naming it; terminates every child process
+  group on exit, on Ctrl-C and on SIGTERM. Replicas are SIGKILLed if the launcher dies without cleaning
+  up, and carry a tag (:mod:`composer_plugins.core.procs`) so that nothing they started outlives them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from composer_plugins.core import procs
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.hookspecs import hookimpl
 
@@ -140,22 +144,16 @@ class LocalProcessHandle:
             self._log = None
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM this child if the launcher dies without cleaning up (e.g. it was SIGKILLed)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class LocalProcessExecutor:
     """Runs each replica as a local subprocess in a new session; output goes to ``spec.log_path``.
 
     The replica is a session (and process group) leader, so stopping it reaches its own children too; on
-    Linux it also gets SIGTERM if the launcher itself dies.
+    Linux it is SIGKILLed as soon as the thread that started it ends (the launcher died or was killed
+    without cleaning up: ``PR_SET_PDEATHSIG``), so a replica blocked in a collective is not left behind.
     """
+
+    def __init__(self, pdeathsig: int = signal.SIGKILL) -> None:
+        self.pdeathsig = pdeathsig
 
     def start(self, spec: ReplicaSpec) -> LocalProcessHandle:
         log: IO[bytes] | None = None
@@ -173,7 +171,7 @@ class LocalProcessExecutor:
                 stdout=log if log is not None else None,
                 stderr=subprocess.STDOUT if log is not None else None,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=procs.die_with_parent(self.pdeathsig),
             )
         except OSError as e:
             if log is not None:
@@ -246,9 +244,17 @@ class Lighthouse:
 
 
 class StartBarrier:
-    """A ``TCPStore`` on ``127.0.0.1:<free port>`` that the first generation of replicas meets at."""
+    """A ``TCPStore`` on ``127.0.0.1:<free port>`` that the first generation of replicas meets at.
 
-    def __init__(self, size: int, host: str = LOOPBACK) -> None:
+    The members are the replicas' job-wide indices ``first .. first + size - 1`` (published in the
+    store). The launcher calls :meth:`mark_gone` when a first-generation replica exits, so the others stop
+    waiting for it at once (they go on without it and log which one is missing) instead of after
+    ``diloco.barrier_timeout_s``.
+    """
+
+    NAME = "diloco/start"
+
+    def __init__(self, size: int, host: str = LOOPBACK, first: int = 0) -> None:
         from datetime import timedelta
 
         from torch.distributed import TCPStore
@@ -256,6 +262,15 @@ class StartBarrier:
         self.size = size
         self._store: Any = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.address = f"{host}:{self._store.port}"
+        self.rendezvous = procs.StoreRendezvous(self._store, range(first, first + size), name=self.NAME,
+                                                what="replica")  # fmt: skip
+        self.rendezvous.publish()
+
+    def mark_gone(self, index: int, reason: str) -> None:
+        """Tell the waiting replicas that replica ``index`` (job-wide) exited before arriving."""
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self.rendezvous.mark_gone(index, reason)
 
     def close(self) -> None:
         self._store = None
@@ -358,6 +373,8 @@ class ReplicaGroup:
             )
         self.replicas = [ReplicaState(i) for i in range(num_replicas)]
         self._started = False
+        #: every replica (and whatever it starts) carries this tag, so :meth:`stop` finds stragglers too
+        self.tag = procs.new_tag("diloco")
 
     # -- paths -------------------------------------------------------------------------
     @property
@@ -387,7 +404,7 @@ class ReplicaGroup:
             self.lighthouse = Lighthouse(self._lighthouse_arg, **self._lh_opts)  # type: ignore[arg-type]
             use_barrier = self._use_barrier if self._use_barrier is not None else self.lighthouse.local
             if use_barrier and self.num_replicas > 1:
-                self.barrier = StartBarrier(self.num_replicas)
+                self.barrier = StartBarrier(self.num_replicas, first=self.index_offset)
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 if self.stop_file is not None and self.stop_file.exists():
@@ -432,6 +449,7 @@ class ReplicaGroup:
         if sync_log is not None:
             env[ENV_SYNC_LOG] = str(sync_log)
         env.update(self.extra_env)
+        env = procs.tag_env(self.tag, env)
         return ReplicaSpec(index, argv, env, cwd=self.cwd, log_path=self.log_path(index), restart=restart)
 
     def _spawn(self, r: ReplicaState) -> None:
@@ -468,30 +486,62 @@ class ReplicaGroup:
             out[r.index] = r.handle.poll() if r.handle is not None else None
         return out
 
-    def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> LaunchResult:
-        """Supervise until every replica has exited for good; restart crashed ones up to ``max_restarts``."""
+    def wait(self, timeout: float | None = None, poll_s: float = 0.2, *, fail_fast: bool = False) -> LaunchResult:
+        """Supervise until every replica has exited for good; restart crashed ones up to ``max_restarts``.
+
+        A replica's exit is noticed within ``poll_s``; a first-generation replica that exits is marked
+        gone at the start barrier, so its peers stop waiting for it. ``fail_fast``: a replica that exits
+        non-zero with no restarts left raises :class:`LaunchError` at once (naming it, with the end of its
+        log) instead of letting the others train on without it; leaving the ``with`` block then stops
+        them. ``timeout`` (seconds, ``None``: none) raises :class:`LaunchError` naming the replicas still
+        running.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for r in self.replicas:
-                if r.done or r.handle is None:
-                    continue
-                rc = r.handle.poll()
-                if rc is None:
-                    continue
-                r.exit_codes.append(rc)
-                if rc != 0 and r.restarts < self.max_restarts and not self._stop_requested():
-                    _log(f"replica {r.index} exited with {rc}; restarting ({r.restarts + 1}/{self.max_restarts})")
-                    r.restarts += 1
-                    self._spawn(r)
-                    continue
-                r.done = True
-                _log(f"replica {r.index} exited with {rc}")
-            if all(r.done for r in self.replicas):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise LaunchError(f"replicas still running after {timeout:.0f}s")
-            time.sleep(poll_s)
+        with procs.waiting_for(f"DiLoCo replicas {', '.join(self._describe(r) for r in self.replicas)}"):
+            while True:
+                for r in self.replicas:
+                    if r.done or r.handle is None:
+                        continue
+                    rc = r.handle.poll()
+                    if rc is None:
+                        continue
+                    r.exit_codes.append(rc)
+                    if self.barrier is not None and r.restarts == 0:
+                        self.barrier.mark_gone(self.global_index(r.index), procs.exit_description(rc))
+                    if rc != 0 and r.restarts < self.max_restarts and not self._stop_requested():
+                        _log(f"replica {r.index} exited with {rc}; restarting ({r.restarts + 1}/{self.max_restarts})")
+                        r.restarts += 1
+                        self._spawn(r)
+                        continue
+                    r.done = True
+                    _log(f"replica {r.index} exited with {rc}")
+                    if rc != 0 and fail_fast:
+                        raise LaunchError(
+                            f"replica {self.global_index(r.index)} {procs.exit_description(rc)}"
+                            f"{f' after {r.restarts} restart(s)' if r.restarts else ''}; stopping the others."
+                            + self._log_tail(r.index)
+                        )
+                if all(r.done for r in self.replicas):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    running = [r for r in self.replicas if not r.done]
+                    raise LaunchError(
+                        f"replicas {', '.join(self._describe(r) for r in running)} still running after "
+                        f"{timeout:.0f}s" + "".join(self._log_tail(r.index, 15) for r in running)
+                    )
+                time.sleep(poll_s)
         return self.result()
+
+    def _describe(self, r: ReplicaState) -> str:
+        pid = r.handle.pid if r.handle is not None else None
+        return f"{self.global_index(r.index)} (pid {pid})"
+
+    def _log_tail(self, index: int, lines: int = 30) -> str:
+        path = self.log_path(index)
+        if path is None:
+            return ""
+        text = procs.tail(path, lines)
+        return f"\n--- last lines of {path} ---\n{text if text else '(empty)'}"
 
     def result(self) -> LaunchResult:
         return LaunchResult(
@@ -521,10 +571,12 @@ class ReplicaGroup:
             if h.wait(left) is None:
                 h.kill()
                 h.wait(5.0)
-        # A replica that already exited may have left children in its group; reap them too.
+        # A replica that already exited may have left children in its group, or in sessions of their own
+        # (they still carry this group's tag); kill those too.
         for r in self.replicas:
             if r.handle is not None:
                 r.handle.kill()
+        procs.kill_tree(tag=self.tag)
         if self.barrier is not None:
             self.barrier.close()
             self.barrier = None
@@ -582,16 +634,19 @@ def launch(
     config: str | None = None,
     overrides: Sequence[str] = (),
     section: str | None = None,
+    timeout: float | None = None,
     **kwargs: Any,
 ) -> LaunchResult:
     """Run ``num_replicas`` replicas of ``target`` to completion (blocking); children are always cleaned up.
 
+    ``timeout``: seconds before the run is stopped with :class:`LaunchError` (``None``: as long as it
+    trains; the replicas' own waits are bounded by torchft's timeouts, see ``diloco.timeout_s``).
     ``kwargs`` go to :class:`ReplicaGroup` (``lighthouse``, ``max_restarts``, ``log_dir``, ``base_seed`` ...).
     """
     group = ReplicaGroup(replica_argv(target, config, overrides, section), num_replicas, **kwargs)
     with _sigterm_as_interrupt(), group:
         _log(f"lighthouse {group.lighthouse.address if group.lighthouse else '?'}; {num_replicas} replicas")
-        return group.wait()
+        return group.wait(timeout)
 
 
 # -- CLI -------------------------------------------------------------------------------
@@ -642,6 +697,12 @@ def register_commands(cli: Any) -> None:
     @click.option("--total-replicas", type=int, default=None, help="Cluster: replicas in the whole job.")
     @click.option("--heartbeat-timeout-ms", type=int, default=5000, show_default=True)
     @click.option("--join-timeout-ms", type=int, default=60000, show_default=True)
+    @click.option(
+        "--timeout",
+        type=float,
+        default=None,
+        help="Stop every replica and fail after this many seconds (default: no limit on the run itself).",
+    )
     @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
     def diloco_cmd(
         replicas: int | None,
@@ -656,6 +717,7 @@ def register_commands(cli: Any) -> None:
         total_replicas: int | None,
         heartbeat_timeout_ms: int,
         join_timeout_ms: int,
+        timeout: float | None,
         overrides: tuple[str, ...],
     ) -> None:
         """Train N DiLoCo replicas (torchft) on this machine: lighthouse + one process group per replica.
@@ -681,6 +743,7 @@ def register_commands(cli: Any) -> None:
                 total_replicas=total_replicas,
                 heartbeat_timeout_ms=heartbeat_timeout_ms,
                 join_timeout_ms=join_timeout_ms,
+                timeout=timeout,
             )
         except KeyboardInterrupt:
             click.secho("interrupted: all replicas terminated", err=True, fg="yellow")

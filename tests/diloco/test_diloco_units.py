@@ -262,16 +262,87 @@ def test_start_barrier_releases_when_all_arrive():
 
     b = launch.StartBarrier(3)
     done: list[float] = []
-    ts = [threading.Thread(target=lambda: (_wait_barrier(b.address, 3, 30), done.append(time.monotonic())))
-          for _ in range(2)]  # fmt: skip
+    ts = [threading.Thread(target=lambda i=i: (_wait_barrier(b.address, i, 30), done.append(time.monotonic())))
+          for i in (0, 1)]  # fmt: skip
     for t in ts:
         t.start()
     time.sleep(0.3)
     assert not done  # two of three arrived: still waiting
-    _wait_barrier(b.address, 3, 30)
+    t0 = time.monotonic()
+    assert _wait_barrier(b.address, 2, 30) == {}
     for t in ts:
         t.join(10)
-    assert len(done) == 2
+    assert len(done) == 2 and max(done) - t0 < 5  # released by the last arrival, not by the timeout
+
+
+def test_start_barrier_learns_at_once_that_a_replica_exited(caplog):
+    """The launcher marks a replica that died before arriving; the others go on at once, naming it."""
+    from composer_plugins.core.diloco import _wait_barrier
+
+    b = launch.StartBarrier(3, first=4)  # replicas 4, 5, 6 of a larger job
+    b.mark_gone(6, "exited with code 7")
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="composer_plugins.core.diloco"):
+        import threading
+
+        t = threading.Thread(target=_wait_barrier, args=(b.address, 5, 60))
+        t.start()
+        assert _wait_barrier(b.address, 4, 60) == {6: "exited with code 7"}
+        t.join(10)
+    assert time.monotonic() - t0 < 10
+    assert "replica 6 exited with code 7 before arriving" in caplog.text
+
+
+def test_start_barrier_timeout_names_the_missing_replica(caplog):
+    from composer_plugins.core.diloco import _wait_barrier
+
+    b = launch.StartBarrier(2)
+    with caplog.at_level("WARNING", logger="composer_plugins.core.diloco"):
+        assert _wait_barrier(b.address, 0, 0.5) == {}
+    assert "replica(s) [1] did not arrive within 0s" in caplog.text and "going on" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_group_marks_a_dead_replica_gone_at_the_start_barrier(tmp_path):
+    """End to end: replica 1 dies before the barrier; replica 0, waiting there, is told within seconds."""
+    waiter = (
+        "import json, os\nfrom composer_plugins.core.diloco import _wait_barrier\n"
+        "gone = _wait_barrier(os.environ['COMPOSER_DILOCO_BARRIER'], 0, 300)\nprint(json.dumps(gone))\n"
+    )
+    argv = lambda i: [sys.executable, "-c", waiter if i == 0 else "raise SystemExit(7)"]  # noqa: E731
+    g = launch.ReplicaGroup(argv, 2, lighthouse="127.0.0.1:1", barrier=True, log_dir=tmp_path, grace_s=2)
+    with g:
+        t0 = time.monotonic()
+        res = g.wait(timeout=100)
+        took = time.monotonic() - t0
+    assert res.exit_codes == {0: [0], 1: [7]}
+    assert (tmp_path / "replica0.log").read_text().strip().splitlines()[-1] == '{"1": "exited with code 7"}'
+    assert took < 60  # not the 300 s barrier timeout
+
+
+def test_group_fail_fast_names_the_dead_replica_and_stops_the_others(tmp_path):
+    argv = lambda i: [sys.executable, "-c", "import time; time.sleep(120)" if i == 0  # noqa: E731
+                      else "import sys; print('replica one gives up', flush=True); sys.exit(3)"]  # fmt: skip
+    g = launch.ReplicaGroup(argv, 2, lighthouse="127.0.0.1:1", log_dir=tmp_path, grace_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(launch.LaunchError) as ei, g:
+        pid0 = g.replicas[0].handle.pid
+        g.wait(timeout=100, fail_fast=True)
+    assert time.monotonic() - t0 < 30
+    assert "replica 1 exited with code 3" in str(ei.value) and "replica one gives up" in str(ei.value)
+    assert _gone([pid0])
+
+
+def test_group_wait_timeout_names_the_running_replicas(tmp_path):
+    argv = lambda i: [sys.executable, "-c", "import time; print('still busy', flush=True); time.sleep(120)"  # noqa: E731
+                      if i == 1 else "pass"]  # fmt: skip
+    g = launch.ReplicaGroup(argv, 2, lighthouse="127.0.0.1:1", log_dir=tmp_path, grace_s=2)
+    with pytest.raises(launch.LaunchError) as ei, g:
+        pid1 = g.replicas[1].handle.pid
+        g.wait(timeout=3)
+    msg = str(ei.value)
+    assert f"replicas 1 (pid {pid1}) still running after 3s" in msg and "still busy" in msg
+    assert _gone([pid1])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
