@@ -15,6 +15,15 @@ Three measurements, all in one run:
 
 The client is pinned to CPU 0 and the server to CPU 1 where the machine has two or more
 cores. Run: ``python -m benchmarks.bench_replay [--quick]``.
+
+``--faults`` runs the fault benchmark instead (:func:`run_faults`): ``replay run`` (the real
+CLI, in its own process) with three teachers against a loopback server that requires a key
+and injects a fault into 30 % of all attempts (429 with Retry-After, 5xx, hangs, slow
+bodies, malformed/truncated JSON, dropped connections before and after billing, billed 200s
+without a usable answer, bodies echoing the key). It reports answers lost, calls paid twice
+(avoidable vs unavoidable), the ledger against what the server billed, Retry-After, a warm
+rerun, key fragments in every file written, and a ``kill -9`` under a tight ceiling followed
+by a rerun (ledger vs real money at the kill, what the rerun re-paid and answered).
 """
 
 from __future__ import annotations
@@ -311,13 +320,372 @@ def print_table(res: dict[str, Any]) -> None:
     )
 
 
+# -- the fault benchmark ------------------------------------------------------------------------
+
+FAULT_PLAN = [
+    "429", "500", "502", "503", "timeout", "malformed", "slow", "drop", "billed_drop", "empty", "slow_body", "echo",
+]  # fmt: skip
+PROMPT_PRICE, COMPLETION_PRICE = 1e-6, 4e-6
+FAULT_TEACHERS = ("teacher-a", "teacher-b", "c-wrong")
+
+
+def _price(prompt_tokens: int, completion_tokens: int) -> float:
+    return prompt_tokens * PROMPT_PRICE + completion_tokens * COMPLETION_PRICE
+
+
+def _ledger(path: Path, run_id: str) -> dict[str, float]:
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        rows = con.execute(
+            "SELECT status, COALESCE(SUM(amount), 0) FROM ledger WHERE run_id = ? GROUP BY status", (run_id,)
+        ).fetchall()
+    finally:
+        con.close()
+    out = {"paid": 0.0, "maybe": 0.0, "lease": 0.0}
+    out.update({k: float(v) for k, v in rows})
+    return out
+
+
+def _replay_config(tmp: Path, name: str, base_url: str, key_env: str, n_states: int, **over: Any) -> Path:
+    import yaml
+
+    from composer_plugins.teachers.testing import write_sample_traces
+
+    d = tmp / name
+    traces = write_sample_traces(d / "traces.jsonl", n=n_states, wrong_every=2)
+    cfg: dict[str, Any] = {
+        "run_id": f"bench-{name}",
+        "traces": [str(traces)],
+        "teachers": [
+            {
+                "name": "openai",
+                "id": m,
+                "model": m,
+                "base_url": base_url,
+                "api_key_env": key_env,
+                "prompt_usd_per_token": PROMPT_PRICE,
+                "completion_usd_per_token": COMPLETION_PRICE,
+                "max_tokens": 32,
+                "max_concurrency": 8,
+                "timeout_s": 1.0,
+            }
+            for m in FAULT_TEACHERS
+        ],
+        "consensus": {"k": 2},
+        "budget": {"max_usd": 1.0},
+        "cache": {"path": str(d / "cache" / "replay.sqlite")},
+        "retry": {"max_retries": 8, "backoff_base_s": 0.05, "backoff_max_s": 1.0},
+        "output": {
+            "pairs": str(d / "out" / "pairs.jsonl"),
+            "responses": str(d / "out" / "responses.jsonl"),
+            "summary": str(d / "out" / "summary.json"),
+        },
+        "normalize": {"enabled": False},
+        "progress": False,
+    }
+    cfg.update(over)
+    p = d / "replay.yaml"
+    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return p
+
+
+def _cli(cfg: Path, env: dict[str, str], *extra: str, timeout: float = 600) -> tuple[int, str, str]:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "composer_plugins.core.cli", "replay", "run", "-c", str(cfg), "--no-progress", *extra]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cfg.parent)
+    return out.returncode, out.stdout, out.stderr
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def _key_scan(root: Path, key: str, texts: list[str]) -> dict[str, int]:
+    """Files under ``root`` (and captured outputs) holding the key or any 8-character piece of it."""
+    frags = {key[i : i + 8] for i in range(len(key) - 7)}
+    files = [f for f in root.rglob("*") if f.is_file()]
+    whole = pieces = 0
+    for blob in [f.read_bytes().decode("utf-8", "replace") for f in files] + texts:
+        whole += key in blob
+        pieces += any(x in blob for x in frags)
+    return {"files_written": len(files), "outputs_scanned": len(texts), "with_key": whole, "with_fragment": pieces}
+
+
+def _paid_twice(st: dict[str, Any]) -> dict[str, int]:
+    """Identities billed more than once: unavoidable when the extra bills were answers never delivered."""
+    total = unavoidable = 0
+    for ident, (n, _, _) in st["billed"].items():
+        extra = max(0, n - 1)
+        total += extra
+        unavoidable += min(extra, st["undelivered"].get(ident, 0))
+    return {"total": total, "unavoidable": unavoidable, "avoidable": total - unavoidable}
+
+
+def _retry_after(st: dict[str, Any], wait_s: float) -> dict[str, int]:
+    seen = ok = 0
+    for ident, kinds in st["kinds"].items():
+        times = st["times"][ident]
+        for i, k in enumerate(kinds[:-1]):
+            if k == "429":
+                seen += 1
+                ok += times[i + 1] - times[i] >= wait_s - 0.05
+    return {"after_429": seen, "honoured": ok}
+
+
+def run_faults(quick: bool = False) -> dict[str, Any]:
+    """The fault benchmark (see the module docstring); returns ``{"name", "results", "ratios", "targets"}``."""
+    import secrets
+    import signal
+    import subprocess
+
+    from composer_plugins.teachers.loopback import LoopbackProcess
+
+    n_states = 40 if quick else 76
+    key_env = "BENCH_REPLAY_FAULTS_KEY"
+    key = ("sk-bench-" + secrets.token_hex(24))[:44]
+    env = {**os.environ, key_env: key, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    server = {
+        "fault_mode": "attempt",
+        "fault_rate": 0.3,
+        "plan": FAULT_PLAN,
+        "retry_after": "1",
+        "hang_s": 3.0,
+        "slow_s": 0.3,
+        "latency_s": 0.02,
+        "echo_pad": 164,  # the echoed key straddles the 200-character cut of malformed bodies
+    }
+    res: dict[str, Any] = {"states": n_states, "teachers": len(FAULT_TEACHERS), "fault_rate": 0.3, "plan": FAULT_PLAN}
+    t0 = time.perf_counter()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-replay-faults-") as td,
+        LoopbackProcess(env={key_env: key}, api_key_env=key_env, **server) as srv,
+    ):
+        tmp = Path(td)
+        jobs = n_states * len(FAULT_TEACHERS)
+        outputs: list[str] = []
+        # 1. every call through 30 % faults per attempt, a loose ceiling
+        cfg = _replay_config(tmp, "faults", srv.base_url, key_env, n_states)
+        rc, out, err = _cli(cfg, env, "--json")
+        outputs += [out, err]
+        s1 = _last_json(out)
+        st = srv.stats()
+        answered = s1["replay"]["completed"] + s1["replay"]["cache_hits"]
+        led = _ledger(tmp / "faults" / "cache" / "replay.sqlite", "bench-faults")
+        billed = sum(_price(pt, ct) for _, pt, ct in st["billed"].values())
+        undelivered = sum(_price(pt, ct) for pt, ct in st["undelivered_usage"].values())
+        res["faults"] = {
+            "exit_code": rc,
+            "jobs": jobs,
+            "answered": answered,
+            "lost": jobs - answered,
+            "requests": st["requests"],
+            "served": st["by_status"],
+            "retries": s1["replay"]["retries"],
+            "paid_twice": _paid_twice(st),
+            "billed_usd": billed,
+            "billed_delivered_usd": billed - undelivered,
+            "billed_undelivered_usd": undelivered,
+            "ledger_paid_usd": led["paid"],
+            "ledger_maybe_usd": led["maybe"],
+            "ledger_lease_usd": led["lease"],
+            "ledger_total_usd": sum(led.values()),
+            "retry_after": _retry_after(st, 1.0),
+            "requests_without_key": st["by_status"].get("401", 0),
+        }
+        # warm rerun: nothing sent
+        r0 = srv.stats()["requests"]
+        rc2, out2, err2 = _cli(cfg, env, "--json")
+        outputs += [out2, err2]
+        res["faults"]["warm_rerun"] = {"exit_code": rc2, "requests": srv.stats()["requests"] - r0}
+
+        # 2. kill -9 under a tight ceiling, then rerun with the same run id (no --fresh-budget)
+        from composer_plugins.teachers.base import estimate_prompt_tokens
+        from composer_plugins.teachers.traces import load_traces
+
+        srv.reset()
+        kill_dir = tmp / "kill"
+        cfg_k = _replay_config(tmp, "kill", srv.base_url, key_env, n_states)
+        states = load_traces([str(kill_dir / "traces.jsonl")])
+        worst = [_price(estimate_prompt_tokens(s.messages), 32) for s in states]
+        ceiling = 0.5 * len(FAULT_TEACHERS) * sum(worst)  # about the job's real cost: the ceiling binds
+        cfg_k = _replay_config(tmp, "kill", srv.base_url, key_env, n_states, budget={"max_usd": ceiling})
+        cmd = [sys.executable, "-m", "composer_plugins.core.cli", "replay", "run", "-c", str(cfg_k), "--no-progress"]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=kill_dir)
+
+        def real_usd() -> float:
+            return sum(_price(pt, ct) for _, pt, ct in srv.stats()["billed"].values())
+
+        try:
+            deadline = time.monotonic() + 300
+            while real_usd() < 0.5 * ceiling and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            killed = proc.poll() is None
+            if killed:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                outputs.append(proc.stdout.read().decode("utf-8", "replace"))
+                proc.stdout.close()
+        while srv.stats()["in_flight"] > 0:  # requests the dead client left still finish (and bill)
+            time.sleep(0.02)
+        st_k = srv.stats()
+        led_k = _ledger(kill_dir / "cache" / "replay.sqlite", "bench-kill")
+        from composer_plugins.teachers.cache import ReplayCache
+
+        with ReplayCache(kill_dir / "cache" / "replay.sqlite") as c:
+            committed = len(c)
+        delivered = sum(n - st_k["undelivered"].get(k, 0) for k, (n, _, _) in st_k["billed"].items())
+        real_k = real_usd()
+        billed_before = {k: v[0] for k, v in st_k["billed"].items()}
+        rc3, out3, err3 = _cli(cfg_k, env, "--json")
+        outputs += [out3, err3]
+        s3 = _last_json(out3)
+        st_r = srv.stats()
+        delivered_before = {k: n - st_k["undelivered"].get(k, 0) for k, n in billed_before.items()}
+        repaid_ids = [k for k, (n, _, _) in st_r["billed"].items() if k in billed_before and n > billed_before[k]]
+        # an identity delivered before the kill and billed again was answered but never committed
+        repaid_uncommitted = sum(1 for k in repaid_ids if delivered_before[k] > 0)
+        led_r = _ledger(kill_dir / "cache" / "replay.sqlite", "bench-kill")
+        real_r = sum(_price(pt, ct) for _, pt, ct in st_r["billed"].values())
+        res["kill"] = {
+            "killed": killed,
+            "ceiling_usd": ceiling,
+            "at_kill": {
+                "real_billed_usd": real_k,
+                "ledger_paid_usd": led_k["paid"],
+                "ledger_maybe_usd": led_k["maybe"],
+                "ledger_lease_usd": led_k["lease"],
+                "ledger_total_usd": sum(led_k.values()),
+                "answers_committed": committed,
+                "answers_billed_not_committed": delivered - committed,
+            },
+            "rerun": {
+                "exit_code": rc3,
+                "calls_sent": s3["replay"]["calls"],
+                "answered": s3["replay"]["completed"],
+                "cache_hits": s3["replay"]["cache_hits"],
+                "budget_skipped": s3["replay"]["skipped_budget"],
+                "unanswered": s3["failures"]["unanswered"],
+                "re_paid_calls": len(repaid_ids),
+                "re_paid_uncommitted_answers": repaid_uncommitted,
+                "re_paid_after_undelivered_bills": len(repaid_ids) - repaid_uncommitted,
+            },
+            "final": {
+                "real_billed_usd": real_r,
+                "ledger_total_usd": sum(led_r.values()),
+                "ledger_lease_usd": led_r["lease"],
+            },
+        }
+        # 3. a base_url typo and an outage: refused before sending / a failing exit status
+        srv.reset()
+        typo = _replay_config(
+            tmp, "typo", srv.base_url.removeprefix("http://"), key_env, 10, budget={"max_usd": ceiling}
+        )
+        rc4, out4, err4 = _cli(typo, env)
+        outputs += [out4, err4]
+        typo_requests = srv.stats()["requests"]
+        srv.configure(fault_mode="identity", fault_rate=1.0, plan=["503"] * 20)
+        outage = _replay_config(tmp, "outage", srv.base_url, key_env, 10, retry={"max_retries": 1})
+        rc5, out5, err5 = _cli(outage, env)
+        outputs += [out5, err5]
+        res["typo"] = {"exit_code": rc4, "requests": typo_requests, "error": err4.strip()[-300:]}
+        res["outage"] = {"exit_code": rc5, "error": err5.strip().splitlines()[-1][:300] if err5.strip() else ""}
+        res["key"] = _key_scan(tmp, key, outputs)
+    res["wall_s"] = time.perf_counter() - t0
+    f, k = res["faults"], res["kill"]
+    ratios = {
+        "lost_answers": float(f["lost"]),
+        "paid_twice_avoidable": float(f["paid_twice"]["avoidable"]),
+        "ledger_paid_vs_billed_delivered": f["ledger_paid_usd"] / f["billed_delivered_usd"],
+        "ledger_total_vs_billed": f["ledger_total_usd"] / f["billed_usd"],
+        "warm_rerun_requests": float(f["warm_rerun"]["requests"]),
+        "key_fragments_in_files": float(res["key"]["with_fragment"]),
+        "kill_ledger_vs_ceiling": k["at_kill"]["ledger_total_usd"] / k["ceiling_usd"],
+        "kill_real_vs_ceiling": k["at_kill"]["real_billed_usd"] / k["ceiling_usd"],
+        "final_real_vs_ceiling": k["final"]["real_billed_usd"] / k["ceiling_usd"],
+    }
+    targets = {
+        "lost_answers": "== 0",
+        "paid_twice_avoidable": "== 0",
+        "ledger_paid_vs_billed_delivered": "== 1",
+        "ledger_total_vs_billed": ">= 1 (maybe-billed calls at their worst case)",
+        "warm_rerun_requests": "== 0",
+        "key_fragments_in_files": "== 0",
+        "kill_ledger_vs_ceiling": "<= 1",
+        "kill_real_vs_ceiling": "informational",
+        "final_real_vs_ceiling": "<= 1",
+    }
+    return {"name": NAME + "_faults", "results": res, "ratios": ratios, "targets": targets}
+
+
+def print_faults(res: dict[str, Any]) -> None:
+    """The fault benchmark as a few readable lines."""
+    r = res["results"]
+    f, k, a, rr = r["faults"], r["kill"], r["kill"]["at_kill"], r["kill"]["rerun"]
+    c = k["ceiling_usd"]
+    pt = f["paid_twice"]
+    print(
+        f"{r['teachers']} teachers x {r['states']} states, {r['fault_rate']:.0%} faults per attempt "
+        f"({f['requests']} requests; served {f['served']})"
+    )
+    print(f"  lost answers: {f['lost']} of {f['jobs']} (exit {f['exit_code']}); retries {f['retries']}")
+    print(
+        f"  paid twice: {pt['total']} ({pt['avoidable']} avoidable, {pt['unavoidable']} after a billed "
+        "answer that never arrived)"
+    )
+    print(
+        f"  ledger vs billed: paid ${f['ledger_paid_usd']:.6f} vs delivered ${f['billed_delivered_usd']:.6f}; "
+        f"maybe ${f['ledger_maybe_usd']:.6f} vs billed-undelivered ${f['billed_undelivered_usd']:.6f}; "
+        f"total ${f['ledger_total_usd']:.6f} vs billed ${f['billed_usd']:.6f} (lease left ${f['ledger_lease_usd']:g})"
+    )
+    ra = f["retry_after"]
+    warm = f["warm_rerun"]["requests"]
+    print(f"  Retry-After honoured: {ra['honoured']}/{ra['after_429']}; warm rerun requests: {warm}")
+    print(
+        f"  kill -9 (ceiling ${c:.6f}): real ${a['real_billed_usd']:.6f} ({a['real_billed_usd'] / c:.0%}); "
+        f"ledger ${a['ledger_total_usd']:.6f} ({a['ledger_total_usd'] / c:.0%}: paid {a['ledger_paid_usd'] / c:.0%}, "
+        f"maybe {a['ledger_maybe_usd'] / c:.0%}, lease {a['ledger_lease_usd'] / c:.0%}); "
+        f"{a['answers_billed_not_committed']} answers billed but not committed"
+    )
+    print(
+        f"  rerun: exit {rr['exit_code']}, sent {rr['calls_sent']}, answered {rr['answered']}, cache hits "
+        f"{rr['cache_hits']}, budget-skipped {rr['budget_skipped']}, re-paid {rr['re_paid_calls']} "
+        f"({rr['re_paid_uncommitted_answers']} answered but uncommitted at the kill, "
+        f"{rr['re_paid_after_undelivered_bills']} whose earlier bill never delivered); "
+        f"final real ${k['final']['real_billed_usd']:.6f} ({k['final']['real_billed_usd'] / c:.0%} of the ceiling), "
+        f"ledger {k['final']['ledger_total_usd'] / c:.0%}"
+    )
+    print(
+        f"  base_url typo: exit {r['typo']['exit_code']}, {r['typo']['requests']} requests; "
+        f"outage: exit {r['outage']['exit_code']}"
+    )
+    ks = r["key"]
+    print(
+        f"  key: {ks['with_key']} whole / {ks['with_fragment']} with an 8+ char fragment, in {ks['files_written']} "
+        f"files + {ks['outputs_scanned']} captured outputs; requests without the key: {f['requests_without_key']}"
+    )
+    print(f"  ({r['wall_s']:.0f} s)")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--faults", action="store_true", help="run the fault benchmark instead (see the docstring)")
     ap.add_argument("--json", action="store_true", help="print the result dict as JSON too")
     a = ap.parse_args(argv)
-    res = run(quick=a.quick)
-    print_table(res)
+    if a.faults:
+        res = run_faults(quick=a.quick)
+        print_faults(res)
+    else:
+        res = run(quick=a.quick)
+        print_table(res)
     if a.json:
         json.dump(res, sys.stdout, indent=2, default=str)
         print()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -27,7 +29,151 @@ REQUEST_OVERHEAD_TOKENS = 16
 
 
 class TeacherError(ComposerPluginsError):
-    """A teacher is misconfigured (bad argument, missing key variable, unloadable model)."""
+    """A teacher is misconfigured (bad argument, missing key variable, unloadable model).
+
+    Attributes:
+        field: the teacher argument at fault (``max_tokens``, ``base_url`` ...), when one is;
+            config loaders use it to point at that key's line.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+#: Key fragments at least this long are scrubbed from error texts (shorter ones carry too little to matter).
+SCRUB_MIN_CHARS = 8
+
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s\"'\\,;]+")
+
+#: Prefixes of common provider keys (OpenAI, Anthropic, Hugging Face, Groq, GitHub, GitLab, xAI,
+#: Replicate, NVIDIA, Perplexity, Slack, AWS, Google ...).
+_KEY_PREFIXES = (
+    "sk-", "sk_", "hf_", "gsk_", "ghp_", "gho_", "ghu_", "ghs_", "github_pat_", "glpat-", "xai-", "r8_",
+    "nvapi-", "pplx-", "xoxb-", "xoxp-", "AKIA", "AIza", "fw_", "tgp_", "csk-", "or-",
+)  # fmt: skip
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def scrub_secret(text: str, secret: str | None, min_chars: int = SCRUB_MIN_CHARS) -> str:
+    """``text`` with every run of ``secret``'s substrings of ``min_chars``+ characters, and every
+    ``Bearer <token>``, replaced by ``****``.
+
+    A run is masked when each of its ``min_chars``-character windows occurs somewhere in the
+    secret, so a key cut anywhere (by a proxy, a length limit, a log line) is masked as well as
+    a whole one. Keys shorter than ``min_chars`` are masked whole.
+    """
+    if not text:
+        return text
+    text = _BEARER.sub(r"\1****", text)
+    if not secret:
+        return text
+    n = min(min_chars, len(secret))
+    grams = {secret[i : i + n] for i in range(len(secret) - n + 1)}
+    spans: list[list[int]] = []
+    for i in range(len(text) - n + 1):
+        if text[i : i + n] in grams:
+            if spans and i <= spans[-1][1]:
+                spans[-1][1] = i + n
+            else:
+                spans.append([i, i + n])
+    if not spans:
+        return text
+    out, last = [], 0
+    for a, b in spans:
+        out.append(text[last:a])
+        out.append("****")
+        last = b
+    out.append(text[last:])
+    return "".join(out)
+
+
+def looks_like_key(value: str) -> bool:
+    """Whether ``value`` looks like a credential rather than an environment variable's name.
+
+    True for anything that is not a plain ``[A-Za-z_][A-Za-z0-9_]*`` name, for a known key
+    prefix (``sk-``, ``hf_``, ``gsk_``, ``AKIA`` ...) followed by 16+ characters, and for a
+    name with a 16+ character part (between ``_``) that mixes letters with digits or lower
+    with upper case (``OPENROUTER_API_KEY`` is a name; ``hf_AbC...`` is a key).
+    """
+    if not _ENV_NAME.fullmatch(value):
+        return True
+    if any(value.startswith(p) and len(value) >= len(p) + 16 for p in _KEY_PREFIXES):
+        return True
+    for part in value.split("_"):
+        if len(part) >= 16:
+            has_digit = any(c.isdigit() for c in part)
+            has_lower = any(c.islower() for c in part)
+            has_upper = any(c.isupper() for c in part)
+            if (has_digit and (has_lower or has_upper)) or (has_lower and has_upper):
+                return True
+    return False
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for a short harmless value; a description otherwise (never echo a pasted key)."""
+    r = repr(value)
+    if isinstance(value, str) and (len(value) > 24 or (looks_like_key(value) and len(value) > 12)):
+        return f"a {len(value)}-character string (not shown)"
+    return r if len(r) <= 40 else f"a {type(value).__name__} (not shown)"
+
+
+def _number_fix(field: str, value: Any, integer: bool, example: str) -> str:
+    if isinstance(value, str):
+        v = value.strip()
+        try:
+            num = float(v)
+        except ValueError:
+            num = None
+        if num is not None and math.isfinite(num):
+            low = v.lower()
+            if "e" in low and "." not in low.split("e")[0]:
+                mant, _, exp = low.partition("e")
+                fixed = f"{mant}.0e{exp}"
+                return f"YAML reads {v} (exponent form without a decimal point) as text. HINT: write {field}: {fixed}"
+            if not integer or num.is_integer():
+                plain = int(num) if integer else v
+                return f"It is quoted, so YAML reads it as text. HINT: write {field}: {plain} (no quotes)"
+    kind = "a whole number" if integer else "a number"
+    return f"HINT: write {kind}, e.g. {field}: {example}"
+
+
+def check_number(
+    value: Any,
+    field: str,
+    who: str,
+    *,
+    integer: bool = False,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+    example: str = "1",
+) -> Any:
+    """``value`` if it is a number of the right kind and range; else a :class:`TeacherError` naming ``field``.
+
+    ``minimum`` is inclusive, ``above`` exclusive. Booleans, strings (YAML reads ``2e-6`` as
+    text) and NaN/inf are refused with the fix.
+    """
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or (not integer and not math.isfinite(value)):
+        what = "a whole number" if integer else "a number"
+        raise TeacherError(
+            f"{who}: {field} must be {what}, got {_shown(value)}. {_number_fix(field, value, integer, example)}",
+            field=field,
+        )
+    if minimum is not None and value < minimum:
+        raise TeacherError(
+            f"{who}: {field} must be >= {minimum:g}, got {value!r}. HINT: e.g. {field}: {example}", field=field
+        )
+    if above is not None and value <= above:
+        raise TeacherError(
+            f"{who}: {field} must be > {above:g}, got {value!r}. HINT: e.g. {field}: {example}", field=field
+        )
+    if maximum is not None and value > maximum:
+        raise TeacherError(
+            f"{who}: {field} must be <= {maximum:g}, got {value!r}. HINT: e.g. {field}: {example}", field=field
+        )
+    return value
 
 
 class TeacherCallError(ComposerPluginsError):
@@ -227,14 +373,16 @@ class Teacher:
         prompt_usd_per_token: float = 0.0,
         completion_usd_per_token: float = 0.0,
     ) -> None:
-        if max_concurrency < 1:
-            raise TeacherError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if max_tokens < 1:
-            raise TeacherError(f"max_tokens must be >= 1, got {max_tokens}")
-        if prompt_usd_per_token < 0 or completion_usd_per_token < 0:
-            raise TeacherError("per-token prices must be >= 0")
         self.model = model
         self.id = id or model or self.kind
+        who = f"{self.kind} teacher {self.id!r}"
+        check_number(max_concurrency, "max_concurrency", who, integer=True, minimum=1, example="8")
+        check_number(max_tokens, "max_tokens", who, integer=True, minimum=1, example="512")
+        for name, price in (
+            ("prompt_usd_per_token", prompt_usd_per_token),
+            ("completion_usd_per_token", completion_usd_per_token),
+        ):
+            check_number(price, name, who, minimum=0, example="1.5e-7 (dollars per token)")
         self.max_tokens = int(max_tokens)
         self.max_concurrency = int(max_concurrency)
         self.prompt_usd_per_token = float(prompt_usd_per_token)
@@ -265,6 +413,10 @@ class Teacher:
 
     def check(self) -> None:
         """Fail fast on misconfiguration (missing key variable, missing model) before a run starts."""
+
+    def scrub(self, text: str) -> str:
+        """``text`` without any secret this teacher holds (applied to every failure message it produces)."""
+        return _BEARER.sub(r"\1****", text) if text else text
 
     # -- calling -------------------------------------------------------------------------
     async def complete(

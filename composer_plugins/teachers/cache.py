@@ -5,12 +5,15 @@
   ``synchronous=FULL`` by default, so it is fsynced) *before* the engine uses it, so a run
   killed at any point resumes and re-sends only the calls whose answers never landed.
 * ``ledger``: per run, one ``paid`` row per completed call (committed in the same
-  transaction as its response), one ``maybe`` row per call that got no answer but may have
-  been billed (timeouts, dropped connections), and one ``lease`` row: a durable upper bound
-  of the worst-case cost of the calls the process has in flight, raised *before* a call is
-  sent whenever the in-flight reservations would exceed it. A resumed run starts from the
-  ledger's total and counts a dead process's lease as spent, so the dollar ceiling holds
-  across ``kill -9``.
+  transaction as its response), one ``maybe`` row per call that got no answer after its
+  request was sent (timeouts, dropped connections, unreadable answers), and one ``lease``
+  row per process: a durable upper bound of the worst-case cost of the calls it has sent
+  and not yet recorded. The lease is raised (and committed) *before* a call that it does
+  not cover is sent, and lowered by a call's worst case in the same transaction as that
+  call's ``paid``/``maybe`` row, so every call is counted exactly once: by its row, or by
+  its share of the lease. A resumed run starts from the ledger's total and counts a dead
+  process's lease as possibly spent, so the dollar ceiling holds across ``kill -9`` without
+  counting a settled call twice.
 
 Writes go through one writer thread that commits whatever is queued in a single
 transaction (group commit), so durability costs one fsync per batch, not per call.
@@ -128,7 +131,15 @@ class ReplayCache:
         self.synchronous = synchronous.upper()
         if self.synchronous not in ("FULL", "NORMAL"):
             raise CacheError(f"cache synchronous must be FULL or NORMAL, got {synchronous!r}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            from composer_plugins.teachers.io import path_problem
+
+            raise CacheError(
+                f"cannot create the replay cache {self.path}: "
+                f"{path_problem(self.path) or f'{type(e).__name__}: {e.strerror or e}'}"
+            ) from None
         try:
             self._read = self._connect()
             self._read.executescript(_SCHEMA)
@@ -273,6 +284,29 @@ class ReplayCache:
             )
         ]
 
+    @staticmethod
+    def lease_add_stmts(lease: str, run_id: str, delta: float) -> list[tuple[str, tuple[Any, ...]]]:
+        """Statements that add ``delta`` (negative: lower) to the lease row ``lease`` (created at 0).
+
+        Relative updates commute, so a raise and a lowering queued in either order end at the same total.
+        """
+        now = time.time()
+        if delta >= 0:
+            return [
+                (
+                    "INSERT INTO ledger (attempt, run_id, key, teacher, status, amount, updated) "
+                    "VALUES (?, ?, '', '*', 'lease', ?, ?) "
+                    "ON CONFLICT(attempt) DO UPDATE SET amount = amount + excluded.amount, updated = excluded.updated",
+                    (lease, run_id, float(delta), now),
+                )
+            ]
+        return [
+            (
+                "UPDATE ledger SET amount = MAX(0.0, amount - ?), updated = ? WHERE attempt = ?",
+                (float(-delta), now, lease),
+            )
+        ]
+
     def put(self, key: str, teacher: str, model: str, response: Mapping[str, Any]) -> None:
         """Store a response and wait until it is committed."""
         self.submit(self.put_stmts(key, teacher, model, response)).result()
@@ -288,9 +322,12 @@ class ReplayCache:
     def mark_orphans(self, run_id: str) -> int:
         """Turn ``pending``/``lease`` rows of ``run_id`` (left by a dead process) into ``maybe``; returns how many.
 
-        A lease is the durable upper bound of what a process had in flight; after a crash it
-        is counted at its full amount (the calls may have been billed).
+        A lease holds exactly the worst cases of the calls its process sent and never recorded
+        (plus a few spare worst cases it had raised ahead): the calls that may have been billed
+        unseen. Calls the process did record left the lease in the same transaction as their
+        row, so nothing is counted twice. Empty (0) leases are dropped.
         """
+        self._read.execute("DELETE FROM ledger WHERE run_id = ? AND status = 'lease' AND amount <= 0", (run_id,))
         cur = self._read.execute(
             "UPDATE ledger SET status = 'maybe', updated = ? WHERE run_id = ? AND status IN ('pending', 'lease')",
             (time.time(), run_id),

@@ -13,6 +13,9 @@ import click
 
 from composer_plugins.core.errors import ComposerPluginsError
 
+#: Exit status of ``replay run`` when more calls went unanswered than ``max_unanswered`` allows.
+EXIT_UNANSWERED = 3
+
 
 def _fail(e: Exception) -> None:
     click.secho(f"Error: {e}", err=True, fg="red")
@@ -48,10 +51,24 @@ def run_cmd(config_path: str, overrides: tuple[str, ...], no_progress: bool, fre
     except ComposerPluginsError as e:
         _fail(e)
         return
+    except OSError as e:  # a file problem the checks did not foresee: a message, not a traceback
+        _fail(ComposerPluginsError(f"{type(e).__name__}: {e}"))
+        return
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
-        return
-    _print_summary(summary)
+    else:
+        _print_summary(summary)
+    if not summary.get("ok", True):
+        f = summary["failures"]
+        click.secho(
+            f"Error: {f['unanswered']} of {summary['replay']['jobs']} teacher calls got no answer "
+            f"({f['unanswered_fraction']:.1%}; max_unanswered is {f['max_unanswered']:g}): {f['by_kind']}. "
+            "HINT: fix the cause and rerun (answers already in the cache are not paid again), or raise "
+            "max_unanswered to accept a partial replay.",
+            err=True,
+            fg="red",
+        )
+        sys.exit(EXIT_UNANSWERED)
 
 
 def _print_summary(s: dict[str, Any]) -> None:

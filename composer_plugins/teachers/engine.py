@@ -138,6 +138,7 @@ class _Answer:
     resp: TeacherResponse
     reserve: float
     attempt: str
+    leased: bool = False
 
 
 class ReplayEngine:
@@ -227,9 +228,22 @@ class ReplayEngine:
         self._nonce = uuid.uuid4().hex[:12]
         self._attempts = itertools.count()
         self._use_lease = self.cache is not None and self.durable_reservations and self.max_usd is not None
-        self._lease = 0.0
+        self._lease_id = f"lease:{self._nonce}"
+        # The durable lease is a pool: raised (committed) before a call needs it, lowered by each
+        # call's share in the same transaction as that call's ledger row. In memory:
+        self._lease_pool = 0.0  # committed raises minus submitted lowerings (<= the durable value)
+        self._lease_assigned = 0.0  # shares of calls sent (or about to be) whose row is not yet submitted
+        self._lease_calls = 0  # how many calls hold a share (exact zero when none: no float residue)
+        self._lease_raising = 0.0  # raises submitted, not yet committed
+        self._lease_written = False
+        self._lease_lost = 0.0  # shares of answers that were billed but whose commit failed
+        self._last_share = 0.0
         self._lease_task: asyncio.Task[None] | None = None
-        self._headroom_slots = sum(t.max_concurrency for t in self.teachers)
+        self._pending_rows_usd = 0.0  # reservations of calls whose row is submitted, budget not yet settled
+        slots = sum(t.max_concurrency for t in self.teachers)
+        #: spare worst cases the lease holds beyond what is in flight (so calls start without waiting for
+        #: a write); capped at a tenth of the room left under the ceiling (see _start_raise)
+        self._headroom_calls = max(2, slots)
         self._interrupted = 0
 
     def _lookup(
@@ -335,11 +349,11 @@ class ReplayEngine:
             for task in [*tasks, *finishing]:
                 task.cancel()
             await asyncio.gather(*tasks, *finishing, return_exceptions=True)
-            # no call was cut off mid-flight: nothing unrecorded can have been billed, drop the lease
-            # (otherwise it stays and the next run counts it as spent)
-            if self._interrupted == 0 and self._budget.in_flight == 0:
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await self._release_lease()
+            # shrink the lease to the shares of calls that were sent but never recorded (cut off
+            # mid-flight, or answered and not committed): only those may have been billed unseen.
+            # None: the lease row goes (otherwise the next run would count it as spent).
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self._settle_lease()
             for t in self.teachers:
                 try:
                     await t.aclose()
@@ -395,35 +409,92 @@ class ReplayEngine:
                     self._budget_waiters -= 1
         return True
 
-    async def _ensure_lease(self) -> None:
-        """Make the durable lease cover every reservation in flight before a call is sent."""
-        if not self._use_lease:
-            return
-        assert self.cache is not None and self.max_usd is not None
-        b = self._budget
-        while b.reserved_usd > self._lease * (1 + 1e-12):
+    def _lease_free(self) -> float:
+        return self._lease_pool - self._lease_assigned
+
+    async def _ensure_lease(self, share: float) -> None:
+        """Assign ``share`` of the durable lease to a call about to be sent, raising the lease first if needed.
+
+        Invariant (durable, at every commit): the lease row >= the shares of the calls sent and not
+        yet recorded by a ``paid``/``maybe`` row; so after ``kill -9`` each call counts once: its
+        row, or its share of the lease.
+        """
+        while self._lease_free() < share * (1 - 1e-9):
             if self._lease_task is None or self._lease_task.done():
-                room = max(0.0, self.max_usd - b.spent_usd - b.uncertain_usd)
-                per_call = b.reserved_usd / max(1, b.in_flight)
-                target = min(room, b.reserved_usd + per_call * self._headroom_slots)
-                self._lease_task = asyncio.create_task(self._write_lease(max(target, b.reserved_usd)))
+                self._start_raise(share)
+            assert self._lease_task is not None
             await asyncio.shield(self._lease_task)
+        self._lease_assigned += share
+        self._lease_calls += 1
+        # top up before the spare runs out, so the next calls rarely wait for a write
+        if self._lease_free() < share * self._headroom_calls / 2 and (
+            self._lease_task is None or self._lease_task.done()
+        ):
+            self._start_raise(0.0)
 
-    async def _write_lease(self, amount: float) -> None:
+    def _start_raise(self, share: float) -> None:
+        assert self.max_usd is not None
+        b = self._budget
+        # what the ledger may hold at most: the ceiling minus what is recorded or about to be
+        room = self.max_usd - b.spent_usd - b.uncertain_usd - self._pending_rows_usd
+        have = self._lease_pool + self._lease_raising
+        # spare worst cases beyond what is needed now; a tenth of what is left at most, so a crash
+        # under a tight ceiling leaves little phantom spend (the spare is counted as spent then)
+        spare = max(share, self._last_share) * self._headroom_calls
+        spare = min(spare, 0.1 * max(0.0, room - self._lease_assigned - share))
+        want = self._lease_assigned + share + spare
+        delta = min(want, room) - have
+        if share:
+            self._last_share = share
+            # the reservation of every sent call fits under the ceiling, so this is always possible
+            delta = max(delta, self._lease_assigned + share - have)
+        if delta <= 0:
+            self._lease_task = None
+            return
+        self._lease_task = asyncio.create_task(self._raise_lease(delta))
+        self._lease_task.add_done_callback(_retrieve)
+
+    async def _raise_lease(self, delta: float) -> None:
         assert self.cache is not None
-        await self.cache.acommit(
-            ReplayCache.ledger_stmts(f"lease:{self._nonce}", self.run_id, "", "*", "lease", amount)
-        )
-        self._lease = max(self._lease, amount)
+        self._lease_raising += delta
+        self._lease_written = True
+        try:
+            await self.cache.acommit(ReplayCache.lease_add_stmts(self._lease_id, self.run_id, delta))
+            self._lease_pool += delta
+        finally:
+            self._lease_raising -= delta
 
-    async def _release_lease(self) -> None:
-        if self._use_lease and self.cache is not None and self._lease > 0:
-            if self._lease_task is not None and not self._lease_task.done():
+    def _drop_share(self, share: float) -> None:
+        self._lease_calls = max(0, self._lease_calls - 1)
+        self._lease_assigned = max(0.0, self._lease_assigned - share) if self._lease_calls else 0.0
+
+    def _unlease(self, share: float) -> list[tuple[str, tuple[Any, ...]]]:
+        """Take a call's share off the lease: the statements to commit with its row (in-memory pool lowered now)."""
+        self._drop_share(share)
+        self._lease_pool -= share
+        return ReplayCache.lease_add_stmts(self._lease_id, self.run_id, -share)
+
+    def _unassign(self, share: float) -> None:
+        """A call that provably cost nothing gives its share back to the spare (trimmed when there is too much)."""
+        self._drop_share(share)
+        spare = share * self._headroom_calls
+        excess = self._lease_free() - 2 * spare
+        if excess > 0 and self.cache is not None:
+            self._lease_pool -= excess
+            self.cache.submit(ReplayCache.lease_add_stmts(self._lease_id, self.run_id, -excess))
+
+    async def _settle_lease(self) -> None:
+        """At the end of a run: the lease keeps only the shares of calls sent and never recorded."""
+        if not self._use_lease or not self._lease_written or self.cache is None:
+            return
+        if self._lease_task is not None and not self._lease_task.done():
+            with contextlib.suppress(Exception):
                 await self._lease_task
-            await self.cache.acommit(
-                ReplayCache.ledger_stmts(f"lease:{self._nonce}", self.run_id, "", "*", "released", 0.0)
-            )
-            self._lease = 0.0
+        at_risk = self._lease_assigned + self._lease_lost
+        status = "lease" if at_risk > 0 else "released"
+        await self.cache.acommit(ReplayCache.ledger_stmts(self._lease_id, self.run_id, "", "*", status, at_risk))
+        self._lease_pool = at_risk
+        self._lease_written = at_risk > 0
 
     # -- one call -------------------------------------------------------------------------------------
     async def _call(self, t: Teacher, job: _Job) -> _Answer | CallFailure:
@@ -438,7 +509,7 @@ class ReplayEngine:
             try:
                 reserve = t.max_cost(state.messages)
             except Exception as e:
-                return CallFailure(state.state_id, t.id, "estimate", f"{type(e).__name__}: {e}", retry)
+                return CallFailure(state.state_id, t.id, "estimate", t.scrub(f"{type(e).__name__}: {e}"), retry)
             if not await self._reserve(reserve):
                 return CallFailure(
                     state.state_id,
@@ -448,21 +519,20 @@ class ReplayEngine:
                     retry,
                 )
             attempt = f"{self._nonce}-{next(self._attempts)}"
+            leased = sent = False
             try:
-                if reserve > 0:
-                    await self._ensure_lease()
+                if reserve > 0 and self._use_lease:
+                    await self._ensure_lease(reserve)
+                    leased = True
                 self._stats.calls += 1
                 st.calls += 1
+                sent = True
                 resp = await t.complete(state.messages, metadata=state.metadata)
             except TeacherCallError as e:
                 if e.billed == "maybe" and reserve > 0:
-                    if self.cache is not None:  # durable while the reservation (and the lease) still cover it
-                        await self.cache.acommit(
-                            ReplayCache.ledger_stmts(attempt, self.run_id, key or "", t.id, "maybe", reserve)
-                        )
-                    self._budget.mark_uncertain(reserve)
+                    await self._record_maybe(t, key, attempt, reserve, leased)
                 else:
-                    self._budget.release(reserve)
+                    self._release(reserve, leased)
                 await self._notify_budget()
                 if e.retryable and retry < self.retry.max_retries:
                     if e.retry_after is not None:
@@ -474,19 +544,42 @@ class ReplayEngine:
                     st.retries += 1
                     await asyncio.sleep(delay)
                     continue
-                return CallFailure(state.state_id, t.id, e.kind, str(e), retry + 1)
+                return CallFailure(state.state_id, t.id, e.kind, t.scrub(str(e)), retry + 1)
             except TeacherError:
-                self._budget.release(reserve)
+                self._release(reserve, leased)
                 raise
             except Exception as e:
-                self._budget.release(reserve)
+                self._release(reserve, leased)
                 await self._notify_budget()
-                return CallFailure(state.state_id, t.id, "error", f"{type(e).__name__}: {e}", retry + 1)
-            except BaseException:  # cancelled mid-call: it may have been billed
-                self._interrupted += 1
-                self._budget.mark_uncertain(reserve)
+                return CallFailure(state.state_id, t.id, "error", t.scrub(f"{type(e).__name__}: {e}"), retry + 1)
+            except BaseException:  # cancelled
+                if sent:  # mid-call: it may have been billed; its share stays on the lease
+                    self._interrupted += 1
+                    self._budget.mark_uncertain(reserve)
+                else:
+                    self._release(reserve, leased)
                 raise
-            return _Answer(resp, reserve, attempt)
+            return _Answer(resp, reserve, attempt, leased)
+
+    def _release(self, reserve: float, leased: bool) -> None:
+        if leased:
+            self._unassign(reserve)
+        self._budget.release(reserve)
+
+    async def _record_maybe(self, t: Teacher, key: str | None, attempt: str, reserve: float, leased: bool) -> None:
+        """A call that may have been billed got no answer: a ``maybe`` row (its share leaves the lease with it)."""
+        if self.cache is None:
+            self._budget.mark_uncertain(reserve)
+            return
+        stmts = ReplayCache.ledger_stmts(attempt, self.run_id, key or "", t.id, "maybe", reserve)
+        if leased:
+            stmts += self._unlease(reserve)
+        self._pending_rows_usd += reserve
+        try:
+            await self.cache.acommit(stmts)
+        finally:
+            self._pending_rows_usd -= reserve
+            self._budget.mark_uncertain(reserve)
 
     async def _commit_answer(self, t: Teacher, job: _Job, ans: _Answer) -> TeacherResponse | CallFailure:
         """Commit an answer (cache row + ``paid`` ledger row in one transaction), then settle its reservation."""
@@ -497,13 +590,20 @@ class ReplayEngine:
                 stmts += ReplayCache.put_stmts(key, t.id, resp.model, resp.to_dict())
             if ans.reserve > 0 or resp.cost_usd > 0:
                 stmts += ReplayCache.ledger_stmts(ans.attempt, self.run_id, key or "", t.id, "paid", resp.cost_usd)
+            if ans.leased:
+                stmts += self._unlease(ans.reserve)
         failure: CallFailure | None = None
         if stmts:
             assert self.cache is not None
+            self._pending_rows_usd += ans.reserve
             try:
                 await self.cache.acommit(stmts)
             except CacheError as e:
                 failure = CallFailure(job.state.state_id, t.id, "cache", str(e), 1)
+                if ans.leased:  # billed, and recorded nowhere: the lease keeps its share
+                    self._lease_lost += ans.reserve
+            finally:
+                self._pending_rows_usd -= ans.reserve
         self._budget.settle(ans.reserve, resp.cost_usd)
         st = self._stats.by_teacher[t.id]
         self._stats.completed += 1
@@ -511,6 +611,12 @@ class ReplayEngine:
         st.spent_usd += resp.cost_usd
         await self._notify_budget()
         return failure if failure is not None else resp
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Done-callback of background writes: a failure is logged here (the caller waiting on it sees it too)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("replay: a spend-lease write failed: %s", task.exception())
 
 
 def replay(

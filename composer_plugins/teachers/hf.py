@@ -23,6 +23,7 @@ from composer_plugins.teachers.base import (
     TeacherError,
     TeacherResponse,
     assistant_message,
+    check_number,
     prompt_text,
 )
 
@@ -61,6 +62,11 @@ class HFTeacher(Teacher):
         completion_usd_per_token: float = 0.0,
     ) -> None:
         path = os.fspath(model_path)
+        who = f"hf teacher {id or os.path.basename(path.rstrip('/')) or 'hf'!r}"
+        check_number(max_new_tokens, "max_new_tokens", who, integer=True, minimum=1, example="64")
+        check_number(temperature, "temperature", who, minimum=0, example="0")
+        check_number(top_p, "top_p", who, above=0, maximum=1, example="1.0")
+        check_number(seed, "seed", who, integer=True, example="0")
         super().__init__(
             id=id or os.path.basename(path.rstrip("/")) or "hf",
             model=path,

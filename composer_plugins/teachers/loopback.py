@@ -12,10 +12,21 @@ differently per model (same call after canonicalisation). Usage is reported with
 ``prompt_tokens = ceil(request bytes / 4)``.
 
 Faults are planned per request identity (model + messages): for the identities selected
-by ``fault_rate`` the n-th attempt gets ``plan[n]`` (``429`` with ``Retry-After``,
-``500``/``502``/``503``, ``timeout`` = hang ``hang_s`` then 504, ``malformed`` = a
-truncated 200 body, ``slow`` = ``slow_s`` extra latency then a normal answer); later
-attempts succeed. Only successful 200 answers are *billed*.
+by ``fault_rate`` the n-th attempt gets ``plan[n]``; later attempts succeed. With
+``fault_mode: "attempt"`` every attempt instead draws its own fault with probability
+``fault_rate`` (kind: one of ``plan``, deterministic per identity and attempt number).
+Fault kinds: ``429`` (with ``Retry-After``), ``500``/``502``/``503``, ``timeout`` (hang
+``hang_s`` then 504), ``malformed`` (a truncated 200 body), ``slow`` (``slow_s`` extra
+latency then a normal answer), ``drop`` (the connection is closed without an answer),
+``billed_drop`` (billed, then closed), ``empty`` (billed 200 whose ``choices`` is empty),
+``slow_body`` (billed; half the body, ``slow_s`` pause, the rest) and ``echo`` (a
+malformed 200 that echoes the bare key of the received ``Authorization`` header after
+``echo_pad`` filler characters, like a leaky proxy). Successful answers are *billed*, and so are
+``billed_drop``, ``empty`` and ``slow_body``; ``undelivered`` counts billed answers the
+client cannot have used (a call paid twice because of those is unavoidable).
+
+A wrong key gets a 401 whose body echoes the received ``Authorization`` header (after
+``echo_pad`` filler characters), as some gateways do.
 
 Control endpoints: ``GET /_stats`` (counts, billed usage per identity), ``POST /_config``
 (update latency/faults), ``POST /_reset`` (clear counters).
@@ -68,6 +79,8 @@ class ServerConfig:
     slow_s: float = 0.2
     seed: int = 0
     api_key_env: str | None = None
+    fault_mode: str = "identity"
+    echo_pad: int = 0
 
 
 def request_identity(model: str, messages: Any) -> str:
@@ -123,7 +136,10 @@ class LoopbackServer:
         self.by_status: Counter[str] = Counter()
         self.attempts: Counter[str] = Counter()
         self.billed: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # count, prompt, completion
+        self.undelivered: Counter[str] = Counter()  # billed answers the client cannot have used
+        self.undelivered_usage: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # prompt, completion
         self.times: dict[str, list[float]] = defaultdict(list)  # arrival time of each attempt
+        self.kinds: dict[str, list[str]] = defaultdict(list)  # what each attempt got ("ok" or the fault)
         self.started = time.time()
 
     def _faulty(self, ident: str) -> bool:
@@ -131,6 +147,29 @@ class LoopbackServer:
             return False
         h = int(hashlib.sha256(f"{self.config.seed}:{ident}".encode()).hexdigest()[:8], 16)
         return (h % 10_000) < self.config.fault_rate * 10_000
+
+    def _fault(self, ident: str, attempt: int) -> str | None:
+        cfg = self.config
+        if cfg.fault_mode == "attempt":
+            if cfg.fault_rate <= 0 or not cfg.plan:
+                return None
+            h = int(hashlib.sha256(f"{cfg.seed}:{ident}:{attempt}".encode()).hexdigest()[:12], 16)
+            if (h % 10_000) >= cfg.fault_rate * 10_000:
+                return None
+            return cfg.plan[(h // 10_000) % len(cfg.plan)]
+        return cfg.plan[attempt] if self._faulty(ident) and attempt < len(cfg.plan) else None
+
+    def _bill(self, ident: str, prompt_tokens: int, completion_tokens: int) -> None:
+        b = self.billed[ident]
+        b[0] += 1
+        b[1] += prompt_tokens
+        b[2] += completion_tokens
+
+    def _lost(self, ident: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.undelivered[ident] += 1
+        u = self.undelivered_usage[ident]
+        u[0] += prompt_tokens
+        u[1] += completion_tokens
 
     def _auth_ok(self, header: str | None) -> bool:
         env = self.config.api_key_env
@@ -154,7 +193,10 @@ class LoopbackServer:
             self.by_status["401"] += 1
             # echo what was received, like some gateways do: clients must scrub it from errors
             got = request.headers.get("Authorization", "")
-            body = _dumps({"error": {"message": f"Incorrect API key provided: {got}", "type": "invalid_request_error"}})
+            pad = "." * self.config.echo_pad
+            body = _dumps(
+                {"error": {"message": f"Incorrect API key provided{pad}: {got}", "type": "invalid_request_error"}}
+            )
             return web.Response(status=401, body=body, content_type="application/json")
         try:
             req = _loads(raw)
@@ -169,7 +211,8 @@ class LoopbackServer:
         self.attempts[ident] += 1
         self.times[ident].append(time.monotonic())
         cfg = self.config
-        fault = cfg.plan[attempt] if self._faulty(ident) and attempt < len(cfg.plan) else None
+        fault = self._fault(ident, attempt)
+        self.kinds[ident].append(fault or "ok")
         if cfg.latency_s:
             await asyncio.sleep(cfg.latency_s)
         if fault in ("429", "500", "502", "503"):
@@ -188,6 +231,15 @@ class LoopbackServer:
             )
         if fault == "slow":
             await asyncio.sleep(cfg.slow_s)
+        if fault == "drop":
+            self.by_status["drop"] += 1
+            return self._drop(request)
+        if fault == "echo":
+            self.by_status["echo"] += 1
+            got = request.headers.get("Authorization", "").removeprefix("Bearer ")  # the bare key
+            pad = "." * cfg.echo_pad
+            leaky = f'{{"upstream": "{pad}{got}", "choi'.encode()
+            return web.Response(status=200, body=leaky, content_type="application/json")
         content, tool_calls = scripted_answer(model, messages)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
@@ -197,10 +249,21 @@ class LoopbackServer:
         max_tokens = req.get("max_tokens") or req.get("max_completion_tokens")
         if isinstance(max_tokens, int):
             completion_tokens = min(completion_tokens, max_tokens)
-        b = self.billed[ident]
-        b[0] += 1
-        b[1] += prompt_tokens
-        b[2] += completion_tokens
+        self._bill(ident, prompt_tokens, completion_tokens)
+        if fault == "billed_drop":
+            self.by_status["billed_drop"] += 1
+            self._lost(ident, prompt_tokens, completion_tokens)
+            return self._drop(request)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if fault == "empty":
+            self.by_status["empty"] += 1
+            self._lost(ident, prompt_tokens, completion_tokens)
+            empty = {"id": f"chatcmpl-{ident[:12]}-{attempt}", "model": model, "choices": [], "usage": usage}
+            return web.Response(body=_dumps(empty), content_type="application/json")
         self.by_status["200"] += 1
         body = {
             "id": f"chatcmpl-{ident[:12]}-{attempt}",
@@ -208,13 +271,37 @@ class LoopbackServer:
             "created": int(time.time()),
             "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if tool_calls else "stop"}],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": usage,
         }
+        if fault == "slow_body":
+            return await self._slow_body(request, ident, _dumps(body), prompt_tokens, completion_tokens)
         return web.Response(body=_dumps(body), content_type="application/json")
+
+    def _drop(self, request: Any) -> Any:
+        """Close the connection without an answer (the client sees a dropped connection)."""
+        from aiohttp import web
+
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=200)  # never reaches the client: the transport is gone
+
+    async def _slow_body(self, request: Any, ident: str, data: bytes, pt: int, ct: int) -> Any:
+        from aiohttp import web
+
+        self.by_status["slow_body"] += 1
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        resp.content_length = len(data)
+        try:
+            await resp.prepare(request)
+            await resp.write(data[: len(data) // 2])
+            await asyncio.sleep(self.config.slow_s)
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("client went away")
+            await resp.write(data[len(data) // 2 :])
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            self._lost(ident, pt, ct)
+        return resp
 
     async def stats(self, request: Any) -> Any:
         from aiohttp import web
@@ -225,9 +312,12 @@ class LoopbackServer:
             "by_status": dict(self.by_status),
             "billed_calls": sum(v[0] for v in self.billed.values()),
             "billed": {k: v for k, v in self.billed.items()},
+            "undelivered": dict(self.undelivered),
+            "undelivered_usage": {k: v for k, v in self.undelivered_usage.items()},
             "attempts": dict(self.attempts),
             "faulty": [k for k in self.attempts if self._faulty(k)],
             "times": dict(self.times),
+            "kinds": dict(self.kinds),
             "config": asdict(self.config),
         }
         return web.Response(body=_dumps(data), content_type="application/json")

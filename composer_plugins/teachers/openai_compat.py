@@ -13,9 +13,12 @@ is the default and httpx is kept for environments that prefer it.
 
 from __future__ import annotations
 
+import contextvars
 import email.utils
+import functools
 import os
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -26,8 +29,11 @@ from composer_plugins.teachers.base import (
     TeacherError,
     TeacherResponse,
     assistant_message,
+    check_number,
     estimate_prompt_tokens,
+    looks_like_key,
     render_action,
+    scrub_secret,
 )
 
 try:  # orjson is optional; it parses responses ~5x faster than json
@@ -50,6 +56,88 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
+
+#: How much of an error body goes into an error message (after the key has been scrubbed from it).
+ERROR_BODY_CHARS = 300
+MALFORMED_BODY_CHARS = 200
+
+
+class _Sent:
+    """Set by the HTTP client once request bytes may have left this process."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
+#: The attempt in progress in this task (aiohttp runs the connector in the caller's task).
+_ATTEMPT: contextvars.ContextVar[_Sent | None] = contextvars.ContextVar("openai_teacher_attempt", default=None)
+
+
+@functools.cache
+def _connector_class() -> Any:
+    """A ``TCPConnector`` that marks the current attempt as sent once it holds a connection.
+
+    Everything before that (URL checks, DNS, connecting, TLS, waiting for a pool slot) sends
+    nothing; from there on the request is written. Cheaper than aiohttp's tracing, which costs
+    tens of microseconds per request.
+    """
+    import aiohttp
+
+    class _MarkingConnector(aiohttp.TCPConnector):
+        async def connect(self, *args: Any, **kwargs: Any) -> Any:
+            conn = await super().connect(*args, **kwargs)
+            flag = _ATTEMPT.get()
+            if flag is not None:
+                flag.sent = True
+            return conn
+
+    return _MarkingConnector
+
+
+def check_base_url(base_url: object, who: str) -> str:
+    """``base_url`` without a trailing ``/`` if it is an ``http(s)://host[:port][/path]`` URL; else a
+    :class:`TeacherError` naming ``base_url`` and the fix.
+
+    A URL that carries credentials (``user:pass@``) or a query string is refused without being
+    echoed: it may hold a key.
+    """
+    example = "e.g. base_url: https://api.openai.com/v1 or http://127.0.0.1:8000/v1"
+    if not isinstance(base_url, str) or not base_url.strip():
+        raise TeacherError(f"{who}: base_url must be a URL ({example}).", field="base_url")
+    url = base_url.strip()
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, _port = parts.hostname, parts.port
+    except ValueError as e:
+        if "@" in url or "?" in url:
+            raise TeacherError(f"{who}: base_url is not a valid URL ({e}). HINT: {example}", field="base_url") from None
+        raise TeacherError(
+            f"{who}: base_url {url!r} is not a valid URL ({e}). HINT: {example}", field="base_url"
+        ) from None
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        raise TeacherError(
+            f"{who}: base_url must not carry credentials (user:password@), a query (?...) or a fragment "
+            "(not shown: it may hold a key). HINT: put the key in an environment variable and name it in "
+            "api_key_env; base_url is only the endpoint root, e.g. https://openrouter.ai/api/v1",
+            field="base_url",
+        )
+    if "://" not in url or parts.scheme.lower() not in ("http", "https"):
+        fix = (
+            f"write base_url: http://{url} (https:// for a remote provider)"
+            if "://" not in url
+            else "use http:// (a local server) or https:// (a remote provider)"
+        )
+        raise TeacherError(
+            f"{who}: base_url {url!r} has no http:// or https:// scheme, so no request can be sent to it. HINT: {fix}",
+            field="base_url",
+        )
+    if not host:
+        raise TeacherError(f"{who}: base_url {url!r} has no host. HINT: {example}", field="base_url")
+    if any(c.isspace() for c in url):
+        raise TeacherError(f"{who}: base_url {url!r} contains whitespace. HINT: {example}", field="base_url")
+    return url.rstrip("/")
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -124,23 +212,42 @@ class OpenAITeacher(Teacher):
             prompt_usd_per_token=prompt_usd_per_token,
             completion_usd_per_token=completion_usd_per_token,
         )
+        who = f"openai teacher {self.id!r}"
         if not model:
-            raise TeacherError("openai teacher: `model` is required (the model name sent to the endpoint)")
+            raise TeacherError(
+                "openai teacher: `model` is required (the model name sent to the endpoint)", field="model"
+            )
         if http_client not in ("aiohttp", "httpx"):
             raise TeacherError(
-                f"openai teacher {self.id!r}: http_client must be 'aiohttp' or 'httpx', got {http_client!r}"
+                f"{who}: http_client must be 'aiohttp' or 'httpx', got {http_client!r}", field="http_client"
             )
-        if api_key_env is not None and (not isinstance(api_key_env, str) or not api_key_env.isidentifier()):
+        if api_key_env is not None and (not isinstance(api_key_env, str) or looks_like_key(api_key_env)):
+            # never echo it: what was pasted here is often the key itself
             raise TeacherError(
-                f"openai teacher {self.id!r}: api_key_env must be the NAME of an environment variable "
-                "(e.g. OPENROUTER_API_KEY), not the key itself"
+                f"{who}: api_key_env must be the NAME of an environment variable (e.g. OPENROUTER_API_KEY); "
+                "the value given is not a variable name or looks like a key itself (not shown). "
+                "HINT: export the key in a variable (export OPENROUTER_API_KEY=...) and put only the "
+                "variable's name here; if a real key was pasted into a file, rotate it",
+                field="api_key_env",
             )
         for h in headers or {}:
-            if h.lower() in ("authorization", "api-key", "x-api-key"):
+            if h.lower() in ("authorization", "api-key", "x-api-key", "proxy-authorization"):
                 raise TeacherError(
-                    f"openai teacher {self.id!r}: do not pass the key in headers; set api_key_env to the variable name"
+                    f"{who}: do not pass the key in headers; set api_key_env to the variable name", field="headers"
                 )
-        self.base_url = base_url.rstrip("/")
+        check_number(timeout_s, "timeout_s", who, above=0, example="60 (seconds per attempt)")
+        if temperature is not None:
+            check_number(temperature, "temperature", who, minimum=0, example="0")
+        if top_p is not None:
+            check_number(top_p, "top_p", who, above=0, maximum=1, example="0.95")
+        if seed is not None:
+            check_number(seed, "seed", who, integer=True, example="0")
+        if not isinstance(max_tokens_param, str) or not max_tokens_param:
+            raise TeacherError(
+                f"{who}: max_tokens_param must be a field name such as max_tokens or max_completion_tokens",
+                field="max_tokens_param",
+            )
+        self.base_url = check_base_url(base_url, who)
         self.url = self.base_url + "/chat/completions"
         self.api_key_env = api_key_env
         self.temperature = temperature
@@ -196,11 +303,20 @@ class OpenAITeacher(Teacher):
 
     def _scrub(self, text: str) -> str:
         key = self._api_key
-        if key is not None:
-            raw = key.reveal()
-            if raw and raw in text:
-                text = text.replace(raw, "****")
-        return text
+        return scrub_secret(text, key.reveal() if key is not None else None)
+
+    def scrub(self, text: str) -> str:
+        return self._scrub(text)
+
+    def _snippet(self, body: bytes, limit: int) -> str:
+        """The first ``limit`` characters of ``body``, scrubbed *before* the cut.
+
+        Enough is decoded that a key fragment crossing the cut is seen whole by the scrubber.
+        """
+        key = self._api_key
+        extra = 2 * len(key.reveal()) if key is not None else 0
+        text = body[: 4 * limit + extra + 64].decode("utf-8", "replace")
+        return self._scrub(text)[:limit]
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json", **self.extra_headers}
@@ -232,7 +348,7 @@ class OpenAITeacher(Teacher):
         except Exception as e:
             raise TeacherCallError(
                 f"teacher {self.id!r}: malformed response body from {self.url} ({type(e).__name__}): "
-                f"{self._scrub(raw[:200].decode('utf-8', 'replace'))!r}",
+                f"{self._snippet(raw, MALFORMED_BODY_CHARS)!r}",
                 retryable=True,
                 status=200,
                 billed="maybe",
@@ -260,7 +376,7 @@ class OpenAITeacher(Teacher):
         )
 
     def _status_error(self, status: int, body: bytes, retry_after: str | None) -> TeacherCallError:
-        snippet = self._scrub(body[:300].decode("utf-8", "replace"))
+        snippet = self._snippet(body, ERROR_BODY_CHARS)
         retryable = status in RETRYABLE_STATUS
         hint = ""
         if status in (401, 403):
@@ -291,7 +407,12 @@ class OpenAITeacher(Teacher):
             raise self._status_error(status, body, retry_after)
         return self._parse(body, messages, latency)
 
-    # -- aiohttp -------------------------------------------------------------------------
+    # -- transports ----------------------------------------------------------------------
+    # Each attempt carries a ``_Sent`` flag the HTTP client sets once the request can go out (aiohttp:
+    # a connection is held; httpx: request headers are being written). A failure before that (bad
+    # URL, DNS, refused connection, TLS, connect timeout, pool wait) cannot have been billed:
+    # ``billed="no"``. After it, a failure without an answer may have been: ``billed="maybe"``, and
+    # the engine books the worst case as uncertain spend.
     def _loop_session(self) -> Any:
         import asyncio
 
@@ -301,7 +422,7 @@ class OpenAITeacher(Teacher):
         if self.http_client == "aiohttp":
             import aiohttp
 
-            connector = aiohttp.TCPConnector(limit=self.max_concurrency, ttl_dns_cache=300)
+            connector = _connector_class()(limit=self.max_concurrency, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
@@ -320,59 +441,86 @@ class OpenAITeacher(Teacher):
         s = self._session
         return bool(getattr(s, "closed", False) or getattr(s, "is_closed", False))
 
-    async def _post_aiohttp(self, payload: bytes, headers: dict[str, str]) -> tuple[int, bytes, str | None]:
+    def _failed(self, e: BaseException, sent: bool, *, kind: str | None = None) -> TeacherCallError:
+        """The :class:`TeacherCallError` of an attempt that got no HTTP response."""
+        what = f"{type(e).__name__}: {self._scrub(str(e))}"
+        if kind == "timeout":
+            return self._timeout_error(sent)
+        if not sent:
+            return TeacherCallError(
+                f"teacher {self.id!r}: cannot send to {self.url} (nothing was sent, nothing billed): {what}",
+                retryable=kind != "client",
+                billed="no",
+                kind="connect" if kind != "client" else "client",
+            )
+        return TeacherCallError(
+            f"teacher {self.id!r}: connection to {self.base_url} failed mid-request: {what}",
+            retryable=kind != "client",
+            billed="maybe",
+            kind="disconnect" if kind != "client" else "client",
+        )
 
+    async def _post_aiohttp(self, payload: bytes, headers: dict[str, str]) -> tuple[int, bytes, str | None]:
         import aiohttp
 
         session = self._loop_session()
+        flag = _Sent()
+        token = _ATTEMPT.set(flag)
         try:
             async with session.post(self.url, data=payload, headers=headers) as resp:
                 body = await resp.read()
                 return resp.status, body, resp.headers.get("Retry-After")
-        except TimeoutError:
-            raise self._timeout_error() from None
-        except aiohttp.ClientConnectorError as e:
-            raise TeacherCallError(
-                f"teacher {self.id!r}: cannot connect to {self.base_url}: {self._scrub(str(e.os_error))}",
-                retryable=True,
-                billed="no",
-                kind="connect",
-            ) from None
+        except TimeoutError as e:  # also aiohttp's ConnectionTimeoutError (before sending)
+            raise self._failed(e, flag.sent, kind="timeout") from None
+        except (aiohttp.InvalidURL, getattr(aiohttp, "NonHttpUrlClientError", aiohttp.InvalidURL)):
+            raise self._bad_url() from None
         except aiohttp.ClientError as e:
-            raise TeacherCallError(
-                f"teacher {self.id!r}: connection to {self.base_url} failed mid-request: "
-                f"{type(e).__name__}: {self._scrub(str(e))}",
-                retryable=True,
-                billed="maybe",
-                kind="disconnect",
-            ) from None
+            raise self._failed(e, flag.sent) from None
+        except Exception as e:  # anything else from the client (a bad header value ...): not worth retrying
+            raise self._failed(e, flag.sent, kind="client") from None
+        finally:
+            _ATTEMPT.reset(token)
 
     async def _post_httpx(self, payload: bytes, headers: dict[str, str]) -> tuple[int, bytes, str | None]:
         import httpx
 
         client = self._loop_session()
+        flag = _Sent()
+
+        async def trace(event: str, info: Any) -> None:
+            if "send_request_headers" in event:
+                flag.sent = True
+
         try:
-            resp = await client.post(self.url, content=payload, headers=headers)
-        except httpx.TimeoutException:
-            raise self._timeout_error() from None
-        except httpx.ConnectError as e:
-            raise TeacherCallError(
-                f"teacher {self.id!r}: cannot connect to {self.base_url}: {self._scrub(str(e))}",
+            resp = await client.post(self.url, content=payload, headers=headers, extensions={"trace": trace})
+        except httpx.TimeoutException as e:
+            raise self._failed(e, flag.sent, kind="timeout") from None
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL):
+            raise self._bad_url() from None
+        except httpx.HTTPError as e:
+            raise self._failed(e, flag.sent) from None
+        except Exception as e:
+            raise self._failed(e, flag.sent, kind="client") from None
+        return resp.status_code, resp.content, resp.headers.get("Retry-After")
+
+    def _bad_url(self) -> TeacherCallError:
+        return TeacherCallError(
+            f"teacher {self.id!r}: the HTTP client refused the URL {self.url!r} (nothing was sent, nothing billed). "
+            "HINT: base_url must look like https://host[:port]/v1",
+            retryable=False,
+            billed="no",
+            kind="bad_url",
+        )
+
+    def _timeout_error(self, sent: bool = True) -> TeacherCallError:
+        if not sent:
+            return TeacherCallError(
+                f"teacher {self.id!r}: could not connect to {self.base_url} within {self.timeout_s:g}s "
+                "(nothing was sent, nothing billed)",
                 retryable=True,
                 billed="no",
                 kind="connect",
-            ) from None
-        except httpx.HTTPError as e:
-            raise TeacherCallError(
-                f"teacher {self.id!r}: connection to {self.base_url} failed mid-request: "
-                f"{type(e).__name__}: {self._scrub(str(e))}",
-                retryable=True,
-                billed="maybe",
-                kind="disconnect",
-            ) from None
-        return resp.status_code, resp.content, resp.headers.get("Retry-After")
-
-    def _timeout_error(self) -> TeacherCallError:
+            )
         return TeacherCallError(
             f"teacher {self.id!r}: no response from {self.url} within {self.timeout_s:g}s",
             retryable=True,

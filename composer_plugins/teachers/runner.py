@@ -22,6 +22,7 @@ Example config (every key but ``traces`` and ``teachers`` is optional)::
     retry: {max_retries: 6, backoff_base_s: 0.5, backoff_max_s: 30}
     output: {pairs: data/pairs.jsonl, responses: data/responses.jsonl}
     normalize: {enabled: true}         # recipe: path to a data-juicer recipe (default: the shipped one)
+    max_unanswered: 0.0                # fraction of calls that may end without an answer (else exit 3)
 
 Relative paths are relative to the working directory (what DVC stages expect).
 """
@@ -98,6 +99,9 @@ class ReplayConfig:
     limit: int | None = None
     progress: bool = True
     seed: int = 0
+    #: Largest fraction of (state, teacher) calls that may end without an answer (retries spent,
+    #: budget-skipped, errors; an oracle's abstention is an answer) before ``replay run`` fails.
+    max_unanswered: float = 0.0
     consensus: ConsensusConfig = field(default_factory=ConsensusConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -133,8 +137,42 @@ def parse_config(cfg: Config) -> ReplayConfig:
     if rc.consensus.k > len(rc.teachers):
         raise cfg.error("consensus.k", f"k={rc.consensus.k} but only {len(rc.teachers)} teacher(s) are configured.")
     if rc.budget.max_usd is not None and rc.budget.max_usd < 0:
-        raise cfg.error("budget.max_usd", "must be >= 0.")
+        raise cfg.error("budget.max_usd", f"must be >= 0, got {rc.budget.max_usd}. HINT: e.g. budget: {{max_usd: 5.0}}")
+    if not 0 <= rc.max_unanswered <= 1:
+        raise cfg.error(
+            "max_unanswered",
+            f"must be a fraction between 0 and 1, got {rc.max_unanswered}. "
+            "HINT: 0 fails the run on any unanswered call, 0.05 tolerates 5%, 1 never fails it.",
+        )
+    if rc.limit is not None and rc.limit < 1:
+        raise cfg.error("limit", f"must be >= 1 (or null for every state), got {rc.limit}.")
+    r = rc.retry
+    for name in ("max_retries", "backoff_base_s", "backoff_max_s", "retry_after_max_s"):
+        if getattr(r, name) < 0:
+            raise cfg.error(f"retry.{name}", f"must be >= 0, got {getattr(r, name)}.")
+    _check_paths(rc, cfg)
     return rc
+
+
+def _check_paths(rc: ReplayConfig, cfg: Config) -> None:
+    """Refuse, before any call is paid for, a cache or output path that cannot be created."""
+    from composer_plugins.teachers.io import path_problem
+
+    paths = [("cache.path", rc.cache.path)] if rc.cache.enabled else []
+    paths += [(f"output.{k}", getattr(rc.output, k)) for k in ("pairs", "raw_pairs", "responses", "summary")]
+    seen: dict[str, str] = {}
+    for key, path in paths:
+        if path is None:
+            continue
+        if not isinstance(path, str) or not path:
+            raise cfg.error(key, f"expected a file path, got {path!r}.")
+        problem = path_problem(path)
+        if problem:
+            raise cfg.error(key, problem)
+        full = os.path.abspath(path)
+        if full in seen:
+            raise cfg.error(key, f"{path} is also {seen[full]}; each output needs its own file.")
+        seen[full] = key
 
 
 def build_teachers(specs: list[Any], cfg: Config | None = None) -> list[Teacher]:
@@ -151,7 +189,9 @@ def build_teachers(specs: list[Any], cfg: Config | None = None) -> list[Teacher]
             if m:
                 raise cfg.error(f"{key}.{m.group(1)}", "unknown teacher argument.", valid=valid) from None
             raise cfg.error(key, f"bad teacher arguments: {e}", valid=valid) from None
-        except (TeacherError, UnknownPluginError) as e:
+        except TeacherError as e:
+            raise cfg.error(f"{key}.{e.field}" if e.field else key, str(e)) from None
+        except UnknownPluginError as e:
             raise cfg.error(key, str(e)) from None
         if not isinstance(t, Teacher):
             raise cfg.error(key, f"built {type(t).__name__}, which is not a Teacher")
@@ -172,6 +212,10 @@ def _param_names(spec: Any) -> list[str] | None:
         return ["name", *[p for p in inspect.signature(factory).parameters if p not in ("self",)]]
     except Exception:
         return None
+
+
+#: Failure kinds that are a teacher's answer rather than a missing one (an oracle abstaining).
+ANSWER_KINDS = frozenset({"abstain"})
 
 
 def default_run_id(rc: ReplayConfig) -> str:
@@ -250,15 +294,21 @@ def build_summary(
     kinds: dict[str, int] = {}
     for f in result.failures:
         kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    unanswered = sum(n for k, n in kinds.items() if k not in ANSWER_KINDS)
+    frac = unanswered / st.jobs if st.jobs else 0.0
     return redact(
         {
             "run_id": run_id,
             "states": n_states,
             "teachers": [{"id": t.id, "kind": t.kind, "model": t.model} for t in teachers],
             "replay": st.to_dict(),
+            "ok": frac <= rc.max_unanswered,
             "failures": {
                 "total": len(result.failures),
                 "by_kind": kinds,
+                "unanswered": unanswered,
+                "unanswered_fraction": frac,
+                "max_unanswered": rc.max_unanswered,
                 "examples": [f.message for f in result.failures[:5]],
             },
             "pairs": pair_stats,

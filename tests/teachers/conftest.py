@@ -23,6 +23,8 @@ DEFAULT_SERVER = {
     "hang_s": 2.0,
     "slow_s": 0.2,
     "seed": 0,
+    "fault_mode": "identity",
+    "echo_pad": 0,
 }
 
 
