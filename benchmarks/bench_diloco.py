@@ -1,9 +1,9 @@
 """DiLoCo vs DDP: bytes all-reduced per inner step, and held-out loss at equal tokens vs one replica.
 
-All runs train the same tiny causal LM (:class:`composer_plugins.core.diloco.ToyCausalLM`) on the same
+All runs train the same tiny causal LM (:class:`composer_plugins.diloco.strategy.ToyCausalLM`) on the same
 synthetic Markov-chain data, each replica/rank on its own shard, batch ``B`` per replica per step.
 
-* **DiLoCo**: ``R`` replica processes + a torchft lighthouse (``composer_plugins.core.launch``), ``S``
+* **DiLoCo**: ``R`` replica processes + a torchft lighthouse (``composer_plugins.diloco.launch``), ``S``
   inner steps each, sync every ``H``. Bytes = what torchft hands to its gloo process group's ``allreduce``
   (counted by a wrapper around ``torchft.ProcessGroupGloo``).
 * **DDP**: ``R`` processes of ``torch.nn.parallel.DistributedDataParallel`` over gloo, ``S`` steps; bytes
@@ -81,7 +81,7 @@ def ddp_worker(rank: int, world: int, port: int, toy_json: str, out: str, timeou
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from composer_plugins.core.diloco import ToyConfig, toy_eval_loss, toy_model, toy_stream
+    from composer_plugins.diloco.strategy import ToyConfig, toy_eval_loss, toy_model, toy_stream
 
     torch.set_num_threads(1)
     toy = ToyConfig(**json.loads(toy_json))
@@ -208,7 +208,7 @@ def _run_ddp(
 
 
 def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    from composer_plugins.core.launch import LaunchError, ReplicaGroup, replica_argv
+    from composer_plugins.diloco.launch import LaunchError, ReplicaGroup, replica_argv
 
     log_dir = tmp / f"diloco_h{h}"
     overrides = [f"diloco.sync_every={h}"] + [f"toy.{k}={v}" for k, v in toy.items()]
@@ -232,7 +232,7 @@ def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path) -> dict[s
 
 
 def _run_single(steps: int, toy: dict[str, Any]) -> dict[str, Any]:
-    from composer_plugins.core.diloco import run_toy
+    from composer_plugins.diloco.strategy import run_toy
 
     os.environ.pop("TORCHFT_LIGHTHOUSE", None)
     return run_toy({"toy": {**toy, "max_steps": steps}})

@@ -5,8 +5,8 @@ same group size, sampling settings and completion budget. Per step they generate
 per prompt (HF ``generate``, KV cache), score them with the env, compute group advantages, run the
 policy forward/backward on the loss and take an optimizer step.
 
-* ``composed``: :class:`~composer_plugins.core.module.ComposerModule` driven by the project's
-  Lightning ``Trainer`` (:func:`~composer_plugins.core.train.build_trainer`: checkpoints off,
+* ``composed``: :class:`~composer_plugins.training.module.ComposerModule` driven by the project's
+  Lightning ``Trainer`` (:func:`~composer_plugins.training.train.build_trainer`: checkpoints off,
   progress bar off, grad clipping on); the step time is measured between consecutive batch starts,
   so Lightning's loop overhead (logging, hooks) is included.
 * ``raw``: the same computation written as a plain loop over the primitives (generate, reward,
@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _cfg(tmp: str, quick: bool, hint: bool) -> Any:
-    from composer_plugins.core.train import loads_train_config
+    from composer_plugins.training.train import loads_train_config
 
     losses = "grpo: {weight: 1.0}\n  hint_distill: {weight: 0.5, enabled: %s}" % ("true" if hint else "false")
     text = f"""
@@ -57,8 +57,8 @@ sft: {{progress: false}}
 
 
 def _tasks(env: Any, cfg: Any, steps: int) -> list[list[dict[str, Any]]]:
-    from composer_plugins.core.module import derive_seed
-    from composer_plugins.core.train import task_drawer
+    from composer_plugins.training.module import derive_seed
+    from composer_plugins.training.train import task_drawer
 
     draw = task_drawer(env, cfg, "train")
     return [draw(cfg.rollout.prompts_per_step, derive_seed(cfg.seed, 0, i)) for i in range(steps)]
@@ -80,7 +80,7 @@ def composed_steps(module: Any, cfg: Any, batches: list[list[dict[str, Any]]], o
     """Run ``batches`` through ``ComposerModule`` + the project's Trainer; per-step seconds and tokens."""
     from lightning.pytorch.callbacks import Callback
 
-    from composer_plugins.core.train import build_trainer
+    from composer_plugins.training.train import build_trainer
 
     marks: list[float] = []
     tokens: list[float] = []
@@ -110,10 +110,10 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
     """The same step as a plain PyTorch loop over the primitives."""
     import torch
 
-    from composer_plugins.core.module import derive_seed, env_rewards, task_prompt, teacher_contexts
     from composer_plugins.losses import functional as F
     from composer_plugins.models.generation import generate_completions, tokenize_prompts
     from composer_plugins.models.logprobs import completion_hidden, completion_logprobs, lm_head_weight
+    from composer_plugins.training.module import derive_seed, env_rewards, task_prompt, teacher_contexts
 
     r = cfg.rollout
     out = []
@@ -220,9 +220,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from composer_plugins.core.module import ComposerModule
-    from composer_plugins.core.train import build_channels, build_env, build_hint_provider, resolve_policy
     from composer_plugins.models.tiny import load_policy
+    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.train import build_channels, build_env, build_hint_provider, resolve_policy
 
     torch.set_num_threads(1)
     rounds = 2 if quick else 3

@@ -1,6 +1,6 @@
 """The in-process pieces the backends share: policy, env, seeded task draws, rollouts, optimizer.
 
-Built from the same :class:`~composer_plugins.core.train.TrainConfig` helpers the native
+Built from the same :class:`~composer_plugins.training.train.TrainConfig` helpers the native
 Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``), so a
 backend differs from the native path only in the trainer, never in the data or the reward.
 """
@@ -41,7 +41,7 @@ class LocalRun:
 
     def __init__(self, cfg: Any, src: Any = None, *, policy: Any = None, tokenizer: Any = None,
                  env: Any = None) -> None:  # fmt: skip
-        from composer_plugins.core import train as T
+        from composer_plugins.training import train as T
 
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
@@ -57,13 +57,13 @@ class LocalRun:
 
     def tasks(self, step: int) -> list[dict[str, Any]]:
         """The prompts of ``step`` (depend only on ``cfg.seed`` and ``step``)."""
-        from composer_plugins.core.module import derive_seed
+        from composer_plugins.training.module import derive_seed
 
         return self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))
 
     def rollout(self, step: int) -> tuple[list[dict[str, Any]], Any, list[float], list[Any]]:
         """``(tasks, rollout, rewards, feedback)`` of ``step``."""
-        from composer_plugins.core.module import derive_seed, env_rewards, task_prompt
+        from composer_plugins.training.module import derive_seed, env_rewards, task_prompt
 
         tasks = self.tasks(step)
         ro = generate(self.policy, self.tokenizer, self.cfg, [task_prompt(t) for t in tasks],

@@ -7,7 +7,7 @@ One training step, driven by :class:`MonarchBackend` from the client process:
    prompts with HF ``generate``) returns the rollout;
 3. the :class:`RewarderActor` scores the completions with the env plugin (``env.reward``);
 4. the :class:`TrainerActor` applies the composed loss (the native
-   :class:`~composer_plugins.core.module.ComposerModule` step on the received rollout: group
+   :class:`~composer_plugins.training.module.ComposerModule` step on the received rollout: group
    advantages, policy forward, hint-teacher forward, replay pairs, ``ChannelComposer``) and
    takes an optimizer step;
 5. the trainer's new weights are sent back to every generator (``load_weights``).
@@ -33,10 +33,10 @@ from torch import Tensor
 
 from composer_plugins.backends import _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
 from composer_plugins.backends.base import Backend, scalar_metrics
-from composer_plugins.core import module as _module  # noqa: F401
-from composer_plugins.core import train as _train  # noqa: F401
 from composer_plugins.models import generation as _generation  # noqa: F401
 from composer_plugins.models import tiny as _tiny  # noqa: F401
+from composer_plugins.training import module as _module  # noqa: F401
+from composer_plugins.training import train as _train  # noqa: F401
 
 #: Actors placed in the same process are constructed concurrently; their (lazy) imports of
 #: lightning/transformers modules must not interleave (Python raises _DeadlockError), so the
@@ -55,7 +55,7 @@ __all__ = [
 
 
 def _config(config: Mapping[str, Any]) -> Any:
-    from composer_plugins.core.train import train_config_from_dict
+    from composer_plugins.training.train import train_config_from_dict
 
     return train_config_from_dict(config)
 
@@ -158,7 +158,7 @@ class RewarderActor(Actor):
     """Owns the env plugin: draws the seeded tasks of each step and scores completions with ``env.reward``."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        from composer_plugins.core import train as T
+        from composer_plugins.training import train as T
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -169,14 +169,14 @@ class RewarderActor(Actor):
     @endpoint
     async def tasks(self, step: int) -> list[dict[str, Any]]:
         """The tasks of ``step`` (seeded by ``config.seed`` and ``step``)."""
-        from composer_plugins.core.module import derive_seed
+        from composer_plugins.training.module import derive_seed
 
         return [dict(t) for t in self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))]
 
     @endpoint
     async def score(self, tasks: list[dict[str, Any]], completions: list[str]) -> list[float]:
         """``env.reward`` of each completion (``G`` per task, in order)."""
-        from composer_plugins.core.module import env_rewards
+        from composer_plugins.training.module import env_rewards
 
         return env_rewards(self.env, tasks, completions, self.cfg.rollout.num_generations)
 
@@ -186,8 +186,8 @@ class TrainerActor(Actor):
 
     def __init__(self, config: dict[str, Any], model_dir: str) -> None:
         from composer_plugins.backends._rollout import build_optimizer
-        from composer_plugins.core.module import ComposerModule
         from composer_plugins.models.tiny import load_policy
+        from composer_plugins.training.module import ComposerModule
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -215,7 +215,7 @@ class TrainerActor(Actor):
     async def train_step(self, tasks: list[dict[str, Any]], rollout: dict[str, Any], rewards: list[float],
                          step: int) -> dict[str, float]:  # fmt: skip
         """One optimizer step of the composed loss on ``rollout``; returns the step's statistics."""
-        from composer_plugins.core.module import derive_seed
+        from composer_plugins.training.module import derive_seed
 
         t0 = time.perf_counter()
         ro = _rollout_from_wire(rollout)
@@ -283,7 +283,7 @@ class MonarchBackend(Backend):
         return MonarchSession(self)
 
     def train(self) -> Any:
-        """Run the actor loop; returns a :class:`~composer_plugins.core.train.RunResult`."""
+        """Run the actor loop; returns a :class:`~composer_plugins.training.train.RunResult`."""
         return asyncio.run(self.run())
 
     async def run(self) -> Any:
@@ -303,9 +303,9 @@ class MonarchSession:
         self._meshes: list[Any] = []
 
     async def __aenter__(self) -> MonarchSession:
-        from composer_plugins.core import train as T
         from composer_plugins.core.config import to_dict
         from composer_plugins.models.tiny import load_policy
+        from composer_plugins.training import train as T
 
         b = self.backend
         model_dir = T.resolve_policy(b.config)  # base / SFT warm start, built once here, loaded by every actor
@@ -334,7 +334,7 @@ class MonarchSession:
 
     async def step(self, step: int) -> dict[str, float]:
         """Tasks (rewarder) -> rollout (generators) -> rewards (rewarder) -> update (trainer) -> weights back."""
-        from composer_plugins.core.module import derive_seed, task_prompt
+        from composer_plugins.training.module import derive_seed, task_prompt
 
         c = self.backend.config
         t0 = time.perf_counter()

@@ -268,7 +268,7 @@ class PrimeRLBackend(Backend):
         self.loss_kwargs = self._loss_kwargs()
 
     def _loss_kwargs(self) -> dict[str, Any]:
-        from composer_plugins.core.train import _channel_spec
+        from composer_plugins.training.train import _channel_spec
 
         kwargs: dict[str, Any] = {}
         policies = []
@@ -316,7 +316,7 @@ class PrimeRLBackend(Backend):
         )
 
     def train(self) -> Any:
-        """Train (see the class docstring); returns a :class:`~composer_plugins.core.train.RunResult`."""
+        """Train (see the class docstring); returns a :class:`~composer_plugins.training.train.RunResult`."""
         if self.mode == "prime-rl":
             exe = shutil.which("rl")
             if importlib.util.find_spec("prime_rl") is None or exe is None:
@@ -339,7 +339,7 @@ class PrimeRLBackend(Backend):
         run = R.LocalRun(c, self.src)
         hint_provider = None
         if self.loss_kwargs.get("hint_weight"):
-            from composer_plugins.core.train import build_hint_provider
+            from composer_plugins.training.train import build_hint_provider
 
             hint_provider = build_hint_provider(c, self.src)
         history: list[dict[str, float]] = []
@@ -374,12 +374,12 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
 
     Rows that passed (or got no hint) keep the policy's own log-probs, so their KL term is 0 —
     PRIME-RL's ``opsd`` reference stream. The teacher contexts come from the same
-    :func:`~composer_plugins.core.module.teacher_contexts` the native path uses. ``None`` when no
+    :func:`~composer_plugins.training.module.teacher_contexts` the native path uses. ``None`` when no
     row was hinted.
     """
-    from composer_plugins.core.module import teacher_contexts
     from composer_plugins.models.generation import tokenize_prompts
     from composer_plugins.models.logprobs import completion_logprobs_no_grad
+    from composer_plugins.training.module import teacher_contexts
 
     G = ro.num_generations
     failed = (rewards < threshold).nonzero().flatten().tolist()

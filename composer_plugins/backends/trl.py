@@ -144,7 +144,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.max_hinted_per_step = max_hinted_per_step
         self.max_hint_length = int(max_hint_length)
         if isinstance(pairs, str):
-            from composer_plugins.core.module import load_pairs
+            from composer_plugins.training.module import load_pairs
 
             pairs = load_pairs(pairs)
         self.pairs: list[Mapping[str, str]] = list(pairs or [])
@@ -229,7 +229,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def _hint_prompt_ids(self, inputs: list[dict[str, Any]], out: Mapping[str, Any],
                          rewards: Tensor) -> list[list[int] | None]:  # fmt: skip
-        from composer_plugins.core.module import teacher_contexts
+        from composer_plugins.training.module import teacher_contexts
 
         tok = self.processing_class
         ids, mask = out["completion_ids"], out["completion_mask"]
@@ -430,11 +430,11 @@ class TRLBackend(Backend):
         return GRPOConfig(**kw)
 
     def train(self) -> Any:
-        """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.core.train.RunResult`."""
+        """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.training.train.RunResult`."""
         from datasets import Dataset
 
-        from composer_plugins.core import train as T
-        from composer_plugins.core.module import load_pairs
+        from composer_plugins.training import train as T
+        from composer_plugins.training.module import load_pairs
 
         c = self.config
         if c.trainer.num_threads:

@@ -37,9 +37,9 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.teachers.plugin",
     "composer_plugins.envs.plugin",
     "composer_plugins.backends.plugin",
-    "composer_plugins.core.commands",
+    "composer_plugins.training.commands",
     "composer_plugins.pipeline.plugin",
-    "composer_plugins.core.launch",
+    "composer_plugins.diloco.launch",
 )
 
 

@@ -228,8 +228,9 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
     """Print the ablation table from MLflow: channels on/off × seeds -> held-out metrics, mean ± std."""
     from pathlib import Path
 
-    from composer_plugins.pipeline import compare, study, tracking
+    from composer_plugins.pipeline import compare, study
     from composer_plugins.pipeline.stages import unmlflow_key
+    from composer_plugins.training import tracking
 
     params: dict[str, Any] = {}
     if Path(params_path).exists():

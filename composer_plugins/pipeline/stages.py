@@ -24,7 +24,8 @@ from typing import Any
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.pipeline import study, tracking
+from composer_plugins.pipeline import study
+from composer_plugins.training import tracking
 
 SPLITS = ("train", "test")
 #: Paths of the replay stage (relative to the repository root).
@@ -201,7 +202,7 @@ def prepare(params: Mapping[str, Any], out_dir: str | os.PathLike[str] = "data/t
 
 
 def _overlap(train: Path, test: Path) -> int:
-    from composer_plugins.core.module import task_prompt
+    from composer_plugins.training.module import task_prompt
 
     seen = {task_prompt(t) for t in read_jsonl(train)}
     return sum(task_prompt(t) in seen for t in read_jsonl(test))
@@ -224,9 +225,9 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
     """
     import torch
 
-    from composer_plugins.core.module import env_rewards, task_prompt
     from composer_plugins.models.generation import generate_completions
     from composer_plugins.models.tiny import load_policy
+    from composer_plugins.training.module import env_rewards, task_prompt
 
     r = _section(params, "rollout")
     unknown = sorted(set(r) - set(ROLLOUT_KEYS))
@@ -448,12 +449,12 @@ def train_cell(params: Mapping[str, Any], variant: str, seed: int, *, pairs: str
     cfg_path.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
     replicas = int((cfg.get("diloco") or {}).get("replicas") or 1)
     if replicas <= 1:
-        from composer_plugins.core.train import load_train_config, run_train
+        from composer_plugins.training.train import load_train_config, run_train
 
         tc, src = load_train_config(cfg_path)
         print(f"composer-plugins train -c {cfg_path}", flush=True)
         return dict(run_train(tc, src).metrics)
-    from composer_plugins.core.launch import launch
+    from composer_plugins.diloco.launch import launch
 
     print(f"composer-plugins diloco --replicas {replicas} -c {cfg_path} --seed {seed}", flush=True)
     res = launch(replicas, target="train", config=str(cfg_path), log_dir=str(out / "diloco_logs"), base_seed=seed)
@@ -533,7 +534,7 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
     ``study.*``; metrics: held-out and final train metrics; artifacts: the result JSON and the
     training curves).
     """
-    from composer_plugins.core.train import run_eval, train_config_from_dict
+    from composer_plugins.training.train import run_eval, train_config_from_dict
 
     name = study.run_name(variant, seed) if variant else "sft"
     cfg = train_config(params, variant, seed)

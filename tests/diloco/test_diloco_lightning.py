@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from composer_plugins.core.diloco import DiLoCoCallback, DiLoCoConfig, ReplicaInfo, param_digest
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.core.launch import Lighthouse
+from composer_plugins.diloco.launch import Lighthouse
+from composer_plugins.diloco.strategy import DiLoCoCallback, DiLoCoConfig, ReplicaInfo, param_digest
 
 
 class MLP(pl.LightningModule):

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from composer_plugins.core.launch import ReplicaGroup, replica_argv
+from composer_plugins.diloco.launch import ReplicaGroup, replica_argv
 
 WAIT_S = 150.0  # generous: replicas import torch + lightning on a busy machine
 

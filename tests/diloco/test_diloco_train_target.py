@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from composer_plugins.core.launch import ReplicaGroup, replica_argv
+from composer_plugins.diloco.launch import ReplicaGroup, replica_argv
 
 
 def test_project_train_config_as_two_replicas(tmp_path: Path):

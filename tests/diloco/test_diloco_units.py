@@ -14,9 +14,9 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from composer_plugins.core import launch
 from composer_plugins.core.config import loads_config
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.diloco import launch
 
 
 def _gone(pids: list[int], timeout: float = 10.0) -> bool:
@@ -46,7 +46,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_config_defaults_are_the_paper_outer_optimizer():
-    from composer_plugins.core.diloco import DiLoCoConfig, _build_outer
+    from composer_plugins.diloco.strategy import DiLoCoConfig, _build_outer
 
     c = DiLoCoConfig.from_config(loads_config("diloco: {sync_every: 10}"))
     assert c.sync_every == 10 and c.num_fragments == 1 and c.checkpoint_transport == "pg"
@@ -57,7 +57,7 @@ def test_config_defaults_are_the_paper_outer_optimizer():
 
 
 def test_config_outer_optimizer_class_path():
-    from composer_plugins.core.diloco import DiLoCoConfig, _build_outer
+    from composer_plugins.diloco.strategy import DiLoCoConfig, _build_outer
 
     c = DiLoCoConfig.from_config(
         loads_config("diloco:\n  outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.1}}\n")
@@ -78,7 +78,7 @@ def test_config_outer_optimizer_class_path():
     ],
 )
 def test_config_errors_name_the_key_and_line(text, key):
-    from composer_plugins.core.diloco import DiLoCoConfig
+    from composer_plugins.diloco.strategy import DiLoCoConfig
 
     cfg = loads_config("seed: 1\n" + text, source="run.yaml")
     with pytest.raises(ConfigError) as e:
@@ -88,7 +88,7 @@ def test_config_errors_name_the_key_and_line(text, key):
 
 
 def test_callback_from_config_only_in_a_replica(monkeypatch):
-    from composer_plugins.core.diloco import diloco_callback_from_config
+    from composer_plugins.diloco.strategy import diloco_callback_from_config
 
     cfg = loads_config("diloco: {sync_every: 4}")
     assert diloco_callback_from_config(cfg, env={}) is None
@@ -103,7 +103,7 @@ def test_callback_from_config_only_in_a_replica(monkeypatch):
 
 
 def test_attach_without_lighthouse_says_how_to_fix(monkeypatch):
-    from composer_plugins.core.diloco import DiLoCoCallback, ReplicaInfo
+    from composer_plugins.diloco.strategy import DiLoCoCallback, ReplicaInfo
 
     monkeypatch.delenv(launch.ENV_LIGHTHOUSE, raising=False)
     m = nn.Linear(2, 2)
@@ -126,7 +126,7 @@ class _Tied(nn.Module):
 
 
 def test_split_fragments_share_parameters_and_cover_each_once():
-    from composer_plugins.core.diloco import split_fragments
+    from composer_plugins.diloco.strategy import split_fragments
 
     m = _Tied()
     trainable = [p for p in m.parameters() if p.requires_grad]
@@ -142,7 +142,7 @@ def test_split_fragments_share_parameters_and_cover_each_once():
 
 
 def test_split_fragments_balances_sizes():
-    from composer_plugins.core.diloco import split_fragments
+    from composer_plugins.diloco.strategy import split_fragments
 
     m = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
     sizes = [sum(p.numel() for p in f.parameters()) for f in split_fragments(m, 4)]
@@ -150,7 +150,7 @@ def test_split_fragments_balances_sizes():
 
 
 def test_param_digest_is_bitwise():
-    from composer_plugins.core.diloco import param_digest
+    from composer_plugins.diloco.strategy import param_digest
 
     a = [torch.ones(3), torch.zeros(2, 2)]
     b = [t.clone() for t in a]
@@ -165,7 +165,7 @@ def test_counting_process_group_counts_allreduce_bytes():
 
     from torch.distributed import TCPStore
 
-    from composer_plugins.core.diloco import make_process_group
+    from composer_plugins.diloco.strategy import make_process_group
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg = make_process_group(timedelta(seconds=10))
@@ -258,7 +258,7 @@ def test_local_lighthouse_is_loopback_and_stopped(tmp_path):
 def test_start_barrier_releases_when_all_arrive():
     import threading
 
-    from composer_plugins.core.diloco import _wait_barrier
+    from composer_plugins.diloco.strategy import _wait_barrier
 
     b = launch.StartBarrier(3)
     done: list[float] = []
@@ -277,12 +277,12 @@ def test_start_barrier_releases_when_all_arrive():
 
 def test_start_barrier_learns_at_once_that_a_replica_exited(caplog):
     """The launcher marks a replica that died before arriving; the others go on at once, naming it."""
-    from composer_plugins.core.diloco import _wait_barrier
+    from composer_plugins.diloco.strategy import _wait_barrier
 
     b = launch.StartBarrier(3, first=4)  # replicas 4, 5, 6 of a larger job
     b.mark_gone(6, "exited with code 7")
     t0 = time.monotonic()
-    with caplog.at_level("WARNING", logger="composer_plugins.core.diloco"):
+    with caplog.at_level("WARNING", logger="composer_plugins.diloco.strategy"):
         import threading
 
         t = threading.Thread(target=_wait_barrier, args=(b.address, 5, 60))
@@ -294,10 +294,10 @@ def test_start_barrier_learns_at_once_that_a_replica_exited(caplog):
 
 
 def test_start_barrier_timeout_names_the_missing_replica(caplog):
-    from composer_plugins.core.diloco import _wait_barrier
+    from composer_plugins.diloco.strategy import _wait_barrier
 
     b = launch.StartBarrier(2)
-    with caplog.at_level("WARNING", logger="composer_plugins.core.diloco"):
+    with caplog.at_level("WARNING", logger="composer_plugins.diloco.strategy"):
         assert _wait_barrier(b.address, 0, 0.5) == {}
     assert "replica(s) [1] did not arrive within 0s" in caplog.text and "going on" in caplog.text
 
@@ -306,7 +306,7 @@ def test_start_barrier_timeout_names_the_missing_replica(caplog):
 def test_group_marks_a_dead_replica_gone_at_the_start_barrier(tmp_path):
     """End to end: replica 1 dies before the barrier; replica 0, waiting there, is told within seconds."""
     waiter = (
-        "import json, os\nfrom composer_plugins.core.diloco import _wait_barrier\n"
+        "import json, os\nfrom composer_plugins.diloco.strategy import _wait_barrier\n"
         "gone = _wait_barrier(os.environ['COMPOSER_DILOCO_BARRIER'], 0, 300)\nprint(json.dumps(gone))\n"
     )
     argv = lambda i: [sys.executable, "-c", waiter if i == 0 else "raise SystemExit(7)"]  # noqa: E731
@@ -351,7 +351,7 @@ def test_signal_to_launcher_cleans_up(tmp_path, sig):
     import subprocess
 
     code = (
-        "from composer_plugins.core import launch\n"
+        "from composer_plugins.diloco import launch\n"
         f"g = launch.ReplicaGroup({SLEEPER!r}, 2, lighthouse='127.0.0.1:1', log_dir={str(tmp_path)!r}, grace_s=2)\n"
         "with launch._sigterm_as_interrupt(), g:\n    g.wait()\n"
     )
@@ -377,7 +377,7 @@ def test_replicas_die_with_a_killed_launcher(tmp_path):
     import subprocess
 
     code = (
-        "import sys, time\nfrom composer_plugins.core import launch\n"
+        "import sys, time\nfrom composer_plugins.diloco import launch\n"
         f"g = launch.ReplicaGroup({SLEEPER!r}, 2, lighthouse='127.0.0.1:1', log_dir={str(tmp_path)!r}).start()\n"
         "print(' '.join(str(r.handle.pid) for r in g.replicas), flush=True)\ntime.sleep(120)\n"
     )

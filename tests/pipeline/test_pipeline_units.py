@@ -14,7 +14,8 @@ import yaml
 
 from composer_plugins.core.config import loads_config
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.pipeline import compare, stages, study, tracking
+from composer_plugins.pipeline import compare, stages, study
+from composer_plugins.training import tracking
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,7 @@ def test_train_config_merges_variant_and_wires_the_pipeline() -> None:
     assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+replay"
     assert cfg["mlflow"]["run_name"] == "train@no_hint-s3"
     # the effective config is a valid TrainConfig
-    from composer_plugins.core.train import train_config_from_dict
+    from composer_plugins.training.train import train_config_from_dict
 
     train_config_from_dict(cfg)
 

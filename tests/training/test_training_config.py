@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from composer_plugins.core.cli import load_commands
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.core.train import DEFAULT_CONFIG, TrainConfig, build_channels, load_train_config
+from composer_plugins.training.train import DEFAULT_CONFIG, TrainConfig, build_channels, load_train_config
 
 
 def write(tmp_path, text: str):
@@ -190,7 +190,7 @@ def test_overrides_edit_the_default_channel_set(tmp_path):
 
 
 def test_unknown_env_and_hint_provider_are_located(tmp_path):
-    from composer_plugins.core.train import build_env, build_hint_provider
+    from composer_plugins.training.train import build_env, build_hint_provider
 
     p = write(tmp_path, "seed: 0\nenv: {name: gsm8kk, difficulty: trivial}\nhints:\n  provider: templat\n")
     cfg, src = load_train_config(p)

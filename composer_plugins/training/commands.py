@@ -34,7 +34,7 @@ def _config_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _load(config_path: str | None, section: str | None, overrides: tuple[str, ...]) -> tuple[Any, Any]:
-    from composer_plugins.core.train import load_train_config
+    from composer_plugins.training.train import load_train_config
 
     return load_train_config(config_path, list(overrides), section=section)
 
@@ -63,7 +63,7 @@ def train_cmd(
 
     Example: composer-plugins train -c run.yaml trainer.max_steps=20 losses.hint_distill.enabled=false
     """
-    from composer_plugins.core.train import config_to_yaml, run_train
+    from composer_plugins.training.train import config_to_yaml, run_train
 
     cfg, src = _load(config_path, section, overrides)
     if print_config:
@@ -81,7 +81,7 @@ def train_cmd(
 @_errors_as_click
 def sft_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...]) -> None:
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
-    from composer_plugins.core.train import config_to_yaml, run_sft
+    from composer_plugins.training.train import config_to_yaml, run_sft
 
     cfg, src = _load(config_path, section, overrides)
     if print_config:
@@ -104,7 +104,7 @@ def eval_cmd(
     output: str | None,
 ) -> None:
     """Held-out evaluation (accuracy, pass@k, mean reward) of a checkpoint or of the configured policy."""
-    from composer_plugins.core.train import config_to_yaml, run_eval
+    from composer_plugins.training.train import config_to_yaml, run_eval
 
     cfg, src = _load(config_path, section, overrides)
     if print_config:

@@ -398,7 +398,7 @@ class ComposerModule(L.LightningModule):
     """Samples rollouts from the env, and optimises the sum of the configured loss channels.
 
     Args:
-        config: a :class:`~composer_plugins.core.train.TrainConfig` (or its dict form).
+        config: a :class:`~composer_plugins.training.train.TrainConfig` (or its dict form).
         policy, tokenizer: an already loaded policy; by default loaded with
             ``from_pretrained`` from ``config.model`` (the tiny default is built and cached).
         env, channels, hint_provider: already built components; by default built from the
@@ -421,9 +421,9 @@ class ComposerModule(L.LightningModule):
         src: Any = None,
     ) -> None:
         super().__init__()
-        from composer_plugins.core import train as T
         from composer_plugins.core.config import redact, to_dict
         from composer_plugins.losses.base import ChannelComposer
+        from composer_plugins.training import train as T
 
         cfg = config if isinstance(config, T.TrainConfig) else T.train_config_from_dict(config)
         self.cfg = cfg

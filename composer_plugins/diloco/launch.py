@@ -39,7 +39,7 @@ from composer_plugins.core import procs
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.hookspecs import hookimpl
 
-#: Environment variables a replica reads (see :class:`composer_plugins.core.diloco.ReplicaInfo`).
+#: Environment variables a replica reads (see :class:`composer_plugins.diloco.strategy.ReplicaInfo`).
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 ENV_INDEX = "COMPOSER_DILOCO_REPLICA_INDEX"
 ENV_NUM = "COMPOSER_DILOCO_NUM_REPLICAS"
@@ -618,8 +618,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def replica_argv(
     target: str, config: str | None, overrides: Sequence[str] = (), section: str | None = None
 ) -> list[str]:
-    """The command a local replica runs: ``python -m composer_plugins.core.diloco --target T --config C ...``."""
-    argv = [sys.executable, "-m", "composer_plugins.core.diloco", "--target", target]
+    """The command a local replica runs: ``python -m composer_plugins.diloco.strategy --target T --config C ...``."""
+    argv = [sys.executable, "-m", "composer_plugins.diloco.strategy", "--target", target]
     if config:
         argv += ["--config", str(config)]
     if section:

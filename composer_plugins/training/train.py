@@ -523,14 +523,14 @@ def eval_batches(env: Any, cfg: TrainConfig) -> Any:
     else:
         tasks = env_tasks(env, cfg.data.test_split, cfg.eval.num_problems, cfg.eval.seed)
     bs = cfg.eval.batch_size
-    from composer_plugins.core.module import StaticBatches
+    from composer_plugins.training.module import StaticBatches
 
     return StaticBatches([{"index": i, "tasks": tasks[s : s + bs]} for i, s in enumerate(range(0, len(tasks), bs))])
 
 
 def sft_pairs(env: Any, cfg: TrainConfig) -> list[tuple[str, str]]:
     """``(prompt, solution)`` pairs for the SFT warm start from the env's train generator."""
-    from composer_plugins.core.module import task_prompt
+    from composer_plugins.training.module import task_prompt
 
     if cfg.data.train_path:
         tasks = read_jsonl(cfg.data.train_path)[: cfg.sft.num_examples]
@@ -566,7 +566,7 @@ def _wrong_attempt(task: Mapping[str, Any], rng: random.Random) -> str | None:
 def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]],
                   pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:  # fmt: skip
     """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt."""
-    from composer_plugins.core.module import derive_seed, teacher_contexts
+    from composer_plugins.training.module import derive_seed, teacher_contexts
 
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
     picked = [i for i in range(len(pairs)) if rng.random() < cfg.sft.hint_fraction]
@@ -584,7 +584,7 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
 
 
 def derive_seed_sft(cfg: TrainConfig) -> int:
-    from composer_plugins.core.module import derive_seed
+    from composer_plugins.training.module import derive_seed
 
     return derive_seed(cfg.sft.seed, 77)
 
@@ -619,7 +619,7 @@ def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
     tcfg = cfg.model.tiny
 
     def corpus() -> Iterator[str]:
-        from composer_plugins.core.module import task_prompt
+        from composer_plugins.training.module import task_prompt
 
         if cfg.data.train_path:
             tasks = read_jsonl(cfg.data.train_path)[: tcfg.tokenizer_corpus_size]
@@ -677,7 +677,7 @@ def sft_train(
     import lightning as L
     import torch
 
-    from composer_plugins.core.module import SFTModule, sft_collate
+    from composer_plugins.training.module import SFTModule, sft_collate
 
     _set_threads(cfg)
     model, tok = load_policy(base, dtype=cfg.model.dtype)
@@ -743,7 +743,7 @@ def mlflow_settings(cfg: TrainConfig) -> dict[str, Any] | None:
         return None
     params = {"mlflow": {k: v for k, v in asdict(cfg.mlflow).items() if v is not None}}
     try:
-        from composer_plugins.pipeline import tracking
+        from composer_plugins.training import tracking
 
         uri = tracking.tracking_uri(params)
         exp = tracking.experiment_name(params)
@@ -938,7 +938,7 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from composer_plugins.pipeline import tracking
+    from composer_plugins.training import tracking
 
     client = MlflowClient(tracking_uri=settings["tracking_uri"])
     exp = client.get_experiment_by_name(settings["experiment"])
@@ -984,7 +984,7 @@ def run_train(
     """
     import lightning as L
 
-    from composer_plugins.core.module import ComposerModule, TaskStream
+    from composer_plugins.training.module import ComposerModule, TaskStream
 
     _set_threads(cfg)
     out = Path(cfg.output_dir)
@@ -1079,7 +1079,7 @@ def run_eval(
     import lightning as L
     import torch
 
-    from composer_plugins.core.module import ComposerModule
+    from composer_plugins.training.module import ComposerModule
 
     _set_threads(cfg)
     env = build_env(cfg, src)

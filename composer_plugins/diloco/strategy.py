@@ -38,9 +38,9 @@ Sync log: with ``sync_log`` (or ``$COMPOSER_DILOCO_SYNC_LOG``) set, every sync a
 the torchft step, whether it committed, the number of participants, whether this replica healed, and a
 SHA-256 of the parameters — tests compare those across replicas.
 
-Run ``python -m composer_plugins.core.diloco --target toy`` for the self-contained tiny causal LM used
+Run ``python -m composer_plugins.diloco.strategy --target toy`` for the self-contained tiny causal LM used
 by the tests and the benchmark; ``composer-plugins diloco --replicas N`` (see
-:mod:`composer_plugins.core.launch`) starts the lighthouse and the replicas.
+:mod:`composer_plugins.diloco.launch`) starts the lighthouse and the replicas.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from composer_plugins.core import launch as _launch
 from composer_plugins.core.config import Config, component_spec, from_dict, load_config, loads_config
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.diloco import launch as _launch
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +349,7 @@ class DiLoCoCallback(pl.Callback):
     """Turn a single-optimizer Lightning run into one DiLoCo replica (torchft ``Manager`` + ``DiLoCo``).
 
     Add it to the ``Trainer``'s callbacks in every replica process; the launcher
-    (:mod:`composer_plugins.core.launch`) sets the environment that says which replica this is. Outside
+    (:mod:`composer_plugins.diloco.launch`) sets the environment that says which replica this is. Outside
     Lightning, call :meth:`attach` with the model and inner optimizer, and :meth:`close` at the end.
 
     Attributes (after the first sync): ``outer_step`` (torchft step), ``num_participants``,
@@ -899,7 +899,7 @@ def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
 def run_project_train(config: str | None, overrides: Sequence[str] = (), *, section: str | None = None) -> Any:
     """One replica of the project's ``train`` run (``ComposerModule``) with :class:`DiLoCoCallback` added."""
     try:
-        from composer_plugins.core.train import load_train_config, run_train
+        from composer_plugins.training.train import load_train_config, run_train
     except ImportError as e:
         raise ComposerPluginsError(f"the project's training module is not available ({e}). HINT: --target toy") from e
     replica = ReplicaInfo.from_env()
@@ -924,10 +924,10 @@ def run_project_train(config: str | None, overrides: Sequence[str] = (), *, sect
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Replica entry point: ``python -m composer_plugins.core.diloco --target train|toy|mod:fn [--config C] k=v``."""
+    """Replica entry: ``python -m composer_plugins.diloco.strategy --target train|toy|mod:fn [--config C] k=v``."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m composer_plugins.core.diloco", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m composer_plugins.diloco.strategy", description=main.__doc__)
     p.add_argument("--target", default="toy")
     p.add_argument("--config", default=None)
     p.add_argument("--section", default=None)

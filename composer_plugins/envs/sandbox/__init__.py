@@ -8,7 +8,7 @@ Every run gets a fresh temp directory and a subprocess that:
   every process killed with the namespace. Real root is switched to a fresh unprivileged uid
   (so ``RLIMIT_NPROC`` applies); a user namespace's root drops all capabilities;
 * otherwise (``isolation="guard"``) is protected by an audit hook installed through
-  ``sitecustomize`` (see :mod:`composer_plugins.envs._sandbox.sitecustomize`): sockets, hidden
+  ``sitecustomize`` (see :mod:`composer_plugins.envs.sandbox._runtime.sitecustomize`): sockets, hidden
   paths, other processes' ``/proc``, ctypes and object-graph walks are refused, and a token pipe
   caps the number of processes;
 * has wall-clock and CPU timeouts, an address-space limit, a process limit, a file-size limit
@@ -65,7 +65,7 @@ __all__ = [
     "scrub_tree",
 ]
 
-_FILES_DIR = Path(__file__).with_name("_sandbox")
+_FILES_DIR = Path(__file__).with_name("_runtime")
 
 #: Directory names dropped anywhere in a copied tree (caches, VCS history, build output).
 LEAKY_DIRS: frozenset[str] = frozenset(
