@@ -1,6 +1,6 @@
 """DiLoCo vs DDP: bytes all-reduced per inner step, and held-out loss at equal tokens vs one replica.
 
-All runs train the same tiny causal LM (:class:`composer_plugins.diloco.strategy.ToyCausalLM`) on the same
+All runs train the same tiny causal LM (:class:`composer_plugins.diloco.toy.ToyCausalLM`) on the same
 synthetic Markov-chain data, each replica/rank on its own shard, batch ``B`` per replica per step.
 
 * **DiLoCo**: ``R`` replica processes + a torchft lighthouse (``composer_plugins.diloco.launch``), ``S``
@@ -81,7 +81,7 @@ def ddp_worker(rank: int, world: int, port: int, toy_json: str, out: str, timeou
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from composer_plugins.diloco.strategy import ToyConfig, toy_eval_loss, toy_model, toy_stream
+    from composer_plugins.diloco.toy import ToyConfig, toy_eval_loss, toy_model, toy_stream
 
     torch.set_num_threads(1)
     toy = ToyConfig(**json.loads(toy_json))
@@ -232,7 +232,7 @@ def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path) -> dict[s
 
 
 def _run_single(steps: int, toy: dict[str, Any]) -> dict[str, Any]:
-    from composer_plugins.diloco.strategy import run_toy
+    from composer_plugins.diloco.toy import run_toy
 
     os.environ.pop("TORCHFT_LIGHTHOUSE", None)
     return run_toy({"toy": {**toy, "max_steps": steps}})
