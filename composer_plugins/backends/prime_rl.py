@@ -268,12 +268,12 @@ class PrimeRLBackend(Backend):
         self.loss_kwargs = self._loss_kwargs()
 
     def _loss_kwargs(self) -> dict[str, Any]:
-        from composer_plugins.training.train import _channel_spec
+        from composer_plugins.training.train import channel_spec
 
         kwargs: dict[str, Any] = {}
         policies = []
         for key, spec in self.config.losses.items():
-            enabled, name, weight, kw = _channel_spec(key, spec, self.src)
+            enabled, name, weight, kw = channel_spec(key, spec, self.src)
             if not enabled:
                 continue
             kind = str(kw.get("loss_type") or name)

@@ -359,11 +359,11 @@ class VeRLBackend(Backend):
 
     def _policy_channel(self) -> tuple[str, dict[str, Any]]:
         """The policy channel of ``config.losses`` (the only channel a VeRL policy loss carries)."""
-        from composer_plugins.training.train import _channel_spec
+        from composer_plugins.training.train import channel_spec
 
         found = []
         for key, spec in self.config.losses.items():
-            enabled, name, _w, kw = _channel_spec(key, spec, self.src)
+            enabled, name, _w, kw = channel_spec(key, spec, self.src)
             if enabled and (kw.get("loss_type") or name) in POLICY_LOSSES.values():
                 found.append((str(kw.get("loss_type") or name), kw))
             elif enabled:

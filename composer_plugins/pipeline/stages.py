@@ -479,19 +479,11 @@ def _env_key(spec: Any) -> str:
 
 
 def channel_flags(train_cfg: Mapping[str, Any]) -> dict[str, bool]:
-    """``{channel_key: on}`` for ``train.losses`` (on = enabled and weight != 0)."""
+    """``{channel_key: on}`` for ``train.losses`` (on = enabled and weight != 0; ``training.train.channel_spec``)."""
+    from composer_plugins.training.train import channel_spec
+
     losses = train_cfg.get("losses") or {}
-    out: dict[str, bool] = {}
-    for k, spec in losses.items():
-        if spec is None or isinstance(spec, bool):
-            out[k] = bool(spec)
-        elif isinstance(spec, int | float):
-            out[k] = float(spec) != 0.0
-        elif isinstance(spec, Mapping):
-            out[k] = bool(spec.get("enabled", True)) and float(spec.get("weight", 1.0)) != 0.0
-        else:
-            out[k] = True
-    return out
+    return {k: channel_spec(k, spec, pre="train.").active for k, spec in losses.items()}
 
 
 def channels_label(flags: Mapping[str, bool]) -> str:
@@ -518,8 +510,8 @@ def eval_envs(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 #: The metric each env contributes to the headline table (``<env>/<metric>`` from ``run_eval``).
 HEADLINE_ALIASES = {
     "gsm8k/accuracy": ("gsm8k/accuracy",),
-    "code/pass@1": ("code/pass@1", "code/accuracy"),
-    "feature_deletion/reward": ("feature_deletion/mean_reward", "feature_deletion/reward"),
+    "code/pass_at_1": ("code/pass_at_1", "code/accuracy"),
+    "feature_deletion/mean_reward": ("feature_deletion/mean_reward",),
 }
 
 
@@ -563,7 +555,8 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
                 break
     if train_metrics and Path(train_metrics).exists():
         tm = json.loads(Path(train_metrics).read_text())
-        metrics.update({k: float(v) for k, v in tm.items() if k.startswith(("train/", "sft/")) and _is_num(v)})
+        metrics.update({study.canonical_metric(k): float(v) for k, v in tm.items()
+                        if k.startswith(("train/", "sft/")) and _is_num(v)})  # fmt: skip
     result = {
         "run": name,
         "variant": variant or "sft",
@@ -629,13 +622,13 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
 
 
 def _mlflow_key(k: str) -> str:
-    # MLflow accepts alphanumerics, _ - . space / ; keep '@' readable as 'at'
-    return k.replace("@", "_at_")
+    # metric names are MLflow-safe already (docs/metrics.md); old spellings are mapped onto them
+    return study.canonical_metric(k)
 
 
 def unmlflow_key(k: str) -> str:
-    """Inverse of the key mangling applied when logging metrics (``pass_at_1`` -> ``pass@1``)."""
-    return k.replace("_at_", "@")
+    """A metric name read back from MLflow (or an old file) in the one naming scheme (docs/metrics.md)."""
+    return study.canonical_metric(k)
 
 
 # ---------------------------------------------------------------------------------------
@@ -649,7 +642,7 @@ def collect(evals_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     for p in sorted(Path(evals_dir).glob("*.json")):
         d = json.loads(p.read_text())
         rec = {"run": d["run"], "variant": d["variant"], "seed": d["seed"], "channels": d["channels"]}
-        rec.update(d["metrics"])
+        rec.update({study.canonical_metric(k): v for k, v in d["metrics"].items()})
         recs.append(rec)
     return recs
 
@@ -671,8 +664,7 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
     for row in rows:
         out[row["variant"]] = {
             "n": row["n"],
-            **{m.replace("/", "_").replace("@", "_at_"): {"mean": _r(row[m][0]), "std": _r(row[m][1])}
-               for m in metrics_names},
+            **{m: {"mean": _r(row[m][0]), "std": _r(row[m][1])} for m in metrics_names},
         }  # fmt: skip
     Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
     Path(metrics_out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
@@ -685,7 +677,7 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
         for row in rows:
             w.writerow([row["variant"], row["channels"], row["n"], *[_r(row[m][0]) for m in metrics_names],
                         *[_r(row[m][1]) for m in metrics_names]])  # fmt: skip
-    write_curves(Path(runs_dir), pdir / "train_curves.csv")
+    write_curves(Path(runs_dir), pdir / "train_curves.csv", pdir / "curves")
     table = study.format_table(rows, metrics_names, group_by=("variant", "channels"))
     header = "# Ablation: loss channels on/off × seeds (held-out, mean ± sample std over seeds)\n\n"
     study.write_text(table_out, header + table + "\n")
@@ -700,16 +692,41 @@ def _r(v: Any) -> Any:
     return None if v != v else round(v, 6)
 
 
-#: Columns of ``history.csv`` copied to the curves plot (the first present of each alias list).
-CURVE_COLUMNS = {"reward": ("reward", "reward_mean"), "loss": ("loss",), "accuracy": ("accuracy",)}
+#: ``history.csv`` columns plotted per step (docs/metrics.md names): the run's totals, then each
+#: channel's ``loss`` and ``pairs`` (a third-party channel's columns match the same patterns).
+CURVE_PATTERNS: tuple[str, ...] = (
+    "train/reward", "train/loss", "train/accuracy", "train/groups_with_signal", "train/hint/rows",
+    "train/*/loss", "train/*/pairs",
+)  # fmt: skip
 
 
-def write_curves(runs_dir: Path, out: Path) -> int:
-    """Long-format per-step curves of every run (``step, run, variant, seed, reward, loss, ...``) for DVC plots.
+def curve_columns(columns: Iterable[str]) -> list[str]:
+    """The columns of :data:`CURVE_PATTERNS` among ``columns`` (full names), in pattern order."""
+    import fnmatch
 
-    Reads ``<runs_dir>/<variant>-s<seed>/history.csv``; returns the number of rows written.
+    cols = list(dict.fromkeys(columns))
+    out: list[str] = []
+    for pat in CURVE_PATTERNS:
+        out += [c for c in cols if c not in out and fnmatch.fnmatchcase(c, pat) and c.count("/") == pat.count("/")]
+    return out
+
+
+def curve_file(metric: str) -> str:
+    """``train/grpo/loss`` -> ``train.grpo.loss.csv`` (one file per curve under ``plots/curves/``)."""
+    return metric.replace("/", ".") + ".csv"
+
+
+def write_curves(runs_dir: Path, out: Path, curves_dir: Path | None = None) -> int:
+    """Per-step curves of every run for DVC plots; returns the number of rows of ``out``.
+
+    ``out`` (``plots/train_curves.csv``) is the long table ``step, run, variant, seed`` + every
+    curve column; ``curves_dir`` (``plots/curves/``) gets one ``<metric>.csv`` per curve
+    (``step, run, variant, seed, <metric>``), which dvc.yaml plots as a directory: a channel that
+    logs ``<channel>/loss`` gets its plot without any change to dvc.yaml. Reads
+    ``<runs_dir>/<variant>-s<seed>/history.csv`` (old unprefixed columns are read under their current names).
     """
     rows: list[dict[str, Any]] = []
+    seen: list[str] = []
     for hist in sorted(runs_dir.glob("*/history.csv")):
         name = hist.parent.name
         try:
@@ -718,16 +735,29 @@ def write_curves(runs_dir: Path, out: Path) -> int:
             variant, seed = name, -1
         with hist.open() as f:
             for r in csv.DictReader(f):
-                row: dict[str, Any] = {"step": int(float(r["step"])), "run": name, "variant": variant, "seed": seed}
-                for metric, aliases in CURVE_COLUMNS.items():
-                    col = next((a for a in aliases if r.get(a) not in ("", None)), None)
-                    row[metric] = _r(r[col]) if col else None
+                vals = {study.history_column(k): v for k, v in r.items() if k}
+                seen += [k for k in vals if k not in seen]
+                row: dict[str, Any] = {"step": int(float(vals["step"])), "run": name, "variant": variant, "seed": seed}
+                row.update({k: _r(v) for k, v in vals.items() if k != "step" and v not in ("", None)})
                 rows.append(row)
+    cols = curve_columns(seen)
+    keys = ["step", "run", "variant", "seed"]
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["step", "run", "variant", "seed", *CURVE_COLUMNS])
+        w = csv.DictWriter(f, fieldnames=[*keys, *cols], extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+    if curves_dir is not None:
+        import shutil
+
+        if curves_dir.exists():
+            shutil.rmtree(curves_dir)  # a channel switched off must not leave a stale curve behind
+        curves_dir.mkdir(parents=True)
+        for col in cols:
+            with (curves_dir / curve_file(col)).open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=[*keys, col], extrasaction="ignore")
+                w.writeheader()
+                w.writerows(r for r in rows if r.get(col) is not None)
     return len(rows)
 
 

@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from lightning.pytorch.callbacks import Callback
 
@@ -318,16 +318,36 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     if not isinstance(cfg.losses, Mapping) or not cfg.losses:
         raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
     for name, spec in cfg.losses.items():
-        _channel_spec(name, spec, src, pre)
+        channel_spec(name, spec, src, pre)
 
 
-def _channel_spec(key: str, spec: Any, src: Config, pre: str = "") -> tuple[bool, str, float, dict[str, Any]]:
-    """``(enabled, registry name, weight, kwargs)`` of one ``losses.<key>`` entry."""
+class ChannelSpec(NamedTuple):
+    """One ``losses.<key>`` entry, parsed: whether it is on, its registry name, weight and other kwargs."""
+
+    enabled: bool
+    name: str
+    weight: float
+    kwargs: dict[str, Any]
+
+    @property
+    def active(self) -> bool:
+        """Enabled and with a non-zero weight (what the study counts as a channel that is on)."""
+        return self.enabled and self.weight != 0.0
+
+
+def channel_spec(key: str, spec: Any, src: Config | None = None, pre: str = "") -> ChannelSpec:
+    """Parse one ``losses.<key>`` entry (the one parser of channel specs: training, backends, pipeline).
+
+    ``spec`` is ``true``/``false``/``null``, a number (the weight) or a mapping with ``enabled``,
+    ``weight``, ``name`` (registry name, default ``key``) and the channel's own kwargs. Errors name
+    ``<pre>losses.<key>[.field]`` in ``src``'s file and line.
+    """
+    src = src if src is not None else Config()
     where = f"{pre}losses.{key}"
     if spec is None or isinstance(spec, bool):
-        return bool(spec), key, 1.0, {}
+        return ChannelSpec(bool(spec), key, 1.0, {})
     if isinstance(spec, int | float):
-        return True, key, float(spec), {}
+        return ChannelSpec(True, key, float(spec), {})
     if not isinstance(spec, Mapping):
         raise src.error(where, f"expected a mapping like {{weight: 1.0}}, true/false or a weight; got {spec!r}.")
     spec = dict(spec)
@@ -338,7 +358,7 @@ def _channel_spec(key: str, spec: Any, src: Config, pre: str = "") -> tuple[bool
     if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise src.error(f"{where}.weight", f"expected a number, got {weight!r}.")
     name = str(spec.pop("name", key))
-    return enabled, name, float(weight), spec
+    return ChannelSpec(enabled, name, float(weight), spec)
 
 
 #: Free-form component fields whose defaults are whole specs: a file that omits one gets the default
@@ -441,7 +461,7 @@ def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
     reg = get_registry()
     out = []
     for key, spec in cfg.losses.items():
-        enabled, name, weight, kw = _channel_spec(key, spec, src)
+        enabled, name, weight, kw = channel_spec(key, spec, src)
         if not enabled:
             continue
         where = f"losses.{key}"
@@ -702,7 +722,7 @@ def sft_train(
         def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
             loss = trainer.callback_metrics.get("sft/loss")
             if loss is not None:
-                history.append({"step": float(trainer.global_step), "sft/loss": float(loss)})
+                history.append({"step": int(trainer.global_step), "sft/loss": float(loss)})
 
     trainer = L.Trainer(
         max_steps=s.steps,
@@ -844,7 +864,10 @@ def build_trainer(
 class HistoryCallback(Callback):
     """Writes one CSV row per optimizer step (``step`` + the module's step statistics) to ``path``.
 
-    On resume, rows of the interrupted run up to the restored step are kept.
+    Columns carry the same names as the MLflow metrics (``train/reward``, ``train/grpo/loss``,
+    docs/metrics.md); ``step`` is the number of optimizer steps completed (1 for the first row),
+    the step MLflow records the row's metrics at. On resume, rows of the interrupted run up to the
+    restored step are kept.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -859,14 +882,16 @@ class HistoryCallback(Callback):
             with open(self.path) as f:
                 for r in csv.DictReader(f):
                     if float(r["step"]) <= trainer.global_step:
-                        self.rows.append({k: float(v) for k, v in r.items() if v not in ("", None)})
+                        row = {_history_key(k): float(v) for k, v in r.items() if v not in ("", None)}
+                        row["step"] = int(row["step"])
+                        self.rows.append(row)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop._should_accumulate():
             return
         stats = getattr(pl_module, "last_step_stats", {}) or {}
-        row = {"step": float(trainer.global_step)}
-        row.update({k: float(v) for k, v in stats.items()})
+        row: dict[str, float] = {"step": int(trainer.global_step)}
+        row.update({f"train/{k}": float(v) for k, v in stats.items()})
         self.rows.append(row)
         if trainer.global_rank == 0:
             self.write(append=True)
@@ -886,6 +911,11 @@ class HistoryCallback(Callback):
             w.writeheader()
             w.writerows(self.rows)
         self._keys = keys
+
+
+def _history_key(k: str) -> str:
+    """An old unprefixed history column (``reward``, ``grpo/loss``) under its current name (``train/...``)."""
+    return k if k == "step" or k.startswith(("train/", "sft/", "val/", "start/")) else f"train/{k}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -958,9 +988,9 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
 
 
 def _val_metrics(trainer: Any) -> dict[str, float]:
-    """``val/*`` metrics of the last validation, with ``pass_at_k`` spelled ``pass@k``."""
+    """``val/*`` metrics of the last validation (``val/accuracy``, ``val/mean_reward``, ``val/pass_at_<k>``)."""
     return {
-        k.replace("pass_at_", "pass@"): float(v)
+        k: float(v)
         for k, v in trainer.callback_metrics.items()
         if k.startswith("val/") and hasattr(v, "item")
     }
@@ -1012,7 +1042,7 @@ def run_train(
             trainer.validate(module, dataloaders=val, verbose=False)
             start = {k.replace("val/", "start/"): v for k, v in _val_metrics(trainer).items()}
             if trainer.logger:
-                trainer.logger.log_metrics({k.replace("@", "_at_"): v for k, v in start.items()}, step=0)
+                trainer.logger.log_metrics(start, step=0)
         trainer.fit(
             module,
             train_dataloaders=stream,
@@ -1030,8 +1060,9 @@ def run_train(
     metrics: dict[str, float] = {**start, **final}
     if history:
         last = history[-1]
-        metrics.update({f"train/{k}": v for k, v in last.items() if k != "step"})
-        metrics["train/reward_mean_all"] = sum(r.get("reward", 0.0) for r in history) / len(history)
+        metrics.update({k: v for k, v in last.items() if k != "step"})
+        # train/reward is the last step's; this is the mean over every step of the run
+        metrics["train/reward_mean_over_steps"] = sum(r.get("train/reward", 0.0) for r in history) / len(history)
     if trainer.logger:
         _log_artifacts(trainer.logger, [model_dir, out / "history.csv"])
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -1074,7 +1105,7 @@ def run_eval(
     """Held-out evaluation of ``checkpoint`` (a Lightning ``.ckpt`` or a ``save_pretrained`` dir / hub id).
 
     Without ``checkpoint`` the resolved policy of ``cfg`` is evaluated (e.g. the SFT start).
-    Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass@k", "<env>/mean_reward"}``.
+    Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass_at_<k>", "<env>/mean_reward"}``.
     """
     import lightning as L
     import torch
