@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import types
 import typing
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin
 
@@ -322,17 +321,3 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
         return get_registry().get(kind, target).build(**kw)
     except UnknownPluginError as e:
         raise cfg.error(key or kind, str(e)) from e
-
-
-def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for each non-blank JSONL line; bad lines raise a :class:`ConfigError` at file:line."""
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"invalid JSON ({e.msg} at column {e.colno})", file=source, line=lineno) from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"each line must be a JSON object, got {type(row).__name__}", file=source, line=lineno)
-        yield lineno, row

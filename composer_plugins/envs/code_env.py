@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from composer_plugins.core.config import iter_jsonl
 from composer_plugins.core.errors import ConfigError, MissingDependencyError
+from composer_plugins.core.io import iter_jsonl
 from composer_plugins.envs.base import Env, Feedback
 from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
 

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from composer_plugins.core.config import iter_jsonl
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.core.io import iter_jsonl
 from composer_plugins.envs.answers import extract_answer_value, format_number
 from composer_plugins.envs.arith import generate_problems, resolve_difficulty
 from composer_plugins.envs.base import Env, Feedback

@@ -24,6 +24,7 @@ from typing import Any
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.io import read_jsonl
 from composer_plugins.pipeline import study
 from composer_plugins.training import tracking
 
@@ -47,20 +48,6 @@ def write_jsonl(path: str | os.PathLike[str], rows: Iterable[Mapping[str, Any]])
             f.write(json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) + "\n")
             n += 1
     return n
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; a located error for a malformed line."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"invalid JSON at column {e.colno}: {e.msg}", file=str(path), line=i) from None
-    return rows
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -587,15 +574,17 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
 
     from composer_plugins.core.config import redact
 
-    client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(params))
-    exp_name = tracking.experiment_name(params)
-    exp = client.get_experiment_by_name(exp_name)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(exp_name)
+    uri = tracking.tracking_uri(params)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
     tags = tracking.run_tags(variant=str(result["variant"]), seed=int(result["seed"]),
                              extra={"study.channels": result["channels"]})  # fmt: skip
     if tags[tracking.TAG_STAGE] == "manual":
         tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
-    run = client.create_run(exp_id, run_name=f"eval@{result['run']}", tags=tags)
+    from composer_plugins.training.train import _components, train_config_from_dict
+
+    tags.update(tracking.provenance_tags(_components(train_config_from_dict(train_cfg))))
+    run = client.create_run(exp_id, run_name=tracking.run_name(f"eval@{result['run']}"), tags=tags)
     rid = run.info.run_id
     try:
         flat = {f"train.{k}": v for k, v in tracking.flatten(redact(dict(train_cfg))).items()}
@@ -766,14 +755,13 @@ def _log_report(params: Mapping[str, Any], metrics: Mapping[str, Any], artifacts
         return None
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(params))
-    exp_name = tracking.experiment_name(params)
-    exp = client.get_experiment_by_name(exp_name)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(exp_name)
+    uri = tracking.tracking_uri(params)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
     tags = tracking.run_tags()
     if tags[tracking.TAG_STAGE] == "manual":
         tags[tracking.TAG_STAGE] = "report"
-    run = client.create_run(exp_id, run_name="report", tags=tags)
+    run = client.create_run(exp_id, run_name=tracking.run_name("report"), tags=tags)
     rid = run.info.run_id
     from mlflow.entities import Metric
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,21 +83,3 @@ def atomic_write_jsonl(path: str | os.PathLike[str], records: Iterable[Mapping[s
     lines = [json.dumps(r, ensure_ascii=False, sort_keys=False) for r in records]
     atomic_write_text(path, "".join(line + "\n" for line in lines))
     return len(lines)
-
-
-def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
-    """``(line number, object)`` for each non-empty line; bad JSON raises naming file and line."""
-    p = Path(path)
-    with p.open(encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                yield lineno, json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ComposerPluginsError(f"{p}:{lineno}: invalid JSON at column {e.colno}: {e.msg}") from None
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[Any]:
-    """All objects of a JSONL file."""
-    return [obj for _, obj in iter_jsonl(path)]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.io import iter_jsonl
 from composer_plugins.teachers.base import Message, render_action
 
 TraceFormat = Literal["auto", "openai", "claude_code"]
@@ -100,19 +101,7 @@ def visible_message(m: Mapping[str, Any]) -> Message:
 
 
 def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    try:
-        fh = path.open(encoding="utf-8")
-    except OSError as e:
-        raise TraceFormatError(path, None, f"cannot read trace file: {e.strerror}") from e
-    with fh:
-        for lineno, raw in enumerate(fh, 1):
-            s = raw.strip()
-            if not s:
-                continue
-            try:
-                yield lineno, json.loads(s)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(path, lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
+    return iter_jsonl(path, objects=False, error=TraceFormatError)
 
 
 def detect_format(path: str | os.PathLike[str]) -> Literal["openai", "claude_code"]:

@@ -19,7 +19,6 @@ when a live channel needs reference log-probs.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,6 +41,7 @@ from composer_plugins.models.logprobs import (
     lm_head_weight,
     sequence_logprob,
 )
+from composer_plugins.training.distributed import dp_normalisers, world
 
 # ---------------------------------------------------------------------------------------
 # seeds and data streams
@@ -59,33 +59,48 @@ def derive_seed(*parts: int) -> int:
 class TaskStream:
     """A resumable, length-known stream of prompt batches for Lightning.
 
-    Batch ``i`` is ``{"index": i, "tasks": [...]}`` where the tasks are drawn by
-    ``draw(n, seed)`` with a seed derived from ``(seed, epoch, i)``: the content of a batch
-    depends only on its position. ``state_dict``/``load_state_dict`` record that position, so
-    Lightning's ``ckpt_path=...`` resumes at the exact next batch (Lightning stores the state
-    of stateful iterables in the checkpoint's ``loops`` section).
+    Batch ``i`` is ``{"index": i, "tasks": [...], "rank": r, "world_size": W}`` where the step's
+    ``batch_size`` tasks are drawn by ``draw(n, seed)`` with a seed derived from ``(seed, epoch, i)``
+    and data-parallel rank ``r`` of ``W`` keeps its contiguous share of them
+    (:func:`~composer_plugins.training.distributed.rank_share`): the content of a batch depends
+    only on its position and the rank, the ranks' shares are disjoint and their union is the
+    one-process batch. ``rank``/``world_size`` default to the ``torch.distributed`` group's at
+    iteration time (Lightning initialises it before it iterates). ``state_dict``/``load_state_dict``
+    record the position, which every rank shares, so Lightning's ``ckpt_path=...`` resumes each rank
+    at its exact next share (Lightning stores the state of stateful iterables in the checkpoint's
+    ``loops`` section); a resume under another world size re-splits the same step batches.
     """
 
-    def __init__(self, draw: Any, batch_size: int, num_batches: int, seed: int = 0) -> None:
+    def __init__(self, draw: Any, batch_size: int, num_batches: int, seed: int = 0, *,
+                 rank: int | None = None, world_size: int | None = None) -> None:  # fmt: skip
         self.draw = draw
         self.batch_size = int(batch_size)
         self.num_batches = int(num_batches)
         self.seed = int(seed)
         self.position = 0
         self.epoch = 0
+        self.rank = rank
+        self.world_size = world_size
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        from composer_plugins.training.distributed import rank_share
+
+        rank, size = world()
+        rank = rank if self.rank is None else int(self.rank)
+        size = size if self.world_size is None else int(self.world_size)
         if self.position >= self.num_batches:
             self.position = 0
             self.epoch += 1
         while self.position < self.num_batches:
             i = self.position
             tasks = self.draw(self.batch_size, derive_seed(self.seed, self.epoch, i))
+            if size > 1:
+                tasks = rank_share(tasks, rank, size)
             self.position += 1
-            yield {"index": self.epoch * self.num_batches + i, "tasks": tasks}
+            yield {"index": self.epoch * self.num_batches + i, "tasks": tasks, "rank": rank, "world_size": size}
 
     def state_dict(self) -> dict[str, int]:
         """Position of the next batch."""
@@ -239,16 +254,15 @@ def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]]
 
 def load_pairs(path: str | Path) -> list[dict[str, str]]:
     """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.core.io import iter_jsonl
+
     pairs = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{n}: preference pair lacks {missing}")
-            pairs.append(row)
+    for n, row in iter_jsonl(path):
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+        if missing:
+            raise ConfigError(f"preference pair lacks {missing}", file=str(path), line=n)
+        pairs.append(row)
     return pairs
 
 
@@ -620,20 +634,32 @@ class ComposerModule(L.LightningModule):
         for ref in self._reference:
             ref.to(self.device)
 
+    def step_seed(self, index: int, rank: int = 0, world_size: int = 1) -> int:
+        """Sampling seed of step ``index`` on data-parallel ``rank`` (one process: ``(seed, 1, index)``)."""
+        if world_size == 1:
+            return derive_seed(self.cfg.seed, 1, index)
+        return derive_seed(self.cfg.seed, 1, index, rank)
+
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        from composer_plugins.training.distributed import reduce_stats
+
         index = int(batch["index"])
+        rank, size = int(batch.get("rank", 0)), int(batch.get("world_size", 1))
+        self.sync_generator()
         mu = max(1, self.cfg.rollout.num_iterations)
         if mu == 1:
-            loss, stats = self.compute_step(batch["tasks"], seed=derive_seed(self.cfg.seed, 1, index))
+            loss, stats = self.compute_step(batch["tasks"], seed=self.step_seed(index, rank, size))
         else:
             # one rollout batch every `mu` batches, optimised on `mu` times (PPO-style epochs):
             # the importance ratio against the kept sampling-time log-probs is then live
             start = index - index % mu
             if self._rollout_cache is None or self._rollout_cache[0] != start:
-                rb = self.make_rollout_batch(batch["tasks"], derive_seed(self.cfg.seed, 1, start), old_logprobs=True)
+                rb = self.make_rollout_batch(batch["tasks"], self.step_seed(start, rank, size), old_logprobs=True)
                 self._rollout_cache = (start, rb)
-            loss, stats = self.loss_on(self._rollout_cache[1], derive_seed(self.cfg.seed, 1, index))
+            loss, stats = self.loss_on(self._rollout_cache[1], self.step_seed(index, rank, size))
             stats["iteration"] = float(index - start)
+        # every rank computed its share; the step's statistics are those of the union batch
+        stats = reduce_stats(stats)
         self.last_step_stats = stats
         # the progress bar shows reward, loss and each channel's loss; every statistic goes to the
         # loggers (MLflow) directly, once per optimizer step (cheaper than one self.log per key)
@@ -646,10 +672,12 @@ class ComposerModule(L.LightningModule):
         trainer = self._trainer
         if trainer is None or not trainer.loggers or trainer.fit_loop._should_accumulate():
             return
-        if trainer.global_step % max(1, trainer.log_every_n_steps) != 0:
+        # logged at the step being completed (1 for the first optimizer step), as history.csv writes it
+        step = trainer.global_step + 1
+        if (step - 1) % max(1, trainer.log_every_n_steps) != 0:
             return
         for lg in trainer.loggers:
-            lg.log_metrics(dict(metrics), step=trainer.global_step)
+            lg.log_metrics(dict(metrics), step=step)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Prompt batches hold only Python data (tasks); tensors are made on the device later."""
@@ -732,6 +760,9 @@ class ComposerModule(L.LightningModule):
             "global_step": self.global_step,
             "total_steps": self.cfg.trainer.max_steps,
         }
+        # data parallel: the global token-count normalisers, so each rank's loss is its share of the
+        # union batch's (no-op in one process)
+        batch.update(dp_normalisers(ro.completion_mask))
         outputs: dict[str, Any] = {}
         out = completion_logprobs(
             self.policy,
@@ -893,13 +924,25 @@ class ComposerModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["composer_rng"] = _rng_state()
-        if self._rollout_cache is not None:  # rollouts being re-used (num_iterations > 1)
-            checkpoint["composer_rollout_cache"] = (self._rollout_cache[0], self._rollout_cache[1].state())
+        # Lightning calls this on every rank and writes rank 0's dict: each rank's RNG state and
+        # re-used rollouts (num_iterations > 1) are gathered into it, so a resume restores every rank
+        cache = (self._rollout_cache[0], self._rollout_cache[1].state()) if self._rollout_cache is not None else None
+        ranks = all_gather_objects({"rng": _rng_state(), "rollout_cache": cache})
+        checkpoint["composer_rng"] = ranks[0]["rng"]
+        if cache is not None:
+            checkpoint["composer_rollout_cache"] = cache
+        if len(ranks) > 1:
+            checkpoint["composer_ranks"] = ranks
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = checkpoint.get("composer_rng")
         cached = checkpoint.get("composer_rollout_cache")
+        rank, size = world()
+        ranks = checkpoint.get("composer_ranks")
+        if ranks is not None and len(ranks) == size:  # same world size: each rank its own state
+            self._resume_rng, cached = ranks[rank]["rng"], ranks[rank]["rollout_cache"]
+        elif size > 1:  # another world size: the step batches are re-split, so re-used rollouts are stale
+            cached = None
         self._rollout_cache = (cached[0], RolloutBatch.from_state(cached[1])) if cached else None
 
     def export_pretrained(self, path: str | Path) -> Path:

@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback
 
 from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
 from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.io import read_jsonl
 from composer_plugins.models.tiny import TinyModelConfig, build_cached, cache_dir_for, load_policy, tiny_model_dir
 
 # ---------------------------------------------------------------------------------------
@@ -503,16 +504,6 @@ def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
 # ---------------------------------------------------------------------------------------
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Rows of a JSONL file."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
-
-
 def env_tasks(env: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     """``n`` seeded tasks of ``split`` from the env's generator."""
     return [dict(t) for t in env.sample_tasks(n, split=split, seed=seed)]
@@ -761,18 +752,50 @@ def mlflow_settings(cfg: TrainConfig) -> dict[str, Any] | None:
         return None
     if not cfg.mlflow.enabled:
         return None
-    params = {"mlflow": {k: v for k, v in asdict(cfg.mlflow).items() if v is not None}}
-    try:
-        from composer_plugins.training import tracking
+    from composer_plugins.training import tracking
 
-        uri = tracking.tracking_uri(params)
-        exp = tracking.experiment_name(params)
-        tags = tracking.run_tags(seed=cfg.seed, extra=redact(cfg.mlflow.tags))
-    except ImportError:  # pragma: no cover - the pipeline package ships with the project
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or "sqlite:///mlflow.db"
-        exp = os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.mlflow.experiment or "composer-plugins"
-        tags = {str(k): str(v) for k, v in redact(cfg.mlflow.tags).items()}
+    params = {"mlflow": {k: v for k, v in asdict(cfg.mlflow).items() if v is not None}}
+    uri = tracking.tracking_uri(params)
+    exp = tracking.experiment_name(params)
+    tags = tracking.run_tags(seed=cfg.seed)
+    tags.update(tracking.provenance_tags(_components(cfg)))
+    tags.update({str(k): str(v) for k, v in redact(cfg.mlflow.tags).items()})
     return {"tracking_uri": uri, "experiment": exp, "tags": tags}
+
+
+def _components(cfg: TrainConfig) -> dict[str, tuple[str, str]]:
+    """``{slot: (kind, name)}`` of the env and the active loss channels (for provenance tags)."""
+    out: dict[str, tuple[str, str]] = {}
+    env = cfg.env
+    if isinstance(env, Mapping):
+        out["env"] = ("envs", str(env.get("name") or env.get("class_path") or "?"))
+    elif isinstance(env, str):
+        out["env"] = ("envs", env)
+    for key, spec in cfg.losses.items():
+        try:
+            ch = channel_spec(key, spec)
+        except ConfigError:
+            continue
+        if ch.active:
+            out[f"losses.{key}"] = ("losses", str(ch.kwargs.get("class_path") or ch.name))
+    return out
+
+
+def channels_label(cfg: TrainConfig) -> str:
+    """``grpo+hint_distill`` (active channel keys in config order) or ``none``."""
+    on = []
+    for key, spec in cfg.losses.items():
+        try:
+            if channel_spec(key, spec).active:
+                on.append(key)
+        except ConfigError:
+            continue
+    return "+".join(on) or "none"
+
+
+def default_run_name(cfg: TrainConfig) -> str:
+    """``train@<output_dir name>-s<seed> (<channels>)``: what a plain ``composer-plugins train`` run is."""
+    return f"train@{Path(cfg.output_dir).name}-s{cfg.seed} ({channels_label(cfg)})"
 
 
 def build_logger(cfg: TrainConfig) -> Any:
@@ -782,12 +805,15 @@ def build_logger(cfg: TrainConfig) -> Any:
         return False
     from lightning.pytorch.loggers import MLFlowLogger
 
+    from composer_plugins.training import tracking
+
     return MLFlowLogger(
         experiment_name=s["experiment"],
         tracking_uri=s["tracking_uri"],
-        run_name=cfg.mlflow.run_name,
+        run_name=tracking.run_name(default_run_name(cfg), given=cfg.mlflow.run_name),
         tags=s["tags"],
         log_model=cfg.mlflow.log_checkpoints,
+        artifact_location=tracking.artifact_location(s["tracking_uri"]),
     )
 
 
@@ -959,7 +985,7 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
     """One MLflow run for the SFT warm start (when ``mlflow`` is on): its config, final and per-step loss.
 
     Tagged like every pipeline stage (``dvc.stage`` from ``$DVC_STAGE``, git commit, seed); the run
-    name is ``cfg.mlflow.run_name`` or ``sft``. A cached warm start logs the history recorded when
+    name is ``cfg.mlflow.run_name`` or ``sft-s<sft.seed>``. A cached warm start logs the history recorded when
     it was trained. Returns the run id.
     """
     settings = mlflow_settings(cfg)
@@ -971,9 +997,9 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
     from composer_plugins.training import tracking
 
     client = MlflowClient(tracking_uri=settings["tracking_uri"])
-    exp = client.get_experiment_by_name(settings["experiment"])
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(settings["experiment"])
-    tags = {**settings["tags"], "mlflow.runName": cfg.mlflow.run_name or "sft"}
+    exp_id = tracking.ensure_experiment(client, settings["experiment"], settings["tracking_uri"])
+    name = tracking.run_name(f"sft-s{cfg.sft.seed}", given=cfg.mlflow.run_name)
+    tags = {**settings["tags"], "mlflow.runName": name}
     run = client.create_run(exp_id, tags=tags)
     conf = {"sft": asdict(cfg.sft), "model": asdict(cfg.model), "env": redact(cfg.env), "seed": cfg.seed}
     params = [Param(k, str(v)[:500]) for k, v in tracking.flatten(conf).items()]
@@ -989,11 +1015,7 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
 
 def _val_metrics(trainer: Any) -> dict[str, float]:
     """``val/*`` metrics of the last validation (``val/accuracy``, ``val/mean_reward``, ``val/pass_at_<k>``)."""
-    return {
-        k: float(v)
-        for k, v in trainer.callback_metrics.items()
-        if k.startswith("val/") and hasattr(v, "item")
-    }
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and hasattr(v, "item")}
 
 
 @_quiet_lightning()
