@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.steps import step_result
 from composer_plugins.teachers.base import Message
 
 _TEXT_KEYS = ("prompt", "question", "text", "content", "observation", "instruction")
@@ -96,33 +97,6 @@ def _jsonable(v: Any) -> bool:
     return isinstance(v, str | int | float | bool) or v is None
 
 
-def step_result(res: Any) -> tuple[Any, float, bool, dict[str, Any]]:
-    """``(obs, reward, done, info)`` from any supported ``env.step`` return shape."""
-    if isinstance(res, tuple):
-        if len(res) == 5:
-            obs, r, term, trunc, info = res
-            return obs, float(r or 0.0), bool(term or trunc), dict(info or {})
-        if len(res) == 4:
-            obs, r, done, info = res
-            return obs, float(r or 0.0), bool(done), dict(info or {})
-        if len(res) == 3:
-            obs, r, done = res
-            return obs, float(r or 0.0), bool(done), {}
-        raise RecordError(f"env.step returned a tuple of {len(res)}; expected 3, 4 or 5 items")
-    if isinstance(res, Mapping):
-        return res.get("observation"), float(res.get("reward") or 0.0), bool(res.get("done", True)), {}
-    if hasattr(res, "reward") or hasattr(res, "done"):
-        return (
-            getattr(res, "observation", None),
-            float(getattr(res, "reward", 0.0) or 0.0),
-            bool(getattr(res, "done", True)),
-            {},
-        )
-    if isinstance(res, int | float):  # a bare reward: single-turn env
-        return None, float(res), True, {}
-    raise RecordError(f"cannot read env.step result of type {type(res).__name__}")
-
-
 def _reset(env: Any, seed: int) -> Any:
     try:
         return env.reset(seed=seed)
@@ -158,8 +132,8 @@ def record_episodes(
         for _turn in range(max_turns):
             action = _act(policy, messages)
             messages.append({"role": "assistant", "content": action})
-            obs, reward, done, info = step_result(env.step(action))
-            rewards.append(reward)
+            obs, reward, done, info = step_result(env.step(action), error=RecordError)
+            rewards.append(0.0 if reward is None else float(reward))
             for k in _META_KEYS:
                 if k in info and _jsonable(info[k]):
                     meta.setdefault(k, info[k])

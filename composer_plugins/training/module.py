@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric, Metric
 
+from composer_plugins.core.steps import step_result
 from composer_plugins.models.generation import Rollout, generate_completions, left_pad, tokenize_prompts
 from composer_plugins.models.logprobs import (
     completion_hidden,
@@ -589,7 +590,7 @@ class ComposerModule(L.LightningModule):
             )
             for j, e in enumerate(live):
                 act_ids = ro.completion_ids[j][ro.completion_mask[j].bool()].tolist()
-                obs, reward, done, info = _step_result(e["env"].step(ro.completions[j]))
+                obs, reward, done, info = step_result(e["env"].step(ro.completions[j]))
                 e["ids"] += act_ids
                 e["mask"] += [1] * len(act_ids)
                 e["actions"].append(ro.completions[j])
@@ -987,19 +988,3 @@ def _obs_text(obs: Any) -> str:
         if hasattr(obs, k):
             return str(getattr(obs, k))
     return str(obs)
-
-
-def _step_result(res: Any) -> tuple[Any, float | None, bool, dict[str, Any]]:
-    """``(observation, reward, done, info)`` from a ``StepResult``/tuple/mapping/object."""
-    if isinstance(res, tuple):
-        obs, reward, done = res[0], res[1], bool(res[2])
-        info = res[3] if len(res) > 3 and isinstance(res[3], Mapping) else {}
-        return obs, reward, done, dict(info)
-    if isinstance(res, Mapping):
-        return res.get("observation"), res.get("reward"), bool(res.get("done", False)), dict(res.get("info") or {})
-    return (
-        getattr(res, "observation", None),
-        getattr(res, "reward", None),
-        bool(getattr(res, "done", False)),
-        dict(getattr(res, "info", None) or {}),
-    )
