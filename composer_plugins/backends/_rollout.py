@@ -1,7 +1,8 @@
 """The in-process pieces the backends share: policy, env, seeded task draws, rollouts, optimizer.
 
 Built from the same :class:`~composer_plugins.training.train.TrainConfig` helpers the native
-Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``), so a
+Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``,
+``training.optim.build_optimizer``), so a
 backend differs from the native path only in the trainer, never in the data or the reward.
 """
 
@@ -12,17 +13,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-
-def build_optimizer(cfg: Any, params: Any) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg.optim`` (adamw / adam / sgd) over ``params``."""
-    o = cfg.optim
-    params = [p for p in params if p.requires_grad]
-    if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    if o.name == "adam":
-        return torch.optim.Adam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
 def generate(policy: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], seed: int) -> Any:
@@ -53,7 +43,9 @@ class LocalRun:
         self.policy, self.tokenizer = policy, tokenizer
         self.policy.train()
         self.draw = T.task_drawer(self.env, cfg, "train")
-        self.optimizer = build_optimizer(cfg, self.policy.parameters())
+        from composer_plugins.training.optim import build_optimizer
+
+        self.optimizer = build_optimizer(cfg.optim, self.policy.parameters())
 
     def tasks(self, step: int) -> list[dict[str, Any]]:
         """The prompts of ``step`` (depend only on ``cfg.seed`` and ``step``)."""

@@ -185,9 +185,9 @@ class TrainerActor(Actor):
     """Applies the composed loss to a received rollout and steps the optimizer; serves its weights."""
 
     def __init__(self, config: dict[str, Any], model_dir: str) -> None:
-        from composer_plugins.backends._rollout import build_optimizer
         from composer_plugins.models.tiny import load_policy
         from composer_plugins.training.module import ComposerModule
+        from composer_plugins.training.optim import build_optimizer
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -196,7 +196,7 @@ class TrainerActor(Actor):
             policy, tok = load_policy(model_dir, dtype=self.cfg.model.dtype)
             self.module = ComposerModule(self.cfg, policy=policy, tokenizer=tok)
             self.module.policy.train()
-            self.optimizer = build_optimizer(self.cfg, self.module.policy.parameters())
+            self.optimizer = build_optimizer(self.cfg.optim, self.module.policy.parameters())
             self.steps = 0
 
     def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict]:

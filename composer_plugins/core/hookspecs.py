@@ -43,5 +43,20 @@ def register_backends(register: Any) -> None:
 
 
 @hookspec
+def register_rollout_generators(register: Any) -> None:
+    """Register rollout generators (samplers of completions) with ``register(name, factory, **init_params)``."""
+
+
+@hookspec
+def register_optimizers(register: Any) -> None:
+    """Register optimizers (``optim.name``) with ``register(name, factory, description=None, **init_params)``."""
+
+
+@hookspec
+def register_callbacks(register: Any) -> None:
+    """Register Lightning callbacks (``trainer.callbacks``) with ``register(name, factory, description=None, **kw)``."""
+
+
+@hookspec
 def register_commands(cli: Any) -> None:
     """Add subcommands to the ``composer-plugins`` click group passed as ``cli``."""

@@ -38,6 +38,9 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.envs.plugin",
     "composer_plugins.backends.plugin",
     "composer_plugins.training.commands",
+    "composer_plugins.training.optim",
+    "composer_plugins.training.callbacks",
+    "composer_plugins.training.rollouts",
     "composer_plugins.pipeline.plugin",
     "composer_plugins.diloco.launch",
 )
@@ -108,7 +111,7 @@ class ComposerPluginManager(pluggy.PluginManager):
                 plugin = ep.load()
                 self.register(plugin, name=ep.name)
             except Exception as e:
-                self._fail(ep.name, PluginLoadError(label, f"{type(e).__name__}: {e}"))
+                self._fail(ep.name, PluginLoadError(label, f"{type(e).__name__}: {e}"), cause=e)
                 continue
             self.provenance[ep.name] = (dname, dver)
         if only:
@@ -143,9 +146,9 @@ class ComposerPluginManager(pluggy.PluginManager):
         dist = self.provenance.get(plugin_name)
         return f"{plugin_name} (from {dist[0]} {dist[1]})" if dist and dist[0] else plugin_name
 
-    def _fail(self, name: str, err: PluginLoadError) -> None:
+    def _fail(self, name: str, err: PluginLoadError, cause: BaseException | None = None) -> None:
         if os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
-            raise err
+            raise err from cause  # the plugin's own traceback stays attached (the CLI prints both)
         self.failures[name] = err
         warnings.warn(
             str(err) + " The plugin was skipped; other plugins are unaffected.", PluginLoadWarning, stacklevel=3

@@ -27,6 +27,9 @@ KINDS: dict[str, str] = {
     "envs": "register_envs",
     "hints": "register_hint_providers",
     "backends": "register_backends",
+    "optimizers": "register_optimizers",
+    "callbacks": "register_callbacks",
+    "rollout_generators": "register_rollout_generators",
 }
 
 _KIND_ALIASES = {
@@ -41,6 +44,12 @@ _KIND_ALIASES = {
     "hint": "hints",
     "hint_providers": "hints",
     "backend": "backends",
+    "optimizer": "optimizers",
+    "optim": "optimizers",
+    "callback": "callbacks",
+    "rollout_generator": "rollout_generators",
+    "generators": "rollout_generators",
+    "generator": "rollout_generators",
 }
 
 #: Backends published as separate distributions: name -> pip install command.

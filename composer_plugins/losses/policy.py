@@ -17,7 +17,10 @@ key                          shape       meaning
 ``importance_sampling_ratio`` (B, T)     optional: vLLM truncated-IS correction (TRL)
 ``loss_weights``             (B, T)      optional, ``dppo`` only: per-token weights
 ``num_items_in_batch``       scalar      optional: active-token count of the whole accumulated batch
-                                         (``dapo``/``cispo``/``dppo`` normaliser under grad accumulation)
+                                         (``dapo``/``cispo``/``dppo`` normaliser under grad accumulation;
+                                         under data parallel the global count / world size, as TRL)
+``max_completion_length``    int         optional: ``dr_grpo`` constant when the channel sets none
+                                         (data parallel: the widest completion over all ranks)
 ===========================  ==========  ==================================================================
 """
 
@@ -166,7 +169,11 @@ class PolicyLossChannel(_LogprobInputs):
             importance_sampling_level=self.importance_sampling_level,  # type: ignore[arg-type]
             beta=self.beta,
             ref_logprobs=g("ref_logprobs", model_outputs, batch) if self.beta != 0.0 else None,
-            max_completion_length=self.max_completion_length,
+            max_completion_length=(
+                self.max_completion_length
+                if self.max_completion_length is not None
+                else g("max_completion_length", model_outputs, batch)
+            ),
             num_items_in_batch=g("num_items_in_batch", model_outputs, batch),
             kl_estimator=self.kl_estimator,  # type: ignore[arg-type]
             use_bias_correction_kl=self.use_bias_correction_kl,

@@ -581,9 +581,9 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
                              extra={"study.channels": result["channels"]})  # fmt: skip
     if tags[tracking.TAG_STAGE] == "manual":
         tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
-    from composer_plugins.training.train import _components, train_config_from_dict
+    from composer_plugins.training.train import config_components, train_config_from_dict
 
-    tags.update(tracking.provenance_tags(_components(train_config_from_dict(train_cfg))))
+    tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))
     run = client.create_run(exp_id, run_name=tracking.run_name(f"eval@{result['run']}"), tags=tags)
     rid = run.info.run_id
     try:

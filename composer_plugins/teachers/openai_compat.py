@@ -375,7 +375,9 @@ class OpenAITeacher(Teacher):
             finish_reason=choice.get("finish_reason"),
         )
 
-    def _status_error(self, status: int, body: bytes, retry_after: str | None) -> TeacherCallError:
+    def _status_error(
+        self, status: int, body: bytes, retry_after: str | None, url: str | None = None
+    ) -> TeacherCallError:
         snippet = self._snippet(body, ERROR_BODY_CHARS)
         retryable = status in RETRYABLE_STATUS
         hint = ""
@@ -384,7 +386,7 @@ class OpenAITeacher(Teacher):
         elif status == 404:
             hint = f" HINT: check base_url ({self.base_url}) and model ({self.model!r})."
         return TeacherCallError(
-            f"teacher {self.id!r}: HTTP {status} from {self.url}: {snippet!r}.{hint}",
+            f"teacher {self.id!r}: HTTP {status} from {url or self.url}: {snippet!r}.{hint}",
             retryable=retryable,
             status=status,
             retry_after=parse_retry_after(retry_after),
@@ -406,6 +408,29 @@ class OpenAITeacher(Teacher):
         if status != 200:
             raise self._status_error(status, body, retry_after)
         return self._parse(body, messages, latency)
+
+    async def post_json(self, url: str, body: Mapping[str, Any]) -> Any:
+        """POST ``body`` as JSON to ``url`` over this endpoint's transport (key, session, limits); the decoded answer.
+
+        Other OpenAI-compatible routes (``/completions``, a server's weight-reload route) go through
+        the same client and the same error mapping as :meth:`complete`: a
+        :class:`TeacherCallError` that says whether a retry may help.
+        """
+        payload = _dumps(dict(body))
+        headers = self._headers()
+        post = self._post_aiohttp if self.http_client == "aiohttp" else self._post_httpx
+        status, raw, retry_after = await post(payload, headers, url)
+        if status != 200:
+            raise self._status_error(status, raw, retry_after, url)
+        try:
+            return _loads(raw)
+        except Exception:
+            raise TeacherCallError(
+                f"teacher {self.id!r}: malformed JSON from {url}: {self._snippet(raw, MALFORMED_BODY_CHARS)!r}",
+                retryable=True,
+                billed="maybe",
+                kind="malformed",
+            ) from None
 
     # -- transports ----------------------------------------------------------------------
     # Each attempt carries a ``_Sent`` flag the HTTP client sets once the request can go out (aiohttp:
@@ -460,14 +485,15 @@ class OpenAITeacher(Teacher):
             kind="disconnect" if kind != "client" else "client",
         )
 
-    async def _post_aiohttp(self, payload: bytes, headers: dict[str, str]) -> tuple[int, bytes, str | None]:
+    async def _post_aiohttp(self, payload: bytes, headers: dict[str, str],
+                            url: str | None = None) -> tuple[int, bytes, str | None]:  # fmt: skip
         import aiohttp
 
         session = self._loop_session()
         flag = _Sent()
         token = _ATTEMPT.set(flag)
         try:
-            async with session.post(self.url, data=payload, headers=headers) as resp:
+            async with session.post(url or self.url, data=payload, headers=headers) as resp:
                 body = await resp.read()
                 return resp.status, body, resp.headers.get("Retry-After")
         except TimeoutError as e:  # also aiohttp's ConnectionTimeoutError (before sending)
@@ -481,7 +507,8 @@ class OpenAITeacher(Teacher):
         finally:
             _ATTEMPT.reset(token)
 
-    async def _post_httpx(self, payload: bytes, headers: dict[str, str]) -> tuple[int, bytes, str | None]:
+    async def _post_httpx(self, payload: bytes, headers: dict[str, str],
+                          url: str | None = None) -> tuple[int, bytes, str | None]:  # fmt: skip
         import httpx
 
         client = self._loop_session()
@@ -492,7 +519,7 @@ class OpenAITeacher(Teacher):
                 flag.sent = True
 
         try:
-            resp = await client.post(self.url, content=payload, headers=headers, extensions={"trace": trace})
+            resp = await client.post(url or self.url, content=payload, headers=headers, extensions={"trace": trace})
         except httpx.TimeoutException as e:
             raise self._failed(e, flag.sent, kind="timeout") from None
         except (httpx.UnsupportedProtocol, httpx.InvalidURL):

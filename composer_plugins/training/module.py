@@ -42,7 +42,7 @@ from composer_plugins.models.logprobs import (
     lm_head_weight,
     sequence_logprob,
 )
-from composer_plugins.training.distributed import dp_normalisers, world
+from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, world
 
 # ---------------------------------------------------------------------------------------
 # seeds and data streams
@@ -318,27 +318,14 @@ class SFTModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(self.warmup_steps, self.total_steps))
+        from types import SimpleNamespace
+
+        from composer_plugins.training.optim import build_optimizer, warmup_cosine
+
+        sft_optim = SimpleNamespace(name="adamw", lr=self.lr, weight_decay=self.weight_decay)
+        opt = build_optimizer(sft_optim, self.policy.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(self.warmup_steps, self.total_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def _warmup_cosine(warmup: int, total: int, final: float = 0.1) -> Any:
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        t = min(1.0, (step - warmup) / max(1, total - warmup))
-        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t))
-
-    return f
-
-
-def _schedule(kind: str, warmup: int, total: int) -> Any:
-    if kind == "cosine":
-        return _warmup_cosine(warmup, total)
-    if kind == "linear":
-        return lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, 1 - (s - warmup) / max(1, total - warmup))
-    return lambda s: (s + 1) / max(1, warmup) if s < warmup else 1.0
 
 
 def sft_collate(tokenizer: Any, examples: Sequence[tuple[str, str]], max_length: int = 256) -> dict[str, Tensor]:
@@ -487,6 +474,8 @@ class ComposerModule(L.LightningModule):
             for p in ref.parameters():
                 p.requires_grad_(False)
             self._reference.append(ref)
+        #: What samples the training rollouts (``rollout.generator``; HF ``generate`` by default).
+        self.generator = T.build_generator(cfg, src)
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
         self.val_pass = PassAtK(cfg.eval.k)
@@ -495,6 +484,8 @@ class ComposerModule(L.LightningModule):
         #: Set to a list to collect per-problem validation predictions.
         self.predictions: list[dict[str, Any]] | None = None
         self.last_step_stats: dict[str, float] = {}
+        #: The rollouts the last training step optimised on (this rank's share under data parallel).
+        self.last_rollout: RolloutBatch | None = None
 
     # -- helpers -------------------------------------------------------------------------
     @property
@@ -534,9 +525,55 @@ class ComposerModule(L.LightningModule):
         if self.cfg.rollout.max_turns > 1 and hasattr(self.env, "reset") and hasattr(self.env, "step"):
             return self._multi_turn(tasks, seed)
         prompts = [task_prompt(t) for t in tasks]
-        ro = self.generate(prompts, G, seed=seed)
+        r = self.cfg.rollout
+        with self.full_params():
+            ro = self.generator.generate(
+                self.policy,
+                self.tokenizer,
+                prompts,
+                G,
+                seed=seed,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+                max_new_tokens=r.max_new_tokens,
+                max_prompt_length=r.max_prompt_length,
+            )
         rewards = env_rewards(self.env, tasks, ro.completions, G)
         return ro, rewards, [None] * len(rewards)
+
+    def full_params(self, recurse: bool = False) -> Any:
+        """A context in which the policy's parameters are whole (FSDP: gathered; otherwise nothing to do).
+
+        ``recurse=False`` gathers only the root unit (embeddings, LM head): the wrapped decoder layers
+        gather their own on each forward, as TRL samples under FSDP. ``recurse=True`` gathers all
+        (saving the weights for an inference server).
+        """
+        import contextlib
+
+        trainer = self._trainer
+        model = getattr(getattr(trainer, "strategy", None), "model", None) if trainer is not None else None
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if isinstance(model, FSDP):
+            return FSDP.summon_full_params(model, writeback=False, recurse=recurse)
+        return contextlib.nullcontext()
+
+    def sync_generator(self) -> None:
+        """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
+        from composer_plugins.training.distributed import barrier
+
+        gen = self.generator
+        wants = getattr(gen, "wants_sync", None)
+        step = self.global_step
+        if wants is None or not wants(step):
+            return
+        rank, _ = world()
+        with self.full_params(recurse=True):
+            if rank == 0:
+                gen.sync(self.policy, self.tokenizer, step, out_dir=self.cfg.output_dir)
+        gen.last_synced = step
+        barrier()
 
     def _multi_turn(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Rollout, list[float], list[Any]]:
         """Drive ``env.reset(task)`` / ``env.step(action)`` for the ``G`` episodes of each task.
@@ -748,6 +785,7 @@ class ComposerModule(L.LightningModule):
         distillation channel, the replay pairs' sequence log-probs. The composed loss is computed
         once over the whole batch, so it equals the one-shot loss for every loss type and channel.
         """
+        self.last_rollout = rb
         ro = rb.rollout
         G = ro.num_generations
         T = self.cfg.rollout.temperature
@@ -780,11 +818,28 @@ class ComposerModule(L.LightningModule):
         logps, hidden = out if isinstance(out, tuple) else (out, None)
         outputs["logprobs"] = logps
         batch["old_logprobs"] = rb.old_logprobs if rb.old_logprobs is not None else logps.detach()
-        # HF generate samples from this policy, so the inference engine's log-probs are the sampling-time ones
-        batch["inference_logprobs"] = batch["old_logprobs"]
+        stats: dict[str, float] = {}
+        sampling = ro.extra.get("sampling_logprobs")
+        if sampling is None:
+            # HF generate samples from this policy, so the inference engine's log-probs are the sampling-time ones
+            batch["inference_logprobs"] = batch["old_logprobs"]
+        else:
+            # an inference server sampled with weights that may lag the policy: its own log-probs, and
+            # TRL's truncated importance-sampling correction from them to the policy at rollout time
+            batch["inference_logprobs"] = sampling
+            r = self.cfg.rollout
+            if r.importance_sampling != "off":
+                from composer_plugins.losses.functional import importance_sampling_correction
+
+                ratio = importance_sampling_correction(
+                    batch["old_logprobs"], sampling, ro.completion_mask, r.importance_sampling,
+                    r.importance_sampling_max, r.importance_sampling_min,
+                )  # fmt: skip
+                batch["importance_sampling_ratio"] = ratio
+                m = ro.completion_mask.float()
+                stats["is_ratio"] = float((ratio.expand_as(m) * m).sum() / m.sum().clamp(min=1))
         if rb.ref_logprobs is not None:
             batch["ref_logprobs"] = rb.ref_logprobs
-        stats: dict[str, float] = {}
         if self.needs_teacher:
             stats.update(self._hint_inputs(rb, hidden, outputs, batch))
         if self.needs_pairs and self.pairs:
@@ -910,19 +965,9 @@ class ComposerModule(L.LightningModule):
 
     # -- optimisation / checkpoint state ---------------------------------------------
     def configure_optimizers(self) -> Any:
-        o = self.cfg.optim
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        if o.name == "adamw":
-            opt: torch.optim.Optimizer = torch.optim.AdamW(
-                params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-            )
-        elif o.name == "adam":
-            opt = torch.optim.Adam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        else:
-            opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-        total = max(1, self.cfg.trainer.max_steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(o.scheduler, o.warmup_steps, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        from composer_plugins.training.optim import build_optimization
+
+        return build_optimization(self.cfg.optim, self.policy.parameters(), self.cfg.trainer.max_steps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this on every rank and writes rank 0's dict: each rank's RNG state and

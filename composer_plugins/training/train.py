@@ -139,6 +139,17 @@ class RolloutSection:
     success_threshold: float = 1.0
     #: Extra keyword arguments of ``losses.functional.group_advantages``.
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: What samples the completions (registry kind ``rollout_generators``): ``hf`` (HF ``generate``
+    #: in the training process) or ``{name: server, base_url: http://host:port/v1, ...}`` (vLLM/SGLang).
+    generator: Any = "hf"
+    #: Correction of an inference engine's policy lag (generators that report sampling log-probs):
+    #: ``token_truncate`` | ``token_mask`` | ``sequence_truncate`` | ``sequence_mask`` (TRL's
+    #: ``vllm_importance_sampling_mode``) or ``off``.
+    importance_sampling: str = "token_truncate"
+    #: Upper bound of the importance-sampling ratio (TRL's ``vllm_importance_sampling_clip_max``).
+    importance_sampling_max: float | None = 3.0
+    #: Lower bound (``null``: none).
+    importance_sampling_min: float | None = None
 
 
 @dataclass
@@ -169,7 +180,8 @@ class ReplaySection:
 class OptimSection:
     """Optimizer and learning-rate schedule of the RL phase."""
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    #: A registered optimizer (``composer-plugins list optimizers``): ``adamw``, ``adam``, ``sgd`` built in.
+    name: str = "adamw"
     lr: float = 2e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -177,6 +189,8 @@ class OptimSection:
     momentum: float = 0.0
     warmup_steps: int = 0
     scheduler: Literal["constant", "cosine", "linear"] = "cosine"
+    #: Further keyword arguments of the optimizer (e.g. ``{amsgrad: true}``), passed as they are.
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -195,10 +209,19 @@ class TrainerSection:
     enable_progress_bar: bool = True
     accelerator: str = "cpu"
     devices: Any = 1
+    #: ``auto``, ``ddp``, ``fsdp`` (each decoder layer its own FSDP unit), any Lightning strategy name
+    #: (``ddp_spawn``, ``fsdp_cpu_offload`` ...) or a class path / ``{class_path, init_args}``.
+    #: With ``devices: N`` each of the N data-parallel ranks draws 1/N of ``rollout.prompts_per_step``.
+    strategy: Any = "auto"
+    #: Limit of every collective of the ``ddp``/``fsdp`` process group (seconds).
+    dist_timeout_s: float = 1800.0
     precision: str = "32-true"
     deterministic: bool = False
     #: ``torch.set_num_threads`` (``None`` keeps the default).
     num_threads: int | None = None
+    #: Callbacks from plugins (``composer-plugins list callbacks``), added after the built-in ones:
+    #: names, ``{name: ..., <kwargs>}`` or ``{class_path: ..., init_args: ...}``.
+    callbacks: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -314,12 +337,34 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
             raise src.error(pre + k, f"must be >= 1, got {v}.")
     if cfg.rollout.temperature <= 0:
         raise src.error(pre + "rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}.")
+    is_modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
+    if cfg.rollout.importance_sampling not in is_modes:
+        raise src.error(
+            pre + "rollout.importance_sampling", f"unknown mode {cfg.rollout.importance_sampling!r}.", valid=is_modes
+        )
+    strat = cfg.trainer.strategy
+    if isinstance(strat, str) and "." not in strat and strat.strip().lower() not in strategy_names():
+        raise _unknown_strategy(strat, src, pre + "trainer.strategy")
+    devices = cfg.trainer.devices
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
+        if cfg.rollout.prompts_per_step % devices:
+            k = cfg.rollout.prompts_per_step
+            raise src.error(
+                pre + "rollout.prompts_per_step",
+                f"{k} prompts per step cannot be split over trainer.devices={devices} data-parallel ranks; "
+                f"use a multiple of {devices} (each rank draws prompts_per_step / devices).",
+            )
     if cfg.eval.k > cfg.eval.num_samples:
         raise src.error(pre + "eval.k", f"pass@{cfg.eval.k} needs eval.num_samples >= {cfg.eval.k}.")
     if not isinstance(cfg.losses, Mapping) or not cfg.losses:
         raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
     for name, spec in cfg.losses.items():
         channel_spec(name, spec, src, pre)
+    from composer_plugins.training.callbacks import check_callback_names
+    from composer_plugins.training.optim import check_optimizer_name
+
+    check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
+    check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
 
 
 class ChannelSpec(NamedTuple):
@@ -440,6 +485,14 @@ def build_env(cfg: TrainConfig, src: Config | None = None) -> Any:
     from composer_plugins.core.config import build_component
 
     return build_component("envs", cfg.env, key="env", cfg=src)
+
+
+def build_generator(cfg: TrainConfig, src: Config | None = None) -> Any:
+    """The rollout generator named by ``rollout.generator`` (registry kind ``rollout_generators``)."""
+    from composer_plugins.core.config import build_component
+
+    spec = cfg.rollout.generator if cfg.rollout.generator is not None else "hf"
+    return build_component("rollout_generators", spec, key="rollout.generator", cfg=src)
 
 
 def build_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
@@ -715,18 +768,19 @@ def sft_train(
             if loss is not None:
                 history.append({"step": int(trainer.global_step), "sft/loss": float(loss)})
 
-    trainer = L.Trainer(
+    bar = _progress_bar("sft", s.progress)
+    trainer = lightning_trainer(
         max_steps=s.steps,
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
         precision=cfg.trainer.precision,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=s.progress,
+        enable_progress_bar=bar is not None,
         enable_model_summary=False,
         gradient_clip_val=1.0,
         log_every_n_steps=10,
-        callbacks=[_Losses(), *extra_callbacks],
+        callbacks=[_Losses(), *extra_callbacks, *([bar] if bar else [])],
         num_sanity_val_steps=0,
     )
     with _quiet_lightning():
@@ -746,6 +800,23 @@ def sft_train(
 # ---------------------------------------------------------------------------------------
 
 
+def _progress_bar(phase: str, configured: bool) -> Any:
+    """The one progress bar (:mod:`composer_plugins.training.progress`), or ``None`` when it is off.
+
+    Off when the config says so or the ``--no-progress`` switch (``COMPOSER_PROGRESS=0``) is set; then
+    transformers' and the Hub's own bars are silenced too.
+    """
+    from composer_plugins.core import progress
+
+    if not progress.enabled(configured):
+        if not progress.enabled():
+            progress.silence()
+        return None
+    from composer_plugins.training.progress import StepProgressBar
+
+    return StepProgressBar(phase)
+
+
 def mlflow_settings(cfg: TrainConfig) -> dict[str, Any] | None:
     """``{tracking_uri, experiment, tags}`` when MLflow logging is on (``COMPOSER_MLFLOW=0`` turns it off)."""
     if os.environ.get("COMPOSER_MLFLOW", "").strip().lower() in ("0", "false", "no", "off"):
@@ -758,12 +829,12 @@ def mlflow_settings(cfg: TrainConfig) -> dict[str, Any] | None:
     uri = tracking.tracking_uri(params)
     exp = tracking.experiment_name(params)
     tags = tracking.run_tags(seed=cfg.seed)
-    tags.update(tracking.provenance_tags(_components(cfg)))
+    tags.update(tracking.provenance_tags(config_components(cfg)))
     tags.update({str(k): str(v) for k, v in redact(cfg.mlflow.tags).items()})
     return {"tracking_uri": uri, "experiment": exp, "tags": tags}
 
 
-def _components(cfg: TrainConfig) -> dict[str, tuple[str, str]]:
+def config_components(cfg: TrainConfig) -> dict[str, tuple[str, str]]:
     """``{slot: (kind, name)}`` of the env and the active loss channels (for provenance tags)."""
     out: dict[str, tuple[str, str]] = {}
     env = cfg.env
@@ -817,6 +888,125 @@ def build_logger(cfg: TrainConfig) -> Any:
     )
 
 
+#: Strategy names this config accepts besides Lightning's registered ones.
+STRATEGY_SHORTHANDS: tuple[str, ...] = ("auto", "ddp", "fsdp")
+
+
+def strategy_names() -> list[str]:
+    """Every name ``trainer.strategy`` accepts (Lightning's registry + ``auto``/``ddp``/``fsdp``)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return sorted({*STRATEGY_SHORTHANDS, *StrategyRegistry.available_strategies()})
+
+
+def _unknown_strategy(name: str, src: Config, key: str) -> ConfigError:
+    from composer_plugins.core.errors import closest
+
+    valid = strategy_names()
+    sugg = closest(name.strip().lower(), valid)
+    hint = f" Did you mean: {', '.join(repr(x) for x in sugg)}?" if sugg else ""
+    return src.error(key, f"unknown strategy {name!r}.{hint} Or give a class path (a.b.MyStrategy).", valid=valid)
+
+
+def decoder_layer_classes(policy: Any) -> set[type]:
+    """The policy's decoder-layer classes (HF ``_no_split_modules``), the units FSDP wraps one by one."""
+    names = set(getattr(policy, "_no_split_modules", None) or ())
+    found = {type(m) for m in policy.modules() if type(m).__name__ in names}
+    if not found:
+        raise ValueError(
+            f"trainer.strategy=fsdp: cannot tell the decoder layers of {type(policy).__name__} "
+            "(no _no_split_modules); pass {class_path: lightning.pytorch.strategies.FSDPStrategy, "
+            "init_args: {auto_wrap_policy: ...}} instead"
+        )
+    return found
+
+
+def build_strategy(cfg: TrainConfig, policy: Any = None, src: Config | None = None) -> Any:
+    """The Lightning strategy named by ``trainer.strategy`` (``"auto"`` is passed through).
+
+    ``ddp``: :class:`~lightning.pytorch.strategies.DDPStrategy` with ``trainer.dist_timeout_s``;
+    ``fsdp``: :class:`~lightning.pytorch.strategies.FSDPStrategy` wrapping each decoder layer of
+    ``policy`` (full state dicts in checkpoints, so a run resumes under the same strategy; on CPU the
+    gloo backend); another registered name is handed to Lightning; a class path (or
+    ``{class_path, init_args}``) is imported and built. Unknown names list the valid ones.
+    """
+    from datetime import timedelta
+
+    src = src if src is not None else Config()
+    spec = cfg.trainer.strategy
+    timeout = timedelta(seconds=float(cfg.trainer.dist_timeout_s))
+    if isinstance(spec, str) and "." not in spec:
+        name = spec.strip().lower()
+        valid = strategy_names()
+        if name not in valid:
+            raise _unknown_strategy(spec, src, "trainer.strategy")
+        if name == "ddp":
+            from lightning.pytorch.strategies import DDPStrategy
+
+            return DDPStrategy(timeout=timeout)
+        if name == "fsdp":
+            return _fsdp_strategy(cfg, policy, timeout)
+        return name
+    if isinstance(spec, str):
+        spec = {"class_path": spec}
+    if isinstance(spec, Mapping) and "class_path" in spec:
+        import importlib
+
+        path = str(spec["class_path"])
+        mod, _, attr = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise src.error("trainer.strategy", f"cannot import {path!r} ({e}).") from None
+        return cls(**dict(spec.get("init_args") or {}))
+    if isinstance(spec, Mapping):
+        raise src.error("trainer.strategy", "a mapping needs class_path (and optionally init_args).")
+    return spec  # an already built Strategy object
+
+
+def _fsdp_strategy(cfg: TrainConfig, policy: Any, timeout: Any) -> Any:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if policy is None:
+        raise ValueError("trainer.strategy=fsdp needs the policy to find its decoder layers")
+    kw: dict[str, Any] = {
+        "auto_wrap_policy": decoder_layer_classes(policy),
+        "state_dict_type": "full",
+        "timeout": timeout,
+    }
+    if cfg.trainer.accelerator == "cpu":
+        # Lightning refuses the "fsdp" name without a GPU; torch's FSDP runs on CPU over gloo
+        kw.update(process_group_backend="gloo")
+        return _CPUFSDPStrategy(**kw)
+    return FSDPStrategy(**kw)
+
+
+def _cpu_fsdp_class() -> Any:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """FSDP over gloo on CPU ranks (Lightning's FSDP checks for a GPU only on its own class)."""
+
+    return CPUFSDPStrategy
+
+
+def _CPUFSDPStrategy(**kw: Any) -> Any:  # builds the class lazily (lightning import)
+    return _cpu_fsdp_class()(**kw)
+
+
+def lightning_trainer(*, callbacks: Sequence[Any] = (), **kwargs: Any) -> Any:
+    """The one place a ``lightning.Trainer`` is constructed (RL run, SFT, eval, the DiLoCo toy LM).
+
+    Project defaults (no logger, no model summary, no sanity validation) under ``kwargs``, which may
+    override any of them; :func:`build_trainer` is the RL run's use of it.
+    """
+    import lightning as L
+
+    kw: dict[str, Any] = {"logger": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
+    kw.update(kwargs)
+    return L.Trainer(callbacks=list(callbacks), **kw)
+
+
 def build_trainer(
     cfg: TrainConfig,
     *,
@@ -831,12 +1021,14 @@ def build_trainer(
     Args:
         cfg: the training config.
         extra_callbacks: callbacks appended to the built-in ones (e.g. a DiLoCo outer-step callback).
-        strategy: a Lightning strategy (default: Lightning's choice for ``trainer.accelerator``).
+        strategy: a Lightning strategy (default: ``trainer.strategy`` through :func:`build_strategy`).
         logger: a logger to use instead of the one built from ``cfg.mlflow`` (``False`` disables it).
         checkpoint_dir: where ``ModelCheckpoint`` writes (default ``<output_dir>/checkpoints``).
         overrides: any other ``lightning.Trainer`` keyword argument.
+
+    Plugin callbacks named in ``trainer.callbacks`` (hook ``register_callbacks``) follow
+    ``extra_callbacks``.
     """
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     t = cfg.trainer
@@ -856,10 +1048,13 @@ def build_trainer(
     )
     callbacks: list[Any] = [c for c in (ckpt, HistoryCallback(Path(cfg.output_dir) / "history.csv")) if c]
     callbacks += list(extra_callbacks)
-    if t.enable_progress_bar:
-        from lightning.pytorch.callbacks import TQDMProgressBar
+    if t.callbacks:
+        from composer_plugins.training.callbacks import build_callbacks
 
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+        callbacks += build_callbacks(t.callbacks)
+    bar = _progress_bar("train", t.enable_progress_bar)
+    if bar is not None:
+        callbacks.append(bar)
     val_every = t.val_every_n_steps
     kw: dict[str, Any] = {
         "max_steps": t.max_steps,
@@ -870,7 +1065,7 @@ def build_trainer(
         "gradient_clip_val": t.gradient_clip_val,
         "gradient_clip_algorithm": t.gradient_clip_algorithm,
         "log_every_n_steps": t.log_every_n_steps,
-        "enable_progress_bar": t.enable_progress_bar,
+        "enable_progress_bar": bar is not None,
         "enable_checkpointing": ckpt is not None,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
@@ -881,10 +1076,12 @@ def build_trainer(
         "val_check_interval": val_every * t.accumulate_grad_batches if val_every else None,
         "check_val_every_n_epoch": None if val_every else 1,
     }
+    if strategy is None and cfg.trainer.strategy != "auto":
+        strategy = build_strategy(cfg)
     if strategy is not None:
         kw["strategy"] = strategy
     kw.update(overrides)
-    return L.Trainer(**kw)
+    return lightning_trainer(**kw)
 
 
 class HistoryCallback(Callback):
@@ -1055,6 +1252,8 @@ def run_train(
         seed=cfg.seed,
     )
     val = eval_batches(env, cfg)
+    if strategy is None:
+        strategy = build_strategy(cfg, module.policy, src)
     trainer = build_trainer(cfg, extra_callbacks=extra_callbacks, strategy=strategy, logger=logger)
     run_id = getattr(trainer.logger, "run_id", None) if trainer.logger else None
     ckpt_path = _resolve_resume(resume, trainer)
@@ -1076,7 +1275,9 @@ def run_train(
         if cfg.eval.at_end and val:
             trainer.validate(module, dataloaders=val, verbose=False)
             final = _val_metrics(trainer)
-    model_dir = module.export_pretrained(out / "model")
+    # data parallel: every rank holds the same policy (FSDP: gathered here); rank 0 writes the files
+    with module.full_params(recurse=True):
+        model_dir = module.export_pretrained(out / "model") if trainer.is_global_zero else out / "model"
     hist_cb = next((c for c in trainer.callbacks if isinstance(c, HistoryCallback)), None)
     history = list(hist_cb.rows) if hist_cb else []
     metrics: dict[str, float] = {**start, **final}
@@ -1087,7 +1288,8 @@ def run_train(
         metrics["train/reward_mean_over_steps"] = sum(r.get("train/reward", 0.0) for r in history) / len(history)
     if trainer.logger:
         _log_artifacts(trainer.logger, [model_dir, out / "history.csv"])
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if trainer.is_global_zero:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if run_id:
         (out / "mlflow_run.txt").write_text(str(run_id) + "\n")
     return RunResult(
@@ -1148,13 +1350,15 @@ def run_eval(
         state = torch.load(ckpt_file, map_location="cpu", weights_only=False)["state_dict"]
         module.load_state_dict(state, strict=False)
     L.seed_everything(cfg.seed, verbose=False)
-    trainer = L.Trainer(
+    bar = _progress_bar("eval", cfg.trainer.enable_progress_bar)
+    trainer = lightning_trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_progress_bar=bar is not None,
         enable_model_summary=False,
+        callbacks=[bar] if bar else [],
     )
     if cfg.eval.predictions:
         module.predictions = []

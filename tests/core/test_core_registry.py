@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from composer_plugins.core.errors import DuplicatePluginError, MissingDependencyError, UnknownPluginError
-from composer_plugins.core.registry import Registry, normalize_kind
+from composer_plugins.core.registry import KINDS, Registry, normalize_kind
 
 
 class Widget:
@@ -99,7 +99,7 @@ def test_missing_optional_dependency_gives_install_command():
 
 def test_kind_names_normalise_and_unknown_kind_lists_kinds():
     assert normalize_kind("Loss") == "losses" and normalize_kind("env") == "envs"
-    with pytest.raises(UnknownPluginError, match="Available kinds: backends, envs, hints, losses, teachers"):
+    with pytest.raises(UnknownPluginError, match="Available kinds: " + ", ".join(sorted(KINDS)) + r"\."):
         normalize_kind("widgets")
 
 

@@ -60,7 +60,7 @@ def test_wrong_type_names_key_and_expected_type(tmp_path):
 
 def test_literal_choice_and_range_checks(tmp_path):
     p = write(tmp_path, "optim:\n  name: adagrad\n")
-    with pytest.raises(ConfigError, match=r"optim\.name: expected one of 'adamw', 'adam', 'sgd'"):
+    with pytest.raises(ConfigError, match=rf"{p}:2: optim\.name: Unknown optimizer 'adagrad'"):
         load_train_config(p)
     p = write(tmp_path, "rollout:\n  num_generations: 0\n")
     with pytest.raises(ConfigError, match=r"rollout\.num_generations: must be >= 1"):

@@ -1,0 +1,134 @@
+"""Data parallel that divides the work: which share of a step each rank draws, and global reductions.
+
+With ``W`` data-parallel ranks (Lightning DDP/FSDP, any ``torch.distributed`` process group) every
+optimizer step still has ``rollout.prompts_per_step`` prompts: the step's prompts are drawn once,
+deterministically from ``(seed, epoch, step)``, and rank ``r`` keeps the ``r``-th contiguous share
+(:func:`rank_share`), so ranks never repeat each other's prompts and a group of ``G`` completions
+never spans two ranks. Each rank samples with a seed mixed from ``(seed, step, rank)``.
+
+The loss must be the single-process loss on the union batch. DDP averages gradients over ranks, so
+each rank's loss is its share of ``W ×`` the union loss: token-count normalisers that are global in
+the single-process loss are all-reduced (:func:`dp_normalisers`) and handed to the channels through
+the batch (``num_items_in_batch`` = global loss-token count ``/ W``, as TRL does;
+``max_completion_length`` = the longest completion over all ranks, ``dr_grpo``'s default constant).
+Per-sequence means (``grpo``, ``gspo``) need nothing: every rank holds the same number of rows.
+
+Step statistics are reduced over ranks before they are logged once (:func:`reduce_stats`): counts
+are summed, everything else averaged.
+
+Everything here is a no-op (no collective) when ``torch.distributed`` is not initialised or the
+world has one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: Step statistics that are counts over the step's rows (summed over ranks); the others are means.
+SUM_STATS: frozenset[str] = frozenset({"completion_tokens", "hint/rows"})
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_share(items: Sequence[T], rank: int, world_size: int, *, what: str = "rollout.prompts_per_step") -> list[T]:
+    """The ``rank``-th of ``world_size`` equal contiguous shares of ``items``.
+
+    Raises ``ValueError`` naming ``what`` when ``len(items)`` is not a multiple of ``world_size``
+    (unequal shares would make the ranks' losses incomparable and stall DDP's collectives).
+    """
+    n = len(items)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    if n % world_size:
+        lo = n - n % world_size
+        raise ValueError(
+            f"{what}={n} cannot be split evenly over {world_size} data-parallel ranks; "
+            f"set it to a multiple of {world_size} (e.g. {lo or world_size} or {lo + world_size})"
+        )
+    k = n // world_size
+    return list(items[rank * k : (rank + 1) * k])
+
+
+def all_reduce(values: Sequence[float], op: str = "sum") -> list[float]:
+    """``values`` reduced element-wise over ranks (``op``: ``sum`` or ``max``); float64, one collective."""
+    _, size = world()
+    if size == 1:
+        return [float(v) for v in values]
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return [float(v) for v in t.cpu().tolist()]
+
+
+def _collective_device() -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def dp_normalisers(completion_mask: Any) -> dict[str, float]:
+    """Batch fields that make each rank's loss its share of the union-batch loss (empty with one rank).
+
+    ``num_items_in_batch``: the loss-token count of all ranks divided by the world size (``dapo``,
+    ``cispo`` and ``dppo``'s ``tokens`` normaliser); ``max_completion_length``: the widest completion
+    of any rank (``dr_grpo``'s default constant, the union batch's padded width).
+    """
+    _, size = world()
+    if size == 1:
+        return {}
+    tokens = float(completion_mask.sum().item())
+    width = float(completion_mask.shape[1])
+    (total,) = all_reduce([tokens])
+    (longest,) = all_reduce([width], op="max")
+    return {"num_items_in_batch": total / size, "max_completion_length": int(longest)}
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, ...]`` (``[obj]`` with one rank)."""
+    _, size = world()
+    if size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def reduce_stats(stats: Mapping[str, float]) -> dict[str, float]:
+    """Step statistics of all ranks in one: :data:`SUM_STATS` summed, the rest averaged over the ranks having them."""
+    every = all_gather_objects(dict(stats))
+    if len(every) == 1:
+        return dict(stats)
+    keys: list[str] = []
+    for s in every:
+        keys += [k for k in s if k not in keys]
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [float(s[k]) for s in every if k in s]
+        out[k] = sum(vals) if k in SUM_STATS else sum(vals) / len(vals)
+    return out
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op with one)."""
+    _, size = world()
+    if size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

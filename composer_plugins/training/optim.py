@@ -1,0 +1,119 @@
+"""The one optimizer builder (registry kind ``optimizers``) and the learning-rate schedules.
+
+``optim.name`` in the config picks a registered optimizer; the built-ins are ``adamw``, ``adam``
+and ``sgd`` (``torch.optim``), and a plugin adds more with the ``register_optimizers`` hook::
+
+    @hookimpl
+    def register_optimizers(register):
+        register("lion", "my_pkg.lion:Lion", description="Lion (Chen et al. 2023)")
+
+An optimizer factory is called as ``factory(params, **settings)``: ``params`` are the trainable
+parameters, ``settings`` the ``optim`` section's ``lr``, ``weight_decay``, ``betas`` (a tuple),
+``eps`` and ``momentum`` that the factory's signature accepts, then everything in ``optim.args``
+(passed as is). So a ``torch.optim.Optimizer`` subclass registers directly, as the built-ins do.
+The Lightning module (``ComposerModule``, SFT) and the in-process backends all build through
+:func:`build_optimizer`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from composer_plugins.core.errors import ConfigError, UnknownPluginError
+from composer_plugins.core.hookspecs import hookimpl
+
+#: the ``optim`` fields offered to every optimizer factory (each only if its signature takes it)
+SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum")
+
+
+@hookimpl
+def register_optimizers(register: Any) -> None:
+    """Register the built-in optimizers (``torch.optim``; imported only when one is built)."""
+    register("adamw", "torch.optim:AdamW", description="AdamW (decoupled weight decay); the default.")
+    register("adam", "torch.optim:Adam", description="Adam.")
+    register("sgd", "torch.optim:SGD", description="SGD with optional momentum.")
+
+
+def optimizer_names() -> list[str]:
+    """The registered optimizer names."""
+    from composer_plugins.core.plugins import get_registry
+
+    return get_registry().names("optimizers")
+
+
+def check_optimizer_name(name: str, src: Any = None, key: str = "optim.name") -> None:
+    """Raise a located error (``key`` in ``src``'s file) naming the optimizers and the closest if unknown."""
+    from composer_plugins.core.config import Config
+
+    names = optimizer_names()
+    if name not in names:
+        msg = str(UnknownPluginError("optimizer", name, names))
+        raise (src if src is not None else Config()).error(key, msg)
+
+
+def _settings(factory: Callable[..., Any], optim: Any) -> dict[str, Any]:
+    values = {k: getattr(optim, k) for k in SETTINGS if hasattr(optim, k)}
+    if "betas" in values:
+        values["betas"] = tuple(values["betas"])
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return values
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return values
+    return {k: v for k, v in values.items() if k in params}
+
+
+def build_optimizer(optim: Any, params: Iterable[Any]) -> Any:
+    """The optimizer named by ``optim.name`` over the parameters of ``params`` that require grad.
+
+    ``optim`` is an ``OptimSection`` (or any object with ``name`` and the :data:`SETTINGS`, and an
+    optional ``args`` mapping). An unknown name raises the registry's error with the available names
+    and the closest; extra ``args`` the optimizer does not take raise a :class:`ConfigError`.
+    """
+    from composer_plugins.core.plugins import get_registry
+
+    entry = get_registry().get("optimizers", str(optim.name))
+    trainable = [p for p in params if getattr(p, "requires_grad", True)]
+    extra: Mapping[str, Any] = getattr(optim, "args", None) or {}
+    kwargs = {**_settings(entry.factory, optim), **dict(extra)}
+    try:
+        return entry.build(trainable, **kwargs)
+    except TypeError as e:
+        raise ConfigError(
+            f"optimizer {optim.name!r} ({entry.provider or entry.plugin}) rejected its settings: {e}",
+            key="optim.args" if extra else "optim",
+        ) from e
+
+
+def warmup_cosine(warmup: int, total: int, final: float = 0.1) -> Callable[[int], float]:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``final`` × the peak at ``total``."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+def schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """The ``LambdaLR`` factor of ``optim.scheduler`` (``cosine``, ``linear`` or ``constant``)."""
+    if kind == "cosine":
+        return warmup_cosine(warmup, total)
+    if kind == "linear":
+        return lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, 1 - (s - warmup) / max(1, total - warmup))
+    return lambda s: (s + 1) / max(1, warmup) if s < warmup else 1.0
+
+
+def build_optimization(optim: Any, params: Iterable[Any], total_steps: int) -> dict[str, Any]:
+    """``configure_optimizers``' answer: the optimizer and its per-step ``LambdaLR`` schedule."""
+    import torch
+
+    opt = build_optimizer(optim, params)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(optim.scheduler, optim.warmup_steps, max(1, total_steps)))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

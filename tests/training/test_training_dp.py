@@ -1,0 +1,211 @@
+"""Data parallel that divides the work: 2 gloo ranks vs one process on the union of their batches.
+
+The ranks run the real stack (``run_train`` → Lightning ``DDPStrategy`` from ``trainer.strategy: ddp``),
+launched from outside as ``torchrun`` would (``tests/training/dp_worker.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_plugins.core.procs import Children
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+if str(WORKER.parent) not in sys.path:  # the env class of the test, importable as the ranks import it
+    sys.path.insert(0, str(WORKER.parent))
+
+#: Channels whose normalisers are global: dapo (token count), dr_grpo (B × longest completion),
+#: PRIME-RL's dppo (loss-token count), and a per-sequence mean (grpo).
+DP_YAML = """
+env: {class_path: dp_worker.VariedRewardEnv, init_args: {difficulty: trivial}}
+losses:
+  dapo: {weight: 1.0}
+  dr_grpo: {weight: 0.5}
+  dppo: {weight: 0.5}
+  grpo: {weight: 0.25}
+"""
+DP_OVERRIDES = [
+    "rollout.prompts_per_step=4",
+    "rollout.num_generations=4",
+    "rollout.max_new_tokens=10",
+    "optim.scheduler=constant",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(tmp_path: Path, yaml_text: str, overrides: list[str], runs: list[dict], world: int = 2) -> list[dict]:
+    spec = {
+        "world": world,
+        "port": _free_port(),
+        "yaml": yaml_text,
+        "overrides": [*overrides, f"trainer.devices={world}", "trainer.strategy=ddp", "trainer.dist_timeout_s=120"],
+        "runs": runs,
+        "out": str(tmp_path),
+    }
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    with Children("dp-test") as kids:
+        for r in range(world):
+            kids.start(
+                f"rank{r}", [sys.executable, str(WORKER), str(spec_path), str(r)], log_path=tmp_path / f"rank{r}.log"
+            )
+        kids.wait(timeout=420, straggler_s=60)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _union(states: list[dict], pad: int) -> dict:
+    """One rollout batch holding every rank's rows, padded as one process pads them."""
+    import torch.nn.functional as F
+
+    def left(t: torch.Tensor, w: int, v: int) -> torch.Tensor:
+        return F.pad(t, (w - t.shape[1], 0), value=v)
+
+    def right(t: torch.Tensor, w: int, v: float) -> torch.Tensor:
+        return F.pad(t, (0, w - t.shape[1]), value=v)
+
+    ros = [s["rollout"] for s in states]
+    pw = max(r["prompt_ids"].shape[1] for r in ros)
+    cw = max(r["completion_ids"].shape[1] for r in ros)
+    n_prompts = 0
+    group = []
+    for r in ros:
+        group.append(r["group_index"] + n_prompts)
+        n_prompts += int(r["group_index"].max()) + 1
+    rollout = {
+        "prompt_ids": torch.cat([left(r["prompt_ids"], pw, pad) for r in ros]),
+        "prompt_mask": torch.cat([left(r["prompt_mask"], pw, 0) for r in ros]),
+        "completion_ids": torch.cat([right(r["completion_ids"], cw, pad) for r in ros]),
+        "completion_mask": torch.cat([right(r["completion_mask"], cw, 0) for r in ros]),
+        "completions": [c for r in ros for c in r["completions"]],
+        "prompts": [p for r in ros for p in r["prompts"]],
+        "group_index": torch.cat(group),
+        "num_generations": ros[0]["num_generations"],
+        "extra": {},
+    }
+    return {
+        "tasks": [t for s in states for t in s["tasks"]],
+        "rollout": rollout,
+        "rewards": torch.cat([s["rewards"] for s in states]),
+        "advantages": torch.cat([s["advantages"] for s in states]),
+        "old_logprobs": None,
+        "ref_logprobs": None,
+        "hint_rows": [],
+        "hint_contexts": [],
+    }
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, tiny_yaml, tmp_path):
+    from composer_plugins.training.module import ComposerModule, RolloutBatch, TaskStream
+    from composer_plugins.training.train import build_env, load_policy_for, resolve_policy, task_drawer
+
+    cfg, src = make_cfg(DP_YAML, *DP_OVERRIDES)
+    resolve_policy(cfg)  # build the tiny model and its SFT start once, before the ranks load them from the cache
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    runs = [
+        {"name": "full", "overrides": [f"output_dir={out_b}", "trainer.max_steps=4"], "grads": True},
+        {"name": "first", "overrides": [f"output_dir={out_a}", "trainer.max_steps=2"]},
+        {"name": "resumed", "overrides": [f"output_dir={out_a}", "trainer.max_steps=4"], "resume": "last"},
+    ]
+    ranks = _run_ranks(tmp_path, tiny_yaml + DP_YAML, DP_OVERRIDES, runs)
+    full = [r["runs"]["full"] for r in ranks]
+
+    # 1. each step's prompts are divided: disjoint shares whose union is the one-process step batch
+    env = build_env(cfg, src)
+    one = list(TaskStream(task_drawer(env, cfg, "train"), 4, 4, seed=cfg.seed, rank=0, world_size=1))
+    for step in range(4):
+        shares = [f["tasks"][step] for f in full]
+        assert len(shares[0]) == len(shares[1]) == 2
+        assert not set(shares[0]) & set(shares[1])
+        assert shares[0] + shares[1] == [t["prompt"] for t in one[step]["tasks"]]
+
+    # 2. the loss and the (DDP-averaged) gradient equal one process's on the union of both ranks' rollouts
+    tokens = [int(f["rollout"]["rollout"]["completion_mask"].sum()) for f in full]
+    widths = [f["rollout"]["rollout"]["completion_mask"].shape[1] for f in full]
+    assert tokens[0] != tokens[1] or widths[0] != widths[1]  # else local normalisers would agree by chance
+    union = RolloutBatch.from_state(_union([f["rollout"] for f in full], pad=0))
+    policy, tok = load_policy_for(cfg, env)
+    module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    loss, stats = module.loss_on(union, seed=0)
+    loss.backward()
+    ddp_stats = full[0]["stats"][0]
+    assert full[1]["stats"][0] == ddp_stats  # reduced once, the same on every rank
+    assert abs(ddp_stats["loss"] - float(loss.detach())) <= 1e-6
+    for key in ("dapo/loss", "dr_grpo/loss", "dppo/loss", "grpo/loss"):
+        assert abs(ddp_stats[key] - stats[key]) <= 1e-6, key
+    assert ddp_stats["completion_tokens"] == stats["completion_tokens"]
+    assert abs(stats["loss"]) > 1e-4  # a step with signal
+    grads = {n: p.grad for n, p in module.policy.named_parameters() if p.grad is not None}
+    assert grads.keys() == full[0]["grads"].keys()
+    worst = max(float((grads[n] - full[0]["grads"][n]).abs().max()) for n in grads)
+    assert worst <= 1e-6, worst
+    for n in grads:
+        torch.testing.assert_close(full[0]["grads"][n], full[1]["grads"][n], rtol=0, atol=0)
+
+    # 3. a resumed run continues every rank's stream (and its statistics) exactly
+    for r in range(2):
+        first, resumed = ranks[r]["runs"]["first"], ranks[r]["runs"]["resumed"]
+        assert sorted(first["tasks"]) == [0, 1] and sorted(resumed["tasks"]) == [2, 3]
+        for step in (2, 3):
+            assert resumed["tasks"][step] == full[r]["tasks"][step]
+            assert resumed["stats"][step] == pytest.approx(full[r]["stats"][step], abs=1e-6)
+
+
+def test_rank_share_is_disjoint_and_refuses_uneven_splits():
+    from composer_plugins.training.distributed import rank_share
+
+    items = list(range(8))
+    shares = [rank_share(items, r, 4) for r in range(4)]
+    assert [x for s in shares for x in s] == items
+    with pytest.raises(ValueError, match="multiple of 3"):
+        rank_share(items, 0, 3)
+
+
+def test_task_stream_shares_resume_per_rank():
+    from composer_plugins.training.module import TaskStream
+
+    def draw(n: int, seed: int) -> list[dict]:
+        return [{"prompt": f"{seed}-{i}"} for i in range(n)]
+
+    whole = [[t["prompt"] for t in b["tasks"]] for b in TaskStream(draw, 6, 4, seed=3, rank=0, world_size=1)]
+    for r in range(3):
+        s = TaskStream(draw, 6, 4, seed=3, rank=r, world_size=3)
+        it = iter(s)
+        got = [[t["prompt"] for t in next(it)["tasks"]] for _ in range(2)]
+        resumed = TaskStream(draw, 6, 4, seed=3, rank=r, world_size=3)
+        resumed.load_state_dict(s.state_dict())
+        got += [[t["prompt"] for t in b["tasks"]] for b in resumed]
+        assert got == [w[2 * r : 2 * r + 2] for w in whole]
+
+
+def test_strategy_from_config_and_did_you_mean(make_cfg):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.training.train import build_strategy
+
+    cfg, src = make_cfg("", "trainer.strategy=ddp", "trainer.dist_timeout_s=30")
+    s = build_strategy(cfg, None, src)
+    assert isinstance(s, DDPStrategy) and s._timeout.total_seconds() == 30
+    cfg, src = make_cfg("", "trainer.strategy=ddp_spawn")
+    assert build_strategy(cfg, None, src) == "ddp_spawn"
+    cfg, src = make_cfg("", "trainer.strategy=lightning.pytorch.strategies.DDPStrategy")
+    assert isinstance(build_strategy(cfg, None, src), DDPStrategy)
+    cfg, src = make_cfg("", "trainer.strategy=lightning.pytorch.strategies.NoSuchStrategy")
+    with pytest.raises(ConfigError, match="trainer.strategy: cannot import"):
+        build_strategy(cfg, None, src)
+    with pytest.raises(ConfigError, match="Did you mean: 'fsdp'"):
+        make_cfg("", "trainer.strategy=fdsp")
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        make_cfg("", "trainer.devices=2", "rollout.prompts_per_step=3")
