@@ -51,11 +51,11 @@ def run_seed(seed: int, config: str | None, overrides: list[str], out_root: Path
             row["sft"] = _metrics_of(res.start_metrics, "start")
         final = _metrics_of(res.metrics, "val")
         hist = res.history
-        final["train_reward_first5"] = statistics.fmean(r["reward"] for r in hist[:5])
-        final["train_reward_last5"] = statistics.fmean(r["reward"] for r in hist[-5:])
+        final["train_reward_first5"] = statistics.fmean(r["train/reward"] for r in hist[:5])
+        final["train_reward_last5"] = statistics.fmean(r["train/reward"] for r in hist[-5:])
         if arm == "rl+hint":
-            final["hint_loss_mean"] = statistics.fmean(r.get("hint_distill/loss", 0.0) for r in hist)
-            final["hint_rows_mean"] = statistics.fmean(r.get("hint/rows", 0.0) for r in hist)
+            final["hint_loss_mean"] = statistics.fmean(r.get("train/hint_distill/loss", 0.0) for r in hist)
+            final["hint_rows_mean"] = statistics.fmean(r.get("train/hint/rows", 0.0) for r in hist)
         final["seconds"] = time.time() - t0
         row[arm] = final
         print(f"seed {seed} {arm}: {json.dumps({k: round(v, 4) for k, v in final.items()})}", flush=True)
@@ -71,7 +71,7 @@ def _ms(xs: list[float]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown table: one line per stage, mean ± std over seeds."""
-    k = next(m for m in rows[0]["sft"] if m.startswith("pass@"))
+    k = next(m for m in rows[0]["sft"] if m.startswith("pass_at_"))
     lines = [
         f"| stage | held-out accuracy (greedy) | Δ accuracy vs SFT start (paired) | {k} | mean reward | seeds |",
         "|---|---|---|---|---|---|",

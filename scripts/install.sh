@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install composer-plugins into ./.venv (Python 3.11) with torch pinned to the CPU wheel.
 #   bash scripts/install.sh        # the project, all built-in features
-#   bash scripts/install.sh dev    # + test/lint tools, the example plugin and the backend packages
+#   bash scripts/install.sh dev    # + test/lint tools, the example plugins and the backend packages
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
@@ -13,7 +13,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first, on its own, so nothing later can resolve a CUDA build.
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
 if [ "${1:-}" = "dev" ]; then
-  extra_pkgs=(./examples/composer-plugins-focal)
+  extra_pkgs=(./examples/composer-plugins-focal ./examples/composer-plugins-reverse)
   for p in packages/*/; do [ -f "$p/pyproject.toml" ] && extra_pkgs+=("./$p"); done
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[all,dev]" "${extra_pkgs[@]}"
 else

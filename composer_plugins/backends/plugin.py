@@ -123,7 +123,10 @@ def register_commands(cli: Any) -> None:
         return entry.factory(config=loaded, **kw)  # exporting a launch config does not import the upstream
 
     def _common(f: Any) -> Any:
+        from composer_plugins.core.cli import set_option
+
         f = click.argument("overrides", nargs=-1, metavar="[KEY.SUB=VALUE]...")(f)
+        f = set_option(f)
         f = click.option("--opt", "options", multiple=True, metavar="KEY=VALUE",
                          help="Backend option (e.g. mode=local, generators=2, max_steps=5).")(f)  # fmt: skip
         f = click.option("--section", default=None, help="Use this top-level key of the file as the config.")(f)
@@ -134,14 +137,14 @@ def register_commands(cli: Any) -> None:
     @backend.command(name="run")
     @_common
     def run(name: str, config_path: str | None, section: str | None, options: tuple[str, ...],
-            overrides: tuple[str, ...]) -> None:  # fmt: skip
+            set_overrides: tuple[str, ...], overrides: tuple[str, ...]) -> None:  # fmt: skip
         """Train the config's channels with backend NAME; print the final metrics as JSON."""
         import json
 
         from composer_plugins.core.errors import ComposerPluginsError
 
         try:
-            res = _build(name, config_path, section, overrides, options).train()
+            res = _build(name, config_path, section, (*overrides, *set_overrides), options).train()
         except ComposerPluginsError as e:
             raise click.ClickException(str(e)) from e
         click.echo(json.dumps(res.metrics, indent=2, sort_keys=True, default=str))
@@ -150,11 +153,11 @@ def register_commands(cli: Any) -> None:
     @backend.command(name="export")
     @_common
     def export(name: str, config_path: str | None, section: str | None, options: tuple[str, ...],
-               overrides: tuple[str, ...]) -> None:  # fmt: skip
+               set_overrides: tuple[str, ...], overrides: tuple[str, ...]) -> None:  # fmt: skip
         """Print what launches the config in the upstream trainer (VeRL command line, PRIME-RL TOML)."""
         import shlex
 
-        b = _build(name, config_path, section, overrides, options, need_upstream=False)
+        b = _build(name, config_path, section, (*overrides, *set_overrides), options, need_upstream=False)
         if hasattr(b, "command"):
             click.echo(shlex.join(b.command()))
         elif hasattr(b, "toml"):

@@ -11,6 +11,24 @@ import click
 
 from composer_plugins import __version__
 
+#: Help of ``-S/--set``: the one override syntax of every command that reads a config.
+SET_HELP = "Override a config value, e.g. -S trainer.max_steps=20 (repeatable; as `dvc exp run -S`)."
+
+
+def set_option(f: Any) -> Any:
+    """Add ``-S/--set KEY.SUB=VALUE`` (repeatable) as the ``set_overrides`` argument of a click command.
+
+    ``-S`` is the one override syntax of the command line (DVC users know it from ``dvc exp run -S``);
+    commands that also take positional ``KEY.SUB=VALUE`` arguments keep them as an alias and apply
+    them first (see :func:`all_overrides`).
+    """
+    return click.option("-S", "--set", "set_overrides", multiple=True, metavar="KEY.SUB=VALUE", help=SET_HELP)(f)
+
+
+def all_overrides(positional: tuple[str, ...] | list[str], set_overrides: tuple[str, ...] | list[str]) -> list[str]:
+    """Positional ``KEY=VALUE`` overrides (the older alias) then ``-S`` ones, in the order they apply."""
+    return [*positional, *set_overrides]
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="composer-plugins")
@@ -90,9 +108,10 @@ def _entry_json(e: Any) -> dict[str, Any]:
 @click.option("--hook", "hooks", multiple=True, help="Only plugins implementing this hook.")
 @click.option("--requirements", is_flag=True, help="Print pinned distributions (name==version) instead.")
 def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> None:
-    """Print installed plugins as JSON: distribution, version, hooks implemented."""
-    from composer_plugins.core.plugins import get_plugin_manager
+    """Print installed plugins as JSON: distribution, version, hooks implemented, and what failed."""
+    from composer_plugins.core.plugins import get_plugin_manager, get_registry
 
+    get_registry()  # registering finds name clashes; they are listed with the plugin that made them
     infos = get_plugin_manager().plugin_infos(include_defaults=include_all)
     if hooks:
         infos = [i for i in infos if set(hooks) & set(i.hooks)]
@@ -113,8 +132,25 @@ def load_commands() -> click.Group:
         from composer_plugins.core.plugins import get_plugin_manager
 
         get_plugin_manager().hook.register_commands(cli=cli)
+        _plain_help(cli)
         _commands_loaded = True
     return cli
+
+
+def _plain_help(cmd: click.Command) -> None:
+    """Show reST inline literals of docstrings (````x````) as ```x``` in ``--help``, for every command and option."""
+
+    def plain(text: str | None) -> str | None:
+        return text.replace("``", "`") if text else text
+
+    cmd.help = plain(cmd.help)
+    cmd.short_help = plain(cmd.short_help)
+    for p in cmd.params:
+        if isinstance(p, click.Option):
+            p.help = plain(p.help)
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _plain_help(sub)
 
 
 def main(argv: list[str] | None = None) -> Any:
@@ -123,9 +159,23 @@ def main(argv: list[str] | None = None) -> Any:
 
     try:
         return load_commands().main(args=argv, prog_name="composer-plugins", standalone_mode=True)
-    except ComposerPluginsError as e:  # pragma: no cover - click handles most errors
-        click.secho(f"Error: {e}", err=True, fg="red")
+    except ComposerPluginsError as e:
+        if _strict():
+            import traceback
+
+            # COMPOSER_PLUGINS_STRICT=1: the whole traceback, the failing plugin's own frames included
+            traceback.print_exception(e, file=sys.stderr)
+        else:
+            click.secho(f"Error: {e}", err=True, fg="red")
         sys.exit(2)
+
+
+def _strict() -> bool:
+    import os
+
+    from composer_plugins.core.plugins import STRICT_ENV
+
+    return os.environ.get(STRICT_ENV, "").strip() not in ("", "0")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -58,6 +58,21 @@ class DuplicatePluginError(ComposerPluginsError, ValueError):
         )
 
 
+class PluginConflictError(ComposerPluginsError, KeyError):
+    """A name that two plugins registered: neither is used until one of them goes."""
+
+    def __init__(self, kind: str, name: str, providers: Sequence[str]) -> None:
+        self.kind, self.name, self.providers = kind, name, list(providers)
+        super().__init__(
+            f"{kind} {name!r} is registered by more than one plugin: {'; '.join(self.providers)}. Neither is used. "
+            "HINT: uninstall one of the distributions, or load only one of them with "
+            "COMPOSER_PLUGINS_LOAD=<entry point or distribution>[,...]."
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
 class PluginLoadError(ComposerPluginsError, ImportError):
     """A plugin failed to import or to validate. The message names the plugin."""
 
@@ -90,7 +105,7 @@ class ConfigError(ComposerPluginsError, ValueError):
         valid: Sequence[str] | None = None,
     ) -> None:
         self.key, self.file, self.line = key, file, line
-        self.valid = sorted(valid) if valid is not None else None
+        self.valid = sorted(set(valid)) if valid is not None else None  # each name once
         where = ""
         if file:
             where = f"{file}:{line}: " if line else f"{file}: "

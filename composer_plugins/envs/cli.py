@@ -30,7 +30,7 @@ def _kwargs(options: tuple[str, ...]) -> dict[str, object]:
 @click.option("-n", "--num", default=3, show_default=True, help="How many tasks.")
 @click.option("--split", default="train", show_default=True)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--set", "options", multiple=True, help="Env argument key=value (e.g. difficulty=2).")
+@click.option("-S", "--set", "options", multiple=True, help="Env argument key=value (e.g. difficulty=2).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full task dicts as JSON lines.")
 def sample_cmd(name: str, num: int, split: str, seed: int, options: tuple[str, ...], as_json: bool) -> None:
     """Print NUM tasks of env NAME."""
@@ -54,7 +54,7 @@ def sample_cmd(name: str, num: int, split: str, seed: int, options: tuple[str, .
 @click.argument("name")
 @click.option("--seed", default=0, show_default=True, help="Which task (sample_tasks(1, seed=SEED)).")
 @click.option("--split", default="train", show_default=True)
-@click.option("--set", "options", multiple=True, help="Env argument key=value.")
+@click.option("-S", "--set", "options", multiple=True, help="Env argument key=value.")
 @click.option("--hint", "hint_provider", default="template", show_default=True, help="Hint provider name.")
 @click.argument("completion_file", type=click.File("r"), default="-")
 def score_cmd(name: str, seed: int, split: str, options: tuple[str, ...], hint_provider: str, completion_file) -> None:  # type: ignore[no-untyped-def]

@@ -6,6 +6,10 @@ params ``study.channels`` (``rl+hint+replay``), ``study.variant``, ``study.seed`
 metrics. :func:`fetch_eval_records` reads them back, keeps the newest run per
 (group, seed) so repeated ``dvc repro``/``dvc exp run`` calls do not double-count, and
 :func:`~composer_plugins.pipeline.study.ablation_rows` aggregates mean ± std over seeds.
+
+By default the groups are the channels plus :func:`varying_params` (the params an experiment
+changed), so after ``dvc exp run -S train.optim.lr=...`` the baseline's row stays beside the
+experiment's, with the varying params as columns.
 """
 
 from __future__ import annotations
@@ -91,6 +95,36 @@ def fetch_eval_records(
     return kept
 
 
+#: Params that differ between the runs of one cell by construction (never a "varying param" column).
+_RUN_PARAMS = ("study.seed", "train.seed", "train.output_dir", "study.variant")
+_RUN_PREFIXES = ("train.mlflow.", "study.channel")
+
+
+def varying_params(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Logged params that take two values for the same channels and seed: what an experiment changed.
+
+    After ``dvc exp run -S train.optim.lr=4e-5`` the eval runs of the baseline and of the experiment
+    differ in ``train.optim.lr`` within every (channels, seed); params that follow the variant
+    (``train.losses.hint_distill.weight``) or the seed (``train.output_dir``) are not listed.
+    """
+    values: dict[str, dict[tuple[Any, Any], set[str]]] = {}
+    for r in records:
+        cell = (r.get("channels"), r.get("seed"))
+        for k, v in r.items():
+            if not k.startswith("param:"):
+                continue
+            name = k[len("param:") :]
+            if name in _RUN_PARAMS or name.startswith(_RUN_PREFIXES):
+                continue
+            values.setdefault(name, {}).setdefault(cell, set()).add(str(v))
+    # a param a run did not log at all (an older run) counts as a value of its own
+    for name, cells in values.items():
+        for r in records:
+            if f"param:{name}" not in r:
+                cells.setdefault((r.get("channels"), r.get("seed")), set()).add("<unset>")
+    return sorted(n for n, cells in values.items() if any(len(vs) > 1 for vs in cells.values()))
+
+
 def _int(v: Any) -> int | None:
     try:
         return int(v)
@@ -109,11 +143,29 @@ def compare_table(
     metrics: Sequence[str] = study.HEADLINE_METRICS,
     group_by: Sequence[str] = ("channels",),
     fmt: str = "text",
+    *,
+    beside: bool = False,
 ) -> str:
-    """The ablation table of ``records`` as text, markdown, JSON or CSV (rows ordered by headline mean)."""
+    """The ablation table of ``records`` as text, markdown, JSON or CSV.
+
+    Rows are ordered by headline mean; with ``beside`` they are ordered by ``group_by`` instead (the
+    baseline's row next to each experiment's row for the same channels) and an ``exp`` column names
+    the ``dvc exp`` of each row's runs (``baseline`` for runs of a plain ``dvc repro``).
+    """
     recs = [{**r, **{g: _group_value(r, g) for g in group_by}} for r in records]
     rows = study.ablation_rows(recs, metrics, group_by)
-    rows.sort(key=lambda r: -_sortable(r[metrics[0]][0]) if metrics else 0)
+    if beside:
+        for row in rows:
+            names = sorted({r.get("exp") or "baseline" for r in recs
+                            if all(r.get(g) == row[g] for g in group_by)})  # fmt: skip
+            row["exp"] = ",".join(names)
+        # channel groups in the order their oldest run was logged (records come newest first)
+        first = {k: i for i, k in enumerate(dict.fromkeys(str(r.get(group_by[0])) for r in reversed(recs)))}
+        rows.sort(key=lambda r: (first.get(str(r.get(group_by[0])), 0), r["exp"] != "baseline",
+                                 [str(r.get(g)) for g in group_by[1:]]))  # fmt: skip
+        group_by = (*group_by, "exp")
+    else:
+        rows.sort(key=lambda r: -_sortable(r[metrics[0]][0]) if metrics else 0)
     if fmt == "json":
         return json.dumps(
             [{**{k: v for k, v in r.items() if k not in metrics},

@@ -217,15 +217,21 @@ def report_cmd(params_path: str, overrides: tuple[str, ...], evals_dir: str, run
 @click.option("--experiment", default=None, help="MLflow experiment (default: params mlflow.experiment).")
 @click.option("--params", "-p", "params_path", default="params.yaml", show_default=True, help=PARAMS_HELP)
 @click.option("--metric", "metrics", multiple=True, help="Metric column(s) (default: the three headline metrics).")
-@click.option("--group-by", default="channels", show_default=True,
-              help="Comma-separated: channels, variant or a logged param (e.g. train.optim.lr).")  # fmt: skip
+@click.option("--group-by", default=None,
+              help="Comma-separated: channels, variant or a logged param (e.g. train.optim.lr). "
+                   "Default: channels plus every param that differs between runs of the same channels and "
+                   "seed (what a `dvc exp run -S` changed), so the baseline shows beside each experiment.")  # fmt: skip
 @click.option("--filter", "filters", multiple=True, metavar="TAG=VALUE", help="Only runs with this tag value.")
 @click.option("--all-runs", is_flag=True, help="Keep every run (default: the newest per group and seed).")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json", "csv"]), default="text")
 @_errors_as_click
 def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: str, metrics: tuple[str, ...],
-                group_by: str, filters: tuple[str, ...], all_runs: bool, fmt: str) -> None:  # fmt: skip
-    """Print the ablation table from MLflow: channels on/off × seeds -> held-out metrics, mean ± std."""
+                group_by: str | None, filters: tuple[str, ...], all_runs: bool, fmt: str) -> None:  # fmt: skip
+    """Print the ablation table from MLflow: channels on/off × seeds -> held-out metrics, mean ± std.
+
+    Without --group-by, rows are channels × the params that an experiment changed, the baseline's
+    row beside each experiment's, with an exp column (the dvc exp name, or baseline).
+    """
     from pathlib import Path
 
     from composer_plugins.pipeline import compare, study
@@ -243,15 +249,22 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
         if not sep:
             raise click.UsageError(f"--filter {f!r} must look like TAG=VALUE")
         flt[k] = v
-    groups = tuple(g.strip() for g in group_by.split(",") if g.strip())
+    beside = group_by is None
+    if beside:
+        every = compare.fetch_eval_records(uri, exp, filters=flt, all_runs=True)
+        groups: tuple[str, ...] = ("channels", *compare.varying_params(every))
+    else:
+        groups = tuple(g.strip() for g in str(group_by).split(",") if g.strip())
     recs = compare.fetch_eval_records(uri, exp, filters=flt, group_by=groups, all_runs=all_runs)
     if not recs:
         raise click.ClickException(
             f"no finished eval runs in experiment {exp!r} at {uri}. HINT: run `dvc repro` (or `dvc exp run`) first."
         )
     recs = [{unmlflow_key(k): v for k, v in r.items()} for r in recs]
-    cols = list(metrics) or [m for m in study.HEADLINE_METRICS if any(m in r for r in recs)]
-    click.echo(compare.compare_table(recs, cols, groups, fmt))
+    cols = [study.canonical_metric(m) for m in metrics] or [
+        m for m in study.HEADLINE_METRICS if any(m in r for r in recs)
+    ]
+    click.echo(compare.compare_table(recs, cols, groups, fmt, beside=beside))
 
 
 @hookimpl

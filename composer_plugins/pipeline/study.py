@@ -28,7 +28,39 @@ from composer_plugins.core.config import Config, load_config
 from composer_plugins.core.errors import ConfigError
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
-HEADLINE_METRICS: tuple[str, ...] = ("gsm8k/accuracy", "code/pass@1", "feature_deletion/reward")
+#: Names follow the one scheme of docs/metrics.md (MLflow-safe, the same in every sink).
+HEADLINE_METRICS: tuple[str, ...] = ("gsm8k/accuracy", "code/pass_at_1", "feature_deletion/mean_reward")
+
+#: Names used before the one naming scheme, mapped to theirs (old JSON, MLflow runs, metrics.json).
+_RENAMED = {
+    "train/reward_mean_all": "train/reward_mean_over_steps",
+    "feature_deletion/reward": "feature_deletion/mean_reward",
+    # the report's old metrics.json keys ('/' and '@' flattened away)
+    "gsm8k_accuracy": "gsm8k/accuracy",
+    "code_pass_at_1": "code/pass_at_1",
+    "feature_deletion_reward": "feature_deletion/mean_reward",
+}
+
+#: First segments of a full metric name; a history.csv column without one is an old unprefixed column.
+_TOP = ("train", "sft", "val", "start")
+
+
+def canonical_metric(name: str) -> str:
+    """The name of a metric in the one naming scheme (docs/metrics.md); old spellings map onto it.
+
+    ``gsm8k/pass@1`` -> ``gsm8k/pass_at_1``; ``train/reward_mean_all`` -> ``train/reward_mean_over_steps``;
+    the report's old ``code_pass_at_1`` -> ``code/pass_at_1``. Current names come back unchanged.
+    """
+    name = name.replace("@", "_at_")
+    return _RENAMED.get(name, name)
+
+
+def history_column(name: str) -> str:
+    """A ``history.csv`` column in the one scheme: old unprefixed columns (``reward``, ``grpo/loss``) get ``train/``."""
+    name = canonical_metric(name)
+    if name == "step" or name.split("/", 1)[0] in _TOP:
+        return name
+    return canonical_metric(f"train/{name}")
 
 
 def load_params(path: str | os.PathLike[str] = "params.yaml", overrides: Iterable[str] = (),

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from composer_plugins.core.cli import set_option
 from composer_plugins.core.errors import ComposerPluginsError
 
 #: Exit status of ``replay run`` when more calls went unanswered than ``max_unanswered`` allows.
@@ -37,13 +38,20 @@ def replay() -> None:
     help="Replay YAML config (see docs/replay.md).",
 )
 @click.argument("overrides", nargs=-1)
-@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@set_option
+@click.option("--no-progress", is_flag=True, help="No progress bars at all (ours, transformers', the Hub's).")
 @click.option("--fresh-budget", is_flag=True, help="Forget what earlier runs with this run_id spent.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON only.")
-def run_cmd(config_path: str, overrides: tuple[str, ...], no_progress: bool, fresh_budget: bool, as_json: bool) -> None:
-    """Run the replay described by --config (OVERRIDES: key.sub=value)."""
+def run_cmd(config_path: str, overrides: tuple[str, ...], set_overrides: tuple[str, ...], no_progress: bool,
+            fresh_budget: bool, as_json: bool) -> None:  # fmt: skip
+    """Run the replay described by --config (-S key.sub=value overrides; positional ones are an alias)."""
     from composer_plugins.teachers.runner import run_from_file
 
+    overrides = (*overrides, *set_overrides)
+    if no_progress:
+        from composer_plugins.core import progress
+
+        progress.silence()
     try:
         summary = run_from_file(
             config_path, list(overrides), progress=False if no_progress else None, fresh_budget=fresh_budget or None

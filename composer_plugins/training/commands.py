@@ -14,12 +14,15 @@ from typing import Any
 
 import click
 
+from composer_plugins.core.cli import all_overrides, set_option
 from composer_plugins.core.hookspecs import hookimpl
 
 
 def _config_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``--config``, ``--section``, ``--print-config`` and positional ``key.sub=value`` overrides."""
+    """``--config``, ``--section``, ``--print-config``, ``-S key.sub=value`` (and positional ones, an alias)."""
     f = click.argument("overrides", nargs=-1, metavar="[KEY.SUB=VALUE]...")(f)
+    f = set_option(f)
+    f = click.option("--no-progress", is_flag=True, help="No progress bars at all (ours, transformers', the Hub's).")(f)
     f = click.option("--print-config", is_flag=True, help="Print the effective config (YAML) and exit.")(f)
     f = click.option("--section", default=None, help="Use this top-level key of the file as the config.")(f)
     f = click.option(
@@ -33,10 +36,15 @@ def _config_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _load(config_path: str | None, section: str | None, overrides: tuple[str, ...]) -> tuple[Any, Any]:
+def _load(config_path: str | None, section: str | None, overrides: tuple[str, ...],
+          set_overrides: tuple[str, ...] = (), no_progress: bool = False) -> tuple[Any, Any]:  # fmt: skip
     from composer_plugins.training.train import load_train_config
 
-    return load_train_config(config_path, list(overrides), section=section)
+    if no_progress:
+        from composer_plugins.core import progress
+
+        progress.silence()
+    return load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
 
 
 def _errors_as_click(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,16 +64,15 @@ def _errors_as_click(f: Callable[..., Any]) -> Callable[..., Any]:
 @_config_options
 @click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
 @_errors_as_click
-def train_cmd(
-    config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...], resume: str | None
-) -> None:
+def train_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
+              set_overrides: tuple[str, ...], no_progress: bool, resume: str | None) -> None:  # fmt: skip
     """RL training: generate rollouts, score them with the env and optimise the composed loss channels.
 
-    Example: composer-plugins train -c run.yaml trainer.max_steps=20 losses.hint_distill.enabled=false
+    Example: composer-plugins train -c run.yaml -S trainer.max_steps=20 -S losses.hint_distill.enabled=false
     """
     from composer_plugins.training.train import config_to_yaml, run_train
 
-    cfg, src = _load(config_path, section, overrides)
+    cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
@@ -79,11 +86,12 @@ def train_cmd(
 @click.command(name="sft")
 @_config_options
 @_errors_as_click
-def sft_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...]) -> None:
+def sft_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
+            set_overrides: tuple[str, ...], no_progress: bool) -> None:  # fmt: skip
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
     from composer_plugins.training.train import config_to_yaml, run_sft
 
-    cfg, src = _load(config_path, section, overrides)
+    cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
@@ -100,13 +108,15 @@ def eval_cmd(
     section: str | None,
     print_config: bool,
     overrides: tuple[str, ...],
+    set_overrides: tuple[str, ...],
+    no_progress: bool,
     checkpoint: str | None,
     output: str | None,
 ) -> None:
-    """Held-out evaluation (accuracy, pass@k, mean reward) of a checkpoint or of the configured policy."""
+    """Held-out evaluation (accuracy, pass_at_<k>, mean_reward) of a checkpoint or of the configured policy."""
     from composer_plugins.training.train import config_to_yaml, run_eval
 
-    cfg, src = _load(config_path, section, overrides)
+    cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return

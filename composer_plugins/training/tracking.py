@@ -4,7 +4,9 @@ All stages of one study log into **one** MLflow experiment in a local sqlite sto
 repository root (``sqlite:///mlflow.db``, ignored by git). :func:`run_tags` gives the tags
 that tie a run to the code and the pipeline: the git commit, the DVC stage that ran it
 (``DVC_STAGE``, which DVC sets for every stage command), the DVC experiment name and the
-study variant/seed. Nothing here imports mlflow at import time.
+study variant/seed; :func:`provenance_tags` add which plugin distribution supplied each channel and
+the env. Run names say what a run is (:func:`run_name`); new experiments keep their artifacts next
+to the store (:func:`artifact_location`). Nothing here imports mlflow at import time.
 
 Environment variables (each overrides the matching ``mlflow:`` entry of ``params.yaml``):
 
@@ -135,6 +137,72 @@ def run_tags(stage: str | None = None, *, variant: str | None = None, seed: int 
         tags[TAG_SEED] = str(seed)
     for k, v in (extra or {}).items():
         tags[str(k)] = str(v)
+    return tags
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of the store at ``uri`` keeps its artifacts: next to the store.
+
+    ``sqlite:///<dir>/mlflow.db`` -> ``<dir>/mlartifacts`` (MLflow's own default, ``./mlruns`` of the
+    current directory, would scatter artifacts wherever a command happened to run). File stores keep
+    artifacts inside themselves and servers (``http://``) choose their own: ``None`` there.
+    """
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///") :])
+        if not db.is_absolute():
+            db = repo_root() / db
+        return (db.resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
+def ensure_experiment(client: Any, name: str, uri: str) -> str:
+    """The id of experiment ``name`` in ``client``'s store, created with :func:`artifact_location` if missing."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return str(exp.experiment_id)
+    return str(client.create_experiment(name, artifact_location=artifact_location(uri)))
+
+
+def dvc_exp_suffix() -> str:
+    """`` [<dvc exp name>]`` inside ``dvc exp run`` (DVC sets ``DVC_EXP_NAME``), else ``""``.
+
+    Run names carry it so an experiment's runs are told apart from the baseline's in ``mlflow ui``.
+    """
+    exp = os.environ.get("DVC_EXP_NAME")
+    return f" [{exp}]" if exp else ""
+
+
+def run_name(what: str, *, given: str | None = None) -> str:
+    """The MLflow run name: ``given`` (``mlflow.run_name``), else ``what``; plus :func:`dvc_exp_suffix`.
+
+    ``what`` says what the run is, e.g. ``train@full-s0`` (a study cell), ``train@default-s0
+    (grpo+hint_distill)`` (a plain ``composer-plugins train`` with ``output_dir=runs/default``),
+    ``sft-s0``, ``eval@no_hint-s1``. MLflow's random names (seeded by the run's own seed, so two
+    runs got the same one) are never used.
+    """
+    return (given or what) + dvc_exp_suffix()
+
+
+def provenance_tags(components: Mapping[str, tuple[str, str]]) -> dict[str, str]:
+    """``plugin.<slot>`` tags: which registry entry, distribution and version supplied each component.
+
+    ``components`` maps a slot (``losses.grpo``, ``env``) to ``(kind, name or class path)``; a
+    registry name is tagged ``<name> (<distribution> <version>)``, a class path as given. Also tags
+    ``composer_plugins.version``.
+    """
+    from composer_plugins import __version__
+    from composer_plugins.core.errors import ComposerPluginsError
+    from composer_plugins.core.plugins import get_registry
+
+    reg = get_registry()
+    tags = {"composer_plugins.version": __version__}
+    for slot, (kind, name) in components.items():
+        try:
+            e = reg.get(kind, name)
+            prov = e.provider or "unknown distribution"
+            tags[f"plugin.{slot}"] = f"{e.name} ({prov})"
+        except ComposerPluginsError:
+            tags[f"plugin.{slot}"] = name
     return tags
 
 

@@ -62,7 +62,7 @@ def test_lightning_backend_native_path(make_config, tiny_model_dir):
     res = build("backends", "lightning", config=make_config(ALL_CHANNELS)).train()
     assert len(res.history) == 2
     for row in res.history:
-        _channels_live(row)
+        _channels_live(row, prefix="train/")
     assert _moved(res.model_dir, tiny_model_dir)
 
 

@@ -109,10 +109,10 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
     metrics = json.loads((path / "metrics.json").read_text())
     assert set(metrics) == {"sft", *params["study"]["variants"]}
     for row in metrics.values():
-        acc = row["gsm8k_accuracy"]["mean"]
+        acc = row["gsm8k/accuracy"]["mean"]
         assert 0.0 <= acc <= 1.0
         assert row["n"] == (1 if row is metrics["sft"] else len(params["study"]["seeds"]))
-        assert "code_pass_at_1" in row and "feature_deletion_reward" in row
+        assert "code/pass_at_1" in row and "feature_deletion/mean_reward" in row
 
     for name in [f"{v}-s{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]:
         run_dir = path / "runs" / name
@@ -120,8 +120,10 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
         assert (run_dir / "config.yaml").exists()
         hist = (run_dir / "history.csv").read_text().splitlines()
         assert hist[0].startswith("step") and len(hist) == 1 + params["train"]["trainer"]["max_steps"]
+        assert "train/reward" in hist[0].split(",") and hist[1].split(",")[0] == "1"  # docs/metrics.md names
         ev = json.loads((path / "evals" / f"{name}.json").read_text())
-        assert {"gsm8k/accuracy", "code/pass@1", "feature_deletion/reward"} <= set(ev["metrics"])
+        assert {"gsm8k/accuracy", "code/pass_at_1", "feature_deletion/mean_reward"} <= set(ev["metrics"])
+        assert not [k for k in ev["metrics"] if "@" in k]
 
     # the no_hint variant really trains without the hint channel
     cfg = yaml.safe_load((path / "runs" / "no_hint-s0" / "config.yaml").read_text())
@@ -138,12 +140,20 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
 
     # plots and the ablation table
     curves = (path / "plots" / "train_curves.csv").read_text().splitlines()
-    assert curves[0].startswith("step,run,variant,seed,reward,loss")
+    assert curves[0].startswith("step,run,variant,seed,train/reward,train/loss")
     assert len(curves) == 1 + len(cells) * params["train"]["trainer"]["max_steps"]
+    # one plot per channel series: each channel's loss, replay pairs, hint rows, groups_with_signal
+    per_curve = {p.name for p in (path / "plots" / "curves").iterdir()}
+    want = {"train.reward.csv", "train.loss.csv", "train.accuracy.csv", "train.groups_with_signal.csv",
+            "train.hint.rows.csv", "train.grpo.loss.csv", "train.hint_distill.loss.csv", "train.replay.loss.csv",
+            "train.replay.pairs.csv"}  # fmt: skip
+    assert want <= per_curve, per_curve
     table = (path / "results" / "ablation.md").read_text()
     assert "| full |" in table and "| no_hint |" in table and "±" in table
-    shown = run(path, str(BIN / "dvc"), "plots", "show", "--json")
-    assert "Train reward per step" in shown.stdout
+    shown = json.loads(run(path, str(BIN / "dvc"), "plots", "show", "--json").stdout)
+    assert {f"plots/curves/{f}" for f in want} <= set(shown["data"]), sorted(shown["data"])
+    shown_metrics = run(path, str(BIN / "dvc"), "metrics", "show")
+    assert "failed" not in shown_metrics.stdout + shown_metrics.stderr  # no "failed to load" warning
 
 
 def test_mlflow_runs_are_tagged_and_compare_prints_the_table(repo: tuple[Path, str]) -> None:

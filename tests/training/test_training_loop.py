@@ -32,21 +32,28 @@ def _state(path):
 def test_all_three_channels_live_finite_and_logged(make_cfg, pairs_file):
     cfg, src = make_cfg(CHANNELS.format(pairs=pairs_file))
     res = run_train(cfg, src)
-    assert [r["step"] for r in res.history] == [1.0, 2.0]
+    assert [r["step"] for r in res.history] == [1, 2]
     for row in res.history:
         for ch in ("grpo", "hint_distill", "replay_dpo"):
-            assert row[f"{ch}/skipped"] == 0.0, (ch, row)
-            assert math.isfinite(row[f"{ch}/loss"]), (ch, row)
-        assert row["hint/rows"] > 0 and math.isfinite(row["loss"])
-        assert 0.0 <= row["reward"] <= 1.0
+            assert row[f"train/{ch}/skipped"] == 0.0, (ch, row)
+            assert math.isfinite(row[f"train/{ch}/loss"]), (ch, row)
+        assert row["train/hint/rows"] > 0 and math.isfinite(row["train/loss"])
+        assert 0.0 <= row["train/reward"] <= 1.0
     # the hint channel is live with a non-zero divergence (the hinted teacher disagrees with the student)
-    assert all(row["hint_distill/loss"] > 0 for row in res.history)
+    assert all(row["train/hint_distill/loss"] > 0 for row in res.history)
     # and the policy actually moved away from the SFT start
     start, end = _state(resolve_policy(cfg)), _state(res.model_dir)
     assert any(not torch.equal(start[k], end[k]) for k in start)
     # the CSV history has one row per optimizer step with every channel's loss
     header = (cfg_out := res.output_dir + "/history.csv") and open(cfg_out).readline().strip().split(",")
-    assert header[0] == "step" and {"grpo/loss", "hint_distill/loss", "replay_dpo/loss", "reward"} <= set(header)
+    want = {"train/grpo/loss", "train/hint_distill/loss", "train/replay_dpo/loss", "train/reward"}
+    assert header[0] == "step" and want <= set(header)
+    # history.csv steps are integers from 1, the MLflow metric names, and train/reward_mean_over_steps
+    # (the run's mean) sits beside train/reward (the last step's) in metrics.json
+    assert open(cfg_out).read().splitlines()[1].split(",")[0] == "1"
+    assert res.metrics["train/reward"] == res.history[-1]["train/reward"]
+    mean = sum(r["train/reward"] for r in res.history) / 2
+    assert res.metrics["train/reward_mean_over_steps"] == pytest.approx(mean)
 
 
 def _count_policy_forwards(module: ComposerModule, tasks, seed: int) -> tuple[int, dict]:
@@ -105,9 +112,10 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
     full = run_train(cfg_a, src_a)
     cfg_b, src_b = make_cfg(extra, over, out=tmp_path / "b")
     first = run_train(cfg_b, src_b, extra_callbacks=[StopAfter()])
-    assert [r["step"] for r in first.history] == [float(s) for s in range(1, stop_at + 1)]
+    assert [r["step"] for r in first.history] == list(range(1, stop_at + 1))
     resumed = run_train(cfg_b, src_b, resume="last")
-    keys = ("loss", "grpo/loss", "grpo/ratio_mean", "hint_distill/loss", "reward", "completion_tokens")
+    keys = ("train/loss", "train/grpo/loss", "train/grpo/ratio_mean", "train/hint_distill/loss", "train/reward",
+            "train/completion_tokens")  # fmt: skip
     got = [[r["step"], *(r[k] for k in keys)] for r in resumed.history]
     want = [[r["step"], *(r[k] for k in keys)] for r in full.history]
     assert got == want  # bit-exact on CPU: same data position, optimizer state and sampling streams
@@ -115,9 +123,9 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if num_iterations == 2:
         # every second step re-uses the rollouts: same tokens, and the importance ratio is live
-        assert [r["iteration"] for r in full.history] == [0.0, 1.0, 0.0, 1.0]
-        assert full.history[1]["completion_tokens"] == full.history[0]["completion_tokens"]
-        assert full.history[1]["grpo/ratio_mean"] != 1.0 and full.history[0]["grpo/ratio_mean"] == 1.0
+        assert [r["train/iteration"] for r in full.history] == [0.0, 1.0, 0.0, 1.0]
+        assert full.history[1]["train/completion_tokens"] == full.history[0]["train/completion_tokens"]
+        assert full.history[1]["train/grpo/ratio_mean"] != 1.0 and full.history[0]["train/grpo/ratio_mean"] == 1.0
 
 
 def test_mlflow_run_has_params_metrics_and_checkpoints(make_cfg, tmp_path, monkeypatch):
@@ -147,6 +155,9 @@ def test_mlflow_run_has_params_metrics_and_checkpoints(make_cfg, tmp_path, monke
         assert k in metrics, (k, sorted(metrics))
     hist = client.get_metric_history(res.run_id, "train/hint_distill/loss")
     assert len(hist) == 2 and all(m.value > 0 for m in hist)
+    # MLflow's steps are history.csv's: 1..max_steps (the start-of-run eval at 0)
+    assert sorted(m.step for m in hist) == [r["step"] for r in res.history] == [1, 2]
+    assert [m.step for m in client.get_metric_history(res.run_id, "start/accuracy")] == [0]
     arts = {a.path for a in client.list_artifacts(res.run_id)}
     assert {"model", "history.csv"} <= arts and any(a.startswith(("last", "step")) for a in arts)
     ckpts = [a.path for p in arts for a in client.list_artifacts(res.run_id, p) if a.path.endswith(".ckpt")]
@@ -178,7 +189,7 @@ def test_cli_sft_train_eval(tiny_yaml, tmp_path):
                                 f"model.name_or_path={tmp_path}/sft/model"], catch_exceptions=False)  # fmt: skip
         assert r.exit_code == 0, r.output
         m = json.loads((tmp_path / "eval.json").read_text())
-        assert set(m) == {"gsm8k/accuracy", "gsm8k/mean_reward", "gsm8k/pass@2"}
+        assert set(m) == {"gsm8k/accuracy", "gsm8k/mean_reward", "gsm8k/pass_at_2"}
         assert all(0.0 <= v <= 1.0 for v in m.values())
         preds = (tmp_path / "eval.predictions.jsonl").read_text().splitlines()
         assert len(preds) == 8 and {"prompt", "completion", "reward", "correct"} <= set(json.loads(preds[0]))
@@ -243,10 +254,10 @@ def test_tasks_from_jsonl_files(make_cfg, tmp_path):
         "eval.predictions=true",
     )  # fmt: skip
     res = run_train(cfg, src)
-    assert len(res.history) == 1 and res.history[0]["grpo/skipped"] == 0.0
+    assert len(res.history) == 1 and res.history[0]["train/grpo/skipped"] == 0.0
     out = tmp_path / "eval.json"
     metrics = run_eval(cfg, src, checkpoint=res.model_dir, output=str(out))
-    assert set(metrics) == {"gsm8k/accuracy", "gsm8k/mean_reward", "gsm8k/pass@2"}
+    assert set(metrics) == {"gsm8k/accuracy", "gsm8k/mean_reward", "gsm8k/pass_at_2"}
     preds = [json.loads(x) for x in out.with_suffix(".predictions.jsonl").read_text().splitlines()]
     want = [json.loads(x)["question"] for x in paths["test"].read_text().splitlines()]
     assert [p["question"] for p in preds] == want

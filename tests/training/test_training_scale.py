@@ -252,5 +252,5 @@ def test_bf16_mixed_precision_trains_through_lightning(make_cfg, pairs_file):
                         "trainer.checkpoint_every_n_steps=0")  # fmt: skip
     res = run_train(cfg, src)
     row = res.history[-1]
-    assert row["hint_distill/skipped"] == 0.0 and row["grpo/skipped"] == 0.0
-    assert torch.isfinite(torch.tensor(row["loss"]))
+    assert row["train/hint_distill/skipped"] == 0.0 and row["train/grpo/skipped"] == 0.0
+    assert torch.isfinite(torch.tensor(row["train/loss"]))

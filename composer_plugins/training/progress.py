@@ -1,0 +1,130 @@
+"""The one progress bar of training, SFT and evaluation: optimizer steps, throughput and reward.
+
+It replaces Lightning's bars (which counted batches of an "epoch", showed ``v_num`` and a
+"Validation DataLoader 0" bar). One line per phase, in the units a user asks about::
+
+    train:  45%|████▌     | 18/40 [00:41<00:50, step] reward=0.41 loss=0.093 rollouts/s=3.1 tokens/s=57
+    sft:   100%|██████████| 140/140 [00:20<00:00, step] loss=0.82 examples/s=224
+    eval:  100%|██████████| 200/200 [00:05<00:00, problem] accuracy=0.62
+
+``trainer.enable_progress_bar: false`` (``sft.progress`` for the warm start) or the one switch
+``--no-progress`` / ``COMPOSER_PROGRESS=0`` (:mod:`composer_plugins.core.progress`) turn it off.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+class StepProgressBar(ProgressBar):
+    """A tqdm bar over optimizer steps (``train``/``sft``) and one over held-out problems (``eval``).
+
+    Args:
+        phase: ``"train"`` (postfix: reward, loss, rollouts/s, tokens/s from the module's
+            ``last_step_stats``) or ``"sft"`` (postfix: loss, examples/s).
+    """
+
+    def __init__(self, phase: str = "train") -> None:
+        super().__init__()
+        self.phase = phase
+        self._enabled = True
+        self._bar: Any = None
+        self._vbar: Any = None
+        self._t0 = 0.0
+        self._rows = 0
+        self._tokens = 0.0
+
+    # -- Lightning's ProgressBar interface -------------------------------------------------
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled and self.trainer.is_global_zero
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self.is_enabled
+
+    # -- training --------------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.is_enabled:
+            return
+        from tqdm.auto import tqdm
+
+        self._t0, self._rows, self._tokens = time.monotonic(), 0, 0.0
+        self._bar = tqdm(total=trainer.max_steps if trainer.max_steps > 0 else None, initial=trainer.global_step,
+                         desc=self.phase, unit="step", dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._bar is None:
+            return
+        self._count(pl_module, batch)
+        if trainer.fit_loop._should_accumulate():
+            return
+        self._bar.update(trainer.global_step - self._bar.n)
+        self._bar.set_postfix_str(self._postfix(trainer, pl_module), refresh=True)
+
+    def _count(self, pl_module: Any, batch: Any) -> None:
+        stats = getattr(pl_module, "last_step_stats", None) or {}
+        if self.phase == "train":
+            tasks = batch.get("tasks", ()) if isinstance(batch, Mapping) else ()
+            cfg = getattr(pl_module, "cfg", None)
+            self._rows += len(tasks) * (int(cfg.rollout.num_generations) if cfg is not None else 1)
+            self._tokens += float(stats.get("completion_tokens", 0.0))
+        elif isinstance(batch, Mapping) and "input_ids" in batch:
+            self._rows += int(batch["input_ids"].shape[0])
+
+    def _postfix(self, trainer: Any, pl_module: Any) -> str:
+        dt = max(time.monotonic() - self._t0, 1e-9)
+        if self.phase == "train":
+            s = getattr(pl_module, "last_step_stats", None) or {}
+            parts = [f"reward={_fmt(s['reward'])}" if "reward" in s else "",
+                     f"loss={_fmt(s['loss'])}" if "loss" in s else "",
+                     f"rollouts/s={_fmt(self._rows / dt)}", f"tokens/s={_fmt(self._tokens / dt)}"]  # fmt: skip
+        else:
+            loss = trainer.callback_metrics.get("sft/loss")
+            parts = [f"loss={_fmt(float(loss))}" if loss is not None else "", f"examples/s={_fmt(self._rows / dt)}"]
+        return " ".join(p for p in parts if p)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # -- evaluation ------------------------------------------------------------------------
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.is_enabled or trainer.sanity_checking:
+            return
+        from tqdm.auto import tqdm
+
+        batches = getattr(trainer.val_dataloaders, "batches", None)  # StaticBatches of {"index", "tasks"}
+        total = sum(len(b["tasks"]) for b in batches) if batches is not None else None
+        self._vbar = tqdm(total=total, desc="eval", unit="problem", dynamic_ncols=True, leave=self._bar is None,
+                          file=sys.stderr)  # fmt: skip
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:  # fmt: skip
+        if self._vbar is None:
+            return
+        self._vbar.update(len(batch["tasks"]) if isinstance(batch, Mapping) and "tasks" in batch else 1)
+        acc = trainer.callback_metrics.get("val/accuracy")
+        if acc is not None:
+            self._vbar.set_postfix_str(f"accuracy={_fmt(float(acc))}", refresh=True)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._vbar is not None:
+            self._vbar.close()
+            self._vbar = None

@@ -1,0 +1,77 @@
+"""MLflow runs as a user finds them in the store: names that say what a run is, provenance tags, artifacts
+kept with the store (not in ./mlruns of wherever the command ran). Read back from a real sqlite store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from composer_plugins.training import tracking
+from composer_plugins.training.train import run_train
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> str:
+    for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "COMPOSER_MLFLOW", "DVC_EXP_NAME", "DVC_STAGE"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "store").mkdir()
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the command runs in a directory unrelated to the store
+    return f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+
+
+def _train(make_cfg, tmp_path: Path, uri: str, out: str, *extra: str):
+    cfg, src = make_cfg(
+        f'mlflow: {{enabled: true, tracking_uri: "{uri}", experiment: names, log_checkpoints: false}}\n',
+        "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0", "losses.hint_distill.enabled=false", *extra,
+        out=tmp_path / out,
+    )  # fmt: skip
+    return run_train(cfg, src)
+
+
+def test_runs_are_named_by_what_they_are_and_tagged_with_provenance(make_cfg, tmp_path, store, monkeypatch):
+    import mlflow
+
+    a = _train(make_cfg, tmp_path, store, "lr-small")
+    b = _train(make_cfg, tmp_path, store, "lr-small", "seed=1")
+    monkeypatch.setenv("DVC_EXP_NAME", "bold-lr")
+    c = _train(make_cfg, tmp_path, store, "lr-small")
+    monkeypatch.delenv("DVC_EXP_NAME")
+    d = _train(make_cfg, tmp_path, store, "mine", "mlflow.run_name=my-ablation")
+    client = mlflow.MlflowClient(store)
+    names = [client.get_run(r.run_id).info.run_name for r in (a, b, c, d)]
+    assert names == [
+        "train@lr-small-s0 (grpo)",
+        "train@lr-small-s1 (grpo)",
+        "train@lr-small-s0 (grpo) [bold-lr]",  # a dvc exp's run is told apart from the baseline's
+        "my-ablation",  # a user-given name is kept as given
+    ]
+    tags = client.get_run(a.run_id).data.tags
+    from composer_plugins import __version__
+
+    assert tags["plugin.losses.grpo"] == f"grpo (composer-plugins {__version__})"
+    assert tags["plugin.env"] == f"gsm8k (composer-plugins {__version__})"
+    assert "plugin.losses.hint_distill" not in tags  # off: not a component of this run
+    assert tags["composer_plugins.version"] == __version__
+    assert tags["git.commit"] == tracking.git_commit()[0] == tags["mlflow.source.git.commit"]
+    assert client.get_run(c.run_id).data.tags["dvc.exp"] == "bold-lr"
+
+
+def test_artifacts_are_kept_with_the_store(make_cfg, tmp_path, store):
+    import mlflow
+
+    res = _train(make_cfg, tmp_path, store, "art")
+    client = mlflow.MlflowClient(store)
+    run = client.get_run(res.run_id)
+    assert run.info.artifact_uri.startswith((tmp_path / "store" / "mlartifacts").as_uri())
+    assert {"model", "history.csv"} <= {a.path for a in client.list_artifacts(res.run_id)}
+    assert (tmp_path / "store" / "mlartifacts").is_dir()
+    assert not (tmp_path / "cwd" / "mlruns").exists()
+
+
+def test_artifact_location_follows_the_store(tmp_path):
+    assert tracking.artifact_location(f"sqlite:///{tmp_path}/x/m.db") == (tmp_path / "x" / "mlartifacts").as_uri()
+    assert tracking.artifact_location("http://127.0.0.1:5000") is None
+    assert tracking.artifact_location(f"file://{tmp_path}/mlruns") is None
