@@ -392,8 +392,13 @@ class LoopbackProcess:
             teacher = OpenAITeacher("m", base_url=srv.base_url, api_key_env=None)
     """
 
-    def __init__(self, *, env: dict[str, str] | None = None, cpu: int | None = None, **config: Any) -> None:
+    #: The module run with ``python -m`` (a server built on this one names its own).
+    module = "composer_plugins.teachers.loopback"
+
+    def __init__(self, *, env: dict[str, str] | None = None, cpu: int | None = None,
+                 args: list[str] | None = None, **config: Any) -> None:  # fmt: skip
         self.config = config
+        self.args = list(args or [])
         self.env = env
         self.cpu = cpu
         self.proc: subprocess.Popen[str] | None = None
@@ -404,7 +409,7 @@ class LoopbackProcess:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout: float = 60.0) -> LoopbackProcess:
-        cmd = [sys.executable, "-m", "composer_plugins.teachers.loopback", "--port", "0"]
+        cmd = [sys.executable, "-m", self.module, "--port", "0", *self.args]
         cfg = dict(self.config)
         if cfg:
             cmd += ["--config", json.dumps(cfg)]

@@ -69,3 +69,154 @@ def test_unknown_generator_is_located(make_cfg):
     cfg, src = make_cfg("", "rollout.generator=sever")
     with pytest.raises(ComposerPluginsError, match="server"):
         build_generator(cfg, src)
+
+
+# -- the server generator against the loopback server ------------------------------------------
+
+
+@pytest.fixture
+def tiny_policy(make_cfg):
+    """``(path, policy, tokenizer, prompts)``: the tiny SFT-started policy and a few train prompts."""
+    from composer_plugins.models.tiny import load_policy
+    from composer_plugins.training.module import task_prompt
+    from composer_plugins.training.train import build_env, resolve_policy
+
+    cfg, src = make_cfg("")
+    env = build_env(cfg, src)
+    path = resolve_policy(cfg, env)
+    policy, tok = load_policy(path)
+    prompts = [task_prompt(t) for t in env.sample_tasks(3, "train", seed=11)]
+    return path, policy.eval(), tok, prompts
+
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 10, "max_prompt_length": 192}
+
+
+def _in_process(policy, tok, prompts, G, seed):
+    """Per prompt: HF generate with the seed the server generator sends for it, as token-id lists."""
+    from composer_plugins.models.generation import generate_completions, tokenize_prompts
+    from composer_plugins.training.rollouts import prompt_seed
+
+    ids, mask = tokenize_prompts(tok, prompts, SAMPLING["max_prompt_length"])
+    out = []
+    for i in range(len(prompts)):
+        ro = generate_completions(
+            policy, tok, None, G, seed=prompt_seed(seed, i), prompt_token_ids=[ids[i][mask[i].bool()].tolist()],
+            temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=SAMPLING["max_new_tokens"],
+        )  # fmt: skip
+        out += [ro.completion_ids[j][ro.completion_mask[j].bool()].tolist() for j in range(G)]
+    return out
+
+
+def _rows(ro):
+    return [ro.completion_ids[j][ro.completion_mask[j].bool()].tolist() for j in range(ro.completion_ids.shape[0])]
+
+
+@pytest.mark.timeout(300)
+def test_server_same_seed_same_tokens_and_weight_reload_changes_samples(tiny_policy, tmp_path):
+    import torch
+
+    from composer_plugins.models.logprobs import completion_logprobs_no_grad
+    from composer_plugins.training.loopback_server import RolloutServerProcess
+    from composer_plugins.training.rollouts import ServerGenerator
+
+    path, policy, tok, prompts = tiny_policy
+    G = 4
+    with RolloutServerProcess(model=path) as srv:
+        gen = ServerGenerator(srv.base_url, max_concurrency=3, weights_dir=str(tmp_path / "w"))
+        ro = gen.generate(policy, tok, prompts, G, seed=5, **SAMPLING)
+        assert ro.completion_ids.shape[0] == len(prompts) * G
+        assert _rows(ro) == _in_process(policy, tok, prompts, G, 5)
+        assert ro.completions == tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
+        # the server's log-probs are the policy's at the sampling temperature
+        mine = completion_logprobs_no_grad(
+            policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, temperature=1.0
+        )
+        m = ro.completion_mask.bool()
+        torch.testing.assert_close(ro.extra["sampling_logprobs"][m], mine[m], atol=1e-5, rtol=0)
+
+        # weight sync: another policy saved and loaded by the server changes what it samples
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+        assert gen.wants_sync(0)
+        gen.sync(policy, tok, step=3)
+        assert gen.last_synced == 3 and not gen.wants_sync(3) and gen.wants_sync(4)
+        stats = srv.stats()
+        assert stats["reloads"] == 1 and stats["model_path"].endswith("step-3")
+        after = gen.generate(policy, tok, prompts, G, seed=5, **SAMPLING)
+        assert _rows(after) != _rows(ro)
+        assert _rows(after) == _in_process(policy, tok, prompts, G, 5)
+
+
+@pytest.mark.timeout(300)
+def test_server_faults_lose_no_request(tiny_policy):
+    from composer_plugins.training.loopback_server import RolloutServerProcess
+    from composer_plugins.training.rollouts import RolloutServerError, ServerGenerator
+
+    path, policy, tok, prompts = tiny_policy
+    plan = ["429", "500", "timeout", "503", "malformed", "drop"]
+    with RolloutServerProcess(model=path) as srv:
+        clean = ServerGenerator(srv.base_url).generate(policy, tok, prompts, 4, seed=9, **SAMPLING)
+        srv.configure(fault_rate=1.0, plan=plan, hang_s=2.0, retry_after="0")
+        srv.reset()
+        gen = ServerGenerator(srv.base_url, timeout_s=0.75, backoff_base_s=0.01, backoff_max_s=0.05)
+        faulty = gen.generate(policy, tok, prompts, 4, seed=9, **SAMPLING)
+        assert _rows(faulty) == _rows(clean)
+        torch_equal = (faulty.extra["sampling_logprobs"] == clean.extra["sampling_logprobs"]).all()
+        assert bool(torch_equal)
+        by = srv.stats()["by_status"]
+        for kind in plan:
+            assert by.get(kind, 0) == len(prompts), (kind, by)
+        assert by["200"] == len(prompts) and gen.retries == len(plan) * len(prompts)
+        # a server that keeps failing is an error naming it, not a silently shorter batch
+        srv.configure(plan=["500"] * 10)
+        srv.reset()
+        with pytest.raises(RolloutServerError, match="HTTP 500"):
+            ServerGenerator(srv.base_url, max_retries=2, backoff_base_s=0.01).generate(
+                policy, tok, prompts, 4, seed=9, **SAMPLING
+            )
+
+
+@pytest.mark.timeout(400)
+def test_training_from_the_server_syncs_weights_and_corrects_the_lag(make_cfg, tiny_policy, tmp_path):
+    from composer_plugins.training.loopback_server import RolloutServerProcess
+    from composer_plugins.training.train import run_train
+
+    path = tiny_policy[0]
+    with RolloutServerProcess(model=path) as srv:
+        cfg, src = make_cfg(
+            "",
+            "rollout.generator.name=server",
+            f"rollout.generator.base_url={srv.base_url}",
+            "rollout.generator.sync_every=1",
+            "trainer.max_steps=3",
+            "losses.hint_distill.enabled=false",
+        )
+        res = run_train(cfg, src)
+        stats = srv.stats()
+    assert stats["reloads"] == 3  # before step 0 (sync_at_start) and after each of the two later steps
+    assert stats["model_path"].endswith("step-2")
+    assert len(res.history) == 3
+    for row in res.history:
+        ratio = next(v for k, v in row.items() if k.endswith("is_ratio"))
+        # the server serves the weights of the policy at rollout time: the ratio is ~1 (not clipped away)
+        assert ratio == pytest.approx(1.0, abs=1e-3)
+
+
+def test_importance_sampling_correction_modes():
+    import torch
+
+    from composer_plugins.losses.functional import importance_sampling_correction
+
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    sp = torch.tensor([[-2.5, -2.0, float("nan")], [-0.5, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    tok = importance_sampling_correction(lp, sp, mask, "token_truncate", clip_max=3.0)
+    assert torch.allclose(tok, torch.tensor([[3.0, 1.0, 1.0], [1.0, float(torch.exp(torch.tensor(-1.5))), 1.0]]))
+    masked = importance_sampling_correction(lp, sp, mask, "token_mask", clip_max=3.0, clip_min=0.5)
+    assert masked[0, 0] == 0 and masked[1, 1] == 0 and masked[0, 1] == 1
+    seq = importance_sampling_correction(lp, sp, mask, "sequence_truncate", clip_max=3.0)
+    assert seq.shape == (2, 1) and float(seq[0, 0]) == 3.0
+    with pytest.raises(ValueError, match="token_truncate"):
+        importance_sampling_correction(lp, sp, mask, "tokens")

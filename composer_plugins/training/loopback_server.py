@@ -1,0 +1,240 @@
+"""A loopback inference server for the ``server`` rollout generator (tests, benchmarks, demos).
+
+It speaks the parts of vLLM's and SGLang's HTTP APIs the generator uses, over HF ``generate`` on a
+local policy, in its own process::
+
+    python -m composer_plugins.training.loopback_server --model PATH --port 0
+
+* ``POST /v1/completions`` — ``prompt`` as a list of token ids, ``n``, ``max_tokens``,
+  ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``; each choice carries ``token_ids``
+  (vLLM ``return_token_ids``), ``logprobs.tokens`` spelled ``token_id:<id>`` (vLLM
+  ``return_tokens_as_token_ids``) and ``logprobs.token_logprobs`` (the sampled tokens' log-probs at
+  the request's temperature, as vLLM's ``processed_logprobs``). The ``n`` completions of a request
+  are :func:`~composer_plugins.models.generation.generate_completions` of the prompt with the
+  request's seed, so the same seed gives the same tokens as sampling in-process.
+* ``POST /update_weights_from_disk`` — ``{"model_path": dir}`` (SGLang's route): load the
+  ``save_pretrained`` folder and serve it from the next request on.
+* The teachers' loopback control routes and fault injection (``GET /_stats``, ``POST /_config``,
+  ``POST /_reset``; faults ``429``, ``500``/``502``/``503``, ``timeout``, ``malformed``, ``drop``
+  planned per request identity, see :mod:`composer_plugins.teachers.loopback`).
+
+It prints ``LISTENING <port>`` once ready; :class:`RolloutServerProcess` starts and stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from typing import Any
+
+from composer_plugins.teachers.loopback import LoopbackProcess, LoopbackServer, ServerConfig
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+class RolloutLoopbackServer(LoopbackServer):
+    """The teachers' loopback server plus ``/v1/completions`` over a local policy and a weight reload."""
+
+    def __init__(self, config: ServerConfig, model_path: str, num_threads: int = 1) -> None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        super().__init__(config)
+        self._lock = threading.Lock()
+        self.reloads = 0
+        self._load(model_path)
+
+    def _load(self, path: str) -> None:
+        from composer_plugins.models.tiny import load_policy
+
+        model, tok = load_policy(path)
+        with self._lock:
+            self.model, self.tokenizer, self.model_path = model.eval(), tok, path
+
+    def _sample(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+        from composer_plugins.models.generation import generate_completions
+        from composer_plugins.models.logprobs import completion_logprobs_no_grad
+
+        prompt = [int(t) for t in req["prompt"]]
+        n = int(req.get("n") or 1)
+        temperature = float(req.get("temperature", 1.0))
+        top_k = int(req.get("top_k") or 0)
+        with self._lock:
+            model, tok = self.model, self.tokenizer
+            ro = generate_completions(
+                model,
+                tok,
+                None,
+                n,
+                max_new_tokens=int(req.get("max_tokens") or 16),
+                temperature=temperature if temperature > 0 else 1.0,
+                top_p=float(req.get("top_p", 1.0)),
+                top_k=max(0, top_k),
+                do_sample=temperature > 0,
+                seed=req.get("seed"),
+                prompt_token_ids=[prompt],
+            )
+            logps = completion_logprobs_no_grad(
+                model,
+                ro.prompt_ids,
+                ro.prompt_mask,
+                ro.completion_ids,
+                ro.completion_mask,
+                temperature=temperature if temperature > 0 else 1.0,
+            )
+        choices = []
+        for i in range(n):
+            keep = ro.completion_mask[i].bool()
+            ids = ro.completion_ids[i][keep].tolist()
+            lps = logps[i][keep].tolist()
+            ended = bool(ids) and ids[-1] == tok.eos_token_id
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": tok.decode(ids, skip_special_tokens=True),
+                "finish_reason": "stop" if ended else "length",
+                "token_ids": ids if req.get("return_token_ids") else None,
+            }
+            if req.get("logprobs") is not None:
+                choice["logprobs"] = {
+                    "tokens": [f"token_id:{t}" for t in ids]
+                    if req.get("return_tokens_as_token_ids")
+                    else [tok.decode([t]) for t in ids],
+                    "token_logprobs": lps,
+                }
+            choices.append(choice)
+        return choices
+
+    async def completions(self, request: Any) -> Any:
+        from aiohttp import web
+
+        raw = await request.read()
+        self.requests += 1
+        try:
+            req = json.loads(raw)
+            if not isinstance(req.get("prompt"), list):
+                raise ValueError("prompt must be a list of token ids")
+        except Exception as e:
+            self.by_status["400"] += 1
+            return web.Response(status=400, body=_json_bytes({"error": {"message": f"bad request: {e}"}}))
+        ident = hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:24]
+        attempt = self.attempts[ident]
+        self.attempts[ident] += 1
+        self.times[ident].append(time.monotonic())
+        fault = self._fault(ident, attempt)
+        self.kinds[ident].append(fault or "ok")
+        cfg = self.config
+        if cfg.latency_s:
+            await asyncio.sleep(cfg.latency_s)
+        if fault in ("429", "500", "502", "503"):
+            self.by_status[fault] += 1
+            headers = {"Retry-After": cfg.retry_after} if fault == "429" else {}
+            return web.Response(status=int(fault), body=b'{"error":{"message":"busy"}}', headers=headers)
+        if fault == "timeout":
+            self.by_status["timeout"] += 1
+            await asyncio.sleep(cfg.hang_s)
+            return web.Response(status=504, body=b'{"error":{"message":"gateway timeout"}}')
+        if fault == "malformed":
+            self.by_status["malformed"] += 1
+            return web.Response(
+                status=200, body=b'{"id": "x", "choices": [{"token_ids": [1, 2', content_type="application/json"
+            )
+        if fault == "drop":
+            self.by_status["drop"] += 1
+            return self._drop(request)
+        choices = await asyncio.to_thread(self._sample, req)
+        self.by_status["200"] += 1
+        n_out = sum(len(c.get("token_ids") or c.get("logprobs", {}).get("tokens", [])) for c in choices)
+        body = {
+            "id": f"cmpl-{ident[:12]}-{attempt}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.get("model", "policy"),
+            "choices": choices,
+            "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n_out},
+        }
+        return web.Response(body=_json_bytes(body), content_type="application/json")
+
+    async def update_weights_from_disk(self, request: Any) -> Any:
+        from aiohttp import web
+
+        try:
+            path = str(json.loads(await request.read())["model_path"])
+            await asyncio.to_thread(self._load, path)
+        except Exception as e:
+            return web.Response(body=_json_bytes({"success": False, "message": f"{type(e).__name__}: {e}"}))
+        self.reloads += 1
+        return web.Response(body=_json_bytes({"success": True, "message": f"loaded {path}"}))
+
+    async def stats(self, request: Any) -> Any:
+        from aiohttp import web
+
+        resp = await super().stats(request)
+        data = json.loads(resp.body)
+        data.update(reloads=self.reloads, model_path=self.model_path)
+        return web.Response(body=_json_bytes(data), content_type="application/json")
+
+    def app(self) -> Any:
+        app = super().app()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        return app
+
+
+async def _serve(config: ServerConfig, model_path: str, host: str, port: int, threads: int) -> None:
+    from aiohttp import web
+
+    server = RolloutLoopbackServer(config, model_path, threads)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    sock = site._server.sockets[0]  # type: ignore[union-attr]
+    print(f"LISTENING {sock.getsockname()[1]}", flush=True)
+    while True:
+        await asyncio.sleep(3600)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point (``python -m composer_plugins.training.loopback_server``)."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--model", required=True, help="a save_pretrained folder to serve")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    ap.add_argument("--config", default=None, help="JSON ServerConfig fields (latency, faults)")
+    a = ap.parse_args(argv)
+    cfg = ServerConfig()
+    for k, v in json.loads(a.config or "{}").items():
+        setattr(cfg, k, v)
+    if a.host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit("the loopback server only binds to 127.0.0.1/localhost")
+    try:
+        asyncio.run(_serve(cfg, a.model, a.host, a.port, a.threads))
+    except KeyboardInterrupt:  # pragma: no cover
+        pass
+
+
+class RolloutServerProcess(LoopbackProcess):
+    """Start :mod:`composer_plugins.training.loopback_server` serving ``model`` in a subprocess (context manager).
+
+    Example::
+
+        with RolloutServerProcess(model="runs/x/model", fault_rate=0.3) as srv:
+            gen = ServerGenerator(srv.base_url)
+    """
+
+    module = "composer_plugins.training.loopback_server"
+
+    def __init__(self, *, model: str, threads: int = 1, env: dict[str, str] | None = None,
+                 cpu: int | None = None, **config: Any) -> None:  # fmt: skip
+        super().__init__(env=env, cpu=cpu, args=["--model", str(model), "--threads", str(threads)], **config)
+
+
+if __name__ == "__main__":
+    main()
