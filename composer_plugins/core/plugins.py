@@ -4,14 +4,18 @@ Nothing loads at import time. :func:`get_registry` and :func:`get_plugin_manager
 plugins once, on first use. ``COMPOSER_PLUGINS_LOAD`` restricts which third-party
 plugins load (``''`` loads none, ``'a,b'`` loads only the entry points or
 distributions named); built-in default plugins always load. A plugin that fails to
-import, or that implements a hook that does not exist, is left out and named in a
-warning and in later "unknown name" errors; the other plugins load as usual. Set
-``COMPOSER_PLUGINS_STRICT=1`` to turn such failures into exceptions.
+import, that implements a hook that does not exist, or whose hook raises, is left out and
+named with its distribution and version, once, in a :class:`PluginLoadWarning`, in
+``composer-plugins plugins`` and in later "unknown name" errors; the other plugins load as
+usual. A name that two plugins register is unusable (:class:`PluginConflictError` names both
+providers) while every other name works, so only the commands that need it fail. Provenance
+(distribution, version) comes from the entry point; a ``register`` call that passes
+``plugin``/``distribution``/``version`` itself is refused and reported. Set
+``COMPOSER_PLUGINS_STRICT=1`` to turn all of these into exceptions.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata as md
 import os
@@ -24,8 +28,11 @@ from typing import Any
 import pluggy
 
 from composer_plugins.core import hookspecs
-from composer_plugins.core.errors import ComposerPluginsError, PluginLoadError, closest
+from composer_plugins.core.errors import DuplicatePluginError, PluginLoadError, closest
 from composer_plugins.core.registry import KINDS, Registry
+
+#: ``register`` keywords that only the plugin manager sets (from the entry point), never the plugin.
+PROVENANCE_KEYS = frozenset({"plugin", "distribution", "version"})
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 LOAD_ENV = "COMPOSER_PLUGINS_LOAD"
@@ -60,12 +67,16 @@ class PluginInfo:
     hooks: list[str] = field(default_factory=list)
     default: bool = False
     error: str | None = None
+    #: registrations of a loaded plugin that were refused (name clashes, provenance keywords)
+    problems: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "distribution": self.distribution, "version": self.version}
         d["hooks"] = self.hooks
         if self.error:
             d["error"] = self.error
+        if self.problems:
+            d["problems"] = self.problems
         return d
 
 
@@ -78,6 +89,9 @@ class ComposerPluginManager(pluggy.PluginManager):
         self.provenance: dict[str, tuple[str, str]] = {}
         self.defaults: set[str] = set()
         self.failures: dict[str, PluginLoadError] = {}
+        #: plugin -> refused registrations (the plugin itself loaded)
+        self.problems: dict[str, list[str]] = {}
+        self._reported: set[str] = set()
 
     # -- loading ------------------------------------------------------------------
     def load_defaults(self, modules: Iterable[str] = DEFAULT_PLUGINS) -> None:
@@ -107,13 +121,13 @@ class ComposerPluginManager(pluggy.PluginManager):
             if self.get_plugin(ep.name) is not None or ep.name in self.failures:
                 continue
             label = f"{ep.name} (from {dname} {dver})" if dname else ep.name
+            self.provenance[ep.name] = (dname, dver)
             try:
                 plugin = ep.load()
                 self.register(plugin, name=ep.name)
             except Exception as e:
                 self._fail(ep.name, PluginLoadError(label, f"{type(e).__name__}: {e}"), cause=e)
                 continue
-            self.provenance[ep.name] = (dname, dver)
         if only:
             missing = sorted(only - seen)
             if missing:
@@ -147,12 +161,25 @@ class ComposerPluginManager(pluggy.PluginManager):
         return f"{plugin_name} (from {dist[0]} {dist[1]})" if dist and dist[0] else plugin_name
 
     def _fail(self, name: str, err: PluginLoadError, cause: BaseException | None = None) -> None:
-        if os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
+        if _strict():
             raise err from cause  # the plugin's own traceback stays attached (the CLI prints both)
         self.failures[name] = err
-        warnings.warn(
-            str(err) + " The plugin was skipped; other plugins are unaffected.", PluginLoadWarning, stacklevel=3
-        )
+        self._warn_once(str(err) + " The plugin was skipped; other plugins are unaffected.")
+
+    def refuse(self, plugin_name: str, message: str) -> None:
+        """Record and report (once) a registration of a loaded plugin that was refused."""
+        if _strict():
+            raise PluginLoadError(self._label(plugin_name), message)
+        problems = self.problems.setdefault(plugin_name, [])
+        if message not in problems:
+            problems.append(message)
+        self._warn_once(f"{self._label(plugin_name)}: {message}")
+
+    def _warn_once(self, text: str) -> None:
+        if text in self._reported:
+            return
+        self._reported.add(text)
+        warnings.warn(text, PluginLoadWarning, stacklevel=4)
 
     # -- reporting ----------------------------------------------------------------
     def plugin_infos(self, include_defaults: bool = False) -> list[PluginInfo]:
@@ -165,13 +192,20 @@ class ComposerPluginManager(pluggy.PluginManager):
                     hooks_by.setdefault(impl.plugin_name, []).append(hook_name)
         out = []
         for name, _plugin in self.list_name_plugin():
-            if name in self.defaults and not include_defaults:
+            if (name in self.defaults and not include_defaults) or name in self.failures:
                 continue
             dname, dver = self.provenance.get(name, ("", ""))
-            out.append(PluginInfo(name, dname, dver, sorted(hooks_by.get(name, [])), name in self.defaults))
+            info = PluginInfo(name, dname, dver, sorted(hooks_by.get(name, [])), name in self.defaults)
+            info.problems = list(self.problems.get(name, []))
+            out.append(info)
         for name, err in self.failures.items():
-            out.append(PluginInfo(name, "", "", [], error=str(err)))
+            dname, dver = self.provenance.get(name, ("", ""))
+            out.append(PluginInfo(name, dname, dver, [], error=str(err)))
         return sorted(out, key=lambda p: (not p.default, p.name))
+
+
+def _strict() -> bool:
+    return os.environ.get(STRICT_ENV, "").strip() not in ("", "0")
 
 
 def _spec_names() -> list[str]:
@@ -199,34 +233,67 @@ def make_plugin_manager(*, defaults: bool = True, entrypoints: bool = True) -> C
 
 
 def build_registry(pm: pluggy.PluginManager) -> Registry:
-    """Call every ``register_*`` hook of ``pm``, one plugin at a time, recording provenance."""
+    """Call every ``register_*`` hook of ``pm``, one plugin at a time, recording provenance.
+
+    A hook that raises leaves its plugin out (reported with its distribution); a name registered
+    twice becomes unusable and is reported against the plugin that registered it second; neither
+    stops the other plugins or names.
+    """
     registry = Registry()
+    cpm = pm if isinstance(pm, ComposerPluginManager) else None
     provenance = getattr(pm, "provenance", {})
     failures = getattr(pm, "failures", {})
     for kind, hook_name in KINDS.items():
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin_name in failures:
+                continue
             dname, dver = provenance.get(impl.plugin_name, ("", ""))
-            register = functools.partial(
-                _register_as, registry, kind, plugin=impl.plugin_name, distribution=dname, version=dver
-            )
+            register = _register_callback(registry, kind, impl.plugin_name, dname, dver, cpm)
             try:
                 impl.function(register=register)
             except Exception as e:
-                if isinstance(e, ComposerPluginsError):
-                    raise
-                err = PluginLoadError(impl.plugin_name, f"{hook_name} raised {type(e).__name__}: {e}")
-                if os.environ.get(STRICT_ENV, "").strip() not in ("", "0"):
+                label = f"{impl.plugin_name} (from {dname} {dver})" if dname else impl.plugin_name
+                err = PluginLoadError(label, f"{hook_name} raised {type(e).__name__}: {e}")
+                if _strict():
                     raise err from e
                 failures[impl.plugin_name] = err
-                warnings.warn(str(err), PluginLoadWarning, stacklevel=2)
+                if cpm is not None:
+                    cpm._warn_once(str(err))
+                else:
+                    warnings.warn(str(err), PluginLoadWarning, stacklevel=2)
     registry.broken = [str(e) for e in failures.values()]
     return registry
 
 
-def _register_as(
-    registry: Registry, kind: str, name: str, factory: Any, description: str | None = None, **kw: Any
-) -> None:
-    registry.register(kind, name, factory, description, **kw)
+def _register_callback(
+    registry: Registry, kind: str, plugin: str, dname: str, dver: str, pm: ComposerPluginManager | None
+) -> Any:
+    """The ``register`` a plugin's hook receives: provenance is bound here, from the entry point."""
+
+    def refuse(message: str) -> None:
+        if pm is not None:
+            pm.refuse(plugin, message)
+        else:
+            raise PluginLoadError(plugin, message)
+
+    def register(name: str, factory: Any, description: str | None = None, **kw: Any) -> None:
+        spoofed = sorted(PROVENANCE_KEYS & set(kw))
+        if spoofed:
+            refuse(
+                f"register({name!r}, ...) passed {', '.join(spoofed)}: provenance comes from the entry point "
+                f"({dname or 'no distribution'} {dver}), not from register(); the {kind} {name!r} was not registered"
+            )
+            return
+        try:
+            registry.register(kind, name, factory, description, plugin=plugin, distribution=dname, version=dver, **kw)
+        except DuplicatePluginError:
+            me = f"{dname} {dver} (plugin {plugin!r})" if dname else f"plugin {plugin!r}"
+            providers = registry.conflict(kind, name, me)
+            others = "; ".join(p for p in providers if p != me)
+            refuse(f"{kind} {name!r} is also registered by {others}; the name is unusable until one of them goes "
+                   "(other names are unaffected)")  # fmt: skip
+
+    return register
 
 
 _lock = threading.RLock()

@@ -17,6 +17,7 @@ from typing import Any
 from composer_plugins.core.errors import (
     DuplicatePluginError,
     MissingDependencyError,
+    PluginConflictError,
     UnknownPluginError,
 )
 
@@ -147,6 +148,8 @@ class Registry:
         self._aliases: dict[str, dict[str, str]] = {k: {} for k in KINDS}
         #: Messages about plugins that failed to load, shown with unknown-name errors.
         self.broken: list[str] = []
+        #: kind -> name -> the providers that all registered it (the name is unusable until one goes).
+        self.conflicts: dict[str, dict[str, list[str]]] = {k: {} for k in KINDS}
 
     # -- filling -----------------------------------------------------------------
     def register(
@@ -177,6 +180,8 @@ class Registry:
             description = _first_line(_resolve(factory, f"{kind} {name!r} (plugin {plugin!r})"))
         key = name.lower()
         table = self._entries[kind]
+        if key in self.conflicts[kind] and not override:
+            raise DuplicatePluginError(kind, name, "; ".join(self.conflicts[kind][key]), f"plugin {plugin!r}")
         clash = table.get(key) or table.get(self._aliases[kind].get(key, ""))
         if clash is not None and not override:
             raise DuplicatePluginError(kind, name, f"plugin {clash.plugin!r} ({clash.provider})", f"plugin {plugin!r}")
@@ -200,6 +205,23 @@ class Registry:
             self._aliases[kind][a] = key
         return entry
 
+    def conflict(self, kind: str, name: str, provider: str) -> list[str]:
+        """Mark ``name`` of ``kind`` as registered by several plugins; ``provider`` is the latest one.
+
+        The entry registered first is removed, so :meth:`get` raises :class:`PluginConflictError`
+        for that name only; every other name stays usable. Returns all providers so far.
+        """
+        kind = normalize_kind(kind)
+        key = name.lower()
+        key = self._aliases[kind].get(key, key)
+        providers = self.conflicts[kind].setdefault(key, [])
+        if key in self._entries[kind]:
+            first = self._entries[kind][key]
+            providers.append(_provider_label(first))
+            self.unregister(kind, key)
+        providers.append(provider)
+        return providers
+
     def unregister(self, kind: str, name: str) -> None:
         """Remove ``name`` (and its aliases) from ``kind``."""
         kind = normalize_kind(kind)
@@ -213,6 +235,8 @@ class Registry:
         kind = normalize_kind(kind)
         key = name.strip().lower()
         key = self._aliases[kind].get(key, key)
+        if key in self.conflicts[kind]:
+            raise PluginConflictError(kind, key, self.conflicts[kind][key])
         try:
             return self._entries[kind][key]
         except KeyError:
@@ -259,6 +283,11 @@ class Registry:
         kind = normalize_kind(kind)
         key = name.lower()
         return key in self._entries[kind] or key in self._aliases[kind]
+
+
+def _provider_label(entry: RegistryEntry) -> str:
+    """``dist version (plugin 'p')``, or ``plugin 'p'`` for an entry registered without a distribution."""
+    return f"{entry.provider} (plugin {entry.plugin!r})" if entry.provider else f"plugin {entry.plugin!r}"
 
 
 def _match(name: str, pattern: str) -> bool:

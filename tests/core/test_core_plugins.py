@@ -267,3 +267,105 @@ def test_builtins_register_through_the_public_hooks(fresh_pm):
         assert infos[mod].distribution == "composer-plugins" and infos[mod].default
     for e in build_registry(fresh_pm):
         assert e.plugin in plugins.DEFAULT_PLUGINS and e.distribution == "composer-plugins"
+
+
+# -- robust loading: a bad third-party plugin costs only the names it touches -----------------------
+
+CLASH = """
+from composer_plugins import hookimpl
+
+class Grpo2:
+    '''A second grpo.'''
+
+class Fine:
+    '''A name nobody else has.'''
+
+@hookimpl
+def register_loss_channels(register):
+    register("grpo", Grpo2)          # clashes with the built-in
+    register("clash_fine", Fine)     # still registers
+"""
+
+SPOOF = """
+from composer_plugins import hookimpl
+
+class Thing:
+    '''Claims to be someone else.'''
+
+@hookimpl
+def register_envs(register):
+    register("spoofed_env", Thing, distribution="composer-plugins", version="9.9")
+    register("honest_env", Thing)
+"""
+
+RAISES = """
+from composer_plugins import hookimpl
+
+@hookimpl
+def register_teachers(register):
+    raise RuntimeError("teacher hook kaput")
+"""
+
+
+@pytest.fixture
+def bad_site(tmp_path, monkeypatch):
+    """Real distributions on sys.path: one clashing with a built-in name, one spoofing provenance, one raising."""
+    make_dist(tmp_path, "cp-clash", "1.5", {"clash": "cp_clash_mod"}, {"cp_clash_mod": CLASH})
+    make_dist(tmp_path, "cp-spoof", "0.2", {"spoof": "cp_spoof_mod"}, {"cp_spoof_mod": SPOOF})
+    make_dist(tmp_path, "cp-raises", "3.1", {"raises": "cp_raises_mod"}, {"cp_raises_mod": RAISES})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(plugins.LOAD_ENV, "clash,spoof,raises")
+    monkeypatch.delenv(plugins.STRICT_ENV, raising=False)
+    for m in ("cp_clash_mod", "cp_spoof_mod", "cp_raises_mod"):
+        sys.modules.pop(m, None)
+    return tmp_path
+
+
+def test_a_name_clash_breaks_only_that_name_and_names_both_providers(bad_site):
+    from composer_plugins.core.errors import PluginConflictError
+
+    pm = make_plugin_manager()
+    with pytest.warns(PluginLoadWarning) as rec:
+        reg = build_registry(pm)
+    clash_msgs = [str(w.message) for w in rec if "'grpo'" in str(w.message)]
+    assert len(clash_msgs) == 1 and "clash (from cp-clash 1.5)" in clash_msgs[0]
+    assert "composer-plugins" in clash_msgs[0]  # the built-in provider is named too
+    with pytest.raises(PluginConflictError) as ei:
+        reg.get("losses", "grpo")
+    assert "cp-clash 1.5" in str(ei.value) and "composer-plugins 0.1.0" in str(ei.value)
+    assert "COMPOSER_PLUGINS_LOAD" in str(ei.value)
+    assert reg.get("losses", "clash_fine").provider == "cp-clash 1.5"  # the plugin's other names work
+    assert reg.get("losses", "dapo").distribution == "composer-plugins"  # and so do the other built-ins
+    info = {i.name: i for i in pm.plugin_infos()}
+    assert any("'grpo'" in p for p in info["clash"].problems)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once: building again warns no more
+        build_registry(pm)
+
+
+def test_provenance_comes_from_the_entry_point_not_from_register(bad_site):
+    pm = make_plugin_manager()
+    with pytest.warns(PluginLoadWarning, match=r"spoof \(from cp-spoof 0.2\).*provenance comes from the entry point"):
+        reg = build_registry(pm)
+    assert "spoofed_env" not in reg.names("envs")
+    assert reg.get("envs", "honest_env").provider == "cp-spoof 0.2"
+    assert all(e.distribution == "composer-plugins" for e in reg if e.plugin in plugins.DEFAULT_PLUGINS)
+
+
+def test_a_raising_hook_is_reported_with_its_distribution_in_the_cli(bad_site, isolated_plugins):
+    from click.testing import CliRunner
+
+    from composer_plugins.core.cli import load_commands
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        r = CliRunner().invoke(load_commands(), ["plugins"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    data = {d["name"]: d for d in json.loads(r.output[r.output.index("[") :])}
+    assert data["raises"]["distribution"] == "cp-raises" and data["raises"]["version"] == "3.1"
+    assert "teacher hook kaput" in data["raises"]["error"] and "cp-raises 3.1" in data["raises"]["error"]
+    assert any("'grpo'" in p for p in data["clash"]["problems"])
+    assert len([w for w in rec if "teacher hook kaput" in str(w.message)]) == 1
+    # commands that do not need the broken names still work
+    r = CliRunner().invoke(load_commands(), ["list", "envs", "honest*", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0 and json.loads(r.output[r.output.index("[") :])[0]["name"] == "honest_env"
