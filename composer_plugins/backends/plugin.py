@@ -141,12 +141,13 @@ def register_commands(cli: Any) -> None:
         """Train the config's channels with backend NAME; print the final metrics as JSON."""
         import json
 
+        from composer_plugins.core.cli import report_error
         from composer_plugins.core.errors import ComposerPluginsError
 
         try:
             res = _build(name, config_path, section, (*overrides, *set_overrides), options).train()
         except ComposerPluginsError as e:
-            raise click.ClickException(str(e)) from e
+            report_error(e)
         click.echo(json.dumps(res.metrics, indent=2, sort_keys=True, default=str))
         click.echo(f"model: {res.model_dir}")
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import click
 
@@ -32,8 +34,16 @@ def all_overrides(positional: tuple[str, ...] | list[str], set_overrides: tuple[
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="composer-plugins")
-def cli() -> None:
-    """Compose RL, hint self-distillation and multi-teacher replay losses from plugins."""
+@click.option("--no-progress", is_flag=True, help="No progress bars in any command (ours, transformers', the Hub's).")
+def cli(no_progress: bool) -> None:
+    """Compose RL, hint self-distillation and multi-teacher replay losses from plugins.
+
+    Config overrides are given as -S key.sub=value in every command (as `dvc exp run -S`).
+    """
+    if no_progress:
+        from composer_plugins.core import progress
+
+        progress.silence()
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:
@@ -153,21 +163,43 @@ def _plain_help(cmd: click.Command) -> None:
             _plain_help(sub)
 
 
+def report_error(e: BaseException) -> NoReturn:
+    """The one click error handler: ``Error: <message>`` in red on stderr, exit status 2.
+
+    With ``COMPOSER_PLUGINS_STRICT=1`` the whole traceback is printed instead (the failing
+    plugin's own frames included). Commands reach it through :func:`command_errors`.
+    """
+    if _strict():
+        import traceback
+
+        traceback.print_exception(e, file=sys.stderr)
+    else:
+        click.secho(f"Error: {e}", err=True, fg="red")
+    sys.exit(2)
+
+
+def command_errors(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a click command so a :class:`ComposerPluginsError` it raises goes to :func:`report_error`."""
+    from composer_plugins.core.errors import ComposerPluginsError
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except ComposerPluginsError as e:
+            report_error(e)
+
+    return wrapper
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point."""
     from composer_plugins.core.errors import ComposerPluginsError
 
     try:
         return load_commands().main(args=argv, prog_name="composer-plugins", standalone_mode=True)
-    except ComposerPluginsError as e:
-        if _strict():
-            import traceback
-
-            # COMPOSER_PLUGINS_STRICT=1: the whole traceback, the failing plugin's own frames included
-            traceback.print_exception(e, file=sys.stderr)
-        else:
-            click.secho(f"Error: {e}", err=True, fg="red")
-        sys.exit(2)
+    except ComposerPluginsError as e:  # raised outside a command (e.g. while loading plugins)
+        report_error(e)
 
 
 def _strict() -> bool:

@@ -5,29 +5,16 @@ Heavy imports (torch, transformers, mlflow) happen only when a command runs.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Any
 
 import click
 
+from composer_plugins.core.cli import command_errors
 from composer_plugins.core.hookspecs import hookimpl
 
 PARAMS_HELP = "DVC params file (default: params.yaml)."
-
-
-def _errors_as_click(f: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from composer_plugins.core.errors import ComposerPluginsError
-
-        try:
-            return f(*args, **kwargs)
-        except ComposerPluginsError as e:
-            raise click.ClickException(str(e)) from e
-
-    return wrapper
 
 
 def _params_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,7 +33,7 @@ def _load(params_path: str, overrides: tuple[str, ...]) -> Any:
 @click.command(name="prepare")
 @_params_option
 @click.option("--out", default="data/tasks", show_default=True, help="Output directory.")
-@_errors_as_click
+@command_errors
 def prepare_cmd(params_path: str, overrides: tuple[str, ...], out: str) -> None:
     """Write the study's tasks: <out>/<env>/{train,test}.jsonl from the params' ``data`` section.
 
@@ -66,7 +53,7 @@ def prepare_cmd(params_path: str, overrides: tuple[str, ...], out: str) -> None:
 @click.option("--tasks", "tasks_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Tasks JSONL (e.g. data/tasks/gsm8k/train.jsonl).")  # fmt: skip
 @click.option("--out", default="data/traces.jsonl", show_default=True, help="Traces JSONL to write.")
-@_errors_as_click
+@command_errors
 def rollout_cmd(params_path: str, overrides: tuple[str, ...], model: str, tasks_path: str, out: str) -> None:
     """Record student traces: sample the policy on training tasks and score them in the env."""
     from composer_plugins.pipeline.stages import rollout
@@ -78,7 +65,7 @@ def rollout_cmd(params_path: str, overrides: tuple[str, ...], model: str, tasks_
 @click.command(name="replay-config")
 @_params_option
 @click.option("--out", default="data/replay/config.yaml", show_default=True, help="Where to write the config.")
-@_errors_as_click
+@command_errors
 def replay_config_cmd(params_path: str, overrides: tuple[str, ...], out: str) -> None:
     """Write the replay stage's `composer-plugins replay run` config (params' ``replay`` + pipeline paths)."""
     from pathlib import Path
@@ -101,7 +88,7 @@ def replay_config_cmd(params_path: str, overrides: tuple[str, ...], out: str) ->
 @click.option("--cache", default="data/teacher_cache/cache.sqlite", show_default=True,
               help="Teacher cache written by the replay stage.")  # fmt: skip
 @click.option("--out", default="data/pairs.jsonl", show_default=True)
-@_errors_as_click
+@command_errors
 def pairs_cmd(params_path: str, overrides: tuple[str, ...], traces: str, cache: str, out: str) -> None:
     """Agreement-k preference pairs + data-juicer normalisation from the teacher cache (never pays)."""
     from composer_plugins.pipeline.stages import pairs
@@ -123,7 +110,7 @@ def study_group() -> None:
 @click.option("--out", default=None, help="Write the YAML here (default: stdout).")
 @click.option("--pairs", default="data/pairs.jsonl", show_default=True, help="Preference pairs JSONL ('' for none).")
 @click.option("--model", default="models/sft/model", show_default=True, help="Initial policy.")
-@_errors_as_click
+@command_errors
 def study_config_cmd(params_path: str, overrides: tuple[str, ...], variant: str, seed: int, out: str | None,
                      pairs: str, model: str) -> None:  # fmt: skip
     """Print (or write) the effective ``train`` config of one study cell, for ``composer-plugins train -c``."""
@@ -152,7 +139,7 @@ study_group.add_command(replay_config_cmd)
 @click.option("--seed", type=int, required=True)
 @click.option("--pairs", default="data/pairs.jsonl", show_default=True, help="Preference pairs JSONL ('' for none).")
 @click.option("--model", default="models/sft/model", show_default=True, help="Initial policy.")
-@_errors_as_click
+@command_errors
 def study_train_cmd(params_path: str, overrides: tuple[str, ...], variant: str, seed: int, pairs: str,
                     model: str) -> None:  # fmt: skip
     """Train one study cell: write runs/<variant>-s<seed>/config.yaml, then `composer-plugins train -c` it.
@@ -173,7 +160,7 @@ def study_train_cmd(params_path: str, overrides: tuple[str, ...], variant: str, 
 @click.option("--baseline", is_flag=True, help="Evaluate the SFT start (--model) as the 'sft' row.")
 @click.option("--model", default=None, help="Policy to evaluate (default: runs/<variant>-s<seed>/model).")
 @click.option("--out", default=None, help="Result JSON (default: evals/<variant>-s<seed>.json or evals/sft.json).")
-@_errors_as_click
+@command_errors
 def study_eval_cmd(params_path: str, overrides: tuple[str, ...], variant: str | None, seed: int, baseline: bool,
                    model: str | None, out: str | None) -> None:  # fmt: skip
     """Held-out evaluation of one study cell on every env of ``eval.envs``; logs an MLflow run."""
@@ -202,7 +189,7 @@ def study_eval_cmd(params_path: str, overrides: tuple[str, ...], variant: str | 
 @click.option("--metrics", "metrics_out", default="metrics.json", show_default=True)
 @click.option("--plots", "plots_dir", default="plots", show_default=True)
 @click.option("--table", "table_out", default="results/ablation.md", show_default=True)
-@_errors_as_click
+@command_errors
 def report_cmd(params_path: str, overrides: tuple[str, ...], evals_dir: str, runs_dir: str, metrics_out: str,
                plots_dir: str, table_out: str) -> None:  # fmt: skip
     """Aggregate the study: metrics.json, DVC plots and the ablation table (results/ablation.md)."""
@@ -224,7 +211,7 @@ def report_cmd(params_path: str, overrides: tuple[str, ...], evals_dir: str, run
 @click.option("--filter", "filters", multiple=True, metavar="TAG=VALUE", help="Only runs with this tag value.")
 @click.option("--all-runs", is_flag=True, help="Keep every run (default: the newest per group and seed).")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json", "csv"]), default="text")
-@_errors_as_click
+@command_errors
 def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: str, metrics: tuple[str, ...],
                 group_by: str | None, filters: tuple[str, ...], all_runs: bool, fmt: str) -> None:  # fmt: skip
     """Print the ablation table from MLflow: channels on/off × seeds -> held-out metrics, mean ± std.

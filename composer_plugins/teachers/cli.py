@@ -11,16 +11,11 @@ from typing import Any
 
 import click
 
-from composer_plugins.core.cli import set_option
+from composer_plugins.core.cli import report_error, set_option
 from composer_plugins.core.errors import ComposerPluginsError
 
 #: Exit status of ``replay run`` when more calls went unanswered than ``max_unanswered`` allows.
 EXIT_UNANSWERED = 3
-
-
-def _fail(e: Exception) -> None:
-    click.secho(f"Error: {e}", err=True, fg="red")
-    sys.exit(2)
 
 
 @click.group(name="replay")
@@ -57,10 +52,10 @@ def run_cmd(config_path: str, overrides: tuple[str, ...], set_overrides: tuple[s
             config_path, list(overrides), progress=False if no_progress else None, fresh_budget=fresh_budget or None
         )
     except ComposerPluginsError as e:
-        _fail(e)
+        report_error(e)
         return
     except OSError as e:  # a file problem the checks did not foresee: a message, not a traceback
-        _fail(ComposerPluginsError(f"{type(e).__name__}: {e}"))
+        report_error(ComposerPluginsError(f"{type(e).__name__}: {e}"))
         return
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
@@ -151,7 +146,7 @@ def record_cmd(
             progress=not no_progress,
         )
     except ComposerPluginsError as e:
-        _fail(e)
+        report_error(e)
         return
     click.echo(json.dumps(summary, sort_keys=True))
 
@@ -168,7 +163,7 @@ def states_cmd(paths: tuple[str, ...], fmt: str, limit: int | None, jsonl: bool)
     try:
         states = load_traces(list(paths), format=fmt, limit=limit)  # type: ignore[arg-type]
     except ComposerPluginsError as e:
-        _fail(e)
+        report_error(e)
         return
     if jsonl:
         for s in states:
@@ -198,7 +193,7 @@ def normalize_cmd(in_path: str, out_path: str, recipe: str | None) -> None:
     try:
         kept, report = normalize_pairs(read_jsonl(in_path), recipe)
     except ComposerPluginsError as e:
-        _fail(e)
+        report_error(e)
         return
     atomic_write_jsonl(out_path, kept)
     click.echo(json.dumps(report.to_dict(), sort_keys=True))

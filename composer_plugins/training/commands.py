@@ -7,14 +7,13 @@ Heavy imports (torch, lightning, transformers) happen only when a command runs.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Any
 
 import click
 
-from composer_plugins.core.cli import all_overrides, set_option
+from composer_plugins.core.cli import all_overrides, command_errors, set_option
 from composer_plugins.core.hookspecs import hookimpl
 
 
@@ -47,23 +46,10 @@ def _load(config_path: str | None, section: str | None, overrides: tuple[str, ..
     return load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
 
 
-def _errors_as_click(f: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from composer_plugins.core.errors import ComposerPluginsError
-
-        try:
-            return f(*args, **kwargs)
-        except ComposerPluginsError as e:
-            raise click.ClickException(str(e)) from e
-
-    return wrapper
-
-
 @click.command(name="train")
 @_config_options
 @click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
-@_errors_as_click
+@command_errors
 def train_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
               set_overrides: tuple[str, ...], no_progress: bool, resume: str | None) -> None:  # fmt: skip
     """RL training: generate rollouts, score them with the env and optimise the composed loss channels.
@@ -85,7 +71,7 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
 
 @click.command(name="sft")
 @_config_options
-@_errors_as_click
+@command_errors
 def sft_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
             set_overrides: tuple[str, ...], no_progress: bool) -> None:  # fmt: skip
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
@@ -102,7 +88,7 @@ def sft_cmd(config_path: str | None, section: str | None, print_config: bool, ov
 @_config_options
 @click.option("--checkpoint", default=None, help="A Lightning .ckpt, a save_pretrained dir or a hub id.")
 @click.option("--output", "-o", default=None, help="Write the metrics JSON here.")
-@_errors_as_click
+@command_errors
 def eval_cmd(
     config_path: str | None,
     section: str | None,

@@ -68,3 +68,32 @@ def test_console_script_lists_the_third_party_channel():
     out = subprocess.run([exe, "list", "losses", "focal"], capture_output=True, text=True, check=True,
                          timeout=120).stdout  # fmt: skip
     assert "focal_pg" in out and "composer-plugins-focal" in out
+
+
+def test_one_error_handler_for_every_command(monkeypatch):
+    """A ComposerPluginsError from any command: 'Error: ...' on stderr, exit 2; strict mode: the traceback."""
+    import click
+
+    from composer_plugins.core import cli as core_cli
+    from composer_plugins.core.errors import ConfigError
+
+    @click.command()
+    @core_cli.command_errors
+    def boom():
+        raise ConfigError("bad value", key="a.b", file="x.yaml", line=3)
+
+    monkeypatch.delenv("COMPOSER_PLUGINS_STRICT", raising=False)
+    r = CliRunner().invoke(boom, [])
+    assert r.exit_code == 2 and "Error: x.yaml:3: a.b: bad value" in r.output and "Traceback" not in r.output
+    monkeypatch.setenv("COMPOSER_PLUGINS_STRICT", "1")
+    r = CliRunner().invoke(boom, [])
+    assert r.exit_code == 2 and "Traceback" in r.output and "ConfigError" in r.output
+    # and no command module keeps a handler of its own
+    root = Path(core_cli.__file__).resolve().parents[1]
+    own = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "cli.py" or p.parent.name != "core"
+        if "raise click.ClickException(str(e))" in p.read_text() or 'secho(f"Error: {e}"' in p.read_text()
+    ]
+    assert not own, f"modules with their own click error handler: {own}"
