@@ -50,6 +50,7 @@ ENV_BARRIER = "COMPOSER_DILOCO_BARRIER"
 ENV_BARRIER_SIZE = "COMPOSER_DILOCO_BARRIER_SIZE"
 ENV_STOP_FILE = "COMPOSER_DILOCO_STOP_FILE"
 ENV_SYNC_LOG = "COMPOSER_DILOCO_SYNC_LOG"
+ENV_REJOIN = "COMPOSER_DILOCO_REJOIN"
 
 LOOPBACK = "127.0.0.1"
 
@@ -266,6 +267,11 @@ class StartBarrier:
                                                 what="replica")  # fmt: skip
         self.rendezvous.publish()
 
+    @property
+    def board(self) -> RejoinBoard | None:
+        """The :class:`RejoinBoard` on this store (``None`` once closed)."""
+        return RejoinBoard(self._store) if self._store is not None else None
+
     def mark_gone(self, index: int, reason: str) -> None:
         """Tell the waiting replicas that replica ``index`` (job-wide) exited before arriving."""
         if self._store is not None:
@@ -274,6 +280,59 @@ class StartBarrier:
 
     def close(self) -> None:
         self._store = None
+
+
+class RejoinBoard:
+    """Where a restarted replica's way back into the job is posted (a ``TCPStore``, the start barrier's).
+
+    Key ``diloco/rejoin/<index>`` (job-wide index) holds one of ``pending <restart>`` (the launcher started
+    it again), ``ready <restart>`` (its torchft manager is up), ``joined <restart> <step>`` (it healed from
+    a live peer at torchft step ``step``) or ``gone <restart> <reason>`` (it exited). The survivors read it
+    before they stop: a replica never finishes while a restarted peer is still ``pending``/``ready``
+    (bounded by ``diloco.rejoin_timeout_s``), so the peer has someone to heal from and both end on the same
+    torchft step with the same weights.
+    """
+
+    PREFIX = "diloco/rejoin"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @classmethod
+    def connect(cls, address: str, timeout_s: float = 30.0) -> RejoinBoard:
+        """A client of the board at ``host:port`` (the replica side)."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        host, _, port = address.rpartition(":")
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        return cls(store)
+
+    def _key(self, index: int) -> str:
+        return f"{self.PREFIX}/{index}"
+
+    def post(self, index: int, state: str, restart: int, detail: object = "") -> None:
+        """Record ``state`` (pending, ready, joined, gone) of replica ``index``'s ``restart``-th start."""
+        self.store.set(self._key(index), f"{state} {restart} {detail}".rstrip())
+
+    def state(self, index: int) -> tuple[str, int, str] | None:
+        """``(state, restart, detail)`` of replica ``index``, or ``None`` if it was never restarted."""
+        key = self._key(index)
+        if not self.store.check([key]):
+            return None
+        state, restart, *rest = self.store.get(key).decode().split(" ", 2)
+        return state, int(restart), rest[0] if rest else ""
+
+    def outstanding(self, indices: Sequence[int]) -> dict[int, str]:
+        """``{index: state}`` of the replicas among ``indices`` on their way back (``pending`` or ``ready``)."""
+        out: dict[int, str] = {}
+        for i in indices:
+            st = self.state(i)
+            if st is not None and st[0] in ("pending", "ready"):
+                out[i] = st[0]
+        return out
 
 
 # -- the replica group -----------------------------------------------------------------
@@ -436,13 +495,15 @@ class ReplicaGroup:
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         if self.lighthouse.local:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        for k in (ENV_BARRIER, ENV_BARRIER_SIZE, ENV_STOP_FILE, ENV_SYNC_LOG, ENV_SEED):
+        for k in (ENV_BARRIER, ENV_BARRIER_SIZE, ENV_STOP_FILE, ENV_SYNC_LOG, ENV_SEED, ENV_REJOIN):
             env.pop(k, None)
         if self.base_seed is not None:
             env[ENV_SEED] = str(self.base_seed + gi)
         if self.barrier is not None and restart == 0:
             env[ENV_BARRIER] = self.barrier.address
             env[ENV_BARRIER_SIZE] = str(self.barrier.size)
+        if self.barrier is not None:
+            env[ENV_REJOIN] = self.barrier.address
         if self.stop_file is not None:
             env[ENV_STOP_FILE] = str(self.stop_file)
         sync_log = self.sync_log_path(index)
@@ -453,8 +514,22 @@ class ReplicaGroup:
         return ReplicaSpec(index, argv, env, cwd=self.cwd, log_path=self.log_path(index), restart=restart)
 
     def _spawn(self, r: ReplicaState) -> None:
+        if r.restarts:
+            # before it starts, so a survivor about to finish already knows to wait for it
+            self._post(r, "pending")
         r.handle = self.executor.start(self.spec(r.index, restart=r.restarts))
         r.done = False
+
+    def _post(self, r: ReplicaState, state: str, detail: object = "") -> None:
+        board = self.barrier.board if self.barrier is not None else None
+        if board is not None:
+            with contextlib.suppress(Exception):
+                board.post(self.global_index(r.index), state, r.restarts, detail)
+
+    def _peers_finished(self, r: ReplicaState) -> bool:
+        """True when every other replica has already exited 0 (nobody left to heal from)."""
+        others = [o for o in self.replicas if o is not r]
+        return bool(others) and all(o.done and o.exit_codes and o.exit_codes[-1] == 0 for o in others)
 
     def restart(self, index: int) -> ReplicaHandle:
         """Start replica ``index`` again (after it died); it rejoins without the start barrier."""
@@ -508,7 +583,12 @@ class ReplicaGroup:
                     r.exit_codes.append(rc)
                     if self.barrier is not None and r.restarts == 0:
                         self.barrier.mark_gone(self.global_index(r.index), procs.exit_description(rc))
-                    if rc != 0 and r.restarts < self.max_restarts and not self._stop_requested():
+                    if r.restarts:
+                        self._post(r, "gone", procs.exit_description(rc))
+                    if rc != 0 and r.restarts < self.max_restarts and self._peers_finished(r):
+                        _log(f"replica {r.index} exited with {rc} after every other replica finished; "
+                             "not restarted (no live peer to rejoin)")  # fmt: skip
+                    elif rc != 0 and r.restarts < self.max_restarts and not self._stop_requested():
                         _log(f"replica {r.index} exited with {rc}; restarting ({r.restarts + 1}/{self.max_restarts})")
                         r.restarts += 1
                         self._spawn(r)
@@ -672,6 +752,8 @@ def register_commands(cli: Any) -> None:
     """Add ``composer-plugins diloco``."""
     import click
 
+    from composer_plugins.core.cli import set_option
+
     @cli.command(name="diloco", context_settings={"ignore_unknown_options": True})
     @click.option("--replicas", "-n", type=int, default=None, help="Replica groups (default: diloco.replicas or 2).")
     @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="Training config (YAML).")
@@ -703,6 +785,7 @@ def register_commands(cli: Any) -> None:
         default=None,
         help="Stop every replica and fail after this many seconds (default: no limit on the run itself).",
     )
+    @set_option
     @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
     def diloco_cmd(
         replicas: int | None,
@@ -718,14 +801,16 @@ def register_commands(cli: Any) -> None:
         heartbeat_timeout_ms: int,
         join_timeout_ms: int,
         timeout: float | None,
+        set_overrides: tuple[str, ...],
         overrides: tuple[str, ...],
     ) -> None:
         """Train N DiLoCo replicas (torchft) on this machine: lighthouse + one process group per replica.
 
-        OVERRIDES are dotted ``key=value`` config overrides passed to every replica, e.g.
-        ``diloco.sync_every=100``. Touch ``<log-dir>/STOP`` to stop all replicas after their next sync;
+        ``-S key=value`` (or positional OVERRIDES) are config overrides passed to every replica, e.g.
+        ``-S diloco.sync_every=100``. Touch ``<log-dir>/STOP`` to stop all replicas after their next sync;
         Ctrl-C terminates them. Each replica writes ``<log-dir>/replica<i>.log`` and ``.sync.jsonl``.
         """
+        overrides = (*overrides, *set_overrides)
         if replicas is None:
             replicas = _replicas_from_config(config, section, overrides)
         try:

@@ -115,6 +115,8 @@ class DiLoCoConfig:
         use_bucketization, bucket_cap_mb: torchft's bucketed all-reduce of pseudo-gradients.
         max_retries: raise after this many consecutive failed commits (``None``: retry forever).
         barrier_timeout_s: how long a first-generation replica waits for the others at the start barrier.
+        rejoin_timeout_s: how long a replica that reached its last sync waits for a peer the launcher is
+            restarting (so the peer can heal from it and both end together) before it stops anyway.
         replicas: default for ``composer-plugins diloco --replicas``.
         log_param_hash: put a SHA-256 of the parameters in each sync-log line (reads all weights once per sync).
     """
@@ -145,6 +147,7 @@ class DiLoCoConfig:
     bucket_cap_mb: int | None = None
     max_retries: int | None = None
     barrier_timeout_s: float = 600.0
+    rejoin_timeout_s: float = 600.0
     replicas: int | None = None
     log_param_hash: bool = True
 
@@ -176,6 +179,8 @@ class DiLoCoConfig:
             raise bad("outer_steps", f"must be >= 1, got {self.outer_steps}.")
         if self.checkpoint_every < 1:
             raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
+        if self.rejoin_timeout_s < 0:
+            raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
         if self.outer_optimizer is not None:
             component_spec(self.outer_optimizer, f"{key}.outer_optimizer", cfg)
         return self
@@ -201,6 +206,7 @@ class ReplicaInfo:
     barrier_size: int = 0
     stop_file: str | None = None
     sync_log: str | None = None
+    rejoin: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaInfo:
@@ -218,6 +224,7 @@ class ReplicaInfo:
             barrier_size=int(e.get(_launch.ENV_BARRIER_SIZE, "0")),
             stop_file=e.get(_launch.ENV_STOP_FILE) or None,
             sync_log=e.get(_launch.ENV_SYNC_LOG) or None,
+            rejoin=e.get(_launch.ENV_REJOIN) or None,
         )
 
     @property
@@ -377,6 +384,9 @@ class DiLoCoCallback(pl.Callback):
         self._stop = False
         self._checkpoint_due: int | None = None
         self._resume: dict[str, Any] | None = None
+        self._board: _launch.RejoinBoard | None = None
+        self._pre_hook: Any = None
+        self._deferred_since: float | None = None
 
     # -- public state ------------------------------------------------------------------
     @property
@@ -409,6 +419,10 @@ class DiLoCoCallback(pl.Callback):
         if self._target is None and trainer.max_steps and trainer.max_steps > 0:
             per_sync = self.config.sync_every // self.config.num_fragments
             self._target = max(1, trainer.max_steps // per_sync)
+            # The shared torchft step decides when to stop, not this replica's own count: a replica whose
+            # sync did not commit, or that waits for a restarted peer, makes those syncs up (bounded: at
+            # most max_steps more inner steps).
+            trainer.fit_loop.epoch_loop.max_steps = 2 * trainer.max_steps
         self.attach(pl_module, optimizers[0])
 
     def on_train_batch_end(
@@ -535,6 +549,17 @@ class DiLoCoCallback(pl.Callback):
         self.diloco.__enter__()
         # Registered after DiLoCo's own post-hook, so it runs right after a sync has happened.
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        if self.replica.rejoin:
+            self._board = _launch.RejoinBoard.connect(self.replica.rejoin)
+            self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
+        if self.replica.restart > 0:
+            # A restarted replica's local steps are thrown away when it heals, so it asks for its quorum
+            # after one step instead of H: it heals at the peers' next sync.
+            per = c.sync_every // c.num_fragments
+            first = per - c.fragment_sync_delay - 1
+            self.diloco._local_step = first
+            self._since_sync = first
+            self._post("ready")
         if self.replica.barrier and self.replica.restart == 0 and self.replica.barrier_size > 1:
             _wait_barrier(self.replica.barrier, self.replica.index, c.barrier_timeout_s)
         log.info(
@@ -546,9 +571,10 @@ class DiLoCoCallback(pl.Callback):
 
     def close(self) -> None:
         """Remove the hooks and shut the torchft manager down (idempotent)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in (self._hook, self._pre_hook):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._pre_hook = None
         if self.diloco is not None:
             self.diloco.__exit__(None, None, None)
         if self.manager is not None:
@@ -585,6 +611,8 @@ class DiLoCoCallback(pl.Callback):
         # torchft set its step to the peers' step before calling us; a sync commits if it moves past it.
         self._last_step = int(self.manager.current_step())
         log.info("DiLoCo: healed from a peer at torchft step %d", self._last_step)
+        if self.replica.restart > 0:
+            self._post("joined", self._last_step)
 
     def _apply_resume(self) -> None:
         state, self._resume = self._resume, None
@@ -600,6 +628,64 @@ class DiLoCoCallback(pl.Callback):
                     orig[k].copy_(v)
         self._inner_steps = int(state.get("inner_steps", 0))
         self._last_step = int(self.manager.current_step())
+
+    # -- a restarted peer's way back (the launcher's RejoinBoard) --------------------------
+    def _post(self, state: str, detail: object = "") -> None:
+        if self._board is not None:
+            try:
+                self._board.post(self.replica.index, state, self.replica.restart, detail)
+            except Exception as e:  # the launcher is gone; nobody is waiting for this
+                log.warning("DiLoCo: cannot post %r to the launcher's rejoin board: %s", state, e)
+
+    def _returning_peers(self) -> dict[int, str]:
+        """Peers the launcher restarted that have not healed yet (``{index: pending|ready}``)."""
+        if self._board is None:
+            return {}
+        peers = [i for i in range(self.replica.num_replicas) if i != self.replica.index]
+        try:
+            return self._board.outstanding(peers)
+        except Exception as e:
+            log.warning("DiLoCo: cannot read the launcher's rejoin board: %s", e)
+            return {}
+
+    def _before_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Before the step whose sync would reach the target: wait (bounded) for a peer being restarted.
+
+        Waits until its torchft manager is up, so it can ask for the quorum of that last sync instead of
+        arriving after this replica has finished.
+        """
+        if self.diloco is None or self._target is None or self.replica.restart > 0:
+            return
+        c = self.config
+        per = c.sync_every // c.num_fragments
+        if self.diloco._local_step + 1 != per - c.fragment_sync_delay:
+            return  # this step does not start a quorum
+        if int(self.manager.current_step()) + 1 < self._target:
+            return
+        deadline = time.monotonic() + c.rejoin_timeout_s
+        waiting = self._returning_peers()
+        if any(s == "pending" for s in waiting.values()):
+            log.info("DiLoCo: waiting up to %.0fs for restarted replica(s) %s before the last sync",
+                     c.rejoin_timeout_s, sorted(waiting))  # fmt: skip
+        while any(s == "pending" for s in waiting.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            waiting = self._returning_peers()
+
+    def _defer_stop(self, step: int) -> bool:
+        """True while a restarted peer has not healed yet (at most ``rejoin_timeout_s`` after the target)."""
+        waiting = self._returning_peers()
+        if not waiting:
+            return False
+        now = time.monotonic()
+        if self._deferred_since is None:
+            self._deferred_since = now
+            log.info("DiLoCo: torchft step %d reached the target; training on until restarted replica(s) %s "
+                     "heal (at most %.0fs)", step, sorted(waiting), self.config.rejoin_timeout_s)  # fmt: skip
+        if now - self._deferred_since > self.config.rejoin_timeout_s:
+            log.warning("DiLoCo: replica(s) %s did not rejoin within diloco.rejoin_timeout_s=%.0f; stopping",
+                        sorted(waiting), self.config.rejoin_timeout_s)  # fmt: skip
+            return False
+        return True
 
     # -- after every inner step ----------------------------------------------------------
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -628,10 +714,19 @@ class DiLoCoCallback(pl.Callback):
             "time": time.time(),
         }
         self._healed_since_sync = False
+        if self.replica.restart > 0 and self.heal_count == 0 and len(self.history) == 0:
+            self.history.append(rec)
+            self._post("gone", "no live peer")
+            raise ComposerPluginsError(
+                f"replica {self.replica.index} was restarted (restart {self.replica.restart}) but found no live "
+                f"peer to heal from at its first sync (torchft step {step}, {rec['participants']} participant(s)): "
+                "the other replicas have finished or died. Not starting an independent run. HINT: restart the "
+                "whole job, from a DiLoCo checkpoint (diloco.checkpoint_dir) if you have one."
+            )
         if committed:
             if c.checkpoint_dir and step % c.checkpoint_every == 0 and m.participating_rank() == 0:
                 self._checkpoint_due = step  # written in on_train_batch_end, once the step has finished
-            if self._target is not None and step >= self._target:
+            if self._target is not None and step >= self._target and not self._defer_stop(step):
                 self._stop = True
             if self._stop_file_says_stop(step):
                 self._stop = True

@@ -38,7 +38,7 @@ class ToyConfig:
     seed: int = 0
     data_seed: int = 1234
     eval_batches: int = 8
-    output: str | None = None
+    output: str | None = None  #: JSON summary path; ``{replica}`` becomes the replica index
     threads: int = 1
 
 
@@ -181,6 +181,7 @@ def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: S
         "seconds": time.perf_counter() - t0,
     }
     if toy.output:
-        Path(toy.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(toy.output).write_text(json.dumps(out))
+        path = Path(toy.output.replace("{replica}", str(replica.index)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out))
     return out
