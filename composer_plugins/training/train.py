@@ -985,7 +985,27 @@ def _cpu_fsdp_class() -> Any:
     from lightning.pytorch.strategies import FSDPStrategy
 
     class CPUFSDPStrategy(FSDPStrategy):
-        """FSDP over gloo on CPU ranks (Lightning's FSDP checks for a GPU only on its own class)."""
+        """FSDP over gloo on CPU ranks.
+
+        Lightning checks for a GPU only on its own class, and hands FSDP ``device_id=None`` on CPU,
+        which torch's FSDP refuses; this wraps with ``device_id=cpu`` and lets Lightning do the rest.
+        """
+
+        def _setup_model(self, model: Any) -> Any:
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+                model = FullyShardedDataParallel(
+                    module=model,
+                    cpu_offload=self.cpu_offload,
+                    mixed_precision=self.mixed_precision_config,
+                    sharding_strategy=self.sharding_strategy,
+                    device_id=torch.device("cpu"),
+                    **self.kwargs,
+                )
+                self.kwargs.pop("auto_wrap_policy", None)
+            return super()._setup_model(model)
 
     return CPUFSDPStrategy
 
@@ -1080,6 +1100,10 @@ def build_trainer(
         strategy = build_strategy(cfg)
     if strategy is not None:
         kw["strategy"] = strategy
+    if ckpt is not None:
+        from composer_plugins.training.checkpoints import AtomicCheckpointIO
+
+        kw["plugins"] = [AtomicCheckpointIO()]  # a kill while saving never leaves a half-written last.ckpt
     kw.update(overrides)
     return lightning_trainer(**kw)
 
@@ -1233,8 +1257,12 @@ def run_train(
     """
     import lightning as L
 
+    from composer_plugins.training.checkpoints import resolve_resume
     from composer_plugins.training.module import ComposerModule, TaskStream
 
+    # checked before anything is built: a missing or broken checkpoint fails in a second, naming the file
+    ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.trainer.checkpoint_every_n_steps > 0 else None
+    ckpt_path = resolve_resume(resume, ckpt_dir)
     _set_threads(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -1256,7 +1284,6 @@ def run_train(
         strategy = build_strategy(cfg, module.policy, src)
     trainer = build_trainer(cfg, extra_callbacks=extra_callbacks, strategy=strategy, logger=logger)
     run_id = getattr(trainer.logger, "run_id", None) if trainer.logger else None
-    ckpt_path = _resolve_resume(resume, trainer)
     start: dict[str, float] = {}
     with _quiet_lightning():
         if cfg.eval.at_start and ckpt_path is None and val:
@@ -1300,16 +1327,6 @@ def run_train(
         history=history,
         start_metrics=start,
     )
-
-
-def _resolve_resume(resume: str | None, trainer: Any) -> str | None:
-    if not resume:
-        return None
-    if resume == "last":
-        ckpt = trainer.checkpoint_callback
-        last = Path(ckpt.dirpath) / "last.ckpt" if ckpt is not None and ckpt.dirpath else None
-        return "last" if last is not None and last.exists() else None
-    return resume
 
 
 def _log_artifacts(logger: Any, paths: Sequence[Path | str]) -> None:

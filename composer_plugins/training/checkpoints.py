@@ -1,0 +1,166 @@
+"""Checkpoints that survive a kill, and a resume that says what is wrong before anything is built.
+
+* :class:`AtomicCheckpointIO` — Lightning's ``TorchCheckpointIO`` writing to a temporary file in the
+  same directory, flushed to disk, then renamed over the target (``os.replace``). A kill during a save
+  leaves the previous ``last.ckpt`` (or none) and a ``.tmp`` file, never a half-written checkpoint;
+  leftover ``.tmp`` files of dead writers are removed by the next save into that directory.
+* :func:`checkpoint_problem` — what is wrong with a ``.ckpt`` file without unpickling it: missing,
+  a directory, empty, truncated, not a PyTorch zip archive, or a member whose CRC does not match.
+* :func:`resolve_resume` — ``--resume last`` / ``--resume PATH`` to a checked path, or a
+  :class:`CheckpointError` naming the file, what is wrong, and the newest good checkpoint beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from composer_plugins.core.errors import ComposerPluginsError
+
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "checkpoint_problem", "good_checkpoints", "resolve_resume"]
+
+TMP_MARK = ".tmp-"
+
+
+class CheckpointError(ComposerPluginsError, ValueError):
+    """A checkpoint to resume from is missing or unreadable; the message names it and the fix."""
+
+
+def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
+    """``None`` if ``path`` looks like a complete PyTorch checkpoint, else what is wrong with it (a phrase).
+
+    ``torch.save`` writes a zip archive (``<name>/data.pkl`` plus tensor records); this checks that the
+    archive is complete (its end record is there) and that every member's CRC matches, which reads the
+    file once but unpickles nothing.
+    """
+    p = Path(path)
+    if not p.exists():
+        return "does not exist"
+    if p.is_dir():
+        return "is a directory, not a checkpoint file"
+    size = p.stat().st_size
+    if size == 0:
+        return "is empty (0 bytes): the run was killed while writing it"
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04":
+        return f"is not a PyTorch checkpoint (it starts with {head!r}, not a zip archive)"
+    try:
+        with zipfile.ZipFile(p) as z:
+            names = z.namelist()
+            if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+                return "is a zip archive without data.pkl, not a PyTorch checkpoint"
+            bad = z.testzip()
+            if bad is not None:
+                return f"is corrupt: member {bad!r} fails its CRC check"
+    except zipfile.BadZipFile:
+        return f"is truncated or corrupt ({size} bytes; the zip archive is incomplete)"
+    except (OSError, EOFError, RuntimeError, ValueError) as e:
+        return f"cannot be read ({type(e).__name__}: {e})"
+    return None
+
+
+def _step_of(p: Path) -> int:
+    m = re.search(r"step=(\d+)", p.name)
+    return int(m.group(1)) if m else -1
+
+
+def good_checkpoints(directory: str | os.PathLike[str], exclude: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The complete ``.ckpt`` files in ``directory``, newest first (by step in the name, then mtime)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    ex = Path(exclude).resolve() if exclude is not None else None
+    found = [p for p in d.glob("*.ckpt") if p.is_file() and p.resolve() != ex and checkpoint_problem(p) is None]
+    return sorted(found, key=lambda p: (_step_of(p), p.stat().st_mtime), reverse=True)
+
+
+def _offer(bad: Path, directory: Path | None) -> str:
+    good = good_checkpoints(directory if directory is not None else bad.parent, exclude=bad)
+    if good:
+        return f"resume from the previous good checkpoint: --resume {good[0]}"
+    where = directory if directory is not None else bad.parent
+    return f"no good checkpoint in {where}; drop --resume to start a fresh run"
+
+
+def resolve_resume(resume: str | os.PathLike[str] | None, checkpoint_dir: str | os.PathLike[str] | None) -> str | None:
+    """The checked checkpoint path to resume from (``None``: no resume asked for).
+
+    ``resume="last"`` means ``<checkpoint_dir>/last.ckpt``; it must exist (no silent fresh start).
+    Any problem raises :class:`CheckpointError` in the form ``<file>: <what is wrong> — <fix>``.
+    """
+    if resume is None or str(resume) == "":
+        return None
+    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if str(resume) == "last":
+        if directory is None:
+            raise CheckpointError(
+                "--resume last: this run writes no checkpoints (trainer.checkpoint_every_n_steps is 0) — pass "
+                "--resume PATH/TO/FILE.ckpt, or drop --resume to start a fresh run"
+            )
+        path = directory / "last.ckpt"
+        if not path.exists():
+            others = good_checkpoints(directory)
+            fix = f"resume from --resume {others[0]}" if others else "drop --resume to start a fresh run"
+            raise CheckpointError(f"{path}: --resume last: no checkpoint to resume from (it does not exist) — {fix}")
+    else:
+        path = Path(resume)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem} — {_offer(path, directory if str(resume) == 'last' else None)}")
+    return str(path)
+
+
+def _load_torch_io() -> Any:
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    return TorchCheckpointIO
+
+
+class AtomicCheckpointIO(_load_torch_io()):  # type: ignore[misc]
+    """``TorchCheckpointIO`` that never leaves a partly written checkpoint: temp file, fsync, rename."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        import torch
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r}")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temps(target.parent)
+        tmp = target.with_name(f"{target.name}{TMP_MARK}{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        with contextlib.suppress(OSError):  # make the rename itself durable
+            fd = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _remove_dead_temps(directory: Path) -> None:
+    """Remove ``*.ckpt.tmp-<pid>`` files whose writer process is gone (killed during a save)."""
+    for p in directory.glob(f"*.ckpt{TMP_MARK}*"):
+        pid = p.name.rsplit(TMP_MARK, 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        except PermissionError:
+            pass
