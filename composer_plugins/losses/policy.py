@@ -195,6 +195,9 @@ class DPPOChannel(_LogprobInputs):
     See :func:`composer_plugins.losses.functional.dppo_kl_loss`. The summed token loss is divided by
     ``normalize``: ``"tokens"`` (default; ``num_items_in_batch`` if given, else the masked-token
     count, as PRIME-RL divides by its global loss-token count), ``"sequences"`` (B) or ``"none"``.
+
+    With ``loss_weights``, tokens whose weight is zero leave the mask, as in PRIME-RL's ``rl_mask = mask &
+    (rl_w != 0)``: they add nothing to the KL term, the metrics or the token count that divides the loss.
     """
 
     requires: ClassVar[tuple[str, ...]] = ("inference_logprobs", "advantages", "completion_mask")
@@ -229,17 +232,20 @@ class DPPOChannel(_LogprobInputs):
     def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
         logprobs = self.policy_logprobs(model_outputs, batch)
-        mask = g("completion_mask", model_outputs, batch)
+        mask = g("completion_mask", model_outputs, batch).bool()
+        weights = g("loss_weights", model_outputs, batch)
+        if weights is not None:
+            mask = mask & (weights != 0)
         out = LF.dppo_kl_loss(
             logprobs,
             g("inference_logprobs", model_outputs, batch),
             g("advantages", model_outputs, batch),
-            mask.bool(),
+            mask,
             dppo_mask_low=self.dppo_mask_low,
             dppo_mask_high=self.dppo_mask_high,
             adv_tau=self.adv_tau,
             kl_tau=self.kl_tau,
-            loss_weights=g("loss_weights", model_outputs, batch),
+            loss_weights=weights,
         )
         loss = out.loss
         if self.normalize == "tokens":

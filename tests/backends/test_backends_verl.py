@@ -277,3 +277,21 @@ def test_backend_ray_command_and_cpu_refusal(tmp_path):
             b.train()
     with pytest.raises(Exception, match="exactly one enabled policy channel"):
         CV.VeRLBackend({"losses": {"hint_distill": {"weight": 1.0}}})
+
+
+def test_every_name_the_distribution_says_it_registers_is_in_verls_registries():
+    """The ``composer-plugins-verl`` docstring names only what is really in VeRL's registries."""
+    import ast
+    import re
+
+    from verl.trainer.distillation.losses import DISTILLATION_LOSS_REGISTRY
+
+    src = Path(__file__).parents[2] / "packages/composer-plugins-verl/composer_plugins_verl/__init__.py"
+    doc = ast.get_docstring(ast.parse(src.read_text())) or ""
+    claimed = set(re.findall(r"``(composer_\w+)``", doc))
+    assert claimed, doc
+    registered = set(core_algos.POLICY_LOSS_REGISTRY) | set(core_algos.ADV_ESTIMATOR_REGISTRY)
+    registered |= set(DISTILLATION_LOSS_REGISTRY)
+    assert claimed <= registered, f"claimed but not registered in VeRL: {sorted(claimed - registered)}"
+    assert not [n for n in DISTILLATION_LOSS_REGISTRY if n.startswith("composer_")]
+    assert CV.register_verl_components()["distillation_losses"] == []

@@ -125,6 +125,26 @@ def test_dppo_channel_normalisation():
     torch.testing.assert_close(loss, raw.loss / 100)
 
 
+def test_dppo_channel_drops_zero_weight_tokens_from_mask_and_divisor():
+    """PRIME-RL routes the RL loss with ``rl_mask = mask & (rl_w != 0)`` and divides by that mask's count."""
+    w, hidden, batch = toy(3)
+    lp = LF.selective_log_softmax(hidden @ w.T, batch["completion_ids"])
+    mask = batch["completion_mask"].bool()
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(5)) + 0.5
+    weights[:, ::2] = 0.0  # every other token carries no RL weight
+    rl_mask = mask & (weights != 0)
+    assert 0 < rl_mask.sum() < mask.sum()
+    want = LF.dppo_kl_loss(lp, batch["inference_logprobs"], batch["advantages"], rl_mask, loss_weights=weights)
+    loss, metrics = DPPOChannel()({"logprobs": lp}, {**batch, "loss_weights": weights})
+    torch.testing.assert_close(loss, want.loss / rl_mask.sum())
+    assert int(metrics["tokens"]) == int(rl_mask.sum())
+    for k in ("is_masked", "unmasked_mismatch_kl"):
+        torch.testing.assert_close(metrics[k], want.metrics[k])
+    # all weights zero: nothing to learn from, a zero loss (not a division by the unweighted count)
+    zero, _ = DPPOChannel()({"logprobs": lp}, {**batch, "loss_weights": torch.zeros_like(weights)})
+    assert float(zero.detach()) == 0.0
+
+
 @pytest.mark.parametrize("criterion", ["jsd", "taid", "entropy_opd"])
 @pytest.mark.parametrize("grad_mode", ["recompute", "precompute"])
 def test_hint_distill_chunked_equals_materialised_and_teacher_gets_no_grad(criterion, grad_mode):

@@ -4,8 +4,12 @@ VeRL imports this module through its ``verl.plugins`` entry point whenever ``ver
 (driver and Ray workers alike), which registers, idempotently:
 
 - policy losses ``composer_<loss_type>`` (select with ``actor_rollout_ref.actor.policy_loss.loss_mode``),
-- the advantage estimator ``composer_grpo`` (``algorithm.adv_estimator``),
-- the distillation loss ``composer_hint`` (``distillation.distillation_loss.loss_mode``).
+- the advantage estimator ``composer_grpo`` (``algorithm.adv_estimator``).
+
+No distillation loss is registered: VeRL's distillation-loss registry (``register_distillation_loss``)
+hands a loss the teacher's log-prob of the sampled token (or top-k log-probs) for the student's own
+prompt, while the hint channel needs the policy conditioned on prompt + hint with full logits; see
+docs/backends.md. The ``verl`` backend warns about the channels it drops.
 
 The adapter lives in :mod:`composer_plugins.backends.verl`.
 """
