@@ -120,9 +120,12 @@ class StepProgressBar(ProgressBar):
         if self._vbar is None:
             return
         self._vbar.update(len(batch["tasks"]) if isinstance(batch, Mapping) and "tasks" in batch else 1)
-        acc = trainer.callback_metrics.get("val/accuracy")
-        if acc is not None:
-            self._vbar.set_postfix_str(f"accuracy={_fmt(float(acc))}", refresh=True)
+        # the running held-out accuracy from the MeanMetric's local state (compute() would sync across
+        # ranks, and only rank 0 draws the bar)
+        acc = getattr(pl_module, "val_accuracy", None)
+        weight = float(getattr(acc, "weight", 0.0) or 0.0)
+        if weight > 0:
+            self._vbar.set_postfix_str(f"accuracy={_fmt(float(acc.mean_value) / weight)}", refresh=True)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._vbar is not None:
