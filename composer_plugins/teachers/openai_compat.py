@@ -5,10 +5,11 @@ Works with OpenAI, OpenRouter, vLLM, llama.cpp / a local server: anything that s
 named by ``api_key_env`` and held as a :class:`~composer_plugins.core.config.Secret`; it is
 only revealed to build the ``Authorization`` header and is scrubbed from every error text.
 
-Two HTTP clients are supported: ``aiohttp`` (the default) and ``httpx``. Measured on the
-loopback benchmark (``python -m benchmarks.bench_replay``), httpx's async pool tops out
-around 200 calls/s at 64 concurrent requests while aiohttp sustains thousands, so aiohttp
-is the default and httpx is kept for environments that prefer it.
+One HTTP transport, ``aiohttp``, with one mapping of its failures to :class:`TeacherCallError`
+(retryable or not, billed or not). It was chosen by the loopback benchmark
+(``python -m benchmarks.bench_replay --quick``): at 64 concurrent requests aiohttp made
+3,924 calls/s against httpx's 112 (35x), and the engine on aiohttp 1,563 against 82, so the
+httpx transport was removed (``http_client: httpx`` is refused with that reason).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class OpenAITeacher(Teacher):
         max_tokens_param: the request field for the cap (``max_completion_tokens`` for newer OpenAI models).
         timeout_s: total time limit of one attempt.
         max_concurrency: most requests in flight at once for this teacher.
-        http_client: ``"aiohttp"`` (default, fastest) or ``"httpx"``.
+        http_client: ``"aiohttp"``, the one transport (kept as a field so old configs that name it load).
         headers: extra HTTP headers (e.g. OpenRouter ``HTTP-Referer``); never put the key here.
     """
 
@@ -201,7 +202,7 @@ class OpenAITeacher(Teacher):
         max_tokens_param: str = "max_tokens",
         timeout_s: float = 60.0,
         max_concurrency: int = 8,
-        http_client: Literal["aiohttp", "httpx"] = "aiohttp",
+        http_client: Literal["aiohttp"] = "aiohttp",
         headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(
@@ -217,9 +218,12 @@ class OpenAITeacher(Teacher):
             raise TeacherError(
                 "openai teacher: `model` is required (the model name sent to the endpoint)", field="model"
             )
-        if http_client not in ("aiohttp", "httpx"):
+        if http_client != "aiohttp":
             raise TeacherError(
-                f"{who}: http_client must be 'aiohttp' or 'httpx', got {http_client!r}", field="http_client"
+                f"{who}: http_client must be 'aiohttp' (the one transport), got {http_client!r}. The httpx "
+                "transport was removed: on benchmarks/bench_replay.py it made 35x fewer calls/s at 64 in flight. "
+                "HINT: delete the http_client line",
+                field="http_client",
             )
         if api_key_env is not None and (not isinstance(api_key_env, str) or looks_like_key(api_key_env)):
             # never echo it: what was pasted here is often the key itself
@@ -400,10 +404,7 @@ class OpenAITeacher(Teacher):
         payload = _dumps(self.build_request(messages))
         headers = self._headers()
         t0 = time.perf_counter()
-        if self.http_client == "aiohttp":
-            status, body, retry_after = await self._post_aiohttp(payload, headers)
-        else:
-            status, body, retry_after = await self._post_httpx(payload, headers)
+        status, body, retry_after = await self._post(payload, headers)
         latency = time.perf_counter() - t0
         if status != 200:
             raise self._status_error(status, body, retry_after)
@@ -418,8 +419,7 @@ class OpenAITeacher(Teacher):
         """
         payload = _dumps(dict(body))
         headers = self._headers()
-        post = self._post_aiohttp if self.http_client == "aiohttp" else self._post_httpx
-        status, raw, retry_after = await post(payload, headers, url)
+        status, raw, retry_after = await self._post(payload, headers, url)
         if status != 200:
             raise self._status_error(status, raw, retry_after, url)
         try:
@@ -432,9 +432,9 @@ class OpenAITeacher(Teacher):
                 kind="malformed",
             ) from None
 
-    # -- transports ----------------------------------------------------------------------
-    # Each attempt carries a ``_Sent`` flag the HTTP client sets once the request can go out (aiohttp:
-    # a connection is held; httpx: request headers are being written). A failure before that (bad
+    # -- the transport -------------------------------------------------------------------
+    # Each attempt carries a ``_Sent`` flag the HTTP client sets once the request can go out (a
+    # connection is held). A failure before that (bad
     # URL, DNS, refused connection, TLS, connect timeout, pool wait) cannot have been billed:
     # ``billed="no"``. After it, a failure without an answer may have been: ``billed="maybe"``, and
     # the engine books the worst case as uncertain spend.
@@ -444,27 +444,20 @@ class OpenAITeacher(Teacher):
         loop = asyncio.get_running_loop()
         if self._session is not None and self._session_loop is loop and not self._session_closed():
             return self._session
-        if self.http_client == "aiohttp":
-            import aiohttp
+        import aiohttp
 
-            connector = _connector_class()(limit=self.max_concurrency, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                raise_for_status=False,
-                trust_env=False,
-            )
-        else:
-            import httpx
-
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-            self._session = httpx.AsyncClient(limits=limits, timeout=self.timeout_s, trust_env=False)
+        connector = _connector_class()(limit=self.max_concurrency, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            raise_for_status=False,
+            trust_env=False,
+        )
         self._session_loop = loop
         return self._session
 
     def _session_closed(self) -> bool:
-        s = self._session
-        return bool(getattr(s, "closed", False) or getattr(s, "is_closed", False))
+        return bool(getattr(self._session, "closed", False))
 
     def _failed(self, e: BaseException, sent: bool, *, kind: str | None = None) -> TeacherCallError:
         """The :class:`TeacherCallError` of an attempt that got no HTTP response."""
@@ -485,8 +478,8 @@ class OpenAITeacher(Teacher):
             kind="disconnect" if kind != "client" else "client",
         )
 
-    async def _post_aiohttp(self, payload: bytes, headers: dict[str, str],
-                            url: str | None = None) -> tuple[int, bytes, str | None]:  # fmt: skip
+    async def _post(self, payload: bytes, headers: dict[str, str],
+                    url: str | None = None) -> tuple[int, bytes, str | None]:  # fmt: skip
         import aiohttp
 
         session = self._loop_session()
@@ -506,29 +499,6 @@ class OpenAITeacher(Teacher):
             raise self._failed(e, flag.sent, kind="client") from None
         finally:
             _ATTEMPT.reset(token)
-
-    async def _post_httpx(self, payload: bytes, headers: dict[str, str],
-                          url: str | None = None) -> tuple[int, bytes, str | None]:  # fmt: skip
-        import httpx
-
-        client = self._loop_session()
-        flag = _Sent()
-
-        async def trace(event: str, info: Any) -> None:
-            if "send_request_headers" in event:
-                flag.sent = True
-
-        try:
-            resp = await client.post(url or self.url, content=payload, headers=headers, extensions={"trace": trace})
-        except httpx.TimeoutException as e:
-            raise self._failed(e, flag.sent, kind="timeout") from None
-        except (httpx.UnsupportedProtocol, httpx.InvalidURL):
-            raise self._bad_url() from None
-        except httpx.HTTPError as e:
-            raise self._failed(e, flag.sent) from None
-        except Exception as e:
-            raise self._failed(e, flag.sent, kind="client") from None
-        return resp.status_code, resp.content, resp.headers.get("Retry-After")
 
     def _bad_url(self) -> TeacherCallError:
         return TeacherCallError(
@@ -559,7 +529,4 @@ class OpenAITeacher(Teacher):
         s, self._session, self._session_loop = self._session, None, None
         if s is None:
             return
-        if self.http_client == "aiohttp":
-            await s.close()
-        else:
-            await s.aclose()
+        await s.close()

@@ -39,7 +39,7 @@ def test_tool_call_answers_are_parsed(srv, make_teacher):
     assert '"tool": "search"' in r.text
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("client", ["aiohttp"])  # the one transport (httpx removed: bench_replay)
 def test_faults_nothing_lost_nothing_paid_twice(srv, make_teacher, states_factory, cost_of, tmp_path, client):
     """429 + Retry-After, 500, timeouts, malformed JSON and slow answers: every call lands, each billed once."""
     # the client timeout is far above any normal answer time (a spurious timeout would be a real double charge)
@@ -223,3 +223,12 @@ def test_request_identity_matches_state_messages(srv, make_teacher, states_facto
     make_teacher("teacher-a").act(s.messages)
     assert list(srv.stats()["billed"]) == [request_identity("teacher-a", s.messages)]
     assert os.environ[KEY_ENV] == SECRET
+
+
+def test_the_removed_httpx_transport_is_refused_with_the_reason():
+    from composer_plugins.teachers.openai_compat import OpenAITeacher
+
+    with pytest.raises(TeacherError, match=r"http_client must be 'aiohttp' \(the one transport\), got 'httpx'") as ei:
+        OpenAITeacher("m", base_url="http://127.0.0.1:9/v1", api_key_env=None, http_client="httpx")
+    assert "bench_replay" in str(ei.value) and "HINT: delete the http_client line" in str(ei.value)
+    assert OpenAITeacher("m", base_url="http://127.0.0.1:9/v1", api_key_env=None).http_client == "aiohttp"

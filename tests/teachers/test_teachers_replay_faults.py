@@ -129,7 +129,7 @@ def test_scrub_masks_any_long_fragment_and_bearer_tokens():
     assert scrub_secret("", key) == ""
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("client", ["aiohttp"])  # the one transport (httpx removed: bench_replay)
 def test_key_echoed_across_the_cut_never_leaks(srv, tmp_path, monkeypatch, client):
     """A 401 echoing ``Bearer <key>`` across the 300-character cut, and a malformed 200 echoing the
     bare key across the 200-character cut: no 8-character piece of either key reaches the summary,
@@ -206,7 +206,7 @@ def test_base_url_without_scheme_is_a_located_config_error(srv, tmp_path):
     assert not (tmp_path / "cache" / "replay.sqlite").exists()  # nothing was booked anywhere
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("client", ["aiohttp"])  # the one transport (httpx removed: bench_replay)
 def test_requests_never_sent_book_no_uncertain_spend(srv, make_teacher, states_factory, tmp_path, client):
     """A URL the HTTP client refuses (what an unvalidated `127.0.0.1:PORT/v1` was) fails before
     anything is sent: no uncertain spend, nothing in the ledger, and after the fix the same run id
