@@ -8,7 +8,8 @@ An env plugin is any object with this interface (subclass :class:`Env` to get mo
   shape; ``task_fields`` are columns (lists aligned with ``completions``); ``None`` means the
   item cannot be scored. Unknown keyword arguments (``trainer_state`` ...) are ignored.
 * ``feedback(prompt, completion, **task) -> Feedback``: what went wrong, for hint providers.
-* ``score(completion, task) -> Feedback``: one item (reward + feedback in one pass).
+* ``score(completion, task) -> Feedback``: one item (reward + feedback in one pass); subclasses of
+  :class:`Env` implement ``_score`` (uncached) and inherit ``score``, ``reward`` and ``feedback``.
 * ``reset(task=None, seed=None, split="train") -> Observation``, ``step(action) -> StepResult``
   (unpacks as ``observation, reward, done, info``) and ``close()``, after OpenEnv/Gym.
 """
@@ -143,7 +144,11 @@ def _task_key(completion: str, task: Mapping[str, Any]) -> str:
 
 
 class Env(ABC):
-    """Base class for env plugins. Subclasses implement :meth:`score` and :meth:`sample_tasks`.
+    """Base class for env plugins. Subclasses implement :meth:`sample_tasks` and :meth:`_score`.
+
+    Everything else (the cached :meth:`score`, :meth:`score_batch`, the TRL-shaped :meth:`reward`,
+    :meth:`feedback`, :meth:`reset`/:meth:`step`/:meth:`close`) is built on those two; docs/envs.md
+    says what training reads from the tasks (``prompt``, and ``target`` or ``solution`` for SFT).
 
     Args:
         max_turns: turns per episode for :meth:`reset`/:meth:`step`; a wrong answer before the

@@ -27,7 +27,7 @@ class FocalPolicyGradient(LossChannel):
         self.gamma = float(gamma)
 
     def forward(self, model_outputs: Any, batch: Any) -> tuple[Tensor, dict[str, Any]]:
-        logp: Tensor = model_outputs.get("logprobs", batch.get("logprobs"))
+        logp: Tensor = self.get("logprobs", model_outputs, batch)  # model_outputs first, then batch
         adv: Tensor = batch["advantages"]
         mask = batch["completion_mask"].to(logp.dtype)
         focal = (1.0 - logp.detach().exp()).clamp_min(0.0) ** self.gamma
