@@ -555,9 +555,26 @@ class ComposerModule(L.LightningModule):
         model = getattr(getattr(trainer, "strategy", None), "model", None) if trainer is not None else None
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        if isinstance(model, FSDP):
+        # inside the training/validation forward FSDP has already gathered the root unit's parameters
+        idle = getattr(getattr(model, "training_state", None), "name", "IDLE") == "IDLE"
+        if isinstance(model, FSDP) and idle:
             return FSDP.summon_full_params(model, writeback=False, recurse=recurse)
         return contextlib.nullcontext()
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
+        """Lightning's clipping; under FSDP a norm clip goes through ``FSDP.clip_grad_norm_`` (the global norm)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = getattr(self._trainer.strategy, "model", None) if self._trainer is not None else None
+        if isinstance(model, FSDP) and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            model.clip_grad_norm_(float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # outside the (FSDP/DDP-wrapped) forward, where whole parameters can be gathered
+        self.sync_generator()
 
     def sync_generator(self) -> None:
         """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
@@ -683,7 +700,6 @@ class ComposerModule(L.LightningModule):
 
         index = int(batch["index"])
         rank, size = int(batch.get("rank", 0)), int(batch.get("world_size", 1))
-        self.sync_generator()
         mu = max(1, self.cfg.rollout.num_iterations)
         if mu == 1:
             loss, stats = self.compute_step(batch["tasks"], seed=self.step_seed(index, rank, size))

@@ -1007,6 +1007,33 @@ def _cpu_fsdp_class() -> Any:
                 self.kwargs.pop("auto_wrap_policy", None)
             return super()._setup_model(model)
 
+        def _full_ctx(self) -> Any:
+            # Lightning's full state dicts offload to CPU, which on CPU-resident parameters crashes
+            # torch 2.13's FSDP clone of the gathered tensors (SIGSEGV); they are on the CPU already
+            from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            return FSDP.state_dict_type(
+                self.model,
+                StateDictType.FULL_STATE_DICT,
+                FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+                FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            )
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            with self._full_ctx():
+                return self.model.state_dict()
+
+        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import OptimStateKeyType
+
+            with self._full_ctx():
+                state = FSDP.optim_state_dict(self.model, optimizer)
+                if self.global_rank == 0:
+                    state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+                return state
+
     return CPUFSDPStrategy
 
 

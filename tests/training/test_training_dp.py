@@ -44,12 +44,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(tmp_path: Path, yaml_text: str, overrides: list[str], runs: list[dict], world: int = 2) -> list[dict]:
+def _run_ranks(tmp_path: Path, yaml_text: str, overrides: list[str], runs: list[dict], world: int = 2,
+               strategy: str = "ddp") -> list[dict]:  # fmt: skip
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec = {
         "world": world,
         "port": _free_port(),
         "yaml": yaml_text,
-        "overrides": [*overrides, f"trainer.devices={world}", "trainer.strategy=ddp", "trainer.dist_timeout_s=120"],
+        "overrides": [
+            *overrides,
+            f"trainer.devices={world}",
+            f"trainer.strategy={strategy}",
+            "trainer.dist_timeout_s=120",
+        ],
         "runs": runs,
         "out": str(tmp_path),
     }
@@ -160,6 +167,39 @@ def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, 
         for step in (2, 3):
             assert resumed["tasks"][step] == full[r]["tasks"][step]
             assert resumed["stats"][step] == pytest.approx(full[r]["stats"][step], abs=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_on_cpu_trains_like_ddp_and_resumes(make_cfg, tiny_yaml, tmp_path):
+    """FSDP (each decoder layer a unit, gloo on CPU): sampling under FSDP, the same steps as DDP, exact resume."""
+    from composer_plugins.models.tiny import load_policy
+    from composer_plugins.training.train import resolve_policy
+
+    cfg, _ = make_cfg(DP_YAML, *DP_OVERRIDES)
+    resolve_policy(cfg)
+    text = tiny_yaml + DP_YAML
+    ddp_runs = [{"name": "full", "overrides": [f"output_dir={tmp_path / 'd'}", "trainer.max_steps=3"]}]
+    ddp = _run_ranks(tmp_path / "ddp", text, DP_OVERRIDES, ddp_runs)
+    runs = [
+        {"name": "full", "overrides": [f"output_dir={tmp_path / 'f'}", "trainer.max_steps=3"]},
+        {"name": "first", "overrides": [f"output_dir={tmp_path / 'g'}", "trainer.max_steps=2"]},
+        {"name": "resumed", "overrides": [f"output_dir={tmp_path / 'g'}", "trainer.max_steps=3"], "resume": "last"},
+    ]
+    fsdp = _run_ranks(tmp_path / "fsdp", text, DP_OVERRIDES, runs, strategy="fsdp")
+    for r in range(2):
+        f, d = fsdp[r]["runs"]["full"], ddp[r]["runs"]["full"]
+        assert f["tasks"] == d["tasks"]
+        for step in range(3):  # same rollouts and losses step after step: the updates agree too
+            for k in ("loss", "dapo/loss", "dppo/loss", "completion_tokens", "reward"):
+                assert f["stats"][step][k] == pytest.approx(d["stats"][step][k], abs=1e-5), (r, step, k)
+        resumed = fsdp[r]["runs"]["resumed"]
+        assert resumed["tasks"][2] == f["tasks"][2]
+        assert resumed["stats"][2] == pytest.approx(f["stats"][2], abs=1e-6)
+    # the exported policy is whole (gathered), not a shard
+    model, _ = load_policy(tmp_path / "f" / "model")
+    ref, _ = load_policy(tmp_path / "d" / "model")
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert p.shape == q.shape and torch.allclose(p, q, atol=1e-5), n
 
 
 def test_rank_share_is_disjoint_and_refuses_uneven_splits():
