@@ -581,9 +581,13 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
                              extra={"study.channels": result["channels"]})  # fmt: skip
     if tags[tracking.TAG_STAGE] == "manual":
         tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
+    from composer_plugins.core.errors import ComposerPluginsError
     from composer_plugins.training.train import config_components, train_config_from_dict
 
-    tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))
+    try:  # provenance of the evaluated config's env and channels; the eval itself never depends on it
+        tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))
+    except ComposerPluginsError:
+        pass
     run = client.create_run(exp_id, run_name=tracking.run_name(f"eval@{result['run']}"), tags=tags)
     rid = run.info.run_id
     try:

@@ -211,6 +211,21 @@ def test_one_param_reruns_only_downstream_stages(repo: tuple[Path, str]) -> None
     assert len(hist) == 1 + steps
     shown = json.loads(run(path, str(BIN / "dvc"), "exp", "show", "--json").stdout)
     assert shown  # the experiment is recorded next to the baseline
+    # the experiment's MLflow runs carry its name, so they are told apart from the baseline's
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("composer-plugins-ci")
+    runs = client.search_runs([exp.experiment_id])
+    exp_names = {r.data.tags["dvc.exp"] for r in runs if "dvc.exp" in r.data.tags}
+    assert len(exp_names) == 1
+    name = exp_names.pop()
+    names = {r.info.run_name for r in runs}
+    assert {"eval@full-s0", f"eval@full-s0 [{name}]", "train@full-s0", f"train@full-s0 [{name}]"} <= names
+    # compare shows the baseline beside the experiment, the changed param as a column
+    rows = json.loads(run(path, str(BIN / "composer-plugins"), "compare", "--format", "json").stdout)
+    full = [(r["train.trainer.max_steps"], r["exp"]) for r in rows if r["channels"] == "grpo+hint_distill+replay"]
+    assert full == [(str(steps - 1), "baseline"), (str(steps), name)], rows
 
 
 def test_replicas_train_a_cell_with_diloco(repo: tuple[Path, str]) -> None:
