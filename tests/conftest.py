@@ -1,4 +1,9 @@
-"""Shared fixtures: a fresh plugin manager per test, and isolation of the process-wide registry.
+"""Shared fixtures: a fresh plugin manager per test, isolation of the process-wide registry, no autoload.
+
+Third-party plugins do not autoload in this suite (``COMPOSER_PLUGINS_LOAD=''``, which the plugin
+manager honours; the built-ins always load), so results do not depend on what happens to be installed.
+Tests where discovery is the subject turn it back on with the ``discovery`` fixture (or set the
+variable themselves, as the entry-point tests in ``tests/core/test_core_plugins.py`` do).
 
 Also a safety net for tests that start processes: every process started while a fixture sets up or
 while a test runs carries a tag in its environment (inherited by its own children, even those in
@@ -17,22 +22,26 @@ from collections.abc import Iterator
 
 import pytest
 
-from composer_plugins.core import procs
+from composer_plugins.core import plugins, procs
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+os.environ[plugins.LOAD_ENV] = ""  # no third-party autoload: built-ins only, whatever is installed
+
+# ``fresh_pm``: a plugin manager with the built-in plugins only; plugin authors import the same fixture
+from composer_plugins.testing import fresh_pm  # noqa: F401
 
 
 @pytest.fixture
-def fresh_pm():
-    """A plugin manager with the built-in default plugins only (no entry points)."""
-    from composer_plugins.core import plugins
-
-    pm = plugins.make_plugin_manager(entrypoints=False)
-    yield pm
+def discovery(monkeypatch):
+    """Entry-point discovery on (installed third-party plugins load) for a test whose subject it is."""
+    monkeypatch.delenv(plugins.LOAD_ENV, raising=False)
+    plugins.reset()
+    yield plugins
+    plugins.reset()
 
 
 @pytest.fixture

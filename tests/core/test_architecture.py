@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "training": {"core", "losses", "models", "envs", "teachers"},
     "diloco": {"core", "training"},
     "backends": {"core", "losses", "models", "training"},
-    "testing": {"core", *KINDS},
+    "testing": {"core", *KINDS, "training"},  # training: the optimizers' and callbacks' kinds
     "pipeline": {"core", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
 }
 #: third-party modules the kernel may import

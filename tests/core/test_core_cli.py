@@ -23,7 +23,7 @@ def test_version():
     assert r.exit_code == 0 and __version__ in r.output
 
 
-def test_list_table_has_columns_and_example_plugin(isolated_plugins):
+def test_list_table_has_columns_and_example_plugin(discovery):
     r = run("list", "losses")
     assert r.exit_code == 0, r.output
     header = r.output.splitlines()[0].split()
@@ -32,7 +32,7 @@ def test_list_table_has_columns_and_example_plugin(isolated_plugins):
     assert "losses" in row and "composer-plugins-focal 0.1.0" in row
 
 
-def test_list_pattern_and_json(isolated_plugins):
+def test_list_pattern_and_json(discovery):
     r = run("list", "loss", "focal*", "--json")
     data = json.loads(r.output)
     assert [d["name"] for d in data] == ["focal_pg"]
@@ -44,7 +44,7 @@ def test_list_unknown_kind_is_a_usage_error(isolated_plugins):
     assert r.exit_code == 2 and "Unknown kind 'widgetz'" in r.output and "losses" in r.output
 
 
-def test_plugins_json_reports_distribution_version_hooks(isolated_plugins):
+def test_plugins_json_reports_distribution_version_hooks(discovery):
     r = run("plugins")
     data = json.loads(r.output)
     focal = next(d for d in data if d["name"] == "focal")
@@ -61,7 +61,7 @@ def test_plugins_json_reports_distribution_version_hooks(isolated_plugins):
     assert "composer-plugins-focal==0.1.0" in r.output.splitlines()
 
 
-def test_console_script_lists_the_third_party_channel():
+def test_console_script_lists_the_third_party_channel(discovery):
     beside = Path(sys.executable).with_name("composer-plugins")
     exe = str(beside) if beside.exists() else shutil.which("composer-plugins")
     assert exe, "composer-plugins console script is not installed"

@@ -285,7 +285,7 @@ def test_hint_channel_reports_missing_alternatives():
     assert ch.missing_inputs({"student_logits": torch.zeros(1), "teacher_logits": torch.zeros(1)}, {}) == ["hint_mask"]
 
 
-def test_example_focal_plugin_still_works_with_the_extended_base():
+def test_example_focal_plugin_still_works_with_the_extended_base(discovery):
     focal = composer_plugins.build("losses", "focal_pg", gamma=1.0)
     assert isinstance(focal, LossChannel)
     w, hidden, batch = toy(8)
