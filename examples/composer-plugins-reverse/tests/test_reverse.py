@@ -1,7 +1,8 @@
-"""The example env's own tests: the env contract, discovery through the registry, and one training run.
+"""The example env's own tests: the project's conformance checks, the env contract, discovery through the
+registry, and one training run.
 
-Run them with ``pytest examples/composer-plugins-reverse/tests`` (the package need not be installed:
-the tests register the module on a fresh plugin manager, as docs/plugins.md shows).
+Run them with ``cd examples/composer-plugins-reverse && python -m pytest`` (the package need not be
+installed: the tests register the module on a fresh plugin manager, as docs/plugins.md shows).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import pytest
 
 from composer_plugins.core.errors import UnknownPluginError
 from composer_plugins.core.plugins import build_registry, make_plugin_manager, reset, use_plugin_manager
+from composer_plugins.testing import conformance_test
+
+#: The checks every registered env passes (tasks with a prompt, deterministic seeds, finite rewards
+#: for odd completions, episodes that end): one generated test per entry this plugin registers.
+test_conformance = conformance_test(rev)
 
 
 @pytest.fixture
