@@ -159,30 +159,78 @@ def test_importing_the_package_loads_no_plugins_and_no_torch():
 # -- one test per hook: an in-process plugin on a fresh manager, unregistered after ----------------
 
 
+class MaskedTokenPG:
+    """Built lazily: a token-mean policy gradient over the completion mask (a real LossChannel)."""
+
+    def __new__(cls, **kw):
+        from composer_plugins.losses.base import LossChannel
+
+        class _MaskedTokenPG(LossChannel):
+            requires = ("logprobs", "advantages", "completion_mask")
+
+            def forward(self, model_outputs, batch):
+                lp = self.get("logprobs", model_outputs, batch)
+                m = batch["completion_mask"].to(lp.dtype)
+                loss = -(lp * batch["advantages"].unsqueeze(-1) * m).sum() / m.sum()
+                return loss, {"tokens": m.sum()}
+
+        return _MaskedTokenPG(**kw)
+
+
+def echo_teacher(**kw):
+    """A teacher that answers with the last user message, priced per token (a real Teacher)."""
+    from composer_plugins.teachers.base import Teacher, TeacherResponse, assistant_message, estimate_prompt_tokens
+
+    class Echo(Teacher):
+        kind = "echo"
+
+        async def complete(self, messages, *, metadata=None):
+            if not messages:
+                from composer_plugins.teachers.base import TeacherCallError
+
+                raise TeacherCallError("echo: nothing to echo", retryable=False)
+            text = str(messages[-1].get("content", ""))[: self.max_tokens]
+            p, c = estimate_prompt_tokens(messages), min(len(text.split()), self.max_tokens)
+            return TeacherResponse(text, assistant_message(text), p, c, self.cost(p, c), model=self.model,
+                                   teacher=self.id)  # fmt: skip
+
+    return Echo(model="echo", max_tokens=16, prompt_usd_per_token=1e-6, completion_usd_per_token=2e-6, **kw)
+
+
+class InProcessBackend:
+    """A backend that needs only the stdlib's json."""
+
+    def __init__(self, config=None):
+        self.config = config
+
+    def train(self):
+        return {"ok": True}
+
+
 class InProcess:
-    """A test plugin implementing every register hook."""
+    """A test plugin implementing every register hook, each with a component that works."""
 
     __name__ = "inprocess"
 
     @hookimpl
     def register_loss_channels(self, register):
-        register("ip_loss", dict, "In-process loss.")
+        register("ip_loss", MaskedTokenPG, "In-process loss.")
 
     @hookimpl
     def register_teachers(self, register):
-        register("ip_teacher", dict, "In-process teacher.")
+        register("ip_teacher", echo_teacher, "In-process echo teacher.")
 
     @hookimpl
     def register_envs(self, register):
-        register("ip_env", dict, "In-process env.")
+        register("ip_env", "composer_plugins.envs.gsm8k:GSM8KEnv", "In-process env.", difficulty=0)
 
     @hookimpl
     def register_hint_providers(self, register):
-        register("ip_hint", dict, "In-process hint provider.")
+        register("ip_hint", "composer_plugins.envs.hints:TemplateHintProvider", "In-process hint provider.")
 
     @hookimpl
     def register_backends(self, register):
-        register("ip_backend", dict, "In-process backend.", requires=["json"])
+        register("ip_backend", InProcessBackend, "In-process backend.", requires=["json"], install="pip install json")
 
     @hookimpl
     def register_commands(self, cli):
@@ -204,10 +252,13 @@ def with_inprocess(fresh_pm):
 
 
 def _check_register_hook(with_inprocess, kind, name):
+    """What the hook registered is found with its provenance and keeps its kind's contract."""
+    from composer_plugins.testing import check
+
     reg = build_registry(with_inprocess)
     e = reg.get(kind, name)
-    assert e.plugin == "inprocess" and e.available
-    assert reg.build(kind, name, a=1) == {"a": 1}
+    assert e.plugin == "inprocess" and e.available and e.description.startswith("In-process")
+    check(kind, name, reg)  # the conformance checks of composer_plugins.testing for that kind
 
 
 def test_hook_register_loss_channels(with_inprocess):
