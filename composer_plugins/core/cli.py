@@ -215,7 +215,7 @@ def cli_reference(width: int = 100) -> str:
 
     def walk(cmd: click.Command, path: tuple[str, ...]) -> None:
         mod = getattr(cmd.callback, "__module__", "") or ""
-        if path and not mod.startswith("composer_plugins"):
+        if path and mod.split(".")[0] != "composer_plugins":  # not composer_plugins_<third party>
             return
         res = CliRunner().invoke(group, [*path, "--help"], terminal_width=width, prog_name="composer-plugins")
         title = " ".join(("composer-plugins", *path))
