@@ -1,1 +1,5 @@
-"""Core machinery: hookspecs, plugin manager, registry, errors, config and CLI."""
+"""The plugin kernel: hookspecs, plugin manager, registry, errors, config, the JSONL and env-step readers,
+the CLI group and its error handler, child processes and progress bars.
+
+Imports only the stdlib, pluggy, yaml and click (``tests/core/test_architecture.py``; see docs/architecture.md).
+"""
