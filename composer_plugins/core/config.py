@@ -59,6 +59,20 @@ class Config(dict[str, Any]):
         super().__init__(data or {})
         self.source = source
         self.lines: dict[str, int] = dict(lines or {})
+        #: dotted key -> the ``key=value`` override that set it (errors name the override, not the file)
+        self.overrides: dict[str, str] = {}
+
+    def override_of(self, key: str) -> str | None:
+        """The command-line override that set ``key`` (or a parent of it), if any."""
+        parts = key.split(".")
+        while parts:
+            k = ".".join(parts)
+            if k in self.overrides:
+                return self.overrides[k]
+            if k in self.lines:  # the file gives this key (or a parent) more precisely than any override
+                return None
+            parts.pop()
+        return None
 
     def line_of(self, key: str) -> int | None:
         """Line of ``key`` (or of its closest parent) in :attr:`source`."""
@@ -71,8 +85,9 @@ class Config(dict[str, Any]):
         return None
 
     def error(self, key: str, message: str, valid: Sequence[str] | None = None) -> ConfigError:
-        """A :class:`ConfigError` located at ``key``."""
-        return ConfigError(message, key=key, file=self.source, line=self.line_of(key), valid=valid)
+        """A :class:`ConfigError` located at ``key`` (its file line, or the override that set it)."""
+        return ConfigError(message, key=key, file=self.source, line=self.line_of(key), valid=valid,
+                           override=self.override_of(key))  # fmt: skip
 
     def get_path(self, key: str, default: Any = None) -> Any:
         """Value at dotted ``key``, or ``default``."""
@@ -84,17 +99,26 @@ class Config(dict[str, Any]):
         return node
 
 
-def _line_map(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
+def _line_map(node: yaml.Node, prefix: str, out: dict[str, int], source: str = "<string>") -> None:
     if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for k, v in node.value:
             key = f"{prefix}.{k.value}" if prefix else str(k.value)
-            out[key] = k.start_mark.line + 1
-            _line_map(v, key, out)
+            line = k.start_mark.line + 1
+            if isinstance(k, yaml.ScalarNode) and str(k.value) in seen:
+                raise ConfigError(
+                    f"duplicate key (first given on line {seen[str(k.value)]}; YAML would silently keep only the "
+                    "last one) — keep one of them",
+                    key=key, file=source, line=line,
+                )  # fmt: skip
+            seen[str(k.value)] = line
+            out[key] = line
+            _line_map(v, key, out, source)
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
             key = f"{prefix}.{i}"
             out[key] = v.start_mark.line + 1
-            _line_map(v, key, out)
+            _line_map(v, key, out, source)
 
 
 def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), resolve_secrets: bool = True) -> Config:
@@ -129,7 +153,7 @@ def loads_config(
         raise ConfigError(f"the top level must be a mapping of keys, got {type(data).__name__}", file=source, line=1)
     lines: dict[str, int] = {}
     if node is not None:
-        _line_map(node, "", lines)
+        _line_map(node, "", lines, source)
     cfg = Config(data, source, lines)
     apply_overrides(cfg, overrides)
     if resolve_secrets:
@@ -158,6 +182,8 @@ def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str]) -> None:
                 raise ConfigError(f"cannot set {key!r}: {part!r} is a {type(nxt).__name__}, not a mapping", key=key)
             node = nxt
         node[parts[-1]] = value
+        if isinstance(cfg, Config):
+            cfg.overrides[key] = ov.strip()
 
 
 def resolve_env(node: Any, cfg: Config, key: str = "") -> Any:
@@ -315,9 +341,54 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
         except (ImportError, AttributeError, ValueError) as e:
             raise cfg.error(f"{key}.class_path" if key else "class_path", f"cannot import {path!r}: {e}") from e
         return cls(**kw)
-    from composer_plugins.core.errors import UnknownPluginError
+    from composer_plugins.core.errors import ComposerPluginsError, UnknownPluginError
 
+    name_key = f"{key}.name" if key and isinstance(value, Mapping) and "name" in value else key or kind
     try:
-        return get_registry().get(kind, target).build(**kw)
+        entry = get_registry().get(kind, target)
     except UnknownPluginError as e:
-        raise cfg.error(key or kind, str(e)) from e
+        raise cfg.error(name_key, str(e)) from e
+    accepted = _accepted_kwargs(entry.factory)
+    if accepted is not None:
+        for k in kw:
+            if k not in accepted and k not in entry.init_params:
+                raise cfg.error(
+                    f"{key}.{k}" if key else k,
+                    f"{kind.removesuffix('s')} {target!r} has no argument {k!r} — remove it or use one of its "
+                    "arguments.",
+                    valid=sorted(accepted),
+                )
+    try:
+        return entry.build(**kw)
+    except ComposerPluginsError:
+        raise
+    except (ValueError, TypeError) as e:
+        # a value the component refused: locate it at the argument its message names, else at the spec
+        bad = next((k for k, v in kw.items() if repr(v) in str(e) or f"'{v}'" in str(e)), None)
+        bad = bad or next((k for k in kw if k in str(e)), None)
+        where = f"{key}.{bad}" if key and bad else (bad or key or kind)
+        raise cfg.error(where, f"{e} — fix {where}.") from e
+
+
+def _accepted_kwargs(factory: Any) -> set[str] | None:
+    """Keyword arguments ``factory`` accepts, or ``None`` when that cannot be known.
+
+    A class whose ``__init__`` passes ``**kwargs`` on is followed up its bases until an ``__init__``
+    that names all it takes (an env subclass forwarding ``max_turns`` to ``Env``).
+    """
+    import inspect
+
+    inits = [c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__] if isinstance(
+        factory, type) else [factory]  # fmt: skip
+    names: set[str] = set()
+    for fn in inits:
+        if fn is object.__init__:
+            return None
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return None
+        names |= {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+            return names - {"self"}
+    return None

@@ -103,11 +103,14 @@ class ConfigError(ComposerPluginsError, ValueError):
         file: str | None = None,
         line: int | None = None,
         valid: Sequence[str] | None = None,
+        override: str | None = None,
     ) -> None:
-        self.key, self.file, self.line = key, file, line
+        self.key, self.file, self.line, self.override = key, file, line, override
         self.valid = sorted(set(valid)) if valid is not None else None  # each name once
         where = ""
-        if file:
+        if override is not None:  # the value came from the command line, not from the file
+            where = f"command-line override {override!r}: "
+        elif file:
             where = f"{file}:{line}: " if line else f"{file}: "
         text = where + (f"{key}: " if key else "") + message
         if self.valid is not None and key is not None:

@@ -337,6 +337,7 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
             raise src.error(pre + k, f"must be >= 1, got {v}.")
     if cfg.rollout.temperature <= 0:
         raise src.error(pre + "rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}.")
+    _check_ranges(cfg, src, pre)
     is_modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
     if cfg.rollout.importance_sampling not in is_modes:
         raise src.error(
@@ -365,6 +366,41 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
 
     check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
     check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
+
+
+def _check_ranges(cfg: TrainConfig, src: Config, pre: str) -> None:
+    """Numbers a run cannot use, refused at load with ``file:line: key: problem — fix``."""
+
+    def need(key: str, ok: bool, value: Any, problem: str, fix: str) -> None:
+        if not ok:
+            raise src.error(pre + key, f"{problem}, got {value!r} — {fix}.")
+
+    for key, value, default in (("optim.lr", cfg.optim.lr, 2e-5), ("sft.lr", cfg.sft.lr, 3e-3)):
+        need(key, value > 0, value, "a learning rate must be > 0", f"use a small positive number such as {default:g}")
+    for key, value in (("sft.batch_size", cfg.sft.batch_size), ("sft.num_examples", cfg.sft.num_examples),
+                       ("sft.max_length", cfg.sft.max_length)):  # fmt: skip
+        need(key, value >= 1, value, "must be >= 1", "use a positive integer")
+    need("sft.steps", cfg.sft.steps >= 0, cfg.sft.steps, "must be >= 0",
+         "use a number of optimizer steps, or sft.enabled: false to skip the warm start")  # fmt: skip
+    need("sft.warmup_steps", cfg.sft.warmup_steps >= 0, cfg.sft.warmup_steps, "must be >= 0", "use 0 for no warmup")
+    need("optim.warmup_steps", cfg.optim.warmup_steps >= 0, cfg.optim.warmup_steps, "must be >= 0",
+         "use 0 for no warmup")  # fmt: skip
+    t = cfg.trainer
+    need("trainer.checkpoint_every_n_steps", t.checkpoint_every_n_steps >= 0, t.checkpoint_every_n_steps,
+         "must be >= 0", "use 0 to write no checkpoints, or N to write one every N steps")  # fmt: skip
+    need("trainer.keep_checkpoints", t.keep_checkpoints >= -1, t.keep_checkpoints, "must be >= -1",
+         "use -1 to keep every checkpoint, or how many to keep")  # fmt: skip
+    tiny = cfg.model.tiny
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "max_position_embeddings"):  # fmt: skip
+        v = getattr(tiny, f)
+        need(f"model.tiny.{f}", v >= 1, v, "must be >= 1", "use a positive integer")
+    need("model.tiny.num_heads", tiny.hidden_size % tiny.num_heads == 0, tiny.num_heads,
+         f"must divide model.tiny.hidden_size ({tiny.hidden_size})",
+         f"use one of {[h for h in range(1, tiny.hidden_size + 1) if tiny.hidden_size % h == 0][:12]}")  # fmt: skip
+    need("model.tiny.num_kv_heads", tiny.num_heads % tiny.num_kv_heads == 0, tiny.num_kv_heads,
+         f"must divide model.tiny.num_heads ({tiny.num_heads})",
+         f"use one of {[h for h in range(1, tiny.num_heads + 1) if tiny.num_heads % h == 0]}")  # fmt: skip
 
 
 class ChannelSpec(NamedTuple):
@@ -1214,6 +1250,9 @@ def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
     """Run (or reuse from cache) the SFT warm start; copy the policy to ``<output_dir>/model``."""
     import shutil
 
+    from composer_plugins.training.inputs import check_inputs
+
+    check_inputs(cfg, src or Config())  # files and paths first: no model is built for a run that cannot start
     env = build_env(cfg, src)
     path = resolve_policy(dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, enabled=True)), env)
     out = Path(cfg.output_dir) / "model"
@@ -1285,9 +1324,11 @@ def run_train(
     import lightning as L
 
     from composer_plugins.training.checkpoints import resolve_resume
+    from composer_plugins.training.inputs import check_inputs
     from composer_plugins.training.module import ComposerModule, TaskStream
 
-    # checked before anything is built: a missing or broken checkpoint fails in a second, naming the file
+    # checked before anything is built: a missing or broken input fails in a second, naming the file
+    check_inputs(cfg, src or Config())
     ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.trainer.checkpoint_every_n_steps > 0 else None
     ckpt_path = resolve_resume(resume, ckpt_dir)
     _set_threads(cfg)
@@ -1378,8 +1419,11 @@ def run_eval(
     import lightning as L
     import torch
 
+    from composer_plugins.training.inputs import check_inputs
     from composer_plugins.training.module import ComposerModule
 
+    if checkpoint is None:
+        check_inputs(cfg, src or Config())
     _set_threads(cfg)
     env = build_env(cfg, src)
     ckpt_file: str | None = None

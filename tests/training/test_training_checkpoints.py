@@ -99,7 +99,8 @@ def test_broken_last_offers_the_previous_good_checkpoint(ckdir, kind):
 
 def test_cli_resume_fails_before_the_model_is_built(tmp_path):
     cfg = tmp_path / "run.yaml"
-    # the model path does not exist: had the model been built first, its error would come instead
+    # the model directory holds no model: had the model been built first, its error would come instead
+    (tmp_path / "no-model").mkdir()
     cfg.write_text(f"output_dir: {tmp_path}/run\nmodel: {{name_or_path: {tmp_path}/no-model}}\n")
     cli = load_commands()
     r = CliRunner().invoke(cli, ["train", "-c", str(cfg), "--resume", "last"])

@@ -1,0 +1,113 @@
+"""Input files and paths named by a train config, checked when the config is loaded (before any model).
+
+Task files (``data.train_path``, ``data.test_path``) and preference pairs (``replay.pairs_path``) are read
+through the one JSONL reader (:mod:`composer_plugins.core.io`); every problem is reported as
+``<file>:<line>: <key>: <problem> — <fix>``, with where the key is set (config file and line, or the
+command-line override). A local ``model.name_or_path`` that does not exist is refused the same way instead
+of reaching ``transformers`` as a malformed hub id.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from composer_plugins.core.config import Config
+from composer_plugins.core.errors import ConfigError, closest
+from composer_plugins.core.io import iter_jsonl
+
+if TYPE_CHECKING:
+    from composer_plugins.training.train import TrainConfig
+
+__all__ = ["check_data_file", "check_inputs", "check_model_path"]
+
+#: Fields a task row may carry its prompt in (as :func:`composer_plugins.training.module.task_prompt` reads).
+TASK_PROMPT_KEYS = ("prompt", "question")
+PAIR_KEYS = ("prompt", "chosen", "rejected")
+
+
+def _set_at(src: Config, key: str) -> str:
+    ov = src.override_of(key)
+    if ov is not None:
+        return f"command-line override {ov!r}"
+    line = src.line_of(key)
+    if src.source:
+        return f"{src.source}:{line}" if line else str(src.source)
+    return "the config"
+
+
+def check_data_file(path: str, src: Config, key: str, kind: str = "tasks") -> int:
+    """Read the JSONL file at ``path`` (``kind``: ``tasks`` or ``pairs``); return its row count, or raise."""
+    where = _set_at(src, key)
+    example = ('{"prompt": "...", "answer": "..."}' if kind == "tasks"
+               else '{"prompt": "...", "chosen": "...", "rejected": "..."}')  # fmt: skip
+    p = Path(path).expanduser()
+    if not p.exists():
+        near = closest(p.name, [c.name for c in p.parent.glob("*.jsonl")]) if p.parent.is_dir() else []
+        hint = f" Did you mean: {', '.join(repr(str(p.parent / n)) for n in near)}?" if near else ""
+        raise src.error(key, f"{path} does not exist — give the path of a JSONL file of {kind}, one {example} "
+                             f"per line.{hint}")  # fmt: skip
+    if p.is_dir():
+        raise src.error(key, f"{path} is a directory — give the path of a JSONL file of {kind}.")
+
+    def error(file: str, line: int | None, message: str) -> Exception:
+        return ConfigError(f"{message} — fix this line (one {example} object per line) or point {key} "
+                           f"({where}) at another file.", key=key, file=file, line=line)  # fmt: skip
+
+    n = 0
+    for lineno, row in iter_jsonl(p, path, error=error):
+        n += 1
+        if kind == "tasks":
+            if not any(k in row for k in TASK_PROMPT_KEYS):
+                keys = sorted(map(str, row))
+                near = [c for k in keys for c in closest(k, TASK_PROMPT_KEYS)]
+                sugg = f" Did you mean: {near[0]!r}?" if near else ""
+                raise ConfigError(
+                    f"missing — every task of {key} needs a \"prompt\" (or \"question\") field; this line has "
+                    f"{keys}.{sugg}", key="prompt", file=path, line=lineno,
+                )  # fmt: skip
+        else:
+            missing = [k for k in PAIR_KEYS if k not in row]
+            if missing:
+                keys = sorted(map(str, row))
+                near = [c for k in keys if k not in PAIR_KEYS for c in closest(k, missing)]
+                sugg = f" Did you mean: {near[0]!r}?" if near else ""
+                raise ConfigError(
+                    f"missing — every pair of {key} needs prompt, chosen and rejected; this line has "
+                    f"{keys}.{sugg}", key=", ".join(missing), file=path, line=lineno,
+                )  # fmt: skip
+    if n == 0:
+        raise ConfigError(f"holds no {kind} (the file is empty) — add one {example} object per line, or unset "
+                          f"{key} ({where}).", key=key, file=path)  # fmt: skip
+    return n
+
+
+def _looks_local(name: str) -> bool:
+    """A filesystem path rather than a hub id (``org/name``)."""
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+        or Path(name).expanduser().exists()
+    )  # fmt: skip
+
+
+def check_model_path(name: str, src: Config, key: str) -> None:
+    """A local ``model.name_or_path`` must be a directory that exists (hub ids are left to the loader)."""
+    if name == "tiny" or not _looks_local(name):
+        return
+    p = Path(name).expanduser()
+    if not p.exists():
+        raise src.error(key, f"{name} does not exist — give a directory written by save_pretrained, a hub id "
+                             "such as Qwen/Qwen2.5-0.5B-Instruct, or 'tiny' for the embedded model.")  # fmt: skip
+    if p.is_file():
+        raise src.error(key, f"{name} is a file — give the directory that holds config.json (save_pretrained).")
+
+
+def check_inputs(cfg: TrainConfig, src: Config, pre: str = "") -> None:
+    """Every path of ``cfg`` that the run will read, checked now."""
+    check_model_path(str(cfg.model.name_or_path), src, pre + "model.name_or_path")
+    for key, value in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
+        if value:
+            check_data_file(str(value), src, pre + key, "tasks")
+    if cfg.replay.pairs_path:
+        check_data_file(str(cfg.replay.pairs_path), src, pre + "replay.pairs_path", "pairs")

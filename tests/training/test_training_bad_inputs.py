@@ -1,0 +1,94 @@
+"""Twenty malformed inputs to ``composer-plugins train``, each refused at load (no model is built, no traceback) as
+``<file>:<line>: <key>: <problem> — <fix>``, with "did you mean" where a name or key is misspelt."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from composer_plugins.core.cli import load_commands
+
+BASE = "output_dir: {d}/run\nsft: {{enabled: false}}\ntrainer: {{max_steps: 1}}\n"
+
+#: name -> (files to write {name: text}, yaml appended to BASE (or replacing it if it starts with '!'),
+#:          overrides, where the error is located ('cfg:<line>', '<file>:<line>', 'override'), key, fragments)
+CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
+    "task file missing": ({}, "data: {{train_path: {d}/nope.jsonl}}\n", [], "cfg:4", "data.train_path",
+                          ["nope.jsonl does not exist", "— give the path of a JSONL file of tasks"]),
+    "task bad JSON on line 3": ({"t.jsonl": '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c", answer: 3}\n'},
+                                "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:3", "data.train_path",
+                                ["invalid JSON at column 17", "— fix this line", "cfg:4"]),
+    "task line is a list": ({"t.jsonl": '{"prompt": "a"}\n[1, 2]\n'}, "data: {{train_path: {d}/t.jsonl}}\n", [],
+                            "t.jsonl:2", "data.train_path", ["must be a JSON object, got list", "— fix this line"]),
+    "task file empty": ({"t.jsonl": ""}, "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl", "data.train_path",
+                        ["holds no tasks", "— add one"]),
+    "task row without prompt": ({"t.jsonl": '{"prompt": "a", "answer": 1}\n{"promt": "b", "answer": 2}\n'},
+                                "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:2", "prompt",
+                                ["missing — every task", "Did you mean: 'prompt'?"]),
+    "pairs file missing": ({}, "replay: {{pairs_path: {d}/nope.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
+                           "cfg:4", "replay.pairs_path", ["does not exist", "— give the path of a JSONL file of pairs"]),
+    "pairs bad JSON": ({"p.jsonl": '{"prompt": "a", "chosen": "x", "rejected": "y"}\n{"prompt": \n'},
+                       "replay: {{pairs_path: {d}/p.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
+                       "p.jsonl:2", "replay.pairs_path", ["invalid JSON", "— fix this line"]),
+    "pair without rejected": ({"p.jsonl": '{"prompt": "a", "chosen": "x", "rejected": "y"}\n'
+                                          '{"prompt": "b", "chosen": "x", "rejectd": "z"}\n'},
+                              "replay: {{pairs_path: {d}/p.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
+                              "p.jsonl:2", "rejected", ["missing — every pair", "Did you mean: 'rejected'?"]),
+    "negative lr": ({}, "optim: {{lr: -1.0e-3}}\n", [], "cfg:4", "optim.lr", ["must be > 0, got -0.001", "— use"]),
+    "sft batch size 0": ({}, "!output_dir: {d}/run\nsft: {{batch_size: 0}}\n", [], "cfg:2", "sft.batch_size",
+                         ["must be >= 1, got 0", "— use a positive integer"]),
+    "sft steps negative": ({}, "!output_dir: {d}/run\nsft: {{steps: -3}}\n", [], "cfg:2", "sft.steps",
+                           ["must be >= 0, got -3", "sft.enabled: false"]),
+    "tiny hidden size 0": ({}, "model: {{tiny: {{hidden_size: 0}}}}\n", [], "cfg:4", "model.tiny.hidden_size",
+                           ["must be >= 1, got 0"]),
+    "heads do not divide hidden": ({}, "model: {{tiny: {{hidden_size: 30, num_heads: 4}}}}\n", [], "cfg:4",
+                                   "model.tiny.num_heads", ["must divide model.tiny.hidden_size (30)", "— use one of"]),
+    "checkpoint every -1": ({}, "!output_dir: {d}/run\ntrainer: {{max_steps: 1, checkpoint_every_n_steps: -1}}\n",
+                            [], "cfg:2", "trainer.checkpoint_every_n_steps", ["must be >= 0, got -1", "— use 0"]),
+    "misspelt env key": ({}, "env: {{name: gsm8k, difficuly: 2}}\n", [], "cfg:4", "env.difficuly",
+                         ["has no argument 'difficuly'", "Did you mean: 'difficulty'?"]),
+    "bad env value": ({}, "env: {{name: gsm8k, difficulty: impossible}}\n", [], "cfg:4", "env.difficulty",
+                      ["unknown difficulty 'impossible'", "— fix env.difficulty"]),
+    "model path missing": ({}, "model: {{name_or_path: ./no/such/model}}\n", [], "cfg:4", "model.name_or_path",
+                           ["./no/such/model does not exist", "— give a directory"]),
+    "hint provider misspelt": ({}, "hints:\n  provider:\n    name: templat\n", [], "cfg:6", "hints.provider.name",
+                               ["Unknown hint 'templat'", "Did you mean: 'template'?"]),
+    "duplicate YAML key": ({}, "seed: 1\nseed: 2\n", [], "cfg:5", "seed",
+                           ["duplicate key (first given on line 4", "— keep one of them"]),
+    "unknown key as override": ({}, "", ["optim.lrr=0.1"], "override", "optim.lrr",
+                                ["unknown key", "Did you mean: 'lr'?"]),
+}  # fmt: skip
+
+
+def test_there_are_twenty():
+    assert len(CASES) == 20
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_malformed_input_gets_a_located_error_with_a_fix(tmp_path: Path, name: str):
+    files, extra, overrides, where, key, fragments = CASES[name]
+    d = str(tmp_path)
+    for fname, text in files.items():
+        (tmp_path / fname).write_text(text)
+    text = extra[1:].format(d=d) if extra.startswith("!") else BASE.format(d=d) + extra.format(d=d)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    r = CliRunner().invoke(load_commands(), ["train", "-c", str(cfg), *overrides])
+    out = r.output
+    assert r.exit_code == 2, f"exit {r.exit_code}: {out}\n{r.exception!r}"
+    assert "Traceback" not in out and not (tmp_path / "run" / "model").exists(), out
+    if where == "override":
+        loc = f"command-line override {overrides[0]!r}"
+    elif where.startswith("cfg"):
+        loc = f"{cfg}:{where.split(':')[1]}"
+    else:
+        loc = f"{tmp_path}/{where}"
+    assert out.startswith(f"Error: {loc}: {key}: "), out
+    assert "—" in out or "Did you mean" in out, out  # every message carries a fix (or the name meant)
+    for frag in fragments:
+        frag = frag.replace("cfg:", f"{cfg}:")
+        assert frag in out, f"{frag!r} not in:\n{out}"
+    assert not re.search(r"\n\s+File \"", out)
