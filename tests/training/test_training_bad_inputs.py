@@ -29,7 +29,7 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
                                 "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:2", "prompt",
                                 ["missing — every task", "Did you mean: 'prompt'?"]),
     "pairs file missing": ({}, "replay: {{pairs_path: {d}/nope.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
-                           "cfg:4", "replay.pairs_path", ["does not exist", "— give the path of a JSONL file of pairs"]),
+                           "cfg:4", "replay.pairs_path", ["does not exist", "— give the path of a JSONL file"]),
     "pairs bad JSON": ({"p.jsonl": '{"prompt": "a", "chosen": "x", "rejected": "y"}\n{"prompt": \n'},
                        "replay: {{pairs_path: {d}/p.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
                        "p.jsonl:2", "replay.pairs_path", ["invalid JSON", "— fix this line"]),
