@@ -75,3 +75,47 @@ def test_artifact_location_follows_the_store(tmp_path):
     assert tracking.artifact_location(f"sqlite:///{tmp_path}/x/m.db") == (tmp_path / "x" / "mlartifacts").as_uri()
     assert tracking.artifact_location("http://127.0.0.1:5000") is None
     assert tracking.artifact_location(f"file://{tmp_path}/mlruns") is None
+
+
+@pytest.mark.slow
+def test_a_loopback_mlflow_server_gets_the_names_tags_and_artifacts(make_cfg, tmp_path, store):
+    """``tracking_uri: http://...``: the run lands on the server, artifacts where the server keeps them."""
+    import socket
+    import sys
+    import time
+    import urllib.request
+
+    import mlflow
+
+    from composer_plugins.core import procs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    served = tmp_path / "served"
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    db = f"sqlite:///{tmp_path / 'server.db'}"
+    argv = [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            "--backend-store-uri", db, "--artifacts-destination", str(served)]  # fmt: skip
+    with procs.Children("mlflow-server") as group:
+        child = group.start("mlflow server", argv, log_path=tmp_path / "server.log")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert child.proc.poll() is None, child.tail()
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"mlflow server did not answer in 120 s:\n{child.tail()}"
+            time.sleep(0.5)
+        res = _train(make_cfg, tmp_path, url, "served-run")
+        client = mlflow.MlflowClient(url)
+        run = client.get_run(res.run_id)
+        assert run.info.run_name == "train@served-run-s0 (grpo)"
+        assert run.data.tags["plugin.losses.grpo"].startswith("grpo (composer-plugins ")
+        assert {"model", "history.csv"} <= {a.path for a in client.list_artifacts(res.run_id)}
+    assert list(served.rglob("history.csv"))  # the server's artifact store holds them
+    assert not (tmp_path / "cwd" / "mlruns").exists()
