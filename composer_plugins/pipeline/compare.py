@@ -117,11 +117,7 @@ def varying_params(records: Sequence[Mapping[str, Any]]) -> list[str]:
             if name in _RUN_PARAMS or name.startswith(_RUN_PREFIXES):
                 continue
             values.setdefault(name, {}).setdefault(cell, set()).add(str(v))
-    # a param a run did not log at all (an older run) counts as a value of its own
-    for name, cells in values.items():
-        for r in records:
-            if f"param:{name}" not in r:
-                cells.setdefault((r.get("channels"), r.get("seed")), set()).add("<unset>")
+    # a param some runs did not log at all (written by an older version) is not a difference
     return sorted(n for n, cells in values.items() if any(len(vs) > 1 for vs in cells.values()))
 
 
