@@ -366,6 +366,11 @@ class FeatureDeletionEnv(Env):
         timeout_s: wall-clock limit of one test run. ``isolation``: sandbox isolation.
         num_workers: test runs in parallel (building and scoring).
         cache_path: optional JSON file to store/load the built tasks (holds golden code: keep it private).
+        sandbox_expose: ``"all"`` (default) hides only ``repo``, installed copies of its packages and the
+            cache: **any other copy of the repository on the machine (another checkout, a DVC cache, a
+            backup) is readable from the sandbox and gives the deleted code away**. ``"allowlist"`` shows
+            the sandbox only the interpreter, its site-packages, system libraries and ``sandbox_allow``.
+        sandbox_allow: extra host paths visible in ``"allowlist"`` mode (e.g. data the tests read).
     """
 
     name = "feature_deletion"
@@ -390,9 +395,14 @@ class FeatureDeletionEnv(Env):
         cache_path: str | os.PathLike[str] | None = None,
         max_turns: int = 1,
         progress: bool = True,
+        sandbox_expose: Literal["all", "allowlist"] = "all",
+        sandbox_allow: Sequence[str] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(max_turns=max_turns, num_workers=num_workers, **kwargs)
+        if sandbox_expose not in ("all", "allowlist"):
+            raise ConfigError(f"sandbox_expose must be 'all' or 'allowlist', got {sandbox_expose!r}",
+                              key="sandbox_expose", valid=["all", "allowlist"])  # fmt: skip
         self.repo = Path(repo or FIXTURE_REPO).resolve()
         if not self.repo.is_dir():
             raise ConfigError(f"repository not found: {self.repo}", key="repo")
@@ -426,6 +436,8 @@ class FeatureDeletionEnv(Env):
             isolation=isolation,
             python=self.python,
             hide=hide,
+            expose=sandbox_expose,
+            allow=sandbox_allow,
         )
         self._built: list[dict[str, Any]] | None = None
         self.baseline: dict[str, str] = {}

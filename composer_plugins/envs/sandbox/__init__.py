@@ -11,9 +11,18 @@ Every run gets a fresh temp directory and a subprocess that:
   ``sitecustomize`` (see :mod:`composer_plugins.envs.sandbox._runtime.sitecustomize`): sockets, hidden
   paths, other processes' ``/proc``, ctypes and object-graph walks are refused, and a token pipe
   caps the number of processes;
+* sees every host path read-only (namespace mode remounts every mount read-only; the guard refuses
+  writes) or hidden, except its own directory, whose total size is bounded (``max_disk_mb``); its
+  ``/dev/shm`` is a private tmpfs of ``max_shm_mb``;
 * has wall-clock and CPU timeouts, an address-space limit, a process limit, a file-size limit
   and an output-size limit, and is killed as a whole process group (``start_new_session`` +
   ``killpg``);
+* dies with the process that started it (``PR_SET_PDEATHSIG`` on the outermost sandbox process, and
+  on the namespace's init inside), and enforces its wall-clock limit inside as well, so killing the
+  scorer with ``kill -9`` leaves nothing running; the next sandbox started on the machine removes
+  ``cp-sandbox-*`` directories whose owner process is gone;
+* with ``expose="allowlist"`` sees only an allow-list of host paths (the interpreter, its
+  site-packages, system libraries) instead of everything but the hidden paths;
 * sees a scrubbed environment (no API keys, ``HOME`` inside the sandbox,
   ``PYTHONDONTWRITEBYTECODE=1``);
 * only gets copies of source trees with everything that leaks deleted code removed:
@@ -49,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from composer_plugins.core import procs
 from composer_plugins.core.errors import ComposerPluginsError
 
 __all__ = [
@@ -107,6 +117,10 @@ class SandboxLimits:
     #: Largest file the sandbox may write (``RLIMIT_FSIZE``), MiB.
     max_file_mb: int = 32
     max_open_files: int = 256
+    #: Total size of what the run may write into its own directory, MiB (checked twice a second).
+    max_disk_mb: int = 256
+    #: Size of the private ``/dev/shm`` (namespace mode), MiB.
+    max_shm_mb: int = 64
 
 
 @dataclass
@@ -118,7 +132,8 @@ class SandboxResult:
     stderr: str
     duration_s: float
     isolation: str
-    #: Why the sandbox killed the run: timeout, output_limit, cpu_limit, memory_limit, file_size_limit.
+    #: Why the sandbox killed the run: timeout, output_limit, cpu_limit, memory_limit, file_size_limit,
+    #: disk_limit.
     killed: str | None = None
     #: Authenticated records from the result channel.
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -383,6 +398,11 @@ class Sandbox:
         audit_guard: install the ``sitecustomize`` audit-hook guard (also in namespace mode).
         block_ctypes: refuse native calls through ctypes (default: only in guard mode).
         tmp_dir: where sandbox directories are created (default: the system temp dir).
+        expose: ``"all"`` (every host path except the hidden ones, read-only) or ``"allowlist"``: only
+            :data:`SYSTEM_PATHS`, the interpreter's prefixes and import paths, ``allow`` and the sandbox's
+            own directory are visible; every other top-level directory is hidden (other checkouts of a
+            repository, DVC caches, data disks ...).
+        allow: extra host paths visible in ``allowlist`` mode (read-only).
     """
 
     def __init__(
@@ -399,9 +419,15 @@ class Sandbox:
         audit_guard: bool = True,
         block_ctypes: bool | None = None,
         tmp_dir: str | None = None,
+        expose: Literal["all", "allowlist"] = "all",
+        allow: Iterable[str | os.PathLike[str]] = (),
     ) -> None:
         if isolation not in ("auto", "namespaces", "guard"):
             raise ValueError(f"isolation must be 'auto', 'namespaces' or 'guard', got {isolation!r}")
+        if expose not in ("all", "allowlist"):
+            raise ValueError(f"expose must be 'all' or 'allowlist', got {expose!r}")
+        self.expose = expose
+        self.allow = [_real(p) for p in allow]
         self.limits = limits or SandboxLimits()
         self.python = os.path.abspath(python or sys.executable)
         self.network = network
@@ -455,8 +481,14 @@ class Sandbox:
             collect: relative paths of files to read back after the run (into ``result.files``).
         """
         lim = limits or self.limits
+        parent_dir = self.tmp_dir or tempfile.gettempdir()
+        if parent_dir not in _swept:
+            _swept.add(parent_dir)
+            remove_leftover_sandboxes(parent_dir)
         base = tempfile.mkdtemp(prefix="cp-sandbox-", dir=self.tmp_dir)
         root = _real(base)
+        with open(os.path.join(root, OWNER_FILE), "w") as f:
+            f.write(_owner_stamp(os.getpid()))
         work, harness = os.path.join(root, "work"), os.path.join(root, "harness")
         for d in (work, harness, os.path.join(root, "tmp"), os.path.join(root, "home")):
             os.makedirs(d)
@@ -494,6 +526,7 @@ class Sandbox:
                 "private_proc": True,
                 "fork_fd": pipes.fork_r,
                 "protected_packages": list(protected_packages),
+                "writable": root,
             }
             extra_env = dict(env or {})
             child_env = safe_env(root, self.python, extra_env)
@@ -517,6 +550,9 @@ class Sandbox:
                 env=child_env,
                 cwd=root,
                 close_fds=True,
+                # dies with this thread, even when the scorer is SIGKILLed; inside, the launcher (the
+                # namespace's init) dies with it, and with it every process of the sandbox
+                preexec_fn=procs.die_with_parent(),
             )
             pipes.close_child_ends()
             with contextlib.suppress(OSError):
@@ -526,7 +562,7 @@ class Sandbox:
             if stdin is not None and proc.stdin is not None:
                 data = stdin.encode() if isinstance(stdin, str) else stdin
                 threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True).start()
-            out, err, chan, killed = self._pump(proc, pipes.chan_r, lim, start)
+            out, err, chan, killed = self._pump(proc, pipes.chan_r, lim, start, root)
             if killed:
                 self._kill(proc, root)
             try:
@@ -614,6 +650,15 @@ class Sandbox:
         # Import paths inside an explicitly hidden path (an editable install pointing at the original
         # repository) are not kept; interpreter prefixes always are (a venv inside the repository).
         keep = sorted({root, *prefixes, *(p for p in paths if not any(_inside(p, h) for h in extra))})
+        if self.expose == "allowlist":
+            keep = sorted({*keep, *self.allow})
+            allowed = {_real(p) for p in SYSTEM_PATHS}
+            with os.scandir("/") as entries:
+                for e in entries:
+                    full = os.path.join("/", e.name)
+                    if e.is_symlink() or full in allowed or _real(full) in allowed:
+                        continue
+                    hidden.append(_real(full))
         if self._sandbox_uid_needed():
             # The unprivileged uid must reach the interpreter: overmount ancestors it cannot traverse
             # (e.g. a 0700 /root holding pyenv); the kept paths are bound back into the tmpfs.
@@ -664,10 +709,11 @@ class Sandbox:
         uid: int | None,
         lim: SandboxLimits,
     ) -> list[str]:
-        cfg: dict[str, Any] = {"argv": target, "cwd": cwd, "rlimits": self._rlimits(lim, uid)}
+        cfg: dict[str, Any] = {"argv": target, "cwd": cwd, "rlimits": self._rlimits(lim, uid),
+                               "wall_s": lim.wall_time_s + 2.0}  # fmt: skip
         launcher = os.path.join(harness, "launcher.py")
         if self.isolation == "namespaces":
-            cfg.update(hidden=hidden, keep=keep, readonly=readonly)
+            cfg.update(hidden=hidden, keep=keep, readonly=readonly, writable=root, shm_mb=lim.max_shm_mb)
             flags = ["--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
             if not self.network:
                 flags.insert(0, "--net")
@@ -681,7 +727,7 @@ class Sandbox:
         return [self.python, "-I", "-S", "-B", launcher, json.dumps(cfg)]
 
     def _pump(
-        self, proc: subprocess.Popen[bytes], chan_r: int, lim: SandboxLimits, start: float
+        self, proc: subprocess.Popen[bytes], chan_r: int, lim: SandboxLimits, start: float, root: str | None = None
     ) -> tuple[bytes, bytes, bytes, str | None]:
         assert proc.stdout is not None and proc.stderr is not None
         bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), chan_r: bytearray()}
@@ -694,12 +740,18 @@ class Sandbox:
         killed: str | None = None
         exited_at: float | None = None
         deadline = start + lim.wall_time_s
+        next_disk_check = start + 0.5
         try:
             while sel.get_map():
                 now = time.monotonic()
                 if now >= deadline:
                     killed = "timeout"
                     break
+                if root is not None and lim.max_disk_mb and now >= next_disk_check:
+                    next_disk_check = now + 0.5
+                    if _disk_usage(root) > lim.max_disk_mb << 20:
+                        killed = "disk_limit"
+                        break
                 if exited_at is None and proc.poll() is not None:
                     exited_at = now
                 if exited_at is not None and now - exited_at > 1.0:
@@ -741,6 +793,60 @@ class Sandbox:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.02)
+
+
+#: Host paths visible in ``expose="allowlist"`` mode besides the interpreter and the sandbox itself.
+SYSTEM_PATHS: tuple[str, ...] = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/dev",
+                                 "/proc", "/sys")  # fmt: skip
+OWNER_FILE = "owner"
+_swept: set[str] = set()
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()[19].decode()
+
+
+def _owner_stamp(pid: int) -> str:
+    return f"{pid} {_start_time(pid) or '?'}\n"
+
+
+def remove_leftover_sandboxes(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove ``cp-sandbox-*`` directories in ``directory`` whose owner process is gone; return them.
+
+    Each sandbox directory records its owner (pid and start time); one whose owner died without
+    cleaning up (``kill -9`` of the scorer) is removed by the next sandbox run on the machine. A
+    directory without the record is left alone unless it is older than an hour.
+    """
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for e in entries:
+            if not e.name.startswith("cp-sandbox-") or not e.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with open(os.path.join(e.path, OWNER_FILE)) as f:
+                    pid_s, _, started = f.read().strip().partition(" ")
+                alive = pid_s.isdigit() and _start_time(int(pid_s)) == started
+            except OSError:
+                alive = time.time() - e.stat(follow_symlinks=False).st_mtime < 3600
+            if not alive:
+                _rmtree(e.path)
+                removed.append(e.path)
+    return removed
+
+
+def _disk_usage(root: str) -> int:
+    """Bytes allocated under ``root`` (not following symlinks)."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for n in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+    return total
 
 
 def _feed(pipe: Any, data: bytes) -> None:
@@ -849,6 +955,7 @@ def isolation_info(python: str | None = None) -> IsolationInfo:
         sb.limits = SandboxLimits(wall_time_s=20, memory_mb=None)
         sb.python, sb.network, sb.hide, sb.hide_home, sb.hide_tmp = python, False, [_real(probe_dir)], False, False
         sb.allow_subprocess, sb.audit_guard, sb.tmp_dir, sb._requested = True, False, None, "namespaces"
+        sb.expose, sb.allow = "all", []
         sb.isolation, sb.block_ctypes = "namespaces", False
         code = (
             "import os, socket\n"

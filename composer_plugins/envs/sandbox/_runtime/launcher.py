@@ -5,14 +5,16 @@ under ``unshare`` (namespace mode, where it is PID 1 of a fresh PID namespace). 
 
 1. hide paths: a read-only tmpfs over each hidden directory (``/dev/null`` over a hidden file),
    then bind the paths that must stay visible (the interpreter, the sandbox root) back in;
-2. bind read-only paths (the tests of a repo) read-only;
+2. bind read-only paths (the tests of a repo) read-only; then every other mount of the host read-only
+   (only the sandbox root stays writable) and a private, size-limited tmpfs on ``/dev/shm``;
 3. drop privileges: ``no_new_privs``; real root switches to an unprivileged uid, a user
    namespace's root drops its bounding/ambient/inheritable capabilities so that it can no
    longer unmount what step 1 mounted;
 4. apply rlimits (CPU, address space, processes, file size, open files, no core dumps);
 5. ask the kernel to SIGKILL us if our parent dies; fork the target (``chdir`` + ``execv``) and
    stay as a minimal init that reaps orphans and exits with the target's status (``128 + N`` when
-   signal N killed it, like a shell).
+   signal N killed it, like a shell). It also enforces the wall-clock limit itself (``wall_s``): when
+   it passes, every process of the sandbox is SIGKILLed even if the parent that started it is gone.
 
 Standard library only; it must not import anything from the sandboxed tree.
 """
@@ -28,8 +30,23 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_REMOUNT = 32
+MS_NOEXEC = 8
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
 MS_BIND = 4096
 MS_REC = 16384
+MS_RELATIME = 1 << 21
+MS_STRICTATIME = 1 << 24
+#: mount options that must be kept when remounting (a user namespace may not clear locked ones)
+_KEEP_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
 
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
@@ -109,6 +126,39 @@ def bind_readonly(paths):
         mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
+def _unescape(path):
+    for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        path = path.replace(code, ch)
+    return path
+
+
+def readonly_host(writable, shm_mb):
+    """Remount every mount read-only except ``writable`` (made a mount of its own first) and ``/proc``.
+
+    ``/dev/shm`` becomes a private tmpfs of ``shm_mb`` MiB (POSIX semaphores keep working; nothing
+    reaches the host's). Paths that were world-writable on the host (``/var/tmp`` ...) are read-only now.
+    """
+    mount(writable, writable, None, MS_BIND | MS_REC)
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    for row in sorted(rows, key=lambda r: _unescape(r[4]).count("/")):
+        target, opts = _unescape(row[4]), row[5].split(",")
+        if inside(target, writable) or inside(target, "/proc"):
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for o in opts:
+            flags |= _KEEP_FLAGS.get(o, 0)
+        try:
+            mount(None, target, None, flags)
+        except OSError as e:
+            if e.errno == 2 or not os.path.isdir(target):  # gone under an overmount
+                continue
+            # cannot be made read-only (a locked mount): hide it under an empty read-only tmpfs instead
+            mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0755")
+    if shm_mb and os.path.isdir("/dev/shm"):
+        mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(shm_mb)}m,mode=1777")
+
+
 class CapHeader(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
@@ -130,6 +180,29 @@ def drop_capabilities():
         fail("capset failed: " + os.strerror(ctypes.get_errno()))
 
 
+def kill_everything(code):
+    """SIGKILL every process of this sandbox (by its ``CP_SANDBOX_ID`` marker and process group), then exit."""
+    if os.getpid() == 1:
+        os.kill(-1, signal.SIGKILL)
+        os._exit(code)
+    marker = ("CP_SANDBOX_ID=" + os.environ.get("CP_SANDBOX_ID", "")).encode()
+    me = os.getpid()
+    for _ in range(3):
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        os.kill(int(name), signal.SIGKILL)
+            except OSError:
+                continue
+    try:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(code)
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     try:
@@ -137,6 +210,8 @@ def main():
             hide_paths(cfg["hidden"], cfg.get("keep", []))
         if cfg.get("readonly"):
             bind_readonly(cfg["readonly"])
+        if cfg.get("writable"):
+            readonly_host(cfg["writable"], cfg.get("shm_mb", 0))
     except OSError as e:
         fail(f"cannot set up the filesystem view: {e}")
     prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -154,9 +229,15 @@ def main():
             resource.setrlimit(getattr(resource, name), (soft, hard))
         except (ValueError, OSError) as e:
             fail(f"cannot set {name}={soft}: {e}")
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getpid() == 1:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # init of the PID namespace: the kernel kills the rest
+    else:
+        # guard mode: no namespace takes the processes down with us, so on the parent's death we sweep
+        # every process that carries this sandbox's marker (also those that left the process group)
+        signal.signal(signal.SIGTERM, lambda signum, frame: kill_everything(125))
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if cfg.get("parent_pid") and os.getppid() not in (cfg["parent_pid"], 0):
-        os._exit(124)  # our parent is already gone
+        kill_everything(124)  # our parent is already gone
     argv = cfg["argv"]
     child = os.fork()
     if child == 0:
@@ -167,6 +248,15 @@ def main():
         except OSError as e:
             os.write(2, (f"sandbox launcher: cannot execute {argv[0]}: {e}\n").encode())
         os._exit(125)
+    wall = float(cfg.get("wall_s") or 0)
+    if wall > 0:
+        # The wall-clock limit holds even when nobody outside is left to enforce it.
+        def out_of_time(signum, frame):
+            os.write(2, b"sandbox launcher: wall-clock limit reached; killing every sandboxed process\n")
+            kill_everything(128 + signal.SIGKILL)
+
+        signal.signal(signal.SIGALRM, out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, wall)
     # Stay as a minimal init: reap every child; exit with the target's status (128+N for signal N).
     while True:
         try:

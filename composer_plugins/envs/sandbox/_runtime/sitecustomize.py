@@ -7,7 +7,8 @@ according to the JSON in ``CP_SANDBOX_GUARD``:
   outside the sandbox;
 * refuses opening or listing hidden paths (the original repository, home directories, other
   temp dirs, site-packages copies of the repo) and other processes' ``/proc`` entries;
-* refuses writes to read-only paths (a repository's tests);
+* refuses writes to read-only paths (a repository's tests), and any write outside the sandbox's own
+  directory (``writable``) except to ``/dev/null`` and the standard streams;
 * charges every fork/spawn to a shared token pipe (a process budget that also holds for root);
 * optionally refuses spawning programs at all, and native-code tricks through ctypes;
 * refuses ``gc`` object-graph walks (used to dig secrets out of the harness's memory);
@@ -34,6 +35,8 @@ def _install():
     hidden = tuple(cfg.get("hidden") or ())
     keep = tuple(cfg.get("keep") or ())
     readonly = tuple(cfg.get("readonly") or ())
+    writable = cfg.get("writable")
+    devices = ("/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty", "/dev/zero", "/dev/full")
     block_net = bool(cfg.get("block_network", True))
     block_ctypes = bool(cfg.get("block_ctypes", False))
     allow_spawn = bool(cfg.get("allow_subprocess", True))
@@ -89,6 +92,14 @@ def _install():
             )
             if writing and any(inside(rp, r) for r in readonly):
                 deny(f"writing {args[0]!r} (read-only)")
+            if (
+                writing
+                and writable
+                and not inside(rp, writable)
+                and rp not in devices
+                and not rp.startswith("/proc/self/fd/")
+            ):
+                deny(f"writing {args[0]!r} (only the sandbox directory is writable)")
         elif event in ("os.listdir", "os.scandir", "os.chdir"):
             rp = resolve(args[0] if args and args[0] is not None else ".")
             if rp is not None and is_hidden(rp):
@@ -110,6 +121,14 @@ def _install():
                 rp = resolve(a) if isinstance(a, str | bytes | _os.PathLike) else None
                 if rp is not None and (is_hidden(rp) or any(inside(rp, r) for r in readonly)):
                     deny(f"{event} on {a!r}")
+            # what the call changes: the new name of a link, both names of a rename, else the first argument
+            changed = args[1:2] if event in ("os.symlink", "os.link") else args[:1]
+            if event == "os.rename":
+                changed = args[:2]
+            for a in changed:
+                rp = resolve(a) if isinstance(a, str | bytes | _os.PathLike) else None
+                if rp is not None and writable and not inside(rp, writable):
+                    deny(f"{event} on {a!r} (only the sandbox directory is writable)")
         elif event.startswith("socket."):
             if not block_net:
                 return
