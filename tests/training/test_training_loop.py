@@ -106,11 +106,11 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
             if trainer.global_step >= stop_at:
                 trainer.should_stop = True
 
-    extra = "trainer: {max_steps: 4, checkpoint_every_n_steps: 1, enable_progress_bar: false, num_threads: 1}\n"
-    over = f"rollout.num_iterations={num_iterations}"
-    cfg_a, src_a = make_cfg(extra, over, out=tmp_path / "a")
+    # the fixture's YAML has a trainer section already (a second one is a duplicate key): override it
+    over = (f"rollout.num_iterations={num_iterations}", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=1")
+    cfg_a, src_a = make_cfg("", *over, out=tmp_path / "a")
     full = run_train(cfg_a, src_a)
-    cfg_b, src_b = make_cfg(extra, over, out=tmp_path / "b")
+    cfg_b, src_b = make_cfg("", *over, out=tmp_path / "b")
     first = run_train(cfg_b, src_b, extra_callbacks=[StopAfter()])
     assert [r["step"] for r in first.history] == list(range(1, stop_at + 1))
     resumed = run_train(cfg_b, src_b, resume="last")
@@ -139,9 +139,9 @@ def test_mlflow_run_has_params_metrics_and_checkpoints(make_cfg, tmp_path, monke
     mlflow: {{enabled: true, tracking_uri: "{uri}", experiment: train-test, run_name: tiny,
              tags: {{api_token: {{$env: CP_TRAIN_TEST_SECRET}}}}}}
     diloco: {{token: {{$env: CP_TRAIN_TEST_SECRET}}}}
-    eval: {{num_problems: 4, batch_size: 4, k: 2, num_samples: 2, at_start: true, at_end: true}}
     """
-    cfg, src = make_cfg(extra, "losses.hint_distill.weight=0.5")
+    evals = ("eval.num_problems=4", "eval.batch_size=4", "eval.at_start=true", "eval.at_end=true")
+    cfg, src = make_cfg(extra, "losses.hint_distill.weight=0.5", *evals)
     res = run_train(cfg, src)
     assert res.run_id
     client = mlflow.MlflowClient(uri)
@@ -217,7 +217,7 @@ def test_validation_metrics_are_consistent(make_cfg):
 
 
 def test_multi_turn_episode_masks_observations(make_cfg):
-    cfg, src = make_cfg("env: {name: gsm8k, difficulty: trivial, max_turns: 2}\n", "rollout.max_turns=2",
+    cfg, src = make_cfg("", "env.max_turns=2", "rollout.max_turns=2",
                         "rollout.num_generations=4", "rollout.prompts_per_step=2")  # fmt: skip
     env = build_env(cfg)
     policy, tok = load_policy_for(cfg, env)
