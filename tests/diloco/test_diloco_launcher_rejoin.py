@@ -40,9 +40,10 @@ def records(log_dir: Path, index: int) -> list[dict[str, Any]]:
     return out
 
 
-def launch(tmp_path: Path, target: str, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def launch(tmp_path: Path, target: str, *overrides: str, env: dict[str, str] | None = None,
+           options: tuple[str, ...] = ()) -> subprocess.Popen[str]:  # fmt: skip
     cmd = [sys.executable, "-m", "composer_plugins", "diloco", "--replicas", "2", "--max-restarts", "1",
-           "--target", target, "--log-dir", str(tmp_path / "logs"), "--timeout", str(WAIT_S),
+           "--target", target, "--log-dir", str(tmp_path / "logs"), "--timeout", str(WAIT_S), *options,
            "diloco.sync_every=8", "toy.max_steps=160", *overrides]  # fmt: skip
     return subprocess.Popen(
         cmd, cwd=tmp_path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -118,9 +119,13 @@ def check_rejoined(log_dir: Path, killed_at: int) -> None:
     assert out0["outer_step"] == out1["outer_step"] and out1["heal_count"] == 1
 
 
-def test_cli_restarted_replica_rejoins_after_kill_9(tmp_path):
+@pytest.mark.parametrize("heartbeat_ms", [None, 1000], ids=["as-in-the-issue", "fast-heartbeat"])
+def test_cli_restarted_replica_rejoins_after_kill_9(tmp_path, heartbeat_ms):
+    # With a 1 s heartbeat timeout the lighthouse drops the dead replica long before its restart has
+    # imported torch, so the survivor races to the end of this short run: it must wait at its last sync.
     log_dir = tmp_path / "logs"
-    proc = launch(tmp_path, "toy", f"toy.output={log_dir}/result{{replica}}.json")
+    options = ("--heartbeat-timeout-ms", str(heartbeat_ms)) if heartbeat_ms else ()
+    proc = launch(tmp_path, "toy", f"toy.output={log_dir}/result{{replica}}.json", options=options)
     try:
         wait_for(proc, tmp_path, "replica 1's third sync", lambda: len(records(log_dir, 1)) >= 3)
         pid = wait_for(proc, tmp_path, "replica 1's pid", lambda: replica_pid(proc.pid, 1))
