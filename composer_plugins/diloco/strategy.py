@@ -22,11 +22,14 @@ one optimizer, composes with any precision/logging setup, and needs no change to
 * ``torchft.local_sgd.DiLoCo(manager, fragments, inner_optimizer, outer_optimizers, sync_every=H)``.
 
 Fault tolerance is torchft's: a replica that dies stops heartbeating, the lighthouse drops it from the
-next quorum, and the others keep training (``num_participants()`` falls). A restarted replica asks for a
-quorum at its first sync; it is behind (torchft step 0), so it *heals*: torchft fetches model, inner
-optimizer, global weights and outer optimizer state from a live peer (``recover_src_replica_rank``) and
-it continues from the current weights instead of from scratch. Its own first ``H`` local steps are
-discarded by that recovery (torchft's synchronous-quorum behaviour).
+next quorum, and the others keep training (``num_participants()`` falls). A restarted replica
+(``$COMPOSER_DILOCO_RESTART`` > 0) asks for a quorum after one local step; it is behind (torchft step 0),
+so it *heals*: torchft fetches model, inner optimizer, global weights and outer optimizer state from a
+live peer (``recover_src_replica_rank``) and it continues from the current weights instead of from
+scratch. The launcher posts each restart on a :class:`~composer_plugins.diloco.launch.RejoinBoard`; a
+survivor does not take its last sync, nor stop, while a restarted peer is still on its way back (at most
+``rejoin_timeout_s``), so the peer has someone to heal from and both end on the same torchft step. A
+restarted replica that finds no live peer stops with an error instead of training an independent run.
 
 Checkpoints: only the replica with participating rank 0 in the current quorum writes, and only right
 after a committed sync, into ``checkpoint_dir/diloco-outer<step>.ckpt`` where ``<step>`` is the torchft
