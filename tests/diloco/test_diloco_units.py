@@ -418,3 +418,28 @@ def test_replicas_default_from_config(tmp_path):
     assert launch._replicas_from_config(None, None, []) == 2
     with pytest.raises(ConfigError, match="diloco.replicas"):
         launch._replicas_from_config(str(p), "train", ["diloco.replicas=0"])
+
+
+def test_restart_is_posted_on_the_rejoin_board_and_not_done_once_the_peers_finished(tmp_path):
+    """A restarted replica is ``pending`` on the board its peers read; none is restarted with nobody left."""
+    reader = (
+        "import os, sys\n"
+        "from composer_plugins.diloco.launch import RejoinBoard\n"
+        "if os.environ['COMPOSER_DILOCO_RESTART'] == '0':\n"
+        "    sys.exit(3)\n"
+        "b = RejoinBoard.connect(os.environ['COMPOSER_DILOCO_REJOIN'])\n"
+        "print('BOARD', b.state(1), b.outstanding([0, 1]), flush=True)\n"
+    )
+    argv = lambda i: [sys.executable, "-c", "import time; time.sleep(4)" if i == 0 else reader]  # noqa: E731
+    g = launch.ReplicaGroup(argv, 2, log_dir=tmp_path / "a", max_restarts=1)
+    with g:
+        res = g.wait(timeout=120)
+    assert res.exit_codes == {0: [0], 1: [3, 0]}, res
+    assert "BOARD ('pending', 1, '') {1: 'pending'}" in (tmp_path / "a" / "replica1.log").read_text()
+
+    # the peer has already finished when replica 1 fails: restarting it would leave it nobody to heal from
+    argv = lambda i: [sys.executable, "-c", "pass" if i == 0 else "import time, sys; time.sleep(2); sys.exit(3)"]  # noqa: E731
+    g = launch.ReplicaGroup(argv, 2, log_dir=tmp_path / "b", max_restarts=1)
+    with g:
+        res = g.wait(timeout=120)
+    assert res.exit_codes == {0: [0], 1: [3]} and res.restarts == {0: 0, 1: 0}, res
