@@ -22,6 +22,7 @@ Run: ``python -m benchmarks.bench_scaleout [--quick]`` (``nice -n 10`` on a shar
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -81,6 +82,7 @@ def worker(spec_path: str, rank: int) -> None:
     torch.set_num_threads(1)
     starts: list[float] = []
     tokens: list[float] = []
+    ends: list[float] = []
 
     class Timer(Callback):
         def on_train_batch_start(self, *a: Any) -> None:
@@ -89,13 +91,14 @@ def worker(spec_path: str, rank: int) -> None:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *a: Any) -> None:
             stats = pl_module.last_step_stats
             tokens.append(next(float(v) for k, v in stats.items() if k.endswith("completion_tokens")))
+            ends.append(time.perf_counter())
 
     cfg, src = loads_train_config(spec["yaml"], spec["overrides"])
     t0 = time.perf_counter()
     run_train(cfg, src, extra_callbacks=[Timer()])
-    starts.append(time.perf_counter())
     if rank == 0:
-        steps = [b - a for a, b in zip(starts[1:-1], starts[2:], strict=True)]  # the first step is warm-up
+        # between consecutive batch starts (the last step: to its end); the first step is warm-up
+        steps = [b - a for a, b in itertools.pairwise([*starts[1:], ends[-1]])]
         out = {"step_s": steps, "tokens": tokens[1:], "total_s": time.perf_counter() - t0}
         Path(spec["out"]).write_text(json.dumps(out))
 
@@ -195,7 +198,7 @@ def _rollouts(tmp: Path, model: str, quick: bool) -> dict[str, Any]:
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns ``{"name", "results", "ratios", "targets"}``."""
     steps = 3 if quick else 6
-    rounds = 1 if quick else 2
+    rounds = 1 if quick else 3
     results: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as td:

@@ -338,6 +338,14 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     if cfg.rollout.temperature <= 0:
         raise src.error(pre + "rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}.")
     _check_ranges(cfg, src, pre)
+    gen = cfg.rollout.generator
+    gen_name = gen.get("name") if isinstance(gen, Mapping) else gen
+    if cfg.rollout.max_turns > 1 and gen_name not in (None, "hf"):
+        raise src.error(
+            pre + "rollout.generator",
+            f"multi-turn episodes (rollout.max_turns={cfg.rollout.max_turns}) are sampled in-process; "
+            "set rollout.generator=hf or rollout.max_turns=1.",
+        )
     is_modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
     if cfg.rollout.importance_sampling not in is_modes:
         raise src.error(

@@ -23,7 +23,6 @@ if str(WORKER.parent) not in sys.path:  # the env class of the test, importable 
 #: Channels whose normalisers are global: dapo (token count), dr_grpo (B × longest completion),
 #: PRIME-RL's dppo (loss-token count), and a per-sequence mean (grpo).
 DP_YAML = """
-env: {class_path: dp_worker.VariedRewardEnv, init_args: {difficulty: trivial}}
 losses:
   dapo: {weight: 1.0}
   dr_grpo: {weight: 0.5}
@@ -31,6 +30,7 @@ losses:
   grpo: {weight: 0.25}
 """
 DP_OVERRIDES = [
+    "env={class_path: dp_worker.VariedRewardEnv, init_args: {difficulty: trivial}}",
     "rollout.prompts_per_step=4",
     "rollout.num_generations=4",
     "rollout.max_new_tokens=10",

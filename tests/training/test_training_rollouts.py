@@ -69,6 +69,8 @@ def test_unknown_generator_is_located(make_cfg):
     cfg, src = make_cfg("", "rollout.generator=sever")
     with pytest.raises(ComposerPluginsError, match="server"):
         build_generator(cfg, src)
+    with pytest.raises(ComposerPluginsError, match="rollout.generator: multi-turn"):
+        make_cfg("", "rollout.generator=server", "rollout.max_turns=2")
 
 
 # -- the server generator against the loopback server ------------------------------------------
