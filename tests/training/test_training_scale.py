@@ -25,15 +25,16 @@ from composer_plugins.training.train import build_env, load_policy_for
 POLICY_LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "dppo"]
 CRITERIA = ["jsd", "taid", "entropy_opd"]
 
+# the fixture's YAML has rollout and hints sections already (a repeated key is refused): override them
 PARITY = """
-rollout: {{prompts_per_step: 3, num_generations: 4, max_new_tokens: 10, temperature: 0.7}}
-hints: {{provider: {{name: template, reveal_answer: true}}}}
 replay: {{pairs_path: {pairs}, pairs_per_step: 3}}
 """
+PARITY_ROLLOUT = ("rollout.prompts_per_step=3", "rollout.num_generations=4", "rollout.max_new_tokens=10",
+                  "rollout.temperature=0.7")  # fmt: skip
 
 
 def _losses(policy: str, criterion: str | None, replay: str | None) -> list[str]:
-    over = [f"losses.grpo.name={policy}", "losses.grpo.weight=1.0"]
+    over = [*PARITY_ROLLOUT, f"losses.grpo.name={policy}", "losses.grpo.weight=1.0"]
     if policy in ("grpo", "bnpo", "dr_grpo", "dapo", "gspo"):
         over.append("losses.grpo.beta=0.04")  # the KL term and the reference model are live too
     if criterion is not None:
@@ -186,10 +187,11 @@ def wide_vocab_policy(make_cfg, tmp_path):
 
 
 def test_training_step_never_builds_rows_tokens_vocab(make_cfg, pairs_file, wide_vocab_policy):
-    model = f"\nmodel: {{name_or_path: {wide_vocab_policy}}}\nsft: {{enabled: false}}\n"
-    extra = PARITY.format(pairs=pairs_file) + model
     cfg, src = make_cfg(
-        extra,
+        PARITY.format(pairs=pairs_file),
+        f"model.name_or_path={wide_vocab_policy}",
+        "sft.enabled=false",
+        *PARITY_ROLLOUT,
         "rollout.prompts_per_step=4",
         "rollout.num_generations=8",
         "rollout.max_new_tokens=24",
@@ -248,8 +250,8 @@ def test_bf16_mixed_precision_trains_through_lightning(make_cfg, pairs_file):
     """``trainer.precision: bf16-mixed`` runs the step under Lightning's autocast (CPU here; a GPU in practice)."""
     from composer_plugins.training.train import run_train
 
-    cfg, src = make_cfg(PARITY.format(pairs=pairs_file), "trainer.precision=bf16-mixed", "trainer.max_steps=1",
-                        "trainer.checkpoint_every_n_steps=0")  # fmt: skip
+    cfg, src = make_cfg(PARITY.format(pairs=pairs_file), *PARITY_ROLLOUT, "trainer.precision=bf16-mixed",
+                        "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0")  # fmt: skip
     res = run_train(cfg, src)
     row = res.history[-1]
     assert row["train/hint_distill/skipped"] == 0.0 and row["train/grpo/skipped"] == 0.0
