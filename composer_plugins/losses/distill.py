@@ -18,6 +18,8 @@ key                       shape       meaning
 ``teacher_lm_head_weight`` (V, H)     optional, when the teacher's head differs
 ``student_logits``        (B, T, V)   materialised path (reference): student logits
 ``teacher_logits``        (B, T, V)   materialised path: teacher logits (detached)
+``hint_tokens_in_batch``  scalar      optional: hinted tokens of all data-parallel ranks / world size; the
+                                      rank's mean is rescaled to its share of the union-batch mean
 ``global_step``           int         optional (TAID): optimizer step for the linear target
 ``total_steps``           int         optional (TAID): total optimizer steps (else the channel's)
 ========================  ==========  =================================================================
@@ -223,6 +225,9 @@ class HintDistillChannel(LossChannel):
             metrics["empty"] = 1.0
             return loss, metrics
         metrics["empty"] = 0.0
+        n_global = g("hint_tokens_in_batch", model_outputs, batch)
+        if n_global is not None:  # data parallel: the mean over every rank's hinted tokens (÷ world size)
+            loss = loss * (n_tokens.to(loss.dtype) / max(float(n_global), 1.0))
         if stats is not None and stats.shape[1]:
             means = stats.float().mean(0)
             for i, key in enumerate(STAT_NAMES[self.criterion]):

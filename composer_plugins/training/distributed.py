@@ -81,21 +81,27 @@ def _collective_device() -> Any:
     return torch.device("cpu")
 
 
-def dp_normalisers(completion_mask: Any) -> dict[str, float]:
+def dp_normalisers(completion_mask: Any, hint_tokens: float | None = None) -> dict[str, float]:
     """Batch fields that make each rank's loss its share of the union-batch loss (empty with one rank).
 
     ``num_items_in_batch``: the loss-token count of all ranks divided by the world size (``dapo``,
     ``cispo`` and ``dppo``'s ``tokens`` normaliser); ``max_completion_length``: the widest completion
-    of any rank (``dr_grpo``'s default constant, the union batch's padded width).
+    of any rank (``dr_grpo``'s default constant, the union batch's padded width);
+    ``hint_tokens_in_batch`` (when ``hint_tokens`` is given, this rank's hinted-token count): all
+    ranks' hinted tokens divided by the world size (the hint-distillation mean).
     """
     _, size = world()
     if size == 1:
         return {}
-    tokens = float(completion_mask.sum().item())
-    width = float(completion_mask.shape[1])
-    (total,) = all_reduce([tokens])
-    (longest,) = all_reduce([width], op="max")
-    return {"num_items_in_batch": total / size, "max_completion_length": int(longest)}
+    counts = [float(completion_mask.sum().item())]
+    if hint_tokens is not None:
+        counts.append(float(hint_tokens))
+    totals = all_reduce(counts)
+    (longest,) = all_reduce([float(completion_mask.shape[1])], op="max")
+    out: dict[str, float] = {"num_items_in_batch": totals[0] / size, "max_completion_length": int(longest)}
+    if hint_tokens is not None:
+        out["hint_tokens_in_batch"] = totals[1] / size
+    return out
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

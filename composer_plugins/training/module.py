@@ -817,7 +817,8 @@ class ComposerModule(L.LightningModule):
         }
         # data parallel: the global token-count normalisers, so each rank's loss is its share of the
         # union batch's (no-op in one process)
-        batch.update(dp_normalisers(ro.completion_mask))
+        hinted = float(ro.completion_mask[rb.hint_rows].sum()) if rb.hint_rows else 0.0
+        batch.update(dp_normalisers(ro.completion_mask, hinted if self.needs_teacher else None))
         outputs: dict[str, Any] = {}
         out = completion_logprobs(
             self.policy,

@@ -21,13 +21,14 @@ if str(WORKER.parent) not in sys.path:  # the env class of the test, importable 
     sys.path.insert(0, str(WORKER.parent))
 
 #: Channels whose normalisers are global: dapo (token count), dr_grpo (B × longest completion),
-#: PRIME-RL's dppo (loss-token count), and a per-sequence mean (grpo).
+#: PRIME-RL's dppo (loss-token count), hint distillation (hinted tokens), and a per-sequence mean (grpo).
 DP_YAML = """
 losses:
   dapo: {weight: 1.0}
   dr_grpo: {weight: 0.5}
   dppo: {weight: 0.5}
   grpo: {weight: 0.25}
+  hint_distill: {weight: 0.5}
 """
 DP_OVERRIDES = [
     "env={class_path: dp_worker.VariedRewardEnv, init_args: {difficulty: trivial}}",
@@ -82,6 +83,7 @@ def _union(states: list[dict], pad: int) -> dict:
         return F.pad(t, (0, w - t.shape[1]), value=v)
 
     ros = [s["rollout"] for s in states]
+    offsets = [sum(r["completion_ids"].shape[0] for r in ros[:k]) for k in range(len(ros))]
     pw = max(r["prompt_ids"].shape[1] for r in ros)
     cw = max(r["completion_ids"].shape[1] for r in ros)
     n_prompts = 0
@@ -107,8 +109,8 @@ def _union(states: list[dict], pad: int) -> dict:
         "advantages": torch.cat([s["advantages"] for s in states]),
         "old_logprobs": None,
         "ref_logprobs": None,
-        "hint_rows": [],
-        "hint_contexts": [],
+        "hint_rows": [i + off for s, off in zip(states, offsets, strict=True) for i in s["hint_rows"]],
+        "hint_contexts": [c for s in states for c in s["hint_contexts"]],
     }
 
 
@@ -149,9 +151,11 @@ def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, 
     ddp_stats = full[0]["stats"][0]
     assert full[1]["stats"][0] == ddp_stats  # reduced once, the same on every rank
     assert abs(ddp_stats["loss"] - float(loss.detach())) <= 1e-6
-    for key in ("dapo/loss", "dr_grpo/loss", "dppo/loss", "grpo/loss"):
+    assert all(f["rollout"]["hint_rows"] for f in full)  # both ranks distil hinted rows
+    for key in ("dapo/loss", "dr_grpo/loss", "dppo/loss", "grpo/loss", "hint_distill/loss"):
         assert abs(ddp_stats[key] - stats[key]) <= 1e-6, key
     assert ddp_stats["completion_tokens"] == stats["completion_tokens"]
+    assert ddp_stats["hint/rows"] == stats["hint/rows"] > 0
     assert abs(stats["loss"]) > 1e-4  # a step with signal
     grads = {n: p.grad for n, p in module.policy.named_parameters() if p.grad is not None}
     assert grads.keys() == full[0]["grads"].keys()
