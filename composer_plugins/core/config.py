@@ -354,7 +354,7 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
             if k not in accepted and k not in entry.init_params:
                 raise cfg.error(
                     f"{key}.{k}" if key else k,
-                    f"{kind.removesuffix('s')} {target!r} has no argument {k!r} — remove it or use one of its "
+                    f"unknown argument of {kind.removesuffix('s')} {target!r} — remove it or use one of its "
                     "arguments.",
                     valid=sorted(accepted),
                 )

@@ -115,7 +115,7 @@ def test_config_errors_name_file_line_and_key(srv, tmp_path):
     with pytest.raises(ConfigError, match=r"bad.yaml:\d+: consensus.kk: unknown key.*Did you mean: 'k'"):
         run_from_file(bad)
     bad.write_text(text.replace("name: oracle", "name: oracel"))
-    with pytest.raises(ConfigError, match=r"(?s)bad.yaml:\d+: teachers.3: .*Did you mean: 'oracle'"):
+    with pytest.raises(ConfigError, match=r"(?s)bad.yaml:\d+: teachers.3.name: .*Did you mean: 'oracle'"):
         run_from_file(bad)
     bad.write_text(text.replace("max_tokens: 32", "max_tokenz: 32", 1))
     with pytest.raises(ConfigError, match=r"bad.yaml:\d+: teachers.0.max_tokenz: unknown .*Did you mean: 'max_tokens'"):

@@ -49,7 +49,7 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
     "checkpoint every -1": ({}, "!output_dir: {d}/run\ntrainer: {{max_steps: 1, checkpoint_every_n_steps: -1}}\n",
                             [], "cfg:2", "trainer.checkpoint_every_n_steps", ["must be >= 0, got -1", "— use 0"]),
     "misspelt env key": ({}, "env: {{name: gsm8k, difficuly: 2}}\n", [], "cfg:4", "env.difficuly",
-                         ["has no argument 'difficuly'", "Did you mean: 'difficulty'?"]),
+                         ["unknown argument of env 'gsm8k'", "Did you mean: 'difficulty'?"]),
     "bad env value": ({}, "env: {{name: gsm8k, difficulty: impossible}}\n", [], "cfg:4", "env.difficulty",
                       ["unknown difficulty 'impossible'", "— fix env.difficulty"]),
     "model path missing": ({}, "model: {{name_or_path: ./no/such/model}}\n", [], "cfg:4", "model.name_or_path",
