@@ -36,9 +36,9 @@ from typing import Any
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-#: Per-rank batch and budget of each scale.
+#: Per-rank batch and budget of each scale (tiny: the default config's rollout section).
 SCALES: dict[str, dict[str, Any]] = {
-    "tiny": {"prompts": 4, "generations": 8, "new_tokens": 32},
+    "tiny": {"prompts": 8, "generations": 8, "new_tokens": 32},
     "cpu-proxy": {"prompts": 2, "generations": 4, "new_tokens": 16},
 }
 
