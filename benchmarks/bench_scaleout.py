@@ -4,7 +4,7 @@
   ``trainer.devices=W`` ranks launched from outside as ``torchrun`` would, one torch thread each, at
   the *same per-rank batch* (``prompts_per_step = W × per-rank prompts``). Each rank draws its own
   share of the step's prompts, so two ranks should do twice the work per step in about the same
-  time. Measured: median step time (between consecutive batch starts, after a warm-up step),
+  time. Measured: median step time (between consecutive batch starts, after two warm-up steps),
   prompts/s and completion tokens/s of the whole step (all ranks), at the embedded tiny default and
   at the CPU scale proxy (``models.tiny.MODEL_SHAPES["cpu-proxy"]``: the real 151,936-token
   vocabulary with a tiny body). The 1- and 2-process runs alternate in rounds; the ratio is the
@@ -41,6 +41,10 @@ SCALES: dict[str, dict[str, Any]] = {
     "tiny": {"prompts": 8, "generations": 8, "new_tokens": 32},
     "cpu-proxy": {"prompts": 2, "generations": 4, "new_tokens": 16},
 }
+
+
+#: Untimed steps at the start of every run (allocator, caches and, with 2 ranks, the first collectives).
+WARMUP_STEPS = 2
 
 
 def _cache() -> str:
@@ -97,9 +101,10 @@ def worker(spec_path: str, rank: int) -> None:
     t0 = time.perf_counter()
     run_train(cfg, src, extra_callbacks=[Timer()])
     if rank == 0:
-        # between consecutive batch starts (the last step: to its end); the first step is warm-up
-        steps = [b - a for a, b in itertools.pairwise([*starts[1:], ends[-1]])]
-        out = {"step_s": steps, "tokens": tokens[1:], "total_s": time.perf_counter() - t0}
+        # between consecutive batch starts (the last step: to its end), after the warm-up steps
+        w = int(spec.get("warmup", WARMUP_STEPS))
+        steps = [b - a for a, b in itertools.pairwise([*starts[w:], ends[-1]])]
+        out = {"step_s": steps, "tokens": tokens[w:], "total_s": time.perf_counter() - t0}
         Path(spec["out"]).write_text(json.dumps(out))
 
 
@@ -118,7 +123,7 @@ def _timed_run(tmp: Path, model: str | None, scale: dict[str, Any], world: int, 
         f"rollout.prompts_per_step={scale['prompts'] * world}",
         f"rollout.num_generations={scale['generations']}",
         f"rollout.max_new_tokens={scale['new_tokens']}",
-        f"trainer.max_steps={steps + 1}",
+        f"trainer.max_steps={steps + WARMUP_STEPS}",
         f"trainer.devices={world}",
         "trainer.dist_timeout_s=300",
     ]
@@ -197,7 +202,7 @@ def _rollouts(tmp: Path, model: str, quick: bool) -> dict[str, Any]:
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns ``{"name", "results", "ratios", "targets"}``."""
-    steps = 3 if quick else 6
+    steps = 4 if quick else 8
     rounds = 1 if quick else 3
     results: dict[str, Any] = {}
     ratios: dict[str, float] = {}
