@@ -42,10 +42,10 @@ def _best_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tupl
 
 
 def _bench_trl(quick: bool, repeats: int) -> dict[str, float]:
+    from composer_plugins_trl.backend import ComposerGRPOTrainer
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from composer_plugins.backends.trl import ComposerGRPOTrainer
     from composer_plugins.models.tiny import TinyModelConfig, build_tiny_model, load_policy
 
     corpus = [f"Q: {a}+{b}=? A: {a + b}" for a in range(20) for b in range(20)]
@@ -81,9 +81,8 @@ def _bench_trl(quick: bool, repeats: int) -> dict[str, float]:
 
 
 def _bench_verl(quick: bool, repeats: int) -> dict[str, float]:
+    from composer_plugins_verl import backend as CV
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
-    from composer_plugins.backends import verl as CV
 
     B, T = (64, 512) if quick else (128, 1024)
     g = torch.Generator().manual_seed(0)
@@ -110,7 +109,8 @@ def _bench_verl(quick: bool, repeats: int) -> dict[str, float]:
 
 
 def _bench_prime(quick: bool, repeats: int) -> dict[str, float]:
-    from composer_plugins.backends import prime_rl as P
+    from composer_plugins_prime_rl import backend as P
+
     from composer_plugins.losses import functional as F
 
     B, T = (32, 256) if quick else (128, 1024)

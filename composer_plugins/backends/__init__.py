@@ -1,12 +1,13 @@
-"""Built-in backends of composer-plugins (registered by :mod:`composer_plugins.backends.plugin`).
+"""Backends of composer-plugins: the built-in ``lightning`` one and what every backend shares.
 
-One module per backend, each imported only when that backend is used:
+- :mod:`~composer_plugins.backends.lightning`: the native ``ComposerModule`` path (registered by
+  :mod:`composer_plugins.backends.plugin`, which also adds ``composer-plugins backend info|run|export``);
+- :mod:`~composer_plugins.backends.base`: the ``Backend`` base class, config loading and metric helpers;
+- :mod:`~composer_plugins.backends.rollout`: the in-process policy, env, task draws, rollouts and
+  optimizer step an upstream backend reuses.
 
-- :mod:`~composer_plugins.backends.lightning`: the native ``ComposerModule`` path;
-- :mod:`~composer_plugins.backends.trl`: ``ComposerGRPOTrainer``, a ``trl.GRPOTrainer`` whose loss is the channels;
-- :mod:`~composer_plugins.backends.verl`: our losses in VeRL's ``core_algos`` registries;
-- :mod:`~composer_plugins.backends.prime_rl`: a PRIME-RL ``[trainer.loss] type = "custom"`` loss;
-- :mod:`~composer_plugins.backends.monarch`: Generator / Rewarder / Trainer actors on a Monarch mesh.
-
-See ``docs/backends.md``.
+The backends that need an upstream library ship in their own distributions, each registering its
+backend through its own ``composer_plugins`` entry point: ``composer-plugins-trl``
+(``composer_plugins_trl``), ``composer-plugins-verl``, ``composer-plugins-prime-rl`` and
+``composer-plugins-monarch``. See ``docs/backends.md``.
 """

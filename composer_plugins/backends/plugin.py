@@ -1,14 +1,12 @@
-"""Default plugin: registers the built-in backends through the public ``register_backends`` hook.
+"""Default plugin: the ``lightning`` backend and the ``composer-plugins backend`` commands.
 
-Every backend is registered lazily (a ``"module:attr"`` string plus a description), so
-``composer-plugins list backends`` never imports an upstream library. ``requires`` names the
-upstream import, ``install`` the command that brings it: ``composer-plugins list backends``
-shows a backend whose upstream is missing as ``[not installed: <command>]``, and building it
-raises :class:`~composer_plugins.core.errors.MissingDependencyError` with that command.
-
-The separate distributions ``composer-plugins-<backend>`` (``packages/``) declare no
-``composer_plugins`` entry point: this plugin already registers every backend, so they only
-bring the tested upstream versions (and, for VeRL, a ``verl.plugins`` entry point).
+Backends that need an upstream library ship in their own distributions (``packages/``):
+``composer-plugins-trl``, ``-verl``, ``-prime-rl`` and ``-monarch`` each register their backend
+through their own ``composer_plugins`` entry point, lazily (a ``"module:attr"`` string), so
+``composer-plugins list backends`` never imports an upstream library. A known backend whose
+distribution is not installed is still listed, as ``[not installed: pip install composer-plugins-<name>]``
+(:data:`~composer_plugins.core.registry.KNOWN_BACKENDS`), and asking for it by name raises an
+"unknown backend" error with the same command.
 """
 
 from __future__ import annotations
@@ -16,61 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 from composer_plugins.core.hookspecs import hookimpl
-from composer_plugins.core.registry import KNOWN_BACKENDS
-
-#: PRIME-RL is not on PyPI; it installs from its source tree with uv (Python 3.12), and the loss
-#: distribution goes into that environment.
-PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
-PRIME_RL_INSTALL = (
-    "git clone https://github.com/PrimeIntellect-ai/prime-rl && cd prime-rl && uv sync --all-extras && "
-    "uv pip install composer-plugins-prime-rl"
-)
-
-#: name -> (target, description, requires, install, aliases)
-BUILTIN_BACKENDS: dict[str, tuple[str, str, tuple[str, ...], str, tuple[str, ...]]] = {
-    "lightning": (
-        "composer_plugins.backends.lightning:LightningBackend",
-        "Native path: the composed channels in ComposerModule, trained by a Lightning Trainer.",
-        ("lightning",),
-        "pip install composer-plugins",
-        ("native",),
-    ),
-    "trl": (
-        "composer_plugins.backends.trl:TRLBackend",
-        "trl.GRPOTrainer subclass whose loss is the composed channels (TRL generation, rewards, advantages).",
-        ("trl",),
-        KNOWN_BACKENDS["trl"],
-        (),
-    ),
-    "verl": (
-        "composer_plugins.backends.verl:VeRLBackend",
-        "Our policy losses and advantage estimators in VeRL's own registries (loss_mode=composer_*).",
-        ("verl",),
-        KNOWN_BACKENDS["verl"],
-        (),
-    ),
-    "prime_rl": (
-        "composer_plugins.backends.prime_rl:PrimeRLBackend",
-        'PRIME-RL custom loss ([trainer.loss] type = "custom") composed from our channels, per-sample contract.',
-        ("prime_rl",),
-        PRIME_RL_INSTALL,
-        ("prime-rl", "primerl"),
-    ),
-    "monarch": (
-        "composer_plugins.backends.monarch:MonarchBackend",
-        "Generator, Rewarder and Trainer actors on a Monarch process mesh; the trainer applies the composed loss.",
-        ("monarch",),
-        KNOWN_BACKENDS["monarch"],
-        (),
-    ),
-}
 
 
 @hookimpl
 def register_backends(register: Any) -> None:
-    """Register the built-in backends."""
-    for name, (target, description, requires, install, aliases) in BUILTIN_BACKENDS.items():
-        register(name, target, description, requires=list(requires), install=install, aliases=aliases)
+    """Register the built-in ``lightning`` backend (alias ``native``)."""
+    register(
+        "lightning",
+        "composer_plugins.backends.lightning:LightningBackend",
+        "Native path: the composed channels in ComposerModule, trained by a Lightning Trainer.",
+        requires=["lightning"],
+        install="pip install composer-plugins",
+        aliases=("native",),
+    )
 
 
 @hookimpl
@@ -91,10 +47,12 @@ def register_commands(cli: Any) -> None:
         from composer_plugins.core.plugins import get_registry
 
         reg = get_registry()
-        names = [name] if name else [n for n in reg.names("backends")]
+        if name:
+            entries = [reg.get("backends", name)]
+        else:
+            entries = sorted([*reg.entries("backends"), *reg.not_installed("backends")], key=lambda e: e.name)
         out = []
-        for n in names:
-            e = reg.get("backends", n)
+        for e in entries:
             row: dict[str, Any] = {"name": e.name, "available": e.available, "install": e.install}
             if e.available:
                 cls = e.factory

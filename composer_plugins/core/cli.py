@@ -77,10 +77,12 @@ def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
     """
     from composer_plugins.core.errors import UnknownPluginError
     from composer_plugins.core.plugins import get_registry
+    from composer_plugins.core.registry import KINDS
 
     reg = get_registry()
     try:
-        entries = reg.entries(kind, pattern)
+        entries = sorted([*reg.entries(kind, pattern), *reg.not_installed(kind, pattern)],
+                         key=lambda e: (list(KINDS).index(e.kind), e.name))  # fmt: skip
     except UnknownPluginError as e:
         raise click.UsageError(str(e)) from e
     if as_json:

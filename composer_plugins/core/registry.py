@@ -125,6 +125,23 @@ class RegistryEntry:
         return self.factory(*args, **params)
 
 
+@dataclass(frozen=True)
+class NotInstalledEntry(RegistryEntry):
+    """A known backend whose distribution is not installed (or not loaded): listed, never built.
+
+    :meth:`Registry.not_installed` makes these from :data:`KNOWN_BACKENDS`; ``distribution`` is the
+    distribution that brings the backend and ``install`` the command that installs it.
+    """
+
+    @property
+    def missing(self) -> list[str]:
+        return [self.distribution]
+
+    @property
+    def factory(self) -> Callable[..., Any]:
+        raise MissingDependencyError(self.kind, self.name, self.missing, self.install or "")
+
+
 def _resolve(target: str, what: str) -> Callable[..., Any]:
     module, _, attr = target.partition(":")
     try:
@@ -273,6 +290,23 @@ class Registry:
                 if pattern and not _match(n, pattern):
                     continue
                 out.append(self._entries[k][n])
+        return out
+
+    def not_installed(self, kind: str | None = None, pattern: str | None = None) -> list[NotInstalledEntry]:
+        """Known backends (:data:`KNOWN_BACKENDS`) that no loaded plugin registered, with their install command.
+
+        ``composer-plugins list backends`` shows them as ``[not installed: <command>]``; they are not
+        :meth:`entries` (nothing can build them).
+        """
+        if kind is not None and normalize_kind(kind) != "backends":
+            return []
+        out = []
+        for name, install in sorted(KNOWN_BACKENDS.items()):
+            if ("backends", name) in self or (pattern and not _match(name, pattern)):
+                continue
+            dist = install.split()[-1]
+            desc = f"The {name} backend, in the separate distribution {dist}."
+            out.append(NotInstalledEntry(name, "backends", f"{dist}:?", desc, "", dist, "", install=install))
         return out
 
     def __iter__(self) -> Iterator[RegistryEntry]:

@@ -1,8 +1,29 @@
-"""Fixtures for the backend tests: a tiny Qwen2 policy with a locally trained tokenizer (built once)."""
+"""Fixtures for the backend tests: the backend distributions' entry points, a tiny Qwen2 policy.
+
+The root conftest turns third-party plugin autoload off; the upstream backends (trl, verl, prime_rl,
+monarch) live in their own distributions (``packages/``) and register through their ``composer_plugins``
+entry points, so every test here loads exactly those four (and nothing else that happens to be installed).
+"""
 
 from __future__ import annotations
 
 import pytest
+
+from composer_plugins.core import plugins
+
+#: The distributions that bring the upstream backends (``packages/composer-plugins-<backend>``).
+BACKEND_DISTRIBUTIONS = ("composer-plugins-trl", "composer-plugins-verl", "composer-plugins-prime-rl",
+                         "composer-plugins-monarch")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def backend_entry_points(monkeypatch):
+    """Load the backend distributions' entry points (only those) in this process and its children."""
+    monkeypatch.setenv(plugins.LOAD_ENV, ",".join(BACKEND_DISTRIBUTIONS))
+    plugins.reset()
+    yield plugins
+    plugins.reset()
+
 
 CORPUS = [f"Q: {a}+{b}=? A: {a + b}" for a in range(25) for b in range(25)]
 

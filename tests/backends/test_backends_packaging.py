@@ -1,4 +1,9 @@
-"""Backend registration, lazy upstream imports, `composer-plugins list backends`, and the per-backend distributions."""
+"""Backend registration, lazy upstream imports, `composer-plugins list backends`, and the per-backend distributions.
+
+The core distribution holds the ``lightning`` backend; trl, verl, prime_rl and monarch each live in their own
+``packages/composer-plugins-<backend>`` distribution and register through its ``composer_plugins`` entry point
+(loaded here by the autouse fixture of ``tests/backends/conftest.py``).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from composer_plugins.core.errors import MissingDependencyError
-from composer_plugins.core.plugins import build_registry
+from composer_plugins.core import plugins
+from composer_plugins.core.errors import MissingDependencyError, UnknownPluginError
 from composer_plugins.core.registry import KNOWN_BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,16 +36,20 @@ def _pyproject(dist: str) -> dict:
     return tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())
 
 
-def test_every_backend_is_registered_through_the_public_hook(fresh_pm):
-    reg = build_registry(fresh_pm)
+def test_every_backend_is_registered_through_the_public_hook_of_its_distribution():
+    reg = plugins.get_registry()
     assert set(BACKENDS) <= set(reg.names("backends"))
-    for name in BACKENDS:
+    e = reg.get("backends", "lightning")  # the one backend of the core distribution
+    assert (e.plugin, e.distribution) == ("composer_plugins.backends.plugin", "composer-plugins")
+    assert e.target == "composer_plugins.backends.lightning:LightningBackend"
+    for dist, (module, _upstream, name) in DISTRIBUTIONS.items():
         e = reg.get("backends", name)
-        assert e.plugin == "composer_plugins.backends.plugin"
-        assert isinstance(e.target, str) and e.target.startswith(f"composer_plugins.backends.{name}:")
-        assert e.requires and e.description
-        if name in KNOWN_BACKENDS:
-            assert KNOWN_BACKENDS[name] in e.install
+        # provenance is the package's own entry point, not the core distribution
+        assert (e.plugin, e.distribution, e.version) == (module, dist, md.version(dist))
+        assert isinstance(e.target, str) and e.target.startswith(f"{module}.backend:")
+        assert e.factory.__module__ == f"{module}.backend"  # the adapter ships in the package
+        assert e.requires == (name,) and e.description
+        assert KNOWN_BACKENDS[name] in e.install
     assert reg.get("backends", "prime-rl").name == "prime_rl"
 
 
@@ -53,7 +62,7 @@ def test_listing_backends_imports_no_upstream_library():
         "print('HEAVY', heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-                         env={"COMPOSER_PLUGINS_LOAD": "", "PATH": "/usr/bin:/bin"})  # fmt: skip
+                         env={"COMPOSER_PLUGINS_LOAD": ",".join(DISTRIBUTIONS), "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["name"]: r for r in json.loads(out.stdout[: out.stdout.rindex("HEAVY")])}
     assert "HEAVY []" in out.stdout
@@ -65,18 +74,19 @@ def test_listing_backends_imports_no_upstream_library():
     assert "pip install composer-plugins-prime-rl" in pr["install"] and "prime-rl" in pr["install"]
 
 
-def test_missing_upstream_shows_the_install_command_in_list_and_build(fresh_pm, monkeypatch):
+def test_missing_upstream_shows_the_install_command_in_list_and_build(monkeypatch):
     from click.testing import CliRunner
 
-    from composer_plugins.core import cli, plugins
+    from composer_plugins.core import cli
 
-    reg = build_registry(fresh_pm)
+    pm = plugins.get_plugin_manager()
+    reg = plugins.build_registry(pm)
     for name in ("trl", "verl", "monarch"):  # pretend the upstream is missing
         e = reg.get("backends", name)
         reg.register("backends", name, e.target, e.description, requires=[f"{name}_not_installed_xyz"],
                      install=e.install, override=True)  # fmt: skip
     monkeypatch.setattr(plugins, "_registry", reg)
-    monkeypatch.setattr(plugins, "_pm", fresh_pm)
+    monkeypatch.setattr(plugins, "_pm", pm)
     res = CliRunner().invoke(cli.cli, ["list", "backends", "--json"])
     rows = {r["name"]: r for r in json.loads(res.output)}
     for name in ("trl", "verl", "monarch"):
@@ -85,6 +95,39 @@ def test_missing_upstream_shows_the_install_command_in_list_and_build(fresh_pm, 
             reg.get("backends", name).build()
     wide = CliRunner().invoke(cli.cli, ["list", "backends"], terminal_width=400, env={"COLUMNS": "400"})
     assert "[not installed: pip install composer-plugins-trl]" in wide.output
+
+
+def test_a_backend_distribution_not_installed_is_listed_with_its_pip_command(monkeypatch):
+    """Without its distribution (here: its entry point not loaded) a backend is still listed, and asking for it
+    by name, to build or to run, names the pip command that brings it."""
+    from click.testing import CliRunner
+
+    from composer_plugins.core.cli import load_commands
+
+    monkeypatch.setenv(plugins.LOAD_ENV, "")
+    plugins.reset()
+    reg = plugins.get_registry()
+    assert reg.names("backends") == ["lightning"]
+    cli = load_commands()
+    res = CliRunner().invoke(cli, ["list", "backends", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["name"]: r for r in json.loads(res.output)}
+    assert set(rows) == {"lightning", *KNOWN_BACKENDS}
+    for name, install in KNOWN_BACKENDS.items():
+        assert rows[name]["available"] is False and rows[name]["install"] == install
+        assert rows[name]["distribution"] == install.split()[-1]
+    wide = CliRunner().invoke(cli, ["list", "backends"], terminal_width=400, env={"COLUMNS": "400"})
+    for install in KNOWN_BACKENDS.values():
+        assert f"[not installed: {install}]" in wide.output
+    from composer_plugins import build
+
+    with pytest.raises(UnknownPluginError, match="pip install composer-plugins-trl"):
+        build("backends", "trl")
+    res = CliRunner().invoke(cli, ["backend", "run", "trl"])
+    assert res.exit_code == 2 and "pip install composer-plugins-trl" in res.output
+    res = CliRunner().invoke(cli, ["backend", "info"])
+    info = {r["name"]: r for r in json.loads(res.output)}
+    assert info["monarch"] == {"name": "monarch", "available": False, "install": KNOWN_BACKENDS["monarch"]}
 
 
 @pytest.mark.parametrize("dist", sorted(DISTRIBUTIONS))
@@ -115,11 +158,55 @@ def test_distribution_is_installed_and_pins_a_tested_upstream_range(dist):
 
 
 def test_entry_points_of_the_distributions():
-    eps = {(ep.group, ep.name): ep.value for ep in md.distribution("composer-plugins-verl").entry_points}
-    assert eps == {("verl.plugins", "composer_plugins"): "composer_plugins_verl"}
-    for dist in DISTRIBUTIONS:  # the built-in backends plugin registers the backends: no second registration
-        groups = {ep.group for ep in md.distribution(dist).entry_points}
-        assert "composer_plugins" not in groups, dist
+    """Each distribution registers its backend through its own ``composer_plugins`` entry point; verl's also
+    loads the adapter into VeRL's registries (``verl.plugins``)."""
+    for dist, (module, _upstream, _name) in DISTRIBUTIONS.items():
+        eps = {(ep.group, ep.name): ep.value for ep in md.distribution(dist).entry_points}
+        expected = {("composer_plugins", module): f"{module}.plugin"}
+        if dist == "composer-plugins-verl":
+            expected[("verl.plugins", "composer_plugins")] = "composer_plugins_verl.backend"
+        assert eps == expected, dist
+        assert _pyproject(dist)["project"]["entry-points"]["composer_plugins"] == {module: f"{module}.plugin"}
+    core_groups = {ep.group for ep in md.distribution("composer-plugins").entry_points}
+    assert "composer_plugins" not in core_groups  # the core's backends plugin is a built-in default
+
+
+def _wheel(src: Path, parts: list[str], tmp: Path) -> tuple[set[str], str]:
+    """Build the wheel of a copy of ``src`` (its ``parts`` only, so the tree gets no build/ directory).
+
+    Returns the wheel's file names and its ``entry_points.txt``.
+    """
+    import shutil
+    import zipfile
+
+    work = tmp / "src"
+    for part in parts:
+        if (src / part).is_dir():
+            shutil.copytree(src / part, work / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            work.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src / part, work / part)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                          str(tmp / "wheels"), str(work)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    (whl,) = (tmp / "wheels").glob("*.whl")
+    with zipfile.ZipFile(whl) as z:
+        names = set(z.namelist())
+        ep = next((n for n in names if n.endswith(".dist-info/entry_points.txt")), None)
+        return names, z.read(ep).decode() if ep else ""
+
+
+@pytest.mark.slow
+def test_the_core_wheel_holds_no_upstream_adapter_and_each_package_wheel_holds_its_own(tmp_path):
+    core, core_eps = _wheel(ROOT, ["composer_plugins", "pyproject.toml", "README.md"], tmp_path / "core")
+    backends = {f.rsplit("/", 1)[-1] for f in core if f.startswith("composer_plugins/backends/")}
+    assert backends == {"__init__.py", "base.py", "lightning.py", "plugin.py", "rollout.py"}
+    assert "[composer_plugins]" not in core_eps
+    for dist, (module, _upstream, _name) in DISTRIBUTIONS.items():
+        src = ROOT / "packages" / dist
+        files, eps = _wheel(src, [module, "pyproject.toml", "README.md"], tmp_path / dist)
+        assert {f"{module}/__init__.py", f"{module}/backend.py", f"{module}/plugin.py"} <= files, dist
+        assert f"[composer_plugins]\n{module} = {module}.plugin" in eps, (dist, eps)
 
 
 def test_constraints_pin_a_combination_every_distribution_accepts():

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from composer_plugins_prime_rl import backend as P
 from torch import Tensor
 
-from composer_plugins.backends import prime_rl as P
 from composer_plugins.losses import functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,8 +145,9 @@ def test_example_toml_wires_our_loss_the_way_prime_rl_does():
     out = custom_fn(s, **loss_cfg["kwargs"])
     torch.testing.assert_close(out.loss, F.dppo_kl_loss(s.trainer_logprobs, s.inference_logprobs, s.advantages,
                                                          s.loss_mask).loss)  # fmt: skip
-    # the distribution's module is an equivalent import path
-    assert import_object("composer_plugins_prime_rl.loss_fn") is P.loss_fn
+    # the import path is the distribution's package (lazy: it loads the backend module on first use)
+    assert loss_cfg["import_path"] == P.IMPORT_PATH == "composer_plugins_prime_rl.loss_fn"
+    assert import_object("composer_plugins_prime_rl.backend.loss_fn") is P.loss_fn
 
 
 def test_backend_toml_and_refusals(tmp_path):

@@ -85,7 +85,7 @@ def test_verl_backend_local_mode_runs_verls_loss_path(make_config, tiny_model_di
 
 
 def test_prime_rl_backend_local_mode(make_config, tiny_model_dir):
-    from composer_plugins.backends.prime_rl import PrimeRLBackend
+    from composer_plugins_prime_rl.backend import PrimeRLBackend
 
     # prime_rl itself is not installable here, so the registry entry reports it missing; the local mode
     # (the loss contract + PRIME-RL's aggregation, no prime_rl import) is constructed directly.

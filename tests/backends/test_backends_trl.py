@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("trl")
 
+from composer_plugins_trl.backend import ComposerGRPOTrainer
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from composer_plugins.backends.trl import ComposerGRPOTrainer
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.models.tiny import load_policy
 

@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("verl")
 
+from composer_plugins_verl import backend as CV
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import agg_loss, get_adv_estimator_fn, get_policy_loss_fn
 
-from composer_plugins.backends import verl as CV
 from composer_plugins.losses import functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,11 +188,12 @@ def test_plain_import_verl_registers_through_the_distributions_entry_point():
         "from verl.trainer.ppo.core_algos import get_policy_loss_fn, get_adv_estimator_fn\n"
         "assert get_policy_loss_fn('composer_dppo').__name__ == 'composer_dppo_policy_loss'\n"
         "assert get_adv_estimator_fn('composer_grpo')\n"
-        "print('ok', 'composer_plugins_verl' in sys.modules)\n"
+        "print('ok', 'composer_plugins_verl.backend' in sys.modules)\n"
     )
     envs = [
         {},
-        {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "composer_plugins.backends.verl"},
+        {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "composer_plugins_verl.backend"},
+        {"VERL_USE_EXTERNAL_PLUGINS": "none"},  # neither: our names are not in VeRL's registries
     ]
     procs = [
         subprocess.Popen(
@@ -212,10 +213,11 @@ def test_plain_import_verl_registers_through_the_distributions_entry_point():
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (_out, err) in zip(procs, outs, strict=True):
+    for p, (_out, err) in zip(procs[:2], outs[:2], strict=True):
         assert p.returncode == 0, err[-2000:]
     assert "ok True" in outs[0][0]  # loaded through the distribution's verl.plugins entry point
-    assert "ok False" in outs[1][0]  # loaded through VERL_USE_EXTERNAL_MODULES only
+    assert "ok True" in outs[1][0]  # loaded through VERL_USE_EXTERNAL_MODULES
+    assert procs[2].returncode != 0 and "composer_dppo" in outs[2][1], outs[2][1][-2000:]
 
 
 def test_example_config_composes_validates_and_selects_our_loss():

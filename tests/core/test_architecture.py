@@ -4,6 +4,10 @@ A small AST walk over ``composer_plugins/``: every ``import``/``from ... import`
 (function-level and ``TYPE_CHECKING`` imports included) that names another package of the project must
 be allowed by :data:`ALLOWED`; no package imports another's private names (``_x``) or private modules;
 and the kernel (``core/`` and the package root) imports nothing beyond the stdlib, pluggy, yaml and click.
+
+The backend distributions under ``packages/`` (``composer_plugins_trl`` ...) are walked too, as backends that
+live outside: they may import what ``backends`` may (and ``backends`` itself), and no private name or module
+of ``composer_plugins`` at all.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "composer_plugins"
+#: the separate distributions that hold the upstream backends
+DISTS = ROOT / "packages"
 
 KINDS = {"losses", "models", "envs", "teachers", "backends"}
 #: package -> the project packages it may import (besides itself). ``models`` may use the chunked
@@ -43,10 +49,16 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def violations(rel: Path, source: str) -> list[str]:
-    """Every import of ``source`` (the module at ``composer_plugins/<rel>``) that breaks the map."""
-    pkg = _package(rel)
-    modparts = ["composer_plugins", *rel.with_suffix("").parts]
+def violations(rel: Path, source: str, external: str | None = None) -> list[str]:
+    """Every import of ``source`` (the module at ``composer_plugins/<rel>``) that breaks the map.
+
+    ``external``: ``source`` is the module at ``<external>/<rel>`` of a backend distribution (``packages/``),
+    checked as a backend outside the core: every ``composer_plugins`` package it imports is foreign to it.
+    """
+    pkg = "backends" if external else _package(rel)
+    allowed = ALLOWED[pkg] | ({pkg} if external else set())
+    modparts = [*([] if external else ["composer_plugins"]), *rel.with_suffix("").parts]
+    label = f"{external}/{rel.as_posix()}" if external else f"composer_plugins/{rel.as_posix()}"
     if modparts[-1] == "__init__":
         modparts = modparts[:-1]
     is_pkg_init = rel.name == "__init__.py"
@@ -54,7 +66,7 @@ def violations(rel: Path, source: str) -> list[str]:
     foreign_modules: set[str] = set()  # local names bound to another package's modules
 
     def check(target: str, names: list[str], lineno: int) -> None:
-        where = f"composer_plugins/{rel.as_posix()}:{lineno}"
+        where = f"{label}:{lineno}"
         parts = target.split(".")
         if parts[0] != "composer_plugins":
             if pkg == "core" and parts[0] not in sys.stdlib_module_names and parts[0] not in KERNEL_THIRD_PARTY:
@@ -66,10 +78,10 @@ def violations(rel: Path, source: str) -> list[str]:
                     check(f"composer_plugins.{n}", [], lineno)
             return
         other = parts[1] if parts[1] in ALLOWED else "core"
-        if other == pkg:
+        if other == pkg and not external:
             return
-        if other not in ALLOWED[pkg]:
-            out.append(f"{where}: {pkg} imports {target} ({pkg} may import: {sorted(ALLOWED[pkg]) or 'nothing'})")
+        if other not in allowed:
+            out.append(f"{where}: {pkg} imports {target} ({pkg} may import: {sorted(allowed) or 'nothing'})")
         if any(_private(p) for p in parts[2:]):
             out.append(f"{where}: {pkg} imports the private module {target}")
         for n in names:
@@ -91,7 +103,7 @@ def violations(rel: Path, source: str) -> list[str]:
             names = [a.name for a in node.names]
             check(target, names, node.lineno)
             t = target.split(".")
-            if t[0] == "composer_plugins" and len(t) > 1 and t[1] != pkg:
+            if t[0] == "composer_plugins" and len(t) > 1 and (t[1] != pkg or external):
                 foreign_modules.update(a.asname or a.name for a in node.names if not _private(a.name))
     for node in ast.walk(tree):
         if (
@@ -101,8 +113,7 @@ def violations(rel: Path, source: str) -> list[str]:
             and _private(node.attr)
         ):
             out.append(
-                f"composer_plugins/{rel.as_posix()}:{node.lineno}: {pkg} uses the private name "
-                f"{node.value.id}.{node.attr} of another package"
+                f"{label}:{node.lineno}: {pkg} uses the private name {node.value.id}.{node.attr} of another package"
             )
     return out
 
@@ -111,6 +122,17 @@ def test_imports_point_down_only():
     found: list[str] = []
     for path in sorted(PKG.rglob("*.py")):
         found += violations(path.relative_to(PKG), path.read_text())
+    assert not found, "imports that break the package map:\n  " + "\n  ".join(found)
+
+
+def test_backend_distributions_use_only_public_names_of_composer_plugins():
+    found: list[str] = []
+    modules = sorted(DISTS.glob("*/composer_plugins_*/**/*.py"))
+    assert {p.parent.name for p in modules} >= {"composer_plugins_trl", "composer_plugins_verl",
+                                                "composer_plugins_prime_rl", "composer_plugins_monarch"}  # fmt: skip
+    for path in modules:
+        dist = path.relative_to(DISTS).parts[0]
+        found += violations(path.relative_to(DISTS / dist), path.read_text(), external=f"packages/{dist}")
     assert not found, "imports that break the package map:\n  " + "\n  ".join(found)
 
 
@@ -141,3 +163,13 @@ def test_the_check_catches_upward_private_and_kernel_imports():
         Path("core/x.py"), "import json, pluggy, yaml, click\nfrom composer_plugins import __version__\n"
     )
     assert not violations(Path("pipeline/x.py"), "from composer_plugins.diloco.launch import launch\n")
+    # a backend distribution: public names of backends/training are fine, private ones and upward imports are not
+    ext = "packages/composer-plugins-x"
+    ok = "from composer_plugins.backends import rollout\nfrom composer_plugins.backends.base import Backend\n"
+    assert not violations(Path("cp_x/backend.py"), ok + "from . import plugin\n", ext)
+    found = violations(Path("cp_x/backend.py"), "from composer_plugins.backends import _rollout\n", ext)
+    assert found == ["packages/composer-plugins-x/cp_x/backend.py:1: backends imports the private name "
+                     "composer_plugins.backends._rollout"]  # fmt: skip
+    found = violations(Path("cp_x/backend.py"), "import os\nfrom composer_plugins.backends import base\nbase._x\n", ext)
+    assert found and ":3:" in found[0] and "base._x" in found[0]
+    assert violations(Path("cp_x/backend.py"), "from composer_plugins.pipeline import stages\n", ext)

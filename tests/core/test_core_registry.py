@@ -73,6 +73,23 @@ def test_unknown_known_backend_gives_pip_command():
     assert "lightning" in str(ei.value)
 
 
+def test_known_backends_not_registered_are_listed_with_their_pip_command():
+    from composer_plugins.core.errors import MissingDependencyError
+    from composer_plugins.core.registry import KNOWN_BACKENDS
+
+    reg = Registry()
+    reg.register("backends", "lightning", Widget)
+    reg.register("backends", "trl", Widget, requires=["json"])  # as if composer-plugins-trl were loaded
+    missing = {e.name: e for e in reg.not_installed("backends")}
+    assert set(missing) == set(KNOWN_BACKENDS) - {"trl"}
+    v = missing["verl"]
+    assert not v.available and v.install == KNOWN_BACKENDS["verl"] and v.distribution == "composer-plugins-verl"
+    with pytest.raises(MissingDependencyError, match="pip install composer-plugins-verl"):
+        v.build()
+    assert [e.name for e in reg.not_installed("backends", "ver")] == ["verl"]
+    assert reg.not_installed("losses") == [] and "verl" not in reg.names("backends")
+
+
 def test_lazy_factory_string_is_imported_on_build_only():
     reg = Registry()
     e = reg.register("teachers", "od", "collections:OrderedDict", "An ordered dict.")

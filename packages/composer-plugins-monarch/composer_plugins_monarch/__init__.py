@@ -1,7 +1,8 @@
-"""composer-plugins-monarch: installs the tested torchmonarch range for the ``monarch`` backend.
+"""composer-plugins-monarch: the ``monarch`` backend of composer-plugins.
 
-The actors live in :mod:`composer_plugins.backends.monarch` and are registered by the built-in
-backends plugin of composer-plugins; this package only pins the upstream.
+:mod:`composer_plugins_monarch.backend` holds the Generator, Rewarder and Trainer actors and
+``MonarchBackend``; :mod:`composer_plugins_monarch.plugin` registers the backend through this
+distribution's ``composer_plugins`` entry point. Importing this package imports no upstream library.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ __all__ = ["UPSTREAM", "MonarchBackend", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "MonarchBackend":
-        from composer_plugins.backends.monarch import MonarchBackend
+        from composer_plugins_monarch.backend import MonarchBackend
 
         return MonarchBackend
     raise AttributeError(name)

@@ -1,8 +1,9 @@
-"""composer-plugins-trl: installs the tested TRL range for the ``trl`` backend of composer-plugins.
+"""composer-plugins-trl: the ``trl`` backend of composer-plugins.
 
-The adapter itself lives in :mod:`composer_plugins.backends.trl` and is registered by the
-built-in backends plugin of composer-plugins; this package only pins the upstream and
-re-exports the public names for convenience.
+:mod:`composer_plugins_trl.backend` holds ``ComposerGRPOTrainer`` (a ``trl.GRPOTrainer`` whose loss is
+the composed channels) and ``TRLBackend``; :mod:`composer_plugins_trl.plugin` registers the backend
+through this distribution's ``composer_plugins`` entry point. Importing this package imports no
+upstream library (``composer-plugins list backends`` stays cheap); the names below load on first use.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ __version__ = "0.1.0"
 #: The upstream range this release was tested with.
 UPSTREAM = "trl>=1.16,<1.17"
 
-__all__ = ["UPSTREAM", "ComposerGRPOTrainer", "__version__"]
+__all__ = ["UPSTREAM", "ComposerGRPOTrainer", "TRLBackend", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ComposerGRPOTrainer":
-        from composer_plugins.backends.trl import ComposerGRPOTrainer
+    if name in ("ComposerGRPOTrainer", "TRLBackend"):
+        from composer_plugins_trl import backend
 
-        return ComposerGRPOTrainer
+        return getattr(backend, name)
     raise AttributeError(name)

@@ -1,7 +1,7 @@
-"""composer-plugins-verl: registers composer-plugins losses in VeRL's own registries.
+"""composer-plugins-verl: the ``verl`` backend of composer-plugins, and our losses in VeRL's registries.
 
-VeRL imports this module through its ``verl.plugins`` entry point whenever ``verl`` is imported
-(driver and Ray workers alike), which registers, idempotently:
+VeRL imports :mod:`composer_plugins_verl.backend` through this distribution's ``verl.plugins`` entry
+point whenever ``verl`` is imported (driver and Ray workers alike), which registers, idempotently:
 
 - policy losses ``composer_<loss_type>`` (select with ``actor_rollout_ref.actor.policy_loss.loss_mode``),
 - the advantage estimator ``composer_grpo`` (``algorithm.adv_estimator``).
@@ -11,18 +11,26 @@ hands a loss the teacher's log-prob of the sampled token (or top-k log-probs) fo
 prompt, while the hint channel needs the policy conditioned on prompt + hint with full logits; see
 docs/backends.md. The ``verl`` backend warns about the channels it drops.
 
-The adapter lives in :mod:`composer_plugins.backends.verl`.
+:mod:`composer_plugins_verl.plugin` registers the ``verl`` backend through the composer-plugins
+entry point. Importing this package itself imports no upstream library; the names below load on
+first use.
 """
 
 from __future__ import annotations
 
-from composer_plugins.backends.verl import register_verl_components
+from typing import Any
 
 __version__ = "0.1.0"
 #: The upstream range this release was tested with.
 UPSTREAM = "verl>=0.9.1,<0.10"
 
-#: What was registered: {"policy_losses": [...], "adv_estimators": [...], "distillation_losses": [...]}.
-REGISTERED = register_verl_components()
+__all__ = ["REGISTERED", "UPSTREAM", "VeRLBackend", "__version__", "register_verl_components"]
 
-__all__ = ["REGISTERED", "UPSTREAM", "__version__", "register_verl_components"]
+
+def __getattr__(name: str) -> Any:
+    """``REGISTERED`` ({"policy_losses": [...], "adv_estimators": [...], ...}), ``VeRLBackend``, ..."""
+    if name in ("REGISTERED", "VeRLBackend", "register_verl_components"):
+        from composer_plugins_verl import backend
+
+        return getattr(backend, name)
+    raise AttributeError(name)

@@ -28,7 +28,7 @@ hint channel needs the same policy conditioned on prompt + hint, with full logit
 ``docs/backends.md``.
 
 VeRL loads this module in every process through the ``verl.plugins`` entry point of the
-``composer-plugins-verl`` distribution (or ``VERL_USE_EXTERNAL_MODULES=composer_plugins.backends.verl``).
+``composer-plugins-verl`` distribution (or ``VERL_USE_EXTERNAL_MODULES=composer_plugins_verl.backend``).
 A full VeRL PPO run needs Ray and GPUs (:meth:`VeRLBackend.command`); on CPU,
 :meth:`VeRLBackend.train` with ``mode="local"`` drives VeRL's own ``compute_advantage`` and
 ``ppo_loss`` (the function VeRL's engine workers call) in-process.
@@ -421,7 +421,7 @@ class VeRLBackend(Backend):
                     + " ".join(self.command())
                     + "` on a GPU machine, or use mode='local' here."
                 )
-            env = {"VERL_USE_EXTERNAL_MODULES": "composer_plugins.backends.verl"}
+            env = {"VERL_USE_EXTERNAL_MODULES": "composer_plugins_verl.backend"}
             import os
 
             subprocess.run(self.command(), check=True, env={**os.environ, **env})
@@ -429,7 +429,7 @@ class VeRLBackend(Backend):
         return self._train_local()
 
     def _train_local(self) -> Any:
-        from composer_plugins.backends import _rollout as R
+        from composer_plugins.backends import rollout as R
 
         c = self.config
         run = R.LocalRun(c, self.src)

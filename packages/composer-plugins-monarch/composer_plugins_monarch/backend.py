@@ -31,7 +31,7 @@ import torch
 from monarch.actor import Actor, ActorError, current_rank, current_size, endpoint, this_host
 from torch import Tensor
 
-from composer_plugins.backends import _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
+from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
 from composer_plugins.backends.base import Backend, scalar_metrics
 from composer_plugins.models import generation as _generation  # noqa: F401
 from composer_plugins.models import tiny as _tiny  # noqa: F401
@@ -123,7 +123,7 @@ class GeneratorActor(Actor):
     @endpoint
     async def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
         """Sample ``G`` completions for prompts ``rank::size`` (this replica's shard)."""
-        from composer_plugins.backends._rollout import generate
+        from composer_plugins.backends.rollout import generate
 
         rank, size = current_rank().rank, _mesh_size()
         mine = prompts[rank::size]
@@ -135,7 +135,7 @@ class GeneratorActor(Actor):
     @endpoint
     async def load_weights(self, weights: dict[str, Tensor], version: int) -> int:
         """Replace the policy weights with the trainer's; returns the new version."""
-        from composer_plugins.backends._rollout import load_weights
+        from composer_plugins.backends.rollout import load_weights
 
         load_weights(self.policy, weights)
         self.version = int(version)
@@ -235,7 +235,7 @@ class TrainerActor(Actor):
     @endpoint
     async def weights(self) -> dict[str, Tensor]:
         """A CPU copy of the policy weights (sent to the generators)."""
-        from composer_plugins.backends._rollout import state_dict_cpu
+        from composer_plugins.backends.rollout import state_dict_cpu
 
         return state_dict_cpu(self.module.policy)
 

@@ -1,4 +1,4 @@
-"""The in-process pieces the backends share: policy, env, seeded task draws, rollouts, optimizer.
+"""The in-process pieces the upstream backends share: policy, env, seeded task draws, rollouts, optimizer.
 
 Built from the same :class:`~composer_plugins.training.train.TrainConfig` helpers the native
 Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``,

@@ -4,7 +4,7 @@ PRIME-RL replaces its ``rl`` loss component with a user function when the traine
 
     [trainer.loss]
     type = "custom"
-    import_path = "composer_plugins.backends.prime_rl.loss_fn"
+    import_path = "composer_plugins_prime_rl.loss_fn"
 
     [trainer.loss.kwargs]
     policy = "dppo"        # PRIME-RL's default loss; or dapo / cispo / gspo
@@ -59,7 +59,7 @@ from composer_plugins.losses import functional as F
 #: The PRIME-RL commit the per-sample contract was read from.
 PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
 #: Import path to put in ``[trainer.loss] import_path``.
-IMPORT_PATH = "composer_plugins.backends.prime_rl.loss_fn"
+IMPORT_PATH = "composer_plugins_prime_rl.loss_fn"
 #: Policy losses usable per sample (their aggregate is a token sum, which PRIME-RL normalises).
 POLICIES: tuple[str, ...] = ("dppo", "dapo", "cispo", "gspo")
 
@@ -332,7 +332,7 @@ class PrimeRLBackend(Backend):
         return self._train_local()
 
     def _train_local(self) -> Any:
-        from composer_plugins.backends import _rollout as R
+        from composer_plugins.backends import rollout as R
         from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad
 
         c = self.config
