@@ -354,8 +354,7 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
             if k not in accepted and k not in entry.init_params:
                 raise cfg.error(
                     f"{key}.{k}" if key else k,
-                    f"unknown argument of {kind.removesuffix('s')} {target!r} — remove it or use one of its "
-                    "arguments.",
+                    f"unknown argument of {kind.removesuffix('s')} {target!r} — remove it or use one of its arguments.",
                     valid=sorted(accepted),
                 )
     try:
