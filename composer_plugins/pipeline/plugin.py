@@ -211,9 +211,14 @@ def report_cmd(params_path: str, overrides: tuple[str, ...], evals_dir: str, run
 @click.option("--filter", "filters", multiple=True, metavar="TAG=VALUE", help="Only runs with this tag value.")
 @click.option("--all-runs", is_flag=True, help="Keep every run (default: the newest per group and seed).")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json", "csv"]), default="text")
+@click.option("--paired", is_flag=True,
+              help="Each variant minus --baseline-variant per seed: mean, se, 95% t interval, verdict "
+                   "(composer_plugins.pipeline.paired).")  # fmt: skip
+@click.option("--baseline-variant", default="rl_only", show_default=True, help="The reference of --paired.")
 @command_errors
 def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: str, metrics: tuple[str, ...],
-                group_by: str | None, filters: tuple[str, ...], all_runs: bool, fmt: str) -> None:  # fmt: skip
+                group_by: str | None, filters: tuple[str, ...], all_runs: bool, fmt: str, paired: bool,
+                baseline_variant: str) -> None:  # fmt: skip
     """Print the ablation table from MLflow: channels on/off × seeds -> held-out metrics, mean ± std.
 
     Without --group-by, rows are channels × the params that an experiment changed, the baseline's
@@ -236,6 +241,9 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
         if not sep:
             raise click.UsageError(f"--filter {f!r} must look like TAG=VALUE")
         flt[k] = v
+    if paired:
+        _print_paired(params, uri, exp, flt, metrics, baseline_variant, fmt)
+        return
     beside = group_by is None
     if beside:
         every = compare.fetch_eval_records(uri, exp, filters=flt, all_runs=True)
@@ -252,6 +260,28 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
         m for m in study.HEADLINE_METRICS if any(m in r for r in recs)
     ]
     click.echo(compare.compare_table(recs, cols, groups, fmt, beside=beside))
+
+
+def _print_paired(params: dict[str, Any], uri: str, exp: str, flt: dict[str, str], metrics: tuple[str, ...],
+                  baseline_variant: str, fmt: str) -> None:  # fmt: skip
+    """``compare --paired``: every variant against ``baseline_variant``, paired by seed."""
+    from composer_plugins.pipeline import compare, paired, study
+    from composer_plugins.pipeline.stages import unmlflow_key
+
+    recs = compare.fetch_eval_records(uri, exp, filters=flt, group_by=("variant",))
+    recs = [{unmlflow_key(k): v for k, v in r.items()} for r in recs]
+    if not recs:
+        raise click.ClickException(f"no finished eval runs in experiment {exp!r} at {uri}. HINT: run the study first.")
+    gsm = ((params.get("eval") or {}).get("envs") or {}).get("gsm8k") or {}
+    cols = [study.canonical_metric(m) for m in metrics] or ["gsm8k/accuracy"]
+    effects = []
+    for m in cols:
+        try:
+            effects += paired.paired_rows(recs, m, baseline_variant)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    heldout = int(gsm["num_problems"]) if gsm.get("num_problems") and cols[0].startswith("gsm8k/") else None
+    click.echo(paired.format_paired(effects, "markdown" if fmt == "markdown" else fmt, heldout_n=heldout))
 
 
 @hookimpl

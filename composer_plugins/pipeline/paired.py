@@ -1,0 +1,285 @@
+"""Paired comparison of study variants: each channel's effect as a per-seed paired difference.
+
+Every variant of a study runs on the same seeds, from the same SFT model and on the same task
+order (the order depends on the seed only), so the runs of one seed form a pair and the seed's
+own luck cancels in ``metric(variant, seed) - metric(baseline, seed)``. Over the ``n`` seeds
+both variants share, :func:`paired_effect` reports the mean difference, its standard error
+``sd / sqrt(n)`` and the two-sided 95% interval ``mean ± t(0.975, n - 1) · se`` (Student t).
+
+The held-out set has its own sampling error: an accuracy ``p`` measured on ``m`` problems has
+standard error ``sqrt(p (1 - p) / m)`` (:func:`heldout_se`); a claimed effect should be larger
+than it. :func:`verdict` reads an interval as *helps* (all above zero), *hurts* (all below) or
+*no measurable effect* (it holds zero).
+
+``composer-plugins compare --paired`` prints :func:`format_paired` of the eval runs in MLflow.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PairedEffect",
+    "format_paired",
+    "heldout_se",
+    "paired_effect",
+    "paired_rows",
+    "t_critical",
+    "verdict",
+]
+
+
+def t_critical(df: int, confidence: float = 0.95) -> float:
+    """Two-sided Student t critical value with ``df`` degrees of freedom (``t.ppf((1 + c) / 2, df)``)."""
+    if df < 1:
+        raise ValueError(f"a t interval needs at least 1 degree of freedom (2 seeds), got df={df}")
+    from scipy.stats import t
+
+    return float(t.ppf((1.0 + confidence) / 2.0, df))
+
+
+@dataclass(frozen=True)
+class PairedEffect:
+    """One variant against the baseline, paired by seed."""
+
+    variant: str
+    baseline: str
+    metric: str
+    seeds: list[int]
+    diffs: list[float]
+    mean: float
+    se: float
+    low: float
+    high: float
+    variant_mean: float = math.nan
+    baseline_mean: float = math.nan
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.low, self.high)
+
+
+def verdict(low: float, high: float) -> str:
+    """``helps`` when the interval is above zero, ``hurts`` when below, else ``no measurable effect``."""
+    if math.isnan(low) or math.isnan(high):
+        return "too few seeds"
+    if low > 0:
+        return "helps"
+    if high < 0:
+        return "hurts"
+    return "no measurable effect"
+
+
+def paired_effect(variant: Mapping[int, float], baseline: Mapping[int, float], *, confidence: float = 0.95,
+                  name: str = "variant", baseline_name: str = "baseline",
+                  metric: str = "") -> PairedEffect:  # fmt: skip
+    """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and t interval.
+
+    With one shared seed the standard error and interval are NaN (no spread to estimate);
+    with none, ``ValueError`` names the seeds of each side.
+    """
+    seeds = sorted(set(variant) & set(baseline))
+    if not seeds:
+        raise ValueError(
+            f"{name!r} and {baseline_name!r} share no seed (seeds {sorted(variant)} vs {sorted(baseline)}); "
+            "a paired comparison needs both variants run on the same seeds"
+        )
+    diffs = [float(variant[s]) - float(baseline[s]) for s in seeds]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if n < 2:
+        se = low = high = math.nan
+    else:
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+        se = sd / math.sqrt(n)
+        half = t_critical(n - 1, confidence) * se
+        low, high = mean - half, mean + half
+    return PairedEffect(
+        variant=name, baseline=baseline_name, metric=metric, seeds=seeds, diffs=diffs, mean=mean, se=se,
+        low=low, high=high, variant_mean=sum(float(variant[s]) for s in seeds) / n,
+        baseline_mean=sum(float(baseline[s]) for s in seeds) / n,
+    )  # fmt: skip
+
+
+def heldout_se(p: float, m: int) -> float:
+    """Binomial standard error of an accuracy ``p`` measured on ``m`` held-out problems."""
+    if m <= 0:
+        raise ValueError(f"the held-out set must have at least one problem, got {m}")
+    p = min(max(float(p), 0.0), 1.0)
+    return math.sqrt(p * (1.0 - p) / m)
+
+
+def by_variant_seed(records: Sequence[Mapping[str, Any]], metric: str) -> dict[str, dict[int, float]]:
+    """``{variant: {seed: value}}`` of ``metric`` from flat run records (``variant``, ``seed``, metric)."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        v, s, x = r.get("variant"), r.get("seed"), r.get(metric)
+        if v is None or s is None or x is None:
+            continue
+        x = float(x)
+        if math.isnan(x):
+            continue
+        out.setdefault(str(v), {}).setdefault(int(s), x)  # records come newest first: keep the newest
+    return out
+
+
+def paired_rows(records: Sequence[Mapping[str, Any]], metric: str, baseline: str,
+                variants: Sequence[str] | None = None, confidence: float = 0.95) -> list[PairedEffect]:  # fmt: skip
+    """Every variant (but the baseline and the SFT start) against ``baseline`` on ``metric``, paired by seed."""
+    table = by_variant_seed(records, metric)
+    if baseline not in table:
+        raise ValueError(f"baseline variant {baseline!r} has no runs with {metric!r}; variants: {sorted(table)}")
+    names = list(variants) if variants else [v for v in table if v not in (baseline, "sft")]
+    missing = [v for v in names if v not in table]
+    if missing:
+        raise ValueError(f"variant(s) {missing} have no runs with {metric!r}; variants: {sorted(table)}")
+    return [paired_effect(table[v], table[baseline], confidence=confidence, name=v, baseline_name=baseline,
+                          metric=metric) for v in names]  # fmt: skip
+
+
+def _f(x: float, nd: int = 3, sign: bool = False) -> str:
+    if x is None or math.isnan(x):
+        return "n/a"
+    return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
+
+
+def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldout_n: int | None = None) -> str:
+    """The paired table (markdown, text, json or csv); with ``heldout_n`` the held-out sampling error too."""
+    if fmt == "json":
+        return json.dumps([{**asdict(e), "n": e.n, "verdict": e.verdict} for e in effects], indent=2)
+    head = ["variant", "vs", "metric", "seeds", "variant mean", "baseline mean", "paired diff (mean)", "se",
+            "95% CI", "verdict"]  # fmt: skip
+    if heldout_n:
+        head.insert(6, f"held-out se (m={heldout_n})")
+    rows = []
+    for e in effects:
+        ci = f"[{_f(e.low, sign=True)}, {_f(e.high, sign=True)}]"
+        row = [e.variant, e.baseline, e.metric, str(e.n), _f(e.variant_mean), _f(e.baseline_mean),
+               _f(e.mean, sign=True), _f(e.se), ci, e.verdict]  # fmt: skip
+        if heldout_n:
+            row.insert(6, _f(heldout_se(e.baseline_mean, heldout_n)))
+        rows.append(row)
+    if fmt == "csv":
+        return "\n".join(",".join(c.replace(",", ";") for c in r) for r in [head, *rows])
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    out = [
+        "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
+        "  ".join("-" * w for w in widths),
+    ]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(out)
+
+
+# -- a study directory (evals/*.json, runs/*/history.csv) without MLflow ------------------------
+
+
+def read_study_dir(root: str | Path) -> tuple[list[dict[str, Any]], dict[str, dict[int, list[dict[str, float]]]]]:
+    """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir."""
+    from composer_plugins.pipeline.study import canonical_metric, history_column, parse_run_name
+
+    root = Path(root)
+    recs: list[dict[str, Any]] = []
+    for f in sorted((root / "evals").glob("*.json")):
+        if f.stem == "sft":
+            v, s = "sft", None
+        else:
+            v, s = parse_run_name(f.stem)
+        m = json.loads(f.read_text()).get("metrics", {})
+        recs.append({"variant": v, "seed": s, **{canonical_metric(k): x for k, x in m.items()}})
+    hist: dict[str, dict[int, list[dict[str, float]]]] = {}
+    for f in sorted((root / "runs").glob("*/history.csv")):
+        v, s = parse_run_name(f.parent.name)
+        with f.open() as fh:
+            rows = [
+                {history_column(k): float(x) for k, x in r.items() if x not in ("", None)} for r in csv.DictReader(fh)
+            ]
+        hist.setdefault(v, {})[s] = rows
+    return recs, hist
+
+
+def step_means(hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str) -> dict[str, list[float]]:
+    """``{variant: [mean over seeds of column at step 1, 2, ...]}``."""
+    out: dict[str, list[float]] = {}
+    for v, by_seed in hist.items():
+        per_step: dict[int, list[float]] = {}
+        for rows in by_seed.values():
+            for r in rows:
+                if column in r:
+                    per_step.setdefault(int(r["step"]), []).append(r[column])
+        out[v] = [sum(xs) / len(xs) for _, xs in sorted(per_step.items())]
+    return out
+
+
+def run_means(
+    hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str
+) -> dict[str, dict[int, float]]:
+    """``{variant: {seed: mean of column over the run's steps}}``."""
+    out: dict[str, dict[int, float]] = {}
+    for v, by_seed in hist.items():
+        for s, rows in by_seed.items():
+            xs = [r[column] for r in rows if column in r]
+            if xs:
+                out.setdefault(v, {})[s] = sum(xs) / len(xs)
+    return out
+
+
+def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm8k/accuracy",
+                 heldout_n: int | None = None) -> str:  # fmt: skip
+    """Markdown: the paired table of ``metric`` and of ``train/groups_with_signal`` (run mean), and signal per step."""
+    recs, hist = read_study_dir(root)
+    sft = [r for r in recs if r["variant"] == "sft"]
+    out = []
+    if sft and metric in sft[0]:
+        se = f" (held-out se {heldout_se(sft[0][metric], heldout_n):.4f})" if heldout_n else ""
+        out.append(f"SFT start: {metric} = {sft[0][metric]:.4f}{se}\n")
+    out.append(format_paired(paired_rows(recs, metric, baseline), "markdown", heldout_n=heldout_n))
+    sig = "train/groups_with_signal"
+    means = run_means(hist, sig)
+    if baseline in means:
+        names = [v for v in means if v != baseline]
+        eff = [paired_effect(means[v], means[baseline], name=v, baseline_name=baseline, metric=sig + " (run mean)")
+               for v in names]  # fmt: skip
+        out += ["", format_paired(eff, "markdown")]
+    steps = step_means(hist, sig)
+    if steps:
+        n = max(len(x) for x in steps.values())
+        head = ["step", *steps]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for i in range(n):
+            lines.append(
+                "| " + " | ".join([str(i + 1), *(f"{x[i]:.3f}" if i < len(x) else "" for x in steps.values())]) + " |"
+            )
+        out += ["", f"{sig} per step (mean over seeds):", "", *lines]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N]``: print :func:`study_report`."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        raise SystemExit("usage: python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N]")
+    print(
+        study_report(
+            args[0], args[1] if len(args) > 1 else "rl_only", heldout_n=int(args[2]) if len(args) > 2 else None
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

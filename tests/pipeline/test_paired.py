@@ -1,0 +1,69 @@
+"""Paired statistics of the study (composer_plugins.pipeline.paired) against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from composer_plugins.pipeline import paired
+
+
+def test_paired_effect_matches_hand_computation() -> None:
+    base = {0: 0.10, 1: 0.20, 2: 0.30, 3: 0.40, 4: 0.50}
+    var = {0: 0.12, 1: 0.24, 2: 0.30, 3: 0.46, 4: 0.53, 9: 0.99}  # seed 9 has no pair: ignored
+    e = paired.paired_effect(var, base, name="hint", baseline_name="rl_only", metric="gsm8k/accuracy")
+    # diffs 0.02 0.04 0.00 0.06 0.03: mean 0.03, squared deviations sum 0.002, sd sqrt(0.0005), se 0.01
+    assert e.seeds == [0, 1, 2, 3, 4]
+    assert e.diffs == pytest.approx([0.02, 0.04, 0.0, 0.06, 0.03])
+    assert e.mean == pytest.approx(0.03)
+    assert e.se == pytest.approx(0.01)
+    # t(0.975, df=4) = 2.7764451 (statistical tables)
+    assert e.low == pytest.approx(0.03 - 0.027764451, abs=1e-7)
+    assert e.high == pytest.approx(0.03 + 0.027764451, abs=1e-7)
+    assert e.verdict == "helps"
+    assert e.variant_mean == pytest.approx(0.33) and e.baseline_mean == pytest.approx(0.30)
+
+
+def test_t_critical_values_and_verdicts() -> None:
+    assert paired.t_critical(1) == pytest.approx(12.7062047, abs=1e-6)
+    assert paired.t_critical(9) == pytest.approx(2.2621572, abs=1e-6)
+    with pytest.raises(ValueError, match="degree of freedom"):
+        paired.t_critical(0)
+    assert paired.verdict(-0.01, 0.02) == "no measurable effect"
+    assert paired.verdict(-0.05, -0.01) == "hurts"
+    assert paired.verdict(math.nan, math.nan) == "too few seeds"
+
+
+def test_one_seed_has_no_interval_and_disjoint_seeds_are_an_error() -> None:
+    e = paired.paired_effect({3: 0.5}, {3: 0.25})
+    assert e.mean == 0.25 and math.isnan(e.se) and e.verdict == "too few seeds"
+    with pytest.raises(ValueError, match="share no seed"):
+        paired.paired_effect({0: 0.5}, {1: 0.5}, name="a", baseline_name="b")
+
+
+def test_heldout_se_is_binomial() -> None:
+    assert paired.heldout_se(0.5, 400) == pytest.approx(0.025)
+    assert paired.heldout_se(0.1, 900) == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="at least one problem"):
+        paired.heldout_se(0.5, 0)
+
+
+def test_paired_rows_from_records_and_table() -> None:
+    recs = [
+        {"variant": "rl_only", "seed": 0, "gsm8k/accuracy": 0.10},
+        {"variant": "rl_only", "seed": 1, "gsm8k/accuracy": 0.20},
+        {"variant": "hint", "seed": 0, "gsm8k/accuracy": 0.10},
+        {"variant": "hint", "seed": 1, "gsm8k/accuracy": 0.30},
+        {"variant": "hint", "seed": 1, "gsm8k/accuracy": 0.90},  # an older run of the same cell: ignored
+        {"variant": "sft", "seed": 0, "gsm8k/accuracy": 0.05},
+    ]
+    (e,) = paired.paired_rows(recs, "gsm8k/accuracy", "rl_only")
+    assert e.variant == "hint" and e.diffs == pytest.approx([0.0, 0.1])
+    # se = sd/sqrt(2) = 0.05; t(0.975, 1) = 12.706
+    assert e.se == pytest.approx(0.05) and e.high == pytest.approx(0.05 + 12.7062047 * 0.05, abs=1e-6)
+    md = paired.format_paired([e], "markdown", heldout_n=400)
+    assert "| hint | rl_only | gsm8k/accuracy | 2 |" in md and "no measurable effect" in md
+    assert "held-out se (m=400)" in md
+    with pytest.raises(ValueError, match="variants: \\['hint', 'rl_only', 'sft'\\]"):
+        paired.paired_rows(recs, "gsm8k/accuracy", "full")
