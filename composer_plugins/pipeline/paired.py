@@ -267,18 +267,62 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
     return "\n".join(out)
 
 
+def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accuracy") -> list[Path]:
+    """Two PNGs: ``metric`` per variant and seed (lines join a seed's runs), ``groups_with_signal`` per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs, hist = read_study_dir(root)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = by_variant_seed([r for r in recs if r["variant"] != "sft"], metric)
+    names = list(table)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for s in sorted({s for v in table.values() for s in v}):
+        xs = [i for i, v in enumerate(names) if s in table[v]]
+        ax.plot(xs, [table[names[i]][s] for i in xs], marker="o", alpha=0.7, label=f"seed {s}")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel(f"held-out {metric}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [out / "sparse_accuracy.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for v, ys in step_means(hist, "train/groups_with_signal").items():
+        ax.plot(range(1, len(ys) + 1), ys, marker=".", label=v)
+    ax.set_xlabel("step")
+    ax.set_ylabel("groups_with_signal (mean over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "sparse_groups_with_signal.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+USAGE = "usage: python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] [--plots DIR]"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N]``: print :func:`study_report`."""
+    """``python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] [--plots DIR]``."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
+    plots = None
+    if "--plots" in args:
+        i = args.index("--plots")
+        plots = args[i + 1]
+        del args[i : i + 2]
     if not args:
-        raise SystemExit("usage: python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N]")
-    print(
-        study_report(
-            args[0], args[1] if len(args) > 1 else "rl_only", heldout_n=int(args[2]) if len(args) > 2 else None
-        )
-    )
+        raise SystemExit(USAGE)
+    base = args[1] if len(args) > 1 else "rl_only"
+    print(study_report(args[0], base, heldout_n=int(args[2]) if len(args) > 2 else None))
+    if plots:
+        for p in plot_study(args[0], plots):
+            print(f"wrote {p}")
 
 
 if __name__ == "__main__":

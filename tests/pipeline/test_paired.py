@@ -67,3 +67,22 @@ def test_paired_rows_from_records_and_table() -> None:
     assert "held-out se (m=400)" in md
     with pytest.raises(ValueError, match="variants: \\['hint', 'rl_only', 'sft'\\]"):
         paired.paired_rows(recs, "gsm8k/accuracy", "full")
+
+
+def test_study_report_reads_evals_and_histories(tmp_path) -> None:
+    import json
+
+    (tmp_path / "evals").mkdir()
+    acc = {("rl_only", 0): 0.10, ("rl_only", 1): 0.20, ("hint", 0): 0.15, ("hint", 1): 0.25}
+    for (v, s), a in acc.items():
+        (tmp_path / "evals" / f"{v}-s{s}.json").write_text(json.dumps({"metrics": {"gsm8k/accuracy": a}}))
+        run = tmp_path / "runs" / f"{v}-s{s}"
+        run.mkdir(parents=True)
+        sig = 0.5 if v == "hint" else 0.25
+        run.joinpath("history.csv").write_text(f"step,groups_with_signal\n1,{sig}\n2,{sig / 2}\n")
+    (tmp_path / "evals" / "sft.json").write_text(json.dumps({"metrics": {"gsm8k/accuracy": 0.05}}))
+    text = paired.study_report(tmp_path, "rl_only", heldout_n=100)
+    assert "SFT start: gsm8k/accuracy = 0.0500 (held-out se 0.0218)" in text
+    assert "| hint | rl_only | gsm8k/accuracy | 2 | 0.200 | 0.150 | 0.036 | +0.050 | 0.000 |" in text
+    assert "| hint | rl_only | train/groups_with_signal (run mean) | 2 | 0.375 | 0.188 | +0.188 |" in text
+    assert "| step | hint | rl_only |" in text and "| 1 | 0.500 | 0.250 |" in text  # sorted run dirs
