@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -70,8 +71,6 @@ def test_paired_rows_from_records_and_table() -> None:
 
 
 def test_study_report_reads_evals_and_histories(tmp_path) -> None:
-    import json
-
     (tmp_path / "evals").mkdir()
     acc = {("rl_only", 0): 0.10, ("rl_only", 1): 0.20, ("hint", 0): 0.15, ("hint", 1): 0.25}
     for (v, s), a in acc.items():
@@ -86,3 +85,32 @@ def test_study_report_reads_evals_and_histories(tmp_path) -> None:
     assert "| hint | rl_only | gsm8k/accuracy | 2 | 0.200 | 0.150 | 0.036 | +0.050 | 0.000 |" in text
     assert "| hint | rl_only | train/groups_with_signal (run mean) | 2 | 0.375 | 0.188 | +0.188 |" in text
     assert "| step | hint | rl_only |" in text and "| 1 | 0.500 | 0.250 |" in text  # sorted run dirs
+
+
+def test_compare_paired_cli_reads_mlflow(tmp_path, monkeypatch) -> None:
+    from click.testing import CliRunner
+    from mlflow.tracking import MlflowClient
+
+    from composer_plugins.core.cli import load_commands
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment("study", artifact_location=str(tmp_path / "mlruns"))
+    acc = {("rl_only", 0): 0.10, ("rl_only", 1): 0.20, ("rl_only", 2): 0.30,
+           ("hint", 0): 0.20, ("hint", 1): 0.30, ("hint", 2): 0.40}  # fmt: skip
+    for (v, s), a in acc.items():
+        r = client.create_run(exp_id, tags={"dvc.stage": f"eval@{v}-s{s}"})
+        for k, x in (("study.channels", v), ("study.seed", s), ("study.variant", v)):
+            client.log_param(r.info.run_id, k, x)
+        client.log_metric(r.info.run_id, "gsm8k/accuracy", a)
+        client.set_terminated(r.info.run_id, "FINISHED")
+    monkeypatch.chdir(tmp_path)
+    cli = load_commands()
+    args = ["compare", "--tracking-uri", uri, "--experiment", "study", "--paired", "--format", "json"]
+    res = CliRunner().invoke(cli, [*args, "--baseline-variant", "rl_only"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.output)
+    assert row["variant"] == "hint" and row["n"] == 3 and row["mean"] == pytest.approx(0.1)
+    assert row["se"] == pytest.approx(0.0, abs=1e-9) and row["verdict"] == "helps"
+    bad = CliRunner().invoke(cli, [*args, "--baseline-variant", "full"])
+    assert bad.exit_code != 0 and "variants: ['hint', 'rl_only']" in bad.output
