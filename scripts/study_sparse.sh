@@ -32,6 +32,10 @@ if [ ! -f data/pairs.jsonl ]; then
   "${cp[@]}" replay run -c data/replay/config.yaml --no-progress
   "${cp[@]}" pairs --traces data/traces.jsonl --cache data/teacher_cache/cache.sqlite --out data/pairs.jsonl
 fi
+# the replay_oracle variant: the same cached teacher answers, the oracle's alone as the chosen side
+[ -f data/pairs_oracle.jsonl ] || "${cp[@]}" pairs --traces data/traces.jsonl \
+  --cache data/teacher_cache/cache.sqlite --out data/pairs_oracle.jsonl \
+  -S pairs.k=1 -S 'replay.teachers=[{name: oracle, id: oracle}]'
 for seed in "${seeds[@]}"; do
   for v in "${variants[@]}"; do
     [ -f "evals/$v-s$seed.json" ] && continue

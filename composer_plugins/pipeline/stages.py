@@ -395,8 +395,9 @@ def train_config(params: Mapping[str, Any], variant: str | None, seed: int, *, p
     cfg["output_dir"] = (Path(runs_dir) / name).as_posix()
     cfg["model"] = {**(cfg.get("model") or {}), "name_or_path": model}
     cfg["sft"] = {**(cfg.get("sft") or {}), "enabled": False}
-    if pairs is not None:
-        cfg["replay"] = {**(cfg.get("replay") or {}), "pairs_path": pairs}
+    if pairs is not None:  # a variant may name its own pairs file (study.variants.<v>.replay.pairs_path)
+        own = ((study.variant_overrides(params, variant).get("replay") or {}) if variant else {}).get("pairs_path")
+        cfg["replay"] = {**(cfg.get("replay") or {}), "pairs_path": own or pairs}
     flags = channel_flags(cfg)
     ml = _section(params, "mlflow")
     cfg["mlflow"] = {

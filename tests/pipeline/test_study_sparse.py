@@ -56,7 +56,7 @@ def test_sparse_params_load_with_paired_variants_on_five_seeds(tmp_path: Path) -
     study.write_merged_params(ROOT / "params.yaml", ROOT / "params.sparse.yaml", merged)
     params = study.load_params(merged)
     assert study.seeds(params) == [0, 1, 2, 3, 4]
-    assert list(study.variants(params)) == ["rl_only", "hint_answer", "hint_feedback", "replay"]
+    assert list(study.variants(params)) == ["rl_only", "hint_answer", "hint_feedback", "replay", "replay_oracle"]
     assert params["train"]["env"]["difficulty"] == "two_step"
     assert set(params["eval"]["envs"]) == {"gsm8k"}  # the SWE evals sit at the floor: dropped here
     flags = {}
@@ -69,7 +69,10 @@ def test_sparse_params_load_with_paired_variants_on_five_seeds(tmp_path: Path) -
         "hint_answer": "grpo+hint_distill",
         "hint_feedback": "grpo+hint_distill",
         "replay": "grpo+replay",
+        "replay_oracle": "grpo+replay",
     }
+    assert stages.train_config(params, "replay", 0)["replay"]["pairs_path"] == "data/pairs.jsonl"
+    assert stages.train_config(params, "replay_oracle", 0)["replay"]["pairs_path"] == "data/pairs_oracle.jsonl"
 
 
 def test_feedback_variant_hints_without_revealing_the_answer() -> None:
