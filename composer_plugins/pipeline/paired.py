@@ -168,7 +168,10 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
         row = [e.variant, e.baseline, e.metric, str(e.n), _f(e.variant_mean), _f(e.baseline_mean),
                _f(e.mean, sign=True), _f(e.se), ci, e.verdict]  # fmt: skip
         if heldout_n:
-            row.insert(6, _f(heldout_se(e.baseline_mean, heldout_n)))
+            hse = heldout_se(e.baseline_mean, heldout_n)
+            row.insert(6, _f(hse))
+            if e.verdict in ("helps", "hurts") and abs(e.mean) < hse:
+                row[-1] += " (but |effect| < held-out se)"
         rows.append(row)
     if fmt == "csv":
         return "\n".join(",".join(c.replace(",", ";") for c in r) for r in [head, *rows])
