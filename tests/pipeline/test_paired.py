@@ -114,3 +114,10 @@ def test_compare_paired_cli_reads_mlflow(tmp_path, monkeypatch) -> None:
     assert row["se"] == pytest.approx(0.0, abs=1e-9) and row["verdict"] == "helps"
     bad = CliRunner().invoke(cli, [*args, "--baseline-variant", "full"])
     assert bad.exit_code != 0 and "variants: ['hint', 'rl_only']" in bad.output
+
+
+def test_an_effect_below_the_heldout_error_is_flagged() -> None:
+    e = paired.paired_effect({0: 0.008, 1: 0.0085, 2: 0.009}, {0: 0.005, 1: 0.005, 2: 0.0055})
+    assert e.verdict == "helps"
+    assert "helps (but |effect| < held-out se)" in paired.format_paired([e], "text", heldout_n=400)
+    assert "(but" not in paired.format_paired([e], "text", heldout_n=40000)
