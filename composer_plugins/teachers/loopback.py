@@ -213,27 +213,9 @@ class LoopbackServer:
         cfg = self.config
         fault = self._fault(ident, attempt)
         self.kinds[ident].append(fault or "ok")
-        if cfg.latency_s:
-            await asyncio.sleep(cfg.latency_s)
-        if fault in ("429", "500", "502", "503"):
-            self.by_status[fault] += 1
-            headers = {"Retry-After": cfg.retry_after} if fault == "429" else {}
-            msg = b'{"error":{"message":"rate limited"}}' if fault == "429" else b'{"error":{"message":"upstream"}}'
-            return web.Response(status=int(fault), body=msg, headers=headers, content_type="application/json")
-        if fault == "timeout":
-            self.by_status["timeout"] += 1
-            await asyncio.sleep(cfg.hang_s)
-            return web.Response(status=504, body=b'{"error":{"message":"gateway timeout"}}')
-        if fault == "malformed":
-            self.by_status["malformed"] += 1
-            return web.Response(
-                status=200, body=b'{"id": "x", "choices": [{"message": {"role": "assis', content_type="application/json"
-            )
-        if fault == "slow":
-            await asyncio.sleep(cfg.slow_s)
-        if fault == "drop":
-            self.by_status["drop"] += 1
-            return self._drop(request)
+        failed = await self.inject_fault(request, fault, b'{"id": "x", "choices": [{"message": {"role": "assis')
+        if failed is not None:
+            return failed
         if fault == "echo":
             self.by_status["echo"] += 1
             got = request.headers.get("Authorization", "").removeprefix("Bearer ")  # the bare key
@@ -276,6 +258,37 @@ class LoopbackServer:
         if fault == "slow_body":
             return await self._slow_body(request, ident, _dumps(body), prompt_tokens, completion_tokens)
         return web.Response(body=_dumps(body), content_type="application/json")
+
+    async def inject_fault(self, request: Any, fault: str | None, truncated_body: bytes) -> Any:
+        """Apply the latency and the request-level ``fault`` (429/5xx, hang, malformed, slow, drop).
+
+        Returns the response that ends the request, or ``None`` when the handler goes on to answer
+        (no fault, ``slow`` after its delay, or a fault the handler applies itself). ``truncated_body``
+        is the endpoint's own answer cut short, served for ``malformed``.
+        """
+        from aiohttp import web
+
+        cfg = self.config
+        if cfg.latency_s:
+            await asyncio.sleep(cfg.latency_s)
+        if fault in ("429", "500", "502", "503"):
+            self.by_status[fault] += 1
+            headers = {"Retry-After": cfg.retry_after} if fault == "429" else {}
+            msg = b'{"error":{"message":"rate limited"}}' if fault == "429" else b'{"error":{"message":"upstream"}}'
+            return web.Response(status=int(fault), body=msg, headers=headers, content_type="application/json")
+        if fault == "timeout":
+            self.by_status["timeout"] += 1
+            await asyncio.sleep(cfg.hang_s)
+            return web.Response(status=504, body=b'{"error":{"message":"gateway timeout"}}')
+        if fault == "malformed":
+            self.by_status["malformed"] += 1
+            return web.Response(status=200, body=truncated_body, content_type="application/json")
+        if fault == "slow":
+            await asyncio.sleep(cfg.slow_s)
+        if fault == "drop":
+            self.by_status["drop"] += 1
+            return self._drop(request)
+        return None
 
     def _drop(self, request: Any) -> Any:
         """Close the connection without an answer (the client sees a dropped connection)."""

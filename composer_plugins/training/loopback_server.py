@@ -128,25 +128,9 @@ class RolloutLoopbackServer(LoopbackServer):
         self.times[ident].append(time.monotonic())
         fault = self._fault(ident, attempt)
         self.kinds[ident].append(fault or "ok")
-        cfg = self.config
-        if cfg.latency_s:
-            await asyncio.sleep(cfg.latency_s)
-        if fault in ("429", "500", "502", "503"):
-            self.by_status[fault] += 1
-            headers = {"Retry-After": cfg.retry_after} if fault == "429" else {}
-            return web.Response(status=int(fault), body=b'{"error":{"message":"busy"}}', headers=headers)
-        if fault == "timeout":
-            self.by_status["timeout"] += 1
-            await asyncio.sleep(cfg.hang_s)
-            return web.Response(status=504, body=b'{"error":{"message":"gateway timeout"}}')
-        if fault == "malformed":
-            self.by_status["malformed"] += 1
-            return web.Response(
-                status=200, body=b'{"id": "x", "choices": [{"token_ids": [1, 2', content_type="application/json"
-            )
-        if fault == "drop":
-            self.by_status["drop"] += 1
-            return self._drop(request)
+        failed = await self.inject_fault(request, fault, b'{"id": "x", "choices": [{"token_ids": [1, 2')
+        if failed is not None:
+            return failed
         choices = await asyncio.to_thread(self._sample, req)
         self.by_status["200"] += 1
         n_out = sum(len(c.get("token_ids") or c.get("logprobs", {}).get("tokens", [])) for c in choices)
