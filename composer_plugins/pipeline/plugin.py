@@ -279,7 +279,9 @@ def _print_paired(params: dict[str, Any], uri: str, exp: str, flt: dict[str, str
         try:
             effects += paired.paired_rows(recs, m, baseline_variant)
         except ValueError as e:
-            raise click.ClickException(str(e)) from None
+            from composer_plugins.core.errors import ComposerPluginsError
+
+            raise ComposerPluginsError(f"compare --paired: {e}") from None
     heldout = int(gsm["num_problems"]) if gsm.get("num_problems") and cols[0].startswith("gsm8k/") else None
     click.echo(paired.format_paired(effects, "markdown" if fmt == "markdown" else fmt, heldout_n=heldout))
 
