@@ -190,13 +190,18 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
 # -- a study directory (evals/*.json, runs/*/history.csv) without MLflow ------------------------
 
 
-def read_study_dir(root: str | Path) -> tuple[list[dict[str, Any]], dict[str, dict[int, list[dict[str, float]]]]]:
-    """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir."""
+def read_study_dir(root: str | Path, evals: str | Path = "evals",
+                   runs: str | Path = "runs") -> tuple[list[dict[str, Any]], dict[str, dict[int, list[dict[str, float]]]]]:  # fmt: skip
+    """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir.
+
+    ``evals`` and ``runs`` are relative to ``root`` (the stage layout of dvc.yaml: ``evals/*.json``,
+    ``runs/<variant>-s<seed>/history.csv``).
+    """
     from composer_plugins.pipeline.study import canonical_metric, history_column, parse_run_name
 
     root = Path(root)
     recs: list[dict[str, Any]] = []
-    for f in sorted((root / "evals").glob("*.json")):
+    for f in sorted((root / evals).glob("*.json")):
         if f.stem == "sft":
             v, s = "sft", None
         else:
@@ -204,8 +209,11 @@ def read_study_dir(root: str | Path) -> tuple[list[dict[str, Any]], dict[str, di
         m = json.loads(f.read_text()).get("metrics", {})
         recs.append({"variant": v, "seed": s, **{canonical_metric(k): x for k, x in m.items()}})
     hist: dict[str, dict[int, list[dict[str, float]]]] = {}
-    for f in sorted((root / "runs").glob("*/history.csv")):
-        v, s = parse_run_name(f.parent.name)
+    for f in sorted((root / runs).glob("*/history.csv")):
+        try:
+            v, s = parse_run_name(f.parent.name)
+        except ValueError:
+            continue  # not a study cell (e.g. a hand-made run directory)
         with f.open() as fh:
             rows = [
                 {history_column(k): float(x) for k, x in r.items() if x not in ("", None)} for r in csv.DictReader(fh)
@@ -241,9 +249,10 @@ def run_means(
 
 
 def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm8k/accuracy",
-                 heldout_n: int | None = None) -> str:  # fmt: skip
+                 heldout_n: int | None = None, evals: str | Path = "evals",
+                 runs: str | Path = "runs") -> str:  # fmt: skip
     """Markdown: the paired table of ``metric`` and of ``train/groups_with_signal`` (run mean), and signal per step."""
-    recs, hist = read_study_dir(root)
+    recs, hist = read_study_dir(root, evals, runs)
     sft = [r for r in recs if r["variant"] == "sft"]
     out = []
     if sft and metric in sft[0]:

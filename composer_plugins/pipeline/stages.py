@@ -661,7 +661,6 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
             **{m: {"mean": _r(row[m][0]), "std": _r(row[m][1])} for m in metrics_names},
         }  # fmt: skip
     Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(metrics_out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     # plots: one bar per variant for the headline metric, and the curves of every run (long format)
     pdir = Path(plots_dir)
     pdir.mkdir(parents=True, exist_ok=True)
@@ -675,8 +674,52 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
     table = study.format_table(rows, metrics_names, group_by=("variant", "channels"))
     header = "# Ablation: loss channels on/off × seeds (held-out, mean ± sample std over seeds)\n\n"
     study.write_text(table_out, header + table + "\n")
-    _log_report(params, out, [metrics_out, table_out, pdir])
-    return {"metrics": out, "table": table, "rows": rows}
+    paired_text = _paired_report(params, out, evals_dir, runs_dir, metrics_names)
+    Path(metrics_out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    paired_out = Path(table_out).with_name("paired.md")
+    study.write_text(paired_out, paired_text)
+    _log_report(params, out, [metrics_out, table_out, paired_out, pdir])
+    return {"metrics": out, "table": table, "rows": rows, "paired": paired_text}
+
+
+#: The per-step training curve whose run mean metrics.json and the paired table carry per variant.
+SIGNAL = "train/groups_with_signal"
+
+
+def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: str | os.PathLike[str],
+                   runs_dir: str | os.PathLike[str], metrics_names: Sequence[str]) -> str:  # fmt: skip
+    """Add ``train/groups_with_signal`` and the paired effects against ``study.baseline`` to ``out``.
+
+    ``out`` is metrics.json's ``{variant: {...}}``: each variant gets the run mean of
+    ``train/groups_with_signal`` (mean/std over seeds) and, when ``study.baseline`` names a variant,
+    ``paired_vs_<baseline>``: ``{metric: {diff, se, low, high}}`` (per-seed differences, Student t 95%
+    interval; :mod:`.paired`). Returns the markdown of ``results/paired.md``.
+    """
+    from composer_plugins.pipeline import paired
+
+    recs, hist = paired.read_study_dir(".", evals_dir, runs_dir)
+    signal = paired.run_means(hist, SIGNAL)
+    for v, by_seed in signal.items():
+        if v in out:
+            mean, std = study.mean_std(list(by_seed.values()))
+            out[v][SIGNAL] = {"mean": _r(mean), "std": _r(std)}
+    base = study.baseline(params)
+    title = "# Paired effects: each variant minus the baseline, per seed (docs/results.md)\n\n"
+    if base is None:
+        return title + "No paired baseline: set `study.baseline` to a variant of `study.variants`.\n"
+    names = [v for v in study.variants(params) if v != base]
+    for m in [*metrics_names, SIGNAL]:
+        table = signal if m == SIGNAL else paired.by_variant_seed(recs, m)
+        if base not in table:
+            continue
+        for v in names:
+            if v in table and v in out:
+                e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m)
+                out[v].setdefault(f"paired_vs_{base}", {})[m] = {
+                    "diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high)}  # fmt: skip
+    heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
+    metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
+    return title + paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir) + "\n"
 
 
 def _r(v: Any) -> Any:

@@ -149,6 +149,17 @@ def seeds(params: Mapping[str, Any]) -> list[int]:
     return list(s)
 
 
+def baseline(params: Mapping[str, Any]) -> str | None:
+    """``study.baseline``: the variant every other one is paired against (``None`` when unset)."""
+    b = (params.get("study") or {}).get("baseline")
+    if b is None:
+        return None
+    names = list(variants(params))
+    if str(b) not in names:
+        raise _err(params, "study.baseline", f"{b!r} is not a variant of study.variants.", valid=names)
+    return str(b)
+
+
 def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]:
     """The ``train`` overrides of ``variant``; a located error naming the valid variants otherwise."""
     v = variants(params)

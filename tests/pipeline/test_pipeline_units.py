@@ -34,10 +34,15 @@ def test_params_yaml_and_ci_params_are_consistent() -> None:
                 out |= keys(v, pre + k + ".")
         return out
 
-    # every CI override names a key that exists in params.yaml (no silent typos), lists aside
-    missing = {k for k in keys(ci) if k not in keys(base) and not k.startswith(("replay.teachers", "study.variants."))}
+    # every CI override names a key that exists in params.yaml (no silent typos), lists aside, and
+    # the SWE-style envs the default study leaves out, which CI adds back (checked below)
+    added_envs = ("code", "feature_deletion")
+    extra = ("replay.teachers", "study.variants.", *(f"{s}.{e}" for s in ("data", "eval.envs") for e in added_envs))
+    missing = {k for k in keys(ci) if k not in keys(base) and not k.startswith(extra)}
     assert not missing, f"params.ci.yaml overrides keys absent from params.yaml: {sorted(missing)}"
     merged = study.merge_params(base, ci)
+    assert set(added_envs) <= set(stages.data_envs(merged)) and set(added_envs) <= set(stages.eval_envs(merged))
+    assert not set(added_envs) & set(stages.eval_envs(base))  # the default table leaves them out
     assert set(merged["study"]["variants"]) == {"full", "no_hint"}
     assert merged["train"]["optim"] == base["train"]["optim"]  # untouched keys survive
     assert merged["data"]["gsm8k"]["source"] == "embedded"
