@@ -277,14 +277,17 @@ def replay_config(params: Mapping[str, Any], traces: str = PATHS_REPLAY["traces"
     """The ``replay run`` config of the replay stage: ``params['replay']`` plus the pipeline's paths.
 
     The stage fills the teacher cache (``cache``, a persistent DVC output) and writes the raw
-    responses and a summary; agreement-k extraction and normalisation are the ``pairs`` stage.
+    responses and a summary; agreement-k extraction and normalisation are the ``pairs`` stage,
+    whose ``pairs.k`` / ``pairs.compare`` are the one consensus setting (the raw pairs use it too).
     """
     r = _section(params, "replay")
     if not r.get("teachers"):
         raise _error(params, "replay.teachers", "at least one teacher is required (e.g. [{name: oracle}])")
+    p = _section(params, "pairs")
     out = Path(out_dir)
     return {
         **r,
+        "consensus": {"k": int(p.get("k", 2)), "compare": p.get("compare", "text")},
         "run_id": r.get("run_id") or "pipeline-replay",
         "traces": [traces],
         "cache": {**(r.get("cache") or {}), "path": cache},

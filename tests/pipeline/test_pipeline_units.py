@@ -232,3 +232,19 @@ def test_secrets_stay_references_in_params(tmp_path: Path, monkeypatch: pytest.M
     assert cfg["cache"]["path"] == "data/teacher_cache/cache.sqlite" and cfg["normalize"] == {"enabled": False}
     with pytest.raises(ConfigError, match="PIPELINE_TEST_KEY"):
         study.load_params(tmp_path / "params.yaml", resolve_secrets=True)
+
+
+def test_replay_stage_takes_its_consensus_from_pairs_k(tmp_path: Path) -> None:
+    """One teacher with ``pairs.k: 1`` (the sparse study's oracle replay) is a valid replay stage config."""
+    from composer_plugins.core.config import Config
+    from composer_plugins.teachers.runner import parse_config
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["replay"]["teachers"] = [{"name": "oracle", "id": "oracle"}]
+    params["pairs"] = {**params["pairs"], "k": 1}
+    cfg = stages.replay_config(params)
+    assert cfg["consensus"] == {"k": 1, "compare": params["pairs"]["compare"]}
+    assert parse_config(Config(cfg, source=str(tmp_path / "config.yaml"))).consensus.k == 1
+    params["pairs"]["k"] = 2  # the default: two teachers must agree, and one is refused with the reason
+    with pytest.raises(ConfigError, match=r"consensus.k.*only 1 teacher"):
+        parse_config(Config(stages.replay_config(params), source=str(tmp_path / "config.yaml")))

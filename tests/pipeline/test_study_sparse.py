@@ -1,4 +1,4 @@
-"""The sparse-reward study (issue 16): its generator level and its params file (params.sparse.yaml)."""
+"""The sparse-reward study (issue 16): its generator levels and its pipeline directory (studies/sparse/)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_plugins.core.errors import ConfigError
 from composer_plugins.envs.arith import generate_problems
 from composer_plugins.envs.base import Feedback
 from composer_plugins.envs.gsm8k import GSM8KEnv
@@ -43,36 +44,98 @@ def test_two_step_reward_is_exact_match_on_the_final_number() -> None:
     assert fb.reward == 0.0 and fb.kind == "wrong_answer"
 
 
+STUDY = ROOT / "studies" / "sparse"
+
+
 def _sparse_params() -> dict:
     import yaml
 
-    base = yaml.safe_load((ROOT / "params.yaml").read_text())
-    over = yaml.safe_load((ROOT / "params.sparse.yaml").read_text())
-    return study.merge_params(base, over)
+    return yaml.safe_load((STUDY / "params.yaml").read_text())
 
 
-def test_sparse_params_load_with_paired_variants_on_five_seeds(tmp_path: Path) -> None:
-    merged = tmp_path / "params.yaml"
-    study.write_merged_params(ROOT / "params.yaml", ROOT / "params.sparse.yaml", merged)
-    params = study.load_params(merged)
+def _studies_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("studies_script", ROOT / "scripts" / "studies.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_study_files_are_derived_from_the_repository_pipeline() -> None:
+    """studies/sparse/{dvc.yaml,params.yaml} are current (scripts/studies.py --check) and derived, not forked."""
+    import yaml
+
+    mod = _studies_script()
+    assert mod.main(["--check"]) == 0, "run `python scripts/studies.py`"
+    root_dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    study_dvc = yaml.safe_load((STUDY / "dvc.yaml").read_text())
+    assert study_dvc.keys() == root_dvc.keys() and study_dvc["plots"] == root_dvc["plots"]
+    for name, stage in root_dvc["stages"].items():
+        mine = study_dvc["stages"][name]
+        assert {k: v for k, v in mine.items() if k != "deps"} == {k: v for k, v in stage.items() if k != "deps"}
+        # only the package's own paths move; every one of them still exists from the study directory
+        rebased = [d.replace("../../composer_plugins", "composer_plugins") for d in mine.get("deps", [])]
+        assert rebased == stage.get("deps", [])
+        for d in mine.get("deps", []):
+            if d.startswith("../../"):
+                assert (STUDY / d).exists(), d
+    merged = study.merge_params(yaml.safe_load((ROOT / "params.yaml").read_text()),
+                                yaml.safe_load((STUDY / "overrides.yaml").read_text()))  # fmt: skip
+    assert _sparse_params() == merged
+    # a stale file is reported, not silently accepted
+    text = (STUDY / "params.yaml").read_text()
+    try:
+        (STUDY / "params.yaml").write_text(text.replace("difficulty: medium", "difficulty: trivial"))
+        assert mod.main(["--check"]) == 1
+    finally:
+        (STUDY / "params.yaml").write_text(text)
+
+
+def test_sparse_params_load_with_paired_variants_on_five_seeds() -> None:
+    params = study.load_params(STUDY / "params.yaml")
     assert study.seeds(params) == [0, 1, 2, 3, 4]
-    assert list(study.variants(params)) == ["rl_only", "hint_answer", "hint_feedback", "replay", "replay_oracle"]
-    assert params["train"]["env"]["difficulty"] == "two_step"
-    assert set(params["eval"]["envs"]) == {"gsm8k"}  # the SWE evals sit at the floor: dropped here
+    assert list(study.variants(params)) == ["rl_only", "hint_answer", "hint_feedback", "replay"]
+    assert study.baseline(params) == "rl_only"
+    assert params["train"]["env"]["difficulty"] == "medium"
+    assert set(params["eval"]["envs"]) == {"gsm8k"} and params["eval"]["envs"]["gsm8k"]["num_problems"] == 400
     flags = {}
     for v in study.variants(params):
         cfg = stages.train_config(params, v, 2)
         assert cfg["seed"] == 2 and cfg["model"]["name_or_path"] == "models/sft/model"
+        assert cfg["env"]["difficulty"] == "medium" and cfg["trainer"]["max_steps"] == 40
         flags[v] = stages.channels_label(stages.channel_flags(cfg))
     assert flags == {
         "rl_only": "grpo",
         "hint_answer": "grpo+hint_distill",
         "hint_feedback": "grpo+hint_distill",
         "replay": "grpo+replay",
-        "replay_oracle": "grpo+replay",
     }
-    assert stages.train_config(params, "replay", 0)["replay"]["pairs_path"] == "data/pairs.jsonl"
-    assert stages.train_config(params, "replay_oracle", 0)["replay"]["pairs_path"] == "data/pairs_oracle.jsonl"
+    # replay's chosen side: the oracle teacher's answer alone (k=1), see overrides.yaml
+    assert [t["name"] for t in params["replay"]["teachers"]] == ["oracle"] and params["pairs"]["k"] == 1
+
+
+def test_medium_level_is_one_checked_step_over_four_operations() -> None:
+    """The study's level: one calculation, +, -, x or exact division, arithmetic right, answer = result."""
+    probs = generate_problems(300, "medium", seed=0, split="train")
+    ops = set()
+    for p in probs:
+        (calc,) = CALC.findall(p.solution)  # exactly one step
+        expr, val = calc
+        assert eval(expr, {"__builtins__": {}}) == pytest.approx(float(val)), p.solution
+        assert float(val) == float(p.answer) == int(p.answer)  # exact division: an integer answer
+        ops |= {op for op in "+-*/" if op in expr}
+    assert ops == {"+", "-", "*", "/"}
+    assert len({p.answer for p in probs}) > 50  # not a handful of answers a policy could guess
+
+
+def test_baseline_must_name_a_variant() -> None:
+    params = _sparse_params()
+    params["study"]["baseline"] = "rl_onyl"
+    with pytest.raises(ConfigError) as e:
+        study.baseline(params)
+    msg = str(e.value)
+    assert "study.baseline" in msg and "rl_only" in msg
 
 
 def test_feedback_variant_hints_without_revealing_the_answer() -> None:
