@@ -190,8 +190,12 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
 # -- a study directory (evals/*.json, runs/*/history.csv) without MLflow ------------------------
 
 
+#: ``{variant: {seed: history rows}}``
+Histories = dict[str, dict[int, list[dict[str, float]]]]
+
+
 def read_study_dir(root: str | Path, evals: str | Path = "evals",
-                   runs: str | Path = "runs") -> tuple[list[dict[str, Any]], dict[str, dict[int, list[dict[str, float]]]]]:  # fmt: skip
+                   runs: str | Path = "runs") -> tuple[list[dict[str, Any]], Histories]:  # fmt: skip
     """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir.
 
     ``evals`` and ``runs`` are relative to ``root`` (the stage layout of dvc.yaml: ``evals/*.json``,
@@ -208,7 +212,7 @@ def read_study_dir(root: str | Path, evals: str | Path = "evals",
             v, s = parse_run_name(f.stem)
         m = json.loads(f.read_text()).get("metrics", {})
         recs.append({"variant": v, "seed": s, **{canonical_metric(k): x for k, x in m.items()}})
-    hist: dict[str, dict[int, list[dict[str, float]]]] = {}
+    hist: Histories = {}
     for f in sorted((root / runs).glob("*/history.csv")):
         try:
             v, s = parse_run_name(f.parent.name)

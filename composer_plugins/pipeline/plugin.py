@@ -214,11 +214,12 @@ def report_cmd(params_path: str, overrides: tuple[str, ...], evals_dir: str, run
 @click.option("--paired", is_flag=True,
               help="Each variant minus --baseline-variant per seed: mean, se, 95% t interval, verdict "
                    "(composer_plugins.pipeline.paired).")  # fmt: skip
-@click.option("--baseline-variant", default="rl_only", show_default=True, help="The reference of --paired.")
+@click.option("--baseline-variant", default=None,
+              help="The reference of --paired (default: study.baseline of --params, else rl_only).")  # fmt: skip
 @command_errors
 def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: str, metrics: tuple[str, ...],
                 group_by: str | None, filters: tuple[str, ...], all_runs: bool, fmt: str, paired: bool,
-                baseline_variant: str) -> None:  # fmt: skip
+                baseline_variant: str | None) -> None:  # fmt: skip
     """Print the ablation table from MLflow: channels on/off × seeds -> held-out metrics, mean ± std.
 
     Without --group-by, rows are channels × the params that an experiment changed, the baseline's
@@ -242,7 +243,8 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
             raise click.UsageError(f"--filter {f!r} must look like TAG=VALUE")
         flt[k] = v
     if paired:
-        _print_paired(params, uri, exp, flt, metrics, baseline_variant, fmt)
+        base = baseline_variant or (study.baseline(params) if params else None) or "rl_only"
+        _print_paired(params, uri, exp, flt, metrics, base, fmt)
         return
     beside = group_by is None
     if beside:

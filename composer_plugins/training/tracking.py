@@ -36,17 +36,24 @@ TAG_SEED = "study.seed"
 
 
 def repo_root(start: str | os.PathLike[str] | None = None) -> Path:
-    """The DVC (or git) root above ``start`` (``DVC_ROOT`` when DVC runs the stage), else the cwd."""
+    """The DVC repository root above ``start`` (``DVC_ROOT`` when DVC runs the stage), else the cwd.
+
+    The root is the directory holding ``.dvc/``, so a study directory with its own dvc.yaml
+    (``studies/<name>/``) shares the repository's MLflow store whether DVC or a person runs the
+    command there. Outside a DVC repository: the nearest dvc.yaml, then the git root.
+    """
     env = os.environ.get("DVC_ROOT")
     if env:
         return Path(env)
     here = Path(start or os.getcwd()).resolve()
-    for p in (here, *here.parents):
-        if (p / ".dvc").is_dir() or (p / "dvc.yaml").is_file():
-            return p
-    for p in (here, *here.parents):
-        if (p / ".git").exists():
-            return p
+    for marker in (
+        lambda p: (p / ".dvc").is_dir(),
+        lambda p: (p / "dvc.yaml").is_file(),
+        lambda p: (p / ".git").exists(),
+    ):
+        for p in (here, *here.parents):
+            if marker(p):
+                return p
     return here
 
 

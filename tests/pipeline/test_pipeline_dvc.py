@@ -245,3 +245,93 @@ def test_replicas_train_a_cell_with_diloco(repo: tuple[Path, str]) -> None:
     assert syncs and any(s.get("committed") for s in syncs)
     cfg = yaml.safe_load((cell / "config.yaml").read_text())
     assert cfg["diloco"]["replicas"] == 2
+
+
+# -- a study directory (studies/sparse): the same stages, its own params, run as a DVC experiment ------
+
+
+def _study_shrink() -> dict:
+    """params.ci.yaml's sizes for the sparse study: its own variants, seeds 0-1, no SWE envs, its own teachers."""
+    ci = yaml.safe_load(CI_PARAMS.read_text())
+    for key in ("study", "replay", "mlflow"):
+        ci.pop(key)
+    for env in ("code", "feature_deletion"):
+        ci["data"].pop(env)
+        ci["eval"]["envs"].pop(env)
+    return {**ci, "study": {"seeds": [0, 1]}}
+
+
+@pytest.fixture(scope="module")
+def study_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A fresh repository holding studies/sparse at CI size, after one `dvc exp run -S ...` in the study directory."""
+    from composer_plugins.pipeline.study import merge_params
+
+    repo = tmp_path_factory.mktemp("study") / "repo"
+    repo.mkdir()
+    run(repo, "git", "init", "-q")
+    run(repo, str(BIN / "dvc"), "init", "-q")
+    run(repo, str(BIN / "dvc"), "config", "core.analytics", "false")
+    for f in ("dvc.yaml", ".dvcignore", ".gitignore", "params.yaml"):
+        shutil.copy(ROOT / f, repo / f)
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
+    shutil.copytree(ROOT / "composer_plugins", repo / "composer_plugins",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))  # fmt: skip
+    study_dir = repo / "studies" / "sparse"
+    study_dir.mkdir(parents=True)
+    shutil.copy(ROOT / "studies" / "sparse" / "dvc.yaml", study_dir / "dvc.yaml")
+    params = merge_params(yaml.safe_load((ROOT / "studies" / "sparse" / "params.yaml").read_text()), _study_shrink())
+    (study_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "commit", "-q", "-m", "study")
+    out = run(study_dir, str(BIN / "dvc"), "exp", "run", "-n", "two-steps", "-S", "train.trainer.max_steps=2")
+    return study_dir, out.stdout + out.stderr
+
+
+def test_study_directory_runs_as_a_dvc_experiment(study_repo: tuple[Path, str]) -> None:
+    study_dir, log = study_repo
+    params = _params(study_dir)
+    assert params["train"]["trainer"]["max_steps"] == 2  # the -S override landed in the study's params
+    cells = [f"{v}-{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]
+    assert ran_stages(log) == UPSTREAM | {"report"} | {f"{k}@{c}" for c in cells for k in ("train", "eval")}
+    repo = study_dir.parents[1]
+    assert not (repo / "metrics.json").exists() and not (repo / "data" / "tasks").exists()  # no default stage ran
+    # replay: the oracle alone (k=1) gives a pair wherever the student's answer differs from it
+    stats = json.loads((study_dir / "data" / "pairs.stats.json").read_text())
+    assert stats["pairs"]["pairs"] > 0 and stats["pairs"]["no_consensus"] == 0, stats
+    # results/paired.md and metrics.json: every variant minus rl_only per seed, and groups_with_signal
+    text = (study_dir / "results" / "paired.md").read_text()
+    for v in ("hint_answer", "hint_feedback", "replay"):
+        assert f"| {v} | rl_only | gsm8k/accuracy | 2 |" in text, text
+        assert f"| {v} | rl_only | train/groups_with_signal (run mean) | 2 |" in text, text
+    assert "held-out se (m=6)" in text and "train/groups_with_signal per step" in text
+    metrics = json.loads((study_dir / "metrics.json").read_text())
+    for v in ("hint_answer", "hint_feedback", "replay"):
+        eff = metrics[v]["paired_vs_rl_only"]["gsm8k/accuracy"]
+        assert eff["low"] <= eff["diff"] <= eff["high"]
+        assert 0.0 <= metrics[v]["train/groups_with_signal"]["mean"] <= 1.0
+    assert "paired_vs_rl_only" not in metrics["rl_only"]
+    # dvc exp show lists the experiment with its params and metrics
+    shown = run(study_dir, str(BIN / "dvc"), "exp", "show", "--json").stdout
+    assert "two-steps" in shown and "paired_vs_rl_only" in shown
+    # dvc plots: accuracy and groups_with_signal per variant over steps
+    plots = json.loads(run(study_dir, str(BIN / "dvc"), "plots", "show", "--json").stdout)
+    ids = set(plots["data"])  # the study's own plots are "dvc.yaml::<title>" from its directory
+    assert any(i.startswith("dvc.yaml::Groups with reward signal per variant") for i in ids), sorted(ids)
+    assert any(i.startswith("dvc.yaml::Rollout accuracy per variant") for i in ids), sorted(ids)
+    # MLflow (the repository's one store, its own experiment): runs carry variant, seed and the dvc exp;
+    # compare --paired, run by a person in the study directory, finds the same store and prints the table
+    from mlflow.tracking import MlflowClient
+
+    assert not (study_dir / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("composer-plugins-sparse")
+    evals = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("dvc.stage", "").startswith("eval@")]
+    tagged = {(r.data.tags.get("study.variant"), r.data.tags.get("study.seed"), r.data.tags.get("dvc.exp"))
+              for r in evals}  # fmt: skip
+    assert tagged == {(v, str(s), "two-steps") for v in params["study"]["variants"] for s in params["study"]["seeds"]}
+    out = run(study_dir, str(BIN / "composer-plugins"), "compare", "--paired", "--format", "json").stdout
+    rows = {(r["variant"], r["baseline"], r["metric"]): r for r in json.loads(out)}  # baseline: study.baseline
+    for v in ("hint_answer", "hint_feedback", "replay"):
+        row = rows[(v, "rl_only", "gsm8k/accuracy")]
+        assert row["seeds"] == [0, 1]
+        assert row["mean"] == pytest.approx(metrics[v]["paired_vs_rl_only"]["gsm8k/accuracy"]["diff"], abs=1e-6)

@@ -121,6 +121,18 @@ def test_tracking_uri_resolves_relative_sqlite_to_repo_root(tmp_path: Path, monk
     assert tracking.tracking_uri({"mlflow": {"tracking_uri": "sqlite:///mlflow.db"}}) == (
         f"sqlite:///{(tmp_path / 'mlflow.db').resolve().as_posix()}"
     )
+    # without DVC_ROOT (a person running a command in a study directory): the directory holding .dvc/,
+    # not the study's own dvc.yaml, so every study of the repository writes into the one store
+    monkeypatch.delenv("DVC_ROOT")
+    (tmp_path / ".dvc").mkdir()
+    study_dir = tmp_path / "studies" / "sparse"
+    study_dir.mkdir(parents=True)
+    (study_dir / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(study_dir)
+    assert tracking.repo_root() == tmp_path.resolve()
+    assert tracking.tracking_uri({"mlflow": {"tracking_uri": "sqlite:///mlflow.db"}}) == (
+        f"sqlite:///{(tmp_path / 'mlflow.db').resolve().as_posix()}"
+    )
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert tracking.tracking_uri({}) == "http://127.0.0.1:5000"
     monkeypatch.setenv("COMPOSER_MLFLOW", "0")
