@@ -283,8 +283,17 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
     return "\n".join(out)
 
 
-def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accuracy") -> list[Path]:
-    """Two PNGs: ``metric`` per variant and seed (lines join a seed's runs), ``groups_with_signal`` per step."""
+def _se(xs: Sequence[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accuracy",
+               prefix: str = "sparse", baseline: str = "rl_only") -> list[Path]:  # fmt: skip
+    """Two PNGs, ``<prefix>_accuracy.png``: ``metric`` per variant and seed (lines join a seed's runs), and
+    ``<prefix>_groups_with_signal.png``: ``groups_with_signal`` per step (mean over seeds, ± se band)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,8 +303,11 @@ def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accur
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = by_variant_seed([r for r in recs if r["variant"] != "sft"], metric)
-    names = list(table)
+    names = sorted(table, key=lambda v: v != baseline)  # the baseline first, then the study's order
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    sft = [r[metric] for r in recs if r["variant"] == "sft" and metric in r]
+    if sft:
+        ax.axhline(sft[0], color="grey", linestyle="--", linewidth=1, label="SFT start")
     for s in sorted({s for v in table.values() for s in v}):
         xs = [i for i, v in enumerate(names) if s in table[v]]
         ax.plot(xs, [table[names[i]][s] for i in xs], marker="o", alpha=0.7, label=f"seed {s}")
@@ -303,23 +315,36 @@ def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accur
     ax.set_ylabel(f"held-out {metric}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths = [out / "sparse_accuracy.png"]
+    paths = [out / f"{prefix}_accuracy.png"]
     fig.savefig(paths[0], dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for v, ys in step_means(hist, "train/groups_with_signal").items():
-        ax.plot(range(1, len(ys) + 1), ys, marker=".", label=v)
+    sig = "train/groups_with_signal"
+    for v, by_seed in hist.items():
+        per_step: dict[int, list[float]] = {}
+        for rows in by_seed.values():
+            for r in rows:
+                if sig in r:
+                    per_step.setdefault(int(r["step"]), []).append(r[sig])
+        steps = sorted(per_step)
+        means = [sum(per_step[t]) / len(per_step[t]) for t in steps]
+        ses = [_se(per_step[t]) for t in steps]
+        (line,) = ax.plot(steps, means, marker=".", label=v)
+        low = [m - e for m, e in zip(means, ses, strict=True)]
+        high = [m + e for m, e in zip(means, ses, strict=True)]
+        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("step")
-    ax.set_ylabel("groups_with_signal (mean over seeds)")
+    ax.set_ylabel("groups_with_signal (mean ± se over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out / "sparse_groups_with_signal.png")
+    paths.append(out / f"{prefix}_groups_with_signal.png")
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     return paths
 
 
-USAGE = "usage: python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] [--plots DIR]"
+USAGE = ("usage: python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] "
+         "[--plots DIR [--prefix NAME]]")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -327,17 +352,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
-    plots = None
-    if "--plots" in args:
-        i = args.index("--plots")
-        plots = args[i + 1]
-        del args[i : i + 2]
+    plots, prefix = None, "sparse"
+    for flag in ("--plots", "--prefix"):
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args):
+                raise SystemExit(f"{flag} needs a value\n{USAGE}")
+            if flag == "--plots":
+                plots = args[i + 1]
+            else:
+                prefix = args[i + 1]
+            del args[i : i + 2]
     if not args:
         raise SystemExit(USAGE)
     base = args[1] if len(args) > 1 else "rl_only"
     print(study_report(args[0], base, heldout_n=int(args[2]) if len(args) > 2 else None))
     if plots:
-        for p in plot_study(args[0], plots):
+        for p in plot_study(args[0], plots, prefix=prefix, baseline=base):
             print(f"wrote {p}")
 
 

@@ -85,6 +85,12 @@ def test_study_report_reads_evals_and_histories(tmp_path) -> None:
     assert "| hint | rl_only | gsm8k/accuracy | 2 | 0.200 | 0.150 | 0.036 | +0.050 | 0.000 |" in text
     assert "| hint | rl_only | train/groups_with_signal (run mean) | 2 | 0.375 | 0.188 | +0.188 |" in text
     assert "| step | hint | rl_only |" in text and "| 1 | 0.500 | 0.250 |" in text  # sorted run dirs
+    # the command line: the same report, and both plots under the given prefix
+    paired.main([str(tmp_path), "rl_only", "100", "--plots", str(tmp_path / "img"), "--prefix", "medium"])
+    for name in ("medium_accuracy.png", "medium_groups_with_signal.png"):
+        assert (tmp_path / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="--prefix needs a value"):
+        paired.main([str(tmp_path), "--plots", str(tmp_path / "img"), "--prefix"])
 
 
 def test_compare_paired_cli_reads_mlflow(tmp_path, monkeypatch) -> None:
