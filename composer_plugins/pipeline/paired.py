@@ -226,17 +226,19 @@ def read_study_dir(root: str | Path, evals: str | Path = "evals",
     return recs, hist
 
 
+def step_values(by_seed: Mapping[int, Sequence[Mapping[str, float]]], column: str) -> dict[int, list[float]]:
+    """``{step: [column of each seed's run at that step]}``, steps in order."""
+    per_step: dict[int, list[float]] = {}
+    for rows in by_seed.values():
+        for r in rows:
+            if column in r:
+                per_step.setdefault(int(r["step"]), []).append(r[column])
+    return dict(sorted(per_step.items()))
+
+
 def step_means(hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str) -> dict[str, list[float]]:
     """``{variant: [mean over seeds of column at step 1, 2, ...]}``."""
-    out: dict[str, list[float]] = {}
-    for v, by_seed in hist.items():
-        per_step: dict[int, list[float]] = {}
-        for rows in by_seed.values():
-            for r in rows:
-                if column in r:
-                    per_step.setdefault(int(r["step"]), []).append(r[column])
-        out[v] = [sum(xs) / len(xs) for _, xs in sorted(per_step.items())]
-    return out
+    return {v: [sum(xs) / len(xs) for xs in step_values(by_seed, column).values()] for v, by_seed in hist.items()}
 
 
 def run_means(
@@ -321,12 +323,8 @@ def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accur
     fig, ax = plt.subplots(figsize=(6, 3.5))
     sig = "train/groups_with_signal"
     for v, by_seed in hist.items():
-        per_step: dict[int, list[float]] = {}
-        for rows in by_seed.values():
-            for r in rows:
-                if sig in r:
-                    per_step.setdefault(int(r["step"]), []).append(r[sig])
-        steps = sorted(per_step)
+        per_step = step_values(by_seed, sig)
+        steps = list(per_step)
         means = [sum(per_step[t]) / len(per_step[t]) for t in steps]
         ses = [_se(per_step[t]) for t in steps]
         (line,) = ax.plot(steps, means, marker=".", label=v)

@@ -71,17 +71,23 @@ def ran_stages(output: str) -> set[str]:
     return set(RUN_RE.findall(output))
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A fresh copy of the pipeline with CI-sized params, after one ``dvc repro``."""
-    from composer_plugins.pipeline.study import write_merged_params
-
-    repo = tmp_path_factory.mktemp("pipeline") / "repo"
+def _new_repo(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """An empty git + DVC repository (analytics and autostage off)."""
+    repo = tmp_path_factory.mktemp(name) / "repo"
     repo.mkdir()
     run(repo, "git", "init", "-q")
     run(repo, str(BIN / "dvc"), "init", "-q")
     run(repo, str(BIN / "dvc"), "config", "core.analytics", "false")
     run(repo, str(BIN / "dvc"), "config", "core.autostage", "false")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A fresh copy of the pipeline with CI-sized params, after one ``dvc repro``."""
+    from composer_plugins.pipeline.study import write_merged_params
+
+    repo = _new_repo(tmp_path_factory, "pipeline")
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
     shutil.copy(ROOT / ".dvcignore", repo / ".dvcignore")
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
@@ -266,11 +272,7 @@ def study_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A fresh repository holding studies/sparse at CI size, after one `dvc exp run -S ...` in the study directory."""
     from composer_plugins.pipeline.study import merge_params
 
-    repo = tmp_path_factory.mktemp("study") / "repo"
-    repo.mkdir()
-    run(repo, "git", "init", "-q")
-    run(repo, str(BIN / "dvc"), "init", "-q")
-    run(repo, str(BIN / "dvc"), "config", "core.analytics", "false")
+    repo = _new_repo(tmp_path_factory, "study")
     for f in ("dvc.yaml", ".dvcignore", ".gitignore", "params.yaml"):
         shutil.copy(ROOT / f, repo / f)
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
