@@ -7,7 +7,7 @@ Public API (imported lazily, so ``import composer_plugins.envs`` stays cheap):
 * envs: ``GSM8KEnv``, ``CodeEnv``, ``FeatureDeletionEnv``, ``OpenEnvEnv``;
 * ``Sandbox``, ``SandboxLimits``, ``SandboxResult``;
 * hints: ``TemplateHintProvider``, ``RawErrorHintProvider``, ``LLMTeacherHintProvider``,
-  ``ChainHintProvider``, ``build_teacher_context``;
+  ``ChainHintProvider``, ``DemonstrationHintProvider`` (and its ``SiblingGroup``), ``build_teacher_context``;
 * ``extract_answer``, ``answers_match``.
 
 See ``docs/envs.md``.
@@ -34,6 +34,8 @@ _EXPORTS = {
     "RawErrorHintProvider": "hints",
     "LLMTeacherHintProvider": "hints",
     "ChainHintProvider": "hints",
+    "DemonstrationHintProvider": "hints",
+    "SiblingGroup": "hints",
     "build_teacher_context": "hints",
     "extract_answer": "answers",
     "answers_match": "answers",

@@ -13,18 +13,30 @@ Built-ins, from cheapest to richest (registry kind ``hints``):
   feedback. The teacher is built by name through the ``teachers`` registry, or is any object
   with ``async def complete(messages)`` (result with ``.text``) or a sync ``generate(messages)``.
   Off unless configured; falls back to ``template`` when the teacher fails;
-* ``chain``: the first hint any of several providers gives.
+* ``chain``: the first hint any of several providers gives;
+* ``demonstration``: a successful sibling's completion from the same rollout group (SDPO's
+  self-teacher), with the feedback when configured or when no sibling succeeded.
+
+Providers that want the rollout group accept ``groups=`` in ``hints(...)`` (one
+:class:`SiblingGroup` or ``None`` per row) and/or ``group=`` in ``hint(...)``; callers pass them
+only to providers whose signature takes them (:func:`provider_hints`), so a provider written
+against the four-argument contract keeps working unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import inspect
 import json
+import random
+import re
 import string
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from composer_plugins.envs.base import Feedback, prompt_text
@@ -32,13 +44,19 @@ from composer_plugins.envs.base import Feedback, prompt_text
 __all__ = [
     "DEFAULT_TEMPLATES",
     "ChainHintProvider",
+    "DemonstrationHintProvider",
     "HintProvider",
     "LLMTeacherHintProvider",
     "RawErrorHintProvider",
+    "SiblingGroup",
     "TemplateHintProvider",
+    "accepts_keyword",
     "build_hint_provider",
     "build_teacher_context",
     "hint_request_messages",
+    "provider_hints",
+    "sibling_groups",
+    "wants_groups",
 ]
 
 #: Hint text per feedback kind. Fields: any key of ``feedback.details`` plus ``message`` and the
@@ -86,10 +104,148 @@ def _fields(feedback: Feedback, reveal_answer: bool, limit: int = 400) -> _Field
     return f
 
 
+@dataclass(frozen=True)
+class SiblingGroup:
+    """One row's view of its rollout group: the ``G`` completions sampled for the same prompt.
+
+    Attributes:
+        completions: every completion of the group, this row's included (text or chat messages).
+        rewards: their rewards, in the same order.
+        index: this row's position in the group.
+        success_threshold: reward at or above which a completion counts as successful (the
+            rollout's ``success_threshold``; a provider may apply its own).
+    """
+
+    completions: tuple[Any, ...]
+    rewards: tuple[float, ...]
+    index: int
+    success_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        if len(self.completions) != len(self.rewards):
+            raise ValueError(f"a group has {len(self.completions)} completions but {len(self.rewards)} rewards")
+        if not 0 <= self.index < len(self.completions):
+            raise IndexError(f"row index {self.index} is outside its group of {len(self.completions)}")
+
+    @property
+    def completion(self) -> Any:
+        """This row's own completion."""
+        return self.completions[self.index]
+
+    @property
+    def reward(self) -> float:
+        """This row's own reward."""
+        return self.rewards[self.index]
+
+    def successful_siblings(self, threshold: float | None = None) -> list[int]:
+        """Indices of the *other* completions whose reward is at least ``threshold`` (default: the group's).
+
+        Never this row's own index: a teacher conditioned on the row's own success would only
+        teach the student to copy itself.
+        """
+        thr = self.success_threshold if threshold is None else threshold
+        return [j for j, r in enumerate(self.rewards) if j != self.index and r is not None and float(r) >= thr]
+
+
+def sibling_groups(completions: Sequence[Any], rewards: Sequence[float], group_size: int,
+                   success_threshold: float = 1.0) -> list[SiblingGroup]:  # fmt: skip
+    """One :class:`SiblingGroup` per row of a rollout whose rows ``i`` form groups ``i // group_size``."""
+    n = len(completions)
+    if len(rewards) != n:
+        raise ValueError(f"{n} completions but {len(rewards)} rewards")
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"{n} rows do not split into groups of {group_size}")
+    out: list[SiblingGroup] = []
+    for start in range(0, n, group_size):
+        comps = tuple(completions[start : start + group_size])
+        rs = tuple(float(r) for r in rewards[start : start + group_size])
+        out.extend(SiblingGroup(comps, rs, j, float(success_threshold)) for j in range(group_size))
+    return out
+
+
+@functools.lru_cache(maxsize=512)
+def _takes_keyword(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get(name)
+    if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        return True
+    return any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
+
+
+def accepts_keyword(fn: Any, name: str) -> bool:
+    """Whether the callable ``fn`` takes the keyword ``name`` (by name, or through ``**kwargs``).
+
+    Looked up once per function (a bound method counts as its function, a callable object as
+    its class's ``__call__``), so the per-row calls of a rollout pay nothing.
+    """
+    target = getattr(fn, "__func__", fn)
+    if not inspect.isfunction(target):
+        call = vars(type(target)).get("__call__")  # a callable object: its class's __call__
+        target = call if inspect.isfunction(call) else target
+    try:
+        return _takes_keyword(target, name)
+    except TypeError:  # an unhashable callable: inspect it without the cache
+        return bool(_takes_keyword.__wrapped__(target, name))
+
+
+def wants_groups(provider: Any) -> bool:
+    """Whether ``provider`` reads the rollout group (its ``hints`` takes ``groups=`` or its ``hint`` ``group=``).
+
+    A caller that must do extra work to build the groups (gather them across processes) asks first.
+    """
+    hints_fn = getattr(provider, "hints", None)
+    if callable(hints_fn) and getattr(hints_fn, "__func__", None) is not HintProvider.hints:
+        return accepts_keyword(hints_fn, "groups")  # its own batch method decides
+    fn = getattr(provider, "hint", None) or provider
+    return callable(fn) and accepts_keyword(fn, "group")
+
+
+def provider_hints(
+    provider: Any,
+    feedbacks: Sequence[Any],
+    prompts: Sequence[Any] | None = None,
+    completions: Sequence[Any] | None = None,
+    tasks: Sequence[Mapping[str, Any]] | None = None,
+    groups: Sequence[SiblingGroup | None] | None = None,
+) -> list[str | None]:
+    """Hints of any provider: a :class:`HintProvider`, an object with ``hints``/``hint``, or a plain callable.
+
+    ``groups`` (one :class:`SiblingGroup` or ``None`` per row) reaches the provider only if its
+    ``hints`` takes ``groups=`` (or its ``hint`` takes ``group=``); providers written without
+    them are called exactly as before.
+    """
+    n = len(feedbacks)
+    if groups is not None and len(groups) != n:
+        raise ValueError(f"{len(groups)} groups for {n} rows")
+    hints_fn = getattr(provider, "hints", None)
+    if callable(hints_fn):
+        if groups is not None and accepts_keyword(hints_fn, "groups"):
+            return list(hints_fn(feedbacks, prompts, completions, tasks, groups=groups))
+        return list(hints_fn(feedbacks, prompts, completions, tasks))
+    fn = getattr(provider, "hint", None) or provider
+    with_group = groups is not None and accepts_keyword(fn, "group")
+    out: list[str | None] = []
+    for i in range(n):
+        kw: dict[str, Any] = {
+            "prompt": prompts[i] if prompts else None,
+            "completion": completions[i] if completions else None,
+            "task": tasks[i] if tasks else None,
+        }
+        if with_group:
+            kw["group"] = groups[i]  # type: ignore[index]
+        out.append(fn(feedbacks[i], **kw))
+    return out
+
+
 class HintProvider:
     """Base class: ``hint(feedback, prompt=..., completion=..., task=...) -> str | None``.
 
     ``None`` means "no hint" (the completion was correct, or nothing useful can be said).
+    A subclass that needs the rollout group adds ``group: SiblingGroup | None = None`` to
+    ``hint`` (the batch :meth:`hints` then passes each row's group to it).
     """
 
     name: ClassVar[str] = "hint"
@@ -112,21 +268,24 @@ class HintProvider:
         prompts: Sequence[Any] | None = None,
         completions: Sequence[Any] | None = None,
         tasks: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        groups: Sequence[SiblingGroup | None] | None = None,
     ) -> list[str | None]:
-        """Hints for a batch (providers that call models do this concurrently)."""
-        n = len(feedbacks)
-        return [
-            self.hint(
-                feedbacks[i],
-                prompt=prompts[i] if prompts else None,
-                completion=completions[i] if completions else None,
-                task=tasks[i] if tasks else None,
-            )
-            for i in range(n)
-        ]
+        """Hints for a batch (providers that call models do this concurrently).
+
+        ``groups`` reaches :meth:`hint` as ``group=`` when the subclass's ``hint`` takes it.
+        """
+        return provider_hints(_HintOnly(self.hint), feedbacks, prompts, completions, tasks, groups)
 
     def __call__(self, feedback: Feedback, **kw: Any) -> str | None:
         return self.hint(feedback, **kw)
+
+
+class _HintOnly:
+    """Expose only a ``hint`` callable, so :func:`provider_hints` loops over rows with it."""
+
+    def __init__(self, hint: Any) -> None:
+        self.hint = hint
 
 
 class TemplateHintProvider(HintProvider):
@@ -400,13 +559,166 @@ class ChainHintProvider(HintProvider):
         self.providers = [build_hint_provider(p) for p in providers]
 
     def hint(
-        self, feedback: Feedback, *, prompt: Any = None, completion: Any = None, task: Mapping[str, Any] | None = None
+        self,
+        feedback: Feedback,
+        *,
+        prompt: Any = None,
+        completion: Any = None,
+        task: Mapping[str, Any] | None = None,
+        group: SiblingGroup | None = None,
     ) -> str | None:
         for p in self.providers:
-            h = p.hint(feedback, prompt=prompt, completion=completion, task=task)
+            h = provider_hints(p, [feedback], [prompt], [completion], [task], None if group is None else [group])[0]
             if h:
                 return h
         return None
+
+
+#: SDPO's reprompting defaults (Hübotter et al. 2026), worded for the ``Hint: ...`` block of a teacher context.
+#: ``{feedback}`` is empty, or the rendered ``feedback_template`` after a blank line.
+DEMONSTRATION_TEMPLATE = "Correct solution:\n{demonstration}{feedback}\n\nCorrectly solve the original question."
+FEEDBACK_TEMPLATE = "The following is feedback from your unsuccessful earlier attempt:\n{feedback}"
+_PICKS = ("first", "shortest", "random")
+_FALLBACKS = ("feedback", "none")
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def _check_template(tpl: str, allowed: set[str], what: str) -> None:
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(tpl) if f}
+    except ValueError as e:
+        raise ValueError(f"{what} is not a valid format string: {e}") from None
+    unknown = sorted(fields - allowed)
+    if unknown:
+        raise ValueError(f"{what} uses unknown field {{{unknown[0]}}}; available: " + ", ".join(sorted(allowed)))
+
+
+def _choice(value: str, valid: Sequence[str], what: str) -> str:
+    if value in valid:
+        return value
+    from composer_plugins.core.errors import closest
+
+    near = closest(str(value), valid)
+    dym = f" Did you mean {near[0]!r}?" if near else ""
+    raise ValueError(f"{what} {value!r} is not one of {', '.join(valid)}.{dym}")
+
+
+class DemonstrationHintProvider(HintProvider):
+    """A successful sibling's completion from the same rollout group as the hint (SDPO's self-teacher).
+
+    For a failed row the hint shows another completion of the same prompt that succeeded
+    (reward ``>= success_threshold``), never the row's own, through ``template``; with
+    ``include_feedback`` the env's feedback on the failed attempt follows it. When no sibling
+    succeeded (or no group is given) the hint is the feedback alone (``fallback: feedback``) or
+    nothing (``fallback: none``).
+
+    Args:
+        success_threshold: reward at or above which a sibling counts as successful (SDPO: 0.5);
+            ``None`` uses the rollout's ``success_threshold`` carried by the group.
+        pick: which successful sibling: ``first`` (lowest index), ``shortest`` (fewest characters,
+            ties to the lowest index) or ``random`` (seeded by ``seed`` and the group's contents,
+            so the same rollout gets the same pick).
+        seed: seed of ``pick: random``.
+        max_chars: cut the demonstration to this many characters (its start is kept).
+        template: the hint, with ``{demonstration}`` and ``{feedback}`` (empty unless
+            ``include_feedback``; else a blank line and the rendered ``feedback_template``;
+            appended at the end when the template has no ``{feedback}``).
+        feedback_template: how the feedback is rendered, with ``{feedback}``.
+        include_feedback: add the feedback after the demonstration (SDPO's default is to use
+            feedback only when no sibling succeeded).
+        fallback: ``feedback`` or ``none`` when no sibling succeeded.
+        feedback: the provider that turns the env's feedback into text (name, config dict or
+            object; ``raw_error`` by default, ``template`` for the fixed texts).
+        strip_thinking: drop ``<think>...</think>`` blocks from the demonstration.
+    """
+
+    name = "demonstration"
+
+    def __init__(
+        self,
+        *,
+        success_threshold: float | None = 0.5,
+        pick: str = "first",
+        seed: int = 0,
+        max_chars: int = 2000,
+        template: str = DEMONSTRATION_TEMPLATE,
+        feedback_template: str = FEEDBACK_TEMPLATE,
+        include_feedback: bool = False,
+        fallback: str = "feedback",
+        feedback: Any = "raw_error",
+        strip_thinking: bool = True,
+    ) -> None:
+        self.pick = _choice(pick, _PICKS, "pick")
+        self.fallback = _choice(fallback, _FALLBACKS, "fallback")
+        if int(max_chars) < 1:
+            raise ValueError(f"max_chars must be at least 1, got {max_chars!r}")
+        _check_template(template, {"demonstration", "feedback"}, "template")
+        if "{demonstration}" not in template:
+            raise ValueError("template must contain {demonstration}")
+        _check_template(feedback_template, {"feedback"}, "feedback_template")
+        self.success_threshold = None if success_threshold is None else float(success_threshold)
+        self.seed = int(seed)
+        self.max_chars = int(max_chars)
+        self.template = template
+        self.feedback_template = feedback_template
+        self.include_feedback = bool(include_feedback)
+        self.strip_thinking = bool(strip_thinking)
+        self.feedback_provider = build_hint_provider(feedback)
+
+    def _threshold(self, group: SiblingGroup) -> float:
+        return group.success_threshold if self.success_threshold is None else self.success_threshold
+
+    def pick_sibling(self, group: SiblingGroup) -> int | None:
+        """The index of the sibling whose completion is the demonstration (``None``: no sibling succeeded)."""
+        ok = group.successful_siblings(self._threshold(group))
+        if not ok:
+            return None
+        if self.pick == "first":
+            return ok[0]
+        if self.pick == "shortest":
+            return min(ok, key=lambda j: (len(prompt_text(group.completions[j])), j))
+        key = json.dumps([self.seed, group.index, [prompt_text(c) for c in group.completions]], default=str)
+        return random.Random(hashlib.sha256(key.encode()).hexdigest()).choice(ok)
+
+    def _demonstration(self, completion: Any) -> str:
+        text = prompt_text(completion)
+        if self.strip_thinking:
+            text = _THINK.sub("", text)
+        text = text.strip()
+        return text if len(text) <= self.max_chars else text[: self.max_chars - 3].rstrip() + "..."
+
+    def _feedback_text(self, feedback: Feedback, prompt: Any, completion: Any, task: Any) -> str | None:
+        return provider_hints(self.feedback_provider, [feedback], [prompt], [completion], [task])[0]
+
+    def hint(
+        self,
+        feedback: Feedback,
+        *,
+        prompt: Any = None,
+        completion: Any = None,
+        task: Mapping[str, Any] | None = None,
+        group: SiblingGroup | None = None,
+    ) -> str | None:
+        if feedback is not None and (feedback.ok or feedback.kind in ("unscorable", "sandbox_error")):
+            return None
+        if group is not None and group.reward >= self._threshold(group):
+            return None  # the row itself succeeded: nothing to correct
+        j = self.pick_sibling(group) if group is not None else None
+        if j is None:
+            if self.fallback == "none" or feedback is None:
+                return None
+            return self._feedback_text(feedback, prompt, completion, task)
+        fb = ""
+        if self.include_feedback and feedback is not None:
+            text = self._feedback_text(feedback, prompt, completion, task)
+            fb = "\n\n" + self.feedback_template.format(feedback=text) if text else ""
+        demo = self._demonstration(group.completions[j])  # type: ignore[union-attr]
+        if not demo:
+            return None
+        text = self.template.format(demonstration=demo, feedback=fb)
+        if fb and "{feedback}" not in self.template:
+            text = text.rstrip() + fb
+        return text.strip() or None
 
 
 def build_hint_provider(spec: Any) -> HintProvider:

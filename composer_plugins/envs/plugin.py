@@ -65,6 +65,12 @@ def register_hint_providers(register: Any) -> None:
         "composer_plugins.envs.hints:ChainHintProvider",
         description="Try several hint providers in order and use the first hint produced",
     )
+    register(
+        "demonstration",
+        "composer_plugins.envs.hints:DemonstrationHintProvider",
+        description="A successful sibling's completion from the same rollout group (SDPO's self-teacher), "
+        "with the feedback when configured or when no sibling succeeded",
+    )
 
 
 @hookimpl

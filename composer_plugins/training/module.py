@@ -231,26 +231,36 @@ def insert_hint(prompt: str, hint: str) -> str:
 
 
 def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str],
-                     feedbacks: Sequence[Any] | None = None) -> list[str | None]:  # fmt: skip
+                     feedbacks: Sequence[Any] | None = None,
+                     groups: Sequence[Any] | None = None) -> list[str | None]:  # fmt: skip
     """Hinted teacher contexts for failed completions (``None`` where the provider gives no hint).
 
     The provider is a hint provider (``hints(feedbacks, prompts, completions, tasks)`` or
     ``hint(feedback, prompt=, completion=, task=)``) or a plain callable with that signature;
     the feedback comes from the env (``env.feedback``) unless given (multi-turn episodes).
+    ``groups`` (one :class:`~composer_plugins.envs.hints.SiblingGroup` per row: its rollout
+    group's completions and rewards) reaches providers that take ``groups=`` / ``group=``.
     """
+    from composer_plugins.envs.hints import provider_hints
+
     feedbacks = list(feedbacks) if feedbacks is not None else [None] * len(tasks)
     fbs = [
         fb if fb is not None else env_feedback(env, t, c)
         for fb, t, c in zip(feedbacks, tasks, completions, strict=True)
     ]
     prompts = [task_prompt(t) for t in tasks]
-    if hasattr(provider, "hints"):
-        hints = provider.hints(fbs, prompts, list(completions), list(tasks))
-    else:
-        fn = provider.hint if hasattr(provider, "hint") else provider
-        hints = [fn(fb, prompt=p, completion=c, task=t) for fb, p, c, t in zip(fbs, prompts, completions, tasks,
-                                                                               strict=True)]  # fmt: skip
+    hints = provider_hints(provider, fbs, prompts, list(completions), list(tasks),
+                           list(groups) if groups is not None else None)  # fmt: skip
     return [insert_hint(p, str(h)) if h else None for p, h in zip(prompts, hints, strict=True)]
+
+
+def rollout_groups(completions: Sequence[Any], rewards: Sequence[float] | Tensor, group_size: int,
+                   success_threshold: float) -> list[Any]:  # fmt: skip
+    """One :class:`~composer_plugins.envs.hints.SiblingGroup` per rollout row (row ``i`` is in group ``i // G``)."""
+    from composer_plugins.envs.hints import sibling_groups
+
+    values = rewards.detach().float().cpu().tolist() if isinstance(rewards, Tensor) else [float(r) for r in rewards]
+    return sibling_groups(list(completions), values, group_size, success_threshold)
 
 
 def load_pairs(path: str | Path) -> list[dict[str, str]]:
@@ -777,12 +787,14 @@ class ComposerModule(L.LightningModule):
             cap = self.cfg.hints.max_hinted_per_step
             if cap is not None:
                 failed = failed[:cap]
+            groups = rollout_groups(ro.completions, rewards, G, self.cfg.rollout.success_threshold)
             contexts = teacher_contexts(
                 self.env,
                 self.hint_provider,
                 [tasks[i // G] for i in failed],
                 [ro.completions[i] for i in failed],
                 [feedback[i] for i in failed],
+                [groups[i] for i in failed],
             )
             rb.hint_rows = [i for i, c in zip(failed, contexts, strict=True) if c is not None]
             rb.hint_contexts = [c for c in contexts if c is not None]

@@ -109,6 +109,30 @@ def test_training_steps_with_every_channel_live(tiny_model_dir, tmp_path):
     assert abs(logs[-1]["composer/replay_dpo/loss"] - 0.6931472) > 1e-5
 
 
+class GroupRecorder:
+    """A provider that reads the rollout group (``group=``) and records what it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def hint(self, feedback, *, prompt=None, completion=None, task=None, group=None):
+        self.seen.append((completion, group))
+        return "Correct solution:\n" + str(group.completions[1 - group.index % 2]) if group is not None else None
+
+
+def test_hint_providers_that_read_groups_get_the_generation_batchs_groups(tiny_model_dir, tmp_path):
+    rec = GroupRecorder()
+    tr = _trainer(tiny_model_dir, tmp_path, max_steps=1, channels=["policy", {"name": "hint_distill", "weight": 0.5}],
+                  hint_provider=rec)  # fmt: skip
+    tr.train()
+    assert rec.seen, "no failed row reached the provider"
+    for completion, group in rec.seen:
+        assert group is not None and len(group.completions) == 4  # num_generations
+        assert group.completion == completion  # the row sits at its own index in its group
+        assert list(group.rewards) == pytest.approx(length_reward(list(group.completions)))
+        assert group.reward < 1.0 and group.success_threshold == 1.0
+
+
 def test_hint_channel_without_provider_and_unsupported_options_fail_clearly(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="hint_provider"):
         _trainer(tiny_model_dir, tmp_path, channels=["policy", "hint_distill"])

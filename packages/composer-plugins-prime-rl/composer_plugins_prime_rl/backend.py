@@ -379,13 +379,15 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
     """
     from composer_plugins.models.generation import tokenize_prompts
     from composer_plugins.models.logprobs import completion_logprobs_no_grad
-    from composer_plugins.training.module import teacher_contexts
+    from composer_plugins.training.module import rollout_groups, teacher_contexts
 
     G = ro.num_generations
     failed = (rewards < threshold).nonzero().flatten().tolist()
     if not failed:
         return None
-    contexts = teacher_contexts(env, provider, [tasks[i // G] for i in failed], [ro.completions[i] for i in failed])
+    groups = rollout_groups(ro.completions, rewards, G, threshold)
+    contexts = teacher_contexts(env, provider, [tasks[i // G] for i in failed], [ro.completions[i] for i in failed],
+                                groups=[groups[i] for i in failed])  # fmt: skip
     rows = [i for i, c in zip(failed, contexts, strict=True) if c is not None]
     prompts = [c for c in contexts if c is not None]
     if not rows:

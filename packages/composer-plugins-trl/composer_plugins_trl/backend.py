@@ -215,6 +215,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         n = out["completion_ids"].shape[0]
         rewards = torch.zeros(n)
+        total = None
         rpf = self._last_rewards_per_func
         if rpf is not None:
             w = self.reward_weights.to(rpf.device).unsqueeze(0)
@@ -224,18 +225,29 @@ class ComposerGRPOTrainer(GRPOTrainer):
             rewards = total[start : start + n].detach().cpu()
         out["rewards"] = rewards
         if self.needs_teacher:
-            out["hint_prompt_ids"] = self._hint_prompt_ids(inputs, out, rewards)
+            out["hint_prompt_ids"] = self._hint_prompt_ids(inputs, out, rewards, total)
         return out
 
-    def _hint_prompt_ids(self, inputs: list[dict[str, Any]], out: Mapping[str, Any],
-                         rewards: Tensor) -> list[list[int] | None]:  # fmt: skip
-        from composer_plugins.training.module import teacher_contexts
+    def _hint_prompt_ids(self, inputs: list[dict[str, Any]], out: Mapping[str, Any], rewards: Tensor,
+                         all_rewards: Tensor | None = None) -> list[list[int] | None]:  # fmt: skip
+        from composer_plugins.envs.hints import wants_groups
+        from composer_plugins.training.module import rollout_groups, teacher_contexts
 
         tok = self.processing_class
         ids, mask = out["completion_ids"], out["completion_mask"]
         texts = tok.batch_decode([r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)],
                                  skip_special_tokens=True)  # fmt: skip
         result: list[list[int] | None] = [None] * len(inputs)
+        groups = None
+        if all_rewards is not None and wants_groups(self.hint_provider):
+            # the provider reads the rollout group: TRL lays a generation batch out as G consecutive
+            # rows per prompt across every process, so the group's texts are gathered from all of them
+            from accelerate.utils import gather_object
+
+            every = gather_object(list(texts)) if self.accelerator.num_processes > 1 else list(texts)
+            start = self.accelerator.process_index * len(inputs)
+            groups = rollout_groups(every, all_rewards, self.num_generations, self.hint_threshold)
+            groups = groups[start : start + len(inputs)]
         failed = [i for i in range(len(inputs)) if not (rewards[i] >= self.hint_threshold)]
         if self.max_hinted_per_step is not None:
             failed = failed[: self.max_hinted_per_step]
@@ -248,7 +260,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
             if isinstance(prompt, list):  # conversational: the hint goes into the last message
                 task["prompt"] = prompt[-1]["content"]
             tasks.append(task)
-        contexts = teacher_contexts(self.hint_env, self.hint_provider, tasks, [texts[i] for i in failed])
+        contexts = teacher_contexts(
+            self.hint_env,
+            self.hint_provider,
+            tasks,
+            [texts[i] for i in failed],
+            groups=[groups[i] for i in failed] if groups is not None else None,
+        )
         for i, text in zip(failed, contexts, strict=True):
             if text is None:
                 continue
