@@ -483,7 +483,7 @@ def channels_label(flags: Mapping[str, bool]) -> str:
     return "+".join(on) if on else "none"
 
 
-EVAL_KEYS = ("envs", "max_new_tokens", "batch_size", "seed")
+EVAL_KEYS = ("envs", "max_new_tokens", "batch_size", "seed", "hint_uplift", "hint_uplift_samples")
 
 
 def eval_envs(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -530,7 +530,7 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
         settings.pop("env", None)
         c["data"] = {**c["data"], "test_path": (Path(data_dir) / env_key / "test.jsonl").as_posix()}
         e = {**(c.get("eval") or {}), "at_start": False, "at_end": False}
-        for k in ("max_new_tokens", "batch_size", "seed"):
+        for k in ("max_new_tokens", "batch_size", "seed", "hint_uplift", "hint_uplift_samples"):
             if k in ev:
                 e[k] = ev[k]
         e.update(settings)

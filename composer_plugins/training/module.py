@@ -178,6 +178,24 @@ class PassAtK(Metric):
         return (self.total / self.count.clamp(min=1)).float()
 
 
+class Ratio(Metric):
+    """``sum(numerator) / sum(denominator)`` over every update (``nan`` while the denominator is 0)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("num", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("den", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, numerator: float | Tensor, denominator: float | Tensor) -> None:
+        self.num += float(numerator)
+        self.den += float(denominator)
+
+    def compute(self) -> Tensor:
+        return (self.num / self.den).float() if self.den > 0 else torch.tensor(float("nan"))
+
+
 # ---------------------------------------------------------------------------------------
 # env adapters (the env contract lives in composer_plugins.envs; see docs/envs.md)
 # ---------------------------------------------------------------------------------------
@@ -252,6 +270,14 @@ def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]]
     hints = provider_hints(provider, fbs, prompts, list(completions), list(tasks),
                            list(groups) if groups is not None else None)  # fmt: skip
     return [insert_hint(p, str(h)) if h else None for p, h in zip(prompts, hints, strict=True)]
+
+
+def sibling_group(completions: Sequence[Any], rewards: Sequence[float], success_threshold: float,
+                  index: int = 0) -> Any:  # fmt: skip
+    """One row's :class:`~composer_plugins.envs.hints.SiblingGroup` (the row at ``index``)."""
+    from composer_plugins.envs.hints import SiblingGroup
+
+    return SiblingGroup(tuple(completions), tuple(float(r) for r in rewards), index, float(success_threshold))
 
 
 def rollout_groups(completions: Sequence[Any], rewards: Sequence[float] | Tensor, group_size: int,
@@ -489,6 +515,12 @@ class ComposerModule(L.LightningModule):
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
         self.val_pass = PassAtK(cfg.eval.k)
+        #: eval.hint_uplift: hinted greedy failures fixed / hinted, hinted / greedy failures
+        self.val_hint_fix = Ratio()
+        self.val_hint_coverage = Ratio()
+        self._uplift_provider: Any = self.hint_provider
+        if cfg.eval.hint_uplift and self._uplift_provider is None:
+            self._uplift_provider = T.build_hint_provider(cfg, src)
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, RolloutBatch] | None = None
         #: Set to a list to collect per-problem validation predictions.
@@ -957,6 +989,14 @@ class ComposerModule(L.LightningModule):
         self.log("val/mean_reward", self.val_reward, batch_size=n)
         if stats["correct_samples"] is not None:
             self.log(f"val/pass_at_{self.cfg.eval.k}", self.val_pass, batch_size=n)
+        up = stats.get("hint_uplift")
+        if up is not None:
+            self.val_hint_fix.update(up["fixed"], up["hinted"])
+            self.val_hint_coverage.update(up["hinted"], up["failures"])
+            self.log("val/hint_fix_rate", self.val_hint_fix, batch_size=n)
+            self.log("val/hint_coverage", self.val_hint_coverage, batch_size=n)
+            for k in ("failures", "hinted", "fixed"):
+                self.log(f"val/hint_{k}", float(up[k]), batch_size=n, reduce_fx="sum")
         if self.predictions is not None:
             for i, task in enumerate(batch["tasks"]):
                 row = {k: v for k, v in task.items() if isinstance(v, str | int | float | bool | type(None))}
@@ -967,6 +1007,8 @@ class ComposerModule(L.LightningModule):
                 )
                 if stats["correct_samples"] is not None:
                     row["samples_correct"] = int(stats["correct_samples"][i].sum())
+                if up is not None and i in up["rows"]:
+                    row.update(up["rows"][i])
                 self.predictions.append(row)
 
     @torch.no_grad()
@@ -990,6 +1032,55 @@ class ComposerModule(L.LightningModule):
             r = torch.tensor(env_rewards(self.env, tasks, ro.completions, e.num_samples), device=self.device)
             out["correct_samples"] = (r >= thr).view(len(tasks), e.num_samples)
             out["rewards_samples"] = r.view(len(tasks), e.num_samples)
+        if e.hint_uplift:
+            out["hint_uplift"] = self.hint_uplift(tasks, greedy.completions, r_greedy, seed)
+        return out
+
+    def hint_uplift(self, tasks: Sequence[Mapping[str, Any]], greedy: Sequence[str], rewards: Tensor,
+                    seed: int) -> dict[str, Any]:  # fmt: skip
+        """Does a hint fix what the policy gets wrong? (``eval.hint_uplift``).
+
+        For the problems whose greedy completion fails, the teacher context of ``hints.provider``
+        (:func:`teacher_contexts`, as in training) is decoded greedily by the same policy. A provider
+        that reads the rollout group gets, per failure, the group ``[greedy attempt, k samples]`` with
+        the greedy attempt as the row: ``eval.hint_uplift_samples`` samples at ``eval.temperature``,
+        whose successes are its siblings. Returns the counts ``failures``, ``hinted`` (got a hint),
+        ``fixed`` (hinted and then solved) and per-row details for the predictions file.
+        """
+        from composer_plugins.envs.hints import wants_groups
+
+        e = self.cfg.eval
+        thr = self.cfg.rollout.success_threshold
+        mnt = e.max_new_tokens or self.cfg.rollout.max_new_tokens
+        provider = self._uplift_provider
+        if provider is None:
+            raise ValueError("eval.hint_uplift needs hints.provider (a hint provider to evaluate)")
+        failed = [i for i in range(len(tasks)) if float(rewards[i]) < thr]
+        out: dict[str, Any] = {"failures": len(failed), "hinted": 0, "fixed": 0, "rows": {}}
+        if not failed:
+            return out
+        groups = None
+        if wants_groups(provider):
+            k = max(1, int(e.hint_uplift_samples))
+            f_tasks = [tasks[i] for i in failed]
+            ro = self.generate([task_prompt(t) for t in f_tasks], k, seed=derive_seed(seed, 5),
+                               temperature=e.temperature, max_new_tokens=mnt)  # fmt: skip
+            r = env_rewards(self.env, f_tasks, ro.completions, k)
+            groups = []
+            for j, i in enumerate(failed):  # the failed greedy attempt is the row, the k samples its siblings
+                comps, rs = ro.completions[j * k : (j + 1) * k], r[j * k : (j + 1) * k]
+                groups.append(sibling_group([greedy[i], *comps], [float(rewards[i]), *rs], thr))
+        contexts = teacher_contexts(self.env, provider, [tasks[i] for i in failed], [greedy[i] for i in failed],
+                                    groups=groups)  # fmt: skip
+        hinted = [(i, c) for i, c in zip(failed, contexts, strict=True) if c is not None]
+        out["hinted"] = len(hinted)
+        if not hinted:
+            return out
+        ro = self.generate([c for _, c in hinted], 1, seed=None, do_sample=False, max_new_tokens=mnt)
+        r_hint = env_rewards(self.env, [tasks[i] for i, _ in hinted], ro.completions, 1)
+        out["fixed"] = sum(1 for v in r_hint if v >= thr)
+        for (i, ctx), comp, v in zip(hinted, ro.completions, r_hint, strict=True):
+            out["rows"][i] = {"hint_context": ctx, "hinted_completion": comp, "hint_fixed": bool(v >= thr)}
         return out
 
     # -- optimisation / checkpoint state ---------------------------------------------

@@ -113,6 +113,11 @@ class SFTSection:
     #: Fraction of examples whose prompt is a hinted teacher context (hint for a wrong attempt,
     #: from ``hints.provider``), so the policy learns to use hints before hint distillation.
     hint_fraction: float = 0.5
+    #: What the hinted examples carry, as shares: ``feedback`` (the hint ``hints.provider`` gives for a
+    #: wrong attempt) and ``demonstration`` (a worked solution of the same problem, shown as a successful
+    #: sibling through the ``demonstration`` provider: the policy learns to use a solution in context).
+    #: ``null``: ``{demonstration: 1}`` when ``hints.provider`` is ``demonstration``, else ``{feedback: 1}``.
+    hint_kinds: dict[str, float] | None = None
     #: Use the cache (``cache_dir``) for the SFT checkpoint.
     cache: bool = True
     #: Show a progress bar.
@@ -267,6 +272,14 @@ class EvalSection:
     at_end: bool = True
     #: Write per-problem predictions JSONL next to the metrics.
     predictions: bool = False
+    #: Also measure whether hints fix greedy failures: ``<env>/hint_fix_rate`` (of the failures that got a
+    #: ``hints.provider`` hint, the fraction the same policy then solves greedily with the hint in context),
+    #: ``<env>/hint_coverage`` (the fraction of failures that got one) and the counts ``hint_failures``,
+    #: ``hint_hinted``, ``hint_fixed``.
+    hint_uplift: bool = False
+    #: Samples per failed problem (at ``temperature``) that form its rollout group, for providers that read
+    #: groups (``demonstration``: a successful sample is the sibling shown).
+    hint_uplift_samples: int = 8
 
 
 @dataclass
@@ -326,6 +339,7 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
         "trainer.max_steps": cfg.trainer.max_steps,
         "trainer.accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         "eval.batch_size": cfg.eval.batch_size,
+        "eval.hint_uplift_samples": cfg.eval.hint_uplift_samples,
         "compute.micro_batch_tokens": cfg.compute.micro_batch_tokens,
     }
     for k in ("micro_batch_size", "chunk_size"):
@@ -385,6 +399,16 @@ def _check_ranges(cfg: TrainConfig, src: Config, pre: str) -> None:
 
     for key, value, default in (("optim.lr", cfg.optim.lr, 2e-5), ("sft.lr", cfg.sft.lr, 3e-3)):
         need(key, value > 0, value, "a learning rate must be > 0", f"use a small positive number such as {default:g}")
+    kinds = cfg.sft.hint_kinds
+    if kinds is not None:
+        need("sft.hint_kinds", isinstance(kinds, Mapping) and bool(kinds), kinds, "must map hint kinds to shares",
+             "e.g. {feedback: 0.5, demonstration: 0.5}")  # fmt: skip
+        for k, v in kinds.items():
+            if k not in SFT_HINT_KINDS:
+                raise src.error(pre + f"sft.hint_kinds.{k}", "unknown hint kind.", valid=SFT_HINT_KINDS)
+            need(f"sft.hint_kinds.{k}", isinstance(v, int | float) and v >= 0, v, "a share must be a number >= 0",
+                 "use e.g. 0.5")  # fmt: skip
+        need("sft.hint_kinds", sum(kinds.values()) > 0, kinds, "the shares sum to 0", "give one share > 0")
     for key, value in (("sft.batch_size", cfg.sft.batch_size), ("sft.num_examples", cfg.sft.num_examples),
                        ("sft.max_length", cfg.sft.max_length)):  # fmt: skip
         need(key, value >= 1, value, "must be >= 1", "use a positive integer")
@@ -671,9 +695,38 @@ def _wrong_attempt(task: Mapping[str, Any], rng: random.Random) -> str | None:
     return f"#### {value + delta}"
 
 
+#: What a hinted SFT example can carry (``sft.hint_kinds``).
+SFT_HINT_KINDS = ("feedback", "demonstration")
+
+
+def _provider_name(spec: Any) -> str | None:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, Mapping):
+        return str(spec.get("name")) if spec.get("name") is not None else None
+    return getattr(spec, "name", None)
+
+
+def sft_hint_kinds(cfg: TrainConfig) -> dict[str, float]:
+    """``sft.hint_kinds`` as shares summing to 1 (the default follows ``hints.provider``)."""
+    kinds = cfg.sft.hint_kinds
+    if kinds is None:
+        kinds = {"demonstration": 1.0} if _provider_name(cfg.hints.provider) == "demonstration" else {"feedback": 1.0}
+    total = float(sum(kinds.values()))
+    return {k: float(v) / total for k, v in kinds.items() if v > 0}
+
+
 def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]],
                   pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:  # fmt: skip
-    """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt."""
+    """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt.
+
+    Each hinted example is of one kind (``sft.hint_kinds``): ``feedback``, the provider's hint for
+    the wrong attempt; or ``demonstration``, the rollout group ``(wrong attempt, worked solution)``
+    given to a provider that reads groups (``hints.provider`` if it does, else the default
+    ``demonstration`` provider), so the context shows the problem's worked solution as a
+    successful sibling. The target stays the worked solution.
+    """
+    from composer_plugins.envs.hints import sibling_groups, wants_groups
     from composer_plugins.training.module import derive_seed, teacher_contexts
 
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
@@ -682,12 +735,34 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
     picked = [i for i in picked if attempts[i] is not None]
     if not picked:
         return pairs
+    shares = sft_hint_kinds(cfg)
+    names, weights = list(shares), list(shares.values())
+    if len(names) == 1:
+        kind = dict.fromkeys(picked, names[0])
+    else:  # drawn from their own stream, so {feedback: 1} keeps today's examples exactly
+        krng = random.Random(derive_seed(cfg.sft.seed, 92))
+        kind = {i: krng.choices(names, weights)[0] for i in picked}
     provider = build_hint_provider(cfg)
-    ctxs = teacher_contexts(env, provider, [tasks[i] for i in picked], [str(attempts[i]) for i in picked])
     out = list(pairs)
-    for i, ctx in zip(picked, ctxs, strict=True):
-        if ctx is not None:
-            out[i] = (ctx, pairs[i][1])
+    fb_rows = [i for i in picked if kind[i] == "feedback"]
+    if fb_rows:
+        ctxs = teacher_contexts(env, provider, [tasks[i] for i in fb_rows], [str(attempts[i]) for i in fb_rows])
+        for i, ctx in zip(fb_rows, ctxs, strict=True):
+            if ctx is not None:
+                out[i] = (ctx, pairs[i][1])
+    demo_rows = [i for i in picked if kind[i] == "demonstration"]
+    if demo_rows:
+        from composer_plugins.core.config import build_component
+
+        demo = provider if wants_groups(provider) else build_component("hints", "demonstration", key="sft.hint_kinds")
+        groups = []
+        for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
+            groups += sibling_groups([str(attempts[i]), pairs[i][1]], [0.0, 1.0], 2, 1.0)[:1]
+        ctxs = teacher_contexts(env, demo, [tasks[i] for i in demo_rows], [str(attempts[i]) for i in demo_rows],
+                                groups=groups)  # fmt: skip
+        for i, ctx in zip(demo_rows, ctxs, strict=True):
+            if ctx is not None:
+                out[i] = (ctx, pairs[i][1])
     return out
 
 
@@ -744,6 +819,8 @@ def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
     sft = asdict(cfg.sft)
     sft.pop("cache")
     sft.pop("progress")
+    if sft.get("hint_kinds") is None:
+        sft.pop("hint_kinds")  # the default: configs from before the option keep their cached warm start
     return {
         "base": base,
         "tiny": asdict(cfg.model.tiny) if cfg.model.name_or_path == "tiny" else None,
@@ -1422,7 +1499,8 @@ def run_eval(
     """Held-out evaluation of ``checkpoint`` (a Lightning ``.ckpt`` or a ``save_pretrained`` dir / hub id).
 
     Without ``checkpoint`` the resolved policy of ``cfg`` is evaluated (e.g. the SFT start).
-    Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass_at_<k>", "<env>/mean_reward"}``.
+    Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass_at_<k>", "<env>/mean_reward"}``,
+    with ``eval.hint_uplift`` also ``<env>/hint_fix_rate``, ``<env>/hint_coverage`` and the ``<env>/hint_*`` counts.
     """
     import lightning as L
     import torch
