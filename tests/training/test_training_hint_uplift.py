@@ -147,3 +147,32 @@ def test_cli_eval_hint_uplift(tiny_yaml, tmp_path):
     m = json.loads((tmp_path / "eval.json").read_text())
     assert {"gsm8k/hint_fix_rate", "gsm8k/hint_coverage", "gsm8k/hint_failures", "gsm8k/hint_fixed"} <= set(m)
     assert m["gsm8k/hint_coverage"] == 1.0 or m["gsm8k/hint_failures"] == 0  # the answer template hints every failure
+
+
+def test_study_eval_stage_forwards_hint_uplift(make_cfg, tiny_yaml, tmp_path):
+    import yaml
+
+    from composer_plugins.envs.gsm8k import GSM8KEnv
+    from composer_plugins.pipeline import stages
+    from composer_plugins.training.train import resolve_policy
+
+    cfg, _ = make_cfg()
+    model = resolve_policy(cfg)  # the tiny SFT warm start (session cache)
+    data = tmp_path / "tasks"
+    (data / "gsm8k").mkdir(parents=True)
+    tasks = GSM8KEnv(difficulty="trivial").sample_tasks(6, "test", seed=4)
+    (data / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    params = {
+        "train": yaml.safe_load(tiny_yaml),
+        "eval": {"max_new_tokens": 12, "hint_uplift": True, "hint_uplift_samples": 2,
+                 "envs": {"gsm8k": {"num_problems": 6, "k": 1, "num_samples": 1}}},
+        "mlflow": {"enabled": False},
+    }  # fmt: skip
+    res = stages.evaluate(params, None, 0, model, tmp_path / "sft.json", data_dir=str(data))
+    m = json.loads((tmp_path / "sft.json").read_text())["metrics"]
+    assert m == res["metrics"]
+    assert {"gsm8k/hint_fix_rate", "gsm8k/hint_coverage", "gsm8k/hint_failures", "gsm8k/hint_fixed"} <= set(m)
+    assert m["gsm8k/hint_failures"] == round(6 * (1 - m["gsm8k/accuracy"]))
+    del params["eval"]["hint_uplift"]
+    res = stages.evaluate(params, None, 0, model, tmp_path / "off.json", data_dir=str(data))
+    assert not any("hint" in k for k in res["metrics"])
