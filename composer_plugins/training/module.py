@@ -544,8 +544,9 @@ class ComposerModule(L.LightningModule):
         do_sample: bool = True,
         temperature: float | None = None,
         max_new_tokens: int | None = None,
+        max_prompt_length: int | None = None,
     ) -> Rollout:
-        """Sample completions with the rollout settings of the config."""
+        """Sample completions with the rollout settings of the config (``max_prompt_length`` overrides it)."""
         r = self.cfg.rollout
         return generate_completions(
             self.policy,
@@ -558,7 +559,7 @@ class ComposerModule(L.LightningModule):
             top_k=r.top_k,
             do_sample=do_sample,
             seed=seed,
-            max_prompt_length=r.max_prompt_length,
+            max_prompt_length=max_prompt_length or r.max_prompt_length,
         )
 
     def rollout(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Rollout, list[float], list[Any]]:
@@ -1076,7 +1077,14 @@ class ComposerModule(L.LightningModule):
         out["hinted"] = len(hinted)
         if not hinted:
             return out
-        ro = self.generate([c for _, c in hinted], 1, seed=None, do_sample=False, max_new_tokens=mnt)
+        ro = self.generate(
+            [c for _, c in hinted],
+            1,
+            seed=None,
+            do_sample=False,
+            max_new_tokens=mnt,
+            max_prompt_length=self.cfg.hints.max_context_length,
+        )  # as the teacher reads it
         r_hint = env_rewards(self.env, [tasks[i] for i, _ in hinted], ro.completions, 1)
         out["fixed"] = sum(1 for v in r_hint if v >= thr)
         for (i, ctx), comp, v in zip(hinted, ro.completions, r_hint, strict=True):
