@@ -176,3 +176,24 @@ def test_study_eval_stage_forwards_hint_uplift(make_cfg, tiny_yaml, tmp_path):
     del params["eval"]["hint_uplift"]
     res = stages.evaluate(params, None, 0, model, tmp_path / "off.json", data_dir=str(data))
     assert not any("hint" in k for k in res["metrics"])
+
+
+def test_multi_turn_episodes_give_demonstrations_from_their_group(make_cfg):
+    import torch
+
+    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.train import build_env
+
+    demo = "hints.provider={name: demonstration, fallback: none}"
+    cfg, src = make_cfg("", "env.max_turns=2", "rollout.max_turns=2", "rollout.num_generations=4",
+                        "rollout.prompts_per_step=2", demo)  # fmt: skip
+    env = build_env(cfg, src)
+    m = ComposerModule(cfg, env=env, src=src)
+    rb = m.make_rollout_batch(env.sample_tasks(2, "train", seed=4), seed=9)
+    comps, rewards = rb.rollout.completions, rb.rewards.tolist()
+    for row, ctx in zip(rb.hint_rows, rb.hint_contexts, strict=True):
+        g0 = row - row % 4
+        first = next(j for j in range(g0, g0 + 4) if j != row and rewards[j] >= 0.5)
+        assert "Correct solution:\n" + comps[first].strip() in ctx  # the episode's actions, from its own group
+    loss, _ = m.loss_on(rb, seed=9)
+    assert torch.isfinite(loss)
