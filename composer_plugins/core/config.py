@@ -341,7 +341,7 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
         except (ImportError, AttributeError, ValueError) as e:
             raise cfg.error(f"{key}.class_path" if key else "class_path", f"cannot import {path!r}: {e}") from e
         return cls(**kw)
-    from composer_plugins.core.errors import ComposerPluginsError, UnknownPluginError
+    from composer_plugins.core.errors import UnknownPluginError
 
     name_key = f"{key}.name" if key and isinstance(value, Mapping) and "name" in value else key or kind
     try:
@@ -357,6 +357,16 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
                     f"unknown argument of {kind.removesuffix('s')} {target!r} — remove it or use one of its arguments.",
                     valid=sorted(accepted),
                 )
+    return build_located(entry, kw, key or kind, cfg)
+
+
+def build_located(entry: Any, kw: Mapping[str, Any], key: str, cfg: Config | None = None) -> Any:
+    """``entry.build(**kw)``; a value the component refuses (``ValueError``/``TypeError``) becomes a
+    :class:`ConfigError` at ``<key>.<argument>`` (the argument its message names, else ``key``) in ``cfg``'s
+    file and line."""
+    from composer_plugins.core.errors import ComposerPluginsError
+
+    cfg = cfg if cfg is not None else Config()
     try:
         return entry.build(**kw)
     except ComposerPluginsError:
@@ -365,7 +375,7 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
         # a value the component refused: locate it at the argument its message names, else at the spec
         bad = next((k for k, v in kw.items() if repr(v) in str(e) or f"'{v}'" in str(e)), None)
         bad = bad or next((k for k in kw if k in str(e)), None)
-        where = f"{key}.{bad}" if key and bad else (bad or key or kind)
+        where = f"{key}.{bad}" if key and bad else (bad or key)
         raise cfg.error(where, f"{e} — fix {where}.") from e
 
 

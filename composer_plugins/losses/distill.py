@@ -44,6 +44,8 @@ from composer_plugins.losses.taid import TAIDScheduler
 
 CRITERIA: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
 KERNELS: tuple[str, ...] = ("auto", "torch", "liger")
+#: Whose weights run the teacher forward: the live policy, or its exponential moving average.
+TEACHERS: tuple[str, ...] = ("live", "ema")
 
 
 def liger_available() -> bool:
@@ -80,6 +82,11 @@ class HintDistillChannel(LossChannel):
             than the materialised path, one backward pass per forward); ``"recompute"``: backward
             recomputes each chunk's logits (supports repeated backward, costs two extra matmuls per
             chunk). Both keep peak memory at ``O(chunk_size × V)`` and give identical gradients.
+        teacher: whose weights score the hinted context (read by the training loop, not by the loss):
+            ``"live"`` (default) the current policy; ``"ema"`` a frozen exponential moving average of
+            the policy's weights, updated after each optimizer step (SDPO's teacher).
+        ema_rate: with ``teacher="ema"``, the update ``teacher ← (1 − ema_rate)·teacher +
+            ema_rate·student`` after each optimizer step; in (0, 1] (1.0 = the policy of the last step).
         kernels: hidden-state path only. ``"auto"`` (default): Liger-Kernel's fused linear JSD when the
             criterion is ``jsd``, the hidden states are on CUDA and the ``liger`` extra is installed,
             else the project's chunked kernels; ``"liger"``: always Liger (``jsd`` only; eager on CPU,
@@ -113,9 +120,15 @@ class HintDistillChannel(LossChannel):
         top_k: int | None = None,
         grad_mode: str = "precompute",
         kernels: str = "auto",
+        teacher: str = "live",
+        ema_rate: float = 0.05,
         name: str | None = None,
         label: str | None = None,
     ) -> None:
+        if teacher not in TEACHERS:
+            raise ValueError(f"unknown hint_distill teacher {teacher!r}; valid: {', '.join(TEACHERS)}")
+        if isinstance(ema_rate, bool) or not isinstance(ema_rate, int | float) or not 0.0 < ema_rate <= 1.0:
+            raise ValueError(f"ema_rate must be a number in (0, 1], got {ema_rate!r} (SDPO's is 0.05)")
         if kernels not in KERNELS:
             raise ValueError(f"unknown hint_distill kernels {kernels!r}; valid: {', '.join(KERNELS)}")
         if kernels == "liger":
@@ -151,6 +164,8 @@ class HintDistillChannel(LossChannel):
         self.top_k = top_k
         self.grad_mode = grad_mode
         self.kernels = kernels
+        self.teacher = teacher
+        self.ema_rate = float(ema_rate)
         self.scheduler: TAIDScheduler | None = None
         if criterion == "taid":
             self.scheduler = TAIDScheduler(
@@ -277,7 +292,7 @@ class HintDistillChannel(LossChannel):
         return fn(s_rows, weight, t_rows, tw, labels)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, criterion={self.criterion!r}"
+        return f"{super().extra_repr()}, criterion={self.criterion!r}, teacher={self.teacher!r}"
 
 
 def _as_int(v: Any) -> int | None:

@@ -592,7 +592,9 @@ def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
                     raise src.error(
                         f"{where}.{k}", f"loss channel {name!r} has no parameter {k!r}.", valid=[*CHANNEL_KEYS, *valid]
                     )
-        out.append(entry.build(weight=weight, name=key, **kw))
+        from composer_plugins.core.config import build_located
+
+        out.append(build_located(entry, {**kw, "weight": weight, "name": key}, where, src))
     return out
 
 
@@ -1013,8 +1015,12 @@ def _fsdp_strategy(cfg: TrainConfig, policy: Any, timeout: Any) -> Any:
 
     if policy is None:
         raise ValueError("trainer.strategy=fsdp needs the policy to find its decoder layers")
+    from composer_plugins.training.ema import EMATeacher
+
     kw: dict[str, Any] = {
-        "auto_wrap_policy": decoder_layer_classes(policy),
+        # the EMA teacher (losses.hint_distill.teacher: ema) is a unit of its own, its layers nested units:
+        # sharded as the policy is, shard for shard
+        "auto_wrap_policy": decoder_layer_classes(policy) | {EMATeacher},
         "state_dict_type": "full",
         "timeout": timeout,
     }
