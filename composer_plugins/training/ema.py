@@ -38,14 +38,15 @@ class EMATeacher(nn.Module):
     Args:
         policy: the policy at train start (deep-copied; the copy's parameters are frozen).
         rate: the EMA rate in (0, 1] (1.0: the teacher is the policy of the last optimizer step).
+        copy_policy: False to adopt ``policy`` itself (an independent copy the caller made).
     """
 
-    def __init__(self, policy: nn.Module, rate: float) -> None:
+    def __init__(self, policy: nn.Module, rate: float, *, copy_policy: bool = True) -> None:
         super().__init__()
         if not 0.0 < float(rate) <= 1.0:
             raise ValueError(f"ema_rate must be in (0, 1], got {rate!r}")
         self.rate = float(rate)
-        self.policy = copy.deepcopy(policy)
+        self.policy = copy.deepcopy(policy) if copy_policy else policy
         for p in self.policy.parameters():
             p.requires_grad_(False)
         self.eval()

@@ -51,9 +51,25 @@ def main(spec_path: str, rank: int) -> None:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"runs": {}}
 
+    def whole(module: Any) -> dict[str, Any]:
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in module.named_parameters()}
+
     class Capture(Callback):
-        def __init__(self, rec: dict[str, Any], grads: bool) -> None:
-            self.rec, self.grads = rec, grads
+        def __init__(self, rec: dict[str, Any], grads: bool, weights: bool = False) -> None:
+            self.rec, self.grads, self.weights = rec, grads, weights
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if self.weights:  # the policy after each optimizer step (DDP: whole on every rank)
+                self.rec["policy"] = {trainer.global_step: whole(pl_module.policy)}
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *a: Any) -> None:
+            if self.weights:
+                self.rec["policy"][trainer.global_step] = whole(pl_module.policy)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if getattr(pl_module, "ema_teacher", None) is not None:  # the EMA teacher (FSDP: gathered)
+                with pl_module.full_params(recurse=True):
+                    self.rec["ema"] = whole(pl_module.ema_teacher.policy)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.rec.setdefault("tasks", {})[int(batch["index"])] = [t["prompt"] for t in batch["tasks"]]
@@ -70,7 +86,12 @@ def main(spec_path: str, rank: int) -> None:
     for run in spec["runs"]:
         cfg, src = loads_train_config(spec["yaml"], [*spec["overrides"], *run["overrides"]])
         rec: dict[str, Any] = {}
-        run_train(cfg, src, resume=run.get("resume"), extra_callbacks=[Capture(rec, run.get("grads", False))])
+        run_train(
+            cfg,
+            src,
+            resume=run.get("resume"),
+            extra_callbacks=[Capture(rec, run.get("grads", False), run.get("weights", False))],
+        )
         out["runs"][run["name"]] = rec
     torch.save(out, os.path.join(spec["out"], f"rank{rank}.pt"))
 

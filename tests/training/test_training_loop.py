@@ -97,8 +97,8 @@ def test_channel_turned_off_is_not_computed(make_cfg, pairs_file, off):
     assert ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src).reference is None
 
 
-@pytest.mark.parametrize("num_iterations,stop_at", [(1, 2), (2, 3)])
-def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterations, stop_at):
+@pytest.mark.parametrize("num_iterations,stop_at,teacher", [(1, 2, "live"), (2, 3, "live"), (1, 2, "ema")])
+def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterations, stop_at, teacher):
     from lightning.pytorch.callbacks import Callback
 
     class StopAfter(Callback):
@@ -107,7 +107,8 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
                 trainer.should_stop = True
 
     # the fixture's YAML has a trainer section already (a second one is a duplicate key): override it
-    over = (f"rollout.num_iterations={num_iterations}", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=1")
+    over = (f"rollout.num_iterations={num_iterations}", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=1",
+            f"losses.hint_distill.teacher={teacher}", "losses.hint_distill.ema_rate=0.2")  # fmt: skip
     cfg_a, src_a = make_cfg("", *over, out=tmp_path / "a")
     full = run_train(cfg_a, src_a)
     cfg_b, src_b = make_cfg("", *over, out=tmp_path / "b")
@@ -121,6 +122,15 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
     assert got == want  # bit-exact on CPU: same data position, optimizer state and sampling streams
     a, b = _state(full.model_dir), _state(resumed.model_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the EMA teacher is in the checkpoints and resumes bit-identically
+    ckpt = [
+        torch.load(f"{r.output_dir}/checkpoints/last.ckpt", weights_only=False)["state_dict"] for r in (full, resumed)
+    ]
+    ema = [{k: v for k, v in c.items() if k.startswith("ema_teacher.")} for c in ckpt]
+    assert bool(ema[0]) == (teacher == "ema") and ema[0].keys() == ema[1].keys()
+    assert all(torch.equal(ema[0][k], ema[1][k]) for k in ema[0])
+    if teacher == "ema":
+        assert any(not torch.equal(ema[0][k], ckpt[0][k.removeprefix("ema_teacher.")]) for k in ema[0])
     if num_iterations == 2:
         # every second step re-uses the rollouts: same tokens, and the importance ratio is live
         assert [r["train/iteration"] for r in full.history] == [0.0, 1.0, 0.0, 1.0]
