@@ -246,7 +246,8 @@ class HintDistillChannel(LossChannel):
                 f"hint_distill is_clip: logprobs {tuple(lp.shape)} and behaviour log-probs {tuple(old.shape)} "
                 f"(after hint_rows) must match hint_mask {tuple(mask.shape)}"
             )
-        ratio = torch.exp((lp.float() - old.float()).clamp(min=-20.0, max=20.0))
+        dt = torch.promote_types(lp.dtype, torch.float32)
+        ratio = torch.exp((lp.to(dt) - old.to(dt)).clamp(min=-20.0, max=20.0))
         w = ratio.clamp(max=self.is_clip)
         m = mask.float()
         n = m.sum().clamp(min=1.0)
