@@ -297,3 +297,26 @@ def test_policy_trains_in_train_mode_without_lightning_eval_mode_warning(make_cf
     assert modes and all(modes), modes
     eval_mode = [str(w.message) for w in caught if "eval mode" in str(w.message)]
     assert not eval_mode, eval_mode
+
+
+def test_hint_distill_is_clip_ratio_is_one_on_policy_and_live_off_policy(make_cfg):
+    """``losses.hint_distill.is_clip``: weight 1 when the rollout is on-policy; the kept rollout-time
+    log-probs (``num_iterations > 1``) make it live once the policy has moved. ``topk`` on the same run."""
+    cfg, src = make_cfg("", "losses.hint_distill.topk=5", "losses.hint_distill.is_clip=1.5")
+    env = build_env(cfg)
+    policy, tok = load_policy_for(cfg, env)
+    tasks = env.sample_tasks(2, "train", seed=11)
+    mod = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    assert mod.composer["hint_distill"].topk == 5 and mod.composer["hint_distill"].is_clip == 1.5
+    _, stats = mod.compute_step(tasks, 5)
+    assert stats["hint/rows"] > 0 and stats["hint_distill/skipped"] == 0.0
+    assert stats["hint_distill/is_ratio"] == 1.0 and stats["hint_distill/is_clipped"] == 0.0
+    assert math.isfinite(stats["hint_distill/loss"]) and stats["hint_distill/loss"] > 0
+    rb = mod.make_rollout_batch(tasks, 5, old_logprobs=True)
+    with torch.no_grad():
+        for p in mod.policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    _, moved = mod.loss_on(rb, 5)
+    assert moved["hint/rows"] > 0
+    assert moved["hint_distill/is_ratio"] != pytest.approx(1.0, abs=1e-3)
+    assert moved["hint_distill/is_weight"] <= 1.5 and 0.0 <= moved["hint_distill/is_clipped"] <= 1.0
