@@ -374,6 +374,7 @@ class FeatureDeletionEnv(Env):
     """
 
     name = "feature_deletion"
+    task_fields = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Twenty malformed inputs to ``composer-plugins train``, each refused at load (no model is built, no traceback) as
+"""Malformed inputs to ``composer-plugins train``, each refused at load (no model is built, no traceback) as
 ``<file>:<line>: <key>: <problem> — <fix>``, with "did you mean" where a name or key is misspelt."""
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
                            ["./no/such/model does not exist", "— give a directory"]),
     "hint provider misspelt": ({}, "hints:\n  provider:\n    name: templat\n", [], "cfg:6", "hints.provider.name",
                                ["Unknown hint 'templat'", "Did you mean: 'template'?"]),
+    "task row without answer": ({"t.jsonl": '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'},
+                                "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:2", "answer",
+                                ['missing — every task of data.train_path needs "answer" or "solution"',
+                                 "the reward of env 'gsm8k'", "this line has ['prompt'] — add it"]),
+    "SFT task without solution": ({"t.jsonl": '{"prompt": "a", "answer": "1"}\n'},
+                                  "!output_dir: {d}/run\ndata: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:1",
+                                  "target", ['needs "target" or "solution" for the SFT warm start',
+                                             "sft.enabled: false"]),
     "duplicate YAML key": ({}, "seed: 1\nseed: 2\n", [], "cfg:5", "seed",
                            ["duplicate key (first given on line 4", "— keep one of them"]),
     "unknown key as override": ({}, "", ["optim.lrr=0.1"], "override", "optim.lrr",
@@ -63,8 +71,8 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
 }  # fmt: skip
 
 
-def test_there_are_twenty():
-    assert len(CASES) == 20
+def test_there_are_twenty_two():
+    assert len(CASES) == 22
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -92,3 +100,4 @@ def test_malformed_input_gets_a_located_error_with_a_fix(tmp_path: Path, name: s
         frag = frag.replace("cfg:", f"{cfg}:")
         assert frag in out, f"{frag!r} not in:\n{out}"
     assert not re.search(r"\n\s+File \"", out)
+
