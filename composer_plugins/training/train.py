@@ -369,10 +369,12 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
         raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
     for name, spec in cfg.losses.items():
         channel_spec(name, spec, src, pre)
+    from composer_plugins.core.config import check_component_name
     from composer_plugins.training.callbacks import check_callback_names
     from composer_plugins.training.optim import check_optimizer_name
 
     check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
+    check_component_name("hints", cfg.hints.provider, pre + "hints.provider", src)
     check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
 
 

@@ -64,6 +64,13 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
                                   "!output_dir: {d}/run\ndata: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:1",
                                   "target", ['needs "target" or "solution" for the SFT warm start',
                                              "sft.enabled: false"]),
+    "chained hint provider misspelt": ({}, "hints:\n  provider:\n    name: chain\n    providers:\n"
+                                           "      - raw_error\n      - templat\n", [], "cfg:9",
+                                       "hints.provider.providers.1",
+                                       ["Unknown hint 'templat'", "Did you mean: 'template'?"]),
+    "hint fallback misspelt": ({}, "hints:\n  provider:\n    name: llm_teacher\n    teacher: oracle\n"
+                                   "    fallback: {{name: raw_eror}}\n", [], "cfg:8", "hints.provider.fallback.name",
+                               ["Unknown hint 'raw_eror'", "Did you mean: 'raw_error'?"]),
     "duplicate YAML key": ({}, "seed: 1\nseed: 2\n", [], "cfg:5", "seed",
                            ["duplicate key (first given on line 4", "— keep one of them"]),
     "unknown key as override": ({}, "", ["optim.lrr=0.1"], "override", "optim.lrr",
@@ -71,8 +78,8 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
 }  # fmt: skip
 
 
-def test_there_are_twenty_two():
-    assert len(CASES) == 22
+def test_there_are_twenty_four():
+    assert len(CASES) == 24
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -101,3 +108,15 @@ def test_malformed_input_gets_a_located_error_with_a_fix(tmp_path: Path, name: s
         assert frag in out, f"{frag!r} not in:\n{out}"
     assert not re.search(r"\n\s+File \"", out)
 
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval"])
+def test_an_unknown_hint_provider_is_located_by_every_command(tmp_path: Path, command: str):
+    """``sft`` builds the provider deep inside the warm start, where the config's lines are not at hand:
+    the name is checked when the config is read, so every command names the file and line."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"output_dir: {tmp_path}/run\nsft: {{steps: 1}}\nhints:\n  provider:\n    name: templat\n")
+    r = CliRunner().invoke(load_commands(), [command, "-c", str(cfg)])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith(f"Error: {cfg}:5: hints.provider.name: Unknown hint 'templat'."), r.output
+    assert "Did you mean: 'template'?" in r.output and "Available hints: chain, llm_teacher" in r.output
+    assert not (tmp_path / "run").exists()
