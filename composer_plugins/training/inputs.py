@@ -21,7 +21,7 @@ from composer_plugins.core.io import iter_jsonl
 if TYPE_CHECKING:
     from composer_plugins.training.train import TrainConfig
 
-__all__ = ["check_data_file", "check_inputs", "check_model_path", "env_task_fields"]
+__all__ = ["check_data_file", "check_hub_id", "check_inputs", "check_model_path", "env_task_fields"]
 
 #: Fields a task row may carry its prompt in (as :func:`composer_plugins.training.module.task_prompt` reads).
 TASK_PROMPT_KEYS = ("prompt", "question")
@@ -148,9 +148,52 @@ def _looks_local(name: str) -> bool:
     )  # fmt: skip
 
 
+#: The ways out of a hub id that cannot be loaded, for every message that refuses one.
+HUB_WAYS_OUT = (
+    "give a local directory written by save_pretrained, download the model once where the hub is reachable "
+    "(`hf download {name}`) into the Hugging Face cache (or point HF_HOME at a cache that holds it), or "
+    "'tiny' for the embedded model"
+)
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    check = getattr(constants, "is_offline_mode", None)
+    on = check() if callable(check) else bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    return on or os.environ.get("TRANSFORMERS_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def check_hub_id(name: str, src: Config, key: str) -> None:
+    """Offline (``HF_HUB_OFFLINE``), a hub id must be in the Hugging Face cache: refuse it now if it is not.
+
+    Online, the loader downloads it; if the hub cannot be reached then, the loader's error names the
+    id and these same ways out (:class:`composer_plugins.models.tiny.PolicyLoadError`).
+    """
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return
+    if not _offline():
+        return
+    try:
+        hit = try_to_load_from_cache(name, "config.json")
+    except Exception:  # not a valid repo id: the loader says why
+        return
+    if isinstance(hit, str):
+        return
+    ways = HUB_WAYS_OUT.format(name=name)
+    raise src.error(key, f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+                         f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
+                         "to download it now.")  # fmt: skip
+
+
 def check_model_path(name: str, src: Config, key: str) -> None:
-    """A local ``model.name_or_path`` must be a directory that exists (hub ids are left to the loader)."""
-    if name == "tiny" or not _looks_local(name):
+    """A local ``model.name_or_path`` must be a directory that exists; a hub id must be loadable offline."""
+    if name == "tiny":
+        return
+    if not _looks_local(name):
+        check_hub_id(name, src, key)
         return
     p = Path(name).expanduser()
     if not p.exists():

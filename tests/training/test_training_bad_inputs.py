@@ -120,3 +120,39 @@ def test_an_unknown_hint_provider_is_located_by_every_command(tmp_path: Path, co
     assert r.output.startswith(f"Error: {cfg}:5: hints.provider.name: Unknown hint 'templat'."), r.output
     assert "Did you mean: 'template'?" in r.output and "Available hints: chain, llm_teacher" in r.output
     assert not (tmp_path / "run").exists()
+
+
+def test_an_uncached_hub_id_offline_names_the_key_the_id_and_the_ways_out(tmp_path: Path):
+    """``model.name_or_path`` a hub id that is neither cached nor downloadable (``HF_HUB_OFFLINE=1``, empty
+    ``HF_HOME``): refused when the run starts, through the real command line, without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"output_dir: {tmp_path}/run\nsft: {{enabled: false}}\nmodel:\n  name_or_path: Qwen/Qwen2.5-0.5B\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "COMPOSER_MLFLOW": "0"}
+    env.pop("HF_HUB_CACHE", None)
+    r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg)], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"Error: {cfg}:4: model.name_or_path: 'Qwen/Qwen2.5-0.5B' is a hub id that is not "
+                               f"in the Hugging Face cache ({tmp_path / 'hf' / 'hub'})"), r.stderr  # fmt: skip
+    for way in ("HF_HUB_OFFLINE is set", "— give a local directory", "hf download Qwen/Qwen2.5-0.5B", "HF_HOME",
+                "unset HF_HUB_OFFLINE"):  # fmt: skip
+        assert way in r.stderr, (way, r.stderr)
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_policy_the_loader_cannot_fetch_is_a_policy_load_error():
+    """Past the start-of-run check (online, hub unreachable), ``load_policy`` turns transformers' ``OSError``
+    into :class:`PolicyLoadError`: the id, the hub's reason and the ways out (the CLI locates it at the key)."""
+    from composer_plugins.core.errors import ComposerPluginsError
+    from composer_plugins.models.tiny import PolicyLoadError, load_policy
+
+    with pytest.raises(PolicyLoadError) as info:  # tests run with HF_HUB_OFFLINE=1 (tests/conftest.py)
+        load_policy("composer-plugins-tests/no-such-model")
+    e = info.value
+    assert isinstance(e, ComposerPluginsError) and e.name_or_path == "composer-plugins-tests/no-such-model"
+    assert str(e).startswith("cannot load 'composer-plugins-tests/no-such-model': ") and "\n" not in str(e)
+    assert "— give a local directory" in str(e) and "HF_HUB_OFFLINE" in str(e)
