@@ -78,6 +78,8 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
         return
     with _located_policy(cfg, src):
         res = run_train(cfg, src, resume=resume)
+    if not res.is_global_zero:  # trainer.devices > 1: every rank runs this command; rank 0 reports
+        return
     click.echo(json.dumps(res.metrics, indent=2, sort_keys=True))
     click.echo(f"model: {res.model_dir}")
     if res.run_id:

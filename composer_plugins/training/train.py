@@ -1253,6 +1253,8 @@ class RunResult:
     run_id: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     start_metrics: dict[str, float] = field(default_factory=dict)
+    #: False on the other ranks of a data-parallel run (only rank 0 reports: files, metrics, the CLI's output).
+    is_global_zero: bool = True
 
 
 @_quiet_lightning()
@@ -1404,6 +1406,7 @@ def run_train(
         run_id=run_id,
         history=history,
         start_metrics=start,
+        is_global_zero=trainer.is_global_zero,
     )
 
 
