@@ -75,7 +75,7 @@ def worker(spec_path: str, rank: int) -> None:
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), WORLD_SIZE=str(world),
                           NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank))  # fmt: skip
-    from composer_plugins.core.procs import set_pdeathsig
+    from composer_plugins.procs import set_pdeathsig
 
     set_pdeathsig()
     import torch
@@ -115,7 +115,7 @@ def _free_port() -> int:
 
 
 def _timed_run(tmp: Path, model: str | None, scale: dict[str, Any], world: int, steps: int, tag: str) -> dict[str, Any]:
-    from composer_plugins.core.procs import Children
+    from composer_plugins.procs import Children
 
     out = tmp / f"{tag}.json"
     overrides = [

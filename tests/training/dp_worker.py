@@ -54,7 +54,7 @@ def main(spec_path: str, rank: int) -> None:
         LOCAL_RANK=str(rank),
         RANK=str(rank),
     )
-    from composer_plugins.core.procs import set_pdeathsig
+    from composer_plugins.procs import set_pdeathsig
 
     set_pdeathsig()
     import torch

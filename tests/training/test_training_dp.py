@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_plugins.core.procs import Children
+from composer_plugins.procs import Children
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 if str(WORKER.parent) not in sys.path:  # the env class of the test, importable as the ranks import it
