@@ -369,10 +369,12 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
         raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
     for name, spec in cfg.losses.items():
         channel_spec(name, spec, src, pre)
+    from composer_plugins.core.config import check_component_name
     from composer_plugins.training.callbacks import check_callback_names
     from composer_plugins.training.optim import check_optimizer_name
 
     check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
+    check_component_name("hints", cfg.hints.provider, pre + "hints.provider", src)
     check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
 
 
@@ -1257,6 +1259,8 @@ class RunResult:
     run_id: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     start_metrics: dict[str, float] = field(default_factory=dict)
+    #: False on the other ranks of a data-parallel run (only rank 0 reports: files, metrics, the CLI's output).
+    is_global_zero: bool = True
 
 
 @_quiet_lightning()
@@ -1408,6 +1412,7 @@ def run_train(
         run_id=run_id,
         history=history,
         start_metrics=start,
+        is_global_zero=trainer.is_global_zero,
     )
 
 

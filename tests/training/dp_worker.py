@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
+
 from composer_plugins.envs.gsm8k import GSM8KEnv
 
 
@@ -26,6 +28,18 @@ class VariedRewardEnv(GSM8KEnv):
 
     def reward(self, prompts: Any, completions: Any, **columns: Any) -> list[float]:
         return [(len(c) % 5) / 4 for c in completions]
+
+
+class RankFile(Callback):
+    """``trainer.callbacks: [{class_path: dp_worker.RankFile, init_args: {out: DIR}}]``: writes
+    ``<out>/rank<R>.done`` (holding the world size) when fit ends on global rank ``R``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        with open(os.path.join(self.out, f"rank{trainer.global_rank}.done"), "w") as f:
+            f.write(f"{trainer.world_size}\n")
 
 
 def main(spec_path: str, rank: int) -> None:
@@ -40,7 +54,7 @@ def main(spec_path: str, rank: int) -> None:
         LOCAL_RANK=str(rank),
         RANK=str(rank),
     )
-    from composer_plugins.core.procs import set_pdeathsig
+    from composer_plugins.procs import set_pdeathsig
 
     set_pdeathsig()
     import torch

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_plugins.core.procs import Children
+from composer_plugins.procs import Children
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 if str(WORKER.parent) not in sys.path:  # the env class of the test, importable as the ranks import it
@@ -295,3 +295,35 @@ def test_strategy_from_config_and_did_you_mean(make_cfg):
         make_cfg("", "trainer.strategy=fdsp")
     with pytest.raises(ConfigError, match="multiple of 2"):
         make_cfg("", "trainer.devices=2", "rollout.prompts_per_step=3")
+
+
+def test_cli_train_on_two_devices_reports_once_from_rank_zero(tiny_yaml, tmp_path):
+    """``composer-plugins train -S trainer.devices=2``: Lightning starts the second rank by running the same
+    command again; both ranks train (each marks its fit end), only rank 0 prints the statistics and ``model:``."""
+    import os
+    import subprocess
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(tiny_yaml)
+    marks = tmp_path / "ranks"
+    marks.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+        "COMPOSER_MLFLOW": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    overrides = [f"output_dir={tmp_path / 'run'}", "trainer.devices=2", "trainer.max_steps=1",
+                 "trainer.checkpoint_every_n_steps=0", "trainer.dist_timeout_s=120", "sft.enabled=false",
+                 "rollout.max_new_tokens=6",
+                 f"trainer.callbacks=[{{class_path: dp_worker.RankFile, init_args: {{out: '{marks}'}}}}]"]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg),
+                        *[a for o in overrides for a in ("-S", o)]],
+                       env=env, capture_output=True, text=True, timeout=420)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["rank0.done", "rank1.done"], r.stderr[-3000:]
+    assert {p.read_text() for p in marks.iterdir()} == {"2\n"}
+    assert r.stdout.count("model: ") == 1 and r.stdout.count('"train/loss"') == 1, r.stdout
+    metrics = json.loads(r.stdout[: r.stdout.index("model: ")])
+    assert metrics == json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert r.stdout.rstrip().endswith(f"model: {tmp_path / 'run' / 'model'}")
