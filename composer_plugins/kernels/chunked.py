@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_plugins.losses._kernels import EntropyOPDKernel, JSDKernel, Kernel, TAIDKernel, _rowdot, _up
+from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, Kernel, TAIDKernel, _rowdot, _up
 
 #: Rows per chunk used where a caller asks for a fixed size. At V=151,936 one fp32 chunk of logits is 155 MB.
 DEFAULT_CHUNK_SIZE = 256
@@ -380,7 +380,7 @@ def chunked_distill(
         student_hidden: ``(..., H)`` student hidden states predicting each token.
         teacher_hidden: ``(..., H)`` teacher hidden states aligned to the same tokens.
         lm_head_weight: ``(V, H)`` student LM head (receives gradients).
-        kernel: a per-token divergence from :mod:`composer_plugins.losses._kernels`.
+        kernel: a per-token divergence from :mod:`composer_plugins.kernels.divergences`.
         mask: ``(...)`` tokens to distil on (all when None).
         teacher_lm_head_weight: teacher LM head when different from the student's (default: same, detached).
         reduction: ``batchmean`` (sum / #masked tokens, or / batch size without a mask — TRL GKD),

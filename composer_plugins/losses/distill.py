@@ -43,9 +43,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from composer_plugins.losses._kernels import STAT_NAMES, Kernel, make_kernel, with_topk
+from composer_plugins.kernels.chunked import chunked_distill
+from composer_plugins.kernels.divergences import STAT_NAMES, Kernel, make_kernel, with_topk
 from composer_plugins.losses.base import LossChannel
-from composer_plugins.losses.chunked import chunked_distill
 from composer_plugins.losses.taid import TAIDScheduler
 
 CRITERIA: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
@@ -77,7 +77,7 @@ class HintDistillChannel(LossChannel):
     With ``topk: K`` every criterion is evaluated on ``K + 1``-way distributions instead of the
     vocabulary (SDPO's top-k distillation, Hübotter et al. 2026): per token, the student's ``K``
     most likely tokens with each side's own probabilities of them, plus one tail bucket holding the
-    rest of each side's mass (:class:`~composer_plugins.losses._kernels.TopKTailKernel`). With
+    rest of each side's mass (:class:`~composer_plugins.kernels.divergences.TopKTailKernel`). With
     ``is_clip: c`` each hinted token's divergence is weighted by the detached importance ratio
     ``min(exp(logp_current - logp_behaviour), c)`` of the sampled token (SDPO's ``is_clip``), for
     rollouts optimised off-policy; on-policy the ratio is 1.

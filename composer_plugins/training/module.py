@@ -33,7 +33,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric, Metric
 
 from composer_plugins.core.steps import step_result
-from composer_plugins.losses.chunked import chunked_logprobs
+from composer_plugins.losses.functional import chunked_logprobs
 from composer_plugins.models.generation import Rollout, generate_completions, left_pad, tokenize_prompts
 from composer_plugins.models.logprobs import (
     completion_hidden,
@@ -304,7 +304,7 @@ class SFTModule(L.LightningModule):
 
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
         """Token-mean cross-entropy over the labelled tokens, chunked through the LM head from hidden states."""
-        from composer_plugins.losses.chunked import chunked_logprobs
+        from composer_plugins.losses.functional import chunked_logprobs
 
         body = decoder_body(self.policy)
         hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)

@@ -2,9 +2,9 @@
 
 A small AST walk over ``composer_plugins/``: every ``import``/``from ... import`` anywhere in a module
 (function-level and ``TYPE_CHECKING`` imports included) that names another package of the project must
-be allowed by :data:`ALLOWED`; no package imports another's private names (``_x``) or private modules;
-and the kernel (``core/`` and the package root) imports nothing beyond the stdlib, pluggy, yaml and click
-(``procs/``: nothing beyond the stdlib).
+be allowed by :data:`ALLOWED` (no exceptions); no package imports another's private names (``_x``) or private
+modules; the kernel (``core/`` and the package root) imports nothing beyond the stdlib, pluggy, yaml and click
+(``procs/``: nothing beyond the stdlib; ``kernels/``, the LM-head kernels: nothing beyond the stdlib and torch).
 
 The backend distributions under ``packages/`` (``composer_plugins_trl`` ...) are walked too, as backends that
 live outside: they may import what ``backends`` may (and ``backends`` itself), and no private name or module
@@ -23,25 +23,25 @@ PKG = ROOT / "composer_plugins"
 DISTS = ROOT / "packages"
 
 KINDS = {"losses", "models", "envs", "teachers", "backends"}
-#: package -> the project packages it may import (besides itself). ``models`` may use the chunked
-#: log-prob kernels of ``losses`` (``losses.chunked``), which never import ``models`` back.
+#: package -> the project packages it may import (besides itself), from the ground up.
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "procs": {"core"},  # child processes that never outlive their parent: beside the kernel, below its users
-    "losses": {"core"},
-    "models": {"core", "losses"},
+    "kernels": {"core"},  # the chunked LM-head kernels: below models and losses, which both import them
+    "losses": {"core", "kernels"},
+    "models": {"core", "kernels"},
     "envs": {"core", "procs"},
     "teachers": {"core", "procs"},
     "training": {"core", "procs", "losses", "models", "envs", "teachers"},
     "diloco": {"core", "procs", "training"},
     "backends": {"core", "procs", "losses", "models", "training"},
     "testing": {"core", "procs", *KINDS, "training"},  # training: the optimizers' and callbacks' kinds
-    "pipeline": {"core", "procs", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
+    "pipeline": {"core", "procs", "kernels", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
 }
 #: third-party modules the kernel may import
 KERNEL_THIRD_PARTY = {"pluggy", "yaml", "click"}
 #: packages that may import only the stdlib (and these third-party modules) besides the project packages above
-STDLIB_ONLY: dict[str, set[str]] = {"core": KERNEL_THIRD_PARTY, "procs": set()}
+STDLIB_ONLY: dict[str, set[str]] = {"core": KERNEL_THIRD_PARTY, "procs": set(), "kernels": {"torch"}}
 
 
 def _package(rel: Path) -> str:
@@ -173,6 +173,16 @@ def test_the_check_catches_upward_private_and_kernel_imports():
     assert violations(Path("core/x.py"), "from composer_plugins import procs\n")
     assert violations(Path("procs/x.py"), "from composer_plugins.envs import sandbox\n")
     assert not violations(Path("envs/x.py"), "from composer_plugins import procs\n")
+    # the LM-head kernels: below models and losses, which import them; they import only core and torch
+    assert not violations(Path("models/x.py"), "from composer_plugins.kernels.chunked import chunked_logprobs\n")
+    assert not violations(Path("losses/x.py"), "from composer_plugins.kernels.divergences import make_kernel\n")
+    assert not violations(Path("kernels/x.py"), "import math\nimport torch\nfrom .divergences import _up\n")
+    found = violations(Path("models/x.py"), "from composer_plugins.losses.functional import chunked_logprobs\n")
+    assert found and "models imports composer_plugins.losses.functional" in found[0]
+    found = violations(Path("kernels/x.py"), "from composer_plugins.models.logprobs import lm_head_weight\n")
+    assert found and "kernels imports composer_plugins.models.logprobs" in found[0]
+    found = violations(Path("kernels/chunked.py"), "import torch\nimport numpy as np\n")
+    assert found == ["composer_plugins/kernels/chunked.py:2: kernels imports 'numpy' (only stdlib, torch)"]
     # a backend distribution: public names of backends/training are fine, private ones and upward imports are not
     ext = "packages/composer-plugins-x"
     ok = "from composer_plugins.backends import rollout\nfrom composer_plugins.backends.base import Backend\n"

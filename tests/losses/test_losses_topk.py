@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from composer_plugins.losses._kernels import TopKTailKernel, make_kernel, with_topk
+from composer_plugins.kernels.divergences import TopKTailKernel, make_kernel, with_topk
 from composer_plugins.losses.distill import HintDistillChannel
 
 torch.set_num_threads(1)
