@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from composer_plugins.core.procs import ChildFailed, Children, exit_description
+from composer_plugins.procs import ChildFailed, Children, exit_description
 
 NAME = "diloco"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def ddp_worker(rank: int, world: int, port: int, toy_json: str, out: str, timeou
     import faulthandler
     from datetime import timedelta
 
-    from composer_plugins.core.procs import StoreRendezvous, set_pdeathsig
+    from composer_plugins.procs import StoreRendezvous, set_pdeathsig
 
     set_pdeathsig(signal.SIGKILL)  # also set by the parent's preexec_fn; harmless twice
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before killing us
@@ -177,7 +177,7 @@ def _run_ddp(
 
     from torch.distributed import TCPStore
 
-    from composer_plugins.core.procs import StoreRendezvous
+    from composer_plugins.procs import StoreRendezvous
 
     store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=timeout_s))  # fmt: skip

@@ -18,7 +18,11 @@ project's Lightning ``Trainer`` (:func:`~composer_plugins.training.train.build_t
 Ratios: peak RSS / one fp32 logits tensor of the batch (``rows × (prompt + completion) × vocab``
 floats, what one plain forward of the batch returns), peak RSS / TRL's, tokens/s / TRL's.
 
-Run: ``python -m benchmarks.bench_scale [--quick] [--json out.json]``.
+``--hint-distill KEY=VALUE`` (repeatable) adds one more configuration, ``grpo + hint_distill`` with
+those ``losses.hint_distill`` settings (values parsed as YAML, passed to the config as they are:
+``--hint-distill topk=100 --hint-distill teacher=ema``); ``--variants`` runs a subset.
+
+Run: ``python -m benchmarks.bench_scale [--quick] [--variants grpo+hint] [--hint-distill topk=100] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("grpo", "grpo+hint", "grpo+hint+replay", "trl_grpo")
+#: ``grpo + hint_distill`` with the ``--hint-distill`` settings (the child receives them as JSON).
+HINT_OPTS = "grpo+hint+opts"
 SHAPES = {
     "cpu": {"shape": "cpu-proxy", "prompts": 4, "generations": 8, "new_tokens": 128, "device": "cpu"},
     "gpu-0.5b": {"shape": "qwen2.5-0.5b", "prompts": 8, "generations": 8, "new_tokens": 256, "device": "cuda"},
@@ -68,19 +74,21 @@ def _trl_reward(rng: random.Random) -> Any:
     return random_reward
 
 
-def _config(tmp: str, spec: dict[str, Any], model_dir: str, pairs: str, variant: str) -> Any:
+def _config(tmp: str, spec: dict[str, Any], model_dir: str, pairs: str, variant: str,
+            hint_options: dict[str, Any] | None = None) -> Any:  # fmt: skip
     from composer_plugins.training.train import loads_train_config
 
     gpu = spec["device"] == "cuda"
-    hint = variant in ("grpo+hint", "grpo+hint+replay")
+    hint = variant in ("grpo+hint", "grpo+hint+replay", HINT_OPTS)
     replay = variant == "grpo+hint+replay"
+    hint_spec = json.dumps({"weight": 0.5, "enabled": hint, **(hint_options or {})})  # JSON is YAML
     text = f"""
 output_dir: {tmp}/run
 model: {{name_or_path: {model_dir}, dtype: float32}}
 sft: {{enabled: false}}
 losses:
   grpo: {{weight: 1.0}}
-  hint_distill: {{weight: 0.5, enabled: {str(hint).lower()}}}
+  hint_distill: {hint_spec}
   replay: {{name: replay_dpo, weight: 0.1, enabled: {str(replay).lower()}}}
 hints: {{provider: {{name: template, reveal_answer: true}}}}
 replay: {{pairs_path: {pairs}, pairs_per_step: 4}}
@@ -103,7 +111,8 @@ def _peak() -> dict[str, float]:
     return out
 
 
-def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps: int) -> dict[str, Any]:
+def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps: int,
+          hint_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One configuration in this process: ``steps`` timed steps after one warm-up step."""
     import torch
 
@@ -112,7 +121,7 @@ def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps:
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _config(tmp, spec, model_dir, pairs, "grpo" if variant == "trl_grpo" else variant)
+        cfg = _config(tmp, spec, model_dir, pairs, "grpo" if variant == "trl_grpo" else variant, hint_options)
         env = RandomRewardEnv(build_env(cfg), seed=0)
         batches = _tasks(env.base, cfg, steps + 1)
         prompt_tokens = 0
@@ -154,13 +163,15 @@ def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
     return str(model), str(pairs), int(MODEL_SHAPES[shape]["vocab_size"])
 
 
-def _spawn(variant: str, spec_name: str, model: str, pairs: str, steps: int, timeout: float) -> dict[str, Any]:
+def _spawn(variant: str, spec_name: str, model: str, pairs: str, steps: int, timeout: float,
+           hint_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory() as td:
         out = Path(td) / "r.json"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         cmd = [sys.executable, "-m", "benchmarks.bench_scale", "--child", variant, "--spec", spec_name,
-               "--model", model, "--pairs", pairs, "--steps", str(steps), "--json", str(out)]  # fmt: skip
+               "--model", model, "--pairs", pairs, "--steps", str(steps), "--json", str(out),
+               "--hint-options", json.dumps(hint_options or {})]  # fmt: skip
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
@@ -173,8 +184,30 @@ def _spawn(variant: str, spec_name: str, model: str, pairs: str, steps: int, tim
         return res
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Every configuration of every shape this machine has; returns ``{"name", "results", "ratios", "targets"}``."""
+def hint_label(hint_options: dict[str, Any]) -> str:
+    """``grpo+hint[topk=100,teacher=ema]``: the result key of the ``--hint-distill`` configuration."""
+    return "grpo+hint[" + ",".join(f"{k}={v}" for k, v in hint_options.items()) + "]"
+
+
+def parse_hint_options(items: list[str]) -> dict[str, Any]:
+    """``["topk=100", "teacher=ema"]`` -> ``{"topk": 100, "teacher": "ema"}`` (values parsed as YAML)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--hint-distill {item!r}: expected KEY=VALUE, e.g. --hint-distill topk=100")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def run(quick: bool = False, variants: tuple[str, ...] = VARIANTS,
+        hint_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The ``variants`` (and the ``hint_options`` configuration, CPU only) of every shape this machine has.
+
+    Returns ``{"name", "results", "ratios", "targets"}``.
+    """
     import torch
 
     steps = 1 if quick else 2
@@ -186,18 +219,23 @@ def run(quick: bool = False) -> dict[str, Any]:
             spec = SHAPES[name]
             model, pairs, vocab = _prepare(Path(td), spec["shape"])
             rows = spec["prompts"] * spec["generations"]
-            for variant in VARIANTS:
+            labels = [v for v in VARIANTS if v in variants]
+            for variant in labels:
                 if name != "cpu" and variant == "grpo+hint":
                     continue  # on GPU: grpo, the full composition and TRL
                 r = _spawn(variant, name, model, pairs, steps, timeout=3600)
                 results[f"{name}/{variant}"] = r
-            base = results.get(f"{name}/grpo", {})
+            if hint_options and name == "cpu":
+                labels.append(hint_label(hint_options))
+                results[f"{name}/{labels[-1]}"] = _spawn(HINT_OPTS, name, model, pairs, steps, 3600, hint_options)
             trl = results.get(f"{name}/trl_grpo", {})
-            seq = spec["new_tokens"] + int(base.get("max_prompt_tokens") or 0)
+            # every composer configuration sees the same prompts: any of them gives the longest prompt
+            prompt = max((int(results.get(f"{name}/{v}", {}).get("max_prompt_tokens") or 0) for v in labels), default=0)
+            seq = spec["new_tokens"] + prompt
             logits_gib = rows * seq * vocab * 4 / 2**30
             results[f"{name}/fp32_logits_gib"] = logits_gib
             mem = "peak_cuda_gib" if name != "cpu" else "peak_rss_gib"
-            for variant in VARIANTS[:3]:
+            for variant in [v for v in labels if v != "trl_grpo"]:
                 r = results.get(f"{name}/{variant}", {})
                 if mem in r:
                     ratios[f"{name}/{variant}_mem_vs_logits"] = r[mem] / logits_gib
@@ -205,11 +243,13 @@ def run(quick: bool = False) -> dict[str, Any]:
                         ratios[f"{name}/{variant}_mem_vs_trl"] = r[mem] / trl[mem]
                 if "tokens_per_s" in r and "tokens_per_s" in trl:
                     ratios[f"{name}/{variant}_speed_vs_trl"] = r["tokens_per_s"] / trl["tokens_per_s"]
+    targets = {"cpu/" + hint_label(hint_options) + "_mem_vs_logits": "<= 0.6 (as grpo+hint)"} if hint_options else {}
     return {
         "name": "scale",
         "results": results,
         "ratios": ratios,
         "targets": {
+            **targets,
             "cpu/grpo+hint_mem_vs_logits": "<= 0.6 (peak RSS vs one fp32 logits tensor of the batch)",
             "cpu/grpo+hint_mem_vs_trl": "<= 0.5 (peak RSS vs TRL grpo)",
             "cpu/grpo_speed_vs_trl": ">= 0.9 (completion tokens/s vs TRL grpo)",
@@ -223,17 +263,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one timed step per configuration instead of two")
     p.add_argument("--json", default=None, help="also write the result dict here")
-    p.add_argument("--child", default=None, choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")  # fmt: skip
+    p.add_argument("--hint-distill", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more configuration: grpo + hint_distill with losses.hint_distill.KEY=VALUE "
+                        "(repeatable), e.g. topk=100, teacher=ema")  # fmt: skip
+    p.add_argument("--hint-options", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--child", default=None, choices=(*VARIANTS, HINT_OPTS), help=argparse.SUPPRESS)
     p.add_argument("--spec", default="cpu", choices=sorted(SHAPES), help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--pairs", default=None, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        res = child(a.child, SHAPES[a.spec], a.model, a.pairs, a.steps)
+        res = child(a.child, SHAPES[a.spec], a.model, a.pairs, a.steps, json.loads(a.hint_options))
         Path(a.json).write_text(json.dumps(res))
         return 0
-    res = run(quick=a.quick)
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown --variants {unknown}; available: {', '.join(VARIANTS)}")
+    res = run(quick=a.quick, variants=variants, hint_options=parse_hint_options(a.hint_distill))
     print(f"{'configuration':<28} {'step s':>8} {'tok/s':>8} {'peak RSS GiB':>13} {'peak CUDA GiB':>14}")
     for k, r in res["results"].items():
         if isinstance(r, dict):

@@ -10,7 +10,7 @@
   vocabulary with a tiny body). The 1- and 2-process runs alternate in rounds; the ratio is the
   median of per-round ratios (the machine may be shared). Target: ≥ 1.6× prompts/s.
 * **Rollout generators.** The ``server`` generator against the loopback server
-  (:mod:`composer_plugins.training.loopback_server`: HF ``generate`` behind vLLM's completions API,
+  (:mod:`composer_plugins.testing.loopback_server`: HF ``generate`` behind vLLM's completions API,
   one torch thread, one request of ``n = G`` per prompt) vs the ``hf`` generator (one batched
   ``generate`` in-process, one thread), same policy, prompts, ``G`` and budget: completions/s.
   The loopback server samples prompt by prompt, so this is the HTTP/client overhead plus unbatched
@@ -75,7 +75,7 @@ def worker(spec_path: str, rank: int) -> None:
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), WORLD_SIZE=str(world),
                           NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank))  # fmt: skip
-    from composer_plugins.core.procs import set_pdeathsig
+    from composer_plugins.procs import set_pdeathsig
 
     set_pdeathsig()
     import torch
@@ -115,7 +115,7 @@ def _free_port() -> int:
 
 
 def _timed_run(tmp: Path, model: str | None, scale: dict[str, Any], world: int, steps: int, tag: str) -> dict[str, Any]:
-    from composer_plugins.core.procs import Children
+    from composer_plugins.procs import Children
 
     out = tmp / f"{tag}.json"
     overrides = [
@@ -165,7 +165,7 @@ def _rollouts(tmp: Path, model: str, quick: bool) -> dict[str, Any]:
     import torch
 
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.loopback_server import RolloutServerProcess
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
     from composer_plugins.training.module import task_prompt
     from composer_plugins.training.rollouts import HFGenerator, ServerGenerator
     from composer_plugins.training.train import build_env, loads_train_config

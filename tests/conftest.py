@@ -22,7 +22,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from composer_plugins.core import plugins, procs
+from composer_plugins import procs
+from composer_plugins.core import plugins
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

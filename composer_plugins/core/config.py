@@ -341,7 +341,7 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
         except (ImportError, AttributeError, ValueError) as e:
             raise cfg.error(f"{key}.class_path" if key else "class_path", f"cannot import {path!r}: {e}") from e
         return cls(**kw)
-    from composer_plugins.core.errors import ComposerPluginsError, UnknownPluginError
+    from composer_plugins.core.errors import UnknownPluginError
 
     name_key = f"{key}.name" if key and isinstance(value, Mapping) and "name" in value else key or kind
     try:
@@ -357,16 +357,83 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
                     f"unknown argument of {kind.removesuffix('s')} {target!r} — remove it or use one of its arguments.",
                     valid=sorted(accepted),
                 )
+    return build_located(entry, kw, key or kind, cfg)
+
+
+def build_located(entry: Any, kw: Mapping[str, Any], key: str, cfg: Config | None = None) -> Any:
+    """``entry.build(**kw)``; a value the component refuses (``ValueError``/``TypeError``) becomes a
+    :class:`ConfigError` at ``<key>.<argument>`` (the argument its message names, else ``key``) in ``cfg``'s
+    file and line."""
+    from composer_plugins.core.errors import ComposerPluginsError
+
+    cfg = cfg if cfg is not None else Config()
     try:
         return entry.build(**kw)
+    except ConfigError as e:
+        if e.file is not None or e.override is not None:
+            raise
+        raise _locate_nested(e, kw, key or kind, cfg) from e
     except ComposerPluginsError:
         raise
     except (ValueError, TypeError) as e:
         # a value the component refused: locate it at the argument its message names, else at the spec
         bad = next((k for k, v in kw.items() if repr(v) in str(e) or f"'{v}'" in str(e)), None)
         bad = bad or next((k for k in kw if k in str(e)), None)
-        where = f"{key}.{bad}" if key and bad else (bad or key or kind)
+        where = f"{key}.{bad}" if key and bad else (bad or key)
         raise cfg.error(where, f"{e} — fix {where}.") from e
+
+
+def check_component_name(kind: str, value: Any, key: str, cfg: Config | None = None) -> None:
+    """Refuse at load, located at ``key`` (or ``key.name``), a component ``value`` naming no registered ``kind``.
+
+    Nothing is built: a typo in a component that is built late (or only by some commands) is
+    reported when the config is read, as ``file:line: key: Unknown <kind> ... Did you mean ...``.
+    """
+    from composer_plugins.core.errors import UnknownPluginError
+    from composer_plugins.core.plugins import get_registry
+
+    cfg = cfg if cfg is not None else Config()
+    if value is None or not isinstance(value, str | Mapping):
+        return
+    target, _ = component_spec(value, key, cfg)
+    if target.startswith("class_path:"):
+        return
+    try:
+        get_registry().get(kind, target)
+    except UnknownPluginError as e:
+        raise cfg.error(f"{key}.name" if isinstance(value, Mapping) else key, str(e)) from e
+
+
+def _find_name(node: Any, name: str, path: str = "") -> str | None:
+    """Dotted path inside ``node`` of a component spec naming ``name`` (``"x"`` or ``{name: x}``)."""
+    if isinstance(node, str):
+        return path if node == name else None
+    if isinstance(node, Mapping):
+        if node.get("name") == name:
+            return f"{path}.name" if path else "name"
+        items: Iterable[tuple[Any, Any]] = node.items()
+    elif isinstance(node, list | tuple):
+        items = enumerate(node)
+    else:
+        return None
+    for k, v in items:
+        found = _find_name(v, name, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _locate_nested(e: ConfigError, kw: Mapping[str, Any], key: str, cfg: Config) -> ConfigError:
+    """An unlocated error of a component built inside ``key``'s component (a ``chain``'s providers), located."""
+    from composer_plugins.core.errors import UnknownPluginError
+
+    cause = e.__cause__
+    if isinstance(cause, UnknownPluginError):
+        where = _find_name(dict(kw), cause.name)
+        return cfg.error(f"{key}.{where}" if where else key, str(cause))
+    if e.key and e.key.split(".")[0] in kw:
+        return cfg.error(f"{key}.{e.key}", e.problem, valid=e.valid)
+    return cfg.error(key, str(e))
 
 
 def _accepted_kwargs(factory: Any) -> set[str] | None:

@@ -106,6 +106,7 @@ class ConfigError(ComposerPluginsError, ValueError):
         override: str | None = None,
     ) -> None:
         self.key, self.file, self.line, self.override = key, file, line, override
+        self.problem = message  # the message without its location (to locate it again, further up)
         self.valid = sorted(set(valid)) if valid is not None else None  # each name once
         where = ""
         if override is not None:  # the value came from the command line, not from the file

@@ -18,7 +18,7 @@ Pieces:
 * :class:`ReplicaGroup` — starts the replicas, restarts crashed ones (``max_restarts``) or, with
   ``wait(fail_fast=True)``, stops at the first one that fails, naming it; terminates every child process
   group on exit, on Ctrl-C and on SIGTERM. Replicas are SIGKILLed if the launcher dies without cleaning
-  up, and carry a tag (:mod:`composer_plugins.core.procs`) so that nothing they started outlives them.
+  up, and carry a tag (:mod:`composer_plugins.procs`) so that nothing they started outlives them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.hookspecs import hookimpl
 

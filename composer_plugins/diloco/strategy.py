@@ -121,7 +121,8 @@ class DiLoCoConfig:
         rejoin_timeout_s: how long a replica that reached its last sync waits for a peer the launcher is
             restarting (so the peer can heal from it and both end together) before it stops anyway.
         replicas: default for ``composer-plugins diloco --replicas``.
-        log_param_hash: put a SHA-256 of the parameters in each sync-log line (reads all weights once per sync).
+        log_param_hash: put a SHA-256 of the trainable (synced) parameters in each sync-log line (reads
+            them once per sync).
     """
 
     sync_every: int = 50
@@ -334,7 +335,7 @@ def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
     """
     from torch.distributed import TCPStore
 
-    from composer_plugins.core.procs import RendezvousError, StoreRendezvous
+    from composer_plugins.procs import RendezvousError, StoreRendezvous
 
     host, _, port = address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
@@ -740,7 +741,9 @@ class DiLoCoCallback(pl.Callback):
         sync_log = c.sync_log or self.replica.sync_log
         if sync_log and c.log_param_hash:
             assert self._module is not None
-            rec["param_hash"], rec["param_sum"] = param_digest(self._module.parameters())
+            # the synced (trainable) weights: a frozen EMA hint teacher is per-replica local state
+            synced = (p for p in self._module.parameters() if p.requires_grad)
+            rec["param_hash"], rec["param_sum"] = param_digest(synced)
             rec["fragment_hash"] = param_digest(self.fragments[fragment].parameters())[0]
         self.history.append(rec)
         if sync_log:

@@ -159,6 +159,9 @@ class Env(ABC):
 
     #: Registry name (set by subclasses).
     name: ClassVar[str] = "env"
+    #: Fields every task row of a tasks file (``data.train_path``) needs for the reward, besides the prompt;
+    #: an inner tuple means "one of these". Checked when a run starts, naming the file, line and field.
+    task_fields: ClassVar[tuple[str | tuple[str, ...], ...]] = ()
 
     def __init__(self, *, max_turns: int = 1, num_workers: int = 1, cache_size: int = 4096) -> None:
         self.max_turns = max(1, int(max_turns))

@@ -238,6 +238,7 @@ class CodeEnv(Env):
     """
 
     name = "code"
+    task_fields = ("entry_point", ("test", "cases"))
 
     def __init__(
         self,

@@ -15,7 +15,9 @@ put back, and 0 if any ``pass_to_pass`` test regresses. Every run happens in the
 :class:`~composer_plugins.envs.sandbox.Sandbox` on a cleaned copy of the repository (no
 bytecode, type-checker caches, ``.git`` history, build output) that is mounted read-only,
 with the original checkout and any installed copy of its packages hidden, so the deleted
-code cannot be recovered from leftovers.
+code cannot be recovered from leftovers. By default (``sandbox_expose="allowlist"``) nothing else of
+the host is visible either (no other checkout, cache or backup of the repository); ``sandbox_expose="all"``
+widens the view to every host path the env does not know to hide.
 """
 
 from __future__ import annotations
@@ -366,14 +368,17 @@ class FeatureDeletionEnv(Env):
         timeout_s: wall-clock limit of one test run. ``isolation``: sandbox isolation.
         num_workers: test runs in parallel (building and scoring).
         cache_path: optional JSON file to store/load the built tasks (holds golden code: keep it private).
-        sandbox_expose: ``"all"`` (default) hides only ``repo``, installed copies of its packages and the
+        sandbox_expose: ``"allowlist"`` (default) shows the sandbox only what the task needs: the interpreter,
+            its site-packages, system libraries, the sandbox's copy of the repository and ``sandbox_allow``.
+            ``"all"`` widens it to every host path except ``repo``, installed copies of its packages and the
             cache: **any other copy of the repository on the machine (another checkout, a DVC cache, a
-            backup) is readable from the sandbox and gives the deleted code away**. ``"allowlist"`` shows
-            the sandbox only the interpreter, its site-packages, system libraries and ``sandbox_allow``.
+            backup) is then readable from the sandbox and gives the deleted code away** — use it only where
+            no such copy exists and the tests need host paths that ``sandbox_allow`` cannot list.
         sandbox_allow: extra host paths visible in ``"allowlist"`` mode (e.g. data the tests read).
     """
 
     name = "feature_deletion"
+    task_fields = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")
 
     def __init__(
         self,
@@ -395,7 +400,7 @@ class FeatureDeletionEnv(Env):
         cache_path: str | os.PathLike[str] | None = None,
         max_turns: int = 1,
         progress: bool = True,
-        sandbox_expose: Literal["all", "allowlist"] = "all",
+        sandbox_expose: Literal["all", "allowlist"] = "allowlist",
         sandbox_allow: Sequence[str] = (),
         **kwargs: Any,
     ) -> None:

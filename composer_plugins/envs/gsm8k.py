@@ -157,6 +157,7 @@ class GSM8KEnv(Env):
     """
 
     name = "gsm8k"
+    task_fields = (("answer", "solution"),)
 
     def __init__(
         self,

@@ -22,6 +22,12 @@ key                       shape       meaning
                                       rank's mean is rescaled to its share of the union-batch mean
 ``global_step``           int         optional (TAID): optimizer step for the linear target
 ``total_steps``           int         optional (TAID): total optimizer steps (else the channel's)
+``logprobs``              (B, T)      ``is_clip`` only: the current policy's log-probs of the sampled
+                                      tokens (all rows; ``hint_rows`` picks the hinted ones)
+``inference_logprobs``    (B, T)      ``is_clip`` only: the behaviour policy's log-probs (the sampler's;
+                                      else ``old_logprobs``; neither: on-policy, ratio 1)
+``hint_rows``             (R,)        rows of ``logprobs`` that ``hint_mask``'s rows belong to (absent:
+                                      ``hint_mask`` covers every row of ``logprobs``)
 ========================  ==========  =================================================================
 
 When both hidden states and logits are present, the chunked hidden-state path is used.
@@ -37,13 +43,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from composer_plugins.losses._kernels import STAT_NAMES, Kernel, make_kernel
+from composer_plugins.kernels.chunked import chunked_distill
+from composer_plugins.kernels.divergences import STAT_NAMES, Kernel, make_kernel, with_topk
 from composer_plugins.losses.base import LossChannel
-from composer_plugins.losses.chunked import chunked_distill
 from composer_plugins.losses.taid import TAIDScheduler
 
 CRITERIA: tuple[str, ...] = ("jsd", "taid", "entropy_opd")
 KERNELS: tuple[str, ...] = ("auto", "torch", "liger")
+#: Whose weights run the teacher forward: the live policy, or its exponential moving average.
+TEACHERS: tuple[str, ...] = ("live", "ema")
 
 
 def liger_available() -> bool:
@@ -66,6 +74,14 @@ class HintDistillChannel(LossChannel):
     * ``entropy_opd``: reverse KL + ``fkl_weight``·forward KL where the teacher's entropy exceeds
       ``entropy_threshold`` (optionally over the teacher's ``top_k``).
 
+    With ``topk: K`` every criterion is evaluated on ``K + 1``-way distributions instead of the
+    vocabulary (SDPO's top-k distillation, Hübotter et al. 2026): per token, the student's ``K``
+    most likely tokens with each side's own probabilities of them, plus one tail bucket holding the
+    rest of each side's mass (:class:`~composer_plugins.kernels.divergences.TopKTailKernel`). With
+    ``is_clip: c`` each hinted token's divergence is weighted by the detached importance ratio
+    ``min(exp(logp_current - logp_behaviour), c)`` of the sampled token (SDPO's ``is_clip``), for
+    rollouts optimised off-policy; on-policy the ratio is 1.
+
     Args:
         weight: channel weight.
         criterion: ``jsd``, ``taid`` or ``entropy_opd``.
@@ -74,12 +90,26 @@ class HintDistillChannel(LossChannel):
         t_start, t_end, alpha, taid_beta, adaptive, total_steps: TAID schedule (upstream defaults).
         auto_step: step the TAID schedule in ``forward`` while ``training``; set False to call
             ``channel.scheduler.step(loss, global_step, total_steps)`` yourself.
-        entropy_threshold, fkl_weight, top_k: entropy-aware OPD parameters.
+        entropy_threshold, fkl_weight, top_k: entropy-aware OPD parameters (``top_k``: the teacher's
+            top-k of the forward-KL term, not the ``topk`` below).
+        topk: ``K`` for top-k distillation with a tail bucket (None: the full vocabulary). The top-k
+            ids are the student's (as SDPO); the teacher is gathered at them. ``jsd``: the generalised
+            JSD of the two ``K+1``-way distributions; ``taid``: TAID's target and cross-entropy on
+            them (target ``∝ p_s^(1-t) p_t^t`` over the buckets); ``entropy_opd``: reverse KL, forward
+            KL and the teacher's entropy (the gate) all over the buckets. Taken per chunk from the
+            chunk's logits (extra memory ``(chunk, K+1)``); the Liger path is not used with ``topk``.
+        is_clip: cap of the distillation importance ratio (None: off). Needs ``logprobs`` and, for
+            off-policy rows, ``inference_logprobs`` or ``old_logprobs``.
         grad_mode: hidden-state path only. ``"precompute"`` (default): the chunked pass forms the
             gradients during the forward (backward only scales them; no logits recomputed — faster
             than the materialised path, one backward pass per forward); ``"recompute"``: backward
             recomputes each chunk's logits (supports repeated backward, costs two extra matmuls per
             chunk). Both keep peak memory at ``O(chunk_size × V)`` and give identical gradients.
+        teacher: whose weights score the hinted context (read by the training loop, not by the loss):
+            ``"live"`` (default) the current policy; ``"ema"`` a frozen exponential moving average of
+            the policy's weights, updated after each optimizer step (SDPO's teacher).
+        ema_rate: with ``teacher="ema"``, the update ``teacher ← (1 − ema_rate)·teacher +
+            ema_rate·student`` after each optimizer step; in (0, 1] (1.0 = the policy of the last step).
         kernels: hidden-state path only. ``"auto"`` (default): Liger-Kernel's fused linear JSD when the
             criterion is ``jsd``, the hidden states are on CUDA and the ``liger`` extra is installed,
             else the project's chunked kernels; ``"liger"``: always Liger (``jsd`` only; eager on CPU,
@@ -113,9 +143,17 @@ class HintDistillChannel(LossChannel):
         top_k: int | None = None,
         grad_mode: str = "precompute",
         kernels: str = "auto",
+        teacher: str = "live",
+        ema_rate: float = 0.05,
+        topk: int | None = None,
+        is_clip: float | None = None,
         name: str | None = None,
         label: str | None = None,
     ) -> None:
+        if teacher not in TEACHERS:
+            raise ValueError(f"unknown hint_distill teacher {teacher!r}; valid: {', '.join(TEACHERS)}")
+        if isinstance(ema_rate, bool) or not isinstance(ema_rate, int | float) or not 0.0 < ema_rate <= 1.0:
+            raise ValueError(f"ema_rate must be a number in (0, 1], got {ema_rate!r} (SDPO's is 0.05)")
         if kernels not in KERNELS:
             raise ValueError(f"unknown hint_distill kernels {kernels!r}; valid: {', '.join(KERNELS)}")
         if kernels == "liger":
@@ -140,6 +178,17 @@ class HintDistillChannel(LossChannel):
             raise ValueError(f"chunk_size must be >= 1 (or null: chosen from the vocabulary), got {chunk_size}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+            raise ValueError(
+                f"topk must be an integer >= 1 (e.g. 100, as SDPO) or null for the full vocabulary, got {topk!r}"
+            )
+        if is_clip is not None and not float(is_clip) > 0:
+            raise ValueError(f"is_clip must be > 0 (e.g. 2, as SDPO) or null to switch it off, got {is_clip!r}")
+        if kernels == "liger" and topk is not None:
+            raise ValueError(
+                "hint_distill kernels='liger' computes the full-vocabulary jsd; topk needs the project's "
+                "kernels: use kernels: auto or torch"
+            )
         super().__init__(weight=weight, name=label or name or "hint_distill")
         self.criterion = criterion
         self.beta = float(beta)
@@ -151,6 +200,10 @@ class HintDistillChannel(LossChannel):
         self.top_k = top_k
         self.grad_mode = grad_mode
         self.kernels = kernels
+        self.teacher = teacher
+        self.ema_rate = float(ema_rate)
+        self.topk = topk
+        self.is_clip = None if is_clip is None else float(is_clip)
         self.scheduler: TAIDScheduler | None = None
         if criterion == "taid":
             self.scheduler = TAIDScheduler(
@@ -158,19 +211,67 @@ class HintDistillChannel(LossChannel):
             )
 
     def kernel(self) -> Kernel:
-        """The per-token divergence at the current state (TAID: the current ``t``)."""
+        """The per-token divergence at the current state (TAID: the current ``t``), top-k wrapped with ``topk``."""
+        # with topk the wrapper applies the temperature to the vocabulary logits before the top-k
+        tau = 1.0 if self.topk is not None else self.temperature
         if self.criterion == "jsd":
-            return make_kernel("jsd", beta=self.beta, temperature=self.temperature)
-        if self.criterion == "taid":
+            base = make_kernel("jsd", beta=self.beta, temperature=tau)
+        elif self.criterion == "taid":
             assert self.scheduler is not None
-            return make_kernel("taid", t=self.scheduler.value)
-        return make_kernel(
-            "entropy_opd",
-            entropy_threshold=self.entropy_threshold,
-            fkl_weight=self.fkl_weight,
-            top_k=self.top_k,
-            temperature=self.temperature,
-        )
+            return with_topk(make_kernel("taid", t=self.scheduler.value), self.topk)
+        else:
+            base = make_kernel(
+                "entropy_opd",
+                entropy_threshold=self.entropy_threshold,
+                fkl_weight=self.fkl_weight,
+                top_k=self.top_k,
+                temperature=tau,
+            )
+        return with_topk(base, self.topk, self.temperature)
+
+    def importance_weights(self, mask: Tensor, model_outputs: Mapping[str, Any],
+                           batch: Mapping[str, Any]) -> tuple[Tensor | None, dict[str, Any]]:  # fmt: skip
+        """SDPO's distillation IS weight on the hinted tokens: ``min(exp(clamp(lp - lp_old, ±20)), is_clip)``, detached.
+
+        ``lp`` is ``logprobs`` (the current policy on the sampled tokens), ``lp_old`` the behaviour
+        policy's: ``inference_logprobs`` (the sampler's, e.g. an inference server's), else
+        ``old_logprobs`` (kept from rollout time when ``num_iterations > 1``), else ``lp`` itself
+        (on-policy: weight 1). ``(None, {})`` when ``is_clip`` is off.
+        """
+        if self.is_clip is None:
+            return None, {}
+        g = self.get
+        lp = g("logprobs", model_outputs, batch)
+        if lp is None:
+            raise ValueError(
+                f"hint_distill is_clip={self.is_clip} needs the current policy's per-token 'logprobs' of the "
+                "sampled tokens in the model outputs (this backend provides none); set is_clip: null"
+            )
+        old = g("inference_logprobs", model_outputs, batch)
+        if old is None:
+            old = g("old_logprobs", model_outputs, batch)
+        rows = g("hint_rows", model_outputs, batch)
+        lp = lp.detach()
+        old = lp if old is None else old.detach()
+        if rows is not None:
+            rows = torch.as_tensor(rows, device=lp.device, dtype=torch.long)
+            lp, old = lp.index_select(0, rows), old.index_select(0, rows)
+        if tuple(lp.shape) != tuple(mask.shape) or tuple(old.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"hint_distill is_clip: logprobs {tuple(lp.shape)} and behaviour log-probs {tuple(old.shape)} "
+                f"(after hint_rows) must match hint_mask {tuple(mask.shape)}"
+            )
+        dt = torch.promote_types(lp.dtype, torch.float32)
+        ratio = torch.exp((lp.to(dt) - old.to(dt)).clamp(min=-20.0, max=20.0))
+        w = ratio.clamp(max=self.is_clip)
+        m = mask.float()
+        n = m.sum().clamp(min=1.0)
+        metrics = {
+            "is_ratio": (ratio * m).sum() / n,
+            "is_weight": (w * m).sum() / n,
+            "is_clipped": ((ratio > self.is_clip).float() * m).sum() / n,
+        }
+        return w, metrics
 
     def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
@@ -183,13 +284,18 @@ class HintDistillChannel(LossChannel):
         n_tokens = mask.sum()
         metrics: dict[str, Any] = {"tokens": n_tokens.detach()}
         if self.criterion == "taid":
-            metrics["taid_t"] = kernel.t  # type: ignore[attr-defined]
-        if s_hidden is not None and t_hidden is not None and weight is not None and self._use_liger(s_hidden):
+            assert self.scheduler is not None
+            metrics["taid_t"] = self.scheduler.value
+        tok_w, is_metrics = self.importance_weights(mask, model_outputs, batch)
+        metrics.update(is_metrics)
+        uniform = tok_w is None or bool((tok_w[mask] == 1).all())
+        hidden_path = s_hidden is not None and t_hidden is not None and weight is not None
+        if hidden_path and uniform and self._use_liger(s_hidden):
             metrics["chunked"] = 1.0
             metrics["liger"] = 1.0
             loss = self._liger_jsd(s_hidden, t_hidden, weight, mask, g("teacher_lm_head_weight", model_outputs, batch))
             stats = None
-        elif s_hidden is not None and t_hidden is not None and weight is not None:
+        elif hidden_path:
             metrics["chunked"] = 1.0
             res = chunked_distill(
                 s_hidden,
@@ -202,6 +308,7 @@ class HintDistillChannel(LossChannel):
                 reduction="batchmean",
                 return_stats=want_stats,
                 grad_mode=self.grad_mode,
+                token_weight=None if uniform else tok_w,
             )
             loss, stats = res if isinstance(res, tuple) else (res, None)
         else:
@@ -216,6 +323,9 @@ class HintDistillChannel(LossChannel):
             zs = s_logits[mask]
             zt = t_logits.detach()[mask]
             per_token = kernel.value(zs, zt)
+            if not uniform:
+                assert tok_w is not None
+                per_token = per_token * tok_w[mask].to(per_token.dtype)
             loss = per_token.sum() / max(per_token.shape[0], 1)
             stats = None
             if want_stats:
@@ -243,7 +353,7 @@ class HintDistillChannel(LossChannel):
         return loss, metrics
 
     def _use_liger(self, hidden: Tensor) -> bool:
-        if self.criterion != "jsd" or self.kernels == "torch":
+        if self.criterion != "jsd" or self.kernels == "torch" or self.topk is not None:
             return False
         if self.kernels == "liger":
             return True
@@ -277,7 +387,9 @@ class HintDistillChannel(LossChannel):
         return fn(s_rows, weight, t_rows, tw, labels)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, criterion={self.criterion!r}"
+        extra = "" if self.topk is None else f", topk={self.topk}"
+        extra += "" if self.is_clip is None else f", is_clip={self.is_clip}"
+        return f"{super().extra_repr()}, criterion={self.criterion!r}, teacher={self.teacher!r}{extra}"
 
 
 def _as_int(v: Any) -> int | None:

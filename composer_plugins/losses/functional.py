@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from composer_plugins.losses._kernels import EntropyOPDKernel, JSDKernel, TAIDKernel
-from composer_plugins.losses.chunked import (
+from composer_plugins.kernels.chunked import (
     DEFAULT_CHUNK_SIZE,
     chunked_distill,
     chunked_entropy_aware_opd,
@@ -39,6 +38,7 @@ from composer_plugins.losses.chunked import (
     chunked_logprobs,
     chunked_taid_loss,
 )
+from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, TAIDKernel
 from composer_plugins.losses.taid import TAIDScheduler
 
 __all__ = [

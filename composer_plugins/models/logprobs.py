@@ -5,7 +5,7 @@ Two paths:
 * **hidden states** (what training uses): :func:`completion_hidden` runs the model's decoder
   body (no LM head) micro-batch by micro-batch and returns the final hidden states that predict
   each completion token; :func:`completion_logprobs` turns them into log-probs through the LM head
-  chunk by chunk (:func:`~composer_plugins.losses.chunked.chunked_logprobs`). No tensor of
+  chunk by chunk (:func:`~composer_plugins.kernels.chunked.chunked_logprobs`). No tensor of
   ``rows × tokens × vocab`` elements exists on this path; with gradients on and more than one
   micro-batch, each micro-batch's body runs under activation checkpointing, so only one
   micro-batch's activations are alive in backward.
@@ -213,7 +213,7 @@ def completion_logprobs(
     respect to every parameter) when gradients are enabled; ``return_hidden`` also returns the
     ``(N, C, H)`` hidden states they came from (e.g. for a distillation channel on the same rows).
     """
-    from composer_plugins.losses.chunked import chunked_logprobs
+    from composer_plugins.kernels.chunked import chunked_logprobs
 
     hidden = completion_hidden(
         model,

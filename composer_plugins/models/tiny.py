@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from composer_plugins.core.errors import ComposerPluginsError
+
 #: Bump when the way artifacts are built changes, so stale caches are not reused.
 CACHE_VERSION = 2
 
@@ -133,11 +135,30 @@ def tiny_model_dir(
     return build_cached(target, lambda tmp: build_tiny_model(cfg, corpus_fn(), tmp), meta=payload)
 
 
+class PolicyLoadError(ComposerPluginsError, OSError):
+    """A policy that ``from_pretrained`` could not load (not cached and the hub unreachable, no such repo ...).
+
+    ``name_or_path`` is what was asked for, ``problem`` the reason and the ways out (without a location:
+    the caller that knows which config key gave the name locates it).
+    """
+
+    def __init__(self, name_or_path: str, reason: str) -> None:
+        self.name_or_path = name_or_path
+        first = next((ln.strip() for ln in reason.splitlines() if ln.strip()), reason)
+        self.problem = (
+            f"cannot load {name_or_path!r}: {first} — give a local directory written by save_pretrained, a hub id "
+            "that is in the Hugging Face cache (HF_HOME; with HF_HUB_OFFLINE=1 nothing is downloaded), check the "
+            "network (and HF_TOKEN for a gated model), or use 'tiny' for the embedded model."
+        )
+        super().__init__(self.problem)
+
+
 def load_policy(name_or_path: str | os.PathLike[str], dtype: str = "float32", **kwargs: Any) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` with ``from_pretrained`` from a hub id or a local directory.
 
     The tokenizer is set up for batched generation: left padding, and a pad token (the
-    EOS token when the checkpoint defines none).
+    EOS token when the checkpoint defines none). A checkpoint that cannot be found or fetched
+    raises :class:`PolicyLoadError` (the hub's reason and the ways out, no traceback at the CLI).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,11 +166,14 @@ def load_policy(name_or_path: str | os.PathLike[str], dtype: str = "float32", **
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    tok = AutoTokenizer.from_pretrained(str(name_or_path))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch_dtype, **kwargs)
+    except OSError as e:  # transformers' "couldn't connect ... and couldn't find them in the cached files"
+        raise PolicyLoadError(str(name_or_path), str(e)) from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch_dtype, **kwargs)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok

@@ -736,7 +736,7 @@ def _r(v: Any) -> Any:
 #: channel's ``loss`` and ``pairs`` (a third-party channel's columns match the same patterns).
 CURVE_PATTERNS: tuple[str, ...] = (
     "train/reward", "train/loss", "train/accuracy", "train/groups_with_signal", "train/hint/rows",
-    "train/*/loss", "train/*/pairs",
+    "train/hint/fraction", "train/hint/teacher_margin", "train/*/loss", "train/*/pairs",
 )  # fmt: skip
 
 

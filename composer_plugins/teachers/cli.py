@@ -61,6 +61,17 @@ def run_cmd(config_path: str, overrides: tuple[str, ...], set_overrides: tuple[s
         click.echo(json.dumps(summary, sort_keys=True))
     else:
         _print_summary(summary)
+    if summary.get("skipped"):
+        sk = summary["skipped"]
+        more = (
+            f" and {sk['no_student_step'] - len(sk['where'])} more" if sk["no_student_step"] > len(sk["where"]) else ""
+        )
+        click.secho(
+            f"warning: {sk['no_student_step']} conversation(s) hold no student step (an assistant message after "
+            f"an earlier message) and were skipped: {', '.join(sk['where'])}{more}",
+            err=True,
+            fg="yellow",
+        )
     if not summary.get("ok", True):
         f = summary["failures"]
         click.secho(

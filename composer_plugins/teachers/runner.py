@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from composer_plugins.core.config import Config, build_component, from_dict, load_config, redact
-from composer_plugins.core.errors import UnknownPluginError
+from composer_plugins.core.errors import ConfigError, UnknownPluginError
 from composer_plugins.teachers.base import Teacher, TeacherError
 from composer_plugins.teachers.engine import ReplayEngine, ReplayResult, RetryPolicy, responses_table
 
@@ -238,7 +238,10 @@ def run_replay(
     from composer_plugins.teachers.traces import load_traces
 
     cfg = cfg if cfg is not None else Config()
-    states = load_traces(rc.traces, limit=rc.limit)
+    skipped: list[tuple[str, int | None]] = []
+    states = load_traces(rc.traces, limit=rc.limit, skipped=skipped)
+    if skipped and not states:
+        raise no_student_step(rc, cfg, skipped)
     teachers = teachers if teachers is not None else build_teachers(rc.teachers, cfg)
     run_id = rc.run_id or default_run_id(rc)
     cache = ReplayCache(rc.cache.path, rc.cache.synchronous) if rc.cache.enabled else None
@@ -273,11 +276,43 @@ def run_replay(
     if rc.output.responses:
         atomic_write_jsonl(rc.output.responses, responses_table(result))
     summary = build_summary(rc, run_id, len(states), result, pstats.to_dict(), norm, teachers)
+    if skipped:  # some conversations are usable: the run goes on, and says how many were not
+        summary["skipped"] = {"no_student_step": len(skipped), "where": [_at(f, n) for f, n in skipped[:10]]}
     if rc.output.summary:
         import json
 
         atomic_write_text(rc.output.summary, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
+
+
+def _at(file: str, line: int | None) -> str:
+    return f"{file}:{line}" if line else file
+
+
+def _trace_key(rc: ReplayConfig, file: str) -> str:
+    """``traces.<i>``: the config entry that names ``file`` (itself, or the directory holding it)."""
+    f = Path(file).resolve()
+    for i, t in enumerate(rc.traces):
+        p = Path(t["path"] if isinstance(t, dict) else t).resolve()
+        if p == f or p == f.parent:
+            return f"traces.{i}"
+    return "traces"
+
+
+def no_student_step(rc: ReplayConfig, cfg: Config, skipped: list[tuple[str, int | None]]) -> ConfigError:
+    """The error of a replay whose traces hold no student step at all, located at the first such conversation."""
+    file, line = skipped[0]
+    key = _trace_key(rc, file)
+    ov = cfg.override_of(key)
+    where = f"command-line override {ov!r}" if ov else (f"{cfg.source}:{cfg.line_of(key)}" if cfg.source else "")
+    shown = ", ".join(_at(f, n) for f, n in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+    return ConfigError(
+        f"no conversation holds a student step (an assistant message after at least one earlier message), so "
+        f"there is nothing to replay: {shown} — record traces with `composer-plugins replay record`, add the "
+        f"student's assistant turns to these lines, or point {key}{f' ({where})' if where else ''} at a file "
+        "of student traces.",
+        key=key, file=file, line=line,
+    )  # fmt: skip
 
 
 def build_summary(

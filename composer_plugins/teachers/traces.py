@@ -145,8 +145,16 @@ def _check_message(path: Path, lineno: int, j: int, m: Any) -> None:
             raise TraceFormatError(path, lineno, f"messages[{j}].tool_calls[{t}] needs function.name (OpenAI shape)")
 
 
-def load_openai_jsonl(path: str | os.PathLike[str]) -> list[TraceState]:
-    """States from an OpenAI-messages JSONL file (one conversation per line)."""
+#: ``(file, line)`` of a conversation that held no student step (``line`` is ``None`` for a whole session file).
+Skipped = list[tuple[str, "int | None"]]
+
+
+def load_openai_jsonl(path: str | os.PathLike[str], skipped: Skipped | None = None) -> list[TraceState]:
+    """States from an OpenAI-messages JSONL file (one conversation per line).
+
+    A conversation without a student step (no assistant message after the first message) gives no
+    state; its ``(file, line)`` is appended to ``skipped`` when given.
+    """
     p = Path(path)
     states: list[TraceState] = []
     for lineno, obj in _iter_json_lines(p):
@@ -181,6 +189,8 @@ def load_openai_jsonl(path: str | os.PathLike[str]) -> list[TraceState]:
                 )
             )
             step += 1
+        if step == 0 and skipped is not None:
+            skipped.append((str(p), lineno))
     return states
 
 
@@ -287,8 +297,8 @@ def _user_messages(path: Path, lineno: int, content: Any) -> list[Message]:
     return out
 
 
-def load_claude_code_jsonl(path: str | os.PathLike[str]) -> list[TraceState]:
-    """States from a Claude Code session log (one event per line)."""
+def load_claude_code_jsonl(path: str | os.PathLike[str], skipped: Skipped | None = None) -> list[TraceState]:
+    """States from a Claude Code session log (one event per line); a log with none is appended to ``skipped``."""
     p = Path(path)
     history: list[Message] = []
     states: list[TraceState] = []
@@ -343,6 +353,8 @@ def load_claude_code_jsonl(path: str | os.PathLike[str]) -> list[TraceState]:
             close()
             history.extend(_user_messages(p, lineno, msg["content"]))
     close()
+    if not states and skipped is not None:
+        skipped.append((str(p), None))
     return states
 
 
@@ -353,10 +365,12 @@ def load_traces(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str] | Mapping[str, Any]],
     format: TraceFormat = "auto",
     limit: int | None = None,
+    skipped: Skipped | None = None,
 ) -> list[TraceState]:
     """All states of ``paths`` (files, directories of ``*.jsonl``, or ``{"path":, "format":}`` entries).
 
-    State ids must be unique across files; a duplicate raises, naming both places.
+    State ids must be unique across files; a duplicate raises, naming both places. Conversations that
+    hold no student step are appended to ``skipped`` as ``(file, line)`` when it is given.
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
@@ -375,9 +389,9 @@ def load_traces(
     for p, fmt in entries:
         f = detect_format(p) if fmt == "auto" else fmt
         if f == "openai":
-            states = load_openai_jsonl(p)
+            states = load_openai_jsonl(p, skipped)
         elif f == "claude_code":
-            states = load_claude_code_jsonl(p)
+            states = load_claude_code_jsonl(p, skipped)
         else:
             raise TraceFormatError(p, None, f"unknown trace format {fmt!r}; use auto, openai or claude_code")
         for s in states:

@@ -14,6 +14,9 @@ own tests run the same checks over every registered entry. ``fresh_pm`` (a plugi
 built-in plugins only) is a pytest fixture: ``from composer_plugins.testing import fresh_pm`` in a
 ``conftest.py`` makes it available.
 
+Test doubles live here too: :mod:`composer_plugins.testing.loopback_server` (a real HTTP inference server
+over HF ``generate`` for the ``server`` rollout generator, in its own process).
+
 Imports point down only: ``core`` and the kinds it checks (losses, envs, teachers, backends, and the
 training stack's optimizers and callbacks).
 """

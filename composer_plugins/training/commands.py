@@ -7,8 +7,9 @@ Heavy imports (torch, lightning, transformers) happen only when a command runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -46,6 +47,19 @@ def _load(config_path: str | None, section: str | None, overrides: tuple[str, ..
     return load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
 
 
+@contextlib.contextmanager
+def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
+    """A ``model.name_or_path`` the loader could not load, reported at that key (file:line or override)."""
+    from composer_plugins.models.tiny import PolicyLoadError
+
+    try:
+        yield
+    except PolicyLoadError as e:
+        if e.name_or_path != str(cfg.model.name_or_path):
+            raise
+        raise src.error("model.name_or_path", e.problem) from e
+
+
 @click.command(name="train")
 @_config_options
 @click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
@@ -62,7 +76,10 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
-    res = run_train(cfg, src, resume=resume)
+    with _located_policy(cfg, src):
+        res = run_train(cfg, src, resume=resume)
+    if not res.is_global_zero:  # trainer.devices > 1: every rank runs this command; rank 0 reports
+        return
     click.echo(json.dumps(res.metrics, indent=2, sort_keys=True))
     click.echo(f"model: {res.model_dir}")
     if res.run_id:
@@ -81,7 +98,9 @@ def sft_cmd(config_path: str | None, section: str | None, print_config: bool, ov
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
-    click.echo(f"model: {run_sft(cfg, src)}")
+    with _located_policy(cfg, src):
+        model = run_sft(cfg, src)
+    click.echo(f"model: {model}")
 
 
 @click.command(name="eval")
@@ -106,7 +125,8 @@ def eval_cmd(
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
-    metrics = run_eval(cfg, src, checkpoint=checkpoint, output=output)
+    with _located_policy(cfg, src):
+        metrics = run_eval(cfg, src, checkpoint=checkpoint, output=output)
     click.echo(json.dumps(metrics, indent=2, sort_keys=True))
 
 

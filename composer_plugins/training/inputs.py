@@ -10,8 +10,9 @@ of reaching ``transformers`` as a malformed hub id.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError, closest
@@ -20,7 +21,7 @@ from composer_plugins.core.io import iter_jsonl
 if TYPE_CHECKING:
     from composer_plugins.training.train import TrainConfig
 
-__all__ = ["check_data_file", "check_inputs", "check_model_path"]
+__all__ = ["check_data_file", "check_hub_id", "check_inputs", "check_model_path", "env_task_fields"]
 
 #: Fields a task row may carry its prompt in (as :func:`composer_plugins.training.module.task_prompt` reads).
 TASK_PROMPT_KEYS = ("prompt", "question")
@@ -37,8 +38,13 @@ def _set_at(src: Config, key: str) -> str:
     return "the config"
 
 
-def check_data_file(path: str, src: Config, key: str, kind: str = "tasks") -> int:
-    """Read the JSONL file at ``path`` (``kind``: ``tasks`` or ``pairs``); return its row count, or raise."""
+def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", fields: Sequence[TaskField] = ()) -> int:
+    """Read the JSONL file at ``path`` (``kind``: ``tasks`` or ``pairs``); return its row count, or raise.
+
+    ``fields`` (:data:`TaskField`) are what every task row must carry besides the prompt (a tuple field
+    means one of its names, as ``Env.task_fields``); a row without one is refused naming the file, the
+    line and the field, once the whole file has parsed (the first of ``fields`` some row lacks, at its first such row).
+    """
     where = _set_at(src, key)
     example = ('{"prompt": "...", "answer": "..."}' if kind == "tasks"
                else '{"prompt": "...", "chosen": "...", "rejected": "..."}')  # fmt: skip
@@ -56,6 +62,7 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks") -> in
                            f"({where}) at another file.", key=key, file=file, line=line)  # fmt: skip
 
     n = 0
+    first_missing: dict[int, ConfigError] = {}
     for lineno, row in iter_jsonl(p, path, error=error):
         n += 1
         if kind == "tasks":
@@ -67,6 +74,11 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks") -> in
                     f"missing — every task of {key} needs a \"prompt\" (or \"question\") field; this line has "
                     f"{keys}.{sugg}", key="prompt", file=path, line=lineno,
                 )  # fmt: skip
+            for i, need in enumerate(fields):
+                if i not in first_missing:
+                    err = _missing_field(row, need, path, lineno, key)
+                    if err is not None:
+                        first_missing[i] = err
         else:
             missing = [k for k in PAIR_KEYS if k not in row]
             if missing:
@@ -77,10 +89,55 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks") -> in
                     f"missing — every pair of {key} needs prompt, chosen and rejected; this line has "
                     f"{keys}.{sugg}", key=", ".join(missing), file=path, line=lineno,
                 )  # fmt: skip
+    if first_missing:
+        raise first_missing[min(first_missing)]
     if n == 0:
         raise ConfigError(f"holds no {kind} (the file is empty) — add one {example} object per line, or unset "
                           f"{key} ({where}).", key=key, file=path)  # fmt: skip
     return n
+
+
+#: ``(field or (one of fields), what reads it, how to fix a row without it)``.
+TaskField = tuple[str | tuple[str, ...], str, str]
+
+
+def _missing_field(row: Mapping[str, Any], need: TaskField, path: str, lineno: int, key: str) -> ConfigError | None:
+    """The error for a task row without ``need`` (``file:line: field: missing — fix``), or ``None``."""
+    field, why, fix = need
+    names = (field,) if isinstance(field, str) else tuple(field)
+    if any(n in row for n in names):
+        return None
+    keys = sorted(map(str, row))
+    near = [c for k in keys for c in closest(k, names)]
+    sugg = f" Did you mean: {near[0]!r}?" if near else ""
+    spelled = " or ".join(f'"{n}"' for n in names)
+    return ConfigError(f"missing — every task of {key} needs {spelled} for {why}; this line has {keys} — {fix}.{sugg}",
+                       key=names[0], file=path, line=lineno)  # fmt: skip
+
+
+def env_task_fields(cfg: TrainConfig, src: Config) -> tuple[tuple[str | tuple[str, ...], ...], str]:
+    """``(Env.task_fields, "env 'name'")`` of the env ``cfg.env`` names, without building it.
+
+    An env that cannot be resolved here gives no fields: building it reports that problem, located.
+    """
+    from composer_plugins.core.config import component_spec
+    from composer_plugins.core.errors import ComposerPluginsError
+    from composer_plugins.core.plugins import get_registry
+
+    try:
+        target, _ = component_spec(cfg.env, "env", src)
+        if target.startswith("class_path:"):
+            import importlib
+
+            mod, _, attr = target.split(":", 1)[1].rpartition(".")
+            factory = getattr(importlib.import_module(mod), attr)
+            label = f"env {attr!r}"
+        else:
+            factory = get_registry().get("envs", target).factory
+            label = f"env {target!r}"
+    except (ComposerPluginsError, ImportError, AttributeError, ValueError):
+        return (), "the env"
+    return tuple(getattr(factory, "task_fields", ()) or ()), label
 
 
 def _looks_local(name: str) -> bool:
@@ -91,9 +148,52 @@ def _looks_local(name: str) -> bool:
     )  # fmt: skip
 
 
+#: The ways out of a hub id that cannot be loaded, for every message that refuses one.
+HUB_WAYS_OUT = (
+    "give a local directory written by save_pretrained, download the model once where the hub is reachable "
+    "(`hf download {name}`) into the Hugging Face cache (or point HF_HOME at a cache that holds it), or "
+    "'tiny' for the embedded model"
+)
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    check = getattr(constants, "is_offline_mode", None)
+    on = check() if callable(check) else bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    return on or os.environ.get("TRANSFORMERS_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def check_hub_id(name: str, src: Config, key: str) -> None:
+    """Offline (``HF_HUB_OFFLINE``), a hub id must be in the Hugging Face cache: refuse it now if it is not.
+
+    Online, the loader downloads it; if the hub cannot be reached then, the loader's error names the
+    id and these same ways out (:class:`composer_plugins.models.tiny.PolicyLoadError`).
+    """
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return
+    if not _offline():
+        return
+    try:
+        hit = try_to_load_from_cache(name, "config.json")
+    except Exception:  # not a valid repo id: the loader says why
+        return
+    if isinstance(hit, str):
+        return
+    ways = HUB_WAYS_OUT.format(name=name)
+    raise src.error(key, f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+                         f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
+                         "to download it now.")  # fmt: skip
+
+
 def check_model_path(name: str, src: Config, key: str) -> None:
-    """A local ``model.name_or_path`` must be a directory that exists (hub ids are left to the loader)."""
-    if name == "tiny" or not _looks_local(name):
+    """A local ``model.name_or_path`` must be a directory that exists; a hub id must be loadable offline."""
+    if name == "tiny":
+        return
+    if not _looks_local(name):
+        check_hub_id(name, src, key)
         return
     p = Path(name).expanduser()
     if not p.exists():
@@ -106,8 +206,19 @@ def check_model_path(name: str, src: Config, key: str) -> None:
 def check_inputs(cfg: TrainConfig, src: Config, pre: str = "") -> None:
     """Every path of ``cfg`` that the run will read, checked now."""
     check_model_path(str(cfg.model.name_or_path), src, pre + "model.name_or_path")
-    for key, value in (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path)):
+    paths = (("data.train_path", cfg.data.train_path), ("data.test_path", cfg.data.test_path))
+    env_fields, env = env_task_fields(cfg, src) if any(v for _, v in paths) else ((), "the env")
+    fix = "add it to this line, or set env to the env these tasks are for"
+    reward: list[TaskField] = [(f, f"the reward of {env}", fix) for f in env_fields]
+    for key, value in paths:
         if value:
-            check_data_file(str(value), src, pre + key, "tasks")
+            fields = list(reward)
+            if key == "data.train_path" and cfg.sft.enabled:
+                at = _set_at(src, pre + "sft.enabled") if src.line_of(pre + "sft.enabled") or src.override_of(
+                    pre + "sft.enabled") else "the default"  # fmt: skip
+                fields.append((("target", "solution"), f"the SFT warm start (sft.enabled is on: {at})",
+                               "add a worked solution to this line, or set sft.enabled: false and start from an "
+                               "already fine-tuned model.name_or_path"))  # fmt: skip
+            check_data_file(str(value), src, pre + key, "tasks", fields)
     if cfg.replay.pairs_path:
         check_data_file(str(cfg.replay.pairs_path), src, pre + "replay.pairs_path", "pairs")

@@ -33,6 +33,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric, Metric
 
 from composer_plugins.core.steps import step_result
+from composer_plugins.losses.functional import chunked_logprobs
 from composer_plugins.models.generation import Rollout, generate_completions, left_pad, tokenize_prompts
 from composer_plugins.models.logprobs import (
     completion_hidden,
@@ -339,7 +340,7 @@ class SFTModule(L.LightningModule):
 
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
         """Token-mean cross-entropy over the labelled tokens, chunked through the LM head from hidden states."""
-        from composer_plugins.losses.chunked import chunked_logprobs
+        from composer_plugins.losses.functional import chunked_logprobs
 
         body = decoder_body(self.policy)
         hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
@@ -493,6 +494,17 @@ class ComposerModule(L.LightningModule):
             for group in getattr(c, "input_options", ()) or ():
                 self._required.update(group)
         self.needs_teacher = any(getattr(c, "needs_teacher", False) for c in self._live)
+        from composer_plugins.core.config import Config
+        from composer_plugins.training.ema import EMATeacher, teacher_from
+
+        try:
+            teacher, ema_rate = teacher_from(self._live)
+        except ValueError as e:
+            raise (src if src is not None else Config()).error("losses", str(e)) from None
+        #: The frozen EMA copy of the policy that scores the hinted contexts (``losses.<hint>.teacher: ema``),
+        #: a submodule (checkpointed, sharded like the policy); ``None`` when the teacher is the live policy.
+        self.ema_teacher: EMATeacher | None = EMATeacher(self.policy, ema_rate) if teacher == "ema" else None
+        self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         self.needs_ref_tokens = "ref_logprobs" in self._required
         self.needs_pairs = bool(self._required & {"chosen_logps", "rejected_logps", "chosen_avg_logps"})
         self.hint_provider = hint_provider
@@ -924,7 +936,7 @@ class ComposerModule(L.LightningModule):
         distributions the rollout sampled from (``softmax(h W^T / T)``), as the logits path did.
         """
         if not rb.hint_rows or student_hidden is None:
-            return {"hint/rows": 0.0}
+            return {"hint/rows": 0.0, "hint/fraction": 0.0, **_margin_stat(0.0, 0.0, batch.get("hint_tokens_in_batch"))}
         ro = rb.rollout
         T = self.cfg.rollout.temperature
         idx = torch.tensor(rb.hint_rows, device=self.device)
@@ -932,23 +944,54 @@ class ComposerModule(L.LightningModule):
         h_ids, h_mask = tokenize_prompts(
             self.tokenizer, rb.hint_contexts, self.cfg.hints.max_context_length, self.device
         )
-        with torch.no_grad():
-            teacher = completion_hidden(
-                self.policy,
-                h_ids,
-                h_mask,
-                ro.completion_ids[idx],
-                ro.completion_mask[idx],
-                completion_attention_mask=None if att is None else att[idx],
-                micro_batch_size=self.micro_batch_size(h_ids, ro.completion_ids),
-            )
+        args = (h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx], None if att is None else att[idx],
+                self.micro_batch_size(h_ids, ro.completion_ids))  # fmt: skip
+        head = lm_head_weight(self.policy)
+        if self.ema_teacher is not None:  # the EMA weights (their own FSDP unit: its forward gathers them)
+            teacher, t_head = self.ema_teacher(*args)
+            outputs["teacher_lm_head_weight"] = t_head
+        else:
+            with torch.no_grad():
+                teacher = completion_hidden(self.policy, *args[:4], completion_attention_mask=args[4],
+                                            micro_batch_size=args[5])  # fmt: skip
+            t_head = head
         scale = 1.0 / T
         outputs["student_hidden"] = student_hidden[idx] * scale if T != 1.0 else student_hidden[idx]
         outputs["teacher_hidden"] = teacher * scale if T != 1.0 else teacher
-        outputs["lm_head_weight"] = lm_head_weight(self.policy)
+        outputs["lm_head_weight"] = head
         batch["hint_mask"] = ro.completion_mask[idx].float()
         batch["hint_rows"] = idx
-        return {"hint/rows": float(len(rb.hint_rows))}
+        stats = {"hint/rows": float(len(rb.hint_rows)), "hint/fraction": len(rb.hint_rows) / ro.completion_ids.shape[0]}
+        mask = ro.completion_mask[idx].bool()
+        with torch.no_grad():  # the precondition: how much likelier the teacher finds the student's tokens
+            t_logps = chunked_logprobs(teacher, t_head, ro.completion_ids[idx], mask=mask, temperature=T,
+                                       chunk_size=self.cfg.compute.chunk_size)  # fmt: skip
+            diff = ((t_logps - outputs["logprobs"][idx].detach()) * mask).sum()
+        stats.update(_margin_stat(float(diff), float(mask.sum()), batch.get("hint_tokens_in_batch")))
+        return stats
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's optimizer step (once per optimizer step, after gradient accumulation), then the EMA update."""
+        super().optimizer_step(*args, **kwargs)
+        self.update_ema_teacher()
+
+    def update_ema_teacher(self) -> None:
+        """``teacher ← (1 − rate)·teacher + rate·policy`` (nothing without an EMA teacher).
+
+        Under FSDP the pairs are the two copies' local shards (the teacher is sharded as the policy);
+        under DDP every rank applies the same update to the same weights.
+        """
+        if self.ema_teacher is None:
+            return
+        from composer_plugins.training.ema import ema_pairs, ema_update
+
+        if self._ema_pairs is None:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            model = getattr(self._trainer.strategy, "model", None) if self._trainer is not None else None
+            holder = model if isinstance(model, FSDP) else self
+            self._ema_pairs = ema_pairs(holder, "ema_teacher.policy", "policy")
+        ema_update(self._ema_pairs, self.ema_teacher.rate)
 
     def _pair_inputs(self, seed: int, outputs: dict[str, Any], batch: dict[str, Any]) -> None:
         """Policy (with grad) and reference (no grad) sequence log-probs of sampled preference pairs."""
@@ -1126,6 +1169,14 @@ class ComposerModule(L.LightningModule):
         self.policy.save_pretrained(p)
         self.tokenizer.save_pretrained(p)
         return p
+
+
+def _margin_stat(diff_sum: float, tokens: float, tokens_in_batch: float | None) -> dict[str, float]:
+    """``hint/teacher_margin``: this rank's sum of teacher − student log-probs over its hinted tokens, as
+    its share of the mean over every rank's hinted tokens (``tokens_in_batch`` = all ranks' ÷ world
+    size, so the ranks' average is the union mean); absent when no rank hinted a token."""
+    n = tokens if tokens_in_batch is None else float(tokens_in_batch)
+    return {"hint/teacher_margin": diff_sum / n} if n > 0 else {}
 
 
 def _right_pad(tokenizer: Any, texts: Sequence[str], max_length: int, device: Any) -> tuple[Tensor, Tensor]:

@@ -383,10 +383,12 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
         raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
     for name, spec in cfg.losses.items():
         channel_spec(name, spec, src, pre)
+    from composer_plugins.core.config import check_component_name
     from composer_plugins.training.callbacks import check_callback_names
     from composer_plugins.training.optim import check_optimizer_name
 
     check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
+    check_component_name("hints", cfg.hints.provider, pre + "hints.provider", src)
     check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
 
 
@@ -616,7 +618,9 @@ def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
                     raise src.error(
                         f"{where}.{k}", f"loss channel {name!r} has no parameter {k!r}.", valid=[*CHANNEL_KEYS, *valid]
                     )
-        out.append(entry.build(weight=weight, name=key, **kw))
+        from composer_plugins.core.config import build_located
+
+        out.append(build_located(entry, {**kw, "weight": weight, "name": key}, where, src))
     return out
 
 
@@ -1090,8 +1094,12 @@ def _fsdp_strategy(cfg: TrainConfig, policy: Any, timeout: Any) -> Any:
 
     if policy is None:
         raise ValueError("trainer.strategy=fsdp needs the policy to find its decoder layers")
+    from composer_plugins.training.ema import EMATeacher
+
     kw: dict[str, Any] = {
-        "auto_wrap_policy": decoder_layer_classes(policy),
+        # the EMA teacher (losses.hint_distill.teacher: ema) is a unit of its own, its layers nested units:
+        # sharded as the policy is, shard for shard
+        "auto_wrap_policy": decoder_layer_classes(policy) | {EMATeacher},
         "state_dict_type": "full",
         "timeout": timeout,
     }
@@ -1328,6 +1336,8 @@ class RunResult:
     run_id: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     start_metrics: dict[str, float] = field(default_factory=dict)
+    #: False on the other ranks of a data-parallel run (only rank 0 reports: files, metrics, the CLI's output).
+    is_global_zero: bool = True
 
 
 @_quiet_lightning()
@@ -1479,6 +1489,7 @@ def run_train(
         run_id=run_id,
         history=history,
         start_metrics=start,
+        is_global_zero=trainer.is_global_zero,
     )
 
 

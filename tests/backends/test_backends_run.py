@@ -97,6 +97,25 @@ def test_prime_rl_backend_local_mode(make_config, tiny_model_dir):
     assert _moved(res.model_dir, tiny_model_dir)
 
 
+def test_prime_rl_local_mode_with_an_ema_hint_teacher(make_config):
+    from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+    from composer_plugins.core.errors import ConfigError
+
+    def hint_kl(teacher: str) -> list[float]:
+        cfg = make_config({"dppo": {"weight": 1.0}, "hint_distill": {"weight": 0.5, "teacher": teacher}})
+        return [row["hint/kl"] for row in PrimeRLBackend(cfg).train().history]
+
+    live, ema = hint_kl("live"), hint_kl("ema")
+    assert ema[0] == live[0]  # the EMA starts as the policy
+    assert ema[1] != live[1]  # and then lags it (rate 0.05)
+    bad = make_config({"dppo": {"weight": 1.0}, "hint_distill": {"weight": 0.5, "teacher": "bogus"}})
+    with pytest.raises(ConfigError, match=r"losses\.hint_distill\.teacher.*Valid keys: ema, live"):
+        PrimeRLBackend(bad)
+    with pytest.raises(ConfigError, match="mode='local' only"):
+        PrimeRLBackend(make_config({"dppo": 1.0, "hint_distill": {"teacher": "ema"}}), mode="prime-rl")
+
+
 def test_monarch_actors_train_on_a_local_process_mesh(make_config, tiny_model_dir):
     """The backend's own session (what ``train()`` runs): 2 steps, an actor failure, the final sync check."""
     import asyncio

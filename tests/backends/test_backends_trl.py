@@ -133,6 +133,36 @@ def test_hint_providers_that_read_groups_get_the_generation_batchs_groups(tiny_m
         assert group.reward < 1.0 and group.success_threshold == 1.0
 
 
+@pytest.mark.parametrize("rate", [0.25, 1.0])
+def test_ema_teacher_follows_the_policy_after_each_optimizer_step(tiny_model_dir, tmp_path, rate):
+    channels = ["policy", {"name": "hint_distill", "weight": 0.5, "teacher": "ema", "ema_rate": rate}]
+    tr = _trainer(tiny_model_dir, tmp_path, max_steps=2, learning_rate=1e-2, loss_type="dapo", channels=channels,
+                  hint_provider=answer_hint, gradient_accumulation_steps=2)  # fmt: skip
+    ema = tr.ema_teacher.policy
+    assert ema is not tr.model and all(not p.requires_grad for p in ema.parameters())
+    seen = []
+
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):  # registered after the EMA update: sees the policy of each step
+        def on_train_begin(self, args, state, control, **kw):
+            seen.append({n: p.detach().clone() for n, p in tr.model.named_parameters()})
+
+        def on_step_end(self, args, state, control, **kw):
+            seen.append({n: p.detach().clone() for n, p in tr.model.named_parameters()})
+
+    tr.add_callback(Record())
+    tr.train()
+    logs = [r for r in tr.state.log_history if "loss" in r]
+    assert len(seen) == 3 and len(logs) == 2  # two optimizer steps of two micro-batches each
+    assert all(r["composer/hint/rows"] > 0 and "composer/hint/teacher_margin" in r for r in logs)
+    for n, p in ema.named_parameters():
+        want = (1 - rate) ** 2 * seen[0][n] + rate * (1 - rate) * seen[1][n] + rate * seen[2][n]
+        torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6)
+    if rate == 1.0:
+        assert all(torch.equal(p, seen[2][n]) for n, p in ema.named_parameters())
+
+
 def test_hint_channel_without_provider_and_unsupported_options_fail_clearly(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="hint_provider"):
         _trainer(tiny_model_dir, tmp_path, channels=["policy", "hint_distill"])

@@ -2,8 +2,9 @@
 
 A small AST walk over ``composer_plugins/``: every ``import``/``from ... import`` anywhere in a module
 (function-level and ``TYPE_CHECKING`` imports included) that names another package of the project must
-be allowed by :data:`ALLOWED`; no package imports another's private names (``_x``) or private modules;
-and the kernel (``core/`` and the package root) imports nothing beyond the stdlib, pluggy, yaml and click.
+be allowed by :data:`ALLOWED` (no exceptions); no package imports another's private names (``_x``) or private
+modules; the kernel (``core/`` and the package root) imports nothing beyond the stdlib, pluggy, yaml and click
+(``procs/``: nothing beyond the stdlib; ``kernels/``, the LM-head kernels: nothing beyond the stdlib and torch).
 
 The backend distributions under ``packages/`` (``composer_plugins_trl`` ...) are walked too, as backends that
 live outside: they may import what ``backends`` may (and ``backends`` itself), and no private name or module
@@ -22,22 +23,25 @@ PKG = ROOT / "composer_plugins"
 DISTS = ROOT / "packages"
 
 KINDS = {"losses", "models", "envs", "teachers", "backends"}
-#: package -> the project packages it may import (besides itself). ``models`` may use the chunked
-#: log-prob kernels of ``losses`` (``losses.chunked``), which never import ``models`` back.
+#: package -> the project packages it may import (besides itself), from the ground up.
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
-    "losses": {"core"},
-    "models": {"core", "losses"},
-    "envs": {"core"},
-    "teachers": {"core"},
-    "training": {"core", "losses", "models", "envs", "teachers"},
-    "diloco": {"core", "training"},
-    "backends": {"core", "losses", "models", "training"},
-    "testing": {"core", *KINDS, "training"},  # training: the optimizers' and callbacks' kinds
-    "pipeline": {"core", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
+    "procs": {"core"},  # child processes that never outlive their parent: beside the kernel, below its users
+    "kernels": {"core"},  # the chunked LM-head kernels: below models and losses, which both import them
+    "losses": {"core", "kernels"},
+    "models": {"core", "kernels"},
+    "envs": {"core", "procs"},
+    "teachers": {"core", "procs"},
+    "training": {"core", "procs", "losses", "models", "envs", "teachers"},
+    "diloco": {"core", "procs", "training"},
+    "backends": {"core", "procs", "losses", "models", "training"},
+    "testing": {"core", "procs", *KINDS, "training"},  # training: the optimizers' and callbacks' kinds
+    "pipeline": {"core", "procs", "kernels", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
 }
 #: third-party modules the kernel may import
 KERNEL_THIRD_PARTY = {"pluggy", "yaml", "click"}
+#: packages that may import only the stdlib (and these third-party modules) besides the project packages above
+STDLIB_ONLY: dict[str, set[str]] = {"core": KERNEL_THIRD_PARTY, "procs": set(), "kernels": {"torch"}}
 
 
 def _package(rel: Path) -> str:
@@ -69,8 +73,9 @@ def violations(rel: Path, source: str, external: str | None = None) -> list[str]
         where = f"{label}:{lineno}"
         parts = target.split(".")
         if parts[0] != "composer_plugins":
-            if pkg == "core" and parts[0] not in sys.stdlib_module_names and parts[0] not in KERNEL_THIRD_PARTY:
-                out.append(f"{where}: the kernel imports {target!r} (only stdlib, pluggy, yaml, click)")
+            if pkg in STDLIB_ONLY and parts[0] not in sys.stdlib_module_names and parts[0] not in STDLIB_ONLY[pkg]:
+                also = "".join(f", {m}" for m in sorted(STDLIB_ONLY[pkg]))
+                out.append(f"{where}: {pkg} imports {target!r} (only stdlib{also})")
             return
         if len(parts) == 1:  # ``from composer_plugins import x``: the facade (core) or a subpackage
             for n in names:
@@ -163,6 +168,21 @@ def test_the_check_catches_upward_private_and_kernel_imports():
         Path("core/x.py"), "import json, pluggy, yaml, click\nfrom composer_plugins import __version__\n"
     )
     assert not violations(Path("pipeline/x.py"), "from composer_plugins.diloco.launch import launch\n")
+    # procs: stdlib only, below its users; the kernel does not import it
+    assert violations(Path("procs/x.py"), "import yaml\n") and violations(Path("procs/x.py"), "import torch\n")
+    assert violations(Path("core/x.py"), "from composer_plugins import procs\n")
+    assert violations(Path("procs/x.py"), "from composer_plugins.envs import sandbox\n")
+    assert not violations(Path("envs/x.py"), "from composer_plugins import procs\n")
+    # the LM-head kernels: below models and losses, which import them; they import only core and torch
+    assert not violations(Path("models/x.py"), "from composer_plugins.kernels.chunked import chunked_logprobs\n")
+    assert not violations(Path("losses/x.py"), "from composer_plugins.kernels.divergences import make_kernel\n")
+    assert not violations(Path("kernels/x.py"), "import math\nimport torch\nfrom .divergences import _up\n")
+    found = violations(Path("models/x.py"), "from composer_plugins.losses.functional import chunked_logprobs\n")
+    assert found and "models imports composer_plugins.losses.functional" in found[0]
+    found = violations(Path("kernels/x.py"), "from composer_plugins.models.logprobs import lm_head_weight\n")
+    assert found and "kernels imports composer_plugins.models.logprobs" in found[0]
+    found = violations(Path("kernels/chunked.py"), "import torch\nimport numpy as np\n")
+    assert found == ["composer_plugins/kernels/chunked.py:2: kernels imports 'numpy' (only stdlib, torch)"]
     # a backend distribution: public names of backends/training are fine, private ones and upward imports are not
     ext = "packages/composer-plugins-x"
     ok = "from composer_plugins.backends import rollout\nfrom composer_plugins.backends.base import Backend\n"

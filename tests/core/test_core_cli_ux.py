@@ -13,7 +13,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 from composer_plugins.core.cli import load_commands
 from composer_plugins.core.errors import ConfigError
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_diloco import _run_ddp, _toy
-from composer_plugins.core import procs
+from composer_plugins import procs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and PR_SET_PDEATHSIG")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 
 HERE = Path(__file__).parent
 WAIT_S = 240.0

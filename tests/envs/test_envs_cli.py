@@ -52,3 +52,37 @@ def test_sandbox_check():
     res = invoke("env", "sandbox-check")
     assert res.exit_code == 0, res.output
     assert "isolation:" in res.output and "FAIL" not in res.output
+
+
+def test_env_score_feature_deletion_hides_another_checkout_by_default(tmp_path):
+    """``composer-plugins env score feature_deletion``: a completion that copies the deleted function from
+    another checkout on the disk scores 0 by default, and 1 once the view is widened (``sandbox_expose=all``)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from composer_plugins.envs.feature_deletion import FIXTURE_REPO
+
+    other = Path(tempfile.mkdtemp(prefix="cp-other-checkout-", dir="/var/tmp"))  # outside home and the temp dir
+    try:
+        shutil.copytree(FIXTURE_REPO, other / "textkit")
+        for p in [other, *other.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)  # readable by anyone, as a checkout usually is
+        hack = (
+            "```python\n"
+            "def to_roman(n):\n"
+            "    ns = {}\n"
+            f"    exec(open({str(other / 'textkit' / 'textkit' / 'roman.py')!r}).read(), ns)\n"
+            "    return ns['to_roman'](n)\n"
+            "```\n"
+        )
+        base = ["env", "score", "feature_deletion", "-S", "symbols=[to_roman]", "-S", "progress=false",
+                "-S", "timeout_s=30"]  # fmt: skip
+        safe = invoke(*base, "-", input=hack)
+        assert safe.exit_code == 0, safe.output
+        assert json.loads(safe.output)["reward"] == 0.0, safe.output
+        wide = invoke(*base, "-S", "sandbox_expose=all", "-", input=hack)
+        assert wide.exit_code == 0, wide.output
+        assert json.loads(wide.output)["reward"] == 1.0, wide.output
+    finally:
+        shutil.rmtree(other, ignore_errors=True)

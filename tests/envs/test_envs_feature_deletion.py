@@ -381,9 +381,10 @@ def test_rewriting_the_tests_is_refused(dirty_env):
     assert "Read-only" in fb.details["stdout"] or "not allowed" in fb.details["stdout"]
 
 
-@pytest.mark.parametrize("expose", ["all", "allowlist"])
-def test_another_copy_of_the_repo_is_readable_unless_allowlist(expose, tmp_path):
-    """A second checkout outside the hidden paths gives the code away by default; ``allowlist`` closes that."""
+@pytest.mark.parametrize("expose", [None, "allowlist", "all"])
+def test_another_copy_of_the_repo_is_hidden_unless_widened(expose, tmp_path):
+    """A second checkout outside the hidden paths: invisible by default (and with ``allowlist``); widening the
+    view with ``sandbox_expose="all"`` makes it readable, and the copy hack then scores (the test can fail)."""
     import tempfile
 
     other = Path(tempfile.mkdtemp(prefix="cp-other-checkout-", dir="/var/tmp"))
@@ -391,13 +392,13 @@ def test_another_copy_of_the_repo_is_readable_unless_allowlist(expose, tmp_path)
         shutil.copytree(FIXTURE_REPO, other / "textkit")
         for p in [other, *other.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)  # readable by anyone, as a checkout usually is
-        env = FeatureDeletionEnv(FIXTURE_REPO, symbols=["to_roman"], progress=False, timeout_s=30,
-                                 sandbox_expose=expose)  # fmt: skip
+        kw = {} if expose is None else {"sandbox_expose": expose}
+        env = FeatureDeletionEnv(FIXTURE_REPO, symbols=["to_roman"], progress=False, timeout_s=30, **kw)
         task = env.tasks("all")[0]
         completion = _hack(HACKS["original_checkout"].replace("ORIGINAL", repr(str(other / "textkit"))))
         fb = env.score(completion, task)
         if expose == "all":
-            assert fb.reward == 1.0, fb  # documented: the default view hides only the paths the env knows
+            assert fb.reward == 1.0, fb  # documented: the widened view hides only the paths the env knows
         else:
             assert fb.reward == 0.0, fb
             assert env.score(code_block(task["original_source"]), task).reward == 1.0

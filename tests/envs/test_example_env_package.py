@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "composer-plugins-reverse"

@@ -15,8 +15,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.gkd import GKDTrainer
 from trl.trainer.utils import selective_log_softmax as trl_selective_log_softmax
 
+from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, TAIDKernel
 from composer_plugins.losses import functional as LF
-from composer_plugins.losses._kernels import EntropyOPDKernel, JSDKernel, TAIDKernel
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 from composer_plugins.core.cli import load_commands
 from composer_plugins.pipeline import stages, study
 

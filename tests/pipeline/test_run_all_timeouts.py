@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ pytestmark = [
 # writes the three pids, then blocks "waiting for the peer" forever.
 HANG = textwrap.dedent("""
     import os, subprocess, sys, time
-    from composer_plugins.core.procs import waiting_for
+    from composer_plugins.procs import waiting_for
 
     def waiting_in_here():
         time.sleep(600)

@@ -196,3 +196,56 @@ def test_kill_9_mid_run_then_resume_pays_only_missing_calls(srv, tmp_path):
     pairs = (tmp_path / "out" / "pairs.jsonl").read_text().splitlines()
     assert len(pairs) == n // 3 + (1 if n % 3 else 0)
     assert SECRET not in out.stdout + out.stderr
+
+
+def _oracle_config(tmp_path: Path, traces: Path) -> Path:
+    """A replay config with the free ``oracle`` teacher only (no server)."""
+    cfg = {
+        "traces": [str(traces)],
+        "teachers": [{"name": "oracle"}],
+        "consensus": {"k": 1, "compare": "final_answer"},
+        "cache": {"enabled": False},
+        "output": {"pairs": str(tmp_path / "out" / "pairs.jsonl")},
+        "normalize": {"enabled": False},
+        "progress": False,
+    }
+    p = tmp_path / "replay.yaml"
+    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return p
+
+
+NO_STUDENT_STEP = [
+    {"id": "empty", "messages": []},
+    {"id": "question-only", "messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+    {"id": "assistant-first", "messages": [{"role": "assistant", "content": "Hello."}]},
+]
+
+
+def test_replay_run_on_traces_without_a_student_step_names_the_lines_and_stops(tmp_path):
+    from composer_plugins.core.cli import load_commands
+
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text("".join(json.dumps(c) + "\n" for c in NO_STUDENT_STEP))
+    cfg = _oracle_config(tmp_path, traces)
+    res = CliRunner().invoke(load_commands(), ["replay", "run", "--config", str(cfg)])
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith(f"Error: {traces}:1: traces.0: no conversation holds a student step"), res.output
+    assert f"{traces}:2, {traces}:3" in res.output and "—" in res.output
+    assert f"point traces.0 ({cfg}:2)" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_replay_run_warns_with_the_count_when_some_conversations_have_no_student_step(tmp_path):
+    from composer_plugins.core.cli import load_commands
+
+    traces = write_sample_traces(tmp_path / "traces.jsonl", n=4, wrong_every=2)
+    with traces.open("a") as f:
+        for c in NO_STUDENT_STEP[:2]:
+            f.write(json.dumps(c) + "\n")
+    cfg = _oracle_config(tmp_path, traces)
+    res = CliRunner().invoke(load_commands(), ["replay", "run", "--config", str(cfg), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["states"] == 4
+    assert res.stderr.startswith("warning: 2 conversation(s) hold no student step"), res.stderr
+    assert f"skipped: {traces}:5, {traces}:6" in res.stderr
+    assert len((tmp_path / "out" / "pairs.jsonl").read_text().splitlines()) == 2

@@ -118,7 +118,7 @@ def test_the_example_plugin_passes_the_suite_by_calling_it():
     import sys
     from pathlib import Path
 
-    from composer_plugins.core import procs
+    from composer_plugins import procs
 
     example = Path(__file__).resolve().parents[2] / "examples" / "composer-plugins-focal"
     assert "conformance_test(composer_plugins_focal)" in (example / "tests" / "test_focal.py").read_text()

@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
+
 from composer_plugins.envs.gsm8k import GSM8KEnv
 
 
@@ -26,6 +28,18 @@ class VariedRewardEnv(GSM8KEnv):
 
     def reward(self, prompts: Any, completions: Any, **columns: Any) -> list[float]:
         return [(len(c) % 5) / 4 for c in completions]
+
+
+class RankFile(Callback):
+    """``trainer.callbacks: [{class_path: dp_worker.RankFile, init_args: {out: DIR}}]``: writes
+    ``<out>/rank<R>.done`` (holding the world size) when fit ends on global rank ``R``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        with open(os.path.join(self.out, f"rank{trainer.global_rank}.done"), "w") as f:
+            f.write(f"{trainer.world_size}\n")
 
 
 def main(spec_path: str, rank: int) -> None:
@@ -40,7 +54,7 @@ def main(spec_path: str, rank: int) -> None:
         LOCAL_RANK=str(rank),
         RANK=str(rank),
     )
-    from composer_plugins.core.procs import set_pdeathsig
+    from composer_plugins.procs import set_pdeathsig
 
     set_pdeathsig()
     import torch
@@ -51,9 +65,25 @@ def main(spec_path: str, rank: int) -> None:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"runs": {}}
 
+    def whole(module: Any) -> dict[str, Any]:
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in module.named_parameters()}
+
     class Capture(Callback):
-        def __init__(self, rec: dict[str, Any], grads: bool) -> None:
-            self.rec, self.grads = rec, grads
+        def __init__(self, rec: dict[str, Any], grads: bool, weights: bool = False) -> None:
+            self.rec, self.grads, self.weights = rec, grads, weights
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if self.weights:  # the policy after each optimizer step (DDP: whole on every rank)
+                self.rec["policy"] = {trainer.global_step: whole(pl_module.policy)}
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *a: Any) -> None:
+            if self.weights:
+                self.rec["policy"][trainer.global_step] = whole(pl_module.policy)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if getattr(pl_module, "ema_teacher", None) is not None:  # the EMA teacher (FSDP: gathered)
+                with pl_module.full_params(recurse=True):
+                    self.rec["ema"] = whole(pl_module.ema_teacher.policy)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.rec.setdefault("tasks", {})[int(batch["index"])] = [t["prompt"] for t in batch["tasks"]]
@@ -70,7 +100,12 @@ def main(spec_path: str, rank: int) -> None:
     for run in spec["runs"]:
         cfg, src = loads_train_config(spec["yaml"], [*spec["overrides"], *run["overrides"]])
         rec: dict[str, Any] = {}
-        run_train(cfg, src, resume=run.get("resume"), extra_callbacks=[Capture(rec, run.get("grads", False))])
+        run_train(
+            cfg,
+            src,
+            resume=run.get("resume"),
+            extra_callbacks=[Capture(rec, run.get("grads", False), run.get("weights", False))],
+        )
         out["runs"][run["name"]] = rec
     torch.save(out, os.path.join(spec["out"], f"rank{rank}.pt"))
 

@@ -1,4 +1,4 @@
-"""Twenty malformed inputs to ``composer-plugins train``, each refused at load (no model is built, no traceback) as
+"""Malformed inputs to ``composer-plugins train``, each refused at load (no model is built, no traceback) as
 ``<file>:<line>: <key>: <problem> — <fix>``, with "did you mean" where a name or key is misspelt."""
 
 from __future__ import annotations
@@ -56,6 +56,21 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
                            ["./no/such/model does not exist", "— give a directory"]),
     "hint provider misspelt": ({}, "hints:\n  provider:\n    name: templat\n", [], "cfg:6", "hints.provider.name",
                                ["Unknown hint 'templat'", "Did you mean: 'template'?"]),
+    "task row without answer": ({"t.jsonl": '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'},
+                                "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:2", "answer",
+                                ['missing — every task of data.train_path needs "answer" or "solution"',
+                                 "the reward of env 'gsm8k'", "this line has ['prompt'] — add it"]),
+    "SFT task without solution": ({"t.jsonl": '{"prompt": "a", "answer": "1"}\n'},
+                                  "!output_dir: {d}/run\ndata: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:1",
+                                  "target", ['needs "target" or "solution" for the SFT warm start',
+                                             "sft.enabled: false"]),
+    "chained hint provider misspelt": ({}, "hints:\n  provider:\n    name: chain\n    providers:\n"
+                                           "      - raw_error\n      - templat\n", [], "cfg:9",
+                                       "hints.provider.providers.1",
+                                       ["Unknown hint 'templat'", "Did you mean: 'template'?"]),
+    "hint fallback misspelt": ({}, "hints:\n  provider:\n    name: llm_teacher\n    teacher: oracle\n"
+                                   "    fallback: {{name: raw_eror}}\n", [], "cfg:8", "hints.provider.fallback.name",
+                               ["Unknown hint 'raw_eror'", "Did you mean: 'raw_error'?"]),
     "duplicate YAML key": ({}, "seed: 1\nseed: 2\n", [], "cfg:5", "seed",
                            ["duplicate key (first given on line 4", "— keep one of them"]),
     "unknown key as override": ({}, "", ["optim.lrr=0.1"], "override", "optim.lrr",
@@ -63,8 +78,8 @@ CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
 }  # fmt: skip
 
 
-def test_there_are_twenty():
-    assert len(CASES) == 20
+def test_there_are_twenty_four():
+    assert len(CASES) == 24
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -92,3 +107,52 @@ def test_malformed_input_gets_a_located_error_with_a_fix(tmp_path: Path, name: s
         frag = frag.replace("cfg:", f"{cfg}:")
         assert frag in out, f"{frag!r} not in:\n{out}"
     assert not re.search(r"\n\s+File \"", out)
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval"])
+def test_an_unknown_hint_provider_is_located_by_every_command(tmp_path: Path, command: str):
+    """``sft`` builds the provider deep inside the warm start, where the config's lines are not at hand:
+    the name is checked when the config is read, so every command names the file and line."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"output_dir: {tmp_path}/run\nsft: {{steps: 1}}\nhints:\n  provider:\n    name: templat\n")
+    r = CliRunner().invoke(load_commands(), [command, "-c", str(cfg)])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith(f"Error: {cfg}:5: hints.provider.name: Unknown hint 'templat'."), r.output
+    assert "Did you mean: 'template'?" in r.output and "Available hints: chain, llm_teacher" in r.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_uncached_hub_id_offline_names_the_key_the_id_and_the_ways_out(tmp_path: Path):
+    """``model.name_or_path`` a hub id that is neither cached nor downloadable (``HF_HUB_OFFLINE=1``, empty
+    ``HF_HOME``): refused when the run starts, through the real command line, without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"output_dir: {tmp_path}/run\nsft: {{enabled: false}}\nmodel:\n  name_or_path: Qwen/Qwen2.5-0.5B\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "COMPOSER_MLFLOW": "0"}
+    env.pop("HF_HUB_CACHE", None)
+    r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg)], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"Error: {cfg}:4: model.name_or_path: 'Qwen/Qwen2.5-0.5B' is a hub id that is not "
+                               f"in the Hugging Face cache ({tmp_path / 'hf' / 'hub'})"), r.stderr  # fmt: skip
+    for way in ("HF_HUB_OFFLINE is set", "— give a local directory", "hf download Qwen/Qwen2.5-0.5B", "HF_HOME",
+                "unset HF_HUB_OFFLINE"):  # fmt: skip
+        assert way in r.stderr, (way, r.stderr)
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_policy_the_loader_cannot_fetch_is_a_policy_load_error():
+    """Past the start-of-run check (online, hub unreachable), ``load_policy`` turns transformers' ``OSError``
+    into :class:`PolicyLoadError`: the id, the hub's reason and the ways out (the CLI locates it at the key)."""
+    from composer_plugins.core.errors import ComposerPluginsError
+    from composer_plugins.models.tiny import PolicyLoadError, load_policy
+
+    with pytest.raises(PolicyLoadError) as info:  # tests run with HF_HUB_OFFLINE=1 (tests/conftest.py)
+        load_policy("composer-plugins-tests/no-such-model")
+    e = info.value
+    assert isinstance(e, ComposerPluginsError) and e.name_or_path == "composer-plugins-tests/no-such-model"
+    assert str(e).startswith("cannot load 'composer-plugins-tests/no-such-model': ") and "\n" not in str(e)
+    assert "— give a local directory" in str(e) and "HF_HUB_OFFLINE" in str(e)

@@ -108,6 +108,27 @@ def test_unknown_channel_argument_lists_valid_parameters(tmp_path):
     assert "Did you mean: 'epsilon_low'" in msg and "enabled" in msg and "weight" in msg
 
 
+@pytest.mark.parametrize(
+    "line,key,words",
+    [
+        ("teacher: bogus", "teacher", ["'bogus'", "live, ema"]),
+        ("ema_rate: 1.5", "ema_rate", ["(0, 1]", "1.5"]),
+        ("ema_rate: 0", "ema_rate", ["(0, 1]"]),
+    ],
+)
+def test_hint_teacher_values_are_refused_where_they_are_written(tmp_path, line, key, words):
+    p = write(tmp_path, f"losses:\n  grpo: {{weight: 1.0}}\n  hint_distill:\n    weight: 0.5\n    {line}\n")
+    cfg, src = load_train_config(p)
+    with pytest.raises(ConfigError) as e:
+        build_channels(cfg, src)
+    msg = str(e.value)
+    assert f"{p}:5" in msg and f"losses.hint_distill.{key}" in msg, msg
+    assert all(w in msg for w in words), msg
+    ok = write(tmp_path, "losses:\n  hint_distill: {teacher: ema, ema_rate: 0.1}\n")
+    (ch,) = build_channels(*load_train_config(ok))
+    assert (ch.teacher, ch.ema_rate) == ("ema", 0.1)
+
+
 def test_bad_channel_switch_values(tmp_path):
     p = write(tmp_path, "losses:\n  grpo: {enabled: maybe}\n")
     with pytest.raises(ConfigError, match=r"losses\.grpo\.enabled: expected true or false"):
@@ -190,13 +211,15 @@ def test_overrides_edit_the_default_channel_set(tmp_path):
 
 
 def test_unknown_env_and_hint_provider_are_located(tmp_path):
-    from composer_plugins.training.train import build_env, build_hint_provider
+    from composer_plugins.training.train import build_env
 
-    p = write(tmp_path, "seed: 0\nenv: {name: gsm8kk, difficulty: trivial}\nhints:\n  provider: templat\n")
+    p = write(tmp_path, "seed: 0\nenv: {name: gsm8kk, difficulty: trivial}\n")
     cfg, src = load_train_config(p)
     with pytest.raises(ConfigError) as e:
         build_env(cfg, src)
     assert f"{p}:2" in str(e.value) and "env" in str(e.value) and "'gsm8k'" in str(e.value)
+    # the hint provider is built late (and deep inside SFT): its name is checked when the config loads
+    p = write(tmp_path, "seed: 0\nenv: {name: gsm8k, difficulty: trivial}\nhints:\n  provider: templat\n")
     with pytest.raises(ConfigError) as e:
-        build_hint_provider(cfg, src)
-    assert f"{p}:4" in str(e.value) and "hints.provider" in str(e.value) and "'template'" in str(e.value)
+        load_train_config(p)
+    assert str(e.value).startswith(f"{p}:4: hints.provider: Unknown hint 'templat'.") and "'template'" in str(e.value)

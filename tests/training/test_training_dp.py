@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_plugins.core.procs import Children
+from composer_plugins.procs import Children
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 if str(WORKER.parent) not in sys.path:  # the env class of the test, importable as the ranks import it
@@ -206,6 +206,48 @@ def test_fsdp_on_cpu_trains_like_ddp_and_resumes(make_cfg, tiny_yaml, tmp_path):
         assert p.shape == q.shape and torch.allclose(p, q, atol=1e-5), n
 
 
+@pytest.mark.timeout(600)
+def test_ema_teacher_under_ddp_and_fsdp(make_cfg, tiny_yaml, tmp_path):
+    """``teacher: ema``: every DDP rank holds the same EMA, the closed form of the policy's steps; FSDP keeps it
+    sharded (gathered here) and equal to DDP's, and a resumed FSDP run ends with the same EMA."""
+    from composer_plugins.training.train import resolve_policy
+
+    ema = ["losses.hint_distill.teacher=ema", "losses.hint_distill.ema_rate=0.3"]
+    cfg, _ = make_cfg(DP_YAML, *DP_OVERRIDES)
+    resolve_policy(cfg)
+    text = tiny_yaml + DP_YAML
+    ddp_runs = [{"name": "full", "overrides": [f"output_dir={tmp_path / 'd'}", "trainer.max_steps=3"], "weights": True}]
+    ddp = _run_ranks(tmp_path / "ddp", text, [*DP_OVERRIDES, *ema], ddp_runs)
+    d0, d1 = ddp[0]["runs"]["full"], ddp[1]["runs"]["full"]
+    assert d0["ema"].keys() == d1["ema"].keys() and d0["ema"]
+    for n in d0["ema"]:  # bit-identical on every rank
+        torch.testing.assert_close(d0["ema"][n], d1["ema"][n], rtol=0, atol=0)
+    thetas = [d0["policy"][k] for k in range(4)]
+    for n, value in d0["ema"].items():
+        want = 0.7**3 * thetas[0][n].double() + sum(0.3 * 0.7 ** (3 - k) * thetas[k][n].double() for k in (1, 2, 3))
+        torch.testing.assert_close(value, want.float(), rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(d0["ema"][n], thetas[3][n]) for n in d0["ema"])
+    for step in range(3):
+        assert d0["stats"][step]["hint/rows"] > 0 and "hint/teacher_margin" in d0["stats"][step]
+
+    runs = [
+        {"name": "full", "overrides": [f"output_dir={tmp_path / 'f'}", "trainer.max_steps=3"]},
+        {"name": "first", "overrides": [f"output_dir={tmp_path / 'g'}", "trainer.max_steps=2"]},
+        {"name": "resumed", "overrides": [f"output_dir={tmp_path / 'g'}", "trainer.max_steps=3"], "resume": "last"},
+    ]
+    fsdp = _run_ranks(tmp_path / "fsdp", text, [*DP_OVERRIDES, *ema], runs, strategy="fsdp")
+    for r in range(2):
+        full, resumed = fsdp[r]["runs"]["full"], fsdp[r]["runs"]["resumed"]
+        for step in range(3):
+            for k in ("loss", "hint_distill/loss", "hint/teacher_margin"):
+                assert full["stats"][step][k] == pytest.approx(d0["stats"][step][k], abs=1e-5), (r, step, k)
+        assert resumed["stats"][2] == pytest.approx(full["stats"][2], abs=1e-6)
+        assert full["ema"].keys() == d0["ema"].keys()
+        for n in d0["ema"]:
+            torch.testing.assert_close(full["ema"][n], d0["ema"][n], rtol=0, atol=1e-5)
+            torch.testing.assert_close(resumed["ema"][n], full["ema"][n], rtol=0, atol=0)
+
+
 def test_rank_share_is_disjoint_and_refuses_uneven_splits():
     from composer_plugins.training.distributed import rank_share
 
@@ -253,3 +295,35 @@ def test_strategy_from_config_and_did_you_mean(make_cfg):
         make_cfg("", "trainer.strategy=fdsp")
     with pytest.raises(ConfigError, match="multiple of 2"):
         make_cfg("", "trainer.devices=2", "rollout.prompts_per_step=3")
+
+
+def test_cli_train_on_two_devices_reports_once_from_rank_zero(tiny_yaml, tmp_path):
+    """``composer-plugins train -S trainer.devices=2``: Lightning starts the second rank by running the same
+    command again; both ranks train (each marks its fit end), only rank 0 prints the statistics and ``model:``."""
+    import os
+    import subprocess
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(tiny_yaml)
+    marks = tmp_path / "ranks"
+    marks.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+        "COMPOSER_MLFLOW": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    overrides = [f"output_dir={tmp_path / 'run'}", "trainer.devices=2", "trainer.max_steps=1",
+                 "trainer.checkpoint_every_n_steps=0", "trainer.dist_timeout_s=120", "sft.enabled=false",
+                 "rollout.max_new_tokens=6",
+                 f"trainer.callbacks=[{{class_path: dp_worker.RankFile, init_args: {{out: '{marks}'}}}}]"]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg),
+                        *[a for o in overrides for a in ("-S", o)]],
+                       env=env, capture_output=True, text=True, timeout=420)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["rank0.done", "rank1.done"], r.stderr[-3000:]
+    assert {p.read_text() for p in marks.iterdir()} == {"2\n"}
+    assert r.stdout.count("model: ") == 1 and r.stdout.count('"train/loss"') == 1, r.stdout
+    metrics = json.loads(r.stdout[: r.stdout.index("model: ")])
+    assert metrics == json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert r.stdout.rstrip().endswith(f"model: {tmp_path / 'run' / 'model'}")

@@ -97,8 +97,8 @@ def test_channel_turned_off_is_not_computed(make_cfg, pairs_file, off):
     assert ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src).reference is None
 
 
-@pytest.mark.parametrize("num_iterations,stop_at", [(1, 2), (2, 3)])
-def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterations, stop_at):
+@pytest.mark.parametrize("num_iterations,stop_at,teacher", [(1, 2, "live"), (2, 3, "live"), (1, 2, "ema")])
+def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterations, stop_at, teacher):
     from lightning.pytorch.callbacks import Callback
 
     class StopAfter(Callback):
@@ -107,7 +107,8 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
                 trainer.should_stop = True
 
     # the fixture's YAML has a trainer section already (a second one is a duplicate key): override it
-    over = (f"rollout.num_iterations={num_iterations}", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=1")
+    over = (f"rollout.num_iterations={num_iterations}", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=1",
+            f"losses.hint_distill.teacher={teacher}", "losses.hint_distill.ema_rate=0.2")  # fmt: skip
     cfg_a, src_a = make_cfg("", *over, out=tmp_path / "a")
     full = run_train(cfg_a, src_a)
     cfg_b, src_b = make_cfg("", *over, out=tmp_path / "b")
@@ -121,6 +122,15 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
     assert got == want  # bit-exact on CPU: same data position, optimizer state and sampling streams
     a, b = _state(full.model_dir), _state(resumed.model_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the EMA teacher is in the checkpoints and resumes bit-identically
+    ckpt = [
+        torch.load(f"{r.output_dir}/checkpoints/last.ckpt", weights_only=False)["state_dict"] for r in (full, resumed)
+    ]
+    ema = [{k: v for k, v in c.items() if k.startswith("ema_teacher.")} for c in ckpt]
+    assert bool(ema[0]) == (teacher == "ema") and ema[0].keys() == ema[1].keys()
+    assert all(torch.equal(ema[0][k], ema[1][k]) for k in ema[0])
+    if teacher == "ema":
+        assert any(not torch.equal(ema[0][k], ckpt[0][k.removeprefix("ema_teacher.")]) for k in ema[0])
     if num_iterations == 2:
         # every second step re-uses the rollouts: same tokens, and the importance ratio is live
         assert [r["train/iteration"] for r in full.history] == [0.0, 1.0, 0.0, 1.0]
@@ -287,3 +297,26 @@ def test_policy_trains_in_train_mode_without_lightning_eval_mode_warning(make_cf
     assert modes and all(modes), modes
     eval_mode = [str(w.message) for w in caught if "eval mode" in str(w.message)]
     assert not eval_mode, eval_mode
+
+
+def test_hint_distill_is_clip_ratio_is_one_on_policy_and_live_off_policy(make_cfg):
+    """``losses.hint_distill.is_clip``: weight 1 when the rollout is on-policy; the kept rollout-time
+    log-probs (``num_iterations > 1``) make it live once the policy has moved. ``topk`` on the same run."""
+    cfg, src = make_cfg("", "losses.hint_distill.topk=5", "losses.hint_distill.is_clip=1.5")
+    env = build_env(cfg)
+    policy, tok = load_policy_for(cfg, env)
+    tasks = env.sample_tasks(2, "train", seed=11)
+    mod = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    assert mod.composer["hint_distill"].topk == 5 and mod.composer["hint_distill"].is_clip == 1.5
+    _, stats = mod.compute_step(tasks, 5)
+    assert stats["hint/rows"] > 0 and stats["hint_distill/skipped"] == 0.0
+    assert stats["hint_distill/is_ratio"] == 1.0 and stats["hint_distill/is_clipped"] == 0.0
+    assert math.isfinite(stats["hint_distill/loss"]) and stats["hint_distill/loss"] > 0
+    rb = mod.make_rollout_batch(tasks, 5, old_logprobs=True)
+    with torch.no_grad():
+        for p in mod.policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    _, moved = mod.loss_on(rb, 5)
+    assert moved["hint/rows"] > 0
+    assert moved["hint_distill/is_ratio"] != pytest.approx(1.0, abs=1e-3)
+    assert moved["hint_distill/is_weight"] <= 1.5 and 0.0 <= moved["hint_distill/is_clipped"] <= 1.0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 
 TINY = """
 seed: 0

@@ -1,6 +1,6 @@
 """Rollout generators: the hook, the in-process ``hf`` generator and the ``server`` generator.
 
-The server tests run against ``composer_plugins.training.loopback_server`` (a real HTTP server in
+The server tests run against ``composer_plugins.testing.loopback_server`` (a real HTTP server in
 its own process: ``/v1/completions`` with token ids and log-probs over HF ``generate`` on the tiny
 policy, SGLang's ``/update_weights_from_disk``, the teachers' loopback fault injection).
 """
@@ -119,7 +119,7 @@ def test_server_same_seed_same_tokens_and_weight_reload_changes_samples(tiny_pol
     import torch
 
     from composer_plugins.models.logprobs import completion_logprobs_no_grad
-    from composer_plugins.training.loopback_server import RolloutServerProcess
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
     from composer_plugins.training.rollouts import ServerGenerator
 
     path, policy, tok, prompts = tiny_policy
@@ -153,7 +153,7 @@ def test_server_same_seed_same_tokens_and_weight_reload_changes_samples(tiny_pol
 
 @pytest.mark.timeout(300)
 def test_server_faults_lose_no_request(tiny_policy):
-    from composer_plugins.training.loopback_server import RolloutServerProcess
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
     from composer_plugins.training.rollouts import RolloutServerError, ServerGenerator
 
     path, policy, tok, prompts = tiny_policy
@@ -182,7 +182,7 @@ def test_server_faults_lose_no_request(tiny_policy):
 
 @pytest.mark.timeout(400)
 def test_training_from_the_server_syncs_weights_and_corrects_the_lag(make_cfg, tiny_policy, tmp_path):
-    from composer_plugins.training.loopback_server import RolloutServerProcess
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
     from composer_plugins.training.train import run_train
 
     path = tiny_policy[0]

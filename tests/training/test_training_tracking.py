@@ -87,7 +87,7 @@ def test_a_loopback_mlflow_server_gets_the_names_tags_and_artifacts(make_cfg, tm
 
     import mlflow
 
-    from composer_plugins.core import procs
+    from composer_plugins import procs
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 from composer_plugins.core.errors import ComposerPluginsError
 
 __all__ = [

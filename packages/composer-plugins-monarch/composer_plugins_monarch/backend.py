@@ -226,6 +226,7 @@ class TrainerActor(Actor):
         params = [p for p in self.module.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.zeros(())
         self.optimizer.step()
+        self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
         self.steps += 1
         out = scalar_metrics(stats)
         out.update(loss=float(loss.detach()), grad_norm=float(norm), trainer_step_time=time.perf_counter() - t0,

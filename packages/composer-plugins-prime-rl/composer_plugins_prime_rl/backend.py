@@ -265,7 +265,15 @@ class PrimeRLBackend(Backend):
             self.config = dataclasses.replace(
                 self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
             )
+        #: ``(teacher, ema_rate)`` of the hint channel (``losses.hint_distill.teacher``; local mode runs ``ema``).
+        self.hint_teacher: tuple[str, float] = ("live", 0.0)
         self.loss_kwargs = self._loss_kwargs()
+        if self.hint_teacher[0] == "ema" and mode == "prime-rl":
+            raise self.src.error(
+                "losses.hint_distill.teacher",
+                "an EMA hint teacher runs in mode='local' only (PRIME-RL scores the hint reference with its "
+                "inference policy); use teacher: live with mode='prime-rl'.",
+            )
 
     def _loss_kwargs(self) -> dict[str, Any]:
         from composer_plugins.training.train import channel_spec
@@ -284,7 +292,15 @@ class PrimeRLBackend(Backend):
                     if k in kw:
                         kwargs[k] = kw[k]
             elif name in ("hint_distill", "hint"):
+                from composer_plugins.losses.distill import TEACHERS
+
                 kwargs["hint_weight"] = float(weight)
+                teacher, rate = kw.get("teacher", "live"), kw.get("ema_rate", 0.05)
+                if teacher not in TEACHERS:
+                    raise self.src.error(f"losses.{key}.teacher", f"unknown teacher {teacher!r}.", valid=TEACHERS)
+                if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 < rate <= 1.0:
+                    raise self.src.error(f"losses.{key}.ema_rate", f"must be a number in (0, 1], got {rate!r}.")
+                self.hint_teacher = (teacher, float(rate) if teacher == "ema" else 0.0)
             else:
                 raise self.src.error(
                     f"losses.{key}",
@@ -342,6 +358,14 @@ class PrimeRLBackend(Backend):
             from composer_plugins.training.train import build_hint_provider
 
             hint_provider = build_hint_provider(c, self.src)
+        ema, ema_pairs_ = None, None
+        if hint_provider is not None and self.hint_teacher[0] == "ema":
+            from torch import nn
+
+            from composer_plugins.training.ema import EMATeacher, ema_pairs
+
+            ema = EMATeacher(run.policy, self.hint_teacher[1])
+            ema_pairs_ = ema_pairs(nn.ModuleDict({"ema": ema, "policy": run.policy}), "ema.policy", "policy")
         history: list[dict[str, float]] = []
         G, T = c.rollout.num_generations, c.rollout.temperature
         for step in range(c.trainer.max_steps):
@@ -354,12 +378,17 @@ class PrimeRLBackend(Backend):
             ref = None
             if hint_provider is not None:
                 ref = hint_logprobs(run.policy, run.tokenizer, hint_provider, run.env, tasks, ro, r,
-                                    c.rollout.success_threshold, c.hints.max_context_length, T)  # fmt: skip
+                                    c.rollout.success_threshold, c.hints.max_context_length, T,
+                                    teacher=None if ema is None else ema.policy)  # fmt: skip
             trainer_lp = completion_logprobs(run.policy, *args, temperature=T)  # from hidden states, LM head chunked
             assert isinstance(trainer_lp, Tensor)
             samples = samples_from_batch(trainer_lp, inference, adv, ro.completion_mask, ref)
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
             grad_norm = run.optimizer_step(loss)
+            if ema is not None:
+                from composer_plugins.training.ema import ema_update
+
+                ema_update(ema_pairs_, ema.rate)
             row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(r.mean()),
                    "grad_norm": grad_norm, "step_time": time.perf_counter() - t0}  # fmt: skip
             row.update({k: float(v.float().mean()) for k, v in metrics.items() if v.numel()})
@@ -369,8 +398,10 @@ class PrimeRLBackend(Backend):
 
 def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: Sequence[Mapping[str, Any]], ro: Any,
                   rewards: Tensor, threshold: float, max_context_length: int,
-                  temperature: float = 1.0) -> Tensor | None:  # fmt: skip
+                  temperature: float = 1.0, teacher: Any = None) -> Tensor | None:  # fmt: skip
     """Sampled-token log-probs of each *failed* completion under the policy conditioned on its hint.
+
+    ``teacher``: the model that scores the hinted contexts (an EMA copy of the policy), default ``policy``.
 
     Rows that passed (or got no hint) keep the policy's own log-probs, so their KL term is 0 —
     PRIME-RL's ``opsd`` reference stream. The teacher contexts come from the same
@@ -396,7 +427,8 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
     ref = completion_logprobs_no_grad(policy, *args, temperature=temperature)
     idx = torch.tensor(rows)
     h_ids, h_mask = tokenize_prompts(tokenizer, prompts, max_context_length)
-    ref[idx] = completion_logprobs_no_grad(policy, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx],
+    scorer = teacher if teacher is not None else policy
+    ref[idx] = completion_logprobs_no_grad(scorer, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx],
                                            temperature=temperature)  # fmt: skip
     return ref
 

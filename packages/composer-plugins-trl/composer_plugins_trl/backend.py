@@ -14,6 +14,10 @@ log-probs, logging — and replaces ``_compute_loss`` by
   ``hint_threshold`` get a hint from the hint provider; the same policy, conditioned on the hinted
   prompt, scores the student's tokens without gradient (teacher logits) and the ``hint_distill``
   channel distils it into the student's logits on those tokens;
+* with ``hint_distill``'s ``teacher: ema`` the teacher forward runs a frozen EMA copy of the policy
+  (:class:`~composer_plugins.training.ema.EMATeacher`), updated after each optimizer step (a
+  ``TrainerCallback``'s ``on_step_end``); TRL's checkpoints do not hold it (a resume restarts it from
+  the policy);
 * replay: ``pairs_per_step`` preference pairs per micro-batch are scored by the policy (with grad)
   and the reference (TRL's ``ref_model``, or a frozen copy of the initial policy) for the
   ``replay_dpo`` / ``replay_simpo`` channels.
@@ -157,6 +161,32 @@ class ComposerGRPOTrainer(GRPOTrainer):
             self._pair_reference = self._frozen_copy(self.accelerator.unwrap_model(self.model))
         self._last_rewards_per_func: Tensor | None = None
         self._loss_calls = 0
+        self.ema_teacher = self._build_ema_teacher(live)
+
+    def _build_ema_teacher(self, live: Sequence[Any]) -> Any:
+        """The frozen EMA copy of the policy when a hint channel asks for ``teacher: ema`` (else ``None``)."""
+        from torch import nn
+        from transformers import TrainerCallback
+
+        from composer_plugins.training.ema import EMATeacher, ema_pairs, ema_update, teacher_from
+
+        try:
+            teacher, rate = teacher_from(live)
+        except ValueError as e:
+            raise ConfigError(str(e), key="channels") from None
+        if teacher != "ema" or not self.needs_teacher:
+            return None
+        policy = self.accelerator.unwrap_model(self.model)
+        ema = EMATeacher(self._frozen_copy(policy), rate, copy_policy=False)
+        holder = nn.ModuleDict({"ema": ema, "policy": policy})  # both copies, matched by parameter name
+        pairs = ema_pairs(holder, "ema.policy", "policy")
+
+        class _UpdateEMA(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                ema_update(pairs, rate)  # HF calls it once per optimizer step, after accumulation
+
+        self.add_callback(_UpdateEMA())
+        return ema
 
     # -- setup ---------------------------------------------------------------------------
     def _check_supported(self) -> None:
@@ -332,7 +362,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         hint_ids = inputs.get("hint_prompt_ids") or []
         rows = [i for i, h in enumerate(hint_ids) if h]
         if not rows:
-            return {"hint/rows": 0.0}
+            return {"hint/rows": 0.0, "hint/fraction": 0.0}
         device = input_ids.device
         idx = torch.tensor(rows, device=device)
         P = inputs["prompt_ids"].shape[1]
@@ -342,14 +372,24 @@ class ComposerGRPOTrainer(GRPOTrainer):
         h_ids, h_mask = _left_pad([hint_ids[i] for i in rows], pad, device)
         Ph = h_ids.shape[1]
         comp_ids, comp_mask = inputs["completion_ids"][idx], inputs["completion_mask"][idx]
+        teacher_model = model if self.ema_teacher is None else self.ema_teacher.policy
         with torch.no_grad():
-            teacher = model(input_ids=torch.cat([h_ids, comp_ids], 1), attention_mask=torch.cat([h_mask, comp_mask], 1),
-                            use_cache=False).logits  # fmt: skip
+            t_ids, t_mask = torch.cat([h_ids, comp_ids], 1), torch.cat([h_mask, comp_mask], 1)
+            teacher = teacher_model(input_ids=t_ids, attention_mask=t_mask, use_cache=False).logits
         outputs["student_logits"] = student[:, P - 1 : P - 1 + C]
         outputs["teacher_logits"] = teacher[:, Ph - 1 : Ph - 1 + C].detach()
         batch["hint_mask"] = mask[idx].float()
         batch["hint_rows"] = idx
-        return {"hint/rows": float(len(rows))}
+        with torch.no_grad():  # the precondition: teacher minus student log-prob of the student's tokens
+            m = mask[idx].bool()
+            lp = [torch.log_softmax(outputs[k].float(), -1).gather(-1, comp_ids[..., None])[..., 0]
+                  for k in ("teacher_logits", "student_logits")]  # fmt: skip
+            margin = float(((lp[0] - lp[1]) * m).sum() / m.sum().clamp(min=1))
+        return {
+            "hint/rows": float(len(rows)),
+            "hint/fraction": len(rows) / len(hint_ids),
+            "hint/teacher_margin": margin,
+        }
 
     def _pair_inputs(self, model: Any, outputs: dict[str, Any], batch: dict[str, Any]) -> None:
         """Sequence log-probs of ``pairs_per_step`` sampled pairs: policy with grad, reference without."""

@@ -541,7 +541,7 @@ def verl_batch(ro: Any, rewards: Sequence[float], old_log_probs: Tensor, adv_est
 
 def nested_log_probs(model: Any, td: Any, temperature: float = 1.0) -> Tensor:
     """Log-probs in VeRL's no-padding layout: entry ``t`` of a sequence is ``log p(token_{t+1} | ≤ t)``."""
-    from composer_plugins.losses.chunked import chunked_logprobs
+    from composer_plugins.losses.functional import chunked_logprobs
     from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 
     body, head = decoder_body(model), lm_head_weight(model)

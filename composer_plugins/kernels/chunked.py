@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_plugins.losses._kernels import EntropyOPDKernel, JSDKernel, Kernel, TAIDKernel, _rowdot, _up
+from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, Kernel, TAIDKernel, _rowdot, _up
 
 #: Rows per chunk used where a caller asks for a fixed size. At V=151,936 one fp32 chunk of logits is 155 MB.
 DEFAULT_CHUNK_SIZE = 256
@@ -286,6 +286,7 @@ class _PrecomputedDistill(torch.autograd.Function):
         chunk_size: int,
         with_stats: bool,
         scale: float,
+        token_weight: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = s_hidden.shape[0]
@@ -299,7 +300,10 @@ class _PrecomputedDistill(torch.autograd.Function):
             h = s_hidden[s:e]
             zs = _up(h @ weight.T)
             zt = _up(t_hidden[s:e] @ t_weight.T)
-            go = torch.full((e - s,), scale, dtype=acc, device=zs.device) if (need_h or need_w) else None
+            w = None if token_weight is None else token_weight[s:e].to(acc)
+            go = None
+            if need_h or need_w:
+                go = torch.full((e - s,), scale, dtype=acc, device=zs.device) if w is None else w * scale
             val, g, st = kernel.compute(zs, zt, go, with_stats)  # consumes zs, zt
             del zs, zt
             if st is not None:
@@ -310,7 +314,7 @@ class _PrecomputedDistill(torch.autograd.Function):
                 if grad_w is not None:
                     grad_w.addmm_(g.T, h.to(acc))
                 del g
-            total += val.sum() * scale
+            total += (val.sum() if w is None else (val * w).sum()) * scale
         stats = torch.cat(stats_chunks) if stats_chunks else total.new_zeros((n, 0))
         ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
         ctx.mark_non_differentiable(stats)
@@ -329,7 +333,7 @@ class _PrecomputedDistill(torch.autograd.Function):
             grad_h.mul_(grad_total.to(grad_h.dtype))
         if grad_w is not None:
             grad_w.mul_(grad_total.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _reduce(per_token: Tensor, idx: Tensor | None, shape: torch.Size, reduction: str, vocab: int) -> Tensor:
@@ -366,6 +370,7 @@ def chunked_distill(
     reduction: str = "batchmean",
     return_stats: bool = False,
     grad_mode: str = "recompute",
+    token_weight: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Reduce ``kernel`` over the masked tokens, computing logits chunk by chunk.
 
@@ -375,7 +380,7 @@ def chunked_distill(
         student_hidden: ``(..., H)`` student hidden states predicting each token.
         teacher_hidden: ``(..., H)`` teacher hidden states aligned to the same tokens.
         lm_head_weight: ``(V, H)`` student LM head (receives gradients).
-        kernel: a per-token divergence from :mod:`composer_plugins.losses._kernels`.
+        kernel: a per-token divergence from :mod:`composer_plugins.kernels.divergences`.
         mask: ``(...)`` tokens to distil on (all when None).
         teacher_lm_head_weight: teacher LM head when different from the student's (default: same, detached).
         reduction: ``batchmean`` (sum / #masked tokens, or / batch size without a mask — TRL GKD),
@@ -385,6 +390,9 @@ def chunked_distill(
             ``"precompute"``: gradients are formed in the forward pass (no recompute, two fewer
             matmuls per chunk; only for the scalar reductions ``batchmean``/``sum``/``mean``, and
             it spends the gradient work even if no backward follows).
+        token_weight: optional ``(...)`` per-token weights (no gradient; e.g. importance ratios): each
+            token's divergence is multiplied by its weight before the reduction, whose denominator is
+            unchanged (``batchmean``: still the number of masked tokens).
     """
     _check_hidden("student_hidden", student_hidden, lm_head_weight)
     if teacher_hidden.shape != student_hidden.shape:
@@ -407,6 +415,15 @@ def chunked_distill(
     m = mask.bool() if mask is not None else None
     s_rows, idx = _flat_rows(student_hidden, m)
     t_rows, _ = _flat_rows(teacher_hidden.detach(), m)
+    w_rows: Tensor | None = None
+    if token_weight is not None:
+        if tuple(token_weight.shape) != tuple(student_hidden.shape[:-1]):
+            raise ValueError(
+                f"token_weight shape {tuple(token_weight.shape)} must equal student_hidden.shape[:-1] = "
+                f"{tuple(student_hidden.shape[:-1])}"
+            )
+        flat_w = token_weight.detach().reshape(-1)
+        w_rows = flat_w if idx is None else flat_w.index_select(0, idx)
     if grad_mode == "precompute" and reduction in ("batchmean", "sum", "mean"):
         n, vocab = s_rows.shape[0], lm_head_weight.shape[0]
         if reduction == "batchmean":
@@ -420,7 +437,7 @@ def chunked_distill(
         else:
             denom = 1
         total, stats = _PrecomputedDistill.apply(
-            s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats), 1.0 / denom
+            s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats), 1.0 / denom, w_rows
         )
         return (total, stats) if return_stats else total
     if grad_mode == "precompute":
@@ -428,6 +445,8 @@ def chunked_distill(
     per_token, stats = _ChunkedDistill.apply(
         s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats)
     )
+    if w_rows is not None:
+        per_token = per_token * w_rows.to(per_token.dtype)
     out = _reduce(per_token, idx, student_hidden.shape[:-1], reduction, lm_head_weight.shape[0])
     if return_stats:
         return out, stats

@@ -1,4 +1,4 @@
-"""``composer_plugins.core.procs``: bounded waits on children, no orphans, rendezvous that name who is missing."""
+"""``composer_plugins.procs``: bounded waits on children, no orphans, rendezvous that name who is missing."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_plugins.core import procs
+from composer_plugins import procs
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -117,7 +117,7 @@ def test_child_dies_with_a_sigkilled_parent(tmp_path):
     """The parent runs no cleanup at all; PR_SET_PDEATHSIG still takes its child down."""
     out = tmp_path / "pids"
     parent_code = (
-        "import sys, time\nfrom composer_plugins.core import procs\n"
+        "import sys, time\nfrom composer_plugins import procs\n"
         "kids = procs.Children('p')\n"
         f"c = kids.start('sleeper', [sys.executable, '-c', 'import time; time.sleep(300)'])\n"
         f"open({str(out)!r}, 'w').write(str(c.pid))\ntime.sleep(300)\n"

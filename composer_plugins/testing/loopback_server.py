@@ -3,7 +3,7 @@
 It speaks the parts of vLLM's and SGLang's HTTP APIs the generator uses, over HF ``generate`` on a
 local policy, in its own process::
 
-    python -m composer_plugins.training.loopback_server --model PATH --port 0
+    python -m composer_plugins.testing.loopback_server --model PATH --port 0
 
 * ``POST /v1/completions`` — ``prompt`` as a list of token ids, ``n``, ``max_tokens``,
   ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``; each choice carries ``token_ids``
@@ -185,7 +185,7 @@ async def _serve(config: ServerConfig, model_path: str, host: str, port: int, th
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point (``python -m composer_plugins.training.loopback_server``)."""
+    """Command-line entry point (``python -m composer_plugins.testing.loopback_server``)."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", required=True, help="a save_pretrained folder to serve")
     ap.add_argument("--host", default="127.0.0.1")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class RolloutServerProcess(LoopbackProcess):
-    """Start :mod:`composer_plugins.training.loopback_server` serving ``model`` in a subprocess (context manager).
+    """Start :mod:`composer_plugins.testing.loopback_server` serving ``model`` in a subprocess (context manager).
 
     Example::
 
@@ -213,7 +213,7 @@ class RolloutServerProcess(LoopbackProcess):
             gen = ServerGenerator(srv.base_url)
     """
 
-    module = "composer_plugins.training.loopback_server"
+    module = "composer_plugins.testing.loopback_server"
 
     def __init__(self, *, model: str, threads: int = 1, env: dict[str, str] | None = None,
                  cpu: int | None = None, **config: Any) -> None:  # fmt: skip

@@ -1,7 +1,8 @@
 """Child processes that cannot hang their parent and do not outlive it (Linux-first, stdlib only).
 
-Used by the DiLoCo launcher, the benchmarks (``benchmarks/run_all.py``, the DDP baseline of
-``bench_diloco``) and the tests. The pieces:
+A package of its own below every package that starts children (the code sandbox of ``envs``, the DiLoCo
+launcher), beside the plugin kernel and importing nothing but the stdlib. Used also by the benchmarks
+(``benchmarks/run_all.py``, the DDP baseline of ``bench_diloco``) and the tests. The pieces:
 
 * :func:`die_with_parent` — a ``preexec_fn`` that sets ``PR_SET_PDEATHSIG``: the child gets a signal
   (default ``SIGKILL``) as soon as the thread that started it exits, even when the parent was

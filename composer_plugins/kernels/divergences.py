@@ -56,8 +56,9 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
 
 def _own(z: Tensor) -> Tensor:
     """A float32/64 tensor the kernel may overwrite (copies only when it must)."""
-    up = _up(z.detach())
-    return up if up is not z else z.detach().clone()
+    d = z.detach()
+    up = _up(d)
+    return up if up is not d else d.clone()  # detach() shares storage: copy unless the upcast already did
 
 
 class Kernel:
@@ -285,3 +286,124 @@ def make_kernel(criterion: str, **params: float | int | None) -> Kernel:
     if criterion == "entropy_opd":
         return EntropyOPDKernel(**params)  # type: ignore[arg-type]
     raise ValueError(f"unknown distillation criterion {criterion!r}; valid: 'jsd', 'taid', 'entropy_opd'")
+
+
+#: Top-k mass above ``exp(-TAIL_FLOOR)`` counts as the whole distribution: the tail bucket is then
+#: ``1 - exp(-TAIL_FLOOR) ≈ 1e-7`` (as SDPO clamps it), never ``log 0``.
+TAIL_FLOOR = 1e-7
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, stable at both ends (Mächler's two branches)."""
+    near = x > -math.log(2.0)
+    return torch.where(near, torch.log(-torch.expm1(x.clamp(min=-math.log(2.0)))),
+                       torch.log1p(-torch.exp(x.clamp(max=-math.log(2.0)))))  # fmt: skip
+
+
+def _tail(top: Tensor) -> tuple[Tensor, Tensor]:
+    """``(log tail (n, 1), active (n, 1))`` for top-k log-probs ``top`` ``(n, k)``.
+
+    ``tail = log(1 - Σ exp(top))`` computed as ``log1mexp(logsumexp(top))``; where the top-k mass
+    rounds above ``1 - TAIL_FLOOR`` the sum is clamped there (``active`` is False: no gradient
+    flows through the clamp).
+    """
+    lse = torch.logsumexp(top, dim=-1, keepdim=True)
+    active = lse < -TAIL_FLOOR
+    return _log1mexp(lse.clamp(max=-TAIL_FLOOR)), active
+
+
+@dataclass
+class TopKTailKernel(Kernel):
+    """``base`` on the ``(k+1)``-way distributions: the student's top-``k`` tokens plus one tail bucket.
+
+    Per token, the ``k`` ids are those of the **student's** ``k`` largest logits (as SDPO, which
+    gathers the teacher's log-probs at the student's top-k indices); the top-k ids are not
+    differentiated. Each side keeps its own *unrenormalised* probabilities of those ``k`` tokens
+    (``log_softmax`` over the whole vocabulary at ``temperature``, then gathered) and adds one bucket
+    holding the rest of its mass, ``log(1 - Σ_k p) = log1mexp(logsumexp(top-k log-probs))``. The
+    ``base`` criterion (built with temperature 1) is then evaluated on these ``(n, k+1)``
+    log-probabilities as if they were logits (they are already normalised, so its softmax is the
+    identity). With ``k >= V`` the top-k is the whole vocabulary and there is no tail bucket: the
+    value is the full-vocabulary one.
+
+    ``compute`` forms the gradient in closed form from the base kernel's gradient ``g`` on the
+    buckets: with ``h_i = g_i - g_tail · exp(b_i - tail)`` (the tail's dependence on the top-k),
+    ``dL/dz = (scatter(h) - (Σ h) · softmax(z/τ)) / τ`` — one ``(n, V)`` buffer (the student
+    logits', reused) plus ``(n, k+1)`` ones.
+    """
+
+    base: Kernel
+    k: int = 100
+    temperature: float = 1.0
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.base.name
+
+    def _buckets(self, zs: Tensor, zt: Tensor) -> tuple[Tensor, Tensor]:
+        s = torch.log_softmax(_scaled(zs, self.temperature), dim=-1)
+        t = torch.log_softmax(_scaled(zt, self.temperature), dim=-1)
+        idx = s.detach().topk(min(self.k, s.shape[-1]), dim=-1).indices
+        bs, bt = s.gather(-1, idx), t.gather(-1, idx)
+        if self.k >= s.shape[-1]:
+            return bs, bt
+        ts, act = _tail(bs)
+        ts = torch.where(act, ts, ts.detach())
+        return torch.cat([bs, ts], -1), torch.cat([bt, _tail(bt)[0]], -1)
+
+    def value(self, zs: Tensor, zt: Tensor) -> Tensor:
+        bs, bt = self._buckets(zs, zt.detach())
+        return self.base.value(bs, bt)
+
+    def stats(self, zs: Tensor, zt: Tensor) -> Tensor:
+        with torch.no_grad():
+            bs, bt = self._buckets(zs, zt)
+        return self.base.stats(bs, bt)
+
+    def compute(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None = None, with_stats: bool = False) -> Computed:
+        tau = self.temperature
+        zs, zt = _up(zs), _up(zt)
+        if tau != 1.0:
+            zs.div_(tau)
+            zt.div_(tau)
+        V = zs.shape[-1]
+        k = min(self.k, V)
+        top, idx = zs.topk(k, dim=-1)
+        lse = torch.logsumexp(zs, dim=-1, keepdim=True)
+        bs = top.sub_(lse)
+        bt = zt.gather(-1, idx).sub_(torch.logsumexp(zt, dim=-1, keepdim=True))
+        del zt
+        tail = k < V
+        if tail:
+            ts, act = _tail(bs)
+            ls, lt = torch.cat([bs, ts], -1), torch.cat([bt, _tail(bt)[0]], -1)
+        else:
+            ls, lt = bs.clone(), bt
+        val, gb, st = self.base.compute(ls, lt, grad_out, with_stats)  # consumes ls, lt
+        g: Tensor | None = None
+        if grad_out is not None:
+            assert gb is not None
+            h = gb[:, :k]
+            if tail:
+                # the tail log-prob depends on the top-k: d tail / d b_i = -exp(b_i - tail)
+                h = h - gb[:, k:] * bs.sub_(ts).exp_() * act.to(h.dtype)
+            g = zs.sub_(lse).exp_().mul_(-h.sum(-1, keepdim=True))  # -(Σ h) softmax(z/τ)
+            g.scatter_add_(-1, idx, h)
+            if tau != 1.0:
+                g.div_(tau)
+        return val, g, st
+
+
+def with_topk(kernel: Kernel, k: int | None, temperature: float = 1.0) -> Kernel:
+    """``kernel`` itself when ``k`` is None, else :class:`TopKTailKernel` around it.
+
+    ``kernel`` must have been built at temperature 1: the wrapper divides the full-vocabulary
+    logits by ``temperature`` before the top-k and the tail are taken.
+    """
+    if k is None:
+        return kernel
+    if int(k) < 1:
+        raise ValueError(f"topk must be >= 1 (or None for the full vocabulary), got {k}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return TopKTailKernel(base=kernel, k=int(k), temperature=float(temperature))

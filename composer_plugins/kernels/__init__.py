@@ -1,0 +1,14 @@
+"""The chunked LM-head kernels: log-probs and distillation divergences computed from hidden states.
+
+Below ``models`` and ``losses``, which both use them; imports only ``core`` and torch.
+
+* :mod:`composer_plugins.kernels.divergences` — per-token divergences over a block of logits rows
+  (JSD, TAID, entropy-aware OPD, the top-k + tail wrapper) with closed-form, in-place gradients;
+* :mod:`composer_plugins.kernels.chunked` — the autograd functions that walk the tokens chunk by
+  chunk from hidden states and the LM-head weight (:func:`~composer_plugins.kernels.chunked.chunked_logprobs`,
+  :func:`~composer_plugins.kernels.chunked.chunked_distill` and the per-criterion helpers), so no
+  ``rows × tokens × vocab`` tensor is ever built, and the chunk-size rule (``auto_chunk_size``).
+
+The documented functional API re-exports the chunked functions from
+:mod:`composer_plugins.losses.functional`. Importing this package does not import torch.
+"""
