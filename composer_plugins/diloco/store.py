@@ -74,7 +74,7 @@ def check_store_url(url: str, error: Callable[[str], Exception]) -> None:
         raise error(f"{url!r} is not a store URL. HINT: s3://bucket/prefix, gs://bucket/prefix, az://container/"
                     "prefix or file:///absolute/path.")  # fmt: skip
     if scheme not in SCHEMES:
-        near = closest(scheme, SCHEMES)
+        near = closest(scheme, SCHEMES, cutoff=0.4)
         hint = f" Did you mean {near[0]!r}?" if near else ""
         raise error(f"unknown store scheme {scheme!r} in {url!r}; available: {', '.join(SCHEMES)}.{hint}")
     if scheme == "file" and not rest.startswith("/"):

@@ -46,7 +46,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_config_defaults_are_the_paper_outer_optimizer():
-    from composer_plugins.diloco.common import DiLoCoConfig, build_outer_optimizer as _build_outer
+    from composer_plugins.diloco.common import DiLoCoConfig
+    from composer_plugins.diloco.common import build_outer_optimizer as _build_outer
 
     c = DiLoCoConfig.from_config(loads_config("diloco: {sync_every: 10}"))
     assert c.sync_every == 10 and c.num_fragments == 1 and c.checkpoint_transport == "pg"
@@ -57,7 +58,8 @@ def test_config_defaults_are_the_paper_outer_optimizer():
 
 
 def test_config_outer_optimizer_class_path():
-    from composer_plugins.diloco.common import DiLoCoConfig, build_outer_optimizer as _build_outer
+    from composer_plugins.diloco.common import DiLoCoConfig
+    from composer_plugins.diloco.common import build_outer_optimizer as _build_outer
 
     c = DiLoCoConfig.from_config(
         loads_config("diloco:\n  outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.1}}\n")
