@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, from_dict
-from composer_plugins.core.errors import ComposerPluginsError, closest
+from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
 from composer_plugins.diloco.common import DiLoCoConfig
 from composer_plugins.diloco.launch import LaunchError, LocalProcessExecutor, ReplicaSpec
 
 __all__ = ["EXECUTORS", "HFJobsExecutor", "JobsConfig", "ModalExecutor", "make_executor"]
 
 EXECUTORS = ("local", "hf_jobs", "modal")
+#: how long a job's status may stay unreadable (Hub unreachable, 5xx) before its replica counts as failed
+POLL_ERRORS_S = 120.0
 
 
 @dataclasses.dataclass
@@ -127,6 +129,7 @@ class HFJobHandle:
         self._last_poll = 0.0
         self._stage = "SCHEDULING"
         self.message: str | None = None
+        self._failing_since: float | None = None
 
     @property
     def pid(self) -> int | None:
@@ -142,7 +145,15 @@ class HFJobHandle:
         if now - self._last_poll < self.executor.jobs.poll_s:
             return None
         self._last_poll = now
-        info = self.executor.api.inspect_job(job_id=self.job_id, namespace=self.executor.namespace)
+        try:
+            info = self.executor.api.inspect_job(job_id=self.job_id, namespace=self.executor.namespace)
+        except Exception as e:  # the Hub unreachable or 5xx for a moment: ask again at the next poll
+            self._failing_since = self._failing_since or now
+            if now - self._failing_since > POLL_ERRORS_S:
+                self.message = f"cannot read the job's status for {POLL_ERRORS_S:.0f}s: {one_line(e)}"
+                self._finish(1)
+            return self._rc
+        self._failing_since = None
         self._stage, self.message = str(info.status.stage), info.status.message
         stage = self._stage.rsplit(".", 1)[-1]
         if stage == "SCHEDULING" and now - self.started_at > self.executor.jobs.start_timeout_s:
@@ -193,9 +204,20 @@ class HFJobsExecutor:
                 "--executor hf_jobs needs a Docker image with composer-plugins "
                 "installed, e.g. -S diloco.jobs.image=ghcr.io/you/composer-plugins:latest.",
             )
-        self.api = api or HfApi()
-        self.namespace = self.jobs.namespace
+        # $HF_ENDPOINT read now, not when huggingface_hub was first imported
+        self.api = api or HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        self.namespace = self.jobs.namespace or self._whoami()
         self.log_dir = Path(log_dir) if log_dir is not None else None
+
+    def _whoami(self) -> str:
+        """The token's user, asked once (the Hub rate-limits ``whoami``; every jobs call needs a namespace)."""
+        try:
+            return str(self.api.whoami(cache=True)["name"])
+        except Exception as e:
+            raise ComposerPluginsError(
+                f"--executor hf_jobs cannot tell who you are on {self.api.endpoint}: {one_line(e)}. HINT: set HF_TOKEN "
+                "(or run `hf auth login`), or name the namespace with -S diloco.jobs.namespace=<user-or-org>."
+            ) from e
 
     def start(self, spec: ReplicaSpec) -> HFJobHandle:
         env = {**_forward(self.jobs.env, "env"), **spec.job_env}

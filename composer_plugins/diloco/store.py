@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from composer_plugins.core.errors import ComposerPluginsError, closest
+from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,10 @@ class ObjectStore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StoreError(f"{what} on {self.url} still failing after {attempt} attempts over "
-                                     f"{self.retry_s:.0f}s (diloco.store_retry_s): {_short(e)}") from e  # fmt: skip
+                                     f"{self.retry_s:.0f}s (diloco.store_retry_s): {one_line(e)}") from e  # fmt: skip
                 self.retries += 1
                 if attempt == 1 or attempt % 10 == 0:
-                    log.warning("store %s: %s failed (%s); retrying for up to %.0fs", self.url, what, _short(e), left)
+                    log.warning("store %s: %s failed (%s); retrying for up to %.0fs", self.url, what, one_line(e), left)
                 time.sleep(min(delay * (0.5 + random.random()), left))
                 delay = min(delay * 2, 2.0)
 
@@ -223,11 +223,6 @@ class ObjectStore:
                 return []
 
         return self._call(f"list {prefix}/", op)
-
-
-def _short(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".replace("\n", " ")
-    return text if len(text) < 300 else text[:297] + "..."
 
 
 # -- the envelope of every object ---------------------------------------------------------

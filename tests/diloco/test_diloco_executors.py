@@ -1,5 +1,5 @@
 """Cloud executors without the cloud: the Modal app/image/function built with the real SDK offline, and the
-executor choice errors. (The Hugging Face Jobs loopback test is still to be written; see docs/diloco.md.)"""
+executor choice errors. (Hugging Face Jobs runs end to end against a loopback Hub: test_diloco_hf_jobs.py.)"""
 
 from __future__ import annotations
 

@@ -8,91 +8,22 @@ once, a run directory of another run refused, and the config checked once before
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from serverless_support import HERE, WAIT_S, cli, finish, logs, records, result, store_url
 
 from composer_plugins.core import procs
 
-HERE = Path(__file__).parent
-WAIT_S = 240.0
 pytestmark = pytest.mark.timeout(480)
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[dict[str, str]]:
-    """moto's S3 server on 127.0.0.1 (free port) and the AWS variables that point clients at it."""
-    pytest.importorskip("moto")
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}  # fmt: skip
-    import boto3
-
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="runs")  # fmt: skip
-    try:
-        yield env
-    finally:
-        server.stop()
-
-
-def store_url(kind: str, tmp_path: Path, name: str) -> str:
-    return f"s3://runs/{tmp_path.name}-{name}" if kind == "s3" else f"file://{tmp_path}/store-{name}"
-
-
-def records(log_dir: Path, index: int) -> list[dict[str, Any]]:
-    p = log_dir / f"replica{index}.sync.jsonl"
-    out = []
-    if p.exists():
-        for line in p.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
-
-
-def cli(tmp_path: Path, log: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "composer_plugins", "diloco", "--replicas", "2", "--target", "toy", "--log-dir",
-           str(tmp_path / log), "--timeout", str(WAIT_S), "diloco.sync_every=8",
-           f"toy.output={tmp_path / log}/result{{replica}}.json", *args]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-
-
-def logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
-                     for p in sorted(log_dir.glob("replica*.log")))  # fmt: skip
-
-
-def finish(proc: subprocess.Popen[str], log_dir: Path, rc: int = 0) -> str:
-    try:
-        out, _ = proc.communicate(timeout=WAIT_S + 30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    assert proc.returncode == rc, f"{out}\n{logs(log_dir)}"
-    return out
-
-
-def result(log_dir: Path, i: int) -> dict[str, Any]:
-    return json.loads((log_dir / f"result{i}.json").read_text())
 
 
 def test_object_store_run_equals_torchft_run_bitwise(tmp_path):
