@@ -27,8 +27,8 @@ reproduces torchft's: every replica takes replica 0's model and inner-optimizer 
 so without faults an ``object_store`` run equals a ``torchft`` run of the same config and seeds.
 
 The sync log has the torchft path's fields (``outer_step``, ``committed``, ``participants``, ``healed``,
-``param_hash`` ...) plus ``transport``, ``bytes_written``, ``bytes_read``, ``compress_error`` and
-``sync_seconds``.
+``param_hash`` ...) plus ``transport``, ``bytes_written``, ``bytes_read``, ``compress_error``,
+``sync_seconds`` and ``store_retries`` (store requests retried during the sync).
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ class RoundStore:
         existing = self.manifest(r)
         if existing is None:  # pragma: no cover - a store that lost an object it said exists
             raise ComposerPluginsError(f"{self.store.url}/{key} exists but cannot be read")
-        return existing, False
+        # our own create, whose answer was lost (a dropped connection) and whose retry found it there
+        return existing, existing == m
 
     # -- states -----------------------------------------------------------------------
     def put_state(self, key: str, state: dict[str, Any], create: bool = True) -> int:
@@ -377,7 +378,7 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
         assert self.rounds is not None and self.store is not None
         c, rs, me = self.config, self.rounds, self.replica.index
         t0 = time.perf_counter()
-        w0, r0 = self.store.bytes_written, self.store.bytes_read
+        w0, r0, n0 = self.store.bytes_written, self.store.bytes_read, self.store.retries
         r = self.round
         err = None
         manifest = rs.manifest(r)
@@ -414,7 +415,7 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
         else:
             self._catch_up(r)
         self._record(r, committed, len(participants), err, time.perf_counter() - t0,
-                           self.store.bytes_written - w0, self.store.bytes_read - r0)  # fmt: skip
+                     self.store.bytes_written - w0, self.store.bytes_read - r0, self.store.retries - n0)  # fmt: skip
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
@@ -484,7 +485,7 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
             time.sleep(self.config.poll_s)
 
     def _record(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, written: int,
-                read: int) -> dict[str, Any]:  # fmt: skip
+                read: int, retries: int) -> dict[str, Any]:  # fmt: skip
         c = self.config
         rec: dict[str, Any] = {
             "replica": self.replica.index,
@@ -504,6 +505,7 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
             "bytes_read": read,
             "compress_error": err,
             "sync_seconds": seconds,
+            "store_retries": retries,
         }
         self._healed_since_sync = False
         if self._target is not None and self.round >= self._target:

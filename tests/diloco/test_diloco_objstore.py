@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from serverless_support import HERE, WAIT_S, cli, finish, logs, records, result, store_url
+from serverless_support import HERE, WAIT_S, FaultyProxy, cli, finish, logs, records, result, store_url
 
 from composer_plugins.core import procs
 
@@ -196,3 +196,38 @@ def test_pseudo_gradient_codecs_checksums_and_int8_size():
             unpack(bytes(flipped))
     assert sizes["int8"] <= sizes["none"] / 4, sizes
     assert sizes["bf16"] <= sizes["none"] / 2 + 200, sizes
+
+
+def test_ten_second_store_outage_is_survived_with_retries(moto, tmp_path):
+    """A fault-injecting proxy in front of moto: 5 s of ``503 SlowDown`` then 5 s of dropped connections (open
+    ones cut too) after a few syncs; both replicas wait it out (store_retry_s > the outage) and end equal."""
+    host, port = moto["AWS_ENDPOINT_URL"].rsplit("//", 1)[1].split(":")
+    proxy = FaultyProxy((host, int(port)))
+    log_dir = tmp_path / "logs"
+    try:
+        proc = cli(tmp_path, "logs", "toy.max_steps=96", "-S", "diloco.transport=object_store", "-S",
+                   f"diloco.store={store_url('s3', tmp_path, 'outage')}", "-S", "diloco.store_retry_s=60", "-S",
+                   "diloco.round_timeout_s=60", env={**moto, "AWS_ENDPOINT_URL": proxy.endpoint})  # fmt: skip
+        try:
+            _wait(proc, log_dir, "replica 0's second sync", lambda: len(records(log_dir, 0)) >= 2)
+            before = len(records(log_dir, 0))
+            proxy.outage(10.0)
+            t0 = time.monotonic()
+            out = finish(proc, log_dir)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    finally:
+        proxy.close()
+    assert time.monotonic() - t0 >= 10.0 and proxy.refused["503"] > 0 and proxy.refused["drop"] > 0, proxy.refused
+    assert "exit codes [0]" in out
+    a, b = result(log_dir, 0), result(log_dir, 1)
+    assert a["param_hash"] == b["param_hash"] and a["outer_step"] == b["outer_step"] == 96 // 8
+    r0, r1 = records(log_dir, 0), records(log_dir, 1)
+    for rs in (r0, r1):
+        assert all(r["committed"] and r["participants"] == 2 for r in rs), rs  # nobody left out
+        hit = [r for r in rs if r["store_retries"] > 0]
+        assert hit and max(r["sync_seconds"] for r in hit) > 5.0, rs  # the sync that waited out the outage
+    assert all(r["round"] >= before - 1 for r in r0 if r["store_retries"] > 0)
+    assert [r["param_hash"] for r in r0] == [r["param_hash"] for r in r1]
