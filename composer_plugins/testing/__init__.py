@@ -14,6 +14,10 @@ own tests run the same checks over every registered entry. ``fresh_pm`` (a plugi
 built-in plugins only) is a pytest fixture: ``from composer_plugins.testing import fresh_pm`` in a
 ``conftest.py`` makes it available.
 
+``composer_plugins.testing.hf_jobs_hub.FakeJobsHub`` (imported on its own) is a loopback stand-in for the
+Hugging Face Hub's jobs endpoints that runs each job as a local process (``--executor hf_jobs`` without an
+account).
+
 Imports point down only: ``core`` and the kinds it checks (losses, envs, teachers, backends, and the
 training stack's optimizers and callbacks).
 """
