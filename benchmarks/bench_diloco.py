@@ -12,7 +12,19 @@ synthetic Markov-chain data, each replica/rank on its own shard, batch ``B`` per
   replicas together.
 
 Bytes are payload bytes handed to all-reduce (not wire bytes; a ring all-reduce moves ~2(R-1)/R of it
-for both). Expect DiLoCo/DDP ≈ 1/H. Run: ``python -m benchmarks.bench_diloco [--quick]``.
+for both). Expect DiLoCo/DDP ≈ 1/H.
+
+* **DiLoCo through an object store** (``diloco.transport=object_store``, H = 8 quick / 16 full): the same
+  replicas meeting through ``file://`` with ``diloco.compress`` = ``none`` / ``bf16`` / ``int8``, and
+  through moto's S3 server on loopback (``none``; skipped without ``moto[server]``). Per replica per sync:
+  the pseudo-gradient object's bytes, and everything written and read through the store (the sync log's
+  ``bytes_written`` / ``bytes_read``: pseudo-gradients, the round manifest, listings, and, for the replica
+  that closed the round, the fp32 global state); the first round (``init_sync``) is left out.
+* **Sync latency**, measured the same way on both transports: each replica times every training batch;
+  latency = mean time of the batches that end in a sync (the first left out) minus the median of the
+  others. Ratios against the torchft path at the same H in the same run.
+
+Run: ``python -m benchmarks.bench_diloco [--quick]``.
 """
 
 from __future__ import annotations
@@ -207,28 +219,104 @@ def _run_ddp(
     return json.loads(out.read_text())
 
 
-def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path) -> dict[str, Any]:
+def timed_toy(cfg: Any) -> dict[str, Any]:
+    """The replicas' target (``--target benchmarks.bench_diloco:timed_toy``): the toy run, with the wall
+    time of every training batch written to ``steps<replica>.json`` beside ``toy.output``."""
+    import lightning.pytorch as pl
+
+    from composer_plugins.diloco.toy import run_toy
+
+    times: list[float] = []
+
+    class StepTimer(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            times.append(time.perf_counter() - self.t0)
+
+    out = run_toy(cfg, extra_callbacks=[StepTimer()])
+    path = Path(str(cfg.get_path("toy.output")).replace("{replica}", str(out["replica"])))
+    path.with_name(f"steps{out['replica']}.json").write_text(json.dumps(times))
+    return out
+
+
+def _sync_latency(step_times: list[float], h: int) -> float:
+    """Mean time of the batches that end in a sync (not the first: ``init_sync``) minus the median of the others."""
+    import statistics
+
+    sync = [t for i, t in enumerate(step_times) if (i + 1) % h == 0][1:]
+    other = [t for i, t in enumerate(step_times) if (i + 1) % h != 0]
+    return statistics.fmean(sync) - statistics.median(other) if sync and other else float("nan")
+
+
+def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path, *, name: str | None = None,
+                store: str | None = None, compress: str = "none",
+                env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``replicas`` DiLoCo replicas of the toy LM, over torchft (``store=None``) or through ``store``."""
+    import statistics
+
     from composer_plugins.diloco.launch import LaunchError, ReplicaGroup, replica_argv
 
-    log_dir = tmp / f"diloco_h{h}"
+    log_dir = tmp / (name or f"diloco_h{h}")
     overrides = [f"diloco.sync_every={h}"] + [f"toy.{k}={v}" for k, v in toy.items()]
-    argv = lambda i: replica_argv("toy", None, [*overrides, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
+    transport = "torchft" if store is None else "object_store"
+    if store is not None:
+        overrides += ["diloco.transport=object_store", f"diloco.compress={compress}"]
+    target = "benchmarks.bench_diloco:timed_toy"
+    argv = lambda i: replica_argv(target, None, [*overrides, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
     try:
-        with ReplicaGroup(argv, replicas, log_dir=log_dir, grace_s=5, threads_per_replica=1) as g:
+        with ReplicaGroup(argv, replicas, log_dir=log_dir, grace_s=5, threads_per_replica=1, cwd=str(REPO_ROOT),
+                          transport=transport, store=store, env=env) as g:  # fmt: skip
             # a replica that dies invalidates the comparison: stop at once instead of training on without it
             res = g.wait(timeout=900, fail_fast=True)
     except LaunchError as e:
-        raise RuntimeError(f"DiLoCo replicas (H={h}) failed: {e}") from None
+        raise RuntimeError(f"DiLoCo replicas ({name or f'H={h}'}) failed: {e}") from None
     if not res.ok:
         logs = "\n".join((log_dir / f"replica{i}.log").read_text()[-2000:] for i in range(replicas))
         raise RuntimeError(f"DiLoCo replicas failed: {res}\n{logs}")
     outs = [json.loads((log_dir / f"result{i}.json").read_text()) for i in range(replicas)]
     first = outs[0]
     first["identical_final_weights"] = len({o["param_hash"] for o in outs}) == 1
-    syncs = [json.loads(line) for line in (log_dir / "replica0.sync.jsonl").read_text().splitlines()]
+    logs_ = [[json.loads(line) for line in (log_dir / f"replica{i}.sync.jsonl").read_text().splitlines()]
+             for i in range(replicas)]  # fmt: skip
+    syncs = logs_[0]
     first["syncs"] = len(syncs)
     first["min_participants"] = min(s["participants"] for s in syncs)
+    steps = [json.loads((log_dir / f"steps{i}.json").read_text()) for i in range(replicas)]
+    first["sync_latency_s"] = statistics.fmean(_sync_latency(t, h) for t in steps)
+    first["median_step_s"] = statistics.fmean(statistics.median(t) for t in steps)
+    if store is not None:
+        later = [r for rs in logs_ for r in rs if r["round"] > 0]  # round 0 carries the init_sync state
+        first["store_bytes_written_per_sync"] = statistics.fmean(r["bytes_written"] for r in later)
+        first["store_bytes_read_per_sync"] = statistics.fmean(r["bytes_read"] for r in later)
+        first["grad_bytes_per_sync"] = statistics.fmean(o["bytes_allreduced"] / o["outer_step"] for o in outs)
+        first["compress_error"] = statistics.fmean(r["compress_error"] or 0.0 for r in later)
+        first["store_retries"] = sum(r.get("store_retries", 0) for rs in logs_ for r in rs)
+    else:
+        first["grad_bytes_per_sync"] = statistics.fmean(o["bytes_allreduced"] / max(1, o["outer_step"]) for o in outs)
     return first
+
+
+def _moto() -> tuple[Any, dict[str, str]] | None:
+    """moto's S3 server on loopback with a bucket ``bench`` and the AWS variables that reach it (``None``
+    when ``moto[server]`` is not installed)."""
+    try:
+        import boto3
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        return None
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}  # fmt: skip
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1", aws_access_key_id="bench",
+                 aws_secret_access_key="bench").create_bucket(Bucket="bench")  # fmt: skip
+    return server, env
 
 
 def _run_single(steps: int, toy: dict[str, Any]) -> dict[str, Any]:
@@ -244,10 +332,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     steps = 64 if quick else 384
     hs = [8] if quick else [4, 16, 64]
     toy = _toy(quick, steps)
-    results: dict[str, Any] = {"replicas": replicas, "inner_steps_per_replica": steps, "toy": toy}
+    results: dict[str, Any] = {"replicas": replicas, "inner_steps_per_replica": steps, "toy": toy,
+                               "object_store_h": OS_H[quick]}  # fmt: skip
     ratios: dict[str, float] = {}
     targets: dict[str, str] = {}
-    plan = ["ddp", "single"] + [f"diloco_h{h}" for h in hs]
+    plan = ["ddp", "single"] + [f"diloco_h{h}" for h in hs] + [f"os_file_{c}" for c in CODECS] + ["os_s3_none"]
     tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
     ok = False
     try:
@@ -263,13 +352,33 @@ def run(quick: bool = False) -> dict[str, Any]:
     return out
 
 
+#: H of the object-store runs (quick, full); a torchft run at the same H is in both plans
+OS_H = {True: 8, False: 16}
+CODECS = ("none", "bf16", "int8")
+
+
 def _measure(plan: list[str], replicas: int, steps: int, toy: dict[str, Any], tmp: Path, results: dict[str, Any],
              ratios: dict[str, float], targets: dict[str, str]) -> None:  # fmt: skip
     from tqdm import tqdm
 
+    moto = None
+    os_h = results["object_store_h"]
     with tqdm(plan, desc="bench_diloco") as bar:
         for item in bar:
             bar.set_postfix_str(item)
+            if item.startswith("os_"):
+                _, where, codec = item.split("_")
+                env = None
+                if where == "file":
+                    url = f"file://{tmp}/store-{codec}"
+                else:
+                    moto = moto or _moto()
+                    if moto is None:
+                        _log("moto[server] is not installed: no S3 row")
+                        continue
+                    url, env = f"s3://bench/run-{codec}-{os.getpid()}", moto[1]
+                results[item] = _run_diloco(replicas, os_h, toy, tmp, name=item, store=url, compress=codec, env=env)
+                continue
             if item == "ddp":
                 ddp = _run_ddp(replicas, toy, tmp)
                 ddp["bytes_per_inner_step"] = ddp["bytes_allreduced"] / ddp["inner_steps"]
@@ -288,6 +397,41 @@ def _measure(plan: list[str], replicas: int, steps: int, toy: dict[str, Any], tm
                 targets[f"eval_loss_vs_single_equal_tokens_H{h}"] = "≈ 1 (≤ 1.10 on this tiny LM)"
         ratios["eval_loss_ddp_vs_single_equal_tokens"] = results["ddp"]["eval_loss"] / single["eval_loss"]
         targets["eval_loss_ddp_vs_single_equal_tokens"] = "≈ 1 (same tokens; DDP = large-batch SGD)"
+    if moto is not None:
+        moto[0].stop()
+    _object_store_ratios(results, ratios, targets)
+
+
+def _object_store_ratios(results: dict[str, Any], ratios: dict[str, float], targets: dict[str, str]) -> None:
+    h = results["object_store_h"]
+    none, tf = results["os_file_none"], results[f"diloco_h{h}"]
+    for c in ("bf16", "int8"):
+        r = results[f"os_file_{c}"]
+        ratios[f"store_grad_bytes_per_sync_{c}_vs_fp32"] = r["grad_bytes_per_sync"] / none["grad_bytes_per_sync"]
+        targets[f"store_grad_bytes_per_sync_{c}_vs_fp32"] = "≤ 0.25" if c == "int8" else "≈ 0.5"
+        ratios[f"store_bytes_read_per_sync_{c}_vs_fp32"] = (
+            r["store_bytes_read_per_sync"] / none["store_bytes_read_per_sync"]
+        )
+        targets[f"store_bytes_read_per_sync_{c}_vs_fp32"] = "≈ the grad ratio (the others' pseudo-gradients)"
+        ratios[f"store_bytes_written_per_sync_{c}_vs_fp32"] = (
+            r["store_bytes_written_per_sync"] / none["store_bytes_written_per_sync"]
+        )
+        targets[f"store_bytes_written_per_sync_{c}_vs_fp32"] = "> the grad ratio (the closer writes fp32 state)"
+        ratios[f"eval_loss_{c}_vs_fp32"] = r["eval_loss"] / none["eval_loss"]
+        targets[f"eval_loss_{c}_vs_fp32"] = "within 1% (0.99–1.01)"
+    ratios[f"eval_loss_object_store_vs_torchft_H{h}"] = none["eval_loss"] / tf["eval_loss"]
+    targets[f"eval_loss_object_store_vs_torchft_H{h}"] = "= 1 (bitwise parity)"
+    ratios["eval_loss_object_store_vs_ddp"] = none["eval_loss"] / results["ddp"]["eval_loss"]
+    targets["eval_loss_object_store_vs_ddp"] = "≈ 1 (≤ 1.10 on this tiny LM)"
+    ratios[f"grad_bytes_per_sync_object_store_vs_torchft_H{h}"] = (
+        none["grad_bytes_per_sync"] / tf["grad_bytes_per_sync"]
+    )
+    targets[f"grad_bytes_per_sync_object_store_vs_torchft_H{h}"] = "≈ 1 (fp32 vector + a small header)"
+    for where in ("file", "s3"):
+        r = results.get(f"os_{where}_none")
+        if r is not None and tf["sync_latency_s"] > 0:
+            ratios[f"sync_latency_object_store_{where}_vs_torchft_H{h}"] = r["sync_latency_s"] / tf["sync_latency_s"]
+            targets[f"sync_latency_object_store_{where}_vs_torchft_H{h}"] = "informative (loopback)"
 
 
 def _print_table(out: dict[str, Any], hs: list[int]) -> None:
@@ -302,6 +446,19 @@ def _print_table(out: dict[str, Any], hs: list[int]) -> None:
               f"{d['eval_loss']:>11.4f}")  # fmt: skip
     s = r["single_equal_tokens"]
     print(f"{'single, = tokens':<18}{0:>18,}{0:>10.4f}{s['eval_loss']:>11.4f}  ({s['inner_steps']} steps)")
+    h = r["object_store_h"]
+    print(f"\nDiLoCo H={h} per replica per sync: torchft all-reduce vs object store (first round left out)")
+    print(f"{'run':<22}{'grad bytes':>12}{'written':>12}{'read':>12}{'latency s':>11}{'eval loss':>11}{'rel err':>9}")
+    rows = [(f"torchft H={h}", r[f"diloco_h{h}"])] + [
+        (f"store {k.split('_', 1)[1]}", r[k]) for k in (f"os_file_{c}" for c in CODECS) if k in r
+    ]
+    if "os_s3_none" in r:
+        rows.append(("store s3_none (moto)", r["os_s3_none"]))
+    for name, d in rows:
+        w, rd = d.get("store_bytes_written_per_sync"), d.get("store_bytes_read_per_sync")
+        print(f"{name:<22}{d['grad_bytes_per_sync']:>12,.0f}{'-' if w is None else f'{w:,.0f}':>12}"
+              f"{'-' if rd is None else f'{rd:,.0f}':>12}{d['sync_latency_s']:>11.4f}{d['eval_loss']:>11.4f}"
+              f"{d.get('compress_error', 0.0):>9.4f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -372,7 +372,7 @@ def build_located(entry: Any, kw: Mapping[str, Any], key: str, cfg: Config | Non
     except ConfigError as e:
         if e.file is not None or e.override is not None:
             raise
-        raise _locate_nested(e, kw, key or kind, cfg) from e
+        raise _locate_nested(e, kw, key, cfg) from e
     except ComposerPluginsError:
         raise
     except (ValueError, TypeError) as e:

@@ -16,6 +16,12 @@ def closest(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.
     return [lowered[m] for m in difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=cutoff)]
 
 
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of an exception on one line, cut to ``limit`` characters (for logs and wrapped errors)."""
+    text = f"{type(e).__name__}: {e}".replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class UnknownPluginError(ComposerPluginsError, KeyError):
     """A component name that no loaded plugin registered."""
 

@@ -49,7 +49,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.training.callbacks",
     "composer_plugins.training.rollouts",
     "composer_plugins.pipeline.plugin",
-    "composer_plugins.diloco.launch",
+    "composer_plugins.diloco.cli",
 )
 
 

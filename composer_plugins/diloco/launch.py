@@ -37,7 +37,6 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from composer_plugins import procs
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.core.hookspecs import hookimpl
 
 #: Environment variables a replica reads (see :class:`composer_plugins.diloco.strategy.ReplicaInfo`).
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
@@ -51,6 +50,8 @@ ENV_BARRIER_SIZE = "COMPOSER_DILOCO_BARRIER_SIZE"
 ENV_STOP_FILE = "COMPOSER_DILOCO_STOP_FILE"
 ENV_SYNC_LOG = "COMPOSER_DILOCO_SYNC_LOG"
 ENV_REJOIN = "COMPOSER_DILOCO_REJOIN"
+ENV_STORE = "COMPOSER_DILOCO_STORE"
+ENV_RUN_ID = "COMPOSER_DILOCO_RUN_ID"
 
 LOOPBACK = "127.0.0.1"
 
@@ -72,6 +73,8 @@ class ReplicaSpec:
     cwd: str | None = None
     log_path: Path | None = None
     restart: int = 0
+    #: only what the launcher set for this replica (no inherited environment): what a cloud executor sends
+    job_env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @runtime_checkable
@@ -405,6 +408,9 @@ class ReplicaGroup:
         cwd: str | None = None,
         index_offset: int = 0,
         total_replicas: int | None = None,
+        transport: str = "torchft",
+        store: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         if num_replicas < 1:
             raise LaunchError(f"--replicas must be at least 1, got {num_replicas}")
@@ -432,6 +438,12 @@ class ReplicaGroup:
             )
         self.replicas = [ReplicaState(i) for i in range(num_replicas)]
         self._started = False
+        #: ``object_store``: no lighthouse and no barrier; the replicas meet through ``store`` only
+        self.transport = transport
+        self.store = store
+        self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
+        if transport == "object_store" and not store:
+            raise LaunchError("diloco.transport=object_store needs diloco.store (s3://bucket/prefix or file:///path)")
         #: every replica (and whatever it starts) carries this tag, so :meth:`stop` finds stragglers too
         self.tag = procs.new_tag("diloco")
 
@@ -460,8 +472,10 @@ class ReplicaGroup:
             return self
         self._started = True
         try:
-            self.lighthouse = Lighthouse(self._lighthouse_arg, **self._lh_opts)  # type: ignore[arg-type]
-            use_barrier = self._use_barrier if self._use_barrier is not None else self.lighthouse.local
+            if self.transport != "object_store":
+                self.lighthouse = Lighthouse(self._lighthouse_arg, **self._lh_opts)  # type: ignore[arg-type]
+            local = self.lighthouse is not None and self.lighthouse.local
+            use_barrier = self._use_barrier if self._use_barrier is not None else local
             if use_barrier and self.num_replicas > 1:
                 self.barrier = StartBarrier(self.num_replicas, first=self.index_offset)
             if self.log_dir is not None:
@@ -477,28 +491,32 @@ class ReplicaGroup:
 
     def spec(self, index: int, restart: int = 0) -> ReplicaSpec:
         """The spec for replica ``index`` (its command and environment)."""
-        assert self.lighthouse is not None, "start() first"
+        assert self._started, "start() first"
         gi = self.global_index(index)
         argv = list(self.argv(gi) if callable(self.argv) else self.argv)
+        own = {
+            ENV_INDEX: str(gi),
+            ENV_NUM: str(self.total_replicas),
+            ENV_REPLICA_ID: f"replica{gi}",
+            ENV_RESTART: str(restart),
+            ENV_RUN_ID: self.run_id,
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.lighthouse is not None:
+            own[ENV_LIGHTHOUSE] = self.lighthouse.address
+        if self.store is not None:
+            own[ENV_STORE] = self.store
+        if self.base_seed is not None:
+            own[ENV_SEED] = str(self.base_seed + gi)
         env = dict(os.environ)
-        env.update(
-            {
-                ENV_LIGHTHOUSE: self.lighthouse.address,
-                ENV_INDEX: str(gi),
-                ENV_NUM: str(self.total_replicas),
-                ENV_REPLICA_ID: f"replica{gi}",
-                ENV_RESTART: str(restart),
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
+        for k in (ENV_BARRIER, ENV_BARRIER_SIZE, ENV_STOP_FILE, ENV_SYNC_LOG, ENV_SEED, ENV_REJOIN, ENV_LIGHTHOUSE,
+                  ENV_STORE, ENV_RUN_ID):  # fmt: skip
+            env.pop(k, None)
+        env.update(own)
         env.setdefault("RUST_LOG", "warn")
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        if self.lighthouse.local:
+        if self.lighthouse is not None and self.lighthouse.local:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        for k in (ENV_BARRIER, ENV_BARRIER_SIZE, ENV_STOP_FILE, ENV_SYNC_LOG, ENV_SEED, ENV_REJOIN):
-            env.pop(k, None)
-        if self.base_seed is not None:
-            env[ENV_SEED] = str(self.base_seed + gi)
         if self.barrier is not None and restart == 0:
             env[ENV_BARRIER] = self.barrier.address
             env[ENV_BARRIER_SIZE] = str(self.barrier.size)
@@ -510,8 +528,10 @@ class ReplicaGroup:
         if sync_log is not None:
             env[ENV_SYNC_LOG] = str(sync_log)
         env.update(self.extra_env)
+        own.update(self.extra_env)
         env = procs.tag_env(self.tag, env)
-        return ReplicaSpec(index, argv, env, cwd=self.cwd, log_path=self.log_path(index), restart=restart)
+        return ReplicaSpec(index, argv, env, cwd=self.cwd, log_path=self.log_path(index), restart=restart,
+                           job_env=own)  # fmt: skip
 
     def _spawn(self, r: ReplicaState) -> None:
         if r.restarts:
@@ -698,8 +718,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def replica_argv(
     target: str, config: str | None, overrides: Sequence[str] = (), section: str | None = None
 ) -> list[str]:
-    """The command a local replica runs: ``python -m composer_plugins.diloco.strategy --target T --config C ...``."""
-    argv = [sys.executable, "-m", "composer_plugins.diloco.strategy", "--target", target]
+    """The command a local replica runs: ``python -m composer_plugins.diloco.run --target T --config C ...``."""
+    argv = [sys.executable, "-m", "composer_plugins.diloco.run", "--target", target]
     if config:
         argv += ["--config", str(config)]
     if section:
@@ -727,114 +747,3 @@ def launch(
     with _sigterm_as_interrupt(), group:
         _log(f"lighthouse {group.lighthouse.address if group.lighthouse else '?'}; {num_replicas} replicas")
         return group.wait(timeout)
-
-
-# -- CLI -------------------------------------------------------------------------------
-
-
-def _replicas_from_config(config: str | None, section: str | None, overrides: Sequence[str]) -> int:
-    """``diloco.replicas`` from the config file and overrides, else 2."""
-    from composer_plugins.core.config import Config, apply_overrides, load_config
-
-    cfg = load_config(config) if config else Config()
-    prefix = f"{section}." if section else ""
-    apply_overrides(cfg, [prefix + o for o in overrides if "=" in o])
-    value = cfg.get_path(f"{prefix}diloco.replicas")
-    if value is None:
-        return 2
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise cfg.error(f"{prefix}diloco.replicas", f"expected a positive integer, got {value!r}.")
-    return value
-
-
-@hookimpl
-def register_commands(cli: Any) -> None:
-    """Add ``composer-plugins diloco``."""
-    import click
-
-    from composer_plugins.core.cli import set_option
-
-    @cli.command(name="diloco", context_settings={"ignore_unknown_options": True})
-    @click.option("--replicas", "-n", type=int, default=None, help="Replica groups (default: diloco.replicas or 2).")
-    @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="Training config (YAML).")
-    @click.option("--section", default=None, help="Use this top-level key of the config file as the config.")
-    @click.option(
-        "--target",
-        default="train",
-        show_default=True,
-        help="What each replica trains: 'train' (the project's train config), 'toy' (built-in tiny LM) "
-        "or 'module:function' taking the loaded Config.",
-    )
-    @click.option("--lighthouse", help="Address of an existing torchft lighthouse (cluster); default: start one here.")
-    @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart a crashed replica.")
-    @click.option("--log-dir", type=click.Path(file_okay=False), default="diloco_logs", show_default=True)
-    @click.option("--seed", type=int, default=None, help="Replica i gets seed + i (default: config seed + i).")
-    @click.option(
-        "--first-index",
-        type=int,
-        default=0,
-        show_default=True,
-        help="Cluster: index of the first replica started on this node.",
-    )
-    @click.option("--total-replicas", type=int, default=None, help="Cluster: replicas in the whole job.")
-    @click.option("--heartbeat-timeout-ms", type=int, default=5000, show_default=True)
-    @click.option("--join-timeout-ms", type=int, default=60000, show_default=True)
-    @click.option(
-        "--timeout",
-        type=float,
-        default=None,
-        help="Stop every replica and fail after this many seconds (default: no limit on the run itself).",
-    )
-    @set_option
-    @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-    def diloco_cmd(
-        replicas: int | None,
-        config: str | None,
-        section: str | None,
-        target: str,
-        lighthouse: str | None,
-        max_restarts: int,
-        log_dir: str,
-        seed: int | None,
-        first_index: int,
-        total_replicas: int | None,
-        heartbeat_timeout_ms: int,
-        join_timeout_ms: int,
-        timeout: float | None,
-        set_overrides: tuple[str, ...],
-        overrides: tuple[str, ...],
-    ) -> None:
-        """Train N DiLoCo replicas (torchft) on this machine: lighthouse + one process group per replica.
-
-        ``-S key=value`` (or positional OVERRIDES) are config overrides passed to every replica, e.g.
-        ``-S diloco.sync_every=100``. Touch ``<log-dir>/STOP`` to stop all replicas after their next sync;
-        Ctrl-C terminates them. Each replica writes ``<log-dir>/replica<i>.log`` and ``.sync.jsonl``.
-        """
-        overrides = (*overrides, *set_overrides)
-        if replicas is None:
-            replicas = _replicas_from_config(config, section, overrides)
-        try:
-            res = launch(
-                replicas,
-                target=target,
-                config=config,
-                overrides=overrides,
-                section=section,
-                lighthouse=lighthouse,
-                max_restarts=max_restarts,
-                log_dir=log_dir,
-                base_seed=seed,
-                index_offset=first_index,
-                total_replicas=total_replicas,
-                heartbeat_timeout_ms=heartbeat_timeout_ms,
-                join_timeout_ms=join_timeout_ms,
-                timeout=timeout,
-            )
-        except KeyboardInterrupt:
-            click.secho("interrupted: all replicas terminated", err=True, fg="yellow")
-            sys.exit(130)
-        for i, codes in sorted(res.exit_codes.items()):
-            click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
-        if not res.ok:
-            click.secho(f"some replicas failed; see {log_dir}/replica<i>.log", err=True, fg="red")
-            sys.exit(1)

@@ -41,33 +41,35 @@ Sync log: with ``sync_log`` (or ``$COMPOSER_DILOCO_SYNC_LOG``) set, every sync a
 the torchft step, whether it committed, the number of participants, whether this replica healed, and a
 SHA-256 of the parameters — tests compare those across replicas.
 
-Run ``python -m composer_plugins.diloco.strategy --target toy`` for the self-contained tiny causal LM used
-by the tests and the benchmark; ``composer-plugins diloco --replicas N`` (see
-:mod:`composer_plugins.diloco.launch`) starts the lighthouse and the replicas.
+The config, the fragment split and the outer optimizer are in :mod:`.common` (shared with the
+object-store transport, :mod:`.objstore`). ``python -m composer_plugins.diloco.run --target toy`` runs one
+replica; ``composer-plugins diloco --replicas N`` (see :mod:`composer_plugins.diloco.launch`) starts the
+lighthouse and the replicas.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib
 import json
 import logging
 import os
-import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from composer_plugins.core.config import Config, component_spec, from_dict, load_config, loads_config
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.diloco import launch as _launch
+from composer_plugins.diloco.common import (
+    DiLoCoConfig,
+    ReplicaInfo,
+    build_outer_optimizer,
+    param_digest,
+    split_fragments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,220 +77,10 @@ __all__ = [
     "DiLoCoCallback",
     "DiLoCoConfig",
     "ReplicaInfo",
-    "diloco_callback_from_config",
     "make_process_group",
     "param_digest",
-    "run_project_train",
     "split_fragments",
 ]
-
-
-# -- configuration ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class DiLoCoConfig:
-    """The ``diloco:`` config section. Every field has a sensible default.
-
-    Attributes:
-        sync_every: ``H``, inner steps between syncs of the whole model (with ``num_fragments`` > 1,
-            one fragment syncs every ``H / num_fragments`` steps).
-        outer_lr, outer_momentum, outer_nesterov: the default outer optimizer, ``torch.optim.SGD``.
-        outer_optimizer: instead, ``{class_path: ..., init_args: {...}}`` of any ``torch.optim`` class.
-        num_fragments: Streaming DiLoCo fragments (contiguous parameter groups of about equal size).
-        fragment_sync_delay: inner steps between starting a fragment's all-reduce and applying it.
-        fragment_update_alpha: mix of local into global weights after a fragment sync (0 = global only).
-        outer_steps: stop once the torchft step (committed syncs; with fragments, fragment syncs) reaches
-            this (default ``trainer.max_steps // (sync_every / num_fragments)``); a healed replica has
-            the peers' step, so it stops together with them.
-        min_replica_size: a sync commits only with at least this many replicas in the quorum.
-        lighthouse: lighthouse address; default ``$TORCHFT_LIGHTHOUSE``.
-        hostname: host the manager advertises to the lighthouse and peers.
-        store_host: address of this replica group's ``TCPStore``.
-        timeout_s, quorum_timeout_s, connect_timeout_s: torchft timeouts; the quorum one must exceed the
-            time between syncs (a joining replica waits up to one round for the others).
-        init_sync: heal everyone from one replica at step 0 (needed when replicas initialise differently).
-        checkpoint_transport: how live-recovery state travels: over the replicas' gloo process group
-            (``pg``, torchft's ``PGTransport``; no extra server) or torchft's ``http`` checkpoint server.
-        checkpoint_dir, checkpoint_every: write ``diloco-outer<step>.ckpt`` every N committed syncs
-            (participating rank 0 only).
-        sync_log: JSONL file, one line per sync (default ``$COMPOSER_DILOCO_SYNC_LOG``).
-        stop_file: if this file exists at a sync, stop (when it holds a number: once the torchft step
-            reaches it). Default ``$COMPOSER_DILOCO_STOP_FILE``.
-        use_bucketization, bucket_cap_mb: torchft's bucketed all-reduce of pseudo-gradients.
-        max_retries: raise after this many consecutive failed commits (``None``: retry forever).
-        barrier_timeout_s: how long a first-generation replica waits for the others at the start barrier.
-        rejoin_timeout_s: how long a replica that reached its last sync waits for a peer the launcher is
-            restarting (so the peer can heal from it and both end together) before it stops anyway.
-        replicas: default for ``composer-plugins diloco --replicas``.
-        log_param_hash: put a SHA-256 of the trainable (synced) parameters in each sync-log line (reads
-            them once per sync).
-    """
-
-    sync_every: int = 50
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
-    outer_optimizer: dict[str, Any] | None = None
-    num_fragments: int = 1
-    fragment_sync_delay: int = 0
-    fragment_update_alpha: float = 0.0
-    outer_steps: int | None = None
-    min_replica_size: int = 1
-    lighthouse: str | None = None
-    hostname: str = "localhost"
-    store_host: str = _launch.LOOPBACK
-    timeout_s: float = 60.0
-    quorum_timeout_s: float = 3600.0
-    connect_timeout_s: float = 60.0
-    init_sync: bool = True
-    checkpoint_transport: Literal["pg", "http"] = "pg"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 1
-    sync_log: str | None = None
-    stop_file: str | None = None
-    use_bucketization: bool = False
-    bucket_cap_mb: int | None = None
-    max_retries: int | None = None
-    barrier_timeout_s: float = 600.0
-    rejoin_timeout_s: float = 600.0
-    replicas: int | None = None
-    log_param_hash: bool = True
-
-    def validate(self, cfg: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
-        """Check the values against each other; errors name the key and the fix."""
-        cfg = cfg if cfg is not None else Config()
-
-        def bad(field: str, msg: str) -> ConfigError:
-            return cfg.error(f"{key}.{field}", msg)
-
-        if self.sync_every < 1:
-            raise bad("sync_every", f"must be >= 1, got {self.sync_every}.")
-        if self.num_fragments < 1:
-            raise bad("num_fragments", f"must be >= 1, got {self.num_fragments}.")
-        if self.sync_every % self.num_fragments:
-            raise bad(
-                "num_fragments",
-                f"sync_every ({self.sync_every}) must be a multiple of num_fragments ({self.num_fragments}).",
-            )
-        per = self.sync_every // self.num_fragments
-        if not 0 <= self.fragment_sync_delay < per:
-            raise bad("fragment_sync_delay", f"must be in [0, sync_every/num_fragments = {per}), got "
-                      f"{self.fragment_sync_delay}.")  # fmt: skip
-        if not 0.0 <= self.fragment_update_alpha <= 1.0:
-            raise bad("fragment_update_alpha", f"must be in [0, 1], got {self.fragment_update_alpha}.")
-        if self.min_replica_size < 1:
-            raise bad("min_replica_size", f"must be >= 1, got {self.min_replica_size}.")
-        if self.outer_steps is not None and self.outer_steps < 1:
-            raise bad("outer_steps", f"must be >= 1, got {self.outer_steps}.")
-        if self.checkpoint_every < 1:
-            raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
-        if self.rejoin_timeout_s < 0:
-            raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
-        if self.outer_optimizer is not None:
-            component_spec(self.outer_optimizer, f"{key}.outer_optimizer", cfg)
-        return self
-
-    @classmethod
-    def from_config(cls, cfg: Config | Mapping[str, Any], key: str = "diloco") -> DiLoCoConfig:
-        """Read and validate ``cfg[key]`` (missing section: defaults)."""
-        c = cfg if isinstance(cfg, Config) else Config(dict(cfg))
-        return from_dict(cls, c.get_path(key) or {}, c, key).validate(c, key)
-
-
-@dataclasses.dataclass
-class ReplicaInfo:
-    """Who this replica is, from the environment the launcher sets (defaults: a lone replica 0)."""
-
-    index: int = 0
-    num_replicas: int = 1
-    replica_id: str = "replica0"
-    lighthouse: str | None = None
-    restart: int = 0
-    seed: int | None = None
-    barrier: str | None = None
-    barrier_size: int = 0
-    stop_file: str | None = None
-    sync_log: str | None = None
-    rejoin: str | None = None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaInfo:
-        e = os.environ if env is None else env
-        index = int(e.get(_launch.ENV_INDEX, "0"))
-        seed = e.get(_launch.ENV_SEED)
-        return cls(
-            index=index,
-            num_replicas=int(e.get(_launch.ENV_NUM, "1")),
-            replica_id=e.get(_launch.ENV_REPLICA_ID, f"replica{index}"),
-            lighthouse=e.get(_launch.ENV_LIGHTHOUSE) or None,
-            restart=int(e.get(_launch.ENV_RESTART, "0")),
-            seed=int(seed) if seed not in (None, "") else None,
-            barrier=e.get(_launch.ENV_BARRIER) or None,
-            barrier_size=int(e.get(_launch.ENV_BARRIER_SIZE, "0")),
-            stop_file=e.get(_launch.ENV_STOP_FILE) or None,
-            sync_log=e.get(_launch.ENV_SYNC_LOG) or None,
-            rejoin=e.get(_launch.ENV_REJOIN) or None,
-        )
-
-    @property
-    def active(self) -> bool:
-        """True when a lighthouse is known, i.e. this process is meant to be a DiLoCo replica."""
-        return self.lighthouse is not None
-
-
-# -- helpers ------------------------------------------------------------------------------
-
-
-def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
-    """``(sha256 hex of the raw bytes, float sum)`` of ``params``, in order. Bitwise-identical weights match."""
-    h = hashlib.sha256()
-    total = 0.0
-    with torch.no_grad():
-        for p in params:
-            t = p.detach().to("cpu").contiguous()
-            h.update(str(tuple(t.shape)).encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-            total += float(t.double().sum())
-    return h.hexdigest(), total
-
-
-class _ParamFragment(nn.Module):
-    """A container that registers (shares, never copies) a subset of another module's parameters."""
-
-    def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
-        super().__init__()
-        self.source_names = [n for n, _ in named]
-        for i, (name, p) in enumerate(named):
-            self.register_parameter(f"p{i:04d}_{name.replace('.', '_')}", p)
-
-
-def split_fragments(module: nn.Module, num_fragments: int) -> list[nn.Module]:
-    """Split ``module``'s trainable parameters into ``num_fragments`` contiguous groups of similar size.
-
-    Each fragment is a module holding the *same* ``Parameter`` objects (tied weights appear once).
-    """
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not named:
-        raise ComposerPluginsError(f"{type(module).__name__} has no trainable parameters for DiLoCo to sync")
-    if num_fragments > len(named):
-        raise ComposerPluginsError(
-            f"num_fragments={num_fragments} but the model has only {len(named)} trainable parameter tensors; "
-            f"use at most {len(named)} fragments"
-        )
-    total = sum(p.numel() for _, p in named)
-    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
-    acc = 0
-    for i, (n, p) in enumerate(named):
-        left_items = len(named) - i
-        need_groups = num_fragments - len(groups)
-        boundary = total * len(groups) / num_fragments
-        if groups[-1] and need_groups > 0 and (acc >= boundary or left_items <= need_groups):
-            groups.append([])
-        groups[-1].append((n, p))
-        acc += p.numel()
-    assert len(groups) == num_fragments, (len(groups), num_fragments)
-    return [_ParamFragment(g) for g in groups]
 
 
 def make_process_group(timeout: timedelta) -> Any:
@@ -307,23 +99,6 @@ def make_process_group(timeout: timedelta) -> Any:
             return super().allreduce(tensors, opts)
 
     return CountingProcessGroupGloo(timeout=timeout)
-
-
-def _build_outer(config: DiLoCoConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    if config.outer_optimizer is None:
-        return torch.optim.SGD(
-            params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
-        )
-    target, kw = component_spec(config.outer_optimizer, "diloco.outer_optimizer")
-    path = target.removeprefix("class_path:")
-    if "." not in path:
-        path = f"torch.optim.{path}"
-    mod, _, attr = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot import outer optimizer {path!r}: {e}", key="diloco.outer_optimizer") from e
-    return cls(params, **kw)
 
 
 def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
@@ -535,7 +310,7 @@ class DiLoCoCallback(pl.Callback):
             max_retries=c.max_retries,
         )
         self.fragments = split_fragments(module, c.num_fragments)
-        self.outer_optimizers = [_build_outer(c, f.parameters()) for f in self.fragments]
+        self.outer_optimizers = [build_outer_optimizer(c, f.parameters()) for f in self.fragments]
         self.diloco = DiLoCo(
             self.manager,
             self.fragments,
@@ -769,116 +544,3 @@ class DiLoCoCallback(pl.Callback):
 def _quiet_torchft() -> None:
     # torchft warns on every quorum that it cannot reset the NCCL flight recorder (CPU runs); keep errors.
     logging.getLogger("torchft.manager").setLevel(logging.ERROR)
-
-
-def diloco_callback_from_config(
-    cfg: Config | Mapping[str, Any], env: Mapping[str, str] | None = None, *, force: bool = False
-) -> DiLoCoCallback | None:
-    """The DiLoCo callback for a training config, or ``None`` when this process is not a DiLoCo replica.
-
-    A process is a replica when a lighthouse is known (``diloco.lighthouse`` or ``$TORCHFT_LIGHTHOUSE``,
-    which ``composer-plugins diloco`` sets) or ``force`` is true. The ``diloco:`` section configures it.
-    """
-    dcfg = DiLoCoConfig.from_config(cfg)
-    replica = ReplicaInfo.from_env(env)
-    if not (force or dcfg.lighthouse or replica.active):
-        return None
-    return DiLoCoCallback(dcfg, replica)
-
-
-def _run_target(target: str, config: str | None, overrides: Sequence[str], section: str | None = None) -> Any:
-    if target == "train":
-        return run_project_train(config, overrides, section=section)
-    if section:
-        full = load_config(config, ()) if config else Config()
-        node = full.get_path(section)
-        if not isinstance(node, Mapping):
-            raise full.error(section, f"section {section!r} not found or not a mapping.", valid=list(full))
-        cfg = Config(dict(node), full.source, {})
-        from composer_plugins.core.config import apply_overrides
-
-        apply_overrides(cfg, overrides)
-    else:
-        cfg = load_config(config, overrides) if config else loads_config("{}", overrides=overrides)
-    if target == "toy":
-        from composer_plugins.diloco.toy import run_toy
-
-        return run_toy(cfg)
-    mod, _, attr = target.partition(":")
-    if not attr:
-        raise ConfigError(f"--target must be 'train', 'toy' or 'module:function', got {target!r}")
-    return getattr(importlib.import_module(mod), attr)(cfg)
-
-
-def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
-    """Overrides that make the project's ``train`` config one replica of a DiLoCo job.
-
-    * ``seed``: ``$COMPOSER_DILOCO_SEED`` or ``seed + index`` — each replica draws its own tasks (its data
-      shard) and samples with its own seed;
-    * ``output_dir``: ``<output_dir>/replica<i>`` (history, metrics, exported model per replica);
-    * Lightning's per-step ``ModelCheckpoint`` is turned off: DiLoCo checkpoints go to
-      ``diloco.checkpoint_dir`` (default ``<output_dir>/diloco_checkpoints``), written by one replica;
-    * evaluation runs on replica 0 only (all replicas hold the same weights after the last sync).
-    """
-    base = str(src.get_path("output_dir", "runs/default"))
-    seed = replica.seed if replica.seed is not None else int(src.get_path("seed", 0) or 0) + replica.index
-    out = [f"seed={seed}", f"output_dir={base}/replica{replica.index}", "trainer.checkpoint_every_n_steps=0"]
-    if src.get_path("diloco.checkpoint_dir") is None:
-        out.append(f"diloco.checkpoint_dir={base}/diloco_checkpoints")
-    if replica.index != 0:
-        out += ["eval.at_start=false", "eval.at_end=false"]
-    return out
-
-
-def run_project_train(config: str | None, overrides: Sequence[str] = (), *, section: str | None = None) -> Any:
-    """One replica of the project's ``train`` run (``ComposerModule``) with :class:`DiLoCoCallback` added."""
-    try:
-        from composer_plugins.training.train import load_train_config, run_train
-    except ImportError as e:
-        raise ComposerPluginsError(f"the project's training module is not available ({e}). HINT: --target toy") from e
-    replica = ReplicaInfo.from_env()
-    _, src = load_train_config(config, list(overrides), section=section)
-    cfg, src = load_train_config(config, [*overrides, *replica_train_overrides(src, replica)], section=section)
-    cb = diloco_callback_from_config(src, force=True)
-    assert cb is not None
-    res = run_train(cfg, src, extra_callbacks=[cb])
-    summary = {
-        "replica": replica.index,
-        "restart": replica.restart,
-        "seed": cfg.seed,
-        "output_dir": cfg.output_dir,
-        "outer_step": cb.history[-1]["outer_step"] if cb.history else 0,
-        "heal_count": cb.heal_count,
-        "bytes_allreduced": cb.bytes_allreduced,
-        "param_hash": cb.history[-1].get("param_hash") if cb.history else None,
-        "metrics": res.metrics,
-    }
-    Path(res.output_dir, "diloco.json").write_text(json.dumps(summary, indent=2))
-    return res
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Replica entry: ``python -m composer_plugins.diloco.strategy --target train|toy|mod:fn [--config C] k=v``."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m composer_plugins.diloco.strategy", description=main.__doc__)
-    p.add_argument("--target", default="toy")
-    p.add_argument("--config", default=None)
-    p.add_argument("--section", default=None)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        _run_target(a.target, a.config, a.overrides, a.section)
-    except ComposerPluginsError as e:
-        print(f"Error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # torchft's quorum thread and native servers can outlive the run; do not let them hold the exit.
-    os._exit(code)

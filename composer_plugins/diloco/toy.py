@@ -1,7 +1,7 @@
 """The toy target of DiLoCo: a tiny causal LM on a synthetic Markov chain (tests, benchmark, smoke runs).
 
-``python -m composer_plugins.diloco.strategy --target toy`` trains it as one replica; :func:`run_toy`
-adds the :class:`~composer_plugins.diloco.strategy.DiLoCoCallback` when a lighthouse is known.
+``python -m composer_plugins.diloco.run --target toy`` trains it as one replica; :func:`run_toy`
+adds the DiLoCo callback of ``diloco.transport`` when a lighthouse or a store is known.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from composer_plugins.core.config import Config, from_dict
-from composer_plugins.diloco.strategy import ReplicaInfo, diloco_callback_from_config, param_digest
+from composer_plugins.diloco.common import ReplicaInfo, param_digest
+from composer_plugins.diloco.replica import diloco_callback_from_config
 
 
 @dataclasses.dataclass

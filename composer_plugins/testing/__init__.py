@@ -16,6 +16,9 @@ built-in plugins only) is a pytest fixture: ``from composer_plugins.testing impo
 
 Test doubles live here too: :mod:`composer_plugins.testing.loopback_server` (a real HTTP inference server
 over HF ``generate`` for the ``server`` rollout generator, in its own process).
+``composer_plugins.testing.hf_jobs_hub.FakeJobsHub`` (imported on its own) is a loopback stand-in for the
+Hugging Face Hub's jobs endpoints that runs each job as a local process (``--executor hf_jobs`` without an
+account).
 
 Imports point down only: ``core`` and the kinds it checks (losses, envs, teachers, backends, and the
 training stack's optimizers and callbacks).

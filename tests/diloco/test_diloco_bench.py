@@ -70,3 +70,11 @@ def test_ddp_workers_exit_cleanly_every_time(tmp_path: Path) -> None:
     for i in range(3):
         res = _run_ddp(2, toy, tmp_path / f"run{i}", straggler_s=20)
         assert res["inner_steps"] == 8 and res["allreduce_calls"] == 8 and res["bytes_allreduced"] > 0
+
+
+def test_sync_latency_is_the_extra_time_of_the_batches_that_sync() -> None:
+    from benchmarks.bench_diloco import _sync_latency
+
+    # H = 4: batches 3, 7, 11 end in a sync; the first (init_sync) is left out
+    times = [0.1, 0.1, 0.1, 5.0, 0.1, 0.1, 0.1, 0.4, 0.1, 0.2, 0.1, 0.6]
+    assert abs(_sync_latency(times, 4) - (0.5 - 0.1)) < 1e-12

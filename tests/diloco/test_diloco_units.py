@@ -46,7 +46,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_config_defaults_are_the_paper_outer_optimizer():
-    from composer_plugins.diloco.strategy import DiLoCoConfig, _build_outer
+    from composer_plugins.diloco.common import DiLoCoConfig
+    from composer_plugins.diloco.common import build_outer_optimizer as _build_outer
 
     c = DiLoCoConfig.from_config(loads_config("diloco: {sync_every: 10}"))
     assert c.sync_every == 10 and c.num_fragments == 1 and c.checkpoint_transport == "pg"
@@ -57,7 +58,8 @@ def test_config_defaults_are_the_paper_outer_optimizer():
 
 
 def test_config_outer_optimizer_class_path():
-    from composer_plugins.diloco.strategy import DiLoCoConfig, _build_outer
+    from composer_plugins.diloco.common import DiLoCoConfig
+    from composer_plugins.diloco.common import build_outer_optimizer as _build_outer
 
     c = DiLoCoConfig.from_config(
         loads_config("diloco:\n  outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.1}}\n")
@@ -88,7 +90,7 @@ def test_config_errors_name_the_key_and_line(text, key):
 
 
 def test_callback_from_config_only_in_a_replica(monkeypatch):
-    from composer_plugins.diloco.strategy import diloco_callback_from_config
+    from composer_plugins.diloco.replica import diloco_callback_from_config
 
     cfg = loads_config("diloco: {sync_every: 4}")
     assert diloco_callback_from_config(cfg, env={}) is None
@@ -403,21 +405,25 @@ def test_cli_command_is_registered_and_documented():
     def cli() -> None:
         pass
 
-    launch.register_commands(cli)
+    from composer_plugins.diloco import cli as diloco_cli
+
+    diloco_cli.register_commands(cli)
     out = CliRunner().invoke(cli, ["diloco", "--help"])
     assert out.exit_code == 0, out.output
-    for opt in ("--replicas", "--config", "--target", "--lighthouse", "--max-restarts", "STOP"):
+    for opt in ("--replicas", "--config", "--target", "--lighthouse", "--max-restarts", "STOP", "--executor"):
         assert opt in out.output
 
 
 def test_replicas_default_from_config(tmp_path):
+    from composer_plugins.diloco.run import check_replica_config
+
     p = tmp_path / "c.yaml"
-    p.write_text("train:\n  diloco:\n    replicas: 3\n")
-    assert launch._replicas_from_config(str(p), "train", []) == 3
-    assert launch._replicas_from_config(str(p), "train", ["diloco.replicas=5"]) == 5
-    assert launch._replicas_from_config(None, None, []) == 2
+    p.write_text("toy:\n  diloco:\n    replicas: 3\n")
+    assert check_replica_config("toy", str(p), [], "toy").replicas == 3
+    assert check_replica_config("toy", str(p), ["diloco.replicas=5"], "toy").replicas == 5
+    assert check_replica_config("toy", None, []).replicas is None
     with pytest.raises(ConfigError, match="diloco.replicas"):
-        launch._replicas_from_config(str(p), "train", ["diloco.replicas=0"])
+        check_replica_config("toy", str(p), ["diloco.replicas=0"], "toy")
 
 
 def test_restart_is_posted_on_the_rejoin_board_and_not_done_once_the_peers_finished(tmp_path):

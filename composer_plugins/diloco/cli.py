@@ -1,0 +1,135 @@
+"""``composer-plugins diloco``: validate the config once, then start the replicas where ``--executor`` says.
+
+Executors: ``local`` (processes on this host, :class:`~composer_plugins.diloco.launch.LocalProcessExecutor`),
+``hf_jobs`` (Hugging Face Jobs) and ``modal`` (Modal functions), see :mod:`.executors`. The cloud ones need
+``diloco.transport=object_store``: their replicas meet through ``diloco.store`` only.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from composer_plugins.core.hookspecs import hookimpl
+from composer_plugins.diloco.launch import launch
+
+EXECUTORS = ("local", "hf_jobs", "modal")
+
+
+@hookimpl
+def register_commands(cli: Any) -> None:
+    """Add ``composer-plugins diloco``."""
+    import click
+
+    from composer_plugins.core.cli import set_option
+
+    @cli.command(name="diloco", context_settings={"ignore_unknown_options": True})
+    @click.option("--replicas", "-n", type=int, default=None, help="Replica groups (default: diloco.replicas or 2).")
+    @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="Training config (YAML).")
+    @click.option("--section", default=None, help="Use this top-level key of the config file as the config.")
+    @click.option(
+        "--target",
+        default="train",
+        show_default=True,
+        help="What each replica trains: 'train' (the project's train config), 'toy' (built-in tiny LM) "
+        "or 'module:function' taking the loaded Config.",
+    )
+    @click.option(
+        "--executor",
+        default="local",
+        show_default=True,
+        help="Where replicas run: local (processes here), hf_jobs (Hugging Face Jobs) or modal (Modal functions); "
+        "the cloud ones need -S diloco.transport=object_store.",
+    )
+    @click.option("--lighthouse", help="Address of an existing torchft lighthouse (cluster); default: start one here.")
+    @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart a crashed replica.")
+    @click.option("--log-dir", type=click.Path(file_okay=False), default="diloco_logs", show_default=True)
+    @click.option("--seed", type=int, default=None, help="Replica i gets seed + i (default: config seed + i).")
+    @click.option(
+        "--first-index",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Cluster: index of the first replica started on this node.",
+    )
+    @click.option("--total-replicas", type=int, default=None, help="Cluster: replicas in the whole job.")
+    @click.option("--heartbeat-timeout-ms", type=int, default=5000, show_default=True)
+    @click.option("--join-timeout-ms", type=int, default=60000, show_default=True)
+    @click.option(
+        "--timeout",
+        type=float,
+        default=None,
+        help="Stop every replica and fail after this many seconds (default: no limit on the run itself).",
+    )
+    @set_option
+    @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+    def diloco_cmd(
+        replicas: int | None,
+        config: str | None,
+        section: str | None,
+        target: str,
+        executor: str,
+        lighthouse: str | None,
+        max_restarts: int,
+        log_dir: str,
+        seed: int | None,
+        first_index: int,
+        total_replicas: int | None,
+        heartbeat_timeout_ms: int,
+        join_timeout_ms: int,
+        timeout: float | None,
+        set_overrides: tuple[str, ...],
+        overrides: tuple[str, ...],
+    ) -> None:
+        """Train N DiLoCo replicas: torchft (lighthouse + one process group per replica here) or object_store.
+
+        ``-S key=value`` (or positional OVERRIDES) are config overrides passed to every replica, e.g.
+        ``-S diloco.sync_every=100``. Touch ``<log-dir>/STOP`` to stop all replicas after their next sync;
+        Ctrl-C terminates them. Each replica writes ``<log-dir>/replica<i>.log`` and ``.sync.jsonl``.
+        With ``-S diloco.transport=object_store -S diloco.store=URL`` the replicas meet only through the store,
+        and ``--executor hf_jobs|modal`` runs them as cloud jobs.
+        """
+        from composer_plugins.core.config import Config
+        from composer_plugins.diloco.executors import make_executor
+        from composer_plugins.diloco.run import check_replica_config
+
+        overrides = (*overrides, *set_overrides)
+        # every replica would read the same config: check it here, once, before any starts
+        dcfg = check_replica_config(target, config, overrides, section)
+        if replicas is None:
+            replicas = dcfg.replicas or 2
+        if replicas < 1:
+            raise Config().error("diloco.replicas", f"--replicas must be at least 1, got {replicas}.")
+        store = dcfg.store
+        if dcfg.transport == "object_store" and not store:
+            raise Config().error("diloco.store", "diloco.transport=object_store needs a store. HINT: "
+                                 "-S diloco.store=s3://bucket/run or file:///abs/path.")  # fmt: skip
+        runner = make_executor(executor, dcfg, log_dir=log_dir)
+        try:
+            res = launch(
+                replicas,
+                target=target,
+                config=config,
+                overrides=overrides,
+                section=section,
+                lighthouse=lighthouse,
+                max_restarts=max_restarts,
+                log_dir=log_dir,
+                base_seed=seed,
+                index_offset=first_index,
+                total_replicas=total_replicas,
+                heartbeat_timeout_ms=heartbeat_timeout_ms,
+                join_timeout_ms=join_timeout_ms,
+                timeout=timeout,
+                executor=runner,
+                transport=dcfg.transport,
+                store=store if dcfg.transport == "object_store" else None,
+            )
+        except KeyboardInterrupt:
+            click.secho("interrupted: all replicas terminated", err=True, fg="yellow")
+            sys.exit(130)
+        for i, codes in sorted(res.exit_codes.items()):
+            click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
+        if not res.ok:
+            click.secho(f"some replicas failed; see {log_dir}/replica<i>.log", err=True, fg="red")
+            sys.exit(1)

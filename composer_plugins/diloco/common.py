@@ -1,0 +1,286 @@
+"""What both outer-sync transports share: the ``diloco:`` config, who a replica is, the fragment split, the
+outer optimizer and the parameter digest. The torchft callback (:mod:`.strategy`) and the object-store
+callback (:mod:`.objstore`) build their outer step from these, so both apply the same update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from composer_plugins.core.config import Config, component_spec, from_dict
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.diloco import launch as _launch
+
+# -- configuration ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DiLoCoConfig:
+    """The ``diloco:`` config section. Every field has a sensible default.
+
+    Attributes:
+        sync_every: ``H``, inner steps between syncs of the whole model (with ``num_fragments`` > 1,
+            one fragment syncs every ``H / num_fragments`` steps).
+        outer_lr, outer_momentum, outer_nesterov: the default outer optimizer, ``torch.optim.SGD``.
+        outer_optimizer: instead, ``{class_path: ..., init_args: {...}}`` of any ``torch.optim`` class.
+        num_fragments: Streaming DiLoCo fragments (contiguous parameter groups of about equal size).
+        fragment_sync_delay: inner steps between starting a fragment's all-reduce and applying it.
+        fragment_update_alpha: mix of local into global weights after a fragment sync (0 = global only).
+        outer_steps: stop once the torchft step (committed syncs; with fragments, fragment syncs) reaches
+            this (default ``trainer.max_steps // (sync_every / num_fragments)``); a healed replica has
+            the peers' step, so it stops together with them.
+        min_replica_size: a sync commits only with at least this many replicas in the quorum.
+        lighthouse: lighthouse address; default ``$TORCHFT_LIGHTHOUSE``.
+        hostname: host the manager advertises to the lighthouse and peers.
+        store_host: address of this replica group's ``TCPStore``.
+        timeout_s, quorum_timeout_s, connect_timeout_s: torchft timeouts; the quorum one must exceed the
+            time between syncs (a joining replica waits up to one round for the others).
+        init_sync: heal everyone from one replica at step 0 (needed when replicas initialise differently).
+        checkpoint_transport: how live-recovery state travels: over the replicas' gloo process group
+            (``pg``, torchft's ``PGTransport``; no extra server) or torchft's ``http`` checkpoint server.
+        checkpoint_dir, checkpoint_every: write ``diloco-outer<step>.ckpt`` every N committed syncs
+            (participating rank 0 only).
+        sync_log: JSONL file, one line per sync (default ``$COMPOSER_DILOCO_SYNC_LOG``).
+        stop_file: if this file exists at a sync, stop (when it holds a number: once the torchft step
+            reaches it). Default ``$COMPOSER_DILOCO_STOP_FILE``.
+        use_bucketization, bucket_cap_mb: torchft's bucketed all-reduce of pseudo-gradients.
+        max_retries: raise after this many consecutive failed commits (``None``: retry forever).
+        barrier_timeout_s: how long a first-generation replica waits for the others at the start barrier.
+        rejoin_timeout_s: how long a replica that reached its last sync waits for a peer the launcher is
+            restarting (so the peer can heal from it and both end together) before it stops anyway.
+        replicas: default for ``composer-plugins diloco --replicas``.
+        log_param_hash: put a SHA-256 of the trainable (synced) parameters in each sync-log line (reads
+            them once per sync).
+        transport: how the outer sync travels: ``torchft`` (a lighthouse and a gloo all-reduce between the
+            replicas) or ``object_store`` (the replicas meet only through ``store``; see :mod:`.objstore`).
+        store: with ``object_store``, the run's directory in an object store: ``s3://bucket/prefix``,
+            ``gs://...``, ``az://...`` or ``file:///path`` (default ``$COMPOSER_DILOCO_STORE``, which the
+            launcher sets). S3 credentials and endpoint come from the standard AWS variables and profiles.
+        compress: what a replica writes per sync: ``none`` (fp32), ``bf16`` or ``int8`` (per-block absmax
+            int8, deflated); the error it adds is measured and logged (``compress_error``).
+        round_timeout_s: with ``object_store``, how long a replica waits for the others' pseudo-gradients
+            at a sync before the round is closed without the missing ones.
+        store_retry_s: with ``object_store``, how long one store operation is retried (bounded exponential
+            backoff) through 5xx, SlowDown, timeouts and dropped connections before the replica fails.
+        poll_s: with ``object_store``, how often a waiting replica looks at the store.
+        jobs: how ``--executor hf_jobs|modal`` runs each replica (image, flavor/GPU, secrets, timeouts;
+            :class:`~composer_plugins.diloco.executors.JobsConfig`).
+    """
+
+    sync_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_optimizer: dict[str, Any] | None = None
+    num_fragments: int = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    outer_steps: int | None = None
+    min_replica_size: int = 1
+    lighthouse: str | None = None
+    hostname: str = "localhost"
+    store_host: str = _launch.LOOPBACK
+    timeout_s: float = 60.0
+    quorum_timeout_s: float = 3600.0
+    connect_timeout_s: float = 60.0
+    init_sync: bool = True
+    checkpoint_transport: Literal["pg", "http"] = "pg"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 1
+    sync_log: str | None = None
+    stop_file: str | None = None
+    use_bucketization: bool = False
+    bucket_cap_mb: int | None = None
+    max_retries: int | None = None
+    barrier_timeout_s: float = 600.0
+    rejoin_timeout_s: float = 600.0
+    replicas: int | None = None
+    log_param_hash: bool = True
+    transport: Literal["torchft", "object_store"] = "torchft"
+    store: str | None = None
+    compress: Literal["none", "bf16", "int8"] = "none"
+    round_timeout_s: float = 300.0
+    store_retry_s: float = 120.0
+    poll_s: float = 0.05
+    jobs: dict[str, Any] | None = None
+
+    def validate(self, cfg: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
+        """Check the values against each other; errors name the key and the fix."""
+        cfg = cfg if cfg is not None else Config()
+
+        def bad(field: str, msg: str) -> ConfigError:
+            return cfg.error(f"{key}.{field}", msg)
+
+        if self.sync_every < 1:
+            raise bad("sync_every", f"must be >= 1, got {self.sync_every}.")
+        if self.num_fragments < 1:
+            raise bad("num_fragments", f"must be >= 1, got {self.num_fragments}.")
+        if self.sync_every % self.num_fragments:
+            raise bad(
+                "num_fragments",
+                f"sync_every ({self.sync_every}) must be a multiple of num_fragments ({self.num_fragments}).",
+            )
+        per = self.sync_every // self.num_fragments
+        if not 0 <= self.fragment_sync_delay < per:
+            raise bad("fragment_sync_delay", f"must be in [0, sync_every/num_fragments = {per}), got "
+                      f"{self.fragment_sync_delay}.")  # fmt: skip
+        if not 0.0 <= self.fragment_update_alpha <= 1.0:
+            raise bad("fragment_update_alpha", f"must be in [0, 1], got {self.fragment_update_alpha}.")
+        if self.min_replica_size < 1:
+            raise bad("min_replica_size", f"must be >= 1, got {self.min_replica_size}.")
+        if self.outer_steps is not None and self.outer_steps < 1:
+            raise bad("outer_steps", f"must be >= 1, got {self.outer_steps}.")
+        if self.checkpoint_every < 1:
+            raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
+        if self.rejoin_timeout_s < 0:
+            raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
+        if self.outer_optimizer is not None:
+            component_spec(self.outer_optimizer, f"{key}.outer_optimizer", cfg)
+        if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas < 1):
+            raise bad("replicas", f"expected a positive integer, got {self.replicas!r}.")
+        if self.transport == "object_store":
+            if self.num_fragments != 1 or self.fragment_sync_delay:
+                raise bad(
+                    "num_fragments",
+                    "the object_store transport syncs the whole model at once: set "
+                    "num_fragments=1 and fragment_sync_delay=0 (streaming fragments need transport=torchft).",
+                )
+            store = self.store or os.environ.get(_launch.ENV_STORE)
+            if store:
+                from composer_plugins.diloco.store import check_store_url
+
+                check_store_url(store, lambda msg: bad("store", msg))
+            for name in ("round_timeout_s", "store_retry_s", "poll_s"):
+                if getattr(self, name) <= 0:
+                    raise bad(name, f"must be > 0, got {getattr(self, name)}.")
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: Config | Mapping[str, Any], key: str = "diloco") -> DiLoCoConfig:
+        """Read and validate ``cfg[key]`` (missing section: defaults)."""
+        c = cfg if isinstance(cfg, Config) else Config(dict(cfg))
+        return from_dict(cls, c.get_path(key) or {}, c, key).validate(c, key)
+
+
+@dataclasses.dataclass
+class ReplicaInfo:
+    """Who this replica is, from the environment the launcher sets (defaults: a lone replica 0)."""
+
+    index: int = 0
+    num_replicas: int = 1
+    replica_id: str = "replica0"
+    lighthouse: str | None = None
+    restart: int = 0
+    seed: int | None = None
+    barrier: str | None = None
+    barrier_size: int = 0
+    stop_file: str | None = None
+    sync_log: str | None = None
+    rejoin: str | None = None
+    store: str | None = None
+    run_id: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaInfo:
+        e = os.environ if env is None else env
+        index = int(e.get(_launch.ENV_INDEX, "0"))
+        seed = e.get(_launch.ENV_SEED)
+        return cls(
+            index=index,
+            num_replicas=int(e.get(_launch.ENV_NUM, "1")),
+            replica_id=e.get(_launch.ENV_REPLICA_ID, f"replica{index}"),
+            lighthouse=e.get(_launch.ENV_LIGHTHOUSE) or None,
+            restart=int(e.get(_launch.ENV_RESTART, "0")),
+            seed=int(seed) if seed not in (None, "") else None,
+            barrier=e.get(_launch.ENV_BARRIER) or None,
+            barrier_size=int(e.get(_launch.ENV_BARRIER_SIZE, "0")),
+            stop_file=e.get(_launch.ENV_STOP_FILE) or None,
+            sync_log=e.get(_launch.ENV_SYNC_LOG) or None,
+            rejoin=e.get(_launch.ENV_REJOIN) or None,
+            store=e.get(_launch.ENV_STORE) or None,
+            run_id=e.get(_launch.ENV_RUN_ID) or None,
+        )
+
+    @property
+    def active(self) -> bool:
+        """True when a lighthouse or a store is known, i.e. this process is meant to be a DiLoCo replica."""
+        return self.lighthouse is not None or self.store is not None
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
+    """``(sha256 hex of the raw bytes, float sum)`` of ``params``, in order. Bitwise-identical weights match."""
+    h = hashlib.sha256()
+    total = 0.0
+    with torch.no_grad():
+        for p in params:
+            t = p.detach().to("cpu").contiguous()
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+            total += float(t.double().sum())
+    return h.hexdigest(), total
+
+
+class _ParamFragment(nn.Module):
+    """A container that registers (shares, never copies) a subset of another module's parameters."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        self.source_names = [n for n, _ in named]
+        for i, (name, p) in enumerate(named):
+            self.register_parameter(f"p{i:04d}_{name.replace('.', '_')}", p)
+
+
+def split_fragments(module: nn.Module, num_fragments: int) -> list[nn.Module]:
+    """Split ``module``'s trainable parameters into ``num_fragments`` contiguous groups of similar size.
+
+    Each fragment is a module holding the *same* ``Parameter`` objects (tied weights appear once).
+    """
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ComposerPluginsError(f"{type(module).__name__} has no trainable parameters for DiLoCo to sync")
+    if num_fragments > len(named):
+        raise ComposerPluginsError(
+            f"num_fragments={num_fragments} but the model has only {len(named)} trainable parameter tensors; "
+            f"use at most {len(named)} fragments"
+        )
+    total = sum(p.numel() for _, p in named)
+    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
+    acc = 0
+    for i, (n, p) in enumerate(named):
+        left_items = len(named) - i
+        need_groups = num_fragments - len(groups)
+        boundary = total * len(groups) / num_fragments
+        if groups[-1] and need_groups > 0 and (acc >= boundary or left_items <= need_groups):
+            groups.append([])
+        groups[-1].append((n, p))
+        acc += p.numel()
+    assert len(groups) == num_fragments, (len(groups), num_fragments)
+    return [_ParamFragment(g) for g in groups]
+
+
+def build_outer_optimizer(config: DiLoCoConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    if config.outer_optimizer is None:
+        return torch.optim.SGD(
+            params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
+        )
+    target, kw = component_spec(config.outer_optimizer, "diloco.outer_optimizer")
+    path = target.removeprefix("class_path:")
+    if "." not in path:
+        path = f"torch.optim.{path}"
+    mod, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"cannot import outer optimizer {path!r}: {e}", key="diloco.outer_optimizer") from e
+    return cls(params, **kw)

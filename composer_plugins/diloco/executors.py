@@ -1,0 +1,364 @@
+"""Where replicas run: this host (:class:`~.launch.LocalProcessExecutor`), Hugging Face Jobs
+(:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`). All three implement the launcher's
+``ReplicaExecutor`` protocol (``start(spec) -> handle`` with ``poll``/``terminate``/``kill``/``wait``), so
+restarts (``--max-restarts``), timeouts and clean-up work the same everywhere.
+
+The cloud executors send only what the launcher set for the replica (``spec.job_env``: replica index,
+number of replicas, run id, store URL, seed) plus the variables named in ``diloco.jobs.env``; credentials
+travel as the platform's secrets (``diloco.jobs.secrets``), never in the command line or the logs. The
+replica command is ``python -m composer_plugins.diloco.run ...`` inside ``diloco.jobs.image``, which must
+have composer-plugins installed. Their SDKs are optional extras, imported when the executor is built::
+
+    pip install 'composer-plugins[hf_jobs]'    # huggingface_hub
+    pip install 'composer-plugins[modal]'      # modal
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from composer_plugins.core.config import Config, from_dict
+from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
+from composer_plugins.diloco.common import DiLoCoConfig
+from composer_plugins.diloco.launch import LaunchError, LocalProcessExecutor, ReplicaSpec
+
+__all__ = ["EXECUTORS", "HFJobsExecutor", "JobsConfig", "ModalExecutor", "make_executor"]
+
+EXECUTORS = ("local", "hf_jobs", "modal")
+#: how long a job's status may stay unreadable (Hub unreachable, 5xx) before its replica counts as failed
+POLL_ERRORS_S = 120.0
+
+
+@dataclasses.dataclass
+class JobsConfig:
+    """The ``diloco.jobs:`` section: how a cloud executor runs each replica.
+
+    Attributes:
+        image: container image with composer-plugins installed (HF Jobs: a Docker image or Space;
+            Modal: a registry image, or ``None`` for ``debian_slim`` plus ``pip``).
+        pip: Modal only, packages to ``pip install`` into the image (default ``composer-plugins[serverless]``).
+        flavor: HF Jobs hardware flavor (``cpu-basic``, ``a10g-small``, ``h100`` ...).
+        gpu: Modal GPU type (``T4``, ``A10G``, ``A100``, ``H100`` ...; ``None``: CPU).
+        cpu, memory_mb: Modal resources.
+        timeout_s: the platform's limit on one replica's run.
+        secrets: HF Jobs: names of environment variables whose values are sent as job secrets
+            (e.g. ``AWS_ACCESS_KEY_ID``); Modal: names of Modal secrets to attach.
+        env: names of environment variables to forward as plain job environment (e.g. ``AWS_ENDPOINT_URL``).
+        namespace: HF Jobs namespace (user or organisation; default: the token's user).
+        app_name: Modal app name.
+        start_timeout_s: a job still not running after this long is cancelled and counted as failed.
+        poll_s: how often job status is read.
+    """
+
+    image: str | None = None
+    pip: list[str] = dataclasses.field(default_factory=lambda: ["composer-plugins[serverless]"])
+    flavor: str = "cpu-basic"
+    gpu: str | None = None
+    cpu: float | None = None
+    memory_mb: int | None = None
+    timeout_s: int = 3600
+    secrets: list[str] = dataclasses.field(default_factory=list)
+    env: list[str] = dataclasses.field(default_factory=list)
+    namespace: str | None = None
+    app_name: str = "composer-plugins-diloco"
+    start_timeout_s: float = 900.0
+    poll_s: float = 5.0
+
+
+def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
+    c = cfg if cfg is not None else Config()
+    return from_dict(JobsConfig, dcfg.jobs or {}, c, "diloco.jobs")
+
+
+def make_executor(name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``."""
+    if name not in EXECUTORS:
+        near = closest(name, EXECUTORS)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ComposerPluginsError(f"unknown executor {name!r}; available: {', '.join(EXECUTORS)}.{hint}")
+    if name == "local":
+        return LocalProcessExecutor()
+    if dcfg.transport != "object_store":
+        raise Config().error(
+            "diloco.transport",
+            f"--executor {name} runs replicas as cloud jobs that cannot reach "
+            "a torchft lighthouse: set -S diloco.transport=object_store -S diloco.store=s3://...",
+        )
+    jobs = jobs_config(dcfg)
+    if name == "hf_jobs":
+        return HFJobsExecutor(jobs, log_dir=log_dir)
+    return ModalExecutor(jobs, log_dir=log_dir)
+
+
+def remote_command(spec: ReplicaSpec) -> list[str]:
+    """The replica's command for a container: ``python`` instead of this host's interpreter path."""
+    argv = list(spec.argv)
+    if argv and os.path.isabs(argv[0]) and "python" in os.path.basename(argv[0]):
+        argv[0] = "python"
+    return argv
+
+
+def _forward(names: list[str], what: str) -> dict[str, str]:
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise ComposerPluginsError(f"diloco.jobs.{what} names {', '.join(missing)}, not set in this environment. "
+                                   "HINT: export them, or remove them from the list.")  # fmt: skip
+    return {n: os.environ[n] for n in names}
+
+
+# -- Hugging Face Jobs ----------------------------------------------------------------------
+
+
+class HFJobHandle:
+    """One replica running as a Hugging Face Job (``inspect_job`` for its state, ``cancel_job`` to stop it)."""
+
+    def __init__(self, executor: HFJobsExecutor, spec: ReplicaSpec, job: Any) -> None:
+        self.spec = spec
+        self.executor = executor
+        self.job_id: str = job.id
+        self.url: str = getattr(job, "url", "")
+        self.started_at = time.monotonic()
+        self._rc: int | None = None
+        self._last_poll = 0.0
+        self._stage = "SCHEDULING"
+        self.message: str | None = None
+        self._failing_since: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"HFJobHandle(replica={self.spec.index}, job={self.job_id}, stage={self._stage})"
+
+    def poll(self) -> int | None:
+        if self._rc is not None:
+            return self._rc
+        now = time.monotonic()
+        if now - self._last_poll < self.executor.jobs.poll_s:
+            return None
+        self._last_poll = now
+        try:
+            info = self.executor.api.inspect_job(job_id=self.job_id, namespace=self.executor.namespace)
+        except Exception as e:  # the Hub unreachable or 5xx for a moment: ask again at the next poll
+            self._failing_since = self._failing_since or now
+            if now - self._failing_since > POLL_ERRORS_S:
+                self.message = f"cannot read the job's status for {POLL_ERRORS_S:.0f}s: {one_line(e)}"
+                self._finish(1)
+            return self._rc
+        self._failing_since = None
+        self._stage, self.message = str(info.status.stage), info.status.message
+        stage = self._stage.rsplit(".", 1)[-1]
+        if stage == "SCHEDULING" and now - self.started_at > self.executor.jobs.start_timeout_s:
+            self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
+            self.message = f"did not start within diloco.jobs.start_timeout_s={self.executor.jobs.start_timeout_s:g}s"
+            self._finish(1)
+        elif stage == "COMPLETED":
+            self._finish(0)
+        elif stage in ("ERROR", "CANCELED", "DELETED"):
+            self._finish(1 if stage == "ERROR" else -int(signal.SIGTERM))
+        return self._rc
+
+    def _finish(self, rc: int) -> None:
+        self._rc = rc
+        self.executor.save_logs(self)
+
+    def terminate(self) -> None:
+        if self._rc is None:
+            with contextlib.suppress(Exception):
+                self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
+
+    kill = terminate
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(min(0.2, self.executor.jobs.poll_s))
+        return rc
+
+
+class HFJobsExecutor:
+    """Runs each replica as a Hugging Face Job (``huggingface_hub``'s ``run_job``/``inspect_job``/``fetch_job_logs``/
+    ``cancel_job``); the Hub endpoint is ``$HF_ENDPOINT`` and the token the usual ``HF_TOKEN`` / login."""
+
+    def __init__(self, jobs: JobsConfig | None = None, *, log_dir: str | os.PathLike[str] | None = None,
+                 api: Any = None) -> None:  # fmt: skip
+        try:
+            from huggingface_hub import HfApi
+        except ImportError as e:
+            raise ComposerPluginsError("--executor hf_jobs needs huggingface_hub. "
+                                       "HINT: pip install 'composer-plugins[hf_jobs]'") from e  # fmt: skip
+        self.jobs = jobs or JobsConfig()
+        if not self.jobs.image:
+            raise Config().error(
+                "diloco.jobs.image",
+                "--executor hf_jobs needs a Docker image with composer-plugins "
+                "installed, e.g. -S diloco.jobs.image=ghcr.io/you/composer-plugins:latest.",
+            )
+        # $HF_ENDPOINT read now, not when huggingface_hub was first imported
+        self.api = api or HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        self.namespace = self.jobs.namespace or self._whoami()
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+
+    def _whoami(self) -> str:
+        """The token's user, asked once (the Hub rate-limits ``whoami``; every jobs call needs a namespace)."""
+        try:
+            return str(self.api.whoami(cache=True)["name"])
+        except Exception as e:
+            raise ComposerPluginsError(
+                f"--executor hf_jobs cannot tell who you are on {self.api.endpoint}: {one_line(e)}. HINT: set HF_TOKEN "
+                "(or run `hf auth login`), or name the namespace with -S diloco.jobs.namespace=<user-or-org>."
+            ) from e
+
+    def start(self, spec: ReplicaSpec) -> HFJobHandle:
+        env = {**_forward(self.jobs.env, "env"), **spec.job_env}
+        secrets = _forward(self.jobs.secrets, "secrets")
+        try:
+            job = self.api.run_job(
+                image=self.jobs.image, command=remote_command(spec), env=env, secrets=secrets or None,
+                flavor=self.jobs.flavor, timeout=self.jobs.timeout_s, namespace=self.namespace,
+                labels={"composer-plugins": "diloco", "replica": str(spec.index), "restart": str(spec.restart)},
+            )  # fmt: skip
+        except Exception as e:
+            raise LaunchError(f"cannot start replica {spec.index} as a Hugging Face Job: {e}") from e
+        h = HFJobHandle(self, spec, job)
+        if self.log_dir is not None and spec.log_path is not None:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(spec.log_path, "a") as f:
+                f.write(f"\n=== replica {spec.index} (restart {spec.restart}): HF job {h.job_id} {h.url}\n")
+        return h
+
+    def save_logs(self, h: HFJobHandle) -> None:
+        """Append the job's logs (``fetch_job_logs``) and its final stage to the replica's log file."""
+        if h.spec.log_path is None:
+            return
+        try:
+            lines = list(self.api.fetch_job_logs(job_id=h.job_id, namespace=self.namespace))
+        except Exception as e:
+            lines = [f"(cannot fetch the job's logs: {e})"]
+        with open(h.spec.log_path, "a") as f:
+            f.writelines(line.rstrip("\n") + "\n" for line in lines)
+            f.write(f"=== HF job {h.job_id}: {h._stage}{f' ({h.message})' if h.message else ''}\n")
+
+
+# -- Modal ----------------------------------------------------------------------------------
+
+
+class ModalHandle:
+    """One replica running as a Modal function call (``FunctionCall``: ``get(timeout=0)`` polls, ``cancel``)."""
+
+    def __init__(self, executor: ModalExecutor, spec: ReplicaSpec, call: Any) -> None:
+        self.spec, self.executor, self.call = spec, executor, call
+        self._rc: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def poll(self) -> int | None:
+        if self._rc is not None:
+            return self._rc
+        try:
+            out = self.call.get(timeout=0)
+        except TimeoutError:
+            return None
+        except Exception as e:  # the function raised, was cancelled, or timed out on Modal
+            self._rc, out = 1, {"returncode": 1, "output": f"{type(e).__name__}: {e}"}
+        else:
+            self._rc = int(out.get("returncode", 1))
+        if self.spec.log_path is not None:
+            with open(self.spec.log_path, "a") as f:
+                f.write(str(out.get("output", "")))
+        return self._rc
+
+    def terminate(self) -> None:
+        if self._rc is None:
+            with contextlib.suppress(Exception):
+                self.call.cancel()
+
+    kill = terminate
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(0.5)
+        return rc
+
+
+def _modal_replica(argv: list[str], env: dict[str, str]) -> dict[str, Any]:  # pragma: no cover - runs on Modal
+    """What runs inside the Modal container: the replica command, its output returned with its exit code."""
+    import subprocess
+
+    p = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True)
+    return {"returncode": p.returncode, "output": p.stdout + p.stderr}
+
+
+class ModalExecutor:
+    """Runs each replica as one call of a Modal function (``modal.App`` + ``Image`` + ``App.function``).
+
+    :meth:`build` makes the app, image and function from ``diloco.jobs`` (image, GPU type, secrets,
+    timeout) without contacting Modal; :meth:`start` runs the app (``app.run()``, once) and ``spawn``-s one
+    call per replica, passing the replica's command and its ``job_env`` (store URL, replica index ...).
+    """
+
+    def __init__(self, jobs: JobsConfig | None = None, *, log_dir: str | os.PathLike[str] | None = None) -> None:
+        try:
+            import modal
+        except ImportError as e:
+            raise ComposerPluginsError("--executor modal needs the modal SDK. "
+                                       "HINT: pip install 'composer-plugins[modal]'") from e  # fmt: skip
+        self.modal = modal
+        self.jobs = jobs or JobsConfig()
+        self.log_dir = log_dir
+        self.app, self.image, self.function = self.build()
+        self._run_ctx: Any = None
+        self._lock = threading.Lock()
+
+    def build(self) -> tuple[Any, Any, Any]:
+        """``(app, image, function)`` for ``diloco.jobs``; nothing is sent to Modal here."""
+        modal, j = self.modal, self.jobs
+        if j.image:
+            image = modal.Image.from_registry(j.image)
+        else:
+            image = modal.Image.debian_slim(python_version="3.11").pip_install(*j.pip)
+        image = image.env({"PYTHONUNBUFFERED": "1"})
+        app = modal.App(j.app_name, image=image)
+        kwargs: dict[str, Any] = {"timeout": int(j.timeout_s), "serialized": True,
+                                  "secrets": [modal.Secret.from_name(s) for s in j.secrets]}  # fmt: skip
+        if j.gpu:
+            kwargs["gpu"] = j.gpu
+        if j.cpu:
+            kwargs["cpu"] = j.cpu
+        if j.memory_mb:
+            kwargs["memory"] = j.memory_mb
+        function = app.function(**kwargs)(_modal_replica)
+        return app, image, function
+
+    def start(self, spec: ReplicaSpec) -> ModalHandle:
+        with self._lock:
+            if self._run_ctx is None:
+                self._run_ctx = self.app.run()
+                self._run_ctx.__enter__()
+        env = {**_forward(self.jobs.env, "env"), **spec.job_env}
+        try:
+            call = self.function.spawn(remote_command(spec), env)
+        except Exception as e:
+            raise LaunchError(f"cannot start replica {spec.index} on Modal: {e}") from e
+        return ModalHandle(self, spec, call)
+
+    def close(self) -> None:
+        if self._run_ctx is not None:
+            with contextlib.suppress(Exception):
+                self._run_ctx.__exit__(None, None, None)
+            self._run_ctx = None

@@ -1,0 +1,97 @@
+"""The replica process: ``python -m composer_plugins.diloco.run --target train|toy|module:function [--config C] k=v``.
+
+The launcher (:mod:`.launch`) and the cloud executors start this in every replica; the environment they set
+says which replica it is and where the others are (a torchft lighthouse or an object store).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from composer_plugins.core.config import Config, apply_overrides, load_config, loads_config
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.diloco.common import DiLoCoConfig
+from composer_plugins.diloco.replica import run_project_train
+
+__all__ = ["check_replica_config", "load_target_config", "main"]
+
+
+def load_target_config(config: str | None, overrides: Sequence[str], section: str | None = None) -> Config:
+    """The config a ``toy`` or ``module:function`` target reads (``--section`` picks a top-level key)."""
+    if section:
+        full = load_config(config, ()) if config else Config()
+        node = full.get_path(section)
+        if not isinstance(node, Mapping):
+            raise full.error(section, f"section {section!r} not found or not a mapping.", valid=list(full))
+        cfg = Config(dict(node), full.source, {})
+        apply_overrides(cfg, overrides)
+        return cfg
+    return load_config(config, overrides) if config else loads_config("{}", overrides=overrides)
+
+
+def check_replica_config(target: str, config: str | None, overrides: Sequence[str] = (),
+                         section: str | None = None) -> DiLoCoConfig:  # fmt: skip
+    """Load and validate what every replica will read, once, before any starts; the ``diloco:`` section.
+
+    Raises the located :class:`ConfigError` a replica would raise (file:line or override, key, fix).
+    """
+    if target == "train":
+        from composer_plugins.training.train import load_train_config
+
+        _, src = load_train_config(config, list(overrides), section=section)
+        return DiLoCoConfig.from_config(src)
+    cfg = load_target_config(config, overrides, section)
+    if target == "toy":
+        from composer_plugins.core.config import from_dict
+        from composer_plugins.diloco.toy import ToyConfig
+
+        from_dict(ToyConfig, cfg.get("toy") or {}, cfg, "toy")
+    elif ":" not in target:
+        raise ConfigError(f"--target must be 'train', 'toy' or 'module:function', got {target!r}")
+    return DiLoCoConfig.from_config(cfg)
+
+
+def _run_target(target: str, config: str | None, overrides: Sequence[str], section: str | None = None) -> Any:
+    if target == "train":
+        return run_project_train(config, overrides, section=section)
+    cfg = load_target_config(config, overrides, section)
+    if target == "toy":
+        from composer_plugins.diloco.toy import run_toy
+
+        return run_toy(cfg)
+    mod, _, attr = target.partition(":")
+    if not attr:
+        raise ConfigError(f"--target must be 'train', 'toy' or 'module:function', got {target!r}")
+    return getattr(importlib.import_module(mod), attr)(cfg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Replica entry: ``python -m composer_plugins.diloco.run --target train|toy|mod:fn [--config C] k=v``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m composer_plugins.diloco.run", description=main.__doc__)
+    p.add_argument("--target", default="toy")
+    p.add_argument("--config", default=None)
+    p.add_argument("--section", default=None)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _run_target(a.target, a.config, a.overrides, a.section)
+    except ComposerPluginsError as e:
+        print(f"Error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # torchft's quorum thread and native servers can outlive the run; do not let them hold the exit.
+    os._exit(code)
