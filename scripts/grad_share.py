@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[n] = {"mean_ratio": statistics.mean(r), "median_ratio": statistics.median(r)}
         print(f"{n} / {a.reference} gradient norm: mean {statistics.mean(r):.2f}, median {statistics.median(r):.2f}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"variant": a.variant, "per_step": per_step, "ratios": summary}, indent=2))
+        out = {"variant": a.variant, "per_step": per_step, "ratios": summary}
+        Path(a.json_out).write_text(json.dumps(out, indent=2))
     return 0
 
 
