@@ -13,7 +13,7 @@ Configurations: composer ``grpo``; ``grpo + hint_distill`` (every row fails, so 
 hinted and gets a teacher forward); ``grpo + hint_distill + replay`` (4 DPO pairs per step); TRL
 ``GRPOTrainer`` (``loss_type="grpo"``, ``beta=0``). Both sides score completions with the same
 seeded random reward in [0, 1), so every group has non-zero advantages. Composer runs through the
-project's Lightning ``Trainer`` (:func:`~composer_plugins.training.train.build_trainer`).
+project's Lightning ``Trainer`` (:func:`~composer_plugins.training.trainer.build_trainer`).
 
 Ratios: peak RSS / one fp32 logits tensor of the batch (``rows × (prompt + completion) × vocab``
 floats, what one plain forward of the batch returns), peak RSS / TRL's, tokens/s / TRL's.
@@ -76,7 +76,7 @@ def _trl_reward(rng: random.Random) -> Any:
 
 def _config(tmp: str, spec: dict[str, Any], model_dir: str, pairs: str, variant: str,
             hint_options: dict[str, Any] | None = None) -> Any:  # fmt: skip
-    from composer_plugins.training.train import loads_train_config
+    from composer_plugins.training.config import loads_train_config
 
     gpu = spec["device"] == "cuda"
     hint = variant in ("grpo+hint", "grpo+hint+replay", HINT_OPTS)
@@ -117,7 +117,7 @@ def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps:
     import torch
 
     from benchmarks.bench_training import _tasks, composed_steps, trl_steps
-    from composer_plugins.training.train import build_env
+    from composer_plugins.training.builders import build_env
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +147,9 @@ def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps:
 def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
     """The shaped model (random weights, tiny tokenizer) and a replay pairs file; returns (model, pairs, vocab)."""
     from composer_plugins.models.tiny import MODEL_SHAPES, build_shaped_model
-    from composer_plugins.training.train import build_env, loads_train_config, resolve_policy
+    from composer_plugins.training.builders import build_env
+    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.policy import resolve_policy
 
     cfg, _ = loads_train_config(
         f"cache_dir: {os.environ.get('COMPOSER_CACHE_DIR', '.composer_cache')}\nsft: {{enabled: false}}"

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer_plugins.core.hookspecs import hookimpl
-
-__version__ = "0.1.0"
+from composer_plugins.core.version import __version__
 
 __all__ = ["__version__", "build", "get_plugin_manager", "get_registry", "hookimpl", "list_names"]
 

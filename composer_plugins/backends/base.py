@@ -1,11 +1,11 @@
 """What every backend shares: the config it reads, the result it returns, its run history.
 
 A backend is the trainer a set of loss channels runs in. All of them read the same
-:class:`~composer_plugins.training.train.TrainConfig` (``env``, ``losses``, ``hints``, ``replay``,
+:class:`~composer_plugins.training.config.TrainConfig` (``env``, ``losses``, ``hints``, ``replay``,
 ``rollout``, ``optim``, ``model`` ...) and take their own options as keyword arguments, so
 ``composer_plugins.build("backends", "trl", config="train.yaml", max_steps=2)`` and
 ``build("backends", "monarch", config=cfg)`` run the *same* channels in different trainers.
-``train()`` returns a :class:`~composer_plugins.training.train.RunResult` and writes
+``train()`` returns a :class:`~composer_plugins.training.run.RunResult` and writes
 ``<output_dir>/model`` (``save_pretrained``), ``history.csv`` and ``metrics.json`` like the
 native path does.
 """
@@ -28,7 +28,7 @@ def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[A
     An already loaded ``(TrainConfig, Config)`` pair (from ``load_train_config``) is returned as is.
     """
     from composer_plugins.core.config import Config
-    from composer_plugins.training.train import TrainConfig, load_train_config, train_config_from_dict
+    from composer_plugins.training.config import TrainConfig, load_train_config, train_config_from_dict
 
     if isinstance(config, tuple) and len(config) == 2 and isinstance(config[0], TrainConfig):
         return config[0], config[1]
@@ -51,7 +51,7 @@ class Backend:
     """Base class of the built-in backends.
 
     Args:
-        config: the shared training config (:class:`~composer_plugins.training.train.TrainConfig`,
+        config: the shared training config (:class:`~composer_plugins.training.config.TrainConfig`,
             a mapping, a YAML path, or ``None`` for the packaged default).
         overrides: dotted ``key=value`` overrides applied to a file/mapping config.
         output_dir: overrides ``config.output_dir``.
@@ -78,7 +78,7 @@ class Backend:
         return Path(self.config.output_dir)
 
     def train(self) -> Any:  # pragma: no cover - abstract
-        """Run training; return a :class:`~composer_plugins.training.train.RunResult`."""
+        """Run training; return a :class:`~composer_plugins.training.run.RunResult`."""
         raise NotImplementedError
 
     @classmethod
@@ -90,7 +90,7 @@ class Backend:
     def write_outputs(self, history: list[dict[str, float]], metrics: dict[str, float], model: Any = None,
                       tokenizer: Any = None) -> Any:  # fmt: skip
         """Write ``history.csv``, ``metrics.json`` and (when given) ``model/``; return a ``RunResult``."""
-        from composer_plugins.training.train import RunResult
+        from composer_plugins.training.run import RunResult
 
         out = self.output_dir
         out.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 
 :class:`~composer_plugins.training.module.ComposerModule` samples rollouts, scores them with the
 env and optimises the composed channels; a Lightning ``Trainer`` (built by
-:func:`~composer_plugins.training.train.build_trainer`) runs it. This is exactly
-:func:`composer_plugins.training.train.run_train`; the backend object only gives it the same
+:func:`~composer_plugins.training.trainer.build_trainer`) runs it. This is exactly
+:func:`composer_plugins.training.run.run_train`; the backend object only gives it the same
 ``build("backends", name, config=...).train()`` interface as TRL, VeRL, PRIME-RL and Monarch.
 """
 
@@ -23,7 +23,7 @@ class LightningBackend(Backend):
         config, overrides, output_dir: see :class:`~composer_plugins.backends.base.Backend`.
         max_steps: overrides ``trainer.max_steps``.
         resume: ``"last"`` or a checkpoint path (passed to ``run_train``).
-        strategy, extra_callbacks, logger: passed to :func:`~composer_plugins.training.train.run_train`.
+        strategy, extra_callbacks, logger: passed to :func:`~composer_plugins.training.run.run_train`.
     """
 
     name = "lightning"
@@ -42,8 +42,8 @@ class LightningBackend(Backend):
         self.resume, self.strategy, self.extra_callbacks, self.logger = resume, strategy, list(extra_callbacks), logger
 
     def train(self) -> Any:
-        """:func:`~composer_plugins.training.train.run_train` on the config; returns its ``RunResult``."""
-        from composer_plugins.training.train import run_train
+        """:func:`~composer_plugins.training.run.run_train` on the config; returns its ``RunResult``."""
+        from composer_plugins.training.run import run_train
 
         return run_train(self.config, self.src, resume=self.resume, extra_callbacks=self.extra_callbacks,
                          strategy=self.strategy, logger=self.logger)  # fmt: skip

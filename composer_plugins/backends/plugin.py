@@ -66,7 +66,7 @@ def register_commands(cli: Any) -> None:
         import yaml
 
         from composer_plugins.core.plugins import get_registry
-        from composer_plugins.training.train import load_train_config
+        from composer_plugins.training.config import load_train_config
 
         kw: dict[str, Any] = {}
         for opt in options:

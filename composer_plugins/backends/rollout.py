@@ -1,6 +1,6 @@
 """The in-process pieces the upstream backends share: policy, env, seeded task draws, rollouts, optimizer.
 
-Built from the same :class:`~composer_plugins.training.train.TrainConfig` helpers the native
+Built from the same :class:`~composer_plugins.training.config.TrainConfig` helpers the native
 Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``,
 ``training.optim.build_optimizer``), so a
 backend differs from the native path only in the trainer, never in the data or the reward.
@@ -31,31 +31,33 @@ class LocalRun:
 
     def __init__(self, cfg: Any, src: Any = None, *, policy: Any = None, tokenizer: Any = None,
                  env: Any = None) -> None:  # fmt: skip
-        from composer_plugins.training import train as T
+        from composer_plugins.training.batches import task_drawer
+        from composer_plugins.training.builders import build_env
+        from composer_plugins.training.policy import load_policy_for
 
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         self.cfg = cfg
-        self.env = env if env is not None else T.build_env(cfg, src)
+        self.env = env if env is not None else build_env(cfg, src)
         if policy is None:
-            policy, tokenizer = T.load_policy_for(cfg, self.env)
+            policy, tokenizer = load_policy_for(cfg, self.env)
         torch.manual_seed(cfg.seed)
         self.policy, self.tokenizer = policy, tokenizer
         self.policy.train()
-        self.draw = T.task_drawer(self.env, cfg, "train")
+        self.draw = task_drawer(self.env, cfg, "train")
         from composer_plugins.training.optim import build_optimizer
 
         self.optimizer = build_optimizer(cfg.optim, self.policy.parameters())
 
     def tasks(self, step: int) -> list[dict[str, Any]]:
         """The prompts of ``step`` (depend only on ``cfg.seed`` and ``step``)."""
-        from composer_plugins.training.module import derive_seed
+        from composer_plugins.training.batches import derive_seed
 
         return self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))
 
     def rollout(self, step: int) -> tuple[list[dict[str, Any]], Any, list[float], list[Any]]:
         """``(tasks, rollout, rewards, feedback)`` of ``step``."""
-        from composer_plugins.training.module import derive_seed, env_rewards, task_prompt
+        from composer_plugins.training.batches import derive_seed, env_rewards, task_prompt
 
         tasks = self.tasks(step)
         ro = generate(self.policy, self.tokenizer, self.cfg, [task_prompt(t) for t in tasks],

@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import click
 
-from composer_plugins import __version__
+from composer_plugins.core.version import __version__
 
 #: Help of ``-S/--set``: the one override syntax of every command that reads a config.
 SET_HELP = "Override a config value, e.g. -S trainer.max_steps=20 (repeatable; as `dvc exp run -S`)."

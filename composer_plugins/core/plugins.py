@@ -96,7 +96,7 @@ class ComposerPluginManager(pluggy.PluginManager):
     # -- loading ------------------------------------------------------------------
     def load_defaults(self, modules: Iterable[str] = DEFAULT_PLUGINS) -> None:
         """Import and register the built-in plugin modules."""
-        from composer_plugins import __version__
+        from composer_plugins.core.version import __version__
 
         for modname in modules:
             mod = importlib.import_module(modname)

@@ -189,7 +189,7 @@ def prepare(params: Mapping[str, Any], out_dir: str | os.PathLike[str] = "data/t
 
 
 def _overlap(train: Path, test: Path) -> int:
-    from composer_plugins.training.module import task_prompt
+    from composer_plugins.training.batches import task_prompt
 
     seen = {task_prompt(t) for t in read_jsonl(train)}
     return sum(task_prompt(t) in seen for t in read_jsonl(test))
@@ -214,7 +214,7 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
 
     from composer_plugins.models.generation import generate_completions
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.module import env_rewards, task_prompt
+    from composer_plugins.training.batches import env_rewards, task_prompt
 
     r = _section(params, "rollout")
     unknown = sorted(set(r) - set(ROLLOUT_KEYS))
@@ -440,7 +440,8 @@ def train_cell(params: Mapping[str, Any], variant: str, seed: int, *, pairs: str
     cfg_path.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
     replicas = int((cfg.get("diloco") or {}).get("replicas") or 1)
     if replicas <= 1:
-        from composer_plugins.training.train import load_train_config, run_train
+        from composer_plugins.training.config import load_train_config
+        from composer_plugins.training.run import run_train
 
         tc, src = load_train_config(cfg_path)
         print(f"composer-plugins train -c {cfg_path}", flush=True)
@@ -470,8 +471,8 @@ def _env_key(spec: Any) -> str:
 
 
 def channel_flags(train_cfg: Mapping[str, Any]) -> dict[str, bool]:
-    """``{channel_key: on}`` for ``train.losses`` (on = enabled and weight != 0; ``training.train.channel_spec``)."""
-    from composer_plugins.training.train import channel_spec
+    """``{channel_key: on}`` for ``train.losses`` (on = enabled and weight != 0; ``training.config.channel_spec``)."""
+    from composer_plugins.training.config import channel_spec
 
     losses = train_cfg.get("losses") or {}
     return {k: channel_spec(k, spec, pre="train.").active for k, spec in losses.items()}
@@ -517,7 +518,8 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
     ``study.*``; metrics: held-out and final train metrics; artifacts: the result JSON and the
     training curves).
     """
-    from composer_plugins.training.train import run_eval, train_config_from_dict
+    from composer_plugins.training.config import train_config_from_dict
+    from composer_plugins.training.run import run_eval
 
     name = study.run_name(variant, seed) if variant else "sft"
     cfg = train_config(params, variant, seed)
@@ -586,7 +588,8 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
     if tags[tracking.TAG_STAGE] == "manual":
         tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
     from composer_plugins.core.errors import ComposerPluginsError
-    from composer_plugins.training.train import config_components, train_config_from_dict
+    from composer_plugins.training.builders import config_components
+    from composer_plugins.training.config import train_config_from_dict
 
     try:  # provenance of the evaluated config's env and channels; the eval itself never depends on it
         tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))

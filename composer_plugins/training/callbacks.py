@@ -1,6 +1,6 @@
 """Lightning callbacks from plugins (registry kind ``callbacks``), chosen by ``trainer.callbacks``.
 
-The training run's ``Trainer`` (:func:`composer_plugins.training.train.build_trainer`) adds, after its
+The training run's ``Trainer`` (:func:`composer_plugins.training.trainer.build_trainer`) adds, after its
 own callbacks (checkpoints, history, progress bar), one callback per entry of ``trainer.callbacks``:
 a registered name, ``{name: ..., <kwargs>}`` or ``{class_path: ..., init_args: ...}``. A plugin adds
 names with the ``register_callbacks`` hook::

@@ -38,7 +38,7 @@ def _config_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def _load(config_path: str | None, section: str | None, overrides: tuple[str, ...],
           set_overrides: tuple[str, ...] = (), no_progress: bool = False) -> tuple[Any, Any]:  # fmt: skip
-    from composer_plugins.training.train import load_train_config
+    from composer_plugins.training.config import load_train_config
 
     if no_progress:
         from composer_plugins.core import progress
@@ -70,7 +70,8 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
 
     Example: composer-plugins train -c run.yaml -S trainer.max_steps=20 -S losses.hint_distill.enabled=false
     """
-    from composer_plugins.training.train import config_to_yaml, run_train
+    from composer_plugins.training.config import config_to_yaml
+    from composer_plugins.training.run import run_train
 
     cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
@@ -92,7 +93,8 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
 def sft_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
             set_overrides: tuple[str, ...], no_progress: bool) -> None:  # fmt: skip
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
-    from composer_plugins.training.train import config_to_yaml, run_sft
+    from composer_plugins.training.config import config_to_yaml
+    from composer_plugins.training.run import run_sft
 
     cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
@@ -119,7 +121,8 @@ def eval_cmd(
     output: str | None,
 ) -> None:
     """Held-out evaluation (accuracy, pass_at_<k>, mean_reward) of a checkpoint or of the configured policy."""
-    from composer_plugins.training.train import config_to_yaml, run_eval
+    from composer_plugins.training.config import config_to_yaml
+    from composer_plugins.training.run import run_eval
 
     cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:

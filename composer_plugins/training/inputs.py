@@ -19,7 +19,7 @@ from composer_plugins.core.errors import ConfigError, closest
 from composer_plugins.core.io import iter_jsonl
 
 if TYPE_CHECKING:
-    from composer_plugins.training.train import TrainConfig
+    from composer_plugins.training.config import TrainConfig
 
 __all__ = ["check_data_file", "check_hub_id", "check_inputs", "check_model_path", "env_task_fields"]
 

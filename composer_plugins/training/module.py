@@ -14,15 +14,19 @@ One training step (one micro-batch of prompts):
 Only the inputs some live channel ``requires`` are computed: with the hint channel off, no
 teacher forward runs; with replay off, no pair forward runs; a reference model exists only
 when a live channel needs reference log-probs.
+
+What a step is fed (task streams, prompts, rewards, hinted contexts, :class:`RolloutBatch`) is
+:mod:`composer_plugins.training.batches`; the validation metrics are :mod:`composer_plugins.training.metrics`;
+the SFT module is :mod:`composer_plugins.training.sft`. Over 600 lines because it is one class whose
+step phases (rollout, scoring, hint contexts, the micro-batched loss, resumable state) share its state;
+its module-level helpers are the private ones only it uses.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import random
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import MeanMetric
 
 from composer_plugins.core.steps import step_result
 from composer_plugins.losses.functional import chunked_logprobs
@@ -39,92 +43,24 @@ from composer_plugins.models.logprobs import (
     completion_hidden,
     completion_logprobs,
     completion_logprobs_no_grad,
-    decoder_body,
     lm_head_weight,
     sequence_logprob,
 )
+from composer_plugins.training.batches import (
+    RolloutBatch,
+    derive_seed,
+    env_rewards,
+    load_pairs,
+    rollout_groups,
+    sibling_group,
+    task_prompt,
+    teacher_contexts,
+)
+from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
+from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, world
-
-# ---------------------------------------------------------------------------------------
-# seeds and data streams
-# ---------------------------------------------------------------------------------------
-
-
-def derive_seed(*parts: int) -> int:
-    """A 31-bit seed mixed from integer ``parts`` (stable across processes and runs)."""
-    h = 0x9E3779B1
-    for p in parts:
-        h = (h * 1_000_003 + int(p) + 0x7F4A7C15) % (2**61 - 1)
-    return h % (2**31 - 1)
-
-
-class TaskStream:
-    """A resumable, length-known stream of prompt batches for Lightning.
-
-    Batch ``i`` is ``{"index": i, "tasks": [...], "rank": r, "world_size": W}`` where the step's
-    ``batch_size`` tasks are drawn by ``draw(n, seed)`` with a seed derived from ``(seed, epoch, i)``
-    and data-parallel rank ``r`` of ``W`` keeps its contiguous share of them
-    (:func:`~composer_plugins.training.distributed.rank_share`): the content of a batch depends
-    only on its position and the rank, the ranks' shares are disjoint and their union is the
-    one-process batch. ``rank``/``world_size`` default to the ``torch.distributed`` group's at
-    iteration time (Lightning initialises it before it iterates). ``state_dict``/``load_state_dict``
-    record the position, which every rank shares, so Lightning's ``ckpt_path=...`` resumes each rank
-    at its exact next share (Lightning stores the state of stateful iterables in the checkpoint's
-    ``loops`` section); a resume under another world size re-splits the same step batches.
-    """
-
-    def __init__(self, draw: Any, batch_size: int, num_batches: int, seed: int = 0, *,
-                 rank: int | None = None, world_size: int | None = None) -> None:  # fmt: skip
-        self.draw = draw
-        self.batch_size = int(batch_size)
-        self.num_batches = int(num_batches)
-        self.seed = int(seed)
-        self.position = 0
-        self.epoch = 0
-        self.rank = rank
-        self.world_size = world_size
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        from composer_plugins.training.distributed import rank_share
-
-        rank, size = world()
-        rank = rank if self.rank is None else int(self.rank)
-        size = size if self.world_size is None else int(self.world_size)
-        if self.position >= self.num_batches:
-            self.position = 0
-            self.epoch += 1
-        while self.position < self.num_batches:
-            i = self.position
-            tasks = self.draw(self.batch_size, derive_seed(self.seed, self.epoch, i))
-            if size > 1:
-                tasks = rank_share(tasks, rank, size)
-            self.position += 1
-            yield {"index": self.epoch * self.num_batches + i, "tasks": tasks, "rank": rank, "world_size": size}
-
-    def state_dict(self) -> dict[str, int]:
-        """Position of the next batch."""
-        return {"position": self.position, "epoch": self.epoch}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Resume at the recorded position."""
-        self.position = int(state["position"])
-        self.epoch = int(state.get("epoch", 0))
-
-
-class StaticBatches:
-    """A fixed sequence of batches that Lightning treats as *one* dataloader (a plain list would be many)."""
-
-    def __init__(self, batches: Sequence[Any]) -> None:
-        self.batches = list(batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.batches)
+from composer_plugins.training.metrics import PassAtK, Ratio
+from composer_plugins.training.policy import load_policy_for
 
 
 def _rng_state() -> dict[str, Any]:
@@ -144,166 +80,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
 
 
-# ---------------------------------------------------------------------------------------
-# metrics
-# ---------------------------------------------------------------------------------------
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al., 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-class PassAtK(Metric):
-    """Mean unbiased pass@k over problems; ``update(correct)`` takes a ``(problems, n)`` bool tensor."""
-
-    full_state_update = False
-
-    def __init__(self, k: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.k = int(k)
-        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, correct: Tensor) -> None:
-        n = correct.shape[1]
-        if n < self.k:
-            raise ValueError(f"pass@{self.k} needs at least {self.k} samples per problem, got {n}")
-        for row in correct:
-            self.total += pass_at_k(n, int(row.sum().item()), self.k)
-        self.count += correct.shape[0]
-
-    def compute(self) -> Tensor:
-        return (self.total / self.count.clamp(min=1)).float()
-
-
-class Ratio(Metric):
-    """``sum(numerator) / sum(denominator)`` over every update (``nan`` while the denominator is 0)."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("num", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("den", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, numerator: float | Tensor, denominator: float | Tensor) -> None:
-        self.num += float(numerator)
-        self.den += float(denominator)
-
-    def compute(self) -> Tensor:
-        return (self.num / self.den).float() if self.den > 0 else torch.tensor(float("nan"))
-
-
-# ---------------------------------------------------------------------------------------
-# env adapters (the env contract lives in composer_plugins.envs; see docs/envs.md)
-# ---------------------------------------------------------------------------------------
-
-_PROMPT_KEYS = ("prompt", "question")
-
-
-def task_prompt(task: Mapping[str, Any]) -> str:
-    """The prompt text of a task dict."""
-    for k in _PROMPT_KEYS:
-        if k in task:
-            return str(task[k])
-    raise KeyError(f"task has no prompt field (expected one of {_PROMPT_KEYS}); keys: {sorted(task)}")
-
-
-def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str, list[Any]]:
-    """Column-wise task fields other than the prompt, each row repeated ``repeat`` times."""
-    keys: list[str] = []
-    for t in tasks:
-        for k in t:
-            if k not in _PROMPT_KEYS and k not in keys:
-                keys.append(k)
-    return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
-
-
-def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int) -> list[float]:
-    """Rewards from ``env.reward(prompts, completions, **task_columns)``; ``None`` (unscorable) counts as 0."""
-    prompts = [task_prompt(t) for t in tasks for _ in range(repeat)]
-    rewards = env.reward(prompts, list(completions), **task_kwargs(tasks, repeat))
-    if len(rewards) != len(completions):
-        raise ValueError(f"env.reward returned {len(rewards)} rewards for {len(completions)} completions")
-    return [0.0 if r is None else float(r) for r in rewards]
-
-
-def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
-    """``env.feedback(prompt, completion, **task)`` (free after ``reward``), or ``None`` if the env has none."""
-    fn = getattr(env, "feedback", None)
-    if fn is None:
-        return None
-    fields = {k: v for k, v in task.items() if k not in _PROMPT_KEYS}
-    return fn(task_prompt(task), completion, **fields)
-
-
-def insert_hint(prompt: str, hint: str) -> str:
-    """The teacher context for a text prompt (the envs' ``build_teacher_context`` when available)."""
-    try:
-        from composer_plugins.envs.hints import build_teacher_context
-    except ImportError:  # pragma: no cover - the envs package ships with the project
-        return f"{prompt.rstrip()}\nHint: {hint}\n"
-    return str(build_teacher_context(prompt, hint))
-
-
-def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str],
-                     feedbacks: Sequence[Any] | None = None,
-                     groups: Sequence[Any] | None = None) -> list[str | None]:  # fmt: skip
-    """Hinted teacher contexts for failed completions (``None`` where the provider gives no hint).
-
-    The provider is a hint provider (``hints(feedbacks, prompts, completions, tasks)`` or
-    ``hint(feedback, prompt=, completion=, task=)``) or a plain callable with that signature;
-    the feedback comes from the env (``env.feedback``) unless given (multi-turn episodes).
-    ``groups`` (one :class:`~composer_plugins.envs.hints.SiblingGroup` per row: its rollout
-    group's completions and rewards) reaches providers that take ``groups=`` / ``group=``.
-    """
-    from composer_plugins.envs.hints import provider_hints
-
-    feedbacks = list(feedbacks) if feedbacks is not None else [None] * len(tasks)
-    fbs = [
-        fb if fb is not None else env_feedback(env, t, c)
-        for fb, t, c in zip(feedbacks, tasks, completions, strict=True)
-    ]
-    prompts = [task_prompt(t) for t in tasks]
-    hints = provider_hints(provider, fbs, prompts, list(completions), list(tasks),
-                           list(groups) if groups is not None else None)  # fmt: skip
-    return [insert_hint(p, str(h)) if h else None for p, h in zip(prompts, hints, strict=True)]
-
-
-def sibling_group(completions: Sequence[Any], rewards: Sequence[float], success_threshold: float,
-                  index: int = 0) -> Any:  # fmt: skip
-    """One row's :class:`~composer_plugins.envs.hints.SiblingGroup` (the row at ``index``)."""
-    from composer_plugins.envs.hints import SiblingGroup
-
-    return SiblingGroup(tuple(completions), tuple(float(r) for r in rewards), index, float(success_threshold))
-
-
-def rollout_groups(completions: Sequence[Any], rewards: Sequence[float] | Tensor, group_size: int,
-                   success_threshold: float) -> list[Any]:  # fmt: skip
-    """One :class:`~composer_plugins.envs.hints.SiblingGroup` per rollout row (row ``i`` is in group ``i // G``)."""
-    from composer_plugins.envs.hints import sibling_groups
-
-    values = rewards.detach().float().cpu().tolist() if isinstance(rewards, Tensor) else [float(r) for r in rewards]
-    return sibling_groups(list(completions), values, group_size, success_threshold)
-
-
-def load_pairs(path: str | Path) -> list[dict[str, str]]:
-    """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
-    from composer_plugins.core.errors import ConfigError
-    from composer_plugins.core.io import iter_jsonl
-
-    pairs = []
-    for n, row in iter_jsonl(path):
-        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
-        if missing:
-            raise ConfigError(f"preference pair lacks {missing}", file=str(path), line=n)
-        pairs.append(row)
-    return pairs
-
-
 def _numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
     out = {}
     for k, v in metrics.items():
@@ -314,130 +90,11 @@ def _numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-# ---------------------------------------------------------------------------------------
-# SFT warm start
-# ---------------------------------------------------------------------------------------
-
-
-class SFTModule(L.LightningModule):
-    """Supervised warm start: next-token cross-entropy on the completion part of ``prompt + solution``."""
-
-    def __init__(
-        self,
-        policy: Any,
-        tokenizer: Any,
-        lr: float = 3e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        total_steps: int = 1,
-    ) -> None:
-        super().__init__()
-        # from_pretrained returns eval mode; Lightning trains modules in the mode it finds them in
-        self.policy = policy.train()
-        self.tokenizer = tokenizer
-        self.lr, self.weight_decay = lr, weight_decay
-        self.warmup_steps, self.total_steps = warmup_steps, max(1, total_steps)
-
-    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
-        """Token-mean cross-entropy over the labelled tokens, chunked through the LM head from hidden states."""
-        from composer_plugins.losses.functional import chunked_logprobs
-
-        body = decoder_body(self.policy)
-        hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        labels = batch["labels"][:, 1:]
-        mask = labels != -100
-        logps = chunked_logprobs(
-            hidden.last_hidden_state[:, :-1], lm_head_weight(self.policy), labels.clamp(min=0), mask=mask
-        )
-        assert isinstance(logps, Tensor)
-        loss = -logps.sum() / mask.sum().clamp(min=1)
-        self.log("sft/loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        from types import SimpleNamespace
-
-        from composer_plugins.training.optim import build_optimizer, warmup_cosine
-
-        sft_optim = SimpleNamespace(name="adamw", lr=self.lr, weight_decay=self.weight_decay)
-        opt = build_optimizer(sft_optim, self.policy.parameters())
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(self.warmup_steps, self.total_steps))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def sft_collate(tokenizer: Any, examples: Sequence[tuple[str, str]], max_length: int = 256) -> dict[str, Tensor]:
-    """Right-padded ``prompt + completion + EOS`` with labels ``-100`` on prompt and padding."""
-    pad = tokenizer.pad_token_id
-    rows, labels = [], []
-    for prompt, completion in examples:
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = (p + c)[:max_length]
-        lab = ([-100] * len(p) + c)[:max_length]
-        rows.append(ids)
-        labels.append(lab)
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    lab_t = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (r, lab) in enumerate(zip(rows, labels, strict=True)):
-        input_ids[i, : len(r)] = torch.tensor(r)
-        attn[i, : len(r)] = 1
-        lab_t[i, : len(lab)] = torch.tensor(lab)
-    return {"input_ids": input_ids, "attention_mask": attn, "labels": lab_t}
-
-
-# ---------------------------------------------------------------------------------------
-# the RL module
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class RolloutBatch:
-    """Scored rollouts of one step: what the loss needs besides the current policy's forward."""
-
-    tasks: list[Mapping[str, Any]]
-    rollout: Rollout
-    rewards: Tensor
-    advantages: Tensor
-    old_logprobs: Tensor | None = None
-    ref_logprobs: Tensor | None = None
-    #: Rows (failed completions) that got a hint, and their teacher contexts.
-    hint_rows: list[int] = field(default_factory=list)
-    hint_contexts: list[str] = field(default_factory=list)
-
-    def state(self) -> dict[str, Any]:
-        """Plain data (tensors, lists) for a checkpoint."""
-        ro = self.rollout
-        return {
-            "tasks": [dict(t) for t in self.tasks],
-            "rollout": {
-                "prompt_ids": ro.prompt_ids, "prompt_mask": ro.prompt_mask, "completion_ids": ro.completion_ids,
-                "completion_mask": ro.completion_mask, "completions": list(ro.completions),
-                "prompts": list(ro.prompts), "group_index": ro.group_index, "num_generations": ro.num_generations,
-                "extra": {k: v for k, v in ro.extra.items() if isinstance(v, Tensor)},
-            },
-            "rewards": self.rewards, "advantages": self.advantages, "old_logprobs": self.old_logprobs,
-            "ref_logprobs": self.ref_logprobs, "hint_rows": list(self.hint_rows),
-            "hint_contexts": list(self.hint_contexts),
-        }  # fmt: skip
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> RolloutBatch:
-        """Inverse of :meth:`state`."""
-        r = dict(state["rollout"])
-        extra = r.pop("extra", {})
-        ro = Rollout(**r)
-        ro.extra.update(extra)
-        kw = {k: v for k, v in state.items() if k != "rollout"}
-        return cls(rollout=ro, **kw)
-
-
 class ComposerModule(L.LightningModule):
     """Samples rollouts from the env, and optimises the sum of the configured loss channels.
 
     Args:
-        config: a :class:`~composer_plugins.training.train.TrainConfig` (or its dict form).
+        config: a :class:`~composer_plugins.training.config.TrainConfig` (or its dict form).
         policy, tokenizer: an already loaded policy; by default loaded with
             ``from_pretrained`` from ``config.model`` (the tiny default is built and cached).
         env, channels, hint_provider: already built components; by default built from the
@@ -462,13 +119,12 @@ class ComposerModule(L.LightningModule):
         super().__init__()
         from composer_plugins.core.config import redact, to_dict
         from composer_plugins.losses.base import ChannelComposer
-        from composer_plugins.training import train as T
 
-        cfg = config if isinstance(config, T.TrainConfig) else T.train_config_from_dict(config)
+        cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
         self.cfg = cfg
         self.save_hyperparameters(redact(to_dict(cfg)))
         if policy is None:
-            policy, tokenizer = T.load_policy_for(cfg)
+            policy, tokenizer = load_policy_for(cfg)
         if tokenizer is None:
             raise ValueError("pass tokenizer= together with policy=")
         # from_pretrained returns eval mode; Lightning trains modules in the mode it finds them in
@@ -482,9 +138,9 @@ class ComposerModule(L.LightningModule):
                     "checkpointing; set it to false"
                 )
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.env = env if env is not None else T.build_env(cfg, src)
+        self.env = env if env is not None else build_env(cfg, src)
         if channels is None:
-            channels = T.build_channels(cfg, src)
+            channels = build_channels(cfg, src)
         self.composer = ChannelComposer(list(channels))
         self._live = [c for c in self.composer.channels if c.weight != 0.0]
         self._required: set[str] = set()
@@ -509,7 +165,7 @@ class ComposerModule(L.LightningModule):
         self.needs_pairs = bool(self._required & {"chosen_logps", "rejected_logps", "chosen_avg_logps"})
         self.hint_provider = hint_provider
         if self.needs_teacher and self.hint_provider is None:
-            self.hint_provider = T.build_hint_provider(cfg, src)
+            self.hint_provider = build_hint_provider(cfg, src)
         self.pairs: list[Mapping[str, str]] = list(pairs) if pairs is not None else []
         if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
             self.pairs = load_pairs(cfg.replay.pairs_path)
@@ -523,7 +179,7 @@ class ComposerModule(L.LightningModule):
                 p.requires_grad_(False)
             self._reference.append(ref)
         #: What samples the training rollouts (``rollout.generator``; HF ``generate`` by default).
-        self.generator = T.build_generator(cfg, src)
+        self.generator = build_generator(cfg, src)
         self.val_accuracy = MeanMetric()
         self.val_reward = MeanMetric()
         self.val_pass = PassAtK(cfg.eval.k)
@@ -532,7 +188,7 @@ class ComposerModule(L.LightningModule):
         self.val_hint_coverage = Ratio()
         self._uplift_provider: Any = self.hint_provider
         if cfg.eval.hint_uplift and self._uplift_provider is None:
-            self._uplift_provider = T.build_hint_provider(cfg, src)
+            self._uplift_provider = build_hint_provider(cfg, src)
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, RolloutBatch] | None = None
         #: Set to a list to collect per-problem validation predictions.

@@ -87,7 +87,7 @@ def prompt_seed(seed: int | None, i: int) -> int | None:
     """The sampling seed sent with prompt ``i`` of a step sampled with ``seed``."""
     if seed is None:
         return None
-    from composer_plugins.training.module import derive_seed
+    from composer_plugins.training.batches import derive_seed
 
     return derive_seed(seed, 7, i)
 

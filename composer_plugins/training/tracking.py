@@ -197,9 +197,9 @@ def provenance_tags(components: Mapping[str, tuple[str, str]]) -> dict[str, str]
     registry name is tagged ``<name> (<distribution> <version>)``, a class path as given. Also tags
     ``composer_plugins.version``.
     """
-    from composer_plugins import __version__
     from composer_plugins.core.errors import ComposerPluginsError
     from composer_plugins.core.plugins import get_registry
+    from composer_plugins.core.version import __version__
 
     reg = get_registry()
     tags = {"composer_plugins.version": __version__}

@@ -193,3 +193,123 @@ def test_the_check_catches_upward_private_and_kernel_imports():
     found = violations(Path("cp_x/backend.py"), "import os\nfrom composer_plugins.backends import base\nbase._x\n", ext)
     assert found and ":3:" in found[0] and "base._x" in found[0]
     assert violations(Path("cp_x/backend.py"), "from composer_plugins.pipeline import stages\n", ext)
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_edges(name: str, source: str, modules: set[str], is_pkg: bool = False) -> list[tuple[str, int]]:
+    """``(module imported, line)`` for every import of ``source`` (module ``name``) that names one of ``modules``.
+
+    Every import counts, wherever it is: module level, inside a function (lazy), under ``TYPE_CHECKING``.
+    ``from pkg import name`` is an import of the submodule ``pkg.name`` when that is a module, else of ``pkg``.
+    """
+    base_parts = name.split(".") if is_pkg else name.split(".")[:-1]
+    out: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names if a.name in modules]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base_parts[: len(base_parts) - (node.level - 1)]
+                target = ".".join([*parts, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                if sub in modules:
+                    out.append((sub, node.lineno))
+                elif target in modules:
+                    out.append((target, node.lineno))
+    return [(m, line) for m, line in out if m != name]
+
+
+def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module in ``{module: {imported: line}}`` (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def project_import_graph(roots: list[Path]) -> tuple[dict[str, dict[str, int]], dict[str, Path]]:
+    files = {_module_name(p, r.parent): p for r in roots for p in sorted(r.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in files.items():
+        edges = import_edges(name, path.read_text(), set(files), is_pkg=path.name == "__init__.py")
+        graph[name] = {}
+        for m, line in edges:
+            graph[name].setdefault(m, line)
+    return graph, files
+
+
+def test_no_import_circles():
+    """No circle of imports among the project's modules (the backend distributions included).
+
+    Lazy (function-level) and ``TYPE_CHECKING`` imports count: a circle broken only by importing late is
+    still two rooms that each need the other. A lower module that needs a behaviour from above takes a
+    callable or declares a hook.
+    """
+    graph, files = project_import_graph([PKG, *sorted(p for p in DISTS.glob("*/composer_plugins_*") if p.is_dir())])
+    msgs = []
+    for group in import_circles(graph):
+        inside = set(group)
+        where = [f"{files[a].relative_to(ROOT)}:{line} imports {b}"
+                 for a in group for b, line in graph[a].items() if b in inside]  # fmt: skip
+        msgs.append(" <-> ".join(group) + "\n    " + "\n    ".join(where))
+    assert not msgs, "import circles:\n  " + "\n  ".join(msgs)
+
+
+def test_the_circle_check_finds_lazy_and_type_checking_circles():
+    mods = {"p", "p.a", "p.b", "p.c"}
+    a = "def f():\n    from p.b import g\n"  # lazy
+    b = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import a\n"  # type-only, submodule form
+    c = "from . import b\nfrom .b import g\n"  # relative; c -> b only: no circle
+    graph = {
+        "p.a": dict(import_edges("p.a", a, mods)),
+        "p.b": dict(import_edges("p.b", b, mods)),
+        "p.c": dict(import_edges("p.c", c, mods)),
+    }
+    assert graph["p.a"] == {"p.b": 2} and graph["p.b"] == {"p.a": 3} and graph["p.c"] == {"p.b": 2}
+    assert import_circles(graph) == [["p.a", "p.b"]]
+    assert import_circles({"p.a": {"p.b": 1}, "p.b": {"p.c": 1}, "p.c": {}}) == []
+
+
+def test_training_files_are_small_or_say_why():
+    """A file of ``training/`` over ~600 lines says in its docstring why it is not split ("Over 600 lines ...")."""
+    big = []
+    for path in sorted((PKG / "training").glob("*.py")):
+        source = path.read_text()
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        if len(source.splitlines()) > 600 and "Over 600 lines" not in " ".join(doc.split()):
+            big.append(f"{path.relative_to(ROOT)}: {len(source.splitlines())} lines")
+    assert not big, "split these, or state the reason in the module docstring:\n  " + "\n  ".join(big)

@@ -16,7 +16,7 @@ from composer_plugins.envs.hints import (
     sibling_groups,
     wants_groups,
 )
-from composer_plugins.training.module import rollout_groups, teacher_contexts
+from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
 WRONG = Feedback("wrong_answer", "The final answer 3 is wrong.", {"expected": "10", "got": "3"}, 0.0)
 TASK = {"prompt": "Question: Ben has 3 eggs. He buys 7 more eggs. How many eggs does Ben have now?\nAnswer:",

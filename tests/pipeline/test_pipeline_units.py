@@ -69,7 +69,7 @@ def test_train_config_merges_variant_and_wires_the_pipeline() -> None:
     assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+replay"
     assert cfg["mlflow"]["run_name"] == "train@no_hint-s3"
     # the effective config is a valid TrainConfig
-    from composer_plugins.training.train import train_config_from_dict
+    from composer_plugins.training.config import train_config_from_dict
 
     train_config_from_dict(cfg)
 

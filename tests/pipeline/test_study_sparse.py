@@ -12,7 +12,8 @@ from composer_plugins.envs.arith import generate_problems
 from composer_plugins.envs.base import Feedback
 from composer_plugins.envs.gsm8k import GSM8KEnv
 from composer_plugins.pipeline import stages, study
-from composer_plugins.training.train import build_hint_provider, train_config_from_dict
+from composer_plugins.training.builders import build_hint_provider
+from composer_plugins.training.config import train_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 CALC = re.compile(r"<<([^=<>]+)=([-0-9.]+)>>")

@@ -60,7 +60,8 @@ def main(spec_path: str, rank: int) -> None:
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from composer_plugins.training.train import loads_train_config, run_train
+    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.run import run_train
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {"runs": {}}

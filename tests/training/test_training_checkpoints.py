@@ -159,7 +159,8 @@ def test_kill_during_save_leaves_a_good_last_ckpt(tmp_path):
 
 
 def test_build_trainer_writes_checkpoints_atomically(tmp_path):
-    from composer_plugins.training.train import build_trainer, loads_train_config
+    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.trainer import build_trainer
 
     cfg, _ = loads_train_config(f"output_dir: {tmp_path}/run\nmlflow: {{enabled: false}}\n")
     trainer = build_trainer(cfg, logger=False)

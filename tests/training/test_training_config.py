@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from composer_plugins.core.cli import load_commands
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.training.train import DEFAULT_CONFIG, TrainConfig, build_channels, load_train_config
+from composer_plugins.training.builders import build_channels
+from composer_plugins.training.config import DEFAULT_CONFIG, TrainConfig, load_train_config
 
 
 def write(tmp_path, text: str):
@@ -211,7 +212,7 @@ def test_overrides_edit_the_default_channel_set(tmp_path):
 
 
 def test_unknown_env_and_hint_provider_are_located(tmp_path):
-    from composer_plugins.training.train import build_env
+    from composer_plugins.training.builders import build_env
 
     p = write(tmp_path, "seed: 0\nenv: {name: gsm8kk, difficulty: trivial}\n")
     cfg, src = load_train_config(p)

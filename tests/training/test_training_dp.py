@@ -116,8 +116,10 @@ def _union(states: list[dict], pad: int) -> dict:
 
 @pytest.mark.timeout(600)
 def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, tiny_yaml, tmp_path):
-    from composer_plugins.training.module import ComposerModule, RolloutBatch, TaskStream
-    from composer_plugins.training.train import build_env, load_policy_for, resolve_policy, task_drawer
+    from composer_plugins.training.batches import RolloutBatch, TaskStream, task_drawer
+    from composer_plugins.training.builders import build_env
+    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.policy import load_policy_for, resolve_policy
 
     cfg, src = make_cfg(DP_YAML, *DP_OVERRIDES)
     resolve_policy(cfg)  # build the tiny model and its SFT start once, before the ranks load them from the cache
@@ -177,7 +179,7 @@ def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, 
 def test_fsdp_on_cpu_trains_like_ddp_and_resumes(make_cfg, tiny_yaml, tmp_path):
     """FSDP (each decoder layer a unit, gloo on CPU): sampling under FSDP, the same steps as DDP, exact resume."""
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.train import resolve_policy
+    from composer_plugins.training.policy import resolve_policy
 
     cfg, _ = make_cfg(DP_YAML, *DP_OVERRIDES)
     resolve_policy(cfg)
@@ -210,7 +212,7 @@ def test_fsdp_on_cpu_trains_like_ddp_and_resumes(make_cfg, tiny_yaml, tmp_path):
 def test_ema_teacher_under_ddp_and_fsdp(make_cfg, tiny_yaml, tmp_path):
     """``teacher: ema``: every DDP rank holds the same EMA, the closed form of the policy's steps; FSDP keeps it
     sharded (gathered here) and equal to DDP's, and a resumed FSDP run ends with the same EMA."""
-    from composer_plugins.training.train import resolve_policy
+    from composer_plugins.training.policy import resolve_policy
 
     ema = ["losses.hint_distill.teacher=ema", "losses.hint_distill.ema_rate=0.3"]
     cfg, _ = make_cfg(DP_YAML, *DP_OVERRIDES)
@@ -259,7 +261,7 @@ def test_rank_share_is_disjoint_and_refuses_uneven_splits():
 
 
 def test_task_stream_shares_resume_per_rank():
-    from composer_plugins.training.module import TaskStream
+    from composer_plugins.training.batches import TaskStream
 
     def draw(n: int, seed: int) -> list[dict]:
         return [{"prompt": f"{seed}-{i}"} for i in range(n)]
@@ -279,7 +281,7 @@ def test_strategy_from_config_and_did_you_mean(make_cfg):
     from lightning.pytorch.strategies import DDPStrategy
 
     from composer_plugins.core.errors import ConfigError
-    from composer_plugins.training.train import build_strategy
+    from composer_plugins.training.strategy import build_strategy
 
     cfg, src = make_cfg("", "trainer.strategy=ddp", "trainer.dist_timeout_s=30")
     s = build_strategy(cfg, None, src)

@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from composer_plugins.training.builders import build_env
 from composer_plugins.training.module import ComposerModule
-from composer_plugins.training.train import build_env, load_policy_for, run_train
+from composer_plugins.training.policy import load_policy_for
+from composer_plugins.training.run import run_train
 
 HINT = """
 losses:

@@ -23,8 +23,8 @@ class HintNothing(HintProvider):
 
 
 def test_make_rollout_batch_gives_the_provider_each_rows_group(make_cfg):
+    from composer_plugins.training.builders import build_env
     from composer_plugins.training.module import ComposerModule
-    from composer_plugins.training.train import build_env
 
     cfg, src = make_cfg("", "rollout.prompts_per_step=4", "hints.provider=demonstration")
     m = ComposerModule(cfg, env=build_env(cfg, src), src=src)
@@ -57,7 +57,9 @@ def test_make_rollout_batch_gives_the_provider_each_rows_group(make_cfg):
 
 
 def test_sft_demonstration_contexts(make_cfg):
-    from composer_plugins.training.train import build_env, sft_cache_key, sft_hint_kinds, sft_pairs
+    from composer_plugins.training.builders import build_env
+    from composer_plugins.training.policy import sft_cache_key
+    from composer_plugins.training.sft import sft_hint_kinds, sft_pairs
 
     cfg, src = make_cfg("", "sft.num_examples=40", "hints.provider=demonstration")
     env = build_env(cfg, src)
@@ -93,7 +95,7 @@ def test_sft_hint_kinds_errors_are_located(make_cfg):
 
 
 def _uplift(make_cfg, tmp_path, *overrides):
-    from composer_plugins.training.train import run_eval
+    from composer_plugins.training.run import run_eval
 
     cfg, src = make_cfg("", "eval.hint_uplift=true", "eval.predictions=true", "eval.num_problems=16", *overrides)
     out = tmp_path / "eval.json"
@@ -154,7 +156,7 @@ def test_study_eval_stage_forwards_hint_uplift(make_cfg, tiny_yaml, tmp_path):
 
     from composer_plugins.envs.gsm8k import GSM8KEnv
     from composer_plugins.pipeline import stages
-    from composer_plugins.training.train import resolve_policy
+    from composer_plugins.training.policy import resolve_policy
 
     cfg, _ = make_cfg()
     model = resolve_policy(cfg)  # the tiny SFT warm start (session cache)
@@ -181,8 +183,8 @@ def test_study_eval_stage_forwards_hint_uplift(make_cfg, tiny_yaml, tmp_path):
 def test_multi_turn_episodes_give_demonstrations_from_their_group(make_cfg):
     import torch
 
+    from composer_plugins.training.builders import build_env
     from composer_plugins.training.module import ComposerModule
-    from composer_plugins.training.train import build_env
 
     demo = "hints.provider={name: demonstration, fallback: none}"
     cfg, src = make_cfg("", "env.max_turns=2", "rollout.max_turns=2", "rollout.num_generations=4",

@@ -9,8 +9,9 @@ import torch
 from composer_plugins import hookimpl
 from composer_plugins.core import plugins
 from composer_plugins.core.errors import ConfigError, UnknownPluginError
+from composer_plugins.training.config import OptimSection, loads_train_config
 from composer_plugins.training.optim import build_optimization, build_optimizer
-from composer_plugins.training.train import OptimSection, build_trainer, loads_train_config
+from composer_plugins.training.trainer import build_trainer
 
 MINIMAL = "losses: {grpo: {weight: 1.0}}\n"
 
@@ -95,7 +96,7 @@ def test_builtin_optimizers_are_built_as_before():
 def test_unknown_optimizer_or_setting_fails_with_the_names(tmp_path):
     p = tmp_path / "train.yaml"
     p.write_text(MINIMAL + "optim:\n  name: adamx\n")
-    from composer_plugins.training.train import load_train_config
+    from composer_plugins.training.config import load_train_config
 
     with pytest.raises(ConfigError, match=rf"{p}:3: optim.name: Unknown optimizer 'adamx'") as ei:
         load_train_config(p)

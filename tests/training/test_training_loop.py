@@ -10,8 +10,11 @@ import torch
 from click.testing import CliRunner
 
 from composer_plugins.core.cli import load_commands
-from composer_plugins.training.module import ComposerModule, derive_seed
-from composer_plugins.training.train import build_env, eval_batches, load_policy_for, resolve_policy, run_train
+from composer_plugins.training.batches import derive_seed, eval_batches
+from composer_plugins.training.builders import build_env
+from composer_plugins.training.module import ComposerModule
+from composer_plugins.training.policy import load_policy_for, resolve_policy
+from composer_plugins.training.run import run_train
 
 CHANNELS = """
 losses:
@@ -252,7 +255,7 @@ def test_multi_turn_episode_masks_observations(make_cfg):
 
 def test_tasks_from_jsonl_files(make_cfg, tmp_path):
     from composer_plugins.envs.gsm8k import GSM8KEnv
-    from composer_plugins.training.train import run_eval
+    from composer_plugins.training.run import run_eval
 
     env = GSM8KEnv(difficulty="trivial")
     paths = {}
@@ -279,7 +282,8 @@ def test_policy_trains_in_train_mode_without_lightning_eval_mode_warning(make_cf
 
     from lightning.pytorch.callbacks import Callback
 
-    from composer_plugins.training.train import run_train, sft_train
+    from composer_plugins.training.run import run_train
+    from composer_plugins.training.sft import sft_train
 
     modes = []
 

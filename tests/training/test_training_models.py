@@ -8,7 +8,8 @@ import torch
 from composer_plugins.models.generation import completion_mask_from_ids, generate_completions, tokenize_prompts
 from composer_plugins.models.logprobs import completion_forward, completion_logprobs_no_grad, token_logprobs
 from composer_plugins.models.tiny import TinyModelConfig, build_cached, build_tiny_model, cache_dir_for, load_policy
-from composer_plugins.training.module import PassAtK, TaskStream, derive_seed, pass_at_k
+from composer_plugins.training.batches import TaskStream, derive_seed
+from composer_plugins.training.metrics import PassAtK, pass_at_k
 
 CORPUS = [f"Question: Tom has {a} pens and buys {b} more.\nAnswer: {a} + {b} = {a + b}\n#### {a + b}"
           for a in range(1, 30) for b in range(1, 12)]  # fmt: skip

@@ -31,8 +31,9 @@ class _CountingGenerator:
 
 def test_hook_register_rollout_generators(fresh_pm, make_cfg):
     from composer_plugins.core import plugins
+    from composer_plugins.training.builders import build_env, build_generator
     from composer_plugins.training.module import ComposerModule
-    from composer_plugins.training.train import build_env, build_generator, load_policy_for
+    from composer_plugins.training.policy import load_policy_for
 
     class P:
         __name__ = "ip_rollouts"
@@ -64,7 +65,7 @@ def test_hook_register_rollout_generators(fresh_pm, make_cfg):
 
 def test_unknown_generator_is_located(make_cfg):
     from composer_plugins.core.errors import ComposerPluginsError
-    from composer_plugins.training.train import build_generator
+    from composer_plugins.training.builders import build_generator
 
     cfg, src = make_cfg("", "rollout.generator=sever")
     with pytest.raises(ComposerPluginsError, match="server"):
@@ -80,8 +81,9 @@ def test_unknown_generator_is_located(make_cfg):
 def tiny_policy(make_cfg):
     """``(path, policy, tokenizer, prompts)``: the tiny SFT-started policy and a few train prompts."""
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.module import task_prompt
-    from composer_plugins.training.train import build_env, resolve_policy
+    from composer_plugins.training.batches import task_prompt
+    from composer_plugins.training.builders import build_env
+    from composer_plugins.training.policy import resolve_policy
 
     cfg, src = make_cfg("")
     env = build_env(cfg, src)
@@ -183,7 +185,7 @@ def test_server_faults_lose_no_request(tiny_policy):
 @pytest.mark.timeout(400)
 def test_training_from_the_server_syncs_weights_and_corrects_the_lag(make_cfg, tiny_policy, tmp_path):
     from composer_plugins.testing.loopback_server import RolloutServerProcess
-    from composer_plugins.training.train import run_train
+    from composer_plugins.training.run import run_train
 
     path = tiny_policy[0]
     with RolloutServerProcess(model=path) as srv:

@@ -19,8 +19,10 @@ from torch.utils._pytree import tree_flatten
 
 from composer_plugins.models.generation import tokenize_prompts
 from composer_plugins.models.logprobs import completion_forward, sequence_logprob
-from composer_plugins.training.module import ComposerModule, _right_pad, derive_seed
-from composer_plugins.training.train import build_env, load_policy_for
+from composer_plugins.training.batches import derive_seed
+from composer_plugins.training.builders import build_env
+from composer_plugins.training.module import ComposerModule, _right_pad
+from composer_plugins.training.policy import load_policy_for
 
 POLICY_LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "dppo"]
 CRITERIA = ["jsd", "taid", "entropy_opd"]
@@ -176,7 +178,7 @@ VOCAB = 65_536
 def wide_vocab_policy(make_cfg, tmp_path):
     """The tiny test tokenizer under a random Qwen2 body with a 65,536-row vocabulary."""
     from composer_plugins.models.tiny import build_shaped_model
-    from composer_plugins.training.train import resolve_policy
+    from composer_plugins.training.policy import resolve_policy
 
     cfg, _ = make_cfg()
     tok_dir = resolve_policy(cfg, build_env(cfg))
@@ -248,7 +250,7 @@ def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_
 
 def test_bf16_mixed_precision_trains_through_lightning(make_cfg, pairs_file):
     """``trainer.precision: bf16-mixed`` runs the step under Lightning's autocast (CPU here; a GPU in practice)."""
-    from composer_plugins.training.train import run_train
+    from composer_plugins.training.run import run_train
 
     cfg, src = make_cfg(PARITY.format(pairs=pairs_file), *PARITY_ROLLOUT, "trainer.precision=bf16-mixed",
                         "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0")  # fmt: skip

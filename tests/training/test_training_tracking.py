@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from composer_plugins.training import tracking
-from composer_plugins.training.train import run_train
+from composer_plugins.training.run import run_train
 
 
 @pytest.fixture

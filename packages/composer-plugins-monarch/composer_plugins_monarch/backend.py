@@ -36,7 +36,7 @@ from composer_plugins.backends.base import Backend, scalar_metrics
 from composer_plugins.models import generation as _generation  # noqa: F401
 from composer_plugins.models import tiny as _tiny  # noqa: F401
 from composer_plugins.training import module as _module  # noqa: F401
-from composer_plugins.training import train as _train  # noqa: F401
+from composer_plugins.training import run as _run  # noqa: F401
 
 #: Actors placed in the same process are constructed concurrently; their (lazy) imports of
 #: lightning/transformers modules must not interleave (Python raises _DeadlockError), so the
@@ -55,7 +55,7 @@ __all__ = [
 
 
 def _config(config: Mapping[str, Any]) -> Any:
-    from composer_plugins.training.train import train_config_from_dict
+    from composer_plugins.training.config import train_config_from_dict
 
     return train_config_from_dict(config)
 
@@ -158,25 +158,26 @@ class RewarderActor(Actor):
     """Owns the env plugin: draws the seeded tasks of each step and scores completions with ``env.reward``."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        from composer_plugins.training import train as T
+        from composer_plugins.training.batches import task_drawer
+        from composer_plugins.training.builders import build_env
 
         with _INIT_LOCK:
             self.cfg = _config(config)
             _threads(self.cfg)
-            self.env = T.build_env(self.cfg)
-            self.draw = T.task_drawer(self.env, self.cfg, "train")
+            self.env = build_env(self.cfg)
+            self.draw = task_drawer(self.env, self.cfg, "train")
 
     @endpoint
     async def tasks(self, step: int) -> list[dict[str, Any]]:
         """The tasks of ``step`` (seeded by ``config.seed`` and ``step``)."""
-        from composer_plugins.training.module import derive_seed
+        from composer_plugins.training.batches import derive_seed
 
         return [dict(t) for t in self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))]
 
     @endpoint
     async def score(self, tasks: list[dict[str, Any]], completions: list[str]) -> list[float]:
         """``env.reward`` of each completion (``G`` per task, in order)."""
-        from composer_plugins.training.module import env_rewards
+        from composer_plugins.training.batches import env_rewards
 
         return env_rewards(self.env, tasks, completions, self.cfg.rollout.num_generations)
 
@@ -215,7 +216,7 @@ class TrainerActor(Actor):
     async def train_step(self, tasks: list[dict[str, Any]], rollout: dict[str, Any], rewards: list[float],
                          step: int) -> dict[str, float]:  # fmt: skip
         """One optimizer step of the composed loss on ``rollout``; returns the step's statistics."""
-        from composer_plugins.training.module import derive_seed
+        from composer_plugins.training.batches import derive_seed
 
         t0 = time.perf_counter()
         ro = _rollout_from_wire(rollout)
@@ -284,7 +285,7 @@ class MonarchBackend(Backend):
         return MonarchSession(self)
 
     def train(self) -> Any:
-        """Run the actor loop; returns a :class:`~composer_plugins.training.train.RunResult`."""
+        """Run the actor loop; returns a :class:`~composer_plugins.training.run.RunResult`."""
         return asyncio.run(self.run())
 
     async def run(self) -> Any:
@@ -306,10 +307,10 @@ class MonarchSession:
     async def __aenter__(self) -> MonarchSession:
         from composer_plugins.core.config import to_dict
         from composer_plugins.models.tiny import load_policy
-        from composer_plugins.training import train as T
+        from composer_plugins.training.policy import resolve_policy
 
         b = self.backend
-        model_dir = T.resolve_policy(b.config)  # base / SFT warm start, built once here, loaded by every actor
+        model_dir = resolve_policy(b.config)  # base / SFT warm start, built once here, loaded by every actor
         wire = to_dict(b.config)
         host = this_host()
         procs = host.spawn_procs(per_host={"gpus": b.generators})
@@ -335,7 +336,7 @@ class MonarchSession:
 
     async def step(self, step: int) -> dict[str, float]:
         """Tasks (rewarder) -> rollout (generators) -> rewards (rewarder) -> update (trainer) -> weights back."""
-        from composer_plugins.training.module import derive_seed, task_prompt
+        from composer_plugins.training.batches import derive_seed, task_prompt
 
         c = self.backend.config
         t0 = time.perf_counter()

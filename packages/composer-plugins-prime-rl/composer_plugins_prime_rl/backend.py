@@ -276,7 +276,7 @@ class PrimeRLBackend(Backend):
             )
 
     def _loss_kwargs(self) -> dict[str, Any]:
-        from composer_plugins.training.train import channel_spec
+        from composer_plugins.training.config import channel_spec
 
         kwargs: dict[str, Any] = {}
         policies = []
@@ -332,7 +332,7 @@ class PrimeRLBackend(Backend):
         )
 
     def train(self) -> Any:
-        """Train (see the class docstring); returns a :class:`~composer_plugins.training.train.RunResult`."""
+        """Train (see the class docstring); returns a :class:`~composer_plugins.training.run.RunResult`."""
         if self.mode == "prime-rl":
             exe = shutil.which("rl")
             if importlib.util.find_spec("prime_rl") is None or exe is None:
@@ -355,7 +355,7 @@ class PrimeRLBackend(Backend):
         run = R.LocalRun(c, self.src)
         hint_provider = None
         if self.loss_kwargs.get("hint_weight"):
-            from composer_plugins.training.train import build_hint_provider
+            from composer_plugins.training.builders import build_hint_provider
 
             hint_provider = build_hint_provider(c, self.src)
         ema, ema_pairs_ = None, None
@@ -410,7 +410,7 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
     """
     from composer_plugins.models.generation import tokenize_prompts
     from composer_plugins.models.logprobs import completion_logprobs_no_grad
-    from composer_plugins.training.module import rollout_groups, teacher_contexts
+    from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
     G = ro.num_generations
     failed = (rewards < threshold).nonzero().flatten().tolist()

@@ -148,7 +148,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.max_hinted_per_step = max_hinted_per_step
         self.max_hint_length = int(max_hint_length)
         if isinstance(pairs, str):
-            from composer_plugins.training.module import load_pairs
+            from composer_plugins.training.batches import load_pairs
 
             pairs = load_pairs(pairs)
         self.pairs: list[Mapping[str, str]] = list(pairs or [])
@@ -261,7 +261,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _hint_prompt_ids(self, inputs: list[dict[str, Any]], out: Mapping[str, Any], rewards: Tensor,
                          all_rewards: Tensor | None = None) -> list[list[int] | None]:  # fmt: skip
         from composer_plugins.envs.hints import wants_groups
-        from composer_plugins.training.module import rollout_groups, teacher_contexts
+        from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
         tok = self.processing_class
         ids, mask = out["completion_ids"], out["completion_mask"]
@@ -488,27 +488,28 @@ class TRLBackend(Backend):
         return GRPOConfig(**kw)
 
     def train(self) -> Any:
-        """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.training.train.RunResult`."""
+        """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.training.run.RunResult`."""
         from datasets import Dataset
 
-        from composer_plugins.training import train as T
-        from composer_plugins.training.module import load_pairs
+        from composer_plugins.training.batches import load_pairs, task_drawer
+        from composer_plugins.training.builders import build_channels, build_env, build_hint_provider
+        from composer_plugins.training.policy import load_policy_for
 
         c = self.config
         if c.trainer.num_threads:
             torch.set_num_threads(c.trainer.num_threads)
-        env = T.build_env(c, self.src)
-        model, tok = T.load_policy_for(c, env)
-        tasks = T.task_drawer(env, c, "train")(c.trainer.max_steps * c.rollout.prompts_per_step, c.seed)
+        env = build_env(c, self.src)
+        model, tok = load_policy_for(c, env)
+        tasks = task_drawer(env, c, "train")(c.trainer.max_steps * c.rollout.prompts_per_step, c.seed)
         if not tasks or "prompt" not in tasks[0]:
             raise ConfigError("the env's tasks need a 'prompt' field for TRL", key="env")
         task_keys = [k for k in tasks[0] if k != "prompt"]
         dataset = Dataset.from_list([{k: t.get(k) for k in ["prompt", *task_keys]} for t in tasks])
-        channels = T.build_channels(c, self.src)
+        channels = build_channels(c, self.src)
         composer = ChannelComposer(channels)
         policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
         args = self.grpo_config(policy)
-        hint_provider = T.build_hint_provider(c, self.src) if composer.needs_teacher else None
+        hint_provider = build_hint_provider(c, self.src) if composer.needs_teacher else None
         live = [ch for ch in channels if ch.weight != 0.0]
         needs_pairs = any(set(_PAIR_KEYS) & set(_all_inputs(ch)) for ch in live)
         pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None

@@ -359,7 +359,7 @@ class VeRLBackend(Backend):
 
     def _policy_channel(self) -> tuple[str, dict[str, Any]]:
         """The policy channel of ``config.losses`` (the only channel a VeRL policy loss carries)."""
-        from composer_plugins.training.train import channel_spec
+        from composer_plugins.training.config import channel_spec
 
         found = []
         for key, spec in self.config.losses.items():
@@ -413,7 +413,7 @@ class VeRLBackend(Backend):
 
     # -- train ----------------------------------------------------------------------------
     def train(self) -> Any:
-        """Train (see the class docstring); returns a :class:`~composer_plugins.training.train.RunResult`."""
+        """Train (see the class docstring); returns a :class:`~composer_plugins.training.run.RunResult`."""
         if self.mode == "ray":
             if not torch.cuda.is_available():
                 raise ComposerPluginsError(

@@ -1,0 +1,279 @@
+"""What a training or validation step is fed: task streams, prompts, rewards, hinted contexts, pairs.
+
+:class:`TaskStream` (seeded, resumable, sharded by data-parallel rank) and :class:`StaticBatches` are the
+train and validation "dataloaders"; :func:`task_drawer` / :func:`eval_batches` build them from the config
+(env generator or JSONL). :func:`task_prompt`, :func:`env_rewards`, :func:`teacher_contexts`,
+:func:`rollout_groups` and :func:`load_pairs` are the task-level helpers the native loop and the
+backends share; :class:`RolloutBatch` is one step's scored rollouts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from torch import Tensor
+
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.io import read_jsonl
+from composer_plugins.models.generation import Rollout
+from composer_plugins.training.config import TrainConfig
+from composer_plugins.training.distributed import world
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integer ``parts`` (stable across processes and runs)."""
+    h = 0x9E3779B1
+    for p in parts:
+        h = (h * 1_000_003 + int(p) + 0x7F4A7C15) % (2**61 - 1)
+    return h % (2**31 - 1)
+
+
+class TaskStream:
+    """A resumable, length-known stream of prompt batches for Lightning.
+
+    Batch ``i`` is ``{"index": i, "tasks": [...], "rank": r, "world_size": W}`` where the step's
+    ``batch_size`` tasks are drawn by ``draw(n, seed)`` with a seed derived from ``(seed, epoch, i)``
+    and data-parallel rank ``r`` of ``W`` keeps its contiguous share of them
+    (:func:`~composer_plugins.training.distributed.rank_share`): the content of a batch depends
+    only on its position and the rank, the ranks' shares are disjoint and their union is the
+    one-process batch. ``rank``/``world_size`` default to the ``torch.distributed`` group's at
+    iteration time (Lightning initialises it before it iterates). ``state_dict``/``load_state_dict``
+    record the position, which every rank shares, so Lightning's ``ckpt_path=...`` resumes each rank
+    at its exact next share (Lightning stores the state of stateful iterables in the checkpoint's
+    ``loops`` section); a resume under another world size re-splits the same step batches.
+    """
+
+    def __init__(self, draw: Any, batch_size: int, num_batches: int, seed: int = 0, *,
+                 rank: int | None = None, world_size: int | None = None) -> None:  # fmt: skip
+        self.draw = draw
+        self.batch_size = int(batch_size)
+        self.num_batches = int(num_batches)
+        self.seed = int(seed)
+        self.position = 0
+        self.epoch = 0
+        self.rank = rank
+        self.world_size = world_size
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from composer_plugins.training.distributed import rank_share
+
+        rank, size = world()
+        rank = rank if self.rank is None else int(self.rank)
+        size = size if self.world_size is None else int(self.world_size)
+        if self.position >= self.num_batches:
+            self.position = 0
+            self.epoch += 1
+        while self.position < self.num_batches:
+            i = self.position
+            tasks = self.draw(self.batch_size, derive_seed(self.seed, self.epoch, i))
+            if size > 1:
+                tasks = rank_share(tasks, rank, size)
+            self.position += 1
+            yield {"index": self.epoch * self.num_batches + i, "tasks": tasks, "rank": rank, "world_size": size}
+
+    def state_dict(self) -> dict[str, int]:
+        """Position of the next batch."""
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume at the recorded position."""
+        self.position = int(state["position"])
+        self.epoch = int(state.get("epoch", 0))
+
+
+class StaticBatches:
+    """A fixed sequence of batches that Lightning treats as *one* dataloader (a plain list would be many)."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches = list(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches)
+
+
+_PROMPT_KEYS = ("prompt", "question")
+
+
+def task_prompt(task: Mapping[str, Any]) -> str:
+    """The prompt text of a task dict."""
+    for k in _PROMPT_KEYS:
+        if k in task:
+            return str(task[k])
+    raise KeyError(f"task has no prompt field (expected one of {_PROMPT_KEYS}); keys: {sorted(task)}")
+
+
+def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str, list[Any]]:
+    """Column-wise task fields other than the prompt, each row repeated ``repeat`` times."""
+    keys: list[str] = []
+    for t in tasks:
+        for k in t:
+            if k not in _PROMPT_KEYS and k not in keys:
+                keys.append(k)
+    return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
+
+
+def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int) -> list[float]:
+    """Rewards from ``env.reward(prompts, completions, **task_columns)``; ``None`` (unscorable) counts as 0."""
+    prompts = [task_prompt(t) for t in tasks for _ in range(repeat)]
+    rewards = env.reward(prompts, list(completions), **task_kwargs(tasks, repeat))
+    if len(rewards) != len(completions):
+        raise ValueError(f"env.reward returned {len(rewards)} rewards for {len(completions)} completions")
+    return [0.0 if r is None else float(r) for r in rewards]
+
+
+def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
+    """``env.feedback(prompt, completion, **task)`` (free after ``reward``), or ``None`` if the env has none."""
+    fn = getattr(env, "feedback", None)
+    if fn is None:
+        return None
+    fields = {k: v for k, v in task.items() if k not in _PROMPT_KEYS}
+    return fn(task_prompt(task), completion, **fields)
+
+
+def insert_hint(prompt: str, hint: str) -> str:
+    """The teacher context for a text prompt (the envs' ``build_teacher_context`` when available)."""
+    try:
+        from composer_plugins.envs.hints import build_teacher_context
+    except ImportError:  # pragma: no cover - the envs package ships with the project
+        return f"{prompt.rstrip()}\nHint: {hint}\n"
+    return str(build_teacher_context(prompt, hint))
+
+
+def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str],
+                     feedbacks: Sequence[Any] | None = None,
+                     groups: Sequence[Any] | None = None) -> list[str | None]:  # fmt: skip
+    """Hinted teacher contexts for failed completions (``None`` where the provider gives no hint).
+
+    The provider is a hint provider (``hints(feedbacks, prompts, completions, tasks)`` or
+    ``hint(feedback, prompt=, completion=, task=)``) or a plain callable with that signature;
+    the feedback comes from the env (``env.feedback``) unless given (multi-turn episodes).
+    ``groups`` (one :class:`~composer_plugins.envs.hints.SiblingGroup` per row: its rollout
+    group's completions and rewards) reaches providers that take ``groups=`` / ``group=``.
+    """
+    from composer_plugins.envs.hints import provider_hints
+
+    feedbacks = list(feedbacks) if feedbacks is not None else [None] * len(tasks)
+    fbs = [
+        fb if fb is not None else env_feedback(env, t, c)
+        for fb, t, c in zip(feedbacks, tasks, completions, strict=True)
+    ]
+    prompts = [task_prompt(t) for t in tasks]
+    hints = provider_hints(provider, fbs, prompts, list(completions), list(tasks),
+                           list(groups) if groups is not None else None)  # fmt: skip
+    return [insert_hint(p, str(h)) if h else None for p, h in zip(prompts, hints, strict=True)]
+
+
+def sibling_group(completions: Sequence[Any], rewards: Sequence[float], success_threshold: float,
+                  index: int = 0) -> Any:  # fmt: skip
+    """One row's :class:`~composer_plugins.envs.hints.SiblingGroup` (the row at ``index``)."""
+    from composer_plugins.envs.hints import SiblingGroup
+
+    return SiblingGroup(tuple(completions), tuple(float(r) for r in rewards), index, float(success_threshold))
+
+
+def rollout_groups(completions: Sequence[Any], rewards: Sequence[float] | Tensor, group_size: int,
+                   success_threshold: float) -> list[Any]:  # fmt: skip
+    """One :class:`~composer_plugins.envs.hints.SiblingGroup` per rollout row (row ``i`` is in group ``i // G``)."""
+    from composer_plugins.envs.hints import sibling_groups
+
+    values = rewards.detach().float().cpu().tolist() if isinstance(rewards, Tensor) else [float(r) for r in rewards]
+    return sibling_groups(list(completions), values, group_size, success_threshold)
+
+
+def load_pairs(path: str | Path) -> list[dict[str, str]]:
+    """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.core.io import iter_jsonl
+
+    pairs = []
+    for n, row in iter_jsonl(path):
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+        if missing:
+            raise ConfigError(f"preference pair lacks {missing}", file=str(path), line=n)
+        pairs.append(row)
+    return pairs
+
+
+@dataclass
+class RolloutBatch:
+    """Scored rollouts of one step: what the loss needs besides the current policy's forward."""
+
+    tasks: list[Mapping[str, Any]]
+    rollout: Rollout
+    rewards: Tensor
+    advantages: Tensor
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    #: Rows (failed completions) that got a hint, and their teacher contexts.
+    hint_rows: list[int] = field(default_factory=list)
+    hint_contexts: list[str] = field(default_factory=list)
+
+    def state(self) -> dict[str, Any]:
+        """Plain data (tensors, lists) for a checkpoint."""
+        ro = self.rollout
+        return {
+            "tasks": [dict(t) for t in self.tasks],
+            "rollout": {
+                "prompt_ids": ro.prompt_ids, "prompt_mask": ro.prompt_mask, "completion_ids": ro.completion_ids,
+                "completion_mask": ro.completion_mask, "completions": list(ro.completions),
+                "prompts": list(ro.prompts), "group_index": ro.group_index, "num_generations": ro.num_generations,
+                "extra": {k: v for k, v in ro.extra.items() if isinstance(v, Tensor)},
+            },
+            "rewards": self.rewards, "advantages": self.advantages, "old_logprobs": self.old_logprobs,
+            "ref_logprobs": self.ref_logprobs, "hint_rows": list(self.hint_rows),
+            "hint_contexts": list(self.hint_contexts),
+        }  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> RolloutBatch:
+        """Inverse of :meth:`state`."""
+        r = dict(state["rollout"])
+        extra = r.pop("extra", {})
+        ro = Rollout(**r)
+        ro.extra.update(extra)
+        kw = {k: v for k, v in state.items() if k != "rollout"}
+        return cls(rollout=ro, **kw)
+
+
+def env_tasks(env: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` seeded tasks of ``split`` from the env's generator."""
+    return [dict(t) for t in env.sample_tasks(n, split=split, seed=seed)]
+
+
+def task_drawer(env: Any, cfg: TrainConfig, split: Literal["train", "test"]) -> Callable[[int, int], list[dict]]:
+    """``draw(n, seed) -> tasks`` for ``split``: from ``data.<split>_path`` JSONL if set, else the env."""
+    path = cfg.data.train_path if split == "train" else cfg.data.test_path
+    name = cfg.data.train_split if split == "train" else cfg.data.test_split
+    if path:
+        pool = read_jsonl(path)
+        if not pool:
+            raise ConfigError(f"{path} holds no tasks", key=f"data.{split}_path")
+
+        def draw_pool(n: int, seed: int) -> list[dict[str, Any]]:
+            rng = random.Random(seed)
+            return [dict(pool[rng.randrange(len(pool))]) for _ in range(n)]
+
+        return draw_pool
+    return lambda n, seed: env_tasks(env, name, n, seed)
+
+
+def eval_batches(env: Any, cfg: TrainConfig) -> Any:
+    """The fixed held-out problems as validation batches ``{"index", "tasks"}``."""
+    path = cfg.data.test_path
+    if path:
+        tasks = read_jsonl(path)[: cfg.eval.num_problems]
+    else:
+        tasks = env_tasks(env, cfg.data.test_split, cfg.eval.num_problems, cfg.eval.seed)
+    bs = cfg.eval.batch_size
+
+    return StaticBatches([{"index": i, "tasks": tasks[s : s + bs]} for i, s in enumerate(range(0, len(tasks), bs))])

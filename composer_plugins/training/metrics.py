@@ -1,0 +1,58 @@
+"""Validation metrics of the training module: the unbiased pass@k estimator and torchmetrics accumulators."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+class PassAtK(Metric):
+    """Mean unbiased pass@k over problems; ``update(correct)`` takes a ``(problems, n)`` bool tensor."""
+
+    full_state_update = False
+
+    def __init__(self, k: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.k = int(k)
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, correct: Tensor) -> None:
+        n = correct.shape[1]
+        if n < self.k:
+            raise ValueError(f"pass@{self.k} needs at least {self.k} samples per problem, got {n}")
+        for row in correct:
+            self.total += pass_at_k(n, int(row.sum().item()), self.k)
+        self.count += correct.shape[0]
+
+    def compute(self) -> Tensor:
+        return (self.total / self.count.clamp(min=1)).float()
+
+
+class Ratio(Metric):
+    """``sum(numerator) / sum(denominator)`` over every update (``nan`` while the denominator is 0)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("num", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("den", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, numerator: float | Tensor, denominator: float | Tensor) -> None:
+        self.num += float(numerator)
+        self.den += float(denominator)
+
+    def compute(self) -> Tensor:
+        return (self.num / self.den).float() if self.den > 0 else torch.tensor(float("nan"))

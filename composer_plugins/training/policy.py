@@ -1,0 +1,98 @@
+"""Which policy a run starts from: ``model.name_or_path``, the embedded tiny default, the SFT warm start.
+
+:func:`resolve_policy` turns the config into a directory or hub id: ``tiny`` builds the embedded default
+(tokenizer + model, cached by config hash), and ``sft.enabled`` adds the SFT warm start
+(:func:`composer_plugins.training.sft.sft_train`), cached under :func:`sft_cache_key`;
+:func:`load_policy_for` loads it with ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from composer_plugins.core.config import redact, to_dict
+from composer_plugins.core.io import read_jsonl
+from composer_plugins.models.tiny import build_cached, cache_dir_for, load_policy, tiny_model_dir
+from composer_plugins.training.batches import env_tasks, task_prompt
+from composer_plugins.training.builders import build_env
+from composer_plugins.training.config import TrainConfig
+from composer_plugins.training.sft import sft_train
+
+
+def _tiny_corpus_key(cfg: TrainConfig) -> Any:
+    return {"env": redact(cfg.env), "train_path": _file_digest(cfg.data.train_path)}
+
+
+def _file_digest(path: str | None) -> str | None:
+    """``path@sha256`` of a data file, so a cache keyed on it notices new contents."""
+    if not path:
+        return None
+    import hashlib
+
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return str(path)
+    return f"{path}@{digest}"
+
+
+def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
+    """``model.name_or_path``, or the cached directory of the embedded tiny model when it is ``tiny``."""
+    if cfg.model.name_or_path != "tiny":
+        return cfg.model.name_or_path
+    env = env if env is not None else build_env(cfg)
+    tcfg = cfg.model.tiny
+
+    def corpus() -> Iterator[str]:
+
+        if cfg.data.train_path:
+            tasks = read_jsonl(cfg.data.train_path)[: tcfg.tokenizer_corpus_size]
+        else:
+            tasks = env_tasks(env, cfg.data.train_split, tcfg.tokenizer_corpus_size, 1)
+        for t in tasks:
+            yield task_prompt(t) + str(t.get("target", t.get("solution", "")))
+
+    return str(tiny_model_dir(tcfg, corpus, cfg.cache_dir, corpus_key=_tiny_corpus_key(cfg)))
+
+
+def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
+    """What determines an SFT checkpoint: the base policy, the data and the SFT settings."""
+    sft = asdict(cfg.sft)
+    sft.pop("cache")
+    sft.pop("progress")
+    if sft.get("hint_kinds") is None:
+        sft.pop("hint_kinds")  # the default: configs from before the option keep their cached warm start
+    return {
+        "base": base,
+        "tiny": asdict(cfg.model.tiny) if cfg.model.name_or_path == "tiny" else None,
+        "env": redact(cfg.env),
+        "data": _file_digest(cfg.data.train_path),
+        "sft": sft,
+        "dtype": cfg.model.dtype,
+        # hinted SFT examples are built with the hint provider: a new template is a new warm start
+        "hints": redact(to_dict(cfg.hints.provider)) if cfg.sft.hint_fraction > 0 else None,
+    }
+
+
+def resolve_policy(cfg: TrainConfig, env: Any = None) -> str:
+    """The path/id the RL policy is loaded from: base policy, plus the cached SFT warm start if enabled."""
+    env = env if env is not None else build_env(cfg)
+    base = base_policy_path(cfg, env)
+    if not cfg.sft.enabled:
+        return base
+    key = sft_cache_key(cfg, base)
+    if not cfg.sft.cache:
+        out = Path(cfg.output_dir) / "sft"
+        sft_train(cfg, base, env, out)
+        return str(out)
+    target = cache_dir_for(cfg.cache_dir, "sft", key)
+    build_cached(target, lambda tmp: sft_train(cfg, base, env, tmp), meta=key)
+    return str(target)
+
+
+def load_policy_for(cfg: TrainConfig, env: Any = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the resolved policy, loaded with ``from_pretrained``."""
+    return load_policy(resolve_policy(cfg, env), dtype=cfg.model.dtype)

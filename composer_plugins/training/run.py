@@ -1,0 +1,277 @@
+"""The runs the CLI commands call: :func:`run_sft`, :func:`run_train`, :func:`run_eval` (and :class:`RunResult`).
+
+Each checks the config's input files first (:mod:`composer_plugins.training.inputs`), builds the
+components (:mod:`~composer_plugins.training.builders`), resolves the policy
+(:mod:`~composer_plugins.training.policy`), and drives a Lightning ``Trainer``
+(:mod:`~composer_plugins.training.trainer`) over the module (:mod:`~composer_plugins.training.module`);
+it then writes ``metrics.json``, ``history.csv``, the exported model and the MLflow run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer_plugins.core.config import Config, redact
+from composer_plugins.models.tiny import load_policy
+from composer_plugins.training.batches import TaskStream, eval_batches, task_drawer
+from composer_plugins.training.builders import build_env, mlflow_settings
+from composer_plugins.training.config import TrainConfig
+from composer_plugins.training.policy import load_policy_for, resolve_policy
+from composer_plugins.training.strategy import build_strategy
+from composer_plugins.training.trainer import (
+    HistoryCallback,
+    _progress_bar,
+    _quiet_lightning,
+    _set_threads,
+    build_trainer,
+    lightning_trainer,
+)
+
+
+@dataclass
+class RunResult:
+    """What :func:`run_train` returns: metrics, paths and the MLflow run id (if any)."""
+
+    metrics: dict[str, float]
+    output_dir: str
+    model_dir: str
+    run_id: str | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    start_metrics: dict[str, float] = field(default_factory=dict)
+    #: False on the other ranks of a data-parallel run (only rank 0 reports: files, metrics, the CLI's output).
+    is_global_zero: bool = True
+
+
+@_quiet_lightning()
+def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
+    """Run (or reuse from cache) the SFT warm start; copy the policy to ``<output_dir>/model``."""
+    import shutil
+
+    from composer_plugins.training.inputs import check_inputs
+
+    check_inputs(cfg, src or Config())  # files and paths first: no model is built for a run that cannot start
+    env = build_env(cfg, src)
+    path = resolve_policy(dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, enabled=True)), env)
+    out = Path(cfg.output_dir) / "model"
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(path, out, ignore=shutil.ignore_patterns("composer_meta.json", "sft_history.json"))
+    metrics_file = Path(path) / "sft_metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    Path(cfg.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    hist_file = Path(path) / "sft_history.json"
+    history = json.loads(hist_file.read_text()) if hist_file.exists() else []
+    log_sft_run(cfg, metrics, history)
+    return str(out)
+
+
+def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequence[Mapping[str, float]]) -> str | None:
+    """One MLflow run for the SFT warm start (when ``mlflow`` is on): its config, final and per-step loss.
+
+    Tagged like every pipeline stage (``dvc.stage`` from ``$DVC_STAGE``, git commit, seed); the run
+    name is ``cfg.mlflow.run_name`` or ``sft-s<sft.seed>``. A cached warm start logs the history recorded when
+    it was trained. Returns the run id.
+    """
+    settings = mlflow_settings(cfg)
+    if settings is None:
+        return None
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from composer_plugins.training import tracking
+
+    client = MlflowClient(tracking_uri=settings["tracking_uri"])
+    exp_id = tracking.ensure_experiment(client, settings["experiment"], settings["tracking_uri"])
+    name = tracking.run_name(f"sft-s{cfg.sft.seed}", given=cfg.mlflow.run_name)
+    tags = {**settings["tags"], "mlflow.runName": name}
+    run = client.create_run(exp_id, tags=tags)
+    conf = {"sft": asdict(cfg.sft), "model": asdict(cfg.model), "env": redact(cfg.env), "seed": cfg.seed}
+    params = [Param(k, str(v)[:500]) for k, v in tracking.flatten(conf).items()]
+    points = [Metric(k, float(v), 0, int(row.get("step", 0))) for row in history for k, v in row.items() if k != "step"]
+    points += [Metric(k, float(v), 0, int(cfg.sft.steps)) for k, v in metrics.items()]
+    for i in range(0, len(params), 100):  # MLflow's per-batch limits: 100 params, 1000 metrics
+        client.log_batch(run.info.run_id, params=params[i : i + 100])
+    for i in range(0, len(points), 1000):
+        client.log_batch(run.info.run_id, metrics=points[i : i + 1000])
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def _val_metrics(trainer: Any) -> dict[str, float]:
+    """``val/*`` metrics of the last validation (``val/accuracy``, ``val/mean_reward``, ``val/pass_at_<k>``)."""
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and hasattr(v, "item")}
+
+
+@_quiet_lightning()
+def run_train(
+    cfg: TrainConfig,
+    src: Config | None = None,
+    *,
+    resume: str | None = None,
+    extra_callbacks: Sequence[Any] = (),
+    strategy: Any = None,
+    logger: Any = None,
+    module: Any = None,
+) -> RunResult:
+    """RL from the resolved policy. ``resume="last"`` (or a ``.ckpt`` path) continues a run exactly.
+
+    Writes ``<output_dir>/model`` (``save_pretrained``), ``history.csv``, ``metrics.json`` and
+    ``checkpoints/``; logs params, per-channel metrics, reward, accuracy and checkpoints to MLflow.
+    """
+    import lightning as L
+
+    from composer_plugins.training.checkpoints import resolve_resume
+    from composer_plugins.training.inputs import check_inputs
+    from composer_plugins.training.module import ComposerModule
+
+    # checked before anything is built: a missing or broken input fails in a second, naming the file
+    check_inputs(cfg, src or Config())
+    ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.trainer.checkpoint_every_n_steps > 0 else None
+    ckpt_path = resolve_resume(resume, ckpt_dir)
+    _set_threads(cfg)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = build_env(cfg, src) if module is None else module.env
+    if module is None:
+        policy, tok = load_policy_for(cfg, env)
+        L.seed_everything(cfg.seed, verbose=False)
+        module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    else:
+        L.seed_everything(cfg.seed, verbose=False)
+    stream = TaskStream(
+        task_drawer(env, cfg, "train"),
+        cfg.rollout.prompts_per_step,
+        cfg.trainer.max_steps * cfg.trainer.accumulate_grad_batches,
+        seed=cfg.seed,
+    )
+    val = eval_batches(env, cfg)
+    if strategy is None:
+        strategy = build_strategy(cfg, module.policy, src)
+    trainer = build_trainer(cfg, extra_callbacks=extra_callbacks, strategy=strategy, logger=logger)
+    run_id = getattr(trainer.logger, "run_id", None) if trainer.logger else None
+    start: dict[str, float] = {}
+    with _quiet_lightning():
+        if cfg.eval.at_start and ckpt_path is None and val:
+            trainer.validate(module, dataloaders=val, verbose=False)
+            start = {k.replace("val/", "start/"): v for k, v in _val_metrics(trainer).items()}
+            if trainer.logger:
+                trainer.logger.log_metrics(start, step=0)
+        trainer.fit(
+            module,
+            train_dataloaders=stream,
+            val_dataloaders=val if cfg.trainer.val_every_n_steps else None,
+            ckpt_path=ckpt_path,
+            weights_only=False,
+        )
+        final: dict[str, float] = {}
+        if cfg.eval.at_end and val:
+            trainer.validate(module, dataloaders=val, verbose=False)
+            final = _val_metrics(trainer)
+    # data parallel: every rank holds the same policy (FSDP: gathered here); rank 0 writes the files
+    with module.full_params(recurse=True):
+        model_dir = module.export_pretrained(out / "model") if trainer.is_global_zero else out / "model"
+    hist_cb = next((c for c in trainer.callbacks if isinstance(c, HistoryCallback)), None)
+    history = list(hist_cb.rows) if hist_cb else []
+    metrics: dict[str, float] = {**start, **final}
+    if history:
+        last = history[-1]
+        metrics.update({k: v for k, v in last.items() if k != "step"})
+        # train/reward is the last step's; this is the mean over every step of the run
+        metrics["train/reward_mean_over_steps"] = sum(r.get("train/reward", 0.0) for r in history) / len(history)
+    if trainer.logger:
+        _log_artifacts(trainer.logger, [model_dir, out / "history.csv"])
+    if trainer.is_global_zero:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if run_id:
+        (out / "mlflow_run.txt").write_text(str(run_id) + "\n")
+    return RunResult(
+        metrics=metrics,
+        output_dir=str(out),
+        model_dir=str(model_dir),
+        run_id=run_id,
+        history=history,
+        start_metrics=start,
+        is_global_zero=trainer.is_global_zero,
+    )
+
+
+def _log_artifacts(logger: Any, paths: Sequence[Path | str]) -> None:
+    exp = logger.experiment
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            exp.log_artifacts(logger.run_id, str(p), artifact_path=p.name)
+        elif p.exists():
+            exp.log_artifact(logger.run_id, str(p))
+
+
+@_quiet_lightning()
+def run_eval(
+    cfg: TrainConfig, src: Config | None = None, *, checkpoint: str | None = None, output: str | None = None
+) -> dict[str, float]:
+    """Held-out evaluation of ``checkpoint`` (a Lightning ``.ckpt`` or a ``save_pretrained`` dir / hub id).
+
+    Without ``checkpoint`` the resolved policy of ``cfg`` is evaluated (e.g. the SFT start).
+    Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass_at_<k>", "<env>/mean_reward"}``,
+    with ``eval.hint_uplift`` also ``<env>/hint_fix_rate``, ``<env>/hint_coverage`` and the ``<env>/hint_*`` counts.
+    """
+    import lightning as L
+    import torch
+
+    from composer_plugins.training.inputs import check_inputs
+    from composer_plugins.training.module import ComposerModule
+
+    if checkpoint is None:
+        check_inputs(cfg, src or Config())
+    _set_threads(cfg)
+    env = build_env(cfg, src)
+    ckpt_file: str | None = None
+    if checkpoint and str(checkpoint).endswith(".ckpt"):
+        ckpt_file = checkpoint
+        path = resolve_policy(cfg, env)
+    else:
+        path = checkpoint or resolve_policy(cfg, env)
+    policy, tok = load_policy(path, dtype=cfg.model.dtype)
+    module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, channels=[], src=src)
+    if ckpt_file:
+        state = torch.load(ckpt_file, map_location="cpu", weights_only=False)["state_dict"]
+        module.load_state_dict(state, strict=False)
+    L.seed_everything(cfg.seed, verbose=False)
+    bar = _progress_bar("eval", cfg.trainer.enable_progress_bar)
+    trainer = lightning_trainer(
+        accelerator=cfg.trainer.accelerator,
+        devices=cfg.trainer.devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=bar is not None,
+        enable_model_summary=False,
+        callbacks=[bar] if bar else [],
+    )
+    if cfg.eval.predictions:
+        module.predictions = []
+    trainer.validate(module, dataloaders=eval_batches(env, cfg), verbose=False)
+    env_name = _env_name(cfg)
+    metrics = {f"{env_name}/{k[4:]}": v for k, v in _val_metrics(trainer).items()}
+    if output:
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(metrics, indent=2))
+        if module.predictions is not None:
+            with open(out.with_suffix(".predictions.jsonl"), "w") as f:
+                for row in module.predictions:
+                    f.write(json.dumps(row) + "\n")
+    return metrics
+
+
+def _env_name(cfg: TrainConfig) -> str:
+    e = cfg.env
+    if isinstance(e, str):
+        return e
+    if isinstance(e, Mapping):
+        return str(e.get("name") or str(e.get("class_path", "env")).rsplit(".", 1)[-1])
+    return "env"
