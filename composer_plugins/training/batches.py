@@ -190,6 +190,13 @@ def rollout_groups(completions: Sequence[Any], rewards: Sequence[float] | Tensor
     return sibling_groups(list(completions), values, group_size, success_threshold)
 
 
+def provider_reads_groups(provider: Any) -> bool:
+    """True when the hint ``provider`` reads rollout groups (so a caller gathers the siblings only then)."""
+    from composer_plugins.envs.hints import wants_groups
+
+    return bool(wants_groups(provider))
+
+
 def load_pairs(path: str | Path) -> list[dict[str, str]]:
     """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
     from composer_plugins.core.errors import ConfigError

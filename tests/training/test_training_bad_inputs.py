@@ -118,7 +118,7 @@ def test_an_unknown_hint_provider_is_located_by_every_command(tmp_path: Path, co
     r = CliRunner().invoke(load_commands(), [command, "-c", str(cfg)])
     assert r.exit_code == 2, r.output
     assert r.output.startswith(f"Error: {cfg}:5: hints.provider.name: Unknown hint 'templat'."), r.output
-    assert "Did you mean: 'template'?" in r.output and "Available hints: chain, llm_teacher" in r.output
+    assert "Did you mean: 'template'?" in r.output and "Available hints: chain, demonstration, llm_teacher" in r.output
     assert not (tmp_path / "run").exists()
 
 

@@ -260,7 +260,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def _hint_prompt_ids(self, inputs: list[dict[str, Any]], out: Mapping[str, Any], rewards: Tensor,
                          all_rewards: Tensor | None = None) -> list[list[int] | None]:  # fmt: skip
-        from composer_plugins.envs.hints import wants_groups
+        from composer_plugins.training.batches import provider_reads_groups as wants_groups
         from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
         tok = self.processing_class
