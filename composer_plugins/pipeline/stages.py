@@ -385,7 +385,8 @@ def train_config(params: Mapping[str, Any], variant: str | None, seed: int, *, p
     the replay stage, ``seed``, ``output_dir=runs/<variant>-s<seed>``, and MLflow settings/tags.
     """
     base = _section(params, "train")
-    cfg = study.deep_merge(base, study.variant_overrides(params, variant)) if variant else study.deep_merge(base, {})
+    # merge_params: a variant replaces a mapping it marks `_replace: true` (e.g. another hints.provider)
+    cfg = study.merge_params(base, study.variant_overrides(params, variant)) if variant else study.deep_merge(base, {})
     name = study.run_name(variant, seed) if variant else "sft"
     env_key = _env_key(cfg.get("env", "gsm8k"))
     data = dict(cfg.get("data") or {})

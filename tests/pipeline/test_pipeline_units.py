@@ -74,6 +74,20 @@ def test_train_config_merges_variant_and_wires_the_pipeline() -> None:
     train_config_from_dict(cfg)
 
 
+def test_a_variant_replaces_a_component_it_marks_replace() -> None:
+    """studies/selfteacher's hint_demo: another hints.provider, none of the base template's arguments."""
+    params = loads_config((ROOT / "studies/selfteacher/params.yaml").read_text(), source="params.yaml")
+    assert params["train"]["hints"]["provider"]["name"] == "template"  # the base has template arguments
+    cfg = stages.train_config(params, "hint_demo", 0)
+    assert cfg["hints"]["provider"] == {"name": "demonstration", "fallback": "none"}
+    assert cfg["losses"]["hint_distill"]["teacher"] == "ema" and cfg["losses"]["hint_distill"]["topk"] == 100
+    merged = stages.train_config(params, "hint_answer", 0)  # without the marker a variant still merges
+    assert merged["hints"]["provider"] == params["train"]["hints"]["provider"]
+    from composer_plugins.training.config import train_config_from_dict
+
+    train_config_from_dict(cfg)
+
+
 def test_unknown_variant_is_a_located_error() -> None:
     params = loads_config((ROOT / "params.yaml").read_text(), source="params.yaml")
     with pytest.raises(ConfigError) as e:
