@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -284,3 +285,17 @@ def build_outer_optimizer(config: DiLoCoConfig, params: Iterable[nn.Parameter]) 
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"cannot import outer optimizer {path!r}: {e}", key="diloco.outer_optimizer") from e
     return cls(params, **kw)
+
+
+def stop_file_says_stop(path: str | None, step: int) -> bool:
+    """The launcher's STOP file: absent → go on; empty → stop; a number → stop once ``step`` reaches it."""
+    if not path or not os.path.exists(path):
+        return False
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return False
+    try:
+        return not text or step >= int(text)
+    except ValueError:
+        return True

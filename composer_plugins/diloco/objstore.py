@@ -39,7 +39,6 @@ import logging
 import os
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -54,6 +53,7 @@ from composer_plugins.diloco.common import (
     build_outer_optimizer,
     param_digest,
     split_fragments,
+    stop_file_says_stop,
 )
 from composer_plugins.diloco.store import (
     CorruptObjectError,
@@ -525,17 +525,3 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
             with open(sync_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         return rec
-
-
-def stop_file_says_stop(path: str | None, step: int) -> bool:
-    """The launcher's STOP file: absent → go on; empty → stop; a number → stop once ``step`` reaches it."""
-    if not path or not os.path.exists(path):
-        return False
-    try:
-        text = Path(path).read_text().strip()
-    except OSError:
-        return False
-    try:
-        return not text or step >= int(text)
-    except ValueError:
-        return True

@@ -69,6 +69,7 @@ from composer_plugins.diloco.common import (
     build_outer_optimizer,
     param_digest,
     split_fragments,
+    stop_file_says_stop,
 )
 
 log = logging.getLogger(__name__)
@@ -507,7 +508,7 @@ class DiLoCoCallback(pl.Callback):
                 self._checkpoint_due = step  # written in on_train_batch_end, once the step has finished
             if self._target is not None and step >= self._target and not self._defer_stop(step):
                 self._stop = True
-            if self._stop_file_says_stop(step):
+            if stop_file_says_stop(self.config.stop_file or self.replica.stop_file, step):
                 self._stop = True
         else:
             log.warning("DiLoCo: sync at torchft step %d did not commit; weights rolled back", step)
@@ -526,19 +527,6 @@ class DiLoCoCallback(pl.Callback):
                 f.write(json.dumps(rec) + "\n")
         if self._stop and self._trainer is not None:
             self._trainer.should_stop = True
-
-    def _stop_file_says_stop(self, step: int) -> bool:
-        path = self.config.stop_file or self.replica.stop_file
-        if not path or not os.path.exists(path):
-            return False
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            return False
-        try:
-            return not text or step >= int(text)
-        except ValueError:
-            return True
 
 
 def _quiet_torchft() -> None:
