@@ -124,7 +124,8 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
         ro = generate_completions(policy, tok, prompts, r.num_generations, max_new_tokens=r.max_new_tokens,
                                   temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
                                   max_prompt_length=r.max_prompt_length)  # fmt: skip
-        rewards = torch.tensor(env_rewards(env, tasks, ro.completions, r.num_generations))
+        rewards = env_rewards(env, tasks, ro.completions, r.num_generations)
+        rewards = torch.tensor(rewards, device=ro.completion_ids.device)
         adv = F.group_advantages(rewards, r.num_generations)
         want_hidden = hint_provider is not None
         args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
@@ -140,7 +141,7 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
             hp = [c for c in ctxs if c is not None]
             if rows:
                 idx = torch.tensor(rows)
-                h_ids, h_mask = tokenize_prompts(tok, hp, cfg.hints.max_context_length)
+                h_ids, h_mask = tokenize_prompts(tok, hp, cfg.hints.max_context_length, ro.completion_ids.device)
                 with torch.no_grad():
                     teacher = completion_hidden(policy, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx])
                 mo["student_hidden"] = hidden[idx] / r.temperature

@@ -373,7 +373,7 @@ class PrimeRLBackend(Backend):
             tasks, ro, rewards, _feedback = run.rollout(step)
             args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
             inference = completion_logprobs_no_grad(run.policy, *args, temperature=T)
-            r = torch.tensor(rewards, dtype=torch.float32)
+            r = torch.tensor(rewards, dtype=torch.float32, device=inference.device)
             adv = F.group_advantages(r, G, **c.rollout.advantage_kwargs).unsqueeze(-1).expand_as(inference)
             ref = None
             if hint_provider is not None:
@@ -426,7 +426,7 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     ref = completion_logprobs_no_grad(policy, *args, temperature=temperature)
     idx = torch.tensor(rows)
-    h_ids, h_mask = tokenize_prompts(tokenizer, prompts, max_context_length)
+    h_ids, h_mask = tokenize_prompts(tokenizer, prompts, max_context_length, ro.completion_ids.device)
     scorer = teacher if teacher is not None else policy
     ref[idx] = completion_logprobs_no_grad(scorer, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx],
                                            temperature=temperature)  # fmt: skip

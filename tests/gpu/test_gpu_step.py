@@ -1,0 +1,70 @@
+"""The composed RL step at a real vocabulary: grpo + hint_distill (EMA teacher, top-100) + replay.
+
+On CUDA at the Qwen2.5-0.5B shape (random init, the real 151,936-token vocabulary), bf16 mixed precision; on
+the CPU at ``bench_scale``'s CPU proxy (the same vocabulary, a 2-layer body), fp32. Generation, the env's
+(random) reward, the hinted teacher forward through the EMA copy, the replay pairs, forward/backward with
+gradient checkpointing on, the optimizer step and the EMA update, through the project's Lightning
+``Trainer`` — what ``benchmarks/bench_scale.py`` measures, built with its own helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_support import DEVICES, QWEN_VOCAB
+
+pytestmark = pytest.mark.timeout(600)
+
+SPECS = {
+    "cuda": {"shape": "qwen2.5-0.5b", "prompts": 2, "generations": 4, "new_tokens": 32, "device": "cuda"},
+    "cpu": {"shape": "cpu-proxy", "prompts": 2, "generations": 2, "new_tokens": 8, "device": "cpu"},
+}
+HINT = {"teacher": "ema", "topk": 100, "ema_rate": 0.5}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grpo_hint_ema_top100_replay_step_at_the_real_vocabulary(device, tmp_path, monkeypatch):
+    from benchmarks.bench_scale import RandomRewardEnv, _config, _prepare
+    from benchmarks.bench_training import _tasks, composed_steps
+    from composer_plugins.models.tiny import MODEL_SHAPES
+    from composer_plugins.training.builders import build_env
+    from composer_plugins.training.module import ComposerModule
+
+    monkeypatch.setenv("COMPOSER_CACHE_DIR", str(tmp_path / "cache"))
+    spec = SPECS[device]
+    assert MODEL_SHAPES[spec["shape"]]["vocab_size"] == QWEN_VOCAB
+    model, pairs, vocab = _prepare(tmp_path, spec["shape"])
+    assert vocab == QWEN_VOCAB
+    cfg = _config(str(tmp_path), spec, model, pairs, "grpo+hint+replay", HINT)
+    cfg = dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, gradient_checkpointing=True))
+    assert cfg.trainer.accelerator == ("gpu" if device == "cuda" else "cpu")
+    torch.manual_seed(0)
+    env = RandomRewardEnv(build_env(cfg), seed=0)
+    module = ComposerModule(cfg, env=env)
+    assert module.policy.is_gradient_checkpointing
+    assert module.ema_teacher is not None
+    assert module.policy.get_output_embeddings().weight.shape[0] == QWEN_VOCAB
+    before = {n: p.detach().float().cpu().clone() for n, p in module.policy.named_parameters()}
+    ema_before = [p.detach().float().cpu().clone() for p in module.ema_teacher.parameters()]
+
+    timed = composed_steps(module, cfg, _tasks(env.base, cfg, 1), 0)
+
+    stats = module.last_step_stats
+    assert len(timed) == 1 and timed[0]["tokens"] > 0
+    assert all(math.isfinite(float(v)) for v in stats.values() if isinstance(v, int | float)), stats
+    hinted = {k: v for k, v in stats.items() if k.startswith("hint_distill/")}
+    assert hinted and float(stats.get("hint_distill/empty", 0.0)) == 0.0, stats  # every row was hinted
+    assert any(k.startswith("replay") for k in stats), stats
+    p = next(module.policy.parameters())
+    assert p.device.type == device
+    moved = [n for n, q in module.policy.named_parameters() if not torch.equal(q.detach().float().cpu(), before[n])]
+    assert moved, "the optimizer step changed no weight"
+    ema_after = [q.detach().float().cpu() for q in module.ema_teacher.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(ema_after, ema_before, strict=True)), "EMA teacher never moved"
+    if device == "cuda":
+        assert torch.cuda.max_memory_allocated() > 0
+    Path(tmp_path / "stats.txt").write_text(repr(stats))
