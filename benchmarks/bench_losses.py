@@ -30,7 +30,13 @@ after synchronisation. Best of ``repeats`` runs after one warm-up run; memory is
 separate, final run. The chunked and
 materialised results of each workload are checked to agree (loss and gradient norms).
 
-Run: ``python -m benchmarks.bench_losses [--quick] [--threads N] [--chunk-size C]``.
+Optional variants (``--variants``, not in the default set): ``hint_distill_liger`` (the same channel with
+``kernels: liger``, Liger-Kernel's fused linear JSD, ``torch.compile``-d on CUDA) and
+``hint_distill_chunked_topk100`` (``topk: 100``); with them the ratios ``hint_distill_vs_liger_*`` (ours /
+Liger's) and ``hint_distill_topk100_*`` (top-100 / full vocabulary). The chunked variants pin
+``kernels: torch`` (the channel's ``auto`` would pick Liger on CUDA).
+
+Run: ``python -m benchmarks.bench_losses [--quick] [--threads N] [--chunk-size C] [--variants a,b] [--json]``.
 """
 
 from __future__ import annotations
@@ -53,11 +59,18 @@ VARIANTS = (
     "hint_distill_chunked",
     "hint_distill_chunked_recompute",
 )
+#: Measured only when asked for (``--variants``): Liger's fused linear JSD, and the top-100 divergence.
+EXTRA_VARIANTS = ("hint_distill_liger", "hint_distill_chunked_topk100")
 #: (ratio prefix, chunked variant, materialised baseline)
 COMPARISONS = (
     ("logprobs", "logprobs_chunked", "logprobs_materialised"),
     ("hint_distill", "hint_distill_chunked", "hint_distill_materialised"),
     ("hint_distill_recompute", "hint_distill_chunked_recompute", "hint_distill_materialised"),
+)
+#: (ratio prefix, variant, baseline, same quantity?) for the optional variants
+EXTRA_COMPARISONS = (
+    ("hint_distill_vs_liger", "hint_distill_chunked", "hint_distill_liger", True),
+    ("hint_distill_topk100", "hint_distill_chunked_topk100", "hint_distill_chunked", False),
 )
 TARGETS = {
     **{f"{p}_peak_mem_ratio": "<= 0.125 (chunked / materialised, all memory)" for p, _, _ in COMPARISONS},
@@ -140,7 +153,9 @@ def _worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repea
     adv = randn(b, t, std=1.0)
     hint_mask = torch.ones(b, t, dtype=torch.bool, device=dev)
     grad_mode = "recompute" if variant.endswith("_recompute") else "precompute"  # the channel's default
-    channel = HintDistillChannel(criterion="jsd", beta=0.5, chunk_size=chunk, grad_mode=grad_mode)
+    channel = HintDistillChannel(criterion="jsd", beta=0.5, chunk_size=chunk, grad_mode=grad_mode,
+                                 kernels="liger" if variant == "hint_distill_liger" else "torch",
+                                 topk=100 if variant.endswith("_topk100") else None)  # fmt: skip
 
     def step() -> float:
         weight.grad = None
@@ -159,7 +174,7 @@ def _worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repea
             s_logits = hidden @ weight.T
             loss, _ = channel({"student_logits": s_logits, "teacher_logits": t_logits}, {"hint_mask": hint_mask})
             del s_logits, t_logits
-        elif variant.startswith("hint_distill_chunked"):
+        elif variant.startswith("hint_distill_chunked") or variant == "hint_distill_liger":
             outs = {"student_hidden": hidden, "teacher_hidden": teacher_hidden, "lm_head_weight": weight}
             loss, _ = channel(outs, {"hint_mask": hint_mask})
         else:
@@ -242,9 +257,13 @@ def _run_variant(variant: str, shape: dict[str, int], chunk: int, threads: int, 
 
 
 def run(
-    quick: bool = False, threads: int | None = None, chunk_size: int | None = None, repeats: int | None = None
+    quick: bool = False,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    repeats: int | None = None,
+    variants: tuple[str, ...] = VARIANTS,
 ) -> dict[str, Any]:
-    """Measure every variant (each in a fresh process) and return results, ratios and targets."""
+    """Measure ``variants`` (each in a fresh process) and return results, ratios and targets."""
     shape = dict(QUICK if quick else FULL)
     threads = threads or 1
     chunk = chunk_size or (64 if quick else 256)  # the same number of chunks (8) at both shapes
@@ -252,13 +271,15 @@ def run(
     try:
         from tqdm import tqdm
 
-        variants = tqdm(VARIANTS, desc="bench_losses", leave=False)
+        todo = tqdm(variants, desc="bench_losses", leave=False)
     except ImportError:  # pragma: no cover
-        variants = VARIANTS
-    results = {v: _run_variant(v, shape, chunk, threads, repeats) for v in variants}
+        todo = variants
+    results = {v: _run_variant(v, shape, chunk, threads, repeats) for v in todo}
     ratios: dict[str, float] = {}
     checks: dict[str, bool] = {}
     for w, chunked, base in COMPARISONS:
+        if chunked not in results or base not in results:
+            continue
         mat, chk = results[base], results[chunked]
         ratios[f"{w}_peak_mem_ratio"] = chk["peak_mib"] / max(mat["peak_mib"], 1e-9)
         ratios[f"{w}_peak_mem_ratio_excl_grads"] = chk["peak_excl_grads_mib"] / max(mat["peak_excl_grads_mib"], 1e-9)
@@ -268,11 +289,21 @@ def run(
             and abs(chk["grad_norm_w"] - mat["grad_norm_w"]) <= 1e-3 * max(1e-6, mat["grad_norm_w"])
             and abs(chk["grad_norm_h"] - mat["grad_norm_h"]) <= 1e-3 * max(1e-6, mat["grad_norm_h"])
         )
+    for w, ours, base, same in EXTRA_COMPARISONS:
+        if ours not in results or base not in results:
+            continue
+        a, b = results[ours], results[base]
+        ratios[f"{w}_peak_mem_ratio"] = a["peak_mib"] / max(b["peak_mib"], 1e-9)
+        ratios[f"{w}_time_ratio"] = a["time_s"] / max(b["time_s"], 1e-12)
+        if same:
+            checks[f"{w}_same_result"] = abs(a["loss"] - b["loss"]) <= 1e-3 * max(1.0, abs(b["loss"])) and abs(
+                a["grad_norm_w"] - b["grad_norm_w"]
+            ) <= 1e-2 * max(1e-6, b["grad_norm_w"])
     return {
         "name": "losses",
         "shape": shape,
         "chunk_size": chunk,
-        "device": results[VARIANTS[0]]["device"],
+        "device": results[variants[0]]["device"],
         "results": results,
         "checks": checks,
         "ratios": ratios,
@@ -293,7 +324,7 @@ def _print(report: dict[str, Any]) -> None:
             f"{r['wall_s']:>9.2f}{r['loss']:>12.6f}"
         )
     for k, v in report["ratios"].items():
-        print(f"{k:<46}{v:>7.3f}   target {report['targets'][k]}")
+        print(f"{k:<46}{v:>7.3f}   target {report['targets'].get(k, '-')}")
     for k, v in report["checks"].items():
         print(f"{k:<46}{'ok' if v else 'MISMATCH':>7}")
 
@@ -305,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-size", type=int, default=None, help="token rows per chunk (default 256; quick 64)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (best is kept)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: "
+                        f"{', '.join(VARIANTS)})")  # fmt: skip
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -312,7 +346,11 @@ def main(argv: list[str] | None = None) -> None:
         out = _worker(a.worker, json.loads(a.shape), a.chunk_size or 256, a.threads or 1, a.repeats or 1)
         print(json.dumps(out))
         return
-    report = run(quick=a.quick, threads=a.threads, chunk_size=a.chunk_size, repeats=a.repeats)
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]
+    if unknown or not variants:
+        p.error(f"unknown --variants {unknown}; available: {', '.join(VARIANTS + EXTRA_VARIANTS)}")
+    report = run(quick=a.quick, threads=a.threads, chunk_size=a.chunk_size, repeats=a.repeats, variants=variants)
     if a.json:
         print(json.dumps(report, indent=2))
     else:

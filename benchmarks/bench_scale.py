@@ -21,8 +21,13 @@ floats, what one plain forward of the batch returns), peak RSS / TRL's, tokens/s
 ``--hint-distill KEY=VALUE`` (repeatable) adds one more configuration, ``grpo + hint_distill`` with
 those ``losses.hint_distill`` settings (values parsed as YAML, passed to the config as they are:
 ``--hint-distill topk=100 --hint-distill teacher=ema``); ``--variants`` runs a subset.
+``--shapes gpu-0.5b`` runs only the named shapes (then every listed variant runs on each, ``grpo+hint``
+included on GPU), and ``--hint-all`` applies the ``--hint-distill`` settings to every hinted configuration
+(``grpo+hint``, ``grpo+hint+replay``) instead of adding one: ``scripts/gpu_check.sh`` runs
+``--shapes gpu-0.5b --hint-all --hint-distill teacher=ema --hint-distill topk=100``.
 
-Run: ``python -m benchmarks.bench_scale [--quick] [--variants grpo+hint] [--hint-distill topk=100] [--json out.json]``.
+Run: ``python -m benchmarks.bench_scale [--quick] [--shapes cpu] [--variants grpo+hint] [--hint-distill topk=100]
+[--hint-all] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -205,15 +210,29 @@ def parse_hint_options(items: list[str]) -> dict[str, Any]:
 
 
 def run(quick: bool = False, variants: tuple[str, ...] = VARIANTS,
-        hint_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        hint_options: dict[str, Any] | None = None, shapes: tuple[str, ...] | None = None,
+        hint_all: bool = False, config_timeout: float = 3600,
+        partial: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """The ``variants`` (and the ``hint_options`` configuration, CPU only) of every shape this machine has.
 
-    Returns ``{"name", "results", "ratios", "targets"}``.
+    ``shapes``: only these keys of :data:`SHAPES`, each with every listed variant. ``hint_all``: the
+    ``hint_options`` go to every hinted variant (no extra configuration). ``config_timeout``: seconds one
+    configuration's process may take. ``partial``: the results so far are written there after each
+    configuration (so a run stopped from outside keeps what it measured). Returns ``{"name", "results",
+    "ratios", "targets"}``.
     """
     import torch
 
     steps = 1 if quick else 2
-    specs = ["cpu"] + (["gpu-0.5b", "gpu-1.5b"] if torch.cuda.is_available() else [])
+    explicit = shapes is not None
+    specs = (
+        list(shapes)
+        if shapes is not None
+        else ["cpu"] + (["gpu-0.5b", "gpu-1.5b"] if torch.cuda.is_available() else [])
+    )
+    everywhere = dict(hint_options or {}) if hint_all else {}
+    if hint_all:
+        hint_options = None
     results: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as td:
@@ -223,13 +242,19 @@ def run(quick: bool = False, variants: tuple[str, ...] = VARIANTS,
             rows = spec["prompts"] * spec["generations"]
             labels = [v for v in VARIANTS if v in variants]
             for variant in labels:
-                if name != "cpu" and variant == "grpo+hint":
+                if name != "cpu" and variant == "grpo+hint" and not explicit:
                     continue  # on GPU: grpo, the full composition and TRL
-                r = _spawn(variant, name, model, pairs, steps, timeout=3600)
+                opts = everywhere if everywhere and variant in ("grpo+hint", "grpo+hint+replay") else None
+                r = _spawn(variant, name, model, pairs, steps, config_timeout, opts)
+                if opts:
+                    r["hint_options"] = opts
                 results[f"{name}/{variant}"] = r
+                if partial is not None:
+                    partial.write_text(json.dumps({"name": "scale", "partial": True, "results": results}, indent=2))
             if hint_options and name == "cpu":
                 labels.append(hint_label(hint_options))
-                results[f"{name}/{labels[-1]}"] = _spawn(HINT_OPTS, name, model, pairs, steps, 3600, hint_options)
+                results[f"{name}/{labels[-1]}"] = _spawn(HINT_OPTS, name, model, pairs, steps, config_timeout,
+                                                         hint_options)  # fmt: skip
             trl = results.get(f"{name}/trl_grpo", {})
             # every composer configuration sees the same prompts: any of them gives the longest prompt
             prompt = max((int(results.get(f"{name}/{v}", {}).get("max_prompt_tokens") or 0) for v in labels), default=0)
@@ -270,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hint-distill", action="append", default=[], metavar="KEY=VALUE",
                    help="one more configuration: grpo + hint_distill with losses.hint_distill.KEY=VALUE "
                         "(repeatable), e.g. topk=100, teacher=ema")  # fmt: skip
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated subset of {', '.join(SHAPES)} (default: cpu, and the GPU shapes "
+                        "when CUDA is present); every listed variant runs on each")  # fmt: skip
+    p.add_argument("--hint-all", action="store_true",
+                   help="apply the --hint-distill settings to grpo+hint and grpo+hint+replay instead of adding "
+                        "a configuration")  # fmt: skip
+    p.add_argument("--config-timeout", type=float, default=3600,
+                   help="seconds one configuration's process may take (default 3600)")  # fmt: skip
     p.add_argument("--hint-options", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, choices=(*VARIANTS, HINT_OPTS), help=argparse.SUPPRESS)
     p.add_argument("--spec", default="cpu", choices=sorted(SHAPES), help=argparse.SUPPRESS)
@@ -285,7 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown --variants {unknown}; available: {', '.join(VARIANTS)}")
-    res = run(quick=a.quick, variants=variants, hint_options=parse_hint_options(a.hint_distill))
+    shapes = None
+    if a.shapes is not None:
+        shapes = tuple(x.strip() for x in a.shapes.split(",") if x.strip())
+        bad = [x for x in shapes if x not in SHAPES]
+        if bad:
+            p.error(f"unknown --shapes {bad}; available: {', '.join(SHAPES)}")
+    res = run(quick=a.quick, variants=variants, hint_options=parse_hint_options(a.hint_distill), shapes=shapes,
+              hint_all=a.hint_all, config_timeout=a.config_timeout,
+              partial=Path(a.json) if a.json else None)  # fmt: skip
     print(f"{'configuration':<28} {'step s':>8} {'tok/s':>8} {'peak RSS GiB':>13} {'peak CUDA GiB':>14}")
     for k, r in res["results"].items():
         if isinstance(r, dict):
