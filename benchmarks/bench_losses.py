@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-size", type=int, default=None, help="token rows per chunk (default 256; quick 64)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (best is kept)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--out", default=None, help="also write the report as JSON to this file")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: "
                         f"{', '.join(VARIANTS)})")  # fmt: skip
@@ -351,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not variants:
         p.error(f"unknown --variants {unknown}; available: {', '.join(VARIANTS + EXTRA_VARIANTS)}")
     report = run(quick=a.quick, threads=a.threads, chunk_size=a.chunk_size, repeats=a.repeats, variants=variants)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=2)
     if a.json:
         print(json.dumps(report, indent=2))
     else:

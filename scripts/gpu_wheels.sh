@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Download the wheels scripts/gpu_check.sh may install on the GPU machine (which has no network) into .gpu_wheels/
+# (ignored by git): every pin of scripts/gpu_wheels.txt, --no-deps, binary only, for CPython 3.12 on
+# manylinux x86_64, whatever Python runs this. Run it here, before the tree travels to the GPU machine.
+#
+#   bash scripts/gpu_wheels.sh                      # all of scripts/gpu_wheels.txt
+#   bash scripts/gpu_wheels.sh --skip pyarrow,pandas   # leave out what the GPU machine has (see its --dry-run)
+#
+# The tree that travels to the GPU machine may hold 64 MiB in all: pyarrow alone is ~48 MiB, so the script
+# prints the folder's size and warns past GPU_WHEELS_BUDGET_MIB (default 56, the tree itself is ~5 MiB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEST=${GPU_WHEELS:-.gpu_wheels}
+PY=${PYTHON:-python3}
+SKIP=","
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --skip) SKIP=",${2:?--skip needs a comma-separated list},"; shift ;;
+    --dest) DEST=${2:?--dest needs a folder}; shift ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_wheels.sh: unknown option '$1' (valid: --skip a,b, --dest DIR, --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+reqs=()
+while read -r line; do
+  line=${line%%#*}
+  line=$(echo "$line" | tr -d '[:space:]')
+  [ -n "$line" ] || continue
+  name=${line%%=*}
+  case "$SKIP" in *",$name,"*) echo "skip $name"; continue ;; esac
+  reqs+=("$line")
+done < scripts/gpu_wheels.txt
+mkdir -p "$DEST"
+"$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --abi cp312 --abi abi3 --abi none \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform any -d "$DEST" "${reqs[@]}" 2> >(grep -v "^WARNING: Location" >&2)
+ls -1 "$DEST"/*.whl
+mib=$(du -sm "$DEST" | cut -f1)
+echo "$(ls -1 "$DEST"/*.whl | wc -l) wheels, ${mib} MiB in $DEST"
+if [ "$mib" -gt "${GPU_WHEELS_BUDGET_MIB:-56}" ]; then
+  echo "WARNING: ${mib} MiB with the tree is more than the 64 MiB that travels to the GPU machine: run" \
+       "gpu_check.sh --dry-run there once and --skip what it has (e.g. --skip pyarrow,pandas)" >&2
+fi

@@ -1,0 +1,122 @@
+"""``scripts/gpu_check.sh`` on the CPU: the dry run end to end, the refusal without CUDA, the offline install of
+missing wheels, and the report written from whatever steps ran, failed or timed out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check  # noqa: E402
+
+STEPS = ("setup", "tier", "kernels", "scale-0.5b", "scale-1.5b")
+
+
+def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    e = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=e, timeout=timeout)
+
+
+def test_dry_run_prints_every_step_and_resolves_its_imports(tmp_path):
+    out = tmp_path / "results"
+    p = _run("--dry-run", "--out", str(out), env={"GPU_WHEELS": str(tmp_path / "no-wheels")})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    for step in STEPS:
+        assert f"[gpu_check] step {step} (timeout " in p.stdout, step
+        assert f"  {step}:\n" in p.stdout, step  # its imports were resolved
+    assert "-m pytest" in p.stdout and "tests/gpu -m gpu" in p.stdout
+    assert "-m benchmarks.bench_losses" in p.stdout and "hint_distill_liger" in p.stdout
+    assert "--shapes gpu-0.5b" in p.stdout and "--shapes gpu-1.5b" in p.stdout and "topk=100" in p.stdout
+    assert "teacher=ema" in p.stdout and "trl_grpo" in p.stdout
+    assert "MISSING" not in p.stdout and "every step's imports resolve" in p.stdout
+    assert "no wheels in" in p.stdout  # the setup step says where the wheels would come from
+    assert not out.exists(), "a dry run writes nothing"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA present the script runs for real")
+def test_a_real_run_without_cuda_refuses_and_points_at_the_dry_run(tmp_path):
+    p = _run("--out", str(tmp_path / "r"), timeout=120)
+    assert p.returncode == 2 and "no CUDA device" in p.stderr and "--dry-run" in p.stderr
+    assert not (tmp_path / "r").exists()
+    bad = _run("--frobnicate")
+    assert bad.returncode == 2 and "unknown option '--frobnicate'" in bad.stderr and "--dry-run" in bad.stderr
+
+
+def test_imports_count_a_module_as_resolved_when_a_wheel_provides_it(tmp_path, capsys):
+    assert gpu_check._resolve(["json", "no_such_module_gpu_check"], {}) == 1
+    wheel = tmp_path / "no_such_module_gpu_check-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    assert gpu_check._resolve(["no_such_module_gpu_check"], gpu_check.wheel_dists(tmp_path)) == 0
+    assert "wheel (no_such_module_gpu_check from" in capsys.readouterr().out
+
+
+def _probe_wheel(folder: Path) -> Path:
+    """A minimal, valid pure wheel of a distribution this Python does not have."""
+    name, version = "gpu_check_probe", "0.1"
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": "VALUE = 42\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+    return path
+
+
+def test_install_puts_only_missing_wheels_into_the_target_offline(tmp_path, capsys):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _probe_wheel(wheels)
+    (wheels / "pytest-0.0.1-py3-none-any.whl").write_bytes(b"")  # present here: must not be installed
+    target = tmp_path / "site"
+    assert gpu_check.cmd_install(wheels, target, prefer_wheels=False, dry_run=False) == 0
+    out = capsys.readouterr().out
+    assert "gpu-check-probe 0.1: install" in out and "pytest: present" in out
+    assert (target / "gpu_check_probe.py").read_text() == "VALUE = 42\n"
+    assert not list(target.glob("pytest*")), "a distribution the machine has was installed"
+
+
+def test_report_is_written_whatever_steps_failed_or_timed_out(tmp_path):
+    d = tmp_path / "gpu.d"
+    d.mkdir()
+    steps = [
+        {"step": "setup", "rc": 0, "seconds": 3.0, "budget_s": 40, "timed_out": False, "command": "x"},
+        {"step": "tier", "rc": 1, "seconds": 80.2, "budget_s": 165, "timed_out": False, "command": "pytest"},
+        {"step": "kernels", "rc": 124, "seconds": 60.0, "budget_s": 60, "timed_out": True, "command": "bench"},
+        {"step": "scale-0.5b", "rc": 124, "seconds": 130.0, "budget_s": 130, "timed_out": True, "command": "s"},
+    ]
+    (d / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (d / "tier.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.gpu.test_gpu_kernels" name="test_a[cuda-fp32]" time="1.5"/>'
+        '<testcase classname="tests.gpu.test_gpu_diloco" name="test_b[cuda-none]" time="0.7">'
+        '<failure message="TypeError: can&apos;t convert cuda:0 device type tensor to numpy">tb</failure></testcase>'
+        "</testsuite></testsuites>"
+    )
+    partial = {"name": "scale", "partial": True,
+               "results": {"gpu-0.5b/grpo": {"step_s": 2.5, "tokens_per_s": 3000.0, "peak_cuda_gib": 9.5}}}  # fmt: skip
+    (d / "scale-0.5b.json").write_text(json.dumps(partial))
+    assert gpu_check.main(["report", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "gpu.json").read_text())
+    assert r["machine"]["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
+    assert r["tier"]["counts"] == {"passed": 1, "failed": 1}
+    assert r["kernels"] is None and r["scale"]["1.5b"] is None and r["scale"]["0.5b"]["partial"]
+    md = (tmp_path / "gpu.md").read_text()
+    assert f"Device: **{r['machine']['device']}**" in md
+    assert "| kernels | TIMED OUT | 60 | 60 |" in md and "| tier | FAILED (exit 1) |" in md
+    assert "can't convert cuda:0" in md and "test_b[cuda-none]" in md
+    assert "Partial: the step stopped" in md and "| gpu-0.5b/grpo | 2.50 | 3000.0 | 9.50 |" in md
+    assert "No result (the step failed or did not run" in md
