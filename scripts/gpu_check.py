@@ -33,6 +33,7 @@ STEP_IMPORTS: dict[str, list[str]] = {
     "setup": ["pip"],
     "tier": [
         "pytest", "pytest_timeout", "torch", "transformers", "lightning", "pluggy", "yaml", "click",
+        "composer_plugins.testing", "composer_plugins.procs",
         "composer_plugins.kernels.chunked", "composer_plugins.losses.distill", "composer_plugins.training.module",
         "composer_plugins.training.run", "composer_plugins.diloco.objstore", "composer_plugins.training.rollouts",
         "obstore", "liger_kernel.chunked_loss", "trl", "datasets", "composer_plugins_trl.backend",

@@ -54,5 +54,7 @@ def test_object_store_round_with_parameters_on_the_device(device, compress, tmp_
     assert list((tmp_path / device).rglob("*")), "nothing was written to the store"
     if device == "cuda":
         on_cpu, _ = _run("cpu", compress, tmp_path / "cpu-twin")
+        # fp32 sums differ in the last bits between devices; a compressed value may then round one step apart
+        tol = {"none": (1e-4, 1e-5), "bf16": (1e-3, 5e-4), "int8": (1e-3, 1e-3)}[compress]
         for a, b in zip(params, on_cpu, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1])
