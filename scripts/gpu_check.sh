@@ -11,7 +11,7 @@
 # project goes on PYTHONPATH (no install, torch untouched) and only the distributions that Python lacks are
 # installed, --no-deps and offline, from the wheels `bash scripts/gpu_wheels.sh` downloaded beforehand
 # (GPU_WHEELS, default .gpu_wheels) into a folder on PYTHONPATH (GPU_SITE, default .gpu_site).
-# Step budgets in seconds (GPU_CHECK_<STEP>_S): SETUP 40, TIER 165, KERNELS 60, SCALE05 130, SCALE15 75.
+# Step budgets in seconds (GPU_CHECK_<STEP>_S): SETUP 20, TIER 190, KERNELS 75, SCALE05 120, SCALE15 75 (480 s).
 # Documented in benchmarks/README.md ("GPU check").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,15 +83,15 @@ if [ "$DRY" = 1 ]; then
   echo "[gpu_check] dry run: $PY ($("$PY" -c 'import platform; print(platform.python_version())')), wheels $WHEELS"
   "$PY" "$ROOT/scripts/gpu_check.py" install --wheels "$WHEELS" --target "$SITE" --dry-run || failed=1
 fi
-run_step setup "${GPU_CHECK_SETUP_S:-40}" "$PY" "$ROOT/scripts/gpu_check.py" install --wheels "$WHEELS" --target "$SITE"
-run_step tier "${GPU_CHECK_TIER_S:-165}" "$PY" -m pytest "$ROOT/tests/gpu" -m gpu -q -rA -p no:cacheprovider \
+run_step setup "${GPU_CHECK_SETUP_S:-20}" "$PY" "$ROOT/scripts/gpu_check.py" install --wheels "$WHEELS" --target "$SITE"
+run_step tier "${GPU_CHECK_TIER_S:-190}" "$PY" -m pytest "$ROOT/tests/gpu" -m gpu -q -rA -p no:cacheprovider \
   --timeout 150 --junitxml "$D/tier.xml"
-run_step kernels "${GPU_CHECK_KERNELS_S:-60}" "$PY" -m benchmarks.bench_losses --repeats 5 \
+run_step kernels "${GPU_CHECK_KERNELS_S:-75}" "$PY" -m benchmarks.bench_losses --repeats 5 \
   --variants logprobs_materialised,logprobs_chunked,hint_distill_materialised,hint_distill_chunked,hint_distill_liger,hint_distill_chunked_topk100 \
   --out "$D/kernels.json"
-run_step scale-0.5b "${GPU_CHECK_SCALE05_S:-130}" "$PY" -m benchmarks.bench_scale --quick --shapes gpu-0.5b \
+run_step scale-0.5b "${GPU_CHECK_SCALE05_S:-120}" "$PY" -m benchmarks.bench_scale --quick --shapes gpu-0.5b \
   --variants grpo,grpo+hint,grpo+hint+replay,trl_grpo --hint-all --hint-distill teacher=ema --hint-distill topk=100 \
-  --config-timeout 100 --json "$D/scale-0.5b.json"
+  --config-timeout 90 --json "$D/scale-0.5b.json"
 run_step scale-1.5b "${GPU_CHECK_SCALE15_S:-75}" "$PY" -m benchmarks.bench_scale --quick --shapes gpu-1.5b \
   --variants grpo+hint+replay,trl_grpo --hint-all --hint-distill teacher=ema --hint-distill topk=100 \
   --config-timeout 70 --json "$D/scale-1.5b.json"
