@@ -12,11 +12,13 @@ It reads Python source (AST, nothing is imported) and reports, per function:
   calls a tensor method such as ``.detach()`` / ``.float()`` / ``.to(...)``, or it is a local name
   assigned from a ``torch.`` call or such a chain) and does not pass through the CPU first.
 * ``cross_device``: a tensor factory called without ``device=`` (``torch.arange``, ``torch.zeros``,
-  ``torch.tensor([...])`` ...: a CPU tensor) used directly as an operand of arithmetic or a comparison, as
-  an index, or as an argument of an op that needs both tensors on one device (``torch.where``,
-  ``torch.cat``, ``index_select`` ...) together with a tensor that comes from elsewhere. On CUDA that is
-  ``RuntimeError: Expected all tensors to be on the same device``. 0-dim ``torch.tensor(<number>)`` is
-  exempt (PyTorch moves CPU scalars), and so are the host-side conversions ``.item()`` / ``.tolist()``.
+  ``torch.tensor([...])`` ...: a CPU tensor) used directly as an operand of arithmetic or a comparison, or
+  as an argument of an op that needs both tensors on one device (``torch.where``, ``torch.cat``,
+  ``index_select`` ...) together with a tensor that comes from elsewhere (on CUDA: ``RuntimeError: Expected
+  all tensors to be on the same device``); or a tensor provably on the CPU indexed by a visible tensor that
+  may be on a GPU (``cpu[cuda_idx]``: ``indices should be either on cpu or on the same device``). A CUDA
+  tensor indexed by CPU indices is fine (PyTorch moves them), and so is 0-dim ``torch.tensor(<number>)``
+  in arithmetic (PyTorch moves CPU scalars) and the host-side ``.item()`` / ``.tolist()``.
 * ``default_device``: a call of one of the project's helpers whose ``device`` defaults to ``"cpu"``
   (``tokenize_prompts``, ``left_pad``) without a device: its tensors then meet a policy on the GPU.
 
@@ -42,7 +44,8 @@ CPU_CONSTRUCTORS = frozenset({"frombuffer", "from_numpy"})
 #: Methods that show their receiver is a tensor (for the ``asarray`` rule).
 TENSOR_METHODS = frozenset({
     "detach", "float", "double", "half", "bfloat16", "to", "contiguous", "clone", "view", "reshape", "flatten",
-    "squeeze", "unsqueeze", "softmax", "log_softmax", "sum", "mean", "abs", "exp", "log", "sigmoid",
+    "squeeze", "unsqueeze", "softmax", "log_softmax", "sum", "mean", "abs", "exp", "log", "sigmoid", "clamp",
+    "long", "int", "bool", "nonzero", "argmax", "argmin", "cumsum", "masked_fill", "expand_as", "repeat_interleave",
 })  # fmt: skip
 #: Ops whose tensor arguments must share one device.
 SAME_DEVICE_OPS = frozenset({
@@ -204,6 +207,10 @@ def _looks_like_tensor(node: ast.AST, fn: _Function, line: int, depth: int = 0) 
         if isinstance(cur, ast.Subscript | ast.Attribute):
             cur = cur.value
             continue
+        if isinstance(cur, ast.BinOp):
+            return _looks_like_tensor(cur.left, fn, line, depth + 1) or _looks_like_tensor(
+                cur.right, fn, line, depth + 1
+            )
         if isinstance(cur, ast.Name):
             return any(_looks_like_tensor(v, fn, ln - 1, depth + 1) for ln, v in fn.values(cur.id, line))
         return False
@@ -295,8 +302,10 @@ def check_source(text: str, path: str = "<source>") -> list[Finding]:
                 cpu = [a for a in ops if _is_factory_without_device(a) and not _is_scalar_tensor(a)]  # type: ignore[arg-type]
                 if cpu and any(_foreign(a, fn, node.lineno - 1) for a in ops if a not in cpu):
                     report(node, name, "cross_device")
-            elif isinstance(node, ast.Subscript) and _is_factory_without_device(node.slice):
-                if not _is_scalar_tensor(node.slice):  # type: ignore[arg-type]
+            elif isinstance(node, ast.Subscript) and _on_cpu(node.value, fn, node.lineno - 1):
+                index = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+                line = node.lineno - 1
+                if any(_looks_like_tensor(i, fn, line) and _foreign(i, fn, line) for i in index):
                     report(node, name, "cross_device")
     return sorted(found, key=lambda f: (f.path, f.line))
 

@@ -61,7 +61,10 @@ PLANTED = {
     "asarray": "def f(logits):\n    return np.asarray(logits.detach().float())\n",
     "asarray_local": "def f(x):\n    y = torch.softmax(x, -1)\n    return np.array(y)\n",
     "cross_device_binop": "def f(x):\n    return x + torch.arange(x.shape[-1])\n",
-    "cross_device_index": "def f(x, rows):\n    return x[torch.tensor(rows)]\n",
+    "cross_device_index": (
+        "def f(ro, rewards):\n    scores = torch.zeros(4, 8)\n    last = ro.mask.long().sum(-1) - 1\n"
+        "    scores[torch.arange(4), last] = torch.tensor(rewards)\n    return scores\n"
+    ),
     "cross_device_op": "def f(x, n):\n    return torch.cat([x, torch.zeros(x.shape[0], n)], 1)\n",
     "cross_device_method": "def f(x, rows):\n    return x.index_select(0, torch.tensor(rows))\n",
     "default_device": (
@@ -79,6 +82,8 @@ CLEAN = {
     "cpu_only_locals": (
         "def f(n):\n    a = torch.zeros(n)\n    return torch.cat([a, torch.ones(n)]) + torch.arange(2 * n)\n"
     ),
+    "cpu_index_of_a_gpu_tensor": "def f(x, rows):\n    return x[torch.tensor(rows)]\n",
+    "cpu_indexed_by_cpu": "def f(n, rows):\n    a = torch.zeros(n)\n    a[torch.tensor(rows)] = 1\n    return a\n",
     "asarray_of_list": "def f(state):\n    return np.asarray(state[1], dtype=np.uint32)\n",
     "allowed": "def f(t):\n    return t.numpy()  # device-ok: t is built on the CPU by the caller\n",
     "device_given": "def f(tok, texts, x):\n    return tokenize_prompts(tok, texts, 64, x.device)\n",

@@ -515,9 +515,10 @@ def verl_batch(ro: Any, rewards: Sequence[float], old_log_probs: Tensor, adv_est
 
     B, C = ro.completion_ids.shape
     rmask = ro.completion_mask.long()
-    scores = torch.zeros(B, C)
+    dev = rmask.device  # the rollout's (the policy's) device
+    scores = torch.zeros(B, C, device=dev)
     last = (rmask.sum(-1) - 1).clamp(min=0)
-    scores[torch.arange(B), last] = torch.tensor([float(r) for r in rewards])
+    scores[torch.arange(B, device=dev), last] = torch.tensor([float(r) for r in rewards], device=dev)
     attn = torch.cat([ro.prompt_mask.long(), rmask], dim=1)
     data = DataProto.from_dict(
         tensors={"token_level_rewards": scores, "response_mask": rmask},
