@@ -8,6 +8,9 @@ Runs under the GPU machine's own Python (3.12, torch with CUDA preinstalled) wit
 * ``install --wheels DIR --target DIR``: ``pip install --no-deps --no-index`` of each wheel in DIR whose
   distribution is not installed (``--prefer-wheels``: also those installed at another version), into the
   target folder that ``gpu_check.sh`` puts on ``PYTHONPATH``. torch and the rest of the machine stay as they are.
+* ``repack DIR [--min-mib N]``: recompress every wheel in DIR over N MiB with LZMA (zip method 14, which
+  pip's installer reads; the files and their RECORD hashes stay the same), so the wheels fit the 64 MiB
+  that travel to the GPU machine (``scripts/gpu_wheels.sh`` runs it).
 * ``report OUT``: ``OUT/gpu.json`` and ``OUT/gpu.md`` from what the steps left in ``OUT/gpu.d/`` (``steps.jsonl``,
   the tier's JUnit XML, the benchmarks' JSON): whatever steps ran, failed or timed out.
 """
@@ -119,6 +122,29 @@ def cmd_install(wheels: Path, target: Path, prefer_wheels: bool, dry_run: bool) 
            "--disable-pip-version-check", "-q", *map(str, todo)]  # fmt: skip
     print("    " + " ".join(cmd))
     return subprocess.run(cmd, check=False).returncode
+
+
+def cmd_repack(wheels: Path, min_mib: float) -> int:
+    """LZMA-recompress the wheels in ``wheels`` larger than ``min_mib`` MiB (idempotent)."""
+    import zipfile
+
+    for whl in sorted(wheels.glob("*.whl")):
+        if whl.stat().st_size <= min_mib * 2**20:
+            continue
+        with zipfile.ZipFile(whl) as zi:
+            if all(i.compress_type == zipfile.ZIP_LZMA for i in zi.infolist()):
+                continue  # done on an earlier run
+            tmp = whl.with_name(whl.name + ".tmp")
+            with zipfile.ZipFile(tmp, "w") as zo:
+                for info in zi.infolist():
+                    out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+                    out.external_attr = info.external_attr
+                    out.compress_type = zipfile.ZIP_LZMA
+                    zo.writestr(out, zi.read(info))
+        before = whl.stat().st_size
+        os.replace(tmp, whl)
+        print(f"recompressed {whl.name}: {before / 2**20:.1f} -> {whl.stat().st_size / 2**20:.1f} MiB (LZMA)")
+    return 0
 
 
 # -- the report --------------------------------------------------------------------------------------
@@ -289,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target", type=Path, default=Path(".gpu_site"))
     b.add_argument("--prefer-wheels", action="store_true", default=os.environ.get("GPU_CHECK_PREFER_WHEELS") == "1")
     b.add_argument("--dry-run", action="store_true")
+    r = sub.add_parser("repack", help="LZMA-recompress the large wheels of a folder")
+    r.add_argument("wheels", type=Path)
+    r.add_argument("--min-mib", type=float, default=8.0)
     c = sub.add_parser("report", help="write OUT/gpu.json and OUT/gpu.md")
     c.add_argument("out", type=Path)
     ns = p.parse_args(argv)
@@ -296,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_imports(ns.steps, ns.wheels)
     if ns.cmd == "install":
         return cmd_install(ns.wheels, ns.target, ns.prefer_wheels, ns.dry_run)
+    if ns.cmd == "repack":
+        return cmd_repack(ns.wheels, ns.min_mib)
     return cmd_report(ns.out)
 
 

@@ -120,3 +120,71 @@ def test_report_is_written_whatever_steps_failed_or_timed_out(tmp_path):
     assert "can't convert cuda:0" in md and "test_b[cuda-none]" in md
     assert "Partial: the step stopped" in md and "| gpu-0.5b/grpo | 2.50 | 3000.0 | 9.50 |" in md
     assert "No result (the step failed or did not run" in md
+
+
+def test_the_benchmark_options_in_the_script_exist(capsys):
+    """Every ``--variants`` / ``--shapes`` value the script passes is one the benchmark knows (and bad ones fail)."""
+    import re
+
+    from benchmarks import bench_losses, bench_scale
+
+    text = SCRIPT.read_text()
+    losses = re.search(r"bench_losses .*?--variants (\S+)", text, re.S)
+    assert losses and set(losses.group(1).split(",")) <= set(bench_losses.VARIANTS + bench_losses.EXTRA_VARIANTS)
+    assert {"hint_distill_liger", "hint_distill_chunked"} <= set(losses.group(1).split(","))
+    scale = re.findall(r"bench_scale .*?--shapes (\S+) \\\s+--variants (\S+)", text, re.S)
+    assert [s for s, _ in scale] == ["gpu-0.5b", "gpu-1.5b"]
+    for shape, variants in scale:
+        assert shape in bench_scale.SHAPES and set(variants.split(",")) <= set(bench_scale.VARIANTS)
+    with pytest.raises(SystemExit):
+        bench_scale.main(["--shapes", "gpu-0.7b"])
+    assert "available: cpu, gpu-0.5b, gpu-1.5b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_losses.main(["--variants", "hint_distill_triton"])
+    assert "hint_distill_liger" in capsys.readouterr().err
+
+
+def test_lzma_repacked_wheels_install_with_pip_unchanged(tmp_path, capsys):
+    """``gpu_wheels.sh`` recompresses the large wheels (to fit 64 MiB): pip still installs them, byte for byte."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    whl = _probe_wheel(wheels)
+    assert gpu_check.main(["repack", str(wheels), "--min-mib", "0"]) == 0
+    assert "recompressed gpu_check_probe-0.1-py3-none-any.whl" in capsys.readouterr().out
+    with zipfile.ZipFile(whl) as z:
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_LZMA}
+    assert gpu_check.main(["repack", str(wheels), "--min-mib", "0"]) == 0  # idempotent
+    assert "recompressed" not in capsys.readouterr().out
+    assert gpu_check.cmd_install(wheels, tmp_path / "site", prefer_wheels=False, dry_run=False) == 0
+    assert (tmp_path / "site" / "gpu_check_probe.py").read_text() == "VALUE = 42\n"
+
+
+def test_bench_scale_runs_what_the_script_asks_for(monkeypatch, tmp_path):
+    """``--shapes gpu-0.5b --hint-all``: every listed variant on that shape only (``grpo+hint`` included), the
+    hint settings on both hinted configurations, and each result in the partial JSON as soon as it exists."""
+    from benchmarks import bench_scale
+
+    calls = []
+
+    def spawn(variant, spec, model, pairs, steps, timeout, hint_options=None):
+        calls.append((variant, spec, timeout, hint_options))
+        if variant == "grpo+hint+replay":
+            return {"error": "timed out after 90 s"}
+        return {"step_s": 1.0, "tokens_per_s": 100.0, "peak_cuda_gib": 2.0, "max_prompt_tokens": 10}
+
+    monkeypatch.setattr(bench_scale, "_spawn", spawn)
+    monkeypatch.setattr(bench_scale, "_prepare", lambda tmp, shape: ("model", "pairs", 151_936))
+    partial = tmp_path / "scale.json"
+    res = bench_scale.run(quick=True, variants=("grpo", "grpo+hint", "grpo+hint+replay", "trl_grpo"),
+                          hint_options={"teacher": "ema", "topk": 100}, shapes=("gpu-0.5b",), hint_all=True,
+                          config_timeout=90, partial=partial)  # fmt: skip
+    opts = {"teacher": "ema", "topk": 100}
+    assert calls == [("grpo", "gpu-0.5b", 90, None), ("grpo+hint", "gpu-0.5b", 90, opts),
+                     ("grpo+hint+replay", "gpu-0.5b", 90, opts), ("trl_grpo", "gpu-0.5b", 90, None)]  # fmt: skip
+    assert res["results"]["gpu-0.5b/grpo+hint"]["hint_options"] == opts
+    assert res["results"]["gpu-0.5b/grpo+hint+replay"]["error"].startswith("timed out")
+    assert res["ratios"]["gpu-0.5b/grpo_speed_vs_trl"] == 1.0 and "gpu-0.5b/grpo+hint_mem_vs_trl" in res["ratios"]
+    saved = json.loads(partial.read_text())
+    assert saved["partial"] and set(saved["results"]) == {f"gpu-0.5b/{v}" for v, *_ in calls}
