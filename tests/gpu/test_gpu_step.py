@@ -26,6 +26,12 @@ SPECS = {
 HINT = {"teacher": "ema", "topk": 100, "ema_rate": 0.5}
 
 
+def _fingerprints(module: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """(sum, norm) of every parameter in float64: changes when any element does (no host copy of 0.5B weights)."""
+    with torch.no_grad():
+        return {n: (p.double().sum().item(), p.double().norm().item()) for n, p in module.named_parameters()}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_grpo_hint_ema_top100_replay_step_at_the_real_vocabulary(device, tmp_path, monkeypatch):
     from benchmarks.bench_scale import RandomRewardEnv, _config, _prepare
@@ -48,8 +54,8 @@ def test_grpo_hint_ema_top100_replay_step_at_the_real_vocabulary(device, tmp_pat
     assert module.policy.is_gradient_checkpointing
     assert module.ema_teacher is not None
     assert module.policy.get_output_embeddings().weight.shape[0] == QWEN_VOCAB
-    before = {n: p.detach().float().cpu().clone() for n, p in module.policy.named_parameters()}
-    ema_before = [p.detach().float().cpu().clone() for p in module.ema_teacher.parameters()]
+    before = _fingerprints(module.policy)
+    ema_before = _fingerprints(module.ema_teacher)
 
     timed = composed_steps(module, cfg, _tasks(env.base, cfg, 1), 0)
 
@@ -61,10 +67,10 @@ def test_grpo_hint_ema_top100_replay_step_at_the_real_vocabulary(device, tmp_pat
     assert any(k.startswith("replay") for k in stats), stats
     p = next(module.policy.parameters())
     assert p.device.type == device
-    moved = [n for n, q in module.policy.named_parameters() if not torch.equal(q.detach().float().cpu(), before[n])]
-    assert moved, "the optimizer step changed no weight"
-    ema_after = [q.detach().float().cpu() for q in module.ema_teacher.parameters()]
-    assert any(not torch.equal(a, b) for a, b in zip(ema_after, ema_before, strict=True)), "EMA teacher never moved"
+    after = _fingerprints(module.policy)
+    assert sum(after[n] != before[n] for n in before) > len(before) // 2, "the optimizer step moved few weights"
+    ema_after = _fingerprints(module.ema_teacher)
+    assert any(ema_after[n] != ema_before[n] for n in ema_before), "the EMA teacher never moved"
     if device == "cuda":
         assert torch.cuda.max_memory_allocated() > 0
     Path(tmp_path / "stats.txt").write_text(repr(stats))
