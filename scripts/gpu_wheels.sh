@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
     --skip) SKIP=",${2:?--skip needs a comma-separated list},"; shift ;;
     --dest) DEST=${2:?--dest needs a folder}; shift ;;
     --no-lzma) LZMA=0 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) echo "gpu_wheels.sh: unknown option '$1' (valid: --skip a,b, --dest DIR, --no-lzma, --help)" >&2; exit 2 ;;
   esac
   shift

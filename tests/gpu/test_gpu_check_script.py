@@ -188,3 +188,24 @@ def test_bench_scale_runs_what_the_script_asks_for(monkeypatch, tmp_path):
     assert res["ratios"]["gpu-0.5b/grpo_speed_vs_trl"] == 1.0 and "gpu-0.5b/grpo+hint_mem_vs_trl" in res["ratios"]
     saved = json.loads(partial.read_text())
     assert saved["partial"] and set(saved["results"]) == {f"gpu-0.5b/{v}" for v, *_ in calls}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA present the tier would run for real")
+def test_every_step_is_bounded_and_the_report_is_written_when_steps_time_out(tmp_path):
+    """The real flow on the CPU (``GPU_CHECK_ALLOW_CPU=1``): the tier runs (its gpu tests skip here), the
+    benchmarks get a 2-second budget and are killed by ``timeout``; the report still says what happened."""
+    out = tmp_path / "results"
+    budgets = {"GPU_CHECK_KERNELS_S": "2", "GPU_CHECK_SCALE05_S": "2", "GPU_CHECK_SCALE15_S": "2"}
+    p = _run("--out", str(out), env={"GPU_CHECK_ALLOW_CPU": "1", "GPU_WHEELS": str(tmp_path / "none"),
+                                     "GPU_SITE": str(tmp_path / "site"), **budgets}, timeout=400)  # fmt: skip
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # three steps timed out
+    r = json.loads((out / "gpu.json").read_text())
+    status = {s["step"]: (s["rc"], s["timed_out"]) for s in r["steps"]}
+    assert status == {"setup": (0, False), "tier": (0, False), "kernels": (124, True), "scale-0.5b": (124, True),
+                      "scale-1.5b": (124, True)}, r["steps"]  # fmt: skip
+    assert all(s["seconds"] < 20 for s in r["steps"] if s["timed_out"])
+    assert r["tier"]["counts"] == {"skipped": 16} and r["machine"]["device"] == "no CUDA device"
+    md = (out / "gpu.md").read_text()
+    assert "Device: **no CUDA device**" in md and md.count("TIMED OUT") == 3
+    for step in status:
+        assert (out / "gpu.d" / f"{step}.log").exists()
