@@ -13,13 +13,13 @@ native path does.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.io import atomic_write_json
 
 
 def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
@@ -103,7 +103,7 @@ class Backend:
         final = dict(metrics)
         if history:
             final.update({f"train/{k}": v for k, v in history[-1].items() if k != "step"})
-        (out / "metrics.json").write_text(json.dumps(final, indent=2, default=str))
+        atomic_write_json(out / "metrics.json", final, default=str)
         return RunResult(metrics=final, output_dir=str(out), model_dir=str(model_dir), history=history)
 
 
