@@ -32,7 +32,9 @@ from composer_plugins.core.errors import ComposerPluginsError, closest
 from composer_plugins.training.step import StepRecord
 
 __all__ = [
+    "HINT_INPUTS",
     "INPUT_BUILDERS",
+    "PAIR_INPUTS",
     "Assembly",
     "InputBuilder",
     "MissingInputError",

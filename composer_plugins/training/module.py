@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from composer_plugins.training.assemble import StepPolicy, assemble_inputs
+from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy, assemble_inputs
 from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, task_prompt
 from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
@@ -37,9 +37,6 @@ from composer_plugins.training.distributed import all_gather_objects, dp_normali
 from composer_plugins.training.metrics import PassAtK, Ratio, scalar_metrics
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
-
-#: Inputs of the replay channels (a live channel reading one of them needs preference pairs).
-PAIR_KEYS = frozenset({"chosen_logps", "rejected_logps", "chosen_avg_logps", "rejected_avg_logps"})
 
 
 class ComposerModule(L.LightningModule):
@@ -94,7 +91,7 @@ class ComposerModule(L.LightningModule):
         self.ema_teacher: EMATeacher | None = EMATeacher(self.policy, ema_rate) if teacher == "ema" else None
         self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
-        self.needs_pairs = bool(self.required_inputs & PAIR_KEYS)
+        self.needs_pairs = bool(self.required_inputs & set(PAIR_INPUTS))
         if hint_provider is not None:
             from composer_plugins.envs.hints import build_hint_provider as hint_provider_from
 

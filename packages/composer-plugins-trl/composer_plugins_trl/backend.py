@@ -49,7 +49,7 @@ from composer_plugins.backends.base import Backend, scalar_metrics
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import ChannelComposer, LossChannel
-from composer_plugins.training.module import PAIR_KEYS
+from composer_plugins.training.assemble import PAIR_INPUTS
 
 #: TRL loss types the composed trainer reproduces (``gspo`` is TRL's ``grpo`` at sequence level).
 SUPPORTED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -124,7 +124,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             if getattr(c, "loss_type", None) == "dr_grpo" and getattr(c, "max_completion_length", 0) is None:
                 c.max_completion_length = self.args.max_completion_length
         self.needs_teacher = self.composer.needs_teacher
-        self.needs_pairs = bool(set(PAIR_KEYS) & set(self.composer.required_inputs()))
+        self.needs_pairs = bool(set(PAIR_INPUTS) & set(self.composer.required_inputs()))
         if hint_provider is not None:
             from composer_plugins.training.builders import hint_provider_from
 
@@ -519,7 +519,7 @@ class TRLBackend(Backend):
         policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
         args = self.grpo_config(policy)
         hint_provider = build_hint_provider(c, self.src) if composer.needs_teacher else None
-        needs_pairs = bool(set(PAIR_KEYS) & set(composer.required_inputs()))
+        needs_pairs = bool(set(PAIR_INPUTS) & set(composer.required_inputs()))
         pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None
         t0 = time.perf_counter()
         trainer = ComposerGRPOTrainer(
