@@ -65,8 +65,9 @@ def score_cmd(name: str, seed: int, split: str, options: tuple[str, ...], hint_p
     env = build("envs", name, **_kwargs(options))
     try:
         task = env.sample_tasks(1, split=split, seed=seed)[0]
-        fb = env.score(completion_file.read(), task)
-        request = HintRequest(prompt=task["prompt"], feedback=fb, task=task, reward=fb.reward)
+        completion = completion_file.read()
+        fb = env.score(completion, task)
+        request = HintRequest(prompt=task["prompt"], completion=completion, feedback=fb, task=task, reward=fb.reward)
         hint = build_hint_provider(hint_provider, key="--hint").hint(request)
         click.echo(json.dumps({"task_id": task.get("task_id"), "reward": fb.reward, "kind": fb.kind,
                                "message": fb.message, "hint": hint}, indent=2))  # fmt: skip
