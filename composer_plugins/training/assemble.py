@@ -50,6 +50,12 @@ InputBuilder = Callable[["Assembly"], Mapping[str, Any]]
 #: The one table of input builders: input name -> the function that builds it.
 INPUT_BUILDERS: dict[str, InputBuilder] = {}
 
+#: Inputs built beside an input a channel declares, which the channels that declare it read when present
+#: (the policy channels' sampling-time log-probs and importance-sampling ratio).
+COMPANIONS: dict[str, tuple[str, ...]] = {
+    "logprobs": ("old_logprobs", "inference_logprobs", "importance_sampling_ratio")
+}
+
 #: Inputs built for every step whatever the channels declare (cheap: read from the record).
 ALWAYS = ("completion_mask", "completion_ids", "advantages", "rewards", "num_generations", "group_index",
           "global_step", "total_steps")  # fmt: skip
@@ -177,6 +183,10 @@ def assemble_inputs(record: StepRecord, composer: Any, policy: StepPolicy, *,
         if name not in INPUT_BUILDERS:
             raise MissingInputError(_missing_message(name, composer))
         asm.get(name)
+    for name in required:
+        for extra in COMPANIONS.get(name, ()):
+            if extra not in asm.values:
+                asm.get(extra)
     return asm.values, asm.stats
 
 

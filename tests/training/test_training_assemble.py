@@ -120,3 +120,24 @@ def test_the_step_record_round_trips_through_a_checkpoint_state():
     assert back.rollout.group_index.tolist() == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="not fields of a StepRecord"):
         StepRecord.from_state({**rec.state(), "rollout": {}})
+
+
+def test_a_trainers_own_log_probs_come_with_the_records_sampling_time_ones():
+    """TRL gives its per-token log-probs; the record's ``old_logprobs`` (TRL's ``old_per_token_logps``) still
+    reach the policy channel, which reads them when present."""
+    from composer_plugins import build
+
+    composer = ChannelComposer([build("losses", "grpo")])
+    rec = _record()
+    rec.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    rec.old_logprobs = torch.full((4, 5), -1.0)
+    lp = torch.zeros(4, 5, requires_grad=True)
+    inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), given={"logprobs": lp})
+    assert inputs["logprobs"] is lp and inputs["old_logprobs"] is rec.old_logprobs
+    assert inputs["inference_logprobs"] is rec.old_logprobs
+    loss, _ = composer(inputs, inputs)
+    rec.old_logprobs = None  # on-policy: the given log-probs, detached
+    inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), given={"logprobs": lp})
+    assert torch.equal(inputs["old_logprobs"], lp.detach()) and not inputs["old_logprobs"].requires_grad
+    on_policy, _ = composer(inputs, inputs)
+    assert not torch.allclose(loss, on_policy)  # the ratio against the sampling-time log-probs is live
