@@ -1,6 +1,8 @@
-"""The training stack: config dataclasses and building components from config (``train``),
-the composed ``ComposerModule`` and SFT (``module``), MLflow tracking (``tracking``) and the
-``train``/``sft``/``eval`` commands (``commands``).
+"""The training stack: config and its validation (``config``, ``limits``), building components (``builders``),
+task streams (``batches``), rollout generators (``rollouts``, ``multiturn``), one step's data (``step``:
+``StepRecord``) and the one assembler of channel inputs (``assemble``), the Lightning step (``module``:
+``ComposerModule``), evaluation (``evaluation``), SFT (``sft``), MLflow tracking (``tracking``), the runs
+(``run``) and the ``train``/``sft``/``eval`` commands (``commands``).
 
-Imports point down: ``core``, ``losses``, ``models``, ``envs`` and ``teachers`` only.
+Imports point down: ``core``, ``procs``, ``losses``, ``models``, ``envs`` and ``teachers`` only.
 """
