@@ -53,6 +53,12 @@ def register_commands(cli: Any) -> None:
         help="Cluster: index of the first replica started on this node.",
     )
     @click.option("--total-replicas", type=int, default=None, help="Cluster: replicas in the whole job.")
+    @click.option(
+        "--run-id",
+        default=None,
+        help="object_store: the run to start, join (several launchers with --first-index) or continue after the "
+        "launcher died (default: diloco.run_id, else a new id; the launcher prints it).",
+    )
     @click.option("--heartbeat-timeout-ms", type=int, default=5000, show_default=True)
     @click.option("--join-timeout-ms", type=int, default=60000, show_default=True)
     @click.option(
@@ -75,6 +81,7 @@ def register_commands(cli: Any) -> None:
         seed: int | None,
         first_index: int,
         total_replicas: int | None,
+        run_id: str | None,
         heartbeat_timeout_ms: int,
         join_timeout_ms: int,
         timeout: float | None,
@@ -104,6 +111,15 @@ def register_commands(cli: Any) -> None:
         if dcfg.transport == "object_store" and not store:
             raise Config().error("diloco.store", "diloco.transport=object_store needs a store. HINT: "
                                  "-S diloco.store=s3://bucket/run or file:///abs/path.")  # fmt: skip
+        run_id = run_id or dcfg.run_id
+        if run_id is not None:
+            from dataclasses import replace
+
+            replace(dcfg, run_id=run_id).validate(Config(), "diloco")  # the same rule as diloco.run_id
+        several = first_index > 0 or (total_replicas is not None and total_replicas > first_index + replicas)
+        if dcfg.transport == "object_store" and several and not run_id:
+            raise Config().error("diloco.run_id", "several launchers (--first-index/--total-replicas) join one run "
+                                 "only under one id. HINT: pass the same --run-id <id> to every launcher.")  # fmt: skip
         runner = make_executor(executor, dcfg, log_dir=log_dir)
         try:
             res = launch(
@@ -124,6 +140,7 @@ def register_commands(cli: Any) -> None:
                 executor=runner,
                 transport=dcfg.transport,
                 store=store if dcfg.transport == "object_store" else None,
+                run_id=run_id,
             )
         except KeyboardInterrupt:
             click.secho("interrupted: all replicas terminated", err=True, fg="yellow")

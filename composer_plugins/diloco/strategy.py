@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.diloco import env as _env
 from composer_plugins.diloco import launch as _launch
 from composer_plugins.diloco.common import (
     DiLoCoConfig,
@@ -272,11 +273,11 @@ class DiLoCoCallback(pl.Callback):
         if self.manager is not None:
             return self
         c = self.config
-        lighthouse = c.lighthouse or self.replica.lighthouse or os.environ.get(_launch.ENV_LIGHTHOUSE)
+        lighthouse = c.lighthouse or self.replica.lighthouse or os.environ.get(_env.ENV_LIGHTHOUSE)
         if not lighthouse:
             raise ConfigError(
                 "no torchft lighthouse address. HINT: start replicas with `composer-plugins diloco --replicas N`, "
-                f"or set diloco.lighthouse / ${_launch.ENV_LIGHTHOUSE} to a running `torchft_lighthouse`.",
+                f"or set diloco.lighthouse / ${_env.ENV_LIGHTHOUSE} to a running `torchft_lighthouse`.",
                 key="diloco.lighthouse",
             )
         _quiet_torchft()
