@@ -132,7 +132,8 @@ class RoundStore:
                 raise CorruptObjectError(f"{self._where(key)}: not a pseudo-gradient (kind {header.get('kind')!r})")
             vec = decode_vector(header, body)
         except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
-            log.warning("round %d: %s; refused, treated as missing", r, e)
+            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
+            log.warning("round %d: %s; refused (nothing in it was run), treated as missing", r, msg)
             return None
         if numel is not None and vec.numel() != numel:
             log.warning("round %d: %s has %d values, the model %d; treated as missing", r, self._where(key),
@@ -158,7 +159,8 @@ class RoundStore:
                   and all(isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i
                           for i, n in m["grads"].items()))  # fmt: skip
         except (CorruptObjectError, ValueError, TypeError) as e:
-            raise StoreObjectError(f"{e}: round {r}'s manifest is not a DiLoCo data object and cannot be replaced "
+            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
+            raise StoreObjectError(f"{msg}: round {r}'s manifest is not a DiLoCo data object and cannot be replaced "
                                    "(it was created once). HINT: resume the run from a copy of the prefix without "
                                    f"rounds/{r:08d} and later.") from e  # fmt: skip
         if not ok:
