@@ -113,7 +113,7 @@ class DiLoCoConfig:
     rejoin_timeout_s: float = 600.0
     replicas: int | None = None
     log_param_hash: bool = True
-    transport: Literal["torchft", "object_store"] = "torchft"
+    transport: str = "torchft"
     store: str | None = None
     compress: Literal["none", "bf16", "int8"] = "none"
     round_timeout_s: float = 300.0
@@ -163,21 +163,9 @@ class DiLoCoConfig:
             component_spec(self.outer_optimizer, f"{key}.outer_optimizer", cfg)
         if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas < 1):
             raise bad("replicas", f"expected a positive integer, got {self.replicas!r}.")
-        if self.transport == "object_store":
-            if self.num_fragments != 1 or self.fragment_sync_delay:
-                raise bad(
-                    "num_fragments",
-                    "the object_store transport syncs the whole model at once: set "
-                    "num_fragments=1 and fragment_sync_delay=0 (streaming fragments need transport=torchft).",
-                )
-            store = self.store or os.environ.get(_env.ENV_STORE)
-            if store:
-                from composer_plugins.diloco.store import check_store_url
+        from composer_plugins.diloco.transports import get_transport
 
-                check_store_url(store, lambda msg: bad("store", msg))
-            for name in ("round_timeout_s", "store_retry_s", "poll_s", "poll_max_s", "request_timeout_s"):
-                if getattr(self, name) <= 0:
-                    raise bad(name, f"must be > 0, got {getattr(self, name)}.")
+        get_transport(self.transport, lambda msg: bad("transport", msg)).validate(self, bad)
         return self
 
     @classmethod

@@ -85,7 +85,9 @@ def make_executor(name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[s
         raise ComposerPluginsError(f"unknown executor {name!r}; available: {', '.join(EXECUTORS)}.{hint}")
     if name == "local":
         return LocalProcessExecutor()
-    if dcfg.transport != "object_store":
+    from composer_plugins.diloco.transports import get_transport
+
+    if not get_transport(dcfg.transport).cloud:
         raise Config().error(
             "diloco.transport",
             f"--executor {name} runs replicas as cloud jobs that cannot reach "

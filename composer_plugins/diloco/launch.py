@@ -444,8 +444,11 @@ class ReplicaGroup:
         self.transport = transport
         self.store = store
         self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
-        if transport == "object_store" and not store:
-            raise LaunchError("diloco.transport=object_store needs diloco.store (s3://bucket/prefix or file:///path)")
+        from composer_plugins.diloco.transports import get_transport
+
+        self._needs = get_transport(transport, LaunchError).needs
+        if self._needs == "store" and not store:
+            raise LaunchError(f"diloco.transport={transport} needs diloco.store (s3://bucket/prefix or file:///path)")
         #: every replica (and whatever it starts) carries this tag, so :meth:`stop` finds stragglers too
         self.tag = procs.new_tag("diloco")
 
@@ -474,7 +477,7 @@ class ReplicaGroup:
             return self
         self._started = True
         try:
-            if self.transport != "object_store":
+            if self._needs == "lighthouse":
                 self.lighthouse = Lighthouse(self._lighthouse_arg, **self._lh_opts)  # type: ignore[arg-type]
             local = self.lighthouse is not None and self.lighthouse.local
             use_barrier = self._use_barrier if self._use_barrier is not None else local

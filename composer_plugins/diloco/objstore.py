@@ -41,7 +41,6 @@ import re
 import time
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
@@ -55,6 +54,7 @@ from composer_plugins.diloco.common import (
     split_fragments,
     stop_file_says_stop,
 )
+from composer_plugins.diloco.glue import DiLoCoCallbackBase
 from composer_plugins.diloco.store import (
     CorruptObjectError,
     ObjectStore,
@@ -67,6 +67,7 @@ from composer_plugins.diloco.store import (
     to_host,
     unpack,
 )
+from composer_plugins.diloco.transports import get_transport
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +253,7 @@ class RoundStore:
         return n
 
 
-class ObjectStoreDiLoCoCallback(pl.Callback):
+class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
     """One DiLoCo replica whose outer sync goes through an object store (see the module docstring).
 
     Add it to a single-optimizer Lightning run in every replica process, as :class:`DiLoCoCallback`;
@@ -262,11 +263,7 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
     transport = "object_store"
 
     def __init__(self, config: DiLoCoConfig | None = None, replica: ReplicaInfo | None = None) -> None:
-        super().__init__()
-        self.config = (config or DiLoCoConfig(transport="object_store")).validate()
-        self.replica = replica or ReplicaInfo.from_env()
-        self.history: list[dict[str, Any]] = []
-        self.heal_count = 0
+        super().__init__(config or DiLoCoConfig(transport="object_store"), replica)
         self.store: ObjectStore | None = None
         self.rounds: RoundStore | None = None
         self.fragments: list[nn.Module] = []
@@ -274,15 +271,6 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
         self.params: list[nn.Parameter] = []
         self.global_params: list[torch.Tensor] = []
         self.round = 0  # the next round to sync; == outer steps applied so far
-        self._module: nn.Module | None = None
-        self._inner: torch.optim.Optimizer | None = None
-        self._trainer: pl.Trainer | None = None
-        self._hook: Any = None
-        self._inner_steps = 0
-        self._since_sync = 0
-        self._healed_since_sync = False
-        self._target: int | None = self.config.outer_steps
-        self._stop = False
         self._done = False
         self.bytes_pseudograd = 0
         self.run_id: str | None = None
@@ -298,42 +286,6 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
     def bytes_allreduced(self) -> int:
         """Bytes of pseudo-gradients this replica wrote (the torchft path's counter of the same name)."""
         return self.bytes_pseudograd
-
-    @property
-    def inner_steps(self) -> int:
-        return self._inner_steps
-
-    # -- Lightning hooks ----------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if len(trainer.optimizers) != 1:
-            raise ComposerPluginsError(
-                f"DiLoCo needs exactly one optimizer; {type(pl_module).__name__}.configure_optimizers returned "
-                f"{len(trainer.optimizers)}. HINT: return a single optimizer (parameter groups are fine)."
-            )
-        self._trainer = trainer
-        if self._target is None and trainer.max_steps and trainer.max_steps > 0:
-            self._target = max(1, trainer.max_steps // self.config.sync_every)
-            # the shared round counter decides when to stop; a replica left out of a round makes it up
-            trainer.fit_loop.epoch_loop.max_steps = 2 * trainer.max_steps
-        self.attach(pl_module, trainer.optimizers[0])
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
-        if self.history:
-            last = self.history[-1]
-            pl_module.log_dict({"diloco/outer_step": float(last["outer_step"]),
-                                "diloco/participants": float(last["participants"]),
-                                "diloco/bytes_allreduced": float(self.bytes_allreduced)},
-                               on_step=True, on_epoch=False, batch_size=1)  # fmt: skip
-        if self._stop:
-            trainer.should_stop = True
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.close()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.close()
 
     def close(self) -> None:
         if self._hook is not None:
@@ -353,9 +305,8 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
             return self
         c = self.config
         url = c.store or self.replica.store or os.environ.get(_env.ENV_STORE)
-        if not url:
-            raise ConfigError("diloco.transport=object_store needs a store. HINT: -S diloco.store=s3://bucket/run "
-                              "(or file:///abs/path).", key="diloco.store")  # fmt: skip
+        get_transport(self.transport).require(c, url)
+        assert url is not None
         self.run_id = c.run_id or self.replica.run_id
         if not self.run_id:
             raise ConfigError(

@@ -88,7 +88,7 @@ def test_store_codecs_only_ever_see_host_tensors(tmp_path, monkeypatch):
     def run(i: int) -> None:
         try:
             replica(i)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
+        except BaseException as e:
             errors.append(e)
 
     cfg.sync_log = str(tmp_path / "sync.jsonl")
