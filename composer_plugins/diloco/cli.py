@@ -145,6 +145,10 @@ def register_commands(cli: Any) -> None:
         except KeyboardInterrupt:
             click.secho("interrupted: all replicas terminated", err=True, fg="yellow")
             sys.exit(130)
+        finally:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
         for i, codes in sorted(res.exit_codes.items()):
             click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
         if not res.ok:
