@@ -332,8 +332,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if self._target is not None and self.round >= self._target:
             self._done = True
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
-        log.info("DiLoCo replica %s (%d/%d) of run %s on store %s: H=%d, compress=%s, %d params",
-                 self.replica.replica_id, self.replica.index, self.replica.num_replicas, self.run_id, self.store.where,
+        log.info("DiLoCo replica %s (%d/%d) on store %s (run %s): H=%d, compress=%s, %d params",
+                 self.replica.replica_id, self.replica.index, self.replica.num_replicas, self.store.where, self.run_id,
                  c.sync_every, c.compress, sum(p.numel() for p in self.params))  # fmt: skip
         return self
 

@@ -16,14 +16,14 @@ import dataclasses
 import importlib
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from composer_plugins.core.errors import ComposerPluginsError, closest
 from composer_plugins.diloco import env as _env
 
-if TYPE_CHECKING:
-    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
-
+#: a :class:`~composer_plugins.diloco.common.DiLoCoConfig` (not imported: common imports this module)
+DiLoCoConfig = Any
+ReplicaInfo = Any
 __all__ = ["TRANSPORTS", "Transport", "get_transport", "register_transport"]
 
 Bad = Callable[[str, str], Exception]
