@@ -66,8 +66,10 @@ class DiLoCoConfig:
         store: with ``object_store``, the run's directory in an object store: ``s3://bucket/prefix``,
             ``gs://...``, ``az://...`` or ``file:///path`` (default ``$COMPOSER_DILOCO_STORE``, which the
             launcher sets). S3 credentials and endpoint come from the standard AWS variables and profiles.
-        compress: what a replica writes per sync: ``none`` (fp32), ``bf16`` or ``int8`` (per-block absmax
-            int8, deflated); the error it adds is measured and logged (``compress_error``).
+        compress: what a replica writes per sync: ``none`` (fp32), ``bf16``, ``int8`` (per-block absmax
+            int8, deflated) or ``int4`` (blocks of 256, fp16 scales, deflated, with error feedback: the
+            rounding error is added to the replica's next pseudo-gradient); the error it adds is measured and
+            logged (``compress_error``).
         round_timeout_s: with ``object_store``, how long a replica waits for the others' pseudo-gradients
             at a sync before the round is closed without the missing ones.
         store_retry_s: with ``object_store``, how long one store operation is retried (bounded exponential
@@ -115,7 +117,7 @@ class DiLoCoConfig:
     log_param_hash: bool = True
     transport: str = "torchft"
     store: str | None = None
-    compress: Literal["none", "bf16", "int8"] = "none"
+    compress: Literal["none", "bf16", "int8", "int4"] = "none"
     round_timeout_s: float = 300.0
     store_retry_s: float = 120.0
     poll_s: float = 0.05

@@ -274,6 +274,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._done = False
         self.bytes_pseudograd = 0
         self.run_id: str | None = None
+        self._residual: torch.Tensor | None = None  # int4's error feedback (host, fp32)
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
 
@@ -490,9 +491,13 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             with torch.no_grad():
                 pairs = zip(self.global_params, self.params, strict=True)
                 pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
+            if self._residual is not None:  # error feedback: what the last round's rounding left out
+                pseudo = pseudo + self._residual
             header, body = encode_vector(pseudo, c.compress)
             mine = decode_vector(header, body)  # what the others will read: average exactly that
             err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
+            if c.compress == "int4":
+                self._residual = pseudo - mine
             if bool(torch.isfinite(mine).all()):
                 mine_name, nbytes = rs.put_grad(r, me, self.replica.restart, header, body)
                 self.bytes_pseudograd += nbytes

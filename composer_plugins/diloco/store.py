@@ -68,10 +68,11 @@ __all__ = [
     "unpack",
 ]
 
-COMPRESSIONS = ("none", "bf16", "int8")
+COMPRESSIONS = ("none", "bf16", "int8", "int4")
 INSTALL_HINT = "pip install 'composer-plugins[serverless]'"
 MAGIC = b"CPDS"
 INT8_BLOCK = 4096
+INT4_BLOCK = 256
 #: objects above this go up as multipart uploads and come down as ranged GETs of this size
 PART_BYTES = 8 << 20
 #: a small object standing for a large one written under ``<key>.blob-<nonce>`` (see :meth:`ObjectStore.put`)
@@ -384,10 +385,13 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], bytes]:
-    """Header fields and body for a flat fp32 CPU vector under ``compress`` (``none`` | ``bf16`` | ``int8``).
+    """Header fields and body for a flat fp32 CPU vector under ``compress`` (``none`` | ``bf16`` | ``int8`` | ``int4``).
 
     ``int8``: blocks of 4096 values, each scaled by its absolute maximum / 127 (fp32 scales), rounded to
     int8, then deflated (zlib), so the body is at most a quarter of the fp32 bytes on pseudo-gradients.
+    ``int4``: blocks of 256 values, each scaled by its absolute maximum / 7 (fp16 scales), rounded to
+    [-7, 7], two a byte, deflated: about an eighth of the fp32 bytes (the sender carries the rounding error
+    to its next round: error feedback, in the callback).
     """
     v = host_tensor(vec, "encode_vector").detach().to(torch.float32).contiguous().view(-1)
     n = v.numel()
@@ -403,6 +407,15 @@ def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], byt
         q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
         body = scale.numpy().tobytes() + zlib.compress(q.numpy().tobytes(), 6)
         return {"codec": "int8", "numel": n, "blocks": int(scale.numel())}, body
+    if compress == "int4":
+        pad = (-n) % INT4_BLOCK
+        blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
+        scale = (blocks.abs().amax(dim=1) / 7.0).to(torch.float16).to(torch.float32)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)
+        packed = (q[0::2] << 4) | q[1::2]  # two values a byte (the block size is even)
+        body = scale.to(torch.float16).view(torch.int16).numpy().tobytes() + zlib.compress(packed.numpy().tobytes(), 6)
+        return {"codec": "int4", "numel": n, "blocks": int(scale.numel())}, body
     raise ValueError(f"unknown compression {compress!r}; available: {', '.join(COMPRESSIONS)}")
 
 
@@ -434,6 +447,20 @@ def decode_vector(header: dict[str, Any], body: bytes) -> torch.Tensor:
         q = torch.frombuffer(bytearray(raw), dtype=torch.int8).to(torch.float32)
         q = torch.nn.functional.pad(q, (0, nb * INT8_BLOCK - n)).view(nb, INT8_BLOCK)
         return (q * scale[:, None]).view(-1)[:n].contiguous()
+    if codec == "int4":
+        nb = int(header["blocks"])
+        if nb != -(-n // INT4_BLOCK) or len(body) < 2 * nb:
+            raise CorruptObjectError(f"int4 header of {nb} blocks for {n} values")
+        scale = torch.frombuffer(bytearray(body[: 2 * nb]), dtype=torch.int16).view(torch.float16).to(torch.float32)
+        try:
+            raw = zlib.decompress(body[2 * nb :])
+        except zlib.error as e:
+            raise CorruptObjectError(f"int4 body does not inflate ({e})") from e
+        if len(raw) * 2 != nb * INT4_BLOCK:
+            raise CorruptObjectError(f"int4 body of {len(raw) * 2} values for {nb} blocks")
+        packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1).to(torch.float32) - 7.0
+        return (q.view(nb, INT4_BLOCK) * scale[:, None]).view(-1)[:n].contiguous()
     raise CorruptObjectError(f"unknown codec {codec!r}")
 
 
