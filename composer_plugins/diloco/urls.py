@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from composer_plugins.core.config import redact_url
 from composer_plugins.core.errors import closest
 
 __all__ = ["SCHEMES", "check_store_url", "redact_url"]
@@ -26,14 +27,3 @@ def check_store_url(url: str, error: Callable[[str], Exception]) -> None:
         raise error(f"{redact_url(url)!r}: a file store needs an absolute path (file:///abs/path).")
     if scheme.startswith("s3") and len(rest.split("/", 1)[0]) < 3:
         raise error(f"{redact_url(url)!r}: S3 bucket names have at least 3 characters.")
-
-
-def redact_url(url: str) -> str:
-    """``scheme://bucket/prefix`` of a store URL: no user info, query string (``?sig=``) or fragment."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url.split("?", 1)[0]
-    rest = rest.split("?", 1)[0].split("#", 1)[0]
-    host, slash, path = rest.partition("/")
-    host = host.rsplit("@", 1)[-1]
-    return f"{scheme}://{host}{slash}{path}"

@@ -81,6 +81,11 @@ def test_urls_are_redacted_to_scheme_bucket_prefix():
     with pytest.raises(ConfigError) as e:
         DiLoCoConfig(transport="object_store", store="s4://b/p?sig=SECRET").validate()
     assert "SECRET" not in str(e.value)
+    # what the training module saves as hyperparameters (and MLflow logs as params) goes through core's redact
+    from composer_plugins.core.config import redact
+
+    saved = redact({"diloco": {"store": "https://acct.blob.example/c/run?sv=1&sig=SECRET", "compress": "int8"}})
+    assert saved == {"diloco": {"store": "https://acct.blob.example/c/run", "compress": "int8"}}
 
 
 def test_old_states_and_pseudo_gradients_are_collected_but_manifests_stay(tmp_path):
