@@ -82,6 +82,9 @@ class DiLoCoConfig:
             launcher mints one). A replica started without the launcher must name it.
         keep_rounds: with ``object_store``, keep this many newest global states (and the rounds they can
             rebuild); older states, rounds and pseudo-gradients are deleted. ``0`` keeps everything.
+        state_every: with ``object_store``, the closer writes the global state (fp32 weights + outer
+            momentum) every this many rounds and at the last one; the rounds between are replayed from their
+            manifests and pseudo-gradients by whoever needs them.
         jobs: how ``--executor hf_jobs|modal`` runs each replica (image, flavor/GPU, secrets, timeouts;
             :class:`~composer_plugins.diloco.executors.JobsConfig`).
     """
@@ -125,6 +128,7 @@ class DiLoCoConfig:
     request_timeout_s: float = 30.0
     run_id: str | None = None
     keep_rounds: int = 2
+    state_every: int = 1
     jobs: dict[str, Any] | None = None
 
     def validate(self, cfg: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
@@ -157,6 +161,8 @@ class DiLoCoConfig:
             raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
         if self.rejoin_timeout_s < 0:
             raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
+        if self.state_every < 1:
+            raise bad("state_every", f"must be >= 1, got {self.state_every}.")
         if self.keep_rounds < 0 or self.keep_rounds == 1:
             raise bad("keep_rounds", f"must be 0 (keep everything) or >= 2, got {self.keep_rounds}.")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", str(self.run_id)):

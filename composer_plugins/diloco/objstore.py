@@ -509,7 +509,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         participants = list(manifest["participants"])
         committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
         if committed and self._apply_round(r, manifest, cache, mix_local=True):
-            if created:
+            if created and self._state_due(r):
                 self._write_state_async()
         else:
             committed = False
@@ -614,7 +614,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             self.heal_count += 1
             self._healed_since_sync = True
             key = f"state/{r:08d}"
-            if not self.rounds.exists(key):
+            if self._state_due(r) and not self.rounds.exists(key):
                 self.rounds.put_state(key, self._global_state(), create=True)
                 log.warning("DiLoCo: rebuilt %s/%s from round %d's manifest (its closer did not write it)",
                             self.rounds.store.where, key, r)  # fmt: skip
@@ -664,6 +664,12 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                     f"diloco.round_timeout_s={self.config.round_timeout_s:.0f}s"
                 )
             time.sleep(self.config.poll_s)
+
+    def _state_due(self, r: int) -> bool:
+        """Whether round ``r``'s global state is written: every ``state_every`` rounds and at the last round (the
+        rounds between are rebuilt from their manifests and pseudo-gradients)."""
+        k = self.config.state_every
+        return r % k == k - 1 or (self._target is not None and r + 1 >= self._target)
 
     # -- the state writer (off the critical path) ---------------------------------------------
     def _write_state_async(self) -> None:

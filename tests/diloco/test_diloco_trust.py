@@ -148,8 +148,10 @@ def test_closer_killed_between_manifest_and_state_then_all_replicas_relaunched(m
     prefix = url.removeprefix("s3://runs/")
     log_dir = tmp_path / "a"
     env = _fault_env(moto, DIE_AFTER_MANIFEST_ROUND=2)
+    # states every 3 rounds (2, 5, 8, 11): the rounds between are replayed from their manifests
     proc = cli(tmp_path, "a", "--max-restarts", "1", "toy.max_steps=96", "--run-id", "wedge-1", *_objstore(url),
-               "-S", "diloco.round_timeout_s=60", env=env, target="store_fault_target:run")  # fmt: skip
+               "-S", "diloco.round_timeout_s=60", "-S", "diloco.state_every=3", env=env,
+               target="store_fault_target:run")  # fmt: skip
     try:
         # the closer of round 2 died after its manifest, before state/00000002; its restart rebuilds it
         _wait_for(
@@ -159,7 +161,7 @@ def test_closer_killed_between_manifest_and_state_then_all_replicas_relaunched(m
             lambda: any(r["restart"] == 1 and r["round"] >= 3 for i in (0, 1) for r in records(log_dir, i)),
         )
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="runs", Prefix=f"{prefix}/state/").get("Contents", [])]
-        assert f"{prefix}/state/00000002" in keys or f"{prefix}/state/00000003" in keys, keys
+        assert f"{prefix}/state/00000002" in keys and f"{prefix}/state/00000001" not in keys, keys
         os.kill(proc.pid, signal.SIGKILL)  # the launcher: its replicas die with it (PR_SET_PDEATHSIG)
         proc.wait(30)
     finally:
@@ -174,7 +176,17 @@ def test_closer_killed_between_manifest_and_state_then_all_replicas_relaunched(m
     finish(fresh, tmp_path / "b", rc=1)
     assert "holds another run" in logs(tmp_path / "b") and "--run-id wedge-1" in logs(tmp_path / "b")
     # all replicas gone: the relaunch continues the run where its store says it is
-    again = cli(tmp_path, "c", "toy.max_steps=96", "--run-id", "wedge-1", *_objstore(url), env=moto)
+    again = cli(
+        tmp_path,
+        "c",
+        "toy.max_steps=96",
+        "--run-id",
+        "wedge-1",
+        *_objstore(url),
+        "-S",
+        "diloco.state_every=3",
+        env=moto,
+    )
     finish(again, tmp_path / "c")
     _same_weights(tmp_path / "c", 96)
     assert min(r["round"] for i in (0, 1) for r in records(tmp_path / "c", i)) >= killed_at - 1
