@@ -275,6 +275,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self.bytes_pseudograd = 0
         self.run_id: str | None = None
         self._residual: torch.Tensor | None = None  # int4's error feedback (host, fp32)
+        self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
 
@@ -332,6 +333,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._replay_closed_rounds()
         if self._target is not None and self.round >= self._target:
             self._done = True
+        self._counted = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
         log.info("DiLoCo replica %s (%d/%d) on store %s (run %s): H=%d, compress=%s, %d params",
                  self.replica.replica_id, self.replica.index, self.replica.num_replicas, self.store.where, self.run_id,
@@ -480,7 +482,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._raise_write_error()
         c, rs, me = self.config, self.rounds, self.replica.index
         t0 = time.perf_counter()
-        w0, r0, n0 = self.store.bytes_written, self.store.bytes_read, self.store.retries
+        # since the last record: the state written in the background after a sync counts in the next one
+        w0, r0, n0 = self._counted
         r = self.round
         err = None
         manifest = rs.manifest(r)
@@ -514,8 +517,10 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         else:
             committed = False
             self._catch_up(r, manifest)
-        self._record(r, committed, len(participants), err, time.perf_counter() - t0,
-                     self.store.bytes_written - w0, self.store.bytes_read - r0, self.store.retries - n0)  # fmt: skip
+        now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
+        self._counted = now
+        self._record(r, committed, len(participants), err, time.perf_counter() - t0, now[0] - w0, now[1] - r0,
+                     now[2] - n0)  # fmt: skip
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 

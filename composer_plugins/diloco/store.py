@@ -37,6 +37,7 @@ import logging
 import os
 import random
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -127,6 +128,7 @@ class ObjectStore:
         self.part_bytes = part_bytes
         self.retry_s = retry_s
         self.bytes_written = 0
+        self._count_lock = threading.Lock()  # the state writer counts from its own thread
         self.bytes_read = 0
         self.retries = 0
         obs = _obstore()
@@ -182,7 +184,8 @@ class ObjectStore:
                 if left <= 0:
                     raise StoreError(f"{what} on {self.where} still failing after {attempt} attempts over "
                                      f"{self.retry_s:.0f}s (diloco.store_retry_s): {one_line(e)}") from e  # fmt: skip
-                self.retries += 1
+                with self._count_lock:
+                    self.retries += 1
                 if attempt == 1 or attempt % 10 == 0:
                     log.warning(
                         "store %s: %s failed (%s); retrying for up to %.0fs", self.where, what, one_line(e), left
@@ -211,7 +214,8 @@ class ObjectStore:
             if not ok:
                 self.delete(blob)
         if ok:
-            self.bytes_written += len(data)
+            with self._count_lock:
+                self.bytes_written += len(data)
         return ok
 
     def _put_one(self, key: str, data: bytes, create: bool) -> bool:
@@ -260,7 +264,8 @@ class ObjectStore:
                     raise CorruptObjectError(f"{self.where}/{key}: its blob {blob} is missing or corrupt")
                 data = body
         if data is not None:
-            self.bytes_read += len(data)
+            with self._count_lock:
+                self.bytes_read += len(data)
         return data
 
     def _get_ranged(self, key: str) -> bytes | None:
