@@ -514,6 +514,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if committed and self._apply_round(r, manifest, cache, mix_local=True):
             if created and self._state_due(r):
                 self._write_state_async()
+                if self._target is not None and self.round >= self._target:
+                    self._flush_writes()  # the last round: no inner steps left to overlap, and it is counted here
         else:
             committed = False
             self._catch_up(r, manifest)
