@@ -582,6 +582,12 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                 if not created:  # another replica closed it first: its set, its grads
                     cache = {i: v for i, v in cache.items() if m["grads"].get(str(i)) == good.get(i)}
                 return m, created, cache
+            if not good and time.monotonic() > deadline + c.round_timeout_s:
+                raise ComposerPluginsError(
+                    f"round {r}: no readable pseudo-gradient in {rs.store.where}/{rs.round_dir(r)} within "
+                    f"2 x diloco.round_timeout_s={c.round_timeout_s:.0f}s (this replica's own was not published: "
+                    "not finite). HINT: see the log for the refused objects; lower the learning rate."
+                )
             time.sleep(delay)
             delay = min(delay * 1.5, c.poll_max_s)
 
