@@ -15,7 +15,8 @@ Bytes are payload bytes handed to all-reduce (not wire bytes; a ring all-reduce 
 for both). Expect DiLoCo/DDP ≈ 1/H.
 
 * **DiLoCo through an object store** (``diloco.transport=object_store``, H = 8 quick / 16 full): the same
-  replicas meeting through ``file://`` with ``diloco.compress`` = ``none`` / ``bf16`` / ``int8``, and
+  replicas meeting through ``file://`` with ``diloco.compress`` = ``none`` / ``bf16`` / ``int8`` / ``int4``
+  (and ``none`` / ``int4`` with 4 replicas: read and written bytes per replica per round against 2), and
   through moto's S3 server on loopback (``none``; skipped without ``moto[server]``). Per replica per sync:
   the pseudo-gradient object's bytes, and everything written and read through the store (the sync log's
   ``bytes_written`` / ``bytes_read``: pseudo-gradients, the round manifest, listings, and, for the replica
@@ -251,7 +252,7 @@ def _sync_latency(step_times: list[float], h: int) -> float:
 
 
 def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path, *, name: str | None = None,
-                store: str | None = None, compress: str = "none",
+                store: str | None = None, compress: str = "none", state_every: int = 1,
                 env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """``replicas`` DiLoCo replicas of the toy LM, over torchft (``store=None``) or through ``store``."""
     import statistics
@@ -262,7 +263,11 @@ def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path, *, name: 
     overrides = [f"diloco.sync_every={h}"] + [f"toy.{k}={v}" for k, v in toy.items()]
     transport = "torchft" if store is None else "object_store"
     if store is not None:
-        overrides += ["diloco.transport=object_store", f"diloco.compress={compress}"]
+        overrides += [
+            "diloco.transport=object_store",
+            f"diloco.compress={compress}",
+            f"diloco.state_every={state_every}",
+        ]
     target = "benchmarks.bench_diloco:timed_toy"
     argv = lambda i: replica_argv(target, None, [*overrides, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
     try:
@@ -337,6 +342,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     ratios: dict[str, float] = {}
     targets: dict[str, str] = {}
     plan = ["ddp", "single"] + [f"diloco_h{h}" for h in hs] + [f"os_file_{c}" for c in CODECS] + ["os_s3_none"]
+    plan += [f"os_file_int4+k{STATE_EVERY}"] + [f"os4_file_{c}" for c in CODECS_N4]
     tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
     ok = False
     try:
@@ -354,7 +360,11 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 #: H of the object-store runs (quick, full); a torchft run at the same H is in both plans
 OS_H = {True: 8, False: 16}
-CODECS = ("none", "bf16", "int8")
+CODECS = ("none", "bf16", "int8", "int4")
+#: the int4 run repeated with the global state written every this many rounds (``diloco.state_every``)
+STATE_EVERY = 4
+#: codecs also run with 4 replicas (read bytes per replica per round against 2 replicas)
+CODECS_N4 = ("none", "int4")
 
 
 def _measure(plan: list[str], replicas: int, steps: int, toy: dict[str, Any], tmp: Path, results: dict[str, Any],
@@ -366,18 +376,21 @@ def _measure(plan: list[str], replicas: int, steps: int, toy: dict[str, Any], tm
     with tqdm(plan, desc="bench_diloco") as bar:
         for item in bar:
             bar.set_postfix_str(item)
-            if item.startswith("os_"):
-                _, where, codec = item.split("_")
+            if item.startswith("os"):
+                kind, where, codec = item.split("_")
+                n = 4 if kind == "os4" else replicas
                 env = None
                 if where == "file":
-                    url = f"file://{tmp}/store-{codec}"
+                    url = f"file://{tmp}/store-{kind}-{codec}"
                 else:
                     moto = moto or _moto()
                     if moto is None:
                         _log("moto[server] is not installed: no S3 row")
                         continue
                     url, env = f"s3://bench/run-{codec}-{os.getpid()}", moto[1]
-                results[item] = _run_diloco(replicas, os_h, toy, tmp, name=item, store=url, compress=codec, env=env)
+                compress, _, every = codec.partition("+k")
+                results[item] = _run_diloco(n, os_h, toy, tmp, name=item, store=url, compress=compress,
+                                            state_every=int(every or 1), env=env)  # fmt: skip
                 continue
             if item == "ddp":
                 ddp = _run_ddp(replicas, toy, tmp)
@@ -405,10 +418,10 @@ def _measure(plan: list[str], replicas: int, steps: int, toy: dict[str, Any], tm
 def _object_store_ratios(results: dict[str, Any], ratios: dict[str, float], targets: dict[str, str]) -> None:
     h = results["object_store_h"]
     none, tf = results["os_file_none"], results[f"diloco_h{h}"]
-    for c in ("bf16", "int8"):
+    for c in ("bf16", "int8", "int4"):
         r = results[f"os_file_{c}"]
         ratios[f"store_grad_bytes_per_sync_{c}_vs_fp32"] = r["grad_bytes_per_sync"] / none["grad_bytes_per_sync"]
-        targets[f"store_grad_bytes_per_sync_{c}_vs_fp32"] = "≤ 0.25" if c == "int8" else "≈ 0.5"
+        targets[f"store_grad_bytes_per_sync_{c}_vs_fp32"] = {"int8": "≤ 0.25", "int4": "≤ 0.125"}.get(c, "≈ 0.5")
         ratios[f"store_bytes_read_per_sync_{c}_vs_fp32"] = (
             r["store_bytes_read_per_sync"] / none["store_bytes_read_per_sync"]
         )
@@ -416,9 +429,34 @@ def _object_store_ratios(results: dict[str, Any], ratios: dict[str, float], targ
         ratios[f"store_bytes_written_per_sync_{c}_vs_fp32"] = (
             r["store_bytes_written_per_sync"] / none["store_bytes_written_per_sync"]
         )
-        targets[f"store_bytes_written_per_sync_{c}_vs_fp32"] = "> the grad ratio (the closer writes fp32 state)"
+        targets[f"store_bytes_written_per_sync_{c}_vs_fp32"] = (
+            "≤ 0.125 (issue 34; not met: the closer still writes fp32 state every round)"
+            if c == "int4"
+            else "> the grad ratio (the closer writes fp32 state)"
+        )
         ratios[f"eval_loss_{c}_vs_fp32"] = r["eval_loss"] / none["eval_loss"]
         targets[f"eval_loss_{c}_vs_fp32"] = "within 1% (0.99–1.01)"
+    k = results.get(f"os_file_int4+k{STATE_EVERY}")
+    if k is not None:
+        ratios[f"store_bytes_written_per_sync_int4_state_every{STATE_EVERY}_vs_fp32"] = (
+            k["store_bytes_written_per_sync"] / none["store_bytes_written_per_sync"]
+        )
+        targets[f"store_bytes_written_per_sync_int4_state_every{STATE_EVERY}_vs_fp32"] = "≤ 0.125 (issue 34)"
+        ratios[f"eval_loss_int4_state_every{STATE_EVERY}_vs_fp32"] = k["eval_loss"] / none["eval_loss"]
+        targets[f"eval_loss_int4_state_every{STATE_EVERY}_vs_fp32"] = "within 1% (0.99–1.01)"
+    for c in CODECS_N4:
+        r2, r4 = results.get(f"os_file_{c}"), results.get(f"os4_file_{c}")
+        if r2 is not None and r4 is not None:
+            ratios[f"store_bytes_read_per_sync_{c}_N4_vs_N2"] = (
+                r4["store_bytes_read_per_sync"] / r2["store_bytes_read_per_sync"]
+            )
+            targets[f"store_bytes_read_per_sync_{c}_N4_vs_N2"] = (
+                "≤ 1 (issue 34, needs one aggregate per round: not built, every replica reads the N-1 others)"
+            )
+            ratios[f"store_bytes_written_per_sync_{c}_N4_vs_N2"] = (
+                r4["store_bytes_written_per_sync"] / r2["store_bytes_written_per_sync"]
+            )
+            targets[f"store_bytes_written_per_sync_{c}_N4_vs_N2"] = "< 1 (the state is written by one closer of N)"
     ratios[f"eval_loss_object_store_vs_torchft_H{h}"] = none["eval_loss"] / tf["eval_loss"]
     targets[f"eval_loss_object_store_vs_torchft_H{h}"] = "= 1 (bitwise parity)"
     ratios["eval_loss_object_store_vs_ddp"] = none["eval_loss"] / results["ddp"]["eval_loss"]
@@ -454,6 +492,9 @@ def _print_table(out: dict[str, Any], hs: list[int]) -> None:
     ]
     if "os_s3_none" in r:
         rows.append(("store s3_none (moto)", r["os_s3_none"]))
+    if f"os_file_int4+k{STATE_EVERY}" in r:
+        rows.append((f"store int4 state/{STATE_EVERY}", r[f"os_file_int4+k{STATE_EVERY}"]))
+    rows += [(f"store 4 replicas {c}", r[f"os4_file_{c}"]) for c in CODECS_N4 if f"os4_file_{c}" in r]
     for name, d in rows:
         w, rd = d.get("store_bytes_written_per_sync"), d.get("store_bytes_read_per_sync")
         print(f"{name:<22}{d['grad_bytes_per_sync']:>12,.0f}{'-' if w is None else f'{w:,.0f}':>12}"

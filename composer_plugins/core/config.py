@@ -202,10 +202,23 @@ def resolve_env(node: Any, cfg: Config, key: str = "") -> Any:
     return node
 
 
+def redact_url(url: str) -> str:
+    """``scheme://host/path`` of a URL: no user info, query string (``?sig=``) or fragment."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.split("?", 1)[0]
+    rest = rest.split("?", 1)[0].split("#", 1)[0]
+    host, slash, path = rest.partition("/")
+    return f"{scheme}://{host.rsplit('@', 1)[-1]}{slash}{path}"
+
+
 def redact(value: Any) -> Any:
-    """A copy of ``value`` with every :class:`Secret` (and ``*key*``/``*token*`` field) masked."""
+    """A copy of ``value`` with every :class:`Secret` (and ``*key*``/``*token*`` field) masked, and URLs cut to
+    ``scheme://host/path`` (a signed URL's query string or a URL's user info never reaches a log)."""
     if isinstance(value, Secret):
         return repr(value)
+    if isinstance(value, str) and "://" in value and ("?" in value or "@" in value.split("://", 1)[1].split("/")[0]):
+        return redact_url(value)
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():

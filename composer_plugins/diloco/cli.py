@@ -53,6 +53,12 @@ def register_commands(cli: Any) -> None:
         help="Cluster: index of the first replica started on this node.",
     )
     @click.option("--total-replicas", type=int, default=None, help="Cluster: replicas in the whole job.")
+    @click.option(
+        "--run-id",
+        default=None,
+        help="object_store: the run to start, join (several launchers with --first-index) or continue after the "
+        "launcher died (default: diloco.run_id, else a new id; the launcher prints it).",
+    )
     @click.option("--heartbeat-timeout-ms", type=int, default=5000, show_default=True)
     @click.option("--join-timeout-ms", type=int, default=60000, show_default=True)
     @click.option(
@@ -75,6 +81,7 @@ def register_commands(cli: Any) -> None:
         seed: int | None,
         first_index: int,
         total_replicas: int | None,
+        run_id: str | None,
         heartbeat_timeout_ms: int,
         join_timeout_ms: int,
         timeout: float | None,
@@ -92,6 +99,7 @@ def register_commands(cli: Any) -> None:
         from composer_plugins.core.config import Config
         from composer_plugins.diloco.executors import make_executor
         from composer_plugins.diloco.run import check_replica_config
+        from composer_plugins.diloco.transports import get_transport
 
         overrides = (*overrides, *set_overrides)
         # every replica would read the same config: check it here, once, before any starts
@@ -100,10 +108,18 @@ def register_commands(cli: Any) -> None:
             replicas = dcfg.replicas or 2
         if replicas < 1:
             raise Config().error("diloco.replicas", f"--replicas must be at least 1, got {replicas}.")
-        store = dcfg.store
-        if dcfg.transport == "object_store" and not store:
-            raise Config().error("diloco.store", "diloco.transport=object_store needs a store. HINT: "
-                                 "-S diloco.store=s3://bucket/run or file:///abs/path.")  # fmt: skip
+        transport = get_transport(dcfg.transport)
+        transport.require(dcfg, dcfg.store)
+        store = dcfg.store if transport.needs == "store" else None
+        run_id = run_id or dcfg.run_id
+        if run_id is not None:
+            from dataclasses import replace
+
+            replace(dcfg, run_id=run_id).validate(Config(), "diloco")  # the same rule as diloco.run_id
+        several = first_index > 0 or (total_replicas is not None and total_replicas > first_index + replicas)
+        if transport.needs == "store" and several and not run_id:
+            raise Config().error("diloco.run_id", "several launchers (--first-index/--total-replicas) join one run "
+                                 "only under one id. HINT: pass the same --run-id <id> to every launcher.")  # fmt: skip
         runner = make_executor(executor, dcfg, log_dir=log_dir)
         try:
             res = launch(
@@ -123,11 +139,16 @@ def register_commands(cli: Any) -> None:
                 timeout=timeout,
                 executor=runner,
                 transport=dcfg.transport,
-                store=store if dcfg.transport == "object_store" else None,
+                store=store,
+                run_id=run_id,
             )
         except KeyboardInterrupt:
             click.secho("interrupted: all replicas terminated", err=True, fg="yellow")
             sys.exit(130)
+        finally:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
         for i, codes in sorted(res.exit_codes.items()):
             click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
         if not res.ok:

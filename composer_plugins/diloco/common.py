@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import importlib
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +19,7 @@ from torch import nn
 
 from composer_plugins.core.config import Config, component_spec, from_dict
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
-from composer_plugins.diloco import launch as _launch
+from composer_plugins.diloco import env as _env
 
 # -- configuration ------------------------------------------------------------------------
 
@@ -65,13 +66,25 @@ class DiLoCoConfig:
         store: with ``object_store``, the run's directory in an object store: ``s3://bucket/prefix``,
             ``gs://...``, ``az://...`` or ``file:///path`` (default ``$COMPOSER_DILOCO_STORE``, which the
             launcher sets). S3 credentials and endpoint come from the standard AWS variables and profiles.
-        compress: what a replica writes per sync: ``none`` (fp32), ``bf16`` or ``int8`` (per-block absmax
-            int8, deflated); the error it adds is measured and logged (``compress_error``).
+        compress: what a replica writes per sync: ``none`` (fp32), ``bf16``, ``int8`` (per-block absmax
+            int8, deflated) or ``int4`` (blocks of 256, fp16 scales, deflated, with error feedback: the
+            rounding error is added to the replica's next pseudo-gradient); the error it adds is measured and
+            logged (``compress_error``).
         round_timeout_s: with ``object_store``, how long a replica waits for the others' pseudo-gradients
             at a sync before the round is closed without the missing ones.
         store_retry_s: with ``object_store``, how long one store operation is retried (bounded exponential
             backoff) through 5xx, SlowDown, timeouts and dropped connections before the replica fails.
-        poll_s: with ``object_store``, how often a waiting replica looks at the store.
+        poll_s, poll_max_s: with ``object_store``, how often a waiting replica looks at the store: first after
+            ``poll_s``, then backing off by 1.5x up to ``poll_max_s``.
+        request_timeout_s: with ``object_store``, the limit of one store request (one part of a multipart
+            upload or one ranged read, ``8 MiB``), not of a whole object.
+        run_id: the run to start, join or continue (``composer-plugins diloco --run-id``; default: the
+            launcher mints one). A replica started without the launcher must name it.
+        keep_rounds: with ``object_store``, keep this many newest global states (and the rounds they can
+            rebuild); older states, rounds and pseudo-gradients are deleted. ``0`` keeps everything.
+        state_every: with ``object_store``, the closer writes the global state (fp32 weights + outer
+            momentum) every this many rounds and at the last one; the rounds between are replayed from their
+            manifests and pseudo-gradients by whoever needs them.
         jobs: how ``--executor hf_jobs|modal`` runs each replica (image, flavor/GPU, secrets, timeouts;
             :class:`~composer_plugins.diloco.executors.JobsConfig`).
     """
@@ -88,7 +101,7 @@ class DiLoCoConfig:
     min_replica_size: int = 1
     lighthouse: str | None = None
     hostname: str = "localhost"
-    store_host: str = _launch.LOOPBACK
+    store_host: str = _env.LOOPBACK
     timeout_s: float = 60.0
     quorum_timeout_s: float = 3600.0
     connect_timeout_s: float = 60.0
@@ -105,12 +118,17 @@ class DiLoCoConfig:
     rejoin_timeout_s: float = 600.0
     replicas: int | None = None
     log_param_hash: bool = True
-    transport: Literal["torchft", "object_store"] = "torchft"
+    transport: str = "torchft"
     store: str | None = None
-    compress: Literal["none", "bf16", "int8"] = "none"
+    compress: Literal["none", "bf16", "int8", "int4"] = "none"
     round_timeout_s: float = 300.0
     store_retry_s: float = 120.0
     poll_s: float = 0.05
+    poll_max_s: float = 1.0
+    request_timeout_s: float = 30.0
+    run_id: str | None = None
+    keep_rounds: int = 2
+    state_every: int = 1
     jobs: dict[str, Any] | None = None
 
     def validate(self, cfg: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
@@ -143,25 +161,19 @@ class DiLoCoConfig:
             raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
         if self.rejoin_timeout_s < 0:
             raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
+        if self.state_every < 1:
+            raise bad("state_every", f"must be >= 1, got {self.state_every}.")
+        if self.keep_rounds < 0 or self.keep_rounds == 1:
+            raise bad("keep_rounds", f"must be 0 (keep everything) or >= 2, got {self.keep_rounds}.")
+        if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", str(self.run_id)):
+            raise bad("run_id", f"{self.run_id!r}: letters, digits, '.', '_' and '-' only (at most 100).")
         if self.outer_optimizer is not None:
             component_spec(self.outer_optimizer, f"{key}.outer_optimizer", cfg)
         if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas < 1):
             raise bad("replicas", f"expected a positive integer, got {self.replicas!r}.")
-        if self.transport == "object_store":
-            if self.num_fragments != 1 or self.fragment_sync_delay:
-                raise bad(
-                    "num_fragments",
-                    "the object_store transport syncs the whole model at once: set "
-                    "num_fragments=1 and fragment_sync_delay=0 (streaming fragments need transport=torchft).",
-                )
-            store = self.store or os.environ.get(_launch.ENV_STORE)
-            if store:
-                from composer_plugins.diloco.store import check_store_url
+        from composer_plugins.diloco.transports import get_transport
 
-                check_store_url(store, lambda msg: bad("store", msg))
-            for name in ("round_timeout_s", "store_retry_s", "poll_s"):
-                if getattr(self, name) <= 0:
-                    raise bad(name, f"must be > 0, got {getattr(self, name)}.")
+        get_transport(self.transport, lambda msg: bad("transport", msg)).validate(self, bad)
         return self
 
     @classmethod
@@ -192,22 +204,22 @@ class ReplicaInfo:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaInfo:
         e = os.environ if env is None else env
-        index = int(e.get(_launch.ENV_INDEX, "0"))
-        seed = e.get(_launch.ENV_SEED)
+        index = int(e.get(_env.ENV_INDEX, "0"))
+        seed = e.get(_env.ENV_SEED)
         return cls(
             index=index,
-            num_replicas=int(e.get(_launch.ENV_NUM, "1")),
-            replica_id=e.get(_launch.ENV_REPLICA_ID, f"replica{index}"),
-            lighthouse=e.get(_launch.ENV_LIGHTHOUSE) or None,
-            restart=int(e.get(_launch.ENV_RESTART, "0")),
+            num_replicas=int(e.get(_env.ENV_NUM, "1")),
+            replica_id=e.get(_env.ENV_REPLICA_ID, f"replica{index}"),
+            lighthouse=e.get(_env.ENV_LIGHTHOUSE) or None,
+            restart=int(e.get(_env.ENV_RESTART, "0")),
             seed=int(seed) if seed not in (None, "") else None,
-            barrier=e.get(_launch.ENV_BARRIER) or None,
-            barrier_size=int(e.get(_launch.ENV_BARRIER_SIZE, "0")),
-            stop_file=e.get(_launch.ENV_STOP_FILE) or None,
-            sync_log=e.get(_launch.ENV_SYNC_LOG) or None,
-            rejoin=e.get(_launch.ENV_REJOIN) or None,
-            store=e.get(_launch.ENV_STORE) or None,
-            run_id=e.get(_launch.ENV_RUN_ID) or None,
+            barrier=e.get(_env.ENV_BARRIER) or None,
+            barrier_size=int(e.get(_env.ENV_BARRIER_SIZE, "0")),
+            stop_file=e.get(_env.ENV_STOP_FILE) or None,
+            sync_log=e.get(_env.ENV_SYNC_LOG) or None,
+            rejoin=e.get(_env.ENV_REJOIN) or None,
+            store=e.get(_env.ENV_STORE) or None,
+            run_id=e.get(_env.ENV_RUN_ID) or None,
         )
 
     @property
@@ -226,6 +238,7 @@ def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
     with torch.no_grad():
         for p in params:
             t = p.detach().to("cpu").contiguous()
+            t = t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)  # a parameter subclass: its bytes
             h.update(str(tuple(t.shape)).encode())
             h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
             total += float(t.double().sum())

@@ -58,7 +58,8 @@ class JobsConfig:
     """
 
     image: str | None = None
-    pip: list[str] = dataclasses.field(default_factory=lambda: ["composer-plugins[serverless]"])
+    #: with neither ``image`` nor ``pip``: this project is installed from the local source (Modal)
+    pip: list[str] = dataclasses.field(default_factory=list)
     flavor: str = "cpu-basic"
     gpu: str | None = None
     cpu: float | None = None
@@ -70,6 +71,22 @@ class JobsConfig:
     app_name: str = "composer-plugins-diloco"
     start_timeout_s: float = 900.0
     poll_s: float = 5.0
+
+
+#: what is not sent with the project's source to a Modal image
+SOURCE_IGNORE = [".venv", ".git", "**/__pycache__", "**/*.pyc", ".dvc/cache", "runs", "diloco_logs", "**/.pytest_cache"]
+
+
+def project_root() -> Path:
+    """The directory holding this project's ``pyproject.toml`` (what a Modal image installs)."""
+    import composer_plugins
+
+    root = Path(composer_plugins.__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").exists():
+        raise ComposerPluginsError(f"composer_plugins runs from {root}, not a source checkout: a Modal image cannot "
+                                   "install it from here. HINT: -S diloco.jobs.pip='[composer-plugins[serverless]==X]' "
+                                   "or -S diloco.jobs.image=<an image with it installed>.")  # fmt: skip
+    return root
 
 
 def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
@@ -85,7 +102,9 @@ def make_executor(name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[s
         raise ComposerPluginsError(f"unknown executor {name!r}; available: {', '.join(EXECUTORS)}.{hint}")
     if name == "local":
         return LocalProcessExecutor()
-    if dcfg.transport != "object_store":
+    from composer_plugins.diloco.transports import get_transport
+
+    if not get_transport(dcfg.transport).cloud:
         raise Config().error(
             "diloco.transport",
             f"--executor {name} runs replicas as cloud jobs that cannot reach "
@@ -98,10 +117,20 @@ def make_executor(name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[s
 
 
 def remote_command(spec: ReplicaSpec) -> list[str]:
-    """The replica's command for a container: ``python`` instead of this host's interpreter path."""
+    """The replica's command for a container: ``python`` instead of this host's interpreter path, and the
+    config file's text inline (``--config-inline``) instead of a path that exists only here."""
     argv = list(spec.argv)
     if argv and os.path.isabs(argv[0]) and "python" in os.path.basename(argv[0]):
         argv[0] = "python"
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 < len(argv):
+            path = Path(argv[i + 1])
+            try:
+                text = path.read_text()
+            except OSError as e:
+                raise LaunchError(f"cannot read the config {path} to send it to the cloud job: {e}") from e
+            argv[i : i + 2] = ["--config-inline", text]
     return argv
 
 
@@ -150,7 +179,10 @@ class HFJobHandle:
         except Exception as e:  # the Hub unreachable or 5xx for a moment: ask again at the next poll
             self._failing_since = self._failing_since or now
             if now - self._failing_since > POLL_ERRORS_S:
-                self.message = f"cannot read the job's status for {POLL_ERRORS_S:.0f}s: {one_line(e)}"
+                self.message = f"cannot read the job's status for {POLL_ERRORS_S:.0f}s: {one_line(e)}; cancelled"
+                # it may still be running: cancel it before the launcher starts another copy of this replica
+                with contextlib.suppress(Exception):
+                    self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
                 self._finish(1)
             return self._rc
         self._failing_since = None
@@ -330,8 +362,13 @@ class ModalExecutor:
         modal, j = self.modal, self.jobs
         if j.image:
             image = modal.Image.from_registry(j.image)
-        else:
+        elif j.pip:
             image = modal.Image.debian_slim(python_version="3.11").pip_install(*j.pip)
+        else:  # this project, from the source it runs from (not a same-named package from an index)
+            root = project_root()
+            image = (modal.Image.debian_slim(python_version="3.11")
+                     .add_local_dir(root, "/opt/composer-plugins", copy=True, ignore=SOURCE_IGNORE)
+                     .run_commands("pip install '/opt/composer-plugins[serverless]'"))  # fmt: skip
         image = image.env({"PYTHONUNBUFFERED": "1"})
         app = modal.App(j.app_name, image=image)
         kwargs: dict[str, Any] = {"timeout": int(j.timeout_s), "serialized": True,

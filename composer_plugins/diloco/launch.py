@@ -38,22 +38,24 @@ from typing import IO, Any, Protocol, runtime_checkable
 from composer_plugins import procs
 from composer_plugins.core.errors import ComposerPluginsError
 
-#: Environment variables a replica reads (see :class:`composer_plugins.diloco.strategy.ReplicaInfo`).
-ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
-ENV_INDEX = "COMPOSER_DILOCO_REPLICA_INDEX"
-ENV_NUM = "COMPOSER_DILOCO_NUM_REPLICAS"
-ENV_REPLICA_ID = "COMPOSER_DILOCO_REPLICA_ID"
-ENV_RESTART = "COMPOSER_DILOCO_RESTART"
-ENV_SEED = "COMPOSER_DILOCO_SEED"
-ENV_BARRIER = "COMPOSER_DILOCO_BARRIER"
-ENV_BARRIER_SIZE = "COMPOSER_DILOCO_BARRIER_SIZE"
-ENV_STOP_FILE = "COMPOSER_DILOCO_STOP_FILE"
-ENV_SYNC_LOG = "COMPOSER_DILOCO_SYNC_LOG"
-ENV_REJOIN = "COMPOSER_DILOCO_REJOIN"
-ENV_STORE = "COMPOSER_DILOCO_STORE"
-ENV_RUN_ID = "COMPOSER_DILOCO_RUN_ID"
-
-LOOPBACK = "127.0.0.1"
+#: the replica environment contract lives in :mod:`.env`; re-exported here for older imports
+from composer_plugins.diloco.env import (
+    ENV_BARRIER,
+    ENV_BARRIER_SIZE,
+    ENV_INDEX,
+    ENV_LIGHTHOUSE,
+    ENV_NUM,
+    ENV_REJOIN,
+    ENV_REPLICA_ID,
+    ENV_RESTART,
+    ENV_RUN_ID,
+    ENV_SEED,
+    ENV_STOP_FILE,
+    ENV_STORE,
+    ENV_SYNC_LOG,
+    LOOPBACK,
+    REPLICA_VARS,
+)
 
 
 class LaunchError(ComposerPluginsError, RuntimeError):
@@ -442,8 +444,11 @@ class ReplicaGroup:
         self.transport = transport
         self.store = store
         self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
-        if transport == "object_store" and not store:
-            raise LaunchError("diloco.transport=object_store needs diloco.store (s3://bucket/prefix or file:///path)")
+        from composer_plugins.diloco.transports import get_transport
+
+        self._needs = get_transport(transport, LaunchError).needs
+        if self._needs == "store" and not store:
+            raise LaunchError(f"diloco.transport={transport} needs diloco.store (s3://bucket/prefix or file:///path)")
         #: every replica (and whatever it starts) carries this tag, so :meth:`stop` finds stragglers too
         self.tag = procs.new_tag("diloco")
 
@@ -472,7 +477,7 @@ class ReplicaGroup:
             return self
         self._started = True
         try:
-            if self.transport != "object_store":
+            if self._needs == "lighthouse":
                 self.lighthouse = Lighthouse(self._lighthouse_arg, **self._lh_opts)  # type: ignore[arg-type]
             local = self.lighthouse is not None and self.lighthouse.local
             use_barrier = self._use_barrier if self._use_barrier is not None else local
@@ -509,8 +514,7 @@ class ReplicaGroup:
         if self.base_seed is not None:
             own[ENV_SEED] = str(self.base_seed + gi)
         env = dict(os.environ)
-        for k in (ENV_BARRIER, ENV_BARRIER_SIZE, ENV_STOP_FILE, ENV_SYNC_LOG, ENV_SEED, ENV_REJOIN, ENV_LIGHTHOUSE,
-                  ENV_STORE, ENV_RUN_ID):  # fmt: skip
+        for k in REPLICA_VARS:
             env.pop(k, None)
         env.update(own)
         env.setdefault("RUST_LOG", "warn")
@@ -745,5 +749,11 @@ def launch(
     """
     group = ReplicaGroup(replica_argv(target, config, overrides, section), num_replicas, **kwargs)
     with _sigterm_as_interrupt(), group:
-        _log(f"lighthouse {group.lighthouse.address if group.lighthouse else '?'}; {num_replicas} replicas")
+        if group.store is not None:
+            from composer_plugins.diloco.urls import redact_url
+
+            _log(f"run {group.run_id} on {redact_url(group.store)}; {num_replicas} replicas (continue it with "
+                 f"--run-id {group.run_id})")  # fmt: skip
+        else:
+            _log(f"lighthouse {group.lighthouse.address if group.lighthouse else '?'}; {num_replicas} replicas")
         return group.wait(timeout)

@@ -33,7 +33,7 @@ The sync log has the torchft path's fields (``outer_step``, ``committed``, ``par
 
 from __future__ import annotations
 
-import io
+import concurrent.futures
 import json
 import logging
 import os
@@ -41,12 +41,11 @@ import re
 import time
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from composer_plugins.core.errors import ComposerPluginsError, ConfigError
-from composer_plugins.diloco import launch as _launch
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError, one_line
+from composer_plugins.diloco import env as _env
 from composer_plugins.diloco.common import (
     DiLoCoConfig,
     ReplicaInfo,
@@ -55,34 +54,36 @@ from composer_plugins.diloco.common import (
     split_fragments,
     stop_file_says_stop,
 )
+from composer_plugins.diloco.glue import DiLoCoCallbackBase
 from composer_plugins.diloco.store import (
     CorruptObjectError,
     ObjectStore,
+    decode_tree,
     decode_vector,
+    encode_tree,
     encode_vector,
     pack,
+    redact_url,
+    to_host,
     unpack,
 )
+from composer_plugins.diloco.transports import get_transport
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ObjectStoreDiLoCoCallback", "RoundStore"]
+__all__ = ["ObjectStoreDiLoCoCallback", "RoundStore", "StoreObjectError"]
 
 _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
+#: how many names ``grad-<i>-<k>`` a replica tries past its restart count (an older life or launch took some)
+_GRAD_TRIES = 64
 
 
-def _torch_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _torch_load(body: bytes) -> Any:
-    return torch.load(io.BytesIO(body), weights_only=False)
+class StoreObjectError(ComposerPluginsError, RuntimeError):
+    """An object the run cannot do without (run.json, a manifest, every state) is not a DiLoCo data object."""
 
 
 class RoundStore:
-    """The run directory's objects, read and written with checksums (see the module docstring)."""
+    """The run directory's objects, read and written as data with checksums (see the module docstring)."""
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
@@ -91,42 +92,82 @@ class RoundStore:
     def round_dir(r: int) -> str:
         return f"rounds/{r:08d}"
 
-    # -- pseudo-gradients -------------------------------------------------------------
-    def put_grad(self, r: int, index: int, restart: int, header: dict[str, Any], body: bytes) -> int:
-        data = pack({**header, "round": r, "replica": index, "restart": restart}, body)
-        self.store.put(f"{self.round_dir(r)}/grad-{index}-{restart}", data, create=True)
-        return len(data)
+    def _where(self, key: str) -> str:
+        return f"{self.store.where}/{key}"
 
-    def grads_present(self, r: int) -> dict[int, str]:
-        """``{replica: key}`` of the pseudo-gradients written for round ``r`` (the newest restart of each)."""
-        best: dict[int, tuple[int, str]] = {}
+    # -- pseudo-gradients -------------------------------------------------------------
+    def put_grad(self, r: int, index: int, restart: int, header: dict[str, Any], body: bytes) -> tuple[str, int]:
+        """Create this replica's pseudo-gradient of round ``r``: ``(name, bytes)``.
+
+        The name is ``grad-<index>-<k>`` with the first ``k >= restart`` not taken (an earlier life of this
+        replica, or of an earlier launch of the run, may hold a smaller one).
+        """
+        for k in range(restart, restart + _GRAD_TRIES):
+            name = f"grad-{index}-{k}"
+            data = pack({**header, "kind": "grad", "round": r, "replica": index, "restart": k}, body)
+            if self.store.put(f"{self.round_dir(r)}/{name}", data, create=True):
+                return name, len(data)
+        last = restart + _GRAD_TRIES - 1
+        raise StoreObjectError(f"{self._where(self.round_dir(r))}: grad-{index}-{restart}..{last} are all taken. "
+                               "HINT: the run directory is damaged; resume from a fresh prefix.")  # fmt: skip
+
+    def grads_present(self, r: int) -> dict[int, list[str]]:
+        """``{replica: [names, newest first]}`` of the pseudo-gradients written for round ``r``."""
+        seen: dict[int, list[tuple[int, str]]] = {}
         for key in self.store.list(self.round_dir(r)):
             m = _GRAD.search(key)
             if m:
-                i, restart = int(m.group(1)), int(m.group(2))
-                if i not in best or restart > best[i][0]:
-                    best[i] = (restart, key.rsplit("/", 1)[1])
-        return {i: name for i, (_, name) in best.items()}
+                seen.setdefault(int(m.group(1)), []).append((int(m.group(2)), key.rsplit("/", 1)[1]))
+        return {i: [n for _, n in sorted(v, reverse=True)] for i, v in seen.items()}
 
-    def read_grad(self, r: int, name: str) -> torch.Tensor | None:
-        """The decoded pseudo-gradient ``name`` of round ``r``; ``None`` if missing, torn or corrupt."""
-        data = self.store.get(f"{self.round_dir(r)}/{name}")
-        if data is None:
-            return None
+    def read_grad(self, r: int, name: str, numel: int | None = None) -> torch.Tensor | None:
+        """The decoded pseudo-gradient ``name`` of round ``r``; ``None`` (logged) if missing, not a data object,
+        of another size or not finite (that replica is left out of the round)."""
+        key = f"{self.round_dir(r)}/{name}"
         try:
-            header, body = unpack(data, f"{self.store.url}/{self.round_dir(r)}/{name}")
-            return decode_vector(header, body)
-        except (CorruptObjectError, ValueError, KeyError) as e:
-            log.warning("round %d: %s; treated as missing", r, e)
+            data = self.store.get(key)
+            if data is None:
+                return None
+            header, body = unpack(data, self._where(key))
+            if header.get("kind") != "grad":
+                raise CorruptObjectError(f"{self._where(key)}: not a pseudo-gradient (kind {header.get('kind')!r})")
+            vec = decode_vector(header, body)
+        except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
+            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
+            log.warning("round %d: %s; refused (nothing in it was run), treated as missing", r, msg)
             return None
+        if numel is not None and vec.numel() != numel:
+            log.warning("round %d: %s has %d values, the model %d; treated as missing", r, self._where(key),
+                        vec.numel(), numel)  # fmt: skip
+            return None
+        if not bool(torch.isfinite(vec).all()):
+            log.warning("round %d: %s holds non-finite values; that replica is left out", r, self._where(key))
+            return None
+        return vec
 
     # -- the manifest -----------------------------------------------------------------
     def manifest(self, r: int) -> dict[str, Any] | None:
-        data = self.store.get(f"{self.round_dir(r)}/manifest.json")
+        key = f"{self.round_dir(r)}/manifest.json"
+        data = self.store.get(key)
         if data is None:
             return None
-        _, body = unpack(data, f"{self.store.url}/{self.round_dir(r)}/manifest.json")
-        return json.loads(body)
+        try:
+            header, body = unpack(data, self._where(key))
+            m = json.loads(body)
+            ok = (header.get("kind") == "manifest" and isinstance(m, dict) and m.get("round") == r
+                  and isinstance(m.get("participants"), list) and isinstance(m.get("grads"), dict)
+                  and sorted(int(i) for i in m["grads"]) == m["participants"]
+                  and all(isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i
+                          for i, n in m["grads"].items()))  # fmt: skip
+        except (CorruptObjectError, ValueError, TypeError) as e:
+            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
+            raise StoreObjectError(f"{msg}: round {r}'s manifest is not a DiLoCo data object and cannot be replaced "
+                                   "(it was created once). HINT: resume the run from a copy of the prefix without "
+                                   f"rounds/{r:08d} and later.") from e  # fmt: skip
+        if not ok:
+            raise StoreObjectError(f"{self._where(key)}: not a manifest of round {r}. HINT: resume the run from a "
+                                   f"copy of the prefix without rounds/{r:08d} and later.")  # fmt: skip
+        return m
 
     def close_round(self, r: int, grads: dict[int, str], closer: int) -> tuple[dict[str, Any], bool]:
         """Create round ``r``'s manifest naming ``grads`` unless one exists; ``(manifest, created)``."""
@@ -137,33 +178,82 @@ class RoundStore:
             return m, True
         existing = self.manifest(r)
         if existing is None:  # pragma: no cover - a store that lost an object it said exists
-            raise ComposerPluginsError(f"{self.store.url}/{key} exists but cannot be read")
+            raise StoreObjectError(f"{self._where(key)} exists but cannot be read")
         # our own create, whose answer was lost (a dropped connection) and whose retry found it there
         return existing, existing == m
 
     # -- states -----------------------------------------------------------------------
     def put_state(self, key: str, state: dict[str, Any], create: bool = True) -> int:
-        data = pack({"kind": key.split("/")[0]}, _torch_bytes(state))
-        self.store.put(key, data, create=create)
-        return len(data)
+        """Write ``state`` (nested tensors and numbers) as data under ``key``; bytes written (0: it existed)."""
+        kind = key.split("/")[0]
+        tree, body = encode_tree(state, f"{kind}")
+        data = pack({"kind": kind, "tree": tree}, body)
+        return len(data) if self.store.put(key, data, create=create) else 0
 
     def get_state(self, key: str) -> dict[str, Any] | None:
+        """The state under ``key``; ``None`` if absent; :class:`CorruptObjectError` (naming it) if not intact data."""
         data = self.store.get(key)
         if data is None:
             return None
-        try:
-            _, body = unpack(data, f"{self.store.url}/{key}")
-        except CorruptObjectError as e:
-            log.warning("%s; treated as missing", e)
-            return None
-        return _torch_load(body)
+        header, body = unpack(data, self._where(key))
+        kind = key.split("/")[0]
+        if header.get("kind") != kind or "tree" not in header:
+            raise CorruptObjectError(f"{self._where(key)}: not a DiLoCo {kind} object (kind {header.get('kind')!r})")
+        state = decode_tree(header["tree"], body, self._where(key))
+        if not isinstance(state, dict):
+            raise CorruptObjectError(f"{self._where(key)}: not a state mapping")
+        return state
+
+    def state_rounds(self) -> list[int]:
+        """Rounds with a ``state/<r>`` object, newest first."""
+        return sorted((int(k.rsplit("/", 1)[1]) for k in self.store.list("state") if k.rsplit("/", 1)[1].isdigit()),
+                      reverse=True)  # fmt: skip
 
     def latest_state_round(self) -> int | None:
-        rounds = [int(k.rsplit("/", 1)[1]) for k in self.store.list("state") if k.rsplit("/", 1)[1].isdigit()]
-        return max(rounds) if rounds else None
+        rounds = self.state_rounds()
+        return rounds[0] if rounds else None
+
+    def newest_valid_state(self, at_least: int = 0) -> tuple[int, dict[str, Any]] | None:
+        """``(r, state)`` of the newest ``state/<r>`` (``r >= at_least``) that is intact data; refused ones logged."""
+        for k in self.state_rounds():
+            if k < at_least:
+                break
+            try:
+                state = self.get_state(f"state/{k:08d}")
+            except CorruptObjectError as e:
+                log.error("%s; refused (nothing in it was run), trying an older state", e)
+                continue
+            if state is not None:
+                return k, state
+        return None
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
+    def collect_garbage(self, newest: int, keep_rounds: int) -> int:
+        """Delete states older than the newest ``keep_rounds`` and the pseudo-gradients of rounds those can no
+        longer rebuild (manifests stay)."""
+        states = [k for k in self.state_rounds() if k <= newest]
+        if len(states) <= keep_rounds:
+            return 0
+        oldest_kept = states[keep_rounds - 1]
+        n = 0
+        for key in self.store.list("state"):
+            name = key.rsplit("/", 1)[1]
+            if name[:8].isdigit() and int(name[:8]) < oldest_kept:
+                self.store.delete(key)
+                n += 1
+        for key in self.store.list("rounds"):
+            parts = key.split("/")
+            # pseudo-gradients only: a manifest (a few hundred bytes) stays, so a straggler still in that round
+            # finds it closed and never closes it a second time
+            if len(parts) >= 2 and parts[-2].isdigit() and int(parts[-2]) <= oldest_kept and "grad-" in parts[-1]:
+                self.store.delete(key)
+                n += 1
+        return n
 
 
-class ObjectStoreDiLoCoCallback(pl.Callback):
+class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
     """One DiLoCo replica whose outer sync goes through an object store (see the module docstring).
 
     Add it to a single-optimizer Lightning run in every replica process, as :class:`DiLoCoCallback`;
@@ -173,11 +263,7 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
     transport = "object_store"
 
     def __init__(self, config: DiLoCoConfig | None = None, replica: ReplicaInfo | None = None) -> None:
-        super().__init__()
-        self.config = (config or DiLoCoConfig(transport="object_store")).validate()
-        self.replica = replica or ReplicaInfo.from_env()
-        self.history: list[dict[str, Any]] = []
-        self.heal_count = 0
+        super().__init__(config or DiLoCoConfig(transport="object_store"), replica)
         self.store: ObjectStore | None = None
         self.rounds: RoundStore | None = None
         self.fragments: list[nn.Module] = []
@@ -185,17 +271,13 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
         self.params: list[nn.Parameter] = []
         self.global_params: list[torch.Tensor] = []
         self.round = 0  # the next round to sync; == outer steps applied so far
-        self._module: nn.Module | None = None
-        self._inner: torch.optim.Optimizer | None = None
-        self._trainer: pl.Trainer | None = None
-        self._hook: Any = None
-        self._inner_steps = 0
-        self._since_sync = 0
-        self._healed_since_sync = False
-        self._target: int | None = self.config.outer_steps
-        self._stop = False
         self._done = False
         self.bytes_pseudograd = 0
+        self.run_id: str | None = None
+        self._residual: torch.Tensor | None = None  # int4's error feedback (host, fp32)
+        self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[None]] = []
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -207,81 +289,73 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
         """Bytes of pseudo-gradients this replica wrote (the torchft path's counter of the same name)."""
         return self.bytes_pseudograd
 
-    @property
-    def inner_steps(self) -> int:
-        return self._inner_steps
-
-    # -- Lightning hooks ----------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if len(trainer.optimizers) != 1:
-            raise ComposerPluginsError(
-                f"DiLoCo needs exactly one optimizer; {type(pl_module).__name__}.configure_optimizers returned "
-                f"{len(trainer.optimizers)}. HINT: return a single optimizer (parameter groups are fine)."
-            )
-        self._trainer = trainer
-        if self._target is None and trainer.max_steps and trainer.max_steps > 0:
-            self._target = max(1, trainer.max_steps // self.config.sync_every)
-            # the shared round counter decides when to stop; a replica left out of a round makes it up
-            trainer.fit_loop.epoch_loop.max_steps = 2 * trainer.max_steps
-        self.attach(pl_module, trainer.optimizers[0])
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
-        if self.history:
-            last = self.history[-1]
-            pl_module.log_dict({"diloco/outer_step": float(last["outer_step"]),
-                                "diloco/participants": float(last["participants"]),
-                                "diloco/bytes_allreduced": float(self.bytes_allreduced)},
-                               on_step=True, on_epoch=False, batch_size=1)  # fmt: skip
-        if self._stop:
-            trainer.should_stop = True
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.close()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.close()
-
     def close(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._writer is not None:
+            try:
+                self._flush_writes()
+            finally:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     # -- wiring ---------------------------------------------------------------------------
     def attach(self, module: nn.Module, inner_optimizer: torch.optim.Optimizer) -> ObjectStoreDiLoCoCallback:
-        """Open the store, check the run directory, and (after a restart) load the newest global state."""
+        """Open the store, check the run directory, and take the newest global state if the run has one."""
         if self.store is not None:
             return self
         c = self.config
-        url = c.store or self.replica.store or os.environ.get(_launch.ENV_STORE)
-        if not url:
-            raise ConfigError("diloco.transport=object_store needs a store. HINT: -S diloco.store=s3://bucket/run "
-                              "(or file:///abs/path).", key="diloco.store")  # fmt: skip
+        url = c.store or self.replica.store or os.environ.get(_env.ENV_STORE)
+        get_transport(self.transport).require(c, url)
+        assert url is not None
+        self.run_id = c.run_id or self.replica.run_id
+        if not self.run_id:
+            raise ConfigError(
+                f"this replica does not know which run on {redact_url(url)} it belongs to (no diloco.run_id and no "
+                f"${_env.ENV_RUN_ID}). HINT: `composer-plugins diloco` sets it; a replica started by hand must name "
+                "the run: -S diloco.run_id=<id> (see run.json in the store for the id of a run to join).",
+                key="diloco.run_id",
+            )
         self._module, self._inner = module, inner_optimizer
         self.fragments = split_fragments(module, 1)
         self.params = list(self.fragments[0].parameters())
         self.outer_optimizers = [build_outer_optimizer(c, self.params)]
         self.global_params = [p.detach().clone() for p in self.params]
-        self.store = ObjectStore(url, retry_s=c.store_retry_s)
+        self.store = ObjectStore(url, retry_s=c.store_retry_s, request_timeout_s=c.request_timeout_s)
         self.rounds = RoundStore(self.store)
+        self._probe_conditional_create()
         self._check_run()
-        if self.replica.restart > 0:
-            k = self.rounds.latest_state_round()
-            if k is not None:
-                self._load_state(k)
-                log.info("DiLoCo: restarted replica %d healed from %s state/%08d", self.replica.index, url, k)
-            if self._target is not None and self.round >= self._target:
-                self._done = True
+        found = self.rounds.newest_valid_state()
+        if found is not None:
+            self._apply_state(*found)
+            log.info("DiLoCo: replica %d starts from %s/state/%08d", self.replica.index, self.store.where, found[0])
+        self._replay_closed_rounds()
+        if self._target is not None and self.round >= self._target:
+            self._done = True
+        self._counted = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
-        log.info("DiLoCo replica %s (%d/%d) on store %s: H=%d, compress=%s, %d params", self.replica.replica_id,
-                 self.replica.index, self.replica.num_replicas, self.store.url, c.sync_every, c.compress,
-                 sum(p.numel() for p in self.params))  # fmt: skip
+        log.info("DiLoCo replica %s (%d/%d) on store %s (run %s): H=%d, compress=%s, %d params",
+                 self.replica.replica_id, self.replica.index, self.replica.num_replicas, self.store.where, self.run_id,
+                 c.sync_every, c.compress, sum(p.numel() for p in self.params))  # fmt: skip
         return self
+
+    def _probe_conditional_create(self) -> None:
+        """Refuse a store that does not honour If-None-Match: the round manifest depends on it."""
+        assert self.store is not None
+        key = f"probe/{self.replica.index}-{os.urandom(6).hex()}"
+        first = self.store.put(key, b"probe", create=True)
+        second = self.store.put(key, b"probe", create=True)
+        self.store.delete(key)
+        if not first or second:
+            raise ConfigError(f"{self.store.where} does not honour conditional creates (If-None-Match: *): two "
+                              "creates of one key both succeeded. DiLoCo's round manifest needs them. HINT: use S3, "
+                              "GCS, Azure, R2 or a file:// store, or a server version that supports them.",
+                              key="diloco.store")  # fmt: skip
 
     def _run_identity(self) -> dict[str, Any]:
         shapes = [list(p.shape) for p in self.params]
-        return {"run_id": self.replica.run_id, "num_replicas": self.replica.num_replicas,
+        return {"run_id": self.run_id, "num_replicas": self.replica.num_replicas,
                 "sync_every": self.config.sync_every, "compress": self.config.compress,
                 "param_shapes": shapes}  # fmt: skip
 
@@ -292,37 +366,47 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
         self.store.put("run.json", pack({"kind": "run"}, json.dumps(mine).encode()), create=True)
         data = self.store.get("run.json")
         try:
-            theirs = json.loads(unpack(data or b"", f"{self.store.url}/run.json")[1])
-        except CorruptObjectError as e:
-            raise ConfigError(f"{e}: the run directory is damaged. HINT: point diloco.store at a fresh prefix.",
+            header, body = unpack(data or b"", f"{self.store.where}/run.json")
+            theirs = json.loads(body)
+            if header.get("kind") != "run" or not isinstance(theirs, dict):
+                raise CorruptObjectError(f"{self.store.where}/run.json: not a run description")
+        except (CorruptObjectError, ValueError) as e:
+            raise ConfigError(f"{self.store.where}/run.json: {one_line(e)}: the run directory is damaged (refused; "
+                              "nothing in it was run). HINT: point diloco.store at a fresh prefix.",
                               key="diloco.store") from e  # fmt: skip
         diff = [k for k in mine if theirs.get(k) != mine[k]]
         if diff:
             what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff if k != "param_shapes")
             if "param_shapes" in diff:
                 what += ("; " if what else "") + "another model (parameter shapes differ)"
+            resume = (f" To continue that run, pass --run-id {theirs.get('run_id')} (diloco.run_id) with its settings."
+                      if "run_id" in diff and len(diff) == 1 else "")  # fmt: skip
             raise ConfigError(
-                f"{self.store.url} holds another run ({what}). HINT: give this run a fresh prefix, e.g. "
-                f"diloco.store={self.store.url.rsplit('/', 1)[0]}/<new-run>, or delete the old one.",
+                f"{self.store.where} holds another run ({what}). HINT: give this run a fresh prefix, e.g. "
+                f"diloco.store={self.store.where.rsplit('/', 1)[0]}/<new-run>, or delete the old one.{resume}",
                 key="diloco.store",
             )
 
     # -- state ----------------------------------------------------------------------------
     def _global_state(self) -> dict[str, Any]:
-        return {"round": self.round, "global_params": [g.clone() for g in self.global_params],
-                "outer_optimizers": [o.state_dict() for o in self.outer_optimizers]}  # fmt: skip
+        """This round's global state on the host (copies: the background writer encodes them later)."""
+        return {"round": self.round, "global_params": [to_host(g).clone() for g in self.global_params],
+                "outer_optimizers": [_host_tree(o.state_dict()) for o in self.outer_optimizers]}  # fmt: skip
 
-    def _load_state(self, k: int) -> None:
-        assert self.rounds is not None
-        state = self.rounds.get_state(f"state/{k:08d}")
-        if state is None:
-            raise ComposerPluginsError(f"{self.rounds.store.url}/state/{k:08d} is missing or corrupt")
-        with torch.no_grad():
-            for g, p, saved in zip(self.global_params, self.params, state["global_params"], strict=True):
-                g.copy_(saved)
-                p.copy_(saved)
-        for opt, sd in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
-            opt.load_state_dict(sd)
+    def _apply_state(self, k: int, state: dict[str, Any]) -> None:
+        try:
+            saved_params = list(state["global_params"])
+            with torch.no_grad():
+                for g, p, saved in zip(self.global_params, self.params, saved_params, strict=True):
+                    if saved.shape != g.shape:
+                        raise ValueError(f"a parameter of shape {list(saved.shape)} for {list(g.shape)}")
+                    g.copy_(saved)
+                    p.copy_(saved)
+            for opt, sd in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
+                opt.load_state_dict(sd)
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreObjectError(f"{self.store.where if self.store else ''}/state/{k:08d} does not fit this model: "
+                                   f"{e}") from e  # fmt: skip
         self.round = k + 1
         self.heal_count += 1
         self._healed_since_sync = True
@@ -330,30 +414,49 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
     def _replica_state(self) -> dict[str, Any]:
         assert self._module is not None and self._inner is not None
         scheds = [cfg.scheduler.state_dict() for cfg in self._trainer.lr_scheduler_configs] if self._trainer else []
-        return {"model": self._module.state_dict(), "inner_optimizer": self._inner.state_dict(),
-                "lr_schedulers": scheds, "global_params": [g.clone() for g in self.global_params]}  # fmt: skip
+        return _host_tree({"model": self._module.state_dict(), "inner_optimizer": self._inner.state_dict(),
+                           "lr_schedulers": scheds, "global_params": list(self.global_params)})  # fmt: skip
 
     def _init_sync(self) -> None:
-        """Round 0 with ``init_sync``: replica 0 publishes its state; the others take it (as torchft heals)."""
+        """Round 0 with ``init_sync``: every replica starts from the run's ``init`` (as torchft heals from one).
+
+        Replica 0 creates ``init`` from its state (a conditional create: a restarted replica 0, or a relaunch,
+        finds it there and takes it like the others). The others wait for it up to
+        ``diloco.barrier_timeout_s`` and fail with a located error after that; nobody trains from its own
+        weights.
+        """
         assert self.rounds is not None and self._module is not None and self._inner is not None
-        if self.replica.index == 0:
-            self.rounds.put_state("init", self._replica_state(), create=False)
+        if self.replica.index == 0 and self.rounds.put_state("init", self._replica_state(), create=True):
             return
-        deadline = time.monotonic() + self.config.round_timeout_s
-        while (state := self.rounds.get_state("init")) is None:
+        deadline = time.monotonic() + self.config.barrier_timeout_s
+        delay = self.config.poll_s
+        while True:
+            try:
+                state = self.rounds.get_state("init")
+            except CorruptObjectError as e:
+                raise StoreObjectError(f"{e}; refused (nothing in it was run). The run's starting point is damaged. "
+                                       "HINT: start the run again on a fresh prefix.") from e  # fmt: skip
+            if state is not None:
+                break
             if time.monotonic() > deadline:
-                log.warning("DiLoCo: no init state from replica 0 within %.0fs; starting from my own weights",
-                            self.config.round_timeout_s)  # fmt: skip
-                return
-            time.sleep(self.config.poll_s)
-        self._module.load_state_dict(state["model"])
-        self._inner.load_state_dict(state["inner_optimizer"])
-        if self._trainer is not None:
-            for cfg, sd in zip(self._trainer.lr_scheduler_configs, state["lr_schedulers"], strict=False):
-                cfg.scheduler.load_state_dict(sd)
-        with torch.no_grad():
-            for g, saved in zip(self.global_params, state["global_params"], strict=True):
-                g.copy_(saved)
+                raise ComposerPluginsError(
+                    f"replica {self.replica.index}: no {self.rounds.store.where}/init within "
+                    f"diloco.barrier_timeout_s={self.config.barrier_timeout_s:.0f}s (replica 0 writes it at its first "
+                    "sync). HINT: start replica 0, or raise diloco.barrier_timeout_s."
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, self.config.poll_max_s)
+        try:
+            self._module.load_state_dict(state["model"])
+            self._inner.load_state_dict(state["inner_optimizer"])
+            if self._trainer is not None:
+                for cfg, sd in zip(self._trainer.lr_scheduler_configs, state["lr_schedulers"], strict=False):
+                    cfg.scheduler.load_state_dict(sd)
+            with torch.no_grad():
+                for g, saved in zip(self.global_params, state["global_params"], strict=True):
+                    g.copy_(saved)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise StoreObjectError(f"{self.rounds.store.where}/init does not fit this model: {e}") from e
         self.heal_count += 1
         self._healed_since_sync = True
 
@@ -376,113 +479,238 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
 
     def _sync(self) -> None:
         assert self.rounds is not None and self.store is not None
+        self._raise_write_error()
         c, rs, me = self.config, self.rounds, self.replica.index
         t0 = time.perf_counter()
-        w0, r0, n0 = self.store.bytes_written, self.store.bytes_read, self.store.retries
+        # since the last record: the state written in the background after a sync counts in the next one
+        w0, r0, n0 = self._counted
         r = self.round
         err = None
         manifest = rs.manifest(r)
+        mine_name = None
         if manifest is None:
-            if r == 0 and c.init_sync and self.replica.num_replicas > 1 and self.replica.restart == 0:
+            if r == 0 and c.init_sync and self.replica.num_replicas > 1:
                 self._init_sync()
             with torch.no_grad():
-                pseudo = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(self.global_params, self.params,
-                                                                                  strict=True)])  # fmt: skip
+                pairs = zip(self.global_params, self.params, strict=True)
+                pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
+            if self._residual is not None:  # error feedback: what the last round's rounding left out
+                pseudo = pseudo + self._residual
             header, body = encode_vector(pseudo, c.compress)
             mine = decode_vector(header, body)  # what the others will read: average exactly that
             err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
-            self.bytes_pseudograd += rs.put_grad(r, me, self.replica.restart, header, body)
-            manifest, created, cache = self._close(r, me, mine)
+            if c.compress == "int4":
+                self._residual = pseudo - mine
+            if bool(torch.isfinite(mine).all()):
+                mine_name, nbytes = rs.put_grad(r, me, self.replica.restart, header, body)
+                self.bytes_pseudograd += nbytes
+            else:
+                log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
+            manifest, created, cache = self._close(r, me, mine, mine_name)
         else:
             created, cache = False, {}
         participants = list(manifest["participants"])
-        committed = me in participants and manifest["grads"].get(str(me)) == f"grad-{me}-{self.replica.restart}"
-        if committed:
-            total: torch.Tensor | None = None
-            for i in participants:
-                vec = cache.get(i)
-                if vec is None:
-                    vec = rs.read_grad(r, manifest["grads"][str(i)])
-                if vec is None:
-                    raise ComposerPluginsError(f"round {r}: replica {i}'s pseudo-gradient, listed in the manifest, "
-                                               f"is unreadable in {self.store.url}")  # fmt: skip
-                total = vec.clone() if total is None else total.add_(vec)
-            assert total is not None
-            self._outer_step(total.div_(len(participants)))
-            self.round = r + 1
-            if created:
-                rs.put_state(f"state/{r:08d}", self._global_state())
+        committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
+        if committed and self._apply_round(r, manifest, cache, mix_local=True):
+            if created and self._state_due(r):
+                self._write_state_async()
+                if self._target is not None and self.round >= self._target:
+                    self._flush_writes()  # the last round: no inner steps left to overlap, and it is counted here
         else:
-            self._catch_up(r)
-        self._record(r, committed, len(participants), err, time.perf_counter() - t0,
-                     self.store.bytes_written - w0, self.store.bytes_read - r0, self.store.retries - n0)  # fmt: skip
+            committed = False
+            self._catch_up(r, manifest)
+        now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
+        self._counted = now
+        self._record(r, committed, len(participants), err, time.perf_counter() - t0, now[0] - w0, now[1] - r0,
+                     now[2] - n0)  # fmt: skip
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
-    def _close(self, r: int, me: int, mine: torch.Tensor) -> tuple[dict[str, Any], bool, dict[int, torch.Tensor]]:
+    def _apply_round(self, r: int, manifest: dict[str, Any], cache: dict[int, torch.Tensor], *,
+                     mix_local: bool) -> bool:  # fmt: skip
+        """Average round ``r``'s listed pseudo-gradients (in index order) and take the outer step from the global
+        state of round ``r - 1`` held here. ``False`` (nothing changed) when a listed one cannot be read."""
+        assert self.rounds is not None
+        numel = sum(p.numel() for p in self.params)
+        total: torch.Tensor | None = None
+        for i in manifest["participants"]:
+            vec = cache.get(i)
+            if vec is None:
+                vec = self.rounds.read_grad(r, manifest["grads"][str(i)], numel)
+            if vec is None:
+                log.warning("DiLoCo round %d: replica %d's pseudo-gradient, listed in the manifest, is unreadable",
+                            r, i)  # fmt: skip
+                return False
+            total = vec.clone() if total is None else total.add_(vec)
+        assert total is not None
+        self._outer_step(total.div_(len(manifest["participants"])), mix_local=mix_local)
+        self.round = r + 1
+        return True
+
+    def _close(self, r: int, me: int, mine: torch.Tensor,
+               mine_name: str | None) -> tuple[dict[str, Any], bool, dict[int, torch.Tensor]]:  # fmt: skip
         """Wait for the others' pseudo-gradients (up to the deadline), then close the round or read its manifest."""
         assert self.rounds is not None
-        c, rs = self.config, self.rounds
+        c, rs, n = self.config, self.rounds, self.replica.num_replicas
         deadline = time.monotonic() + c.round_timeout_s
-        mine_name = f"grad-{me}-{self.replica.restart}"
         cache: dict[int, torch.Tensor] = {}
+        good: dict[int, str] = {}
+        refused: set[str] = set()
+        delay = c.poll_s
         while True:
             m = rs.manifest(r)
             if m is not None:
                 return m, False, cache
-            present = rs.grads_present(r)
-            if len(present) >= self.replica.num_replicas or time.monotonic() > deadline:
-                good: dict[int, str] = {}
-                for i, name in present.items():
-                    if i == me and name == mine_name:
-                        cache[i], good[i] = mine, name
+            for i, names in rs.grads_present(r).items():
+                for name in names:  # the newest readable one of each replica
+                    if name == good.get(i):
+                        break
+                    if name in refused:
                         continue
-                    vec = rs.read_grad(r, name)
-                    if vec is not None and vec.numel() == mine.numel():
-                        cache[i], good[i] = vec, name
-                missing = sorted(set(range(self.replica.num_replicas)) - set(good))
+                    vec = mine if i == me and name == mine_name else rs.read_grad(r, name, mine.numel())
+                    if vec is None:
+                        refused.add(name)
+                        continue
+                    cache[i], good[i] = vec, name
+                    break
+            if len(good) >= n or (good and time.monotonic() > deadline):
+                missing = sorted(set(range(n)) - set(good))
                 if missing:
-                    log.warning("DiLoCo round %d: closing without replica(s) %s (missing, late or corrupt)", r,
+                    log.warning("DiLoCo round %d: closing without replica(s) %s (missing, late or refused)", r,
                                 missing)  # fmt: skip
                 m, created = rs.close_round(r, good, me)
                 if not created:  # another replica closed it first: its set, its grads
                     cache = {i: v for i, v in cache.items() if m["grads"].get(str(i)) == good.get(i)}
                 return m, created, cache
-            time.sleep(c.poll_s)
+            if not good and time.monotonic() > deadline + c.round_timeout_s:
+                raise ComposerPluginsError(
+                    f"round {r}: no readable pseudo-gradient in {rs.store.where}/{rs.round_dir(r)} within "
+                    f"2 x diloco.round_timeout_s={c.round_timeout_s:.0f}s (this replica's own was not published: "
+                    "not finite). HINT: see the log for the refused objects; lower the learning rate."
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, c.poll_max_s)
 
     @torch.no_grad()
-    def _outer_step(self, avg: torch.Tensor) -> None:
-        """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector."""
+    def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True) -> None:
+        """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector.
+
+        ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only.
+        """
         local = [p.detach().clone() for p in self.params]
         off = 0
         for p, g in zip(self.params, self.global_params, strict=True):
             p.copy_(g)  # restore the global weights
             n = p.numel()
-            p.grad = avg[off : off + n].view_as(p).clone()
+            p.grad = avg[off : off + n].view_as(p).to(device=p.device, dtype=p.dtype)
             off += n
         opt = self.outer_optimizers[0]
         opt.step()
         for p, g, loc in zip(self.params, self.global_params, local, strict=True):
             g.copy_(p)
-            p.lerp_(loc, self.config.fragment_update_alpha)
+            if mix_local:
+                p.lerp_(loc, self.config.fragment_update_alpha)
         opt.zero_grad()
 
-    def _catch_up(self, r: int) -> None:
-        """Left out of round ``r``: drop the local steps and load the newest global state (>= ``r``)."""
+    def _replay_closed_rounds(self) -> int:
+        """Rebuild every round closed after the state held here from its manifest's pseudo-gradients (the same
+        bits its participants computed), writing ``state/<r>`` where it is missing. Rounds replayed."""
         assert self.rounds is not None
+        n = 0
+        if self.round == 0 and (self.rounds.manifest(0) is None or not self._take_init_globals()):
+            return 0
+        while (m := self.rounds.manifest(self.round)) is not None:
+            r = self.round
+            if not self._apply_round(r, m, {}, mix_local=False):
+                break
+            n += 1
+            self.heal_count += 1
+            self._healed_since_sync = True
+            key = f"state/{r:08d}"
+            if self._state_due(r) and not self.rounds.exists(key):
+                self.rounds.put_state(key, self._global_state(), create=True)
+                log.warning("DiLoCo: rebuilt %s/%s from round %d's manifest (its closer did not write it)",
+                            self.rounds.store.where, key, r)  # fmt: skip
+        if n:
+            log.info("DiLoCo: replica %d replayed %d closed round(s); now at round %d", self.replica.index, n,
+                     self.round)  # fmt: skip
+        return n
+
+    def _take_init_globals(self) -> bool:
+        """Before rebuilding round 0: the global weights round 0 started from (``init``'s, with ``init_sync``)."""
+        assert self.rounds is not None
+        if not (self.config.init_sync and self.replica.num_replicas > 1):
+            return True
+        try:
+            init = self.rounds.get_state("init")
+        except CorruptObjectError as e:
+            raise StoreObjectError(f"{e}; refused (nothing in it was run)") from e
+        if init is None:
+            return False
+        with torch.no_grad():
+            for g, p, saved in zip(self.global_params, self.params, init["global_params"], strict=True):
+                g.copy_(saved)
+                p.copy_(saved)
+        return True
+
+    def _catch_up(self, r: int, manifest: dict[str, Any]) -> None:
+        """Left out of round ``r``: drop the local steps, rebuild round ``r`` (and any closed since) from the
+        manifests, or load a newer global state when a listed pseudo-gradient is gone."""
+        assert self.rounds is not None
+        log.warning("DiLoCo: left out of round %d (late); catching up", r)
+        if (r > 0 or self._take_init_globals()) and self._apply_round(r, manifest, {}, mix_local=False):
+            self.heal_count += 1
+            self._healed_since_sync = True
+            self._replay_closed_rounds()
+            return
         deadline = time.monotonic() + self.config.round_timeout_s
         while True:
-            k = self.rounds.latest_state_round()
-            if k is not None and k >= r:
-                log.warning("DiLoCo: left out of round %d (late); catching up from state/%08d", r, k)
-                self._load_state(k)
+            found = self.rounds.newest_valid_state(at_least=r)
+            if found is not None:
+                self._apply_state(*found)
+                self._replay_closed_rounds()
                 return
             if time.monotonic() > deadline:
                 raise ComposerPluginsError(
-                    f"round {r} closed without this replica but no global state for it appeared in "
-                    f"{self.rounds.store.url}/state within diloco.round_timeout_s={self.config.round_timeout_s:.0f}s"
+                    f"round {r} closed without this replica, its pseudo-gradients are unreadable and no global state "
+                    f"for it appeared in {self.rounds.store.where}/state within "
+                    f"diloco.round_timeout_s={self.config.round_timeout_s:.0f}s"
                 )
             time.sleep(self.config.poll_s)
+
+    def _state_due(self, r: int) -> bool:
+        """Whether round ``r``'s global state is written: every ``state_every`` rounds and at the last round (the
+        rounds between are rebuilt from their manifests and pseudo-gradients)."""
+        k = self.config.state_every
+        return r % k == k - 1 or (self._target is not None and r + 1 >= self._target)
+
+    # -- the state writer (off the critical path) ---------------------------------------------
+    def _write_state_async(self) -> None:
+        """Write ``state/<round-1>`` in the background (the next inner steps do not wait for it)."""
+        assert self.rounds is not None
+        r = self.round - 1
+        state = self._global_state()
+        rs, keep = self.rounds, self.config.keep_rounds
+
+        def job() -> None:
+            rs.put_state(f"state/{r:08d}", state, create=True)
+            if keep:
+                rs.collect_garbage(r, keep)
+
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-state")
+        self._pending.append(self._writer.submit(job))
+
+    def _raise_write_error(self) -> None:
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if not f.done()]
+        for f in done:
+            f.result()
+
+    def _flush_writes(self) -> None:
+        for f in self._pending:
+            f.result()
+        self._pending = []
 
     def _record(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, written: int,
                 read: int, retries: int) -> dict[str, Any]:  # fmt: skip
@@ -525,3 +753,17 @@ class ObjectStoreDiLoCoCallback(pl.Callback):
             with open(sync_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         return rec
+
+
+def _host_tree(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the host (a plain CPU tensor), for the data codec."""
+    if isinstance(obj, torch.Tensor):
+        t = to_host(obj)
+        return t.clone() if t.data_ptr() == obj.data_ptr() else t
+    if isinstance(obj, list):
+        return [_host_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_host_tree(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _host_tree(v) for k, v in obj.items()}
+    return obj

@@ -12,15 +12,15 @@ from typing import Any
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
-from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
-from composer_plugins.diloco.strategy import DiLoCoCallback
+from composer_plugins.diloco.glue import DiLoCoCallbackBase
+from composer_plugins.diloco.transports import get_transport
 
 __all__ = ["diloco_callback_from_config", "replica_train_overrides", "run_project_train"]
 
 
 def diloco_callback_from_config(
     cfg: Config | Mapping[str, Any], env: Mapping[str, str] | None = None, *, force: bool = False
-) -> DiLoCoCallback | ObjectStoreDiLoCoCallback | None:
+) -> DiLoCoCallbackBase | None:
     """The DiLoCo callback for a training config, or ``None`` when this process is not a DiLoCo replica.
 
     A process is a replica when a lighthouse or a store is known (``diloco.lighthouse``,
@@ -31,9 +31,7 @@ def diloco_callback_from_config(
     replica = ReplicaInfo.from_env(env)
     if not (force or dcfg.lighthouse or replica.active):
         return None
-    if dcfg.transport == "object_store":
-        return ObjectStoreDiLoCoCallback(dcfg, replica)
-    return DiLoCoCallback(dcfg, replica)
+    return get_transport(dcfg.transport).callback(dcfg, replica)
 
 
 def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
@@ -49,7 +47,8 @@ def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
     base = str(src.get_path("output_dir", "runs/default"))
     seed = replica.seed if replica.seed is not None else int(src.get_path("seed", 0) or 0) + replica.index
     out = [f"seed={seed}", f"output_dir={base}/replica{replica.index}", "trainer.checkpoint_every_n_steps=0"]
-    if src.get_path("diloco.checkpoint_dir") is None:
+    uses_checkpoints = "checkpoint_dir" not in get_transport(str(src.get_path("diloco.transport", "torchft"))).ignored
+    if uses_checkpoints and src.get_path("diloco.checkpoint_dir") is None:
         out.append(f"diloco.checkpoint_dir={base}/diloco_checkpoints")
     if replica.index != 0:
         out += ["eval.at_start=false", "eval.at_end=false"]

@@ -77,10 +77,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m composer_plugins.diloco.run", description=main.__doc__)
     p.add_argument("--target", default="toy")
     p.add_argument("--config", default=None)
+    p.add_argument("--config-inline", default=None, help="the config's YAML text (cloud jobs get it this way)")
     p.add_argument("--section", default=None)
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.config_inline is not None:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="composer-config-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(a.config_inline)
+        a.config = path
     try:
         _run_target(a.target, a.config, a.overrides, a.section)
     except ComposerPluginsError as e:

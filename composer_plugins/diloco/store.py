@@ -15,6 +15,18 @@ transient errors (5xx, 503 SlowDown, timeouts, refused or dropped connections), 
 :func:`pack` / :func:`unpack` wrap every object written (a header with the SHA-256 of the body); a torn or
 corrupt object raises :class:`CorruptObjectError` and the reader treats it as missing.
 :func:`encode_vector` / :func:`decode_vector` are the pseudo-gradient codecs (``none``, ``bf16``, ``int8``).
+
+**Nothing executable crosses the store.** Every object is data: a JSON header and raw tensor bytes.
+:func:`encode_tree` / :func:`decode_tree` carry nested state (state dicts, optimizer states) as a JSON tree of
+``None``/bool/int/float/str, lists, tuples and maps whose tensors are entries of a table (dtype, shape, offset)
+into the body; the decoder builds only those types, so a pickle (or anything else) planted in the store is
+refused with :class:`CorruptObjectError` naming the object, and never run. ``pickle``/``torch.load`` are not
+used on store bytes.
+
+**Size.** Objects above ``part_bytes`` (8 MiB) are written as multipart uploads and read as ranged GETs of
+``part_bytes`` each, so ``request_timeout_s`` bounds one request (one part), not the whole object. A
+conditional create of a large object writes its bytes under ``<key>.blob-<nonce>`` first, then creates
+``<key>`` as a small reference to it (S3 has no conditional multipart create in obstore).
 """
 
 from __future__ import annotations
@@ -25,36 +37,47 @@ import logging
 import os
 import random
 import struct
+import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
+from composer_plugins.core.errors import ComposerPluginsError, one_line
+from composer_plugins.diloco.urls import SCHEMES, check_store_url, redact_url
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "COMPRESSIONS",
+    "SCHEMES",
     "CorruptObjectError",
     "ObjectStore",
     "StoreError",
     "check_store_url",
+    "decode_tree",
     "decode_vector",
+    "encode_tree",
     "encode_vector",
+    "host_tensor",
     "pack",
+    "redact_url",
+    "to_host",
     "unpack",
 ]
 
-#: URL schemes obstore's ``from_url`` reaches.
-SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "adl", "azure", "file", "memory", "http", "https")
-COMPRESSIONS = ("none", "bf16", "int8")
+COMPRESSIONS = ("none", "bf16", "int8", "int4")
 INSTALL_HINT = "pip install 'composer-plugins[serverless]'"
 MAGIC = b"CPDS"
 INT8_BLOCK = 4096
+INT4_BLOCK = 256
+#: objects above this go up as multipart uploads and come down as ranged GETs of this size
+PART_BYTES = 8 << 20
+#: a small object standing for a large one written under ``<key>.blob-<nonce>`` (see :meth:`ObjectStore.put`)
+REF = "ref"
 
 T = TypeVar("T")
 
@@ -65,22 +88,6 @@ class StoreError(ComposerPluginsError, RuntimeError):
 
 class CorruptObjectError(ComposerPluginsError, ValueError):
     """An object's bytes do not match its checksum (torn write, truncation, bit rot)."""
-
-
-def check_store_url(url: str, error: Callable[[str], Exception]) -> None:
-    """Raise ``error(message)`` unless ``url`` is a store URL obstore can open."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or not rest.strip("/"):
-        raise error(f"{url!r} is not a store URL. HINT: s3://bucket/prefix, gs://bucket/prefix, az://container/"
-                    "prefix or file:///absolute/path.")  # fmt: skip
-    if scheme not in SCHEMES:
-        near = closest(scheme, SCHEMES, cutoff=0.4)
-        hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise error(f"unknown store scheme {scheme!r} in {url!r}; available: {', '.join(SCHEMES)}.{hint}")
-    if scheme == "file" and not rest.startswith("/"):
-        raise error(f"{url!r}: a file store needs an absolute path (file:///abs/path).")
-    if scheme.startswith("s3") and len(rest.split("/", 1)[0]) < 3:
-        raise error(f"{url!r}: S3 bucket names have at least 3 characters.")
 
 
 def _obstore() -> Any:
@@ -114,11 +121,14 @@ class ObjectStore:
         request_timeout_s: per-request timeout (a hung request counts as a transient error).
     """
 
-    def __init__(self, url: str, *, retry_s: float = 120.0, request_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, *, retry_s: float = 120.0, request_timeout_s: float = 10.0,
+                 part_bytes: int = PART_BYTES) -> None:  # fmt: skip
         check_store_url(url, lambda msg: StoreError(msg))
         self.url = url.rstrip("/")
+        self.part_bytes = part_bytes
         self.retry_s = retry_s
         self.bytes_written = 0
+        self._count_lock = threading.Lock()  # the state writer counts from its own thread
         self.bytes_read = 0
         self.retries = 0
         obs = _obstore()
@@ -147,10 +157,15 @@ class ObjectStore:
         try:
             self._store = obs.store.from_url(url, **kwargs)
         except Exception as e:
-            raise StoreError(f"cannot open store {self.url}: {e}") from e
+            raise StoreError(f"cannot open store {redact_url(self.url)}: {one_line(e)}") from e
 
     def __repr__(self) -> str:
-        return f"ObjectStore({self.url!r})"
+        return f"ObjectStore({redact_url(self.url)!r})"
+
+    @property
+    def where(self) -> str:
+        """The URL for messages and logs: ``scheme://bucket/prefix``, never a query string or credentials."""
+        return redact_url(self.url)
 
     # -- retries -------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -167,47 +182,148 @@ class ObjectStore:
             except Exception as e:  # transient: 5xx, SlowDown, timeouts, refused/dropped connections
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StoreError(f"{what} on {self.url} still failing after {attempt} attempts over "
+                    raise StoreError(f"{what} on {self.where} still failing after {attempt} attempts over "
                                      f"{self.retry_s:.0f}s (diloco.store_retry_s): {one_line(e)}") from e  # fmt: skip
-                self.retries += 1
+                with self._count_lock:
+                    self.retries += 1
                 if attempt == 1 or attempt % 10 == 0:
-                    log.warning("store %s: %s failed (%s); retrying for up to %.0fs", self.url, what, one_line(e), left)
+                    log.warning(
+                        "store %s: %s failed (%s); retrying for up to %.0fs", self.where, what, one_line(e), left
+                    )
                 time.sleep(min(delay * (0.5 + random.random()), left))
                 delay = min(delay * 2, 2.0)
 
     # -- operations ----------------------------------------------------------------------
     def put(self, key: str, data: bytes, *, create: bool = False) -> bool:
-        """Write ``key``. With ``create``, only if absent (If-None-Match): ``False`` when it already exists."""
+        """Write ``key``. With ``create``, only if absent (If-None-Match): ``False`` when it already exists.
+
+        Above ``part_bytes`` the bytes go up as a multipart upload (one request per part); a large create
+        uploads ``<key>.blob-<nonce>`` and then creates ``key`` as a small reference to it.
+        """
+        if len(data) <= self.part_bytes:
+            ok = self._put_one(key, data, create)
+        elif not create:
+            self._put_multipart(key, data)
+            ok = True
+        else:
+            blob = f"{key}.blob-{os.urandom(6).hex()}"
+            self._put_multipart(blob, data)
+            ref = pack({"kind": REF, "blob": blob.rsplit("/", 1)[-1], "blob_sha256": hashlib.sha256(data).hexdigest(),
+                        "blob_length": len(data)}, b"")  # fmt: skip
+            ok = self._put_one(key, ref, True)
+            if not ok:
+                self.delete(blob)
+        if ok:
+            with self._count_lock:
+                self.bytes_written += len(data)
+        return ok
+
+    def _put_one(self, key: str, data: bytes, create: bool) -> bool:
         obs = _obstore()
 
         def op() -> bool:
             try:
-                obs.put(self._store, key, data, mode="create" if create else "overwrite")
+                obs.put(self._store, key, data, mode="create" if create else "overwrite", use_multipart=False)
             except obs.exceptions.AlreadyExistsError:
                 return False
             except obs.exceptions.PreconditionError:
                 return False
             return True
 
-        ok = self._call(f"put {key}", op)
-        if ok:
-            self.bytes_written += len(data)
-        return ok
+        return self._call(f"put {key}", op)
+
+    def _put_multipart(self, key: str, data: bytes) -> None:
+        obs = _obstore()
+        view = memoryview(data)
+
+        def op() -> None:
+            obs.put(self._store, key, view, use_multipart=True, chunk_size=self.part_bytes, max_concurrency=4)
+
+        self._call(f"multipart put {key} ({len(data)} bytes)", op)
 
     def get(self, key: str) -> bytes | None:
-        """The bytes of ``key``, or ``None`` when it does not exist."""
-        obs = _obstore()
+        """The bytes of ``key``, or ``None`` when it does not exist (a reference is followed, see :meth:`put`).
 
-        def op() -> bytes | None:
+        Read in ranged requests of ``part_bytes`` each, so no one request carries more than a part.
+        """
+        data = self._get_ranged(key)
+        if data is not None and data[:4] == MAGIC and len(data) < 4096:
             try:
-                return bytes(obs.get(self._store, key).bytes())
+                header, _ = unpack(data, key)
+            except CorruptObjectError:
+                header = {}
+            if header.get("kind") == REF:
+                blob = str(header.get("blob", ""))
+                if "/" in blob or not blob.startswith(key.rsplit("/", 1)[-1] + ".blob-"):
+                    raise CorruptObjectError(f"{self.where}/{key}: a reference to {blob!r}, outside its own blobs")
+                parent = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+                body = self._get_ranged(parent + blob)
+                if body is None or len(body) != header.get("blob_length") or (
+                    hashlib.sha256(body).hexdigest() != header.get("blob_sha256")
+                ):  # fmt: skip
+                    raise CorruptObjectError(f"{self.where}/{key}: its blob {blob} is missing or corrupt")
+                data = body
+        if data is not None:
+            with self._count_lock:
+                self.bytes_read += len(data)
+        return data
+
+    def _get_ranged(self, key: str) -> bytes | None:
+        obs = _obstore()
+        part = self.part_bytes
+
+        def first() -> tuple[bytes, int] | None:
+            try:
+                res = obs.get(self._store, key, options={"range": (0, part)})
             except (obs.exceptions.NotFoundError, FileNotFoundError):
                 return None
+            except Exception as e:  # an empty object has no range 0..part on some stores
+                if "range" not in str(e).lower():
+                    raise
+                res = obs.get(self._store, key)
+            return bytes(res.bytes()), int(res.meta["size"])
 
-        data = self._call(f"get {key}", op)
-        if data is not None:
-            self.bytes_read += len(data)
-        return data
+        got = self._call(f"get {key}", first)
+        if got is None:
+            return None
+        head, size = got
+        if len(head) >= size:
+            return head[:size]
+        buf = bytearray(size)
+        buf[: len(head)] = head
+        for start in range(len(head), size, part):
+            end = min(size, start + part)
+
+            def op(start: int = start, end: int = end) -> bytes:
+                return bytes(obs.get_range(self._store, key, start=start, end=end))
+
+            buf[start:end] = self._call(f"get {key} bytes {start}-{end}", op)
+        return bytes(buf)
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists (a HEAD request)."""
+        obs = _obstore()
+
+        def op() -> bool:
+            try:
+                obs.head(self._store, key)
+            except (obs.exceptions.NotFoundError, FileNotFoundError):
+                return False
+            return True
+
+        return self._call(f"head {key}", op)
+
+    def delete(self, key: str) -> None:
+        """Delete ``key`` (absent: nothing to do)."""
+        obs = _obstore()
+
+        def op() -> None:
+            try:
+                obs.delete(self._store, key)
+            except (obs.exceptions.NotFoundError, FileNotFoundError):
+                pass
+
+        self._call(f"delete {key}", op)
 
     def list(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (a directory, no trailing slash), sorted."""
@@ -250,16 +366,39 @@ def unpack(data: bytes, what: str = "object") -> tuple[dict[str, Any], bytes]:
     return header, body
 
 
+# -- host tensors only --------------------------------------------------------------------
+
+
+def host_tensor(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+    """Check that ``t`` is a plain CPU tensor (what every codec here reads and returns)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise TypeError(f"{what}: the store codecs take plain CPU tensors, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what}: the store codecs take CPU tensors, got one on {t.device} (call .cpu() first)")
+    return t
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached on the CPU as a plain tensor (the one place device memory meets the store)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+
+
 # -- pseudo-gradient codecs ---------------------------------------------------------------
 
 
 def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], bytes]:
-    """Header fields and body for a flat fp32 vector under ``compress`` (``none`` | ``bf16`` | ``int8``).
+    """Header fields and body for a flat fp32 CPU vector under ``compress`` (``none`` | ``bf16`` | ``int8`` | ``int4``).
 
     ``int8``: blocks of 4096 values, each scaled by its absolute maximum / 127 (fp32 scales), rounded to
     int8, then deflated (zlib), so the body is at most a quarter of the fp32 bytes on pseudo-gradients.
+    ``int4``: blocks of 256 values, each scaled by its absolute maximum / 7 (fp16 scales), rounded to
+    [-7, 7], two a byte, deflated: about an eighth of the fp32 bytes (the sender carries the rounding error
+    to its next round: error feedback, in the callback).
     """
-    v = vec.detach().to(torch.float32).contiguous().view(-1)
+    v = host_tensor(vec, "encode_vector").detach().to(torch.float32).contiguous().view(-1)
     n = v.numel()
     if compress == "none":
         return {"codec": "none", "numel": n}, v.numpy().tobytes()
@@ -273,20 +412,158 @@ def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], byt
         q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
         body = scale.numpy().tobytes() + zlib.compress(q.numpy().tobytes(), 6)
         return {"codec": "int8", "numel": n, "blocks": int(scale.numel())}, body
+    if compress == "int4":
+        pad = (-n) % INT4_BLOCK
+        blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
+        scale = (blocks.abs().amax(dim=1) / 7.0).to(torch.float16).to(torch.float32)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)
+        packed = (q[0::2] << 4) | q[1::2]  # two values a byte (the block size is even)
+        body = scale.to(torch.float16).view(torch.int16).numpy().tobytes() + zlib.compress(packed.numpy().tobytes(), 6)
+        return {"codec": "int4", "numel": n, "blocks": int(scale.numel())}, body
     raise ValueError(f"unknown compression {compress!r}; available: {', '.join(COMPRESSIONS)}")
 
 
 def decode_vector(header: dict[str, Any], body: bytes) -> torch.Tensor:
-    """The flat fp32 vector of an :func:`encode_vector` payload."""
-    n, codec = int(header["numel"]), header["codec"]
+    """The flat fp32 CPU vector of an :func:`encode_vector` payload."""
+    try:
+        n, codec = int(header["numel"]), header["codec"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptObjectError(f"not a pseudo-gradient header ({one_line(e)})") from e
     if codec == "none":
-        return torch.frombuffer(bytearray(body), dtype=torch.float32).clone()
+        if len(body) != 4 * n:
+            raise CorruptObjectError(f"fp32 body of {len(body)} bytes for {n} values")
+        return torch.frombuffer(bytearray(body), dtype=torch.float32).clone() if n else torch.zeros(0)
     if codec == "bf16":
+        if len(body) != 2 * n:
+            raise CorruptObjectError(f"bf16 body of {len(body)} bytes for {n} values")
         return torch.frombuffer(bytearray(body), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
     if codec == "int8":
         nb = int(header["blocks"])
+        if nb != -(-n // INT8_BLOCK) or len(body) < 4 * nb:
+            raise CorruptObjectError(f"int8 header of {nb} blocks for {n} values")
         scale = torch.frombuffer(bytearray(body[: 4 * nb]), dtype=torch.float32)
-        q = torch.frombuffer(bytearray(zlib.decompress(body[4 * nb :])), dtype=torch.int8).to(torch.float32)
+        try:
+            raw = zlib.decompress(body[4 * nb :])
+        except zlib.error as e:
+            raise CorruptObjectError(f"int8 body does not inflate ({e})") from e
+        if len(raw) != n:
+            raise CorruptObjectError(f"int8 body of {len(raw)} values for {n}")
+        q = torch.frombuffer(bytearray(raw), dtype=torch.int8).to(torch.float32)
         q = torch.nn.functional.pad(q, (0, nb * INT8_BLOCK - n)).view(nb, INT8_BLOCK)
         return (q * scale[:, None]).view(-1)[:n].contiguous()
+    if codec == "int4":
+        nb = int(header["blocks"])
+        if nb != -(-n // INT4_BLOCK) or len(body) < 2 * nb:
+            raise CorruptObjectError(f"int4 header of {nb} blocks for {n} values")
+        scale = torch.frombuffer(bytearray(body[: 2 * nb]), dtype=torch.int16).view(torch.float16).to(torch.float32)
+        try:
+            raw = zlib.decompress(body[2 * nb :])
+        except zlib.error as e:
+            raise CorruptObjectError(f"int4 body does not inflate ({e})") from e
+        if len(raw) * 2 != nb * INT4_BLOCK:
+            raise CorruptObjectError(f"int4 body of {len(raw) * 2} values for {nb} blocks")
+        packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1).to(torch.float32) - 7.0
+        return (q.view(nb, INT4_BLOCK) * scale[:, None]).view(-1)[:n].contiguous()
     raise CorruptObjectError(f"unknown codec {codec!r}")
+
+
+# -- nested state as data (no pickle) -----------------------------------------------------
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+def encode_tree(obj: Any, what: str = "state") -> tuple[Any, bytes]:
+    """``(tree, body)`` of nested state: a JSON-able tree and the bytes of its tensors (see the module docstring).
+
+    Scalars (``None``, bool, int, float, str) stay as they are; a list stays a list; a tuple becomes
+    ``{"T": [...]}``, a mapping ``{"M": [[key, value], ...]}`` (keys of any scalar type), a tensor
+    ``{"X": [dtype, shape, offset, nbytes]}``. Anything else is refused with its path.
+    """
+    chunks: list[bytes] = []
+    offset = 0
+
+    def walk(x: Any, path: str) -> Any:
+        nonlocal offset
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, torch.Tensor):
+            t = host_tensor(x, f"{what}{path}").detach().contiguous()
+            name = str(t.dtype).removeprefix("torch.")
+            if name not in _DTYPES:
+                raise TypeError(f"{what}{path}: dtype {t.dtype} cannot be stored")
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            chunks.append(raw)
+            offset += len(raw)
+            return {"X": [name, list(t.shape), offset - len(raw), len(raw)]}
+        if isinstance(x, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, tuple):
+            return {"T": [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+        if isinstance(x, Mapping):
+            out = []
+            for k, v in x.items():
+                if not (k is None or isinstance(k, (bool, int, float, str))):
+                    raise TypeError(f"{what}{path}: key {k!r} of type {type(k).__name__} cannot be stored")
+                out.append([k, walk(v, f"{path}[{k!r}]")])
+            return {"M": out}
+        raise TypeError(f"{what}{path}: a {type(x).__name__} cannot be stored as data (tensors, numbers, strings, "
+                        "lists, tuples and dicts only)")  # fmt: skip
+
+    tree = walk(obj, "")
+    return tree, b"".join(chunks)
+
+
+def decode_tree(tree: Any, body: bytes, what: str = "state") -> Any:
+    """The nested state of :func:`encode_tree`; builds only scalars, lists, tuples, dicts and CPU tensors."""
+    buf = bytearray(body)
+
+    def walk(x: Any, path: str) -> Any:
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, dict) and len(x) == 1:
+            ((tag, v),) = x.items()
+            if tag == "T" and isinstance(v, list):
+                return tuple(walk(e, f"{path}[{i}]") for i, e in enumerate(v))
+            if tag == "M" and isinstance(v, list) and all(isinstance(e, list) and len(e) == 2 for e in v):
+                out = {}
+                for k, e in v:
+                    if not (k is None or isinstance(k, (bool, int, float, str))):
+                        raise CorruptObjectError(f"{what}{path}: a key of type {type(k).__name__}")
+                    out[k] = walk(e, f"{path}[{k!r}]")
+                return out
+            if tag == "X" and isinstance(v, list) and len(v) == 4:
+                name, shape, off, nbytes = v
+                dtype = _DTYPES.get(name) if isinstance(name, str) else None
+                dims_ok = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                ok = (dtype is not None and dims_ok and isinstance(off, int) and isinstance(nbytes, int)
+                      and 0 <= off and off + nbytes <= len(buf))  # fmt: skip
+                numel = 1
+                for d in shape if ok else ():
+                    numel *= d
+                if not ok or numel * torch.empty((), dtype=dtype).element_size() != nbytes:
+                    raise CorruptObjectError(f"{what}{path}: a bad tensor entry {v!r}")
+                if not nbytes:
+                    return torch.empty(shape, dtype=dtype)
+                raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)
+                return raw.view(dtype).reshape(shape).clone()
+        raise CorruptObjectError(f"{what}{path}: not a data node ({str(x)[:80]!r})")
+
+    return walk(tree, "")

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.diloco import env as _env
 from composer_plugins.diloco import launch as _launch
 from composer_plugins.diloco.common import (
     DiLoCoConfig,
@@ -71,6 +72,7 @@ from composer_plugins.diloco.common import (
     split_fragments,
     stop_file_says_stop,
 )
+from composer_plugins.diloco.glue import DiLoCoCallbackBase
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,7 @@ def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
 # -- the callback ---------------------------------------------------------------------------
 
 
-class DiLoCoCallback(pl.Callback):
+class DiLoCoCallback(DiLoCoCallbackBase):
     """Turn a single-optimizer Lightning run into one DiLoCo replica (torchft ``Manager`` + ``DiLoCo``).
 
     Add it to the ``Trainer``'s callbacks in every replica process; the launcher
@@ -140,28 +142,17 @@ class DiLoCoCallback(pl.Callback):
     ``bytes_allreduced``, ``history`` (one dict per sync, as written to the sync log).
     """
 
+    transport = "torchft"
+
     def __init__(self, config: DiLoCoConfig | None = None, replica: ReplicaInfo | None = None) -> None:
-        super().__init__()
-        self.config = (config or DiLoCoConfig()).validate()
-        self.replica = replica or ReplicaInfo.from_env()
+        super().__init__(config or DiLoCoConfig(), replica)
         self.manager: Any = None
         self.diloco: Any = None
         self.process_group: Any = None
         self.outer_optimizers: list[torch.optim.Optimizer] = []
         self.fragments: list[nn.Module] = []
-        self.history: list[dict[str, Any]] = []
-        self.heal_count = 0
         self._store: Any = None
-        self._module: nn.Module | None = None
-        self._inner: torch.optim.Optimizer | None = None
-        self._trainer: pl.Trainer | None = None
-        self._hook: Any = None
-        self._inner_steps = 0
-        self._since_sync = 0
         self._last_step = 0
-        self._healed_since_sync = False
-        self._target: int | None = self.config.outer_steps
-        self._stop = False
         self._checkpoint_due: int | None = None
         self._resume: dict[str, Any] | None = None
         self._board: _launch.RejoinBoard | None = None
@@ -186,42 +177,11 @@ class DiLoCoCallback(pl.Callback):
         return self._inner_steps
 
     # -- Lightning hooks ---------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        optimizers = trainer.optimizers
-        if len(optimizers) != 1:
-            raise ComposerPluginsError(
-                f"DiLoCo needs exactly one optimizer; {type(pl_module).__name__}.configure_optimizers returned "
-                f"{len(optimizers)}. HINT: return a single optimizer (parameter groups are fine)."
-            )
-        if not pl_module.automatic_optimization:
-            log.warning("DiLoCo: manual optimization; syncs happen on the optimizer's step() calls")
-        self._trainer = trainer
-        if self._target is None and trainer.max_steps and trainer.max_steps > 0:
-            per_sync = self.config.sync_every // self.config.num_fragments
-            self._target = max(1, trainer.max_steps // per_sync)
-            # The shared torchft step decides when to stop, not this replica's own count: a replica whose
-            # sync did not commit, or that waits for a restarted peer, makes those syncs up (bounded: at
-            # most max_steps more inner steps).
-            trainer.fit_loop.epoch_loop.max_steps = 2 * trainer.max_steps
-        self.attach(pl_module, optimizers[0])
+    @property
+    def attached(self) -> bool:
+        return self.manager is not None
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.manager is None:
-            return
-        if self.history:
-            last = self.history[-1]
-            pl_module.log_dict(
-                {
-                    "diloco/outer_step": float(last["outer_step"]),
-                    "diloco/participants": float(last["participants"]),
-                    "diloco/bytes_allreduced": float(self.bytes_allreduced),
-                },
-                on_step=True,
-                on_epoch=False,
-                batch_size=1,
-            )
+    def after_batch(self, trainer: pl.Trainer) -> None:
         if self._checkpoint_due is not None:
             step, self._checkpoint_due = self._checkpoint_due, None
             assert self.config.checkpoint_dir is not None
@@ -230,16 +190,6 @@ class DiLoCoCallback(pl.Callback):
             trainer.save_checkpoint(str(path))
             if self.history:
                 self.history[-1]["checkpoint"] = str(path)
-        if self._stop:
-            trainer.should_stop = True
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.close()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # after ``on_train_end``, so a final checkpoint written there still carries the DiLoCo state
-        if stage == "fit":
-            self.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointed with the run: torchft step, global weights and outer optimizer state."""
@@ -272,11 +222,11 @@ class DiLoCoCallback(pl.Callback):
         if self.manager is not None:
             return self
         c = self.config
-        lighthouse = c.lighthouse or self.replica.lighthouse or os.environ.get(_launch.ENV_LIGHTHOUSE)
+        lighthouse = c.lighthouse or self.replica.lighthouse or os.environ.get(_env.ENV_LIGHTHOUSE)
         if not lighthouse:
             raise ConfigError(
                 "no torchft lighthouse address. HINT: start replicas with `composer-plugins diloco --replicas N`, "
-                f"or set diloco.lighthouse / ${_launch.ENV_LIGHTHOUSE} to a running `torchft_lighthouse`.",
+                f"or set diloco.lighthouse / ${_env.ENV_LIGHTHOUSE} to a running `torchft_lighthouse`.",
                 key="diloco.lighthouse",
             )
         _quiet_torchft()

@@ -52,15 +52,18 @@ _SLOW_DOWN_BODY = (
 
 
 class FaultyProxy:
-    """A TCP proxy on ``127.0.0.1:<free port>`` in front of ``upstream`` (host, port) that can make it unreachable.
+    """A TCP proxy on ``127.0.0.1:<free port>`` in front of ``upstream`` (host, port) that can make it unreachable
+    and limit each connection's bandwidth (``rate``, bytes per second each way).
 
     :meth:`outage` drops every open connection and, for ``seconds``, answers each new one with ``503 SlowDown``
     (the first ``slowdown_share`` of the time) or closes it at once (a dropped connection), then forwards again.
     ``connections`` / ``refused`` count what it saw.
     """
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], rate: float | None = None) -> None:
         self.upstream = upstream
+        #: bytes per second each direction of each connection may carry (``None``: no limit)
+        self.rate = rate
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self._open: set[socket.socket] = set()
@@ -127,8 +130,14 @@ class FaultyProxy:
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
+            start, sent = time.monotonic(), 0
             while data := src.recv(65536):
                 dst.sendall(data)
+                if self.rate:
+                    sent += len(data)
+                    ahead = sent / self.rate - (time.monotonic() - start)
+                    if ahead > 0:
+                        time.sleep(ahead)
         except OSError:
             pass
         finally:

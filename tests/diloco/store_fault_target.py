@@ -1,28 +1,65 @@
-"""A toy replica that sleeps once (a straggler): replica ``$STRAGGLE_REPLICA`` sleeps ``$STRAGGLE_S`` seconds
-after inner step ``$STRAGGLE_STEP`` of its first start, so it misses that round's deadline."""
+"""A toy replica with faults chosen by environment variables (first life, restart 0, only):
+
+* ``STRAGGLE_REPLICA``/``STRAGGLE_STEP``/``STRAGGLE_S``: that replica sleeps after that inner step, so it misses
+  the round's deadline;
+* ``LATE_REPLICA``/``LATE_S``: that replica sleeps before its first inner step (starts late);
+* ``DIE_REPLICA``/``DIE_STEP``: that replica kills itself (SIGKILL) after that inner step;
+* ``DIE_AFTER_MANIFEST_ROUND``: whichever replica creates that round's manifest kills itself (SIGKILL) at once,
+  before it writes the round's global state.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
 import lightning.pytorch as pl
 
 
-class _Straggle(pl.Callback):
+def _me() -> int:
+    return int(os.environ.get("COMPOSER_DILOCO_REPLICA_INDEX", "0"))
+
+
+def _first_life() -> bool:
+    return os.environ.get("COMPOSER_DILOCO_RESTART", "0") == "0"
+
+
+def _is(var: str) -> bool:
+    return var in os.environ and _first_life() and _me() == int(os.environ[var])
+
+
+class _Faults(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if _is("LATE_REPLICA"):
+            time.sleep(float(os.environ["LATE_S"]))
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        me = int(os.environ.get("COMPOSER_DILOCO_REPLICA_INDEX", "0"))
-        first = os.environ.get("COMPOSER_DILOCO_RESTART", "0") == "0"
-        if (
-            first
-            and me == int(os.environ["STRAGGLE_REPLICA"])
-            and trainer.global_step == int(os.environ["STRAGGLE_STEP"])
-        ):
+        step = trainer.global_step
+        if _is("STRAGGLE_REPLICA") and step == int(os.environ["STRAGGLE_STEP"]):
             time.sleep(float(os.environ["STRAGGLE_S"]))
+        if _is("DIE_REPLICA") and step == int(os.environ["DIE_STEP"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_after_manifest(r_kill: int) -> None:
+    from composer_plugins.diloco.objstore import RoundStore
+
+    close = RoundStore.close_round
+
+    def close_round(self: RoundStore, r: int, grads: dict[int, str], closer: int) -> tuple[dict[str, Any], bool]:
+        m, created = close(self, r, grads, closer)
+        if created and r == r_kill and _first_life():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return m, created
+
+    RoundStore.close_round = close_round  # type: ignore[method-assign]
 
 
 def run(cfg: Any) -> dict:
     from composer_plugins.diloco.toy import run_toy
 
-    return run_toy(cfg, extra_callbacks=[_Straggle()])
+    if "DIE_AFTER_MANIFEST_ROUND" in os.environ:
+        _die_after_manifest(int(os.environ["DIE_AFTER_MANIFEST_ROUND"]))
+    return run_toy(cfg, extra_callbacks=[_Faults()])

@@ -1,0 +1,108 @@
+"""The Lightning glue both DiLoCo callbacks share (:class:`DiLoCoCallbackBase`): one optimizer checked, the
+round target derived from ``max_steps``, the ``diloco/*`` metrics logged, the stop flag honoured and
+:meth:`close` called on teardown or on an exception. A transport's callback adds :meth:`attach` (wire the
+outer sync to a model and its inner optimizer) and :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DiLoCoCallbackBase"]
+
+
+class DiLoCoCallbackBase(pl.Callback):
+    """What every DiLoCo callback does in a Lightning run; subclasses implement :meth:`attach` and :meth:`close`."""
+
+    #: the transport's registered name (:mod:`.transports`)
+    transport = ""
+
+    def __init__(self, config: DiLoCoConfig, replica: ReplicaInfo | None = None) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.replica = replica or ReplicaInfo.from_env()
+        self.history: list[dict[str, Any]] = []
+        self.heal_count = 0
+        self._module: nn.Module | None = None
+        self._inner: torch.optim.Optimizer | None = None
+        self._trainer: pl.Trainer | None = None
+        self._hook: Any = None
+        self._inner_steps = 0
+        self._since_sync = 0
+        self._healed_since_sync = False
+        self._target: int | None = self.config.outer_steps
+        self._stop = False
+
+    # -- what a transport provides ---------------------------------------------------------
+    def attach(self, module: nn.Module, inner_optimizer: torch.optim.Optimizer) -> DiLoCoCallbackBase:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def attached(self) -> bool:
+        return self._module is not None
+
+    @property
+    def bytes_allreduced(self) -> int:
+        return 0
+
+    @property
+    def inner_steps(self) -> int:
+        return self._inner_steps
+
+    def after_batch(self, trainer: pl.Trainer) -> None:
+        """Per-batch work of the transport (the torchft callback writes its checkpoints here)."""
+
+    # -- Lightning hooks -------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizers = trainer.optimizers
+        if len(optimizers) != 1:
+            raise ComposerPluginsError(
+                f"DiLoCo needs exactly one optimizer; {type(pl_module).__name__}.configure_optimizers returned "
+                f"{len(optimizers)}. HINT: return a single optimizer (parameter groups are fine)."
+            )
+        if not pl_module.automatic_optimization:
+            log.warning("DiLoCo: manual optimization; syncs happen on the optimizer's step() calls")
+        self._trainer = trainer
+        if self._target is None and trainer.max_steps and trainer.max_steps > 0:
+            per_sync = self.config.sync_every // self.config.num_fragments
+            self._target = max(1, trainer.max_steps // per_sync)
+            # The shared outer step decides when to stop, not this replica's own count: a replica whose sync
+            # did not commit, or that waits for a restarted peer, makes those syncs up (bounded: at most
+            # max_steps more inner steps).
+            trainer.fit_loop.epoch_loop.max_steps = 2 * trainer.max_steps
+        self.attach(pl_module, optimizers[0])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        if not self.attached:
+            return
+        if self.history:
+            last = self.history[-1]
+            pl_module.log_dict({"diloco/outer_step": float(last["outer_step"]),
+                                "diloco/participants": float(last["participants"]),
+                                "diloco/bytes_allreduced": float(self.bytes_allreduced)},
+                               on_step=True, on_epoch=False, batch_size=1)  # fmt: skip
+        self.after_batch(trainer)
+        if self._stop:
+            trainer.should_stop = True
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # after ``on_train_end``, so a final checkpoint written there still carries the DiLoCo state
+        if stage == "fit":
+            self.close()

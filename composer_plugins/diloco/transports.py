@@ -1,0 +1,123 @@
+"""DiLoCo's outer-sync transports, as registered objects: the one place a transport name is compared.
+
+A :class:`Transport` says what the config must hold (:meth:`~Transport.validate`, including the ``diloco.*``
+keys it ignores, refused when set), what the launcher must provide (``needs``: a torchft ``lighthouse`` or a
+``store``), whether cloud executors can run its replicas, and the callback it builds
+(:meth:`~Transport.callback`). Import-light (no torch): the launcher and the CLI read it.
+
+Built in: ``torchft`` (a lighthouse and a gloo all-reduce between the replicas,
+:class:`~composer_plugins.diloco.strategy.DiLoCoCallback`) and ``object_store`` (the replicas meet only
+through an object store, :class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+from composer_plugins.core.errors import ComposerPluginsError, closest
+from composer_plugins.diloco import env as _env
+
+#: a :class:`~composer_plugins.diloco.common.DiLoCoConfig` (not imported: common imports this module)
+DiLoCoConfig = Any
+ReplicaInfo = Any
+__all__ = ["TRANSPORTS", "Transport", "get_transport", "register_transport"]
+
+Bad = Callable[[str, str], Exception]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """One outer-sync transport (see the module docstring)."""
+
+    name: str
+    #: what the launcher must provide: a torchft lighthouse (it starts one) or a store URL
+    needs: Literal["lighthouse", "store"]
+    #: ``module:Class`` of the callback (imported when built)
+    callback_path: str
+    #: can ``--executor hf_jobs|modal`` run its replicas (they cannot reach a lighthouse)?
+    cloud: bool
+    #: ``diloco.*`` keys this transport does not use: refused when set to anything but their default
+    ignored: tuple[str, ...] = ()
+
+    def validate(self, config: DiLoCoConfig, bad: Bad) -> None:
+        """Raise ``bad(field, message)`` for a config this transport cannot run."""
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        for key in self.ignored:
+            if getattr(config, key) != defaults[key]:
+                raise bad(key, f"diloco.transport={self.name} does not use {key} (set to {getattr(config, key)!r}). "
+                          f"HINT: remove it, or use a transport that does.")  # fmt: skip
+
+    def store_url(self, config: DiLoCoConfig) -> str | None:
+        return None
+
+    def require(self, config: DiLoCoConfig, store: str | None = None) -> None:
+        """What the launcher must provide is there: a store URL for ``needs == "store"`` (``ConfigError``)."""
+        if self.needs == "store" and not (store or self.store_url(config)):
+            from composer_plugins.core.errors import ConfigError
+
+            raise ConfigError(f"diloco.transport={self.name} needs a store. HINT: -S diloco.store=s3://bucket/run "
+                              "(or gs://..., az://..., file:///abs/path).", key="diloco.store")  # fmt: skip
+
+    def callback(self, config: DiLoCoConfig, replica: ReplicaInfo | None = None) -> Any:
+        """This transport's Lightning callback for one replica."""
+        mod, _, cls = self.callback_path.partition(":")
+        return getattr(importlib.import_module(mod), cls)(config, replica)
+
+
+class TorchftTransport(Transport):
+    pass
+
+
+class ObjectStoreTransport(Transport):
+    def validate(self, config: DiLoCoConfig, bad: Bad) -> None:
+        super().validate(config, bad)
+        if config.num_fragments != 1 or config.fragment_sync_delay:
+            raise bad("num_fragments", "the object_store transport syncs the whole model at once: set num_fragments=1 "
+                      "and fragment_sync_delay=0 (streaming fragments need transport=torchft).")  # fmt: skip
+        store = self.store_url(config)
+        if store:
+            from composer_plugins.diloco.urls import check_store_url
+
+            check_store_url(store, lambda msg: bad("store", msg))
+        for name in ("round_timeout_s", "store_retry_s", "poll_s", "poll_max_s", "request_timeout_s"):
+            if getattr(config, name) <= 0:
+                raise bad(name, f"must be > 0, got {getattr(config, name)}.")
+
+    def store_url(self, config: DiLoCoConfig) -> str | None:
+        return config.store or os.environ.get(_env.ENV_STORE) or None
+
+
+_STORE_KEYS = ("store", "compress", "round_timeout_s", "store_retry_s", "poll_s", "poll_max_s", "request_timeout_s",
+               "keep_rounds", "state_every")  # fmt: skip
+
+TRANSPORTS: dict[str, Transport] = {}
+
+
+def register_transport(transport: Transport) -> Transport:
+    """Add ``transport`` to the registry (a later one of the same name replaces it)."""
+    TRANSPORTS[transport.name] = transport
+    return transport
+
+
+register_transport(TorchftTransport("torchft", "lighthouse", "composer_plugins.diloco.strategy:DiLoCoCallback",
+                                    cloud=False, ignored=_STORE_KEYS))  # fmt: skip
+register_transport(ObjectStoreTransport(
+    "object_store", "store", "composer_plugins.diloco.objstore:ObjectStoreDiLoCoCallback", cloud=True,
+    ignored=("min_replica_size", "max_retries", "checkpoint_dir", "lighthouse", "use_bucketization",
+             "bucket_cap_mb", "checkpoint_transport"),
+))  # fmt: skip
+
+
+def get_transport(name: str, error: Callable[[str], Exception] | None = None) -> Transport:
+    """The transport registered as ``name``; unknown names list the available ones (and the closest)."""
+    if name in TRANSPORTS:
+        return TRANSPORTS[name]
+    near = closest(str(name), TRANSPORTS)
+    msg = f"unknown transport {name!r}; available: {', '.join(TRANSPORTS)}." + (
+        f" Did you mean {near[0]!r}?" if near else ""
+    )
+    raise (error or ComposerPluginsError)(msg)

@@ -1,0 +1,29 @@
+"""Store URLs: which ones obstore opens, and how they appear in logs (import-light: no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from composer_plugins.core.config import redact_url
+from composer_plugins.core.errors import closest
+
+__all__ = ["SCHEMES", "check_store_url", "redact_url"]
+
+#: URL schemes obstore's ``from_url`` reaches.
+SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "adl", "azure", "file", "memory", "http", "https")
+
+
+def check_store_url(url: str, error: Callable[[str], Exception]) -> None:
+    """Raise ``error(message)`` unless ``url`` is a store URL obstore can open."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest.strip("/"):
+        raise error(f"{redact_url(url)!r} is not a store URL. HINT: s3://bucket/prefix, gs://bucket/prefix, az://container/"
+                    "prefix or file:///absolute/path.")  # fmt: skip
+    if scheme not in SCHEMES:
+        near = closest(scheme, SCHEMES, cutoff=0.4)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise error(f"unknown store scheme {scheme!r} in {redact_url(url)!r}; available: {', '.join(SCHEMES)}.{hint}")
+    if scheme == "file" and not rest.startswith("/"):
+        raise error(f"{redact_url(url)!r}: a file store needs an absolute path (file:///abs/path).")
+    if scheme.startswith("s3") and len(rest.split("/", 1)[0]) < 3:
+        raise error(f"{redact_url(url)!r}: S3 bucket names have at least 3 characters.")

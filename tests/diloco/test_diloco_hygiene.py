@@ -1,0 +1,125 @@
+"""The object store transport's smaller guarantees, each on a real ``file://`` store: data-only codecs, keys a
+transport ignores refused, the transport registry, the If-None-Match probe, non-finite pseudo-gradients left
+out, URLs redacted, and old rounds collected."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from composer_plugins.core.errors import ConfigError
+from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback, RoundStore
+from composer_plugins.diloco.store import (
+    CorruptObjectError,
+    ObjectStore,
+    decode_tree,
+    encode_tree,
+    encode_vector,
+    pack,
+    redact_url,
+)
+from composer_plugins.diloco.transports import TRANSPORTS, get_transport
+
+
+def test_state_tree_round_trips_optimizer_state_and_refuses_what_is_not_data():
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters(), betas=(0.9, 0.95))
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"model": m.state_dict(), "opt": opt.state_dict(), "misc": [1, 2.5, None, "a", (1, 2), torch.tensor(True)]}
+    tree, body = encode_tree(state)
+    back = decode_tree(tree, body)
+    assert back["opt"]["param_groups"][0]["betas"] == (0.9, 0.95) and 0 in back["opt"]["state"]
+    assert all(torch.equal(back["model"][k], v) for k, v in m.state_dict().items())
+    torch.optim.AdamW(torch.nn.Linear(3, 2).parameters()).load_state_dict(back["opt"])
+    with pytest.raises(TypeError, match=r"state\['f'\]: a builtin_function_or_method cannot be stored"):
+        encode_tree({"f": print})
+    for bad in ({"P": pickle.dumps(1).hex()}, {"X": ["object", [1], 0, 1]}, {"X": ["float32", [4], 0, 16]}):
+        with pytest.raises(CorruptObjectError):
+            decode_tree(bad, b"\0" * 4)
+
+
+def test_keys_the_transport_ignores_are_refused_and_unknown_transports_suggested():
+    with pytest.raises(ConfigError, match="diloco.min_replica_size.*object_store does not use"):
+        DiLoCoConfig(transport="object_store", min_replica_size=2).validate()
+    with pytest.raises(ConfigError, match="diloco.compress.*torchft does not use"):
+        DiLoCoConfig(compress="int8").validate()
+    with pytest.raises(ConfigError, match="Did you mean 'object_store'"):
+        DiLoCoConfig(transport="object_stor").validate()
+    assert {t.needs for t in TRANSPORTS.values()} == {"lighthouse", "store"}
+    assert get_transport("object_store").cloud and not get_transport("torchft").cloud
+
+
+def test_store_that_ignores_if_none_match_is_refused(tmp_path, monkeypatch):
+    url = f"file://{tmp_path}/probe"
+    real = ObjectStore.put
+    monkeypatch.setattr(ObjectStore, "put", lambda self, key, data, create=False: real(self, key, data))
+    cb = ObjectStoreDiLoCoCallback(DiLoCoConfig(transport="object_store", store=url),
+                                   ReplicaInfo(run_id="probe"))  # fmt: skip
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="If-None-Match"):
+        cb.attach(m, torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_non_finite_pseudo_gradient_is_left_out(tmp_path):
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/nan"))
+    ok, bad = torch.ones(8), torch.ones(8)
+    bad[3] = float("nan")
+    for i, v in enumerate((ok, bad)):
+        rs.put_grad(0, i, 0, *encode_vector(v, "none"))
+    assert torch.equal(rs.read_grad(0, "grad-0-0", 8), ok)
+    assert rs.read_grad(0, "grad-1-0", 8) is None
+    assert rs.read_grad(0, "grad-0-0", 9) is None  # another model's size
+
+
+def test_urls_are_redacted_to_scheme_bucket_prefix():
+    assert redact_url("https://user:pw@host.example/bucket/run?sig=SECRET&se=1") == "https://host.example/bucket/run"
+    assert redact_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    with pytest.raises(ConfigError) as e:
+        DiLoCoConfig(transport="object_store", store="s4://b/p?sig=SECRET").validate()
+    assert "SECRET" not in str(e.value)
+    # what the training module saves as hyperparameters (and MLflow logs as params) goes through core's redact
+    from composer_plugins.core.config import redact
+
+    saved = redact({"diloco": {"store": "https://acct.blob.example/c/run?sv=1&sig=SECRET", "compress": "int8"}})
+    assert saved == {"diloco": {"store": "https://acct.blob.example/c/run", "compress": "int8"}}
+
+
+def test_old_states_and_pseudo_gradients_are_collected_but_manifests_stay(tmp_path):
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/gc"))
+    for r in range(5):
+        rs.put_grad(r, 0, 0, *encode_vector(torch.ones(4), "none"))
+        rs.close_round(r, {0: "grad-0-0"}, 0)
+        rs.put_state(f"state/{r:08d}", {"global_params": [torch.ones(4)]})
+    rs.collect_garbage(4, keep_rounds=2)
+    assert rs.state_rounds() == [4, 3]
+    assert all(rs.manifest(r) is not None for r in range(5))
+    assert [r for r in range(5) if rs.grads_present(r)] == [4]
+    # a planted non-data state is refused and the newest valid one used
+    rs.store.put("state/00000009", pack({"kind": "state"}, pickle.dumps({"x": 1})))
+    k, state = rs.newest_valid_state()
+    assert k == 4 and torch.equal(state["global_params"][0], torch.ones(4))
+
+
+def test_int4_is_an_eighth_of_fp32_and_error_feedback_keeps_the_sum_unbiased():
+    from composer_plugins.diloco.store import decode_vector
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(40_000, generator=g) * 1e-3
+    fp32 = len(pack(*encode_vector(v, "none")))
+    header, body = encode_vector(v, "int4")
+    assert len(pack(header, body)) <= fp32 / 8, (len(pack(header, body)), fp32)
+    once = float((decode_vector(header, body) - v).norm() / v.norm())
+    assert once < 0.2
+    # the same pseudo-gradient for 20 rounds: with the residual carried, the sum of what was sent stays within
+    # one round's rounding error of the true sum (without it, the error would grow with the rounds)
+    residual, sent = torch.zeros_like(v), torch.zeros_like(v)
+    for _ in range(20):
+        x = v + residual
+        d = decode_vector(*encode_vector(x, "int4"))
+        residual = x - d
+        sent += d
+    assert float((sent - 20 * v).norm() / (20 * v).norm()) < once / 5
