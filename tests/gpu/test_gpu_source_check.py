@@ -24,11 +24,7 @@ TREES = [ROOT / "composer_plugins", *sorted(p for p in (ROOT / "packages").glob(
 
 #: Known offenders: (path, function) -> why it is tolerated and until when. Each entry must still match a
 #: finding (a stale entry fails the test), so the list cannot outlive the bug it names.
-KNOWN_OFFENDERS: dict[tuple[str, str], str] = {
-    # diloco/ belongs to the diloco-trust helper (issue 34), whose branch moves the vector to the CPU before
-    # .numpy(). LEAD: remove this entry when merging that fix (the stale-entry check below fails until then).
-    ("composer_plugins/diloco/store.py", "encode_vector"): "`.numpy()` of the pseudo-gradient (CUDA on a GPU run)",
-}
+KNOWN_OFFENDERS: dict[tuple[str, str], str] = {}
 
 
 def _findings() -> list:
