@@ -240,7 +240,7 @@ def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
             t = p.detach().to("cpu").contiguous()
             t = t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)  # a parameter subclass: its bytes
             h.update(str(tuple(t.shape)).encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())  # device-ok: t was moved to the CPU above
             total += float(t.double().sum())
     return h.hexdigest(), total
 

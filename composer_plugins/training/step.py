@@ -102,7 +102,11 @@ class StepRecord:
         extra = {k: v for k, v in (("attention_mask", self.attention_mask),
                                    ("sampling_logprobs", self.sampling_logprobs)) if v is not None}  # fmt: skip
         n = self.completion_ids.shape[0]
-        gi = self.group_index if self.group_index is not None else torch.arange(n) // max(1, self.num_generations)
+        gi = (
+            self.group_index
+            if self.group_index is not None
+            else torch.arange(n, device=self.completion_ids.device) // max(1, self.num_generations)
+        )
         return Rollout(self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask,
                        list(self.completions), list(self.prompts), gi, self.num_generations, extra)  # fmt: skip
 

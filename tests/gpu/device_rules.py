@@ -51,7 +51,7 @@ TENSOR_METHODS = frozenset({
 SAME_DEVICE_OPS = frozenset({
     "where", "cat", "stack", "maximum", "minimum", "gather", "index_select", "masked_fill", "masked_select",
     "index_put", "scatter", "scatter_add", "take_along_dim", "matmul", "mm", "bmm", "addmm", "dot", "einsum",
-    "lerp", "clamp", "add", "sub", "mul", "div",
+    "lerp", "clamp", "add", "sub", "mul", "div", "round", "abs", "exp", "log", "sqrt", "sign",
 })  # fmt: skip
 #: The project's helpers whose ``device`` parameter defaults to the CPU: name -> its positional index.
 DEFAULT_CPU_HELPERS = {"tokenize_prompts": 3, "left_pad": 2}
@@ -130,13 +130,23 @@ class _Function:
         return [(line, v) for line, v in self.assigned.get(name, []) if line <= before]
 
 
+#: Project functions that return their tensor only if it is on the CPU (they raise otherwise) or move it there.
+HOST_GUARDS = frozenset({"host_tensor", "to_host"})
+
+
 def _on_cpu(node: ast.AST, fn: _Function, line: int, depth: int = 0) -> bool:
     """Whether ``node`` (a tensor expression) is provably on the CPU."""
     if depth > 16:
         return False
     while True:
+        if isinstance(node, ast.IfExp):  # ``a if c else b``: on the CPU when both branches are
+            return _on_cpu(node.body, fn, line, depth + 1) and _on_cpu(node.orelse, fn, line, depth + 1)
         if isinstance(node, ast.Call):
             f = node.func
+            if isinstance(f, ast.Name) and f.id in HOST_GUARDS:
+                return True
+            if isinstance(f, ast.Attribute) and f.attr == "pad" and node.args:  # F.pad(x, ...): where x is
+                return _on_cpu(node.args[0], fn, line, depth + 1)
             if isinstance(f, ast.Attribute):
                 if f.attr == "cpu":
                     return True
@@ -152,6 +162,8 @@ def _on_cpu(node: ast.AST, fn: _Function, line: int, depth: int = 0) -> bool:
                         return not _has_device_kw(node) or any(
                             _is_cpu_device(k.value) for k in node.keywords if k.arg == "device"
                         )
+                    if f.attr.endswith("_like") and node.args and not _has_device_kw(node):  # where its input is
+                        return _on_cpu(node.args[0], fn, line, depth + 1)
                     if f.attr in SAME_DEVICE_OPS:  # torch.cat([a, b]): where its tensors are
                         args = _flat_args(node)
                         return bool(args) and all(_on_cpu_or_number(a, fn, line, depth + 1) for a in args)

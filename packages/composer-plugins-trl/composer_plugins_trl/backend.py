@@ -394,7 +394,7 @@ class _RewardRecorder:
             cols[:, i] = torch.tensor(out[:n], dtype=torch.float32)
         w = weights.detach().float().cpu()[: cols.shape[1]].unsqueeze(0)
         total = (cols * w).nansum(dim=1)
-        total[torch.isnan(cols).all(dim=1)] = float("nan")
+        total[torch.isnan(cols).all(dim=1)] = float("nan")  # device-ok: cols and total are made on the CPU here
         return total
 
 
