@@ -151,7 +151,18 @@ def loss_batch(*, dtype: Any = None, pad_width: int = 0, perm: Any = None, noise
         "chosen_avg_logps": chosen / 5.0,
         "rejected_avg_logps": rejected / 7.0,
     }
+    # three teachers' top-4 over the student's vocabulary (the teacher_distill channel), from the same
+    # teacher hidden states (so padding, order and width follow the rows), teacher 2 half as sharp
+    from composer_plugins.kernels.teacher_topk import TeacherTopK
+
+    t_logits = (th.double() @ weight.T).unsqueeze(1) * torch.tensor([1.0, 1.2, 0.5], dtype=torch.float64).view(
+        1, 3, 1, 1
+    )
+    top = torch.log_softmax(t_logits, -1).topk(4, -1)
+    scored = (mask > 0).unsqueeze(1).expand(-1, 3, -1).clone()
+    teacher_scores = TeacherTopK(top.indices, top.values.to(dtype), scored, ("a", "b", "c"))
     batch = {
+        "teacher_scores": teacher_scores,
         "completion_ids": ids,
         "completion_mask": mask.to(dtype),
         "hint_mask": hint.to(dtype),
