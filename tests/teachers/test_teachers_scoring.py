@@ -45,6 +45,15 @@ def tiny(tmp_path_factory):
     return a, b
 
 
+@pytest.fixture(scope="module")
+def server(tiny):
+    """The loopback server serving model a (vLLM and SGLang scoring routes)."""
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
+
+    with RolloutServerProcess(model=str(tiny[0])) as srv:
+        yield srv
+
+
 def _requests(tok, n=len(PROMPTS)):
     out = []
     for p, c in zip(PROMPTS[:n], ANSWERS[:n], strict=True):
@@ -81,10 +90,8 @@ def test_local_scorer_is_the_models_top_k(tiny):
         torch.testing.assert_close(s.logprobs, want.values, rtol=1e-5, atol=1e-5)
 
 
-def test_server_scorer_vllm_and_sglang_shapes_match_the_local_model(tiny, tmp_path):
+def test_server_scorer_vllm_and_sglang_shapes_match_the_local_model(tiny, server, tmp_path):
     from transformers import AutoTokenizer
-
-    from composer_plugins.testing.loopback_server import RolloutServerProcess
 
     a, _ = tiny
     tok = AutoTokenizer.from_pretrained(a)
@@ -92,22 +99,22 @@ def test_server_scorer_vllm_and_sglang_shapes_match_the_local_model(tiny, tmp_pa
     local.bind(tok)
     reqs = _requests(tok, 3)
     want = local.score(reqs)
-    with RolloutServerProcess(model=str(a)) as srv:
-        for api in ("vllm", "sglang"):
-            sc = ServerScorer("tiny", srv.base_url, id=f"t-{api}", api=api, topk=4, cache=str(tmp_path / "c.db"))
-            sc.bind(tok)
-            got = sc.score(reqs)
-            for g, w in zip(got, want, strict=True):
-                assert g is not None
-                torch.testing.assert_close(g.token_ids, w.token_ids)
-                torch.testing.assert_close(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
-            again = sc.score(reqs)  # all from the cache
-            assert sc.stats.cache_hits == 3 and sc.stats.calls == 3
-            assert all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(again, got, strict=True))
-            sc.close()
+    srv = server
+    for api in ("vllm", "sglang"):
+        sc = ServerScorer("tiny", srv.base_url, id=f"t-{api}", api=api, topk=4, cache=str(tmp_path / "c.db"))
+        sc.bind(tok)
+        got = sc.score(reqs)
+        for g, w in zip(got, want, strict=True):
+            assert g is not None
+            torch.testing.assert_close(g.token_ids, w.token_ids)
+            torch.testing.assert_close(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+        again = sc.score(reqs)  # all from the cache
+        assert sc.stats.cache_hits == 3 and sc.stats.calls == 3
+        assert all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(again, got, strict=True))
+        sc.close()
 
 
-def test_kill_the_server_mid_run_nothing_scored_twice_and_budget_held(tiny, tmp_path):
+def test_kill_the_server_mid_run_nothing_scored_twice_and_budget_held(tiny, server, tmp_path):
     from transformers import AutoTokenizer
 
     from composer_plugins.teachers.cache import ReplayCache
@@ -139,11 +146,11 @@ def test_kill_the_server_mid_run_nothing_scored_twice_and_budget_held(tiny, tmp_
         first.close()
     done1 = [i for i, s in enumerate(out1) if s is not None]
     assert 0 < len(done1) < len(reqs)
-    with RolloutServerProcess(model=str(a)) as srv2:
-        second = scorer(srv2.base_url)
-        out2 = second.score(reqs)
-        second.close()
-        billed = srv2.stats()["billed"]
+    server.reset()  # the restarted server (a fresh process, counters from zero)
+    second = scorer(server.base_url)
+    out2 = second.score(reqs)
+    second.close()
+    billed = server.stats()["billed"]
     assert all(s is not None for s in out2)
     assert second.stats.cache_hits == len(done1)
     # the restarted server saw only the rows that had no answer: one request each, never a cached one
