@@ -120,6 +120,26 @@ class ChannelComposer(nn.Module):
         """True when an active channel needs reference-model log-probs."""
         return any(c.needs_reference and c.weight != 0.0 for c in self.channels)
 
+    @property
+    def active(self) -> list[LossChannel]:
+        """The channels whose weight is not zero (the ones that contribute a loss)."""
+        return [c for c in self.channels if c.weight != 0.0]  # type: ignore[misc]
+
+    def required_inputs(self) -> tuple[str, ...]:
+        """The inputs the active channels read, in order and without repeats.
+
+        Each active channel's :meth:`LossChannel.required_inputs` and, where it offers alternatives
+        (``input_options``), the keys of its first (preferred) alternative. This is what an assembler
+        of channel inputs builds (:func:`composer_plugins.training.assemble.assemble_inputs`).
+        """
+        out: list[str] = []
+        for c in self.active:
+            keys = list(c.required_inputs())
+            if c.input_options:
+                keys += list(c.input_options[0])
+            out += keys
+        return tuple(dict.fromkeys(out))
+
     def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         total: Tensor | None = None
         metrics: dict[str, Any] = {}

@@ -88,6 +88,25 @@ def tokenize_prompts(
     return ids.to(device), mask.to(device)
 
 
+def tokenize_completions(
+    tokenizer: Any, texts: Sequence[str], max_length: int, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """Right-pad ``texts`` as completions (each followed by EOS), keeping the first ``max_length`` tokens.
+
+    Padded with the tokenizer's pad token, or its EOS token when it has none.
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [[*tokenizer(t, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id][:max_length]
+            for t in texts]  # fmt: skip
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """Left-pad token-id lists into ``(ids, mask)``."""
     width = max((len(r) for r in rows), default=0)

@@ -27,12 +27,21 @@ def build_env(cfg: TrainConfig, src: Config | None = None) -> Any:
     return build_component("envs", cfg.env, key="env", cfg=src)
 
 
-def build_generator(cfg: TrainConfig, src: Config | None = None) -> Any:
-    """The rollout generator named by ``rollout.generator`` (registry kind ``rollout_generators``)."""
+def build_generator(cfg: TrainConfig, src: Config | None = None, env: Any = None) -> Any:
+    """The rollout generator named by ``rollout.generator`` (registry kind ``rollout_generators``).
+
+    With ``rollout.max_turns > 1`` and an ``env`` that has ``reset``/``step``, it is wrapped in the
+    ``multi_turn`` generator (:class:`~composer_plugins.training.multiturn.MultiTurnGenerator`).
+    """
     from composer_plugins.core.config import build_component
 
     spec = cfg.rollout.generator if cfg.rollout.generator is not None else "hf"
-    return build_component("rollout_generators", spec, key="rollout.generator", cfg=src)
+    gen = build_component("rollout_generators", spec, key="rollout.generator", cfg=src)
+    if cfg.rollout.max_turns > 1 and hasattr(env, "reset") and hasattr(env, "step"):
+        from composer_plugins.training.multiturn import MultiTurnGenerator
+
+        gen = MultiTurnGenerator(gen, max_turns=cfg.rollout.max_turns)
+    return gen
 
 
 def build_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:

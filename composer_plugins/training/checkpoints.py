@@ -21,7 +21,15 @@ from typing import Any
 
 from composer_plugins.core.errors import ComposerPluginsError
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "checkpoint_problem", "good_checkpoints", "resolve_resume"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "CheckpointError",
+    "checkpoint_problem",
+    "good_checkpoints",
+    "resolve_resume",
+    "rng_state",
+    "set_rng_state",
+]
 
 TMP_MARK = ".tmp-"
 
@@ -164,3 +172,33 @@ def _remove_dead_temps(directory: Path) -> None:
                 p.unlink()
         except PermissionError:
             pass
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch, Python and NumPy global RNG states as plain data (for a checkpoint)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    np_state = np.random.get_state()
+    py = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+
+
+def set_rng_state(state: Any) -> None:
+    """Restore what :func:`rng_state` returned."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    v, s, g = state["python"]
+    random.setstate((v, tuple(s), g))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))

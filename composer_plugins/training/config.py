@@ -210,6 +210,7 @@ class EvalSection:
     batch_size: int = 200
     k: int = 4
     num_samples: int = 4
+    #: Sampling temperature of the ``num_samples`` completions (and ``hint_uplift_samples``); 0: greedy.
     temperature: float = 0.5
     max_new_tokens: int | None = None
     seed: int = 1234
@@ -299,6 +300,8 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
             raise src.error(pre + k, f"must be >= 1, got {v}.")
     if cfg.rollout.temperature <= 0:
         raise src.error(pre + "rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}.")
+    if not cfg.eval.temperature >= 0:  # NaN included
+        raise src.error(pre + "eval.temperature", f"must be >= 0 (0: greedy samples), got {cfg.eval.temperature}.")
     _check_ranges(cfg, src, pre)
     gen = cfg.rollout.generator
     gen_name = gen.get("name") if isinstance(gen, Mapping) else gen

@@ -56,3 +56,14 @@ class Ratio(Metric):
 
     def compute(self) -> Tensor:
         return (self.num / self.den).float() if self.den > 0 else torch.tensor(float("nan"))
+
+
+def scalar_metrics(metrics: Any, prefix: str = "") -> dict[str, float]:
+    """The numeric scalars of ``metrics`` as floats (one-element tensors included, booleans not)."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if hasattr(v, "numel") and v.numel() == 1:
+            out[prefix + k] = float(v.detach().float().item())
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[prefix + k] = float(v)
+    return out

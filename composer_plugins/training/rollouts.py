@@ -48,6 +48,11 @@ def register_rollout_generators(register: Any) -> None:
         "composer_plugins.training.rollouts:ServerGenerator",
         description="An OpenAI-compatible /v1/completions server returning token ids and log-probs (vLLM, SGLang).",
     )
+    register(
+        "multi_turn",
+        "composer_plugins.training.multiturn:MultiTurnGenerator",
+        description="Tool-using envs' reset/step episodes, each turn sampled by the wrapped generator (hf).",
+    )
 
 
 class RolloutServerError(ComposerPluginsError):
@@ -61,8 +66,13 @@ class HFGenerator:
 
     def generate(self, policy: Any, tokenizer: Any, prompts: Sequence[str], num_generations: int, *, seed: int | None,
                  temperature: float, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 32,
-                 max_prompt_length: int | None = None, do_sample: bool = True) -> Any:  # fmt: skip
-        """``num_generations`` completions per prompt (``models.generation.generate_completions``)."""
+                 max_prompt_length: int | None = None, do_sample: bool = True,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None) -> Any:  # fmt: skip
+        """``num_generations`` completions per prompt (``models.generation.generate_completions``).
+
+        ``prompt_token_ids``: already tokenized prompts (``prompts`` is then ``None``), as the
+        multi-turn generator continues a trajectory from its token ids.
+        """
         from composer_plugins.models.generation import generate_completions
 
         return generate_completions(
@@ -77,6 +87,7 @@ class HFGenerator:
             do_sample=do_sample,
             seed=seed,
             max_prompt_length=max_prompt_length,
+            prompt_token_ids=prompt_token_ids,
         )
 
     def close(self) -> None:

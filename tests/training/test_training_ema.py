@@ -136,7 +136,7 @@ def test_teacher_margin_and_fraction_equal_a_full_logits_computation(make_cfg):
         _, stats = module.loss_on(rb, seed=0)
     ro, T = rb.rollout, 0.7
     policy = module.policy.eval()
-    h_ids, h_mask = tokenize_prompts(module.tokenizer, rb.hint_contexts, module.cfg.hints.max_context_length, "cpu")
+    h_ids, h_mask = tokenize_prompts(module.tokenizer, rb.hinted_contexts, module.cfg.hints.max_context_length, "cpu")
     diffs = []
     with torch.no_grad():
         for j, row in enumerate(rb.hint_rows):

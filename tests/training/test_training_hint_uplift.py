@@ -47,7 +47,7 @@ def test_make_rollout_batch_gives_the_provider_each_rows_group(make_cfg):
         assert task is tasks[i // G] and group.index == i % G and group.completion == completion
         assert list(group.completions) == rb.rollout.completions[g0 : g0 + G]
         assert list(group.rewards) == pytest.approx(rewards[g0 : g0 + G])
-    for row, ctx in zip(rb.hint_rows, rb.hint_contexts, strict=True):
+    for row, ctx in zip(rb.hint_rows, rb.hinted_contexts, strict=True):
         g0 = row - row % G
         ok = [j for j in range(g0, g0 + G) if j != row and rewards[j] >= 0.5]
         if ok:  # a demonstration from a successful sibling, never the row's own attempt
@@ -193,7 +193,7 @@ def test_multi_turn_episodes_give_demonstrations_from_their_group(make_cfg):
     m = ComposerModule(cfg, env=env, src=src)
     rb = m.make_rollout_batch(env.sample_tasks(2, "train", seed=4), seed=9)
     comps, rewards = rb.rollout.completions, rb.rewards.tolist()
-    for row, ctx in zip(rb.hint_rows, rb.hint_contexts, strict=True):
+    for row, ctx in zip(rb.hint_rows, rb.hinted_contexts, strict=True):
         g0 = row - row % 4
         first = next(j for j in range(g0, g0 + 4) if j != row and rewards[j] >= 0.5)
         assert "Correct solution:\n" + comps[first].strip() in ctx  # the episode's actions, from its own group

@@ -17,11 +17,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from composer_plugins.models.generation import tokenize_prompts
+from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
 from composer_plugins.models.logprobs import completion_forward, sequence_logprob
 from composer_plugins.training.batches import derive_seed
 from composer_plugins.training.builders import build_env
-from composer_plugins.training.module import ComposerModule, _right_pad
+from composer_plugins.training.module import ComposerModule
 from composer_plugins.training.policy import load_policy_for
 
 POLICY_LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "dppo"]
@@ -68,7 +68,9 @@ def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
     outputs = {"logprobs": lp}
     if module.needs_teacher and rb.hint_rows:
         idx = torch.tensor(rb.hint_rows)
-        h_ids, h_mask = tokenize_prompts(module.tokenizer, rb.hint_contexts, module.cfg.hints.max_context_length, "cpu")
+        h_ids, h_mask = tokenize_prompts(
+            module.tokenizer, rb.hinted_contexts, module.cfg.hints.max_context_length, "cpu"
+        )
         with torch.no_grad():
             t = completion_forward(module.policy, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx],
                                    temperature=T, return_logits=True)  # fmt: skip
@@ -81,14 +83,14 @@ def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
         pairs = [module.pairs[i] for i in random.Random(seed).sample(range(len(module.pairs)), k)]
         p_ids, p_mask = tokenize_prompts(module.tokenizer, [p["prompt"] for p in pairs] * 2,
                                          module.cfg.rollout.max_prompt_length, "cpu")  # fmt: skip
-        c_ids, c_mask = _right_pad(module.tokenizer, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
-                                   module.cfg.replay.max_completion_length, "cpu")  # fmt: skip
+        comps = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+        c_ids, c_mask = tokenize_completions(module.tokenizer, comps, module.cfg.replay.max_completion_length, "cpu")
         seq = sequence_logprob(completion_forward(module.policy, p_ids, p_mask, c_ids, c_mask).logps, c_mask.float())
         n = c_mask.sum(-1).float()
         outputs.update(chosen_logps=seq[:k], rejected_logps=seq[k:], chosen_avg_logps=seq[:k] / n[:k],
                        rejected_avg_logps=seq[k:] / n[k:])  # fmt: skip
         batch.update(chosen_lengths=n[:k], rejected_lengths=n[k:])
-        if module._required & {"ref_chosen_logps", "ref_rejected_logps"}:
+        if module.required_inputs & {"ref_chosen_logps", "ref_rejected_logps"}:
             ref = module.reference if module.reference is not None else module.policy
             with torch.no_grad():
                 r = sequence_logprob(completion_forward(ref, p_ids, p_mask, c_ids, c_mask).logps, c_mask.float())

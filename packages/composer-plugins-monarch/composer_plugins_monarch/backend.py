@@ -201,16 +201,9 @@ class TrainerActor(Actor):
             self.steps = 0
 
     def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict]:
+        # the native step on the rollout we were sent: its step record, then the assembled channel inputs
         m = self.module
-        feedback = [None] * len(rewards)
-        if hasattr(m, "loss_from_rollout"):
-            return m.loss_from_rollout(tasks, ro, rewards, feedback, seed)
-        # Same step as the native path: ComposerModule.compute_step on the rollout we were sent.
-        m.rollout = lambda _tasks, _seed: (ro, list(rewards), feedback)  # type: ignore[method-assign]
-        try:
-            return m.compute_step(tasks, seed)
-        finally:
-            del m.rollout
+        return m.loss_on(m.record_from(tasks, ro, rewards), seed)
 
     @endpoint
     async def train_step(self, tasks: list[dict[str, Any]], rollout: dict[str, Any], rewards: list[float],
