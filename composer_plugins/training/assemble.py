@@ -90,6 +90,8 @@ class StepPolicy:
         pair_prompt_length, pair_max_length: prompt and completion tokens kept per preference pair.
         importance_sampling: ``(mode, max, min)`` of the correction from a server's sampling log-probs
             (``rollout.importance_sampling``); ``None`` or mode ``off``: no correction.
+        teacher_deadline_s: how long the ``teacher_scores`` builder waits for scorers still running
+            (``None``: until they finish); a teacher past it is skipped for the batch.
     """
 
     model: Any
@@ -103,6 +105,7 @@ class StepPolicy:
     pair_prompt_length: int = 256
     pair_max_length: int = 128
     importance_sampling: tuple[str, float, float | None] | None = None
+    teacher_deadline_s: float | None = None
 
     def micro_batch(self, *tensors: Tensor) -> int | None:
         """Rows per micro-batch for sequences as long as the concatenated ``tensors``."""
@@ -204,7 +207,7 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
         out = completion_logprobs(
             p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=p.temperature,
             completion_attention_mask=r.attention_mask, micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
-            chunk_size=p.chunk_size, return_hidden=asm.wants("student_hidden"),
+            chunk_size=p.chunk_size, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"),
         )  # fmt: skip
         logps, hidden = out if isinstance(out, tuple) else (out, None)
         asm.scratch["policy_hidden"] = hidden
@@ -353,3 +356,7 @@ def pair_inputs(asm: Assembly) -> dict[str, Any]:
         ref_seq = sequence_logprob(ref_lp, c_mask.float())
         out.update(ref_chosen_logps=ref_seq[:k], ref_rejected_logps=ref_seq[k:])
     return out
+
+
+# the teacher_distill channel's builders (``teacher_scores``, ``hidden_states``) register on import
+from composer_plugins.training import teacher_scores as _teacher_scores  # noqa: E402, F401

@@ -1,0 +1,113 @@
+"""The ``teacher_distill`` channel's inputs: external teachers score the step's rollouts, in the background.
+
+* :func:`build_teacher_scoring` — a :class:`~composer_plugins.teachers.scoring.ScoringPool` of the
+  scorers the live ``teacher_distill`` channels name (``teachers:``), bound to the student's tokenizer;
+* :func:`start_teacher_scoring` — called as soon as a step's record exists (rollouts scored): submits
+  every row to every scorer and stores the **futures** in ``record.teacher_scores``; scoring then runs
+  while the trainer computes the policy's forward and the other channels' inputs;
+* the ``teacher_scores`` input builder (registered in :mod:`composer_plugins.training.assemble`'s
+  table) runs the policy's forward first (the ``hidden_states`` builder), then collects the futures
+  with ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and
+  reported (``teacher/<id>/skipped``); the scores are packed as a
+  :class:`~composer_plugins.kernels.teacher_topk.TeacherTopK` in the student's vocabulary.
+
+A trainer that holds teacher scores already (PRIME-RL's ``teacher_logprobs``; a precomputed file)
+puts the per-row lists, or a ``TeacherTopK``, in ``record.teacher_scores`` / ``record.extras``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Sequence
+from typing import Any
+
+from composer_plugins.training.assemble import Assembly, register_input_builder
+from composer_plugins.training.step import StepRecord
+
+__all__ = ["build_teacher_scoring", "score_requests", "start_teacher_scoring", "teacher_channels"]
+
+
+def teacher_channels(channels: Sequence[Any]) -> list[Any]:
+    """The live channels that name scoring teachers (``teachers:`` of ``teacher_distill``)."""
+    return [c for c in channels if getattr(c, "weight", 0.0) != 0.0 and getattr(c, "teachers", None)]
+
+
+def build_teacher_scoring(channels: Sequence[Any], tokenizer: Any) -> Any:
+    """A bound :class:`~composer_plugins.teachers.scoring.ScoringPool` of every live channel's teachers, or ``None``."""
+    from composer_plugins.teachers.scoring import ScoringPool, build_scorers
+
+    specs = [t for c in teacher_channels(channels) for t in c.teachers]
+    if not specs:
+        return None
+    pool = ScoringPool(build_scorers(specs))
+    pool.bind(tokenizer)
+    return pool
+
+
+def score_requests(record: StepRecord) -> list[Any]:
+    """One :class:`~composer_plugins.teachers.scoring.ScoreRequest` per row: prompt and completion, text and tokens."""
+    from composer_plugins.teachers.scoring import ScoreRequest
+
+    out = []
+    for i in range(record.num_rows):
+        p = record.prompt_ids[i][record.prompt_mask[i].bool()].tolist()
+        n = int(record.completion_mask[i].nonzero().max()) + 1 if bool(record.completion_mask[i].any()) else 0
+        if record.attention_mask is not None and bool(record.attention_mask[i].any()):
+            n = max(n, int(record.attention_mask[i].nonzero().max()) + 1)
+        c = record.completion_ids[i][:n].tolist()
+        out.append(ScoreRequest(record.prompts[i], record.completions[i], tuple(c), tuple(p)))
+    return out
+
+
+def start_teacher_scoring(record: StepRecord, pool: Any) -> StepRecord:
+    """Submit the record's rows to every scorer of ``pool``; ``record.teacher_scores`` holds the futures."""
+    if pool is None:
+        return record
+    job = pool.submit(score_requests(record))
+    record.teacher_scores = dict(job.futures)
+    return record
+
+
+@register_input_builder("hidden_states")
+def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
+    """The policy's final hidden states at every completion position (with grad), and its LM head.
+
+    Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
+    """
+    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+
+    r, p = asm.record, asm.policy
+    asm.get("logprobs")
+    hidden = asm.scratch.get("policy_hidden")
+    if hidden is None:
+        hidden = completion_hidden(p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                   completion_attention_mask=r.attention_mask,
+                                   micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids))  # fmt: skip
+    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
+
+
+@register_input_builder("teacher_scores")
+def teacher_scores(asm: Assembly) -> dict[str, Any]:
+    """The teachers' top-k of the record's rows as a ``TeacherTopK`` (waiting for running scorers up to the deadline)."""
+    from composer_plugins.kernels.teacher_topk import TeacherTopK
+    from composer_plugins.teachers.scoring import ScoringJob
+
+    r = asm.record
+    if asm.wants("hidden_states"):
+        asm.get("hidden_states")  # the student's forward first: scoring overlaps it
+    pending = {k: v for k, v in r.teacher_scores.items() if isinstance(v, cf.Future)}
+    if pending:
+        done, stats = ScoringJob(pending).collect(asm.policy.teacher_deadline_s)
+        asm.stats.update(stats)
+        r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
+    scores = {k: v for k, v in r.teacher_scores.items() if v is not None}
+    if not scores:
+        return {}
+    packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
+    if packed is None:
+        packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
+    n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())
+    asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)
+    # data parallel: each rank's mean over its own distilled tokens (min_agree filters per rank), which
+    # DDP then averages; a trainer that wants the union mean passes teacher_tokens_in_batch itself
+    return {"teacher_scores": packed}
