@@ -88,7 +88,7 @@ def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
 
 @register_input_builder("teacher_scores")
 def teacher_scores(asm: Assembly) -> dict[str, Any]:
-    """The teachers' top-k of the record's rows as a ``TeacherTopK`` (waiting for running scorers up to the deadline)."""
+    """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
     from composer_plugins.kernels.teacher_topk import TeacherTopK
     from composer_plugins.teachers.scoring import ScoringJob
 
