@@ -30,7 +30,13 @@ import torch
 from torch import Tensor
 
 from composer_plugins.kernels.chunked import _acc, _check_hidden, resolve_chunk_size
-from composer_plugins.kernels.divergences import TAIL_FLOOR, TEACHER_LOGPROB_FLOOR, TeacherTopKKernel, _log1mexp
+from composer_plugins.kernels.divergences import (
+    TAIL_FLOOR,
+    TEACHER_LOGPROB_FLOOR,
+    TeacherTopKKernel,
+    _log1mexp,
+    bucket_divergence,
+)
 
 
 @dataclass
@@ -355,3 +361,22 @@ def teacher_distill_reference(
     with torch.no_grad():
         _, _, cov = kernel.compute(z.detach().clone(), uid, lt, uvalid)
     return TeacherDistillOutput(per.sum() / denom, n, cov)
+
+
+def sampled_token_divergence(student_logprobs: Tensor, teacher_logprobs: Tensor, kernel: TeacherTopKKernel) -> Tensor:
+    """Per-token divergence when each side gives only its log-prob of the **sampled** token (``K = 1``).
+
+    Each token is the two-way distribution (the sampled token, everything else), as
+    :meth:`TeacherTopK.from_sampled` through :func:`chunked_teacher_distill`, but from log-probs the
+    trainer already holds (PRIME-RL's ``trainer_logprobs`` and its teacher stream): differentiable in
+    ``student_logprobs`` by autograd. ``kernel.temperature`` is not applied (the log-probs are as given).
+    """
+    s = student_logprobs.float() if student_logprobs.dtype not in (torch.float32, torch.float64) else student_logprobs
+    t = teacher_logprobs.to(s.dtype).clamp(min=TEACHER_LOGPROB_FLOOR)
+    # the rest of the mass; where the token holds it all the tail is floored without gradient (as the kernel)
+    s_top = s.clamp(max=-TAIL_FLOOR)
+    s_top = torch.where(s < -TAIL_FLOOR, s_top, s_top.detach())
+    ls = torch.stack([s, _log1mexp(s_top)], -1)
+    lt = torch.stack([t, _log1mexp(t.clamp(max=-TAIL_FLOOR))], -1)
+    valid = torch.ones_like(ls, dtype=torch.bool)
+    return bucket_divergence(ls, lt, valid, kernel.jsd_beta)[0]
