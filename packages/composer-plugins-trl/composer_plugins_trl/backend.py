@@ -162,6 +162,14 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._last_rewards_per_func: Tensor | None = None
         self._loss_calls = 0
         self.ema_teacher = self._build_ema_teacher(live)
+        # teacher_distill: external teachers score each micro-batch's completions (in the background,
+        # while the student's hidden states are computed); its inputs come from the step assembler
+        from composer_plugins.training.teacher_scores import build_teacher_scoring, teacher_channels
+
+        self._teacher_channels = [c for c in live if "teacher_scores" in _all_inputs(c)]
+        self.teacher_scoring = build_teacher_scoring(teacher_channels(live), self.processing_class)
+        ds = [c.deadline_s for c in teacher_channels(live) if getattr(c, "deadline_s", None) is not None]
+        self._teacher_deadline = min(ds) if ds else None
 
     def _build_ema_teacher(self, live: Sequence[Any]) -> Any:
         """The frozen EMA copy of the policy when a hint channel asks for ``teacher: ema`` (else ``None``)."""
@@ -344,6 +352,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
             stats.update(self._hint_inputs(model, inputs, input_ids, attention_mask, mask, outputs, batch))
         if self.needs_pairs:
             self._pair_inputs(model, outputs, batch)
+        if self._teacher_channels:
+            stats.update(self._teacher_inputs(model, inputs, mask, per_token_logps, outputs))
         loss, metrics = self.composer(outputs, batch)
         if mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
@@ -355,6 +365,37 @@ class ComposerGRPOTrainer(GRPOTrainer):
             if k != "loss" and v == v:
                 m[f"composer/{k}"].append(v)
         return loss
+
+    def _teacher_inputs(self, model: Any, inputs: Mapping[str, Any], mask: Tensor, logps: Tensor,
+                        outputs: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+        """``teacher_scores``, ``hidden_states`` and the LM head of this micro-batch, through the step assembler.
+
+        The rows become a :class:`~composer_plugins.training.step.StepRecord`; the scorers start on it at
+        once and the assembler computes the policy's hidden states (with grad) before it waits for them.
+        """
+        from composer_plugins.losses.base import ChannelComposer
+        from composer_plugins.training.assemble import StepPolicy, assemble_inputs
+        from composer_plugins.training.step import StepRecord
+        from composer_plugins.training.teacher_scores import start_teacher_scoring
+
+        tok = self.processing_class
+        c_ids, p_ids = inputs["completion_ids"], inputs["prompt_ids"]
+        rec = StepRecord(
+            tasks=[], prompts=tok.batch_decode(p_ids, skip_special_tokens=True),
+            completions=tok.batch_decode(c_ids, skip_special_tokens=True), prompt_ids=p_ids,
+            prompt_mask=inputs["prompt_mask"], completion_ids=c_ids, completion_mask=mask,
+            rewards=torch.zeros(c_ids.shape[0], device=c_ids.device), advantages=inputs["advantages"],
+            num_generations=self.num_generations,
+        )  # fmt: skip
+        start_teacher_scoring(rec, self.teacher_scoring)
+        policy = StepPolicy(model=model, tokenizer=tok, teacher_deadline_s=self._teacher_deadline)
+        built, stats = assemble_inputs(rec, ChannelComposer(self._teacher_channels), policy, given={"logprobs": logps})
+        for k in ("teacher_scores", "hidden_states", "lm_head_weight"):
+            if built.get(k) is not None:
+                outputs[k] = built[k]
+        if self.teacher_scoring is not None:
+            stats.update(self.teacher_scoring.stats())
+        return stats
 
     def _hint_inputs(self, model: Any, inputs: Mapping[str, Any], input_ids: Tensor, attention_mask: Tensor,
                      mask: Tensor, outputs: dict[str, Any], batch: dict[str, Any]) -> dict[str, float]:  # fmt: skip
