@@ -498,7 +498,10 @@ class ServerScorer(TeacherScorer):
             )
             for i, (r, (p, c, _)) in enumerate(zip(requests, toks, strict=True))
         ]
-        engine = ReplayEngine([self.client], cache=self.cache, max_usd=self.max_usd, run_id=self.run_id,
+        ceiling = self.max_usd
+        if ceiling is not None and self.cache is None:  # no ledger: the ceiling is kept across calls in memory
+            ceiling = max(0.0, ceiling - self.stats.spent_usd)
+        engine = ReplayEngine([self.client], cache=self.cache, max_usd=ceiling, run_id=self.run_id,
                               retry=RetryPolicy(max_retries=self.max_retries, backoff_base_s=0.05, backoff_max_s=2.0),
                               progress=False)  # fmt: skip
         res = asyncio.run(engine.arun(states))
