@@ -244,8 +244,7 @@ def _teacher_worker(variant: str, shape: dict[str, int], chunk: int, threads: in
     """One ``teacher_distill`` variant in this (fresh) process: time and peak memory of forward + backward."""
     import torch
 
-    from composer_plugins.kernels.teacher_topk import TeacherTopK
-    from composer_plugins.losses.teacher_distill import TeacherDistillChannel
+    from composer_plugins.losses.teacher_distill import TeacherDistillChannel, TeacherTopK
 
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()

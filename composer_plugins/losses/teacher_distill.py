@@ -34,9 +34,20 @@ from composer_plugins.kernels.divergences import TEACHER_DIVERGENCES, TeacherTop
 from composer_plugins.kernels.teacher_topk import (
     TeacherTopK,
     chunked_teacher_distill,
+    sampled_token_divergence,
     teacher_distill_reference,
 )
 from composer_plugins.losses.base import LossChannel
+
+#: Re-exported for the layers above ``losses`` (training, testing, backends), which do not import ``kernels``.
+__all__ = [
+    "TeacherDistillChannel",
+    "TeacherTopK",
+    "TeacherTopKKernel",
+    "as_teacher_topk",
+    "sampled_token_divergence",
+    "teacher_tokens",
+]
 
 
 def as_teacher_topk(value: Any) -> TeacherTopK:

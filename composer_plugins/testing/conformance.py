@@ -158,7 +158,7 @@ def loss_batch(*, dtype: Any = None, pad_width: int = 0, perm: Any = None, noise
     }
     # three teachers' top-4 over the student's vocabulary (the teacher_distill channel), from the same
     # teacher hidden states (so padding, order and width follow the rows), teacher 2 half as sharp
-    from composer_plugins.kernels.teacher_topk import TeacherTopK
+    from composer_plugins.losses.teacher_distill import TeacherTopK
 
     t_logits = (th.double() @ weight.T).unsqueeze(1) * torch.tensor([1.0, 1.2, 0.5], dtype=torch.float64).view(
         1, 3, 1, 1

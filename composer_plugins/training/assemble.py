@@ -358,5 +358,49 @@ def pair_inputs(asm: Assembly) -> dict[str, Any]:
     return out
 
 
-# the teacher_distill channel's builders (``teacher_scores``, ``hidden_states``) register on import
-from composer_plugins.training import teacher_scores as _teacher_scores  # noqa: E402, F401
+# -- the teacher_distill channel's inputs (scoring itself: composer_plugins.training.teacher_scores) ---------
+@register_input_builder("hidden_states")
+def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
+    """The policy's final hidden states at every completion position (with grad), and its LM head.
+
+    Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
+    """
+    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+
+    r, p = asm.record, asm.policy
+    asm.get("logprobs")
+    hidden = asm.scratch.get("policy_hidden")
+    if hidden is None:
+        hidden = completion_hidden(p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                   completion_attention_mask=r.attention_mask,
+                                   micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids))  # fmt: skip
+    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
+
+
+@register_input_builder("teacher_scores")
+def teacher_scores(asm: Assembly) -> dict[str, Any]:
+    """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
+    import concurrent.futures as cf
+
+    from composer_plugins.losses.teacher_distill import TeacherTopK
+    from composer_plugins.teachers.scoring import ScoringJob
+
+    r = asm.record
+    if asm.wants("hidden_states"):
+        asm.get("hidden_states")  # the student's forward first: scoring overlaps it
+    pending = {k: v for k, v in r.teacher_scores.items() if isinstance(v, cf.Future)}
+    if pending:
+        done, stats = ScoringJob(pending).collect(asm.policy.teacher_deadline_s)
+        asm.stats.update(stats)
+        r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
+    scores = {k: v for k, v in r.teacher_scores.items() if v is not None}
+    if not scores:
+        return {}
+    packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
+    if packed is None:
+        packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
+    n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())
+    asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)
+    # data parallel: each rank's mean over its own distilled tokens (min_agree filters per rank), which
+    # DDP then averages; a trainer that wants the union mean passes teacher_tokens_in_batch itself
+    return {"teacher_scores": packed}

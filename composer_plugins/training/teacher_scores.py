@@ -5,9 +5,8 @@
 * :func:`start_teacher_scoring` — called as soon as a step's record exists (rollouts scored): submits
   every row to every scorer and stores the **futures** in ``record.teacher_scores``; scoring then runs
   while the trainer computes the policy's forward and the other channels' inputs;
-* the ``teacher_scores`` input builder (registered in :mod:`composer_plugins.training.assemble`'s
-  table) runs the policy's forward first (the ``hidden_states`` builder), then collects the futures
-  with ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and
+* the ``teacher_scores`` input builder (in :mod:`composer_plugins.training.assemble`'s table) runs the
+  policy's forward first (the ``hidden_states`` builder), then collects the futures with ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and
   reported (``teacher/<id>/skipped``); the scores are packed as a
   :class:`~composer_plugins.kernels.teacher_topk.TeacherTopK` in the student's vocabulary.
 
@@ -17,11 +16,9 @@ puts the per-row lists, or a ``TeacherTopK``, in ``record.teacher_scores`` / ``r
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from collections.abc import Sequence
 from typing import Any
 
-from composer_plugins.training.assemble import Assembly, register_input_builder
 from composer_plugins.training.step import StepRecord
 
 __all__ = ["build_teacher_scoring", "score_requests", "start_teacher_scoring", "teacher_channels"]
@@ -66,48 +63,3 @@ def start_teacher_scoring(record: StepRecord, pool: Any) -> StepRecord:
     job = pool.submit(score_requests(record))
     record.teacher_scores = dict(job.futures)
     return record
-
-
-@register_input_builder("hidden_states")
-def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
-    """The policy's final hidden states at every completion position (with grad), and its LM head.
-
-    Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
-    """
-    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
-
-    r, p = asm.record, asm.policy
-    asm.get("logprobs")
-    hidden = asm.scratch.get("policy_hidden")
-    if hidden is None:
-        hidden = completion_hidden(p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                                   completion_attention_mask=r.attention_mask,
-                                   micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids))  # fmt: skip
-    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
-
-
-@register_input_builder("teacher_scores")
-def teacher_scores(asm: Assembly) -> dict[str, Any]:
-    """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
-    from composer_plugins.kernels.teacher_topk import TeacherTopK
-    from composer_plugins.teachers.scoring import ScoringJob
-
-    r = asm.record
-    if asm.wants("hidden_states"):
-        asm.get("hidden_states")  # the student's forward first: scoring overlaps it
-    pending = {k: v for k, v in r.teacher_scores.items() if isinstance(v, cf.Future)}
-    if pending:
-        done, stats = ScoringJob(pending).collect(asm.policy.teacher_deadline_s)
-        asm.stats.update(stats)
-        r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
-    scores = {k: v for k, v in r.teacher_scores.items() if v is not None}
-    if not scores:
-        return {}
-    packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
-    if packed is None:
-        packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
-    n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())
-    asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)
-    # data parallel: each rank's mean over its own distilled tokens (min_agree filters per rank), which
-    # DDP then averages; a trainer that wants the union mean passes teacher_tokens_in_batch itself
-    return {"teacher_scores": packed}

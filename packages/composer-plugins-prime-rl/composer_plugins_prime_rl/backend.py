@@ -191,8 +191,7 @@ def loss_fn(
         if teacher is None:
             teacher = getattr(inputs, "ref_logprobs", None)
         if teacher is not None:
-            from composer_plugins.kernels.divergences import TeacherTopKKernel
-            from composer_plugins.kernels.teacher_topk import sampled_token_divergence
+            from composer_plugins.losses.teacher_distill import TeacherTopKKernel, sampled_token_divergence
 
             kernel = TeacherTopKKernel(teacher_divergence, teacher_beta)
             per_token = sampled_token_divergence(trainer, teacher, kernel).to(trainer.dtype) * mask.to(trainer.dtype)
