@@ -6,9 +6,9 @@
   every row to every scorer and stores the **futures** in ``record.teacher_scores``; scoring then runs
   while the trainer computes the policy's forward and the other channels' inputs;
 * the ``teacher_scores`` input builder (in :mod:`composer_plugins.training.assemble`'s table) runs the
-  policy's forward first (the ``hidden_states`` builder), then collects the futures with ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and
-  reported (``teacher/<id>/skipped``); the scores are packed as a
-  :class:`~composer_plugins.kernels.teacher_topk.TeacherTopK` in the student's vocabulary.
+  policy's forward first (the ``hidden_states`` builder), then collects the futures with
+  ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and reported
+  (``teacher/<id>/skipped``); the scores are packed as a ``TeacherTopK`` in the student's vocabulary.
 
 A trainer that holds teacher scores already (PRIME-RL's ``teacher_logprobs``; a precomputed file)
 puts the per-row lists, or a ``TeacherTopK``, in ``record.teacher_scores`` / ``record.extras``.
