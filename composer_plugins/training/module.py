@@ -340,6 +340,10 @@ class ComposerModule(L.LightningModule):
         loss is computed once over the whole batch, so it equals the one-shot loss for every channel.
         """
         self.last_rollout = rec
+        if self.teacher_scoring is not None and not rec.teacher_scores:  # a record restored from a checkpoint
+            from composer_plugins.training.teacher_scores import start_teacher_scoring
+
+            start_teacher_scoring(rec, self.teacher_scoring)
         rec.step = self.global_step  # schedules inside channels (TAID's t) follow the optimizer step
         rec.total_steps = self.cfg.trainer.max_steps
         if self.needs_pairs and self.pairs:
