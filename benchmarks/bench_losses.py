@@ -352,7 +352,12 @@ def run_teacher(threads: int | None = None, chunk_size: int | None = None, repea
     shape["T"] = tokens if not quick else min(tokens, QUICK["T"])
     threads, repeats = threads or 1, repeats or 1
     chunk = chunk_size or 64
-    results = {v: _run_variant(v, shape, chunk, threads, repeats) for v in TEACHER_VARIANTS}
+    results = {}
+    order = sorted(TEACHER_VARIANTS, key=lambda v: "full" in v)  # the cheap chunked variants first
+    for v in order:
+        results[v] = _run_variant(v, shape, chunk, threads, repeats)
+        print(json.dumps(results[v]), file=sys.stderr, flush=True)  # each variant as it finishes
+    results = {v: results[v] for v in TEACHER_VARIANTS}
     ratios = {}
     for name, r in results.items():
         if "chunked" in name:
