@@ -182,7 +182,7 @@ def engine_rate(base_url: str, n: int, concurrency: int, cache_path: Path | None
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the three measurements; returns ``{"name", "results", "ratios", "targets"}``."""
-    from composer_plugins.teachers.loopback import LoopbackProcess
+    from composer_plugins.testing.teacher_loopback import LoopbackProcess
 
     multi = (os.cpu_count() or 1) >= 2
     points = [(0.05, 32), (0.2, 64)]  # (injected latency s, concurrency)
@@ -362,7 +362,7 @@ def _ledger(path: Path, run_id: str) -> dict[str, float]:
 def _replay_config(tmp: Path, name: str, base_url: str, key_env: str, n_states: int, **over: Any) -> Path:
     import yaml
 
-    from composer_plugins.teachers.testing import write_sample_traces
+    from composer_plugins.testing.teacher_data import write_sample_traces
 
     d = tmp / name
     traces = write_sample_traces(d / "traces.jsonl", n=n_states, wrong_every=2)
@@ -452,7 +452,7 @@ def run_faults(quick: bool = False) -> dict[str, Any]:
     import signal
     import subprocess
 
-    from composer_plugins.teachers.loopback import LoopbackProcess
+    from composer_plugins.testing.teacher_loopback import LoopbackProcess
 
     n_states = 40 if quick else 76
     key_env = "BENCH_REPLAY_FAULTS_KEY"

@@ -13,13 +13,16 @@ native path does.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.io import atomic_write_json
+from composer_plugins.training.metrics import scalar_metrics
+
+__all__ = ["Backend", "resolve_config", "scalar_metrics", "write_history"]
 
 
 def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
@@ -103,7 +106,7 @@ class Backend:
         final = dict(metrics)
         if history:
             final.update({f"train/{k}": v for k, v in history[-1].items() if k != "step"})
-        (out / "metrics.json").write_text(json.dumps(final, indent=2, default=str))
+        atomic_write_json(out / "metrics.json", final, default=str)
         return RunResult(metrics=final, output_dir=str(out), model_dir=str(model_dir), history=history)
 
 
@@ -117,14 +120,3 @@ def write_history(path: Path, rows: list[dict[str, float]]) -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-
-
-def scalar_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numeric scalars of ``metrics`` as floats (tensors with one element included)."""
-    out: dict[str, float] = {}
-    for k, v in metrics.items():
-        if hasattr(v, "numel") and v.numel() == 1:
-            out[prefix + k] = float(v.detach().float().item())
-        elif isinstance(v, int | float) and not isinstance(v, bool):
-            out[prefix + k] = float(v)
-    return out

@@ -17,12 +17,12 @@ from torch import Tensor
 
 def generate(policy: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], seed: int) -> Any:
     """Sample ``cfg.rollout.num_generations`` completions per prompt with the config's sampling settings."""
-    from composer_plugins.models.generation import generate_completions
+    from composer_plugins.training.rollouts import HFGenerator
 
     r = cfg.rollout
-    return generate_completions(
-        policy, tokenizer, list(prompts), r.num_generations, max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed, max_prompt_length=r.max_prompt_length,
+    return HFGenerator().generate(
+        policy, tokenizer, list(prompts), r.num_generations, seed=seed, temperature=r.temperature, top_p=r.top_p,
+        top_k=r.top_k, max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
     )  # fmt: skip
 
 

@@ -352,9 +352,16 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
     if accepted is not None:
         for k in kw:
             if k not in accepted and k not in entry.init_params:
+                fix = "remove it or use one of its arguments"
+                switched = cfg.override_of(f"{key}.name") if key else None
+                if switched is not None and cfg.override_of(f"{key}.{k}") is None:
+                    # `-S key.name=other` keeps the old component's arguments; -S cannot remove them, a whole spec can
+                    whole = f"-S '{key}={{name: {target}}}'"
+                    fix = (f"it is an argument of the component that the override {switched!r} replaced, and -S "
+                           f"cannot remove it: set the whole spec instead, e.g. {whole}")  # fmt: skip
                 raise cfg.error(
                     f"{key}.{k}" if key else k,
-                    f"unknown argument of {kind.removesuffix('s')} {target!r} — remove it or use one of its arguments.",
+                    f"unknown argument of {kind.removesuffix('s')} {target!r} — {fix}.",
                     valid=sorted(accepted),
                 )
     return build_located(entry, kw, key or kind, cfg)

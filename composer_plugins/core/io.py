@@ -1,19 +1,29 @@
-"""The one JSONL reader: every JSONL file of the project (tasks, pairs, traces, replay output) goes through it.
+"""File IO in one place: the one JSONL reader and the atomic writers.
 
-A malformed line raises an error located at ``file:line`` with the column and the JSON parser's
-reason; with ``objects=True`` a line that is valid JSON but not an object is refused the same way.
-Blank lines are skipped (and still counted, so line numbers match an editor's).
+Reading: every JSONL file of the project (tasks, pairs, traces, replay output) goes through
+:func:`iter_jsonl` / :func:`read_jsonl`. A malformed line raises an error located at ``file:line`` with
+the column and the JSON parser's reason; with ``objects=True`` a line that is valid JSON but not an
+object is refused the same way. Blank lines are skipped (and still counted, so line numbers match an
+editor's).
+
+Writing: every result file (``metrics.json``, predictions, replay output, checkpoints) is written
+through :func:`atomic_file` — a temporary file in the same directory, flushed and fsynced, then
+renamed over the target (``os.replace``) and the directory fsynced — so a kill leaves the previous
+file or none, never half of one. :func:`atomic_write_text`, :func:`atomic_write_json` and
+:func:`atomic_write_jsonl` are its text, JSON and JSON-lines forms.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 
 #: ``error(file, line, message)`` builds the exception a bad line raises (default :class:`ConfigError`).
 ErrorFactory = Callable[[str, "int | None", str], Exception]
@@ -71,3 +81,100 @@ def read_jsonl(
 ) -> list[Any]:
     """All values of :func:`iter_jsonl` as a list."""
     return [value for _, value in iter_jsonl(source, name, objects=objects, error=error)]
+
+
+# -- atomic writers ---------------------------------------------------------------------------------
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename inside it survives a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a file cannot be created at ``path`` (with the fix), or ``None`` when it can.
+
+    Catches what would otherwise surface as a ``FileExistsError``/``NotADirectoryError``
+    traceback: a parent that is a regular file, the path itself being a directory, or a
+    parent directory this process cannot write to.
+    """
+    p = Path(path)
+    if p.is_dir():
+        return f"{p} is a directory, not a file. HINT: give a file path inside it, e.g. {p / 'out.jsonl'}"
+    for parent in p.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                return (
+                    f"{parent} is a regular file, so {p} cannot be created under it. "
+                    f"HINT: move or delete {parent}, or choose another path"
+                )
+            if not os.access(parent, os.W_OK | os.X_OK):
+                return f"cannot create {p}: the directory {parent} is not writable. HINT: choose a writable path"
+            return None
+    return None
+
+
+def _cannot_write(p: Path, e: OSError) -> ComposerPluginsError:
+    return ComposerPluginsError(f"cannot write {p}: {path_problem(p) or f'{type(e).__name__}: {e.strerror or e}'}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], mode: str = "w", *, tmp_name: str | None = None) -> Iterator[IO[Any]]:
+    """A file to write ``path`` through: it appears at ``path`` whole when the block ends, or not at all.
+
+    ``mode`` is ``"w"`` (UTF-8 text) or ``"wb"``. ``tmp_name``: the temporary file's name in the same
+    directory (default: a unique hidden name). An ``OSError`` becomes a :class:`ComposerPluginsError`
+    that says why the path cannot be written.
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if tmp_name is None:
+            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        else:
+            tmp = str(p.parent / tmp_name)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        raise _cannot_write(p, e) from None
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _cannot_write(p, e) from None
+        raise
+    fsync_dir(p.parent)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_file`)."""
+    with atomic_file(path) as fh:
+        fh.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, **dumps: Any) -> None:
+    """Write ``obj`` as JSON (``indent=2`` unless given, a final newline) atomically."""
+    dumps.setdefault("indent", 2)
+    atomic_write_text(path, json.dumps(obj, **dumps) + "\n")
+
+
+def atomic_write_jsonl(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]], **dumps: Any) -> int:
+    """Write ``records`` as JSON lines atomically (``ensure_ascii=False`` unless given); returns how many."""
+    dumps.setdefault("ensure_ascii", False)
+    lines = [json.dumps(r, **dumps) for r in records]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return len(lines)

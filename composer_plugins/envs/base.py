@@ -29,6 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 
 __all__ = [
     "FEEDBACK_KINDS",
+    "UNJUDGED_KINDS",
     "Env",
     "Feedback",
     "Observation",
@@ -55,6 +56,11 @@ FEEDBACK_KINDS: tuple[str, ...] = (
     "unscorable",
 )
 
+#: The declared :data:`FEEDBACK_KINDS` that say the verifier could not judge the attempt (the sandbox failed, the
+#: answer could not be scored): no hint is given for them, since nothing in the attempt is known to be wrong.
+#: Hint providers ask :attr:`Feedback.needs_hint` rather than naming kinds.
+UNJUDGED_KINDS: frozenset[str] = frozenset({"sandbox_error", "unscorable"})
+
 
 @dataclass
 class Feedback:
@@ -78,6 +84,16 @@ class Feedback:
     def ok(self) -> bool:
         """True when the completion was fully correct."""
         return self.kind == "correct"
+
+    @property
+    def judged(self) -> bool:
+        """False when the verifier could not judge the attempt (a kind of :data:`UNJUDGED_KINDS`)."""
+        return self.kind not in UNJUDGED_KINDS
+
+    @property
+    def needs_hint(self) -> bool:
+        """A judged attempt that is not correct: what a hint provider answers."""
+        return not self.ok and self.judged
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for logging / JSON)."""

@@ -60,12 +60,14 @@ def sample_cmd(name: str, num: int, split: str, seed: int, options: tuple[str, .
 def score_cmd(name: str, seed: int, split: str, options: tuple[str, ...], hint_provider: str, completion_file) -> None:  # type: ignore[no-untyped-def]
     """Score a completion (from COMPLETION_FILE or stdin) on one task of env NAME; print feedback and hint."""
     from composer_plugins import build
+    from composer_plugins.envs.hints import HintRequest, build_hint_provider
 
     env = build("envs", name, **_kwargs(options))
     try:
         task = env.sample_tasks(1, split=split, seed=seed)[0]
         fb = env.score(completion_file.read(), task)
-        hint = build("hints", hint_provider).hint(fb, prompt=task["prompt"], task=task)
+        request = HintRequest(prompt=task["prompt"], feedback=fb, task=task, reward=fb.reward)
+        hint = build_hint_provider(hint_provider, key="--hint").hint(request)
         click.echo(json.dumps({"task_id": task.get("task_id"), "reward": fb.reward, "kind": fb.kind,
                                "message": fb.message, "hint": hint}, indent=2))  # fmt: skip
     finally:

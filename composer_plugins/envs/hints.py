@@ -17,17 +17,20 @@ Built-ins, from cheapest to richest (registry kind ``hints``):
 * ``demonstration``: a successful sibling's completion from the same rollout group (SDPO's
   self-teacher), with the feedback when configured or when no sibling succeeded.
 
-Providers that want the rollout group accept ``groups=`` in ``hints(...)`` (one
-:class:`SiblingGroup` or ``None`` per row) and/or ``group=`` in ``hint(...)``; callers pass them
-only to providers whose signature takes them (:func:`provider_hints`), so a provider written
-against the four-argument contract keeps working unchanged.
+One contract (as simonw/llm's register hooks: one call shape, older shapes adapted once): a provider
+gets one :class:`HintRequest` per row — prompt, completion, the env's feedback, the task, the reward and
+the row's rollout group (:class:`SiblingGroup`) — and implements ``hints(requests) -> list[str | None]``
+(:meth:`HintProvider.hint` per row is the simple form). A provider that reads the group says so with
+``reads_groups = True``. Older providers (``hint(feedback, *, prompt, completion, task[, group])`` or
+``hints(feedbacks, prompts, completions, tasks[, groups=])``, objects or plain callables) are adapted once
+when the provider is built (:func:`build_hint_provider` / :func:`as_hint_provider`); nothing inspects a
+signature per call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import inspect
 import json
@@ -46,17 +49,18 @@ __all__ = [
     "ChainHintProvider",
     "DemonstrationHintProvider",
     "HintProvider",
+    "HintRequest",
     "LLMTeacherHintProvider",
     "RawErrorHintProvider",
     "SiblingGroup",
     "TemplateHintProvider",
-    "accepts_keyword",
+    "as_hint_provider",
     "build_hint_provider",
     "build_teacher_context",
     "hint_request_messages",
-    "provider_hints",
+    "hint_requests",
+    "reads_groups",
     "sibling_groups",
-    "wants_groups",
 ]
 
 #: Hint text per feedback kind. Fields: any key of ``feedback.details`` plus ``message`` and the
@@ -163,129 +167,182 @@ def sibling_groups(completions: Sequence[Any], rewards: Sequence[float], group_s
     return out
 
 
-@functools.lru_cache(maxsize=512)
-def _takes_keyword(fn: Any, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    p = params.get(name)
-    if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-        return True
-    return any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
+@dataclass(frozen=True)
+class HintRequest:
+    """What a hint provider is asked about one row: a failed (or any) completion and its context.
 
-
-def accepts_keyword(fn: Any, name: str) -> bool:
-    """Whether the callable ``fn`` takes the keyword ``name`` (by name, or through ``**kwargs``).
-
-    Looked up once per function (a bound method counts as its function, a callable object as
-    its class's ``__call__``), so the per-row calls of a rollout pay nothing.
+    Attributes:
+        prompt: the prompt the completion answers (text or chat messages).
+        completion: the student's completion (text or chat messages).
+        feedback: the env's :class:`~composer_plugins.envs.base.Feedback` on it (``None``: none).
+        task: the task dict (the env's fields: ``answer``, ``tests`` ...).
+        reward: the completion's reward.
+        group: the row's rollout group (its siblings and their rewards), ``None`` when not sampled.
     """
-    target = getattr(fn, "__func__", fn)
-    if not inspect.isfunction(target):
-        call = vars(type(target)).get("__call__")  # a callable object: its class's __call__
-        target = call if inspect.isfunction(call) else target
-    try:
-        return _takes_keyword(target, name)
-    except TypeError:  # an unhashable callable: inspect it without the cache
-        return bool(_takes_keyword.__wrapped__(target, name))
+
+    prompt: Any = None
+    completion: Any = None
+    feedback: Feedback | None = None
+    task: Mapping[str, Any] | None = None
+    reward: float | None = None
+    group: SiblingGroup | None = None
 
 
-def wants_groups(provider: Any) -> bool:
-    """Whether ``provider`` reads the rollout group (its ``hints`` takes ``groups=`` or its ``hint`` ``group=``).
-
-    A caller that must do extra work to build the groups (gather them across processes) asks first.
-    """
-    hints_fn = getattr(provider, "hints", None)
-    if callable(hints_fn) and getattr(hints_fn, "__func__", None) is not HintProvider.hints:
-        return accepts_keyword(hints_fn, "groups")  # its own batch method decides
-    fn = getattr(provider, "hint", None) or provider
-    return callable(fn) and accepts_keyword(fn, "group")
-
-
-def provider_hints(
-    provider: Any,
-    feedbacks: Sequence[Any],
-    prompts: Sequence[Any] | None = None,
-    completions: Sequence[Any] | None = None,
-    tasks: Sequence[Mapping[str, Any]] | None = None,
-    groups: Sequence[SiblingGroup | None] | None = None,
-) -> list[str | None]:
-    """Hints of any provider: a :class:`HintProvider`, an object with ``hints``/``hint``, or a plain callable.
-
-    ``groups`` (one :class:`SiblingGroup` or ``None`` per row) reaches the provider only if its
-    ``hints`` takes ``groups=`` (or its ``hint`` takes ``group=``); providers written without
-    them are called exactly as before.
-    """
-    n = len(feedbacks)
-    if groups is not None and len(groups) != n:
-        raise ValueError(f"{len(groups)} groups for {n} rows")
-    hints_fn = getattr(provider, "hints", None)
-    if callable(hints_fn):
-        if groups is not None and accepts_keyword(hints_fn, "groups"):
-            return list(hints_fn(feedbacks, prompts, completions, tasks, groups=groups))
-        return list(hints_fn(feedbacks, prompts, completions, tasks))
-    fn = getattr(provider, "hint", None) or provider
-    with_group = groups is not None and accepts_keyword(fn, "group")
-    out: list[str | None] = []
-    for i in range(n):
-        kw: dict[str, Any] = {
-            "prompt": prompts[i] if prompts else None,
-            "completion": completions[i] if completions else None,
-            "task": tasks[i] if tasks else None,
-        }
-        if with_group:
-            kw["group"] = groups[i]  # type: ignore[index]
-        out.append(fn(feedbacks[i], **kw))
-    return out
+def _needs_hint(feedback: Feedback | None) -> bool:
+    """A failed attempt the env judged (not correct, not one the verifier could not judge)."""
+    return feedback is not None and feedback.needs_hint
 
 
 class HintProvider:
-    """Base class: ``hint(feedback, prompt=..., completion=..., task=...) -> str | None``.
+    """Base class of hint providers: ``hint(request) -> str | None`` per row, ``hints(requests)`` per batch.
 
-    ``None`` means "no hint" (the completion was correct, or nothing useful can be said).
-    A subclass that needs the rollout group adds ``group: SiblingGroup | None = None`` to
-    ``hint`` (the batch :meth:`hints` then passes each row's group to it).
+    ``None`` means "no hint" (the completion was correct, or nothing useful can be said). Providers
+    that call models override :meth:`hints` (concurrent calls); providers that read the rollout
+    group set ``reads_groups = True`` (callers then gather the group's siblings across processes).
     """
 
     name: ClassVar[str] = "hint"
+    #: True when the provider reads :attr:`HintRequest.group`.
+    reads_groups: ClassVar[bool] = False
 
-    def hint(
-        self, feedback: Feedback, *, prompt: Any = None, completion: Any = None, task: Mapping[str, Any] | None = None
-    ) -> str | None:
+    def hint(self, request: HintRequest) -> str | None:
         """One hint."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement hint(request) or hints(requests)")
 
-    async def ahint(
-        self, feedback: Feedback, *, prompt: Any = None, completion: Any = None, task: Mapping[str, Any] | None = None
-    ) -> str | None:
+    async def ahint(self, request: HintRequest) -> str | None:
         """Async :meth:`hint` (the default just calls it)."""
-        return self.hint(feedback, prompt=prompt, completion=completion, task=task)
+        return self.hint(request)
 
-    def hints(
-        self,
-        feedbacks: Sequence[Feedback],
-        prompts: Sequence[Any] | None = None,
-        completions: Sequence[Any] | None = None,
-        tasks: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        groups: Sequence[SiblingGroup | None] | None = None,
-    ) -> list[str | None]:
-        """Hints for a batch (providers that call models do this concurrently).
+    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
+        """Hints for a batch of requests, one per request."""
+        return [self.hint(r) for r in requests]
 
-        ``groups`` reaches :meth:`hint` as ``group=`` when the subclass's ``hint`` takes it.
-        """
-        return provider_hints(_HintOnly(self.hint), feedbacks, prompts, completions, tasks, groups)
-
-    def __call__(self, feedback: Feedback, **kw: Any) -> str | None:
-        return self.hint(feedback, **kw)
+    def __call__(self, request: HintRequest) -> str | None:
+        return self.hint(request)
 
 
-class _HintOnly:
-    """Expose only a ``hint`` callable, so :func:`provider_hints` loops over rows with it."""
+# -- older provider shapes, adapted once when the provider is built ---------------------------------
+class _LegacyRows(HintProvider):
+    """A ``hint(feedback, *, prompt, completion, task[, group])`` callable behind the request contract."""
 
-    def __init__(self, hint: Any) -> None:
-        self.hint = hint
+    name = "legacy"
+
+    def __init__(self, fn: Any, with_group: bool, source: Any) -> None:
+        self.fn, self.with_group, self.source = fn, with_group, source
+        self.reads_groups = with_group  # type: ignore[misc]
+
+    def hint(self, request: HintRequest) -> str | None:
+        kw: dict[str, Any] = {"prompt": request.prompt, "completion": request.completion, "task": request.task}
+        if self.with_group:
+            kw["group"] = request.group
+        return self.fn(request.feedback, **kw)  # type: ignore[no-any-return]
+
+
+class _LegacyBatch(HintProvider):
+    """A ``hints(feedbacks, prompts, completions, tasks[, groups=])`` method behind the request contract."""
+
+    name = "legacy"
+
+    def __init__(self, fn: Any, with_groups: bool, source: Any) -> None:
+        self.fn, self.with_groups, self.source = fn, with_groups, source
+        self.reads_groups = with_groups  # type: ignore[misc]
+
+    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
+        cols = ([r.feedback for r in requests], [r.prompt for r in requests], [r.completion for r in requests],
+                [r.task for r in requests])  # fmt: skip
+        if self.with_groups:
+            return list(self.fn(*cols, groups=[r.group for r in requests]))
+        return list(self.fn(*cols))
+
+    def hint(self, request: HintRequest) -> str | None:
+        return self.hints([request])[0]
+
+
+def _params(fn: Any) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _takes(params: Sequence[inspect.Parameter], name: str) -> bool:
+    return any(p.name == name and p.kind is not p.VAR_POSITIONAL for p in params) or any(
+        p.kind is p.VAR_KEYWORD for p in params
+    )
+
+
+def _first_is(params: Sequence[inspect.Parameter], name: str) -> bool:
+    return bool(params) and params[0].name == name
+
+
+def as_hint_provider(obj: Any) -> HintProvider:
+    """``obj`` behind the one request contract, adapted once (at build time, never per call).
+
+    Accepted: a provider with ``hints(requests)`` / ``hint(request)`` (returned as is); the older
+    shapes — an object with ``hints(feedbacks, prompts, completions, tasks[, groups=])`` or
+    ``hint(feedback, *, prompt, completion, task[, group])``, or such a plain callable — wrapped.
+    """
+    if isinstance(obj, HintProvider):
+        cls = type(obj)
+        own_hints = cls.hints is not HintProvider.hints
+        own_hint = cls.hint is not HintProvider.hint
+        if own_hints and not _first_is(_params(obj.hints), "requests"):
+            return _LegacyBatch(obj.hints, _takes(_params(obj.hints), "groups"), obj)
+        if own_hint and not own_hints and not _first_is(_params(obj.hint), "request"):
+            return _LegacyRows(obj.hint, _takes(_params(obj.hint), "group"), obj)
+        return obj
+    hints_fn = getattr(obj, "hints", None)
+    if callable(hints_fn):
+        if _first_is(_params(hints_fn), "requests"):
+            return _Wrapped(obj, batch=hints_fn)
+        return _LegacyBatch(hints_fn, _takes(_params(hints_fn), "groups"), obj)
+    fn = getattr(obj, "hint", None) or obj
+    if not callable(fn):
+        raise TypeError(f"{obj!r} is not a hint provider: give an object with hints(requests) or hint(request)")
+    if _first_is(_params(fn), "request"):
+        return _Wrapped(obj, row=fn)
+    return _LegacyRows(fn, _takes(_params(fn), "group"), obj)
+
+
+class _Wrapped(HintProvider):
+    """A duck-typed provider (not a :class:`HintProvider` subclass) already on the request contract."""
+
+    name = "wrapped"
+
+    def __init__(self, source: Any, *, batch: Any = None, row: Any = None) -> None:
+        self.source, self._batch, self._row = source, batch, row
+        self.reads_groups = bool(getattr(source, "reads_groups", False))  # type: ignore[misc]
+
+    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
+        if self._batch is not None:
+            return list(self._batch(list(requests)))
+        return [self._row(r) for r in requests]
+
+    def hint(self, request: HintRequest) -> str | None:
+        return self.hints([request])[0]
+
+
+def reads_groups(provider: Any) -> bool:
+    """Whether ``provider`` (built by :func:`build_hint_provider`) reads the rollout group."""
+    return bool(getattr(provider, "reads_groups", False))
+
+
+def hint_requests(feedbacks: Sequence[Any], prompts: Sequence[Any] | None = None,
+                  completions: Sequence[Any] | None = None, tasks: Sequence[Mapping[str, Any]] | None = None,
+                  groups: Sequence[SiblingGroup | None] | None = None) -> list[HintRequest]:  # fmt: skip
+    """One :class:`HintRequest` per row from columns (the rows' rewards taken from their groups)."""
+    n = len(feedbacks)
+    for what, col in (("prompts", prompts), ("completions", completions), ("tasks", tasks), ("groups", groups)):
+        if col is not None and len(col) != n:
+            raise ValueError(f"{len(col)} {what} for {n} rows")
+    out = []
+    for i in range(n):
+        g = groups[i] if groups is not None else None
+        out.append(HintRequest(prompt=prompts[i] if prompts is not None else None,
+                               completion=completions[i] if completions is not None else None,
+                               feedback=feedbacks[i], task=tasks[i] if tasks is not None else None,
+                               reward=g.reward if g is not None else None, group=g))  # fmt: skip
+    return out
 
 
 class TemplateHintProvider(HintProvider):
@@ -317,10 +374,9 @@ class TemplateHintProvider(HintProvider):
         self.reveal_answer = reveal_answer
         self.default = default
 
-    def hint(
-        self, feedback: Feedback, *, prompt: Any = None, completion: Any = None, task: Mapping[str, Any] | None = None
-    ) -> str | None:
-        if feedback.ok or feedback.kind in ("unscorable", "sandbox_error"):
+    def hint(self, request: HintRequest) -> str | None:
+        feedback = request.feedback
+        if feedback is None or not feedback.needs_hint:
             return None
         tpl = self.templates.get(feedback.kind, self.default)
         if tpl is None:
@@ -344,10 +400,9 @@ class RawErrorHintProvider(HintProvider):
         self.max_chars = max_chars
         self.reveal_answer = reveal_answer
 
-    def hint(
-        self, feedback: Feedback, *, prompt: Any = None, completion: Any = None, task: Mapping[str, Any] | None = None
-    ) -> str | None:
-        if feedback.ok or feedback.kind in ("unscorable", "sandbox_error"):
+    def hint(self, request: HintRequest) -> str | None:
+        feedback = request.feedback
+        if feedback is None or not feedback.needs_hint:
             return None
         d = feedback.details or {}
         parts: list[str] = []
@@ -468,13 +523,12 @@ class LLMTeacherHintProvider(HintProvider):
         generate = getattr(self.teacher, "generate", None) or complete
         return _result_text(await asyncio.to_thread(generate, messages))
 
-    async def ahint(
-        self, feedback: Feedback, *, prompt: Any = None, completion: Any = None, task: Mapping[str, Any] | None = None
-    ) -> str | None:
-        if feedback.ok or feedback.kind in ("unscorable", "sandbox_error"):
+    async def ahint(self, request: HintRequest) -> str | None:
+        feedback = request.feedback
+        if feedback is None or not feedback.needs_hint:
             return None
         messages = hint_request_messages(
-            feedback, prompt=prompt, completion=completion, reveal_answer=self.reveal_answer,
+            feedback, prompt=request.prompt, completion=request.completion, reveal_answer=self.reveal_answer,
             system_prompt=self.system_prompt,
         )  # fmt: skip
         text = ""
@@ -483,9 +537,7 @@ class LLMTeacherHintProvider(HintProvider):
         except Exception as e:  # a failing teacher must not stop training: fall back
             self.errors.append(f"{type(e).__name__}: {e}")
         if not text:
-            return (
-                self.fallback.hint(feedback, prompt=prompt, completion=completion, task=task) if self.fallback else None
-            )
+            return self.fallback.hints([request])[0] if self.fallback else None
         return _short(text, self.max_chars)
 
     def _run(self, coro: Any) -> Any:
@@ -506,34 +558,21 @@ class LLMTeacherHintProvider(HintProvider):
                 self._loop = loop
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def hint(
-        self, feedback: Feedback, *, prompt: Any = None, completion: Any = None, task: Mapping[str, Any] | None = None
-    ) -> str | None:
-        return self._run(self.ahint(feedback, prompt=prompt, completion=completion, task=task))
+    def hint(self, request: HintRequest) -> str | None:
+        return self._run(self.ahint(request))  # type: ignore[no-any-return]
 
-    def hints(
-        self,
-        feedbacks: Sequence[Feedback],
-        prompts: Sequence[Any] | None = None,
-        completions: Sequence[Any] | None = None,
-        tasks: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[str | None]:
+    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
         sem_holder: dict[str, asyncio.Semaphore] = {}
 
-        async def one(i: int) -> str | None:
+        async def one(r: HintRequest) -> str | None:
             sem = sem_holder.setdefault("s", asyncio.Semaphore(self.max_concurrency))
             async with sem:
-                return await self.ahint(
-                    feedbacks[i],
-                    prompt=prompts[i] if prompts else None,
-                    completion=completions[i] if completions else None,
-                    task=tasks[i] if tasks else None,
-                )
+                return await self.ahint(r)
 
         async def all_() -> list[str | None]:
-            return list(await asyncio.gather(*(one(i) for i in range(len(feedbacks)))))
+            return list(await asyncio.gather(*(one(r) for r in requests)))
 
-        return self._run(all_())
+        return self._run(all_())  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Close the teacher (``aclose``) and stop the event loop thread."""
@@ -557,18 +596,11 @@ class ChainHintProvider(HintProvider):
         if not providers:
             raise ValueError("chain needs at least one provider")
         self.providers = [build_hint_provider(p) for p in providers]
+        self.reads_groups = any(reads_groups(p) for p in self.providers)  # type: ignore[misc]
 
-    def hint(
-        self,
-        feedback: Feedback,
-        *,
-        prompt: Any = None,
-        completion: Any = None,
-        task: Mapping[str, Any] | None = None,
-        group: SiblingGroup | None = None,
-    ) -> str | None:
+    def hint(self, request: HintRequest) -> str | None:
         for p in self.providers:
-            h = provider_hints(p, [feedback], [prompt], [completion], [task], None if group is None else [group])[0]
+            h = p.hints([request])[0]
             if h:
                 return h
         return None
@@ -580,6 +612,7 @@ DEMONSTRATION_TEMPLATE = "Correct solution:\n{demonstration}{feedback}\n\nCorrec
 FEEDBACK_TEMPLATE = "The following is feedback from your unsuccessful earlier attempt:\n{feedback}"
 _PICKS = ("first", "shortest", "random")
 _FALLBACKS = ("feedback", "none")
+_ROWS = ("failed", "all")
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -630,9 +663,13 @@ class DemonstrationHintProvider(HintProvider):
         feedback: the provider that turns the env's feedback into text (name, config dict or
             object; ``raw_error`` by default, ``template`` for the fixed texts).
         strip_thinking: drop ``<think>...</think>`` blocks from the demonstration.
+        rows: which rows get a hint: ``failed`` (the rows below the success threshold) or ``all``
+            (SDPO's rule: every row with a successful sibling other than itself, successful rows
+            included; a row without one gets the feedback fallback only if it failed).
     """
 
     name = "demonstration"
+    reads_groups = True
 
     def __init__(
         self,
@@ -647,8 +684,10 @@ class DemonstrationHintProvider(HintProvider):
         fallback: str = "feedback",
         feedback: Any = "raw_error",
         strip_thinking: bool = True,
+        rows: str = "failed",
     ) -> None:
         self.pick = _choice(pick, _PICKS, "pick")
+        self.rows = _choice(rows, _ROWS, "rows")
         self.fallback = _choice(fallback, _FALLBACKS, "fallback")
         if int(max_chars) < 1:
             raise ValueError(f"max_chars must be at least 1, got {max_chars!r}")
@@ -687,30 +726,24 @@ class DemonstrationHintProvider(HintProvider):
         text = text.strip()
         return text if len(text) <= self.max_chars else text[: self.max_chars - 3].rstrip() + "..."
 
-    def _feedback_text(self, feedback: Feedback, prompt: Any, completion: Any, task: Any) -> str | None:
-        return provider_hints(self.feedback_provider, [feedback], [prompt], [completion], [task])[0]
+    def _feedback_text(self, request: HintRequest) -> str | None:
+        return self.feedback_provider.hints([request])[0]
 
-    def hint(
-        self,
-        feedback: Feedback,
-        *,
-        prompt: Any = None,
-        completion: Any = None,
-        task: Mapping[str, Any] | None = None,
-        group: SiblingGroup | None = None,
-    ) -> str | None:
-        if feedback is not None and (feedback.ok or feedback.kind in ("unscorable", "sandbox_error")):
-            return None
-        if group is not None and group.reward >= self._threshold(group):
+    def hint(self, request: HintRequest) -> str | None:
+        feedback, group = request.feedback, request.group
+        succeeded = group is not None and group.reward >= self._threshold(group)
+        if succeeded and self.rows == "failed":
             return None  # the row itself succeeded: nothing to correct
+        if not succeeded and feedback is not None and not feedback.needs_hint:
+            return None  # correct by the env's judgement, or not judged at all
         j = self.pick_sibling(group) if group is not None else None
         if j is None:
-            if self.fallback == "none" or feedback is None:
+            if succeeded or self.fallback == "none" or feedback is None:
                 return None
-            return self._feedback_text(feedback, prompt, completion, task)
+            return self._feedback_text(request)
         fb = ""
-        if self.include_feedback and feedback is not None:
-            text = self._feedback_text(feedback, prompt, completion, task)
+        if self.include_feedback and feedback is not None and not succeeded:
+            text = self._feedback_text(request)
             fb = "\n\n" + self.feedback_template.format(feedback=text) if text else ""
         demo = self._demonstration(group.completions[j])  # type: ignore[union-attr]
         if not demo:
@@ -721,15 +754,14 @@ class DemonstrationHintProvider(HintProvider):
         return text.strip() or None
 
 
-def build_hint_provider(spec: Any) -> HintProvider:
-    """A hint provider from a name (``"template"``), ``{"name": ..., **kwargs}`` or an object."""
-    if isinstance(spec, HintProvider) or (
-        not isinstance(spec, str | Mapping) and callable(getattr(spec, "hint", None))
-    ):
-        return spec  # type: ignore[no-any-return]
-    from composer_plugins.core.config import build_component
+def build_hint_provider(spec: Any, key: str = "hints") -> HintProvider:
+    """A hint provider on the request contract from a name (``"template"``), ``{"name": ..., **kwargs}`` or an
+    object (a provider, or an older-shape provider or callable, adapted once here: :func:`as_hint_provider`)."""
+    if isinstance(spec, str | Mapping):
+        from composer_plugins.core.config import build_component
 
-    return build_component("hints", spec, key="hints")  # type: ignore[no-any-return]
+        spec = build_component("hints", spec, key=key)
+    return as_hint_provider(spec)
 
 
 def _insert_before_cue(text: str, block: str) -> str:

@@ -72,7 +72,7 @@ class HintDistillChannel(LossChannel):
     * ``taid``: TAID's interpolated forward KL; the channel owns a :class:`TAIDScheduler` (saved in
       ``state_dict``) and steps it after each training forward (``auto_step``);
     * ``entropy_opd``: reverse KL + ``fkl_weight``·forward KL where the teacher's entropy exceeds
-      ``entropy_threshold`` (optionally over the teacher's ``top_k``).
+      ``entropy_threshold`` (optionally over the teacher's ``fkl_topk`` most likely tokens).
 
     With ``topk: K`` every criterion is evaluated on ``K + 1``-way distributions instead of the
     vocabulary (SDPO's top-k distillation, Hübotter et al. 2026): per token, the student's ``K``
@@ -90,8 +90,9 @@ class HintDistillChannel(LossChannel):
         t_start, t_end, alpha, taid_beta, adaptive, total_steps: TAID schedule (upstream defaults).
         auto_step: step the TAID schedule in ``forward`` while ``training``; set False to call
             ``channel.scheduler.step(loss, global_step, total_steps)`` yourself.
-        entropy_threshold, fkl_weight, top_k: entropy-aware OPD parameters (``top_k``: the teacher's
-            top-k of the forward-KL term, not the ``topk`` below).
+        entropy_threshold, fkl_weight, fkl_topk: entropy-aware OPD parameters (``fkl_topk``: the teacher's
+            top-k of the forward-KL term, not the ``topk`` below). ``top_k`` is its old name, accepted with
+            a deprecation warning.
         topk: ``K`` for top-k distillation with a tail bucket (None: the full vocabulary). The top-k
             ids are the student's (as SDPO); the teacher is gathered at them. ``jsd``: the generalised
             JSD of the two ``K+1``-way distributions; ``taid``: TAID's target and cross-entropy on
@@ -140,7 +141,7 @@ class HintDistillChannel(LossChannel):
         auto_step: bool = True,
         entropy_threshold: float = 0.8,
         fkl_weight: float = 1.0,
-        top_k: int | None = None,
+        fkl_topk: int | None = None,
         grad_mode: str = "precompute",
         kernels: str = "auto",
         teacher: str = "live",
@@ -149,7 +150,20 @@ class HintDistillChannel(LossChannel):
         is_clip: float | None = None,
         name: str | None = None,
         label: str | None = None,
+        top_k: int | None = None,
     ) -> None:
+        if top_k is not None:
+            import warnings
+
+            if fkl_topk is not None:
+                raise ValueError("give fkl_topk only (top_k is its deprecated name)")
+            warnings.warn(
+                "hint_distill: top_k is deprecated, write fkl_topk (the entropy_opd forward-KL's teacher top-k); "
+                "topk is the top-k + tail distillation",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            fkl_topk = top_k
         if teacher not in TEACHERS:
             raise ValueError(f"unknown hint_distill teacher {teacher!r}; valid: {', '.join(TEACHERS)}")
         if isinstance(ema_rate, bool) or not isinstance(ema_rate, int | float) or not 0.0 < ema_rate <= 1.0:
@@ -176,8 +190,8 @@ class HintDistillChannel(LossChannel):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if chunk_size is not None and int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1 (or null: chosen from the vocabulary), got {chunk_size}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if fkl_topk is not None and fkl_topk < 1:
+            raise ValueError(f"fkl_topk must be >= 1 or None, got {fkl_topk}")
         if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
             raise ValueError(
                 f"topk must be an integer >= 1 (e.g. 100, as SDPO) or null for the full vocabulary, got {topk!r}"
@@ -197,7 +211,7 @@ class HintDistillChannel(LossChannel):
         self.auto_step = bool(auto_step)
         self.entropy_threshold = float(entropy_threshold)
         self.fkl_weight = float(fkl_weight)
-        self.top_k = top_k
+        self.fkl_topk = fkl_topk
         self.grad_mode = grad_mode
         self.kernels = kernels
         self.teacher = teacher
@@ -224,7 +238,7 @@ class HintDistillChannel(LossChannel):
                 "entropy_opd",
                 entropy_threshold=self.entropy_threshold,
                 fkl_weight=self.fkl_weight,
-                top_k=self.top_k,
+                top_k=self.fkl_topk,
                 temperature=tau,
             )
         return with_topk(base, self.topk, self.temperature)

@@ -24,7 +24,7 @@ from typing import Any
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.core.io import read_jsonl
+from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl, read_jsonl
 from composer_plugins.pipeline import study
 from composer_plugins.training import tracking
 
@@ -39,15 +39,8 @@ PATHS_REPLAY = {"traces": "data/traces.jsonl", "cache": "data/teacher_cache/cach
 
 
 def write_jsonl(path: str | os.PathLike[str], rows: Iterable[Mapping[str, Any]]) -> int:
-    """Write ``rows`` as JSONL (parents created); returns the number of rows."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with p.open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) + "\n")
-            n += 1
-    return n
+    """Write ``rows`` as JSONL atomically (parents created, keys sorted); returns the number of rows."""
+    return atomic_write_jsonl(path, rows, sort_keys=True, default=str)
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -263,7 +256,7 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
         "reward_mean": sum(rewards) / len(rewards),
         "accuracy": sum(x >= thr for x in rewards) / len(rewards),
     }
-    Path(str(out) + ".stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    atomic_write_json(Path(str(out) + ".stats.json"), stats)
     return stats
 
 
@@ -356,7 +349,7 @@ def pairs(params: Mapping[str, Any], traces: str | os.PathLike[str], cache: str 
         rc = parse_config(src)
         summary = run_replay(rc, src)
     stats_path = Path(out).with_suffix(".stats.json")
-    stats_path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write_json(stats_path, summary, sort_keys=True, default=str)
     return summary
 
 
@@ -561,7 +554,7 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
         "metrics": metrics,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(out, result, sort_keys=True)
     run_id = log_eval_run(params, cfg, result, artifacts=[out, *([history] if history else [])])
     if run_id:
         result["mlflow_run_id"] = run_id
@@ -682,7 +675,7 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
     header = "# Ablation: loss channels on/off × seeds (held-out, mean ± sample std over seeds)\n\n"
     study.write_text(table_out, header + table + "\n")
     paired_text = _paired_report(params, out, evals_dir, runs_dir, metrics_names)
-    Path(metrics_out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(metrics_out, out, sort_keys=True)
     paired_out = Path(table_out).with_name("paired.md")
     study.write_text(paired_out, paired_text)
     _log_report(params, out, [metrics_out, table_out, paired_out, pdir])

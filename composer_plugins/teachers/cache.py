@@ -134,7 +134,7 @@ class ReplayCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            from composer_plugins.teachers.io import path_problem
+            from composer_plugins.core.io import path_problem
 
             raise CacheError(
                 f"cannot create the replay cache {self.path}: "

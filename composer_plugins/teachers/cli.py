@@ -197,8 +197,7 @@ def states_cmd(paths: tuple[str, ...], fmt: str, limit: int | None, jsonl: bool)
 )
 def normalize_cmd(in_path: str, out_path: str, recipe: str | None) -> None:
     """Run the data-juicer recipe over a pairs JSONL file."""
-    from composer_plugins.core.io import read_jsonl
-    from composer_plugins.teachers.io import atomic_write_jsonl
+    from composer_plugins.core.io import atomic_write_jsonl, read_jsonl
     from composer_plugins.teachers.normalize import normalize_pairs
 
     try:

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.core.io import read_jsonl
-from composer_plugins.teachers.io import atomic_write_jsonl
+from composer_plugins.core.io import atomic_write_jsonl, read_jsonl
 from composer_plugins.teachers.pairs import normalize_action
 
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "pairs.yaml"

@@ -176,8 +176,8 @@ def record_to_file(
 ) -> dict[str, Any]:
     """Load the HF policy at ``policy_path``, build env ``env_name``, record, write JSONL; returns a summary."""
     import composer_plugins
+    from composer_plugins.core.io import atomic_write_jsonl
     from composer_plugins.teachers.hf import HFTeacher
-    from composer_plugins.teachers.io import atomic_write_jsonl
 
     env = composer_plugins.build("envs", env_name, **dict(env_args or {}))
     policy = HFTeacher(policy_path, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)

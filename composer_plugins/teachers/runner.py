@@ -156,7 +156,7 @@ def parse_config(cfg: Config) -> ReplayConfig:
 
 def _check_paths(rc: ReplayConfig, cfg: Config) -> None:
     """Refuse, before any call is paid for, a cache or output path that cannot be created."""
-    from composer_plugins.teachers.io import path_problem
+    from composer_plugins.core.io import path_problem
 
     paths = [("cache.path", rc.cache.path)] if rc.cache.enabled else []
     paths += [(f"output.{k}", getattr(rc.output, k)) for k in ("pairs", "raw_pairs", "responses", "summary")]
@@ -232,8 +232,8 @@ def run_replay(
     fresh_budget: bool | None = None,
 ) -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (also written to ``output.summary`` if set)."""
+    from composer_plugins.core.io import atomic_write_jsonl, atomic_write_text
     from composer_plugins.teachers.cache import ReplayCache
-    from composer_plugins.teachers.io import atomic_write_jsonl, atomic_write_text
     from composer_plugins.teachers.pairs import extract_pairs
     from composer_plugins.teachers.traces import load_traces
 

@@ -412,6 +412,6 @@ def load_traces(
 
 def write_openai_jsonl(path: str | os.PathLike[str], conversations: Sequence[Mapping[str, Any]]) -> None:
     """Write conversations (``{"id", "messages", "metadata"}``) as OpenAI-messages JSONL, atomically."""
-    from composer_plugins.teachers.io import atomic_write_jsonl
+    from composer_plugins.core.io import atomic_write_jsonl
 
     atomic_write_jsonl(path, conversations)

@@ -15,7 +15,9 @@ built-in plugins only) is a pytest fixture: ``from composer_plugins.testing impo
 ``conftest.py`` makes it available.
 
 Test doubles live here too: :mod:`composer_plugins.testing.loopback_server` (a real HTTP inference server
-over HF ``generate`` for the ``server`` rollout generator, in its own process).
+over HF ``generate`` for the ``server`` rollout generator, in its own process),
+:mod:`composer_plugins.testing.teacher_loopback` (the teachers' OpenAI-compatible loopback server with
+fault injection) and :mod:`composer_plugins.testing.teacher_data` (a tiny local chat model, sample traces).
 ``composer_plugins.testing.hf_jobs_hub.FakeJobsHub`` (imported on its own) is a loopback stand-in for the
 Hugging Face Hub's jobs endpoints that runs each job as a local process (``--executor hf_jobs`` without an
 account).

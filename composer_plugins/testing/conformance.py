@@ -11,11 +11,11 @@ its provider and what broke. :func:`check` dispatches on the kind.
 * envs: seeded ``sample_tasks`` (a ``prompt`` per task, same seed same tasks); ``reward`` gives one
   finite float or ``None`` per completion, also for empty and non-string completions; ``reset`` /
   ``step`` give results :func:`composer_plugins.core.steps.step_result` reads, and the episode ends.
-* hints: ``hint``/``hints`` give ``None`` or a string for a failed and a passed completion, called
-  as the four-argument contract and again with each row's rollout group (``groups=``/``group=``,
-  passed only where the signature takes them); no hint repeats the row's own completion (a
-  teacher conditioned on it teaches the student to copy itself), and the same rows give the
-  same hints.
+* hints: through the one request contract (older provider shapes adapted once, as training builds
+  them), ``hints(requests)`` gives ``None`` or a string for a failed and a passed completion, without
+  and with each row's rollout group in its :class:`~composer_plugins.envs.hints.HintRequest`; no hint
+  repeats the row's own completion (a teacher conditioned on it teaches the student to copy itself),
+  and the same rows give the same hints.
 * teachers: an answer through the replay engine with a cache: cost within the worst-case
   reservation (the budget's bound) and equal to the usage priced; the same states again are all
   cache hits and cost nothing; ``cache_params`` is JSON and the same for the same settings; a
@@ -296,31 +296,29 @@ def check_env(name: str, registry: Any = None, **build_kwargs: Any) -> None:
 def check_hint_provider(name: str, registry: Any = None, **build_kwargs: Any) -> None:
     """Hint-provider conformance (see the module docstring)."""
     from composer_plugins.envs.base import Feedback
-    from composer_plugins.envs.hints import provider_hints, sibling_groups
+    from composer_plugins.envs.hints import as_hint_provider, hint_requests, sibling_groups
 
     entry = _entry("hints", name, registry)
-    provider = entry.build(**build_kwargs)
+    provider = as_hint_provider(entry.build(**build_kwargs))  # older shapes adapted once, as training does
     task = {"prompt": "What is 2 + 3?", "answer": "5"}
     wrong = Feedback(
         kind="wrong_answer", message="expected 5, got 6", details={"expected": "5", "got": "6"}, reward=0.0
     )
     right = Feedback(kind="correct", reward=1.0)
-    if not (callable(getattr(provider, "hints", None)) or callable(getattr(provider, "hint", None))):
-        raise _fail(entry, "has neither hints(feedbacks, prompts, completions, tasks) nor hint(feedback, ...)")
     # each completion has a phrase no feedback mentions, so a hint built from it is recognisable
     own_wrong = "Two plus three makes six, I think.\n#### 6"
     own_right = "Adding three to two gives five.\n#### 5"
     sibling_ok = "Counting on from two: three, four, five.\n#### 5"
     args = ([wrong, right], [task["prompt"]] * 2, [own_wrong, own_right], [task, task])
-    out = provider_hints(provider, *args)
+    out = provider.hints(hint_requests(*args))
     if len(out) != 2 or not all(h is None or isinstance(h, str) for h in out):
-        raise _fail(entry, f"hints must be one string or None per completion, got {out!r}")
+        raise _fail(entry, f"hints(requests) must give one string or None per request, got {out!r}")
     # the rollout group: the failed row 0, the passing row 1, a passing sibling and a failed one
     group = sibling_groups([own_wrong, own_right, sibling_ok, "#### 7"], [0.0, 1.0, 1.0, 0.0], 4, 1.0)
-    with_groups = [provider_hints(provider, *args, groups=group[:2]) for _ in range(2)]
+    with_groups = [provider.hints(hint_requests(*args, groups=group[:2])) for _ in range(2)]
     out = with_groups[0]
     if len(out) != 2 or not all(h is None or isinstance(h, str) for h in out):
-        raise _fail(entry, f"with groups=, hints must be one string or None per completion, got {out!r}")
+        raise _fail(entry, f"with groups, hints(requests) must give one string or None per request, got {out!r}")
     for h, own in zip(out, (own_wrong, own_right), strict=True):
         if h and own.split("\n")[0] in h:
             raise _fail(entry, f"a hint repeats the row's own completion {own!r}: {h!r}; use a sibling's instead")

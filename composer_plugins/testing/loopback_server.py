@@ -21,7 +21,7 @@ local policy, in its own process::
   ``save_pretrained`` folder and serve it from the next request on.
 * The teachers' loopback control routes and fault injection (``GET /_stats``, ``POST /_config``,
   ``POST /_reset``; faults ``429``, ``500``/``502``/``503``, ``timeout``, ``malformed``, ``drop``
-  planned per request identity, see :mod:`composer_plugins.teachers.loopback`).
+  planned per request identity, see :mod:`composer_plugins.testing.teacher_loopback`).
 
 It prints ``LISTENING <port>`` once ready; :class:`RolloutServerProcess` starts and stops it.
 """
@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from composer_plugins.teachers.loopback import LoopbackProcess, LoopbackServer, ServerConfig
+from composer_plugins.testing.teacher_loopback import LoopbackProcess, LoopbackServer, ServerConfig
 
 
 def _json_bytes(obj: Any) -> bytes:

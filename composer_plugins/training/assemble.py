@@ -32,10 +32,13 @@ from composer_plugins.core.errors import ComposerPluginsError, closest
 from composer_plugins.training.step import StepRecord
 
 __all__ = [
+    "HINT_INPUTS",
     "INPUT_BUILDERS",
+    "PAIR_INPUTS",
     "Assembly",
     "InputBuilder",
     "MissingInputError",
+    "Needs",
     "StepPolicy",
     "assemble_inputs",
     "register_input_builder",
@@ -50,6 +53,18 @@ INPUT_BUILDERS: dict[str, InputBuilder] = {}
 #: Inputs built for every step whatever the channels declare (cheap: read from the record).
 ALWAYS = ("completion_mask", "completion_ids", "advantages", "rewards", "num_generations", "group_index",
           "global_step", "total_steps")  # fmt: skip
+
+
+class Needs:
+    """The inputs a trainer's own loss reads, declared as a composer's active channels would declare them
+    (for adapters whose loss is the upstream trainer's: VeRL, PRIME-RL)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = tuple(names)
+        self.channels: list[Any] = []
+
+    def required_inputs(self) -> tuple[str, ...]:
+        return self.names
 
 
 class MissingInputError(ComposerPluginsError):
@@ -199,19 +214,20 @@ def record_fields(asm: Assembly) -> dict[str, Any]:
 def policy_logprobs(asm: Assembly) -> dict[str, Any]:
     """The policy's per-token log-probs of the completions (with grad, chunked from hidden states), the
     sampling-time ones, and the importance-sampling correction from an inference server's."""
-    from composer_plugins.models.logprobs import completion_logprobs
+    from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad
 
     r, p = asm.record, asm.policy
     logps = asm.values.get("logprobs")
-    if logps is None and (asm.wants("logprobs") or asm.wants("inference_logprobs") or r.old_logprobs is None):
-        out = completion_logprobs(
-            p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=p.temperature,
-            completion_attention_mask=r.attention_mask, micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
-            chunk_size=p.chunk_size, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"),
-        )  # fmt: skip
+    args = (p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    kw = {"temperature": p.temperature, "completion_attention_mask": r.attention_mask,
+          "micro_batch_size": p.micro_batch(r.prompt_ids, r.completion_ids), "chunk_size": p.chunk_size}  # fmt: skip
+    old = r.old_logprobs
+    if logps is None and asm.wants("logprobs"):
+        out = completion_logprobs(*args, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"), **kw)
         logps, hidden = out if isinstance(out, tuple) else (out, None)
         asm.scratch["policy_hidden"] = hidden
-    old = r.old_logprobs if r.old_logprobs is not None else (logps.detach() if logps is not None else None)
+    if old is None:  # the sampling-time log-probs: this forward's, detached (or one without gradient)
+        old = logps.detach() if logps is not None else completion_logprobs_no_grad(*args, **kw)
     values: dict[str, Any] = {"logprobs": logps, "old_logprobs": old}
     sampling = r.sampling_logprobs
     if sampling is None:
@@ -320,6 +336,26 @@ def _margin_stat(diff_sum: float, tokens: float, tokens_in_batch: float | None) 
     size, so the ranks' average is the union mean); absent when no rank hinted a token."""
     n = tokens if tokens_in_batch is None else float(tokens_in_batch)
     return {"hint/teacher_margin": diff_sum / n} if n > 0 else {}
+
+
+@register_input_builder("hint_teacher_logprobs")
+def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
+    """Per-token log-probs of the sampled tokens under the hint teacher on the hinted rows, the policy's own
+    (sampling-time) elsewhere: PRIME-RL's ``opsd`` reference stream. ``None`` when no row was hinted."""
+    from composer_plugins.models.generation import tokenize_prompts
+    from composer_plugins.models.logprobs import completion_logprobs_no_grad
+
+    r, p = asm.record, asm.policy
+    rows = r.hint_rows
+    if not rows:
+        return {"hint_teacher_logprobs": None}
+    ref = asm.get("old_logprobs").clone()
+    idx = torch.tensor(rows, device=r.completion_ids.device)
+    h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, r.completion_ids.device)
+    scorer = getattr(p.teacher, "policy", p.teacher) if p.teacher is not None else p.model
+    ref[idx] = completion_logprobs_no_grad(scorer, h_ids, h_mask, r.completion_ids[idx], r.completion_mask[idx],
+                                           temperature=p.temperature, chunk_size=p.chunk_size)  # fmt: skip
+    return {"hint_teacher_logprobs": ref}
 
 
 PAIR_INPUTS = ("chosen_logps", "rejected_logps", "chosen_avg_logps", "rejected_avg_logps", "chosen_lengths",

@@ -4,14 +4,13 @@
 train and validation "dataloaders"; :func:`task_drawer` / :func:`eval_batches` build them from the config
 (env generator or JSONL). :func:`task_prompt`, :func:`env_rewards`, :func:`teacher_contexts`,
 :func:`rollout_groups` and :func:`load_pairs` are the task-level helpers the native loop and the
-backends share; :class:`RolloutBatch` is one step's scored rollouts.
+backends share; one step's scored rollouts are a :class:`~composer_plugins.training.step.StepRecord`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +18,6 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
-from composer_plugins.models.generation import Rollout
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.distributed import world
 
@@ -152,24 +150,29 @@ def insert_hint(prompt: str, hint: str) -> str:
 def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str],
                      feedbacks: Sequence[Any] | None = None,
                      groups: Sequence[Any] | None = None) -> list[str | None]:  # fmt: skip
-    """Hinted teacher contexts for failed completions (``None`` where the provider gives no hint).
+    """Hinted teacher contexts for the given rows (``None`` where the provider gives no hint).
 
-    The provider is a hint provider (``hints(feedbacks, prompts, completions, tasks)`` or
-    ``hint(feedback, prompt=, completion=, task=)``) or a plain callable with that signature;
-    the feedback comes from the env (``env.feedback``) unless given (multi-turn episodes).
-    ``groups`` (one :class:`~composer_plugins.envs.hints.SiblingGroup` per row: its rollout
-    group's completions and rewards) reaches providers that take ``groups=`` / ``group=``.
+    ``provider`` is a hint provider on the request contract (built by
+    :func:`~composer_plugins.envs.hints.build_hint_provider`, which adapts older shapes once); it gets
+    one :class:`~composer_plugins.envs.hints.HintRequest` per row. The feedback comes from the env
+    (``env.feedback``) unless given (multi-turn episodes); ``groups`` (one
+    :class:`~composer_plugins.envs.hints.SiblingGroup` per row) carries the rows' siblings and rewards.
     """
-    from composer_plugins.envs.hints import provider_hints
+    from composer_plugins.envs.hints import HintProvider, hint_requests
 
+    if not isinstance(provider, HintProvider):
+        raise TypeError(f"{type(provider).__name__} is not a built hint provider: build it once with "
+                        "composer_plugins.envs.hints.build_hint_provider(...)")  # fmt: skip
     feedbacks = list(feedbacks) if feedbacks is not None else [None] * len(tasks)
     fbs = [
         fb if fb is not None else env_feedback(env, t, c)
         for fb, t, c in zip(feedbacks, tasks, completions, strict=True)
     ]
     prompts = [task_prompt(t) for t in tasks]
-    hints = provider_hints(provider, fbs, prompts, list(completions), list(tasks),
-                           list(groups) if groups is not None else None)  # fmt: skip
+    requests = hint_requests(fbs, prompts, list(completions), list(tasks), list(groups) if groups is not None else None)
+    hints = provider.hints(requests)
+    if len(hints) != len(requests):
+        raise ValueError(f"{type(provider).__name__}.hints returned {len(hints)} hints for {len(requests)} requests")
     return [insert_hint(p, str(h)) if h else None for p, h in zip(prompts, hints, strict=True)]
 
 
@@ -190,13 +193,6 @@ def rollout_groups(completions: Sequence[Any], rewards: Sequence[float] | Tensor
     return sibling_groups(list(completions), values, group_size, success_threshold)
 
 
-def provider_reads_groups(provider: Any) -> bool:
-    """True when the hint ``provider`` reads rollout groups (so a caller gathers the siblings only then)."""
-    from composer_plugins.envs.hints import wants_groups
-
-    return bool(wants_groups(provider))
-
-
 def load_pairs(path: str | Path) -> list[dict[str, str]]:
     """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
     from composer_plugins.core.errors import ConfigError
@@ -209,47 +205,6 @@ def load_pairs(path: str | Path) -> list[dict[str, str]]:
             raise ConfigError(f"preference pair lacks {missing}", file=str(path), line=n)
         pairs.append(row)
     return pairs
-
-
-@dataclass
-class RolloutBatch:
-    """Scored rollouts of one step: what the loss needs besides the current policy's forward."""
-
-    tasks: list[Mapping[str, Any]]
-    rollout: Rollout
-    rewards: Tensor
-    advantages: Tensor
-    old_logprobs: Tensor | None = None
-    ref_logprobs: Tensor | None = None
-    #: Rows (failed completions) that got a hint, and their teacher contexts.
-    hint_rows: list[int] = field(default_factory=list)
-    hint_contexts: list[str] = field(default_factory=list)
-
-    def state(self) -> dict[str, Any]:
-        """Plain data (tensors, lists) for a checkpoint."""
-        ro = self.rollout
-        return {
-            "tasks": [dict(t) for t in self.tasks],
-            "rollout": {
-                "prompt_ids": ro.prompt_ids, "prompt_mask": ro.prompt_mask, "completion_ids": ro.completion_ids,
-                "completion_mask": ro.completion_mask, "completions": list(ro.completions),
-                "prompts": list(ro.prompts), "group_index": ro.group_index, "num_generations": ro.num_generations,
-                "extra": {k: v for k, v in ro.extra.items() if isinstance(v, Tensor)},
-            },
-            "rewards": self.rewards, "advantages": self.advantages, "old_logprobs": self.old_logprobs,
-            "ref_logprobs": self.ref_logprobs, "hint_rows": list(self.hint_rows),
-            "hint_contexts": list(self.hint_contexts),
-        }  # fmt: skip
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> RolloutBatch:
-        """Inverse of :meth:`state`."""
-        r = dict(state["rollout"])
-        extra = r.pop("extra", {})
-        ro = Rollout(**r)
-        ro.extra.update(extra)
-        kw = {k: v for k, v in state.items() if k != "rollout"}
-        return cls(rollout=ro, **kw)
 
 
 def env_tasks(env: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:

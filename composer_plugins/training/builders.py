@@ -47,10 +47,25 @@ def build_generator(cfg: TrainConfig, src: Config | None = None, env: Any = None
 def build_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
     """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``)."""
     from composer_plugins.core.config import build_component
+    from composer_plugins.envs.hints import as_hint_provider
 
     if cfg.hints.provider is None:
         raise (src or Config()).error("hints.provider", "a hint-distillation channel is on but no provider is set.")
-    return build_component("hints", cfg.hints.provider, key="hints.provider", cfg=src)
+    return as_hint_provider(build_component("hints", cfg.hints.provider, key="hints.provider", cfg=src))
+
+
+def hint_provider_from(spec: Any, key: str = "hint_provider") -> Any:
+    """A hint provider on the request contract from a spec or object (older shapes adapted once); for backends."""
+    from composer_plugins.envs.hints import build_hint_provider as build
+
+    return build(spec, key=key)
+
+
+def reads_groups(provider: Any) -> bool:
+    """Whether a built hint provider reads the rollout group (a trainer gathers the siblings only then)."""
+    from composer_plugins.envs.hints import reads_groups as reads
+
+    return reads(provider)
 
 
 def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.io import atomic_file
 
 __all__ = [
     "AtomicCheckpointIO",
     "CheckpointError",
     "checkpoint_problem",
     "good_checkpoints",
+    "load_policy_weights",
     "resolve_resume",
     "rng_state",
     "set_rng_state",
@@ -140,23 +142,8 @@ class AtomicCheckpointIO(_load_torch_io()):  # type: ignore[misc]
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_dead_temps(target.parent)
-        tmp = target.with_name(f"{target.name}{TMP_MARK}{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        with contextlib.suppress(OSError):  # make the rename itself durable
-            fd = os.open(target.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        with atomic_file(target, "wb", tmp_name=f"{target.name}{TMP_MARK}{os.getpid()}") as f:
+            torch.save(checkpoint, f)
 
 
 def _remove_dead_temps(directory: Path) -> None:
@@ -202,3 +189,38 @@ def set_rng_state(state: Any) -> None:
     random.setstate((v, tuple(s), g))
     n = state["numpy"]
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+
+
+def load_policy_weights(policy: Any, path: str | os.PathLike[str]) -> None:
+    """Load the policy weights of a ``ComposerModule`` Lightning checkpoint into ``policy``, strictly.
+
+    A checkpoint whose ``policy.*`` weights do not fit ``policy`` (keys missing or unexpected, shapes that
+    differ) raises a :class:`CheckpointError` naming the file and the first offending keys, instead of
+    loading part of it.
+    """
+    import torch
+
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem} — give a .ckpt written by `composer-plugins train`")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a Lightning checkpoint (no state_dict) — give a .ckpt written by "
+                              "`composer-plugins train`, or a save_pretrained directory")  # fmt: skip
+    weights = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
+    own = policy.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    shapes = sorted(k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape))
+    if missing or unexpected or shapes:
+        parts = []
+        for what, keys in (("missing", missing), ("unexpected", unexpected)):
+            if keys:
+                more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
+                parts.append(f"{what} {', '.join(keys[:3])}{more}")
+        parts += [f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
+                  for k in shapes[:3]]  # fmt: skip
+        raise CheckpointError(f"{path} does not fit the configured model ({'; '.join(parts)}) — evaluate it with "
+                              "the config it was trained with (its model section and model.name_or_path)")  # fmt: skip
+    policy.load_state_dict(weights, strict=True)

@@ -5,10 +5,8 @@ YAML file may say; :func:`load_train_config` / :func:`loads_train_config` read Y
 ``key.sub=value`` overrides and ``$env`` secrets, fill the default component specs and validate, raising a
 located :class:`~composer_plugins.core.errors.ConfigError` (file:line, key, valid keys, did-you-mean).
 :func:`channel_spec` is the one parser of a ``losses.<key>`` entry (the native loop, the backends and the
-pipeline all use it). The vocabularies the validation needs (strategy names, SFT hint kinds) live here too,
-so this module imports nothing else of the training stack at load time. Over 600 lines because the
-schema's field comments are its documentation; splitting the sections from their validation would put
-one key in two rooms.
+pipeline all use it). The strategy names the validation needs live here too; the numeric ranges are
+:mod:`composer_plugins.training.limits`.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.models.tiny import TinyModelConfig
+from composer_plugins.training.limits import check_ranges
 
 
 @dataclass
@@ -302,7 +301,7 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
         raise src.error(pre + "rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}.")
     if not cfg.eval.temperature >= 0:  # NaN included
         raise src.error(pre + "eval.temperature", f"must be >= 0 (0: greedy samples), got {cfg.eval.temperature}.")
-    _check_ranges(cfg, src, pre)
+    check_ranges(cfg, src, pre)
     gen = cfg.rollout.generator
     gen_name = gen.get("name") if isinstance(gen, Mapping) else gen
     if cfg.rollout.max_turns > 1 and gen_name not in (None, "hf"):
@@ -318,7 +317,7 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
         )
     strat = cfg.trainer.strategy
     if isinstance(strat, str) and "." not in strat and strat.strip().lower() not in strategy_names():
-        raise _unknown_strategy(strat, src, pre + "trainer.strategy")
+        raise unknown_strategy(strat, src, pre + "trainer.strategy")
     devices = cfg.trainer.devices
     if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
         if cfg.rollout.prompts_per_step % devices:
@@ -341,51 +340,6 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
     check_component_name("hints", cfg.hints.provider, pre + "hints.provider", src)
     check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
-
-
-def _check_ranges(cfg: TrainConfig, src: Config, pre: str) -> None:
-    """Numbers a run cannot use, refused at load with ``file:line: key: problem — fix``."""
-
-    def need(key: str, ok: bool, value: Any, problem: str, fix: str) -> None:
-        if not ok:
-            raise src.error(pre + key, f"{problem}, got {value!r} — {fix}.")
-
-    for key, value, default in (("optim.lr", cfg.optim.lr, 2e-5), ("sft.lr", cfg.sft.lr, 3e-3)):
-        need(key, value > 0, value, "a learning rate must be > 0", f"use a small positive number such as {default:g}")
-    kinds = cfg.sft.hint_kinds
-    if kinds is not None:
-        need("sft.hint_kinds", isinstance(kinds, Mapping) and bool(kinds), kinds, "must map hint kinds to shares",
-             "e.g. {feedback: 0.5, demonstration: 0.5}")  # fmt: skip
-        for k, v in kinds.items():
-            if k not in SFT_HINT_KINDS:
-                raise src.error(pre + f"sft.hint_kinds.{k}", "unknown hint kind.", valid=SFT_HINT_KINDS)
-            need(f"sft.hint_kinds.{k}", isinstance(v, int | float) and v >= 0, v, "a share must be a number >= 0",
-                 "use e.g. 0.5")  # fmt: skip
-        need("sft.hint_kinds", sum(kinds.values()) > 0, kinds, "the shares sum to 0", "give one share > 0")
-    for key, value in (("sft.batch_size", cfg.sft.batch_size), ("sft.num_examples", cfg.sft.num_examples),
-                       ("sft.max_length", cfg.sft.max_length)):  # fmt: skip
-        need(key, value >= 1, value, "must be >= 1", "use a positive integer")
-    need("sft.steps", cfg.sft.steps >= 0, cfg.sft.steps, "must be >= 0",
-         "use a number of optimizer steps, or sft.enabled: false to skip the warm start")  # fmt: skip
-    need("sft.warmup_steps", cfg.sft.warmup_steps >= 0, cfg.sft.warmup_steps, "must be >= 0", "use 0 for no warmup")
-    need("optim.warmup_steps", cfg.optim.warmup_steps >= 0, cfg.optim.warmup_steps, "must be >= 0",
-         "use 0 for no warmup")  # fmt: skip
-    t = cfg.trainer
-    need("trainer.checkpoint_every_n_steps", t.checkpoint_every_n_steps >= 0, t.checkpoint_every_n_steps,
-         "must be >= 0", "use 0 to write no checkpoints, or N to write one every N steps")  # fmt: skip
-    need("trainer.keep_checkpoints", t.keep_checkpoints >= -1, t.keep_checkpoints, "must be >= -1",
-         "use -1 to keep every checkpoint, or how many to keep")  # fmt: skip
-    tiny = cfg.model.tiny
-    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-              "max_position_embeddings"):  # fmt: skip
-        v = getattr(tiny, f)
-        need(f"model.tiny.{f}", v >= 1, v, "must be >= 1", "use a positive integer")
-    need("model.tiny.num_heads", tiny.hidden_size % tiny.num_heads == 0, tiny.num_heads,
-         f"must divide model.tiny.hidden_size ({tiny.hidden_size})",
-         f"use one of {[h for h in range(1, tiny.hidden_size + 1) if tiny.hidden_size % h == 0][:12]}")  # fmt: skip
-    need("model.tiny.num_kv_heads", tiny.num_heads % tiny.num_kv_heads == 0, tiny.num_kv_heads,
-         f"must divide model.tiny.num_heads ({tiny.num_heads})",
-         f"use one of {[h for h in range(1, tiny.num_heads + 1) if tiny.num_heads % h == 0]}")  # fmt: skip
 
 
 class ChannelSpec(NamedTuple):
@@ -496,10 +450,6 @@ def config_to_yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(redact(to_dict(cfg)), sort_keys=False)
 
 
-#: What a hinted SFT example can carry (``sft.hint_kinds``).
-SFT_HINT_KINDS = ("feedback", "demonstration")
-
-
 #: Strategy names this config accepts besides Lightning's registered ones.
 STRATEGY_SHORTHANDS: tuple[str, ...] = ("auto", "ddp", "fsdp")
 
@@ -511,7 +461,7 @@ def strategy_names() -> list[str]:
     return sorted({*STRATEGY_SHORTHANDS, *StrategyRegistry.available_strategies()})
 
 
-def _unknown_strategy(name: str, src: Config, key: str) -> ConfigError:
+def unknown_strategy(name: str, src: Config, key: str) -> ConfigError:
     from composer_plugins.core.errors import closest
 
     valid = strategy_names()

@@ -138,3 +138,29 @@ def barrier() -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def fsdp_root(trainer: Any) -> Any:
+    """The trainer's FSDP-wrapped root module, or ``None`` (no trainer, or another strategy)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = getattr(getattr(trainer, "strategy", None), "model", None) if trainer is not None else None
+    return model if isinstance(model, FSDP) else None
+
+
+def full_params(trainer: Any, recurse: bool = False) -> Any:
+    """A context in which the policy's parameters are whole (FSDP: gathered; otherwise nothing to do).
+
+    ``recurse=False`` gathers only the root unit (embeddings, LM head): the wrapped decoder layers
+    gather their own on each forward, as TRL samples under FSDP. ``recurse=True`` gathers all
+    (saving the weights for an inference server).
+    """
+    import contextlib
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    root = fsdp_root(trainer)
+    # inside the training/validation forward FSDP has already gathered the root unit's parameters
+    if root is not None and getattr(getattr(root, "training_state", None), "name", "IDLE") == "IDLE":
+        return FSDP.summon_full_params(root, writeback=False, recurse=recurse)
+    return contextlib.nullcontext()

@@ -81,7 +81,7 @@ def hint_uplift(module: Any, tasks: Sequence[Mapping[str, Any]], greedy: Sequenc
     Returns the counts ``failures``, ``hinted`` (got a hint), ``fixed`` (hinted and then solved) and
     per-row details for the predictions file.
     """
-    from composer_plugins.envs.hints import wants_groups as reads_groups
+    from composer_plugins.envs.hints import reads_groups
 
     cfg = module.cfg
     e = cfg.eval

@@ -28,18 +28,15 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from composer_plugins.training.assemble import StepPolicy, assemble_inputs
+from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy, assemble_inputs
 from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, task_prompt
 from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
-from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, world
+from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, fsdp_root, full_params, world
 from composer_plugins.training.metrics import PassAtK, Ratio, scalar_metrics
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
-
-#: Inputs of the replay channels (a live channel reading one of them needs preference pairs).
-PAIR_KEYS = frozenset({"chosen_logps", "rejected_logps", "chosen_avg_logps", "rejected_avg_logps"})
 
 
 class ComposerModule(L.LightningModule):
@@ -94,7 +91,11 @@ class ComposerModule(L.LightningModule):
         self.ema_teacher: EMATeacher | None = EMATeacher(self.policy, ema_rate) if teacher == "ema" else None
         self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
-        self.needs_pairs = bool(self.required_inputs & PAIR_KEYS)
+        self.needs_pairs = bool(self.required_inputs & set(PAIR_INPUTS))
+        if hint_provider is not None:
+            from composer_plugins.envs.hints import build_hint_provider as hint_provider_from
+
+            hint_provider = hint_provider_from(hint_provider, key="hint_provider")
         self.hint_provider = hint_provider
         if self.needs_teacher and self.hint_provider is None:
             self.hint_provider = build_hint_provider(cfg, src)
@@ -141,32 +142,15 @@ class ComposerModule(L.LightningModule):
         return self._reference[0] if self._reference else None
 
     def full_params(self, recurse: bool = False) -> Any:
-        """A context in which the policy's parameters are whole (FSDP: gathered; otherwise nothing to do).
-
-        ``recurse=False`` gathers only the root unit (embeddings, LM head): the wrapped decoder layers
-        gather their own on each forward, as TRL samples under FSDP. ``recurse=True`` gathers all
-        (saving the weights for an inference server).
-        """
-        import contextlib
-
-        trainer = self._trainer
-        model = getattr(getattr(trainer, "strategy", None), "model", None) if trainer is not None else None
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        # inside the training/validation forward FSDP has already gathered the root unit's parameters
-        idle = getattr(getattr(model, "training_state", None), "name", "IDLE") == "IDLE"
-        if isinstance(model, FSDP) and idle:
-            return FSDP.summon_full_params(model, writeback=False, recurse=recurse)
-        return contextlib.nullcontext()
+        """:func:`~composer_plugins.training.distributed.full_params` under this module's trainer."""
+        return full_params(self._trainer, recurse)
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
         """Lightning's clipping; under FSDP a norm clip goes through ``FSDP.clip_grad_norm_`` (the global norm)."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        model = getattr(self._trainer.strategy, "model", None) if self._trainer is not None else None
-        if isinstance(model, FSDP) and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            model.clip_grad_norm_(float(gradient_clip_val))
+        root = fsdp_root(self._trainer)
+        if root is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            root.clip_grad_norm_(float(gradient_clip_val))
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -388,11 +372,8 @@ class ComposerModule(L.LightningModule):
         from composer_plugins.training.ema import ema_pairs, ema_update
 
         if self._ema_pairs is None:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            model = getattr(self._trainer.strategy, "model", None) if self._trainer is not None else None
-            holder = model if isinstance(model, FSDP) else self
-            self._ema_pairs = ema_pairs(holder, "ema_teacher.policy", "policy")
+            root = fsdp_root(self._trainer)
+            self._ema_pairs = ema_pairs(root if root is not None else self, "ema_teacher.policy", "policy")
         ema_update(self._ema_pairs, self.ema_teacher.rate)
 
     # -- evaluation (composer_plugins.training.evaluation) -----------------------------------

@@ -3,7 +3,8 @@
 :func:`resolve_policy` turns the config into a directory or hub id: ``tiny`` builds the embedded default
 (tokenizer + model, cached by config hash), and ``sft.enabled`` adds the SFT warm start
 (:func:`composer_plugins.training.sft.sft_train`), cached under :func:`sft_cache_key`;
-:func:`load_policy_for` loads it with ``from_pretrained``.
+:func:`load_policy_for` loads it with ``from_pretrained``. ``load_policy``, ``decoder_body`` and
+``lm_head_weight`` (from :mod:`composer_plugins.models`) are the policy functions backends use through here.
 """
 
 from __future__ import annotations
@@ -15,11 +16,22 @@ from typing import Any
 
 from composer_plugins.core.config import redact, to_dict
 from composer_plugins.core.io import read_jsonl
+from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import build_cached, cache_dir_for, load_policy, tiny_model_dir
 from composer_plugins.training.batches import env_tasks, task_prompt
 from composer_plugins.training.builders import build_env
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.sft import sft_train
+
+__all__ = [
+    "base_policy_path",
+    "decoder_body",
+    "lm_head_weight",
+    "load_policy",
+    "load_policy_for",
+    "resolve_policy",
+    "sft_cache_key",
+]
 
 
 def _tiny_corpus_key(cfg: TrainConfig) -> Any:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, redact
+from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.batches import TaskStream, eval_batches, task_drawer
 from composer_plugins.training.builders import build_env, mlflow_settings
@@ -25,11 +26,11 @@ from composer_plugins.training.policy import load_policy_for, resolve_policy
 from composer_plugins.training.strategy import build_strategy
 from composer_plugins.training.trainer import (
     HistoryCallback,
-    _progress_bar,
-    _quiet_lightning,
-    _set_threads,
     build_trainer,
     lightning_trainer,
+    progress_bar,
+    quiet_lightning,
+    set_threads,
 )
 
 
@@ -47,7 +48,7 @@ class RunResult:
     is_global_zero: bool = True
 
 
-@_quiet_lightning()
+@quiet_lightning()
 def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
     """Run (or reuse from cache) the SFT warm start; copy the policy to ``<output_dir>/model``."""
     import shutil
@@ -63,7 +64,7 @@ def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
     shutil.copytree(path, out, ignore=shutil.ignore_patterns("composer_meta.json", "sft_history.json"))
     metrics_file = Path(path) / "sft_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
-    Path(cfg.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    atomic_write_json(Path(cfg.output_dir, "metrics.json"), metrics)
     hist_file = Path(path) / "sft_history.json"
     history = json.loads(hist_file.read_text()) if hist_file.exists() else []
     log_sft_run(cfg, metrics, history)
@@ -107,7 +108,7 @@ def _val_metrics(trainer: Any) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and hasattr(v, "item")}
 
 
-@_quiet_lightning()
+@quiet_lightning()
 def run_train(
     cfg: TrainConfig,
     src: Config | None = None,
@@ -133,7 +134,7 @@ def run_train(
     check_inputs(cfg, src or Config())
     ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.trainer.checkpoint_every_n_steps > 0 else None
     ckpt_path = resolve_resume(resume, ckpt_dir)
-    _set_threads(cfg)
+    set_threads(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = build_env(cfg, src) if module is None else module.env
@@ -155,7 +156,7 @@ def run_train(
     trainer = build_trainer(cfg, extra_callbacks=extra_callbacks, strategy=strategy, logger=logger)
     run_id = getattr(trainer.logger, "run_id", None) if trainer.logger else None
     start: dict[str, float] = {}
-    with _quiet_lightning():
+    with quiet_lightning():
         if cfg.eval.at_start and ckpt_path is None and val:
             trainer.validate(module, dataloaders=val, verbose=False)
             start = {k.replace("val/", "start/"): v for k, v in _val_metrics(trainer).items()}
@@ -186,7 +187,7 @@ def run_train(
     if trainer.logger:
         _log_artifacts(trainer.logger, [model_dir, out / "history.csv"])
     if trainer.is_global_zero:
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        atomic_write_json(out / "metrics.json", metrics)
     if run_id:
         (out / "mlflow_run.txt").write_text(str(run_id) + "\n")
     return RunResult(
@@ -210,7 +211,7 @@ def _log_artifacts(logger: Any, paths: Sequence[Path | str]) -> None:
             exp.log_artifact(logger.run_id, str(p))
 
 
-@_quiet_lightning()
+@quiet_lightning()
 def run_eval(
     cfg: TrainConfig, src: Config | None = None, *, checkpoint: str | None = None, output: str | None = None
 ) -> dict[str, float]:
@@ -221,14 +222,14 @@ def run_eval(
     with ``eval.hint_uplift`` also ``<env>/hint_fix_rate``, ``<env>/hint_coverage`` and the ``<env>/hint_*`` counts.
     """
     import lightning as L
-    import torch
 
+    from composer_plugins.training.checkpoints import load_policy_weights
     from composer_plugins.training.inputs import check_inputs
     from composer_plugins.training.module import ComposerModule
 
     if checkpoint is None:
         check_inputs(cfg, src or Config())
-    _set_threads(cfg)
+    set_threads(cfg)
     env = build_env(cfg, src)
     ckpt_file: str | None = None
     if checkpoint and str(checkpoint).endswith(".ckpt"):
@@ -238,11 +239,10 @@ def run_eval(
         path = checkpoint or resolve_policy(cfg, env)
     policy, tok = load_policy(path, dtype=cfg.model.dtype)
     module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, channels=[], src=src)
-    if ckpt_file:
-        state = torch.load(ckpt_file, map_location="cpu", weights_only=False)["state_dict"]
-        module.load_state_dict(state, strict=False)
+    if ckpt_file:  # the policy's weights, strictly: a checkpoint of another model fails, naming the keys
+        load_policy_weights(module.policy, ckpt_file)
     L.seed_everything(cfg.seed, verbose=False)
-    bar = _progress_bar("eval", cfg.trainer.enable_progress_bar)
+    bar = progress_bar("eval", cfg.trainer.enable_progress_bar)
     trainer = lightning_trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
@@ -259,12 +259,9 @@ def run_eval(
     metrics = {f"{env_name}/{k[4:]}": v for k, v in _val_metrics(trainer).items()}
     if output:
         out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(metrics, indent=2))
+        atomic_write_json(out, metrics)
         if module.predictions is not None:
-            with open(out.with_suffix(".predictions.jsonl"), "w") as f:
-                for row in module.predictions:
-                    f.write(json.dumps(row) + "\n")
+            atomic_write_jsonl(out.with_suffix(".predictions.jsonl"), module.predictions, ensure_ascii=True)
     return metrics
 
 

@@ -32,7 +32,7 @@ from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.batches import env_tasks
 from composer_plugins.training.builders import build_hint_provider
 from composer_plugins.training.config import TrainConfig
-from composer_plugins.training.trainer import _progress_bar, _quiet_lightning, _set_threads, lightning_trainer
+from composer_plugins.training.trainer import lightning_trainer, progress_bar, quiet_lightning, set_threads
 
 
 def sft_pairs(env: Any, cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -97,7 +97,8 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
     ``demonstration`` provider), so the context shows the problem's worked solution as a
     successful sibling. The target stays the worked solution.
     """
-    from composer_plugins.envs.hints import sibling_groups, wants_groups
+    from composer_plugins.envs.hints import build_hint_provider as hint_provider_from
+    from composer_plugins.envs.hints import reads_groups, sibling_groups
     from composer_plugins.training.batches import derive_seed, teacher_contexts
 
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
@@ -123,9 +124,7 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
                 out[i] = (ctx, pairs[i][1])
     demo_rows = [i for i in picked if kind[i] == "demonstration"]
     if demo_rows:
-        from composer_plugins.core.config import build_component
-
-        demo = provider if wants_groups(provider) else build_component("hints", "demonstration", key="sft.hint_kinds")
+        demo = provider if reads_groups(provider) else hint_provider_from("demonstration", key="sft.hint_kinds")
         groups = []
         for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
             groups += sibling_groups([str(attempts[i]), pairs[i][1]], [0.0, 1.0], 2, 1.0)[:1]
@@ -211,7 +210,7 @@ def sft_collate(tokenizer: Any, examples: Sequence[tuple[str, str]], max_length:
     return {"input_ids": input_ids, "attention_mask": attn, "labels": lab_t}
 
 
-@_quiet_lightning()
+@quiet_lightning()
 def sft_train(
     cfg: TrainConfig, base: str, env: Any, out_dir: str | os.PathLike[str], extra_callbacks: Sequence[Any] = ()
 ) -> dict[str, float]:
@@ -219,7 +218,7 @@ def sft_train(
     import lightning as L
     import torch
 
-    _set_threads(cfg)
+    set_threads(cfg)
     model, tok = load_policy(base, dtype=cfg.model.dtype)
     pairs = sft_pairs(env, cfg)
     s = cfg.sft
@@ -244,7 +243,7 @@ def sft_train(
             if loss is not None:
                 history.append({"step": int(trainer.global_step), "sft/loss": float(loss)})
 
-    bar = _progress_bar("sft", s.progress)
+    bar = progress_bar("sft", s.progress)
     trainer = lightning_trainer(
         max_steps=s.steps,
         accelerator=cfg.trainer.accelerator,
@@ -259,7 +258,7 @@ def sft_train(
         callbacks=[_Losses(), *extra_callbacks, *([bar] if bar else [])],
         num_sanity_val_steps=0,
     )
-    with _quiet_lightning():
+    with quiet_lightning():
         trainer.fit(module, train_dataloaders=loader)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from composer_plugins.models.generation import Rollout
 
-__all__ = ["StepRecord", "add_hint_contexts", "sample_pairs"]
+__all__ = ["Rollout", "StepRecord", "add_hint_contexts", "hint_candidates", "sample_pairs"]
 
 
 @dataclass
@@ -151,16 +151,14 @@ def add_hint_contexts(record: StepRecord, env: Any, provider: Any, *, success_th
                       max_hinted: int | None = None) -> StepRecord:  # fmt: skip
     """Fill ``record.groups`` and ``record.hint_contexts``: a hinted context for each failed row the provider hints.
 
-    A row fails when its reward is below ``success_threshold``; at most ``max_hinted`` rows (the first
-    ones) are offered to the provider. Rows must be laid out in contiguous groups of ``num_generations``.
+    The rows offered to the provider are :func:`hint_candidates`. Rows must be laid out in contiguous
+    groups of ``num_generations``.
     """
     from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
     G = record.num_generations
     n = record.num_rows
-    failed = (record.rewards < success_threshold).nonzero().flatten().tolist()
-    if max_hinted is not None:
-        failed = failed[:max_hinted]
+    failed = hint_candidates(provider, record.rewards, success_threshold, max_hinted)
     if not record.groups:
         record.groups = rollout_groups(record.completions, record.rewards, G, success_threshold)
     feedback = record.feedback or [None] * n
@@ -171,6 +169,18 @@ def add_hint_contexts(record: StepRecord, env: Any, provider: Any, *, success_th
     for i, c in zip(failed, contexts, strict=True):
         record.hint_contexts[i] = c
     return record
+
+
+def hint_candidates(provider: Any, rewards: Any, success_threshold: float, max_hinted: int | None = None) -> list[int]:
+    """The rows offered to a hint provider: the failed ones (reward below ``success_threshold``), or every
+    row for a provider whose ``rows`` is ``all`` (SDPO's rule: successful rows get a sibling's demonstration
+    too); the first ``max_hinted`` of them."""
+    values = [float(r) for r in (rewards.tolist() if hasattr(rewards, "tolist") else rewards)]
+    if getattr(provider, "rows", "failed") == "all":
+        rows = list(range(len(values)))
+    else:
+        rows = [i for i, r in enumerate(values) if not r >= success_threshold]
+    return rows if max_hinted is None else rows[:max_hinted]
 
 
 def sample_pairs(pairs: Sequence[Mapping[str, str]], k: int, seed: int) -> list[Mapping[str, str]]:

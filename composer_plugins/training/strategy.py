@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from composer_plugins.core.config import Config
-from composer_plugins.training.config import TrainConfig, _unknown_strategy, strategy_names
+from composer_plugins.training.config import TrainConfig, strategy_names, unknown_strategy
 
 
 def decoder_layer_classes(policy: Any) -> set[type]:
@@ -45,7 +45,7 @@ def build_strategy(cfg: TrainConfig, policy: Any = None, src: Config | None = No
         name = spec.strip().lower()
         valid = strategy_names()
         if name not in valid:
-            raise _unknown_strategy(spec, src, "trainer.strategy")
+            raise unknown_strategy(spec, src, "trainer.strategy")
         if name == "ddp":
             from lightning.pytorch.strategies import DDPStrategy
 

@@ -3,7 +3,7 @@
 :func:`lightning_trainer` is the single place a ``lightning.Trainer`` is constructed (RL run, SFT, eval,
 the DiLoCo toy LM); :func:`build_trainer` is the RL run's use of it (checkpoints, clipping,
 accumulation, progress bar, MLflow logger; wrappers such as DiLoCo inject ``extra_callbacks`` and
-``strategy``). :class:`HistoryCallback` writes ``history.csv``; ``_quiet_lightning`` silences
+``strategy``). :class:`HistoryCallback` writes ``history.csv``; ``quiet_lightning`` silences
 Lightning's chatter around a fit.
 """
 
@@ -23,7 +23,7 @@ from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.strategy import build_strategy
 
 
-def _set_threads(cfg: TrainConfig) -> None:
+def set_threads(cfg: TrainConfig) -> None:
     if cfg.trainer.num_threads:
         import torch
 
@@ -31,7 +31,7 @@ def _set_threads(cfg: TrainConfig) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_lightning() -> Iterator[None]:
+def quiet_lightning() -> Iterator[None]:
     import logging
     import warnings
 
@@ -60,7 +60,7 @@ def _quiet_lightning() -> Iterator[None]:
                 logging.getLogger(n).setLevel(lvl)
 
 
-def _progress_bar(phase: str, configured: bool) -> Any:
+def progress_bar(phase: str, configured: bool) -> Any:
     """The one progress bar (:mod:`composer_plugins.training.progress`), or ``None`` when it is off.
 
     Off when the config says so or the ``--no-progress`` switch (``COMPOSER_PROGRESS=0``) is set; then
@@ -135,7 +135,7 @@ def build_trainer(
         from composer_plugins.training.callbacks import build_callbacks
 
         callbacks += build_callbacks(t.callbacks)
-    bar = _progress_bar("train", t.enable_progress_bar)
+    bar = progress_bar("train", t.enable_progress_bar)
     if bar is not None:
         callbacks.append(bar)
     val_every = t.val_every_n_steps

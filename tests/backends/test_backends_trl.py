@@ -168,3 +168,50 @@ def test_hint_channel_without_provider_and_unsupported_options_fail_clearly(tiny
         _trainer(tiny_model_dir, tmp_path, channels=["policy", "hint_distill"])
     with pytest.raises(ConfigError, match="top_entropy_quantile"):
         _trainer(tiny_model_dir, tmp_path, top_entropy_quantile=0.5)
+
+
+def test_a_third_party_input_reaches_its_channel_in_trl(tiny_model_dir, tmp_path):
+    """The same third-party channel and input builder as the Lightning test: one edit, both trainers."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    try:
+        from test_training_assemble import LengthBonus
+    finally:
+        sys.path.pop(0)
+    from composer_plugins.training.assemble import INPUT_BUILDERS, register_input_builder
+
+    @register_input_builder("completion_lengths")
+    def completion_lengths(asm):
+        return {"completion_lengths": asm.record.completion_mask.sum(1)}
+
+    try:
+        bonus = LengthBonus()
+        tr = _trainer(tiny_model_dir, tmp_path, max_steps=1, channels=["policy", bonus])
+        tr.train()
+    finally:
+        INPUT_BUILDERS.pop("completion_lengths")
+    logs = [r for r in tr.state.log_history if "loss" in r]
+    assert logs and logs[0]["composer/length_bonus/skipped"] == 0.0
+    assert bonus.seen and all(0 < int(v) <= 8 for seen in bonus.seen for v in seen)  # max_completion_length=8
+
+
+def test_trl_private_surface_change_fails_with_the_fix(monkeypatch):
+    from composer_plugins_trl.backend import TRL_PRIVATE_SURFACE, check_trl_surface
+
+    check_trl_surface()  # the installed TRL has what the trainer overrides and calls
+    assert set(TRL_PRIVATE_SURFACE) == {"_generate_and_score_completions", "_get_per_token_logps_and_entropies"}
+
+    class Changed(GRPOTrainer):
+        def _generate_and_score_completions(self, batch, mode):  # a new signature upstream
+            raise AssertionError
+
+    with pytest.raises(RuntimeError, match=r"GRPOTrainer\._generate_and_score_completions is \(self, batch, mode\)"):
+        check_trl_surface(Changed)
+
+    class Gone(GRPOTrainer):
+        _get_per_token_logps_and_entropies = None
+
+    with pytest.raises(RuntimeError, match="is missing.*docs/backends.md"):
+        check_trl_surface(Gone)

@@ -21,7 +21,7 @@ def length_reward(completions, **kwargs):
 
 
 def test_teacher_distill_trains_inside_trl(tiny_model_dir, tmp_path):
-    from composer_plugins.teachers.testing import build_tiny_chat_model
+    from composer_plugins.testing.teacher_data import build_tiny_chat_model
 
     teacher = build_tiny_chat_model(tmp_path / "teacher", vocab_size=260, seed=5)  # its own tokenizer
     model, tok = load_policy(tiny_model_dir)

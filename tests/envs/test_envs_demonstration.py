@@ -1,4 +1,4 @@
-"""The ``demonstration`` hint provider and the provider contract's rollout groups (``groups=`` / ``group=``)."""
+"""The ``demonstration`` hint provider and the one hint contract (``HintRequest``, older shapes adapted once)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from composer_plugins.envs.base import Feedback
 from composer_plugins.envs.hints import (
     DemonstrationHintProvider,
     HintProvider,
+    HintRequest,
     SiblingGroup,
-    provider_hints,
+    as_hint_provider,
+    build_hint_provider,
+    hint_requests,
+    reads_groups,
     sibling_groups,
-    wants_groups,
 )
 from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
@@ -59,7 +62,11 @@ def test_sibling_groups_split_a_rollout_into_groups_of_g():
 def test_demonstration_shows_a_successful_sibling_after_sdpo_templates():
     d = build("hints", "demonstration")
     assert isinstance(d, DemonstrationHintProvider) and d.success_threshold == 0.5
-    h = d.hint(WRONG, prompt=TASK["prompt"], completion=" Ben has 3 eggs.\n#### 3", task=TASK, group=_group())
+    h = d.hint(
+        HintRequest(
+            feedback=WRONG, prompt=TASK["prompt"], completion=" Ben has 3 eggs.\n#### 3", task=TASK, group=_group()
+        )
+    )
     assert h == f"Correct solution:\n{GOOD_LONG.strip()}\n\nCorrectly solve the original question."
     assert "Ben has 3 eggs.\n#### 3" not in h  # never the row's own (failed) attempt
 
@@ -75,7 +82,7 @@ def test_demonstration_picks_first_shortest_or_seeded_random_and_never_self():
     # the only success is the row itself: no sibling, and a successful row gets no hint at all
     alone = _group(index=1, rewards=(0.0, 1.0, 0.0, 0.0))
     assert DemonstrationHintProvider().pick_sibling(alone) is None
-    assert DemonstrationHintProvider().hint(WRONG, group=alone) is None
+    assert DemonstrationHintProvider().hint(HintRequest(feedback=WRONG, group=alone)) is None
 
 
 def test_demonstration_threshold_own_or_the_groups():
@@ -89,25 +96,34 @@ def test_demonstration_threshold_own_or_the_groups():
 
 def test_demonstration_fallback_and_feedback_inclusion():
     none_ok = _group(rewards=(0.0, 0.0, 0.0, 0.0))
-    assert DemonstrationHintProvider().hint(WRONG, group=none_ok) == "The final answer 3 is wrong."  # raw_error
-    assert DemonstrationHintProvider().hint(WRONG) == "The final answer 3 is wrong."  # no group at all
-    assert DemonstrationHintProvider(fallback="none").hint(WRONG, group=none_ok) is None
+    assert (
+        DemonstrationHintProvider().hint(HintRequest(feedback=WRONG, group=none_ok)) == "The final answer 3 is wrong."
+    )  # raw_error
+    assert (
+        DemonstrationHintProvider().hint(HintRequest(feedback=WRONG)) == "The final answer 3 is wrong."
+    )  # no group at all
+    assert DemonstrationHintProvider(fallback="none").hint(HintRequest(feedback=WRONG, group=none_ok)) is None
     tpl = DemonstrationHintProvider(feedback={"name": "template", "reveal_answer": True})
-    assert "(the correct answer is 10)" in tpl.hint(WRONG, group=none_ok)
-    with_fb = DemonstrationHintProvider(include_feedback=True).hint(WRONG, group=_group())
+    assert "(the correct answer is 10)" in tpl.hint(HintRequest(feedback=WRONG, group=none_ok))
+    with_fb = DemonstrationHintProvider(include_feedback=True).hint(HintRequest(feedback=WRONG, group=_group()))
     fb = "The following is feedback from your unsuccessful earlier attempt:\nThe final answer 3 is wrong."
     assert with_fb == f"Correct solution:\n{GOOD_LONG.strip()}\n\n{fb}\n\nCorrectly solve the original question."
     custom = DemonstrationHintProvider(template="See: {demonstration}", include_feedback=True,
-                                       feedback_template="[{feedback}]").hint(WRONG, group=_group())  # fmt: skip
+                                       feedback_template="[{feedback}]")  # fmt: skip
+    custom = custom.hint(HintRequest(feedback=WRONG, group=_group()))
     assert custom == f"See: {GOOD_LONG.strip()}\n\n[The final answer 3 is wrong.]"
-    assert DemonstrationHintProvider().hint(Feedback("correct", "", {}, 1.0), group=_group()) is None
+    assert (
+        DemonstrationHintProvider().hint(HintRequest(feedback=Feedback("correct", "", {}, 1.0), group=_group())) is None
+    )
 
 
 def test_demonstration_truncates_and_strips_thinking():
     g = SiblingGroup(("#### 1", "<think>long musing</think> 3 + 7 = 10 #### 10"), (0.0, 1.0), 0)
-    assert "musing" not in DemonstrationHintProvider().hint(WRONG, group=g)
-    assert "musing" in DemonstrationHintProvider(strip_thinking=False).hint(WRONG, group=g)
-    short = DemonstrationHintProvider(max_chars=10, template="{demonstration}").hint(WRONG, group=g)
+    assert "musing" not in DemonstrationHintProvider().hint(HintRequest(feedback=WRONG, group=g))
+    assert "musing" in DemonstrationHintProvider(strip_thinking=False).hint(HintRequest(feedback=WRONG, group=g))
+    short = DemonstrationHintProvider(max_chars=10, template="{demonstration}").hint(
+        HintRequest(feedback=WRONG, group=g)
+    )
     assert short == "3 + 7 =..." and len(short) == 10
 
 
@@ -124,7 +140,7 @@ def test_demonstration_bad_options_are_located_with_the_fix():
         build_component("hints", {"name": "demonstration", "succes_threshold": 1}, key="hints.provider")
 
 
-# -- the contract: old-style providers keep working, new ones get the group ---------------------------
+# -- the contract: one request per row; older shapes adapted once when built -------------------------
 
 
 class OldStyle(HintProvider):
@@ -147,10 +163,8 @@ class OldBatch:
         return [f"batch {c}" for c in completions]
 
 
-class NewStyle(HintProvider):
-    """A third-party provider that reads the group."""
-
-    name = "new_style"
+class OldWithGroup(HintProvider):
+    """An older provider that read the group through ``group=``."""
 
     def hint(self, feedback, *, prompt=None, completion=None, task=None, group=None):
         return f"{len(group.successful_siblings()) if group else 'no'} siblings succeeded"
@@ -161,39 +175,98 @@ class KwargsStyle:
         return "group" if kw.get("group") is not None else "none"
 
 
+class NewStyle(HintProvider):
+    """A provider on the request contract that reads the group."""
+
+    name = "new_style"
+    reads_groups = True
+
+    def hint(self, request):
+        g = request.group
+        return f"{len(g.successful_siblings()) if g else 'no'} siblings succeeded (reward {request.reward})"
+
+
 def old_callable(feedback, prompt=None, completion=None, task=None):
     return f"callable {task['answer']}"
 
 
-def test_old_style_providers_are_called_exactly_as_before():
+def test_older_providers_are_adapted_once_and_called_as_before(monkeypatch):
+    import inspect
+
     groups = [_group(), _group(index=2)]
     comps = [" #### 3", " #### 4"]
     old = OldStyle()
-    assert not wants_groups(old) and not wants_groups(OldBatch()) and not wants_groups(old_callable)
-    assert provider_hints(old, [WRONG, WRONG], None, comps, None, groups=groups) == ["Not #### 3.", "Not #### 4."]
-    assert old.calls == 2
-    assert provider_hints(OldBatch(), [WRONG] * 2, None, comps, None, groups) == ["batch  #### 3", "batch  #### 4"]
-    ctx = teacher_contexts(None, old_callable, [TASK, TASK], comps, [WRONG, WRONG], groups)
+    adapted = [as_hint_provider(p) for p in (old, OldBatch(), old_callable, OldWithGroup(), KwargsStyle())]
+    assert all(isinstance(p, HintProvider) for p in adapted)
+    assert [reads_groups(p) for p in adapted] == [False, False, False, True, True]
+    # adapted once: calling them inspects no signature
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: pytest.fail("inspect.signature at call time"))
+    reqs = hint_requests([WRONG, WRONG], None, comps, [TASK, TASK], groups)
+    assert adapted[0].hints(reqs) == ["Not #### 3.", "Not #### 4."] and old.calls == 2
+    assert adapted[1].hints(reqs) == ["batch  #### 3", "batch  #### 4"]
+    ctx = teacher_contexts(None, adapted[2], [TASK, TASK], comps, [WRONG, WRONG], groups)
     assert ctx[0] == TASK["prompt"].replace("\nAnswer:", "\nHint: callable 10\nAnswer:")
-    # the built-ins that do not read groups take them through the contract unchanged
+    assert adapted[3].hints(reqs) == ["2 siblings succeeded", "2 siblings succeeded"]
+    assert adapted[4].hints(reqs[:1]) == ["group"] and adapted[4].hints([HintRequest(feedback=WRONG)]) == ["none"]
+    # the built-ins that do not read groups give the same hints with and without them
     for name in ("template", "raw_error"):
         p = build("hints", name)
-        assert provider_hints(p, [WRONG], None, comps[:1], None, groups[:1]) == provider_hints(p, [WRONG])
+        assert p.hints(reqs[:1]) == p.hints([HintRequest(feedback=WRONG, completion=comps[0])])
 
 
-def test_new_style_providers_get_each_rows_group():
+def test_a_provider_not_built_is_refused_by_the_hint_path():
+    with pytest.raises(TypeError, match="build_hint_provider"):
+        teacher_contexts(None, old_callable, [TASK], [" #### 3"], [WRONG])
+
+
+def test_request_providers_get_each_rows_group_and_reward():
     groups = [_group(), _group(rewards=(0.0, 0.0, 0.0, 1.0))]
-    assert wants_groups(NewStyle()) and wants_groups(KwargsStyle()) and wants_groups(build("hints", "demonstration"))
-    assert provider_hints(NewStyle(), [WRONG] * 2, groups=groups) == ["2 siblings succeeded", "1 siblings succeeded"]
-    assert provider_hints(NewStyle(), [WRONG]) == ["no siblings succeeded"]  # a caller without groups
-    assert provider_hints(KwargsStyle(), [WRONG], groups=groups[:1]) == ["group"]
+    new = build_hint_provider(NewStyle())
+    assert new.__class__ is NewStyle and reads_groups(new) and reads_groups(build("hints", "demonstration"))
+    reqs = hint_requests([WRONG] * 2, groups=groups)
+    assert new.hints(reqs) == ["2 siblings succeeded (reward 0.0)", "1 siblings succeeded (reward 0.0)"]
+    assert new.hints([HintRequest(feedback=WRONG)]) == ["no siblings succeeded (reward None)"]
     with pytest.raises(ValueError, match="1 groups for 2 rows"):
-        provider_hints(NewStyle(), [WRONG] * 2, groups=groups[:1])
-    # the chain forwards the group to members that take it, and not to the others
+        hint_requests([WRONG] * 2, groups=groups[:1])
+    # the chain hands each member the request; a member that reads groups makes the chain read them
     chain = build("hints", "chain", providers=[{"class_path": f"{__name__}.OldStyle"}, "demonstration"])
-    assert provider_hints(chain, [WRONG], None, [" #### 3"], None, groups[:1]) == ["Not #### 3."]
+    assert reads_groups(chain)
+    assert chain.hints(hint_requests([WRONG], None, [" #### 3"], None, groups[:1])) == ["Not #### 3."]
     chain = build("hints", "chain", providers=["demonstration", "template"])
-    assert provider_hints(chain, [WRONG], None, [" #### 3"], None, groups[:1])[0].startswith("Correct solution:")
+    assert chain.hints(hint_requests([WRONG], None, [" #### 3"], None, groups[:1]))[0].startswith("Correct solution:")
+
+
+def test_hints_of_kinds_the_env_could_not_judge_are_none():
+    from composer_plugins.envs.base import UNJUDGED_KINDS
+
+    for kind in sorted(UNJUDGED_KINDS):
+        fb = Feedback(kind, "the sandbox failed", {}, None)
+        assert not fb.needs_hint
+        for name in ("template", "raw_error", "demonstration"):
+            assert build("hints", name).hint(HintRequest(feedback=fb, group=_group())) is None, (name, kind)
+
+
+def test_demonstration_rows_all_gives_successful_rows_a_siblings_demonstration():
+    from composer_plugins.training.step import hint_candidates
+
+    ok_row = _group(index=1)  # succeeded; row 3 succeeded too
+    alone = _group(index=1, rewards=(0.0, 1.0, 0.0, 0.0))  # succeeded, no other success
+    right = Feedback("correct", "", {}, 1.0)
+    failed_only = DemonstrationHintProvider()
+    every = build("hints", "demonstration", rows="all")
+    assert failed_only.hint(HintRequest(feedback=right, group=ok_row)) is None
+    assert every.hint(HintRequest(feedback=right, group=ok_row)) == (
+        f"Correct solution:\n{GOOD_SHORT.strip()}\n\nCorrectly solve the original question."
+    )
+    assert every.hint(HintRequest(feedback=right, group=alone)) is None  # no sibling: nothing, not feedback
+    assert every.hint(HintRequest(feedback=WRONG, group=_group())) == failed_only.hint(
+        HintRequest(feedback=WRONG, group=_group()))  # fmt: skip
+    # the rows a trainer offers: the failed ones, or every row for rows: all (then capped)
+    assert hint_candidates(failed_only, [0.0, 1.0, 0.0, 1.0], 1.0) == [0, 2]
+    assert hint_candidates(every, [0.0, 1.0, 0.0, 1.0], 1.0) == [0, 1, 2, 3]
+    assert hint_candidates(every, [0.0, 1.0, 0.0, 1.0], 1.0, max_hinted=3) == [0, 1, 2]
+    with pytest.raises(ConfigError, match=r"hints\.provider\.rows: .*'al'.*Did you mean 'all'"):
+        build_component("hints", {"name": "demonstration", "rows": "al"}, key="hints.provider")
 
 
 def test_teacher_contexts_with_demonstrations():
@@ -212,8 +285,9 @@ def test_a_provider_that_repeats_the_rows_own_completion_fails_conformance():
     from composer_plugins.testing import ConformanceError, check_hint_provider, plugin_registry
 
     class Echo(HintProvider):
-        def hint(self, feedback, *, prompt=None, completion=None, task=None, group=None):
-            return None if feedback.ok else f"Correct solution: {group.completion if group else 'x'}"
+        def hint(self, request):
+            g = request.group
+            return None if request.feedback.ok else f"Correct solution: {g.completion if g else 'x'}"
 
     class Plugin:
         __name__ = "echo_hint_plugin"

@@ -12,6 +12,7 @@ from composer_plugins.envs.base import Feedback
 from composer_plugins.envs.code_env import CodeEnv
 from composer_plugins.envs.gsm8k import GSM8KEnv
 from composer_plugins.envs.hints import (
+    HintRequest,
     LLMTeacherHintProvider,
     RawErrorHintProvider,
     TemplateHintProvider,
@@ -42,33 +43,33 @@ def test_template_hints_per_feedback_kind(code_env, digit_sum):
     gsm = GSM8KEnv()
     task = gsm.sample_tasks(1, seed=2)[0]
     wrong = gsm.score("#### 12345", task)
-    h = tpl.hint(wrong)
+    h = tpl.hint(HintRequest(feedback=wrong))
     assert "12345" in h and "not correct" in h and task["answer"] not in h
-    assert task["answer"] in TemplateHintProvider(reveal_answer=True).hint(wrong)
-    assert "####" in tpl.hint(gsm.score("no idea", task))
-    assert tpl.hint(gsm.score(task["target"], task)) is None  # correct: no hint
+    assert task["answer"] in TemplateHintProvider(reveal_answer=True).hint(HintRequest(feedback=wrong))
+    assert "####" in tpl.hint(HintRequest(feedback=gsm.score("no idea", task)))
+    assert tpl.hint(HintRequest(feedback=gsm.score(task["target"], task))) is None  # correct: no hint
 
     failing = code_env.score("    return n\n", digit_sum)
-    h = tpl.hint(failing)
+    h = tpl.hint(HintRequest(feedback=failing))
     assert failing.kind == "test_failure"
     assert "`digit_sum(-472)` fails: expected 13, got -472" in h
-    assert "syntax error on line" in tpl.hint(code_env.score("    return (\n", digit_sum))
-    rt = tpl.hint(code_env.score("    return 1 / 0\n", digit_sum))
+    assert "syntax error on line" in tpl.hint(HintRequest(feedback=code_env.score("    return (\n", digit_sum)))
+    rt = tpl.hint(HintRequest(feedback=code_env.score("    return 1 / 0\n", digit_sum)))
     assert "ZeroDivisionError" in rt and "digit_sum(-472)" in rt
-    assert "takes too long" in tpl.hint(Feedback("timeout", "timed out", {"test": "f(1)"}, 0.0))
-    tool = tpl.hint(Feedback("tool_error", "bad call", {"message": "unknown tool 'serch'"}, 0.0))
+    assert "takes too long" in tpl.hint(HintRequest(feedback=Feedback("timeout", "timed out", {"test": "f(1)"}, 0.0)))
+    tool = tpl.hint(HintRequest(feedback=Feedback("tool_error", "bad call", {"message": "unknown tool 'serch'"}, 0.0)))
     assert "unknown tool 'serch'" in tool
     custom = TemplateHintProvider({"wrong_answer": "Nope, {got} is off."})
-    assert custom.hint(wrong) == "Nope, 12345 is off."
+    assert custom.hint(HintRequest(feedback=wrong)) == "Nope, 12345 is off."
 
 
 def test_raw_error_hint_keeps_the_verifiers_words(code_env, digit_sum):
     raw = build("hints", "raw_error")
     fb = code_env.score("    return int('x')\n", digit_sum)
-    h = raw.hint(fb)
+    h = raw.hint(HintRequest(feedback=fb))
     assert "ValueError" in h and "invalid literal" in h and "digit_sum(-472)" in h
-    assert raw.hint(Feedback("correct", "", {}, 1.0)) is None
-    short = RawErrorHintProvider(max_chars=30).hint(fb)
+    assert raw.hint(HintRequest(feedback=Feedback("correct", "", {}, 1.0))) is None
+    short = RawErrorHintProvider(max_chars=30).hint(HintRequest(feedback=fb))
     assert len(short) == 30 and short.startswith("...")
 
 
@@ -114,13 +115,15 @@ def test_llm_teacher_hint_from_feedback(code_env, digit_sum):
     teacher = TinyAsyncTeacher()
     provider = LLMTeacherHintProvider(teacher)
     fb = code_env.score("    return sum(int(c) for c in str(n))\n", digit_sum)
-    hint = provider.hint(fb, prompt=digit_sum["prompt"], completion="    return sum(int(c) for c in str(n))\n")
+    hint = provider.hint(
+        HintRequest(feedback=fb, prompt=digit_sum["prompt"], completion="    return sum(int(c) for c in str(n))\n")
+    )
     assert hint == "Check the sign of n before summing its digits."
     msgs = teacher.calls[0]
     assert msgs[0]["role"] == "system" and "hint" in msgs[0]["content"].lower()
     assert "def digit_sum" in msgs[1]["content"] and "str(n)" in msgs[1]["content"]
     assert fb.kind in msgs[1]["content"]
-    assert provider.hint(Feedback("correct", "", {}, 1.0)) is None
+    assert provider.hint(HintRequest(feedback=Feedback("correct", "", {}, 1.0))) is None
     provider.close()
     assert teacher.closed
 
@@ -130,21 +133,23 @@ def test_llm_teacher_does_not_leak_the_answer_unless_allowed():
     task = gsm.sample_tasks(1, seed=4)[0]
     fb = gsm.score("#### 98765", task)
     t1, t2 = TinyAsyncTeacher(), TinyAsyncTeacher()
-    LLMTeacherHintProvider(t1).hint(fb, prompt=task["prompt"], completion="#### 98765")
-    LLMTeacherHintProvider(t2, reveal_answer=True).hint(fb, prompt=task["prompt"], completion="#### 98765")
+    LLMTeacherHintProvider(t1).hint(HintRequest(feedback=fb, prompt=task["prompt"], completion="#### 98765"))
+    LLMTeacherHintProvider(t2, reveal_answer=True).hint(
+        HintRequest(feedback=fb, prompt=task["prompt"], completion="#### 98765")
+    )
     assert f'"expected": "{task["answer"]}"' not in t1.calls[0][1]["content"]
     assert f'"expected": "{task["answer"]}"' in t2.calls[0][1]["content"]
 
 
 def test_llm_teacher_sync_generate_fallback_and_batch():
     fb = Feedback("wrong_answer", "The final answer 3 is wrong.", {"got": "3", "expected": "4"}, 0.0)
-    assert LLMTeacherHintProvider(TinySyncTeacher()).hint(fb) == "Use abs(n)."
+    assert LLMTeacherHintProvider(TinySyncTeacher()).hint(HintRequest(feedback=fb)) == "Use abs(n)."
     broken = LLMTeacherHintProvider(BrokenTeacher())
-    assert "not correct" in broken.hint(fb)  # fell back to the template provider
+    assert "not correct" in broken.hint(HintRequest(feedback=fb))  # fell back to the template provider
     assert broken.errors and "teacher unreachable" in broken.errors[0]
-    assert LLMTeacherHintProvider(BrokenTeacher(), fallback=None).hint(fb) is None
+    assert LLMTeacherHintProvider(BrokenTeacher(), fallback=None).hint(HintRequest(feedback=fb)) is None
     slow = TinyAsyncTeacher(delay=0.05)
-    batch = LLMTeacherHintProvider(slow, max_concurrency=3).hints([fb] * 9, prompts=["q"] * 9)
+    batch = LLMTeacherHintProvider(slow, max_concurrency=3).hints([HintRequest(prompt="q", feedback=fb)] * 9)
     assert batch == [slow.reply] * 9 and 1 < slow.max_in_flight <= 3
     with pytest.raises(TypeError, match="complete"):
         LLMTeacherHintProvider(object())
@@ -162,10 +167,11 @@ def test_llm_teacher_built_by_name_through_the_teachers_registry():
     reg.register("teachers", "tiny_hint_test_teacher", factory, description="test teacher", override=True)
     try:
         provider = build("hints", "llm_teacher", teacher="tiny_hint_test_teacher", teacher_kwargs={"reply": "Hi!"})
-        assert provider.hint(Feedback("test_failure", "f(1) failed", {"test": "f(1)"}, 0.0)) == "Hi!"
+        failing = HintRequest(feedback=Feedback("test_failure", "f(1) failed", {"test": "f(1)"}, 0.0))
+        assert provider.hint(failing) == "Hi!"
         assert len(made) == 1
         # usable from inside a running event loop as well
-        assert asyncio.run(provider.ahint(Feedback("timeout", "slow", {}, 0.0))) == "Hi!"
+        assert asyncio.run(provider.ahint(HintRequest(feedback=Feedback("timeout", "slow", {}, 0.0)))) == "Hi!"
     finally:
         reg.unregister("teachers", "tiny_hint_test_teacher")
 
@@ -174,7 +180,7 @@ def test_chain_uses_the_first_hint():
     chain = build("hints", "chain", providers=[{"name": "llm_teacher", "teacher": BrokenTeacher(), "fallback": None},
                                                "raw_error"])  # fmt: skip
     fb = Feedback("runtime_error", "boom", {"error": "KeyError", "message": "'x'"}, 0.0)
-    assert chain.hint(fb) == "KeyError: 'x'"
+    assert chain.hint(HintRequest(feedback=fb)) == "KeyError: 'x'"
 
 
 def test_teacher_context_text_prompt():
@@ -215,7 +221,7 @@ def test_env_feedback_to_hint_to_teacher_context_end_to_end():
     obs = env.reset(seed=5)
     step = env.step("#### 1")
     fb = step.info["feedback"]
-    hint = build("hints", "template").hint(fb, prompt=obs.text)
+    hint = build("hints", "template").hint(HintRequest(feedback=fb, prompt=obs.text))
     single = build_teacher_context(obs.text, hint)
     assert single.endswith("\nAnswer:") and "Hint: Your final answer 1 is not correct" in single
     convo = [*step.observation.messages[:-1]]  # user prompt, failing assistant turn

@@ -20,7 +20,7 @@ import pytest
 from composer_plugins import build
 from composer_plugins.envs.base import Feedback
 from composer_plugins.envs.gsm8k import GSM8KEnv
-from composer_plugins.envs.hints import build_teacher_context
+from composer_plugins.envs.hints import HintRequest, build_teacher_context
 
 SERVER = textwrap.dedent(
     '''
@@ -141,7 +141,7 @@ def test_multi_turn_episode_with_feedback_and_hints(guess_server):
                 lo = guess + 1
             else:
                 hi = guess - 1
-            hint = build("hints", "template").hint(fb)
+            hint = build("hints", "template").hint(HintRequest(feedback=fb))
             ctx = build_teacher_context(observation.messages[:-1], hint)
             assert ctx[-1]["role"] == "user" and "Hint:" in ctx[-1]["content"]
         assert result is not None and result.done and result.reward == 1.0

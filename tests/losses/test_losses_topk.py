@@ -27,7 +27,7 @@ CRITERIA = [
     ("jsd", {"beta": 0.3, "temperature": 0.7}),
     ("taid", {"t_start": 0.4, "auto_step": False}),
     ("entropy_opd", {"entropy_threshold": 1.5}),
-    ("entropy_opd", {"entropy_threshold": 1.5, "top_k": 4, "temperature": 1.3}),
+    ("entropy_opd", {"entropy_threshold": 1.5, "fkl_topk": 4, "temperature": 1.3}),
 ]
 
 
@@ -315,3 +315,14 @@ def test_topk_and_is_clip_from_channel_specs():
     ch = comp["hint_distill"]
     assert isinstance(ch, HintDistillChannel) and ch.topk == 100 and ch.is_clip == 2.0
     assert isinstance(ch.kernel(), TopKTailKernel) and not ch._use_liger(torch.zeros(1))
+
+
+def test_top_k_is_the_deprecated_name_of_fkl_topk():
+    """One top-k name in the hint channel (``topk``); the entropy-OPD teacher top-k is ``fkl_topk``."""
+    with pytest.warns(DeprecationWarning, match="top_k is deprecated, write fkl_topk"):
+        old = HintDistillChannel(criterion="entropy_opd", top_k=3)
+    new = HintDistillChannel(criterion="entropy_opd", fkl_topk=3)
+    assert old.fkl_topk == new.fkl_topk == 3 and not hasattr(old, "top_k")
+    assert old.kernel().__dict__ == new.kernel().__dict__
+    with pytest.raises(ValueError, match="give fkl_topk only"):
+        HintDistillChannel(top_k=3, fkl_topk=3)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from composer_plugins.teachers.loopback import LoopbackProcess
 from composer_plugins.teachers.traces import TraceState
+from composer_plugins.testing.teacher_loopback import LoopbackProcess
 
 KEY_ENV = "CP_TEACHERS_TEST_KEY"
 SECRET = "sk-test-SUPERSECRET-7f3a9c"

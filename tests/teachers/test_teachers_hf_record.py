@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from composer_plugins.teachers.base import TeacherError
-from composer_plugins.teachers.testing import build_tiny_chat_model
+from composer_plugins.testing.teacher_data import build_tiny_chat_model
 
 
 @pytest.fixture(scope="module")

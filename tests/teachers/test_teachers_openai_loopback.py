@@ -10,8 +10,8 @@ import pytest
 from composer_plugins.teachers.base import TeacherCallError, TeacherError
 from composer_plugins.teachers.cache import ReplayCache
 from composer_plugins.teachers.engine import ReplayEngine, RetryPolicy
-from composer_plugins.teachers.loopback import request_identity
 from composer_plugins.teachers.pairs import extract_pairs
+from composer_plugins.testing.teacher_loopback import request_identity
 
 KEY_ENV = "CP_TEACHERS_TEST_KEY"  # same as conftest.py
 SECRET = "sk-test-SUPERSECRET-7f3a9c"

@@ -18,7 +18,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.teachers.cache import ReplayCache
 from composer_plugins.teachers.pairs import PAIR_FIELDS, validate_pair
 from composer_plugins.teachers.runner import parse_config, run_from_file
-from composer_plugins.teachers.testing import write_sample_traces
+from composer_plugins.testing.teacher_data import write_sample_traces
 
 KEY_ENV = "CP_TEACHERS_TEST_KEY"  # same as conftest.py
 SECRET = "sk-test-SUPERSECRET-7f3a9c"

@@ -20,11 +20,11 @@ import yaml
 from click.testing import CliRunner
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.io import atomic_write_text
 from composer_plugins.teachers.base import TeacherError
 from composer_plugins.teachers.cache import ReplayCache
 from composer_plugins.teachers.engine import ReplayEngine, RetryPolicy
-from composer_plugins.teachers.io import atomic_write_text
-from composer_plugins.teachers.testing import write_sample_traces
+from composer_plugins.testing.teacher_data import write_sample_traces
 
 KEY_ENV = "CP_TEACHERS_TEST_KEY"  # same as conftest.py
 SECRET = "sk-test-SUPERSECRET-7f3a9c"

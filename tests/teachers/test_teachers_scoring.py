@@ -37,7 +37,7 @@ ANSWERS = ["2 + 3 = 5\n#### 5", "4 + 5 = 9\n#### 9", "7 - 2 = 5\n#### 5", "1 + 1
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Two tiny models whose tokenizers differ (vocabularies of 320 and 260, other seeds)."""
-    from composer_plugins.teachers.testing import build_tiny_chat_model
+    from composer_plugins.testing.teacher_data import build_tiny_chat_model
 
     root = tmp_path_factory.mktemp("scorers")
     a = build_tiny_chat_model(root / "a", vocab_size=320, seed=0)

@@ -42,8 +42,8 @@ BUILD = {
 def servers(tmp_path_factory):
     """Loopback servers and files the entries that talk to something need."""
     from composer_plugins.envs.openenv_env import create_openenv_app, serve
-    from composer_plugins.teachers.loopback import LoopbackProcess
-    from composer_plugins.teachers.testing import build_tiny_chat_model
+    from composer_plugins.testing.teacher_data import build_tiny_chat_model
+    from composer_plugins.testing.teacher_loopback import LoopbackProcess
 
     model = tmp_path_factory.mktemp("tiny_chat") / "model"
     build_tiny_chat_model(model)

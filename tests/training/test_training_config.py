@@ -224,3 +224,18 @@ def test_unknown_env_and_hint_provider_are_located(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_train_config(p)
     assert str(e.value).startswith(f"{p}:4: hints.provider: Unknown hint 'templat'.") and "'template'" in str(e.value)
+
+
+def test_switching_a_provider_by_name_on_the_command_line_shows_the_whole_spec_form():
+    """``-S hints.provider.name=demonstration`` over a provider with arguments: the error shows the form that works."""
+    from composer_plugins.training.builders import build_hint_provider
+    from composer_plugins.training.config import load_train_config
+
+    cfg, src = load_train_config(None, ["hints.provider.name=demonstration"])
+    with pytest.raises(ConfigError) as e:
+        build_hint_provider(cfg, src)
+    msg = str(e.value)
+    assert "hints.provider.reveal_answer" in msg and "'hints.provider.name=demonstration'" in msg
+    assert "-S 'hints.provider={name: demonstration}'" in msg
+    cfg, src = load_train_config(None, ["hints.provider={name: demonstration, rows: all}"])
+    assert build_hint_provider(cfg, src).rows == "all"  # the form the error shows builds

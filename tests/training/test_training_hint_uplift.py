@@ -18,7 +18,7 @@ class HintEverything(HintProvider):
 
 
 class HintNothing(HintProvider):
-    def hint(self, feedback, *, prompt=None, completion=None, task=None):
+    def hint(self, request):
         return None
 
 
@@ -33,9 +33,10 @@ def test_make_rollout_batch_gives_the_provider_each_rows_group(make_cfg):
     seen = []
     inner = m.hint_provider.hint
 
-    def spy(feedback, *, prompt=None, completion=None, task=None, group=None):
-        seen.append((completion, task, group))
-        return inner(feedback, prompt=prompt, completion=completion, task=task, group=group)
+    def spy(request):
+        seen.append((request.completion, request.task, request.group))
+        assert request.reward == request.group.reward  # the row's reward travels with its request
+        return inner(request)
 
     m.hint_provider.hint = spy
     rb = m.make_rollout_batch(tasks, seed=5)

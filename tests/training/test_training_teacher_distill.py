@@ -37,7 +37,7 @@ replay: {{pairs_path: {pairs}, pairs_per_step: 2}}
 
 
 def test_four_channels_compose_in_one_step(make_cfg, pairs_file, tmp_path):
-    from composer_plugins.teachers.testing import build_tiny_chat_model
+    from composer_plugins.testing.teacher_data import build_tiny_chat_model
 
     cfg0, _ = make_cfg("")
     base = base_policy_path(cfg0, build_env(cfg0))  # the tiny model before its SFT warm start

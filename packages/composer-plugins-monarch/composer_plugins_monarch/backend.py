@@ -33,8 +33,6 @@ from torch import Tensor
 
 from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
 from composer_plugins.backends.base import Backend, scalar_metrics
-from composer_plugins.models import generation as _generation  # noqa: F401
-from composer_plugins.models import tiny as _tiny  # noqa: F401
 from composer_plugins.training import module as _module  # noqa: F401
 from composer_plugins.training import run as _run  # noqa: F401
 
@@ -96,7 +94,7 @@ def merge_rollouts(parts: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str,
 
 
 def _rollout_from_wire(w: Mapping[str, Any]) -> Any:
-    from composer_plugins.models.generation import Rollout
+    from composer_plugins.training.step import Rollout
 
     G = int(w["num_generations"])
     n = w["completion_ids"].shape[0]
@@ -111,7 +109,7 @@ class GeneratorActor(Actor):
     """Holds a copy of the policy and samples completions for its shard of the prompts."""
 
     def __init__(self, config: dict[str, Any], model_dir: str) -> None:
-        from composer_plugins.models.tiny import load_policy
+        from composer_plugins.training.policy import load_policy
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -186,9 +184,9 @@ class TrainerActor(Actor):
     """Applies the composed loss to a received rollout and steps the optimizer; serves its weights."""
 
     def __init__(self, config: dict[str, Any], model_dir: str) -> None:
-        from composer_plugins.models.tiny import load_policy
         from composer_plugins.training.module import ComposerModule
         from composer_plugins.training.optim import build_optimizer
+        from composer_plugins.training.policy import load_policy
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -299,8 +297,7 @@ class MonarchSession:
 
     async def __aenter__(self) -> MonarchSession:
         from composer_plugins.core.config import to_dict
-        from composer_plugins.models.tiny import load_policy
-        from composer_plugins.training.policy import resolve_policy
+        from composer_plugins.training.policy import load_policy, resolve_policy
 
         b = self.backend
         model_dir = resolve_policy(b.config)  # base / SFT warm start, built once here, loaded by every actor

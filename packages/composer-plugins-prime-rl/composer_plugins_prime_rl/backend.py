@@ -391,7 +391,7 @@ class PrimeRLBackend(Backend):
 
     def _train_local(self) -> Any:
         from composer_plugins.backends import rollout as R
-        from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad
+        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
 
         c = self.config
         run = R.LocalRun(c, self.src)
@@ -408,34 +408,45 @@ class PrimeRLBackend(Backend):
 
             ema = EMATeacher(run.policy, self.hint_teacher[1])
             ema_pairs_ = ema_pairs(nn.ModuleDict({"ema": ema, "policy": run.policy}), "ema.policy", "policy")
+        policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, teacher=ema, temperature=c.rollout.temperature,
+                            max_context_length=c.hints.max_context_length)  # fmt: skip
+        # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
+        needs = Needs("logprobs", "inference_logprobs", *(("hint_teacher_logprobs",) if hint_provider else ()))
         history: list[dict[str, float]] = []
-        G, T = c.rollout.num_generations, c.rollout.temperature
         for step in range(c.trainer.max_steps):
             t0 = time.perf_counter()
-            tasks, ro, rewards, _feedback = run.rollout(step)
-            args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
-            inference = completion_logprobs_no_grad(run.policy, *args, temperature=T)
-            r = torch.tensor(rewards, dtype=torch.float32)
-            adv = F.group_advantages(r, G, **c.rollout.advantage_kwargs).unsqueeze(-1).expand_as(inference)
-            ref = None
-            if hint_provider is not None:
-                ref = hint_logprobs(run.policy, run.tokenizer, hint_provider, run.env, tasks, ro, r,
-                                    c.rollout.success_threshold, c.hints.max_context_length, T,
-                                    teacher=None if ema is None else ema.policy)  # fmt: skip
-            trainer_lp = completion_logprobs(run.policy, *args, temperature=T)  # from hidden states, LM head chunked
-            assert isinstance(trainer_lp, Tensor)
-            samples = samples_from_batch(trainer_lp, inference, adv, ro.completion_mask, ref)
+            record = step_record(run, step, hint_provider)
+            inputs, _ = assemble_inputs(record, needs, policy)
+            inference = inputs["inference_logprobs"]
+            adv = record.advantages.unsqueeze(-1).expand_as(inference)
+            samples = samples_from_batch(inputs["logprobs"], inference, adv, record.completion_mask,
+                                         inputs.get("hint_teacher_logprobs"))  # fmt: skip
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
             grad_norm = run.optimizer_step(loss)
             if ema is not None:
                 from composer_plugins.training.ema import ema_update
 
                 ema_update(ema_pairs_, ema.rate)
-            row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(r.mean()),
+            row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(record.rewards.mean()),
                    "grad_norm": grad_norm, "step_time": time.perf_counter() - t0}  # fmt: skip
             row.update({k: float(v.float().mean()) for k, v in metrics.items() if v.numel()})
             history.append(row)
         return self.write_outputs(history, {}, run.policy, run.tokenizer)
+
+
+def step_record(run: Any, step: int, hint_provider: Any = None) -> Any:
+    """The :class:`~composer_plugins.training.step.StepRecord` of ``step`` of a local run: rollout, rewards,
+    group advantages and, with a hint provider, the failed rows' hinted contexts."""
+    from composer_plugins.training.step import StepRecord, add_hint_contexts
+
+    c = run.cfg
+    tasks, ro, rewards, feedback = run.rollout(step)
+    r = torch.tensor(rewards, dtype=torch.float32)
+    adv = F.group_advantages(r, c.rollout.num_generations, **c.rollout.advantage_kwargs)
+    record = StepRecord.from_rollout(tasks, ro, r, adv, feedback, step=step, total_steps=c.trainer.max_steps)
+    if hint_provider is not None:
+        add_hint_contexts(record, run.env, hint_provider, success_threshold=c.rollout.success_threshold)
+    return record
 
 
 def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: Sequence[Mapping[str, Any]], ro: Any,
@@ -446,33 +457,18 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
     ``teacher``: the model that scores the hinted contexts (an EMA copy of the policy), default ``policy``.
 
     Rows that passed (or got no hint) keep the policy's own log-probs, so their KL term is 0 —
-    PRIME-RL's ``opsd`` reference stream. The teacher contexts come from the same
-    :func:`~composer_plugins.training.module.teacher_contexts` the native path uses. ``None`` when no
-    row was hinted.
+    PRIME-RL's ``opsd`` reference stream: the assembler's ``hint_teacher_logprobs`` input on the step
+    record of ``ro`` (the hinted contexts as the native path makes them). ``None`` when no row was hinted.
     """
-    from composer_plugins.models.generation import tokenize_prompts
-    from composer_plugins.models.logprobs import completion_logprobs_no_grad
-    from composer_plugins.training.batches import rollout_groups, teacher_contexts
+    from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
+    from composer_plugins.training.step import StepRecord, add_hint_contexts
 
-    G = ro.num_generations
-    failed = (rewards < threshold).nonzero().flatten().tolist()
-    if not failed:
-        return None
-    groups = rollout_groups(ro.completions, rewards, G, threshold)
-    contexts = teacher_contexts(env, provider, [tasks[i // G] for i in failed], [ro.completions[i] for i in failed],
-                                groups=[groups[i] for i in failed])  # fmt: skip
-    rows = [i for i, c in zip(failed, contexts, strict=True) if c is not None]
-    prompts = [c for c in contexts if c is not None]
-    if not rows:
-        return None
-    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
-    ref = completion_logprobs_no_grad(policy, *args, temperature=temperature)
-    idx = torch.tensor(rows)
-    h_ids, h_mask = tokenize_prompts(tokenizer, prompts, max_context_length)
-    scorer = teacher if teacher is not None else policy
-    ref[idx] = completion_logprobs_no_grad(scorer, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx],
-                                           temperature=temperature)  # fmt: skip
-    return ref
+    record = StepRecord.from_rollout(tasks, ro, rewards, torch.zeros_like(rewards))
+    add_hint_contexts(record, env, provider, success_threshold=threshold)
+    policy = StepPolicy(model=policy, tokenizer=tokenizer, teacher=teacher, temperature=temperature,
+                        max_context_length=max_context_length)  # fmt: skip
+    inputs, _ = assemble_inputs(record, Needs("hint_teacher_logprobs"), policy)
+    return inputs.get("hint_teacher_logprobs")
 
 
 def _toml_value(v: Any) -> str:

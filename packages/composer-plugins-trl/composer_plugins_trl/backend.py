@@ -2,8 +2,11 @@
 
 :class:`ComposerGRPOTrainer` keeps everything of TRL's ``GRPOTrainer`` up to the loss — dataset
 and sampler, generation (transformers or vLLM), reward functions, group advantages, old/reference
-log-probs, logging — and replaces ``_compute_loss`` by
-:class:`~composer_plugins.losses.base.ChannelComposer` over our channels:
+log-probs, logging — and computes the loss in ``compute_loss`` (the ``Trainer``'s public hook) with
+:class:`~composer_plugins.losses.base.ChannelComposer` over our channels. The channel inputs come
+from the one assembler the native module uses
+(:func:`~composer_plugins.training.assemble.assemble_inputs`) on a
+:class:`~composer_plugins.training.step.StepRecord` of each micro-batch:
 
 * the policy channel reads TRL's per-token log-probs (computed by TRL's own fused-head path),
   ``old_per_token_logps``, ``ref_per_token_logps``, the advantages and TRL's token normaliser, so
@@ -11,16 +14,21 @@ log-probs, logging — and replaces ``_compute_loss`` by
   ``loss_type`` (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, and ``gspo`` =
   ``importance_sampling_level="sequence"``);
 * hint self-distillation: after TRL scores a generation batch, completions below
-  ``hint_threshold`` get a hint from the hint provider; the same policy, conditioned on the hinted
-  prompt, scores the student's tokens without gradient (teacher logits) and the ``hint_distill``
-  channel distils it into the student's logits on those tokens;
-* with ``hint_distill``'s ``teacher: ema`` the teacher forward runs a frozen EMA copy of the policy
-  (:class:`~composer_plugins.training.ema.EMATeacher`), updated after each optimizer step (a
-  ``TrainerCallback``'s ``on_step_end``); TRL's checkpoints do not hold it (a resume restarts it from
-  the policy);
+  ``hint_threshold`` get a hint from the hint provider; the same policy (or its EMA copy with
+  ``hint_distill``'s ``teacher: ema``, updated by a ``TrainerCallback`` after each optimizer step),
+  conditioned on the hinted prompt, scores the student's tokens without gradient, and the
+  ``hint_distill`` channel distils it into the student on those tokens (from hidden states, the LM
+  head in chunks, both sides at TRL's sampling temperature, as the native path);
 * replay: ``pairs_per_step`` preference pairs per micro-batch are scored by the policy (with grad)
   and the reference (TRL's ``ref_model``, or a frozen copy of the initial policy) for the
   ``replay_dpo`` / ``replay_simpo`` channels.
+
+The rewards the hints are chosen by are recorded by wrapping the reward functions (TRL's public
+reward-function surface). TRL offers no public hook that adds per-row fields to a generation batch,
+so one private method is still overridden: ``_generate_and_score_completions`` (it adds ``rewards``
+and ``hint_contexts``); ``compute_loss`` reads TRL's per-token log-probs with the private
+``_get_per_token_logps_and_entropies``. :func:`check_trl_surface` checks both signatures when the
+trainer is built and fails with the fix when TRL changes them (docs/backends.md).
 
 Gradient accumulation follows TRL: the composed loss is divided by the accumulation steps, and
 ``dapo``/``cispo`` get TRL's global token count (per micro-batch) as ``num_items_in_batch``.
@@ -29,7 +37,6 @@ Gradient accumulation follows TRL: the composed loss is divided by the accumulat
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -42,10 +49,10 @@ from composer_plugins.backends.base import Backend, scalar_metrics
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import ChannelComposer, LossChannel
+from composer_plugins.training.assemble import PAIR_INPUTS
 
 #: TRL loss types the composed trainer reproduces (``gspo`` is TRL's ``grpo`` at sequence level).
 SUPPORTED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-_PAIR_KEYS = ("chosen_logps", "rejected_logps", "chosen_avg_logps", "rejected_avg_logps")
 _MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
@@ -67,30 +74,6 @@ def policy_channel_from_args(args: GRPOConfig, weight: float = 1.0, name: str = 
         use_bias_correction_kl=args.use_bias_correction_kl, max_completion_length=args.max_completion_length,
         delta=args.delta,
     )  # fmt: skip
-
-
-def _right_pad(tokenizer: Any, texts: Sequence[str], max_length: int, device: Any) -> tuple[Tensor, Tensor]:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = [(tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:max_length]
-            for t in texts]  # fmt: skip
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _left_pad(rows: Sequence[Sequence[int]], pad: int, device: Any) -> tuple[Tensor, Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(list(r))
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 class ComposerGRPOTrainer(GRPOTrainer):
@@ -127,21 +110,31 @@ class ComposerGRPOTrainer(GRPOTrainer):
         pair_max_length: int = 128,
         **kwargs: Any,
     ) -> None:
+        check_trl_surface()
+        self._rewards = _RewardRecorder()
+        if "reward_funcs" in kwargs:
+            kwargs["reward_funcs"] = self._rewards.wrap_all(kwargs["reward_funcs"])
+        elif len(args) > 1:
+            args = (args[0], self._rewards.wrap_all(args[1]), *args[2:])
         super().__init__(*args, **kwargs)
         self._check_supported()
         self.composer = self._build_composer(channels).to(self.accelerator.device)
-        live = [c for c in self.composer.channels if c.weight != 0.0]
+        live = self.composer.active
         for c in live:  # dr_grpo normalises by the *configured* completion length in TRL, not the batch's width
             if getattr(c, "loss_type", None) == "dr_grpo" and getattr(c, "max_completion_length", 0) is None:
                 c.max_completion_length = self.args.max_completion_length
         self.needs_teacher = self.composer.needs_teacher
-        self.needs_pairs = any(set(_PAIR_KEYS) & set(_all_inputs(c)) for c in live)
-        if hint_provider is not None and isinstance(hint_provider, str | Mapping):
-            from composer_plugins.core.config import build_component
+        self.needs_pairs = bool(set(PAIR_INPUTS) & set(self.composer.required_inputs()))
+        if hint_provider is not None:
+            from composer_plugins.training.builders import hint_provider_from
 
-            hint_provider = build_component("hints", hint_provider, key="hint_provider")
+            hint_provider = hint_provider_from(hint_provider, key="hint_provider")
         if self.needs_teacher and hint_provider is None:
             raise ConfigError("a hint-distillation channel is live but no hint_provider was given", key="hint_provider")
+        if self.needs_teacher and self._rewards.unrecorded:
+            raise ConfigError(f"hint rows are chosen by the reward functions' rewards; {self._rewards.unrecorded} "
+                              "(a reward model) is not a callable whose rewards can be read — give callable reward "
+                              "functions with a hint-distillation channel", key="reward_funcs")  # fmt: skip
         self.hint_provider = hint_provider
         self.hint_env = hint_env
         self.hint_threshold = float(hint_threshold)
@@ -159,14 +152,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self._pair_reference: Any = None
         if self.needs_pairs and self.ref_model is None:
             self._pair_reference = self._frozen_copy(self.accelerator.unwrap_model(self.model))
-        self._last_rewards_per_func: Tensor | None = None
         self._loss_calls = 0
         self.ema_teacher = self._build_ema_teacher(live)
         # teacher_distill: external teachers score each micro-batch's completions (in the background,
-        # while the student's hidden states are computed); its inputs come from the step assembler
+        # while the assembler computes the student's hidden states); the record carries their futures
         from composer_plugins.training.teacher_scores import build_teacher_scoring, teacher_channels
 
-        self._teacher_channels = [c for c in live if "teacher_scores" in _all_inputs(c)]
         self.teacher_scoring = build_teacher_scoring(teacher_channels(live), self.processing_class)
         ds = [c.deadline_s for c in teacher_channels(live) if getattr(c, "deadline_s", None) is not None]
         self._teacher_deadline = min(ds) if ds else None
@@ -243,118 +234,118 @@ class ComposerGRPOTrainer(GRPOTrainer):
             p.requires_grad_(False)
         return ref
 
-    # -- generation batch: capture rewards, attach hints ---------------------------------------
-    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
-        out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._last_rewards_per_func = out
-        return out
-
+    # -- generation batch: the rows' rewards and hinted contexts (the one private override) -------------
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._rewards.outputs.clear()
         out = super()._generate_and_score_completions(inputs)
         n = out["completion_ids"].shape[0]
-        rewards = torch.zeros(n)
-        total = None
-        rpf = self._last_rewards_per_func
-        if rpf is not None:
-            w = self.reward_weights.to(rpf.device).unsqueeze(0)
-            total = (rpf * w).nansum(dim=1)
-            total[torch.isnan(rpf).all(dim=1)] = float("nan")
-            start = self.accelerator.process_index * n
-            rewards = total[start : start + n].detach().cpu()
+        rewards = self._rewards.total(n, self.reward_weights)
         out["rewards"] = rewards
         if self.needs_teacher:
-            out["hint_prompt_ids"] = self._hint_prompt_ids(inputs, out, rewards, total)
+            out["hint_contexts"] = self._hint_contexts(inputs, out, rewards)
         return out
 
-    def _hint_prompt_ids(self, inputs: list[dict[str, Any]], out: Mapping[str, Any], rewards: Tensor,
-                         all_rewards: Tensor | None = None) -> list[list[int] | None]:  # fmt: skip
-        from composer_plugins.training.batches import provider_reads_groups as wants_groups
+    def _hint_contexts(self, inputs: list[dict[str, Any]], out: Mapping[str, Any],
+                       rewards: Tensor) -> list[str | None]:  # fmt: skip
+        """The hinted teacher context of each failed row of this process (``None``: no hint), as text."""
         from composer_plugins.training.batches import rollout_groups, teacher_contexts
+        from composer_plugins.training.builders import reads_groups
+        from composer_plugins.training.step import hint_candidates
 
         tok = self.processing_class
         ids, mask = out["completion_ids"], out["completion_mask"]
         texts = tok.batch_decode([r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)],
                                  skip_special_tokens=True)  # fmt: skip
-        result: list[list[int] | None] = [None] * len(inputs)
+        result: list[str | None] = [None] * len(inputs)
         groups = None
-        if all_rewards is not None and wants_groups(self.hint_provider):
+        if reads_groups(self.hint_provider):
             # the provider reads the rollout group: TRL lays a generation batch out as G consecutive
-            # rows per prompt across every process, so the group's texts are gathered from all of them
-            from accelerate.utils import gather_object
+            # rows per prompt across every process, so the group's texts and rewards are gathered
+            every, all_rewards = list(texts), rewards
+            if self.accelerator.num_processes > 1:
+                from accelerate.utils import gather_object
 
-            every = gather_object(list(texts)) if self.accelerator.num_processes > 1 else list(texts)
+                every = gather_object(list(texts))
+                all_rewards = self.accelerator.gather(rewards.to(self.accelerator.device)).cpu()
             start = self.accelerator.process_index * len(inputs)
             groups = rollout_groups(every, all_rewards, self.num_generations, self.hint_threshold)
             groups = groups[start : start + len(inputs)]
-        failed = [i for i in range(len(inputs)) if not (rewards[i] >= self.hint_threshold)]
-        if self.max_hinted_per_step is not None:
-            failed = failed[: self.max_hinted_per_step]
+        failed = hint_candidates(self.hint_provider, rewards, self.hint_threshold, self.max_hinted_per_step)
         if not failed:
             return result
         tasks = []
         for i in failed:
             task = dict(inputs[i])
-            prompt = task.get("prompt")
-            if isinstance(prompt, list):  # conversational: the hint goes into the last message
-                task["prompt"] = prompt[-1]["content"]
+            if isinstance(task.get("prompt"), list):  # conversational: the hint goes into the last message
+                task["prompt"] = task["prompt"][-1]["content"]
             tasks.append(task)
-        contexts = teacher_contexts(
-            self.hint_env,
-            self.hint_provider,
-            tasks,
-            [texts[i] for i in failed],
-            groups=[groups[i] for i in failed] if groups is not None else None,
-        )
+        contexts = teacher_contexts(self.hint_env, self.hint_provider, tasks, [texts[i] for i in failed],
+                                    groups=[groups[i] for i in failed] if groups is not None else None)  # fmt: skip
         for i, text in zip(failed, contexts, strict=True):
-            if text is None:
-                continue
             prompt = inputs[i].get("prompt")
-            if isinstance(prompt, list):
+            if text is not None and isinstance(prompt, list):
                 msgs = [*prompt[:-1], {**prompt[-1], "content": text}]
                 text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            result[i] = tok(text, add_special_tokens=False)["input_ids"][-self.max_hint_length :]
+            result[i] = text
         return result
 
-    # -- the loss ------------------------------------------------------------------------
-    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+    # -- the loss (the Trainer's public hook) ------------------------------------------------------
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Tensor:  # fmt: skip
+        """The composed loss of one micro-batch: its step record, the assembled channel inputs, the composer."""
+        from composer_plugins.training.assemble import StepPolicy, assemble_inputs
+        from composer_plugins.training.step import StepRecord, sample_pairs
+
+        if return_outputs:
+            raise ValueError("ComposerGRPOTrainer does not return outputs from compute_loss")
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logits_to_keep = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         mm = {k: inputs.get(k) for k in _MULTIMODAL_KEYS}  # passed exactly as TRL passes them
         per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, **mm
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True, **mm
         )
         mode = "train" if self.model.training else "eval"
         # TRL's dapo/cispo normaliser, per micro-batch (the composed loss is divided by the accumulation below).
         n_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             n_items = n_items / self.args.steps_per_generation
-        outputs: dict[str, Any] = {"logprobs": per_token_logps}
-        batch: dict[str, Any] = {
-            "completion_mask": mask,
-            "completion_ids": completion_ids,
-            "advantages": inputs["advantages"],
-            "old_logprobs": inputs.get("old_per_token_logps"),
-            "ref_logprobs": inputs.get("ref_per_token_logps"),
-            "num_items_in_batch": n_items,
-            "rewards": inputs.get("rewards"),
-            "num_generations": self.num_generations,
-            "global_step": self.state.global_step,
-            "total_steps": self.state.max_steps,
-        }
+        n = completion_ids.shape[0]
+        rewards = inputs.get("rewards")
+        record = StepRecord(
+            tasks=[], prompts=[], completions=[], prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            completion_ids=completion_ids, completion_mask=mask,
+            rewards=rewards if rewards is not None else torch.full((n,), float("nan")),
+            advantages=inputs["advantages"], num_generations=self.num_generations,
+            hint_contexts=list(inputs.get("hint_contexts") or []), old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=inputs.get("ref_per_token_logps"), step=self.state.global_step,
+            total_steps=self.state.max_steps,
+            pairs=sample_pairs(self.pairs, self.pairs_per_step, self.args.seed * 1_000_003 + self._loss_calls)
+            if self.needs_pairs else [],
+        )  # fmt: skip
+        if self.teacher_scoring is not None:  # the scorers read the rows' text
+            from composer_plugins.training.teacher_scores import start_teacher_scoring
+
+            tok = self.processing_class
+            record.prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
+            record.completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
+            start_teacher_scoring(record, self.teacher_scoring)
+        given: dict[str, Any] = {"logprobs": per_token_logps, "num_items_in_batch": n_items}
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            batch["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
-        stats: dict[str, float] = {}
-        if self.needs_teacher:
-            stats.update(self._hint_inputs(model, inputs, input_ids, attention_mask, mask, outputs, batch))
-        if self.needs_pairs:
-            self._pair_inputs(model, outputs, batch)
-        if self._teacher_channels:
-            stats.update(self._teacher_inputs(model, inputs, mask, per_token_logps, outputs))
-        loss, metrics = self.composer(outputs, batch)
+            given["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
+        policy = StepPolicy(
+            model=model, tokenizer=self.processing_class, teacher=self.ema_teacher,
+            reference=self.ref_model if self.ref_model is not None else self._pair_reference,
+            temperature=self.temperature, max_context_length=self.max_hint_length,
+            pair_prompt_length=self.max_hint_length, pair_max_length=self.pair_max_length,
+            teacher_deadline_s=self._teacher_deadline,
+        )  # fmt: skip
+        channel_inputs, stats = assemble_inputs(record, self.composer, policy, given=given)
+        if self.teacher_scoring is not None:
+            stats.update(self.teacher_scoring.stats())
+        loss, metrics = self.composer(channel_inputs, channel_inputs)
         if mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
         self._loss_calls += 1
@@ -366,102 +357,96 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 m[f"composer/{k}"].append(v)
         return loss
 
-    def _teacher_inputs(self, model: Any, inputs: Mapping[str, Any], mask: Tensor, logps: Tensor,
-                        outputs: dict[str, Any]) -> dict[str, float]:  # fmt: skip
-        """``teacher_scores``, ``hidden_states`` and the LM head of this micro-batch, through the step assembler.
 
-        The rows become a :class:`~composer_plugins.training.step.StepRecord`; the scorers start on it at
-        once and the assembler computes the policy's hidden states (with grad) before it waits for them.
-        """
-        from composer_plugins.losses.base import ChannelComposer
-        from composer_plugins.training.assemble import StepPolicy, assemble_inputs
-        from composer_plugins.training.step import StepRecord
-        from composer_plugins.training.teacher_scores import start_teacher_scoring
+class _RewardRecorder:
+    """The reward functions, wrapped so that what each returns for a generation batch is kept.
 
-        tok = self.processing_class
-        c_ids, p_ids = inputs["completion_ids"], inputs["prompt_ids"]
-        rec = StepRecord(
-            tasks=[], prompts=tok.batch_decode(p_ids, skip_special_tokens=True),
-            completions=tok.batch_decode(c_ids, skip_special_tokens=True), prompt_ids=p_ids,
-            prompt_mask=inputs["prompt_mask"], completion_ids=c_ids, completion_mask=mask,
-            rewards=torch.zeros(c_ids.shape[0], device=c_ids.device), advantages=inputs["advantages"],
-            num_generations=self.num_generations,
-        )  # fmt: skip
-        start_teacher_scoring(rec, self.teacher_scoring)
-        policy = StepPolicy(model=model, tokenizer=tok, teacher_deadline_s=self._teacher_deadline)
-        built, stats = assemble_inputs(rec, ChannelComposer(self._teacher_channels), policy, given={"logprobs": logps})
-        for k in ("teacher_scores", "hidden_states", "lm_head_weight"):
-            if built.get(k) is not None:
-                outputs[k] = built[k]
-        if self.teacher_scoring is not None:
-            stats.update(self.teacher_scoring.stats())
-        return stats
+    TRL calls reward functions with its documented keyword arguments; the wrapper passes them on and
+    keeps the output (``None`` -> NaN), keeping the function's name (TRL's logs use it).
+    """
 
-    def _hint_inputs(self, model: Any, inputs: Mapping[str, Any], input_ids: Tensor, attention_mask: Tensor,
-                     mask: Tensor, outputs: dict[str, Any], batch: dict[str, Any]) -> dict[str, float]:  # fmt: skip
-        """Student logits (with grad) and hinted-context teacher logits (no grad) on the hinted rows."""
-        hint_ids = inputs.get("hint_prompt_ids") or []
-        rows = [i for i, h in enumerate(hint_ids) if h]
-        if not rows:
-            return {"hint/rows": 0.0, "hint/fraction": 0.0}
-        device = input_ids.device
-        idx = torch.tensor(rows, device=device)
-        P = inputs["prompt_ids"].shape[1]
-        C = inputs["completion_ids"].shape[1]
-        student = model(input_ids=input_ids[idx], attention_mask=attention_mask[idx], use_cache=False).logits
-        pad = self.processing_class.pad_token_id or 0
-        h_ids, h_mask = _left_pad([hint_ids[i] for i in rows], pad, device)
-        Ph = h_ids.shape[1]
-        comp_ids, comp_mask = inputs["completion_ids"][idx], inputs["completion_mask"][idx]
-        teacher_model = model if self.ema_teacher is None else self.ema_teacher.policy
-        with torch.no_grad():
-            t_ids, t_mask = torch.cat([h_ids, comp_ids], 1), torch.cat([h_mask, comp_mask], 1)
-            teacher = teacher_model(input_ids=t_ids, attention_mask=t_mask, use_cache=False).logits
-        outputs["student_logits"] = student[:, P - 1 : P - 1 + C]
-        outputs["teacher_logits"] = teacher[:, Ph - 1 : Ph - 1 + C].detach()
-        batch["hint_mask"] = mask[idx].float()
-        batch["hint_rows"] = idx
-        with torch.no_grad():  # the precondition: teacher minus student log-prob of the student's tokens
-            m = mask[idx].bool()
-            lp = [torch.log_softmax(outputs[k].float(), -1).gather(-1, comp_ids[..., None])[..., 0]
-                  for k in ("teacher_logits", "student_logits")]  # fmt: skip
-            margin = float(((lp[0] - lp[1]) * m).sum() / m.sum().clamp(min=1))
-        return {
-            "hint/rows": float(len(rows)),
-            "hint/fraction": len(rows) / len(hint_ids),
-            "hint/teacher_margin": margin,
-        }
+    def __init__(self) -> None:
+        self.outputs: dict[int, list[float]] = {}
+        self.count = 0
+        self.unrecorded: list[str] = []
 
-    def _pair_inputs(self, model: Any, outputs: dict[str, Any], batch: dict[str, Any]) -> None:
-        """Sequence log-probs of ``pairs_per_step`` sampled pairs: policy with grad, reference without."""
-        from composer_plugins.models.generation import tokenize_prompts
-        from composer_plugins.models.logprobs import completion_forward, completion_logprobs_no_grad
+    def wrap_all(self, funcs: Any) -> Any:
+        many = isinstance(funcs, list | tuple)
+        wrapped = [self.wrap(i, f) for i, f in enumerate(funcs if many else [funcs])]
+        self.count = len(wrapped)
+        return wrapped if many else wrapped[0]
 
-        rng = random.Random(self.args.seed * 1_000_003 + self._loss_calls)
-        k = min(self.pairs_per_step, len(self.pairs))
-        picked = [self.pairs[i] for i in rng.sample(range(len(self.pairs)), k)]
-        device = self.accelerator.device
-        tok = self.processing_class
-        prompts = [str(p["prompt"]) for p in picked] * 2
-        comps = [str(p["chosen"]) for p in picked] + [str(p["rejected"]) for p in picked]
-        p_ids, p_mask = tokenize_prompts(tok, prompts, self.max_hint_length, device)
-        c_ids, c_mask = _right_pad(tok, comps, self.pair_max_length, device)
-        logps = completion_forward(model, p_ids, p_mask, c_ids, c_mask).logps
-        cm = c_mask.to(logps.dtype)
-        seq = (logps * cm).sum(-1)
-        lengths = cm.sum(-1)
-        ref_model = self.ref_model if self.ref_model is not None else self._pair_reference
-        ref_seq = (completion_logprobs_no_grad(ref_model, p_ids, p_mask, c_ids, c_mask) * cm).sum(-1)
-        outputs["chosen_logps"], outputs["rejected_logps"] = seq[:k], seq[k:]
-        outputs["chosen_avg_logps"], outputs["rejected_avg_logps"] = seq[:k] / lengths[:k], seq[k:] / lengths[k:]
-        batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref_seq[:k], ref_seq[k:]
-        batch["chosen_lengths"], batch["rejected_lengths"] = lengths[:k], lengths[k:]
+    def wrap(self, i: int, fn: Any) -> Any:
+        from torch import nn
+        from trl.trainer.utils import is_async_callable
+
+        if isinstance(fn, str | nn.Module) or not callable(fn):
+            self.unrecorded.append(fn if isinstance(fn, str) else type(fn).__name__)
+            return fn
+
+        def keep(out: Any) -> Any:
+            self.outputs[i] = [float("nan") if r is None else float(r) for r in out]
+            return out
+
+        if is_async_callable(fn):
+
+            async def recorded_async(*a: Any, **kw: Any) -> Any:
+                return keep(await fn(*a, **kw))
+
+            rec: Any = recorded_async
+        else:
+
+            def recorded(*a: Any, **kw: Any) -> Any:
+                return keep(fn(*a, **kw))
+
+            rec = recorded
+        rec.__name__ = rec.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
+        rec.__wrapped__ = fn
+        return rec
+
+    def total(self, n: int, weights: Tensor) -> Tensor:
+        """``(n,)`` weighted sum over the reward functions (NaN where every function returned ``None``)."""
+        cols = torch.full((n, max(1, self.count)), float("nan"))
+        for i, out in self.outputs.items():
+            cols[:, i] = torch.tensor(out[:n], dtype=torch.float32)
+        w = weights.detach().float().cpu()[: cols.shape[1]].unsqueeze(0)
+        total = (cols * w).nansum(dim=1)
+        total[torch.isnan(cols).all(dim=1)] = float("nan")
+        return total
 
 
-def _all_inputs(ch: Any) -> tuple[str, ...]:
-    req = tuple(ch.required_inputs()) if hasattr(ch, "required_inputs") else tuple(ch.requires)
-    opts = tuple(k for grp in getattr(ch, "input_options", ()) for k in grp)
-    return req + opts
+#: The private TRL methods the trainer overrides or calls, with the parameters it relies on (TRL 1.16).
+TRL_PRIVATE_SURFACE: dict[str, tuple[str, ...]] = {
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_get_per_token_logps_and_entropies": (
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+    ),
+}
+
+
+def check_trl_surface(trainer_cls: type = GRPOTrainer) -> None:
+    """Raise a clear error when TRL's private methods this trainer relies on changed their signature."""
+    import inspect
+
+    import trl
+
+    for name, want in TRL_PRIVATE_SURFACE.items():
+        fn = getattr(trainer_cls, name, None)
+        have = tuple(inspect.signature(fn).parameters) if fn is not None else ()
+        if have[: len(want)] != want:
+            found = "missing" if fn is None else "(" + ", ".join(have) + ")"
+            raise RuntimeError(
+                f"TRL {trl.__version__}: GRPOTrainer.{name} is {found}, "
+                f"but ComposerGRPOTrainer relies on ({', '.join(want)}) (tested with trl>=1.16,<1.17) — install "
+                "`pip install 'trl>=1.16,<1.17'`, or update composer_plugins_trl.backend (see docs/backends.md, "
+                "'TRL: the private method it still overrides')."
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,8 +536,7 @@ class TRLBackend(Backend):
         policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
         args = self.grpo_config(policy)
         hint_provider = build_hint_provider(c, self.src) if composer.needs_teacher else None
-        live = [ch for ch in channels if ch.weight != 0.0]
-        needs_pairs = any(set(_PAIR_KEYS) & set(_all_inputs(ch)) for ch in live)
+        needs_pairs = bool(set(PAIR_INPUTS) & set(composer.required_inputs()))
         pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None
         t0 = time.perf_counter()
         trainer = ComposerGRPOTrainer(

@@ -439,12 +439,22 @@ class VeRLBackend(Backend):
                                       {"epsilon_low": eps_low, "epsilon_high": eps_high},
                                       G=c.rollout.num_generations, loss_scale_factor=scale)  # fmt: skip
         algo_cfg = make_algo_config(self.adv_estimator, self.config.rollout.advantage_kwargs)
+        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
+        from composer_plugins.training.step import StepRecord
+
+        policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, temperature=c.rollout.temperature)
         history: list[dict[str, float]] = []
         for step in range(c.trainer.max_steps):
             t0 = time.perf_counter()
-            _tasks, ro, rewards, _feedback = run.rollout(step)
+            tasks, ro, rewards, feedback = run.rollout(step)
+            # the step record; VeRL computes the advantages (compute_advantage) and the loss itself, the
+            # assembler gives the sampling-time log-probs its ppo_loss reads
+            r = torch.tensor(rewards, dtype=torch.float32)
+            record = StepRecord.from_rollout(tasks, ro, r, torch.zeros_like(r), feedback, step=step)
+            inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)
             loss, metrics = verl_actor_step(run.policy, ro, rewards, actor_cfg, algo_cfg,
-                                            temperature=c.rollout.temperature)  # fmt: skip
+                                            temperature=c.rollout.temperature,
+                                            old_log_probs=inputs["old_logprobs"])  # fmt: skip
             run.optimizer_step(loss)
             row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(sum(rewards) / len(rewards))}
             row.update(metrics)
@@ -542,7 +552,7 @@ def verl_batch(ro: Any, rewards: Sequence[float], old_log_probs: Tensor, adv_est
 def nested_log_probs(model: Any, td: Any, temperature: float = 1.0) -> Tensor:
     """Log-probs in VeRL's no-padding layout: entry ``t`` of a sequence is ``log p(token_{t+1} | ≤ t)``."""
     from composer_plugins.losses.functional import chunked_logprobs
-    from composer_plugins.models.logprobs import decoder_body, lm_head_weight
+    from composer_plugins.training.policy import decoder_body, lm_head_weight
 
     body, head = decoder_body(model), lm_head_weight(model)
     ids = td["input_ids"]
@@ -561,14 +571,23 @@ def nested_log_probs(model: Any, td: Any, temperature: float = 1.0) -> Tensor:
 
 
 def verl_actor_step(policy: Any, ro: Any, rewards: Sequence[float], actor_cfg: Any, algo_cfg: Any, *,
-                    temperature: float = 1.0) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
-    """One VeRL actor update's loss on a rollout: VeRL's ``compute_advantage`` + ``ppo_loss``."""
+                    temperature: float = 1.0,
+                    old_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+    """One VeRL actor update's loss on a rollout: VeRL's ``compute_advantage`` + ``ppo_loss``.
+
+    ``old_log_probs``: the sampling-time log-probs (the assembler's ``old_logprobs``); computed here when absent.
+    """
     from verl.workers.utils.losses import ppo_loss
 
-    from composer_plugins.models.logprobs import completion_logprobs_no_grad
+    old = old_log_probs
+    if old is None:
+        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
+        from composer_plugins.training.step import StepRecord
 
-    old = completion_logprobs_no_grad(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
-                                      temperature=temperature)  # fmt: skip
+        r = torch.tensor([float(x) for x in rewards])
+        record = StepRecord.from_rollout([], ro, r, torch.zeros_like(r))
+        inputs, _ = assemble_inputs(record, Needs("old_logprobs"), StepPolicy(policy, None, temperature=temperature))
+        old = inputs["old_logprobs"]
     td = verl_batch(ro, rewards, old, algo_cfg.adv_estimator, algo_cfg)
     log_probs = nested_log_probs(policy, td, temperature)
     loss, metrics = ppo_loss(actor_cfg, {"log_probs": log_probs}, td)

@@ -1,4 +1,4 @@
-"""Test helpers: a tiny local chat model and sample traces (no hub access, CPU-sized).
+"""Teacher test data: a tiny local chat model and sample traces (no hub access, CPU-sized).
 
 :func:`build_tiny_chat_model` trains a byte-level BPE tokenizer with ``tokenizers`` on a
 small arithmetic corpus, gives it a chat template, initialises a two-layer Llama, and
@@ -8,7 +8,6 @@ and ``replay record`` load it through the ordinary ``from_pretrained`` path.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -89,20 +88,21 @@ def build_tiny_chat_model(
 
 def write_sample_traces(path: str | os.PathLike[str], n: int = 8, wrong_every: int = 2) -> Path:
     """OpenAI-messages JSONL of arithmetic conversations; every ``wrong_every``-th student answer is off by one."""
+    from composer_plugins.core.io import atomic_write_jsonl
+
+    rows = []
+    for i in range(n):
+        a, b = 3 + i, 7 + 2 * i
+        ans = a + b + (1 if wrong_every and i % wrong_every == 0 else 0)
+        rows.append({
+            "id": f"arith-{i}",
+            "messages": [
+                {"role": "system", "content": "Answer in GSM8K format."},
+                {"role": "user", "content": f"What is {a} + {b}?"},
+                {"role": "assistant", "content": f"#### {ans}"},
+            ],
+            "metadata": {"answer": str(a + b)},
+        })  # fmt: skip
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with p.open("w", encoding="utf-8") as fh:
-        for i in range(n):
-            a, b = 3 + i, 7 + 2 * i
-            ans = a + b + (1 if wrong_every and i % wrong_every == 0 else 0)
-            rec = {
-                "id": f"arith-{i}",
-                "messages": [
-                    {"role": "system", "content": "Answer in GSM8K format."},
-                    {"role": "user", "content": f"What is {a} + {b}?"},
-                    {"role": "assistant", "content": f"#### {ans}"},
-                ],
-                "metadata": {"answer": str(a + b)},
-            }
-            fh.write(json.dumps(rec) + "\n")
+    atomic_write_jsonl(p, rows, ensure_ascii=True)
     return p

@@ -2,7 +2,7 @@
 
 Run it as its own process (so client and server do not share a core)::
 
-    python -m composer_plugins.teachers.loopback --port 0 --latency 0.05
+    python -m composer_plugins.testing.teacher_loopback --port 0 --latency 0.05
 
 It prints ``LISTENING <port>`` once ready. Answers are deterministic functions of the
 model name and the last user message: arithmetic is solved (``#### 42``; a model whose
@@ -376,7 +376,7 @@ async def _serve(config: ServerConfig, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point (``python -m composer_plugins.teachers.loopback``)."""
+    """Command-line entry point (``python -m composer_plugins.testing.teacher_loopback``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
@@ -406,7 +406,7 @@ class LoopbackProcess:
     """
 
     #: The module run with ``python -m`` (a server built on this one names its own).
-    module = "composer_plugins.teachers.loopback"
+    module = "composer_plugins.testing.teacher_loopback"
 
     def __init__(self, *, env: dict[str, str] | None = None, cpu: int | None = None,
                  args: list[str] | None = None, **config: Any) -> None:  # fmt: skip
