@@ -105,8 +105,9 @@ class StepPolicy:
         pair_prompt_length, pair_max_length: prompt and completion tokens kept per preference pair.
         importance_sampling: ``(mode, max, min)`` of the correction from a server's sampling log-probs
             (``rollout.importance_sampling``); ``None`` or mode ``off``: no correction.
-        teacher_deadline_s: how long the ``teacher_scores`` builder waits for scorers still running
-            (``None``: until they finish); a teacher past it is skipped for the batch.
+        teacher_scoring: the ``teacher_distill`` scorers' pool (:func:`~composer_plugins.training.teacher_scores.
+            build_teacher_scoring`): the ``teacher_scores`` builder starts it on a record not yet scored and
+            waits for it up to its ``deadline_s`` (a teacher past it is skipped for the batch).
     """
 
     model: Any
@@ -120,7 +121,7 @@ class StepPolicy:
     pair_prompt_length: int = 256
     pair_max_length: int = 128
     importance_sampling: tuple[str, float, float | None] | None = None
-    teacher_deadline_s: float | None = None
+    teacher_scoring: Any = None
 
     def micro_batch(self, *tensors: Tensor) -> int | None:
         """Rows per micro-batch for sequences as long as the concatenated ``tensors``."""
@@ -420,14 +421,18 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
 
     from composer_plugins.losses.teacher_distill import TeacherTopK
     from composer_plugins.teachers.scoring import ScoringJob
+    from composer_plugins.training.teacher_scores import start_teacher_scoring
 
-    r = asm.record
+    r, pool = asm.record, asm.policy.teacher_scoring
+    start_teacher_scoring(r, pool)  # no-op when the trainer started it (or gave scores)
     if asm.wants("hidden_states"):
         asm.get("hidden_states")  # the student's forward first: scoring overlaps it
     pending = {k: v for k, v in r.teacher_scores.items() if isinstance(v, cf.Future)}
     if pending:
-        done, stats = ScoringJob(pending).collect(asm.policy.teacher_deadline_s)
+        done, stats = ScoringJob(pending).collect(getattr(pool, "deadline_s", None))
         asm.stats.update(stats)
+    if pool is not None:
+        asm.stats.update(pool.stats())
         r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
     scores = {k: v for k, v in r.teacher_scores.items() if v is not None}
     if not scores:

@@ -37,6 +37,7 @@ from composer_plugins.training.distributed import all_gather_objects, dp_normali
 from composer_plugins.training.metrics import PassAtK, Ratio, scalar_metrics
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
+from composer_plugins.training.teacher_scores import build_teacher_scoring, start_teacher_scoring
 
 
 class ComposerModule(L.LightningModule):
@@ -79,6 +80,7 @@ class ComposerModule(L.LightningModule):
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.env = env if env is not None else build_env(cfg, src)
         self.composer = ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
+        self.teacher_scoring = build_teacher_scoring(self.composer.active, tokenizer)  # teacher_distill's scorers
         #: What the live channels read (:meth:`ChannelComposer.required_inputs`).
         self.required_inputs = set(self.composer.required_inputs())
         self.needs_teacher = self.composer.needs_teacher
@@ -111,11 +113,6 @@ class ComposerModule(L.LightningModule):
             for p in ref.parameters():
                 p.requires_grad_(False)
             self._reference.append(ref)
-        #: The scoring teachers of a live ``teacher_distill`` channel (``losses.<teacher_distill>.teachers``):
-        #: a pool that scores each step's rollouts in the background; ``None`` without one.
-        from composer_plugins.training.teacher_scores import build_teacher_scoring
-
-        self.teacher_scoring = build_teacher_scoring(self.composer.active, self.tokenizer)
         #: What samples the training rollouts (``rollout.generator``; HF ``generate`` by default).
         self.generator = build_generator(cfg, src, self.env)
         self.val_accuracy = MeanMetric()
@@ -274,6 +271,7 @@ class ComposerModule(L.LightningModule):
             advantages = advantages[0]
         rec = StepRecord.from_rollout(tasks, ro, rewards, advantages.detach().float(), feedback,
                                       total_steps=self.cfg.trainer.max_steps)  # fmt: skip
+        start_teacher_scoring(rec, self.teacher_scoring)  # external teachers score while the step goes on
         args = (rec.prompt_ids, rec.prompt_mask, rec.completion_ids, rec.completion_mask)
         kw = {"temperature": r.temperature, "completion_attention_mask": rec.attention_mask,
               "micro_batch_size": self.micro_batch_size(rec.prompt_ids, rec.completion_ids),
@@ -285,10 +283,6 @@ class ComposerModule(L.LightningModule):
         if self.needs_teacher:
             add_hint_contexts(rec, self.env, self.hint_provider, success_threshold=r.success_threshold,
                               max_hinted=self.cfg.hints.max_hinted_per_step)  # fmt: skip
-        if self.teacher_scoring is not None:  # external teachers score the rows while the step goes on
-            from composer_plugins.training.teacher_scores import start_teacher_scoring
-
-            start_teacher_scoring(rec, self.teacher_scoring)
         return rec
 
     def micro_batch_size(self, *tensors: Tensor) -> int:
@@ -305,16 +299,8 @@ class ComposerModule(L.LightningModule):
             rows_per_micro_batch=c.compute.rows_per_micro_batch, max_context_length=c.hints.max_context_length,
             pair_prompt_length=r.max_prompt_length, pair_max_length=c.replay.max_completion_length,
             importance_sampling=(r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
-            teacher_deadline_s=self.teacher_deadline_s,
+            teacher_scoring=self.teacher_scoring,
         )  # fmt: skip
-
-    @property
-    def teacher_deadline_s(self) -> float | None:
-        """The shortest ``deadline_s`` of the live ``teacher_distill`` channels (``None``: wait for every teacher)."""
-        from composer_plugins.training.teacher_scores import teacher_channels
-
-        ds = [c.deadline_s for c in teacher_channels(self.composer.active) if c.deadline_s is not None]
-        return min(ds) if ds else None
 
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs).
@@ -324,10 +310,6 @@ class ComposerModule(L.LightningModule):
         loss is computed once over the whole batch, so it equals the one-shot loss for every channel.
         """
         self.last_rollout = rec
-        if self.teacher_scoring is not None and not rec.teacher_scores:  # a record restored from a checkpoint
-            from composer_plugins.training.teacher_scores import start_teacher_scoring
-
-            start_teacher_scoring(rec, self.teacher_scoring)
         rec.step = self.global_step  # schedules inside channels (TAID's t) follow the optimizer step
         rec.total_steps = self.cfg.trainer.max_steps
         if self.needs_pairs and self.pairs:
@@ -341,20 +323,12 @@ class ComposerModule(L.LightningModule):
         loss, metrics = self.composer(inputs, inputs)
         rewards, G = rec.rewards, rec.num_generations
         stats.update(scalar_metrics(metrics))
-        if self.teacher_scoring is not None:
-            stats.update(self.teacher_scoring.stats())
         stats["reward"] = float(rewards.mean())
         stats["accuracy"] = float((rewards >= self.cfg.rollout.success_threshold).float().mean())
         stats["completion_tokens"] = float(rec.completion_mask.sum())
         stats["completion_length"] = float(rec.completion_mask.sum(1).float().mean())
         stats["groups_with_signal"] = float((rewards.view(-1, G).std(1) > 0).float().mean())
         return loss, stats
-
-    def teardown(self, stage: str) -> None:
-        """Stop the scoring teachers' worker threads and release their models/connections."""
-        if stage == "fit" and self.teacher_scoring is not None:
-            self.teacher_scoring.close()
-            self.teacher_scoring = None
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's optimizer step (once per optimizer step, after gradient accumulation), then the EMA update."""

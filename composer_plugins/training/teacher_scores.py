@@ -33,11 +33,14 @@ def build_teacher_scoring(channels: Sequence[Any], tokenizer: Any) -> Any:
     """A bound :class:`~composer_plugins.teachers.scoring.ScoringPool` of every live channel's teachers, or ``None``."""
     from composer_plugins.teachers.scoring import ScoringPool, build_scorers
 
-    specs = [t for c in teacher_channels(channels) for t in c.teachers]
+    live = teacher_channels(channels)
+    specs = [t for c in live for t in c.teachers]
     if not specs:
         return None
     pool = ScoringPool(build_scorers(specs))
     pool.bind(tokenizer)
+    deadlines = [c.deadline_s for c in live if getattr(c, "deadline_s", None) is not None]
+    pool.deadline_s = min(deadlines) if deadlines else None  # the shortest of the channels' deadlines
     return pool
 
 
@@ -57,8 +60,11 @@ def score_requests(record: StepRecord) -> list[Any]:
 
 
 def start_teacher_scoring(record: StepRecord, pool: Any) -> StepRecord:
-    """Submit the record's rows to every scorer of ``pool``; ``record.teacher_scores`` holds the futures."""
-    if pool is None:
+    """Submit the record's rows to every scorer of ``pool``; ``record.teacher_scores`` holds the futures.
+
+    Nothing happens without a pool or when the record holds scores already.
+    """
+    if pool is None or record.teacher_scores:
         return record
     job = pool.submit(score_requests(record))
     record.teacher_scores = dict(job.futures)

@@ -159,8 +159,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
         from composer_plugins.training.teacher_scores import build_teacher_scoring, teacher_channels
 
         self.teacher_scoring = build_teacher_scoring(teacher_channels(live), self.processing_class)
-        ds = [c.deadline_s for c in teacher_channels(live) if getattr(c, "deadline_s", None) is not None]
-        self._teacher_deadline = min(ds) if ds else None
 
     def _build_ema_teacher(self, live: Sequence[Any]) -> Any:
         """The frozen EMA copy of the policy when a hint channel asks for ``teacher: ema`` (else ``None``)."""
@@ -340,11 +338,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
             reference=self.ref_model if self.ref_model is not None else self._pair_reference,
             temperature=self.temperature, max_context_length=self.max_hint_length,
             pair_prompt_length=self.max_hint_length, pair_max_length=self.pair_max_length,
-            teacher_deadline_s=self._teacher_deadline,
+            teacher_scoring=self.teacher_scoring,
         )  # fmt: skip
         channel_inputs, stats = assemble_inputs(record, self.composer, policy, given=given)
-        if self.teacher_scoring is not None:
-            stats.update(self.teacher_scoring.stats())
         loss, metrics = self.composer(channel_inputs, channel_inputs)
         if mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
