@@ -83,6 +83,8 @@ class Aligned:
     ids: list[list[int]]
     logprobs: list[list[float]]
     mask: list[bool]
+    #: the teacher's log-prob of the student's own token (NaN where not scored)
+    sampled: list[float]
 
 
 def align_scores(
@@ -107,7 +109,7 @@ def align_scores(
         k: how many entries to keep per student token (the largest).
     """
     ns, nt = len(student_ids), len(teacher_ids)
-    out = Aligned([[] for _ in range(ns)], [[] for _ in range(ns)], [False] * ns)
+    out = Aligned([[] for _ in range(ns)], [[] for _ in range(ns)], [False] * ns, [math.nan] * ns)
     i = j = 0
     while i < nt and j < ns:
         i0, j0 = i, j
@@ -141,6 +143,7 @@ def align_scores(
             out.ids[j] = [s for s, _ in top]
             out.logprobs[j] = [math.log(max(p, 1e-300)) for _, p in top]
             out.mask[j] = True
+            out.sampled[j] = math.log(max(probs[sid], 1e-300))
         i += 1
         j += 1
     return out

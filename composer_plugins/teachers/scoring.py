@@ -54,11 +54,14 @@ class TeacherScores:
             vocabulary (``-1``: no entry; cross-tokenizer rows may have fewer than K).
         logprobs: ``FloatTensor [T, K]`` their log-probs under the teacher.
         mask: ``BoolTensor [T]`` the positions scored.
+        sampled: optional ``FloatTensor [T]``: the teacher's log-prob of the student's own token at each
+            position (NaN where unknown) — PRIME-RL's ``teacher_logprobs`` stream.
     """
 
     token_ids: Any
     logprobs: Any
     mask: Any
+    sampled: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +69,7 @@ class TeacherScores:
 
     @classmethod
     def from_lists(cls, ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], mask: Sequence[bool],
-                   k: int) -> TeacherScores:  # fmt: skip
+                   k: int, sampled: Sequence[float] | None = None) -> TeacherScores:  # fmt: skip
         """Pack ragged per-token lists (padded to ``k`` with id ``-1``)."""
         import torch
 
@@ -78,7 +81,8 @@ class TeacherScores:
             if n:
                 t_ids[t, :n] = torch.tensor(list(ids[t])[:n], dtype=torch.long)
                 t_lp[t, :n] = torch.tensor(list(logprobs[t])[:n], dtype=torch.float32)
-        return cls(t_ids, t_lp, torch.tensor(list(mask), dtype=torch.bool))
+        own = None if sampled is None else torch.tensor([float(x) for x in sampled], dtype=torch.float32)
+        return cls(t_ids, t_lp, torch.tensor(list(mask), dtype=torch.bool), own)
 
 
 @dataclass(frozen=True)
@@ -170,13 +174,13 @@ class _Aligner:
                    actual: Sequence[float], top_ids: Sequence[Sequence[int]],
                    top_lps: Sequence[Sequence[float]]) -> TeacherScores:  # fmt: skip
         if spans is None:
-            return TeacherScores.from_lists(top_ids, top_lps, [True] * len(top_ids), self.k)
+            return TeacherScores.from_lists(top_ids, top_lps, [True] * len(top_ids), self.k, actual)
         from composer_plugins.teachers.align import align_scores, token_spans
 
         assert self.map is not None
         _, s_spans = token_spans(self.student, list(req.completion_ids))
         a = align_scores(list(req.completion_ids), s_spans, t_ids, spans, actual, top_ids, top_lps, self.map, self.k)
-        return TeacherScores.from_lists(a.ids, a.logprobs, a.mask, self.k)
+        return TeacherScores.from_lists(a.ids, a.logprobs, a.mask, self.k, a.sampled)
 
 
 # ------------------------------------------------------------------------------------------------

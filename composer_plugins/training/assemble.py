@@ -414,7 +414,7 @@ def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
     return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
 
 
-@register_input_builder("teacher_scores")
+@register_input_builder("teacher_scores", "teacher_logprobs")
 def teacher_scores(asm: Assembly) -> dict[str, Any]:
     """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
     import concurrent.futures as cf
@@ -431,9 +431,9 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
     if pending:
         done, stats = ScoringJob(pending).collect(getattr(pool, "deadline_s", None))
         asm.stats.update(stats)
+        r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
     if pool is not None:
         asm.stats.update(pool.stats())
-        r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
     scores = {k: v for k, v in r.teacher_scores.items() if v is not None}
     if not scores:
         return {}
@@ -444,4 +444,31 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
     asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)
     # data parallel: each rank's mean over its own distilled tokens (min_agree filters per rank), which
     # DDP then averages; a trainer that wants the union mean passes teacher_tokens_in_batch itself
-    return {"teacher_scores": packed}
+    out: dict[str, Any] = {"teacher_scores": packed}
+    if asm.wants("teacher_logprobs"):
+        out["teacher_logprobs"] = _sampled_teacher_logprobs(asm, scores)
+    return out
+
+
+def _sampled_teacher_logprobs(asm: Assembly, scores: Mapping[str, Any]) -> Tensor | None:
+    """``(N, C)``: the teachers' log-prob of each sampled token (the mean of their probabilities where several
+    scored it); where none did, the policy's own (detached), so a term on it is 0 there. ``None`` without any."""
+    r = asm.record
+    N, C = r.completion_ids.shape
+    total = torch.zeros((N, C), dtype=torch.float64)
+    count = torch.zeros((N, C), dtype=torch.float64)
+    for rows in scores.values():
+        for i, s in enumerate(rows if isinstance(rows, list) else ()):
+            if s is None or getattr(s, "sampled", None) is None:
+                continue
+            t = min(int(s.sampled.shape[0]), C)
+            v = s.sampled[:t].double()
+            ok = s.mask[:t].bool() & torch.isfinite(v)
+            total[i, :t] += torch.where(ok, v.exp(), torch.zeros_like(v))
+            count[i, :t] += ok.double()
+    if not bool((count > 0).any()):
+        return None
+    own = asm.get("logprobs")
+    base = own.detach().double().cpu() if own is not None else torch.zeros((N, C), dtype=torch.float64)
+    mixed = torch.where(count > 0, (total / count.clamp(min=1)).clamp(min=1e-30).log(), base)
+    return mixed.to(device=asm.device, dtype=torch.float32)

@@ -47,7 +47,7 @@ def test_reverse_kl_by_hand():
     out = P.loss_fn(sample, policy="dapo", teacher_weight=1.0)
     base = P.loss_fn(sample, policy="dapo").loss
     want = p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
-    assert float(out.loss - base) == pytest.approx(want)
+    assert float((out.loss - base).detach()) == pytest.approx(want)
 
 
 def test_config_maps_the_channel_and_refuses_what_one_stream_cannot_do():
@@ -59,3 +59,24 @@ def test_config_maps_the_channel_and_refuses_what_one_stream_cannot_do():
         P.PrimeRLBackend({"losses": {"dppo": 1.0, "hint_distill": 0.5, "teacher_distill": 0.3}})
     with pytest.raises(Exception, match="one teacher"):
         P.PrimeRLBackend({"losses": {"dppo": 1.0, "teacher_distill": {"weight": 0.3, "min_agree": 2}}})
+
+
+def test_local_mode_scores_the_teacher_stream_with_the_configs_teacher(tiny_model_dir, tmp_path):
+    """``mode="local"``: the config's scorer gives each sampled token's teacher log-prob (``teacher_logprobs``)."""
+    from composer_plugins.testing.teacher_data import build_tiny_chat_model
+
+    teacher = build_tiny_chat_model(tmp_path / "teacher", vocab_size=260, seed=7)  # another tokenizer
+    cfg = {
+        "seed": 0, "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
+        "model": {"name_or_path": tiny_model_dir}, "env": {"class_path": "backend_envs.ToyAddEnv"},
+        "sft": {"enabled": False}, "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6},
+        "losses": {"dppo": 1.0, "grpo": False, "teacher_distill": {
+            "weight": 0.5, "teachers": [{"kind": "causal_lm", "id": "t", "model_path": str(teacher), "topk": 4}]}},
+        "optim": {"lr": 3e-3}, "trainer": {"max_steps": 2, "num_threads": 1, "enable_progress_bar": False},
+        "eval": {"num_problems": 2, "batch_size": 2, "k": 1, "num_samples": 1, "at_start": False, "at_end": False},
+    }  # fmt: skip
+    res = P.PrimeRLBackend(cfg).train()
+    assert len(res.history) == 2
+    for row in res.history:
+        assert row["teacher_distill/skipped"] == 0.0
+        assert math.isfinite(row["teacher_distill/divergence"]) and row["teacher_distill/divergence"] >= 0

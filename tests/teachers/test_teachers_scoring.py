@@ -88,6 +88,8 @@ def test_local_scorer_is_the_models_top_k(tiny):
         assert s.mask.all() and s.token_ids.shape == (len(r.completion_ids), 5)
         torch.testing.assert_close(s.token_ids, want.indices)
         torch.testing.assert_close(s.logprobs, want.values, rtol=1e-5, atol=1e-5)
+        own = _direct(a, r.prompt_ids, r.completion_ids).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(s.sampled, own, rtol=1e-5, atol=1e-5)  # the student's own token
 
 
 def test_server_scorer_vllm_and_sglang_shapes_match_the_local_model(tiny, server, tmp_path):
@@ -195,6 +197,7 @@ def test_alignment_by_hand():
     )  # fmt: skip
     assert al.mask == [True, False, False]
     assert al.ids[0] == [10, 11]
+    assert math.exp(al.sampled[0]) == pytest.approx(0.5) and math.isnan(al.sampled[1])
     assert [math.exp(x) for x in al.logprobs[0]] == pytest.approx([0.5, 0.3])
 
 

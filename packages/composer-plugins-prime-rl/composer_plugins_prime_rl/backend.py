@@ -408,10 +408,18 @@ class PrimeRLBackend(Backend):
 
             ema = EMATeacher(run.policy, self.hint_teacher[1])
             ema_pairs_ = ema_pairs(nn.ModuleDict({"ema": ema, "policy": run.policy}), "ema.policy", "policy")
+        scoring = None
+        if self.loss_kwargs.get("teacher_weight"):  # teacher_distill: the config's scorers give the teacher stream
+            from composer_plugins.training.builders import build_channels
+            from composer_plugins.training.teacher_scores import build_teacher_scoring
+
+            scoring = build_teacher_scoring(build_channels(c, self.src), run.tokenizer)
         policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, teacher=ema, temperature=c.rollout.temperature,
-                            max_context_length=c.hints.max_context_length)  # fmt: skip
+                            max_context_length=c.hints.max_context_length, teacher_scoring=scoring)  # fmt: skip
         # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
-        needs = Needs("logprobs", "inference_logprobs", *(("hint_teacher_logprobs",) if hint_provider else ()))
+        # (or, with teacher_distill, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)
+        ref_name = "hint_teacher_logprobs" if hint_provider else ("teacher_logprobs" if scoring else None)
+        needs = Needs("logprobs", "inference_logprobs", *((ref_name,) if ref_name else ()))
         history: list[dict[str, float]] = []
         for step in range(c.trainer.max_steps):
             t0 = time.perf_counter()
@@ -420,7 +428,7 @@ class PrimeRLBackend(Backend):
             inference = inputs["inference_logprobs"]
             adv = record.advantages.unsqueeze(-1).expand_as(inference)
             samples = samples_from_batch(inputs["logprobs"], inference, adv, record.completion_mask,
-                                         inputs.get("hint_teacher_logprobs"))  # fmt: skip
+                                         inputs.get(ref_name) if ref_name else None)  # fmt: skip
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
             grad_norm = run.optimizer_step(loss)
             if ema is not None:
