@@ -36,7 +36,16 @@ Optional variants (``--variants``, not in the default set): ``hint_distill_liger
 Liger's) and ``hint_distill_topk100_*`` (top-100 / full vocabulary). The chunked variants pin
 ``kernels: torch`` (the channel's ``auto`` would pick Liger on CUDA).
 
-Run: ``python -m benchmarks.bench_losses [--quick] [--threads N] [--chunk-size C] [--variants a,b] [--json]``.
+Run: ``python -m benchmarks.bench_losses [--quick] [--threads N] [--chunk-size C] [--variants a,b] [--json] [--out F]``.
+
+``--teacher`` measures the ``teacher_distill`` channel instead (on-policy distillation from N teachers'
+top-k log-probs), at the real vocabulary V=151,936 (H=896, T=2,048; ``--teacher-tokens``):
+K = 20 and 100, one and three teachers, against a full-vocabulary implementation in the same run
+(the teachers' full log-prob rows ``N × T × V``, the student's materialised logits, reverse KL to the
+weighted mixture ``log Σ_n w_n q_n`` under autograd). Reported per variant: the teacher-side bytes per
+token (the inputs the teachers hand the loss) against one fp32 vocabulary row (target <= 1/100), and
+the step's peak against one fp32 ``T × V`` logits tensor (target <= 0.6), all memory and excluding the
+gradient buffers every path returns.
 """
 
 from __future__ import annotations
@@ -235,6 +244,162 @@ def _worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repea
     }
 
 
+TEACHER_VARIANTS = tuple(
+    f"teacher_{kind}_n{n}" if kind == "full" else f"teacher_chunked_k{k}_n{n}"
+    for n in (1, 3)
+    for kind, k in (("full", 0), ("chunked", 20), ("chunked", 100))
+)
+TEACHER_TARGETS = {
+    "teacher_bytes_per_token_over_vocab_row": "<= 0.01 (teacher-side bytes per token / one fp32 vocabulary row)",
+    "peak_over_logits": "<= 0.6 (step peak / one fp32 T x V logits tensor)",
+}
+
+
+def _teacher_worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repeats: int) -> dict[str, Any]:
+    """One ``teacher_distill`` variant in this (fresh) process: time and peak memory of forward + backward."""
+    import torch
+
+    from composer_plugins.losses.teacher_distill import TeacherDistillChannel, TeacherTopK
+
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    b, t, h, v = shape["B"], shape["T"], shape["H"], shape["V"]
+    n = int(variant.rsplit("_n", 1)[1])
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*size: int, std: float) -> torch.Tensor:
+        x = torch.empty(*size, device=dev)
+        x.normal_(0.0, std, generator=gen)
+        return x
+
+    weight = randn(v, h, std=0.05).requires_grad_(True)
+    hidden = randn(b, t, h, std=1.0).requires_grad_(True)
+    mask = torch.ones(b, t, device=dev)
+    weights = torch.tensor([1.0, 2.0, 0.5][:n], device=dev)
+    full = variant.startswith("teacher_full")
+    if full:  # what a full-vocabulary implementation needs from the teachers: N log-prob rows per token
+        rows = randn(n, b, t, v, std=2.0)
+        for i in range(n):  # each teacher's log-probs, plus its log mixture weight (set up once, not measured)
+            rows[i] = torch.log_softmax(rows[i], -1) + float((weights[i] / weights.sum()).log())
+        teacher_bytes = rows.numel() * rows.element_size()
+    else:
+        k = int(variant.split("_k")[1].split("_")[0])
+        base = torch.randint(0, v, (b, n, t, 1), device=dev, generator=gen)
+        ids = (base + torch.arange(k, device=dev) * 7919) % v  # k distinct ids per token and teacher
+        lps = torch.log_softmax(randn(b, n, t, k, std=1.0), -1) + torch.log(torch.tensor(0.9))
+        scores = TeacherTopK(ids, lps, torch.ones(b, n, t, dtype=torch.bool, device=dev), tuple("abc"[:n]))
+        teacher_bytes = scores.nbytes
+        channel = TeacherDistillChannel(weights=dict(zip("abc", [1.0, 2.0, 0.5], strict=False)), chunk_size=chunk)
+
+    def step() -> float:
+        weight.grad = None
+        hidden.grad = None
+        if full:
+            s = torch.log_softmax(hidden @ weight.T, -1)
+            logq = rows[0].clone()
+            for i in range(1, n):  # the mixture log Σ w_n q_n, one T × V buffer at a time
+                torch.logaddexp(logq, rows[i], out=logq)
+            loss = (s.exp() * (s - logq)).sum(-1).mul(mask).sum() / mask.sum()
+            del s, logq
+        else:
+            loss, _ = channel({"hidden_states": hidden, "lm_head_weight": weight},
+                              {"teacher_scores": scores, "completion_mask": mask})  # fmt: skip
+        loss.backward()
+        return float(loss.detach())
+
+    step()
+    walls: list[float] = []
+    cpus: list[float] = []
+    loss_value = float("nan")
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss_value = step()
+        if cuda:
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    weight.grad = None
+    hidden.grad = None
+    if cuda:
+        method = "cuda.max_memory_allocated"
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        high = torch.cuda.max_memory_allocated()
+    else:
+        method = "VmHWM (reset before the step), mmap threshold 1 MiB"
+        _exact_cpu_allocator()
+        if not _reset_hwm():
+            method = "ru_maxrss (fresh process), mmap threshold 1 MiB"
+        before = _rss_bytes()
+        step()
+        hwm = _hwm_bytes() if method.startswith("VmHWM") else None
+        high = hwm if hwm is not None else _maxrss_bytes()
+    peak = high - before
+    assert weight.grad is not None and hidden.grad is not None
+    grad_bytes = weight.grad.numel() * weight.grad.element_size() + hidden.grad.numel() * hidden.grad.element_size()
+    logits_bytes = b * t * v * 4
+    return {
+        "variant": variant,
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({threads} thread(s))",
+        "peak_mib": peak / 2**20,
+        "peak_excl_grads_mib": (peak - grad_bytes) / 2**20,
+        "peak_over_logits": peak / logits_bytes,
+        "peak_excl_grads_over_logits": (peak - grad_bytes) / logits_bytes,
+        "teacher_bytes_per_token": teacher_bytes / (b * t),
+        "teacher_bytes_per_token_over_vocab_row": teacher_bytes / (b * t) / (v * 4),
+        "memory_method": method,
+        "time_s": min(walls) if cuda else min(cpus),
+        "wall_s": min(walls),
+        "loss": loss_value,
+    }
+
+
+def run_teacher(threads: int | None = None, chunk_size: int | None = None, repeats: int | None = None,
+                tokens: int = 2048, quick: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The ``teacher_distill`` workloads (each variant in a fresh process): results and time ratios to the full path."""
+    shape = dict(QUICK if quick else FULL)
+    shape["T"] = tokens if not quick else min(tokens, QUICK["T"])
+    threads, repeats = threads or 1, repeats or 1
+    chunk = chunk_size or 64
+    results = {}
+    order = sorted(TEACHER_VARIANTS, key=lambda v: "full" in v)  # the cheap chunked variants first
+    for v in order:
+        results[v] = _run_variant(v, shape, chunk, threads, repeats)
+        print(json.dumps(results[v]), file=sys.stderr, flush=True)  # each variant as it finishes
+    results = {v: results[v] for v in TEACHER_VARIANTS}
+    ratios = {}
+    for name, r in results.items():
+        if "chunked" in name:
+            base = results[f"teacher_full_n{name.rsplit('_n', 1)[1]}"]
+            ratios[f"{name}_time_ratio"] = r["time_s"] / max(base["time_s"], 1e-12)
+            ratios[f"{name}_peak_ratio_vs_full"] = r["peak_mib"] / max(base["peak_mib"], 1e-9)
+    return {"name": "losses_teacher", "shape": shape, "chunk_size": chunk, "results": results, "ratios": ratios,
+            "targets": TEACHER_TARGETS}  # fmt: skip
+
+
+def _print_teacher(report: dict[str, Any]) -> None:
+    s = report["shape"]
+    print(f"bench_losses --teacher  B={s['B']} T={s['T']} H={s['H']} V={s['V']}  chunk={report['chunk_size']}")
+    head = f"{'variant':<28}{'peak MiB':>10}{'excl grads':>12}{'peak/logits':>12}{'excl/logits':>12}"
+    print(head + f"{'teacher B/tok':>14}{'/vocab row':>11}{'time s':>9}")
+    for name, r in report["results"].items():
+        print(
+            f"{name:<28}{r['peak_mib']:>10.1f}{r['peak_excl_grads_mib']:>12.1f}{r['peak_over_logits']:>12.3f}"
+            f"{r['peak_excl_grads_over_logits']:>12.3f}{r['teacher_bytes_per_token']:>14.0f}"
+            f"{r['teacher_bytes_per_token_over_vocab_row']:>11.4f}{r['time_s']:>9.2f}"
+        )
+    for k, v in report["ratios"].items():
+        print(f"{k:<46}{v:>7.3f}")
+    for k, v in report["targets"].items():
+        print(f"target {k}: {v}")
+
+
 def _run_variant(variant: str, shape: dict[str, int], chunk: int, threads: int, repeats: int) -> dict[str, Any]:
     cmd = [
         sys.executable,
@@ -340,12 +505,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: "
                         f"{', '.join(VARIANTS)})")  # fmt: skip
+    p.add_argument("--teacher", action="store_true", help="the teacher_distill workloads (K 20/100, 1 and 3 teachers)")
+    p.add_argument("--teacher-tokens", type=int, default=2048, help="T of the teacher workloads (default 2048)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        out = _worker(a.worker, json.loads(a.shape), a.chunk_size or 256, a.threads or 1, a.repeats or 1)
+        work = _teacher_worker if a.worker.startswith("teacher_") else _worker
+        out = work(a.worker, json.loads(a.shape), a.chunk_size or 256, a.threads or 1, a.repeats or 1)
         print(json.dumps(out))
+        return
+    if a.teacher:
+        rep = run_teacher(a.threads, a.chunk_size, a.repeats, a.teacher_tokens, a.quick)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rep, f, indent=2)
+        print(json.dumps(rep, indent=2)) if a.json else _print_teacher(rep)
         return
     variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]

@@ -28,6 +28,11 @@ def register_teachers(register: Any) -> None:
 
 
 @hookspec
+def register_teacher_scorers(register: Any) -> None:
+    """Register teachers that score a student's tokens (top-k log-probs) with ``register(name, factory, **kw)``."""
+
+
+@hookspec
 def register_envs(register: Any) -> None:
     """Register environment adapters with ``register(name, factory, description=None, **init_params)``."""
 

@@ -25,6 +25,7 @@ from composer_plugins.core.errors import (
 KINDS: dict[str, str] = {
     "losses": "register_loss_channels",
     "teachers": "register_teachers",
+    "scorers": "register_teacher_scorers",
     "envs": "register_envs",
     "hints": "register_hint_providers",
     "backends": "register_backends",
@@ -39,6 +40,9 @@ _KIND_ALIASES = {
     "loss_channel": "losses",
     "channels": "losses",
     "teacher": "teachers",
+    "scorer": "scorers",
+    "teacher_scorers": "scorers",
+    "teacher_scorer": "scorers",
     "env": "envs",
     "environments": "envs",
     "environment": "envs",

@@ -312,6 +312,27 @@ def _tail(top: Tensor) -> tuple[Tensor, Tensor]:
     return _log1mexp(lse.clamp(max=-TAIL_FLOOR)), active
 
 
+def _fold_tail(g_top: Tensor, g_tail: Tensor, b: Tensor, tail: Tensor, active: Tensor) -> Tensor:
+    """Gradient on the top-k log-probs ``b`` once the tail bucket's dependence on them is folded in.
+
+    ``tail = log(1 - Σ exp(b))`` so ``d tail / d b_i = -exp(b_i - tail)``; where the tail was floored
+    (``active`` False) it has no gradient. Leaves ``b`` untouched.
+    """
+    return g_top - g_tail * (b - tail).exp() * active.to(g_top.dtype)
+
+
+def _buckets_to_logits(logp: Tensor, idx: Tensor, h: Tensor, tau: float) -> Tensor:
+    """``dL/dz`` from the gradient ``h`` on the gathered log-probs ``logp[idx]``: ``(scatter(h) - (Σh)·p) / τ``.
+
+    ``logp`` is the ``(n, V)`` log-softmax of ``z/τ``; its buffer is consumed (it becomes the gradient).
+    """
+    g = logp.exp_().mul_(-h.sum(-1, keepdim=True))  # -(Σ h) softmax(z/τ)
+    g.scatter_add_(-1, idx, h)
+    if tau != 1.0:
+        g.div_(tau)
+    return g
+
+
 @dataclass
 class TopKTailKernel(Kernel):
     """``base`` on the ``(k+1)``-way distributions: the student's top-``k`` tokens plus one tail bucket.
@@ -385,12 +406,8 @@ class TopKTailKernel(Kernel):
             assert gb is not None
             h = gb[:, :k]
             if tail:
-                # the tail log-prob depends on the top-k: d tail / d b_i = -exp(b_i - tail)
-                h = h - gb[:, k:] * bs.sub_(ts).exp_() * act.to(h.dtype)
-            g = zs.sub_(lse).exp_().mul_(-h.sum(-1, keepdim=True))  # -(Σ h) softmax(z/τ)
-            g.scatter_add_(-1, idx, h)
-            if tau != 1.0:
-                g.div_(tau)
+                h = _fold_tail(h, gb[:, k:], bs, ts, act)
+            g = _buckets_to_logits(zs.sub_(lse), idx, h, tau)
         return val, g, st
 
 
@@ -407,3 +424,128 @@ def with_topk(kernel: Kernel, k: int | None, temperature: float = 1.0) -> Kernel
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return TopKTailKernel(base=kernel, k=int(k), temperature=float(temperature))
+
+
+# ------------------------------------------------------------------------------------------------
+# the teacher's top-k: ids given by the teacher(s), not taken from the student
+# ------------------------------------------------------------------------------------------------
+#: Divergences of the ``teacher_distill`` channel and the generalised-JSD ``beta`` each one is.
+TEACHER_DIVERGENCES: dict[str, float | None] = {"reverse_kl": 1.0, "forward_kl": 0.0, "jsd": None}
+
+#: A teacher log-prob below this (``log 1e-30``) is read as this: a token the teacher ranked in its
+#: top-k with probability 0 would otherwise make the reverse KL infinite.
+TEACHER_LOGPROB_FLOOR = -69.0776
+
+
+def bucket_divergence(ls: Tensor, lt: Tensor, valid: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """Per-row divergence of two distributions given as bucket log-probs, and its gradient in ``ls``.
+
+    ``ls``, ``lt``: ``(n, m)`` student / teacher log-probs of the same buckets; ``valid``: ``(n, m)``
+    buckets that exist (the others count as absent on both sides). ``beta`` as
+    :class:`JSDKernel`: ``1`` reverse KL(p‖q), ``0`` forward KL(q‖p), otherwise
+    ``β·KL(q‖m) + (1-β)·KL(p‖m)``, ``m = (1-β)p + βq``. The gradient is taken with respect to the
+    log-probs themselves (a term ``c·p`` may be added or dropped: it vanishes once the tail is
+    folded in and the gradient is carried back to the logits). Differentiable by autograd too.
+    """
+    zero = torch.zeros((), dtype=ls.dtype, device=ls.device)
+    s = torch.where(valid, ls, zero)
+    t = torch.where(valid, lt, zero)
+    p = torch.where(valid, s.exp(), zero)
+    if beta == 1.0:
+        d = s - t
+        return (p * d).sum(-1), p * d
+    q = torch.where(valid, t.exp(), zero)
+    if beta == 0.0:
+        return (q * (t - s)).sum(-1), -q
+    m = torch.where(valid, torch.logaddexp(s + math.log1p(-beta), t + math.log(beta)), zero)
+    val = beta * (q * (t - m)).sum(-1) + (1 - beta) * (p * (s - m)).sum(-1)
+    return val, (1 - beta) * p * (s - m)
+
+
+@dataclass
+class TeacherTopKKernel:
+    """A divergence between the student's distribution and a teacher's given on **the teacher's** top-k ids.
+
+    Per token the teacher side is ``ids`` ``(n, k)`` (``valid`` marks real entries; merged teachers
+    give rows of different lengths) and log-probs ``lt`` ``(n, k + 1)``: the teacher's log-probs of
+    those ids and, last, of its tail bucket (the rest of its mass). The student side is its own
+    full-vocabulary ``log_softmax(z / temperature)`` gathered at the same ids, plus its tail
+    ``log(1 - Σ p_ids)`` (floored as in :func:`_tail`, no gradient through the floor). The
+    divergence (:func:`bucket_divergence`) is taken on these ``k + 1``-way distributions. When the
+    ids of a row cover the whole vocabulary there is no tail on either side and the value is the
+    full-vocabulary divergence (loss and gradient).
+
+    Unlike :class:`TopKTailKernel` (the student's top-k, the teacher's full logits), the teacher is
+    never more than ``k`` numbers per token: what an inference server returns.
+    """
+
+    divergence: str = "reverse_kl"
+    beta: float = 0.5
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.divergence not in TEACHER_DIVERGENCES:
+            raise ValueError(
+                f"unknown teacher_distill divergence {self.divergence!r}; valid: {', '.join(TEACHER_DIVERGENCES)}"
+            )
+        if not 0.0 <= float(self.beta) <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def jsd_beta(self) -> float:
+        """The generalised-JSD ``beta`` of :attr:`divergence`."""
+        fixed = TEACHER_DIVERGENCES[self.divergence]
+        return float(self.beta) if fixed is None else fixed
+
+    def _student(self, logp: Tensor, ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(top-k log-probs b, tail, tail active, row has a tail)`` of the student at the teacher's ids."""
+        b = logp.gather(-1, ids)
+        ts, act = _tail(torch.where(valid, b, torch.full_like(b, -math.inf)))
+        has_tail = valid.sum(-1, keepdim=True) < logp.shape[-1]
+        return b, ts, act, has_tail
+
+    def value(self, zs: Tensor, ids: Tensor, lt: Tensor, valid: Tensor) -> Tensor:
+        """Per-token divergence, differentiable in ``zs`` by autograd (the plain reference path)."""
+        logp = torch.log_softmax(_scaled(zs, self.temperature), dim=-1)
+        safe = torch.where(valid, ids, torch.zeros_like(ids))
+        b, ts, act, has_tail = self._student(logp, safe, valid)
+        ts = torch.where(act, ts, ts.detach())
+        ls = torch.cat([b, ts], -1)
+        vb = torch.cat([valid, has_tail], -1)
+        return bucket_divergence(ls, _up(lt).clamp(min=TEACHER_LOGPROB_FLOOR), vb, self.jsd_beta)[0]
+
+    def compute(self, zs: Tensor, ids: Tensor, lt: Tensor, valid: Tensor,
+                grad_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:  # fmt: skip
+        """``(value, grad_out[:, None]·dvalue/dzs or None, stats)``; consumes ``zs``'s buffer.
+
+        ``stats`` ``(n, 2)``: the student's and the teacher's probability mass on the ids (the
+        coverage of the top-k), detached.
+        """
+        tau = self.temperature
+        zs = _up(zs)
+        if tau != 1.0:
+            zs.div_(tau)
+        logp = zs.sub_(torch.logsumexp(zs, dim=-1, keepdim=True))
+        safe = torch.where(valid, ids, torch.zeros_like(ids))
+        b, ts, act, has_tail = self._student(logp, safe, valid)
+        k = b.shape[-1]
+        ls = torch.cat([b, ts], -1)
+        vb = torch.cat([valid, has_tail], -1)
+        lt = _up(lt).to(ls.dtype).clamp(min=TEACHER_LOGPROB_FLOOR)
+        val, gb = bucket_divergence(ls, lt, vb, self.jsd_beta)
+        neg = torch.full_like(b, -math.inf)
+        stats = torch.stack(
+            [
+                torch.logsumexp(torch.where(valid, b, neg), -1).exp(),
+                torch.logsumexp(torch.where(valid, lt[:, :k], neg), -1).exp(),
+            ],
+            -1,
+        )
+        if grad_out is None:
+            return val, None, stats
+        gb = gb * grad_out.to(gb.dtype).unsqueeze(-1)
+        h = _fold_tail(gb[:, :k], gb[:, k:], b, ts, act & has_tail)
+        h = torch.where(valid, h, torch.zeros_like(h))
+        return val, _buckets_to_logits(logp, safe, h, tau), stats

@@ -38,6 +38,11 @@ def register_loss_channels(register: Any) -> None:
         description="Hint self-distillation on hinted-turn tokens: jsd|taid|entropy_opd.",
     )
     register(
+        "teacher_distill",
+        "composer_plugins.losses.teacher_distill:TeacherDistillChannel",
+        description="On-policy distillation from N external teachers' top-k log-probs: reverse_kl|forward_kl|jsd.",
+    )
+    register(
         "replay_dpo",
         "composer_plugins.losses.preference:ReplayPreferenceChannel",
         description="Replay DPO (sigmoid|ipo|hinge, TRL) or SimPO on chosen/rejected.",

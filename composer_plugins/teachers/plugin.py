@@ -33,6 +33,33 @@ def register_teachers(register: Any) -> None:
 
 
 @hookimpl
+def register_teacher_scorers(register: Any) -> None:
+    """Register the built-in scoring teachers (top-k log-probs of a student's completion, for teacher_distill)."""
+    register(
+        "causal_lm",
+        "composer_plugins.teachers.scoring:LocalScorer",
+        description="A frozen local causal LM (from_pretrained), batched, optionally on its own device.",
+        aliases=("hf", "local"),
+        requires=("transformers", "torch"),
+    )
+    register(
+        "vllm",
+        "composer_plugins.teachers.scoring:ServerScorer",
+        description="vLLM /v1/completions prompt_logprobs through the replay engine (cache, budget, retries).",
+        requires=("aiohttp",),
+        install="pip install aiohttp",
+    )
+    register(
+        "sglang",
+        "composer_plugins.teachers.scoring:ServerScorer",
+        description="SGLang /generate return_logprob + top_logprobs_num through the replay engine.",
+        requires=("aiohttp",),
+        install="pip install aiohttp",
+        api="sglang",
+    )
+
+
+@hookimpl
 def register_commands(cli: Any) -> None:
     """Add ``composer-plugins replay`` (run / record / states / normalize)."""
     from composer_plugins.teachers.cli import replay

@@ -20,6 +20,10 @@ its provider and what broke. :func:`check` dispatches on the kind.
   reservation (the budget's bound) and equal to the usage priced; the same states again are all
   cache hits and cost nothing; ``cache_params`` is JSON and the same for the same settings; a
   failing call raises :class:`~composer_plugins.teachers.base.TeacherCallError`.
+* scorers (teachers that score a student's tokens): bound to a student tokenizer, two rows give one
+  ``TeacherScores`` (or ``None``) each: ids ``[T, K]`` within the student's vocabulary (``-1`` for
+  none), log-probs ``<= 0`` whose probabilities sum to at most 1 per token, a ``[T]`` mask; the same
+  rows again give the same scores.
 * backends: the entry declares the import names it needs and an install command for them, and
   builds when they are present.
 * optimizers, callbacks: build over a parameter / as a ``lightning.pytorch.Callback``.
@@ -61,6 +65,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         "envs": check_env,
         "hints": check_hint_provider,
         "teachers": check_teacher,
+        "scorers": check_scorer,
         "backends": check_backend,
         "optimizers": check_optimizer,
         "callbacks": check_callback,
@@ -151,7 +156,18 @@ def loss_batch(*, dtype: Any = None, pad_width: int = 0, perm: Any = None, noise
         "chosen_avg_logps": chosen / 5.0,
         "rejected_avg_logps": rejected / 7.0,
     }
+    # three teachers' top-4 over the student's vocabulary (the teacher_distill channel), from the same
+    # teacher hidden states (so padding, order and width follow the rows), teacher 2 half as sharp
+    from composer_plugins.losses.teacher_distill import TeacherTopK
+
+    t_logits = (th.double() @ weight.T).unsqueeze(1) * torch.tensor([1.0, 1.2, 0.5], dtype=torch.float64).view(
+        1, 3, 1, 1
+    )
+    top = torch.log_softmax(t_logits, -1).topk(4, -1)
+    scored = (mask > 0).unsqueeze(1).expand(-1, 3, -1).clone()
+    teacher_scores = TeacherTopK(top.indices, top.values.to(dtype), scored, ("a", "b", "c"))
     batch = {
+        "teacher_scores": teacher_scores,
         "completion_ids": ids,
         "completion_mask": mask.to(dtype),
         "hint_mask": hint.to(dtype),
@@ -308,6 +324,59 @@ def check_hint_provider(name: str, registry: Any = None, **build_kwargs: Any) ->
             raise _fail(entry, f"a hint repeats the row's own completion {own!r}: {h!r}; use a sibling's instead")
     if with_groups[0] != with_groups[1]:
         raise _fail(entry, f"the same rows and groups gave different hints: {with_groups[0]!r} vs {with_groups[1]!r}")
+
+
+# -- scoring teachers ------------------------------------------------------------------------------
+
+
+def check_scorer(name: str, registry: Any = None, *, tokenizer: Any = None, **build_kwargs: Any) -> None:
+    """Scorer conformance (see the module docstring). ``tokenizer``: the student's (a path or an object)."""
+    import torch
+
+    from composer_plugins.teachers.scoring import ScoreRequest, TeacherScorer
+
+    entry = _entry("scorers", name, registry)
+    scorer = entry.build(**build_kwargs)
+    if not isinstance(scorer, TeacherScorer):
+        raise _fail(entry, f"built a {type(scorer).__name__}, not a TeacherScorer")
+    if tokenizer is None:
+        raise _fail(entry, "the scorer check needs tokenizer= (the student's tokenizer, or a path to one)")
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    try:
+        scorer.bind(tokenizer)
+        reqs = []
+        for prompt, completion in (("What is 2 + 3?", " 2 + 3 = 5\n#### 5"), ("Add 4 and 4.", " #### 8")):
+            ids = tuple(tokenizer(completion, add_special_tokens=False)["input_ids"])
+            p_ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            reqs.append(ScoreRequest(prompt, completion, ids, p_ids))
+        out = scorer.score(reqs)
+        again = scorer.score(reqs)
+    finally:
+        scorer.close()
+    if len(out) != len(reqs):
+        raise _fail(entry, f"score() gave {len(out)} results for {len(reqs)} rows")
+    V = len(tokenizer)
+    for r, s, s2 in zip(reqs, out, again, strict=True):
+        if s is None:
+            continue
+        T = len(r.completion_ids)
+        ids, lps, mask = s.token_ids, s.logprobs, s.mask
+        if ids.dim() != 2 or ids.shape[0] != T or tuple(lps.shape) != tuple(ids.shape) or tuple(mask.shape) != (T,):
+            raise _fail(entry, f"scores must be token_ids/logprobs [T={T}, K] and mask [T], got "
+                               f"{tuple(ids.shape)}, {tuple(lps.shape)}, {tuple(mask.shape)}")  # fmt: skip
+        real = ids >= 0
+        if bool((ids[real] >= V).any()) or bool((ids < -1).any()):
+            raise _fail(entry, f"token ids must lie in the student's vocabulary [0, {V}) (or be -1 for none)")
+        if bool((lps[real] > 1e-6).any()):
+            raise _fail(entry, "log-probs must be <= 0")
+        mass = torch.where(real, lps.double().exp(), torch.zeros((), dtype=torch.float64)).sum(-1)
+        if bool((mass[mask.bool()] > 1 + 1e-4).any()):
+            raise _fail(entry, f"a token's top-k probabilities sum past 1 ({float(mass.max()):.4f})")
+        if s2 is None or not torch.equal(ids, s2.token_ids) or not torch.allclose(lps, s2.logprobs, atol=1e-5):
+            raise _fail(entry, "the same rows scored twice gave different scores")
 
 
 # -- teachers -------------------------------------------------------------------------------------

@@ -12,6 +12,11 @@ local policy, in its own process::
   the request's temperature, as vLLM's ``processed_logprobs``). The ``n`` completions of a request
   are :func:`~composer_plugins.models.generation.generate_completions` of the prompt with the
   request's seed, so the same seed gives the same tokens as sampling in-process.
+* Scoring (the ``teacher_distill`` channel's teachers): ``POST /v1/completions`` with
+  ``prompt_logprobs: K`` returns vLLM's ``choices[0].prompt_logprobs`` (``None`` for the first token,
+  then per token ``{id: {logprob, rank, decoded_token}}`` with the top-K and the token itself) and
+  generates nothing; ``POST /generate`` (SGLang) with ``return_logprob`` and ``top_logprobs_num``
+  returns ``meta_info.input_token_logprobs`` / ``input_top_logprobs``.
 * ``POST /update_weights_from_disk`` — ``{"model_path": dir}`` (SGLang's route): load the
   ``save_pretrained`` folder and serve it from the next request on.
 * The teachers' loopback control routes and fault injection (``GET /_stats``, ``POST /_config``,
@@ -110,6 +115,54 @@ class RolloutLoopbackServer(LoopbackServer):
             choices.append(choice)
         return choices
 
+    def _scores(self, ids: list[int], k: int) -> list[tuple[float, list[int], list[float]]]:
+        """For positions 1.. of ``ids``: (log-prob of the token there, top-k ids, top-k log-probs)."""
+        import torch
+
+        with self._lock, torch.no_grad():
+            x = torch.tensor([ids])
+            logp = self.model(input_ids=x).logits[0, :-1].float().log_softmax(-1)
+            top = logp.topk(min(k, logp.shape[-1]), -1)
+            own = logp.gather(-1, x[0, 1:, None]).squeeze(-1)
+        return [(float(own[t]), top.indices[t].tolist(), top.values[t].tolist()) for t in range(len(ids) - 1)]
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, Any]]:
+        """vLLM's ``prompt_logprobs`` after its leading ``None``: per token, its top-k and the token itself."""
+        tok = self.tokenizer
+        out = []
+        for t, (own, top_ids, top_lps) in enumerate(self._scores(ids, k)):
+            entry = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": tok.decode([i])}
+                     for r, (i, lp) in enumerate(zip(top_ids, top_lps, strict=True))}  # fmt: skip
+            target = ids[t + 1]
+            if str(target) not in entry:
+                entry[str(target)] = {"logprob": own, "rank": k + 1, "decoded_token": tok.decode([target])}
+            out.append(entry)
+        return out
+
+    async def generate(self, request: Any) -> Any:
+        """SGLang's ``/generate`` scoring form: ``input_ids``, ``return_logprob``, ``top_logprobs_num``."""
+        from aiohttp import web
+
+        req = json.loads(await request.read())
+        self.requests += 1
+        ids = [int(t) for t in req["input_ids"]]
+        k = int(req.get("top_logprobs_num") or 0)
+        ident = hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:24]
+        self.attempts[ident] += 1
+        scores = await asyncio.to_thread(self._scores, ids, k)
+        self._bill(ident, len(ids), 0)
+        self.by_status["200"] += 1
+        tok = self.tokenizer
+        meta = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "input_token_logprobs": [[None, ids[0], None]]
+            + [[own, ids[t + 1], None] for t, (own, _, _) in enumerate(scores)],
+            "input_top_logprobs": [None]
+            + [[[lp, i, tok.decode([i])] for i, lp in zip(ti, tl, strict=True)] for _, ti, tl in scores],
+        }
+        return web.Response(body=_json_bytes({"text": "", "meta_info": meta}), content_type="application/json")
+
     async def completions(self, request: Any) -> Any:
         from aiohttp import web
 
@@ -131,6 +184,26 @@ class RolloutLoopbackServer(LoopbackServer):
         failed = await self.inject_fault(request, fault, b'{"id": "x", "choices": [{"token_ids": [1, 2')
         if failed is not None:
             return failed
+        if req.get("prompt_logprobs") is not None:  # scoring: vLLM's prompt log-probs, nothing generated
+            plp = await asyncio.to_thread(self._prompt_logprobs, req["prompt"], int(req["prompt_logprobs"]))
+            self.by_status["200"] += 1
+            self._bill(ident, len(req["prompt"]), 0)
+            body = {
+                "id": f"cmpl-{ident[:12]}-{attempt}",
+                "object": "text_completion",
+                "model": req.get("model", "policy"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "finish_reason": "length",
+                        "logprobs": None,
+                        "prompt_logprobs": [None, *plp],
+                    }
+                ],
+                "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": 0},
+            }
+            return web.Response(body=_json_bytes(body), content_type="application/json")
         choices = await asyncio.to_thread(self._sample, req)
         self.by_status["200"] += 1
         n_out = sum(len(c.get("token_ids") or c.get("logprobs", {}).get("tokens", [])) for c in choices)
@@ -167,6 +240,7 @@ class RolloutLoopbackServer(LoopbackServer):
         app = super().app()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_post("/generate", self.generate)
         return app
 
 

@@ -111,6 +111,9 @@ class StepPolicy:
         pair_prompt_length, pair_max_length: prompt and completion tokens kept per preference pair.
         importance_sampling: ``(mode, max, min)`` of the correction from a server's sampling log-probs
             (``rollout.importance_sampling``); ``None`` or mode ``off``: no correction.
+        teacher_scoring: the ``teacher_distill`` scorers' pool (:func:`~composer_plugins.training.teacher_scores.
+            build_teacher_scoring`): the ``teacher_scores`` builder starts it on a record not yet scored and
+            waits for it up to its ``deadline_s`` (a teacher past it is skipped for the batch).
     """
 
     model: Any
@@ -124,6 +127,7 @@ class StepPolicy:
     pair_prompt_length: int = 256
     pair_max_length: int = 128
     importance_sampling: tuple[str, float, float | None] | None = None
+    teacher_scoring: Any = None
 
     def micro_batch(self, *tensors: Tensor) -> int | None:
         """Rows per micro-batch for sequences as long as the concatenated ``tensors``."""
@@ -230,7 +234,7 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
           "micro_batch_size": p.micro_batch(r.prompt_ids, r.completion_ids), "chunk_size": p.chunk_size}  # fmt: skip
     old = r.old_logprobs
     if logps is None and asm.wants("logprobs"):
-        out = completion_logprobs(*args, return_hidden=asm.wants("student_hidden"), **kw)
+        out = completion_logprobs(*args, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"), **kw)
         logps, hidden = out if isinstance(out, tuple) else (out, None)
         asm.scratch["policy_hidden"] = hidden
     if old is None:  # the sampling-time log-probs: this forward's, detached (or one without gradient)
@@ -399,3 +403,82 @@ def pair_inputs(asm: Assembly) -> dict[str, Any]:
         ref_seq = sequence_logprob(ref_lp, c_mask.float())
         out.update(ref_chosen_logps=ref_seq[:k], ref_rejected_logps=ref_seq[k:])
     return out
+
+
+# -- the teacher_distill channel's inputs (scoring itself: composer_plugins.training.teacher_scores) ---------
+@register_input_builder("hidden_states")
+def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
+    """The policy's final hidden states at every completion position (with grad), and its LM head.
+
+    Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
+    """
+    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+
+    r, p = asm.record, asm.policy
+    asm.get("logprobs")
+    hidden = asm.scratch.get("policy_hidden")
+    if hidden is None:
+        hidden = completion_hidden(p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                   completion_attention_mask=r.attention_mask,
+                                   micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids))  # fmt: skip
+    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
+
+
+@register_input_builder("teacher_scores", "teacher_logprobs")
+def teacher_scores(asm: Assembly) -> dict[str, Any]:
+    """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
+    import concurrent.futures as cf
+
+    from composer_plugins.losses.teacher_distill import TeacherTopK
+    from composer_plugins.teachers.scoring import ScoringJob
+    from composer_plugins.training.teacher_scores import start_teacher_scoring
+
+    r, pool = asm.record, asm.policy.teacher_scoring
+    start_teacher_scoring(r, pool)  # no-op when the trainer started it (or gave scores)
+    if asm.wants("hidden_states"):
+        asm.get("hidden_states")  # the student's forward first: scoring overlaps it
+    pending = {k: v for k, v in r.teacher_scores.items() if isinstance(v, cf.Future)}
+    if pending:
+        done, stats = ScoringJob(pending).collect(getattr(pool, "deadline_s", None))
+        asm.stats.update(stats)
+        r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
+    if pool is not None:
+        asm.stats.update(pool.stats())
+    scores = {k: v for k, v in r.teacher_scores.items() if v is not None}
+    if not scores:
+        return {}
+    packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
+    if packed is None:
+        packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
+    n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())
+    asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)
+    # data parallel: each rank's mean over its own distilled tokens (min_agree filters per rank), which
+    # DDP then averages; a trainer that wants the union mean passes teacher_tokens_in_batch itself
+    out: dict[str, Any] = {"teacher_scores": packed}
+    if asm.wants("teacher_logprobs"):
+        out["teacher_logprobs"] = _sampled_teacher_logprobs(asm, scores)
+    return out
+
+
+def _sampled_teacher_logprobs(asm: Assembly, scores: Mapping[str, Any]) -> Tensor | None:
+    """``(N, C)``: the teachers' log-prob of each sampled token (the mean of their probabilities where several
+    scored it); where none did, the policy's own (detached), so a term on it is 0 there. ``None`` without any."""
+    r = asm.record
+    N, C = r.completion_ids.shape
+    total = torch.zeros((N, C), dtype=torch.float64)
+    count = torch.zeros((N, C), dtype=torch.float64)
+    for rows in scores.values():
+        for i, s in enumerate(rows if isinstance(rows, list) else ()):
+            if s is None or getattr(s, "sampled", None) is None:
+                continue
+            t = min(int(s.sampled.shape[0]), C)
+            v = s.sampled[:t].double()
+            ok = s.mask[:t].bool() & torch.isfinite(v)
+            total[i, :t] += torch.where(ok, v.exp(), torch.zeros_like(v))
+            count[i, :t] += ok.double()
+    if not bool((count > 0).any()):
+        return None
+    own = asm.get("logprobs")
+    base = own.detach().double().cpu() if own is not None else torch.zeros((N, C), dtype=torch.float64)
+    mixed = torch.where(count > 0, (total / count.clamp(min=1)).clamp(min=1e-30).log(), base)
+    return mixed.to(device=asm.device, dtype=torch.float32)

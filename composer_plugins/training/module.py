@@ -37,6 +37,7 @@ from composer_plugins.training.distributed import all_gather_objects, dp_normali
 from composer_plugins.training.metrics import PassAtK, Ratio, scalar_metrics
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
+from composer_plugins.training.teacher_scores import build_teacher_scoring, start_teacher_scoring
 
 
 class ComposerModule(L.LightningModule):
@@ -79,6 +80,7 @@ class ComposerModule(L.LightningModule):
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.env = env if env is not None else build_env(cfg, src)
         self.composer = ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
+        self.teacher_scoring = build_teacher_scoring(self.composer.active, tokenizer)  # teacher_distill's scorers
         #: What the live channels read (:meth:`ChannelComposer.required_inputs`).
         self.required_inputs = set(self.composer.required_inputs())
         self.needs_teacher = self.composer.needs_teacher
@@ -269,6 +271,7 @@ class ComposerModule(L.LightningModule):
             advantages = advantages[0]
         rec = StepRecord.from_rollout(tasks, ro, rewards, advantages.detach().float(), feedback,
                                       total_steps=self.cfg.trainer.max_steps)  # fmt: skip
+        start_teacher_scoring(rec, self.teacher_scoring)  # external teachers score while the step goes on
         args = (rec.prompt_ids, rec.prompt_mask, rec.completion_ids, rec.completion_mask)
         kw = {"temperature": r.temperature, "completion_attention_mask": rec.attention_mask,
               "micro_batch_size": self.micro_batch_size(rec.prompt_ids, rec.completion_ids),
@@ -296,6 +299,7 @@ class ComposerModule(L.LightningModule):
             rows_per_micro_batch=c.compute.rows_per_micro_batch, max_context_length=c.hints.max_context_length,
             pair_prompt_length=r.max_prompt_length, pair_max_length=c.replay.max_completion_length,
             importance_sampling=(r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
+            teacher_scoring=self.teacher_scoring,
         )  # fmt: skip
 
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:

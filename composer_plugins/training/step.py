@@ -134,7 +134,9 @@ class StepRecord:
                 v = [dict(t) for t in v]
             elif f.name == "groups":
                 continue  # recomputed from completions and rewards where needed
-            elif f.name in ("teacher_scores", "extras"):
+            elif f.name == "teacher_scores":
+                v = {}  # futures and per-row objects: a resumed step scores its rows again
+            elif f.name == "extras":
                 v = {k: x for k, x in v.items() if isinstance(x, Tensor | int | float | str | list)}
             out[f.name] = list(v) if isinstance(v, list) else v
         return out

@@ -47,7 +47,13 @@ def servers(tmp_path_factory):
 
     model = tmp_path_factory.mktemp("tiny_chat") / "model"
     build_tiny_chat_model(model)
-    with serve(create_openenv_app("gsm8k", difficulty=0)) as env_srv, LoopbackProcess() as llm:
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
+
+    with (
+        serve(create_openenv_app("gsm8k", difficulty=0)) as env_srv,
+        LoopbackProcess() as llm,
+        RolloutServerProcess(model=str(model)) as scoring,
+    ):
         yield {
             "envs:openenv": {"base_url": env_srv.url},
             "teachers:openai": {
@@ -56,6 +62,10 @@ def servers(tmp_path_factory):
             },
             "teachers:hf": {"model_path": str(model), "max_new_tokens": 8},
             "rollout_generators:server": {"base_url": llm.base_url},
+            # scoring teachers: the tiny model itself, and the loopback server serving it (vLLM / SGLang shapes)
+            "scorers:causal_lm": {"model_path": str(model), "topk": 3, "tokenizer": str(model)},
+            "scorers:vllm": {"model": "m", "base_url": scoring.base_url, "topk": 3, "tokenizer": str(model)},
+            "scorers:sglang": {"model": "m", "base_url": scoring.base_url, "topk": 3, "tokenizer": str(model)},
         }  # fmt: skip
 
 

@@ -121,6 +121,9 @@ def loss_fn(
     epsilon_high: float | None = None,
     hint_weight: float = 0.0,
     hint_estimator: str = "k3",
+    teacher_weight: float = 0.0,
+    teacher_divergence: str = "reverse_kl",
+    teacher_beta: float = 0.5,
 ) -> Any:
     """Our composed loss for one PRIME-RL sample (see the module docstring for the contract).
 
@@ -131,6 +134,11 @@ def loss_fn(
         epsilon_low, epsilon_high: clip range of ``dapo``/``gspo`` (``cispo`` caps the ratio at ``epsilon_high``).
         hint_weight: weight of the hint self-distillation term (0 = off).
         hint_estimator: ``k1``, ``k2`` or ``k3`` (per-token KL estimate from sampled-token log-probs).
+        teacher_weight: weight of the ``teacher_distill`` term (0 = off): on-policy distillation from the
+            sample's teacher stream (``teacher_logprobs``, else ``ref_logprobs``: the log-probs PRIME-RL's
+            teacher gave the sampled tokens), each token a two-way distribution (the token, the rest):
+            ``teacher_weight · Σ_t D(π‖teacher)`` (``kernels.teacher_topk.sampled_token_divergence``).
+        teacher_divergence, teacher_beta: ``reverse_kl`` (default), ``forward_kl`` or ``jsd`` with its ``beta``.
 
     Returns:
         ``LossOutputs(loss, metrics)``: ``loss`` is the sample's summed token loss.
@@ -178,6 +186,23 @@ def loss_fn(
             metrics["hint/skipped"] = 0.0
         else:
             metrics["hint/skipped"] = 1.0
+    if teacher_weight:
+        teacher = getattr(inputs, "teacher_logprobs", None)
+        if teacher is None:
+            teacher = getattr(inputs, "ref_logprobs", None)
+        if teacher is not None:
+            from composer_plugins.losses.teacher_distill import TeacherTopKKernel, sampled_token_divergence
+
+            kernel = TeacherTopKKernel(teacher_divergence, teacher_beta)
+            per_token = sampled_token_divergence(trainer, teacher, kernel).to(trainer.dtype) * mask.to(trainer.dtype)
+            if weights is not None:
+                per_token = per_token * weights
+            term = per_token.sum()
+            loss = loss + teacher_weight * term
+            metrics["teacher_distill/divergence"] = term.detach() / mask.sum().clamp(min=1)
+            metrics["teacher_distill/skipped"] = 0.0
+        else:
+            metrics["teacher_distill/skipped"] = 1.0
     return LossOutputs(loss=loss, metrics=_tensor_metrics(metrics, trainer.device))
 
 
@@ -301,13 +326,30 @@ class PrimeRLBackend(Backend):
                 if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 < rate <= 1.0:
                     raise self.src.error(f"losses.{key}.ema_rate", f"must be a number in (0, 1], got {rate!r}.")
                 self.hint_teacher = (teacher, float(rate) if teacher == "ema" else 0.0)
+            elif name == "teacher_distill":
+                # PRIME-RL scores the sampled tokens with its own teacher: one stream, one teacher
+                kwargs["teacher_weight"] = float(weight)
+                kwargs["teacher_divergence"] = str(kw.get("divergence", "reverse_kl"))
+                kwargs["teacher_beta"] = float(kw.get("beta", 0.5))
+                if len(kw.get("teachers") or ()) > 1 or kw.get("min_agree"):
+                    raise self.src.error(
+                        f"losses.{key}",
+                        "PRIME-RL hands the loss one teacher stream (its teacher's log-prob of each sampled "
+                        "token): one teacher, no min_agree; run several teachers with the lightning backend.",
+                    )
             else:
                 raise self.src.error(
                     f"losses.{key}",
                     f"channel {name!r} cannot run inside PRIME-RL's per-sample loss contract (it needs "
                     "full logits or preference pairs); disable it for the prime_rl backend.",
-                    valid=[*POLICIES, "hint_distill"],
+                    valid=[*POLICIES, "hint_distill", "teacher_distill"],
                 )
+        if kwargs.get("hint_weight") and kwargs.get("teacher_weight"):
+            raise self.src.error(
+                "losses",
+                "hint_distill and teacher_distill would both read PRIME-RL's one reference/teacher stream; "
+                "keep one of them live for the prime_rl backend.",
+            )
         if len(policies) != 1:
             msg = (
                 f"the prime_rl backend needs exactly one policy channel ({', '.join(POLICIES)}), found {len(policies)}"
@@ -366,10 +408,18 @@ class PrimeRLBackend(Backend):
 
             ema = EMATeacher(run.policy, self.hint_teacher[1])
             ema_pairs_ = ema_pairs(nn.ModuleDict({"ema": ema, "policy": run.policy}), "ema.policy", "policy")
+        scoring = None
+        if self.loss_kwargs.get("teacher_weight"):  # teacher_distill: the config's scorers give the teacher stream
+            from composer_plugins.training.builders import build_channels
+            from composer_plugins.training.teacher_scores import build_teacher_scoring
+
+            scoring = build_teacher_scoring(build_channels(c, self.src), run.tokenizer)
         policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, teacher=ema, temperature=c.rollout.temperature,
-                            max_context_length=c.hints.max_context_length)  # fmt: skip
+                            max_context_length=c.hints.max_context_length, teacher_scoring=scoring)  # fmt: skip
         # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
-        needs = Needs("logprobs", "inference_logprobs", *(("hint_teacher_logprobs",) if hint_provider else ()))
+        # (or, with teacher_distill, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)
+        ref_name = "hint_teacher_logprobs" if hint_provider else ("teacher_logprobs" if scoring else None)
+        needs = Needs("logprobs", "inference_logprobs", *((ref_name,) if ref_name else ()))
         history: list[dict[str, float]] = []
         for step in range(c.trainer.max_steps):
             t0 = time.perf_counter()
@@ -378,7 +428,7 @@ class PrimeRLBackend(Backend):
             inference = inputs["inference_logprobs"]
             adv = record.advantages.unsqueeze(-1).expand_as(inference)
             samples = samples_from_batch(inputs["logprobs"], inference, adv, record.completion_mask,
-                                         inputs.get("hint_teacher_logprobs"))  # fmt: skip
+                                         inputs.get(ref_name) if ref_name else None)  # fmt: skip
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
             grad_norm = run.optimizer_step(loss)
             if ema is not None:

@@ -154,6 +154,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
             self._pair_reference = self._frozen_copy(self.accelerator.unwrap_model(self.model))
         self._loss_calls = 0
         self.ema_teacher = self._build_ema_teacher(live)
+        # teacher_distill: external teachers score each micro-batch's completions (in the background,
+        # while the assembler computes the student's hidden states); the record carries their futures
+        from composer_plugins.training.teacher_scores import build_teacher_scoring, teacher_channels
+
+        self.teacher_scoring = build_teacher_scoring(teacher_channels(live), self.processing_class)
 
     def _build_ema_teacher(self, live: Sequence[Any]) -> Any:
         """The frozen EMA copy of the policy when a hint channel asks for ``teacher: ema`` (else ``None``)."""
@@ -318,6 +323,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
             pairs=sample_pairs(self.pairs, self.pairs_per_step, self.args.seed * 1_000_003 + self._loss_calls)
             if self.needs_pairs else [],
         )  # fmt: skip
+        if self.teacher_scoring is not None:  # the scorers read the rows' text
+            from composer_plugins.training.teacher_scores import start_teacher_scoring
+
+            tok = self.processing_class
+            record.prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
+            record.completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
+            start_teacher_scoring(record, self.teacher_scoring)
         given: dict[str, Any] = {"logprobs": per_token_logps, "num_items_in_batch": n_items}
         if self.use_vllm and self.vllm_importance_sampling_correction:
             given["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
@@ -326,6 +338,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             reference=self.ref_model if self.ref_model is not None else self._pair_reference,
             temperature=self.temperature, max_context_length=self.max_hint_length,
             pair_prompt_length=self.max_hint_length, pair_max_length=self.pair_max_length,
+            teacher_scoring=self.teacher_scoring,
         )  # fmt: skip
         channel_inputs, stats = assemble_inputs(record, self.composer, policy, given=given)
         loss, metrics = self.composer(channel_inputs, channel_inputs)

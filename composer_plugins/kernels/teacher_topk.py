@@ -1,0 +1,382 @@
+"""Distillation from teachers that send only their top-k log-probs per token (on-policy distillation).
+
+The teacher side of a batch is :class:`TeacherTopK`: for ``N`` teachers, per row and student token,
+each teacher's ``K`` most likely token ids and their log-probs, and a mask of the positions it
+scored. Nothing of size ``rows × tokens × vocab`` exists on the teacher side; at most
+``tokens × K`` ids and log-probs per teacher.
+
+Several teachers are combined **per token, inside each chunk** (:func:`merge_teachers`) into one
+distribution over the union of their ids plus a tail bucket: the weighted mixture of their
+probabilities. A teacher's probability of an id that is in another teacher's top-k but not in its
+own is unknown (it lies somewhere in its tail): it counts as 0 there, and its whole tail mass stays
+in the mixture's tail. The mixture's tail is therefore exactly ``1 - Σ_union q``.
+:func:`agreement_mask` keeps the positions where at least ``k`` teachers' top-1 ids agree.
+
+:func:`chunked_teacher_distill` walks the student's hidden states in chunks of rows (the student's
+``(chunk, V)`` logits are the only vocabulary-sized buffer), evaluates
+:class:`~composer_plugins.kernels.divergences.TeacherTopKKernel` and forms the gradients during
+the forward pass; :func:`teacher_distill_reference` is the same loss from materialised logits,
+differentiated by autograd (the plain path it is tested against).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_plugins.kernels.chunked import _acc, _check_hidden, resolve_chunk_size
+from composer_plugins.kernels.divergences import (
+    TAIL_FLOOR,
+    TEACHER_LOGPROB_FLOOR,
+    TeacherTopKKernel,
+    _log1mexp,
+    bucket_divergence,
+)
+
+
+@dataclass
+class TeacherTopK:
+    """The teachers' top-k scores of a batch of student completions, as tensors.
+
+    Attributes:
+        ids: ``(B, N, T, K)`` token ids in the **student's** vocabulary; ``-1`` = no entry (a
+            teacher with fewer than ``K`` ids at a position, or a position it did not score).
+        logprobs: ``(B, N, T, K)`` the teachers' log-probs of those ids (any float dtype).
+        mask: ``(B, N, T)`` bool: the positions each teacher scored.
+        names: the ``N`` teachers' names (the channel's ``weights`` are looked up by them).
+    """
+
+    ids: Tensor
+    logprobs: Tensor
+    mask: Tensor
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 4 or tuple(self.logprobs.shape) != tuple(self.ids.shape):
+            raise ValueError(
+                f"teacher scores: ids {tuple(self.ids.shape)} and logprobs {tuple(self.logprobs.shape)} must both "
+                "be (B, N teachers, T, K)"
+            )
+        if tuple(self.mask.shape) != tuple(self.ids.shape[:3]):
+            raise ValueError(
+                f"teacher scores: mask {tuple(self.mask.shape)} must be (B, N, T) = {tuple(self.ids.shape[:3])}"
+            )
+        if self.names and len(self.names) != self.ids.shape[1]:
+            raise ValueError(f"teacher scores: {len(self.names)} names for {self.ids.shape[1]} teachers")
+        if not self.names:
+            self.names = tuple(f"teacher{i}" for i in range(self.ids.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (ids, log-probs and mask)."""
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.logprobs, self.mask))
+
+    def rows(self, index: Tensor | Sequence[int]) -> TeacherTopK:
+        """The scores of rows ``index`` (a micro-batch)."""
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.ids.device)
+        return TeacherTopK(self.ids[idx], self.logprobs[idx], self.mask[idx], self.names)
+
+    def to(self, device: Any) -> TeacherTopK:
+        return TeacherTopK(self.ids.to(device), self.logprobs.to(device), self.mask.to(device), self.names)
+
+    @classmethod
+    def from_rows(cls, per_teacher: Mapping[str, Sequence[Any | None]], length: int,
+                  device: Any = None) -> TeacherTopK:  # fmt: skip
+        """Pack per-row scores: ``{teacher: [row scores or None, ...]}``, each with ``token_ids`` ``[T_i, K]``,
+        ``logprobs`` ``[T_i, K]`` and ``mask`` ``[T_i]`` (a :class:`~composer_plugins.teachers.scoring.TeacherScores`).
+
+        Rows are right-padded to ``length`` tokens and every teacher to the largest ``K``; a row a
+        teacher did not score (``None``) has an all-false mask.
+        """
+        names = tuple(per_teacher)
+        if not names:
+            raise ValueError("teacher scores: no teacher")
+        n_rows = {len(v) for v in per_teacher.values()}
+        if len(n_rows) != 1:
+            raise ValueError(f"teacher scores: teachers scored different numbers of rows {sorted(n_rows)}")
+        B = n_rows.pop()
+        K = max([int(s.token_ids.shape[-1]) for v in per_teacher.values() for s in v if s is not None] or [1])
+        ids = torch.full((B, len(names), length, K), -1, dtype=torch.long)
+        lps = torch.zeros((B, len(names), length, K), dtype=torch.float32)
+        mask = torch.zeros((B, len(names), length), dtype=torch.bool)
+        for n, name in enumerate(names):
+            for b, s in enumerate(per_teacher[name]):
+                if s is None:
+                    continue
+                t = min(int(s.token_ids.shape[0]), length)
+                k = int(s.token_ids.shape[-1])
+                ids[b, n, :t, :k] = s.token_ids[:t].long()
+                lps[b, n, :t, :k] = s.logprobs[:t].float()
+                mask[b, n, :t] = s.mask[:t].bool()
+        if device is not None:
+            ids, lps, mask = ids.to(device), lps.to(device), mask.to(device)
+        return cls(ids, lps, mask, names)
+
+    @classmethod
+    def from_sampled(cls, completion_ids: Tensor, teacher_logprobs: Tensor, mask: Tensor,
+                     name: str = "teacher") -> TeacherTopK:  # fmt: skip
+        """One teacher that reports only its log-prob of each sampled token (PRIME-RL's ``teacher_logprobs``):
+        ``K = 1`` with the sampled ids, so each token is a two-way distribution (the token, the rest)."""
+        return cls(
+            completion_ids.long().unsqueeze(1).unsqueeze(-1),
+            teacher_logprobs.unsqueeze(1).unsqueeze(-1),
+            mask.bool().unsqueeze(1),
+            (name,),
+        )
+
+
+def mixture_weights(names: Sequence[str], weights: Mapping[str, float] | Sequence[float] | None) -> Tensor:
+    """The ``N`` teachers' mixture weights: by name from a mapping (absent names weigh 0), or in order."""
+    if weights is None:
+        return torch.ones(len(names), dtype=torch.float64)
+    if isinstance(weights, Mapping):
+        unknown = sorted(set(weights) - set(names))
+        if unknown and not set(weights) & set(names):
+            raise ValueError(f"teacher weights name {unknown} but the batch's teachers are {list(names)}")
+        return torch.tensor([float(weights.get(n, 0.0)) for n in names], dtype=torch.float64)
+    if len(weights) != len(names):
+        raise ValueError(f"{len(weights)} teacher weights for {len(names)} teachers {list(names)}")
+    return torch.tensor([float(w) for w in weights], dtype=torch.float64)
+
+
+def agreement_mask(ids: Tensor, logprobs: Tensor, present: Tensor, min_agree: int) -> Tensor:
+    """``(...)`` bool: positions where at least ``min_agree`` of the present teachers share the top-1 id.
+
+    ``ids``, ``logprobs``: ``(..., N, K)``; ``present``: ``(..., N)``.
+    """
+    valid = ids >= 0
+    lp = torch.where(valid, logprobs.float(), torch.full_like(logprobs, -math.inf, dtype=torch.float32))
+    top1 = ids.gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1)  # (..., N)
+    ok = present & valid.any(-1)
+    same = (top1.unsqueeze(-1) == top1.unsqueeze(-2)) & ok.unsqueeze(-1) & ok.unsqueeze(-2)
+    return same.sum(-1).amax(-1) >= int(min_agree)
+
+
+def merge_teachers(ids: Tensor, logprobs: Tensor, present: Tensor, weights: Tensor,
+                   vocab: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """One distribution per row from ``N`` teachers' top-k: ``(union ids, log-probs + tail, valid)``.
+
+    Args:
+        ids: ``(n, N, K)`` ids (``-1`` or ``>= vocab``: none); logprobs: ``(n, N, K)``.
+        present: ``(n, N)`` the teachers that scored each row; weights: ``(N,)`` mixture weights,
+            renormalised per row over the present teachers.
+
+    Returns:
+        ``ids (n, M)`` (``M = N·K``; invalid slots hold 0), ``lt (n, M + 1)``: the mixture's log-prob
+        of each id, then of its tail bucket, and ``valid (n, M)``.
+    """
+    n, N, K = ids.shape
+    dt = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+    valid = present.unsqueeze(-1) & (ids >= 0) & (ids < vocab)
+    lp = logprobs.to(dt).clamp(min=TEACHER_LOGPROB_FLOOR)
+    if N == 1:
+        uid = torch.where(valid[:, 0], ids[:, 0], torch.zeros_like(ids[:, 0]))
+        uvalid = valid[:, 0]
+        logq = torch.where(uvalid, lp[:, 0], torch.zeros_like(lp[:, 0]))
+    else:
+        w = weights.to(device=ids.device, dtype=dt).unsqueeze(0) * present.to(dt)
+        w = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(dt).tiny)
+        p = torch.where(valid, lp.exp() * w.unsqueeze(-1), torch.zeros_like(lp)).reshape(n, N * K)
+        flat = torch.where(valid, ids, torch.full_like(ids, vocab)).reshape(n, N * K)
+        srt, order = flat.sort(-1)
+        ps = p.gather(-1, order)
+        first = torch.ones_like(srt, dtype=torch.bool)
+        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        grp = first.long().cumsum(-1) - 1
+        q = torch.zeros_like(ps).scatter_add_(-1, grp, ps)
+        uid = torch.full_like(srt, vocab).scatter_(-1, grp, srt)
+        uvalid = uid < vocab
+        uid = torch.where(uvalid, uid, torch.zeros_like(uid))
+        logq = torch.where(uvalid, q.clamp(min=torch.finfo(dt).tiny).log(), torch.zeros_like(q))
+        logq = logq.clamp(min=TEACHER_LOGPROB_FLOOR)
+    lse = torch.logsumexp(torch.where(uvalid, logq, torch.full_like(logq, -math.inf)), -1, keepdim=True)
+    tail = _log1mexp(lse.clamp(max=-TAIL_FLOOR))
+    return uid, torch.cat([logq, tail], -1), uvalid
+
+
+def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Flat rows of the positions to distil: ``(row index, ids (n,N,K), logprobs, present (n,N))``."""
+    present = scores.mask.bool() & (scores.ids >= 0).any(-1)  # (B, N, T)
+    sel = mask.bool() & present.any(1)
+    if min_agree is not None and min_agree > 1:
+        sel &= agreement_mask(scores.ids.transpose(1, 2), scores.logprobs.transpose(1, 2), present.transpose(1, 2),
+                              min_agree)  # fmt: skip
+    idx = sel.reshape(-1).nonzero(as_tuple=True)[0]
+    B, N, T, K = scores.ids.shape
+    ids = scores.ids.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
+    lps = scores.logprobs.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
+    pres = present.transpose(1, 2).reshape(B * T, N).index_select(0, idx)
+    return idx, ids, lps, pres
+
+
+class _TeacherDistill(torch.autograd.Function):
+    """``scale · Σ_i w_i · D_i`` over rows, gradients formed in the forward pass (one backward)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        ids: Tensor,
+        lps: Tensor,
+        present: Tensor,
+        mix: Tensor,
+        kernel: TeacherTopKKernel,
+        chunk_size: int,
+        scale: float,
+        token_weight: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, V = hidden.shape[0], weight.shape[0]
+        acc = _acc(weight)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        stats = torch.empty((n, 2), dtype=acc, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            h = hidden[s:e]
+            uid, lt, uvalid = merge_teachers(ids[s:e], lps[s:e], present[s:e], mix, V)
+            w = None if token_weight is None else token_weight[s:e].to(acc)
+            go = None
+            if need_h or need_w:
+                go = torch.full((e - s,), scale, dtype=acc, device=h.device) if w is None else w * scale
+            z = h @ weight.T
+            z = z if z.dtype in (torch.float32, torch.float64) else z.float()
+            if z.dtype != acc:
+                z = z.to(acc)
+            val, g, st = kernel.compute(z, uid, lt, uvalid, go)  # consumes z
+            del z
+            stats[s:e] = st.to(acc)
+            if g is not None:
+                if grad_h is not None:
+                    grad_h[s:e] = g.to(weight.dtype) @ weight
+                if grad_w is not None:
+                    grad_w.addmm_(g.T, h.to(acc))
+                del g
+            total += (val.sum() if w is None else (val * w).sum()) * scale
+        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        ctx.mark_non_differentiable(stats)
+        return total, stats
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, grad_stats: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if ctx.grads is None:
+            raise RuntimeError("chunked teacher distillation supports one backward pass per forward")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad_h is not None:
+            grad_h.mul_(grad_total.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w.mul_(grad_total.to(grad_w.dtype))
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+
+@dataclass
+class TeacherDistillOutput:
+    """What :func:`chunked_teacher_distill` returns: the loss and per-token diagnostics of the rows used."""
+
+    loss: Tensor
+    tokens: int
+    #: ``(n, 2)``: the student's and the teachers' mass on the ids, per distilled token.
+    coverage: Tensor
+
+
+def _check_scores(scores: TeacherTopK, mask: Tensor) -> None:
+    if tuple(scores.mask.shape[::2]) != tuple(mask.shape):
+        raise ValueError(
+            f"teacher scores cover (B, T) = {tuple(scores.mask.shape[::2])} but the completion mask is "
+            f"{tuple(mask.shape)}: score the same rows and right-pad to the same length"
+        )
+
+
+def chunked_teacher_distill(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    scores: TeacherTopK,
+    mask: Tensor,
+    kernel: TeacherTopKKernel,
+    *,
+    weights: Mapping[str, float] | Sequence[float] | None = None,
+    min_agree: int | None = None,
+    chunk_size: int | None = None,
+    token_weight: Tensor | None = None,
+    denominator: float | None = None,
+) -> TeacherDistillOutput:
+    """Mean over the distilled tokens of ``kernel`` between the student (from hidden states) and the teachers.
+
+    Args:
+        hidden: ``(B, T, H)`` the student's final hidden states predicting each completion token.
+        lm_head_weight: ``(V, H)`` the student's LM head.
+        scores: the teachers' top-k (:class:`TeacherTopK`, ids in the student's vocabulary).
+        mask: ``(B, T)`` completion tokens that count; a token is distilled where at least one
+            teacher scored it (and, with ``min_agree``, that many teachers' top-1 agree).
+        weights: mixture weights by teacher name (or in order); default equal.
+        chunk_size: rows per chunk (None: from the vocabulary).
+        token_weight: optional ``(B, T)`` per-token weights (no gradient).
+        denominator: divide the sum by this instead of the number of distilled tokens.
+    """
+    _check_hidden("hidden", hidden, lm_head_weight)
+    _check_scores(scores, mask)
+    if tuple(hidden.shape[:2]) != tuple(mask.shape):
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be (B, T, H) with (B, T) = mask {tuple(mask.shape)}")
+    idx, ids, lps, present = _teacher_rows(scores, mask, min_agree)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
+    mix = mixture_weights(scores.names, weights)
+    tw = None if token_weight is None else token_weight.detach().reshape(-1).index_select(0, idx)
+    n = int(idx.numel())
+    denom = float(denominator) if denominator is not None else float(max(n, 1))
+    cs = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
+    total, cov = _TeacherDistill.apply(rows, lm_head_weight, ids, lps, present, mix, kernel, int(cs),
+                                       1.0 / max(denom, 1e-12), tw)  # fmt: skip
+    return TeacherDistillOutput(total, n, cov)
+
+
+def teacher_distill_reference(
+    logits: Tensor,
+    scores: TeacherTopK,
+    mask: Tensor,
+    kernel: TeacherTopKKernel,
+    *,
+    weights: Mapping[str, float] | Sequence[float] | None = None,
+    min_agree: int | None = None,
+    token_weight: Tensor | None = None,
+    denominator: float | None = None,
+) -> TeacherDistillOutput:
+    """:func:`chunked_teacher_distill` from materialised ``(B, T, V)`` logits, differentiated by autograd."""
+    _check_scores(scores, mask)
+    idx, ids, lps, present = _teacher_rows(scores, mask, min_agree)
+    z = logits.reshape(-1, logits.shape[-1]).index_select(0, idx)
+    uid, lt, uvalid = merge_teachers(ids, lps, present, mixture_weights(scores.names, weights), logits.shape[-1])
+    per = kernel.value(z, uid, lt, uvalid)
+    if token_weight is not None:
+        per = per * token_weight.detach().reshape(-1).index_select(0, idx).to(per.dtype)
+    n = int(idx.numel())
+    denom = float(denominator) if denominator is not None else float(max(n, 1))
+    with torch.no_grad():
+        _, _, cov = kernel.compute(z.detach().clone(), uid, lt, uvalid)
+    return TeacherDistillOutput(per.sum() / denom, n, cov)
+
+
+def sampled_token_divergence(student_logprobs: Tensor, teacher_logprobs: Tensor, kernel: TeacherTopKKernel) -> Tensor:
+    """Per-token divergence when each side gives only its log-prob of the **sampled** token (``K = 1``).
+
+    Each token is the two-way distribution (the sampled token, everything else), as
+    :meth:`TeacherTopK.from_sampled` through :func:`chunked_teacher_distill`, but from log-probs the
+    trainer already holds (PRIME-RL's ``trainer_logprobs`` and its teacher stream): differentiable in
+    ``student_logprobs`` by autograd. ``kernel.temperature`` is not applied (the log-probs are as given).
+    """
+    s = student_logprobs.float() if student_logprobs.dtype not in (torch.float32, torch.float64) else student_logprobs
+    t = teacher_logprobs.to(s.dtype).clamp(min=TEACHER_LOGPROB_FLOOR)
+    # the rest of the mass; where the token holds it all the tail is floored without gradient (as the kernel)
+    s_top = s.clamp(max=-TAIL_FLOOR)
+    s_top = torch.where(s < -TAIL_FLOOR, s_top, s_top.detach())
+    ls = torch.stack([s, _log1mexp(s_top)], -1)
+    lt = torch.stack([t, _log1mexp(t.clamp(max=-TAIL_FLOOR))], -1)
+    valid = torch.ones_like(ls, dtype=torch.bool)
+    return bucket_divergence(ls, lt, valid, kernel.jsd_beta)[0]

@@ -1,0 +1,171 @@
+"""On-policy distillation from external teachers: the student pulled towards N teachers on its own tokens.
+
+Per completion token of the student's rollout, a divergence between the student's next-token
+distribution and the teachers' — given as each teacher's top-``K`` log-probs (what an inference
+server returns), combined into a weighted mixture over the union of their ids plus a tail bucket
+(:mod:`composer_plugins.kernels.teacher_topk`). ``reverse_kl`` (default: on-policy distillation's
+``KL(student ‖ teacher)``), ``forward_kl`` or ``jsd`` with ``beta``.
+
+Inputs (``model_outputs`` first, then ``batch``):
+
+=======================  ===========  ==============================================================
+key                      shape        meaning
+=======================  ===========  ==============================================================
+``teacher_scores``       —            :class:`~composer_plugins.kernels.teacher_topk.TeacherTopK`:
+                                      ids / log-probs ``(B, N, T, K)`` and mask ``(B, N, T)``, ids in
+                                      the student's vocabulary (aligned by the scorer)
+``completion_mask``      (B, T)       completion tokens that count
+``hidden_states``        (B, T, H)    chunked path: the policy's final hidden states predicting each
+``lm_head_weight``       (V, H)       completion token, and its LM head
+``completion_logits``    (B, T, V)    materialised (reference) path
+``teacher_tokens_in_batch`` scalar    optional: distilled tokens of all data-parallel ranks / world
+                                      size (the rank's mean becomes its share of the union mean)
+=======================  ===========  ==============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from composer_plugins.kernels.divergences import TEACHER_DIVERGENCES, TeacherTopKKernel
+from composer_plugins.kernels.teacher_topk import (
+    TeacherTopK,
+    chunked_teacher_distill,
+    sampled_token_divergence,
+    teacher_distill_reference,
+)
+from composer_plugins.losses.base import LossChannel
+
+#: Re-exported for the layers above ``losses`` (training, testing, backends), which do not import ``kernels``.
+__all__ = [
+    "TeacherDistillChannel",
+    "TeacherTopK",
+    "TeacherTopKKernel",
+    "as_teacher_topk",
+    "sampled_token_divergence",
+    "teacher_tokens",
+]
+
+
+def as_teacher_topk(value: Any) -> TeacherTopK:
+    """A :class:`TeacherTopK` from itself or a mapping with ``ids``, ``logprobs``, ``mask`` (and ``names``)."""
+    if isinstance(value, TeacherTopK):
+        return value
+    if isinstance(value, Mapping) and {"ids", "logprobs", "mask"} <= set(value):
+        return TeacherTopK(value["ids"], value["logprobs"], value["mask"], tuple(value.get("names") or ()))
+    raise TypeError(
+        f"teacher_distill: teacher_scores must be a TeacherTopK (or a mapping with ids, logprobs, mask), got "
+        f"{type(value).__name__}"
+    )
+
+
+class TeacherDistillChannel(LossChannel):
+    """Token-level distillation from N external teachers' top-k log-probs on the student's own tokens.
+
+    Args:
+        weight: channel weight (``γ`` in ``grpo + α·hint + β·replay + γ·teacher``).
+        divergence: ``reverse_kl`` (default), ``forward_kl`` or ``jsd``.
+        beta: the JSD's interpolation (``jsd`` only; 0 = forward KL, 1 = reverse KL).
+        temperature: the student's logits are divided by it (the teachers' log-probs are used as sent).
+        weights: mixture weight per teacher name (``{strong: 2, other: 1}``; absent names weigh 0;
+            default equal). Renormalised per token over the teachers that scored it.
+        min_agree: distil only where at least this many teachers' top-1 ids agree (null: everywhere).
+        chunk_size: rows per chunk on the hidden-state path (null: from the vocabulary).
+        teachers: the scoring teachers' specs (read by the training loop, which scores the rollouts
+            with them; see docs/losses.md). Not used by the loss itself.
+        deadline_s: seconds a step waits for the teachers after its forward/backward is ready to
+            use them (read by the training loop); a teacher still scoring then is skipped for that
+            batch and reported.
+    """
+
+    requires: ClassVar[tuple[str, ...]] = ("teacher_scores", "completion_mask")
+    input_options: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("hidden_states", "lm_head_weight"),
+        ("completion_logits",),
+    )
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        divergence: str = "reverse_kl",
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        weights: Mapping[str, float] | None = None,
+        min_agree: int | None = None,
+        chunk_size: int | None = None,
+        teachers: list[Any] | None = None,
+        deadline_s: float | None = 30.0,
+        name: str | None = None,
+        label: str | None = None,
+    ) -> None:
+        if divergence not in TEACHER_DIVERGENCES:
+            raise ValueError(
+                f"unknown teacher_distill divergence {divergence!r}; valid: {', '.join(TEACHER_DIVERGENCES)}"
+            )
+        if min_agree is not None and (isinstance(min_agree, bool) or not isinstance(min_agree, int) or min_agree < 1):
+            raise ValueError(f"min_agree must be a whole number >= 1 (or null), got {min_agree!r}")
+        if weights is not None:
+            if not isinstance(weights, Mapping):
+                raise ValueError(f"weights must map teacher names to numbers, e.g. {{strong: 2.0}}, got {weights!r}")
+            bad = {k: v for k, v in weights.items() if isinstance(v, bool) or not isinstance(v, int | float) or v < 0}
+            if bad:
+                raise ValueError(f"teacher weights must be numbers >= 0, got {bad}")
+        if chunk_size is not None and int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or null), got {chunk_size}")
+        if deadline_s is not None and not float(deadline_s) > 0:
+            raise ValueError(f"deadline_s must be > 0 seconds (or null: wait for every teacher), got {deadline_s!r}")
+        super().__init__(weight=weight, name=label or name or "teacher_distill")
+        self.kernel = TeacherTopKKernel(divergence=divergence, beta=float(beta), temperature=float(temperature))
+        self.divergence = divergence
+        self.weights = dict(weights) if weights is not None else None
+        self.min_agree = min_agree
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
+        self.teachers = list(teachers or [])
+        self.deadline_s = None if deadline_s is None else float(deadline_s)
+
+    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        g = self.get
+        scores = as_teacher_topk(g("teacher_scores", model_outputs, batch))
+        mask = g("completion_mask", model_outputs, batch).bool()
+        hidden = g("hidden_states", model_outputs, batch)
+        head = g("lm_head_weight", model_outputs, batch)
+        kw: dict[str, Any] = {"weights": self.weights, "min_agree": self.min_agree}
+        if hidden is not None and head is not None:
+            out = chunked_teacher_distill(hidden, head, scores, mask, self.kernel, chunk_size=self.chunk_size, **kw)
+            chunked = 1.0
+        else:
+            logits = g("completion_logits", model_outputs, batch)
+            out = teacher_distill_reference(logits, scores, mask, self.kernel, **kw)
+            chunked = 0.0
+        loss = out.loss
+        n_global = g("teacher_tokens_in_batch", model_outputs, batch)
+        if n_global is not None and out.tokens:
+            loss = loss * (out.tokens / max(float(n_global), 1.0))
+        scored = scores.mask.bool() & mask.unsqueeze(1)
+        metrics: dict[str, Any] = {
+            "tokens": float(out.tokens),
+            "chunked": chunked,
+            "empty": float(out.tokens == 0),
+            "teachers": float(len(scores.names)),
+            # fraction of the completion tokens distilled (min_agree and unscored positions drop the rest)
+            "coverage": out.tokens / max(float(mask.sum()), 1.0),
+        }
+        for i, name in enumerate(scores.names):
+            metrics[f"scored/{name}"] = float(scored[:, i].sum()) / max(float(mask.sum()), 1.0)
+        if out.tokens:
+            cov = out.coverage.float().mean(0)
+            metrics["student_topk_mass"] = cov[0]
+            metrics["teacher_topk_mass"] = cov[1]
+        return loss, metrics
+
+    def extra_repr(self) -> str:
+        extra = f", min_agree={self.min_agree}" if self.min_agree else ""
+        return f"{super().extra_repr()}, divergence={self.divergence!r}{extra}"
+
+
+def teacher_tokens(scores: TeacherTopK, mask: Tensor) -> Tensor:
+    """Number of completion tokens at least one teacher scored (the channel's denominator without ``min_agree``)."""
+    return (mask.bool() & scores.mask.bool().any(1)).sum()

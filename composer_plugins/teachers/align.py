@@ -1,0 +1,149 @@
+"""Mapping a teacher's per-token distributions onto the student's tokens when their tokenizers differ.
+
+Both sides tokenize the same completion text; each token covers a span of characters. The spans'
+**end offsets** that both sides share cut the text into *blocks*: the smallest pieces of text that
+each side covers with whole tokens. In each block, with the teacher's log-probs of its own tokens
+(``actual``) and its top-k at every position:
+
+* **one student token, one teacher token** (the same text): the teacher's top-k at that position,
+  each id mapped to the student token with the same text (:class:`VocabMap`); ids without a
+  student twin are dropped (their mass goes to the tail bucket);
+* **one student token, several teacher tokens** (the student's token is merged from the teacher's):
+  the student's token gets the teacher's probability of the whole block's text by that
+  tokenization, ``Σ actual log-probs`` (the chain rule), and the alternatives are the teacher's
+  top-k at the block's first position (other than the first piece), mapped as above: those are
+  disjoint events, so the total stays ``<= 1``;
+* **several student tokens** in a block (the teacher's token is merged from the student's, or
+  both split it differently): the teacher's top-k does not say how likely the student's first
+  piece is, so these positions are **not scored** (mask 0; the channel's ``coverage`` metric counts
+  them). Neither are positions whose text the teacher did not cover.
+
+Each scored position keeps the ``k`` most probable entries, and always the student's own token.
+
+Limits: a student token whose text the teacher would produce by another tokenization gets only the
+probability of the one tokenization seen (a lower bound); alternatives that span several student
+tokens are dropped. With identical tokenizers every block is one-to-one and the mapping is the
+identity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def token_spans(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+    """``(text, spans)`` of ``ids`` decoded: each token's ``[start, end)`` in ``text``, by prefix decoding.
+
+    Prefix decoding keeps multi-byte characters whole (a token that ends inside a character gets an
+    empty span, merging it with the next one).
+    """
+    spans: list[tuple[int, int]] = []
+    prev = 0
+    text = ""
+    for j in range(len(ids)):
+        text = tokenizer.decode(list(ids[: j + 1]), skip_special_tokens=True)
+        if "\ufffd" in text[prev:]:  # an incomplete character: wait for the byte(s) that finish it
+            end = prev
+        else:
+            end = len(text)
+        spans.append((prev, end))
+        prev = end
+    if spans and spans[-1][1] < len(text):
+        spans[-1] = (spans[-1][0], len(text))
+    return text, spans
+
+
+class VocabMap:
+    """Teacher token id -> student token id with the same decoded text (``None`` if the student has none)."""
+
+    def __init__(self, teacher_tokenizer: Any, student_tokenizer: Any) -> None:
+        self.teacher = teacher_tokenizer
+        self._student: dict[str, int] = {}
+        for i in range(len(student_tokenizer)):
+            text = student_tokenizer.decode([i])
+            if text and text not in self._student and "\ufffd" not in text:
+                self._student[text] = i
+        self._cache: dict[int, int | None] = {}
+
+    def __call__(self, teacher_id: int) -> int | None:
+        tid = int(teacher_id)
+        if tid not in self._cache:
+            text = self.teacher.decode([tid])
+            self._cache[tid] = self._student.get(text) if text else None
+        return self._cache[tid]
+
+
+@dataclass
+class Aligned:
+    """Per student token: top-k ids (student vocabulary), their teacher log-probs, and whether it is scored."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+    mask: list[bool]
+    #: the teacher's log-prob of the student's own token (NaN where not scored)
+    sampled: list[float]
+
+
+def align_scores(
+    student_ids: Sequence[int],
+    student_spans: Sequence[tuple[int, int]],
+    teacher_ids: Sequence[int],
+    teacher_spans: Sequence[tuple[int, int]],
+    teacher_actual: Sequence[float],
+    teacher_top_ids: Sequence[Sequence[int]],
+    teacher_top_logprobs: Sequence[Sequence[float]],
+    map_id: Callable[[int], int | None],
+    k: int,
+) -> Aligned:
+    """Map the teacher's scores of its tokens onto the student's tokens (the rule in the module docstring).
+
+    Args:
+        student_ids, student_spans: the student's completion tokens and their character spans.
+        teacher_ids, teacher_spans: the teacher's tokens of the same text and their spans.
+        teacher_actual: the teacher's log-prob of each of its own tokens.
+        teacher_top_ids, teacher_top_logprobs: its top-k at each of its positions.
+        map_id: teacher id -> student id (or None).
+        k: how many entries to keep per student token (the largest).
+    """
+    ns, nt = len(student_ids), len(teacher_ids)
+    out = Aligned([[] for _ in range(ns)], [[] for _ in range(ns)], [False] * ns, [math.nan] * ns)
+    i = j = 0
+    while i < nt and j < ns:
+        i0, j0 = i, j
+        while teacher_spans[i][1] != student_spans[j][1]:
+            if teacher_spans[i][1] < student_spans[j][1]:
+                i += 1
+            else:
+                j += 1
+            if i >= nt or j >= ns:
+                return out  # the rest of the text is not covered by both sides
+        if j == j0:
+            probs: dict[int, float] = {}
+            sid = int(student_ids[j])
+            if i == i0:
+                for tid, lp in zip(teacher_top_ids[i0], teacher_top_logprobs[i0], strict=False):
+                    s = map_id(int(tid))
+                    if s is not None:
+                        probs[s] = probs.get(s, 0.0) + math.exp(float(lp))
+                if sid not in probs:
+                    probs[sid] = math.exp(float(teacher_actual[i0]))
+            else:
+                probs[sid] = math.exp(sum(float(teacher_actual[x]) for x in range(i0, i + 1)))
+                first = int(teacher_ids[i0])
+                for tid, lp in zip(teacher_top_ids[i0], teacher_top_logprobs[i0], strict=False):
+                    s = map_id(int(tid))
+                    if s is not None and int(tid) != first:
+                        probs[s] = probs.get(s, 0.0) + math.exp(float(lp))
+            top = sorted(probs.items(), key=lambda kv: -kv[1])[:k]
+            if sid not in dict(top):  # the student's own token keeps its (exactly known) teacher probability
+                top = [*top[: k - 1], (sid, probs[sid])]
+            out.ids[j] = [s for s, _ in top]
+            out.logprobs[j] = [math.log(max(p, 1e-300)) for _, p in top]
+            out.mask[j] = True
+            out.sampled[j] = math.log(max(probs[sid], 1e-300))
+        i += 1
+        j += 1
+    return out

@@ -1,0 +1,71 @@
+"""The ``teacher_distill`` channel's inputs: external teachers score the step's rollouts, in the background.
+
+* :func:`build_teacher_scoring` — a :class:`~composer_plugins.teachers.scoring.ScoringPool` of the
+  scorers the live ``teacher_distill`` channels name (``teachers:``), bound to the student's tokenizer;
+* :func:`start_teacher_scoring` — called as soon as a step's record exists (rollouts scored): submits
+  every row to every scorer and stores the **futures** in ``record.teacher_scores``; scoring then runs
+  while the trainer computes the policy's forward and the other channels' inputs;
+* the ``teacher_scores`` input builder (in :mod:`composer_plugins.training.assemble`'s table) runs the
+  policy's forward first (the ``hidden_states`` builder), then collects the futures with
+  ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and reported
+  (``teacher/<id>/skipped``); the scores are packed as a ``TeacherTopK`` in the student's vocabulary.
+
+A trainer that holds teacher scores already (PRIME-RL's ``teacher_logprobs``; a precomputed file)
+puts the per-row lists, or a ``TeacherTopK``, in ``record.teacher_scores`` / ``record.extras``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from composer_plugins.training.step import StepRecord
+
+__all__ = ["build_teacher_scoring", "score_requests", "start_teacher_scoring", "teacher_channels"]
+
+
+def teacher_channels(channels: Sequence[Any]) -> list[Any]:
+    """The live channels that name scoring teachers (``teachers:`` of ``teacher_distill``)."""
+    return [c for c in channels if getattr(c, "weight", 0.0) != 0.0 and getattr(c, "teachers", None)]
+
+
+def build_teacher_scoring(channels: Sequence[Any], tokenizer: Any) -> Any:
+    """A bound :class:`~composer_plugins.teachers.scoring.ScoringPool` of every live channel's teachers, or ``None``."""
+    from composer_plugins.teachers.scoring import ScoringPool, build_scorers
+
+    live = teacher_channels(channels)
+    specs = [t for c in live for t in c.teachers]
+    if not specs:
+        return None
+    pool = ScoringPool(build_scorers(specs))
+    pool.bind(tokenizer)
+    deadlines = [c.deadline_s for c in live if getattr(c, "deadline_s", None) is not None]
+    pool.deadline_s = min(deadlines) if deadlines else None  # the shortest of the channels' deadlines
+    return pool
+
+
+def score_requests(record: StepRecord) -> list[Any]:
+    """One :class:`~composer_plugins.teachers.scoring.ScoreRequest` per row: prompt and completion, text and tokens."""
+    from composer_plugins.teachers.scoring import ScoreRequest
+
+    out = []
+    for i in range(record.num_rows):
+        p = record.prompt_ids[i][record.prompt_mask[i].bool()].tolist()
+        n = int(record.completion_mask[i].nonzero().max()) + 1 if bool(record.completion_mask[i].any()) else 0
+        if record.attention_mask is not None and bool(record.attention_mask[i].any()):
+            n = max(n, int(record.attention_mask[i].nonzero().max()) + 1)
+        c = record.completion_ids[i][:n].tolist()
+        out.append(ScoreRequest(record.prompts[i], record.completions[i], tuple(c), tuple(p)))
+    return out
+
+
+def start_teacher_scoring(record: StepRecord, pool: Any) -> StepRecord:
+    """Submit the record's rows to every scorer of ``pool``; ``record.teacher_scores`` holds the futures.
+
+    Nothing happens without a pool or when the record holds scores already.
+    """
+    if pool is None or record.teacher_scores:
+        return record
+    job = pool.submit(score_requests(record))
+    record.teacher_scores = dict(job.futures)
+    return record
