@@ -54,6 +54,7 @@ __all__ = [
     "build_hint_provider",
     "build_teacher_context",
     "hint_request_messages",
+    "hints_all_rows",
     "provider_hints",
     "sibling_groups",
     "wants_groups",
@@ -580,6 +581,16 @@ DEMONSTRATION_TEMPLATE = "Correct solution:\n{demonstration}{feedback}\n\nCorrec
 FEEDBACK_TEMPLATE = "The following is feedback from your unsuccessful earlier attempt:\n{feedback}"
 _PICKS = ("first", "shortest", "random")
 _FALLBACKS = ("feedback", "none")
+#: The rows a hint provider is asked about: ``failed`` (the default) or ``all`` (a provider whose ``rows``
+#: attribute is ``"all"``, e.g. SDPO's demonstrations, also hints rows that succeeded).
+_ROWS = ("failed", "all")
+
+
+def hints_all_rows(provider: Any) -> bool:
+    """Whether ``provider`` asks for every rollout row, successful ones too (its ``rows`` is ``"all"``)."""
+    return getattr(provider, "rows", "failed") == "all"
+
+
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -630,6 +641,9 @@ class DemonstrationHintProvider(HintProvider):
         feedback: the provider that turns the env's feedback into text (name, config dict or
             object; ``raw_error`` by default, ``template`` for the fixed texts).
         strip_thinking: drop ``<think>...</think>`` blocks from the demonstration.
+        rows: ``failed`` (a hint for failed rows only; GRPO covers the rest, as SRPO routes them) or
+            ``all`` (SDPO's rule: every row with a successful sibling other than itself, successful
+            rows too; the trainer then asks about every row).
     """
 
     name = "demonstration"
@@ -647,8 +661,10 @@ class DemonstrationHintProvider(HintProvider):
         fallback: str = "feedback",
         feedback: Any = "raw_error",
         strip_thinking: bool = True,
+        rows: str = "failed",
     ) -> None:
         self.pick = _choice(pick, _PICKS, "pick")
+        self.rows = _choice(rows, _ROWS, "rows")
         self.fallback = _choice(fallback, _FALLBACKS, "fallback")
         if int(max_chars) < 1:
             raise ValueError(f"max_chars must be at least 1, got {max_chars!r}")
@@ -699,11 +715,16 @@ class DemonstrationHintProvider(HintProvider):
         task: Mapping[str, Any] | None = None,
         group: SiblingGroup | None = None,
     ) -> str | None:
-        if feedback is not None and (feedback.ok or feedback.kind in ("unscorable", "sandbox_error")):
+        succeeded = (feedback is not None and feedback.ok) or (
+            group is not None and group.reward >= self._threshold(group)
+        )
+        if feedback is not None and feedback.kind in ("unscorable", "sandbox_error"):
             return None
-        if group is not None and group.reward >= self._threshold(group):
+        if succeeded and self.rows == "failed":
             return None  # the row itself succeeded: nothing to correct
         j = self.pick_sibling(group) if group is not None else None
+        if j is None and succeeded:
+            return None  # rows: all distils a successful row only from another success
         if j is None:
             if self.fallback == "none" or feedback is None:
                 return None

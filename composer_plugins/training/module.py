@@ -37,6 +37,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from composer_plugins.core.steps import step_result
+from composer_plugins.envs.hints import hints_all_rows
 from composer_plugins.losses.functional import chunked_logprobs
 from composer_plugins.models.generation import Rollout, generate_completions, left_pad, tokenize_prompts
 from composer_plugins.models.logprobs import (
@@ -431,6 +432,8 @@ class ComposerModule(L.LightningModule):
         bar = {f"train/{k}": v for k, v in stats.items() if k in ("reward", "loss") or k.endswith("/loss")}
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(batch["tasks"]))
         self._log_step({f"train/{k}": v for k, v in stats.items()})
+        if not loss.requires_grad:  # no active channel had a row this step (SDPO without GRPO, no success): no-op
+            loss = loss + 0.0 * next(p for p in self.policy.parameters() if p.requires_grad).sum()
         return loss
 
     def _log_step(self, metrics: Mapping[str, float]) -> None:
@@ -485,6 +488,8 @@ class ComposerModule(L.LightningModule):
             rb.ref_logprobs = completion_logprobs_no_grad(self.reference, *args, **kw)
         if self.needs_teacher:
             failed = (rewards < self.cfg.rollout.success_threshold).nonzero().flatten().tolist()
+            if hints_all_rows(self.hint_provider):  # SDPO's rule: every row, the provider decides which get one
+                failed = list(range(len(ro.completions)))
             cap = self.cfg.hints.max_hinted_per_step
             if cap is not None:
                 failed = failed[:cap]

@@ -92,10 +92,11 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
     """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt.
 
     Each hinted example is of one kind (``sft.hint_kinds``): ``feedback``, the provider's hint for
-    the wrong attempt; or ``demonstration``, the rollout group ``(wrong attempt, worked solution)``
-    given to a provider that reads groups (``hints.provider`` if it does, else the default
-    ``demonstration`` provider), so the context shows the problem's worked solution as a
-    successful sibling. The target stays the worked solution.
+    the wrong attempt; ``step_check``, the worked solution with one false step as the attempt and the
+    ``step_check`` hint naming it (tasks whose solution states equations); or ``demonstration``, the
+    rollout group ``(wrong attempt, worked solution)`` given to a provider that reads groups
+    (``hints.provider`` if it does, else the default ``demonstration`` provider), so the context shows
+    the problem's worked solution as a successful sibling. The target stays the worked solution.
     """
     from composer_plugins.envs.hints import sibling_groups, wants_groups
     from composer_plugins.training.batches import derive_seed, teacher_contexts
@@ -113,6 +114,8 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
     else:  # drawn from their own stream, so {feedback: 1} keeps today's examples exactly
         krng = random.Random(derive_seed(cfg.sft.seed, 92))
         kind = {i: krng.choices(names, weights)[0] for i in picked}
+    from composer_plugins.core.config import build_component
+
     provider = build_hint_provider(cfg)
     out = list(pairs)
     fb_rows = [i for i in picked if kind[i] == "feedback"]
@@ -121,10 +124,20 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
         for i, ctx in zip(fb_rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])
+    step_rows = [i for i in picked if kind[i] == "step_check"]
+    if step_rows:  # a worked attempt with one false step, hinted by step_check (envs/step_check.py)
+        from composer_plugins.envs.step_check import false_step_attempt
+
+        sc = provider if _provider_name(cfg.hints.provider) == "step_check" else build_component(
+            "hints", {"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")  # fmt: skip
+        wrong = {i: false_step_attempt(pairs[i][1], rng) for i in step_rows}
+        step_rows = [i for i in step_rows if wrong[i] is not None]
+        ctxs = teacher_contexts(env, sc, [tasks[i] for i in step_rows], [str(wrong[i]) for i in step_rows])
+        for i, ctx in zip(step_rows, ctxs, strict=True):
+            if ctx is not None:
+                out[i] = (ctx, pairs[i][1])
     demo_rows = [i for i in picked if kind[i] == "demonstration"]
     if demo_rows:
-        from composer_plugins.core.config import build_component
-
         demo = provider if wants_groups(provider) else build_component("hints", "demonstration", key="sft.hint_kinds")
         groups = []
         for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
