@@ -721,6 +721,8 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
 
 #: The per-step training curve whose run mean metrics.json and the paired table carry per variant.
 SIGNAL = "train/groups_with_signal"
+#: Per-step columns whose run mean (mean/std over seeds) metrics.json carries per variant.
+RUN_MEANS = (SIGNAL, "train/hint/teacher_margin", "train/hint/fraction", "train/reward")
 
 
 def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: str | os.PathLike[str],
@@ -736,10 +738,11 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
 
     recs, hist = paired.read_study_dir(".", evals_dir, runs_dir)
     signal = paired.run_means(hist, SIGNAL)
-    for v, by_seed in signal.items():
-        if v in out:
-            mean, std = study.mean_std(list(by_seed.values()))
-            out[v][SIGNAL] = {"mean": _r(mean), "std": _r(std)}
+    for col in RUN_MEANS:  # run means over steps, mean/std over seeds
+        for v, by_seed in (signal if col == SIGNAL else paired.run_means(hist, col)).items():
+            if v in out:
+                mean, std = study.mean_std(list(by_seed.values()))
+                out[v][col] = {"mean": _r(mean), "std": _r(std)}
     base = study.baseline(params)
     title = "# Paired effects: each variant minus the baseline, per seed (docs/results.md)\n\n"
     if base is None:
