@@ -16,12 +16,16 @@ SEEDS="${SEEDS:-$(python -c 'import yaml; print(*yaml.safe_load(open("params.yam
 VARIANTS="$(python -c 'import yaml; print(*yaml.safe_load(open("params.yaml"))["study"]["variants"])')"
 mkdir -p logs
 dvc repro pairs eval_sft
-for s in $SEEDS; do for v in $VARIANTS; do echo "$v $s"; done; done |
+# a cell whose log exists has been started (or run) before and is skipped: delete its log to run it again
+for s in $SEEDS; do for v in $VARIANTS; do [ -e "logs/$v-s$s.log" ] || echo "$v $s"; done; done |
   xargs -P "$J" -L 1 bash -c '
+    [ -e "logs/$0-s$1.log" ] && exit 0
     composer-plugins study train --variant "$0" --seed "$1" > "logs/$0-s$1.log" 2>&1 &&
     composer-plugins study eval --variant "$0" --seed "$1" >> "logs/$0-s$1.log" 2>&1 &&
     echo "done $0 s$1 $(date -u +%H:%M:%S)"'
-targets=()
-for s in $SEEDS; do for v in $VARIANTS; do targets+=("train@$v-$s" "eval@$v-$s"); done; done
+targets=()  # the cells that finished (a run stopped at a deadline leaves the rest out of dvc.lock)
+for s in $SEEDS; do for v in $VARIANTS; do
+  [ -e "evals/$v-s$s.json" ] && targets+=("train@$v-$s" "eval@$v-$s")
+done; done
 dvc commit -f "${targets[@]}"
 dvc repro --single-item report

@@ -66,3 +66,19 @@ def test_sdpo_without_grpo_trains_on_every_row_with_a_sibling_and_draws_the_held
     curve = {int(r["step"]): r["train/heldout/accuracy"] for r in rows}
     assert curve[1] == "" and curve[2] != "" and curve[3] != ""  # every 2 steps, and at the last one
     assert all(0.0 <= float(curve[s]) <= 1.0 for s in (2, 3))
+
+
+def test_sft_step_check_examples_show_a_false_step_named_by_step_check(make_cfg):
+    from composer_plugins.envs.steps import parse_steps
+    from composer_plugins.training.sft import sft_pairs
+
+    cfg, _ = make_cfg("", "env.difficulty=chain", "sft.hint_fraction=1.0", "sft.hint_kinds={step_check: 1}",
+                      "sft.num_examples=20")  # fmt: skip
+    from composer_plugins.training.builders import build_env
+
+    pairs = sft_pairs(build_env(cfg), cfg)
+    assert len(pairs) == 20
+    for prompt, target in pairs:
+        hint = prompt.split("Hint: ", 1)[1]
+        assert hint.startswith("Step ") and (", not " in hint or " is not " in hint), prompt
+        assert all(s.holds for s in parse_steps(target))  # the target stays the worked solution
