@@ -13,10 +13,16 @@ Difficulty levels (``difficulty=`` an int or a name):
  3    two_step     two chained steps (+, -, groups of, times)
  4    multi_step   three steps, adds percentages and a money question
  5    hard         four or five steps, larger numbers, money
+ 6    chain        two chained steps on one quantity (+, -, x by 2-4), 1-digit operands, one
+                   equation per line: the worked-steps level the embedded policy can learn
 ====  ===========  =====================================================================
 
-Train and test problems never share a question: each question text is assigned to a split
-by a hash (10% test). The same ``(n, difficulty, split, seed)`` always gives the same problems.
+Levels 0-5 assign each question *text* to a split by a hash (10% test): a test question never
+appears in train, but the same sum may, rephrased (``trivial`` has 81 operand pairs in all).
+Level 6 (``chain``) splits by *what is computed*: the hash of its equations' operands and
+operators (:func:`composer_plugins.envs.steps.computation_key`, e.g. ``7+3;10*2``), so no test
+computation occurs in train and the held-out set tests composition, not recall.
+The same ``(n, difficulty, split, seed)`` always gives the same problems.
 """
 
 from __future__ import annotations
@@ -29,7 +35,12 @@ from typing import Any
 
 __all__ = ["DIFFICULTIES", "ArithProblem", "generate_problems", "resolve_difficulty"]
 
-DIFFICULTIES: dict[str, int] = {"trivial": 0, "easy": 1, "medium": 2, "two_step": 3, "multi_step": 4, "hard": 5}
+DIFFICULTIES: dict[str, int] = {"trivial": 0, "easy": 1, "medium": 2, "two_step": 3, "multi_step": 4, "hard": 5,
+                                 "chain": 6}  # fmt: skip
+#: The highest level.
+MAX_LEVEL = max(DIFFICULTIES.values())
+#: Levels split by computation (operands and operators), not question text.
+COMPUTATION_SPLIT_LEVELS = frozenset({6})
 
 _NAMES_SMALL = ["Tom", "Ann", "Ben", "Mia", "Sam", "Eva"]
 _ITEMS_SMALL = ["apples", "books", "pens", "cards", "eggs", "balls"]
@@ -47,7 +58,7 @@ def _pron(name: str) -> str:
 
 
 def resolve_difficulty(difficulty: int | str) -> int:
-    """Map a level name or number to 0..5."""
+    """Map a level name or number to 0..MAX_LEVEL."""
     if isinstance(difficulty, str):
         key = difficulty.strip().lower().replace("-", "_")
         if key.isdigit():
@@ -55,10 +66,12 @@ def resolve_difficulty(difficulty: int | str) -> int:
         elif key in DIFFICULTIES:
             return DIFFICULTIES[key]
         else:
-            raise ValueError(f"unknown difficulty {difficulty!r}; use 0-5 or one of {', '.join(DIFFICULTIES)}")
+            raise ValueError(
+                f"unknown difficulty {difficulty!r}; use 0-{MAX_LEVEL} or one of {', '.join(DIFFICULTIES)}"
+            )
     d = int(difficulty)
-    if not 0 <= d <= 5:
-        raise ValueError(f"difficulty must be between 0 and 5, got {d}")
+    if not 0 <= d <= MAX_LEVEL:
+        raise ValueError(f"difficulty must be between 0 and {MAX_LEVEL}, got {d}")
     return d
 
 
@@ -237,7 +250,44 @@ def _multi(rng: random.Random, difficulty: int, annotate: bool) -> ArithProblem:
     return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {st.value}", st.value, difficulty)
 
 
+def _chain(rng: random.Random, annotate: bool) -> ArithProblem:
+    """Level 6: ``a``, then two operations on the running quantity, one equation per line."""
+    name, item = rng.choice(_NAMES_SMALL), rng.choice(_ITEMS_SMALL)
+    he = _pron(name)
+    value = rng.randint(1, 9)
+    q = [f"{name} has {value} {item}."]
+    s: list[str] = []
+    for step in range(2):
+        ops = ["add", "times"] if step == 0 else ["add", "sub"]
+        if step == 0 and value >= 2:
+            ops.append("sub")
+        op = rng.choice(ops)
+        if op == "add":
+            x = rng.randint(1, 9)
+            q.append(f"{he} {rng.choice(['buys', 'finds', 'gets'])} {x} more.")
+            expr, new = f"{value} + {x}", value + x
+        elif op == "sub":
+            x = rng.randint(1, min(9, value - 1)) if value >= 2 else 0
+            if x == 0:
+                x = rng.randint(1, 9)
+                q.append(f"{he} {rng.choice(['buys', 'finds', 'gets'])} {x} more.")
+                expr, new = f"{value} + {x}", value + x
+            else:
+                q.append(f"{he} gives {x} away.")
+                expr, new = f"{value} - {x}", value - x
+        else:
+            k = rng.randint(2, 4)
+            q.append(f"Then {he.lower()} {({2: 'doubles', 3: 'triples', 4: 'quadruples'})[k]} them.")
+            expr, new = f"{value} * {k}", value * k
+        s.append(_calc(expr, new, annotate))
+        value = new
+    q.append(f"How many {item} does {name} have now?")
+    return ArithProblem(" ".join(q), "\n".join(s) + f"\n#### {value}", value, 6)
+
+
 def _make(rng: random.Random, difficulty: int, annotate: bool) -> ArithProblem:
+    if difficulty == 6:
+        return _chain(rng, annotate)
     if difficulty <= 1:
         return _level01(rng, difficulty, annotate)
     if difficulty == 2:
@@ -245,9 +295,9 @@ def _make(rng: random.Random, difficulty: int, annotate: bool) -> ArithProblem:
     return _multi(rng, difficulty, annotate)
 
 
-def split_of(question: str, test_fraction: float = 0.1) -> str:
-    """``train`` or ``test``: a stable hash of the question text decides."""
-    h = int.from_bytes(hashlib.sha1(question.encode()).digest()[:4], "big")
+def split_of(key: str, test_fraction: float = 0.1) -> str:
+    """``train`` or ``test``: a stable hash of ``key`` (the question text, or its computation at ``chain``) decides."""
+    h = int.from_bytes(hashlib.sha1(key.encode()).digest()[:4], "big")
     return "test" if h % 1000 < int(test_fraction * 1000) else "train"
 
 
@@ -257,18 +307,24 @@ def generate_problems(
     seed: int = 0,
     split: str = "train",
     annotations: bool | None = None,
-    test_fraction: float = 0.1,
+    test_fraction: float | None = None,
 ) -> list[ArithProblem]:
     """``n`` problems of ``difficulty`` for ``split``, deterministic in ``seed``.
 
-    ``annotations`` adds GSM8K's ``<<a+b=c>>`` calculator annotations; by default only from
-    difficulty 2 up (the lowest levels stay short so a tiny model can learn them).
+    ``annotations`` adds GSM8K's ``<<a+b=c>>`` calculator annotations; by default only at
+    difficulties 2-5 (the lowest levels and ``chain`` stay short so a tiny model can learn them).
+    ``test_fraction`` (default 0.1, 0.2 at ``chain``) is the share of keys assigned to test. At
+    ``chain`` no two test problems compute the same thing (every test row is a distinct computation).
     """
+    from composer_plugins.envs.steps import computation_key
+
     d = resolve_difficulty(difficulty)
     if split not in ("train", "test", "validation"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     want = "test" if split != "train" else "train"
-    annotate = d >= 2 if annotations is None else annotations
+    annotate = 2 <= d < 6 if annotations is None else annotations
+    by_computation = d in COMPUTATION_SPLIT_LEVELS
+    frac = (0.2 if by_computation else 0.1) if test_fraction is None else float(test_fraction)
     rng = random.Random(f"arith|{d}|{want}|{seed}")
     out: list[ArithProblem] = []
     seen: set[str] = set()
@@ -276,10 +332,12 @@ def generate_problems(
     while len(out) < n:
         attempts += 1
         p = _make(rng, d, annotate)
-        if split_of(p.question, test_fraction) != want:
+        key = computation_key(p.solution) if by_computation else p.question
+        if split_of(key, frac) != want:
             continue
-        if p.question in seen and attempts < 50 * (n + 10):
+        unique = key if by_computation and want == "test" else p.question
+        if unique in seen and attempts < 50 * (n + 10):
             continue
-        seen.add(p.question)
+        seen.add(unique)
         out.append(p)
     return out

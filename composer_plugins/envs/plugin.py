@@ -14,7 +14,7 @@ def register_envs(register: Any) -> None:
         "gsm8k",
         "composer_plugins.envs.gsm8k:GSM8KEnv",
         description="GSM8K math word problems (hub openai/gsm8k, local jsonl/parquet, or a seeded offline "
-        "generator with difficulty 0-5); exact-match reward on the final number",
+        "generator with difficulty 0-6); exact-match reward on the final number",
     )
     register(
         "code",
@@ -70,6 +70,12 @@ def register_hint_providers(register: Any) -> None:
         "composer_plugins.envs.hints:DemonstrationHintProvider",
         description="A successful sibling's completion from the same rollout group (SDPO's self-teacher), "
         "with the feedback when configured or when no sibling succeeded",
+    )
+    register(
+        "step_check",
+        "composer_plugins.envs.step_check:StepCheckHintProvider",
+        description="Recompute each equation of a worked arithmetic solution and name the first false one "
+        "with its true value (never the final answer), or the quantity used wrongly; else a fallback provider",
     )
 
 

@@ -11,12 +11,21 @@ standard error ``sqrt(p (1 - p) / m)`` (:func:`heldout_se`); a claimed effect sh
 than it. :func:`verdict` reads an interval as *helps* (all above zero), *hurts* (all below) or
 *no measurable effect* (it holds zero).
 
+With a held-out learning curve (``eval.every_n_steps``: history.csv column
+``train/heldout/accuracy``) two more paired measures of *speed* join final accuracy:
+:func:`curve_auc`, the area under the held-out accuracy curve over the run's steps divided by its
+length (the run's mean held-out accuracy, so a variant that gets there sooner scores higher), and
+:func:`steps_to_target`, the first evaluated step at which a run reaches the baseline's final
+accuracy of the same seed (a run that never does counts as censored at its last step plus one
+evaluation interval). :func:`curve_effects` pairs both by seed.
+
 ``composer-plugins compare --paired`` prints :func:`format_paired` of the eval runs in MLflow.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -25,11 +34,16 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CURVE",
     "PairedEffect",
+    "curve_auc",
+    "curve_effects",
+    "curve_points",
     "format_paired",
     "heldout_se",
     "paired_effect",
     "paired_rows",
+    "steps_to_target",
     "t_critical",
     "verdict",
 ]
@@ -254,6 +268,77 @@ def run_means(
     return out
 
 
+#: The held-out learning-curve column of history.csv (training/curves.py).
+CURVE = "train/heldout/accuracy"
+
+
+def curve_points(rows: Sequence[Mapping[str, float]], column: str = CURVE) -> list[tuple[int, float]]:
+    """``[(step, value)]`` of the steps where ``column`` was measured, in step order."""
+    return sorted((int(r["step"]), float(r[column])) for r in rows if column in r and not math.isnan(float(r[column])))
+
+
+def curve_auc(points: Sequence[tuple[int, float]], start: float | None = None) -> float:
+    """Area under the curve ``points`` (trapezoids) divided by the steps it spans: its mean level.
+
+    ``start`` is the value at step 0 (the shared starting policy); without it the area starts at the
+    first measured step. One point: its value.
+    """
+    pts = ([(0, float(start))] if start is not None else []) + [(int(s), float(v)) for s, v in points]
+    if not pts:
+        return math.nan
+    if len(pts) == 1:
+        return pts[0][1]
+    area = sum((s1 - s0) * (v0 + v1) / 2 for (s0, v0), (s1, v1) in itertools.pairwise(pts))
+    return area / (pts[-1][0] - pts[0][0])
+
+
+def steps_to_target(points: Sequence[tuple[int, float]], target: float) -> tuple[float, bool]:
+    """``(first step with value >= target, reached)``; unreached: ``(last step + interval, False)`` (censored)."""
+    for s, v in points:
+        if v >= target - 1e-12:
+            return float(s), True
+    if not points:
+        return math.nan, False
+    steps = [s for s, _ in points]
+    interval = steps[-1] - steps[-2] if len(steps) > 1 else max(1, steps[-1])
+    return float(steps[-1] + interval), False
+
+
+def curve_effects(hist: Histories, baseline: str, column: str = CURVE,
+                  confidence: float = 0.95) -> list[PairedEffect]:  # fmt: skip
+    """Per variant against ``baseline``, paired by seed: the final curve value, the AUC and the steps to target.
+
+    The target of a seed is the baseline's final curve value at that seed. Each effect's ``extra`` holds
+    ``censored``: how many of the variant's seeds never reached it.
+    """
+    curves = {v: {s: curve_points(rows, column) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
+    curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
+    if baseline not in curves or not curves[baseline]:
+        return []
+    target = {s: p[-1][1] for s, p in curves[baseline].items()}
+    out: list[PairedEffect] = []
+    names = [v for v in curves if v != baseline and curves[v]]
+    base_final = {s: p[-1][1] for s, p in curves[baseline].items()}
+    base_auc = {s: curve_auc(p) for s, p in curves[baseline].items()}
+    base_steps = {s: steps_to_target(p, target[s])[0] for s, p in curves[baseline].items()}
+    for v in names:
+        shared = [s for s in curves[v] if s in target]
+        if not shared:
+            continue
+        final = {s: curves[v][s][-1][1] for s in shared}
+        auc = {s: curve_auc(curves[v][s]) for s in shared}
+        reach = {s: steps_to_target(curves[v][s], target[s]) for s in shared}
+        censored = sum(not ok for _, ok in reach.values())
+        for metric, table, base in (("final", final, base_final), ("auc", auc, base_auc),
+                                    ("steps_to_target", {s: r[0] for s, r in reach.items()}, base_steps)):  # fmt: skip
+            e = paired_effect(table, base, confidence=confidence, name=v, baseline_name=baseline,
+                              metric=f"{column} {metric}")  # fmt: skip
+            if metric == "steps_to_target":
+                e.extra["censored"] = censored
+            out.append(e)
+    return out
+
+
 def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm8k/accuracy",
                  heldout_n: int | None = None, evals: str | Path = "evals",
                  runs: str | Path = "runs") -> str:  # fmt: skip
@@ -272,6 +357,28 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
         eff = [paired_effect(means[v], means[baseline], name=v, baseline_name=baseline, metric=sig + " (run mean)")
                for v in names]  # fmt: skip
         out += ["", format_paired(eff, "markdown")]
+    curve = curve_effects(hist, baseline)
+    if curve:
+        out += [
+            "",
+            f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve over the "
+            "run's steps divided by its length, and the first evaluated step reaching the baseline's final value of "
+            "the same seed (never reached: censored at the last step + one interval; `censored` counts those seeds).",
+            "",
+            format_paired(curve, "markdown"),
+        ]
+        cens = {e.variant: e.extra["censored"] for e in curve if "censored" in e.extra}
+        out += ["", "censored (never reached the target): " + ", ".join(f"{v} {n}" for v, n in cens.items())]
+        cm = step_means(hist, CURVE)
+        if cm:
+            pts = {v: step_values(by_seed, CURVE) for v, by_seed in hist.items()}
+            steps_all = sorted({s for p in pts.values() for s in p})
+            head = ["step", *pts]
+            lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+            for t in steps_all:
+                cells = [f"{sum(p[t]) / len(p[t]):.3f}" if t in p else "" for p in pts.values()]
+                lines.append("| " + " | ".join([str(t), *cells]) + " |")
+            out += ["", f"{CURVE} per evaluated step (mean over seeds):", "", *lines]
     steps = step_means(hist, sig)
     if steps:
         n = max(len(x) for x in steps.values())

@@ -45,6 +45,12 @@ def prepare_cmd(params_path: str, overrides: tuple[str, ...], out: str) -> None:
     manifest = prepare(_load(params_path, overrides), out)
     for k, e in manifest["envs"].items():
         click.echo(f"{k}: {e['train']['n']} train, {e['test']['n']} test ({e['source']})")
+        if "computation_overlap" in e:
+            click.echo(
+                f"{k}: train/test overlap: {e['overlap']} test prompts, {e['computation_overlap']} test rows "
+                f"({e['computation_overlap_distinct']} distinct) computing a train tuple; "
+                f"{e['test_distinct']} distinct test prompts, {e['test_distinct_computations']} distinct computations"
+            )
 
 
 @click.command(name="rollout")

@@ -175,17 +175,47 @@ def prepare(params: Mapping[str, Any], out_dir: str | os.PathLike[str] = "data/t
             write_jsonl(path, tasks)
             entry[split] = {"n": len(tasks), "path": path.as_posix(), "sha256": file_sha256(path)}
         if entry["train"]["n"] and entry["test"]["n"]:
-            entry["overlap"] = _overlap(out / key / "train.jsonl", out / key / "test.jsonl")
+            entry.update(split_overlap(out / key / "train.jsonl", out / key / "test.jsonl"))
         manifest["envs"][key] = entry
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 
-def _overlap(train: Path, test: Path) -> int:
+def computation_of(task: Mapping[str, Any]) -> str | None:
+    """What ``task`` computes: its solution's equations' operands and operators (``3*4;7+12``).
+
+    ``None`` when the task states no equation (then only its prompt text can be compared).
+    """
+    from composer_plugins.envs.steps import computation_key
+
+    text = task.get("solution") or task.get("target")
+    if not isinstance(text, str):
+        return None
+    return computation_key(text) or None
+
+
+def split_overlap(train: Path, test: Path) -> dict[str, Any]:
+    """How much of ``test`` occurs in ``train``, by prompt text and by computed tuple.
+
+    ``overlap``: test rows whose prompt is a train prompt; ``computation_overlap``: test rows whose
+    computation (:func:`computation_of`) is one of train's, ``computation_overlap_distinct`` the
+    distinct such computations; ``test_distinct`` / ``test_distinct_computations``: distinct test prompts
+    and computations (a test row without equations counts by its prompt).
+    """
     from composer_plugins.training.batches import task_prompt
 
-    seen = {task_prompt(t) for t in read_jsonl(train)}
-    return sum(task_prompt(t) in seen for t in read_jsonl(test))
+    train_rows, test_rows = read_jsonl(train), read_jsonl(test)
+    prompts = {task_prompt(t) for t in train_rows}
+    comps = {c for c in map(computation_of, train_rows) if c}
+    test_comps = [computation_of(t) or f"prompt:{task_prompt(t)}" for t in test_rows]
+    shared = [c for c in test_comps if c in comps]
+    return {
+        "overlap": sum(task_prompt(t) in prompts for t in test_rows),
+        "computation_overlap": len(shared),
+        "computation_overlap_distinct": len(set(shared)),
+        "test_distinct": len({task_prompt(t) for t in test_rows}),
+        "test_distinct_computations": len(set(test_comps)),
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -684,6 +714,8 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
 
 #: The per-step training curve whose run mean metrics.json and the paired table carry per variant.
 SIGNAL = "train/groups_with_signal"
+#: Per-step columns whose run mean (mean/std over seeds) metrics.json carries per variant.
+RUN_MEANS = (SIGNAL, "train/hint/teacher_margin", "train/hint/fraction", "train/reward")
 
 
 def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: str | os.PathLike[str],
@@ -699,10 +731,11 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
 
     recs, hist = paired.read_study_dir(".", evals_dir, runs_dir)
     signal = paired.run_means(hist, SIGNAL)
-    for v, by_seed in signal.items():
-        if v in out:
-            mean, std = study.mean_std(list(by_seed.values()))
-            out[v][SIGNAL] = {"mean": _r(mean), "std": _r(std)}
+    for col in RUN_MEANS:  # run means over steps, mean/std over seeds
+        for v, by_seed in (signal if col == SIGNAL else paired.run_means(hist, col)).items():
+            if v in out:
+                mean, std = study.mean_std(list(by_seed.values()))
+                out[v][col] = {"mean": _r(mean), "std": _r(std)}
     base = study.baseline(params)
     title = "# Paired effects: each variant minus the baseline, per seed (docs/results.md)\n\n"
     if base is None:
@@ -717,6 +750,14 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
                 e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m)
                 out[v].setdefault(f"paired_vs_{base}", {})[m] = {
                     "diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high)}  # fmt: skip
+    for e in paired.curve_effects(hist, base):  # eval.every_n_steps: AUC and steps to the baseline's final value
+        if e.variant in out:
+            key = "curve/" + e.metric.split(" ", 1)[1]
+            row = {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high),
+                   "variant_mean": _r(e.variant_mean), "baseline_mean": _r(e.baseline_mean)}  # fmt: skip
+            if "censored" in e.extra:
+                row["censored"] = e.extra["censored"]
+            out[e.variant].setdefault(f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
     metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
     return title + paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir) + "\n"
@@ -733,7 +774,7 @@ def _r(v: Any) -> Any:
 #: channel's ``loss`` and ``pairs`` (a third-party channel's columns match the same patterns).
 CURVE_PATTERNS: tuple[str, ...] = (
     "train/reward", "train/loss", "train/accuracy", "train/groups_with_signal", "train/hint/rows",
-    "train/hint/fraction", "train/hint/teacher_margin", "train/*/loss", "train/*/pairs",
+    "train/hint/fraction", "train/hint/teacher_margin", "train/heldout/accuracy", "train/*/loss", "train/*/pairs",
 )  # fmt: skip
 
 

@@ -61,6 +61,7 @@ class SFTSection:
     #: What the hinted examples carry, as shares: ``feedback`` (the hint ``hints.provider`` gives for a
     #: wrong attempt) and ``demonstration`` (a worked solution of the same problem, shown as a successful
     #: sibling through the ``demonstration`` provider: the policy learns to use a solution in context).
+    #: ``step_check`` (the worked solution with one false step, hinted by the ``step_check`` provider).
     #: ``null``: ``{demonstration: 1}`` when ``hints.provider`` is ``demonstration``, else ``{feedback: 1}``.
     hint_kinds: dict[str, float] | None = None
     #: Use the cache (``cache_dir``) for the SFT checkpoint.
@@ -226,6 +227,10 @@ class EvalSection:
     #: Samples per failed problem (at ``temperature``) that form its rollout group, for providers that read
     #: groups (``demonstration``: a successful sample is the sibling shown).
     hint_uplift_samples: int = 8
+    #: Held-out learning curve during RL: greedy accuracy on the first ``curve_problems`` held-out problems
+    #: every this many optimizer steps (0: off); history.csv column ``train/heldout/accuracy`` (training/curves.py).
+    every_n_steps: int = 0
+    curve_problems: int = 100
 
 
 @dataclass

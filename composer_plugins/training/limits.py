@@ -14,7 +14,7 @@ from composer_plugins.core.config import Config
 __all__ = ["SFT_HINT_KINDS", "check_ranges"]
 
 #: What a hinted SFT example can carry (``sft.hint_kinds``).
-SFT_HINT_KINDS = ("feedback", "demonstration")
+SFT_HINT_KINDS = ("feedback", "demonstration", "step_check")
 
 
 def check_ranges(cfg: Any, src: Config, pre: str = "") -> None:

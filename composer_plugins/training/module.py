@@ -204,11 +204,12 @@ class ComposerModule(L.LightningModule):
         # every rank computed its share; the step's statistics are those of the union batch
         stats = reduce_stats(stats)
         self.last_step_stats = stats
-        # the progress bar shows reward, loss and each channel's loss; every statistic goes to the
-        # loggers (MLflow) directly, once per optimizer step (cheaper than one self.log per key)
+        # the bar shows reward and losses; every statistic goes to the loggers once per optimizer step
         bar = {f"train/{k}": v for k, v in stats.items() if k in ("reward", "loss") or k.endswith("/loss")}
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(batch["tasks"]))
         self._log_step({f"train/{k}": v for k, v in stats.items()})
+        if not loss.requires_grad:  # no active channel had a row this step (SDPO without GRPO, no success): no-op
+            loss = loss + 0.0 * next(p for p in self.policy.parameters() if p.requires_grad).sum()
         return loss
 
     def _log_step(self, metrics: Mapping[str, float]) -> None:

@@ -92,10 +92,11 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
     """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt.
 
     Each hinted example is of one kind (``sft.hint_kinds``): ``feedback``, the provider's hint for
-    the wrong attempt; or ``demonstration``, the rollout group ``(wrong attempt, worked solution)``
-    given to a provider that reads groups (``hints.provider`` if it does, else the default
-    ``demonstration`` provider), so the context shows the problem's worked solution as a
-    successful sibling. The target stays the worked solution.
+    the wrong attempt; ``step_check``, the worked solution with one false step as the attempt and the
+    ``step_check`` hint naming it (tasks whose solution states equations); or ``demonstration``, the
+    rollout group ``(wrong attempt, worked solution)`` given to a provider that reads groups
+    (``hints.provider`` if it does, else the default ``demonstration`` provider), so the context shows
+    the problem's worked solution as a successful sibling. The target stays the worked solution.
     """
     from composer_plugins.envs.hints import build_hint_provider as hint_provider_from
     from composer_plugins.envs.hints import reads_groups, sibling_groups
@@ -120,6 +121,18 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
     if fb_rows:
         ctxs = teacher_contexts(env, provider, [tasks[i] for i in fb_rows], [str(attempts[i]) for i in fb_rows])
         for i, ctx in zip(fb_rows, ctxs, strict=True):
+            if ctx is not None:
+                out[i] = (ctx, pairs[i][1])
+    step_rows = [i for i in picked if kind[i] == "step_check"]
+    if step_rows:  # a worked attempt with one false step, hinted by step_check (envs/step_check.py)
+        from composer_plugins.envs.step_check import false_step_attempt
+
+        sc = provider if _provider_name(cfg.hints.provider) == "step_check" else hint_provider_from(
+            {"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")  # fmt: skip
+        wrong = {i: false_step_attempt(pairs[i][1], rng) for i in step_rows}
+        step_rows = [i for i in step_rows if wrong[i] is not None]
+        ctxs = teacher_contexts(env, sc, [tasks[i] for i in step_rows], [str(wrong[i]) for i in step_rows])
+        for i, ctx in zip(step_rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])
     demo_rows = [i for i in picked if kind[i] == "demonstration"]

@@ -129,7 +129,10 @@ def build_trainer(
         if t.checkpoint_every_n_steps > 0
         else None
     )
-    callbacks: list[Any] = [c for c in (ckpt, HistoryCallback(Path(cfg.output_dir) / "history.csv")) if c]
+    from composer_plugins.training.curves import heldout_curve  # before HistoryCallback: its value joins the row
+
+    curve = heldout_curve(cfg.eval)
+    callbacks: list[Any] = [c for c in (ckpt, curve, HistoryCallback(Path(cfg.output_dir) / "history.csv")) if c]
     callbacks += list(extra_callbacks)
     if t.callbacks:
         from composer_plugins.training.callbacks import build_callbacks

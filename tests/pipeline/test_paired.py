@@ -127,3 +127,45 @@ def test_an_effect_below_the_heldout_error_is_flagged() -> None:
     assert e.verdict == "helps"
     assert "helps (but |effect| < held-out se)" in paired.format_paired([e], "text", heldout_n=400)
     assert "(but" not in paired.format_paired([e], "text", heldout_n=40000)
+
+
+def test_curve_auc_and_steps_to_target_by_hand() -> None:
+    pts = [(10, 0.2), (20, 0.4), (30, 0.4)]
+    assert paired.curve_auc(pts) == pytest.approx((10 * 0.3 + 10 * 0.4) / 20)
+    assert paired.curve_auc(pts, start=0.0) == pytest.approx((10 * 0.1 + 10 * 0.3 + 10 * 0.4) / 30)
+    assert paired.curve_auc([(5, 0.7)]) == 0.7 and math.isnan(paired.curve_auc([]))
+    assert paired.steps_to_target(pts, 0.4) == (20.0, True)
+    assert paired.steps_to_target(pts, 0.5) == (40.0, False)  # censored: last step + one interval
+    rows = [{"step": 1.0, "train/reward": 0.1}, {"step": 10.0, paired.CURVE: 0.2}, {"step": 20.0, paired.CURVE: 0.4}]
+    assert paired.curve_points(rows) == [(10, 0.2), (20, 0.4)]
+
+
+def test_curve_effects_pair_auc_and_steps_to_the_baselines_final_value(tmp_path) -> None:
+    curves = {  # (variant, seed): accuracy at steps 10, 20, 30
+        ("rl_only", 0): (0.2, 0.3, 0.4), ("rl_only", 1): (0.1, 0.3, 0.3),
+        ("fast", 0): (0.4, 0.4, 0.5), ("fast", 1): (0.3, 0.3, 0.4),
+        ("slow", 0): (0.1, 0.2, 0.3), ("slow", 1): (0.1, 0.3, 0.3),
+    }  # fmt: skip
+    (tmp_path / "evals").mkdir()
+    for (v, s), ys in curves.items():
+        (tmp_path / "evals" / f"{v}-s{s}.json").write_text(json.dumps({"metrics": {"gsm8k/accuracy": ys[-1]}}))
+        run = tmp_path / "runs" / f"{v}-s{s}"
+        run.mkdir(parents=True)
+        lines = ["step,train/reward,train/heldout/accuracy"]
+        lines += [f"{t},0.5,{ys[t // 10 - 1] if t % 10 == 0 else ''}" for t in range(1, 31)]
+        run.joinpath("history.csv").write_text("\n".join(lines) + "\n")
+    _, hist = paired.read_study_dir(tmp_path)
+    eff = {(e.variant, e.metric.split()[-1]): e for e in paired.curve_effects(hist, "rl_only")}
+    fast_auc = [(0.4 + 0.4) / 2 * 0.5 + (0.4 + 0.5) / 2 * 0.5, (0.3 + 0.3) / 2 * 0.5 + (0.3 + 0.4) / 2 * 0.5]
+    base_auc = [(0.25 + 0.35) / 2, (0.2 + 0.3) / 2]
+    assert eff["fast", "auc"].diffs == pytest.approx([f - b for f, b in zip(fast_auc, base_auc, strict=True)])
+    assert eff["fast", "final"].diffs == pytest.approx([0.1, 0.1])
+    # rl_only reaches its own final value at step 30 (seed 0) and 20 (seed 1); fast at 10 and 10
+    assert (
+        eff["fast", "steps_to_target"].diffs == [-20.0, -10.0] and eff["fast", "steps_to_target"].extra["censored"] == 0
+    )
+    # slow never reaches 0.4 at seed 0: censored at 40
+    assert eff["slow", "steps_to_target"].diffs == [10.0, 0.0] and eff["slow", "steps_to_target"].extra["censored"] == 1
+    text = paired.study_report(tmp_path, "rl_only")
+    assert "train/heldout/accuracy auc" in text and "censored (never reached the target): fast 0, slow 1" in text
+    assert "| 10 | 0.350 | 0.150 | 0.100 |" in text  # the mean curve per evaluated step

@@ -1,0 +1,173 @@
+"""``step_check``: a hint that locates the mistake in a worked arithmetic solution (registry kind ``hints``).
+
+The verifier of a GSM8K-format env only says the final number is wrong. This provider reads the
+completion's worked steps (every ``a op b = c`` it states, with or without a calculator annotation
+``<<a*b=c>>``; :mod:`.steps`), recomputes each one and names the first false one with its true
+value::
+
+    Step 2: 7 × 2 = 14, not 15.
+
+It never states the problem's final answer: when the true value of the false step *is* the final
+answer, the hint says only that the step is wrong (``Step 2: 7 + 12 is not 18.``).
+
+When every stated step holds but the answer is still wrong, the mistake is in *what* was computed,
+and the env can tell where when the task carries its own worked solution (the generator's tasks and
+GSM8K's do): the first step whose operator or operands differ from the solution's is named
+(``Step 1 uses 5 where the question gives 4.``, ``Step 2 should subtract, not add.``), as are a
+missing step and a final line that does not repeat the last step's result. Otherwise (no equation
+in the completion, no worked solution in the task, no answer at all) the hint of the configured
+``fallback`` provider is used (``none``: no hint).
+
+Args:
+    fallback: the provider used when the steps cannot locate the mistake (name, config dict or
+        object; default ``raw_error``; ``none`` for no hint).
+    template: the false-step hint, with ``{index}``, ``{equation}`` (``7 × 2 = 14``, the true value),
+        ``{stated}`` (the stated result) and ``{expression}`` (``7 × 2``).
+    hidden_template: the false-step hint when the true value is the final answer (same fields but no
+        true value in ``{equation}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any
+
+from composer_plugins.envs.answers import extract_answer_value
+from composer_plugins.envs.base import prompt_text
+from composer_plugins.envs.hints import HintProvider, HintRequest, build_hint_provider
+from composer_plugins.envs.steps import Step, format_value, parse_steps
+
+__all__ = ["StepCheckHintProvider", "false_step_attempt", "locate_mistake"]
+
+FALSE_STEP = "Step {index}: {equation}, not {stated}."
+FALSE_STEP_HIDDEN = "Step {index}: {expression} is not {stated}."
+_VERB = {"+": "add", "-": "subtract", "*": "multiply", "/": "divide"}
+
+
+def _worked(text: str) -> str:
+    """The part of a completion before its final ``####`` line (what follows is not a step)."""
+    return text.split("####", 1)[0]
+
+
+def _expression(step: Step) -> str:
+    return step.shown().rsplit(" = ", 1)[0]
+
+
+def _gold(task: Mapping[str, Any] | None) -> tuple[list[Step], Fraction | None]:
+    if not task:
+        return [], None
+    solution = task.get("solution") or task.get("target")
+    steps = parse_steps(_worked(str(solution))) if isinstance(solution, str) else []
+    answer = task.get("answer")
+    gold = extract_answer_value(str(answer)) if answer is not None else None
+    if gold is None and isinstance(solution, str) and "####" in solution:
+        gold = extract_answer_value(solution[solution.find("####") :])
+    return steps, gold
+
+
+def _used_wrongly(i: int, got: Step, want: Step) -> str | None:
+    """Which quantity step ``i`` used wrongly, comparing it with the solution's step ``want``."""
+    if got.op != want.op:
+        return f"Step {i} should {_VERB[want.op]}, not {_VERB[got.op]}."
+    pairs = [(got.a, want.a), (got.b, want.b)]
+    if got.op in "+*" and {got.a, got.b} == {want.a, want.b}:
+        return None
+    if got.op in "+*" and (got.a == want.b or got.b == want.a):
+        pairs = [(got.a, want.b), (got.b, want.a)]  # the same operands written the other way round
+    for g, w in pairs:
+        if g != w:
+            return f"Step {i} uses {format_value(g)} where it needs {format_value(w)}."
+    return None
+
+
+def locate_mistake(completion: str, task: Mapping[str, Any] | None, template: str = FALSE_STEP,
+                   hidden_template: str = FALSE_STEP_HIDDEN) -> str | None:  # fmt: skip
+    """The hint that locates the first mistake of ``completion`` for ``task``, or ``None`` if none can be named."""
+    worked = _worked(completion)
+    steps = parse_steps(worked)
+    gold_steps, gold = _gold(task)
+    for i, s in enumerate(steps, 1):
+        if s.holds:
+            continue
+        fields = {"index": i, "stated": format_value(s.stated), "expression": _expression(s)}
+        if s.value is not None and gold is not None and s.value == gold:
+            return hidden_template.format(equation=_expression(s), **fields)
+        return template.format(equation=s.shown(), **fields)
+    if not steps or not gold_steps:
+        return None
+    for i, (got, want) in enumerate(zip(steps, gold_steps, strict=False), 1):
+        if got.key == want.key:
+            continue
+        text = _used_wrongly(i, got, want)
+        if text:
+            return text
+    if len(steps) < len(gold_steps):
+        return f"Step {len(steps) + 1} is missing: the question needs {len(gold_steps)} steps."
+    final = extract_answer_value(completion[completion.find("####") :]) if "####" in completion else None
+    if final is not None and final != steps[-1].stated and steps[-1].value == gold:
+        return "The final answer is not the result of the last step."
+    return None
+
+
+def false_step_attempt(solution: str, rng: Any) -> str | None:
+    """``solution`` with one stated result made false (off by 1-3) and the rest carried on from it.
+
+    The wrong value replaces the result where it is stated and where later steps use it; the final
+    answer becomes what the carried-on steps give. ``None`` when the solution states no equation.
+    A training example of the mistake ``step_check`` locates (``sft.hint_kinds: {step_check: ...}``).
+    """
+    steps = parse_steps(_worked(solution))
+    if not steps:
+        return None
+    k = rng.randrange(len(steps))
+    delta = rng.choice([-3, -2, -1, 1, 2, 3])
+    if steps[k].stated + delta < 0:
+        delta = abs(delta)
+    lines: list[str] = []
+    prev_true: Fraction | None = None
+    prev_new: Fraction | None = None
+    new: Fraction | None = None
+    for i, s in enumerate(steps):
+        a = prev_new if prev_true is not None and prev_new is not None and s.a == prev_true else s.a
+        new = Step(a, s.op, s.b, s.stated, s.start, s.text).value if i != k else steps[k].stated + delta
+        if new is None:
+            return None
+        lines.append(f"{format_value(a)} {s.op} {format_value(s.b)} = {format_value(new)}")
+        prev_true, prev_new = s.stated, new
+    return " " + "\n".join(lines) + f"\n#### {format_value(new)}"  # type: ignore[arg-type]
+
+
+class StepCheckHintProvider(HintProvider):
+    """Recompute each stated equation and name the first false one (see the module docstring)."""
+
+    name = "step_check"
+
+    def __init__(
+        self,
+        *,
+        fallback: Any = "raw_error",
+        template: str = FALSE_STEP,
+        hidden_template: str = FALSE_STEP_HIDDEN,
+    ) -> None:
+        for what, tpl in (("template", template), ("hidden_template", hidden_template)):
+            try:
+                tpl.format(index=1, equation="", stated="", expression="")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(
+                    f"{what} {tpl!r} has an unknown field {e}; use {{index}}, {{equation}}, {{stated}}, {{expression}}"
+                ) from None
+        self.template = template
+        self.hidden_template = hidden_template
+        self.fallback = None if fallback in (None, "none") else build_hint_provider(fallback)
+
+    def hint(self, request: HintRequest) -> str | None:
+        feedback, completion = request.feedback, request.completion
+        if feedback is None or not feedback.needs_hint:
+            return None
+        text = None
+        if completion is not None and feedback.kind == "wrong_answer":
+            text = locate_mistake(prompt_text(completion), request.task, self.template, self.hidden_template)
+        if text is None and self.fallback is not None:
+            return self.fallback.hints([request])[0]
+        return text

@@ -1,0 +1,101 @@
+"""Held-out learning curves during RL (``eval.every_n_steps``): greedy accuracy on a fixed held-out subset.
+
+:class:`HeldoutCurve` is a Lightning callback. Every ``eval.every_n_steps`` optimizer steps (and at
+the last one) it decodes the first ``eval.curve_problems`` held-out problems greedily with the
+module's :meth:`~composer_plugins.training.module.PolicyModule.evaluate_tasks` (no sampled pass@k,
+no hint uplift: one greedy completion per problem) and records the accuracy as the step statistic
+``heldout/accuracy``: ``history.csv`` gets the column ``train/heldout/accuracy`` (empty at steps not
+evaluated) and the loggers (MLflow) the metric of that name at that step. The starting policy's value
+is logged at step 0 (MLflow only; history.csv rows start at step 1). The pipeline's report turns the
+column into ``plots/curves/train.heldout.accuracy.csv`` (``dvc plots show``), and the paired report
+into the area under the curve and the steps to reach the baseline's final accuracy
+(:mod:`composer_plugins.pipeline.paired`).
+
+The subset is the same for every step, variant and seed (``data.test_path``'s first rows, else the
+env's test generator at ``eval.seed``), so curves pair across variants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+__all__ = ["CURVE_STAT", "HeldoutCurve", "heldout_curve"]
+
+#: The step statistic (history.csv column ``train/<CURVE_STAT>``).
+CURVE_STAT = "heldout/accuracy"
+
+
+class HeldoutCurve(Callback):
+    """Greedy held-out accuracy every ``every_n_steps`` optimizer steps (see the module docstring)."""
+
+    def __init__(self, every_n_steps: int, num_problems: int, seed: int = 1234) -> None:
+        if int(every_n_steps) < 1:
+            raise ValueError(f"eval.every_n_steps must be at least 1 to draw a curve, got {every_n_steps!r}")
+        if int(num_problems) < 1:
+            raise ValueError(f"eval.curve_problems must be at least 1, got {num_problems!r}")
+        self.every_n_steps = int(every_n_steps)
+        self.num_problems = int(num_problems)
+        self.seed = int(seed)
+        self.tasks: list[dict[str, Any]] = []
+        self.points: list[tuple[int, float]] = []
+
+    def _tasks(self, pl_module: Any) -> list[dict[str, Any]]:
+        from composer_plugins.core.io import read_jsonl
+        from composer_plugins.training.batches import env_tasks
+
+        cfg = pl_module.cfg
+        if cfg.data.test_path:
+            return [dict(t) for t in read_jsonl(cfg.data.test_path)[: self.num_problems]]
+        return env_tasks(pl_module.env, cfg.data.test_split, self.num_problems, cfg.eval.seed)
+
+    def accuracy(self, pl_module: Any) -> float:
+        """Greedy accuracy of the current policy on the subset (sampling and hint uplift off)."""
+        cfg = pl_module.cfg
+        saved = cfg.eval
+        cfg.eval = dataclasses.replace(saved, k=0, num_samples=0, hint_uplift=False)
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            out = pl_module.evaluate_tasks(self.tasks, self.seed)
+        finally:
+            cfg.eval = saved
+            pl_module.train(was_training)
+        return float(out["correct_greedy"].float().mean().item())
+
+    def _log(self, trainer: Any, step: int, value: float) -> None:
+        self.points.append((step, value))
+        for lg in trainer.loggers or ():
+            lg.log_metrics({f"train/{CURVE_STAT}": value}, step=step)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.tasks = self._tasks(pl_module)
+        self.points = []
+        if not self.tasks:
+            raise ValueError("eval.every_n_steps: the held-out split holds no problems to draw a curve on")
+        self._log(trainer, int(trainer.global_step), self.accuracy(pl_module))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return
+        step = int(trainer.global_step)
+        last = trainer.max_steps is not None and step >= trainer.max_steps
+        if step % self.every_n_steps and not last:
+            return
+        value = self.accuracy(pl_module)
+        stats = getattr(pl_module, "last_step_stats", None)
+        if isinstance(stats, dict):
+            stats[CURVE_STAT] = value  # HistoryCallback (after this one) writes it as train/heldout/accuracy
+        self._log(trainer, step, value)
+
+
+def heldout_curve(eval_cfg: Mapping[str, Any] | Any) -> HeldoutCurve | None:
+    """The callback for ``eval`` (a section object or mapping), or ``None`` when ``every_n_steps`` is 0/unset."""
+    get = eval_cfg.get if isinstance(eval_cfg, Mapping) else lambda k, d=None: getattr(eval_cfg, k, d)
+    every = int(get("every_n_steps", 0) or 0)
+    if every <= 0:
+        return None
+    return HeldoutCurve(every, int(get("curve_problems", 100) or 100), int(get("seed", 1234) or 1234))
