@@ -151,6 +151,7 @@ def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps:
 
 def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
     """The shaped model (random weights, tiny tokenizer) and a replay pairs file; returns (model, pairs, vocab)."""
+    from composer_plugins.core.io import atomic_write_jsonl
     from composer_plugins.models.tiny import MODEL_SHAPES, build_shaped_model
     from composer_plugins.training.builders import build_env
     from composer_plugins.training.config import loads_train_config
@@ -163,10 +164,10 @@ def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
     tok_dir = resolve_policy(cfg, env)
     model = build_shaped_model(tok_dir, tmp / f"model-{shape}", shape)
     pairs = tmp / "pairs.jsonl"
-    with pairs.open("w") as f:
-        for t in env.sample_tasks(16, "train", seed=3):
-            wrong = t["target"].replace(f"#### {t['answer']}", f"#### {int(t['answer']) + 1}")
-            f.write(json.dumps({"prompt": t["prompt"], "chosen": t["target"], "rejected": wrong}) + "\n")
+    tasks = env.sample_tasks(16, "train", seed=3)
+    wrong = [t["target"].replace(f"#### {t['answer']}", f"#### {int(t['answer']) + 1}") for t in tasks]
+    atomic_write_jsonl(pairs, [{"prompt": t["prompt"], "chosen": t["target"], "rejected": w}
+                               for t, w in zip(tasks, wrong, strict=True)])  # fmt: skip
     return str(model), str(pairs), int(MODEL_SHAPES[shape]["vocab_size"])
 
 

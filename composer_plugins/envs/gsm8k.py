@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
-from composer_plugins.core.io import iter_jsonl
+from composer_plugins.core.io import atomic_write_jsonl, iter_jsonl
 from composer_plugins.envs.answers import extract_answer_value, format_number
 from composer_plugins.envs.arith import generate_problems, resolve_difficulty
 from composer_plugins.envs.base import Env, Feedback
@@ -276,9 +276,6 @@ class GSM8KEnv(Env):
 def write_gsm8k_jsonl(path: str | os.PathLike[str], rows: list[Mapping[str, Any]]) -> Path:
     """Write ``rows`` (``question``/``answer`` or generator tasks) as GSM8K jsonl; returns the path."""
     p = Path(path)
-    with p.open("w", encoding="utf-8") as f:
-        for r in rows:
-            q = r.get("question")
-            a = r.get("solution", r.get("answer"))
-            f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    records = ({"question": r.get("question"), "answer": r.get("solution", r.get("answer"))} for r in rows)
+    atomic_write_jsonl(p, records, ensure_ascii=True)
     return p
