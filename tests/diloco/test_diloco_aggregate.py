@@ -1,0 +1,75 @@
+"""One aggregate per round: replicas as threads on a ``file://`` store (issue 34, "cheaper sync")."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo, param_digest
+from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback, slice_bounds
+
+
+def _replicas(url: str, n: int, rounds: int, **cfg: Any) -> list[tuple[ObjectStoreDiLoCoCallback, list[str]]]:
+    """``n`` replicas of a small linear model, each ``rounds`` rounds of H = 2, in threads; (callback, keys read)."""
+    out: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def replica(i: int) -> None:
+        try:
+            torch.manual_seed(i)
+            model = torch.nn.Linear(200, 100)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            config = DiLoCoConfig(transport="object_store", store=url, run_id="agg", sync_every=2,
+                                  outer_steps=rounds, round_timeout_s=60, poll_s=0.01, **cfg)  # fmt: skip
+            cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=i, num_replicas=n, run_id="agg"))
+            cb.attach(model, opt)
+            assert cb.store is not None
+            read: list[str] = []
+            get = cb.store.get
+            cb.store.get = lambda key: (read.append(key), get(key))[1]  # type: ignore[method-assign]
+            x = torch.randn(64, 200, generator=torch.Generator().manual_seed(100 + i))
+            while not cb._stop:
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            cb.close()
+            out[i] = (cb, read)
+        except BaseException as e:  # re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_one_aggregate_per_round_identical_bits_and_bounded_reads(tmp_path):
+    n, rounds = 4, 3
+    reps = _replicas(f"file://{tmp_path}/agg", n, rounds, keep_rounds=0)
+    hashes = {param_digest(cb.params)[0] for cb, _ in reps}
+    assert len(hashes) == 1 and all(cb.round == rounds for cb, _ in reps)
+    numel = 200 * 100 + 100
+    for i, (cb, read) in enumerate(reps):
+        # never its own pseudo-gradient, never the whole of another's: at most its slice of the others
+        assert not [k for k in read if k.split("/")[-1].startswith(f"grad-{i}-")], read
+        later = [r for r in cb.history if r["round"] > 0]
+        fp32 = 4 * numel
+        # 2 (N-1)/N = 1.5 fp32 pseudo-gradients (the others' slices and the mean's) plus small objects; was N-1 = 3
+        assert all(r["bytes_read"] < 1.6 * fp32 for r in later), [r["bytes_read"] for r in later]
+    # the stored mean of round 1 is the index-order mean of the four pseudo-gradients, bit for bit
+    cb = reps[0][0]
+    assert cb.rounds is not None
+    m = cb.rounds.manifest(1)
+    grads = [cb.rounds.read_grad(1, m["grads"][str(i)], numel) for i in m["participants"]]
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total.add_(g)
+    want = total.div_(len(grads))
+    got = torch.cat([cb.rounds.get_mean(1, j, hi - lo) for j, (lo, hi) in enumerate(slice_bounds(numel, n))])
+    assert torch.equal(got, want)
