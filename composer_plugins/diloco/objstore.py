@@ -396,6 +396,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
+        self._background: concurrent.futures.ThreadPoolExecutor | None = None
+        self._overlapped: tuple[Any, ...] | None = None  # overlap: 1 -- (round, future, snapshot, err, seconds)
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -411,6 +413,15 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._background is not None:
+            if self._overlapped is not None:
+                try:  # an exception ended the run: let the round's writes finish, report nothing more
+                    self._overlapped[1].result()
+                except Exception as e:  # the run is already failing
+                    log.warning("DiLoCo: the background sync of round %d failed: %s", self._overlapped[0], one_line(e))
+                self._overlapped = None
+            self._background.shutdown(wait=True)
+            self._background = None
         if self._writer is not None:
             try:
                 self._flush_writes()
@@ -438,8 +449,10 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._module, self._inner = module, inner_optimizer
         self.fragments = split_fragments(module, 1)
         self.params = list(self.fragments[0].parameters())
-        self.outer_optimizers = [build_outer_optimizer(c, self.params)]
-        self.global_params = [p.detach().clone() for p in self.params]
+        # the outer optimizer steps the global weights themselves (leaf tensors that need no autograd), so an
+        # outer step in the background (``overlap: 1``) never touches the weights the inner steps train
+        self.global_params = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
+        self.outer_optimizers = [build_outer_optimizer(c, self.global_params)]
         self.store = ObjectStore(url, retry_s=c.store_retry_s, request_timeout_s=c.request_timeout_s)
         self.rounds = RoundStore(self.store)
         self._probe_conditional_create()
@@ -598,36 +611,49 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
     def _sync(self) -> None:
         assert self.rounds is not None and self.store is not None
         self._raise_write_error()
-        c, rs, me = self.config, self.rounds, self.replica.index
         t0 = time.perf_counter()
-        # since the last record: the state written in the background after a sync counts in the next one
-        w0, r0, n0 = self._counted
+        if self._overlapped is not None:  # overlap: 1 -- the previous round's sync, applied one round late
+            self._finish_overlapped()
         r = self.round
-        err = None
-        manifest = rs.manifest(r)
-        mine_name = None
-        if manifest is None:
-            if r == 0 and c.init_sync and self.replica.num_replicas > 1:
-                self._init_sync()
-            with torch.no_grad():
-                pairs = zip(self.global_params, self.params, strict=True)
-                pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
-            if self._residual is not None:  # error feedback: what the last round's rounding left out
-                pseudo = pseudo + self._residual
-            parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
-            err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
-            if c.compress == "int4":
-                self._residual = pseudo - mine
-            if bool(torch.isfinite(mine).all()):
-                mine_name, nbytes = rs.put_grad(r, me, self.replica.restart, parts)
-                self.bytes_pseudograd += nbytes
-            else:
-                log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
-            manifest, created = self._close(r, me, mine_name)
-        else:
-            created, mine = False, None
-        participants = list(manifest["participants"])
-        committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
+        manifest = self.rounds.manifest(r)
+        if manifest is not None:  # closed without this replica (late): catch up in the foreground
+            self._settle(r, manifest, False, None, None, None, t0)
+            return
+        mine_name, mine, err = self._publish(r)
+        last = self._target is not None and r + 1 >= self._target
+        if self.config.overlap and not last:
+            self._launch_overlapped(r, mine_name, mine, err, t0)
+            return
+        manifest, created = self._close(r, self.replica.index, mine_name)
+        self._settle(r, manifest, created, mine_name, mine, err, t0)
+
+    def _publish(self, r: int) -> tuple[str | None, torch.Tensor, float]:
+        """Write this replica's pseudo-gradient of round ``r`` (``init_sync`` first at round 0):
+        ``(name or None when not finite, the values the others read, compression error)``."""
+        assert self.rounds is not None
+        c = self.config
+        if r == 0 and c.init_sync and self.replica.num_replicas > 1:
+            self._init_sync()
+        with torch.no_grad():
+            pairs = zip(self.global_params, self.params, strict=True)
+            pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
+        if self._residual is not None:  # error feedback: what the last round's rounding left out
+            pseudo = pseudo + self._residual
+        parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
+        err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
+        if c.compress == "int4":
+            self._residual = pseudo - mine
+        if not bool(torch.isfinite(mine).all()):
+            log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
+            return None, mine, err
+        name, nbytes = self.rounds.put_grad(r, self.replica.index, self.replica.restart, parts)
+        self.bytes_pseudograd += nbytes
+        return name, mine, err
+
+    def _settle(self, r: int, manifest: dict[str, Any], created: bool, mine_name: str | None,
+                mine: torch.Tensor | None, err: float | None, t0: float) -> None:  # fmt: skip
+        """Apply round ``r`` in the foreground (or catch up when left out of it) and record it."""
+        committed = mine_name is not None and manifest["grads"].get(str(self.replica.index)) == mine_name
         if committed and self._apply_round(r, manifest, mine, mix_local=True):
             if created and self._state_due(r):
                 self._write_state_async()
@@ -636,20 +662,67 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         else:
             committed = False
             self._catch_up(r, manifest)
+        self._record_round(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
+
+    def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float) -> None:
+        assert self.store is not None
+        # since the last record: the state written in the background after a sync counts in the next one
+        w0, r0, n0 = self._counted
         now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._counted = now
-        self._record(r, committed, len(participants), err, time.perf_counter() - t0, now[0] - w0, now[1] - r0,
-                     now[2] - n0)  # fmt: skip
+        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0)
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
-    def _apply_round(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool) -> bool:
+    # -- overlap: 1 (the outer sync of round r runs while round r+1's inner steps do) ----------------------
+    def _launch_overlapped(self, r: int, mine_name: str | None, mine: torch.Tensor, err: float, t0: float) -> None:
+        """Close round ``r`` and take its outer step on the global weights in a background thread; the model's
+        weights are left to the inner steps of round ``r + 1`` (see :meth:`_finish_overlapped`)."""
+        me = self.replica.index
+
+        def job() -> tuple[dict[str, Any], bool]:
+            assert self.rounds is not None
+            manifest, created = self._close(r, me, mine_name)
+            committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
+            if not (committed and self._apply_round(r, manifest, mine, mix_local=False, live=False)):
+                return manifest, False
+            if created and self._state_due(r):
+                self.rounds.put_state(f"state/{r:08d}", self._global_state(), create=True)
+                if self.config.keep_rounds:
+                    self.rounds.collect_garbage(r, self.config.keep_rounds)
+            return manifest, True
+
+        if self._background is None:
+            self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-overlap")
+        snapshot = [p.detach().clone() for p in self.params]
+        future = self._background.submit(job)
+        self._overlapped = (r, future, snapshot, err, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def _finish_overlapped(self) -> None:
+        """Wait for the background sync of round ``r`` and apply it one round late: the model's weights become
+        the new global weights plus the inner steps taken since round ``r``'s snapshot (a delayed outer update,
+        as Streaming DiLoCo's overlap); a replica left out of round ``r`` catches up (dropping those steps)."""
+        assert self._overlapped is not None
+        r, future, snapshot, err, launch_s = self._overlapped
+        self._overlapped = None
+        t0 = time.perf_counter()
+        manifest, committed = future.result()
+        if committed:
+            for p, g, s in zip(self.params, self.global_params, snapshot, strict=True):
+                p.add_(g - s)
+        else:
+            self._catch_up(r, manifest)
+        self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0)
+
+    def _apply_round(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool,
+                     live: bool = True) -> bool:  # fmt: skip
         """Take round ``r``'s outer step with its stored mean pseudo-gradient (:meth:`_round_mean`) from the global
         state of round ``r - 1`` held here. ``False`` (nothing changed) when the mean cannot be had."""
         mean = self._round_mean(r, manifest, own)
         if mean is None:
             return False
-        self._outer_step(mean, mix_local=mix_local)
+        self._outer_step(mean, mix_local=mix_local, live=live)
         self.round = r + 1
         return True
 
@@ -766,25 +839,31 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             delay = min(delay * 1.5, c.poll_max_s)
 
     @torch.no_grad()
-    def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True) -> None:
-        """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector.
+    def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True, live: bool = True) -> None:
+        """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector:
+        the outer optimizer steps the global weights with it as their gradient; then (``live``) the model takes
+        the global weights, mixed with its local ones by ``fragment_update_alpha`` (``mix_local``).
 
-        ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only.
+        ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only;
+        ``live=False`` (the background sync of ``overlap: 1``) leaves the model's weights alone.
         """
-        local = [p.detach().clone() for p in self.params]
         off = 0
-        for p, g in zip(self.params, self.global_params, strict=True):
-            p.copy_(g)  # restore the global weights
-            n = p.numel()
-            p.grad = avg[off : off + n].view_as(p).to(device=p.device, dtype=p.dtype)
+        for g in self.global_params:
+            n = g.numel()
+            g.grad = avg[off : off + n].view_as(g).to(device=g.device, dtype=g.dtype)
             off += n
         opt = self.outer_optimizers[0]
         opt.step()
-        for p, g, loc in zip(self.params, self.global_params, local, strict=True):
-            g.copy_(p)
-            if mix_local:
-                p.lerp_(loc, self.config.fragment_update_alpha)
         opt.zero_grad()
+        if not live:
+            return
+        for p, g in zip(self.params, self.global_params, strict=True):
+            if mix_local:
+                loc = p.detach().clone()
+                p.copy_(g)
+                p.lerp_(loc, self.config.fragment_update_alpha)
+            else:
+                p.copy_(g)
 
     def _replay_closed_rounds(self) -> int:
         """Rebuild every round closed after the state held here from its manifest's pseudo-gradients (the same
@@ -919,7 +998,12 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         sync_log = c.sync_log or self.replica.sync_log
         if sync_log and c.log_param_hash:
             # the synced (trainable) weights: a frozen EMA hint teacher is per-replica local state
-            synced = (p for p in self._module.parameters() if p.requires_grad)  # type: ignore[union-attr]
+            # with overlap: 1 the model carries its own steps since the last snapshot: the global weights are synced
+            synced = (
+                self.global_params
+                if c.overlap and not self._stop
+                else (p for p in self._module.parameters() if p.requires_grad)
+            )  # type: ignore[union-attr]
             rec["param_hash"], rec["param_sum"] = param_digest(synced)
             rec["fragment_hash"] = rec["param_hash"]
         self.history.append(rec)

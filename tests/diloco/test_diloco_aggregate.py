@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 
+from composer_plugins.core.errors import ConfigError
 from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo, param_digest
 from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback, slice_bounds
 
@@ -73,3 +75,31 @@ def test_one_aggregate_per_round_identical_bits_and_bounded_reads(tmp_path):
     want = total.div_(len(grads))
     got = torch.cat([cb.rounds.get_mean(1, j, hi - lo) for j, (lo, hi) in enumerate(slice_bounds(numel, n))])
     assert torch.equal(got, want)
+
+
+def test_overlap_1_applies_each_round_late_and_ends_with_equal_weights(tmp_path):
+    """``overlap: 1``: the sync of round r runs while round r+1's inner steps do; every replica ends equal."""
+    n, rounds = 2, 4
+    reps = _replicas(f"file://{tmp_path}/overlap", n, rounds, overlap=1, compress="int8")
+    assert len({param_digest(cb.params)[0] for cb, _ in reps}) == 1
+    for cb, _ in reps:
+        assert [r["round"] for r in cb.history] == list(range(rounds))
+        assert all(r["committed"] and r["participants"] == n for r in cb.history)
+        # a round's record is written when it is applied: one round (H = 2 inner steps) after its sync began,
+        # except the last one, applied at once
+        steps = [r["inner_step"] for r in cb.history]
+        assert steps == [4, 6, 8, 8], steps
+        assert cb.round == rounds and cb._overlapped is None
+    # every replica holds the same global weights as the store's last state
+    cb = reps[0][0]
+    assert cb.rounds is not None
+    k, state = cb.rounds.newest_valid_state()
+    assert k == rounds - 1
+    assert all(torch.equal(s, g) for s, g in zip(state["global_params"], cb.global_params, strict=True))
+
+
+def test_overlap_is_validated_and_refused_for_torchft():
+    with pytest.raises(ConfigError, match="overlap"):
+        DiLoCoConfig(transport="object_store", overlap=2).validate()
+    with pytest.raises(ConfigError, match="torchft does not use overlap"):
+        DiLoCoConfig(transport="torchft", overlap=1).validate()
