@@ -296,8 +296,8 @@ def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path, *, name: 
     # final sync, always in the foreground) left out
     k = h if skip is None else skip
     first["mean_step_s_in_rounds"] = statistics.fmean(statistics.fmean(t[k:-1]) for t in steps)
-    if store is not None:
-        later = [r for rs in logs_ for r in rs if r["round"] > 0]  # round 0 carries the init_sync state
+    later = [r for rs in logs_ for r in rs if r.get("round", 0) > 0]  # round 0 carries the init_sync state
+    if store is not None and later:
         first["store_bytes_written_per_sync"] = statistics.fmean(r["bytes_written"] for r in later)
         first["store_bytes_read_per_sync"] = statistics.fmean(r["bytes_read"] for r in later)
         first["grad_bytes_per_sync"] = statistics.fmean(o["bytes_allreduced"] / o["outer_step"] for o in outs)

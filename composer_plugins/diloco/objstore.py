@@ -6,18 +6,26 @@ other. Layout of the run directory::
 
     run.json                          who the run is (run id, replicas, parameter shapes); a second run is refused
     init                              replica 0's state at the first sync (``init_sync``: everyone starts from it)
-    rounds/<r>/grad-<i>-<restart>     replica i's pseudo-gradient for round r (codec + SHA-256)
+    rounds/<r>/grad-<i>-<k>.s<j>      slice j of replica i's pseudo-gradient for round r (codec + SHA-256)
+    rounds/<r>/grad-<i>-<k>           its index (slice bounds and checksums), created after the slices
     rounds/<r>/manifest.json          the participants of round r, created once (If-None-Match)
+    rounds/<r>/mean-<j>               slice j of round r's mean pseudo-gradient (the run's codec), created once
     state/<r>                         the global weights and outer optimizer state after round r
 
 A round, on every replica: write the pseudo-gradient (``global - local``, encoded with ``diloco.compress``);
 wait until every replica's is there or ``diloco.round_timeout_s`` has passed; then the first replica to try
-creates the round manifest, listing the pseudo-gradients it read intact (a torn or corrupt one fails its
-checksum and counts as missing). The create is conditional, so there is exactly one manifest per round and
-every replica averages exactly the set it names, in index order, and applies the same outer step
+creates the round manifest, listing the pseudo-gradients whose index it read intact (a torn or corrupt one
+fails its checksum and counts as missing). The create is conditional, so there is exactly one manifest per
+round. The round's mean is then made slice by slice (a reduce-scatter through the store): participant
+``participants[j % P]`` reads slice ``j`` of the others' pseudo-gradients, averages them with its own in
+index order and creates ``mean-<j>`` (anyone creates a slice its owner has not written in time); every replica
+applies the stored mean (identical bits whoever wrote it), so it reads about ``2 (N-1)/N`` compressed
+pseudo-gradients per round, never its own, and takes the same outer step
 (:func:`~composer_plugins.diloco.common.build_outer_optimizer`, the torchft path's optimizer; the same
 restore / ``grad`` / ``step`` / ``lerp`` sequence as ``torchft.local_sgd``). The replica that created the
-manifest writes the new global state.
+manifest writes the new global state. With ``diloco.overlap: 1`` the close, the mean and the outer step
+(on the global weights) of round ``r`` run in a background thread during round ``r + 1``'s inner steps, and
+the model takes their result one round late (:meth:`ObjectStoreDiLoCoCallback._finish_overlapped`).
 
 Faults: a replica that missed the deadline (the manifest exists without it) drops its local steps and
 loads the newest global state; a replica the launcher restarted loads it before training and reports
@@ -397,7 +405,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
         self._background: concurrent.futures.ThreadPoolExecutor | None = None
-        self._overlapped: tuple[Any, ...] | None = None  # overlap: 1 -- (round, future, snapshot, err, seconds)
+        self._overlapped: tuple[Any, ...] | None = None  # overlap: 1 -- (round, future, snapshot, result, seconds)
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -619,23 +627,23 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if manifest is not None:  # closed without this replica (late): catch up in the foreground
             self._settle(r, manifest, False, None, None, None, t0)
             return
-        mine_name, mine, err = self._publish(r)
         last = self._target is not None and r + 1 >= self._target
         if self.config.overlap and not last:
-            self._launch_overlapped(r, mine_name, mine, err, t0)
+            self._launch_overlapped(r, t0)
             return
+        mine_name, mine, err = self._publish(r)
         manifest, created = self._close(r, self.replica.index, mine_name)
         self._settle(r, manifest, created, mine_name, mine, err, t0)
 
-    def _publish(self, r: int) -> tuple[str | None, torch.Tensor, float]:
-        """Write this replica's pseudo-gradient of round ``r`` (``init_sync`` first at round 0):
-        ``(name or None when not finite, the values the others read, compression error)``."""
+    def _publish(self, r: int, params: list[torch.Tensor] | None = None) -> tuple[str | None, torch.Tensor, float]:
+        """Write this replica's pseudo-gradient of round ``r`` from ``params`` (default: the model's; ``init_sync``
+        first at round 0): ``(name or None when not finite, the values the others read, compression error)``."""
         assert self.rounds is not None
         c = self.config
-        if r == 0 and c.init_sync and self.replica.num_replicas > 1:
+        if params is None and r == 0 and c.init_sync and self.replica.num_replicas > 1:
             self._init_sync()
         with torch.no_grad():
-            pairs = zip(self.global_params, self.params, strict=True)
+            pairs = zip(self.global_params, params if params is not None else self.params, strict=True)
             pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
         if self._residual is not None:  # error feedback: what the last round's rounding left out
             pseudo = pseudo + self._residual
@@ -675,13 +683,19 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             self._trainer.should_stop = True
 
     # -- overlap: 1 (the outer sync of round r runs while round r+1's inner steps do) ----------------------
-    def _launch_overlapped(self, r: int, mine_name: str | None, mine: torch.Tensor, err: float, t0: float) -> None:
-        """Close round ``r`` and take its outer step on the global weights in a background thread; the model's
-        weights are left to the inner steps of round ``r + 1`` (see :meth:`_finish_overlapped`)."""
+    def _launch_overlapped(self, r: int, t0: float) -> None:
+        """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
+        outer step on the global weights in a background thread; the model's weights are left to the inner steps
+        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground."""
         me = self.replica.index
+        if r == 0 and self.config.init_sync and self.replica.num_replicas > 1:
+            self._init_sync()
+        snapshot = [p.detach().clone() for p in self.params]
+        result: dict[str, Any] = {}
 
         def job() -> tuple[dict[str, Any], bool]:
             assert self.rounds is not None
+            mine_name, mine, result["err"] = self._publish(r, snapshot)
             manifest, created = self._close(r, me, mine_name)
             committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
             if not (committed and self._apply_round(r, manifest, mine, mix_local=False, live=False)):
@@ -694,9 +708,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
 
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-overlap")
-        snapshot = [p.detach().clone() for p in self.params]
         future = self._background.submit(job)
-        self._overlapped = (r, future, snapshot, err, time.perf_counter() - t0)
+        self._overlapped = (r, future, snapshot, result, time.perf_counter() - t0)
 
     @torch.no_grad()
     def _finish_overlapped(self) -> None:
@@ -704,10 +717,11 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         the new global weights plus the inner steps taken since round ``r``'s snapshot (a delayed outer update,
         as Streaming DiLoCo's overlap); a replica left out of round ``r`` catches up (dropping those steps)."""
         assert self._overlapped is not None
-        r, future, snapshot, err, launch_s = self._overlapped
+        r, future, snapshot, result, launch_s = self._overlapped
         self._overlapped = None
         t0 = time.perf_counter()
         manifest, committed = future.result()
+        err = result.get("err")
         if committed:
             for p, g, s in zip(self.params, self.global_params, snapshot, strict=True):
                 p.add_(g - s)

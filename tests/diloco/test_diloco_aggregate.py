@@ -13,6 +13,10 @@ from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo, param_dige
 from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback, slice_bounds
 
 
+class _Died(Exception):
+    """A replica thread that stops dead (as a killed process would)."""
+
+
 def _replicas(url: str, n: int, rounds: int, **cfg: Any) -> list[tuple[ObjectStoreDiLoCoCallback, list[str]]]:
     """``n`` replicas of a small linear model, each ``rounds`` rounds of H = 2, in threads; (callback, keys read)."""
     out: list[Any] = [None] * n
@@ -23,8 +27,9 @@ def _replicas(url: str, n: int, rounds: int, **cfg: Any) -> list[tuple[ObjectSto
             torch.manual_seed(i)
             model = torch.nn.Linear(200, 100)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            settings = {"round_timeout_s": 60.0, "poll_s": 0.01, **cfg}
             config = DiLoCoConfig(transport="object_store", store=url, run_id="agg", sync_every=2,
-                                  outer_steps=rounds, round_timeout_s=60, poll_s=0.01, **cfg)  # fmt: skip
+                                  outer_steps=rounds, **settings)  # fmt: skip
             cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=i, num_replicas=n, run_id="agg"))
             cb.attach(model, opt)
             assert cb.store is not None
@@ -38,6 +43,8 @@ def _replicas(url: str, n: int, rounds: int, **cfg: Any) -> list[tuple[ObjectSto
                 opt.step()
             cb.close()
             out[i] = (cb, read)
+        except _Died:
+            pass
         except BaseException as e:  # re-raised in the test thread
             errors.append(e)
 
@@ -103,3 +110,23 @@ def test_overlap_is_validated_and_refused_for_torchft():
         DiLoCoConfig(transport="object_store", overlap=2).validate()
     with pytest.raises(ConfigError, match="torchft does not use overlap"):
         DiLoCoConfig(transport="torchft", overlap=1).validate()
+
+
+def test_a_slice_whose_owner_died_is_made_by_the_others(tmp_path, monkeypatch):
+    """Replica 2 publishes its round-1 pseudo-gradient and dies before making its slice of the mean: the
+    others make it after ``round_timeout_s`` and go on (without it) to equal weights."""
+    orig = ObjectStoreDiLoCoCallback._round_mean
+
+    def dies(self: ObjectStoreDiLoCoCallback, r: int, manifest: dict[str, Any], own: Any) -> Any:
+        if self.replica.index == 2 and r == 1:
+            raise _Died
+        return orig(self, r, manifest, own)
+
+    monkeypatch.setattr(ObjectStoreDiLoCoCallback, "_round_mean", dies)
+    reps = _replicas(f"file://{tmp_path}/dead", 3, 3, round_timeout_s=1.0, keep_rounds=0)
+    alive = [cb for cb, _ in reps[:2]]
+    assert reps[2] is None
+    assert len({param_digest(cb.params)[0] for cb in alive}) == 1
+    for cb in alive:
+        assert [(r["round"], r["participants"]) for r in cb.history] == [(0, 3), (1, 3), (2, 2)]
+    assert alive[0].rounds is not None and alive[0].rounds.store.exists("rounds/00000001/mean-002")
