@@ -85,6 +85,10 @@ class DiLoCoConfig:
         state_every: with ``object_store``, the closer writes the global state (fp32 weights + outer
             momentum) every this many rounds and at the last one; the rounds between are replayed from their
             manifests and pseudo-gradients by whoever needs them.
+        overlap: with ``object_store``, ``1`` runs the outer sync of round ``r`` in a background thread while
+            the inner steps of round ``r + 1`` proceed, and applies its result one round late (the model takes
+            the new global weights plus the inner steps taken since; Streaming DiLoCo's delayed outer update).
+            ``0`` (default) syncs in the foreground (bitwise equal to ``torchft``).
         jobs: how ``--executor hf_jobs|modal`` runs each replica (image, flavor/GPU, secrets, timeouts;
             :class:`~composer_plugins.diloco.executors.JobsConfig`).
     """
@@ -129,6 +133,7 @@ class DiLoCoConfig:
     run_id: str | None = None
     keep_rounds: int = 2
     state_every: int = 1
+    overlap: int = 0
     jobs: dict[str, Any] | None = None
 
     def validate(self, cfg: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
@@ -163,6 +168,8 @@ class DiLoCoConfig:
             raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
         if self.state_every < 1:
             raise bad("state_every", f"must be >= 1, got {self.state_every}.")
+        if self.overlap not in (0, 1) or isinstance(self.overlap, bool):
+            raise bad("overlap", f"must be 0 or 1, got {self.overlap!r}.")
         if self.keep_rounds < 0 or self.keep_rounds == 1:
             raise bad("keep_rounds", f"must be 0 (keep everything) or >= 2, got {self.keep_rounds}.")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", str(self.run_id)):

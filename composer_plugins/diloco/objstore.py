@@ -6,18 +6,26 @@ other. Layout of the run directory::
 
     run.json                          who the run is (run id, replicas, parameter shapes); a second run is refused
     init                              replica 0's state at the first sync (``init_sync``: everyone starts from it)
-    rounds/<r>/grad-<i>-<restart>     replica i's pseudo-gradient for round r (codec + SHA-256)
+    rounds/<r>/grad-<i>-<k>.s<j>      slice j of replica i's pseudo-gradient for round r (codec + SHA-256)
+    rounds/<r>/grad-<i>-<k>           its index (slice bounds and checksums), created after the slices
     rounds/<r>/manifest.json          the participants of round r, created once (If-None-Match)
+    rounds/<r>/mean-<j>               slice j of round r's mean pseudo-gradient (the run's codec), created once
     state/<r>                         the global weights and outer optimizer state after round r
 
 A round, on every replica: write the pseudo-gradient (``global - local``, encoded with ``diloco.compress``);
 wait until every replica's is there or ``diloco.round_timeout_s`` has passed; then the first replica to try
-creates the round manifest, listing the pseudo-gradients it read intact (a torn or corrupt one fails its
-checksum and counts as missing). The create is conditional, so there is exactly one manifest per round and
-every replica averages exactly the set it names, in index order, and applies the same outer step
+creates the round manifest, listing the pseudo-gradients whose index it read intact (a torn or corrupt one
+fails its checksum and counts as missing). The create is conditional, so there is exactly one manifest per
+round. The round's mean is then made slice by slice (a reduce-scatter through the store): participant
+``participants[j % P]`` reads slice ``j`` of the others' pseudo-gradients, averages them with its own in
+index order and creates ``mean-<j>`` (anyone creates a slice its owner has not written in time); every replica
+applies the stored mean (identical bits whoever wrote it), so it reads about ``2 (N-1)/N`` compressed
+pseudo-gradients per round, never its own, and takes the same outer step
 (:func:`~composer_plugins.diloco.common.build_outer_optimizer`, the torchft path's optimizer; the same
 restore / ``grad`` / ``step`` / ``lerp`` sequence as ``torchft.local_sgd``). The replica that created the
-manifest writes the new global state.
+manifest writes the new global state. With ``diloco.overlap: 1`` the close, the mean and the outer step
+(on the global weights) of round ``r`` run in a background thread during round ``r + 1``'s inner steps, and
+the model takes their result one round late (:meth:`ObjectStoreDiLoCoCallback._finish_overlapped`).
 
 Faults: a replica that missed the deadline (the manifest exists without it) drops its local steps and
 loads the newest global state; a replica the launcher restarted loads it before training and reports
@@ -34,6 +42,7 @@ The sync log has the torchft path's fields (``outer_step``, ``committed``, ``par
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -78,6 +87,24 @@ _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
 _GRAD_TRIES = 64
 
 
+def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of ``slices`` contiguous slices of a flat vector of ``numel`` values (the last may be short)."""
+    step = -(-numel // slices) if numel else 0
+    return [(min(j * step, numel), min((j + 1) * step, numel)) for j in range(slices)]
+
+
+def encode_slices(vec: torch.Tensor, compress: str, slices: int) -> tuple[list[tuple[dict[str, Any], bytes]],
+                                                                         torch.Tensor]:  # fmt: skip
+    """Each slice of ``vec`` (see :func:`slice_bounds`) encoded on its own, and the decoded whole: what the others
+    read (so the sender can keep the rounding error, and average exactly what they see)."""
+    out, decoded = [], []
+    for lo, hi in slice_bounds(vec.numel(), slices):
+        header, body = encode_vector(vec[lo:hi].contiguous(), compress)
+        out.append((header, body))
+        decoded.append(decode_vector(header, body))
+    return out, torch.cat(decoded)
+
+
 class StoreObjectError(ComposerPluginsError, RuntimeError):
     """An object the run cannot do without (run.json, a manifest, every state) is not a DiLoCo data object."""
 
@@ -95,18 +122,33 @@ class RoundStore:
     def _where(self, key: str) -> str:
         return f"{self.store.where}/{key}"
 
-    # -- pseudo-gradients -------------------------------------------------------------
-    def put_grad(self, r: int, index: int, restart: int, header: dict[str, Any], body: bytes) -> tuple[str, int]:
-        """Create this replica's pseudo-gradient of round ``r``: ``(name, bytes)``.
+    # -- pseudo-gradients (sliced) and the round's aggregate ---------------------------
+    def put_grad(self, r: int, index: int, restart: int, slices: list[tuple[dict[str, Any], bytes]]) -> tuple[str, int]:
+        """Create this replica's pseudo-gradient of round ``r`` from its encoded slices
+        (:func:`encode_slices`): ``(name, bytes)``.
 
-        The name is ``grad-<index>-<k>`` with the first ``k >= restart`` not taken (an earlier life of this
-        replica, or of an earlier launch of the run, may hold a smaller one).
+        Each slice is its own object ``<name>.s<j>``; the index ``<name>`` (slice bounds and checksums) is
+        created last, so a listed index always has its slices. The name is ``grad-<index>-<k>`` with the first
+        ``k >= restart`` not taken (an earlier life of this replica, or of an earlier launch, may hold a smaller one).
         """
+        d = self.round_dir(r)
         for k in range(restart, restart + _GRAD_TRIES):
             name = f"grad-{index}-{k}"
-            data = pack({**header, "kind": "grad", "round": r, "replica": index, "restart": k}, body)
-            if self.store.put(f"{self.round_dir(r)}/{name}", data, create=True):
-                return name, len(data)
+            if self.store.exists(f"{d}/{name}"):
+                continue
+            nbytes, entries, lo = 0, [], 0
+            for j, (h, body) in enumerate(slices):
+                data = pack({**h, "kind": "grad-slice", "round": r, "replica": index, "slice": j}, body)
+                if not self.store.put(f"{d}/{name}.s{j:03d}", data, create=True):
+                    break  # an earlier life's orphan slices: take the next name
+                hi = lo + int(h["numel"])
+                entries.append([lo, hi, hashlib.sha256(data).hexdigest()])
+                nbytes, lo = nbytes + len(data), hi
+            else:
+                idx = pack({"kind": "grad", "round": r, "replica": index, "restart": k, "numel": lo,
+                            "codec": slices[0][0]["codec"] if slices else "none", "slices": entries}, b"")  # fmt: skip
+                if self.store.put(f"{d}/{name}", idx, create=True):
+                    return name, nbytes + len(idx)
         last = restart + _GRAD_TRIES - 1
         raise StoreObjectError(f"{self._where(self.round_dir(r))}: grad-{index}-{restart}..{last} are all taken. "
                                "HINT: the run directory is damaged; resume from a fresh prefix.")  # fmt: skip
@@ -120,29 +162,107 @@ class RoundStore:
                 seen.setdefault(int(m.group(1)), []).append((int(m.group(2)), key.rsplit("/", 1)[1]))
         return {i: [n for _, n in sorted(v, reverse=True)] for i, v in seen.items()}
 
-    def read_grad(self, r: int, name: str, numel: int | None = None) -> torch.Tensor | None:
-        """The decoded pseudo-gradient ``name`` of round ``r``; ``None`` (logged) if missing, not a data object,
-        of another size or not finite (that replica is left out of the round)."""
+    def _refuse(self, r: int, key: str, e: Exception) -> None:
+        msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
+        log.warning("round %d: %s; refused (nothing in it was run), treated as missing", r, msg)
+
+    def read_grad_index(self, r: int, name: str, numel: int | None = None) -> dict[str, Any] | None:
+        """The index of pseudo-gradient ``name`` (a few hundred bytes); ``None`` (logged) if missing, not a
+        DiLoCo data object or of another size."""
         key = f"{self.round_dir(r)}/{name}"
         try:
             data = self.store.get(key)
             if data is None:
                 return None
-            header, body = unpack(data, self._where(key))
-            if header.get("kind") != "grad":
-                raise CorruptObjectError(f"{self._where(key)}: not a pseudo-gradient (kind {header.get('kind')!r})")
-            vec = decode_vector(header, body)
+            header, _ = unpack(data, self._where(key))
+            entries = header.get("slices")
+            if header.get("kind") != "grad" or not isinstance(entries, list) or not entries:
+                raise CorruptObjectError(f"{self._where(key)}: not a pseudo-gradient index (kind "
+                                         f"{header.get('kind')!r})")  # fmt: skip
+            lo = 0
+            for e in entries:
+                if not (isinstance(e, list) and len(e) == 3 and e[0] == lo and isinstance(e[1], int) and e[1] >= lo
+                        and isinstance(e[2], str)):  # fmt: skip
+                    raise CorruptObjectError(f"{self._where(key)}: malformed slice table")
+                lo = e[1]
+            if lo != header.get("numel"):
+                raise CorruptObjectError(f"{self._where(key)}: slices cover {lo} of {header.get('numel')} values")
         except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
-            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
-            log.warning("round %d: %s; refused (nothing in it was run), treated as missing", r, msg)
+            self._refuse(r, key, e)
             return None
-        if numel is not None and vec.numel() != numel:
+        if numel is not None and header["numel"] != numel:
             log.warning("round %d: %s has %d values, the model %d; treated as missing", r, self._where(key),
-                        vec.numel(), numel)  # fmt: skip
+                        header["numel"], numel)  # fmt: skip
+            return None
+        return header
+
+    def read_grad_slice(self, r: int, name: str, index: dict[str, Any], j: int) -> torch.Tensor | None:
+        """Slice ``j`` of pseudo-gradient ``name`` (its ``index``); ``None`` (logged) if missing, not the slice its
+        index names (checksum), or not finite."""
+        key = f"{self.round_dir(r)}/{name}.s{j:03d}"
+        lo, hi, digest = index["slices"][j]
+        try:
+            data = self.store.get(key)
+            if data is None:
+                log.warning("round %d: %s is missing", r, self._where(key))
+                return None
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise CorruptObjectError(f"{self._where(key)}: not the slice its index {name} names (checksum)")
+            header, body = unpack(data, self._where(key))
+            if header.get("kind") != "grad-slice":
+                raise CorruptObjectError(f"{self._where(key)}: not a pseudo-gradient slice")
+            vec = decode_vector(header, body)
+            if vec.numel() != hi - lo:
+                raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {hi - lo}")
+        except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
+            self._refuse(r, key, e)
             return None
         if not bool(torch.isfinite(vec).all()):
-            log.warning("round %d: %s holds non-finite values; that replica is left out", r, self._where(key))
+            log.warning("round %d: %s holds non-finite values; left out", r, self._where(key))
             return None
+        return vec
+
+    def read_grad(self, r: int, name: str, numel: int | None = None) -> torch.Tensor | None:
+        """The whole decoded pseudo-gradient ``name`` of round ``r``; ``None`` (logged) if any part is missing,
+        not a data object, of another size or not finite (that replica is left out)."""
+        index = self.read_grad_index(r, name, numel)
+        if index is None:
+            return None
+        parts = [self.read_grad_slice(r, name, index, j) for j in range(len(index["slices"]))]
+        return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
+
+    def put_mean(self, r: int, j: int, vec: torch.Tensor, compress: str, count: int) -> tuple[torch.Tensor, bool]:
+        """Create slice ``j`` of round ``r``'s mean pseudo-gradient (encoded with ``compress``) unless it exists:
+        ``(the stored values, created)``. Whoever writes it, everyone applies the stored bits."""
+        header, body = encode_vector(vec, compress)
+        key = f"{self.round_dir(r)}/mean-{j:03d}"
+        if self.store.put(key, pack({**header, "kind": "mean", "round": r, "slice": j, "count": count}, body),
+                          create=True):  # fmt: skip
+            return decode_vector(header, body), True
+        stored = self.get_mean(r, j, vec.numel())
+        if stored is None:  # pragma: no cover - a store that lost an object it said exists
+            raise StoreObjectError(f"{self._where(key)} exists but cannot be read")
+        return stored, False
+
+    def get_mean(self, r: int, j: int, numel: int) -> torch.Tensor | None:
+        """Slice ``j`` of round ``r``'s stored mean; ``None`` if not written yet; :class:`StoreObjectError` if it
+        is not intact data (it was created once and cannot be replaced)."""
+        key = f"{self.round_dir(r)}/mean-{j:03d}"
+        data = self.store.get(key)
+        if data is None:
+            return None
+        try:
+            header, body = unpack(data, self._where(key))
+            if header.get("kind") != "mean" or header.get("round") != r or header.get("slice") != j:
+                raise CorruptObjectError(f"{self._where(key)}: not slice {j} of round {r}'s mean")
+            vec = decode_vector(header, body)
+            if vec.numel() != numel or not bool(torch.isfinite(vec).all()):
+                raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {numel}, or not finite")
+        except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
+            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
+            raise StoreObjectError(f"{msg}: refused (nothing in it was run); round {r}'s aggregate cannot be "
+                                   "replaced. HINT: resume the run from a copy of the prefix without "
+                                   f"rounds/{r:08d} and later.") from e  # fmt: skip
         return vec
 
     # -- the manifest -----------------------------------------------------------------
@@ -156,6 +276,7 @@ class RoundStore:
             m = json.loads(body)
             ok = (header.get("kind") == "manifest" and isinstance(m, dict) and m.get("round") == r
                   and isinstance(m.get("participants"), list) and isinstance(m.get("grads"), dict)
+                  and isinstance(m.get("slices"), int) and m["slices"] >= 1
                   and sorted(int(i) for i in m["grads"]) == m["participants"]
                   and all(isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i
                           for i, n in m["grads"].items()))  # fmt: skip
@@ -169,10 +290,10 @@ class RoundStore:
                                    f"copy of the prefix without rounds/{r:08d} and later.")  # fmt: skip
         return m
 
-    def close_round(self, r: int, grads: dict[int, str], closer: int) -> tuple[dict[str, Any], bool]:
+    def close_round(self, r: int, grads: dict[int, str], closer: int, slices: int = 1) -> tuple[dict[str, Any], bool]:
         """Create round ``r``'s manifest naming ``grads`` unless one exists; ``(manifest, created)``."""
         m = {"round": r, "participants": sorted(grads), "grads": {str(i): n for i, n in sorted(grads.items())},
-             "closed_by": closer, "time": time.time()}  # fmt: skip
+             "slices": slices, "closed_by": closer, "time": time.time()}  # fmt: skip
         key = f"{self.round_dir(r)}/manifest.json"
         if self.store.put(key, pack({"kind": "manifest"}, json.dumps(m).encode()), create=True):
             return m, True
@@ -247,7 +368,12 @@ class RoundStore:
             parts = key.split("/")
             # pseudo-gradients only: a manifest (a few hundred bytes) stays, so a straggler still in that round
             # finds it closed and never closes it a second time
-            if len(parts) >= 2 and parts[-2].isdigit() and int(parts[-2]) <= oldest_kept and "grad-" in parts[-1]:
+            if (
+                len(parts) >= 2
+                and parts[-2].isdigit()
+                and int(parts[-2]) <= oldest_kept
+                and ("grad-" in parts[-1] or "mean-" in parts[-1])
+            ):
                 self.store.delete(key)
                 n += 1
         return n
@@ -278,6 +404,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
+        self._background: concurrent.futures.ThreadPoolExecutor | None = None
+        self._overlapped: tuple[Any, ...] | None = None  # overlap: 1 -- (round, future, snapshot, result, seconds)
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -293,6 +421,15 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._background is not None:
+            if self._overlapped is not None:
+                try:  # an exception ended the run: let the round's writes finish, report nothing more
+                    self._overlapped[1].result()
+                except Exception as e:  # the run is already failing
+                    log.warning("DiLoCo: the background sync of round %d failed: %s", self._overlapped[0], one_line(e))
+                self._overlapped = None
+            self._background.shutdown(wait=True)
+            self._background = None
         if self._writer is not None:
             try:
                 self._flush_writes()
@@ -320,8 +457,10 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._module, self._inner = module, inner_optimizer
         self.fragments = split_fragments(module, 1)
         self.params = list(self.fragments[0].parameters())
-        self.outer_optimizers = [build_outer_optimizer(c, self.params)]
-        self.global_params = [p.detach().clone() for p in self.params]
+        # the outer optimizer steps the global weights themselves (leaf tensors that need no autograd), so an
+        # outer step in the background (``overlap: 1``) never touches the weights the inner steps train
+        self.global_params = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
+        self.outer_optimizers = [build_outer_optimizer(c, self.global_params)]
         self.store = ObjectStore(url, retry_s=c.store_retry_s, request_timeout_s=c.request_timeout_s)
         self.rounds = RoundStore(self.store)
         self._probe_conditional_create()
@@ -480,38 +619,50 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
     def _sync(self) -> None:
         assert self.rounds is not None and self.store is not None
         self._raise_write_error()
-        c, rs, me = self.config, self.rounds, self.replica.index
         t0 = time.perf_counter()
-        # since the last record: the state written in the background after a sync counts in the next one
-        w0, r0, n0 = self._counted
+        if self._overlapped is not None:  # overlap: 1 -- the previous round's sync, applied one round late
+            self._finish_overlapped()
         r = self.round
-        err = None
-        manifest = rs.manifest(r)
-        mine_name = None
-        if manifest is None:
-            if r == 0 and c.init_sync and self.replica.num_replicas > 1:
-                self._init_sync()
-            with torch.no_grad():
-                pairs = zip(self.global_params, self.params, strict=True)
-                pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
-            if self._residual is not None:  # error feedback: what the last round's rounding left out
-                pseudo = pseudo + self._residual
-            header, body = encode_vector(pseudo, c.compress)
-            mine = decode_vector(header, body)  # what the others will read: average exactly that
-            err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
-            if c.compress == "int4":
-                self._residual = pseudo - mine
-            if bool(torch.isfinite(mine).all()):
-                mine_name, nbytes = rs.put_grad(r, me, self.replica.restart, header, body)
-                self.bytes_pseudograd += nbytes
-            else:
-                log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
-            manifest, created, cache = self._close(r, me, mine, mine_name)
-        else:
-            created, cache = False, {}
-        participants = list(manifest["participants"])
-        committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
-        if committed and self._apply_round(r, manifest, cache, mix_local=True):
+        manifest = self.rounds.manifest(r)
+        if manifest is not None:  # closed without this replica (late): catch up in the foreground
+            self._settle(r, manifest, False, None, None, None, t0)
+            return
+        last = self._target is not None and r + 1 >= self._target
+        if self.config.overlap and not last:
+            self._launch_overlapped(r, t0)
+            return
+        mine_name, mine, err = self._publish(r)
+        manifest, created = self._close(r, self.replica.index, mine_name)
+        self._settle(r, manifest, created, mine_name, mine, err, t0)
+
+    def _publish(self, r: int, params: list[torch.Tensor] | None = None) -> tuple[str | None, torch.Tensor, float]:
+        """Write this replica's pseudo-gradient of round ``r`` from ``params`` (default: the model's; ``init_sync``
+        first at round 0): ``(name or None when not finite, the values the others read, compression error)``."""
+        assert self.rounds is not None
+        c = self.config
+        if params is None and r == 0 and c.init_sync and self.replica.num_replicas > 1:
+            self._init_sync()
+        with torch.no_grad():
+            pairs = zip(self.global_params, params if params is not None else self.params, strict=True)
+            pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
+        if self._residual is not None:  # error feedback: what the last round's rounding left out
+            pseudo = pseudo + self._residual
+        parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
+        err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
+        if c.compress == "int4":
+            self._residual = pseudo - mine
+        if not bool(torch.isfinite(mine).all()):
+            log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
+            return None, mine, err
+        name, nbytes = self.rounds.put_grad(r, self.replica.index, self.replica.restart, parts)
+        self.bytes_pseudograd += nbytes
+        return name, mine, err
+
+    def _settle(self, r: int, manifest: dict[str, Any], created: bool, mine_name: str | None,
+                mine: torch.Tensor | None, err: float | None, t0: float) -> None:  # fmt: skip
+        """Apply round ``r`` in the foreground (or catch up when left out of it) and record it."""
+        committed = mine_name is not None and manifest["grads"].get(str(self.replica.index)) == mine_name
+        if committed and self._apply_round(r, manifest, mine, mix_local=True):
             if created and self._state_due(r):
                 self._write_state_async()
                 if self._target is not None and self.round >= self._target:
@@ -519,69 +670,179 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         else:
             committed = False
             self._catch_up(r, manifest)
+        self._record_round(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
+
+    def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float) -> None:
+        assert self.store is not None
+        # since the last record: the state written in the background after a sync counts in the next one
+        w0, r0, n0 = self._counted
         now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._counted = now
-        self._record(r, committed, len(participants), err, time.perf_counter() - t0, now[0] - w0, now[1] - r0,
-                     now[2] - n0)  # fmt: skip
+        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0)
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
-    def _apply_round(self, r: int, manifest: dict[str, Any], cache: dict[int, torch.Tensor], *,
-                     mix_local: bool) -> bool:  # fmt: skip
-        """Average round ``r``'s listed pseudo-gradients (in index order) and take the outer step from the global
-        state of round ``r - 1`` held here. ``False`` (nothing changed) when a listed one cannot be read."""
-        assert self.rounds is not None
-        numel = sum(p.numel() for p in self.params)
-        total: torch.Tensor | None = None
-        for i in manifest["participants"]:
-            vec = cache.get(i)
-            if vec is None:
-                vec = self.rounds.read_grad(r, manifest["grads"][str(i)], numel)
-            if vec is None:
-                log.warning("DiLoCo round %d: replica %d's pseudo-gradient, listed in the manifest, is unreadable",
-                            r, i)  # fmt: skip
-                return False
-            total = vec.clone() if total is None else total.add_(vec)
-        assert total is not None
-        self._outer_step(total.div_(len(manifest["participants"])), mix_local=mix_local)
+    # -- overlap: 1 (the outer sync of round r runs while round r+1's inner steps do) ----------------------
+    def _launch_overlapped(self, r: int, t0: float) -> None:
+        """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
+        outer step on the global weights in a background thread; the model's weights are left to the inner steps
+        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground."""
+        me = self.replica.index
+        if r == 0 and self.config.init_sync and self.replica.num_replicas > 1:
+            self._init_sync()
+        snapshot = [p.detach().clone() for p in self.params]
+        result: dict[str, Any] = {}
+
+        def job() -> tuple[dict[str, Any], bool]:
+            assert self.rounds is not None
+            mine_name, mine, result["err"] = self._publish(r, snapshot)
+            manifest, created = self._close(r, me, mine_name)
+            committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
+            if not (committed and self._apply_round(r, manifest, mine, mix_local=False, live=False)):
+                return manifest, False
+            if created and self._state_due(r):
+                self.rounds.put_state(f"state/{r:08d}", self._global_state(), create=True)
+                if self.config.keep_rounds:
+                    self.rounds.collect_garbage(r, self.config.keep_rounds)
+            return manifest, True
+
+        if self._background is None:
+            self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-overlap")
+        future = self._background.submit(job)
+        self._overlapped = (r, future, snapshot, result, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def _finish_overlapped(self) -> None:
+        """Wait for the background sync of round ``r`` and apply it one round late: the model's weights become
+        the new global weights plus the inner steps taken since round ``r``'s snapshot (a delayed outer update,
+        as Streaming DiLoCo's overlap); a replica left out of round ``r`` catches up (dropping those steps)."""
+        assert self._overlapped is not None
+        r, future, snapshot, result, launch_s = self._overlapped
+        self._overlapped = None
+        t0 = time.perf_counter()
+        manifest, committed = future.result()
+        err = result.get("err")
+        if committed:
+            for p, g, s in zip(self.params, self.global_params, snapshot, strict=True):
+                p.add_(g - s)
+        else:
+            self._catch_up(r, manifest)
+        self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0)
+
+    def _apply_round(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool,
+                     live: bool = True) -> bool:  # fmt: skip
+        """Take round ``r``'s outer step with its stored mean pseudo-gradient (:meth:`_round_mean`) from the global
+        state of round ``r - 1`` held here. ``False`` (nothing changed) when the mean cannot be had."""
+        mean = self._round_mean(r, manifest, own)
+        if mean is None:
+            return False
+        self._outer_step(mean, mix_local=mix_local, live=live)
         self.round = r + 1
         return True
 
-    def _close(self, r: int, me: int, mine: torch.Tensor,
-               mine_name: str | None) -> tuple[dict[str, Any], bool, dict[int, torch.Tensor]]:  # fmt: skip
-        """Wait for the others' pseudo-gradients (up to the deadline), then close the round or read its manifest."""
+    def _round_mean(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None) -> torch.Tensor | None:
+        """Round ``r``'s mean pseudo-gradient, as stored in ``rounds/<r>/mean-<j>`` (one object per slice).
+
+        Slice ``j`` belongs to participant ``participants[j % P]``: it reads slice ``j`` of the others'
+        pseudo-gradients (its own from ``own``, never from the store), sums them in index order, divides by
+        their number, and creates ``mean-<j>`` with the run's codec. Everyone then applies the stored bits
+        (identical whoever wrote them: a create happens once), so each replica reads about ``2 (N-1)/N``
+        compressed pseudo-gradients per round whatever ``N``. A slice its owner has not written within
+        ``round_timeout_s`` (or at once, for a round already closed: ``own`` is ``None``) is computed and
+        created by whoever needs it. ``None`` when a round rebuilt later lacks a listed slice.
+        """
+        assert self.rounds is not None
+        c, rs, me = self.config, self.rounds, self.replica.index
+        parts = list(manifest["participants"])
+        numel = sum(p.numel() for p in self.params)
+        bounds = slice_bounds(numel, int(manifest["slices"]))
+        indexes: dict[int, dict[str, Any] | None] = {}
+        out: dict[int, torch.Tensor] = {}
+
+        def make(j: int) -> torch.Tensor | None:
+            lo, hi = bounds[j]
+            total, count = torch.zeros(hi - lo), 0
+            for i in parts:
+                name = manifest["grads"][str(i)]
+                if i == me and own is not None:
+                    vec: torch.Tensor | None = own[lo:hi]
+                else:
+                    if i not in indexes:
+                        indexes[i] = rs.read_grad_index(r, name, numel)
+                    idx = indexes[i]
+                    vec = None if idx is None else rs.read_grad_slice(r, name, idx, j)
+                if vec is None:
+                    if own is None:  # a closed round rebuilt later: its pseudo-gradients may be collected
+                        return None
+                    log.warning("DiLoCo round %d: slice %d of replica %d's pseudo-gradient is unreadable; left out of "
+                                "that slice of the mean", r, j, i)  # fmt: skip
+                    continue
+                total = vec.clone() if count == 0 else total.add_(vec)
+                count += 1
+            return rs.put_mean(r, j, total.div_(max(count, 1)), c.compress, count)[0]
+
+        if own is not None:
+            for j in range(len(bounds)):
+                if parts[j % len(parts)] == me:
+                    got = make(j)
+                    assert got is not None
+                    out[j] = got
+        deadline = time.monotonic() + (c.round_timeout_s if own is not None else 0.0)
+        delay = c.poll_s
+        while len(out) < len(bounds):
+            for j in range(len(bounds)):
+                if j not in out and (got := rs.get_mean(r, j, bounds[j][1] - bounds[j][0])) is not None:
+                    out[j] = got
+            if len(out) == len(bounds):
+                break
+            if time.monotonic() >= deadline:
+                for j in range(len(bounds)):
+                    if j not in out:
+                        if own is not None:
+                            log.warning("DiLoCo round %d: slice %d of the mean not written by its owner within "
+                                        "round_timeout_s; computing it here", r, j)  # fmt: skip
+                        got = make(j)
+                        if got is None:
+                            return None
+                        out[j] = got
+                break
+            time.sleep(delay)
+            delay = min(delay * 1.5, c.poll_max_s)
+        return torch.cat([out[j] for j in range(len(bounds))])
+
+    def _close(self, r: int, me: int, mine_name: str | None) -> tuple[dict[str, Any], bool]:
+        """Wait for the others' pseudo-gradients (up to the deadline), then close the round or read its manifest.
+
+        Only the pseudo-gradients' indexes are read here (a few hundred bytes each): the data is read slice by
+        slice when the round's mean is made (:meth:`_round_mean`)."""
         assert self.rounds is not None
         c, rs, n = self.config, self.rounds, self.replica.num_replicas
+        numel = sum(p.numel() for p in self.params)
         deadline = time.monotonic() + c.round_timeout_s
-        cache: dict[int, torch.Tensor] = {}
         good: dict[int, str] = {}
         refused: set[str] = set()
         delay = c.poll_s
         while True:
             m = rs.manifest(r)
             if m is not None:
-                return m, False, cache
+                return m, False
             for i, names in rs.grads_present(r).items():
                 for name in names:  # the newest readable one of each replica
                     if name == good.get(i):
                         break
                     if name in refused:
                         continue
-                    vec = mine if i == me and name == mine_name else rs.read_grad(r, name, mine.numel())
-                    if vec is None:
+                    if not (i == me and name == mine_name) and rs.read_grad_index(r, name, numel) is None:
                         refused.add(name)
                         continue
-                    cache[i], good[i] = vec, name
+                    good[i] = name
                     break
             if len(good) >= n or (good and time.monotonic() > deadline):
                 missing = sorted(set(range(n)) - set(good))
                 if missing:
                     log.warning("DiLoCo round %d: closing without replica(s) %s (missing, late or refused)", r,
                                 missing)  # fmt: skip
-                m, created = rs.close_round(r, good, me)
-                if not created:  # another replica closed it first: its set, its grads
-                    cache = {i: v for i, v in cache.items() if m["grads"].get(str(i)) == good.get(i)}
-                return m, created, cache
+                return rs.close_round(r, good, me, slices=n)
             if not good and time.monotonic() > deadline + c.round_timeout_s:
                 raise ComposerPluginsError(
                     f"round {r}: no readable pseudo-gradient in {rs.store.where}/{rs.round_dir(r)} within "
@@ -592,25 +853,31 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             delay = min(delay * 1.5, c.poll_max_s)
 
     @torch.no_grad()
-    def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True) -> None:
-        """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector.
+    def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True, live: bool = True) -> None:
+        """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector:
+        the outer optimizer steps the global weights with it as their gradient; then (``live``) the model takes
+        the global weights, mixed with its local ones by ``fragment_update_alpha`` (``mix_local``).
 
-        ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only.
+        ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only;
+        ``live=False`` (the background sync of ``overlap: 1``) leaves the model's weights alone.
         """
-        local = [p.detach().clone() for p in self.params]
         off = 0
-        for p, g in zip(self.params, self.global_params, strict=True):
-            p.copy_(g)  # restore the global weights
-            n = p.numel()
-            p.grad = avg[off : off + n].view_as(p).to(device=p.device, dtype=p.dtype)
+        for g in self.global_params:
+            n = g.numel()
+            g.grad = avg[off : off + n].view_as(g).to(device=g.device, dtype=g.dtype)
             off += n
         opt = self.outer_optimizers[0]
         opt.step()
-        for p, g, loc in zip(self.params, self.global_params, local, strict=True):
-            g.copy_(p)
-            if mix_local:
-                p.lerp_(loc, self.config.fragment_update_alpha)
         opt.zero_grad()
+        if not live:
+            return
+        for p, g in zip(self.params, self.global_params, strict=True):
+            if mix_local:
+                loc = p.detach().clone()
+                p.copy_(g)
+                p.lerp_(loc, self.config.fragment_update_alpha)
+            else:
+                p.copy_(g)
 
     def _replay_closed_rounds(self) -> int:
         """Rebuild every round closed after the state held here from its manifest's pseudo-gradients (the same
@@ -621,7 +888,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             return 0
         while (m := self.rounds.manifest(self.round)) is not None:
             r = self.round
-            if not self._apply_round(r, m, {}, mix_local=False):
+            if not self._apply_round(r, m, None, mix_local=False):
                 break
             n += 1
             self.heal_count += 1
@@ -658,7 +925,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         manifests, or load a newer global state when a listed pseudo-gradient is gone."""
         assert self.rounds is not None
         log.warning("DiLoCo: left out of round %d (late); catching up", r)
-        if (r > 0 or self._take_init_globals()) and self._apply_round(r, manifest, {}, mix_local=False):
+        if (r > 0 or self._take_init_globals()) and self._apply_round(r, manifest, None, mix_local=False):
             self.heal_count += 1
             self._healed_since_sync = True
             self._replay_closed_rounds()
@@ -745,7 +1012,12 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         sync_log = c.sync_log or self.replica.sync_log
         if sync_log and c.log_param_hash:
             # the synced (trainable) weights: a frozen EMA hint teacher is per-replica local state
-            synced = (p for p in self._module.parameters() if p.requires_grad)  # type: ignore[union-attr]
+            # with overlap: 1 the model carries its own steps since the last snapshot: the global weights are synced
+            synced = (
+                self.global_params
+                if c.overlap and not self._stop
+                else (p for p in self._module.parameters() if p.requires_grad)
+            )  # type: ignore[union-attr]
             rec["param_hash"], rec["param_sum"] = param_digest(synced)
             rec["fragment_hash"] = rec["param_hash"]
         self.history.append(rec)

@@ -92,7 +92,7 @@ class ObjectStoreTransport(Transport):
 
 
 _STORE_KEYS = ("store", "compress", "round_timeout_s", "store_retry_s", "poll_s", "poll_max_s", "request_timeout_s",
-               "keep_rounds", "state_every")  # fmt: skip
+               "keep_rounds", "state_every", "overlap")  # fmt: skip
 
 TRANSPORTS: dict[str, Transport] = {}
 

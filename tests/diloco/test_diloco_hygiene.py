@@ -11,7 +11,7 @@ import torch
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
-from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback, RoundStore
+from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback, RoundStore, encode_slices
 from composer_plugins.diloco.store import (
     CorruptObjectError,
     ObjectStore,
@@ -69,7 +69,7 @@ def test_non_finite_pseudo_gradient_is_left_out(tmp_path):
     ok, bad = torch.ones(8), torch.ones(8)
     bad[3] = float("nan")
     for i, v in enumerate((ok, bad)):
-        rs.put_grad(0, i, 0, *encode_vector(v, "none"))
+        rs.put_grad(0, i, 0, encode_slices(v, "none", 2)[0])
     assert torch.equal(rs.read_grad(0, "grad-0-0", 8), ok)
     assert rs.read_grad(0, "grad-1-0", 8) is None
     assert rs.read_grad(0, "grad-0-0", 9) is None  # another model's size
@@ -91,7 +91,7 @@ def test_urls_are_redacted_to_scheme_bucket_prefix():
 def test_old_states_and_pseudo_gradients_are_collected_but_manifests_stay(tmp_path):
     rs = RoundStore(ObjectStore(f"file://{tmp_path}/gc"))
     for r in range(5):
-        rs.put_grad(r, 0, 0, *encode_vector(torch.ones(4), "none"))
+        rs.put_grad(r, 0, 0, encode_slices(torch.ones(4), "none", 1)[0])
         rs.close_round(r, {0: "grad-0-0"}, 0)
         rs.put_state(f"state/{r:08d}", {"global_params": [torch.ones(4)]})
     rs.collect_garbage(4, keep_rounds=2)
