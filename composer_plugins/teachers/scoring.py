@@ -280,9 +280,9 @@ class LocalScorer(TeacherScorer):
                     act.append(z.gather(-1, target[s : s + self.chunk_size, None]).squeeze(-1).cpu())
                 v, i, a = torch.cat(vals), torch.cat(idxs), torch.cat(act)
                 if not p:
-                    v = torch.cat([torch.zeros(1, v.shape[1]), v])
-                    i = torch.cat([torch.full((1, i.shape[1]), -1, dtype=torch.long), i])
-                    a = torch.cat([torch.full((1,), math.nan), a])
+                    v = torch.cat([torch.zeros(1, v.shape[1], device=v.device), v])
+                    i = torch.cat([torch.full((1, i.shape[1]), -1, dtype=torch.long, device=i.device), i])
+                    a = torch.cat([torch.full((1,), math.nan, device=a.device), a])
                 out.append((a.tolist(), i, v))
         return out
 

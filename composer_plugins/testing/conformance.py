@@ -372,7 +372,7 @@ def check_scorer(name: str, registry: Any = None, *, tokenizer: Any = None, **bu
             raise _fail(entry, f"token ids must lie in the student's vocabulary [0, {V}) (or be -1 for none)")
         if bool((lps[real] > 1e-6).any()):
             raise _fail(entry, "log-probs must be <= 0")
-        mass = torch.where(real, lps.double().exp(), torch.zeros((), dtype=torch.float64)).sum(-1)
+        mass = torch.where(real, lps.double().exp(), torch.zeros((), dtype=torch.float64, device=lps.device)).sum(-1)
         if bool((mass[mask.bool()] > 1 + 1e-4).any()):
             raise _fail(entry, f"a token's top-k probabilities sum past 1 ({float(mass.max()):.4f})")
         if s2 is None or not torch.equal(ids, s2.token_ids) or not torch.allclose(lps, s2.logprobs, atol=1e-5):
