@@ -623,13 +623,13 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if self._overlapped is not None:  # overlap: 1 -- the previous round's sync, applied one round late
             self._finish_overlapped()
         r = self.round
+        last = self._target is not None and r + 1 >= self._target
+        if self.config.overlap and not last:  # the background job looks for the round's manifest itself
+            self._launch_overlapped(r, t0)
+            return
         manifest = self.rounds.manifest(r)
         if manifest is not None:  # closed without this replica (late): catch up in the foreground
             self._settle(r, manifest, False, None, None, None, t0)
-            return
-        last = self._target is not None and r + 1 >= self._target
-        if self.config.overlap and not last:
-            self._launch_overlapped(r, t0)
             return
         mine_name, mine, err = self._publish(r)
         manifest, created = self._close(r, self.replica.index, mine_name)
@@ -672,13 +672,14 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             self._catch_up(r, manifest)
         self._record_round(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
 
-    def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float) -> None:
+    def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, *,
+                      digest: tuple[str, float] | None = None) -> None:  # fmt: skip
         assert self.store is not None
         # since the last record: the state written in the background after a sync counts in the next one
         w0, r0, n0 = self._counted
         now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._counted = now
-        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0)
+        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0, digest)
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
@@ -686,20 +687,32 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
     def _launch_overlapped(self, r: int, t0: float) -> None:
         """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
         outer step on the global weights in a background thread; the model's weights are left to the inner steps
-        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground."""
+        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground.
+
+        The training thread only copies the weights (the snapshot, one ``clone`` per parameter); every store
+        request (the manifest check included), the codec, the checksums, the mean, the outer step and the sync
+        log's parameter hash run in the background thread (torch's kernels, ``hashlib`` and ``zlib`` release the
+        GIL on large buffers; the waits sleep with backoff, ``poll_s`` to ``poll_max_s``)."""
         me = self.replica.index
-        if r == 0 and self.config.init_sync and self.replica.num_replicas > 1:
+        c = self.config
+        if r == 0 and c.init_sync and self.replica.num_replicas > 1:
             self._init_sync()
         snapshot = [p.detach().clone() for p in self.params]
         result: dict[str, Any] = {}
+        want_hash = bool((c.sync_log or self.replica.sync_log) and c.log_param_hash)
 
         def job() -> tuple[dict[str, Any], bool]:
             assert self.rounds is not None
+            closed = self.rounds.manifest(r)
+            if closed is not None:  # closed without this replica (late): caught up at the next sync
+                return closed, False
             mine_name, mine, result["err"] = self._publish(r, snapshot)
             manifest, created = self._close(r, me, mine_name)
             committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
             if not (committed and self._apply_round(r, manifest, mine, mix_local=False, live=False)):
                 return manifest, False
+            if want_hash:  # the global weights this round produced (untouched until the next job)
+                result["digest"] = param_digest(self.global_params)
             if created and self._state_due(r):
                 self.rounds.put_state(f"state/{r:08d}", self._global_state(), create=True)
                 if self.config.keep_rounds:
@@ -727,7 +740,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                 p.add_(g - s)
         else:
             self._catch_up(r, manifest)
-        self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0)
+        self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0,
+                           digest=result.get("digest") if committed else None)  # fmt: skip
 
     def _apply_round(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool,
                      live: bool = True) -> bool:  # fmt: skip
@@ -980,7 +994,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._pending = []
 
     def _record(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, written: int,
-                read: int, retries: int) -> dict[str, Any]:  # fmt: skip
+                read: int, retries: int, digest: tuple[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
         c = self.config
         rec: dict[str, Any] = {
             "replica": self.replica.index,
@@ -1013,12 +1027,12 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if sync_log and c.log_param_hash:
             # the synced (trainable) weights: a frozen EMA hint teacher is per-replica local state
             # with overlap: 1 the model carries its own steps since the last snapshot: the global weights are synced
-            synced = (
-                self.global_params
-                if c.overlap and not self._stop
-                else (p for p in self._module.parameters() if p.requires_grad)
-            )  # type: ignore[union-attr]
-            rec["param_hash"], rec["param_sum"] = param_digest(synced)
+            if c.overlap and not self._stop:
+                # the background job hashed them already (``digest``) unless this round was caught up here
+                rec["param_hash"], rec["param_sum"] = digest or param_digest(self.global_params)
+            else:
+                synced = (p for p in self._module.parameters() if p.requires_grad)  # type: ignore[union-attr]
+                rec["param_hash"], rec["param_sum"] = param_digest(synced)
             rec["fragment_hash"] = rec["param_hash"]
         self.history.append(rec)
         if sync_log:
