@@ -673,13 +673,15 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._record_round(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
 
     def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, *,
-                      digest: tuple[str, float] | None = None) -> None:  # fmt: skip
+                      digest: tuple[str, float] | None = None, background: dict[str, float] | None = None,
+                      ) -> None:  # fmt: skip
         assert self.store is not None
         # since the last record: the state written in the background after a sync counts in the next one
         w0, r0, n0 = self._counted
         now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._counted = now
-        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0, digest)
+        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0, digest,
+                           background)  # fmt: skip
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
@@ -706,17 +708,23 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             closed = self.rounds.manifest(r)
             if closed is not None:  # closed without this replica (late): caught up at the next sync
                 return closed, False
+            times = result["background_s"] = {}
+            t = time.perf_counter()
             mine_name, mine, result["err"] = self._publish(r, snapshot)
+            times["publish"], t = time.perf_counter() - t, time.perf_counter()
             manifest, created = self._close(r, me, mine_name)
+            times["close"], t = time.perf_counter() - t, time.perf_counter()
             committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
             if not (committed and self._apply_round(r, manifest, mine, mix_local=False, live=False)):
                 return manifest, False
             if want_hash:  # the global weights this round produced (untouched until the next job)
                 result["digest"] = param_digest(self.global_params)
+            times["mean_and_outer_step"], t = time.perf_counter() - t, time.perf_counter()
             if created and self._state_due(r):
                 self.rounds.put_state(f"state/{r:08d}", self._global_state(), create=True)
                 if self.config.keep_rounds:
                     self.rounds.collect_garbage(r, self.config.keep_rounds)
+                times["state"] = time.perf_counter() - t
             return manifest, True
 
         if self._background is None:
@@ -741,7 +749,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         else:
             self._catch_up(r, manifest)
         self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0,
-                           digest=result.get("digest") if committed else None)  # fmt: skip
+                           digest=result.get("digest") if committed else None,
+                           background=result.get("background_s"))  # fmt: skip
 
     def _apply_round(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool,
                      live: bool = True) -> bool:  # fmt: skip
@@ -994,7 +1003,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._pending = []
 
     def _record(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, written: int,
-                read: int, retries: int, digest: tuple[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+                read: int, retries: int, digest: tuple[str, float] | None = None,
+                background: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
         c = self.config
         rec: dict[str, Any] = {
             "replica": self.replica.index,
@@ -1016,6 +1026,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             "sync_seconds": seconds,
             "store_retries": retries,
         }
+        if background is not None:  # overlap: 1 -- where the background sync's time went (publish, close, ...)
+            rec["background_s"] = background
         self._healed_since_sync = False
         if self._target is not None and self.round >= self._target:
             self._stop = True
