@@ -114,6 +114,9 @@ class RoundStore:
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
+        # pseudo-gradient indexes read intact, by (round, name): each is created once (If-None-Match), and both the
+        # close of a round and the making of its mean need them, so each is read from the store once
+        self._indexes: dict[tuple[int, str], dict[str, Any]] = {}
 
     @staticmethod
     def round_dir(r: int) -> str:
@@ -170,6 +173,9 @@ class RoundStore:
         """The index of pseudo-gradient ``name`` (a few hundred bytes); ``None`` (logged) if missing, not a
         DiLoCo data object or of another size."""
         key = f"{self.round_dir(r)}/{name}"
+        cached = self._indexes.get((r, name))
+        if cached is not None:
+            return cached if numel is None or cached["numel"] == numel else None
         try:
             data = self.store.get(key)
             if data is None:
@@ -194,6 +200,9 @@ class RoundStore:
             log.warning("round %d: %s has %d values, the model %d; treated as missing", r, self._where(key),
                         header["numel"], numel)  # fmt: skip
             return None
+        for old in [k for k in list(self._indexes) if k[0] < r - 2]:  # only the rounds in flight are read again
+            self._indexes.pop(old, None)
+        self._indexes[(r, name)] = header
         return header
 
     def read_grad_slice(self, r: int, name: str, index: dict[str, Any], j: int) -> torch.Tensor | None:
