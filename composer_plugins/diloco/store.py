@@ -454,8 +454,8 @@ def _encode_int4(v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
     codes = _int4_scale_codes(blocks.abs().amax(dim=1))
     scale = _int4_scales(codes)
     safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
-    q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)
-    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # two values a byte (the block size is even)
+    q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)[: n + n % 2]
+    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # two values a byte; the last block's padding is not sent
     z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
     deflated = z.compress(packed) + z.flush()
     flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
@@ -467,7 +467,7 @@ def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
     nb = -(-n // INT4_BLOCK)
     if n < 0 or len(body) < 1 + nb:
         raise CorruptObjectError(f"int4 body of {len(body)} bytes is shorter than its {nb} block scales for {n} values")
-    flag, want = body[0], nb * INT4_BLOCK // 2
+    flag, want = body[0], (n + 1) // 2
     payload = body[1 + nb :]
     if flag == _INT4_DEFLATED:
         z = zlib.decompressobj(-15)
@@ -482,7 +482,7 @@ def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
     else:
         raise CorruptObjectError(f"int4 body flag {flag} (0 raw or 1 deflated)")
     if len(raw) != want:
-        raise CorruptObjectError(f"int4 codes of {2 * len(raw)} values for {nb} blocks of {INT4_BLOCK}")
+        raise CorruptObjectError(f"int4 codes of {2 * len(raw)} values for {n}")
     codes = (
         torch.frombuffer(bytearray(body[1 : 1 + nb]), dtype=torch.uint8) if nb else torch.zeros(0, dtype=torch.uint8)
     )
@@ -490,7 +490,7 @@ def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
     q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)
     if bool((q == 15).any()):
         raise CorruptObjectError("int4 codes outside [-7, 7]")
-    vals = q.to(torch.float32) - 7.0
+    vals = torch.nn.functional.pad(q.to(torch.float32) - 7.0, (0, nb * INT4_BLOCK - q.numel()))
     return (vals.view(nb, INT4_BLOCK) * _int4_scales(codes)[:, None]).view(-1)[:n].contiguous()
 
 

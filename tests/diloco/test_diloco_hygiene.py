@@ -133,7 +133,7 @@ def test_int4_round_trips_its_edge_cases_and_refuses_corrupt_bodies_with_a_locat
     # Adam-like pseudo-gradients (near-uniform codes: deflate cannot help, the codes go raw) and peaked ones
     for v in (torch.rand(3 * INT4_BLOCK + 5, generator=g) - 0.5, torch.randn(4000, generator=g) * 1e-5):
         header, body = encode_vector(v, "int4")
-        assert len(body) <= v.numel() / 2 + -(-v.numel() // INT4_BLOCK) + 1 + INT4_BLOCK // 2
+        assert len(body) <= (v.numel() + 1) // 2 + -(-v.numel() // INT4_BLOCK) + 1
         d = decode_vector(header, body)
         # the step of a block is at most 2**(1/8) times absmax / 7: each value within half of it
         blocks = torch.nn.functional.pad(v, (0, (-v.numel()) % INT4_BLOCK)).view(-1, INT4_BLOCK)
