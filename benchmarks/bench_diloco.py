@@ -25,7 +25,12 @@ for both). Expect DiLoCo/DDP ≈ 1/H.
   latency = mean time of the batches that end in a sync (the first left out) minus the median of the
   others. Ratios against the torchft path at the same H in the same run.
 
-Run: ``python -m benchmarks.bench_diloco [--quick]``.
+* **Overlap** (``overlap_plan``): inner-step time during the rounds of replicas that never sync, with
+  ``overlap: 1`` and with ``overlap: 0`` (``file://``, 2 replicas), on two shapes of inner step: the toy and an
+  LM-shaped step (:func:`_toy_lm`: 1,024 tokens a step on 471k parameters), ``OVERLAP_REPS`` interleaved
+  repetitions; ratios per repetition and their mean, median, min and max.
+
+Run: ``python -m benchmarks.bench_diloco [--quick] [--only overlap] [--json]``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ transient errors (5xx, 503 SlowDown, timeouts, refused or dropped connections), 
 
 :func:`pack` / :func:`unpack` wrap every object written (a header with the SHA-256 of the body); a torn or
 corrupt object raises :class:`CorruptObjectError` and the reader treats it as missing.
-:func:`encode_vector` / :func:`decode_vector` are the pseudo-gradient codecs (``none``, ``bf16``, ``int8``).
+:func:`encode_vector` / :func:`decode_vector` are the pseudo-gradient codecs (``none``, ``bf16``, ``int8``,
+``int4``).
 
 **Nothing executable crosses the store.** Every object is data: a JSON header and raw tensor bytes.
 :func:`encode_tree` / :func:`decode_tree` carry nested state (state dicts, optimizer states) as a JSON tree of
