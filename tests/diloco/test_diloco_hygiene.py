@@ -172,3 +172,18 @@ def test_int4_round_trips_its_edge_cases_and_refuses_corrupt_bodies_with_a_locat
     with caplog.at_level("WARNING", logger="composer_plugins.diloco.objstore"):
         assert rs.read_grad_slice(0, name, index, 1) is None
     assert any(key in m and "int4" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_pseudo_gradient_name_taken_by_an_earlier_life_is_skipped_without_a_head_request(tmp_path):
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/s"))
+    slices, _ = encode_slices(torch.arange(10.0), "none", 2)
+    assert rs.put_grad(3, 1, 0, slices)[0] == "grad-1-0"
+    # an earlier life that died between its slices and its index: slice 0 of grad-1-1 only
+    rs.store.put("rounds/00000003/grad-1-1.s000", b"orphan", create=True)
+    heads: list[str] = []
+    exists = rs.store.exists
+    rs.store.exists = lambda key: (heads.append(key), exists(key))[1]  # type: ignore[method-assign]
+    name, _ = rs.put_grad(3, 1, 0, slices)
+    assert name == "grad-1-2" and not heads
+    assert rs.grads_present(3) == {1: ["grad-1-2", "grad-1-0"]}
+    assert torch.equal(rs.read_grad(3, name, 10), torch.arange(10.0))
