@@ -127,7 +127,7 @@ class DiLoCoConfig:
     compress: Literal["none", "bf16", "int8", "int4"] = "none"
     round_timeout_s: float = 300.0
     store_retry_s: float = 120.0
-    poll_s: float = 0.05
+    poll_s: float = 0.01
     poll_max_s: float = 1.0
     request_timeout_s: float = 30.0
     run_id: str | None = None

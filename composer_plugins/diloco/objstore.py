@@ -114,6 +114,9 @@ class RoundStore:
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
+        # pseudo-gradient indexes read intact, by (round, name): each is created once (If-None-Match), and both the
+        # close of a round and the making of its mean need them, so each is read from the store once
+        self._indexes: dict[tuple[int, str], dict[str, Any]] = {}
 
     @staticmethod
     def round_dir(r: int) -> str:
@@ -134,8 +137,8 @@ class RoundStore:
         d = self.round_dir(r)
         for k in range(restart, restart + _GRAD_TRIES):
             name = f"grad-{index}-{k}"
-            if self.store.exists(f"{d}/{name}"):
-                continue
+            # no HEAD first: a name taken by an earlier life has its slices, so the first create fails (a store
+            # round trip less per round)
             nbytes, entries, lo = 0, [], 0
             for j, (h, body) in enumerate(slices):
                 data = pack({**h, "kind": "grad-slice", "round": r, "replica": index, "slice": j}, body)
@@ -170,6 +173,9 @@ class RoundStore:
         """The index of pseudo-gradient ``name`` (a few hundred bytes); ``None`` (logged) if missing, not a
         DiLoCo data object or of another size."""
         key = f"{self.round_dir(r)}/{name}"
+        cached = self._indexes.get((r, name))
+        if cached is not None:
+            return cached if numel is None or cached["numel"] == numel else None
         try:
             data = self.store.get(key)
             if data is None:
@@ -194,6 +200,9 @@ class RoundStore:
             log.warning("round %d: %s has %d values, the model %d; treated as missing", r, self._where(key),
                         header["numel"], numel)  # fmt: skip
             return None
+        for old in [k for k in list(self._indexes) if k[0] < r - 2]:  # only the rounds in flight are read again
+            self._indexes.pop(old, None)
+        self._indexes[(r, name)] = header
         return header
 
     def read_grad_slice(self, r: int, name: str, index: dict[str, Any], j: int) -> torch.Tensor | None:
@@ -623,13 +632,13 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if self._overlapped is not None:  # overlap: 1 -- the previous round's sync, applied one round late
             self._finish_overlapped()
         r = self.round
+        last = self._target is not None and r + 1 >= self._target
+        if self.config.overlap and not last:  # the background job looks for the round's manifest itself
+            self._launch_overlapped(r, t0)
+            return
         manifest = self.rounds.manifest(r)
         if manifest is not None:  # closed without this replica (late): catch up in the foreground
             self._settle(r, manifest, False, None, None, None, t0)
-            return
-        last = self._target is not None and r + 1 >= self._target
-        if self.config.overlap and not last:
-            self._launch_overlapped(r, t0)
             return
         mine_name, mine, err = self._publish(r)
         manifest, created = self._close(r, self.replica.index, mine_name)
@@ -672,13 +681,16 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             self._catch_up(r, manifest)
         self._record_round(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
 
-    def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float) -> None:
+    def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, *,
+                      digest: tuple[str, float] | None = None, background: dict[str, float] | None = None,
+                      ) -> None:  # fmt: skip
         assert self.store is not None
         # since the last record: the state written in the background after a sync counts in the next one
         w0, r0, n0 = self._counted
         now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._counted = now
-        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0)
+        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0, digest,
+                           background)  # fmt: skip
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
@@ -686,24 +698,43 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
     def _launch_overlapped(self, r: int, t0: float) -> None:
         """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
         outer step on the global weights in a background thread; the model's weights are left to the inner steps
-        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground."""
+        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground.
+
+        The training thread only copies the weights (the snapshot, one ``clone`` per parameter); every store
+        request (the manifest check included), the codec, the checksums, the mean, the outer step and the sync
+        log's parameter hash run in the background thread (torch's kernels, ``hashlib`` and ``zlib`` release the
+        GIL on large buffers; the waits sleep with backoff, ``poll_s`` to ``poll_max_s``)."""
         me = self.replica.index
-        if r == 0 and self.config.init_sync and self.replica.num_replicas > 1:
+        c = self.config
+        if r == 0 and c.init_sync and self.replica.num_replicas > 1:
             self._init_sync()
         snapshot = [p.detach().clone() for p in self.params]
         result: dict[str, Any] = {}
+        want_hash = bool((c.sync_log or self.replica.sync_log) and c.log_param_hash)
 
         def job() -> tuple[dict[str, Any], bool]:
             assert self.rounds is not None
+            closed = self.rounds.manifest(r)
+            if closed is not None:  # closed without this replica (late): caught up at the next sync
+                return closed, False
+            times = result["background_s"] = {}
+            t, cpu = time.perf_counter(), time.thread_time()
             mine_name, mine, result["err"] = self._publish(r, snapshot)
+            times["publish"], t = time.perf_counter() - t, time.perf_counter()
             manifest, created = self._close(r, me, mine_name)
+            times["close"], t = time.perf_counter() - t, time.perf_counter()
             committed = mine_name is not None and manifest["grads"].get(str(me)) == mine_name
             if not (committed and self._apply_round(r, manifest, mine, mix_local=False, live=False)):
                 return manifest, False
+            if want_hash:  # the global weights this round produced (untouched until the next job)
+                result["digest"] = param_digest(self.global_params)
+            times["mean_and_outer_step"], t = time.perf_counter() - t, time.perf_counter()
             if created and self._state_due(r):
                 self.rounds.put_state(f"state/{r:08d}", self._global_state(), create=True)
                 if self.config.keep_rounds:
                     self.rounds.collect_garbage(r, self.config.keep_rounds)
+                times["state"] = time.perf_counter() - t
+            times["cpu"] = time.thread_time() - cpu  # this thread's CPU time for the round (the rest is waiting)
             return manifest, True
 
         if self._background is None:
@@ -727,7 +758,9 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                 p.add_(g - s)
         else:
             self._catch_up(r, manifest)
-        self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0)
+        self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0,
+                           digest=result.get("digest") if committed else None,
+                           background=result.get("background_s"))  # fmt: skip
 
     def _apply_round(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool,
                      live: bool = True) -> bool:  # fmt: skip
@@ -980,7 +1013,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._pending = []
 
     def _record(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, written: int,
-                read: int, retries: int) -> dict[str, Any]:  # fmt: skip
+                read: int, retries: int, digest: tuple[str, float] | None = None,
+                background: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
         c = self.config
         rec: dict[str, Any] = {
             "replica": self.replica.index,
@@ -1002,6 +1036,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             "sync_seconds": seconds,
             "store_retries": retries,
         }
+        if background is not None:  # overlap: 1 -- where the background sync's time went (publish, close, ...)
+            rec["background_s"] = background
         self._healed_since_sync = False
         if self._target is not None and self.round >= self._target:
             self._stop = True
@@ -1013,12 +1049,12 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         if sync_log and c.log_param_hash:
             # the synced (trainable) weights: a frozen EMA hint teacher is per-replica local state
             # with overlap: 1 the model carries its own steps since the last snapshot: the global weights are synced
-            synced = (
-                self.global_params
-                if c.overlap and not self._stop
-                else (p for p in self._module.parameters() if p.requires_grad)
-            )  # type: ignore[union-attr]
-            rec["param_hash"], rec["param_sum"] = param_digest(synced)
+            if c.overlap and not self._stop:
+                # the background job hashed them already (``digest``) unless this round was caught up here
+                rec["param_hash"], rec["param_sum"] = digest or param_digest(self.global_params)
+            else:
+                synced = (p for p in self._module.parameters() if p.requires_grad)  # type: ignore[union-attr]
+                rec["param_hash"], rec["param_sum"] = param_digest(synced)
             rec["fragment_hash"] = rec["param_hash"]
         self.history.append(rec)
         if sync_log:

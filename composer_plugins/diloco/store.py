@@ -14,7 +14,8 @@ transient errors (5xx, 503 SlowDown, timeouts, refused or dropped connections), 
 
 :func:`pack` / :func:`unpack` wrap every object written (a header with the SHA-256 of the body); a torn or
 corrupt object raises :class:`CorruptObjectError` and the reader treats it as missing.
-:func:`encode_vector` / :func:`decode_vector` are the pseudo-gradient codecs (``none``, ``bf16``, ``int8``).
+:func:`encode_vector` / :func:`decode_vector` are the pseudo-gradient codecs (``none``, ``bf16``, ``int8``,
+``int4``).
 
 **Nothing executable crosses the store.** Every object is data: a JSON header and raw tensor bytes.
 :func:`encode_tree` / :func:`decode_tree` carry nested state (state dicts, optimizer states) as a JSON tree of
@@ -394,9 +395,10 @@ def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], byt
 
     ``int8``: blocks of 4096 values, each scaled by its absolute maximum / 127 (fp32 scales), rounded to
     int8, then deflated (zlib), so the body is at most a quarter of the fp32 bytes on pseudo-gradients.
-    ``int4``: blocks of 256 values, each scaled by its absolute maximum / 7 (fp16 scales), rounded to
-    [-7, 7], two a byte, deflated: about an eighth of the fp32 bytes (the sender carries the rounding error
-    to its next round: error feedback, in the callback).
+    ``int4``: blocks of 256 values, each with a one-byte log-scale code (:func:`_int4_scale_codes`), rounded
+    to [-7, 7], two a byte, then entropy-coded (raw deflate, kept only when smaller): at most an eighth of
+    the fp32 bytes plus one byte a block (the sender carries the rounding error to its next round: error
+    feedback, in the callback).
     """
     v = host_tensor(vec, "encode_vector").detach().to(torch.float32).contiguous().view(-1)
     n = v.numel()
@@ -413,15 +415,84 @@ def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], byt
         body = scale.numpy().tobytes() + zlib.compress(q.numpy().tobytes(), 6)
         return {"codec": "int8", "numel": n, "blocks": int(scale.numel())}, body
     if compress == "int4":
-        pad = (-n) % INT4_BLOCK
-        blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
-        scale = (blocks.abs().amax(dim=1) / 7.0).to(torch.float16).to(torch.float32)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)
-        packed = (q[0::2] << 4) | q[1::2]  # two values a byte (the block size is even)
-        body = scale.to(torch.float16).view(torch.int16).numpy().tobytes() + zlib.compress(packed.numpy().tobytes(), 6)
-        return {"codec": "int4", "numel": n, "blocks": int(scale.numel())}, body
+        return _encode_int4(v)
     raise ValueError(f"unknown compression {compress!r}; available: {', '.join(COMPRESSIONS)}")
+
+
+#: int4 scale codes: 0 = an all-zero block, 255 = a block holding NaN/inf (decoded as NaN, so the reader's
+#: finiteness check refuses it), k in 1..254 = a scale of 2 ** ((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS): 1/8
+#: octave apart (a step at most 9 % coarser than absmax / 7), from 2**-24 (fp16's smallest) up to about 195
+#: (values above about 1,366 are clipped to +-7 steps; error feedback carries the rest to the next round)
+INT4_SCALE_STEPS = 8
+INT4_SCALE_BIAS = 193
+#: the int4 body: ``u8 flags | scale codes (one a block) | codes`` where the codes are two values a byte, raw
+#: deflated when flags == 1 (kept as they are when deflate does not make them smaller: flags == 0)
+_INT4_RAW, _INT4_DEFLATED = 0, 1
+
+
+def _int4_scale_codes(absmax: torch.Tensor) -> torch.Tensor:
+    """One byte per block: the smallest code whose scale is at least ``absmax / 7`` (see ``INT4_SCALE_*``)."""
+    finite = torch.isfinite(absmax)
+    a = torch.where(finite, absmax, torch.ones_like(absmax)) / 7.0
+    k = torch.ceil(torch.log2(a.clamp_min(1e-38)) * INT4_SCALE_STEPS - 1e-4) + INT4_SCALE_BIAS
+    k = k.clamp_(1, 254)
+    k = torch.where(absmax > 0, k, torch.zeros_like(k))
+    return torch.where(finite, k, torch.full_like(k, 255)).to(torch.uint8)
+
+
+def _int4_scales(codes: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale of each code (0 for code 0, NaN for code 255)."""
+    k = codes.to(torch.float32)
+    s = torch.exp2((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS)
+    s = torch.where(codes == 0, torch.zeros_like(s), s)
+    return torch.where(codes == 255, torch.full_like(s, float("nan")), s)
+
+
+def _encode_int4(v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    n = v.numel()
+    pad = (-n) % INT4_BLOCK
+    blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
+    codes = _int4_scale_codes(blocks.abs().amax(dim=1))
+    scale = _int4_scales(codes)
+    safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
+    q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)[: n + n % 2]
+    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # two values a byte; the last block's padding is not sent
+    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
+    deflated = z.compress(packed) + z.flush()
+    flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
+    body = bytes([flag]) + codes.numpy().tobytes() + payload
+    return {"codec": "int4", "numel": n}, body
+
+
+def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
+    nb = -(-n // INT4_BLOCK)
+    if n < 0 or len(body) < 1 + nb:
+        raise CorruptObjectError(f"int4 body of {len(body)} bytes is shorter than its {nb} block scales for {n} values")
+    flag, want = body[0], (n + 1) // 2
+    payload = body[1 + nb :]
+    if flag == _INT4_DEFLATED:
+        z = zlib.decompressobj(-15)
+        try:
+            raw = z.decompress(payload, want + 1)
+        except zlib.error as e:
+            raise CorruptObjectError(f"int4 codes do not inflate ({e})") from e
+        if not z.eof or z.unconsumed_tail or z.unused_data:
+            raise CorruptObjectError(f"int4 codes: a deflate stream that does not end after {want} bytes")
+    elif flag == _INT4_RAW:
+        raw = payload
+    else:
+        raise CorruptObjectError(f"int4 body flag {flag} (0 raw or 1 deflated)")
+    if len(raw) != want:
+        raise CorruptObjectError(f"int4 codes of {2 * len(raw)} values for {n}")
+    codes = (
+        torch.frombuffer(bytearray(body[1 : 1 + nb]), dtype=torch.uint8) if nb else torch.zeros(0, dtype=torch.uint8)
+    )
+    packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if want else torch.zeros(0, dtype=torch.uint8)
+    q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)
+    if bool((q == 15).any()):
+        raise CorruptObjectError("int4 codes outside [-7, 7]")
+    vals = torch.nn.functional.pad(q.to(torch.float32) - 7.0, (0, nb * INT4_BLOCK - q.numel()))
+    return (vals.view(nb, INT4_BLOCK) * _int4_scales(codes)[:, None]).view(-1)[:n].contiguous()
 
 
 def decode_vector(header: dict[str, Any], body: bytes) -> torch.Tensor:
@@ -453,19 +524,7 @@ def decode_vector(header: dict[str, Any], body: bytes) -> torch.Tensor:
         q = torch.nn.functional.pad(q, (0, nb * INT8_BLOCK - n)).view(nb, INT8_BLOCK)
         return (q * scale[:, None]).view(-1)[:n].contiguous()
     if codec == "int4":
-        nb = int(header["blocks"])
-        if nb != -(-n // INT4_BLOCK) or len(body) < 2 * nb:
-            raise CorruptObjectError(f"int4 header of {nb} blocks for {n} values")
-        scale = torch.frombuffer(bytearray(body[: 2 * nb]), dtype=torch.int16).view(torch.float16).to(torch.float32)
-        try:
-            raw = zlib.decompress(body[2 * nb :])
-        except zlib.error as e:
-            raise CorruptObjectError(f"int4 body does not inflate ({e})") from e
-        if len(raw) * 2 != nb * INT4_BLOCK:
-            raise CorruptObjectError(f"int4 body of {len(raw) * 2} values for {nb} blocks")
-        packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1).to(torch.float32) - 7.0
-        return (q.view(nb, INT4_BLOCK) * scale[:, None]).view(-1)[:n].contiguous()
+        return _decode_int4(header, body, n)
     raise CorruptObjectError(f"unknown codec {codec!r}")
 
 

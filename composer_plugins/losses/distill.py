@@ -243,6 +243,11 @@ class HintDistillChannel(LossChannel):
             )
         return with_topk(base, self.topk, self.temperature)
 
+    def required_inputs(self) -> tuple[str, ...]:
+        """``hint_mask``, plus the policy's ``logprobs`` of the sampled tokens when ``is_clip`` weighs by them
+        (the policy-gradient channel asks for them too; SDPO proper runs without it)."""
+        return (*self.requires, "logprobs") if self.is_clip is not None else tuple(self.requires)
+
     def importance_weights(self, mask: Tensor, model_outputs: Mapping[str, Any],
                            batch: Mapping[str, Any]) -> tuple[Tensor | None, dict[str, Any]]:  # fmt: skip
         """SDPO's distillation IS weight on the hinted tokens: ``min(exp(clamp(lp - lp_old, ±20)), is_clip)``, detached.

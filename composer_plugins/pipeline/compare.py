@@ -29,9 +29,7 @@ P_SEED = "study.seed"
 
 
 def _client(uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
+    return tracking.client(uri)
 
 
 def fetch_eval_records(

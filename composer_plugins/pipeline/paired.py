@@ -29,7 +29,7 @@ import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,8 @@ class PairedEffect:
     variant_mean: float = math.nan
     baseline_mean: float = math.nan
     extra: dict[str, Any] = field(default_factory=dict)
+    #: A smaller value is better (steps to a target): an interval above zero then *hurts*.
+    lower_is_better: bool = False
 
     @property
     def n(self) -> int:
@@ -81,17 +83,20 @@ class PairedEffect:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.low, self.high)
+        return verdict(self.low, self.high, lower_is_better=self.lower_is_better)
 
 
-def verdict(low: float, high: float) -> str:
-    """``helps`` when the interval is above zero, ``hurts`` when below, else ``no measurable effect``."""
+def verdict(low: float, high: float, *, lower_is_better: bool = False) -> str:
+    """``helps`` when the interval is above zero, ``hurts`` when below, else ``no measurable effect``.
+
+    With ``lower_is_better`` (e.g. steps to reach a target) the two are swapped.
+    """
     if math.isnan(low) or math.isnan(high):
         return "too few seeds"
     if low > 0:
-        return "helps"
+        return "hurts" if lower_is_better else "helps"
     if high < 0:
-        return "hurts"
+        return "helps" if lower_is_better else "hurts"
     return "no measurable effect"
 
 
@@ -334,6 +339,7 @@ def curve_effects(hist: Histories, baseline: str, column: str = CURVE,
             e = paired_effect(table, base, confidence=confidence, name=v, baseline_name=baseline,
                               metric=f"{column} {metric}")  # fmt: skip
             if metric == "steps_to_target":
+                e = replace(e, lower_is_better=True)
                 e.extra["censored"] = censored
             out.append(e)
     return out

@@ -600,12 +600,10 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
     """Log one evaluation into the study's MLflow experiment; returns the run id (``None`` when off)."""
     if not tracking.mlflow_enabled(params):
         return None
-    import mlflow
-
     from composer_plugins.core.config import redact
 
     uri = tracking.tracking_uri(params)
-    client = mlflow.MlflowClient(tracking_uri=uri)
+    client = tracking.client(uri)
     exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
     tags = tracking.run_tags(variant=str(result["variant"]), seed=int(result["seed"]),
                              extra={"study.channels": result["channels"]})  # fmt: skip
@@ -842,10 +840,8 @@ def write_curves(runs_dir: Path, out: Path, curves_dir: Path | None = None) -> i
 def _log_report(params: Mapping[str, Any], metrics: Mapping[str, Any], artifacts: Sequence[Any]) -> str | None:
     if not tracking.mlflow_enabled(params):
         return None
-    import mlflow
-
     uri = tracking.tracking_uri(params)
-    client = mlflow.MlflowClient(tracking_uri=uri)
+    client = tracking.client(uri)
     exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
     tags = tracking.run_tags()
     if tags[tracking.TAG_STAGE] == "manual":

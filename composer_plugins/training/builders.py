@@ -179,6 +179,8 @@ def build_logger(cfg: TrainConfig) -> Any:
 
     from composer_plugins.training import tracking
 
+    # the store and experiment exist before Lightning's logger looks them up (cells started together)
+    tracking.ensure_experiment(tracking.client(s["tracking_uri"]), s["experiment"], s["tracking_uri"])
     return MLFlowLogger(
         experiment_name=s["experiment"],
         tracking_uri=s["tracking_uri"],

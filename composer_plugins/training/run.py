@@ -82,11 +82,10 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
     if settings is None:
         return None
     from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
 
     from composer_plugins.training import tracking
 
-    client = MlflowClient(tracking_uri=settings["tracking_uri"])
+    client = tracking.client(settings["tracking_uri"])
     exp_id = tracking.ensure_experiment(client, settings["experiment"], settings["tracking_uri"])
     name = tracking.run_name(f"sft-s{cfg.sft.seed}", given=cfg.mlflow.run_name)
     tags = {**settings["tags"], "mlflow.runName": name}

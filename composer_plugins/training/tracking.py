@@ -6,7 +6,10 @@ that tie a run to the code and the pipeline: the git commit, the DVC stage that 
 (``DVC_STAGE``, which DVC sets for every stage command), the DVC experiment name and the
 study variant/seed; :func:`provenance_tags` add which plugin distribution supplied each channel and
 the env. Run names say what a run is (:func:`run_name`); new experiments keep their artifacts next
-to the store (:func:`artifact_location`). Nothing here imports mlflow at import time.
+to the store (:func:`artifact_location`). :func:`client` opens a store and :func:`ensure_experiment`
+creates an experiment under one file lock per sqlite store, so study cells started together on a fresh
+``mlflow.db`` neither race on its schema nor create the experiment twice. Nothing here imports mlflow at
+import time.
 
 Environment variables (each overrides the matching ``mlflow:`` entry of ``params.yaml``):
 
@@ -17,9 +20,10 @@ Environment variables (each overrides the matching ``mlflow:`` entry of ``params
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +166,55 @@ def artifact_location(uri: str) -> str | None:
     return None
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri[len("sqlite:///") :])
+    return db if db.is_absolute() else repo_root() / db
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``<db>.lock`` beside a sqlite store (nothing for other stores).
+
+    MLflow creates and migrates a sqlite store's schema on first use, and two processes doing it at
+    once fail (``duplicate column name``); two creating one experiment get ``RESOURCE_ALREADY_EXISTS``.
+    Servers (``http://``) serialise that themselves.
+    """
+    db = _sqlite_path(uri)
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; run the first cell alone there
+        fcntl = None  # type: ignore[assignment]
+    if db is None or fcntl is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def client(uri: str) -> Any:
+    """An ``MlflowClient`` for ``uri`` whose store exists (schema created under :func:`store_lock`)."""
+    from mlflow.tracking import MlflowClient
+
+    with store_lock(uri):  # opening the store creates/migrates a sqlite schema: once, under the lock
+        c = MlflowClient(tracking_uri=uri)
+        c.search_experiments(max_results=1)
+    return c
+
+
 def ensure_experiment(client: Any, name: str, uri: str) -> str:
     """The id of experiment ``name`` in ``client``'s store, created with :func:`artifact_location` if missing."""
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return str(exp.experiment_id)
-    return str(client.create_experiment(name, artifact_location=artifact_location(uri)))
+    with store_lock(uri):
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            return str(exp.experiment_id)
+        return str(client.create_experiment(name, artifact_location=artifact_location(uri)))
 
 
 def dvc_exp_suffix() -> str:

@@ -130,3 +130,29 @@ def test_a_slice_whose_owner_died_is_made_by_the_others(tmp_path, monkeypatch):
     for cb in alive:
         assert [(r["round"], r["participants"]) for r in cb.history] == [(0, 3), (1, 3), (2, 2)]
     assert alive[0].rounds is not None and alive[0].rounds.store.exists("rounds/00000001/mean-002")
+
+
+def test_overlap_1_replica_late_for_a_round_catches_up_from_the_background_and_ends_equal(tmp_path, monkeypatch):
+    """``overlap: 1``: replica 1 reaches round 1's sync after the round closed without it. Its background job finds
+    the manifest (the training thread no longer reads the store at a sync), publishes nothing for that round, and
+    the next sync catches it up; both end with the same weights."""
+    import time
+
+    orig = ObjectStoreDiLoCoCallback._launch_overlapped
+
+    def late(self: ObjectStoreDiLoCoCallback, r: int, t0: float) -> None:
+        if self.replica.index == 1 and r == 1:
+            assert self.rounds is not None
+            deadline = time.monotonic() + 30
+            while self.rounds.manifest(1) is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        orig(self, r, t0)
+
+    monkeypatch.setattr(ObjectStoreDiLoCoCallback, "_launch_overlapped", late)
+    reps = _replicas(f"file://{tmp_path}/late", 2, 4, overlap=1, round_timeout_s=1.0, keep_rounds=0)
+    assert len({param_digest(cb.params)[0] for cb, _ in reps}) == 1
+    late_cb = reps[1][0]
+    assert [(r["round"], r["committed"]) for r in late_cb.history][:2] == [(0, True), (1, False)]
+    assert late_cb.history[1]["healed"] and late_cb.round == 4
+    assert late_cb.rounds is not None and not late_cb.rounds.grads_present(1).get(1)  # nothing published for it
+    assert [r["participants"] for r in reps[0][0].history][:2] == [2, 1]

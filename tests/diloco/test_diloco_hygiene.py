@@ -4,6 +4,7 @@ out, URLs redacted, and old rounds collected."""
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 
 import pytest
@@ -123,3 +124,66 @@ def test_int4_is_an_eighth_of_fp32_and_error_feedback_keeps_the_sum_unbiased():
         residual = x - d
         sent += d
     assert float((sent - 20 * v).norm() / (20 * v).norm()) < once / 5
+
+
+def test_int4_round_trips_its_edge_cases_and_refuses_corrupt_bodies_with_a_located_error(tmp_path, caplog):
+    from composer_plugins.diloco.store import INT4_BLOCK, decode_vector
+
+    g = torch.Generator().manual_seed(1)
+    # Adam-like pseudo-gradients (near-uniform codes: deflate cannot help, the codes go raw) and peaked ones
+    for v in (torch.rand(3 * INT4_BLOCK + 5, generator=g) - 0.5, torch.randn(4000, generator=g) * 1e-5):
+        header, body = encode_vector(v, "int4")
+        assert len(body) <= (v.numel() + 1) // 2 + -(-v.numel() // INT4_BLOCK) + 1
+        d = decode_vector(header, body)
+        # the step of a block is at most 2**(1/8) times absmax / 7: each value within half of it
+        blocks = torch.nn.functional.pad(v, (0, (-v.numel()) % INT4_BLOCK)).view(-1, INT4_BLOCK)
+        step = (blocks.abs().amax(1) / 7 * 2 ** (1 / 8)).repeat_interleave(INT4_BLOCK)[: v.numel()]
+        assert bool(((d - v).abs() <= step / 2 * 1.001).all())
+    zeros = decode_vector(*encode_vector(torch.zeros(300), "int4"))
+    assert torch.equal(zeros, torch.zeros(300))
+    assert decode_vector(*encode_vector(torch.zeros(0), "int4")).numel() == 0
+    # a block holding inf decodes as NaN, so the reader's finiteness check leaves that replica out
+    assert not bool(torch.isfinite(decode_vector(*encode_vector(torch.tensor([1.0, float("inf")]), "int4"))).all())
+
+    header, body = encode_vector(torch.randn(1000, generator=g), "int4")
+    assert body[0] == 1  # peaked values: the codes went through deflate
+    corrupt = {
+        "a truncated body": (header, body[:-7]),
+        "a missing scale table": (header, body[:2]),
+        "an unknown flag": (header, bytes([9]) + body[1:]),
+        "more values than the body": ({**header, "numel": 5000}, body),
+        "codes that do not inflate": (header, body[:5] + bytes(b ^ 0x5A for b in body[5:])),
+    }
+    for what, (h, b) in corrupt.items():
+        with pytest.raises(CorruptObjectError, match="int4"):
+            decode_vector(h, b)
+            pytest.fail(what)
+    # through the store: a slice whose bytes were replaced (checksum fixed up) is refused naming its key
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/s"))
+    slices, _ = encode_slices(torch.randn(1000, generator=g), "int4", 2)
+    name, _ = rs.put_grad(0, 0, 0, slices)
+    index = rs.read_grad_index(0, name)
+    assert index is not None
+    key = f"rounds/00000000/{name}.s001"
+    h, b = slices[1]
+    forged = pack({**h, "kind": "grad-slice", "round": 0, "replica": 0, "slice": 1}, bytes([1]) + b[1:5] + b"junk")
+    rs.store.put(key, forged)
+    index["slices"][1][2] = hashlib.sha256(forged).hexdigest()
+    with caplog.at_level("WARNING", logger="composer_plugins.diloco.objstore"):
+        assert rs.read_grad_slice(0, name, index, 1) is None
+    assert any(key in m and "int4" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_pseudo_gradient_name_taken_by_an_earlier_life_is_skipped_without_a_head_request(tmp_path):
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/s"))
+    slices, _ = encode_slices(torch.arange(10.0), "none", 2)
+    assert rs.put_grad(3, 1, 0, slices)[0] == "grad-1-0"
+    # an earlier life that died between its slices and its index: slice 0 of grad-1-1 only
+    rs.store.put("rounds/00000003/grad-1-1.s000", b"orphan", create=True)
+    heads: list[str] = []
+    exists = rs.store.exists
+    rs.store.exists = lambda key: (heads.append(key), exists(key))[1]  # type: ignore[method-assign]
+    name, _ = rs.put_grad(3, 1, 0, slices)
+    assert name == "grad-1-2" and not heads
+    assert rs.grads_present(3) == {1: ["grad-1-2", "grad-1-0"]}
+    assert torch.equal(rs.read_grad(3, name, 10), torch.arange(10.0))

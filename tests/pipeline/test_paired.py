@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -166,6 +167,19 @@ def test_curve_effects_pair_auc_and_steps_to_the_baselines_final_value(tmp_path)
     )
     # slow never reaches 0.4 at seed 0: censored at 40
     assert eff["slow", "steps_to_target"].diffs == [10.0, 0.0] and eff["slow", "steps_to_target"].extra["censored"] == 1
+    # fewer steps is better: only steps_to_target reads its interval the other way round
+    assert eff["fast", "steps_to_target"].lower_is_better and not eff["fast", "auc"].lower_is_better
     text = paired.study_report(tmp_path, "rl_only")
     assert "train/heldout/accuracy auc" in text and "censored (never reached the target): fast 0, slow 1" in text
     assert "| 10 | 0.350 | 0.150 | 0.100 |" in text  # the mean curve per evaluated step
+
+
+def test_a_variant_that_needs_more_steps_to_reach_the_target_hurts() -> None:
+    """Steps to target: an interval above zero is slower (hurts), below zero faster (helps)."""
+    slower = paired.paired_effect({0: 30.0, 1: 36.0, 2: 42.0}, {0: 18.0, 1: 24.0, 2: 24.0}, metric="steps")
+    assert slower.low > 0 and slower.verdict == "helps"  # read as a score, higher would be better
+    assert replace(slower, lower_is_better=True).verdict == "hurts"
+    faster = replace(paired.paired_effect({0: 6.0, 1: 12.0, 2: 6.0}, {0: 18.0, 1: 24.0, 2: 24.0}), lower_is_better=True)
+    assert faster.high < 0 and faster.verdict == "helps"
+    assert paired.verdict(-0.05, -0.01, lower_is_better=True) == "helps"
+    assert paired.verdict(-0.01, 0.02, lower_is_better=True) == "no measurable effect"

@@ -324,3 +324,17 @@ def test_hint_distill_is_clip_ratio_is_one_on_policy_and_live_off_policy(make_cf
     assert moved["hint/rows"] > 0
     assert moved["hint_distill/is_ratio"] != pytest.approx(1.0, abs=1e-3)
     assert moved["hint_distill/is_weight"] <= 1.5 and 0.0 <= moved["hint_distill/is_clipped"] <= 1.0
+
+
+def test_sdpo_proper_without_the_policy_gradient_channel_gets_its_is_weights(make_cfg):
+    """``losses.grpo.weight: 0`` (SDPO as published) with ``is_clip``: no other channel asks for the
+    policy's log-probs of the sampled tokens, so hint_distill asks for them itself (it raised before)."""
+    cfg, src = make_cfg("", "losses.grpo.weight=0", "losses.hint_distill.is_clip=2.0")
+    env = build_env(cfg)
+    policy, tok = load_policy_for(cfg, env)
+    mod = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+    assert [c.name for c in mod.composer.active] == ["hint_distill"]
+    assert "logprobs" in mod.composer.required_inputs()
+    _, stats = mod.compute_step(env.sample_tasks(2, "train", seed=11), 5)
+    assert stats["hint/rows"] > 0 and stats["hint_distill/skipped"] == 0.0
+    assert stats["hint_distill/is_ratio"] == 1.0 and math.isfinite(stats["hint_distill/loss"])

@@ -4,6 +4,7 @@ kept with the store (not in ./mlruns of wherever the command ran). Read back fro
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,36 @@ def test_a_loopback_mlflow_server_gets_the_names_tags_and_artifacts(make_cfg, tm
         assert {"model", "history.csv"} <= {a.path for a in client.list_artifacts(res.run_id)}
     assert list(served.rglob("history.csv"))  # the server's artifact store holds them
     assert not (tmp_path / "cwd" / "mlruns").exists()
+
+
+def _open_store_and_experiment(uri: str, barrier: Any, out: Any) -> None:
+    from composer_plugins.training import tracking
+
+    barrier.wait(timeout=60)
+    try:
+        client = tracking.client(uri)
+        out.put(("ok", tracking.ensure_experiment(client, "cells", uri)))
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_cells_started_together_on_a_fresh_sqlite_store_share_one_schema_and_experiment(tmp_path):
+    """Three processes open a store that does not exist yet and create one experiment at once.
+
+    Without the store lock MLflow's schema migration races (``duplicate column name: step``, seen with
+    two study cells started together) and the experiment is created twice (``RESOURCE_ALREADY_EXISTS``).
+    """
+    import multiprocessing as mp
+
+    uri = f"sqlite:///{(tmp_path / 'mlflow.db').as_posix()}"
+    ctx = mp.get_context("fork")  # the children only touch sqlite and mlflow
+    barrier, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_open_store_and_experiment, args=(uri, barrier, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert [r for r in results if r[0] == "error"] == []
+    assert len({r[1] for r in results}) == 1  # one experiment, the same id everywhere
+    assert (tmp_path / "mlflow.db.lock").exists()
