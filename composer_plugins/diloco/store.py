@@ -449,6 +449,7 @@ def _int4_scales(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_int4(v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    """The int4 body of ``v``: a flat fp32 tensor on the CPU (:func:`encode_vector` makes it with ``host_tensor``)."""
     n = v.numel()
     pad = (-n) % INT4_BLOCK
     blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
@@ -456,11 +457,12 @@ def _encode_int4(v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
     scale = _int4_scales(codes)
     safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
     q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)[: n + n % 2]
-    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # two values a byte; the last block's padding is not sent
+    # two values a byte; the last block's padding is not sent
+    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # device-ok: v is encode_vector's host copy
     z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
     deflated = z.compress(packed) + z.flush()
     flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
-    body = bytes([flag]) + codes.numpy().tobytes() + payload
+    body = bytes([flag]) + codes.numpy().tobytes() + payload  # device-ok: v is encode_vector's host copy
     return {"codec": "int4", "numel": n}, body
 
 
