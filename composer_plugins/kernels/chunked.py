@@ -62,6 +62,15 @@ def _acc(weight: Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
+def _add_chunk_grads(g: Tensor, h: Tensor, weight: Tensor, grad_h: Tensor | None, grad_w: Tensor | None,
+                     s: int, e: int) -> None:  # fmt: skip
+    """Back through ``z = h @ weight.T`` for rows ``s:e`` (``g`` is dL/dz): write dL/dh, add dL/dweight."""
+    if grad_h is not None:
+        grad_h[s:e] = g.to(weight.dtype) @ weight
+    if grad_w is not None:
+        grad_w.addmm_(g.T, h.to(grad_w.dtype))
+
+
 def _check_hidden(name: str, hidden: Tensor, weight: Tensor) -> None:
     if hidden.dim() < 2:
         raise ValueError(f"{name} must be (..., H) hidden states, got shape {tuple(hidden.shape)}")
@@ -144,10 +153,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             g.scatter_add_(-1, ids[s:e].unsqueeze(-1), g_out.unsqueeze(-1))
             if tau != 1.0:
                 g.div_(tau)
-            if grad_h is not None:
-                grad_h[s:e] = g.to(weight.dtype) @ weight
-            if grad_w is not None:
-                grad_w.addmm_(g.T, h.to(grad_w.dtype))
+            _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
             del z, p, g
         gw = grad_w.to(weight.dtype) if grad_w is not None else None
         return grad_h, gw, None, None, None, None
@@ -256,10 +262,7 @@ class _ChunkedDistill(torch.autograd.Function):
             _, g, _ = kernel.compute(zs, zt, grad_out[s:e])  # consumes zs, zt
             del zs, zt
             assert g is not None
-            if grad_h is not None:
-                grad_h[s:e] = g.to(weight.dtype) @ weight
-            if grad_w is not None:
-                grad_w.addmm_(g.T, h.to(grad_w.dtype))
+            _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
             del g
         gw = grad_w.to(weight.dtype) if grad_w is not None else None
         return grad_h, gw, None, None, None, None, None
@@ -309,10 +312,7 @@ class _PrecomputedDistill(torch.autograd.Function):
             if st is not None:
                 stats_chunks.append(st)
             if g is not None:
-                if grad_h is not None:
-                    grad_h[s:e] = g.to(weight.dtype) @ weight
-                if grad_w is not None:
-                    grad_w.addmm_(g.T, h.to(acc))
+                _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
                 del g
             total += (val.sum() if w is None else (val * w).sum()) * scale
         stats = torch.cat(stats_chunks) if stats_chunks else total.new_zeros((n, 0))

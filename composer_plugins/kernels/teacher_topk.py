@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_plugins.kernels.chunked import _acc, _check_hidden, resolve_chunk_size
+from composer_plugins.kernels.chunked import _acc, _add_chunk_grads, _check_hidden, resolve_chunk_size
 from composer_plugins.kernels.divergences import (
     TAIL_FLOOR,
     TEACHER_LOGPROB_FLOOR,
@@ -254,10 +254,7 @@ class _TeacherDistill(torch.autograd.Function):
             del z
             stats[s:e] = st.to(acc)
             if g is not None:
-                if grad_h is not None:
-                    grad_h[s:e] = g.to(weight.dtype) @ weight
-                if grad_w is not None:
-                    grad_w.addmm_(g.T, h.to(acc))
+                _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
                 del g
             total += (val.sum() if w is None else (val * w).sum()) * scale
         ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
