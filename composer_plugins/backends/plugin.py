@@ -4,7 +4,7 @@ Backends that need an upstream library ship in their own distributions (``packag
 ``composer-plugins-trl``, ``-verl``, ``-prime-rl`` and ``-monarch`` each register their backend
 through their own ``composer_plugins`` entry point, lazily (a ``"module:attr"`` string), so
 ``composer-plugins list backends`` never imports an upstream library. A known backend whose
-distribution is not installed is still listed, as ``[not installed: pip install composer-plugins-<name>]``
+distribution is not installed is still listed, as ``[not installed: pip install ./packages/composer-plugins-<name>]``
 (:data:`~composer_plugins.core.registry.KNOWN_BACKENDS`), and asking for it by name raises an
 "unknown backend" error with the same command.
 """

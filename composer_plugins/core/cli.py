@@ -72,7 +72,7 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
     """List registered components, optionally of one KIND and matching PATTERN.
 
-    KIND is one of losses, teachers, envs, hints, backends. PATTERN is an fnmatch
+    KIND is one of {kinds}. PATTERN is an fnmatch
     pattern (a plain word matches as a substring; a leading ! excludes).
     """
     from composer_plugins.core.errors import UnknownPluginError
@@ -100,6 +100,16 @@ def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
     click.echo(_table(rows, ["NAME", "KIND", "DESCRIPTION", "PROVIDER"]))
     for msg in reg.broken:
         click.secho(f"warning: {msg}", err=True, fg="yellow")
+
+
+def kinds_text() -> str:
+    """The registry's kinds as the CLI and README.md name them: ``losses, teachers, ...`` (one source, ``KINDS``)."""
+    from composer_plugins.core.registry import KINDS
+
+    return ", ".join(KINDS)
+
+
+list_cmd.help = (list_cmd.help or "").replace("{kinds}", kinds_text())
 
 
 def _entry_json(e: Any) -> dict[str, Any]:
@@ -132,6 +142,9 @@ def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> No
             click.echo(f"{d[0]}=={d[1]}")
         return
     click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
+    if not infos and not include_all and not hooks:
+        click.secho("No third-party plugins are installed; `composer-plugins plugins --all` lists the built-in ones "
+                    "too (`composer-plugins list` lists every component).", err=True, fg="yellow")  # fmt: skip
 
 
 _commands_loaded = False

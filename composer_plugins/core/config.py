@@ -143,10 +143,7 @@ def loads_config(
         node = yaml.compose(text)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(
-            f"invalid YAML: {getattr(e, 'problem', e)}", file=source, line=mark.line + 1 if mark else None
-        ) from e
+        raise _yaml_error(e, source) from e
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -159,6 +156,22 @@ def loads_config(
     if resolve_secrets:
         resolve_env(cfg, cfg)
     return cfg
+
+
+def _yaml_error(e: yaml.YAMLError, source: str) -> ConfigError:
+    """A YAML syntax error located where the fix goes: an unclosed ``{``/``[``/quote at the line that opens it
+    (the parser notices only on a later line), anything else at the line the parser stopped."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    context, opened = getattr(e, "context", None) or "", getattr(e, "context_mark", None)
+    if opened is not None and mark is not None and ("flow" in context or "quoted" in context):
+        what = " ".join(context.split()[-2:])  # "flow mapping", "flow sequence", "quoted scalar"
+        return ConfigError(
+            f"invalid YAML: the {what} opened here is not closed ({problem} on line {mark.line + 1}); "
+            "close it or write it in block style",
+            file=source, line=opened.line + 1,
+        )  # fmt: skip
+    return ConfigError(f"invalid YAML: {problem}", file=source, line=mark.line + 1 if mark else None)
 
 
 def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str]) -> None:

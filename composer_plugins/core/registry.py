@@ -57,13 +57,17 @@ _KIND_ALIASES = {
     "generator": "rollout_generators",
 }
 
-#: Backends published as separate distributions: name -> pip install command.
-KNOWN_BACKENDS: dict[str, str] = {
-    "trl": "pip install composer-plugins-trl",
-    "verl": "pip install composer-plugins-verl",
-    "prime_rl": "pip install composer-plugins-prime-rl",
-    "monarch": "pip install composer-plugins-monarch",
+#: Backends shipped as separate distributions (in this repository's ``packages/``): name -> distribution.
+BACKEND_DISTRIBUTIONS: dict[str, str] = {
+    "trl": "composer-plugins-trl",
+    "verl": "composer-plugins-verl",
+    "prime_rl": "composer-plugins-prime-rl",
+    "monarch": "composer-plugins-monarch",
 }
+
+#: name -> the command that installs the backend's distribution, run at the root of a clone (README.md says
+#: the same; ``tests/core/test_core_cli_frictions.py`` keeps the two in step).
+KNOWN_BACKENDS: dict[str, str] = {n: f"pip install ./packages/{d}" for n, d in BACKEND_DISTRIBUTIONS.items()}
 
 
 def normalize_kind(kind: str) -> str:
@@ -308,7 +312,7 @@ class Registry:
         for name, install in sorted(KNOWN_BACKENDS.items()):
             if ("backends", name) in self or (pattern and not _match(name, pattern)):
                 continue
-            dist = install.split()[-1]
+            dist = BACKEND_DISTRIBUTIONS[name]
             desc = f"The {name} backend, in the separate distribution {dist}."
             out.append(NotInstalledEntry(name, "backends", f"{dist}:?", desc, "", dist, "", install=install))
         return out

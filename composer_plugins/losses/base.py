@@ -36,9 +36,13 @@ class LossChannel(nn.Module):
     needs_reference: ClassVar[bool] = False
     #: Alternative input groups; when non-empty, at least one group must be fully present.
     input_options: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    #: True for a channel whose loss is meant to be ascended (a negative ``weight``); every other channel
+    #: refuses one, since ``weight < 0`` turns its descent into gradient ascent.
+    allows_negative_weight: ClassVar[bool] = False
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         super().__init__()
+        check_weight(type(self), weight, name or type(self).__name__)
         self.weight = float(weight)
         self.name = name or type(self).__name__
 
@@ -164,6 +168,16 @@ class ChannelComposer(nn.Module):
             total = torch.zeros((), device=device, requires_grad=False)
         metrics["loss"] = total.detach()
         return total, metrics
+
+
+def check_weight(cls: type, weight: float, name: str) -> None:
+    """Refuse ``weight < 0`` (gradient ascent on the channel) unless ``cls`` declares ``allows_negative_weight``."""
+    if float(weight) < 0 and not getattr(cls, "allows_negative_weight", False):
+        raise ValueError(
+            f"loss channel {name!r}: weight {weight} is negative, which turns minimising its loss into gradient "
+            f"ascent; give a weight >= 0 (0 turns the channel off). A channel meant to be ascended declares "
+            f"allows_negative_weight = True on its class ({cls.__name__} does not)."
+        )
 
 
 def has_input(key: str, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> bool:

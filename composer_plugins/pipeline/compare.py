@@ -139,12 +139,15 @@ def compare_table(
     fmt: str = "text",
     *,
     beside: bool = False,
+    variant_order: Sequence[str] = (),
 ) -> str:
     """The ablation table of ``records`` as text, markdown, JSON or CSV.
 
     Rows are ordered by headline mean; with ``beside`` they are ordered by ``group_by`` instead (the
     baseline's row next to each experiment's row for the same channels) and an ``exp`` column names
-    the ``dvc exp`` of each row's runs (``baseline`` for runs of a plain ``dvc repro``).
+    the ``dvc exp`` of each row's runs (``baseline`` for runs of a plain ``dvc repro``). When the first
+    group is ``variant``, ``variant_order`` (``sft`` then ``study.variants``: results/ablation.md's order)
+    orders the rows; variants it does not name follow in the order their oldest run was logged.
     """
     recs = [{**r, **{g: _group_value(r, g) for g in group_by}} for r in records]
     rows = study.ablation_rows(recs, metrics, group_by)
@@ -154,7 +157,10 @@ def compare_table(
                             if all(r.get(g) == row[g] for g in group_by)})  # fmt: skip
             row["exp"] = ",".join(names)
         # channel groups in the order their oldest run was logged (records come newest first)
-        first = {k: i for i, k in enumerate(dict.fromkeys(str(r.get(group_by[0])) for r in reversed(recs)))}
+        seen = dict.fromkeys(str(r.get(group_by[0])) for r in reversed(recs))
+        if group_by[0] == "variant":
+            seen = dict.fromkeys([*(str(v) for v in variant_order), *seen])
+        first = {k: i for i, k in enumerate(seen)}
         rows.sort(key=lambda r: (first.get(str(r.get(group_by[0])), 0), r["exp"] != "baseline",
                                  [str(r.get(g)) for g in group_by[1:]]))  # fmt: skip
         group_by = (*group_by, "exp")

@@ -228,8 +228,9 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
                 baseline_variant: str | None) -> None:  # fmt: skip
     """Print the ablation table from MLflow: channels on/off × seeds -> held-out metrics, mean ± std.
 
-    Without --group-by, rows are channels × the params that an experiment changed, the baseline's
-    row beside each experiment's, with an exp column (the dvc exp name, or baseline).
+    Without --group-by, rows are variant, channels × the params that an experiment changed, in the order
+    of results/ablation.md (sft, then study.variants of --params), the baseline's row beside each
+    experiment's, with an exp column (the dvc exp name, or baseline).
     """
     from pathlib import Path
 
@@ -255,7 +256,7 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
     beside = group_by is None
     if beside:
         every = compare.fetch_eval_records(uri, exp, filters=flt, all_runs=True)
-        groups: tuple[str, ...] = ("channels", *compare.varying_params(every))
+        groups: tuple[str, ...] = ("variant", "channels", *compare.varying_params(every))
     else:
         groups = tuple(g.strip() for g in str(group_by).split(",") if g.strip())
     recs = compare.fetch_eval_records(uri, exp, filters=flt, group_by=groups, all_runs=all_runs)
@@ -267,7 +268,8 @@ def compare_cmd(tracking_uri: str | None, experiment: str | None, params_path: s
     cols = [study.canonical_metric(m) for m in metrics] or [
         m for m in study.HEADLINE_METRICS if any(m in r for r in recs)
     ]
-    click.echo(compare.compare_table(recs, cols, groups, fmt, beside=beside))
+    order = ["sft", *study.variants(params)] if params.get("study") else []  # results/ablation.md's order
+    click.echo(compare.compare_table(recs, cols, groups, fmt, beside=beside, variant_order=order))
 
 
 def _print_paired(params: dict[str, Any], uri: str, exp: str, flt: dict[str, str], metrics: tuple[str, ...],

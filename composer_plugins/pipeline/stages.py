@@ -496,9 +496,9 @@ def _env_key(spec: Any) -> str:
 
 def channel_flags(train_cfg: Mapping[str, Any]) -> dict[str, bool]:
     """``{channel_key: on}`` for ``train.losses`` (on = enabled and weight != 0; ``training.config.channel_spec``)."""
-    from composer_plugins.training.config import channel_spec
+    from composer_plugins.training.loss_specs import channel_spec, losses_mapping
 
-    losses = train_cfg.get("losses") or {}
+    losses = losses_mapping(train_cfg.get("losses"), pre="train.") or {}
     return {k: channel_spec(k, spec, pre="train.").active for k, spec in losses.items()}
 
 

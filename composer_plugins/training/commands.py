@@ -71,12 +71,13 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
     Example: composer-plugins train -c run.yaml -S trainer.max_steps=20 -S losses.hint_distill.enabled=false
     """
     from composer_plugins.training.config import config_to_yaml
-    from composer_plugins.training.run import run_train
 
     cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
+    from composer_plugins.training.run import run_train  # torch, Lightning, transformers: after the config is good
+
     with _located_policy(cfg, src):
         res = run_train(cfg, src, resume=resume)
     if not res.is_global_zero:  # trainer.devices > 1: every rank runs this command; rank 0 reports
@@ -94,12 +95,13 @@ def sft_cmd(config_path: str | None, section: str | None, print_config: bool, ov
             set_overrides: tuple[str, ...], no_progress: bool) -> None:  # fmt: skip
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
     from composer_plugins.training.config import config_to_yaml
-    from composer_plugins.training.run import run_sft
 
     cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
+    from composer_plugins.training.run import run_sft  # torch, Lightning, transformers: after the config is good
+
     with _located_policy(cfg, src):
         model = run_sft(cfg, src)
     click.echo(f"model: {model}")
@@ -122,12 +124,13 @@ def eval_cmd(
 ) -> None:
     """Held-out evaluation (accuracy, pass_at_<k>, mean_reward) of a checkpoint or of the configured policy."""
     from composer_plugins.training.config import config_to_yaml
-    from composer_plugins.training.run import run_eval
 
     cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
+    from composer_plugins.training.run import run_eval  # torch, Lightning, transformers: after the config is good
+
     with _located_policy(cfg, src):
         metrics = run_eval(cfg, src, checkpoint=checkpoint, output=output)
     click.echo(json.dumps(metrics, indent=2, sort_keys=True))

@@ -4,8 +4,8 @@
 YAML file may say; :func:`load_train_config` / :func:`loads_train_config` read YAML with dotted
 ``key.sub=value`` overrides and ``$env`` secrets, fill the default component specs and validate, raising a
 located :class:`~composer_plugins.core.errors.ConfigError` (file:line, key, valid keys, did-you-mean).
-:func:`channel_spec` is the one parser of a ``losses.<key>`` entry (the native loop, the backends and the
-pipeline all use it). The strategy names the validation needs live here too; the numeric ranges are
+:mod:`composer_plugins.training.loss_specs` parses the ``losses`` section (:func:`channel_spec`, the list
+form). The strategy names the validation needs live here too; the numeric ranges are
 :mod:`composer_plugins.training.limits`.
 """
 
@@ -15,12 +15,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.models.tiny import TinyModelConfig
 from composer_plugins.training.limits import check_ranges
+from composer_plugins.training.loss_specs import CHANNEL_KEYS as CHANNEL_KEYS  # re-exported: their old home
+from composer_plugins.training.loss_specs import ChannelSpec as ChannelSpec
+from composer_plugins.training.loss_specs import channel_spec, check_channel, losses_as_mapping
 
 
 @dataclass
@@ -247,7 +250,11 @@ class MLflowSection:
 
 @dataclass
 class TrainConfig:
-    """The whole ``train`` config. ``losses`` maps channel keys to ``{enabled, weight, name, **kwargs}``."""
+    """The whole ``train`` config. ``losses`` maps channel keys to ``{enabled, weight, name, **kwargs}``.
+
+    A file may give ``losses`` as a list of ``{name, weight, label, **kwargs}`` instead (docs/losses.md):
+    each item's key is its ``label``, else its ``name`` (:func:`losses_mapping`).
+    """
 
     seed: int = 0
     output_dir: str = "runs/default"
@@ -267,9 +274,6 @@ class TrainConfig:
     mlflow: MLflowSection = field(default_factory=MLflowSection)
     #: Free-form settings read by wrappers of the training loop (e.g. DiLoCo replicas).
     diloco: dict[str, Any] = field(default_factory=dict)
-
-
-CHANNEL_KEYS = ("enabled", "weight", "name")
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -321,7 +325,12 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
             pre + "rollout.importance_sampling", f"unknown mode {cfg.rollout.importance_sampling!r}.", valid=is_modes
         )
     strat = cfg.trainer.strategy
-    if isinstance(strat, str) and "." not in strat and strat.strip().lower() not in strategy_names():
+    if (
+        isinstance(strat, str)
+        and "." not in strat
+        and strat.strip().lower() not in STRATEGY_SHORTHANDS  # these are known without importing Lightning
+        and strat.strip().lower() not in strategy_names()
+    ):
         raise unknown_strategy(strat, src, pre + "trainer.strategy")
     devices = cfg.trainer.devices
     if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
@@ -337,7 +346,9 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     if not isinstance(cfg.losses, Mapping) or not cfg.losses:
         raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
     for name, spec in cfg.losses.items():
-        channel_spec(name, spec, src, pre)
+        ch = channel_spec(name, spec, src, pre)
+        if ch.enabled:
+            check_channel(name, ch, src, pre)
     from composer_plugins.core.config import check_component_name
     from composer_plugins.training.callbacks import check_callback_names
     from composer_plugins.training.optim import check_optimizer_name
@@ -345,46 +356,6 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
     check_component_name("hints", cfg.hints.provider, pre + "hints.provider", src)
     check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
-
-
-class ChannelSpec(NamedTuple):
-    """One ``losses.<key>`` entry, parsed: whether it is on, its registry name, weight and other kwargs."""
-
-    enabled: bool
-    name: str
-    weight: float
-    kwargs: dict[str, Any]
-
-    @property
-    def active(self) -> bool:
-        """Enabled and with a non-zero weight (what the study counts as a channel that is on)."""
-        return self.enabled and self.weight != 0.0
-
-
-def channel_spec(key: str, spec: Any, src: Config | None = None, pre: str = "") -> ChannelSpec:
-    """Parse one ``losses.<key>`` entry (the one parser of channel specs: training, backends, pipeline).
-
-    ``spec`` is ``true``/``false``/``null``, a number (the weight) or a mapping with ``enabled``,
-    ``weight``, ``name`` (registry name, default ``key``) and the channel's own kwargs. Errors name
-    ``<pre>losses.<key>[.field]`` in ``src``'s file and line.
-    """
-    src = src if src is not None else Config()
-    where = f"{pre}losses.{key}"
-    if spec is None or isinstance(spec, bool):
-        return ChannelSpec(bool(spec), key, 1.0, {})
-    if isinstance(spec, int | float):
-        return ChannelSpec(True, key, float(spec), {})
-    if not isinstance(spec, Mapping):
-        raise src.error(where, f"expected a mapping like {{weight: 1.0}}, true/false or a weight; got {spec!r}.")
-    spec = dict(spec)
-    enabled = spec.pop("enabled", True)
-    if not isinstance(enabled, bool):
-        raise src.error(f"{where}.enabled", f"expected true or false, got {enabled!r}.")
-    weight = spec.pop("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float):
-        raise src.error(f"{where}.weight", f"expected a number, got {weight!r}.")
-    name = str(spec.pop("name", key))
-    return ChannelSpec(enabled, name, float(weight), spec)
 
 
 #: Free-form component fields whose defaults are whole specs: a file that omits one gets the default
@@ -414,6 +385,7 @@ def _fill_component_defaults(src: Config) -> None:
 def _finish(src: Config, overrides: Sequence[str]) -> tuple[TrainConfig, Config]:
     from composer_plugins.core.config import apply_overrides, resolve_env
 
+    losses_as_mapping(src)
     _fill_component_defaults(src)
     apply_overrides(src, overrides)
     resolve_env(src, src)

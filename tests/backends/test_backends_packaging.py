@@ -71,7 +71,7 @@ def test_listing_backends_imports_no_upstream_library():
     # prime-rl is not installable here (not on PyPI, Python 3.12): listed with the exact install command
     pr = rows["prime_rl"]
     assert pr["available"] is False
-    assert "pip install composer-plugins-prime-rl" in pr["install"] and "prime-rl" in pr["install"]
+    assert "pip install ./packages/composer-plugins-prime-rl" in pr["install"] and "prime-rl &&" in pr["install"]
 
 
 def test_missing_upstream_shows_the_install_command_in_list_and_build(monkeypatch):
@@ -94,7 +94,7 @@ def test_missing_upstream_shows_the_install_command_in_list_and_build(monkeypatc
         with pytest.raises(MissingDependencyError, match=KNOWN_BACKENDS[name].replace("-", r"\-")):
             reg.get("backends", name).build()
     wide = CliRunner().invoke(cli.cli, ["list", "backends"], terminal_width=400, env={"COLUMNS": "400"})
-    assert "[not installed: pip install composer-plugins-trl]" in wide.output
+    assert "[not installed: pip install ./packages/composer-plugins-trl]" in wide.output
 
 
 def test_a_backend_distribution_not_installed_is_listed_with_its_pip_command(monkeypatch):
@@ -115,16 +115,16 @@ def test_a_backend_distribution_not_installed_is_listed_with_its_pip_command(mon
     assert set(rows) == {"lightning", *KNOWN_BACKENDS}
     for name, install in KNOWN_BACKENDS.items():
         assert rows[name]["available"] is False and rows[name]["install"] == install
-        assert rows[name]["distribution"] == install.split()[-1]
+        assert rows[name]["distribution"] == install.split("/")[-1]
     wide = CliRunner().invoke(cli, ["list", "backends"], terminal_width=400, env={"COLUMNS": "400"})
     for install in KNOWN_BACKENDS.values():
         assert f"[not installed: {install}]" in wide.output
     from composer_plugins import build
 
-    with pytest.raises(UnknownPluginError, match="pip install composer-plugins-trl"):
+    with pytest.raises(UnknownPluginError, match="pip install ./packages/composer-plugins-trl"):
         build("backends", "trl")
     res = CliRunner().invoke(cli, ["backend", "run", "trl"])
-    assert res.exit_code == 2 and "pip install composer-plugins-trl" in res.output
+    assert res.exit_code == 2 and "pip install ./packages/composer-plugins-trl" in res.output
     res = CliRunner().invoke(cli, ["backend", "info"])
     info = {r["name"]: r for r in json.loads(res.output)}
     assert info["monarch"] == {"name": "monarch", "available": False, "install": KNOWN_BACKENDS["monarch"]}

@@ -69,7 +69,7 @@ def test_unknown_known_backend_gives_pip_command():
     reg.register("backends", "lightning", Widget)
     with pytest.raises(UnknownPluginError) as ei:
         reg.get("backends", "verl")
-    assert "pip install composer-plugins-verl" in str(ei.value)
+    assert "pip install ./packages/composer-plugins-verl" in str(ei.value)
     assert "lightning" in str(ei.value)
 
 
@@ -84,7 +84,7 @@ def test_known_backends_not_registered_are_listed_with_their_pip_command():
     assert set(missing) == set(KNOWN_BACKENDS) - {"trl"}
     v = missing["verl"]
     assert not v.available and v.install == KNOWN_BACKENDS["verl"] and v.distribution == "composer-plugins-verl"
-    with pytest.raises(MissingDependencyError, match="pip install composer-plugins-verl"):
+    with pytest.raises(MissingDependencyError, match="pip install ./packages/composer-plugins-verl"):
         v.build()
     assert [e.name for e in reg.not_installed("backends", "ver")] == ["verl"]
     assert reg.not_installed("losses") == [] and "verl" not in reg.names("backends")

@@ -151,17 +151,23 @@ def test_compare_shows_the_baseline_beside_each_experiment(tmp_path, monkeypatch
     args = ["compare", "--tracking-uri", uri, "--experiment", "cmp", "-p", str(tmp_path / "none.yaml")]
     r = CliRunner().invoke(cli, [*args, "--format", "json"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    rows = [(x["channels"], x["train.optim.lr"], x["exp"], x["n"], round(x["gsm8k/accuracy"]["mean"], 3))
-            for x in json.loads(r.output)]  # fmt: skip
+    rows = [(x["variant"], x["channels"], x["train.optim.lr"], x["exp"], x["n"],
+             round(x["gsm8k/accuracy"]["mean"], 3)) for x in json.loads(r.output)]  # fmt: skip
     assert rows == [
-        ("grpo+hint_distill", "2e-05", "baseline", 2, 0.505),
-        ("grpo+hint_distill", "4e-05", "lr-up", 2, 0.7),
-        ("grpo", "2e-05", "baseline", 2, 0.505),
-        ("grpo", "4e-05", "lr-up", 2, 0.7),
+        ("full", "grpo+hint_distill", "2e-05", "baseline", 2, 0.505),
+        ("full", "grpo+hint_distill", "4e-05", "lr-up", 2, 0.7),
+        ("rl_only", "grpo", "2e-05", "baseline", 2, 0.505),
+        ("rl_only", "grpo", "4e-05", "lr-up", 2, 0.7),
     ]
     text = CliRunner().invoke(cli, args, catch_exceptions=False).output
     header = text.splitlines()[0].split()
-    assert header[:3] == ["channels", "train.optim.lr", "exp"], text
+    assert header[:4] == ["variant", "channels", "train.optim.lr", "exp"], text
+    # with the study's params, rows follow results/ablation.md: sft, then study.variants in their order
+    (tmp_path / "params.yaml").write_text("study:\n  variants:\n    rl_only: {}\n    full: {}\n")
+    r = CliRunner().invoke(cli, [*args[:-1], str(tmp_path / "params.yaml"), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert [(x["variant"], x["exp"]) for x in json.loads(r.output)] == [
+        ("rl_only", "baseline"), ("rl_only", "lr-up"), ("full", "baseline"), ("full", "lr-up")]  # fmt: skip
     # an explicit --group-by keeps the old behaviour (the newest run per channels and seed)
     r = CliRunner().invoke(cli, [*args, "--group-by", "channels", "--format", "json"], catch_exceptions=False)
     assert [x["n"] for x in json.loads(r.output)] == [2, 2]

@@ -10,10 +10,10 @@ from typing import Any
 from composer_plugins import hookimpl
 
 #: PRIME-RL is not on PyPI; it installs from its source tree with uv (Python 3.12), and this
-#: distribution goes into that environment.
+#: distribution goes into that environment (run at the root of this repository's clone).
 PRIME_RL_INSTALL = (
     "git clone https://github.com/PrimeIntellect-ai/prime-rl && cd prime-rl && uv sync --all-extras && "
-    "uv pip install composer-plugins-prime-rl"
+    "source .venv/bin/activate && cd - && uv pip install ./packages/composer-plugins-prime-rl"
 )
 
 

@@ -1,0 +1,134 @@
+"""The ``losses`` section of the training config: one channel spec parsed, the list form, names and weights.
+
+:func:`channel_spec` is the one parser of a ``losses.<key>`` entry (the native loop, the backends and the
+pipeline all use it); :func:`losses_mapping` turns the list form of docs/losses.md
+(``- {name: grpo, weight: 1.0, label: ...}``) into the mapping form; :func:`check_channel` refuses, when
+the config is read, a channel naming no registered loss or a negative weight its class does not declare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from composer_plugins.core.config import Config
+
+CHANNEL_KEYS = ("enabled", "weight", "name")
+
+
+def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
+    """An enabled channel names a registered loss (``--print-config`` included) and, when its weight is
+    negative, one that declares ``allows_negative_weight``; located at ``losses.<key>[.name|.weight]``."""
+    from composer_plugins.core.errors import UnknownPluginError
+    from composer_plugins.core.plugins import get_registry
+
+    where = f"{pre}losses.{key}"
+    if "class_path" in ch.kwargs:
+        return
+    try:
+        entry = get_registry().get("losses", ch.name)
+    except UnknownPluginError as e:
+        raise src.error(f"{where}.name" if ch.name != key else where, str(e)) from e
+    if ch.weight < 0:
+        from composer_plugins.losses.base import check_weight
+
+        try:
+            check_weight(entry.factory, ch.weight, key)
+        except ValueError as e:
+            raise src.error(f"{where}.weight", str(e)) from e
+
+
+class ChannelSpec(NamedTuple):
+    """One ``losses.<key>`` entry, parsed: whether it is on, its registry name, weight and other kwargs."""
+
+    enabled: bool
+    name: str
+    weight: float
+    kwargs: dict[str, Any]
+
+    @property
+    def active(self) -> bool:
+        """Enabled and with a non-zero weight (what the study counts as a channel that is on)."""
+        return self.enabled and self.weight != 0.0
+
+
+def channel_spec(key: str, spec: Any, src: Config | None = None, pre: str = "") -> ChannelSpec:
+    """Parse one ``losses.<key>`` entry (the one parser of channel specs: training, backends, pipeline).
+
+    ``spec`` is ``true``/``false``/``null``, a number (the weight) or a mapping with ``enabled``,
+    ``weight``, ``name`` (registry name, default ``key``) and the channel's own kwargs. Errors name
+    ``<pre>losses.<key>[.field]`` in ``src``'s file and line.
+    """
+    src = src if src is not None else Config()
+    where = f"{pre}losses.{key}"
+    if spec is None or isinstance(spec, bool):
+        return ChannelSpec(bool(spec), key, 1.0, {})
+    if isinstance(spec, int | float):
+        return ChannelSpec(True, key, float(spec), {})
+    if not isinstance(spec, Mapping):
+        raise src.error(where, f"expected a mapping like {{weight: 1.0}}, true/false or a weight; got {spec!r}.")
+    spec = dict(spec)
+    enabled = spec.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise src.error(f"{where}.enabled", f"expected true or false, got {enabled!r}.")
+    weight = spec.pop("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise src.error(f"{where}.weight", f"expected a number, got {weight!r}.")
+    name = str(spec.pop("name", key))
+    return ChannelSpec(enabled, name, float(weight), spec)
+
+
+def losses_mapping(items: Any, src: Config | None = None, pre: str = "") -> Any:
+    """The mapping form of a ``losses`` list (``- {name: grpo, weight: 1.0, label: ...}``); other values as given.
+
+    Each item's key is its ``label`` (the channel's name in metrics), else its ``name`` (or the class
+    name of a ``class_path``), in list order. A bad item or two items with one key are refused, located
+    at ``<pre>losses.<i>`` in ``src`` and with the fix.
+    """
+    if not isinstance(items, list):
+        return items
+    src = src if src is not None else Config()
+    out: dict[str, Any] = {}
+    for i, item in enumerate(items):
+        where = f"{pre}losses.{i}"
+        if isinstance(item, str):
+            key, spec = item, {}
+        elif isinstance(item, Mapping) and ("name" in item or "class_path" in item):
+            spec = dict(item)
+            label = spec.pop("label", None)
+            default = spec.get("name") or str(spec.get("class_path", "")).rpartition(".")[2]
+            key = str(label if label is not None else default)
+        else:
+            raise src.error(
+                where,
+                f"a list item of losses must be a channel name or a mapping with name: ..., got {item!r}; "
+                "e.g. - {name: grpo, weight: 1.0}  (or the mapping form  losses: {grpo: {weight: 1.0}})",
+            )
+        if key in out:
+            field_ = "label" if isinstance(item, Mapping) and "label" in item else "name"
+            raise src.error(
+                f"{where}.{field_}" if isinstance(item, Mapping) else where,
+                f"a second loss channel keyed {key!r} (item {list(out).index(key)} has it); "
+                f"give one of them a distinct label: ..., e.g. label: {key}_2.",
+            )
+        out[key] = spec
+    return out
+
+
+def losses_as_mapping(src: Config) -> None:
+    """``losses`` given as a list becomes the mapping form; its file lines move with it (errors stay located)."""
+    items = src.get("losses")
+    if not isinstance(items, list):
+        return
+    out = losses_mapping(items, src)
+    moved = {f"losses.{i}": f"losses.{k}" for i, k in enumerate(out)}
+    lines = {}
+    for k, line in src.lines.items():
+        head = ".".join(k.split(".")[:2])
+        if head in moved:
+            if k.endswith(".label") and k.count(".") == 2:
+                continue
+            k = moved[head] + k[len(head) :]
+        lines[k] = line
+    src.lines = lines
+    src["losses"] = out
