@@ -47,6 +47,16 @@ def _load(config_path: str | None, section: str | None, overrides: tuple[str, ..
     return load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
 
 
+def _check_inputs(cfg: Any, src: Any, checkpoint: str | None = None) -> None:
+    """The paths a run reads (and an uncached hub id, offline or unreachable), checked before torch is imported."""
+    from composer_plugins.training.inputs import check_checkpoint, check_inputs
+
+    if checkpoint is None:
+        check_inputs(cfg, src)
+    else:
+        check_checkpoint(checkpoint)
+
+
 @contextlib.contextmanager
 def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
     """A ``model.name_or_path`` the loader could not load, reported at that key (file:line or override)."""
@@ -76,6 +86,7 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
+    _check_inputs(cfg, src)
     from composer_plugins.training.run import run_train  # torch, Lightning, transformers: after the config is good
 
     with _located_policy(cfg, src):
@@ -100,6 +111,7 @@ def sft_cmd(config_path: str | None, section: str | None, print_config: bool, ov
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
+    _check_inputs(cfg, src)
     from composer_plugins.training.run import run_sft  # torch, Lightning, transformers: after the config is good
 
     with _located_policy(cfg, src):
@@ -129,6 +141,7 @@ def eval_cmd(
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
+    _check_inputs(cfg, src, checkpoint)
     from composer_plugins.training.run import run_eval  # torch, Lightning, transformers: after the config is good
 
     with _located_policy(cfg, src):

@@ -21,7 +21,8 @@ from composer_plugins.core.io import iter_jsonl
 if TYPE_CHECKING:
     from composer_plugins.training.config import TrainConfig
 
-__all__ = ["check_data_file", "check_hub_id", "check_inputs", "check_model_path", "env_task_fields"]
+__all__ = ["check_checkpoint", "check_data_file", "check_hub_id", "check_inputs", "check_model_path",
+           "env_task_fields", "hub_unreachable"]  # fmt: skip
 
 #: Fields a task row may carry its prompt in (as :func:`composer_plugins.training.module.task_prompt` reads).
 TASK_PROMPT_KEYS = ("prompt", "question")
@@ -174,8 +175,7 @@ def check_hub_id(name: str, src: Config, key: str) -> None:
         from huggingface_hub import constants, try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers depends on it
         return
-    if not _offline():
-        return
+    offline = _offline()
     try:
         hit = try_to_load_from_cache(name, "config.json")
     except Exception:  # not a valid repo id: the loader says why
@@ -183,9 +183,58 @@ def check_hub_id(name: str, src: Config, key: str) -> None:
     if isinstance(hit, str):
         return
     ways = HUB_WAYS_OUT.format(name=name)
-    raise src.error(key, f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-                         f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
-                         "to download it now.")  # fmt: skip
+    if offline:
+        raise src.error(key, f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+                             f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
+                             "to download it now.")  # fmt: skip
+    unreachable = hub_unreachable()
+    if unreachable:  # fail now, not after a minute of the loader's retries
+        raise src.error(key, f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+                             f"and the hub cannot be reached ({unreachable}), so it cannot be downloaded — {ways}, "
+                             "or check the network (HF_ENDPOINT, a proxy in HTTPS_PROXY).")  # fmt: skip
+
+
+#: Seconds :func:`hub_unreachable` waits for a TCP connection to the hub.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face hub (``HF_ENDPOINT``) cannot be reached, or ``None`` when a TCP connection opens.
+
+    One connection attempt with a short timeout (the loader's own requests retry for about a minute).
+    Behind a proxy (``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY``) nothing is probed: ``None``.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return None
+    endpoint = str(getattr(constants, "ENDPOINT", "https://huggingface.co"))
+    parts = urlsplit(endpoint)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{parts.scheme}://{host}:{port}: {e.strerror or type(e).__name__}"
+
+
+def check_checkpoint(checkpoint: str, key: str = "--checkpoint") -> None:
+    """``eval --checkpoint``: a ``.ckpt`` file, a ``save_pretrained`` directory or a hub id, checked as
+    :func:`check_model_path` checks ``model.name_or_path`` (a missing path is named with the fix)."""
+    src = Config()
+    if str(checkpoint).endswith(".ckpt"):
+        p = Path(checkpoint).expanduser()
+        if not p.is_file():
+            what = "is a directory" if p.is_dir() else "does not exist"
+            raise src.error(key, f"{checkpoint} {what} — give a Lightning checkpoint file (e.g. "
+                                 "<output_dir>/checkpoints/last.ckpt), a directory written by save_pretrained "
+                                 "(<output_dir>/model) or a hub id.")  # fmt: skip
+        return
+    check_model_path(str(checkpoint), src, key)
 
 
 def check_model_path(name: str, src: Config, key: str) -> None:

@@ -223,11 +223,13 @@ def run_eval(
     import lightning as L
 
     from composer_plugins.training.checkpoints import load_policy_weights
-    from composer_plugins.training.inputs import check_inputs
+    from composer_plugins.training.inputs import check_checkpoint, check_inputs
     from composer_plugins.training.module import ComposerModule
 
     if checkpoint is None:
         check_inputs(cfg, src or Config())
+    else:
+        check_checkpoint(checkpoint)
     set_threads(cfg)
     env = build_env(cfg, src)
     ckpt_file: str | None = None

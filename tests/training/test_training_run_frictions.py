@@ -1,0 +1,58 @@
+"""A new user's first-hour run frictions (issue 41): a missing ``eval --checkpoint`` is named with the fix, and a hub
+id that cannot be fetched (no network) is refused at once with the ways out, through the real command line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from composer_plugins.core.cli import load_commands
+
+
+@pytest.mark.parametrize("ckpt", ["missing/model", "missing/checkpoints/last.ckpt", "./nowhere"])
+def test_eval_names_a_missing_checkpoint_and_the_fix(tmp_path: Path, ckpt: str):
+    path = str(tmp_path / ckpt)
+    r = CliRunner().invoke(load_commands(), ["eval", "--checkpoint", path, "-S", f"output_dir={tmp_path}/run"])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith(f"Error: --checkpoint: {path} does not exist — give a "), r.output
+    assert "save_pretrained" in r.output and "Repo id" not in r.output and "Traceback" not in r.output
+
+
+def test_eval_refuses_a_directory_given_as_a_ckpt(tmp_path: Path):
+    d = tmp_path / "last.ckpt"
+    d.mkdir()
+    r = CliRunner().invoke(load_commands(), ["eval", "--checkpoint", str(d)])
+    assert r.exit_code == 2 and f"--checkpoint: {d} is a directory — give a Lightning checkpoint file" in r.output
+
+
+def test_a_hub_id_without_network_is_refused_at_once_with_the_ways_out(tmp_path: Path):
+    """Online (no ``HF_HUB_OFFLINE``) but the hub unreachable (``HF_ENDPOINT`` a closed loopback port): the
+    start-of-run check probes the hub once and refuses the uncached id with the same ways out as offline."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        port = closed.getsockname()[1]
+        cfg = tmp_path / "run.yaml"
+        model = "model:\n  name_or_path: Qwen/Qwen2.5-0.5B\n"
+        cfg.write_text(f"output_dir: {tmp_path}/run\nsft: {{enabled: false}}\n{model}")
+        env = {**os.environ, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf"),
+               "HF_ENDPOINT": f"http://127.0.0.1:{port}", "COMPOSER_MLFLOW": "0"}  # fmt: skip
+        for k in ("HF_HUB_CACHE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+            env.pop(k, None)
+        r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg)], env=env,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    finally:
+        closed.close()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.startswith(f"Error: {cfg}:4: model.name_or_path: 'Qwen/Qwen2.5-0.5B' is a hub id that is not "
+                               f"in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}), and the hub cannot be reached "
+                               f"(http://127.0.0.1:{port}: "), r.stderr  # fmt: skip
+    for way in ("— give a local directory", "hf download Qwen/Qwen2.5-0.5B", "HF_HOME", "HF_ENDPOINT"):
+        assert way in r.stderr, (way, r.stderr)
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
