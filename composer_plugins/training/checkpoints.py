@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -75,8 +74,9 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
 
 
 def _step_of(p: Path) -> int:
-    m = re.search(r"step=(\d+)", p.name)
-    return int(m.group(1)) if m else -1
+    from composer_plugins.training.inputs import checkpoint_step
+
+    return checkpoint_step(p)
 
 
 def good_checkpoints(directory: str | os.PathLike[str], exclude: str | os.PathLike[str] | None = None) -> list[Path]:

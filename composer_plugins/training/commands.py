@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,17 @@ def _check_inputs(cfg: Any, src: Any, checkpoint: str | None = None) -> None:
         check_checkpoint(checkpoint)
 
 
+def _clear_run(output_dir: str) -> None:
+    """``train --overwrite``: remove an earlier run's checkpoints, history and metrics from ``output_dir``."""
+    import shutil
+    from pathlib import Path
+
+    out = Path(output_dir)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for name in ("history.csv", "metrics.json"):
+        (out / name).unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
     """A ``model.name_or_path`` the loader could not load, reported at that key (file:line or override)."""
@@ -73,24 +85,45 @@ def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
 @click.command(name="train")
 @_config_options
 @click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
+@click.option("--overwrite", is_flag=True,
+              help="Start over in an output_dir that holds an earlier run's checkpoints (they and its history.csv "
+                   "are deleted); without it (or --resume) such a directory is refused.")  # fmt: skip
 @command_errors
 def train_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
-              set_overrides: tuple[str, ...], no_progress: bool, resume: str | None) -> None:  # fmt: skip
+              set_overrides: tuple[str, ...], no_progress: bool, resume: str | None,
+              overwrite: bool) -> None:  # fmt: skip
     """RL training: generate rollouts, score them with the env and optimise the composed loss channels.
+
+    Ctrl-C stops it with exit status 130, naming the step and the last checkpoint (continue with --resume last).
 
     Example: composer-plugins train -c run.yaml -S trainer.max_steps=20 -S losses.hint_distill.enabled=false
     """
     from composer_plugins.training.config import config_to_yaml
 
+    if resume and overwrite:
+        raise click.UsageError("--resume continues the run in output_dir and --overwrite deletes it: give one.")
     cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
     if print_config:
         click.echo(config_to_yaml(cfg), nl=False)
         return
     _check_inputs(cfg, src)
-    from composer_plugins.training.run import run_train  # torch, Lightning, transformers: after the config is good
+    if overwrite:
+        _clear_run(cfg.output_dir)
+    elif not resume:
+        from composer_plugins.training.inputs import check_fresh_output_dir
 
-    with _located_policy(cfg, src):
-        res = run_train(cfg, src, resume=resume)
+        check_fresh_output_dir(cfg, src)
+    try:
+        from composer_plugins.training.run import RunInterrupted, run_train  # torch, Lightning: the config is good
+
+        with _located_policy(cfg, src):
+            res = run_train(cfg, src, resume=resume)
+    except KeyboardInterrupt:
+        click.secho("interrupted before the first step; nothing to resume", err=True, fg="yellow")
+        sys.exit(130)
+    except RunInterrupted as e:
+        click.secho(str(e), err=True, fg="yellow")
+        sys.exit(130)
     if not res.is_global_zero:  # trainer.devices > 1: every rank runs this command; rank 0 reports
         return
     click.echo(json.dumps(res.metrics, indent=2, sort_keys=True))

@@ -21,8 +21,8 @@ from composer_plugins.core.io import iter_jsonl
 if TYPE_CHECKING:
     from composer_plugins.training.config import TrainConfig
 
-__all__ = ["check_checkpoint", "check_data_file", "check_hub_id", "check_inputs", "check_model_path",
-           "env_task_fields", "hub_unreachable"]  # fmt: skip
+__all__ = ["check_checkpoint", "check_data_file", "check_fresh_output_dir", "check_hub_id", "check_inputs",
+           "check_model_path", "checkpoint_step", "env_task_fields", "hub_unreachable"]  # fmt: skip
 
 #: Fields a task row may carry its prompt in (as :func:`composer_plugins.training.module.task_prompt` reads).
 TASK_PROMPT_KEYS = ("prompt", "question")
@@ -220,6 +220,27 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
             return None
     except OSError as e:
         return f"{parts.scheme}://{host}:{port}: {e.strerror or type(e).__name__}"
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The optimizer step in a checkpoint's name (``step=12.ckpt`` -> 12), or -1 (``last.ckpt``)."""
+    import re
+
+    m = re.search(r"step=(\d+)", Path(path).name)
+    return int(m.group(1)) if m else -1
+
+
+def check_fresh_output_dir(cfg: TrainConfig, src: Config, pre: str = "") -> None:
+    """``train`` without ``--resume``/``--overwrite`` refuses an ``output_dir`` that holds an earlier run's
+    checkpoints (it would start over and overwrite them and its ``history.csv``), located at ``output_dir``."""
+    ckpts = sorted(Path(cfg.output_dir, "checkpoints").glob("*.ckpt"))
+    if not ckpts:
+        return
+    step = max(checkpoint_step(p) for p in ckpts)
+    at = f" (the last at step {step})" if step >= 0 else ""
+    raise src.error(pre + "output_dir", f"{cfg.output_dir} already holds checkpoints of an earlier run{at} — "
+                                        "continue it with `--resume last`, start over with `--overwrite` (deletes "
+                                        "its checkpoints and history.csv), or give a new output_dir.")  # fmt: skip
 
 
 def check_checkpoint(checkpoint: str, key: str = "--checkpoint") -> None:

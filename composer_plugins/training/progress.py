@@ -104,6 +104,13 @@ class StepProgressBar(ProgressBar):
             self._bar.close()
             self._bar = None
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Ctrl-C or an error: close the bars, so what is printed next starts on a line of its own."""
+        for bar in (self._vbar, self._bar):
+            if bar is not None:
+                bar.close()
+        self._bar = self._vbar = None
+
     # -- evaluation ------------------------------------------------------------------------
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not self.is_enabled or trainer.sanity_checking:

@@ -48,6 +48,29 @@ class RunResult:
     is_global_zero: bool = True
 
 
+class RunInterrupted(Exception):
+    """Ctrl-C during :func:`run_train`: the step it stopped at and where to continue from (the CLI exits 130)."""
+
+    def __init__(self, step: int, checkpoint_step: int | None, checkpoint_dir: Path | None) -> None:
+        self.step, self.checkpoint_step, self.checkpoint_dir = step, checkpoint_step, checkpoint_dir
+        if checkpoint_step is not None:
+            then = f"last checkpoint at step {checkpoint_step}; continue with `--resume last`"
+        elif checkpoint_dir is None:
+            then = "this run writes no checkpoints (trainer.checkpoint_every_n_steps: 0); start over with `--overwrite`"
+        else:
+            then = "no checkpoint written yet; start over with `--overwrite`"
+        super().__init__(f"interrupted at step {step}; {then}")
+
+
+def _interrupted(trainer: Any, ckpt_dir: Path | None) -> RunInterrupted:
+    from composer_plugins.training.checkpoints import good_checkpoints
+    from composer_plugins.training.inputs import checkpoint_step
+
+    steps = [checkpoint_step(p) for p in good_checkpoints(ckpt_dir)] if ckpt_dir is not None else []
+    steps = [s for s in steps if s >= 0]
+    return RunInterrupted(int(trainer.global_step), max(steps) if steps else None, ckpt_dir)
+
+
 @quiet_lightning()
 def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
     """Run (or reuse from cache) the SFT warm start; copy the policy to ``<output_dir>/model``."""
@@ -155,23 +178,28 @@ def run_train(
     trainer = build_trainer(cfg, extra_callbacks=extra_callbacks, strategy=strategy, logger=logger)
     run_id = getattr(trainer.logger, "run_id", None) if trainer.logger else None
     start: dict[str, float] = {}
-    with quiet_lightning():
-        if cfg.eval.at_start and ckpt_path is None and val:
-            trainer.validate(module, dataloaders=val, verbose=False)
-            start = {k.replace("val/", "start/"): v for k, v in _val_metrics(trainer).items()}
-            if trainer.logger:
-                trainer.logger.log_metrics(start, step=0)
-        trainer.fit(
-            module,
-            train_dataloaders=stream,
-            val_dataloaders=val if cfg.trainer.val_every_n_steps else None,
-            ckpt_path=ckpt_path,
-            weights_only=False,
-        )
-        final: dict[str, float] = {}
-        if cfg.eval.at_end and val:
-            trainer.validate(module, dataloaders=val, verbose=False)
-            final = _val_metrics(trainer)
+    final: dict[str, float] = {}
+    try:
+        with quiet_lightning():
+            if cfg.eval.at_start and ckpt_path is None and val:
+                trainer.validate(module, dataloaders=val, verbose=False)
+                start = {k.replace("val/", "start/"): v for k, v in _val_metrics(trainer).items()}
+                if trainer.logger:
+                    trainer.logger.log_metrics(start, step=0)
+            trainer.fit(
+                module,
+                train_dataloaders=stream,
+                val_dataloaders=val if cfg.trainer.val_every_n_steps else None,
+                ckpt_path=ckpt_path,
+                weights_only=False,
+            )
+            if cfg.eval.at_end and val:
+                trainer.validate(module, dataloaders=val, verbose=False)
+                final = _val_metrics(trainer)
+    except SystemExit:  # Lightning's answer to Ctrl-C: tear down, then sys.exit(1)
+        if not trainer.interrupted:
+            raise
+        raise _interrupted(trainer, ckpt_dir) from None
     # data parallel: every rank holds the same policy (FSDP: gathered here); rank 0 writes the files
     with module.full_params(recurse=True):
         model_dir = module.export_pretrained(out / "model") if trainer.is_global_zero else out / "model"

@@ -56,3 +56,54 @@ def test_a_hub_id_without_network_is_refused_at_once_with_the_ways_out(tmp_path:
     for way in ("— give a local directory", "hf download Qwen/Qwen2.5-0.5B", "HF_HOME", "HF_ENDPOINT"):
         assert way in r.stderr, (way, r.stderr)
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def _train(cfg: Path, *args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "COMPOSER_MLFLOW": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_names_the_step_and_the_checkpoint_exits_130_and_a_rerun_must_choose(tmp_path: Path, tiny_yaml: str):
+    """A real ``train`` process sent SIGINT (what Ctrl-C sends) once it has checkpoints: it says where it stopped and
+    how to continue, exits 130 with the bar closed; the same command again is refused until --resume/--overwrite."""
+    import re
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(tiny_yaml + f"output_dir: {out}\n")
+    common = ["-S", "sft.enabled=false", "-S", "trainer.enable_progress_bar=true"]
+    proc = _train(cfg, *common, "-S", "trainer.max_steps=400")
+    try:
+        deadline = time.monotonic() + 240
+        while not any(p.name.startswith("step=") and p.name != "step=1.ckpt" for p in out.glob("checkpoints/*.ckpt")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint after 240 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err[-3000:]
+    m = re.search(r"(?m)^interrupted at step (\d+); last checkpoint at step (\d+); continue with `--resume last`$", err)
+    assert m, err[-3000:]  # on a line of its own: the bar was closed before it
+    step, ckpt = int(m.group(1)), int(m.group(2))
+    assert 2 <= ckpt <= step < 400 and (out / "checkpoints" / f"step={ckpt}.ckpt").is_file()
+    assert "Traceback" not in err
+    # the same command again would start over on top of those checkpoints: refused, with both ways on
+    again = _train(cfg, *common, "-S", "trainer.max_steps=400")
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 2, err[-3000:]
+    assert f"already holds checkpoints of an earlier run (the last at step {ckpt})" in err
+    assert "`--resume last`" in err and "`--overwrite`" in err
+    # --overwrite starts over: the old checkpoints and history are gone, a fresh 1-step run is there
+    fresh = _train(cfg, *common, "-S", "trainer.max_steps=1", "--overwrite")
+    _, err = fresh.communicate(timeout=240)
+    assert fresh.returncode == 0, err[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step=1.ckpt"]
+    assert len((out / "history.csv").read_text().splitlines()) == 2
