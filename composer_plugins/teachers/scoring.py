@@ -124,6 +124,13 @@ class TeacherScorer:
         self.topk = int(topk)
         self.stats = ScorerStats()
         self.student_tokenizer: Any = None
+        #: The last failed call's reason (what the console warning and the end-of-run summary quote).
+        self.last_error = ""
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where the teacher answers (a URL without user info or query string), or ``None`` for a local one."""
+        return None
 
     def bind(self, student_tokenizer: Any) -> None:
         """Learn the student's tokenizer (its vocabulary is the one scores are returned in)."""
@@ -475,6 +482,12 @@ class ServerScorer(TeacherScorer):
         self._aligner = _Aligner(tok, student_tokenizer, self.topk)
 
     @property
+    def endpoint(self) -> str | None:
+        from composer_plugins.core.config import redact_url
+
+        return redact_url(str(self.client.http.base_url))
+
+    @property
     def cache(self) -> Any:
         if self._cache is None and self.cache_path is not None:
             from composer_plugins.teachers.cache import ReplayCache
@@ -526,6 +539,8 @@ class ServerScorer(TeacherScorer):
                 sc.mask[:pad] = False
             out.append(sc)
         st = res.stats
+        if res.failures:
+            self.last_error = res.failures[-1].message
         self.stats.rows += len(requests)
         self.stats.calls += st.calls
         self.stats.cache_hits += st.cache_hits
@@ -549,6 +564,8 @@ class ScoringJob:
 
     futures: dict[str, cf.Future]
     started: float = field(default_factory=time.monotonic)
+    #: Why a teacher was left out of the last :meth:`collect` (failed: its error; late: the deadline).
+    reasons: dict[str, str] = field(default_factory=dict)
 
     def collect(self, deadline_s: float | None) -> tuple[dict[str, list[TeacherScores | None]], dict[str, float]]:
         """Wait at most ``deadline_s`` (from now) for the scorers; ``(scores by teacher, metrics)``.
@@ -566,9 +583,11 @@ class ScoringJob:
                 continue
             if fut in done:
                 log.warning("teacher %r failed to score this batch; its term is skipped: %s", name, fut.exception())
+                self.reasons[name] = f"failed: {type(fut.exception()).__name__}: {fut.exception()}"
             else:
                 log.warning("teacher %r missed the %.3gs deadline; its term is skipped for this batch", name,
                             deadline_s or 0.0)  # fmt: skip
+                self.reasons[name] = f"missed the {deadline_s or 0.0:.3g}s deadline"
                 fut.cancel()
             metrics[f"teacher/{name}/skipped"] = 1.0
         return scores, metrics
@@ -598,6 +617,42 @@ class ScoringPool:
         reqs = list(requests)
         return ScoringJob({s.id: self._pools[s.id].submit(s.score, reqs) for s in self.scorers})
 
+    def step_report(self, reasons: Mapping[str, str] | None = None) -> list[str]:
+        """One line per teacher that failed rows (or was left out: ``reasons``) since the last report.
+
+        Called once per step; each line names the teacher, its endpoint (no secrets), the failed rows of
+        the step and the reason. The counts also add up to :meth:`summary`.
+        """
+        reasons = dict(reasons or {})
+        seen = getattr(self, "_seen", None)
+        if seen is None:
+            seen = self._seen = {s.id: (0, 0) for s in self.scorers}
+            self._bad_steps = dict.fromkeys(seen, 0)
+        lines = []
+        for s in self.scorers:
+            f0, r0 = seen[s.id]
+            failed, rows = s.stats.failures - f0, s.stats.rows - r0
+            seen[s.id] = (s.stats.failures, s.stats.rows)
+            if not failed and s.id not in reasons:
+                continue
+            self._bad_steps[s.id] += 1
+            what = (f"{failed} of {rows} rows failed this step" + (f" ({s.last_error})" if s.last_error else "")
+                    if failed else reasons[s.id])  # fmt: skip
+            lines.append(f"teacher {s.id!r}{_at(s)}: {what}; its term is skipped for them")
+        return lines
+
+    def summary(self) -> list[str]:
+        """One line per teacher that failed at least once over the run: failed rows, steps and the last reason."""
+        bad = getattr(self, "_bad_steps", {})
+        lines = []
+        for s in self.scorers:
+            if not s.stats.failures and not bad.get(s.id):
+                continue
+            last = f"; last error: {s.last_error}" if s.last_error else ""
+            lines.append(f"teacher {s.id!r}{_at(s)}: {s.stats.failures} of {s.stats.rows} rows failed over the run, "
+                         f"in {bad.get(s.id, 0)} steps{last}")  # fmt: skip
+        return lines
+
     def stats(self) -> dict[str, float]:
         """Cumulative per-teacher counters, as metrics."""
         out: dict[str, float] = {}
@@ -611,6 +666,10 @@ class ScoringPool:
             p.shutdown(wait=False, cancel_futures=True)
         for s in self.scorers:
             s.close()
+
+
+def _at(scorer: TeacherScorer) -> str:
+    return f" ({scorer.endpoint})" if scorer.endpoint else ""
 
 
 def build_scorers(specs: Sequence[Any]) -> list[TeacherScorer]:

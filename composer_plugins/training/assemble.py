@@ -431,7 +431,7 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
 
     from composer_plugins.losses.teacher_distill import TeacherTopK
     from composer_plugins.teachers.scoring import ScoringJob
-    from composer_plugins.training.teacher_scores import start_teacher_scoring
+    from composer_plugins.training.teacher_scores import report_teacher_failures, start_teacher_scoring
 
     r, pool = asm.record, asm.policy.teacher_scoring
     start_teacher_scoring(r, pool)  # no-op when the trainer started it (or gave scores)
@@ -439,9 +439,11 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
         asm.get("hidden_states")  # the student's forward first: scoring overlaps it
     pending = {k: v for k, v in r.teacher_scores.items() if isinstance(v, cf.Future)}
     if pending:
-        done, stats = ScoringJob(pending).collect(getattr(pool, "deadline_s", None))
+        job = ScoringJob(pending)
+        done, stats = job.collect(getattr(pool, "deadline_s", None))
         asm.stats.update(stats)
         r.teacher_scores = {**{k: v for k, v in r.teacher_scores.items() if k not in pending}, **done}
+        report_teacher_failures(pool, job.reasons)  # the step's futures are collected once: one line per step
     if pool is not None:
         asm.stats.update(pool.stats())
     scores = {k: v for k, v in r.teacher_scores.items() if v is not None}

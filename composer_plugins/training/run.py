@@ -24,6 +24,7 @@ from composer_plugins.training.builders import build_env, mlflow_settings
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.policy import load_policy_for, resolve_policy
 from composer_plugins.training.strategy import build_strategy
+from composer_plugins.training.teacher_scores import teacher_summary
 from composer_plugins.training.trainer import (
     HistoryCallback,
     build_trainer,
@@ -199,7 +200,9 @@ def run_train(
     except SystemExit:  # Lightning's answer to Ctrl-C: tear down, then sys.exit(1)
         if not trainer.interrupted:
             raise
+        teacher_summary(getattr(module, "teacher_scoring", None))
         raise _interrupted(trainer, ckpt_dir) from None
+    teacher_summary(getattr(module, "teacher_scoring", None))  # teachers that failed, once more at the end
     # data parallel: every rank holds the same policy (FSDP: gathered here); rank 0 writes the files
     with module.full_params(recurse=True):
         model_dir = module.export_pretrained(out / "model") if trainer.is_global_zero else out / "model"

@@ -21,7 +21,29 @@ from typing import Any
 
 from composer_plugins.training.step import StepRecord
 
-__all__ = ["build_teacher_scoring", "score_requests", "start_teacher_scoring", "teacher_channels"]
+__all__ = ["build_teacher_scoring", "console_warning", "report_teacher_failures", "score_requests",
+           "start_teacher_scoring", "teacher_channels", "teacher_summary"]  # fmt: skip
+
+
+def console_warning(line: str) -> None:
+    """``warning: <line>`` on stderr, above a running progress bar (``tqdm.write``), never a silent log record."""
+    import sys
+
+    from tqdm import tqdm
+
+    tqdm.write(f"warning: {line}", file=sys.stderr)
+
+
+def report_teacher_failures(pool: Any, reasons: Any = None) -> None:
+    """Once per step: a console warning per teacher whose rows failed (or that was left out) in this step."""
+    for line in pool.step_report(reasons) if pool is not None else ():
+        console_warning(line)
+
+
+def teacher_summary(pool: Any) -> None:
+    """At the end of a run: one console line per teacher that failed at some step (failed rows, steps, reason)."""
+    for line in pool.summary() if pool is not None else ():
+        console_warning(line)
 
 
 def teacher_channels(channels: Sequence[Any]) -> list[Any]:

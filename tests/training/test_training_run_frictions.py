@@ -107,3 +107,42 @@ def test_ctrl_c_names_the_step_and_the_checkpoint_exits_130_and_a_rerun_must_cho
     assert fresh.returncode == 0, err[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step=1.ckpt"]
     assert len((out / "history.csv").read_text().splitlines()) == 2
+
+
+def test_an_unreachable_teacher_is_warned_about_once_per_step_and_summarised(make_cfg, capsys, monkeypatch):
+    """A ``vllm`` scoring teacher on a closed loopback port: every step prints one console line naming the teacher,
+    its URL (no secret) and the failed rows, and the run ends with a summary; the key never reaches the console."""
+    import re
+
+    from composer_plugins.training.run import run_train
+
+    monkeypatch.setenv("FRICTION_TEACHER_KEY", "sk-do-not-print-0123456789")
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    try:
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+        cfg, src = make_cfg(
+            f"""
+            losses:
+              grpo: {{weight: 1.0}}
+              hint_distill: {{weight: 0.0}}
+              teacher_distill:
+                weight: 0.5
+                teachers:
+                  - {{kind: vllm, id: far, model: m, base_url: "{url}", api_key_env: FRICTION_TEACHER_KEY, topk: 4,
+                     max_retries: 0, timeout_s: 5}}
+            """,
+            "sft.enabled=false",
+        )
+        res = run_train(cfg, src)
+    finally:
+        closed.close()
+    err = capsys.readouterr().err
+    rows = 2 * 4  # prompts_per_step x num_generations of the tiny config
+    step_lines = re.findall(rf"(?m)^warning: teacher 'far' \({re.escape(url)}\): {rows} of {rows} rows failed this "
+                            r"step \((.+)\); its term is skipped for them$", err)  # fmt: skip
+    assert len(step_lines) == 2, err  # max_steps 2: once per step, not once per row or request
+    assert re.search(rf"(?m)^warning: teacher 'far' \({re.escape(url)}\): {2 * rows} of {2 * rows} rows failed "
+                     r"over the run, in 2 steps; last error: .+$", err), err  # fmt: skip
+    assert "sk-do-not-print" not in err
+    assert [r["train/teacher/far/failures"] for r in res.history] == [rows, 2 * rows]
