@@ -27,6 +27,16 @@ def silence() -> None:
     """Turn every progress bar off for this process and its children."""
     os.environ[ENV] = "0"
     os.environ["TQDM_DISABLE"] = "1"
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Turn off the bars the libraries draw on their own (transformers' "Loading weights", Hub downloads, MLflow
+    uploads), for this process and its children, leaving the project's own bar and progress lines alone.
+
+    What a run whose bar is off in its config does (``trainer.enable_progress_bar: false``, the DVC stages):
+    a library's bar would otherwise be the only one left, in the middle of a log.
+    """
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     hub = sys.modules.get("huggingface_hub.utils")

@@ -5,7 +5,6 @@ Heavy imports (torch, transformers, mlflow) happen only when a command runs.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +24,23 @@ def _params_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _load(params_path: str, overrides: tuple[str, ...]) -> Any:
+    from composer_plugins.core import progress
     from composer_plugins.pipeline.study import load_params
 
+    # a stage's output is a log (dvc repro): no library bar (transformers' "Loading weights") in it
+    progress.quiet_libraries()
     return load_params(params_path, overrides)
+
+
+def summary_line(stage: str, values: Any, where: str = "") -> str:
+    """A stage's one line for the console (``dvc repro``): ``<stage>: k=v k=v -> <where>``; the full metrics
+    are in the files the stage writes, not on the console."""
+    parts = []
+    for k, v in (values or {}).items():
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    return f"{stage}: {' '.join(parts)}{f' -> {where}' if where else ''}".replace(":  ->", ": ->")
 
 
 @click.command(name="prepare")
@@ -65,7 +78,7 @@ def rollout_cmd(params_path: str, overrides: tuple[str, ...], model: str, tasks_
     from composer_plugins.pipeline.stages import rollout
 
     stats = rollout(_load(params_path, overrides), model, tasks_path, out)
-    click.echo(json.dumps(stats, indent=2))
+    click.echo(summary_line("rollout", stats, f"{out} (stats: {out}.stats.json)"))
 
 
 @click.command(name="replay-config")
@@ -97,11 +110,16 @@ def replay_config_cmd(params_path: str, overrides: tuple[str, ...], out: str) ->
 @command_errors
 def pairs_cmd(params_path: str, overrides: tuple[str, ...], traces: str, cache: str, out: str) -> None:
     """Agreement-k preference pairs + data-juicer normalisation from the teacher cache (never pays)."""
+    from pathlib import Path
+
     from composer_plugins.pipeline.stages import pairs
 
     summary = pairs(_load(params_path, overrides), traces, cache, out)
-    click.echo(json.dumps({"pairs": summary.get("pairs"), "normalize": summary.get("normalize")}, indent=2,
-                          default=str))  # fmt: skip
+    counts = {"pairs": summary.get("pairs")}
+    norm = summary.get("normalize")
+    if isinstance(norm, dict):
+        counts.update({f"normalize/{k}": v for k, v in norm.items()})
+    click.echo(summary_line("pairs", counts, f"{out} (stats: {Path(out).with_suffix('.stats.json')})"))
 
 
 @click.group(name="study")
@@ -153,10 +171,14 @@ def study_train_cmd(params_path: str, overrides: tuple[str, ...], variant: str, 
     With ``train.diloco.replicas > 1`` the cell trains with DiLoCo (``composer-plugins diloco``);
     replica 0's model, history and metrics are then copied to the cell's directory.
     """
-    from composer_plugins.pipeline.stages import train_cell
+    from composer_plugins.pipeline.stages import PATHS, train_cell
+    from composer_plugins.pipeline.study import run_name
 
     res = train_cell(_load(params_path, overrides), variant, seed, pairs=pairs or None, model=model)
-    click.echo(json.dumps(res, indent=2, sort_keys=True))
+    cell = f"{PATHS['runs']}/{run_name(variant, seed)}"
+    keys = ("train/reward_mean_over_steps", "train/reward", "train/loss", "val/accuracy")
+    click.echo(summary_line(f"train@{run_name(variant, seed)}", {k: res[k] for k in keys if k in res},
+                            f"{cell}/model (metrics: {cell}/metrics.json, history.csv)"))  # fmt: skip
 
 
 @study_group.command(name="eval")
@@ -184,8 +206,8 @@ def study_eval_cmd(params_path: str, overrides: tuple[str, ...], variant: str | 
     # the SFT baseline run also records the warm start's own metrics (sft/loss)
     tm = f"{PATHS['runs']}/{name}/metrics.json" if variant else str(Path(model).parent / "metrics.json")
     res = evaluate(_load(params_path, overrides), variant, seed, model, out, history=hist, train_metrics=tm)
-    held_out = {k: v for k, v in res["metrics"].items() if not k.startswith(("train/", "sft/"))}
-    click.echo(json.dumps(held_out, indent=2, sort_keys=True))
+    held_out = {k: v for k, v in sorted(res["metrics"].items()) if not k.startswith(("train/", "sft/"))}
+    click.echo(summary_line(f"eval@{name}", held_out, out))
 
 
 @click.command(name="report")

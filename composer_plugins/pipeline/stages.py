@@ -257,9 +257,12 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
     policy, tok = load_policy(model)
     rows: list[dict[str, Any]] = []
     rewards: list[float] = []
-    from tqdm.auto import tqdm
+    import sys
 
-    for b0 in tqdm(range(0, len(tasks), bs), desc="rollout", unit="batch"):
+    report_every = max(bs, -(-len(tasks) // 4 // bs) * bs)  # about four progress lines (a log, not a bar)
+    for b0 in range(0, len(tasks), bs):
+        if b0 and b0 % report_every == 0:
+            print(f"rollout: {b0}/{len(tasks)} prompts", file=sys.stderr, flush=True)
         chunk = tasks[b0 : b0 + bs]
         ro = generate_completions(
             policy, tok, [task_prompt(t) for t in chunk], G,

@@ -161,6 +161,10 @@ class TrainerSection:
     checkpoint_every_n_steps: int = 10
     keep_checkpoints: int = 1
     enable_progress_bar: bool = True
+    #: With the bar off (``enable_progress_bar: false``, as in the DVC stages), one line on stderr every N
+    #: optimizer steps and at the last: ``train runs/x: step 20/40 reward=0.41 loss=0.093 (31 s)``; 0: none.
+    #: ``--no-progress`` silences the lines too.
+    progress_every_n_steps: int = 10
     accelerator: str = "cpu"
     devices: Any = 1
     #: ``auto``, ``ddp``, ``fsdp`` (each decoder layer its own FSDP unit), any Lightning strategy name

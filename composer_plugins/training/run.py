@@ -158,6 +158,10 @@ def run_train(
     ckpt_dir = Path(cfg.output_dir) / "checkpoints" if cfg.trainer.checkpoint_every_n_steps > 0 else None
     ckpt_path = resolve_resume(resume, ckpt_dir)
     set_threads(cfg)
+    if not cfg.trainer.enable_progress_bar:
+        from composer_plugins.core import progress
+
+        progress.quiet_libraries()  # no "Loading weights" bar alone in a run whose own bar is off
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = build_env(cfg, src) if module is None else module.env

@@ -71,6 +71,8 @@ def progress_bar(phase: str, configured: bool) -> Any:
     if not progress.enabled(configured):
         if not progress.enabled():
             progress.silence()
+        else:
+            progress.quiet_libraries()  # our bar is off: no library's bar alone in the log either
         return None
     from composer_plugins.training.progress import StepProgressBar
 
@@ -141,6 +143,13 @@ def build_trainer(
     bar = progress_bar("train", t.enable_progress_bar)
     if bar is not None:
         callbacks.append(bar)
+    else:
+        from composer_plugins.core import progress
+
+        if progress.enabled() and t.progress_every_n_steps > 0:
+            from composer_plugins.training.progress import StepLines
+
+            callbacks.append(StepLines(f"train {cfg.output_dir}", t.progress_every_n_steps))
     val_every = t.val_every_n_steps
     kw: dict[str, Any] = {
         "max_steps": t.max_steps,
