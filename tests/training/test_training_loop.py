@@ -192,7 +192,7 @@ def test_cli_sft_train_eval(tiny_yaml, tmp_path):
                             f"model.name_or_path={tmp_path}/sft/model", "sft.enabled=false"],
                       catch_exceptions=False)  # fmt: skip
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output[: r.output.rindex("}") + 1])
+    out = json.loads(r.stdout[: r.stdout.rindex("}") + 1])  # stderr carries the progress lines
     assert "train/loss" in out and "train/grpo/loss" in out
     assert (tmp_path / "rl" / "model" / "config.json").exists() and (tmp_path / "rl" / "history.csv").exists()
     assert json.loads((tmp_path / "rl" / "metrics.json").read_text())["train/loss"] == out["train/loss"]
