@@ -141,3 +141,29 @@ def test_monarch_actors_train_on_a_local_process_mesh(make_config, tiny_model_di
     assert [r["step"] for r in res.history] == [1.0, 2.0]
     assert res.metrics["monarch/generators_in_sync"] == 1.0  # the trainer's weights reached every generator
     assert _moved(res.model_dir, tiny_model_dir)
+
+
+def test_trl_pairs_keep_the_native_prompt_length(make_config, monkeypatch):
+    """The TRL adapter keeps ``rollout.max_prompt_length`` prompt tokens per preference pair, as the native module
+    does (not the hint context length)."""
+    import composer_plugins_trl.backend as trl_backend
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    class Spy(trl_backend.ComposerGRPOTrainer):
+        def train(self, *args, **kwargs):
+            seen["policy"] = self.step_policy(self.model)
+            raise Stop
+
+    rollout = {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6, "max_prompt_length": 37}
+    hints = {"provider": {"class_path": "backend_envs.AnswerHints"}, "max_context_length": 300}
+    cfg = make_config(ALL_CHANNELS, rollout=rollout, hints=hints)
+    backend = build("backends", "trl", config=cfg)
+    monkeypatch.setattr(trl_backend, "ComposerGRPOTrainer", Spy)
+    with pytest.raises(Stop):
+        backend.train()
+    assert seen["policy"].pair_prompt_length == 37 == backend.config.rollout.max_prompt_length
+    assert seen["policy"].max_context_length == 300

@@ -1,4 +1,6 @@
-"""TRL backend: ComposerGRPOTrainer's loss equals GRPOTrainer's, and trains with every channel live."""
+"""TRL backend: ComposerGRPOTrainer's composed ``compute_loss`` equals TRL's own ``GRPOTrainer._compute_loss`` on
+the same batch (loss and gradient, six loss types; the comparison sees a doubled loss), and trains with every
+channel live."""
 
 from __future__ import annotations
 
@@ -80,14 +82,27 @@ def test_policy_channel_loss_and_gradient_equal_trl(tiny_model_dir, tmp_path, na
     inputs["advantages"] = torch.randn(mask.shape[0], generator=g)
     assert "ref_per_token_logps" in inputs  # beta != 0: TRL computed reference log-probs
 
+    # the two sides are different code: the project's override (defined on its own class, the composed
+    # channels) and TRL's GRPOTrainer._compute_loss, called explicitly on the same trainer and batch
+    assert "compute_loss" in ComposerGRPOTrainer.__dict__
+    assert "_compute_loss" not in ComposerGRPOTrainer.__dict__
+    assert ComposerGRPOTrainer.compute_loss is not GRPOTrainer.compute_loss
     params = [p for p in tr.model.parameters() if p.requires_grad]
-    ours = tr._compute_loss(tr.model, inputs)
+    ours = ComposerGRPOTrainer.compute_loss(tr, tr.model, inputs)
     g_ours = torch.autograd.grad(ours, params)
     theirs = GRPOTrainer._compute_loss(tr, tr.model, inputs)
     g_theirs = torch.autograd.grad(theirs, params)
+    assert float(theirs.detach().abs()) > 1e-4  # a loss that a doubling can be seen in
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
     for a, b in zip(g_ours, g_theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # the comparison sees a mutation of the composed side: the channel at weight 2 doubles the loss
+    (channel,) = tr.composer.active
+    channel.weight *= 2.0
+    doubled = ComposerGRPOTrainer.compute_loss(tr, tr.model, inputs)
+    torch.testing.assert_close(doubled, 2.0 * theirs, rtol=1e-6, atol=1e-7)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(doubled, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_training_steps_with_every_channel_live(tiny_model_dir, tmp_path):

@@ -93,6 +93,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         max_hint_length: teacher-context tokens kept (from the right).
         pairs: preference pairs (``prompt``, ``chosen``, ``rejected``) or a JSONL path, for replay channels.
         pairs_per_step: pairs scored per micro-batch.
+        pair_prompt_length: prompt tokens kept per pair (the native path's ``rollout.max_prompt_length``).
         pair_max_length: completion tokens kept per pair side.
     """
 
@@ -107,6 +108,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         max_hint_length: int = 256,
         pairs: Sequence[Mapping[str, str]] | str | None = None,
         pairs_per_step: int = 4,
+        pair_prompt_length: int = 192,
         pair_max_length: int = 128,
         **kwargs: Any,
     ) -> None:
@@ -148,6 +150,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if self.needs_pairs and not self.pairs:
             raise ConfigError("a replay channel is live but no preference pairs were given", key="pairs")
         self.pairs_per_step = int(pairs_per_step)
+        self.pair_prompt_length = int(pair_prompt_length)
         self.pair_max_length = int(pair_max_length)
         self._pair_reference: Any = None
         if self.needs_pairs and self.ref_model is None:
@@ -287,11 +290,23 @@ class ComposerGRPOTrainer(GRPOTrainer):
             result[i] = text
         return result
 
+    def step_policy(self, model: Any) -> Any:
+        """The models and settings the assembler builds channel inputs with (as the native module's)."""
+        from composer_plugins.training.assemble import StepPolicy
+
+        return StepPolicy(
+            model=model, tokenizer=self.processing_class, teacher=self.ema_teacher,
+            reference=self.ref_model if self.ref_model is not None else self._pair_reference,
+            temperature=self.temperature, max_context_length=self.max_hint_length,
+            pair_prompt_length=self.pair_prompt_length, pair_max_length=self.pair_max_length,
+            teacher_scoring=self.teacher_scoring,
+        )  # fmt: skip
+
     # -- the loss (the Trainer's public hook) ------------------------------------------------------
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:  # fmt: skip
         """The composed loss of one micro-batch: its step record, the assembled channel inputs, the composer."""
-        from composer_plugins.training.assemble import StepPolicy, assemble_inputs
+        from composer_plugins.training.assemble import assemble_inputs
         from composer_plugins.training.step import StepRecord, sample_pairs
 
         if return_outputs:
@@ -333,14 +348,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         given: dict[str, Any] = {"logprobs": per_token_logps, "num_items_in_batch": n_items}
         if self.use_vllm and self.vllm_importance_sampling_correction:
             given["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
-        policy = StepPolicy(
-            model=model, tokenizer=self.processing_class, teacher=self.ema_teacher,
-            reference=self.ref_model if self.ref_model is not None else self._pair_reference,
-            temperature=self.temperature, max_context_length=self.max_hint_length,
-            pair_prompt_length=self.max_hint_length, pair_max_length=self.pair_max_length,
-            teacher_scoring=self.teacher_scoring,
-        )  # fmt: skip
-        channel_inputs, stats = assemble_inputs(record, self.composer, policy, given=given)
+        channel_inputs, stats = assemble_inputs(record, self.composer, self.step_policy(model), given=given)
         loss, metrics = self.composer(channel_inputs, channel_inputs)
         if mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
@@ -540,7 +548,7 @@ class TRLBackend(Backend):
             processing_class=tok, channels=composer, hint_provider=hint_provider, hint_env=env,
             hint_threshold=c.rollout.success_threshold, max_hinted_per_step=c.hints.max_hinted_per_step,
             max_hint_length=c.hints.max_context_length, pairs=pairs, pairs_per_step=c.replay.pairs_per_step,
-            pair_max_length=c.replay.max_completion_length,
+            pair_prompt_length=c.rollout.max_prompt_length, pair_max_length=c.replay.max_completion_length,
         )  # fmt: skip
         trainer.train()
         history = []
