@@ -267,7 +267,7 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
             top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)), seed=seed * 100_003 + b0,
             max_prompt_length=r.get("max_prompt_length"),
         )  # fmt: skip
-        rs = env_rewards(env, chunk, ro.completions, G)
+        rs = env_rewards(env, chunk, ro.completions, G, unscorable=0.0)  # traces: unscorable = not correct
         for j, (comp, rew) in enumerate(zip(ro.completions, rs, strict=True)):
             i = b0 + j // G
             task = tasks[i]

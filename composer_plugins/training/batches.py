@@ -9,6 +9,7 @@ backends share; one step's scored rollouts are a :class:`~composer_plugins.train
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -120,13 +121,19 @@ def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str
     return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
 
 
-def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int) -> list[float]:
-    """Rewards from ``env.reward(prompts, completions, **task_columns)``; ``None`` (unscorable) counts as 0."""
+def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int,
+                unscorable: float = math.nan) -> list[float]:  # fmt: skip
+    """Rewards from ``env.reward(prompts, completions, **task_columns)``.
+
+    ``None`` (unscorable) becomes ``unscorable``: NaN by default, so that ``group_advantages`` leaves
+    the row out of its group's statistics and gives it advantage 0, as TRL does with a reward function's
+    ``None``. Evaluation passes ``0.0`` (an unscorable answer is not a correct one).
+    """
     prompts = [task_prompt(t) for t in tasks for _ in range(repeat)]
     rewards = env.reward(prompts, list(completions), **task_kwargs(tasks, repeat))
     if len(rewards) != len(completions):
         raise ValueError(f"env.reward returned {len(rewards)} rewards for {len(completions)} completions")
-    return [0.0 if r is None else float(r) for r in rewards]
+    return [float(unscorable) if r is None else float(r) for r in rewards]
 
 
 def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:

@@ -19,6 +19,7 @@ fed (task streams, prompts, rewards) is :mod:`~composer_plugins.training.batches
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,9 @@ class ComposerModule(L.LightningModule):
         self.last_step_stats: dict[str, float] = {}
         #: The step record the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
+        #: Optimizer steps taken outside a Lightning ``Trainer`` (Monarch's trainer actor), advanced by
+        #: :meth:`count_optimizer_step`; under a ``Trainer`` its ``global_step`` is the count.
+        self.local_steps = 0
 
     @property
     def reference(self) -> Any:
@@ -303,6 +307,18 @@ class ComposerModule(L.LightningModule):
             teacher_scoring=self.teacher_scoring,
         )  # fmt: skip
 
+    @property
+    def optimizer_step_count(self) -> int:
+        """Optimizer steps taken so far: the ``Trainer``'s ``global_step``, or without a ``Trainer`` (a loop that
+        drives the module itself, as Monarch's trainer actor) :attr:`local_steps`."""
+        return int(self._trainer.global_step) if self._trainer is not None else int(self.local_steps)
+
+    def count_optimizer_step(self) -> None:
+        """Count one optimizer step taken without a ``Trainer`` (step-scheduled settings, TAID's ``t``, move on)."""
+        if self._trainer is not None:
+            raise RuntimeError("the Trainer counts the optimizer steps of a module it runs (global_step)")
+        self.local_steps += 1
+
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs).
 
@@ -311,7 +327,7 @@ class ComposerModule(L.LightningModule):
         loss is computed once over the whole batch, so it equals the one-shot loss for every channel.
         """
         self.last_rollout = rec
-        rec.step = self.global_step  # schedules inside channels (TAID's t) follow the optimizer step
+        rec.step = self.optimizer_step_count  # schedules inside channels (TAID's t) follow the optimizer step
         rec.total_steps = self.cfg.trainer.max_steps
         if self.needs_pairs and self.pairs:
             rec.pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed)
@@ -324,11 +340,17 @@ class ComposerModule(L.LightningModule):
         loss, metrics = self.composer(inputs, inputs)
         rewards, G = rec.rewards, rec.num_generations
         stats.update(scalar_metrics(metrics))
-        stats["reward"] = float(rewards.mean())
-        stats["accuracy"] = float((rewards >= self.cfg.rollout.success_threshold).float().mean())
+        from composer_plugins.losses.functional import nanstd
+
+        # unscorable rows (NaN rewards) are left out of the reward statistics, as out of the advantages
+        scorable = ~torch.isnan(rewards)
+        stats["reward"] = float(rewards[scorable].mean()) if bool(scorable.any()) else math.nan
+        ok = rewards[scorable] >= self.cfg.rollout.success_threshold
+        stats["accuracy"] = float(ok.float().mean()) if bool(scorable.any()) else math.nan
+        stats["unscorable"] = float((~scorable).float().mean())
         stats["completion_tokens"] = float(rec.completion_mask.sum())
         stats["completion_length"] = float(rec.completion_mask.sum(1).float().mean())
-        stats["groups_with_signal"] = float((rewards.view(-1, G).std(1) > 0).float().mean())
+        stats["groups_with_signal"] = float((nanstd(rewards.view(-1, G), dim=1) > 0).float().mean())
         return loss, stats
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

@@ -219,10 +219,12 @@ class TrainerActor(Actor):
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.zeros(())
         self.optimizer.step()
         self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
+        # no Lightning Trainer here: the module counts its optimizer steps (TAID's t, step-scheduled hints)
+        self.module.count_optimizer_step()
         self.steps += 1
         out = scalar_metrics(stats)
         out.update(loss=float(loss.detach()), grad_norm=float(norm), trainer_step_time=time.perf_counter() - t0,
-                   trainer_pid=float(os.getpid()))  # fmt: skip
+                   trainer_pid=float(os.getpid()), record_step=float(self.module.last_rollout.step))  # fmt: skip
         return out
 
     @endpoint
@@ -339,7 +341,8 @@ class MonarchSession:
         stats = await self.trainer.train_step.call_one(tasks, rollout, rewards, step)
         weights = await self.trainer.weights.call_one()
         await self.generators.load_weights.call(weights, step + 1)
-        row = {"step": float(step + 1), "reward": float(sum(rewards) / max(len(rewards), 1)), **stats}
+        scored = [r for r in rewards if r == r]  # unscorable completions (NaN) are left out of the mean
+        row = {"step": float(step + 1), "reward": sum(scored) / len(scored) if scored else float("nan"), **stats}
         row["generator_pids"] = float(len({sh.get("pid") for sh in ordered if "pid" in sh}))
         row["step_time"] = time.perf_counter() - t0
         self.history.append(row)
