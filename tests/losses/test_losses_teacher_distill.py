@@ -360,3 +360,20 @@ def test_the_log_floor_reads_minus_inf_as_log_1e_30():
     lb, _, _ = _channel("hidden_states", b, mask)
     assert torch.isfinite(la) and ma["nonfinite"] == 0.0
     torch.testing.assert_close(la, lb, rtol=1e-12, atol=1e-14)
+
+
+def test_teacher_tokens_counts_what_the_channel_distils():
+    """The data-parallel denominator (``teacher_tokens``) follows the same rules as the channel: ids >= V, NaN
+    entries and weight-0 teachers do not make a token distilled."""
+    from composer_plugins.losses.teacher_distill import teacher_tokens
+
+    _, _, mask, _ = _leaves()
+    s = _two_teachers()
+    s.mask[:, 0, 1:3] = False  # tokens 1, 2: only b
+    s.ids[0, 0, 4] = V + 1  # row 0, token 4: a's entries all outside the vocabulary
+    s.logprobs[1, 0, 0] = math.nan  # row 1, token 0: a's entries all NaN
+    for weights in (None, {"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 1.0}):
+        _, m, _ = _channel("hidden_states", s, mask, weights=weights)
+        assert float(teacher_tokens(s, mask, V, weights)) == m["tokens"], weights
+    assert m["tokens"] == float(mask.sum())
+    assert float(teacher_tokens(s, mask, V, {"a": 1.0, "b": 0.0})) == float(mask.sum()) - 4 - 1 - 1
