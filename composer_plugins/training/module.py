@@ -19,7 +19,6 @@ fed (task streams, prompts, rewards) is :mod:`~composer_plugins.training.batches
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from composer_plugins.training.builders import build_channels, build_env, build_
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, fsdp_root, full_params, world
-from composer_plugins.training.metrics import PassAtK, Ratio, scalar_metrics
+from composer_plugins.training.metrics import PassAtK, Ratio, reward_stats, scalar_metrics
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
 from composer_plugins.training.teacher_scores import build_teacher_scoring, start_teacher_scoring
@@ -133,8 +132,7 @@ class ComposerModule(L.LightningModule):
         self.last_step_stats: dict[str, float] = {}
         #: The step record the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
-        #: Optimizer steps taken outside a Lightning ``Trainer`` (Monarch's trainer actor), advanced by
-        #: :meth:`count_optimizer_step`; under a ``Trainer`` its ``global_step`` is the count.
+        #: Optimizer steps taken without a ``Trainer`` (its loop, e.g. Monarch's trainer actor, adds 1 after each)
         self.local_steps = 0
 
     @property
@@ -307,18 +305,6 @@ class ComposerModule(L.LightningModule):
             teacher_scoring=self.teacher_scoring,
         )  # fmt: skip
 
-    @property
-    def optimizer_step_count(self) -> int:
-        """Optimizer steps taken so far: the ``Trainer``'s ``global_step``, or without a ``Trainer`` (a loop that
-        drives the module itself, as Monarch's trainer actor) :attr:`local_steps`."""
-        return int(self._trainer.global_step) if self._trainer is not None else int(self.local_steps)
-
-    def count_optimizer_step(self) -> None:
-        """Count one optimizer step taken without a ``Trainer`` (step-scheduled settings, TAID's ``t``, move on)."""
-        if self._trainer is not None:
-            raise RuntimeError("the Trainer counts the optimizer steps of a module it runs (global_step)")
-        self.local_steps += 1
-
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs).
 
@@ -327,7 +313,8 @@ class ComposerModule(L.LightningModule):
         loss is computed once over the whole batch, so it equals the one-shot loss for every channel.
         """
         self.last_rollout = rec
-        rec.step = self.optimizer_step_count  # schedules inside channels (TAID's t) follow the optimizer step
+        # schedules inside channels (TAID's t, step-scheduled hints) follow the optimizer step, Trainer or not
+        rec.step = self.global_step if self._trainer is not None else self.local_steps
         rec.total_steps = self.cfg.trainer.max_steps
         if self.needs_pairs and self.pairs:
             rec.pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed)
@@ -338,19 +325,10 @@ class ComposerModule(L.LightningModule):
         given = dp_normalisers(rec.completion_mask, hinted if self.needs_teacher else None)
         inputs, stats = assemble_inputs(rec, self.composer, self.step_policy(), given=given)
         loss, metrics = self.composer(inputs, inputs)
-        rewards, G = rec.rewards, rec.num_generations
         stats.update(scalar_metrics(metrics))
-        from composer_plugins.losses.functional import nanstd
-
-        # unscorable rows (NaN rewards) are left out of the reward statistics, as out of the advantages
-        scorable = ~torch.isnan(rewards)
-        stats["reward"] = float(rewards[scorable].mean()) if bool(scorable.any()) else math.nan
-        ok = rewards[scorable] >= self.cfg.rollout.success_threshold
-        stats["accuracy"] = float(ok.float().mean()) if bool(scorable.any()) else math.nan
-        stats["unscorable"] = float((~scorable).float().mean())
+        stats.update(reward_stats(rec.rewards, rec.num_generations, self.cfg.rollout.success_threshold))
         stats["completion_tokens"] = float(rec.completion_mask.sum())
         stats["completion_length"] = float(rec.completion_mask.sum(1).float().mean())
-        stats["groups_with_signal"] = float((nanstd(rewards.view(-1, G), dim=1) > 0).float().mean())
         return loss, stats
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

@@ -219,8 +219,8 @@ class TrainerActor(Actor):
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.zeros(())
         self.optimizer.step()
         self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
-        # no Lightning Trainer here: the module counts its optimizer steps (TAID's t, step-scheduled hints)
-        self.module.count_optimizer_step()
+        # no Lightning Trainer here: the module's step counter is ours to advance (TAID's t, step-scheduled hints)
+        self.module.local_steps += 1
         self.steps += 1
         out = scalar_metrics(stats)
         out.update(loss=float(loss.detach()), grad_norm=float(norm), trainer_step_time=time.perf_counter() - t0,
