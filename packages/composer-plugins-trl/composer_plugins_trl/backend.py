@@ -144,7 +144,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.hint_threshold = float(hint_threshold)
         self.max_hinted_per_step = max_hinted_per_step
         self.max_hint_length = int(max_hint_length)
-        self.chat_template = str(chat_template)
+        self.chat_mode = str(chat_template)  # not `chat_template`: TRL keeps its Jinja override under that name
         if isinstance(pairs, str):
             from composer_plugins.training.batches import load_pairs
 
@@ -152,7 +152,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         from composer_plugins.training.chat import pair_prompt
 
         tok = self.processing_class  # the pairs' prompts as the policy reads them (chat templates applied)
-        self.pairs: list[Mapping[str, str]] = [{**p, "prompt": pair_prompt(p, tok, self.chat_template)}
+        self.pairs: list[Mapping[str, str]] = [{**p, "prompt": pair_prompt(p, tok, self.chat_mode)}
                                                for p in pairs or []]  # fmt: skip
         if self.needs_pairs and not self.pairs:
             raise ConfigError("a replay channel is live but no preference pairs were given", key="pairs")
@@ -288,7 +288,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         contexts = teacher_contexts(self.hint_env, self.hint_provider, [dict(inputs[i]) for i in failed],
                                     [texts[i] for i in failed],
                                     groups=[groups[i] for i in failed] if groups is not None else None,
-                                    tokenizer=tok, chat_template=self.chat_template)  # fmt: skip
+                                    tokenizer=tok, chat_template=self.chat_mode)  # fmt: skip
         for i, text in zip(failed, contexts, strict=True):
             result[i] = text
         return result
@@ -335,7 +335,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             tok = self.processing_class
             record.prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
             record.completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
-            start_teacher_scoring(record, self.teacher_scoring, self.chat_template, inputs.get("chat_prompts"))
+            start_teacher_scoring(record, self.teacher_scoring, self.chat_mode, inputs.get("chat_prompts"))
         given: dict[str, Any] = {"logprobs": per_token_logps, "num_items_in_batch": n_items}
         if self.use_vllm and self.vllm_importance_sampling_correction:
             given["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
