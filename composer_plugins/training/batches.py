@@ -3,8 +3,8 @@
 :class:`TaskStream` (seeded, resumable, sharded by data-parallel rank) and :class:`StaticBatches` are the
 train and validation "dataloaders"; :func:`task_drawer` / :func:`eval_batches` build them from the config
 (env generator or JSONL). :func:`task_prompt` (from :mod:`~composer_plugins.training.chat`),
-:func:`env_rewards`, :func:`teacher_contexts`, :func:`rollout_groups` and :func:`load_pairs` are the task-level
-helpers the native loop and the backends share; one step's scored rollouts are a
+:func:`env_rewards`, :func:`teacher_contexts`, :func:`rollout_groups`, :func:`load_pairs` and :func:`render_pairs` are
+the task-level helpers the native loop and the backends share; one step's scored rollouts are a
 :class:`~composer_plugins.training.step.StepRecord`.
 """
 
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
-from composer_plugins.training.chat import PROMPT_KEYS, hinted_context, prompt_field, task_prompt
+from composer_plugins.training.chat import PROMPT_KEYS, hinted_context, pair_prompt, prompt_field, task_prompt
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.distributed import world
 
@@ -162,9 +162,7 @@ def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]]
     if len(hints) != len(requests):
         raise ValueError(f"{type(provider).__name__}.hints returned {len(hints)} hints for {len(requests)} requests")
     raw = [prompt_field(t) for t in tasks]
-    return [
-        hinted_context(p, str(h), tokenizer, chat_template) if h else None for p, h in zip(raw, hints, strict=True)
-    ]
+    return [hinted_context(p, str(h), tokenizer, chat_template) if h else None for p, h in zip(raw, hints, strict=True)]
 
 
 def sibling_group(completions: Sequence[Any], rewards: Sequence[float], success_threshold: float,
@@ -196,6 +194,12 @@ def load_pairs(path: str | Path) -> list[dict[str, str]]:
             raise ConfigError(f"preference pair lacks {missing}", file=str(path), line=n)
         pairs.append(row)
     return pairs
+
+
+def render_pairs(pairs: Sequence[Mapping[str, Any]], tokenizer: Any = None,
+                 chat_template: str = "auto") -> list[dict[str, Any]]:  # fmt: skip
+    """The preference pairs with their ``prompt`` as the policy reads it (``training.chat.pair_prompt``)."""
+    return [{**p, "prompt": pair_prompt(p, tokenizer, chat_template)} for p in pairs]
 
 
 def env_tasks(env: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:

@@ -21,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from composer_plugins.core.chat import is_conversation, read_chat_template, render_prompt
+from composer_plugins.core.chat import CHAT_MODES, is_conversation, read_chat_template, render_prompt
 
 __all__ = [
     "PROMPT_KEYS",
+    "check_chat_template",
     "hinted_context",
     "install_chat_template",
     "pair_prompt",
@@ -92,6 +93,31 @@ def pair_prompt(pair: Mapping[str, Any], tokenizer: Any = None, template: str = 
         if template != "auto" or getattr(tokenizer, "chat_template", None):
             return render_prompt(msgs, tokenizer, template)
     return str(p)
+
+
+def check_chat_template(value: Any, src: Any, key: str) -> None:
+    """``model.chat_template`` at load: ``auto``, ``none`` or a readable Jinja file that parses (located errors)."""
+    import os
+
+    if not isinstance(value, str) or not value.strip():
+        raise src.error(key, f"expected auto, none or the path of a Jinja chat-template file, got {value!r}.")
+    if value in CHAT_MODES:
+        return
+    if not os.path.isfile(value):
+        raise src.error(
+            key,
+            f"no chat-template file {value!r} (from {os.getcwd()}); give auto (the tokenizer's template), "
+            "none (plain text) or the path of a Jinja file.",
+            valid=list(CHAT_MODES),
+        )
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(read_chat_template(value))
+    except (OSError, UnicodeDecodeError) as e:
+        raise src.error(key, f"cannot read the chat template {value!r}: {e}.") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise src.error(key, f"{value}:{e.lineno}: the chat template is not valid Jinja: {e.message}.") from None
 
 
 def install_chat_template(tokenizer: Any, template: str) -> Any:

@@ -312,6 +312,8 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     if not cfg.eval.temperature >= 0:  # NaN included
         raise src.error(pre + "eval.temperature", f"must be >= 0 (0: greedy samples), got {cfg.eval.temperature}.")
     check_ranges(cfg, src, pre)
+    from composer_plugins.training.chat import check_chat_template
+
     check_chat_template(cfg.model.chat_template, src, pre + "model.chat_template")
     gen = cfg.rollout.generator
     gen_name = gen.get("name") if isinstance(gen, Mapping) else gen
@@ -351,32 +353,6 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     check_optimizer_name(cfg.optim.name, src, pre + "optim.name")
     check_component_name("hints", cfg.hints.provider, pre + "hints.provider", src)
     check_callback_names(cfg.trainer.callbacks, src, pre + "trainer.callbacks")
-
-
-def check_chat_template(value: Any, src: Config, key: str) -> None:
-    """``model.chat_template``: ``auto``, ``none`` or a readable Jinja file that parses."""
-    from composer_plugins.core.chat import CHAT_MODES
-
-    if not isinstance(value, str) or not value.strip():
-        raise src.error(key, f"expected auto, none or the path of a Jinja chat-template file, got {value!r}.")
-    if value in CHAT_MODES:
-        return
-    if not os.path.isfile(value):
-        raise src.error(
-            key,
-            f"no chat-template file {value!r} (from {os.getcwd()}); give auto (the tokenizer's template), "
-            "none (plain text) or the path of a Jinja file.",
-            valid=list(CHAT_MODES),
-        )
-    import jinja2
-
-    try:
-        text = Path(value).read_text(encoding="utf-8")
-        jinja2.Environment().parse(text)
-    except (OSError, UnicodeDecodeError) as e:
-        raise src.error(key, f"cannot read the chat template {value!r}: {e}.") from None
-    except jinja2.TemplateSyntaxError as e:
-        raise src.error(key, f"{value}:{e.lineno}: the chat template is not valid Jinja: {e.message}.") from None
 
 
 class ChannelSpec(NamedTuple):

@@ -29,9 +29,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy, assemble_inputs
-from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, task_prompt
+from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, render_pairs, task_prompt
 from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
-from composer_plugins.training.chat import install_chat_template, pair_prompt
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, fsdp_root, full_params, world
@@ -73,7 +72,7 @@ class ComposerModule(L.LightningModule):
         # from_pretrained returns eval mode; Lightning trains modules in the mode it finds them in
         # (dropout on in training; generation and validation switch to eval mode themselves)
         self.policy = policy.train()
-        self.tokenizer = install_chat_template(tokenizer, cfg.model.chat_template)
+        self.tokenizer = tokenizer  # prompts rendered with model.chat_template (training.chat)
         if cfg.compute.gradient_checkpointing:
             if not getattr(policy, "supports_gradient_checkpointing", False):
                 raise ValueError(f"compute.gradient_checkpointing: {type(policy).__name__} does not support "
@@ -102,13 +101,10 @@ class ComposerModule(L.LightningModule):
         self.hint_provider = hint_provider
         if self.needs_teacher and self.hint_provider is None:
             self.hint_provider = build_hint_provider(cfg, src)
-        self.pairs: list[Mapping[str, str]] = list(pairs) if pairs is not None else []
         if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
-            self.pairs = load_pairs(cfg.replay.pairs_path)
-        tmpl = cfg.model.chat_template  # the pairs' prompts as the policy reads them (chat templates applied)
-        self.pairs = [{**p, "prompt": pair_prompt(p, tokenizer, tmpl)} for p in self.pairs]
-        # A frozen reference copy is kept outside the module tree: not optimised, not checkpointed
-        # (it is the initial policy, rebuilt identically on resume).
+            pairs = load_pairs(cfg.replay.pairs_path)
+        self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
+        # A frozen reference copy outside the module tree: not optimised, not checkpointed (rebuilt on resume).
         self._reference: list[Any] = []
         needs_ref_pairs = bool(self.required_inputs & {"ref_chosen_logps", "ref_rejected_logps"}) and bool(self.pairs)
         if self.needs_ref_tokens or needs_ref_pairs:
@@ -247,8 +243,7 @@ class ComposerModule(L.LightningModule):
                 return episodes(self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed,
                                 **sampling)  # fmt: skip
             prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
-            ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed,
-                                         **sampling)  # fmt: skip
+            ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
         rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)
         return ro, rewards, [None] * len(rewards)
 

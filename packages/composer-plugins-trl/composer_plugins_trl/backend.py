@@ -145,15 +145,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.max_hinted_per_step = max_hinted_per_step
         self.max_hint_length = int(max_hint_length)
         self.chat_mode = str(chat_template)  # not `chat_template`: TRL keeps its Jinja override under that name
+        from composer_plugins.training.batches import load_pairs, render_pairs
+
         if isinstance(pairs, str):
-            from composer_plugins.training.batches import load_pairs
-
             pairs = load_pairs(pairs)
-        from composer_plugins.training.chat import pair_prompt
-
-        tok = self.processing_class  # the pairs' prompts as the policy reads them (chat templates applied)
-        self.pairs: list[Mapping[str, str]] = [{**p, "prompt": pair_prompt(p, tok, self.chat_mode)}
-                                               for p in pairs or []]  # fmt: skip
+        # the pairs' prompts as the policy reads them (chat templates applied)
+        self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], self.processing_class, self.chat_mode)
         if self.needs_pairs and not self.pairs:
             raise ConfigError("a replay channel is live but no preference pairs were given", key="pairs")
         self.pairs_per_step = int(pairs_per_step)
