@@ -5,6 +5,7 @@ with the hub replaced by local files on the same code path: ``model.name_or_path
 directory of a Qwen2-architecture model with a Qwen2.5-style chat template (``from_pretrained``, as for
 ``Qwen/Qwen2.5-0.5B-Instruct``), ``env.source`` a directory laid out like the ``openai/gsm8k`` repository
 (``main/{train,test}-00000-of-00001.parquet``), and the shape overrides the README lists for a CPU smoke run.
+The TRL route of ``run.sh`` (``backend run trl``, here without vLLM) runs the same config too.
 """
 
 from __future__ import annotations
@@ -65,3 +66,23 @@ def test_the_recipe_trains_and_evaluates_at_a_tiny_shape_from_local_files(tmp_pa
     tok = AutoTokenizer.from_pretrained(out / "model")
     msgs = [{"role": "user", "content": "Q?"}]
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.timeout(600)
+def test_the_recipe_runs_in_the_trl_backend_too(tmp_path):
+    pytest.importorskip("composer_plugins_trl")  # packages/composer-plugins-trl (install.sh dev), as tests/backends
+    from composer_plugins.testing.chat_model import build_instruct_model, write_gsm8k_like
+
+    model_dir = build_instruct_model(tmp_path / "model")
+    data = write_gsm8k_like(tmp_path / "gsm8k", n_train=16, n_test=4)
+    out = tmp_path / "run"
+    overrides = [o for o in tiny_overrides() if not o.startswith(("eval.", "trainer.val_every"))]
+    cmd = [sys.executable, "-m", "composer_plugins", "--no-progress", "backend", "run", "trl", "-c",
+           str(RECIPE / "config.yaml"), "-S", f"model.name_or_path={model_dir}", "-S", f"env.source={data}",
+           "-S", f"output_dir={out}", *[a for o in overrides for a in ("-S", o)]]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COMPOSER_PLUGINS_LOAD": "composer-plugins-trl"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["train/composer/grpo/skipped"] == 0.0 and metrics["train/composer/hint_distill/skipped"] == 0.0
+    assert metrics["train/composer/hint/rows"] > 0  # failed rows got a hinted teacher context
