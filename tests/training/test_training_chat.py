@@ -183,3 +183,15 @@ def test_chat_template_is_validated_where_it_is_written(tmp_path):
         loads_train_config(text.replace(str(tmp_path / "missing.jinja"), str(bad)))
     for ok in ("auto", "none"):
         assert loads_train_config(text.replace(str(tmp_path / "missing.jinja"), ok))[0].model.chat_template == ok
+
+
+def test_the_sft_warm_start_cache_knows_the_chat_template(case, tmp_path):
+    from composer_plugins.training.policy import sft_cache_key
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    keys = [sft_cache_key(chat_config(case, tmp_path, model={"name_or_path": "x", "chat_template": m}), "x")
+            for m in ("auto", "none", str(f))]  # fmt: skip
+    assert "chat_template" not in keys[0]  # auto: the keys of earlier configs (and their cached warm starts) hold
+    assert keys[1]["chat_template"] == "none" and keys[2]["chat_template"].startswith(str(f) + "@")
+    assert len({repr(k) for k in keys}) == 3
