@@ -49,7 +49,7 @@ def evaluate_tasks(module: Any, tasks: Sequence[Mapping[str, Any]], seed: int) -
     cfg = module.cfg
     e = cfg.eval
     thr = cfg.rollout.success_threshold
-    prompts = [task_prompt(t) for t in tasks]
+    prompts = [task_prompt(t, module.tokenizer, cfg.model.chat_template) for t in tasks]
     mnt = e.max_new_tokens or cfg.rollout.max_new_tokens
     greedy = eval_generate(module, prompts, 1, seed=None, max_new_tokens=mnt)
     r_greedy = torch.tensor(env_rewards(module.env, tasks, greedy.completions, 1, unscorable=0.0), device=module.device)
@@ -100,7 +100,8 @@ def hint_uplift(module: Any, tasks: Sequence[Mapping[str, Any]], greedy: Sequenc
     if reads_groups(provider):
         k = max(1, int(e.hint_uplift_samples))
         f_tasks = [tasks[i] for i in failed]
-        ro = eval_generate(module, [task_prompt(t) for t in f_tasks], k, seed=derive_seed(seed, 5),
+        prompts = [task_prompt(t, module.tokenizer, cfg.model.chat_template) for t in f_tasks]
+        ro = eval_generate(module, prompts, k, seed=derive_seed(seed, 5),
                            temperature=e.temperature, max_new_tokens=mnt)  # fmt: skip
         r = env_rewards(module.env, f_tasks, ro.completions, k, unscorable=0.0)
         groups = []
@@ -108,7 +109,8 @@ def hint_uplift(module: Any, tasks: Sequence[Mapping[str, Any]], greedy: Sequenc
             comps, rs = ro.completions[j * k : (j + 1) * k], r[j * k : (j + 1) * k]
             groups.append(sibling_group([greedy[i], *comps], [float(rewards[i]), *rs], thr))
     contexts = teacher_contexts(module.env, provider, [tasks[i] for i in failed], [greedy[i] for i in failed],
-                                groups=groups)  # fmt: skip
+                                groups=groups, tokenizer=module.tokenizer,
+                                chat_template=cfg.model.chat_template)  # fmt: skip
     hinted = [(i, c) for i, c in zip(failed, contexts, strict=True) if c is not None]
     out["hinted"] = len(hinted)
     if not hinted:

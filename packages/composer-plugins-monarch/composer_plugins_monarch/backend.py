@@ -315,7 +315,9 @@ class MonarchSession:
         self.generators = procs.spawn("generator", GeneratorActor, wire, model_dir)
         self.rewarder = rew_procs.spawn("rewarder", RewarderActor, wire)
         self.trainer = trn_procs.spawn("trainer", TrainerActor, wire, model_dir)
-        tok = load_policy(model_dir)[1]
+        from composer_plugins.training.chat import install_chat_template
+
+        tok = self.tokenizer = install_chat_template(load_policy(model_dir)[1], b.config.model.chat_template)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         return self
 
@@ -333,7 +335,7 @@ class MonarchSession:
         c = self.backend.config
         t0 = time.perf_counter()
         tasks = await self.rewarder.tasks.call_one(step)
-        prompts = [task_prompt(t) for t in tasks]
+        prompts = [task_prompt(t, self.tokenizer, c.model.chat_template) for t in tasks]  # the text the model reads
         shards = await self.generators.generate.call(prompts, derive_seed(c.seed, 1, step))
         ordered = sorted((v for _, v in shards.items()), key=lambda sh: sh["rank"])
         rollout = _interleave(ordered, len(prompts), self.pad)
