@@ -60,8 +60,8 @@ class LocalRun:
         from composer_plugins.training.batches import derive_seed, env_rewards, task_prompt
 
         tasks = self.tasks(step)
-        ro = generate(self.policy, self.tokenizer, self.cfg, [task_prompt(t) for t in tasks],
-                      derive_seed(self.cfg.seed, 1, step))  # fmt: skip
+        prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
+        ro = generate(self.policy, self.tokenizer, self.cfg, prompts, derive_seed(self.cfg.seed, 1, step))
         rewards = env_rewards(self.env, tasks, ro.completions, self.cfg.rollout.num_generations)
         return tasks, ro, rewards, [None] * len(rewards)
 

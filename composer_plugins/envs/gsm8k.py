@@ -151,6 +151,10 @@ class GSM8KEnv(Env):
         difficulty: generator level 0-6 or name (``trivial``, ``easy`` ...; see :mod:`.arith`).
         annotations: generator ``<<a+b=c>>`` annotations (default: from difficulty 2 up).
         prompt_template: how a question becomes the prompt (``{question}``).
+        chat: give each prompt as chat messages (``[{role: system, ...}, {role: user, content: <prompt_template>}]``)
+            for instruct models, rendered by the trainer with the tokenizer's chat template
+            (``model.chat_template``); default: the text of ``prompt_template``.
+        system_prompt: the system message of chat prompts (none when empty).
         strict_format: only accept answers given as ``#### <number>``.
         dataset_id, dataset_config: hub dataset for ``source="hf"``.
         max_turns: turns per episode in :meth:`reset`/:meth:`step`.
@@ -170,9 +174,17 @@ class GSM8KEnv(Env):
         dataset_id: str = "openai/gsm8k",
         dataset_config: str = "main",
         max_turns: int = 1,
+        chat: bool = False,
+        system_prompt: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(max_turns=max_turns, **kwargs)
+        if not isinstance(chat, bool):
+            raise ConfigError(f"chat must be true or false, got {chat!r}", key="chat")
+        if system_prompt is not None and not chat:
+            raise ConfigError("system_prompt is only used with chat: true (text prompts have no system turn); "
+                              "set chat: true or drop system_prompt", key="system_prompt")  # fmt: skip
+        self.chat, self.system_prompt = chat, system_prompt
         if "{question}" not in prompt_template:
             raise ConfigError("prompt_template must contain '{question}'", key="prompt_template")
         self.source = source
@@ -189,6 +201,13 @@ class GSM8KEnv(Env):
             )
 
     # -- tasks ------------------------------------------------------------------------------
+    def _as_chat(self, task: dict[str, Any]) -> dict[str, Any]:
+        """``task`` with its prompt as chat messages when ``chat`` is on (unchanged otherwise)."""
+        if self.chat and isinstance(task.get("prompt"), str):
+            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            task["prompt"] = [*system, {"role": "user", "content": task["prompt"]}]
+        return task
+
     def tasks(self, split: str = "train") -> list[dict[str, Any]]:
         """Every task of ``split`` for file/hub sources (the generator has no fixed set)."""
         s = _split_name(split)
@@ -201,7 +220,8 @@ class GSM8KEnv(Env):
     def _load(self, split: str) -> list[dict[str, Any]]:
         src = self.source
         if src == "hf":
-            return load_gsm8k_hf(split, self.dataset_id, self.dataset_config, self.prompt_template)
+            tasks = load_gsm8k_hf(split, self.dataset_id, self.dataset_config, self.prompt_template)
+            return [self._as_chat(t) for t in tasks]
         if isinstance(src, Mapping):
             if split not in src:
                 raise ConfigError(f"no file given for split {split!r}", key=f"source.{split}", valid=list(src))
@@ -214,7 +234,7 @@ class GSM8KEnv(Env):
         for f in files:
             for t in load_gsm8k_file(f, split, self.prompt_template):
                 t["task_id"] = f"gsm8k-{split}-{len(tasks)}"
-                tasks.append(t)
+                tasks.append(self._as_chat(t))
         return tasks
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
@@ -223,7 +243,7 @@ class GSM8KEnv(Env):
             out = []
             for i, p in enumerate(generate_problems(n, self.difficulty, seed, _split_name(split), self.annotations)):
                 out.append(
-                    {
+                    self._as_chat({
                         "task_id": f"arith-d{self.difficulty}-{_split_name(split)}-{seed}-{i}",
                         "prompt": self.prompt_template.format(question=p.question),
                         "question": p.question,
@@ -232,8 +252,8 @@ class GSM8KEnv(Env):
                         "target": " " + p.solution,
                         "difficulty": p.difficulty,
                         "source": "generator",
-                    }
-                )
+                    })
+                )  # fmt: skip
             return out
         pool = self.tasks(split)
         if not pool:

@@ -434,7 +434,7 @@ TEACHER_DIVERGENCES: dict[str, float | None] = {"reverse_kl": 1.0, "forward_kl":
 
 #: A teacher log-prob below this (``log 1e-30``) is read as this: a token the teacher ranked in its
 #: top-k with probability 0 would otherwise make the reverse KL infinite.
-TEACHER_LOGPROB_FLOOR = -69.0776
+TEACHER_LOGPROB_FLOOR = math.log(1e-30)  # -69.0776
 
 
 def bucket_divergence(ls: Tensor, lt: Tensor, valid: Tensor, beta: float) -> tuple[Tensor, Tensor]:

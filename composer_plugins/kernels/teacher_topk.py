@@ -10,7 +10,16 @@ distribution over the union of their ids plus a tail bucket: the weighted mixtur
 probabilities. A teacher's probability of an id that is in another teacher's top-k but not in its
 own is unknown (it lies somewhere in its tail): it counts as 0 there, and its whole tail mass stays
 in the mixture's tail. The mixture's tail is therefore exactly ``1 - Σ_union q``.
-:func:`agreement_mask` keeps the positions where at least ``k`` teachers' top-1 ids agree.
+:func:`agreement_mask` keeps the positions where at least ``k`` teachers' top-1 ids agree. An id
+repeated within one teacher's top-k (several teacher tokens aligned to one student id) holds the sum
+of its entries' probabilities, for one teacher as for many.
+
+Bad scores never reach the loss: an entry whose id is ``-1`` or ``>= V`` or whose log-prob is NaN or
+``+inf`` is absent (its mass is in the tail), counted in :class:`TeacherDistillOutput`; a teacher with
+mixture weight 0 is absent everywhere, so a token only weight-0 teachers scored is not distilled. A
+log-prob below ``log 1e-30`` (:data:`~composer_plugins.kernels.divergences.TEACHER_LOGPROB_FLOOR`,
+``-inf`` included) is read as ``log 1e-30``: an id a teacher ranks with probability 0 would make the
+reverse KL infinite.
 
 :func:`chunked_teacher_distill` walks the student's hidden states in chunks of rows (the student's
 ``(chunk, V)`` logits are the only vocabulary-sized buffer), evaluates
@@ -44,8 +53,8 @@ class TeacherTopK:
     """The teachers' top-k scores of a batch of student completions, as tensors.
 
     Attributes:
-        ids: ``(B, N, T, K)`` token ids in the **student's** vocabulary; ``-1`` = no entry (a
-            teacher with fewer than ``K`` ids at a position, or a position it did not score).
+        ids: ``(B, N, T, K)`` token ids in the **student's** vocabulary; ``-1`` (or ``>= V``) = no
+            entry (a teacher with fewer than ``K`` ids at a position, or a position it did not score).
         logprobs: ``(B, N, T, K)`` the teachers' log-probs of those ids (any float dtype).
         mask: ``(B, N, T)`` bool: the positions each teacher scored.
         names: the ``N`` teachers' names (the channel's ``weights`` are looked up by them).
@@ -131,13 +140,15 @@ class TeacherTopK:
 
 
 def mixture_weights(names: Sequence[str], weights: Mapping[str, float] | Sequence[float] | None) -> Tensor:
-    """The ``N`` teachers' mixture weights: by name from a mapping (absent names weigh 0), or in order."""
+    """The ``N`` teachers' mixture weights: by name from a mapping (absent names weigh 0), or in order.
+
+    A mapping may name teachers the batch lacks (one that missed its deadline): they are simply not
+    in the mixture, which is renormalised per token over the teachers present (the channel reports
+    them as ``absent/<name>``); the step goes on.
+    """
     if weights is None:
         return torch.ones(len(names), dtype=torch.float64)
     if isinstance(weights, Mapping):
-        unknown = sorted(set(weights) - set(names))
-        if unknown and not set(weights) & set(names):
-            raise ValueError(f"teacher weights name {unknown} but the batch's teachers are {list(names)}")
         return torch.tensor([float(weights.get(n, 0.0)) for n in names], dtype=torch.float64)
     if len(weights) != len(names):
         raise ValueError(f"{len(weights)} teacher weights for {len(names)} teachers {list(names)}")
@@ -174,44 +185,68 @@ def merge_teachers(ids: Tensor, logprobs: Tensor, present: Tensor, weights: Tens
     dt = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     valid = present.unsqueeze(-1) & (ids >= 0) & (ids < vocab)
     lp = logprobs.to(dt).clamp(min=TEACHER_LOGPROB_FLOOR)
-    if N == 1:
-        uid = torch.where(valid[:, 0], ids[:, 0], torch.zeros_like(ids[:, 0]))
-        uvalid = valid[:, 0]
-        logq = torch.where(uvalid, lp[:, 0], torch.zeros_like(lp[:, 0]))
-    else:
-        w = weights.to(device=ids.device, dtype=dt).unsqueeze(0) * present.to(dt)
-        w = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(dt).tiny)
-        p = torch.where(valid, lp.exp() * w.unsqueeze(-1), torch.zeros_like(lp)).reshape(n, N * K)
-        flat = torch.where(valid, ids, torch.full_like(ids, vocab)).reshape(n, N * K)
-        srt, order = flat.sort(-1)
-        ps = p.gather(-1, order)
-        first = torch.ones_like(srt, dtype=torch.bool)
-        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        grp = first.long().cumsum(-1) - 1
-        q = torch.zeros_like(ps).scatter_add_(-1, grp, ps)
-        uid = torch.full_like(srt, vocab).scatter_(-1, grp, srt)
-        uvalid = uid < vocab
-        uid = torch.where(uvalid, uid, torch.zeros_like(uid))
-        logq = torch.where(uvalid, q.clamp(min=torch.finfo(dt).tiny).log(), torch.zeros_like(q))
-        logq = logq.clamp(min=TEACHER_LOGPROB_FLOOR)
+    # one path for one teacher and for many: an id repeated within a teacher's top-k (several teacher
+    # tokens aligned to one student id) holds the sum of their probabilities, whatever N is
+    w = weights.to(device=ids.device, dtype=dt).unsqueeze(0) * present.to(dt)
+    w = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(dt).tiny)
+    p = torch.where(valid, lp.exp() * w.unsqueeze(-1), torch.zeros_like(lp)).reshape(n, N * K)
+    flat = torch.where(valid, ids, torch.full_like(ids, vocab)).reshape(n, N * K)
+    srt, order = flat.sort(-1)
+    ps = p.gather(-1, order)
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    grp = first.long().cumsum(-1) - 1
+    q = torch.zeros_like(ps).scatter_add_(-1, grp, ps)
+    uid = torch.full_like(srt, vocab).scatter_(-1, grp, srt)
+    uvalid = uid < vocab
+    uid = torch.where(uvalid, uid, torch.zeros_like(uid))
+    logq = torch.where(uvalid, q.clamp(min=torch.finfo(dt).tiny).log(), torch.zeros_like(q))
+    logq = logq.clamp(min=TEACHER_LOGPROB_FLOOR)
     lse = torch.logsumexp(torch.where(uvalid, logq, torch.full_like(logq, -math.inf)), -1, keepdim=True)
     tail = _log1mexp(lse.clamp(max=-TAIL_FLOOR))
     return uid, torch.cat([logq, tail], -1), uvalid
 
 
-def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Flat rows of the positions to distil: ``(row index, ids (n,N,K), logprobs, present (n,N))``."""
-    present = scores.mask.bool() & (scores.ids >= 0).any(-1)  # (B, N, T)
+@dataclass
+class _Rows:
+    """The positions to distil, flat: row index, ``ids``/``lps`` ``(n, N, K)``, ``present`` ``(n, N)``, and what
+    was left out of the completion tokens' scores (non-finite log-probs, ids outside the vocabulary)."""
+
+    idx: Tensor
+    ids: Tensor
+    lps: Tensor
+    present: Tensor
+    nonfinite: int
+    out_of_vocab: int
+
+
+def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None, vocab: int, mix: Tensor) -> _Rows:
+    """The entries that can be distilled, as flat rows.
+
+    An entry counts when its id is in ``[0, vocab)`` and its log-prob is not NaN or ``+inf`` (``-inf``,
+    probability 0, is floored to ``log 1e-30``); the others are treated as absent (``-1``) and counted
+    over the completion tokens. A teacher is present at a token when it scored it, has an entry there and
+    its mixture weight is > 0; a token is distilled where a teacher is present (and ``min_agree`` holds).
+    """
+    real = (scores.ids >= 0) & (scores.ids < vocab)
+    bad = real & (torch.isnan(scores.logprobs) | (scores.logprobs == math.inf))
+    ok = real & ~bad
+    ids = torch.where(ok, scores.ids, torch.full_like(scores.ids, -1))
+    lps = torch.where(ok, scores.logprobs, torch.zeros_like(scores.logprobs))
+    counted = (scores.mask.bool() & mask.bool().unsqueeze(1)).unsqueeze(-1)
+    nonfinite = int((bad & counted).sum())
+    out_of_vocab = int(((scores.ids >= vocab) & counted).sum())
+    weighted = (mix > 0).to(scores.mask.device).view(1, -1, 1)
+    present = scores.mask.bool() & ok.any(-1) & weighted  # (B, N, T)
     sel = mask.bool() & present.any(1)
     if min_agree is not None and min_agree > 1:
-        sel &= agreement_mask(scores.ids.transpose(1, 2), scores.logprobs.transpose(1, 2), present.transpose(1, 2),
-                              min_agree)  # fmt: skip
+        sel &= agreement_mask(ids.transpose(1, 2), lps.transpose(1, 2), present.transpose(1, 2), min_agree)
     idx = sel.reshape(-1).nonzero(as_tuple=True)[0]
     B, N, T, K = scores.ids.shape
-    ids = scores.ids.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
-    lps = scores.logprobs.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
+    flat_ids = ids.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
+    flat_lps = lps.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
     pres = present.transpose(1, 2).reshape(B * T, N).index_select(0, idx)
-    return idx, ids, lps, pres
+    return _Rows(idx, flat_ids, flat_lps, pres, nonfinite, out_of_vocab)
 
 
 class _TeacherDistill(torch.autograd.Function):
@@ -282,6 +317,10 @@ class TeacherDistillOutput:
     tokens: int
     #: ``(n, 2)``: the student's and the teachers' mass on the ids, per distilled token.
     coverage: Tensor
+    #: teacher entries at completion tokens left out because their log-prob was NaN or ``+inf``
+    nonfinite: int = 0
+    #: teacher entries at completion tokens left out because their id is ``>= V`` (outside the student's vocabulary)
+    out_of_vocab: int = 0
 
 
 def _check_scores(scores: TeacherTopK, mask: Tensor) -> None:
@@ -322,16 +361,16 @@ def chunked_teacher_distill(
     _check_scores(scores, mask)
     if tuple(hidden.shape[:2]) != tuple(mask.shape):
         raise ValueError(f"hidden {tuple(hidden.shape)} must be (B, T, H) with (B, T) = mask {tuple(mask.shape)}")
-    idx, ids, lps, present = _teacher_rows(scores, mask, min_agree)
-    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
     mix = mixture_weights(scores.names, weights)
-    tw = None if token_weight is None else token_weight.detach().reshape(-1).index_select(0, idx)
-    n = int(idx.numel())
+    r = _teacher_rows(scores, mask, min_agree, int(lm_head_weight.shape[0]), mix)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, r.idx)
+    tw = None if token_weight is None else token_weight.detach().reshape(-1).index_select(0, r.idx)
+    n = int(r.idx.numel())
     denom = float(denominator) if denominator is not None else float(max(n, 1))
     cs = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
-    total, cov = _TeacherDistill.apply(rows, lm_head_weight, ids, lps, present, mix, kernel, int(cs),
+    total, cov = _TeacherDistill.apply(rows, lm_head_weight, r.ids, r.lps, r.present, mix, kernel, int(cs),
                                        1.0 / max(denom, 1e-12), tw)  # fmt: skip
-    return TeacherDistillOutput(total, n, cov)
+    return TeacherDistillOutput(total, n, cov, r.nonfinite, r.out_of_vocab)
 
 
 def teacher_distill_reference(
@@ -347,17 +386,18 @@ def teacher_distill_reference(
 ) -> TeacherDistillOutput:
     """:func:`chunked_teacher_distill` from materialised ``(B, T, V)`` logits, differentiated by autograd."""
     _check_scores(scores, mask)
-    idx, ids, lps, present = _teacher_rows(scores, mask, min_agree)
-    z = logits.reshape(-1, logits.shape[-1]).index_select(0, idx)
-    uid, lt, uvalid = merge_teachers(ids, lps, present, mixture_weights(scores.names, weights), logits.shape[-1])
+    mix = mixture_weights(scores.names, weights)
+    r = _teacher_rows(scores, mask, min_agree, int(logits.shape[-1]), mix)
+    z = logits.reshape(-1, logits.shape[-1]).index_select(0, r.idx)
+    uid, lt, uvalid = merge_teachers(r.ids, r.lps, r.present, mix, logits.shape[-1])
     per = kernel.value(z, uid, lt, uvalid)
     if token_weight is not None:
-        per = per * token_weight.detach().reshape(-1).index_select(0, idx).to(per.dtype)
-    n = int(idx.numel())
+        per = per * token_weight.detach().reshape(-1).index_select(0, r.idx).to(per.dtype)
+    n = int(r.idx.numel())
     denom = float(denominator) if denominator is not None else float(max(n, 1))
     with torch.no_grad():
         _, _, cov = kernel.compute(z.detach().clone(), uid, lt, uvalid)
-    return TeacherDistillOutput(per.sum() / denom, n, cov)
+    return TeacherDistillOutput(per.sum() / denom, n, cov, r.nonfinite, r.out_of_vocab)
 
 
 def sampled_token_divergence(student_logprobs: Tensor, teacher_logprobs: Tensor, kernel: TeacherTopKKernel) -> Tensor:

@@ -25,9 +25,11 @@ key                      shape        meaning
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from composer_plugins.kernels.divergences import TEACHER_DIVERGENCES, TeacherTopKKernel
@@ -62,6 +64,10 @@ def as_teacher_topk(value: Any) -> TeacherTopK:
     )
 
 
+def _weight_ok(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v >= 0
+
+
 class TeacherDistillChannel(LossChannel):
     """Token-level distillation from N external teachers' top-k log-probs on the student's own tokens.
 
@@ -70,8 +76,10 @@ class TeacherDistillChannel(LossChannel):
         divergence: ``reverse_kl`` (default), ``forward_kl`` or ``jsd``.
         beta: the JSD's interpolation (``jsd`` only; 0 = forward KL, 1 = reverse KL).
         temperature: the student's logits are divided by it (the teachers' log-probs are used as sent).
-        weights: mixture weight per teacher name (``{strong: 2, other: 1}``; absent names weigh 0;
-            default equal). Renormalised per token over the teachers that scored it.
+        weights: mixture weight per teacher name (``{strong: 2, other: 1}``; teachers it does not name
+            weigh 0 and are not distilled; default equal). Renormalised per token over the teachers that
+            scored it: a named teacher missing from the batch (deadline) drops out of the mixture and is
+            reported as ``absent/<name>``; a token only weight-0 teachers scored is not distilled.
         min_agree: distil only where at least this many teachers' top-1 ids agree (null: everywhere).
         chunk_size: rows per chunk on the hidden-state path (null: from the vocabulary).
         teachers: the scoring teachers' specs (read by the training loop, which scores the rollouts
@@ -110,9 +118,9 @@ class TeacherDistillChannel(LossChannel):
         if weights is not None:
             if not isinstance(weights, Mapping):
                 raise ValueError(f"weights must map teacher names to numbers, e.g. {{strong: 2.0}}, got {weights!r}")
-            bad = {k: v for k, v in weights.items() if isinstance(v, bool) or not isinstance(v, int | float) or v < 0}
+            bad = {k: v for k, v in weights.items() if not _weight_ok(v)}
             if bad:
-                raise ValueError(f"teacher weights must be numbers >= 0, got {bad}")
+                raise ValueError(f"teacher weights must be finite numbers >= 0, got {bad}")
         if chunk_size is not None and int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1 (or null), got {chunk_size}")
         if deadline_s is not None and not float(deadline_s) > 0:
@@ -145,14 +153,23 @@ class TeacherDistillChannel(LossChannel):
         if n_global is not None and out.tokens:
             loss = loss * (out.tokens / max(float(n_global), 1.0))
         scored = scores.mask.bool() & mask.unsqueeze(1)
+        absent = sorted(set(self.weights or ()) - set(scores.names))
         metrics: dict[str, Any] = {
             "tokens": float(out.tokens),
             "chunked": chunked,
             "empty": float(out.tokens == 0),
             "teachers": float(len(scores.names)),
-            # fraction of the completion tokens distilled (min_agree and unscored positions drop the rest)
+            # fraction of the completion tokens distilled (min_agree, unscored positions and positions only
+            # weight-0 teachers scored drop the rest)
             "coverage": out.tokens / max(float(mask.sum()), 1.0),
+            # teacher entries left out: a NaN / +inf log-prob, an id outside the student's vocabulary
+            "nonfinite": float(out.nonfinite),
+            "out_of_vocab": float(out.out_of_vocab),
+            # teachers the weights name that the batch lacks (missed the deadline): the mixture renormalises
+            "teachers_absent": float(len(absent)),
         }
+        for name in absent:
+            metrics[f"absent/{name}"] = 1.0
         for i, name in enumerate(scores.names):
             metrics[f"scored/{name}"] = float(scored[:, i].sum()) / max(float(mask.sum()), 1.0)
         if out.tokens:
@@ -166,6 +183,17 @@ class TeacherDistillChannel(LossChannel):
         return f"{super().extra_repr()}, divergence={self.divergence!r}{extra}"
 
 
-def teacher_tokens(scores: TeacherTopK, mask: Tensor) -> Tensor:
-    """Number of completion tokens at least one teacher scored (the channel's denominator without ``min_agree``)."""
-    return (mask.bool() & scores.mask.bool().any(1)).sum()
+def teacher_tokens(scores: TeacherTopK, mask: Tensor, vocab: int | None = None,
+                   weights: Mapping[str, float] | None = None) -> Tensor:  # fmt: skip
+    """Number of completion tokens at least one teacher scored with a usable entry (the channel's denominator
+    without ``min_agree``): an id in ``[0, vocab)`` with a log-prob that is not NaN / ``+inf``, from a teacher
+    whose weight (``weights``, by name; default all) is > 0."""
+    ids, lps = scores.ids, scores.logprobs
+    ok = (ids >= 0) & ~torch.isnan(lps) & (lps != math.inf)
+    if vocab is not None:
+        ok &= ids < int(vocab)
+    present = scores.mask.bool() & ok.any(-1)
+    if weights is not None:
+        on = torch.tensor([float(weights.get(n, 0.0)) > 0 for n in scores.names], device=present.device)
+        present &= on.view(1, -1, 1)
+    return (mask.bool() & present.any(1)).sum()

@@ -238,6 +238,7 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
     from composer_plugins.models.generation import generate_completions
     from composer_plugins.models.tiny import load_policy
     from composer_plugins.training.batches import env_rewards, task_prompt
+    from composer_plugins.training.chat import install_chat_template, task_conversation
 
     r = _section(params, "rollout")
     unknown = sorted(set(r) - set(ROLLOUT_KEYS))
@@ -255,6 +256,8 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
     thr = float(((params.get("train") or {}).get("rollout") or {}).get("success_threshold", 1.0))
     torch.manual_seed(seed)
     policy, tok = load_policy(model)
+    chat = str((((params.get("train") or {}).get("model")) or {}).get("chat_template", "auto"))
+    install_chat_template(tok, chat)
     rows: list[dict[str, Any]] = []
     rewards: list[float] = []
     import sys
@@ -265,12 +268,12 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
             print(f"rollout: {b0}/{len(tasks)} prompts", file=sys.stderr, flush=True)
         chunk = tasks[b0 : b0 + bs]
         ro = generate_completions(
-            policy, tok, [task_prompt(t) for t in chunk], G,
+            policy, tok, [task_prompt(t, tok, chat) for t in chunk], G,
             max_new_tokens=int(r.get("max_new_tokens", 48)), temperature=float(r.get("temperature", 1.0)),
             top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)), seed=seed * 100_003 + b0,
             max_prompt_length=r.get("max_prompt_length"),
         )  # fmt: skip
-        rs = env_rewards(env, chunk, ro.completions, G)
+        rs = env_rewards(env, chunk, ro.completions, G, unscorable=0.0)  # traces: unscorable = not correct
         for j, (comp, rew) in enumerate(zip(ro.completions, rs, strict=True)):
             i = b0 + j // G
             task = tasks[i]
@@ -278,7 +281,8 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
             meta.update(task_index=i, sample=j % G, reward=rew, correct=rew >= thr, env=env_name)
             rows.append({
                 "id": f"{env_name}-{i}-{j % G}",
-                "messages": [{"role": "user", "content": task_prompt(task)}, {"role": "assistant", "content": comp}],
+                "messages": [*(task_conversation(task) or [{"role": "user", "content": task_prompt(task)}]),
+                             {"role": "assistant", "content": comp}],
                 "metadata": meta,
             })  # fmt: skip
             rewards.append(rew)

@@ -9,10 +9,12 @@ each side covers with whole tokens. In each block, with the teacher's log-probs 
   each id mapped to the student token with the same text (:class:`VocabMap`); ids without a
   student twin are dropped (their mass goes to the tail bucket);
 * **one student token, several teacher tokens** (the student's token is merged from the teacher's):
-  the student's token gets the teacher's probability of the whole block's text by that
-  tokenization, ``Σ actual log-probs`` (the chain rule), and the alternatives are the teacher's
-  top-k at the block's first position (other than the first piece), mapped as above: those are
-  disjoint events, so the total stays ``<= 1``;
+  the student's token gets the teacher's probability of the whole block's text by the tokenization
+  seen, ``Σ actual log-probs`` (the chain rule), and the alternatives are the teacher's top-k at the
+  block's first position (other than the first piece), mapped as above. An alternative that maps to
+  the student's own token (the teacher could write the block's text as one token) adds its
+  probability to the student token's: both are tokenizations of the same text. These are disjoint
+  events, so the total stays ``<= 1``;
 * **several student tokens** in a block (the teacher's token is merged from the student's, or
   both split it differently): the teacher's top-k does not say how likely the student's first
   piece is, so these positions are **not scored** (mask 0; the channel's ``coverage`` metric counts
@@ -20,9 +22,11 @@ each side covers with whole tokens. In each block, with the teacher's log-probs 
 
 Each scored position keeps the ``k`` most probable entries, and always the student's own token.
 
-Limits: a student token whose text the teacher would produce by another tokenization gets only the
-probability of the one tokenization seen (a lower bound); alternatives that span several student
-tokens are dropped. With identical tokenizers every block is one-to-one and the mapping is the
+Limits: a student token covered by several teacher tokens gets the probability of the tokenization
+seen plus that of a one-token tokenization when the teacher's top-k at the block's first position
+holds it; tokenizations of its text outside that top-k, or of two or more other pieces, are not
+counted (so the value is a lower bound on the teacher's probability of the text). Alternatives that
+span several student tokens are dropped. With identical tokenizers every block is one-to-one and the mapping is the
 identity.
 """
 

@@ -128,10 +128,12 @@ class HFTeacher(Teacher):
 
     def prompt_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The text fed to the model for ``messages``."""
+        from composer_plugins.core.chat import render_prompt
+
         _, tok = self.load()
         msgs = [dict(m) for m in messages]
         if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            return render_prompt(msgs, tok, "auto")
         return prompt_text(msgs)
 
     def _generate(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, int, int]:

@@ -87,12 +87,18 @@ class TeacherScores:
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    """One row to score: the prompt text and the student's completion (text and token ids)."""
+    """One row to score: the prompt text and the student's completion (text and token ids).
+
+    ``messages``: the conversation the student's prompt was rendered from (chat prompts only); a
+    teacher whose tokenizer has a chat template renders it with its own template
+    (:func:`composer_plugins.core.chat.render_prompt`) instead of reading the student's prompt.
+    """
 
     prompt: str
     completion: str
     completion_ids: tuple[int, ...]
     prompt_ids: tuple[int, ...] = ()
+    messages: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass
@@ -168,11 +174,21 @@ class _Aligner:
         self.map = None if self.same else VocabMap(teacher_tokenizer, student_tokenizer)
 
     def teacher_tokens(self, req: ScoreRequest) -> tuple[list[int], list[int], list[tuple[int, int]] | None]:
-        """``(teacher prompt ids, teacher completion ids, their spans or None when the vocabularies agree)``."""
+        """``(teacher prompt ids, teacher completion ids, their spans or None when the vocabularies agree)``.
+
+        A chat prompt (``req.messages``) is rendered with the teacher tokenizer's own chat template
+        when it has one; otherwise the teacher reads the student's prompt (its ids when the
+        vocabularies agree, else its text).
+        """
+        own = None
+        if req.messages and getattr(self.teacher, "chat_template", None):
+            from composer_plugins.core.chat import render_prompt
+
+            own = self.teacher(render_prompt(list(req.messages), self.teacher), add_special_tokens=False)["input_ids"]
         if self.same:
-            p = list(req.prompt_ids) or self.teacher(req.prompt, add_special_tokens=False)["input_ids"]
+            p = own or list(req.prompt_ids) or self.teacher(req.prompt, add_special_tokens=False)["input_ids"]
             return list(p), list(req.completion_ids), None
-        p = self.teacher(req.prompt, add_special_tokens=False)["input_ids"]
+        p = own or self.teacher(req.prompt, add_special_tokens=False)["input_ids"]
         text = self.student.decode(list(req.completion_ids), skip_special_tokens=True)
         enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(p), list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]

@@ -2,13 +2,15 @@
 
 :class:`TaskStream` (seeded, resumable, sharded by data-parallel rank) and :class:`StaticBatches` are the
 train and validation "dataloaders"; :func:`task_drawer` / :func:`eval_batches` build them from the config
-(env generator or JSONL). :func:`task_prompt`, :func:`env_rewards`, :func:`teacher_contexts`,
-:func:`rollout_groups` and :func:`load_pairs` are the task-level helpers the native loop and the
-backends share; one step's scored rollouts are a :class:`~composer_plugins.training.step.StepRecord`.
+(env generator or JSONL). :func:`task_prompt` (from :mod:`~composer_plugins.training.chat`),
+:func:`env_rewards`, :func:`teacher_contexts`, :func:`rollout_groups`, :func:`load_pairs` and :func:`render_pairs` are
+the task-level helpers the native loop and the backends share; one step's scored rollouts are a
+:class:`~composer_plugins.training.step.StepRecord`.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
+from composer_plugins.training.chat import PROMPT_KEYS, hinted_context, pair_prompt, prompt_field, task_prompt
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.distributed import world
 
@@ -99,15 +102,7 @@ class StaticBatches:
         return iter(self.batches)
 
 
-_PROMPT_KEYS = ("prompt", "question")
-
-
-def task_prompt(task: Mapping[str, Any]) -> str:
-    """The prompt text of a task dict."""
-    for k in _PROMPT_KEYS:
-        if k in task:
-            return str(task[k])
-    raise KeyError(f"task has no prompt field (expected one of {_PROMPT_KEYS}); keys: {sorted(task)}")
+_PROMPT_KEYS = PROMPT_KEYS
 
 
 def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str, list[Any]]:
@@ -120,13 +115,19 @@ def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str
     return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
 
 
-def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int) -> list[float]:
-    """Rewards from ``env.reward(prompts, completions, **task_columns)``; ``None`` (unscorable) counts as 0."""
+def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int,
+                unscorable: float = math.nan) -> list[float]:  # fmt: skip
+    """Rewards from ``env.reward(prompts, completions, **task_columns)``.
+
+    ``None`` (unscorable) becomes ``unscorable``: NaN by default, so that ``group_advantages`` leaves
+    the row out of its group's statistics and gives it advantage 0, as TRL does with a reward function's
+    ``None``. Evaluation passes ``0.0`` (an unscorable answer is not a correct one).
+    """
     prompts = [task_prompt(t) for t in tasks for _ in range(repeat)]
     rewards = env.reward(prompts, list(completions), **task_kwargs(tasks, repeat))
     if len(rewards) != len(completions):
         raise ValueError(f"env.reward returned {len(rewards)} rewards for {len(completions)} completions")
-    return [0.0 if r is None else float(r) for r in rewards]
+    return [float(unscorable) if r is None else float(r) for r in rewards]
 
 
 def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
@@ -138,19 +139,13 @@ def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
     return fn(task_prompt(task), completion, **fields)
 
 
-def insert_hint(prompt: str, hint: str) -> str:
-    """The teacher context for a text prompt (the envs' ``build_teacher_context`` when available)."""
-    try:
-        from composer_plugins.envs.hints import build_teacher_context
-    except ImportError:  # pragma: no cover - the envs package ships with the project
-        return f"{prompt.rstrip()}\nHint: {hint}\n"
-    return str(build_teacher_context(prompt, hint))
-
-
 def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str],
-                     feedbacks: Sequence[Any] | None = None,
-                     groups: Sequence[Any] | None = None) -> list[str | None]:  # fmt: skip
-    """Hinted teacher contexts for the given rows (``None`` where the provider gives no hint).
+                     feedbacks: Sequence[Any] | None = None, groups: Sequence[Any] | None = None, *,
+                     tokenizer: Any = None, chat_template: str = "auto") -> list[str | None]:  # fmt: skip
+    """Hinted teacher contexts for the given rows (``None`` where the provider gives no hint), as the text
+    the teacher reads: :func:`~composer_plugins.training.chat.hinted_context` with ``tokenizer`` and
+    ``chat_template`` (the hint goes into the conversation of a chat prompt, which is then rendered
+    like the student's).
 
     ``provider`` is a hint provider on the request contract (built by
     :func:`~composer_plugins.envs.hints.build_hint_provider`, which adapts older shapes once); it gets
@@ -173,7 +168,8 @@ def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]]
     hints = provider.hints(requests)
     if len(hints) != len(requests):
         raise ValueError(f"{type(provider).__name__}.hints returned {len(hints)} hints for {len(requests)} requests")
-    return [insert_hint(p, str(h)) if h else None for p, h in zip(prompts, hints, strict=True)]
+    raw = [prompt_field(t) for t in tasks]
+    return [hinted_context(p, str(h), tokenizer, chat_template) if h else None for p, h in zip(raw, hints, strict=True)]
 
 
 def sibling_group(completions: Sequence[Any], rewards: Sequence[float], success_threshold: float,
@@ -205,6 +201,12 @@ def load_pairs(path: str | Path) -> list[dict[str, str]]:
             raise ConfigError(f"preference pair lacks {missing}", file=str(path), line=n)
         pairs.append(row)
     return pairs
+
+
+def render_pairs(pairs: Sequence[Mapping[str, Any]], tokenizer: Any = None,
+                 chat_template: str = "auto") -> list[dict[str, Any]]:  # fmt: skip
+    """The preference pairs with their ``prompt`` as the policy reads it (``training.chat.pair_prompt``)."""
+    return [{**p, "prompt": pair_prompt(p, tokenizer, chat_template)} for p in pairs]
 
 
 def env_tasks(env: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:

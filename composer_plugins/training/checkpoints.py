@@ -8,6 +8,10 @@
   a directory, empty, truncated, not a PyTorch zip archive, or a member whose CRC does not match.
 * :func:`resolve_resume` — ``--resume last`` / ``--resume PATH`` to a checked path, or a
   :class:`CheckpointError` naming the file, what is wrong, and the newest good checkpoint beside it.
+* :func:`safe_load` — every local checkpoint is read with ``torch.load(weights_only=True)``: tensors,
+  containers and numbers only, so a checkpoint never runs code when it is read (what this module and the
+  module's hooks write — optimizer states, RNG states as a tensor and lists — loads that way). A resume
+  checks the file so before Lightning reads it, whatever the strategy's own loader.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "load_policy_weights",
     "resolve_resume",
     "rng_state",
+    "safe_load",
     "set_rng_state",
 ]
 
@@ -122,7 +127,29 @@ def resolve_resume(resume: str | os.PathLike[str] | None, checkpoint_dir: str | 
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(f"{path}: {problem} — {_offer(path, directory if str(resume) == 'last' else None)}")
+    safe_load(path, mmap=True)  # nothing but tensors and plain data in it (tensor bytes are not read)
     return str(path)
+
+
+def safe_load(path: str | os.PathLike[str], *, mmap: bool = False,
+              fix: str = "resume from a checkpoint written by `composer-plugins train`, or drop --resume to start a "
+                         "fresh run") -> Any:  # fmt: skip
+    """``torch.load(path, weights_only=True)`` on the CPU: a checkpoint holding anything but tensors and plain
+    data (an object whose unpickling would run code) raises a :class:`CheckpointError` naming the file and
+    what it holds, instead of being executed."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        what = str(e).strip().splitlines()
+        detail = next((ln.strip() for ln in what if "GLOBAL" in ln or "Unsupported" in ln), what[0] if what else "")
+        raise CheckpointError(
+            f"{path}: holds objects other than tensors and plain data, which are not loaded (a weights-only "
+            f"load refused it: {detail}) — {fix}"
+        ) from None
 
 
 def _load_torch_io() -> Any:
@@ -132,7 +159,15 @@ def _load_torch_io() -> Any:
 
 
 class AtomicCheckpointIO(_load_torch_io()):  # type: ignore[misc]
-    """``TorchCheckpointIO`` that never leaves a partly written checkpoint: temp file, fsync, rename."""
+    """``TorchCheckpointIO`` that never leaves a partly written checkpoint: temp file, fsync, rename; and reads
+    one with a loader that runs no code (:func:`safe_load`)."""
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:
+            raise ValueError(f"{type(self).__name__} reads checkpoints weights-only; weights_only=False was asked for")
+        if map_location is None and isinstance(path, str | os.PathLike):
+            return safe_load(path)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         import torch
@@ -198,12 +233,10 @@ def load_policy_weights(policy: Any, path: str | os.PathLike[str]) -> None:
     differ) raises a :class:`CheckpointError` naming the file and the first offending keys, instead of
     loading part of it.
     """
-    import torch
-
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(f"{path}: {problem} — give a .ckpt written by `composer-plugins train`")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = safe_load(path, fix="give a .ckpt written by `composer-plugins train`")
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a Lightning checkpoint (no state_dict) — give a .ckpt written by "

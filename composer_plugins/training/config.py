@@ -32,6 +32,11 @@ class ModelSection:
 
     name_or_path: str = "tiny"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: How a prompt given as chat messages (``[{role, content}, ...]``) becomes the text the model reads:
+    #: ``auto`` (the tokenizer's chat template, generation prompt added; plain text without one), ``none``
+    #: (plain: a lone user message verbatim, else ``<|role|>`` headers) or the path of a Jinja chat-template
+    #: file (installed on the loaded tokenizer, so the exported model carries it). Text prompts are never changed.
+    chat_template: str = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -315,6 +320,9 @@ def _check(cfg: TrainConfig, src: Config, key: str = "") -> None:
     if not cfg.eval.temperature >= 0:  # NaN included
         raise src.error(pre + "eval.temperature", f"must be >= 0 (0: greedy samples), got {cfg.eval.temperature}.")
     check_ranges(cfg, src, pre)
+    from composer_plugins.training.chat import check_chat_template
+
+    check_chat_template(cfg.model.chat_template, src, pre + "model.chat_template")
     gen = cfg.rollout.generator
     gen_name = gen.get("name") if isinstance(gen, Mapping) else gen
     if cfg.rollout.max_turns > 1 and gen_name not in (None, "hf"):

@@ -49,10 +49,10 @@ def evaluate_tasks(module: Any, tasks: Sequence[Mapping[str, Any]], seed: int) -
     cfg = module.cfg
     e = cfg.eval
     thr = cfg.rollout.success_threshold
-    prompts = [task_prompt(t) for t in tasks]
+    prompts = [task_prompt(t, module.tokenizer, cfg.model.chat_template) for t in tasks]
     mnt = e.max_new_tokens or cfg.rollout.max_new_tokens
     greedy = eval_generate(module, prompts, 1, seed=None, max_new_tokens=mnt)
-    r_greedy = torch.tensor(env_rewards(module.env, tasks, greedy.completions, 1), device=module.device)
+    r_greedy = torch.tensor(env_rewards(module.env, tasks, greedy.completions, 1, unscorable=0.0), device=module.device)
     out: dict[str, Any] = {
         "rewards_greedy": r_greedy,
         "correct_greedy": (r_greedy >= thr).float(),
@@ -62,7 +62,9 @@ def evaluate_tasks(module: Any, tasks: Sequence[Mapping[str, Any]], seed: int) -
     }
     if e.k > 0 and e.num_samples >= e.k:
         ro = eval_generate(module, prompts, e.num_samples, seed=seed, temperature=e.temperature, max_new_tokens=mnt)
-        r = torch.tensor(env_rewards(module.env, tasks, ro.completions, e.num_samples), device=module.device)
+        r = torch.tensor(
+            env_rewards(module.env, tasks, ro.completions, e.num_samples, unscorable=0.0), device=module.device
+        )
         out["correct_samples"] = (r >= thr).view(len(tasks), e.num_samples)
         out["rewards_samples"] = r.view(len(tasks), e.num_samples)
     if e.hint_uplift:
@@ -98,22 +100,24 @@ def hint_uplift(module: Any, tasks: Sequence[Mapping[str, Any]], greedy: Sequenc
     if reads_groups(provider):
         k = max(1, int(e.hint_uplift_samples))
         f_tasks = [tasks[i] for i in failed]
-        ro = eval_generate(module, [task_prompt(t) for t in f_tasks], k, seed=derive_seed(seed, 5),
+        prompts = [task_prompt(t, module.tokenizer, cfg.model.chat_template) for t in f_tasks]
+        ro = eval_generate(module, prompts, k, seed=derive_seed(seed, 5),
                            temperature=e.temperature, max_new_tokens=mnt)  # fmt: skip
-        r = env_rewards(module.env, f_tasks, ro.completions, k)
+        r = env_rewards(module.env, f_tasks, ro.completions, k, unscorable=0.0)
         groups = []
         for j, i in enumerate(failed):  # the failed greedy attempt is the row, the k samples its siblings
             comps, rs = ro.completions[j * k : (j + 1) * k], r[j * k : (j + 1) * k]
             groups.append(sibling_group([greedy[i], *comps], [float(rewards[i]), *rs], thr))
     contexts = teacher_contexts(module.env, provider, [tasks[i] for i in failed], [greedy[i] for i in failed],
-                                groups=groups)  # fmt: skip
+                                groups=groups, tokenizer=module.tokenizer,
+                                chat_template=cfg.model.chat_template)  # fmt: skip
     hinted = [(i, c) for i, c in zip(failed, contexts, strict=True) if c is not None]
     out["hinted"] = len(hinted)
     if not hinted:
         return out
     ro = eval_generate(module, [c for _, c in hinted], 1, seed=None, max_new_tokens=mnt,
                        max_prompt_length=cfg.hints.max_context_length)  # as the teacher reads it  # fmt: skip
-    r_hint = env_rewards(module.env, [tasks[i] for i, _ in hinted], ro.completions, 1)
+    r_hint = env_rewards(module.env, [tasks[i] for i, _ in hinted], ro.completions, 1, unscorable=0.0)
     out["fixed"] = sum(1 for v in r_hint if v >= thr)
     for (i, ctx), comp, v in zip(hinted, ro.completions, r_hint, strict=True):
         out["rows"][i] = {"hint_context": ctx, "hinted_completion": comp, "hint_fixed": bool(v >= thr)}

@@ -1,4 +1,4 @@
-"""Validation metrics of the training module: the unbiased pass@k estimator and torchmetrics accumulators."""
+"""Metrics of the training module: unbiased pass@k, torchmetrics accumulators, a step's reward statistics."""
 
 from __future__ import annotations
 
@@ -67,3 +67,19 @@ def scalar_metrics(metrics: Any, prefix: str = "") -> dict[str, float]:
         elif isinstance(v, int | float) and not isinstance(v, bool):
             out[prefix + k] = float(v)
     return out
+
+
+def reward_stats(rewards: Tensor, group_size: int, success_threshold: float) -> dict[str, float]:
+    """A step's ``reward`` (mean), ``accuracy`` (share at or above ``success_threshold``) and ``groups_with_signal``
+    (groups whose rewards differ) over the scorable rows, and the ``unscorable`` share (NaN rewards: left out of
+    these as out of the group advantages)."""
+    from composer_plugins.losses.functional import nanstd
+
+    scorable = ~torch.isnan(rewards)
+    r = rewards[scorable]
+    return {
+        "reward": float(r.mean()) if r.numel() else math.nan,
+        "accuracy": float((r >= success_threshold).float().mean()) if r.numel() else math.nan,
+        "unscorable": float((~scorable).float().mean()),
+        "groups_with_signal": float((nanstd(rewards.view(-1, group_size), dim=1) > 0).float().mean()),
+    }

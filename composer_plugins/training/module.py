@@ -29,12 +29,12 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy, assemble_inputs
-from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, task_prompt
+from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, render_pairs, task_prompt
 from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, fsdp_root, full_params, world
-from composer_plugins.training.metrics import PassAtK, Ratio, scalar_metrics
+from composer_plugins.training.metrics import PassAtK, Ratio, reward_stats, scalar_metrics
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
 from composer_plugins.training.teacher_scores import build_teacher_scoring, start_teacher_scoring
@@ -72,7 +72,7 @@ class ComposerModule(L.LightningModule):
         # from_pretrained returns eval mode; Lightning trains modules in the mode it finds them in
         # (dropout on in training; generation and validation switch to eval mode themselves)
         self.policy = policy.train()
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # prompts rendered with model.chat_template (training.chat)
         if cfg.compute.gradient_checkpointing:
             if not getattr(policy, "supports_gradient_checkpointing", False):
                 raise ValueError(f"compute.gradient_checkpointing: {type(policy).__name__} does not support "
@@ -101,11 +101,10 @@ class ComposerModule(L.LightningModule):
         self.hint_provider = hint_provider
         if self.needs_teacher and self.hint_provider is None:
             self.hint_provider = build_hint_provider(cfg, src)
-        self.pairs: list[Mapping[str, str]] = list(pairs) if pairs is not None else []
         if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
-            self.pairs = load_pairs(cfg.replay.pairs_path)
-        # A frozen reference copy is kept outside the module tree: not optimised, not checkpointed
-        # (it is the initial policy, rebuilt identically on resume).
+            pairs = load_pairs(cfg.replay.pairs_path)
+        self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
+        # A frozen reference copy outside the module tree: not optimised, not checkpointed (rebuilt on resume).
         self._reference: list[Any] = []
         needs_ref_pairs = bool(self.required_inputs & {"ref_chosen_logps", "ref_rejected_logps"}) and bool(self.pairs)
         if self.needs_ref_tokens or needs_ref_pairs:
@@ -132,6 +131,8 @@ class ComposerModule(L.LightningModule):
         self.last_step_stats: dict[str, float] = {}
         #: The step record the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
+        #: Optimizer steps taken without a ``Trainer`` (its loop, e.g. Monarch's trainer actor, adds 1 after each)
+        self.local_steps = 0
 
     @property
     def reference(self) -> Any:
@@ -243,8 +244,8 @@ class ComposerModule(L.LightningModule):
             if episodes is not None:  # the multi_turn generator: the env scores every turn
                 return episodes(self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed,
                                 **sampling)  # fmt: skip
-            ro = self.generator.generate(self.policy, self.tokenizer, [task_prompt(t) for t in tasks],
-                                         r.num_generations, seed=seed, **sampling)  # fmt: skip
+            prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
+            ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
         rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)
         return ro, rewards, [None] * len(rewards)
 
@@ -272,7 +273,7 @@ class ComposerModule(L.LightningModule):
             advantages = advantages[0]
         rec = StepRecord.from_rollout(tasks, ro, rewards, advantages.detach().float(), feedback,
                                       total_steps=self.cfg.trainer.max_steps)  # fmt: skip
-        start_teacher_scoring(rec, self.teacher_scoring)  # external teachers score while the step goes on
+        start_teacher_scoring(rec, self.teacher_scoring, self.cfg.model.chat_template)  # scored in the background
         args = (rec.prompt_ids, rec.prompt_mask, rec.completion_ids, rec.completion_mask)
         kw = {"temperature": r.temperature, "completion_attention_mask": rec.attention_mask,
               "micro_batch_size": self.micro_batch_size(rec.prompt_ids, rec.completion_ids),
@@ -283,7 +284,8 @@ class ComposerModule(L.LightningModule):
             rec.ref_logprobs = completion_logprobs_no_grad(self.reference, *args, **kw)
         if self.needs_teacher:
             add_hint_contexts(rec, self.env, self.hint_provider, success_threshold=r.success_threshold,
-                              max_hinted=self.cfg.hints.max_hinted_per_step)  # fmt: skip
+                              max_hinted=self.cfg.hints.max_hinted_per_step, tokenizer=self.tokenizer,
+                              chat_template=self.cfg.model.chat_template)  # fmt: skip
         return rec
 
     def micro_batch_size(self, *tensors: Tensor) -> int:
@@ -311,7 +313,8 @@ class ComposerModule(L.LightningModule):
         loss is computed once over the whole batch, so it equals the one-shot loss for every channel.
         """
         self.last_rollout = rec
-        rec.step = self.global_step  # schedules inside channels (TAID's t) follow the optimizer step
+        # schedules inside channels (TAID's t, step-scheduled hints) follow the optimizer step, Trainer or not
+        rec.step = self.global_step if self._trainer is not None else self.local_steps
         rec.total_steps = self.cfg.trainer.max_steps
         if self.needs_pairs and self.pairs:
             rec.pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed)
@@ -322,13 +325,10 @@ class ComposerModule(L.LightningModule):
         given = dp_normalisers(rec.completion_mask, hinted if self.needs_teacher else None)
         inputs, stats = assemble_inputs(rec, self.composer, self.step_policy(), given=given)
         loss, metrics = self.composer(inputs, inputs)
-        rewards, G = rec.rewards, rec.num_generations
         stats.update(scalar_metrics(metrics))
-        stats["reward"] = float(rewards.mean())
-        stats["accuracy"] = float((rewards >= self.cfg.rollout.success_threshold).float().mean())
+        stats.update(reward_stats(rec.rewards, rec.num_generations, self.cfg.rollout.success_threshold))
         stats["completion_tokens"] = float(rec.completion_mask.sum())
         stats["completion_length"] = float(rec.completion_mask.sum(1).float().mean())
-        stats["groups_with_signal"] = float((rewards.view(-1, G).std(1) > 0).float().mean())
         return loss, stats
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ generator it also has the one-turn ``generate``.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,7 +99,7 @@ class MultiTurnGenerator:
                 e["ids"] += act_ids
                 e["mask"] += [1] * len(act_ids)
                 e["actions"].append(ro.completions[j])
-                e["reward"] = 0.0 if reward is None else float(reward)
+                e["reward"] = math.nan if reward is None else float(reward)  # unscorable: left out of the group
                 e["feedback"] = (info or {}).get("feedback", getattr(obs, "feedback", None))
                 if done or turn == self.max_turns - 1:
                     e["done"] = True

@@ -77,7 +77,7 @@ def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
     sft.pop("progress")
     if sft.get("hint_kinds") is None:
         sft.pop("hint_kinds")  # the default: configs from before the option keep their cached warm start
-    return {
+    key = {
         "base": base,
         "tiny": asdict(cfg.model.tiny) if cfg.model.name_or_path == "tiny" else None,
         "env": redact(cfg.env),
@@ -87,6 +87,9 @@ def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
         # hinted SFT examples are built with the hint provider: a new template is a new warm start
         "hints": redact(to_dict(cfg.hints.provider)) if cfg.sft.hint_fraction > 0 else None,
     }
+    if cfg.model.chat_template != "auto":  # the SFT prompts are rendered with it (auto: keys from before stay valid)
+        key["chat_template"] = _file_digest(cfg.model.chat_template) if cfg.model.chat_template != "none" else "none"
+    return key
 
 
 def resolve_policy(cfg: TrainConfig, env: Any = None) -> str:
@@ -106,5 +109,12 @@ def resolve_policy(cfg: TrainConfig, env: Any = None) -> str:
 
 
 def load_policy_for(cfg: TrainConfig, env: Any = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of the resolved policy, loaded with ``from_pretrained``."""
-    return load_policy(resolve_policy(cfg, env), dtype=cfg.model.dtype)
+    """``(model, tokenizer)`` of the resolved policy, loaded with ``from_pretrained``.
+
+    A ``model.chat_template`` file is set on the tokenizer
+    (:func:`~composer_plugins.training.chat.install_chat_template`).
+    """
+    from composer_plugins.training.chat import install_chat_template
+
+    model, tok = load_policy(resolve_policy(cfg, env), dtype=cfg.model.dtype)
+    return model, install_chat_template(tok, cfg.model.chat_template)

@@ -196,7 +196,7 @@ def run_train(
                 train_dataloaders=stream,
                 val_dataloaders=val if cfg.trainer.val_every_n_steps else None,
                 ckpt_path=ckpt_path,
-                weights_only=False,
+                weights_only=True,
             )
             if cfg.eval.at_end and val:
                 trainer.validate(module, dataloaders=val, verbose=False)

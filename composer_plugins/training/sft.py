@@ -35,8 +35,12 @@ from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.trainer import lightning_trainer, progress_bar, quiet_lightning, set_threads
 
 
-def sft_pairs(env: Any, cfg: TrainConfig) -> list[tuple[str, str]]:
-    """``(prompt, solution)`` pairs for the SFT warm start from the env's train generator."""
+def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[str, str]]:
+    """``(prompt, solution)`` pairs for the SFT warm start from the env's train generator.
+
+    The prompts are the text the model reads (chat messages rendered for ``tokenizer`` with
+    ``model.chat_template``, :mod:`composer_plugins.training.chat`), as in the RL rollouts.
+    """
     from composer_plugins.training.batches import task_prompt
 
     if cfg.data.train_path:
@@ -54,9 +58,9 @@ def sft_pairs(env: Any, cfg: TrainConfig) -> list[tuple[str, str]]:
                 "and start from an already fine-tuned model.name_or_path",
                 key="sft.enabled",
             )
-        out.append((task_prompt(t), str(sol)))
+        out.append((task_prompt(t, tokenizer, cfg.model.chat_template), str(sol)))
     if cfg.sft.hint_fraction > 0 and cfg.hints.provider is not None:
-        out = _hint_augment(env, cfg, tasks, out)
+        out = _hint_augment(env, cfg, tasks, out, tokenizer)
     return out
 
 
@@ -87,8 +91,8 @@ def sft_hint_kinds(cfg: TrainConfig) -> dict[str, float]:
     return {k: float(v) / total for k, v in kinds.items() if v > 0}
 
 
-def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]],
-                  pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:  # fmt: skip
+def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]], pairs: list[tuple[str, str]],
+                  tokenizer: Any = None) -> list[tuple[str, str]]:  # fmt: skip
     """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt.
 
     Each hinted example is of one kind (``sft.hint_kinds``): ``feedback``, the provider's hint for
@@ -116,10 +120,11 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
         krng = random.Random(derive_seed(cfg.sft.seed, 92))
         kind = {i: krng.choices(names, weights)[0] for i in picked}
     provider = build_hint_provider(cfg)
+    chat = {"tokenizer": tokenizer, "chat_template": cfg.model.chat_template}
     out = list(pairs)
     fb_rows = [i for i in picked if kind[i] == "feedback"]
     if fb_rows:
-        ctxs = teacher_contexts(env, provider, [tasks[i] for i in fb_rows], [str(attempts[i]) for i in fb_rows])
+        ctxs = teacher_contexts(env, provider, [tasks[i] for i in fb_rows], [str(attempts[i]) for i in fb_rows], **chat)
         for i, ctx in zip(fb_rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])
@@ -131,7 +136,7 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
             {"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")  # fmt: skip
         wrong = {i: false_step_attempt(pairs[i][1], rng) for i in step_rows}
         step_rows = [i for i in step_rows if wrong[i] is not None]
-        ctxs = teacher_contexts(env, sc, [tasks[i] for i in step_rows], [str(wrong[i]) for i in step_rows])
+        ctxs = teacher_contexts(env, sc, [tasks[i] for i in step_rows], [str(wrong[i]) for i in step_rows], **chat)
         for i, ctx in zip(step_rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])
@@ -142,7 +147,7 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
         for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
             groups += sibling_groups([str(attempts[i]), pairs[i][1]], [0.0, 1.0], 2, 1.0)[:1]
         ctxs = teacher_contexts(env, demo, [tasks[i] for i in demo_rows], [str(attempts[i]) for i in demo_rows],
-                                groups=groups)  # fmt: skip
+                                groups=groups, **chat)  # fmt: skip
         for i, ctx in zip(demo_rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])
@@ -232,8 +237,11 @@ def sft_train(
     import torch
 
     set_threads(cfg)
+    from composer_plugins.training.chat import install_chat_template
+
     model, tok = load_policy(base, dtype=cfg.model.dtype)
-    pairs = sft_pairs(env, cfg)
+    install_chat_template(tok, cfg.model.chat_template)
+    pairs = sft_pairs(env, cfg, tok)
     s = cfg.sft
     gen = torch.Generator().manual_seed(s.seed)
     loader = torch.utils.data.DataLoader(

@@ -152,11 +152,13 @@ class StepRecord:
 
 
 def add_hint_contexts(record: StepRecord, env: Any, provider: Any, *, success_threshold: float,
-                      max_hinted: int | None = None) -> StepRecord:  # fmt: skip
+                      max_hinted: int | None = None, tokenizer: Any = None,
+                      chat_template: str = "auto") -> StepRecord:  # fmt: skip
     """Fill ``record.groups`` and ``record.hint_contexts``: a hinted context for each failed row the provider hints.
 
     The rows offered to the provider are :func:`hint_candidates`. Rows must be laid out in contiguous
-    groups of ``num_generations``.
+    groups of ``num_generations``. The contexts are rendered for ``tokenizer`` with ``chat_template``
+    (:mod:`composer_plugins.training.chat`), as the student's prompts are.
     """
     from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
@@ -168,7 +170,8 @@ def add_hint_contexts(record: StepRecord, env: Any, provider: Any, *, success_th
     feedback = record.feedback or [None] * n
     contexts = teacher_contexts(env, provider, [record.tasks[i // G] for i in failed],
                                 [record.completions[i] for i in failed], [feedback[i] for i in failed],
-                                [record.groups[i] for i in failed])  # fmt: skip
+                                [record.groups[i] for i in failed], tokenizer=tokenizer,
+                                chat_template=chat_template)  # fmt: skip
     record.hint_contexts = [None] * n
     for i, c in zip(failed, contexts, strict=True):
         record.hint_contexts[i] = c

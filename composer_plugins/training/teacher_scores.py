@@ -21,8 +21,8 @@ from typing import Any
 
 from composer_plugins.training.step import StepRecord
 
-__all__ = ["build_teacher_scoring", "console_warning", "report_teacher_failures", "score_requests",
-           "start_teacher_scoring", "teacher_channels", "teacher_summary"]  # fmt: skip
+__all__ = ["build_teacher_scoring", "console_warning", "report_teacher_failures", "row_conversations",
+           "score_requests", "start_teacher_scoring", "teacher_channels", "teacher_summary"]  # fmt: skip
 
 
 def console_warning(line: str) -> None:
@@ -66,10 +66,31 @@ def build_teacher_scoring(channels: Sequence[Any], tokenizer: Any) -> Any:
     return pool
 
 
-def score_requests(record: StepRecord) -> list[Any]:
-    """One :class:`~composer_plugins.teachers.scoring.ScoreRequest` per row: prompt and completion, text and tokens."""
+def row_conversations(record: StepRecord) -> list[Any]:
+    """Per row, the chat messages its prompt was rendered from (``None`` for a text prompt or unknown task)."""
+    from composer_plugins.training.chat import task_conversation
+
+    if not record.tasks:
+        return [None] * record.num_rows
+    G = max(1, record.num_generations)
+    gi = record.group_index.tolist() if record.group_index is not None else [i // G for i in range(record.num_rows)]
+    convs = [task_conversation(t) for t in record.tasks]
+    return [convs[int(g)] if 0 <= int(g) < len(convs) else None for g in gi]
+
+
+def score_requests(record: StepRecord, chat_template: str = "auto",
+                   conversations: Sequence[Any] | None = None) -> list[Any]:  # fmt: skip
+    """One :class:`~composer_plugins.teachers.scoring.ScoreRequest` per row: prompt and completion, text and tokens.
+
+    A row whose prompt was a conversation carries it (``messages``), so each teacher renders it with its
+    own chat template; ``chat_template: none`` sends none (every teacher reads the plain prompt).
+    ``conversations``: the rows' conversations when the record holds no tasks (a backend's micro-batch).
+    """
     from composer_plugins.teachers.scoring import ScoreRequest
 
+    convs = list(conversations) if conversations is not None else row_conversations(record)
+    if chat_template == "none":
+        convs = [None] * record.num_rows
     out = []
     for i in range(record.num_rows):
         p = record.prompt_ids[i][record.prompt_mask[i].bool()].tolist()
@@ -77,17 +98,20 @@ def score_requests(record: StepRecord) -> list[Any]:
         if record.attention_mask is not None and bool(record.attention_mask[i].any()):
             n = max(n, int(record.attention_mask[i].nonzero().max()) + 1)
         c = record.completion_ids[i][:n].tolist()
-        out.append(ScoreRequest(record.prompts[i], record.completions[i], tuple(c), tuple(p)))
+        msgs = tuple(dict(m) for m in convs[i]) if convs[i] else None
+        out.append(ScoreRequest(record.prompts[i], record.completions[i], tuple(c), tuple(p), msgs))
     return out
 
 
-def start_teacher_scoring(record: StepRecord, pool: Any) -> StepRecord:
+def start_teacher_scoring(record: StepRecord, pool: Any, chat_template: str = "auto",
+                          conversations: Sequence[Any] | None = None) -> StepRecord:  # fmt: skip
     """Submit the record's rows to every scorer of ``pool``; ``record.teacher_scores`` holds the futures.
 
-    Nothing happens without a pool or when the record holds scores already.
+    Nothing happens without a pool or when the record holds scores already. ``chat_template`` and
+    ``conversations``: as :func:`score_requests`.
     """
     if pool is None or record.teacher_scores:
         return record
-    job = pool.submit(score_requests(record))
+    job = pool.submit(score_requests(record, chat_template, conversations))
     record.teacher_scores = dict(job.futures)
     return record

@@ -18,6 +18,20 @@ from composer_plugins.losses import functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def _upstream_default_loss_fn():
+    """PRIME-RL's ``default_loss_fn`` restated as upstream runs it (one 1-D sample), from tests/losses: the
+    parity below compares the adapter with it, not with the project's own ``dppo_kl_loss`` that the adapter calls."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "losses"))
+    try:
+        from test_losses_dppo import upstream_default_loss_fn
+    finally:
+        sys.path.pop(0)
+    return upstream_default_loss_fn
+
+
 # Field layout of prime_rl.trainer.rl.loss.LossInputs / LossOutputs at commit 559b447 (read from the source).
 UPSTREAM_INPUT_FIELDS = [
     ("trainer_logprobs", False), ("inference_logprobs", False), ("ref_logprobs", False),
@@ -66,23 +80,26 @@ def test_stand_ins_are_structurally_identical_to_prime_rl():
 
 @pytest.mark.parametrize("with_weights", [False, True])
 def test_default_equals_prime_rls_default_loss_per_sample(with_weights):
+    upstream = _upstream_default_loss_fn()
     for seed in range(6):
         s = _sample(seed, with_ref=seed % 2 == 0, with_weights=with_weights)
         out = P.loss_fn(s)  # the extra channels are off by default
-        ref = F.dppo_kl_loss(s.trainer_logprobs, s.inference_logprobs, s.advantages, s.loss_mask,
-                             loss_weights=s.loss_weights)  # fmt: skip
+        # PRIME-RL's DefaultLossConfig defaults: dppo_mask_low = dppo_mask_high = 0.2, adv_tau 1, kl_tau 1e-3
+        ref_loss, ref_metrics = upstream(s.trainer_logprobs, s.inference_logprobs, s.advantages, s.loss_mask,
+                                         0.2, 0.2, 1.0, 1e-3, s.loss_weights)  # fmt: skip
         assert isinstance(out, P.LossOutputs)
-        torch.testing.assert_close(out.loss, ref.loss)
+        assert float(ref_loss.detach().abs()) > 1e-4  # a loss that a doubling can be seen in
+        torch.testing.assert_close(out.loss, ref_loss)
         (g1,) = torch.autograd.grad(out.loss, s.trainer_logprobs)
-        (g2,) = torch.autograd.grad(ref.loss, s.trainer_logprobs)
+        (g2,) = torch.autograd.grad(ref_loss, s.trainer_logprobs)
         torch.testing.assert_close(g1, g2)
         for k in ("masked_mismatch_kl", "unmasked_mismatch_kl", "is_masked", "is_masked_low", "is_masked_high",
                   "masked_advantage_positive", "masked_advantage_negative"):  # fmt: skip
             assert out.metrics[k].dim() == 0
-            torch.testing.assert_close(out.metrics[k], torch.as_tensor(ref.metrics[k]).float())
+            torch.testing.assert_close(out.metrics[k], torch.as_tensor(ref_metrics[k]).float())
 
 
-def test_prime_rl_aggregation_over_a_batch_equals_the_functional_token_mean():
+def test_prime_rl_aggregation_over_a_batch_equals_the_upstream_token_mean():
     B, T = 5, 8
     g = torch.Generator().manual_seed(0)
     inference = -torch.rand(B, T, generator=g) * 2
@@ -95,6 +112,10 @@ def test_prime_rl_aggregation_over_a_batch_equals_the_functional_token_mean():
     loss, metrics = P.aggregate(samples)  # Σ per-sample loss / global loss-token count (rl_scale)
     expected = F.dppo_kl_loss(trainer, inference, adv, mask).loss / mask.sum()
     torch.testing.assert_close(loss, expected)
+    # and PRIME-RL's own per-sample loss (restated), summed and divided by the loss tokens
+    upstream = _upstream_default_loss_fn()
+    total = sum(upstream(trainer[b], inference[b], adv[b], mask[b], 0.2, 0.2, 1.0, 1e-3, None)[0] for b in range(B))
+    torch.testing.assert_close(loss, total / mask.sum())
     assert metrics["is_masked"].shape == (B,)
 
 

@@ -141,3 +141,50 @@ def test_monarch_actors_train_on_a_local_process_mesh(make_config, tiny_model_di
     assert [r["step"] for r in res.history] == [1.0, 2.0]
     assert res.metrics["monarch/generators_in_sync"] == 1.0  # the trainer's weights reached every generator
     assert _moved(res.model_dir, tiny_model_dir)
+
+
+def test_trl_pairs_keep_the_native_prompt_length(make_config, monkeypatch):
+    """The TRL adapter keeps ``rollout.max_prompt_length`` prompt tokens per preference pair, as the native module
+    does (not the hint context length)."""
+    import composer_plugins_trl.backend as trl_backend
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    class Spy(trl_backend.ComposerGRPOTrainer):
+        def train(self, *args, **kwargs):
+            seen["policy"] = self.step_policy(self.model)
+            raise Stop
+
+    rollout = {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6, "max_prompt_length": 37}
+    hints = {"provider": {"class_path": "backend_envs.AnswerHints"}, "max_context_length": 300}
+    cfg = make_config(ALL_CHANNELS, rollout=rollout, hints=hints)
+    backend = build("backends", "trl", config=cfg)
+    monkeypatch.setattr(trl_backend, "ComposerGRPOTrainer", Spy)
+    with pytest.raises(Stop):
+        backend.train()
+    assert seen["policy"].pair_prompt_length == 37 == backend.config.rollout.max_prompt_length
+    assert seen["policy"].max_context_length == 300
+
+
+def test_monarch_trainer_actor_advances_the_step_schedules(make_config):
+    """Monarch drives ComposerModule without a Lightning Trainer: the module counts its optimizer steps, so the
+    step record's ``step`` advances and TAID's linear schedule (``adaptive: false``) moves with it."""
+    import asyncio
+
+    losses = {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 0.5, "criterion": "taid", "adaptive": False}}
+    cfg = make_config(losses, trainer={"max_steps": 3, "num_threads": 1, "enable_progress_bar": False})
+    backend = build("backends", "monarch", config=cfg, generators=1)
+
+    async def main():
+        async with backend.session() as s:
+            return [await s.step(step) for step in range(3)]
+
+    rows = asyncio.run(main())
+    assert [r["record_step"] for r in rows] == [0.0, 1.0, 2.0]
+    assert all(r["hint_distill/skipped"] == 0.0 for r in rows)
+    t = [r["hint_distill/taid_t"] for r in rows]
+    # t at step k's forward: the scheduler's update at step k-1 (the first update only records the loss)
+    assert t[0] == t[1] == pytest.approx(0.4) and t[2] > t[1] + 0.1, t

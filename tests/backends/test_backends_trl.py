@@ -1,4 +1,6 @@
-"""TRL backend: ComposerGRPOTrainer's loss equals GRPOTrainer's, and trains with every channel live."""
+"""TRL backend: ComposerGRPOTrainer's composed ``compute_loss`` equals TRL's own ``GRPOTrainer._compute_loss`` on
+the same batch (loss and gradient, six loss types; the comparison sees a doubled loss), and trains with every
+channel live."""
 
 from __future__ import annotations
 
@@ -80,14 +82,27 @@ def test_policy_channel_loss_and_gradient_equal_trl(tiny_model_dir, tmp_path, na
     inputs["advantages"] = torch.randn(mask.shape[0], generator=g)
     assert "ref_per_token_logps" in inputs  # beta != 0: TRL computed reference log-probs
 
+    # the two sides are different code: the project's override (defined on its own class, the composed
+    # channels) and TRL's GRPOTrainer._compute_loss, called explicitly on the same trainer and batch
+    assert "compute_loss" in ComposerGRPOTrainer.__dict__
+    assert "_compute_loss" not in ComposerGRPOTrainer.__dict__
+    assert ComposerGRPOTrainer.compute_loss is not GRPOTrainer.compute_loss
     params = [p for p in tr.model.parameters() if p.requires_grad]
-    ours = tr._compute_loss(tr.model, inputs)
+    ours = ComposerGRPOTrainer.compute_loss(tr, tr.model, inputs)
     g_ours = torch.autograd.grad(ours, params)
     theirs = GRPOTrainer._compute_loss(tr, tr.model, inputs)
     g_theirs = torch.autograd.grad(theirs, params)
+    assert float(theirs.detach().abs()) > 1e-4  # a loss that a doubling can be seen in
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
     for a, b in zip(g_ours, g_theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # the comparison sees a mutation of the composed side: the channel at weight 2 doubles the loss
+    (channel,) = tr.composer.active
+    channel.weight *= 2.0
+    doubled = ComposerGRPOTrainer.compute_loss(tr, tr.model, inputs)
+    torch.testing.assert_close(doubled, 2.0 * theirs, rtol=1e-6, atol=1e-7)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(doubled, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_training_steps_with_every_channel_live(tiny_model_dir, tmp_path):
@@ -215,3 +230,45 @@ def test_trl_private_surface_change_fails_with_the_fix(monkeypatch):
 
     with pytest.raises(RuntimeError, match="is missing.*docs/backends.md"):
         check_trl_surface(Gone)
+
+
+class SometimesUnscorable:
+    """An env whose every third completion is unscorable (``None``); it keeps the completions it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def reward(self, prompts, completions, **task):
+        self.seen = list(completions)
+        return [None if i % 3 == 1 else float(len(c) % 4) / 3 for i, c in enumerate(completions)]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_unscorable_rows_are_left_out_the_same_way_natively_and_in_trl(tiny_model_dir, tmp_path, scale):
+    """The same completions and rewards with ``None`` rows: the native path (``env_rewards`` then
+    ``group_advantages``) and TRL's generation batch keep the rows NaN and give the same advantages."""
+    from composer_plugins_trl.backend import env_reward_func
+
+    from composer_plugins.losses.functional import group_advantages
+    from composer_plugins.training.batches import env_rewards
+
+    env = SometimesUnscorable()
+    model, tok = load_policy(tiny_model_dir)
+    args = _args(tmp_path, per_device_train_batch_size=8, scale_rewards=scale)
+    tr = ComposerGRPOTrainer(model=model, reward_funcs=[env_reward_func(env, ["answer"])], args=args,
+                             train_dataset=Dataset.from_list(PROMPTS), processing_class=tok)  # fmt: skip
+    G = tr.num_generations
+    batch = next(iter(tr.get_train_dataloader()))
+    out = tr._generate_and_score_completions(batch)
+    completions = list(env.seen)
+    assert len(completions) == len(batch) == 8
+    native = torch.tensor(env_rewards(env, batch[::G], completions, G))
+    unscorable = torch.tensor([i % 3 == 1 for i in range(len(batch))])
+    assert torch.equal(torch.isnan(native), unscorable)
+    torch.testing.assert_close(native, out["rewards"].float().cpu(), equal_nan=True)
+    adv = group_advantages(native, G, scale)
+    torch.testing.assert_close(adv, out["advantages"].float().cpu(), rtol=1e-5, atol=1e-6)
+    assert bool((adv[unscorable] == 0).all())
+    # the data tells the two rules apart: unscorable rows counted as 0 move the scorable rows' advantages
+    as_zero = group_advantages(torch.nan_to_num(native, nan=0.0), G, scale)
+    assert not torch.allclose(as_zero[~unscorable], adv[~unscorable], atol=1e-4)

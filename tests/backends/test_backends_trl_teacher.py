@@ -1,4 +1,5 @@
-"""TRL backend: the ``teacher_distill`` channel's inputs come from the step assembler inside ``_compute_loss``."""
+"""TRL backend: the ``teacher_distill`` channel's inputs come from the step assembler inside the project's
+``ComposerGRPOTrainer.compute_loss`` (the public ``Trainer`` hook it overrides; TRL's ``_compute_loss`` is not used)."""
 
 from __future__ import annotations
 

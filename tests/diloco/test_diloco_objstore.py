@@ -33,6 +33,9 @@ def test_object_store_run_equals_torchft_run_bitwise(tmp_path):
     b = cli(tmp_path, "os", *common, "-S", "diloco.transport=object_store", "-S",
             f"diloco.store={store_url('file', tmp_path, 'parity')}")  # fmt: skip
     finish(b, tmp_path / "os")
+    # the second run really went through the store (were the transport setting ignored, this would compare the
+    # torchft path with itself)
+    assert list((tmp_path / "store-parity").rglob("manifest.json"))
     tf = [result(tmp_path / "tf", i) for i in (0, 1)]
     os_ = [result(tmp_path / "os", i) for i in (0, 1)]
     assert tf[0]["param_hash"] == tf[1]["param_hash"] == os_[0]["param_hash"] == os_[1]["param_hash"]

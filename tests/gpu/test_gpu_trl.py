@@ -1,8 +1,9 @@
 """TRL's backend on CUDA: ``ComposerGRPOTrainer`` (the ``composer-plugins-trl`` distribution) trains a step with
 every channel live (policy, hint_distill with the EMA teacher, replay_dpo), bf16, on the GPU.
 
-The CPU side (loss and gradient equal to ``GRPOTrainer``'s, every channel live) is
-``tests/backends/test_backends_trl.py``.
+The CPU side is ``tests/backends/test_backends_trl.py``: the project's composed ``ComposerGRPOTrainer.compute_loss``
+against TRL's own ``GRPOTrainer._compute_loss`` called explicitly on the same batch (loss and gradient, six loss
+types, a doubled loss detected), and training with every channel live.
 """
 
 from __future__ import annotations

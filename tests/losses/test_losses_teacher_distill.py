@@ -192,3 +192,188 @@ def test_conformance():
 
     check_loss("teacher_distill")
     check_loss("teacher_distill", divergence="jsd", beta=0.4, min_agree=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# bad scores: non-finite log-probs, weight-0 and absent teachers, ids >= V, repeated ids
+# ------------------------------------------------------------------------------------------------
+PATHS = ["hidden_states", "completion_logits"]
+
+
+def _channel(path, scores, mask, seed=3, **kw):
+    """The channel's loss, metrics and gradient in the hidden states on ``path``."""
+    h, w, _, _ = _leaves(seed)
+    outputs = {"hidden_states": h, "lm_head_weight": w} if path == "hidden_states" else {"completion_logits": h @ w.T}
+    loss, m = TeacherDistillChannel(**kw)(outputs, {"teacher_scores": scores, "completion_mask": mask})
+    (grad,) = torch.autograd.grad(loss, h) if loss.requires_grad else (torch.zeros_like(h),)
+    return loss, m, grad
+
+
+def _two_teachers(seed=4, K=3):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.log_softmax(torch.randn(B, 2, T, V, generator=g, dtype=torch.float64) * 2, -1)
+    top = t.topk(K, -1)
+    present = torch.ones(B, 2, T, dtype=torch.bool)
+    return TeacherTopK(top.indices.clone(), top.values.clone(), present, ("a", "b"))
+
+
+def _drop(scores, where):
+    """The same scores with the entries at ``where`` (a bool of the ids' shape) absent (id -1)."""
+    return TeacherTopK(torch.where(where, -1, scores.ids), scores.logprobs.clone(), scores.mask.clone(), scores.names)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("divergence", "beta"), DIVERGENCES)
+def test_nonfinite_teacher_entries_are_left_out_and_counted(path, divergence, beta):
+    _, _, mask, _ = _leaves()
+    scores = _two_teachers()
+    bad = torch.zeros_like(scores.ids, dtype=torch.bool)
+    bad[0, 0, 1, 0] = bad[1, 1, 2, 1] = bad[0, 1, 4, 2] = True
+    dirty = TeacherTopK(scores.ids.clone(), scores.logprobs.clone(), scores.mask, scores.names)
+    dirty.logprobs[0, 0, 1, 0] = math.nan
+    dirty.logprobs[1, 1, 2, 1] = math.inf
+    dirty.logprobs[0, 1, 4, 2] = math.nan
+    dirty.logprobs[1, 0, 4, 0] = math.nan  # a masked-out completion token: left out, not counted
+    kw = {"divergence": divergence, "beta": beta}
+    loss, m, grad = _channel(path, dirty, mask, **kw)
+    want, wm, wgrad = _channel(path, _drop(scores, bad), mask, **kw)
+    assert torch.isfinite(loss) and bool(torch.isfinite(grad).all())
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, wgrad, rtol=1e-9, atol=1e-11)
+    assert m["nonfinite"] == 3.0 and wm["nonfinite"] == 0.0
+    assert m["tokens"] == wm["tokens"] == float(mask.sum())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_teacher_whose_entries_are_all_nan_is_absent_there(path):
+    _, _, mask, _ = _leaves()
+    scores = TeacherTopK(_two_teachers().ids[:, :1], _two_teachers().logprobs[:, :1].clone(),
+                         torch.ones(B, 1, T, dtype=torch.bool), ("a",))  # fmt: skip
+    scores.logprobs[0, 0, 2] = math.nan  # every entry of the only teacher at one token
+    loss, m, _ = _channel(path, scores, mask)
+    assert torch.isfinite(loss) and m["tokens"] == float(mask.sum()) - 1 and m["nonfinite"] == 3.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("divergence", "beta"), DIVERGENCES)
+def test_a_weight_zero_teacher_is_not_distilled(path, divergence, beta):
+    _, _, mask, _ = _leaves()
+    scores = _two_teachers()
+    scores.mask[:, 0, 1:3] = False  # tokens 1, 2: only b (weight 0) scored them
+    kw = {"divergence": divergence, "beta": beta}
+    loss, m, grad = _channel(path, scores, mask, weights={"a": 1.0, "b": 0.0}, **kw)
+    alone = TeacherTopK(scores.ids[:, :1], scores.logprobs[:, :1], scores.mask[:, :1], ("a",))
+    want, wm, wgrad = _channel(path, alone, mask, **kw)
+    assert m["tokens"] == wm["tokens"] == float(mask.sum()) - 4
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, wgrad, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_teacher_branch_honours_weights(path):
+    """Only ``other`` is in the batch and it weighs 0: nothing is distilled (the step goes on, loss 0)."""
+    _, _, mask, _ = _leaves()
+    s = _two_teachers()
+    other = TeacherTopK(s.ids[:, 1:], s.logprobs[:, 1:], s.mask[:, 1:], ("other",))
+    loss, m, grad = _channel(path, other, mask, weights={"strong": 1.0, "other": 0.0})
+    assert float(loss) == 0.0 and m["tokens"] == 0.0 and m["empty"] == 1.0 and float(grad.abs().sum()) == 0.0
+    assert m["absent/strong"] == 1.0 and m["teachers_absent"] == 1.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_weights_naming_an_absent_teacher_renormalise_over_those_present(path):
+    """``strong`` missed its deadline: the step goes on over the teachers present, and the absence is reported."""
+    _, _, mask, _ = _leaves()
+    s = _two_teachers()
+    other = TeacherTopK(s.ids[:, 1:], s.logprobs[:, 1:], s.mask[:, 1:], ("other",))
+    loss, m, _ = _channel(path, other, mask, weights={"strong": 2.0, "other": 1.0})
+    want, wm, _ = _channel(path, other, mask)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
+    assert m["tokens"] == wm["tokens"] == float(mask.sum())
+    assert m["absent/strong"] == 1.0 and m["teachers_absent"] == 1.0 and wm["teachers_absent"] == 0.0
+    # only the absent one weighs anything: nothing to distil, but no error either
+    loss, m, _ = _channel(path, other, mask, weights={"strong": 1.0})
+    assert float(loss) == 0.0 and m["tokens"] == 0.0 and m["absent/strong"] == 1.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_ids_at_or_above_the_vocabulary_are_absent(path):
+    _, _, mask, _ = _leaves()
+    s = _two_teachers()
+    one = TeacherTopK(s.ids[:, :1].clone(), s.logprobs[:, :1].clone(), s.mask[:, :1].clone(), ("a",))
+    oov = torch.zeros_like(one.ids, dtype=torch.bool)
+    oov[0, 0, 3, :] = True  # every entry of token 3 of row 0 is >= V: that token is not distilled
+    oov[1, 0, 0, 1] = True  # one entry: its mass goes to the tail
+    dirty = TeacherTopK(torch.where(oov, V + 5, one.ids), one.logprobs, one.mask, one.names)
+    loss, m, grad = _channel(path, dirty, mask)
+    want, wm, wgrad = _channel(path, _drop(one, oov), mask)
+    assert m["tokens"] == wm["tokens"] == float(mask.sum()) - 1
+    assert m["out_of_vocab"] == float(one.ids.shape[-1] + 1)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, wgrad, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("divergence", "beta"), DIVERGENCES)
+def test_repeated_ids_merge_the_same_way_for_one_teacher_and_many(path, divergence, beta):
+    """One teacher whose top-k repeats an id == the same teacher listed twice == its entries summed by hand."""
+    _, _, mask, _ = _leaves()
+    ids = torch.tensor([3, 3, 7, 1]).expand(B, 1, T, 4).clone()
+    probs = torch.tensor([0.2, 0.1, 0.3, 0.15], dtype=torch.float64)
+    lps = probs.log().expand(B, 1, T, 4).clone()
+    one = TeacherTopK(ids, lps, torch.ones(B, 1, T, dtype=torch.bool), ("a",))
+    twice = TeacherTopK(ids.repeat(1, 2, 1, 1), lps.repeat(1, 2, 1, 1), torch.ones(B, 2, T, dtype=torch.bool),
+                        ("a", "a2"))  # fmt: skip
+    merged = TeacherTopK(torch.tensor([3, 7, 1, -1]).expand(B, 1, T, 4).clone(),
+                         torch.tensor([0.3, 0.3, 0.15, 1.0], dtype=torch.float64).log().expand(B, 1, T, 4).clone(),
+                         torch.ones(B, 1, T, dtype=torch.bool), ("a",))  # fmt: skip
+    kw = {"divergence": divergence, "beta": beta}
+    l1, _, g1 = _channel(path, one, mask, **kw)
+    l2, _, g2 = _channel(path, twice, mask, **kw)
+    torch.testing.assert_close(g1, g2, rtol=1e-9, atol=1e-11)
+    lm, _, gm = _channel(path, merged, mask, **kw)
+    torch.testing.assert_close(l1, l2, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(l1, lm, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g1, gm, rtol=1e-9, atol=1e-11)
+    # the by-hand restatement at one token: buckets {3: .3, 7: .3, 1: .15, tail: .25}
+    h, w, _, _ = _leaves(3)
+    s = torch.log_softmax(h @ w.T, -1)[0, 0]
+    ps = torch.stack([s[3].exp(), s[7].exp(), s[1].exp()])
+    ps = torch.cat([ps, 1 - ps.sum(0, keepdim=True)])
+    qs = torch.tensor([0.3, 0.3, 0.15, 0.25], dtype=torch.float64)
+    per = _plain(ps.log(), qs.log(), divergence, beta)
+    ker = TeacherTopKKernel(divergence, beta)
+    first = TeacherTopK(ids[:1, :, :1], lps[:1, :, :1], torch.ones(1, 1, 1, dtype=torch.bool))
+    ref = teacher_distill_reference((h @ w.T)[:1, :1], first, torch.ones(1, 1), ker)
+    torch.testing.assert_close(ref.loss, per, rtol=1e-10, atol=1e-12)
+
+
+def test_the_log_floor_reads_minus_inf_as_log_1e_30():
+    """A teacher log-prob of -inf (probability 0) is read as log 1e-30: a finite loss, equal to passing log 1e-30."""
+    _, _, mask, _ = _leaves()
+    s = _two_teachers()
+    a = TeacherTopK(s.ids[:, :1].clone(), s.logprobs[:, :1].clone(), s.mask[:, :1], ("a",))
+    b = TeacherTopK(a.ids, a.logprobs.clone(), a.mask, ("a",))
+    a.logprobs[..., -1] = -math.inf
+    b.logprobs[..., -1] = math.log(1e-30)
+    la, ma, _ = _channel("hidden_states", a, mask)
+    lb, _, _ = _channel("hidden_states", b, mask)
+    assert torch.isfinite(la) and ma["nonfinite"] == 0.0
+    torch.testing.assert_close(la, lb, rtol=1e-12, atol=1e-14)
+
+
+def test_teacher_tokens_counts_what_the_channel_distils():
+    """The data-parallel denominator (``teacher_tokens``) follows the same rules as the channel: ids >= V, NaN
+    entries and weight-0 teachers do not make a token distilled."""
+    from composer_plugins.losses.teacher_distill import teacher_tokens
+
+    _, _, mask, _ = _leaves()
+    s = _two_teachers()
+    s.mask[:, 0, 1:3] = False  # tokens 1, 2: only b
+    s.ids[0, 0, 4] = V + 1  # row 0, token 4: a's entries all outside the vocabulary
+    s.logprobs[1, 0, 0] = math.nan  # row 1, token 0: a's entries all NaN
+    for weights in (None, {"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 1.0}):
+        _, m, _ = _channel("hidden_states", s, mask, weights=weights)
+        assert float(teacher_tokens(s, mask, V, weights)) == m["tokens"], weights
+    assert m["tokens"] == float(mask.sum())
+    assert float(teacher_tokens(s, mask, V, {"a": 1.0, "b": 0.0})) == float(mask.sum()) - 4 - 1 - 1

@@ -198,6 +198,7 @@ def test_chunked_topk_equals_materialised_topk(criterion, params, grad_mode, chu
     g_c = _grads(loss_c, h, w)
     loss_m, m_m = _run(_channel(criterion, params, **kw), h, th, w, mask, "logits", extra, out_extra)
     g_m = _grads(loss_m, h, w)
+    assert m_c["chunked"] == 1.0 and m_m["chunked"] == 0.0  # two paths, not one path twice
     torch.testing.assert_close(loss_c, loss_m, rtol=1e-9, atol=1e-11)
     for a, b in zip(g_c, g_m, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)

@@ -201,6 +201,23 @@ def test_alignment_by_hand():
     assert [math.exp(x) for x in al.logprobs[0]] == pytest.approx([0.5, 0.3])
 
 
+def test_alignment_merged_block_adds_the_one_token_tokenization():
+    """A student token the teacher wrote as two pieces (0.5 · 0.4) gets that chain-rule probability plus the
+    teacher's probability of the whole text as one token (0.3, in its top-k at the block's first position):
+    0.5, not only the tokenization seen (0.2), as align.py's docstring says."""
+    al = align_scores(
+        student_ids=[7], student_spans=[(0, 2)],
+        teacher_ids=[100, 101], teacher_spans=[(0, 1), (1, 2)],
+        teacher_actual=[math.log(0.5), math.log(0.4)],
+        teacher_top_ids=[[100, 200, 104], [101]],
+        teacher_top_logprobs=[[math.log(0.5), math.log(0.3), math.log(0.1)], [math.log(0.4)]],
+        map_id={100: None, 101: None, 200: 7, 104: 9}.get, k=4,
+    )  # fmt: skip
+    assert al.mask == [True] and al.ids[0] == [7, 9]
+    assert [math.exp(x) for x in al.logprobs[0]] == pytest.approx([0.5, 0.1])
+    assert math.exp(al.sampled[0]) == pytest.approx(0.5)
+
+
 def test_alignment_one_to_one_maps_ids_and_drops_untwinned():
     al = align_scores([1, 2], [(0, 1), (1, 2)], [50, 51], [(0, 1), (1, 2)], [math.log(0.6), math.log(0.7)],
                       [[50, 52, 53], [51, 50]], [[math.log(0.6), math.log(0.2), math.log(0.1)],

@@ -165,3 +165,48 @@ def test_build_trainer_writes_checkpoints_atomically(tmp_path):
     cfg, _ = loads_train_config(f"output_dir: {tmp_path}/run\nmlflow: {{enabled: false}}\n")
     trainer = build_trainer(cfg, logger=False)
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+class _RunsCode:
+    """An object whose unpickling runs code (here: creates a marker file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _tampered(path: Path, marker: Path, state: dict | None = None) -> Path:
+    """A checkpoint that passes every structural check but holds an object that runs code when unpickled."""
+    AtomicCheckpointIO().save_checkpoint({"state_dict": state or {"w": torch.ones(2)}, "global_step": 1,
+                                          "hook": _RunsCode(marker)}, path)  # fmt: skip
+    assert checkpoint_problem(path) is None
+    return path
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_not_run(tmp_path):
+    """Every local load is weights-only: resume (checked before Lightning reads it, whatever the strategy), the
+    checkpoint IO, and the eval loader of policy weights. The code is never run, and the error names the file."""
+    from composer_plugins.training.checkpoints import load_policy_weights
+
+    marker = tmp_path / "ran"
+    bad = _tampered(tmp_path / "checkpoints" / "last.ckpt", marker)
+    with pytest.raises(CheckpointError, match=r"last\.ckpt: holds objects other than tensors.*drop --resume"):
+        resolve_resume("last", bad.parent)
+    with pytest.raises(CheckpointError, match=r"last\.ckpt: holds objects other than tensors"):
+        AtomicCheckpointIO().load_checkpoint(str(bad))
+    policy = torch.nn.Linear(3, 2)
+    state = {f"policy.{k}": v for k, v in policy.state_dict().items()}
+    evil = _tampered(tmp_path / "eval.ckpt", marker, state)
+    with pytest.raises(CheckpointError, match=r"eval\.ckpt: holds objects other than tensors.*composer-plugins train"):
+        load_policy_weights(policy, evil)
+    assert not marker.exists()
+    # what `composer-plugins train` writes (tensors, containers, numbers: RNG states as a tensor and lists) loads
+    from composer_plugins.training.checkpoints import rng_state
+
+    good = tmp_path / "good.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": state, "composer_rng": rng_state(), "global_step": 3}, good)
+    assert resolve_resume(str(good), None) == str(good)
+    assert AtomicCheckpointIO().load_checkpoint(str(good))["global_step"] == 3
+    load_policy_weights(policy, good)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -129,3 +131,15 @@ def test_task_stream_resumes_at_its_position():
     assert [b["index"] for b in full] == [0, 1, 2, 3, 4]
     assert full[0]["tasks"] == draw(2, derive_seed(3, 0, 0))
     assert next(iter(s2))["index"] == 5  # a second epoch continues the index (fresh tasks)
+
+
+def test_reward_stats_leave_unscorable_rows_out():
+    """A step's reward statistics are over the scorable rows (NaN = unscorable, as in the group advantages)."""
+    from composer_plugins.training.metrics import reward_stats
+
+    got = reward_stats(torch.tensor([1.0, float("nan"), 0.0, 0.5]), 2, 1.0)
+    assert got["reward"] == pytest.approx(0.5) and got["accuracy"] == pytest.approx(1 / 3)
+    assert got["unscorable"] == 0.25
+    assert got["groups_with_signal"] == 0.5  # group 0 has one scorable row: no signal; group 1 differs
+    none = reward_stats(torch.full((4,), float("nan")), 2, 1.0)
+    assert math.isnan(none["reward"]) and none["unscorable"] == 1.0 and none["groups_with_signal"] == 0.0

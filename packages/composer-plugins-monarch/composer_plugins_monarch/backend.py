@@ -219,10 +219,12 @@ class TrainerActor(Actor):
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.zeros(())
         self.optimizer.step()
         self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
+        # no Lightning Trainer here: the module's step counter is ours to advance (TAID's t, step-scheduled hints)
+        self.module.local_steps += 1
         self.steps += 1
         out = scalar_metrics(stats)
         out.update(loss=float(loss.detach()), grad_norm=float(norm), trainer_step_time=time.perf_counter() - t0,
-                   trainer_pid=float(os.getpid()))  # fmt: skip
+                   trainer_pid=float(os.getpid()), record_step=float(self.module.last_rollout.step))  # fmt: skip
         return out
 
     @endpoint
@@ -313,7 +315,9 @@ class MonarchSession:
         self.generators = procs.spawn("generator", GeneratorActor, wire, model_dir)
         self.rewarder = rew_procs.spawn("rewarder", RewarderActor, wire)
         self.trainer = trn_procs.spawn("trainer", TrainerActor, wire, model_dir)
-        tok = load_policy(model_dir)[1]
+        from composer_plugins.training.chat import install_chat_template
+
+        tok = self.tokenizer = install_chat_template(load_policy(model_dir)[1], b.config.model.chat_template)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         return self
 
@@ -331,7 +335,7 @@ class MonarchSession:
         c = self.backend.config
         t0 = time.perf_counter()
         tasks = await self.rewarder.tasks.call_one(step)
-        prompts = [task_prompt(t) for t in tasks]
+        prompts = [task_prompt(t, self.tokenizer, c.model.chat_template) for t in tasks]  # the text the model reads
         shards = await self.generators.generate.call(prompts, derive_seed(c.seed, 1, step))
         ordered = sorted((v for _, v in shards.items()), key=lambda sh: sh["rank"])
         rollout = _interleave(ordered, len(prompts), self.pad)
@@ -339,7 +343,8 @@ class MonarchSession:
         stats = await self.trainer.train_step.call_one(tasks, rollout, rewards, step)
         weights = await self.trainer.weights.call_one()
         await self.generators.load_weights.call(weights, step + 1)
-        row = {"step": float(step + 1), "reward": float(sum(rewards) / max(len(rewards), 1)), **stats}
+        scored = [r for r in rewards if r == r]  # unscorable completions (NaN) are left out of the mean
+        row = {"step": float(step + 1), "reward": sum(scored) / len(scored) if scored else float("nan"), **stats}
         row["generator_pids"] = float(len({sh.get("pid") for sh in ordered if "pid" in sh}))
         row["step_time"] = time.perf_counter() - t0
         self.history.append(row)

@@ -453,7 +453,8 @@ def step_record(run: Any, step: int, hint_provider: Any = None) -> Any:
     adv = F.group_advantages(r, c.rollout.num_generations, **c.rollout.advantage_kwargs)
     record = StepRecord.from_rollout(tasks, ro, r, adv, feedback, step=step, total_steps=c.trainer.max_steps)
     if hint_provider is not None:
-        add_hint_contexts(record, run.env, hint_provider, success_threshold=c.rollout.success_threshold)
+        add_hint_contexts(record, run.env, hint_provider, success_threshold=c.rollout.success_threshold,
+                          tokenizer=run.tokenizer, chat_template=c.model.chat_template)  # fmt: skip
     return record
 
 
@@ -472,7 +473,7 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
     from composer_plugins.training.step import StepRecord, add_hint_contexts
 
     record = StepRecord.from_rollout(tasks, ro, rewards, torch.zeros_like(rewards))
-    add_hint_contexts(record, env, provider, success_threshold=threshold)
+    add_hint_contexts(record, env, provider, success_threshold=threshold, tokenizer=tokenizer)
     policy = StepPolicy(model=policy, tokenizer=tokenizer, teacher=teacher, temperature=temperature,
                         max_context_length=max_context_length)  # fmt: skip
     inputs, _ = assemble_inputs(record, Needs("hint_teacher_logprobs"), policy)

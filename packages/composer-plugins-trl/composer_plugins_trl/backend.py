@@ -93,7 +93,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
         max_hint_length: teacher-context tokens kept (from the right).
         pairs: preference pairs (``prompt``, ``chosen``, ``rejected``) or a JSONL path, for replay channels.
         pairs_per_step: pairs scored per micro-batch.
+        pair_prompt_length: prompt tokens kept per pair (the native path's ``rollout.max_prompt_length``).
         pair_max_length: completion tokens kept per pair side.
+        chat_template: how conversational prompts become text for the hinted teacher and the replay pairs
+            (``model.chat_template``: ``auto``, ``none`` or a Jinja file; :mod:`composer_plugins.training.chat`);
+            TRL renders the student's prompts itself with the tokenizer's template, which is the same text.
     """
 
     def __init__(
@@ -107,7 +111,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
         max_hint_length: int = 256,
         pairs: Sequence[Mapping[str, str]] | str | None = None,
         pairs_per_step: int = 4,
+        pair_prompt_length: int = 192,
         pair_max_length: int = 128,
+        chat_template: str = "auto",
         **kwargs: Any,
     ) -> None:
         check_trl_surface()
@@ -140,14 +146,17 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.hint_threshold = float(hint_threshold)
         self.max_hinted_per_step = max_hinted_per_step
         self.max_hint_length = int(max_hint_length)
-        if isinstance(pairs, str):
-            from composer_plugins.training.batches import load_pairs
+        self.chat_mode = str(chat_template)  # not `chat_template`: TRL keeps its Jinja override under that name
+        from composer_plugins.training.batches import load_pairs, render_pairs
 
+        if isinstance(pairs, str):
             pairs = load_pairs(pairs)
-        self.pairs: list[Mapping[str, str]] = list(pairs or [])
+        # the pairs' prompts as the policy reads them (chat templates applied)
+        self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], self.processing_class, self.chat_mode)
         if self.needs_pairs and not self.pairs:
             raise ConfigError("a replay channel is live but no preference pairs were given", key="pairs")
         self.pairs_per_step = int(pairs_per_step)
+        self.pair_prompt_length = int(pair_prompt_length)
         self.pair_max_length = int(pair_max_length)
         self._pair_reference: Any = None
         if self.needs_pairs and self.ref_model is None:
@@ -241,6 +250,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
         out["rewards"] = rewards
         if self.needs_teacher:
             out["hint_contexts"] = self._hint_contexts(inputs, out, rewards)
+        if self.teacher_scoring is not None:  # the conversations, for teachers that render them with their template
+            from composer_plugins.training.chat import task_conversation
+
+            out["chat_prompts"] = [task_conversation(x) for x in inputs]
         return out
 
     def _hint_contexts(self, inputs: list[dict[str, Any]], out: Mapping[str, Any],
@@ -271,27 +284,32 @@ class ComposerGRPOTrainer(GRPOTrainer):
         failed = hint_candidates(self.hint_provider, rewards, self.hint_threshold, self.max_hinted_per_step)
         if not failed:
             return result
-        tasks = []
-        for i in failed:
-            task = dict(inputs[i])
-            if isinstance(task.get("prompt"), list):  # conversational: the hint goes into the last message
-                task["prompt"] = task["prompt"][-1]["content"]
-            tasks.append(task)
-        contexts = teacher_contexts(self.hint_env, self.hint_provider, tasks, [texts[i] for i in failed],
-                                    groups=[groups[i] for i in failed] if groups is not None else None)  # fmt: skip
+        # conversational prompts get the hint in their conversation, rendered as the native path renders it
+        contexts = teacher_contexts(self.hint_env, self.hint_provider, [dict(inputs[i]) for i in failed],
+                                    [texts[i] for i in failed],
+                                    groups=[groups[i] for i in failed] if groups is not None else None,
+                                    tokenizer=tok, chat_template=self.chat_mode)  # fmt: skip
         for i, text in zip(failed, contexts, strict=True):
-            prompt = inputs[i].get("prompt")
-            if text is not None and isinstance(prompt, list):
-                msgs = [*prompt[:-1], {**prompt[-1], "content": text}]
-                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             result[i] = text
         return result
+
+    def step_policy(self, model: Any) -> Any:
+        """The models and settings the assembler builds channel inputs with (as the native module's)."""
+        from composer_plugins.training.assemble import StepPolicy
+
+        return StepPolicy(
+            model=model, tokenizer=self.processing_class, teacher=self.ema_teacher,
+            reference=self.ref_model if self.ref_model is not None else self._pair_reference,
+            temperature=self.temperature, max_context_length=self.max_hint_length,
+            pair_prompt_length=self.pair_prompt_length, pair_max_length=self.pair_max_length,
+            teacher_scoring=self.teacher_scoring,
+        )  # fmt: skip
 
     # -- the loss (the Trainer's public hook) ------------------------------------------------------
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:  # fmt: skip
         """The composed loss of one micro-batch: its step record, the assembled channel inputs, the composer."""
-        from composer_plugins.training.assemble import StepPolicy, assemble_inputs
+        from composer_plugins.training.assemble import assemble_inputs
         from composer_plugins.training.step import StepRecord, sample_pairs
 
         if return_outputs:
@@ -329,18 +347,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
             tok = self.processing_class
             record.prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
             record.completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
-            start_teacher_scoring(record, self.teacher_scoring)
+            start_teacher_scoring(record, self.teacher_scoring, self.chat_mode, inputs.get("chat_prompts"))
         given: dict[str, Any] = {"logprobs": per_token_logps, "num_items_in_batch": n_items}
         if self.use_vllm and self.vllm_importance_sampling_correction:
             given["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
-        policy = StepPolicy(
-            model=model, tokenizer=self.processing_class, teacher=self.ema_teacher,
-            reference=self.ref_model if self.ref_model is not None else self._pair_reference,
-            temperature=self.temperature, max_context_length=self.max_hint_length,
-            pair_prompt_length=self.max_hint_length, pair_max_length=self.pair_max_length,
-            teacher_scoring=self.teacher_scoring,
-        )  # fmt: skip
-        channel_inputs, stats = assemble_inputs(record, self.composer, policy, given=given)
+        channel_inputs, stats = assemble_inputs(record, self.composer, self.step_policy(model), given=given)
         loss, metrics = self.composer(channel_inputs, channel_inputs)
         if mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
@@ -461,6 +472,24 @@ def env_reward_func(env: Any, task_keys: Sequence[str]) -> Callable[..., list[fl
     return env_reward
 
 
+def trl_prompts(tasks: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
+    """The tasks with the prompts TRL is given: conversations stay conversations (TRL applies the tokenizer's
+    chat template, the text :func:`composer_plugins.training.chat.task_prompt` makes), except where TRL
+    cannot template them as the config says (``model.chat_template: none``, or a tokenizer without a
+    template): those are rendered here, by the one function the native path uses."""
+    from composer_plugins.training.chat import task_conversation, task_prompt
+
+    mode = config.model.chat_template
+    plain = mode == "none" or not getattr(tokenizer, "chat_template", None)
+    out = []
+    for t in tasks:
+        t = dict(t)
+        if plain and task_conversation(t) is not None:
+            t["prompt"] = task_prompt(t, tokenizer, mode)
+        out.append(t)
+    return out
+
+
 class TRLBackend(Backend):
     """Train the config's channels with :class:`ComposerGRPOTrainer` (TRL generation, rewards, advantages).
 
@@ -499,7 +528,8 @@ class TRLBackend(Backend):
             top_p=c.rollout.top_p, top_k=c.rollout.top_k, learning_rate=c.optim.lr, weight_decay=c.optim.weight_decay,
             max_steps=c.trainer.max_steps, gradient_accumulation_steps=c.trainer.accumulate_grad_batches,
             max_grad_norm=c.trainer.gradient_clip_val or 0.0, seed=c.seed, data_seed=c.seed,
-            use_cpu=c.trainer.accelerator == "cpu", bf16=False, fp16=False, report_to="none", save_strategy="no",
+            use_cpu=c.trainer.accelerator == "cpu", bf16=c.trainer.precision.startswith("bf16"), fp16=False,
+            gradient_checkpointing=c.compute.gradient_checkpointing, report_to="none", save_strategy="no",
             logging_steps=1, disable_tqdm=not c.trainer.enable_progress_bar, lr_scheduler_type="constant",
             loss_type="grpo" if lt == "gspo" else lt, epsilon=getattr(policy, "epsilon_low", 0.2),
             epsilon_high=getattr(policy, "epsilon_high", None), beta=getattr(policy, "beta", 0.0),
@@ -526,7 +556,7 @@ class TRLBackend(Backend):
         if not tasks or "prompt" not in tasks[0]:
             raise ConfigError("the env's tasks need a 'prompt' field for TRL", key="env")
         task_keys = [k for k in tasks[0] if k != "prompt"]
-        dataset = Dataset.from_list([{k: t.get(k) for k in ["prompt", *task_keys]} for t in tasks])
+        dataset = Dataset.from_list([{k: t.get(k) for k in ["prompt", *task_keys]} for t in trl_prompts(tasks, tok, c)])
         channels = build_channels(c, self.src)
         composer = ChannelComposer(channels)
         policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
@@ -540,7 +570,8 @@ class TRLBackend(Backend):
             processing_class=tok, channels=composer, hint_provider=hint_provider, hint_env=env,
             hint_threshold=c.rollout.success_threshold, max_hinted_per_step=c.hints.max_hinted_per_step,
             max_hint_length=c.hints.max_context_length, pairs=pairs, pairs_per_step=c.replay.pairs_per_step,
-            pair_max_length=c.replay.max_completion_length,
+            pair_prompt_length=c.rollout.max_prompt_length, pair_max_length=c.replay.max_completion_length,
+            chat_template=c.model.chat_template,
         )  # fmt: skip
         trainer.train()
         history = []
@@ -552,4 +583,11 @@ class TRLBackend(Backend):
         return self.write_outputs(history, {"train_seconds": time.perf_counter() - t0}, trainer.model, tok)
 
 
-__all__ = ["SUPPORTED_LOSS_TYPES", "ComposerGRPOTrainer", "TRLBackend", "env_reward_func", "policy_channel_from_args"]
+__all__ = [
+    "SUPPORTED_LOSS_TYPES",
+    "ComposerGRPOTrainer",
+    "TRLBackend",
+    "env_reward_func",
+    "policy_channel_from_args",
+    "trl_prompts",
+]

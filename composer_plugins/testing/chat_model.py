@@ -1,0 +1,114 @@
+"""A local stand-in for an instruct model: a Qwen2-architecture checkpoint with a Qwen2.5-style chat template.
+
+:func:`build_instruct_model` trains a byte-level BPE tokenizer with ``tokenizers`` (the Qwen2 split,
+:func:`composer_plugins.models.tokenizer.train_bpe_tokenizer`'s pipeline) whose special tokens are
+Qwen2.5-Instruct's (``<|endoftext|>`` pad, ``<|im_start|>``, ``<|im_end|>`` the end of a turn and EOS),
+gives it :data:`QWEN25_STYLE_TEMPLATE`, builds a ``Qwen2ForCausalLM`` from its config (random weights,
+any size) and writes both with ``save_pretrained``: ``from_pretrained`` on the directory is the path a
+hub id such as ``Qwen/Qwen2.5-0.5B-Instruct`` takes, without the download. :func:`write_gsm8k_like`
+writes GSM8K-format rows (``question``/``answer`` ending in ``#### <n>``, the ``openai/gsm8k`` layout).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+__all__ = ["QWEN25_STYLE_TEMPLATE", "build_instruct_model", "gsm8k_like_rows", "write_gsm8k_like"]
+
+#: A chat template in the style of Qwen2.5-Instruct's: ChatML turns, a default system turn when the
+#: conversation has none, ``<|im_start|>assistant\n`` as the generation prompt.
+QWEN25_STYLE_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def gsm8k_like_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` GSM8K-format rows (``question``, ``answer`` with worked steps and a final ``#### <n>``)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+        total = (a + b) * c
+        rows.append({
+            "question": f"Tom has {a} apples and buys {b} more. He fills {c} baskets with that many apples each. "
+                        "How many apples are in the baskets?",
+            "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n"
+                      f"The baskets hold {a + b} * {c} = <<{a + b}*{c}={total}>>{total} apples.\n#### {total}",
+        })  # fmt: skip
+    return rows
+
+
+def write_gsm8k_like(directory: str | os.PathLike[str], n_train: int = 64, n_test: int = 16) -> Path:
+    """``train.jsonl`` and ``test.jsonl`` of :func:`gsm8k_like_rows` in ``directory`` (a local ``openai/gsm8k``)."""
+    from composer_plugins.core.io import atomic_write_jsonl
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write_jsonl(d / "train.jsonl", gsm8k_like_rows(n_train, 0), ensure_ascii=True)
+    atomic_write_jsonl(d / "test.jsonl", gsm8k_like_rows(n_test, 1), ensure_ascii=True)
+    return d
+
+
+def build_instruct_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    vocab_size: int = 400,
+    hidden_size: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    template: str = QWEN25_STYLE_TEMPLATE,
+) -> Path:
+    """Write a tiny Qwen2-architecture instruct checkpoint (tokenizer with ``template``) to ``out_dir``."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from composer_plugins.models.tokenizer import PRETOKENIZE_REGEX
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = [f"{r['question']}\n{r['answer']}" for r in gsm8k_like_rows(200, seed)]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(corpus, trainer)
+    fast: Any = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], padding_side="left",
+    )  # fmt: skip
+    fast.chat_template = template
+    cfg = Qwen2Config(
+        vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=hidden_size * 2, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+        tie_word_embeddings=True, pad_token_id=fast.pad_token_id, bos_token_id=None,
+        eos_token_id=fast.eos_token_id,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    model.generation_config.pad_token_id = fast.pad_token_id
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return out
