@@ -739,26 +739,39 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
     if base is None:
         return title + "No paired baseline: set `study.baseline` to a variant of `study.variants`.\n"
     names = [v for v in study.variants(params) if v != base]
+    metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
     for m in [*metrics_names, SIGNAL]:
         table = signal if m == SIGNAL else paired.by_variant_seed(recs, m)
-        if base not in table:
+        if base not in table or m == metric:
             continue
         for v in names:
             if v in table and v in out:
                 e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m)
                 out[v].setdefault(f"paired_vs_{base}", {})[m] = {
-                    "diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high)}  # fmt: skip
-    for e in paired.curve_effects(hist, base):  # eval.every_n_steps: AUC and steps to the baseline's final value
-        if e.variant in out:
-            key = "curve/" + e.metric.split(" ", 1)[1]
-            row = {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high),
-                   "variant_mean": _r(e.variant_mean), "baseline_mean": _r(e.baseline_mean)}  # fmt: skip
-            if "censored" in e.extra:
-                row["censored"] = e.extra["censored"]
+                    "diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p)}  # fmt: skip
+    delta = study.threshold_delta(params)
+    sft = [r for r in recs if r["variant"] == "sft"]
+    start = sft[0].get(metric) if sft else None
+    # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
+    for part, effects in paired.study_effects(recs, hist, base, metric, delta=delta, start=start).items():
+        for e in effects:
+            if e.variant not in out:
+                continue
+            key = metric if part == "final" else SIGNAL if part == "signal" else "curve/" + e.metric.split(" ", 1)[1]
+            row = {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p),
+                   "p_holm": _r(e.p_adjusted), "verdict": e.verdict, "variant_mean": _r(e.variant_mean),
+                   "baseline_mean": _r(e.baseline_mean)}  # fmt: skip
+            row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
             out[e.variant].setdefault(f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
-    metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
-    return title + paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir) + "\n"
+    fractions = sorted({c for by_seed in hist.values() for rows in by_seed.values() for r in rows for c in r
+                        if c.startswith(FRACTION_COLUMNS)})  # fmt: skip
+    return title + paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir,
+                                       delta=delta, fractions=fractions) + "\n"
+
+
+#: Per-step history columns of each channel's active-row fraction (the paired report lists their run means).
+FRACTION_COLUMNS = ("train/hint/fraction", "train/teacher_distill/fraction", "train/grpo/fraction")
 
 
 def _r(v: Any) -> Any:
