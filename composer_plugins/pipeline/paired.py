@@ -354,8 +354,6 @@ def run_means(
     return out
 
 
-
-
 def curve_points(rows: Sequence[Mapping[str, float]], column: str = CURVE) -> list[tuple[int, float]]:
     """``[(step, value)]`` of the steps where ``column`` was measured, in step order."""
     return sorted((int(r["step"]), float(r[column])) for r in rows if column in r and not math.isnan(float(r[column])))
@@ -513,9 +511,15 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
         k += 1
     if curve:
         thr = next((e.extra for e in curve if "threshold" in e.extra), None)
-        what = (f"and the first evaluated step reaching the threshold {thr['threshold']:.3f} (the step-0 value + "
+        what = (
+            (
+                f"and the first evaluated step reaching the threshold {thr['threshold']:.3f} (the step-0 value + "
                 f"δ = {thr['delta']:.3f}, the same for both arms; a run of either arm that never reaches it is "
-                "censored at its last step + one interval)") if thr else "(no step-0 value: no time to threshold)"
+                "censored at its last step + one interval)"
+            )
+            if thr
+            else "(no step-0 value: no time to threshold)"
+        )
         head = (f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve from "
                 f"step 0 divided by the run's length, {what}.")  # fmt: skip
         out += ["", head, "", format_paired(parts[k], "markdown")]

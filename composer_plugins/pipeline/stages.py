@@ -766,8 +766,13 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
     fractions = sorted({c for by_seed in hist.values() for rows in by_seed.values() for r in rows for c in r
                         if c.startswith(FRACTION_COLUMNS)})  # fmt: skip
-    return title + paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir,
-                                       delta=delta, fractions=fractions) + "\n"
+    return (
+        title
+        + paired.study_report(
+            ".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir, delta=delta, fractions=fractions
+        )
+        + "\n"
+    )
 
 
 #: Per-step history columns of each channel's active-row fraction (the paired report lists their run means).
