@@ -342,13 +342,16 @@ def step_means(hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], 
 
 
 def run_means(
-    hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str
+    hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str, missing: float | None = None
 ) -> dict[str, dict[int, float]]:
-    """``{variant: {seed: mean of column over the run's steps}}``."""
+    """``{variant: {seed: mean of column over the run's steps}}``; ``missing``: the value of a step without it."""
     out: dict[str, dict[int, float]] = {}
     for v, by_seed in hist.items():
         for s, rows in by_seed.items():
-            xs = [r[column] for r in rows if column in r]
+            if missing is None:
+                xs = [r[column] for r in rows if column in r]
+            else:
+                xs = [r.get(column, missing) for r in rows if r.get("step", 1) >= 1]
             if xs:
                 out.setdefault(v, {})[s] = sum(xs) / len(xs)
     return out
@@ -541,7 +544,7 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
         head = ["variant", *cols]
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         for v in hist:
-            rm = [run_means({v: hist[v]}, c).get(v, {}) for c in cols]
+            rm = [run_means({v: hist[v]}, c, missing=0.0).get(v, {}) for c in cols]
             cells = [_f(sum(x.values()) / len(x)) if x else "0.000" for x in rm]
             lines.append("| " + " | ".join([v, *cells]) + " |")
         out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", "", *lines]

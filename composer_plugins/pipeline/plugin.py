@@ -51,6 +51,12 @@ def prepare_cmd(params_path: str, overrides: tuple[str, ...], out: str) -> None:
                 f"({e['computation_overlap_distinct']} distinct) computing a train tuple; "
                 f"{e['test_distinct']} distinct test prompts, {e['test_distinct_computations']} distinct computations"
             )
+        if "first_line_overlap" in e:
+            n = e["test"]["n"]
+            click.echo(
+                f"{k}: line overlap: {e['first_line_overlap']}/{n} test first lines, {e['second_line_overlap']}/"
+                f"{e['second_line_rows']} second lines and {e['answer_overlap']}/{n} answers occur verbatim in train"
+            )
 
 
 @click.command(name="rollout")
