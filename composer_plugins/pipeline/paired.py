@@ -231,7 +231,7 @@ def paired_rows(records: Sequence[Mapping[str, Any]], metric: str, baseline: str
                           metric=metric) for v in names]  # fmt: skip
 
 
-def _f(x: float, nd: int = 3, sign: bool = False) -> str:
+def _f(x: float | None, nd: int = 3, sign: bool = False) -> str:
     if x is None or math.isnan(x):
         return "n/a"
     return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
@@ -482,13 +482,15 @@ def study_effects(recs: Sequence[Mapping[str, Any]], hist: Histories, baseline: 
 
 def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm8k/accuracy",
                  heldout_n: int | None = None, evals: str | Path = "evals", runs: str | Path = "runs",
-                 delta: float = DEFAULT_DELTA, fractions: Sequence[str] = ()) -> str:  # fmt: skip
+                 delta: float = DEFAULT_DELTA, fractions: Sequence[str] = (),
+                 gap: Mapping[str, Any] | None = None) -> str:  # fmt: skip
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
 
     Every test the report makes (each variant × final ``metric``, run-mean signal, curve final, AUC and
     time to threshold) is one family: :func:`holm` adjusts them together and the report says so.
     ``fractions``: history columns (``train/hint/fraction`` ...) whose run means per variant it lists, so a
-    variant whose channels are not active as named shows it.
+    variant whose channels are not active as named shows it. ``gap``: the gap predictor's result
+    (:mod:`.gap`, ``results/gap.json``), listed beside each variant's final effect with their correlation.
     """
     recs, hist = read_study_dir(root, evals, runs)
     sft = [r for r in recs if r["variant"] == "sft"]
@@ -548,6 +550,22 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
             cells = [_f(sum(x.values()) / len(x)) if x else "0.000" for x in rm]
             lines.append("| " + " | ".join([v, *cells]) + " |")
         out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", "", *lines]
+    if gap and gap.get("variants"):
+        from composer_plugins.pipeline.gap import gap_correlation
+
+        effects = {e.variant: e.mean for e in parts[0]}
+        head = ["variant", "teacher", "margin (nats/token)", "fix rate", "coverage", f"final effect vs {baseline}"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for v, teachers in gap["variants"].items():
+            for t, g in teachers.items():
+                cells = [v, t, _f(g.get("margin"), sign=True), _f(g.get("fix_rate")), _f(g.get("coverage")),
+                         _f(effects.get(v, math.nan), sign=True)]  # fmt: skip
+                lines.append("| " + " | ".join(cells) + " |")
+        corr = [f"{k} r = {_f(gap_correlation(gap, effects, k)['pearson_r'], 2, sign=True)} "
+                f"(n = {gap_correlation(gap, effects, k)['n']})" for k in ("margin", "fix_rate")]  # fmt: skip
+        out += ["", f"Gap predictor (before RL, {gap.get('num_prompts')} training prompts, from {gap.get('model')}): "
+                "each teacher's gap to the student beside the variant's final effect; correlation over the "
+                "variants with a teacher (mean over its teachers): " + "; ".join(corr) + ".", "", *lines]  # fmt: skip
     steps = step_means(hist, sig)
     if steps:
         n = max(len(x) for x in steps.values())

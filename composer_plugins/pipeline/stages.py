@@ -833,13 +833,15 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
     fractions = sorted({c for by_seed in hist.values() for rows in by_seed.values() for r in rows for c in r
                         if c.startswith(FRACTION_COLUMNS)})  # fmt: skip
-    return (
-        title
-        + paired.study_report(
-            ".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir, delta=delta, fractions=fractions
-        )
-        + "\n"
-    )
+    gap_file = Path(GAP_FILE)  # `composer-plugins study gap` (before RL), when it was run
+    gap = json.loads(gap_file.read_text()) if gap_file.exists() else None
+    text = paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir, delta=delta,
+                               fractions=fractions, gap=gap)  # fmt: skip
+    return title + text + "\n"
+
+
+#: The gap predictor's result (``composer-plugins study gap``), read by the report when present.
+GAP_FILE = "results/gap.json"
 
 
 #: Per-step history columns of each channel's active-row fraction (the paired report lists their run means).

@@ -200,6 +200,13 @@ def test_study_report_names_holm_and_the_threshold(tmp_path) -> None:
     assert "never 2 / rl_only 0" in text
     assert "| 0 | 0.200 | 0.200 | 0.200 | 0.200 |" in text  # step 0 on the mean curve
     assert "Holm p" in text
+    gap = {"model": "m", "num_prompts": 8, "variants": {
+        "fast": {"hint": {"margin": -0.2, "fix_rate": 0.6, "coverage": 1.0}},
+        "slow": {"hint": {"margin": -0.9, "fix_rate": 0.1, "coverage": 1.0}},
+        "never": {"teacher:t": {"margin": -1.5, "fix_rate": 0.0, "coverage": 1.0}}}}  # fmt: skip
+    text = paired.study_report(tmp_path, "rl_only", delta=0.1, gap=gap)
+    assert "| fast | hint | -0.200 | 0.600 | 1.000 | +0.100 |" in text  # beside the final effect (+0.1 both seeds)
+    assert "margin r = +1.00 (n = 3)" in text and "fix_rate r = " in text  # numpy.corrcoef: 0.99902
 
 
 def test_holm_adjusts_the_whole_family_by_hand() -> None:
