@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from composer_plugins.pipeline.paired import gap_correlation
+
 __all__ = ["gap_correlation", "measure_gap", "teachers_of"]
 
 
@@ -145,31 +147,6 @@ def measure_gap(params: Mapping[str, Any], variants: Sequence[str], *, model: st
     if student_preds is not None:
         out["student_accuracy"] = sum(bool(p.get("correct")) for p in student_preds) / max(1, len(student_preds))
     return out
-
-
-def gap_correlation(gap: Mapping[str, Any], effects: Mapping[str, float], key: str = "margin") -> dict[str, Any]:
-    """Per variant its teachers' mean ``key`` beside its effect, and the Pearson correlation over the variants."""
-    xs, ys, rows = [], [], []
-    for v, teachers in (gap.get("variants") or {}).items():
-        vals = [t[key] for t in teachers.values() if isinstance(t, Mapping) and _finite(t.get(key))]
-        if not vals or v not in effects:
-            continue
-        x = sum(vals) / len(vals)
-        rows.append((v, x, effects[v]))
-        xs.append(x)
-        ys.append(effects[v])
-    r = math.nan
-    if len(xs) >= 3:
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
-        sy = math.sqrt(sum((y - my) ** 2 for y in ys))
-        if sx > 0 and sy > 0:
-            r = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / (sx * sy)
-    return {"rows": rows, "pearson_r": r, "n": len(xs)}
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
 def write_gap(result: Mapping[str, Any], out: str | os.PathLike[str]) -> Path:

@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from composer_plugins.pipeline.study import DEFAULT_THRESHOLD_DELTA
+
 __all__ = [
     "CURVE",
     "DEFAULT_DELTA",
@@ -49,6 +51,7 @@ __all__ = [
     "curve_effects",
     "curve_points",
     "format_paired",
+    "gap_correlation",
     "heldout_se",
     "holm",
     "paired_effect",
@@ -378,7 +381,7 @@ def curve_auc(points: Sequence[tuple[int, float]], start: float | None = None) -
 
 
 #: ``study.threshold_delta`` when unset: the threshold of :func:`time_to_threshold` is the start + this.
-DEFAULT_DELTA = 0.04
+DEFAULT_DELTA = DEFAULT_THRESHOLD_DELTA
 
 
 def time_to_threshold(points: Sequence[tuple[int, float]], threshold: float) -> tuple[float, bool]:
@@ -480,6 +483,31 @@ def study_effects(recs: Sequence[Mapping[str, Any]], hist: Histories, baseline: 
     return out
 
 
+def gap_correlation(gap: Mapping[str, Any], effects: Mapping[str, float], key: str = "margin") -> dict[str, Any]:
+    """Per variant its teachers' mean ``key`` beside its effect, and the Pearson correlation over the variants."""
+    xs, ys, rows = [], [], []
+    for v, teachers in (gap.get("variants") or {}).items():
+        vals = [t[key] for t in teachers.values() if isinstance(t, Mapping) and _finite(t.get(key))]
+        if not vals or v not in effects:
+            continue
+        x = sum(vals) / len(vals)
+        rows.append((v, x, effects[v]))
+        xs.append(x)
+        ys.append(effects[v])
+    r = math.nan
+    if len(xs) >= 3:
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+        sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+        if sx > 0 and sy > 0:
+            r = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / (sx * sy)
+    return {"rows": rows, "pearson_r": r, "n": len(xs)}
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
 def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm8k/accuracy",
                  heldout_n: int | None = None, evals: str | Path = "evals", runs: str | Path = "runs",
                  delta: float = DEFAULT_DELTA, fractions: Sequence[str] = (),
@@ -551,8 +579,6 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
             lines.append("| " + " | ".join([v, *cells]) + " |")
         out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", "", *lines]
     if gap and gap.get("variants"):
-        from composer_plugins.pipeline.gap import gap_correlation
-
         effects = {e.variant: e.mean for e in parts[0]}
         head = ["variant", "teacher", "margin (nats/token)", "fix rate", "coverage", f"final effect vs {baseline}"]
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]

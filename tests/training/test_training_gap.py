@@ -26,7 +26,7 @@ def test_gap_of_a_teacher_identical_to_the_student_is_zero_and_a_hint_gap_is_mea
         "rl_only": {"losses": {"hint_distill": {"weight": 0.0}}},
         "teacher_only": {"losses": {"grpo": {"weight": 0.0}, "hint_distill": {"weight": 0.0},
                                     "teacher_distill": {"weight": 1.0, "teachers": [same]}}},
-        "hinted": {"losses": {"grpo": {"weight": 0.0}}},
+        "hinted": {"losses": {"grpo": {"weight": 0.0}, "hint_distill": {"weight": 1.0}}},
     }}}  # fmt: skip
     res = gap.measure_gap(params, ["rl_only", "teacher_only", "hinted"], model=student, tasks_path=str(tasks),
                           num_prompts=4)  # fmt: skip
