@@ -826,7 +826,7 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
                 continue
             key = metric if part == "final" else SIGNAL if part == "signal" else "curve/" + e.metric.split(" ", 1)[1]
             row = {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p),
-                   "p_holm": _r(e.p_adjusted), "verdict": e.verdict, "variant_mean": _r(e.variant_mean),
+                   "p_holm": _r(e.p_adjusted), "variant_mean": _r(e.variant_mean),
                    "baseline_mean": _r(e.baseline_mean)}  # fmt: skip
             row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
             out[e.variant].setdefault(f"paired_vs_{base}", {})[key] = row
