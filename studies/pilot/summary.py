@@ -30,6 +30,8 @@ def main() -> None:
         unseen: dict[str, dict[int, float]] = {}
         for f in sorted((d / "evals").glob("*.json")):
             arm, _, seed = f.stem.rpartition("-s")
+            if not seed.isdigit():
+                continue  # evals/sft.json (the report stage's SFT row)
             arms.setdefault(arm, {})[int(seed)] = _acc(f)
             unseen.setdefault(arm, {})[int(seed)] = _acc(f, "gsm8k/accuracy_unseen_line")
         mean = {a: sum(v.values()) / len(v) for a, v in arms.items()}
