@@ -110,6 +110,10 @@ class PolicyLossChannel(_LogprobInputs):
         chunk_size: token rows per chunk for the hidden-state path (None: chosen from the vocabulary).
         name / label: the channel's name (metrics prefix); ``label`` is the same, usable from config
             where ``name`` selects the registered plugin.
+        rows: ``all`` (every row) or ``correct``: only the rows whose reward is at least
+            ``success_threshold`` (SRPO's routing: correct samples to the policy gradient, failed ones to
+            hint distillation alone); the other rows' tokens are masked out of this channel.
+        success_threshold: the reward at or above which a row counts as correct (``rows: correct``).
     """
 
     requires: ClassVar[tuple[str, ...]] = ("advantages", "completion_mask")
@@ -130,7 +134,11 @@ class PolicyLossChannel(_LogprobInputs):
         chunk_size: int | None = None,
         name: str | None = None,
         label: str | None = None,
+        rows: str = "all",
+        success_threshold: float = 1.0,
     ) -> None:
+        if rows not in ("all", "correct"):
+            raise ValueError(f"unknown rows {rows!r}; valid: 'all', 'correct'")
         if loss_type not in LF.POLICY_LOSS_TYPES:
             raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LF.POLICY_LOSS_TYPES)}")
         if kl_estimator not in ("k1", "k2", "k3"):
@@ -151,9 +159,19 @@ class PolicyLossChannel(_LogprobInputs):
         self.max_completion_length = max_completion_length
         self.delta = delta
         self.needs_reference = self.beta != 0.0  # type: ignore[misc]
+        self.rows = rows
+        self.success_threshold = float(success_threshold)
 
     def required_inputs(self) -> tuple[str, ...]:
-        return (*self.requires, "ref_logprobs") if self.beta != 0.0 else tuple(self.requires)
+        req = (*self.requires, "ref_logprobs") if self.beta != 0.0 else tuple(self.requires)
+        return (*req, "rewards") if self.rows == "correct" else req
+
+    def _mask(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Tensor:
+        mask = self.get("completion_mask", model_outputs, batch)
+        if self.rows == "all":
+            return mask
+        keep = (self.get("rewards", model_outputs, batch).reshape(-1) >= self.success_threshold).to(mask.dtype)
+        return mask * keep.unsqueeze(-1)
 
     def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
@@ -162,7 +180,7 @@ class PolicyLossChannel(_LogprobInputs):
             logprobs,
             g("old_logprobs", model_outputs, batch),
             g("advantages", model_outputs, batch),
-            g("completion_mask", model_outputs, batch),
+            self._mask(model_outputs, batch),
             loss_type=self.loss_type,  # type: ignore[arg-type]
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
@@ -185,7 +203,7 @@ class PolicyLossChannel(_LogprobInputs):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, loss_type={self.loss_type!r}, epsilon=({self.epsilon_low}, {self.epsilon_high}), "
-            f"beta={self.beta}"
+            f"beta={self.beta}" + (f", rows={self.rows!r}" if self.rows != "all" else "")
         )
 
 

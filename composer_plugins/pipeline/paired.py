@@ -11,13 +11,21 @@ standard error ``sqrt(p (1 - p) / m)`` (:func:`heldout_se`); a claimed effect sh
 than it. :func:`verdict` reads an interval as *helps* (all above zero), *hurts* (all below) or
 *no measurable effect* (it holds zero).
 
+A report makes many tests at once (every variant × every metric); :func:`holm` corrects the whole
+family (Holm's step-down, family-wise error 0.05): each effect gets its two-sided t p-value, its
+Holm-adjusted p-value and the interval at its Holm step's level, and its verdict reads *helps* or
+*hurts* only where the adjusted p-value is below 0.05 (the interval at its step's level then excludes
+zero). :func:`study_report` names the correction and the family's size.
+
 With a held-out learning curve (``eval.every_n_steps``: history.csv column
-``train/heldout/accuracy``) two more paired measures of *speed* join final accuracy:
-:func:`curve_auc`, the area under the held-out accuracy curve over the run's steps divided by its
-length (the run's mean held-out accuracy, so a variant that gets there sooner scores higher), and
-:func:`steps_to_target`, the first evaluated step at which a run reaches the baseline's final
-accuracy of the same seed (a run that never does counts as censored at its last step plus one
-evaluation interval). :func:`curve_effects` pairs both by seed.
+``train/heldout/accuracy``, step 0 the starting policy: ``heldout_curve.csv``) two more paired measures
+of *speed* join final accuracy: :func:`curve_auc`, the area under the held-out accuracy curve from step
+0 divided by the run's length (its mean held-out accuracy, so a variant that gets there sooner scores
+higher), and :func:`time_to_threshold`, the first evaluated step at which a run reaches a fixed
+threshold, the start's value plus ``delta`` (``study.threshold_delta``, chosen before the study). The
+threshold is the same for both arms, and a run of either arm that never reaches it counts as censored
+at its last step plus one evaluation interval (the censored counts of both arms are reported).
+:func:`curve_effects` pairs them by seed.
 
 ``composer-plugins compare --paired`` prints :func:`format_paired` of the eval runs in MLflow.
 """
@@ -33,20 +41,29 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from composer_plugins.pipeline.study import DEFAULT_THRESHOLD_DELTA
+
 __all__ = [
     "CURVE",
+    "DEFAULT_DELTA",
     "PairedEffect",
     "curve_auc",
     "curve_effects",
     "curve_points",
     "format_paired",
+    "gap_correlation",
     "heldout_se",
+    "holm",
     "paired_effect",
     "paired_rows",
     "steps_to_target",
     "t_critical",
+    "time_to_threshold",
     "verdict",
 ]
+
+#: The family-wise error rate of :func:`holm`.
+ALPHA = 0.05
 
 
 def t_critical(df: int, confidence: float = 0.95) -> float:
@@ -74,8 +91,17 @@ class PairedEffect:
     variant_mean: float = math.nan
     baseline_mean: float = math.nan
     extra: dict[str, Any] = field(default_factory=dict)
-    #: A smaller value is better (steps to a target): an interval above zero then *hurts*.
+    #: A smaller value is better (steps to a threshold): an effect above zero then *hurts*.
     lower_is_better: bool = False
+    #: Two-sided paired t-test p-value of "mean difference = 0" (NaN with fewer than 2 seeds).
+    p: float = math.nan
+    #: Set by :func:`holm`: the correction's name, the family's size, the adjusted p-value and the
+    #: interval at this test's Holm step level (``1 - alpha / (m - rank)``).
+    correction: str = ""
+    family: int = 0
+    p_adjusted: float = math.nan
+    adj_low: float = math.nan
+    adj_high: float = math.nan
 
     @property
     def n(self) -> int:
@@ -83,7 +109,14 @@ class PairedEffect:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.low, self.high, lower_is_better=self.lower_is_better)
+        if not self.correction:
+            return verdict(self.low, self.high, lower_is_better=self.lower_is_better)
+        if math.isnan(self.p_adjusted):
+            return "too few seeds"
+        if self.p_adjusted >= ALPHA:
+            return "no measurable effect"
+        better = (self.mean < 0) if self.lower_is_better else (self.mean > 0)
+        return "helps" if better else "hurts"
 
 
 def verdict(low: float, high: float, *, lower_is_better: bool = False) -> str:
@@ -118,17 +151,51 @@ def paired_effect(variant: Mapping[int, float], baseline: Mapping[int, float], *
     n = len(diffs)
     mean = sum(diffs) / n
     if n < 2:
-        se = low = high = math.nan
+        se = low = high = p = math.nan
     else:
         sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
         se = sd / math.sqrt(n)
         half = t_critical(n - 1, confidence) * se
         low, high = mean - half, mean + half
+        p = t_pvalue(mean, se, n - 1)
     return PairedEffect(
         variant=name, baseline=baseline_name, metric=metric, seeds=seeds, diffs=diffs, mean=mean, se=se,
         low=low, high=high, variant_mean=sum(float(variant[s]) for s in seeds) / n,
-        baseline_mean=sum(float(baseline[s]) for s in seeds) / n,
+        baseline_mean=sum(float(baseline[s]) for s in seeds) / n, p=p,
     )  # fmt: skip
+
+
+def t_pvalue(mean: float, se: float, df: int) -> float:
+    """Two-sided p-value of a paired t-test of ``mean = 0`` (``se`` 0: 0 when the mean is not 0, else 1)."""
+    if se == 0:
+        return 1.0 if mean == 0 else 0.0
+    from scipy.stats import t
+
+    return float(2.0 * t.sf(abs(mean / se), df))
+
+
+def holm(effects: Sequence[PairedEffect], alpha: float = ALPHA) -> list[PairedEffect]:
+    """The effects (same order) with Holm's family-wise correction over all of them.
+
+    The family is every effect with a p-value (NaN: too few seeds, left out). Sorted by p, the
+    ``i``-th (0-based) of ``m`` is tested at ``alpha / (m - i)``; its adjusted p-value is
+    ``max_{j <= i} min(1, (m - j) p_(j))`` (monotone, so a verdict needs every smaller p rejected too),
+    and its interval is the t interval at confidence ``1 - alpha / (m - i)``.
+    """
+    idx = [i for i, e in enumerate(effects) if not math.isnan(e.p)]
+    m = len(idx)
+    out = list(effects)
+    running = 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda k: effects[k].p)):
+        e = effects[i]
+        running = max(running, min(1.0, (m - rank) * e.p))
+        half = t_critical(e.n - 1, 1.0 - alpha / (m - rank)) * e.se
+        out[i] = replace(e, correction="holm", family=m, p_adjusted=running, adj_low=e.mean - half,
+                         adj_high=e.mean + half)  # fmt: skip
+    for i, e in enumerate(out):
+        if i not in idx:
+            out[i] = replace(e, correction="holm", family=m)
+    return out
 
 
 def heldout_se(p: float, m: int) -> float:
@@ -167,7 +234,7 @@ def paired_rows(records: Sequence[Mapping[str, Any]], metric: str, baseline: str
                           metric=metric) for v in names]  # fmt: skip
 
 
-def _f(x: float, nd: int = 3, sign: bool = False) -> str:
+def _f(x: float | None, nd: int = 3, sign: bool = False) -> str:
     if x is None or math.isnan(x):
         return "n/a"
     return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
@@ -179,6 +246,9 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
         return json.dumps([{**asdict(e), "n": e.n, "verdict": e.verdict} for e in effects], indent=2)
     head = ["variant", "vs", "metric", "seeds", "variant mean", "baseline mean", "paired diff (mean)", "se",
             "95% CI", "verdict"]  # fmt: skip
+    corrected = any(e.correction for e in effects)
+    if corrected:
+        head[-1:] = ["p", "Holm p", "Holm-level CI", "verdict (Holm)"]
     if heldout_n:
         head.insert(6, f"held-out se (m={heldout_n})")
     rows = []
@@ -186,6 +256,9 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
         ci = f"[{_f(e.low, sign=True)}, {_f(e.high, sign=True)}]"
         row = [e.variant, e.baseline, e.metric, str(e.n), _f(e.variant_mean), _f(e.baseline_mean),
                _f(e.mean, sign=True), _f(e.se), ci, e.verdict]  # fmt: skip
+        if corrected:
+            adj = f"[{_f(e.adj_low, sign=True)}, {_f(e.adj_high, sign=True)}]"
+            row[-1:] = [_f(e.p, 4), _f(e.p_adjusted, 4), adj, e.verdict]
         if heldout_n:
             hse = heldout_se(e.baseline_mean, heldout_n)
             row.insert(6, _f(hse))
@@ -208,6 +281,11 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
 
 # -- a study directory (evals/*.json, runs/*/history.csv) without MLflow ------------------------
 
+
+#: The held-out learning-curve column of history.csv (training/curves.py).
+CURVE = "train/heldout/accuracy"
+#: Every point of a run's held-out curve, step 0 (the starting policy) included (training/curves.py).
+CURVE_FILE = "heldout_curve.csv"
 
 #: ``{variant: {seed: history rows}}``
 Histories = dict[str, dict[int, list[dict[str, float]]]]
@@ -241,6 +319,12 @@ def read_study_dir(root: str | Path, evals: str | Path = "evals",
             rows = [
                 {history_column(k): float(x) for k, x in r.items() if x not in ("", None)} for r in csv.DictReader(fh)
             ]
+        start = f.parent / CURVE_FILE
+        if start.exists() and not any(int(r.get("step", -1)) == 0 for r in rows):
+            with start.open() as fh:
+                zero = [float(r["value"]) for r in csv.DictReader(fh) if int(float(r["step"])) == 0]
+            if zero:  # the starting policy's curve point (history.csv rows start at step 1)
+                rows.insert(0, {"step": 0.0, CURVE: zero[0]})
         hist.setdefault(v, {})[s] = rows
     return recs, hist
 
@@ -261,20 +345,19 @@ def step_means(hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], 
 
 
 def run_means(
-    hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str
+    hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str, missing: float | None = None
 ) -> dict[str, dict[int, float]]:
-    """``{variant: {seed: mean of column over the run's steps}}``."""
+    """``{variant: {seed: mean of column over the run's steps}}``; ``missing``: the value of a step without it."""
     out: dict[str, dict[int, float]] = {}
     for v, by_seed in hist.items():
         for s, rows in by_seed.items():
-            xs = [r[column] for r in rows if column in r]
+            if missing is None:
+                xs = [r[column] for r in rows if column in r]
+            else:
+                xs = [r.get(column, missing) for r in rows if r.get("step", 1) >= 1]
             if xs:
                 out.setdefault(v, {})[s] = sum(xs) / len(xs)
     return out
-
-
-#: The held-out learning-curve column of history.csv (training/curves.py).
-CURVE = "train/heldout/accuracy"
 
 
 def curve_points(rows: Sequence[Mapping[str, float]], column: str = CURVE) -> list[tuple[int, float]]:
@@ -297,10 +380,18 @@ def curve_auc(points: Sequence[tuple[int, float]], start: float | None = None) -
     return area / (pts[-1][0] - pts[0][0])
 
 
-def steps_to_target(points: Sequence[tuple[int, float]], target: float) -> tuple[float, bool]:
-    """``(first step with value >= target, reached)``; unreached: ``(last step + interval, False)`` (censored)."""
+#: ``study.threshold_delta`` when unset: the threshold of :func:`time_to_threshold` is the start + this.
+DEFAULT_DELTA = DEFAULT_THRESHOLD_DELTA
+
+
+def time_to_threshold(points: Sequence[tuple[int, float]], threshold: float) -> tuple[float, bool]:
+    """``(first step with value >= threshold, reached)``; unreached: ``(last step + interval, False)`` (censored).
+
+    The interval is the run's last evaluation interval, so a censored run counts as reaching the threshold
+    at the next evaluation it did not have.
+    """
     for s, v in points:
-        if v >= target - 1e-12:
+        if v >= threshold - 1e-12:
             return float(s), True
     if not points:
         return math.nan, False
@@ -309,82 +400,198 @@ def steps_to_target(points: Sequence[tuple[int, float]], target: float) -> tuple
     return float(steps[-1] + interval), False
 
 
-def curve_effects(hist: Histories, baseline: str, column: str = CURVE,
-                  confidence: float = 0.95) -> list[PairedEffect]:  # fmt: skip
-    """Per variant against ``baseline``, paired by seed: the final curve value, the AUC and the steps to target.
+#: The old name (steps to reach a target value).
+steps_to_target = time_to_threshold
 
-    The target of a seed is the baseline's final curve value at that seed. Each effect's ``extra`` holds
-    ``censored``: how many of the variant's seeds never reached it.
+
+def curve_start(points: Sequence[tuple[int, float]]) -> float | None:
+    """The curve's step-0 value (the starting policy's), ``None`` when the run did not record one."""
+    return points[0][1] if points and points[0][0] == 0 else None
+
+
+def curve_effects(hist: Histories, baseline: str, column: str = CURVE, confidence: float = 0.95,
+                  delta: float = DEFAULT_DELTA, start: float | None = None) -> list[PairedEffect]:  # fmt: skip
+    """Per variant against ``baseline``, paired by seed: final curve value, AUC from step 0, time to threshold.
+
+    The threshold is ``start + delta``, the same for both arms: ``start`` is the curve's step-0 value (the
+    shared starting policy's, recorded by every run; the argument is used where no run recorded one).
+    Each time-to-threshold effect's ``extra`` holds ``threshold`` and the censored seeds of each arm
+    (``censored`` for the variant, ``censored_baseline``); a censored run counts at its last step plus one
+    evaluation interval, in either arm.
     """
     curves = {v: {s: curve_points(rows, column) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
     curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
     if baseline not in curves or not curves[baseline]:
         return []
-    target = {s: p[-1][1] for s, p in curves[baseline].items()}
+    starts = [x for by_seed in curves.values() for p in by_seed.values() if (x := curve_start(p)) is not None]
+    s0 = starts[0] if starts else start
     out: list[PairedEffect] = []
     names = [v for v in curves if v != baseline and curves[v]]
     base_final = {s: p[-1][1] for s, p in curves[baseline].items()}
-    base_auc = {s: curve_auc(p) for s, p in curves[baseline].items()}
-    base_steps = {s: steps_to_target(p, target[s])[0] for s, p in curves[baseline].items()}
+    base_auc = {s: curve_auc(p, None if curve_start(p) is not None else s0) for s, p in curves[baseline].items()}
+    threshold = None if s0 is None else s0 + float(delta)
+    base_reach = {s: time_to_threshold(p, threshold) for s, p in curves[baseline].items()} if threshold else {}
     for v in names:
-        shared = [s for s in curves[v] if s in target]
+        shared = [s for s in curves[v] if s in base_final]
         if not shared:
             continue
         final = {s: curves[v][s][-1][1] for s in shared}
-        auc = {s: curve_auc(curves[v][s]) for s in shared}
-        reach = {s: steps_to_target(curves[v][s], target[s]) for s in shared}
-        censored = sum(not ok for _, ok in reach.values())
-        for metric, table, base in (("final", final, base_final), ("auc", auc, base_auc),
-                                    ("steps_to_target", {s: r[0] for s, r in reach.items()}, base_steps)):  # fmt: skip
+        auc = {s: curve_auc(curves[v][s], None if curve_start(curves[v][s]) is not None else s0) for s in shared}
+        tables = [("final", final, base_final), ("auc", auc, base_auc)]
+        reach = {}
+        if threshold is not None:
+            reach = {s: time_to_threshold(curves[v][s], threshold) for s in shared}
+            tables.append(("time_to_threshold", {s: r[0] for s, r in reach.items()},
+                           {s: r[0] for s, r in base_reach.items()}))  # fmt: skip
+        for metric, table, base in tables:
             e = paired_effect(table, base, confidence=confidence, name=v, baseline_name=baseline,
                               metric=f"{column} {metric}")  # fmt: skip
-            if metric == "steps_to_target":
+            if metric == "time_to_threshold":
                 e = replace(e, lower_is_better=True)
-                e.extra["censored"] = censored
+                e.extra.update(
+                    threshold=threshold, delta=float(delta),
+                    censored=sum(not reach[s][1] for s in e.seeds),
+                    censored_baseline=sum(not base_reach[s][1] for s in e.seeds),
+                )  # fmt: skip
             out.append(e)
     return out
 
 
+def study_effects(recs: Sequence[Mapping[str, Any]], hist: Histories, baseline: str,
+                  metric: str = "gsm8k/accuracy", delta: float = DEFAULT_DELTA,
+                  start: float | None = None) -> dict[str, list[PairedEffect]]:  # fmt: skip
+    """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
+
+    ``final``: ``metric`` per variant; ``signal``: the run mean of ``train/groups_with_signal``;
+    ``curve``: the held-out curve's final value, AUC from step 0 and time to threshold (:func:`curve_effects`).
+    """
+    tables: dict[str, list[PairedEffect]] = {"final": paired_rows(recs, metric, baseline)}
+    sig = "train/groups_with_signal"
+    means = run_means(hist, sig)
+    if baseline in means:
+        tables["signal"] = [paired_effect(means[v], means[baseline], name=v, baseline_name=baseline,
+                                          metric=sig + " (run mean)") for v in means if v != baseline]  # fmt: skip
+    curve = curve_effects(hist, baseline, delta=delta, start=start)
+    if curve:
+        tables["curve"] = curve
+    flat = holm([e for t in tables.values() for e in t])
+    out: dict[str, list[PairedEffect]] = {}
+    i = 0
+    for k, t in tables.items():
+        out[k] = flat[i : i + len(t)]
+        i += len(t)
+    return out
+
+
+def gap_correlation(gap: Mapping[str, Any], effects: Mapping[str, float], key: str = "margin") -> dict[str, Any]:
+    """Per variant its teachers' mean ``key`` beside its effect, and the Pearson correlation over the variants."""
+    xs, ys, rows = [], [], []
+    for v, teachers in (gap.get("variants") or {}).items():
+        vals = [t[key] for t in teachers.values() if isinstance(t, Mapping) and _finite(t.get(key))]
+        if not vals or v not in effects:
+            continue
+        x = sum(vals) / len(vals)
+        rows.append((v, x, effects[v]))
+        xs.append(x)
+        ys.append(effects[v])
+    r = math.nan
+    if len(xs) >= 3:
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+        sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+        if sx > 0 and sy > 0:
+            r = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / (sx * sy)
+    return {"rows": rows, "pearson_r": r, "n": len(xs)}
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
 def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm8k/accuracy",
-                 heldout_n: int | None = None, evals: str | Path = "evals",
-                 runs: str | Path = "runs") -> str:  # fmt: skip
-    """Markdown: the paired table of ``metric`` and of ``train/groups_with_signal`` (run mean), and signal per step."""
+                 heldout_n: int | None = None, evals: str | Path = "evals", runs: str | Path = "runs",
+                 delta: float = DEFAULT_DELTA, fractions: Sequence[str] = (),
+                 gap: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+    """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
+
+    Every test the report makes (each variant × final ``metric``, run-mean signal, curve final, AUC and
+    time to threshold) is one family: :func:`holm` adjusts them together and the report says so.
+    ``fractions``: history columns (``train/hint/fraction`` ...) whose run means per variant it lists, so a
+    variant whose channels are not active as named shows it. ``gap``: the gap predictor's result
+    (:mod:`.gap`, ``results/gap.json``), listed beside each variant's final effect with their correlation.
+    """
     recs, hist = read_study_dir(root, evals, runs)
     sft = [r for r in recs if r["variant"] == "sft"]
     out = []
     if sft and metric in sft[0]:
         se = f" (held-out se {heldout_se(sft[0][metric], heldout_n):.4f})" if heldout_n else ""
         out.append(f"SFT start: {metric} = {sft[0][metric]:.4f}{se}\n")
-    out.append(format_paired(paired_rows(recs, metric, baseline), "markdown", heldout_n=heldout_n))
-    sig = "train/groups_with_signal"
-    means = run_means(hist, sig)
-    if baseline in means:
-        names = [v for v in means if v != baseline]
-        eff = [paired_effect(means[v], means[baseline], name=v, baseline_name=baseline, metric=sig + " (run mean)")
-               for v in names]  # fmt: skip
-        out += ["", format_paired(eff, "markdown")]
-    curve = curve_effects(hist, baseline)
+    start = sft[0].get(metric) if sft else None
+    fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start)
+    parts = list(fam.values())
+    flat = [e for t in parts for e in t]
+    sig, curve = "train/groups_with_signal", fam.get("curve", [])
+    m = flat[0].family if flat else 0
+    out.append(
+        f"Verdicts: Holm's family-wise correction over the {m} tests of this report (every table below; "
+        f"family-wise error {ALPHA}). *helps*/*hurts* only where the Holm-adjusted p is below {ALPHA}, i.e. the "
+        "interval at the test's Holm level excludes zero; the 95% CI column is the uncorrected per-test interval.\n"
+    )
+    out.append(format_paired(parts[0], "markdown", heldout_n=heldout_n))
+    k = 1
+    if "signal" in fam:
+        out += ["", format_paired(parts[k], "markdown")]
+        k += 1
     if curve:
-        out += [
-            "",
-            f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve over the "
-            "run's steps divided by its length, and the first evaluated step reaching the baseline's final value of "
-            "the same seed (never reached: censored at the last step + one interval; `censored` counts those seeds).",
-            "",
-            format_paired(curve, "markdown"),
-        ]
-        cens = {e.variant: e.extra["censored"] for e in curve if "censored" in e.extra}
-        out += ["", "censored (never reached the target): " + ", ".join(f"{v} {n}" for v, n in cens.items())]
-        cm = step_means(hist, CURVE)
-        if cm:
-            pts = {v: step_values(by_seed, CURVE) for v, by_seed in hist.items()}
-            steps_all = sorted({s for p in pts.values() for s in p})
+        thr = next((e.extra for e in curve if "threshold" in e.extra), None)
+        what = (
+            (
+                f"and the first evaluated step reaching the threshold {thr['threshold']:.3f} (the step-0 value + "
+                f"δ = {thr['delta']:.3f}, the same for both arms; a run of either arm that never reaches it is "
+                "censored at its last step + one interval)"
+            )
+            if thr
+            else "(no step-0 value: no time to threshold)"
+        )
+        head = (f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve from "
+                f"step 0 divided by the run's length, {what}.")  # fmt: skip
+        out += ["", head, "", format_paired(parts[k], "markdown")]
+        cens = [(e.variant, e.extra["censored"], e.extra["censored_baseline"]) for e in curve if "censored" in e.extra]
+        if cens:
+            out += ["", "censored (never reached the threshold), variant / baseline seeds: "
+                    + ", ".join(f"{v} {a} / {baseline} {b}" for v, a, b in cens)]  # fmt: skip
+        pts = {v: step_values(by_seed, CURVE) for v, by_seed in hist.items()}
+        steps_all = sorted({s for p in pts.values() for s in p})
+        if steps_all:
             head = ["step", *pts]
             lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
             for t in steps_all:
                 cells = [f"{sum(p[t]) / len(p[t]):.3f}" if t in p else "" for p in pts.values()]
                 lines.append("| " + " | ".join([str(t), *cells]) + " |")
             out += ["", f"{CURVE} per evaluated step (mean over seeds):", "", *lines]
+    cols = [c for c in fractions if any(c in r for by_seed in hist.values() for rows in by_seed.values() for r in rows)]
+    if cols:
+        head = ["variant", *cols]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for v in hist:
+            rm = [run_means({v: hist[v]}, c, missing=0.0).get(v, {}) for c in cols]
+            cells = [_f(sum(x.values()) / len(x)) if x else "0.000" for x in rm]
+            lines.append("| " + " | ".join([v, *cells]) + " |")
+        out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", "", *lines]
+    if gap and gap.get("variants"):
+        effects = {e.variant: e.mean for e in parts[0]}
+        head = ["variant", "teacher", "margin (nats/token)", "fix rate", "coverage", f"final effect vs {baseline}"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for v, teachers in gap["variants"].items():
+            for t, g in teachers.items():
+                cells = [v, t, _f(g.get("margin"), sign=True), _f(g.get("fix_rate")), _f(g.get("coverage")),
+                         _f(effects.get(v, math.nan), sign=True)]  # fmt: skip
+                lines.append("| " + " | ".join(cells) + " |")
+        corr = [f"{k} r = {_f(gap_correlation(gap, effects, k)['pearson_r'], 2, sign=True)} "
+                f"(n = {gap_correlation(gap, effects, k)['n']})" for k in ("margin", "fix_rate")]  # fmt: skip
+        out += ["", f"Gap predictor (before RL, {gap.get('num_prompts')} training prompts, from {gap.get('model')}): "
+                "each teacher's gap to the student beside the variant's final effect; correlation over the "
+                "variants with a teacher (mean over its teachers): " + "; ".join(corr) + ".", "", *lines]  # fmt: skip
     steps = step_means(hist, sig)
     if steps:
         n = max(len(x) for x in steps.values())

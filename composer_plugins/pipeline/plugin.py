@@ -64,6 +64,12 @@ def prepare_cmd(params_path: str, overrides: tuple[str, ...], out: str) -> None:
                 f"({e['computation_overlap_distinct']} distinct) computing a train tuple; "
                 f"{e['test_distinct']} distinct test prompts, {e['test_distinct_computations']} distinct computations"
             )
+        if "first_line_overlap" in e:
+            n = e["test"]["n"]
+            click.echo(
+                f"{k}: line overlap: {e['first_line_overlap']}/{n} test first lines, {e['second_line_overlap']}/"
+                f"{e['second_line_rows']} second lines and {e['answer_overlap']}/{n} answers occur verbatim in train"
+            )
 
 
 @click.command(name="rollout")
@@ -179,6 +185,40 @@ def study_train_cmd(params_path: str, overrides: tuple[str, ...], variant: str, 
     keys = ("train/reward_mean_over_steps", "train/reward", "train/loss", "val/accuracy")
     click.echo(summary_line(f"train@{run_name(variant, seed)}", {k: res[k] for k in keys if k in res},
                             f"{cell}/model (metrics: {cell}/metrics.json, history.csv)"))  # fmt: skip
+
+
+@study_group.command(name="gap")
+@_params_option
+@click.option("--variant", "variant_names", multiple=True, help="A key of study.variants (repeat; default: all).")
+@click.option("--model", default="models/sft/model", show_default=True, help="The student (the study's start).")
+@click.option("--tasks", "tasks_path", default=None, help="Training prompts (default: data/tasks/<env>/train.jsonl).")
+@click.option("--num-prompts", default=64, show_default=True, help="Prompts measured (one rollout of each).")
+@click.option("--out", default="results/gap.json", show_default=True, help="Where to write the JSON.")
+@command_errors
+def study_gap_cmd(params_path: str, overrides: tuple[str, ...], variant_names: tuple[str, ...], model: str,
+                  tasks_path: str | None, num_prompts: int, out: str) -> None:  # fmt: skip
+    """Before paying for RL: each variant's teachers' gap to the student on training prompts.
+
+    For the hinted self-teacher and every external teacher a variant configures: the teacher margin
+    (nats/token on the student's own samples), the fix rate (of the student's greedy failures it covers, the
+    share the teacher solves) and the coverage. The paired report lists them beside each variant's effect.
+    """
+    from composer_plugins.pipeline import gap, study
+    from composer_plugins.pipeline.stages import _env_key
+
+    params = _load(params_path, overrides)
+    names = list(variant_names) or list(study.variants(params))
+    for v in names:
+        study.variant_overrides(params, v)  # a located error naming the valid variants
+    env = _env_key((params.get("train") or {}).get("env", "gsm8k"))
+    tasks = tasks_path or f"data/tasks/{env}/train.jsonl"
+    res = gap.measure_gap(params, names, model=model, tasks_path=tasks, num_prompts=num_prompts)
+    gap.write_gap(res, out)
+    for v, teachers in res["variants"].items():
+        for t, m in teachers.items():
+            click.echo(f"{v}: {t}: margin {m['margin']:+.3f} nats/token, fix rate {m['fix_rate']:.3f}, "
+                       f"coverage {m['coverage']:.3f}")  # fmt: skip
+    click.echo(f"wrote {out}")
 
 
 @study_group.command(name="eval")

@@ -215,6 +215,47 @@ def split_overlap(train: Path, test: Path) -> dict[str, Any]:
         "computation_overlap_distinct": len(set(shared)),
         "test_distinct": len({task_prompt(t) for t in test_rows}),
         "test_distinct_computations": len(set(test_comps)),
+        **line_overlap(train_rows, test_rows),
+    }
+
+
+def solution_lines(task: Mapping[str, Any]) -> list[str]:
+    """The worked lines of a task's solution (stripped, without the ``#### answer`` line)."""
+    text = task.get("solution") or task.get("target")
+    if not isinstance(text, str):
+        return []
+    return [ln.strip() for ln in text.strip().splitlines() if ln.strip() and not ln.strip().startswith("####")]
+
+
+def line_novelty(train_rows: Iterable[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]) -> list[bool | None]:
+    """Per test row: is its second worked line absent from every train solution? (``None``: it has no second line).
+
+    The computation split keeps every test *tuple* out of train, yet a test line (``14 + 8 = 22``) may occur
+    verbatim in train; a test row whose second line is new tests composition beyond recall of lines.
+    """
+    seen = {ln for t in train_rows for ln in solution_lines(t)}
+    out: list[bool | None] = []
+    for t in test_rows:
+        lines = solution_lines(t)
+        out.append(None if len(lines) < 2 else lines[1] not in seen)
+    return out
+
+
+def line_overlap(train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """How many test rows' first line, second line and answer occur verbatim in train (any train line / answer).
+
+    ``first_line_overlap`` / ``second_line_overlap`` count test rows whose first / second worked line is a line of
+    some train solution; ``answer_overlap`` those whose answer is some train problem's; ``second_line_rows``
+    the test rows that have a second line.
+    """
+    seen = {ln for t in train_rows for ln in solution_lines(t)}
+    answers = {str(t.get("answer")) for t in train_rows if t.get("answer") is not None}
+    lines = [solution_lines(t) for t in test_rows]
+    return {
+        "first_line_overlap": sum(bool(ls) and ls[0] in seen for ls in lines),
+        "second_line_overlap": sum(len(ls) > 1 and ls[1] in seen for ls in lines),
+        "second_line_rows": sum(len(ls) > 1 for ls in lines),
+        "answer_overlap": sum(t.get("answer") is not None and str(t.get("answer")) in answers for t in test_rows),
     }
 
 
@@ -555,8 +596,11 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
     name = study.run_name(variant, seed) if variant else "sft"
     cfg = train_config(params, variant, seed)
     flags = channel_flags(cfg) if variant else dict.fromkeys(channel_flags(cfg), False)
+    import tempfile
+
     ev = _section(params, "eval")
     metrics: dict[str, float] = {}
+    correct: dict[str, str] = {}
     for env_key, settings in eval_envs(params).items():
         c = json.loads(json.dumps(cfg))
         c["env"] = env_spec_for(params, env_key, settings)
@@ -568,10 +612,17 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
                 e[k] = ev[k]
         e.update(settings)
         c["eval"] = e
+        c["eval"]["predictions"] = True  # per-problem correctness: committed, and split by line novelty
         tc = train_config_from_dict(c)
-        res = run_eval(tc, checkpoint=model)
+        with tempfile.TemporaryDirectory(prefix="eval-") as td:
+            res = run_eval(tc, checkpoint=model, output=f"{td}/eval.json")
+            preds = read_jsonl(f"{td}/eval.predictions.jsonl")
         metrics.update({f"{env_key}/{k.split('/', 1)[1]}" if "/" in k else f"{env_key}/{k}": float(v)
                         for k, v in res.items()})  # fmt: skip
+        correct[env_key] = "".join("1" if p.get("correct") else "0" for p in preds)
+        train_file = Path(data_dir) / env_key / "train.jsonl"
+        if train_file.exists() and preds:
+            metrics.update(novelty_accuracy(read_jsonl(train_file), preds, env_key))
     for head, aliases in HEADLINE_ALIASES.items():
         for a in aliases:
             if a in metrics:
@@ -589,6 +640,7 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
         "channel_flags": flags,
         "model": str(model),
         "metrics": metrics,
+        "correct": correct,  # per env, one character per held-out problem in test.jsonl order (1: solved greedily)
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, result, sort_keys=True)
@@ -596,6 +648,21 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
     if run_id:
         result["mlflow_run_id"] = run_id
     return result
+
+
+def novelty_accuracy(train_rows: Sequence[Mapping[str, Any]], predictions: Sequence[Mapping[str, Any]],
+                     env_key: str) -> dict[str, float]:  # fmt: skip
+    """Greedy accuracy split by line novelty (:func:`line_novelty`): ``<env>/accuracy_unseen_line`` on the problems
+    whose second worked line never occurs in train (the composition headline), ``accuracy_seen_line`` on the rest,
+    with their counts ``n_unseen_line`` / ``n_seen_line``."""
+    novel = line_novelty(train_rows, predictions)
+    out: dict[str, float] = {}
+    for name, want in (("unseen", True), ("seen", False)):
+        rows = [p for p, nv in zip(predictions, novel, strict=True) if nv is want]
+        out[f"{env_key}/n_{name}_line"] = float(len(rows))
+        if rows:
+            out[f"{env_key}/accuracy_{name}_line"] = sum(bool(p.get("correct")) for p in rows) / len(rows)
+    return out
 
 
 def _is_num(v: Any) -> bool:
@@ -746,26 +813,46 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
     if base is None:
         return title + "No paired baseline: set `study.baseline` to a variant of `study.variants`.\n"
     names = [v for v in study.variants(params) if v != base]
+    metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
     for m in [*metrics_names, SIGNAL]:
         table = signal if m == SIGNAL else paired.by_variant_seed(recs, m)
-        if base not in table:
+        if base not in table or m == metric:
             continue
         for v in names:
             if v in table and v in out:
                 e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m)
                 out[v].setdefault(f"paired_vs_{base}", {})[m] = {
-                    "diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high)}  # fmt: skip
-    for e in paired.curve_effects(hist, base):  # eval.every_n_steps: AUC and steps to the baseline's final value
-        if e.variant in out:
-            key = "curve/" + e.metric.split(" ", 1)[1]
-            row = {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high),
-                   "variant_mean": _r(e.variant_mean), "baseline_mean": _r(e.baseline_mean)}  # fmt: skip
-            if "censored" in e.extra:
-                row["censored"] = e.extra["censored"]
+                    "diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p)}  # fmt: skip
+    delta = study.threshold_delta(params)
+    sft = [r for r in recs if r["variant"] == "sft"]
+    start = sft[0].get(metric) if sft else None
+    # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
+    for part, effects in paired.study_effects(recs, hist, base, metric, delta=delta, start=start).items():
+        for e in effects:
+            if e.variant not in out:
+                continue
+            key = metric if part == "final" else SIGNAL if part == "signal" else "curve/" + e.metric.split(" ", 1)[1]
+            row = {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p),
+                   "p_holm": _r(e.p_adjusted), "variant_mean": _r(e.variant_mean),
+                   "baseline_mean": _r(e.baseline_mean)}  # fmt: skip
+            row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
             out[e.variant].setdefault(f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
-    metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
-    return title + paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir) + "\n"
+    fractions = sorted({c for by_seed in hist.values() for rows in by_seed.values() for r in rows for c in r
+                        if c.startswith(FRACTION_COLUMNS)})  # fmt: skip
+    gap_file = Path(GAP_FILE)  # `composer-plugins study gap` (before RL), when it was run
+    gap = json.loads(gap_file.read_text()) if gap_file.exists() else None
+    text = paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir, delta=delta,
+                               fractions=fractions, gap=gap)  # fmt: skip
+    return title + text + "\n"
+
+
+#: The gap predictor's result (``composer-plugins study gap``), read by the report when present.
+GAP_FILE = "results/gap.json"
+
+
+#: Per-step history columns of each channel's active-row fraction (the paired report lists their run means).
+FRACTION_COLUMNS = ("train/hint/fraction", "train/teacher_distill/fraction", "train/grpo/fraction")
 
 
 def _r(v: Any) -> Any:

@@ -160,6 +160,23 @@ def baseline(params: Mapping[str, Any]) -> str | None:
     return str(b)
 
 
+#: ``study.threshold_delta`` when unset (an accuracy gain over the start).
+DEFAULT_THRESHOLD_DELTA = 0.04
+
+
+def threshold_delta(params: Mapping[str, Any]) -> float:
+    """``study.threshold_delta``: time to threshold counts the steps to reach the start's held-out value + this.
+
+    A study setting, fixed before the study runs (the paired report's default when unset).
+    """
+    d = (params.get("study") or {}).get("threshold_delta")
+    if d is None:
+        return DEFAULT_THRESHOLD_DELTA
+    if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1:
+        raise _err(params, "study.threshold_delta", f"must be a number in (0, 1) (an accuracy gain), got {d!r}")
+    return float(d)
+
+
 def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]:
     """The ``train`` overrides of ``variant``; a located error naming the valid variants otherwise."""
     v = variants(params)

@@ -328,6 +328,8 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
     out["hint_mask"] = c_mask.float()
     out["hint_rows"] = idx
     asm.stats.update({"hint/rows": float(len(rows)), "hint/fraction": len(rows) / r.num_rows})
+    for kind in sorted({k for k in r.hint_kinds if k}):  # each hint kind's share (a chain's members apart)
+        asm.stats[f"hint/fraction/{kind}"] = sum(k == kind for k in r.hint_kinds) / r.num_rows
     mask = c_mask.bool()
     with torch.no_grad():
         t_logps = chunked_logprobs(teacher, t_head, c_ids, mask=mask, temperature=T, chunk_size=p.chunk_size)

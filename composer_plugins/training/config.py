@@ -243,6 +243,9 @@ class EvalSection:
     #: every this many optimizer steps (0: off); history.csv column ``train/heldout/accuracy`` (training/curves.py).
     every_n_steps: int = 0
     curve_problems: int = 100
+    #: Denser early: also every ``curve_early_every`` steps up to step ``curve_early_until`` (0, 0: off).
+    curve_early_every: int = 0
+    curve_early_until: int = 0
 
 
 @dataclass

@@ -6,10 +6,12 @@ module's :meth:`~composer_plugins.training.module.PolicyModule.evaluate_tasks` (
 no hint uplift: one greedy completion per problem) and records the accuracy as the step statistic
 ``heldout/accuracy``: ``history.csv`` gets the column ``train/heldout/accuracy`` (empty at steps not
 evaluated) and the loggers (MLflow) the metric of that name at that step. The starting policy's value
-is logged at step 0 (MLflow only; history.csv rows start at step 1). The pipeline's report turns the
-column into ``plots/curves/train.heldout.accuracy.csv`` (``dvc plots show``), and the paired report
-into the area under the curve and the steps to reach the baseline's final accuracy
-(:mod:`composer_plugins.pipeline.paired`).
+is logged at step 0; history.csv rows start at step 1, so every point, step 0 included, is also written
+to ``<output_dir>/heldout_curve.csv`` (``step,value``). ``eval.curve_early_every`` /
+``eval.curve_early_until`` evaluate densely early (e.g. every 3 steps to step 18, then every
+``every_n_steps``), where most of RL's gain happens. The pipeline's report turns the curve into
+``plots/curves/train.heldout.accuracy.csv`` (``dvc plots show``), and the paired report into the area
+under the curve from step 0 and the time to a fixed threshold (:mod:`composer_plugins.pipeline.paired`).
 
 The subset is the same for every step, variant and seed (``data.test_path``'s first rows, else the
 env's test generator at ``eval.seed``), so curves pair across variants.
@@ -23,20 +25,29 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["CURVE_STAT", "HeldoutCurve", "heldout_curve"]
+__all__ = ["CURVE_FILE", "CURVE_STAT", "HeldoutCurve", "heldout_curve"]
 
 #: The step statistic (history.csv column ``train/<CURVE_STAT>``).
 CURVE_STAT = "heldout/accuracy"
+#: Every point of the curve, step 0 included, in the run's output directory.
+CURVE_FILE = "heldout_curve.csv"
 
 
 class HeldoutCurve(Callback):
     """Greedy held-out accuracy every ``every_n_steps`` optimizer steps (see the module docstring)."""
 
-    def __init__(self, every_n_steps: int, num_problems: int, seed: int = 1234) -> None:
+    def __init__(self, every_n_steps: int, num_problems: int, seed: int = 1234, early_every: int = 0,
+                 early_until: int = 0) -> None:  # fmt: skip
         if int(every_n_steps) < 1:
             raise ValueError(f"eval.every_n_steps must be at least 1 to draw a curve, got {every_n_steps!r}")
         if int(num_problems) < 1:
             raise ValueError(f"eval.curve_problems must be at least 1, got {num_problems!r}")
+        if int(early_every) < 0 or int(early_until) < 0 or (int(early_until) > 0) != (int(early_every) > 0):
+            raise ValueError(
+                f"eval.curve_early_every ({early_every!r}) and eval.curve_early_until ({early_until!r}) are set "
+                "together, both >= 1 (e.g. 3 and 18: every 3 steps up to step 18), or both 0"
+            )
+        self.early_every, self.early_until = int(early_every), int(early_until)
         self.every_n_steps = int(every_n_steps)
         self.num_problems = int(num_problems)
         self.seed = int(seed)
@@ -66,30 +77,46 @@ class HeldoutCurve(Callback):
             pl_module.train(was_training)
         return float(out["correct_greedy"].float().mean().item())
 
-    def _log(self, trainer: Any, step: int, value: float) -> None:
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether the curve is evaluated at optimizer step ``step`` (step 0 always, and the last step)."""
+        if step == 0 or last or step % self.every_n_steps == 0:
+            return True
+        return self.early_every > 0 and step <= self.early_until and step % self.early_every == 0
+
+    def _log(self, trainer: Any, step: int, value: float, out_dir: Any = None) -> None:
         self.points.append((step, value))
         for lg in trainer.loggers or ():
             lg.log_metrics({f"train/{CURVE_STAT}": value}, step=step)
+        if out_dir and trainer.is_global_zero:
+            from pathlib import Path
+
+            path = Path(out_dir) / CURVE_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("step,value\n" + "".join(f"{s},{v}\n" for s, v in self.points))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.tasks = self._tasks(pl_module)
         self.points = []
         if not self.tasks:
             raise ValueError("eval.every_n_steps: the held-out split holds no problems to draw a curve on")
-        self._log(trainer, int(trainer.global_step), self.accuracy(pl_module))
+        self._log(trainer, int(trainer.global_step), self.accuracy(pl_module), _out_dir(pl_module))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop._should_accumulate():
             return
         step = int(trainer.global_step)
         last = trainer.max_steps is not None and step >= trainer.max_steps
-        if step % self.every_n_steps and not last:
+        if not self.due(step, last):
             return
         value = self.accuracy(pl_module)
         stats = getattr(pl_module, "last_step_stats", None)
         if isinstance(stats, dict):
             stats[CURVE_STAT] = value  # HistoryCallback (after this one) writes it as train/heldout/accuracy
-        self._log(trainer, step, value)
+        self._log(trainer, step, value, _out_dir(pl_module))
+
+
+def _out_dir(pl_module: Any) -> Any:
+    return getattr(getattr(pl_module, "cfg", None), "output_dir", None)
 
 
 def heldout_curve(eval_cfg: Mapping[str, Any] | Any) -> HeldoutCurve | None:
@@ -98,4 +125,5 @@ def heldout_curve(eval_cfg: Mapping[str, Any] | Any) -> HeldoutCurve | None:
     every = int(get("every_n_steps", 0) or 0)
     if every <= 0:
         return None
-    return HeldoutCurve(every, int(get("curve_problems", 100) or 100), int(get("seed", 1234) or 1234))
+    return HeldoutCurve(every, int(get("curve_problems", 100) or 100), int(get("seed", 1234) or 1234),
+                        int(get("curve_early_every", 0) or 0), int(get("curve_early_until", 0) or 0))  # fmt: skip

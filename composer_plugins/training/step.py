@@ -72,6 +72,7 @@ class StepRecord:
     feedback: list[Any] = field(default_factory=list)
     groups: list[Any] = field(default_factory=list)
     hint_contexts: list[str | None] = field(default_factory=list)
+    hint_kinds: list[str | None] = field(default_factory=list)
     attention_mask: Tensor | None = None
     sampling_logprobs: Tensor | None = None
     old_logprobs: Tensor | None = None
@@ -173,8 +174,11 @@ def add_hint_contexts(record: StepRecord, env: Any, provider: Any, *, success_th
                                 [record.groups[i] for i in failed], tokenizer=tokenizer,
                                 chat_template=chat_template)  # fmt: skip
     record.hint_contexts = [None] * n
-    for i, c in zip(failed, contexts, strict=True):
+    record.hint_kinds = [None] * n
+    kinds = provider.kinds(contexts) if hasattr(provider, "kinds") else [None] * len(contexts)
+    for i, c, k in zip(failed, contexts, kinds, strict=True):
         record.hint_contexts[i] = c
+        record.hint_kinds[i] = k if c is not None else None
     return record
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -150,3 +151,73 @@ def test_step_check_on_generated_tasks_through_the_env_and_the_batch_contract():
     for h, t in zip(hints, tasks, strict=True):
         first = parse_steps(t["solution"])[0]
         assert h == f"Step 1: {first.shown()}, not {int(first.stated) + 1}."
+
+
+def test_full_demonstration_first_then_step_check_uses_both_and_names_each_kind():
+    """The chain is tried in order: a demonstration where a sibling succeeded, step_check where none did
+    (step_check first would hint every failure and never let a demonstration through)."""
+    import torch
+    import yaml
+
+    from composer_plugins.training.step import StepRecord, add_hint_contexts
+
+    env = GSM8KEnv(difficulty="chain")
+    task = env.sample_tasks(1, "train", seed=0)[0]
+    first = parse_steps(task["solution"])[0]
+    wrong_step = f" {task['solution'].splitlines()[0].rsplit('=', 1)[0]}= {int(first.stated) + 1}\n#### 0"
+    good = " " + task["solution"]
+    spec = {"name": "chain", "providers": [{"name": "demonstration", "rows": "failed", "fallback": "none"},
+                                           {"name": "step_check", "fallback": "none"}]}  # fmt: skip
+    chain = build_hint_provider(spec)
+    # group 0: one sibling succeeded -> its failed row gets a demonstration; group 1: none did -> step_check
+    comps, rewards = [wrong_step, good, wrong_step, wrong_step], [0.0, 1.0, 0.0, 0.0]
+    rec = StepRecord(tasks=[task, task], prompts=[task["prompt"]] * 4, completions=comps,
+                     prompt_ids=torch.zeros(4, 1, dtype=torch.long), prompt_mask=torch.ones(4, 1, dtype=torch.long),
+                     completion_ids=torch.zeros(4, 1, dtype=torch.long),
+                     completion_mask=torch.ones(4, 1, dtype=torch.long), rewards=torch.tensor(rewards),
+                     advantages=torch.zeros(4), num_generations=2)  # fmt: skip
+    add_hint_contexts(rec, env, chain, success_threshold=1.0)
+    assert rec.hint_rows == [0, 2, 3]
+    assert rec.hint_kinds == ["demonstration", None, "step_check", "step_check"]
+    assert "Correct solution:" in rec.hint_contexts[0] and "Step 1:" in rec.hint_contexts[2]
+    # the other order: step_check answers every failure, the demonstration is never used
+    rev = build_hint_provider({"name": "chain", "providers": spec["providers"][::-1]})
+    add_hint_contexts(rec, env, rev, success_threshold=1.0)
+    assert rec.hint_kinds == ["step_check", None, "step_check", "step_check"]
+    # the calibrated study's `full` names its channels in the order that uses both
+    root = Path(__file__).resolve().parents[2]
+    variants = yaml.safe_load((root / "studies/calibrated/params.yaml").read_text())["study"]["variants"]
+    for name in ("full", "full_teacher"):
+        chain_of = [p["name"] for p in variants[name]["hints"]["provider"]["providers"]]
+        assert chain_of == ["demonstration", "step_check"], name
+
+
+def test_prepare_reports_line_level_overlap_beside_the_tuple_level_one(tmp_path):
+    """What docs/results.md says of the chain study's split: no test tuple is in train, yet every test first line,
+    367 of 400 second lines and 397 of 400 answers occur verbatim in train."""
+    from composer_plugins.pipeline.stages import prepare
+
+    params = {"data": {"seed": 0, "gsm8k": {"train": 3000, "test": 400}},
+              "train": {"env": {"name": "gsm8k", "difficulty": "chain"}}}  # fmt: skip
+    entry = prepare(params, tmp_path)["envs"]["gsm8k"]
+    assert entry["computation_overlap"] == 0
+    got = {k: entry[k] for k in ("first_line_overlap", "second_line_overlap", "second_line_rows", "answer_overlap")}
+    want = {"first_line_overlap": 400, "second_line_overlap": 367, "second_line_rows": 400, "answer_overlap": 397}
+    assert got == want
+    assert json.loads((tmp_path / "manifest.json").read_text())["envs"]["gsm8k"]["second_line_overlap"] == 367
+
+
+def test_accuracy_split_by_line_novelty_by_hand():
+    from composer_plugins.pipeline.stages import line_novelty, novelty_accuracy
+
+    train = [{"solution": "7 * 2 = 14\n14 + 8 = 22\n#### 22"}, {"solution": "3 + 4 = 7\n7 - 2 = 5\n#### 5"}]
+    test = [
+        {"solution": "7 * 3 = 21\n21 + 1 = 22\n#### 22", "correct": True},  # second line new
+        {"solution": "2 + 5 = 7\n7 - 2 = 5\n#### 5", "correct": True},  # second line seen
+        {"solution": "6 * 2 = 12\n12 + 8 = 20\n#### 20", "correct": False},  # new
+        {"solution": "9 - 1 = 8\n#### 8", "correct": True},  # no second line: in neither split
+    ]
+    assert line_novelty(train, test) == [True, False, True, None]
+    got = novelty_accuracy(train, test, "gsm8k")
+    assert got == {"gsm8k/n_unseen_line": 2.0, "gsm8k/accuracy_unseen_line": 0.5, "gsm8k/n_seen_line": 1.0,
+                   "gsm8k/accuracy_seen_line": 1.0}  # fmt: skip

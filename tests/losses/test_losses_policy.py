@@ -274,3 +274,27 @@ def test_group_advantages_errors():
         LF.group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="unknown scale"):
         LF.group_advantages(torch.zeros(4), 2, "global")  # type: ignore[arg-type]
+
+
+def test_rows_correct_routes_only_the_correct_rows_to_the_policy_gradient():
+    """SRPO's routing: with ``rows: correct`` the failed rows' tokens leave the policy-gradient loss."""
+    from composer_plugins.losses.policy import PolicyLossChannel
+
+    torch.manual_seed(0)
+    B, T = 4, 5
+    logps = torch.randn(B, T, requires_grad=True)
+    batch = {"old_logprobs": logps.detach() - 0.1, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+             "completion_mask": torch.ones(B, T), "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0])}  # fmt: skip
+    srpo = PolicyLossChannel(loss_type="grpo", rows="correct")
+    assert "rewards" in srpo.required_inputs()
+    loss, _ = srpo({"logprobs": logps}, batch)
+    by_hand, _ = PolicyLossChannel(loss_type="grpo")(
+        {"logprobs": logps}, {**batch, "completion_mask": torch.tensor([[1.0], [0.0], [1.0], [0.0]]).expand(B, T)}
+    )
+    assert torch.allclose(loss, by_hand)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert grad[[1, 3]].abs().sum() == 0 and grad[[0, 2]].abs().sum() > 0
+    everyone, _ = PolicyLossChannel(loss_type="grpo")({"logprobs": logps}, batch)
+    assert not torch.allclose(loss, everyone)
+    with pytest.raises(ValueError, match="rows"):
+        PolicyLossChannel(rows="failed")

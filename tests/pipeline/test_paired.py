@@ -141,12 +141,7 @@ def test_curve_auc_and_steps_to_target_by_hand() -> None:
     assert paired.curve_points(rows) == [(10, 0.2), (20, 0.4)]
 
 
-def test_curve_effects_pair_auc_and_steps_to_the_baselines_final_value(tmp_path) -> None:
-    curves = {  # (variant, seed): accuracy at steps 10, 20, 30
-        ("rl_only", 0): (0.2, 0.3, 0.4), ("rl_only", 1): (0.1, 0.3, 0.3),
-        ("fast", 0): (0.4, 0.4, 0.5), ("fast", 1): (0.3, 0.3, 0.4),
-        ("slow", 0): (0.1, 0.2, 0.3), ("slow", 1): (0.1, 0.3, 0.3),
-    }  # fmt: skip
+def _curve_study(tmp_path, curves, start=0.2):
     (tmp_path / "evals").mkdir()
     for (v, s), ys in curves.items():
         (tmp_path / "evals" / f"{v}-s{s}.json").write_text(json.dumps({"metrics": {"gsm8k/accuracy": ys[-1]}}))
@@ -155,23 +150,87 @@ def test_curve_effects_pair_auc_and_steps_to_the_baselines_final_value(tmp_path)
         lines = ["step,train/reward,train/heldout/accuracy"]
         lines += [f"{t},0.5,{ys[t // 10 - 1] if t % 10 == 0 else ''}" for t in range(1, 31)]
         run.joinpath("history.csv").write_text("\n".join(lines) + "\n")
-    _, hist = paired.read_study_dir(tmp_path)
-    eff = {(e.variant, e.metric.split()[-1]): e for e in paired.curve_effects(hist, "rl_only")}
-    fast_auc = [(0.4 + 0.4) / 2 * 0.5 + (0.4 + 0.5) / 2 * 0.5, (0.3 + 0.3) / 2 * 0.5 + (0.3 + 0.4) / 2 * 0.5]
-    base_auc = [(0.25 + 0.35) / 2, (0.2 + 0.3) / 2]
-    assert eff["fast", "auc"].diffs == pytest.approx([f - b for f, b in zip(fast_auc, base_auc, strict=True)])
+        if start is not None:  # what training/curves.py writes: every curve point, step 0 included
+            pts = [(0, start), *((10 * (i + 1), y) for i, y in enumerate(ys))]
+            run.joinpath(paired.CURVE_FILE).write_text("step,value\n" + "".join(f"{t},{y}\n" for t, y in pts))
+    return paired.read_study_dir(tmp_path)[1]
+
+
+CURVES = {  # (variant, seed): accuracy at steps 10, 20, 30 (step 0: 0.2, the shared start)
+    ("rl_only", 0): (0.2, 0.3, 0.4), ("rl_only", 1): (0.1, 0.3, 0.3),
+    ("fast", 0): (0.4, 0.4, 0.5), ("fast", 1): (0.3, 0.3, 0.4),
+    ("slow", 0): (0.1, 0.2, 0.3), ("slow", 1): (0.1, 0.3, 0.3),
+    ("never", 0): (0.1, 0.2, 0.2), ("never", 1): (0.1, 0.1, 0.1),
+}  # fmt: skip
+
+
+def test_curve_effects_auc_from_step_0_and_time_to_a_fixed_threshold(tmp_path) -> None:
+    hist = _curve_study(tmp_path, CURVES)
+    assert hist["fast"][0][0] == {"step": 0.0, paired.CURVE: 0.2}  # the start joins the curve at step 0
+    eff = {(e.variant, e.metric.split()[-1]): e for e in paired.curve_effects(hist, "rl_only", delta=0.1)}
+    # AUC from step 0 (0.2): fast s0 (3 + 4 + 4.5) / 30, rl_only s0 (2 + 2.5 + 3.5) / 30; s1 9/30 vs 6.5/30
+    assert eff["fast", "auc"].diffs == pytest.approx([3.5 / 30, 2.5 / 30])
     assert eff["fast", "final"].diffs == pytest.approx([0.1, 0.1])
-    # rl_only reaches its own final value at step 30 (seed 0) and 20 (seed 1); fast at 10 and 10
-    assert (
-        eff["fast", "steps_to_target"].diffs == [-20.0, -10.0] and eff["fast", "steps_to_target"].extra["censored"] == 0
-    )
-    # slow never reaches 0.4 at seed 0: censored at 40
-    assert eff["slow", "steps_to_target"].diffs == [10.0, 0.0] and eff["slow", "steps_to_target"].extra["censored"] == 1
-    # fewer steps is better: only steps_to_target reads its interval the other way round
-    assert eff["fast", "steps_to_target"].lower_is_better and not eff["fast", "auc"].lower_is_better
-    text = paired.study_report(tmp_path, "rl_only")
-    assert "train/heldout/accuracy auc" in text and "censored (never reached the target): fast 0, slow 1" in text
-    assert "| 10 | 0.350 | 0.150 | 0.100 |" in text  # the mean curve per evaluated step
+    # threshold 0.2 + 0.1 for both arms: rl_only reaches it at 20 and 20, fast at 10 and 10, slow at 30 and 20
+    ttt = {v: eff[v, "time_to_threshold"] for v in ("fast", "slow", "never")}
+    assert ttt["fast"].diffs == [-10.0, -10.0] and ttt["slow"].diffs == [10.0, 0.0]
+    assert ttt["fast"].extra["threshold"] == pytest.approx(0.3) and ttt["fast"].extra["censored"] == 0
+    # never reaches 0.3: censored at the last step + one interval (40) in both seeds; the baseline never is
+    assert ttt["never"].diffs == [20.0, 20.0]
+    assert (ttt["never"].extra["censored"], ttt["never"].extra["censored_baseline"]) == (2, 0)
+    assert ttt["fast"].lower_is_better and not eff["fast", "auc"].lower_is_better
+
+
+def test_time_to_threshold_is_symmetric_in_the_two_arms(tmp_path) -> None:
+    """Swapping baseline and variant negates every difference (steps to the baseline's own final value did not:
+    the baseline reaches its own final by construction, so both orders made the other arm look slower)."""
+    hist = _curve_study(tmp_path, CURVES)
+    ab = {e.variant: e for e in paired.curve_effects(hist, "rl_only", delta=0.1) if "threshold" in e.metric}
+    ba = {e.variant: e for e in paired.curve_effects(hist, "slow", delta=0.1) if "threshold" in e.metric}
+    assert ba["rl_only"].diffs == [-d for d in ab["slow"].diffs]
+    assert ba["rl_only"].extra["censored_baseline"] == ab["slow"].extra["censored"]
+
+
+def test_study_report_names_holm_and_the_threshold(tmp_path) -> None:
+    _curve_study(tmp_path, CURVES)
+    text = paired.study_report(tmp_path, "rl_only", delta=0.1)
+    fam = len(paired.study_effects(*paired.read_study_dir(tmp_path), "rl_only", delta=0.1)["curve"]) + 3
+    assert f"Holm's family-wise correction over the {fam} tests" in text
+    assert "train/heldout/accuracy time_to_threshold" in text and "threshold 0.300" in text
+    assert "never 2 / rl_only 0" in text
+    assert "| 0 | 0.200 | 0.200 | 0.200 | 0.200 |" in text  # step 0 on the mean curve
+    assert "Holm p" in text
+    gap = {"model": "m", "num_prompts": 8, "variants": {
+        "fast": {"hint": {"margin": -0.2, "fix_rate": 0.6, "coverage": 1.0}},
+        "slow": {"hint": {"margin": -0.9, "fix_rate": 0.1, "coverage": 1.0}},
+        "never": {"teacher:t": {"margin": -1.5, "fix_rate": 0.0, "coverage": 1.0}}}}  # fmt: skip
+    text = paired.study_report(tmp_path, "rl_only", delta=0.1, gap=gap)
+    assert "| fast | hint | -0.200 | 0.600 | 1.000 | +0.100 |" in text  # beside the final effect (+0.1 both seeds)
+    assert "margin r = +1.00 (n = 3)" in text and "fix_rate r = " in text  # numpy.corrcoef: 0.99902
+
+
+def test_holm_adjusts_the_whole_family_by_hand() -> None:
+    base = paired.paired_effect({0: 0.1, 1: 0.2, 2: 0.3}, {0: 0.0, 1: 0.1, 2: 0.25})
+    effects = [replace(base, variant=f"v{i}", p=p) for i, p in enumerate([0.01, 0.04, 0.03, 0.005])]
+    out = paired.holm(effects)
+    # sorted 0.005 (x4 = 0.02), 0.01 (x3 = 0.03), 0.03 (x2 = 0.06), 0.04 (x1 = 0.04 -> monotone 0.06)
+    assert [e.p_adjusted for e in out] == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert [e.verdict for e in out] == ["helps", "no measurable effect", "no measurable effect", "helps"]
+    assert all(e.family == 4 and e.correction == "holm" for e in out)
+    # the smallest p is tested at alpha / 4: its interval uses t(1 - 0.0125 / 2, n - 1)
+    half = paired.t_critical(2, 1 - 0.05 / 4) * base.se
+    assert out[3].adj_low == pytest.approx(base.mean - half) and out[3].adj_high == pytest.approx(base.mean + half)
+
+
+def test_an_uncorrected_hurt_that_does_not_survive_the_family_is_no_measurable_effect() -> None:
+    """grpo_sdpo of the chain study: [-0.012, -0.000] over 10 seeds read "hurts" alone, not among 18 tests."""
+    rl = {s: x / 400 for s, x in enumerate([127, 114, 123, 124, 124, 123, 121, 123, 121, 133])}
+    gs = {s: x / 400 for s, x in enumerate([124, 118, 116, 124, 124, 118, 116, 123, 116, 130])}
+    e = paired.paired_effect(gs, rl, name="grpo_sdpo")
+    assert e.high < 0 and e.verdict == "hurts" and 0.02 < e.p < 0.05
+    others = [replace(e, variant=f"null{i}", p=0.5) for i in range(17)]
+    corrected = paired.holm([e, *others])[0]
+    assert corrected.p_adjusted == pytest.approx(min(1.0, 18 * e.p)) and corrected.verdict == "no measurable effect"
 
 
 def test_a_variant_that_needs_more_steps_to_reach_the_target_hurts() -> None:

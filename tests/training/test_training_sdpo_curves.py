@@ -6,8 +6,11 @@ from __future__ import annotations
 import csv
 import math
 
+import pytest
+
 from composer_plugins.envs.base import Feedback
 from composer_plugins.envs.hints import DemonstrationHintProvider, HintRequest, SiblingGroup
+from composer_plugins.training.curves import CURVE_FILE, HeldoutCurve, heldout_curve
 from composer_plugins.training.module import ComposerModule
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.run import run_train
@@ -71,6 +74,19 @@ def test_sdpo_without_grpo_trains_on_every_row_with_a_sibling_and_draws_the_held
     curve = {int(r["step"]): r["train/heldout/accuracy"] for r in rows}
     assert curve[1] == "" and curve[2] != "" and curve[3] != ""  # every 2 steps, and at the last one
     assert all(0.0 <= float(curve[s]) <= 1.0 for s in (2, 3))
+    with open(f"{res.output_dir}/{CURVE_FILE}") as f:  # every point, the starting policy's at step 0 included
+        points = {int(r["step"]): float(r["value"]) for r in csv.DictReader(f)}
+    assert sorted(points) == [0, 2, 3] and all(points[s] == float(curve[s]) for s in (2, 3))
+
+
+def test_the_curve_is_dense_early_then_every_n_steps():
+    c = HeldoutCurve(6, 400, early_every=3, early_until=18)
+    assert [s for s in range(61) if c.due(s, last=s == 60)] == [0, 3, 6, 9, 12, 15, 18, 24, 30, 36, 42, 48, 54, 60]
+    assert [s for s in range(14) if HeldoutCurve(6, 10).due(s, last=s == 13)] == [0, 6, 12, 13]
+    with pytest.raises(ValueError, match="curve_early_until"):
+        HeldoutCurve(6, 10, early_every=3)
+    cb = heldout_curve({"every_n_steps": 6, "curve_early_every": 3, "curve_early_until": 18})
+    assert (cb.early_every, cb.early_until) == (3, 18)
 
 
 def test_sft_step_check_examples_show_a_false_step_named_by_step_check(make_cfg):
