@@ -1,0 +1,86 @@
+"""Loss paths the mutation run (``python -m benchmarks.mutation --only losses``) found unchecked.
+
+* ``hint_distill`` picks its kernel by the criterion's value (a name read from YAML is a fresh string, not the
+  literal), keeps the documented ``entropy_threshold`` default of 0.8, and refuses current log-probs whose
+  shape does not match the hinted mask under ``is_clip``;
+* ``importance_sampling_correction`` in the ``*_mask`` modes with one bound left open.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel
+from composer_plugins.losses.distill import HintDistillChannel
+from composer_plugins.losses.functional import importance_sampling_correction
+
+
+def test_the_criterion_is_compared_by_value():
+    name = "".join(["j", "s", "d"])  # as a config parser hands it over: equal, not the same object
+    assert name == "jsd"
+    assert isinstance(HintDistillChannel(criterion=name).kernel(), JSDKernel)
+    opd = HintDistillChannel(criterion="".join(["entropy", "_opd"])).kernel()
+    assert isinstance(opd, EntropyOPDKernel)
+
+
+def test_entropy_opd_threshold_default_is_the_documented_0_8():
+    ker = HintDistillChannel(criterion="entropy_opd").kernel()
+    assert ker.entropy_threshold == pytest.approx(0.8)
+    assert HintDistillChannel(criterion="entropy_opd", entropy_threshold=0.3).kernel().entropy_threshold == 0.3
+
+
+def test_is_clip_refuses_log_probs_of_another_shape_than_the_hinted_mask():
+    ch = HintDistillChannel(is_clip=2.0)
+    mask = torch.ones(2, 3)
+    ok = {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.full((2, 3), -1.0)}
+    w, _ = ch.importance_weights(mask, ok, {})
+    torch.testing.assert_close(w, torch.full((2, 3), 2.0))  # exp(1) clipped at 2
+    for bad in ({"logprobs": torch.zeros(2, 4), "old_logprobs": torch.zeros(2, 3)},
+                {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.zeros(2, 4)}):  # fmt: skip
+        with pytest.raises(ValueError, match="must match hint_mask"):
+            ch.importance_weights(mask, bad, {})
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_mask_modes_with_an_open_bound(mode):
+    lp = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    samp = torch.tensor([[-2.0, 0.0], [0.0, 0.0], [3.0, 0.0]])  # ratios e², 1, e⁻³ (per token and per sequence)
+    mask = torch.ones(3, 2)
+    no_min = importance_sampling_correction(lp, samp, mask, mode, clip_max=3.0, clip_min=None)
+    assert no_min[:, 0].tolist() == pytest.approx([0.0, 1.0, float(torch.exp(torch.tensor(-3.0)))])
+    no_max = importance_sampling_correction(lp, samp, mask, mode, clip_max=None, clip_min=0.5)
+    assert no_max[:, 0].tolist() == pytest.approx([float(torch.exp(torch.tensor(2.0))), 1.0, 0.0])
+    both_open = importance_sampling_correction(lp, samp, mask, mode, clip_max=None, clip_min=None)
+    assert bool((both_open > 0).all())
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "bnpo", "grpo"])
+def test_a_batch_with_no_completion_token_gives_loss_zero_not_nan(loss_type):
+    from composer_plugins.losses.functional import policy_loss
+
+    lp = torch.zeros(2, 3, requires_grad=True)
+    out = policy_loss(lp, lp.detach() - 0.1, torch.tensor([1.0, -1.0]), torch.zeros(2, 3), loss_type)
+    assert float(out.loss.detach()) == 0.0
+    (g,) = torch.autograd.grad(out.loss, lp)
+    assert not g.isnan().any()
+
+
+def test_teacher_tokens_in_batch_scales_this_ranks_mean_to_the_union_mean():
+    from composer_plugins.kernels.teacher_topk import TeacherTopK
+    from composer_plugins.losses.teacher_distill import TeacherDistillChannel
+
+    g = torch.Generator().manual_seed(0)
+    B, T, V, H = 2, 3, 7, 4
+    h = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    top = torch.log_softmax(torch.randn(B, 1, T, V, generator=g, dtype=torch.float64), -1).topk(3, -1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    scores = TeacherTopK(top.indices, top.values, mask.unsqueeze(1).clone(), ("a",))
+    ch = TeacherDistillChannel()
+    outputs = {"hidden_states": h, "lm_head_weight": w}
+    mean, m = ch(outputs, {"teacher_scores": scores, "completion_mask": mask})
+    assert m["tokens"] == 6.0
+    # this rank distilled 6 of the 8 tokens all ranks did (8 / world size): its share is 6/8 of its mean
+    union, _ = ch(outputs, {"teacher_scores": scores, "completion_mask": mask, "teacher_tokens_in_batch": 8.0})
+    torch.testing.assert_close(union, mean * 0.75)
