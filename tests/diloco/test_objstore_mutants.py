@@ -1,0 +1,239 @@
+"""``RoundStore`` (``diloco/objstore.py``) object by object on a ``file://`` store: what each reader accepts,
+what it refuses (and that it says where), and which objects garbage collection removes.
+
+Written against the mutants that survived ``python -m benchmarks.mutation --only diloco/objstore``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import pytest
+import torch
+
+from composer_plugins.diloco.objstore import RoundStore, StoreObjectError, encode_slices, slice_bounds
+from composer_plugins.diloco.store import CorruptObjectError, ObjectStore, encode_vector, pack, unpack
+
+LOG = "composer_plugins.diloco.objstore"
+
+
+@pytest.fixture
+def rs(tmp_path):
+    return RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+
+
+def test_slice_bounds_cover_the_vector_in_contiguous_slices():
+    assert slice_bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]
+    assert slice_bounds(9, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert slice_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert slice_bounds(0, 2) == [(0, 0), (0, 0)]
+    assert slice_bounds(7, 1) == [(0, 7)]
+
+
+def test_encode_slices_returns_what_the_readers_will_decode():
+    v = torch.linspace(-1, 1, 11)
+    out, dec = encode_slices(v, "bf16", 3)
+    assert [h["numel"] for h, _ in out] == [4, 4, 3]
+    assert torch.equal(dec, v.to(torch.bfloat16).float()) and not torch.equal(dec, v)
+    out, dec = encode_slices(v, "none", 2)
+    assert torch.equal(dec, v) and len(out) == 2
+
+
+def test_a_pseudo_gradient_round_trips_and_its_index_records_every_slice(rs):
+    v = torch.arange(10.0)
+    slices, _ = encode_slices(v, "none", 3)
+    name, nbytes = rs.put_grad(2, 1, 4, slices)
+    assert name == "grad-1-4"
+    keys = sorted(rs.store.list(rs.round_dir(2)))
+    assert [k.rsplit("/", 1)[1] for k in keys] == ["grad-1-4", "grad-1-4.s000", "grad-1-4.s001", "grad-1-4.s002"]
+    assert nbytes == sum(len(rs.store.get(k)) for k in keys)
+    index = rs.read_grad_index(2, name)
+    assert index["kind"] == "grad" and index["numel"] == 10 and index["restart"] == 4 and index["replica"] == 1
+    assert [e[:2] for e in index["slices"]] == [[0, 4], [4, 8], [8, 10]]
+    assert index["slices"][1][2] == hashlib.sha256(rs.store.get(f"{rs.round_dir(2)}/{name}.s001")).hexdigest()
+    assert torch.equal(rs.read_grad(2, name, 10), v)
+    assert rs.read_grad(2, name, 11) is None and rs.read_grad(2, "grad-1-5") is None
+    assert rs.grads_present(2) == {1: ["grad-1-4"]} and rs.grads_present(3) == {}
+
+
+def test_every_name_taken_is_refused_with_the_range_tried(rs):
+    slices, _ = encode_slices(torch.ones(2), "none", 1)
+    for k in range(64):
+        rs.store.put(f"{rs.round_dir(0)}/grad-0-{k}.s000", b"x", create=True)
+    with pytest.raises(StoreObjectError, match=r"grad-0-0\.\.63 are all taken"):
+        rs.put_grad(0, 0, 0, slices)
+    assert rs.put_grad(0, 0, 64, slices)[0] == "grad-0-64"
+
+
+def _index(rs, r, name, header):
+    rs.store.put(f"{rs.round_dir(r)}/{name}", pack(header, b""))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"kind": "mean", "numel": 2, "slices": [[0, 2, "x"]]},
+        {"kind": "grad", "numel": 2, "slices": []},
+        {"kind": "grad", "numel": 2, "slices": "0-2"},
+        {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [3, 4, "y"]]},  # a gap
+        {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 1, "y"]]},  # backwards
+        {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4, 5]]},  # no checksum
+        {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4]]},
+        {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, "4", "y"]]},
+        {"kind": "grad", "numel": 5, "slices": [[0, 2, "x"], [2, 4, "y"]]},  # covers 4 of 5
+    ],
+)
+def test_a_malformed_index_is_refused_and_logged_with_its_key(rs, caplog, header):
+    _index(rs, 1, "grad-0-0", header)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert rs.read_grad_index(1, "grad-0-0") is None
+    assert any("rounds/00000001/grad-0-0" in m and "refused" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_well_formed_index_is_read_once_and_its_size_checked(rs, caplog):
+    _index(rs, 1, "grad-0-0", {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4, "y"]]})
+    assert rs.read_grad_index(1, "grad-0-0", 4)["numel"] == 4
+    rs.store.delete(f"{rs.round_dir(1)}/grad-0-0")
+    assert rs.read_grad_index(1, "grad-0-0")["numel"] == 4  # cached: not read again
+    assert rs.read_grad_index(1, "grad-0-0", 5) is None
+    _index(rs, 1, "grad-1-0", {"kind": "grad", "numel": 4, "slices": [[0, 4, "x"]]})
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert rs.read_grad_index(1, "grad-1-0", 6) is None
+    assert any("has 4 values, the model 6" in m for m in caplog.messages), caplog.messages
+    # rounds far behind the one being read are dropped from the cache
+    _index(rs, 4, "grad-0-0", {"kind": "grad", "numel": 1, "slices": [[0, 1, "z"]]})
+    rs.read_grad_index(4, "grad-0-0")
+    assert (1, "grad-0-0") not in rs._indexes and (4, "grad-0-0") in rs._indexes
+    _index(rs, 6, "grad-0-0", {"kind": "grad", "numel": 1, "slices": [[0, 1, "z"]]})
+    rs.read_grad_index(6, "grad-0-0")
+    assert (4, "grad-0-0") in rs._indexes  # r - 2 is still in flight
+
+
+def test_slices_that_are_missing_forged_of_another_kind_or_size_are_refused(rs, caplog):
+    v = torch.arange(6.0)
+    slices, _ = encode_slices(v, "none", 2)
+    name, _ = rs.put_grad(0, 0, 0, slices)
+    index = rs.read_grad_index(0, name)
+    assert torch.equal(rs.read_grad_slice(0, name, index, 1), v[3:])
+    key = f"{rs.round_dir(0)}/{name}.s001"
+    good = rs.store.get(key)
+    h, body = slices[1]
+
+    def forge(data):
+        rs.store.put(key, data)
+        return {**index, "slices": [index["slices"][0], [3, 6, hashlib.sha256(data).hexdigest()]]}
+
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        rs.store.delete(key)
+        assert rs.read_grad_slice(0, name, index, 1) is None
+        assert any(f"{key} is missing" in m for m in caplog.messages)
+        rs.store.put(key, good[:-1] + bytes([good[-1] ^ 1]))
+        assert rs.read_grad_slice(0, name, index, 1) is None
+        assert any("checksum" in m for m in caplog.messages)
+        assert rs.read_grad_slice(0, name, forge(pack({**h, "kind": "mean"}, body)), 1) is None
+        assert any("not a pseudo-gradient slice" in m for m in caplog.messages)
+        h4, b4 = encode_vector(torch.ones(4), "none")
+        assert rs.read_grad_slice(0, name, forge(pack({**h4, "kind": "grad-slice"}, b4)), 1) is None
+        assert any("4 values for 3" in m for m in caplog.messages)
+        hn, bn = encode_vector(torch.tensor([1.0, float("inf"), 2.0]), "none")
+        assert rs.read_grad_slice(0, name, forge(pack({**hn, "kind": "grad-slice"}, bn)), 1) is None
+        assert any("non-finite" in m for m in caplog.messages)
+    assert rs.read_grad(0, name) is None  # the index's own checksum no longer matches
+
+
+def test_the_mean_is_created_once_and_everyone_applies_the_stored_bits(rs):
+    a = torch.tensor([0.1, 0.2, 0.3])
+    stored, created = rs.put_mean(5, 1, a, "bf16", 2)
+    assert created and torch.equal(stored, a.to(torch.bfloat16).float())
+    header, _ = unpack(rs.store.get(f"{rs.round_dir(5)}/mean-001"), "m")
+    assert (header["kind"], header["round"], header["slice"], header["count"]) == ("mean", 5, 1, 2)
+    again, created = rs.put_mean(5, 1, torch.tensor([9.0, 9.0, 9.0]), "none", 3)
+    assert not created and torch.equal(again, stored)
+    assert rs.get_mean(5, 0, 3) is None and torch.equal(rs.get_mean(5, 1, 3), stored)
+
+
+@pytest.mark.parametrize(
+    "header_vec",
+    [
+        ({"kind": "grad", "round": 5, "slice": 0}, torch.ones(3)),
+        ({"kind": "mean", "round": 4, "slice": 0}, torch.ones(3)),
+        ({"kind": "mean", "round": 5, "slice": 1}, torch.ones(3)),
+        ({"kind": "mean", "round": 5, "slice": 0}, torch.ones(4)),
+        ({"kind": "mean", "round": 5, "slice": 0}, torch.tensor([1.0, float("nan"), 1.0])),
+    ],
+)
+def test_a_mean_that_is_not_intact_data_stops_the_run_naming_its_key(rs, header_vec):
+    extra, vec = header_vec
+    h, body = encode_vector(vec, "none")
+    rs.store.put(f"{rs.round_dir(5)}/mean-000", pack({**h, **extra}, body))
+    with pytest.raises(StoreObjectError, match=r"rounds/00000005/mean-000.*rounds/00000005 and later"):
+        rs.get_mean(5, 0, 3)
+
+
+def test_manifests_are_created_once_and_validated(rs):
+    m, created = rs.close_round(3, {1: "grad-1-0", 0: "grad-0-2"}, closer=1, slices=2)
+    assert created and m["participants"] == [0, 1] and m["grads"] == {"0": "grad-0-2", "1": "grad-1-0"}
+    assert m["slices"] == 2 and m["closed_by"] == 1 and m["round"] == 3
+    assert rs.manifest(3) == m and rs.manifest(4) is None
+    other, created = rs.close_round(3, {0: "grad-0-2"}, closer=0)
+    assert not created and other == m  # the first close stands
+    key = f"{rs.round_dir(7)}/manifest.json"
+    good = {"round": 7, "participants": [0], "grads": {"0": "grad-0-0"}, "slices": 1}
+    rs.store.put(key, pack({"kind": "manifest"}, json.dumps(good).encode()))
+    assert rs.manifest(7) == good
+    bad = [
+        ({"kind": "state"}, good),
+        ({"kind": "manifest"}, {**good, "round": 6}),
+        ({"kind": "manifest"}, {**good, "participants": "0"}),
+        ({"kind": "manifest"}, {**good, "grads": [["0", "grad-0-0"]]}),
+        ({"kind": "manifest"}, {**good, "slices": 0}),
+        ({"kind": "manifest"}, {**good, "slices": "1"}),
+        ({"kind": "manifest"}, {**good, "participants": [1]}),
+        ({"kind": "manifest"}, {**good, "grads": {"0": "grad-1-0"}}),
+        ({"kind": "manifest"}, {**good, "grads": {"0": "mean-000"}}),
+    ]
+    for header, body in bad:
+        rs.store.put(key, pack(header, json.dumps(body).encode()))
+        with pytest.raises(StoreObjectError, match=r"rounds/00000007/manifest\.json.*not a manifest of round 7"):
+            rs.manifest(7)
+    rs.store.put(key, pack({"kind": "manifest"}, b"{not json"))
+    with pytest.raises(StoreObjectError, match=r"manifest is not a DiLoCo data object"):
+        rs.manifest(7)
+
+
+def test_states_are_data_of_their_kind_and_the_newest_intact_one_wins(rs, caplog):
+    assert rs.put_state("state/00000002", {"global_params": [torch.ones(2)], "round": 2}) > 0
+    assert rs.put_state("state/00000002", {"global_params": [torch.zeros(2)]}) == 0  # created once
+    assert torch.equal(rs.get_state("state/00000002")["global_params"][0], torch.ones(2))
+    assert rs.get_state("state/00000003") is None
+    rs.put_state("state/00000010", {"round": 10})
+    rs.store.put("state/notes", b"x")
+    assert rs.state_rounds() == [10, 2] and rs.latest_state_round() == 10
+    assert rs.newest_valid_state() == (10, {"round": 10})
+    assert rs.newest_valid_state(at_least=11) is None
+    rs.put_state("replica/00000011", {"round": 11})
+    rs.store.put("state/00000011", rs.store.get("replica/00000011"))  # a replica's object under the state key
+    with pytest.raises(CorruptObjectError, match=r"state/00000011: not a DiLoCo state object \(kind 'replica'\)"):
+        rs.get_state("state/00000011")
+    with caplog.at_level(logging.ERROR, logger=LOG):
+        assert rs.newest_valid_state(at_least=10) == (10, {"round": 10})
+    assert any("state/00000011" in m for m in caplog.messages)
+    assert rs.exists("state/00000002") and not rs.exists("state/00000003")
+
+
+def test_garbage_collection_keeps_the_newest_states_and_what_they_can_rebuild(rs):
+    for r in range(6):
+        rs.put_grad(r, 0, 0, encode_slices(torch.ones(4), "none", 1)[0])
+        rs.put_mean(r, 0, torch.ones(4), "none", 1)
+        rs.close_round(r, {0: "grad-0-0"}, 0)
+        rs.put_state(f"state/{r:08d}", {"round": r})
+    assert rs.collect_garbage(5, keep_rounds=6) == 0
+    assert rs.collect_garbage(3, keep_rounds=4) == 0  # only states up to round 3 count: 4 of them
+    n = rs.collect_garbage(4, keep_rounds=3)  # states 4, 3, 2 kept; grads and means of rounds <= 2 go
+    assert rs.state_rounds() == [5, 4, 3, 2]
+    assert [r for r in range(6) if rs.grads_present(r)] == [3, 4, 5]
+    assert [r for r in range(6) if rs.get_mean(r, 0, 4) is not None] == [3, 4, 5]
+    assert all(rs.manifest(r) is not None for r in range(6))
+    assert n == 2 + 3 * 3  # states 0, 1; rounds 0-2: grad index, its slice, the mean
