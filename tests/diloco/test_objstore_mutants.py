@@ -237,3 +237,133 @@ def test_garbage_collection_keeps_the_newest_states_and_what_they_can_rebuild(rs
     assert [r for r in range(6) if rs.get_mean(r, 0, 4) is not None] == [3, 4, 5]
     assert all(rs.manifest(r) is not None for r in range(6))
     assert n == 2 + 3 * 3  # states 0, 1; rounds 0-2: grad index, its slice, the mean
+
+
+# -- the callback, end to end in threads, against DiLoCo written out here --------------------------------------
+H_IN, D_IN, D_OUT = 2, 6, 3
+
+
+def _data(i: int) -> torch.Tensor:
+    return torch.randn(16, D_IN, generator=torch.Generator().manual_seed(100 + i))
+
+
+def _run_replicas(url: str, n: int, rounds: int, **cfg):
+    import threading
+
+    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+    from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
+
+    out: list = [None] * n
+    errors: list[BaseException] = []
+
+    models = []
+    for i in range(n):  # here, not in the threads: the global RNG is shared
+        torch.manual_seed(i)
+        models.append(torch.nn.Linear(D_IN, D_OUT))
+
+    def replica(i: int) -> None:
+        try:
+            model = models[i]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            config = DiLoCoConfig(transport="object_store", store=url, run_id="ref", sync_every=H_IN,
+                                  outer_steps=rounds, round_timeout_s=60.0, poll_s=0.01, **cfg)  # fmt: skip
+            cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=i, num_replicas=n, run_id="ref"))
+            cb.attach(model, opt)
+            x = _data(i)
+            while not cb._stop:
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            cb.close()
+            out[i] = (cb, model)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _reference(n: int, rounds: int, compress: str, alpha: float):
+    """DiLoCo by hand: everyone syncs to replica 0 at round 0; each round H inner SGD steps, the mean of the
+    (codec-rounded) pseudo-gradients, Nesterov SGD on the global weights, local weights mixed by ``alpha``."""
+
+    def rnd(v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.bfloat16).float() if compress == "bf16" else v
+
+    torch.manual_seed(0)
+    init = torch.nn.Linear(D_IN, D_OUT)
+    glob = [p.detach().clone().requires_grad_() for p in init.parameters()]
+    outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
+    locs = [[p.detach().clone() for p in glob] for _ in range(n)]
+    states = []
+    for r in range(rounds):
+        pseudo = []
+        for i in range(n):
+            if r == 0 and i > 0:  # init_sync: at its first sync a replica takes replica 0's model (as torchft heals)
+                locs[i] = [p.clone() for p in locs[0]]
+                pseudo.append(pseudo[0].clone())
+                continue
+            m = torch.nn.Linear(D_IN, D_OUT)
+            with torch.no_grad():
+                for p, v in zip(m.parameters(), locs[i], strict=True):
+                    p.copy_(v)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for _ in range(H_IN):
+                opt.zero_grad()
+                m(_data(i)).pow(2).mean().backward()
+                opt.step()
+            locs[i] = [p.detach().clone() for p in m.parameters()]
+            pseudo.append(rnd(torch.cat([(g.detach() - p).reshape(-1) for g, p in zip(glob, locs[i], strict=True)])))
+        total = pseudo[0].clone()
+        for v in pseudo[1:]:
+            total.add_(v)
+        mean = rnd(total.div_(n))
+        off = 0
+        for g in glob:
+            g.grad = mean[off : off + g.numel()].view_as(g).clone()
+            off += g.numel()
+        outer.step()
+        outer.zero_grad()
+        with torch.no_grad():
+            for i in range(n):
+                locs[i] = [torch.lerp(g.detach(), loc, alpha) for g, loc in zip(glob, locs[i], strict=True)]
+        states.append([g.detach().clone() for g in glob])
+    return states, locs
+
+
+@pytest.mark.parametrize(
+    ("n", "compress", "alpha", "state_every"), [(2, "none", 0.0, 1), (3, "bf16", 0.5, 2)], ids=["2-none", "3-bf16-mix"]
+)
+def test_the_callback_equals_diloco_written_out(tmp_path, n, compress, alpha, state_every):
+    rounds = 3
+    reps = _run_replicas(f"file://{tmp_path}/ref", n, rounds, compress=compress, fragment_update_alpha=alpha,
+                         state_every=state_every, keep_rounds=0)  # fmt: skip
+    states, locs = _reference(n, rounds, compress, alpha)
+    for i, (cb, model) in enumerate(reps):
+        assert cb.round == rounds
+        for got, want in zip(cb.global_params, states[-1], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        for got, want in zip(model.parameters(), locs[i], strict=True):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-7)
+        assert [r["round"] for r in cb.history] == list(range(rounds))
+        assert all(r["committed"] and r["participants"] == n for r in cb.history)
+    rs = reps[0][0].rounds
+    # the states written: every state_every rounds and the last, each the global weights after its round
+    due = [r for r in range(rounds) if r % state_every == state_every - 1 or r == rounds - 1]
+    assert sorted(rs.state_rounds()) == due
+    for r in due:
+        st = rs.get_state(f"state/{r:08d}")
+        assert st["round"] == r + 1
+        for got, want in zip(st["global_params"], states[r], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    # every round closed with everyone, its mean stored in one slice per replica
+    for r in range(rounds):
+        m = rs.manifest(r)
+        assert m["participants"] == list(range(n)) and m["slices"] == n
+        assert all(rs.get_mean(r, j, hi - lo) is not None for j, (lo, hi) in enumerate(slice_bounds(21, n)))
