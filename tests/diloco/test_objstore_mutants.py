@@ -82,6 +82,7 @@ def _index(rs, r, name, header):
         {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4, 5]]},  # no checksum
         {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4]]},
         {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, "4", "y"]]},
+        {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4.0, "y"]]},  # a bound that is not an int
         {"kind": "grad", "numel": 5, "slices": [[0, 2, "x"], [2, 4, "y"]]},  # covers 4 of 5
     ],
 )
@@ -230,6 +231,7 @@ def test_garbage_collection_keeps_the_newest_states_and_what_they_can_rebuild(rs
         rs.close_round(r, {0: "grad-0-0"}, 0)
         rs.put_state(f"state/{r:08d}", {"round": r})
     assert rs.collect_garbage(5, keep_rounds=6) == 0
+    assert rs.collect_garbage(1, keep_rounds=5) == 0  # only 2 states up to round 1
     assert rs.collect_garbage(3, keep_rounds=4) == 0  # only states up to round 3 count: 4 of them
     n = rs.collect_garbage(4, keep_rounds=3)  # states 4, 3, 2 kept; grads and means of rounds <= 2 go
     assert rs.state_rounds() == [5, 4, 3, 2]
@@ -293,8 +295,16 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
     """DiLoCo by hand: everyone syncs to replica 0 at round 0; each round H inner SGD steps, the mean of the
     (codec-rounded) pseudo-gradients, Nesterov SGD on the global weights, local weights mixed by ``alpha``."""
 
-    def rnd(v: torch.Tensor) -> torch.Tensor:
-        return v.to(torch.bfloat16).float() if compress == "bf16" else v
+    from composer_plugins.diloco.store import decode_vector, encode_vector
+
+    def rnd(v: torch.Tensor) -> torch.Tensor:  # each of the n slices encoded on its own (int4's blocks restart)
+        if compress == "none":
+            return v
+        step = -(-v.numel() // n)
+        return torch.cat([decode_vector(*encode_vector(v[j * step : (j + 1) * step], compress)) for j in range(n)])
+
+    residual = [torch.zeros(D_IN * D_OUT + D_OUT) for _ in range(n)]
+    errs: list[list[float]] = []
 
     torch.manual_seed(0)
     init = torch.nn.Linear(D_IN, D_OUT)
@@ -304,10 +314,13 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
     states = []
     for r in range(rounds):
         pseudo = []
+        errs.append([])
         for i in range(n):
             if r == 0 and i > 0:  # init_sync: at its first sync a replica takes replica 0's model (as torchft heals)
                 locs[i] = [p.clone() for p in locs[0]]
                 pseudo.append(pseudo[0].clone())
+                residual[i] = residual[0].clone()
+                errs[r].append(errs[r][0])
                 continue
             m = torch.nn.Linear(D_IN, D_OUT)
             with torch.no_grad():
@@ -319,7 +332,13 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
                 m(_data(i)).pow(2).mean().backward()
                 opt.step()
             locs[i] = [p.detach().clone() for p in m.parameters()]
-            pseudo.append(rnd(torch.cat([(g.detach() - p).reshape(-1) for g, p in zip(glob, locs[i], strict=True)])))
+            exact = torch.cat([(g.detach() - p).reshape(-1) for g, p in zip(glob, locs[i], strict=True)])
+            exact = exact + residual[i]
+            sent = rnd(exact)
+            if compress == "int4":  # error feedback: the rounding left out is sent with the next round
+                residual[i] = exact - sent
+            errs[r].append(float((sent - exact).norm() / exact.norm()) if compress != "none" else 0.0)
+            pseudo.append(sent)
         total = pseudo[0].clone()
         for v in pseudo[1:]:
             total.add_(v)
@@ -334,19 +353,39 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
             for i in range(n):
                 locs[i] = [torch.lerp(g.detach(), loc, alpha) for g, loc in zip(glob, locs[i], strict=True)]
         states.append([g.detach().clone() for g in glob])
-    return states, locs
+    return states, locs, errs
 
 
 @pytest.mark.parametrize(
-    ("n", "compress", "alpha", "state_every"), [(2, "none", 0.0, 1), (3, "bf16", 0.5, 2)], ids=["2-none", "3-bf16-mix"]
+    ("n", "compress", "alpha", "state_every"),
+    [(2, "none", 0.0, 1), (3, "bf16", 0.5, 2), (2, "int4", 0.0, 1)],
+    ids=["2-none", "3-bf16-mix", "2-int4"],
 )
 def test_the_callback_equals_diloco_written_out(tmp_path, n, compress, alpha, state_every):
+    import json
+
+    from composer_plugins.diloco.common import param_digest
+
     rounds = 3
     reps = _run_replicas(f"file://{tmp_path}/ref", n, rounds, compress=compress, fragment_update_alpha=alpha,
-                         state_every=state_every, keep_rounds=0)  # fmt: skip
-    states, locs = _reference(n, rounds, compress, alpha)
+                         state_every=state_every, keep_rounds=0, sync_log=str(tmp_path / "sync.jsonl"))  # fmt: skip
+    states, locs, errs = _reference(n, rounds, compress, alpha)
+    logged = [json.loads(line) for line in (tmp_path / "sync.jsonl").read_text().splitlines()]
+    assert len(logged) == n * rounds
     for i, (cb, model) in enumerate(reps):
         assert cb.round == rounds
+        assert [r["outer_step"] for r in cb.history] == list(range(1, rounds + 1))
+        for r, rec in enumerate(cb.history):
+            assert rec["compress_error"] == pytest.approx(errs[r][i], rel=1e-4, abs=1e-12)
+        assert (errs[-1][i] > 0) == (compress != "none")
+        # the bytes each record counts are the store's since the record before, each counted once (what attach
+        # wrote or read before the first round, run.json and the probe, a few hundred bytes, is in no record)
+        for key in ("bytes_written", "bytes_read"):
+            counted, total = sum(r[key] for r in cb.history), getattr(cb.store, key)
+            assert all(r[key] > 0 for r in cb.history) and total - 1024 < counted <= total, (key, counted, total)
+        mine = [r for r in logged if r["replica"] == i]
+        assert [r["round"] for r in mine] == list(range(rounds))
+        assert mine[-1]["param_hash"] == param_digest(model.parameters())[0]
         for got, want in zip(cb.global_params, states[-1], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
         for got, want in zip(model.parameters(), locs[i], strict=True):
