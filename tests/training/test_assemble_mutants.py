@@ -390,3 +390,19 @@ def _plain() -> StepRecord:
         prompt_mask=torch.ones(2, 1), completion_ids=torch.zeros(2, 3, dtype=torch.long),
         completion_mask=torch.ones(2, 3), rewards=torch.zeros(2), advantages=torch.zeros(2),
     )  # fmt: skip
+
+
+def test_teacher_scores_are_handed_over_with_the_scored_fraction():
+    from composer_plugins.kernels.teacher_topk import TeacherTopK
+
+    rec = _plain()
+    rec.completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    present = torch.tensor([[[1, 0, 1]], [[0, 0, 1]]], dtype=torch.bool)  # (B, N, T): 2 of the 5 tokens scored
+    packed = TeacherTopK(torch.zeros(2, 1, 3, 2, dtype=torch.long), torch.full((2, 1, 3, 2), -1.0), present, ("a",))
+    rec.teacher_scores = {"a": packed, "b": None}
+    inputs, stats = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
+    assert inputs["teacher_scores"] is packed
+    assert stats["teacher/scored_fraction"] == pytest.approx(2 / 5)
+    rec.teacher_scores = {"b": None}
+    inputs, _ = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
+    assert "teacher_scores" not in inputs
