@@ -84,3 +84,62 @@ def test_teacher_tokens_in_batch_scales_this_ranks_mean_to_the_union_mean():
     # this rank distilled 6 of the 8 tokens all ranks did (8 / world size): its share is 6/8 of its mean
     union, _ = ch(outputs, {"teacher_scores": scores, "completion_mask": mask, "teacher_tokens_in_batch": 8.0})
     torch.testing.assert_close(union, mean * 0.75)
+
+
+def _hint_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    V, H, B, T = 9, 4, 2, 5
+    w = torch.randn(V, H, generator=g)
+    outputs = {"student_hidden": torch.randn(B, T, H, generator=g), "lm_head_weight": w}
+    batch = {"teacher_hidden": torch.randn(B, T, H, generator=g), "hint_mask": torch.rand(B, T, generator=g) > 0.3}
+    return outputs, batch
+
+
+@pytest.mark.parametrize("n_global", [1.5, 0.5])
+def test_hint_tokens_in_batch_scales_this_ranks_mean_to_the_union_mean(n_global):
+    outputs, batch = _hint_batch()
+    ch = HintDistillChannel(criterion="jsd", chunk_size=2)
+    mean, m = ch(outputs, batch)
+    n = float(batch["hint_mask"].sum())
+    assert m["tokens"] == n and n > 2
+    union, _ = ch(outputs, {**batch, "hint_tokens_in_batch": n_global * n})
+    torch.testing.assert_close(union, mean / n_global)
+    # fewer than one token in the whole batch per rank: the divisor is floored at 1, not below
+    tiny, _ = ch(outputs, {**batch, "hint_tokens_in_batch": 0.25})
+    torch.testing.assert_close(tiny, mean * n)
+
+
+def test_ema_rate_and_the_deprecated_top_k_are_checked_where_they_are_written():
+    for bad in (0.0, 1.5, -0.1, True, "0.05"):
+        with pytest.raises(ValueError, match="ema_rate must be a number in"):
+            HintDistillChannel(teacher="ema", ema_rate=bad)
+    with pytest.warns(DeprecationWarning, match="top_k is deprecated") as rec:
+        HintDistillChannel(criterion="entropy_opd", top_k=5)
+    assert rec[0].filename == __file__  # the warning points at the caller's line
+
+
+def test_masked_mean_over_all_and_along_a_dimension():
+    from composer_plugins.losses.functional import masked_mean
+
+    x = torch.tensor([[1.0, 2.0, 4.0], [3.0, 5.0, 7.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert float(masked_mean(x, m)) == pytest.approx(1.5)
+    assert masked_mean(x, m, dim=1).tolist() == pytest.approx([1.5, 0.0])
+    assert masked_mean(x, m, dim=0).tolist() == pytest.approx([1.0, 2.0, 0.0])
+
+
+def test_cispo_clip_ratio_counts_only_positive_advantages():
+    from composer_plugins.losses.functional import policy_loss
+
+    lp = torch.zeros(2, 2, requires_grad=True)
+    old = torch.full((2, 2), -1.0)  # ratio e on every token, above 1 + eps_high
+    out = policy_loss(lp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), "cispo", epsilon_high=0.5)
+    assert float(out.metrics["cispo_clip_ratio"]) == pytest.approx(0.5)
+
+
+def test_rloo_refuses_rewards_that_are_not_whole_groups():
+    from composer_plugins.losses.functional import rloo_advantages
+
+    with pytest.raises(ValueError, match="5 rewards are not a whole number of groups of group_size=2"):
+        rloo_advantages(torch.arange(5.0), 2)
+    assert rloo_advantages(torch.tensor([1.0, 3.0]), 2).tolist() == [-2.0, 2.0]
