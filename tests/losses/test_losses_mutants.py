@@ -143,3 +143,36 @@ def test_rloo_refuses_rewards_that_are_not_whole_groups():
     with pytest.raises(ValueError, match="5 rewards are not a whole number of groups of group_size=2"):
         rloo_advantages(torch.arange(5.0), 2)
     assert rloo_advantages(torch.tensor([1.0, 3.0]), 2).tolist() == [-2.0, 2.0]
+
+
+def test_taid_bounds_and_a_step_without_total_steps():
+    from composer_plugins.losses.taid import TAIDScheduler
+
+    assert TAIDScheduler(t_end=0.5).t_end == 0.5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="t_end must be in"):
+            TAIDScheduler(t_end=bad)
+    with pytest.raises(ValueError, match="needs total_steps"):
+        TAIDScheduler().step(1.0, total_steps=0)
+
+
+def test_the_reference_is_needed_exactly_when_beta_is_not_zero():
+    from composer_plugins import build
+
+    assert build("losses", "grpo", beta=0.04).needs_reference
+    assert not build("losses", "grpo", beta=0.0).needs_reference
+    assert "ref_logprobs" in build("losses", "grpo", beta=0.04).required_inputs()
+
+
+def test_the_preference_channel_counts_at_full_weight_by_default():
+    from composer_plugins.losses.preference import ReplayPreferenceChannel
+
+    assert ReplayPreferenceChannel().weight == 1.0
+
+
+def test_liger_jsd_on_no_hinted_token_is_zero():
+    outputs, batch = _hint_batch()
+    loss, m = HintDistillChannel(criterion="jsd", kernels="liger")(
+        outputs, {**batch, "hint_mask": batch["hint_mask"] & False}
+    )
+    assert float(loss.detach()) == 0.0 and m["empty"] == 1.0
