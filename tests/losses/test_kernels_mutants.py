@@ -101,3 +101,18 @@ def test_teacher_distill_token_weights_equal_the_materialised_reference(divergen
     torch.testing.assert_close(g2, 2 * g1, rtol=1e-9, atol=1e-12)
     zero = chunked_teacher_distill(hs, w, scores, mask, ker, chunk_size=2, token_weight=torch.zeros(B, T))
     assert float(zero.loss.detach()) == 0.0 and not torch.autograd.grad(zero.loss, hs)[0].any()
+
+
+@pytest.mark.parametrize("temperature", [2.0, 0.5])
+def test_chunked_logprobs_and_entropy_at_a_temperature(temperature):
+    from composer_plugins.kernels.chunked import chunked_logprobs
+
+    hs, _, w, _, _ = _leaves(2)
+    ids = torch.randint(V, (B, T), generator=torch.Generator().manual_seed(5))
+    lp, ent = chunked_logprobs(hs, w, ids, chunk_size=3, temperature=temperature, return_entropy=True)
+    ref = torch.log_softmax((hs @ w.T) / temperature, -1)
+    torch.testing.assert_close(lp, ref.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), rtol=1e-10, atol=1e-12)
+    g = torch.autograd.grad(lp.sum(), hs)[0]
+    rg = torch.autograd.grad(ref.gather(-1, ids.unsqueeze(-1)).sum(), hs)[0]
+    torch.testing.assert_close(g, rg, rtol=1e-9, atol=1e-11)
