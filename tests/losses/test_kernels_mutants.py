@@ -116,3 +116,18 @@ def test_chunked_logprobs_and_entropy_at_a_temperature(temperature):
     g = torch.autograd.grad(lp.sum(), hs)[0]
     rg = torch.autograd.grad(ref.gather(-1, ids.unsqueeze(-1)).sum(), hs)[0]
     torch.testing.assert_close(g, rg, rtol=1e-9, atol=1e-11)
+
+
+def test_sampled_token_divergence_values_and_gradients_are_the_two_way_formula():
+    from composer_plugins.kernels.teacher_topk import sampled_token_divergence
+
+    s = torch.log(torch.tensor([0.2, 0.5, 0.9], dtype=torch.float64)).requires_grad_()
+    t = torch.log(torch.tensor([0.6, 0.4, 0.3], dtype=torch.float64))
+    got = sampled_token_divergence(s, t, TeacherTopKKernel("reverse_kl"))
+    p, q = s.exp(), t.exp()
+    want = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    (g,) = torch.autograd.grad(got.sum(), s)
+    (rg,) = torch.autograd.grad(want.sum(), s)
+    assert rg.abs().min() > 1e-3
+    torch.testing.assert_close(g, rg, rtol=1e-8, atol=1e-10)
