@@ -131,3 +131,15 @@ def test_sampled_token_divergence_values_and_gradients_are_the_two_way_formula()
     (rg,) = torch.autograd.grad(want.sum(), s)
     assert rg.abs().min() > 1e-3
     torch.testing.assert_close(g, rg, rtol=1e-8, atol=1e-10)
+
+
+def test_teacher_log_probs_are_floored_at_log_1e_30():
+    import math
+
+    from composer_plugins.kernels.teacher_topk import merge_teachers
+
+    ids = torch.tensor([[[1, 2]]])
+    lps = torch.tensor([[[math.log(0.5), -1000.0]]], dtype=torch.float64)
+    _, lt, valid = merge_teachers(ids, lps, torch.ones(1, 1, dtype=torch.bool), torch.tensor([1.0]), 5)
+    assert bool(valid.all())
+    assert float(lt[0, 1]) == pytest.approx(math.log(1e-30), rel=1e-6)
