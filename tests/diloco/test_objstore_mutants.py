@@ -107,9 +107,15 @@ def test_a_well_formed_index_is_read_once_and_its_size_checked(rs, caplog):
     _index(rs, 4, "grad-0-0", {"kind": "grad", "numel": 1, "slices": [[0, 1, "z"]]})
     rs.read_grad_index(4, "grad-0-0")
     assert (1, "grad-0-0") not in rs._indexes and (4, "grad-0-0") in rs._indexes
+    _index(rs, 5, "grad-0-0", {"kind": "grad", "numel": 1, "slices": [[0, 1, "z"]]})
+    rs.read_grad_index(5, "grad-0-0")
+    assert (4, "grad-0-0") in rs._indexes
     _index(rs, 6, "grad-0-0", {"kind": "grad", "numel": 1, "slices": [[0, 1, "z"]]})
     rs.read_grad_index(6, "grad-0-0")
     assert (4, "grad-0-0") in rs._indexes  # r - 2 is still in flight
+    _index(rs, 7, "grad-0-0", {"kind": "grad", "numel": 1, "slices": [[0, 1, "z"]]})
+    rs.read_grad_index(7, "grad-0-0")
+    assert (4, "grad-0-0") not in rs._indexes and (5, "grad-0-0") in rs._indexes
 
 
 def test_slices_that_are_missing_forged_of_another_kind_or_size_are_refused(rs, caplog):

@@ -223,6 +223,8 @@ def test_margin_stat_divides_by_the_batchs_tokens_when_given():
     assert _margin_stat(6.0, 3.0, None) == {"hint/teacher_margin": 2.0}
     assert _margin_stat(6.0, 3.0, 4) == {"hint/teacher_margin": 1.5}
     assert _margin_stat(0.0, 0.0, None) == {} and _margin_stat(1.0, 2.0, 0) == {}
+    assert _margin_stat(2.0, 1.0, None) == {"hint/teacher_margin": 2.0}  # one hinted token is enough
+    assert _margin_stat(2.0, 3.0, 0.5) == {"hint/teacher_margin": 4.0}
 
 
 def test_hint_teacher_logprobs_replace_only_the_hinted_rows(tiny):
@@ -284,7 +286,13 @@ def test_hidden_states_share_the_log_prob_forward(tiny):
     torch.testing.assert_close(inputs["hidden_states"].detach(), want, atol=1e-5, rtol=1e-5)
     assert inputs["lm_head_weight"] is lm_head_weight(tiny.model)
     # with log-probs read too, one forward makes both (the hidden states are the log-prob builder's)
-    inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("logprobs", "hidden_states")]), pol)
+    calls = []
+    hook = tiny.model.model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("logprobs", "hidden_states")]), pol)
+    finally:
+        hook.remove()
+    assert len(calls) == 1
     torch.testing.assert_close(inputs["hidden_states"].detach(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -406,3 +414,20 @@ def test_teacher_scores_are_handed_over_with_the_scored_fraction():
     rec.teacher_scores = {"b": None}
     inputs, _ = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
     assert "teacher_scores" not in inputs
+
+
+def test_is_ratio_over_one_token_and_over_none(tiny):
+    from composer_plugins.losses.functional import importance_sampling_correction
+
+    rec = _record(tiny)
+    rec.completion_mask = torch.zeros(ROWS, C, dtype=torch.long)
+    rec.completion_mask[1, 2] = 1
+    rec.old_logprobs = torch.zeros(ROWS, C)
+    rec.sampling_logprobs = torch.full((ROWS, C), -0.5)
+    pol = StepPolicy(tiny.model, tiny.tok, importance_sampling=("token_truncate", 3.0, None))
+    _, stats = assemble_inputs(rec, ChannelComposer([Reads("old_logprobs")]), pol)
+    ratio = importance_sampling_correction(rec.old_logprobs, rec.sampling_logprobs, rec.completion_mask)
+    assert stats["is_ratio"] == pytest.approx(float(ratio[1, 2])) and float(ratio[1, 2]) > 1.5
+    rec.completion_mask = torch.zeros(ROWS, C, dtype=torch.long)
+    _, stats = assemble_inputs(rec, ChannelComposer([Reads("old_logprobs")]), pol)
+    assert stats["is_ratio"] == 0.0
