@@ -412,3 +412,21 @@ def test_the_callback_equals_diloco_written_out(tmp_path, n, compress, alpha, st
         m = rs.manifest(r)
         assert m["participants"] == list(range(n)) and m["slices"] == n
         assert all(rs.get_mean(r, j, hi - lo) is not None for j, (lo, hi) in enumerate(slice_bounds(21, n)))
+
+
+def test_overlap_takes_replica_0s_model_at_round_0_and_ends_equal(tmp_path):
+    from composer_plugins.diloco.common import param_digest
+
+    n, rounds = 2, 3
+    reps = _run_replicas(f"file://{tmp_path}/ov", n, rounds, overlap=1, keep_rounds=0)
+    assert len({param_digest(model.parameters())[0] for _, model in reps}) == 1
+    assert all(cb.round == rounds for cb, _ in reps)
+    rs = reps[0][0].rounds
+    m = rs.manifest(0)
+    numel = D_IN * D_OUT + D_OUT
+    g0, g1 = (rs.read_grad(0, m["grads"][str(i)], numel) for i in range(n))
+    # init_sync: replica 1 synced to replica 0's model before its first pseudo-gradient, so both are the same
+    assert torch.equal(g0, g1) and g0.abs().sum() > 0
+    m1 = rs.manifest(1)
+    h0, h1 = (rs.read_grad(1, m1["grads"][str(i)], numel) for i in range(n))
+    assert not torch.equal(h0, h1)  # from round 1 on each replica trains on its own data
