@@ -18,6 +18,14 @@ from composer_plugins.kernels.teacher_topk import TeacherTopK, chunked_teacher_d
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def _keep_the_global_rng():
+    """These tests leave torch's global RNG as they found it (tests after them draw from it unseeded)."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
 B, T, V, H = 3, 4, 11, 5
 
 

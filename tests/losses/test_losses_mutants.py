@@ -16,6 +16,13 @@ from composer_plugins.losses.distill import HintDistillChannel
 from composer_plugins.losses.functional import importance_sampling_correction
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_global_rng():
+    """These tests leave torch's global RNG as they found it (tests after them draw from it unseeded)."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
 def test_the_criterion_is_compared_by_value():
     name = "".join(["j", "s", "d"])  # as a config parser hands it over: equal, not the same object
     assert name == "jsd"
