@@ -83,6 +83,8 @@ def _index(rs, r, name, header):
         {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4]]},
         {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, "4", "y"]]},
         {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 4.0, "y"]]},  # a bound that is not an int
+        {"kind": "grad", "numel": 4, "slices": [[0, 2, "x"], [2, 1, "y"], [1, 4, "z"]]},  # back, then to the end
+        {"kind": "grad", "numel": 4, "slices": [[0, 4, "x", "extra"]]},
         {"kind": "grad", "numel": 5, "slices": [[0, 2, "x"], [2, 4, "y"]]},  # covers 4 of 5
     ],
 )
@@ -220,6 +222,9 @@ def test_states_are_data_of_their_kind_and_the_newest_intact_one_wins(rs, caplog
     assert rs.state_rounds() == [10, 2] and rs.latest_state_round() == 10
     assert rs.newest_valid_state() == (10, {"round": 10})
     assert rs.newest_valid_state(at_least=11) is None
+    only0 = RoundStore(ObjectStore(f"{rs.store.where}-0"))
+    only0.put_state("state/00000000", {"round": 0})
+    assert only0.newest_valid_state() == (0, {"round": 0})
     rs.put_state("replica/00000011", {"round": 11})
     rs.store.put("state/00000011", rs.store.get("replica/00000011"))  # a replica's object under the state key
     with pytest.raises(CorruptObjectError, match=r"state/00000011: not a DiLoCo state object \(kind 'replica'\)"):
@@ -364,8 +369,8 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
 
 @pytest.mark.parametrize(
     ("n", "compress", "alpha", "state_every"),
-    [(2, "none", 0.0, 1), (3, "bf16", 0.5, 2), (2, "int4", 0.0, 1)],
-    ids=["2-none", "3-bf16-mix", "2-int4"],
+    [(2, "none", 0.0, 1), (3, "bf16", 0.5, 2), (2, "int4", 0.0, 1), (1, "none", 0.0, 1)],
+    ids=["2-none", "3-bf16-mix", "2-int4", "1-none"],
 )
 def test_the_callback_equals_diloco_written_out(tmp_path, n, compress, alpha, state_every):
     import json
@@ -388,7 +393,9 @@ def test_the_callback_equals_diloco_written_out(tmp_path, n, compress, alpha, st
         # wrote or read before the first round, run.json and the probe, a few hundred bytes, is in no record)
         for key in ("bytes_written", "bytes_read"):
             counted, total = sum(r[key] for r in cb.history), getattr(cb.store, key)
-            assert all(r[key] > 0 for r in cb.history) and total - 1024 < counted <= total, (key, counted, total)
+            alone = n == 1 and key == "bytes_read"  # one replica reads nothing of a round: its own mean is in memory
+            assert alone or all(r[key] > 0 for r in cb.history), (key, [r[key] for r in cb.history])
+            assert total - 1024 < counted <= total or (alone and counted == 0), (key, counted, total)
         mine = [r for r in logged if r["replica"] == i]
         assert [r["round"] for r in mine] == list(range(rounds))
         assert mine[-1]["param_hash"] == param_digest(model.parameters())[0]
