@@ -183,3 +183,29 @@ def test_liger_jsd_on_no_hinted_token_is_zero():
         outputs, {**batch, "hint_mask": batch["hint_mask"] & False}
     )
     assert float(loss.detach()) == 0.0 and m["empty"] == 1.0
+
+
+def test_shape_mismatches_are_refused_whichever_side_is_larger():
+    from composer_plugins.losses.functional import simpo_loss
+
+    for a, b in (((2, 3), (2, 4)), ((2, 4), (2, 3)), ((3,), (2,))):
+        with pytest.raises(ValueError, match="must equal"):
+            importance_sampling_correction(torch.zeros(a), torch.zeros(b), torch.ones(a))
+    with pytest.raises(ValueError, match=r"chosen_avg_logps must be \(N,\), got shape"):
+        simpo_loss(torch.zeros(2, 2), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"chosen_avg_logps must be \(N,\)"):
+        simpo_loss(torch.zeros(()), torch.zeros(()))
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "eps"),
+    [("grpo", (0.2, 0.2)), ("bnpo", (0.2, 0.2)), ("dr_grpo", (0.2, 0.2)), ("dapo", (0.2, 0.28)),
+     ("cispo", (0.2, 5.0)), ("gspo", (3e-4, 4e-4))],
+)  # fmt: skip
+def test_policy_channels_default_to_the_papers_epsilons(loss_type, eps):
+    """TRL's 0.2 / 0.2, DAPO's clip-higher 0.28, ScaleRL's CISPO cap 5.0, GSPO's 3e-4 / 4e-4 (docs/losses.md)."""
+    from composer_plugins.losses.policy import PolicyLossChannel
+
+    ch = PolicyLossChannel(loss_type=loss_type)
+    assert (ch.epsilon_low, ch.epsilon_high) == pytest.approx(eps)
+    assert PolicyLossChannel(loss_type=loss_type, epsilon_high=0.5).epsilon_high == 0.5
