@@ -73,7 +73,7 @@ def test_dppo_matches_upstream_per_sample_sum(adv_kind, params, with_weights):
     low, high, adv_tau, kl_tau = params
     b, t = 5, 11
     trainer, inference, mask, adv = _case(b, t, adv_kind, seed=len(adv_kind) * 31 + int(high * 100))
-    weights = torch.rand(b, t) if with_weights else None
+    weights = torch.rand(b, t, generator=torch.Generator().manual_seed(b * t)) if with_weights else None
     got = LF.dppo_kl_loss(trainer, inference, adv, mask, low, high, adv_tau, kl_tau, loss_weights=weights)
 
     total = trainer.sum() * 0.0

@@ -1,0 +1,211 @@
+"""Loss paths the mutation run (``python -m benchmarks.mutation --only losses``) found unchecked.
+
+* ``hint_distill`` picks its kernel by the criterion's value (a name read from YAML is a fresh string, not the
+  literal), keeps the documented ``entropy_threshold`` default of 0.8, and refuses current log-probs whose
+  shape does not match the hinted mask under ``is_clip``;
+* ``importance_sampling_correction`` in the ``*_mask`` modes with one bound left open.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel
+from composer_plugins.losses.distill import HintDistillChannel
+from composer_plugins.losses.functional import importance_sampling_correction
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_global_rng():
+    """These tests leave torch's global RNG as they found it (tests after them draw from it unseeded)."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
+def test_the_criterion_is_compared_by_value():
+    name = "".join(["j", "s", "d"])  # as a config parser hands it over: equal, not the same object
+    assert name == "jsd"
+    assert isinstance(HintDistillChannel(criterion=name).kernel(), JSDKernel)
+    opd = HintDistillChannel(criterion="".join(["entropy", "_opd"])).kernel()
+    assert isinstance(opd, EntropyOPDKernel)
+
+
+def test_entropy_opd_threshold_default_is_the_documented_0_8():
+    ker = HintDistillChannel(criterion="entropy_opd").kernel()
+    assert ker.entropy_threshold == pytest.approx(0.8)
+    assert HintDistillChannel(criterion="entropy_opd", entropy_threshold=0.3).kernel().entropy_threshold == 0.3
+
+
+def test_is_clip_refuses_log_probs_of_another_shape_than_the_hinted_mask():
+    ch = HintDistillChannel(is_clip=2.0)
+    mask = torch.ones(2, 3)
+    ok = {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.full((2, 3), -1.0)}
+    w, _ = ch.importance_weights(mask, ok, {})
+    torch.testing.assert_close(w, torch.full((2, 3), 2.0))  # exp(1) clipped at 2
+    for bad in ({"logprobs": torch.zeros(2, 4), "old_logprobs": torch.zeros(2, 3)},
+                {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.zeros(2, 4)}):  # fmt: skip
+        with pytest.raises(ValueError, match="must match hint_mask"):
+            ch.importance_weights(mask, bad, {})
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_mask_modes_with_an_open_bound(mode):
+    lp = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    samp = torch.tensor([[-2.0, 0.0], [0.0, 0.0], [3.0, 0.0]])  # ratios e², 1, e⁻³ (per token and per sequence)
+    mask = torch.ones(3, 2)
+    no_min = importance_sampling_correction(lp, samp, mask, mode, clip_max=3.0, clip_min=None)
+    assert no_min[:, 0].tolist() == pytest.approx([0.0, 1.0, float(torch.exp(torch.tensor(-3.0)))])
+    no_max = importance_sampling_correction(lp, samp, mask, mode, clip_max=None, clip_min=0.5)
+    assert no_max[:, 0].tolist() == pytest.approx([float(torch.exp(torch.tensor(2.0))), 1.0, 0.0])
+    both_open = importance_sampling_correction(lp, samp, mask, mode, clip_max=None, clip_min=None)
+    assert bool((both_open > 0).all())
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "bnpo", "grpo"])
+def test_a_batch_with_no_completion_token_gives_loss_zero_not_nan(loss_type):
+    from composer_plugins.losses.functional import policy_loss
+
+    lp = torch.zeros(2, 3, requires_grad=True)
+    out = policy_loss(lp, lp.detach() - 0.1, torch.tensor([1.0, -1.0]), torch.zeros(2, 3), loss_type)
+    assert float(out.loss.detach()) == 0.0
+    (g,) = torch.autograd.grad(out.loss, lp)
+    assert not g.isnan().any()
+
+
+def test_teacher_tokens_in_batch_scales_this_ranks_mean_to_the_union_mean():
+    from composer_plugins.kernels.teacher_topk import TeacherTopK
+    from composer_plugins.losses.teacher_distill import TeacherDistillChannel
+
+    g = torch.Generator().manual_seed(0)
+    B, T, V, H = 2, 3, 7, 4
+    h = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    top = torch.log_softmax(torch.randn(B, 1, T, V, generator=g, dtype=torch.float64), -1).topk(3, -1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    scores = TeacherTopK(top.indices, top.values, mask.unsqueeze(1).clone(), ("a",))
+    ch = TeacherDistillChannel()
+    outputs = {"hidden_states": h, "lm_head_weight": w}
+    mean, m = ch(outputs, {"teacher_scores": scores, "completion_mask": mask})
+    assert m["tokens"] == 6.0
+    # this rank distilled 6 of the 8 tokens all ranks did (8 / world size): its share is 6/8 of its mean
+    union, _ = ch(outputs, {"teacher_scores": scores, "completion_mask": mask, "teacher_tokens_in_batch": 8.0})
+    torch.testing.assert_close(union, mean * 0.75)
+
+
+def _hint_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    V, H, B, T = 9, 4, 2, 5
+    w = torch.randn(V, H, generator=g)
+    outputs = {"student_hidden": torch.randn(B, T, H, generator=g), "lm_head_weight": w}
+    batch = {"teacher_hidden": torch.randn(B, T, H, generator=g), "hint_mask": torch.rand(B, T, generator=g) > 0.3}
+    return outputs, batch
+
+
+@pytest.mark.parametrize("n_global", [1.5, 0.5])
+def test_hint_tokens_in_batch_scales_this_ranks_mean_to_the_union_mean(n_global):
+    outputs, batch = _hint_batch()
+    ch = HintDistillChannel(criterion="jsd", chunk_size=2)
+    mean, m = ch(outputs, batch)
+    n = float(batch["hint_mask"].sum())
+    assert m["tokens"] == n and n > 2
+    union, _ = ch(outputs, {**batch, "hint_tokens_in_batch": n_global * n})
+    torch.testing.assert_close(union, mean / n_global)
+    # fewer than one token in the whole batch per rank: the divisor is floored at 1, not below
+    tiny, _ = ch(outputs, {**batch, "hint_tokens_in_batch": 0.25})
+    torch.testing.assert_close(tiny, mean * n)
+
+
+def test_ema_rate_and_the_deprecated_top_k_are_checked_where_they_are_written():
+    for bad in (0.0, 1.5, -0.1, True, "0.05"):
+        with pytest.raises(ValueError, match="ema_rate must be a number in"):
+            HintDistillChannel(teacher="ema", ema_rate=bad)
+    with pytest.warns(DeprecationWarning, match="top_k is deprecated") as rec:
+        HintDistillChannel(criterion="entropy_opd", top_k=5)
+    assert rec[0].filename == __file__  # the warning points at the caller's line
+
+
+def test_masked_mean_over_all_and_along_a_dimension():
+    from composer_plugins.losses.functional import masked_mean
+
+    x = torch.tensor([[1.0, 2.0, 4.0], [3.0, 5.0, 7.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert float(masked_mean(x, m)) == pytest.approx(1.5)
+    assert masked_mean(x, m, dim=1).tolist() == pytest.approx([1.5, 0.0])
+    assert masked_mean(x, m, dim=0).tolist() == pytest.approx([1.0, 2.0, 0.0])
+
+
+def test_cispo_clip_ratio_counts_only_positive_advantages():
+    from composer_plugins.losses.functional import policy_loss
+
+    lp = torch.zeros(2, 2, requires_grad=True)
+    old = torch.full((2, 2), -1.0)  # ratio e on every token, above 1 + eps_high
+    out = policy_loss(lp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), "cispo", epsilon_high=0.5)
+    assert float(out.metrics["cispo_clip_ratio"]) == pytest.approx(0.5)
+
+
+def test_rloo_refuses_rewards_that_are_not_whole_groups():
+    from composer_plugins.losses.functional import rloo_advantages
+
+    with pytest.raises(ValueError, match="5 rewards are not a whole number of groups of group_size=2"):
+        rloo_advantages(torch.arange(5.0), 2)
+    assert rloo_advantages(torch.tensor([1.0, 3.0]), 2).tolist() == [-2.0, 2.0]
+
+
+def test_taid_bounds_and_a_step_without_total_steps():
+    from composer_plugins.losses.taid import TAIDScheduler
+
+    assert TAIDScheduler(t_end=0.5).t_end == 0.5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="t_end must be in"):
+            TAIDScheduler(t_end=bad)
+    with pytest.raises(ValueError, match="needs total_steps"):
+        TAIDScheduler().step(1.0, total_steps=0)
+
+
+def test_the_reference_is_needed_exactly_when_beta_is_not_zero():
+    from composer_plugins import build
+
+    assert build("losses", "grpo", beta=0.04).needs_reference
+    assert not build("losses", "grpo", beta=0.0).needs_reference
+    assert "ref_logprobs" in build("losses", "grpo", beta=0.04).required_inputs()
+
+
+def test_the_preference_channel_counts_at_full_weight_by_default():
+    from composer_plugins.losses.preference import ReplayPreferenceChannel
+
+    assert ReplayPreferenceChannel().weight == 1.0
+
+
+def test_liger_jsd_on_no_hinted_token_is_zero():
+    outputs, batch = _hint_batch()
+    loss, m = HintDistillChannel(criterion="jsd", kernels="liger")(
+        outputs, {**batch, "hint_mask": batch["hint_mask"] & False}
+    )
+    assert float(loss.detach()) == 0.0 and m["empty"] == 1.0
+
+
+def test_shape_mismatches_are_refused_whichever_side_is_larger():
+    from composer_plugins.losses.functional import simpo_loss
+
+    for a, b in (((2, 3), (2, 4)), ((2, 4), (2, 3)), ((3,), (2,))):
+        with pytest.raises(ValueError, match="must equal"):
+            importance_sampling_correction(torch.zeros(a), torch.zeros(b), torch.ones(a))
+    with pytest.raises(ValueError, match=r"chosen_avg_logps must be \(N,\), got shape"):
+        simpo_loss(torch.zeros(2, 2), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"chosen_avg_logps must be \(N,\)"):
+        simpo_loss(torch.zeros(()), torch.zeros(()))
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "eps"),
+    [("grpo", (0.2, 0.2)), ("bnpo", (0.2, 0.2)), ("dr_grpo", (0.2, 0.2)), ("dapo", (0.2, 0.28)),
+     ("cispo", (0.2, 5.0)), ("gspo", (3e-4, 4e-4))],
+)  # fmt: skip
+def test_policy_channels_default_to_the_papers_epsilons(loss_type, eps):
+    """TRL's 0.2 / 0.2, DAPO's clip-higher 0.28, ScaleRL's CISPO cap 5.0, GSPO's 3e-4 / 4e-4 (docs/losses.md)."""
+    from composer_plugins.losses.policy import PolicyLossChannel
+
+    ch = PolicyLossChannel(loss_type=loss_type)
+    assert (ch.epsilon_low, ch.epsilon_high) == pytest.approx(eps)
+    assert PolicyLossChannel(loss_type=loss_type, epsilon_high=0.5).epsilon_high == 0.5
