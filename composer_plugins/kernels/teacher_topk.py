@@ -400,6 +400,11 @@ def teacher_distill_reference(
     return TeacherDistillOutput(per.sum() / denom, n, cov, r.nonfinite, r.out_of_vocab)
 
 
+def sampled_token_scored(teacher_logprobs: Tensor) -> Tensor:
+    """Where a sampled-token teacher stream holds a score (finite, or ``-inf``): NaN and ``+inf`` are none."""
+    return torch.isfinite(teacher_logprobs) | (teacher_logprobs == float("-inf"))
+
+
 def sampled_token_divergence(student_logprobs: Tensor, teacher_logprobs: Tensor, kernel: TeacherTopKKernel) -> Tensor:
     """Per-token divergence when each side gives only its log-prob of the **sampled** token (``K = 1``).
 
@@ -407,13 +412,19 @@ def sampled_token_divergence(student_logprobs: Tensor, teacher_logprobs: Tensor,
     :meth:`TeacherTopK.from_sampled` through :func:`chunked_teacher_distill`, but from log-probs the
     trainer already holds (PRIME-RL's ``trainer_logprobs`` and its teacher stream): differentiable in
     ``student_logprobs`` by autograd. ``kernel.temperature`` is not applied (the log-probs are as given).
+    A teacher entry that is NaN or +inf is no score: its token's divergence is 0 (leave it out of the
+    denominator with :func:`sampled_token_scored`).
     """
     s = student_logprobs.float() if student_logprobs.dtype not in (torch.float32, torch.float64) else student_logprobs
-    t = teacher_logprobs.to(s.dtype).clamp(min=TEACHER_LOGPROB_FLOOR)
+    t = teacher_logprobs.to(s.dtype)
+    # a NaN or +inf teacher log-prob is no score (as in the top-k path): that token's divergence is 0
+    scored = sampled_token_scored(t)
+    t = torch.where(scored, t, torch.zeros_like(t)).clamp(min=TEACHER_LOGPROB_FLOOR)
     # the rest of the mass; where the token holds it all the tail is floored without gradient (as the kernel)
     s_top = s.clamp(max=-TAIL_FLOOR)
     s_top = torch.where(s < -TAIL_FLOOR, s_top, s_top.detach())
     ls = torch.stack([s, _log1mexp(s_top)], -1)
     lt = torch.stack([t, _log1mexp(t.clamp(max=-TAIL_FLOOR))], -1)
     valid = torch.ones_like(ls, dtype=torch.bool)
-    return bucket_divergence(ls, lt, valid, kernel.jsd_beta)[0]
+    per = bucket_divergence(ls, lt, valid, kernel.jsd_beta)[0]
+    return torch.where(scored, per, torch.zeros_like(per))

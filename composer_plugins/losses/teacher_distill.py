@@ -37,6 +37,7 @@ from composer_plugins.kernels.teacher_topk import (
     TeacherTopK,
     chunked_teacher_distill,
     sampled_token_divergence,
+    sampled_token_scored,
     teacher_distill_reference,
 )
 from composer_plugins.losses.base import LossChannel
@@ -48,6 +49,7 @@ __all__ = [
     "TeacherTopKKernel",
     "as_teacher_topk",
     "sampled_token_divergence",
+    "sampled_token_scored",
     "teacher_tokens",
 ]
 

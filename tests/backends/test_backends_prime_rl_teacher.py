@@ -80,3 +80,35 @@ def test_local_mode_scores_the_teacher_stream_with_the_configs_teacher(tiny_mode
     for row in res.history:
         assert row["teacher_distill/skipped"] == 0.0
         assert math.isfinite(row["teacher_distill/divergence"]) and row["teacher_distill/divergence"] >= 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_teacher_stream_entry_is_left_out_never_a_nan_loss(bad):
+    """A NaN / +inf teacher log-prob is no score: the term equals the stream without that token, counted."""
+    g = torch.Generator().manual_seed(3)
+    T = 6
+    s = torch.log(torch.rand(1, T, generator=g, dtype=torch.float64) * 0.9 + 0.05).requires_grad_()
+    teacher = torch.log(torch.rand(1, T, generator=g, dtype=torch.float64) * 0.9 + 0.05)
+    mask = torch.ones(1, T, dtype=torch.bool)
+    broken = teacher.clone()
+    broken[0, 2] = bad
+    drop = mask.clone()
+    drop[0, 2] = False
+    kw = {"teacher_weight": 1.0, "policy": "dapo"}
+    out = P.loss_fn(P.LossInputs(s[0], s[0].detach(), broken[0], torch.zeros(T, dtype=torch.float64), mask[0]), **kw)
+    base = P.loss_fn(
+        P.LossInputs(s[0], s[0].detach(), broken[0], torch.zeros(T, dtype=torch.float64), mask[0]), policy="dapo"
+    ).loss
+    want = P.loss_fn(P.LossInputs(s[0], s[0].detach(), teacher[0], torch.zeros(T, dtype=torch.float64), drop[0]), **kw)
+    want_base = P.loss_fn(
+        P.LossInputs(s[0], s[0].detach(), teacher[0], torch.zeros(T, dtype=torch.float64), drop[0]), policy="dapo"
+    ).loss
+    term, want_term = out.loss - base, want.loss - want_base
+    assert torch.isfinite(term)
+    torch.testing.assert_close(term, want_term)
+    (grad,) = torch.autograd.grad(term, s)
+    assert torch.isfinite(grad).all() and float(grad[0, 2]) == 0.0
+    assert float(out.metrics["teacher_distill/nonfinite"]) == 1.0
+    assert float(out.metrics["teacher_distill/divergence"]) == pytest.approx(
+        float(want.metrics["teacher_distill/divergence"])
+    )

@@ -191,15 +191,21 @@ def loss_fn(
         if teacher is None:
             teacher = getattr(inputs, "ref_logprobs", None)
         if teacher is not None:
-            from composer_plugins.losses.teacher_distill import TeacherTopKKernel, sampled_token_divergence
+            from composer_plugins.losses.teacher_distill import (
+                TeacherTopKKernel,
+                sampled_token_divergence,
+                sampled_token_scored,
+            )
 
             kernel = TeacherTopKKernel(teacher_divergence, teacher_beta)
-            per_token = sampled_token_divergence(trainer, teacher, kernel).to(trainer.dtype) * mask.to(trainer.dtype)
+            scored = mask.bool() & sampled_token_scored(teacher)
+            per_token = sampled_token_divergence(trainer, teacher, kernel).to(trainer.dtype) * scored.to(trainer.dtype)
             if weights is not None:
                 per_token = per_token * weights
             term = per_token.sum()
             loss = loss + teacher_weight * term
-            metrics["teacher_distill/divergence"] = term.detach() / mask.sum().clamp(min=1)
+            metrics["teacher_distill/divergence"] = term.detach() / scored.sum().clamp(min=1)
+            metrics["teacher_distill/nonfinite"] = (mask.bool() & ~sampled_token_scored(teacher)).sum().float()
             metrics["teacher_distill/skipped"] = 0.0
         else:
             metrics["teacher_distill/skipped"] = 1.0
@@ -435,7 +441,10 @@ class PrimeRLBackend(Backend):
                 from composer_plugins.training.ema import ema_update
 
                 ema_update(ema_pairs_, ema.rate)
-            row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(record.rewards.mean()),
+            scorable = record.rewards[~torch.isnan(record.rewards)]  # an unscorable row (NaN) is left out
+            reward = float(scorable.mean()) if scorable.numel() else float("nan")
+            row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": reward,
+                   "unscorable": float(torch.isnan(record.rewards).float().mean()),
                    "grad_norm": grad_norm, "step_time": time.perf_counter() - t0}  # fmt: skip
             row.update({k: float(v.float().mean()) for k, v in metrics.items() if v.numel()})
             history.append(row)
