@@ -61,6 +61,7 @@ from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError, one_line
 from composer_plugins.diloco import env as _env
+from composer_plugins.diloco.codecs import get_codec
 from composer_plugins.diloco.common import (
     DiLoCoConfig,
     ReplicaInfo,
@@ -440,7 +441,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._done = False
         self.bytes_pseudograd = 0
         self.run_id: str | None = None
-        self._residual: torch.Tensor | None = None  # int4's error feedback (host, fp32)
+        self._residual: torch.Tensor | None = None  # a lossy codec's error feedback (host, fp32)
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
@@ -738,7 +739,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             pseudo = pseudo + self._residual
         parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
         err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
-        if c.compress == "int4":
+        if get_codec(c.compress).error_feedback:
             self._residual = pseudo - mine
         if not bool(torch.isfinite(mine).all()):
             log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
