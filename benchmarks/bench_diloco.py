@@ -30,7 +30,11 @@ for both). Expect DiLoCo/DDP ≈ 1/H.
   LM-shaped step (:func:`_toy_lm`: 1,024 tokens a step on 471k parameters), ``OVERLAP_REPS`` interleaved
   repetitions; ratios per repetition and their mean, median, min and max.
 
-Run: ``python -m benchmarks.bench_diloco [--quick] [--only overlap] [--json]``.
+* **Codecs** (``--only codecs``): fp32, int4 and the SparseLoCo-class codec (``sparseloco``: top-k 2 % of each
+  chunk, 2-bit values, error feedback on the pseudo-gradient and on the mean) on the LM-shaped step, in one
+  invocation.
+
+Run: ``python -m benchmarks.bench_diloco [--quick] [--only overlap|codecs] [--json]``.
 """
 
 from __future__ import annotations
@@ -396,6 +400,47 @@ def run_overlap(quick: bool = False) -> dict[str, Any]:
     return out
 
 
+#: the codecs of the ``--only codecs`` figure, on the LM-shaped step (the first is the fp32 baseline)
+SPARSE_CODECS = ("none", "int4", "sparseloco")
+
+
+def run_codecs(quick: bool = False) -> dict[str, Any]:
+    """The codec figure alone (``--only codecs``): fp32, int4 and the SparseLoCo-class codec on the LM-shaped step
+    (:func:`_toy_lm`), 2 replicas through ``file://``, in one invocation; pseudo-gradient bytes per replica per
+    round, everything written (pseudo-gradient, mean share, states) and the held-out loss, against fp32."""
+    steps = 64 if quick else 384
+    results: dict[str, Any] = {"replicas": 2, "inner_steps_per_replica": steps, "toy": _toy(quick, steps),
+                               "toy_lm": _toy_lm(steps), "object_store_h": OS_H[quick]}  # fmt: skip
+    ratios: dict[str, float] = {}
+    targets: dict[str, str] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
+    ok = False
+    try:
+        plan = [f"oslm_file_{c}" for c in SPARSE_CODECS]
+        _measure(plan, 2, steps, results["toy"], tmp, results, ratios, targets, baselines=False)
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _log(f"kept the logs of the failed run in {tmp}")
+    base = results["oslm_file_none"]
+    for c in SPARSE_CODECS[1:]:
+        r = results[f"oslm_file_{c}"]
+        ratios[f"lm_grad_bytes_per_sync_{c}_vs_fp32"] = r["grad_bytes_per_sync"] / base["grad_bytes_per_sync"]
+        targets[f"lm_grad_bytes_per_sync_{c}_vs_fp32"] = "≤ 0.01 (issue 42)" if c == "sparseloco" else "≤ 0.125"
+        ratios[f"lm_bytes_written_per_sync_{c}_vs_fp32"] = (
+            r["store_bytes_written_per_sync"] / base["store_bytes_written_per_sync"]
+        )
+        targets[f"lm_bytes_written_per_sync_{c}_vs_fp32"] = "informative (the fp32 state every round is included)"
+        ratios[f"lm_eval_loss_{c}_vs_fp32"] = r["eval_loss"] / base["eval_loss"]
+        targets[f"lm_eval_loss_{c}_vs_fp32"] = "within 2% (issue 42)"
+    out = {"name": NAME, "results": results, "ratios": ratios, "targets": targets}
+    for k, v in ratios.items():
+        print(f"{k:48s} {v:8.4f}   target {targets[k]}")
+    return out
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Measure; returns ``{"name", "results", "ratios", "targets"}``."""
     replicas = 2
@@ -655,7 +700,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true", help="print the result dict as JSON")
     p.add_argument(
-        "--only", choices=["overlap"], help="run only this figure (overlap: no-sync / overlap 1 / overlap 0)"
+        "--only",
+        choices=["overlap", "codecs"],
+        help="run only this figure (overlap: no-sync / overlap 1 / overlap 0; codecs: fp32 / int4 / sparseloco on "
+        "the LM-shaped step)",
     )
     p.add_argument("--ddp-worker", nargs=6, metavar=("RANK", "WORLD", "PORT", "TOY", "OUT", "TIMEOUT"),
                    help=argparse.SUPPRESS)  # fmt: skip
@@ -663,7 +711,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.ddp_worker:
         rank, world, port, toy_json, out, timeout_s = a.ddp_worker
         _ddp_worker_main(int(rank), int(world), int(port), toy_json, out, float(timeout_s))
-    res = run_overlap(quick=a.quick) if a.only == "overlap" else run(quick=a.quick)
+    only = {"overlap": run_overlap, "codecs": run_codecs}.get(a.only or "", run)
+    res = only(quick=a.quick)
     if a.json:
         print(json.dumps(res, indent=2))
 

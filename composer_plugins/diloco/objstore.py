@@ -442,6 +442,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self.bytes_pseudograd = 0
         self.run_id: str | None = None
         self._residual: torch.Tensor | None = None  # a lossy codec's error feedback (host, fp32)
+        #: the same for the mean slices this replica wrote: (slice, values) -> what the stored mean left out
+        self._mean_residual: dict[tuple[int, int], torch.Tensor] = {}
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
@@ -872,6 +874,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         bounds = slice_bounds(numel, int(manifest["slices"]))
         indexes: dict[int, dict[str, Any] | None] = {}
         out: dict[int, torch.Tensor] = {}
+        codec = get_codec(c.compress)
 
         def make(j: int) -> torch.Tensor | None:
             lo, hi = bounds[j]
@@ -900,7 +903,16 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                     continue
                 total = vec.clone() if count == 0 else total.add_(vec)
                 count += 1
-            return rs.put_mean(r, j, total.div_(max(count, 1)), c.compress, count)[0]
+            mean = total.div_(max(count, 1))
+            # error feedback on the mean's own rounding (a lossy codec): what the stored mean of this slice left out
+            # is added to the next mean of it this replica writes
+            key = (j, hi - lo)
+            carry = self._mean_residual.pop(key, None) if codec.error_feedback else None
+            want = mean if carry is None else mean + carry
+            stored, created = rs.put_mean(r, j, want, c.compress, count)
+            if created and codec.error_feedback:
+                self._mean_residual[key] = want - stored
+            return stored
 
         if own is not None:
             for j in range(len(bounds)):
