@@ -68,7 +68,7 @@ def host_tensor(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
 # -- pseudo-gradient codecs ---------------------------------------------------------------
 
 
-def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], bytes]:
+def encode_vector(vec: torch.Tensor, compress: str, codec: Codec | None = None) -> tuple[dict[str, Any], bytes]:
     """Header fields and body for a flat fp32 CPU vector under the registered codec ``compress``
     (:mod:`composer_plugins.diloco.codecs`; built in: ``none``, ``bf16``, ``int8``, ``int4``).
 
@@ -76,7 +76,7 @@ def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], byt
     plain contiguous fp32 CPU tensor and must return ``bytes``.
     """
     v = host_tensor(vec, "encode_vector").detach().to(torch.float32).contiguous().view(-1)
-    codec = get_codec(compress)
+    codec = codec if codec is not None else get_codec(compress)
     fields, body = codec.encode(v)
     if not isinstance(fields, dict) or not isinstance(body, (bytes, bytearray)):
         raise TypeError(f"codec {compress!r}: encode must return (dict of header fields, bytes), got "
@@ -192,7 +192,7 @@ def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
     return (vals.view(nb, INT4_BLOCK) * _int4_scales(codes)[:, None]).view(-1)[:n].contiguous()
 
 
-def decode_vector(header: dict[str, Any], body: bytes) -> torch.Tensor:
+def decode_vector(header: dict[str, Any], body: bytes, codec: Codec | None = None) -> torch.Tensor:
     """The flat fp32 CPU vector of an :func:`encode_vector` payload; :class:`CorruptObjectError` (what is wrong)
     when the body is not what its header says, or no installed codec has its name."""
     from composer_plugins.core.errors import UnknownPluginError
@@ -204,7 +204,7 @@ def decode_vector(header: dict[str, Any], body: bytes) -> torch.Tensor:
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptObjectError(f"not a pseudo-gradient header ({one_line(e)})") from e
     try:
-        codec = get_codec(name)
+        codec = codec if codec is not None else get_codec(name)
     except UnknownPluginError as e:
         raise CorruptObjectError(f"written with codec {name!r}, which is not installed here ({one_line(e)})") from e
     try:

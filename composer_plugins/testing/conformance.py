@@ -509,8 +509,8 @@ def check_callback(name: str, registry: Any = None, **build_kwargs: Any) -> None
 
 
 def check_codec(name: str, registry: Any = None, **build_kwargs: Any) -> None:
-    """Codec conformance (see the module docstring); ``registry`` defaults to the process-wide one, which the
-    transport's ``encode_vector``/``decode_vector`` read, so a codec checked here is the one a run uses."""
+    """Codec conformance (see the module docstring): the entry of ``registry`` (default: the process-wide one)
+    built once and run through the transport's own ``encode_vector``/``decode_vector``."""
     import torch
 
     from composer_plugins.diloco.store import CorruptObjectError, decode_vector, encode_vector, pack, unpack
@@ -524,9 +524,9 @@ def check_codec(name: str, registry: Any = None, **build_kwargs: Any) -> None:
              "a huge range": torch.randn(3000, generator=g) * torch.logspace(-6, 3, 3000)}  # fmt: skip
     for what, v in cases.items():
         try:
-            h, body = encode_vector(v, name)
-            again = encode_vector(v.clone(), name)
-            out = decode_vector(*unpack(pack(h, body)))
+            h, body = encode_vector(v, name, codec)
+            again = encode_vector(v.clone(), name, codec)
+            out = decode_vector(*unpack(pack(h, body)), codec)
         except Exception as e:
             raise _fail(entry, f"{what}: the round trip raised {type(e).__name__}: {e}") from e
         if again != (h, body):
@@ -542,12 +542,12 @@ def check_codec(name: str, registry: Any = None, **build_kwargs: Any) -> None:
             err = float((out - v).norm() / v.norm().clamp_min(1e-30)) if bool(v.any()) else float(out.abs().max())
             if not err <= tol:
                 raise _fail(entry, f"{what}: relative error {err:.4g} above its tolerance {tol}")
-    h, body = encode_vector(cases["255 values"], name)
+    h, body = encode_vector(cases["255 values"], name, codec)
     bad = {"a truncated body": (h, body[:-1]), "a body with a byte more": (h, body + b"\0"),
            "an empty body": (h, b""), "a header of another size": ({**h, "numel": 254}, body)}  # fmt: skip
     for what, (hh, bb) in bad.items():
         try:
-            decode_vector(hh, bb)
+            decode_vector(hh, bb, codec)
         except CorruptObjectError as e:
             if name not in str(e) and "codec" not in str(e) and "body" not in str(e):
                 raise _fail(entry, f"{what}: the error does not say what is wrong: {e}") from e
@@ -556,7 +556,7 @@ def check_codec(name: str, registry: Any = None, **build_kwargs: Any) -> None:
             raise _fail(entry, f"{what}: raised {type(e).__name__} ({e}), not CorruptObjectError") from e
         raise _fail(entry, f"{what} decoded without an error (a corrupt body must be refused)")
     try:
-        encode_vector(torch.zeros(4, device="meta"), name)
+        encode_vector(torch.zeros(4, device="meta"), name, codec)
     except TypeError:
         pass
     else:
