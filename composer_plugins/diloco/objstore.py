@@ -90,6 +90,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ObjectStoreDiLoCoCallback", "RoundStore", "StoreObjectError"]
 
 _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
+#: objects that carry no run id of their own: a pseudo-gradient's slices (its index's checksums name them) and the
+#: blob behind a large object (its reference names it)
+_UNNAMED = re.compile(r"\.(s\d{3}|blob-[0-9a-f]+)$")
 #: how many names ``grad-<i>-<k>`` a replica tries past its restart count (an older life or launch took some)
 _GRAD_TRIES = 64
 
@@ -605,6 +608,8 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         assert self.store is not None
         for sub in ("init", "state", "rounds"):
             keys = (["init"] if self.store.exists("init") else []) if sub == "init" else self.store.list(sub)
+            # the objects that name their run (a pseudo-gradient's slices and a large object's blob do not)
+            keys = [k for k in keys if not _UNNAMED.search(k)]
             if keys:
                 key = sorted(keys)[-1]
                 try:

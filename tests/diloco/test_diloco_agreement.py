@@ -116,3 +116,34 @@ def test_fresh_run_never_adopts_states_of_a_run_whose_run_json_is_gone(tmp_path)
     a, b = result(tmp_path / "c", 0), result(tmp_path / "c", 1)
     assert a["param_hash"] == b["param_hash"] and a["outer_step"] == 4
     assert min(r["round"] for r in records(tmp_path / "c", 0)) == 2  # it went on from state 1, not round 0
+
+
+def test_a_run_whose_run_json_was_lost_with_only_pseudo_gradients_left_continues_and_another_is_refused(tmp_path):
+    """In-process: a round holding only pseudo-gradients (their slices carry no run id; their index does) is
+    this run's own when the index says so, and another run's otherwise."""
+    import torch
+
+    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+    from composer_plugins.diloco.objstore import ForeignObjectError, ObjectStoreDiLoCoCallback, encode_slices
+
+    url = f"file://{tmp_path}/lost"
+
+    def attach(run_id: str) -> ObjectStoreDiLoCoCallback:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        cb = ObjectStoreDiLoCoCallback(DiLoCoConfig(transport="object_store", store=url, sync_every=2),
+                                       ReplicaInfo(index=0, num_replicas=2, run_id=run_id))  # fmt: skip
+        return cb.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    cb = attach("mine")
+    assert cb.rounds is not None and cb.store is not None
+    parts, _ = encode_slices(torch.randn(36), "none", 2)
+    cb.rounds.put_grad(0, 0, 0, parts)
+    cb.close()
+    cb.store.delete("run.json")
+    attach("mine").close()  # its own objects: it continues (and claims run.json again)
+    assert cb.store.exists("run.json")
+    cb.store.delete("run.json")
+    with pytest.raises(ForeignObjectError, match=r"rounds/00000000/grad-0-0 .*belongs to run 'mine'"):
+        attach("other")
+    assert not cb.store.exists("run.json")
