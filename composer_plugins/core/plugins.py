@@ -50,7 +50,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.training.rollouts",
     "composer_plugins.pipeline.plugin",
     "composer_plugins.diloco.cli",
-    "composer_plugins.diloco.codecs",
+    "composer_plugins.diloco.codec_plugin",
 )
 
 

@@ -38,10 +38,8 @@ from typing import Any
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, one_line
-from composer_plugins.core.hookspecs import hookimpl
 
-__all__ = ["COMPRESSIONS", "Codec", "CorruptObjectError", "decode_vector", "encode_vector", "get_codec", "host_tensor",
-           "register_codecs"]  # fmt: skip
+__all__ = ["COMPRESSIONS", "Codec", "CorruptObjectError", "decode_vector", "encode_vector", "get_codec", "host_tensor"]
 
 #: the built-in codecs (a plugin may add more: ``composer-plugins list codecs``)
 COMPRESSIONS = ("none", "bf16", "int8", "int4")
@@ -421,14 +419,6 @@ class SparseLoCoCodec(Codec):
         mag = torch.where(upper.bool(), lo + 0.75 * (hi - lo), lo + 0.25 * (hi - lo))
         out[chunk_of * self.chunk + idx] = torch.where(sign.bool(), -mag, mag)
         return out
-
-
-@hookimpl
-def register_codecs(register: Any) -> None:
-    """The built-in codecs."""
-    for cls in (NoneCodec, BF16Codec, Int8Codec, Int4Codec):
-        register(cls.name, cls)
-    register("sparseloco", SparseLoCoCodec, density=0.02, chunk=4096)
 
 
 _cache: dict[tuple[int, str], Codec] = {}
