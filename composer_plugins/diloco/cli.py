@@ -97,13 +97,15 @@ def register_commands(cli: Any) -> None:
         and ``--executor hf_jobs|modal`` runs them as cloud jobs.
         """
         from composer_plugins.core.config import Config
-        from composer_plugins.diloco.executors import make_executor
         from composer_plugins.diloco.run import check_replica_config
-        from composer_plugins.diloco.transports import get_transport
 
         overrides = (*overrides, *set_overrides)
-        # every replica would read the same config: check it here, once, before any starts
+        # every replica would read the same config: check it here, once, before any starts (and before the
+        # executors and transports import torch, so a config error answers at once)
         dcfg = check_replica_config(target, config, overrides, section)
+        from composer_plugins.diloco.executors import make_executor
+        from composer_plugins.diloco.transports import get_transport
+
         if replicas is None:
             replicas = dcfg.replicas or 2
         if replicas < 1:

@@ -12,14 +12,15 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Literal
 
 from composer_plugins.core.config import Config, component_spec, from_dict
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.diloco import env as _env
+
+if TYPE_CHECKING:  # torch is imported where it is used, so loading a config (and its errors) never waits for it
+    import torch
+    from torch import nn
 
 # -- configuration ------------------------------------------------------------------------
 
@@ -251,6 +252,8 @@ class ReplicaInfo:
 
 def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
     """``(sha256 hex of the raw bytes, float sum)`` of ``params``, in order. Bitwise-identical weights match."""
+    import torch
+
     h = hashlib.sha256()
     total = 0.0
     with torch.no_grad():
@@ -261,16 +264,6 @@ def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
             h.update(t.view(-1).view(torch.uint8).numpy().tobytes())  # device-ok: t was moved to the CPU above
             total += float(t.double().sum())
     return h.hexdigest(), total
-
-
-class _ParamFragment(nn.Module):
-    """A container that registers (shares, never copies) a subset of another module's parameters."""
-
-    def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
-        super().__init__()
-        self.source_names = [n for n, _ in named]
-        for i, (name, p) in enumerate(named):
-            self.register_parameter(f"p{i:04d}_{name.replace('.', '_')}", p)
 
 
 def split_fragments(module: nn.Module, num_fragments: int) -> list[nn.Module]:
@@ -298,10 +291,23 @@ def split_fragments(module: nn.Module, num_fragments: int) -> list[nn.Module]:
         groups[-1].append((n, p))
         acc += p.numel()
     assert len(groups) == num_fragments, (len(groups), num_fragments)
+    from torch import nn
+
+    class _ParamFragment(nn.Module):
+        """A container that registers (shares, never copies) a subset of another module's parameters."""
+
+        def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+            super().__init__()
+            self.source_names = [n for n, _ in named]
+            for i, (name, p) in enumerate(named):
+                self.register_parameter(f"p{i:04d}_{name.replace('.', '_')}", p)
+
     return [_ParamFragment(g) for g in groups]
 
 
 def build_outer_optimizer(config: DiLoCoConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    import torch
+
     if config.outer_optimizer is None:
         return torch.optim.SGD(
             params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov

@@ -19,7 +19,6 @@ from composer_plugins.core.config import Config, apply_overrides, load_config, l
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.diloco.common import DiLoCoConfig
 from composer_plugins.diloco.env import ENV_INDEX, ENV_RESTART, ENV_SYNC_LOG
-from composer_plugins.diloco.replica import run_project_train
 
 __all__ = ["check_replica_config", "load_target_config", "main"]
 
@@ -61,6 +60,8 @@ def check_replica_config(target: str, config: str | None, overrides: Sequence[st
 
 def _run_target(target: str, config: str | None, overrides: Sequence[str], section: str | None = None) -> Any:
     if target == "train":
+        from composer_plugins.diloco.replica import run_project_train
+
         return run_project_train(config, overrides, section=section)
     cfg = load_target_config(config, overrides, section)
     if target == "toy":

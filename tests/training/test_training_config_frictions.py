@@ -139,3 +139,17 @@ def test_a_config_error_and_print_config_import_no_torch(tmp_path, command):
                              timeout=120, cwd=tmp_path)  # fmt: skip
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert res == {"code": code, "heavy": []}, (args, out.stderr)
+
+
+def test_a_diloco_config_error_imports_no_torch(tmp_path):
+    """``composer-plugins diloco -c <bad.yaml>`` is refused before the executors, transports or torch load."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("diloco:\n  sync_every: warm\n")
+    env = {**__import__("os").environ, "COMPOSER_PLUGINS_LOAD": ""}
+    for target in ("train",):  # the project target (the toy target lives beside its torch model)
+        args = ["diloco", "--replicas", "2", "--target", target, "-c", str(bad)]
+        out = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env,
+                             timeout=120, cwd=tmp_path)  # fmt: skip
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        assert res == {"code": 2, "heavy": []}, (args, out.stderr)
+        assert f"{bad}:2: diloco.sync_every" in out.stderr
