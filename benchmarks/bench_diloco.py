@@ -30,7 +30,15 @@ for both). Expect DiLoCo/DDP ≈ 1/H.
   LM-shaped step (:func:`_toy_lm`: 1,024 tokens a step on 471k parameters), ``OVERLAP_REPS`` interleaved
   repetitions; ratios per repetition and their mean, median, min and max.
 
-Run: ``python -m benchmarks.bench_diloco [--quick] [--only overlap] [--json]``.
+* **Codecs** (``--only codecs``): fp32, int4 and the SparseLoCo-class codec (``sparseloco``: top-k 2 % of each
+  chunk, 2-bit values, error feedback on the pseudo-gradient and on the mean) on the LM-shaped step, in one
+  invocation.
+
+* **Faults** (``--only faults``): 4 replicas through ``file://`` and moto S3, fault-free and with one replica killed
+  (and relaunched) every 4 rounds plus one paused past ``round_timeout_s``, in one invocation: goodput (inner
+  steps that went into a committed round, per second) and held-out loss against the fault-free run.
+
+Run: ``python -m benchmarks.bench_diloco [--quick] [--only overlap|codecs|faults] [--json]``.
 """
 
 from __future__ import annotations
@@ -396,6 +404,167 @@ def run_overlap(quick: bool = False) -> dict[str, Any]:
     return out
 
 
+#: the codecs of the ``--only codecs`` figure, on the LM-shaped step (the first is the fp32 baseline)
+SPARSE_CODECS = ("none", "int4", "sparseloco")
+
+
+def run_codecs(quick: bool = False) -> dict[str, Any]:
+    """The codec figure alone (``--only codecs``): fp32, int4 and the SparseLoCo-class codec on the LM-shaped step
+    (:func:`_toy_lm`), 2 replicas through ``file://``, in one invocation; pseudo-gradient bytes per replica per
+    round, everything written (pseudo-gradient, mean share, states) and the held-out loss, against fp32."""
+    steps = 64 if quick else 384
+    results: dict[str, Any] = {"replicas": 2, "inner_steps_per_replica": steps, "toy": _toy(quick, steps),
+                               "toy_lm": _toy_lm(steps), "object_store_h": OS_H[quick]}  # fmt: skip
+    ratios: dict[str, float] = {}
+    targets: dict[str, str] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
+    ok = False
+    try:
+        plan = [f"oslm_file_{c}" for c in SPARSE_CODECS]
+        _measure(plan, 2, steps, results["toy"], tmp, results, ratios, targets, baselines=False)
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _log(f"kept the logs of the failed run in {tmp}")
+    base = results["oslm_file_none"]
+    for c in SPARSE_CODECS[1:]:
+        r = results[f"oslm_file_{c}"]
+        ratios[f"lm_grad_bytes_per_sync_{c}_vs_fp32"] = r["grad_bytes_per_sync"] / base["grad_bytes_per_sync"]
+        targets[f"lm_grad_bytes_per_sync_{c}_vs_fp32"] = "≤ 0.01 (issue 42)" if c == "sparseloco" else "≤ 0.125"
+        ratios[f"lm_bytes_written_per_sync_{c}_vs_fp32"] = (
+            r["store_bytes_written_per_sync"] / base["store_bytes_written_per_sync"]
+        )
+        targets[f"lm_bytes_written_per_sync_{c}_vs_fp32"] = "informative (the fp32 state every round is included)"
+        ratios[f"lm_eval_loss_{c}_vs_fp32"] = r["eval_loss"] / base["eval_loss"]
+        targets[f"lm_eval_loss_{c}_vs_fp32"] = "within 2% (issue 42)"
+    out = {"name": NAME, "results": results, "ratios": ratios, "targets": targets}
+    for k, v in ratios.items():
+        print(f"{k:48s} {v:8.4f}   target {targets[k]}")
+    return out
+
+
+#: the fault mode (``--only faults``): replicas, a kill every this many rounds, the round timeout of both runs
+FAULT_REPLICAS, FAULT_KILL_EVERY, FAULT_ROUND_TIMEOUT_S = 4, 4, 3.0
+
+
+def _sync_records(log_dir: Path, i: int) -> list[dict[str, Any]]:
+    p = log_dir / f"replica{i}.sync.jsonl"
+    out = []
+    for line in p.read_text().splitlines() if p.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return out
+
+
+def _run_faults(n: int, h: int, toy: dict[str, Any], tmp: Path, store: str, *, faulty: bool,
+                env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``n`` replicas through ``store``; with ``faulty``, one replica (1, 2, ... in turn) SIGKILLed each time the run
+    passes another ``FAULT_KILL_EVERY`` rounds (the launcher relaunches it; it rejoins from the store), and replica
+    ``n - 1`` paused (SIGSTOP) past ``round_timeout_s`` once, at round 2. Goodput: inner steps that went into a
+    committed round (``H`` per committed sync record, every life of every replica) per second of the run."""
+    import statistics
+    import threading
+
+    from composer_plugins.diloco.launch import ReplicaGroup, replica_argv
+
+    name = f"faults_{'on' if faulty else 'off'}"
+    log_dir = tmp / name
+    rounds = toy["max_steps"] // h
+    overrides = [f"diloco.sync_every={h}", "diloco.transport=object_store", f"diloco.round_timeout_s="
+                 f"{FAULT_ROUND_TIMEOUT_S}", *(f"toy.{k}={v}" for k, v in toy.items())]  # fmt: skip
+    argv = lambda i: replica_argv("toy", None, [*overrides, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
+    events: list[str] = []
+    restarts = 100 if faulty else 0
+    with ReplicaGroup(argv, n, log_dir=log_dir, grace_s=5, threads_per_replica=1, cwd=str(REPO_ROOT),
+                      transport="object_store", store=store, env=env, max_restarts=restarts) as g:  # fmt: skip
+        done = threading.Event()
+
+        def faults() -> None:
+            next_kill, victim, paused = FAULT_KILL_EVERY, 0, False
+            while not done.wait(0.05):
+                at = max((r["outer_step"] for i in range(n) for r in _sync_records(log_dir, i)[-1:]), default=0)
+                if not paused and at >= 2:
+                    h_ = g.replicas[n - 1].handle
+                    if h_ is not None and h_.pid is not None and h_.poll() is None:
+                        os.kill(h_.pid, signal.SIGSTOP)
+                        events.append(f"paused replica {n - 1} at round {at}")
+                        time.sleep(FAULT_ROUND_TIMEOUT_S * 2)
+                        os.kill(h_.pid, signal.SIGCONT)
+                    paused = True
+                if at >= next_kill and at < rounds - 1:
+                    i = 1 + victim % (n - 1)
+                    g.kill(i)
+                    events.append(f"killed replica {i} at round {at}")
+                    victim, next_kill = victim + 1, next_kill + FAULT_KILL_EVERY
+
+        thread = threading.Thread(target=faults, daemon=True)
+        if faulty:
+            thread.start()
+        t0 = time.perf_counter()
+        res = g.wait(timeout=1500)
+        wall = time.perf_counter() - t0
+        done.set()
+        if faulty:
+            thread.join(30)
+    if not res.ok:
+        raise RuntimeError(f"the {name} run failed: {res}")
+    outs = [json.loads((log_dir / f"result{i}.json").read_text()) for i in range(n)]
+    useful = sum(h for i in range(n) for r in _sync_records(log_dir, i) if r["committed"])
+    return {"wall_s": wall, "useful_inner_steps": useful, "goodput_steps_per_s": useful / wall,
+            "eval_loss": statistics.fmean(o["eval_loss"] for o in outs),
+            "one_param_hash": len({o["param_hash"] for o in outs}) == 1, "restarts": res.restarts,
+            "events": events}  # fmt: skip
+
+
+def run_faults(quick: bool = False) -> dict[str, Any]:
+    """The fault mode alone (``--only faults``): the fault-free run and the faulty one, same shape, same invocation,
+    through ``file://`` and (when ``moto[server]`` is installed) moto's S3 server on loopback."""
+    steps = 64 if quick else 256
+    h = OS_H[quick]
+    toy = _toy(quick, steps)
+    results: dict[str, Any] = {"replicas": FAULT_REPLICAS, "inner_steps_per_replica": steps, "toy": toy,
+                               "h": h, "kill_every_rounds": FAULT_KILL_EVERY}  # fmt: skip
+    ratios: dict[str, float] = {}
+    targets: dict[str, str] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
+    moto = _moto()
+    try:
+        for where in ("file", "s3"):
+            if where == "s3" and moto is None:
+                _log("moto[server] is not installed: no S3 row")
+                continue
+            for faulty in (False, True):
+                store = (f"file://{tmp}/store-faults-{faulty}" if where == "file"
+                         else f"s3://bench/faults-{faulty}-{os.getpid()}")  # fmt: skip
+                env = moto[1] if where == "s3" and moto is not None else None
+                results[f"{where}_faults_{'on' if faulty else 'off'}"] = _run_faults(
+                    FAULT_REPLICAS, h, toy, tmp / where, store, faulty=faulty, env=env
+                )
+            off, on = results[f"{where}_faults_off"], results[f"{where}_faults_on"]
+            ratios[f"{where}_goodput_faults_vs_fault_free"] = on["goodput_steps_per_s"] / off["goodput_steps_per_s"]
+            targets[f"{where}_goodput_faults_vs_fault_free"] = "≥ 0.85 (issue 42)"
+            ratios[f"{where}_eval_loss_faults_vs_fault_free"] = on["eval_loss"] / off["eval_loss"]
+            targets[f"{where}_eval_loss_faults_vs_fault_free"] = "within 2% (issue 42)"
+            ratios[f"{where}_one_param_hash_with_faults"] = float(on["one_param_hash"])
+            targets[f"{where}_one_param_hash_with_faults"] = "1 (every replica on one hash)"
+    finally:
+        if moto is not None:
+            moto[0].stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {"name": NAME, "results": results, "ratios": ratios, "targets": targets}
+    for k, v in ratios.items():
+        print(f"{k:48s} {v:8.4f}   target {targets[k]}")
+    for k, r in results.items():
+        if isinstance(r, dict) and "events" in r:
+            print(f"{k}: {r['wall_s']:.1f} s, {r['useful_inner_steps']} useful inner steps, restarts {r['restarts']}, "
+                  f"{'; '.join(r['events']) or 'no faults'}")  # fmt: skip
+    return out
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Measure; returns ``{"name", "results", "ratios", "targets"}``."""
     replicas = 2
@@ -655,7 +824,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true", help="print the result dict as JSON")
     p.add_argument(
-        "--only", choices=["overlap"], help="run only this figure (overlap: no-sync / overlap 1 / overlap 0)"
+        "--only",
+        choices=["overlap", "codecs", "faults"],
+        help="run only this figure (overlap: no-sync / overlap 1 / overlap 0; codecs: fp32 / int4 / sparseloco on "
+        "the LM-shaped step; faults: goodput with a replica of 4 killed every 4 rounds and one paused)",
     )
     p.add_argument("--ddp-worker", nargs=6, metavar=("RANK", "WORLD", "PORT", "TOY", "OUT", "TIMEOUT"),
                    help=argparse.SUPPRESS)  # fmt: skip
@@ -663,7 +835,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.ddp_worker:
         rank, world, port, toy_json, out, timeout_s = a.ddp_worker
         _ddp_worker_main(int(rank), int(world), int(port), toy_json, out, float(timeout_s))
-    res = run_overlap(quick=a.quick) if a.only == "overlap" else run(quick=a.quick)
+    only = {"overlap": run_overlap, "codecs": run_codecs, "faults": run_faults}.get(a.only or "", run)
+    res = only(quick=a.quick)
     if a.json:
         print(json.dumps(res, indent=2))
 

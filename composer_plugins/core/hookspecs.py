@@ -63,5 +63,10 @@ def register_callbacks(register: Any) -> None:
 
 
 @hookspec
+def register_codecs(register: Any) -> None:
+    """Register DiLoCo pseudo-gradient codecs (``diloco.compress``) with ``register(name, factory, description)``."""
+
+
+@hookspec
 def register_commands(cli: Any) -> None:
     """Add subcommands to the ``composer-plugins`` click group passed as ``cli``."""

@@ -50,6 +50,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.training.rollouts",
     "composer_plugins.pipeline.plugin",
     "composer_plugins.diloco.cli",
+    "composer_plugins.diloco.codecs",
 )
 
 

@@ -32,6 +32,7 @@ KINDS: dict[str, str] = {
     "optimizers": "register_optimizers",
     "callbacks": "register_callbacks",
     "rollout_generators": "register_rollout_generators",
+    "codecs": "register_codecs",
 }
 
 _KIND_ALIASES = {
@@ -55,6 +56,7 @@ _KIND_ALIASES = {
     "rollout_generator": "rollout_generators",
     "generators": "rollout_generators",
     "generator": "rollout_generators",
+    "codec": "codecs",
 }
 
 #: Backends shipped as separate distributions (in this repository's ``packages/``): name -> distribution.

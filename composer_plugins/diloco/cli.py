@@ -151,6 +151,9 @@ def register_commands(cli: Any) -> None:
                 close()
         for i, codes in sorted(res.exit_codes.items()):
             click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
+        from composer_plugins.diloco.launch import summary_table
+
+        click.echo(summary_table(log_dir, [first_index + i for i in sorted(res.exit_codes)]))
         if not res.ok:
             click.secho(f"some replicas failed; see {log_dir}/replica<i>.log", err=True, fg="red")
             sys.exit(1)

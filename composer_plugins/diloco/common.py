@@ -66,10 +66,11 @@ class DiLoCoConfig:
         store: with ``object_store``, the run's directory in an object store: ``s3://bucket/prefix``,
             ``gs://...``, ``az://...`` or ``file:///path`` (default ``$COMPOSER_DILOCO_STORE``, which the
             launcher sets). S3 credentials and endpoint come from the standard AWS variables and profiles.
-        compress: what a replica writes per sync: ``none`` (fp32), ``bf16``, ``int8`` (per-block absmax
-            int8, deflated) or ``int4`` (blocks of 256, fp16 scales, deflated, with error feedback: the
-            rounding error is added to the replica's next pseudo-gradient); the error it adds is measured and
-            logged (``compress_error``).
+        compress: what a replica writes per sync, a registered codec (``composer-plugins list codecs``;
+            :mod:`.codecs`): ``none`` (fp32), ``bf16``, ``int8`` (per-block absmax int8, deflated) or ``int4``
+            (blocks of 256, log scales, deflated, with error feedback: the rounding error is added to the
+            replica's next pseudo-gradient), or a plugin's; the error it adds is measured and logged
+            (``compress_error``).
         round_timeout_s: with ``object_store``, how long a replica waits for the others' pseudo-gradients
             at a sync before the round is closed without the missing ones.
         store_retry_s: with ``object_store``, how long one store operation is retried (bounded exponential
@@ -124,7 +125,7 @@ class DiLoCoConfig:
     log_param_hash: bool = True
     transport: str = "torchft"
     store: str | None = None
-    compress: Literal["none", "bf16", "int8", "int4"] = "none"
+    compress: str = "none"
     round_timeout_s: float = 300.0
     store_retry_s: float = 120.0
     poll_s: float = 0.01
@@ -176,6 +177,16 @@ class DiLoCoConfig:
             raise bad("run_id", f"{self.run_id!r}: letters, digits, '.', '_' and '-' only (at most 100).")
         if self.outer_optimizer is not None:
             component_spec(self.outer_optimizer, f"{key}.outer_optimizer", cfg)
+        if not isinstance(self.compress, str):
+            raise bad("compress", f"expected a codec name, got {self.compress!r}.")
+        if self.compress not in ("none", "bf16", "int8", "int4"):  # a plugin's: look it up (loads the plugins)
+            from composer_plugins.core.errors import UnknownPluginError
+            from composer_plugins.core.plugins import get_registry
+
+            try:
+                get_registry().get("codecs", self.compress)
+            except UnknownPluginError as e:
+                raise bad("compress", f"{e} HINT: `composer-plugins list codecs` lists them.") from None
         if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas < 1):
             raise bad("replicas", f"expected a positive integer, got {self.replicas!r}.")
         from composer_plugins.diloco.transports import get_transport

@@ -41,6 +41,7 @@ class DiLoCoCallbackBase(pl.Callback):
         self._since_sync = 0
         self._healed_since_sync = False
         self._target: int | None = self.config.outer_steps
+        self._step_cap: int | None = None  # how far max_steps may grow to make up missed rounds
         self._stop = False
 
     # -- what a transport provides ---------------------------------------------------------
@@ -81,9 +82,22 @@ class DiLoCoCallbackBase(pl.Callback):
             self._target = max(1, trainer.max_steps // per_sync)
             # The shared outer step decides when to stop, not this replica's own count: a replica whose sync
             # did not commit, or that waits for a restarted peer, makes those syncs up (bounded: at most
-            # max_steps more inner steps).
-            trainer.fit_loop.epoch_loop.max_steps = 2 * trainer.max_steps
+            # max_steps more inner steps). ``max_steps`` grows only when that happens (:meth:`_make_up`), so a
+            # progress bar's total is the real number of steps.
+            self._step_cap = 2 * trainer.max_steps
         self.attach(pl_module, optimizers[0])
+
+    def _make_up(self, trainer: pl.Trainer) -> None:
+        """At ``max_steps`` short of the round target (a sync that did not commit, a peer being waited for): one
+        more round of inner steps, up to twice the configured ``max_steps``."""
+        loop = trainer.fit_loop.epoch_loop
+        if self._stop or self._step_cap is None or trainer.global_step < loop.max_steps:
+            return
+        if loop.max_steps < self._step_cap:
+            per_sync = self.config.sync_every // self.config.num_fragments
+            loop.max_steps = min(self._step_cap, trainer.global_step + per_sync)
+            log.info("DiLoCo: outer step target %s not reached at max_steps; %d more inner steps (up to %d)",
+                     self._target, loop.max_steps - trainer.global_step, self._step_cap)  # fmt: skip
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
@@ -98,6 +112,8 @@ class DiLoCoCallbackBase(pl.Callback):
         self.after_batch(trainer)
         if self._stop:
             trainer.should_stop = True
+        else:
+            self._make_up(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.close()

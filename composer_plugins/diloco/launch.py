@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -693,6 +694,46 @@ class ReplicaGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def summary_table(log_dir: str | os.PathLike[str], indices: Sequence[int]) -> str:
+    """The launcher's closing table: each replica's rounds, final loss, parameter hash and model path, from the
+    ``replica<i>.result.json`` its last life wrote (:func:`~composer_plugins.diloco.run.write_replica_summary`),
+    else from its sync log; then whether every replica ended on one parameter hash."""
+    from composer_plugins.diloco.run import summary_path
+
+    rows, hashes = [], set()
+    for i in indices:
+        sync = Path(log_dir, f"replica{i}.sync.jsonl")
+        res = summary_path(sync)
+        got: dict[str, Any] = {}
+        if res is not None and res.exists():
+            with contextlib.suppress(ValueError, OSError):
+                got = json.loads(res.read_text())
+        if not got and sync.exists():
+            lines = [ln for ln in sync.read_text().splitlines() if ln.strip()]
+            with contextlib.suppress(ValueError, IndexError):
+                last = json.loads(lines[-1])
+                got = {"rounds": last.get("outer_step"), "param_hash": last.get("param_hash")}
+        h = got.get("param_hash")
+        if h:
+            hashes.add(h)
+        loss = got.get("loss")
+        rows.append([str(i), "-" if got.get("rounds") is None else str(got["rounds"]),
+                     "-" if loss is None else f"{loss:.4f}", h[:12] if h else "-",
+                     got.get("model_path") or "-"])  # fmt: skip
+    names = {json.loads(p.read_text()).get("loss_name") for p in Path(log_dir).glob("replica*.result.json")
+             if p.stat().st_size}  # fmt: skip
+    names.discard(None)
+    head = ["replica", "rounds", f"final loss ({names.pop()})" if len(names) == 1 else "final loss",
+            "param hash", "model path"]  # fmt: skip
+    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
+    if len(hashes) == 1 and all(r[3] != "-" for r in rows):
+        lines.append(f"every replica ended on parameter hash {next(iter(hashes))[:12]}")
+    elif len(hashes) > 1:
+        lines.append(f"the replicas ended on {len(hashes)} different parameter hashes")
+    return "\n".join(lines)
 
 
 def _log(msg: str) -> None:

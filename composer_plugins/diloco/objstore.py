@@ -4,13 +4,19 @@ Replicas never talk to each other: the store (``diloco.store``, an S3/GCS/Azure 
 their only meeting point, so they can run as serverless jobs in places that cannot open ports to each
 other. Layout of the run directory::
 
-    run.json                          who the run is (run id, replicas, parameter shapes); a second run is refused
+    run.json                          who the run is: run id, replicas, parameter shapes and every setting the
+                                      replicas must share (H, codec, outer and inner optimizer); a second run,
+                                      or a replica with other settings, is refused naming what differs
     init                              replica 0's state at the first sync (``init_sync``: everyone starts from it)
     rounds/<r>/grad-<i>-<k>.s<j>      slice j of replica i's pseudo-gradient for round r (codec + SHA-256)
     rounds/<r>/grad-<i>-<k>           its index (slice bounds and checksums), created after the slices
     rounds/<r>/manifest.json          the participants of round r, created once (If-None-Match)
     rounds/<r>/mean-<j>               slice j of round r's mean pseudo-gradient (the run's codec), created once
     state/<r>                         the global weights and outer optimizer state after round r
+
+Every object but the pseudo-gradient slices (which their index's checksums name) carries the run id; an object of
+another run is refused with an error naming it, and a run never starts on a prefix that holds another run's
+objects, whether or not that run's ``run.json`` is still there.
 
 A round, on every replica: write the pseudo-gradient (``global - local``, encoded with ``diloco.compress``);
 wait until every replica's is there or ``diloco.round_timeout_s`` has passed; then the first replica to try
@@ -55,6 +61,7 @@ from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError, one_line
 from composer_plugins.diloco import env as _env
+from composer_plugins.diloco.codecs import get_codec
 from composer_plugins.diloco.common import (
     DiLoCoConfig,
     ReplicaInfo,
@@ -83,6 +90,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ObjectStoreDiLoCoCallback", "RoundStore", "StoreObjectError"]
 
 _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
+#: objects that carry no run id of their own: a pseudo-gradient's slices (its index's checksums name them) and the
+#: blob behind a large object (its reference names it)
+_UNNAMED = re.compile(r"\.(s\d{3}|blob-[0-9a-f]+)$")
 #: how many names ``grad-<i>-<k>`` a replica tries past its restart count (an older life or launch took some)
 _GRAD_TRIES = 64
 
@@ -109,11 +119,26 @@ class StoreObjectError(ComposerPluginsError, RuntimeError):
     """An object the run cannot do without (run.json, a manifest, every state) is not a DiLoCo data object."""
 
 
+class ForeignObjectError(CorruptObjectError):
+    """An object in the run directory belongs to another run (its run id differs, or it carries none): refused
+    like a damaged one (a state: an older one is tried; a pseudo-gradient: left out; a manifest, a mean or
+    ``init``, which cannot be replaced: the replica stops, naming it)."""
+
+    def __init__(self, where: str, theirs: object, mine: object) -> None:
+        super().__init__(
+            f"{where} belongs to run {theirs!r}, not to this run ({mine!r}) (diloco.store): refused (nothing in it "
+            "was used). HINT: give this run a fresh prefix (diloco.store), or continue that run with its own "
+            "--run-id (diloco.run_id) and settings."
+        )
+
+
 class RoundStore:
     """The run directory's objects, read and written as data with checksums (see the module docstring)."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, run_id: str | None = None) -> None:
         self.store = store
+        #: carried by every object written here; an object read here with another is refused
+        self.run_id = run_id
         # pseudo-gradient indexes read intact, by (round, name): each is created once (If-None-Match), and both the
         # close of a round and the making of its mean need them, so each is read from the store once
         self._indexes: dict[tuple[int, str], dict[str, Any]] = {}
@@ -124,6 +149,11 @@ class RoundStore:
 
     def _where(self, key: str) -> str:
         return f"{self.store.where}/{key}"
+
+    def _ours(self, key: str, header: dict[str, Any]) -> None:
+        """Refuse (:class:`ForeignObjectError`) an object whose run id is not this run's."""
+        if header.get("run") != self.run_id:
+            raise ForeignObjectError(self._where(key), header.get("run"), self.run_id)
 
     # -- pseudo-gradients (sliced) and the round's aggregate ---------------------------
     def put_grad(self, r: int, index: int, restart: int, slices: list[tuple[dict[str, Any], bytes]]) -> tuple[str, int]:
@@ -148,7 +178,7 @@ class RoundStore:
                 entries.append([lo, hi, hashlib.sha256(data).hexdigest()])
                 nbytes, lo = nbytes + len(data), hi
             else:
-                idx = pack({"kind": "grad", "round": r, "replica": index, "restart": k, "numel": lo,
+                idx = pack({"kind": "grad", "run": self.run_id, "round": r, "replica": index, "restart": k, "numel": lo,
                             "codec": slices[0][0]["codec"] if slices else "none", "slices": entries}, b"")  # fmt: skip
                 if self.store.put(f"{d}/{name}", idx, create=True):
                     return name, nbytes + len(idx)
@@ -181,6 +211,7 @@ class RoundStore:
             if data is None:
                 return None
             header, _ = unpack(data, self._where(key))
+            self._ours(key, header)
             entries = header.get("slices")
             if header.get("kind") != "grad" or not isinstance(entries, list) or not entries:
                 raise CorruptObjectError(f"{self._where(key)}: not a pseudo-gradient index (kind "
@@ -245,8 +276,8 @@ class RoundStore:
         ``(the stored values, created)``. Whoever writes it, everyone applies the stored bits."""
         header, body = encode_vector(vec, compress)
         key = f"{self.round_dir(r)}/mean-{j:03d}"
-        if self.store.put(key, pack({**header, "kind": "mean", "round": r, "slice": j, "count": count}, body),
-                          create=True):  # fmt: skip
+        if self.store.put(key, pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j,
+                                     "count": count}, body), create=True):  # fmt: skip
             return decode_vector(header, body), True
         stored = self.get_mean(r, j, vec.numel())
         if stored is None:  # pragma: no cover - a store that lost an object it said exists
@@ -262,6 +293,7 @@ class RoundStore:
             return None
         try:
             header, body = unpack(data, self._where(key))
+            self._ours(key, header)
             if header.get("kind") != "mean" or header.get("round") != r or header.get("slice") != j:
                 raise CorruptObjectError(f"{self._where(key)}: not slice {j} of round {r}'s mean")
             vec = decode_vector(header, body)
@@ -282,6 +314,7 @@ class RoundStore:
             return None
         try:
             header, body = unpack(data, self._where(key))
+            self._ours(key, header)
             m = json.loads(body)
             ok = (header.get("kind") == "manifest" and isinstance(m, dict) and m.get("round") == r
                   and isinstance(m.get("participants"), list) and isinstance(m.get("grads"), dict)
@@ -301,10 +334,11 @@ class RoundStore:
 
     def close_round(self, r: int, grads: dict[int, str], closer: int, slices: int = 1) -> tuple[dict[str, Any], bool]:
         """Create round ``r``'s manifest naming ``grads`` unless one exists; ``(manifest, created)``."""
-        m = {"round": r, "participants": sorted(grads), "grads": {str(i): n for i, n in sorted(grads.items())},
-             "slices": slices, "closed_by": closer, "time": time.time()}  # fmt: skip
+        m = {"round": r, "run": self.run_id, "participants": sorted(grads),
+             "grads": {str(i): n for i, n in sorted(grads.items())}, "slices": slices, "closed_by": closer,
+             "time": time.time()}  # fmt: skip
         key = f"{self.round_dir(r)}/manifest.json"
-        if self.store.put(key, pack({"kind": "manifest"}, json.dumps(m).encode()), create=True):
+        if self.store.put(key, pack({"kind": "manifest", "run": self.run_id}, json.dumps(m).encode()), create=True):
             return m, True
         existing = self.manifest(r)
         if existing is None:  # pragma: no cover - a store that lost an object it said exists
@@ -317,7 +351,7 @@ class RoundStore:
         """Write ``state`` (nested tensors and numbers) as data under ``key``; bytes written (0: it existed)."""
         kind = key.split("/")[0]
         tree, body = encode_tree(state, f"{kind}")
-        data = pack({"kind": kind, "tree": tree}, body)
+        data = pack({"kind": kind, "run": self.run_id, "tree": tree}, body)
         return len(data) if self.store.put(key, data, create=create) else 0
 
     def get_state(self, key: str) -> dict[str, Any] | None:
@@ -327,6 +361,7 @@ class RoundStore:
             return None
         header, body = unpack(data, self._where(key))
         kind = key.split("/")[0]
+        self._ours(key, header)
         if header.get("kind") != kind or "tree" not in header:
             raise CorruptObjectError(f"{self._where(key)}: not a DiLoCo {kind} object (kind {header.get('kind')!r})")
         state = decode_tree(header["tree"], body, self._where(key))
@@ -409,7 +444,9 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self._done = False
         self.bytes_pseudograd = 0
         self.run_id: str | None = None
-        self._residual: torch.Tensor | None = None  # int4's error feedback (host, fp32)
+        self._residual: torch.Tensor | None = None  # a lossy codec's error feedback (host, fp32)
+        #: the same for the mean slices this replica wrote: (slice, values) -> what the stored mean left out
+        self._mean_residual: dict[tuple[int, int], torch.Tensor] = {}
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
@@ -471,7 +508,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self.global_params = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
         self.outer_optimizers = [build_outer_optimizer(c, self.global_params)]
         self.store = ObjectStore(url, retry_s=c.store_retry_s, request_timeout_s=c.request_timeout_s)
-        self.rounds = RoundStore(self.store)
+        self.rounds = RoundStore(self.store, self.run_id)
         self._probe_conditional_create()
         self._check_run()
         found = self.rounds.newest_valid_state()
@@ -502,16 +539,22 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                               key="diloco.store")  # fmt: skip
 
     def _run_identity(self) -> dict[str, Any]:
+        """What ``run.json`` pins: who the run is and every setting its replicas must share (JSON values)."""
+        assert self._inner is not None
         shapes = [list(p.shape) for p in self.params]
-        return {"run_id": self.run_id, "num_replicas": self.replica.num_replicas,
-                "sync_every": self.config.sync_every, "compress": self.config.compress,
-                "param_shapes": shapes}  # fmt: skip
+        mine = {"run_id": self.run_id, "num_replicas": self.replica.num_replicas,
+                "sync_every": self.config.sync_every, "compress": self.config.compress, "param_shapes": shapes,
+                "outer_optimizer": optimizer_settings(self.outer_optimizers[0]),
+                "inner_optimizer": optimizer_settings(self._inner)}  # fmt: skip
+        return json.loads(json.dumps(mine))
 
     def _check_run(self) -> None:
-        """Claim the run directory (``run.json``) or check that it holds this run; refuse another run's."""
+        """Claim the run directory (``run.json``) or check that it holds this run with this replica's settings;
+        refuse another run's, and a prefix holding another run's objects whose ``run.json`` is gone."""
         assert self.store is not None
         mine = self._run_identity()
-        self.store.put("run.json", pack({"kind": "run"}, json.dumps(mine).encode()), create=True)
+        if self.store.put("run.json", pack({"kind": "run"}, json.dumps(mine).encode()), create=True):
+            self._refuse_leftovers()
         data = self.store.get("run.json")
         try:
             header, body = unpack(data or b"", f"{self.store.where}/run.json")
@@ -523,17 +566,62 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                               "nothing in it was run). HINT: point diloco.store at a fresh prefix.",
                               key="diloco.store") from e  # fmt: skip
         diff = [k for k in mine if theirs.get(k) != mine[k]]
-        if diff:
-            what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff if k != "param_shapes")
+        if not diff:
+            return
+        if "run_id" in diff or "param_shapes" in diff:
+            what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff
+                             if k in ("run_id", "num_replicas", "sync_every", "compress"))  # fmt: skip
             if "param_shapes" in diff:
                 what += ("; " if what else "") + "another model (parameter shapes differ)"
             resume = (f" To continue that run, pass --run-id {theirs.get('run_id')} (diloco.run_id) with its settings."
-                      if "run_id" in diff and len(diff) == 1 else "")  # fmt: skip
+                      if diff == ["run_id"] else "")  # fmt: skip
             raise ConfigError(
                 f"{self.store.where} holds another run ({what}). HINT: give this run a fresh prefix, e.g. "
                 f"diloco.store={self.store.where.rsplit('/', 1)[0]}/<new-run>, or delete the old one.{resume}",
                 key="diloco.store",
             )
+        settings = []
+        for k in diff:
+            a, b = theirs.get(k), mine[k]
+            if isinstance(a, dict) and isinstance(b, dict):
+                settings += [f"{k}.{f} is {a.get(f, '(unset)')!r} in the run, {b.get(f, '(unset)')!r} here"
+                             for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]  # fmt: skip
+            else:
+                settings.append(f"{k} is {a!r} in the run, {b!r} here")
+        fix = {"sync_every": "diloco.sync_every", "compress": "diloco.compress", "num_replicas": "--replicas / "
+               "--total-replicas", "outer_optimizer": "diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov "
+               "or diloco.outer_optimizer", "inner_optimizer": "the training config's optimizer (its learning rate "
+               "and hyper-parameters; a replica joining before round 0 would otherwise take the run's)"}  # fmt: skip
+        raise ConfigError(
+            f"this replica's settings differ from those of run {theirs.get('run_id')!r} "
+            f"({self.store.where}/run.json): {'; '.join(settings)}. Every replica of a run must share them (the "
+            f"outer step and the pseudo-gradients are only the same computation with the same settings). HINT: set "
+            f"{'; '.join(fix[k] for k in diff if k in fix)} to the run's values, or start another run on a fresh "
+            "prefix.",
+            key="diloco.store",
+        )
+
+    def _refuse_leftovers(self) -> None:
+        """This replica just created ``run.json``: refuse (and take it back) if the prefix already holds another
+        run's objects (a lifecycle rule that deleted the oldest object first leaves states without their run).
+        Each kind's newest object is looked at here; every object read later is checked as it is read."""
+        assert self.store is not None
+        for sub in ("init", "state", "rounds"):
+            keys = (["init"] if self.store.exists("init") else []) if sub == "init" else self.store.list(sub)
+            # the objects that name their run (a pseudo-gradient's slices and a large object's blob do not)
+            keys = [k for k in keys if not _UNNAMED.search(k)]
+            if keys:
+                key = sorted(keys)[-1]
+                try:
+                    data = self.store.get(key)
+                    theirs = unpack(data, f"{self.store.where}/{key}")[0].get("run") if data else None
+                except (CorruptObjectError, ValueError):
+                    theirs = "(unreadable)"
+                if theirs == self.run_id:  # this run's own objects (its run.json was lost): it continues
+                    continue
+                self.store.delete("run.json")
+                raise ForeignObjectError(f"{self.store.where}/{key} (the prefix has no run.json: this run was about "
+                                         "to claim it)", theirs, self.run_id)  # fmt: skip
 
     # -- state ----------------------------------------------------------------------------
     def _global_state(self) -> dict[str, Any]:
@@ -658,7 +746,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             pseudo = pseudo + self._residual
         parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
         err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
-        if c.compress == "int4":
+        if get_codec(c.compress).error_feedback:
             self._residual = pseudo - mine
         if not bool(torch.isfinite(mine).all()):
             log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
@@ -791,6 +879,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         bounds = slice_bounds(numel, int(manifest["slices"]))
         indexes: dict[int, dict[str, Any] | None] = {}
         out: dict[int, torch.Tensor] = {}
+        codec = get_codec(c.compress)
 
         def make(j: int) -> torch.Tensor | None:
             lo, hi = bounds[j]
@@ -805,20 +894,37 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                     idx = indexes[i]
                     vec = None if idx is None else rs.read_grad_slice(r, name, idx, j)
                 if vec is None:
-                    if own is None:  # a closed round rebuilt later: its pseudo-gradients may be collected
+                    if own is None or self._round_settled(r):
+                        # a closed round rebuilt later, or one whose participants applied its mean and moved on
+                        # (``keep_rounds`` collected its pseudo-gradients and mean): a mean made here would lack
+                        # members the round closed with, so nothing is written (the caller takes a newer state)
+                        log.warning("DiLoCo round %d: slice %d of replica %d's pseudo-gradient is gone and the round "
+                                    "was settled without this replica; not making a partial mean", r, j, i)  # fmt: skip
                         return None
+                    # the round is live (nobody has applied it: no state of it or later exists, so its mean was
+                    # never written and collected): the one mean everyone applies leaves that slice out
                     log.warning("DiLoCo round %d: slice %d of replica %d's pseudo-gradient is unreadable; left out of "
                                 "that slice of the mean", r, j, i)  # fmt: skip
                     continue
                 total = vec.clone() if count == 0 else total.add_(vec)
                 count += 1
-            return rs.put_mean(r, j, total.div_(max(count, 1)), c.compress, count)[0]
+            mean = total.div_(max(count, 1))
+            # error feedback on the mean's own rounding (a lossy codec): what the stored mean of this slice left out
+            # is added to the next mean of it this replica writes
+            key = (j, hi - lo)
+            carry = self._mean_residual.pop(key, None) if codec.error_feedback else None
+            want = mean if carry is None else mean + carry
+            stored, created = rs.put_mean(r, j, want, c.compress, count)
+            if created and codec.error_feedback:
+                self._mean_residual[key] = want - stored
+            return stored
 
         if own is not None:
             for j in range(len(bounds)):
                 if parts[j % len(parts)] == me:
                     got = make(j)
-                    assert got is not None
+                    if got is None:
+                        return None
                     out[j] = got
         deadline = time.monotonic() + (c.round_timeout_s if own is not None else 0.0)
         delay = c.poll_s
@@ -842,6 +948,14 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             time.sleep(delay)
             delay = min(delay * 1.5, c.poll_max_s)
         return torch.cat([out[j] for j in range(len(bounds))])
+
+    def _round_settled(self, r: int) -> bool:
+        """Whether round ``r`` was applied by its participants: a global state of it or a later round exists.
+
+        ``keep_rounds`` deletes a round's pseudo-gradients and mean only after a newer state is written (and keeps
+        that state), so a listed pseudo-gradient that is gone while no such state exists was never collected."""
+        assert self.rounds is not None
+        return any(k >= r for k in self.rounds.state_rounds())
 
     def _close(self, r: int, me: int, mine_name: str | None) -> tuple[dict[str, Any], bool]:
         """Wait for the others' pseudo-gradients (up to the deadline), then close the round or read its manifest.
@@ -1061,6 +1175,36 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             with open(sync_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         return rec
+
+
+#: optimizer ``param_groups`` keys that choose an implementation, not the update (they may differ by device)
+_IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable", "initial_lr"})
+
+
+def optimizer_settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What an optimizer computes, as JSON values: its class and each parameter group's hyper-parameters (the
+    learning rate a scheduler started from, ``initial_lr``, where one is attached). Group ``g > 0``'s keys are
+    prefixed ``group<g>.``."""
+    out: dict[str, Any] = {"class": f"{type(opt).__module__}.{type(opt).__qualname__}"}
+    for g, group in enumerate(opt.param_groups):
+        prefix = f"group{g}." if g else ""
+        for k, v in sorted(group.items()):
+            if k in _IMPLEMENTATION_KEYS:
+                continue
+            if k == "lr" and "initial_lr" in group:
+                v = group["initial_lr"]
+            out[prefix + k] = _json_value(v)
+    return out
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    if isinstance(v, (tuple, list)):
+        return [_json_value(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
 
 
 def _host_tree(obj: Any) -> Any:

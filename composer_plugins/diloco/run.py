@@ -7,15 +7,18 @@ says which replica it is and where the others are (a torchft lighthouse or an ob
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, apply_overrides, load_config, loads_config
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.diloco.common import DiLoCoConfig
+from composer_plugins.diloco.env import ENV_INDEX, ENV_RESTART, ENV_SYNC_LOG
 from composer_plugins.diloco.replica import run_project_train
 
 __all__ = ["check_replica_config", "load_target_config", "main"]
@@ -70,6 +73,48 @@ def _run_target(target: str, config: str | None, overrides: Sequence[str], secti
     return getattr(importlib.import_module(mod), attr)(cfg)
 
 
+def summary_path(sync_log: str | os.PathLike[str] | None) -> Path | None:
+    """Where a replica launched with sync log ``replica<i>.sync.jsonl`` leaves its summary (``replica<i>.result.json``,
+    beside it), which the launcher's closing table reads."""
+    if not sync_log or not str(sync_log).endswith(".sync.jsonl"):
+        return None
+    return Path(str(sync_log).removesuffix(".sync.jsonl") + ".result.json")
+
+
+def write_replica_summary(res: Any, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """Write what the launcher's closing table shows of this replica (rounds, final loss, parameter hash, model
+    path) from the target's result and the last line of its sync log; ``None`` when not launched (no sync log)."""
+    e = os.environ if env is None else env
+    sync_log = e.get(ENV_SYNC_LOG)
+    path = summary_path(sync_log)
+    if path is None:
+        return None
+    last: dict[str, Any] = {}
+    if sync_log and os.path.exists(sync_log):
+        for line in Path(sync_log).read_text().splitlines():
+            try:
+                last = json.loads(line)
+            except ValueError:
+                continue
+    if isinstance(res, Mapping):
+        found = dict(res)
+        metrics = {k: v for k, v in found.items() if isinstance(v, (int, float)) and k.endswith("loss")}
+        model = found.get("model_dir") or found.get("model_path")
+    else:
+        found = {}
+        metrics = {k: v for k, v in (getattr(res, "metrics", None) or {}).items() if k.endswith("loss")}
+        model = getattr(res, "model_dir", None)
+    name = next((k for k in ("eval_loss", "eval/loss", "train/loss", "loss") if k in metrics), None)
+    name = name or next(iter(sorted(metrics)), None)
+    out = {"replica": int(e.get(ENV_INDEX, "0")), "restart": int(e.get(ENV_RESTART, "0")),
+           "rounds": found.get("outer_step", last.get("outer_step")),
+           "loss_name": name, "loss": float(metrics[name]) if name else None,
+           "param_hash": found.get("param_hash") or last.get("param_hash"),
+           "model_path": str(model) if model else None}  # fmt: skip
+    path.write_text(json.dumps(out))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Replica entry: ``python -m composer_plugins.diloco.run --target train|toy|mod:fn [--config C] k=v``."""
     import argparse
@@ -90,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write(a.config_inline)
         a.config = path
     try:
-        _run_target(a.target, a.config, a.overrides, a.section)
+        write_replica_summary(_run_target(a.target, a.config, a.overrides, a.section))
     except ComposerPluginsError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
         return 2

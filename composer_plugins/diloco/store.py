@@ -14,8 +14,8 @@ transient errors (5xx, 503 SlowDown, timeouts, refused or dropped connections), 
 
 :func:`pack` / :func:`unpack` wrap every object written (a header with the SHA-256 of the body); a torn or
 corrupt object raises :class:`CorruptObjectError` and the reader treats it as missing.
-:func:`encode_vector` / :func:`decode_vector` are the pseudo-gradient codecs (``none``, ``bf16``, ``int8``,
-``int4``).
+:func:`encode_vector` / :func:`decode_vector` (from :mod:`.codecs`, the registered codec kind) encode the
+pseudo-gradients (built in: ``none``, ``bf16``, ``int8``, ``int4``).
 
 **Nothing executable crosses the store.** Every object is data: a JSON header and raw tensor bytes.
 :func:`encode_tree` / :func:`decode_tree` carry nested state (state dicts, optimizer states) as a JSON tree of
@@ -40,7 +40,6 @@ import random
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -48,12 +47,23 @@ from typing import Any, TypeVar
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, one_line
+from composer_plugins.diloco.codecs import (
+    COMPRESSIONS,
+    INT4_BLOCK,
+    INT8_BLOCK,
+    CorruptObjectError,
+    decode_vector,
+    encode_vector,
+    host_tensor,
+)
 from composer_plugins.diloco.urls import SCHEMES, check_store_url, redact_url
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "COMPRESSIONS",
+    "INT4_BLOCK",
+    "INT8_BLOCK",
     "SCHEMES",
     "CorruptObjectError",
     "ObjectStore",
@@ -70,11 +80,8 @@ __all__ = [
     "unpack",
 ]
 
-COMPRESSIONS = ("none", "bf16", "int8", "int4")
 INSTALL_HINT = "pip install 'composer-plugins[serverless]'"
 MAGIC = b"CPDS"
-INT8_BLOCK = 4096
-INT4_BLOCK = 256
 #: objects above this go up as multipart uploads and come down as ranged GETs of this size
 PART_BYTES = 8 << 20
 #: a small object standing for a large one written under ``<key>.blob-<nonce>`` (see :meth:`ObjectStore.put`)
@@ -85,10 +92,6 @@ T = TypeVar("T")
 
 class StoreError(ComposerPluginsError, RuntimeError):
     """A store operation failed for good (not transient, or still failing after ``store_retry_s``)."""
-
-
-class CorruptObjectError(ComposerPluginsError, ValueError):
-    """An object's bytes do not match its checksum (torn write, truncation, bit rot)."""
 
 
 def _obstore() -> Any:
@@ -370,164 +373,12 @@ def unpack(data: bytes, what: str = "object") -> tuple[dict[str, Any], bytes]:
 # -- host tensors only --------------------------------------------------------------------
 
 
-def host_tensor(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
-    """Check that ``t`` is a plain CPU tensor (what every codec here reads and returns)."""
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        raise TypeError(f"{what}: the store codecs take plain CPU tensors, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise TypeError(f"{what}: the store codecs take CPU tensors, got one on {t.device} (call .cpu() first)")
-    return t
-
-
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` detached on the CPU as a plain tensor (the one place device memory meets the store)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
     return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
-
-
-# -- pseudo-gradient codecs ---------------------------------------------------------------
-
-
-def encode_vector(vec: torch.Tensor, compress: str) -> tuple[dict[str, Any], bytes]:
-    """Header fields and body for a flat fp32 CPU vector under ``compress`` (``none`` | ``bf16`` | ``int8`` | ``int4``).
-
-    ``int8``: blocks of 4096 values, each scaled by its absolute maximum / 127 (fp32 scales), rounded to
-    int8, then deflated (zlib), so the body is at most a quarter of the fp32 bytes on pseudo-gradients.
-    ``int4``: blocks of 256 values, each with a one-byte log-scale code (:func:`_int4_scale_codes`), rounded
-    to [-7, 7], two a byte, then entropy-coded (raw deflate, kept only when smaller): at most an eighth of
-    the fp32 bytes plus one byte a block (the sender carries the rounding error to its next round: error
-    feedback, in the callback).
-    """
-    v = host_tensor(vec, "encode_vector").detach().to(torch.float32).contiguous().view(-1)
-    n = v.numel()
-    if compress == "none":
-        return {"codec": "none", "numel": n}, v.numpy().tobytes()
-    if compress == "bf16":
-        return {"codec": "bf16", "numel": n}, v.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
-    if compress == "int8":
-        pad = (-n) % INT8_BLOCK
-        blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT8_BLOCK)
-        scale = blocks.abs().amax(dim=1) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
-        body = scale.numpy().tobytes() + zlib.compress(q.numpy().tobytes(), 6)
-        return {"codec": "int8", "numel": n, "blocks": int(scale.numel())}, body
-    if compress == "int4":
-        return _encode_int4(v)
-    raise ValueError(f"unknown compression {compress!r}; available: {', '.join(COMPRESSIONS)}")
-
-
-#: int4 scale codes: 0 = an all-zero block, 255 = a block holding NaN/inf (decoded as NaN, so the reader's
-#: finiteness check refuses it), k in 1..254 = a scale of 2 ** ((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS): 1/8
-#: octave apart (a step at most 9 % coarser than absmax / 7), from 2**-24 (fp16's smallest) up to about 195
-#: (values above about 1,366 are clipped to +-7 steps; error feedback carries the rest to the next round)
-INT4_SCALE_STEPS = 8
-INT4_SCALE_BIAS = 193
-#: the int4 body: ``u8 flags | scale codes (one a block) | codes`` where the codes are two values a byte, raw
-#: deflated when flags == 1 (kept as they are when deflate does not make them smaller: flags == 0)
-_INT4_RAW, _INT4_DEFLATED = 0, 1
-
-
-def _int4_scale_codes(absmax: torch.Tensor) -> torch.Tensor:
-    """One byte per block: the smallest code whose scale is at least ``absmax / 7`` (see ``INT4_SCALE_*``)."""
-    finite = torch.isfinite(absmax)
-    a = torch.where(finite, absmax, torch.ones_like(absmax)) / 7.0
-    k = torch.ceil(torch.log2(a.clamp_min(1e-38)) * INT4_SCALE_STEPS - 1e-4) + INT4_SCALE_BIAS
-    k = k.clamp_(1, 254)
-    k = torch.where(absmax > 0, k, torch.zeros_like(k))
-    return torch.where(finite, k, torch.full_like(k, 255)).to(torch.uint8)
-
-
-def _int4_scales(codes: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale of each code (0 for code 0, NaN for code 255)."""
-    k = codes.to(torch.float32)
-    s = torch.exp2((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS)
-    s = torch.where(codes == 0, torch.zeros_like(s), s)
-    return torch.where(codes == 255, torch.full_like(s, float("nan")), s)
-
-
-def _encode_int4(v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
-    """The int4 body of ``v``: a flat fp32 tensor on the CPU (:func:`encode_vector` makes it with ``host_tensor``)."""
-    n = v.numel()
-    pad = (-n) % INT4_BLOCK
-    blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
-    codes = _int4_scale_codes(blocks.abs().amax(dim=1))
-    scale = _int4_scales(codes)
-    safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
-    q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)[: n + n % 2]
-    # two values a byte; the last block's padding is not sent
-    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # device-ok: v is encode_vector's host copy
-    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
-    deflated = z.compress(packed) + z.flush()
-    flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
-    body = bytes([flag]) + codes.numpy().tobytes() + payload  # device-ok: v is encode_vector's host copy
-    return {"codec": "int4", "numel": n}, body
-
-
-def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
-    nb = -(-n // INT4_BLOCK)
-    if n < 0 or len(body) < 1 + nb:
-        raise CorruptObjectError(f"int4 body of {len(body)} bytes is shorter than its {nb} block scales for {n} values")
-    flag, want = body[0], (n + 1) // 2
-    payload = body[1 + nb :]
-    if flag == _INT4_DEFLATED:
-        z = zlib.decompressobj(-15)
-        try:
-            raw = z.decompress(payload, want + 1)
-        except zlib.error as e:
-            raise CorruptObjectError(f"int4 codes do not inflate ({e})") from e
-        if not z.eof or z.unconsumed_tail or z.unused_data:
-            raise CorruptObjectError(f"int4 codes: a deflate stream that does not end after {want} bytes")
-    elif flag == _INT4_RAW:
-        raw = payload
-    else:
-        raise CorruptObjectError(f"int4 body flag {flag} (0 raw or 1 deflated)")
-    if len(raw) != want:
-        raise CorruptObjectError(f"int4 codes of {2 * len(raw)} values for {n}")
-    codes = (
-        torch.frombuffer(bytearray(body[1 : 1 + nb]), dtype=torch.uint8) if nb else torch.zeros(0, dtype=torch.uint8)
-    )
-    packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if want else torch.zeros(0, dtype=torch.uint8)
-    q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)
-    if bool((q == 15).any()):
-        raise CorruptObjectError("int4 codes outside [-7, 7]")
-    vals = torch.nn.functional.pad(q.to(torch.float32) - 7.0, (0, nb * INT4_BLOCK - q.numel()))
-    return (vals.view(nb, INT4_BLOCK) * _int4_scales(codes)[:, None]).view(-1)[:n].contiguous()
-
-
-def decode_vector(header: dict[str, Any], body: bytes) -> torch.Tensor:
-    """The flat fp32 CPU vector of an :func:`encode_vector` payload."""
-    try:
-        n, codec = int(header["numel"]), header["codec"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptObjectError(f"not a pseudo-gradient header ({one_line(e)})") from e
-    if codec == "none":
-        if len(body) != 4 * n:
-            raise CorruptObjectError(f"fp32 body of {len(body)} bytes for {n} values")
-        return torch.frombuffer(bytearray(body), dtype=torch.float32).clone() if n else torch.zeros(0)
-    if codec == "bf16":
-        if len(body) != 2 * n:
-            raise CorruptObjectError(f"bf16 body of {len(body)} bytes for {n} values")
-        return torch.frombuffer(bytearray(body), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
-    if codec == "int8":
-        nb = int(header["blocks"])
-        if nb != -(-n // INT8_BLOCK) or len(body) < 4 * nb:
-            raise CorruptObjectError(f"int8 header of {nb} blocks for {n} values")
-        scale = torch.frombuffer(bytearray(body[: 4 * nb]), dtype=torch.float32)
-        try:
-            raw = zlib.decompress(body[4 * nb :])
-        except zlib.error as e:
-            raise CorruptObjectError(f"int8 body does not inflate ({e})") from e
-        if len(raw) != n:
-            raise CorruptObjectError(f"int8 body of {len(raw)} values for {n}")
-        q = torch.frombuffer(bytearray(raw), dtype=torch.int8).to(torch.float32)
-        q = torch.nn.functional.pad(q, (0, nb * INT8_BLOCK - n)).view(nb, INT8_BLOCK)
-        return (q * scale[:, None]).view(-1)[:n].contiguous()
-    if codec == "int4":
-        return _decode_int4(header, body, n)
-    raise CorruptObjectError(f"unknown codec {codec!r}")
 
 
 # -- nested state as data (no pickle) -----------------------------------------------------

@@ -27,6 +27,12 @@ its provider and what broke. :func:`check` dispatches on the kind.
 * backends: the entry declares the import names it needs and an install command for them, and
   builds when they are present.
 * optimizers, callbacks: build over a parameter / as a ``lightning.pytorch.Callback``.
+* codecs (DiLoCo pseudo-gradients): through ``store.encode_vector``/``decode_vector`` as the transport uses
+  them, a round trip of vectors of 0, 1, 255 and 10,007 values (standard normal, zeros, a huge range) within
+  the codec's ``tolerance`` (bitwise at 0); the same bytes for the same vector; a
+  :class:`~composer_plugins.diloco.store.CorruptObjectError` naming the codec for a truncated, padded or
+  empty body and for a header of another size; plain fp32 CPU tensors out; a tensor on another device (the
+  ``meta`` device) refused before the codec sees it.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         "backends": check_backend,
         "optimizers": check_optimizer,
         "callbacks": check_callback,
+        "codecs": check_codec,
     }
     fn = checks.get(kind, check_builds)
     if fn is check_builds:
@@ -499,3 +506,58 @@ def check_callback(name: str, registry: Any = None, **build_kwargs: Any) -> None
     cb = entry.build(**build_kwargs)
     if not isinstance(cb, Callback):
         raise _fail(entry, f"built a {type(cb).__name__}, not a lightning.pytorch.Callback")
+
+
+def check_codec(name: str, registry: Any = None, **build_kwargs: Any) -> None:
+    """Codec conformance (see the module docstring): the entry of ``registry`` (default: the process-wide one)
+    built once and run through the transport's own ``encode_vector``/``decode_vector``."""
+    import torch
+
+    from composer_plugins.diloco.store import CorruptObjectError, decode_vector, encode_vector, pack, unpack
+
+    entry = _entry("codecs", name, registry)
+    codec = entry.build(**build_kwargs)
+    tol = float(getattr(codec, "tolerance", 0.0))
+    g = torch.Generator().manual_seed(0)
+    cases = {"empty": torch.zeros(0), "one value": torch.tensor([0.25]), "255 values": torch.randn(255, generator=g),
+             "10,007 values": torch.randn(10_007, generator=g) * 1e-3, "zeros": torch.zeros(4099),
+             "a huge range": torch.randn(3000, generator=g) * torch.logspace(-6, 3, 3000)}  # fmt: skip
+    for what, v in cases.items():
+        try:
+            h, body = encode_vector(v, name, codec)
+            again = encode_vector(v.clone(), name, codec)
+            out = decode_vector(*unpack(pack(h, body)), codec)
+        except Exception as e:
+            raise _fail(entry, f"{what}: the round trip raised {type(e).__name__}: {e}") from e
+        if again != (h, body):
+            raise _fail(entry, f"{what}: two encodes of one vector gave different bytes (not deterministic)")
+        if type(out) is not torch.Tensor or out.dtype != torch.float32 or out.device.type != "cpu":
+            raise _fail(entry, f"{what}: decoded {type(out).__name__} {getattr(out, 'dtype', '')}, not fp32 on the CPU")
+        if out.shape != v.shape:
+            raise _fail(entry, f"{what}: decoded {tuple(out.shape)} values for {tuple(v.shape)}")
+        if tol == 0.0:
+            if not torch.equal(out, v):
+                raise _fail(entry, f"{what}: tolerance 0 (lossless) but the round trip changed values")
+        elif v.numel():
+            err = float((out - v).norm() / v.norm().clamp_min(1e-30)) if bool(v.any()) else float(out.abs().max())
+            if not err <= tol:
+                raise _fail(entry, f"{what}: relative error {err:.4g} above its tolerance {tol}")
+    h, body = encode_vector(cases["255 values"], name, codec)
+    bad = {"a truncated body": (h, body[:-1]), "a body with a byte more": (h, body + b"\0"),
+           "an empty body": (h, b""), "a header of another size": ({**h, "numel": 254}, body)}  # fmt: skip
+    for what, (hh, bb) in bad.items():
+        try:
+            decode_vector(hh, bb, codec)
+        except CorruptObjectError as e:
+            if name not in str(e) and "codec" not in str(e) and "body" not in str(e):
+                raise _fail(entry, f"{what}: the error does not say what is wrong: {e}") from e
+            continue
+        except Exception as e:
+            raise _fail(entry, f"{what}: raised {type(e).__name__} ({e}), not CorruptObjectError") from e
+        raise _fail(entry, f"{what} decoded without an error (a corrupt body must be refused)")
+    try:
+        encode_vector(torch.zeros(4, device="meta"), name, codec)
+    except TypeError:
+        pass
+    else:
+        raise _fail(entry, "a tensor on another device was encoded (codecs take host tensors only)")

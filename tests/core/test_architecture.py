@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "training": {"core", "procs", "losses", "models", "envs", "teachers"},
     "diloco": {"core", "procs", "training"},
     "backends": {"core", "procs", "losses", "training"},  # models and envs through training's public functions
-    "testing": {"core", "procs", *KINDS, "training"},  # training: the optimizers' and callbacks' kinds
+    "testing": {"core", "procs", *KINDS, "training", "diloco"},  # the optimizers', callbacks' and codecs' kinds
     "pipeline": {"core", "procs", "kernels", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
 }
 #: third-party modules the kernel may import

@@ -5,7 +5,9 @@
 * ``LATE_REPLICA``/``LATE_S``: that replica sleeps before its first inner step (starts late);
 * ``DIE_REPLICA``/``DIE_STEP``: that replica kills itself (SIGKILL) after that inner step;
 * ``DIE_AFTER_MANIFEST_ROUND``: whichever replica creates that round's manifest kills itself (SIGKILL) at once,
-  before it writes the round's global state.
+  before it writes the round's global state;
+* ``PAUSE_REPLICA``/``PAUSE_ROUND``: that replica stops itself (SIGSTOP) right after it published that round's
+  pseudo-gradient, having written its pid to ``$FAULT_DIR/paused-<index>``; the test sends SIGCONT.
 """
 
 from __future__ import annotations
@@ -58,9 +60,28 @@ def _die_after_manifest(r_kill: int) -> None:
     RoundStore.close_round = close_round  # type: ignore[method-assign]
 
 
+def _pause_after_publish(r_pause: int) -> None:
+    from pathlib import Path
+
+    from composer_plugins.diloco.objstore import RoundStore
+
+    put = RoundStore.put_grad
+
+    def put_grad(self: RoundStore, r: int, *args: Any, **kw: Any) -> tuple[str, int]:
+        out = put(self, r, *args, **kw)
+        if r == r_pause and _is("PAUSE_REPLICA"):
+            Path(os.environ["FAULT_DIR"], f"paused-{_me()}").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return out
+
+    RoundStore.put_grad = put_grad  # type: ignore[method-assign]
+
+
 def run(cfg: Any) -> dict:
     from composer_plugins.diloco.toy import run_toy
 
     if "DIE_AFTER_MANIFEST_ROUND" in os.environ:
         _die_after_manifest(int(os.environ["DIE_AFTER_MANIFEST_ROUND"]))
+    if "PAUSE_ROUND" in os.environ:
+        _pause_after_publish(int(os.environ["PAUSE_ROUND"]))
     return run_toy(cfg, extra_callbacks=[_Faults()])

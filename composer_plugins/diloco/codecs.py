@@ -1,0 +1,450 @@
+"""Pseudo-gradient codecs (``diloco.compress``): a registered plugin kind, ``codecs``.
+
+A codec turns a flat fp32 CPU vector into header fields (JSON values) and a body (bytes), and back. The
+object-store transport writes every pseudo-gradient slice and every slice of a round's mean through one
+(:func:`composer_plugins.diloco.store.encode_vector` / ``decode_vector`` add ``codec`` and ``numel`` to the
+header and check what a codec returns). The built-ins (``none``, ``bf16``, ``int8``, ``int4``) register through
+the same hook a third party implements::
+
+    from composer_plugins import hookimpl
+    from composer_plugins.diloco.codecs import Codec
+
+    class FP16(Codec):
+        '''fp16 values (half the fp32 bytes).'''
+        tolerance = 1e-3
+
+        def encode(self, vec):
+            return {}, vec.to(torch.float16).numpy().tobytes()
+
+        def decode(self, header, body, numel):
+            if len(body) != 2 * numel:
+                raise CorruptObjectError(f"fp16 body of {len(body)} bytes for {numel} values")
+            return torch.frombuffer(bytearray(body), dtype=torch.float16).to(torch.float32)
+
+    @hookimpl
+    def register_codecs(register):
+        register("fp16", FP16)
+
+:func:`composer_plugins.testing.conformance.check_codec` is the contract: a round trip within ``tolerance``
+(bitwise at 0), :class:`~composer_plugins.diloco.store.CorruptObjectError` (with what is wrong) for a body that
+is not what its header says, plain fp32 CPU tensors in and out, and the same bytes for the same vector.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from composer_plugins.core.errors import ComposerPluginsError, one_line
+from composer_plugins.core.hookspecs import hookimpl
+
+__all__ = ["COMPRESSIONS", "Codec", "CorruptObjectError", "decode_vector", "encode_vector", "get_codec", "host_tensor",
+           "register_codecs"]  # fmt: skip
+
+#: the built-in codecs (a plugin may add more: ``composer-plugins list codecs``)
+COMPRESSIONS = ("none", "bf16", "int8", "int4")
+INT8_BLOCK = 4096
+INT4_BLOCK = 256
+
+
+class CorruptObjectError(ComposerPluginsError, ValueError):
+    """An object's bytes do not match its checksum (torn write, truncation, bit rot)."""
+
+
+# -- host tensors only --------------------------------------------------------------------
+
+
+def host_tensor(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+    """Check that ``t`` is a plain CPU tensor (what every codec here reads and returns)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise TypeError(f"{what}: the store codecs take plain CPU tensors, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what}: the store codecs take CPU tensors, got one on {t.device} (call .cpu() first)")
+    return t
+
+
+# -- pseudo-gradient codecs ---------------------------------------------------------------
+
+
+def encode_vector(vec: torch.Tensor, compress: str, codec: Codec | None = None) -> tuple[dict[str, Any], bytes]:
+    """Header fields and body for a flat fp32 CPU vector under the registered codec ``compress``
+    (:mod:`composer_plugins.diloco.codecs`; built in: ``none``, ``bf16``, ``int8``, ``int4``).
+
+    The header always holds ``codec`` (the name) and ``numel``; a codec adds its own fields. Every codec gets a
+    plain contiguous fp32 CPU tensor and must return ``bytes``.
+    """
+    v = host_tensor(vec, "encode_vector").detach().to(torch.float32).contiguous().view(-1)
+    codec = codec if codec is not None else get_codec(compress)
+    fields, body = codec.encode(v)
+    if not isinstance(fields, dict) or not isinstance(body, (bytes, bytearray)):
+        raise TypeError(f"codec {compress!r}: encode must return (dict of header fields, bytes), got "
+                        f"({type(fields).__name__}, {type(body).__name__})")  # fmt: skip
+    return {**fields, "codec": compress, "numel": v.numel()}, bytes(body)
+
+
+def _builtin_encode(v: torch.Tensor, compress: str) -> tuple[dict[str, Any], bytes]:
+    """The built-in codecs' header fields and body for a flat fp32 CPU vector (``none`` | ``bf16`` | ``int8`` |
+    ``int4``).
+
+    ``int8``: blocks of 4096 values, each scaled by its absolute maximum / 127 (fp32 scales), rounded to
+    int8, then deflated (zlib), so the body is at most a quarter of the fp32 bytes on pseudo-gradients.
+    ``int4``: blocks of 256 values, each with a one-byte log-scale code (:func:`_int4_scale_codes`), rounded
+    to [-7, 7], two a byte, then entropy-coded (raw deflate, kept only when smaller): at most an eighth of
+    the fp32 bytes plus one byte a block (the sender carries the rounding error to its next round: error
+    feedback, in the callback).
+    """
+    n = v.numel()
+    if compress == "none":
+        return {"codec": "none", "numel": n}, v.numpy().tobytes()  # device-ok: encode_vector's host copy
+    if compress == "bf16":
+        bf16 = v.to(torch.bfloat16).view(torch.int16)
+        return {"codec": "bf16", "numel": n}, bf16.numpy().tobytes()  # device-ok: encode_vector's host copy
+    if compress == "int8":
+        pad = (-n) % INT8_BLOCK
+        blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT8_BLOCK)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
+        body = scale.numpy().tobytes() + zlib.compress(q.numpy().tobytes(), 6)  # device-ok: encode_vector's host copy
+        return {"codec": "int8", "numel": n, "blocks": int(scale.numel())}, body
+    if compress == "int4":
+        return _encode_int4(v)
+    raise ValueError(f"unknown compression {compress!r}; available: {', '.join(COMPRESSIONS)}")
+
+
+#: int4 scale codes: 0 = an all-zero block, 255 = a block holding NaN/inf (decoded as NaN, so the reader's
+#: finiteness check refuses it), k in 1..254 = a scale of 2 ** ((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS): 1/8
+#: octave apart (a step at most 9 % coarser than absmax / 7), from 2**-24 (fp16's smallest) up to about 195
+#: (values above about 1,366 are clipped to +-7 steps; error feedback carries the rest to the next round)
+INT4_SCALE_STEPS = 8
+INT4_SCALE_BIAS = 193
+#: the int4 body: ``u8 flags | scale codes (one a block) | codes`` where the codes are two values a byte, raw
+#: deflated when flags == 1 (kept as they are when deflate does not make them smaller: flags == 0)
+_INT4_RAW, _INT4_DEFLATED = 0, 1
+
+
+def _int4_scale_codes(absmax: torch.Tensor) -> torch.Tensor:
+    """One byte per block: the smallest code whose scale is at least ``absmax / 7`` (see ``INT4_SCALE_*``)."""
+    finite = torch.isfinite(absmax)
+    a = torch.where(finite, absmax, torch.ones_like(absmax)) / 7.0
+    k = torch.ceil(torch.log2(a.clamp_min(1e-38)) * INT4_SCALE_STEPS - 1e-4) + INT4_SCALE_BIAS
+    k = k.clamp_(1, 254)
+    k = torch.where(absmax > 0, k, torch.zeros_like(k))
+    return torch.where(finite, k, torch.full_like(k, 255)).to(torch.uint8)
+
+
+def _int4_scales(codes: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale of each code (0 for code 0, NaN for code 255)."""
+    k = codes.to(torch.float32)
+    s = torch.exp2((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS)
+    s = torch.where(codes == 0, torch.zeros_like(s), s)
+    return torch.where(codes == 255, torch.full_like(s, float("nan")), s)
+
+
+def _encode_int4(v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    """The int4 body of ``v``: a flat fp32 tensor on the CPU (:func:`encode_vector` makes it with ``host_tensor``)."""
+    n = v.numel()
+    pad = (-n) % INT4_BLOCK
+    blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
+    codes = _int4_scale_codes(blocks.abs().amax(dim=1))
+    scale = _int4_scales(codes)
+    safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
+    q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)[: n + n % 2]
+    # two values a byte; the last block's padding is not sent
+    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # device-ok: v is encode_vector's host copy
+    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
+    deflated = z.compress(packed) + z.flush()
+    flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
+    body = bytes([flag]) + codes.numpy().tobytes() + payload  # device-ok: v is encode_vector's host copy
+    return {"codec": "int4", "numel": n}, body
+
+
+def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
+    nb = -(-n // INT4_BLOCK)
+    if n < 0 or len(body) < 1 + nb:
+        raise CorruptObjectError(f"int4 body of {len(body)} bytes is shorter than its {nb} block scales for {n} values")
+    flag, want = body[0], (n + 1) // 2
+    payload = body[1 + nb :]
+    if flag == _INT4_DEFLATED:
+        z = zlib.decompressobj(-15)
+        try:
+            raw = z.decompress(payload, want + 1)
+        except zlib.error as e:
+            raise CorruptObjectError(f"int4 codes do not inflate ({e})") from e
+        if not z.eof or z.unconsumed_tail or z.unused_data:
+            raise CorruptObjectError(f"int4 codes: a deflate stream that does not end after {want} bytes")
+    elif flag == _INT4_RAW:
+        raw = payload
+    else:
+        raise CorruptObjectError(f"int4 body flag {flag} (0 raw or 1 deflated)")
+    if len(raw) != want:
+        raise CorruptObjectError(f"int4 codes of {2 * len(raw)} values for {n}")
+    codes = (
+        torch.frombuffer(bytearray(body[1 : 1 + nb]), dtype=torch.uint8) if nb else torch.zeros(0, dtype=torch.uint8)
+    )
+    packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if want else torch.zeros(0, dtype=torch.uint8)
+    q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)
+    if bool((q == 15).any()):
+        raise CorruptObjectError("int4 codes outside [-7, 7]")
+    vals = torch.nn.functional.pad(q.to(torch.float32) - 7.0, (0, nb * INT4_BLOCK - q.numel()))
+    return (vals.view(nb, INT4_BLOCK) * _int4_scales(codes)[:, None]).view(-1)[:n].contiguous()
+
+
+def decode_vector(header: dict[str, Any], body: bytes, codec: Codec | None = None) -> torch.Tensor:
+    """The flat fp32 CPU vector of an :func:`encode_vector` payload; :class:`CorruptObjectError` (what is wrong)
+    when the body is not what its header says, or no installed codec has its name."""
+    from composer_plugins.core.errors import UnknownPluginError
+
+    try:
+        n, name = int(header["numel"]), header["codec"]
+        if n < 0 or not isinstance(name, str):
+            raise ValueError(f"numel {n}, codec {name!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptObjectError(f"not a pseudo-gradient header ({one_line(e)})") from e
+    try:
+        codec = codec if codec is not None else get_codec(name)
+    except UnknownPluginError as e:
+        raise CorruptObjectError(f"written with codec {name!r}, which is not installed here ({one_line(e)})") from e
+    try:
+        vec = codec.decode(header, body, n)
+    except CorruptObjectError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, zlib.error) as e:
+        raise CorruptObjectError(f"codec {name!r} cannot decode this body ({type(e).__name__}: {one_line(e)})") from e
+    if type(vec) is not torch.Tensor or vec.device.type != "cpu" or vec.dtype != torch.float32 or vec.numel() != n:
+        what = (f"a {vec.dtype} tensor on {vec.device} of {vec.numel()} values" if isinstance(vec, torch.Tensor)
+                else f"a {type(vec).__name__}")  # fmt: skip
+        raise CorruptObjectError(f"codec {name!r} decoded {what} for {n} values (a plain fp32 CPU tensor)")
+    return vec.reshape(-1)
+
+
+def _builtin_decode(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
+    """The flat fp32 CPU vector of a built-in codec's body (``header["codec"]`` names it)."""
+    codec = header["codec"]
+    if codec == "none":
+        if len(body) != 4 * n:
+            raise CorruptObjectError(f"fp32 body of {len(body)} bytes for {n} values")
+        return torch.frombuffer(bytearray(body), dtype=torch.float32).clone() if n else torch.zeros(0)
+    if codec == "bf16":
+        if len(body) != 2 * n:
+            raise CorruptObjectError(f"bf16 body of {len(body)} bytes for {n} values")
+        if not n:
+            return torch.zeros(0)
+        return torch.frombuffer(bytearray(body), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
+    if codec == "int8":
+        nb = int(header["blocks"])
+        if nb != -(-n // INT8_BLOCK) or len(body) < 4 * nb:
+            raise CorruptObjectError(f"int8 header of {nb} blocks for {n} values")
+        scale = torch.frombuffer(bytearray(body[: 4 * nb]), dtype=torch.float32) if nb else torch.zeros(0)
+        z = zlib.decompressobj()
+        try:
+            raw = z.decompress(body[4 * nb :], n + 1)
+        except zlib.error as e:
+            raise CorruptObjectError(f"int8 body does not inflate ({e})") from e
+        if not z.eof or z.unconsumed_tail or z.unused_data:
+            raise CorruptObjectError(f"int8 body: a deflate stream that does not end after {n} values")
+        if len(raw) != n:
+            raise CorruptObjectError(f"int8 body of {len(raw)} values for {n}")
+        if not n:
+            return torch.zeros(0)
+        q = torch.frombuffer(bytearray(raw), dtype=torch.int8).to(torch.float32)
+        q = torch.nn.functional.pad(q, (0, nb * INT8_BLOCK - n)).view(nb, INT8_BLOCK)
+        return (q * scale[:, None]).view(-1)[:n].contiguous()
+    if codec == "int4":
+        return _decode_int4(header, body, n)
+    raise CorruptObjectError(f"unknown codec {codec!r}")
+
+
+# -- the codec plugin kind ---------------------------------------------------------------
+
+
+class Codec:
+    """The base of a pseudo-gradient codec (see the module docstring).
+
+    Attributes:
+        tolerance: the relative L2 error a round trip of a standard normal vector may have (``0``: lossless,
+            bitwise). The conformance check holds the codec to it.
+        error_feedback: lossy codecs carry the rounding error to the sender's next pseudo-gradient (and the
+            writer of a round's mean carries the mean's rounding to the next mean it writes).
+    """
+
+    tolerance: float = 0.0
+    error_feedback: bool = True
+
+    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        """Header fields (JSON values; ``codec`` and ``numel`` are added) and body of ``vec``: a contiguous fp32
+        CPU tensor of one dimension."""
+        raise NotImplementedError
+
+    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
+        """The fp32 CPU vector of ``numel`` values that ``body`` holds; raise
+        :class:`~composer_plugins.diloco.store.CorruptObjectError` (or ``ValueError``) saying what is wrong when
+        it is not what ``header`` says."""
+        raise NotImplementedError
+
+
+class _Builtin(Codec):
+    name = ""
+
+    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        header, body = _builtin_encode(vec, self.name)
+        return {k: v for k, v in header.items() if k not in ("codec", "numel")}, body
+
+    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
+        return _builtin_decode({**header, "codec": self.name}, body, numel)
+
+
+class NoneCodec(_Builtin):
+    """fp32 values as they are (lossless; the bitwise parity with torchft holds with it)."""
+
+    name, tolerance, error_feedback = "none", 0.0, False
+
+
+class BF16Codec(_Builtin):
+    """bf16 values: half the fp32 bytes, about 0.3 % relative error."""
+
+    name, tolerance, error_feedback = "bf16", 0.005, False
+
+
+class Int8Codec(_Builtin):
+    """int8 with a per-block absmax scale (blocks of 4096), deflated: at most a quarter of the fp32 bytes."""
+
+    name, tolerance, error_feedback = "int8", 0.02, False
+
+
+class Int4Codec(_Builtin):
+    """int4 with a one-byte log scale per block of 256, deflated, with error feedback: about an eighth."""
+
+    name, tolerance, error_feedback = "int4", 0.2, True
+
+
+class SparseLoCoCodec(Codec):
+    """Chunked top-k (2 % of each chunk), 2-bit values, packed indices, error feedback (SparseLoCo-class).
+
+    Each chunk of ``chunk`` values sends its ``k = round(density * chunk)`` largest entries by magnitude: their
+    indices in ascending order, ``ceil(log2 chunk)`` bits each, and one 2-bit code each (a sign bit and which
+    half of ``[lo, hi]`` the magnitude falls in, decoded at that half's middle; ``lo``/``hi``, the chunk's
+    smallest and largest sent magnitude, are two fp16 numbers per chunk). Everything else is zero: the sender
+    carries it (and the rounding) to its next pseudo-gradient (error feedback), and the writer of a round's mean
+    carries the mean's own rounding to the next mean it writes.
+    """
+
+    error_feedback = True
+    #: a round trip keeps only the largest ~2 %: most of a vector's norm comes later, through error feedback
+    tolerance = 1.0
+
+    def __init__(self, density: float = 0.02, chunk: int = 4096) -> None:
+        if not 0.0 < float(density) <= 1.0:
+            raise ValueError(f"sparseloco density must be in (0, 1], got {density!r}")
+        if not 2 <= int(chunk) <= 1 << 16:
+            raise ValueError(f"sparseloco chunk must be in [2, 65536], got {chunk!r}")
+        self.density, self.chunk = float(density), int(chunk)
+        self.k = max(1, round(self.density * self.chunk))
+        self.index_bits = (self.chunk - 1).bit_length()
+
+    def _ks(self, n: int) -> list[int]:
+        full, rest = divmod(n, self.chunk)
+        return [self.k] * full + ([min(self.k, max(1, round(self.density * rest)))] if rest else [])
+
+    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        import numpy as np
+
+        n, c = vec.numel(), self.chunk
+        ks = self._ks(n)
+        idx_parts, val_parts = [], []
+        full = (n // c) * c
+        if full:
+            blocks = vec[:full].view(-1, c)
+            top = blocks.abs().topk(self.k, dim=1).indices.sort(dim=1).values
+            idx_parts.append(top)
+            val_parts.append(blocks.gather(1, top))
+        if n > full:
+            tail = vec[full:]
+            top = tail.abs().topk(ks[-1]).indices.sort().values
+            idx_parts.append(top[None])
+            val_parts.append(tail[top][None])
+        scales, codes = [], []
+        for vals in val_parts:
+            mag = vals.abs()
+            lo, hi = mag.amin(dim=1).to(torch.float16), mag.amax(dim=1).to(torch.float16)
+            lo32, hi32 = lo.to(torch.float32)[:, None], hi.to(torch.float32)[:, None]
+            upper = (mag >= (lo32 + hi32) / 2).to(torch.uint8)
+            codes.append(((vals < 0).to(torch.uint8) << 1 | upper).reshape(-1))
+            scales.append(torch.stack([lo, hi], dim=1).reshape(-1))
+        if not ks:
+            return {"chunk": c, "k": self.k, "values": n}, b""
+        idx = torch.cat([t.reshape(-1) for t in idx_parts]).to(torch.int64)
+        bits = (idx[:, None] >> torch.arange(self.index_bits)) & 1
+        packed_idx = np.packbits(bits.to(torch.uint8).numpy().reshape(-1))  # device-ok: encode_vector's host copy
+        code = torch.cat(codes)
+        code_bits = torch.stack([code >> 1, code & 1], dim=1).reshape(-1)
+        packed_codes = np.packbits(code_bits.numpy())  # device-ok: encode_vector's host copy
+        scale_bytes = torch.cat(scales).view(torch.int16).numpy().tobytes()  # device-ok: encode_vector's host copy
+        body = scale_bytes + packed_idx.tobytes() + packed_codes.tobytes()
+        return {"chunk": c, "k": self.k, "values": n}, body
+
+    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
+        import numpy as np
+
+        if header.get("values") != numel:
+            raise CorruptObjectError(f"sparseloco body of {header.get('values')} values for {numel}")
+        if header.get("chunk") != self.chunk or header.get("k") != self.k:
+            raise CorruptObjectError(f"sparseloco body of chunk {header.get('chunk')}/k {header.get('k')}; this "
+                                     f"codec reads chunk {self.chunk}/k {self.k}")  # fmt: skip
+        ks = self._ks(numel)
+        m, nb = sum(ks), len(ks)
+        n_scale, n_idx, n_code = 4 * nb, -(-m * self.index_bits // 8), -(-m * 2 // 8)
+        if len(body) != n_scale + n_idx + n_code:
+            raise CorruptObjectError(f"sparseloco body of {len(body)} bytes; {numel} values in {nb} chunks take "
+                                     f"{n_scale + n_idx + n_code}")  # fmt: skip
+        out = torch.zeros(numel)
+        if not m:
+            return out
+        scales = torch.frombuffer(bytearray(body[:n_scale]), dtype=torch.float16).to(torch.float32).view(nb, 2)
+        ib = np.unpackbits(np.frombuffer(body[n_scale : n_scale + n_idx], dtype=np.uint8))[: m * self.index_bits]
+        idx = (torch.from_numpy(ib.astype(np.int64)).view(m, self.index_bits) << torch.arange(self.index_bits)).sum(1)
+        cb = np.unpackbits(np.frombuffer(body[n_scale + n_idx :], dtype=np.uint8))[: 2 * m]
+        cbt = torch.from_numpy(cb.astype(np.int64)).view(m, 2)
+        sign, upper = cbt[:, 0], cbt[:, 1]
+        chunk_of = torch.repeat_interleave(torch.arange(nb), torch.tensor(ks))
+        lengths = torch.tensor([min(self.chunk, numel - j * self.chunk) for j in range(nb)])
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(ks).cumsum(0)[:-1]])
+        ordered = idx[1:] > idx[:-1]
+        ordered[starts[1:] - 1] = True  # a new chunk starts over
+        if bool((idx >= lengths[chunk_of]).any()) or not bool(ordered.all()):
+            raise CorruptObjectError("sparseloco indices out of their chunk or not ascending")
+        if not bool(torch.isfinite(scales).all()):
+            raise CorruptObjectError("sparseloco chunk scales are not finite")
+        lo, hi = scales[chunk_of, 0], scales[chunk_of, 1]
+        mag = torch.where(upper.bool(), lo + 0.75 * (hi - lo), lo + 0.25 * (hi - lo))
+        out[chunk_of * self.chunk + idx] = torch.where(sign.bool(), -mag, mag)
+        return out
+
+
+@hookimpl
+def register_codecs(register: Any) -> None:
+    """The built-in codecs."""
+    for cls in (NoneCodec, BF16Codec, Int8Codec, Int4Codec):
+        register(cls.name, cls)
+    register("sparseloco", SparseLoCoCodec, density=0.02, chunk=4096)
+
+
+_cache: dict[tuple[int, str], Codec] = {}
+
+
+def get_codec(name: str) -> Codec:
+    """The registered codec ``name``, built once per registry; unknown names raise
+    :class:`~composer_plugins.core.errors.UnknownPluginError` (the registered names, "did you mean")."""
+    from composer_plugins.core.plugins import get_registry
+
+    registry = get_registry()
+    key = (id(registry), name)
+    codec = _cache.get(key)
+    if codec is None:
+        codec = registry.get("codecs", name).build()
+        if not (callable(getattr(codec, "encode", None)) and callable(getattr(codec, "decode", None))):
+            raise TypeError(f"codec {name!r} built a {type(codec).__name__} without encode/decode methods")
+        _cache[key] = codec
+    return codec
