@@ -304,7 +304,9 @@ def _run_replicas(url: str, n: int, rounds: int, **cfg):
 
 def _reference(n: int, rounds: int, compress: str, alpha: float):
     """DiLoCo by hand: everyone syncs to replica 0 at round 0; each round H inner SGD steps, the mean of the
-    (codec-rounded) pseudo-gradients, Nesterov SGD on the global weights, local weights mixed by ``alpha``."""
+    (codec-rounded) pseudo-gradients, Nesterov SGD on the global weights, local weights mixed by ``alpha``.
+    int4 carries each replica's rounding to its next pseudo-gradient and each mean slice's rounding to that
+    slice's next mean (each slice has one writer, so per slice is per writer)."""
 
     from composer_plugins.diloco.store import decode_vector, encode_vector
 
@@ -315,6 +317,7 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
         return torch.cat([decode_vector(*encode_vector(v[j * step : (j + 1) * step], compress)) for j in range(n)])
 
     residual = [torch.zeros(D_IN * D_OUT + D_OUT) for _ in range(n)]
+    mean_residual = torch.zeros(D_IN * D_OUT + D_OUT)
     errs: list[list[float]] = []
 
     torch.manual_seed(0)
@@ -353,7 +356,10 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
         total = pseudo[0].clone()
         for v in pseudo[1:]:
             total.add_(v)
-        mean = rnd(total.div_(n))
+        want = total.div_(n) + mean_residual
+        mean = rnd(want)
+        if compress == "int4":  # the mean's own rounding: its slice's writer adds it to that slice's next mean
+            mean_residual = want - mean
         off = 0
         for g in glob:
             g.grad = mean[off : off + g.numel()].view_as(g).clone()
