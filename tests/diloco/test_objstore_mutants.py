@@ -443,3 +443,68 @@ def test_overlap_takes_replica_0s_model_at_round_0_and_ends_equal(tmp_path):
     m1 = rs.manifest(1)
     h0, h1 = (rs.read_grad(1, m1["grads"][str(i)], numel) for i in range(n))
     assert not torch.equal(h0, h1)  # from round 1 on each replica trains on its own data
+
+
+# -- a replica joining a run: its settings checked against run.json, catching up from a saved state -------------
+def _attach(url: str, seed: int = 0, lr: float = 0.1, index: int = 0, n: int = 1, run_id: str = "ref", **cfg):
+    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+    from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(D_IN, cfg.pop("d_out", D_OUT))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    base = {"sync_every": H_IN, "outer_steps": 5, "round_timeout_s": 60.0, "poll_s": 0.01}
+    config = DiLoCoConfig(transport="object_store", store=url, run_id=run_id, **{**base, **cfg})
+    cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=index, num_replicas=n, run_id=run_id))
+    return cb.attach(model, opt), model
+
+
+def test_a_replica_with_other_settings_is_refused_naming_each_difference(tmp_path):
+    from composer_plugins.core.errors import ConfigError
+
+    url = f"file://{tmp_path}/run"
+    first, _ = _attach(url)
+    first.close()
+    again, _ = _attach(url)  # the same settings: it joins
+    again.close()
+    with pytest.raises(ConfigError, match=r"outer_optimizer\.lr is 0\.7 in the run, 0\.3 here") as e:
+        _attach(url, outer_lr=0.3)
+    assert "diloco.outer_lr" in str(e.value) and "run.json" in str(e.value)
+    with pytest.raises(ConfigError, match=r"inner_optimizer\.lr is 0\.1 in the run, 0\.05 here") as e:
+        _attach(url, lr=0.05)
+    assert "the training config's optimizer" in str(e.value)
+    with pytest.raises(ConfigError, match=r"sync_every is 2 in the run, 3 here") as e:
+        _attach(url, sync_every=3)
+    assert "diloco.sync_every" in str(e.value) and "diloco.outer_lr" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"holds another run \(run_id: 'ref' there, 'other' here\)") as e:
+        _attach(url, run_id="other")
+    assert "pass --run-id ref" in str(e.value)
+    with pytest.raises(ConfigError, match=r"another model \(parameter shapes differ\)") as e:
+        _attach(url, d_out=4)
+    assert "--run-id" not in str(e.value)
+
+
+def test_a_replica_catches_up_from_the_newest_intact_state(tmp_path, caplog):
+    url = f"file://{tmp_path}/ref"
+    ((cb, _),) = _run_replicas(url, 1, 3, state_every=1, keep_rounds=0)
+    final = [p.detach().clone() for p in cb.global_params]
+    momentum = [cb.outer_optimizers[0].state[p]["momentum_buffer"].clone() for p in cb.global_params]
+    late, m2 = _attach(url, seed=5, sync_every=H_IN, outer_steps=3)
+    assert late.round == 3 and late._done  # the run's 3 rounds are done: nothing left to train
+    for g, p, want, buf in zip(late.global_params, m2.parameters(), final, momentum, strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+        torch.testing.assert_close(p.detach(), want, rtol=0, atol=0)
+        torch.testing.assert_close(late.outer_optimizers[0].state[g]["momentum_buffer"], buf, rtol=0, atol=0)
+    late.close()
+    # the newest state damaged: the one before it is taken, and the round after it replayed from its mean
+    newest = tmp_path / "ref" / "state" / f"{2:08d}"
+    assert newest.exists()
+    newest.write_bytes(newest.read_bytes()[:-7])
+    with caplog.at_level(logging.INFO, logger=LOG):
+        again, m3 = _attach(url, seed=6, outer_steps=5)
+    assert any("starts from" in m and m.endswith("state/00000001") for m in caplog.messages), caplog.messages
+    assert again.round == 3 and not again._done
+    for g, p, want in zip(again.global_params, m3.parameters(), final, strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+    again.close()
