@@ -508,3 +508,44 @@ def test_a_replica_catches_up_from_the_newest_intact_state(tmp_path, caplog):
         torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
     again.close()
+
+
+def test_overlap_applies_each_round_one_round_late_keeping_the_inner_steps_since(tmp_path):
+    """One replica, ``overlap: 1``, written out: at round r's sync the model is snapshot (``s_r``) and the outer
+    step runs in the background; at round r+1's sync the model becomes ``p + (g_{r+1} - s_r)``; the last round
+    runs in the foreground and ends on the global weights."""
+    rounds = 3
+    ((cb, model),) = _run_replicas(f"file://{tmp_path}/ov1", 1, rounds, overlap=1, keep_rounds=0)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(D_IN, D_OUT)
+    glob = [p.detach().clone().requires_grad_() for p in m.parameters()]
+    outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def outer_step(pseudo: list[torch.Tensor]) -> None:
+        for g, d in zip(glob, pseudo, strict=True):
+            g.grad = d.clone()
+        outer.step()
+        outer.zero_grad()
+
+    snap = None
+    for r in range(rounds):
+        for _ in range(H_IN):
+            opt.zero_grad()
+            m(_data(0)).pow(2).mean().backward()
+            opt.step()
+        with torch.no_grad():
+            if snap is not None:  # the previous round, applied one round late
+                for p, g, s in zip(m.parameters(), snap[1], snap[0], strict=True):
+                    p.add_(g - s)
+            s_r = [p.detach().clone() for p in m.parameters()]
+            outer_step([g.detach() - s for g, s in zip(glob, s_r, strict=True)])
+            if r < rounds - 1:
+                snap = (s_r, [g.detach().clone() for g in glob])
+            else:  # the last round in the foreground: the model takes the global weights
+                for p, g in zip(m.parameters(), glob, strict=True):
+                    p.copy_(g)
+    for got, want in zip(cb.global_params, glob, strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    for got, want in zip(model.parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-7)
