@@ -549,3 +549,25 @@ def test_overlap_applies_each_round_one_round_late_keeping_the_inner_steps_since
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
     for got, want in zip(model.parameters(), m.parameters(), strict=True):
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_prefix_holding_another_runs_objects_is_refused_and_not_claimed(tmp_path):
+    from composer_plugins.diloco.objstore import ForeignObjectError
+
+    url = f"file://{tmp_path}/old"
+    ((cb, _),) = _run_replicas(url, 1, 2, state_every=1, keep_rounds=0)  # run "ref": states 0 and 1
+    (tmp_path / "old" / "run.json").unlink()  # a lifecycle rule deleted the oldest object first
+    with pytest.raises(ForeignObjectError, match=r"state/00000001 \(the prefix has no run.json.*belongs to run 'ref'"):
+        _attach(url, run_id="fresh")
+    assert not (tmp_path / "old" / "run.json").exists()  # taken back: the prefix is not claimed
+    # the same run, its run.json lost: it continues from its own newest state
+    again, _ = _attach(url, outer_steps=4)
+    assert again.round == 2 and (tmp_path / "old" / "run.json").exists()
+    again.close()
+    # an object of another run read later is refused by name, whichever reader reads it
+    other = RoundStore(ObjectStore(url), run_id="fresh")
+    with pytest.raises(ForeignObjectError, match=r"state/00000001 belongs to run 'ref', not to this run \('fresh'\)"):
+        other.get_state("state/00000001")
+    with pytest.raises(StoreObjectError, match="manifest.json belongs to run 'ref'.*cannot be replaced"):
+        other.manifest(0)  # a manifest cannot be replaced: the replica stops, naming it
+    assert RoundStore(ObjectStore(url), run_id="ref").manifest(0)["participants"] == [0]
