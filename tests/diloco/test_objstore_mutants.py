@@ -1,7 +1,9 @@
 """``RoundStore`` (``diloco/objstore.py``) object by object on a ``file://`` store: what each reader accepts,
 what it refuses (and that it says where), and which objects garbage collection removes.
 
-Written against the mutants that survived ``python -m benchmarks.mutation --only diloco/objstore``.
+Written against the mutants that survived ``python -m benchmarks.mutation --only diloco/objstore``; the callback's
+tests at the end (after the merge of issue 40's DiLoCo fixes) cover a replica joining a run: settings checked
+against ``run.json``, catching up from a saved state, ``overlap: 1`` written out, another run's leftover objects.
 """
 
 from __future__ import annotations
@@ -555,7 +557,7 @@ def test_a_prefix_holding_another_runs_objects_is_refused_and_not_claimed(tmp_pa
     from composer_plugins.diloco.objstore import ForeignObjectError
 
     url = f"file://{tmp_path}/old"
-    ((cb, _),) = _run_replicas(url, 1, 2, state_every=1, keep_rounds=0)  # run "ref": states 0 and 1
+    _run_replicas(url, 1, 2, state_every=1, keep_rounds=0)  # run "ref": states 0 and 1
     (tmp_path / "old" / "run.json").unlink()  # a lifecycle rule deleted the oldest object first
     with pytest.raises(ForeignObjectError, match=r"state/00000001 \(the prefix has no run.json.*belongs to run 'ref'"):
         _attach(url, run_id="fresh")
