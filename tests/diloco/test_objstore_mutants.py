@@ -1,7 +1,9 @@
 """``RoundStore`` (``diloco/objstore.py``) object by object on a ``file://`` store: what each reader accepts,
 what it refuses (and that it says where), and which objects garbage collection removes.
 
-Written against the mutants that survived ``python -m benchmarks.mutation --only diloco/objstore``.
+Written against the mutants that survived ``python -m benchmarks.mutation --only diloco/objstore``; the callback's
+tests at the end (after the merge of issue 40's DiLoCo fixes) cover a replica joining a run: settings checked
+against ``run.json``, catching up from a saved state, ``overlap: 1`` written out, another run's leftover objects.
 """
 
 from __future__ import annotations
@@ -304,7 +306,9 @@ def _run_replicas(url: str, n: int, rounds: int, **cfg):
 
 def _reference(n: int, rounds: int, compress: str, alpha: float):
     """DiLoCo by hand: everyone syncs to replica 0 at round 0; each round H inner SGD steps, the mean of the
-    (codec-rounded) pseudo-gradients, Nesterov SGD on the global weights, local weights mixed by ``alpha``."""
+    (codec-rounded) pseudo-gradients, Nesterov SGD on the global weights, local weights mixed by ``alpha``.
+    int4 carries each replica's rounding to its next pseudo-gradient and each mean slice's rounding to that
+    slice's next mean (each slice has one writer, so per slice is per writer)."""
 
     from composer_plugins.diloco.store import decode_vector, encode_vector
 
@@ -315,6 +319,7 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
         return torch.cat([decode_vector(*encode_vector(v[j * step : (j + 1) * step], compress)) for j in range(n)])
 
     residual = [torch.zeros(D_IN * D_OUT + D_OUT) for _ in range(n)]
+    mean_residual = torch.zeros(D_IN * D_OUT + D_OUT)
     errs: list[list[float]] = []
 
     torch.manual_seed(0)
@@ -353,7 +358,10 @@ def _reference(n: int, rounds: int, compress: str, alpha: float):
         total = pseudo[0].clone()
         for v in pseudo[1:]:
             total.add_(v)
-        mean = rnd(total.div_(n))
+        want = total.div_(n) + mean_residual
+        mean = rnd(want)
+        if compress == "int4":  # the mean's own rounding: its slice's writer adds it to that slice's next mean
+            mean_residual = want - mean
         off = 0
         for g in glob:
             g.grad = mean[off : off + g.numel()].view_as(g).clone()
@@ -437,3 +445,131 @@ def test_overlap_takes_replica_0s_model_at_round_0_and_ends_equal(tmp_path):
     m1 = rs.manifest(1)
     h0, h1 = (rs.read_grad(1, m1["grads"][str(i)], numel) for i in range(n))
     assert not torch.equal(h0, h1)  # from round 1 on each replica trains on its own data
+
+
+# -- a replica joining a run: its settings checked against run.json, catching up from a saved state -------------
+def _attach(url: str, seed: int = 0, lr: float = 0.1, index: int = 0, n: int = 1, run_id: str = "ref", **cfg):
+    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+    from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(D_IN, cfg.pop("d_out", D_OUT))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    base = {"sync_every": H_IN, "outer_steps": 5, "round_timeout_s": 60.0, "poll_s": 0.01}
+    config = DiLoCoConfig(transport="object_store", store=url, run_id=run_id, **{**base, **cfg})
+    cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=index, num_replicas=n, run_id=run_id))
+    return cb.attach(model, opt), model
+
+
+def test_a_replica_with_other_settings_is_refused_naming_each_difference(tmp_path):
+    from composer_plugins.core.errors import ConfigError
+
+    url = f"file://{tmp_path}/run"
+    first, _ = _attach(url)
+    first.close()
+    again, _ = _attach(url)  # the same settings: it joins
+    again.close()
+    with pytest.raises(ConfigError, match=r"outer_optimizer\.lr is 0\.7 in the run, 0\.3 here") as e:
+        _attach(url, outer_lr=0.3)
+    assert "diloco.outer_lr" in str(e.value) and "run.json" in str(e.value)
+    with pytest.raises(ConfigError, match=r"inner_optimizer\.lr is 0\.1 in the run, 0\.05 here") as e:
+        _attach(url, lr=0.05)
+    assert "the training config's optimizer" in str(e.value)
+    with pytest.raises(ConfigError, match=r"sync_every is 2 in the run, 3 here") as e:
+        _attach(url, sync_every=3)
+    assert "diloco.sync_every" in str(e.value) and "diloco.outer_lr" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"holds another run \(run_id: 'ref' there, 'other' here\)") as e:
+        _attach(url, run_id="other")
+    assert "pass --run-id ref" in str(e.value)
+    with pytest.raises(ConfigError, match=r"another model \(parameter shapes differ\)") as e:
+        _attach(url, d_out=4)
+    assert "--run-id" not in str(e.value)
+
+
+def test_a_replica_catches_up_from_the_newest_intact_state(tmp_path, caplog):
+    url = f"file://{tmp_path}/ref"
+    ((cb, _),) = _run_replicas(url, 1, 3, state_every=1, keep_rounds=0)
+    final = [p.detach().clone() for p in cb.global_params]
+    momentum = [cb.outer_optimizers[0].state[p]["momentum_buffer"].clone() for p in cb.global_params]
+    late, m2 = _attach(url, seed=5, sync_every=H_IN, outer_steps=3)
+    assert late.round == 3 and late._done  # the run's 3 rounds are done: nothing left to train
+    for g, p, want, buf in zip(late.global_params, m2.parameters(), final, momentum, strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+        torch.testing.assert_close(p.detach(), want, rtol=0, atol=0)
+        torch.testing.assert_close(late.outer_optimizers[0].state[g]["momentum_buffer"], buf, rtol=0, atol=0)
+    late.close()
+    # the newest state damaged: the one before it is taken, and the round after it replayed from its mean
+    newest = tmp_path / "ref" / "state" / f"{2:08d}"
+    assert newest.exists()
+    newest.write_bytes(newest.read_bytes()[:-7])
+    with caplog.at_level(logging.INFO, logger=LOG):
+        again, m3 = _attach(url, seed=6, outer_steps=5)
+    assert any("starts from" in m and m.endswith("state/00000001") for m in caplog.messages), caplog.messages
+    assert again.round == 3 and not again._done
+    for g, p, want in zip(again.global_params, m3.parameters(), final, strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+    again.close()
+
+
+def test_overlap_applies_each_round_one_round_late_keeping_the_inner_steps_since(tmp_path):
+    """One replica, ``overlap: 1``, written out: at round r's sync the model is snapshot (``s_r``) and the outer
+    step runs in the background; at round r+1's sync the model becomes ``p + (g_{r+1} - s_r)``; the last round
+    runs in the foreground and ends on the global weights."""
+    rounds = 3
+    ((cb, model),) = _run_replicas(f"file://{tmp_path}/ov1", 1, rounds, overlap=1, keep_rounds=0)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(D_IN, D_OUT)
+    glob = [p.detach().clone().requires_grad_() for p in m.parameters()]
+    outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def outer_step(pseudo: list[torch.Tensor]) -> None:
+        for g, d in zip(glob, pseudo, strict=True):
+            g.grad = d.clone()
+        outer.step()
+        outer.zero_grad()
+
+    snap = None
+    for r in range(rounds):
+        for _ in range(H_IN):
+            opt.zero_grad()
+            m(_data(0)).pow(2).mean().backward()
+            opt.step()
+        with torch.no_grad():
+            if snap is not None:  # the previous round, applied one round late
+                for p, g, s in zip(m.parameters(), snap[1], snap[0], strict=True):
+                    p.add_(g - s)
+            s_r = [p.detach().clone() for p in m.parameters()]
+            outer_step([g.detach() - s for g, s in zip(glob, s_r, strict=True)])
+            if r < rounds - 1:
+                snap = (s_r, [g.detach().clone() for g in glob])
+            else:  # the last round in the foreground: the model takes the global weights
+                for p, g in zip(m.parameters(), glob, strict=True):
+                    p.copy_(g)
+    for got, want in zip(cb.global_params, glob, strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    for got, want in zip(model.parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_prefix_holding_another_runs_objects_is_refused_and_not_claimed(tmp_path):
+    from composer_plugins.diloco.objstore import ForeignObjectError
+
+    url = f"file://{tmp_path}/old"
+    _run_replicas(url, 1, 2, state_every=1, keep_rounds=0)  # run "ref": states 0 and 1
+    (tmp_path / "old" / "run.json").unlink()  # a lifecycle rule deleted the oldest object first
+    with pytest.raises(ForeignObjectError, match=r"state/00000001 \(the prefix has no run.json.*belongs to run 'ref'"):
+        _attach(url, run_id="fresh")
+    assert not (tmp_path / "old" / "run.json").exists()  # taken back: the prefix is not claimed
+    # the same run, its run.json lost: it continues from its own newest state
+    again, _ = _attach(url, outer_steps=4)
+    assert again.round == 2 and (tmp_path / "old" / "run.json").exists()
+    again.close()
+    # an object of another run read later is refused by name, whichever reader reads it
+    other = RoundStore(ObjectStore(url), run_id="fresh")
+    with pytest.raises(ForeignObjectError, match=r"state/00000001 belongs to run 'ref', not to this run \('fresh'\)"):
+        other.get_state("state/00000001")
+    with pytest.raises(StoreObjectError, match="manifest.json belongs to run 'ref'.*cannot be replaced"):
+        other.manifest(0)  # a manifest cannot be replaced: the replica stops, naming it
+    assert RoundStore(ObjectStore(url), run_id="ref").manifest(0)["participants"] == [0]
