@@ -151,3 +151,51 @@ def test_teacher_log_probs_are_floored_at_log_1e_30():
     _, lt, valid = merge_teachers(ids, lps, torch.ones(1, 1, dtype=torch.bool), torch.tensor([1.0]), 5)
     assert bool(valid.all())
     assert float(lt[0, 1]) == pytest.approx(math.log(1e-30), rel=1e-6)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd", "reverse_kl"])
+def test_teacher_topk_gradient_has_no_tail_term_where_the_student_tail_is_floored(divergence):
+    """A row whose student mass on the teacher's ids rounds to 1 has its tail floored (no gradient through
+    it) although the row still has a tail bucket; the fused gradient equals autograd's on ``value``."""
+    import math
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 3, 2
+    zs = torch.randn(n, V, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[1, 4], [0, 7], [2, 9]])
+    zs[0, ids[0]] = 40.0  # row 0: p(ids) = 1 - ~1e-16, tail floored, has a tail (k < V)
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.1, 0.3], [0.25, 0.25, 0.5]], dtype=torch.float64)
+    lt = probs.log()
+    valid = torch.ones(n, k, dtype=torch.bool)
+    ker = TeacherTopKKernel(divergence, 0.4)
+    leaf = zs.clone().requires_grad_()
+    ref = ker.value(leaf, ids, lt, valid)
+    (want,) = torch.autograd.grad(ref.sum(), leaf)
+    val, grad, _ = ker.compute(zs.clone(), ids, lt, valid, grad_out=torch.ones(n, dtype=torch.float64))
+    torch.testing.assert_close(val, ref.detach(), rtol=1e-10, atol=1e-12)
+    assert math.isfinite(float(grad.abs().max())) and float(grad[0].abs().max()) < 1.0
+    torch.testing.assert_close(grad, want, rtol=1e-8, atol=1e-10)
+
+
+def test_chunked_logprobs_rejects_a_mask_of_another_shape():
+    from composer_plugins.kernels.chunked import chunked_logprobs
+
+    hs, _, w, _, _ = _leaves(2)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for shape in ((B, T - 2), (B, T + 1), (B - 1, T), (B * T,)):
+        with pytest.raises(ValueError, match=rf"mask shape \({', '.join(map(str, shape))},?\) must equal ids shape"):
+            chunked_logprobs(hs, w, ids, mask=torch.ones(shape, dtype=torch.bool), chunk_size=3)
+
+
+def test_teacher_topk_from_rows_puts_the_scores_on_the_device_asked_for():
+    from types import SimpleNamespace
+
+    row = SimpleNamespace(token_ids=torch.tensor([[1, 2], [3, 4]]), logprobs=torch.full((2, 2), -1.0),
+                          mask=torch.tensor([True, False]))  # fmt: skip
+    here = TeacherTopK.from_rows({"a": [row, None]}, 3)
+    assert {here.ids.device.type, here.logprobs.device.type, here.mask.device.type} == {"cpu"}
+    there = TeacherTopK.from_rows({"a": [row, None]}, 3, device="meta")
+    assert {there.ids.device.type, there.logprobs.device.type, there.mask.device.type} == {"meta"}
+    assert there.ids.shape == (2, 1, 3, 2) and there.mask.shape == (2, 1, 3)
+    assert here.ids[0, 0, :2].tolist() == [[1, 2], [3, 4]] and here.mask[0, 0].tolist() == [True, False, False]
+    assert not here.mask[1].any()
