@@ -199,3 +199,15 @@ def test_teacher_topk_from_rows_puts_the_scores_on_the_device_asked_for():
     assert there.ids.shape == (2, 1, 3, 2) and there.mask.shape == (2, 1, 3)
     assert here.ids[0, 0, :2].tolist() == [[1, 2], [3, 4]] and here.mask[0, 0].tolist() == [True, False, False]
     assert not here.mask[1].any()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_teacher_topk_kernel_takes_every_beta_of_the_closed_interval(beta):
+    """β = 0 (forward KL) and β = 1 (reverse KL) are the JSD's ends, both valid."""
+    assert TeacherTopKKernel("jsd", beta).beta == beta
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.1])
+def test_teacher_topk_kernel_refuses_a_beta_outside_zero_one(beta):
+    with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
+        TeacherTopKKernel("jsd", beta)
