@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["CHAT_MODES", "is_conversation", "plain_prompt", "read_chat_template", "render_prompt"]
+__all__ = ["CHAT_MODES", "content_text", "is_conversation", "plain_prompt", "read_chat_template", "render_prompt"]
 
 #: The named values of ``model.chat_template`` (anything else is a path to a Jinja file).
 CHAT_MODES = ("auto", "none")
@@ -39,7 +39,8 @@ def is_conversation(prompt: Any) -> bool:
     )
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """A message's content as text (a list of parts: their ``text`` joined by newlines; ``None``: empty)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -56,13 +57,13 @@ def plain_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
     longer is ``<|role|>``-tagged turns followed by an ``<|assistant|>`` header.
     """
     if len(messages) == 1 and messages[0].get("role") == "user":
-        return _content_text(messages[0].get("content"))
+        return content_text(messages[0].get("content"))
     chunks = []
     for m in messages:
         role = str(m.get("role", "user"))
         if role == "tool" and m.get("tool_call_id"):
             role = f"tool:{m['tool_call_id']}"
-        chunks.append(f"<|{role}|>\n{_content_text(m.get('content'))}")
+        chunks.append(f"<|{role}|>\n{content_text(m.get('content'))}")
     return "\n".join(chunks) + "\n<|assistant|>\n"
 
 

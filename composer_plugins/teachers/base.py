@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from composer_plugins.core.chat import content_text
 from composer_plugins.core.errors import ComposerPluginsError
 
 Message = dict[str, Any]
@@ -298,7 +299,7 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     chunks = []
     for m in messages:
         role = str(m.get("role", "user"))
-        body = render_action(m) if role == "assistant" else _content_text(m.get("content"))
+        body = render_action(m) if role == "assistant" else content_text(m.get("content"))
         if role == "tool" and m.get("tool_call_id"):
             role = f"tool:{m['tool_call_id']}"
         chunks.append(f"<|{role}|>\n{body}")
@@ -313,18 +314,8 @@ def prompt_text(messages: Sequence[Mapping[str, Any]]) -> str:
     by an ``<|assistant|>`` header (consumers with a chat template should use the messages).
     """
     if len(messages) == 1 and messages[0].get("role") == "user":
-        return _content_text(messages[0].get("content"))
+        return content_text(messages[0].get("content"))
     return render_messages(messages) + "\n<|assistant|>\n"
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p)
-    return str(content)
 
 
 def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]], extra: Any = None) -> int:
