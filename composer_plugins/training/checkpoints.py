@@ -177,8 +177,34 @@ class AtomicCheckpointIO(_load_torch_io()):  # type: ignore[misc]
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_dead_temps(target.parent)
-        with atomic_file(target, "wb", tmp_name=f"{target.name}{TMP_MARK}{os.getpid()}") as f:
+        with _sigint_deferred(), atomic_file(target, "wb", tmp_name=f"{target.name}{TMP_MARK}{os.getpid()}") as f:
             torch.save(checkpoint, f)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Any:
+    """Hold a Ctrl-C (SIGINT) that arrives during a checkpoint write until the write is done, then raise it.
+
+    Interrupted inside ``torch.save``, the zip writer fails on its way out with an unrelated ``RuntimeError`` that
+    hides the ``KeyboardInterrupt`` (exit 1, no "interrupted at step N" message). Outside the main thread
+    (where signal handlers cannot be set) the write runs as it is.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
+    elif caught and previous == signal.SIG_DFL:
+        raise KeyboardInterrupt
 
 
 def _remove_dead_temps(directory: Path) -> None:

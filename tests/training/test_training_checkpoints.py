@@ -210,3 +210,27 @@ def test_a_checkpoint_that_would_run_code_is_refused_not_run(tmp_path):
     assert resolve_resume(str(good), None) == str(good)
     assert AtomicCheckpointIO().load_checkpoint(str(good))["global_step"] == 3
     load_policy_weights(policy, good)
+
+
+def test_a_ctrl_c_during_a_checkpoint_write_is_raised_after_the_write(tmp_path):
+    """SIGINT arriving inside ``torch.save`` waits for the write: the checkpoint is whole, then KeyboardInterrupt."""
+    import os
+    import signal
+
+    import torch
+
+    from composer_plugins.training.checkpoints import AtomicCheckpointIO
+
+    class Interrupting:
+        """A checkpoint value whose pickling sends this process SIGINT (Ctrl-C mid-write)."""
+
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return (dict, ())
+
+    path = tmp_path / "step=3.ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        AtomicCheckpointIO().save_checkpoint({"w": torch.arange(4.0), "x": Interrupting()}, path)
+    whole = torch.load(path, weights_only=False)  # the test's own file (its stand-in value is a plain dict)
+    assert torch.equal(whole["w"], torch.arange(4.0)) and whole["x"] == {}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
