@@ -374,7 +374,7 @@ class SparseLoCoCodec(Codec):
         if not ks:
             return {"chunk": c, "k": self.k, "values": n}, b""
         idx = torch.cat([t.reshape(-1) for t in idx_parts]).to(torch.int64)
-        bits = (idx[:, None] >> torch.arange(self.index_bits)) & 1
+        bits = (idx[:, None] >> torch.arange(self.index_bits)) & 1  # device-ok: host tensors
         packed_idx = np.packbits(bits.to(torch.uint8).numpy().reshape(-1))  # device-ok: encode_vector's host copy
         code = torch.cat(codes)
         code_bits = torch.stack([code >> 1, code & 1], dim=1).reshape(-1)
@@ -411,13 +411,14 @@ class SparseLoCoCodec(Codec):
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(ks).cumsum(0)[:-1]])
         ordered = idx[1:] > idx[:-1]
         ordered[starts[1:] - 1] = True  # a new chunk starts over
-        if bool((idx >= lengths[chunk_of]).any()) or not bool(ordered.all()):
+        if bool((idx >= lengths[chunk_of]).any()) or not bool(ordered.all()):  # device-ok: host tensors
             raise CorruptObjectError("sparseloco indices out of their chunk or not ascending")
         if not bool(torch.isfinite(scales).all()):
             raise CorruptObjectError("sparseloco chunk scales are not finite")
-        lo, hi = scales[chunk_of, 0], scales[chunk_of, 1]
+        bounds = scales[chunk_of]  # device-ok: host tensors
+        lo, hi = bounds[:, 0], bounds[:, 1]
         mag = torch.where(upper.bool(), lo + 0.75 * (hi - lo), lo + 0.25 * (hi - lo))
-        out[chunk_of * self.chunk + idx] = torch.where(sign.bool(), -mag, mag)
+        out[chunk_of * self.chunk + idx] = torch.where(sign.bool(), -mag, mag)  # device-ok: host tensors
         return out
 
 
