@@ -381,8 +381,9 @@ def overlap_plan() -> list[str]:
             for c in ("nosync", "none+o1", "none")]  # fmt: skip
 
 
-def run_overlap(quick: bool = False) -> dict[str, Any]:
-    """The overlap figure alone (``--only overlap``): ``{"name", "results", "ratios", "targets"}``."""
+def _measure_two_replicas(plan: list[str], quick: bool) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
+    """Run ``plan``'s cells with 2 replicas in a temporary directory (kept, and named, if a cell fails):
+    ``(results, ratios, targets)`` for the caller's own ratios."""
     steps = 64 if quick else 384
     results: dict[str, Any] = {"replicas": 2, "inner_steps_per_replica": steps, "toy": _toy(quick, steps),
                                "toy_lm": _toy_lm(steps), "object_store_h": OS_H[quick]}  # fmt: skip
@@ -391,13 +392,19 @@ def run_overlap(quick: bool = False) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
     ok = False
     try:
-        _measure(overlap_plan(), 2, steps, results["toy"], tmp, results, ratios, targets, baselines=False)
+        _measure(plan, 2, steps, results["toy"], tmp, results, ratios, targets, baselines=False)
         ok = True
     finally:
         if ok:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             _log(f"kept the logs of the failed run in {tmp}")
+    return results, ratios, targets
+
+
+def run_overlap(quick: bool = False) -> dict[str, Any]:
+    """The overlap figure alone (``--only overlap``): ``{"name", "results", "ratios", "targets"}``."""
+    results, ratios, targets = _measure_two_replicas(overlap_plan(), quick)
     _overlap_ratios(results, ratios, targets)
     out = {"name": NAME, "results": results, "ratios": ratios, "targets": targets}
     _print_overlap(out)
@@ -412,22 +419,7 @@ def run_codecs(quick: bool = False) -> dict[str, Any]:
     """The codec figure alone (``--only codecs``): fp32, int4 and the SparseLoCo-class codec on the LM-shaped step
     (:func:`_toy_lm`), 2 replicas through ``file://``, in one invocation; pseudo-gradient bytes per replica per
     round, everything written (pseudo-gradient, mean share, states) and the held-out loss, against fp32."""
-    steps = 64 if quick else 384
-    results: dict[str, Any] = {"replicas": 2, "inner_steps_per_replica": steps, "toy": _toy(quick, steps),
-                               "toy_lm": _toy_lm(steps), "object_store_h": OS_H[quick]}  # fmt: skip
-    ratios: dict[str, float] = {}
-    targets: dict[str, str] = {}
-    tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
-    ok = False
-    try:
-        plan = [f"oslm_file_{c}" for c in SPARSE_CODECS]
-        _measure(plan, 2, steps, results["toy"], tmp, results, ratios, targets, baselines=False)
-        ok = True
-    finally:
-        if ok:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            _log(f"kept the logs of the failed run in {tmp}")
+    results, ratios, targets = _measure_two_replicas([f"oslm_file_{c}" for c in SPARSE_CODECS], quick)
     base = results["oslm_file_none"]
     for c in SPARSE_CODECS[1:]:
         r = results[f"oslm_file_{c}"]
