@@ -51,16 +51,36 @@ def _bench_trl(quick: bool, repeats: int) -> dict[str, float]:
     corpus = [f"Q: {a}+{b}=? A: {a + b}" for a in range(20) for b in range(20)]
     with tempfile.TemporaryDirectory() as d:
         size = 64 if quick else 128
-        path = build_tiny_model(TinyModelConfig(vocab_size=300, hidden_size=size, intermediate_size=2 * size,
-                                                num_layers=2, num_heads=4, num_kv_heads=2), corpus, d)  # fmt: skip
+        path = build_tiny_model(
+            TinyModelConfig(
+                vocab_size=300, hidden_size=size, intermediate_size=2 * size, num_layers=2, num_heads=4, num_kv_heads=2
+            ),
+            corpus,
+            d,
+        )
         model, tok = load_policy(path)
         G, C = 8, 16 if quick else 32
-        args = GRPOConfig(output_dir=d, per_device_train_batch_size=G * 2, num_generations=G, max_completion_length=C,
-                          max_steps=1, use_cpu=True, report_to="none", bf16=False, save_strategy="no",
-                          loss_type="dapo", disable_tqdm=True)  # fmt: skip
+        args = GRPOConfig(
+            output_dir=d,
+            per_device_train_batch_size=G * 2,
+            num_generations=G,
+            max_completion_length=C,
+            max_steps=1,
+            use_cpu=True,
+            report_to="none",
+            bf16=False,
+            save_strategy="no",
+            loss_type="dapo",
+            disable_tqdm=True,
+        )
         ds = Dataset.from_list([{"prompt": f"Q: {a}+{a}=? A:"} for a in range(16)])
-        tr = ComposerGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c) % 3)
-                                 for c in completions], args=args, train_dataset=ds, processing_class=tok)  # fmt: skip
+        tr = ComposerGRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **k: [float(len(c) % 3) for c in completions],
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+        )
         tr.model.train()
         tr.current_gradient_accumulation_steps = 1
         inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))

@@ -79,8 +79,17 @@ def _toy_lm(steps: int) -> dict[str, Any]:
     """The overlap figure's second shape: an inner step with an LM's compute per parameter (1,024 tokens a step:
     16 rows of 64; 2 blocks of width 128, vocabulary 256: about 471k parameters, ~40 ms a step on one core),
     against the toy's 384 tokens on 15.6k parameters (~3 ms a step)."""
-    return {"vocab_size": 256, "d_model": 128, "n_heads": 4, "n_layers": 2, "seq_len": 64, "batch_size": 16,
-            "lr": 1e-3, "max_steps": steps, "eval_batches": 4}  # fmt: skip
+    return {
+        "vocab_size": 256,
+        "d_model": 128,
+        "n_heads": 4,
+        "n_layers": 2,
+        "seq_len": 64,
+        "batch_size": 16,
+        "lr": 1e-3,
+        "max_steps": steps,
+        "eval_batches": 4,
+    }
 
 
 # -- DDP worker (a separate process per rank) ------------------------------------------------
@@ -213,8 +222,9 @@ def _run_ddp(
 
     from composer_plugins.procs import StoreRendezvous
 
-    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    store = TCPStore(
+        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
     rendezvous = StoreRendezvous(store, world, name="DDP rendezvous", what="worker")
     out = tmp / "ddp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -272,10 +282,21 @@ def _sync_latency(step_times: list[float], h: int) -> float:
     return statistics.fmean(sync) - statistics.median(other) if sync and other else float("nan")
 
 
-def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path, *, name: str | None = None,
-                store: str | None = None, compress: str = "none", state_every: int = 1, overlap: int = 0,
-                skip: int | None = None, env: dict[str, str] | None = None,
-                extra: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def _run_diloco(
+    replicas: int,
+    h: int,
+    toy: dict[str, Any],
+    tmp: Path,
+    *,
+    name: str | None = None,
+    store: str | None = None,
+    compress: str = "none",
+    state_every: int = 1,
+    overlap: int = 0,
+    skip: int | None = None,
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:
     """``replicas`` DiLoCo replicas of the toy LM, over torchft (``store=None``) or through ``store``."""
     import statistics
 
@@ -295,8 +316,17 @@ def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path, *, name: 
     target = "benchmarks.bench_diloco:timed_toy"
     argv = lambda i: replica_argv(target, None, [*overrides, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
     try:
-        with ReplicaGroup(argv, replicas, log_dir=log_dir, grace_s=5, threads_per_replica=1, cwd=str(REPO_ROOT),
-                          transport=transport, store=store, env=env) as g:  # fmt: skip
+        with ReplicaGroup(
+            argv,
+            replicas,
+            log_dir=log_dir,
+            grace_s=5,
+            threads_per_replica=1,
+            cwd=str(REPO_ROOT),
+            transport=transport,
+            store=store,
+            env=env,
+        ) as g:
             # a replica that dies invalidates the comparison: stop at once instead of training on without it
             res = g.wait(timeout=900, fail_fast=True)
     except LaunchError as e:
@@ -307,8 +337,10 @@ def _run_diloco(replicas: int, h: int, toy: dict[str, Any], tmp: Path, *, name: 
     outs = [json.loads((log_dir / f"result{i}.json").read_text()) for i in range(replicas)]
     first = outs[0]
     first["identical_final_weights"] = len({o["param_hash"] for o in outs}) == 1
-    logs_ = [[json.loads(line) for line in (log_dir / f"replica{i}.sync.jsonl").read_text().splitlines()]
-             for i in range(replicas)]  # fmt: skip
+    logs_ = [
+        [json.loads(line) for line in (log_dir / f"replica{i}.sync.jsonl").read_text().splitlines()]
+        for i in range(replicas)
+    ]
     syncs = logs_[0]
     first["syncs"] = len(syncs)
     first["min_participants"] = min(s["participants"] for s in syncs)
@@ -354,10 +386,20 @@ def _moto() -> tuple[Any, dict[str, str]] | None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}  # fmt: skip
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1", aws_access_key_id="bench",
-                 aws_secret_access_key="bench").create_bucket(Bucket="bench")  # fmt: skip
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+    }
+    boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+    ).create_bucket(Bucket="bench")
     return server, env
 
 
@@ -377,16 +419,25 @@ OVERLAP_SHAPES = ("os", "oslm")
 def overlap_plan() -> list[str]:
     """Runs of the overlap figure: per repetition and shape, replicas that never sync (H = all steps), then
     ``overlap: 1``, then ``overlap: 0`` (``none`` codec, ``file://``), one after the other."""
-    return [f"{shape}_file_{c}+r{i}" for i in range(1, OVERLAP_REPS + 1) for shape in OVERLAP_SHAPES
-            for c in ("nosync", "none+o1", "none")]  # fmt: skip
+    return [
+        f"{shape}_file_{c}+r{i}"
+        for i in range(1, OVERLAP_REPS + 1)
+        for shape in OVERLAP_SHAPES
+        for c in ("nosync", "none+o1", "none")
+    ]
 
 
 def _measure_two_replicas(plan: list[str], quick: bool) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
     """Run ``plan``'s cells with 2 replicas in a temporary directory (kept, and named, if a cell fails):
     ``(results, ratios, targets)`` for the caller's own ratios."""
     steps = 64 if quick else 384
-    results: dict[str, Any] = {"replicas": 2, "inner_steps_per_replica": steps, "toy": _toy(quick, steps),
-                               "toy_lm": _toy_lm(steps), "object_store_h": OS_H[quick]}  # fmt: skip
+    results: dict[str, Any] = {
+        "replicas": 2,
+        "inner_steps_per_replica": steps,
+        "toy": _toy(quick, steps),
+        "toy_lm": _toy_lm(steps),
+        "object_store_h": OS_H[quick],
+    }
     ratios: dict[str, float] = {}
     targets: dict[str, str] = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
@@ -452,8 +503,9 @@ def _sync_records(log_dir: Path, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _run_faults(n: int, h: int, toy: dict[str, Any], tmp: Path, store: str, *, faulty: bool,
-                env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+def _run_faults(
+    n: int, h: int, toy: dict[str, Any], tmp: Path, store: str, *, faulty: bool, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``n`` replicas through ``store``; with ``faulty``, one replica (1, 2, ... in turn) SIGKILLed each time the run
     passes another ``FAULT_KILL_EVERY`` rounds (the launcher relaunches it; it rejoins from the store), and replica
     ``n - 1`` paused (SIGSTOP) past ``round_timeout_s`` once, at round 2. Goodput: inner steps that went into a
@@ -466,13 +518,27 @@ def _run_faults(n: int, h: int, toy: dict[str, Any], tmp: Path, store: str, *, f
     name = f"faults_{'on' if faulty else 'off'}"
     log_dir = tmp / name
     rounds = toy["max_steps"] // h
-    overrides = [f"diloco.sync_every={h}", "diloco.transport=object_store", f"diloco.round_timeout_s="
-                 f"{FAULT_ROUND_TIMEOUT_S}", *(f"toy.{k}={v}" for k, v in toy.items())]  # fmt: skip
+    overrides = [
+        f"diloco.sync_every={h}",
+        "diloco.transport=object_store",
+        f"diloco.round_timeout_s={FAULT_ROUND_TIMEOUT_S}",
+        *(f"toy.{k}={v}" for k, v in toy.items()),
+    ]
     argv = lambda i: replica_argv("toy", None, [*overrides, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
     events: list[str] = []
     restarts = 100 if faulty else 0
-    with ReplicaGroup(argv, n, log_dir=log_dir, grace_s=5, threads_per_replica=1, cwd=str(REPO_ROOT),
-                      transport="object_store", store=store, env=env, max_restarts=restarts) as g:  # fmt: skip
+    with ReplicaGroup(
+        argv,
+        n,
+        log_dir=log_dir,
+        grace_s=5,
+        threads_per_replica=1,
+        cwd=str(REPO_ROOT),
+        transport="object_store",
+        store=store,
+        env=env,
+        max_restarts=restarts,
+    ) as g:
         done = threading.Event()
 
         def faults() -> None:
@@ -506,10 +572,15 @@ def _run_faults(n: int, h: int, toy: dict[str, Any], tmp: Path, store: str, *, f
         raise RuntimeError(f"the {name} run failed: {res}")
     outs = [json.loads((log_dir / f"result{i}.json").read_text()) for i in range(n)]
     useful = sum(h for i in range(n) for r in _sync_records(log_dir, i) if r["committed"])
-    return {"wall_s": wall, "useful_inner_steps": useful, "goodput_steps_per_s": useful / wall,
-            "eval_loss": statistics.fmean(o["eval_loss"] for o in outs),
-            "one_param_hash": len({o["param_hash"] for o in outs}) == 1, "restarts": res.restarts,
-            "events": events}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "useful_inner_steps": useful,
+        "goodput_steps_per_s": useful / wall,
+        "eval_loss": statistics.fmean(o["eval_loss"] for o in outs),
+        "one_param_hash": len({o["param_hash"] for o in outs}) == 1,
+        "restarts": res.restarts,
+        "events": events,
+    }
 
 
 def run_faults(quick: bool = False) -> dict[str, Any]:
@@ -518,8 +589,13 @@ def run_faults(quick: bool = False) -> dict[str, Any]:
     steps = 64 if quick else 256
     h = OS_H[quick]
     toy = _toy(quick, steps)
-    results: dict[str, Any] = {"replicas": FAULT_REPLICAS, "inner_steps_per_replica": steps, "toy": toy,
-                               "h": h, "kill_every_rounds": FAULT_KILL_EVERY}  # fmt: skip
+    results: dict[str, Any] = {
+        "replicas": FAULT_REPLICAS,
+        "inner_steps_per_replica": steps,
+        "toy": toy,
+        "h": h,
+        "kill_every_rounds": FAULT_KILL_EVERY,
+    }
     ratios: dict[str, float] = {}
     targets: dict[str, str] = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_"))
@@ -530,8 +606,11 @@ def run_faults(quick: bool = False) -> dict[str, Any]:
                 _log("moto[server] is not installed: no S3 row")
                 continue
             for faulty in (False, True):
-                store = (f"file://{tmp}/store-faults-{faulty}" if where == "file"
-                         else f"s3://bench/faults-{faulty}-{os.getpid()}")  # fmt: skip
+                store = (
+                    f"file://{tmp}/store-faults-{faulty}"
+                    if where == "file"
+                    else f"s3://bench/faults-{faulty}-{os.getpid()}"
+                )
                 env = moto[1] if where == "s3" and moto is not None else None
                 results[f"{where}_faults_{'on' if faulty else 'off'}"] = _run_faults(
                     FAULT_REPLICAS, h, toy, tmp / where, store, faulty=faulty, env=env
@@ -552,8 +631,10 @@ def run_faults(quick: bool = False) -> dict[str, Any]:
         print(f"{k:48s} {v:8.4f}   target {targets[k]}")
     for k, r in results.items():
         if isinstance(r, dict) and "events" in r:
-            print(f"{k}: {r['wall_s']:.1f} s, {r['useful_inner_steps']} useful inner steps, restarts {r['restarts']}, "
-                  f"{'; '.join(r['events']) or 'no faults'}")  # fmt: skip
+            print(
+                f"{k}: {r['wall_s']:.1f} s, {r['useful_inner_steps']} useful inner steps, restarts {r['restarts']}, "
+                f"{'; '.join(r['events']) or 'no faults'}"
+            )
     return out
 
 
@@ -563,8 +644,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     steps = 64 if quick else 384
     hs = [8] if quick else [4, 16, 64]
     toy = _toy(quick, steps)
-    results: dict[str, Any] = {"replicas": replicas, "inner_steps_per_replica": steps, "toy": toy,
-                               "toy_lm": _toy_lm(steps), "object_store_h": OS_H[quick]}  # fmt: skip
+    results: dict[str, Any] = {
+        "replicas": replicas,
+        "inner_steps_per_replica": steps,
+        "toy": toy,
+        "toy_lm": _toy_lm(steps),
+        "object_store_h": OS_H[quick],
+    }
     ratios: dict[str, float] = {}
     targets: dict[str, str] = {}
     plan = ["ddp", "single"] + [f"diloco_h{h}" for h in hs] + [f"os_file_{c}" for c in CODECS] + ["os_s3_none"]
@@ -599,8 +685,18 @@ STATE_EVERIES = (STATE_EVERY, 8)
 CODECS_N4 = ("none", "int4")
 
 
-def _measure(plan: list[str], replicas: int, steps: int, toy: dict[str, Any], tmp: Path, results: dict[str, Any],
-             ratios: dict[str, float], targets: dict[str, str], *, baselines: bool = True) -> None:  # fmt: skip
+def _measure(
+    plan: list[str],
+    replicas: int,
+    steps: int,
+    toy: dict[str, Any],
+    tmp: Path,
+    results: dict[str, Any],
+    ratios: dict[str, float],
+    targets: dict[str, str],
+    *,
+    baselines: bool = True,
+) -> None:
     from tqdm import tqdm
 
     moto = None
@@ -626,9 +722,19 @@ def _measure(plan: list[str], replicas: int, steps: int, toy: dict[str, Any], tm
                 h = os_h
                 if compress == "nosync":  # one sync, at the last batch (left out of the step times)
                     compress, h = "none", steps
-                results[item] = _run_diloco(n, h, shape, tmp, name=item, store=url, compress=compress,
-                                            state_every=o.get("k", 1), overlap=o.get("o", 0), skip=os_h,
-                                            env=env)  # fmt: skip
+                results[item] = _run_diloco(
+                    n,
+                    h,
+                    shape,
+                    tmp,
+                    name=item,
+                    store=url,
+                    compress=compress,
+                    state_every=o.get("k", 1),
+                    overlap=o.get("o", 0),
+                    skip=os_h,
+                    env=env,
+                )
                 continue
             if item == "ddp":
                 ddp = _run_ddp(replicas, toy, tmp)
@@ -756,9 +862,11 @@ def _overlap_ratios(results: dict[str, Any], ratios: dict[str, float], targets: 
                 ratios[f"{key}_mean"], ratios[f"{key}_median"] = statistics.fmean(reps), statistics.median(reps)
                 ratios[f"{key}_min"], ratios[f"{key}_max"] = min(reps), max(reps)
                 targets[f"{key}_mean"] = "≥ 0.9 (issue 34)" if mode == "overlap1" else "informative"
-        losses = [results[f"{shape}_file_none+o1+r{i}"]["eval_loss"] / results[f"{shape}_file_none+r{i}"]["eval_loss"]
-                  for i in range(1, OVERLAP_REPS + 1)
-                  if f"{shape}_file_none+o1+r{i}" in results and f"{shape}_file_none+r{i}" in results]  # fmt: skip
+        losses = [
+            results[f"{shape}_file_none+o1+r{i}"]["eval_loss"] / results[f"{shape}_file_none+r{i}"]["eval_loss"]
+            for i in range(1, OVERLAP_REPS + 1)
+            if f"{shape}_file_none+o1+r{i}" in results and f"{shape}_file_none+r{i}" in results
+        ]
         if losses:
             ratios[f"eval_loss_{label}_overlap1_vs_overlap0"] = statistics.fmean(losses)
             targets[f"eval_loss_{label}_overlap1_vs_overlap0"] = "informative (a delayed outer update, same tokens)"
@@ -766,32 +874,42 @@ def _overlap_ratios(results: dict[str, Any], ratios: dict[str, float], targets: 
 
 def _print_overlap(out: dict[str, Any]) -> None:
     r, q = out["results"], out["ratios"]
-    print(f"\nInner-step time during the rounds (file://, H={r['object_store_h']}, 2 replicas, {OVERLAP_REPS} "
-          "interleaved repetitions): never sync / overlap 1 / overlap 0")  # fmt: skip
-    print(f"{'shape':<8}{'rep':>4}{'no sync ms':>12}{'o1 ms':>9}{'o1 sync-batch':>15}{'o1 other':>10}{'o0 ms':>9}"
-          f"{'o1 ratio':>10}{'o0 ratio':>10}")  # fmt: skip
+    print(
+        f"\nInner-step time during the rounds (file://, H={r['object_store_h']}, 2 replicas, {OVERLAP_REPS} "
+        "interleaved repetitions): never sync / overlap 1 / overlap 0"
+    )
+    print(
+        f"{'shape':<8}{'rep':>4}{'no sync ms':>12}{'o1 ms':>9}{'o1 sync-batch':>15}{'o1 other':>10}{'o0 ms':>9}"
+        f"{'o1 ratio':>10}{'o0 ratio':>10}"
+    )
     for shape, label in (("os", "toy"), ("oslm", "lm")):
         for i in range(1, OVERLAP_REPS + 1):
             b, o1, o0 = (r.get(f"{shape}_file_{c}+r{i}") for c in ("nosync", "none+o1", "none"))
             if b is None or o1 is None or o0 is None:
                 continue
-            print(f"{label:<8}{i:>4}{1e3 * b['mean_step_s_in_rounds']:>12.2f}{1e3 * o1['mean_step_s_in_rounds']:>9.2f}"
-                  f"{1e3 * o1['mean_sync_batch_s_in_rounds']:>15.2f}{1e3 * o1['mean_other_batch_s_in_rounds']:>10.2f}"
-                  f"{1e3 * o0['mean_step_s_in_rounds']:>9.2f}"
-                  f"{q[f'inner_step_throughput_{label}_overlap1_vs_nosync_rep{i}']:>10.3f}"
-                  f"{q[f'inner_step_throughput_{label}_overlap0_vs_nosync_rep{i}']:>10.3f}")  # fmt: skip
+            print(
+                f"{label:<8}{i:>4}{1e3 * b['mean_step_s_in_rounds']:>12.2f}{1e3 * o1['mean_step_s_in_rounds']:>9.2f}"
+                f"{1e3 * o1['mean_sync_batch_s_in_rounds']:>15.2f}{1e3 * o1['mean_other_batch_s_in_rounds']:>10.2f}"
+                f"{1e3 * o0['mean_step_s_in_rounds']:>9.2f}"
+                f"{q[f'inner_step_throughput_{label}_overlap1_vs_nosync_rep{i}']:>10.3f}"
+                f"{q[f'inner_step_throughput_{label}_overlap0_vs_nosync_rep{i}']:>10.3f}"
+            )
 
 
 def _print_table(out: dict[str, Any], hs: list[int]) -> None:
     r = out["results"]
     rows = [("DDP (every step)", r["ddp"])] + [(f"DiLoCo H={h}", r[f"diloco_h{h}"]) for h in hs]
-    print(f"\nDiLoCo benchmark: {r['replicas']} replicas x {r['inner_steps_per_replica']} inner steps, "
-          f"{r['ddp']['num_params']} params (fp32)")  # fmt: skip
+    print(
+        f"\nDiLoCo benchmark: {r['replicas']} replicas x {r['inner_steps_per_replica']} inner steps, "
+        f"{r['ddp']['num_params']} params (fp32)"
+    )
     print(f"{'run':<18}{'bytes/inner step':>18}{'vs DDP':>10}{'eval loss':>11}")
     base = r["ddp"]["bytes_per_inner_step"]
     for name, d in rows:
-        print(f"{name:<18}{d['bytes_per_inner_step']:>18,.0f}{d['bytes_per_inner_step'] / base:>10.4f}"
-              f"{d['eval_loss']:>11.4f}")  # fmt: skip
+        print(
+            f"{name:<18}{d['bytes_per_inner_step']:>18,.0f}{d['bytes_per_inner_step'] / base:>10.4f}"
+            f"{d['eval_loss']:>11.4f}"
+        )
     s = r["single_equal_tokens"]
     print(f"{'single, = tokens':<18}{0:>18,}{0:>10.4f}{s['eval_loss']:>11.4f}  ({s['inner_steps']} steps)")
     h = r["object_store_h"]
@@ -806,9 +924,11 @@ def _print_table(out: dict[str, Any], hs: list[int]) -> None:
     rows += [(f"store 4 replicas {c}", r[f"os4_file_{c}"]) for c in CODECS_N4 if f"os4_file_{c}" in r]
     for name, d in rows:
         w, rd = d.get("store_bytes_written_per_sync"), d.get("store_bytes_read_per_sync")
-        print(f"{name:<22}{d['grad_bytes_per_sync']:>12,.0f}{'-' if w is None else f'{w:,.0f}':>12}"
-              f"{'-' if rd is None else f'{rd:,.0f}':>12}{d['sync_latency_s']:>11.4f}{d['eval_loss']:>11.4f}"
-              f"{d.get('compress_error', 0.0):>9.4f}")  # fmt: skip
+        print(
+            f"{name:<22}{d['grad_bytes_per_sync']:>12,.0f}{'-' if w is None else f'{w:,.0f}':>12}"
+            f"{'-' if rd is None else f'{rd:,.0f}':>12}{d['sync_latency_s']:>11.4f}{d['eval_loss']:>11.4f}"
+            f"{d.get('compress_error', 0.0):>9.4f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -821,8 +941,9 @@ def main(argv: list[str] | None = None) -> None:
         help="run only this figure (overlap: no-sync / overlap 1 / overlap 0; codecs: fp32 / int4 / sparseloco on "
         "the LM-shaped step; faults: goodput with a replica of 4 killed every 4 rounds and one paused)",
     )
-    p.add_argument("--ddp-worker", nargs=6, metavar=("RANK", "WORLD", "PORT", "TOY", "OUT", "TIMEOUT"),
-                   help=argparse.SUPPRESS)  # fmt: skip
+    p.add_argument(
+        "--ddp-worker", nargs=6, metavar=("RANK", "WORLD", "PORT", "TOY", "OUT", "TIMEOUT"), help=argparse.SUPPRESS
+    )
     a = p.parse_args(argv)
     if a.ddp_worker:
         rank, world, port, toy_json, out, timeout_s = a.ddp_worker

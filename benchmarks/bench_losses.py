@@ -162,9 +162,14 @@ def _worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repea
     adv = randn(b, t, std=1.0)
     hint_mask = torch.ones(b, t, dtype=torch.bool, device=dev)
     grad_mode = "recompute" if variant.endswith("_recompute") else "precompute"  # the channel's default
-    channel = HintDistillChannel(criterion="jsd", beta=0.5, chunk_size=chunk, grad_mode=grad_mode,
-                                 kernels="liger" if variant == "hint_distill_liger" else "torch",
-                                 topk=100 if variant.endswith("_topk100") else None)  # fmt: skip
+    channel = HintDistillChannel(
+        criterion="jsd",
+        beta=0.5,
+        chunk_size=chunk,
+        grad_mode=grad_mode,
+        kernels="liger" if variant == "hint_distill_liger" else "torch",
+        topk=100 if variant.endswith("_topk100") else None,
+    )
 
     def step() -> float:
         weight.grad = None
@@ -303,8 +308,9 @@ def _teacher_worker(variant: str, shape: dict[str, int], chunk: int, threads: in
             loss = (s.exp() * (s - logq)).sum(-1).mul(mask).sum() / mask.sum()
             del s, logq
         else:
-            loss, _ = channel({"hidden_states": hidden, "lm_head_weight": weight},
-                              {"teacher_scores": scores, "completion_mask": mask})  # fmt: skip
+            loss, _ = channel(
+                {"hidden_states": hidden, "lm_head_weight": weight}, {"teacher_scores": scores, "completion_mask": mask}
+            )
         loss.backward()
         return float(loss.detach())
 
@@ -360,8 +366,13 @@ def _teacher_worker(variant: str, shape: dict[str, int], chunk: int, threads: in
     }
 
 
-def run_teacher(threads: int | None = None, chunk_size: int | None = None, repeats: int | None = None,
-                tokens: int = 2048, quick: bool = False) -> dict[str, Any]:  # fmt: skip
+def run_teacher(
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    repeats: int | None = None,
+    tokens: int = 2048,
+    quick: bool = False,
+) -> dict[str, Any]:
     """The ``teacher_distill`` workloads (each variant in a fresh process): results and time ratios to the full path."""
     shape = dict(QUICK if quick else FULL)
     shape["T"] = tokens if not quick else min(tokens, QUICK["T"])
@@ -379,8 +390,14 @@ def run_teacher(threads: int | None = None, chunk_size: int | None = None, repea
             base = results[f"teacher_full_n{name.rsplit('_n', 1)[1]}"]
             ratios[f"{name}_time_ratio"] = r["time_s"] / max(base["time_s"], 1e-12)
             ratios[f"{name}_peak_ratio_vs_full"] = r["peak_mib"] / max(base["peak_mib"], 1e-9)
-    return {"name": "losses_teacher", "shape": shape, "chunk_size": chunk, "results": results, "ratios": ratios,
-            "targets": TEACHER_TARGETS}  # fmt: skip
+    return {
+        "name": "losses_teacher",
+        "shape": shape,
+        "chunk_size": chunk,
+        "results": results,
+        "ratios": ratios,
+        "targets": TEACHER_TARGETS,
+    }
 
 
 def _print_teacher(report: dict[str, Any]) -> None:
@@ -502,9 +519,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (best is kept)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--out", default=None, help="also write the report as JSON to this file")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: "
-                        f"{', '.join(VARIANTS)})")  # fmt: skip
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {', '.join(VARIANTS)})",
+    )
     p.add_argument("--teacher", action="store_true", help="the teacher_distill workloads (K 20/100, 1 and 3 teachers)")
     p.add_argument("--teacher-tokens", type=int, default=2048, help="T of the teacher workloads (default 2048)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)

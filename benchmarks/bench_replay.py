@@ -135,8 +135,9 @@ def raw_client_rate(base_url: str, client: str, n: int, concurrency: int) -> flo
             hx = httpx.AsyncClient(limits=limits, timeout=60.0, trust_env=False)
 
             async def post(m: list[dict[str, Any]]) -> None:
-                r = await hx.post(t.url, content=json.dumps(t.build_request(m)).encode(),
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+                r = await hx.post(
+                    t.url, content=json.dumps(t.build_request(m)).encode(), headers={"Content-Type": "application/json"}
+                )
                 r.raise_for_status()
 
         async def one(m: list[dict[str, Any]]) -> None:
@@ -334,8 +335,19 @@ def print_table(res: dict[str, Any]) -> None:
 # -- the fault benchmark ------------------------------------------------------------------------
 
 FAULT_PLAN = [
-    "429", "500", "502", "503", "timeout", "malformed", "slow", "drop", "billed_drop", "empty", "slow_body", "echo",
-]  # fmt: skip
+    "429",
+    "500",
+    "502",
+    "503",
+    "timeout",
+    "malformed",
+    "slow",
+    "drop",
+    "billed_drop",
+    "empty",
+    "slow_body",
+    "echo",
+]
 PROMPT_PRICE, COMPLETION_PRICE = 1e-6, 4e-6
 FAULT_TEACHERS = ("teacher-a", "teacher-b", "c-wrong")
 

@@ -79,8 +79,9 @@ def _trl_reward(rng: random.Random) -> Any:
     return random_reward
 
 
-def _config(tmp: str, spec: dict[str, Any], model_dir: str, pairs: str, variant: str,
-            hint_options: dict[str, Any] | None = None) -> Any:  # fmt: skip
+def _config(
+    tmp: str, spec: dict[str, Any], model_dir: str, pairs: str, variant: str, hint_options: dict[str, Any] | None = None
+) -> Any:
     from composer_plugins.training.config import loads_train_config
 
     gpu = spec["device"] == "cuda"
@@ -116,8 +117,14 @@ def _peak() -> dict[str, float]:
     return out
 
 
-def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps: int,
-          hint_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def child(
+    variant: str,
+    spec: dict[str, Any],
+    model_dir: str,
+    pairs: str,
+    steps: int,
+    hint_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One configuration in this process: ``steps`` timed steps after one warm-up step."""
     import torch
 
@@ -145,8 +152,13 @@ def child(variant: str, spec: dict[str, Any], model_dir: str, pairs: str, steps:
             prompt_tokens = max(len(module.tokenizer(t["prompt"])["input_ids"]) for b in batches for t in b)
         secs = sum(x["s"] for x in timed)
         toks = sum(x["tokens"] for x in timed)
-        return {"step_s": secs / len(timed), "tokens_per_s": toks / secs, "tokens_per_step": toks / len(timed),
-                "max_prompt_tokens": prompt_tokens, **_peak()}  # fmt: skip
+        return {
+            "step_s": secs / len(timed),
+            "tokens_per_s": toks / secs,
+            "tokens_per_step": toks / len(timed),
+            "max_prompt_tokens": prompt_tokens,
+            **_peak(),
+        }
 
 
 def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
@@ -166,20 +178,45 @@ def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
     pairs = tmp / "pairs.jsonl"
     tasks = env.sample_tasks(16, "train", seed=3)
     wrong = [t["target"].replace(f"#### {t['answer']}", f"#### {int(t['answer']) + 1}") for t in tasks]
-    atomic_write_jsonl(pairs, [{"prompt": t["prompt"], "chosen": t["target"], "rejected": w}
-                               for t, w in zip(tasks, wrong, strict=True)])  # fmt: skip
+    atomic_write_jsonl(
+        pairs,
+        [{"prompt": t["prompt"], "chosen": t["target"], "rejected": w} for t, w in zip(tasks, wrong, strict=True)],
+    )
     return str(model), str(pairs), int(MODEL_SHAPES[shape]["vocab_size"])
 
 
-def _spawn(variant: str, spec_name: str, model: str, pairs: str, steps: int, timeout: float,
-           hint_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def _spawn(
+    variant: str,
+    spec_name: str,
+    model: str,
+    pairs: str,
+    steps: int,
+    timeout: float,
+    hint_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as td:
         out = Path(td) / "r.json"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "-m", "benchmarks.bench_scale", "--child", variant, "--spec", spec_name,
-               "--model", model, "--pairs", pairs, "--steps", str(steps), "--json", str(out),
-               "--hint-options", json.dumps(hint_options or {})]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_scale",
+            "--child",
+            variant,
+            "--spec",
+            spec_name,
+            "--model",
+            model,
+            "--pairs",
+            pairs,
+            "--steps",
+            str(steps),
+            "--json",
+            str(out),
+            "--hint-options",
+            json.dumps(hint_options or {}),
+        ]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
@@ -210,10 +247,15 @@ def parse_hint_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def run(quick: bool = False, variants: tuple[str, ...] = VARIANTS,
-        hint_options: dict[str, Any] | None = None, shapes: tuple[str, ...] | None = None,
-        hint_all: bool = False, config_timeout: float = 3600,
-        partial: Path | None = None) -> dict[str, Any]:  # fmt: skip
+def run(
+    quick: bool = False,
+    variants: tuple[str, ...] = VARIANTS,
+    hint_options: dict[str, Any] | None = None,
+    shapes: tuple[str, ...] | None = None,
+    hint_all: bool = False,
+    config_timeout: float = 3600,
+    partial: Path | None = None,
+) -> dict[str, Any]:
     """The ``variants`` (and the ``hint_options`` configuration, CPU only) of every shape this machine has.
 
     ``shapes``: only these keys of :data:`SHAPES`, each with every listed variant. ``hint_all``: the
@@ -254,8 +296,9 @@ def run(quick: bool = False, variants: tuple[str, ...] = VARIANTS,
                     partial.write_text(json.dumps({"name": "scale", "partial": True, "results": results}, indent=2))
             if hint_options and name == "cpu":
                 labels.append(hint_label(hint_options))
-                results[f"{name}/{labels[-1]}"] = _spawn(HINT_OPTS, name, model, pairs, steps, config_timeout,
-                                                         hint_options)  # fmt: skip
+                results[f"{name}/{labels[-1]}"] = _spawn(
+                    HINT_OPTS, name, model, pairs, steps, config_timeout, hint_options
+                )
             trl = results.get(f"{name}/trl_grpo", {})
             # every composer configuration sees the same prompts: any of them gives the longest prompt
             prompt = max((int(results.get(f"{name}/{v}", {}).get("max_prompt_tokens") or 0) for v in labels), default=0)
@@ -291,19 +334,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one timed step per configuration instead of two")
     p.add_argument("--json", default=None, help="also write the result dict here")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")  # fmt: skip
-    p.add_argument("--hint-distill", action="append", default=[], metavar="KEY=VALUE",
-                   help="one more configuration: grpo + hint_distill with losses.hint_distill.KEY=VALUE "
-                        "(repeatable), e.g. topk=100, teacher=ema")  # fmt: skip
-    p.add_argument("--shapes", default=None,
-                   help=f"comma-separated subset of {', '.join(SHAPES)} (default: cpu, and the GPU shapes "
-                        "when CUDA is present); every listed variant runs on each")  # fmt: skip
-    p.add_argument("--hint-all", action="store_true",
-                   help="apply the --hint-distill settings to grpo+hint and grpo+hint+replay instead of adding "
-                        "a configuration")  # fmt: skip
-    p.add_argument("--config-timeout", type=float, default=3600,
-                   help="seconds one configuration's process may take (default 3600)")  # fmt: skip
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)"
+    )
+    p.add_argument(
+        "--hint-distill",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more configuration: grpo + hint_distill with losses.hint_distill.KEY=VALUE "
+        "(repeatable), e.g. topk=100, teacher=ema",
+    )
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated subset of {', '.join(SHAPES)} (default: cpu, and the GPU shapes "
+        "when CUDA is present); every listed variant runs on each",
+    )
+    p.add_argument(
+        "--hint-all",
+        action="store_true",
+        help="apply the --hint-distill settings to grpo+hint and grpo+hint+replay instead of adding a configuration",
+    )
+    p.add_argument(
+        "--config-timeout", type=float, default=3600, help="seconds one configuration's process may take (default 3600)"
+    )
     p.add_argument("--hint-options", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, choices=(*VARIANTS, HINT_OPTS), help=argparse.SUPPRESS)
     p.add_argument("--spec", default="cpu", choices=sorted(SHAPES), help=argparse.SUPPRESS)
@@ -325,9 +380,15 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in shapes if x not in SHAPES]
         if bad:
             p.error(f"unknown --shapes {bad}; available: {', '.join(SHAPES)}")
-    res = run(quick=a.quick, variants=variants, hint_options=parse_hint_options(a.hint_distill), shapes=shapes,
-              hint_all=a.hint_all, config_timeout=a.config_timeout,
-              partial=Path(a.json) if a.json else None)  # fmt: skip
+    res = run(
+        quick=a.quick,
+        variants=variants,
+        hint_options=parse_hint_options(a.hint_distill),
+        shapes=shapes,
+        hint_all=a.hint_all,
+        config_timeout=a.config_timeout,
+        partial=Path(a.json) if a.json else None,
+    )
     print(f"{'configuration':<28} {'step s':>8} {'tok/s':>8} {'peak RSS GiB':>13} {'peak CUDA GiB':>14}")
     for k, r in res["results"].items():
         if isinstance(r, dict):

@@ -73,8 +73,14 @@ def worker(spec_path: str, rank: int) -> None:
     spec = json.loads(Path(spec_path).read_text())
     world = int(spec["world"])
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), WORLD_SIZE=str(world),
-                          NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank))  # fmt: skip
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(spec["port"]),
+            WORLD_SIZE=str(world),
+            NODE_RANK="0",
+            LOCAL_RANK=str(rank),
+            RANK=str(rank),
+        )
     from composer_plugins.procs import set_pdeathsig
 
     set_pdeathsig()

@@ -104,8 +104,17 @@ def composed_steps(module: Any, cfg: Any, batches: list[list[dict[str, Any]]], o
     return [{"s": marks[i + 1] - marks[i], "tokens": tokens[i]} for i in range(len(batches))]
 
 
-def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, batches: list[list[dict[str, Any]]],
-              offset: int, opt: Any, hint_provider: Any = None) -> list[dict[str, float]]:  # fmt: skip
+def raw_steps(
+    policy: Any,
+    tok: Any,
+    env: Any,
+    channels: list[Any],
+    cfg: Any,
+    batches: list[list[dict[str, Any]]],
+    offset: int,
+    opt: Any,
+    hint_provider: Any = None,
+) -> list[dict[str, float]]:
     """The same step as a plain PyTorch loop over the primitives."""
     import torch
 
@@ -121,9 +130,18 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
         t0 = time.perf_counter()
         seed = derive_seed(cfg.seed, 1, offset + i)
         prompts = [task_prompt(t) for t in tasks]
-        ro = generate_completions(policy, tok, prompts, r.num_generations, max_new_tokens=r.max_new_tokens,
-                                  temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
-                                  max_prompt_length=r.max_prompt_length)  # fmt: skip
+        ro = generate_completions(
+            policy,
+            tok,
+            prompts,
+            r.num_generations,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=seed,
+            max_prompt_length=r.max_prompt_length,
+        )
         rewards = env_rewards(env, tasks, ro.completions, r.num_generations)
         rewards = torch.tensor(rewards, device=ro.completion_ids.device)
         adv = F.group_advantages(rewards, r.num_generations)
@@ -131,12 +149,16 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
         args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
         logps, hidden = completion_logprobs(policy, *args, temperature=r.temperature, return_hidden=True)
         mo: dict[str, Any] = {"logprobs": logps}
-        b: dict[str, Any] = {"advantages": adv, "completion_mask": ro.completion_mask.float(),
-                             "old_logprobs": logps.detach()}  # fmt: skip
+        b: dict[str, Any] = {
+            "advantages": adv,
+            "completion_mask": ro.completion_mask.float(),
+            "old_logprobs": logps.detach(),
+        }
         if want_hidden:
             failed = (rewards < r.success_threshold).nonzero().flatten().tolist()
-            ctxs = teacher_contexts(env, hint_provider, [tasks[j // r.num_generations] for j in failed],
-                                    [ro.completions[j] for j in failed])  # fmt: skip
+            ctxs = teacher_contexts(
+                env, hint_provider, [tasks[j // r.num_generations] for j in failed], [ro.completions[j] for j in failed]
+            )
             rows = [j for j, c in zip(failed, ctxs, strict=True) if c is not None]
             hp = [c for c in ctxs if c is not None]
             if rows:
@@ -163,8 +185,9 @@ def raw_steps(policy: Any, tok: Any, env: Any, channels: list[Any], cfg: Any, ba
     return out
 
 
-def trl_steps(path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]],
-              device: str = "cpu") -> list[dict[str, float]] | str:  # fmt: skip
+def trl_steps(
+    path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]], device: str = "cpu"
+) -> list[dict[str, float]] | str:
     """TRL ``GRPOTrainer`` on the same model and batch; per-step seconds and completion tokens.
 
     ``device="cuda"`` trains on the GPU in bf16 mixed precision; otherwise on the CPU in fp32.
@@ -177,8 +200,9 @@ def trl_steps(path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]]
         return f"unavailable: {e}"
     r = cfg.rollout
     rows = [dict(t) for b in batches for t in b]
-    ds = Dataset.from_list([{k: (v if isinstance(v, str | int | float) else json.dumps(v)) for k, v in t.items()}
-                            for t in rows])  # fmt: skip
+    ds = Dataset.from_list(
+        [{k: (v if isinstance(v, str | int | float) else json.dumps(v)) for k, v in t.items()} for t in rows]
+    )
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     steps: list[dict[str, float]] = []
@@ -193,16 +217,36 @@ def trl_steps(path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]]
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=r.prompts_per_step * r.num_generations,
-            num_generations=r.num_generations, max_completion_length=r.max_new_tokens, max_steps=len(batches),
-            learning_rate=cfg.optim.lr, logging_steps=1, report_to=[], use_cpu=device == "cpu", bf16=device == "cuda",
+            output_dir=out,
+            per_device_train_batch_size=r.prompts_per_step * r.num_generations,
+            num_generations=r.num_generations,
+            max_completion_length=r.max_new_tokens,
+            max_steps=len(batches),
+            learning_rate=cfg.optim.lr,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=device == "cpu",
+            bf16=device == "cuda",
             save_strategy="no",
-            temperature=r.temperature, top_k=r.top_k or 0, top_p=r.top_p, beta=0.0, loss_type="grpo",
-            disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=cfg.trainer.gradient_clip_val,
-            shuffle_dataset=False, seed=cfg.seed,
-        )  # fmt: skip
-        trainer = GRPOTrainer(model=path, reward_funcs=env.reward_fn() if hasattr(env, "reward_fn") else env.reward,
-                              args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])  # fmt: skip
+            temperature=r.temperature,
+            top_k=r.top_k or 0,
+            top_p=r.top_p,
+            beta=0.0,
+            loss_type="grpo",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            max_grad_norm=cfg.trainer.gradient_clip_val,
+            shuffle_dataset=False,
+            seed=cfg.seed,
+        )
+        trainer = GRPOTrainer(
+            model=path,
+            reward_funcs=env.reward_fn() if hasattr(env, "reward_fn") else env.reward,
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+            callbacks=[Timer()],
+        )
         trainer.train()
         logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     n = r.prompts_per_step * r.num_generations

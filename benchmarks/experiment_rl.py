@@ -86,10 +86,14 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {label} | {_ms(acc)} | {d} | {_ms(pk)} | {_ms(mr)} | {len(rows)} |")
     hint = [r["rl+hint"].get("hint_loss_mean", 0.0) for r in rows]
     lines.append("")
-    lines.append(f"hint_distill loss (mean over steps): {_ms(hint)}; per-seed accuracy: " + ", ".join(
-        f"seed {r['seed']}: {r['sft']['accuracy']:.3f} -> {r['rl']['accuracy']:.3f} / {r['rl+hint']['accuracy']:.3f}"
-        for r in rows
-    ))  # fmt: skip
+    lines.append(
+        f"hint_distill loss (mean over steps): {_ms(hint)}; per-seed accuracy: "
+        + ", ".join(
+            f"seed {r['seed']}: {r['sft']['accuracy']:.3f} -> "
+            f"{r['rl']['accuracy']:.3f} / {r['rl+hint']['accuracy']:.3f}"
+            for r in rows
+        )
+    )
     return "\n".join(lines)
 
 
@@ -113,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_seed(s, config, overrides, out) for s in a.seeds]
     text = table(rows)
     print()
-    print(f"command: python -m benchmarks.experiment_rl --seeds {' '.join(map(str, a.seeds))}"
-          + (f" --set {' '.join(a.set)}" if a.set else "") + (" --quick" if a.quick else ""))  # fmt: skip
+    print(
+        f"command: python -m benchmarks.experiment_rl --seeds {' '.join(map(str, a.seeds))}"
+        + (f" --set {' '.join(a.set)}" if a.set else "")
+        + (" --quick" if a.quick else "")
+    )
     print(text)
     (out / "results.json").write_text(json.dumps({"rows": rows, "config": config, "overrides": overrides}, indent=2))
     (out / "results.md").write_text(text + "\n")

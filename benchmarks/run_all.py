@@ -218,8 +218,9 @@ def main_thread_frames(stderr_text: str, n: int = 4) -> str:
     return " <- ".join(out)
 
 
-def _timed_out(name: str, proc: subprocess.Popen[bytes], timeout: float, source: str, tag: str, status: Path,
-               err_log: Path) -> str:  # fmt: skip
+def _timed_out(
+    name: str, proc: subprocess.Popen[bytes], timeout: float, source: str, tag: str, status: Path, err_log: Path
+) -> str:
     """Find out what the benchmark was waiting for, report it, and kill its whole tree."""
     size = err_log.stat().st_size if err_log.exists() else 0
     with contextlib.suppress(ProcessLookupError):

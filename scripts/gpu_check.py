@@ -35,20 +35,51 @@ from typing import Any
 STEP_IMPORTS: dict[str, list[str]] = {
     "setup": ["pip"],
     "tier": [
-        "pytest", "pytest_timeout", "torch", "transformers", "lightning", "pluggy", "yaml", "click",
-        "composer_plugins.testing", "composer_plugins.procs",
-        "composer_plugins.kernels.chunked", "composer_plugins.losses.distill", "composer_plugins.training.module",
-        "composer_plugins.training.run", "composer_plugins.diloco.objstore", "composer_plugins.training.rollouts",
-        "obstore", "liger_kernel.chunked_loss", "trl", "datasets", "composer_plugins_trl.backend",
-        "benchmarks.bench_scale", "benchmarks.bench_training",
+        "pytest",
+        "pytest_timeout",
+        "torch",
+        "transformers",
+        "lightning",
+        "pluggy",
+        "yaml",
+        "click",
+        "composer_plugins.testing",
+        "composer_plugins.procs",
+        "composer_plugins.kernels.chunked",
+        "composer_plugins.losses.distill",
+        "composer_plugins.training.module",
+        "composer_plugins.training.run",
+        "composer_plugins.diloco.objstore",
+        "composer_plugins.training.rollouts",
+        "obstore",
+        "liger_kernel.chunked_loss",
+        "trl",
+        "datasets",
+        "composer_plugins_trl.backend",
+        "benchmarks.bench_scale",
+        "benchmarks.bench_training",
     ],
     "kernels": ["torch", "benchmarks.bench_losses", "composer_plugins.losses.distill", "liger_kernel.chunked_loss"],
-    "scale-0.5b": ["torch", "benchmarks.bench_scale", "benchmarks.bench_training", "composer_plugins.training.module",
-                   "lightning", "trl", "datasets"],
-    "scale-1.5b": ["torch", "benchmarks.bench_scale", "benchmarks.bench_training", "composer_plugins.training.module",
-                   "lightning", "trl", "datasets"],
+    "scale-0.5b": [
+        "torch",
+        "benchmarks.bench_scale",
+        "benchmarks.bench_training",
+        "composer_plugins.training.module",
+        "lightning",
+        "trl",
+        "datasets",
+    ],
+    "scale-1.5b": [
+        "torch",
+        "benchmarks.bench_scale",
+        "benchmarks.bench_training",
+        "composer_plugins.training.module",
+        "lightning",
+        "trl",
+        "datasets",
+    ],
     "report": ["json", "xml.etree.ElementTree"],
-}  # fmt: skip
+}
 #: Top-level module -> the distribution whose wheel provides it (for modules whose names differ).
 MODULE_DISTS = {"liger_kernel": "liger-kernel", "pytest_timeout": "pytest-timeout", "yaml": "pyyaml"}
 
@@ -118,8 +149,20 @@ def cmd_install(wheels: Path, target: Path, prefer_wheels: bool, dry_run: bool) 
         print(f"    no wheels in {wheels} (fill it here with `bash scripts/gpu_wheels.sh`)")
     if not todo or dry_run:
         return 0
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--upgrade", "--target", str(target),
-           "--disable-pip-version-check", "-q", *map(str, todo)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--upgrade",
+        "--target",
+        str(target),
+        "--disable-pip-version-check",
+        "-q",
+        *map(str, todo),
+    ]
     print("    " + " ".join(cmd))
     return subprocess.run(cmd, check=False).returncode
 
@@ -231,14 +274,15 @@ def render_md(r: dict[str, Any]) -> str:
         "",
         f"Device: **{m.get('device')}** (CUDA {m.get('cuda')}), Python {m.get('python')}, torch {m.get('torch')}, "
         f"transformers {m.get('transformers')}, lightning {m.get('lightning')}, trl {m.get('trl')}, "
-        f"liger-kernel {m.get('liger-kernel')}; written {r['written']}" + (f", commit {r['commit']}" if "commit" in r
-                                                                            else "") + ".",
+        f"liger-kernel {m.get('liger-kernel')}; written {r['written']}"
+        + (f", commit {r['commit']}" if "commit" in r else "")
+        + ".",
         "",
         "## Steps",
         "",
         "| step | status | seconds | budget s |",
         "|---|---|---:|---:|",
-    ]  # fmt: skip
+    ]
     for s in r["steps"]:
         status = "ok" if s.get("rc") == 0 else ("TIMED OUT" if s.get("timed_out") else f"FAILED (exit {s.get('rc')})")
         lines.append(f"| {s.get('step')} | {status} | {_fmt(s.get('seconds'), '.0f')} | {s.get('budget_s')} |")
@@ -260,19 +304,28 @@ def render_md(r: dict[str, Any]) -> str:
         lines.append(k["error"])
     else:
         s = k.get("shape", {})
-        lines += [f"Shape B={s.get('B')} T={s.get('T')} H={s.get('H')} V={s.get('V')}, chunk {k.get('chunk_size')}.",
-                  "", "| variant | peak MiB | time s | loss |", "|---|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            f"Shape B={s.get('B')} T={s.get('T')} H={s.get('H')} V={s.get('V')}, chunk {k.get('chunk_size')}.",
+            "",
+            "| variant | peak MiB | time s | loss |",
+            "|---|---:|---:|---:|",
+        ]
         for name, v in k.get("results", {}).items():
-            lines.append(f"| {name} | {_fmt(v.get('peak_mib'), '.1f')} | {_fmt(v.get('time_s'), '.4f')} | "
-                         f"{_fmt(v.get('loss'), '.6f')} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {_fmt(v.get('peak_mib'), '.1f')} | {_fmt(v.get('time_s'), '.4f')} | "
+                f"{_fmt(v.get('loss'), '.6f')} |"
+            )
         lines += ["", "| ratio | value | target |", "|---|---:|---|"]
         for name, v in k.get("ratios", {}).items():
             lines.append(f"| {name} | {_fmt(v)} | {k.get('targets', {}).get(name, '–')} |")
         for name, ok in k.get("checks", {}).items():
             lines.append(f"| {name} | {'ok' if ok else 'MISMATCH'} | same loss and gradients |")
     for shape, sc in r["scale"].items():
-        lines += ["", f"## Composed step vs TRL GRPOTrainer, Qwen2.5-{shape.upper()} shape (`benchmarks.bench_scale`)",
-                  ""]  # fmt: skip
+        lines += [
+            "",
+            f"## Composed step vs TRL GRPOTrainer, Qwen2.5-{shape.upper()} shape (`benchmarks.bench_scale`)",
+            "",
+        ]
         if not sc:
             lines.append(f"No result (see the steps table and gpu.d/scale-{shape}.log).")
             continue
@@ -286,8 +339,10 @@ def render_md(r: dict[str, Any]) -> str:
             note = v.get("error", "")[:160].replace("\n", " ").replace("|", "/")
             if v.get("hint_options"):
                 note = (note + " " + json.dumps(v["hint_options"])).strip()
-            lines.append(f"| {name} | {_fmt(v.get('step_s'), '.2f')} | {_fmt(v.get('tokens_per_s'), '.1f')} | "
-                         f"{_fmt(v.get('peak_cuda_gib'), '.2f')} | {note} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {_fmt(v.get('step_s'), '.2f')} | {_fmt(v.get('tokens_per_s'), '.1f')} | "
+                f"{_fmt(v.get('peak_cuda_gib'), '.2f')} | {note} |"
+            )
         if sc.get("ratios"):
             lines += ["", "| ratio | value | target |", "|---|---:|---|"]
             for name, v in sc["ratios"].items():

@@ -90,8 +90,9 @@ class Backend:
         return {"name": cls.name, "upstream": cls.upstream, "runs_here": cls.runs_here, "needs_gpu": cls.needs_gpu}
 
     # -- outputs shared by the backends ------------------------------------------------
-    def write_outputs(self, history: list[dict[str, float]], metrics: dict[str, float], model: Any = None,
-                      tokenizer: Any = None) -> Any:  # fmt: skip
+    def write_outputs(
+        self, history: list[dict[str, float]], metrics: dict[str, float], model: Any = None, tokenizer: Any = None
+    ) -> Any:
         """Write ``history.csv``, ``metrics.json`` and (when given) ``model/``; return a ``RunResult``."""
         from composer_plugins.training.run import RunResult
 

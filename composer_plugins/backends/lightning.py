@@ -31,9 +31,18 @@ class LightningBackend(Backend):
     runs_here = "everything (all channels, tiny model on CPU)"
     needs_gpu = "nothing (set trainer.accelerator=gpu for GPUs)"
 
-    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
-                 max_steps: int | None = None, resume: str | None = None, strategy: Any = None,
-                 extra_callbacks: Sequence[Any] = (), logger: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any = None,
+        overrides: Sequence[str] = (),
+        *,
+        output_dir: str | None = None,
+        max_steps: int | None = None,
+        resume: str | None = None,
+        strategy: Any = None,
+        extra_callbacks: Sequence[Any] = (),
+        logger: Any = None,
+    ) -> None:
         super().__init__(config, overrides, output_dir=output_dir)
         if max_steps is not None:
             self.config = dataclasses.replace(
@@ -45,5 +54,11 @@ class LightningBackend(Backend):
         """:func:`~composer_plugins.training.run.run_train` on the config; returns its ``RunResult``."""
         from composer_plugins.training.run import run_train
 
-        return run_train(self.config, self.src, resume=self.resume, extra_callbacks=self.extra_callbacks,
-                         strategy=self.strategy, logger=self.logger)  # fmt: skip
+        return run_train(
+            self.config,
+            self.src,
+            resume=self.resume,
+            extra_callbacks=self.extra_callbacks,
+            strategy=self.strategy,
+            logger=self.logger,
+        )

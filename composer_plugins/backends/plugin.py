@@ -61,8 +61,14 @@ def register_commands(cli: Any) -> None:
             out.append(row)
         click.echo(json.dumps(out, indent=2))
 
-    def _build(name: str, config_path: str | None, section: str | None, overrides: tuple[str, ...],
-               options: tuple[str, ...], need_upstream: bool = True) -> Any:  # fmt: skip
+    def _build(
+        name: str,
+        config_path: str | None,
+        section: str | None,
+        overrides: tuple[str, ...],
+        options: tuple[str, ...],
+        need_upstream: bool = True,
+    ) -> Any:
         import yaml
 
         from composer_plugins.core.plugins import get_registry
@@ -85,17 +91,34 @@ def register_commands(cli: Any) -> None:
 
         f = click.argument("overrides", nargs=-1, metavar="[KEY.SUB=VALUE]...")(f)
         f = set_option(f)
-        f = click.option("--opt", "options", multiple=True, metavar="KEY=VALUE",
-                         help="Backend option (e.g. mode=local, generators=2, max_steps=5).")(f)  # fmt: skip
+        f = click.option(
+            "--opt",
+            "options",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Backend option (e.g. mode=local, generators=2, max_steps=5).",
+        )(f)
         f = click.option("--section", default=None, help="Use this top-level key of the file as the config.")(f)
-        f = click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False), default=None,
-                         help="Training config YAML (default: the packaged configs/default.yaml).")(f)  # fmt: skip
+        f = click.option(
+            "--config",
+            "-c",
+            "config_path",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Training config YAML (default: the packaged configs/default.yaml).",
+        )(f)
         return click.argument("name")(f)
 
     @backend.command(name="run")
     @_common
-    def run(name: str, config_path: str | None, section: str | None, options: tuple[str, ...],
-            set_overrides: tuple[str, ...], overrides: tuple[str, ...]) -> None:  # fmt: skip
+    def run(
+        name: str,
+        config_path: str | None,
+        section: str | None,
+        options: tuple[str, ...],
+        set_overrides: tuple[str, ...],
+        overrides: tuple[str, ...],
+    ) -> None:
         """Train the config's channels with backend NAME; print the final metrics as JSON."""
         import json
 
@@ -111,8 +134,14 @@ def register_commands(cli: Any) -> None:
 
     @backend.command(name="export")
     @_common
-    def export(name: str, config_path: str | None, section: str | None, options: tuple[str, ...],
-               set_overrides: tuple[str, ...], overrides: tuple[str, ...]) -> None:  # fmt: skip
+    def export(
+        name: str,
+        config_path: str | None,
+        section: str | None,
+        options: tuple[str, ...],
+        set_overrides: tuple[str, ...],
+        overrides: tuple[str, ...],
+    ) -> None:
         """Print what launches the config in the upstream trainer (VeRL command line, PRIME-RL TOML)."""
         import shlex
 

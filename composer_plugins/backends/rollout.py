@@ -21,16 +21,25 @@ def generate(policy: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], seed
 
     r = cfg.rollout
     return HFGenerator().generate(
-        policy, tokenizer, list(prompts), r.num_generations, seed=seed, temperature=r.temperature, top_p=r.top_p,
-        top_k=r.top_k, max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
-    )  # fmt: skip
+        policy,
+        tokenizer,
+        list(prompts),
+        r.num_generations,
+        seed=seed,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        max_prompt_length=r.max_prompt_length,
+    )
 
 
 class LocalRun:
     """Policy, tokenizer, env, task stream and optimizer of one in-process run."""
 
-    def __init__(self, cfg: Any, src: Any = None, *, policy: Any = None, tokenizer: Any = None,
-                 env: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: Any, src: Any = None, *, policy: Any = None, tokenizer: Any = None, env: Any = None
+    ) -> None:
         from composer_plugins.training.batches import task_drawer
         from composer_plugins.training.builders import build_env
         from composer_plugins.training.policy import load_policy_for

@@ -81,8 +81,10 @@ def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
 
     reg = get_registry()
     try:
-        entries = sorted([*reg.entries(kind, pattern), *reg.not_installed(kind, pattern)],
-                         key=lambda e: (list(KINDS).index(e.kind), e.name))  # fmt: skip
+        entries = sorted(
+            [*reg.entries(kind, pattern), *reg.not_installed(kind, pattern)],
+            key=lambda e: (list(KINDS).index(e.kind), e.name),
+        )
     except UnknownPluginError as e:
         raise click.UsageError(str(e)) from e
     if as_json:
@@ -143,8 +145,12 @@ def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> No
         return
     click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
     if not infos and not include_all and not hooks:
-        click.secho("No third-party plugins are installed; `composer-plugins plugins --all` lists the built-in ones "
-                    "too (`composer-plugins list` lists every component).", err=True, fg="yellow")  # fmt: skip
+        click.secho(
+            "No third-party plugins are installed; `composer-plugins plugins --all` lists the built-in ones "
+            "too (`composer-plugins list` lists every component).",
+            err=True,
+            fg="yellow",
+        )
 
 
 _commands_loaded = False

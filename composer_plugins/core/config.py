@@ -54,8 +54,9 @@ class Secret(str):
 class Config(dict[str, Any]):
     """A loaded config: plain nested dicts plus where each dotted key came from."""
 
-    def __init__(self, data: Mapping[str, Any] | None = None, source: str | None = None,
-                 lines: Mapping[str, int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, data: Mapping[str, Any] | None = None, source: str | None = None, lines: Mapping[str, int] | None = None
+    ) -> None:
         super().__init__(data or {})
         self.source = source
         self.lines: dict[str, int] = dict(lines or {})
@@ -86,8 +87,9 @@ class Config(dict[str, Any]):
 
     def error(self, key: str, message: str, valid: Sequence[str] | None = None) -> ConfigError:
         """A :class:`ConfigError` located at ``key`` (its file line, or the override that set it)."""
-        return ConfigError(message, key=key, file=self.source, line=self.line_of(key), valid=valid,
-                           override=self.override_of(key))  # fmt: skip
+        return ConfigError(
+            message, key=key, file=self.source, line=self.line_of(key), valid=valid, override=self.override_of(key)
+        )
 
     def get_path(self, key: str, default: Any = None) -> Any:
         """Value at dotted ``key``, or ``default``."""
@@ -109,8 +111,10 @@ def _line_map(node: yaml.Node, prefix: str, out: dict[str, int], source: str = "
                 raise ConfigError(
                     f"duplicate key (first given on line {seen[str(k.value)]}; YAML would silently keep only the "
                     "last one) — keep one of them",
-                    key=key, file=source, line=line,
-                )  # fmt: skip
+                    key=key,
+                    file=source,
+                    line=line,
+                )
             seen[str(k.value)] = line
             out[key] = line
             _line_map(v, key, out, source)
@@ -169,8 +173,9 @@ def _yaml_error(e: yaml.YAMLError, source: str) -> ConfigError:
         return ConfigError(
             f"invalid YAML: the {what} opened here is not closed ({problem} on line {mark.line + 1}); "
             "close it or write it in block style",
-            file=source, line=opened.line + 1,
-        )  # fmt: skip
+            file=source,
+            line=opened.line + 1,
+        )
     return ConfigError(f"invalid YAML: {problem}", file=source, line=mark.line + 1 if mark else None)
 
 
@@ -297,9 +302,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, cfg: Config | None =
         else:
             kwargs[k] = v
     missing = [
-        n for n, f in fields.items()
+        n
+        for n, f in fields.items()
         if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]  # fmt: skip
+    ]
     if missing:
         raise cfg.error(f"{key}.{missing[0]}" if key else missing[0], "required key is missing.", valid=list(fields))
     return cls(**kwargs)
@@ -341,8 +347,9 @@ def component_spec(value: Any, key: str = "", cfg: Config | None = None) -> tupl
         if "class_path" in value:
             extra = set(value) - {"class_path", "init_args"}
             if extra:
-                raise cfg.error(f"{key}.{sorted(extra)[0]}", "unknown key next to class_path.",
-                                valid=["class_path", "init_args"])  # fmt: skip
+                raise cfg.error(
+                    f"{key}.{sorted(extra)[0]}", "unknown key next to class_path.", valid=["class_path", "init_args"]
+                )
             return "class_path:" + str(value["class_path"]), dict(value.get("init_args") or {})
         if "name" in value:
             kw = {k: v for k, v in value.items() if k != "name"}
@@ -383,8 +390,10 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
                 if switched is not None and cfg.override_of(f"{key}.{k}") is None:
                     # `-S key.name=other` keeps the old component's arguments; -S cannot remove them, a whole spec can
                     whole = f"-S '{key}={{name: {target}}}'"
-                    fix = (f"it is an argument of the component that the override {switched!r} replaced, and -S "
-                           f"cannot remove it: set the whole spec instead, e.g. {whole}")  # fmt: skip
+                    fix = (
+                        f"it is an argument of the component that the override {switched!r} replaced, and -S "
+                        f"cannot remove it: set the whole spec instead, e.g. {whole}"
+                    )
                 raise cfg.error(
                     f"{key}.{k}" if key else k,
                     f"unknown argument of {kind.removesuffix('s')} {target!r} — {fix}.",
@@ -477,8 +486,11 @@ def _accepted_kwargs(factory: Any) -> set[str] | None:
     """
     import inspect
 
-    inits = [c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__] if isinstance(
-        factory, type) else [factory]  # fmt: skip
+    inits = (
+        [c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__]
+        if isinstance(factory, type)
+        else [factory]
+    )
     names: set[str] = set()
     for fn in inits:
         if fn is object.__init__:

@@ -291,8 +291,10 @@ def _register_callback(
             me = f"{dname} {dver} (plugin {plugin!r})" if dname else f"plugin {plugin!r}"
             providers = registry.conflict(kind, name, me)
             others = "; ".join(p for p in providers if p != me)
-            refuse(f"{kind} {name!r} is also registered by {others}; the name is unusable until one of them goes "
-                   "(other names are unaffected)")  # fmt: skip
+            refuse(
+                f"{kind} {name!r} is also registered by {others}; the name is unusable until one of them goes "
+                "(other names are unaffected)"
+            )
 
     return register
 

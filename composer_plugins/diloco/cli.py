@@ -120,8 +120,11 @@ def register_commands(cli: Any) -> None:
             replace(dcfg, run_id=run_id).validate(Config(), "diloco")  # the same rule as diloco.run_id
         several = first_index > 0 or (total_replicas is not None and total_replicas > first_index + replicas)
         if transport.needs == "store" and several and not run_id:
-            raise Config().error("diloco.run_id", "several launchers (--first-index/--total-replicas) join one run "
-                                 "only under one id. HINT: pass the same --run-id <id> to every launcher.")  # fmt: skip
+            raise Config().error(
+                "diloco.run_id",
+                "several launchers (--first-index/--total-replicas) join one run "
+                "only under one id. HINT: pass the same --run-id <id> to every launcher.",
+            )
         runner = make_executor(executor, dcfg, log_dir=log_dir)
         try:
             res = launch(

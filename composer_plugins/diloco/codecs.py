@@ -77,8 +77,10 @@ def encode_vector(vec: torch.Tensor, compress: str, codec: Codec | None = None) 
     codec = codec if codec is not None else get_codec(compress)
     fields, body = codec.encode(v)
     if not isinstance(fields, dict) or not isinstance(body, (bytes, bytearray)):
-        raise TypeError(f"codec {compress!r}: encode must return (dict of header fields, bytes), got "
-                        f"({type(fields).__name__}, {type(body).__name__})")  # fmt: skip
+        raise TypeError(
+            f"codec {compress!r}: encode must return (dict of header fields, bytes), got "
+            f"({type(fields).__name__}, {type(body).__name__})"
+        )
     return {**fields, "codec": compress, "numel": v.numel()}, bytes(body)
 
 
@@ -212,8 +214,11 @@ def decode_vector(header: dict[str, Any], body: bytes, codec: Codec | None = Non
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, zlib.error) as e:
         raise CorruptObjectError(f"codec {name!r} cannot decode this body ({type(e).__name__}: {one_line(e)})") from e
     if type(vec) is not torch.Tensor or vec.device.type != "cpu" or vec.dtype != torch.float32 or vec.numel() != n:
-        what = (f"a {vec.dtype} tensor on {vec.device} of {vec.numel()} values" if isinstance(vec, torch.Tensor)
-                else f"a {type(vec).__name__}")  # fmt: skip
+        what = (
+            f"a {vec.dtype} tensor on {vec.device} of {vec.numel()} values"
+            if isinstance(vec, torch.Tensor)
+            else f"a {type(vec).__name__}"
+        )
         raise CorruptObjectError(f"codec {name!r} decoded {what} for {n} values (a plain fp32 CPU tensor)")
     return vec.reshape(-1)
 
@@ -389,14 +394,17 @@ class SparseLoCoCodec(Codec):
         if header.get("values") != numel:
             raise CorruptObjectError(f"sparseloco body of {header.get('values')} values for {numel}")
         if header.get("chunk") != self.chunk or header.get("k") != self.k:
-            raise CorruptObjectError(f"sparseloco body of chunk {header.get('chunk')}/k {header.get('k')}; this "
-                                     f"codec reads chunk {self.chunk}/k {self.k}")  # fmt: skip
+            raise CorruptObjectError(
+                f"sparseloco body of chunk {header.get('chunk')}/k {header.get('k')}; this "
+                f"codec reads chunk {self.chunk}/k {self.k}"
+            )
         ks = self._ks(numel)
         m, nb = sum(ks), len(ks)
         n_scale, n_idx, n_code = 4 * nb, -(-m * self.index_bits // 8), -(-m * 2 // 8)
         if len(body) != n_scale + n_idx + n_code:
-            raise CorruptObjectError(f"sparseloco body of {len(body)} bytes; {numel} values in {nb} chunks take "
-                                     f"{n_scale + n_idx + n_code}")  # fmt: skip
+            raise CorruptObjectError(
+                f"sparseloco body of {len(body)} bytes; {numel} values in {nb} chunks take {n_scale + n_idx + n_code}"
+            )
         out = torch.zeros(numel)
         if not m:
             return out

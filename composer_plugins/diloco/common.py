@@ -156,8 +156,10 @@ class DiLoCoConfig:
             )
         per = self.sync_every // self.num_fragments
         if not 0 <= self.fragment_sync_delay < per:
-            raise bad("fragment_sync_delay", f"must be in [0, sync_every/num_fragments = {per}), got "
-                      f"{self.fragment_sync_delay}.")  # fmt: skip
+            raise bad(
+                "fragment_sync_delay",
+                f"must be in [0, sync_every/num_fragments = {per}), got {self.fragment_sync_delay}.",
+            )
         if not 0.0 <= self.fragment_update_alpha <= 1.0:
             raise bad("fragment_update_alpha", f"must be in [0, 1], got {self.fragment_update_alpha}.")
         if self.min_replica_size < 1:

@@ -83,9 +83,11 @@ def project_root() -> Path:
 
     root = Path(composer_plugins.__file__).resolve().parents[1]
     if not (root / "pyproject.toml").exists():
-        raise ComposerPluginsError(f"composer_plugins runs from {root}, not a source checkout: a Modal image cannot "
-                                   "install it from here. HINT: -S diloco.jobs.pip='[composer-plugins[serverless]==X]' "
-                                   "or -S diloco.jobs.image=<an image with it installed>.")  # fmt: skip
+        raise ComposerPluginsError(
+            f"composer_plugins runs from {root}, not a source checkout: a Modal image cannot "
+            "install it from here. HINT: -S diloco.jobs.pip='[composer-plugins[serverless]==X]' "
+            "or -S diloco.jobs.image=<an image with it installed>."
+        )
     return root
 
 
@@ -137,8 +139,10 @@ def remote_command(spec: ReplicaSpec) -> list[str]:
 def _forward(names: list[str], what: str) -> dict[str, str]:
     missing = [n for n in names if n not in os.environ]
     if missing:
-        raise ComposerPluginsError(f"diloco.jobs.{what} names {', '.join(missing)}, not set in this environment. "
-                                   "HINT: export them, or remove them from the list.")  # fmt: skip
+        raise ComposerPluginsError(
+            f"diloco.jobs.{what} names {', '.join(missing)}, not set in this environment. "
+            "HINT: export them, or remove them from the list."
+        )
     return {n: os.environ[n] for n in names}
 
 
@@ -222,13 +226,15 @@ class HFJobsExecutor:
     """Runs each replica as a Hugging Face Job (``huggingface_hub``'s ``run_job``/``inspect_job``/``fetch_job_logs``/
     ``cancel_job``); the Hub endpoint is ``$HF_ENDPOINT`` and the token the usual ``HF_TOKEN`` / login."""
 
-    def __init__(self, jobs: JobsConfig | None = None, *, log_dir: str | os.PathLike[str] | None = None,
-                 api: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self, jobs: JobsConfig | None = None, *, log_dir: str | os.PathLike[str] | None = None, api: Any = None
+    ) -> None:
         try:
             from huggingface_hub import HfApi
         except ImportError as e:
-            raise ComposerPluginsError("--executor hf_jobs needs huggingface_hub. "
-                                       "HINT: pip install 'composer-plugins[hf_jobs]'") from e  # fmt: skip
+            raise ComposerPluginsError(
+                "--executor hf_jobs needs huggingface_hub. HINT: pip install 'composer-plugins[hf_jobs]'"
+            ) from e
         self.jobs = jobs or JobsConfig()
         if not self.jobs.image:
             raise Config().error(
@@ -256,10 +262,15 @@ class HFJobsExecutor:
         secrets = _forward(self.jobs.secrets, "secrets")
         try:
             job = self.api.run_job(
-                image=self.jobs.image, command=remote_command(spec), env=env, secrets=secrets or None,
-                flavor=self.jobs.flavor, timeout=self.jobs.timeout_s, namespace=self.namespace,
+                image=self.jobs.image,
+                command=remote_command(spec),
+                env=env,
+                secrets=secrets or None,
+                flavor=self.jobs.flavor,
+                timeout=self.jobs.timeout_s,
+                namespace=self.namespace,
                 labels={"composer-plugins": "diloco", "replica": str(spec.index), "restart": str(spec.restart)},
-            )  # fmt: skip
+            )
         except Exception as e:
             raise LaunchError(f"cannot start replica {spec.index} as a Hugging Face Job: {e}") from e
         h = HFJobHandle(self, spec, job)
@@ -348,8 +359,9 @@ class ModalExecutor:
         try:
             import modal
         except ImportError as e:
-            raise ComposerPluginsError("--executor modal needs the modal SDK. "
-                                       "HINT: pip install 'composer-plugins[modal]'") from e  # fmt: skip
+            raise ComposerPluginsError(
+                "--executor modal needs the modal SDK. HINT: pip install 'composer-plugins[modal]'"
+            ) from e
         self.modal = modal
         self.jobs = jobs or JobsConfig()
         self.log_dir = log_dir
@@ -366,13 +378,18 @@ class ModalExecutor:
             image = modal.Image.debian_slim(python_version="3.11").pip_install(*j.pip)
         else:  # this project, from the source it runs from (not a same-named package from an index)
             root = project_root()
-            image = (modal.Image.debian_slim(python_version="3.11")
-                     .add_local_dir(root, "/opt/composer-plugins", copy=True, ignore=SOURCE_IGNORE)
-                     .run_commands("pip install '/opt/composer-plugins[serverless]'"))  # fmt: skip
+            image = (
+                modal.Image.debian_slim(python_version="3.11")
+                .add_local_dir(root, "/opt/composer-plugins", copy=True, ignore=SOURCE_IGNORE)
+                .run_commands("pip install '/opt/composer-plugins[serverless]'")
+            )
         image = image.env({"PYTHONUNBUFFERED": "1"})
         app = modal.App(j.app_name, image=image)
-        kwargs: dict[str, Any] = {"timeout": int(j.timeout_s), "serialized": True,
-                                  "secrets": [modal.Secret.from_name(s) for s in j.secrets]}  # fmt: skip
+        kwargs: dict[str, Any] = {
+            "timeout": int(j.timeout_s),
+            "serialized": True,
+            "secrets": [modal.Secret.from_name(s) for s in j.secrets],
+        }
         if j.gpu:
             kwargs["gpu"] = j.gpu
         if j.cpu:

@@ -96,19 +96,30 @@ class DiLoCoCallbackBase(pl.Callback):
         if loop.max_steps < self._step_cap:
             per_sync = self.config.sync_every // self.config.num_fragments
             loop.max_steps = min(self._step_cap, trainer.global_step + per_sync)
-            log.info("DiLoCo: outer step target %s not reached at max_steps; %d more inner steps (up to %d)",
-                     self._target, loop.max_steps - trainer.global_step, self._step_cap)  # fmt: skip
+            log.info(
+                "DiLoCo: outer step target %s not reached at max_steps; %d more inner steps (up to %d)",
+                self._target,
+                loop.max_steps - trainer.global_step,
+                self._step_cap,
+            )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self.attached:
             return
         if self.history:
             last = self.history[-1]
-            pl_module.log_dict({"diloco/outer_step": float(last["outer_step"]),
-                                "diloco/participants": float(last["participants"]),
-                                "diloco/bytes_allreduced": float(self.bytes_allreduced)},
-                               on_step=True, on_epoch=False, batch_size=1)  # fmt: skip
+            pl_module.log_dict(
+                {
+                    "diloco/outer_step": float(last["outer_step"]),
+                    "diloco/participants": float(last["participants"]),
+                    "diloco/bytes_allreduced": float(self.bytes_allreduced),
+                },
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
+            )
         self.after_batch(trainer)
         if self._stop:
             trainer.should_stop = True

@@ -269,8 +269,7 @@ class StartBarrier:
         self.size = size
         self._store: Any = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.address = f"{host}:{self._store.port}"
-        self.rendezvous = procs.StoreRendezvous(self._store, range(first, first + size), name=self.NAME,
-                                                what="replica")  # fmt: skip
+        self.rendezvous = procs.StoreRendezvous(self._store, range(first, first + size), name=self.NAME, what="replica")
         self.rendezvous.publish()
 
     @property
@@ -312,8 +311,7 @@ class RejoinBoard:
         from torch.distributed import TCPStore
 
         host, _, port = address.rpartition(":")
-        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         return cls(store)
 
     def _key(self, index: int) -> str:
@@ -535,8 +533,7 @@ class ReplicaGroup:
         env.update(self.extra_env)
         own.update(self.extra_env)
         env = procs.tag_env(self.tag, env)
-        return ReplicaSpec(index, argv, env, cwd=self.cwd, log_path=self.log_path(index), restart=restart,
-                           job_env=own)  # fmt: skip
+        return ReplicaSpec(index, argv, env, cwd=self.cwd, log_path=self.log_path(index), restart=restart, job_env=own)
 
     def _spawn(self, r: ReplicaState) -> None:
         if r.restarts:
@@ -611,8 +608,10 @@ class ReplicaGroup:
                     if r.restarts:
                         self._post(r, "gone", procs.exit_description(rc))
                     if rc != 0 and r.restarts < self.max_restarts and self._peers_finished(r):
-                        _log(f"replica {r.index} exited with {rc} after every other replica finished; "
-                             "not restarted (no live peer to rejoin)")  # fmt: skip
+                        _log(
+                            f"replica {r.index} exited with {rc} after every other replica finished; "
+                            "not restarted (no live peer to rejoin)"
+                        )
                     elif rc != 0 and r.restarts < self.max_restarts and not self._stop_requested():
                         _log(f"replica {r.index} exited with {rc}; restarting ({r.restarts + 1}/{self.max_restarts})")
                         r.restarts += 1
@@ -719,14 +718,28 @@ def summary_table(log_dir: str | os.PathLike[str], indices: Sequence[int]) -> st
         if h:
             hashes.add(h)
         loss = got.get("loss")
-        rows.append([str(i), "-" if got.get("rounds") is None else str(got["rounds"]),
-                     "-" if loss is None else f"{loss:.4f}", h[:12] if h else "-",
-                     got.get("model_path") or "-"])  # fmt: skip
-    names = {json.loads(p.read_text()).get("loss_name") for p in Path(log_dir).glob("replica*.result.json")
-             if p.stat().st_size}  # fmt: skip
+        rows.append(
+            [
+                str(i),
+                "-" if got.get("rounds") is None else str(got["rounds"]),
+                "-" if loss is None else f"{loss:.4f}",
+                h[:12] if h else "-",
+                got.get("model_path") or "-",
+            ]
+        )
+    names = {
+        json.loads(p.read_text()).get("loss_name")
+        for p in Path(log_dir).glob("replica*.result.json")
+        if p.stat().st_size
+    }
     names.discard(None)
-    head = ["replica", "rounds", f"final loss ({names.pop()})" if len(names) == 1 else "final loss",
-            "param hash", "model path"]  # fmt: skip
+    head = [
+        "replica",
+        "rounds",
+        f"final loss ({names.pop()})" if len(names) == 1 else "final loss",
+        "param hash",
+        "model path",
+    ]
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
     if len(hashes) == 1 and all(r[3] != "-" for r in rows):
@@ -793,8 +806,10 @@ def launch(
         if group.store is not None:
             from composer_plugins.diloco.urls import redact_url
 
-            _log(f"run {group.run_id} on {redact_url(group.store)}; {num_replicas} replicas (continue it with "
-                 f"--run-id {group.run_id})")  # fmt: skip
+            _log(
+                f"run {group.run_id} on {redact_url(group.store)}; {num_replicas} replicas (continue it with "
+                f"--run-id {group.run_id})"
+            )
         else:
             _log(f"lighthouse {group.lighthouse.address if group.lighthouse else '?'}; {num_replicas} replicas")
         return group.wait(timeout)

@@ -103,8 +103,9 @@ def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
     return [(min(j * step, numel), min((j + 1) * step, numel)) for j in range(slices)]
 
 
-def encode_slices(vec: torch.Tensor, compress: str, slices: int) -> tuple[list[tuple[dict[str, Any], bytes]],
-                                                                         torch.Tensor]:  # fmt: skip
+def encode_slices(
+    vec: torch.Tensor, compress: str, slices: int
+) -> tuple[list[tuple[dict[str, Any], bytes]], torch.Tensor]:
     """Each slice of ``vec`` (see :func:`slice_bounds`) encoded on its own, and the decoded whole: what the others
     read (so the sender can keep the rounding error, and average exactly what they see)."""
     out, decoded = [], []
@@ -178,13 +179,26 @@ class RoundStore:
                 entries.append([lo, hi, hashlib.sha256(data).hexdigest()])
                 nbytes, lo = nbytes + len(data), hi
             else:
-                idx = pack({"kind": "grad", "run": self.run_id, "round": r, "replica": index, "restart": k, "numel": lo,
-                            "codec": slices[0][0]["codec"] if slices else "none", "slices": entries}, b"")  # fmt: skip
+                idx = pack(
+                    {
+                        "kind": "grad",
+                        "run": self.run_id,
+                        "round": r,
+                        "replica": index,
+                        "restart": k,
+                        "numel": lo,
+                        "codec": slices[0][0]["codec"] if slices else "none",
+                        "slices": entries,
+                    },
+                    b"",
+                )
                 if self.store.put(f"{d}/{name}", idx, create=True):
                     return name, nbytes + len(idx)
         last = restart + _GRAD_TRIES - 1
-        raise StoreObjectError(f"{self._where(self.round_dir(r))}: grad-{index}-{restart}..{last} are all taken. "
-                               "HINT: the run directory is damaged; resume from a fresh prefix.")  # fmt: skip
+        raise StoreObjectError(
+            f"{self._where(self.round_dir(r))}: grad-{index}-{restart}..{last} are all taken. "
+            "HINT: the run directory is damaged; resume from a fresh prefix."
+        )
 
     def grads_present(self, r: int) -> dict[int, list[str]]:
         """``{replica: [names, newest first]}`` of the pseudo-gradients written for round ``r``."""
@@ -214,12 +228,19 @@ class RoundStore:
             self._ours(key, header)
             entries = header.get("slices")
             if header.get("kind") != "grad" or not isinstance(entries, list) or not entries:
-                raise CorruptObjectError(f"{self._where(key)}: not a pseudo-gradient index (kind "
-                                         f"{header.get('kind')!r})")  # fmt: skip
+                raise CorruptObjectError(
+                    f"{self._where(key)}: not a pseudo-gradient index (kind {header.get('kind')!r})"
+                )
             lo = 0
             for e in entries:
-                if not (isinstance(e, list) and len(e) == 3 and e[0] == lo and isinstance(e[1], int) and e[1] >= lo
-                        and isinstance(e[2], str)):  # fmt: skip
+                if not (
+                    isinstance(e, list)
+                    and len(e) == 3
+                    and e[0] == lo
+                    and isinstance(e[1], int)
+                    and e[1] >= lo
+                    and isinstance(e[2], str)
+                ):
                     raise CorruptObjectError(f"{self._where(key)}: malformed slice table")
                 lo = e[1]
             if lo != header.get("numel"):
@@ -228,8 +249,13 @@ class RoundStore:
             self._refuse(r, key, e)
             return None
         if numel is not None and header["numel"] != numel:
-            log.warning("round %d: %s has %d values, the model %d; treated as missing", r, self._where(key),
-                        header["numel"], numel)  # fmt: skip
+            log.warning(
+                "round %d: %s has %d values, the model %d; treated as missing",
+                r,
+                self._where(key),
+                header["numel"],
+                numel,
+            )
             return None
         for old in [k for k in list(self._indexes) if k[0] < r - 2]:  # only the rounds in flight are read again
             self._indexes.pop(old, None)
@@ -276,8 +302,11 @@ class RoundStore:
         ``(the stored values, created)``. Whoever writes it, everyone applies the stored bits."""
         header, body = encode_vector(vec, compress)
         key = f"{self.round_dir(r)}/mean-{j:03d}"
-        if self.store.put(key, pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j,
-                                     "count": count}, body), create=True):  # fmt: skip
+        if self.store.put(
+            key,
+            pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j, "count": count}, body),
+            create=True,
+        ):
             return decode_vector(header, body), True
         stored = self.get_mean(r, j, vec.numel())
         if stored is None:  # pragma: no cover - a store that lost an object it said exists
@@ -301,9 +330,11 @@ class RoundStore:
                 raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {numel}, or not finite")
         except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
             msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
-            raise StoreObjectError(f"{msg}: refused (nothing in it was run); round {r}'s aggregate cannot be "
-                                   "replaced. HINT: resume the run from a copy of the prefix without "
-                                   f"rounds/{r:08d} and later.") from e  # fmt: skip
+            raise StoreObjectError(
+                f"{msg}: refused (nothing in it was run); round {r}'s aggregate cannot be "
+                "replaced. HINT: resume the run from a copy of the prefix without "
+                f"rounds/{r:08d} and later."
+            ) from e
         return vec
 
     # -- the manifest -----------------------------------------------------------------
@@ -316,27 +347,44 @@ class RoundStore:
             header, body = unpack(data, self._where(key))
             self._ours(key, header)
             m = json.loads(body)
-            ok = (header.get("kind") == "manifest" and isinstance(m, dict) and m.get("round") == r
-                  and isinstance(m.get("participants"), list) and isinstance(m.get("grads"), dict)
-                  and isinstance(m.get("slices"), int) and m["slices"] >= 1
-                  and sorted(int(i) for i in m["grads"]) == m["participants"]
-                  and all(isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i
-                          for i, n in m["grads"].items()))  # fmt: skip
+            ok = (
+                header.get("kind") == "manifest"
+                and isinstance(m, dict)
+                and m.get("round") == r
+                and isinstance(m.get("participants"), list)
+                and isinstance(m.get("grads"), dict)
+                and isinstance(m.get("slices"), int)
+                and m["slices"] >= 1
+                and sorted(int(i) for i in m["grads"]) == m["participants"]
+                and all(
+                    isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i for i, n in m["grads"].items()
+                )
+            )
         except (CorruptObjectError, ValueError, TypeError) as e:
             msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
-            raise StoreObjectError(f"{msg}: round {r}'s manifest is not a DiLoCo data object and cannot be replaced "
-                                   "(it was created once). HINT: resume the run from a copy of the prefix without "
-                                   f"rounds/{r:08d} and later.") from e  # fmt: skip
+            raise StoreObjectError(
+                f"{msg}: round {r}'s manifest is not a DiLoCo data object and cannot be replaced "
+                "(it was created once). HINT: resume the run from a copy of the prefix without "
+                f"rounds/{r:08d} and later."
+            ) from e
         if not ok:
-            raise StoreObjectError(f"{self._where(key)}: not a manifest of round {r}. HINT: resume the run from a "
-                                   f"copy of the prefix without rounds/{r:08d} and later.")  # fmt: skip
+            raise StoreObjectError(
+                f"{self._where(key)}: not a manifest of round {r}. HINT: resume the run from a "
+                f"copy of the prefix without rounds/{r:08d} and later."
+            )
         return m
 
     def close_round(self, r: int, grads: dict[int, str], closer: int, slices: int = 1) -> tuple[dict[str, Any], bool]:
         """Create round ``r``'s manifest naming ``grads`` unless one exists; ``(manifest, created)``."""
-        m = {"round": r, "run": self.run_id, "participants": sorted(grads),
-             "grads": {str(i): n for i, n in sorted(grads.items())}, "slices": slices, "closed_by": closer,
-             "time": time.time()}  # fmt: skip
+        m = {
+            "round": r,
+            "run": self.run_id,
+            "participants": sorted(grads),
+            "grads": {str(i): n for i, n in sorted(grads.items())},
+            "slices": slices,
+            "closed_by": closer,
+            "time": time.time(),
+        }
         key = f"{self.round_dir(r)}/manifest.json"
         if self.store.put(key, pack({"kind": "manifest", "run": self.run_id}, json.dumps(m).encode()), create=True):
             return m, True
@@ -371,8 +419,9 @@ class RoundStore:
 
     def state_rounds(self) -> list[int]:
         """Rounds with a ``state/<r>`` object, newest first."""
-        return sorted((int(k.rsplit("/", 1)[1]) for k in self.store.list("state") if k.rsplit("/", 1)[1].isdigit()),
-                      reverse=True)  # fmt: skip
+        return sorted(
+            (int(k.rsplit("/", 1)[1]) for k in self.store.list("state") if k.rsplit("/", 1)[1].isdigit()), reverse=True
+        )
 
     def latest_state_round(self) -> int | None:
         rounds = self.state_rounds()
@@ -520,9 +569,17 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             self._done = True
         self._counted = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
-        log.info("DiLoCo replica %s (%d/%d) on store %s (run %s): H=%d, compress=%s, %d params",
-                 self.replica.replica_id, self.replica.index, self.replica.num_replicas, self.store.where, self.run_id,
-                 c.sync_every, c.compress, sum(p.numel() for p in self.params))  # fmt: skip
+        log.info(
+            "DiLoCo replica %s (%d/%d) on store %s (run %s): H=%d, compress=%s, %d params",
+            self.replica.replica_id,
+            self.replica.index,
+            self.replica.num_replicas,
+            self.store.where,
+            self.run_id,
+            c.sync_every,
+            c.compress,
+            sum(p.numel() for p in self.params),
+        )
         return self
 
     def _probe_conditional_create(self) -> None:
@@ -533,19 +590,26 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         second = self.store.put(key, b"probe", create=True)
         self.store.delete(key)
         if not first or second:
-            raise ConfigError(f"{self.store.where} does not honour conditional creates (If-None-Match: *): two "
-                              "creates of one key both succeeded. DiLoCo's round manifest needs them. HINT: use S3, "
-                              "GCS, Azure, R2 or a file:// store, or a server version that supports them.",
-                              key="diloco.store")  # fmt: skip
+            raise ConfigError(
+                f"{self.store.where} does not honour conditional creates (If-None-Match: *): two "
+                "creates of one key both succeeded. DiLoCo's round manifest needs them. HINT: use S3, "
+                "GCS, Azure, R2 or a file:// store, or a server version that supports them.",
+                key="diloco.store",
+            )
 
     def _run_identity(self) -> dict[str, Any]:
         """What ``run.json`` pins: who the run is and every setting its replicas must share (JSON values)."""
         assert self._inner is not None
         shapes = [list(p.shape) for p in self.params]
-        mine = {"run_id": self.run_id, "num_replicas": self.replica.num_replicas,
-                "sync_every": self.config.sync_every, "compress": self.config.compress, "param_shapes": shapes,
-                "outer_optimizer": optimizer_settings(self.outer_optimizers[0]),
-                "inner_optimizer": optimizer_settings(self._inner)}  # fmt: skip
+        mine = {
+            "run_id": self.run_id,
+            "num_replicas": self.replica.num_replicas,
+            "sync_every": self.config.sync_every,
+            "compress": self.config.compress,
+            "param_shapes": shapes,
+            "outer_optimizer": optimizer_settings(self.outer_optimizers[0]),
+            "inner_optimizer": optimizer_settings(self._inner),
+        }
         return json.loads(json.dumps(mine))
 
     def _check_run(self) -> None:
@@ -562,19 +626,27 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             if header.get("kind") != "run" or not isinstance(theirs, dict):
                 raise CorruptObjectError(f"{self.store.where}/run.json: not a run description")
         except (CorruptObjectError, ValueError) as e:
-            raise ConfigError(f"{self.store.where}/run.json: {one_line(e)}: the run directory is damaged (refused; "
-                              "nothing in it was run). HINT: point diloco.store at a fresh prefix.",
-                              key="diloco.store") from e  # fmt: skip
+            raise ConfigError(
+                f"{self.store.where}/run.json: {one_line(e)}: the run directory is damaged (refused; "
+                "nothing in it was run). HINT: point diloco.store at a fresh prefix.",
+                key="diloco.store",
+            ) from e
         diff = [k for k in mine if theirs.get(k) != mine[k]]
         if not diff:
             return
         if "run_id" in diff or "param_shapes" in diff:
-            what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff
-                             if k in ("run_id", "num_replicas", "sync_every", "compress"))  # fmt: skip
+            what = ", ".join(
+                f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here"
+                for k in diff
+                if k in ("run_id", "num_replicas", "sync_every", "compress")
+            )
             if "param_shapes" in diff:
                 what += ("; " if what else "") + "another model (parameter shapes differ)"
-            resume = (f" To continue that run, pass --run-id {theirs.get('run_id')} (diloco.run_id) with its settings."
-                      if diff == ["run_id"] else "")  # fmt: skip
+            resume = (
+                f" To continue that run, pass --run-id {theirs.get('run_id')} (diloco.run_id) with its settings."
+                if diff == ["run_id"]
+                else ""
+            )
             raise ConfigError(
                 f"{self.store.where} holds another run ({what}). HINT: give this run a fresh prefix, e.g. "
                 f"diloco.store={self.store.where.rsplit('/', 1)[0]}/<new-run>, or delete the old one.{resume}",
@@ -584,14 +656,22 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         for k in diff:
             a, b = theirs.get(k), mine[k]
             if isinstance(a, dict) and isinstance(b, dict):
-                settings += [f"{k}.{f} is {a.get(f, '(unset)')!r} in the run, {b.get(f, '(unset)')!r} here"
-                             for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]  # fmt: skip
+                settings += [
+                    f"{k}.{f} is {a.get(f, '(unset)')!r} in the run, {b.get(f, '(unset)')!r} here"
+                    for f in sorted(set(a) | set(b))
+                    if a.get(f) != b.get(f)
+                ]
             else:
                 settings.append(f"{k} is {a!r} in the run, {b!r} here")
-        fix = {"sync_every": "diloco.sync_every", "compress": "diloco.compress", "num_replicas": "--replicas / "
-               "--total-replicas", "outer_optimizer": "diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov "
-               "or diloco.outer_optimizer", "inner_optimizer": "the training config's optimizer (its learning rate "
-               "and hyper-parameters; a replica joining before round 0 would otherwise take the run's)"}  # fmt: skip
+        fix = {
+            "sync_every": "diloco.sync_every",
+            "compress": "diloco.compress",
+            "num_replicas": "--replicas / --total-replicas",
+            "outer_optimizer": "diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov "
+            "or diloco.outer_optimizer",
+            "inner_optimizer": "the training config's optimizer (its learning rate "
+            "and hyper-parameters; a replica joining before round 0 would otherwise take the run's)",
+        }
         raise ConfigError(
             f"this replica's settings differ from those of run {theirs.get('run_id')!r} "
             f"({self.store.where}/run.json): {'; '.join(settings)}. Every replica of a run must share them (the "
@@ -620,14 +700,20 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                 if theirs == self.run_id:  # this run's own objects (its run.json was lost): it continues
                     continue
                 self.store.delete("run.json")
-                raise ForeignObjectError(f"{self.store.where}/{key} (the prefix has no run.json: this run was about "
-                                         "to claim it)", theirs, self.run_id)  # fmt: skip
+                raise ForeignObjectError(
+                    f"{self.store.where}/{key} (the prefix has no run.json: this run was about to claim it)",
+                    theirs,
+                    self.run_id,
+                )
 
     # -- state ----------------------------------------------------------------------------
     def _global_state(self) -> dict[str, Any]:
         """This round's global state on the host (copies: the background writer encodes them later)."""
-        return {"round": self.round, "global_params": [to_host(g).clone() for g in self.global_params],
-                "outer_optimizers": [_host_tree(o.state_dict()) for o in self.outer_optimizers]}  # fmt: skip
+        return {
+            "round": self.round,
+            "global_params": [to_host(g).clone() for g in self.global_params],
+            "outer_optimizers": [_host_tree(o.state_dict()) for o in self.outer_optimizers],
+        }
 
     def _apply_state(self, k: int, state: dict[str, Any]) -> None:
         try:
@@ -641,8 +727,9 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             for opt, sd in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
                 opt.load_state_dict(sd)
         except (KeyError, TypeError, ValueError) as e:
-            raise StoreObjectError(f"{self.store.where if self.store else ''}/state/{k:08d} does not fit this model: "
-                                   f"{e}") from e  # fmt: skip
+            raise StoreObjectError(
+                f"{self.store.where if self.store else ''}/state/{k:08d} does not fit this model: {e}"
+            ) from e
         self.round = k + 1
         self.heal_count += 1
         self._healed_since_sync = True
@@ -650,8 +737,14 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
     def _replica_state(self) -> dict[str, Any]:
         assert self._module is not None and self._inner is not None
         scheds = [cfg.scheduler.state_dict() for cfg in self._trainer.lr_scheduler_configs] if self._trainer else []
-        return _host_tree({"model": self._module.state_dict(), "inner_optimizer": self._inner.state_dict(),
-                           "lr_schedulers": scheds, "global_params": list(self.global_params)})  # fmt: skip
+        return _host_tree(
+            {
+                "model": self._module.state_dict(),
+                "inner_optimizer": self._inner.state_dict(),
+                "lr_schedulers": scheds,
+                "global_params": list(self.global_params),
+            }
+        )
 
     def _init_sync(self) -> None:
         """Round 0 with ``init_sync``: every replica starts from the run's ``init`` (as torchft heals from one).
@@ -670,8 +763,10 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             try:
                 state = self.rounds.get_state("init")
             except CorruptObjectError as e:
-                raise StoreObjectError(f"{e}; refused (nothing in it was run). The run's starting point is damaged. "
-                                       "HINT: start the run again on a fresh prefix.") from e  # fmt: skip
+                raise StoreObjectError(
+                    f"{e}; refused (nothing in it was run). The run's starting point is damaged. "
+                    "HINT: start the run again on a fresh prefix."
+                ) from e
             if state is not None:
                 break
             if time.monotonic() > deadline:
@@ -755,8 +850,16 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
         self.bytes_pseudograd += nbytes
         return name, mine, err
 
-    def _settle(self, r: int, manifest: dict[str, Any], created: bool, mine_name: str | None,
-                mine: torch.Tensor | None, err: float | None, t0: float) -> None:  # fmt: skip
+    def _settle(
+        self,
+        r: int,
+        manifest: dict[str, Any],
+        created: bool,
+        mine_name: str | None,
+        mine: torch.Tensor | None,
+        err: float | None,
+        t0: float,
+    ) -> None:
         """Apply round ``r`` in the foreground (or catch up when left out of it) and record it."""
         committed = mine_name is not None and manifest["grads"].get(str(self.replica.index)) == mine_name
         if committed and self._apply_round(r, manifest, mine, mix_local=True):
@@ -769,16 +872,25 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             self._catch_up(r, manifest)
         self._record_round(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
 
-    def _record_round(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, *,
-                      digest: tuple[str, float] | None = None, background: dict[str, float] | None = None,
-                      ) -> None:  # fmt: skip
+    def _record_round(
+        self,
+        r: int,
+        committed: bool,
+        participants: int,
+        err: float | None,
+        seconds: float,
+        *,
+        digest: tuple[str, float] | None = None,
+        background: dict[str, float] | None = None,
+    ) -> None:
         assert self.store is not None
         # since the last record: the state written in the background after a sync counts in the next one
         w0, r0, n0 = self._counted
         now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
         self._counted = now
-        self._record(r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0, digest,
-                           background)  # fmt: skip
+        self._record(
+            r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0, digest, background
+        )
         if self._trainer is not None and self._stop:
             self._trainer.should_stop = True
 
@@ -846,12 +958,19 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                 p.add_(g - s)
         else:
             self._catch_up(r, manifest)
-        self._record_round(r, committed, len(manifest["participants"]), err, launch_s + time.perf_counter() - t0,
-                           digest=result.get("digest") if committed else None,
-                           background=result.get("background_s"))  # fmt: skip
+        self._record_round(
+            r,
+            committed,
+            len(manifest["participants"]),
+            err,
+            launch_s + time.perf_counter() - t0,
+            digest=result.get("digest") if committed else None,
+            background=result.get("background_s"),
+        )
 
-    def _apply_round(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool,
-                     live: bool = True) -> bool:  # fmt: skip
+    def _apply_round(
+        self, r: int, manifest: dict[str, Any], own: torch.Tensor | None, *, mix_local: bool, live: bool = True
+    ) -> bool:
         """Take round ``r``'s outer step with its stored mean pseudo-gradient (:meth:`_round_mean`) from the global
         state of round ``r - 1`` held here. ``False`` (nothing changed) when the mean cannot be had."""
         mean = self._round_mean(r, manifest, own)
@@ -898,13 +1017,23 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                         # a closed round rebuilt later, or one whose participants applied its mean and moved on
                         # (``keep_rounds`` collected its pseudo-gradients and mean): a mean made here would lack
                         # members the round closed with, so nothing is written (the caller takes a newer state)
-                        log.warning("DiLoCo round %d: slice %d of replica %d's pseudo-gradient is gone and the round "
-                                    "was settled without this replica; not making a partial mean", r, j, i)  # fmt: skip
+                        log.warning(
+                            "DiLoCo round %d: slice %d of replica %d's pseudo-gradient is gone and the round "
+                            "was settled without this replica; not making a partial mean",
+                            r,
+                            j,
+                            i,
+                        )
                         return None
                     # the round is live (nobody has applied it: no state of it or later exists, so its mean was
                     # never written and collected): the one mean everyone applies leaves that slice out
-                    log.warning("DiLoCo round %d: slice %d of replica %d's pseudo-gradient is unreadable; left out of "
-                                "that slice of the mean", r, j, i)  # fmt: skip
+                    log.warning(
+                        "DiLoCo round %d: slice %d of replica %d's pseudo-gradient is unreadable; left out of "
+                        "that slice of the mean",
+                        r,
+                        j,
+                        i,
+                    )
                     continue
                 total = vec.clone() if count == 0 else total.add_(vec)
                 count += 1
@@ -938,8 +1067,12 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
                 for j in range(len(bounds)):
                     if j not in out:
                         if own is not None:
-                            log.warning("DiLoCo round %d: slice %d of the mean not written by its owner within "
-                                        "round_timeout_s; computing it here", r, j)  # fmt: skip
+                            log.warning(
+                                "DiLoCo round %d: slice %d of the mean not written by its owner within "
+                                "round_timeout_s; computing it here",
+                                r,
+                                j,
+                            )
                         got = make(j)
                         if got is None:
                             return None
@@ -987,8 +1120,7 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             if len(good) >= n or (good and time.monotonic() > deadline):
                 missing = sorted(set(range(n)) - set(good))
                 if missing:
-                    log.warning("DiLoCo round %d: closing without replica(s) %s (missing, late or refused)", r,
-                                missing)  # fmt: skip
+                    log.warning("DiLoCo round %d: closing without replica(s) %s (missing, late or refused)", r, missing)
                 return rs.close_round(r, good, me, slices=n)
             if not good and time.monotonic() > deadline + c.round_timeout_s:
                 raise ComposerPluginsError(
@@ -1043,11 +1175,16 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             key = f"state/{r:08d}"
             if self._state_due(r) and not self.rounds.exists(key):
                 self.rounds.put_state(key, self._global_state(), create=True)
-                log.warning("DiLoCo: rebuilt %s/%s from round %d's manifest (its closer did not write it)",
-                            self.rounds.store.where, key, r)  # fmt: skip
+                log.warning(
+                    "DiLoCo: rebuilt %s/%s from round %d's manifest (its closer did not write it)",
+                    self.rounds.store.where,
+                    key,
+                    r,
+                )
         if n:
-            log.info("DiLoCo: replica %d replayed %d closed round(s); now at round %d", self.replica.index, n,
-                     self.round)  # fmt: skip
+            log.info(
+                "DiLoCo: replica %d replayed %d closed round(s); now at round %d", self.replica.index, n, self.round
+            )
         return n
 
     def _take_init_globals(self) -> bool:
@@ -1126,9 +1263,19 @@ class ObjectStoreDiLoCoCallback(DiLoCoCallbackBase):
             f.result()
         self._pending = []
 
-    def _record(self, r: int, committed: bool, participants: int, err: float | None, seconds: float, written: int,
-                read: int, retries: int, digest: tuple[str, float] | None = None,
-                background: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+    def _record(
+        self,
+        r: int,
+        committed: bool,
+        participants: int,
+        err: float | None,
+        seconds: float,
+        written: int,
+        read: int,
+        retries: int,
+        digest: tuple[str, float] | None = None,
+        background: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
         c = self.config
         rec: dict[str, Any] = {
             "replica": self.replica.index,

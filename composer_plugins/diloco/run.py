@@ -36,8 +36,9 @@ def load_target_config(config: str | None, overrides: Sequence[str], section: st
     return load_config(config, overrides) if config else loads_config("{}", overrides=overrides)
 
 
-def check_replica_config(target: str, config: str | None, overrides: Sequence[str] = (),
-                         section: str | None = None) -> DiLoCoConfig:  # fmt: skip
+def check_replica_config(
+    target: str, config: str | None, overrides: Sequence[str] = (), section: str | None = None
+) -> DiLoCoConfig:
     """Load and validate what every replica will read, once, before any starts; the ``diloco:`` section.
 
     Raises the located :class:`ConfigError` a replica would raise (file:line or override, key, fix).
@@ -107,11 +108,15 @@ def write_replica_summary(res: Any, env: Mapping[str, str] | None = None) -> dic
         model = getattr(res, "model_dir", None)
     name = next((k for k in ("eval_loss", "eval/loss", "train/loss", "loss") if k in metrics), None)
     name = name or next(iter(sorted(metrics)), None)
-    out = {"replica": int(e.get(ENV_INDEX, "0")), "restart": int(e.get(ENV_RESTART, "0")),
-           "rounds": found.get("outer_step", last.get("outer_step")),
-           "loss_name": name, "loss": float(metrics[name]) if name else None,
-           "param_hash": found.get("param_hash") or last.get("param_hash"),
-           "model_path": str(model) if model else None}  # fmt: skip
+    out = {
+        "replica": int(e.get(ENV_INDEX, "0")),
+        "restart": int(e.get(ENV_RESTART, "0")),
+        "rounds": found.get("outer_step", last.get("outer_step")),
+        "loss_name": name,
+        "loss": float(metrics[name]) if name else None,
+        "param_hash": found.get("param_hash") or last.get("param_hash"),
+        "model_path": str(model) if model else None,
+    }
     path.write_text(json.dumps(out))
     return out
 

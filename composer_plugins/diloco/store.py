@@ -125,8 +125,9 @@ class ObjectStore:
         request_timeout_s: per-request timeout (a hung request counts as a transient error).
     """
 
-    def __init__(self, url: str, *, retry_s: float = 120.0, request_timeout_s: float = 10.0,
-                 part_bytes: int = PART_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self, url: str, *, retry_s: float = 120.0, request_timeout_s: float = 10.0, part_bytes: int = PART_BYTES
+    ) -> None:
         check_store_url(url, lambda msg: StoreError(msg))
         self.url = url.rstrip("/")
         self.part_bytes = part_bytes
@@ -143,9 +144,15 @@ class ObjectStore:
             kwargs["mkdir"] = True
         elif scheme != "memory":
             # obstore retries a little on its own; the bounded loop in _call does the rest
-            kwargs["retry_config"] = {"max_retries": 1, "retry_timeout": timedelta(seconds=request_timeout_s),
-                                      "backoff": {"init_backoff": timedelta(milliseconds=50),
-                                                  "max_backoff": timedelta(seconds=1), "base": 2.0}}  # fmt: skip
+            kwargs["retry_config"] = {
+                "max_retries": 1,
+                "retry_timeout": timedelta(seconds=request_timeout_s),
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=50),
+                    "max_backoff": timedelta(seconds=1),
+                    "base": 2.0,
+                },
+            }
             kwargs["client_options"] = {"timeout": f"{request_timeout_s:g}s", "connect_timeout": "5s"}
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             if scheme.startswith("s3") and endpoint and endpoint.startswith("http://"):
@@ -186,8 +193,10 @@ class ObjectStore:
             except Exception as e:  # transient: 5xx, SlowDown, timeouts, refused/dropped connections
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StoreError(f"{what} on {self.where} still failing after {attempt} attempts over "
-                                     f"{self.retry_s:.0f}s (diloco.store_retry_s): {one_line(e)}") from e  # fmt: skip
+                    raise StoreError(
+                        f"{what} on {self.where} still failing after {attempt} attempts over "
+                        f"{self.retry_s:.0f}s (diloco.store_retry_s): {one_line(e)}"
+                    ) from e
                 with self._count_lock:
                     self.retries += 1
                 if attempt == 1 or attempt % 10 == 0:
@@ -212,8 +221,15 @@ class ObjectStore:
         else:
             blob = f"{key}.blob-{os.urandom(6).hex()}"
             self._put_multipart(blob, data)
-            ref = pack({"kind": REF, "blob": blob.rsplit("/", 1)[-1], "blob_sha256": hashlib.sha256(data).hexdigest(),
-                        "blob_length": len(data)}, b"")  # fmt: skip
+            ref = pack(
+                {
+                    "kind": REF,
+                    "blob": blob.rsplit("/", 1)[-1],
+                    "blob_sha256": hashlib.sha256(data).hexdigest(),
+                    "blob_length": len(data),
+                },
+                b"",
+            )
             ok = self._put_one(key, ref, True)
             if not ok:
                 self.delete(blob)
@@ -262,9 +278,11 @@ class ObjectStore:
                     raise CorruptObjectError(f"{self.where}/{key}: a reference to {blob!r}, outside its own blobs")
                 parent = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
                 body = self._get_ranged(parent + blob)
-                if body is None or len(body) != header.get("blob_length") or (
-                    hashlib.sha256(body).hexdigest() != header.get("blob_sha256")
-                ):  # fmt: skip
+                if (
+                    body is None
+                    or len(body) != header.get("blob_length")
+                    or (hashlib.sha256(body).hexdigest() != header.get("blob_sha256"))
+                ):
                     raise CorruptObjectError(f"{self.where}/{key}: its blob {blob} is missing or corrupt")
                 data = body
         if data is not None:
@@ -434,8 +452,10 @@ def encode_tree(obj: Any, what: str = "state") -> tuple[Any, bytes]:
                     raise TypeError(f"{what}{path}: key {k!r} of type {type(k).__name__} cannot be stored")
                 out.append([k, walk(v, f"{path}[{k!r}]")])
             return {"M": out}
-        raise TypeError(f"{what}{path}: a {type(x).__name__} cannot be stored as data (tensors, numbers, strings, "
-                        "lists, tuples and dicts only)")  # fmt: skip
+        raise TypeError(
+            f"{what}{path}: a {type(x).__name__} cannot be stored as data (tensors, numbers, strings, "
+            "lists, tuples and dicts only)"
+        )
 
     tree = walk(obj, "")
     return tree, b"".join(chunks)
@@ -465,8 +485,14 @@ def decode_tree(tree: Any, body: bytes, what: str = "state") -> Any:
                 name, shape, off, nbytes = v
                 dtype = _DTYPES.get(name) if isinstance(name, str) else None
                 dims_ok = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                ok = (dtype is not None and dims_ok and isinstance(off, int) and isinstance(nbytes, int)
-                      and 0 <= off and off + nbytes <= len(buf))  # fmt: skip
+                ok = (
+                    dtype is not None
+                    and dims_ok
+                    and isinstance(off, int)
+                    and isinstance(nbytes, int)
+                    and 0 <= off
+                    and off + nbytes <= len(buf)
+                )
                 numel = 1
                 for d in shape if ok else ():
                     numel *= d

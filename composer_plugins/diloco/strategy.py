@@ -294,9 +294,14 @@ class DiLoCoCallback(DiLoCoCallbackBase):
             _wait_barrier(self.replica.barrier, self.replica.index, c.barrier_timeout_s)
         log.info(
             "DiLoCo replica %s (%d/%d) on lighthouse %s: H=%d, fragments=%d, %d params",
-            self.replica.replica_id, self.replica.index, self.replica.num_replicas, lighthouse, c.sync_every,
-            c.num_fragments, sum(p.numel() for f in self.fragments for p in f.parameters()),
-        )  # fmt: skip
+            self.replica.replica_id,
+            self.replica.index,
+            self.replica.num_replicas,
+            lighthouse,
+            c.sync_every,
+            c.num_fragments,
+            sum(p.numel() for f in self.fragments for p in f.parameters()),
+        )
         return self
 
     def close(self) -> None:
@@ -395,8 +400,11 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         deadline = time.monotonic() + c.rejoin_timeout_s
         waiting = self._returning_peers()
         if any(s == "pending" for s in waiting.values()):
-            log.info("DiLoCo: waiting up to %.0fs for restarted replica(s) %s before the last sync",
-                     c.rejoin_timeout_s, sorted(waiting))  # fmt: skip
+            log.info(
+                "DiLoCo: waiting up to %.0fs for restarted replica(s) %s before the last sync",
+                c.rejoin_timeout_s,
+                sorted(waiting),
+            )
         while any(s == "pending" for s in waiting.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
             waiting = self._returning_peers()
@@ -409,11 +417,19 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         now = time.monotonic()
         if self._deferred_since is None:
             self._deferred_since = now
-            log.info("DiLoCo: torchft step %d reached the target; training on until restarted replica(s) %s "
-                     "heal (at most %.0fs)", step, sorted(waiting), self.config.rejoin_timeout_s)  # fmt: skip
+            log.info(
+                "DiLoCo: torchft step %d reached the target; training on until restarted replica(s) %s "
+                "heal (at most %.0fs)",
+                step,
+                sorted(waiting),
+                self.config.rejoin_timeout_s,
+            )
         if now - self._deferred_since > self.config.rejoin_timeout_s:
-            log.warning("DiLoCo: replica(s) %s did not rejoin within diloco.rejoin_timeout_s=%.0f; stopping",
-                        sorted(waiting), self.config.rejoin_timeout_s)  # fmt: skip
+            log.warning(
+                "DiLoCo: replica(s) %s did not rejoin within diloco.rejoin_timeout_s=%.0f; stopping",
+                sorted(waiting),
+                self.config.rejoin_timeout_s,
+            )
             return False
         return True
 

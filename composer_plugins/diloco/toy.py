@@ -50,8 +50,9 @@ class ToyMarkovStream(torch.utils.data.IterableDataset):  # type: ignore[type-ar
     own shard. The best achievable loss is the chain's entropy, about ``log(branching)``.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, branching: int, chain_seed: int,
-                 sample_seed: int) -> None:  # fmt: skip
+    def __init__(
+        self, vocab_size: int, seq_len: int, batch_size: int, branching: int, chain_seed: int, sample_seed: int
+    ) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(chain_seed)
         probs = torch.zeros(vocab_size, vocab_size)
@@ -81,8 +82,16 @@ class ToyMarkovStream(torch.utils.data.IterableDataset):  # type: ignore[type-ar
 class ToyCausalLM(pl.LightningModule):
     """A one-block causal transformer LM (a few thousand parameters); AdamW inner optimizer."""
 
-    def __init__(self, vocab_size: int = 32, d_model: int = 32, n_heads: int = 2, n_layers: int = 1,
-                 seq_len: int = 24, lr: float = 3e-3, weight_decay: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int = 32,
+        d_model: int = 32,
+        n_heads: int = 2,
+        n_layers: int = 1,
+        seq_len: int = 24,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab_size, d_model)

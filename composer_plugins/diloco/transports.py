@@ -48,8 +48,11 @@ class Transport:
         defaults = {f.name: f.default for f in dataclasses.fields(config)}
         for key in self.ignored:
             if getattr(config, key) != defaults[key]:
-                raise bad(key, f"diloco.transport={self.name} does not use {key} (set to {getattr(config, key)!r}). "
-                          f"HINT: remove it, or use a transport that does.")  # fmt: skip
+                raise bad(
+                    key,
+                    f"diloco.transport={self.name} does not use {key} (set to {getattr(config, key)!r}). "
+                    f"HINT: remove it, or use a transport that does.",
+                )
 
     def store_url(self, config: DiLoCoConfig) -> str | None:
         return None
@@ -59,8 +62,11 @@ class Transport:
         if self.needs == "store" and not (store or self.store_url(config)):
             from composer_plugins.core.errors import ConfigError
 
-            raise ConfigError(f"diloco.transport={self.name} needs a store. HINT: -S diloco.store=s3://bucket/run "
-                              "(or gs://..., az://..., file:///abs/path).", key="diloco.store")  # fmt: skip
+            raise ConfigError(
+                f"diloco.transport={self.name} needs a store. HINT: -S diloco.store=s3://bucket/run "
+                "(or gs://..., az://..., file:///abs/path).",
+                key="diloco.store",
+            )
 
     def callback(self, config: DiLoCoConfig, replica: ReplicaInfo | None = None) -> Any:
         """This transport's Lightning callback for one replica."""
@@ -76,8 +82,11 @@ class ObjectStoreTransport(Transport):
     def validate(self, config: DiLoCoConfig, bad: Bad) -> None:
         super().validate(config, bad)
         if config.num_fragments != 1 or config.fragment_sync_delay:
-            raise bad("num_fragments", "the object_store transport syncs the whole model at once: set num_fragments=1 "
-                      "and fragment_sync_delay=0 (streaming fragments need transport=torchft).")  # fmt: skip
+            raise bad(
+                "num_fragments",
+                "the object_store transport syncs the whole model at once: set num_fragments=1 "
+                "and fragment_sync_delay=0 (streaming fragments need transport=torchft).",
+            )
         store = self.store_url(config)
         if store:
             from composer_plugins.diloco.urls import check_store_url
@@ -91,8 +100,18 @@ class ObjectStoreTransport(Transport):
         return config.store or os.environ.get(_env.ENV_STORE) or None
 
 
-_STORE_KEYS = ("store", "compress", "round_timeout_s", "store_retry_s", "poll_s", "poll_max_s", "request_timeout_s",
-               "keep_rounds", "state_every", "overlap")  # fmt: skip
+_STORE_KEYS = (
+    "store",
+    "compress",
+    "round_timeout_s",
+    "store_retry_s",
+    "poll_s",
+    "poll_max_s",
+    "request_timeout_s",
+    "keep_rounds",
+    "state_every",
+    "overlap",
+)
 
 TRANSPORTS: dict[str, Transport] = {}
 
@@ -103,13 +122,28 @@ def register_transport(transport: Transport) -> Transport:
     return transport
 
 
-register_transport(TorchftTransport("torchft", "lighthouse", "composer_plugins.diloco.strategy:DiLoCoCallback",
-                                    cloud=False, ignored=_STORE_KEYS))  # fmt: skip
-register_transport(ObjectStoreTransport(
-    "object_store", "store", "composer_plugins.diloco.objstore:ObjectStoreDiLoCoCallback", cloud=True,
-    ignored=("min_replica_size", "max_retries", "checkpoint_dir", "lighthouse", "use_bucketization",
-             "bucket_cap_mb", "checkpoint_transport"),
-))  # fmt: skip
+register_transport(
+    TorchftTransport(
+        "torchft", "lighthouse", "composer_plugins.diloco.strategy:DiLoCoCallback", cloud=False, ignored=_STORE_KEYS
+    )
+)
+register_transport(
+    ObjectStoreTransport(
+        "object_store",
+        "store",
+        "composer_plugins.diloco.objstore:ObjectStoreDiLoCoCallback",
+        cloud=True,
+        ignored=(
+            "min_replica_size",
+            "max_retries",
+            "checkpoint_dir",
+            "lighthouse",
+            "use_bucketization",
+            "bucket_cap_mb",
+            "checkpoint_transport",
+        ),
+    )
+)
 
 
 def get_transport(name: str, error: Callable[[str], Exception] | None = None) -> Transport:

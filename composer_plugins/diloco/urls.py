@@ -17,8 +17,10 @@ def check_store_url(url: str, error: Callable[[str], Exception]) -> None:
     """Raise ``error(message)`` unless ``url`` is a store URL obstore can open."""
     scheme, sep, rest = url.partition("://")
     if not sep or not rest.strip("/"):
-        raise error(f"{redact_url(url)!r} is not a store URL. HINT: s3://bucket/prefix, gs://bucket/prefix, az://container/"
-                    "prefix or file:///absolute/path.")  # fmt: skip
+        raise error(
+            f"{redact_url(url)!r} is not a store URL. HINT: s3://bucket/prefix, gs://bucket/prefix, az://container/"
+            "prefix or file:///absolute/path."
+        )
     if scheme not in SCHEMES:
         near = closest(scheme, SCHEMES, cutoff=0.4)
         hint = f" Did you mean {near[0]!r}?" if near else ""

@@ -35,8 +35,15 @@ from typing import Any
 
 __all__ = ["DIFFICULTIES", "ArithProblem", "generate_problems", "resolve_difficulty"]
 
-DIFFICULTIES: dict[str, int] = {"trivial": 0, "easy": 1, "medium": 2, "two_step": 3, "multi_step": 4, "hard": 5,
-                                 "chain": 6}  # fmt: skip
+DIFFICULTIES: dict[str, int] = {
+    "trivial": 0,
+    "easy": 1,
+    "medium": 2,
+    "two_step": 3,
+    "multi_step": 4,
+    "hard": 5,
+    "chain": 6,
+}
 #: The highest level.
 MAX_LEVEL = max(DIFFICULTIES.values())
 #: Levels split by computation (operands and operators), not question text.
@@ -44,13 +51,54 @@ COMPUTATION_SPLIT_LEVELS = frozenset({6})
 
 _NAMES_SMALL = ["Tom", "Ann", "Ben", "Mia", "Sam", "Eva"]
 _ITEMS_SMALL = ["apples", "books", "pens", "cards", "eggs", "balls"]
-_NAMES = [*_NAMES_SMALL, "Liam", "Noah", "Olivia", "Emma", "Lucas", "Zoe", "Omar", "Priya", "Kenji", "Sofia", "Diego",
-          "Aisha", "Leo", "Nora", "Ivan", "Grace"]  # fmt: skip
-_ITEMS = [*_ITEMS_SMALL, "stickers", "marbles", "cookies", "shells", "stamps", "pencils", "cupcakes", "beads",
-          "toy cars", "oranges", "coins", "bottles"]  # fmt: skip
+_NAMES = [
+    *_NAMES_SMALL,
+    "Liam",
+    "Noah",
+    "Olivia",
+    "Emma",
+    "Lucas",
+    "Zoe",
+    "Omar",
+    "Priya",
+    "Kenji",
+    "Sofia",
+    "Diego",
+    "Aisha",
+    "Leo",
+    "Nora",
+    "Ivan",
+    "Grace",
+]
+_ITEMS = [
+    *_ITEMS_SMALL,
+    "stickers",
+    "marbles",
+    "cookies",
+    "shells",
+    "stamps",
+    "pencils",
+    "cupcakes",
+    "beads",
+    "toy cars",
+    "oranges",
+    "coins",
+    "bottles",
+]
 _FRIENDS = ["her brother", "his sister", "a friend", "the teacher", "a neighbor", "the class"]
-_HE = {"Tom": "He", "Ben": "He", "Sam": "He", "Liam": "He", "Noah": "He", "Lucas": "He", "Omar": "He",
-       "Kenji": "He", "Diego": "He", "Leo": "He", "Ivan": "He"}  # fmt: skip
+_HE = {
+    "Tom": "He",
+    "Ben": "He",
+    "Sam": "He",
+    "Liam": "He",
+    "Noah": "He",
+    "Lucas": "He",
+    "Omar": "He",
+    "Kenji": "He",
+    "Diego": "He",
+    "Leo": "He",
+    "Ivan": "He",
+}
 
 
 def _pron(name: str) -> str:

@@ -69,8 +69,18 @@ def score_cmd(name: str, seed: int, split: str, options: tuple[str, ...], hint_p
         fb = env.score(completion, task)
         request = HintRequest(prompt=task["prompt"], completion=completion, feedback=fb, task=task, reward=fb.reward)
         hint = build_hint_provider(hint_provider, key="--hint").hint(request)
-        click.echo(json.dumps({"task_id": task.get("task_id"), "reward": fb.reward, "kind": fb.kind,
-                               "message": fb.message, "hint": hint}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "task_id": task.get("task_id"),
+                    "reward": fb.reward,
+                    "kind": fb.kind,
+                    "message": fb.message,
+                    "hint": hint,
+                },
+                indent=2,
+            )
+        )
     finally:
         env.close()
 

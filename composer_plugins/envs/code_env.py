@@ -151,7 +151,7 @@ def _decode(v: Any) -> Any:
         return [_decode(x) for x in v]
     if isinstance(v, dict):
         if len(v) == 1:
-            (tag, inner), = v.items()  # fmt: skip
+            ((tag, inner),) = v.items()
             if tag == "__tuple__":
                 return tuple(_decode(x) for x in inner)
             if tag == "__dict__":
@@ -398,23 +398,43 @@ class CodeEnv(Env):
                     failures.append({"test": call, "error": "NotRun", "message": stopped})
                     continue
                 if not r.get("ok"):
-                    failures.append({"test": call, "error": r.get("error"), "message": r.get("message"),
-                                     "expected": repr(_decode(case["expected"]))})  # fmt: skip
+                    failures.append(
+                        {
+                            "test": call,
+                            "error": r.get("error"),
+                            "message": r.get("message"),
+                            "expected": repr(_decode(case["expected"])),
+                        }
+                    )
                     continue
                 actual, expected = _decode(r.get("output")), _decode(case["expected"])
                 if values_equal(actual, expected):
                     passed += 1
                 else:
-                    failures.append({"test": call, "error": "AssertionError", "message": "wrong return value",
-                                     "expected": repr(expected), "actual": repr(actual)})  # fmt: skip
+                    failures.append(
+                        {
+                            "test": call,
+                            "error": "AssertionError",
+                            "message": "wrong return value",
+                            "expected": repr(expected),
+                            "actual": repr(actual),
+                        }
+                    )
             else:
                 if r is None:
                     failures.append({"test": f"test #{i + 1}", "error": "NotRun", "message": stopped})
                 elif r.get("ok"):
                     passed += 1
                 else:
-                    failures.append({"test": r.get("source"), "error": r.get("error"), "message": r.get("message"),
-                                     "expected": r.get("expected"), "actual": r.get("actual")})  # fmt: skip
+                    failures.append(
+                        {
+                            "test": r.get("source"),
+                            "error": r.get("error"),
+                            "message": r.get("message"),
+                            "expected": r.get("expected"),
+                            "actual": r.get("actual"),
+                        }
+                    )
         reward = passed / n
         details = {**base, "passed": passed, "total": n, "failures": failures[:5]}
         if not failures:

@@ -94,8 +94,13 @@ def _is_test_path(rel: str) -> bool:
 def _python_files(repo: Path) -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(repo):
-        dirnames[:] = sorted(d for d in dirnames if d not in LEAKY_DIRS and not d.startswith(".") and d not in
-                             ("build", "dist", "docs", "venv", "examples", "fixtures"))  # fmt: skip
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if d not in LEAKY_DIRS
+            and not d.startswith(".")
+            and d not in ("build", "dist", "docs", "venv", "examples", "fixtures")
+        )
         for f in sorted(filenames):
             if f.endswith(".py"):
                 out.append(os.path.relpath(os.path.join(dirpath, f), repo))
@@ -151,13 +156,22 @@ def find_symbols(
                         if not isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
                             continue
                         dunder = sub.name.startswith("__") and sub.name.endswith("__")
-                        if (dunder and sub.name != "__init__") or (sub.name.startswith("_") and not dunder
-                                                                   and not include_private):  # fmt: skip
+                        if (dunder and sub.name != "__init__") or (
+                            sub.name.startswith("_") and not dunder and not include_private
+                        ):
                             continue
                         if _deletable(sub, 1):
                             indent = " " * sub.col_offset
-                            out.append(Symbol(rel, f"{node.name}.{sub.name}", "method", _start_line(sub),
-                                              sub.end_lineno or sub.lineno, indent))  # fmt: skip
+                            out.append(
+                                Symbol(
+                                    rel,
+                                    f"{node.name}.{sub.name}",
+                                    "method",
+                                    _start_line(sub),
+                                    sub.end_lineno or sub.lineno,
+                                    indent,
+                                )
+                            )
     return out
 
 
@@ -174,8 +188,9 @@ def _locate(tree: ast.Module, qualname: str) -> tuple[ast.AST, ast.ClassDef | No
     raise KeyError(qualname)
 
 
-def delete_symbol(source: str, qualname: str, mode: Literal["body", "symbol"] = "body",
-                  keep_docstring: bool = True) -> tuple[str, dict[str, Any]]:  # fmt: skip
+def delete_symbol(
+    source: str, qualname: str, mode: Literal["body", "symbol"] = "body", keep_docstring: bool = True
+) -> tuple[str, dict[str, Any]]:
     """Delete ``qualname`` from ``source``. Returns the new source and where the definition goes back.
 
     ``mode="body"`` keeps the signature (and docstring) and makes the body ``raise
@@ -280,9 +295,11 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
         s, e = task["span"]
         new = [*lines[: s - 1], definition, *lines[e:]]
     if extra_text:
-        anchor = int(task["class_line"]) - 1 if is_method else (
-            int(task["insert_at"]) if task.get("mode") == "symbol" else int(task["span"][0]) - 1
-        )  # fmt: skip
+        anchor = (
+            int(task["class_line"]) - 1
+            if is_method
+            else (int(task["insert_at"]) if task.get("mode") == "symbol" else int(task["span"][0]) - 1)
+        )
         # for body mode the stub was replaced in place, so line numbers before it are unchanged
         new = [*new[:anchor], extra_text, "\n\n", *new[anchor:]]
     result = "".join(new)
@@ -292,9 +309,13 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
 
 def _interpreter_probe(python: str, code: str) -> Any:
     out = subprocess.run(
-        [python, "-I", "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
+        [python, "-I", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
         env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
-    )  # fmt: skip
+    )
     if out.returncode != 0:
         raise SandboxError(f"cannot inspect interpreter {python}: {out.stderr.strip()[-500:]}")
     return json.loads(out.stdout)
@@ -406,16 +427,20 @@ class FeatureDeletionEnv(Env):
     ) -> None:
         super().__init__(max_turns=max_turns, num_workers=num_workers, **kwargs)
         if sandbox_expose not in ("all", "allowlist"):
-            raise ConfigError(f"sandbox_expose must be 'all' or 'allowlist', got {sandbox_expose!r}",
-                              key="sandbox_expose", valid=["all", "allowlist"])  # fmt: skip
+            raise ConfigError(
+                f"sandbox_expose must be 'all' or 'allowlist', got {sandbox_expose!r}",
+                key="sandbox_expose",
+                valid=["all", "allowlist"],
+            )
         self.repo = Path(repo or FIXTURE_REPO).resolve()
         if not self.repo.is_dir():
             raise ConfigError(f"repository not found: {self.repo}", key="repo")
         modes_t = (modes,) if isinstance(modes, str) else tuple(modes)
         bad = [m for m in modes_t if m not in ("body", "symbol")]
         if bad or not modes_t:
-            raise ConfigError(f"modes must be 'body' and/or 'symbol', got {list(modes_t)}", key="modes",
-                              valid=["body", "symbol"])  # fmt: skip
+            raise ConfigError(
+                f"modes must be 'body' and/or 'symbol', got {list(modes_t)}", key="modes", valid=["body", "symbol"]
+            )
         self.modes = modes_t
         self.symbols = list(symbols) if symbols else None
         self.max_tasks = max_tasks
@@ -455,9 +480,24 @@ class FeatureDeletionEnv(Env):
         node id cannot be collected, which is what a deleted symbol does to its test module).
         """
         files = list(dict.fromkeys(n.split("::", 1)[0] for n in nodeids))
-        argv = ["python", "-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "cp_pytest_reporter",
-                "-o", "addopts=", "--rootdir", ".", "--color=no", "--continue-on-collection-errors",
-                *files]  # fmt: skip
+        argv = [
+            "python",
+            "-B",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "cp_pytest_reporter",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            ".",
+            "--color=no",
+            "--continue-on-collection-errors",
+            *files,
+        ]
         return self.sandbox.run(
             argv,
             tree=self.repo,
@@ -638,8 +678,12 @@ class FeatureDeletionEnv(Env):
         try:
             new_source = splice_completion(str(task["deleted_source"]), task, completion)
         except SyntaxError as e:
-            return Feedback("syntax_error", f"The code does not parse: {e.msg} (line {e.lineno}).",
-                            {"error": "SyntaxError", "message": e.msg, "lineno": e.lineno}, 0.0)  # fmt: skip
+            return Feedback(
+                "syntax_error",
+                f"The code does not parse: {e.msg} (line {e.lineno}).",
+                {"error": "SyntaxError", "message": e.msg, "lineno": e.lineno},
+                0.0,
+            )
         except ValueError as e:
             return Feedback("no_code", f"{str(e)[0].upper()}{str(e)[1:]}.", {"symbol": task["symbol"]}, 0.0)
         try:
@@ -647,8 +691,12 @@ class FeatureDeletionEnv(Env):
         except SandboxError as e:
             return Feedback("sandbox_error", str(e), {}, None)
         outcomes, collect_errors, tampered = self.outcomes(res)
-        base = {"stdout": res.stdout[-3000:], "stderr": res.stderr[-1500:], "killed": res.killed,
-                "collect_errors": collect_errors[:3]}  # fmt: skip
+        base = {
+            "stdout": res.stdout[-3000:],
+            "stderr": res.stderr[-1500:],
+            "killed": res.killed,
+            "collect_errors": collect_errors[:3],
+        }
         if tampered:
             return Feedback("tampered", "The code interfered with the test runner; the run is not scored.", base, 0.0)
         fixed = [n for n in f2p if outcomes.get(n) == "passed"]
@@ -659,8 +707,9 @@ class FeatureDeletionEnv(Env):
         if regressed:
             first = regressed[0]
             details.update(test=first, message=messages.get(first) or "not run")
-            return Feedback("regression", f"{len(regressed)} test(s) that passed before now fail, e.g. {first}.",
-                            details, 0.0)  # fmt: skip
+            return Feedback(
+                "regression", f"{len(regressed)} test(s) that passed before now fail, e.g. {first}.", details, 0.0
+            )
         reward = len(fixed) / len(f2p) if f2p else None
         if not still_failing:
             return Feedback("correct", f"All {len(f2p)} failing tests pass now.", details, reward)
@@ -670,9 +719,11 @@ class FeatureDeletionEnv(Env):
         if res.killed in ("timeout", "cpu_limit"):
             return Feedback("timeout", f"The tests timed out; {len(fixed)}/{len(f2p)} pass.", details, reward)
         return Feedback(
-            "test_failure", f"{len(fixed)}/{len(f2p)} tests pass; {first} still fails: {str(msg)[:300]}",
-            details, reward,
-        )  # fmt: skip
+            "test_failure",
+            f"{len(fixed)}/{len(f2p)} tests pass; {first} still fails: {str(msg)[:300]}",
+            details,
+            reward,
+        )
 
 
 def _frac_hash(text: str) -> float:

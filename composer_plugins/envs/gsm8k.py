@@ -62,8 +62,9 @@ def _row_to_task(row: Mapping[str, Any], where: str, template: str, index: int, 
     }
 
 
-def load_gsm8k_file(path: str | os.PathLike[str], split: str = "train",
-                    template: str = DEFAULT_PROMPT) -> list[dict[str, Any]]:  # fmt: skip
+def load_gsm8k_file(
+    path: str | os.PathLike[str], split: str = "train", template: str = DEFAULT_PROMPT
+) -> list[dict[str, Any]]:
     """Tasks from one GSM8K-format file; errors name the file and line/row."""
     p = str(path)
     if not os.path.isfile(p):
@@ -113,8 +114,13 @@ def load_gsm8k_file(path: str | os.PathLike[str], split: str = "train",
     return tasks
 
 
-def load_gsm8k_hf(split: str = "train", dataset_id: str = "openai/gsm8k", config: str = "main",
-                  template: str = DEFAULT_PROMPT, **load_kwargs: Any) -> list[dict[str, Any]]:  # fmt: skip
+def load_gsm8k_hf(
+    split: str = "train",
+    dataset_id: str = "openai/gsm8k",
+    config: str = "main",
+    template: str = DEFAULT_PROMPT,
+    **load_kwargs: Any,
+) -> list[dict[str, Any]]:
     """Tasks from the hub dataset (``datasets.load_dataset(dataset_id, config, split=split)``)."""
     try:
         from datasets import load_dataset
@@ -131,8 +137,16 @@ def load_gsm8k_hf(split: str = "train", dataset_id: str = "openai/gsm8k", config
 
 def _files_for_split(directory: str, split: str) -> list[str]:
     s = _split_name(split)
-    pats = [f"main/{s}-*.parquet", f"{s}-*.parquet", f"{s}.parquet", f"{s}.jsonl", f"{s}.jsonl.gz", f"{s}.json",
-            f"data/{s}-*.parquet", f"main/{s}.jsonl"]  # fmt: skip
+    pats = [
+        f"main/{s}-*.parquet",
+        f"{s}-*.parquet",
+        f"{s}.parquet",
+        f"{s}.jsonl",
+        f"{s}.jsonl.gz",
+        f"{s}.json",
+        f"data/{s}-*.parquet",
+        f"main/{s}.jsonl",
+    ]
     for pat in pats:
         hits = sorted(glob.glob(os.path.join(directory, pat)))
         if hits:
@@ -182,8 +196,11 @@ class GSM8KEnv(Env):
         if not isinstance(chat, bool):
             raise ConfigError(f"chat must be true or false, got {chat!r}", key="chat")
         if system_prompt is not None and not chat:
-            raise ConfigError("system_prompt is only used with chat: true (text prompts have no system turn); "
-                              "set chat: true or drop system_prompt", key="system_prompt")  # fmt: skip
+            raise ConfigError(
+                "system_prompt is only used with chat: true (text prompts have no system turn); "
+                "set chat: true or drop system_prompt",
+                key="system_prompt",
+            )
         self.chat, self.system_prompt = chat, system_prompt
         if "{question}" not in prompt_template:
             raise ConfigError("prompt_template must contain '{question}'", key="prompt_template")
@@ -243,17 +260,19 @@ class GSM8KEnv(Env):
             out = []
             for i, p in enumerate(generate_problems(n, self.difficulty, seed, _split_name(split), self.annotations)):
                 out.append(
-                    self._as_chat({
-                        "task_id": f"arith-d{self.difficulty}-{_split_name(split)}-{seed}-{i}",
-                        "prompt": self.prompt_template.format(question=p.question),
-                        "question": p.question,
-                        "answer": str(p.answer),
-                        "solution": p.solution,
-                        "target": " " + p.solution,
-                        "difficulty": p.difficulty,
-                        "source": "generator",
-                    })
-                )  # fmt: skip
+                    self._as_chat(
+                        {
+                            "task_id": f"arith-d{self.difficulty}-{_split_name(split)}-{seed}-{i}",
+                            "prompt": self.prompt_template.format(question=p.question),
+                            "question": p.question,
+                            "answer": str(p.answer),
+                            "solution": p.solution,
+                            "target": " " + p.solution,
+                            "difficulty": p.difficulty,
+                            "source": "generator",
+                        }
+                    )
+                )
             return out
         pool = self.tasks(split)
         if not pool:

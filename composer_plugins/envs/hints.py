@@ -97,9 +97,11 @@ def _fields(feedback: Feedback, reveal_answer: bool, limit: int = 400) -> _Field
     f["message"] = _short(d.get("message") or feedback.message, limit)
     f["kind"] = feedback.kind
     exp, act = d.get("expected"), d.get("actual")
-    f["expected_actual"] = f": expected {_short(exp, 200)}, got {_short(act, 200)}" if act is not None else (
-        f": {_short(d.get('message'), limit)}" if d.get("message") else ""
-    )  # fmt: skip
+    f["expected_actual"] = (
+        f": expected {_short(exp, 200)}, got {_short(act, 200)}"
+        if act is not None
+        else (f": {_short(d.get('message'), limit)}" if d.get("message") else "")
+    )
     f["at_test"] = f" in `{_short(d.get('test'), 200)}`" if d.get("test") else ""
     f["at_line"] = f" on line {d['lineno']}" if d.get("lineno") else ""
     f["reveal"] = f" (the correct answer is {exp})" if reveal_answer and exp is not None else ""
@@ -151,8 +153,9 @@ class SiblingGroup:
         return [j for j, r in enumerate(self.rewards) if j != self.index and r is not None and float(r) >= thr]
 
 
-def sibling_groups(completions: Sequence[Any], rewards: Sequence[float], group_size: int,
-                   success_threshold: float = 1.0) -> list[SiblingGroup]:  # fmt: skip
+def sibling_groups(
+    completions: Sequence[Any], rewards: Sequence[float], group_size: int, success_threshold: float = 1.0
+) -> list[SiblingGroup]:
     """One :class:`SiblingGroup` per row of a rollout whose rows ``i`` form groups ``i // group_size``."""
     n = len(completions)
     if len(rewards) != n:
@@ -255,8 +258,12 @@ class _LegacyBatch(HintProvider):
         self.reads_groups = with_groups  # type: ignore[misc]
 
     def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
-        cols = ([r.feedback for r in requests], [r.prompt for r in requests], [r.completion for r in requests],
-                [r.task for r in requests])  # fmt: skip
+        cols = (
+            [r.feedback for r in requests],
+            [r.prompt for r in requests],
+            [r.completion for r in requests],
+            [r.task for r in requests],
+        )
         if self.with_groups:
             return list(self.fn(*cols, groups=[r.group for r in requests]))
         return list(self.fn(*cols))
@@ -334,9 +341,13 @@ def reads_groups(provider: Any) -> bool:
     return bool(getattr(provider, "reads_groups", False))
 
 
-def hint_requests(feedbacks: Sequence[Any], prompts: Sequence[Any] | None = None,
-                  completions: Sequence[Any] | None = None, tasks: Sequence[Mapping[str, Any]] | None = None,
-                  groups: Sequence[SiblingGroup | None] | None = None) -> list[HintRequest]:  # fmt: skip
+def hint_requests(
+    feedbacks: Sequence[Any],
+    prompts: Sequence[Any] | None = None,
+    completions: Sequence[Any] | None = None,
+    tasks: Sequence[Mapping[str, Any]] | None = None,
+    groups: Sequence[SiblingGroup | None] | None = None,
+) -> list[HintRequest]:
     """One :class:`HintRequest` per row from columns (the rows' rewards taken from their groups)."""
     n = len(feedbacks)
     for what, col in (("prompts", prompts), ("completions", completions), ("tasks", tasks), ("groups", groups)):
@@ -345,10 +356,16 @@ def hint_requests(feedbacks: Sequence[Any], prompts: Sequence[Any] | None = None
     out = []
     for i in range(n):
         g = groups[i] if groups is not None else None
-        out.append(HintRequest(prompt=prompts[i] if prompts is not None else None,
-                               completion=completions[i] if completions is not None else None,
-                               feedback=feedbacks[i], task=tasks[i] if tasks is not None else None,
-                               reward=g.reward if g is not None else None, group=g))  # fmt: skip
+        out.append(
+            HintRequest(
+                prompt=prompts[i] if prompts is not None else None,
+                completion=completions[i] if completions is not None else None,
+                feedback=feedbacks[i],
+                task=tasks[i] if tasks is not None else None,
+                reward=g.reward if g is not None else None,
+                group=g,
+            )
+        )
     return out
 
 
@@ -535,9 +552,12 @@ class LLMTeacherHintProvider(HintProvider):
         if feedback is None or not feedback.needs_hint:
             return None
         messages = hint_request_messages(
-            feedback, prompt=request.prompt, completion=request.completion, reveal_answer=self.reveal_answer,
+            feedback,
+            prompt=request.prompt,
+            completion=request.completion,
+            reveal_answer=self.reveal_answer,
             system_prompt=self.system_prompt,
-        )  # fmt: skip
+        )
         text = ""
         try:
             text = (await self._ask(messages)).strip()

@@ -81,8 +81,12 @@ def _used_wrongly(i: int, got: Step, want: Step) -> str | None:
     return None
 
 
-def locate_mistake(completion: str, task: Mapping[str, Any] | None, template: str = FALSE_STEP,
-                   hidden_template: str = FALSE_STEP_HIDDEN) -> str | None:  # fmt: skip
+def locate_mistake(
+    completion: str,
+    task: Mapping[str, Any] | None,
+    template: str = FALSE_STEP,
+    hidden_template: str = FALSE_STEP_HIDDEN,
+) -> str | None:
     """The hint that locates the first mistake of ``completion`` for ``task``, or ``None`` if none can be named."""
     worked = _worked(completion)
     steps = parse_steps(worked)

@@ -62,8 +62,9 @@ def _acc(weight: Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
-def _add_chunk_grads(g: Tensor, h: Tensor, weight: Tensor, grad_h: Tensor | None, grad_w: Tensor | None,
-                     s: int, e: int) -> None:  # fmt: skip
+def _add_chunk_grads(
+    g: Tensor, h: Tensor, weight: Tensor, grad_h: Tensor | None, grad_w: Tensor | None, s: int, e: int
+) -> None:
     """Back through ``z = h @ weight.T`` for rows ``s:e`` (``g`` is dL/dz): write dL/dh, add dL/dweight."""
     if grad_h is not None:
         grad_h[s:e] = g.to(weight.dtype) @ weight

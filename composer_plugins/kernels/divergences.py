@@ -296,8 +296,9 @@ TAIL_FLOOR = 1e-7
 def _log1mexp(x: Tensor) -> Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, stable at both ends (Mächler's two branches)."""
     near = x > -math.log(2.0)
-    return torch.where(near, torch.log(-torch.expm1(x.clamp(min=-math.log(2.0)))),
-                       torch.log1p(-torch.exp(x.clamp(max=-math.log(2.0)))))  # fmt: skip
+    return torch.where(
+        near, torch.log(-torch.expm1(x.clamp(min=-math.log(2.0)))), torch.log1p(-torch.exp(x.clamp(max=-math.log(2.0))))
+    )
 
 
 def _tail(top: Tensor) -> tuple[Tensor, Tensor]:
@@ -516,8 +517,9 @@ class TeacherTopKKernel:
         vb = torch.cat([valid, has_tail], -1)
         return bucket_divergence(ls, _up(lt).clamp(min=TEACHER_LOGPROB_FLOOR), vb, self.jsd_beta)[0]
 
-    def compute(self, zs: Tensor, ids: Tensor, lt: Tensor, valid: Tensor,
-                grad_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:  # fmt: skip
+    def compute(
+        self, zs: Tensor, ids: Tensor, lt: Tensor, valid: Tensor, grad_out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
         """``(value, grad_out[:, None]·dvalue/dzs or None, stats)``; consumes ``zs``'s buffer.
 
         ``stats`` ``(n, 2)``: the student's and the teacher's probability mass on the ids (the

@@ -94,8 +94,7 @@ class TeacherTopK:
         return TeacherTopK(self.ids.to(device), self.logprobs.to(device), self.mask.to(device), self.names)
 
     @classmethod
-    def from_rows(cls, per_teacher: Mapping[str, Sequence[Any | None]], length: int,
-                  device: Any = None) -> TeacherTopK:  # fmt: skip
+    def from_rows(cls, per_teacher: Mapping[str, Sequence[Any | None]], length: int, device: Any = None) -> TeacherTopK:
         """Pack per-row scores: ``{teacher: [row scores or None, ...]}``, each with ``token_ids`` ``[T_i, K]``,
         ``logprobs`` ``[T_i, K]`` and ``mask`` ``[T_i]`` (a :class:`~composer_plugins.teachers.scoring.TeacherScores`).
 
@@ -127,8 +126,9 @@ class TeacherTopK:
         return cls(ids, lps, mask, names)
 
     @classmethod
-    def from_sampled(cls, completion_ids: Tensor, teacher_logprobs: Tensor, mask: Tensor,
-                     name: str = "teacher") -> TeacherTopK:  # fmt: skip
+    def from_sampled(
+        cls, completion_ids: Tensor, teacher_logprobs: Tensor, mask: Tensor, name: str = "teacher"
+    ) -> TeacherTopK:
         """One teacher that reports only its log-prob of each sampled token (PRIME-RL's ``teacher_logprobs``):
         ``K = 1`` with the sampled ids, so each token is a two-way distribution (the token, the rest)."""
         return cls(
@@ -168,8 +168,9 @@ def agreement_mask(ids: Tensor, logprobs: Tensor, present: Tensor, min_agree: in
     return same.sum(-1).amax(-1) >= int(min_agree)
 
 
-def merge_teachers(ids: Tensor, logprobs: Tensor, present: Tensor, weights: Tensor,
-                   vocab: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def merge_teachers(
+    ids: Tensor, logprobs: Tensor, present: Tensor, weights: Tensor, vocab: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """One distribution per row from ``N`` teachers' top-k: ``(union ids, log-probs + tail, valid)``.
 
     Args:
@@ -368,8 +369,9 @@ def chunked_teacher_distill(
     n = int(r.idx.numel())
     denom = float(denominator) if denominator is not None else float(max(n, 1))
     cs = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
-    total, cov = _TeacherDistill.apply(rows, lm_head_weight, r.ids, r.lps, r.present, mix, kernel, int(cs),
-                                       1.0 / max(denom, 1e-12), tw)  # fmt: skip
+    total, cov = _TeacherDistill.apply(
+        rows, lm_head_weight, r.ids, r.lps, r.present, mix, kernel, int(cs), 1.0 / max(denom, 1e-12), tw
+    )
     return TeacherDistillOutput(total, n, cov, r.nonfinite, r.out_of_vocab)
 
 

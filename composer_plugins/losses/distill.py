@@ -248,8 +248,9 @@ class HintDistillChannel(LossChannel):
         (the policy-gradient channel asks for them too; SDPO proper runs without it)."""
         return (*self.requires, "logprobs") if self.is_clip is not None else tuple(self.requires)
 
-    def importance_weights(self, mask: Tensor, model_outputs: Mapping[str, Any],
-                           batch: Mapping[str, Any]) -> tuple[Tensor | None, dict[str, Any]]:  # fmt: skip
+    def importance_weights(
+        self, mask: Tensor, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]
+    ) -> tuple[Tensor | None, dict[str, Any]]:
         """SDPO's distillation IS weight on the hinted tokens: ``min(exp(clamp(lp - lp_old, ±20)), is_clip)``, detached.
 
         ``lp`` is ``logprobs`` (the current policy on the sampled tokens), ``lp_old`` the behaviour
@@ -378,8 +379,9 @@ class HintDistillChannel(LossChannel):
             return True
         return hidden.is_cuda and liger_available()
 
-    def _liger_jsd(self, s_hidden: Tensor, t_hidden: Tensor, weight: Tensor, mask: Tensor,
-                   t_weight: Tensor | None) -> Tensor:  # fmt: skip
+    def _liger_jsd(
+        self, s_hidden: Tensor, t_hidden: Tensor, weight: Tensor, mask: Tensor, t_weight: Tensor | None
+    ) -> Tensor:
         """Liger's fused linear generalised JSD over the masked tokens: the same token mean as the jsd kernel.
 
         Liger's ``beta`` and ``temperature`` mean what TRL's ``generalized_jsd`` (and this channel)

@@ -725,8 +725,11 @@ def dpo_loss(
     Returns the mean over pairs and metrics ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins`` (TRL's, with rewards ``β·log-ratio``).
     """
-    for n, x in (("rejected_logps", rejected_logps), ("ref_chosen_logps", ref_chosen_logps),
-                 ("ref_rejected_logps", ref_rejected_logps)):  # fmt: skip
+    for n, x in (
+        ("rejected_logps", rejected_logps),
+        ("ref_chosen_logps", ref_chosen_logps),
+        ("ref_rejected_logps", ref_rejected_logps),
+    ):
         _require_same(n, x, "chosen_logps", chosen_logps)
     if chosen_logps.dim() != 1:
         raise ValueError(f"chosen_logps must be (N,) per-sequence log-probs, got shape {_shape(chosen_logps)}")

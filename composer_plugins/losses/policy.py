@@ -236,8 +236,12 @@ class DPPOChannel(_LogprobInputs):
     ) -> None:
         if normalize not in ("tokens", "sequences", "none"):
             raise ValueError(f"unknown normalize {normalize!r}; valid: 'tokens', 'sequences', 'none'")
-        for k, v in (("dppo_mask_low", dppo_mask_low), ("dppo_mask_high", dppo_mask_high),
-                     ("adv_tau", adv_tau), ("kl_tau", kl_tau)):  # fmt: skip
+        for k, v in (
+            ("dppo_mask_low", dppo_mask_low),
+            ("dppo_mask_high", dppo_mask_high),
+            ("adv_tau", adv_tau),
+            ("kl_tau", kl_tau),
+        ):
             if v < 0:
                 raise ValueError(f"{k} must be >= 0 (PRIME-RL constraint), got {v}")
         super().__init__(weight, label or name or "dppo", temperature, chunk_size)

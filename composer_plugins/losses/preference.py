@@ -28,8 +28,10 @@ from composer_plugins.losses.base import LossChannel
 
 METHODS: tuple[str, ...] = ("dpo", "simpo")
 _DPO_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
-_SIMPO_OPTIONS = (("chosen_avg_logps", "rejected_avg_logps"), ("chosen_logps", "rejected_logps", "chosen_lengths",
-                                                                 "rejected_lengths"))  # fmt: skip
+_SIMPO_OPTIONS = (
+    ("chosen_avg_logps", "rejected_avg_logps"),
+    ("chosen_logps", "rejected_logps", "chosen_lengths", "rejected_lengths"),
+)
 
 
 class ReplayPreferenceChannel(LossChannel):

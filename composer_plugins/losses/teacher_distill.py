@@ -185,8 +185,9 @@ class TeacherDistillChannel(LossChannel):
         return f"{super().extra_repr()}, divergence={self.divergence!r}{extra}"
 
 
-def teacher_tokens(scores: TeacherTopK, mask: Tensor, vocab: int | None = None,
-                   weights: Mapping[str, float] | None = None) -> Tensor:  # fmt: skip
+def teacher_tokens(
+    scores: TeacherTopK, mask: Tensor, vocab: int | None = None, weights: Mapping[str, float] | None = None
+) -> Tensor:
     """Number of completion tokens at least one teacher scored with a usable entry (the channel's denominator
     without ``min_agree``): an id in ``[0, vocab)`` with a log-prob that is not NaN / ``+inf``, from a teacher
     whose weight (``weights``, by name; default all) is > 0."""

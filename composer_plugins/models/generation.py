@@ -96,8 +96,7 @@ def tokenize_completions(
     Padded with the tokenizer's pad token, or its EOS token when it has none.
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = [[*tokenizer(t, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id][:max_length]
-            for t in texts]  # fmt: skip
+    rows = [[*tokenizer(t, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id][:max_length] for t in texts]
     width = max((len(r) for r in rows), default=0)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)

@@ -47,8 +47,13 @@ def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> 
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def sequence_inputs(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-                    completion_attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def sequence_inputs(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    completion_attention_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(input_ids, attention_mask, position_ids)`` of left-padded prompts followed by right-padded completions.
 
     ``completion_attention_mask`` (default: ``completion_mask``) is what the model attends to in the

@@ -184,21 +184,40 @@ def load_policy(name_or_path: str | os.PathLike[str], dtype: str = "float32", **
 #: those of the published Qwen2.5 configs; ``cpu-proxy`` keeps the real vocabulary with a tiny body.
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {
-        "vocab_size": 151_936, "hidden_size": 896, "intermediate_size": 4_864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
-        "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32_768,
+        "vocab_size": 151_936,
+        "hidden_size": 896,
+        "intermediate_size": 4_864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32_768,
     },
     "qwen2.5-1.5b": {
-        "vocab_size": 151_936, "hidden_size": 1_536, "intermediate_size": 8_960, "num_hidden_layers": 28,
-        "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": True,
-        "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32_768,
+        "vocab_size": 151_936,
+        "hidden_size": 1_536,
+        "intermediate_size": 8_960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32_768,
     },
     "cpu-proxy": {
-        "vocab_size": 151_936, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "vocab_size": 151_936,
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
         "max_position_embeddings": 4_096,
     },
-}  # fmt: skip
+}
 
 
 def build_shaped_model(

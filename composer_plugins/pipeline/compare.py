@@ -153,25 +153,34 @@ def compare_table(
     rows = study.ablation_rows(recs, metrics, group_by)
     if beside:
         for row in rows:
-            names = sorted({r.get("exp") or "baseline" for r in recs
-                            if all(r.get(g) == row[g] for g in group_by)})  # fmt: skip
+            names = sorted({r.get("exp") or "baseline" for r in recs if all(r.get(g) == row[g] for g in group_by)})
             row["exp"] = ",".join(names)
         # channel groups in the order their oldest run was logged (records come newest first)
         seen = dict.fromkeys(str(r.get(group_by[0])) for r in reversed(recs))
         if group_by[0] == "variant":
             seen = dict.fromkeys([*(str(v) for v in variant_order), *seen])
         first = {k: i for i, k in enumerate(seen)}
-        rows.sort(key=lambda r: (first.get(str(r.get(group_by[0])), 0), r["exp"] != "baseline",
-                                 [str(r.get(g)) for g in group_by[1:]]))  # fmt: skip
+        rows.sort(
+            key=lambda r: (
+                first.get(str(r.get(group_by[0])), 0),
+                r["exp"] != "baseline",
+                [str(r.get(g)) for g in group_by[1:]],
+            )
+        )
         group_by = (*group_by, "exp")
     else:
         rows.sort(key=lambda r: -_sortable(r[metrics[0]][0]) if metrics else 0)
     if fmt == "json":
         return json.dumps(
-            [{**{k: v for k, v in r.items() if k not in metrics},
-              **{m: {"mean": _nan_none(r[m][0]), "std": _nan_none(r[m][1])} for m in metrics}} for r in rows],
+            [
+                {
+                    **{k: v for k, v in r.items() if k not in metrics},
+                    **{m: {"mean": _nan_none(r[m][0]), "std": _nan_none(r[m][1])} for m in metrics},
+                }
+                for r in rows
+            ],
             indent=2,
-        )  # fmt: skip
+        )
     if fmt == "csv":
         head = [*group_by, "n", *[f"{m}_{s}" for m in metrics for s in ("mean", "std")]]
         lines = [",".join(head)]

@@ -64,16 +64,25 @@ def _eval(cfg: dict[str, Any], checkpoint: str, tasks_path: str, n: int, hint_up
 
     c = json.loads(json.dumps(cfg))
     c["data"] = {**c.get("data", {}), "test_path": tasks_path}
-    c["eval"] = {**c.get("eval", {}), "num_problems": n, "k": 0, "num_samples": 0, "at_start": False,
-                 "at_end": False, "predictions": True, "hint_uplift": hint_uplift}  # fmt: skip
+    c["eval"] = {
+        **c.get("eval", {}),
+        "num_problems": n,
+        "k": 0,
+        "num_samples": 0,
+        "at_start": False,
+        "at_end": False,
+        "predictions": True,
+        "hint_uplift": hint_uplift,
+    }
     with tempfile.TemporaryDirectory(prefix="gap-") as td:
         res = run_eval(train_config_from_dict(c), checkpoint=checkpoint, output=f"{td}/eval.json")
         preds = read_jsonl(f"{td}/eval.predictions.jsonl")
     return res, preds
 
 
-def _margins(cfg: dict[str, Any], tasks: Sequence[Mapping[str, Any]], models: Mapping[str, str],
-             seed: int) -> dict[str, float]:  # fmt: skip
+def _margins(
+    cfg: dict[str, Any], tasks: Sequence[Mapping[str, Any]], models: Mapping[str, str], seed: int
+) -> dict[str, float]:
     """``{name: nats/token}``: the hinted self-teacher's (``hint``) and each external model's margin on one rollout."""
     import torch
 
@@ -107,8 +116,15 @@ def _margins(cfg: dict[str, Any], tasks: Sequence[Mapping[str, Any]], models: Ma
     return out
 
 
-def measure_gap(params: Mapping[str, Any], variants: Sequence[str], *, model: str, tasks_path: str,
-                num_prompts: int = 64, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def measure_gap(
+    params: Mapping[str, Any],
+    variants: Sequence[str],
+    *,
+    model: str,
+    tasks_path: str,
+    num_prompts: int = 64,
+    seed: int = 0,
+) -> dict[str, Any]:
     """``{variant: {teacher: {margin, fix_rate, coverage}}}`` on the first ``num_prompts`` tasks of ``tasks_path``
     (training prompts), from the policy at ``model``. Variants without a teacher get ``{}``."""
     from composer_plugins.core.io import read_jsonl
@@ -133,16 +149,25 @@ def measure_gap(params: Mapping[str, Any], variants: Sequence[str], *, model: st
                 res, _ = _eval(cfg, model, tasks_path, len(tasks), True)
                 fix = next((float(x) for k, x in res.items() if k.endswith("hint_fix_rate")), math.nan)
                 cov = next((float(x) for k, x in res.items() if k.endswith("hint_coverage")), math.nan)
-                row[name] = {"margin": margins["hint"], "fix_rate": fix, "coverage": cov,
-                             "hinted_rows": margins.get("hint_rows", 0.0), "provider": spec}  # fmt: skip
+                row[name] = {
+                    "margin": margins["hint"],
+                    "fix_rate": fix,
+                    "coverage": cov,
+                    "hinted_rows": margins.get("hint_rows", 0.0),
+                    "provider": spec,
+                }
             else:
                 if spec not in teacher_preds:
                     teacher_preds[spec] = _eval(cfg, spec, tasks_path, len(tasks), False)[1]
                 tp = teacher_preds[spec]
                 fixed = sum(bool(tp[i].get("correct")) for i in failed)
-                row[name] = {"margin": margins[name], "fix_rate": fixed / len(failed) if failed else math.nan,
-                             "coverage": 1.0, "model_path": spec,
-                             "teacher_accuracy": sum(bool(p.get("correct")) for p in tp) / max(1, len(tp))}  # fmt: skip
+                row[name] = {
+                    "margin": margins[name],
+                    "fix_rate": fixed / len(failed) if failed else math.nan,
+                    "coverage": 1.0,
+                    "model_path": spec,
+                    "teacher_accuracy": sum(bool(p.get("correct")) for p in tp) / max(1, len(tp)),
+                }
         out["variants"][v] = row
     if student_preds is not None:
         out["student_accuracy"] = sum(bool(p.get("correct")) for p in student_preds) / max(1, len(student_preds))

@@ -133,9 +133,15 @@ def verdict(low: float, high: float, *, lower_is_better: bool = False) -> str:
     return "no measurable effect"
 
 
-def paired_effect(variant: Mapping[int, float], baseline: Mapping[int, float], *, confidence: float = 0.95,
-                  name: str = "variant", baseline_name: str = "baseline",
-                  metric: str = "") -> PairedEffect:  # fmt: skip
+def paired_effect(
+    variant: Mapping[int, float],
+    baseline: Mapping[int, float],
+    *,
+    confidence: float = 0.95,
+    name: str = "variant",
+    baseline_name: str = "baseline",
+    metric: str = "",
+) -> PairedEffect:
     """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and t interval.
 
     With one shared seed the standard error and interval are NaN (no spread to estimate);
@@ -159,10 +165,19 @@ def paired_effect(variant: Mapping[int, float], baseline: Mapping[int, float], *
         low, high = mean - half, mean + half
         p = t_pvalue(mean, se, n - 1)
     return PairedEffect(
-        variant=name, baseline=baseline_name, metric=metric, seeds=seeds, diffs=diffs, mean=mean, se=se,
-        low=low, high=high, variant_mean=sum(float(variant[s]) for s in seeds) / n,
-        baseline_mean=sum(float(baseline[s]) for s in seeds) / n, p=p,
-    )  # fmt: skip
+        variant=name,
+        baseline=baseline_name,
+        metric=metric,
+        seeds=seeds,
+        diffs=diffs,
+        mean=mean,
+        se=se,
+        low=low,
+        high=high,
+        variant_mean=sum(float(variant[s]) for s in seeds) / n,
+        baseline_mean=sum(float(baseline[s]) for s in seeds) / n,
+        p=p,
+    )
 
 
 def t_pvalue(mean: float, se: float, df: int) -> float:
@@ -190,8 +205,9 @@ def holm(effects: Sequence[PairedEffect], alpha: float = ALPHA) -> list[PairedEf
         e = effects[i]
         running = max(running, min(1.0, (m - rank) * e.p))
         half = t_critical(e.n - 1, 1.0 - alpha / (m - rank)) * e.se
-        out[i] = replace(e, correction="holm", family=m, p_adjusted=running, adj_low=e.mean - half,
-                         adj_high=e.mean + half)  # fmt: skip
+        out[i] = replace(
+            e, correction="holm", family=m, p_adjusted=running, adj_low=e.mean - half, adj_high=e.mean + half
+        )
     for i, e in enumerate(out):
         if i not in idx:
             out[i] = replace(e, correction="holm", family=m)
@@ -220,8 +236,13 @@ def by_variant_seed(records: Sequence[Mapping[str, Any]], metric: str) -> dict[s
     return out
 
 
-def paired_rows(records: Sequence[Mapping[str, Any]], metric: str, baseline: str,
-                variants: Sequence[str] | None = None, confidence: float = 0.95) -> list[PairedEffect]:  # fmt: skip
+def paired_rows(
+    records: Sequence[Mapping[str, Any]],
+    metric: str,
+    baseline: str,
+    variants: Sequence[str] | None = None,
+    confidence: float = 0.95,
+) -> list[PairedEffect]:
     """Every variant (but the baseline and the SFT start) against ``baseline`` on ``metric``, paired by seed."""
     table = by_variant_seed(records, metric)
     if baseline not in table:
@@ -230,8 +251,10 @@ def paired_rows(records: Sequence[Mapping[str, Any]], metric: str, baseline: str
     missing = [v for v in names if v not in table]
     if missing:
         raise ValueError(f"variant(s) {missing} have no runs with {metric!r}; variants: {sorted(table)}")
-    return [paired_effect(table[v], table[baseline], confidence=confidence, name=v, baseline_name=baseline,
-                          metric=metric) for v in names]  # fmt: skip
+    return [
+        paired_effect(table[v], table[baseline], confidence=confidence, name=v, baseline_name=baseline, metric=metric)
+        for v in names
+    ]
 
 
 def _f(x: float | None, nd: int = 3, sign: bool = False) -> str:
@@ -244,8 +267,18 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
     """The paired table (markdown, text, json or csv); with ``heldout_n`` the held-out sampling error too."""
     if fmt == "json":
         return json.dumps([{**asdict(e), "n": e.n, "verdict": e.verdict} for e in effects], indent=2)
-    head = ["variant", "vs", "metric", "seeds", "variant mean", "baseline mean", "paired diff (mean)", "se",
-            "95% CI", "verdict"]  # fmt: skip
+    head = [
+        "variant",
+        "vs",
+        "metric",
+        "seeds",
+        "variant mean",
+        "baseline mean",
+        "paired diff (mean)",
+        "se",
+        "95% CI",
+        "verdict",
+    ]
     corrected = any(e.correction for e in effects)
     if corrected:
         head[-1:] = ["p", "Holm p", "Holm-level CI", "verdict (Holm)"]
@@ -254,8 +287,18 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
     rows = []
     for e in effects:
         ci = f"[{_f(e.low, sign=True)}, {_f(e.high, sign=True)}]"
-        row = [e.variant, e.baseline, e.metric, str(e.n), _f(e.variant_mean), _f(e.baseline_mean),
-               _f(e.mean, sign=True), _f(e.se), ci, e.verdict]  # fmt: skip
+        row = [
+            e.variant,
+            e.baseline,
+            e.metric,
+            str(e.n),
+            _f(e.variant_mean),
+            _f(e.baseline_mean),
+            _f(e.mean, sign=True),
+            _f(e.se),
+            ci,
+            e.verdict,
+        ]
         if corrected:
             adj = f"[{_f(e.adj_low, sign=True)}, {_f(e.adj_high, sign=True)}]"
             row[-1:] = [_f(e.p, 4), _f(e.p_adjusted, 4), adj, e.verdict]
@@ -291,8 +334,9 @@ CURVE_FILE = "heldout_curve.csv"
 Histories = dict[str, dict[int, list[dict[str, float]]]]
 
 
-def read_study_dir(root: str | Path, evals: str | Path = "evals",
-                   runs: str | Path = "runs") -> tuple[list[dict[str, Any]], Histories]:  # fmt: skip
+def read_study_dir(
+    root: str | Path, evals: str | Path = "evals", runs: str | Path = "runs"
+) -> tuple[list[dict[str, Any]], Histories]:
     """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir.
 
     ``evals`` and ``runs`` are relative to ``root`` (the stage layout of dvc.yaml: ``evals/*.json``,
@@ -409,8 +453,14 @@ def curve_start(points: Sequence[tuple[int, float]]) -> float | None:
     return points[0][1] if points and points[0][0] == 0 else None
 
 
-def curve_effects(hist: Histories, baseline: str, column: str = CURVE, confidence: float = 0.95,
-                  delta: float = DEFAULT_DELTA, start: float | None = None) -> list[PairedEffect]:  # fmt: skip
+def curve_effects(
+    hist: Histories,
+    baseline: str,
+    column: str = CURVE,
+    confidence: float = 0.95,
+    delta: float = DEFAULT_DELTA,
+    start: float | None = None,
+) -> list[PairedEffect]:
     """Per variant against ``baseline``, paired by seed: final curve value, AUC from step 0, time to threshold.
 
     The threshold is ``start + delta``, the same for both arms: ``start`` is the curve's step-0 value (the
@@ -441,25 +491,33 @@ def curve_effects(hist: Histories, baseline: str, column: str = CURVE, confidenc
         reach = {}
         if threshold is not None:
             reach = {s: time_to_threshold(curves[v][s], threshold) for s in shared}
-            tables.append(("time_to_threshold", {s: r[0] for s, r in reach.items()},
-                           {s: r[0] for s, r in base_reach.items()}))  # fmt: skip
+            tables.append(
+                ("time_to_threshold", {s: r[0] for s, r in reach.items()}, {s: r[0] for s, r in base_reach.items()})
+            )
         for metric, table, base in tables:
-            e = paired_effect(table, base, confidence=confidence, name=v, baseline_name=baseline,
-                              metric=f"{column} {metric}")  # fmt: skip
+            e = paired_effect(
+                table, base, confidence=confidence, name=v, baseline_name=baseline, metric=f"{column} {metric}"
+            )
             if metric == "time_to_threshold":
                 e = replace(e, lower_is_better=True)
                 e.extra.update(
-                    threshold=threshold, delta=float(delta),
+                    threshold=threshold,
+                    delta=float(delta),
                     censored=sum(not reach[s][1] for s in e.seeds),
                     censored_baseline=sum(not base_reach[s][1] for s in e.seeds),
-                )  # fmt: skip
+                )
             out.append(e)
     return out
 
 
-def study_effects(recs: Sequence[Mapping[str, Any]], hist: Histories, baseline: str,
-                  metric: str = "gsm8k/accuracy", delta: float = DEFAULT_DELTA,
-                  start: float | None = None) -> dict[str, list[PairedEffect]]:  # fmt: skip
+def study_effects(
+    recs: Sequence[Mapping[str, Any]],
+    hist: Histories,
+    baseline: str,
+    metric: str = "gsm8k/accuracy",
+    delta: float = DEFAULT_DELTA,
+    start: float | None = None,
+) -> dict[str, list[PairedEffect]]:
     """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
 
     ``final``: ``metric`` per variant; ``signal``: the run mean of ``train/groups_with_signal``;
@@ -469,8 +527,11 @@ def study_effects(recs: Sequence[Mapping[str, Any]], hist: Histories, baseline: 
     sig = "train/groups_with_signal"
     means = run_means(hist, sig)
     if baseline in means:
-        tables["signal"] = [paired_effect(means[v], means[baseline], name=v, baseline_name=baseline,
-                                          metric=sig + " (run mean)") for v in means if v != baseline]  # fmt: skip
+        tables["signal"] = [
+            paired_effect(means[v], means[baseline], name=v, baseline_name=baseline, metric=sig + " (run mean)")
+            for v in means
+            if v != baseline
+        ]
     curve = curve_effects(hist, baseline, delta=delta, start=start)
     if curve:
         tables["curve"] = curve
@@ -508,10 +569,17 @@ def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
-def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm8k/accuracy",
-                 heldout_n: int | None = None, evals: str | Path = "evals", runs: str | Path = "runs",
-                 delta: float = DEFAULT_DELTA, fractions: Sequence[str] = (),
-                 gap: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+def study_report(
+    root: str | Path,
+    baseline: str = "rl_only",
+    metric: str = "gsm8k/accuracy",
+    heldout_n: int | None = None,
+    evals: str | Path = "evals",
+    runs: str | Path = "runs",
+    delta: float = DEFAULT_DELTA,
+    fractions: Sequence[str] = (),
+    gap: Mapping[str, Any] | None = None,
+) -> str:
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
 
     Every test the report makes (each variant × final ``metric``, run-mean signal, curve final, AUC and
@@ -553,13 +621,18 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
             if thr
             else "(no step-0 value: no time to threshold)"
         )
-        head = (f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve from "
-                f"step 0 divided by the run's length, {what}.")  # fmt: skip
+        head = (
+            f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve from "
+            f"step 0 divided by the run's length, {what}."
+        )
         out += ["", head, "", format_paired(parts[k], "markdown")]
         cens = [(e.variant, e.extra["censored"], e.extra["censored_baseline"]) for e in curve if "censored" in e.extra]
         if cens:
-            out += ["", "censored (never reached the threshold), variant / baseline seeds: "
-                    + ", ".join(f"{v} {a} / {baseline} {b}" for v, a, b in cens)]  # fmt: skip
+            out += [
+                "",
+                "censored (never reached the threshold), variant / baseline seeds: "
+                + ", ".join(f"{v} {a} / {baseline} {b}" for v, a, b in cens),
+            ]
         pts = {v: step_values(by_seed, CURVE) for v, by_seed in hist.items()}
         steps_all = sorted({s for p in pts.values() for s in p})
         if steps_all:
@@ -584,14 +657,28 @@ def study_report(root: str | Path, baseline: str = "rl_only", metric: str = "gsm
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         for v, teachers in gap["variants"].items():
             for t, g in teachers.items():
-                cells = [v, t, _f(g.get("margin"), sign=True), _f(g.get("fix_rate")), _f(g.get("coverage")),
-                         _f(effects.get(v, math.nan), sign=True)]  # fmt: skip
+                cells = [
+                    v,
+                    t,
+                    _f(g.get("margin"), sign=True),
+                    _f(g.get("fix_rate")),
+                    _f(g.get("coverage")),
+                    _f(effects.get(v, math.nan), sign=True),
+                ]
                 lines.append("| " + " | ".join(cells) + " |")
-        corr = [f"{k} r = {_f(gap_correlation(gap, effects, k)['pearson_r'], 2, sign=True)} "
-                f"(n = {gap_correlation(gap, effects, k)['n']})" for k in ("margin", "fix_rate")]  # fmt: skip
-        out += ["", f"Gap predictor (before RL, {gap.get('num_prompts')} training prompts, from {gap.get('model')}): "
-                "each teacher's gap to the student beside the variant's final effect; correlation over the "
-                "variants with a teacher (mean over its teachers): " + "; ".join(corr) + ".", "", *lines]  # fmt: skip
+        corr = [
+            f"{k} r = {_f(gap_correlation(gap, effects, k)['pearson_r'], 2, sign=True)} "
+            f"(n = {gap_correlation(gap, effects, k)['n']})"
+            for k in ("margin", "fix_rate")
+        ]
+        out += [
+            "",
+            f"Gap predictor (before RL, {gap.get('num_prompts')} training prompts, from {gap.get('model')}): "
+            "each teacher's gap to the student beside the variant's final effect; correlation over the "
+            "variants with a teacher (mean over its teachers): " + "; ".join(corr) + ".",
+            "",
+            *lines,
+        ]
     steps = step_means(hist, sig)
     if steps:
         n = max(len(x) for x in steps.values())
@@ -612,8 +699,13 @@ def _se(xs: Sequence[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
-def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accuracy",
-               prefix: str = "sparse", baseline: str = "rl_only") -> list[Path]:  # fmt: skip
+def plot_study(
+    root: str | Path,
+    out_dir: str | Path,
+    metric: str = "gsm8k/accuracy",
+    prefix: str = "sparse",
+    baseline: str = "rl_only",
+) -> list[Path]:
     """Two PNGs, ``<prefix>_accuracy.png``: ``metric`` per variant and seed (lines join a seed's runs), and
     ``<prefix>_groups_with_signal.png``: ``groups_with_signal`` per step (mean over seeds, ± se band)."""
     import matplotlib
@@ -661,8 +753,9 @@ def plot_study(root: str | Path, out_dir: str | Path, metric: str = "gsm8k/accur
     return paths
 
 
-USAGE = ("usage: python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] "
-         "[--plots DIR [--prefix NAME]]")  # fmt: skip
+USAGE = (
+    "usage: python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] [--plots DIR [--prefix NAME]]"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

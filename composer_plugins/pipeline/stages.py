@@ -263,12 +263,23 @@ def line_overlap(train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Ma
 # rollout
 # ---------------------------------------------------------------------------------------
 
-ROLLOUT_KEYS = ("env", "num_prompts", "num_generations", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-                "batch_size", "max_prompt_length")  # fmt: skip
+ROLLOUT_KEYS = (
+    "env",
+    "num_prompts",
+    "num_generations",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "batch_size",
+    "max_prompt_length",
+)
 
 
-def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike[str],
-            out: str | os.PathLike[str]) -> dict[str, Any]:  # fmt: skip
+def rollout(
+    params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike[str], out: str | os.PathLike[str]
+) -> dict[str, Any]:
     """Sample the policy at ``model`` on the first ``rollout.num_prompts`` tasks of ``tasks_path``.
 
     Writes one OpenAI-messages trace per completion (``{"id", "messages", "metadata"}``; the
@@ -309,23 +320,33 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
             print(f"rollout: {b0}/{len(tasks)} prompts", file=sys.stderr, flush=True)
         chunk = tasks[b0 : b0 + bs]
         ro = generate_completions(
-            policy, tok, [task_prompt(t, tok, chat) for t in chunk], G,
-            max_new_tokens=int(r.get("max_new_tokens", 48)), temperature=float(r.get("temperature", 1.0)),
-            top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)), seed=seed * 100_003 + b0,
+            policy,
+            tok,
+            [task_prompt(t, tok, chat) for t in chunk],
+            G,
+            max_new_tokens=int(r.get("max_new_tokens", 48)),
+            temperature=float(r.get("temperature", 1.0)),
+            top_p=float(r.get("top_p", 1.0)),
+            top_k=int(r.get("top_k", 0)),
+            seed=seed * 100_003 + b0,
             max_prompt_length=r.get("max_prompt_length"),
-        )  # fmt: skip
+        )
         rs = env_rewards(env, chunk, ro.completions, G, unscorable=0.0)  # traces: unscorable = not correct
         for j, (comp, rew) in enumerate(zip(ro.completions, rs, strict=True)):
             i = b0 + j // G
             task = tasks[i]
             meta = {k: v for k, v in task.items() if k not in ("prompt", "question")}
             meta.update(task_index=i, sample=j % G, reward=rew, correct=rew >= thr, env=env_name)
-            rows.append({
-                "id": f"{env_name}-{i}-{j % G}",
-                "messages": [*(task_conversation(task) or [{"role": "user", "content": task_prompt(task)}]),
-                             {"role": "assistant", "content": comp}],
-                "metadata": meta,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "id": f"{env_name}-{i}-{j % G}",
+                    "messages": [
+                        *(task_conversation(task) or [{"role": "user", "content": task_prompt(task)}]),
+                        {"role": "assistant", "content": comp},
+                    ],
+                    "metadata": meta,
+                }
+            )
             rewards.append(rew)
     write_jsonl(out, rows)
     stats = {
@@ -343,8 +364,12 @@ def rollout(params: Mapping[str, Any], model: str, tasks_path: str | os.PathLike
 # ---------------------------------------------------------------------------------------
 
 
-def replay_config(params: Mapping[str, Any], traces: str = PATHS_REPLAY["traces"], cache: str = PATHS_REPLAY["cache"],
-                  out_dir: str = PATHS_REPLAY["out"]) -> dict[str, Any]:  # fmt: skip
+def replay_config(
+    params: Mapping[str, Any],
+    traces: str = PATHS_REPLAY["traces"],
+    cache: str = PATHS_REPLAY["cache"],
+    out_dir: str = PATHS_REPLAY["out"],
+) -> dict[str, Any]:
     """The ``replay run`` config of the replay stage: ``params['replay']`` plus the pipeline's paths.
 
     The stage fills the teacher cache (``cache``, a persistent DVC output) and writes the raw
@@ -378,8 +403,12 @@ def replay_config(params: Mapping[str, Any], traces: str = PATHS_REPLAY["traces"
 PAIRS_KEYS = ("k", "compare", "normalize", "recipe")
 
 
-def pairs(params: Mapping[str, Any], traces: str | os.PathLike[str], cache: str | os.PathLike[str],
-          out: str | os.PathLike[str]) -> dict[str, Any]:  # fmt: skip
+def pairs(
+    params: Mapping[str, Any],
+    traces: str | os.PathLike[str],
+    cache: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+) -> dict[str, Any]:
     """Preference pairs from the replay stage's teacher cache, without paying for any call.
 
     The teachers of ``replay.teachers`` are replayed over ``traces`` against a copy of ``cache``
@@ -407,12 +436,14 @@ def pairs(params: Mapping[str, Any], traces: str | os.PathLike[str], cache: str 
         "consensus": {"k": int(p.get("k", 2)), "compare": p.get("compare", "text")},
         "cache": {"path": str(cache)},
         "budget": {"max_usd": 0.0, "fresh": True, "durable_reservations": False},
-        "normalize": {"enabled": bool(p.get("normalize", True)),
-                      **({"recipe": p["recipe"]} if p.get("recipe") else {})},
+        "normalize": {
+            "enabled": bool(p.get("normalize", True)),
+            **({"recipe": p["recipe"]} if p.get("recipe") else {}),
+        },
         "output": {"pairs": str(out)},
         "run_id": "pipeline-pairs",
         "progress": False,
-    }  # fmt: skip
+    }
     import shutil
     import tempfile
 
@@ -446,9 +477,16 @@ PATHS = {
 }
 
 
-def train_config(params: Mapping[str, Any], variant: str | None, seed: int, *, pairs: str | None = PATHS["pairs"],
-                 model: str = PATHS["sft_model"], data_dir: str = PATHS["data"],
-                 runs_dir: str = PATHS["runs"]) -> dict[str, Any]:  # fmt: skip
+def train_config(
+    params: Mapping[str, Any],
+    variant: str | None,
+    seed: int,
+    *,
+    pairs: str | None = PATHS["pairs"],
+    model: str = PATHS["sft_model"],
+    data_dir: str = PATHS["data"],
+    runs_dir: str = PATHS["runs"],
+) -> dict[str, Any]:
     """The effective ``train`` config (plain dict) of study cell ``variant × seed``.
 
     ``params['train']`` deep-merged with ``study.variants.<variant>``, then the pipeline's
@@ -491,8 +529,14 @@ def train_config(params: Mapping[str, Any], variant: str | None, seed: int, *, p
     return cfg
 
 
-def train_cell(params: Mapping[str, Any], variant: str, seed: int, *, pairs: str | None = PATHS["pairs"],
-               model: str = PATHS["sft_model"]) -> dict[str, Any]:  # fmt: skip
+def train_cell(
+    params: Mapping[str, Any],
+    variant: str,
+    seed: int,
+    *,
+    pairs: str | None = PATHS["pairs"],
+    model: str = PATHS["sft_model"],
+) -> dict[str, Any]:
     """Write the cell's ``config.yaml`` and train it (DiLoCo when ``train.diloco.replicas > 1``).
 
     Returns the final train metrics. The cell's directory ends up with ``config.yaml``,
@@ -579,10 +623,17 @@ HEADLINE_ALIASES = {
 }
 
 
-def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: str,
-             out: str | os.PathLike[str], *, data_dir: str = PATHS["data"],
-             history: str | os.PathLike[str] | None = None,
-             train_metrics: str | os.PathLike[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    params: Mapping[str, Any],
+    variant: str | None,
+    seed: int,
+    model: str,
+    out: str | os.PathLike[str],
+    *,
+    data_dir: str = PATHS["data"],
+    history: str | os.PathLike[str] | None = None,
+    train_metrics: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
     """Evaluate ``model`` on the held-out split of every ``eval.envs`` entry; write ``out`` (JSON).
 
     ``variant=None`` evaluates the SFT start (the study's baseline row). Logs one MLflow run
@@ -617,8 +668,9 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
         with tempfile.TemporaryDirectory(prefix="eval-") as td:
             res = run_eval(tc, checkpoint=model, output=f"{td}/eval.json")
             preds = read_jsonl(f"{td}/eval.predictions.jsonl")
-        metrics.update({f"{env_key}/{k.split('/', 1)[1]}" if "/" in k else f"{env_key}/{k}": float(v)
-                        for k, v in res.items()})  # fmt: skip
+        metrics.update(
+            {f"{env_key}/{k.split('/', 1)[1]}" if "/" in k else f"{env_key}/{k}": float(v) for k, v in res.items()}
+        )
         correct[env_key] = "".join("1" if p.get("correct") else "0" for p in preds)
         train_file = Path(data_dir) / env_key / "train.jsonl"
         if train_file.exists() and preds:
@@ -630,8 +682,13 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
                 break
     if train_metrics and Path(train_metrics).exists():
         tm = json.loads(Path(train_metrics).read_text())
-        metrics.update({study.canonical_metric(k): float(v) for k, v in tm.items()
-                        if k.startswith(("train/", "sft/")) and _is_num(v)})  # fmt: skip
+        metrics.update(
+            {
+                study.canonical_metric(k): float(v)
+                for k, v in tm.items()
+                if k.startswith(("train/", "sft/")) and _is_num(v)
+            }
+        )
     result = {
         "run": name,
         "variant": variant or "sft",
@@ -650,8 +707,9 @@ def evaluate(params: Mapping[str, Any], variant: str | None, seed: int, model: s
     return result
 
 
-def novelty_accuracy(train_rows: Sequence[Mapping[str, Any]], predictions: Sequence[Mapping[str, Any]],
-                     env_key: str) -> dict[str, float]:  # fmt: skip
+def novelty_accuracy(
+    train_rows: Sequence[Mapping[str, Any]], predictions: Sequence[Mapping[str, Any]], env_key: str
+) -> dict[str, float]:
     """Greedy accuracy split by line novelty (:func:`line_novelty`): ``<env>/accuracy_unseen_line`` on the problems
     whose second worked line never occurs in train (the composition headline), ``accuracy_seen_line`` on the rest,
     with their counts ``n_unseen_line`` / ``n_seen_line``."""
@@ -669,8 +727,12 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result: Mapping[str, Any],
-                 artifacts: Sequence[str | os.PathLike[str]] = ()) -> str | None:  # fmt: skip
+def log_eval_run(
+    params: Mapping[str, Any],
+    train_cfg: Mapping[str, Any],
+    result: Mapping[str, Any],
+    artifacts: Sequence[str | os.PathLike[str]] = (),
+) -> str | None:
     """Log one evaluation into the study's MLflow experiment; returns the run id (``None`` when off)."""
     if not tracking.mlflow_enabled(params):
         return None
@@ -679,8 +741,9 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
     uri = tracking.tracking_uri(params)
     client = tracking.client(uri)
     exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
-    tags = tracking.run_tags(variant=str(result["variant"]), seed=int(result["seed"]),
-                             extra={"study.channels": result["channels"]})  # fmt: skip
+    tags = tracking.run_tags(
+        variant=str(result["variant"]), seed=int(result["seed"]), extra={"study.channels": result["channels"]}
+    )
     if tags[tracking.TAG_STAGE] == "manual":
         tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
     from composer_plugins.core.errors import ComposerPluginsError
@@ -695,10 +758,14 @@ def log_eval_run(params: Mapping[str, Any], train_cfg: Mapping[str, Any], result
     rid = run.info.run_id
     try:
         flat = {f"train.{k}": v for k, v in tracking.flatten(redact(dict(train_cfg))).items()}
-        flat.update({
-            "study.variant": result["variant"], "study.seed": result["seed"], "study.channels": result["channels"],
-            **{f"study.channel.{k}": "on" if v else "off" for k, v in result["channel_flags"].items()},
-        })  # fmt: skip
+        flat.update(
+            {
+                "study.variant": result["variant"],
+                "study.seed": result["seed"],
+                "study.channels": result["channels"],
+                **{f"study.channel.{k}": "on" if v else "off" for k, v in result["channel_flags"].items()},
+            }
+        )
         from mlflow.entities import Metric, Param
 
         items = [Param(k[:250], str(v)[:6000]) for k, v in flat.items()]
@@ -743,10 +810,14 @@ def collect(evals_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return recs
 
 
-def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS["evals"],
-           runs_dir: str | os.PathLike[str] = PATHS["runs"], metrics_out: str | os.PathLike[str] = "metrics.json",
-           plots_dir: str | os.PathLike[str] = "plots",
-           table_out: str | os.PathLike[str] = "results/ablation.md") -> dict[str, Any]:  # fmt: skip
+def report(
+    params: Mapping[str, Any],
+    evals_dir: str | os.PathLike[str] = PATHS["evals"],
+    runs_dir: str | os.PathLike[str] = PATHS["runs"],
+    metrics_out: str | os.PathLike[str] = "metrics.json",
+    plots_dir: str | os.PathLike[str] = "plots",
+    table_out: str | os.PathLike[str] = "results/ablation.md",
+) -> dict[str, Any]:
     """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table."""
     recs = collect(evals_dir)
     if not recs:
@@ -761,7 +832,7 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
         out[row["variant"]] = {
             "n": row["n"],
             **{m: {"mean": _r(row[m][0]), "std": _r(row[m][1])} for m in metrics_names},
-        }  # fmt: skip
+        }
     Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
     # plots: one bar per variant for the headline metric, and the curves of every run (long format)
     pdir = Path(plots_dir)
@@ -770,8 +841,15 @@ def report(params: Mapping[str, Any], evals_dir: str | os.PathLike[str] = PATHS[
         w = csv.writer(f)
         w.writerow(["variant", "channels", "n", *[f"{m}" for m in metrics_names], *[f"{m} std" for m in metrics_names]])
         for row in rows:
-            w.writerow([row["variant"], row["channels"], row["n"], *[_r(row[m][0]) for m in metrics_names],
-                        *[_r(row[m][1]) for m in metrics_names]])  # fmt: skip
+            w.writerow(
+                [
+                    row["variant"],
+                    row["channels"],
+                    row["n"],
+                    *[_r(row[m][0]) for m in metrics_names],
+                    *[_r(row[m][1]) for m in metrics_names],
+                ]
+            )
     write_curves(Path(runs_dir), pdir / "train_curves.csv", pdir / "curves")
     table = study.format_table(rows, metrics_names, group_by=("variant", "channels"))
     header = "# Ablation: loss channels on/off × seeds (held-out, mean ± sample std over seeds)\n\n"
@@ -790,8 +868,13 @@ SIGNAL = "train/groups_with_signal"
 RUN_MEANS = (SIGNAL, "train/hint/teacher_margin", "train/hint/fraction", "train/reward")
 
 
-def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: str | os.PathLike[str],
-                   runs_dir: str | os.PathLike[str], metrics_names: Sequence[str]) -> str:  # fmt: skip
+def _paired_report(
+    params: Mapping[str, Any],
+    out: dict[str, Any],
+    evals_dir: str | os.PathLike[str],
+    runs_dir: str | os.PathLike[str],
+    metrics_names: Sequence[str],
+) -> str:
     """Add ``train/groups_with_signal`` and the paired effects against ``study.baseline`` to ``out``.
 
     ``out`` is metrics.json's ``{variant: {...}}``: each variant gets the run mean of
@@ -822,7 +905,12 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
             if v in table and v in out:
                 e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m)
                 out[v].setdefault(f"paired_vs_{base}", {})[m] = {
-                    "diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p)}  # fmt: skip
+                    "diff": _r(e.mean),
+                    "se": _r(e.se),
+                    "low": _r(e.low),
+                    "high": _r(e.high),
+                    "p": _r(e.p),
+                }
     delta = study.threshold_delta(params)
     sft = [r for r in recs if r["variant"] == "sft"]
     start = sft[0].get(metric) if sft else None
@@ -832,18 +920,42 @@ def _paired_report(params: Mapping[str, Any], out: dict[str, Any], evals_dir: st
             if e.variant not in out:
                 continue
             key = metric if part == "final" else SIGNAL if part == "signal" else "curve/" + e.metric.split(" ", 1)[1]
-            row = {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p),
-                   "p_holm": _r(e.p_adjusted), "variant_mean": _r(e.variant_mean),
-                   "baseline_mean": _r(e.baseline_mean)}  # fmt: skip
+            row = {
+                "diff": _r(e.mean),
+                "se": _r(e.se),
+                "low": _r(e.low),
+                "high": _r(e.high),
+                "p": _r(e.p),
+                "p_holm": _r(e.p_adjusted),
+                "variant_mean": _r(e.variant_mean),
+                "baseline_mean": _r(e.baseline_mean),
+            }
             row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
             out[e.variant].setdefault(f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
-    fractions = sorted({c for by_seed in hist.values() for rows in by_seed.values() for r in rows for c in r
-                        if c.startswith(FRACTION_COLUMNS)})  # fmt: skip
+    fractions = sorted(
+        {
+            c
+            for by_seed in hist.values()
+            for rows in by_seed.values()
+            for r in rows
+            for c in r
+            if c.startswith(FRACTION_COLUMNS)
+        }
+    )
     gap_file = Path(GAP_FILE)  # `composer-plugins study gap` (before RL), when it was run
     gap = json.loads(gap_file.read_text()) if gap_file.exists() else None
-    text = paired.study_report(".", base, metric, heldout_n=heldout_n, evals=evals_dir, runs=runs_dir, delta=delta,
-                               fractions=fractions, gap=gap)  # fmt: skip
+    text = paired.study_report(
+        ".",
+        base,
+        metric,
+        heldout_n=heldout_n,
+        evals=evals_dir,
+        runs=runs_dir,
+        delta=delta,
+        fractions=fractions,
+        gap=gap,
+    )
     return title + text + "\n"
 
 
@@ -865,9 +977,17 @@ def _r(v: Any) -> Any:
 #: ``history.csv`` columns plotted per step (docs/metrics.md names): the run's totals, then each
 #: channel's ``loss`` and ``pairs`` (a third-party channel's columns match the same patterns).
 CURVE_PATTERNS: tuple[str, ...] = (
-    "train/reward", "train/loss", "train/accuracy", "train/groups_with_signal", "train/hint/rows",
-    "train/hint/fraction", "train/hint/teacher_margin", "train/heldout/accuracy", "train/*/loss", "train/*/pairs",
-)  # fmt: skip
+    "train/reward",
+    "train/loss",
+    "train/accuracy",
+    "train/groups_with_signal",
+    "train/hint/rows",
+    "train/hint/fraction",
+    "train/hint/teacher_margin",
+    "train/heldout/accuracy",
+    "train/*/loss",
+    "train/*/pairs",
+)
 
 
 def curve_columns(columns: Iterable[str]) -> list[str]:

@@ -63,8 +63,9 @@ def history_column(name: str) -> str:
     return canonical_metric(f"train/{name}")
 
 
-def load_params(path: str | os.PathLike[str] = "params.yaml", overrides: Iterable[str] = (),
-                resolve_secrets: bool = False) -> Config:  # fmt: skip
+def load_params(
+    path: str | os.PathLike[str] = "params.yaml", overrides: Iterable[str] = (), resolve_secrets: bool = False
+) -> Config:
     """Load ``params.yaml`` (with ``key.sub=value`` overrides) as a located :class:`Config`.
 
     ``{$env: NAME}`` values stay unresolved unless ``resolve_secrets``: a stage that does not
@@ -104,8 +105,9 @@ def merge_params(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[s
     return out
 
 
-def write_merged_params(base: str | os.PathLike[str], override: str | os.PathLike[str],
-                        out: str | os.PathLike[str]) -> Path:  # fmt: skip
+def write_merged_params(
+    base: str | os.PathLike[str], override: str | os.PathLike[str], out: str | os.PathLike[str]
+) -> Path:
     """Write ``base`` (YAML) merged with ``override`` (YAML, :func:`merge_params` rules) to ``out``."""
     import yaml
 
@@ -206,8 +208,11 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return m, math.sqrt(var)
 
 
-def ablation_rows(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] = HEADLINE_METRICS,
-                  group_by: Sequence[str] = ("channels",)) -> list[dict[str, Any]]:  # fmt: skip
+def ablation_rows(
+    records: Sequence[Mapping[str, Any]],
+    metrics: Sequence[str] = HEADLINE_METRICS,
+    group_by: Sequence[str] = ("channels",),
+) -> list[dict[str, Any]]:
     """Aggregate per-run records over seeds.
 
     Each record is a flat mapping with at least ``seed``, the ``group_by`` keys and the
@@ -235,15 +240,22 @@ def _cell(v: tuple[float, float]) -> str:
     return f"{m:.3f} ± {s:.3f}"
 
 
-def format_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str] = HEADLINE_METRICS,
-                 group_by: Sequence[str] = ("channels",), fmt: str = "markdown") -> str:  # fmt: skip
+def format_table(
+    rows: Sequence[Mapping[str, Any]],
+    metrics: Sequence[str] = HEADLINE_METRICS,
+    group_by: Sequence[str] = ("channels",),
+    fmt: str = "markdown",
+) -> str:
     """Render :func:`ablation_rows` as a markdown (``fmt="markdown"``) or plain-text table."""
     headers = [*group_by, "seeds", *[f"{m} (mean ± std)" for m in metrics]]
     body = [
-        [*(str(r.get(k)) for k in group_by), f"{r['n']} ({','.join(str(s) for s in r['seeds'])})",
-         *(_cell(r[m]) for m in metrics)]
+        [
+            *(str(r.get(k)) for k in group_by),
+            f"{r['n']} ({','.join(str(s) for s in r['seeds'])})",
+            *(_cell(r[m]) for m in metrics),
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     if fmt == "markdown":
         lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]

@@ -368,8 +368,9 @@ class Children:
         tail_lines: how much of a failed child's log the error message shows.
     """
 
-    def __init__(self, tag_prefix: str = "children", *, dump_signal: int | None = signal.SIGUSR1,
-                 tail_lines: int = 40) -> None:  # fmt: skip
+    def __init__(
+        self, tag_prefix: str = "children", *, dump_signal: int | None = signal.SIGUSR1, tail_lines: int = 40
+    ) -> None:
         self.tag = new_tag(tag_prefix)
         self.dump_signal = dump_signal
         self.tail_lines = tail_lines
@@ -408,8 +409,14 @@ class Children:
         self.children.append(child)
         return child
 
-    def wait(self, timeout: float, *, straggler_s: float | None = None, poll_s: float = 0.05,
-             on_exit: Callable[[Child, int], None] | None = None) -> dict[str, int]:  # fmt: skip
+    def wait(
+        self,
+        timeout: float,
+        *,
+        straggler_s: float | None = None,
+        poll_s: float = 0.05,
+        on_exit: Callable[[Child, int], None] | None = None,
+    ) -> dict[str, int]:
         """Wait until every child has exited 0; returns ``{name: 0}``.
 
         Raises :class:`ChildFailed` (after killing the others) as soon as one exits non-zero, when
@@ -440,8 +447,12 @@ class Children:
                 now = time.monotonic()
                 if now > deadline:
                     raise self._stuck(running, f"still running after {timeout:.0f}s")
-                if straggler_s is not None and first_ok is not None and first_ok.ended is not None \
-                        and now - first_ok.ended > straggler_s:  # fmt: skip
+                if (
+                    straggler_s is not None
+                    and first_ok is not None
+                    and first_ok.ended is not None
+                    and now - first_ok.ended > straggler_s
+                ):
                     raise self._stuck(running, f"still running {straggler_s:.0f}s after {first_ok.name} exited 0")
                 time.sleep(poll_s)
 
@@ -522,8 +533,13 @@ def run(
         popen_kwargs["stdout"] = popen_kwargs["stderr"] = subprocess.PIPE
     if input is not None:
         popen_kwargs["stdin"] = subprocess.PIPE
-    with subprocess.Popen(list(argv), env=tag_env(tag, env), start_new_session=True,
-                          preexec_fn=die_with_parent(signal.SIGKILL), **popen_kwargs) as proc:  # fmt: skip
+    with subprocess.Popen(
+        list(argv),
+        env=tag_env(tag, env),
+        start_new_session=True,
+        preexec_fn=die_with_parent(signal.SIGKILL),
+        **popen_kwargs,
+    ) as proc:
         deadline = time.monotonic() + timeout
         exited: float | None = None
         try:
@@ -575,13 +591,15 @@ class StoreRendezvous:
     with :meth:`publish`.
     """
 
-    def __init__(self, store: Any, members: int | Sequence[int] | None = None, *, name: str = "rendezvous",
-                 what: str = "member") -> None:  # fmt: skip
+    def __init__(
+        self, store: Any, members: int | Sequence[int] | None = None, *, name: str = "rendezvous", what: str = "member"
+    ) -> None:
         self.store = store
         self.name = name
         self.what = what
-        self._members: list[int] | None = list(range(members)) if isinstance(members, int) else (
-            list(members) if members is not None else None)  # fmt: skip
+        self._members: list[int] | None = (
+            list(range(members)) if isinstance(members, int) else (list(members) if members is not None else None)
+        )
 
     def _key(self, kind: str, member: int | str) -> str:
         return f"{self.name}/{kind}/{member}"

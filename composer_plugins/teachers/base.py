@@ -50,9 +50,29 @@ _BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s\"'\\,;]+")
 #: Prefixes of common provider keys (OpenAI, Anthropic, Hugging Face, Groq, GitHub, GitLab, xAI,
 #: Replicate, NVIDIA, Perplexity, Slack, AWS, Google ...).
 _KEY_PREFIXES = (
-    "sk-", "sk_", "hf_", "gsk_", "ghp_", "gho_", "ghu_", "ghs_", "github_pat_", "glpat-", "xai-", "r8_",
-    "nvapi-", "pplx-", "xoxb-", "xoxp-", "AKIA", "AIza", "fw_", "tgp_", "csk-", "or-",
-)  # fmt: skip
+    "sk-",
+    "sk_",
+    "hf_",
+    "gsk_",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "github_pat_",
+    "glpat-",
+    "xai-",
+    "r8_",
+    "nvapi-",
+    "pplx-",
+    "xoxb-",
+    "xoxp-",
+    "AKIA",
+    "AIza",
+    "fw_",
+    "tgp_",
+    "csk-",
+    "or-",
+)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

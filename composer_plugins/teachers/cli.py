@@ -37,8 +37,14 @@ def replay() -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bars at all (ours, transformers', the Hub's).")
 @click.option("--fresh-budget", is_flag=True, help="Forget what earlier runs with this run_id spent.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON only.")
-def run_cmd(config_path: str, overrides: tuple[str, ...], set_overrides: tuple[str, ...], no_progress: bool,
-            fresh_budget: bool, as_json: bool) -> None:  # fmt: skip
+def run_cmd(
+    config_path: str,
+    overrides: tuple[str, ...],
+    set_overrides: tuple[str, ...],
+    no_progress: bool,
+    fresh_budget: bool,
+    as_json: bool,
+) -> None:
     """Run the replay described by --config (-S key.sub=value overrides; positional ones are an alias)."""
     from composer_plugins.teachers.runner import run_from_file
 

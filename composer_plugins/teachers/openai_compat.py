@@ -478,8 +478,9 @@ class OpenAITeacher(Teacher):
             kind="disconnect" if kind != "client" else "client",
         )
 
-    async def _post(self, payload: bytes, headers: dict[str, str],
-                    url: str | None = None) -> tuple[int, bytes, str | None]:  # fmt: skip
+    async def _post(
+        self, payload: bytes, headers: dict[str, str], url: str | None = None
+    ) -> tuple[int, bytes, str | None]:
         import aiohttp
 
         session = self._loop_session()

@@ -311,8 +311,10 @@ def no_student_step(rc: ReplayConfig, cfg: Config, skipped: list[tuple[str, int 
         f"there is nothing to replay: {shown} — record traces with `composer-plugins replay record`, add the "
         f"student's assistant turns to these lines, or point {key}{f' ({where})' if where else ''} at a file "
         "of student traces.",
-        key=key, file=file, line=line,
-    )  # fmt: skip
+        key=key,
+        file=file,
+        line=line,
+    )
 
 
 def build_summary(

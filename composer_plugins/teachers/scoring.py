@@ -68,8 +68,14 @@ class TeacherScores:
         return sum(t.numel() * t.element_size() for t in (self.token_ids, self.logprobs, self.mask))
 
     @classmethod
-    def from_lists(cls, ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], mask: Sequence[bool],
-                   k: int, sampled: Sequence[float] | None = None) -> TeacherScores:  # fmt: skip
+    def from_lists(
+        cls,
+        ids: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[float]],
+        mask: Sequence[bool],
+        k: int,
+        sampled: Sequence[float] | None = None,
+    ) -> TeacherScores:
         """Pack ragged per-token lists (padded to ``k`` with id ``-1``)."""
         import torch
 
@@ -193,9 +199,15 @@ class _Aligner:
         enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(p), list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
-    def to_student(self, req: ScoreRequest, t_ids: Sequence[int], spans: Sequence[tuple[int, int]] | None,
-                   actual: Sequence[float], top_ids: Sequence[Sequence[int]],
-                   top_lps: Sequence[Sequence[float]]) -> TeacherScores:  # fmt: skip
+    def to_student(
+        self,
+        req: ScoreRequest,
+        t_ids: Sequence[int],
+        spans: Sequence[tuple[int, int]] | None,
+        actual: Sequence[float],
+        top_ids: Sequence[Sequence[int]],
+        top_lps: Sequence[Sequence[float]],
+    ) -> TeacherScores:
         if spans is None:
             return TeacherScores.from_lists(top_ids, top_lps, [True] * len(top_ids), self.k, actual)
         from composer_plugins.teachers.align import align_scores, token_spans
@@ -225,9 +237,18 @@ class LocalScorer(TeacherScorer):
 
     kind = "causal_lm"
 
-    def __init__(self, model_path: str | os.PathLike[str], *, id: str | None = None, topk: int = 20,
-                 device: str = "cpu", dtype: str = "float32", batch_size: int = 8, chunk_size: int = 256,
-                 local_files_only: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        id: str | None = None,
+        topk: int = 20,
+        device: str = "cpu",
+        dtype: str = "float32",
+        batch_size: int = 8,
+        chunk_size: int = 256,
+        local_files_only: bool = True,
+    ) -> None:
         path = os.fspath(model_path)
         super().__init__(id=id or os.path.basename(path.rstrip("/")) or "causal_lm", topk=topk)
         who = f"causal_lm scorer {self.id!r}"
@@ -389,15 +410,33 @@ class ScoringClient(Teacher):
 
     kind = "score_server"
 
-    def __init__(self, *, id: str, model: str, base_url: str, api: str, topk: int, api_key_env: str | None,
-                 prompt_usd_per_token: float, timeout_s: float, max_concurrency: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        id: str,
+        model: str,
+        base_url: str,
+        api: str,
+        topk: int,
+        api_key_env: str | None,
+        prompt_usd_per_token: float,
+        timeout_s: float,
+        max_concurrency: int,
+    ) -> None:
         from composer_plugins.teachers.openai_compat import OpenAITeacher
 
-        super().__init__(id=id, model=model, max_tokens=1, max_concurrency=max_concurrency,
-                         prompt_usd_per_token=prompt_usd_per_token)  # fmt: skip
+        super().__init__(
+            id=id, model=model, max_tokens=1, max_concurrency=max_concurrency, prompt_usd_per_token=prompt_usd_per_token
+        )
         self.api, self.topk = api, int(topk)
-        self.http = OpenAITeacher(model, base_url=base_url, api_key_env=api_key_env, id=id, timeout_s=timeout_s,
-                                  max_concurrency=max_concurrency)  # fmt: skip
+        self.http = OpenAITeacher(
+            model,
+            base_url=base_url,
+            api_key_env=api_key_env,
+            id=id,
+            timeout_s=timeout_s,
+            max_concurrency=max_concurrency,
+        )
         root = self.http.base_url
         self.url = root + "/completions" if api == "vllm" else root.removesuffix("/v1") + "/generate"
 
@@ -426,8 +465,9 @@ class ScoringClient(Teacher):
             "top_logprobs_num": k,
         }
 
-    async def complete(self, messages: Sequence[Mapping[str, Any]], *,
-                       metadata: Mapping[str, Any] | None = None) -> TeacherResponse:  # fmt: skip
+    async def complete(
+        self, messages: Sequence[Mapping[str, Any]], *, metadata: Mapping[str, Any] | None = None
+    ) -> TeacherResponse:
         p = [int(t) for t in messages[0]["token_ids"]]
         c = [int(t) for t in messages[1]["token_ids"]]
         t0 = time.perf_counter()
@@ -440,15 +480,29 @@ class ScoringClient(Teacher):
         except Exception as e:
             raise TeacherCallError(
                 f"teacher {self.id!r}: malformed prompt log-probs from {self.url} ({type(e).__name__}: {e})",
-                retryable=True, status=200, billed="maybe", kind="malformed",
-            ) from None  # fmt: skip
+                retryable=True,
+                status=200,
+                billed="maybe",
+                kind="malformed",
+            ) from None
         skipped = len(c) - len(targets)  # no prompt: nothing predicts the first token
         usage = data.get("usage") or {}
         pt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else len(p) + len(c)
-        msg = {"role": "assistant", "content": None,
-               "scores": {"skipped": skipped, "actual": actual, "ids": ids, "logprobs": lps}}  # fmt: skip
-        return TeacherResponse(text="", message=msg, prompt_tokens=pt, completion_tokens=0, cost_usd=self.cost(pt, 0),
-                               latency_s=time.perf_counter() - t0, model=self.model, teacher=self.id)  # fmt: skip
+        msg = {
+            "role": "assistant",
+            "content": None,
+            "scores": {"skipped": skipped, "actual": actual, "ids": ids, "logprobs": lps},
+        }
+        return TeacherResponse(
+            text="",
+            message=msg,
+            prompt_tokens=pt,
+            completion_tokens=0,
+            cost_usd=self.cost(pt, 0),
+            latency_s=time.perf_counter() - t0,
+            model=self.model,
+            teacher=self.id,
+        )
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -473,16 +527,38 @@ class ServerScorer(TeacherScorer):
 
     kind = "vllm"
 
-    def __init__(self, model: str, base_url: str, *, id: str | None = None, api: str = "vllm", topk: int = 20,
-                 tokenizer: str | None = None, api_key_env: str | None = None, cache: str | None = None,
-                 max_usd: float | None = None, prompt_usd_per_token: float = 0.0, run_id: str = "teacher_distill",
-                 max_retries: int = 3, timeout_s: float = 60.0, max_concurrency: int = 8) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        base_url: str,
+        *,
+        id: str | None = None,
+        api: str = "vllm",
+        topk: int = 20,
+        tokenizer: str | None = None,
+        api_key_env: str | None = None,
+        cache: str | None = None,
+        max_usd: float | None = None,
+        prompt_usd_per_token: float = 0.0,
+        run_id: str = "teacher_distill",
+        max_retries: int = 3,
+        timeout_s: float = 60.0,
+        max_concurrency: int = 8,
+    ) -> None:
         super().__init__(id=id or model, topk=topk)
         if api not in ("vllm", "sglang"):
             raise TeacherError(f"scorer {self.id!r}: api must be 'vllm' or 'sglang', got {api!r}", field="api")
-        self.client = ScoringClient(id=self.id, model=model, base_url=base_url, api=api, topk=topk,
-                                    api_key_env=api_key_env, prompt_usd_per_token=prompt_usd_per_token,
-                                    timeout_s=timeout_s, max_concurrency=max_concurrency)  # fmt: skip
+        self.client = ScoringClient(
+            id=self.id,
+            model=model,
+            base_url=base_url,
+            api=api,
+            topk=topk,
+            api_key_env=api_key_env,
+            prompt_usd_per_token=prompt_usd_per_token,
+            timeout_s=timeout_s,
+            max_concurrency=max_concurrency,
+        )
         self.tokenizer_path, self.cache_path, self.max_usd, self.run_id = tokenizer, cache, max_usd, run_id
         self.max_retries = int(max_retries)
         self._cache: Any = None
@@ -534,9 +610,14 @@ class ServerScorer(TeacherScorer):
         ceiling = self.max_usd
         if ceiling is not None and self.cache is None:  # no ledger: the ceiling is kept across calls in memory
             ceiling = max(0.0, ceiling - self.stats.spent_usd)
-        engine = ReplayEngine([self.client], cache=self.cache, max_usd=ceiling, run_id=self.run_id,
-                              retry=RetryPolicy(max_retries=self.max_retries, backoff_base_s=0.05, backoff_max_s=2.0),
-                              progress=False)  # fmt: skip
+        engine = ReplayEngine(
+            [self.client],
+            cache=self.cache,
+            max_usd=ceiling,
+            run_id=self.run_id,
+            retry=RetryPolicy(max_retries=self.max_retries, backoff_base_s=0.05, backoff_max_s=2.0),
+            progress=False,
+        )
         res = asyncio.run(engine.arun(states))
         out: list[TeacherScores | None] = []
         for i, (r, (_p, c, spans)) in enumerate(zip(requests, toks, strict=True)):
@@ -601,8 +682,9 @@ class ScoringJob:
                 log.warning("teacher %r failed to score this batch; its term is skipped: %s", name, fut.exception())
                 self.reasons[name] = f"failed: {type(fut.exception()).__name__}: {fut.exception()}"
             else:
-                log.warning("teacher %r missed the %.3gs deadline; its term is skipped for this batch", name,
-                            deadline_s or 0.0)  # fmt: skip
+                log.warning(
+                    "teacher %r missed the %.3gs deadline; its term is skipped for this batch", name, deadline_s or 0.0
+                )
                 self.reasons[name] = f"missed the {deadline_s or 0.0:.3g}s deadline"
                 fut.cancel()
             metrics[f"teacher/{name}/skipped"] = 1.0
@@ -652,8 +734,11 @@ class ScoringPool:
             if not failed and s.id not in reasons:
                 continue
             self._bad_steps[s.id] += 1
-            what = (f"{failed} of {rows} rows failed this step" + (f" ({s.last_error})" if s.last_error else "")
-                    if failed else reasons[s.id])  # fmt: skip
+            what = (
+                f"{failed} of {rows} rows failed this step" + (f" ({s.last_error})" if s.last_error else "")
+                if failed
+                else reasons[s.id]
+            )
             lines.append(f"teacher {s.id!r}{_at(s)}: {what}; its term is skipped for them")
         return lines
 
@@ -665,8 +750,10 @@ class ScoringPool:
             if not s.stats.failures and not bad.get(s.id):
                 continue
             last = f"; last error: {s.last_error}" if s.last_error else ""
-            lines.append(f"teacher {s.id!r}{_at(s)}: {s.stats.failures} of {s.stats.rows} rows failed over the run, "
-                         f"in {bad.get(s.id, 0)} steps{last}")  # fmt: skip
+            lines.append(
+                f"teacher {s.id!r}{_at(s)}: {s.stats.failures} of {s.stats.rows} rows failed over the run, "
+                f"in {bad.get(s.id, 0)} steps{last}"
+            )
         return lines
 
     def stats(self) -> dict[str, float]:

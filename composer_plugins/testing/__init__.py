@@ -96,10 +96,8 @@ def conformance_test(
     registry, pname = plugin_registry(plugin)
     wanted = set(kinds) if kinds is not None else None
     cases = [
-        f"{e.kind}:{e.name}"
-        for e in registry.entries()
-        if e.plugin == pname and (wanted is None or e.kind in wanted)
-    ]  # fmt: skip
+        f"{e.kind}:{e.name}" for e in registry.entries() if e.plugin == pname and (wanted is None or e.kind in wanted)
+    ]
     if not cases:
         raise ConformanceError(f"plugin {pname!r} registers no entries{f' of {sorted(wanted)}' if wanted else ''}")
     extra = dict(build_kwargs or {})

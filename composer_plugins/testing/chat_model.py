@@ -40,12 +40,14 @@ def gsm8k_like_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
     for _ in range(n):
         a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
         total = (a + b) * c
-        rows.append({
-            "question": f"Tom has {a} apples and buys {b} more. He fills {c} baskets with that many apples each. "
-                        "How many apples are in the baskets?",
-            "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n"
-                      f"The baskets hold {a + b} * {c} = <<{a + b}*{c}={total}>>{total} apples.\n#### {total}",
-        })  # fmt: skip
+        rows.append(
+            {
+                "question": f"Tom has {a} apples and buys {b} more. He fills {c} baskets with that many apples each. "
+                "How many apples are in the baskets?",
+                "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n"
+                f"The baskets hold {a + b} * {c} = <<{a + b}*{c}={total}>>{total} apples.\n#### {total}",
+            }
+        )
     return rows
 
 
@@ -83,26 +85,42 @@ def build_instruct_model(
     corpus = [f"{r['question']}\n{r['answer']}" for r in gsm8k_like_rows(200, seed)]
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
     fast: Any = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], padding_side="left",
-    )  # fmt: skip
+        tokenizer_object=tok,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        padding_side="left",
+    )
     fast.chat_template = template
     cfg = Qwen2Config(
-        vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=hidden_size * 2, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
-        tie_word_embeddings=True, pad_token_id=fast.pad_token_id, bos_token_id=None,
+        vocab_size=len(fast),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=None,
         eos_token_id=fast.eos_token_id,
-    )  # fmt: skip
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)

@@ -96,8 +96,9 @@ def check_builds(kind: str, name: str, registry: Any = None, **build_kwargs: Any
 # -- losses ---------------------------------------------------------------------------------------
 
 
-def loss_batch(*, dtype: Any = None, pad_width: int = 0, perm: Any = None, noise_on_padding: bool = False,
-               seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+def loss_batch(
+    *, dtype: Any = None, pad_width: int = 0, perm: Any = None, noise_on_padding: bool = False, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model_outputs, batch)`` holding every input a built-in channel can ask for, on 4 rows × 6 tokens.
 
     Rows 1 and 2 end in padding (``completion_mask`` 0); ``hint_mask`` selects rows 0 and 1.
@@ -372,8 +373,11 @@ def check_scorer(name: str, registry: Any = None, *, tokenizer: Any = None, **bu
         T = len(r.completion_ids)
         ids, lps, mask = s.token_ids, s.logprobs, s.mask
         if ids.dim() != 2 or ids.shape[0] != T or tuple(lps.shape) != tuple(ids.shape) or tuple(mask.shape) != (T,):
-            raise _fail(entry, f"scores must be token_ids/logprobs [T={T}, K] and mask [T], got "
-                               f"{tuple(ids.shape)}, {tuple(lps.shape)}, {tuple(mask.shape)}")  # fmt: skip
+            raise _fail(
+                entry,
+                f"scores must be token_ids/logprobs [T={T}, K] and mask [T], got "
+                f"{tuple(ids.shape)}, {tuple(lps.shape)}, {tuple(mask.shape)}",
+            )
         real = ids >= 0
         if bool((ids[real] >= V).any()) or bool((ids < -1).any()):
             raise _fail(entry, f"token ids must lie in the student's vocabulary [0, {V}) (or be -1 for none)")
@@ -389,8 +393,9 @@ def check_scorer(name: str, registry: Any = None, *, tokenizer: Any = None, **bu
 # -- teachers -------------------------------------------------------------------------------------
 
 
-def check_teacher(name: str, registry: Any = None, *, failing: Mapping[str, Any] | None = None,
-                  **build_kwargs: Any) -> None:  # fmt: skip
+def check_teacher(
+    name: str, registry: Any = None, *, failing: Mapping[str, Any] | None = None, **build_kwargs: Any
+) -> None:
     """Teacher conformance: cache, budget and error contract (see the module docstring).
 
     ``failing`` are build kwargs under which a call fails (e.g. an unreachable ``base_url``);
@@ -417,10 +422,14 @@ def check_teacher(name: str, registry: Any = None, *, failing: Mapping[str, Any]
     if json.dumps(p1, sort_keys=True) != json.dumps(p2, sort_keys=True):
         raise _fail(entry, "cache_params() differ between two teachers built with the same settings")
     states = [
-        TraceState(state_id=f"conf-{i}#0", messages=[{"role": "user", "content": f"What is {i} + 2?"}],
-                   student_action={"role": "assistant", "content": f"#### {i + 3}"}, metadata={"answer": str(i + 2)})
+        TraceState(
+            state_id=f"conf-{i}#0",
+            messages=[{"role": "user", "content": f"What is {i} + 2?"}],
+            student_action={"role": "assistant", "content": f"#### {i + 3}"},
+            metadata={"answer": str(i + 2)},
+        )
         for i in range(3)
-    ]  # fmt: skip
+    ]
     with tempfile.TemporaryDirectory(prefix="cp-conformance-") as tmp:
         cache = ReplayCache(Path(tmp) / "cache.sqlite")
         try:
@@ -436,8 +445,9 @@ def check_teacher(name: str, registry: Any = None, *, failing: Mapping[str, Any]
                 if a.cost_usd > bound + 1e-12:
                     raise _fail(entry, f"a call cost {a.cost_usd} > max_cost() {bound}: the budget's reservation")
             if teacher.cacheable:
-                again = ReplayEngine([entry.build(**build_kwargs)], cache=cache, max_usd=1e6, progress=False,
-                                     run_id="conf").run(states)  # fmt: skip
+                again = ReplayEngine(
+                    [entry.build(**build_kwargs)], cache=cache, max_usd=1e6, progress=False, run_id="conf"
+                ).run(states)
                 if again.stats.calls or again.stats.cache_hits < len(answers):
                     raise _fail(entry, f"the same states again must be cache hits, no calls: {again.stats}")
         finally:
@@ -486,8 +496,9 @@ def check_optimizer(name: str, registry: Any = None, **build_kwargs: Any) -> Non
 
     entry = _entry("optimizers", name, registry)
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    optim = SimpleNamespace(name=name, lr=0.1, weight_decay=0.0, betas=[0.9, 0.999], eps=1e-8, momentum=0.0,
-                            args=build_kwargs)  # fmt: skip
+    optim = SimpleNamespace(
+        name=name, lr=0.1, weight_decay=0.0, betas=[0.9, 0.999], eps=1e-8, momentum=0.0, args=build_kwargs
+    )
     opt = build_optimizer(optim, [w])
     if not isinstance(opt, torch.optim.Optimizer):
         raise _fail(entry, f"built a {type(opt).__name__}, not a torch.optim.Optimizer")
@@ -519,9 +530,14 @@ def check_codec(name: str, registry: Any = None, **build_kwargs: Any) -> None:
     codec = entry.build(**build_kwargs)
     tol = float(getattr(codec, "tolerance", 0.0))
     g = torch.Generator().manual_seed(0)
-    cases = {"empty": torch.zeros(0), "one value": torch.tensor([0.25]), "255 values": torch.randn(255, generator=g),
-             "10,007 values": torch.randn(10_007, generator=g) * 1e-3, "zeros": torch.zeros(4099),
-             "a huge range": torch.randn(3000, generator=g) * torch.logspace(-6, 3, 3000)}  # fmt: skip
+    cases = {
+        "empty": torch.zeros(0),
+        "one value": torch.tensor([0.25]),
+        "255 values": torch.randn(255, generator=g),
+        "10,007 values": torch.randn(10_007, generator=g) * 1e-3,
+        "zeros": torch.zeros(4099),
+        "a huge range": torch.randn(3000, generator=g) * torch.logspace(-6, 3, 3000),
+    }
     for what, v in cases.items():
         try:
             h, body = encode_vector(v, name, codec)
@@ -543,8 +559,12 @@ def check_codec(name: str, registry: Any = None, **build_kwargs: Any) -> None:
             if not err <= tol:
                 raise _fail(entry, f"{what}: relative error {err:.4g} above its tolerance {tol}")
     h, body = encode_vector(cases["255 values"], name, codec)
-    bad = {"a truncated body": (h, body[:-1]), "a body with a byte more": (h, body + b"\0"),
-           "an empty body": (h, b""), "a header of another size": ({**h, "numel": 254}, body)}  # fmt: skip
+    bad = {
+        "a truncated body": (h, body[:-1]),
+        "a body with a byte more": (h, body + b"\0"),
+        "an empty body": (h, b""),
+        "a header of another size": ({**h, "numel": 254}, body),
+    }
     for what, (hh, bb) in bad.items():
         try:
             decode_vector(hh, bb, codec)

@@ -114,12 +114,19 @@ class FakeJobsHub:
         port: ``0`` for a free one.
     """
 
-    def __init__(self, *, token: str = "hf_fake_token_for_loopback", namespace: str = "tester", hold: bool = False,
-                 image_env: Mapping[str, str] | None = None, port: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        token: str = "hf_fake_token_for_loopback",
+        namespace: str = "tester",
+        hold: bool = False,
+        image_env: Mapping[str, str] | None = None,
+        port: int = 0,
+    ) -> None:
         self.token, self.namespace = token, namespace
-        self.image_env = dict(image_env) if image_env is not None else {
-            k: os.environ[k] for k in IMAGE_ENV if k in os.environ
-        }  # fmt: skip
+        self.image_env = (
+            dict(image_env) if image_env is not None else {k: os.environ[k] for k in IMAGE_ENV if k in os.environ}
+        )
         self.jobs: dict[str, FakeJob] = {}
         self.requests: list[dict[str, Any]] = []
         self._released = threading.Event()
@@ -198,10 +205,14 @@ class FakeJobsHub:
         env = {**self.image_env, **(job.spec.get("environment") or {}), **(job.spec.get("secrets") or {})}
         try:
             proc = subprocess.Popen(
-                self._argv(job), env={k: str(v) for k, v in env.items()}, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                self._argv(job),
+                env={k: str(v) for k, v in env.items()},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=procs.die_with_parent(signal.SIGKILL),
-            )  # fmt: skip
+            )
         except OSError as e:
             self._end(job, "ERROR", f"cannot start the command: {e}")
             return
@@ -302,8 +313,16 @@ class FakeJobsHub:
                     return
                 parts = [p for p in path.split("/") if p]
                 if parts == ["api", "whoami-v2"] and method == "GET":
-                    self._send(200, {"type": "user", "name": hub.namespace, "id": "0" * 24, "orgs": [],
-                                     "auth": {"type": "access_token"}})  # fmt: skip
+                    self._send(
+                        200,
+                        {
+                            "type": "user",
+                            "name": hub.namespace,
+                            "id": "0" * 24,
+                            "orgs": [],
+                            "auth": {"type": "access_token"},
+                        },
+                    )
                     return
                 if len(parts) < 3 or parts[:2] != ["api", "jobs"]:
                     self._send(404, {"error": f"no route {method} {path}"})

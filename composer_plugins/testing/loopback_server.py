@@ -131,8 +131,10 @@ class RolloutLoopbackServer(LoopbackServer):
         tok = self.tokenizer
         out = []
         for t, (own, top_ids, top_lps) in enumerate(self._scores(ids, k)):
-            entry = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": tok.decode([i])}
-                     for r, (i, lp) in enumerate(zip(top_ids, top_lps, strict=True))}  # fmt: skip
+            entry = {
+                str(i): {"logprob": lp, "rank": r + 1, "decoded_token": tok.decode([i])}
+                for r, (i, lp) in enumerate(zip(top_ids, top_lps, strict=True))
+            }
             target = ids[t + 1]
             if str(target) not in entry:
                 entry[str(target)] = {"logprob": own, "rank": k + 1, "decoded_token": tok.decode([target])}
@@ -289,8 +291,9 @@ class RolloutServerProcess(LoopbackProcess):
 
     module = "composer_plugins.testing.loopback_server"
 
-    def __init__(self, *, model: str, threads: int = 1, env: dict[str, str] | None = None,
-                 cpu: int | None = None, **config: Any) -> None:  # fmt: skip
+    def __init__(
+        self, *, model: str, threads: int = 1, env: dict[str, str] | None = None, cpu: int | None = None, **config: Any
+    ) -> None:
         super().__init__(env=env, cpu=cpu, args=["--model", str(model), "--threads", str(threads)], **config)
 
 

@@ -94,15 +94,17 @@ def write_sample_traces(path: str | os.PathLike[str], n: int = 8, wrong_every: i
     for i in range(n):
         a, b = 3 + i, 7 + 2 * i
         ans = a + b + (1 if wrong_every and i % wrong_every == 0 else 0)
-        rows.append({
-            "id": f"arith-{i}",
-            "messages": [
-                {"role": "system", "content": "Answer in GSM8K format."},
-                {"role": "user", "content": f"What is {a} + {b}?"},
-                {"role": "assistant", "content": f"#### {ans}"},
-            ],
-            "metadata": {"answer": str(a + b)},
-        })  # fmt: skip
+        rows.append(
+            {
+                "id": f"arith-{i}",
+                "messages": [
+                    {"role": "system", "content": "Answer in GSM8K format."},
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                    {"role": "assistant", "content": f"#### {ans}"},
+                ],
+                "metadata": {"answer": str(a + b)},
+            }
+        )
     p = Path(path)
     atomic_write_jsonl(p, rows, ensure_ascii=True)
     return p

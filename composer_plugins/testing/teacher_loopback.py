@@ -408,8 +408,9 @@ class LoopbackProcess:
     #: The module run with ``python -m`` (a server built on this one names its own).
     module = "composer_plugins.testing.teacher_loopback"
 
-    def __init__(self, *, env: dict[str, str] | None = None, cpu: int | None = None,
-                 args: list[str] | None = None, **config: Any) -> None:  # fmt: skip
+    def __init__(
+        self, *, env: dict[str, str] | None = None, cpu: int | None = None, args: list[str] | None = None, **config: Any
+    ) -> None:
         self.config = config
         self.args = list(args or [])
         self.env = env

@@ -57,8 +57,16 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
 }
 
 #: Inputs built for every step whatever the channels declare (cheap: read from the record).
-ALWAYS = ("completion_mask", "completion_ids", "advantages", "rewards", "num_generations", "group_index",
-          "global_step", "total_steps")  # fmt: skip
+ALWAYS = (
+    "completion_mask",
+    "completion_ids",
+    "advantages",
+    "rewards",
+    "num_generations",
+    "group_index",
+    "global_step",
+    "total_steps",
+)
 
 
 class Needs:
@@ -83,8 +91,9 @@ def register_input_builder(*names: str, replace: bool = False) -> Callable[[Inpu
     def deco(fn: InputBuilder) -> InputBuilder:
         taken = [n for n in names if n in INPUT_BUILDERS and INPUT_BUILDERS[n] is not fn]
         if taken and not replace:
-            owners = ", ".join(f"{n!r} by {getattr(INPUT_BUILDERS[n], '__qualname__', INPUT_BUILDERS[n])}"
-                               for n in taken)  # fmt: skip
+            owners = ", ".join(
+                f"{n!r} by {getattr(INPUT_BUILDERS[n], '__qualname__', INPUT_BUILDERS[n])}" for n in taken
+            )
             raise ValueError(f"input(s) already built: {owners}; pass replace=True to override")
         for n in names:
             INPUT_BUILDERS[n] = fn
@@ -168,8 +177,9 @@ class Assembly:
         return self.record.completion_ids.device
 
 
-def assemble_inputs(record: StepRecord, composer: Any, policy: StepPolicy, *,
-                    given: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, float]]:  # fmt: skip
+def assemble_inputs(
+    record: StepRecord, composer: Any, policy: StepPolicy, *, given: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, float]]:
     """``(inputs, stats)``: every input the active channels of ``composer`` read, built from ``record``.
 
     ``given``: inputs the trainer already holds (their builders do not run); ``record.extras`` is
@@ -199,9 +209,11 @@ def _missing_message(name: str, composer: Any) -> str:
     near = closest(name, list(INPUT_BUILDERS))
     sugg = f" Did you mean: {', '.join(map(repr, near))}?" if near else ""
     have = ", ".join(sorted(INPUT_BUILDERS))
-    return (f"loss channel {', '.join(map(repr, readers)) or '?'} reads the input {name!r}, which no input builder "
-            f"provides — register one with @register_input_builder({name!r}) (composer_plugins.training.assemble), "
-            f"or put it in StepRecord.extras. Inputs with a builder: {have}.{sugg}")  # fmt: skip
+    return (
+        f"loss channel {', '.join(map(repr, readers)) or '?'} reads the input {name!r}, which no input builder "
+        f"provides — register one with @register_input_builder({name!r}) (composer_plugins.training.assemble), "
+        f"or put it in StepRecord.extras. Inputs with a builder: {have}.{sugg}"
+    )
 
 
 def _channel_inputs(ch: Any) -> tuple[str, ...]:
@@ -215,10 +227,15 @@ def record_fields(asm: Assembly) -> dict[str, Any]:
     """What the record holds as is: masks, ids, rewards, advantages, group layout, the step."""
     r = asm.record
     return {
-        "completion_mask": r.completion_mask.float(), "completion_ids": r.completion_ids, "advantages": r.advantages,
-        "rewards": r.rewards, "num_generations": r.num_generations, "group_index": r.group_index,
-        "global_step": r.step, "total_steps": r.total_steps,
-    }  # fmt: skip
+        "completion_mask": r.completion_mask.float(),
+        "completion_ids": r.completion_ids,
+        "advantages": r.advantages,
+        "rewards": r.rewards,
+        "num_generations": r.num_generations,
+        "group_index": r.group_index,
+        "global_step": r.step,
+        "total_steps": r.total_steps,
+    }
 
 
 @register_input_builder("logprobs", "old_logprobs", "inference_logprobs", "importance_sampling_ratio")
@@ -230,8 +247,12 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
     r, p = asm.record, asm.policy
     logps = asm.values.get("logprobs")
     args = (p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-    kw = {"temperature": p.temperature, "completion_attention_mask": r.attention_mask,
-          "micro_batch_size": p.micro_batch(r.prompt_ids, r.completion_ids), "chunk_size": p.chunk_size}  # fmt: skip
+    kw = {
+        "temperature": p.temperature,
+        "completion_attention_mask": r.attention_mask,
+        "micro_batch_size": p.micro_batch(r.prompt_ids, r.completion_ids),
+        "chunk_size": p.chunk_size,
+    }
     old = r.old_logprobs
     if logps is None and asm.wants("logprobs"):
         out = completion_logprobs(*args, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"), **kw)
@@ -267,15 +288,20 @@ def reference_logprobs(asm: Assembly) -> dict[str, Any]:
         return {"ref_logprobs": r.ref_logprobs}
     ref = p.reference if p.reference is not None else p.model
     lp = completion_logprobs_no_grad(
-        ref, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=p.temperature,
-        completion_attention_mask=r.attention_mask, micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
+        ref,
+        r.prompt_ids,
+        r.prompt_mask,
+        r.completion_ids,
+        r.completion_mask,
+        temperature=p.temperature,
+        completion_attention_mask=r.attention_mask,
+        micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
         chunk_size=p.chunk_size,
-    )  # fmt: skip
+    )
     return {"ref_logprobs": lp}
 
 
-HINT_INPUTS = ("student_hidden", "teacher_hidden", "lm_head_weight", "teacher_lm_head_weight", "hint_mask",
-               "hint_rows")  # fmt: skip
+HINT_INPUTS = ("student_hidden", "teacher_hidden", "lm_head_weight", "teacher_lm_head_weight", "hint_mask", "hint_rows")
 
 
 @register_input_builder(*HINT_INPUTS)
@@ -311,16 +337,23 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
         out["teacher_lm_head_weight"] = t_head
     else:
         with torch.no_grad():
-            teacher = completion_hidden(p.model, h_ids, h_mask, c_ids, c_mask, completion_attention_mask=c_att,
-                                        micro_batch_size=mb)  # fmt: skip
+            teacher = completion_hidden(
+                p.model, h_ids, h_mask, c_ids, c_mask, completion_attention_mask=c_att, micro_batch_size=mb
+            )
         t_head = head
     student = asm.scratch.get("policy_hidden")
     if student is not None:
         student = student[idx]
     else:  # the trainer computed the log-probs itself: the hinted rows' hidden states, with grad
-        student = completion_hidden(p.model, r.prompt_ids[idx], r.prompt_mask[idx], c_ids, c_mask,
-                                    completion_attention_mask=c_att,
-                                    micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids))  # fmt: skip
+        student = completion_hidden(
+            p.model,
+            r.prompt_ids[idx],
+            r.prompt_mask[idx],
+            c_ids,
+            c_mask,
+            completion_attention_mask=c_att,
+            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
+        )
     scale = 1.0 / T
     out["student_hidden"] = student * scale if T != 1.0 else student
     out["teacher_hidden"] = teacher * scale if T != 1.0 else teacher
@@ -366,13 +399,28 @@ def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
     idx = torch.tensor(rows, device=r.completion_ids.device)
     h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, r.completion_ids.device)
     scorer = getattr(p.teacher, "policy", p.teacher) if p.teacher is not None else p.model
-    ref[idx] = completion_logprobs_no_grad(scorer, h_ids, h_mask, r.completion_ids[idx], r.completion_mask[idx],
-                                           temperature=p.temperature, chunk_size=p.chunk_size)  # fmt: skip
+    ref[idx] = completion_logprobs_no_grad(
+        scorer,
+        h_ids,
+        h_mask,
+        r.completion_ids[idx],
+        r.completion_mask[idx],
+        temperature=p.temperature,
+        chunk_size=p.chunk_size,
+    )
     return {"hint_teacher_logprobs": ref}
 
 
-PAIR_INPUTS = ("chosen_logps", "rejected_logps", "chosen_avg_logps", "rejected_avg_logps", "chosen_lengths",
-               "rejected_lengths", "ref_chosen_logps", "ref_rejected_logps")  # fmt: skip
+PAIR_INPUTS = (
+    "chosen_logps",
+    "rejected_logps",
+    "chosen_avg_logps",
+    "rejected_avg_logps",
+    "chosen_lengths",
+    "rejected_lengths",
+    "ref_chosen_logps",
+    "ref_rejected_logps",
+)
 
 
 @register_input_builder(*PAIR_INPUTS)
@@ -396,9 +444,13 @@ def pair_inputs(asm: Assembly) -> dict[str, Any]:
     seq = sequence_logprob(logps, c_mask.float())
     n = c_mask.sum(-1).float()
     out = {
-        "chosen_logps": seq[:k], "rejected_logps": seq[k:], "chosen_avg_logps": seq[:k] / n[:k],
-        "rejected_avg_logps": seq[k:] / n[k:], "chosen_lengths": n[:k], "rejected_lengths": n[k:],
-    }  # fmt: skip
+        "chosen_logps": seq[:k],
+        "rejected_logps": seq[k:],
+        "chosen_avg_logps": seq[:k] / n[:k],
+        "rejected_avg_logps": seq[k:] / n[k:],
+        "chosen_lengths": n[:k],
+        "rejected_lengths": n[k:],
+    }
     if asm.wants("ref_chosen_logps") or asm.wants("ref_rejected_logps"):
         ref = p.reference if p.reference is not None else p.model
         ref_lp = completion_logprobs_no_grad(ref, p_ids, p_mask, c_ids, c_mask, micro_batch_size=mb, chunk_size=cs)
@@ -420,9 +472,15 @@ def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
     asm.get("logprobs")
     hidden = asm.scratch.get("policy_hidden")
     if hidden is None:
-        hidden = completion_hidden(p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                                   completion_attention_mask=r.attention_mask,
-                                   micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids))  # fmt: skip
+        hidden = completion_hidden(
+            p.model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            completion_attention_mask=r.attention_mask,
+            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
+        )
     return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
 
 

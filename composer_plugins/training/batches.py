@@ -48,8 +48,16 @@ class TaskStream:
     ``loops`` section); a resume under another world size re-splits the same step batches.
     """
 
-    def __init__(self, draw: Any, batch_size: int, num_batches: int, seed: int = 0, *,
-                 rank: int | None = None, world_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        draw: Any,
+        batch_size: int,
+        num_batches: int,
+        seed: int = 0,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         self.draw = draw
         self.batch_size = int(batch_size)
         self.num_batches = int(num_batches)
@@ -115,8 +123,9 @@ def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str
     return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
 
 
-def env_rewards(env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int,
-                unscorable: float = math.nan) -> list[float]:  # fmt: skip
+def env_rewards(
+    env: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], repeat: int, unscorable: float = math.nan
+) -> list[float]:
     """Rewards from ``env.reward(prompts, completions, **task_columns)``.
 
     ``None`` (unscorable) becomes ``unscorable``: NaN by default, so that ``group_advantages`` leaves
@@ -139,9 +148,17 @@ def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
     return fn(task_prompt(task), completion, **fields)
 
 
-def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str],
-                     feedbacks: Sequence[Any] | None = None, groups: Sequence[Any] | None = None, *,
-                     tokenizer: Any = None, chat_template: str = "auto") -> list[str | None]:  # fmt: skip
+def teacher_contexts(
+    env: Any,
+    provider: Any,
+    tasks: Sequence[Mapping[str, Any]],
+    completions: Sequence[str],
+    feedbacks: Sequence[Any] | None = None,
+    groups: Sequence[Any] | None = None,
+    *,
+    tokenizer: Any = None,
+    chat_template: str = "auto",
+) -> list[str | None]:
     """Hinted teacher contexts for the given rows (``None`` where the provider gives no hint), as the text
     the teacher reads: :func:`~composer_plugins.training.chat.hinted_context` with ``tokenizer`` and
     ``chat_template`` (the hint goes into the conversation of a chat prompt, which is then rendered
@@ -156,8 +173,10 @@ def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]]
     from composer_plugins.envs.hints import HintProvider, hint_requests
 
     if not isinstance(provider, HintProvider):
-        raise TypeError(f"{type(provider).__name__} is not a built hint provider: build it once with "
-                        "composer_plugins.envs.hints.build_hint_provider(...)")  # fmt: skip
+        raise TypeError(
+            f"{type(provider).__name__} is not a built hint provider: build it once with "
+            "composer_plugins.envs.hints.build_hint_provider(...)"
+        )
     feedbacks = list(feedbacks) if feedbacks is not None else [None] * len(tasks)
     fbs = [
         fb if fb is not None else env_feedback(env, t, c)
@@ -172,16 +191,18 @@ def teacher_contexts(env: Any, provider: Any, tasks: Sequence[Mapping[str, Any]]
     return [hinted_context(p, str(h), tokenizer, chat_template) if h else None for p, h in zip(raw, hints, strict=True)]
 
 
-def sibling_group(completions: Sequence[Any], rewards: Sequence[float], success_threshold: float,
-                  index: int = 0) -> Any:  # fmt: skip
+def sibling_group(
+    completions: Sequence[Any], rewards: Sequence[float], success_threshold: float, index: int = 0
+) -> Any:
     """One row's :class:`~composer_plugins.envs.hints.SiblingGroup` (the row at ``index``)."""
     from composer_plugins.envs.hints import SiblingGroup
 
     return SiblingGroup(tuple(completions), tuple(float(r) for r in rewards), index, float(success_threshold))
 
 
-def rollout_groups(completions: Sequence[Any], rewards: Sequence[float] | Tensor, group_size: int,
-                   success_threshold: float) -> list[Any]:  # fmt: skip
+def rollout_groups(
+    completions: Sequence[Any], rewards: Sequence[float] | Tensor, group_size: int, success_threshold: float
+) -> list[Any]:
     """One :class:`~composer_plugins.envs.hints.SiblingGroup` per rollout row (row ``i`` is in group ``i // G``)."""
     from composer_plugins.envs.hints import sibling_groups
 
@@ -203,8 +224,9 @@ def load_pairs(path: str | Path) -> list[dict[str, str]]:
     return pairs
 
 
-def render_pairs(pairs: Sequence[Mapping[str, Any]], tokenizer: Any = None,
-                 chat_template: str = "auto") -> list[dict[str, Any]]:  # fmt: skip
+def render_pairs(
+    pairs: Sequence[Mapping[str, Any]], tokenizer: Any = None, chat_template: str = "auto"
+) -> list[dict[str, Any]]:
     """The preference pairs with their ``prompt`` as the policy reads it (``training.chat.pair_prompt``)."""
     return [{**p, "prompt": pair_prompt(p, tokenizer, chat_template)} for p in pairs]
 

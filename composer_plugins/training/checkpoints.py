@@ -131,9 +131,12 @@ def resolve_resume(resume: str | os.PathLike[str] | None, checkpoint_dir: str | 
     return str(path)
 
 
-def safe_load(path: str | os.PathLike[str], *, mmap: bool = False,
-              fix: str = "resume from a checkpoint written by `composer-plugins train`, or drop --resume to start a "
-                         "fresh run") -> Any:  # fmt: skip
+def safe_load(
+    path: str | os.PathLike[str],
+    *,
+    mmap: bool = False,
+    fix: str = "resume from a checkpoint written by `composer-plugins train`, or drop --resume to start a fresh run",
+) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU: a checkpoint holding anything but tensors and plain
     data (an object whose unpickling would run code) raises a :class:`CheckpointError` naming the file and
     what it holds, instead of being executed."""
@@ -265,8 +268,10 @@ def load_policy_weights(policy: Any, path: str | os.PathLike[str]) -> None:
     ckpt = safe_load(path, fix="give a .ckpt written by `composer-plugins train`")
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: not a Lightning checkpoint (no state_dict) — give a .ckpt written by "
-                              "`composer-plugins train`, or a save_pretrained directory")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a Lightning checkpoint (no state_dict) — give a .ckpt written by "
+            "`composer-plugins train`, or a save_pretrained directory"
+        )
     weights = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
     own = policy.state_dict()
     missing = sorted(set(own) - set(weights))
@@ -278,8 +283,11 @@ def load_policy_weights(policy: Any, path: str | os.PathLike[str]) -> None:
             if keys:
                 more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
                 parts.append(f"{what} {', '.join(keys[:3])}{more}")
-        parts += [f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
-                  for k in shapes[:3]]  # fmt: skip
-        raise CheckpointError(f"{path} does not fit the configured model ({'; '.join(parts)}) — evaluate it with "
-                              "the config it was trained with (its model section and model.name_or_path)")  # fmt: skip
+        parts += [
+            f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(own[k].shape)} in the model" for k in shapes[:3]
+        ]
+        raise CheckpointError(
+            f"{path} does not fit the configured model ({'; '.join(parts)}) — evaluate it with "
+            "the config it was trained with (its model section and model.name_or_path)"
+        )
     policy.load_state_dict(weights, strict=True)

@@ -37,8 +37,13 @@ def _config_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _load(config_path: str | None, section: str | None, overrides: tuple[str, ...],
-          set_overrides: tuple[str, ...] = (), no_progress: bool = False) -> tuple[Any, Any]:  # fmt: skip
+def _load(
+    config_path: str | None,
+    section: str | None,
+    overrides: tuple[str, ...],
+    set_overrides: tuple[str, ...] = (),
+    no_progress: bool = False,
+) -> tuple[Any, Any]:
     from composer_plugins.training.config import load_train_config
 
     if no_progress:
@@ -85,13 +90,23 @@ def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
 @click.command(name="train")
 @_config_options
 @click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
-@click.option("--overwrite", is_flag=True,
-              help="Start over in an output_dir that holds an earlier run's checkpoints (they and its history.csv "
-                   "are deleted); without it (or --resume) such a directory is refused.")  # fmt: skip
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Start over in an output_dir that holds an earlier run's checkpoints (they and its history.csv "
+    "are deleted); without it (or --resume) such a directory is refused.",
+)
 @command_errors
-def train_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
-              set_overrides: tuple[str, ...], no_progress: bool, resume: str | None,
-              overwrite: bool) -> None:  # fmt: skip
+def train_cmd(
+    config_path: str | None,
+    section: str | None,
+    print_config: bool,
+    overrides: tuple[str, ...],
+    set_overrides: tuple[str, ...],
+    no_progress: bool,
+    resume: str | None,
+    overwrite: bool,
+) -> None:
     """RL training: generate rollouts, score them with the env and optimise the composed loss channels.
 
     Ctrl-C stops it with exit status 130, naming the step and the last checkpoint (continue with --resume last).
@@ -135,8 +150,14 @@ def train_cmd(config_path: str | None, section: str | None, print_config: bool, 
 @click.command(name="sft")
 @_config_options
 @command_errors
-def sft_cmd(config_path: str | None, section: str | None, print_config: bool, overrides: tuple[str, ...],
-            set_overrides: tuple[str, ...], no_progress: bool) -> None:  # fmt: skip
+def sft_cmd(
+    config_path: str | None,
+    section: str | None,
+    print_config: bool,
+    overrides: tuple[str, ...],
+    set_overrides: tuple[str, ...],
+    no_progress: bool,
+) -> None:
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
     from composer_plugins.training.config import config_to_yaml
 

@@ -36,8 +36,9 @@ CURVE_FILE = "heldout_curve.csv"
 class HeldoutCurve(Callback):
     """Greedy held-out accuracy every ``every_n_steps`` optimizer steps (see the module docstring)."""
 
-    def __init__(self, every_n_steps: int, num_problems: int, seed: int = 1234, early_every: int = 0,
-                 early_until: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, every_n_steps: int, num_problems: int, seed: int = 1234, early_every: int = 0, early_until: int = 0
+    ) -> None:
         if int(every_n_steps) < 1:
             raise ValueError(f"eval.every_n_steps must be at least 1 to draw a curve, got {every_n_steps!r}")
         if int(num_problems) < 1:
@@ -125,5 +126,10 @@ def heldout_curve(eval_cfg: Mapping[str, Any] | Any) -> HeldoutCurve | None:
     every = int(get("every_n_steps", 0) or 0)
     if every <= 0:
         return None
-    return HeldoutCurve(every, int(get("curve_problems", 100) or 100), int(get("seed", 1234) or 1234),
-                        int(get("curve_early_every", 0) or 0), int(get("curve_early_until", 0) or 0))  # fmt: skip
+    return HeldoutCurve(
+        every,
+        int(get("curve_problems", 100) or 100),
+        int(get("seed", 1234) or 1234),
+        int(get("curve_early_every", 0) or 0),
+        int(get("curve_early_until", 0) or 0),
+    )

@@ -56,9 +56,15 @@ class EMATeacher(nn.Module):
         return super().train(False)
 
     @torch.no_grad()
-    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-                completion_attention_mask: Tensor | None = None,
-                micro_batch_size: int | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    def forward(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        completion_attention_mask: Tensor | None = None,
+        micro_batch_size: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Teacher hidden states on the completion tokens and a copy of the teacher's LM head weight.
 
         The head is copied inside the forward because FSDP frees the gathered parameters after it.

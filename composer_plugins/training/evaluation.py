@@ -20,8 +20,16 @@ from composer_plugins.training.batches import derive_seed, env_rewards, sibling_
 __all__ = ["eval_generate", "evaluate_tasks", "hint_uplift", "validation_step"]
 
 
-def eval_generate(module: Any, prompts: Sequence[str], n: int, *, seed: int | None, temperature: float | None = None,
-                  max_new_tokens: int | None = None, max_prompt_length: int | None = None) -> Any:  # fmt: skip
+def eval_generate(
+    module: Any,
+    prompts: Sequence[str],
+    n: int,
+    *,
+    seed: int | None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    max_prompt_length: int | None = None,
+) -> Any:
     """``n`` completions per prompt from the module's policy with the rollout's sampling settings.
 
     ``temperature=None``: greedy; ``0`` is greedy too (``eval.temperature: 0``), never the rollout's.
@@ -31,11 +39,18 @@ def eval_generate(module: Any, prompts: Sequence[str], n: int, *, seed: int | No
     r = module.cfg.rollout
     greedy = temperature is None or temperature == 0
     return generate_completions(
-        module.policy, module.tokenizer, list(prompts), n,
-        max_new_tokens=max_new_tokens or r.max_new_tokens, temperature=1.0 if greedy else float(temperature),
-        top_p=r.top_p, top_k=r.top_k, do_sample=not greedy, seed=None if greedy else seed,
+        module.policy,
+        module.tokenizer,
+        list(prompts),
+        n,
+        max_new_tokens=max_new_tokens or r.max_new_tokens,
+        temperature=1.0 if greedy else float(temperature),
+        top_p=r.top_p,
+        top_k=r.top_k,
+        do_sample=not greedy,
+        seed=None if greedy else seed,
         max_prompt_length=max_prompt_length or r.max_prompt_length,
-    )  # fmt: skip
+    )
 
 
 @torch.no_grad()
@@ -72,8 +87,9 @@ def evaluate_tasks(module: Any, tasks: Sequence[Mapping[str, Any]], seed: int) -
     return out
 
 
-def hint_uplift(module: Any, tasks: Sequence[Mapping[str, Any]], greedy: Sequence[str], rewards: Tensor,
-                seed: int) -> dict[str, Any]:  # fmt: skip
+def hint_uplift(
+    module: Any, tasks: Sequence[Mapping[str, Any]], greedy: Sequence[str], rewards: Tensor, seed: int
+) -> dict[str, Any]:
     """Does a hint fix what the policy gets wrong? (``eval.hint_uplift``).
 
     For the problems whose greedy completion fails, the teacher context of ``hints.provider`` (as in
@@ -101,22 +117,28 @@ def hint_uplift(module: Any, tasks: Sequence[Mapping[str, Any]], greedy: Sequenc
         k = max(1, int(e.hint_uplift_samples))
         f_tasks = [tasks[i] for i in failed]
         prompts = [task_prompt(t, module.tokenizer, cfg.model.chat_template) for t in f_tasks]
-        ro = eval_generate(module, prompts, k, seed=derive_seed(seed, 5),
-                           temperature=e.temperature, max_new_tokens=mnt)  # fmt: skip
+        ro = eval_generate(module, prompts, k, seed=derive_seed(seed, 5), temperature=e.temperature, max_new_tokens=mnt)
         r = env_rewards(module.env, f_tasks, ro.completions, k, unscorable=0.0)
         groups = []
         for j, i in enumerate(failed):  # the failed greedy attempt is the row, the k samples its siblings
             comps, rs = ro.completions[j * k : (j + 1) * k], r[j * k : (j + 1) * k]
             groups.append(sibling_group([greedy[i], *comps], [float(rewards[i]), *rs], thr))
-    contexts = teacher_contexts(module.env, provider, [tasks[i] for i in failed], [greedy[i] for i in failed],
-                                groups=groups, tokenizer=module.tokenizer,
-                                chat_template=cfg.model.chat_template)  # fmt: skip
+    contexts = teacher_contexts(
+        module.env,
+        provider,
+        [tasks[i] for i in failed],
+        [greedy[i] for i in failed],
+        groups=groups,
+        tokenizer=module.tokenizer,
+        chat_template=cfg.model.chat_template,
+    )
     hinted = [(i, c) for i, c in zip(failed, contexts, strict=True) if c is not None]
     out["hinted"] = len(hinted)
     if not hinted:
         return out
-    ro = eval_generate(module, [c for _, c in hinted], 1, seed=None, max_new_tokens=mnt,
-                       max_prompt_length=cfg.hints.max_context_length)  # as the teacher reads it  # fmt: skip
+    ro = eval_generate(
+        module, [c for _, c in hinted], 1, seed=None, max_new_tokens=mnt, max_prompt_length=cfg.hints.max_context_length
+    )  # as the teacher reads it
     r_hint = env_rewards(module.env, [tasks[i] for i, _ in hinted], ro.completions, 1, unscorable=0.0)
     out["fixed"] = sum(1 for v in r_hint if v >= thr)
     for (i, ctx), comp, v in zip(hinted, ro.completions, r_hint, strict=True):
@@ -151,8 +173,11 @@ def validation_step(module: Any, batch: Mapping[str, Any]) -> None:
         return
     for i, task in enumerate(batch["tasks"]):
         row = {k: v for k, v in task.items() if isinstance(v, str | int | float | bool | type(None))}
-        row.update(completion=stats["completions"][i], reward=float(stats["rewards_greedy"][i]),
-                   correct=bool(stats["correct_greedy"][i] > 0))  # fmt: skip
+        row.update(
+            completion=stats["completions"][i],
+            reward=float(stats["rewards_greedy"][i]),
+            correct=bool(stats["correct_greedy"][i] > 0),
+        )
         if stats["correct_samples"] is not None:
             row["samples_correct"] = int(stats["correct_samples"][i].sum())
         if up is not None and i in up["rows"]:

@@ -21,8 +21,17 @@ from composer_plugins.core.io import iter_jsonl
 if TYPE_CHECKING:
     from composer_plugins.training.config import TrainConfig
 
-__all__ = ["check_checkpoint", "check_data_file", "check_fresh_output_dir", "check_hub_id", "check_inputs",
-           "check_model_path", "checkpoint_step", "env_task_fields", "hub_unreachable"]  # fmt: skip
+__all__ = [
+    "check_checkpoint",
+    "check_data_file",
+    "check_fresh_output_dir",
+    "check_hub_id",
+    "check_inputs",
+    "check_model_path",
+    "checkpoint_step",
+    "env_task_fields",
+    "hub_unreachable",
+]
 
 #: Fields a task row may carry its prompt in (as :func:`composer_plugins.training.module.task_prompt` reads).
 TASK_PROMPT_KEYS = ("prompt", "question")
@@ -47,20 +56,28 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
     line and the field, once the whole file has parsed (the first of ``fields`` some row lacks, at its first such row).
     """
     where = _set_at(src, key)
-    example = ('{"prompt": "...", "answer": "..."}' if kind == "tasks"
-               else '{"prompt": "...", "chosen": "...", "rejected": "..."}')  # fmt: skip
+    example = (
+        '{"prompt": "...", "answer": "..."}'
+        if kind == "tasks"
+        else '{"prompt": "...", "chosen": "...", "rejected": "..."}'
+    )
     p = Path(path).expanduser()
     if not p.exists():
         near = closest(p.name, [c.name for c in p.parent.glob("*.jsonl")]) if p.parent.is_dir() else []
         hint = f" Did you mean: {', '.join(repr(str(p.parent / n)) for n in near)}?" if near else ""
-        raise src.error(key, f"{path} does not exist — give the path of a JSONL file of {kind}, one {example} "
-                             f"per line.{hint}")  # fmt: skip
+        raise src.error(
+            key, f"{path} does not exist — give the path of a JSONL file of {kind}, one {example} per line.{hint}"
+        )
     if p.is_dir():
         raise src.error(key, f"{path} is a directory — give the path of a JSONL file of {kind}.")
 
     def error(file: str, line: int | None, message: str) -> Exception:
-        return ConfigError(f"{message} — fix this line (one {example} object per line) or point {key} "
-                           f"({where}) at another file.", key=key, file=file, line=line)  # fmt: skip
+        return ConfigError(
+            f"{message} — fix this line (one {example} object per line) or point {key} ({where}) at another file.",
+            key=key,
+            file=file,
+            line=line,
+        )
 
     n = 0
     first_missing: dict[int, ConfigError] = {}
@@ -72,9 +89,12 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
                 near = [c for k in keys for c in closest(k, TASK_PROMPT_KEYS)]
                 sugg = f" Did you mean: {near[0]!r}?" if near else ""
                 raise ConfigError(
-                    f"missing — every task of {key} needs a \"prompt\" (or \"question\") field; this line has "
-                    f"{keys}.{sugg}", key="prompt", file=path, line=lineno,
-                )  # fmt: skip
+                    f'missing — every task of {key} needs a "prompt" (or "question") field; this line has '
+                    f"{keys}.{sugg}",
+                    key="prompt",
+                    file=path,
+                    line=lineno,
+                )
             for i, need in enumerate(fields):
                 if i not in first_missing:
                     err = _missing_field(row, need, path, lineno, key)
@@ -87,14 +107,19 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
                 near = [c for k in keys if k not in PAIR_KEYS for c in closest(k, missing)]
                 sugg = f" Did you mean: {near[0]!r}?" if near else ""
                 raise ConfigError(
-                    f"missing — every pair of {key} needs prompt, chosen and rejected; this line has "
-                    f"{keys}.{sugg}", key=", ".join(missing), file=path, line=lineno,
-                )  # fmt: skip
+                    f"missing — every pair of {key} needs prompt, chosen and rejected; this line has {keys}.{sugg}",
+                    key=", ".join(missing),
+                    file=path,
+                    line=lineno,
+                )
     if first_missing:
         raise first_missing[min(first_missing)]
     if n == 0:
-        raise ConfigError(f"holds no {kind} (the file is empty) — add one {example} object per line, or unset "
-                          f"{key} ({where}).", key=key, file=path)  # fmt: skip
+        raise ConfigError(
+            f"holds no {kind} (the file is empty) — add one {example} object per line, or unset {key} ({where}).",
+            key=key,
+            file=path,
+        )
     return n
 
 
@@ -112,8 +137,12 @@ def _missing_field(row: Mapping[str, Any], need: TaskField, path: str, lineno: i
     near = [c for k in keys for c in closest(k, names)]
     sugg = f" Did you mean: {near[0]!r}?" if near else ""
     spelled = " or ".join(f'"{n}"' for n in names)
-    return ConfigError(f"missing — every task of {key} needs {spelled} for {why}; this line has {keys} — {fix}.{sugg}",
-                       key=names[0], file=path, line=lineno)  # fmt: skip
+    return ConfigError(
+        f"missing — every task of {key} needs {spelled} for {why}; this line has {keys} — {fix}.{sugg}",
+        key=names[0],
+        file=path,
+        line=lineno,
+    )
 
 
 def env_task_fields(cfg: TrainConfig, src: Config) -> tuple[tuple[str | tuple[str, ...], ...], str]:
@@ -144,9 +173,11 @@ def env_task_fields(cfg: TrainConfig, src: Config) -> tuple[tuple[str | tuple[st
 def _looks_local(name: str) -> bool:
     """A filesystem path rather than a hub id (``org/name``)."""
     return (
-        name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+        name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
         or Path(name).expanduser().exists()
-    )  # fmt: skip
+    )
 
 
 #: The ways out of a hub id that cannot be loaded, for every message that refuses one.
@@ -184,14 +215,20 @@ def check_hub_id(name: str, src: Config, key: str) -> None:
         return
     ways = HUB_WAYS_OUT.format(name=name)
     if offline:
-        raise src.error(key, f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-                             f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
-                             "to download it now.")  # fmt: skip
+        raise src.error(
+            key,
+            f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
+            "to download it now.",
+        )
     unreachable = hub_unreachable()
     if unreachable:  # fail now, not after a minute of the loader's retries
-        raise src.error(key, f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-                             f"and the hub cannot be reached ({unreachable}), so it cannot be downloaded — {ways}, "
-                             "or check the network (HF_ENDPOINT, a proxy in HTTPS_PROXY).")  # fmt: skip
+        raise src.error(
+            key,
+            f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and the hub cannot be reached ({unreachable}), so it cannot be downloaded — {ways}, "
+            "or check the network (HF_ENDPOINT, a proxy in HTTPS_PROXY).",
+        )
 
 
 #: Seconds :func:`hub_unreachable` waits for a TCP connection to the hub.
@@ -238,9 +275,12 @@ def check_fresh_output_dir(cfg: TrainConfig, src: Config, pre: str = "") -> None
         return
     step = max(checkpoint_step(p) for p in ckpts)
     at = f" (the last at step {step})" if step >= 0 else ""
-    raise src.error(pre + "output_dir", f"{cfg.output_dir} already holds checkpoints of an earlier run{at} — "
-                                        "continue it with `--resume last`, start over with `--overwrite` (deletes "
-                                        "its checkpoints and history.csv), or give a new output_dir.")  # fmt: skip
+    raise src.error(
+        pre + "output_dir",
+        f"{cfg.output_dir} already holds checkpoints of an earlier run{at} — "
+        "continue it with `--resume last`, start over with `--overwrite` (deletes "
+        "its checkpoints and history.csv), or give a new output_dir.",
+    )
 
 
 def check_checkpoint(checkpoint: str, key: str = "--checkpoint") -> None:
@@ -251,9 +291,12 @@ def check_checkpoint(checkpoint: str, key: str = "--checkpoint") -> None:
         p = Path(checkpoint).expanduser()
         if not p.is_file():
             what = "is a directory" if p.is_dir() else "does not exist"
-            raise src.error(key, f"{checkpoint} {what} — give a Lightning checkpoint file (e.g. "
-                                 "<output_dir>/checkpoints/last.ckpt), a directory written by save_pretrained "
-                                 "(<output_dir>/model) or a hub id.")  # fmt: skip
+            raise src.error(
+                key,
+                f"{checkpoint} {what} — give a Lightning checkpoint file (e.g. "
+                "<output_dir>/checkpoints/last.ckpt), a directory written by save_pretrained "
+                "(<output_dir>/model) or a hub id.",
+            )
         return
     check_model_path(str(checkpoint), src, key)
 
@@ -267,8 +310,11 @@ def check_model_path(name: str, src: Config, key: str) -> None:
         return
     p = Path(name).expanduser()
     if not p.exists():
-        raise src.error(key, f"{name} does not exist — give a directory written by save_pretrained, a hub id "
-                             "such as Qwen/Qwen2.5-0.5B-Instruct, or 'tiny' for the embedded model.")  # fmt: skip
+        raise src.error(
+            key,
+            f"{name} does not exist — give a directory written by save_pretrained, a hub id "
+            "such as Qwen/Qwen2.5-0.5B-Instruct, or 'tiny' for the embedded model.",
+        )
     if p.is_file():
         raise src.error(key, f"{name} is a file — give the directory that holds config.json (save_pretrained).")
 
@@ -284,11 +330,19 @@ def check_inputs(cfg: TrainConfig, src: Config, pre: str = "") -> None:
         if value:
             fields = list(reward)
             if key == "data.train_path" and cfg.sft.enabled:
-                at = _set_at(src, pre + "sft.enabled") if src.line_of(pre + "sft.enabled") or src.override_of(
-                    pre + "sft.enabled") else "the default"  # fmt: skip
-                fields.append((("target", "solution"), f"the SFT warm start (sft.enabled is on: {at})",
-                               "add a worked solution to this line, or set sft.enabled: false and start from an "
-                               "already fine-tuned model.name_or_path"))  # fmt: skip
+                at = (
+                    _set_at(src, pre + "sft.enabled")
+                    if src.line_of(pre + "sft.enabled") or src.override_of(pre + "sft.enabled")
+                    else "the default"
+                )
+                fields.append(
+                    (
+                        ("target", "solution"),
+                        f"the SFT warm start (sft.enabled is on: {at})",
+                        "add a worked solution to this line, or set sft.enabled: false and start from an "
+                        "already fine-tuned model.name_or_path",
+                    )
+                )
             check_data_file(str(value), src, pre + key, "tasks", fields)
     if cfg.replay.pairs_path:
         check_data_file(str(cfg.replay.pairs_path), src, pre + "replay.pairs_path", "pairs")

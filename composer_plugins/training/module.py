@@ -54,9 +54,18 @@ class ComposerModule(L.LightningModule):
         src: the loaded :class:`~composer_plugins.core.config.Config`, used to locate errors.
     """
 
-    def __init__(self, config: Any, *, policy: Any = None, tokenizer: Any = None, env: Any = None,
-                 channels: Sequence[Any] | None = None, hint_provider: Any = None,
-                 pairs: Sequence[Mapping[str, str]] | None = None, src: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any,
+        *,
+        policy: Any = None,
+        tokenizer: Any = None,
+        env: Any = None,
+        channels: Sequence[Any] | None = None,
+        hint_provider: Any = None,
+        pairs: Sequence[Mapping[str, str]] | None = None,
+        src: Any = None,
+    ) -> None:
         super().__init__()
         from composer_plugins.core.config import Config, redact, to_dict
         from composer_plugins.losses.base import ChannelComposer
@@ -75,8 +84,10 @@ class ComposerModule(L.LightningModule):
         self.tokenizer = tokenizer  # prompts rendered with model.chat_template (training.chat)
         if cfg.compute.gradient_checkpointing:
             if not getattr(policy, "supports_gradient_checkpointing", False):
-                raise ValueError(f"compute.gradient_checkpointing: {type(policy).__name__} does not support "
-                                 "gradient checkpointing; set it to false")  # fmt: skip
+                raise ValueError(
+                    f"compute.gradient_checkpointing: {type(policy).__name__} does not support "
+                    "gradient checkpointing; set it to false"
+                )
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.env = env if env is not None else build_env(cfg, src)
         self.composer = ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
@@ -143,8 +154,9 @@ class ComposerModule(L.LightningModule):
         """:func:`~composer_plugins.training.distributed.full_params` under this module's trainer."""
         return full_params(self._trainer, recurse)
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
         """Lightning's clipping; under FSDP a norm clip goes through ``FSDP.clip_grad_norm_`` (the global norm)."""
         root = fsdp_root(self._trainer)
         if root is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
@@ -237,20 +249,25 @@ class ComposerModule(L.LightningModule):
     def rollout(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Any, list[float], list[Any]]:
         """``(rollout, rewards, feedback)`` of ``tasks`` from the configured generator and the env."""
         r = self.cfg.rollout
-        sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                    "max_new_tokens": r.max_new_tokens, "max_prompt_length": r.max_prompt_length}  # fmt: skip
+        sampling = {
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k,
+            "max_new_tokens": r.max_new_tokens,
+            "max_prompt_length": r.max_prompt_length,
+        }
         with self.full_params():
             episodes = getattr(self.generator, "episodes", None)
             if episodes is not None:  # the multi_turn generator: the env scores every turn
-                return episodes(self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed,
-                                **sampling)  # fmt: skip
+                return episodes(self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed, **sampling)
             prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
             ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
         rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)
         return ro, rewards, [None] * len(rewards)
 
-    def make_rollout_batch(self, tasks: Sequence[Mapping[str, Any]], seed: int,
-                           old_logprobs: bool = False) -> StepRecord:  # fmt: skip
+    def make_rollout_batch(
+        self, tasks: Sequence[Mapping[str, Any]], seed: int, old_logprobs: bool = False
+    ) -> StepRecord:
         """The step record of ``tasks``: rollout, rewards, advantages, reference log-probs, hinted contexts.
 
         With ``old_logprobs`` the sampling-time log-probs are computed now (no grad), for
@@ -260,8 +277,14 @@ class ComposerModule(L.LightningModule):
         ro, rewards, feedback = self.rollout(tasks, seed)
         return self.record_from(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
 
-    def record_from(self, tasks: Sequence[Mapping[str, Any]], ro: Any, rewards_list: Sequence[float],
-                    feedback: Sequence[Any] | None = None, old_logprobs: bool = False) -> StepRecord:  # fmt: skip
+    def record_from(
+        self,
+        tasks: Sequence[Mapping[str, Any]],
+        ro: Any,
+        rewards_list: Sequence[float],
+        feedback: Sequence[Any] | None = None,
+        old_logprobs: bool = False,
+    ) -> StepRecord:
         """The step record of a rollout already sampled and scored (a backend's generators, Monarch's actors)."""
         from composer_plugins.losses import functional as F
         from composer_plugins.models.logprobs import completion_logprobs_no_grad
@@ -271,21 +294,31 @@ class ComposerModule(L.LightningModule):
         advantages = F.group_advantages(rewards, r.num_generations, **r.advantage_kwargs)
         if isinstance(advantages, tuple):
             advantages = advantages[0]
-        rec = StepRecord.from_rollout(tasks, ro, rewards, advantages.detach().float(), feedback,
-                                      total_steps=self.cfg.trainer.max_steps)  # fmt: skip
+        rec = StepRecord.from_rollout(
+            tasks, ro, rewards, advantages.detach().float(), feedback, total_steps=self.cfg.trainer.max_steps
+        )
         start_teacher_scoring(rec, self.teacher_scoring, self.cfg.model.chat_template)  # scored in the background
         args = (rec.prompt_ids, rec.prompt_mask, rec.completion_ids, rec.completion_mask)
-        kw = {"temperature": r.temperature, "completion_attention_mask": rec.attention_mask,
-              "micro_batch_size": self.micro_batch_size(rec.prompt_ids, rec.completion_ids),
-              "chunk_size": self.cfg.compute.chunk_size}  # fmt: skip
+        kw = {
+            "temperature": r.temperature,
+            "completion_attention_mask": rec.attention_mask,
+            "micro_batch_size": self.micro_batch_size(rec.prompt_ids, rec.completion_ids),
+            "chunk_size": self.cfg.compute.chunk_size,
+        }
         if old_logprobs:
             rec.old_logprobs = completion_logprobs_no_grad(self.policy, *args, **kw)
         if self.needs_ref_tokens and self.reference is not None:
             rec.ref_logprobs = completion_logprobs_no_grad(self.reference, *args, **kw)
         if self.needs_teacher:
-            add_hint_contexts(rec, self.env, self.hint_provider, success_threshold=r.success_threshold,
-                              max_hinted=self.cfg.hints.max_hinted_per_step, tokenizer=self.tokenizer,
-                              chat_template=self.cfg.model.chat_template)  # fmt: skip
+            add_hint_contexts(
+                rec,
+                self.env,
+                self.hint_provider,
+                success_threshold=r.success_threshold,
+                max_hinted=self.cfg.hints.max_hinted_per_step,
+                tokenizer=self.tokenizer,
+                chat_template=self.cfg.model.chat_template,
+            )
         return rec
 
     def micro_batch_size(self, *tensors: Tensor) -> int:
@@ -297,13 +330,19 @@ class ComposerModule(L.LightningModule):
         c = self.cfg
         r = c.rollout
         return StepPolicy(
-            model=self.policy, tokenizer=self.tokenizer, teacher=self.ema_teacher, reference=self.reference,
-            temperature=r.temperature, chunk_size=c.compute.chunk_size,
-            rows_per_micro_batch=c.compute.rows_per_micro_batch, max_context_length=c.hints.max_context_length,
-            pair_prompt_length=r.max_prompt_length, pair_max_length=c.replay.max_completion_length,
+            model=self.policy,
+            tokenizer=self.tokenizer,
+            teacher=self.ema_teacher,
+            reference=self.reference,
+            temperature=r.temperature,
+            chunk_size=c.compute.chunk_size,
+            rows_per_micro_batch=c.compute.rows_per_micro_batch,
+            max_context_length=c.hints.max_context_length,
+            pair_prompt_length=r.max_prompt_length,
+            pair_max_length=c.replay.max_completion_length,
             importance_sampling=(r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
             teacher_scoring=self.teacher_scoring,
-        )  # fmt: skip
+        )
 
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs).

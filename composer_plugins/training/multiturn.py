@@ -49,8 +49,16 @@ class MultiTurnGenerator:
             return getattr(self.__dict__["inner"], name)
         raise AttributeError(name)
 
-    def generate(self, policy: Any, tokenizer: Any, prompts: Sequence[str], num_generations: int, *,
-                 seed: int | None, **sampling: Any) -> Any:  # fmt: skip
+    def generate(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        prompts: Sequence[str],
+        num_generations: int,
+        *,
+        seed: int | None,
+        **sampling: Any,
+    ) -> Any:
         """One turn: the wrapped generator's ``generate``."""
         return self.inner.generate(policy, tokenizer, prompts, num_generations, seed=seed, **sampling)
 
@@ -59,9 +67,18 @@ class MultiTurnGenerator:
         if close is not None:
             close()
 
-    def episodes(self, policy: Any, tokenizer: Any, env: Any, tasks: Sequence[Mapping[str, Any]],
-                 num_generations: int, *, seed: int, max_prompt_length: int | None = None,
-                 **sampling: Any) -> tuple[Any, list[float], list[Any]]:  # fmt: skip
+    def episodes(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        env: Any,
+        tasks: Sequence[Mapping[str, Any]],
+        num_generations: int,
+        *,
+        seed: int,
+        max_prompt_length: int | None = None,
+        **sampling: Any,
+    ) -> tuple[Any, list[float], list[Any]]:
         """``(rollout, rewards, feedback)`` of the ``G`` episodes of each task.
 
         Every episode runs on a shallow copy of the env (its own episode state, shared score cache).
@@ -84,15 +101,32 @@ class MultiTurnGenerator:
                 p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 if max_prompt_length:
                     p_ids = p_ids[-max_prompt_length:]
-                episodes.append({"env": e, "prompt": prompt, "prompt_ids": p_ids, "ids": [], "mask": [],
-                                 "reward": 0.0, "done": False, "actions": [], "feedback": None})  # fmt: skip
+                episodes.append(
+                    {
+                        "env": e,
+                        "prompt": prompt,
+                        "prompt_ids": p_ids,
+                        "ids": [],
+                        "mask": [],
+                        "reward": 0.0,
+                        "done": False,
+                        "actions": [],
+                        "feedback": None,
+                    }
+                )
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e["done"]]
             if not live:
                 break
-            ro = self.inner.generate(policy, tokenizer, None, 1, seed=derive_seed(seed, turn),
-                                     prompt_token_ids=[e["prompt_ids"] + e["ids"] for e in live],
-                                     **sampling)  # fmt: skip
+            ro = self.inner.generate(
+                policy,
+                tokenizer,
+                None,
+                1,
+                seed=derive_seed(seed, turn),
+                prompt_token_ids=[e["prompt_ids"] + e["ids"] for e in live],
+                **sampling,
+            )
             for j, e in enumerate(live):
                 act_ids = ro.completion_ids[j][ro.completion_mask[j].bool()].tolist()
                 obs, reward, done, info = step_result(e["env"].step(ro.completions[j]))
@@ -120,10 +154,15 @@ class MultiTurnGenerator:
                 cids[i, : len(e["ids"])] = torch.tensor(e["ids"], device=device)
                 cmask[i, : len(e["mask"])] = torch.tensor(e["mask"], device=device)
         rollout = Rollout(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=cids, completion_mask=cmask,
-            completions=["\n".join(e["actions"]) for e in episodes], prompts=[e["prompt"] for e in episodes],
-            group_index=torch.arange(len(tasks), device=device).repeat_interleave(G), num_generations=G,
-        )  # fmt: skip
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=cids,
+            completion_mask=cmask,
+            completions=["\n".join(e["actions"]) for e in episodes],
+            prompts=[e["prompt"] for e in episodes],
+            group_index=torch.arange(len(tasks), device=device).repeat_interleave(G),
+            num_generations=G,
+        )
         rollout.extra["attention_mask"] = _trajectory_attention(episodes, width, device)
         return rollout, [e["reward"] for e in episodes], [e["feedback"] for e in episodes]
 

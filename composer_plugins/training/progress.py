@@ -66,8 +66,14 @@ class StepProgressBar(ProgressBar):
         from tqdm.auto import tqdm
 
         self._t0, self._rows, self._tokens = time.monotonic(), 0, 0.0
-        self._bar = tqdm(total=trainer.max_steps if trainer.max_steps > 0 else None, initial=trainer.global_step,
-                         desc=self.phase, unit="step", dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+        self._bar = tqdm(
+            total=trainer.max_steps if trainer.max_steps > 0 else None,
+            initial=trainer.global_step,
+            desc=self.phase,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._bar is None:
@@ -92,9 +98,12 @@ class StepProgressBar(ProgressBar):
         dt = max(time.monotonic() - self._t0, 1e-9)
         if self.phase == "train":
             s = getattr(pl_module, "last_step_stats", None) or {}
-            parts = [f"reward={_fmt(s['reward'])}" if "reward" in s else "",
-                     f"loss={_fmt(s['loss'])}" if "loss" in s else "",
-                     f"rollouts/s={_fmt(self._rows / dt)}", f"tokens/s={_fmt(self._tokens / dt)}"]  # fmt: skip
+            parts = [
+                f"reward={_fmt(s['reward'])}" if "reward" in s else "",
+                f"loss={_fmt(s['loss'])}" if "loss" in s else "",
+                f"rollouts/s={_fmt(self._rows / dt)}",
+                f"tokens/s={_fmt(self._tokens / dt)}",
+            ]
         else:
             loss = trainer.callback_metrics.get("sft/loss")
             parts = [f"loss={_fmt(float(loss))}" if loss is not None else "", f"examples/s={_fmt(self._rows / dt)}"]
@@ -120,11 +129,13 @@ class StepProgressBar(ProgressBar):
 
         batches = getattr(trainer.val_dataloaders, "batches", None)  # StaticBatches of {"index", "tasks"}
         total = sum(len(b["tasks"]) for b in batches) if batches is not None else None
-        self._vbar = tqdm(total=total, desc="eval", unit="problem", dynamic_ncols=True, leave=self._bar is None,
-                          file=sys.stderr)  # fmt: skip
+        self._vbar = tqdm(
+            total=total, desc="eval", unit="problem", dynamic_ncols=True, leave=self._bar is None, file=sys.stderr
+        )
 
-    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:  # fmt: skip
+    def on_validation_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self._vbar is None:
             return
         self._vbar.update(len(batch["tasks"]) if isinstance(batch, Mapping) and "tasks" in batch else 1)

@@ -64,10 +64,22 @@ class HFGenerator:
 
     sync_every = 0
 
-    def generate(self, policy: Any, tokenizer: Any, prompts: Sequence[str], num_generations: int, *, seed: int | None,
-                 temperature: float, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 32,
-                 max_prompt_length: int | None = None, do_sample: bool = True,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None) -> Any:  # fmt: skip
+    def generate(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        prompts: Sequence[str],
+        num_generations: int,
+        *,
+        seed: int | None,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 32,
+        max_prompt_length: int | None = None,
+        do_sample: bool = True,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> Any:
         """``num_generations`` completions per prompt (``models.generation.generate_completions``).
 
         ``prompt_token_ids``: already tokenized prompts (``prompts`` is then ``None``), as the
@@ -172,8 +184,18 @@ class ServerGenerator:
         self._rng = random.Random(0)
 
     # -- sampling ----------------------------------------------------------------------
-    def request_body(self, prompt_ids: Sequence[int], n: int, *, seed: int | None, temperature: float, top_p: float,
-                     top_k: int, max_new_tokens: int, do_sample: bool = True) -> dict[str, Any]:  # fmt: skip
+    def request_body(
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        *,
+        seed: int | None,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_new_tokens: int,
+        do_sample: bool = True,
+    ) -> dict[str, Any]:
         """The ``/v1/completions`` request for one prompt (token ids in, token ids and log-probs out).
 
         ``logprobs: 0`` asks for the sampled token's log-prob only; ``return_tokens_as_token_ids``
@@ -227,9 +249,21 @@ class ServerGenerator:
         finally:
             await self.transport.aclose()
 
-    def generate(self, policy: Any, tokenizer: Any, prompts: Sequence[str], num_generations: int, *, seed: int | None,
-                 temperature: float, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 32,
-                 max_prompt_length: int | None = None, do_sample: bool = True) -> Any:  # fmt: skip
+    def generate(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        prompts: Sequence[str],
+        num_generations: int,
+        *,
+        seed: int | None,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 32,
+        max_prompt_length: int | None = None,
+        do_sample: bool = True,
+    ) -> Any:
         """``num_generations`` completions per prompt from the server; its log-probs in ``extra["sampling_logprobs"]``.
 
         Prompt ``i`` is sent as token ids (left-truncated to ``max_prompt_length``) with the seed

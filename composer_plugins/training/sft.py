@@ -91,8 +91,9 @@ def sft_hint_kinds(cfg: TrainConfig) -> dict[str, float]:
     return {k: float(v) / total for k, v in kinds.items() if v > 0}
 
 
-def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]], pairs: list[tuple[str, str]],
-                  tokenizer: Any = None) -> list[tuple[str, str]]:  # fmt: skip
+def _hint_augment(
+    env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]], pairs: list[tuple[str, str]], tokenizer: Any = None
+) -> list[tuple[str, str]]:
     """Replace ``sft.hint_fraction`` of the prompts by hinted teacher contexts for a wrong attempt.
 
     Each hinted example is of one kind (``sft.hint_kinds``): ``feedback``, the provider's hint for
@@ -132,8 +133,11 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
     if step_rows:  # a worked attempt with one false step, hinted by step_check (envs/step_check.py)
         from composer_plugins.envs.step_check import false_step_attempt
 
-        sc = provider if _provider_name(cfg.hints.provider) == "step_check" else hint_provider_from(
-            {"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")  # fmt: skip
+        sc = (
+            provider
+            if _provider_name(cfg.hints.provider) == "step_check"
+            else hint_provider_from({"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")
+        )
         wrong = {i: false_step_attempt(pairs[i][1], rng) for i in step_rows}
         step_rows = [i for i in step_rows if wrong[i] is not None]
         ctxs = teacher_contexts(env, sc, [tasks[i] for i in step_rows], [str(wrong[i]) for i in step_rows], **chat)
@@ -146,8 +150,9 @@ def _hint_augment(env: Any, cfg: TrainConfig, tasks: Sequence[Mapping[str, Any]]
         groups = []
         for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
             groups += sibling_groups([str(attempts[i]), pairs[i][1]], [0.0, 1.0], 2, 1.0)[:1]
-        ctxs = teacher_contexts(env, demo, [tasks[i] for i in demo_rows], [str(attempts[i]) for i in demo_rows],
-                                groups=groups, **chat)  # fmt: skip
+        ctxs = teacher_contexts(
+            env, demo, [tasks[i] for i in demo_rows], [str(attempts[i]) for i in demo_rows], groups=groups, **chat
+        )
         for i, ctx in zip(demo_rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])

@@ -84,32 +84,60 @@ class StepRecord:
     extras: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_rollout(cls, tasks: Sequence[Mapping[str, Any]], rollout: Rollout, rewards: Tensor, advantages: Tensor,
-                     feedback: Sequence[Any] | None = None, **kw: Any) -> StepRecord:  # fmt: skip
+    def from_rollout(
+        cls,
+        tasks: Sequence[Mapping[str, Any]],
+        rollout: Rollout,
+        rewards: Tensor,
+        advantages: Tensor,
+        feedback: Sequence[Any] | None = None,
+        **kw: Any,
+    ) -> StepRecord:
         """A record from a generator's :class:`~composer_plugins.models.generation.Rollout` and its scores."""
         ex = rollout.extra
         return cls(
-            tasks=list(tasks), prompts=list(rollout.prompts), completions=list(rollout.completions),
-            prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, completion_ids=rollout.completion_ids,
-            completion_mask=rollout.completion_mask, rewards=rewards, advantages=advantages,
-            num_generations=rollout.num_generations, group_index=rollout.group_index,
+            tasks=list(tasks),
+            prompts=list(rollout.prompts),
+            completions=list(rollout.completions),
+            prompt_ids=rollout.prompt_ids,
+            prompt_mask=rollout.prompt_mask,
+            completion_ids=rollout.completion_ids,
+            completion_mask=rollout.completion_mask,
+            rewards=rewards,
+            advantages=advantages,
+            num_generations=rollout.num_generations,
+            group_index=rollout.group_index,
             feedback=list(feedback) if feedback is not None else [None] * len(rollout.completions),
-            attention_mask=ex.get("attention_mask"), sampling_logprobs=ex.get("sampling_logprobs"), **kw,
-        )  # fmt: skip
+            attention_mask=ex.get("attention_mask"),
+            sampling_logprobs=ex.get("sampling_logprobs"),
+            **kw,
+        )
 
     @property
     def rollout(self) -> Rollout:
         """The rollout part as a :class:`~composer_plugins.models.generation.Rollout` (a view, not a copy)."""
-        extra = {k: v for k, v in (("attention_mask", self.attention_mask),
-                                   ("sampling_logprobs", self.sampling_logprobs)) if v is not None}  # fmt: skip
+        extra = {
+            k: v
+            for k, v in (("attention_mask", self.attention_mask), ("sampling_logprobs", self.sampling_logprobs))
+            if v is not None
+        }
         n = self.completion_ids.shape[0]
         gi = (
             self.group_index
             if self.group_index is not None
             else torch.arange(n, device=self.completion_ids.device) // max(1, self.num_generations)
         )
-        return Rollout(self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask,
-                       list(self.completions), list(self.prompts), gi, self.num_generations, extra)  # fmt: skip
+        return Rollout(
+            self.prompt_ids,
+            self.prompt_mask,
+            self.completion_ids,
+            self.completion_mask,
+            list(self.completions),
+            list(self.prompts),
+            gi,
+            self.num_generations,
+            extra,
+        )
 
     @property
     def num_rows(self) -> int:
@@ -152,9 +180,16 @@ class StepRecord:
         return cls(**dict(state))
 
 
-def add_hint_contexts(record: StepRecord, env: Any, provider: Any, *, success_threshold: float,
-                      max_hinted: int | None = None, tokenizer: Any = None,
-                      chat_template: str = "auto") -> StepRecord:  # fmt: skip
+def add_hint_contexts(
+    record: StepRecord,
+    env: Any,
+    provider: Any,
+    *,
+    success_threshold: float,
+    max_hinted: int | None = None,
+    tokenizer: Any = None,
+    chat_template: str = "auto",
+) -> StepRecord:
     """Fill ``record.groups`` and ``record.hint_contexts``: a hinted context for each failed row the provider hints.
 
     The rows offered to the provider are :func:`hint_candidates`. Rows must be laid out in contiguous
@@ -169,10 +204,16 @@ def add_hint_contexts(record: StepRecord, env: Any, provider: Any, *, success_th
     if not record.groups:
         record.groups = rollout_groups(record.completions, record.rewards, G, success_threshold)
     feedback = record.feedback or [None] * n
-    contexts = teacher_contexts(env, provider, [record.tasks[i // G] for i in failed],
-                                [record.completions[i] for i in failed], [feedback[i] for i in failed],
-                                [record.groups[i] for i in failed], tokenizer=tokenizer,
-                                chat_template=chat_template)  # fmt: skip
+    contexts = teacher_contexts(
+        env,
+        provider,
+        [record.tasks[i // G] for i in failed],
+        [record.completions[i] for i in failed],
+        [feedback[i] for i in failed],
+        [record.groups[i] for i in failed],
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+    )
     record.hint_contexts = [None] * n
     record.hint_kinds = [None] * n
     kinds = provider.kinds(contexts) if hasattr(provider, "kinds") else [None] * len(contexts)

@@ -21,8 +21,16 @@ from typing import Any
 
 from composer_plugins.training.step import StepRecord
 
-__all__ = ["build_teacher_scoring", "console_warning", "report_teacher_failures", "row_conversations",
-           "score_requests", "start_teacher_scoring", "teacher_channels", "teacher_summary"]  # fmt: skip
+__all__ = [
+    "build_teacher_scoring",
+    "console_warning",
+    "report_teacher_failures",
+    "row_conversations",
+    "score_requests",
+    "start_teacher_scoring",
+    "teacher_channels",
+    "teacher_summary",
+]
 
 
 def console_warning(line: str) -> None:
@@ -78,8 +86,9 @@ def row_conversations(record: StepRecord) -> list[Any]:
     return [convs[int(g)] if 0 <= int(g) < len(convs) else None for g in gi]
 
 
-def score_requests(record: StepRecord, chat_template: str = "auto",
-                   conversations: Sequence[Any] | None = None) -> list[Any]:  # fmt: skip
+def score_requests(
+    record: StepRecord, chat_template: str = "auto", conversations: Sequence[Any] | None = None
+) -> list[Any]:
     """One :class:`~composer_plugins.teachers.scoring.ScoreRequest` per row: prompt and completion, text and tokens.
 
     A row whose prompt was a conversation carries it (``messages``), so each teacher renders it with its
@@ -103,8 +112,9 @@ def score_requests(record: StepRecord, chat_template: str = "auto",
     return out
 
 
-def start_teacher_scoring(record: StepRecord, pool: Any, chat_template: str = "auto",
-                          conversations: Sequence[Any] | None = None) -> StepRecord:  # fmt: skip
+def start_teacher_scoring(
+    record: StepRecord, pool: Any, chat_template: str = "auto", conversations: Sequence[Any] | None = None
+) -> StepRecord:
     """Submit the record's rows to every scorer of ``pool``; ``record.teacher_scores`` holds the futures.
 
     Nothing happens without a pool or when the record holds scores already. ``chat_template`` and

@@ -116,8 +116,13 @@ def mlflow_enabled(params: Mapping[str, Any] | None = None) -> bool:
     return bool(((params or {}).get("mlflow") or {}).get("enabled", True))
 
 
-def run_tags(stage: str | None = None, *, variant: str | None = None, seed: int | None = None,
-             extra: Mapping[str, Any] | None = None) -> dict[str, str]:  # fmt: skip
+def run_tags(
+    stage: str | None = None,
+    *,
+    variant: str | None = None,
+    seed: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
     """Tags for an MLflow run of a pipeline stage.
 
     Args:

@@ -54,12 +54,14 @@ class ReverseWordEnv(Env):
             if _split_of(word) != split:
                 continue
             answer = word[::-1]
-            tasks.append({
-                "prompt": f"Reverse the letters of {word}. Answer:",  # what the policy sees
-                "answer": answer,  # what the reward checks (passed to reward() as a column)
-                "target": f" {answer}",  # a perfect completion: the SFT warm start trains on it
-                "task_id": f"reverse/{word}",
-            })  # fmt: skip
+            tasks.append(
+                {
+                    "prompt": f"Reverse the letters of {word}. Answer:",  # what the policy sees
+                    "answer": answer,  # what the reward checks (passed to reward() as a column)
+                    "target": f" {answer}",  # a perfect completion: the SFT warm start trains on it
+                    "task_id": f"reverse/{word}",
+                }
+            )
         return tasks
 
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:

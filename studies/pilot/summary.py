@@ -39,8 +39,14 @@ def main() -> None:
             arms.setdefault(arm, {})[int(seed)] = _acc(f)
             unseen.setdefault(arm, {})[int(seed)] = _acc(f, "gsm8k/accuracy_unseen_line")
         mean = {a: sum(v.values()) / len(v) for a, v in arms.items()}
-        row = {"overrides": (d / "overrides.txt").read_text().split(), "per_seed": arms, "mean": mean,
-               "per_seed_unseen_line": unseen, "student": student, "sft": start}  # fmt: skip
+        row = {
+            "overrides": (d / "overrides.txt").read_text().split(),
+            "per_seed": arms,
+            "mean": mean,
+            "per_seed_unseen_line": unseen,
+            "student": student,
+            "sft": start,
+        }
         rl, to = arms.get("rl_only", {}), arms.get("teacher_only", {})
         shared = sorted(set(rl) & set(to))
         if shared:
@@ -54,20 +60,26 @@ def main() -> None:
     f3 = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
     s3 = lambda x: "—" if x is None else f"{x:+.3f}"  # noqa: E731
     starts = sorted({(r["student"], r["sft"]) for r in out["settings"].values()} | {("sft", sft)})
-    lines = [f"SFT start {f3(sft)}, teacher {f3(teacher)} (pilot problems, greedy)"
-             + "".join(f"; student `{n}` {f3(a)}" for n, a in starts if n != "sft"), "",
-             "| setting | student (SFT) | overrides | rl_only | teacher_only | grpo_teacher | teacher_only − rl_only "
-             "| rl_only − SFT | pass |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"SFT start {f3(sft)}, teacher {f3(teacher)} (pilot problems, greedy)"
+        + "".join(f"; student `{n}` {f3(a)}" for n, a in starts if n != "sft"),
+        "",
+        "| setting | student (SFT) | overrides | rl_only | teacher_only | grpo_teacher | teacher_only − rl_only "
+        "| rl_only − SFT | pass |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in out["settings"].items():
         cells = []
         for a in ("rl_only", "teacher_only", "grpo_teacher"):
             ps = r["per_seed"].get(a, {})
             cells.append(f"{f3(r['mean'].get(a))} ({', '.join(f3(ps[s]) for s in sorted(ps))})" if ps else "—")
         ovr = " ".join(r["overrides"]) or "(study settings)"
-        lines.append(f"| {name} | {r['student']} ({f3(r['sft'])}) | `{ovr}` | " + " | ".join(cells)
-                     + f" | {s3(r.get('teacher_only_minus_rl_only'))} | {s3(r.get('rl_only_minus_sft'))} | "
-                     + f"{r.get('pass', '—')} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {r['student']} ({f3(r['sft'])}) | `{ovr}` | "
+            + " | ".join(cells)
+            + f" | {s3(r.get('teacher_only_minus_rl_only'))} | {s3(r.get('rl_only_minus_sft'))} | "
+            + f"{r.get('pass', '—')} |"
+        )
     text = "\n".join(lines) + "\n"
     Path("results.md").write_text(text)
     print(text)

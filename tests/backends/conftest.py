@@ -12,8 +12,12 @@ import pytest
 from composer_plugins.core import plugins
 
 #: The distributions that bring the upstream backends (``packages/composer-plugins-<backend>``).
-BACKEND_DISTRIBUTIONS = ("composer-plugins-trl", "composer-plugins-verl", "composer-plugins-prime-rl",
-                         "composer-plugins-monarch")  # fmt: skip
+BACKEND_DISTRIBUTIONS = (
+    "composer-plugins-trl",
+    "composer-plugins-verl",
+    "composer-plugins-prime-rl",
+    "composer-plugins-monarch",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +40,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from composer_plugins.models.tiny import TinyModelConfig, build_tiny_model
 
     torch.set_num_threads(2)
-    cfg = TinyModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                          num_kv_heads=1, max_position_embeddings=128)  # fmt: skip
+    cfg = TinyModelConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=128,
+    )
     return str(build_tiny_model(cfg, CORPUS, tmp_path_factory.mktemp("tiny")))

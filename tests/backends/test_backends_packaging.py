@@ -61,8 +61,14 @@ def test_listing_backends_imports_no_upstream_library():
         "heavy = [m for m in ('trl', 'verl', 'monarch', 'prime_rl', 'torch') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-                         env={"COMPOSER_PLUGINS_LOAD": ",".join(DISTRIBUTIONS), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+        env={"COMPOSER_PLUGINS_LOAD": ",".join(DISTRIBUTIONS), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["name"]: r for r in json.loads(out.stdout[: out.stdout.rindex("HEAVY")])}
     assert "HEAVY []" in out.stdout
@@ -83,8 +89,15 @@ def test_missing_upstream_shows_the_install_command_in_list_and_build(monkeypatc
     reg = plugins.build_registry(pm)
     for name in ("trl", "verl", "monarch"):  # pretend the upstream is missing
         e = reg.get("backends", name)
-        reg.register("backends", name, e.target, e.description, requires=[f"{name}_not_installed_xyz"],
-                     install=e.install, override=True)  # fmt: skip
+        reg.register(
+            "backends",
+            name,
+            e.target,
+            e.description,
+            requires=[f"{name}_not_installed_xyz"],
+            install=e.install,
+            override=True,
+        )
     monkeypatch.setattr(plugins, "_registry", reg)
     monkeypatch.setattr(plugins, "_pm", pm)
     res = CliRunner().invoke(cli.cli, ["list", "backends", "--json"])
@@ -186,8 +199,23 @@ def _wheel(src: Path, parts: list[str], tmp: Path) -> tuple[set[str], str]:
         else:
             work.mkdir(parents=True, exist_ok=True)
             shutil.copy(src / part, work / part)
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                          str(tmp / "wheels"), str(work)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "wheels"),
+            str(work),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     (whl,) = (tmp / "wheels").glob("*.whl")
     with zipfile.ZipFile(whl) as z:
@@ -216,8 +244,13 @@ def test_constraints_pin_a_combination_every_distribution_accepts():
         if line:
             r = Requirement(line)
             pins[r.name] = r.specifier
-    core = Requirement(next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-                            if d.startswith("transformers")))  # fmt: skip
+    core = Requirement(
+        next(
+            d
+            for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+            if d.startswith("transformers")
+        )
+    )
     tf = md.version("transformers")
     assert tf in pins["transformers"] and tf in core.specifier
     verl_tf = next(Requirement(r) for r in md.requires("verl") if r.startswith("transformers"))

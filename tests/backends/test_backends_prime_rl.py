@@ -34,9 +34,13 @@ def _upstream_default_loss_fn():
 
 # Field layout of prime_rl.trainer.rl.loss.LossInputs / LossOutputs at commit 559b447 (read from the source).
 UPSTREAM_INPUT_FIELDS = [
-    ("trainer_logprobs", False), ("inference_logprobs", False), ("ref_logprobs", False),
-    ("advantages", False), ("loss_mask", False), ("loss_weights", True),
-]  # fmt: skip
+    ("trainer_logprobs", False),
+    ("inference_logprobs", False),
+    ("ref_logprobs", False),
+    ("advantages", False),
+    ("loss_mask", False),
+    ("loss_weights", True),
+]
 
 
 @dataclass
@@ -65,8 +69,14 @@ def _sample(seed: int, n: int = 9, with_ref: bool = False, with_weights: bool = 
     mask[0] = False  # a prompt/observation token inside the sample
     ref = (inference + 0.3 * torch.randn(n, generator=g)).clamp(max=-1e-3) if with_ref else None
     w = torch.rand(n, generator=g) if with_weights else None
-    return P.LossInputs(trainer_logprobs=trainer, inference_logprobs=inference, ref_logprobs=ref, advantages=adv,
-                        loss_mask=mask, loss_weights=w)  # fmt: skip
+    return P.LossInputs(
+        trainer_logprobs=trainer,
+        inference_logprobs=inference,
+        ref_logprobs=ref,
+        advantages=adv,
+        loss_mask=mask,
+        loss_weights=w,
+    )
 
 
 def test_stand_ins_are_structurally_identical_to_prime_rl():
@@ -85,16 +95,24 @@ def test_default_equals_prime_rls_default_loss_per_sample(with_weights):
         s = _sample(seed, with_ref=seed % 2 == 0, with_weights=with_weights)
         out = P.loss_fn(s)  # the extra channels are off by default
         # PRIME-RL's DefaultLossConfig defaults: dppo_mask_low = dppo_mask_high = 0.2, adv_tau 1, kl_tau 1e-3
-        ref_loss, ref_metrics = upstream(s.trainer_logprobs, s.inference_logprobs, s.advantages, s.loss_mask,
-                                         0.2, 0.2, 1.0, 1e-3, s.loss_weights)  # fmt: skip
+        ref_loss, ref_metrics = upstream(
+            s.trainer_logprobs, s.inference_logprobs, s.advantages, s.loss_mask, 0.2, 0.2, 1.0, 1e-3, s.loss_weights
+        )
         assert isinstance(out, P.LossOutputs)
         assert float(ref_loss.detach().abs()) > 1e-4  # a loss that a doubling can be seen in
         torch.testing.assert_close(out.loss, ref_loss)
         (g1,) = torch.autograd.grad(out.loss, s.trainer_logprobs)
         (g2,) = torch.autograd.grad(ref_loss, s.trainer_logprobs)
         torch.testing.assert_close(g1, g2)
-        for k in ("masked_mismatch_kl", "unmasked_mismatch_kl", "is_masked", "is_masked_low", "is_masked_high",
-                  "masked_advantage_positive", "masked_advantage_negative"):  # fmt: skip
+        for k in (
+            "masked_mismatch_kl",
+            "unmasked_mismatch_kl",
+            "is_masked",
+            "is_masked_low",
+            "is_masked_high",
+            "masked_advantage_positive",
+            "masked_advantage_negative",
+        ):
             assert out.metrics[k].dim() == 0
             torch.testing.assert_close(out.metrics[k], torch.as_tensor(ref_metrics[k]).float())
 
@@ -123,10 +141,18 @@ def test_prime_rl_aggregation_over_a_batch_equals_the_upstream_token_mean():
 def test_other_policies_are_our_functional_token_sums(policy):
     s = _sample(11, with_weights=True)
     out = P.loss_fn(s, policy=policy, epsilon_low=0.2, epsilon_high=0.28)
-    ref = F.policy_loss(s.trainer_logprobs[None], s.inference_logprobs[None], s.advantages[None], s.loss_mask[None],
-                        loss_type="cispo" if policy == "cispo" else "dapo", epsilon_low=0.2, epsilon_high=0.28,
-                        importance_sampling_level="sequence" if policy == "gspo" else "token",
-                        num_items_in_batch=1.0, importance_sampling_ratio=s.loss_weights[None])  # fmt: skip
+    ref = F.policy_loss(
+        s.trainer_logprobs[None],
+        s.inference_logprobs[None],
+        s.advantages[None],
+        s.loss_mask[None],
+        loss_type="cispo" if policy == "cispo" else "dapo",
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        importance_sampling_level="sequence" if policy == "gspo" else "token",
+        num_items_in_batch=1.0,
+        importance_sampling_ratio=s.loss_weights[None],
+    )
     torch.testing.assert_close(out.loss, ref.loss)
     with pytest.raises(Exception, match="unknown policy"):
         P.loss_fn(s, policy="ppo")
@@ -148,8 +174,14 @@ def test_hint_channel_uses_ref_logprobs_and_the_older_teacher_field():
     old = OldLossInputs(s.trainer_logprobs, s.inference_logprobs, s.ref_logprobs, s.advantages, s.loss_mask)
     torch.testing.assert_close(P.loss_fn(old).loss, base)
     torch.testing.assert_close(P.loss_fn(old, hint_weight=0.5).loss, out.loss)
-    olds = P.samples_from_batch(s.trainer_logprobs[None], s.inference_logprobs[None], s.advantages[None],
-                                s.loss_mask[None], s.ref_logprobs[None], cls=OldLossInputs)  # fmt: skip
+    olds = P.samples_from_batch(
+        s.trainer_logprobs[None],
+        s.inference_logprobs[None],
+        s.advantages[None],
+        s.loss_mask[None],
+        s.ref_logprobs[None],
+        cls=OldLossInputs,
+    )
     assert isinstance(olds[0], OldLossInputs) and olds[0].teacher_logprobs is not None
 
 
@@ -164,19 +196,28 @@ def test_example_toml_wires_our_loss_the_way_prime_rl_does():
     assert set(loss_cfg["kwargs"]) <= set(params)
     s = _sample(5)
     out = custom_fn(s, **loss_cfg["kwargs"])
-    torch.testing.assert_close(out.loss, F.dppo_kl_loss(s.trainer_logprobs, s.inference_logprobs, s.advantages,
-                                                         s.loss_mask).loss)  # fmt: skip
+    torch.testing.assert_close(
+        out.loss, F.dppo_kl_loss(s.trainer_logprobs, s.inference_logprobs, s.advantages, s.loss_mask).loss
+    )
     # the import path is the distribution's package (lazy: it loads the backend module on first use)
     assert loss_cfg["import_path"] == P.IMPORT_PATH == "composer_plugins_prime_rl.loss_fn"
     assert import_object("composer_plugins_prime_rl.backend.loss_fn") is P.loss_fn
 
 
 def test_backend_toml_and_refusals(tmp_path):
-    b = P.PrimeRLBackend({"losses": {"dppo": {"weight": 1.0, "kl_tau": 0.01}, "hint_distill": {"weight": 0.25}},
-                          "output_dir": str(tmp_path)}, mode="prime-rl")  # fmt: skip
+    b = P.PrimeRLBackend(
+        {
+            "losses": {"dppo": {"weight": 1.0, "kl_tau": 0.01}, "hint_distill": {"weight": 0.25}},
+            "output_dir": str(tmp_path),
+        },
+        mode="prime-rl",
+    )
     cfg = tomllib.loads(b.toml())
-    assert cfg["trainer"]["loss"] == {"type": "custom", "import_path": P.IMPORT_PATH,
-                                      "kwargs": {"policy": "dppo", "kl_tau": 0.01, "hint_weight": 0.25}}  # fmt: skip
+    assert cfg["trainer"]["loss"] == {
+        "type": "custom",
+        "import_path": P.IMPORT_PATH,
+        "kwargs": {"policy": "dppo", "kl_tau": 0.01, "hint_weight": 0.25},
+    }
     if not P.USING_PRIME_RL:
         with pytest.raises(Exception, match="needs prime-rl installed"):
             b.train()

@@ -30,8 +30,7 @@ def test_teacher_term_is_the_channels_k1_case(divergence, beta):
     term = (out.loss - base) / 0.5
     (g_term,) = torch.autograd.grad(term, h, retain_graph=True)
     kernel = TeacherTopKKernel(divergence, beta)
-    ref = chunked_teacher_distill(h, w, TeacherTopK.from_sampled(ids, teacher, mask), mask, kernel,
-                                  denominator=1.0)  # fmt: skip
+    ref = chunked_teacher_distill(h, w, TeacherTopK.from_sampled(ids, teacher, mask), mask, kernel, denominator=1.0)
     (g_ref,) = torch.autograd.grad(ref.loss, h)
     torch.testing.assert_close(term, ref.loss)
     torch.testing.assert_close(g_term, g_ref)
@@ -51,8 +50,9 @@ def test_reverse_kl_by_hand():
 
 
 def test_config_maps_the_channel_and_refuses_what_one_stream_cannot_do():
-    b = P.PrimeRLBackend({"losses": {"dppo": 1.0, "teacher_distill": {"weight": 0.3, "divergence": "jsd",
-                                                                     "beta": 0.2}}})  # fmt: skip
+    b = P.PrimeRLBackend(
+        {"losses": {"dppo": 1.0, "teacher_distill": {"weight": 0.3, "divergence": "jsd", "beta": 0.2}}}
+    )
     assert b.loss_kwargs["teacher_weight"] == 0.3 and b.loss_kwargs["teacher_divergence"] == "jsd"
     assert b.loss_kwargs["teacher_beta"] == 0.2
     with pytest.raises(Exception, match="one reference/teacher stream"):
@@ -67,14 +67,25 @@ def test_local_mode_scores_the_teacher_stream_with_the_configs_teacher(tiny_mode
 
     teacher = build_tiny_chat_model(tmp_path / "teacher", vocab_size=260, seed=7)  # another tokenizer
     cfg = {
-        "seed": 0, "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
-        "model": {"name_or_path": tiny_model_dir}, "env": {"class_path": "backend_envs.ToyAddEnv"},
-        "sft": {"enabled": False}, "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6},
-        "losses": {"dppo": 1.0, "grpo": False, "teacher_distill": {
-            "weight": 0.5, "teachers": [{"kind": "causal_lm", "id": "t", "model_path": str(teacher), "topk": 4}]}},
-        "optim": {"lr": 3e-3}, "trainer": {"max_steps": 2, "num_threads": 1, "enable_progress_bar": False},
+        "seed": 0,
+        "output_dir": str(tmp_path / "out"),
+        "cache_dir": str(tmp_path / "cache"),
+        "model": {"name_or_path": tiny_model_dir},
+        "env": {"class_path": "backend_envs.ToyAddEnv"},
+        "sft": {"enabled": False},
+        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6},
+        "losses": {
+            "dppo": 1.0,
+            "grpo": False,
+            "teacher_distill": {
+                "weight": 0.5,
+                "teachers": [{"kind": "causal_lm", "id": "t", "model_path": str(teacher), "topk": 4}],
+            },
+        },
+        "optim": {"lr": 3e-3},
+        "trainer": {"max_steps": 2, "num_threads": 1, "enable_progress_bar": False},
         "eval": {"num_problems": 2, "batch_size": 2, "k": 1, "num_samples": 1, "at_start": False, "at_end": False},
-    }  # fmt: skip
+    }
     res = P.PrimeRLBackend(cfg).train()
     assert len(res.history) == 2
     for row in res.history:

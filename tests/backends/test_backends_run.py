@@ -21,21 +21,29 @@ def make_config(tiny_model_dir, tmp_path, monkeypatch):
     # actor processes (Monarch) import the toy env by class_path too
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"Q: {a}+{a}=? A:", "chosen": f" {2 * a}",
-                                         "rejected": f" {2 * a + 1}"}) + "\n" for a in range(6)))  # fmt: skip
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": f"Q: {a}+{a}=? A:", "chosen": f" {2 * a}", "rejected": f" {2 * a + 1}"}) + "\n"
+            for a in range(6)
+        )
+    )
 
     def make(losses, **sections):
         cfg = {
-            "seed": 0, "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
-            "model": {"name_or_path": tiny_model_dir}, "env": {"class_path": "backend_envs.ToyAddEnv"},
+            "seed": 0,
+            "output_dir": str(tmp_path / "out"),
+            "cache_dir": str(tmp_path / "cache"),
+            "model": {"name_or_path": tiny_model_dir},
+            "env": {"class_path": "backend_envs.ToyAddEnv"},
             "sft": {"enabled": False},
             "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6},
-            "losses": losses, "hints": {"provider": {"class_path": "backend_envs.AnswerHints"}},
+            "losses": losses,
+            "hints": {"provider": {"class_path": "backend_envs.AnswerHints"}},
             "replay": {"pairs_path": str(pairs), "pairs_per_step": 2},
             "optim": {"lr": 3e-3},
             "trainer": {"max_steps": 2, "num_threads": 1, "enable_progress_bar": False},
             "eval": {"num_problems": 2, "batch_size": 2, "k": 1, "num_samples": 1, "at_start": False, "at_end": False},
-        }  # fmt: skip
+        }
         cfg.update(sections)
         return cfg
 

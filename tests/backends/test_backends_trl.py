@@ -31,9 +31,20 @@ def answer_hint(feedback, prompt="", completion="", task=None):
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                max_steps=1, use_cpu=True, report_to="none", logging_steps=1, bf16=False, save_strategy="no",
-                disable_tqdm=True, seed=0)  # fmt: skip
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     base.update(kw)
     return GRPOConfig(**base)
 
@@ -41,8 +52,14 @@ def _args(tmp_path, **kw):
 def _trainer(tiny_model_dir, tmp_path, **kw):
     model, tok = load_policy(tiny_model_dir)
     extra = {k: kw.pop(k) for k in list(kw) if k in ("channels", "hint_provider", "pairs", "pairs_per_step")}
-    return ComposerGRPOTrainer(model=model, reward_funcs=length_reward, args=_args(tmp_path, **kw),
-                               train_dataset=Dataset.from_list(PROMPTS), processing_class=tok, **extra)  # fmt: skip
+    return ComposerGRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=_args(tmp_path, **kw),
+        train_dataset=Dataset.from_list(PROMPTS),
+        processing_class=tok,
+        **extra,
+    )
 
 
 LOSS_CASES = [
@@ -107,8 +124,17 @@ def test_policy_channel_loss_and_gradient_equal_trl(tiny_model_dir, tmp_path, na
 
 def test_training_steps_with_every_channel_live(tiny_model_dir, tmp_path):
     channels = ["policy", {"name": "hint_distill", "weight": 0.5}, {"name": "replay_dpo", "weight": 0.2}]
-    tr = _trainer(tiny_model_dir, tmp_path, max_steps=2, learning_rate=1e-3, loss_type="dapo", channels=channels,
-                  hint_provider=answer_hint, pairs=PAIRS, pairs_per_step=2)  # fmt: skip
+    tr = _trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=2,
+        learning_rate=1e-3,
+        loss_type="dapo",
+        channels=channels,
+        hint_provider=answer_hint,
+        pairs=PAIRS,
+        pairs_per_step=2,
+    )
     before = {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
     tr.train()
     logs = [r for r in tr.state.log_history if "loss" in r]
@@ -137,8 +163,13 @@ class GroupRecorder:
 
 def test_hint_providers_that_read_groups_get_the_generation_batchs_groups(tiny_model_dir, tmp_path):
     rec = GroupRecorder()
-    tr = _trainer(tiny_model_dir, tmp_path, max_steps=1, channels=["policy", {"name": "hint_distill", "weight": 0.5}],
-                  hint_provider=rec)  # fmt: skip
+    tr = _trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=1,
+        channels=["policy", {"name": "hint_distill", "weight": 0.5}],
+        hint_provider=rec,
+    )
     tr.train()
     assert rec.seen, "no failed row reached the provider"
     for completion, group in rec.seen:
@@ -151,8 +182,16 @@ def test_hint_providers_that_read_groups_get_the_generation_batchs_groups(tiny_m
 @pytest.mark.parametrize("rate", [0.25, 1.0])
 def test_ema_teacher_follows_the_policy_after_each_optimizer_step(tiny_model_dir, tmp_path, rate):
     channels = ["policy", {"name": "hint_distill", "weight": 0.5, "teacher": "ema", "ema_rate": rate}]
-    tr = _trainer(tiny_model_dir, tmp_path, max_steps=2, learning_rate=1e-2, loss_type="dapo", channels=channels,
-                  hint_provider=answer_hint, gradient_accumulation_steps=2)  # fmt: skip
+    tr = _trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=2,
+        learning_rate=1e-2,
+        loss_type="dapo",
+        channels=channels,
+        hint_provider=answer_hint,
+        gradient_accumulation_steps=2,
+    )
     ema = tr.ema_teacher.policy
     assert ema is not tr.model and all(not p.requires_grad for p in ema.parameters())
     seen = []
@@ -255,8 +294,13 @@ def test_unscorable_rows_are_left_out_the_same_way_natively_and_in_trl(tiny_mode
     env = SometimesUnscorable()
     model, tok = load_policy(tiny_model_dir)
     args = _args(tmp_path, per_device_train_batch_size=8, scale_rewards=scale)
-    tr = ComposerGRPOTrainer(model=model, reward_funcs=[env_reward_func(env, ["answer"])], args=args,
-                             train_dataset=Dataset.from_list(PROMPTS), processing_class=tok)  # fmt: skip
+    tr = ComposerGRPOTrainer(
+        model=model,
+        reward_funcs=[env_reward_func(env, ["answer"])],
+        args=args,
+        train_dataset=Dataset.from_list(PROMPTS),
+        processing_class=tok,
+    )
     G = tr.num_generations
     batch = next(iter(tr.get_train_dataloader()))
     out = tr._generate_and_score_completions(batch)

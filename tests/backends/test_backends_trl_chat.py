@@ -38,18 +38,39 @@ def test_trl_feeds_the_student_hinted_teacher_and_external_teacher_the_same_ids(
     rows = trl_prompts(tasks, tok, cfg)
     assert rows[0]["prompt"] == tasks[0]["prompt"]  # a conversation: TRL applies the tokenizer's template
     keys = [k for k in rows[0] if k != "prompt"]
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
-                      max_completion_length=6, max_steps=1, use_cpu=True, report_to="none", logging_steps=1,
-                      bf16=False, save_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3,
-                      loss_type="dapo")  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        loss_type="dapo",
+    )
     ext = {"kind": "causal_lm", "id": "ext", "model_path": str(case["teacher"]), "topk": 4}
-    channels = ["policy", {"name": "hint_distill", "weight": 0.5},
-                {"name": "teacher_distill", "weight": 0.5, "teachers": [ext]}]  # fmt: skip
+    channels = [
+        "policy",
+        {"name": "hint_distill", "weight": 0.5},
+        {"name": "teacher_distill", "weight": 0.5, "teachers": [ext]},
+    ]
     tr = ComposerGRPOTrainer(
-        model=model, reward_funcs=[env_reward_func(env, keys)], args=args, train_dataset=Dataset.from_list(rows),
-        processing_class=tok, channels=channels, hint_env=env, hint_threshold=1.0,
+        model=model,
+        reward_funcs=[env_reward_func(env, keys)],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        channels=channels,
+        hint_env=env,
+        hint_threshold=1.0,
         hint_provider={"name": "template", "reveal_answer": True, "templates": HINT_TEMPLATES},
-    )  # fmt: skip
+    )
     t_model, t_tok = tr.teacher_scoring.scorers[0].load()
     student_ids = tok(STUDENT_TEXT, add_special_tokens=False)["input_ids"]
     hinted_ids = tok(HINTED_TEXT, add_special_tokens=False)["input_ids"]

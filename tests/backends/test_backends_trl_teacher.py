@@ -26,10 +26,22 @@ def test_teacher_distill_trains_inside_trl(tiny_model_dir, tmp_path):
 
     teacher = build_tiny_chat_model(tmp_path / "teacher", vocab_size=260, seed=5)  # its own tokenizer
     model, tok = load_policy(tiny_model_dir)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=8, max_steps=2, use_cpu=True, report_to="none", logging_steps=1,
-                      bf16=False, save_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3,
-                      loss_type="dapo")  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        loss_type="dapo",
+    )
     channels = [
         "policy",
         {

@@ -39,8 +39,15 @@ def _reference_per_token(loss_type: str, old, lp, adv, mask, eps_low=0.2, eps_hi
     L = torch.zeros(B, T)
     for b in range(B):
         if loss_type == "gspo":
-            row = F.policy_loss(lp[b : b + 1].detach(), old[b : b + 1], adv[b : b + 1, 0], mask[b : b + 1],
-                                loss_type="gspo", epsilon_low=eps_low, epsilon_high=eps_high).loss  # fmt: skip
+            row = F.policy_loss(
+                lp[b : b + 1].detach(),
+                old[b : b + 1],
+                adv[b : b + 1, 0],
+                mask[b : b + 1],
+                loss_type="gspo",
+                epsilon_low=eps_low,
+                epsilon_high=eps_high,
+            ).loss
             L[b] = row
             continue
         for t in range(T):
@@ -58,8 +65,9 @@ def _reference_per_token(loss_type: str, old, lp, adv, mask, eps_low=0.2, eps_hi
 
 
 def _actor_config(mode: str = "token-mean", loss_scale_factor=None):
-    return CV.make_actor_config("composer_grpo", mode, {"epsilon_low": 0.2, "epsilon_high": 0.28},
-                                loss_scale_factor=loss_scale_factor)  # fmt: skip
+    return CV.make_actor_config(
+        "composer_grpo", mode, {"epsilon_low": 0.2, "epsilon_high": 0.28}, loss_scale_factor=loss_scale_factor
+    )
 
 
 def test_every_composer_loss_is_in_verls_registry():
@@ -77,8 +85,15 @@ def test_policy_losses_match_functional_under_every_agg_mode(loss_type):
     for mode in AGG_MODES:
         cfg = _actor_config(mode)
         # VeRL's ppo_loss calls the loss with exactly these keyword arguments.
-        loss, metrics = fn(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask.bool(),
-                           loss_agg_mode=mode, config=cfg, rollout_is_weights=None)  # fmt: skip
+        loss, metrics = fn(
+            old_log_prob=old,
+            log_prob=lp,
+            advantages=adv,
+            response_mask=mask.bool(),
+            loss_agg_mode=mode,
+            config=cfg,
+            rollout_is_weights=None,
+        )
         expected = agg_loss(loss_mat=L, loss_mask=mask.bool(), loss_agg_mode=mode)
         torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6, msg=f"{loss_type}/{mode}")
         assert {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"} <= set(metrics)
@@ -91,16 +106,21 @@ def test_matching_agg_mode_equals_our_aggregate_loss_and_gradient(loss_type):
     mode = CV.MATCHING_AGG_MODE[loss_type]
     T = lp.shape[1]
     cfg = _actor_config(mode, loss_scale_factor=T if loss_type == "dr_grpo" else None)
-    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=lp.shape[0],
-                                 loss_scale_factor=cfg.loss_scale_factor)  # fmt: skip
+    cfg.global_batch_info.update(
+        dp_size=1,
+        batch_num_tokens=int(mask.sum()),
+        global_batch_size=lp.shape[0],
+        loss_scale_factor=cfg.loss_scale_factor,
+    )
     ours, _ = get_policy_loss_fn(f"composer_{loss_type}")(old, lp, adv, mask.bool(), mode, cfg, None)
     (g_ours,) = torch.autograd.grad(ours, lp)
     if loss_type == "dppo":
         ref = F.dppo_kl_loss(lp, old, adv, mask, dppo_mask_high=0.28).loss / mask.sum()
     else:
         hi = 1.28 if loss_type == "cispo" else 0.28
-        ref = F.policy_loss(lp, old, adv[:, 0], mask, loss_type=loss_type, epsilon_low=0.2, epsilon_high=hi,
-                            max_completion_length=T).loss  # fmt: skip
+        ref = F.policy_loss(
+            lp, old, adv[:, 0], mask, loss_type=loss_type, epsilon_low=0.2, epsilon_high=hi, max_completion_length=T
+        ).loss
     (g_ref,) = torch.autograd.grad(ref, lp)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-7)
@@ -158,10 +178,14 @@ def test_advantage_estimator_matches_group_advantages_through_compute_advantage(
     scores = torch.zeros(B, T)
     scores[torch.arange(B), (mask.sum(-1) - 1).long()] = rewards
     uids = np.array(["a", "b", "a", "b", "a", "b", "a", "b"], dtype=object)  # interleaved groups
-    for name, est, norm in (("composer_grpo", "grpo", True), ("composer_grpo", "grpo", False),
-                            ("composer_rloo", "rloo", True)):  # fmt: skip
-        data = DataProto.from_dict(tensors={"token_level_rewards": scores.clone(), "response_mask": mask},
-                                   non_tensors={"uid": uids})  # fmt: skip
+    for name, est, norm in (
+        ("composer_grpo", "grpo", True),
+        ("composer_grpo", "grpo", False),
+        ("composer_rloo", "rloo", True),
+    ):
+        data = DataProto.from_dict(
+            tensors={"token_level_rewards": scores.clone(), "response_mask": mask}, non_tensors={"uid": uids}
+        )
         cfg = CV.make_algo_config(name, {"scale": "group" if norm else "none"})
         out = compute_advantage(data, adv_estimator=name, config=cfg).batch["advantages"]
         for g in ("a", "b"):
@@ -172,8 +196,9 @@ def test_advantage_estimator_matches_group_advantages_through_compute_advantage(
         # and VeRL's own estimator on the same data (the composer one wraps group_advantages, so the check above
         # alone would compare the project with itself); TRL's 1e-4 in the std denominator, as ours
         if est == "grpo":
-            upstream, _ = core_algos.compute_grpo_outcome_advantage(scores, mask, uids, epsilon=1e-4,
-                                                                    norm_adv_by_std_in_grpo=norm)  # fmt: skip
+            upstream, _ = core_algos.compute_grpo_outcome_advantage(
+                scores, mask, uids, epsilon=1e-4, norm_adv_by_std_in_grpo=norm
+            )
         else:
             upstream, _ = core_algos.compute_rloo_outcome_advantage(scores, mask, uids)
         torch.testing.assert_close(out, upstream, rtol=1e-5, atol=1e-6)

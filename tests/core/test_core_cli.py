@@ -65,8 +65,9 @@ def test_console_script_lists_the_third_party_channel(discovery):
     beside = Path(sys.executable).with_name("composer-plugins")
     exe = str(beside) if beside.exists() else shutil.which("composer-plugins")
     assert exe, "composer-plugins console script is not installed"
-    out = subprocess.run([exe, "list", "losses", "focal"], capture_output=True, text=True, check=True,
-                         timeout=120).stdout  # fmt: skip
+    out = subprocess.run(
+        [exe, "list", "losses", "focal"], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     assert "focal_pg" in out and "composer-plugins-focal" in out
 
 

@@ -36,8 +36,9 @@ def test_python_dash_m_is_the_console_script():
     a = procs.run([sys.executable, "-m", "composer_plugins", "--version"], capture_output=True, text=True, timeout=60)
     b = procs.run([str(bin_dir / "composer-plugins"), "--version"], capture_output=True, text=True, timeout=60)
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "composer-plugins" in a.stdout
-    c = procs.run([sys.executable, "-m", "composer_plugins", "list", "envs", "gsm8k"], capture_output=True, text=True,
-                  timeout=60)  # fmt: skip
+    c = procs.run(
+        [sys.executable, "-m", "composer_plugins", "list", "envs", "gsm8k"], capture_output=True, text=True, timeout=60
+    )
     assert c.returncode == 0 and "gsm8k" in c.stdout
 
 
@@ -54,8 +55,21 @@ def test_every_command_that_takes_overrides_takes_dash_S():
         dash_s = [p for p in cmd.params if isinstance(p, click.Option) and "-S" in p.opts and "--set" in p.opts]
         assert dash_s and dash_s[0].multiple, f"composer-plugins {' '.join(path)} has no repeatable -S/--set"
         checked.append(" ".join(path))
-    for must in ("train", "sft", "eval", "rollout", "prepare", "study train", "study eval", "report",
-                 "replay run", "backend run", "diloco", "env sample", "env score"):  # fmt: skip
+    for must in (
+        "train",
+        "sft",
+        "eval",
+        "rollout",
+        "prepare",
+        "study train",
+        "study eval",
+        "report",
+        "replay run",
+        "backend run",
+        "diloco",
+        "env sample",
+        "env score",
+    ):
         assert must in checked, (must, checked)
 
 

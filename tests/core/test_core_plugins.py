@@ -149,10 +149,13 @@ def test_plugins_load_lazily_once(isolated_plugins, monkeypatch):
 
 
 def test_importing_the_package_loads_no_plugins_and_no_torch():
-    code = "import sys, composer_plugins; from composer_plugins.core import plugins; " \
-           "print(json.dumps(['torch' in sys.modules, plugins._pm is None]))"  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True,
-                         timeout=120)  # fmt: skip
+    code = (
+        "import sys, composer_plugins; from composer_plugins.core import plugins; "
+        "print(json.dumps(['torch' in sys.modules, plugins._pm is None]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert json.loads(out.stdout) == [False, True]
 
 
@@ -191,8 +194,9 @@ def echo_teacher(**kw):
                 raise TeacherCallError("echo: nothing to echo", retryable=False)
             text = str(messages[-1].get("content", ""))[: self.max_tokens]
             p, c = estimate_prompt_tokens(messages), min(len(text.split()), self.max_tokens)
-            return TeacherResponse(text, assistant_message(text), p, c, self.cost(p, c), model=self.model,
-                                   teacher=self.id)  # fmt: skip
+            return TeacherResponse(
+                text, assistant_message(text), p, c, self.cost(p, c), model=self.model, teacher=self.id
+            )
 
     return Echo(model="echo", max_tokens=16, prompt_usd_per_token=1e-6, completion_usd_per_token=2e-6, **kw)
 

@@ -26,8 +26,11 @@ def test_gymnasium_truncation_ends_the_episode_and_keeps_info():
 def test_mappings_and_objects_keep_info_and_an_unscorable_reward():
     # the recorder's copy dropped info (where the env's feedback lives) and turned None into 0.0
     assert step_result({"observation": "o", "reward": None, "done": False, "info": {"feedback": "x"}}) == (
-        "o", None, False, {"feedback": "x"},
-    )  # fmt: skip
+        "o",
+        None,
+        False,
+        {"feedback": "x"},
+    )
     obj = SimpleNamespace(observation="o", reward=2.0, done=False, info={"a": 1})
     assert step_result(obj) == ("o", 2.0, False, {"a": 1})
 

@@ -32,8 +32,13 @@ def test_readme_has_the_main_and_test_commands():
 
 def test_ci_runs_exactly_the_readme_commands():
     for which in ("main", "test"):
-        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_commands.py"), which],
-                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "readme_commands.py"), which],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
         assert out == _script().commands((ROOT / "README.md").read_text())[which]
         assert f'{which}_cmd=$("$PY" scripts/readme_commands.py {which})' in CI
         assert f'bash -c "${which}_cmd"' in CI

@@ -18,8 +18,12 @@ from typing import Any
 
 HERE = Path(__file__).parent
 WAIT_S = 240.0
-AWS_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-            "AWS_ALLOW_HTTP": "true"}  # fmt: skip
+AWS_KEYS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+    "AWS_ALLOW_HTTP": "true",
+}
 
 
 @contextlib.contextmanager
@@ -34,8 +38,13 @@ def moto_s3(bucket: str = "runs") -> Iterator[dict[str, str]]:
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", **AWS_KEYS}
     import boto3
 
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=bucket)  # fmt: skip
+    boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket=bucket)
     try:
         yield env
     finally:
@@ -173,19 +182,42 @@ def records(log_dir: Path, index: int) -> list[dict[str, Any]]:
     return out
 
 
-def cli(tmp_path: Path, log: str, *args: str, env: dict[str, str] | None = None, replicas: int = 2,
-        target: str = "toy") -> subprocess.Popen[str]:  # fmt: skip
+def cli(
+    tmp_path: Path, log: str, *args: str, env: dict[str, str] | None = None, replicas: int = 2, target: str = "toy"
+) -> subprocess.Popen[str]:
     """``composer-plugins diloco --replicas 2 --target toy ...`` (H = 8) as a subprocess, output piped."""
-    cmd = [sys.executable, "-m", "composer_plugins", "diloco", "--replicas", str(replicas), "--target", target,
-           "--log-dir", str(tmp_path / log), "--timeout", str(WAIT_S), "diloco.sync_every=8",
-           f"toy.output={tmp_path / log}/result{{replica}}.json", *args]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer_plugins",
+        "diloco",
+        "--replicas",
+        str(replicas),
+        "--target",
+        target,
+        "--log-dir",
+        str(tmp_path / log),
+        "--timeout",
+        str(WAIT_S),
+        "diloco.sync_every=8",
+        f"toy.output={tmp_path / log}/result{{replica}}.json",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
-                     for p in sorted(log_dir.glob("replica*.log")))  # fmt: skip
+    return "\n".join(
+        f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
+        for p in sorted(log_dir.glob("replica*.log"))
+    )
 
 
 def finish(proc: subprocess.Popen[str], log_dir: Path, rc: int = 0) -> str:

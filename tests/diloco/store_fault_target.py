@@ -50,8 +50,9 @@ def _die_after_manifest(r_kill: int) -> None:
 
     close = RoundStore.close_round
 
-    def close_round(self: RoundStore, r: int, grads: dict[int, str], closer: int,
-                    **kw: Any) -> tuple[dict[str, Any], bool]:  # fmt: skip
+    def close_round(
+        self: RoundStore, r: int, grads: dict[int, str], closer: int, **kw: Any
+    ) -> tuple[dict[str, Any], bool]:
         m, created = close(self, r, grads, closer, **kw)
         if created and r == r_kill and _first_life():
             os.kill(os.getpid(), signal.SIGKILL)

@@ -28,8 +28,9 @@ def _replicas(url: str, n: int, rounds: int, **cfg: Any) -> list[tuple[ObjectSto
             model = torch.nn.Linear(200, 100)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             settings = {"round_timeout_s": 60.0, "poll_s": 0.01, **cfg}
-            config = DiLoCoConfig(transport="object_store", store=url, run_id="agg", sync_every=2,
-                                  outer_steps=rounds, **settings)  # fmt: skip
+            config = DiLoCoConfig(
+                transport="object_store", store=url, run_id="agg", sync_every=2, outer_steps=rounds, **settings
+            )
             cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=i, num_replicas=n, run_id="agg"))
             cb.attach(model, opt)
             assert cb.store is not None
@@ -165,8 +166,9 @@ def test_sparseloco_mean_carries_its_rounding_to_the_next_mean_and_replicas_end_
     slice carries what the stored mean left out to the next mean of it (error feedback on the second
     rounding): summed over the rounds, stored minus exact means is minus the residual the writer holds."""
     n, rounds = 2, 5
-    reps = _replicas(f"file://{tmp_path}/sparse{overlap}", n, rounds, keep_rounds=0, compress="sparseloco",
-                     overlap=overlap)  # fmt: skip
+    reps = _replicas(
+        f"file://{tmp_path}/sparse{overlap}", n, rounds, keep_rounds=0, compress="sparseloco", overlap=overlap
+    )
     assert len({param_digest(cb.params)[0] for cb, _ in reps}) == 1
     assert all(r["committed"] and r["participants"] == n for cb, _ in reps for r in cb.history)
     from composer_plugins.diloco.store import unpack

@@ -37,10 +37,22 @@ def test_paused_replica_never_writes_a_partial_mean_of_a_collected_round(tmp_pat
     url = store_url("file", tmp_path, "pause")
     log_dir, fault = tmp_path / "logs", tmp_path / "fault"
     fault.mkdir()
-    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "PAUSE_REPLICA": "1",
-           "PAUSE_ROUND": "2", "FAULT_DIR": str(fault)}  # fmt: skip
-    proc = cli(tmp_path, "logs", "toy.max_steps=32", *_objstore(url), "-S", "diloco.round_timeout_s=2",
-               env=env, target="store_fault_target:run")  # fmt: skip
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "PAUSE_REPLICA": "1",
+        "PAUSE_ROUND": "2",
+        "FAULT_DIR": str(fault),
+    }
+    proc = cli(
+        tmp_path,
+        "logs",
+        "toy.max_steps=32",
+        *_objstore(url),
+        "-S",
+        "diloco.round_timeout_s=2",
+        env=env,
+        target="store_fault_target:run",
+    )
     paused = fault / "paused-1"
     try:
         deadline = time.monotonic() + WAIT_S
@@ -79,15 +91,25 @@ def test_paused_replica_never_writes_a_partial_mean_of_a_collected_round(tmp_pat
         ("diloco.outer_lr=0.3", "outer_optimizer.lr is 0.7 in the run, 0.3 here"),
         ("diloco.outer_momentum=0.5", "outer_optimizer.momentum is 0.9 in the run, 0.5 here"),
         ("diloco.outer_nesterov=false", "outer_optimizer.nesterov is True in the run, False here"),
-        ("diloco.outer_optimizer={class_path: torch.optim.Adam, init_args: {lr: 0.7}}",
-         "outer_optimizer.class is 'torch.optim.sgd.SGD' in the run, 'torch.optim.adam.Adam' here"),
+        (
+            "diloco.outer_optimizer={class_path: torch.optim.Adam, init_args: {lr: 0.7}}",
+            "outer_optimizer.class is 'torch.optim.sgd.SGD' in the run, 'torch.optim.adam.Adam' here",
+        ),
         ("toy.lr=0.001", "inner_optimizer.lr is 0.003 in the run, 0.001 here"),
     ],
-)  # fmt: skip
+)
 def test_replica_with_another_optimizer_setting_is_refused_naming_it(tmp_path, override, named):
     url = store_url("file", tmp_path, "pin")
-    common = ("--total-replicas", "2", "--run-id", "pin", "toy.max_steps=16", *_objstore(url), "-S",
-              "diloco.round_timeout_s=1")  # fmt: skip
+    common = (
+        "--total-replicas",
+        "2",
+        "--run-id",
+        "pin",
+        "toy.max_steps=16",
+        *_objstore(url),
+        "-S",
+        "diloco.round_timeout_s=1",
+    )
     first = cli(tmp_path, "a", "--first-index", "0", *common, replicas=1)
     finish(first, tmp_path / "a")
     second = cli(tmp_path, "b", "--first-index", "1", *common, "-S", override, replicas=1)
@@ -131,8 +153,10 @@ def test_a_run_whose_run_json_was_lost_with_only_pseudo_gradients_left_continues
     def attach(run_id: str) -> ObjectStoreDiLoCoCallback:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 4)
-        cb = ObjectStoreDiLoCoCallback(DiLoCoConfig(transport="object_store", store=url, sync_every=2),
-                                       ReplicaInfo(index=0, num_replicas=2, run_id=run_id))  # fmt: skip
+        cb = ObjectStoreDiLoCoCallback(
+            DiLoCoConfig(transport="object_store", store=url, sync_every=2),
+            ReplicaInfo(index=0, num_replicas=2, run_id=run_id),
+        )
         return cb.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
     cb = attach("mine")

@@ -87,17 +87,35 @@ def test_builtin_codecs_keep_the_codec_contract(name):
 
 def test_third_party_codec_is_listed_with_its_provider_and_carries_an_s3_run(moto, tmp_path):
     # this suite turns third-party autoload off (COMPOSER_PLUGINS_LOAD=''); the user's switch loads the one plugin
-    env = {**moto, "PYTHONPATH": os.pathsep.join([str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]),
-           "COMPOSER_PLUGINS_LOAD": "fp16codec"}  # fmt: skip
-    listed = subprocess.run([sys.executable, "-m", "composer_plugins", "list", "codecs"], env={**os.environ, **env},
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    env = {
+        **moto,
+        "PYTHONPATH": os.pathsep.join([str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]),
+        "COMPOSER_PLUGINS_LOAD": "fp16codec",
+    }
+    listed = subprocess.run(
+        [sys.executable, "-m", "composer_plugins", "list", "codecs"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stderr
     row = next(ln for ln in listed.stdout.splitlines() if ln.startswith("fp16 "))
     assert "codecs" in row and "composer-plugins-fp16codec 0.1.0" in row, listed.stdout
     url = store_url("s3", tmp_path, "fp16")
     log_dir = tmp_path / "logs"
-    proc = cli(tmp_path, "logs", "toy.max_steps=16", "-S", "diloco.transport=object_store", "-S",
-               f"diloco.store={url}", "-S", "diloco.compress=fp16", env=env)  # fmt: skip
+    proc = cli(
+        tmp_path,
+        "logs",
+        "toy.max_steps=16",
+        "-S",
+        "diloco.transport=object_store",
+        "-S",
+        f"diloco.store={url}",
+        "-S",
+        "diloco.compress=fp16",
+        env=env,
+    )
     finish(proc, log_dir)
     a, b = result(log_dir, 0), result(log_dir, 1)
     assert a["param_hash"] == b["param_hash"] and a["outer_step"] == 2
@@ -108,8 +126,13 @@ def test_third_party_codec_is_listed_with_its_provider_and_carries_an_s3_run(mot
 
     from composer_plugins.diloco.store import unpack
 
-    s3 = boto3.client("s3", endpoint_url=moto["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=moto["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     prefix = url.removeprefix("s3://runs/")
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="runs", Prefix=f"{prefix}/rounds/").get("Contents", [])]
     slices = [k for k in keys if ".s0" in k.rsplit("/", 1)[1]]
@@ -117,7 +140,17 @@ def test_third_party_codec_is_listed_with_its_provider_and_carries_an_s3_run(mot
     header, body = unpack(s3.get_object(Bucket="runs", Key=slices[0])["Body"].read())
     assert header["codec"] == "fp16" and header["scale"] == 1.0 and len(body) == 2 * header["numel"]
     # without the plugin, a replica cannot even start on that codec: refused before anything runs
-    bare = cli(tmp_path, "bare", "toy.max_steps=16", "-S", "diloco.transport=object_store", "-S",
-               f"diloco.store={store_url('s3', tmp_path, 'bare')}", "-S", "diloco.compress=fp16", env=moto)  # fmt: skip
+    bare = cli(
+        tmp_path,
+        "bare",
+        "toy.max_steps=16",
+        "-S",
+        "diloco.transport=object_store",
+        "-S",
+        f"diloco.store={store_url('s3', tmp_path, 'bare')}",
+        "-S",
+        "diloco.compress=fp16",
+        env=moto,
+    )
     out = finish(bare, tmp_path / "bare", rc=2)
     assert "diloco.compress" in out and "Unknown codec 'fp16'" in out and "list codecs" in out, out

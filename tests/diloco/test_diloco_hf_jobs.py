@@ -48,8 +48,13 @@ def client(hub: FakeJobsHub, monkeypatch: pytest.MonkeyPatch) -> FakeJobsHub:
 
 def _spec(tmp_path: Path, index: int, code: str) -> ReplicaSpec:
     argv = [sys.executable, "-c", code]
-    return ReplicaSpec(index, argv, {}, log_path=tmp_path / f"replica{index}.log",
-                       job_env={ENV_INDEX: str(index), ENV_STORE: "file:///tmp/x"})  # fmt: skip
+    return ReplicaSpec(
+        index,
+        argv,
+        {},
+        log_path=tmp_path / f"replica{index}.log",
+        job_env={ENV_INDEX: str(index), ENV_STORE: "file:///tmp/x"},
+    )
 
 
 def _executor(tmp_path: Path, **jobs: object) -> HFJobsExecutor:
@@ -68,8 +73,10 @@ def test_submit_poll_and_logs_of_a_job_that_completes(client, tmp_path):
     hub = client
     whoami_before = sum(r["path"] == "/api/whoami-v2" for r in hub.requests)
     ex = _executor(tmp_path)
-    code = ("import os; print('replica', os.environ['COMPOSER_DILOCO_REPLICA_INDEX'], os.environ['MY_PLAIN'], "
-            "os.environ['MY_SECRET'] == 's3cr3t-value-never-logged', 'HF_TOKEN' in os.environ)")  # fmt: skip
+    code = (
+        "import os; print('replica', os.environ['COMPOSER_DILOCO_REPLICA_INDEX'], os.environ['MY_PLAIN'], "
+        "os.environ['MY_SECRET'] == 's3cr3t-value-never-logged', 'HF_TOKEN' in os.environ)"
+    )
     h = ex.start(_spec(tmp_path, 0, code))
     assert h.wait(60) == 0
     job = hub.jobs[h.job_id]
@@ -145,16 +152,36 @@ def test_cli_runs_two_replicas_as_hf_jobs_meeting_through_moto_s3(hub, moto, tmp
     the fake Hub, which runs them here with only what the jobs carry (the AWS keys as job secrets)."""
     hub.release()
     env = {**hub.client_env(), **moto}
-    proc = cli(tmp_path, "hf", "--executor", "hf_jobs", "toy.max_steps=32", "-S", "diloco.transport=object_store",
-               "-S", f"diloco.store={store_url('s3', tmp_path, 'hf')}", "-S", "diloco.jobs.image=python:3.12",
-               "-S", "diloco.jobs.poll_s=0.2", "-S", "diloco.jobs.env=[AWS_ENDPOINT_URL,AWS_REGION,AWS_ALLOW_HTTP]",
-               "-S", "diloco.jobs.secrets=[AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY]", env=env)  # fmt: skip
+    proc = cli(
+        tmp_path,
+        "hf",
+        "--executor",
+        "hf_jobs",
+        "toy.max_steps=32",
+        "-S",
+        "diloco.transport=object_store",
+        "-S",
+        f"diloco.store={store_url('s3', tmp_path, 'hf')}",
+        "-S",
+        "diloco.jobs.image=python:3.12",
+        "-S",
+        "diloco.jobs.poll_s=0.2",
+        "-S",
+        "diloco.jobs.env=[AWS_ENDPOINT_URL,AWS_REGION,AWS_ALLOW_HTTP]",
+        "-S",
+        "diloco.jobs.secrets=[AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY]",
+        env=env,
+    )
     out = finish(proc, tmp_path / "hf")
     assert "replica 0: exit codes [0]" in out and "replica 1: exit codes [0]" in out, out
     a, b = result(tmp_path / "hf", 0), result(tmp_path / "hf", 1)
     assert a["param_hash"] == b["param_hash"] and a["outer_step"] == b["outer_step"] == 32 // 8
-    jobs = [j for j in hub.jobs.values() if (j.spec.get("labels") or {}).get("composer-plugins") == "diloco"
-            and "diloco.jobs.image=python:3.12" in " ".join(j.spec["command"])]  # fmt: skip
+    jobs = [
+        j
+        for j in hub.jobs.values()
+        if (j.spec.get("labels") or {}).get("composer-plugins") == "diloco"
+        and "diloco.jobs.image=python:3.12" in " ".join(j.spec["command"])
+    ]
     assert len(jobs) == 2 and all(j.stage == "COMPLETED" for j in jobs)
     for j in jobs:
         assert set(j.spec["secrets"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
@@ -171,10 +198,24 @@ def test_cli_runs_two_replicas_as_hf_jobs_meeting_through_moto_s3(hub, moto, tmp
 def test_cli_job_that_never_starts_fails_the_run_naming_the_limit(hub, tmp_path):
     hub.hold()
     try:
-        proc = cli(tmp_path, "held", "--executor", "hf_jobs", "toy.max_steps=8", "-S", "diloco.transport=object_store",
-                   "-S", f"diloco.store={store_url('file', tmp_path, 'held')}", "-S", "diloco.jobs.image=python:3.12",
-                   "-S", "diloco.jobs.poll_s=0.1", "-S", "diloco.jobs.start_timeout_s=1",
-                   env=hub.client_env())  # fmt: skip
+        proc = cli(
+            tmp_path,
+            "held",
+            "--executor",
+            "hf_jobs",
+            "toy.max_steps=8",
+            "-S",
+            "diloco.transport=object_store",
+            "-S",
+            f"diloco.store={store_url('file', tmp_path, 'held')}",
+            "-S",
+            "diloco.jobs.image=python:3.12",
+            "-S",
+            "diloco.jobs.poll_s=0.1",
+            "-S",
+            "diloco.jobs.start_timeout_s=1",
+            env=hub.client_env(),
+        )
         out = finish(proc, tmp_path / "held", rc=1)
     finally:
         hub.release()

@@ -58,8 +58,7 @@ def test_store_that_ignores_if_none_match_is_refused(tmp_path, monkeypatch):
     url = f"file://{tmp_path}/probe"
     real = ObjectStore.put
     monkeypatch.setattr(ObjectStore, "put", lambda self, key, data, create=False: real(self, key, data))
-    cb = ObjectStoreDiLoCoCallback(DiLoCoConfig(transport="object_store", store=url),
-                                   ReplicaInfo(run_id="probe"))  # fmt: skip
+    cb = ObjectStoreDiLoCoCallback(DiLoCoConfig(transport="object_store", store=url), ReplicaInfo(run_id="probe"))
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="If-None-Match"):
         cb.attach(m, torch.optim.SGD(m.parameters(), lr=0.1))

@@ -38,8 +38,15 @@ def test_replica_progress_bar_counts_the_real_steps(tmp_path):
     cfg = DiLoCoConfig(transport="object_store", store=f"file://{tmp_path}/store", sync_every=8)
     cb = ObjectStoreDiLoCoCallback(cfg, ReplicaInfo(index=0, num_replicas=1, run_id="bar"))
     bar = _SeenBar()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=toy.max_steps, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, callbacks=[cb, bar])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=toy.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[cb, bar],
+    )
     trainer.fit(model, torch.utils.data.DataLoader(toy_stream(toy, 0), batch_size=None))
     assert bar.seen == (24, 24), bar.seen  # not 24 of 48: the bar ends full
     assert trainer.global_step == 24 and trainer.max_steps == 24
@@ -48,8 +55,15 @@ def test_replica_progress_bar_counts_the_real_steps(tmp_path):
 
 def test_launcher_ends_with_a_table_of_rounds_loss_hash_and_model(tmp_path):
     log_dir = tmp_path / "logs"
-    proc = cli(tmp_path, "logs", "toy.max_steps=16", "-S", "diloco.transport=object_store", "-S",
-               f"diloco.store={store_url('file', tmp_path, 'table')}")  # fmt: skip
+    proc = cli(
+        tmp_path,
+        "logs",
+        "toy.max_steps=16",
+        "-S",
+        "diloco.transport=object_store",
+        "-S",
+        f"diloco.store={store_url('file', tmp_path, 'table')}",
+    )
     out = finish(proc, log_dir)
     a, b = result(log_dir, 0), result(log_dir, 1)
     lines = out.splitlines()
@@ -72,11 +86,19 @@ def test_replica_summary_of_a_train_run_names_its_model_dir(tmp_path):
 
     sync = tmp_path / "replica3.sync.jsonl"
     sync.write_text(json.dumps({"outer_step": 5, "param_hash": "ab" * 32}) + "\n")
-    res = RunResult(metrics={"train/loss": 1.25, "train/reward": 0.5}, output_dir=str(tmp_path),
-                    model_dir=str(tmp_path / "model"))  # fmt: skip
+    res = RunResult(
+        metrics={"train/loss": 1.25, "train/reward": 0.5}, output_dir=str(tmp_path), model_dir=str(tmp_path / "model")
+    )
     got = write_replica_summary(res, {ENV_SYNC_LOG: str(sync), ENV_INDEX: "3"})
-    assert got == {"replica": 3, "restart": 0, "rounds": 5, "loss_name": "train/loss", "loss": 1.25,
-                   "param_hash": "ab" * 32, "model_path": str(tmp_path / "model")}  # fmt: skip
+    assert got == {
+        "replica": 3,
+        "restart": 0,
+        "rounds": 5,
+        "loss_name": "train/loss",
+        "loss": 1.25,
+        "param_hash": "ab" * 32,
+        "model_path": str(tmp_path / "model"),
+    }
     table = summary_table(tmp_path, [3, 4]).splitlines()
     assert table[0].split("  ")[0] == "replica" and "final loss (train/loss)" in table[0]
     assert table[1].split() == ["3", "5", "1.2500", "ab" * 6, str(tmp_path / "model")]

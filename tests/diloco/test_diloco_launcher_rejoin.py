@@ -40,15 +40,37 @@ def records(log_dir: Path, index: int) -> list[dict[str, Any]]:
     return out
 
 
-def launch(tmp_path: Path, target: str, *overrides: str, env: dict[str, str] | None = None,
-           options: tuple[str, ...] = ()) -> subprocess.Popen[str]:  # fmt: skip
-    cmd = [sys.executable, "-m", "composer_plugins", "diloco", "--replicas", "2", "--max-restarts", "1",
-           "--target", target, "--log-dir", str(tmp_path / "logs"), "--timeout", str(WAIT_S), *options,
-           "diloco.sync_every=8", "toy.max_steps=160", *overrides]  # fmt: skip
+def launch(
+    tmp_path: Path, target: str, *overrides: str, env: dict[str, str] | None = None, options: tuple[str, ...] = ()
+) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer_plugins",
+        "diloco",
+        "--replicas",
+        "2",
+        "--max-restarts",
+        "1",
+        "--target",
+        target,
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--timeout",
+        str(WAIT_S),
+        *options,
+        "diloco.sync_every=8",
+        "toy.max_steps=160",
+        *overrides,
+    ]
     return subprocess.Popen(
-        cmd, cwd=tmp_path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cmd,
+        cwd=tmp_path,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
 
 
 def logs(tmp_path: Path) -> str:
@@ -142,8 +164,13 @@ def test_cli_restarted_replica_rejoins_after_kill_9(tmp_path, heartbeat_ms):
 def test_cli_restarted_replica_rejoins_after_kill_during_allreduce(tmp_path):
     log_dir, marks = tmp_path / "logs", tmp_path / "marks"
     marks.mkdir()
-    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "FAULT_DIR": str(marks),
-           "FAULT_HOLD_REPLICA": "1", "FAULT_HOLD_SYNC": "3", "FAULT_HOLD_S": "120"}  # fmt: skip
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "FAULT_DIR": str(marks),
+        "FAULT_HOLD_REPLICA": "1",
+        "FAULT_HOLD_SYNC": "3",
+        "FAULT_HOLD_S": "120",
+    }
     out = f"toy.output={log_dir}/result{{replica}}.json"
     proc = launch(tmp_path, "diloco_fault_target:run", "diloco.timeout_s=30", out, env=env)
     held, peer = marks / "allreduce-r1-restart0-sync3", marks / "allreduce-r0-restart0-sync3"

@@ -42,8 +42,16 @@ def data(n: int = 512) -> torch.utils.data.DataLoader:
 
 
 def fit(model: pl.LightningModule, max_steps: int, callbacks: list, ckpt_path: str | None = None) -> pl.Trainer:
-    t = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    t = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     t.fit(model, data(), ckpt_path=ckpt_path)
     return t
 
@@ -86,8 +94,9 @@ def test_default_outer_nesterov_changes_the_update(lighthouse):
     torch.manual_seed(0)
     a = MLP()
     init = {k: v.clone() for k, v in a.state_dict().items()}
-    cb_a = DiLoCoCallback(DiLoCoConfig(sync_every=4, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False),
-                          replica(lighthouse))  # fmt: skip
+    cb_a = DiLoCoCallback(
+        DiLoCoConfig(sync_every=4, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False), replica(lighthouse)
+    )
     fit(a, 8, [cb_a])
     b = MLP()
     b.load_state_dict(init)

@@ -30,8 +30,15 @@ def test_object_store_run_equals_torchft_run_bitwise(tmp_path):
     common = ("toy.max_steps=48",)
     a = cli(tmp_path, "tf", *common)
     finish(a, tmp_path / "tf")
-    b = cli(tmp_path, "os", *common, "-S", "diloco.transport=object_store", "-S",
-            f"diloco.store={store_url('file', tmp_path, 'parity')}")  # fmt: skip
+    b = cli(
+        tmp_path,
+        "os",
+        *common,
+        "-S",
+        "diloco.transport=object_store",
+        "-S",
+        f"diloco.store={store_url('file', tmp_path, 'parity')}",
+    )
     finish(b, tmp_path / "os")
     # the second run really went through the store (were the transport setting ignored, this would compare the
     # torchft path with itself)
@@ -75,9 +82,20 @@ def _wait(proc: subprocess.Popen[str], log_dir: Path, what: str, pred: Any) -> A
 def test_kill_9_replica_restarts_and_rejoins_from_the_store(tmp_path, request, kind):
     env = request.getfixturevalue("moto") if kind == "s3" else {}
     log_dir = tmp_path / "logs"
-    proc = cli(tmp_path, "logs", "--max-restarts", "1", "toy.max_steps=160", "-S", "diloco.transport=object_store",
-               "-S", f"diloco.store={store_url(kind, tmp_path, 'kill')}", "-S", "diloco.round_timeout_s=120",
-               env=env)  # fmt: skip
+    proc = cli(
+        tmp_path,
+        "logs",
+        "--max-restarts",
+        "1",
+        "toy.max_steps=160",
+        "-S",
+        "diloco.transport=object_store",
+        "-S",
+        f"diloco.store={store_url(kind, tmp_path, 'kill')}",
+        "-S",
+        "diloco.round_timeout_s=120",
+        env=env,
+    )
     try:
         _wait(proc, log_dir, "replica 1's third sync", lambda: len(records(log_dir, 1)) >= 3)
         pid = _wait(proc, log_dir, "replica 1's pid", lambda: _pid(proc.pid, 1))
@@ -104,15 +122,39 @@ def test_kill_9_replica_restarts_and_rejoins_from_the_store(tmp_path, request, k
 
 def test_straggler_is_left_out_then_catches_up(tmp_path):
     log_dir = tmp_path / "logs"
-    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "STRAGGLE_REPLICA": "1",
-           "STRAGGLE_STEP": "20", "STRAGGLE_S": "6"}  # fmt: skip
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "STRAGGLE_REPLICA": "1",
+        "STRAGGLE_STEP": "20",
+        "STRAGGLE_S": "6",
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "composer_plugins", "diloco", "--replicas", "2", "--target", "store_fault_target:run",
-         "--log-dir", str(log_dir), "--timeout", str(WAIT_S), "diloco.sync_every=8", "toy.max_steps=96",
-         f"toy.output={log_dir}/result{{replica}}.json", "diloco.transport=object_store",
-         f"diloco.store={store_url('file', tmp_path, 'late')}", "diloco.round_timeout_s=2"],
-        cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "composer_plugins",
+            "diloco",
+            "--replicas",
+            "2",
+            "--target",
+            "store_fault_target:run",
+            "--log-dir",
+            str(log_dir),
+            "--timeout",
+            str(WAIT_S),
+            "diloco.sync_every=8",
+            "toy.max_steps=96",
+            f"toy.output={log_dir}/result{{replica}}.json",
+            "diloco.transport=object_store",
+            f"diloco.store={store_url('file', tmp_path, 'late')}",
+            "diloco.round_timeout_s=2",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     finish(proc, log_dir)
     r0, r1 = records(log_dir, 0), records(log_dir, 1)
     alone = [r for r in r0 if r["participants"] == 1]
@@ -208,9 +250,20 @@ def test_ten_second_store_outage_is_survived_with_retries(moto, tmp_path):
     proxy = FaultyProxy((host, int(port)))
     log_dir = tmp_path / "logs"
     try:
-        proc = cli(tmp_path, "logs", "toy.max_steps=96", "-S", "diloco.transport=object_store", "-S",
-                   f"diloco.store={store_url('s3', tmp_path, 'outage')}", "-S", "diloco.store_retry_s=60", "-S",
-                   "diloco.round_timeout_s=60", env={**moto, "AWS_ENDPOINT_URL": proxy.endpoint})  # fmt: skip
+        proc = cli(
+            tmp_path,
+            "logs",
+            "toy.max_steps=96",
+            "-S",
+            "diloco.transport=object_store",
+            "-S",
+            f"diloco.store={store_url('s3', tmp_path, 'outage')}",
+            "-S",
+            "diloco.store_retry_s=60",
+            "-S",
+            "diloco.round_timeout_s=60",
+            env={**moto, "AWS_ENDPOINT_URL": proxy.endpoint},
+        )
         try:
             _wait(proc, log_dir, "replica 0's second sync", lambda: len(records(log_dir, 0)) >= 2)
             before = len(records(log_dir, 0))

@@ -82,8 +82,15 @@ def make_group(tmp_path: Path) -> Iterator[Callable[..., ReplicaGroup]]:
 def test_two_replicas_hold_identical_weights_after_every_sync(make_group):
     h, outer = 4, 5
     ckdir = make_group.tmp_path / "ck"
-    g = make_group(2, [f"diloco.sync_every={h}", f"toy.max_steps={h * outer}", f"diloco.checkpoint_dir={ckdir}",
-                       "diloco.checkpoint_every=2"])  # fmt: skip
+    g = make_group(
+        2,
+        [
+            f"diloco.sync_every={h}",
+            f"toy.max_steps={h * outer}",
+            f"diloco.checkpoint_dir={ckdir}",
+            "diloco.checkpoint_every=2",
+        ],
+    )
     res = g.wait(timeout=WAIT_S)
     assert res.ok, f"{res}\n{tail(g)}"
     r0, r1 = records(g.log_dir, 0), records(g.log_dir, 1)
@@ -113,8 +120,15 @@ def test_two_replicas_hold_identical_weights_after_every_sync(make_group):
 
 def test_streaming_fragments_sync_one_fragment_at_a_time(make_group):
     h, frags, syncs = 4, 2, 6
-    g = make_group(2, [f"diloco.sync_every={h}", f"diloco.num_fragments={frags}", f"toy.max_steps={h // frags * syncs}",
-                       f"diloco.outer_steps={syncs}"])  # fmt: skip
+    g = make_group(
+        2,
+        [
+            f"diloco.sync_every={h}",
+            f"diloco.num_fragments={frags}",
+            f"toy.max_steps={h // frags * syncs}",
+            f"diloco.outer_steps={syncs}",
+        ],
+    )
     res = g.wait(timeout=WAIT_S)
     assert res.ok, f"{res}\n{tail(g)}"
     r0, r1 = records(g.log_dir, 0), records(g.log_dir, 1)
@@ -159,8 +173,11 @@ def test_killed_replica_is_dropped_and_restarted_one_heals_from_peer(make_group)
         "the restarted replica to heal",
         lambda: [r for r in records(log_dir, 1) if r["restart"] == 1 and r["healed"]],
     )[0]
-    wait_for(g, "joint syncs after the rejoin",
-             lambda: sum(r["restart"] == 1 and r["committed"] for r in records(log_dir, 1)) >= 3)  # fmt: skip
+    wait_for(
+        g,
+        "joint syncs after the rejoin",
+        lambda: sum(r["restart"] == 1 and r["committed"] for r in records(log_dir, 1)) >= 3,
+    )
     g.request_stop(at_outer_step=max(r["outer_step"] for r in records(log_dir, 0)) + 3)
     res = g.wait(timeout=WAIT_S)
     assert res.exit_codes[0] == [0], f"{res}\n{tail(g)}"

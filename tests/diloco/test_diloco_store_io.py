@@ -72,8 +72,9 @@ def test_store_codecs_only_ever_see_host_tensors(tmp_path, monkeypatch):
         model = _on_device(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
         assert all(type(p.data) is OnDevice for p in model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
-        cb = objstore.ObjectStoreDiLoCoCallback(cfg, ReplicaInfo(index=i, num_replicas=2, run_id="device",
-                                                                 restart=restart))  # fmt: skip
+        cb = objstore.ObjectStoreDiLoCoCallback(
+            cfg, ReplicaInfo(index=i, num_replicas=2, run_id="device", restart=restart)
+        )
         cb.attach(model, opt)
         g = torch.Generator().manual_seed(100 + i)
         while not cb._stop and cb.inner_steps < 20:

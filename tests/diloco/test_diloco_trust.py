@@ -48,8 +48,13 @@ def _same_weights(log_dir: Path, steps: int, h: int = 8) -> None:
 def _s3(moto: dict[str, str]) -> Any:
     import boto3
 
-    return boto3.client("s3", endpoint_url=moto["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                        aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    return boto3.client(
+        "s3",
+        endpoint_url=moto["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
 
 
 class _Evil:
@@ -67,10 +72,14 @@ def _pickles(marker: Path) -> dict[str, bytes]:
     from composer_plugins.diloco.store import pack
 
     raw = pickle.dumps({"global_params": _Evil(marker)})
-    return {"raw": raw, "grad": pack({"kind": "grad", "codec": "none", "numel": 1}, raw),
-            "state": pack({"kind": "state", "tree": {"X": ["float32", [1], 0, 4]}}, raw),
-            "manifest": pack({"kind": "manifest"}, raw), "init": pack({"kind": "init"}, raw),
-            "run": pack({"kind": "run"}, raw)}  # fmt: skip
+    return {
+        "raw": raw,
+        "grad": pack({"kind": "grad", "codec": "none", "numel": 1}, raw),
+        "state": pack({"kind": "state", "tree": {"X": ["float32", [1], 0, 4]}}, raw),
+        "manifest": pack({"kind": "manifest"}, raw),
+        "init": pack({"kind": "init"}, raw),
+        "run": pack({"kind": "run"}, raw),
+    }
 
 
 def _objstore(url: str) -> tuple[str, ...]:
@@ -120,8 +129,18 @@ def test_restart_before_round_0_and_a_late_replica_0_start_from_init(moto, tmp_p
     log_dir = tmp_path / "logs"
     env = _fault_env(moto, DIE_REPLICA=1, DIE_STEP=3, LATE_REPLICA=0, LATE_S=5)
     url = store_url("s3", tmp_path, "early")
-    proc = cli(tmp_path, "logs", "--max-restarts", "1", "toy.max_steps=32", *_objstore(url),
-               "-S", "diloco.round_timeout_s=2", env=env, target="store_fault_target:run")  # fmt: skip
+    proc = cli(
+        tmp_path,
+        "logs",
+        "--max-restarts",
+        "1",
+        "toy.max_steps=32",
+        *_objstore(url),
+        "-S",
+        "diloco.round_timeout_s=2",
+        env=env,
+        target="store_fault_target:run",
+    )
     out = finish(proc, log_dir)
     assert "replica 1: exit codes [-9, 0] (restarts 1)" in out, out
     assert "own weights" not in logs(log_dir)
@@ -149,9 +168,22 @@ def test_closer_killed_between_manifest_and_state_then_all_replicas_relaunched(m
     log_dir = tmp_path / "a"
     env = _fault_env(moto, DIE_AFTER_MANIFEST_ROUND=2)
     # states every 3 rounds (2, 5, 8, 11): the rounds between are replayed from their manifests
-    proc = cli(tmp_path, "a", "--max-restarts", "1", "toy.max_steps=96", "--run-id", "wedge-1", *_objstore(url),
-               "-S", "diloco.round_timeout_s=60", "-S", "diloco.state_every=3", env=env,
-               target="store_fault_target:run")  # fmt: skip
+    proc = cli(
+        tmp_path,
+        "a",
+        "--max-restarts",
+        "1",
+        "toy.max_steps=96",
+        "--run-id",
+        "wedge-1",
+        *_objstore(url),
+        "-S",
+        "diloco.round_timeout_s=60",
+        "-S",
+        "diloco.state_every=3",
+        env=env,
+        target="store_fault_target:run",
+    )
     try:
         # the closer of round 2 died after its manifest, before state/00000002; its restart rebuilds it
         _wait_for(
@@ -208,9 +240,20 @@ def test_two_launchers_join_one_run_and_a_hand_started_replica_must_name_it(moto
     assert "--run-id" in out and "diloco.run_id" in out
     # a replica started by hand (no launcher, no run id) is refused with the fix
     hand = subprocess.run(
-        [sys.executable, "-m", "composer_plugins.diloco.run", "--target", "toy", "toy.max_steps=8",
-         "diloco.transport=object_store", f"diloco.store={url}"],
-        cwd=tmp_path, env={**os.environ, **moto, "COMPOSER_DILOCO_STORE": url}, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "composer_plugins.diloco.run",
+            "--target",
+            "toy",
+            "toy.max_steps=8",
+            "diloco.transport=object_store",
+            f"diloco.store={url}",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, **moto, "COMPOSER_DILOCO_STORE": url},
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert hand.returncode == 2 and "diloco.run_id" in hand.stderr, hand.stderr[-2000:]

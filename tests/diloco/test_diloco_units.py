@@ -96,9 +96,14 @@ def test_callback_from_config_only_in_a_replica(monkeypatch):
     assert diloco_callback_from_config(cfg, env={}) is None
     cb = diloco_callback_from_config(
         cfg,
-        env={launch.ENV_LIGHTHOUSE: "http://127.0.0.1:1", launch.ENV_INDEX: "3", launch.ENV_NUM: "4",
-             launch.ENV_SEED: "7", launch.ENV_RESTART: "1"},
-    )  # fmt: skip
+        env={
+            launch.ENV_LIGHTHOUSE: "http://127.0.0.1:1",
+            launch.ENV_INDEX: "3",
+            launch.ENV_NUM: "4",
+            launch.ENV_SEED: "7",
+            launch.ENV_RESTART: "1",
+        },
+    )
     assert cb is not None and cb.config.sync_every == 4
     r = cb.replica
     assert (r.index, r.num_replicas, r.replica_id, r.seed, r.restart) == (3, 4, "replica3", 7, 1)
@@ -180,8 +185,12 @@ def test_counting_process_group_counts_allreduce_bytes():
 
 # -- launcher ---------------------------------------------------------------------------------
 
-SLEEPER = [sys.executable, "-c", "import time, subprocess, sys; "
-           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"]  # fmt: skip
+SLEEPER = [
+    sys.executable,
+    "-c",
+    "import time, subprocess, sys; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)",
+]
 
 
 def test_group_stop_terminates_replicas_and_their_children(tmp_path):
@@ -200,8 +209,9 @@ def test_group_stop_terminates_replicas_and_their_children(tmp_path):
 
 def test_group_sets_replica_environment(tmp_path):
     script = "import os, json; print(json.dumps({k: v for k, v in os.environ.items() if 'DILOCO' in k or 'FT_' in k}))"
-    g = launch.ReplicaGroup([sys.executable, "-c", script], 2, lighthouse="http://10.0.0.1:29510", log_dir=tmp_path,
-                            base_seed=100)  # fmt: skip
+    g = launch.ReplicaGroup(
+        [sys.executable, "-c", script], 2, lighthouse="http://10.0.0.1:29510", log_dir=tmp_path, base_seed=100
+    )
     with g:
         res = g.wait(timeout=60)
     assert res.ok and res.exit_codes == {0: [0], 1: [0]}
@@ -217,8 +227,9 @@ def test_group_sets_replica_environment(tmp_path):
 
 def test_group_index_offset_for_a_cluster_node(tmp_path):
     script = "import os; print(os.environ['COMPOSER_DILOCO_REPLICA_INDEX'], os.environ['COMPOSER_DILOCO_NUM_REPLICAS'])"
-    g = launch.ReplicaGroup([sys.executable, "-c", script], 2, lighthouse="127.0.0.1:1", log_dir=tmp_path,
-                            index_offset=2, total_replicas=4)  # fmt: skip
+    g = launch.ReplicaGroup(
+        [sys.executable, "-c", script], 2, lighthouse="127.0.0.1:1", log_dir=tmp_path, index_offset=2, total_replicas=4
+    )
     with g:
         assert g.wait(timeout=60).ok
     assert (tmp_path / "replica3.log").read_text().strip().splitlines()[-1] == "3 4"
@@ -240,8 +251,9 @@ def test_group_restarts_crashed_replica_up_to_max(tmp_path):
 
 
 def test_group_gives_up_after_max_restarts(tmp_path):
-    g = launch.ReplicaGroup([sys.executable, "-c", "raise SystemExit(5)"], 1, lighthouse="127.0.0.1:1",
-                            log_dir=tmp_path, max_restarts=1)  # fmt: skip
+    g = launch.ReplicaGroup(
+        [sys.executable, "-c", "raise SystemExit(5)"], 1, lighthouse="127.0.0.1:1", log_dir=tmp_path, max_restarts=1
+    )
     with g:
         res = g.wait(timeout=60)
     assert res.exit_codes == {0: [5, 5]} and not res.ok
@@ -264,8 +276,10 @@ def test_start_barrier_releases_when_all_arrive():
 
     b = launch.StartBarrier(3)
     done: list[float] = []
-    ts = [threading.Thread(target=lambda i=i: (_wait_barrier(b.address, i, 30), done.append(time.monotonic())))
-          for i in (0, 1)]  # fmt: skip
+    ts = [
+        threading.Thread(target=lambda i=i: (_wait_barrier(b.address, i, 30), done.append(time.monotonic())))
+        for i in (0, 1)
+    ]
     for t in ts:
         t.start()
     time.sleep(0.3)
@@ -323,8 +337,13 @@ def test_group_marks_a_dead_replica_gone_at_the_start_barrier(tmp_path):
 
 
 def test_group_fail_fast_names_the_dead_replica_and_stops_the_others(tmp_path):
-    argv = lambda i: [sys.executable, "-c", "import time; time.sleep(120)" if i == 0  # noqa: E731
-                      else "import sys; print('replica one gives up', flush=True); sys.exit(3)"]  # fmt: skip
+    argv = lambda i: [  # noqa: E731
+        sys.executable,
+        "-c",
+        "import time; time.sleep(120)"
+        if i == 0
+        else "import sys; print('replica one gives up', flush=True); sys.exit(3)",
+    ]
     g = launch.ReplicaGroup(argv, 2, lighthouse="127.0.0.1:1", log_dir=tmp_path, grace_s=2)
     t0 = time.monotonic()
     with pytest.raises(launch.LaunchError) as ei, g:
@@ -336,8 +355,11 @@ def test_group_fail_fast_names_the_dead_replica_and_stops_the_others(tmp_path):
 
 
 def test_group_wait_timeout_names_the_running_replicas(tmp_path):
-    argv = lambda i: [sys.executable, "-c", "import time; print('still busy', flush=True); time.sleep(120)"  # noqa: E731
-                      if i == 1 else "pass"]  # fmt: skip
+    argv = lambda i: [  # noqa: E731
+        sys.executable,
+        "-c",
+        "import time; print('still busy', flush=True); time.sleep(120)" if i == 1 else "pass",
+    ]
     g = launch.ReplicaGroup(argv, 2, lighthouse="127.0.0.1:1", log_dir=tmp_path, grace_s=2)
     with pytest.raises(launch.LaunchError) as ei, g:
         pid1 = g.replicas[1].handle.pid

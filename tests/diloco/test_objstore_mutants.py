@@ -280,8 +280,16 @@ def _run_replicas(url: str, n: int, rounds: int, **cfg):
         try:
             model = models[i]
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            config = DiLoCoConfig(transport="object_store", store=url, run_id="ref", sync_every=H_IN,
-                                  outer_steps=rounds, round_timeout_s=60.0, poll_s=0.01, **cfg)  # fmt: skip
+            config = DiLoCoConfig(
+                transport="object_store",
+                store=url,
+                run_id="ref",
+                sync_every=H_IN,
+                outer_steps=rounds,
+                round_timeout_s=60.0,
+                poll_s=0.01,
+                **cfg,
+            )
             cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=i, num_replicas=n, run_id="ref"))
             cb.attach(model, opt)
             x = _data(i)
@@ -386,8 +394,16 @@ def test_the_callback_equals_diloco_written_out(tmp_path, n, compress, alpha, st
     from composer_plugins.diloco.common import param_digest
 
     rounds = 3
-    reps = _run_replicas(f"file://{tmp_path}/ref", n, rounds, compress=compress, fragment_update_alpha=alpha,
-                         state_every=state_every, keep_rounds=0, sync_log=str(tmp_path / "sync.jsonl"))  # fmt: skip
+    reps = _run_replicas(
+        f"file://{tmp_path}/ref",
+        n,
+        rounds,
+        compress=compress,
+        fragment_update_alpha=alpha,
+        state_every=state_every,
+        keep_rounds=0,
+        sync_log=str(tmp_path / "sync.jsonl"),
+    )
     states, locs, errs = _reference(n, rounds, compress, alpha)
     logged = [json.loads(line) for line in (tmp_path / "sync.jsonl").read_text().splitlines()]
     assert len(logged) == n * rounds

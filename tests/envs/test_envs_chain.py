@@ -55,8 +55,10 @@ def test_chain_split_is_by_computation_with_distinct_test_problems():
 def test_prepare_reports_zero_computation_overlap_at_the_chain_level(tmp_path):
     from composer_plugins.pipeline.stages import prepare
 
-    params = {"data": {"seed": 0, "gsm8k": {"train": 1500, "test": 400}},
-              "train": {"env": {"name": "gsm8k", "difficulty": "chain"}}}  # fmt: skip
+    params = {
+        "data": {"seed": 0, "gsm8k": {"train": 1500, "test": 400}},
+        "train": {"env": {"name": "gsm8k", "difficulty": "chain"}},
+    }
     entry = prepare(params, tmp_path)["envs"]["gsm8k"]
     assert entry["overlap"] == 0 and entry["computation_overlap"] == 0
     assert entry["test_distinct"] == 400 and entry["test_distinct_computations"] == 400
@@ -72,8 +74,7 @@ def test_prepare_reports_zero_computation_overlap_at_the_chain_level(tmp_path):
 def test_parse_steps_reads_plain_and_annotated_equations():
     text = "Ann has 3 * 4 = <<3*4=12>>12 pens. Then 12 + 5 = 17.\n<<17-2=15>>\n#### 15"
     steps = parse_steps(text)
-    assert [(s.key, s.stated, s.holds) for s in steps] == [
-        ("3*4", 12, True), ("12+5", 17, True), ("17-2", 15, True)]  # fmt: skip
+    assert [(s.key, s.stated, s.holds) for s in steps] == [("3*4", 12, True), ("12+5", 17, True), ("17-2", 15, True)]
     assert computation_key(text) == "3*4;12+5;17-2"
     assert parse_steps("7 × 2 = 15 and 1,200 / 4 = 300 and 9 x 3 = 27")[0].shown() == "7 × 2 = 14"
     assert [s.holds for s in parse_steps("1,200 / 4 = 300, 9 x 3 = 27, 2.5 * 2 = 5")] == [True, True, True]
@@ -166,16 +167,28 @@ def test_full_demonstration_first_then_step_check_uses_both_and_names_each_kind(
     first = parse_steps(task["solution"])[0]
     wrong_step = f" {task['solution'].splitlines()[0].rsplit('=', 1)[0]}= {int(first.stated) + 1}\n#### 0"
     good = " " + task["solution"]
-    spec = {"name": "chain", "providers": [{"name": "demonstration", "rows": "failed", "fallback": "none"},
-                                           {"name": "step_check", "fallback": "none"}]}  # fmt: skip
+    spec = {
+        "name": "chain",
+        "providers": [
+            {"name": "demonstration", "rows": "failed", "fallback": "none"},
+            {"name": "step_check", "fallback": "none"},
+        ],
+    }
     chain = build_hint_provider(spec)
     # group 0: one sibling succeeded -> its failed row gets a demonstration; group 1: none did -> step_check
     comps, rewards = [wrong_step, good, wrong_step, wrong_step], [0.0, 1.0, 0.0, 0.0]
-    rec = StepRecord(tasks=[task, task], prompts=[task["prompt"]] * 4, completions=comps,
-                     prompt_ids=torch.zeros(4, 1, dtype=torch.long), prompt_mask=torch.ones(4, 1, dtype=torch.long),
-                     completion_ids=torch.zeros(4, 1, dtype=torch.long),
-                     completion_mask=torch.ones(4, 1, dtype=torch.long), rewards=torch.tensor(rewards),
-                     advantages=torch.zeros(4), num_generations=2)  # fmt: skip
+    rec = StepRecord(
+        tasks=[task, task],
+        prompts=[task["prompt"]] * 4,
+        completions=comps,
+        prompt_ids=torch.zeros(4, 1, dtype=torch.long),
+        prompt_mask=torch.ones(4, 1, dtype=torch.long),
+        completion_ids=torch.zeros(4, 1, dtype=torch.long),
+        completion_mask=torch.ones(4, 1, dtype=torch.long),
+        rewards=torch.tensor(rewards),
+        advantages=torch.zeros(4),
+        num_generations=2,
+    )
     add_hint_contexts(rec, env, chain, success_threshold=1.0)
     assert rec.hint_rows == [0, 2, 3]
     assert rec.hint_kinds == ["demonstration", None, "step_check", "step_check"]
@@ -197,8 +210,10 @@ def test_prepare_reports_line_level_overlap_beside_the_tuple_level_one(tmp_path)
     367 of 400 second lines and 397 of 400 answers occur verbatim in train."""
     from composer_plugins.pipeline.stages import prepare
 
-    params = {"data": {"seed": 0, "gsm8k": {"train": 3000, "test": 400}},
-              "train": {"env": {"name": "gsm8k", "difficulty": "chain"}}}  # fmt: skip
+    params = {
+        "data": {"seed": 0, "gsm8k": {"train": 3000, "test": 400}},
+        "train": {"env": {"name": "gsm8k", "difficulty": "chain"}},
+    }
     entry = prepare(params, tmp_path)["envs"]["gsm8k"]
     assert entry["computation_overlap"] == 0
     got = {k: entry[k] for k in ("first_line_overlap", "second_line_overlap", "second_line_rows", "answer_overlap")}
@@ -219,5 +234,9 @@ def test_accuracy_split_by_line_novelty_by_hand():
     ]
     assert line_novelty(train, test) == [True, False, True, None]
     got = novelty_accuracy(train, test, "gsm8k")
-    assert got == {"gsm8k/n_unseen_line": 2.0, "gsm8k/accuracy_unseen_line": 0.5, "gsm8k/n_seen_line": 1.0,
-                   "gsm8k/accuracy_seen_line": 1.0}  # fmt: skip
+    assert got == {
+        "gsm8k/n_unseen_line": 2.0,
+        "gsm8k/accuracy_unseen_line": 0.5,
+        "gsm8k/n_seen_line": 1.0,
+        "gsm8k/accuracy_seen_line": 1.0,
+    }

@@ -76,8 +76,17 @@ def test_env_score_feature_deletion_hides_another_checkout_by_default(tmp_path):
             "    return ns['to_roman'](n)\n"
             "```\n"
         )
-        base = ["env", "score", "feature_deletion", "-S", "symbols=[to_roman]", "-S", "progress=false",
-                "-S", "timeout_s=30"]  # fmt: skip
+        base = [
+            "env",
+            "score",
+            "feature_deletion",
+            "-S",
+            "symbols=[to_roman]",
+            "-S",
+            "progress=false",
+            "-S",
+            "timeout_s=30",
+        ]
         safe = invoke(*base, "-", input=hack)
         assert safe.exit_code == 0, safe.output
         assert json.loads(safe.output)["reward"] == 0.0, safe.output

@@ -22,8 +22,10 @@ from composer_plugins.envs.hints import (
 from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
 WRONG = Feedback("wrong_answer", "The final answer 3 is wrong.", {"expected": "10", "got": "3"}, 0.0)
-TASK = {"prompt": "Question: Ben has 3 eggs. He buys 7 more eggs. How many eggs does Ben have now?\nAnswer:",
-        "answer": "10"}  # fmt: skip
+TASK = {
+    "prompt": "Question: Ben has 3 eggs. He buys 7 more eggs. How many eggs does Ben have now?\nAnswer:",
+    "answer": "10",
+}
 GOOD_LONG = " Ben has 3 + 7 = 10 eggs now, which is the total.\n#### 10"
 GOOD_SHORT = " 3 + 7 = 10.\n#### 10"
 
@@ -78,7 +80,8 @@ def test_demonstration_picks_first_shortest_or_seeded_random_and_never_self():
     picks = {DemonstrationHintProvider(pick="random", seed=s).pick_sibling(g) for s in range(20)}
     assert picks == {1, 3}  # both successful siblings get picked over seeds, nothing else
     assert DemonstrationHintProvider(pick="random", seed=5).pick_sibling(g) == DemonstrationHintProvider(
-        pick="random", seed=5).pick_sibling(g)  # fmt: skip
+        pick="random", seed=5
+    ).pick_sibling(g)
     # the only success is the row itself: no sibling, and a successful row gets no hint at all
     alone = _group(index=1, rewards=(0.0, 1.0, 0.0, 0.0))
     assert DemonstrationHintProvider().pick_sibling(alone) is None
@@ -108,8 +111,9 @@ def test_demonstration_fallback_and_feedback_inclusion():
     with_fb = DemonstrationHintProvider(include_feedback=True).hint(HintRequest(feedback=WRONG, group=_group()))
     fb = "The following is feedback from your unsuccessful earlier attempt:\nThe final answer 3 is wrong."
     assert with_fb == f"Correct solution:\n{GOOD_LONG.strip()}\n\n{fb}\n\nCorrectly solve the original question."
-    custom = DemonstrationHintProvider(template="See: {demonstration}", include_feedback=True,
-                                       feedback_template="[{feedback}]")  # fmt: skip
+    custom = DemonstrationHintProvider(
+        template="See: {demonstration}", include_feedback=True, feedback_template="[{feedback}]"
+    )
     custom = custom.hint(HintRequest(feedback=WRONG, group=_group()))
     assert custom == f"See: {GOOD_LONG.strip()}\n\n[The final answer 3 is wrong.]"
     assert (
@@ -260,7 +264,8 @@ def test_demonstration_rows_all_gives_successful_rows_a_siblings_demonstration()
     )
     assert every.hint(HintRequest(feedback=right, group=alone)) is None  # no sibling: nothing, not feedback
     assert every.hint(HintRequest(feedback=WRONG, group=_group())) == failed_only.hint(
-        HintRequest(feedback=WRONG, group=_group()))  # fmt: skip
+        HintRequest(feedback=WRONG, group=_group())
+    )
     # the rows a trainer offers: the failed ones, or every row for rows: all (then capped)
     assert hint_candidates(failed_only, [0.0, 1.0, 0.0, 1.0], 1.0) == [0, 2]
     assert hint_candidates(every, [0.0, 1.0, 0.0, 1.0], 1.0) == [0, 1, 2, 3]
@@ -273,8 +278,9 @@ def test_teacher_contexts_with_demonstrations():
     groups = sibling_groups([" #### 3", GOOD_SHORT, " #### 2", " #### 5"], [0.0, 1.0, 0.0, 0.0], 2, 1.0)
     failed = [0, 2, 3]
     demo = build("hints", "demonstration", fallback="none")
-    ctx = teacher_contexts(None, demo, [TASK] * 3, [groups[i].completion for i in failed], [WRONG] * 3,
-                           [groups[i] for i in failed])  # fmt: skip
+    ctx = teacher_contexts(
+        None, demo, [TASK] * 3, [groups[i].completion for i in failed], [WRONG] * 3, [groups[i] for i in failed]
+    )
     assert ctx[0] is not None and "Hint: Correct solution:\n3 + 7 = 10.\n#### 10" in ctx[0]
     assert ctx[0].endswith("Correctly solve the original question.\nAnswer:")
     assert ctx[1] is None and ctx[2] is None  # the second group has no success

@@ -63,9 +63,13 @@ def test_symbols_found_outside_tests():
 
 def test_tasks_are_verified_and_recorded(env, tasks):
     assert set(tasks) == {
-        "to_roman:body", "to_roman:symbol", "RunningMean.add:body", "RunningMean.add:symbol",
-        "wrap:body", "wrap:symbol",
-    }  # fmt: skip
+        "to_roman:body",
+        "to_roman:symbol",
+        "RunningMean.add:body",
+        "RunningMean.add:symbol",
+        "wrap:body",
+        "wrap:symbol",
+    }
     assert len(env.baseline) == 26 and set(env.baseline.values()) == {"passed"}
     for t in tasks.values():
         assert t["fail_to_pass"] and t["pass_to_pass"]
@@ -285,8 +289,14 @@ def naive_passes(repo: Path, task: dict, completion: str, tmp: Path, python: str
     (work / task["file"]).write_text(splice_completion(task["deleted_source"], task, completion))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     files = sorted({n.split("::")[0] for n in task["fail_to_pass"]})
-    out = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *files],
-                         cwd=work, capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *files],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     return out.returncode == 0
 
 
@@ -317,8 +327,15 @@ def test_site_packages_copy_is_hidden(dirty_repo, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
-    site_dir = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                                   capture_output=True, text=True, check=True, timeout=60).stdout.strip())  # fmt: skip
+    site_dir = Path(
+        subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+    )
     (site_dir / "host.pth").write_text(sysconfig_purelib() + "\n")  # pytest comes from the test's environment
     shutil.copytree(dirty_repo / "textkit", site_dir / "textkit")
     env = FeatureDeletionEnv(dirty_repo, symbols=["to_roman"], python=py, progress=False, timeout_s=30)

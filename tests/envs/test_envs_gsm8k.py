@@ -226,8 +226,10 @@ def test_malformed_files_name_file_and_line(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"question": "q", "solution": "#### 1"}]), tmp_path / "cols.parquet")
     with pytest.raises(ConfigError, match=r"cols.parquet: .*lacks column"):
         load_gsm8k_file(tmp_path / "cols.parquet")
-    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "#### 1"}, {"question": "q", "answer": "none"}]),
-                   tmp_path / "rows.parquet")  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist([{"question": "q", "answer": "#### 1"}, {"question": "q", "answer": "none"}]),
+        tmp_path / "rows.parquet",
+    )
     with pytest.raises(ConfigError, match=r"rows.parquet: row 2: .*####"):
         load_gsm8k_file(tmp_path / "rows.parquet")
     with pytest.raises(ConfigError, match="does not exist"):

@@ -177,8 +177,9 @@ def test_llm_teacher_built_by_name_through_the_teachers_registry():
 
 
 def test_chain_uses_the_first_hint():
-    chain = build("hints", "chain", providers=[{"name": "llm_teacher", "teacher": BrokenTeacher(), "fallback": None},
-                                               "raw_error"])  # fmt: skip
+    chain = build(
+        "hints", "chain", providers=[{"name": "llm_teacher", "teacher": BrokenTeacher(), "fallback": None}, "raw_error"]
+    )
     fb = Feedback("runtime_error", "boom", {"error": "KeyError", "message": "'x'"}, 0.0)
     assert chain.hint(HintRequest(feedback=fb)) == "KeyError: 'x'"
 
@@ -204,8 +205,12 @@ def test_teacher_context_at_the_failing_turn():
     assert convo[3]["content"] == "That is not right. Try again."  # the input is not modified
     first = build_teacher_context(convo, "2 and 2 make 4.", failing_turn=2)
     assert [m["role"] for m in first] == ["system", "user"] and first[1]["content"].endswith("Hint: 2 and 2 make 4.")
-    tool = [{"role": "user", "content": "Search it"}, {"role": "assistant", "content": "", "tool_calls": []},
-            {"role": "tool", "content": "error: unknown tool"}, {"role": "assistant", "content": "done"}]  # fmt: skip
+    tool = [
+        {"role": "user", "content": "Search it"},
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "content": "error: unknown tool"},
+        {"role": "assistant", "content": "done"},
+    ]
     ctx2 = build_teacher_context(tool, "Call `search`, not `serch`.")
     assert ctx2[-1]["role"] == "tool" and "Hint: Call `search`" in ctx2[-1]["content"]
     after_system = build_teacher_context([{"role": "system", "content": "s"}], "h")

@@ -89,8 +89,11 @@ def guess_server(tmp_path_factory):
     (d / "guess_server.py").write_text(SERVER)
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "guess_server:app", "--host", "127.0.0.1", "--port", "0"],
-        cwd=d, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        cwd=d,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     import composer_plugins.envs.openenv_env  # noqa: F401  (heavy import, overlapped with the server's start-up)
 
     url = None
@@ -161,8 +164,7 @@ def test_single_turn_reward_replays_the_task_seed(guess_server):
         assert len({t["reset_kwargs"]["seed"] for t in tasks}) == 4
         answers = [str(target_for(t["reset_kwargs"]["seed"])) for t in tasks]
         completions = [answers[0], answers[1], "21", "zero"]
-        rewards = env.reward([t["prompt"] for t in tasks], completions,
-                             reset_kwargs=[t["reset_kwargs"] for t in tasks])  # fmt: skip
+        rewards = env.reward([t["prompt"] for t in tasks], completions, reset_kwargs=[t["reset_kwargs"] for t in tasks])
         assert rewards == [1.0, 1.0, 0.0, 0.0]
         ds = env.dataset(2, seed=1)  # reset_kwargs travel as JSON strings in a datasets.Dataset
         row = ds[0]
@@ -184,8 +186,9 @@ def test_composer_env_served_as_openenv_round_trip():
             gold = [local.reset(seed=t["reset_kwargs"]["seed"]).task for t in tasks]
             assert [t["prompt"] for t in tasks] == [g["prompt"] for g in gold]
             completions = [gold[0]["target"], "#### 1000", gold[2]["target"]]
-            rewards = remote.reward([t["prompt"] for t in tasks], completions,
-                                    reset_kwargs=[t["reset_kwargs"] for t in tasks])  # fmt: skip
+            rewards = remote.reward(
+                [t["prompt"] for t in tasks], completions, reset_kwargs=[t["reset_kwargs"] for t in tasks]
+            )
             assert rewards == [1.0, 0.0, 1.0]
             fb = remote.feedback(tasks[1]["prompt"], "#### 1000", **tasks[1])
             assert fb.kind == "wrong_answer" and "1000" in fb.message

@@ -129,8 +129,9 @@ SCORER = textwrap.dedent(
 
 def start_scorer(mode: str, wall: float, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     before = any_sandbox_ids()
-    proc = subprocess.Popen([sys.executable, "-c", SCORER, mode, str(wall), str(tmp)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCORER, mode, str(wall), str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         new = {i for i in any_sandbox_ids() - before if i.startswith("cp-sandbox-")}

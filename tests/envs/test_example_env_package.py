@@ -27,8 +27,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_the_example_env_packages_own_tests_pass():
-    proc = procs.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=EXAMPLE, env=_env(),
-                     capture_output=True, text=True, timeout=400)  # fmt: skip
+    proc = procs.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=EXAMPLE,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "5 passed" in proc.stdout  # conformance, contract, discovery, training
 
@@ -37,12 +43,31 @@ def test_the_example_env_packages_own_tests_pass():
 def test_builds_without_isolation_and_is_discovered_through_its_entry_point(tmp_path):
     site = tmp_path / "site"
     build = procs.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(site), str(EXAMPLE)],
-        env=_env(PIP_DISABLE_PIP_VERSION_CHECK="1"), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(EXAMPLE),
+        ],
+        env=_env(PIP_DISABLE_PIP_VERSION_CHECK="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    listed = procs.run([sys.executable, "-m", "composer_plugins", "list", "envs", "reverse", "--json"],
-                       env=_env(PYTHONPATH=str(site)), capture_output=True, text=True, timeout=120)  # fmt: skip
+    listed = procs.run(
+        [sys.executable, "-m", "composer_plugins", "list", "envs", "reverse", "--json"],
+        env=_env(PYTHONPATH=str(site)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stderr[-3000:]
     assert '"distribution": "composer-plugins-reverse"' in listed.stdout and '"reverse_word"' in listed.stdout

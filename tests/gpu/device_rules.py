@@ -35,24 +35,99 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Tensor factories that allocate on the CPU unless given ``device=``.
-FACTORIES = frozenset({
-    "arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "linspace", "logspace",
-    "eye", "tensor", "as_tensor",
-})  # fmt: skip
+FACTORIES = frozenset(
+    {
+        "arange",
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "linspace",
+        "logspace",
+        "eye",
+        "tensor",
+        "as_tensor",
+    }
+)
 #: Constructors whose result is always on the CPU.
 CPU_CONSTRUCTORS = frozenset({"frombuffer", "from_numpy"})
 #: Methods that show their receiver is a tensor (for the ``asarray`` rule).
-TENSOR_METHODS = frozenset({
-    "detach", "float", "double", "half", "bfloat16", "to", "contiguous", "clone", "view", "reshape", "flatten",
-    "squeeze", "unsqueeze", "softmax", "log_softmax", "sum", "mean", "abs", "exp", "log", "sigmoid", "clamp",
-    "long", "int", "bool", "nonzero", "argmax", "argmin", "cumsum", "masked_fill", "expand_as", "repeat_interleave",
-})  # fmt: skip
+TENSOR_METHODS = frozenset(
+    {
+        "detach",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "to",
+        "contiguous",
+        "clone",
+        "view",
+        "reshape",
+        "flatten",
+        "squeeze",
+        "unsqueeze",
+        "softmax",
+        "log_softmax",
+        "sum",
+        "mean",
+        "abs",
+        "exp",
+        "log",
+        "sigmoid",
+        "clamp",
+        "long",
+        "int",
+        "bool",
+        "nonzero",
+        "argmax",
+        "argmin",
+        "cumsum",
+        "masked_fill",
+        "expand_as",
+        "repeat_interleave",
+    }
+)
 #: Ops whose tensor arguments must share one device.
-SAME_DEVICE_OPS = frozenset({
-    "where", "cat", "stack", "maximum", "minimum", "gather", "index_select", "masked_fill", "masked_select",
-    "index_put", "scatter", "scatter_add", "take_along_dim", "matmul", "mm", "bmm", "addmm", "dot", "einsum",
-    "lerp", "clamp", "add", "sub", "mul", "div", "round", "abs", "exp", "log", "sqrt", "sign",
-})  # fmt: skip
+SAME_DEVICE_OPS = frozenset(
+    {
+        "where",
+        "cat",
+        "stack",
+        "maximum",
+        "minimum",
+        "gather",
+        "index_select",
+        "masked_fill",
+        "masked_select",
+        "index_put",
+        "scatter",
+        "scatter_add",
+        "take_along_dim",
+        "matmul",
+        "mm",
+        "bmm",
+        "addmm",
+        "dot",
+        "einsum",
+        "lerp",
+        "clamp",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "round",
+        "abs",
+        "exp",
+        "log",
+        "sqrt",
+        "sign",
+    }
+)
 #: The project's helpers whose ``device`` parameter defaults to the CPU: name -> its positional index.
 DEFAULT_CPU_HELPERS = {"tokenize_prompts": 3, "left_pad": 2}
 ALLOW_COMMENT = "# device-ok:"

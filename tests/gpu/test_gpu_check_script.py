@@ -106,8 +106,11 @@ def test_report_is_written_whatever_steps_failed_or_timed_out(tmp_path):
         '<failure message="TypeError: can&apos;t convert cuda:0 device type tensor to numpy">tb</failure></testcase>'
         "</testsuite></testsuites>"
     )
-    partial = {"name": "scale", "partial": True,
-               "results": {"gpu-0.5b/grpo": {"step_s": 2.5, "tokens_per_s": 3000.0, "peak_cuda_gib": 9.5}}}  # fmt: skip
+    partial = {
+        "name": "scale",
+        "partial": True,
+        "results": {"gpu-0.5b/grpo": {"step_s": 2.5, "tokens_per_s": 3000.0, "peak_cuda_gib": 9.5}},
+    }
     (d / "scale-0.5b.json").write_text(json.dumps(partial))
     assert gpu_check.main(["report", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "gpu.json").read_text())
@@ -177,12 +180,22 @@ def test_bench_scale_runs_what_the_script_asks_for(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_scale, "_spawn", spawn)
     monkeypatch.setattr(bench_scale, "_prepare", lambda tmp, shape: ("model", "pairs", 151_936))
     partial = tmp_path / "scale.json"
-    res = bench_scale.run(quick=True, variants=("grpo", "grpo+hint", "grpo+hint+replay", "trl_grpo"),
-                          hint_options={"teacher": "ema", "topk": 100}, shapes=("gpu-0.5b",), hint_all=True,
-                          config_timeout=90, partial=partial)  # fmt: skip
+    res = bench_scale.run(
+        quick=True,
+        variants=("grpo", "grpo+hint", "grpo+hint+replay", "trl_grpo"),
+        hint_options={"teacher": "ema", "topk": 100},
+        shapes=("gpu-0.5b",),
+        hint_all=True,
+        config_timeout=90,
+        partial=partial,
+    )
     opts = {"teacher": "ema", "topk": 100}
-    assert calls == [("grpo", "gpu-0.5b", 90, None), ("grpo+hint", "gpu-0.5b", 90, opts),
-                     ("grpo+hint+replay", "gpu-0.5b", 90, opts), ("trl_grpo", "gpu-0.5b", 90, None)]  # fmt: skip
+    assert calls == [
+        ("grpo", "gpu-0.5b", 90, None),
+        ("grpo+hint", "gpu-0.5b", 90, opts),
+        ("grpo+hint+replay", "gpu-0.5b", 90, opts),
+        ("trl_grpo", "gpu-0.5b", 90, None),
+    ]
     assert res["results"]["gpu-0.5b/grpo+hint"]["hint_options"] == opts
     assert res["results"]["gpu-0.5b/grpo+hint+replay"]["error"].startswith("timed out")
     assert res["ratios"]["gpu-0.5b/grpo_speed_vs_trl"] == 1.0 and "gpu-0.5b/grpo+hint_mem_vs_trl" in res["ratios"]
@@ -196,13 +209,27 @@ def test_every_step_is_bounded_and_the_report_is_written_when_steps_time_out(tmp
     benchmarks get a 2-second budget and are killed by ``timeout``; the report still says what happened."""
     out = tmp_path / "results"
     budgets = {"GPU_CHECK_KERNELS_S": "2", "GPU_CHECK_SCALE05_S": "2", "GPU_CHECK_SCALE15_S": "2"}
-    p = _run("--out", str(out), env={"GPU_CHECK_ALLOW_CPU": "1", "GPU_WHEELS": str(tmp_path / "none"),
-                                     "GPU_SITE": str(tmp_path / "site"), **budgets}, timeout=400)  # fmt: skip
+    p = _run(
+        "--out",
+        str(out),
+        env={
+            "GPU_CHECK_ALLOW_CPU": "1",
+            "GPU_WHEELS": str(tmp_path / "none"),
+            "GPU_SITE": str(tmp_path / "site"),
+            **budgets,
+        },
+        timeout=400,
+    )
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # three steps timed out
     r = json.loads((out / "gpu.json").read_text())
     status = {s["step"]: (s["rc"], s["timed_out"]) for s in r["steps"]}
-    assert status == {"setup": (0, False), "tier": (0, False), "kernels": (124, True), "scale-0.5b": (124, True),
-                      "scale-1.5b": (124, True)}, r["steps"]  # fmt: skip
+    assert status == {
+        "setup": (0, False),
+        "tier": (0, False),
+        "kernels": (124, True),
+        "scale-0.5b": (124, True),
+        "scale-1.5b": (124, True),
+    }, r["steps"]
     assert r["tier"]["counts"] == {"skipped": 16} and r["machine"]["device"] == "no CUDA device"
     md = (out / "gpu.md").read_text()
     assert "Device: **no CUDA device**" in md and md.count("TIMED OUT") == 3

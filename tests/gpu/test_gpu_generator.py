@@ -13,8 +13,15 @@ CORPUS = [f"Q: {a}+{b}=? A: {a + b}" for a in range(20) for b in range(20)]
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
-    cfg = TinyModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                          num_kv_heads=1, max_position_embeddings=128)  # fmt: skip
+    cfg = TinyModelConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=128,
+    )
     return str(build_tiny_model(cfg, CORPUS, tmp_path_factory.mktemp("tiny")))
 
 

@@ -94,8 +94,9 @@ def test_chunked_logprobs_equal_the_materialised_logits(device, dtype):
         assert err_chunked <= max(2.0 * err_plain, 2e-2), (name, err_chunked, err_plain)
 
 
-def _distill(x: dict[str, torch.Tensor], topk: int | None, hidden_path: bool, kernels: str = "torch",
-             upcast: bool = False) -> list[torch.Tensor]:  # fmt: skip
+def _distill(
+    x: dict[str, torch.Tensor], topk: int | None, hidden_path: bool, kernels: str = "torch", upcast: bool = False
+) -> list[torch.Tensor]:
     w = x["weight"].detach().clone()
     h = x["hidden"].detach().clone()
     t = x["teacher"].detach()

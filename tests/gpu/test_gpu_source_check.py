@@ -19,8 +19,11 @@ import torch
 from device_rules import check_source, check_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-TREES = [ROOT / "composer_plugins", *sorted(p for p in (ROOT / "packages").glob("*/composer_plugins_*")),
-         ROOT / "benchmarks"]  # fmt: skip
+TREES = [
+    ROOT / "composer_plugins",
+    *sorted(p for p in (ROOT / "packages").glob("*/composer_plugins_*")),
+    ROOT / "benchmarks",
+]
 
 #: Known offenders: (path, function) -> why it is tolerated and until when. Each entry must still match a
 #: finding (a stale entry fails the test), so the list cannot outlive the bug it names.

@@ -44,8 +44,10 @@ def test_one_process_strategy_trains_on_cuda(strategy, tmp_path):
     out = tmp_path / "run"
     cfg = tmp_path / "train.yaml"
     cfg.write_text(CONFIG.format(cache=tmp_path / "cache", out=out, strategy=strategy))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     cmd = [sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg), "--no-progress"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -33,18 +33,48 @@ def test_trl_backend_step_with_every_channel_on_cuda(tmp_path):
 
     from composer_plugins.models.tiny import TinyModelConfig, build_tiny_model, load_policy
 
-    cfg = TinyModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                          num_kv_heads=1, max_position_embeddings=128)  # fmt: skip
+    cfg = TinyModelConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=128,
+    )
     model, tok = load_policy(build_tiny_model(cfg, CORPUS, tmp_path / "tiny"))
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=8, max_steps=2, use_cpu=False, bf16=True, report_to="none",
-                      logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3,
-                      loss_type="dapo")  # fmt: skip
-    channels = ["policy", {"name": "hint_distill", "weight": 0.5, "teacher": "ema"},
-                {"name": "replay_dpo", "weight": 0.2}]  # fmt: skip
-    tr = ComposerGRPOTrainer(model=model, reward_funcs=length_reward, args=args,
-                             train_dataset=Dataset.from_list(PROMPTS), processing_class=tok, channels=channels,
-                             hint_provider=answer_hint, pairs=PAIRS, pairs_per_step=2)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        use_cpu=False,
+        bf16=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        loss_type="dapo",
+    )
+    channels = [
+        "policy",
+        {"name": "hint_distill", "weight": 0.5, "teacher": "ema"},
+        {"name": "replay_dpo", "weight": 0.2},
+    ]
+    tr = ComposerGRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_list(PROMPTS),
+        processing_class=tok,
+        channels=channels,
+        hint_provider=answer_hint,
+        pairs=PAIRS,
+        pairs_per_step=2,
+    )
     before = {k: v.detach().float().cpu().clone() for k, v in tr.model.state_dict().items()}
     tr.train()
     assert next(tr.model.parameters()).device.type == "cuda"

@@ -46,8 +46,12 @@ def _leaves(seed: int = 0):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_precompute_equals_recompute_for_every_scalar_reduction(reduction, masked, weighted):
     hs, ht, w, mask, tw = _leaves()
-    kw = {"mask": mask if masked else None, "reduction": reduction, "chunk_size": 3,
-          "token_weight": tw if weighted else None}  # fmt: skip
+    kw = {
+        "mask": mask if masked else None,
+        "reduction": reduction,
+        "chunk_size": 3,
+        "token_weight": tw if weighted else None,
+    }
     ker = JSDKernel(beta=0.3, temperature=1.3)
     a = chunked_distill(hs, ht, w, ker, grad_mode="recompute", **kw)
     ga = torch.autograd.grad(a, (hs, w))
@@ -190,8 +194,9 @@ def test_chunked_logprobs_rejects_a_mask_of_another_shape():
 def test_teacher_topk_from_rows_puts_the_scores_on_the_device_asked_for():
     from types import SimpleNamespace
 
-    row = SimpleNamespace(token_ids=torch.tensor([[1, 2], [3, 4]]), logprobs=torch.full((2, 2), -1.0),
-                          mask=torch.tensor([True, False]))  # fmt: skip
+    row = SimpleNamespace(
+        token_ids=torch.tensor([[1, 2], [3, 4]]), logprobs=torch.full((2, 2), -1.0), mask=torch.tensor([True, False])
+    )
     here = TeacherTopK.from_rows({"a": [row, None]}, 3)
     assert {here.ids.device.type, here.logprobs.device.type, here.mask.device.type} == {"cpu"}
     there = TeacherTopK.from_rows({"a": [row, None]}, 3, device="meta")

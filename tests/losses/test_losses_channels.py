@@ -95,8 +95,17 @@ def test_policy_channels_hidden_state_path_equals_logprob_path(name):
     assert set(m_a) == set(m_b)
     if name != "dppo":  # the channel is exactly the functional loss with its preset epsilons
         lo, hi = CHANNEL_EPSILONS[name]
-        ref = LF.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["completion_mask"], name,
-                             lo, hi, beta=kw.get("beta", 0.0), ref_logprobs=batch["ref_logprobs"])  # fmt: skip
+        ref = LF.policy_loss(
+            logprobs,
+            batch["old_logprobs"],
+            batch["advantages"],
+            batch["completion_mask"],
+            name,
+            lo,
+            hi,
+            beta=kw.get("beta", 0.0),
+            ref_logprobs=batch["ref_logprobs"],
+        )
         torch.testing.assert_close(loss_a, ref.loss)
 
 
@@ -222,14 +231,17 @@ def test_taid_channel_steps_schedule_and_resumes_exactly_through_composer_state_
 def test_replay_channels():
     _, _, batch = toy(6)
     loss, m = ReplayPreferenceChannel(method="dpo", beta=0.2)({}, batch)
-    want = LF.dpo_loss(batch["chosen_logps"], batch["rejected_logps"], batch["ref_chosen_logps"],
-                       batch["ref_rejected_logps"], beta=0.2)  # fmt: skip
+    want = LF.dpo_loss(
+        batch["chosen_logps"], batch["rejected_logps"], batch["ref_chosen_logps"], batch["ref_rejected_logps"], beta=0.2
+    )
     torch.testing.assert_close(loss, want.loss)
     assert "rewards/accuracies" in m
     # simpo from sums + lengths == simpo from averages
     sim = ReplayPreferenceChannel(method="simpo")
-    avg = {"chosen_avg_logps": batch["chosen_logps"] / batch["chosen_lengths"],
-           "rejected_avg_logps": batch["rejected_logps"] / batch["rejected_lengths"]}  # fmt: skip
+    avg = {
+        "chosen_avg_logps": batch["chosen_logps"] / batch["chosen_lengths"],
+        "rejected_avg_logps": batch["rejected_logps"] / batch["rejected_lengths"],
+    }
     l1, _ = sim({}, batch)
     l2, _ = sim(avg, {})
     torch.testing.assert_close(l1, l2)
@@ -245,13 +257,15 @@ def test_replay_channels():
 def test_composer_sums_weighted_losses_and_reports_skips():
     w, hidden, batch = toy(7)
     lp = LF.selective_log_softmax(hidden @ w.T, batch["completion_ids"])
-    comp = ChannelComposer.from_specs([
-        {"name": "dapo", "weight": 1.0},
-        {"name": "grpo", "weight": 0.5, "beta": 0.1, "label": "grpo_kl"},
-        {"name": "hint_distill", "weight": 0.25, "criterion": "jsd"},
-        {"name": "replay_dpo", "weight": 2.0},
-        {"name": "dppo", "weight": 0.0},
-    ])  # fmt: skip
+    comp = ChannelComposer.from_specs(
+        [
+            {"name": "dapo", "weight": 1.0},
+            {"name": "grpo", "weight": 0.5, "beta": 0.1, "label": "grpo_kl"},
+            {"name": "hint_distill", "weight": 0.25, "criterion": "jsd"},
+            {"name": "replay_dpo", "weight": 2.0},
+            {"name": "dppo", "weight": 0.0},
+        ]
+    )
     assert comp.names == ["dapo", "grpo_kl", "hint_distill", "replay_dpo", "dppo"]
     assert comp.needs_teacher and comp.needs_reference
     outs = {"logprobs": lp, "student_hidden": hidden, "lm_head_weight": w}

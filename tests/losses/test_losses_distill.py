@@ -197,8 +197,9 @@ def test_chunked_reductions_and_no_mask_and_teacher_head():
     zs, zt = hs @ w.T, (ht @ wt.T)
     for red in ("batchmean", "sum", "mean", "token"):
         ref = LF.generalized_jsd(zs, zt, None, beta=0.3, reduction=red)
-        got = LF.chunked_generalized_jsd(hs, ht, w, None, beta=0.3, reduction=red, chunk_size=3,
-                                         teacher_lm_head_weight=wt)  # fmt: skip
+        got = LF.chunked_generalized_jsd(
+            hs, ht, w, None, beta=0.3, reduction=red, chunk_size=3, teacher_lm_head_weight=wt
+        )
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     # an all-empty mask gives 0 with a gradient path
     out = LF.chunked_generalized_jsd(hs, ht, w, torch.zeros(2, 4, dtype=torch.bool))
@@ -272,8 +273,9 @@ def test_chunked_logprobs_mask_and_gradcheck():
     out = LF.chunked_logprobs(hs, w, ids, mask=mask, chunk_size=2)
     assert (out[~mask] == 0).all()
     torch.testing.assert_close(out[mask], LF.selective_log_softmax(hs @ w.T, ids)[mask])
-    assert torch.autograd.gradcheck(lambda h, ww: LF.chunked_logprobs(h, ww, ids, mask=mask, chunk_size=2,
-                                                                      temperature=0.8), (hs, w))  # fmt: skip
+    assert torch.autograd.gradcheck(
+        lambda h, ww: LF.chunked_logprobs(h, ww, ids, mask=mask, chunk_size=2, temperature=0.8), (hs, w)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,8 +411,7 @@ def test_entropy_aware_opd_matches_restatement(top_k, tau_h):
     want = restated_entropy_opd(s, te, mask, tau_h, 0.7, top_k, 1.1)
     got = LF.entropy_aware_opd(s, te, mask, entropy_threshold=tau_h, fkl_weight=0.7, top_k=top_k, temperature=1.1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.autograd.grad(got, s)[0], torch.autograd.grad(want, s)[0], rtol=1e-5,
-                               atol=1e-7)  # fmt: skip
+    torch.testing.assert_close(torch.autograd.grad(got, s)[0], torch.autograd.grad(want, s)[0], rtol=1e-5, atol=1e-7)
     if tau_h == 100.0:  # no token is high-entropy: plain reverse-KL OPD == JSD(beta=1)
         torch.testing.assert_close(got, LF.generalized_jsd(s, te, mask, beta=1.0, temperature=1.1))
 
@@ -434,8 +435,9 @@ def test_liger_fused_jsd_matches_the_chunked_kernel(beta, temperature):
     for kernels in ("torch", "liger"):
         ch = HintDistillChannel(criterion="jsd", beta=beta, temperature=temperature, kernels=kernels)
         weight.grad = s_hidden.grad = None
-        loss, metrics = ch({"student_hidden": s_hidden, "teacher_hidden": t_hidden, "lm_head_weight": weight},
-                           {"hint_mask": mask})  # fmt: skip
+        loss, metrics = ch(
+            {"student_hidden": s_hidden, "teacher_hidden": t_hidden, "lm_head_weight": weight}, {"hint_mask": mask}
+        )
         loss.backward()
         assert metrics.get("liger", 0.0) == (1.0 if kernels == "liger" else 0.0)
         out[kernels] = (loss.detach(), weight.grad.clone(), s_hidden.grad.clone())

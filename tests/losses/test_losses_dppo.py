@@ -80,9 +80,16 @@ def test_dppo_matches_upstream_per_sample_sum(adv_kind, params, with_weights):
     per_sample_metrics = []
     for i in range(b):
         loss_i, m_i = upstream_default_loss_fn(
-            trainer[i], inference[i], adv[i].expand(t), mask[i], low, high, adv_tau, kl_tau,
+            trainer[i],
+            inference[i],
+            adv[i].expand(t),
+            mask[i],
+            low,
+            high,
+            adv_tau,
+            kl_tau,
             None if weights is None else weights[i],
-        )  # fmt: skip
+        )
         total = total + loss_i
         per_sample_metrics.append(m_i)
     torch.testing.assert_close(got.loss, total, rtol=1e-6, atol=1e-5)

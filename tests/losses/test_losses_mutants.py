@@ -46,8 +46,10 @@ def test_is_clip_refuses_log_probs_of_another_shape_than_the_hinted_mask():
     ok = {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.full((2, 3), -1.0)}
     w, _ = ch.importance_weights(mask, ok, {})
     torch.testing.assert_close(w, torch.full((2, 3), 2.0))  # exp(1) clipped at 2
-    for bad in ({"logprobs": torch.zeros(2, 4), "old_logprobs": torch.zeros(2, 3)},
-                {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.zeros(2, 4)}):  # fmt: skip
+    for bad in (
+        {"logprobs": torch.zeros(2, 4), "old_logprobs": torch.zeros(2, 3)},
+        {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.zeros(2, 4)},
+    ):
         with pytest.raises(ValueError, match="must match hint_mask"):
             ch.importance_weights(mask, bad, {})
 
@@ -202,9 +204,15 @@ def test_shape_mismatches_are_refused_whichever_side_is_larger():
 
 @pytest.mark.parametrize(
     ("loss_type", "eps"),
-    [("grpo", (0.2, 0.2)), ("bnpo", (0.2, 0.2)), ("dr_grpo", (0.2, 0.2)), ("dapo", (0.2, 0.28)),
-     ("cispo", (0.2, 5.0)), ("gspo", (3e-4, 4e-4))],
-)  # fmt: skip
+    [
+        ("grpo", (0.2, 0.2)),
+        ("bnpo", (0.2, 0.2)),
+        ("dr_grpo", (0.2, 0.2)),
+        ("dapo", (0.2, 0.28)),
+        ("cispo", (0.2, 5.0)),
+        ("gspo", (3e-4, 4e-4)),
+    ],
+)
 def test_policy_channels_default_to_the_papers_epsilons(loss_type, eps):
     """TRL's 0.2 / 0.2, DAPO's clip-higher 0.28, ScaleRL's CISPO cap 5.0, GSPO's 3e-4 / 4e-4 (docs/losses.md)."""
     from composer_plugins.losses.policy import PolicyLossChannel
@@ -264,9 +272,13 @@ def test_the_composer_reads_the_inputs_of_its_weighted_channels_only():
     assert comp.active == [dpo, simpo]
     # dpo's keys, then simpo's first (preferred) alternative; the zero-weight channel adds nothing
     assert comp.required_inputs() == (
-        "chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps",
-        "chosen_avg_logps", "rejected_avg_logps",
-    )  # fmt: skip
+        "chosen_logps",
+        "rejected_logps",
+        "ref_chosen_logps",
+        "ref_rejected_logps",
+        "chosen_avg_logps",
+        "rejected_avg_logps",
+    )
     assert ChannelComposer([off]).required_inputs() == ()
     assert ChannelComposer([simpo]).required_inputs() == ("chosen_avg_logps", "rejected_avg_logps")
 

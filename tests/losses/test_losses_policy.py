@@ -121,12 +121,23 @@ def test_policy_loss_matches_trl_compute_loss(loss_type, level, beta, bias_corr,
     eps_high = 5.0 if loss_type == "cispo" else 0.28
     max_len = t + 3
     ref_arg = ref if beta else None
-    want, want_m = trl_compute_loss(logprobs, old, adv, mask, loss_type, 0.2, eps_high, level, beta, ref_arg, max_len,
-                                    bias_corr=bias_corr)  # fmt: skip
+    want, want_m = trl_compute_loss(
+        logprobs, old, adv, mask, loss_type, 0.2, eps_high, level, beta, ref_arg, max_len, bias_corr=bias_corr
+    )
     got, got_m = LF.policy_loss(
-        logprobs, old, adv, mask, loss_type, 0.2, eps_high, level, beta, ref_arg, max_len,
+        logprobs,
+        old,
+        adv,
+        mask,
+        loss_type,
+        0.2,
+        eps_high,
+        level,
+        beta,
+        ref_arg,
+        max_len,
         use_bias_correction_kl=bias_corr,
-    )  # fmt: skip
+    )
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     (g_want,) = torch.autograd.grad(want, logprobs)
     (g_got,) = torch.autograd.grad(got, logprobs)
@@ -166,8 +177,10 @@ def test_old_logprobs_none_means_on_policy_and_advantage_per_token():
     torch.testing.assert_close(got, expect)
     # (B, T) advantages broadcast identically
     adv_bt = adv.unsqueeze(1).expand(3, 5).contiguous()
-    torch.testing.assert_close(LF.policy_loss(logprobs, None, adv_bt, mask, "grpo").loss,
-                               LF.policy_loss(logprobs, None, adv, mask, "grpo").loss)  # fmt: skip
+    torch.testing.assert_close(
+        LF.policy_loss(logprobs, None, adv_bt, mask, "grpo").loss,
+        LF.policy_loss(logprobs, None, adv, mask, "grpo").loss,
+    )
 
 
 def test_kl_estimators_restated():
@@ -263,8 +276,10 @@ def test_rloo_advantages_match_trl_restatement(normalize):
     got = LF.group_advantages(r, 4, "batch" if normalize else None, estimator="rloo")
     torch.testing.assert_close(got, restated_rloo(r, 4, normalize))
     # hand value: group [a,b,c,d] -> a - mean(b,c,d)
-    torch.testing.assert_close(LF.rloo_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]), 4),
-                               torch.tensor([1 - 11 / 3, 2 - 10 / 3, 3 - 9 / 3, 6 - 2.0]))  # fmt: skip
+    torch.testing.assert_close(
+        LF.rloo_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]), 4),
+        torch.tensor([1 - 11 / 3, 2 - 10 / 3, 3 - 9 / 3, 6 - 2.0]),
+    )
     with pytest.raises(ValueError, match="not defined for RLOO"):
         LF.group_advantages(r, 4, "group", estimator="rloo")
 
@@ -283,8 +298,12 @@ def test_rows_correct_routes_only_the_correct_rows_to_the_policy_gradient():
     torch.manual_seed(0)
     B, T = 4, 5
     logps = torch.randn(B, T, requires_grad=True)
-    batch = {"old_logprobs": logps.detach() - 0.1, "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
-             "completion_mask": torch.ones(B, T), "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0])}  # fmt: skip
+    batch = {
+        "old_logprobs": logps.detach() - 0.1,
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        "completion_mask": torch.ones(B, T),
+        "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+    }
     srpo = PolicyLossChannel(loss_type="grpo", rows="correct")
     assert "rewards" in srpo.required_inputs()
     loss, _ = srpo({"logprobs": logps}, batch)

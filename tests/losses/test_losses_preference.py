@@ -55,10 +55,26 @@ def test_dpo_matches_trl_restatement(loss_type, beta, label_smoothing, scale):
     c, r, rc, rr = _pairs(7, scale)
     lens = (torch.randint(0, 30, (7,)).float(), torch.randint(1, 30, (7,)).float())
     kw = {"chosen_lengths": lens[0], "rejected_lengths": lens[1]} if loss_type == "ipo" else {}
-    want, wc, wr = trl_dpo(c, r, rc, rr, beta, loss_type, *(lens if loss_type == "ipo" else (None, None)),
-                           label_smoothing=label_smoothing if loss_type == "sigmoid" else 0.0)  # fmt: skip
-    got = LF.dpo_loss(c, r, rc, rr, beta, loss_type,  # type: ignore[arg-type]
-                      label_smoothing=label_smoothing if loss_type == "sigmoid" else 0.0, **kw)  # fmt: skip
+    want, wc, wr = trl_dpo(
+        c,
+        r,
+        rc,
+        rr,
+        beta,
+        loss_type,
+        *(lens if loss_type == "ipo" else (None, None)),
+        label_smoothing=label_smoothing if loss_type == "sigmoid" else 0.0,
+    )
+    got = LF.dpo_loss(
+        c,
+        r,
+        rc,
+        rr,
+        beta,
+        loss_type,  # type: ignore[arg-type]
+        label_smoothing=label_smoothing if loss_type == "sigmoid" else 0.0,
+        **kw,
+    )
     torch.testing.assert_close(got.loss, want)
     assert torch.isfinite(got.loss)
     g_want = torch.autograd.grad(want, [c, r])

@@ -112,8 +112,9 @@ def test_mixture_by_hand():
     want = sum(ps[k] * math.log(ps[k] / qs[k]) for k in ps)
     scores = TeacherTopK(ids.view(1, 2, 1, 2), lps.view(1, 2, 1, 2), torch.ones(1, 2, 1, dtype=torch.bool))
     ch = TeacherDistillChannel(divergence="reverse_kl", weights={"teacher0": 3.0, "teacher1": 1.0})
-    loss, m = ch({"completion_logits": p.log().view(1, 1, 5)}, {"teacher_scores": scores,
-                                                                 "completion_mask": torch.ones(1, 1)})  # fmt: skip
+    loss, m = ch(
+        {"completion_logits": p.log().view(1, 1, 5)}, {"teacher_scores": scores, "completion_mask": torch.ones(1, 1)}
+    )
     assert float(loss) == pytest.approx(want, rel=1e-9)
     assert m["teacher_topk_mass"] == pytest.approx(0.775)
     assert m["student_topk_mass"] == pytest.approx(0.75)
@@ -144,11 +145,15 @@ def test_min_agree_by_hand():
     # through the channel: only the kept positions count
     h = torch.randn(1, 4, 3, dtype=torch.float64)
     w = torch.randn(200, 3, dtype=torch.float64)
-    scores = TeacherTopK(ids.unsqueeze(0).transpose(1, 2), lps.unsqueeze(0).transpose(1, 2).double(),
-                         present.unsqueeze(0).transpose(1, 2))  # fmt: skip
+    scores = TeacherTopK(
+        ids.unsqueeze(0).transpose(1, 2),
+        lps.unsqueeze(0).transpose(1, 2).double(),
+        present.unsqueeze(0).transpose(1, 2),
+    )
     mask = torch.ones(1, 4)
-    _, m = TeacherDistillChannel(min_agree=3)({"hidden_states": h, "lm_head_weight": w},
-                                              {"teacher_scores": scores, "completion_mask": mask})  # fmt: skip
+    _, m = TeacherDistillChannel(min_agree=3)(
+        {"hidden_states": h, "lm_head_weight": w}, {"teacher_scores": scores, "completion_mask": mask}
+    )
     assert m["tokens"] == 1.0 and m["coverage"] == 0.25
 
 
@@ -165,8 +170,9 @@ def test_sampled_token_only_is_a_two_way_distribution():
 
 
 def test_teacher_side_is_tokens_times_k():
-    scores = TeacherTopK(torch.zeros(2, 3, 7, 20, dtype=torch.long), torch.zeros(2, 3, 7, 20),
-                         torch.ones(2, 3, 7, dtype=torch.bool))  # fmt: skip
+    scores = TeacherTopK(
+        torch.zeros(2, 3, 7, 20, dtype=torch.long), torch.zeros(2, 3, 7, 20), torch.ones(2, 3, 7, dtype=torch.bool)
+    )
     assert scores.nbytes == 2 * 3 * 7 * (20 * 8 + 20 * 4 + 1)
 
 
@@ -247,8 +253,12 @@ def test_nonfinite_teacher_entries_are_left_out_and_counted(path, divergence, be
 @pytest.mark.parametrize("path", PATHS)
 def test_a_teacher_whose_entries_are_all_nan_is_absent_there(path):
     _, _, mask, _ = _leaves()
-    scores = TeacherTopK(_two_teachers().ids[:, :1], _two_teachers().logprobs[:, :1].clone(),
-                         torch.ones(B, 1, T, dtype=torch.bool), ("a",))  # fmt: skip
+    scores = TeacherTopK(
+        _two_teachers().ids[:, :1],
+        _two_teachers().logprobs[:, :1].clone(),
+        torch.ones(B, 1, T, dtype=torch.bool),
+        ("a",),
+    )
     scores.logprobs[0, 0, 2] = math.nan  # every entry of the only teacher at one token
     loss, m, _ = _channel(path, scores, mask)
     assert torch.isfinite(loss) and m["tokens"] == float(mask.sum()) - 1 and m["nonfinite"] == 3.0
@@ -322,11 +332,15 @@ def test_repeated_ids_merge_the_same_way_for_one_teacher_and_many(path, divergen
     probs = torch.tensor([0.2, 0.1, 0.3, 0.15], dtype=torch.float64)
     lps = probs.log().expand(B, 1, T, 4).clone()
     one = TeacherTopK(ids, lps, torch.ones(B, 1, T, dtype=torch.bool), ("a",))
-    twice = TeacherTopK(ids.repeat(1, 2, 1, 1), lps.repeat(1, 2, 1, 1), torch.ones(B, 2, T, dtype=torch.bool),
-                        ("a", "a2"))  # fmt: skip
-    merged = TeacherTopK(torch.tensor([3, 7, 1, -1]).expand(B, 1, T, 4).clone(),
-                         torch.tensor([0.3, 0.3, 0.15, 1.0], dtype=torch.float64).log().expand(B, 1, T, 4).clone(),
-                         torch.ones(B, 1, T, dtype=torch.bool), ("a",))  # fmt: skip
+    twice = TeacherTopK(
+        ids.repeat(1, 2, 1, 1), lps.repeat(1, 2, 1, 1), torch.ones(B, 2, T, dtype=torch.bool), ("a", "a2")
+    )
+    merged = TeacherTopK(
+        torch.tensor([3, 7, 1, -1]).expand(B, 1, T, 4).clone(),
+        torch.tensor([0.3, 0.3, 0.15, 1.0], dtype=torch.float64).log().expand(B, 1, T, 4).clone(),
+        torch.ones(B, 1, T, dtype=torch.bool),
+        ("a",),
+    )
     kw = {"divergence": divergence, "beta": beta}
     l1, _, g1 = _channel(path, one, mask, **kw)
     l2, _, g2 = _channel(path, twice, mask, **kw)

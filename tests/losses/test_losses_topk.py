@@ -34,8 +34,18 @@ CRITERIA = [
 # ------------------------------------------------------------------------------------------------
 # SDPO's formula, restated in plain torch from logits as its actor and loss do it
 # ------------------------------------------------------------------------------------------------
-def sdpo_self_distillation_loss(student_logits, teacher_logits, responses, response_mask, *, alpha, topk,
-                                temperature=1.0, is_clip=None, old_log_probs=None):  # fmt: skip
+def sdpo_self_distillation_loss(
+    student_logits,
+    teacher_logits,
+    responses,
+    response_mask,
+    *,
+    alpha,
+    topk,
+    temperature=1.0,
+    is_clip=None,
+    old_log_probs=None,
+):
     """SDPO's top-k + tail α-KL distillation loss (``full_logit_distillation``, ``distillation_add_tail``).
 
     Actor (``_forward_micro_batch``): logits divided by the temperature; the student's
@@ -66,8 +76,9 @@ def sdpo_self_distillation_loss(student_logits, teacher_logits, responses, respo
     else:
         a = torch.tensor(alpha, dtype=s.dtype)
         m = torch.logsumexp(torch.stack([s + torch.log(1 - a), t + torch.log(a)]), dim=0)
-        kl = torch.lerp(F.kl_div(m, s, reduction="none", log_target=True),
-                        F.kl_div(m, t, reduction="none", log_target=True), a)  # fmt: skip
+        kl = torch.lerp(
+            F.kl_div(m, s, reduction="none", log_target=True), F.kl_div(m, t, reduction="none", log_target=True), a
+        )
     per_token = kl.sum(-1)
     if is_clip is not None:
         neg_kl = torch.clamp((log_probs - old_log_probs).detach(), min=-20.0, max=20.0)
@@ -120,8 +131,17 @@ def test_topk_tail_matches_sdpo_formula_loss_and_grads(alpha, temperature, path,
     logits = h @ w.T
     logp = torch.log_softmax(logits / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     old = (logp.detach() + old_noise) if is_clip is not None else None
-    ref = sdpo_self_distillation_loss(logits, (th @ w.T).detach(), ids, mask, alpha=alpha, topk=k,
-                                      temperature=temperature, is_clip=is_clip, old_log_probs=old)  # fmt: skip
+    ref = sdpo_self_distillation_loss(
+        logits,
+        (th @ w.T).detach(),
+        ids,
+        mask,
+        alpha=alpha,
+        topk=k,
+        temperature=temperature,
+        is_clip=is_clip,
+        old_log_probs=old,
+    )
     ref_g = _grads(ref, h, w)
 
     ch = _channel("jsd", {"beta": alpha, "temperature": temperature}, topk=k, is_clip=is_clip, chunk_size=4)

@@ -62,8 +62,11 @@ def test_one_mutant_runs_end_to_end(tmp_path):
     out = tmp_path / "mut"
     res = subprocess.run(
         [sys.executable, "-m", "benchmarks.mutation", "--mutant", kill, "--jobs", "1", "--out", str(out)],
-        cwd=M.REPO_ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=M.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
     g = report["groups"]["losses"]

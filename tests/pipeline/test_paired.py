@@ -103,8 +103,14 @@ def test_compare_paired_cli_reads_mlflow(tmp_path, monkeypatch) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp_id = client.create_experiment("study", artifact_location=str(tmp_path / "mlruns"))
-    acc = {("rl_only", 0): 0.10, ("rl_only", 1): 0.20, ("rl_only", 2): 0.30,
-           ("hint", 0): 0.20, ("hint", 1): 0.30, ("hint", 2): 0.40}  # fmt: skip
+    acc = {
+        ("rl_only", 0): 0.10,
+        ("rl_only", 1): 0.20,
+        ("rl_only", 2): 0.30,
+        ("hint", 0): 0.20,
+        ("hint", 1): 0.30,
+        ("hint", 2): 0.40,
+    }
     for (v, s), a in acc.items():
         r = client.create_run(exp_id, tags={"dvc.stage": f"eval@{v}-s{s}"})
         for k, x in (("study.channels", v), ("study.seed", s), ("study.variant", v)):
@@ -157,11 +163,15 @@ def _curve_study(tmp_path, curves, start=0.2):
 
 
 CURVES = {  # (variant, seed): accuracy at steps 10, 20, 30 (step 0: 0.2, the shared start)
-    ("rl_only", 0): (0.2, 0.3, 0.4), ("rl_only", 1): (0.1, 0.3, 0.3),
-    ("fast", 0): (0.4, 0.4, 0.5), ("fast", 1): (0.3, 0.3, 0.4),
-    ("slow", 0): (0.1, 0.2, 0.3), ("slow", 1): (0.1, 0.3, 0.3),
-    ("never", 0): (0.1, 0.2, 0.2), ("never", 1): (0.1, 0.1, 0.1),
-}  # fmt: skip
+    ("rl_only", 0): (0.2, 0.3, 0.4),
+    ("rl_only", 1): (0.1, 0.3, 0.3),
+    ("fast", 0): (0.4, 0.4, 0.5),
+    ("fast", 1): (0.3, 0.3, 0.4),
+    ("slow", 0): (0.1, 0.2, 0.3),
+    ("slow", 1): (0.1, 0.3, 0.3),
+    ("never", 0): (0.1, 0.2, 0.2),
+    ("never", 1): (0.1, 0.1, 0.1),
+}
 
 
 def test_curve_effects_auc_from_step_0_and_time_to_a_fixed_threshold(tmp_path) -> None:
@@ -200,10 +210,15 @@ def test_study_report_names_holm_and_the_threshold(tmp_path) -> None:
     assert "never 2 / rl_only 0" in text
     assert "| 0 | 0.200 | 0.200 | 0.200 | 0.200 |" in text  # step 0 on the mean curve
     assert "Holm p" in text
-    gap = {"model": "m", "num_prompts": 8, "variants": {
-        "fast": {"hint": {"margin": -0.2, "fix_rate": 0.6, "coverage": 1.0}},
-        "slow": {"hint": {"margin": -0.9, "fix_rate": 0.1, "coverage": 1.0}},
-        "never": {"teacher:t": {"margin": -1.5, "fix_rate": 0.0, "coverage": 1.0}}}}  # fmt: skip
+    gap = {
+        "model": "m",
+        "num_prompts": 8,
+        "variants": {
+            "fast": {"hint": {"margin": -0.2, "fix_rate": 0.6, "coverage": 1.0}},
+            "slow": {"hint": {"margin": -0.9, "fix_rate": 0.1, "coverage": 1.0}},
+            "never": {"teacher:t": {"margin": -1.5, "fix_rate": 0.0, "coverage": 1.0}},
+        },
+    }
     text = paired.study_report(tmp_path, "rl_only", delta=0.1, gap=gap)
     assert "| fast | hint | -0.200 | 0.600 | 1.000 | +0.100 |" in text  # beside the final effect (+0.1 both seeds)
     assert "margin r = +1.00 (n = 3)" in text and "fix_rate r = " in text  # numpy.corrcoef: 0.99902

@@ -32,8 +32,9 @@ def _run(*args: str, cwd: Path) -> procs.subprocess.CompletedProcess:  # type: i
     env = {k: v for k, v in os.environ.items() if k not in ("COMPOSER_PROGRESS", "TQDM_DISABLE")}
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)  # as a user's shell: library bars on unless we turn them off
     env.update(COMPOSER_MLFLOW="0", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return procs.run([sys.executable, "-m", "composer_plugins", *args], env=env, capture_output=True, text=True,
-                     timeout=400, cwd=cwd)  # fmt: skip
+    return procs.run(
+        [sys.executable, "-m", "composer_plugins", *args], env=env, capture_output=True, text=True, timeout=400, cwd=cwd
+    )
 
 
 def test_a_run_without_a_bar_prints_a_line_every_n_steps_and_no_library_bar(tmp_path: Path):
@@ -41,8 +42,9 @@ def test_a_run_without_a_bar_prints_a_line_every_n_steps_and_no_library_bar(tmp_
     cfg.write_text(TINY.format(cache=tmp_path / "cache", out=tmp_path / "run"))
     r = _run("train", "-c", str(cfg), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = re.findall(rf"(?m)^train {re.escape(str(tmp_path / 'run'))}: step (\d)/5 reward=\S+ loss=\S+ \(\d+ s\)$",
-                       r.stderr)  # fmt: skip
+    lines = re.findall(
+        rf"(?m)^train {re.escape(str(tmp_path / 'run'))}: step (\d)/5 reward=\S+ loss=\S+ \(\d+ s\)$", r.stderr
+    )
     assert lines == ["2", "4", "5"], r.stderr[-3000:]  # every 2 steps and the last
     assert "%|" not in r.stderr and "Loading weights" not in r.stderr, r.stderr[-3000:]
     quiet = _run("--no-progress", "train", "-c", str(cfg), "--overwrite", cwd=tmp_path)
@@ -59,8 +61,9 @@ def test_the_rollout_stage_prints_one_line_and_its_stats_go_to_a_file(tmp_path: 
     params = tmp_path / "params.yaml"
     params.write_text("rollout: {num_prompts: 8, num_generations: 2, max_new_tokens: 6, batch_size: 2}\n")
     out = tmp_path / "traces.jsonl"
-    r = _run("rollout", "-p", str(params), "--model", str(model), "--tasks", str(tasks), "--out", str(out),
-             cwd=tmp_path)  # fmt: skip
+    r = _run(
+        "rollout", "-p", str(params), "--model", str(model), "--tasks", str(tasks), "--out", str(out), cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines() == [
         f"rollout: traces=16 prompts=8 reward_mean={_num(r.stdout, 'reward_mean')} "

@@ -91,8 +91,11 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
     shutil.copy(ROOT / ".dvcignore", repo / ".dvcignore")
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
-    shutil.copytree(ROOT / "composer_plugins", repo / "composer_plugins",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))  # fmt: skip
+    shutil.copytree(
+        ROOT / "composer_plugins",
+        repo / "composer_plugins",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+    )
     shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
     write_merged_params(ROOT / "params.yaml", CI_PARAMS, repo / "params.yaml")
     run(repo, "git", "add", "-A")
@@ -150,9 +153,17 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
     assert len(curves) == 1 + len(cells) * params["train"]["trainer"]["max_steps"]
     # one plot per channel series: each channel's loss, replay pairs, hint rows, groups_with_signal
     per_curve = {p.name for p in (path / "plots" / "curves").iterdir()}
-    want = {"train.reward.csv", "train.loss.csv", "train.accuracy.csv", "train.groups_with_signal.csv",
-            "train.hint.rows.csv", "train.grpo.loss.csv", "train.hint_distill.loss.csv", "train.replay.loss.csv",
-            "train.replay.pairs.csv"}  # fmt: skip
+    want = {
+        "train.reward.csv",
+        "train.loss.csv",
+        "train.accuracy.csv",
+        "train.groups_with_signal.csv",
+        "train.hint.rows.csv",
+        "train.grpo.loss.csv",
+        "train.hint_distill.loss.csv",
+        "train.replay.loss.csv",
+        "train.replay.pairs.csv",
+    }
     assert want <= per_curve, per_curve
     table = (path / "results" / "ablation.md").read_text()
     assert "| full |" in table and "| no_hint |" in table and "±" in table
@@ -240,9 +251,24 @@ def test_replicas_train_a_cell_with_diloco(repo: tuple[Path, str]) -> None:
     Runs last: it adds runs/diloco-s0 next to the pipeline's outputs (an extra cell, not a DVC output).
     """
     path, _ = repo
-    out = run(path, str(BIN / "composer-plugins"), "study", "train", "--variant", "diloco", "--seed", "0",
-              "-S", "study.variants.diloco={}", "-S", "train.diloco.replicas=2", "-S", "train.diloco.sync_every=1",
-              "-S", "mlflow.enabled=false")  # fmt: skip
+    out = run(
+        path,
+        str(BIN / "composer-plugins"),
+        "study",
+        "train",
+        "--variant",
+        "diloco",
+        "--seed",
+        "0",
+        "-S",
+        "study.variants.diloco={}",
+        "-S",
+        "train.diloco.replicas=2",
+        "-S",
+        "train.diloco.sync_every=1",
+        "-S",
+        "mlflow.enabled=false",
+    )
     assert "composer-plugins diloco --replicas 2" in out.stdout
     cell = path / "runs" / "diloco-s0"
     assert (cell / "model" / "config.json").exists()
@@ -276,8 +302,11 @@ def study_repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     for f in ("dvc.yaml", ".dvcignore", ".gitignore", "params.yaml"):
         shutil.copy(ROOT / f, repo / f)
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
-    shutil.copytree(ROOT / "composer_plugins", repo / "composer_plugins",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))  # fmt: skip
+    shutil.copytree(
+        ROOT / "composer_plugins",
+        repo / "composer_plugins",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+    )
     study_dir = repo / "studies" / "sparse"
     study_dir.mkdir(parents=True)
     shutil.copy(ROOT / "studies" / "sparse" / "dvc.yaml", study_dir / "dvc.yaml")
@@ -328,8 +357,9 @@ def test_study_directory_runs_as_a_dvc_experiment(study_repo: tuple[Path, str]) 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name("composer-plugins-sparse")
     evals = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("dvc.stage", "").startswith("eval@")]
-    tagged = {(r.data.tags.get("study.variant"), r.data.tags.get("study.seed"), r.data.tags.get("dvc.exp"))
-              for r in evals}  # fmt: skip
+    tagged = {
+        (r.data.tags.get("study.variant"), r.data.tags.get("study.seed"), r.data.tags.get("dvc.exp")) for r in evals
+    }
     assert tagged == {(v, str(s), "two-steps") for v in params["study"]["variants"] for s in params["study"]["seeds"]}
     out = run(study_dir, str(BIN / "composer-plugins"), "compare", "--paired", "--format", "json").stdout
     rows = {(r["variant"], r["baseline"], r["metric"]): r for r in json.loads(out)}  # baseline: study.baseline

@@ -106,8 +106,9 @@ def test_data_section_errors_name_the_key() -> None:
 
 
 def test_channel_flags_and_label() -> None:
-    flags = stages.channel_flags({"losses": {"grpo": {"weight": 1}, "hint": {"weight": 0}, "r": {"enabled": False},
-                                             "x": 0.5, "y": False}})  # fmt: skip
+    flags = stages.channel_flags(
+        {"losses": {"grpo": {"weight": 1}, "hint": {"weight": 0}, "r": {"enabled": False}, "x": 0.5, "y": False}}
+    )
     assert flags == {"grpo": True, "hint": False, "r": False, "x": True, "y": False}
     assert stages.channels_label(flags) == "grpo+x"
     assert stages.channels_label({"a": False}) == "none"
@@ -159,8 +160,12 @@ def test_run_tags(monkeypatch: pytest.MonkeyPatch) -> None:
     tags = tracking.run_tags(variant="full", seed=0, extra={"x": 1})
     assert tags["dvc.stage"] == "train@full-0" and tags["dvc.exp"] == "exp-1"
     assert tags["study.variant"] == "full" and tags["study.seed"] == "0" and tags["x"] == "1"
-    assert tags["git.commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                                text=True, timeout=60).stdout.strip()  # fmt: skip
+    assert (
+        tags["git.commit"]
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+    )
 
 
 def test_compare_reads_mlflow_dedupes_and_aggregates(tmp_path: Path) -> None:
@@ -187,8 +192,10 @@ def test_compare_reads_mlflow_dedupes_and_aggregates(tmp_path: Path) -> None:
 
     recs = compare.fetch_eval_records(uri, "study")
     assert sorted((r["channels"], r["seed"], r["gsm8k/accuracy"]) for r in recs) == [
-        ("grpo", 0, 0.2), ("grpo+hint", 0, 0.5), ("grpo+hint", 1, 0.7)
-    ]  # fmt: skip
+        ("grpo", 0, 0.2),
+        ("grpo+hint", 0, 0.5),
+        ("grpo+hint", 1, 0.7),
+    ]
     assert len(compare.fetch_eval_records(uri, "study", all_runs=True)) == 4
     rows = json.loads(compare.compare_table(recs, ["gsm8k/accuracy"], fmt="json"))
     assert rows[0]["channels"] == "grpo+hint" and rows[0]["gsm8k/accuracy"]["mean"] == pytest.approx(0.6)
@@ -205,11 +212,13 @@ def test_run_all_isolates_failures_and_writes_reports(tmp_path: Path, monkeypatc
     pkg = tmp_path / "fakebench"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "bench_good.py").write_text(textwrap.dedent("""
+    (pkg / "bench_good.py").write_text(
+        textwrap.dedent("""
         def run(quick=False):
             return {"name": "good", "results": {"quick": quick}, "ratios": {"speedup": 2.0 if quick else 3.0},
                     "targets": {"speedup": ">= 1.5"}}
-    """))  # fmt: skip
+    """)
+    )
     (pkg / "bench_bad.py").write_text("def run(quick=False):\n    raise RuntimeError('boom')\n")
     (pkg / "bench_shape.py").write_text("def run(quick=False):\n    return {'name': 'shape'}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -231,8 +240,14 @@ def test_run_all_isolates_failures_and_writes_reports(tmp_path: Path, monkeypatc
 
 
 def test_run_all_cli_lists_project_benchmarks() -> None:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--list"], cwd=ROOT, capture_output=True,
-                         text=True, check=True, timeout=120).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run_all", "--list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
     found = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py"))
     assert out == found
 

@@ -60,16 +60,30 @@ def test_a_plot_per_channel_series_third_party_channels_included(tmp_path):
     _dvc_repo(repo)
     runs = repo / "runs"
     # a run in today's names, with a third-party channel; and one written before the naming scheme
-    _write_history(runs / "full-s0" / "history.csv", [
-        {"step": s, "train/reward": 0.1 * s, "train/loss": 1.0 / s, "train/accuracy": 0.2,
-         "train/groups_with_signal": 0.5, "train/hint/rows": 3, "train/grpo/loss": 0.1,
-         "train/grpo/clip_ratio/low_mean": 0.0, "train/focal_pg/loss": 0.3, "train/replay/loss": 0.6,
-         "train/replay/pairs": 4, "train/replay/skipped": 0}
-        for s in (1, 2)
-    ])  # fmt: skip
-    _write_history(runs / "old-s0" / "history.csv", [
-        {"step": float(s), "reward": 0.5, "loss": 0.2, "grpo/loss": 0.1, "replay/pairs": 2} for s in (1, 2)
-    ])  # fmt: skip
+    _write_history(
+        runs / "full-s0" / "history.csv",
+        [
+            {
+                "step": s,
+                "train/reward": 0.1 * s,
+                "train/loss": 1.0 / s,
+                "train/accuracy": 0.2,
+                "train/groups_with_signal": 0.5,
+                "train/hint/rows": 3,
+                "train/grpo/loss": 0.1,
+                "train/grpo/clip_ratio/low_mean": 0.0,
+                "train/focal_pg/loss": 0.3,
+                "train/replay/loss": 0.6,
+                "train/replay/pairs": 4,
+                "train/replay/skipped": 0,
+            }
+            for s in (1, 2)
+        ],
+    )
+    _write_history(
+        runs / "old-s0" / "history.csv",
+        [{"step": float(s), "reward": 0.5, "loss": 0.2, "grpo/loss": 0.1, "replay/pairs": 2} for s in (1, 2)],
+    )
     n = stages.write_curves(runs, repo / "plots" / "train_curves.csv", repo / "plots" / "curves")
     assert n == 4
     files = sorted(p.name for p in (repo / "plots" / "curves").iterdir())
@@ -85,11 +99,14 @@ def test_a_plot_per_channel_series_third_party_channels_included(tmp_path):
             "train.replay.loss.csv",
             "train.replay.pairs.csv",
         ]
-    )  # fmt: skip  (clip ratios and skip flags are in history.csv and MLflow, not plotted)
+    )  # clip ratios and skip flags are in history.csv and MLflow, not plotted
     pairs = list(csv.DictReader((repo / "plots" / "curves" / "train.replay.pairs.csv").open()))
     assert [(r["run"], r["step"], r["train/replay/pairs"]) for r in pairs] == [
-        ("full-s0", "1", "4.0"), ("full-s0", "2", "4.0"), ("old-s0", "1", "2.0"), ("old-s0", "2", "2.0")
-    ]  # fmt: skip
+        ("full-s0", "1", "4.0"),
+        ("full-s0", "2", "4.0"),
+        ("old-s0", "1", "2.0"),
+        ("old-s0", "2", "2.0"),
+    ]
     # the project's own dvc.yaml plots definition renders every file of the directory
     plots = yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"]
     (repo / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}))
@@ -127,10 +144,14 @@ def _eval_run(uri: str, variant: str, seed: int, lr: float, acc: float) -> str |
         "losses": {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 1.0 if variant == "full" else 0.0}},
     }
     channels = "grpo+hint_distill" if variant == "full" else "grpo"
-    result = {"run": f"{variant}-s{seed}", "variant": variant, "seed": seed, "channels": channels,
-              "channel_flags": {"grpo": True, "hint_distill": variant == "full"},
-              "metrics": {"gsm8k/accuracy": acc, "code/pass_at_1": 0.0,
-                          "feature_deletion/mean_reward": 0.0}}  # fmt: skip
+    result = {
+        "run": f"{variant}-s{seed}",
+        "variant": variant,
+        "seed": seed,
+        "channels": channels,
+        "channel_flags": {"grpo": True, "hint_distill": variant == "full"},
+        "metrics": {"gsm8k/accuracy": acc, "code/pass_at_1": 0.0, "feature_deletion/mean_reward": 0.0},
+    }
     return stages.log_eval_run(params, train_cfg, result)
 
 
@@ -151,8 +172,10 @@ def test_compare_shows_the_baseline_beside_each_experiment(tmp_path, monkeypatch
     args = ["compare", "--tracking-uri", uri, "--experiment", "cmp", "-p", str(tmp_path / "none.yaml")]
     r = CliRunner().invoke(cli, [*args, "--format", "json"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    rows = [(x["variant"], x["channels"], x["train.optim.lr"], x["exp"], x["n"],
-             round(x["gsm8k/accuracy"]["mean"], 3)) for x in json.loads(r.output)]  # fmt: skip
+    rows = [
+        (x["variant"], x["channels"], x["train.optim.lr"], x["exp"], x["n"], round(x["gsm8k/accuracy"]["mean"], 3))
+        for x in json.loads(r.output)
+    ]
     assert rows == [
         ("full", "grpo+hint_distill", "2e-05", "baseline", 2, 0.505),
         ("full", "grpo+hint_distill", "4e-05", "lr-up", 2, 0.7),
@@ -167,7 +190,11 @@ def test_compare_shows_the_baseline_beside_each_experiment(tmp_path, monkeypatch
     r = CliRunner().invoke(cli, [*args[:-1], str(tmp_path / "params.yaml"), "--format", "json"])
     assert r.exit_code == 0, r.output
     assert [(x["variant"], x["exp"]) for x in json.loads(r.output)] == [
-        ("rl_only", "baseline"), ("rl_only", "lr-up"), ("full", "baseline"), ("full", "lr-up")]  # fmt: skip
+        ("rl_only", "baseline"),
+        ("rl_only", "lr-up"),
+        ("full", "baseline"),
+        ("full", "lr-up"),
+    ]
     # an explicit --group-by keeps the old behaviour (the newest run per channels and seed)
     r = CliRunner().invoke(cli, [*args, "--group-by", "channels", "--format", "json"], catch_exceptions=False)
     assert [x["n"] for x in json.loads(r.output)] == [2, 2]

@@ -82,8 +82,9 @@ def test_study_files_are_derived_from_the_repository_pipeline() -> None:
         for d in mine.get("deps", []):
             if d.startswith("../../"):
                 assert (STUDY / d).exists(), d
-    merged = study.merge_params(yaml.safe_load((ROOT / "params.yaml").read_text()),
-                                yaml.safe_load((STUDY / "overrides.yaml").read_text()))  # fmt: skip
+    merged = study.merge_params(
+        yaml.safe_load((ROOT / "params.yaml").read_text()), yaml.safe_load((STUDY / "overrides.yaml").read_text())
+    )
     assert _sparse_params() == merged
     # a stale file is reported, not silently accepted
     text = (STUDY / "params.yaml").read_text()

@@ -60,8 +60,11 @@ SPAWNER = textwrap.dedent("""
 def test_failed_child_is_named_at_once_with_its_output_and_siblings_are_stopped(tmp_path):
     with procs.Children("t") as kids:
         kids.start("sleeper", [PY, "-c", "import time; time.sleep(300)"], log_path=tmp_path / "sleeper.log")
-        kids.start("crasher", [PY, "-c", "import sys, time; time.sleep(0.3); print('about to fail', flush=True); "
-                                         "sys.exit(3)"], log_path=tmp_path / "crasher.log")  # fmt: skip
+        kids.start(
+            "crasher",
+            [PY, "-c", "import sys, time; time.sleep(0.3); print('about to fail', flush=True); sys.exit(3)"],
+            log_path=tmp_path / "crasher.log",
+        )
         t0 = time.monotonic()
         with pytest.raises(procs.ChildFailed) as ei:
             kids.wait(120)
@@ -81,8 +84,10 @@ def test_killed_child_is_reported_with_its_signal(tmp_path):
 
 
 def test_stuck_child_is_dumped_and_killed_at_the_deadline(tmp_path):
-    code = ("import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
-            "def stuck_here():\n    time.sleep(300)\nstuck_here()\n")  # fmt: skip
+    code = (
+        "import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "def stuck_here():\n    time.sleep(300)\nstuck_here()\n"
+    )
     with procs.Children("t") as kids:
         c = kids.start("stuck", [PY, "-c", code], log_path=tmp_path / "stuck.log")
         t0 = time.monotonic()
@@ -208,8 +213,13 @@ def test_conftest_kills_and_reports_what_a_test_leaves_behind(tmp_path):
             assert False, "fails, and cleans nothing up"
     """)
     )
-    res = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "test_leak.py"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "test_leak.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 1, out
     server, leaked = read_pids(pidfile, 2)

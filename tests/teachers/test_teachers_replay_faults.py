@@ -300,8 +300,14 @@ def test_kill_9_under_a_tight_ceiling_leaves_the_ceiling_usable(srv, tmp_path):
 
     cfg = _config(tmp_path, srv, teachers, n=n)
     states = load_traces([str(tmp_path / "traces.jsonl")])
-    probe = OpenAITeacher("teacher-a", base_url=srv.base_url, api_key_env=None, prompt_usd_per_token=1e-6,
-                          completion_usd_per_token=4e-6, max_tokens=32)  # fmt: skip
+    probe = OpenAITeacher(
+        "teacher-a",
+        base_url=srv.base_url,
+        api_key_env=None,
+        prompt_usd_per_token=1e-6,
+        completion_usd_per_token=4e-6,
+        max_tokens=32,
+    )
     wc = max(probe.max_cost(s.messages) for s in states)
     ceiling = 40 * wc  # the job would need about 80 worst cases of real spend
     cfg = _config(tmp_path, srv, teachers, n=n, budget={"max_usd": ceiling})

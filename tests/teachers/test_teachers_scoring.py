@@ -30,8 +30,14 @@ from composer_plugins.teachers.scoring import (
 )
 
 PROMPTS = ["What is 2 + 3?", "Add 4 and 5.", "What is 7 - 2?", "Sum 1 and 1.", "What is 3 * 3?", "What is 8 - 6?"]
-ANSWERS = ["2 + 3 = 5\n#### 5", "4 + 5 = 9\n#### 9", "7 - 2 = 5\n#### 5", "1 + 1 = 2\n#### 2",
-           "3 * 3 = 9\n#### 9", "8 - 6 = 2\n#### 2"]  # fmt: skip
+ANSWERS = [
+    "2 + 3 = 5\n#### 5",
+    "4 + 5 = 9\n#### 9",
+    "7 - 2 = 5\n#### 5",
+    "1 + 1 = 2\n#### 2",
+    "3 * 3 = 9\n#### 9",
+    "8 - 6 = 2\n#### 2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +137,18 @@ def test_kill_the_server_mid_run_nothing_scored_twice_and_budget_held(tiny, serv
     db = str(tmp_path / "scores.db")
 
     def scorer(url):
-        sc = ServerScorer("tiny", url, id="strong", topk=3, cache=db, max_usd=max_usd, prompt_usd_per_token=price,
-                          max_retries=1, timeout_s=5, max_concurrency=1)  # fmt: skip
+        sc = ServerScorer(
+            "tiny",
+            url,
+            id="strong",
+            topk=3,
+            cache=db,
+            max_usd=max_usd,
+            prompt_usd_per_token=price,
+            max_retries=1,
+            timeout_s=5,
+            max_concurrency=1,
+        )
         sc.bind(tok)
         return sc
 
@@ -164,9 +180,12 @@ def test_kill_the_server_mid_run_nothing_scored_twice_and_budget_held(tiny, serv
 
 
 def test_sglang_shape_parser():
-    data = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-0.5, 7, None], [-2.0, 3, None]],
-                          "input_top_logprobs": [None, [[-0.5, 7, "a"], [-1.5, 9, "b"]],
-                                                 [[-0.2, 4, "c"], [-1.0, 8, "d"]]]}}  # fmt: skip
+    data = {
+        "meta_info": {
+            "input_token_logprobs": [[None, 5, None], [-0.5, 7, None], [-2.0, 3, None]],
+            "input_top_logprobs": [None, [[-0.5, 7, "a"], [-1.5, 9, "b"]], [[-0.2, 4, "c"], [-1.0, 8, "d"]]],
+        }
+    }
     actual, ids, lps = parse_sglang_input_logprobs(data, 1, 2, [7, 3])
     assert actual == [-0.5, -2.0] and ids == [[7, 9], [4, 8]] and lps == [[-0.5, -1.5], [-0.2, -1.0]]
 
@@ -187,14 +206,20 @@ def test_alignment_by_hand():
         return student_id.get(teacher_text[t])
 
     al = align_scores(
-        student_ids=[10, 12, 13], student_spans=[(0, 2), (2, 3), (3, 4)],
-        teacher_ids=[100, 101, 102], teacher_spans=[(0, 1), (1, 2), (2, 4)],
+        student_ids=[10, 12, 13],
+        student_spans=[(0, 2), (2, 3), (3, 4)],
+        teacher_ids=[100, 101, 102],
+        teacher_spans=[(0, 1), (1, 2), (2, 4)],
         teacher_actual=[math.log(0.5), math.log(0.8), math.log(0.9)],
         teacher_top_ids=[[100, 103, 104, 105], [101], [102]],
-        teacher_top_logprobs=[[math.log(0.5), math.log(0.3), math.log(0.1), math.log(0.05)], [math.log(0.8)],
-                              [math.log(0.9)]],
-        map_id=map_id, k=4,
-    )  # fmt: skip
+        teacher_top_logprobs=[
+            [math.log(0.5), math.log(0.3), math.log(0.1), math.log(0.05)],
+            [math.log(0.8)],
+            [math.log(0.9)],
+        ],
+        map_id=map_id,
+        k=4,
+    )
     assert al.mask == [True, False, False]
     assert al.ids[0] == [10, 11]
     assert math.exp(al.sampled[0]) == pytest.approx(0.5) and math.isnan(al.sampled[1])
@@ -206,23 +231,33 @@ def test_alignment_merged_block_adds_the_one_token_tokenization():
     teacher's probability of the whole text as one token (0.3, in its top-k at the block's first position):
     0.5, not only the tokenization seen (0.2), as align.py's docstring says."""
     al = align_scores(
-        student_ids=[7], student_spans=[(0, 2)],
-        teacher_ids=[100, 101], teacher_spans=[(0, 1), (1, 2)],
+        student_ids=[7],
+        student_spans=[(0, 2)],
+        teacher_ids=[100, 101],
+        teacher_spans=[(0, 1), (1, 2)],
         teacher_actual=[math.log(0.5), math.log(0.4)],
         teacher_top_ids=[[100, 200, 104], [101]],
         teacher_top_logprobs=[[math.log(0.5), math.log(0.3), math.log(0.1)], [math.log(0.4)]],
-        map_id={100: None, 101: None, 200: 7, 104: 9}.get, k=4,
-    )  # fmt: skip
+        map_id={100: None, 101: None, 200: 7, 104: 9}.get,
+        k=4,
+    )
     assert al.mask == [True] and al.ids[0] == [7, 9]
     assert [math.exp(x) for x in al.logprobs[0]] == pytest.approx([0.5, 0.1])
     assert math.exp(al.sampled[0]) == pytest.approx(0.5)
 
 
 def test_alignment_one_to_one_maps_ids_and_drops_untwinned():
-    al = align_scores([1, 2], [(0, 1), (1, 2)], [50, 51], [(0, 1), (1, 2)], [math.log(0.6), math.log(0.7)],
-                      [[50, 52, 53], [51, 50]], [[math.log(0.6), math.log(0.2), math.log(0.1)],
-                                                 [math.log(0.7), math.log(0.1)]],
-                      {50: 1, 51: 2, 52: None, 53: 3}.get, 3)  # fmt: skip
+    al = align_scores(
+        [1, 2],
+        [(0, 1), (1, 2)],
+        [50, 51],
+        [(0, 1), (1, 2)],
+        [math.log(0.6), math.log(0.7)],
+        [[50, 52, 53], [51, 50]],
+        [[math.log(0.6), math.log(0.2), math.log(0.1)], [math.log(0.7), math.log(0.1)]],
+        {50: 1, 51: 2, 52: None, 53: 3}.get,
+        3,
+    )
     assert al.mask == [True, True]
     assert al.ids == [[1, 3], [2, 1]]
     assert [math.exp(x) for x in al.logprobs[0]] == pytest.approx([0.6, 0.1])

@@ -57,8 +57,12 @@ def servers(tmp_path_factory):
         yield {
             "envs:openenv": {"base_url": env_srv.url},
             "teachers:openai": {
-                "model": "m", "base_url": llm.base_url, "api_key_env": None, "prompt_usd_per_token": 1e-7,
-                "completion_usd_per_token": 2e-7, "failing": {"base_url": "http://127.0.0.1:9/v1", "timeout_s": 5},
+                "model": "m",
+                "base_url": llm.base_url,
+                "api_key_env": None,
+                "prompt_usd_per_token": 1e-7,
+                "completion_usd_per_token": 2e-7,
+                "failing": {"base_url": "http://127.0.0.1:9/v1", "timeout_s": 5},
             },
             "teachers:hf": {"model_path": str(model), "max_new_tokens": 8},
             "rollout_generators:server": {"base_url": llm.base_url},
@@ -66,7 +70,7 @@ def servers(tmp_path_factory):
             "scorers:causal_lm": {"model_path": str(model), "topk": 3, "tokenizer": str(model)},
             "scorers:vllm": {"model": "m", "base_url": scoring.base_url, "topk": 3, "tokenizer": str(model)},
             "scorers:sglang": {"model": "m", "base_url": scoring.base_url, "topk": 3, "tokenizer": str(model)},
-        }  # fmt: skip
+        }
 
 
 def test_the_registry_has_every_kind():
@@ -133,7 +137,13 @@ def test_the_example_plugin_passes_the_suite_by_calling_it():
     example = Path(__file__).resolve().parents[2] / "examples" / "composer-plugins-focal"
     assert "conformance_test(composer_plugins_focal)" in (example / "tests" / "test_focal.py").read_text()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSER_PLUGINS_", "PYTEST_"))}
-    proc = procs.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=example, env=env,
-                     capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = procs.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=example,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "1 passed" in proc.stdout

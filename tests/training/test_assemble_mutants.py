@@ -60,12 +60,18 @@ def _record(tiny, **kw) -> StepRecord:
     mask[0, 3:] = 0
     mask[2, 4:] = 0
     return StepRecord(
-        tasks=[{"prompt": "p"}], prompts=["p"] * ROWS, completions=["c"] * ROWS,
-        prompt_ids=torch.randint(3, V, (ROWS, P), generator=g), prompt_mask=torch.ones(ROWS, P, dtype=torch.long),
-        completion_ids=torch.randint(3, V, (ROWS, C), generator=g), completion_mask=mask,
-        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        num_generations=2, **kw,
-    )  # fmt: skip
+        tasks=[{"prompt": "p"}],
+        prompts=["p"] * ROWS,
+        completions=["c"] * ROWS,
+        prompt_ids=torch.randint(3, V, (ROWS, P), generator=g),
+        prompt_mask=torch.ones(ROWS, P, dtype=torch.long),
+        completion_ids=torch.randint(3, V, (ROWS, C), generator=g),
+        completion_mask=mask,
+        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        num_generations=2,
+        **kw,
+    )
 
 
 class Reads(LossChannel):
@@ -83,9 +89,14 @@ class Reads(LossChannel):
 
 def _direct_logprobs(model, rec, T=1.0, mask=None):
     return completion_logprobs_no_grad(
-        model, rec.prompt_ids, rec.prompt_mask, rec.completion_ids,
-        rec.completion_mask if mask is None else mask, temperature=T, micro_batch_size=None,
-    )  # fmt: skip
+        model,
+        rec.prompt_ids,
+        rec.prompt_mask,
+        rec.completion_ids,
+        rec.completion_mask if mask is None else mask,
+        temperature=T,
+        micro_batch_size=None,
+    )
 
 
 def test_record_fields_and_the_policys_log_probs_at_the_temperature(tiny):
@@ -248,8 +259,10 @@ def test_hint_teacher_logprobs_replace_only_the_hinted_rows(tiny):
 
 def test_pair_inputs_sum_average_and_the_reference(tiny):
     rec = _record(tiny)
-    rec.pairs = [{"prompt": "What is 2 + 2?", "chosen": "2 + 2 = 4", "rejected": "2 + 2 = 5 #### 5"},
-                 {"prompt": "What is 7 * 8?", "chosen": "56", "rejected": "7 * 8 = 54"}]  # fmt: skip
+    rec.pairs = [
+        {"prompt": "What is 2 + 2?", "chosen": "2 + 2 = 4", "rejected": "2 + 2 = 5 #### 5"},
+        {"prompt": "What is 7 * 8?", "chosen": "56", "rejected": "7 * 8 = 54"},
+    ]
     pol = StepPolicy(tiny.model, tiny.tok, reference=tiny.ref, pair_prompt_length=4, pair_max_length=6)
     inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("chosen_logps", "ref_chosen_logps")]), pol)
     prompts = [p["prompt"] for p in rec.pairs] * 2
@@ -303,10 +316,16 @@ def _score(sampled, mask):
 def test_sampled_teacher_logprobs_average_probabilities_and_fall_back_to_the_policy():
     N, C2 = 3, 4
     rec = StepRecord(
-        tasks=[], prompts=[], completions=[], prompt_ids=torch.zeros(N, 1, dtype=torch.long),
-        prompt_mask=torch.ones(N, 1), completion_ids=torch.zeros(N, C2, dtype=torch.long),
-        completion_mask=torch.ones(N, C2), rewards=torch.zeros(N), advantages=torch.zeros(N),
-    )  # fmt: skip
+        tasks=[],
+        prompts=[],
+        completions=[],
+        prompt_ids=torch.zeros(N, 1, dtype=torch.long),
+        prompt_mask=torch.ones(N, 1),
+        completion_ids=torch.zeros(N, C2, dtype=torch.long),
+        completion_mask=torch.ones(N, C2),
+        rewards=torch.zeros(N),
+        advantages=torch.zeros(N),
+    )
     own = torch.full((N, C2), -3.0)
     asm = Assembly(rec, StepPolicy(None, None), ("teacher_logprobs",), values={"logprobs": own})
     la, lb = math.log(0.5), math.log(0.1)
@@ -344,10 +363,16 @@ def test_the_assembly_runs_each_builder_once_and_builds_companions():
 
     try:
         rec = StepRecord(
-            tasks=[], prompts=[], completions=[], prompt_ids=torch.zeros(2, 1, dtype=torch.long),
-            prompt_mask=torch.ones(2, 1), completion_ids=torch.zeros(2, 3, dtype=torch.long),
-            completion_mask=torch.ones(2, 3), rewards=torch.zeros(2), advantages=torch.zeros(2),
-        )  # fmt: skip
+            tasks=[],
+            prompts=[],
+            completions=[],
+            prompt_ids=torch.zeros(2, 1, dtype=torch.long),
+            prompt_mask=torch.ones(2, 1),
+            completion_ids=torch.zeros(2, 3, dtype=torch.long),
+            completion_mask=torch.ones(2, 3),
+            rewards=torch.zeros(2),
+            advantages=torch.zeros(2),
+        )
         inputs, _ = assemble_inputs(rec, Needs("m_a", "m_b"), StepPolicy(None, None))
         assert calls == [1] and inputs["m_a"] == 1 and inputs["m_b"] == 2
         asm = Assembly(rec, StepPolicy(None, None), ("m_a",))
@@ -394,10 +419,16 @@ def test_missing_input_message_names_only_active_readers_and_the_closest_input()
 
 def _plain() -> StepRecord:
     return StepRecord(
-        tasks=[], prompts=[], completions=[], prompt_ids=torch.zeros(2, 1, dtype=torch.long),
-        prompt_mask=torch.ones(2, 1), completion_ids=torch.zeros(2, 3, dtype=torch.long),
-        completion_mask=torch.ones(2, 3), rewards=torch.zeros(2), advantages=torch.zeros(2),
-    )  # fmt: skip
+        tasks=[],
+        prompts=[],
+        completions=[],
+        prompt_ids=torch.zeros(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1),
+        completion_ids=torch.zeros(2, 3, dtype=torch.long),
+        completion_mask=torch.ones(2, 3),
+        rewards=torch.zeros(2),
+        advantages=torch.zeros(2),
+    )
 
 
 def test_teacher_scores_are_handed_over_with_the_scored_fraction():

@@ -65,11 +65,17 @@ def _record(rows: int = 4, width: int = 5) -> StepRecord:
     mask = torch.ones(rows, width, dtype=torch.long)
     mask[0, 3:] = 0
     return StepRecord(
-        tasks=[{"prompt": "p"}], prompts=["p"] * rows, completions=["c"] * rows,
-        prompt_ids=torch.ones(rows, 2, dtype=torch.long), prompt_mask=torch.ones(rows, 2, dtype=torch.long),
-        completion_ids=torch.ones(rows, width, dtype=torch.long), completion_mask=mask,
-        rewards=torch.arange(rows, dtype=torch.float32), advantages=torch.zeros(rows), num_generations=rows,
-    )  # fmt: skip
+        tasks=[{"prompt": "p"}],
+        prompts=["p"] * rows,
+        completions=["c"] * rows,
+        prompt_ids=torch.ones(rows, 2, dtype=torch.long),
+        prompt_mask=torch.ones(rows, 2, dtype=torch.long),
+        completion_ids=torch.ones(rows, width, dtype=torch.long),
+        completion_mask=mask,
+        rewards=torch.arange(rows, dtype=torch.float32),
+        advantages=torch.zeros(rows),
+        num_generations=rows,
+    )
 
 
 def test_only_what_the_active_channels_read_is_built(lengths_builder):

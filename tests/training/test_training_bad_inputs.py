@@ -16,66 +16,199 @@ BASE = "output_dir: {d}/run\nsft: {{enabled: false}}\ntrainer: {{max_steps: 1}}\
 #: name -> (files to write {name: text}, yaml appended to BASE (or replacing it if it starts with '!'),
 #:          overrides, where the error is located ('cfg:<line>', '<file>:<line>', 'override'), key, fragments)
 CASES: dict[str, tuple[dict[str, str], str, list[str], str, str, list[str]]] = {
-    "task file missing": ({}, "data: {{train_path: {d}/nope.jsonl}}\n", [], "cfg:4", "data.train_path",
-                          ["nope.jsonl does not exist", "— give the path of a JSONL file of tasks"]),
-    "task bad JSON on line 3": ({"t.jsonl": '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c", answer: 3}\n'},
-                                "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:3", "data.train_path",
-                                ["invalid JSON at column 17", "— fix this line", "cfg:4"]),
-    "task line is a list": ({"t.jsonl": '{"prompt": "a"}\n[1, 2]\n'}, "data: {{train_path: {d}/t.jsonl}}\n", [],
-                            "t.jsonl:2", "data.train_path", ["must be a JSON object, got list", "— fix this line"]),
-    "task file empty": ({"t.jsonl": ""}, "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl", "data.train_path",
-                        ["holds no tasks", "— add one"]),
-    "task row without prompt": ({"t.jsonl": '{"prompt": "a", "answer": 1}\n{"promt": "b", "answer": 2}\n'},
-                                "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:2", "prompt",
-                                ["missing — every task", "Did you mean: 'prompt'?"]),
-    "pairs file missing": ({}, "replay: {{pairs_path: {d}/nope.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
-                           "cfg:4", "replay.pairs_path", ["does not exist", "— give the path of a JSONL file"]),
-    "pairs bad JSON": ({"p.jsonl": '{"prompt": "a", "chosen": "x", "rejected": "y"}\n{"prompt": \n'},
-                       "replay: {{pairs_path: {d}/p.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
-                       "p.jsonl:2", "replay.pairs_path", ["invalid JSON", "— fix this line"]),
-    "pair without rejected": ({"p.jsonl": '{"prompt": "a", "chosen": "x", "rejected": "y"}\n'
-                                          '{"prompt": "b", "chosen": "x", "rejectd": "z"}\n'},
-                              "replay: {{pairs_path: {d}/p.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n", [],
-                              "p.jsonl:2", "rejected", ["missing — every pair", "Did you mean: 'rejected'?"]),
+    "task file missing": (
+        {},
+        "data: {{train_path: {d}/nope.jsonl}}\n",
+        [],
+        "cfg:4",
+        "data.train_path",
+        ["nope.jsonl does not exist", "— give the path of a JSONL file of tasks"],
+    ),
+    "task bad JSON on line 3": (
+        {"t.jsonl": '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c", answer: 3}\n'},
+        "data: {{train_path: {d}/t.jsonl}}\n",
+        [],
+        "t.jsonl:3",
+        "data.train_path",
+        ["invalid JSON at column 17", "— fix this line", "cfg:4"],
+    ),
+    "task line is a list": (
+        {"t.jsonl": '{"prompt": "a"}\n[1, 2]\n'},
+        "data: {{train_path: {d}/t.jsonl}}\n",
+        [],
+        "t.jsonl:2",
+        "data.train_path",
+        ["must be a JSON object, got list", "— fix this line"],
+    ),
+    "task file empty": (
+        {"t.jsonl": ""},
+        "data: {{train_path: {d}/t.jsonl}}\n",
+        [],
+        "t.jsonl",
+        "data.train_path",
+        ["holds no tasks", "— add one"],
+    ),
+    "task row without prompt": (
+        {"t.jsonl": '{"prompt": "a", "answer": 1}\n{"promt": "b", "answer": 2}\n'},
+        "data: {{train_path: {d}/t.jsonl}}\n",
+        [],
+        "t.jsonl:2",
+        "prompt",
+        ["missing — every task", "Did you mean: 'prompt'?"],
+    ),
+    "pairs file missing": (
+        {},
+        "replay: {{pairs_path: {d}/nope.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n",
+        [],
+        "cfg:4",
+        "replay.pairs_path",
+        ["does not exist", "— give the path of a JSONL file"],
+    ),
+    "pairs bad JSON": (
+        {"p.jsonl": '{"prompt": "a", "chosen": "x", "rejected": "y"}\n{"prompt": \n'},
+        "replay: {{pairs_path: {d}/p.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n",
+        [],
+        "p.jsonl:2",
+        "replay.pairs_path",
+        ["invalid JSON", "— fix this line"],
+    ),
+    "pair without rejected": (
+        {
+            "p.jsonl": '{"prompt": "a", "chosen": "x", "rejected": "y"}\n'
+            '{"prompt": "b", "chosen": "x", "rejectd": "z"}\n'
+        },
+        "replay: {{pairs_path: {d}/p.jsonl}}\nlosses: {{grpo: 1.0, replay_dpo: 0.1}}\n",
+        [],
+        "p.jsonl:2",
+        "rejected",
+        ["missing — every pair", "Did you mean: 'rejected'?"],
+    ),
     "negative lr": ({}, "optim: {{lr: -1.0e-3}}\n", [], "cfg:4", "optim.lr", ["must be > 0, got -0.001", "— use"]),
-    "sft batch size 0": ({}, "!output_dir: {d}/run\nsft: {{batch_size: 0}}\n", [], "cfg:2", "sft.batch_size",
-                         ["must be >= 1, got 0", "— use a positive integer"]),
-    "sft steps negative": ({}, "!output_dir: {d}/run\nsft: {{steps: -3}}\n", [], "cfg:2", "sft.steps",
-                           ["must be >= 0, got -3", "sft.enabled: false"]),
-    "tiny hidden size 0": ({}, "model: {{tiny: {{hidden_size: 0}}}}\n", [], "cfg:4", "model.tiny.hidden_size",
-                           ["must be >= 1, got 0"]),
-    "heads do not divide hidden": ({}, "model: {{tiny: {{hidden_size: 30, num_heads: 4}}}}\n", [], "cfg:4",
-                                   "model.tiny.num_heads", ["must divide model.tiny.hidden_size (30)", "— use one of"]),
-    "checkpoint every -1": ({}, "!output_dir: {d}/run\ntrainer: {{max_steps: 1, checkpoint_every_n_steps: -1}}\n",
-                            [], "cfg:2", "trainer.checkpoint_every_n_steps", ["must be >= 0, got -1", "— use 0"]),
-    "misspelt env key": ({}, "env: {{name: gsm8k, difficuly: 2}}\n", [], "cfg:4", "env.difficuly",
-                         ["unknown argument of env 'gsm8k'", "Did you mean: 'difficulty'?"]),
-    "bad env value": ({}, "env: {{name: gsm8k, difficulty: impossible}}\n", [], "cfg:4", "env.difficulty",
-                      ["unknown difficulty 'impossible'", "— fix env.difficulty"]),
-    "model path missing": ({}, "model: {{name_or_path: ./no/such/model}}\n", [], "cfg:4", "model.name_or_path",
-                           ["./no/such/model does not exist", "— give a directory"]),
-    "hint provider misspelt": ({}, "hints:\n  provider:\n    name: templat\n", [], "cfg:6", "hints.provider.name",
-                               ["Unknown hint 'templat'", "Did you mean: 'template'?"]),
-    "task row without answer": ({"t.jsonl": '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'},
-                                "data: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:2", "answer",
-                                ['missing — every task of data.train_path needs "answer" or "solution"',
-                                 "the reward of env 'gsm8k'", "this line has ['prompt'] — add it"]),
-    "SFT task without solution": ({"t.jsonl": '{"prompt": "a", "answer": "1"}\n'},
-                                  "!output_dir: {d}/run\ndata: {{train_path: {d}/t.jsonl}}\n", [], "t.jsonl:1",
-                                  "target", ['needs "target" or "solution" for the SFT warm start',
-                                             "sft.enabled: false"]),
-    "chained hint provider misspelt": ({}, "hints:\n  provider:\n    name: chain\n    providers:\n"
-                                           "      - raw_error\n      - templat\n", [], "cfg:9",
-                                       "hints.provider.providers.1",
-                                       ["Unknown hint 'templat'", "Did you mean: 'template'?"]),
-    "hint fallback misspelt": ({}, "hints:\n  provider:\n    name: llm_teacher\n    teacher: oracle\n"
-                                   "    fallback: {{name: raw_eror}}\n", [], "cfg:8", "hints.provider.fallback.name",
-                               ["Unknown hint 'raw_eror'", "Did you mean: 'raw_error'?"]),
-    "duplicate YAML key": ({}, "seed: 1\nseed: 2\n", [], "cfg:5", "seed",
-                           ["duplicate key (first given on line 4", "— keep one of them"]),
-    "unknown key as override": ({}, "", ["optim.lrr=0.1"], "override", "optim.lrr",
-                                ["unknown key", "Did you mean: 'lr'?"]),
-}  # fmt: skip
+    "sft batch size 0": (
+        {},
+        "!output_dir: {d}/run\nsft: {{batch_size: 0}}\n",
+        [],
+        "cfg:2",
+        "sft.batch_size",
+        ["must be >= 1, got 0", "— use a positive integer"],
+    ),
+    "sft steps negative": (
+        {},
+        "!output_dir: {d}/run\nsft: {{steps: -3}}\n",
+        [],
+        "cfg:2",
+        "sft.steps",
+        ["must be >= 0, got -3", "sft.enabled: false"],
+    ),
+    "tiny hidden size 0": (
+        {},
+        "model: {{tiny: {{hidden_size: 0}}}}\n",
+        [],
+        "cfg:4",
+        "model.tiny.hidden_size",
+        ["must be >= 1, got 0"],
+    ),
+    "heads do not divide hidden": (
+        {},
+        "model: {{tiny: {{hidden_size: 30, num_heads: 4}}}}\n",
+        [],
+        "cfg:4",
+        "model.tiny.num_heads",
+        ["must divide model.tiny.hidden_size (30)", "— use one of"],
+    ),
+    "checkpoint every -1": (
+        {},
+        "!output_dir: {d}/run\ntrainer: {{max_steps: 1, checkpoint_every_n_steps: -1}}\n",
+        [],
+        "cfg:2",
+        "trainer.checkpoint_every_n_steps",
+        ["must be >= 0, got -1", "— use 0"],
+    ),
+    "misspelt env key": (
+        {},
+        "env: {{name: gsm8k, difficuly: 2}}\n",
+        [],
+        "cfg:4",
+        "env.difficuly",
+        ["unknown argument of env 'gsm8k'", "Did you mean: 'difficulty'?"],
+    ),
+    "bad env value": (
+        {},
+        "env: {{name: gsm8k, difficulty: impossible}}\n",
+        [],
+        "cfg:4",
+        "env.difficulty",
+        ["unknown difficulty 'impossible'", "— fix env.difficulty"],
+    ),
+    "model path missing": (
+        {},
+        "model: {{name_or_path: ./no/such/model}}\n",
+        [],
+        "cfg:4",
+        "model.name_or_path",
+        ["./no/such/model does not exist", "— give a directory"],
+    ),
+    "hint provider misspelt": (
+        {},
+        "hints:\n  provider:\n    name: templat\n",
+        [],
+        "cfg:6",
+        "hints.provider.name",
+        ["Unknown hint 'templat'", "Did you mean: 'template'?"],
+    ),
+    "task row without answer": (
+        {"t.jsonl": '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'},
+        "data: {{train_path: {d}/t.jsonl}}\n",
+        [],
+        "t.jsonl:2",
+        "answer",
+        [
+            'missing — every task of data.train_path needs "answer" or "solution"',
+            "the reward of env 'gsm8k'",
+            "this line has ['prompt'] — add it",
+        ],
+    ),
+    "SFT task without solution": (
+        {"t.jsonl": '{"prompt": "a", "answer": "1"}\n'},
+        "!output_dir: {d}/run\ndata: {{train_path: {d}/t.jsonl}}\n",
+        [],
+        "t.jsonl:1",
+        "target",
+        ['needs "target" or "solution" for the SFT warm start', "sft.enabled: false"],
+    ),
+    "chained hint provider misspelt": (
+        {},
+        "hints:\n  provider:\n    name: chain\n    providers:\n      - raw_error\n      - templat\n",
+        [],
+        "cfg:9",
+        "hints.provider.providers.1",
+        ["Unknown hint 'templat'", "Did you mean: 'template'?"],
+    ),
+    "hint fallback misspelt": (
+        {},
+        "hints:\n  provider:\n    name: llm_teacher\n    teacher: oracle\n    fallback: {{name: raw_eror}}\n",
+        [],
+        "cfg:8",
+        "hints.provider.fallback.name",
+        ["Unknown hint 'raw_eror'", "Did you mean: 'raw_error'?"],
+    ),
+    "duplicate YAML key": (
+        {},
+        "seed: 1\nseed: 2\n",
+        [],
+        "cfg:5",
+        "seed",
+        ["duplicate key (first given on line 4", "— keep one of them"],
+    ),
+    "unknown key as override": (
+        {},
+        "",
+        ["optim.lrr=0.1"],
+        "override",
+        "optim.lrr",
+        ["unknown key", "Did you mean: 'lr'?"],
+    ),
+}
 
 
 def test_there_are_twenty_four():
@@ -133,13 +266,25 @@ def test_an_uncached_hub_id_offline_names_the_key_the_id_and_the_ways_out(tmp_pa
     cfg.write_text(f"output_dir: {tmp_path}/run\nsft: {{enabled: false}}\nmodel:\n  name_or_path: Qwen/Qwen2.5-0.5B\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "COMPOSER_MLFLOW": "0"}
     env.pop("HF_HUB_CACHE", None)
-    r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg)], env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith(f"Error: {cfg}:4: model.name_or_path: 'Qwen/Qwen2.5-0.5B' is a hub id that is not "
-                               f"in the Hugging Face cache ({tmp_path / 'hf' / 'hub'})"), r.stderr  # fmt: skip
-    for way in ("HF_HUB_OFFLINE is set", "— give a local directory", "hf download Qwen/Qwen2.5-0.5B", "HF_HOME",
-                "unset HF_HUB_OFFLINE"):  # fmt: skip
+    assert r.stderr.startswith(
+        f"Error: {cfg}:4: model.name_or_path: 'Qwen/Qwen2.5-0.5B' is a hub id that is not "
+        f"in the Hugging Face cache ({tmp_path / 'hf' / 'hub'})"
+    ), r.stderr
+    for way in (
+        "HF_HUB_OFFLINE is set",
+        "— give a local directory",
+        "hf download Qwen/Qwen2.5-0.5B",
+        "HF_HOME",
+        "unset HF_HUB_OFFLINE",
+    ):
         assert way in r.stderr, (way, r.stderr)
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
 

@@ -29,19 +29,32 @@ def case(tmp_path_factory):
 
 def chat_config(case, out, **extra):
     cfg = {
-        "seed": 0, "output_dir": str(out), "cache_dir": str(out / "cache"),
-        "model": {"name_or_path": str(case["student"])}, "env": env_spec(case["data"]),
-        "losses": {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 0.5},
-                   "teacher_distill": {"weight": 0.5, "teachers": [
-                       {"kind": "causal_lm", "id": "ext", "model_path": str(case["teacher"]), "topk": 4}]}},
+        "seed": 0,
+        "output_dir": str(out),
+        "cache_dir": str(out / "cache"),
+        "model": {"name_or_path": str(case["student"])},
+        "env": env_spec(case["data"]),
+        "losses": {
+            "grpo": {"weight": 1.0},
+            "hint_distill": {"weight": 0.5},
+            "teacher_distill": {
+                "weight": 0.5,
+                "teachers": [{"kind": "causal_lm", "id": "ext", "model_path": str(case["teacher"]), "topk": 4}],
+            },
+        },
         "hints": {"provider": {"name": "template", "reveal_answer": True, "templates": HINT_TEMPLATES}},
         "sft": {"enabled": False},
-        "rollout": {"prompts_per_step": 1, "num_generations": 2, "max_new_tokens": 6, "temperature": 1.0,
-                    "max_prompt_length": 512},
+        "rollout": {
+            "prompts_per_step": 1,
+            "num_generations": 2,
+            "max_new_tokens": 6,
+            "temperature": 1.0,
+            "max_prompt_length": 512,
+        },
         "trainer": {"max_steps": 1, "enable_progress_bar": False, "num_threads": 1},
         "eval": {"num_problems": 1, "batch_size": 1, "k": 1, "num_samples": 1},
         **extra,
-    }  # fmt: skip
+    }
     return train_config_from_dict(cfg)
 
 
@@ -190,8 +203,10 @@ def test_the_sft_warm_start_cache_knows_the_chat_template(case, tmp_path):
 
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    keys = [sft_cache_key(chat_config(case, tmp_path, model={"name_or_path": "x", "chat_template": m}), "x")
-            for m in ("auto", "none", str(f))]  # fmt: skip
+    keys = [
+        sft_cache_key(chat_config(case, tmp_path, model={"name_or_path": "x", "chat_template": m}), "x")
+        for m in ("auto", "none", str(f))
+    ]
     assert "chat_template" not in keys[0]  # auto: the keys of earlier configs (and their cached warm starts) hold
     assert keys[1]["chat_template"] == "none" and keys[2]["chat_template"].startswith(str(f) + "@")
     assert len({repr(k) for k in keys}) == 3

@@ -179,8 +179,9 @@ class _RunsCode:
 
 def _tampered(path: Path, marker: Path, state: dict | None = None) -> Path:
     """A checkpoint that passes every structural check but holds an object that runs code when unpickled."""
-    AtomicCheckpointIO().save_checkpoint({"state_dict": state or {"w": torch.ones(2)}, "global_step": 1,
-                                          "hook": _RunsCode(marker)}, path)  # fmt: skip
+    AtomicCheckpointIO().save_checkpoint(
+        {"state_dict": state or {"w": torch.ones(2)}, "global_step": 1, "hook": _RunsCode(marker)}, path
+    )
     assert checkpoint_problem(path) is None
     return path
 

@@ -49,8 +49,10 @@ def test_list_form_of_losses_takes_overrides_and_stays_located(tmp_path):
         load_train_config(p)
     assert f"{p}:5: losses.dapo.weight" in str(e.value) and "expected a number" in str(e.value)
     cfg, _ = load_train_config(p, ["losses.dapo.weight=0.25", "losses.grpo.enabled=false"])
-    assert cfg.losses == {"grpo": {"name": "grpo", "weight": 1.0, "enabled": False},
-                          "dapo": {"name": "dapo", "weight": 0.25}}  # fmt: skip
+    assert cfg.losses == {
+        "grpo": {"name": "grpo", "weight": 1.0, "enabled": False},
+        "dapo": {"name": "dapo", "weight": 0.25},
+    }
     # two channels of one kind need a label: refused at the second, with the fix
     p.write_text("losses:\n  - {name: grpo}\n  - {name: grpo, beta: 0.04}\n")
     with pytest.raises(ConfigError) as e:
@@ -135,8 +137,9 @@ def test_a_config_error_and_print_config_import_no_torch(tmp_path, command):
     bad.write_text("rollout:\n  temperature: warm\n")
     env = {**__import__("os").environ, "COMPOSER_PLUGINS_LOAD": ""}
     for args, code in (([command, "-c", str(bad)], 2), ([command, "--print-config"], 0)):
-        out = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env,
-                             timeout=120, cwd=tmp_path)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path
+        )
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert res == {"code": code, "heavy": []}, (args, out.stderr)
 
@@ -148,8 +151,9 @@ def test_a_diloco_config_error_imports_no_torch(tmp_path):
     env = {**__import__("os").environ, "COMPOSER_PLUGINS_LOAD": ""}
     for target in ("train",):  # the project target (the toy target lives beside its torch model)
         args = ["diloco", "--replicas", "2", "--target", target, "-c", str(bad)]
-        out = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env,
-                             timeout=120, cwd=tmp_path)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path
+        )
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert res == {"code": 2, "heavy": []}, (args, out.stderr)
         assert f"{bad}:2: diloco.sync_every" in out.stderr

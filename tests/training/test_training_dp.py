@@ -45,8 +45,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(tmp_path: Path, yaml_text: str, overrides: list[str], runs: list[dict], world: int = 2,
-               strategy: str = "ddp") -> list[dict]:  # fmt: skip
+def _run_ranks(
+    tmp_path: Path, yaml_text: str, overrides: list[str], runs: list[dict], world: int = 2, strategy: str = "ddp"
+) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec = {
         "world": world,
@@ -310,13 +311,23 @@ def test_cli_train_on_two_devices_reports_once_from_rank_zero(tiny_yaml, tmp_pat
         "COMPOSER_MLFLOW": "0",
         "OMP_NUM_THREADS": "1",
     }
-    overrides = [f"output_dir={tmp_path / 'run'}", "trainer.devices=2", "trainer.max_steps=1",
-                 "trainer.checkpoint_every_n_steps=0", "trainer.dist_timeout_s=120", "sft.enabled=false",
-                 "rollout.max_new_tokens=6",
-                 f"trainer.callbacks=[{{class_path: dp_worker.RankFile, init_args: {{out: '{marks}'}}}}]"]  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg),
-                        *[a for o in overrides for a in ("-S", o)]],
-                       env=env, capture_output=True, text=True, timeout=420)  # fmt: skip
+    overrides = [
+        f"output_dir={tmp_path / 'run'}",
+        "trainer.devices=2",
+        "trainer.max_steps=1",
+        "trainer.checkpoint_every_n_steps=0",
+        "trainer.dist_timeout_s=120",
+        "sft.enabled=false",
+        "rollout.max_new_tokens=6",
+        f"trainer.callbacks=[{{class_path: dp_worker.RankFile, init_args: {{out: '{marks}'}}}}]",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg), *[a for o in overrides for a in ("-S", o)]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in marks.iterdir()) == ["rank0.done", "rank1.done"], r.stderr[-3000:]
     assert {p.read_text() for p in marks.iterdir()} == {"2\n"}

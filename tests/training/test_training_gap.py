@@ -22,14 +22,26 @@ def test_gap_of_a_teacher_identical_to_the_student_is_zero_and_a_hint_gap_is_mea
     tasks = tmp_path / "train.jsonl"
     atomic_write_jsonl(tasks, GSM8KEnv(difficulty="trivial").sample_tasks(4, "train", seed=5))
     same = {"kind": "causal_lm", "id": "same", "model_path": student, "topk": 8}
-    params = {"train": train, "mlflow": {"enabled": False}, "study": {"variants": {
-        "rl_only": {"losses": {"hint_distill": {"weight": 0.0}}},
-        "teacher_only": {"losses": {"grpo": {"weight": 0.0}, "hint_distill": {"weight": 0.0},
-                                    "teacher_distill": {"weight": 1.0, "teachers": [same]}}},
-        "hinted": {"losses": {"grpo": {"weight": 0.0}, "hint_distill": {"weight": 1.0}}},
-    }}}  # fmt: skip
-    res = gap.measure_gap(params, ["rl_only", "teacher_only", "hinted"], model=student, tasks_path=str(tasks),
-                          num_prompts=4)  # fmt: skip
+    params = {
+        "train": train,
+        "mlflow": {"enabled": False},
+        "study": {
+            "variants": {
+                "rl_only": {"losses": {"hint_distill": {"weight": 0.0}}},
+                "teacher_only": {
+                    "losses": {
+                        "grpo": {"weight": 0.0},
+                        "hint_distill": {"weight": 0.0},
+                        "teacher_distill": {"weight": 1.0, "teachers": [same]},
+                    }
+                },
+                "hinted": {"losses": {"grpo": {"weight": 0.0}, "hint_distill": {"weight": 1.0}}},
+            }
+        },
+    }
+    res = gap.measure_gap(
+        params, ["rl_only", "teacher_only", "hinted"], model=student, tasks_path=str(tasks), num_prompts=4
+    )
     assert res["variants"]["rl_only"] == {}  # no teacher, nothing to measure
     t = res["variants"]["teacher_only"]["teacher:same"]
     # the student scoring its own samples: no margin, and it fixes none of its own greedy failures
@@ -42,8 +54,14 @@ def test_gap_of_a_teacher_identical_to_the_student_is_zero_and_a_hint_gap_is_mea
 
 
 def test_gap_correlation_by_hand():
-    g = {"variants": {"a": {"hint": {"margin": -1.0}}, "b": {"hint": {"margin": -0.5}},
-                      "c": {"teacher:t": {"margin": 0.0}, "hint": {"margin": -1.0}}, "d": {}}}  # fmt: skip
+    g = {
+        "variants": {
+            "a": {"hint": {"margin": -1.0}},
+            "b": {"hint": {"margin": -0.5}},
+            "c": {"teacher:t": {"margin": 0.0}, "hint": {"margin": -1.0}},
+            "d": {},
+        }
+    }
     out = gap.gap_correlation(g, {"a": 0.01, "b": 0.02, "c": 0.02, "d": 0.5})
     assert [r[0] for r in out["rows"]] == ["a", "b", "c"] and out["rows"][2][1] == -0.5  # c: mean of its two
     assert out["pearson_r"] == pytest.approx(1.0)

@@ -125,8 +125,9 @@ def test_hint_uplift_counts_on_constructed_providers(make_cfg, tmp_path):
 
 
 def test_hint_uplift_with_demonstrations_from_k_samples(make_cfg, tmp_path):
-    m, preds = _uplift(make_cfg, tmp_path, "hints.provider={name: demonstration, fallback: none}",
-                       "eval.hint_uplift_samples=4")  # fmt: skip
+    m, preds = _uplift(
+        make_cfg, tmp_path, "hints.provider={name: demonstration, fallback: none}", "eval.hint_uplift_samples=4"
+    )
     failed = [p for p in preds if not p["correct"]]
     hinted = [p for p in failed if "hint_context" in p]
     assert m["gsm8k/hint_coverage"] == pytest.approx(len(hinted) / len(failed))
@@ -143,9 +144,21 @@ def test_cli_eval_hint_uplift(tiny_yaml, tmp_path):
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(tiny_yaml)
-    r = CliRunner().invoke(load_commands(), ["eval", "-c", str(cfg), "-o", f"{tmp_path}/eval.json",
-                                             "-S", "eval.hint_uplift=true", "-S", "eval.num_problems=8"],
-                           catch_exceptions=False)  # fmt: skip
+    r = CliRunner().invoke(
+        load_commands(),
+        [
+            "eval",
+            "-c",
+            str(cfg),
+            "-o",
+            f"{tmp_path}/eval.json",
+            "-S",
+            "eval.hint_uplift=true",
+            "-S",
+            "eval.num_problems=8",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "eval.json").read_text())
     assert {"gsm8k/hint_fix_rate", "gsm8k/hint_coverage", "gsm8k/hint_failures", "gsm8k/hint_fixed"} <= set(m)
@@ -167,10 +180,14 @@ def test_study_eval_stage_forwards_hint_uplift(make_cfg, tiny_yaml, tmp_path):
     (data / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     params = {
         "train": yaml.safe_load(tiny_yaml),
-        "eval": {"max_new_tokens": 12, "hint_uplift": True, "hint_uplift_samples": 2,
-                 "envs": {"gsm8k": {"num_problems": 6, "k": 1, "num_samples": 1}}},
+        "eval": {
+            "max_new_tokens": 12,
+            "hint_uplift": True,
+            "hint_uplift_samples": 2,
+            "envs": {"gsm8k": {"num_problems": 6, "k": 1, "num_samples": 1}},
+        },
         "mlflow": {"enabled": False},
-    }  # fmt: skip
+    }
     res = stages.evaluate(params, None, 0, model, tmp_path / "sft.json", data_dir=str(data))
     m = json.loads((tmp_path / "sft.json").read_text())["metrics"]
     assert m == res["metrics"]
@@ -188,8 +205,9 @@ def test_multi_turn_episodes_give_demonstrations_from_their_group(make_cfg):
     from composer_plugins.training.module import ComposerModule
 
     demo = "hints.provider={name: demonstration, fallback: none}"
-    cfg, src = make_cfg("", "env.max_turns=2", "rollout.max_turns=2", "rollout.num_generations=4",
-                        "rollout.prompts_per_step=2", demo)  # fmt: skip
+    cfg, src = make_cfg(
+        "", "env.max_turns=2", "rollout.max_turns=2", "rollout.num_generations=4", "rollout.prompts_per_step=2", demo
+    )
     env = build_env(cfg, src)
     m = ComposerModule(cfg, env=env, src=src)
     rb = m.make_rollout_batch(env.sample_tasks(2, "train", seed=4), seed=9)

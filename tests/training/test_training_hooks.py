@@ -122,9 +122,14 @@ class _Tiny(L.LightningModule):
 def test_hook_register_callbacks(with_plugin, tmp_path):
     cfg, _ = loads_train_config(
         MINIMAL,
-        [f"output_dir={tmp_path}", "trainer.max_steps=3", "trainer.enable_progress_bar=false",
-         "trainer.checkpoint_every_n_steps=0", "trainer.callbacks=[{name: count_steps, tag: from-config}]"],
-    )  # fmt: skip
+        [
+            f"output_dir={tmp_path}",
+            "trainer.max_steps=3",
+            "trainer.enable_progress_bar=false",
+            "trainer.checkpoint_every_n_steps=0",
+            "trainer.callbacks=[{name: count_steps, tag: from-config}]",
+        ],
+    )
     trainer = build_trainer(cfg, logger=False)
     counters = [c for c in trainer.callbacks if isinstance(c, CountSteps)]
     assert len(counters) == 1 and counters[0].tag == "from-config"

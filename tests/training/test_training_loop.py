@@ -110,16 +110,27 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
                 trainer.should_stop = True
 
     # the fixture's YAML has a trainer section already (a second one is a duplicate key): override it
-    over = (f"rollout.num_iterations={num_iterations}", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=1",
-            f"losses.hint_distill.teacher={teacher}", "losses.hint_distill.ema_rate=0.2")  # fmt: skip
+    over = (
+        f"rollout.num_iterations={num_iterations}",
+        "trainer.max_steps=4",
+        "trainer.checkpoint_every_n_steps=1",
+        f"losses.hint_distill.teacher={teacher}",
+        "losses.hint_distill.ema_rate=0.2",
+    )
     cfg_a, src_a = make_cfg("", *over, out=tmp_path / "a")
     full = run_train(cfg_a, src_a)
     cfg_b, src_b = make_cfg("", *over, out=tmp_path / "b")
     first = run_train(cfg_b, src_b, extra_callbacks=[StopAfter()])
     assert [r["step"] for r in first.history] == list(range(1, stop_at + 1))
     resumed = run_train(cfg_b, src_b, resume="last")
-    keys = ("train/loss", "train/grpo/loss", "train/grpo/ratio_mean", "train/hint_distill/loss", "train/reward",
-            "train/completion_tokens")  # fmt: skip
+    keys = (
+        "train/loss",
+        "train/grpo/loss",
+        "train/grpo/ratio_mean",
+        "train/hint_distill/loss",
+        "train/reward",
+        "train/completion_tokens",
+    )
     got = [[r["step"], *(r[k] for k in keys)] for r in resumed.history]
     want = [[r["step"], *(r[k] for k in keys)] for r in full.history]
     assert got == want  # bit-exact on CPU: same data position, optimizer state and sampling streams
@@ -163,8 +174,17 @@ def test_mlflow_run_has_params_metrics_and_checkpoints(make_cfg, tmp_path, monke
     assert params["rollout/num_generations"] == "4" and params["losses/hint_distill/weight"] == "0.5"
     assert params["env/name"] == "gsm8k" and params["trainer/max_steps"] == "2"
     metrics = run.data.metrics
-    for k in ("train/reward", "train/accuracy", "train/grpo/loss", "train/hint_distill/loss", "train/loss",
-              "val/accuracy", "val/mean_reward", "val/pass_at_2", "start/accuracy"):  # fmt: skip
+    for k in (
+        "train/reward",
+        "train/accuracy",
+        "train/grpo/loss",
+        "train/hint_distill/loss",
+        "train/loss",
+        "val/accuracy",
+        "val/mean_reward",
+        "val/pass_at_2",
+        "start/accuracy",
+    ):
         assert k in metrics, (k, sorted(metrics))
     hist = client.get_metric_history(res.run_id, "train/hint_distill/loss")
     assert len(hist) == 2 and all(m.value > 0 for m in hist)
@@ -188,18 +208,41 @@ def test_cli_sft_train_eval(tiny_yaml, tmp_path):
     r = runner.invoke(cli, ["sft", "-c", str(cfg), f"output_dir={tmp_path}/sft"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert (tmp_path / "sft" / "model" / "model.safetensors").exists()
-    r = runner.invoke(cli, ["train", "-c", str(cfg), f"output_dir={tmp_path}/rl", "trainer.max_steps=1",
-                            f"model.name_or_path={tmp_path}/sft/model", "sft.enabled=false"],
-                      catch_exceptions=False)  # fmt: skip
+    r = runner.invoke(
+        cli,
+        [
+            "train",
+            "-c",
+            str(cfg),
+            f"output_dir={tmp_path}/rl",
+            "trainer.max_steps=1",
+            f"model.name_or_path={tmp_path}/sft/model",
+            "sft.enabled=false",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout[: r.stdout.rindex("}") + 1])  # stderr carries the progress lines
     assert "train/loss" in out and "train/grpo/loss" in out
     assert (tmp_path / "rl" / "model" / "config.json").exists() and (tmp_path / "rl" / "history.csv").exists()
     assert json.loads((tmp_path / "rl" / "metrics.json").read_text())["train/loss"] == out["train/loss"]
     for ckpt in (f"{tmp_path}/rl/model", f"{tmp_path}/rl/checkpoints/last.ckpt"):
-        r = runner.invoke(cli, ["eval", "-c", str(cfg), "--checkpoint", ckpt, "-o", f"{tmp_path}/eval.json",
-                                "eval.predictions=true", "sft.enabled=false",
-                                f"model.name_or_path={tmp_path}/sft/model"], catch_exceptions=False)  # fmt: skip
+        r = runner.invoke(
+            cli,
+            [
+                "eval",
+                "-c",
+                str(cfg),
+                "--checkpoint",
+                ckpt,
+                "-o",
+                f"{tmp_path}/eval.json",
+                "eval.predictions=true",
+                "sft.enabled=false",
+                f"model.name_or_path={tmp_path}/sft/model",
+            ],
+            catch_exceptions=False,
+        )
         assert r.exit_code == 0, r.output
         m = json.loads((tmp_path / "eval.json").read_text())
         assert set(m) == {"gsm8k/accuracy", "gsm8k/mean_reward", "gsm8k/pass_at_2"}
@@ -230,8 +273,9 @@ def test_validation_metrics_are_consistent(make_cfg):
 
 
 def test_multi_turn_episode_masks_observations(make_cfg):
-    cfg, src = make_cfg("", "env.max_turns=2", "rollout.max_turns=2",
-                        "rollout.num_generations=4", "rollout.prompts_per_step=2")  # fmt: skip
+    cfg, src = make_cfg(
+        "", "env.max_turns=2", "rollout.max_turns=2", "rollout.num_generations=4", "rollout.prompts_per_step=2"
+    )
     env = build_env(cfg)
     policy, tok = load_policy_for(cfg, env)
     module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
@@ -263,9 +307,12 @@ def test_tasks_from_jsonl_files(make_cfg, tmp_path):
         paths[split] = tmp_path / f"{split}.jsonl"
         paths[split].write_text("".join(json.dumps(t) + "\n" for t in env.sample_tasks(n, split, seed=21)))
     cfg, src = make_cfg(
-        "", f"data.train_path={paths['train']}", f"data.test_path={paths['test']}", "trainer.max_steps=1",
+        "",
+        f"data.train_path={paths['train']}",
+        f"data.test_path={paths['test']}",
+        "trainer.max_steps=1",
         "eval.predictions=true",
-    )  # fmt: skip
+    )
     res = run_train(cfg, src)
     assert len(res.history) == 1 and res.history[0]["train/grpo/skipped"] == 0.0
     out = tmp_path / "eval.json"
@@ -291,8 +338,9 @@ def test_policy_trains_in_train_mode_without_lightning_eval_mode_warning(make_cf
         def on_train_batch_start(self, trainer, pl_module, *a):
             modes.append(pl_module.policy.training)
 
-    cfg, src = make_cfg("", "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0", "sft.cache=false",
-                        "sft.steps=2")  # fmt: skip
+    cfg, src = make_cfg(
+        "", "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0", "sft.cache=false", "sft.steps=2"
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_train(cfg, src, extra_callbacks=[Mode()])

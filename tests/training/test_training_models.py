@@ -13,14 +13,25 @@ from composer_plugins.models.tiny import TinyModelConfig, build_cached, build_ti
 from composer_plugins.training.batches import TaskStream, derive_seed
 from composer_plugins.training.metrics import PassAtK, pass_at_k
 
-CORPUS = [f"Question: Tom has {a} pens and buys {b} more.\nAnswer: {a} + {b} = {a + b}\n#### {a + b}"
-          for a in range(1, 30) for b in range(1, 12)]  # fmt: skip
+CORPUS = [
+    f"Question: Tom has {a} pens and buys {b} more.\nAnswer: {a} + {b} = {a + b}\n#### {a + b}"
+    for a in range(1, 30)
+    for b in range(1, 12)
+]
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def tiny_dir(request, tmp_path_factory):
-    cfg = TinyModelConfig(arch=request.param, vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
-                          num_heads=2, num_kv_heads=1, max_position_embeddings=128)  # fmt: skip
+    cfg = TinyModelConfig(
+        arch=request.param,
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=128,
+    )
     return build_tiny_model(cfg, CORPUS, tmp_path_factory.mktemp(request.param))
 
 

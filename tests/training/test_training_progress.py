@@ -31,8 +31,9 @@ def _run(*args: str) -> procs.subprocess.CompletedProcess:  # type: ignore[name-
     env = {k: v for k, v in os.environ.items() if k not in ("COMPOSER_PROGRESS", "TQDM_DISABLE")}
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     env.update(COMPOSER_MLFLOW="0", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", COLUMNS="160")
-    return procs.run([sys.executable, "-m", "composer_plugins", *args], env=env, capture_output=True, text=True,
-                     timeout=400)  # fmt: skip
+    return procs.run(
+        [sys.executable, "-m", "composer_plugins", *args], env=env, capture_output=True, text=True, timeout=400
+    )
 
 
 @pytest.mark.slow

@@ -46,9 +46,24 @@ def test_the_recipe_trains_and_evaluates_at_a_tiny_shape_from_local_files(tmp_pa
     out = tmp_path / "run"
     overrides = tiny_overrides()
     assert {"trainer.accelerator=cpu", "trainer.precision=32-true"} <= set(overrides)
-    cmd = [sys.executable, "-m", "composer_plugins", "--no-progress", "train", "-c", str(RECIPE / "config.yaml"),
-           "-S", f"model.name_or_path={model_dir}", "-S", f"env.source={data.parent}", "-S", f"output_dir={out}",
-           "-S", f"cache_dir={tmp_path / 'cache'}", *[a for o in overrides for a in ("-S", o)]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer_plugins",
+        "--no-progress",
+        "train",
+        "-c",
+        str(RECIPE / "config.yaml"),
+        "-S",
+        f"model.name_or_path={model_dir}",
+        "-S",
+        f"env.source={data.parent}",
+        "-S",
+        f"output_dir={out}",
+        "-S",
+        f"cache_dir={tmp_path / 'cache'}",
+        *[a for o in overrides for a in ("-S", o)],
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COMPOSER_PLUGINS_LOAD": ""}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,9 +92,24 @@ def test_the_recipe_runs_in_the_trl_backend_too(tmp_path):
     data = write_gsm8k_like(tmp_path / "gsm8k", n_train=16, n_test=4)
     out = tmp_path / "run"
     overrides = [o for o in tiny_overrides() if not o.startswith(("eval.", "trainer.val_every"))]
-    cmd = [sys.executable, "-m", "composer_plugins", "--no-progress", "backend", "run", "trl", "-c",
-           str(RECIPE / "config.yaml"), "-S", f"model.name_or_path={model_dir}", "-S", f"env.source={data}",
-           "-S", f"output_dir={out}", *[a for o in overrides for a in ("-S", o)]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "composer_plugins",
+        "--no-progress",
+        "backend",
+        "run",
+        "trl",
+        "-c",
+        str(RECIPE / "config.yaml"),
+        "-S",
+        f"model.name_or_path={model_dir}",
+        "-S",
+        f"env.source={data}",
+        "-S",
+        f"output_dir={out}",
+        *[a for o in overrides for a in ("-S", o)],
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COMPOSER_PLUGINS_LOAD": "composer-plugins-trl"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

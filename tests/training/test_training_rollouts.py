@@ -105,9 +105,17 @@ def _in_process(policy, tok, prompts, G, seed):
     out = []
     for i in range(len(prompts)):
         ro = generate_completions(
-            policy, tok, None, G, seed=prompt_seed(seed, i), prompt_token_ids=[ids[i][mask[i].bool()].tolist()],
-            temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=SAMPLING["max_new_tokens"],
-        )  # fmt: skip
+            policy,
+            tok,
+            None,
+            G,
+            seed=prompt_seed(seed, i),
+            prompt_token_ids=[ids[i][mask[i].bool()].tolist()],
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=SAMPLING["max_new_tokens"],
+        )
         out += [ro.completion_ids[j][ro.completion_mask[j].bool()].tolist() for j in range(G)]
     return out
 

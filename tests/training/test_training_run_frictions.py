@@ -41,18 +41,31 @@ def test_a_hub_id_without_network_is_refused_at_once_with_the_ways_out(tmp_path:
         cfg = tmp_path / "run.yaml"
         model = "model:\n  name_or_path: Qwen/Qwen2.5-0.5B\n"
         cfg.write_text(f"output_dir: {tmp_path}/run\nsft: {{enabled: false}}\n{model}")
-        env = {**os.environ, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf"),
-               "HF_ENDPOINT": f"http://127.0.0.1:{port}", "COMPOSER_MLFLOW": "0"}  # fmt: skip
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "0",
+            "TRANSFORMERS_OFFLINE": "0",
+            "HF_HOME": str(tmp_path / "hf"),
+            "HF_ENDPOINT": f"http://127.0.0.1:{port}",
+            "COMPOSER_MLFLOW": "0",
+        }
         for k in ("HF_HUB_CACHE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
             env.pop(k, None)
-        r = subprocess.run([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg)], env=env,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         closed.close()
     assert r.returncode == 2, r.stderr[-3000:]
-    assert r.stderr.startswith(f"Error: {cfg}:4: model.name_or_path: 'Qwen/Qwen2.5-0.5B' is a hub id that is not "
-                               f"in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}), and the hub cannot be reached "
-                               f"(http://127.0.0.1:{port}: "), r.stderr  # fmt: skip
+    assert r.stderr.startswith(
+        f"Error: {cfg}:4: model.name_or_path: 'Qwen/Qwen2.5-0.5B' is a hub id that is not "
+        f"in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}), and the hub cannot be reached "
+        f"(http://127.0.0.1:{port}: "
+    ), r.stderr
     for way in ("— give a local directory", "hf download Qwen/Qwen2.5-0.5B", "HF_HOME", "HF_ENDPOINT"):
         assert way in r.stderr, (way, r.stderr)
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
@@ -60,8 +73,14 @@ def test_a_hub_id_without_network_is_refused_at_once_with_the_ways_out(tmp_path:
 
 def _train(cfg: Path, *args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "COMPOSER_MLFLOW": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -139,10 +158,16 @@ def test_an_unreachable_teacher_is_warned_about_once_per_step_and_summarised(mak
         closed.close()
     err = capsys.readouterr().err
     rows = 2 * 4  # prompts_per_step x num_generations of the tiny config
-    step_lines = re.findall(rf"(?m)^warning: teacher 'far' \({re.escape(url)}\): {rows} of {rows} rows failed this "
-                            r"step \((.+)\); its term is skipped for them$", err)  # fmt: skip
+    step_lines = re.findall(
+        rf"(?m)^warning: teacher 'far' \({re.escape(url)}\): {rows} of {rows} rows failed this "
+        r"step \((.+)\); its term is skipped for them$",
+        err,
+    )
     assert len(step_lines) == 2, err  # max_steps 2: once per step, not once per row or request
-    assert re.search(rf"(?m)^warning: teacher 'far' \({re.escape(url)}\): {2 * rows} of {2 * rows} rows failed "
-                     r"over the run, in 2 steps; last error: .+$", err), err  # fmt: skip
+    assert re.search(
+        rf"(?m)^warning: teacher 'far' \({re.escape(url)}\): {2 * rows} of {2 * rows} rows failed "
+        r"over the run, in 2 steps; last error: .+$",
+        err,
+    ), err
     assert "sk-do-not-print" not in err
     assert [r["train/teacher/far/failures"] for r in res.history] == [rows, 2 * rows]

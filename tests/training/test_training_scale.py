@@ -31,8 +31,12 @@ CRITERIA = ["jsd", "taid", "entropy_opd"]
 PARITY = """
 replay: {{pairs_path: {pairs}, pairs_per_step: 3}}
 """
-PARITY_ROLLOUT = ("rollout.prompts_per_step=3", "rollout.num_generations=4", "rollout.max_new_tokens=10",
-                  "rollout.temperature=0.7")  # fmt: skip
+PARITY_ROLLOUT = (
+    "rollout.prompts_per_step=3",
+    "rollout.num_generations=4",
+    "rollout.max_new_tokens=10",
+    "rollout.temperature=0.7",
+)
 
 
 def _losses(policy: str, criterion: str | None, replay: str | None) -> list[str]:
@@ -55,14 +59,28 @@ def _grads(module: ComposerModule) -> dict[str, torch.Tensor]:
 def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
     """The composed loss as the module computed it before: whole-batch logits, logits-path channels."""
     ro, T = rb.rollout, module.cfg.rollout.temperature
-    fwd = completion_forward(module.policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
-                             temperature=T, return_logits=True)  # fmt: skip
+    fwd = completion_forward(
+        module.policy,
+        ro.prompt_ids,
+        ro.prompt_mask,
+        ro.completion_ids,
+        ro.completion_mask,
+        temperature=T,
+        return_logits=True,
+    )
     mask = ro.completion_mask.float()
     lp = fwd.logps * mask  # the hidden-state path leaves off-mask positions at 0
-    batch = {"completion_mask": mask, "advantages": rb.advantages, "rewards": rb.rewards,
-             "num_generations": ro.num_generations, "group_index": ro.group_index,
-             "old_logprobs": lp.detach(), "inference_logprobs": lp.detach(),
-             "global_step": module.global_step, "total_steps": module.cfg.trainer.max_steps}  # fmt: skip
+    batch = {
+        "completion_mask": mask,
+        "advantages": rb.advantages,
+        "rewards": rb.rewards,
+        "num_generations": ro.num_generations,
+        "group_index": ro.group_index,
+        "old_logprobs": lp.detach(),
+        "inference_logprobs": lp.detach(),
+        "global_step": module.global_step,
+        "total_steps": module.cfg.trainer.max_steps,
+    }
     if rb.ref_logprobs is not None:
         batch["ref_logprobs"] = rb.ref_logprobs
     outputs = {"logprobs": lp}
@@ -72,8 +90,15 @@ def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
             module.tokenizer, rb.hinted_contexts, module.cfg.hints.max_context_length, "cpu"
         )
         with torch.no_grad():
-            t = completion_forward(module.policy, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx],
-                                   temperature=T, return_logits=True)  # fmt: skip
+            t = completion_forward(
+                module.policy,
+                h_ids,
+                h_mask,
+                ro.completion_ids[idx],
+                ro.completion_mask[idx],
+                temperature=T,
+                return_logits=True,
+            )
         outputs.update(student_logits=fwd.logits[idx], teacher_logits=t.logits)
         batch["hint_mask"] = mask[idx]
     if module.needs_pairs and module.pairs:
@@ -81,14 +106,19 @@ def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
 
         k = min(module.cfg.replay.pairs_per_step, len(module.pairs))
         pairs = [module.pairs[i] for i in random.Random(seed).sample(range(len(module.pairs)), k)]
-        p_ids, p_mask = tokenize_prompts(module.tokenizer, [p["prompt"] for p in pairs] * 2,
-                                         module.cfg.rollout.max_prompt_length, "cpu")  # fmt: skip
+        p_ids, p_mask = tokenize_prompts(
+            module.tokenizer, [p["prompt"] for p in pairs] * 2, module.cfg.rollout.max_prompt_length, "cpu"
+        )
         comps = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
         c_ids, c_mask = tokenize_completions(module.tokenizer, comps, module.cfg.replay.max_completion_length, "cpu")
         seq = sequence_logprob(completion_forward(module.policy, p_ids, p_mask, c_ids, c_mask).logps, c_mask.float())
         n = c_mask.sum(-1).float()
-        outputs.update(chosen_logps=seq[:k], rejected_logps=seq[k:], chosen_avg_logps=seq[:k] / n[:k],
-                       rejected_avg_logps=seq[k:] / n[k:])  # fmt: skip
+        outputs.update(
+            chosen_logps=seq[:k],
+            rejected_logps=seq[k:],
+            chosen_avg_logps=seq[:k] / n[:k],
+            rejected_avg_logps=seq[k:] / n[k:],
+        )
         batch.update(chosen_lengths=n[:k], rejected_lengths=n[k:])
         if module.required_inputs & {"ref_chosen_logps", "ref_rejected_logps"}:
             ref = module.reference if module.reference is not None else module.policy
@@ -185,8 +215,15 @@ def wide_vocab_policy(make_cfg, tmp_path):
     cfg, _ = make_cfg()
     tok_dir = resolve_policy(cfg, build_env(cfg))
     out = tmp_path / "wide-model"
-    shape = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True}  # fmt: skip
+    shape = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": True,
+    }
     return build_shaped_model(tok_dir, out, shape)
 
 
@@ -236,8 +273,12 @@ def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_
     out = {}
     for flag in ("false", "true"):
         base, tok = load_policy_for(cfg, env)
-        c, s = make_cfg(PARITY.format(pairs=pairs_file), *over, f"compute.gradient_checkpointing={flag}",
-                        "compute.micro_batch_size=4")  # fmt: skip
+        c, s = make_cfg(
+            PARITY.format(pairs=pairs_file),
+            *over,
+            f"compute.gradient_checkpointing={flag}",
+            "compute.micro_batch_size=4",
+        )
         m = ComposerModule(c, policy=base, tokenizer=tok, env=env, src=s)
         m.train()
         assert base.is_gradient_checkpointing == (flag == "true")
@@ -254,8 +295,13 @@ def test_bf16_mixed_precision_trains_through_lightning(make_cfg, pairs_file):
     """``trainer.precision: bf16-mixed`` runs the step under Lightning's autocast (CPU here; a GPU in practice)."""
     from composer_plugins.training.run import run_train
 
-    cfg, src = make_cfg(PARITY.format(pairs=pairs_file), *PARITY_ROLLOUT, "trainer.precision=bf16-mixed",
-                        "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0")  # fmt: skip
+    cfg, src = make_cfg(
+        PARITY.format(pairs=pairs_file),
+        *PARITY_ROLLOUT,
+        "trainer.precision=bf16-mixed",
+        "trainer.max_steps=1",
+        "trainer.checkpoint_every_n_steps=0",
+    )
     res = run_train(cfg, src)
     row = res.history[-1]
     assert row["train/hint_distill/skipped"] == 0.0 and row["train/grpo/skipped"] == 0.0

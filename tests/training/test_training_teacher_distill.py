@@ -73,8 +73,10 @@ def test_a_teacher_past_the_deadline_is_skipped_not_waited_for(make_cfg):
     cfg, src = make_cfg("")
     env = build_env(cfg)
     policy, tok = load_policy_for(cfg, env)
-    channels = [PolicyLossChannel(loss_type="grpo", name="grpo"),
-                TeacherDistillChannel(weight=0.5, teachers=[_Late(3.0)], deadline_s=0.2)]  # fmt: skip
+    channels = [
+        PolicyLossChannel(loss_type="grpo", name="grpo"),
+        TeacherDistillChannel(weight=0.5, teachers=[_Late(3.0)], deadline_s=0.2),
+    ]
     mod = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, channels=channels, src=src)
     tasks = env.sample_tasks(2, "train", seed=1)
     t0 = time.monotonic()

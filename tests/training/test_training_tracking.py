@@ -26,9 +26,12 @@ def store(tmp_path, monkeypatch) -> str:
 def _train(make_cfg, tmp_path: Path, uri: str, out: str, *extra: str):
     cfg, src = make_cfg(
         f'mlflow: {{enabled: true, tracking_uri: "{uri}", experiment: names, log_checkpoints: false}}\n',
-        "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=0", "losses.hint_distill.enabled=false", *extra,
+        "trainer.max_steps=1",
+        "trainer.checkpoint_every_n_steps=0",
+        "losses.hint_distill.enabled=false",
+        *extra,
         out=tmp_path / out,
-    )  # fmt: skip
+    )
     return run_train(cfg, src)
 
 
@@ -96,8 +99,20 @@ def test_a_loopback_mlflow_server_gets_the_names_tags_and_artifacts(make_cfg, tm
     served = tmp_path / "served"
     mlflow_bin = Path(sys.executable).parent / "mlflow"
     db = f"sqlite:///{tmp_path / 'server.db'}"
-    argv = [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--backend-store-uri", db, "--artifacts-destination", str(served)]  # fmt: skip
+    argv = [
+        str(mlflow_bin),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        db,
+        "--artifacts-destination",
+        str(served),
+    ]
     with procs.Children("mlflow-server") as group:
         child = group.start("mlflow server", argv, log_path=tmp_path / "server.log")
         url = f"http://127.0.0.1:{port}"

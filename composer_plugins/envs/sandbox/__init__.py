@@ -80,19 +80,58 @@ _FILES_DIR = Path(__file__).with_name("_runtime")
 #: Directory names dropped anywhere in a copied tree (caches, VCS history, build output).
 LEAKY_DIRS: frozenset[str] = frozenset(
     {
-        "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".dmypy", ".pyre", ".pytype",
-        ".git", ".hg", ".svn", ".jj", ".tox", ".nox", ".eggs", "htmlcov", ".hypothesis",
-        ".ipynb_checkpoints", ".idea", ".vscode", "_build", "site-packages", "__pypackages__", ".benchmarks",
+        "__pycache__",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        ".dmypy",
+        ".pyre",
+        ".pytype",
+        ".git",
+        ".hg",
+        ".svn",
+        ".jj",
+        ".tox",
+        ".nox",
+        ".eggs",
+        "htmlcov",
+        ".hypothesis",
+        ".ipynb_checkpoints",
+        ".idea",
+        ".vscode",
+        "_build",
+        "site-packages",
+        "__pypackages__",
+        ".benchmarks",
     }
-)  # fmt: skip
+)
 #: Directory names dropped only at the top of a copied tree (build output, virtualenvs).
 LEAKY_TOP_DIRS: frozenset[str] = frozenset({"build", "dist", ".venv", "venv", "env", "wheelhouse"})
 #: File name patterns dropped anywhere (bytecode, backups, coverage data, packaged copies, secrets).
 LEAKY_FILES: tuple[str, ...] = (
-    "*.pyc", "*.pyo", "*.orig", "*.rej", "*.bak", "*~", "*.swp", "*.swo", ".#*", "#*#",
-    ".coverage", ".coverage.*", "coverage.xml", ".dmypy.json", "*.whl", "*.egg", "*.tar.gz", "*.zip",
-    ".env", ".netrc", ".pypirc", ".git-credentials",
-)  # fmt: skip
+    "*.pyc",
+    "*.pyo",
+    "*.orig",
+    "*.rej",
+    "*.bak",
+    "*~",
+    "*.swp",
+    "*.swo",
+    ".#*",
+    "#*#",
+    ".coverage",
+    ".coverage.*",
+    "coverage.xml",
+    ".dmypy.json",
+    "*.whl",
+    "*.egg",
+    "*.tar.gz",
+    "*.zip",
+    ".env",
+    ".netrc",
+    ".pypirc",
+    ".git-credentials",
+)
 _LEAKY_DIR_GLOBS = ("*.egg-info", "*.dist-info")
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE", "SESSION")
 
@@ -335,8 +374,14 @@ def interpreter_paths(python: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             "print(json.dumps([[sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix],"
             " [p for p in sys.path if p]]))"
         )
-        out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
-                             env={"PATH": "/usr/bin:/bin"})  # fmt: skip
+        out = subprocess.run(
+            [python, "-I", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
+        )
         if out.returncode != 0:
             raise SandboxError(f"cannot run the interpreter {python}: {out.stderr.strip()[-300:]}")
         pre, pp = json.loads(out.stdout)
@@ -709,8 +754,12 @@ class Sandbox:
         uid: int | None,
         lim: SandboxLimits,
     ) -> list[str]:
-        cfg: dict[str, Any] = {"argv": target, "cwd": cwd, "rlimits": self._rlimits(lim, uid),
-                               "wall_s": lim.wall_time_s + 2.0}  # fmt: skip
+        cfg: dict[str, Any] = {
+            "argv": target,
+            "cwd": cwd,
+            "rlimits": self._rlimits(lim, uid),
+            "wall_s": lim.wall_time_s + 2.0,
+        }
         launcher = os.path.join(harness, "launcher.py")
         if self.isolation == "namespaces":
             cfg.update(hidden=hidden, keep=keep, readonly=readonly, writable=root, shm_mb=lim.max_shm_mb)
@@ -796,8 +845,19 @@ class Sandbox:
 
 
 #: Host paths visible in ``expose="allowlist"`` mode besides the interpreter and the sandbox itself.
-SYSTEM_PATHS: tuple[str, ...] = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/dev",
-                                 "/proc", "/sys")  # fmt: skip
+SYSTEM_PATHS: tuple[str, ...] = (
+    "/usr",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/bin",
+    "/sbin",
+    "/etc",
+    "/dev",
+    "/proc",
+    "/sys",
+)
 OWNER_FILE = "owner"
 _swept: set[str] = set()
 

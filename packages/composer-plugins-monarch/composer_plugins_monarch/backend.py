@@ -64,10 +64,14 @@ def _threads(cfg: Any) -> None:
 
 def _rollout_to_wire(ro: Any) -> dict[str, Any]:
     return {
-        "prompt_ids": ro.prompt_ids.cpu(), "prompt_mask": ro.prompt_mask.cpu(),
-        "completion_ids": ro.completion_ids.cpu(), "completion_mask": ro.completion_mask.cpu(),
-        "completions": list(ro.completions), "prompts": list(ro.prompts), "num_generations": ro.num_generations,
-    }  # fmt: skip
+        "prompt_ids": ro.prompt_ids.cpu(),
+        "prompt_mask": ro.prompt_mask.cpu(),
+        "completion_ids": ro.completion_ids.cpu(),
+        "completion_mask": ro.completion_mask.cpu(),
+        "completions": list(ro.completions),
+        "prompts": list(ro.prompts),
+        "num_generations": ro.num_generations,
+    }
 
 
 def merge_rollouts(parts: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, Any]:
@@ -99,10 +103,15 @@ def _rollout_from_wire(w: Mapping[str, Any]) -> Any:
     G = int(w["num_generations"])
     n = w["completion_ids"].shape[0]
     return Rollout(
-        prompt_ids=w["prompt_ids"], prompt_mask=w["prompt_mask"], completion_ids=w["completion_ids"],
-        completion_mask=w["completion_mask"], completions=list(w["completions"]), prompts=list(w["prompts"]),
-        group_index=torch.arange(n // G).repeat_interleave(G), num_generations=G,
-    )  # fmt: skip
+        prompt_ids=w["prompt_ids"],
+        prompt_mask=w["prompt_mask"],
+        completion_ids=w["completion_ids"],
+        completion_mask=w["completion_mask"],
+        completions=list(w["completions"]),
+        prompts=list(w["prompts"]),
+        group_index=torch.arange(n // G).repeat_interleave(G),
+        num_generations=G,
+    )
 
 
 class GeneratorActor(Actor):
@@ -204,8 +213,9 @@ class TrainerActor(Actor):
         return m.loss_on(m.record_from(tasks, ro, rewards), seed)
 
     @endpoint
-    async def train_step(self, tasks: list[dict[str, Any]], rollout: dict[str, Any], rewards: list[float],
-                         step: int) -> dict[str, float]:  # fmt: skip
+    async def train_step(
+        self, tasks: list[dict[str, Any]], rollout: dict[str, Any], rewards: list[float], step: int
+    ) -> dict[str, float]:
         """One optimizer step of the composed loss on ``rollout``; returns the step's statistics."""
         from composer_plugins.training.batches import derive_seed
 
@@ -223,8 +233,13 @@ class TrainerActor(Actor):
         self.module.local_steps += 1
         self.steps += 1
         out = scalar_metrics(stats)
-        out.update(loss=float(loss.detach()), grad_norm=float(norm), trainer_step_time=time.perf_counter() - t0,
-                   trainer_pid=float(os.getpid()), record_step=float(self.module.last_rollout.step))  # fmt: skip
+        out.update(
+            loss=float(loss.detach()),
+            grad_norm=float(norm),
+            trainer_step_time=time.perf_counter() - t0,
+            trainer_pid=float(os.getpid()),
+            record_step=float(self.module.last_rollout.step),
+        )
         return out
 
     @endpoint
@@ -263,8 +278,16 @@ class MonarchBackend(Backend):
     runs_here = "the three actor roles in separate processes of a local CPU process mesh, real training steps"
     needs_gpu = "nothing; on GPU hosts the same actors run with per_host={'gpus': N} and CUDA policies"
 
-    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
-                 generators: int = 2, colocate: bool = True, max_steps: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any = None,
+        overrides: Sequence[str] = (),
+        *,
+        output_dir: str | None = None,
+        generators: int = 2,
+        colocate: bool = True,
+        max_steps: int | None = None,
+    ) -> None:
         super().__init__(config, overrides, output_dir=output_dir)
         if max_steps is not None:
             self.config = dataclasses.replace(
@@ -358,8 +381,9 @@ class MonarchSession:
         gen_sums = [v for _, v in (await self.generators.checksum.call()).items()]
         tol = 1e-6 * max(1.0, abs(trainer_sum))
         in_sync = float(all(abs(g - trainer_sum) <= tol for g in gen_sums))
-        return b.write_outputs(self.history, {"monarch/trainer_checksum": trainer_sum,
-                                              "monarch/generators_in_sync": in_sync})  # fmt: skip
+        return b.write_outputs(
+            self.history, {"monarch/trainer_checksum": trainer_sum, "monarch/generators_in_sync": in_sync}
+        )
 
 
 def _interleave(shards: Sequence[Mapping[str, Any]], n_prompts: int, pad: int) -> dict[str, Any]:

@@ -158,20 +158,32 @@ def loss_fn(
     adv = adv.to(trainer.dtype)
 
     if policy == "dppo":
-        out = F.dppo_kl_loss(trainer, inference, adv, mask, dppo_mask_low=dppo_mask_low,
-                             dppo_mask_high=dppo_mask_high, adv_tau=adv_tau, kl_tau=kl_tau,
-                             loss_weights=weights)  # fmt: skip
+        out = F.dppo_kl_loss(
+            trainer,
+            inference,
+            adv,
+            mask,
+            dppo_mask_low=dppo_mask_low,
+            dppo_mask_high=dppo_mask_high,
+            adv_tau=adv_tau,
+            kl_tau=kl_tau,
+            loss_weights=weights,
+        )
         loss, metrics = out.loss, dict(out.metrics)
     else:
         # One sample as a batch of one; "dapo" aggregation with num_items_in_batch=1 is the token sum.
         out = F.policy_loss(
-            trainer.unsqueeze(0), inference.unsqueeze(0), adv.unsqueeze(0), mask.unsqueeze(0),
+            trainer.unsqueeze(0),
+            inference.unsqueeze(0),
+            adv.unsqueeze(0),
+            mask.unsqueeze(0),
             loss_type="cispo" if policy == "cispo" else "dapo",
-            epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
             importance_sampling_level="sequence" if policy == "gspo" else "token",
             num_items_in_batch=1.0,
             importance_sampling_ratio=None if weights is None else weights.unsqueeze(0).to(trainer.dtype),
-        )  # fmt: skip
+        )
         loss, metrics = out.loss, dict(out.metrics)
 
     if hint_weight:
@@ -215,8 +227,9 @@ def loss_fn(
 # ----------------------------------------------------------------------------------------------
 # PRIME-RL's aggregation, for running the loss outside PRIME-RL (tests, local mode)
 # ----------------------------------------------------------------------------------------------
-def aggregate(samples: Sequence[Any], fn: Any = loss_fn, rl_scale: int | None = None,
-              **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+def aggregate(
+    samples: Sequence[Any], fn: Any = loss_fn, rl_scale: int | None = None, **kwargs: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PRIME-RL's ``rl`` component: ``Σ_samples fn(sample).loss / rl_scale``, metrics stacked per sample.
 
     ``rl_scale`` defaults to the number of loss tokens in ``samples`` (PRIME-RL all-reduces it
@@ -236,8 +249,14 @@ def aggregate(samples: Sequence[Any], fn: Any = loss_fn, rl_scale: int | None = 
     return total / max(scale, 1), metrics
 
 
-def samples_from_batch(trainer_logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                       ref_logprobs: Tensor | None = None, cls: type | None = None) -> list[Any]:  # fmt: skip
+def samples_from_batch(
+    trainer_logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Tensor | None = None,
+    cls: type | None = None,
+) -> list[Any]:
     """Split ``(B, T)`` tensors into per-sample ``LossInputs`` (padding dropped, as PRIME-RL's packing does)."""
     cls = cls or LossInputs
     out = []
@@ -285,8 +304,16 @@ class PrimeRLBackend(Backend):
     runs_here = "the custom loss_fn on stand-in LossInputs, PRIME-RL's per-sample aggregation on the tiny model"
     needs_gpu = "`rl @ config.toml` (vLLM inference server + FSDP trainer; Python 3.12)"
 
-    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
-                 mode: str = "local", max_steps: int | None = None, model_name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any = None,
+        overrides: Sequence[str] = (),
+        *,
+        output_dir: str | None = None,
+        mode: str = "local",
+        max_steps: int | None = None,
+        model_name: str | None = None,
+    ) -> None:
         super().__init__(config, overrides, output_dir=output_dir)
         if mode not in ("local", "prime-rl"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "prime-rl"])
@@ -420,8 +447,14 @@ class PrimeRLBackend(Backend):
             from composer_plugins.training.teacher_scores import build_teacher_scoring
 
             scoring = build_teacher_scoring(build_channels(c, self.src), run.tokenizer)
-        policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, teacher=ema, temperature=c.rollout.temperature,
-                            max_context_length=c.hints.max_context_length, teacher_scoring=scoring)  # fmt: skip
+        policy = StepPolicy(
+            model=run.policy,
+            tokenizer=run.tokenizer,
+            teacher=ema,
+            temperature=c.rollout.temperature,
+            max_context_length=c.hints.max_context_length,
+            teacher_scoring=scoring,
+        )
         # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
         # (or, with teacher_distill, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)
         ref_name = "hint_teacher_logprobs" if hint_provider else ("teacher_logprobs" if scoring else None)
@@ -433,8 +466,9 @@ class PrimeRLBackend(Backend):
             inputs, _ = assemble_inputs(record, needs, policy)
             inference = inputs["inference_logprobs"]
             adv = record.advantages.unsqueeze(-1).expand_as(inference)
-            samples = samples_from_batch(inputs["logprobs"], inference, adv, record.completion_mask,
-                                         inputs.get(ref_name) if ref_name else None)  # fmt: skip
+            samples = samples_from_batch(
+                inputs["logprobs"], inference, adv, record.completion_mask, inputs.get(ref_name) if ref_name else None
+            )
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
             grad_norm = run.optimizer_step(loss)
             if ema is not None:
@@ -443,9 +477,14 @@ class PrimeRLBackend(Backend):
                 ema_update(ema_pairs_, ema.rate)
             scorable = record.rewards[~torch.isnan(record.rewards)]  # an unscorable row (NaN) is left out
             reward = float(scorable.mean()) if scorable.numel() else float("nan")
-            row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": reward,
-                   "unscorable": float(torch.isnan(record.rewards).float().mean()),
-                   "grad_norm": grad_norm, "step_time": time.perf_counter() - t0}  # fmt: skip
+            row = {
+                "step": float(step + 1),
+                "loss": float(loss.detach()),
+                "reward": reward,
+                "unscorable": float(torch.isnan(record.rewards).float().mean()),
+                "grad_norm": grad_norm,
+                "step_time": time.perf_counter() - t0,
+            }
             row.update({k: float(v.float().mean()) for k, v in metrics.items() if v.numel()})
             history.append(row)
         return self.write_outputs(history, {}, run.policy, run.tokenizer)
@@ -462,14 +501,30 @@ def step_record(run: Any, step: int, hint_provider: Any = None) -> Any:
     adv = F.group_advantages(r, c.rollout.num_generations, **c.rollout.advantage_kwargs)
     record = StepRecord.from_rollout(tasks, ro, r, adv, feedback, step=step, total_steps=c.trainer.max_steps)
     if hint_provider is not None:
-        add_hint_contexts(record, run.env, hint_provider, success_threshold=c.rollout.success_threshold,
-                          tokenizer=run.tokenizer, chat_template=c.model.chat_template)  # fmt: skip
+        add_hint_contexts(
+            record,
+            run.env,
+            hint_provider,
+            success_threshold=c.rollout.success_threshold,
+            tokenizer=run.tokenizer,
+            chat_template=c.model.chat_template,
+        )
     return record
 
 
-def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: Sequence[Mapping[str, Any]], ro: Any,
-                  rewards: Tensor, threshold: float, max_context_length: int,
-                  temperature: float = 1.0, teacher: Any = None) -> Tensor | None:  # fmt: skip
+def hint_logprobs(
+    policy: Any,
+    tokenizer: Any,
+    provider: Any,
+    env: Any,
+    tasks: Sequence[Mapping[str, Any]],
+    ro: Any,
+    rewards: Tensor,
+    threshold: float,
+    max_context_length: int,
+    temperature: float = 1.0,
+    teacher: Any = None,
+) -> Tensor | None:
     """Sampled-token log-probs of each *failed* completion under the policy conditioned on its hint.
 
     ``teacher``: the model that scores the hinted contexts (an EMA copy of the policy), default ``policy``.
@@ -483,8 +538,13 @@ def hint_logprobs(policy: Any, tokenizer: Any, provider: Any, env: Any, tasks: S
 
     record = StepRecord.from_rollout(tasks, ro, rewards, torch.zeros_like(rewards))
     add_hint_contexts(record, env, provider, success_threshold=threshold, tokenizer=tokenizer)
-    policy = StepPolicy(model=policy, tokenizer=tokenizer, teacher=teacher, temperature=temperature,
-                        max_context_length=max_context_length)  # fmt: skip
+    policy = StepPolicy(
+        model=policy,
+        tokenizer=tokenizer,
+        teacher=teacher,
+        temperature=temperature,
+        max_context_length=max_context_length,
+    )
     inputs, _ = assemble_inputs(record, Needs("hint_teacher_logprobs"), policy)
     return inputs.get("hint_teacher_logprobs")
 

@@ -54,9 +54,17 @@ from composer_plugins.training.assemble import PAIR_INPUTS
 #: TRL loss types the composed trainer reproduces (``gspo`` is TRL's ``grpo`` at sequence level).
 SUPPORTED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 _MULTIMODAL_KEYS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-)  # fmt: skip
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 def policy_channel_from_args(args: GRPOConfig, weight: float = 1.0, name: str = "policy") -> LossChannel:
@@ -65,15 +73,23 @@ def policy_channel_from_args(args: GRPOConfig, weight: float = 1.0, name: str = 
 
     lt = args.loss_type
     if lt not in SUPPORTED_LOSS_TYPES:
-        raise ConfigError(f"loss_type {lt!r} has no composer-plugins channel", key="loss_type",
-                          valid=list(SUPPORTED_LOSS_TYPES))  # fmt: skip
+        raise ConfigError(
+            f"loss_type {lt!r} has no composer-plugins channel", key="loss_type", valid=list(SUPPORTED_LOSS_TYPES)
+        )
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     return build(
-        "losses", lt, weight=weight, name=name, epsilon_low=args.epsilon, epsilon_high=eps_high,
-        importance_sampling_level=args.importance_sampling_level, beta=args.beta,
-        use_bias_correction_kl=args.use_bias_correction_kl, max_completion_length=args.max_completion_length,
+        "losses",
+        lt,
+        weight=weight,
+        name=name,
+        epsilon_low=args.epsilon,
+        epsilon_high=eps_high,
+        importance_sampling_level=args.importance_sampling_level,
+        beta=args.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        max_completion_length=args.max_completion_length,
         delta=args.delta,
-    )  # fmt: skip
+    )
 
 
 class ComposerGRPOTrainer(GRPOTrainer):
@@ -138,9 +154,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if self.needs_teacher and hint_provider is None:
             raise ConfigError("a hint-distillation channel is live but no hint_provider was given", key="hint_provider")
         if self.needs_teacher and self._rewards.unrecorded:
-            raise ConfigError(f"hint rows are chosen by the reward functions' rewards; {self._rewards.unrecorded} "
-                              "(a reward model) is not a callable whose rewards can be read — give callable reward "
-                              "functions with a hint-distillation channel", key="reward_funcs")  # fmt: skip
+            raise ConfigError(
+                f"hint rows are chosen by the reward functions' rewards; {self._rewards.unrecorded} "
+                "(a reward model) is not a callable whose rewards can be read — give callable reward "
+                "functions with a hint-distillation channel",
+                key="reward_funcs",
+            )
         self.hint_provider = hint_provider
         self.hint_env = hint_env
         self.hint_threshold = float(hint_threshold)
@@ -198,8 +217,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _check_supported(self) -> None:
         a = self.args
         if a.loss_type not in SUPPORTED_LOSS_TYPES:
-            raise ConfigError(f"loss_type {a.loss_type!r} is not reproduced by the composed trainer", key="loss_type",
-                              valid=list(SUPPORTED_LOSS_TYPES))  # fmt: skip
+            raise ConfigError(
+                f"loss_type {a.loss_type!r} is not reproduced by the composed trainer",
+                key="loss_type",
+                valid=list(SUPPORTED_LOSS_TYPES),
+            )
         unsupported = {
             "top_entropy_quantile": a.top_entropy_quantile < 1.0,
             "off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
@@ -256,8 +278,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             out["chat_prompts"] = [task_conversation(x) for x in inputs]
         return out
 
-    def _hint_contexts(self, inputs: list[dict[str, Any]], out: Mapping[str, Any],
-                       rewards: Tensor) -> list[str | None]:  # fmt: skip
+    def _hint_contexts(self, inputs: list[dict[str, Any]], out: Mapping[str, Any], rewards: Tensor) -> list[str | None]:
         """The hinted teacher context of each failed row of this process (``None``: no hint), as text."""
         from composer_plugins.training.batches import rollout_groups, teacher_contexts
         from composer_plugins.training.builders import reads_groups
@@ -265,8 +286,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
         tok = self.processing_class
         ids, mask = out["completion_ids"], out["completion_mask"]
-        texts = tok.batch_decode([r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)],
-                                 skip_special_tokens=True)  # fmt: skip
+        texts = tok.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)], skip_special_tokens=True
+        )
         result: list[str | None] = [None] * len(inputs)
         groups = None
         if reads_groups(self.hint_provider):
@@ -285,10 +307,15 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if not failed:
             return result
         # conversational prompts get the hint in their conversation, rendered as the native path renders it
-        contexts = teacher_contexts(self.hint_env, self.hint_provider, [dict(inputs[i]) for i in failed],
-                                    [texts[i] for i in failed],
-                                    groups=[groups[i] for i in failed] if groups is not None else None,
-                                    tokenizer=tok, chat_template=self.chat_mode)  # fmt: skip
+        contexts = teacher_contexts(
+            self.hint_env,
+            self.hint_provider,
+            [dict(inputs[i]) for i in failed],
+            [texts[i] for i in failed],
+            groups=[groups[i] for i in failed] if groups is not None else None,
+            tokenizer=tok,
+            chat_template=self.chat_mode,
+        )
         for i, text in zip(failed, contexts, strict=True):
             result[i] = text
         return result
@@ -298,16 +325,21 @@ class ComposerGRPOTrainer(GRPOTrainer):
         from composer_plugins.training.assemble import StepPolicy
 
         return StepPolicy(
-            model=model, tokenizer=self.processing_class, teacher=self.ema_teacher,
+            model=model,
+            tokenizer=self.processing_class,
+            teacher=self.ema_teacher,
             reference=self.ref_model if self.ref_model is not None else self._pair_reference,
-            temperature=self.temperature, max_context_length=self.max_hint_length,
-            pair_prompt_length=self.pair_prompt_length, pair_max_length=self.pair_max_length,
+            temperature=self.temperature,
+            max_context_length=self.max_hint_length,
+            pair_prompt_length=self.pair_prompt_length,
+            pair_max_length=self.pair_max_length,
             teacher_scoring=self.teacher_scoring,
-        )  # fmt: skip
+        )
 
     # -- the loss (the Trainer's public hook) ------------------------------------------------------
-    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Tensor:  # fmt: skip
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Tensor:
         """The composed loss of one micro-batch: its step record, the assembled channel inputs, the composer."""
         from composer_plugins.training.assemble import assemble_inputs
         from composer_plugins.training.step import StepRecord, sample_pairs
@@ -331,16 +363,25 @@ class ComposerGRPOTrainer(GRPOTrainer):
         n = completion_ids.shape[0]
         rewards = inputs.get("rewards")
         record = StepRecord(
-            tasks=[], prompts=[], completions=[], prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-            completion_ids=completion_ids, completion_mask=mask,
+            tasks=[],
+            prompts=[],
+            completions=[],
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=mask,
             rewards=rewards if rewards is not None else torch.full((n,), float("nan")),
-            advantages=inputs["advantages"], num_generations=self.num_generations,
-            hint_contexts=list(inputs.get("hint_contexts") or []), old_logprobs=inputs.get("old_per_token_logps"),
-            ref_logprobs=inputs.get("ref_per_token_logps"), step=self.state.global_step,
+            advantages=inputs["advantages"],
+            num_generations=self.num_generations,
+            hint_contexts=list(inputs.get("hint_contexts") or []),
+            old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+            step=self.state.global_step,
             total_steps=self.state.max_steps,
             pairs=sample_pairs(self.pairs, self.pairs_per_step, self.args.seed * 1_000_003 + self._loss_calls)
-            if self.needs_pairs else [],
-        )  # fmt: skip
+            if self.needs_pairs
+            else [],
+        )
         if self.teacher_scoring is not None:  # the scorers read the rows' text
             from composer_plugins.training.teacher_scores import start_teacher_scoring
 
@@ -504,8 +545,15 @@ class TRLBackend(Backend):
     runs_here = "ComposerGRPOTrainer training steps on the tiny model (all channels), loss parity with GRPOTrainer"
     needs_gpu = "nothing (vLLM generation, use_vllm=True, needs a GPU)"
 
-    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
-                 max_steps: int | None = None, grpo_args: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any = None,
+        overrides: Sequence[str] = (),
+        *,
+        output_dir: str | None = None,
+        max_steps: int | None = None,
+        grpo_args: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(config, overrides, output_dir=output_dir)
         if max_steps is not None:
             self.config = dataclasses.replace(
@@ -523,19 +571,36 @@ class TRLBackend(Backend):
             msg = "TRL's GRPOTrainer computes GRPO advantages; only 'scale' (group|batch|none) maps to scale_rewards"
             raise self.src.error("rollout.advantage_kwargs", msg, valid=["scale"])
         kw: dict[str, Any] = dict(
-            output_dir=str(self.output_dir / "trl"), per_device_train_batch_size=c.rollout.prompts_per_step * G,
-            num_generations=G, max_completion_length=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
-            top_p=c.rollout.top_p, top_k=c.rollout.top_k, learning_rate=c.optim.lr, weight_decay=c.optim.weight_decay,
-            max_steps=c.trainer.max_steps, gradient_accumulation_steps=c.trainer.accumulate_grad_batches,
-            max_grad_norm=c.trainer.gradient_clip_val or 0.0, seed=c.seed, data_seed=c.seed,
-            use_cpu=c.trainer.accelerator == "cpu", bf16=c.trainer.precision.startswith("bf16"), fp16=False,
-            gradient_checkpointing=c.compute.gradient_checkpointing, report_to="none", save_strategy="no",
-            logging_steps=1, disable_tqdm=not c.trainer.enable_progress_bar, lr_scheduler_type="constant",
-            loss_type="grpo" if lt == "gspo" else lt, epsilon=getattr(policy, "epsilon_low", 0.2),
-            epsilon_high=getattr(policy, "epsilon_high", None), beta=getattr(policy, "beta", 0.0),
+            output_dir=str(self.output_dir / "trl"),
+            per_device_train_batch_size=c.rollout.prompts_per_step * G,
+            num_generations=G,
+            max_completion_length=c.rollout.max_new_tokens,
+            temperature=c.rollout.temperature,
+            top_p=c.rollout.top_p,
+            top_k=c.rollout.top_k,
+            learning_rate=c.optim.lr,
+            weight_decay=c.optim.weight_decay,
+            max_steps=c.trainer.max_steps,
+            gradient_accumulation_steps=c.trainer.accumulate_grad_batches,
+            max_grad_norm=c.trainer.gradient_clip_val or 0.0,
+            seed=c.seed,
+            data_seed=c.seed,
+            use_cpu=c.trainer.accelerator == "cpu",
+            bf16=c.trainer.precision.startswith("bf16"),
+            fp16=False,
+            gradient_checkpointing=c.compute.gradient_checkpointing,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=not c.trainer.enable_progress_bar,
+            lr_scheduler_type="constant",
+            loss_type="grpo" if lt == "gspo" else lt,
+            epsilon=getattr(policy, "epsilon_low", 0.2),
+            epsilon_high=getattr(policy, "epsilon_high", None),
+            beta=getattr(policy, "beta", 0.0),
             importance_sampling_level="sequence" if lt == "gspo" else "token",
             scale_rewards=adv.get("scale", "group"),
-        )  # fmt: skip
+        )
         kw.update(self.grpo_args)
         return GRPOConfig(**kw)
 
@@ -566,13 +631,23 @@ class TRLBackend(Backend):
         pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None
         t0 = time.perf_counter()
         trainer = ComposerGRPOTrainer(
-            model=model, reward_funcs=[env_reward_func(env, task_keys)], args=args, train_dataset=dataset,
-            processing_class=tok, channels=composer, hint_provider=hint_provider, hint_env=env,
-            hint_threshold=c.rollout.success_threshold, max_hinted_per_step=c.hints.max_hinted_per_step,
-            max_hint_length=c.hints.max_context_length, pairs=pairs, pairs_per_step=c.replay.pairs_per_step,
-            pair_prompt_length=c.rollout.max_prompt_length, pair_max_length=c.replay.max_completion_length,
+            model=model,
+            reward_funcs=[env_reward_func(env, task_keys)],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tok,
+            channels=composer,
+            hint_provider=hint_provider,
+            hint_env=env,
+            hint_threshold=c.rollout.success_threshold,
+            max_hinted_per_step=c.hints.max_hinted_per_step,
+            max_hint_length=c.hints.max_context_length,
+            pairs=pairs,
+            pairs_per_step=c.replay.pairs_per_step,
+            pair_prompt_length=c.rollout.max_prompt_length,
+            pair_max_length=c.replay.max_completion_length,
             chat_template=c.model.chat_template,
-        )  # fmt: skip
+        )
         trainer.train()
         history = []
         for rec in trainer.state.log_history:

@@ -152,23 +152,31 @@ def composer_policy_loss(
     if loss_type == "dppo":
         pl = _get(config, "policy_loss", None)
         out = F.dppo_kl_loss(
-            log_prob, old_log_prob, adv, mask,
-            dppo_mask_low=eps_low, dppo_mask_high=eps_high,
-            adv_tau=float(_get(pl, "adv_tau", 1.0)), kl_tau=float(_get(pl, "kl_tau", 1e-3)),
+            log_prob,
+            old_log_prob,
+            adv,
+            mask,
+            dppo_mask_low=eps_low,
+            dppo_mask_high=eps_high,
+            adv_tau=float(_get(pl, "adv_tau", 1.0)),
+            kl_tau=float(_get(pl, "kl_tau", 1e-3)),
             loss_weights=weights,
-        )  # fmt: skip
+        )
         clipfrac = out.metrics["is_masked"]
     else:
         # "dapo" aggregation with num_items_in_batch=1 is the plain masked token sum: Σ loss·W·M = agg_loss(loss).
         out = F.policy_loss(
-            log_prob, old_log_prob, adv, mask,
+            log_prob,
+            old_log_prob,
+            adv,
+            mask,
             loss_type="cispo" if loss_type == "cispo" else "dapo",
             epsilon_low=eps_low,
             epsilon_high=(1.0 + eps_high) if loss_type == "cispo" else eps_high,
             importance_sampling_level="sequence" if loss_type == "gspo" else "token",
             num_items_in_batch=1.0,
             importance_sampling_ratio=weights,
-        )  # fmt: skip
+        )
         clipfrac = out.metrics.get("clip_ratio/region_mean", out.metrics.get("cispo_clip_ratio", 0.0))
     with torch.no_grad():
         ppo_kl = verl_F.masked_mean(old_log_prob - log_prob, mask)
@@ -191,8 +199,9 @@ def _make_policy_loss(loss_type: str) -> Callable[..., tuple[Tensor, dict[str, A
         config: Any = None,
         rollout_is_weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
-        return composer_policy_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                    config, rollout_is_weights)  # fmt: skip
+        return composer_policy_loss(
+            loss_type, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+        )
 
     loss_fn.__name__ = f"composer_{loss_type}_policy_loss"
     loss_fn.__qualname__ = loss_fn.__name__
@@ -249,8 +258,13 @@ def composer_group_advantage(
 
 
 def _make_adv_estimator(estimator: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    def adv_fn(token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | None = None,
-               config: Any = None, **kwargs: Any) -> tuple[Tensor, Tensor]:  # fmt: skip
+    def adv_fn(
+        token_level_rewards: Tensor,
+        response_mask: Tensor,
+        index: Sequence[Any] | None = None,
+        config: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
         return composer_group_advantage(estimator, token_level_rewards, response_mask, index, config, **kwargs)
 
     adv_fn.__name__ = f"composer_{estimator}_advantage"
@@ -334,9 +348,18 @@ class VeRLBackend(Backend):
     )
     needs_gpu = "python -m verl.trainer.main_ppo (Ray workers, FSDP/Megatron engine, vLLM/SGLang rollout)"
 
-    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None,
-                 mode: str = "local", loss_agg_mode: str | None = None, adv_estimator: str | None = None,
-                 extra_overrides: Sequence[str] = (), max_steps: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any = None,
+        overrides: Sequence[str] = (),
+        *,
+        output_dir: str | None = None,
+        mode: str = "local",
+        loss_agg_mode: str | None = None,
+        adv_estimator: str | None = None,
+        extra_overrides: Sequence[str] = (),
+        max_steps: int | None = None,
+    ) -> None:
         super().__init__(config, overrides, output_dir=output_dir)
         if mode not in ("local", "ray"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "ray"])
@@ -344,8 +367,9 @@ class VeRLBackend(Backend):
         if adv_estimator is None:
             adv_estimator = f"composer_{adv.get('estimator', 'grpo')}"
         if adv_estimator not in ADV_ESTIMATORS:
-            raise ConfigError(f"unknown advantage estimator {adv_estimator!r}", key="adv_estimator",
-                              valid=list(ADV_ESTIMATORS))  # fmt: skip
+            raise ConfigError(
+                f"unknown advantage estimator {adv_estimator!r}", key="adv_estimator", valid=list(ADV_ESTIMATORS)
+            )
         self.mode = mode
         self.loss_type, self.channel_kwargs = self._policy_channel()
         self.loss_mode = f"composer_{self.loss_type}"
@@ -371,13 +395,15 @@ class VeRLBackend(Backend):
 
                 warnings.warn(
                     f"losses.{key} ({name}) does not run in VeRL: only the policy-loss channel does "
-                    "(see docs/backends.md#verl)", stacklevel=3,
-                )  # fmt: skip
+                    "(see docs/backends.md#verl)",
+                    stacklevel=3,
+                )
         if len(found) != 1:
             raise self.src.error(
-                "losses", f"the verl backend needs exactly one enabled policy channel, found {len(found)}",
+                "losses",
+                f"the verl backend needs exactly one enabled policy channel, found {len(found)}",
                 valid=list(POLICY_LOSSES.values()),
-            )  # fmt: skip
+            )
         return found[0]
 
     # -- ray ------------------------------------------------------------------------------
@@ -435,9 +461,13 @@ class VeRLBackend(Backend):
         run = R.LocalRun(c, self.src)
         scale = c.rollout.max_new_tokens if self.loss_type == "dr_grpo" else None
         eps_low, eps_high = clip_range(self.loss_type, self.channel_kwargs)
-        actor_cfg = make_actor_config(self.loss_mode, self.loss_agg_mode,
-                                      {"epsilon_low": eps_low, "epsilon_high": eps_high},
-                                      G=c.rollout.num_generations, loss_scale_factor=scale)  # fmt: skip
+        actor_cfg = make_actor_config(
+            self.loss_mode,
+            self.loss_agg_mode,
+            {"epsilon_low": eps_low, "epsilon_high": eps_high},
+            G=c.rollout.num_generations,
+            loss_scale_factor=scale,
+        )
         algo_cfg = make_algo_config(self.adv_estimator, self.config.rollout.advantage_kwargs)
         from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
         from composer_plugins.training.step import StepRecord
@@ -452,9 +482,15 @@ class VeRLBackend(Backend):
             r = torch.tensor(rewards, dtype=torch.float32)
             record = StepRecord.from_rollout(tasks, ro, r, torch.zeros_like(r), feedback, step=step)
             inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)
-            loss, metrics = verl_actor_step(run.policy, ro, rewards, actor_cfg, algo_cfg,
-                                            temperature=c.rollout.temperature,
-                                            old_log_probs=inputs["old_logprobs"])  # fmt: skip
+            loss, metrics = verl_actor_step(
+                run.policy,
+                ro,
+                rewards,
+                actor_cfg,
+                algo_cfg,
+                temperature=c.rollout.temperature,
+                old_log_probs=inputs["old_logprobs"],
+            )
             run.optimizer_step(loss)
             row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(sum(rewards) / len(rewards))}
             row.update(metrics)
@@ -483,8 +519,14 @@ def clip_range(loss_type: str, channel_kwargs: Mapping[str, Any] | None = None) 
     return lo, (hi - 1.0 if loss_type == "cispo" else hi)
 
 
-def make_actor_config(loss_mode: str, loss_agg_mode: str, channel_kwargs: Mapping[str, Any] | None = None, *,
-                      G: int = 1, loss_scale_factor: int | None = None) -> Any:  # fmt: skip
+def make_actor_config(
+    loss_mode: str,
+    loss_agg_mode: str,
+    channel_kwargs: Mapping[str, Any] | None = None,
+    *,
+    G: int = 1,
+    loss_scale_factor: int | None = None,
+) -> Any:
     """A VeRL ``ActorConfig`` selecting ``loss_mode`` (what Hydra builds from the example config)."""
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
@@ -492,11 +534,17 @@ def make_actor_config(loss_mode: str, loss_agg_mode: str, channel_kwargs: Mappin
     eps_low = float(kw.get("epsilon_low", kw.get("epsilon", 0.2)))
     eps_high = float(kw.get("epsilon_high", eps_low))
     return ActorConfig(
-        strategy="fsdp", rollout_n=G, ppo_micro_batch_size_per_gpu=1,
-        clip_ratio=eps_low, clip_ratio_low=eps_low, clip_ratio_high=eps_high,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode), loss_agg_mode=loss_agg_mode,
-        loss_scale_factor=loss_scale_factor, use_kl_loss=False,
-    )  # fmt: skip
+        strategy="fsdp",
+        rollout_n=G,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=eps_low,
+        clip_ratio_low=eps_low,
+        clip_ratio_high=eps_high,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=loss_scale_factor,
+        use_kl_loss=False,
+    )
 
 
 def make_algo_config(adv_estimator: str, advantage_kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -509,8 +557,9 @@ def make_algo_config(adv_estimator: str, advantage_kwargs: Mapping[str, Any] | N
 
     scale = (advantage_kwargs or {}).get("scale", "group")
     if scale not in ("group", "none", None):
-        raise ConfigError(f"scale {scale!r} has no VeRL equivalent", key="rollout.advantage_kwargs.scale",
-                          valid=["group", "none"])  # fmt: skip
+        raise ConfigError(
+            f"scale {scale!r} has no VeRL equivalent", key="rollout.advantage_kwargs.scale", valid=["group", "none"]
+        )
     return AlgoConfig(adv_estimator=adv_estimator, norm_adv_by_std_in_grpo=scale != "none")
 
 
@@ -538,13 +587,17 @@ def verl_batch(ro: Any, rewards: Sequence[float], old_log_probs: Tensor, adv_est
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     td = TensorDict(
         {
-            "prompts": ro.prompt_ids, "responses": ro.completion_ids,
-            "input_ids": torch.cat([ro.prompt_ids, ro.completion_ids], dim=1), "attention_mask": attn,
-            "response_mask": rmask, "position_ids": pos, "old_log_probs": old_log_probs.detach(),
+            "prompts": ro.prompt_ids,
+            "responses": ro.completion_ids,
+            "input_ids": torch.cat([ro.prompt_ids, ro.completion_ids], dim=1),
+            "attention_mask": attn,
+            "response_mask": rmask,
+            "position_ids": pos,
+            "old_log_probs": old_log_probs.detach(),
             "advantages": data.batch["advantages"],
         },
         batch_size=[B],
-    )  # fmt: skip
+    )
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(rmask.sum()), global_batch_size=B)
     return td
@@ -571,9 +624,16 @@ def nested_log_probs(model: Any, td: Any, temperature: float = 1.0) -> Tensor:
     return torch.nested.nested_tensor_from_jagged(flat, offsets=offsets)
 
 
-def verl_actor_step(policy: Any, ro: Any, rewards: Sequence[float], actor_cfg: Any, algo_cfg: Any, *,
-                    temperature: float = 1.0,
-                    old_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+def verl_actor_step(
+    policy: Any,
+    ro: Any,
+    rewards: Sequence[float],
+    actor_cfg: Any,
+    algo_cfg: Any,
+    *,
+    temperature: float = 1.0,
+    old_log_probs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """One VeRL actor update's loss on a rollout: VeRL's ``compute_advantage`` + ``ppo_loss``.
 
     ``old_log_probs``: the sampling-time log-probs (the assembler's ``old_logprobs``); computed here when absent.

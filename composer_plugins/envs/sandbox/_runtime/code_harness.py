@@ -222,8 +222,7 @@ def main():
         send({"kind": "done", "n": n_tests})
         return
     except KeyError:
-        send({"kind": "load", "ok": False, "error": "NameError",
-              "message": f"the solution does not define {entry!r}"})  # fmt: skip
+        send({"kind": "load", "ok": False, "error": "NameError", "message": f"the solution does not define {entry!r}"})
         send({"kind": "done", "n": n_tests})
         return
     except BaseException as e:
