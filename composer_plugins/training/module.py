@@ -36,6 +36,7 @@ from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, fsdp_root, full_params, world
 from composer_plugins.training.metrics import PassAtK, Ratio, reward_stats, scalar_metrics
 from composer_plugins.training.policy import load_policy_for
+from composer_plugins.training.rollouts import EpisodeGenerator, WeightSyncing
 from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
 from composer_plugins.training.teacher_scores import build_teacher_scoring, start_teacher_scoring
 
@@ -172,10 +173,8 @@ class ComposerModule(L.LightningModule):
         """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
         from composer_plugins.training.distributed import barrier
 
-        gen = self.generator
-        wants = getattr(gen, "wants_sync", None)
-        step = self.global_step
-        if wants is None or not wants(step):
+        gen, step = self.generator, self.global_step
+        if not isinstance(gen, WeightSyncing) or not gen.wants_sync(step):
             return
         rank, _ = world()
         with self.full_params(recurse=True):
@@ -257,9 +256,11 @@ class ComposerModule(L.LightningModule):
             "max_prompt_length": r.max_prompt_length,
         }
         with self.full_params():
-            episodes = getattr(self.generator, "episodes", None)
-            if episodes is not None:  # the multi_turn generator: the env scores every turn
-                return episodes(self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed, **sampling)
+            gen = self.generator
+            if isinstance(gen, EpisodeGenerator):  # the multi_turn generator: the env scores every turn
+                return gen.episodes(
+                    self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed, **sampling
+                )
             prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
             ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
         rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)

@@ -74,6 +74,35 @@ def test_unknown_generator_is_located(make_cfg):
         make_cfg("", "rollout.generator=server", "rollout.max_turns=2")
 
 
+def test_a_registered_object_without_generate_is_refused_at_rollout_generator(fresh_pm, make_cfg):
+    from composer_plugins.core import plugins
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.training.builders import build_generator
+
+    class NoGenerate:
+        """Registered as a generator, but has nothing to sample with."""
+
+    class P:
+        __name__ = "broken_generators"
+
+        @hookimpl
+        def register_rollout_generators(self, register):
+            register("no_generate", NoGenerate, description="No generate method.")
+
+    fresh_pm.register(P(), name="broken_generators")
+    plugins.use_plugin_manager(fresh_pm)
+    try:
+        cfg, src = make_cfg("", "rollout.generator=no_generate")
+        with pytest.raises(
+            ConfigError,
+            match=r"override 'rollout.generator=no_generate': rollout.generator: .*NoGenerate is not a rollout",
+        ):
+            build_generator(cfg, src)
+    finally:
+        fresh_pm.unregister(name="broken_generators")
+        plugins.reset()
+
+
 # -- the server generator against the loopback server ------------------------------------------
 
 
