@@ -63,12 +63,25 @@ def test_hook_register_rollout_generators(fresh_pm, make_cfg):
         plugins.reset()
 
 
-def test_unknown_generator_is_located(make_cfg):
-    from composer_plugins.core.errors import ComposerPluginsError
+def test_unknown_generator_is_located(make_cfg, tmp_path):
+    from composer_plugins.core.errors import ComposerPluginsError, ConfigError
     from composer_plugins.training.builders import build_generator
+    from composer_plugins.training.config import load_train_config
 
-    cfg, src = make_cfg("", "rollout.generator=sever")
-    with pytest.raises(ComposerPluginsError, match="server"):
+    # refused when the config is read (before any model), with the names there are and the closest one
+    with pytest.raises(ConfigError) as e:
+        make_cfg("", "rollout.generator=sever")
+    msg = str(e.value)
+    assert msg.startswith("command-line override 'rollout.generator=sever': rollout.generator: Unknown"), msg
+    assert "Did you mean: 'server'?" in msg and "Available rollout_generators: hf, multi_turn, server." in msg
+    p = tmp_path / "c.yaml"
+    p.write_text("seed: 0\nrollout:\n  generator: {name: hff}\n")
+    with pytest.raises(ConfigError, match=rf"{p}:3: rollout\.generator\.name: Unknown rollout_generator 'hff'"):
+        load_train_config(p)
+    # a spec changed after loading is refused, located, when it is built
+    cfg, src = make_cfg("")
+    cfg.rollout.generator = "sever"
+    with pytest.raises(ComposerPluginsError, match="Did you mean: 'server'"):
         build_generator(cfg, src)
     with pytest.raises(ComposerPluginsError, match="rollout.generator: multi-turn"):
         make_cfg("", "rollout.generator=server", "rollout.max_turns=2")
