@@ -45,22 +45,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from composer_plugins.core.errors import ComposerPluginsError
-
-
-class ConformanceError(ComposerPluginsError, AssertionError):
-    """A registered component does not keep its kind's contract."""
-
-
-def _entry(kind: str, name: str, registry: Any = None) -> Any:
-    from composer_plugins.core.plugins import get_registry
-
-    return (registry or get_registry()).get(kind, name)
-
-
-def _fail(entry: Any, what: str) -> ConformanceError:
-    who = f"{entry.kind} {entry.name!r} ({entry.provider or 'plugin ' + repr(entry.plugin)})"
-    return ConformanceError(f"{who}: {what}")
+from composer_plugins.testing.base import ConformanceError as ConformanceError  # re-exported: its old home
+from composer_plugins.testing.base import _entry, _fail
 
 
 def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> None:

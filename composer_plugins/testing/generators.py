@@ -23,7 +23,7 @@ import functools
 import math
 from typing import Any
 
-from composer_plugins.testing.conformance import _entry, _fail
+from composer_plugins.testing.base import _entry, _fail
 
 __all__ = ["check_generator"]
 

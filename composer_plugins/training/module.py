@@ -256,11 +256,9 @@ class ComposerModule(L.LightningModule):
             "max_prompt_length": r.max_prompt_length,
         }
         with self.full_params():
-            gen = self.generator
+            gen, G = self.generator, r.num_generations
             if isinstance(gen, EpisodeGenerator):  # the multi_turn generator: the env scores every turn
-                return gen.episodes(
-                    self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed, **sampling
-                )
+                return gen.episodes(self.policy, self.tokenizer, self.env, tasks, G, seed=seed, **sampling)
             prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
             ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
         rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)
