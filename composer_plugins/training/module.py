@@ -127,7 +127,9 @@ class ComposerModule(L.LightningModule):
         #: What samples the training rollouts (``rollout.generator``; HF ``generate`` by default).
         self.generator = build_generator(cfg, src, self.env)
         #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
-        uplift = self.hint_provider or (build_hint_provider(cfg, src) if cfg.eval.hint_uplift else None)
+        uplift = self.hint_provider
+        if uplift is None and cfg.eval.hint_uplift:
+            uplift = build_hint_provider(cfg, src)
         self.validator = Validator(cfg, self.tokenizer, self.env, uplift)
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, StepRecord] | None = None
