@@ -46,14 +46,7 @@ from composer_plugins.kernels.chunked import (
 from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, TAIDKernel
 from composer_plugins.losses.advantages import group_advantages, rloo_advantages
 from composer_plugins.losses.correction import IS_MODES, importance_sampling_correction
-from composer_plugins.losses.ops import (
-    LossOutput,
-    _require_same,
-    _shape,
-    masked_mean,
-    nanstd,
-    selective_log_softmax,
-)
+from composer_plugins.losses.ops import LossOutput, _require_same, _shape, masked_mean, nanstd, selective_log_softmax
 from composer_plugins.losses.taid import TAIDScheduler
 
 __all__ = [

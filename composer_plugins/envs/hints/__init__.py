@@ -55,11 +55,7 @@ from composer_plugins.envs.hints.demonstration import (
     DemonstrationHintProvider,
 )
 from composer_plugins.envs.hints.feedback import DEFAULT_TEMPLATES, RawErrorHintProvider, TemplateHintProvider
-from composer_plugins.envs.hints.llm_teacher import (
-    HINT_SYSTEM_PROMPT,
-    LLMTeacherHintProvider,
-    hint_request_messages,
-)
+from composer_plugins.envs.hints.llm_teacher import HINT_SYSTEM_PROMPT, LLMTeacherHintProvider, hint_request_messages
 
 __all__ = [
     "DEFAULT_TEMPLATES",

@@ -5,12 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from composer_plugins.envs.hints.contract import (
-    HintProvider,
-    HintRequest,
-    build_hint_provider,
-    reads_groups,
-)
+from composer_plugins.envs.hints.contract import HintProvider, HintRequest, build_hint_provider, reads_groups
 
 
 class ChainHintProvider(HintProvider):

@@ -11,12 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from composer_plugins.envs.base import prompt_text
-from composer_plugins.envs.hints.contract import (
-    HintProvider,
-    HintRequest,
-    SiblingGroup,
-    build_hint_provider,
-)
+from composer_plugins.envs.hints.contract import HintProvider, HintRequest, SiblingGroup, build_hint_provider
 
 #: SDPO's reprompting defaults (Hübotter et al. 2026), worded for the ``Hint: ...`` block of a teacher context.
 #: ``{feedback}`` is empty, or the rendered ``feedback_template`` after a blank line.

@@ -7,10 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from composer_plugins.envs.base import Feedback
-from composer_plugins.envs.hints.contract import (
-    HintProvider,
-    HintRequest,
-)
+from composer_plugins.envs.hints.contract import HintProvider, HintRequest
 
 #: Hint text per feedback kind. Fields: any key of ``feedback.details`` plus ``message`` and the
 #: derived ``{expected_actual}``, ``{at_test}``, ``{at_line}``, ``{reveal}`` (empty when unknown).

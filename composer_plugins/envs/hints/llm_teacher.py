@@ -11,11 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from composer_plugins.envs.base import Feedback, prompt_text
-from composer_plugins.envs.hints.contract import (
-    HintProvider,
-    HintRequest,
-    build_hint_provider,
-)
+from composer_plugins.envs.hints.contract import HintProvider, HintRequest, build_hint_provider
 from composer_plugins.envs.hints.feedback import _short
 
 HINT_SYSTEM_PROMPT = (

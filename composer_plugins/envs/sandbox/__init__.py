@@ -41,12 +41,7 @@ records and leftover cleanup), :mod:`~composer_plugins.envs.sandbox.types` (limi
 
 from __future__ import annotations
 
-from composer_plugins.envs.sandbox.host import (
-    OWNER_FILE,
-    SYSTEM_PATHS,
-    interpreter_paths,
-    remove_leftover_sandboxes,
-)
+from composer_plugins.envs.sandbox.host import OWNER_FILE, SYSTEM_PATHS, interpreter_paths, remove_leftover_sandboxes
 from composer_plugins.envs.sandbox.runner import Sandbox, isolation_info
 from composer_plugins.envs.sandbox.tree import (
     LEAKY_DIRS,
