@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.backends import support
 from composer_plugins.backends.base import Backend
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
@@ -318,6 +319,7 @@ class PrimeRLBackend(Backend):
         if mode not in ("local", "prime-rl"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "prime-rl"])
         self.mode = mode
+        support.check_channels(f"prime_rl:{mode}", self.config, self.src)  # refused here, never dropped in the run
         self.model_name = model_name
         if max_steps is not None:
             self.config = dataclasses.replace(
@@ -393,6 +395,7 @@ class PrimeRLBackend(Backend):
     # -- PRIME-RL run --------------------------------------------------------------------
     def toml(self) -> str:
         """A PRIME-RL ``rl`` config selecting our loss (model, batch, sampling and optimizer from the config)."""
+        support.check_channels("prime_rl:prime-rl", self.config, self.src)  # the TOML is the upstream run
         c = self.config
         model = self.model_name or c.model.name_or_path
         kw = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.loss_kwargs.items())

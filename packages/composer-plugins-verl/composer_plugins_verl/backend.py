@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.backends import support
 from composer_plugins.backends.base import Backend, scalar_metrics
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
@@ -371,6 +372,7 @@ class VeRLBackend(Backend):
                 f"unknown advantage estimator {adv_estimator!r}", key="adv_estimator", valid=list(ADV_ESTIMATORS)
             )
         self.mode = mode
+        support.check_channels(f"verl:{mode}", self.config, self.src)  # a channel VeRL cannot run is refused here
         self.loss_type, self.channel_kwargs = self._policy_channel()
         self.loss_mode = f"composer_{self.loss_type}"
         self.loss_agg_mode = loss_agg_mode or MATCHING_AGG_MODE[self.loss_type]
@@ -390,14 +392,6 @@ class VeRLBackend(Backend):
             enabled, name, _w, kw = channel_spec(key, spec, self.src)
             if enabled and (kw.get("loss_type") or name) in POLICY_LOSSES.values():
                 found.append((str(kw.get("loss_type") or name), kw))
-            elif enabled:
-                import warnings
-
-                warnings.warn(
-                    f"losses.{key} ({name}) does not run in VeRL: only the policy-loss channel does "
-                    "(see docs/backends.md#verl)",
-                    stacklevel=3,
-                )
         if len(found) != 1:
             raise self.src.error(
                 "losses",
