@@ -319,7 +319,6 @@ class PrimeRLBackend(Backend):
         if mode not in ("local", "prime-rl"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "prime-rl"])
         self.mode = mode
-        support.check_channels(f"prime_rl:{mode}", self.config, self.src)  # refused here, never dropped in the run
         self.model_name = model_name
         if max_steps is not None:
             self.config = dataclasses.replace(
@@ -328,16 +327,11 @@ class PrimeRLBackend(Backend):
         #: ``(teacher, ema_rate)`` of the hint channel (``losses.hint_distill.teacher``; local mode runs ``ema``).
         self.hint_teacher: tuple[str, float] = ("live", 0.0)
         self.loss_kwargs = self._loss_kwargs()
-        if self.hint_teacher[0] == "ema" and mode == "prime-rl":
-            raise self.src.error(
-                "losses.hint_distill.teacher",
-                "an EMA hint teacher runs in mode='local' only (PRIME-RL scores the hint reference with its "
-                "inference policy); use teacher: live with mode='prime-rl'.",
-            )
 
     def _loss_kwargs(self) -> dict[str, Any]:
         from composer_plugins.training.config import channel_spec
 
+        support.check_channels(f"prime_rl:{self.mode}", self.config, self.src)  # refused here, never dropped later
         kwargs: dict[str, Any] = {}
         policies = []
         for key, spec in self.config.losses.items():

@@ -372,7 +372,6 @@ class VeRLBackend(Backend):
                 f"unknown advantage estimator {adv_estimator!r}", key="adv_estimator", valid=list(ADV_ESTIMATORS)
             )
         self.mode = mode
-        support.check_channels(f"verl:{mode}", self.config, self.src)  # a channel VeRL cannot run is refused here
         self.loss_type, self.channel_kwargs = self._policy_channel()
         self.loss_mode = f"composer_{self.loss_type}"
         self.loss_agg_mode = loss_agg_mode or MATCHING_AGG_MODE[self.loss_type]
@@ -387,6 +386,7 @@ class VeRLBackend(Backend):
         """The policy channel of ``config.losses`` (the only channel a VeRL policy loss carries)."""
         from composer_plugins.training.config import channel_spec
 
+        support.check_channels(f"verl:{self.mode}", self.config, self.src)  # a channel VeRL cannot run is refused
         found = []
         for key, spec in self.config.losses.items():
             enabled, name, _w, kw = channel_spec(key, spec, self.src)
