@@ -28,6 +28,7 @@ from typing import Any
 __all__ = [
     "COMPOSING",
     "MODES",
+    "NEUTRAL_OPTIONS",
     "Cell",
     "builtin_channels",
     "cell",
@@ -70,6 +71,9 @@ class Cell:
 
     status: str
     note: str = ""
+    #: The channel options the mode passes on (``None``: all of them); any other option set to something
+    #: other than its default is refused by :func:`check_channels`, never silently dropped.
+    carries: frozenset[str] | None = None
 
     @property
     def runs(self) -> bool:
@@ -78,19 +82,23 @@ class Cell:
 
 
 _COMPOSED = "elsewhere (lightning, trl, monarch)"
+#: Options no mode needs to carry: they name the channel or size its chunks, they do not change its loss.
+NEUTRAL_OPTIONS = frozenset({"chunk_size", "label", "loss_type", "name"})
+_CLIP = frozenset({"epsilon_low", "epsilon_high", "dppo_mask_low", "dppo_mask_high"})
 _VERL_POLICY = Cell(
     LIMITS,
     "VeRL's `ppo_loss` with the registered `composer_<type>` loss, aggregated by VeRL's `agg_loss` "
-    "(`loss_agg_mode`); the channel's clip range is carried, its `beta`, `delta` and `rows` are not "
-    "(VeRL's `use_kl_loss` and entropy settings apply); one policy channel per run",
+    "(`loss_agg_mode`); of the channel's options only the clip range is carried (`beta`, `delta`, `rows` ... "
+    "are refused: VeRL's `use_kl_loss` and entropy settings apply); one policy channel per run",
+    _CLIP,
 )
 _VERL_OTHER = (
     "VeRL's actor runs one registered policy loss on (old, new) log-probs, advantages and a response mask; "
     "it has no hinted teacher, external teacher scores, preference pairs or channel object to feed"
 )
 _PRIME_SUM = (
-    "the sample's token sum ÷ PRIME-RL's loss-token count; the clip range is carried, `beta`, `delta` and `rows` "
-    "are not; one policy channel per run"
+    "the sample's token sum ÷ PRIME-RL's loss-token count; of the channel's options only the clip range is "
+    "carried (`beta`, `delta`, `rows` ... are refused); one policy channel per run"
 )
 _PRIME_REFUSED_POLICY = (
     "its normaliser (per-sequence mean, local batch tokens or B × max length) does not fit PRIME-RL's "
@@ -123,12 +131,10 @@ _DECLARED: dict[str, dict[str, Cell]] = {
     },
 }
 _PRIME_COMMON: dict[str, Cell] = {
-    "policy:dppo": Cell(RUNS, "PRIME-RL's default loss (DPPO+KL), exactly"),
-    "policy:dapo": Cell(LIMITS, _PRIME_SUM),
-    "policy:cispo": Cell(LIMITS, _PRIME_SUM),
-    "policy:gspo": Cell(
-        LIMITS, "sequence-level ratio, aggregated as " + _PRIME_SUM + " (GSPO's own: per-sequence mean)"
-    ),
+    "policy:dppo": Cell(RUNS, "PRIME-RL's default loss (DPPO+KL), exactly", _CLIP | {"adv_tau", "kl_tau"}),
+    "policy:dapo": Cell(LIMITS, _PRIME_SUM, _CLIP),
+    "policy:cispo": Cell(LIMITS, _PRIME_SUM, _CLIP),
+    "policy:gspo": Cell(LIMITS, "sequence-level ratio, but not GSPO's per-sequence mean: " + _PRIME_SUM, _CLIP),
     **{f"policy:{t}": Cell(REFUSED, _PRIME_REFUSED_POLICY) for t in ("grpo", "bnpo", "dr_grpo")},
     "pairs": Cell(REFUSED, _PRIME_NO_PAIRS),
 }
@@ -137,12 +143,16 @@ _DECLARED["prime_rl:local"] = {
     "hint": Cell(
         LIMITS,
         "a sampled-token KL estimate (`k3`) against the policy scoring the hinted context (PRIME-RL's `opsd` "
-        "stream), not the channel's full-vocabulary divergence; not together with `teacher_distill`",
+        "stream), not the channel's full-vocabulary divergence (its options other than `teacher` and `ema_rate` "
+        "are refused); not together with `teacher_distill`",
+        frozenset({"teacher", "ema_rate"}),
     ),
     "teacher": Cell(
         LIMITS,
         "one teacher; each token a two-way distribution (the sampled token, the rest) from the teacher's "
-        "log-prob of the sampled token, not its top-k; not together with `hint_distill`",
+        "log-prob of the sampled token, not its top-k (options other than `teachers`, `divergence`, `beta` and "
+        "`deadline_s` are refused); not together with `hint_distill`",
+        frozenset({"teachers", "divergence", "beta", "deadline_s"}),
     ),
 }
 _DECLARED["prime_rl:prime-rl"] = {
@@ -204,17 +214,21 @@ def _mode_words(mode: str) -> str:
 def check_channels(mode: str, channels: Any, src: Any = None) -> list[tuple[str, Cell]]:
     """Refuse, at build time, a channel ``mode`` cannot run; return ``[(channel name, cell)]`` otherwise.
 
-    ``channels``: the built channels (their names are their ``losses.<key>``), or a
-    :class:`~composer_plugins.training.config.TrainConfig`, whose enabled channels are built here.
+    ``channels``: a :class:`~composer_plugins.training.config.TrainConfig` (its enabled channels are built
+    here, and an option of one that the mode does not carry, set to other than its default, is refused
+    too), or already built channels (their names are their ``losses.<key>``).
     ``src``: the :class:`~composer_plugins.core.config.Config` the error is located in (file and line).
     The error names the channel, the mode, why, and the modes that run it.
     """
     from composer_plugins.core.config import Config
 
     src = src if src is not None else Config()
+    options: dict[str, dict[str, Any]] = {}
     if not isinstance(channels, Sequence):
         from composer_plugins.training.builders import build_channels
+        from composer_plugins.training.config import channel_spec
 
+        options = {key: dict(channel_spec(key, spec, src)[3]) for key, spec in channels.losses.items()}
         channels = build_channels(channels, src)
     out: list[tuple[str, Cell]] = []
     for ch in channels:
@@ -222,17 +236,39 @@ def check_channels(mode: str, channels: Any, src: Any = None) -> list[tuple[str,
             continue
         kind = channel_kind(ch)
         c = cell(mode, kind)
+        where = _elsewhere(kind, mode)
+        instead = ", ".join(_label(m) for m in where) if where else "no built-in backend"
+        fix = "(docs/backends.md, 'Which channel runs where')."
         if not c.runs:
-            where = _elsewhere(kind, mode)
-            instead = ", ".join(_label(m) for m in where) if where else "no built-in backend"
             raise src.error(
                 f"losses.{ch.name}",
                 f"channel {ch.name!r} ({kind}) cannot run in {_mode_words(mode)}: {c.note}. It runs in: {instead} "
-                "— disable it here (`enabled: false`) or pick one of those (docs/backends.md, 'Which channel runs "
-                "where').",
+                f"— disable it here (`enabled: false`) or pick one of those {fix}",
+            )
+        for opt, value in options.get(ch.name, {}).items():
+            default = _default(ch, opt)
+            if c.carries is None or opt in c.carries or opt in NEUTRAL_OPTIONS or value == default:
+                continue
+            raise src.error(
+                f"losses.{ch.name}.{opt}",
+                f"{_mode_words(mode)} does not carry this option of channel {ch.name!r} ({c.note}); remove it "
+                f"(default: {default!r}) or run the channel as configured in: {_as_configured(kind, mode)} {fix}",
             )
         out.append((ch.name, c))
     return out
+
+
+def _as_configured(kind: str, mode: str) -> str:
+    """The other modes that carry every option of a ``kind`` channel."""
+    return ", ".join(_label(m) for m in MODES if m != mode and cell(m, kind).runs and cell(m, kind).carries is None)
+
+
+def _default(channel: Any, option: str) -> Any:
+    """The default of ``option`` in the channel's constructor (``inspect.Parameter.empty`` when it has none)."""
+    import inspect
+
+    param = inspect.signature(type(channel).__init__).parameters.get(option)
+    return inspect.Parameter.empty if param is None else param.default
 
 
 def _label(mode: str) -> str:

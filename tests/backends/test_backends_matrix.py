@@ -296,6 +296,58 @@ def test_cell(name, mode, runs, make_config, tmp_path):
         _check_refused(make_config, tmp_path, mode, name, c)
 
 
+#: For each channel, an option no re-implementing mode carries, with a valid non-default value.
+UNCARRIED = {
+    **{t: ("beta", 0.04) for t in POLICY_TYPES if t != "dppo"},
+    "dppo": ("normalize", "sequences"),
+    "hint_distill": ("criterion", "taid"),
+    "teacher_distill": ("min_agree", 1),
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "name"),
+    [
+        (m, n)
+        for m in support.MODES
+        if m not in support.COMPOSING
+        for n in BUILTIN
+        if support.cell(
+            m, "hint" if n == "hint_distill" else "teacher" if n == "teacher_distill" else f"policy:{n}"
+        ).runs
+    ],
+)
+def test_an_option_the_mode_does_not_carry_is_refused_at_its_line(mode, name, make_config, tmp_path):
+    """In a mode that re-implements the loss, an option it would drop is refused, located; a carried one is not."""
+    import yaml
+
+    opt, value = UNCARRIED[name]
+    names = (name,) if name in POLICY_TYPES else ("dppo", name)
+    cfg = make_config(names, "options")
+    backend, _, sub = mode.partition(":")
+
+    def make(path):
+        if backend == "prime_rl":
+            from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+            return PrimeRLBackend(str(path), mode=sub)
+        return build("backends", backend, config=str(path), mode=sub)
+
+    carried = sorted(support.cell(mode, "policy:dppo" if name == "dppo" else f"policy:{name}").carries or ())
+    if name in POLICY_TYPES:  # a carried option passes: its value reaches the upstream loss
+        ok = tmp_path / "ok.yaml"
+        cfg["losses"][name][carried[0] if name == "dppo" else "epsilon_high"] = 0.3
+        ok.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        make(ok)
+    cfg["losses"][name][opt] = value
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with pytest.raises(ConfigError) as err:
+        make(bad)
+    assert err.value.key == f"losses.{name}.{opt}" and err.value.file == str(bad) and err.value.line, str(err.value)
+    assert "does not carry this option" in str(err.value) and "lightning, trl, monarch" in str(err.value)
+
+
 # ----------------------------------------------------------------------------------------------
 # the declaration itself
 # ----------------------------------------------------------------------------------------------
