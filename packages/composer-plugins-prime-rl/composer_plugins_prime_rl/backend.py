@@ -29,9 +29,12 @@ Channels: the policy channel is always on — ``policy="dppo"`` is
 the extra channels off, this function returns exactly PRIME-RL's default loss); ``dapo`` /
 ``cispo`` / ``gspo`` use :func:`~composer_plugins.losses.functional.policy_loss` with the
 inference log-probs as the old policy. ``hint_weight > 0`` adds hint self-distillation where the
-sample carries ``ref_logprobs`` (PRIME-RL's ``opsd`` scores the sample under the live policy
-conditioned on a demonstration: our hint teacher): ``hint_weight · Σ_t KL̂(π‖π_hint)`` with the
-``hint_estimator`` of :func:`~composer_plugins.losses.functional.kl_estimate`. PRIME-RL hands
+sample carries ``ref_logprobs`` (the live policy scoring the sample conditioned on its hint):
+``hint_weight · Σ_t KL̂(π‖π_hint)`` with the ``hint_estimator`` of
+:func:`~composer_plugins.losses.functional.kl_estimate`. ``mode="local"`` feeds that stream (and the
+teacher stream of ``teacher_weight``); a PRIME-RL run at the commit above never does (its ``opsd``/``opd``
+algorithms send those samples to its own ``ref_kl`` loss), so ``mode="prime-rl"`` refuses both channels
+(:mod:`composer_plugins.backends.support`). PRIME-RL hands
 the loss only sampled-token log-probs, so the full-vocabulary divergences (JSD, TAID) of the
 native hint channel cannot run here, and the replay-DPO channel (which needs chosen/rejected pairs)
 has no place in a per-sample contract.
