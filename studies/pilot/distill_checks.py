@@ -4,6 +4,7 @@
     python distill_checks.py where           # where the reverse KL sits (line results, final answer, other tokens)
     python distill_checks.py fixed 1e-3      # 25 AdamW steps on one fixed batch of student rollouts: the loss falls
     python distill_checks.py onpolicy 1e-3 40   # teacher_only re-implemented: 8 new prompts x 8 samples per step
+    python distill_checks.py lines MODEL ...    # on all pilot problems: correct, or the first line that is wrong
 
 Each uses the channel (TeacherDistillChannel, reverse KL over the teacher's top-20, as the pilot's variants) on
 the student's own samples (temperature 0.5, 28 new tokens, as train.rollout) scored by the causal_lm scorer.
@@ -125,12 +126,15 @@ def main() -> None:
         ts = score(p, pm, c, m)
         opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
         for it in range(25):
-            loss, _ = distill(student, ch, p, pm, c, m, ts)
+            loss, h = distill(student, ch, p, pm, c, m, ts)
+            with torch.no_grad():
+                agree = (h @ lm_head_weight(student).T).argmax(-1) == ts.ids[:, 0, :, 0]
             opt.zero_grad()
             loss.backward()
             gn = float(torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0))
             opt.step()
-            print(f"step {it} loss {float(loss):.4f} grad norm {gn:.3f}")
+            agreed = float(agree[m.bool()].float().mean())
+            print(f"step {it} loss {float(loss):.4f} student argmax == teacher top-1 {agreed:.3f} grad norm {gn:.3f}")
     elif what == "onpolicy":
         lr, steps = float(sys.argv[2]), int(sys.argv[3])
         opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
@@ -146,8 +150,26 @@ def main() -> None:
             sched.step()
             if step % 10 == 0:
                 print(f"step {step} loss {float(loss):.3f} greedy accuracy {accuracy(student):.3f}", flush=True)
+    elif what == "lines":
+        problems = [json.loads(line) for line in open("data/tasks/gsm8k/test.jsonl")]
+        for path in ["models/sft/model", "models/teacher/model", *sys.argv[2:]]:
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+            enc = TOK([r["prompt"] for r in problems], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad():
+                out = model.generate(**enc, do_sample=False, max_new_tokens=28, pad_token_id=PAD)
+            counts: dict[str, int] = {}
+            for r, o in zip(problems, out, strict=True):
+                text = TOK.decode(o[enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                got, gold = [x.strip() for x in text.split("\n")], [x.strip() for x in r["solution"].split("\n")]
+                if "####" in text and text.split("####")[-1].strip() == r["answer"]:
+                    key = "correct"
+                else:
+                    k = next(i for i in range(len(gold)) if i >= len(got) or got[i] != gold[i])
+                    key = f"first wrong line {k + 1}"
+                counts[key] = counts.get(key, 0) + 1
+            print(path, dict(sorted(counts.items())))
     else:
-        raise SystemExit(f"unknown check {what!r}; valid: align, where, fixed, onpolicy")
+        raise SystemExit(f"unknown check {what!r}; valid: align, where, fixed, onpolicy, lines")
 
 
 if __name__ == "__main__":
