@@ -4,7 +4,8 @@
 #   bash run_pilot.sh base                      # tasks (pilot problems), student SFT (400 steps), teacher SFT, their evals
 #   bash run_pilot.sh student NAME STEPS        # another student warm start: SFT STEPS steps -> models/NAME, evals/NAME.json
 #   bash run_pilot.sh setting NAME [-S k=v ...] # the three arms x study.seeds at one shared setting -> settings/NAME/
-#                                               # (ARMS="rl_only" runs a subset, J=1 one cell at a time,
+#                                               # (ARMS="rl_only" runs a subset of the arms, SEEDS="90" of the
+#                                               # seeds, J=1 one cell at a time,
 #                                               # STUDENT=sft300 starts from models/sft300 instead of models/sft)
 #
 # A setting's cells run J at a time (default 2: the machine is shared); each writes
@@ -44,7 +45,7 @@ setting)
   cp params.yaml "$d/params.yaml"
   printf '%s\n' "$@" > "$d/overrides.txt"
   [ "$STUDENT" = sft ] || echo "$STUDENT" > "$d/student.txt"  # summary.py: rl_only - SFT against evals/$STUDENT.json
-  seeds="$(python -c 'import yaml; print(*yaml.safe_load(open("params.yaml"))["study"]["seeds"])')"
+  seeds="${SEEDS:-$(python -c 'import yaml; print(*yaml.safe_load(open("params.yaml"))["study"]["seeds"])')}"
   arms="${ARMS:-$(python -c 'import yaml; print(*yaml.safe_load(open("params.yaml"))["study"]["variants"])')}"
   cd "$d"
   export OVR="$*" NAME="$name" STUDENT  # overrides hold no spaces (-S key=value ...)

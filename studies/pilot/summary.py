@@ -55,6 +55,8 @@ def main() -> None:
             row["rl_only_minus_sft"] = mean["rl_only"] - start
         if "teacher_only_minus_rl_only" in row and "rl_only_minus_sft" in row:
             row["pass"] = row["teacher_only_minus_rl_only"] >= BAR and row["rl_only_minus_sft"] >= BAR
+            if len(shared) < 2:  # a one-seed probe is not a verdict: "probe pass/fail"
+                row["pass"] = f"probe {'pass' if row['pass'] else 'fail'}"
         out["settings"][d.name] = row
     Path("results.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     f3 = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
@@ -64,9 +66,9 @@ def main() -> None:
         f"SFT start {f3(sft)}, teacher {f3(teacher)} (pilot problems, greedy)"
         + "".join(f"; student `{n}` {f3(a)}" for n, a in starts if n != "sft"),
         "",
-        "| setting | student (SFT) | overrides | rl_only | teacher_only | grpo_teacher | teacher_only − rl_only "
-        "| rl_only − SFT | pass |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setting | student (SFT) | overrides | seeds | rl_only | teacher_only | grpo_teacher "
+        "| teacher_only − rl_only | rl_only − SFT | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in out["settings"].items():
         cells = []
@@ -74,8 +76,9 @@ def main() -> None:
             ps = r["per_seed"].get(a, {})
             cells.append(f"{f3(r['mean'].get(a))} ({', '.join(f3(ps[s]) for s in sorted(ps))})" if ps else "—")
         ovr = " ".join(r["overrides"]) or "(study settings)"
+        seeds = sorted({s for ps in r["per_seed"].values() for s in ps})
         lines.append(
-            f"| {name} | {r['student']} ({f3(r['sft'])}) | `{ovr}` | "
+            f"| {name} | {r['student']} ({f3(r['sft'])}) | `{ovr}` | {', '.join(map(str, seeds))} | "
             + " | ".join(cells)
             + f" | {s3(r.get('teacher_only_minus_rl_only'))} | {s3(r.get('rl_only_minus_sft'))} | "
             + f"{r.get('pass', '—')} |"
