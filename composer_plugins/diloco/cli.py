@@ -1,6 +1,6 @@
 """``composer-plugins diloco``: validate the config once, then start the replicas where ``--executor`` says.
 
-Executors: ``local`` (processes on this host, :class:`~composer_plugins.diloco.launch.LocalProcessExecutor`),
+Executors: ``local`` (processes on this host, :class:`~composer_plugins.diloco.executor.LocalProcessExecutor`),
 ``hf_jobs`` (Hugging Face Jobs) and ``modal`` (Modal functions), see :mod:`.executors`. The cloud ones need
 ``diloco.transport=object_store``: their replicas meet through ``diloco.store`` only.
 """

@@ -1,4 +1,4 @@
-"""Where replicas run: this host (:class:`~.launch.LocalProcessExecutor`), Hugging Face Jobs
+"""Where replicas run: this host (:class:`~.executor.LocalProcessExecutor`), Hugging Face Jobs
 (:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`). All three implement the launcher's
 ``ReplicaExecutor`` protocol (``start(spec) -> handle`` with ``poll``/``terminate``/``kill``/``wait``), so
 restarts (``--max-restarts``), timeouts and clean-up work the same everywhere.
@@ -27,7 +27,7 @@ from typing import Any
 from composer_plugins.core.config import Config, from_dict
 from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
 from composer_plugins.diloco.common import DiLoCoConfig
-from composer_plugins.diloco.launch import LaunchError, LocalProcessExecutor, ReplicaSpec
+from composer_plugins.diloco.executor import LaunchError, LocalProcessExecutor, ReplicaSpec
 
 __all__ = ["EXECUTORS", "HFJobsExecutor", "JobsConfig", "ModalExecutor", "make_executor"]
 
