@@ -46,6 +46,7 @@ from composer_plugins.testing.conformance import (
     check_teacher,
     loss_batch,
 )
+from composer_plugins.testing.transports import check_transport
 
 __all__ = [
     "ConformanceError",
@@ -58,6 +59,7 @@ __all__ = [
     "check_loss",
     "check_optimizer",
     "check_teacher",
+    "check_transport",
     "conformance_test",
     "fresh_pm",
     "loss_batch",
