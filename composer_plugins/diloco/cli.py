@@ -43,6 +43,14 @@ def register_commands(cli: Any) -> None:
     )
     @click.option("--lighthouse", help="Address of an existing torchft lighthouse (cluster); default: start one here.")
     @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart a crashed replica.")
+    @click.option(
+        "--warm-spares",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="local: keep this many spare processes with a replica's imports done, to take over a restarted "
+        "replica (seconds sooner back).",
+    )
     @click.option("--log-dir", type=click.Path(file_okay=False), default="diloco_logs", show_default=True)
     @click.option("--seed", type=int, default=None, help="Replica i gets seed + i (default: config seed + i).")
     @click.option(
@@ -77,6 +85,7 @@ def register_commands(cli: Any) -> None:
         executor: str,
         lighthouse: str | None,
         max_restarts: int,
+        warm_spares: int,
         log_dir: str,
         seed: int | None,
         first_index: int,
@@ -125,7 +134,7 @@ def register_commands(cli: Any) -> None:
                 "several launchers (--first-index/--total-replicas) join one run "
                 "only under one id. HINT: pass the same --run-id <id> to every launcher.",
             )
-        runner = make_executor(executor, dcfg, log_dir=log_dir)
+        runner = make_executor(executor, dcfg, log_dir=log_dir, spares=warm_spares)
         try:
             res = launch(
                 replicas,

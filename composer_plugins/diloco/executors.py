@@ -61,14 +61,22 @@ def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
     return jobs
 
 
-def make_executor(name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None) -> Any:
-    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``."""
+def make_executor(
+    name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, spares: int = 0
+) -> Any:
+    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``; ``spares``: the
+    local executor's warm spare processes (``--warm-spares``)."""
     if name not in EXECUTORS:
         near = closest(name, EXECUTORS)
         hint = f" Did you mean {near[0]!r}?" if near else ""
         raise ComposerPluginsError(f"unknown executor {name!r}; available: {', '.join(EXECUTORS)}.{hint}")
     if name == "local":
-        return LocalProcessExecutor()
+        return LocalProcessExecutor(spares=spares)
+    if spares:
+        raise ComposerPluginsError(
+            f"--warm-spares keeps spare processes on this host; --executor {name} starts each replica as a job. "
+            "HINT: drop --warm-spares, or use --executor local."
+        )
     from composer_plugins.diloco.transports import get_transport
 
     if not get_transport(dcfg.transport).cloud:

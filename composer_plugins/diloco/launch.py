@@ -147,6 +147,8 @@ class ReplicaGroup:
         env: extra environment for every replica.
         grace_s: seconds between SIGTERM and SIGKILL on shutdown.
         threads_per_replica: sets ``OMP_NUM_THREADS`` (default ``cpu_count // N``, at least 1) unless set.
+        warm_spares: keep this many warm spare processes (the local executor's ``spares``: interpreter started and
+            a replica's imports done) to take over a replica that is started again, instead of a fresh one.
         index_offset, total_replicas: on a cluster, the replicas started here are
             ``index_offset .. index_offset + N - 1`` of ``total_replicas`` (their ids, seeds and data shards).
     """
@@ -173,12 +175,15 @@ class ReplicaGroup:
         transport: str = "torchft",
         store: str | None = None,
         run_id: str | None = None,
+        warm_spares: int = 0,
     ) -> None:
         if num_replicas < 1:
             raise LaunchError(f"--replicas must be at least 1, got {num_replicas}")
         self.argv = argv
         self.num_replicas = num_replicas
-        self.executor: ReplicaExecutor = executor or LocalProcessExecutor()
+        if warm_spares and executor is not None:
+            raise LaunchError("warm spares are kept by the local executor only: give warm_spares or an executor")
+        self.executor: ReplicaExecutor = executor or LocalProcessExecutor(spares=warm_spares)
         self.max_restarts = max_restarts
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.base_seed = base_seed
@@ -441,6 +446,9 @@ class ReplicaGroup:
         for r in self.replicas:
             if r.handle is not None:
                 r.handle.kill()
+        close = getattr(self.executor, "close", None)
+        if callable(close):  # the local executor's warm spares
+            close()
         procs.kill_tree(tag=self.tag)
         if self.barrier is not None:
             self.barrier.close()
