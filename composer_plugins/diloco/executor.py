@@ -15,6 +15,8 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import IO, Protocol, runtime_checkable
 
@@ -29,7 +31,7 @@ from composer_plugins.diloco.env import (
     ENV_SEED,
     ENV_SYNC_LOG,
 )
-from composer_plugins.diloco.spare import runs_replica_entry, spare_argv
+from composer_plugins.diloco.forkserver import runs_replica_entry, server_argv
 
 
 class LaunchError(ComposerPluginsError, RuntimeError):
@@ -121,8 +123,142 @@ class LocalProcessHandle:
             self._log = None
 
 
-#: what only one replica's environment holds (a spare starts without them and takes them with its assignment)
+#: what only one replica's environment holds (the fork server starts without them; each child takes its own)
 _OWN_VARS = frozenset({ENV_INDEX, ENV_REPLICA_ID, ENV_RESTART, ENV_SEED, ENV_SYNC_LOG, ENV_BARRIER, ENV_BARRIER_SIZE})
+
+
+class ForkedReplicaHandle:
+    """A replica forked by the warm fork server (:mod:`composer_plugins.diloco.forkserver`): a session of its own (its
+    pid is its group), whose exit code the server reports. Its pid is known once the server has forked it (``None``
+    before: a signal sent meanwhile is delivered then)."""
+
+    def __init__(self, spec: ReplicaSpec, server: _ForkServer) -> None:
+        self.spec = spec
+        self._pid: int | None = None
+        self._server = server
+        self._deferred: int | None = None  # a signal sent before the fork
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def _started(self, pid: int) -> None:
+        self._pid = pid
+        if self._deferred is not None:
+            self._signal_group(self._deferred)
+
+    def poll(self) -> int | None:
+        return self._server.exit_code(self)
+
+    def _signal_group(self, sig: int) -> None:
+        if self._pid is None:
+            self._deferred = sig if self._deferred != signal.SIGKILL else self._deferred
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM to the replica's whole process group."""
+        self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the replica's whole process group."""
+        self._signal_group(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        return rc
+
+
+class _ForkServer:
+    """The launcher's side of the fork server: its process, the replicas it was asked to fork (in order; it answers
+    ``started <pid>`` in the same order) and their exit codes."""
+
+    def __init__(self, template: ReplicaSpec, pdeathsig: int) -> None:
+        env = {k: v for k, v in template.env.items() if k not in _OWN_VARS}
+        out: IO[bytes] | int = subprocess.DEVNULL
+        if template.log_path is not None:
+            out = open(template.log_path.parent / "fork-server.log", "ab")
+        try:
+            self.proc = subprocess.Popen(
+                server_argv(template.argv),
+                env=env,
+                cwd=template.cwd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                start_new_session=True,
+                preexec_fn=procs.die_with_parent(pdeathsig),
+            )
+        finally:
+            if not isinstance(out, int):
+                out.close()
+        self._lock = threading.Lock()
+        self._waiting: list[ForkedReplicaHandle] = []
+        self._exits: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, name="diloco-fork-server", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            what, _, rest = raw.decode(errors="replace").strip().partition(" ")
+            with self._lock:
+                if what == "started" and self._waiting:
+                    self._waiting.pop(0)._started(int(rest))
+                elif what == "exit":
+                    pid, _, rc = rest.partition(" ")
+                    self._exits[int(pid)] = int(rc)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, spec: ReplicaSpec) -> ForkedReplicaHandle | None:
+        """Ask the server to fork ``spec``'s replica (it does once its imports are done); ``None`` when it is gone."""
+        if not self.alive() or self.proc.stdin is None:
+            return None
+        job = {"argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "log_path": None}
+        if spec.log_path is not None:
+            job["log_path"] = str(spec.log_path)
+        handle = ForkedReplicaHandle(spec, self)
+        with self._lock:
+            try:
+                self.proc.stdin.write((json.dumps(job) + "\n").encode())
+                self.proc.stdin.flush()
+            except OSError:
+                return None
+            self._waiting.append(handle)
+        return handle
+
+    def exit_code(self, handle: ForkedReplicaHandle) -> int | None:
+        with self._lock:
+            pid = handle.pid
+            if pid is not None and pid in self._exits:
+                return self._exits[pid]
+        if self.alive():
+            return None
+        # the server is gone: its children were SIGKILLed with it (PR_SET_PDEATHSIG)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, 0)
+                return None
+        return -signal.SIGKILL
+
+    def close(self) -> None:
+        """Close the server's stdin (it exits 0); SIGKILL it after a moment."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5.0)
 
 
 class LocalProcessExecutor:
@@ -132,25 +268,32 @@ class LocalProcessExecutor:
     Linux it is SIGKILLed as soon as the thread that started it ends (the launcher died or was killed
     without cleaning up: ``PR_SET_PDEATHSIG``), so a replica blocked in a collective is not left behind.
 
-    ``spares``: keep this many warm spare processes (:mod:`composer_plugins.diloco.spare`, started after the first
-    replica, from its command and environment) that have already imported what a replica imports; a replica started
-    again (``spec.restart > 0``) is handed to one of them instead of a fresh interpreter, and a new spare is started
-    in its place. Only replicas run as ``python -m composer_plugins.diloco.run`` can be taken over.
+    ``warm_restarts``: beside the first replica, start a fork server (:mod:`composer_plugins.diloco.forkserver`, from
+    that replica's command and environment) that imports what a replica imports once; a replica started again
+    (``spec.restart > 0``) is forked from it instead of a fresh interpreter (no interpreter start, no imports). Only
+    replicas run as ``python -m composer_plugins.diloco.run`` can be forked; the others start as usual.
     """
 
-    def __init__(self, pdeathsig: int = signal.SIGKILL, spares: int = 0) -> None:
+    def __init__(self, pdeathsig: int = signal.SIGKILL, warm_restarts: bool = False) -> None:
         self.pdeathsig = pdeathsig
-        self.spares = spares
-        self._spares: list[subprocess.Popen[bytes]] = []
-        self._template: ReplicaSpec | None = None
-        #: how many restarts a warm spare took over (the rest started a fresh interpreter)
-        self.taken_over = 0
+        self.warm_restarts = warm_restarts
+        self._server: _ForkServer | None = None
+        #: how many restarts the fork server took (the rest started a fresh interpreter)
+        self.forked = 0
 
-    def start(self, spec: ReplicaSpec) -> LocalProcessHandle:
-        proc = self._take_spare(spec) if spec.restart > 0 else None
-        if proc is not None:
-            self._fill_spares()
-            return LocalProcessHandle(spec, proc, None)
+    def start(self, spec: ReplicaSpec) -> LocalProcessHandle | ForkedReplicaHandle:
+        if spec.restart > 0 and self._server is not None and runs_replica_entry(spec.argv):
+            if spec.log_path is not None:
+                spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(spec.log_path, "ab") as log:
+                    log.write(
+                        f"\n=== replica {spec.index} start (restart {spec.restart}, forked warm): "
+                        f"{shlex.join(spec.argv)}\n".encode()
+                    )
+            handle = self._server.fork(spec)
+            if handle is not None:
+                self.forked += 1
+                return handle
         log: IO[bytes] | None = None
         if spec.log_path is not None:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,79 +315,13 @@ class LocalProcessExecutor:
             if log is not None:
                 log.close()
             raise LaunchError(f"cannot start replica {spec.index}: {e}. Command: {shlex.join(spec.argv)}") from e
-        if self.spares and self._template is None and runs_replica_entry(spec.argv):
-            self._template = spec
-            self._fill_spares()
+        if self.warm_restarts and self._server is None and runs_replica_entry(spec.argv):
+            with contextlib.suppress(OSError):  # no server: restarts start a fresh interpreter as without one
+                self._server = _ForkServer(spec, self.pdeathsig)
         return LocalProcessHandle(spec, proc, log)
 
-    # -- warm spares -------------------------------------------------------------------
-    def _fill_spares(self) -> None:
-        """Start spares until ``spares`` are alive (from the first replica's command and environment)."""
-        t = self._template
-        if t is None:
-            return
-        self._spares = [p for p in self._spares if p.poll() is None]
-        env = {k: v for k, v in t.env.items() if k not in _OWN_VARS}
-        while len(self._spares) < self.spares:
-            out: IO[bytes] | int = subprocess.DEVNULL
-            if t.log_path is not None:
-                out = open(t.log_path.parent / "spares.log", "ab")
-            try:
-                self._spares.append(
-                    subprocess.Popen(
-                        spare_argv(t.argv),
-                        env=env,
-                        cwd=t.cwd,
-                        stdin=subprocess.PIPE,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        preexec_fn=procs.die_with_parent(self.pdeathsig),
-                    )
-                )
-            except OSError:
-                return  # no spare: restarts start a fresh interpreter as without one
-            finally:
-                if not isinstance(out, int):
-                    out.close()
-
-    def _take_spare(self, spec: ReplicaSpec) -> subprocess.Popen[bytes] | None:
-        """Hand ``spec`` to a live spare (its stdin gets the assignment); ``None`` when there is none to take it."""
-        if not runs_replica_entry(spec.argv):
-            return None
-        while self._spares:
-            proc = self._spares.pop(0)
-            if proc.poll() is not None or proc.stdin is None:
-                continue
-            job = {"argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "log_path": None}
-            if spec.log_path is not None:
-                spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-                job["log_path"] = str(spec.log_path)
-                with open(spec.log_path, "ab") as log:
-                    log.write(
-                        f"\n=== replica {spec.index} start (restart {spec.restart}, warm spare pid {proc.pid}): "
-                        f"{shlex.join(spec.argv)}\n".encode()
-                    )
-            try:
-                proc.stdin.write((json.dumps(job) + "\n").encode())
-                proc.stdin.close()
-            except OSError:  # it died between the poll and the write
-                continue
-            self.taken_over += 1
-            return proc
-        return None
-
     def close(self) -> None:
-        """Stop the spares nobody took (their stdin closes: they exit 0; SIGKILL after a moment)."""
-        for proc in self._spares:
-            with contextlib.suppress(OSError):
-                if proc.stdin is not None:
-                    proc.stdin.close()
-        for proc in self._spares:
-            try:
-                proc.wait(2.0)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5.0)
-        self._spares = []
+        """Stop the fork server (after the replicas: its children die with it)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None

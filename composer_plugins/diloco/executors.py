@@ -62,20 +62,20 @@ def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
 
 
 def make_executor(
-    name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, spares: int = 0
+    name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, warm_restarts: bool = False
 ) -> Any:
-    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``; ``spares``: the
-    local executor's warm spare processes (``--warm-spares``)."""
+    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``; ``warm_restarts``:
+    the local executor forks restarted replicas from a warm process (``--warm-restarts``)."""
     if name not in EXECUTORS:
         near = closest(name, EXECUTORS)
         hint = f" Did you mean {near[0]!r}?" if near else ""
         raise ComposerPluginsError(f"unknown executor {name!r}; available: {', '.join(EXECUTORS)}.{hint}")
     if name == "local":
-        return LocalProcessExecutor(spares=spares)
-    if spares:
+        return LocalProcessExecutor(warm_restarts=warm_restarts)
+    if warm_restarts:
         raise ComposerPluginsError(
-            f"--warm-spares keeps spare processes on this host; --executor {name} starts each replica as a job. "
-            "HINT: drop --warm-spares, or use --executor local."
+            f"--warm-restarts forks replicas on this host; --executor {name} starts each replica as a job. "
+            "HINT: drop --warm-restarts, or use --executor local."
         )
     from composer_plugins.diloco.transports import get_transport
 

@@ -147,8 +147,8 @@ class ReplicaGroup:
         env: extra environment for every replica.
         grace_s: seconds between SIGTERM and SIGKILL on shutdown.
         threads_per_replica: sets ``OMP_NUM_THREADS`` (default ``cpu_count // N``, at least 1) unless set.
-        warm_spares: keep this many warm spare processes (the local executor's ``spares``: interpreter started and
-            a replica's imports done) to take over a replica that is started again, instead of a fresh one.
+        warm_restarts: fork a replica that is started again from a warm process (the local executor's fork server:
+            a replica's imports done once), instead of starting a fresh interpreter.
         index_offset, total_replicas: on a cluster, the replicas started here are
             ``index_offset .. index_offset + N - 1`` of ``total_replicas`` (their ids, seeds and data shards).
     """
@@ -175,15 +175,15 @@ class ReplicaGroup:
         transport: str = "torchft",
         store: str | None = None,
         run_id: str | None = None,
-        warm_spares: int = 0,
+        warm_restarts: bool = False,
     ) -> None:
         if num_replicas < 1:
             raise LaunchError(f"--replicas must be at least 1, got {num_replicas}")
         self.argv = argv
         self.num_replicas = num_replicas
-        if warm_spares and executor is not None:
-            raise LaunchError("warm spares are kept by the local executor only: give warm_spares or an executor")
-        self.executor: ReplicaExecutor = executor or LocalProcessExecutor(spares=warm_spares)
+        if warm_restarts and executor is not None:
+            raise LaunchError("warm restarts are the local executor's: give warm_restarts or an executor")
+        self.executor: ReplicaExecutor = executor or LocalProcessExecutor(warm_restarts=warm_restarts)
         self.max_restarts = max_restarts
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.base_seed = base_seed
@@ -447,7 +447,7 @@ class ReplicaGroup:
             if r.handle is not None:
                 r.handle.kill()
         close = getattr(self.executor, "close", None)
-        if callable(close):  # the local executor's warm spares
+        if callable(close):  # the local executor's fork server (after the replicas: its children die with it)
             close()
         procs.kill_tree(tag=self.tag)
         if self.barrier is not None:

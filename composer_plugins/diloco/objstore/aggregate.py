@@ -51,6 +51,8 @@ class AggregateMixin:
         indexes: dict[int, dict[str, Any] | None] = {}
         out: dict[int, torch.Tensor] = {}
         codec = get_codec(c.compress)
+        #: what the mean is written with: a sparse codec's mean (the union of the replicas' entries) stays sparse
+        mean_codec = getattr(codec, "mean_codec", None) or c.compress
 
         def make(j: int) -> torch.Tensor | None:
             lo, hi = bounds[j]
@@ -95,7 +97,7 @@ class AggregateMixin:
             key = (j, hi - lo)
             carry = self._mean_residual.pop(key, None) if codec.error_feedback else None
             want = mean if carry is None else mean + carry
-            stored, created = rs.put_mean(r, j, want, c.compress, count)
+            stored, created = rs.put_mean(r, j, want, mean_codec, count)
             if created and codec.error_feedback:
                 self._mean_residual[key] = want - stored
             return stored

@@ -189,11 +189,13 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         with torch.no_grad():
             pairs = zip(self.global_params, params if params is not None else self.params, strict=True)
             pseudo = torch.cat([to_host(g - p.detach()).reshape(-1) for g, p in pairs])
-        if self._residual is not None:  # error feedback: what the last round's rounding left out
-            pseudo = pseudo + self._residual
+        codec = get_codec(c.compress)
+        if self._residual is not None:  # error feedback: what the last round's rounding left out (decayed)
+            decay = float(getattr(codec, "feedback_decay", 1.0))
+            pseudo = pseudo + (self._residual if decay == 1.0 else decay * self._residual)
         parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
         err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
-        if get_codec(c.compress).error_feedback:
+        if codec.error_feedback:
             self._residual = pseudo - mine
         if not bool(torch.isfinite(mine).all()):
             log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
