@@ -520,12 +520,12 @@ def _run_faults(
     passes another ``FAULT_KILL_EVERY`` rounds (the launcher relaunches it, forked warm when ``warm``; it
     rejoins from the store), and replica ``n - 1`` paused (SIGSTOP) past ``round_timeout_s`` once, at round 2.
 
-    Goodput: inner steps that went into a committed round (``H`` per committed sync record, every life of every
-    replica) per second. ``goodput_steps_per_s`` is the steady state: from the moment every replica has closed
-    round 0 (the first generation's interpreter start and ``init_sync`` are the same in both runs and not what a
-    failure costs) to the last sync; ``goodput_whole_run_steps_per_s`` counts from the launch. Each kill's
-    ``rejoin_s``: from the kill to the first sync record of the replica's next life (relaunch, state load, H steps
-    and the wait for the round)."""
+    Goodput: inner steps that went into a committed round (every life of every replica; a replica that joined a
+    round late took fewer than ``H``) per second. ``goodput_steps_per_s`` is the steady state: from the moment every
+    replica has closed round 0 (the first generation's interpreter start and ``init_sync`` are the same in both runs
+    and not what a failure costs) to the last sync; ``goodput_whole_run_steps_per_s`` counts from the launch. Each
+    kill's ``rejoin_s``: from the kill to the first sync record of the replica's next life (relaunch, state load,
+    the inner steps and the wait for the round)."""
     import statistics
     import threading
 
@@ -592,11 +592,19 @@ def _run_faults(
         raise RuntimeError(f"the {name} run failed: {res}")
     outs = [json.loads((log_dir / f"result{i}.json").read_text()) for i in range(n)]
     recs = {i: _sync_records(log_dir, i) for i in range(n)}
-    useful = sum(h for i in range(n) for r in recs[i] if r["committed"])
+    # the inner steps each record's round took (a replica that joined a round late takes fewer): since the previous
+    # record of the same life (a life starts at 0)
+    steps: list[tuple[dict[str, Any], int]] = []
+    for i in range(n):
+        last: dict[int, int] = {}
+        for r in recs[i]:
+            steps.append((r, r["inner_step"] - last.get(r["restart"], 0)))
+            last[r["restart"]] = r["inner_step"]
+    useful = sum(k for r, k in steps if r["committed"])
     # the steady state: from the moment every replica has recorded round 0 to the last record
     start = max(min(r["time"] for r in recs[i] if r["round"] == 0) for i in range(n))
     end = max(r["time"] for i in range(n) for r in recs[i])
-    steady = sum(h for i in range(n) for r in recs[i] if r["committed"] and r["round"] > 0 and r["time"] > start)
+    steady = sum(k for r, k in steps if r["committed"] and r["round"] > 0 and r["time"] > start)
     rejoin = []
     for i, life, t in kills:
         later = [r["time"] for r in recs[i] if r["restart"] == life]

@@ -127,6 +127,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             self._apply_state(*found)
             log.info("DiLoCo: replica %d starts from %s/state/%08d", self.replica.index, self.store.where, found[0])
         self._replay_closed_rounds()
+        if found is not None:  # restarted into a round the others are in: take only the steps they have left
+            self._align_to_others()
         if self._target is not None and self.round >= self._target:
             self._done = True
         self._counted = (self.store.bytes_written, self.store.bytes_read, self.store.retries)

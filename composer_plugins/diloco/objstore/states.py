@@ -160,6 +160,7 @@ class StatesMixin:
             self.heal_count += 1
             self._healed_since_sync = True
             self._replay_closed_rounds()
+            self._align_to_others()
             return
         deadline = time.monotonic() + self.config.round_timeout_s
         while True:
@@ -167,6 +168,7 @@ class StatesMixin:
             if found is not None:
                 self._apply_state(*found)
                 self._replay_closed_rounds()
+                self._align_to_others()
                 return
             if time.monotonic() > deadline:
                 raise ComposerPluginsError(
@@ -175,6 +177,40 @@ class StatesMixin:
                     f"diloco.round_timeout_s={self.config.round_timeout_s:.0f}s"
                 )
             time.sleep(self.config.poll_s)
+
+    def _align_to_others(self) -> int:
+        """A replica that joins a round the others are already in (restarted, or caught up after it was left out)
+        takes only the inner steps they have left before this round's sync, so it is there when they close it
+        instead of keeping them waiting (or being left out again): the others' step time is the last round's
+        (the time between its manifest and the one before, over ``H``), the lag the time since the last manifest.
+        Nothing changes when the lag is not within one round (a run resumed later starts its rounds whole).
+        Steps skipped."""
+        assert self.rounds is not None
+        h, r = self.config.sync_every, self.round
+        if r < 2 or h < 2:
+            return 0
+        last, before = self.rounds.manifest(r - 1), self.rounds.manifest(r - 2)
+        if last is None or before is None:
+            return 0
+        try:
+            step_s = (float(last["time"]) - float(before["time"])) / h
+            lag_s = time.time() - float(last["time"])
+        except (KeyError, TypeError, ValueError):
+            return 0
+        if not (step_s > 0 and 0 < lag_s < step_s * h):
+            return 0
+        skip = min(h - 1, int(lag_s / step_s))
+        self._since_sync = max(self._since_sync, skip)
+        if skip:
+            log.info(
+                "DiLoCo: replica %d joins round %d %.1fs late: %d of its %d inner steps",
+                self.replica.index,
+                r,
+                lag_s,
+                h - skip,
+                h,
+            )
+        return skip
 
     def _state_due(self, r: int) -> bool:
         """Whether round ``r``'s global state is written: every ``state_every`` rounds and at the last round (the
