@@ -464,6 +464,12 @@ def run_overlap(quick: bool = False) -> dict[str, Any]:
 
 #: the codecs of the ``--only codecs`` figure, on the LM-shaped step (the first is the fp32 baseline)
 SPARSE_CODECS = ("none", "int4", "sparseloco")
+#: outer optimizer settings a codec runs with in the figures (the rest: the DiLoCo default, SGD lr 0.7, Nesterov 0.9).
+#: SparseLoCo's error feedback accumulates what was not sent and acts as the outer momentum, so its run takes plain
+#: SGD (lr 1.25: of 1.0, 1.25, 1.5, 2.0 and momentum 0.5 at lr 0.8 / 1.0, the closest to fp32 on this LM shape)
+CODEC_OUTER: dict[str, list[str]] = {
+    "sparseloco": ["diloco.outer_momentum=0", "diloco.outer_nesterov=false", "diloco.outer_lr=1.25"]
+}
 
 
 def run_codecs(quick: bool = False) -> dict[str, Any]:
@@ -788,6 +794,7 @@ def _measure(
                     overlap=o.get("o", 0),
                     skip=os_h,
                     env=env,
+                    extra=CODEC_OUTER.get(compress),
                 )
                 continue
             if item == "ddp":
