@@ -46,6 +46,7 @@ from composer_plugins.testing.conformance import (
     check_teacher,
     loss_batch,
 )
+from composer_plugins.testing.generators import check_generator
 from composer_plugins.testing.transports import check_transport
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "check_builds",
     "check_callback",
     "check_env",
+    "check_generator",
     "check_hint_provider",
     "check_loss",
     "check_optimizer",

@@ -11,7 +11,7 @@ does (the factory called with ``name=`` its registered name) and asserts its sid
 * a transport that needs a store refuses to start without one: a located ``ConfigError`` on ``diloco.store``;
 * its callback path imports, and names a :class:`~composer_plugins.diloco.glue.DiLoCoCallbackBase` subclass.
 
-Failures raise :class:`~composer_plugins.testing.conformance.ConformanceError` naming the entry and its provider.
+Failures raise :class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from composer_plugins.testing.conformance import _entry, _fail
+from composer_plugins.testing.base import _entry, _fail
 
 __all__ = ["check_transport"]
 

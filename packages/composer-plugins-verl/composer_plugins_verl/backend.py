@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.backends import support
 from composer_plugins.backends.base import Backend, scalar_metrics
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
@@ -385,19 +386,12 @@ class VeRLBackend(Backend):
         """The policy channel of ``config.losses`` (the only channel a VeRL policy loss carries)."""
         from composer_plugins.training.config import channel_spec
 
+        support.check_channels(f"verl:{self.mode}", self.config, self.src)  # a channel VeRL cannot run is refused
         found = []
         for key, spec in self.config.losses.items():
             enabled, name, _w, kw = channel_spec(key, spec, self.src)
             if enabled and (kw.get("loss_type") or name) in POLICY_LOSSES.values():
                 found.append((str(kw.get("loss_type") or name), kw))
-            elif enabled:
-                import warnings
-
-                warnings.warn(
-                    f"losses.{key} ({name}) does not run in VeRL: only the policy-loss channel does "
-                    "(see docs/backends.md#verl)",
-                    stacklevel=3,
-                )
         if len(found) != 1:
             raise self.src.error(
                 "losses",
