@@ -45,10 +45,12 @@ class ToyConfig:
     def validate(self, src: Config | None = None, key: str = "toy") -> ToyConfig:
         """Refuse sizes the toy model cannot be built with, located at ``key.<field>`` in ``src``."""
         src = src if src is not None else Config()
-        sizes = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "batch_size", "branching", "max_steps")
+        sizes = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "batch_size", "branching")
         for name in (*sizes, "eval_batches", "threads"):
             if getattr(self, name) < 1:
                 raise src.error(f"{key}.{name}", f"must be >= 1, got {getattr(self, name)}.")
+        if self.max_steps < 0:
+            raise src.error(f"{key}.max_steps", f"must be >= 0, got {self.max_steps}.")
         if self.d_model % self.n_heads:
             raise src.error(f"{key}.n_heads", f"must divide d_model ({self.d_model}), got {self.n_heads}.")
         if self.branching > self.vocab_size:

@@ -196,7 +196,7 @@ def test_each_section_validates_itself_before_any_replica_starts():
     for override, where in (
         ("diloco.jobs.poll_s=0", "diloco.jobs.poll_s: must be > 0, got 0"),
         ("toy.n_heads=3", "toy.n_heads: must divide d_model (32), got 3"),
-        ("toy.max_steps=0", "toy.max_steps: must be >= 1, got 0"),
+        ("toy.max_steps=-1", "toy.max_steps: must be >= 0, got -1"),
         ("diloco.sync_every=0", "diloco.sync_every: must be >= 1, got 0"),
     ):
         with pytest.raises(ConfigError, match=re.escape(where)):
