@@ -123,7 +123,13 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "diloco/objstore",
-            files=("diloco/objstore.py",),
+            files=(
+                "diloco/objstore/rounds.py",
+                "diloco/objstore/identity.py",
+                "diloco/objstore/states.py",
+                "diloco/objstore/aggregate.py",
+                "diloco/objstore/callback.py",
+            ),
             tests=(
                 "tests/diloco/test_objstore_mutants.py",
                 "tests/diloco/test_diloco_aggregate.py",

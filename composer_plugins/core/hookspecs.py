@@ -70,3 +70,8 @@ def register_codecs(register: Any) -> None:
 @hookspec
 def register_commands(cli: Any) -> None:
     """Add subcommands to the ``composer-plugins`` click group passed as ``cli``."""
+
+
+@hookspec
+def register_transports(register: Any) -> None:
+    """Register DiLoCo outer-sync transports (``diloco.transport``) with ``register(name, factory, description)``."""

@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {
     "callbacks": "register_callbacks",
     "rollout_generators": "register_rollout_generators",
     "codecs": "register_codecs",
+    "transports": "register_transports",
 }
 
 _KIND_ALIASES = {
@@ -57,6 +58,7 @@ _KIND_ALIASES = {
     "generators": "rollout_generators",
     "generator": "rollout_generators",
     "codec": "codecs",
+    "transport": "transports",
 }
 
 #: Backends shipped as separate distributions (in this repository's ``packages/``): name -> distribution.

@@ -1,5 +1,8 @@
-"""DiLoCo across replicas on torchft: the Lightning callback (``strategy``), the toy LM its tests and
-benchmark train (``toy``) and the replica launcher with its lighthouse (``launch``).
+"""DiLoCo across replicas: the Lightning callbacks of its outer-sync transports (``strategy``: torchft;
+``objstore/``: through an object store), transports and pseudo-gradient codecs as plugin kinds (``transports``,
+``codecs``), what both share (``common``: config sections, outer optimizer), the replica launcher (``launch``) with
+its executor seam (``executor``, ``executors``, ``forkserver``) and meeting points (``coordination``), the replica
+entry point (``run``, ``replica``) and the toy LM its tests and benchmark train (``toy``).
 
-Imports point down: ``core`` and ``training`` only.
+Imports point down: ``core``, ``procs`` and ``training`` only.
 """

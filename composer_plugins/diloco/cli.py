@@ -1,6 +1,6 @@
 """``composer-plugins diloco``: validate the config once, then start the replicas where ``--executor`` says.
 
-Executors: ``local`` (processes on this host, :class:`~composer_plugins.diloco.launch.LocalProcessExecutor`),
+Executors: ``local`` (processes on this host, :class:`~composer_plugins.diloco.executor.LocalProcessExecutor`),
 ``hf_jobs`` (Hugging Face Jobs) and ``modal`` (Modal functions), see :mod:`.executors`. The cloud ones need
 ``diloco.transport=object_store``: their replicas meet through ``diloco.store`` only.
 """
@@ -43,6 +43,12 @@ def register_commands(cli: Any) -> None:
     )
     @click.option("--lighthouse", help="Address of an existing torchft lighthouse (cluster); default: start one here.")
     @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart a crashed replica.")
+    @click.option(
+        "--warm-restarts",
+        is_flag=True,
+        help="local: fork restarted replicas from a process that has a replica's imports done (a fork server "
+        "started beside the first replica), not a fresh interpreter: seconds sooner back in the rounds.",
+    )
     @click.option("--log-dir", type=click.Path(file_okay=False), default="diloco_logs", show_default=True)
     @click.option("--seed", type=int, default=None, help="Replica i gets seed + i (default: config seed + i).")
     @click.option(
@@ -77,6 +83,7 @@ def register_commands(cli: Any) -> None:
         executor: str,
         lighthouse: str | None,
         max_restarts: int,
+        warm_restarts: bool,
         log_dir: str,
         seed: int | None,
         first_index: int,
@@ -125,7 +132,7 @@ def register_commands(cli: Any) -> None:
                 "several launchers (--first-index/--total-replicas) join one run "
                 "only under one id. HINT: pass the same --run-id <id> to every launcher.",
             )
-        runner = make_executor(executor, dcfg, log_dir=log_dir)
+        runner = make_executor(executor, dcfg, log_dir=log_dir, warm_restarts=warm_restarts)
         try:
             res = launch(
                 replicas,

@@ -31,6 +31,11 @@ BUILTIN_CODECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Chunked top-k (2 % of each chunk), 2-bit values, packed indices, error feedback (SparseLoCo-class).",
         {"density": 0.02, "chunk": 4096},
     ),
+    "sparse": (
+        "SparseCodec",
+        "A mostly-zero vector's entries: a deflated bitmap and scaled fp16 values (sparseloco's mean).",
+        {},
+    ),
 }
 
 

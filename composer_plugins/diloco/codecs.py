@@ -271,10 +271,16 @@ class Codec:
             bitwise). The conformance check holds the codec to it.
         error_feedback: lossy codecs carry the rounding error to the sender's next pseudo-gradient (and the
             writer of a round's mean carries the mean's rounding to the next mean it writes).
+        feedback_decay: the carried error is multiplied by this before it is added (``1``: all of it; SparseLoCo's
+            error feedback decays it, the accumulator then acting as the outer momentum).
+        mean_codec: the registered codec a round's mean is written with (``None``: this one). A sparse codec's mean
+            is the union of the replicas' entries: kept sparse (``sparse``) rather than sparsified a second time.
     """
 
     tolerance: float = 0.0
     error_feedback: bool = True
+    feedback_decay: float = 1.0
+    mean_codec: str | None = None
 
     def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         """Header fields (JSON values; ``codec`` and ``numel`` are added) and body of ``vec``: a contiguous fp32
@@ -338,12 +344,17 @@ class SparseLoCoCodec(Codec):
     #: a round trip keeps only the largest ~2 %: most of a vector's norm comes later, through error feedback
     tolerance = 1.0
 
-    def __init__(self, density: float = 0.02, chunk: int = 4096) -> None:
+    def __init__(
+        self, density: float = 0.02, chunk: int = 4096, feedback_decay: float = 1.0, mean_codec: str | None = "sparse"
+    ) -> None:
         if not 0.0 < float(density) <= 1.0:
             raise ValueError(f"sparseloco density must be in (0, 1], got {density!r}")
         if not 2 <= int(chunk) <= 1 << 16:
             raise ValueError(f"sparseloco chunk must be in [2, 65536], got {chunk!r}")
+        if not 0.0 <= float(feedback_decay) <= 1.0:
+            raise ValueError(f"sparseloco feedback_decay must be in [0, 1], got {feedback_decay!r}")
         self.density, self.chunk = float(density), int(chunk)
+        self.feedback_decay, self.mean_codec = float(feedback_decay), mean_codec
         self.k = max(1, round(self.density * self.chunk))
         self.index_bits = (self.chunk - 1).bit_length()
 
@@ -427,6 +438,63 @@ class SparseLoCoCodec(Codec):
         lo, hi = bounds[:, 0], bounds[:, 1]
         mag = torch.where(upper.bool(), lo + 0.75 * (hi - lo), lo + 0.25 * (hi - lo))
         out[chunk_of * self.chunk + idx] = torch.where(sign.bool(), -mag, mag)  # device-ok: host tensors
+        return out
+
+
+class SparseCodec(Codec):
+    """A mostly-zero vector's non-zero entries: a deflated bitmap of where they are and their values as fp16 scaled
+    by the vector's largest magnitude (fp32); dense scaled fp16 when that is smaller. The mean of sparse
+    pseudo-gradients (``sparseloco``'s ``mean_codec``) is written with it: the union of the replicas' entries, not
+    top-k'd a second time."""
+
+    tolerance = 1e-3
+
+    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        import numpy as np
+
+        n = vec.numel()
+        scale = float(vec.abs().max()) if n else 0.0
+        scale = scale if scale > 0 and scale < float("inf") else 1.0
+        mask = vec != 0
+        nnz = int(mask.sum())
+        bitmap = zlib.compress(np.packbits(mask.numpy()).tobytes(), 6)  # device-ok: encode_vector's host copy
+        if len(bitmap) + 2 * nnz < 2 * n:
+            vals = (vec[mask] / scale).to(torch.float16).numpy().tobytes()  # device-ok: host tensors
+            return {"form": "sparse", "scale": scale, "nnz": nnz, "bitmap": len(bitmap)}, bitmap + vals
+        return {"form": "dense", "scale": scale}, (vec / scale).to(torch.float16).numpy().tobytes()
+
+    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
+        import numpy as np
+
+        scale = header.get("scale")
+        if not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise CorruptObjectError(f"sparse body with scale {scale!r}")
+        if header.get("form") == "dense":
+            if len(body) != 2 * numel:
+                raise CorruptObjectError(f"sparse (dense form) body of {len(body)} bytes for {numel} values")
+            return (
+                torch.frombuffer(bytearray(body), dtype=torch.float16).to(torch.float32) * scale
+                if numel
+                else (torch.zeros(0))
+            )
+        nnz, nb = header.get("nnz"), header.get("bitmap")
+        if header.get("form") != "sparse" or not isinstance(nnz, int) or not isinstance(nb, int) or nb < 0:
+            raise CorruptObjectError(f"sparse body of form {header.get('form')!r}")
+        if len(body) != nb + 2 * nnz:
+            raise CorruptObjectError(f"sparse body of {len(body)} bytes; a {nb}-byte bitmap and {nnz} values take more")
+        try:
+            bits = np.unpackbits(np.frombuffer(zlib.decompress(body[:nb]), dtype=np.uint8))
+        except zlib.error as e:
+            raise CorruptObjectError(f"sparse bitmap does not inflate ({e})") from e
+        if bits.size != -(-numel // 8) * 8 or int(bits[numel:].sum()) or int(bits.sum()) != nnz:
+            raise CorruptObjectError(f"sparse bitmap does not mark {nnz} of {numel} values")
+        out = torch.zeros(numel)
+        mask = torch.from_numpy(bits[:numel].astype(bool))
+        out[mask] = (
+            torch.frombuffer(bytearray(body[nb:]), dtype=torch.float16).to(torch.float32) * scale
+            if nnz
+            else (torch.zeros(0))
+        )
         return out
 
 

@@ -26,6 +26,51 @@ if TYPE_CHECKING:  # torch is imported where it is used, so loading a config (an
 
 
 @dataclasses.dataclass
+class JobsConfig:
+    """The ``diloco.jobs:`` section: how a cloud executor runs each replica.
+
+    Attributes:
+        image: container image with composer-plugins installed (HF Jobs: a Docker image or Space;
+            Modal: a registry image, or ``None`` for ``debian_slim`` plus ``pip``).
+        pip: Modal only, packages to ``pip install`` into the image (default ``composer-plugins[serverless]``).
+        flavor: HF Jobs hardware flavor (``cpu-basic``, ``a10g-small``, ``h100`` ...).
+        gpu: Modal GPU type (``T4``, ``A10G``, ``A100``, ``H100`` ...; ``None``: CPU).
+        cpu, memory_mb: Modal resources.
+        timeout_s: the platform's limit on one replica's run.
+        secrets: HF Jobs: names of environment variables whose values are sent as job secrets
+            (e.g. ``AWS_ACCESS_KEY_ID``); Modal: names of Modal secrets to attach.
+        env: names of environment variables to forward as plain job environment (e.g. ``AWS_ENDPOINT_URL``).
+        namespace: HF Jobs namespace (user or organisation; default: the token's user).
+        app_name: Modal app name.
+        start_timeout_s: a job still not running after this long is cancelled and counted as failed.
+        poll_s: how often job status is read.
+    """
+
+    image: str | None = None
+    #: with neither ``image`` nor ``pip``: this project is installed from the local source (Modal)
+    pip: list[str] = dataclasses.field(default_factory=list)
+    flavor: str = "cpu-basic"
+    gpu: str | None = None
+    cpu: float | None = None
+    memory_mb: int | None = None
+    timeout_s: int = 3600
+    secrets: list[str] = dataclasses.field(default_factory=list)
+    env: list[str] = dataclasses.field(default_factory=list)
+    namespace: str | None = None
+    app_name: str = "composer-plugins-diloco"
+    start_timeout_s: float = 900.0
+    poll_s: float = 5.0
+
+    def validate(self, src: Config | None = None, key: str = "diloco.jobs") -> JobsConfig:
+        """Refuse values no executor can run with, located at ``key.<field>`` in ``src``."""
+        src = src if src is not None else Config()
+        for name in ("timeout_s", "start_timeout_s", "poll_s"):
+            if getattr(self, name) <= 0:
+                raise src.error(f"{key}.{name}", f"must be > 0, got {getattr(self, name)}.")
+        return self
+
+
+@dataclasses.dataclass
 class DiLoCoConfig:
     """The ``diloco:`` config section. Every field has a sensible default.
 
@@ -92,7 +137,7 @@ class DiLoCoConfig:
             the new global weights plus the inner steps taken since; Streaming DiLoCo's delayed outer update).
             ``0`` (default) syncs in the foreground (bitwise equal to ``torchft``).
         jobs: how ``--executor hf_jobs|modal`` runs each replica (image, flavor/GPU, secrets, timeouts;
-            :class:`~composer_plugins.diloco.executors.JobsConfig`).
+            :class:`JobsConfig`, validated with this section).
     """
 
     sync_every: int = 50
@@ -138,9 +183,11 @@ class DiLoCoConfig:
     overlap: int = 0
     jobs: dict[str, Any] | None = None
 
-    def validate(self, cfg: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
-        """Check the values against each other; errors name the key and the fix."""
-        cfg = cfg if cfg is not None else Config()
+    def validate(self, src: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
+        """Check the values against each other, then the transport's own rules and the ``jobs:`` subsection (each
+        section validates itself: :meth:`JobsConfig.validate`); errors name the key (located in ``src``) and the
+        fix."""
+        cfg = src if src is not None else Config()
 
         def bad(field: str, msg: str) -> ConfigError:
             return cfg.error(f"{key}.{field}", msg)
@@ -195,6 +242,8 @@ class DiLoCoConfig:
         from composer_plugins.diloco.transports import get_transport
 
         get_transport(self.transport, lambda msg: bad("transport", msg)).validate(self, bad)
+        if self.jobs is not None:
+            from_dict(JobsConfig, self.jobs, cfg, f"{key}.jobs").validate(cfg, f"{key}.jobs")
         return self
 
     @classmethod

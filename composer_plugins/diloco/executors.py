@@ -1,4 +1,4 @@
-"""Where replicas run: this host (:class:`~.launch.LocalProcessExecutor`), Hugging Face Jobs
+"""Where replicas run: this host (:class:`~.executor.LocalProcessExecutor`), Hugging Face Jobs
 (:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`). All three implement the launcher's
 ``ReplicaExecutor`` protocol (``start(spec) -> handle`` with ``poll``/``terminate``/``kill``/``wait``), so
 restarts (``--max-restarts``), timeouts and clean-up work the same everywhere.
@@ -16,7 +16,6 @@ have composer-plugins installed. Their SDKs are optional extras, imported when t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import threading
@@ -26,51 +25,14 @@ from typing import Any
 
 from composer_plugins.core.config import Config, from_dict
 from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
-from composer_plugins.diloco.common import DiLoCoConfig
-from composer_plugins.diloco.launch import LaunchError, LocalProcessExecutor, ReplicaSpec
+from composer_plugins.diloco.common import DiLoCoConfig, JobsConfig
+from composer_plugins.diloco.executor import LaunchError, LocalProcessExecutor, ReplicaSpec
 
 __all__ = ["EXECUTORS", "HFJobsExecutor", "JobsConfig", "ModalExecutor", "make_executor"]
 
 EXECUTORS = ("local", "hf_jobs", "modal")
 #: how long a job's status may stay unreadable (Hub unreachable, 5xx) before its replica counts as failed
 POLL_ERRORS_S = 120.0
-
-
-@dataclasses.dataclass
-class JobsConfig:
-    """The ``diloco.jobs:`` section: how a cloud executor runs each replica.
-
-    Attributes:
-        image: container image with composer-plugins installed (HF Jobs: a Docker image or Space;
-            Modal: a registry image, or ``None`` for ``debian_slim`` plus ``pip``).
-        pip: Modal only, packages to ``pip install`` into the image (default ``composer-plugins[serverless]``).
-        flavor: HF Jobs hardware flavor (``cpu-basic``, ``a10g-small``, ``h100`` ...).
-        gpu: Modal GPU type (``T4``, ``A10G``, ``A100``, ``H100`` ...; ``None``: CPU).
-        cpu, memory_mb: Modal resources.
-        timeout_s: the platform's limit on one replica's run.
-        secrets: HF Jobs: names of environment variables whose values are sent as job secrets
-            (e.g. ``AWS_ACCESS_KEY_ID``); Modal: names of Modal secrets to attach.
-        env: names of environment variables to forward as plain job environment (e.g. ``AWS_ENDPOINT_URL``).
-        namespace: HF Jobs namespace (user or organisation; default: the token's user).
-        app_name: Modal app name.
-        start_timeout_s: a job still not running after this long is cancelled and counted as failed.
-        poll_s: how often job status is read.
-    """
-
-    image: str | None = None
-    #: with neither ``image`` nor ``pip``: this project is installed from the local source (Modal)
-    pip: list[str] = dataclasses.field(default_factory=list)
-    flavor: str = "cpu-basic"
-    gpu: str | None = None
-    cpu: float | None = None
-    memory_mb: int | None = None
-    timeout_s: int = 3600
-    secrets: list[str] = dataclasses.field(default_factory=list)
-    env: list[str] = dataclasses.field(default_factory=list)
-    namespace: str | None = None
-    app_name: str = "composer-plugins-diloco"
-    start_timeout_s: float = 900.0
-    poll_s: float = 5.0
 
 
 #: what is not sent with the project's source to a Modal image
@@ -92,18 +54,29 @@ def project_root() -> Path:
 
 
 def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
+    """The ``diloco.jobs:`` section, read and validated (:meth:`JobsConfig.validate`)."""
     c = cfg if cfg is not None else Config()
-    return from_dict(JobsConfig, dcfg.jobs or {}, c, "diloco.jobs")
+    jobs = from_dict(JobsConfig, dcfg.jobs or {}, c, "diloco.jobs")
+    jobs.validate(c, "diloco.jobs")
+    return jobs
 
 
-def make_executor(name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None) -> Any:
-    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``."""
+def make_executor(
+    name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, warm_restarts: bool = False
+) -> Any:
+    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``; ``warm_restarts``:
+    the local executor forks restarted replicas from a warm process (``--warm-restarts``)."""
     if name not in EXECUTORS:
         near = closest(name, EXECUTORS)
         hint = f" Did you mean {near[0]!r}?" if near else ""
         raise ComposerPluginsError(f"unknown executor {name!r}; available: {', '.join(EXECUTORS)}.{hint}")
     if name == "local":
-        return LocalProcessExecutor()
+        return LocalProcessExecutor(warm_restarts=warm_restarts)
+    if warm_restarts:
+        raise ComposerPluginsError(
+            f"--warm-restarts forks replicas on this host; --executor {name} starts each replica as a job. "
+            "HINT: drop --warm-restarts, or use --executor local."
+        )
     from composer_plugins.diloco.transports import get_transport
 
     if not get_transport(dcfg.transport).cloud:

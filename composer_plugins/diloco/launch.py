@@ -3,19 +3,20 @@
 This module is import-light (no torch at import time): it is the default plugin that adds the
 ``composer-plugins diloco`` command, so it is imported by every CLI invocation.
 
-Pieces:
+Pieces (each in its own module, re-exported here):
 
-* :class:`ReplicaExecutor` / :class:`ReplicaHandle` — the seam for *where* a replica runs. The only
-  executor built today is :class:`LocalProcessExecutor` (one OS process group per replica on this host).
-  A later "serverless DiLoCo" executor (replicas launched as jobs that meet through object storage)
-  implements the same two-method protocol; nothing else in the launcher changes.
-* :class:`Lighthouse` — the torchft lighthouse, run in-process (``torchft.coordination.LighthouseServer``)
-  on ``127.0.0.1`` with a free port, or an existing one given by address (a cluster).
-* :class:`StartBarrier` — a ``TCPStore`` the first generation of replicas meets at *after* their torchft
-  managers are heartbeating, so the first quorum has every replica in it (without it, the fastest
+* :class:`ReplicaExecutor` / :class:`ReplicaHandle` (:mod:`.executor`) — the seam for *where* a replica runs:
+  :class:`LocalProcessExecutor` (one OS process group per replica on this host) there, the cloud executors
+  (replicas launched as jobs that meet through object storage) in :mod:`.executors`; nothing else in the
+  launcher changes.
+* :class:`Lighthouse` (:mod:`.coordination`) — the torchft lighthouse, run in-process
+  (``torchft.coordination.LighthouseServer``) on ``127.0.0.1`` with a free port, or an existing one given by
+  address (a cluster).
+* :class:`StartBarrier` (:mod:`.coordination`) — a ``TCPStore`` the first generation of replicas meets at *after*
+  their torchft managers are heartbeating, so the first quorum has every replica in it (without it, the fastest
   replica forms a quorum of one and trains alone until the others catch up). A replica that exits
   before arriving is marked gone there by the launcher, so the others stop waiting for it at once.
-* :class:`ReplicaGroup` — starts the replicas, restarts crashed ones (``max_restarts``) or, with
+* :class:`ReplicaGroup` (here) — starts the replicas, restarts crashed ones (``max_restarts``) or, with
   ``wait(fail_fast=True)``, stops at the first one that fails, naming it; terminates every child process
   group on exit, on Ctrl-C and on SIGTERM. Replicas are SIGKILLed if the launcher dies without cleaning
   up, and carry a tag (:mod:`composer_plugins.procs`) so that nothing they started outlives them.
@@ -27,17 +28,15 @@ import contextlib
 import dataclasses
 import json
 import os
-import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol, runtime_checkable
+from typing import Any
 
 from composer_plugins import procs
-from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.diloco.coordination import Lighthouse, RejoinBoard, StartBarrier
 
 #: the replica environment contract lives in :mod:`.env`; re-exported here for older imports
 from composer_plugins.diloco.env import (
@@ -57,286 +56,48 @@ from composer_plugins.diloco.env import (
     LOOPBACK,
     REPLICA_VARS,
 )
-
-
-class LaunchError(ComposerPluginsError, RuntimeError):
-    """The launcher could not start or keep the replicas running."""
-
-
-# -- executors ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ReplicaSpec:
-    """Everything needed to start one replica group (one process here; a job elsewhere)."""
-
-    index: int
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str | None = None
-    log_path: Path | None = None
-    restart: int = 0
-    #: only what the launcher set for this replica (no inherited environment): what a cloud executor sends
-    job_env: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-@runtime_checkable
-class ReplicaHandle(Protocol):
-    """A running replica. ``poll`` returns the exit code once it has ended, else ``None``."""
-
-    spec: ReplicaSpec
-
-    @property
-    def pid(self) -> int | None: ...
-
-    def poll(self) -> int | None: ...
-
-    def terminate(self) -> None: ...
-
-    def kill(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> int | None: ...
-
-
-@runtime_checkable
-class ReplicaExecutor(Protocol):
-    """Starts replicas somewhere. Implement this for another backend (jobs meeting through object storage)."""
-
-    def start(self, spec: ReplicaSpec) -> ReplicaHandle: ...
-
-
-class LocalProcessHandle:
-    """A replica running as its own process group (``start_new_session``) on this host."""
-
-    def __init__(self, spec: ReplicaSpec, proc: subprocess.Popen[bytes], log: IO[bytes] | None) -> None:
-        self.spec = spec
-        self.proc = proc
-        self._log = log
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
-    def poll(self) -> int | None:
-        rc = self.proc.poll()
-        if rc is not None:
-            self._close_log()
-        return rc
-
-    def _signal_group(self, sig: int) -> None:
-        # The child is a session leader, so its pgid is its pid; this also reaches its own children.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def terminate(self) -> None:
-        """SIGTERM to the replica's whole process group."""
-        self._signal_group(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL to the replica's whole process group."""
-        self._signal_group(signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-        self._close_log()
-        return rc
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                self._log.close()
-            self._log = None
-
-
-class LocalProcessExecutor:
-    """Runs each replica as a local subprocess in a new session; output goes to ``spec.log_path``.
-
-    The replica is a session (and process group) leader, so stopping it reaches its own children too; on
-    Linux it is SIGKILLed as soon as the thread that started it ends (the launcher died or was killed
-    without cleaning up: ``PR_SET_PDEATHSIG``), so a replica blocked in a collective is not left behind.
-    """
-
-    def __init__(self, pdeathsig: int = signal.SIGKILL) -> None:
-        self.pdeathsig = pdeathsig
-
-    def start(self, spec: ReplicaSpec) -> LocalProcessHandle:
-        log: IO[bytes] | None = None
-        if spec.log_path is not None:
-            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(spec.log_path, "ab")
-            log.write(f"\n=== replica {spec.index} start (restart {spec.restart}): {shlex.join(spec.argv)}\n".encode())
-            log.flush()
-        try:
-            proc = subprocess.Popen(
-                spec.argv,
-                env=spec.env,
-                cwd=spec.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log if log is not None else None,
-                stderr=subprocess.STDOUT if log is not None else None,
-                start_new_session=True,
-                preexec_fn=procs.die_with_parent(self.pdeathsig),
-            )
-        except OSError as e:
-            if log is not None:
-                log.close()
-            raise LaunchError(f"cannot start replica {spec.index}: {e}. Command: {shlex.join(spec.argv)}") from e
-        return LocalProcessHandle(spec, proc, log)
-
-
-# -- lighthouse and start barrier ------------------------------------------------------
-
-
-class Lighthouse:
-    """The torchft lighthouse: started in-process on ``bind`` (default a free loopback port), or external.
-
-    ``Lighthouse(address="http://host:29510")`` only records an existing lighthouse (a cluster); nothing
-    is started or stopped. Otherwise a ``torchft.coordination.LighthouseServer`` runs in this process
-    until :meth:`shutdown`.
-    """
-
-    def __init__(
-        self,
-        address: str | None = None,
-        *,
-        bind: str = f"{LOOPBACK}:0",
-        min_replicas: int = 1,
-        join_timeout_ms: int = 60_000,
-        heartbeat_timeout_ms: int = 5_000,
-        quorum_tick_ms: int = 100,
-    ) -> None:
-        self._server: Any = None
-        self.external = address is not None
-        if address is not None:
-            self.address = address if "://" in address else f"http://{address}"
-            return
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO
-        try:
-            from torchft.coordination import LighthouseServer
-        except ImportError as e:  # pragma: no cover - torchft is an optional extra
-            raise LaunchError("the DiLoCo launcher needs torchft. HINT: pip install 'composer-plugins[diloco]'") from e
-        self._server = LighthouseServer(
-            bind=bind,
-            min_replicas=min_replicas,
-            join_timeout_ms=join_timeout_ms,
-            quorum_tick_ms=quorum_tick_ms,
-            heartbeat_timeout_ms=heartbeat_timeout_ms,
-        )
-        addr = self._server.address()
-        host = bind.rsplit(":", 1)[0].strip("[]")
-        if host in (LOOPBACK, "localhost"):
-            # torchft advertises socket.gethostname(); on a loopback-only run use the address we bound.
-            addr = f"http://{LOOPBACK}:{addr.rsplit(':', 1)[1]}"
-        self.address = addr
-
-    @property
-    def local(self) -> bool:
-        """True when this process runs the lighthouse."""
-        return self._server is not None
-
-    def shutdown(self) -> None:
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                self._server.shutdown()
-            self._server = None
-
-    def __enter__(self) -> Lighthouse:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-class StartBarrier:
-    """A ``TCPStore`` on ``127.0.0.1:<free port>`` that the first generation of replicas meets at.
-
-    The members are the replicas' job-wide indices ``first .. first + size - 1`` (published in the
-    store). The launcher calls :meth:`mark_gone` when a first-generation replica exits, so the others stop
-    waiting for it at once (they go on without it and log which one is missing) instead of after
-    ``diloco.barrier_timeout_s``.
-    """
-
-    NAME = "diloco/start"
-
-    def __init__(self, size: int, host: str = LOOPBACK, first: int = 0) -> None:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        self.size = size
-        self._store: Any = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-        self.address = f"{host}:{self._store.port}"
-        self.rendezvous = procs.StoreRendezvous(self._store, range(first, first + size), name=self.NAME, what="replica")
-        self.rendezvous.publish()
-
-    @property
-    def board(self) -> RejoinBoard | None:
-        """The :class:`RejoinBoard` on this store (``None`` once closed)."""
-        return RejoinBoard(self._store) if self._store is not None else None
-
-    def mark_gone(self, index: int, reason: str) -> None:
-        """Tell the waiting replicas that replica ``index`` (job-wide) exited before arriving."""
-        if self._store is not None:
-            with contextlib.suppress(Exception):
-                self.rendezvous.mark_gone(index, reason)
-
-    def close(self) -> None:
-        self._store = None
-
-
-class RejoinBoard:
-    """Where a restarted replica's way back into the job is posted (a ``TCPStore``, the start barrier's).
-
-    Key ``diloco/rejoin/<index>`` (job-wide index) holds one of ``pending <restart>`` (the launcher started
-    it again), ``ready <restart>`` (its torchft manager is up), ``joined <restart> <step>`` (it healed from
-    a live peer at torchft step ``step``) or ``gone <restart> <reason>`` (it exited). The survivors read it
-    before they stop: a replica never finishes while a restarted peer is still ``pending``/``ready``
-    (bounded by ``diloco.rejoin_timeout_s``), so the peer has someone to heal from and both end on the same
-    torchft step with the same weights.
-    """
-
-    PREFIX = "diloco/rejoin"
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    @classmethod
-    def connect(cls, address: str, timeout_s: float = 30.0) -> RejoinBoard:
-        """A client of the board at ``host:port`` (the replica side)."""
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        host, _, port = address.rpartition(":")
-        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-        return cls(store)
-
-    def _key(self, index: int) -> str:
-        return f"{self.PREFIX}/{index}"
-
-    def post(self, index: int, state: str, restart: int, detail: object = "") -> None:
-        """Record ``state`` (pending, ready, joined, gone) of replica ``index``'s ``restart``-th start."""
-        self.store.set(self._key(index), f"{state} {restart} {detail}".rstrip())
-
-    def state(self, index: int) -> tuple[str, int, str] | None:
-        """``(state, restart, detail)`` of replica ``index``, or ``None`` if it was never restarted."""
-        key = self._key(index)
-        if not self.store.check([key]):
-            return None
-        state, restart, *rest = self.store.get(key).decode().split(" ", 2)
-        return state, int(restart), rest[0] if rest else ""
-
-    def outstanding(self, indices: Sequence[int]) -> dict[int, str]:
-        """``{index: state}`` of the replicas among ``indices`` on their way back (``pending`` or ``ready``)."""
-        out: dict[int, str] = {}
-        for i in indices:
-            st = self.state(i)
-            if st is not None and st[0] in ("pending", "ready"):
-                out[i] = st[0]
-        return out
+from composer_plugins.diloco.executor import (
+    LaunchError,
+    LocalProcessExecutor,
+    LocalProcessHandle,
+    ReplicaExecutor,
+    ReplicaHandle,
+    ReplicaSpec,
+)
+
+#: the executors' seam, the meeting points and the replica environment contract live in their own modules; these
+#: names are re-exported here for older imports
+__all__ = [
+    "ENV_BARRIER",
+    "ENV_BARRIER_SIZE",
+    "ENV_INDEX",
+    "ENV_LIGHTHOUSE",
+    "ENV_NUM",
+    "ENV_REJOIN",
+    "ENV_REPLICA_ID",
+    "ENV_RESTART",
+    "ENV_RUN_ID",
+    "ENV_SEED",
+    "ENV_STOP_FILE",
+    "ENV_STORE",
+    "ENV_SYNC_LOG",
+    "LOOPBACK",
+    "REPLICA_VARS",
+    "LaunchError",
+    "LaunchResult",
+    "Lighthouse",
+    "LocalProcessExecutor",
+    "LocalProcessHandle",
+    "RejoinBoard",
+    "ReplicaExecutor",
+    "ReplicaGroup",
+    "ReplicaHandle",
+    "ReplicaSpec",
+    "StartBarrier",
+    "launch",
+    "replica_argv",
+    "summary_table",
+]
 
 
 # -- the replica group -----------------------------------------------------------------
@@ -386,6 +147,8 @@ class ReplicaGroup:
         env: extra environment for every replica.
         grace_s: seconds between SIGTERM and SIGKILL on shutdown.
         threads_per_replica: sets ``OMP_NUM_THREADS`` (default ``cpu_count // N``, at least 1) unless set.
+        warm_restarts: fork a replica that is started again from a warm process (the local executor's fork server:
+            a replica's imports done once), instead of starting a fresh interpreter.
         index_offset, total_replicas: on a cluster, the replicas started here are
             ``index_offset .. index_offset + N - 1`` of ``total_replicas`` (their ids, seeds and data shards).
     """
@@ -412,12 +175,15 @@ class ReplicaGroup:
         transport: str = "torchft",
         store: str | None = None,
         run_id: str | None = None,
+        warm_restarts: bool = False,
     ) -> None:
         if num_replicas < 1:
             raise LaunchError(f"--replicas must be at least 1, got {num_replicas}")
         self.argv = argv
         self.num_replicas = num_replicas
-        self.executor: ReplicaExecutor = executor or LocalProcessExecutor()
+        if warm_restarts and executor is not None:
+            raise LaunchError("warm restarts are the local executor's: give warm_restarts or an executor")
+        self.executor: ReplicaExecutor = executor or LocalProcessExecutor(warm_restarts=warm_restarts)
         self.max_restarts = max_restarts
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.base_seed = base_seed
@@ -680,6 +446,9 @@ class ReplicaGroup:
         for r in self.replicas:
             if r.handle is not None:
                 r.handle.kill()
+        close = getattr(self.executor, "close", None)
+        if callable(close):  # the local executor's fork server (after the replicas: its children die with it)
+            close()
         procs.kill_tree(tag=self.tag)
         if self.barrier is not None:
             self.barrier.close()

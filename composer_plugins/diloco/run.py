@@ -53,7 +53,7 @@ def check_replica_config(
         from composer_plugins.core.config import from_dict
         from composer_plugins.diloco.toy import ToyConfig
 
-        from_dict(ToyConfig, cfg.get("toy") or {}, cfg, "toy")
+        from_dict(ToyConfig, cfg.get("toy") or {}, cfg, "toy").validate(cfg, "toy")
     elif ":" not in target:
         raise ConfigError(f"--target must be 'train', 'toy' or 'module:function', got {target!r}")
     return DiLoCoConfig.from_config(cfg)

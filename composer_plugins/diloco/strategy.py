@@ -26,7 +26,7 @@ next quorum, and the others keep training (``num_participants()`` falls). A rest
 (``$COMPOSER_DILOCO_RESTART`` > 0) asks for a quorum after one local step; it is behind (torchft step 0),
 so it *heals*: torchft fetches model, inner optimizer, global weights and outer optimizer state from a
 live peer (``recover_src_replica_rank``) and it continues from the current weights instead of from
-scratch. The launcher posts each restart on a :class:`~composer_plugins.diloco.launch.RejoinBoard`; a
+scratch. The launcher posts each restart on a :class:`~composer_plugins.diloco.coordination.RejoinBoard`; a
 survivor does not take its last sync, nor stop, while a restarted peer is still on its way back (at most
 ``rejoin_timeout_s``), so the peer has someone to heal from and both end on the same torchft step. A
 restarted replica that finds no live peer stops with an error instead of training an independent run.
@@ -62,8 +62,8 @@ import torch
 from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.diloco import coordination as _coordination
 from composer_plugins.diloco import env as _env
-from composer_plugins.diloco import launch as _launch
 from composer_plugins.diloco.common import (
     DiLoCoConfig,
     ReplicaInfo,
@@ -117,7 +117,7 @@ def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
 
     host, _, port = address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    rendezvous = StoreRendezvous(store, None, name=_launch.StartBarrier.NAME, what="replica")
+    rendezvous = StoreRendezvous(store, None, name=_coordination.StartBarrier.NAME, what="replica")
     try:
         gone = rendezvous.wait(index, timeout_s, allow_gone=True)
     except RendezvousError as e:
@@ -155,7 +155,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         self._last_step = 0
         self._checkpoint_due: int | None = None
         self._resume: dict[str, Any] | None = None
-        self._board: _launch.RejoinBoard | None = None
+        self._board: _coordination.RejoinBoard | None = None
         self._pre_hook: Any = None
         self._deferred_since: float | None = None
 
@@ -280,7 +280,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         # Registered after DiLoCo's own post-hook, so it runs right after a sync has happened.
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
         if self.replica.rejoin:
-            self._board = _launch.RejoinBoard.connect(self.replica.rejoin)
+            self._board = _coordination.RejoinBoard.connect(self.replica.rejoin)
             self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
         if self.replica.restart > 0:
             # A restarted replica's local steps are thrown away when it heals, so it asks for its quorum

@@ -42,6 +42,25 @@ class ToyConfig:
     output: str | None = None  #: JSON summary path; ``{replica}`` becomes the replica index
     threads: int = 1
 
+    def validate(self, src: Config | None = None, key: str = "toy") -> ToyConfig:
+        """Refuse sizes the toy model cannot be built with, located at ``key.<field>`` in ``src``."""
+        src = src if src is not None else Config()
+        sizes = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "batch_size", "branching")
+        for name in (*sizes, "eval_batches", "threads"):
+            if getattr(self, name) < 1:
+                raise src.error(f"{key}.{name}", f"must be >= 1, got {getattr(self, name)}.")
+        if self.max_steps < 0:
+            raise src.error(f"{key}.max_steps", f"must be >= 0, got {self.max_steps}.")
+        if self.d_model % self.n_heads:
+            raise src.error(f"{key}.n_heads", f"must divide d_model ({self.d_model}), got {self.n_heads}.")
+        if self.branching > self.vocab_size:
+            raise src.error(
+                f"{key}.branching", f"must be at most vocab_size ({self.vocab_size}), got {self.branching}."
+            )
+        if not self.lr > 0:
+            raise src.error(f"{key}.lr", f"must be > 0, got {self.lr}.")
+        return self
+
 
 class ToyMarkovStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """Endless batches of token sequences from a fixed random sparse Markov chain.
@@ -152,7 +171,7 @@ def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: S
     ``$COMPOSER_DILOCO_SEED`` (else ``toy.seed + index``), its data shard its replica index.
     """
     c = cfg if isinstance(cfg, Config) else Config(dict(cfg or {}))
-    toy = from_dict(ToyConfig, c.get("toy") or {}, c, "toy")
+    toy = from_dict(ToyConfig, c.get("toy") or {}, c, "toy").validate(c, "toy")
     torch.set_num_threads(max(1, toy.threads))
     cb = diloco_callback_from_config(c)
     replica = cb.replica if cb is not None else ReplicaInfo.from_env()

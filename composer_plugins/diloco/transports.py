@@ -1,13 +1,16 @@
-"""DiLoCo's outer-sync transports, as registered objects: the one place a transport name is compared.
+"""DiLoCo's outer-sync transports, as registered objects (the ``register_transports`` hook): the one place a
+transport name is compared.
 
 A :class:`Transport` says what the config must hold (:meth:`~Transport.validate`, including the ``diloco.*``
 keys it ignores, refused when set), what the launcher must provide (``needs``: a torchft ``lighthouse`` or a
 ``store``), whether cloud executors can run its replicas, and the callback it builds
 (:meth:`~Transport.callback`). Import-light (no torch): the launcher and the CLI read it.
 
-Built in: ``torchft`` (a lighthouse and a gloo all-reduce between the replicas,
-:class:`~composer_plugins.diloco.strategy.DiLoCoCallback`) and ``object_store`` (the replicas meet only
-through an object store, :class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`).
+Built in (registered by :mod:`.transport_plugin` through the same hook a third party implements): ``torchft``
+(a lighthouse and a gloo all-reduce between the replicas, :class:`~composer_plugins.diloco.strategy.DiLoCoCallback`)
+and ``object_store`` (the replicas meet only through an object store,
+:class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`). ``composer-plugins list transports`` shows
+them with their providers; :func:`composer_plugins.testing.check_transport` checks one.
 """
 
 from __future__ import annotations
@@ -24,16 +27,19 @@ from composer_plugins.diloco import env as _env
 #: a :class:`~composer_plugins.diloco.common.DiLoCoConfig` (not imported: common imports this module)
 DiLoCoConfig = Any
 ReplicaInfo = Any
-__all__ = ["TRANSPORTS", "Transport", "get_transport", "register_transport"]
+__all__ = ["ObjectStoreTransport", "Transport", "get_transport"]
+
+#: (registry id, name) -> the built transport
+_cache: dict[tuple[int, str], Transport] = {}
 
 Bad = Callable[[str, str], Exception]
 
 
 @dataclasses.dataclass(frozen=True)
 class Transport:
-    """One outer-sync transport (see the module docstring)."""
+    """One outer-sync transport (see the module docstring). Built by its registered factory, which
+    :func:`get_transport` calls with ``name=`` the name it was registered under."""
 
-    name: str
     #: what the launcher must provide: a torchft lighthouse (it starts one) or a store URL
     needs: Literal["lighthouse", "store"]
     #: ``module:Class`` of the callback (imported when built)
@@ -42,6 +48,8 @@ class Transport:
     cloud: bool
     #: ``diloco.*`` keys this transport does not use: refused when set to anything but their default
     ignored: tuple[str, ...] = ()
+    #: the name ``diloco.transport`` selects it by (its registered name)
+    name: str = ""
 
     def validate(self, config: DiLoCoConfig, bad: Bad) -> None:
         """Raise ``bad(field, message)`` for a config this transport cannot run."""
@@ -74,10 +82,6 @@ class Transport:
         return getattr(importlib.import_module(mod), cls)(config, replica)
 
 
-class TorchftTransport(Transport):
-    pass
-
-
 class ObjectStoreTransport(Transport):
     def validate(self, config: DiLoCoConfig, bad: Bad) -> None:
         super().validate(config, bad)
@@ -100,58 +104,29 @@ class ObjectStoreTransport(Transport):
         return config.store or os.environ.get(_env.ENV_STORE) or None
 
 
-_STORE_KEYS = (
-    "store",
-    "compress",
-    "round_timeout_s",
-    "store_retry_s",
-    "poll_s",
-    "poll_max_s",
-    "request_timeout_s",
-    "keep_rounds",
-    "state_every",
-    "overlap",
-)
-
-TRANSPORTS: dict[str, Transport] = {}
-
-
-def register_transport(transport: Transport) -> Transport:
-    """Add ``transport`` to the registry (a later one of the same name replaces it)."""
-    TRANSPORTS[transport.name] = transport
-    return transport
-
-
-register_transport(
-    TorchftTransport(
-        "torchft", "lighthouse", "composer_plugins.diloco.strategy:DiLoCoCallback", cloud=False, ignored=_STORE_KEYS
-    )
-)
-register_transport(
-    ObjectStoreTransport(
-        "object_store",
-        "store",
-        "composer_plugins.diloco.objstore:ObjectStoreDiLoCoCallback",
-        cloud=True,
-        ignored=(
-            "min_replica_size",
-            "max_retries",
-            "checkpoint_dir",
-            "lighthouse",
-            "use_bucketization",
-            "bucket_cap_mb",
-            "checkpoint_transport",
-        ),
-    )
-)
-
-
 def get_transport(name: str, error: Callable[[str], Exception] | None = None) -> Transport:
-    """The transport registered as ``name``; unknown names list the available ones (and the closest)."""
-    if name in TRANSPORTS:
-        return TRANSPORTS[name]
-    near = closest(str(name), TRANSPORTS)
-    msg = f"unknown transport {name!r}; available: {', '.join(TRANSPORTS)}." + (
-        f" Did you mean {near[0]!r}?" if near else ""
-    )
-    raise (error or ComposerPluginsError)(msg)
+    """The transport registered as ``name`` (``register_transports``), built once per registry; unknown names list
+    the available ones (and the closest), raised as ``error(message)``."""
+    from composer_plugins.core.plugins import get_registry
+
+    registry = get_registry()
+    key = (id(registry), name)
+    transport = _cache.get(key)
+    if transport is not None:
+        return transport
+    names = registry.names("transports")
+    if str(name).lower() not in names:
+        near = closest(str(name), names)
+        msg = f"unknown transport {name!r}; available: {', '.join(names)}." + (
+            f" Did you mean {near[0]!r}?" if near else ""
+        )
+        raise (error or ComposerPluginsError)(msg)
+    entry = registry.get("transports", name)
+    transport = entry.build(name=entry.name)
+    if not isinstance(transport, Transport):
+        raise TypeError(
+            f"transport {name!r} ({entry.provider or entry.plugin}) built a {type(transport).__name__}, not a "
+            "composer_plugins.diloco.transports.Transport"
+        )
+    _cache[key] = transport
+    return transport

@@ -47,6 +47,7 @@ from composer_plugins.testing.conformance import (
     loss_batch,
 )
 from composer_plugins.testing.generators import check_generator
+from composer_plugins.testing.transports import check_transport
 
 __all__ = [
     "ConformanceError",
@@ -60,6 +61,7 @@ __all__ = [
     "check_loss",
     "check_optimizer",
     "check_teacher",
+    "check_transport",
     "conformance_test",
     "fresh_pm",
     "loss_batch",

@@ -29,6 +29,8 @@ its provider and what broke. :func:`check` dispatches on the kind.
 * optimizers, callbacks: build over a parameter / as a ``lightning.pytorch.Callback``.
 * rollout generators: :mod:`composer_plugins.testing.generators` (the typed protocol, the rollout's shape
   contract, reproducible seeds, weight syncing and episodes where the generator has them).
+* transports (DiLoCo outer sync): :mod:`composer_plugins.testing.transports` (the name it carries, the keys it
+  ignores refused when set, the default config valid, a located error without a store it needs, its callback).
 * codecs (DiLoCo pseudo-gradients): through ``store.encode_vector``/``decode_vector`` as the transport uses
   them, a round trip of vectors of 0, 1, 255 and 10,007 values (standard normal, zeros, a huge range) within
   the codec's ``tolerance`` (bitwise at 0); the same bytes for the same vector; a
@@ -53,6 +55,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
     """Run the conformance checks of ``kind`` on the registered ``name`` (``build_kwargs`` go to its factory)."""
     from composer_plugins.core.registry import normalize_kind
     from composer_plugins.testing.generators import check_generator
+    from composer_plugins.testing.transports import check_transport
 
     kind = normalize_kind(kind)
     checks: dict[str, Callable[..., None]] = {
@@ -66,6 +69,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         "callbacks": check_callback,
         "codecs": check_codec,
         "rollout_generators": check_generator,
+        "transports": check_transport,
     }
     fn = checks.get(kind, check_builds)
     if fn is check_builds:

@@ -179,6 +179,7 @@ def test_sparseloco_mean_carries_its_rounding_to_the_next_mean_and_replicas_end_
     numel = 200 * 100 + 100
     bounds = slice_bounds(numel, n)
     drift = [torch.zeros(hi - lo) for lo, hi in bounds]
+    biggest = 0.0
     for r in range(rounds):
         m = rs.manifest(r)
         for j, (lo, hi) in enumerate(bounds):
@@ -189,9 +190,43 @@ def test_sparseloco_mean_carries_its_rounding_to_the_next_mean_and_replicas_end_
             total = grads[0].clone()
             for g in grads[1:]:
                 total.add_(g)
-            drift[j] += rs.get_mean(r, j, hi - lo) - total.div_(len(grads))
+            stored = rs.get_mean(r, j, hi - lo)
+            # the mean is the union of the replicas' entries (written sparse), not sparsified a second time
+            header, _ = unpack(rs.store.get(f"{rs.round_dir(r)}/mean-{j:03d}"))
+            assert header["codec"] == "sparse"
+            exact = total.div_(len(grads))
+            union = torch.stack([g != 0 for g in grads]).any(0)
+            assert bool((stored[union] != 0).all())
+            assert float((stored - exact).abs().max()) <= 2e-3 * float(exact.abs().max())  # fp16, not 2-bit top-k
+            drift[j] += stored - exact
+            biggest = max(biggest, float(exact.abs().max()))
     for j, (lo, hi) in enumerate(bounds):
         writer = reps[m["participants"][j % n]][0]
         held = writer._mean_residual[(j, hi - lo)]
         assert float(held.norm()) > 0
-        torch.testing.assert_close(drift[j], -held, atol=1e-6 * float(held.abs().max()), rtol=1e-4)
+        torch.testing.assert_close(drift[j], -held, atol=1e-6 * biggest, rtol=1e-4)
+
+
+def test_a_replica_joining_a_round_late_takes_only_the_inner_steps_left(tmp_path, monkeypatch):
+    """Restarted or caught up while the others are into a round: it syncs after the steps they have left (their
+    step time from the last two manifests), so nobody waits for it; a lag past one round (a resumed run) changes
+    nothing."""
+    import time
+
+    cfg = DiLoCoConfig(transport="object_store", store=f"file://{tmp_path}/al", run_id="al", sync_every=10)
+    cb = ObjectStoreDiLoCoCallback(cfg, ReplicaInfo(index=1, num_replicas=2, run_id="al"))
+    model = torch.nn.Linear(3, 2)
+    cb.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert cb.rounds is not None
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    cb.rounds.close_round(0, {0: "grad-0-0"}, 0)
+    clock[0] = 1010.0  # a round of 10 steps took 10 s
+    cb.rounds.close_round(1, {0: "grad-0-0"}, 0)
+    cb.round, clock[0] = 2, 1013.5
+    assert cb._align_to_others() == 3 and cb._since_sync == 3
+    cb._since_sync, clock[0] = 0, 1025.0  # more than a round late: a resumed run starts its round whole
+    assert cb._align_to_others() == 0 and cb._since_sync == 0
+    cb.round = 1  # only one manifest before: no step time to go by
+    assert cb._align_to_others() == 0
+    cb.close()

@@ -21,7 +21,7 @@ from composer_plugins.testing.conformance import ConformanceError, check, check_
 
 pytestmark = pytest.mark.timeout(480)
 PLUGIN_DIR = HERE / "codec_plugin"
-BUILTINS = ("none", "bf16", "int8", "int4", "sparseloco")
+BUILTINS = ("none", "bf16", "int8", "int4", "sparseloco", "sparse")
 
 
 class _Lenient(Codec):

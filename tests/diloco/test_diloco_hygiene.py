@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from composer_plugins.diloco.store import (
     pack,
     redact_url,
 )
-from composer_plugins.diloco.transports import TRANSPORTS, get_transport
+from composer_plugins.diloco.transports import get_transport
 
 
 def test_state_tree_round_trips_optimizer_state_and_refuses_what_is_not_data():
@@ -50,7 +51,7 @@ def test_keys_the_transport_ignores_are_refused_and_unknown_transports_suggested
         DiLoCoConfig(compress="int8").validate()
     with pytest.raises(ConfigError, match="Did you mean 'object_store'"):
         DiLoCoConfig(transport="object_stor").validate()
-    assert {t.needs for t in TRANSPORTS.values()} == {"lighthouse", "store"}
+    assert {get_transport(n).needs for n in ("torchft", "object_store")} == {"lighthouse", "store"}
     assert get_transport("object_store").cloud and not get_transport("torchft").cloud
 
 
@@ -186,3 +187,20 @@ def test_a_pseudo_gradient_name_taken_by_an_earlier_life_is_skipped_without_a_he
     assert name == "grad-1-2" and not heads
     assert rs.grads_present(3) == {1: ["grad-1-2", "grad-1-0"]}
     assert torch.equal(rs.read_grad(3, name, 10), torch.arange(10.0))
+
+
+def test_each_section_validates_itself_before_any_replica_starts():
+    """``diloco:``, its ``jobs:`` subsection and ``toy:`` each check their own values, located at the override."""
+    from composer_plugins.diloco.run import check_replica_config
+
+    for override, where in (
+        ("diloco.jobs.poll_s=0", "diloco.jobs.poll_s: must be > 0, got 0"),
+        ("toy.n_heads=3", "toy.n_heads: must divide d_model (32), got 3"),
+        ("toy.max_steps=-1", "toy.max_steps: must be >= 0, got -1"),
+        ("diloco.sync_every=0", "diloco.sync_every: must be >= 1, got 0"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(where)):
+            check_replica_config("toy", None, [override])
+    with pytest.raises(ConfigError, match=r"diloco\.jobs\.imag.*unknown key"):
+        check_replica_config("toy", None, ["diloco.jobs.imag=x"])
+    assert check_replica_config("toy", None, ["diloco.jobs.image=img"]).jobs == {"image": "img"}

@@ -1,4 +1,4 @@
-"""``RoundStore`` (``diloco/objstore.py``) object by object on a ``file://`` store: what each reader accepts,
+"""``RoundStore`` (``diloco/objstore/rounds.py``) object by object on a ``file://`` store: what each reader accepts,
 what it refuses (and that it says where), and which objects garbage collection removes.
 
 Written against the mutants that survived ``python -m benchmarks.mutation --only diloco/objstore``; the callback's
