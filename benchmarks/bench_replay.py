@@ -221,6 +221,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                     "achieved_calls_per_s": rate,
                     "achieved_vs_ideal": rate / (conc / lat),
                     "spent_usd": res.stats.spent_usd,
+                    # calls that waited for a spend-lease write with their slot held (a count: load-independent)
+                    "lease_waits": res.stats.lease_waits,
                 }
             # 2. client overhead at zero latency, concurrency 64
             srv.configure(latency_s=0.0)

@@ -49,6 +49,21 @@ def _log_softmax_(z: Tensor, temperature: float = 1.0) -> Tensor:
     return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
 
 
+def _log_softmax_probs_(z: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """In-place ``log_softmax(z / temperature)`` and its probabilities, with one ``exp`` per element.
+
+    ``(log-probs in z's buffer, probabilities in a new buffer)``; ``z`` must be owned by the caller.
+    """
+    if temperature != 1.0:
+        z.div_(temperature)
+    mx = z.amax(-1, keepdim=True)
+    z.sub_(torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)))
+    p = z.exp()
+    total = p.sum(-1, keepdim=True)
+    p.div_(total)
+    return z.sub_(total.log_()), p
+
+
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     """``(a * b).sum(-1)`` for 2-D inputs without materialising the product."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
@@ -120,6 +135,8 @@ class JSDKernel(Kernel):
 
     def compute(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None = None, with_stats: bool = False) -> Computed:
         tau, b = self.temperature, self.beta
+        if 0 < b < 1:
+            return self._compute_mixed(zs, zt, grad_out, with_stats)
         s = _log_softmax_(_up(zs), tau)
         t = _log_softmax_(_up(zt), tau)
         g: Tensor | None = None
@@ -134,23 +151,33 @@ class JSDKernel(Kernel):
             val = _rowdot(p, d)
             if grad_out is not None:
                 g = d.sub_(val.unsqueeze(-1)).mul_(p)  # p (d - <p, d>)
-        else:
-            m = torch.add(s, math.log1p(-b))
-            torch.logaddexp(m, t + math.log(b), out=m)
-            q = t.exp()
-            kt = _rowdot(q, t.sub_(m))  # Σ q (t - m)
-            del q, t
-            p = s.exp()
-            sm = s.sub_(m)  # s - m
-            del m
-            ks = _rowdot(p, sm)
-            val = b * kt + (1 - b) * ks
-            if grad_out is not None:
-                # dL/dp = (1-b)(s - m)  =>  dL/dz = (1-b) p ((s-m) - <p, s-m>)
-                g = sm.sub_(ks.unsqueeze(-1)).mul_(p).mul_(1 - b)
         if g is not None and grad_out is not None:
             scale = grad_out.to(val.dtype).unsqueeze(-1)
             g.mul_(scale / tau if tau != 1.0 else scale)
+        return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
+
+    def _compute_mixed(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None, with_stats: bool) -> Computed:
+        """``0 < beta < 1`` with three transcendentals per element: one exp per side, one log for M.
+
+        ``log M = log((1-b) p + b q)`` (the logaddexp of the log-probs would cost an exp and a log1p
+        more). Where both p and q underflow, M is floored at the smallest normal float: those
+        entries carry p = q = 0 into every sum below.
+        """
+        tau, b = self.temperature, self.beta
+        s, p = _log_softmax_probs_(_up(zs), tau)
+        t, q = _log_softmax_probs_(_up(zt), tau)
+        m = torch.mul(q, b).add_(p, alpha=1 - b).clamp_min_(torch.finfo(p.dtype).tiny).log_()
+        kt = _rowdot(q, t.sub_(m))  # Σ q (t - m)
+        del q, t
+        sm = s.sub_(m)  # s - m
+        del m
+        ks = _rowdot(p, sm)
+        val = b * kt + (1 - b) * ks
+        g: Tensor | None = None
+        if grad_out is not None:
+            # dL/dp = (1-b)(s - m)  =>  dL/dz = (1-b) p ((s-m) - <p, s-m>), times grad_out / tau
+            scale = grad_out.to(val.dtype).unsqueeze(-1) * ((1 - b) / tau)
+            g = sm.sub_(ks.unsqueeze(-1)).mul_(p).mul_(scale)
         return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
 
 

@@ -33,6 +33,9 @@ from composer_plugins.teachers.traces import TraceState
 
 log = logging.getLogger(__name__)
 
+#: How many times its starting size (the teachers' total concurrency) the lease's spare may grow to.
+HEADROOM_GROWTH = 16
+
 
 @dataclass
 class RetryPolicy:
@@ -85,6 +88,7 @@ class ReplayStats:
 
     ``calls`` counts attempts actually sent (HTTP requests for ``openai``, retries included),
     ``completed`` the calls that returned an answer, ``cache_hits`` answers served from the cache.
+    ``lease_waits`` counts calls that had to wait for a spend-lease write before they could be sent.
     """
 
     jobs: int = 0
@@ -95,6 +99,7 @@ class ReplayStats:
     retries: int = 0
     failures: int = 0
     skipped_budget: int = 0
+    lease_waits: int = 0
     spent_usd: float = 0.0
     uncertain_usd: float = 0.0
     prior_spent_usd: float = 0.0
@@ -242,8 +247,12 @@ class ReplayEngine:
         self._pending_rows_usd = 0.0  # reservations of calls whose row is submitted, budget not yet settled
         slots = sum(t.max_concurrency for t in self.teachers)
         #: spare worst cases the lease holds beyond what is in flight (so calls start without waiting for
-        #: a write); capped at a tenth of the room left under the ceiling (see _start_raise)
+        #: a write); capped at a tenth of the room left under the ceiling (see _start_raise). Doubled (up
+        #: to HEADROOM_GROWTH times) each time the spare runs out before its top-up is committed: a slow
+        #: disk (fsync) then costs a larger spare, not calls waiting with a concurrency slot held.
         self._headroom_calls = max(2, slots)
+        self._headroom_max = HEADROOM_GROWTH * self._headroom_calls
+        self._grown_for: asyncio.Task[None] | None = None
         self._interrupted = 0
 
     def _lookup(
@@ -419,10 +428,15 @@ class ReplayEngine:
         yet recorded by a ``paid``/``maybe`` row; so after ``kill -9`` each call counts once: its
         row, or its share of the lease.
         """
+        waited = False
         while self._lease_free() < share * (1 - 1e-9):
             if self._lease_task is None or self._lease_task.done():
                 self._start_raise(share)
             assert self._lease_task is not None
+            if not waited:
+                waited = True
+                self._stats.lease_waits += 1
+                self._grow_headroom()
             await asyncio.shield(self._lease_task)
         self._lease_assigned += share
         self._lease_calls += 1
@@ -431,6 +445,12 @@ class ReplayEngine:
             self._lease_task is None or self._lease_task.done()
         ):
             self._start_raise(0.0)
+
+    def _grow_headroom(self) -> None:
+        """A call found the spare used up: double it, once per top-up in flight (not at the first raise)."""
+        if self._lease_pool > 0 and self._grown_for is not self._lease_task:
+            self._grown_for = self._lease_task
+            self._headroom_calls = min(self._headroom_max, 2 * self._headroom_calls)
 
     def _start_raise(self, share: float) -> None:
         assert self.max_usd is not None
