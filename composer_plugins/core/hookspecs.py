@@ -70,3 +70,8 @@ def register_codecs(register: Any) -> None:
 @hookspec
 def register_commands(cli: Any) -> None:
     """Add subcommands to the ``composer-plugins`` click group passed as ``cli``."""
+
+
+@hookspec
+def register_input_builders(register: Any) -> None:
+    """Register channel input builders (``builder(assembly) -> inputs``) with ``register(input_name, builder)``."""

@@ -51,6 +51,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.pipeline.plugin",
     "composer_plugins.diloco.cli",
     "composer_plugins.diloco.codec_plugin",
+    "composer_plugins.training.input_plugin",
 )
 
 

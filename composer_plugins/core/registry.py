@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {
     "callbacks": "register_callbacks",
     "rollout_generators": "register_rollout_generators",
     "codecs": "register_codecs",
+    "input_builders": "register_input_builders",
 }
 
 _KIND_ALIASES = {
@@ -57,6 +58,8 @@ _KIND_ALIASES = {
     "generators": "rollout_generators",
     "generator": "rollout_generators",
     "codec": "codecs",
+    "input_builder": "input_builders",
+    "inputs": "input_builders",
 }
 
 #: Backends shipped as separate distributions (in this repository's ``packages/``): name -> distribution.
