@@ -59,12 +59,11 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
         out = completion_logprobs(*args, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"), **kw)
         logps, hidden = out if isinstance(out, tuple) else (out, None)
         asm.scratch["policy_hidden"] = hidden
-    if old is None:  # the sampling-time log-probs: this forward's, detached
-        if logps is None:
-            raise asm.lacking(
-                "old_logprobs", "old_logprobs", "make the record with ExperienceMaker.make(old_logprobs=True)"
-            )
+    if old is None and logps is not None:  # the sampling-time log-probs: this forward's, detached
         old = logps.detach()
+    if old is None and asm.wants("old_logprobs"):
+        fix = "make the record with ExperienceMaker.make(old_logprobs=True)"
+        raise asm.lacking("old_logprobs", "old_logprobs", fix)
     values: dict[str, Any] = {"logprobs": logps, "old_logprobs": old}
     sampling = r.sampling_logprobs
     if sampling is None:
