@@ -170,7 +170,7 @@ class ExperienceMaker:
         dev = rollout.completion_ids.device
         r = None
         if rewards is not None:
-            r = torch.as_tensor(rewards, dtype=torch.float32).to(dev) if not isinstance(rewards, Tensor) else rewards
+            r = torch.as_tensor(rewards, dtype=torch.float32).to(dev)
         if advantages is None and r is not None and self.advantage_kwargs is not None:
             adv = group_advantages(r, rollout.num_generations, **self.advantage_kwargs)
             advantages = (adv[0] if isinstance(adv, tuple) else adv).detach().float()
@@ -243,14 +243,20 @@ class StepComputer:
         self.data_parallel = data_parallel
 
     def loss(
-        self, record: StepRecord, meta: StepMeta, *, given: Mapping[str, Any] | None = None
+        self,
+        record: StepRecord,
+        meta: StepMeta,
+        *,
+        given: Mapping[str, Any] | None = None,
+        policy: StepPolicy | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
         """``(loss, stats)``: every channel input built once from ``record`` and summed by the composer.
 
         The policy's decoder body runs micro-batch by micro-batch, and every channel input comes from the
         final hidden states through the LM head in chunks, so the loss equals the one-shot loss.
         """
-        policy = self.policy() if callable(self.policy) else self.policy
+        if policy is None:  # a trainer whose models change per call (TRL's wrapped model) passes its own
+            policy = self.policy() if callable(self.policy) else self.policy
         extra = dict(given or {})
         if self.data_parallel:  # the global token normalisers: each rank's loss is its share of the union's
             rows = record.hint_rows

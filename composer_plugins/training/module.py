@@ -139,11 +139,11 @@ class ComposerModule(L.LightningModule):
             self.uplift_provider = build_hint_provider(cfg, src)
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, StepRecord] | None = None
-        #: Set to a list to collect per-problem validation predictions.
-        self.predictions: list[dict[str, Any]] | None = None
+        self.predictions: list[dict[str, Any]] | None = None  # a list: per-problem validation predictions
         self.last_step_stats: dict[str, float] = {}
-        #: The step record the last training step optimised on (this rank's share under data parallel).
+        #: The step record and meta the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
+        self.last_meta: StepMeta | None = None
         #: Optimizer steps taken without a ``Trainer`` (its loop, e.g. Monarch's trainer actor, adds 1 after each)
         self.local_steps = 0
         #: The one experience maker (the whole step record) and the one step computer (its composed loss).
@@ -328,8 +328,8 @@ class ComposerModule(L.LightningModule):
 
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs)."""
-        self.last_rollout = rec
-        return self.stepper.loss(rec, self.step_meta(seed))
+        self.last_rollout, self.last_meta = rec, self.step_meta(seed)
+        return self.stepper.loss(rec, self.last_meta)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's optimizer step (once per optimizer step, after gradient accumulation), then the EMA update."""
