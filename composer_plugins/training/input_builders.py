@@ -270,7 +270,7 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
         job = ScoringJob(pending)
         done, stats = job.collect(getattr(pool, "deadline_s", None))
         asm.stats.update(stats)
-        collected.update(done)
+        collected = {**{k: v for k, v in collected.items() if k not in pending}, **done}  # a late one: skipped
         report_teacher_failures(pool, job.reasons)  # one line per step
     if pool is not None:
         asm.stats.update(pool.stats())

@@ -157,7 +157,7 @@ def test_micro_batched_step_equals_one_shot(make_cfg, pairs_file, policy, criter
 
     rb = module().make_rollout_batch(tasks, seed)
     # random advantages: every row carries policy-gradient signal, whatever the rewards were
-    rb.advantages = torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0))
+    rb = rb.replace(advantages=torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0)))
     if criterion is not None:
         assert rb.hint_rows, "the parity case needs hinted rows"
     results = {}
@@ -283,7 +283,7 @@ def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_
         m.train()
         assert base.is_gradient_checkpointing == (flag == "true")
         rb = m.make_rollout_batch(tasks, 11)
-        rb.advantages = torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0))
+        rb = rb.replace(advantages=torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0)))
         loss, _ = m.loss_on(rb, 11)
         loss.backward()
         out[flag] = (loss.detach(), _grads(m))
