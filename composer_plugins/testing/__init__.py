@@ -35,7 +35,6 @@ import pytest
 
 from composer_plugins.testing.conformance import (
     ConformanceError,
-    check,
     check_backend,
     check_builds,
     check_callback,
@@ -46,6 +45,7 @@ from composer_plugins.testing.conformance import (
     check_teacher,
     loss_batch,
 )
+from composer_plugins.testing.input_builders import check, check_input_builder
 
 __all__ = [
     "ConformanceError",
@@ -55,6 +55,7 @@ __all__ = [
     "check_callback",
     "check_env",
     "check_hint_provider",
+    "check_input_builder",
     "check_loss",
     "check_optimizer",
     "check_teacher",

@@ -178,7 +178,12 @@ def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
     rows = r.hint_rows
     if not rows:
         return {"hint_teacher_logprobs": None}
-    ref = asm.get("old_logprobs").clone()
+    own = asm.get("old_logprobs")
+    if own is None:
+        raise asm.lacking(
+            "old_logprobs", "old_logprobs", "make the record with ExperienceMaker.make(old_logprobs=True)"
+        )
+    ref = own.clone()
     idx = torch.tensor(rows, device=r.completion_ids.device)
     h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, r.completion_ids.device)
     scorer = getattr(p.teacher, "policy", p.teacher) if p.teacher is not None else p.model

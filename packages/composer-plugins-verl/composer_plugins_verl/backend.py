@@ -450,6 +450,7 @@ class VeRLBackend(Backend):
 
     def _train_local(self) -> Any:
         from composer_plugins.backends import rollout as R
+        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
         from composer_plugins.training.experience import ExperienceMaker
 
         c = self.config
@@ -470,7 +471,10 @@ class VeRLBackend(Backend):
             c, policy=run.policy, tokenizer=run.tokenizer, env=run.env, advantage_kwargs=None
         )
 
+        policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, temperature=c.rollout.temperature)
+
         def loss_of(record: Any, step: int) -> tuple[Tensor, dict[str, float]]:
+            inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)  # the record's, through the assembler
             return verl_actor_step(
                 run.policy,
                 record,
@@ -478,7 +482,7 @@ class VeRLBackend(Backend):
                 actor_cfg,
                 algo_cfg,
                 temperature=c.rollout.temperature,
-                old_log_probs=record.old_logprobs,
+                old_log_probs=inputs["old_logprobs"],
             )
 
         return self.run_local(run, maker, loss_of, old_logprobs=True)
