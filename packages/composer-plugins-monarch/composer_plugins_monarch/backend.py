@@ -74,12 +74,21 @@ def _rollout_to_wire(ro: Any) -> dict[str, Any]:
     }
 
 
-def merge_rollouts(parts: Sequence[Mapping[str, Any]], pad_id: int) -> Any:
-    """The wire rollouts (in order) as one record: the record's row operation
-    (:meth:`~composer_plugins.training.step.StepRecord.concat`: prompts re-left-padded, completions re-right-padded)."""
+def merge_rollouts(
+    parts: Sequence[Mapping[str, Any]], pad_id: int, tasks: Sequence[Sequence[Mapping[str, Any]]] | None = None
+) -> Any:
+    """The wire rollouts (in order) as one rollout record, by the record's row operation
+    (:meth:`~composer_plugins.training.step.StepRecord.concat`: prompts re-left-padded, completions re-right-padded).
+    ``tasks``: each part's tasks (its rows answer them); the record holds no scores: the trainer's experience
+    maker makes the step's record."""
     from composer_plugins.training.step import StepRecord
 
-    recs = [StepRecord.from_rollout([], _rollout_from_wire(p)) for p in parts if p["completion_ids"].shape[0]]
+    per_part = list(tasks) if tasks is not None else [()] * len(parts)
+    recs = [
+        StepRecord.from_rollout(t, _rollout_from_wire(p))
+        for p, t in zip(parts, per_part, strict=True)
+        if p["completion_ids"].shape[0]
+    ]
     return StepRecord.concat(recs, pad_id=pad_id)
 
 
@@ -339,7 +348,7 @@ class MonarchSession:
         prompts = [task_prompt(t, self.tokenizer, c.model.chat_template) for t in tasks]  # the text the model reads
         shards = await self.generators.generate.call(prompts, derive_seed(c.seed, 1, step))
         ordered = sorted((v for _, v in shards.items()), key=lambda sh: sh["rank"])
-        rollout = _interleave(ordered, len(prompts), self.pad)
+        rollout = _interleave(ordered, len(prompts), self.pad, tasks)
         rewards = await self.rewarder.score.call_one(tasks, rollout["completions"])
         stats = await self.trainer.train_step.call_one(tasks, rollout, rewards, step)
         weights = await self.trainer.weights.call_one()
@@ -364,20 +373,22 @@ class MonarchSession:
         )
 
 
-def _interleave(shards: Sequence[Mapping[str, Any]], n_prompts: int, pad: int) -> dict[str, Any]:
+def _interleave(
+    shards: Sequence[Mapping[str, Any]], n_prompts: int, pad: int, tasks: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """Undo the ``rank::size`` sharding with the record's row operations: the shards concatenated
-    (:func:`merge_rollouts`), then their rows selected back in prompt order (``G`` rows per prompt)."""
+    (:func:`merge_rollouts`, shard ``r`` answering ``tasks[r::size]``), then their rows selected back in prompt
+    order (``G`` rows per prompt)."""
     size = len(shards)
-    merged = merge_rollouts(shards, pad)
+    merged = merge_rollouts(shards, pad, [tasks[r::size] for r in range(size)] if tasks is not None else None)
     G = merged.num_generations
     # row blocks of G per prompt; shard r holds prompts r, r+size, ...
     starts, acc = [], 0
     for s in shards:
         starts.append(acc)
         acc += s["completion_ids"].shape[0]
-    order = [
-        i
-        for p in range(n_prompts)
-        for i in range(starts[p % size] + (p // size) * G, starts[p % size] + (p // size + 1) * G)
-    ]
+    order: list[int] = []
+    for p in range(n_prompts):
+        base = starts[p % size] + (p // size) * G
+        order.extend(range(base, base + G))
     return _rollout_to_wire(merged.select(order))
