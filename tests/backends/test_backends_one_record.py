@@ -100,6 +100,7 @@ def _trl_loss(trainer, rec: StepRecord) -> torch.Tensor:
         "record_rows": order,
     }
     trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what TRL's training loop sets before each step
     return trainer.compute_loss(trainer.model, inputs)
 
 
