@@ -39,7 +39,6 @@ Gradient accumulation follows TRL: the composed loss is divided by the accumulat
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -536,11 +535,7 @@ class TRLBackend(Backend):
         max_steps: int | None = None,
         grpo_args: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir)
-        if max_steps is not None:
-            self.config = dataclasses.replace(
-                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
-            )
+        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
         self.grpo_args = dict(grpo_args or {})
 
     def grpo_config(self, policy: Any) -> GRPOConfig:
