@@ -26,6 +26,7 @@ the mask) and runs once per assembly.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,13 +85,20 @@ PAIR_INPUTS = (
 )
 
 
+#: registry -> its input-builder table (resolved once per registry: ``module:attr`` targets import once).
+_TABLES: weakref.WeakKeyDictionary[Any, dict[str, InputBuilder]] = weakref.WeakKeyDictionary()
+
+
 def input_builders(registry: Any = None) -> dict[str, InputBuilder]:
     """Input name -> its builder, from the ``input_builders`` registry (``registry``: the process-wide one)."""
     if registry is None:
         from composer_plugins.core.plugins import get_registry
 
         registry = get_registry()
-    return {e.name: e.factory for e in registry.entries("input_builders")}
+    table = _TABLES.get(registry)
+    if table is None:
+        table = _TABLES[registry] = {e.name: e.factory for e in registry.entries("input_builders")}
+    return dict(table)
 
 
 class Needs:
