@@ -175,10 +175,9 @@ class ExperienceMaker:
             adv = group_advantages(r, rollout.num_generations, **self.advantage_kwargs)
             advantages = (adv[0] if isinstance(adv, tuple) else adv).detach().float()
         base = StepRecord.from_rollout(tasks, rollout, r, advantages, feedback, extras=extras or {})
-        fields: dict[str, Any] = {}
         if self.teacher_scoring is not None:  # first: the scorers run while the forwards below do
-            job = self.teacher_scoring.submit(score_requests(base, self.chat_template))
-            fields["teacher_scores"] = dict(job.futures)
+            base = self._score(base)
+        fields: dict[str, Any] = {}
         if isinstance(old_logprobs, Tensor):
             fields["old_logprobs"] = old_logprobs
         elif old_logprobs:
@@ -201,6 +200,17 @@ class ExperienceMaker:
                 )
             )
         return base.replace(**fields) if fields else base
+
+    def from_state(self, state: Mapping[str, Any]) -> StepRecord:
+        """The record a checkpoint kept (:meth:`StepRecord.state`), with teacher scoring started again: teacher
+        scores (futures) are not checkpointed, so a resumed step's rows are scored anew."""
+        rec = StepRecord.from_state(state)
+        return self._score(rec) if self.teacher_scoring is not None else rec
+
+    def _score(self, rec: StepRecord) -> StepRecord:
+        """``rec`` with every row submitted to every scorer (``teacher_scores``: the futures)."""
+        job = self.teacher_scoring.submit(score_requests(rec, self.chat_template))
+        return rec.replace(teacher_scores=dict(job.futures))
 
     def logprobs(self, model: Any, rec: StepRecord) -> Tensor:
         """``model``'s per-token log-probs of ``rec``'s completions, without gradient, chunked."""

@@ -389,7 +389,7 @@ class ComposerModule(L.LightningModule):
             self._resume_rng, cached = ranks[rank]["rng"], ranks[rank]["rollout_cache"]
         elif size > 1:  # another world size: the step batches are re-split, so re-used rollouts are stale
             cached = None
-        self._rollout_cache = (cached[0], StepRecord.from_state(cached[1])) if cached else None
+        self._rollout_cache = (cached[0], self.experience.from_state(cached[1])) if cached else None
 
     def export_pretrained(self, path: str | Path) -> Path:
         """Write the policy and tokenizer with ``save_pretrained`` (loadable by any HF ``from_pretrained``)."""
