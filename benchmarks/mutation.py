@@ -77,9 +77,12 @@ GROUPS: dict[str, Group] = {
         Group(
             "losses",
             files=(
+                "losses/advantages.py",
                 "losses/base.py",
+                "losses/correction.py",
                 "losses/distill.py",
                 "losses/functional.py",
+                "losses/ops.py",
                 "losses/plugin.py",
                 "losses/policy.py",
                 "losses/preference.py",

@@ -145,10 +145,15 @@ def register_commands(cli: Any) -> None:
         """Print what launches the config in the upstream trainer (VeRL command line, PRIME-RL TOML)."""
         import shlex
 
-        b = _build(name, config_path, section, (*overrides, *set_overrides), options, need_upstream=False)
-        if hasattr(b, "command"):
-            click.echo(shlex.join(b.command()))
-        elif hasattr(b, "toml"):
-            click.echo(b.toml(), nl=False)
+        from composer_plugins.core.cli import report_error
+        from composer_plugins.core.errors import ComposerPluginsError
+
+        try:
+            b = _build(name, config_path, section, (*overrides, *set_overrides), options, need_upstream=False)
+            launch = shlex.join(b.command()) if hasattr(b, "command") else b.toml() if hasattr(b, "toml") else None
+        except ComposerPluginsError as e:
+            report_error(e)
+        if launch is not None:
+            click.echo(launch, nl=hasattr(b, "command"))
         else:
             raise click.ClickException(f"backend {name!r} runs in-process: use `composer-plugins backend run {name}`")

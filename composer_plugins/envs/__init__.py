@@ -10,7 +10,11 @@ Public API (imported lazily, so ``import composer_plugins.envs`` stays cheap):
   ``ChainHintProvider``, ``DemonstrationHintProvider`` (and its ``SiblingGroup``), ``build_teacher_context``;
 * ``extract_answer``, ``answers_match``.
 
-See ``docs/envs.md``.
+Modules: ``base`` (the env contract), ``answers`` (answer checking), the envs (``gsm8k`` with its seeded
+``arith`` problems, ``code_env``, ``feature_deletion`` with its source surgery in ``symbols``, ``openenv_env``),
+``hints/`` (the hint-provider contract and the built-in providers, one module each), ``step_check`` (the
+``step_check`` provider, over ``steps``: the worked steps of a solution), ``sandbox/`` (a package of its own:
+``runner``, ``tree``, ``host``, ``types``), ``cli`` and ``plugin`` (registration). See ``docs/envs.md``.
 """
 
 from __future__ import annotations

@@ -18,29 +18,35 @@ with the original checkout and any installed copy of its packages hidden, so the
 code cannot be recovered from leftovers. By default (``sandbox_expose="allowlist"``) nothing else of
 the host is visible either (no other checkout, cache or backup of the repository); ``sandbox_expose="all"``
 widens the view to every host path the env does not know to hide.
+
+This module owns the env (building, caching and scoring tasks, what the sandbox hides); the source
+surgery (finding, deleting and splicing back definitions) is :mod:`composer_plugins.envs.symbols`.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import difflib
 import json
 import os
 import random
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.envs.base import Env, Feedback
-from composer_plugins.envs.code_env import _FENCE
-from composer_plugins.envs.sandbox import LEAKY_DIRS, Sandbox, SandboxError, SandboxLimits, SandboxResult
+from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
+from composer_plugins.envs.symbols import (
+    _TEST_DIRS,
+    Symbol,
+    _is_test_path,
+    delete_symbol,
+    find_symbols,
+    splice_completion,
+)
 
 __all__ = [
     "FIXTURE_REPO",
@@ -54,257 +60,6 @@ __all__ = [
 
 #: The small real repository shipped with the project (``textkit``: slugs, stats, Roman numerals, wrap).
 FIXTURE_REPO = Path(__file__).with_name("fixtures") / "textkit"
-
-_TEST_DIRS = {"tests", "test", "testing"}
-
-
-@dataclass(frozen=True)
-class Symbol:
-    """A deletable definition in a repository file."""
-
-    file: str
-    qualname: str
-    kind: Literal["function", "class", "method"]
-    lineno: int
-    end_lineno: int
-    indent: str
-
-    @property
-    def name(self) -> str:
-        """The last component of :attr:`qualname`."""
-        return self.qualname.rsplit(".", 1)[-1]
-
-    @property
-    def spec(self) -> str:
-        """``file::qualname`` (how symbols are chosen in config)."""
-        return f"{self.file}::{self.qualname}"
-
-
-def _is_test_path(rel: str) -> bool:
-    parts = Path(rel).parts
-    name = parts[-1]
-    return (
-        any(p in _TEST_DIRS for p in parts[:-1])
-        or name.startswith("test_")
-        or name.endswith("_test.py")
-        or name == "conftest.py"
-    )
-
-
-def _python_files(repo: Path) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(repo):
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if d not in LEAKY_DIRS
-            and not d.startswith(".")
-            and d not in ("build", "dist", "docs", "venv", "examples", "fixtures")
-        )
-        for f in sorted(filenames):
-            if f.endswith(".py"):
-                out.append(os.path.relpath(os.path.join(dirpath, f), repo))
-    return out
-
-
-def _start_line(node: ast.AST) -> int:
-    decos = getattr(node, "decorator_list", None) or []
-    return min([d.lineno for d in decos] + [node.lineno])  # type: ignore[attr-defined]
-
-
-def _deletable(node: ast.AST, min_body_lines: int) -> bool:
-    body = getattr(node, "body", [])
-    if not body or body[0].lineno == node.lineno:  # type: ignore[attr-defined]
-        return False  # one-line definitions
-    stmts = body[1:] if _docstring_node(node) is not None else body
-    if not stmts:
-        return False
-    span = stmts[-1].end_lineno - stmts[0].lineno + 1
-    return span >= min_body_lines
-
-
-def _docstring_node(node: ast.AST) -> ast.Expr | None:
-    body = getattr(node, "body", [])
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        if isinstance(body[0].value.value, str):
-            return body[0]
-    return None
-
-
-def find_symbols(
-    repo: str | os.PathLike[str], *, min_body_lines: int = 2, include_private: bool = False
-) -> list[Symbol]:
-    """Top-level functions and classes, and methods of top-level classes, outside the tests."""
-    repo_p = Path(repo)
-    out: list[Symbol] = []
-    for rel in _python_files(repo_p):
-        if _is_test_path(rel) or Path(rel).name in ("setup.py", "conftest.py", "noxfile.py"):
-            continue
-        try:
-            tree = ast.parse((repo_p / rel).read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                if node.name.startswith("_") and not include_private:
-                    continue
-                kind: Literal["function", "class"] = "class" if isinstance(node, ast.ClassDef) else "function"
-                if _deletable(node, min_body_lines):
-                    out.append(Symbol(rel, node.name, kind, _start_line(node), node.end_lineno or node.lineno, ""))
-                if isinstance(node, ast.ClassDef):
-                    for sub in node.body:
-                        if not isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
-                            continue
-                        dunder = sub.name.startswith("__") and sub.name.endswith("__")
-                        if (dunder and sub.name != "__init__") or (
-                            sub.name.startswith("_") and not dunder and not include_private
-                        ):
-                            continue
-                        if _deletable(sub, 1):
-                            indent = " " * sub.col_offset
-                            out.append(
-                                Symbol(
-                                    rel,
-                                    f"{node.name}.{sub.name}",
-                                    "method",
-                                    _start_line(sub),
-                                    sub.end_lineno or sub.lineno,
-                                    indent,
-                                )
-                            )
-    return out
-
-
-def _locate(tree: ast.Module, qualname: str) -> tuple[ast.AST, ast.ClassDef | None]:
-    parts = qualname.split(".")
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == parts[0]:
-            if len(parts) == 1:
-                return node, None
-            if isinstance(node, ast.ClassDef):
-                for sub in node.body:
-                    if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef) and sub.name == parts[1]:
-                        return sub, node
-    raise KeyError(qualname)
-
-
-def delete_symbol(
-    source: str, qualname: str, mode: Literal["body", "symbol"] = "body", keep_docstring: bool = True
-) -> tuple[str, dict[str, Any]]:
-    """Delete ``qualname`` from ``source``. Returns the new source and where the definition goes back.
-
-    ``mode="body"`` keeps the signature (and docstring) and makes the body ``raise
-    NotImplementedError`` (``pass`` for a class); ``mode="symbol"`` removes the definition.
-    The info dict has ``span`` (1-based inclusive lines of the stub in the new source, body mode),
-    ``insert_at`` (0-based line index, symbol mode), ``indent``, ``class_line`` (for methods),
-    and ``original`` (the deleted definition's source).
-    """
-    lines = source.splitlines(keepends=True)
-    tree = ast.parse(source)
-    node, cls = _locate(tree, qualname)
-    start, end = _start_line(node), node.end_lineno or node.lineno  # type: ignore[attr-defined]
-    indent = " " * node.col_offset  # type: ignore[attr-defined]
-    original = "".join(lines[start - 1 : end])
-    info: dict[str, Any] = {"indent": indent, "original": original, "mode": mode}
-    if cls is not None:
-        info["class_line"] = _start_line(cls)
-    if mode == "symbol":
-        before, after = lines[: start - 1], lines[end:]
-        # drop the blank lines the definition leaves behind
-        while after and not after[0].strip():
-            after = after[1:]
-        if cls is not None and not any(s is not node for s in cls.body if s is not _docstring_node(cls)):
-            after = [f"{indent}pass\n", *after]  # the class would be empty
-        new_lines = [*before, *(["\n"] if before and after else []), *after]
-        info["insert_at"] = len(before)
-        return "".join(new_lines), info
-    body = node.body  # type: ignore[attr-defined]
-    doc = _docstring_node(node) if keep_docstring else None
-    body_indent = " " * body[0].col_offset
-    head = lines[start - 1 : body[0].lineno - 1]
-    doc_lines = lines[doc.lineno - 1 : doc.end_lineno] if doc is not None else []
-    filler = "pass" if isinstance(node, ast.ClassDef) else "raise NotImplementedError"
-    stub = [*head, *doc_lines, f"{body_indent}{filler}\n"]
-    new_lines = [*lines[: start - 1], *stub, *lines[end:]]
-    info["span"] = [start, start + len(stub) - 1]
-    return "".join(new_lines), info
-
-
-def _completion_code(completion: str) -> str:
-    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
-    return blocks[-1] if blocks else completion
-
-
-def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: str) -> str:
-    """Put the completion's definition of the task's symbol back into ``deleted_source``.
-
-    New imports and helpers the completion defines at module level go just before the
-    definition (or before its class, for a method). Raises ``ValueError`` when the
-    completion defines no such symbol and ``SyntaxError`` when it does not parse.
-    """
-    code = textwrap.dedent(_completion_code(completion))
-    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
-    if blocks:
-        # prefer the block that defines the symbol
-        name = str(task["symbol"]).rsplit(".", 1)[-1]
-        for b in reversed(blocks):
-            with contextlib.suppress(SyntaxError):
-                if any(getattr(n, "name", None) == name for n in ast.walk(ast.parse(textwrap.dedent(b)))):
-                    code = textwrap.dedent(b)
-                    break
-    tree = ast.parse(code)
-    qual = str(task["symbol"])
-    parts = qual.split(".")
-    name = parts[-1]
-    is_method = task.get("kind") == "method"
-    target: ast.AST | None = None
-    for n in tree.body:
-        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name == name:
-            target = n
-        if is_method and isinstance(n, ast.ClassDef) and n.name == parts[0]:
-            for sub in n.body:
-                if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef) and sub.name == name:
-                    target = sub
-    if target is None:
-        raise ValueError(f"the answer does not define `{name}`")
-    code_lines = code.splitlines(keepends=True)
-    t_start, t_end = _start_line(target), target.end_lineno  # type: ignore[attr-defined]
-    definition = textwrap.dedent("".join(code_lines[t_start - 1 : t_end]))
-    indent = str(task.get("indent", ""))
-    definition = textwrap.indent(definition, indent, lambda line: True) if indent else definition
-    if not definition.endswith("\n"):
-        definition += "\n"
-    existing = {getattr(n, "name", None) for n in ast.parse(deleted_source).body}
-    extras = []
-    for n in tree.body:
-        if n is target or (is_method and isinstance(n, ast.ClassDef) and n.name == parts[0]):
-            continue
-        if isinstance(n, ast.Import | ast.ImportFrom):
-            extras.append(ast.get_source_segment(code, n) or "")
-        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name not in existing:
-            seg = "".join(code_lines[_start_line(n) - 1 : n.end_lineno])
-            extras.append(textwrap.dedent(seg))
-        elif isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) and t.id not in existing for t in n.targets):
-            extras.append(ast.get_source_segment(code, n) or "")
-    extra_text = "".join(e if e.endswith("\n") else e + "\n" for e in extras if e)
-    lines = deleted_source.splitlines(keepends=True)
-    if task.get("mode") == "symbol":
-        at = int(task["insert_at"])
-        new = [*lines[:at], definition, *(["\n"] if at < len(lines) else []), *lines[at:]]
-    else:
-        s, e = task["span"]
-        new = [*lines[: s - 1], definition, *lines[e:]]
-    if extra_text:
-        anchor = (
-            int(task["class_line"]) - 1
-            if is_method
-            else (int(task["insert_at"]) if task.get("mode") == "symbol" else int(task["span"][0]) - 1)
-        )
-        # for body mode the stub was replaced in place, so line numbers before it are unchanged
-        new = [*new[:anchor], extra_text, "\n\n", *new[anchor:]]
-    result = "".join(new)
-    ast.parse(result)
-    return result
 
 
 def _interpreter_probe(python: str, code: str) -> Any:

@@ -4,6 +4,7 @@ Everything here is a pure function of tensors (no modules, no registry), typed a
 
 RL on verifiable rewards
     :func:`group_advantages` (TRL ``GRPOTrainer`` / ``RLOOTrainer`` advantage semantics),
+    :func:`importance_sampling_correction` (TRL's vLLM IS weights),
     :func:`policy_loss` (TRL 1.16 ``GRPOTrainer._compute_loss`` for ``grpo``, ``bnpo``, ``dr_grpo``,
     ``dapo``, ``cispo`` and ``gspo`` = sequence-level importance sampling), :func:`kl_estimate`,
     :func:`dppo_kl_loss` (PRIME-RL's default loss).
@@ -15,16 +16,20 @@ Distillation
 Preferences
     :func:`dpo_loss` (TRL ``DPOTrainer``: sigmoid / ipo / hinge) and :func:`simpo_loss` (princeton-nlp/SimPO).
 Utilities
-    :func:`selective_log_softmax`, :func:`masked_mean`.
+    :func:`selective_log_softmax`, :func:`masked_mean`, :func:`nanstd`.
 
 Functions that also report metrics return a :class:`LossOutput` ``(loss, metrics)`` named tuple;
 metric values are detached 0-d tensors (no device sync is forced).
+
+This module owns the loss functions (policy, DPPO, distillation, preference) and is the one import
+for the whole API: it re-exports the advantages (:mod:`composer_plugins.losses.advantages`), the
+importance-sampling correction (:mod:`composer_plugins.losses.correction`), the tensor helpers
+(:mod:`composer_plugins.losses.ops`) and the chunked kernels (:mod:`composer_plugins.kernels.chunked`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +44,14 @@ from composer_plugins.kernels.chunked import (
     chunked_taid_loss,
 )
 from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, TAIDKernel
+from composer_plugins.losses.advantages import group_advantages, rloo_advantages
+from composer_plugins.losses.correction import IS_MODES, importance_sampling_correction
+from composer_plugins.losses.ops import LossOutput, _require_same, _shape, masked_mean, nanstd, selective_log_softmax
 from composer_plugins.losses.taid import TAIDScheduler
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "IS_MODES",
     "POLICY_LOSS_TYPES",
     "LossOutput",
     "TAIDScheduler",
@@ -71,180 +80,6 @@ __all__ = [
 POLICY_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo")
 
 PolicyLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo"]
-
-
-class LossOutput(NamedTuple):
-    """A scalar loss and its metrics (detached 0-d tensors or floats)."""
-
-    loss: Tensor
-    metrics: dict[str, Tensor | float]
-
-
-# ----------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------
-def _shape(x: Tensor) -> tuple[int, ...]:
-    return tuple(x.shape)
-
-
-def _require_same(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
-    if a.shape != b.shape:
-        raise ValueError(f"{name_a} shape {_shape(a)} must equal {name_b} shape {_shape(b)}")
-
-
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over ``mask`` (0 where the mask is empty)."""
-    m = mask.to(x.dtype)
-    if dim is None:
-        return (x * m).sum() / m.sum().clamp(min=1.0)
-    return (x * m).sum(dim) / m.sum(dim).clamp(min=1.0)
-
-
-def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
-    """Bessel-corrected standard deviation ignoring NaNs (NaN when fewer than 2 values), as TRL's ``nanstd``."""
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
-    corr = torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
-    std = torch.sqrt(var * corr)
-    if keepdim:
-        return std
-    return std.squeeze(dim) if dim is not None else std.reshape(())
-
-
-def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """``log_softmax(logits / temperature)[..., ids]`` without materialising the full log-softmax.
-
-    Args:
-        logits: ``(..., V)``.
-        ids: ``(...)`` token ids (same leading shape).
-        temperature: logits are divided by it first (TRL's sampling-temperature convention).
-
-    Returns:
-        ``(...)`` log-probabilities in float32 (float64 stays float64).
-    """
-    if ids.shape != logits.shape[:-1]:
-        raise ValueError(f"ids shape {_shape(ids)} must equal logits.shape[:-1] = {_shape(logits)[:-1]}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.dtype not in (torch.float32, torch.float64):
-        logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------
-# advantages
-# ----------------------------------------------------------------------------------------------
-def _rewards_tensor(
-    rewards: Tensor | Sequence[float | None] | Sequence[Sequence[float | None]],
-    reward_weights: Sequence[float] | Tensor | None,
-) -> Tensor:
-    """Sum per-function rewards (``nansum``) with weights; rows where every function is ``None``/NaN become NaN."""
-    if isinstance(rewards, Tensor):
-        r = rewards.detach().float()
-    else:
-        rows = list(rewards)
-        if rows and isinstance(rows[0], Sequence) and not isinstance(rows[0], str):
-            r = torch.tensor([[float("nan") if v is None else float(v) for v in row] for row in rows])  # type: ignore[union-attr]
-        else:
-            r = torch.tensor([float("nan") if v is None else float(v) for v in rows], dtype=torch.float32)  # type: ignore[arg-type]
-    if r.dim() == 1:
-        if reward_weights is not None:
-            raise ValueError("reward_weights needs rewards of shape (N, num_reward_funcs)")
-        return r
-    if r.dim() != 2:
-        raise ValueError(f"rewards must be (N,) or (N, num_reward_funcs), got shape {_shape(r)}")
-    w = torch.ones(r.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
-    if w.shape != (r.shape[1],):
-        raise ValueError(f"reward_weights has {w.numel()} entries but rewards has {r.shape[1]} columns")
-    unscorable = torch.isnan(r).all(dim=1)
-    total = (r * w.to(r.device).unsqueeze(0)).nansum(dim=1)
-    total[unscorable] = float("nan")
-    return total
-
-
-def group_advantages(
-    rewards: Tensor | Sequence[float | None] | Sequence[Sequence[float | None]],
-    group_size: int,
-    scale: Literal["group", "batch", "none"] | None = None,
-    *,
-    estimator: Literal["grpo", "rloo"] = "grpo",
-    reward_weights: Sequence[float] | Tensor | None = None,
-    eps: float = 1e-4,
-) -> Tensor:
-    """Group-relative advantages with TRL semantics.
-
-    ``rewards`` holds ``N = num_prompts × group_size`` completions, grouped contiguously
-    (the ``group_size`` completions of prompt 0 first). A reward of ``None`` (or NaN) marks an
-    unscorable completion: it is left out of the baselines and statistics and its advantage is 0.
-    A 2-D ``(N, K)`` input holds one column per reward function, summed with ``reward_weights``
-    (TRL's ``sum_then_normalize``; a row is unscorable when every function returned ``None``).
-
-    ``estimator="grpo"`` (TRL ``GRPOTrainer``): ``A = r - mean_group(r)``, divided by
-    ``std + eps`` where std is the group's (``scale="group"``, default) or the whole batch's
-    (``"batch"``); ``"none"`` does not divide (Dr. GRPO).
-
-    ``estimator="rloo"`` (TRL ``RLOOTrainer``): ``A_i = r_i - mean_{j≠i} r_j`` over the scorable
-    siblings; ``scale="batch"`` then normalises by the batch mean and std (TRL
-    ``normalize_advantages=True``); ``"none"`` (default for rloo) leaves them.
-
-    Any NaN (unscorable rows, a group with a single scorable completion) becomes 0.
-
-    Returns:
-        ``(N,)`` float32 advantages.
-    """
-    r = _rewards_tensor(rewards, reward_weights)
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if r.numel() % group_size != 0:
-        raise ValueError(f"{r.numel()} rewards are not a whole number of groups of group_size={group_size}")
-    if estimator == "rloo":
-        return rloo_advantages(r, group_size, normalize=(scale or "none") == "batch", eps=eps, _check_scale=scale)
-    if estimator != "grpo":
-        raise ValueError(f"unknown estimator {estimator!r}; valid: 'grpo', 'rloo'")
-    scale = scale or "group"
-    grouped = r.view(-1, group_size)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
-    if scale in ("group", "none"):
-        std = nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(r)
-    elif scale == "batch":
-        std = nanstd(r).expand_as(r) if r.numel() > 1 else torch.zeros_like(r)
-    else:
-        raise ValueError(f"unknown scale {scale!r}; valid: 'group', 'batch', 'none'")
-    adv = r - mean
-    if scale != "none":
-        adv = adv / (std + eps)
-    return torch.nan_to_num(adv, nan=0.0)
-
-
-def rloo_advantages(
-    rewards: Tensor | Sequence[float | None],
-    group_size: int,
-    normalize: bool = False,
-    *,
-    eps: float = 1e-4,
-    _check_scale: str | None = None,
-) -> Tensor:
-    """REINFORCE leave-one-out advantages, TRL ``RLOOTrainer`` semantics (see :func:`group_advantages`)."""
-    if _check_scale not in (None, "none", "batch"):
-        raise ValueError(f"scale {_check_scale!r} is not defined for RLOO; use 'none' or 'batch'")
-    r = _rewards_tensor(rewards, None)
-    if r.numel() % group_size != 0:
-        raise ValueError(f"{r.numel()} rewards are not a whole number of groups of group_size={group_size}")
-    grouped = r.view(-1, group_size)
-    if group_size > 1:
-        counts = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
-        total = torch.nansum(grouped, dim=1, keepdim=True)
-        baselines = ((total - grouped) / (counts - 1)).view(-1)
-        adv = r - baselines
-    else:
-        adv = torch.zeros_like(r)
-    if normalize:
-        adv = (adv - torch.nanmean(adv)) / (nanstd(adv) + eps)
-    return torch.nan_to_num(adv, nan=0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,46 +275,6 @@ def _nanreduce(x: Tensor, fn: object) -> Tensor:
     if valid.numel() == 0:
         return torch.tensor(float("nan"), device=x.device)
     return fn(valid)  # type: ignore[operator]
-
-
-#: Modes of :func:`importance_sampling_correction` (TRL's ``vllm_importance_sampling_mode``).
-IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def importance_sampling_correction(
-    logprobs: Tensor,
-    sampling_logprobs: Tensor,
-    mask: Tensor,
-    mode: str = "token_truncate",
-    clip_max: float | None = 3.0,
-    clip_min: float | None = None,
-) -> Tensor:
-    """Weights that correct for sampling from an engine whose weights lag the trained policy (TRL's vLLM IS).
-
-    ``r = exp(logprobs - sampling_logprobs)`` per token (``token_*``) or per sequence (``sequence_*``,
-    the masked sum of the differences; shape ``(B, 1)``); ``*_truncate`` clamps ``r`` to
-    ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside it to 0. Tokens off ``mask`` and tokens
-    whose sampling log-prob is unknown (NaN) get ratio 1. No gradient flows through the result.
-
-    Args:
-        logprobs: ``(B, T)`` log-probs of the sampled tokens under the policy at rollout time.
-        sampling_logprobs: ``(B, T)`` the same tokens' log-probs as the inference engine reported them.
-        mask: ``(B, T)`` 1 on completion tokens.
-        mode: one of :data:`IS_MODES`.
-        clip_max, clip_min: the bounds (TRL's ``vllm_importance_sampling_clip_max``/``_min``; cap 3.0).
-    """
-    if mode not in IS_MODES:
-        raise ValueError(f"unknown importance-sampling mode {mode!r}; valid: {', '.join(IS_MODES)}")
-    _require_same("logprobs", logprobs, "sampling_logprobs", sampling_logprobs)
-    diff = torch.nan_to_num((logprobs.detach().float() - sampling_logprobs.float()) * mask.float(), nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    lo = -float("inf") if clip_min is None else clip_min
-    hi = float("inf") if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
 def dppo_kl_loss(

@@ -19,10 +19,6 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 
-class BudgetExceeded(Exception):
-    """Raised internally when a reservation would break the ceiling."""
-
-
 @dataclass
 class Budget:
     """Running totals against an optional ceiling (``max_usd=None``: no ceiling, still accounted)."""

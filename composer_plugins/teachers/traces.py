@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -408,10 +408,3 @@ def load_traces(
             if limit is not None and len(out) >= limit:
                 return out
     return out
-
-
-def write_openai_jsonl(path: str | os.PathLike[str], conversations: Sequence[Mapping[str, Any]]) -> None:
-    """Write conversations (``{"id", "messages", "metadata"}``) as OpenAI-messages JSONL, atomically."""
-    from composer_plugins.core.io import atomic_write_jsonl
-
-    atomic_write_jsonl(path, conversations)

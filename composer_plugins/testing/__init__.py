@@ -45,6 +45,7 @@ from composer_plugins.testing.conformance import (
     check_teacher,
     loss_batch,
 )
+from composer_plugins.testing.generators import check_generator
 from composer_plugins.testing.input_builders import check, check_input_builder
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "check_builds",
     "check_callback",
     "check_env",
+    "check_generator",
     "check_hint_provider",
     "check_input_builder",
     "check_loss",

@@ -27,6 +27,8 @@ its provider and what broke. :func:`check` dispatches on the kind.
 * backends: the entry declares the import names it needs and an install command for them, and
   builds when they are present.
 * optimizers, callbacks: build over a parameter / as a ``lightning.pytorch.Callback``.
+* rollout generators: :mod:`composer_plugins.testing.generators` (the typed protocol, the rollout's shape
+  contract, reproducible seeds, weight syncing and episodes where the generator has them).
 * codecs (DiLoCo pseudo-gradients): through ``store.encode_vector``/``decode_vector`` as the transport uses
   them, a round trip of vectors of 0, 1, 255 and 10,007 values (standard normal, zeros, a huge range) within
   the codec's ``tolerance`` (bitwise at 0); the same bytes for the same vector; a
@@ -43,27 +45,14 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from composer_plugins.core.errors import ComposerPluginsError
-
-
-class ConformanceError(ComposerPluginsError, AssertionError):
-    """A registered component does not keep its kind's contract."""
-
-
-def _entry(kind: str, name: str, registry: Any = None) -> Any:
-    from composer_plugins.core.plugins import get_registry
-
-    return (registry or get_registry()).get(kind, name)
-
-
-def _fail(entry: Any, what: str) -> ConformanceError:
-    who = f"{entry.kind} {entry.name!r} ({entry.provider or 'plugin ' + repr(entry.plugin)})"
-    return ConformanceError(f"{who}: {what}")
+from composer_plugins.testing.base import ConformanceError as ConformanceError  # re-exported: its old home
+from composer_plugins.testing.base import _entry, _fail
 
 
 def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> None:
     """Run the conformance checks of ``kind`` on the registered ``name`` (``build_kwargs`` go to its factory)."""
     from composer_plugins.core.registry import normalize_kind
+    from composer_plugins.testing.generators import check_generator
 
     kind = normalize_kind(kind)
     checks: dict[str, Callable[..., None]] = {
@@ -76,6 +65,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         "optimizers": check_optimizer,
         "callbacks": check_callback,
         "codecs": check_codec,
+        "rollout_generators": check_generator,
     }
     fn = checks.get(kind, check_builds)
     if fn is check_builds:

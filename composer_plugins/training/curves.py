@@ -2,7 +2,7 @@
 
 :class:`HeldoutCurve` is a Lightning callback. Every ``eval.every_n_steps`` optimizer steps (and at
 the last one) it decodes the first ``eval.curve_problems`` held-out problems greedily with the
-module's :meth:`~composer_plugins.training.module.PolicyModule.evaluate_tasks` (no sampled pass@k,
+module's :meth:`~composer_plugins.training.evaluation.Validator.greedy_accuracy` (no sampled pass@k,
 no hint uplift: one greedy completion per problem) and records the accuracy as the step statistic
 ``heldout/accuracy``: ``history.csv`` gets the column ``train/heldout/accuracy`` (empty at steps not
 evaluated) and the loggers (MLflow) the metric of that name at that step. The starting policy's value
@@ -19,7 +19,6 @@ env's test generator at ``eval.seed``), so curves pair across variants.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,17 +65,12 @@ class HeldoutCurve(Callback):
 
     def accuracy(self, pl_module: Any) -> float:
         """Greedy accuracy of the current policy on the subset (sampling and hint uplift off)."""
-        cfg = pl_module.cfg
-        saved = cfg.eval
-        cfg.eval = dataclasses.replace(saved, k=0, num_samples=0, hint_uplift=False)
         was_training = pl_module.training
         pl_module.eval()
         try:
-            out = pl_module.evaluate_tasks(self.tasks, self.seed)
+            return pl_module.validator.greedy_accuracy(pl_module.policy, self.tasks, self.seed)
         finally:
-            cfg.eval = saved
             pl_module.train(was_training)
-        return float(out["correct_greedy"].float().mean().item())
 
     def due(self, step: int, last: bool = False) -> bool:
         """Whether the curve is evaluated at optimizer step ``step`` (step 0 always, and the last step)."""

@@ -3,8 +3,8 @@
 Each is ``builder(assembly) -> {input name: value}`` (:class:`~composer_plugins.training.assemble.Assembly`):
 it reads the read-only record and its meta, and computes the with-grad inputs (the policy's log-probs and
 hidden states from one forward, the hinted teacher's hidden states, the pairs' sequence log-probs) and the
-teachers' collected scores. :data:`BUILTIN_INPUT_BUILDERS` names them for
-:mod:`composer_plugins.training.input_plugin` (the default plugin that registers them, lazily).
+teachers' collected scores. :mod:`composer_plugins.training.input_plugin` (a default plugin) registers them,
+lazily, each under the inputs it provides.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_plugins.training.assemble import ALWAYS, HINT_INPUTS, PAIR_INPUTS, Assembly
+from composer_plugins.training.assemble import Assembly
 
 
 def record_fields(asm: Assembly) -> dict[str, Any]:
@@ -317,17 +317,3 @@ def _sampled_teacher_logprobs(asm: Assembly, scores: Mapping[str, Any]) -> Tenso
     base = own.detach().double().cpu() if own is not None else torch.zeros((N, C), dtype=torch.float64)
     mixed = torch.where(count > 0, (total / count.clamp(min=1)).clamp(min=1e-30).log(), base)
     return mixed.to(device=asm.device, dtype=torch.float32)
-
-
-#: Built-in builder -> (the input names it provides, a one-line description); registered by
-#: :mod:`composer_plugins.training.input_plugin` under each name.
-BUILTIN_INPUT_BUILDERS: dict[str, tuple[str, ...]] = {
-    "record_fields": ALWAYS,
-    "policy_logprobs": ("logprobs", "old_logprobs", "inference_logprobs", "importance_sampling_ratio"),
-    "reference_logprobs": ("ref_logprobs",),
-    "hint_inputs": HINT_INPUTS,
-    "hint_teacher_logprobs": ("hint_teacher_logprobs",),
-    "pair_inputs": PAIR_INPUTS,
-    "policy_hidden_states": ("hidden_states",),
-    "teacher_scores": ("teacher_scores", "teacher_logprobs"),
-}

@@ -13,8 +13,8 @@ from composer_plugins.core.hookspecs import hookimpl
 
 _MODULE = "composer_plugins.training.input_builders"
 
-#: builder -> (the inputs it provides, one-line description). Kept in step with
-#: ``input_builders.BUILTIN_INPUT_BUILDERS`` (tests/training/test_training_input_builders.py checks it).
+#: builder (in :mod:`composer_plugins.training.input_builders`) -> (the inputs it provides, one-line description);
+#: tests/training/test_training_input_builders.py checks every assembler input is here once.
 BUILTINS: dict[str, tuple[tuple[str, ...], str]] = {
     "record_fields": (
         (

@@ -5,6 +5,11 @@ through the one JSONL reader (:mod:`composer_plugins.core.io`); every problem is
 ``<file>:<line>: <key>: <problem> — <fix>``, with where the key is set (config file and line, or the
 command-line override). A local ``model.name_or_path`` that does not exist is refused the same way instead
 of reaching ``transformers`` as a malformed hub id.
+
+These are the run's inputs on disk, checked when a command starts (``train``, ``sft``, ``eval``), not values:
+a config's values are checked when it is loaded, each section by itself
+(:meth:`composer_plugins.training.sections.Section.validate`), so ``--print-config`` and the study's
+config stages need none of these files.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ One training step (one micro-batch of prompts) is four arrows, each one function
    step's :class:`~composer_plugins.training.step.StepMeta` (step, run length, preference pairs);
 4. :class:`~composer_plugins.losses.base.ChannelComposer` sums ``weight · loss`` over the live channels.
 
-Monarch's trainer actor runs the same two calls (``make_experience``, ``loss_on``). Held-out evaluation and
-``hint_uplift``: :mod:`~composer_plugins.training.evaluation`; what a step is fed: ``training.batches``.
+Monarch's trainer actor runs the same two calls (``make_experience``, ``loss_on``). Held-out evaluation is the
+module's :class:`~composer_plugins.training.evaluation.Validator`; what a step is fed: ``training.batches``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric
 
 from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy
 from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, render_pairs, task_prompt
@@ -35,9 +34,10 @@ from composer_plugins.training.builders import build_channels, build_env, build_
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, fsdp_root, full_params, world
+from composer_plugins.training.evaluation import Validator
 from composer_plugins.training.experience import ExperienceMaker, StepComputer
-from composer_plugins.training.metrics import PassAtK, Ratio
 from composer_plugins.training.policy import load_policy_for
+from composer_plugins.training.rollouts import EpisodeGenerator, WeightSyncing
 from composer_plugins.training.step import StepMeta, StepRecord, sample_pairs
 from composer_plugins.training.teacher_scores import build_teacher_scoring
 
@@ -127,19 +127,13 @@ class ComposerModule(L.LightningModule):
             self._reference.append(ref)
         #: What samples the training rollouts (``rollout.generator``; HF ``generate`` by default).
         self.generator = build_generator(cfg, src, self.env)
-        self.val_accuracy = MeanMetric()
-        self.val_reward = MeanMetric()
-        self.val_pass = PassAtK(cfg.eval.k)
-        #: eval.hint_uplift: hinted greedy failures fixed / hinted, hinted / greedy failures
-        self.val_hint_fix = Ratio()
-        self.val_hint_coverage = Ratio()
-        #: The provider ``eval.hint_uplift`` evaluates (the training one, or built for it).
-        self.uplift_provider: Any = self.hint_provider
-        if cfg.eval.hint_uplift and self.uplift_provider is None:
-            self.uplift_provider = build_hint_provider(cfg, src)
+        #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
+        uplift = self.hint_provider
+        if uplift is None and cfg.eval.hint_uplift:
+            uplift = build_hint_provider(cfg, src)
+        self.validator = Validator(cfg, self.tokenizer, self.env, uplift)
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, StepRecord] | None = None
-        self.predictions: list[dict[str, Any]] | None = None  # a list: per-problem validation predictions
         self.last_step_stats: dict[str, float] = {}
         #: The step record and meta the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
@@ -185,10 +179,8 @@ class ComposerModule(L.LightningModule):
         """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
         from composer_plugins.training.distributed import barrier
 
-        gen = self.generator
-        wants = getattr(gen, "wants_sync", None)
-        step = self.global_step
-        if wants is None or not wants(step):
+        gen, step = self.generator, self.global_step
+        if not isinstance(gen, WeightSyncing) or not gen.wants_sync(step):
             return
         rank, _ = world()
         with self.full_params(recurse=True):
@@ -270,9 +262,9 @@ class ComposerModule(L.LightningModule):
             "max_prompt_length": r.max_prompt_length,
         }
         with self.full_params():
-            episodes = getattr(self.generator, "episodes", None)
-            if episodes is not None:  # the multi_turn generator: the env scores every turn
-                return episodes(self.policy, self.tokenizer, self.env, tasks, r.num_generations, seed=seed, **sampling)
+            gen, G = self.generator, r.num_generations
+            if isinstance(gen, EpisodeGenerator):  # the multi_turn generator: the env scores every turn
+                return gen.episodes(self.policy, self.tokenizer, self.env, tasks, G, seed=seed, **sampling)
             prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
             ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
         rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)
@@ -353,15 +345,7 @@ class ComposerModule(L.LightningModule):
 
     # -- evaluation (composer_plugins.training.evaluation) -----------------------------------
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        from composer_plugins.training.evaluation import validation_step
-
-        validation_step(self, batch)
-
-    def evaluate_tasks(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> dict[str, Any]:
-        """:func:`composer_plugins.training.evaluation.evaluate_tasks` of this module."""
-        from composer_plugins.training.evaluation import evaluate_tasks
-
-        return evaluate_tasks(self, tasks, seed)
+        self.validator.validation_step(self.policy, batch, self.log)
 
     # -- optimisation / checkpoint state ---------------------------------------------
     def configure_optimizers(self) -> Any:

@@ -4,7 +4,9 @@ It wraps the configured generator (``rollout.generator``, ``hf`` by default) and
 with it, so sampling settings, seeding and weight syncing are the configured generator's. The module
 uses it when ``rollout.max_turns > 1`` and the env has ``reset``/``step``
 (:func:`~composer_plugins.training.builders.build_generator` wraps the configured one); as any
-generator it also has the one-turn ``generate``.
+generator it also has the one-turn ``generate``. It keeps :class:`~composer_plugins.training.rollouts.EpisodeGenerator`
+(the module asks ``isinstance(generator, EpisodeGenerator)``) and, by delegation to the wrapped generator,
+:class:`~composer_plugins.training.rollouts.WeightSyncing`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,18 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from composer_plugins.core.steps import step_result
+from composer_plugins.training.rollouts import WeightSyncing
+
+if TYPE_CHECKING:
+    from composer_plugins.models.generation import Rollout
+    from composer_plugins.training.rollouts import RolloutGenerator
 
 __all__ = ["MultiTurnGenerator"]
 
@@ -32,22 +40,40 @@ class MultiTurnGenerator:
     """
 
     def __init__(self, generator: Any = "hf", max_turns: int = 2) -> None:
+        from composer_plugins.training.rollouts import as_rollout_generator
+
         if isinstance(generator, str | Mapping):
             from composer_plugins.core.config import build_component
 
             generator = build_component("rollout_generators", generator, key="rollout.generator")
-        self.inner = generator
+        self.inner: RolloutGenerator = as_rollout_generator(generator, "rollout.generator")
         self.max_turns = max(1, int(max_turns))
 
-    # the wrapped generator's weight syncing, so the module drives it as it would the generator itself
+    # -- weight syncing: the wrapped generator's (WeightSyncing when it syncs, a no-op otherwise) --------
     @property
     def sync_every(self) -> int:
-        return int(getattr(self.inner, "sync_every", 0) or 0)
+        """The wrapped generator's ``sync_every`` (0 when it holds no weights of its own)."""
+        return int(self.inner.sync_every) if isinstance(self.inner, WeightSyncing) else 0
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("wants_sync", "sync", "last_synced"):
-            return getattr(self.__dict__["inner"], name)
-        raise AttributeError(name)
+    @property
+    def last_synced(self) -> int | None:
+        """The wrapped generator's ``last_synced`` (set on it, so every rank's wrapped generator agrees)."""
+        return self.inner.last_synced if isinstance(self.inner, WeightSyncing) else None
+
+    @last_synced.setter
+    def last_synced(self, step: int | None) -> None:
+        if isinstance(self.inner, WeightSyncing):
+            self.inner.last_synced = step
+
+    def wants_sync(self, step: int) -> bool:
+        """Whether the wrapped generator wants the policy's weights before step ``step``."""
+        return isinstance(self.inner, WeightSyncing) and self.inner.wants_sync(step)
+
+    def sync(self, policy: Any, tokenizer: Any, step: int, out_dir: str | Path | None = None) -> Any:
+        """The wrapped generator's ``sync``; ``None`` when it holds no weights of its own."""
+        if not isinstance(self.inner, WeightSyncing):
+            return None
+        return self.inner.sync(policy, tokenizer, step, out_dir=out_dir)
 
     def generate(
         self,
@@ -58,11 +84,12 @@ class MultiTurnGenerator:
         *,
         seed: int | None,
         **sampling: Any,
-    ) -> Any:
+    ) -> Rollout:
         """One turn: the wrapped generator's ``generate``."""
         return self.inner.generate(policy, tokenizer, prompts, num_generations, seed=seed, **sampling)
 
     def close(self) -> None:
+        """Close the wrapped generator (when it has something to release)."""
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
@@ -78,7 +105,7 @@ class MultiTurnGenerator:
         seed: int,
         max_prompt_length: int | None = None,
         **sampling: Any,
-    ) -> tuple[Any, list[float], list[Any]]:
+    ) -> tuple[Rollout, list[float], list[Any]]:
         """``(rollout, rewards, feedback)`` of the ``G`` episodes of each task.
 
         Every episode runs on a shallow copy of the env (its own episode state, shared score cache).

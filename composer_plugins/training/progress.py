@@ -141,7 +141,7 @@ class StepProgressBar(ProgressBar):
         self._vbar.update(len(batch["tasks"]) if isinstance(batch, Mapping) and "tasks" in batch else 1)
         # the running held-out accuracy from the MeanMetric's local state (compute() would sync across
         # ranks, and only rank 0 draws the bar)
-        acc = getattr(pl_module, "val_accuracy", None)
+        acc = getattr(getattr(pl_module, "validator", None), "accuracy", None)
         weight = float(getattr(acc, "weight", 0.0) or 0.0)
         if weight > 0:
             self._vbar.set_postfix_str(f"accuracy={_fmt(float(acc.mean_value) / weight)}", refresh=True)

@@ -14,12 +14,15 @@ Chosen by ``rollout.generator`` in the config (a name or ``{name: ..., **kwargs}
   the lag between the server's weights and the trained policy with truncated importance sampling
   on them (``rollout.importance_sampling``, TRL's ``vllm_importance_sampling_correction``).
 
-A generator is any object with ``generate(policy, tokenizer, prompts, num_generations, *, seed,
-temperature, top_p, top_k, max_new_tokens, max_prompt_length) -> Rollout``; it may also have
-``sync(policy, tokenizer, step)`` and ``sync_every`` / ``sync_at_start`` (weights pushed to an
-engine outside the process) and ``close()``. A rollout whose ``extra["sampling_logprobs"]``
-holds the engine's ``(N, C)`` log-probs of the sampled tokens gets the importance-sampling
-correction. Third parties register more with the ``register_rollout_generators`` hook.
+A generator keeps the :class:`RolloutGenerator` protocol: ``generate(policy, tokenizer, prompts,
+num_generations, *, seed, temperature, top_p, top_k, max_new_tokens, max_prompt_length) -> Rollout``.
+Two capabilities are protocols of their own, checked with ``isinstance`` (never by probing attributes):
+:class:`WeightSyncing` (``sync_every``, ``last_synced``, ``wants_sync(step)``, ``sync(policy, tokenizer,
+step, out_dir)``: weights pushed to an engine outside the process) and :class:`EpisodeGenerator`
+(``episodes(policy, tokenizer, env, tasks, num_generations, *, seed, ...)``: the env scores every turn).
+A rollout whose ``extra["sampling_logprobs"]`` holds the engine's ``(N, C)`` log-probs of the sampled
+tokens gets the importance-sampling correction. Third parties register more with the
+``register_rollout_generators`` hook; ``composer_plugins.testing.check_generator`` is their conformance check.
 """
 
 from __future__ import annotations
@@ -29,10 +32,98 @@ import random
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from composer_plugins.core.config import Config
+    from composer_plugins.models.generation import Rollout
+
+__all__ = [
+    "EpisodeGenerator",
+    "HFGenerator",
+    "RolloutGenerator",
+    "RolloutServerError",
+    "ServerGenerator",
+    "WeightSyncing",
+    "as_rollout_generator",
+]
+
+
+@runtime_checkable
+class RolloutGenerator(Protocol):
+    """What samples the ``G`` completions of a step: rows ``[i*G, (i+1)*G)`` of the rollout are prompt ``i``'s."""
+
+    def generate(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        prompts: Sequence[str],
+        num_generations: int,
+        *,
+        seed: int | None,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 32,
+        max_prompt_length: int | None = None,
+    ) -> Rollout:
+        """``num_generations`` completions per prompt, sampled with these settings (same seed: same tokens)."""
+        ...
+
+
+@runtime_checkable
+class WeightSyncing(Protocol):
+    """A generator whose engine holds its own copy of the weights: the trainer pushes the policy when due."""
+
+    #: Push the weights every this many optimizer steps (0: never, or only at the start).
+    sync_every: int
+    #: The optimizer step of the last push (``None``: never); every data-parallel rank sets it after a push.
+    last_synced: int | None
+
+    def wants_sync(self, step: int) -> bool:
+        """True when the engine should get the policy's weights before step ``step``'s rollout."""
+        ...
+
+    def sync(self, policy: Any, tokenizer: Any, step: int, out_dir: str | Path | None = None) -> Any:
+        """Push ``policy``'s weights to the engine (rank 0 only); set :attr:`last_synced`."""
+        ...
+
+
+@runtime_checkable
+class EpisodeGenerator(Protocol):
+    """A generator of multi-turn episodes: the env's ``reset``/``step`` score every turn."""
+
+    def episodes(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        env: Any,
+        tasks: Sequence[Mapping[str, Any]],
+        num_generations: int,
+        *,
+        seed: int,
+        max_prompt_length: int | None = None,
+        **sampling: Any,
+    ) -> tuple[Rollout, list[float], list[Any]]:
+        """``(rollout, rewards, feedback)`` of the ``num_generations`` episodes of each task."""
+        ...
+
+
+def as_rollout_generator(obj: Any, key: str = "rollout.generator", src: Config | None = None) -> RolloutGenerator:
+    """``obj`` if it keeps the :class:`RolloutGenerator` protocol, else a :class:`ConfigError` located at ``key``."""
+    if isinstance(obj, RolloutGenerator):
+        return obj
+    from composer_plugins.core.config import Config
+
+    raise (src if src is not None else Config()).error(
+        key,
+        f"{type(obj).__module__}.{type(obj).__qualname__} is not a rollout generator: it has no "
+        "generate(policy, tokenizer, prompts, num_generations, *, seed, temperature, ...) method — register a "
+        "class that keeps composer_plugins.training.rollouts.RolloutGenerator.",
+    )
 
 
 @hookimpl
@@ -61,8 +152,6 @@ class RolloutServerError(ComposerPluginsError):
 
 class HFGenerator:
     """Sampling with HF ``generate`` on the training policy (one batched call per step, KV cache on)."""
-
-    sync_every = 0
 
     def generate(
         self,

@@ -289,15 +289,15 @@ def run_eval(
         callbacks=[bar] if bar else [],
     )
     if cfg.eval.predictions:
-        module.predictions = []
+        module.validator.predictions = []
     trainer.validate(module, dataloaders=eval_batches(env, cfg), verbose=False)
     env_name = _env_name(cfg)
     metrics = {f"{env_name}/{k[4:]}": v for k, v in _val_metrics(trainer).items()}
     if output:
         out = Path(output)
         atomic_write_json(out, metrics)
-        if module.predictions is not None:
-            atomic_write_jsonl(out.with_suffix(".predictions.jsonl"), module.predictions, ensure_ascii=True)
+        if (preds := module.validator.predictions) is not None:
+            atomic_write_jsonl(out.with_suffix(".predictions.jsonl"), preds, ensure_ascii=True)
     return metrics
 
 

@@ -179,8 +179,7 @@ def test_verl_local_record_has_no_advantages_and_its_loss_runs(config, monkeypat
         seen["record"], seen["loss"] = record, loss_of(record, 0)[0]
 
     monkeypatch.setattr(Backend, "run_local", capture)
-    with pytest.warns(UserWarning, match="does not run in VeRL"):
-        VeRLBackend(config).train()
+    VeRLBackend({**config, "losses": {"dapo": {"weight": 1.0}}}).train()  # VeRL runs the policy channel only
     assert seen["record"].advantages is None and seen["record"].old_logprobs is not None
     assert torch.isfinite(seen["loss"])
 

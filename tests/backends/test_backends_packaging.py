@@ -228,7 +228,7 @@ def _wheel(src: Path, parts: list[str], tmp: Path) -> tuple[set[str], str]:
 def test_the_core_wheel_holds_no_upstream_adapter_and_each_package_wheel_holds_its_own(tmp_path):
     core, core_eps = _wheel(ROOT, ["composer_plugins", "pyproject.toml", "README.md"], tmp_path / "core")
     backends = {f.rsplit("/", 1)[-1] for f in core if f.startswith("composer_plugins/backends/")}
-    assert backends == {"__init__.py", "base.py", "lightning.py", "plugin.py", "rollout.py"}
+    assert backends == {"__init__.py", "base.py", "lightning.py", "plugin.py", "rollout.py", "support.py"}
     assert "[composer_plugins]" not in core_eps
     for dist, (module, _upstream, _name) in DISTRIBUTIONS.items():
         src = ROOT / "packages" / dist
@@ -279,6 +279,9 @@ def test_backend_cli_info_and_export(tmp_path):
     cli = load_commands()
     cfg = tmp_path / "run.yaml"
     cfg.write_text("losses:\n  dapo: {weight: 1.0, epsilon_high: 0.3}\n  hint_distill: {weight: 0.5}\n")
+    r = CliRunner().invoke(cli, ["backend", "export", "verl", "-c", str(cfg), "--opt", "mode=ray"])
+    assert r.exit_code != 0 and f"{cfg}:3: losses.hint_distill" in r.output and "mode='ray'" in r.output
+    cfg.write_text("losses:\n  dapo: {weight: 1.0, epsilon_high: 0.3}\n")
     r = CliRunner().invoke(cli, ["backend", "info", "verl"])
     assert r.exit_code == 0, r.output
     info = json.loads(r.output)[0]
@@ -287,11 +290,14 @@ def test_backend_cli_info_and_export(tmp_path):
     assert r.exit_code == 0, r.output
     assert "actor_rollout_ref.actor.policy_loss.loss_mode=composer_dapo" in r.output
     assert "actor_rollout_ref.actor.clip_ratio_high=0.3" in r.output
-    # exporting the PRIME-RL TOML needs no prime-rl install; hint_distill becomes the hint_weight kwarg
-    cfg.write_text("losses:\n  dppo: {weight: 1.0}\n  hint_distill: {weight: 0.5}\n")
+    # exporting the PRIME-RL TOML needs no prime-rl install; a channel the upstream run cannot feed is refused
+    cfg.write_text("losses:\n  dppo: {weight: 1.0, kl_tau: 0.01}\n  hint_distill: {weight: 0.5}\n")
+    r = CliRunner().invoke(cli, ["backend", "export", "prime_rl", "-c", str(cfg), "trainer.max_steps=3"])
+    assert r.exit_code != 0 and f"{cfg}:3: losses.hint_distill" in r.output and "mode='prime-rl'" in r.output
+    cfg.write_text("losses:\n  dppo: {weight: 1.0, kl_tau: 0.01}\n")
     r = CliRunner().invoke(cli, ["backend", "export", "prime_rl", "-c", str(cfg), "trainer.max_steps=3"])
     assert r.exit_code == 0, r.output
     toml = tomllib.loads(r.output)
-    assert toml["max_steps"] == 3 and toml["trainer"]["loss"]["kwargs"] == {"policy": "dppo", "hint_weight": 0.5}
+    assert toml["max_steps"] == 3 and toml["trainer"]["loss"]["kwargs"] == {"policy": "dppo", "kl_tau": 0.01}
     r = CliRunner().invoke(cli, ["backend", "export", "lightning", "-c", str(cfg)])
     assert r.exit_code != 0 and "runs in-process" in r.output

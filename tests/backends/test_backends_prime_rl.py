@@ -206,20 +206,21 @@ def test_example_toml_wires_our_loss_the_way_prime_rl_does():
 
 def test_backend_toml_and_refusals(tmp_path):
     b = P.PrimeRLBackend(
-        {
-            "losses": {"dppo": {"weight": 1.0, "kl_tau": 0.01}, "hint_distill": {"weight": 0.25}},
-            "output_dir": str(tmp_path),
-        },
-        mode="prime-rl",
+        {"losses": {"dppo": {"weight": 1.0, "kl_tau": 0.01}}, "output_dir": str(tmp_path)}, mode="prime-rl"
     )
     cfg = tomllib.loads(b.toml())
     assert cfg["trainer"]["loss"] == {
         "type": "custom",
         "import_path": P.IMPORT_PATH,
-        "kwargs": {"policy": "dppo", "kl_tau": 0.01, "hint_weight": 0.25},
+        "kwargs": {"policy": "dppo", "kl_tau": 0.01},
     }
+    # hint_distill runs in mode='local' only: upstream, its reference stream never reaches the custom loss
+    hinted = P.PrimeRLBackend({"losses": {"dppo": 1.0, "hint_distill": {"weight": 0.25}}})
+    assert hinted.loss_kwargs["hint_weight"] == 0.25
+    with pytest.raises(Exception, match=r"losses\.hint_distill: .*mode='prime-rl'.*ref_kl"):
+        hinted.toml()
     if not P.USING_PRIME_RL:
         with pytest.raises(Exception, match="needs prime-rl installed"):
             b.train()
-    with pytest.raises(Exception, match="cannot run inside PRIME-RL"):
+    with pytest.raises(Exception, match=r"losses\.replay_dpo: .*cannot run in the prime_rl backend"):
         P.PrimeRLBackend({"losses": {"dppo": 1.0, "replay_dpo": {"weight": 0.1}}})

@@ -328,8 +328,10 @@ def test_backend_ray_command_and_cpu_refusal(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ComposerPluginsError, match="needs GPUs"):
             b.train()
-    with pytest.raises(Exception, match="exactly one enabled policy channel"):
+    with pytest.raises(Exception, match=r"losses\.hint_distill: .*cannot run in the verl backend \(mode='local'\)"):
         CV.VeRLBackend({"losses": {"hint_distill": {"weight": 1.0}}})
+    with pytest.raises(Exception, match="exactly one enabled policy channel"):
+        CV.VeRLBackend({"losses": {"dapo": 1.0, "grpo": 1.0}})
 
 
 def test_every_name_the_distribution_says_it_registers_is_in_verls_registries():

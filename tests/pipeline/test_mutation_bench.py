@@ -58,7 +58,7 @@ def test_one_mutant_runs_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    kill = "losses/functional.py:core/ReplaceUnaryOperator_USub_Invert:19"  # -inf -> ~inf: a TypeError
+    kill = "losses/correction.py:core/ReplaceUnaryOperator_USub_Invert:1"  # -inf -> ~inf: a TypeError
     out = tmp_path / "mut"
     res = subprocess.run(
         [sys.executable, "-m", "benchmarks.mutation", "--mutant", kill, "--jobs", "1", "--out", str(out)],

@@ -65,7 +65,8 @@ def servers(tmp_path_factory):
                 "failing": {"base_url": "http://127.0.0.1:9/v1", "timeout_s": 5},
             },
             "teachers:hf": {"model_path": str(model), "max_new_tokens": 8},
-            "rollout_generators:server": {"base_url": llm.base_url},
+            # the rollout server serving the tiny model, sampled with that same model
+            "rollout_generators:server": {"base_url": scoring.base_url, "model_path": str(model)},
             # scoring teachers: the tiny model itself, and the loopback server serving it (vLLM / SGLang shapes)
             "scorers:causal_lm": {"model_path": str(model), "topk": 3, "tokenizer": str(model)},
             "scorers:vllm": {"model": "m", "base_url": scoring.base_url, "topk": 3, "tokenizer": str(model)},

@@ -96,7 +96,7 @@ def test_student_hinted_teacher_and_external_teacher_read_the_templated_task_tok
         assert stats["teacher_distill/skipped"] == 0.0 and stats["teacher/ext/skipped"] == 0.0
         # evaluation reads the same prompt
         student_in.rows.clear()
-        mod.evaluate_tasks(tasks, seed=0)
+        mod.validator.evaluate(mod.policy, tasks, seed=0)
         assert student_in.rows[0] == student_ids
     finally:
         student_in.close()

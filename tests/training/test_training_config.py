@@ -238,3 +238,57 @@ def test_switching_a_provider_by_name_on_the_command_line_shows_the_whole_spec_f
     assert "-S 'hints.provider={name: demonstration}'" in msg
     cfg, src = load_train_config(None, ["hints.provider={name: demonstration, rows: all}"])
     assert build_hint_provider(cfg, src).rows == "all"  # the form the error shows builds
+
+
+# -- each section validates itself ---------------------------------------------------------------
+
+
+def test_every_section_is_a_section_and_the_old_validators_are_gone():
+    import dataclasses
+    import importlib.util
+
+    from composer_plugins.training import sections
+
+    cfg = TrainConfig()
+    nested = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
+    assert {"model", "rollout", "optim", "trainer", "compute", "eval", "sft", "hints"} <= set(nested)
+    for name in nested:
+        assert isinstance(getattr(cfg, name), sections.Section), name
+    assert importlib.util.find_spec("composer_plugins.training.limits") is None
+    import composer_plugins.training.config as config_module
+
+    assert not hasattr(config_module, "_check")
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ("RolloutSection(temperature=0.0)", "train.rollout.temperature: must be > 0, got 0.0."),
+        ("RolloutSection(num_iterations=0)", "train.rollout.num_iterations: must be >= 1, got 0."),
+        ("RolloutSection(importance_sampling='tokens')", "train.rollout.importance_sampling: unknown mode 'tokens'."),
+        ("RolloutSection(generator='sever')", "train.rollout.generator: Unknown rollout_generator 'sever'."),
+        ("OptimSection(lr=0.0)", "train.optim.lr: a learning rate must be > 0, got 0.0 — use a small positive"),
+        ("OptimSection(name='adamm')", "train.optim.name: Unknown optimizer 'adamm'"),
+        ("SFTSection(hint_kinds={'feedbak': 1})", "train.sft.hint_kinds.feedbak: unknown hint kind. Did you mean"),
+        ("SFTSection(steps=-1)", "train.sft.steps: must be >= 0, got -1 — use a number of optimizer steps"),
+        ("TrainerSection(strategy='dpp')", "train.trainer.strategy: unknown strategy 'dpp'. Did you mean: 'ddp'"),
+        ("TrainerSection(keep_checkpoints=-2)", "train.trainer.keep_checkpoints: must be >= -1, got -2 — use -1"),
+        ("ComputeSection(chunk_size=0)", "train.compute.chunk_size: must be >= 1, got 0."),
+        ("EvalSection(k=5, num_samples=4)", "train.eval.k: pass@5 needs eval.num_samples >= 5."),
+        ("EvalSection(temperature=float('nan'))", "train.eval.temperature: must be >= 0 (0: greedy samples), got nan."),
+        ("HintsSection(provider='templat')", "train.hints.provider: Unknown hint 'templat'."),
+        ("ModelSection(tiny=TinyModelConfig(hidden_size=30))", "train.model.tiny.num_heads: must divide model.tiny"),
+    ],
+)
+def test_a_section_refuses_its_own_bad_values_at_its_key(section, message):
+    """Each section checks itself, without the rest of the config; the error names the key it was given."""
+    from composer_plugins.core.config import Config
+    from composer_plugins.models.tiny import TinyModelConfig
+    from composer_plugins.training import sections
+
+    obj = eval(section, {**vars(sections), "TinyModelConfig": TinyModelConfig})
+    key = "train." + type(obj).__name__.removesuffix("Section").lower()  # RolloutSection: train.rollout
+    with pytest.raises(ConfigError) as e:
+        obj.validate(Config(), key)
+    assert str(e.value).startswith(message), str(e.value)
+    type(obj)().validate(Config(), key)  # the defaults pass

@@ -11,7 +11,6 @@ import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.training.builders import build_env
-from composer_plugins.training.module import ComposerModule
 from composer_plugins.training.policy import load_policy_for
 
 
@@ -26,21 +25,54 @@ class TextHashEnv:
 
 
 def test_eval_temperature_zero_samples_greedily(make_cfg):
+    from composer_plugins.training.evaluation import Validator
+
     cfg, src = make_cfg("", "eval.temperature=0", "eval.num_samples=3", "eval.k=3", "rollout.temperature=1.0")
     env = build_env(cfg, src)
     policy, tok = load_policy_for(cfg, env)
-    module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src, channels=[])
-    module.env = TextHashEnv(env)
     tasks = env.sample_tasks(6, split="test", seed=2)
-    out = module.evaluate_tasks(tasks, seed=7)
+    out = Validator(cfg, tok, TextHashEnv(env)).evaluate(policy, tasks, seed=7)
     # every sample is the greedy completion (a sampled one at the rollout's temperature would differ somewhere)
     greedy = out["rewards_greedy"].view(-1, 1).expand(-1, 3)
     assert torch.equal(out["rewards_samples"], greedy)
     # and a positive temperature does sample
     cfg, src = make_cfg("", "eval.temperature=1.0", "eval.num_samples=3", "eval.k=3")
-    module.cfg = cfg
-    out = module.evaluate_tasks(tasks, seed=7)
+    out = Validator(cfg, tok, TextHashEnv(env)).evaluate(policy, tasks, seed=7)
     assert not torch.equal(out["rewards_samples"], out["rewards_greedy"].view(-1, 1).expand(-1, 3))
+
+
+def test_the_validator_is_given_what_it_reads_and_owns_what_it_accumulates(make_cfg):
+    """No module: a config, a tokenizer, an env and a policy per call; its metrics and predictions are its own."""
+    from composer_plugins.training.batches import env_tasks
+    from composer_plugins.training.evaluation import Validator
+    from composer_plugins.training.metrics import pass_at_k
+
+    cfg, src = make_cfg("", "eval.num_samples=2", "eval.k=2")
+    env = build_env(cfg, src)
+    policy, tok = load_policy_for(cfg, env)
+    v = Validator(cfg, tok, env)
+    assert {n for n, _ in v.named_children()} == {"accuracy", "reward", "pass_at_k", "hint_fix", "hint_coverage"}
+    assert not list(v.parameters()) and not v.state_dict()  # holds no policy: nothing of it is checkpointed twice
+    v.predictions = []
+    logged: dict[str, list] = {}
+    tasks = env_tasks(env, "test", 6, cfg.eval.seed)
+    for i in range(2):
+        v.validation_step(
+            policy,
+            {"index": i, "tasks": tasks[3 * i : 3 * i + 3]},
+            lambda k, x, **kw: logged.setdefault(k, []).append(x),
+        )
+    assert set(logged) == {"val/accuracy", "val/mean_reward", "val/pass_at_2"}
+    assert logged["val/accuracy"] == [v.accuracy, v.accuracy]  # the metric object: Lightning reduces it per epoch
+    assert len(v.predictions) == 6
+    acc = sum(p["correct"] for p in v.predictions) / 6
+    assert float(v.accuracy.compute()) == pytest.approx(acc)
+    want = sum(pass_at_k(2, p["samples_correct"], 2) for p in v.predictions) / 6
+    assert float(v.pass_at_k.compute()) == pytest.approx(want)
+    # the held-out curve's point: the greedy accuracy of the same tasks, sampling off
+    assert v.greedy_accuracy(policy, tasks, seed=0) == pytest.approx(acc)
+    with pytest.raises(ValueError, match="eval.hint_uplift needs hints.provider"):
+        v.hint_uplift(policy, tasks, ["no"] * 6, torch.zeros(6), seed=0)
 
 
 @pytest.mark.parametrize("value", ["-0.5", ".nan"])

@@ -258,16 +258,17 @@ def test_validation_metrics_are_consistent(make_cfg):
     env = build_env(cfg)
     policy, tok = load_policy_for(cfg, env)
     module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
-    module.predictions = []
+    module.validator.predictions = []
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
     trainer.validate(module, dataloaders=eval_batches(env, cfg), verbose=False)
     acc = float(trainer.callback_metrics["val/accuracy"])
-    assert acc == pytest.approx(sum(p["correct"] for p in module.predictions) / len(module.predictions))
-    sampled = sum(p["samples_correct"] for p in module.predictions) / (2 * len(module.predictions))
+    preds = module.validator.predictions
+    assert acc == pytest.approx(sum(p["correct"] for p in preds) / len(preds))
+    sampled = sum(p["samples_correct"] for p in preds) / (2 * len(preds))
     assert float(trainer.callback_metrics["val/mean_reward"]) == pytest.approx(sampled)  # 0/1 reward, 2 samples
     assert 0.0 <= float(trainer.callback_metrics["val/pass_at_2"]) <= 1.0
     # the held-out split never overlaps the training stream
-    held = {p["question"] for p in module.predictions}
+    held = {p["question"] for p in preds}
     train = {t["question"] for i in range(20) for t in env.sample_tasks(4, "train", derive_seed(0, 0, i))}
     assert not held & train
 

@@ -7,10 +7,13 @@ policy, SGLang's ``/update_weights_from_disk``, the teachers' loopback fault inj
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from composer_plugins.core.cli import cli
 from composer_plugins.core.hookspecs import hookimpl
 
 
@@ -48,6 +51,15 @@ def test_hook_register_rollout_generators(fresh_pm, make_cfg):
         reg = plugins.get_registry()
         assert reg.get("rollout_generators", "counting").plugin == "ip_rollouts"
         assert {"hf", "server", "counting"} <= set(reg.names("rollout_generators"))
+        # listed with provenance beside the built-ins, which register through the same hook
+        listed = json.loads(CliRunner().invoke(cli, ["list", "generators", "--json"]).output)
+        by = {d["name"]: d for d in listed}
+        assert set(by) == {"counting", "hf", "multi_turn", "server"} and by["counting"]["plugin"] == "ip_rollouts"
+        assert by["hf"]["distribution"] == "composer-plugins" and by["counting"]["description"] == "Counts its calls."
+        hooks = json.loads(
+            CliRunner().invoke(cli, ["plugins", "--all", "--hook", "register_rollout_generators"]).output
+        )
+        assert {"composer_plugins.training.rollouts", "ip_rollouts"} <= {d["name"] for d in hooks}
         cfg, src = make_cfg("", "sft.enabled=false", "rollout.generator.name=counting", "rollout.generator.tag=x")
         gen = build_generator(cfg, src)
         assert isinstance(gen, _CountingGenerator) and gen.kw == {"tag": "x"}
@@ -63,15 +75,57 @@ def test_hook_register_rollout_generators(fresh_pm, make_cfg):
         plugins.reset()
 
 
-def test_unknown_generator_is_located(make_cfg):
-    from composer_plugins.core.errors import ComposerPluginsError
+def test_unknown_generator_is_located(make_cfg, tmp_path):
+    from composer_plugins.core.errors import ComposerPluginsError, ConfigError
     from composer_plugins.training.builders import build_generator
+    from composer_plugins.training.config import load_train_config
 
-    cfg, src = make_cfg("", "rollout.generator=sever")
-    with pytest.raises(ComposerPluginsError, match="server"):
+    # refused when the config is read (before any model), with the names there are and the closest one
+    with pytest.raises(ConfigError) as e:
+        make_cfg("", "rollout.generator=sever")
+    msg = str(e.value)
+    assert msg.startswith("command-line override 'rollout.generator=sever': rollout.generator: Unknown"), msg
+    assert "Did you mean: 'server'?" in msg and "Available rollout_generators: hf, multi_turn, server." in msg
+    p = tmp_path / "c.yaml"
+    p.write_text("seed: 0\nrollout:\n  generator: {name: hff}\n")
+    with pytest.raises(ConfigError, match=rf"{p}:3: rollout\.generator\.name: Unknown rollout_generator 'hff'"):
+        load_train_config(p)
+    # a spec changed after loading is refused, located, when it is built
+    cfg, src = make_cfg("")
+    cfg.rollout.generator = "sever"
+    with pytest.raises(ComposerPluginsError, match="Did you mean: 'server'"):
         build_generator(cfg, src)
     with pytest.raises(ComposerPluginsError, match="rollout.generator: multi-turn"):
         make_cfg("", "rollout.generator=server", "rollout.max_turns=2")
+
+
+def test_a_registered_object_without_generate_is_refused_at_rollout_generator(fresh_pm, make_cfg):
+    from composer_plugins.core import plugins
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.training.builders import build_generator
+
+    class NoGenerate:
+        """Registered as a generator, but has nothing to sample with."""
+
+    class P:
+        __name__ = "broken_generators"
+
+        @hookimpl
+        def register_rollout_generators(self, register):
+            register("no_generate", NoGenerate, description="No generate method.")
+
+    fresh_pm.register(P(), name="broken_generators")
+    plugins.use_plugin_manager(fresh_pm)
+    try:
+        cfg, src = make_cfg("", "rollout.generator=no_generate")
+        with pytest.raises(
+            ConfigError,
+            match=r"override 'rollout.generator=no_generate': rollout.generator: .*NoGenerate is not a rollout",
+        ):
+            build_generator(cfg, src)
+    finally:
+        fresh_pm.unregister(name="broken_generators")
+        plugins.reset()
 
 
 # -- the server generator against the loopback server ------------------------------------------

@@ -29,9 +29,12 @@ Channels: the policy channel is always on — ``policy="dppo"`` is
 the extra channels off, this function returns exactly PRIME-RL's default loss); ``dapo`` /
 ``cispo`` / ``gspo`` use :func:`~composer_plugins.losses.functional.policy_loss` with the
 inference log-probs as the old policy. ``hint_weight > 0`` adds hint self-distillation where the
-sample carries ``ref_logprobs`` (PRIME-RL's ``opsd`` scores the sample under the live policy
-conditioned on a demonstration: our hint teacher): ``hint_weight · Σ_t KL̂(π‖π_hint)`` with the
-``hint_estimator`` of :func:`~composer_plugins.losses.functional.kl_estimate`. PRIME-RL hands
+sample carries ``ref_logprobs`` (the live policy scoring the sample conditioned on its hint):
+``hint_weight · Σ_t KL̂(π‖π_hint)`` with the ``hint_estimator`` of
+:func:`~composer_plugins.losses.functional.kl_estimate`. ``mode="local"`` feeds that stream (and the
+teacher stream of ``teacher_weight``); a PRIME-RL run at the commit above never does (its ``opsd``/``opd``
+algorithms send those samples to its own ``ref_kl`` loss), so ``mode="prime-rl"`` refuses both channels
+(:mod:`composer_plugins.backends.support`). PRIME-RL hands
 the loss only sampled-token log-probs, so the full-vocabulary divergences (JSD, TAID) of the
 native hint channel cannot run here, and the replay-DPO channel (which needs chosen/rejected pairs)
 has no place in a per-sample contract.
@@ -50,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.backends import support
 from composer_plugins.backends.base import Backend
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
@@ -320,12 +324,6 @@ class PrimeRLBackend(Backend):
         #: ``(teacher, ema_rate)`` of the hint channel (``losses.hint_distill.teacher``; local mode runs ``ema``).
         self.hint_teacher: tuple[str, float] = ("live", 0.0)
         self.loss_kwargs = self._loss_kwargs()
-        if self.hint_teacher[0] == "ema" and mode == "prime-rl":
-            raise self.src.error(
-                "losses.hint_distill.teacher",
-                "an EMA hint teacher runs in mode='local' only (PRIME-RL scores the hint reference with its "
-                "inference policy); use teacher: live with mode='prime-rl'.",
-            )
 
     def _loss_kwargs(self) -> dict[str, Any]:
         """The loss kwargs of the enabled channels, each placed by what its class declares (never by its name):
@@ -333,6 +331,7 @@ class PrimeRLBackend(Backend):
         stream, the one reading teachers' scores the teacher stream; any other is refused, located."""
         from composer_plugins.training.loss_specs import declared_channels
 
+        support.check_channels(f"prime_rl:{self.mode}", self.config, self.src)  # refused here, never dropped later
         kwargs: dict[str, Any] = {}
         policies = []
         for ch in declared_channels(self.config.losses, self.src):
@@ -389,6 +388,7 @@ class PrimeRLBackend(Backend):
     # -- PRIME-RL run --------------------------------------------------------------------
     def toml(self) -> str:
         """A PRIME-RL ``rl`` config selecting our loss (model, batch, sampling and optimizer from the config)."""
+        support.check_channels("prime_rl:prime-rl", self.config, self.src)  # the TOML is the upstream run
         c = self.config
         model = self.model_name or c.model.name_or_path
         kw = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.loss_kwargs.items())

@@ -9,7 +9,8 @@ point whenever ``verl`` is imported (driver and Ray workers alike), which regist
 No distillation loss is registered: VeRL's distillation-loss registry (``register_distillation_loss``)
 hands a loss the teacher's log-prob of the sampled token (or top-k log-probs) for the student's own
 prompt, while the hint channel needs the policy conditioned on prompt + hint with full logits; see
-docs/backends.md. The ``verl`` backend warns about the channels it drops.
+docs/backends.md. The ``verl`` backend refuses those channels when it is built
+(``composer_plugins.backends.support``), never drops them.
 
 :mod:`composer_plugins_verl.plugin` registers the ``verl`` backend through the composer-plugins
 entry point. Importing this package itself imports no upstream library; the names below load on

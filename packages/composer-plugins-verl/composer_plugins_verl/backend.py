@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.backends import support
 from composer_plugins.backends.base import Backend, scalar_metrics
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
@@ -380,18 +381,11 @@ class VeRLBackend(Backend):
         class declares the group advantages and a loss VeRL's registry holds (never chosen by its name)."""
         from composer_plugins.training.loss_specs import declared_channels
 
+        support.check_channels(f"verl:{self.mode}", self.config, self.src)  # a channel VeRL cannot run is refused
         found = []
         for ch in declared_channels(self.config.losses, self.src):
             if ch.is_policy and (ch.loss_type or ch.name) in POLICY_LOSSES.values():
                 found.append((str(ch.loss_type or ch.name), ch.kwargs))
-            else:
-                import warnings
-
-                warnings.warn(
-                    f"losses.{ch.key} ({ch.name}) does not run in VeRL: only the policy-loss channel does "
-                    "(see docs/backends.md#verl)",
-                    stacklevel=3,
-                )
         if len(found) != 1:
             raise self.src.error(
                 "losses",

@@ -1,0 +1,274 @@
+"""The one hint-provider contract: a request per row with its rollout group, the base class, older shapes adapted."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from composer_plugins.envs.base import Feedback
+
+
+@dataclass(frozen=True)
+class SiblingGroup:
+    """One row's view of its rollout group: the ``G`` completions sampled for the same prompt.
+
+    Attributes:
+        completions: every completion of the group, this row's included (text or chat messages).
+        rewards: their rewards, in the same order.
+        index: this row's position in the group.
+        success_threshold: reward at or above which a completion counts as successful (the
+            rollout's ``success_threshold``; a provider may apply its own).
+    """
+
+    completions: tuple[Any, ...]
+    rewards: tuple[float, ...]
+    index: int
+    success_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        if len(self.completions) != len(self.rewards):
+            raise ValueError(f"a group has {len(self.completions)} completions but {len(self.rewards)} rewards")
+        if not 0 <= self.index < len(self.completions):
+            raise IndexError(f"row index {self.index} is outside its group of {len(self.completions)}")
+
+    @property
+    def completion(self) -> Any:
+        """This row's own completion."""
+        return self.completions[self.index]
+
+    @property
+    def reward(self) -> float:
+        """This row's own reward."""
+        return self.rewards[self.index]
+
+    def successful_siblings(self, threshold: float | None = None) -> list[int]:
+        """Indices of the *other* completions whose reward is at least ``threshold`` (default: the group's).
+
+        Never this row's own index: a teacher conditioned on the row's own success would only
+        teach the student to copy itself.
+        """
+        thr = self.success_threshold if threshold is None else threshold
+        return [j for j, r in enumerate(self.rewards) if j != self.index and r is not None and float(r) >= thr]
+
+
+def sibling_groups(
+    completions: Sequence[Any], rewards: Sequence[float], group_size: int, success_threshold: float = 1.0
+) -> list[SiblingGroup]:
+    """One :class:`SiblingGroup` per row of a rollout whose rows ``i`` form groups ``i // group_size``."""
+    n = len(completions)
+    if len(rewards) != n:
+        raise ValueError(f"{n} completions but {len(rewards)} rewards")
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"{n} rows do not split into groups of {group_size}")
+    out: list[SiblingGroup] = []
+    for start in range(0, n, group_size):
+        comps = tuple(completions[start : start + group_size])
+        rs = tuple(float(r) for r in rewards[start : start + group_size])
+        out.extend(SiblingGroup(comps, rs, j, float(success_threshold)) for j in range(group_size))
+    return out
+
+
+@dataclass(frozen=True)
+class HintRequest:
+    """What a hint provider is asked about one row: a failed (or any) completion and its context.
+
+    Attributes:
+        prompt: the prompt the completion answers (text or chat messages).
+        completion: the student's completion (text or chat messages).
+        feedback: the env's :class:`~composer_plugins.envs.base.Feedback` on it (``None``: none).
+        task: the task dict (the env's fields: ``answer``, ``tests`` ...).
+        reward: the completion's reward.
+        group: the row's rollout group (its siblings and their rewards), ``None`` when not sampled.
+    """
+
+    prompt: Any = None
+    completion: Any = None
+    feedback: Feedback | None = None
+    task: Mapping[str, Any] | None = None
+    reward: float | None = None
+    group: SiblingGroup | None = None
+
+
+class HintProvider:
+    """Base class of hint providers: ``hint(request) -> str | None`` per row, ``hints(requests)`` per batch.
+
+    ``None`` means "no hint" (the completion was correct, or nothing useful can be said). Providers
+    that call models override :meth:`hints` (concurrent calls); providers that read the rollout
+    group set ``reads_groups = True`` (callers then gather the group's siblings across processes).
+    """
+
+    name: ClassVar[str] = "hint"
+    #: True when the provider reads :attr:`HintRequest.group`.
+    reads_groups: ClassVar[bool] = False
+
+    def hint(self, request: HintRequest) -> str | None:
+        """One hint."""
+        raise NotImplementedError(f"{type(self).__name__} must implement hint(request) or hints(requests)")
+
+    async def ahint(self, request: HintRequest) -> str | None:
+        """Async :meth:`hint` (the default just calls it)."""
+        return self.hint(request)
+
+    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
+        """Hints for a batch of requests, one per request."""
+        return [self.hint(r) for r in requests]
+
+    def __call__(self, request: HintRequest) -> str | None:
+        return self.hint(request)
+
+    def kinds(self, hints: Sequence[Any]) -> list[str | None]:
+        """Which provider gave each of ``hints`` (this provider's last :meth:`hints` call): its name, or ``None``.
+
+        A :class:`ChainHintProvider` names the member that answered, so a run can log each kind's share.
+        """
+        return [self.name if h else None for h in hints]
+
+
+# -- older provider shapes, adapted once when the provider is built ---------------------------------
+class _LegacyRows(HintProvider):
+    """A ``hint(feedback, *, prompt, completion, task[, group])`` callable behind the request contract."""
+
+    name = "legacy"
+
+    def __init__(self, fn: Any, with_group: bool, source: Any) -> None:
+        self.fn, self.with_group, self.source = fn, with_group, source
+        self.reads_groups = with_group  # type: ignore[misc]
+
+    def hint(self, request: HintRequest) -> str | None:
+        kw: dict[str, Any] = {"prompt": request.prompt, "completion": request.completion, "task": request.task}
+        if self.with_group:
+            kw["group"] = request.group
+        return self.fn(request.feedback, **kw)  # type: ignore[no-any-return]
+
+
+class _LegacyBatch(HintProvider):
+    """A ``hints(feedbacks, prompts, completions, tasks[, groups=])`` method behind the request contract."""
+
+    name = "legacy"
+
+    def __init__(self, fn: Any, with_groups: bool, source: Any) -> None:
+        self.fn, self.with_groups, self.source = fn, with_groups, source
+        self.reads_groups = with_groups  # type: ignore[misc]
+
+    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
+        cols = (
+            [r.feedback for r in requests],
+            [r.prompt for r in requests],
+            [r.completion for r in requests],
+            [r.task for r in requests],
+        )
+        if self.with_groups:
+            return list(self.fn(*cols, groups=[r.group for r in requests]))
+        return list(self.fn(*cols))
+
+    def hint(self, request: HintRequest) -> str | None:
+        return self.hints([request])[0]
+
+
+def _params(fn: Any) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _takes(params: Sequence[inspect.Parameter], name: str) -> bool:
+    return any(p.name == name and p.kind is not p.VAR_POSITIONAL for p in params) or any(
+        p.kind is p.VAR_KEYWORD for p in params
+    )
+
+
+def _first_is(params: Sequence[inspect.Parameter], name: str) -> bool:
+    return bool(params) and params[0].name == name
+
+
+def as_hint_provider(obj: Any) -> HintProvider:
+    """``obj`` behind the one request contract, adapted once (at build time, never per call).
+
+    Accepted: a provider with ``hints(requests)`` / ``hint(request)`` (returned as is); the older
+    shapes — an object with ``hints(feedbacks, prompts, completions, tasks[, groups=])`` or
+    ``hint(feedback, *, prompt, completion, task[, group])``, or such a plain callable — wrapped.
+    """
+    if isinstance(obj, HintProvider):
+        cls = type(obj)
+        own_hints = cls.hints is not HintProvider.hints
+        own_hint = cls.hint is not HintProvider.hint
+        if own_hints and not _first_is(_params(obj.hints), "requests"):
+            return _LegacyBatch(obj.hints, _takes(_params(obj.hints), "groups"), obj)
+        if own_hint and not own_hints and not _first_is(_params(obj.hint), "request"):
+            return _LegacyRows(obj.hint, _takes(_params(obj.hint), "group"), obj)
+        return obj
+    hints_fn = getattr(obj, "hints", None)
+    if callable(hints_fn):
+        if _first_is(_params(hints_fn), "requests"):
+            return _Wrapped(obj, batch=hints_fn)
+        return _LegacyBatch(hints_fn, _takes(_params(hints_fn), "groups"), obj)
+    fn = getattr(obj, "hint", None) or obj
+    if not callable(fn):
+        raise TypeError(f"{obj!r} is not a hint provider: give an object with hints(requests) or hint(request)")
+    if _first_is(_params(fn), "request"):
+        return _Wrapped(obj, row=fn)
+    return _LegacyRows(fn, _takes(_params(fn), "group"), obj)
+
+
+class _Wrapped(HintProvider):
+    """A duck-typed provider (not a :class:`HintProvider` subclass) already on the request contract."""
+
+    name = "wrapped"
+
+    def __init__(self, source: Any, *, batch: Any = None, row: Any = None) -> None:
+        self.source, self._batch, self._row = source, batch, row
+        self.reads_groups = bool(getattr(source, "reads_groups", False))  # type: ignore[misc]
+
+    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
+        if self._batch is not None:
+            return list(self._batch(list(requests)))
+        return [self._row(r) for r in requests]
+
+    def hint(self, request: HintRequest) -> str | None:
+        return self.hints([request])[0]
+
+
+def reads_groups(provider: Any) -> bool:
+    """Whether ``provider`` (built by :func:`build_hint_provider`) reads the rollout group."""
+    return bool(getattr(provider, "reads_groups", False))
+
+
+def hint_requests(
+    feedbacks: Sequence[Any],
+    prompts: Sequence[Any] | None = None,
+    completions: Sequence[Any] | None = None,
+    tasks: Sequence[Mapping[str, Any]] | None = None,
+    groups: Sequence[SiblingGroup | None] | None = None,
+) -> list[HintRequest]:
+    """One :class:`HintRequest` per row from columns (the rows' rewards taken from their groups)."""
+    n = len(feedbacks)
+    for what, col in (("prompts", prompts), ("completions", completions), ("tasks", tasks), ("groups", groups)):
+        if col is not None and len(col) != n:
+            raise ValueError(f"{len(col)} {what} for {n} rows")
+    out = []
+    for i in range(n):
+        g = groups[i] if groups is not None else None
+        out.append(
+            HintRequest(
+                prompt=prompts[i] if prompts is not None else None,
+                completion=completions[i] if completions is not None else None,
+                feedback=feedbacks[i],
+                task=tasks[i] if tasks is not None else None,
+                reward=g.reward if g is not None else None,
+                group=g,
+            )
+        )
+    return out
+
+
+def build_hint_provider(spec: Any, key: str = "hints") -> HintProvider:
+    """A hint provider on the request contract from a name (``"template"``), ``{"name": ..., **kwargs}`` or an
+    object (a provider, or an older-shape provider or callable, adapted once here: :func:`as_hint_provider`)."""
+    if isinstance(spec, str | Mapping):
+        from composer_plugins.core.config import build_component
+
+        spec = build_component("hints", spec, key=key)
+    return as_hint_provider(spec)

@@ -1,0 +1,406 @@
+"""The channel × backend table of docs/backends.md, one test per cell.
+
+Every built-in channel in every backend mode: a ``runs``/``limits`` cell trains one tiny step of that channel
+in that mode (the composing modes train every channel in one shared step) and checks the channel contributed a
+finite loss; a ``refused`` cell checks that building the backend refuses it, located at its ``losses.<key>``
+line, naming the mode and a mode that runs it. The table itself is :mod:`composer_plugins.backends.support`;
+the doc must equal what it renders.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from composer_plugins import build
+from composer_plugins.backends import support
+from composer_plugins.core.errors import ConfigError
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+#: The built-in channels, in table order (``test_the_builtin_channels_are_the_registrys`` keeps it true).
+BUILTIN = (
+    "bnpo",
+    "cispo",
+    "dapo",
+    "dppo",
+    "dr_grpo",
+    "grpo",
+    "gspo",
+    "hint_distill",
+    "replay_dpo",
+    "replay_simpo",
+    "teacher_distill",
+)
+POLICY_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "dppo")
+#: Channels whose loss at an on-policy first step is ~0 by construction (ratio 1, group-centred advantages).
+ON_POLICY_ZERO = {"grpo", "bnpo", "dr_grpo", "dapo", "gspo", "dppo"}
+
+
+# ----------------------------------------------------------------------------------------------
+# shared fixtures (module scope: each backend mode trains at most a few one-step runs)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def env_vars():
+    """The toy env importable by class_path in the actor processes too (the conftest loads the backends)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        yield
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, env_vars):
+    """A teacher model with its own tokenizer, preference pairs on disk, an output root."""
+    from composer_plugins.testing.teacher_data import build_tiny_chat_model
+
+    root = tmp_path_factory.mktemp("matrix")
+    pairs = root / "pairs.jsonl"
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": f"Q: {a}+{a}=? A:", "chosen": f" {2 * a}", "rejected": f" {2 * a + 1}"}) + "\n"
+            for a in range(6)
+        )
+    )
+    teacher = build_tiny_chat_model(root / "teacher", vocab_size=260, seed=7)
+    return {"root": root, "pairs": pairs, "teacher": str(teacher)}
+
+
+def _spec(name: str, teacher: str) -> dict[str, Any]:
+    if name == "teacher_distill":
+        return {"weight": 0.5, "teachers": [{"kind": "causal_lm", "id": "t", "model_path": teacher, "topk": 4}]}
+    return {"weight": 0.5 if name in ("hint_distill", "replay_dpo", "replay_simpo") else 1.0}
+
+
+@pytest.fixture(scope="module")
+def make_config(files, tiny_model_dir):
+    """``make_config(names, tag)``: the shared one-step config training ``names`` (tiny policy, toy env)."""
+
+    def make(names, tag: str) -> dict[str, Any]:
+        return {
+            "seed": 0,
+            "output_dir": str(files["root"] / tag),
+            "cache_dir": str(files["root"] / "cache"),
+            "model": {"name_or_path": tiny_model_dir},
+            "env": {"class_path": "backend_envs.ToyAddEnv"},
+            "sft": {"enabled": False},
+            "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6},
+            "losses": {n: _spec(n, files["teacher"]) for n in names},
+            "hints": {"provider": {"class_path": "backend_envs.AnswerHints"}},
+            "replay": {"pairs_path": str(files["pairs"]), "pairs_per_step": 2},
+            "optim": {"lr": 3e-3},
+            "trainer": {"max_steps": 1, "num_threads": 1, "enable_progress_bar": False},
+            "eval": {"num_problems": 2, "batch_size": 2, "k": 1, "num_samples": 1, "at_start": False, "at_end": False},
+        }
+
+    return make
+
+
+class Runs:
+    """One-step runs, made on first use and kept for the module."""
+
+    def __init__(self, make_config) -> None:
+        self.make = make_config
+        self.done: dict[tuple[str, ...], dict[str, float]] = {}
+
+    def row(self, mode: str, names: tuple[str, ...]) -> dict[str, float]:
+        key = (mode, *names)
+        if key not in self.done:
+            cfg = self.make(names, "-".join(key).replace(":", "_"))
+            backend, _, sub = mode.partition(":")
+            opts: dict[str, Any] = {"mode": sub} if sub else {}
+            if backend == "monarch":
+                opts["generators"] = 1
+            if backend == "prime_rl":  # prime_rl itself is not installable here: its local mode is built directly
+                from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+                b = PrimeRLBackend(cfg, **opts)
+            else:
+                b = build("backends", backend, config=cfg, **opts)
+            res = b.train()
+            assert len(res.history) == 1
+            self.done[key] = res.history[0]
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def runs(make_config):
+    return Runs(make_config)
+
+
+def _finite(row: dict[str, float], key: str) -> float:
+    assert key in row, (key, sorted(row))
+    v = float(row[key])
+    assert math.isfinite(v), (key, v)
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# the runs / limits cells, one checker per mode
+# ----------------------------------------------------------------------------------------------
+def _composed(runs: Runs, mode: str, name: str) -> None:
+    """lightning / trl / monarch: every built-in channel in one step; this one live, finite, its metrics there."""
+    prefix = {"lightning": "train/", "trl": "composer/", "monarch": ""}[mode]
+    row = runs.row(mode, BUILTIN)
+    assert row[f"{prefix}{name}/skipped"] == 0.0, row
+    loss = _finite(row, f"{prefix}{name}/loss")
+    if name in ON_POLICY_ZERO:
+        assert _finite(row, f"{prefix}{name}/tokens") > 0  # the channel's own metric: it read the completion tokens
+    else:
+        assert loss != 0.0
+    if name == "hint_distill":
+        assert _finite(row, f"{prefix}hint/fraction") > 0  # rows were hinted
+    if name == "teacher_distill":
+        assert row[f"{prefix}teacher/t/skipped"] == 0.0
+
+
+def _verl_local(runs: Runs, name: str) -> None:
+    """VeRL's own ``compute_advantage`` + ``ppo_loss`` on the registered ``composer_<type>`` loss, one step."""
+    row = runs.row("verl:local", (name,))
+    _finite(row, "actor/pg_loss")
+    assert _finite(row, f"actor/composer_{name}/tokens") > 0
+
+
+def _verl_ray(runs: Runs, name: str) -> None:
+    """The upstream run's loss: the overrides select ``composer_<type>``, which VeRL's own registry resolves, and
+    VeRL's ``ppo_loss`` (what its actor workers call) computes a finite loss with a gradient."""
+    from composer_plugins_verl import backend as V
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    b = build("backends", "verl", config=runs.make((name,), f"verl_ray-{name}"), mode="ray")
+    ov = dict(o.split("=", 1) for o in b.overrides())
+    loss_mode = ov["actor_rollout_ref.actor.policy_loss.loss_mode"]
+    assert loss_mode == f"composer_{name}"
+    fn = get_policy_loss_fn(loss_mode)
+    g = torch.Generator().manual_seed(0)
+    old = torch.log(torch.rand(4, 5, generator=g) * 0.8 + 0.1)
+    new = (old + 0.1 * torch.randn(4, 5, generator=g)).requires_grad_()
+    adv = torch.randn(4, 1, generator=g).expand(4, 5)
+    mask = torch.ones(4, 5)
+    mask[0, 3:] = 0
+    cfg = V.make_actor_config(loss_mode, ov["actor_rollout_ref.actor.loss_agg_mode"])
+    loss, metrics = fn(old, new, adv, mask, ov["actor_rollout_ref.actor.loss_agg_mode"], cfg)
+    assert torch.isfinite(loss) and float(loss.detach()) != 0.0
+    (grad,) = torch.autograd.grad(loss, new)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert f"actor/composer_{name}/tokens" in metrics
+
+
+#: PRIME-RL local runs: one policy channel per run, hint_distill and teacher_distill each beside one.
+_PRIME_RUNS = {
+    "dppo": ("dppo", "hint_distill"),
+    "hint_distill": ("dppo", "hint_distill"),
+    "dapo": ("dapo", "teacher_distill"),
+    "teacher_distill": ("dapo", "teacher_distill"),
+    "cispo": ("cispo",),
+    "gspo": ("gspo",),
+}
+
+
+def _prime_local(runs: Runs, name: str) -> None:
+    """PRIME-RL's per-sample ``loss_fn`` under its aggregation, one optimizer step on the tiny policy."""
+    row = runs.row("prime_rl:local", _PRIME_RUNS[name])
+    assert _finite(row, "loss") != 0.0
+    if name == "hint_distill":
+        assert row["hint/skipped"] == 0.0 and _finite(row, "hint/kl") != 0.0
+    elif name == "teacher_distill":
+        assert row["teacher_distill/skipped"] == 0.0 and _finite(row, "teacher_distill/divergence") > 0.0
+    elif name == "dppo":
+        _finite(row, "masked_mismatch_kl")
+    else:
+        assert _finite(row, "tokens") > 0
+
+
+def _import_object(dotted: str) -> Any:
+    """PRIME-RL's ``import_object`` (how ``[trainer.loss] import_path`` is resolved)."""
+    import importlib
+
+    module, _, attr = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _prime_upstream(runs: Runs, name: str) -> None:
+    """The upstream run's loss: the TOML PRIME-RL would read, its ``import_path`` and kwargs, on PRIME-RL's
+    per-sample contract and aggregation."""
+    from composer_plugins_prime_rl import backend as P
+
+    b = P.PrimeRLBackend(runs.make((name,), f"prime_up-{name}"), mode="prime-rl")
+    loss_cfg = tomllib.loads(b.toml())["trainer"]["loss"]
+    fn = _import_object(loss_cfg["import_path"])
+    g = torch.Generator().manual_seed(1)
+    infer = torch.log(torch.rand(3, 6, generator=g) * 0.8 + 0.1)
+    trainer = (infer + 0.1 * torch.randn(3, 6, generator=g)).requires_grad_()
+    mask = torch.ones(3, 6)
+    mask[1, 4:] = 0
+    samples = P.samples_from_batch(trainer, infer, torch.tensor([1.0, -0.5, 0.25]), mask)
+    loss, _ = P.aggregate(samples, fn, **loss_cfg["kwargs"])
+    assert torch.isfinite(loss) and float(loss.detach()) != 0.0
+    (grad,) = torch.autograd.grad(loss, trainer)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def _check_runs(runs: Runs, mode: str, name: str) -> None:
+    if mode in support.COMPOSING:
+        _composed(runs, mode, name)
+    elif mode == "verl:local":
+        _verl_local(runs, name)
+    elif mode == "verl:ray":
+        _verl_ray(runs, name)
+    elif mode == "prime_rl:local":
+        _prime_local(runs, name)
+    else:
+        _prime_upstream(runs, name)
+
+
+def _check_refused(make_config, tmp_path: Path, mode: str, name: str, cell: support.Cell) -> None:
+    """Building the backend on a YAML config refuses the channel at its ``losses.<name>`` line."""
+    import yaml
+
+    cfg = make_config(("dppo", name) if name != "dppo" else (name,), "refused")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.strip().startswith(f"{name}:"))
+    backend, _, sub = mode.partition(":")
+    if backend == "prime_rl":
+        from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+        with pytest.raises(ConfigError) as err:
+            PrimeRLBackend(str(path), mode=sub)
+    else:
+        with pytest.raises(ConfigError) as err:
+            build("backends", backend, config=str(path), mode=sub)
+    e = err.value
+    assert e.key == f"losses.{name}" and e.file == str(path) and e.line == line, str(e)
+    text = str(e)
+    assert f"{backend} backend (mode={sub!r})" in text and cell.note in text
+    assert re.search(r"It runs in: (lightning|trl|monarch)", text), text
+
+
+@pytest.mark.parametrize("mode", support.MODES)
+@pytest.mark.parametrize("name", BUILTIN)
+def test_cell(name, mode, runs, make_config, tmp_path):
+    """One cell of the table: it runs (one step, a finite loss from this channel) or is refused at build time."""
+    from composer_plugins.core.plugins import get_registry
+
+    c = support.cell(mode, get_registry().build("losses", name))
+    if c.runs:
+        _check_runs(runs, mode, name)
+    else:
+        _check_refused(make_config, tmp_path, mode, name, c)
+
+
+#: For each channel, an option no re-implementing mode carries, with a valid non-default value.
+UNCARRIED = {
+    **{t: ("beta", 0.04) for t in POLICY_TYPES if t != "dppo"},
+    "dppo": ("normalize", "sequences"),
+    "hint_distill": ("criterion", "taid"),
+    "teacher_distill": ("min_agree", 1),
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "name"),
+    [
+        (m, n)
+        for m in support.MODES
+        if m not in support.COMPOSING
+        for n in BUILTIN
+        if support.cell(
+            m, "hint" if n == "hint_distill" else "teacher" if n == "teacher_distill" else f"policy:{n}"
+        ).runs
+    ],
+)
+def test_an_option_the_mode_does_not_carry_is_refused_at_its_line(mode, name, make_config, tmp_path):
+    """In a mode that re-implements the loss, an option it would drop is refused, located; a carried one is not."""
+    import yaml
+
+    opt, value = UNCARRIED[name]
+    names = (name,) if name in POLICY_TYPES else ("dppo", name)
+    cfg = make_config(names, "options")
+    backend, _, sub = mode.partition(":")
+
+    def make(path):
+        if backend == "prime_rl":
+            from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+            return PrimeRLBackend(str(path), mode=sub)
+        return build("backends", backend, config=str(path), mode=sub)
+
+    carried = sorted(support.cell(mode, "policy:dppo" if name == "dppo" else f"policy:{name}").carries or ())
+    if name in POLICY_TYPES:  # a carried option passes: its value reaches the upstream loss
+        ok = tmp_path / "ok.yaml"
+        cfg["losses"][name][carried[0] if name == "dppo" else "epsilon_high"] = 0.3
+        ok.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        make(ok)
+    cfg["losses"][name][opt] = value
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with pytest.raises(ConfigError) as err:
+        make(bad)
+    assert err.value.key == f"losses.{name}.{opt}" and err.value.file == str(bad) and err.value.line, str(err.value)
+    assert "does not carry this option" in str(err.value) and "lightning, trl, monarch" in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# the declaration itself
+# ----------------------------------------------------------------------------------------------
+def test_the_builtin_channels_are_the_registrys(env_vars):
+    assert tuple(support.builtin_channels()) == BUILTIN
+
+
+def test_the_doc_table_is_the_declaration(env_vars):
+    doc = (ROOT / "docs" / "backends.md").read_text()
+    start = "<!-- support table: generated by composer_plugins.backends.support.markdown_table() -->\n"
+    end = "<!-- end of support table -->"
+    assert start in doc and end in doc
+    assert doc.split(start, 1)[1].split(end, 1)[0].strip() == support.markdown_table().strip()
+
+
+def test_the_declaration_matches_the_adapters(env_vars):
+    """What the table says VeRL and PRIME-RL run is what their adapters implement."""
+    from composer_plugins_prime_rl.backend import POLICIES
+    from composer_plugins_verl.backend import POLICY_LOSSES
+
+    for mode in ("verl:local", "verl:ray"):
+        assert {t for t in POLICY_TYPES if support.cell(mode, f"policy:{t}").runs} == set(POLICY_LOSSES.values())
+    for mode in ("prime_rl:local", "prime_rl:prime-rl"):
+        assert {t for t in POLICY_TYPES if support.cell(mode, f"policy:{t}").runs} == set(POLICIES)
+
+
+def test_a_third_party_channel_gets_an_answer_from_what_it_declares(env_vars):
+    """A channel the table has never heard of: composed backends run it, re-implementing ones refuse it."""
+    from composer_plugins.losses.base import LossChannel
+
+    class Focal(LossChannel):
+        requires = ("logprobs", "advantages", "completion_mask")
+
+    class Hinted(LossChannel):
+        needs_teacher = True
+        requires = ("hint_mask",)
+
+    assert support.channel_kind(Focal()) == "custom" and support.channel_kind(Hinted()) == "hint"
+    assert [support.cell(m, Focal()).status for m in support.MODES] == [
+        "runs",
+        "runs",
+        "refused",
+        "refused",
+        "refused",
+        "refused",
+        "runs",
+    ]
+    assert support.cell("prime_rl:local", Hinted()).status == "limits"
+    with pytest.raises(ConfigError, match=r"losses\.Focal: .*It runs in: lightning, trl, monarch"):
+        support.check_channels("verl:local", [Focal()])
+    assert support.check_channels("trl", [Focal(), Hinted()]) == [
+        ("Focal", support.Cell("runs")),
+        ("Hinted", support.Cell("runs")),
+    ]
+    with pytest.raises(ConfigError, match="unknown backend mode 'verl:fsdp'"):
+        support.cell("verl:fsdp", Focal())
