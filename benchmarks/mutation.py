@@ -116,7 +116,7 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "training/assemble",
-            files=("training/assemble.py",),
+            files=("training/assemble.py", "training/input_builders.py"),
             tests=("tests/training/test_assemble_mutants.py", "tests/training/test_training_assemble.py"),
             target=75.0,
             sample=40,

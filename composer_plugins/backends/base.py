@@ -8,13 +8,21 @@ A backend is the trainer a set of loss channels runs in. All of them read the sa
 ``train()`` returns a :class:`~composer_plugins.training.run.RunResult` and writes
 ``<output_dir>/model`` (``save_pretrained``), ``history.csv`` and ``metrics.json`` like the
 native path does.
+
+What every backend's local mode shares lives here once: the ``max_steps`` override (:class:`Backend`),
+the optimizer step (:func:`optimizer_step`: backward, clip, step) and the local loop
+(:meth:`Backend.run_local`: rollout → the one experience maker's read-only record → the backend's loss →
+optimizer step → one history row per step).
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import math
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,7 +30,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.training.metrics import scalar_metrics
 
-__all__ = ["Backend", "resolve_config", "scalar_metrics", "write_history"]
+__all__ = ["Backend", "optimizer_step", "resolve_config", "scalar_metrics", "write_history"]
 
 
 def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
@@ -58,6 +66,7 @@ class Backend:
             a mapping, a YAML path, or ``None`` for the packaged default).
         overrides: dotted ``key=value`` overrides applied to a file/mapping config.
         output_dir: overrides ``config.output_dir``.
+        max_steps: overrides ``trainer.max_steps``.
     """
 
     #: Registry name.
@@ -68,12 +77,20 @@ class Backend:
     runs_here: ClassVar[str] = ""
     needs_gpu: ClassVar[str] = ""
 
-    def __init__(self, config: Any = None, overrides: Sequence[str] = (), *, output_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Any = None,
+        overrides: Sequence[str] = (),
+        *,
+        output_dir: str | None = None,
+        max_steps: int | None = None,
+    ) -> None:
         self.config, self.src = resolve_config(config, overrides)
         if output_dir is not None:
-            import dataclasses
-
             self.config = dataclasses.replace(self.config, output_dir=str(output_dir))
+        if max_steps is not None:
+            trainer = dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
+            self.config = dataclasses.replace(self.config, trainer=trainer)
 
     @property
     def output_dir(self) -> Path:
@@ -88,6 +105,45 @@ class Backend:
     def info(cls) -> dict[str, str]:
         """Name, tested upstream, what runs on CPU here and what needs GPUs."""
         return {"name": cls.name, "upstream": cls.upstream, "runs_here": cls.runs_here, "needs_gpu": cls.needs_gpu}
+
+    # -- the local loop shared by the backends ------------------------------------------
+    def run_local(
+        self,
+        run: Any,
+        maker: Any,
+        loss_of: Callable[[Any, int], tuple[Any, Mapping[str, Any]]],
+        *,
+        old_logprobs: bool = False,
+        after_step: Callable[[], None] | None = None,
+    ) -> Any:
+        """Train ``trainer.max_steps`` steps in this process; returns the ``RunResult``.
+
+        Each step: ``run.rollout(step)`` (a :class:`~composer_plugins.backends.rollout.LocalRun`), the record
+        ``maker`` (an :class:`~composer_plugins.training.experience.ExperienceMaker`) makes of it (with the
+        no-grad sampling-time log-probs when ``old_logprobs``), ``loss_of(record, step) -> (loss, metrics)``,
+        :func:`optimizer_step`, ``after_step()`` (an EMA update), and a history row.
+        """
+        history: list[dict[str, float]] = []
+        for step in range(self.config.trainer.max_steps):
+            t0 = time.perf_counter()
+            tasks, ro, rewards, feedback = run.rollout(step)
+            record = maker.make(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
+            loss, metrics = loss_of(record, step)
+            grad_norm = run.optimizer_step(loss)
+            if after_step is not None:
+                after_step()
+            scored = [float(r) for r in rewards if not math.isnan(float(r))]  # unscorable rows (NaN) left out
+            row = {
+                "step": float(step + 1),
+                "loss": float(loss.detach()),
+                "reward": sum(scored) / len(scored) if scored else float("nan"),
+                "unscorable": 1.0 - len(scored) / max(1, len(rewards)),
+                "grad_norm": grad_norm,
+            }
+            row.update(scalar_metrics(metrics))
+            row["step_time"] = time.perf_counter() - t0
+            history.append(row)
+        return self.write_outputs(history, {}, run.policy, run.tokenizer)
 
     # -- outputs shared by the backends ------------------------------------------------
     def write_outputs(
@@ -109,6 +165,22 @@ class Backend:
             final.update({f"train/{k}": v for k, v in history[-1].items() if k != "step"})
         atomic_write_json(out / "metrics.json", final, default=str)
         return RunResult(metrics=final, output_dir=str(out), model_dir=str(model_dir), history=history)
+
+
+def optimizer_step(optimizer: Any, params: Iterable[Any], loss: Any, clip: float | None = None) -> float:
+    """The one local optimizer step: zero the gradients, ``loss.backward()``, clip the norm of ``params``
+    (``clip``: ``trainer.gradient_clip_val``; ``None``/0: measured, not clipped), step; returns the norm."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        optimizer.step()
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip else float("inf"))
+    optimizer.step()
+    return float(norm)
 
 
 def write_history(path: Path, rows: list[dict[str, float]]) -> None:

@@ -9,7 +9,6 @@ env and optimises the composed channels; a Lightning ``Trainer`` (built by
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,11 +42,7 @@ class LightningBackend(Backend):
         extra_callbacks: Sequence[Any] = (),
         logger: Any = None,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir)
-        if max_steps is not None:
-            self.config = dataclasses.replace(
-                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
-            )
+        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
         self.resume, self.strategy, self.extra_callbacks, self.logger = resume, strategy, list(extra_callbacks), logger
 
     def train(self) -> Any:

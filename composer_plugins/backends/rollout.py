@@ -75,14 +75,10 @@ class LocalRun:
         return tasks, ro, rewards, [None] * len(rewards)
 
     def optimizer_step(self, loss: Tensor) -> float:
-        """Backward, clip (``trainer.gradient_clip_val``) and step; returns the gradient norm."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        clip = self.cfg.trainer.gradient_clip_val
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
-        self.optimizer.step()
-        return float(norm)
+        """:func:`~composer_plugins.backends.base.optimizer_step` of the policy (``trainer.gradient_clip_val``)."""
+        from composer_plugins.backends.base import optimizer_step
+
+        return optimizer_step(self.optimizer, self.policy.parameters(), loss, self.cfg.trainer.gradient_clip_val)
 
 
 def state_dict_cpu(model: Any) -> dict[str, Tensor]:

@@ -75,3 +75,8 @@ def register_commands(cli: Any) -> None:
 @hookspec
 def register_transports(register: Any) -> None:
     """Register DiLoCo outer-sync transports (``diloco.transport``) with ``register(name, factory, description)``."""
+
+
+@hookspec
+def register_input_builders(register: Any) -> None:
+    """Register channel input builders (``builder(assembly) -> inputs``) with ``register(input_name, builder)``."""

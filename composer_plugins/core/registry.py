@@ -34,6 +34,7 @@ KINDS: dict[str, str] = {
     "rollout_generators": "register_rollout_generators",
     "codecs": "register_codecs",
     "transports": "register_transports",
+    "input_builders": "register_input_builders",
 }
 
 _KIND_ALIASES = {
@@ -59,6 +60,8 @@ _KIND_ALIASES = {
     "generator": "rollout_generators",
     "codec": "codecs",
     "transport": "transports",
+    "input_builder": "input_builders",
+    "inputs": "input_builders",
 }
 
 #: Backends shipped as separate distributions (in this repository's ``packages/``): name -> distribution.

@@ -35,7 +35,6 @@ import pytest
 
 from composer_plugins.testing.conformance import (
     ConformanceError,
-    check,
     check_backend,
     check_builds,
     check_callback,
@@ -48,6 +47,7 @@ from composer_plugins.testing.conformance import (
 )
 from composer_plugins.testing.generators import check_generator
 from composer_plugins.testing.transports import check_transport
+from composer_plugins.testing.input_builders import check, check_input_builder
 
 __all__ = [
     "ConformanceError",
@@ -58,6 +58,7 @@ __all__ = [
     "check_env",
     "check_generator",
     "check_hint_provider",
+    "check_input_builder",
     "check_loss",
     "check_optimizer",
     "check_teacher",

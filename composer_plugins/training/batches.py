@@ -20,6 +20,7 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
+from composer_plugins.envs.hints import HintProvider, SiblingGroup, hint_requests, sibling_groups
 from composer_plugins.training.chat import PROMPT_KEYS, hinted_context, pair_prompt, prompt_field, task_prompt
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.distributed import world
@@ -110,15 +111,12 @@ class StaticBatches:
         return iter(self.batches)
 
 
-_PROMPT_KEYS = PROMPT_KEYS
-
-
 def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str, list[Any]]:
     """Column-wise task fields other than the prompt, each row repeated ``repeat`` times."""
     keys: list[str] = []
     for t in tasks:
         for k in t:
-            if k not in _PROMPT_KEYS and k not in keys:
+            if k not in PROMPT_KEYS and k not in keys:
                 keys.append(k)
     return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
 
@@ -144,7 +142,7 @@ def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
     fn = getattr(env, "feedback", None)
     if fn is None:
         return None
-    fields = {k: v for k, v in task.items() if k not in _PROMPT_KEYS}
+    fields = {k: v for k, v in task.items() if k not in PROMPT_KEYS}
     return fn(task_prompt(task), completion, **fields)
 
 
@@ -170,8 +168,6 @@ def teacher_contexts(
     (``env.feedback``) unless given (multi-turn episodes); ``groups`` (one
     :class:`~composer_plugins.envs.hints.SiblingGroup` per row) carries the rows' siblings and rewards.
     """
-    from composer_plugins.envs.hints import HintProvider, hint_requests
-
     if not isinstance(provider, HintProvider):
         raise TypeError(
             f"{type(provider).__name__} is not a built hint provider: build it once with "
@@ -195,8 +191,6 @@ def sibling_group(
     completions: Sequence[Any], rewards: Sequence[float], success_threshold: float, index: int = 0
 ) -> Any:
     """One row's :class:`~composer_plugins.envs.hints.SiblingGroup` (the row at ``index``)."""
-    from composer_plugins.envs.hints import SiblingGroup
-
     return SiblingGroup(tuple(completions), tuple(float(r) for r in rewards), index, float(success_threshold))
 
 
@@ -204,8 +198,6 @@ def rollout_groups(
     completions: Sequence[Any], rewards: Sequence[float] | Tensor, group_size: int, success_threshold: float
 ) -> list[Any]:
     """One :class:`~composer_plugins.envs.hints.SiblingGroup` per rollout row (row ``i`` is in group ``i // G``)."""
-    from composer_plugins.envs.hints import sibling_groups
-
     values = rewards.detach().float().cpu().tolist() if isinstance(rewards, Tensor) else [float(r) for r in rewards]
     return sibling_groups(list(completions), values, group_size, success_threshold)
 

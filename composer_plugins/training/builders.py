@@ -55,20 +55,6 @@ def build_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
     return as_hint_provider(build_component("hints", cfg.hints.provider, key="hints.provider", cfg=src))
 
 
-def hint_provider_from(spec: Any, key: str = "hint_provider") -> Any:
-    """A hint provider on the request contract from a spec or object (older shapes adapted once); for backends."""
-    from composer_plugins.envs.hints import build_hint_provider as build
-
-    return build(spec, key=key)
-
-
-def reads_groups(provider: Any) -> bool:
-    """Whether a built hint provider reads the rollout group (a trainer gathers the siblings only then)."""
-    from composer_plugins.envs.hints import reads_groups as reads
-
-    return reads(provider)
-
-
 def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
     """The enabled loss channels of ``cfg.losses`` (disabled ones are not built at all)."""
     import inspect

@@ -132,3 +132,69 @@ def losses_as_mapping(src: Config) -> None:
         lines[k] = line
     src.lines = lines
     src["losses"] = out
+
+
+class DeclaredChannel(NamedTuple):
+    """An enabled ``losses.<key>`` entry with what its registered class declares (read without building it):
+    what an adapter dispatches on, never the channel's name."""
+
+    key: str
+    name: str
+    weight: float
+    kwargs: dict[str, Any]
+    #: every input the class reads (``requires`` and each ``input_options`` alternative)
+    inputs: frozenset[str]
+    #: the class needs a teacher forward on hinted contexts (``needs_teacher``)
+    needs_teacher: bool
+    #: the policy-gradient loss it computes (``loss_type`` preset by its registry entry or given), if any
+    loss_type: str | None
+
+    @property
+    def is_policy(self) -> bool:
+        """A policy-gradient channel: it reads the group advantages."""
+        return "advantages" in self.inputs
+
+    @property
+    def reads_teacher_scores(self) -> bool:
+        """It reads external teachers' scores of the student's tokens."""
+        return "teacher_scores" in self.inputs
+
+
+def declared_channels(losses: Mapping[str, Any], src: Config | None = None) -> list[DeclaredChannel]:
+    """The enabled channels of a ``losses`` section with their declarations (located errors for unknown names)."""
+    import importlib
+
+    from composer_plugins.core.errors import UnknownPluginError
+    from composer_plugins.core.plugins import get_registry
+
+    src = src if src is not None else Config()
+    out = []
+    for key, spec in losses.items():
+        ch = channel_spec(key, spec, src)
+        if not ch.enabled:
+            continue
+        preset: dict[str, Any] = {}
+        if "class_path" in ch.kwargs:
+            path = str(ch.kwargs["class_path"])
+            mod, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+            cls: Any = getattr(importlib.import_module(mod), attr)
+        else:
+            try:
+                entry = get_registry().get("losses", ch.name)
+            except UnknownPluginError as e:
+                raise src.error(f"losses.{key}.name" if ch.name != key else f"losses.{key}", str(e)) from e
+            cls, preset = entry.factory, dict(entry.init_params)
+        inputs = {*getattr(cls, "requires", ()), *(k for grp in getattr(cls, "input_options", ()) for k in grp)}
+        loss_type = ch.kwargs.get("loss_type", preset.get("loss_type"))
+        out.append(
+            DeclaredChannel(
+                key,
+                ch.name,
+                ch.weight,
+                dict(ch.kwargs),
+                frozenset(inputs),
+                bool(getattr(cls, "needs_teacher", False)),
+                None if loss_type is None else str(loss_type),
+            )
+        )
+    return out

@@ -1,19 +1,20 @@
-"""``ComposerModule``: the Lightning step of RL post-training with composed loss channels.
+"""``ComposerModule``: the Lightning glue of RL post-training with composed loss channels.
 
 One training step (one micro-batch of prompts) is four arrows, each one function with one owner:
 
 1. rollout — the configured generator (:mod:`~composer_plugins.training.rollouts`; tool-using envs'
    episodes through the ``multi_turn`` generator, :mod:`~composer_plugins.training.multiturn`) samples
    ``G`` completions per prompt and the env scores them;
-2. the :class:`~composer_plugins.training.step.StepRecord` — group advantages, the sampling-time and
-   reference log-probs when needed, the hinted teacher contexts of failed rows
-   (:func:`~composer_plugins.training.step.add_hint_contexts`), the step's preference pairs;
-3. :func:`~composer_plugins.training.assemble.assemble_inputs` builds the inputs the live channels read
-   (only those: with the hint channel off no teacher forward runs; with replay off no pair forward);
+2. the read-only :class:`~composer_plugins.training.step.StepRecord`, made whole by the one experience
+   maker (:class:`~composer_plugins.training.experience.ExperienceMaker`: group advantages, teacher scoring
+   started, no-grad old/reference log-probs, the hinted teacher contexts of failed rows);
+3. the one step computer (:class:`~composer_plugins.training.experience.StepComputer`) assembles the inputs
+   the live channels read (:func:`~composer_plugins.training.assemble.assemble_inputs`; only those) with the
+   step's :class:`~composer_plugins.training.step.StepMeta` (step, run length, preference pairs);
 4. :class:`~composer_plugins.losses.base.ChannelComposer` sums ``weight · loss`` over the live channels.
 
-Held-out evaluation is the module's :class:`~composer_plugins.training.evaluation.Validator`; what a step is
-fed (task streams, prompts, rewards) is :mod:`~composer_plugins.training.batches`.
+Monarch's trainer actor runs the same two calls (``make_experience``, ``loss_on``). Held-out evaluation is the
+module's :class:`~composer_plugins.training.evaluation.Validator`; what a step is fed: ``training.batches``.
 """
 
 from __future__ import annotations
@@ -27,18 +28,18 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy, assemble_inputs
+from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy
 from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, render_pairs, task_prompt
 from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
-from composer_plugins.training.distributed import all_gather_objects, dp_normalisers, fsdp_root, full_params, world
+from composer_plugins.training.distributed import all_gather_objects, fsdp_root, full_params, world
 from composer_plugins.training.evaluation import Validator
-from composer_plugins.training.metrics import reward_stats, scalar_metrics
+from composer_plugins.training.experience import ExperienceMaker, StepComputer
 from composer_plugins.training.policy import load_policy_for
 from composer_plugins.training.rollouts import EpisodeGenerator, WeightSyncing
-from composer_plugins.training.step import StepRecord, add_hint_contexts, sample_pairs
-from composer_plugins.training.teacher_scores import build_teacher_scoring, start_teacher_scoring
+from composer_plugins.training.step import StepMeta, StepRecord, sample_pairs
+from composer_plugins.training.teacher_scores import build_teacher_scoring
 
 
 class ComposerModule(L.LightningModule):
@@ -134,10 +135,22 @@ class ComposerModule(L.LightningModule):
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, StepRecord] | None = None
         self.last_step_stats: dict[str, float] = {}
-        #: The step record the last training step optimised on (this rank's share under data parallel).
+        #: The step record and meta the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
+        self.last_meta: StepMeta | None = None
         #: Optimizer steps taken without a ``Trainer`` (its loop, e.g. Monarch's trainer actor, adds 1 after each)
         self.local_steps = 0
+        #: The one experience maker (the whole step record) and the one step computer (its composed loss).
+        self.experience = ExperienceMaker.from_config(
+            cfg,
+            policy=self.policy,
+            tokenizer=tokenizer,
+            env=self.env,
+            hint_provider=self.hint_provider if self.needs_teacher else None,
+            reference=self.reference if self.needs_ref_tokens else None,
+            teacher_scoring=self.teacher_scoring,
+        )
+        self.stepper = StepComputer(self.composer, self.step_policy, success_threshold=cfg.rollout.success_threshold)
 
     @property
     def reference(self) -> Any:
@@ -260,62 +273,25 @@ class ComposerModule(L.LightningModule):
     def make_rollout_batch(
         self, tasks: Sequence[Mapping[str, Any]], seed: int, old_logprobs: bool = False
     ) -> StepRecord:
-        """The step record of ``tasks``: rollout, rewards, advantages, reference log-probs, hinted contexts.
+        """The step record of ``tasks``: sampled with ``seed``, then made whole by :meth:`make_experience`.
 
         With ``old_logprobs`` the sampling-time log-probs are computed now (no grad), for
         ``rollout.num_iterations > 1`` where the same rollouts are optimised on several times;
         otherwise they equal the first forward's detached log-probs and cost nothing extra.
         """
         ro, rewards, feedback = self.rollout(tasks, seed)
-        return self.record_from(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
+        return self.make_experience(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
 
-    def record_from(
+    def make_experience(
         self,
         tasks: Sequence[Mapping[str, Any]],
         ro: Any,
-        rewards_list: Sequence[float],
+        rewards: Sequence[float],
         feedback: Sequence[Any] | None = None,
         old_logprobs: bool = False,
     ) -> StepRecord:
-        """The step record of a rollout already sampled and scored (a backend's generators, Monarch's actors)."""
-        from composer_plugins.losses import functional as F
-        from composer_plugins.models.logprobs import completion_logprobs_no_grad
-
-        r = self.cfg.rollout
-        rewards = torch.tensor(list(rewards_list), dtype=torch.float32, device=self.device)
-        advantages = F.group_advantages(rewards, r.num_generations, **r.advantage_kwargs)
-        if isinstance(advantages, tuple):
-            advantages = advantages[0]
-        rec = StepRecord.from_rollout(
-            tasks, ro, rewards, advantages.detach().float(), feedback, total_steps=self.cfg.trainer.max_steps
-        )
-        start_teacher_scoring(rec, self.teacher_scoring, self.cfg.model.chat_template)  # scored in the background
-        args = (rec.prompt_ids, rec.prompt_mask, rec.completion_ids, rec.completion_mask)
-        kw = {
-            "temperature": r.temperature,
-            "completion_attention_mask": rec.attention_mask,
-            "micro_batch_size": self.micro_batch_size(rec.prompt_ids, rec.completion_ids),
-            "chunk_size": self.cfg.compute.chunk_size,
-        }
-        if old_logprobs:
-            rec.old_logprobs = completion_logprobs_no_grad(self.policy, *args, **kw)
-        if self.needs_ref_tokens and self.reference is not None:
-            rec.ref_logprobs = completion_logprobs_no_grad(self.reference, *args, **kw)
-        if self.needs_teacher:
-            add_hint_contexts(
-                rec,
-                self.env,
-                self.hint_provider,
-                success_threshold=r.success_threshold,
-                max_hinted=self.cfg.hints.max_hinted_per_step,
-                tokenizer=self.tokenizer,
-                chat_template=self.cfg.model.chat_template,
-            )
-        return rec
-
-    def micro_batch_size(self, *tensors: Tensor) -> int:
-        """Rows per micro-batch for sequences as long as the concatenated ``tensors`` (``compute`` section)."""
-        return self.cfg.compute.rows_per_micro_batch(sum(t.shape[1] for t in tensors))
+        """The read-only step record of a rollout already sampled and scored (here, or by Monarch's actors)."""
+        return self.experience.make(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
 
     def step_policy(self) -> StepPolicy:
         """The models and settings the assembler builds channel inputs with."""
@@ -336,31 +312,16 @@ class ComposerModule(L.LightningModule):
             teacher_scoring=self.teacher_scoring,
         )
 
-    def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
-        """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs).
+    def step_meta(self, seed: int) -> StepMeta:
+        """This step's meta: the optimizer step (Trainer or not), the run length and ``seed``'s preference pairs."""
+        step = self.global_step if self._trainer is not None else self.local_steps
+        pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed) if self.needs_pairs else []
+        return StepMeta(step, self.cfg.trainer.max_steps, tuple(pairs))
 
-        The policy's decoder body runs micro-batch by micro-batch, and every channel input comes from
-        the final hidden states through the LM head in chunks (:func:`assemble_inputs`). The composed
-        loss is computed once over the whole batch, so it equals the one-shot loss for every channel.
-        """
-        self.last_rollout = rec
-        # schedules inside channels (TAID's t, step-scheduled hints) follow the optimizer step, Trainer or not
-        rec.step = self.global_step if self._trainer is not None else self.local_steps
-        rec.total_steps = self.cfg.trainer.max_steps
-        if self.needs_pairs and self.pairs:
-            rec.pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed)
-        # data parallel: the global token-count normalisers, so each rank's loss is its share of the
-        # union batch's (no-op in one process)
-        rows = rec.hint_rows
-        hinted = float(rec.completion_mask[rows].sum()) if rows else 0.0
-        given = dp_normalisers(rec.completion_mask, hinted if self.needs_teacher else None)
-        inputs, stats = assemble_inputs(rec, self.composer, self.step_policy(), given=given)
-        loss, metrics = self.composer(inputs, inputs)
-        stats.update(scalar_metrics(metrics))
-        stats.update(reward_stats(rec.rewards, rec.num_generations, self.cfg.rollout.success_threshold))
-        stats["completion_tokens"] = float(rec.completion_mask.sum())
-        stats["completion_length"] = float(rec.completion_mask.sum(1).float().mean())
-        return loss, stats
+    def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
+        """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs)."""
+        self.last_rollout, self.last_meta = rec, self.step_meta(seed)
+        return self.stepper.loss(rec, self.last_meta)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's optimizer step (once per optimizer step, after gradient accumulation), then the EMA update."""
@@ -412,7 +373,7 @@ class ComposerModule(L.LightningModule):
             self._resume_rng, cached = ranks[rank]["rng"], ranks[rank]["rollout_cache"]
         elif size > 1:  # another world size: the step batches are re-split, so re-used rollouts are stale
             cached = None
-        self._rollout_cache = (cached[0], StepRecord.from_state(cached[1])) if cached else None
+        self._rollout_cache = (cached[0], self.experience.from_state(cached[1])) if cached else None
 
     def export_pretrained(self, path: str | Path) -> Path:
         """Write the policy and tokenizer with ``save_pretrained`` (loadable by any HF ``from_pretrained``)."""

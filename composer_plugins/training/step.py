@@ -1,104 +1,188 @@
-"""One RL step's data as one typed record: :class:`StepRecord`.
+"""One RL step's data as one read-only record: :class:`StepRecord`, and the step's meta: :class:`StepMeta`.
 
-Every trainer fills one the same way — rollout (prompts, completions, token tensors) → env scores
-(``rewards``, ``feedback``) → group ``advantages`` → the rollout ``groups`` and hinted teacher contexts
-(:func:`add_hint_contexts`) → teacher/reference outputs — and hands it to the one assembler of channel
-inputs (:func:`composer_plugins.training.assemble.assemble_inputs`). The native Lightning module and the
-TRL, VeRL, PRIME-RL and Monarch adapters build the same record; nothing downstream reads untyped dicts.
+The one experience maker (:class:`~composer_plugins.training.experience.ExperienceMaker`) makes the record —
+rollout (prompts, completions, token tensors) → env scores (``rewards``, ``feedback``) → group ``advantages`` →
+no-grad old/reference log-probs → the rollout ``groups`` and hinted teacher contexts → teacher scoring started —
+and after that nobody writes it: an assignment raises :class:`RecordFrozenError` naming the file and line that
+tried. The one assembler of channel inputs (:func:`composer_plugins.training.assemble.assemble_inputs`) only
+reads it. What a trainer lacks stays ``None`` (TRL's rewards from a reward model, VeRL's and PRIME-RL's own
+advantages): a channel that reads it fails with the assembler's located ``MissingInputError``.
 
-As verl's ``DataProto`` and OpenRLHF's ``Experience``: row ``i`` of every per-row field is the same
-completion (``N = len(tasks) × num_generations`` rows; row ``i`` answers ``tasks[i // G]`` where the
-trainer keeps groups contiguous).
+As verl's ``DataProto`` and OpenRLHF's ``Experience``: row ``i`` of every per-row field is the same completion,
+checked at construction; row ``i`` answers ``tasks[group_index[i]]``; the row operations :meth:`StepRecord.select`,
+:meth:`~StepRecord.split`, :meth:`~StepRecord.concat` and :meth:`~StepRecord.to` make new records (indexing
+``(N, C)`` tensors, never vocabulary-sized ones). The per-step meta (optimizer step, run length, the step's
+preference pairs) is a :class:`StepMeta` apart from the per-row fields.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import dataclasses
+import inspect
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.models.generation import Rollout
 
-__all__ = ["Rollout", "StepRecord", "add_hint_contexts", "hint_candidates", "sample_pairs"]
+__all__ = ["RecordFrozenError", "Rollout", "StepMeta", "StepRecord", "hint_candidates", "sample_pairs"]
+
+#: Per-row tensor fields: ``(N, ...)``.
+ROW_TENSORS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "rewards",
+    "advantages",
+    "group_index",
+    "attention_mask",
+    "sampling_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+)
+#: Per-row list fields (empty: not computed).
+ROW_LISTS = ("prompts", "completions", "feedback", "groups", "hint_contexts", "hint_kinds")
 
 
-@dataclass
-class StepRecord:
-    """The scored rollouts of one step and everything computed from them before the policy's forward.
+class RecordFrozenError(ComposerPluginsError, AttributeError):
+    """A write to a :class:`StepRecord` after the experience maker made it."""
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    """What one optimizer step adds to a record: kept apart from the per-row fields.
 
     Attributes:
-        tasks: the step's tasks (one per prompt; the env's task dicts).
+        step: the optimizer step (schedules inside channels: TAID's ``t``, step-scheduled hints).
+        total_steps: the run's length (``None``: unknown).
+        pairs: the preference pairs (``prompt``, ``chosen``, ``rejected``) sampled for this step.
+    """
+
+    step: int = 0
+    total_steps: int | None = None
+    pairs: tuple[Mapping[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pairs", tuple(self.pairs))
+
+
+@dataclass(eq=False)
+class StepRecord:
+    """The scored rollouts of one step and every no-grad field computed from them; read-only once made.
+
+    Attributes:
+        tasks: the step's tasks (the env's task dicts); row ``i`` answers ``tasks[group_index[i]]``.
         prompts: prompt text, one per row.
         completions: completion text, one per row.
         prompt_ids, prompt_mask: ``(N, P)`` left-padded prompt tokens and their mask.
         completion_ids, completion_mask: ``(N, C)`` right-padded completion tokens; the mask is 1 on the
             tokens that are trained on (multi-turn: actions only).
-        rewards: ``(N,)`` env rewards.
-        advantages: ``(N,)`` group-relative advantages.
+        rewards: ``(N,)`` env rewards (unscorable: NaN); ``None``: the trainer has none (a reward model's).
+        advantages: ``(N,)`` group-relative advantages; ``None``: the trainer computes its own.
         num_generations: ``G``, completions per prompt.
-        group_index: ``(N,)`` the prompt each row belongs to (``None`` where a trainer shuffled rows).
+        group_index: ``(N,)`` the task each row answers (``None``: row ``i`` answers task ``i // G``).
         feedback: the env's feedback per row (``None`` entries: read from ``env.feedback`` when needed).
-        groups: one :class:`~composer_plugins.envs.hints.SiblingGroup` per row (empty until computed).
+        groups: one :class:`~composer_plugins.envs.hints.SiblingGroup` per row (empty: not computed).
         hint_contexts: the hinted teacher context per row, ``None`` for rows without a hint (empty: none).
+        hint_kinds: the hint kind per hinted row (a chain's member), ``None`` elsewhere.
         attention_mask: ``(N, C)`` completion positions attended to (multi-turn: actions and
             observations); ``None``: the completion mask.
         sampling_logprobs: ``(N, C)`` the inference engine's log-probs of the sampled tokens (a server
             generator), for the importance-sampling correction; ``None`` with HF ``generate``.
-        old_logprobs: ``(N, C)`` sampling-time log-probs when they were computed apart (``num_iterations > 1``,
-            TRL's ``old_per_token_logps``); ``None``: the first forward's, detached.
+        old_logprobs: ``(N, C)`` sampling-time log-probs computed apart (``num_iterations > 1``, TRL's
+            ``old_per_token_logps``); ``None``: the first forward's, detached.
         ref_logprobs: ``(N, C)`` the reference model's log-probs, when a channel needs them.
-        pairs: the preference pairs (``prompt``, ``chosen``, ``rejected``) sampled for this step.
-        step, total_steps: the optimizer step and the run's length (schedules inside channels).
-        teacher_scores: teacher name → per-row top-k scores of the student's tokens
-            (``TeacherScores``, filled by a teacher channel's scorer; empty without one).
+        teacher_scores: teacher name → per-row top-k scores of the student's tokens, or the future of them
+            (scoring started by the experience maker; empty without a scorer).
         extras: third-party inputs by name (a key here is handed to the channels as is).
     """
 
-    tasks: list[Mapping[str, Any]]
-    prompts: list[str]
-    completions: list[str]
+    tasks: Sequence[Mapping[str, Any]]
+    prompts: Sequence[str]
+    completions: Sequence[str]
     prompt_ids: Tensor
     prompt_mask: Tensor
     completion_ids: Tensor
     completion_mask: Tensor
-    rewards: Tensor
-    advantages: Tensor
+    rewards: Tensor | None = None
+    advantages: Tensor | None = None
     num_generations: int = 1
     group_index: Tensor | None = None
-    feedback: list[Any] = field(default_factory=list)
-    groups: list[Any] = field(default_factory=list)
-    hint_contexts: list[str | None] = field(default_factory=list)
-    hint_kinds: list[str | None] = field(default_factory=list)
+    feedback: Sequence[Any] = ()
+    groups: Sequence[Any] = ()
+    hint_contexts: Sequence[str | None] = ()
+    hint_kinds: Sequence[str | None] = ()
     attention_mask: Tensor | None = None
     sampling_logprobs: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
-    pairs: list[Mapping[str, str]] = field(default_factory=list)
-    step: int = 0
-    total_steps: int | None = None
-    teacher_scores: dict[str, Any] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)
+    teacher_scores: Mapping[str, Any] = field(default_factory=dict)
+    extras: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "tasks", tuple(self.tasks))
+        for name in ROW_LISTS:
+            put(self, name, tuple(getattr(self, name) or ()))
+        put(self, "teacher_scores", MappingProxyType(dict(self.teacher_scores)))
+        put(self, "extras", MappingProxyType(dict(self.extras)))
+        put(self, "num_generations", int(self.num_generations))
+        self._check()
+        put(self, "_sealed", True)
+
+    def _check(self) -> None:
+        """DataProto's consistency check: every per-row field has the record's ``N`` rows."""
+        n = int(self.completion_ids.shape[0])
+        bad = [
+            f"{k} has {int(v.shape[0])} rows"
+            for k in ROW_TENSORS
+            if isinstance(v := getattr(self, k), Tensor) and (v.dim() == 0 or int(v.shape[0]) != n)
+        ]
+        bad += [f"{k} has {len(getattr(self, k))} entries" for k in ROW_LISTS if len(getattr(self, k)) not in (0, n)]
+        if bad:
+            raise ValueError(f"StepRecord of {n} rows (completion_ids): " + "; ".join(bad))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_sealed"):
+            object.__setattr__(self, name, value)
+            return
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None and frame.f_back is not None else frame
+        where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
+        raise RecordFrozenError(
+            f"{where}: StepRecord.{name} is read-only once the experience maker made the record. Fix: give "
+            "it to composer_plugins.training.experience.ExperienceMaker.make (or build a new record with "
+            "record.replace(...)); the step, total steps and pairs are a StepMeta passed to assemble_inputs."
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise RecordFrozenError(f"StepRecord.{name} cannot be deleted: the record is read-only")
+
+    # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_rollout(
         cls,
         tasks: Sequence[Mapping[str, Any]],
         rollout: Rollout,
-        rewards: Tensor,
-        advantages: Tensor,
+        rewards: Tensor | None = None,
+        advantages: Tensor | None = None,
         feedback: Sequence[Any] | None = None,
         **kw: Any,
     ) -> StepRecord:
         """A record from a generator's :class:`~composer_plugins.models.generation.Rollout` and its scores."""
         ex = rollout.extra
         return cls(
-            tasks=list(tasks),
-            prompts=list(rollout.prompts),
-            completions=list(rollout.completions),
+            tasks=tasks,
+            prompts=rollout.prompts,
+            completions=rollout.completions,
             prompt_ids=rollout.prompt_ids,
             prompt_mask=rollout.prompt_mask,
             completion_ids=rollout.completion_ids,
@@ -107,42 +191,33 @@ class StepRecord:
             advantages=advantages,
             num_generations=rollout.num_generations,
             group_index=rollout.group_index,
-            feedback=list(feedback) if feedback is not None else [None] * len(rollout.completions),
+            feedback=feedback or (),
             attention_mask=ex.get("attention_mask"),
             sampling_logprobs=ex.get("sampling_logprobs"),
             **kw,
         )
 
-    @property
-    def rollout(self) -> Rollout:
-        """The rollout part as a :class:`~composer_plugins.models.generation.Rollout` (a view, not a copy)."""
-        extra = {
-            k: v
-            for k, v in (("attention_mask", self.attention_mask), ("sampling_logprobs", self.sampling_logprobs))
-            if v is not None
-        }
-        n = self.completion_ids.shape[0]
-        gi = (
-            self.group_index
-            if self.group_index is not None
-            else torch.arange(n, device=self.completion_ids.device) // max(1, self.num_generations)
-        )
-        return Rollout(
-            self.prompt_ids,
-            self.prompt_mask,
-            self.completion_ids,
-            self.completion_mask,
-            list(self.completions),
-            list(self.prompts),
-            gi,
-            self.num_generations,
-            extra,
-        )
+    def replace(self, **changes: Any) -> StepRecord:
+        """A new record with ``changes`` (checked as at construction; tensors shared, not copied)."""
+        return dataclasses.replace(self, **changes)
 
+    # -- reading ----------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
         """``N``, the number of completions."""
         return int(self.completion_ids.shape[0])
+
+    @property
+    def row_groups(self) -> list[int]:
+        """The task index of each row (``group_index``, else ``i // G``)."""
+        if self.group_index is not None:
+            return [int(g) for g in self.group_index.tolist()]
+        G = max(1, self.num_generations)
+        return [i // G for i in range(self.num_rows)]
+
+    def task_of(self, row: int) -> Mapping[str, Any]:
+        """The task row ``row`` answers."""
+        return self.tasks[self.row_groups[row]]
 
     @property
     def hint_rows(self) -> list[int]:
@@ -154,6 +229,83 @@ class StepRecord:
         """The teacher contexts of :attr:`hint_rows`, in the same order."""
         return [c for c in self.hint_contexts if c is not None]
 
+    # -- row operations (verl's DataProto: select_idxs, chunk, concat, to) ---------------------------
+    def select(self, index: Sequence[int] | Tensor) -> StepRecord:
+        """The rows ``index`` as a record (its tasks kept, ``group_index`` pointing into them)."""
+        idx = torch.as_tensor(index, dtype=torch.long).reshape(-1).cpu()
+        rows = idx.tolist()
+        out: dict[str, Any] = {}
+        for k in ROW_TENSORS:
+            v = getattr(self, k)
+            out[k] = v[idx.to(v.device)] if isinstance(v, Tensor) else v
+        if out["group_index"] is None:
+            out["group_index"] = torch.tensor(self.row_groups, device=self.completion_ids.device)[idx]
+        for k in ROW_LISTS:
+            v = getattr(self, k)
+            out[k] = [v[i] for i in rows] if v else ()
+        scores = {name: _select_scores(s, rows) for name, s in self.teacher_scores.items()}
+        extras = {k: _select_extra(v, idx, self.num_rows) for k, v in self.extras.items()}
+        return dataclasses.replace(self, teacher_scores=scores, extras=extras, **out)
+
+    def split(self, size: int) -> list[StepRecord]:
+        """Consecutive records of ``size`` rows (the last may be smaller)."""
+        n = self.num_rows
+        return [self.select(range(s, min(s + size, n))) for s in range(0, n, max(1, int(size)))]
+
+    def chunk(self, chunks: int) -> list[StepRecord]:
+        """``chunks`` consecutive records of (nearly) equal size."""
+        return self.split(-(-self.num_rows // max(1, int(chunks))))
+
+    @classmethod
+    def concat(cls, records: Sequence[StepRecord], pad_id: int = 0) -> StepRecord:
+        """The records' rows in order, one record: prompts re-left-padded, completions re-right-padded,
+        tasks appended (``group_index`` offset). Teacher scoring starts after the merge: records with
+        scores are refused."""
+        recs = [r for r in records if r.num_rows]
+        if not recs:
+            raise ValueError("StepRecord.concat: no rows")
+        if any(r.teacher_scores for r in recs):
+            raise ValueError("StepRecord.concat: merge records before teacher scoring starts (scores hold futures)")
+        G = {r.num_generations for r in recs}
+        if len(G) != 1:
+            raise ValueError(f"StepRecord.concat: records of different num_generations {sorted(G)}")
+        P = max(int(r.prompt_ids.shape[1]) for r in recs)
+        C = max(int(r.completion_ids.shape[1]) for r in recs)
+        out: dict[str, Any] = {}
+        for k in ROW_TENSORS:
+            vals = [getattr(r, k) for r in recs]
+            if k == "group_index":
+                offs, parts = 0, []
+                for r in recs:
+                    parts.append(torch.tensor(r.row_groups, device=r.completion_ids.device) + offs)
+                    offs += len(r.tasks) or (max(r.row_groups) + 1)
+                out[k] = torch.cat(parts)
+            elif all(v is None for v in vals):
+                out[k] = None
+            elif any(v is None for v in vals):
+                raise ValueError(f"StepRecord.concat: {k} is set in some records and not in others")
+            elif vals[0].dim() == 1:
+                out[k] = torch.cat(vals)
+            else:
+                left = k.startswith("prompt")
+                width = P if left else C
+                value = pad_id if k.endswith("_ids") else 0
+                out[k] = torch.cat([_pad(v, width, value, left) for v in vals])
+        for k in ROW_LISTS:
+            have = [bool(getattr(r, k)) for r in recs]
+            out[k] = [x for r in recs for x in (getattr(r, k) or [None] * r.num_rows)] if any(have) else ()
+        extras: dict[str, Any] = {}
+        for r in recs:
+            extras.update(r.extras)
+        tasks = [t for r in recs for t in r.tasks]
+        return cls(tasks=tasks, num_generations=G.pop(), extras=extras, **out)
+
+    def to(self, device: Any) -> StepRecord:
+        """The record with its tensors on ``device``."""
+        moved = {k: v.to(device) for k in ROW_TENSORS if isinstance(v := getattr(self, k), Tensor)}
+        return dataclasses.replace(self, **moved)
+
+    # -- checkpoint --------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Plain data (tensors, lists, dicts) for a checkpoint; :meth:`from_state` inverts it."""
         out: dict[str, Any] = {}
@@ -167,60 +319,57 @@ class StepRecord:
                 v = {}  # futures and per-row objects: a resumed step scores its rows again
             elif f.name == "extras":
                 v = {k: x for k, x in v.items() if isinstance(x, Tensor | int | float | str | list)}
-            out[f.name] = list(v) if isinstance(v, list) else v
+            out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> StepRecord:
         """The record :meth:`state` wrote."""
         names = {f.name for f in fields(cls)}
+        state = {k: v for k, v in state.items() if k not in _OLD_META}  # checkpoints from before StepMeta
         unknown = sorted(set(state) - names)
         if unknown:
             raise ValueError(f"not fields of a StepRecord: {unknown} (fields: {sorted(names)})")
-        return cls(**dict(state))
+        return cls(**state)
 
 
-def add_hint_contexts(
-    record: StepRecord,
-    env: Any,
-    provider: Any,
-    *,
-    success_threshold: float,
-    max_hinted: int | None = None,
-    tokenizer: Any = None,
-    chat_template: str = "auto",
-) -> StepRecord:
-    """Fill ``record.groups`` and ``record.hint_contexts``: a hinted context for each failed row the provider hints.
+#: Fields a record held before the per-step meta moved to :class:`StepMeta` (dropped when read back).
+_OLD_META = ("step", "total_steps", "pairs")
 
-    The rows offered to the provider are :func:`hint_candidates`. Rows must be laid out in contiguous
-    groups of ``num_generations``. The contexts are rendered for ``tokenizer`` with ``chat_template``
-    (:mod:`composer_plugins.training.chat`), as the student's prompts are.
-    """
-    from composer_plugins.training.batches import rollout_groups, teacher_contexts
 
-    G = record.num_generations
-    n = record.num_rows
-    failed = hint_candidates(provider, record.rewards, success_threshold, max_hinted)
-    if not record.groups:
-        record.groups = rollout_groups(record.completions, record.rewards, G, success_threshold)
-    feedback = record.feedback or [None] * n
-    contexts = teacher_contexts(
-        env,
-        provider,
-        [record.tasks[i // G] for i in failed],
-        [record.completions[i] for i in failed],
-        [feedback[i] for i in failed],
-        [record.groups[i] for i in failed],
-        tokenizer=tokenizer,
-        chat_template=chat_template,
-    )
-    record.hint_contexts = [None] * n
-    record.hint_kinds = [None] * n
-    kinds = provider.kinds(contexts) if hasattr(provider, "kinds") else [None] * len(contexts)
-    for i, c, k in zip(failed, contexts, kinds, strict=True):
-        record.hint_contexts[i] = c
-        record.hint_kinds[i] = k if c is not None else None
-    return record
+def _pad(x: Tensor, width: int, value: int, left: bool) -> Tensor:
+    n = width - int(x.shape[1])
+    return torch.nn.functional.pad(x, (n, 0) if left else (0, n), value=value) if n else x
+
+
+def _select_scores(scores: Any, rows: list[int]) -> Any:
+    """A teacher's scores of ``rows``: a list picked, a packed ``TeacherTopK`` indexed, a future mapped."""
+    if isinstance(scores, cf.Future):
+        out: cf.Future = cf.Future()
+
+        def done(f: cf.Future) -> None:
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(_select_scores(f.result(), rows))
+
+        scores.add_done_callback(done)
+        return out
+    if scores is None:
+        return None
+    if hasattr(scores, "rows"):
+        return scores.rows(rows)
+    return [scores[i] for i in rows]
+
+
+def _select_extra(value: Any, idx: Tensor, n: int) -> Any:
+    if isinstance(value, Tensor) and value.dim() and int(value.shape[0]) == n:
+        return value[idx.to(value.device)]
+    if isinstance(value, list | tuple) and len(value) == n:
+        return [value[i] for i in idx.tolist()]
+    return value
 
 
 def hint_candidates(provider: Any, rewards: Any, success_threshold: float, max_hinted: int | None = None) -> list[int]:

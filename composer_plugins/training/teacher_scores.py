@@ -2,16 +2,17 @@
 
 * :func:`build_teacher_scoring` — a :class:`~composer_plugins.teachers.scoring.ScoringPool` of the
   scorers the live ``teacher_distill`` channels name (``teachers:``), bound to the student's tokenizer;
-* :func:`start_teacher_scoring` — called as soon as a step's record exists (rollouts scored): submits
-  every row to every scorer and stores the **futures** in ``record.teacher_scores``; scoring then runs
-  while the trainer computes the policy's forward and the other channels' inputs;
-* the ``teacher_scores`` input builder (in :mod:`composer_plugins.training.assemble`'s table) runs the
+* :func:`score_requests` — the rows of a record as scoring requests: the experience maker
+  (:class:`~composer_plugins.training.experience.ExperienceMaker`) submits them to every scorer as soon as
+  the rollouts are scored and makes the record with the **futures** in ``record.teacher_scores``; scoring
+  then runs while the trainer computes the no-grad log-probs, the policy's forward and the other inputs;
+* the ``teacher_scores`` input builder (:mod:`composer_plugins.training.input_builders`) runs the
   policy's forward first (the ``hidden_states`` builder), then collects the futures with
   ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and reported
   (``teacher/<id>/skipped``); the scores are packed as a ``TeacherTopK`` in the student's vocabulary.
 
 A trainer that holds teacher scores already (PRIME-RL's ``teacher_logprobs``; a precomputed file)
-puts the per-row lists, or a ``TeacherTopK``, in ``record.teacher_scores`` / ``record.extras``.
+hands the per-row lists, or a ``TeacherTopK``, to the experience maker (``extras``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ __all__ = [
     "report_teacher_failures",
     "row_conversations",
     "score_requests",
-    "start_teacher_scoring",
     "teacher_channels",
     "teacher_summary",
 ]
@@ -80,10 +80,8 @@ def row_conversations(record: StepRecord) -> list[Any]:
 
     if not record.tasks:
         return [None] * record.num_rows
-    G = max(1, record.num_generations)
-    gi = record.group_index.tolist() if record.group_index is not None else [i // G for i in range(record.num_rows)]
     convs = [task_conversation(t) for t in record.tasks]
-    return [convs[int(g)] if 0 <= int(g) < len(convs) else None for g in gi]
+    return [convs[g] if 0 <= g < len(convs) else None for g in record.row_groups]
 
 
 def score_requests(
@@ -110,18 +108,3 @@ def score_requests(
         msgs = tuple(dict(m) for m in convs[i]) if convs[i] else None
         out.append(ScoreRequest(record.prompts[i], record.completions[i], tuple(c), tuple(p), msgs))
     return out
-
-
-def start_teacher_scoring(
-    record: StepRecord, pool: Any, chat_template: str = "auto", conversations: Sequence[Any] | None = None
-) -> StepRecord:
-    """Submit the record's rows to every scorer of ``pool``; ``record.teacher_scores`` holds the futures.
-
-    Nothing happens without a pool or when the record holds scores already. ``chat_template`` and
-    ``conversations``: as :func:`score_requests`.
-    """
-    if pool is None or record.teacher_scores:
-        return record
-    job = pool.submit(score_requests(record, chat_template, conversations))
-    record.teacher_scores = dict(job.futures)
-    return record

@@ -98,6 +98,11 @@ def test_policy_channel_loss_and_gradient_equal_trl(tiny_model_dir, tmp_path, na
     inputs["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
     inputs["advantages"] = torch.randn(mask.shape[0], generator=g)
     assert "ref_per_token_logps" in inputs  # beta != 0: TRL computed reference log-probs
+    # the record compute_loss reads is made when TRL scores a generation batch: here the crafted batch is the one
+    # scored (its row index: every row, in order)
+    n = mask.shape[0]
+    tr._records["train"] = tr._make_record([{"prompt": ""}] * n, inputs)
+    inputs["record_rows"] = torch.arange(n)
 
     # the two sides are different code: the project's override (defined on its own class, the composed
     # channels) and TRL's GRPOTrainer._compute_loss, called explicitly on the same trainer and batch
@@ -231,21 +236,21 @@ def test_a_third_party_input_reaches_its_channel_in_trl(tiny_model_dir, tmp_path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
     try:
-        from test_training_assemble import LengthBonus
+        from test_training_assemble import LengthBonus, LengthsPlugin
     finally:
         sys.path.pop(0)
-    from composer_plugins.training.assemble import INPUT_BUILDERS, register_input_builder
+    from composer_plugins.core import plugins
 
-    @register_input_builder("completion_lengths")
-    def completion_lengths(asm):
-        return {"completion_lengths": asm.record.completion_mask.sum(1)}
-
+    pm = plugins.get_plugin_manager()  # the backend distributions, and the third party's builders beside them
+    pm.register(LengthsPlugin(), name="lengths_plugin")
+    plugins.use_plugin_manager(pm)
     try:
         bonus = LengthBonus()
         tr = _trainer(tiny_model_dir, tmp_path, max_steps=1, channels=["policy", bonus])
         tr.train()
     finally:
-        INPUT_BUILDERS.pop("completion_lengths")
+        pm.unregister(name="lengths_plugin")
+        plugins.reset()
     logs = [r for r in tr.state.log_history if "loss" in r]
     assert logs and logs[0]["composer/length_bonus/skipped"] == 0.0
     assert bonus.seen and all(0 < int(v) <= 8 for seen in bonus.seen for v in seen)  # max_completion_length=8
@@ -309,7 +314,8 @@ def test_unscorable_rows_are_left_out_the_same_way_natively_and_in_trl(tiny_mode
     native = torch.tensor(env_rewards(env, batch[::G], completions, G))
     unscorable = torch.tensor([i % 3 == 1 for i in range(len(batch))])
     assert torch.equal(torch.isnan(native), unscorable)
-    torch.testing.assert_close(native, out["rewards"].float().cpu(), equal_nan=True)
+    record = tr._records["train" if tr.model.training else "eval"]  # the batch record: the recorded rewards
+    torch.testing.assert_close(native, record.rewards.float().cpu(), equal_nan=True)
     adv = group_advantages(native, G, scale)
     torch.testing.assert_close(adv, out["advantages"].float().cpu(), rtol=1e-5, atol=1e-6)
     assert bool((adv[unscorable] == 0).all())

@@ -160,7 +160,8 @@ def test_full_demonstration_first_then_step_check_uses_both_and_names_each_kind(
     import torch
     import yaml
 
-    from composer_plugins.training.step import StepRecord, add_hint_contexts
+    from composer_plugins.training.experience import add_hint_contexts
+    from composer_plugins.training.step import StepRecord
 
     env = GSM8KEnv(difficulty="chain")
     task = env.sample_tasks(1, "train", seed=0)[0]
@@ -189,14 +190,14 @@ def test_full_demonstration_first_then_step_check_uses_both_and_names_each_kind(
         advantages=torch.zeros(4),
         num_generations=2,
     )
-    add_hint_contexts(rec, env, chain, success_threshold=1.0)
-    assert rec.hint_rows == [0, 2, 3]
-    assert rec.hint_kinds == ["demonstration", None, "step_check", "step_check"]
-    assert "Correct solution:" in rec.hint_contexts[0] and "Step 1:" in rec.hint_contexts[2]
+    hinted = add_hint_contexts(rec, env, chain, success_threshold=1.0)  # a new record: the first is read-only
+    assert hinted.hint_rows == [0, 2, 3]
+    assert list(hinted.hint_kinds) == ["demonstration", None, "step_check", "step_check"]
+    assert "Correct solution:" in hinted.hint_contexts[0] and "Step 1:" in hinted.hint_contexts[2]
     # the other order: step_check answers every failure, the demonstration is never used
     rev = build_hint_provider({"name": "chain", "providers": spec["providers"][::-1]})
-    add_hint_contexts(rec, env, rev, success_threshold=1.0)
-    assert rec.hint_kinds == ["step_check", None, "step_check", "step_check"]
+    hinted = add_hint_contexts(rec, env, rev, success_threshold=1.0)
+    assert list(hinted.hint_kinds) == ["step_check", None, "step_check", "step_check"]
     # the calibrated study's `full` names its channels in the order that uses both
     root = Path(__file__).resolve().parents[2]
     variants = yaml.safe_load((root / "studies/calibrated/params.yaml").read_text())["study"]["variants"]

@@ -1,4 +1,5 @@
-"""The input builders of ``training/assemble.py`` checked value by value on a tiny Llama.
+"""The input builders (``training/input_builders.py``, assembled by ``training/assemble.py``) checked value by
+value on a tiny Llama.
 
 Written against the mutants that survived ``python -m benchmarks.mutation --only training/assemble``: each
 builder's output is compared with the same quantity computed here directly (the model's log-probs and
@@ -19,17 +20,16 @@ from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
 from composer_plugins.models.logprobs import completion_hidden, completion_logprobs_no_grad, lm_head_weight
 from composer_plugins.training.assemble import (
-    INPUT_BUILDERS,
     Assembly,
     MissingInputError,
     Needs,
     StepPolicy,
-    _margin_stat,
-    _sampled_teacher_logprobs,
     assemble_inputs,
-    register_input_builder,
+    input_builders,
 )
-from composer_plugins.training.step import StepRecord
+from composer_plugins.training.experience import ExperienceMaker
+from composer_plugins.training.input_builders import _margin_stat, _sampled_teacher_logprobs
+from composer_plugins.training.step import StepMeta, StepRecord
 
 ROWS, P, C = 4, 3, 5
 
@@ -100,9 +100,10 @@ def _direct_logprobs(model, rec, T=1.0, mask=None):
 
 
 def test_record_fields_and_the_policys_log_probs_at_the_temperature(tiny):
-    rec = _record(tiny, step=7, total_steps=11)
+    rec = _record(tiny)
     pol = StepPolicy(tiny.model, tiny.tok, temperature=0.7)
-    inputs, stats = assemble_inputs(rec, ChannelComposer([Reads("logprobs")]), pol)
+    meta = StepMeta(step=7, total_steps=11)
+    inputs, stats = assemble_inputs(rec, ChannelComposer([Reads("logprobs")]), pol, meta=meta)
     assert inputs["completion_mask"].dtype == torch.float32 and torch.equal(
         inputs["completion_mask"].long(), rec.completion_mask
     )
@@ -118,12 +119,16 @@ def test_record_fields_and_the_policys_log_probs_at_the_temperature(tiny):
     assert "importance_sampling_ratio" not in inputs and "is_ratio" not in stats
 
 
-def test_old_log_probs_without_a_channel_reading_log_probs_come_from_a_no_grad_forward(tiny):
+def test_old_log_probs_without_the_policy_forward_are_the_experience_makers_no_grad_ones(tiny):
     rec = _record(tiny)
     pol = StepPolicy(tiny.model, tiny.tok)
-    inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("old_logprobs")]), pol)
-    assert "logprobs" not in inputs or inputs["logprobs"] is None
-    torch.testing.assert_close(inputs["old_logprobs"], _direct_logprobs(tiny.model, rec), atol=1e-5, rtol=1e-5)
+    with pytest.raises(MissingInputError, match=r"old_logprobs.*make\(old_logprobs=True\)"):
+        assemble_inputs(rec, ChannelComposer([Reads("old_logprobs")]), pol)  # the assembler computes no no-grad field
+    maker = ExperienceMaker(policy=tiny.model, tokenizer=tiny.tok, advantage_kwargs={})
+    old = maker.logprobs(tiny.model, rec)
+    torch.testing.assert_close(old, _direct_logprobs(tiny.model, rec), atol=1e-5, rtol=1e-5)
+    inputs, _ = assemble_inputs(rec.replace(old_logprobs=old), ChannelComposer([Reads("old_logprobs")]), pol)
+    assert inputs.get("logprobs") is None and inputs["old_logprobs"] is old
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
@@ -133,7 +138,7 @@ def test_importance_sampling_ratio_and_its_statistic(tiny, mode):
     rec = _record(tiny)
     old = _direct_logprobs(tiny.model, rec)
     sampling = old - 0.3 * torch.arange(ROWS * C, dtype=torch.float32).reshape(ROWS, C) / (ROWS * C)
-    rec.old_logprobs, rec.sampling_logprobs = old, sampling
+    rec = rec.replace(old_logprobs=old, sampling_logprobs=sampling)
     pol = StepPolicy(tiny.model, tiny.tok, importance_sampling=(mode, 1.2, 0.5))
     inputs, stats = assemble_inputs(rec, ChannelComposer([Reads("logprobs")]), pol)
     assert inputs["old_logprobs"] is old and inputs["inference_logprobs"] is sampling
@@ -152,22 +157,32 @@ def test_importance_sampling_ratio_and_its_statistic(tiny, mode):
         assert inputs["inference_logprobs"] is sampling
 
 
-def test_reference_log_probs_come_from_the_reference_else_the_policy(tiny):
-    rec = _record(tiny)
+def test_reference_log_probs_are_the_records_made_by_the_experience_maker(tiny):
+    from composer_plugins.models.generation import Rollout
+
+    base = _record(tiny)
+    ro = Rollout(
+        base.prompt_ids,
+        base.prompt_mask,
+        base.completion_ids,
+        base.completion_mask,
+        list(base.completions),
+        list(base.prompts),
+        torch.zeros(ROWS, dtype=torch.long),
+        2,
+    )
+    maker = ExperienceMaker(policy=tiny.model, tokenizer=tiny.tok, reference=tiny.ref, temperature=0.8)
+    rec = maker.make(base.tasks, ro, base.rewards, advantages=base.advantages)
     composer = ChannelComposer([Reads("ref_logprobs")])
-    inputs, _ = assemble_inputs(rec, composer, StepPolicy(tiny.model, tiny.tok, reference=tiny.ref, temperature=0.8))
-    torch.testing.assert_close(inputs["ref_logprobs"], _direct_logprobs(tiny.ref, rec, 0.8))
     inputs, _ = assemble_inputs(rec, composer, StepPolicy(tiny.model, tiny.tok, temperature=0.8))
-    torch.testing.assert_close(inputs["ref_logprobs"], _direct_logprobs(tiny.model, rec, 0.8))
-    rec.ref_logprobs = torch.full((ROWS, C), -2.0)
-    inputs, _ = assemble_inputs(rec, composer, StepPolicy(tiny.model, tiny.tok, reference=tiny.ref))
+    torch.testing.assert_close(inputs["ref_logprobs"], _direct_logprobs(tiny.ref, rec, 0.8))
     assert inputs["ref_logprobs"] is rec.ref_logprobs
+    with pytest.raises(MissingInputError, match=r"'reads' reads the input 'ref_logprobs'.*reference model"):
+        assemble_inputs(base, composer, StepPolicy(tiny.model, tiny.tok, reference=tiny.ref))
 
 
 def _hinted(tiny):
-    rec = _record(tiny)
-    rec.hint_contexts = [None, "What is 3 + 4?", None, "What is 12 * 9? The answer"]
-    return rec
+    return _record(tiny, hint_contexts=[None, "What is 3 + 4?", None, "What is 12 * 9? The answer"])
 
 
 @pytest.mark.parametrize("T", [1.0, 0.5])
@@ -224,8 +239,7 @@ def test_no_hinted_row_reports_zeros_and_no_margin(tiny):
     )
     assert "student_hidden" not in inputs
     assert stats == {"hint/rows": 0.0, "hint/fraction": 0.0}
-    rec = _record(tiny)
-    rec.extras["hint_tokens_in_batch"] = 4.0  # other ranks hinted: this rank's share of their mean is 0
+    rec = _record(tiny, extras={"hint_tokens_in_batch": 4.0})  # other ranks hinted: this rank's share is 0
     _, stats = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), StepPolicy(tiny.model, tiny.tok))
     assert stats["hint/teacher_margin"] == 0.0
 
@@ -241,7 +255,7 @@ def test_margin_stat_divides_by_the_batchs_tokens_when_given():
 def test_hint_teacher_logprobs_replace_only_the_hinted_rows(tiny):
     rec = _hinted(tiny)
     old = _direct_logprobs(tiny.model, rec)
-    rec.old_logprobs = old
+    rec = rec.replace(old_logprobs=old)
     pol = StepPolicy(tiny.model, tiny.tok, temperature=0.9, max_context_length=64)
     inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("hint_teacher_logprobs")]), pol)
     got = inputs["hint_teacher_logprobs"]
@@ -252,21 +266,22 @@ def test_hint_teacher_logprobs_replace_only_the_hinted_rows(tiny):
     )
     torch.testing.assert_close(got[idx], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[[0, 2]], old[[0, 2]]) and torch.equal(rec.old_logprobs, old)  # a copy, not the record's
-    rec.hint_contexts = []
+    rec = rec.replace(hint_contexts=())
     inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("hint_teacher_logprobs")]), pol)
     assert inputs["hint_teacher_logprobs"] is None
 
 
 def test_pair_inputs_sum_average_and_the_reference(tiny):
     rec = _record(tiny)
-    rec.pairs = [
+    pairs = [
         {"prompt": "What is 2 + 2?", "chosen": "2 + 2 = 4", "rejected": "2 + 2 = 5 #### 5"},
         {"prompt": "What is 7 * 8?", "chosen": "56", "rejected": "7 * 8 = 54"},
     ]
+    meta = StepMeta(pairs=pairs)  # the step's pairs are per-step meta, not a record field
     pol = StepPolicy(tiny.model, tiny.tok, reference=tiny.ref, pair_prompt_length=4, pair_max_length=6)
-    inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("chosen_logps", "ref_chosen_logps")]), pol)
-    prompts = [p["prompt"] for p in rec.pairs] * 2
-    comps = [p["chosen"] for p in rec.pairs] + [p["rejected"] for p in rec.pairs]
+    inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("chosen_logps", "ref_chosen_logps")]), pol, meta=meta)
+    prompts = [p["prompt"] for p in pairs] * 2
+    comps = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     p_ids, p_mask = tokenize_prompts(tiny.tok, prompts, 4)
     c_ids, c_mask = tokenize_completions(tiny.tok, comps, 6)
     assert p_ids.shape[1] == 4 and c_ids.shape[1] == 6
@@ -283,9 +298,8 @@ def test_pair_inputs_sum_average_and_the_reference(tiny):
     torch.testing.assert_close(inputs["ref_chosen_logps"], ref_seq[:2], atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(inputs["ref_rejected_logps"], ref_seq[2:], atol=1e-4, rtol=1e-5)
     # without a channel reading the reference's, no reference forward
-    inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("chosen_logps")]), pol)
+    inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("chosen_logps")]), pol, meta=meta)
     assert "ref_chosen_logps" not in inputs
-    rec.pairs = []
     inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("chosen_logps")]), pol)
     assert "chosen_logps" not in inputs
 
@@ -347,8 +361,7 @@ def test_sampled_teacher_logprobs_average_probabilities_and_fall_back_to_the_pol
     got = _sampled_teacher_logprobs(asm, {"a": [_score([-1000.0], [1])]})
     assert got[0, 0].item() == pytest.approx(math.log(1e-30), rel=1e-5)
     # without the policy's log-probs the fall-back is 0
-    asm = Assembly(rec, StepPolicy(None, None), ("teacher_logprobs",))
-    asm._ran.add(id(INPUT_BUILDERS["logprobs"]))  # no model: the builder must not run
+    asm = Assembly(rec, StepPolicy(None, None), ("teacher_logprobs",))  # no builders: nothing runs
     got = _sampled_teacher_logprobs(asm, {"a": [_score([la], [1])]})
     assert got[0, 1].item() == 0.0 and got[0, 0].item() == pytest.approx(la)
 
@@ -356,48 +369,26 @@ def test_sampled_teacher_logprobs_average_probabilities_and_fall_back_to_the_pol
 def test_the_assembly_runs_each_builder_once_and_builds_companions():
     calls = []
 
-    @register_input_builder("m_a", "m_b")
     def both(asm):
         calls.append(1)
         return {"m_a": 1, "m_b": 2}
 
-    try:
-        rec = StepRecord(
-            tasks=[],
-            prompts=[],
-            completions=[],
-            prompt_ids=torch.zeros(2, 1, dtype=torch.long),
-            prompt_mask=torch.ones(2, 1),
-            completion_ids=torch.zeros(2, 3, dtype=torch.long),
-            completion_mask=torch.ones(2, 3),
-            rewards=torch.zeros(2),
-            advantages=torch.zeros(2),
-        )
-        inputs, _ = assemble_inputs(rec, Needs("m_a", "m_b"), StepPolicy(None, None))
-        assert calls == [1] and inputs["m_a"] == 1 and inputs["m_b"] == 2
-        asm = Assembly(rec, StepPolicy(None, None), ("m_a",))
-        assert asm.wants("m_a") and not asm.wants("m_b") and asm.get("nothing_builds_this") is None
-        assert asm.device == rec.completion_ids.device
-        # given inputs that are None do not count as given
-        inputs, _ = assemble_inputs(rec, Needs("m_a"), StepPolicy(None, None), given={"m_a": None})
-        assert inputs["m_a"] == 1
-        # the log-prob companions come with a given "logprobs"
-        lp = torch.zeros(2, 3)
-        inputs, _ = assemble_inputs(rec, Needs("logprobs"), StepPolicy(None, None), given={"logprobs": lp})
-        assert torch.equal(inputs["old_logprobs"], lp) and inputs["inference_logprobs"] is inputs["old_logprobs"]
-        # re-registering the same function is no conflict; another one needs replace=True
-        register_input_builder("m_a")(both)
-
-        def other(asm):
-            return {"m_a": 3}
-
-        with pytest.raises(ValueError, match="'m_a' by .*both"):
-            register_input_builder("m_a")(other)
-        register_input_builder("m_a", replace=True)(other)
-        assert INPUT_BUILDERS["m_a"] is other
-    finally:
-        INPUT_BUILDERS.pop("m_a", None)
-        INPUT_BUILDERS.pop("m_b", None)
+    table = {**input_builders(), "m_a": both, "m_b": both}  # one builder under two names
+    rec = _plain()
+    inputs, _ = assemble_inputs(rec, Needs("m_a", "m_b"), StepPolicy(None, None), builders=table)
+    assert calls == [1] and inputs["m_a"] == 1 and inputs["m_b"] == 2
+    asm = Assembly(rec, StepPolicy(None, None), ("m_a",), builders=table)
+    assert asm.wants("m_a") and not asm.wants("m_b") and asm.get("nothing_builds_this") is None
+    assert asm.device == rec.completion_ids.device
+    # given inputs that are None do not count as given
+    inputs, _ = assemble_inputs(rec, Needs("m_a"), StepPolicy(None, None), given={"m_a": None}, builders=table)
+    assert inputs["m_a"] == 1
+    # the log-prob companions come with a given "logprobs"
+    lp = torch.zeros(2, 3)
+    inputs, _ = assemble_inputs(rec, Needs("logprobs"), StepPolicy(None, None), given={"logprobs": lp})
+    assert torch.equal(inputs["old_logprobs"], lp) and inputs["inference_logprobs"] is inputs["old_logprobs"]
+    # the builders a registry holds: the built-ins, one entry per input name
+    assert input_builders()["hint_mask"] is input_builders()["student_hidden"]
 
 
 def test_micro_batch_rows_follow_the_concatenated_length():
@@ -434,15 +425,14 @@ def _plain() -> StepRecord:
 def test_teacher_scores_are_handed_over_with_the_scored_fraction():
     from composer_plugins.kernels.teacher_topk import TeacherTopK
 
-    rec = _plain()
-    rec.completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     present = torch.tensor([[[1, 0, 1]], [[0, 0, 1]]], dtype=torch.bool)  # (B, N, T): 2 of the 5 tokens scored
     packed = TeacherTopK(torch.zeros(2, 1, 3, 2, dtype=torch.long), torch.full((2, 1, 3, 2), -1.0), present, ("a",))
-    rec.teacher_scores = {"a": packed, "b": None}
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rec = _plain().replace(completion_mask=mask, teacher_scores={"a": packed, "b": None})
     inputs, stats = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
     assert inputs["teacher_scores"] is packed
     assert stats["teacher/scored_fraction"] == pytest.approx(2 / 5)
-    rec.teacher_scores = {"b": None}
+    rec = rec.replace(teacher_scores={"b": None})
     inputs, _ = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
     assert "teacher_scores" not in inputs
 
@@ -450,15 +440,15 @@ def test_teacher_scores_are_handed_over_with_the_scored_fraction():
 def test_is_ratio_over_one_token_and_over_none(tiny):
     from composer_plugins.losses.functional import importance_sampling_correction
 
-    rec = _record(tiny)
-    rec.completion_mask = torch.zeros(ROWS, C, dtype=torch.long)
-    rec.completion_mask[1, 2] = 1
-    rec.old_logprobs = torch.zeros(ROWS, C)
-    rec.sampling_logprobs = torch.full((ROWS, C), -0.5)
+    mask = torch.zeros(ROWS, C, dtype=torch.long)
+    mask[1, 2] = 1
+    rec = _record(tiny).replace(
+        completion_mask=mask, old_logprobs=torch.zeros(ROWS, C), sampling_logprobs=torch.full((ROWS, C), -0.5)
+    )
     pol = StepPolicy(tiny.model, tiny.tok, importance_sampling=("token_truncate", 3.0, None))
     _, stats = assemble_inputs(rec, ChannelComposer([Reads("old_logprobs")]), pol)
     ratio = importance_sampling_correction(rec.old_logprobs, rec.sampling_logprobs, rec.completion_mask)
     assert stats["is_ratio"] == pytest.approx(float(ratio[1, 2])) and float(ratio[1, 2]) > 1.5
-    rec.completion_mask = torch.zeros(ROWS, C, dtype=torch.long)
+    rec = rec.replace(completion_mask=torch.zeros(ROWS, C, dtype=torch.long))
     _, stats = assemble_inputs(rec, ChannelComposer([Reads("old_logprobs")]), pol)
     assert stats["is_ratio"] == 0.0

@@ -1,22 +1,19 @@
-"""The step record and the one assembler of channel inputs (``training/step.py``, ``training/assemble.py``)."""
+"""The read-only step record, its row operations, and the one assembler of channel inputs with its builders
+registered through the ``register_input_builders`` hook (``training/step.py``, ``training/assemble.py``)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
+from composer_plugins.core import plugins
+from composer_plugins.core.hookspecs import hookimpl
 from composer_plugins.losses.base import ChannelComposer, LossChannel
-from composer_plugins.training.assemble import (
-    INPUT_BUILDERS,
-    MissingInputError,
-    StepPolicy,
-    assemble_inputs,
-    register_input_builder,
-)
+from composer_plugins.training.assemble import MissingInputError, StepPolicy, assemble_inputs
 from composer_plugins.training.builders import build_env
-from composer_plugins.training.step import StepRecord
+from composer_plugins.training.step import RecordFrozenError, StepMeta, StepRecord
 
 
 class LengthBonus(LossChannel):
@@ -34,16 +31,47 @@ class LengthBonus(LossChannel):
         return lengths.float().mean() * 0.0, {"mean_length": float(lengths.float().mean())}
 
 
+def completion_lengths(asm: Any) -> dict[str, Any]:
+    """The third party's input builder: each row's completion length."""
+    return {"completion_lengths": asm.record.completion_mask.sum(1)}
+
+
+CALLS: list[int] = []
+
+
+def expensive(asm: Any) -> dict[str, Any]:
+    CALLS.append(1)
+    return {"expensive_input": torch.zeros(())}
+
+
+class LengthsPlugin:
+    """The third party's one edit: a hook implementation registering its builders."""
+
+    __name__ = "lengths_plugin"
+
+    @hookimpl
+    def register_input_builders(self, register: Any) -> None:
+        register("completion_lengths", completion_lengths)
+        register("expensive_input", expensive, description="An input no live channel reads.")
+
+
 @pytest.fixture
-def lengths_builder():
-    """The third party's one edit: a builder for its input, registered in the one table."""
-
-    @register_input_builder("completion_lengths")
-    def completion_lengths(asm):
-        return {"completion_lengths": asm.record.completion_mask.sum(1)}
-
+def lengths_builder(isolated_plugins):
+    pm = plugins.make_plugin_manager(entrypoints=False)
+    pm.register(LengthsPlugin(), name="lengths_plugin")
+    plugins.use_plugin_manager(pm)
+    CALLS.clear()
     yield completion_lengths
-    INPUT_BUILDERS.pop("completion_lengths")
+
+
+def test_hook_register_input_builders(lengths_builder):
+    """Third-party builders are registry entries with their provenance, beside the built-ins."""
+    reg = plugins.get_registry()
+    names = set(reg.names("input_builders"))
+    assert {"completion_lengths", "expensive_input", "logprobs", "hint_mask", "teacher_scores"} <= names
+    assert reg.get("input_builders", "completion_lengths").plugin == "lengths_plugin"
+    assert reg.get("input_builders", "logprobs").plugin == "composer_plugins.training.input_plugin"
+    assert reg.get("input_builders", "expensive_input").description == "An input no live channel reads."
 
 
 def test_a_third_party_input_reaches_its_channel_in_lightning(make_cfg, lengths_builder):
@@ -61,7 +89,7 @@ def test_a_third_party_input_reaches_its_channel_in_lightning(make_cfg, lengths_
     assert torch.equal(bonus.seen[0], m.last_rollout.completion_mask.sum(1))
 
 
-def _record(rows: int = 4, width: int = 5) -> StepRecord:
+def _record(rows: int = 4, width: int = 5, **kw: Any) -> StepRecord:
     mask = torch.ones(rows, width, dtype=torch.long)
     mask[0, 3:] = 0
     return StepRecord(
@@ -72,36 +100,26 @@ def _record(rows: int = 4, width: int = 5) -> StepRecord:
         prompt_mask=torch.ones(rows, 2, dtype=torch.long),
         completion_ids=torch.ones(rows, width, dtype=torch.long),
         completion_mask=mask,
-        rewards=torch.arange(rows, dtype=torch.float32),
-        advantages=torch.zeros(rows),
+        rewards=kw.pop("rewards", torch.arange(rows, dtype=torch.float32)),
+        advantages=kw.pop("advantages", torch.zeros(rows)),
         num_generations=rows,
+        **kw,
     )
 
 
 def test_only_what_the_active_channels_read_is_built(lengths_builder):
-    calls = []
-
-    @register_input_builder("expensive_input")
-    def expensive(asm):
-        calls.append(1)
-        return {"expensive_input": torch.zeros(())}
-
-    try:
-        off = LengthBonus(weight=0.0, name="off")
-        off.requires = ("expensive_input",)  # type: ignore[misc]
-        composer = ChannelComposer([LengthBonus(), off])
-        assert composer.required_inputs() == ("completion_lengths",)  # a weight-0 channel reads nothing
-        inputs, _ = assemble_inputs(_record(), composer, StepPolicy(model=None, tokenizer=None))
-        assert calls == [] and inputs["completion_lengths"].tolist() == [3, 5, 5, 5]
-        # a trainer's own value wins over the builder, and record.extras is handed over as is
-        rec = _record()
-        rec.extras["completion_lengths"] = torch.tensor([9, 9, 9, 9])
-        inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None))
-        assert inputs["completion_lengths"].tolist() == [9, 9, 9, 9]
-        inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), given={"completion_lengths": 1})
-        assert inputs["completion_lengths"] == 1
-    finally:
-        INPUT_BUILDERS.pop("expensive_input")
+    off = LengthBonus(weight=0.0, name="off")
+    off.requires = ("expensive_input",)  # type: ignore[misc]
+    composer = ChannelComposer([LengthBonus(), off])
+    assert composer.required_inputs() == ("completion_lengths",)  # a weight-0 channel reads nothing
+    inputs, _ = assemble_inputs(_record(), composer, StepPolicy(model=None, tokenizer=None))
+    assert CALLS == [] and inputs["completion_lengths"].tolist() == [3, 5, 5, 5]
+    # a trainer's own value wins over the builder, and record.extras is handed over as is
+    rec = _record(extras={"completion_lengths": torch.tensor([9, 9, 9, 9])})
+    inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None))
+    assert inputs["completion_lengths"].tolist() == [9, 9, 9, 9]
+    inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), given={"completion_lengths": 1})
+    assert inputs["completion_lengths"] == 1
 
 
 def test_an_input_nothing_builds_is_refused_naming_the_channel_and_the_fix():
@@ -111,21 +129,102 @@ def test_an_input_nothing_builds_is_refused_naming_the_channel_and_the_fix():
         assemble_inputs(_record(), ChannelComposer([ch]), StepPolicy(None, None))
     msg = str(e.value)
     assert "loss channel 'mine' reads the input 'completion_lenghts'" in msg
-    assert "@register_input_builder('completion_lenghts')" in msg and "StepRecord.extras" in msg
-    with pytest.raises(ValueError, match="already built"):
-        register_input_builder("advantages")(lambda asm: {})
+    assert "register_input_builders hook" in msg and "StepRecord.extras" in msg
+    assert "Did you mean: 'completion_lengths'" not in msg  # not registered in this process: not suggested
 
 
 def test_the_step_record_round_trips_through_a_checkpoint_state():
-    rec = _record()
-    rec.hint_contexts = [None, "ctx", None, "ctx2"]
-    rec.extras["note"] = "kept"
+    rec = _record(hint_contexts=[None, "ctx", None, "ctx2"], extras={"note": "kept"})
     back = StepRecord.from_state(rec.state())
-    assert back.hint_rows == [1, 3] and back.hinted_contexts == ["ctx", "ctx2"] and back.extras == {"note": "kept"}
-    assert torch.equal(back.completion_mask, rec.completion_mask) and back.teacher_scores == {}
-    assert back.rollout.group_index.tolist() == [0, 0, 0, 0]
+    assert (
+        back.hint_rows == [1, 3] and back.hinted_contexts == ["ctx", "ctx2"] and dict(back.extras) == {"note": "kept"}
+    )
+    assert torch.equal(back.completion_mask, rec.completion_mask) and dict(back.teacher_scores) == {}
+    assert back.row_groups == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="not fields of a StepRecord"):
         StepRecord.from_state({**rec.state(), "rollout": {}})
+    old = {**rec.state(), "step": 3, "total_steps": 9, "pairs": []}  # a checkpoint from before StepMeta
+    assert StepRecord.from_state(old).num_rows == 4
+
+
+def test_the_record_refuses_writes_once_made_naming_the_line_and_the_fix():
+    rec = _record()
+    with pytest.raises(RecordFrozenError) as e:
+        rec.advantages = torch.ones(4)
+    assert f"{__file__}:" in str(e.value) and "ExperienceMaker.make" in str(e.value)
+    with pytest.raises(RecordFrozenError, match="StepMeta"):
+        rec.step = 3  # per-step meta is a StepMeta, never a record field
+    with pytest.raises(TypeError):
+        rec.extras["x"] = 1  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        rec.hint_contexts.append("x")  # type: ignore[attr-defined]
+    assert torch.equal(rec.advantages, torch.zeros(4))
+    with pytest.raises(ValueError, match="rewards has 3 rows"):
+        _record(rewards=torch.zeros(3))  # the consistency check at construction
+
+
+def test_row_operations_select_split_concat_and_to():
+    rec = _record(hint_contexts=[None, "a", None, "b"], teacher_scores={"t": [1, 2, 3, 4]})
+    sub = rec.select([3, 1])
+    assert sub.num_rows == 2 and sub.rewards.tolist() == [3.0, 1.0] and list(sub.hint_contexts) == ["b", "a"]
+    assert sub.teacher_scores["t"] == [4, 2] and sub.completion_ids.data_ptr() != rec.completion_ids.data_ptr()
+    parts = rec.split(3)
+    assert [p.num_rows for p in parts] == [3, 1] and [p.num_rows for p in rec.chunk(2)] == [2, 2]
+    a = _record(2, 3)
+    b = StepRecord(
+        tasks=[{"prompt": "q"}],
+        prompts=["q"] * 2,
+        completions=["d"] * 2,
+        prompt_ids=torch.full((2, 4), 7),
+        prompt_mask=torch.ones(2, 4, dtype=torch.long),
+        completion_ids=torch.full((2, 6), 8),
+        completion_mask=torch.ones(2, 6, dtype=torch.long),
+        rewards=torch.tensor([5.0, 6.0]),
+        advantages=torch.zeros(2),
+        num_generations=2,
+    )
+    both = StepRecord.concat([a, b], pad_id=0)
+    assert both.prompt_ids.shape == (4, 4) and both.completion_ids.shape == (4, 6)
+    assert both.prompt_mask[:2].tolist() == [[0, 0, 1, 1]] * 2  # prompts re-left-padded
+    assert both.completion_mask[:2, 3:].sum() == 0 and both.completion_ids[2:].eq(8).all()  # completions right-padded
+    assert both.group_index.tolist() == [0, 0, 1, 1] and [t["prompt"] for t in both.tasks] == ["p", "q"]
+    assert both.task_of(3)["prompt"] == "q" and both.rewards.tolist() == [0.0, 1.0, 5.0, 6.0]
+    with pytest.raises(ValueError, match="before teacher scoring"):
+        StepRecord.concat([rec, rec])
+    moved = rec.to("meta")
+    assert moved.completion_ids.device.type == "meta" and moved.rewards.device.type == "meta"
+
+
+def test_a_future_of_teacher_scores_is_selected_when_it_resolves():
+    import concurrent.futures as cf
+
+    fut: cf.Future = cf.Future()
+    sub = _record(teacher_scores={"t": fut}).select([2, 0])
+    fut.set_result(["r0", "r1", "r2", "r3"])
+    assert sub.teacher_scores["t"].result(timeout=1) == ["r2", "r0"]
+
+
+def test_a_field_the_trainer_lacks_is_refused_by_the_channel_that_reads_it():
+    """No placeholder: a record without advantages (VeRL's own) fails where a channel reads them."""
+    from composer_plugins import build
+
+    rec = _record(advantages=None)
+    composer = ChannelComposer([build("losses", "grpo")])
+    with pytest.raises(MissingInputError, match=r"'grpo' reads the input 'advantages'.*StepRecord.advantages is None"):
+        assemble_inputs(rec, composer, StepPolicy(None, None), given={"logprobs": torch.zeros(4, 5)})
+    with pytest.raises(MissingInputError, match=r"ref_logprobs.*reference model"):
+        assemble_inputs(rec, _Reads("ref_logprobs"), StepPolicy(None, None))
+    # a trainer whose own loss reads none of them assembles the rest
+    inputs, _ = assemble_inputs(rec, _Reads("completion_mask"), StepPolicy(None, None))
+    assert "advantages" not in inputs and inputs["global_step"] == 0
+
+
+class _Reads:
+    def __init__(self, *names: str) -> None:
+        self.names, self.channels, self.needs_teacher = names, [], False
+
+    def required_inputs(self) -> tuple[str, ...]:
+        return self.names
 
 
 def test_a_trainers_own_log_probs_come_with_the_records_sampling_time_ones():
@@ -134,15 +233,16 @@ def test_a_trainers_own_log_probs_come_with_the_records_sampling_time_ones():
     from composer_plugins import build
 
     composer = ChannelComposer([build("losses", "grpo")])
-    rec = _record()
-    rec.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    rec.old_logprobs = torch.full((4, 5), -1.0)
+    old = torch.full((4, 5), -1.0)
+    rec = _record(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), old_logprobs=old)
     lp = torch.zeros(4, 5, requires_grad=True)
-    inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), given={"logprobs": lp})
+    meta = StepMeta(step=2, total_steps=5)
+    inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), meta=meta, given={"logprobs": lp})
     assert inputs["logprobs"] is lp and inputs["old_logprobs"] is rec.old_logprobs
     assert inputs["inference_logprobs"] is rec.old_logprobs
+    assert inputs["global_step"] == 2 and inputs["total_steps"] == 5
     loss, _ = composer(inputs, inputs)
-    rec.old_logprobs = None  # on-policy: the given log-probs, detached
+    rec = rec.replace(old_logprobs=None)  # on-policy: the given log-probs, detached
     inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), given={"logprobs": lp})
     assert torch.equal(inputs["old_logprobs"], lp.detach()) and not inputs["old_logprobs"].requires_grad
     on_policy, _ = composer(inputs, inputs)

@@ -80,7 +80,7 @@ def test_student_hinted_teacher_and_external_teacher_read_the_templated_task_tok
             assert rec.prompt_ids[i][rec.prompt_mask[i].bool()].tolist() == student_ids
         assert student_in.rows[0] == student_ids
         # the hinted teacher: every row failed (a random model), each got the hint in its user turn
-        assert rec.hint_contexts == [HINTED_TEXT] * rec.num_rows
+        assert list(rec.hint_contexts) == [HINTED_TEXT] * rec.num_rows
         student_in.rows.clear()
         loss, stats = mod.loss_on(rec, seed=1)
         assert torch.isfinite(loss)

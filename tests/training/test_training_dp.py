@@ -73,42 +73,6 @@ def _run_ranks(
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _union(states: list[dict], pad: int) -> dict:
-    """One rollout batch holding every rank's rows, padded as one process pads them."""
-    import torch.nn.functional as F
-
-    def left(t: torch.Tensor, w: int, v: int) -> torch.Tensor:
-        return F.pad(t, (w - t.shape[1], 0), value=v)
-
-    def right(t: torch.Tensor, w: int, v: float) -> torch.Tensor:
-        return F.pad(t, (0, w - t.shape[1]), value=v)
-
-    ros = states
-    offsets = [sum(r["completion_ids"].shape[0] for r in ros[:k]) for k in range(len(ros))]
-    assert offsets[0] == 0
-    pw = max(r["prompt_ids"].shape[1] for r in ros)
-    cw = max(r["completion_ids"].shape[1] for r in ros)
-    n_prompts = 0
-    group = []
-    for r in ros:
-        group.append(r["group_index"] + n_prompts)
-        n_prompts += int(r["group_index"].max()) + 1
-    return {
-        "tasks": [t for s in states for t in s["tasks"]],
-        "prompt_ids": torch.cat([left(r["prompt_ids"], pw, pad) for r in ros]),
-        "prompt_mask": torch.cat([left(r["prompt_mask"], pw, 0) for r in ros]),
-        "completion_ids": torch.cat([right(r["completion_ids"], cw, pad) for r in ros]),
-        "completion_mask": torch.cat([right(r["completion_mask"], cw, 0) for r in ros]),
-        "completions": [c for r in ros for c in r["completions"]],
-        "prompts": [p for r in ros for p in r["prompts"]],
-        "group_index": torch.cat(group),
-        "num_generations": ros[0]["num_generations"],
-        "rewards": torch.cat([s["rewards"] for s in states]),
-        "advantages": torch.cat([s["advantages"] for s in states]),
-        "hint_contexts": [c for s in states for c in s["hint_contexts"]],
-    }
-
-
 @pytest.mark.timeout(600)
 def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, tiny_yaml, tmp_path):
     from composer_plugins.training.batches import TaskStream, task_drawer
@@ -141,7 +105,8 @@ def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, 
     tokens = [int(f["rollout"]["completion_mask"].sum()) for f in full]
     widths = [f["rollout"]["completion_mask"].shape[1] for f in full]
     assert tokens[0] != tokens[1] or widths[0] != widths[1]  # else local normalisers would agree by chance
-    union = StepRecord.from_state(_union([f["rollout"] for f in full], pad=0))
+    # the DP gather is the record's row operation: every rank's rows, padded as one process pads them
+    union = StepRecord.concat([StepRecord.from_state(f["rollout"]) for f in full], pad_id=0)
     policy, tok = load_policy_for(cfg, env)
     module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
     loss, stats = module.loss_on(union, seed=0)

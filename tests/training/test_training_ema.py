@@ -134,7 +134,7 @@ def test_teacher_margin_and_fraction_equal_a_full_logits_computation(make_cfg):
     rb = module.make_rollout_batch(env.sample_tasks(2, "train", seed=7), seed=11)
     with torch.no_grad():
         _, stats = module.loss_on(rb, seed=0)
-    ro, T = rb.rollout, 0.7
+    ro, T = rb, 0.7
     policy = module.policy.eval()
     h_ids, h_mask = tokenize_prompts(module.tokenizer, rb.hinted_contexts, module.cfg.hints.max_context_length, "cpu")
     diffs = []

@@ -46,13 +46,13 @@ def test_make_rollout_batch_gives_the_provider_each_rows_group(make_cfg):
     for i, (completion, task, group) in zip(failed, seen, strict=True):
         g0 = i - i % G
         assert task is tasks[i // G] and group.index == i % G and group.completion == completion
-        assert list(group.completions) == rb.rollout.completions[g0 : g0 + G]
+        assert list(group.completions) == list(rb.completions[g0 : g0 + G])
         assert list(group.rewards) == pytest.approx(rewards[g0 : g0 + G])
     for row, ctx in zip(rb.hint_rows, rb.hinted_contexts, strict=True):
         g0 = row - row % G
         ok = [j for j in range(g0, g0 + G) if j != row and rewards[j] >= 0.5]
         if ok:  # a demonstration from a successful sibling, never the row's own attempt
-            assert "Correct solution:\n" + rb.rollout.completions[ok[0]].strip() in ctx
+            assert "Correct solution:\n" + rb.completions[ok[0]].strip() in ctx
         else:  # the fallback: the feedback alone
             assert "Correct solution" not in ctx
 
@@ -211,7 +211,7 @@ def test_multi_turn_episodes_give_demonstrations_from_their_group(make_cfg):
     env = build_env(cfg, src)
     m = ComposerModule(cfg, env=env, src=src)
     rb = m.make_rollout_batch(env.sample_tasks(2, "train", seed=4), seed=9)
-    comps, rewards = rb.rollout.completions, rb.rewards.tolist()
+    comps, rewards = rb.completions, rb.rewards.tolist()
     for row, ctx in zip(rb.hint_rows, rb.hinted_contexts, strict=True):
         g0 = row - row % 4
         first = next(j for j in range(g0, g0 + 4) if j != row and rewards[j] >= 0.5)

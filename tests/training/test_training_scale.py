@@ -58,7 +58,7 @@ def _grads(module: ComposerModule) -> dict[str, torch.Tensor]:
 
 def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
     """The composed loss as the module computed it before: whole-batch logits, logits-path channels."""
-    ro, T = rb.rollout, module.cfg.rollout.temperature
+    ro, T = rb, module.cfg.rollout.temperature
     fwd = completion_forward(
         module.policy,
         ro.prompt_ids,
@@ -157,7 +157,7 @@ def test_micro_batched_step_equals_one_shot(make_cfg, pairs_file, policy, criter
 
     rb = module().make_rollout_batch(tasks, seed)
     # random advantages: every row carries policy-gradient signal, whatever the rewards were
-    rb.advantages = torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0))
+    rb = rb.replace(advantages=torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0)))
     if criterion is not None:
         assert rb.hint_rows, "the parity case needs hinted rows"
     results = {}
@@ -250,7 +250,7 @@ def test_training_step_never_builds_rows_tokens_vocab(make_cfg, pairs_file, wide
         rb = m.make_rollout_batch(tasks, seed=3)
         loss, stats = m.loss_on(rb, seed=3)
         loss.backward()
-    rows, tokens = rb.rollout.completion_ids.shape
+    rows, tokens = rb.completion_ids.shape
     full = rows * tokens * VOCAB
     assert stats["hint/rows"] == rows and stats["hint_distill/skipped"] == 0.0 and stats["replay/skipped"] == 0.0
     assert all(p.grad is not None for p in m.policy.parameters() if p.requires_grad)
@@ -259,7 +259,7 @@ def test_training_step_never_builds_rows_tokens_vocab(make_cfg, pairs_file, wide
 
     # the detector sees the (rows, tokens, vocab) logits of the materialised path
     with LargestTensor() as probe_mat, torch.no_grad():
-        ro = rb.rollout
+        ro = rb
         completion_forward(m.policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     assert probe_mat.numel >= full
 
@@ -283,7 +283,7 @@ def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_
         m.train()
         assert base.is_gradient_checkpointing == (flag == "true")
         rb = m.make_rollout_batch(tasks, 11)
-        rb.advantages = torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0))
+        rb = rb.replace(advantages=torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0)))
         loss, _ = m.loss_on(rb, 11)
         loss.backward()
         out[flag] = (loss.detach(), _grads(m))

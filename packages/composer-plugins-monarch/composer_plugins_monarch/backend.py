@@ -6,10 +6,11 @@ One training step, driven by :class:`MonarchBackend` from the client process:
 2. the :class:`GeneratorActor` mesh (``generators`` processes; each samples its shard of the
    prompts with HF ``generate``) returns the rollout;
 3. the :class:`RewarderActor` scores the completions with the env plugin (``env.reward``);
-4. the :class:`TrainerActor` applies the composed loss (the native
-   :class:`~composer_plugins.training.module.ComposerModule` step on the received rollout: group
-   advantages, policy forward, hint-teacher forward, replay pairs, ``ChannelComposer``) and
-   takes an optimizer step;
+4. the :class:`TrainerActor` makes the step's read-only record with the one experience maker
+   (:meth:`~composer_plugins.training.module.ComposerModule.make_experience`: group advantages, hinted
+   contexts, teacher scoring started), computes the composed loss with the one step computer
+   (:meth:`~composer_plugins.training.module.ComposerModule.loss_on`) and takes the backends' one
+   optimizer step (:func:`~composer_plugins.backends.base.optimizer_step`);
 5. the trainer's new weights are sent back to every generator (``load_weights``).
 
 Every actor runs in its own OS process of a local process mesh
@@ -20,7 +21,6 @@ the client as ``monarch.actor.ActorError``. Tested with torchmonarch 0.7.0.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import threading
 import time
@@ -32,7 +32,7 @@ from monarch.actor import Actor, ActorError, current_rank, current_size, endpoin
 from torch import Tensor
 
 from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
-from composer_plugins.backends.base import Backend, scalar_metrics
+from composer_plugins.backends.base import Backend, optimizer_step, scalar_metrics
 from composer_plugins.training import module as _module  # noqa: F401
 from composer_plugins.training import run as _run  # noqa: F401
 
@@ -74,27 +74,22 @@ def _rollout_to_wire(ro: Any) -> dict[str, Any]:
     }
 
 
-def merge_rollouts(parts: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, Any]:
-    """Concatenate wire rollouts (in order): prompts re-left-padded, completions re-right-padded."""
-    parts = [p for p in parts if p["completion_ids"].shape[0]]
-    P = max(p["prompt_ids"].shape[1] for p in parts)
-    C = max(p["completion_ids"].shape[1] for p in parts)
+def merge_rollouts(
+    parts: Sequence[Mapping[str, Any]], pad_id: int, tasks: Sequence[Sequence[Mapping[str, Any]]] | None = None
+) -> Any:
+    """The wire rollouts (in order) as one rollout record, by the record's row operation
+    (:meth:`~composer_plugins.training.step.StepRecord.concat`: prompts re-left-padded, completions re-right-padded).
+    ``tasks``: each part's tasks (its rows answer them); the record holds no scores: the trainer's experience
+    maker makes the step's record."""
+    from composer_plugins.training.step import StepRecord
 
-    def lpad(x: Tensor, width: int, value: int) -> Tensor:
-        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
-
-    def rpad(x: Tensor, width: int, value: int) -> Tensor:
-        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-    return {
-        "prompt_ids": torch.cat([lpad(p["prompt_ids"], P, pad_id) for p in parts]),
-        "prompt_mask": torch.cat([lpad(p["prompt_mask"], P, 0) for p in parts]),
-        "completion_ids": torch.cat([rpad(p["completion_ids"], C, pad_id) for p in parts]),
-        "completion_mask": torch.cat([rpad(p["completion_mask"], C, 0) for p in parts]),
-        "completions": [c for p in parts for c in p["completions"]],
-        "prompts": [c for p in parts for c in p["prompts"]],
-        "num_generations": parts[0]["num_generations"],
-    }
+    per_part = list(tasks) if tasks is not None else [()] * len(parts)
+    recs = [
+        StepRecord.from_rollout(t, _rollout_from_wire(p))
+        for p, t in zip(parts, per_part, strict=True)
+        if p["completion_ids"].shape[0]
+    ]
+    return StepRecord.concat(recs, pad_id=pad_id)
 
 
 def _rollout_from_wire(w: Mapping[str, Any]) -> Any:
@@ -208,9 +203,9 @@ class TrainerActor(Actor):
             self.steps = 0
 
     def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict]:
-        # the native step on the rollout we were sent: its step record, then the assembled channel inputs
+        # the native step on the rollout we were sent: the experience maker's record, then the step computer
         m = self.module
-        return m.loss_on(m.record_from(tasks, ro, rewards), seed)
+        return m.loss_on(m.make_experience(tasks, ro, rewards), seed)
 
     @endpoint
     async def train_step(
@@ -222,12 +217,8 @@ class TrainerActor(Actor):
         t0 = time.perf_counter()
         ro = _rollout_from_wire(rollout)
         loss, stats = self._loss(tasks, ro, rewards, derive_seed(self.cfg.seed, 1, step))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        clip = self.cfg.trainer.gradient_clip_val
-        params = [p for p in self.module.policy.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.zeros(())
-        self.optimizer.step()
+        params = self.module.policy.parameters()
+        norm = optimizer_step(self.optimizer, params, loss, self.cfg.trainer.gradient_clip_val)
         self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
         # no Lightning Trainer here: the module's step counter is ours to advance (TAID's t, step-scheduled hints)
         self.module.local_steps += 1
@@ -238,7 +229,7 @@ class TrainerActor(Actor):
             grad_norm=float(norm),
             trainer_step_time=time.perf_counter() - t0,
             trainer_pid=float(os.getpid()),
-            record_step=float(self.module.last_rollout.step),
+            record_step=float(self.module.last_meta.step),
         )
         return out
 
@@ -288,11 +279,7 @@ class MonarchBackend(Backend):
         colocate: bool = True,
         max_steps: int | None = None,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir)
-        if max_steps is not None:
-            self.config = dataclasses.replace(
-                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
-            )
+        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
         self.generators = max(1, int(generators))
         self.colocate = bool(colocate)
 
@@ -361,7 +348,7 @@ class MonarchSession:
         prompts = [task_prompt(t, self.tokenizer, c.model.chat_template) for t in tasks]  # the text the model reads
         shards = await self.generators.generate.call(prompts, derive_seed(c.seed, 1, step))
         ordered = sorted((v for _, v in shards.items()), key=lambda sh: sh["rank"])
-        rollout = _interleave(ordered, len(prompts), self.pad)
+        rollout = _interleave(ordered, len(prompts), self.pad, tasks)
         rewards = await self.rewarder.score.call_one(tasks, rollout["completions"])
         stats = await self.trainer.train_step.call_one(tasks, rollout, rewards, step)
         weights = await self.trainer.weights.call_one()
@@ -386,25 +373,22 @@ class MonarchSession:
         )
 
 
-def _interleave(shards: Sequence[Mapping[str, Any]], n_prompts: int, pad: int) -> dict[str, Any]:
-    """Undo the ``rank::size`` sharding: rows back in prompt order (``G`` rows per prompt)."""
+def _interleave(
+    shards: Sequence[Mapping[str, Any]], n_prompts: int, pad: int, tasks: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Undo the ``rank::size`` sharding with the record's row operations: the shards concatenated
+    (:func:`merge_rollouts`, shard ``r`` answering ``tasks[r::size]``), then their rows selected back in prompt
+    order (``G`` rows per prompt)."""
     size = len(shards)
-    merged = merge_rollouts(shards, pad)
-    G = int(merged["num_generations"])
+    merged = merge_rollouts(shards, pad, [tasks[r::size] for r in range(size)] if tasks is not None else None)
+    G = merged.num_generations
     # row blocks of G per prompt; shard r holds prompts r, r+size, ...
-    order: list[int] = []
     starts, acc = [], 0
     for s in shards:
         starts.append(acc)
-        acc += s["completion_ids"].shape[0] if s["completion_ids"].shape[0] else 0
+        acc += s["completion_ids"].shape[0]
+    order: list[int] = []
     for p in range(n_prompts):
-        r, j = p % size, p // size
-        base = starts[r] + j * G
+        base = starts[p % size] + (p // size) * G
         order.extend(range(base, base + G))
-    idx = torch.tensor(order)
-    out = dict(merged)
-    for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
-        out[k] = merged[k][idx]
-    out["completions"] = [merged["completions"][i] for i in order]
-    out["prompts"] = [merged["prompts"][i] for i in order]
-    return out
+    return _rollout_to_wire(merged.select(order))

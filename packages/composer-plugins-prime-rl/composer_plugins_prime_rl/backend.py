@@ -46,10 +46,8 @@ import dataclasses
 import importlib.util
 import shutil
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -299,8 +297,8 @@ class PrimeRLBackend(Backend):
     normalisation before a torch optimizer step.
 
     Loss kwargs come from the policy channel of ``config.losses`` (``loss_type``/its name picks
-    ``policy``; ``dppo`` knobs pass through) and from ``hint_weight`` (the weight of an enabled
-    ``hint_distill`` channel).
+    ``policy``; ``dppo`` knobs pass through) and from ``hint_weight`` (the weight of an enabled hint
+    channel: one whose class declares ``needs_teacher``); each channel is placed by what it declares.
     """
 
     name = "prime_rl"
@@ -318,37 +316,34 @@ class PrimeRLBackend(Backend):
         max_steps: int | None = None,
         model_name: str | None = None,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir)
+        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
         if mode not in ("local", "prime-rl"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "prime-rl"])
         self.mode = mode
         self.model_name = model_name
-        if max_steps is not None:
-            self.config = dataclasses.replace(
-                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
-            )
         #: ``(teacher, ema_rate)`` of the hint channel (``losses.hint_distill.teacher``; local mode runs ``ema``).
         self.hint_teacher: tuple[str, float] = ("live", 0.0)
         self.loss_kwargs = self._loss_kwargs()
 
     def _loss_kwargs(self) -> dict[str, Any]:
-        from composer_plugins.training.config import channel_spec
+        """The loss kwargs of the enabled channels, each placed by what its class declares (never by its name):
+        the channel reading the group advantages is the policy, the one needing a hinted teacher is the opsd
+        stream, the one reading teachers' scores the teacher stream; any other is refused, located."""
+        from composer_plugins.training.loss_specs import declared_channels
 
         support.check_channels(f"prime_rl:{self.mode}", self.config, self.src)  # refused here, never dropped later
         kwargs: dict[str, Any] = {}
         policies = []
-        for key, spec in self.config.losses.items():
-            enabled, name, weight, kw = channel_spec(key, spec, self.src)
-            if not enabled:
-                continue
-            kind = str(kw.get("loss_type") or name)
-            if kind in POLICIES:
+        for ch in declared_channels(self.config.losses, self.src):
+            key, weight, kw = ch.key, ch.weight, ch.kwargs
+            kind = ch.loss_type or ch.name
+            if ch.is_policy and kind in POLICIES:
                 policies.append(key)
                 kwargs["policy"] = kind
                 for k in ("dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau", "epsilon_low", "epsilon_high"):
                     if k in kw:
                         kwargs[k] = kw[k]
-            elif name in ("hint_distill", "hint"):
+            elif ch.needs_teacher:
                 from composer_plugins.losses.distill import TEACHERS
 
                 kwargs["hint_weight"] = float(weight)
@@ -358,7 +353,7 @@ class PrimeRLBackend(Backend):
                 if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 < rate <= 1.0:
                     raise self.src.error(f"losses.{key}.ema_rate", f"must be a number in (0, 1], got {rate!r}.")
                 self.hint_teacher = (teacher, float(rate) if teacher == "ema" else 0.0)
-            elif name == "teacher_distill":
+            elif ch.reads_teacher_scores:
                 # PRIME-RL scores the sampled tokens with its own teacher: one stream, one teacher
                 kwargs["teacher_weight"] = float(weight)
                 kwargs["teacher_divergence"] = str(kw.get("divergence", "reverse_kl"))
@@ -372,9 +367,10 @@ class PrimeRLBackend(Backend):
             else:
                 raise self.src.error(
                     f"losses.{key}",
-                    f"channel {name!r} cannot run inside PRIME-RL's per-sample loss contract (it needs "
-                    "full logits or preference pairs); disable it for the prime_rl backend.",
-                    valid=[*POLICIES, "hint_distill", "teacher_distill"],
+                    f"channel {ch.name!r} cannot run inside PRIME-RL's per-sample loss contract (it reads "
+                    f"{', '.join(sorted(ch.inputs)) or 'nothing'}: full logits or preference pairs); disable it "
+                    "for the prime_rl backend.",
+                    valid=[*POLICIES, "a hint channel (needs_teacher)", "a channel reading teacher_scores"],
                 )
         if kwargs.get("hint_weight") and kwargs.get("teacher_weight"):
             raise self.src.error(
@@ -425,16 +421,13 @@ class PrimeRLBackend(Backend):
     def _train_local(self) -> Any:
         from composer_plugins.backends import rollout as R
         from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
+        from composer_plugins.training.experience import ExperienceMaker
 
         c = self.config
         run = R.LocalRun(c, self.src)
-        hint_provider = None
-        if self.loss_kwargs.get("hint_weight"):
-            from composer_plugins.training.builders import build_hint_provider
-
-            hint_provider = build_hint_provider(c, self.src)
         ema, ema_pairs_ = None, None
-        if hint_provider is not None and self.hint_teacher[0] == "ema":
+        hinted = bool(self.loss_kwargs.get("hint_weight"))
+        if hinted and self.hint_teacher[0] == "ema":
             from torch import nn
 
             from composer_plugins.training.ema import EMATeacher, ema_pairs
@@ -442,11 +435,24 @@ class PrimeRLBackend(Backend):
             ema = EMATeacher(run.policy, self.hint_teacher[1])
             ema_pairs_ = ema_pairs(nn.ModuleDict({"ema": ema, "policy": run.policy}), "ema.policy", "policy")
         scoring = None
-        if self.loss_kwargs.get("teacher_weight"):  # teacher_distill: the config's scorers give the teacher stream
+        if self.loss_kwargs.get("teacher_weight"):  # the teacher channel: the config's scorers give the stream
             from composer_plugins.training.builders import build_channels
             from composer_plugins.training.teacher_scores import build_teacher_scoring
 
             scoring = build_teacher_scoring(build_channels(c, self.src), run.tokenizer)
+        hint_provider = None
+        if hinted:
+            from composer_plugins.training.builders import build_hint_provider
+
+            hint_provider = build_hint_provider(c, self.src)
+        maker = ExperienceMaker.from_config(
+            c,
+            policy=run.policy,
+            tokenizer=run.tokenizer,
+            env=run.env,
+            hint_provider=hint_provider,
+            teacher_scoring=scoring,
+        )
         policy = StepPolicy(
             model=run.policy,
             tokenizer=run.tokenizer,
@@ -456,97 +462,25 @@ class PrimeRLBackend(Backend):
             teacher_scoring=scoring,
         )
         # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
-        # (or, with teacher_distill, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)
-        ref_name = "hint_teacher_logprobs" if hint_provider else ("teacher_logprobs" if scoring else None)
+        # (or, with a teacher channel, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)
+        ref_name = "hint_teacher_logprobs" if hinted else ("teacher_logprobs" if scoring else None)
         needs = Needs("logprobs", "inference_logprobs", *((ref_name,) if ref_name else ()))
-        history: list[dict[str, float]] = []
-        for step in range(c.trainer.max_steps):
-            t0 = time.perf_counter()
-            record = step_record(run, step, hint_provider)
+
+        def loss_of(record: Any, step: int) -> tuple[Tensor, dict[str, Tensor]]:
             inputs, _ = assemble_inputs(record, needs, policy)
             inference = inputs["inference_logprobs"]
             adv = record.advantages.unsqueeze(-1).expand_as(inference)
-            samples = samples_from_batch(
-                inputs["logprobs"], inference, adv, record.completion_mask, inputs.get(ref_name) if ref_name else None
-            )
+            ref = inputs.get(ref_name) if ref_name else None
+            samples = samples_from_batch(inputs["logprobs"], inference, adv, record.completion_mask, ref)
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
-            grad_norm = run.optimizer_step(loss)
-            if ema is not None:
-                from composer_plugins.training.ema import ema_update
+            return loss, {k: v.float().mean() for k, v in metrics.items() if v.numel()}
 
-                ema_update(ema_pairs_, ema.rate)
-            scorable = record.rewards[~torch.isnan(record.rewards)]  # an unscorable row (NaN) is left out
-            reward = float(scorable.mean()) if scorable.numel() else float("nan")
-            row = {
-                "step": float(step + 1),
-                "loss": float(loss.detach()),
-                "reward": reward,
-                "unscorable": float(torch.isnan(record.rewards).float().mean()),
-                "grad_norm": grad_norm,
-                "step_time": time.perf_counter() - t0,
-            }
-            row.update({k: float(v.float().mean()) for k, v in metrics.items() if v.numel()})
-            history.append(row)
-        return self.write_outputs(history, {}, run.policy, run.tokenizer)
+        def update_ema() -> None:
+            from composer_plugins.training.ema import ema_update
 
+            ema_update(ema_pairs_, ema.rate)
 
-def step_record(run: Any, step: int, hint_provider: Any = None) -> Any:
-    """The :class:`~composer_plugins.training.step.StepRecord` of ``step`` of a local run: rollout, rewards,
-    group advantages and, with a hint provider, the failed rows' hinted contexts."""
-    from composer_plugins.training.step import StepRecord, add_hint_contexts
-
-    c = run.cfg
-    tasks, ro, rewards, feedback = run.rollout(step)
-    r = torch.tensor(rewards, dtype=torch.float32, device=ro.completion_ids.device)
-    adv = F.group_advantages(r, c.rollout.num_generations, **c.rollout.advantage_kwargs)
-    record = StepRecord.from_rollout(tasks, ro, r, adv, feedback, step=step, total_steps=c.trainer.max_steps)
-    if hint_provider is not None:
-        add_hint_contexts(
-            record,
-            run.env,
-            hint_provider,
-            success_threshold=c.rollout.success_threshold,
-            tokenizer=run.tokenizer,
-            chat_template=c.model.chat_template,
-        )
-    return record
-
-
-def hint_logprobs(
-    policy: Any,
-    tokenizer: Any,
-    provider: Any,
-    env: Any,
-    tasks: Sequence[Mapping[str, Any]],
-    ro: Any,
-    rewards: Tensor,
-    threshold: float,
-    max_context_length: int,
-    temperature: float = 1.0,
-    teacher: Any = None,
-) -> Tensor | None:
-    """Sampled-token log-probs of each *failed* completion under the policy conditioned on its hint.
-
-    ``teacher``: the model that scores the hinted contexts (an EMA copy of the policy), default ``policy``.
-
-    Rows that passed (or got no hint) keep the policy's own log-probs, so their KL term is 0 —
-    PRIME-RL's ``opsd`` reference stream: the assembler's ``hint_teacher_logprobs`` input on the step
-    record of ``ro`` (the hinted contexts as the native path makes them). ``None`` when no row was hinted.
-    """
-    from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
-    from composer_plugins.training.step import StepRecord, add_hint_contexts
-
-    record = StepRecord.from_rollout(tasks, ro, rewards, torch.zeros_like(rewards))
-    add_hint_contexts(record, env, provider, success_threshold=threshold, tokenizer=tokenizer)
-    policy = StepPolicy(
-        model=policy,
-        tokenizer=tokenizer,
-        teacher=teacher,
-        temperature=temperature,
-        max_context_length=max_context_length,
-    )
-    inputs, _ = assemble_inputs(record, Needs("hint_teacher_logprobs"), policy)
-    return inputs.get("hint_teacher_logprobs")
+        return self.run_local(run, maker, loss_of, after_step=update_ema if ema is not None else None)
 
 
 def _toml_value(v: Any) -> str:
@@ -555,13 +489,6 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, int | float):
         return repr(v)
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def write_toml(backend: PrimeRLBackend, path: str | Path) -> Path:
-    """Write :meth:`PrimeRLBackend.toml` to ``path``."""
-    p = Path(path)
-    p.write_text(backend.toml())
-    return p
 
 
 __all__ = [
@@ -573,7 +500,6 @@ __all__ = [
     "LossOutputs",
     "PrimeRLBackend",
     "aggregate",
-    "hint_logprobs",
     "loss_fn",
     "samples_from_batch",
 ]

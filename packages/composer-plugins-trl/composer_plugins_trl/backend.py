@@ -3,10 +3,12 @@
 :class:`ComposerGRPOTrainer` keeps everything of TRL's ``GRPOTrainer`` up to the loss — dataset
 and sampler, generation (transformers or vLLM), reward functions, group advantages, old/reference
 log-probs, logging — and computes the loss in ``compute_loss`` (the ``Trainer``'s public hook) with
-:class:`~composer_plugins.losses.base.ChannelComposer` over our channels. The channel inputs come
-from the one assembler the native module uses
-(:func:`~composer_plugins.training.assemble.assemble_inputs`) on a
-:class:`~composer_plugins.training.step.StepRecord` of each micro-batch:
+:class:`~composer_plugins.losses.base.ChannelComposer` over our channels. After TRL scores a generation
+batch, the one experience maker (:class:`~composer_plugins.training.experience.ExperienceMaker`) makes its
+read-only :class:`~composer_plugins.training.step.StepRecord` from TRL's own fields (advantages, old/reference
+log-probs, the recorded rewards), adds the hinted contexts and starts teacher scoring; each micro-batch is the
+record's rows (``select``, by a row index TRL shuffles and splits with the batch), and its loss is the one
+step computer's (:class:`~composer_plugins.training.experience.StepComputer`), as in the native module:
 
 * the policy channel reads TRL's per-token log-probs (computed by TRL's own fused-head path),
   ``old_per_token_logps``, ``ref_per_token_logps``, the advantages and TRL's token normaliser, so
@@ -24,9 +26,10 @@ from the one assembler the native module uses
   ``replay_dpo`` / ``replay_simpo`` channels.
 
 The rewards the hints are chosen by are recorded by wrapping the reward functions (TRL's public
-reward-function surface). TRL offers no public hook that adds per-row fields to a generation batch,
-so one private method is still overridden: ``_generate_and_score_completions`` (it adds ``rewards``
-and ``hint_contexts``); ``compute_loss`` reads TRL's per-token log-probs with the private
+reward-function surface; with a reward model among them the record has no rewards, and hint channels are
+refused). TRL offers no public hook that adds per-row fields to a generation batch, so one private method is
+still overridden: ``_generate_and_score_completions`` (it makes the record and adds its row index);
+``compute_loss`` reads TRL's per-token log-probs with the private
 ``_get_per_token_logps_and_entropies``. :func:`check_trl_surface` checks both signatures when the
 trainer is built and fails with the fix when TRL changes them (docs/backends.md).
 
@@ -36,7 +39,6 @@ Gradient accumulation follows TRL: the composed loss is divided by the accumulat
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,11 +47,12 @@ import torch
 from torch import Tensor
 from trl import GRPOConfig, GRPOTrainer
 
-from composer_plugins.backends.base import Backend, scalar_metrics
+from composer_plugins.backends.base import Backend
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.training.assemble import PAIR_INPUTS
+from composer_plugins.training.step import Rollout, StepMeta, StepRecord, sample_pairs
 
 #: TRL loss types the composed trainer reproduces (``gspo`` is TRL's ``grpo`` at sequence level).
 SUPPORTED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -147,10 +150,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 c.max_completion_length = self.args.max_completion_length
         self.needs_teacher = self.composer.needs_teacher
         self.needs_pairs = bool(set(PAIR_INPUTS) & set(self.composer.required_inputs()))
-        if hint_provider is not None:
-            from composer_plugins.training.builders import hint_provider_from
-
-            hint_provider = hint_provider_from(hint_provider, key="hint_provider")
         if self.needs_teacher and hint_provider is None:
             raise ConfigError("a hint-distillation channel is live but no hint_provider was given", key="hint_provider")
         if self.needs_teacher and self._rewards.unrecorded:
@@ -160,10 +159,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
                 "functions with a hint-distillation channel",
                 key="reward_funcs",
             )
-        self.hint_provider = hint_provider
-        self.hint_env = hint_env
         self.hint_threshold = float(hint_threshold)
-        self.max_hinted_per_step = max_hinted_per_step
         self.max_hint_length = int(max_hint_length)
         self.chat_mode = str(chat_template)  # not `chat_template`: TRL keeps its Jinja override under that name
         from composer_plugins.training.batches import load_pairs, render_pairs
@@ -182,11 +178,28 @@ class ComposerGRPOTrainer(GRPOTrainer):
             self._pair_reference = self._frozen_copy(self.accelerator.unwrap_model(self.model))
         self._loss_calls = 0
         self.ema_teacher = self._build_ema_teacher(live)
-        # teacher_distill: external teachers score each micro-batch's completions (in the background,
+        # teacher_distill: external teachers score each generation batch's completions (in the background,
         # while the assembler computes the student's hidden states); the record carries their futures
+        from composer_plugins.training.experience import ExperienceMaker, StepComputer
         from composer_plugins.training.teacher_scores import build_teacher_scoring, teacher_channels
 
         self.teacher_scoring = build_teacher_scoring(teacher_channels(live), self.processing_class)
+        #: The one experience maker (TRL computes the advantages and log-probs; the maker adds the rest).
+        self.experience = ExperienceMaker(
+            tokenizer=self.processing_class,
+            env=hint_env,
+            hint_provider=hint_provider if self.needs_teacher else None,
+            teacher_scoring=self.teacher_scoring,
+            temperature=self.temperature,
+            success_threshold=self.hint_threshold,
+            max_hinted=max_hinted_per_step,
+            chat_template=self.chat_mode,
+        )
+        self.hint_provider = self.experience.hint_provider
+        #: The one step computer (TRL gives its own token normaliser: no data-parallel normalisers here).
+        self.stepper = StepComputer(self.composer, self.step_policy(self.model), data_parallel=False)
+        #: The record of the last generation batch, per mode (an eval batch never replaces a buffered train one).
+        self._records: dict[str, StepRecord] = {}
 
     def _build_ema_teacher(self, live: Sequence[Any]) -> Any:
         """The frozen EMA copy of the policy when a hint channel asks for ``teacher: ema`` (else ``None``)."""
@@ -263,62 +276,60 @@ class ComposerGRPOTrainer(GRPOTrainer):
             p.requires_grad_(False)
         return ref
 
-    # -- generation batch: the rows' rewards and hinted contexts (the one private override) -------------
+    # -- generation batch: its read-only step record (the one private override) ----------------------------
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._rewards.outputs.clear()
         out = super()._generate_and_score_completions(inputs)
-        n = out["completion_ids"].shape[0]
-        rewards = self._rewards.total(n, self.reward_weights)
-        out["rewards"] = rewards
-        if self.needs_teacher:
-            out["hint_contexts"] = self._hint_contexts(inputs, out, rewards)
-        if self.teacher_scoring is not None:  # the conversations, for teachers that render them with their template
-            from composer_plugins.training.chat import task_conversation
-
-            out["chat_prompts"] = [task_conversation(x) for x in inputs]
+        mode = "train" if self.model.training else "eval"
+        self._records[mode] = self._make_record(inputs, out)
+        # the row index of each row: TRL shuffles and splits it with the batch; compute_loss selects those rows
+        out["record_rows"] = torch.arange(out["completion_ids"].shape[0], device=out["completion_ids"].device)
         return out
 
-    def _hint_contexts(self, inputs: list[dict[str, Any]], out: Mapping[str, Any], rewards: Tensor) -> list[str | None]:
-        """The hinted teacher context of each failed row of this process (``None``: no hint), as text."""
-        from composer_plugins.training.batches import rollout_groups, teacher_contexts
-        from composer_plugins.training.builders import reads_groups
-        from composer_plugins.training.step import hint_candidates
-
+    def _make_record(self, inputs: list[dict[str, Any]], out: Mapping[str, Any]) -> StepRecord:
+        """This process's rows of the generation batch as the experience maker's record (TRL's own fields)."""
         tok = self.processing_class
-        ids, mask = out["completion_ids"], out["completion_mask"]
+        p_ids, p_mask = out["prompt_ids"], out["prompt_mask"]
+        ids, c_mask = out["completion_ids"], out["completion_mask"]
+        mask = c_mask if "tool_mask" not in out else c_mask * out["tool_mask"]
+        n = int(ids.shape[0])
         texts = tok.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)], skip_special_tokens=True
+            [r[m.bool()].tolist() for r, m in zip(ids, c_mask, strict=True)], skip_special_tokens=True
         )
-        result: list[str | None] = [None] * len(inputs)
+        prompts = tok.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(p_ids, p_mask, strict=True)], skip_special_tokens=True
+        )
+        # with a reward model among the reward functions the rewards cannot be read: the record has none
+        rewards = None if self._rewards.unrecorded else self._rewards.total(n, self.reward_weights)
+        # row i answers inputs[i] (TRL repeats each prompt G times in its dataset rows)
+        ro = Rollout(p_ids, p_mask, ids, mask, texts, prompts, torch.arange(n, device=ids.device), self.num_generations)
         groups = None
-        if reads_groups(self.hint_provider):
-            # the provider reads the rollout group: TRL lays a generation batch out as G consecutive
-            # rows per prompt across every process, so the group's texts and rewards are gathered
-            every, all_rewards = list(texts), rewards
-            if self.accelerator.num_processes > 1:
-                from accelerate.utils import gather_object
-
-                every = gather_object(list(texts))
-                all_rewards = self.accelerator.gather(rewards.to(self.accelerator.device)).cpu()
-            start = self.accelerator.process_index * len(inputs)
-            groups = rollout_groups(every, all_rewards, self.num_generations, self.hint_threshold)
-            groups = groups[start : start + len(inputs)]
-        failed = hint_candidates(self.hint_provider, rewards, self.hint_threshold, self.max_hinted_per_step)
-        if not failed:
-            return result
-        # conversational prompts get the hint in their conversation, rendered as the native path renders it
-        contexts = teacher_contexts(
-            self.hint_env,
-            self.hint_provider,
-            [dict(inputs[i]) for i in failed],
-            [texts[i] for i in failed],
-            groups=[groups[i] for i in failed] if groups is not None else None,
-            tokenizer=tok,
-            chat_template=self.chat_mode,
+        if self.needs_teacher and rewards is not None:
+            groups = self._sibling_groups(texts, rewards) if self.experience.reads_groups else [None] * n
+        return self.experience.make(
+            inputs,
+            ro,
+            rewards,
+            advantages=out["advantages"],
+            old_logprobs=out.get("old_per_token_logps"),
+            ref_logprobs=out.get("ref_per_token_logps"),
+            groups=groups,
         )
-        for i, text in zip(failed, contexts, strict=True):
-            result[i] = text
-        return result
+
+    def _sibling_groups(self, texts: list[str], rewards: Tensor) -> list[Any]:
+        """Each row's rollout group, for a provider that reads it: TRL lays a generation batch out as G
+        consecutive rows per prompt across every process, so the group's texts and rewards are gathered."""
+        from composer_plugins.training.batches import rollout_groups
+
+        every, all_rewards = list(texts), rewards
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            every = gather_object(list(texts))
+            all_rewards = self.accelerator.gather(rewards.to(self.accelerator.device)).cpu()
+        start = self.accelerator.process_index * len(texts)
+        groups = rollout_groups(every, all_rewards, self.num_generations, self.hint_threshold)
+        return groups[start : start + len(texts)]
 
     def step_policy(self, model: Any) -> Any:
         """The models and settings the assembler builds channel inputs with (as the native module's)."""
@@ -341,9 +352,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Tensor:
         """The composed loss of one micro-batch: its step record, the assembled channel inputs, the composer."""
-        from composer_plugins.training.assemble import assemble_inputs
-        from composer_plugins.training.step import StepRecord, sample_pairs
-
         if return_outputs:
             raise ValueError("ComposerGRPOTrainer does not return outputs from compute_loss")
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -360,47 +368,20 @@ class ComposerGRPOTrainer(GRPOTrainer):
         n_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             n_items = n_items / self.args.steps_per_generation
-        n = completion_ids.shape[0]
-        rewards = inputs.get("rewards")
-        record = StepRecord(
-            tasks=[],
-            prompts=[],
-            completions=[],
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=completion_ids,
-            completion_mask=mask,
-            rewards=rewards if rewards is not None else torch.full((n,), float("nan")),
-            advantages=inputs["advantages"],
-            num_generations=self.num_generations,
-            hint_contexts=list(inputs.get("hint_contexts") or []),
-            old_logprobs=inputs.get("old_per_token_logps"),
-            ref_logprobs=inputs.get("ref_per_token_logps"),
-            step=self.state.global_step,
-            total_steps=self.state.max_steps,
-            pairs=sample_pairs(self.pairs, self.pairs_per_step, self.args.seed * 1_000_003 + self._loss_calls)
-            if self.needs_pairs
-            else [],
-        )
-        if self.teacher_scoring is not None:  # the scorers read the rows' text
-            from composer_plugins.training.teacher_scores import start_teacher_scoring
-
-            tok = self.processing_class
-            record.prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
-            record.completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
-            start_teacher_scoring(record, self.teacher_scoring, self.chat_mode, inputs.get("chat_prompts"))
+        record = self._records[mode].select(inputs["record_rows"])
+        pairs = sample_pairs(self.pairs, self.pairs_per_step, self.args.seed * 1_000_003 + self._loss_calls)
+        meta = StepMeta(self.state.global_step, self.state.max_steps, tuple(pairs) if self.needs_pairs else ())
         given: dict[str, Any] = {"logprobs": per_token_logps, "num_items_in_batch": n_items}
         if self.use_vllm and self.vllm_importance_sampling_correction:
             given["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
-        channel_inputs, stats = assemble_inputs(record, self.composer, self.step_policy(model), given=given)
-        loss, metrics = self.composer(channel_inputs, channel_inputs)
+        loss, stats = self.stepper.loss(record, meta, given=given, policy=self.step_policy(model))
         if mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
         self._loss_calls += 1
         m = self._metrics[mode]
         ent = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
         m["entropy"].append(float(self.accelerator.gather(ent.detach()).mean()))
-        for k, v in {**scalar_metrics(metrics), **stats}.items():
+        for k, v in stats.items():
             if k != "loss" and v == v:
                 m[f"composer/{k}"].append(v)
         return loss
@@ -554,11 +535,7 @@ class TRLBackend(Backend):
         max_steps: int | None = None,
         grpo_args: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir)
-        if max_steps is not None:
-            self.config = dataclasses.replace(
-                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
-            )
+        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
         self.grpo_args = dict(grpo_args or {})
 
     def grpo_config(self, policy: Any) -> GRPOConfig:

@@ -36,10 +36,8 @@ A full VeRL PPO run needs Ray and GPUs (:meth:`VeRLBackend.command`); on CPU,
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -361,7 +359,7 @@ class VeRLBackend(Backend):
         extra_overrides: Sequence[str] = (),
         max_steps: int | None = None,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir)
+        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
         if mode not in ("local", "ray"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "ray"])
         adv = dict(self.config.rollout.advantage_kwargs)
@@ -377,21 +375,17 @@ class VeRLBackend(Backend):
         self.loss_agg_mode = loss_agg_mode or MATCHING_AGG_MODE[self.loss_type]
         self.adv_estimator = adv_estimator
         self.extra_overrides = list(extra_overrides)
-        if max_steps is not None:
-            self.config = dataclasses.replace(
-                self.config, trainer=dataclasses.replace(self.config.trainer, max_steps=int(max_steps))
-            )
 
     def _policy_channel(self) -> tuple[str, dict[str, Any]]:
-        """The policy channel of ``config.losses`` (the only channel a VeRL policy loss carries)."""
-        from composer_plugins.training.config import channel_spec
+        """The policy channel of ``config.losses`` (the only channel a VeRL policy loss carries): the one whose
+        class declares the group advantages and a loss VeRL's registry holds (never chosen by its name)."""
+        from composer_plugins.training.loss_specs import declared_channels
 
         support.check_channels(f"verl:{self.mode}", self.config, self.src)  # a channel VeRL cannot run is refused
         found = []
-        for key, spec in self.config.losses.items():
-            enabled, name, _w, kw = channel_spec(key, spec, self.src)
-            if enabled and (kw.get("loss_type") or name) in POLICY_LOSSES.values():
-                found.append((str(kw.get("loss_type") or name), kw))
+        for ch in declared_channels(self.config.losses, self.src):
+            if ch.is_policy and (ch.loss_type or ch.name) in POLICY_LOSSES.values():
+                found.append((str(ch.loss_type or ch.name), ch.kwargs))
         if len(found) != 1:
             raise self.src.error(
                 "losses",
@@ -450,6 +444,8 @@ class VeRLBackend(Backend):
 
     def _train_local(self) -> Any:
         from composer_plugins.backends import rollout as R
+        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
+        from composer_plugins.training.experience import ExperienceMaker
 
         c = self.config
         run = R.LocalRun(c, self.src)
@@ -463,34 +459,27 @@ class VeRLBackend(Backend):
             loss_scale_factor=scale,
         )
         algo_cfg = make_algo_config(self.adv_estimator, self.config.rollout.advantage_kwargs)
-        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
-        from composer_plugins.training.step import StepRecord
+        # the record: VeRL computes the advantages itself (compute_advantage), so the record has none; the
+        # experience maker gives the sampling-time log-probs its ppo_loss reads
+        maker = ExperienceMaker.from_config(
+            c, policy=run.policy, tokenizer=run.tokenizer, env=run.env, advantage_kwargs=None
+        )
 
         policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, temperature=c.rollout.temperature)
-        history: list[dict[str, float]] = []
-        for step in range(c.trainer.max_steps):
-            t0 = time.perf_counter()
-            tasks, ro, rewards, feedback = run.rollout(step)
-            # the step record; VeRL computes the advantages (compute_advantage) and the loss itself, the
-            # assembler gives the sampling-time log-probs its ppo_loss reads
-            r = torch.tensor(rewards, dtype=torch.float32)
-            record = StepRecord.from_rollout(tasks, ro, r, torch.zeros_like(r), feedback, step=step)
-            inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)
-            loss, metrics = verl_actor_step(
+
+        def loss_of(record: Any, step: int) -> tuple[Tensor, dict[str, float]]:
+            inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)  # the record's, through the assembler
+            return verl_actor_step(
                 run.policy,
-                ro,
-                rewards,
+                record,
+                record.rewards.tolist(),
                 actor_cfg,
                 algo_cfg,
                 temperature=c.rollout.temperature,
                 old_log_probs=inputs["old_logprobs"],
             )
-            run.optimizer_step(loss)
-            row = {"step": float(step + 1), "loss": float(loss.detach()), "reward": float(sum(rewards) / len(rewards))}
-            row.update(metrics)
-            row["step_time"] = time.perf_counter() - t0
-            history.append(row)
-        return self.write_outputs(history, {}, run.policy, run.tokenizer)
+
+        return self.run_local(run, maker, loss_of, old_logprobs=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -630,19 +619,20 @@ def verl_actor_step(
 ) -> tuple[Tensor, dict[str, float]]:
     """One VeRL actor update's loss on a rollout: VeRL's ``compute_advantage`` + ``ppo_loss``.
 
-    ``old_log_probs``: the sampling-time log-probs (the assembler's ``old_logprobs``); computed here when absent.
+    ``ro``: a rollout or a step record (its token tensors and ``group_index``). ``old_log_probs``: the
+    sampling-time log-probs (the record's ``old_logprobs``); made here by the experience maker when absent.
     """
     from verl.workers.utils.losses import ppo_loss
 
     old = old_log_probs
-    if old is None:
-        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
-        from composer_plugins.training.step import StepRecord
+    if old is None:  # the experience maker's no-grad sampling-time log-probs
+        from composer_plugins.training.experience import ExperienceMaker
 
-        r = torch.tensor([float(x) for x in rewards])
-        record = StepRecord.from_rollout([], ro, r, torch.zeros_like(r))
-        inputs, _ = assemble_inputs(record, Needs("old_logprobs"), StepPolicy(policy, None, temperature=temperature))
-        old = inputs["old_logprobs"]
+        old = (
+            ExperienceMaker(policy=policy, temperature=temperature)
+            .make([], ro, rewards, old_logprobs=True)
+            .old_logprobs
+        )
     td = verl_batch(ro, rewards, old, algo_cfg.adv_estimator, algo_cfg)
     log_probs = nested_log_probs(policy, td, temperature)
     loss, metrics = ppo_loss(actor_cfg, {"log_probs": log_probs}, td)

@@ -1,0 +1,283 @@
+"""The one experience maker, and the one step computer that reads what it made.
+
+:class:`ExperienceMaker` (OpenRLHF's experience maker) turns a scored rollout into the whole
+:class:`~composer_plugins.training.step.StepRecord` in one place: rewards → group advantages → teacher scoring
+started (in the background, so the scorers overlap the forwards below) → no-grad old/reference log-probs →
+the rollout groups and hinted teacher contexts. The record is then read-only. The Lightning module, Monarch's
+trainer actor, the TRL adapter and the VeRL / PRIME-RL local modes all make their records here; a trainer
+that computes a field itself hands it in (TRL's advantages and log-probs), one that has no such field leaves
+it ``None`` (never a placeholder).
+
+:class:`StepComputer` is the one local step: a record and a :class:`~composer_plugins.training.step.StepMeta`
+in, the assembled channel inputs (:func:`~composer_plugins.training.assemble.assemble_inputs`), the composed
+loss and the step's statistics out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_plugins.envs.hints import build_hint_provider, reads_groups
+from composer_plugins.losses.functional import group_advantages
+from composer_plugins.models.logprobs import completion_logprobs_no_grad
+from composer_plugins.training.assemble import StepPolicy, assemble_inputs
+from composer_plugins.training.batches import rollout_groups, teacher_contexts
+from composer_plugins.training.distributed import dp_normalisers
+from composer_plugins.training.metrics import reward_stats, scalar_metrics
+from composer_plugins.training.step import Rollout, StepMeta, StepRecord, hint_candidates
+from composer_plugins.training.teacher_scores import score_requests
+
+__all__ = ["ExperienceMaker", "StepComputer", "add_hint_contexts", "hint_fields"]
+
+
+def hint_fields(
+    record: StepRecord,
+    env: Any,
+    provider: Any,
+    *,
+    success_threshold: float,
+    max_hinted: int | None = None,
+    tokenizer: Any = None,
+    chat_template: str = "auto",
+    groups: Sequence[Any] | None = None,
+) -> dict[str, list[Any]]:
+    """``groups``, ``hint_contexts`` and ``hint_kinds`` of ``record``: a hinted context for each row the
+    provider hints among :func:`~composer_plugins.training.step.hint_candidates`.
+
+    ``groups`` (one :class:`~composer_plugins.envs.hints.SiblingGroup` per row): given by a trainer whose
+    groups span processes (TRL); by default built from the record's contiguous groups of ``num_generations``.
+    The contexts are rendered for ``tokenizer`` with ``chat_template``, as the student's prompts are.
+    """
+    n = record.num_rows
+    if record.rewards is None:
+        raise ValueError("hint contexts are chosen by reward: the record has no rewards")
+    if groups is None:
+        groups = record.groups or rollout_groups(
+            record.completions, record.rewards, record.num_generations, success_threshold
+        )
+    groups = list(groups)
+    rows = hint_candidates(provider, record.rewards, success_threshold, max_hinted)
+    feedback = record.feedback or [None] * n
+    contexts = teacher_contexts(
+        env,
+        provider,
+        [record.task_of(i) for i in rows],
+        [record.completions[i] for i in rows],
+        [feedback[i] for i in rows],
+        [groups[i] for i in rows],
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+    )
+    kinds = provider.kinds(contexts) if hasattr(provider, "kinds") else [None] * len(contexts)
+    out_c: list[str | None] = [None] * n
+    out_k: list[str | None] = [None] * n
+    for i, c, k in zip(rows, contexts, kinds, strict=True):
+        out_c[i], out_k[i] = c, (k if c is not None else None)
+    return {"groups": groups, "hint_contexts": out_c, "hint_kinds": out_k}
+
+
+def add_hint_contexts(record: StepRecord, env: Any, provider: Any, **kw: Any) -> StepRecord:
+    """A new record: ``record`` with its :func:`hint_fields` (keyword arguments as there)."""
+    return record.replace(**hint_fields(record, env, provider, **kw))
+
+
+@dataclass
+class ExperienceMaker:
+    """Makes a step's whole :class:`~composer_plugins.training.step.StepRecord` (see the module docstring).
+
+    Attributes:
+        policy: the policy (the no-grad sampling-time log-probs, when asked for).
+        tokenizer: its tokenizer (hinted contexts).
+        env: the env (``feedback`` for the hint provider).
+        hint_provider: a hint provider (or its registry spec, or an older-shape provider: adapted once when
+            the maker is made); ``None``: no hinted contexts.
+        reference: the frozen reference model; ``None``: no reference log-probs computed.
+        teacher_scoring: the ``teacher_distill`` scorers' pool; ``None``: no teacher scoring.
+        advantage_kwargs: ``rollout.advantage_kwargs`` of the group advantages; ``None``: the trainer
+            computes its own (the record's ``advantages`` stay ``None`` unless given).
+        temperature, chunk_size, rows_per_micro_batch: as :class:`~composer_plugins.training.assemble.StepPolicy`.
+        success_threshold, max_hinted: which rows are hinted (``rollout.success_threshold``,
+            ``hints.max_hinted_per_step``).
+        chat_template: ``model.chat_template`` (hinted contexts, the teachers' conversations).
+    """
+
+    policy: Any = None
+    tokenizer: Any = None
+    env: Any = None
+    hint_provider: Any = None
+    reference: Any = None
+    teacher_scoring: Any = None
+    advantage_kwargs: Mapping[str, Any] | None = None
+    temperature: float = 1.0
+    chunk_size: int | None = None
+    rows_per_micro_batch: Callable[[int], int] | None = None
+    success_threshold: float = 1.0
+    max_hinted: int | None = None
+    chat_template: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.hint_provider is not None:  # a spec or an older-shape provider: adapted once, here
+            self.hint_provider = build_hint_provider(self.hint_provider, key="hint_provider")
+
+    @property
+    def reads_groups(self) -> bool:
+        """Whether the hint provider reads the rollout group (a trainer whose groups span processes gathers
+        the siblings then, and gives them to :meth:`make` as ``groups``)."""
+        return reads_groups(self.hint_provider)
+
+    @classmethod
+    def from_config(cls, cfg: Any, **parts: Any) -> ExperienceMaker:
+        """The maker a :class:`~composer_plugins.training.config.TrainConfig` describes; ``parts``: the built
+        models and components (``policy``, ``tokenizer``, ``env``, ``hint_provider``, ``reference``,
+        ``teacher_scoring``), and ``advantage_kwargs=None`` for a trainer with its own advantages."""
+        r = cfg.rollout
+        kw: dict[str, Any] = {
+            "advantage_kwargs": dict(r.advantage_kwargs),
+            "temperature": r.temperature,
+            "chunk_size": cfg.compute.chunk_size,
+            "rows_per_micro_batch": cfg.compute.rows_per_micro_batch,
+            "success_threshold": r.success_threshold,
+            "max_hinted": cfg.hints.max_hinted_per_step,
+            "chat_template": cfg.model.chat_template,
+        }
+        kw.update(parts)
+        return cls(**kw)
+
+    def make(
+        self,
+        tasks: Sequence[Mapping[str, Any]],
+        rollout: Rollout,
+        rewards: Sequence[float] | Tensor | None,
+        feedback: Sequence[Any] | None = None,
+        *,
+        advantages: Tensor | None = None,
+        old_logprobs: bool | Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        groups: Sequence[Any] | None = None,
+        extras: Mapping[str, Any] | None = None,
+    ) -> StepRecord:
+        """The read-only record of ``tasks``' scored ``rollout``.
+
+        ``old_logprobs``: ``True`` computes the sampling-time log-probs now (no grad; for
+        ``rollout.num_iterations > 1``), a tensor is the trainer's. ``advantages``/``ref_logprobs``: the
+        trainer's (else computed here when configured). ``groups``: as :func:`hint_fields`.
+        """
+        dev = rollout.completion_ids.device
+        r = None
+        if rewards is not None:
+            r = torch.as_tensor(rewards, dtype=torch.float32).to(dev)
+        if advantages is None and r is not None and self.advantage_kwargs is not None:
+            adv = group_advantages(r, rollout.num_generations, **self.advantage_kwargs)
+            advantages = (adv[0] if isinstance(adv, tuple) else adv).detach().float()
+        base = StepRecord.from_rollout(tasks, rollout, r, advantages, feedback, extras=extras or {})
+        if self.teacher_scoring is not None:  # first: the scorers run while the forwards below do
+            base = self._score(base)
+        fields: dict[str, Any] = {}
+        if isinstance(old_logprobs, Tensor):
+            fields["old_logprobs"] = old_logprobs
+        elif old_logprobs:
+            fields["old_logprobs"] = self.logprobs(self.policy, base)
+        if ref_logprobs is not None:
+            fields["ref_logprobs"] = ref_logprobs
+        elif self.reference is not None:
+            fields["ref_logprobs"] = self.logprobs(self.reference, base)
+        if self.hint_provider is not None and r is not None:
+            fields.update(
+                hint_fields(
+                    base,
+                    self.env,
+                    self.hint_provider,
+                    success_threshold=self.success_threshold,
+                    max_hinted=self.max_hinted,
+                    tokenizer=self.tokenizer,
+                    chat_template=self.chat_template,
+                    groups=groups,
+                )
+            )
+        return base.replace(**fields) if fields else base
+
+    def from_state(self, state: Mapping[str, Any]) -> StepRecord:
+        """The record a checkpoint kept (:meth:`StepRecord.state`), with teacher scoring started again: teacher
+        scores (futures) are not checkpointed, so a resumed step's rows are scored anew."""
+        rec = StepRecord.from_state(state)
+        return self._score(rec) if self.teacher_scoring is not None else rec
+
+    def _score(self, rec: StepRecord) -> StepRecord:
+        """``rec`` with every row submitted to every scorer (``teacher_scores``: the futures)."""
+        job = self.teacher_scoring.submit(score_requests(rec, self.chat_template))
+        return rec.replace(teacher_scores=dict(job.futures))
+
+    def logprobs(self, model: Any, rec: StepRecord) -> Tensor:
+        """``model``'s per-token log-probs of ``rec``'s completions, without gradient, chunked."""
+        width = int(rec.prompt_ids.shape[1] + rec.completion_ids.shape[1])
+        mb = self.rows_per_micro_batch(width) if self.rows_per_micro_batch is not None else None
+        return completion_logprobs_no_grad(
+            model,
+            rec.prompt_ids,
+            rec.prompt_mask,
+            rec.completion_ids,
+            rec.completion_mask,
+            temperature=self.temperature,
+            completion_attention_mask=rec.attention_mask,
+            micro_batch_size=mb,
+            chunk_size=self.chunk_size,
+        )
+
+
+class StepComputer:
+    """The one local step: the composed loss of the current policy on a read-only record.
+
+    Args:
+        composer: the :class:`~composer_plugins.losses.base.ChannelComposer` of the live channels.
+        policy: the :class:`~composer_plugins.training.assemble.StepPolicy` (or a callable returning one).
+        success_threshold: for the reward statistics (``reward``, ``pass@G`` ...).
+        data_parallel: pass the data-parallel token normalisers (the native path; TRL gives its own).
+    """
+
+    def __init__(
+        self,
+        composer: Any,
+        policy: StepPolicy | Callable[[], StepPolicy],
+        *,
+        success_threshold: float = 1.0,
+        data_parallel: bool = True,
+    ) -> None:
+        self.composer = composer
+        self.policy = policy
+        self.success_threshold = float(success_threshold)
+        self.data_parallel = data_parallel
+
+    def loss(
+        self,
+        record: StepRecord,
+        meta: StepMeta,
+        *,
+        given: Mapping[str, Any] | None = None,
+        policy: StepPolicy | None = None,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """``(loss, stats)``: every channel input built once from ``record`` and summed by the composer.
+
+        The policy's decoder body runs micro-batch by micro-batch, and every channel input comes from the
+        final hidden states through the LM head in chunks, so the loss equals the one-shot loss.
+        """
+        if policy is None:  # a trainer whose models change per call (TRL's wrapped model) passes its own
+            policy = self.policy() if callable(self.policy) else self.policy
+        extra = dict(given or {})
+        if self.data_parallel:  # the global token normalisers: each rank's loss is its share of the union's
+            rows = record.hint_rows
+            hinted = float(record.completion_mask[rows].sum()) if rows else 0.0
+            needs = self.composer.needs_teacher
+            extra = {**dp_normalisers(record.completion_mask, hinted if needs else None), **extra}
+        inputs, stats = assemble_inputs(record, self.composer, policy, meta=meta, given=extra)
+        loss, metrics = self.composer(inputs, inputs)
+        stats.update(scalar_metrics(metrics))
+        if record.rewards is not None:
+            stats.update(reward_stats(record.rewards, record.num_generations, self.success_threshold))
+        stats["completion_tokens"] = float(record.completion_mask.sum())
+        stats["completion_length"] = float(record.completion_mask.sum(1).float().mean())
+        return loss, stats

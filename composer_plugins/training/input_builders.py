@@ -1,0 +1,319 @@
+"""The built-in channel input builders, registered through the ``register_input_builders`` hook.
+
+Each is ``builder(assembly) -> {input name: value}`` (:class:`~composer_plugins.training.assemble.Assembly`):
+it reads the read-only record and its meta, and computes the with-grad inputs (the policy's log-probs and
+hidden states from one forward, the hinted teacher's hidden states, the pairs' sequence log-probs) and the
+teachers' collected scores. :mod:`composer_plugins.training.input_plugin` (a default plugin) registers them,
+lazily, each under the inputs it provides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_plugins.training.assemble import Assembly
+
+
+def record_fields(asm: Assembly) -> dict[str, Any]:
+    """What the record and its meta hold as is: masks, ids, rewards, advantages, group layout, the step.
+
+    A field the record lacks (``None``: a trainer that computes its advantages itself) is left out, and a
+    channel that reads it fails with the located error."""
+    r, m = asm.record, asm.meta
+    for name in ("advantages", "rewards"):
+        if getattr(r, name) is None and asm.wants(name):
+            raise asm.lacking(name, name, f"give {name}= to ExperienceMaker.make")
+    out = {
+        "completion_mask": r.completion_mask.float(),
+        "completion_ids": r.completion_ids,
+        "advantages": r.advantages,
+        "rewards": r.rewards,
+        "num_generations": r.num_generations,
+        "group_index": r.group_index,
+        "global_step": m.step,
+        "total_steps": m.total_steps,
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def policy_logprobs(asm: Assembly) -> dict[str, Any]:
+    """The policy's per-token log-probs of the completions (with grad, chunked from hidden states), the
+    sampling-time ones, and the importance-sampling correction from an inference server's."""
+    from composer_plugins.models.logprobs import completion_logprobs
+
+    r, p = asm.record, asm.policy
+    logps = asm.values.get("logprobs")
+    args = (p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    kw = {
+        "temperature": p.temperature,
+        "completion_attention_mask": r.attention_mask,
+        "micro_batch_size": p.micro_batch(r.prompt_ids, r.completion_ids),
+        "chunk_size": p.chunk_size,
+    }
+    old = r.old_logprobs
+    if logps is None and asm.wants("logprobs"):
+        out = completion_logprobs(*args, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"), **kw)
+        logps, hidden = out if isinstance(out, tuple) else (out, None)
+        asm.scratch["policy_hidden"] = hidden
+    if old is None and logps is not None:  # the sampling-time log-probs: this forward's, detached
+        old = logps.detach()
+    if old is None and asm.wants("old_logprobs"):
+        fix = "make the record with ExperienceMaker.make(old_logprobs=True)"
+        raise asm.lacking("old_logprobs", "old_logprobs", fix)
+    values: dict[str, Any] = {"logprobs": logps, "old_logprobs": old}
+    sampling = r.sampling_logprobs
+    if sampling is None:
+        # HF generate samples from this policy: the inference engine's log-probs are the sampling-time ones
+        values["inference_logprobs"] = old
+        return values
+    values["inference_logprobs"] = sampling
+    mode = p.importance_sampling
+    if mode is not None and mode[0] != "off" and old is not None:
+        from composer_plugins.losses.functional import importance_sampling_correction
+
+        ratio = importance_sampling_correction(old, sampling, r.completion_mask, mode[0], mode[1], mode[2])
+        values["importance_sampling_ratio"] = ratio
+        m = r.completion_mask.float()
+        asm.stats["is_ratio"] = float((ratio.expand_as(m) * m).sum() / m.sum().clamp(min=1))
+    return values
+
+
+def reference_logprobs(asm: Assembly) -> dict[str, Any]:
+    """The reference model's log-probs: the record's (the experience maker computes them, without gradient)."""
+    if asm.record.ref_logprobs is None:
+        raise asm.lacking("ref_logprobs", "ref_logprobs", "give the ExperienceMaker a reference model")
+    return {"ref_logprobs": asm.record.ref_logprobs}
+
+
+def hint_inputs(asm: Assembly) -> dict[str, Any]:
+    """Student and teacher hidden states on the hinted rows' completion tokens, and the LM head(s).
+
+    The teacher is the policy conditioned on the hinted context (no grad), or the EMA teacher. Both
+    sides are divided by the sampling temperature, so the divergence compares the distributions the
+    rollout sampled from (``softmax(h W^T / T)``). ``hint/teacher_margin`` (the precondition: how much
+    likelier the teacher finds the student's tokens) goes to ``stats``.
+    """
+    from composer_plugins.losses.functional import chunked_logprobs
+    from composer_plugins.models.generation import tokenize_prompts
+    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+
+    r, p = asm.record, asm.policy
+    rows = r.hint_rows
+    n_in_batch = asm.values.get("hint_tokens_in_batch")
+    if not rows:
+        asm.stats.update({"hint/rows": 0.0, "hint/fraction": 0.0, **_margin_stat(0.0, 0.0, n_in_batch)})
+        return {}
+    T = p.temperature
+    dev = r.completion_ids.device
+    idx = torch.tensor(rows, device=dev)
+    att = r.attention_mask
+    c_ids, c_mask, c_att = r.completion_ids[idx], r.completion_mask[idx], None if att is None else att[idx]
+    h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, dev)
+    mb = p.micro_batch(h_ids, r.completion_ids)
+    head = lm_head_weight(p.model)
+    out: dict[str, Any] = {}
+    if p.teacher is not None:  # the EMA weights (their own FSDP unit: its forward gathers them)
+        teacher, t_head = p.teacher(h_ids, h_mask, c_ids, c_mask, c_att, mb)
+        out["teacher_lm_head_weight"] = t_head
+    else:
+        with torch.no_grad():
+            teacher = completion_hidden(
+                p.model, h_ids, h_mask, c_ids, c_mask, completion_attention_mask=c_att, micro_batch_size=mb
+            )
+        t_head = head
+    student = asm.scratch.get("policy_hidden")
+    if student is not None:
+        student = student[idx]
+    else:  # the trainer computed the log-probs itself: the hinted rows' hidden states, with grad
+        student = completion_hidden(
+            p.model,
+            r.prompt_ids[idx],
+            r.prompt_mask[idx],
+            c_ids,
+            c_mask,
+            completion_attention_mask=c_att,
+            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
+        )
+    scale = 1.0 / T
+    out["student_hidden"] = student * scale if T != 1.0 else student
+    out["teacher_hidden"] = teacher * scale if T != 1.0 else teacher
+    out["lm_head_weight"] = head
+    out["hint_mask"] = c_mask.float()
+    out["hint_rows"] = idx
+    asm.stats.update({"hint/rows": float(len(rows)), "hint/fraction": len(rows) / r.num_rows})
+    for kind in sorted({k for k in r.hint_kinds if k}):  # each hint kind's share (a chain's members apart)
+        asm.stats[f"hint/fraction/{kind}"] = sum(k == kind for k in r.hint_kinds) / r.num_rows
+    mask = c_mask.bool()
+    with torch.no_grad():
+        t_logps = chunked_logprobs(teacher, t_head, c_ids, mask=mask, temperature=T, chunk_size=p.chunk_size)
+        logps = asm.values.get("logprobs")
+        if logps is not None:
+            s_logps = logps[idx].detach()
+        else:
+            s_logps = chunked_logprobs(student, head, c_ids, mask=mask, temperature=T, chunk_size=p.chunk_size)
+        diff = ((t_logps - s_logps) * mask).sum()
+    asm.stats.update(_margin_stat(float(diff), float(mask.sum()), n_in_batch))
+    return out
+
+
+def _margin_stat(diff_sum: float, tokens: float, tokens_in_batch: float | None) -> dict[str, float]:
+    """``hint/teacher_margin``: this rank's sum of teacher − student log-probs over its hinted tokens, as
+    its share of the mean over every rank's hinted tokens (``tokens_in_batch`` = all ranks' ÷ world
+    size, so the ranks' average is the union mean); absent when no rank hinted a token."""
+    n = tokens if tokens_in_batch is None else float(tokens_in_batch)
+    return {"hint/teacher_margin": diff_sum / n} if n > 0 else {}
+
+
+def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
+    """Per-token log-probs of the sampled tokens under the hint teacher on the hinted rows, the policy's own
+    (sampling-time) elsewhere: PRIME-RL's ``opsd`` reference stream. ``None`` when no row was hinted."""
+    from composer_plugins.models.generation import tokenize_prompts
+    from composer_plugins.models.logprobs import completion_logprobs_no_grad
+
+    r, p = asm.record, asm.policy
+    rows = r.hint_rows
+    if not rows:
+        return {"hint_teacher_logprobs": None}
+    own = asm.get("old_logprobs")
+    if own is None:
+        raise asm.lacking(
+            "old_logprobs", "old_logprobs", "make the record with ExperienceMaker.make(old_logprobs=True)"
+        )
+    ref = own.clone()
+    idx = torch.tensor(rows, device=r.completion_ids.device)
+    h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, r.completion_ids.device)
+    scorer = getattr(p.teacher, "policy", p.teacher) if p.teacher is not None else p.model
+    ref[idx] = completion_logprobs_no_grad(
+        scorer,
+        h_ids,
+        h_mask,
+        r.completion_ids[idx],
+        r.completion_mask[idx],
+        temperature=p.temperature,
+        chunk_size=p.chunk_size,
+    )
+    return {"hint_teacher_logprobs": ref}
+
+
+def pair_inputs(asm: Assembly) -> dict[str, Any]:
+    """Sequence log-probs of the record's preference pairs: the policy's (with grad), the reference's (without)."""
+    from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
+    from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad, sequence_logprob
+
+    r, p, pairs = asm.record, asm.policy, asm.meta.pairs
+    if not pairs:
+        return {}
+    k = len(pairs)
+    dev = r.completion_ids.device
+    prompts = [str(x["prompt"]) for x in pairs] * 2
+    comps = [str(x["chosen"]) for x in pairs] + [str(x["rejected"]) for x in pairs]
+    p_ids, p_mask = tokenize_prompts(p.tokenizer, prompts, p.pair_prompt_length, dev)
+    c_ids, c_mask = tokenize_completions(p.tokenizer, comps, p.pair_max_length, dev)
+    mb, cs = p.micro_batch(p_ids, c_ids), p.chunk_size
+    logps = completion_logprobs(p.model, p_ids, p_mask, c_ids, c_mask, micro_batch_size=mb, chunk_size=cs)
+    assert isinstance(logps, Tensor)
+    seq = sequence_logprob(logps, c_mask.float())
+    n = c_mask.sum(-1).float()
+    out = {
+        "chosen_logps": seq[:k],
+        "rejected_logps": seq[k:],
+        "chosen_avg_logps": seq[:k] / n[:k],
+        "rejected_avg_logps": seq[k:] / n[k:],
+        "chosen_lengths": n[:k],
+        "rejected_lengths": n[k:],
+    }
+    if asm.wants("ref_chosen_logps") or asm.wants("ref_rejected_logps"):
+        ref = p.reference if p.reference is not None else p.model
+        ref_lp = completion_logprobs_no_grad(ref, p_ids, p_mask, c_ids, c_mask, micro_batch_size=mb, chunk_size=cs)
+        ref_seq = sequence_logprob(ref_lp, c_mask.float())
+        out.update(ref_chosen_logps=ref_seq[:k], ref_rejected_logps=ref_seq[k:])
+    return out
+
+
+# -- the teacher_distill channel's inputs (scoring itself: composer_plugins.training.teacher_scores) ---------
+def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
+    """The policy's final hidden states at every completion position (with grad), and its LM head.
+
+    Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
+    """
+    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+
+    r, p = asm.record, asm.policy
+    asm.get("logprobs")
+    hidden = asm.scratch.get("policy_hidden")
+    if hidden is None:
+        hidden = completion_hidden(
+            p.model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            completion_attention_mask=r.attention_mask,
+            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
+        )
+    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
+
+
+def teacher_scores(asm: Assembly) -> dict[str, Any]:
+    """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
+    import concurrent.futures as cf
+
+    from composer_plugins.losses.teacher_distill import TeacherTopK
+    from composer_plugins.teachers.scoring import ScoringJob
+    from composer_plugins.training.teacher_scores import report_teacher_failures
+
+    r, pool = asm.record, asm.policy.teacher_scoring
+    if asm.wants("hidden_states"):
+        asm.get("hidden_states")  # the student's forward first: scoring (started by the experience maker) overlaps it
+    collected = dict(r.teacher_scores)
+    pending = {k: v for k, v in collected.items() if isinstance(v, cf.Future)}
+    if pending:
+        job = ScoringJob(pending)
+        done, stats = job.collect(getattr(pool, "deadline_s", None))
+        asm.stats.update(stats)
+        collected = {**{k: v for k, v in collected.items() if k not in pending}, **done}  # a late one: skipped
+        report_teacher_failures(pool, job.reasons)  # one line per step
+    if pool is not None:
+        asm.stats.update(pool.stats())
+    scores = {k: v for k, v in collected.items() if v is not None}
+    if not scores:
+        return {}
+    packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
+    if packed is None:
+        packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
+    n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())
+    asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)
+    # data parallel: each rank's mean over its own distilled tokens (min_agree filters per rank), which
+    # DDP then averages; a trainer that wants the union mean passes teacher_tokens_in_batch itself
+    out: dict[str, Any] = {"teacher_scores": packed}
+    if asm.wants("teacher_logprobs"):
+        out["teacher_logprobs"] = _sampled_teacher_logprobs(asm, scores)
+    return out
+
+
+def _sampled_teacher_logprobs(asm: Assembly, scores: Mapping[str, Any]) -> Tensor | None:
+    """``(N, C)``: the teachers' log-prob of each sampled token (the mean of their probabilities where several
+    scored it); where none did, the policy's own (detached), so a term on it is 0 there. ``None`` without any."""
+    r = asm.record
+    N, C = r.completion_ids.shape
+    total = torch.zeros((N, C), dtype=torch.float64)
+    count = torch.zeros((N, C), dtype=torch.float64)
+    for rows in scores.values():
+        for i, s in enumerate(rows if isinstance(rows, list) else ()):
+            if s is None or getattr(s, "sampled", None) is None:
+                continue
+            t = min(int(s.sampled.shape[0]), C)
+            v = s.sampled[:t].double()
+            ok = s.mask[:t].bool() & torch.isfinite(v)
+            total[i, :t] += torch.where(ok, v.exp(), torch.zeros_like(v))
+            count[i, :t] += ok.double()
+    if not bool((count > 0).any()):
+        return None
+    own = asm.get("logprobs")
+    base = own.detach().double().cpu() if own is not None else torch.zeros((N, C), dtype=torch.float64)
+    mixed = torch.where(count > 0, (total / count.clamp(min=1)).clamp(min=1e-30).log(), base)
+    return mixed.to(device=asm.device, dtype=torch.float32)
