@@ -46,8 +46,8 @@ from composer_plugins.testing.conformance import (
     loss_batch,
 )
 from composer_plugins.testing.generators import check_generator
-from composer_plugins.testing.transports import check_transport
 from composer_plugins.testing.input_builders import check, check_input_builder
+from composer_plugins.testing.transports import check_transport
 
 __all__ = [
     "ConformanceError",
