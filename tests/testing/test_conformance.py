@@ -35,6 +35,9 @@ BUILD = {
     "envs:feature_deletion": {"max_tasks": 2, "progress": False},
     "hints:chain": {"providers": ["template", "raw_error"]},
     "hints:llm_teacher": {"teacher": "oracle"},
+    # VeRL's actor carries one policy loss: the default config's hint channel is refused there at build time
+    # (docs/backends.md, 'Which channel runs where'), so its conformance build turns it off
+    "backends:verl": {"overrides": ["losses.hint_distill.enabled=false"]},
 }
 
 
