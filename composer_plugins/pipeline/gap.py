@@ -44,7 +44,7 @@ def teachers_of(train_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The teachers a variant's effective ``train`` config distils from: ``{"hint": provider spec}`` when
     ``hint_distill`` is active, and ``{"teacher:<id>": model_path}`` per ``causal_lm`` teacher of an active
     ``teacher_distill``."""
-    from composer_plugins.pipeline.stages import channel_flags
+    from composer_plugins.pipeline.stage_train import channel_flags
 
     flags = channel_flags(train_cfg)
     out: dict[str, Any] = {}
@@ -128,7 +128,7 @@ def measure_gap(
     """``{variant: {teacher: {margin, fix_rate, coverage}}}`` on the first ``num_prompts`` tasks of ``tasks_path``
     (training prompts), from the policy at ``model``. Variants without a teacher get ``{}``."""
     from composer_plugins.core.io import read_jsonl
-    from composer_plugins.pipeline.stages import train_config
+    from composer_plugins.pipeline.stage_train import train_config
 
     tasks = read_jsonl(tasks_path)[:num_prompts]
     out: dict[str, Any] = {"model": model, "tasks": tasks_path, "num_prompts": len(tasks), "variants": {}}

@@ -1,0 +1,439 @@
+"""The study's statistics: per-seed paired effects, Holm's correction, curve AUC and time to threshold with censoring.
+
+Every variant of a study runs on the same seeds, from the same SFT model and on the same task
+order (the order depends on the seed only), so the runs of one seed form a pair and the seed's
+own luck cancels in ``metric(variant, seed) - metric(baseline, seed)``. Over the ``n`` seeds
+both variants share, :func:`paired_effect` reports the mean difference, its standard error
+``sd / sqrt(n)`` and the two-sided 95% interval ``mean ± t(0.975, n - 1) · se`` (Student t).
+
+The held-out set has its own sampling error: an accuracy ``p`` measured on ``m`` problems has
+standard error ``sqrt(p (1 - p) / m)`` (:func:`heldout_se`); a claimed effect should be larger
+than it. :func:`verdict` reads an interval as *helps* (all above zero), *hurts* (all below) or
+*no measurable effect* (it holds zero).
+
+A report makes many tests at once (every variant × every metric); :func:`holm` corrects the whole
+family (Holm's step-down, family-wise error 0.05): each effect gets its two-sided t p-value, its
+Holm-adjusted p-value and the interval at its Holm step's level, and its verdict reads *helps* or
+*hurts* only where the adjusted p-value is below 0.05 (the interval at its step's level then excludes
+zero). :func:`study_report` names the correction and the family's size.
+
+With a held-out learning curve (``eval.every_n_steps``: history.csv column
+``train/heldout/accuracy``, step 0 the starting policy: ``heldout_curve.csv``) two more paired measures
+of *speed* join final accuracy: :func:`curve_auc`, the area under the held-out accuracy curve from step
+0 divided by the run's length (its mean held-out accuracy, so a variant that gets there sooner scores
+higher), and :func:`time_to_threshold`, the first evaluated step at which a run reaches a fixed
+threshold, the start's value plus ``delta`` (``study.threshold_delta``, chosen before the study). The
+threshold is the same for both arms, and a run of either arm that never reaches it counts as censored
+at its last step plus one evaluation interval (the censored counts of both arms are reported).
+:func:`curve_effects` pairs them by seed.
+
+The tables and the report built from them are in :mod:`.paired`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from composer_plugins.pipeline.study import DEFAULT_THRESHOLD_DELTA
+
+#: The family-wise error rate of :func:`holm`.
+ALPHA = 0.05
+
+
+def t_critical(df: int, confidence: float = 0.95) -> float:
+    """Two-sided Student t critical value with ``df`` degrees of freedom (``t.ppf((1 + c) / 2, df)``)."""
+    if df < 1:
+        raise ValueError(f"a t interval needs at least 1 degree of freedom (2 seeds), got df={df}")
+    from scipy.stats import t
+
+    return float(t.ppf((1.0 + confidence) / 2.0, df))
+
+
+@dataclass(frozen=True)
+class PairedEffect:
+    """One variant against the baseline, paired by seed."""
+
+    variant: str
+    baseline: str
+    metric: str
+    seeds: list[int]
+    diffs: list[float]
+    mean: float
+    se: float
+    low: float
+    high: float
+    variant_mean: float = math.nan
+    baseline_mean: float = math.nan
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: A smaller value is better (steps to a threshold): an effect above zero then *hurts*.
+    lower_is_better: bool = False
+    #: Two-sided paired t-test p-value of "mean difference = 0" (NaN with fewer than 2 seeds).
+    p: float = math.nan
+    #: Set by :func:`holm`: the correction's name, the family's size, the adjusted p-value and the
+    #: interval at this test's Holm step level (``1 - alpha / (m - rank)``).
+    correction: str = ""
+    family: int = 0
+    p_adjusted: float = math.nan
+    adj_low: float = math.nan
+    adj_high: float = math.nan
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def verdict(self) -> str:
+        if not self.correction:
+            return verdict(self.low, self.high, lower_is_better=self.lower_is_better)
+        if math.isnan(self.p_adjusted):
+            return "too few seeds"
+        if self.p_adjusted >= ALPHA:
+            return "no measurable effect"
+        better = (self.mean < 0) if self.lower_is_better else (self.mean > 0)
+        return "helps" if better else "hurts"
+
+
+def verdict(low: float, high: float, *, lower_is_better: bool = False) -> str:
+    """``helps`` when the interval is above zero, ``hurts`` when below, else ``no measurable effect``.
+
+    With ``lower_is_better`` (e.g. steps to reach a target) the two are swapped.
+    """
+    if math.isnan(low) or math.isnan(high):
+        return "too few seeds"
+    if low > 0:
+        return "hurts" if lower_is_better else "helps"
+    if high < 0:
+        return "helps" if lower_is_better else "hurts"
+    return "no measurable effect"
+
+
+def paired_effect(
+    variant: Mapping[int, float],
+    baseline: Mapping[int, float],
+    *,
+    confidence: float = 0.95,
+    name: str = "variant",
+    baseline_name: str = "baseline",
+    metric: str = "",
+) -> PairedEffect:
+    """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and t interval.
+
+    With one shared seed the standard error and interval are NaN (no spread to estimate);
+    with none, ``ValueError`` names the seeds of each side.
+    """
+    seeds = sorted(set(variant) & set(baseline))
+    if not seeds:
+        raise ValueError(
+            f"{name!r} and {baseline_name!r} share no seed (seeds {sorted(variant)} vs {sorted(baseline)}); "
+            "a paired comparison needs both variants run on the same seeds"
+        )
+    diffs = [float(variant[s]) - float(baseline[s]) for s in seeds]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if n < 2:
+        se = low = high = p = math.nan
+    else:
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+        se = sd / math.sqrt(n)
+        half = t_critical(n - 1, confidence) * se
+        low, high = mean - half, mean + half
+        p = t_pvalue(mean, se, n - 1)
+    return PairedEffect(
+        variant=name,
+        baseline=baseline_name,
+        metric=metric,
+        seeds=seeds,
+        diffs=diffs,
+        mean=mean,
+        se=se,
+        low=low,
+        high=high,
+        variant_mean=sum(float(variant[s]) for s in seeds) / n,
+        baseline_mean=sum(float(baseline[s]) for s in seeds) / n,
+        p=p,
+    )
+
+
+def t_pvalue(mean: float, se: float, df: int) -> float:
+    """Two-sided p-value of a paired t-test of ``mean = 0`` (``se`` 0: 0 when the mean is not 0, else 1)."""
+    if se == 0:
+        return 1.0 if mean == 0 else 0.0
+    from scipy.stats import t
+
+    return float(2.0 * t.sf(abs(mean / se), df))
+
+
+def holm(effects: Sequence[PairedEffect], alpha: float = ALPHA) -> list[PairedEffect]:
+    """The effects (same order) with Holm's family-wise correction over all of them.
+
+    The family is every effect with a p-value (NaN: too few seeds, left out). Sorted by p, the
+    ``i``-th (0-based) of ``m`` is tested at ``alpha / (m - i)``; its adjusted p-value is
+    ``max_{j <= i} min(1, (m - j) p_(j))`` (monotone, so a verdict needs every smaller p rejected too),
+    and its interval is the t interval at confidence ``1 - alpha / (m - i)``.
+    """
+    idx = [i for i, e in enumerate(effects) if not math.isnan(e.p)]
+    m = len(idx)
+    out = list(effects)
+    running = 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda k: effects[k].p)):
+        e = effects[i]
+        running = max(running, min(1.0, (m - rank) * e.p))
+        half = t_critical(e.n - 1, 1.0 - alpha / (m - rank)) * e.se
+        out[i] = replace(
+            e, correction="holm", family=m, p_adjusted=running, adj_low=e.mean - half, adj_high=e.mean + half
+        )
+    for i, e in enumerate(out):
+        if i not in idx:
+            out[i] = replace(e, correction="holm", family=m)
+    return out
+
+
+def heldout_se(p: float, m: int) -> float:
+    """Binomial standard error of an accuracy ``p`` measured on ``m`` held-out problems."""
+    if m <= 0:
+        raise ValueError(f"the held-out set must have at least one problem, got {m}")
+    p = min(max(float(p), 0.0), 1.0)
+    return math.sqrt(p * (1.0 - p) / m)
+
+
+def by_variant_seed(records: Sequence[Mapping[str, Any]], metric: str) -> dict[str, dict[int, float]]:
+    """``{variant: {seed: value}}`` of ``metric`` from flat run records (``variant``, ``seed``, metric)."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        v, s, x = r.get("variant"), r.get("seed"), r.get(metric)
+        if v is None or s is None or x is None:
+            continue
+        x = float(x)
+        if math.isnan(x):
+            continue
+        out.setdefault(str(v), {}).setdefault(int(s), x)  # records come newest first: keep the newest
+    return out
+
+
+def paired_rows(
+    records: Sequence[Mapping[str, Any]],
+    metric: str,
+    baseline: str,
+    variants: Sequence[str] | None = None,
+    confidence: float = 0.95,
+) -> list[PairedEffect]:
+    """Every variant (but the baseline and the SFT start) against ``baseline`` on ``metric``, paired by seed."""
+    table = by_variant_seed(records, metric)
+    if baseline not in table:
+        raise ValueError(f"baseline variant {baseline!r} has no runs with {metric!r}; variants: {sorted(table)}")
+    names = list(variants) if variants else [v for v in table if v not in (baseline, "sft")]
+    missing = [v for v in names if v not in table]
+    if missing:
+        raise ValueError(f"variant(s) {missing} have no runs with {metric!r}; variants: {sorted(table)}")
+    return [
+        paired_effect(table[v], table[baseline], confidence=confidence, name=v, baseline_name=baseline, metric=metric)
+        for v in names
+    ]
+
+
+CURVE = "train/heldout/accuracy"
+#: Every point of a run's held-out curve, step 0 (the starting policy) included (training/curves.py).
+CURVE_FILE = "heldout_curve.csv"
+
+#: ``{variant: {seed: history rows}}``
+Histories = dict[str, dict[int, list[dict[str, float]]]]
+
+
+def step_values(by_seed: Mapping[int, Sequence[Mapping[str, float]]], column: str) -> dict[int, list[float]]:
+    """``{step: [column of each seed's run at that step]}``, steps in order."""
+    per_step: dict[int, list[float]] = {}
+    for rows in by_seed.values():
+        for r in rows:
+            if column in r:
+                per_step.setdefault(int(r["step"]), []).append(r[column])
+    return dict(sorted(per_step.items()))
+
+
+def step_means(hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str) -> dict[str, list[float]]:
+    """``{variant: [mean over seeds of column at step 1, 2, ...]}``."""
+    return {v: [sum(xs) / len(xs) for xs in step_values(by_seed, column).values()] for v, by_seed in hist.items()}
+
+
+def run_means(
+    hist: Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]], column: str, missing: float | None = None
+) -> dict[str, dict[int, float]]:
+    """``{variant: {seed: mean of column over the run's steps}}``; ``missing``: the value of a step without it."""
+    out: dict[str, dict[int, float]] = {}
+    for v, by_seed in hist.items():
+        for s, rows in by_seed.items():
+            if missing is None:
+                xs = [r[column] for r in rows if column in r]
+            else:
+                xs = [r.get(column, missing) for r in rows if r.get("step", 1) >= 1]
+            if xs:
+                out.setdefault(v, {})[s] = sum(xs) / len(xs)
+    return out
+
+
+def curve_points(rows: Sequence[Mapping[str, float]], column: str = CURVE) -> list[tuple[int, float]]:
+    """``[(step, value)]`` of the steps where ``column`` was measured, in step order."""
+    return sorted((int(r["step"]), float(r[column])) for r in rows if column in r and not math.isnan(float(r[column])))
+
+
+def curve_auc(points: Sequence[tuple[int, float]], start: float | None = None) -> float:
+    """Area under the curve ``points`` (trapezoids) divided by the steps it spans: its mean level.
+
+    ``start`` is the value at step 0 (the shared starting policy); without it the area starts at the
+    first measured step. One point: its value.
+    """
+    pts = ([(0, float(start))] if start is not None else []) + [(int(s), float(v)) for s, v in points]
+    if not pts:
+        return math.nan
+    if len(pts) == 1:
+        return pts[0][1]
+    area = sum((s1 - s0) * (v0 + v1) / 2 for (s0, v0), (s1, v1) in itertools.pairwise(pts))
+    return area / (pts[-1][0] - pts[0][0])
+
+
+#: ``study.threshold_delta`` when unset: the threshold of :func:`time_to_threshold` is the start + this.
+DEFAULT_DELTA = DEFAULT_THRESHOLD_DELTA
+
+
+def time_to_threshold(points: Sequence[tuple[int, float]], threshold: float) -> tuple[float, bool]:
+    """``(first step with value >= threshold, reached)``; unreached: ``(last step + interval, False)`` (censored).
+
+    The interval is the run's last evaluation interval, so a censored run counts as reaching the threshold
+    at the next evaluation it did not have.
+    """
+    for s, v in points:
+        if v >= threshold - 1e-12:
+            return float(s), True
+    if not points:
+        return math.nan, False
+    steps = [s for s, _ in points]
+    interval = steps[-1] - steps[-2] if len(steps) > 1 else max(1, steps[-1])
+    return float(steps[-1] + interval), False
+
+
+#: The old name (steps to reach a target value).
+steps_to_target = time_to_threshold
+
+
+def curve_start(points: Sequence[tuple[int, float]]) -> float | None:
+    """The curve's step-0 value (the starting policy's), ``None`` when the run did not record one."""
+    return points[0][1] if points and points[0][0] == 0 else None
+
+
+def curve_effects(
+    hist: Histories,
+    baseline: str,
+    column: str = CURVE,
+    confidence: float = 0.95,
+    delta: float = DEFAULT_DELTA,
+    start: float | None = None,
+) -> list[PairedEffect]:
+    """Per variant against ``baseline``, paired by seed: final curve value, AUC from step 0, time to threshold.
+
+    The threshold is ``start + delta``, the same for both arms: ``start`` is the curve's step-0 value (the
+    shared starting policy's, recorded by every run; the argument is used where no run recorded one).
+    Each time-to-threshold effect's ``extra`` holds ``threshold`` and the censored seeds of each arm
+    (``censored`` for the variant, ``censored_baseline``); a censored run counts at its last step plus one
+    evaluation interval, in either arm.
+    """
+    curves = {v: {s: curve_points(rows, column) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
+    curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
+    if baseline not in curves or not curves[baseline]:
+        return []
+    starts = [x for by_seed in curves.values() for p in by_seed.values() if (x := curve_start(p)) is not None]
+    s0 = starts[0] if starts else start
+    out: list[PairedEffect] = []
+    names = [v for v in curves if v != baseline and curves[v]]
+    base_final = {s: p[-1][1] for s, p in curves[baseline].items()}
+    base_auc = {s: curve_auc(p, None if curve_start(p) is not None else s0) for s, p in curves[baseline].items()}
+    threshold = None if s0 is None else s0 + float(delta)
+    base_reach = {s: time_to_threshold(p, threshold) for s, p in curves[baseline].items()} if threshold else {}
+    for v in names:
+        shared = [s for s in curves[v] if s in base_final]
+        if not shared:
+            continue
+        final = {s: curves[v][s][-1][1] for s in shared}
+        auc = {s: curve_auc(curves[v][s], None if curve_start(curves[v][s]) is not None else s0) for s in shared}
+        tables = [("final", final, base_final), ("auc", auc, base_auc)]
+        reach = {}
+        if threshold is not None:
+            reach = {s: time_to_threshold(curves[v][s], threshold) for s in shared}
+            tables.append(
+                ("time_to_threshold", {s: r[0] for s, r in reach.items()}, {s: r[0] for s, r in base_reach.items()})
+            )
+        for metric, table, base in tables:
+            e = paired_effect(
+                table, base, confidence=confidence, name=v, baseline_name=baseline, metric=f"{column} {metric}"
+            )
+            if metric == "time_to_threshold":
+                e = replace(e, lower_is_better=True)
+                e.extra.update(
+                    threshold=threshold,
+                    delta=float(delta),
+                    censored=sum(not reach[s][1] for s in e.seeds),
+                    censored_baseline=sum(not base_reach[s][1] for s in e.seeds),
+                )
+            out.append(e)
+    return out
+
+
+def study_effects(
+    recs: Sequence[Mapping[str, Any]],
+    hist: Histories,
+    baseline: str,
+    metric: str = "gsm8k/accuracy",
+    delta: float = DEFAULT_DELTA,
+    start: float | None = None,
+) -> dict[str, list[PairedEffect]]:
+    """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
+
+    ``final``: ``metric`` per variant; ``signal``: the run mean of ``train/groups_with_signal``;
+    ``curve``: the held-out curve's final value, AUC from step 0 and time to threshold (:func:`curve_effects`).
+    """
+    tables: dict[str, list[PairedEffect]] = {"final": paired_rows(recs, metric, baseline)}
+    sig = "train/groups_with_signal"
+    means = run_means(hist, sig)
+    if baseline in means:
+        tables["signal"] = [
+            paired_effect(means[v], means[baseline], name=v, baseline_name=baseline, metric=sig + " (run mean)")
+            for v in means
+            if v != baseline
+        ]
+    curve = curve_effects(hist, baseline, delta=delta, start=start)
+    if curve:
+        tables["curve"] = curve
+    flat = holm([e for t in tables.values() for e in t])
+    out: dict[str, list[PairedEffect]] = {}
+    i = 0
+    for k, t in tables.items():
+        out[k] = flat[i : i + len(t)]
+        i += len(t)
+    return out
+
+
+def gap_correlation(gap: Mapping[str, Any], effects: Mapping[str, float], key: str = "margin") -> dict[str, Any]:
+    """Per variant its teachers' mean ``key`` beside its effect, and the Pearson correlation over the variants."""
+    xs, ys, rows = [], [], []
+    for v, teachers in (gap.get("variants") or {}).items():
+        vals = [t[key] for t in teachers.values() if isinstance(t, Mapping) and _finite(t.get(key))]
+        if not vals or v not in effects:
+            continue
+        x = sum(vals) / len(vals)
+        rows.append((v, x, effects[v]))
+        xs.append(x)
+        ys.append(effects[v])
+    r = math.nan
+    if len(xs) >= 3:
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+        sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+        if sx > 0 and sy > 0:
+            r = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / (sx * sy)
+    return {"rows": rows, "pearson_r": r, "n": len(xs)}
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(float(x))
