@@ -323,6 +323,27 @@ def report_cmd(
     click.echo(res["table"])
 
 
+@click.command(name="plots")
+@click.option("--dvc-file", default="dvc.yaml", show_default=True, help="Whose plots: this dvc.yaml's only.")
+@click.option("--out", "-o", default="dvc_plots", show_default=True, help="Folder of index.html and the SVGs.")
+@click.option("--svg/--no-svg", default=True, show_default=True, help="Also one SVG per plot beside the page.")
+@command_errors
+def plots_cmd(dvc_file: str, out: str, svg: bool) -> None:
+    """Render one dvc.yaml's plots, and no other's, as a page that works offline (and SVGs).
+
+    A bare `dvc plots show` collects every dvc.yaml of the repository (studies/*/ too) and its page loads
+    its charting library from a CDN. This shows the plots of --dvc-file only (at the root: the main study;
+    in studies/<name>/: that study), with vega, vega-lite and vega-embed inline in the page.
+    """
+    from composer_plugins.pipeline.plots import render
+
+    res = render(dvc_file, out, svg=svg)
+    svgs = f" and {len(res['svgs'])} SVGs" if res["svgs"] else ""
+    click.echo(f"plots: {len(res['plots'])} plots of {dvc_file} -> {res['html']}{svgs} (renders offline)")
+    for e in res["errors"]:
+        click.echo(f"plots: warning: {e}", err=True)
+
+
 @click.command(name="compare")
 @click.option("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI or params).")
 @click.option("--experiment", default=None, help="MLflow experiment (default: params mlflow.experiment).")
@@ -442,6 +463,6 @@ def _print_paired(
 @hookimpl
 def register_commands(cli: Any) -> None:
     """Attach the pipeline subcommands."""
-    for cmd in (prepare_cmd, rollout_cmd, pairs_cmd, study_group, report_cmd, compare_cmd):
+    for cmd in (prepare_cmd, rollout_cmd, pairs_cmd, study_group, report_cmd, plots_cmd, compare_cmd):
         if cmd.name not in cli.commands:
             cli.add_command(cmd)
