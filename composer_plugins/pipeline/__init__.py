@@ -5,6 +5,6 @@
 ``stage_report`` (``stages`` re-exports their public names); ``study`` (variants x seeds, names, params
 merging); ``stats`` (paired effects, Holm, curve AUC, time to threshold with censoring) and ``paired``
 (the paired tables and report of a study directory); ``gap`` (the student-teacher gap predictor);
-``compare`` (tables of MLflow runs); ``plugin`` (the ``prepare``/``rollout``/``pairs``/``study``/``report``/
-``compare`` commands).
+``plots`` (one dvc.yaml's plots, rendered offline); ``compare`` (tables of MLflow runs); ``plugin`` (the
+``prepare``/``rollout``/``pairs``/``study``/``report``/``plots``/``compare`` commands).
 """
