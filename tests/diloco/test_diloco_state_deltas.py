@@ -80,7 +80,7 @@ def test_a_chain_exact_delta_delta_loads_to_what_the_replicas_hold(tmp_path):
     reps = _run(f"file://{root}", 2, 4, compress="int4", exact_every=4)
     heads = [_header(root, f"state/{r:08d}") for r in range(4)]
     assert "delta" not in heads[0] and "delta" in heads[1] and "delta" in heads[2]
-    assert "delta" not in heads[3]  # the last round's state is exact (a run resumed later starts on one)
+    assert "delta" in heads[3]  # the last round's state too: the rule is by round only
     assert heads[2]["delta"]["base"] == "state/00000001" and heads[2]["delta"]["base_hash"] == heads[1]["hash"]
     rs = RoundStore(ObjectStore(f"file://{root}"), "deltas")
     state = rs.get_state("state/00000002")  # exact -> delta -> delta
@@ -115,8 +115,7 @@ def test_a_corrupt_or_missing_base_is_a_located_error_and_an_older_state_is_take
     (root / "state/00000001").unlink()
     with pytest.raises(CorruptObjectError, match=r"state/00000002: a delta on .*state/00000001, which is missing"):
         rs.get_state("state/00000002")
-    # state/3 (the last round: exact) still loads; without it the newest intact state is state/0
-    (root / "state/00000003").unlink()
+    # state/3 (a delta on state/2) cannot be rebuilt either: the newest intact state is state/0
     k, state = rs.newest_valid_state()
     assert k == 0 and not torch.equal(_flat(state["global_params"]), _flat(good["global_params"]))
 

@@ -64,6 +64,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self._chain: tuple[str, torch.Tensor, str] | None = None
         self._state_obj: tuple[int, dict[str, Any]] | None = None
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
+        self.bytes_states = 0  # bytes of global states this replica wrote (their share of ``bytes_written``)
+        self._states_counted = 0
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
         self._background: concurrent.futures.ThreadPoolExecutor | None = None
@@ -340,6 +342,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         background: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         c = self.config
+        states, self._states_counted = self.bytes_states - self._states_counted, self.bytes_states
         rec: dict[str, Any] = {
             "replica": self.replica.index,
             "replica_id": self.replica.replica_id,
@@ -356,6 +359,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             "round": r,
             "bytes_written": written,
             "bytes_read": read,
+            "bytes_states": states,
             "compress_error": err,
             "sync_seconds": seconds,
             "store_retries": retries,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,10 +59,10 @@ class StatesMixin:
         return self.config.compress != "none" and self.config.exact_every > 1
 
     def _state_exact(self, r: int) -> bool:
-        """Whether round ``r``'s state (a due one) is exact: the first of every ``exact_every`` states, and the
-        last round's. The same on every replica (it depends on the round and the run's settings only)."""
-        last = self._target is not None and r + 1 >= self._target
-        return not self._deltas() or last or (r // self.config.state_every) % self.config.exact_every == 0
+        """Whether round ``r``'s state (a due one) is exact: the first of every ``exact_every`` states (by round:
+        ``r // state_every``), the same on every replica and in every launch of the run (it depends on the round
+        and the run's pinned settings only; the last round's state follows the same rule)."""
+        return not self._deltas() or (r // self.config.state_every) % self.config.exact_every == 0
 
     def _state_point(self, r: int) -> None:
         """After round ``r``'s outer step, on every replica, when its state is due and states are deltas: encode
@@ -90,17 +91,23 @@ class StatesMixin:
         delta = {"skeleton": skeleton, "base": base, "base_hash": base_hash, "hash": digest}
         self._state_obj = (r, {"delta": {**delta, "header": header, "body": body}})
 
-    def _put_state(self, r: int) -> Any:
+    def _put_state(self, r: int) -> Callable[[], None]:
         """A job writing round ``r``'s global state as it is now (exact, or the delta :meth:`_state_point` made)."""
         assert self.rounds is not None
         rs, key = self.rounds, f"state/{r:08d}"
         obj = self._state_obj[1] if self._state_obj is not None and self._state_obj[0] == r else None
-        if obj is None:
-            state = self._global_state()
-            return lambda: rs.put_state(key, state, create=True)
-        if "delta" in obj:
-            return lambda: rs.put_delta_state(key, obj["delta"], create=True)
-        return lambda: rs.put_state(key, obj["exact"], create=True, digest=obj["hash"])
+        state = self._global_state() if obj is None else None
+
+        def put() -> None:
+            if obj is None:
+                n = rs.put_state(key, state, create=True)  # type: ignore[arg-type]
+            elif "delta" in obj:
+                n = rs.put_delta_state(key, obj["delta"], create=True)
+            else:
+                n = rs.put_state(key, obj["exact"], create=True, digest=obj["hash"])
+            self.bytes_states += n
+
+        return put
 
     def _collect(self, r: int) -> None:
         assert self.rounds is not None
