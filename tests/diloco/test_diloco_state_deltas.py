@@ -120,9 +120,10 @@ def test_a_corrupt_or_missing_base_is_a_located_error_and_an_older_state_is_take
     assert k == 0 and not torch.equal(_flat(state["global_params"]), _flat(good["global_params"]))
 
 
-def test_a_restart_from_a_delta_state_ends_every_replica_on_one_hash(tmp_path):
+@pytest.mark.parametrize("compress", ["int4", "sparseloco"])
+def test_a_restart_from_a_delta_state_ends_every_replica_on_one_hash(tmp_path, compress):
     root = tmp_path / "run"
-    reps = _run(f"file://{root}", 2, 6, compress="int4", exact_every=4)
+    reps = _run(f"file://{root}", 2, 6, compress=compress, exact_every=4)
     assert "delta" in _header(root, "state/00000002") and "delta" not in _header(root, "state/00000004")
     final = _flat(reps[0].global_params)
     assert torch.equal(final, _flat(reps[1].global_params))
@@ -135,7 +136,7 @@ def test_a_restart_from_a_delta_state_ends_every_replica_on_one_hash(tmp_path):
     model = _model(7)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cb = ObjectStoreDiLoCoCallback(
-        _config(f"file://{copy}", 6, compress="int4", exact_every=4), ReplicaInfo(1, 2, run_id="deltas", restart=1)
+        _config(f"file://{copy}", 6, compress=compress, exact_every=4), ReplicaInfo(1, 2, run_id="deltas", restart=1)
     )
     cb.attach(model, opt)
     assert cb.round == 6 and cb._done

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.diloco.codecs import get_codec
 from composer_plugins.diloco.objstore.deltas import encode_delta, flatten, state_hash, unflatten
 from composer_plugins.diloco.objstore.rounds import StoreObjectError
 from composer_plugins.diloco.store import CorruptObjectError, to_host
@@ -79,7 +80,7 @@ class StatesMixin:
             self._state_obj = (r, {"exact": state, "hash": digest})
             return
         base, chain, base_hash = self._chain
-        header, body, new = encode_delta(flat, chain, self.config.compress)
+        header, body, new = encode_delta(flat, chain, self._state_codec())
         digest = state_hash(new)
         decoded = unflatten(skeleton, new)
         with torch.no_grad():
@@ -90,6 +91,11 @@ class StatesMixin:
         self._chain = (key, new, digest)
         delta = {"skeleton": skeleton, "base": base, "base_hash": base_hash, "hash": digest}
         self._state_obj = (r, {"delta": {**delta, "header": header, "body": body}})
+
+    def _state_codec(self) -> str:
+        """The codec a delta state is written with: the run's mean codec (a sparse codec's mean keeps the union of
+        the replicas' entries, and with plain outer SGD that is the state's change), else the run's codec."""
+        return getattr(get_codec(self.config.compress), "mean_codec", None) or self.config.compress
 
     def _put_state(self, r: int) -> Callable[[], None]:
         """A job writing round ``r``'s global state as it is now (exact, or the delta :meth:`_state_point` made)."""
