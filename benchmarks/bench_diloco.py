@@ -32,7 +32,8 @@ for both). Expect DiLoCo/DDP ≈ 1/H.
 
 * **Codecs** (``--only codecs``): fp32, int4 and the SparseLoCo-class codec (``sparseloco``: top-k 2 % of each
   chunk, 2-bit values, error feedback on the pseudo-gradient and on the mean) on the LM-shaped step, in one
-  invocation.
+  invocation; int4 and sparseloco again with their states as deltas (``diloco.exact_every``:
+  ``STATE_EXACT_EVERY``), and each run's state share of the bytes a replica writes per round.
 
 * **Faults** (``--only faults``): 4 replicas through ``file://`` and moto S3, fault-free and with one replica killed
   (and relaunched) every 4 rounds plus one paused past ``round_timeout_s``, in one invocation: goodput (inner
