@@ -75,6 +75,8 @@ class StatesMixin:
         state = {**self._global_state(), "round": r + 1}
         skeleton, flat = flatten(state)
         if self._state_exact(r) or self._chain is None or self._chain[1].numel() != flat.numel():
+            if not self._state_exact(r):  # every replica tracks the chain from round 0 or a loaded state
+                log.warning("DiLoCo: no previous state held at round %d; its state is written exact", r)
             digest = state_hash(flat)
             self._chain = (key, flat, digest)
             self._state_obj = (r, {"exact": state, "hash": digest})
