@@ -32,7 +32,8 @@ for both). Expect DiLoCo/DDP ≈ 1/H.
 
 * **Codecs** (``--only codecs``): fp32, int4 and the SparseLoCo-class codec (``sparseloco``: top-k 2 % of each
   chunk, 2-bit values, error feedback on the pseudo-gradient and on the mean) on the LM-shaped step, in one
-  invocation.
+  invocation; int4 and sparseloco again with their states as deltas (``diloco.exact_every``:
+  ``STATE_EXACT_EVERY``), and each run's state share of the bytes a replica writes per round.
 
 * **Faults** (``--only faults``): 4 replicas through ``file://`` and moto S3, fault-free and with one replica killed
   (and relaunched) every 4 rounds plus one paused past ``round_timeout_s``, in one invocation: goodput (inner
@@ -367,6 +368,7 @@ def _run_diloco(
         first["grad_bytes_per_sync"] = statistics.fmean(o["bytes_allreduced"] / o["outer_step"] for o in outs)
         first["compress_error"] = statistics.fmean(r["compress_error"] or 0.0 for r in later)
         first["store_retries"] = sum(r.get("store_retries", 0) for rs in logs_ for r in rs)
+        first["state_bytes_per_sync"] = statistics.fmean(r.get("bytes_states", 0) for r in later)
     else:
         first["grad_bytes_per_sync"] = statistics.fmean(o["bytes_allreduced"] / max(1, o["outer_step"]) for o in outs)
     return first
@@ -464,6 +466,8 @@ def run_overlap(quick: bool = False) -> dict[str, Any]:
 
 #: the codecs of the ``--only codecs`` figure, on the LM-shaped step (the first is the fp32 baseline)
 SPARSE_CODECS = ("none", "int4", "sparseloco")
+#: the lossy codecs' runs repeated with their states as deltas: one exact state in this many (``diloco.exact_every``)
+STATE_EXACT_EVERY = 16
 #: outer optimizer settings a codec runs with in the figures (the rest: the DiLoCo default, SGD lr 0.7, Nesterov 0.9).
 #: SparseLoCo's error feedback accumulates what was not sent and acts as the outer momentum, so its run takes plain
 #: SGD (lr 1.25: of 1.0, 1.25, 1.5, 2.0 and momentum 0.5 at lr 0.8 / 1.0, the closest to fp32 on this LM shape)
@@ -476,16 +480,26 @@ def run_codecs(quick: bool = False) -> dict[str, Any]:
     """The codec figure alone (``--only codecs``): fp32, int4 and the SparseLoCo-class codec on the LM-shaped step
     (:func:`_toy_lm`), 2 replicas through ``file://``, in one invocation; pseudo-gradient bytes per replica per
     round, everything written (pseudo-gradient, mean share, states) and the held-out loss, against fp32."""
-    results, ratios, targets = _measure_two_replicas([f"oslm_file_{c}" for c in SPARSE_CODECS], quick)
+    deltas = [f"{c}+e{STATE_EXACT_EVERY}" for c in SPARSE_CODECS[1:]]
+    results, ratios, targets = _measure_two_replicas([f"oslm_file_{c}" for c in (*SPARSE_CODECS, *deltas)], quick)
     base = results["oslm_file_none"]
-    for c in SPARSE_CODECS[1:]:
+    for c in (*SPARSE_CODECS[1:], *deltas):
         r = results[f"oslm_file_{c}"]
+        # the states' share of everything a replica writes per round (pseudo-gradient, mean share, states)
+        ratios[f"lm_state_share_of_bytes_written_{c}"] = r["state_bytes_per_sync"] / r["store_bytes_written_per_sync"]
+        targets[f"lm_state_share_of_bytes_written_{c}"] = (
+            "≤ 0.10 (issue 42)" if "+e" in c else "informative (exact fp32 states)"
+        )
         ratios[f"lm_grad_bytes_per_sync_{c}_vs_fp32"] = r["grad_bytes_per_sync"] / base["grad_bytes_per_sync"]
-        targets[f"lm_grad_bytes_per_sync_{c}_vs_fp32"] = "≤ 0.01 (issue 42)" if c == "sparseloco" else "≤ 0.125"
+        targets[f"lm_grad_bytes_per_sync_{c}_vs_fp32"] = (
+            "≤ 0.01 (issue 42)" if c.startswith("sparseloco") else "≤ 0.125"
+        )
         ratios[f"lm_bytes_written_per_sync_{c}_vs_fp32"] = (
             r["store_bytes_written_per_sync"] / base["store_bytes_written_per_sync"]
         )
-        targets[f"lm_bytes_written_per_sync_{c}_vs_fp32"] = "informative (the fp32 state every round is included)"
+        targets[f"lm_bytes_written_per_sync_{c}_vs_fp32"] = "informative (a state every round is included: fp32" + (
+            f", exact one in {STATE_EXACT_EVERY}, deltas between)" if "+e" in c else ")"
+        )
         ratios[f"lm_eval_loss_{c}_vs_fp32"] = r["eval_loss"] / base["eval_loss"]
         targets[f"lm_eval_loss_{c}_vs_fp32"] = "within 2% (issue 42)"
     out = {"name": NAME, "results": results, "ratios": ratios, "targets": targets}
@@ -794,7 +808,7 @@ def _measure(
                     overlap=o.get("o", 0),
                     skip=os_h,
                     env=env,
-                    extra=CODEC_OUTER.get(compress),
+                    extra=[*CODEC_OUTER.get(compress, ()), *([f"diloco.exact_every={o['e']}"] if "e" in o else ())],
                 )
                 continue
             if item == "ddp":

@@ -132,6 +132,10 @@ class DiLoCoConfig:
         state_every: with ``object_store``, the closer writes the global state (fp32 weights + outer
             momentum) every this many rounds and at the last one; the rounds between are replayed from their
             manifests and pseudo-gradients by whoever needs them.
+        exact_every: with ``object_store`` and a lossy codec, one written state in this many is exact fp32;
+            the others are deltas from the previous state through the run's codec, and every replica takes the
+            decoded state as its global state at each state round (so a restart from any state is where the
+            others are). ``1`` (default): every state exact. ``compress: none`` always writes exact states.
         overlap: with ``object_store``, ``1`` runs the outer sync of round ``r`` in a background thread while
             the inner steps of round ``r + 1`` proceed, and applies its result one round late (the model takes
             the new global weights plus the inner steps taken since; Streaming DiLoCo's delayed outer update).
@@ -180,6 +184,7 @@ class DiLoCoConfig:
     run_id: str | None = None
     keep_rounds: int = 2
     state_every: int = 1
+    exact_every: int = 1
     overlap: int = 0
     jobs: dict[str, Any] | None = None
 
@@ -219,6 +224,8 @@ class DiLoCoConfig:
             raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
         if self.state_every < 1:
             raise bad("state_every", f"must be >= 1, got {self.state_every}.")
+        if self.exact_every < 1 or isinstance(self.exact_every, bool):
+            raise bad("exact_every", f"must be >= 1, got {self.exact_every!r}.")
         if self.overlap not in (0, 1) or isinstance(self.overlap, bool):
             raise bad("overlap", f"must be 0 or 1, got {self.overlap!r}.")
         if self.keep_rounds < 0 or self.keep_rounds == 1:

@@ -23,6 +23,7 @@ _STORE_KEYS = (
     "request_timeout_s",
     "keep_rounds",
     "state_every",
+    "exact_every",
     "overlap",
 )
 

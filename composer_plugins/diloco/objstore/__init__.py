@@ -12,7 +12,9 @@ other. Layout of the run directory::
     rounds/<r>/grad-<i>-<k>           its index (slice bounds and checksums), created after the slices
     rounds/<r>/manifest.json          the participants of round r, created once (If-None-Match)
     rounds/<r>/mean-<j>               slice j of round r's mean pseudo-gradient (the run's codec), created once
-    state/<r>                         the global weights and outer optimizer state after round r
+    state/<r>                         the global weights and outer optimizer state after round r: exact fp32, or
+                                      (``exact_every`` > 1, a lossy codec) a delta on the previous state through
+                                      the run's codec (:mod:`.deltas`)
 
 Every object but the pseudo-gradient slices (which their index's checksums name) carries the run id; an object of
 another run is refused with an error naming it, and a run never starts on a prefix that holds another run's

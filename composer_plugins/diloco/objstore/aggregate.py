@@ -28,7 +28,7 @@ class AggregateMixin:
         mean = self._round_mean(r, manifest, own)
         if mean is None:
             return False
-        self._outer_step(mean, mix_local=mix_local, live=live)
+        self._outer_step(mean, mix_local=mix_local, live=live, state_round=r)
         self.round = r + 1
         return True
 
@@ -186,13 +186,16 @@ class AggregateMixin:
             delay = min(delay * 1.5, c.poll_max_s)
 
     @torch.no_grad()
-    def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True, live: bool = True) -> None:
+    def _outer_step(
+        self, avg: torch.Tensor, *, mix_local: bool = True, live: bool = True, state_round: int | None = None
+    ) -> None:
         """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector:
         the outer optimizer steps the global weights with it as their gradient; then (``live``) the model takes
         the global weights, mixed with its local ones by ``fragment_update_alpha`` (``mix_local``).
 
         ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only;
-        ``live=False`` (the background sync of ``overlap: 1``) leaves the model's weights alone.
+        ``live=False`` (the background sync of ``overlap: 1``) leaves the model's weights alone. ``state_round``:
+        the round this step closes (its state, when due, is taken at this point: :meth:`_state_point`).
         """
         off = 0
         for g in self.global_params:
@@ -202,6 +205,8 @@ class AggregateMixin:
         opt = self.outer_optimizers[0]
         opt.step()
         opt.zero_grad()
+        if state_round is not None and self._state_due(state_round):
+            self._state_point(state_round)  # a delta state: the decoded state becomes the global state
         if not live:
             return
         for p, g in zip(self.params, self.global_params, strict=True):

@@ -60,7 +60,12 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self._residual: torch.Tensor | None = None  # a lossy codec's error feedback (host, fp32)
         #: the same for the mean slices this replica wrote: (slice, values) -> what the stored mean left out
         self._mean_residual: dict[tuple[int, int], torch.Tensor] = {}
+        #: delta states: (key, vector, hash) of the last state (decoded), and what round r's state writes
+        self._chain: tuple[str, torch.Tensor, str] | None = None
+        self._state_obj: tuple[int, dict[str, Any]] | None = None
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
+        self.bytes_states = 0  # bytes of global states this replica wrote (their share of ``bytes_written``)
+        self._states_counted = 0
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
         self._background: concurrent.futures.ThreadPoolExecutor | None = None
@@ -285,9 +290,9 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
                 result["digest"] = param_digest(self.global_params)
             times["mean_and_outer_step"], t = time.perf_counter() - t, time.perf_counter()
             if created and self._state_due(r):
-                self.rounds.put_state(f"state/{r:08d}", self._global_state(), create=True)
+                self._put_state(r)()
                 if self.config.keep_rounds:
-                    self.rounds.collect_garbage(r, self.config.keep_rounds)
+                    self._collect(r)
                 times["state"] = time.perf_counter() - t
             times["cpu"] = time.thread_time() - cpu  # this thread's CPU time for the round (the rest is waiting)
             return manifest, True
@@ -337,6 +342,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         background: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         c = self.config
+        states, self._states_counted = self.bytes_states - self._states_counted, self.bytes_states
         rec: dict[str, Any] = {
             "replica": self.replica.index,
             "replica_id": self.replica.replica_id,
@@ -353,6 +359,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             "round": r,
             "bytes_written": written,
             "bytes_read": read,
+            "bytes_states": states,
             "compress_error": err,
             "sync_seconds": seconds,
             "store_retries": retries,

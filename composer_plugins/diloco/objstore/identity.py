@@ -42,6 +42,11 @@ class RunIdentityMixin:
             "num_replicas": self.replica.num_replicas,
             "sync_every": self.config.sync_every,
             "compress": self.config.compress,
+            **(
+                {"state_every": self.config.state_every, "exact_every": self.config.exact_every}
+                if self._deltas()
+                else {}
+            ),
             "param_shapes": shapes,
             "outer_optimizer": optimizer_settings(self.outer_optimizers[0]),
             "inner_optimizer": optimizer_settings(self._inner),
@@ -67,7 +72,9 @@ class RunIdentityMixin:
                 "nothing in it was run). HINT: point diloco.store at a fresh prefix.",
                 key="diloco.store",
             ) from e
-        diff = [k for k in mine if theirs.get(k) != mine[k]]
+        # a run with delta states pins state_every and exact_every: a replica without them is refused too
+        pinned = [*mine, *(k for k in ("state_every", "exact_every") if k in theirs and k not in mine)]
+        diff = [k for k in pinned if theirs.get(k) != mine.get(k)]
         if not diff:
             return
         if "run_id" in diff or "param_shapes" in diff:
@@ -90,7 +97,7 @@ class RunIdentityMixin:
             )
         settings = []
         for k in diff:
-            a, b = theirs.get(k), mine[k]
+            a, b = theirs.get(k), mine.get(k)
             if isinstance(a, dict) and isinstance(b, dict):
                 settings += [
                     f"{k}.{f} is {a.get(f, '(unset)')!r} in the run, {b.get(f, '(unset)')!r} here"
@@ -102,6 +109,8 @@ class RunIdentityMixin:
         fix = {
             "sync_every": "diloco.sync_every",
             "compress": "diloco.compress",
+            "state_every": "diloco.state_every",
+            "exact_every": "diloco.exact_every",
             "num_replicas": "--replicas / --total-replicas",
             "outer_optimizer": "diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov "
             "or diloco.outer_optimizer",

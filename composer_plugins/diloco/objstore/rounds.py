@@ -8,11 +8,13 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, one_line
+from composer_plugins.diloco.objstore.deltas import apply_delta, flatten, state_hash, unflatten
 from composer_plugins.diloco.store import (
     CorruptObjectError,
     ObjectStore,
@@ -33,6 +35,8 @@ _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
 _UNNAMED = re.compile(r"\.(s\d{3}|blob-[0-9a-f]+)$")
 #: how many names ``grad-<i>-<k>`` a replica tries past its restart count (an older life or launch took some)
 _GRAD_TRIES = 64
+#: the longest chain of delta states a load follows back to an exact one
+_MAX_CHAIN = 4096
 
 
 def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
@@ -333,11 +337,30 @@ class RoundStore:
         return existing, existing == m
 
     # -- states -----------------------------------------------------------------------
-    def put_state(self, key: str, state: dict[str, Any], create: bool = True) -> int:
-        """Write ``state`` (nested tensors and numbers) as data under ``key``; bytes written (0: it existed)."""
+    def put_state(self, key: str, state: dict[str, Any], create: bool = True, *, digest: str | None = None) -> int:
+        """Write ``state`` (nested tensors and numbers) as data under ``key``; bytes written (0: it existed).
+        ``digest``: the hash of its vectors (:func:`.deltas.state_hash`), recorded for the deltas built on it."""
         kind = key.split("/")[0]
         tree, body = encode_tree(state, f"{kind}")
-        data = pack({"kind": kind, "run": self.run_id, "tree": tree}, body)
+        header: dict[str, Any] = {"kind": kind, "run": self.run_id, "tree": tree}
+        if digest is not None:
+            header["hash"] = digest
+        data = pack(header, body)
+        return len(data) if self.store.put(key, data, create=create) else 0
+
+    def put_delta_state(self, key: str, delta: dict[str, Any], create: bool = True) -> int:
+        """Write a delta state (:meth:`StatesMixin._state_point`'s ``delta``: its skeleton, base key and hash, its
+        own hash, the codec's header and body) under ``key``; bytes written (0: it existed)."""
+        tree, skel = encode_tree(delta["skeleton"], "state")
+        header = {
+            "kind": "state",
+            "run": self.run_id,
+            "tree": tree,
+            "hash": delta["hash"],
+            "delta": {"base": delta["base"], "base_hash": delta["base_hash"], "skeleton_bytes": len(skel)},
+            "codec": delta["header"],
+        }
+        data = pack(header, skel + delta["body"])
         return len(data) if self.store.put(key, data, create=create) else 0
 
     def get_state(self, key: str) -> dict[str, Any] | None:
@@ -345,15 +368,59 @@ class RoundStore:
         data = self.store.get(key)
         if data is None:
             return None
+        return self._load_state(key, data, 0)[0]
+
+    def _load_state(self, key: str, data: bytes, depth: int) -> tuple[dict[str, Any], str | None]:
+        """``(state, its recorded hash)`` of the object ``data`` under ``key``; a delta state is rebuilt on its base
+        (walking back to the newest exact state) and checked against the hashes both record."""
         header, body = unpack(data, self._where(key))
         kind = key.split("/")[0]
         self._ours(key, header)
         if header.get("kind") != kind or "tree" not in header:
             raise CorruptObjectError(f"{self._where(key)}: not a DiLoCo {kind} object (kind {header.get('kind')!r})")
-        state = decode_tree(header["tree"], body, self._where(key))
-        if not isinstance(state, dict):
-            raise CorruptObjectError(f"{self._where(key)}: not a state mapping")
-        return state
+        delta = header.get("delta")
+        if delta is None:
+            state = decode_tree(header["tree"], body, self._where(key))
+            if not isinstance(state, dict):
+                raise CorruptObjectError(f"{self._where(key)}: not a state mapping")
+            digest = header.get("hash")
+            if digest is not None and state_hash(flatten(state)[1]) != digest:
+                raise CorruptObjectError(f"{self._where(key)}: its vectors do not match the hash it records")
+            return state, digest
+        try:
+            base, cut = str(delta["base"]), int(delta["skeleton_bytes"])
+            skeleton = decode_tree(header["tree"], body[:cut], self._where(key))
+            codec = dict(header["codec"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptObjectError(f"{self._where(key)}: not a delta state ({one_line(e)})") from e
+        if depth >= _MAX_CHAIN or not base.startswith(f"{kind}/") or base >= key:
+            raise CorruptObjectError(f"{self._where(key)}: a delta on {base!r}, not on an older state of this run")
+        base_data = self.store.get(base)
+        if base_data is None:
+            raise CorruptObjectError(
+                f"{self._where(key)}: a delta on {self._where(base)}, which is missing (deleted, or never "
+                "written); refused, an older state is tried. HINT: keep_rounds must keep a delta's base (it does; "
+                "a lifecycle rule or a hand may have deleted it)"
+            )
+        try:
+            base_state, base_hash = self._load_state(base, base_data, depth + 1)
+        except CorruptObjectError as e:
+            raise CorruptObjectError(f"{self._where(key)}: a delta on a state that cannot be read: {e}") from e
+        _, chain = flatten(base_state)
+        if (base_hash or state_hash(chain)) != delta.get("base_hash"):
+            raise CorruptObjectError(
+                f"{self._where(key)}: a delta on {self._where(base)} with hash {delta.get('base_hash')!r}, but "
+                f"that state's hash is {base_hash or state_hash(chain)!r} (it was replaced); refused"
+            )
+        try:
+            flat = apply_delta(chain, codec, body[cut:])
+            state = unflatten(skeleton, flat, self._where(key))
+        except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
+            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
+            raise CorruptObjectError(msg) from e
+        if state_hash(flat) != header.get("hash") or not isinstance(state, dict):
+            raise CorruptObjectError(f"{self._where(key)}: rebuilt on {base}, its vectors do not match its hash")
+        return state, header["hash"]
 
     def state_rounds(self) -> list[int]:
         """Rounds with a ``state/<r>`` object, newest first."""
@@ -382,13 +449,19 @@ class RoundStore:
     def exists(self, key: str) -> bool:
         return self.store.exists(key)
 
-    def collect_garbage(self, newest: int, keep_rounds: int) -> int:
+    def collect_garbage(self, newest: int, keep_rounds: int, exact: Callable[[int], bool] | None = None) -> int:
         """Delete states older than the newest ``keep_rounds`` and the pseudo-gradients of rounds those can no
-        longer rebuild (manifests stay)."""
+        longer rebuild (manifests stay). ``exact``: which rounds' states are exact (delta states are in use): the
+        kept ones' chain back to an exact state is kept too."""
         states = [k for k in self.state_rounds() if k <= newest]
         if len(states) <= keep_rounds:
             return 0
         oldest_kept = states[keep_rounds - 1]
+        if exact is not None:
+            older = [k for k in states[keep_rounds - 1 :] if exact(k)]
+            if not older:
+                return 0
+            oldest_kept = older[0]
         n = 0
         for key in self.store.list("state"):
             name = key.rsplit("/", 1)[1]

@@ -6,11 +6,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.diloco.codecs import get_codec
+from composer_plugins.diloco.objstore.deltas import encode_delta, flatten, state_hash, unflatten
 from composer_plugins.diloco.objstore.rounds import StoreObjectError
 from composer_plugins.diloco.store import CorruptObjectError, to_host
 
@@ -47,6 +50,76 @@ class StatesMixin:
         self.round = k + 1
         self.heal_count += 1
         self._healed_since_sync = True
+        if self._deltas():  # the state loaded is the chain the next delta state is taken against
+            flat = flatten(self._global_state())[1]
+            self._chain = (f"state/{k:08d}", flat, state_hash(flat))
+
+    # -- delta states (``exact_every``; see :mod:`.deltas`) ---------------------------------------------
+    def _deltas(self) -> bool:
+        """Whether states are written as deltas: a lossy codec and ``exact_every > 1``."""
+        return self.config.compress != "none" and self.config.exact_every > 1
+
+    def _state_exact(self, r: int) -> bool:
+        """Whether round ``r``'s state (a due one) is exact: the first of every ``exact_every`` states (by round:
+        ``r // state_every``), the same on every replica and in every launch of the run (it depends on the round
+        and the run's pinned settings only; the last round's state follows the same rule)."""
+        return not self._deltas() or (r // self.config.state_every) % self.config.exact_every == 0
+
+    def _state_point(self, r: int) -> None:
+        """After round ``r``'s outer step, on every replica, when its state is due and states are deltas: encode
+        the state against the chain (the decoded previous state), take the decoded state as the global state
+        (weights and outer optimizer: every replica computes the same bits) and keep what is written for it."""
+        if not self._deltas():
+            return
+        key = f"state/{r:08d}"
+        state = {**self._global_state(), "round": r + 1}
+        skeleton, flat = flatten(state)
+        if self._state_exact(r) or self._chain is None or self._chain[1].numel() != flat.numel():
+            if not self._state_exact(r):  # every replica tracks the chain from round 0 or a loaded state
+                log.warning("DiLoCo: no previous state held at round %d; its state is written exact", r)
+            digest = state_hash(flat)
+            self._chain = (key, flat, digest)
+            self._state_obj = (r, {"exact": state, "hash": digest})
+            return
+        base, chain, base_hash = self._chain
+        header, body, new = encode_delta(flat, chain, self._state_codec())
+        digest = state_hash(new)
+        decoded = unflatten(skeleton, new)
+        with torch.no_grad():
+            for g, saved in zip(self.global_params, decoded["global_params"], strict=True):
+                g.copy_(saved)
+        for opt, sd in zip(self.outer_optimizers, decoded["outer_optimizers"], strict=True):
+            opt.load_state_dict(sd)
+        self._chain = (key, new, digest)
+        delta = {"skeleton": skeleton, "base": base, "base_hash": base_hash, "hash": digest}
+        self._state_obj = (r, {"delta": {**delta, "header": header, "body": body}})
+
+    def _state_codec(self) -> str:
+        """The codec a delta state is written with: the run's mean codec (a sparse codec's mean keeps the union of
+        the replicas' entries, and with plain outer SGD that is the state's change), else the run's codec."""
+        return getattr(get_codec(self.config.compress), "mean_codec", None) or self.config.compress
+
+    def _put_state(self, r: int) -> Callable[[], None]:
+        """A job writing round ``r``'s global state as it is now (exact, or the delta :meth:`_state_point` made)."""
+        assert self.rounds is not None
+        rs, key = self.rounds, f"state/{r:08d}"
+        obj = self._state_obj[1] if self._state_obj is not None and self._state_obj[0] == r else None
+        state = self._global_state() if obj is None else None
+
+        def put() -> None:
+            if obj is None:
+                n = rs.put_state(key, state, create=True)  # type: ignore[arg-type]
+            elif "delta" in obj:
+                n = rs.put_delta_state(key, obj["delta"], create=True)
+            else:
+                n = rs.put_state(key, obj["exact"], create=True, digest=obj["hash"])
+            self.bytes_states += n
+
+        return put
+
+    def _collect(self, r: int) -> None:
+        assert self.rounds is not None
+        self.rounds.collect_garbage(r, self.config.keep_rounds, self._state_exact if self._deltas() else None)
 
     def _replica_state(self) -> dict[str, Any]:
         assert self._module is not None and self._inner is not None
@@ -121,7 +194,7 @@ class StatesMixin:
             self._healed_since_sync = True
             key = f"state/{r:08d}"
             if self._state_due(r) and not self.rounds.exists(key):
-                self.rounds.put_state(key, self._global_state(), create=True)
+                self._put_state(r)()
                 log.warning(
                     "DiLoCo: rebuilt %s/%s from round %d's manifest (its closer did not write it)",
                     self.rounds.store.where,
@@ -222,13 +295,13 @@ class StatesMixin:
         """Write ``state/<round-1>`` in the background (the next inner steps do not wait for it)."""
         assert self.rounds is not None
         r = self.round - 1
-        state = self._global_state()
-        rs, keep = self.rounds, self.config.keep_rounds
+        put = self._put_state(r)
+        keep = self.config.keep_rounds
 
         def job() -> None:
-            rs.put_state(f"state/{r:08d}", state, create=True)
+            put()
             if keep:
-                rs.collect_garbage(r, keep)
+                self._collect(r)
 
         if self._writer is None:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-state")
