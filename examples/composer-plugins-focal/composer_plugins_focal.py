@@ -4,41 +4,22 @@ Registers ``focal_pg``: a token-level policy-gradient loss whose per-token weigh
 ``(1 - p)^gamma`` focuses learning on tokens the policy still finds unlikely.
 Install with ``pip install ./examples/composer-plugins-focal``; then
 ``composer-plugins list losses focal`` shows it.
+
+The hook registers the channel by its import path (``module:Class``): the registry imports
+``composer_plugins_focal_loss`` (and torch) only when a run builds ``focal_pg``, so a plugin
+never slows down commands that do not use it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from composer_plugins import hookimpl
-from composer_plugins.losses.base import LossChannel
-
-
-class FocalPolicyGradient(LossChannel):
-    """Focal-weighted token policy gradient: -A · (1-p)^γ · log p over completion tokens."""
-
-    requires = ("logprobs", "advantages", "completion_mask")
-
-    def __init__(self, weight: float = 1.0, gamma: float = 2.0, name: str | None = "focal_pg") -> None:
-        super().__init__(weight=weight, name=name)
-        self.gamma = float(gamma)
-
-    def forward(self, model_outputs: Any, batch: Any) -> tuple[Tensor, dict[str, Any]]:
-        logp: Tensor = self.get("logprobs", model_outputs, batch)  # model_outputs first, then batch
-        adv: Tensor = batch["advantages"]
-        mask = batch["completion_mask"].to(logp.dtype)
-        focal = (1.0 - logp.detach().exp()).clamp_min(0.0) ** self.gamma
-        per_token = -adv.unsqueeze(-1) * focal * logp
-        loss = (per_token * mask).sum() / mask.sum().clamp_min(1.0)
-        return loss, {"focal_weight": (focal * mask).sum() / mask.sum().clamp_min(1.0)}
 
 
 @hookimpl
 def register_loss_channels(register: Any) -> None:
-    register("focal_pg", FocalPolicyGradient)
+    register("focal_pg", "composer_plugins_focal_loss:FocalPolicyGradient")
 
 
-__all__ = ["FocalPolicyGradient", "register_loss_channels", "torch"]
+__all__ = ["register_loss_channels"]
