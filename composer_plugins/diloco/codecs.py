@@ -461,7 +461,8 @@ class SparseCodec(Codec):
         if len(bitmap) + 2 * nnz < 2 * n:
             vals = (vec[mask] / scale).to(torch.float16).numpy().tobytes()  # device-ok: host tensors
             return {"form": "sparse", "scale": scale, "nnz": nnz, "bitmap": len(bitmap)}, bitmap + vals
-        return {"form": "dense", "scale": scale}, (vec / scale).to(torch.float16).numpy().tobytes()
+        dense = (vec / scale).to(torch.float16).numpy().tobytes()  # device-ok: encode_vector's host copy
+        return {"form": "dense", "scale": scale}, dense
 
     def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
         import numpy as np

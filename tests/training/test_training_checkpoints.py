@@ -230,8 +230,13 @@ def test_a_ctrl_c_during_a_checkpoint_write_is_raised_after_the_write(tmp_path):
             return (dict, ())
 
     path = tmp_path / "step=3.ckpt"
-    with pytest.raises(KeyboardInterrupt):
-        AtomicCheckpointIO().save_checkpoint({"w": torch.arange(4.0), "x": Interrupting()}, path)
+    # Python's own Ctrl-C handler, as in a terminal (a test run started as a shell background job ignores SIGINT)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            AtomicCheckpointIO().save_checkpoint({"w": torch.arange(4.0), "x": Interrupting()}, path)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
     whole = torch.load(path, weights_only=False)  # the test's own file (its stand-in value is a plain dict)
     assert torch.equal(whole["w"], torch.arange(4.0)) and whole["x"] == {}
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

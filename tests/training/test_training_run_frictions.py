@@ -71,8 +71,17 @@ def test_a_hub_id_without_network_is_refused_at_once_with_the_ways_out(tmp_path:
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
 
 
+def _sigint_default() -> None:
+    """In the child: Ctrl-C handled as in a terminal, even when the test run itself ignores SIGINT (a shell's
+    background job starts with SIGINT ignored, and an ignored signal is inherited through exec)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _train(cfg: Path, *args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "COMPOSER_MLFLOW": "0", "OMP_NUM_THREADS": "1"}
+    kw.setdefault("preexec_fn", _sigint_default)
     return subprocess.Popen(
         [sys.executable, "-m", "composer_plugins", "train", "-c", str(cfg), *args],
         env=env,

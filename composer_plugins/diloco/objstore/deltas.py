@@ -79,8 +79,10 @@ def unflatten(skeleton: Any, flat: torch.Tensor, where: str = "state") -> Any:
 
 def state_hash(flat: torch.Tensor) -> str:
     """SHA-256 (hex) of a state's flat vector: equal exactly when the vectors are bitwise equal."""
-    t = flat.detach().to(torch.float32).contiguous()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    t = flat.detach().to("cpu", torch.float32).contiguous()  # a state on the GPU is hashed from its host copy
+    return hashlib.sha256(
+        t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    ).hexdigest()  # device-ok: t is on the CPU
 
 
 def encode_delta(flat: torch.Tensor, chain: torch.Tensor, compress: str) -> tuple[dict[str, Any], bytes, torch.Tensor]:
