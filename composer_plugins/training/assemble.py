@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from composer_plugins.core.errors import ComposerPluginsError, closest
+from composer_plugins.training.input_plugin import BUILTINS
 from composer_plugins.training.step import StepMeta, StepRecord
 
 __all__ = [
@@ -59,17 +60,9 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
     "logprobs": ("old_logprobs", "inference_logprobs", "importance_sampling_ratio")
 }
 
-#: Inputs built for every step whatever the channels declare (cheap: read from the record and its meta).
-ALWAYS = (
-    "completion_mask",
-    "completion_ids",
-    "advantages",
-    "rewards",
-    "num_generations",
-    "group_index",
-    "global_step",
-    "total_steps",
-)
+#: Inputs built for every step whatever the channels declare (cheap: read from the record and its meta): what the
+#: built-in ``record_fields`` builder provides (:data:`composer_plugins.training.input_plugin.BUILTINS`).
+ALWAYS: tuple[str, ...] = BUILTINS["record_fields"][0]
 
 HINT_INPUTS = ("student_hidden", "teacher_hidden", "lm_head_weight", "teacher_lm_head_weight", "hint_mask", "hint_rows")
 
