@@ -172,9 +172,9 @@ def raw_steps(
                 b["hint_mask"] = ro.completion_mask[idx].float()
         loss = None
         for ch in channels:
-            if ch.missing_inputs(mo, b):
+            if ch.missing_inputs({**b, **mo}):
                 continue
-            li, _ = ch(mo, b)
+            li, _ = ch({**b, **mo})
             loss = ch.weight * li if loss is None else loss + ch.weight * li
         assert loss is not None
         loss.backward()

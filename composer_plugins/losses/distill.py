@@ -4,7 +4,7 @@ The teacher is the *same model* run with the hint in its context, without gradie
 forward passes score the tokens the student produced at the hinted turn; the divergence between
 the two next-token distributions is applied only where ``hint_mask`` is set.
 
-Inputs (``model_outputs`` first, then ``batch``):
+Inputs (keys of the one ``inputs`` mapping):
 
 ========================  ==========  =================================================================
 key                       shape       meaning
@@ -248,9 +248,7 @@ class HintDistillChannel(LossChannel):
         (the policy-gradient channel asks for them too; SDPO proper runs without it)."""
         return (*self.requires, "logprobs") if self.is_clip is not None else tuple(self.requires)
 
-    def importance_weights(
-        self, mask: Tensor, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]
-    ) -> tuple[Tensor | None, dict[str, Any]]:
+    def importance_weights(self, mask: Tensor, inputs: Mapping[str, Any]) -> tuple[Tensor | None, dict[str, Any]]:
         """SDPO's distillation IS weight on the hinted tokens: ``min(exp(clamp(lp - lp_old, ±20)), is_clip)``, detached.
 
         ``lp`` is ``logprobs`` (the current policy on the sampled tokens), ``lp_old`` the behaviour
@@ -261,16 +259,16 @@ class HintDistillChannel(LossChannel):
         if self.is_clip is None:
             return None, {}
         g = self.get
-        lp = g("logprobs", model_outputs, batch)
+        lp = g("logprobs", inputs)
         if lp is None:
             raise ValueError(
                 f"hint_distill is_clip={self.is_clip} needs the current policy's per-token 'logprobs' of the "
-                "sampled tokens in the model outputs (this backend provides none); set is_clip: null"
+                "sampled tokens in the inputs (this backend provides none); set is_clip: null"
             )
-        old = g("inference_logprobs", model_outputs, batch)
+        old = g("inference_logprobs", inputs)
         if old is None:
-            old = g("old_logprobs", model_outputs, batch)
-        rows = g("hint_rows", model_outputs, batch)
+            old = g("old_logprobs", inputs)
+        rows = g("hint_rows", inputs)
         lp = lp.detach()
         old = lp if old is None else old.detach()
         if rows is not None:
@@ -293,27 +291,27 @@ class HintDistillChannel(LossChannel):
         }
         return w, metrics
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
-        mask = g("hint_mask", model_outputs, batch).bool()
+        mask = g("hint_mask", inputs).bool()
         kernel = self.kernel()
         want_stats = bool(STAT_NAMES[self.criterion])
-        s_hidden = g("student_hidden", model_outputs, batch)
-        t_hidden = g("teacher_hidden", model_outputs, batch)
-        weight = g("lm_head_weight", model_outputs, batch)
+        s_hidden = g("student_hidden", inputs)
+        t_hidden = g("teacher_hidden", inputs)
+        weight = g("lm_head_weight", inputs)
         n_tokens = mask.sum()
         metrics: dict[str, Any] = {"tokens": n_tokens.detach()}
         if self.criterion == "taid":
             assert self.scheduler is not None
             metrics["taid_t"] = self.scheduler.value
-        tok_w, is_metrics = self.importance_weights(mask, model_outputs, batch)
+        tok_w, is_metrics = self.importance_weights(mask, inputs)
         metrics.update(is_metrics)
         uniform = tok_w is None or bool((tok_w[mask] == 1).all())
         hidden_path = s_hidden is not None and t_hidden is not None and weight is not None
         if hidden_path and uniform and self._use_liger(s_hidden):
             metrics["chunked"] = 1.0
             metrics["liger"] = 1.0
-            loss = self._liger_jsd(s_hidden, t_hidden, weight, mask, g("teacher_lm_head_weight", model_outputs, batch))
+            loss = self._liger_jsd(s_hidden, t_hidden, weight, mask, g("teacher_lm_head_weight", inputs))
             stats = None
         elif hidden_path:
             metrics["chunked"] = 1.0
@@ -323,7 +321,7 @@ class HintDistillChannel(LossChannel):
                 weight,
                 kernel,
                 mask,
-                teacher_lm_head_weight=g("teacher_lm_head_weight", model_outputs, batch),
+                teacher_lm_head_weight=g("teacher_lm_head_weight", inputs),
                 chunk_size=self.chunk_size,
                 reduction="batchmean",
                 return_stats=want_stats,
@@ -333,8 +331,8 @@ class HintDistillChannel(LossChannel):
             loss, stats = res if isinstance(res, tuple) else (res, None)
         else:
             metrics["chunked"] = 0.0
-            s_logits = g("student_logits", model_outputs, batch)
-            t_logits = g("teacher_logits", model_outputs, batch)
+            s_logits = g("student_logits", inputs)
+            t_logits = g("teacher_logits", inputs)
             if s_logits.shape != t_logits.shape or tuple(mask.shape) != tuple(s_logits.shape[:-1]):
                 raise ValueError(
                     f"hint_distill: student_logits {tuple(s_logits.shape)}, teacher_logits {tuple(t_logits.shape)} "
@@ -355,7 +353,7 @@ class HintDistillChannel(LossChannel):
             metrics["empty"] = 1.0
             return loss, metrics
         metrics["empty"] = 0.0
-        n_global = g("hint_tokens_in_batch", model_outputs, batch)
+        n_global = g("hint_tokens_in_batch", inputs)
         if n_global is not None:  # data parallel: the mean over every rank's hinted tokens (÷ world size)
             loss = loss * (n_tokens.to(loss.dtype) / max(float(n_global), 1.0))
         if stats is not None and stats.shape[1]:
@@ -366,8 +364,8 @@ class HintDistillChannel(LossChannel):
             assert self.scheduler is not None
             delta = self.scheduler.step(
                 loss.detach(),
-                global_step=_as_int(g("global_step", model_outputs, batch)),
-                total_steps=_as_int(g("total_steps", model_outputs, batch)),
+                global_step=_as_int(g("global_step", inputs)),
+                total_steps=_as_int(g("total_steps", inputs)),
             )
             metrics["taid_delta_t"] = delta
         return loss, metrics

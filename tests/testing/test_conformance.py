@@ -107,9 +107,9 @@ class _Unmasked:
         class Unmasked(LossChannel):
             requires = ("logprobs", "advantages")
 
-            def forward(self, model_outputs, batch):
-                lp = self.get("logprobs", model_outputs, batch)
-                return -(lp * batch["advantages"].unsqueeze(-1)).mean(), {}
+            def forward(self, inputs):
+                lp = inputs["logprobs"]
+                return -(lp * inputs["advantages"].unsqueeze(-1)).mean(), {}
 
         register("unmasked", Unmasked)
 
