@@ -55,6 +55,7 @@ from composer_plugins.testing.base import _entry, _fail
 def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> None:
     """Run the conformance checks of ``kind`` on the registered ``name`` (``build_kwargs`` go to its factory)."""
     from composer_plugins.core.registry import normalize_kind
+    from composer_plugins.testing.executors import check_executor
     from composer_plugins.testing.generators import check_generator
     from composer_plugins.testing.transports import check_transport
 
@@ -71,6 +72,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         "codecs": check_codec,
         "rollout_generators": check_generator,
         "transports": check_transport,
+        "executors": check_executor,
     }
     fn = checks.get(kind, check_builds)
     if fn is check_builds:
