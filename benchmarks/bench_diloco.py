@@ -369,6 +369,10 @@ def _run_diloco(
         first["compress_error"] = statistics.fmean(r["compress_error"] or 0.0 for r in later)
         first["store_retries"] = sum(r.get("store_retries", 0) for rs in logs_ for r in rs)
         first["state_bytes_per_sync"] = statistics.fmean(r.get("bytes_states", 0) for r in later)
+        kinds = sorted({k for r in later for k in r.get("bytes_by_kind", {})})
+        first["bytes_by_kind_per_sync"] = {
+            k: statistics.fmean(r.get("bytes_by_kind", {}).get(k, 0) for r in later) for k in kinds
+        }
     else:
         first["grad_bytes_per_sync"] = statistics.fmean(o["bytes_allreduced"] / max(1, o["outer_step"]) for o in outs)
     return first
@@ -505,6 +509,74 @@ def run_codecs(quick: bool = False) -> dict[str, Any]:
     out = {"name": NAME, "results": results, "ratios": ratios, "targets": targets}
     for k, v in ratios.items():
         print(f"{k:48s} {v:8.4f}   target {targets[k]}")
+    return out
+
+
+#: the ``--only states`` figure: the codecs (the first is the fp32 baseline), the state settings every run takes (like
+#: for like: the fp32 run writes its states at the same rounds), H and rounds (quick, full)
+STATES_CODECS = ("none", "bf16", "int8", "int4", "sparseloco")
+STATES_SETTINGS = {"state_every": 1, "exact_every": 64}
+STATES_H, STATES_ROUNDS = {True: 2, False: 4}, {True: 64, False: 128}
+
+
+def run_states(quick: bool = False, settings: dict[str, int] | None = None) -> dict[str, Any]:
+    """The states figure alone (``--only states``): every codec on the LM-shaped step (:func:`_toy_lm`), 2 replicas
+    through ``file://``, the same state settings for all (``STATES_SETTINGS``), one invocation. Per replica per
+    round (round 0, which writes ``init``, left out; every record of both replicas, so a state one replica wrote is
+    amortised over both): the bytes written by kind (``bytes_by_kind`` in the sync log: pseudo-gradient, mean
+    slices, exact and delta states; the rest is the manifest and other small objects) and the states' share of
+    everything written, the issue's bar being ≤ 0.10 for every lossy codec."""
+    settings = dict(settings or STATES_SETTINGS)
+    h, rounds = STATES_H[quick], STATES_ROUNDS[quick]
+    toy = _toy_lm(h * rounds)
+    results: dict[str, Any] = {"replicas": 2, "h": h, "rounds": rounds, "toy_lm": toy, "settings": settings}
+    ratios: dict[str, float] = {}
+    targets: dict[str, str] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_diloco_states_"))
+    ok = False
+    try:
+        for c in STATES_CODECS:
+            _log(f"states figure: {c}")
+            results[c] = r = _run_diloco(
+                2,
+                h,
+                toy,
+                tmp,
+                name=f"states_{c}",
+                store=f"file://{tmp}/store-{c}",
+                compress=c,
+                state_every=settings["state_every"],
+                extra=[*CODEC_OUTER.get(c, ()), f"diloco.exact_every={settings['exact_every']}"],
+            )
+            kinds, total = r["bytes_by_kind_per_sync"], r["store_bytes_written_per_sync"]
+            states = kinds.get("state", 0.0) + kinds.get("delta", 0.0)
+            for k, v in kinds.items():
+                ratios[f"states_fig_{k}_share_of_bytes_written_{c}"] = v / total
+                targets[f"states_fig_{k}_share_of_bytes_written_{c}"] = "informative"
+            ratios[f"states_share_of_bytes_written_{c}"] = states / total
+            targets[f"states_share_of_bytes_written_{c}"] = "informative (fp32)" if c == "none" else "≤ 0.10 (issue 42)"
+            ratios[f"states_bytes_written_per_sync_{c}_vs_fp32"] = (
+                total / results["none"]["store_bytes_written_per_sync"]
+            )
+            targets[f"states_bytes_written_per_sync_{c}_vs_fp32"] = "informative (like for like: the same state rounds)"
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _log(f"kept the logs of the failed run in {tmp}")
+    out = {"name": NAME, "results": results, "ratios": ratios, "targets": targets}
+    print(
+        f"state settings {settings}, H = {h}, {rounds} rounds, 2 replicas, 471k parameters; bytes per replica per round"
+    )
+    print(f"{'codec':12s} {'written':>10s} {'grad':>10s} {'mean':>10s} {'state':>10s} {'delta':>10s} {'share':>7s}")
+    for c in STATES_CODECS:
+        k = results[c]["bytes_by_kind_per_sync"]
+        print(
+            f"{c:12s} {results[c]['store_bytes_written_per_sync']:10.0f} {k.get('grad', 0):10.0f} "
+            f"{k.get('mean', 0):10.0f} {k.get('state', 0):10.0f} {k.get('delta', 0):10.0f} "
+            f"{ratios[f'states_share_of_bytes_written_{c}']:7.4f}"
+        )
     return out
 
 
@@ -1012,19 +1084,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the result dict as JSON")
     p.add_argument(
         "--only",
-        choices=["overlap", "codecs", "faults"],
+        choices=["overlap", "codecs", "faults", "states"],
         help="run only this figure (overlap: no-sync / overlap 1 / overlap 0; codecs: fp32 / int4 / sparseloco on "
-        "the LM-shaped step; faults: goodput with a replica of 4 killed every 4 rounds and one paused)",
+        "the LM-shaped step; faults: goodput with a replica of 4 killed every 4 rounds and one paused; states: bytes "
+        "written by kind and the states' share for every codec)",
     )
     p.add_argument(
         "--ddp-worker", nargs=6, metavar=("RANK", "WORLD", "PORT", "TOY", "OUT", "TIMEOUT"), help=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "--state-settings",
+        metavar="STATE_EVERY,EXACT_EVERY",
+        help=f"with --only states: the state settings every run takes (default {STATES_SETTINGS['state_every']},"
+        f"{STATES_SETTINGS['exact_every']})",
     )
     a = p.parse_args(argv)
     if a.ddp_worker:
         rank, world, port, toy_json, out, timeout_s = a.ddp_worker
         _ddp_worker_main(int(rank), int(world), int(port), toy_json, out, float(timeout_s))
-    only = {"overlap": run_overlap, "codecs": run_codecs, "faults": run_faults}.get(a.only or "", run)
-    res = only(quick=a.quick)
+    if a.only == "states" and a.state_settings:
+        k, e = (int(x) for x in a.state_settings.split(","))
+        res = run_states(quick=a.quick, settings={"state_every": k, "exact_every": e})
+    else:
+        only = {"overlap": run_overlap, "codecs": run_codecs, "faults": run_faults, "states": run_states}
+        res = only.get(a.only or "", run)(quick=a.quick)
     if a.json:
         print(json.dumps(res, indent=2))
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,8 @@ _UNNAMED = re.compile(r"\.(s\d{3}|blob-[0-9a-f]+)$")
 _GRAD_TRIES = 64
 #: the longest chain of delta states a load follows back to an exact one
 _MAX_CHAIN = 4096
+#: the kinds of :attr:`RoundStore.bytes_by_kind`
+KINDS = ("grad", "mean", "state", "delta", "init")
 
 
 def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
@@ -85,6 +88,15 @@ class RoundStore:
         # pseudo-gradient indexes read intact, by (round, name): each is created once (If-None-Match), and both the
         # close of a round and the making of its mean need them, so each is read from the store once
         self._indexes: dict[tuple[int, str], dict[str, Any]] = {}
+        #: bytes created here by kind (``grad``: pseudo-gradients, ``mean``: slices of a round's mean, ``state``:
+        #: exact global states, ``delta``: delta states, ``init``): what the sync log splits ``bytes_written`` into
+        self.bytes_by_kind: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._lock = threading.Lock()  # the state writer thread counts too
+
+    def _count(self, kind: str, n: int) -> int:
+        with self._lock:
+            self.bytes_by_kind[kind] += n
+        return n
 
     @staticmethod
     def round_dir(r: int) -> str:
@@ -135,7 +147,7 @@ class RoundStore:
                     b"",
                 )
                 if self.store.put(f"{d}/{name}", idx, create=True):
-                    return name, nbytes + len(idx)
+                    return name, self._count("grad", nbytes + len(idx))
         last = restart + _GRAD_TRIES - 1
         raise StoreObjectError(
             f"{self._where(self.round_dir(r))}: grad-{index}-{restart}..{last} are all taken. "
@@ -244,11 +256,9 @@ class RoundStore:
         ``(the stored values, created)``. Whoever writes it, everyone applies the stored bits."""
         header, body = encode_vector(vec, compress)
         key = f"{self.round_dir(r)}/mean-{j:03d}"
-        if self.store.put(
-            key,
-            pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j, "count": count}, body),
-            create=True,
-        ):
+        data = pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j, "count": count}, body)
+        if self.store.put(key, data, create=True):
+            self._count("mean", len(data))
             return decode_vector(header, body), True
         stored = self.get_mean(r, j, vec.numel())
         if stored is None:  # pragma: no cover - a store that lost an object it said exists
@@ -346,7 +356,11 @@ class RoundStore:
         if digest is not None:
             header["hash"] = digest
         data = pack(header, body)
-        return len(data) if self.store.put(key, data, create=create) else 0
+        return (
+            self._count("init" if kind == "init" else "state", len(data))
+            if self.store.put(key, data, create=create)
+            else 0
+        )
 
     def put_delta_state(self, key: str, delta: dict[str, Any], create: bool = True) -> int:
         """Write a delta state (:meth:`StatesMixin._state_point`'s ``delta``: its skeleton, base key and hash, its
@@ -361,7 +375,7 @@ class RoundStore:
             "codec": delta["header"],
         }
         data = pack(header, skel + delta["body"])
-        return len(data) if self.store.put(key, data, create=create) else 0
+        return self._count("delta", len(data)) if self.store.put(key, data, create=create) else 0
 
     def get_state(self, key: str) -> dict[str, Any] | None:
         """The state under ``key``; ``None`` if absent; :class:`CorruptObjectError` (naming it) if not intact data."""
