@@ -60,9 +60,6 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self._residual: torch.Tensor | None = None  # a lossy codec's error feedback (host, fp32)
         #: the same for the mean slices this replica wrote: (slice, values) -> what the stored mean left out
         self._mean_residual: dict[tuple[int, int], torch.Tensor] = {}
-        #: delta states: (key, vector, hash) of the last state (decoded), and what round r's state writes
-        self._chain: tuple[str, torch.Tensor, str] | None = None
-        self._state_obj: tuple[int, dict[str, Any]] | None = None
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self.bytes_states = 0  # bytes of global states this replica wrote (their share of ``bytes_written``)
         self._states_counted = 0
