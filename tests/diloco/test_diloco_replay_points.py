@@ -193,3 +193,41 @@ def test_replicas_must_agree_on_exact_every(tmp_path):
         model = _model(0)
         with pytest.raises(ConfigError, match=r"exact_every is 4 in the run, .* here.*diloco\.exact_every"):
             cb.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.timeout(480)
+def test_a_replica_killed_between_written_states_rejoins_on_one_hash(tmp_path):
+    """Real processes (``composer-plugins diloco``'s launcher, the toy target): replica 1 is SIGKILLed before the
+    run's first written state and relaunched; it rebuilds the rounds from ``init`` and the stored means, and the
+    run ends with both replicas on one hash and only the last of every 4 due states written."""
+    import time
+
+    from composer_plugins.diloco.launch import ReplicaGroup, replica_argv
+
+    log_dir, root = tmp_path / "logs", tmp_path / "store"
+    ov = ["diloco.sync_every=4", "diloco.transport=object_store", "diloco.round_timeout_s=20", "toy.max_steps=48"]
+    ov += ["diloco.compress=int4", "diloco.exact_every=4"]
+    argv = lambda i: replica_argv("toy", None, [*ov, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
+    sync = log_dir / "replica1.sync.jsonl"
+    with ReplicaGroup(
+        argv,
+        2,
+        log_dir=log_dir,
+        grace_s=5,
+        threads_per_replica=1,
+        transport="object_store",
+        store=f"file://{root}",
+        max_restarts=1,
+    ) as g:
+        deadline = time.monotonic() + 300
+        while not sync.exists() or len(sync.read_text().splitlines()) < 2:
+            assert time.monotonic() < deadline, "replica 1 never synced twice"
+            time.sleep(0.1)
+        g.kill(1)
+        res = g.wait(timeout=400)
+    assert res.ok and res.restarts == {0: 0, 1: 1}
+    second = [json.loads(line) for line in sync.read_text().splitlines() if json.loads(line)["restart"] == 1]
+    assert second and second[-1]["committed"] and second[-1]["outer_step"] == 12
+    outs = [json.loads((log_dir / f"result{i}.json").read_text()) for i in range(2)]
+    assert len({o["param_hash"] for o in outs}) == 1
+    assert _states(root) == [7, 11]  # 12 rounds: states 3, 7, 11 written, the oldest collected (keep_rounds 2)
