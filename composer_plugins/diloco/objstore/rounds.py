@@ -36,7 +36,7 @@ _UNNAMED = re.compile(r"\.(s\d{3}|blob-[0-9a-f]+)$")
 #: how many names ``grad-<i>-<k>`` a replica tries past its restart count (an older life or launch took some)
 _GRAD_TRIES = 64
 #: the kinds of :attr:`RoundStore.bytes_by_kind`
-KINDS = ("grad", "mean", "state", "init")
+WRITE_KINDS = ("grad", "mean", "state", "init")
 
 
 def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
@@ -87,7 +87,7 @@ class RoundStore:
         self._indexes: dict[tuple[int, str], dict[str, Any]] = {}
         #: bytes created here by kind (``grad``: pseudo-gradients, ``mean``: slices of a round's mean, ``state``:
         #: global states, ``init``): what the sync log splits ``bytes_written`` into
-        self.bytes_by_kind: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.bytes_by_kind: dict[str, int] = dict.fromkeys(WRITE_KINDS, 0)
         self._lock = threading.Lock()  # the state writer thread counts too
 
     def _count(self, kind: str, n: int) -> int:

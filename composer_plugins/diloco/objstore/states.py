@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.diloco.objstore.statehash import flatten, state_hash
 from composer_plugins.diloco.objstore.rounds import StoreObjectError
+from composer_plugins.diloco.objstore.statehash import flatten, state_hash
 from composer_plugins.diloco.store import CorruptObjectError, to_host
 
 log = logging.getLogger(__name__)
