@@ -521,7 +521,7 @@ def run_states(quick: bool = False, settings: dict[str, int] | None = None) -> d
     through ``file://``, the same state settings for all (``STATES_SETTINGS``), one invocation. Per replica per
     round (round 0, which writes ``init``, left out; every record of both replicas, so a state one replica wrote is
     amortised over both): the bytes written by kind (``bytes_by_kind`` in the sync log: pseudo-gradient, mean
-    slices, exact and delta states; the rest is the manifest and other small objects) and the states' share of
+    slices, states; the rest is the manifest and other small objects) and the states' share of
     everything written, the issue's bar being ≤ 0.10 for every lossy codec."""
     settings = dict(settings or STATES_SETTINGS)
     h, rounds = STATES_H[quick], STATES_ROUNDS[quick]
@@ -546,7 +546,7 @@ def run_states(quick: bool = False, settings: dict[str, int] | None = None) -> d
                 extra=[*CODEC_OUTER.get(c, ()), f"diloco.exact_every={settings['exact_every']}"],
             )
             kinds, total = r["bytes_by_kind_per_sync"], r["store_bytes_written_per_sync"]
-            states = kinds.get("state", 0.0) + kinds.get("delta", 0.0)
+            states = kinds.get("state", 0.0)
             for k, v in kinds.items():
                 ratios[f"states_fig_{k}_share_of_bytes_written_{c}"] = v / total
                 targets[f"states_fig_{k}_share_of_bytes_written_{c}"] = "informative"
@@ -566,12 +566,12 @@ def run_states(quick: bool = False, settings: dict[str, int] | None = None) -> d
     print(
         f"state settings {settings}, H = {h}, {rounds} rounds, 2 replicas, 471k parameters; bytes per replica per round"
     )
-    print(f"{'codec':12s} {'written':>10s} {'grad':>10s} {'mean':>10s} {'state':>10s} {'delta':>10s} {'share':>7s}")
+    print(f"{'codec':12s} {'written':>10s} {'grad':>10s} {'mean':>10s} {'state':>10s} {'share':>7s}")
     for c in STATES_CODECS:
         k = results[c]["bytes_by_kind_per_sync"]
         print(
             f"{c:12s} {results[c]['store_bytes_written_per_sync']:10.0f} {k.get('grad', 0):10.0f} "
-            f"{k.get('mean', 0):10.0f} {k.get('state', 0):10.0f} {k.get('delta', 0):10.0f} "
+            f"{k.get('mean', 0):10.0f} {k.get('state', 0):10.0f} "
             f"{ratios[f'states_share_of_bytes_written_{c}']:7.4f}"
         )
     return out
