@@ -28,7 +28,7 @@ BIN = Path(sys.executable).parent
 CI_PARAMS = Path(__file__).with_name("params.ci.yaml")
 RUN_RE = re.compile(r"Running stage '([^']+)'")
 
-UPSTREAM = {"prepare", "sft", "eval_sft", "rollout", "replay", "pairs"}
+UPSTREAM = {"prepare", "sft", "teacher", "eval_teacher", "eval_sft", "rollout", "replay", "pairs"}
 
 
 def _env(repo: Path) -> dict[str, str]:
@@ -116,11 +116,11 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
     assert ran_stages(log) == expected
 
     metrics = json.loads((path / "metrics.json").read_text())
-    assert set(metrics) == {"sft", *params["study"]["variants"]}
+    assert set(metrics) == {"sft", "teacher", *params["study"]["variants"]}  # the external teacher: measured
     for row in metrics.values():
         acc = row["gsm8k/accuracy"]["mean"]
         assert 0.0 <= acc <= 1.0
-        assert row["n"] == (1 if row is metrics["sft"] else len(params["study"]["seeds"]))
+        assert row["n"] == (1 if row in (metrics["sft"], metrics["teacher"]) else len(params["study"]["seeds"]))
         assert "code/pass_at_1" in row and "feature_deletion/mean_reward" in row
 
     for name in [f"{v}-s{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]:

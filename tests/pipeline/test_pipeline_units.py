@@ -57,17 +57,18 @@ def test_merge_params_replace_marker() -> None:
 
 def test_train_config_merges_variant_and_wires_the_pipeline() -> None:
     params = loads_config((ROOT / "params.yaml").read_text(), source="params.yaml")
-    cfg = stages.train_config(params, "no_hint", 3)
+    cfg = stages.train_config(params, "grpo_teacher", 3)
     assert cfg["seed"] == 3
-    assert cfg["output_dir"] == "runs/no_hint-s3"
+    assert cfg["output_dir"] == "runs/grpo_teacher-s3"
     assert cfg["losses"]["hint_distill"]["weight"] == 0.0
+    assert cfg["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
     assert cfg["losses"]["grpo"] == params["train"]["losses"]["grpo"]
     assert cfg["model"]["name_or_path"] == "models/sft/model"
     assert cfg["sft"]["enabled"] is False
     assert cfg["data"]["train_path"] == "data/tasks/gsm8k/train.jsonl"
     assert cfg["replay"]["pairs_path"] == "data/pairs.jsonl"
-    assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+replay"
-    assert cfg["mlflow"]["run_name"] == "train@no_hint-s3"
+    assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+teacher_distill"
+    assert cfg["mlflow"]["run_name"] == "train@grpo_teacher-s3"
     # the effective config is a valid TrainConfig
     from composer_plugins.training.config import train_config_from_dict
 
@@ -91,9 +92,9 @@ def test_a_variant_replaces_a_component_it_marks_replace() -> None:
 def test_unknown_variant_is_a_located_error() -> None:
     params = loads_config((ROOT / "params.yaml").read_text(), source="params.yaml")
     with pytest.raises(ConfigError) as e:
-        stages.train_config(params, "no_hnt", 0)
+        stages.train_config(params, "rl_onyl", 0)
     msg = str(e.value)
-    assert "params.yaml:" in msg and "study.variants.no_hnt" in msg and "no_hint" in msg
+    assert "params.yaml:" in msg and "study.variants.rl_onyl" in msg and "rl_only" in msg
 
 
 def test_data_section_errors_name_the_key() -> None:
