@@ -290,3 +290,20 @@ def test_replay_stage_takes_its_consensus_from_pairs_k(tmp_path: Path) -> None:
     params["pairs"]["k"] = 2  # the default: two teachers must agree, and one is refused with the reason
     with pytest.raises(ConfigError, match=r"consensus.k.*only 1 teacher"):
         parse_config(Config(stages.replay_config(params), source=str(tmp_path / "config.yaml")))
+
+
+def test_the_default_study_holds_out_computations_and_prints_both_overlaps(tmp_path: Path) -> None:
+    """README/docs: the main job's prepare reports 0 test rows computing a train tuple, beside the line overlap."""
+    from click.testing import CliRunner
+
+    from composer_plugins.core.cli import load_commands
+
+    res = CliRunner().invoke(
+        load_commands(), ["prepare", "-p", str(ROOT / "params.yaml"), "--out", str(tmp_path / "tasks")]
+    )
+    assert res.exit_code == 0, res.output
+    assert "gsm8k: 3000 train, 400 test (embedded)" in res.output
+    assert "0 test rows (0 distinct) computing a train tuple" in res.output
+    assert "gsm8k: line overlap: 400/400 test first lines, 367/400 second lines" in res.output
+    manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())["envs"]["gsm8k"]
+    assert manifest["computation_overlap"] == 0 and manifest["second_line_overlap"] == 367
