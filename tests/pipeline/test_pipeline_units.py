@@ -43,7 +43,8 @@ def test_params_yaml_and_ci_params_are_consistent() -> None:
     merged = study.merge_params(base, ci)
     assert set(added_envs) <= set(stages.data_envs(merged)) and set(added_envs) <= set(stages.eval_envs(merged))
     assert not set(added_envs) & set(stages.eval_envs(base))  # the default table leaves them out
-    assert set(merged["study"]["variants"]) == {"full", "no_hint"}
+    assert set(merged["study"]["variants"]) == {"full", "no_hint", "teacher_only"}
+    assert merged["teacher"]["sft_steps"] < base["teacher"]["sft_steps"]  # the teacher stage shrinks too
     assert merged["train"]["optim"] == base["train"]["optim"]  # untouched keys survive
     assert merged["data"]["gsm8k"]["source"] == "embedded"
 
@@ -268,7 +269,7 @@ def test_secrets_stay_references_in_params(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "params.yaml").write_text(text)
     params = study.load_params(tmp_path / "params.yaml")  # does not need the variable
     assert params["replay"]["teachers"][-1]["api_key"] == {"$env": "PIPELINE_TEST_KEY"}
-    stages.train_config(params, "full", 0)
+    stages.train_config(params, "rl_only", 0)
     cfg = stages.replay_config(params)
     assert cfg["teachers"][-1]["api_key"] == {"$env": "PIPELINE_TEST_KEY"}  # a reference, never a value
     assert cfg["cache"]["path"] == "data/teacher_cache/cache.sqlite" and cfg["normalize"] == {"enabled": False}
