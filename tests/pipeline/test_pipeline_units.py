@@ -308,3 +308,8 @@ def test_the_default_study_holds_out_computations_and_prints_both_overlaps(tmp_p
     assert "gsm8k: line overlap: 400/400 test first lines, 367/400 second lines" in res.output
     manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())["envs"]["gsm8k"]
     assert manifest["computation_overlap"] == 0 and manifest["second_line_overlap"] == 367
+    # what README.md and docs/pipeline.md say the main job's prepare prints is what it prints
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    docs = " ".join((ROOT / "docs" / "pipeline.md").read_text().split())
+    for claim in ("0 test rows (0 distinct) computing a train tuple", "367/400 second lines"):
+        assert claim in res.output and claim in readme and claim in docs, claim
