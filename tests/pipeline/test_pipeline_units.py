@@ -313,3 +313,22 @@ def test_the_default_study_holds_out_computations_and_prints_both_overlaps(tmp_p
     docs = " ".join((ROOT / "docs" / "pipeline.md").read_text().split())
     for claim in ("0 test rows (0 distinct) computing a train tuple", "367/400 second lines"):
         assert claim in res.output and claim in readme and claim in docs, claim
+
+
+def test_the_readme_describes_the_default_study_params_yaml_runs() -> None:
+    """README's main job: the chain level, a 400-step SFT, a teacher 400 steps on, 3 arms x 2 seeds x 40 steps."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert params["train"]["env"]["difficulty"] == "chain" and "runs the `chain` level" in readme
+    assert params["train"]["sft"]["steps"] == 400 and "A 400-step SFT warm start" in readme
+    assert params["teacher"]["sft_steps"] == 400 and "that SFT continued 400 steps on train only" in readme
+    variants, seeds = params["study"]["variants"], params["study"]["seeds"]
+    assert list(variants) == ["rl_only", "teacher_only", "grpo_teacher"] and params["study"]["baseline"] == "rl_only"
+    steps = params["train"]["trainer"]["max_steps"]
+    assert f"three arms × {len(seeds)} seeds × {steps} RL steps" in readme
+    assert params["eval"]["envs"]["gsm8k"]["num_problems"] == params["data"]["gsm8k"]["test"] == 400
+    assert "evaluated greedily on all 400 held-out problems" in readme and params["eval"]["envs"]["gsm8k"]["k"] == 0
+    # both teacher arms distil from the teacher stage's model, and the full study's command is named
+    for v in ("teacher_only", "grpo_teacher"):
+        assert variants[v]["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
+    assert "`cd studies/calibrated && dvc repro`" in readme and "does **not** pass here" in readme
