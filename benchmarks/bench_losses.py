@@ -186,11 +186,11 @@ def _worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repea
             with torch.no_grad():
                 t_logits = teacher_hidden @ weight.T
             s_logits = hidden @ weight.T
-            loss, _ = channel({"student_logits": s_logits, "teacher_logits": t_logits}, {"hint_mask": hint_mask})
+            loss, _ = channel({"student_logits": s_logits, "teacher_logits": t_logits, "hint_mask": hint_mask})
             del s_logits, t_logits
         elif variant.startswith("hint_distill_chunked") or variant == "hint_distill_liger":
             outs = {"student_hidden": hidden, "teacher_hidden": teacher_hidden, "lm_head_weight": weight}
-            loss, _ = channel(outs, {"hint_mask": hint_mask})
+            loss, _ = channel({**outs, "hint_mask": hint_mask})
         else:
             raise ValueError(variant)
         loss.backward()
@@ -309,7 +309,7 @@ def _teacher_worker(variant: str, shape: dict[str, int], chunk: int, threads: in
             del s, logq
         else:
             loss, _ = channel(
-                {"hidden_states": hidden, "lm_head_weight": weight}, {"teacher_scores": scores, "completion_mask": mask}
+                {"hidden_states": hidden, "lm_head_weight": weight, "teacher_scores": scores, "completion_mask": mask}
             )
         loss.backward()
         return float(loss.detach())

@@ -166,15 +166,16 @@ def raw_steps(
                 h_ids, h_mask = tokenize_prompts(tok, hp, cfg.hints.max_context_length, ro.completion_ids.device)
                 with torch.no_grad():
                     teacher = completion_hidden(policy, h_ids, h_mask, ro.completion_ids[idx], ro.completion_mask[idx])
-                mo["student_hidden"] = hidden[idx] / r.temperature
-                mo["teacher_hidden"] = teacher / r.temperature
+                mo["student_hidden"] = hidden[idx]  # the channel divides the logits by its temperature
+                mo["teacher_hidden"] = teacher
+                b["sampling_temperature"] = r.temperature
                 mo["lm_head_weight"] = lm_head_weight(policy)
                 b["hint_mask"] = ro.completion_mask[idx].float()
         loss = None
         for ch in channels:
-            if ch.missing_inputs(mo, b):
+            if ch.missing_inputs({**b, **mo}):
                 continue
-            li, _ = ch(mo, b)
+            li, _ = ch({**b, **mo})
             loss = ch.weight * li if loss is None else loss + ch.weight * li
         assert loss is not None
         loss.backward()

@@ -62,6 +62,23 @@ class LeftoverProcessWarning(UserWarning):
     """A test or fixture left processes running; they were killed."""
 
 
+#: Helpers a library loaded into the test process starts for that process's whole life, which kill the
+#: process when they die: OpenMPI's singleton daemon (``orted ... --singleton-died-pipe``; an MPI-linked
+#: import on a GPU image starts it, and once it is killed the test process exits with status 195 at its
+#: next MPI call, taking the whole run with it). Never a test's leftover.
+_PROCESS_DAEMON_MARKERS = ("--singleton-died-pipe",)
+
+
+def _own_daemons(pids: list[int]) -> list[int]:
+    me = os.getpid()
+    out = []
+    for pid in pids:
+        info = procs.proc_info(pid)
+        if info is not None and info.ppid == me and any(m in info.cmdline for m in _PROCESS_DAEMON_MARKERS):
+            out.append(pid)
+    return out
+
+
 class _Sweep:
     """Tags processes started from now on (through the environment) and kills the tagged ones later."""
 
@@ -85,10 +102,12 @@ class _Sweep:
     def finish(self) -> None:
         new = [p for p in procs.all_pids() if p not in self.before]
         left = procs.tagged_pids(self.tag, among=new)
+        spare = _own_daemons(left)
+        left = [p for p in left if p not in spare]
         if not left:
             return
         lines = procs.describe(left)
-        procs.kill_tree(tag=self.tag)
+        procs.kill_tree(tag=self.tag, spare=spare)
         if lines:
             msg = f"{self.what} left {len(lines)} process(es) running; killed:\n  " + "\n  ".join(lines)
             warnings.warn(LeftoverProcessWarning(msg), stacklevel=1)

@@ -80,3 +80,8 @@ def register_transports(register: Any) -> None:
 @hookspec
 def register_input_builders(register: Any) -> None:
     """Register channel input builders (``builder(assembly) -> inputs``) with ``register(input_name, builder)``."""
+
+
+@hookspec
+def register_executors(register: Any) -> None:
+    """Register DiLoCo replica executors (``--executor``) with ``register(name, factory, description=None, **kw)``."""

@@ -52,6 +52,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.diloco.cli",
     "composer_plugins.diloco.codec_plugin",
     "composer_plugins.diloco.transport_plugin",
+    "composer_plugins.diloco.executor_plugin",
     "composer_plugins.training.input_plugin",
 )
 

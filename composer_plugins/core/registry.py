@@ -35,6 +35,7 @@ KINDS: dict[str, str] = {
     "codecs": "register_codecs",
     "transports": "register_transports",
     "input_builders": "register_input_builders",
+    "executors": "register_executors",
 }
 
 _KIND_ALIASES = {
@@ -60,6 +61,7 @@ _KIND_ALIASES = {
     "generator": "rollout_generators",
     "codec": "codecs",
     "transport": "transports",
+    "executor": "executors",
     "input_builder": "input_builders",
     "inputs": "input_builders",
 }

@@ -1,7 +1,8 @@
 """DiLoCo across replicas: the Lightning callbacks of its outer-sync transports (``strategy``: torchft;
-``objstore/``: through an object store), transports and pseudo-gradient codecs as plugin kinds (``transports``,
-``codecs``), what both share (``common``: config sections, outer optimizer), the replica launcher (``launch``) with
-its executor seam (``executor``, ``executors``, ``forkserver``) and meeting points (``coordination``), the replica
+``objstore/``: through an object store), transports, pseudo-gradient codecs and replica executors as plugin kinds
+(``transports``, ``codecs``, ``executors``), what both share (``common``: config sections, outer optimizer), the
+replica launcher (``launch``) with its executor seam (``executor``, ``executors``, ``forkserver``) and meeting
+points (``coordination``), the replica
 entry point (``run``, ``replica``) and the toy LM its tests and benchmark train (``toy``).
 
 Imports point down: ``core``, ``procs`` and ``training`` only.

@@ -1,8 +1,9 @@
 """``composer-plugins diloco``: validate the config once, then start the replicas where ``--executor`` says.
 
-Executors: ``local`` (processes on this host, :class:`~composer_plugins.diloco.executor.LocalProcessExecutor`),
-``hf_jobs`` (Hugging Face Jobs) and ``modal`` (Modal functions), see :mod:`.executors`. The cloud ones need
-``diloco.transport=object_store``: their replicas meet through ``diloco.store`` only.
+Executors (the ``register_executors`` hook; ``composer-plugins list executors``): built in ``local`` (processes on
+this host, :class:`~composer_plugins.diloco.executor.LocalProcessExecutor`), ``hf_jobs`` (Hugging Face Jobs) and
+``modal`` (Modal functions), see :mod:`.executors`. The cloud ones need ``diloco.transport=object_store``: their
+replicas meet through ``diloco.store`` only.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from typing import Any
 
 from composer_plugins.core.hookspecs import hookimpl
 from composer_plugins.diloco.launch import launch
-
-EXECUTORS = ("local", "hf_jobs", "modal")
 
 
 @hookimpl
@@ -38,8 +37,9 @@ def register_commands(cli: Any) -> None:
         "--executor",
         default="local",
         show_default=True,
-        help="Where replicas run: local (processes here), hf_jobs (Hugging Face Jobs) or modal (Modal functions); "
-        "the cloud ones need -S diloco.transport=object_store.",
+        help="Where replicas run: local (processes here), hf_jobs (Hugging Face Jobs), modal (Modal functions) or "
+        "another registered executor (composer-plugins list executors); the cloud ones need "
+        "-S diloco.transport=object_store.",
     )
     @click.option("--lighthouse", help="Address of an existing torchft lighthouse (cluster); default: start one here.")
     @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart a crashed replica.")

@@ -132,10 +132,11 @@ class DiLoCoConfig:
         state_every: with ``object_store``, the closer writes the global state (fp32 weights + outer
             momentum) every this many rounds and at the last one; the rounds between are replayed from their
             manifests and pseudo-gradients by whoever needs them.
-        exact_every: with ``object_store`` and a lossy codec, one written state in this many is exact fp32;
-            the others are deltas from the previous state through the run's codec, and every replica takes the
-            decoded state as its global state at each state round (so a restart from any state is where the
-            others are). ``1`` (default): every state exact. ``compress: none`` always writes exact states.
+        exact_every: with ``object_store``, one due state in this many is written (exact fp32, the last of
+            every ``exact_every``, the last round's by the same rule); the states between are replay points: the
+            previous written state (or ``init``) plus the outer steps of the rounds' stored means, which every
+            replica applied and ``keep_rounds`` keeps, so nothing is written for them and a restart rebuilds them
+            bit for bit. Training does not depend on it. ``1`` (default): every due state written.
         overlap: with ``object_store``, ``1`` runs the outer sync of round ``r`` in a background thread while
             the inner steps of round ``r + 1`` proceed, and applies its result one round late (the model takes
             the new global weights plus the inner steps taken since; Streaming DiLoCo's delayed outer update).

@@ -3,6 +3,11 @@
 ``ReplicaExecutor`` protocol (``start(spec) -> handle`` with ``poll``/``terminate``/``kill``/``wait``), so
 restarts (``--max-restarts``), timeouts and clean-up work the same everywhere.
 
+Executors are a plugin kind (the ``register_executors`` hook; the built-ins register through
+:mod:`.executor_plugin`): ``--executor NAME`` builds the registered entry with :func:`make_executor`, which
+calls its factory as ``factory(dcfg, log_dir=..., warm_restarts=..., name=NAME)``. ``composer-plugins list
+executors`` shows them with their providers; :func:`composer_plugins.testing.check_executor` checks one.
+
 The cloud executors send only what the launcher set for the replica (``spec.job_env``: replica index,
 number of replicas, run id, store URL, seed) plus the variables named in ``diloco.jobs.env``; credentials
 travel as the platform's secrets (``diloco.jobs.secrets``), never in the command line or the logs. The
@@ -26,11 +31,19 @@ from typing import Any
 from composer_plugins.core.config import Config, from_dict
 from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
 from composer_plugins.diloco.common import DiLoCoConfig, JobsConfig
-from composer_plugins.diloco.executor import LaunchError, LocalProcessExecutor, ReplicaSpec
+from composer_plugins.diloco.executor import LaunchError, LocalProcessExecutor, ReplicaExecutor, ReplicaSpec
 
-__all__ = ["EXECUTORS", "HFJobsExecutor", "JobsConfig", "ModalExecutor", "make_executor"]
+__all__ = [
+    "HFJobsExecutor",
+    "JobsConfig",
+    "ModalExecutor",
+    "cloud_jobs",
+    "hf_jobs_executor",
+    "local_executor",
+    "make_executor",
+    "modal_executor",
+]
 
-EXECUTORS = ("local", "hf_jobs", "modal")
 #: how long a job's status may stay unreadable (Hub unreachable, 5xx) before its replica counts as failed
 POLL_ERRORS_S = 120.0
 
@@ -63,15 +76,40 @@ def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
 
 def make_executor(
     name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, warm_restarts: bool = False
-) -> Any:
-    """The executor called ``name`` (``local``, ``hf_jobs``, ``modal``) configured from ``dcfg``; ``warm_restarts``:
-    the local executor forks restarted replicas from a warm process (``--warm-restarts``)."""
-    if name not in EXECUTORS:
-        near = closest(name, EXECUTORS)
+) -> ReplicaExecutor:
+    """The executor registered as ``name`` (``register_executors``; built in: ``local``, ``hf_jobs``, ``modal``)
+    configured from ``dcfg``; ``warm_restarts``: fork restarted replicas from a warm process (``--warm-restarts``,
+    the local executor's; the others refuse it). Unknown names list the available ones and the closest."""
+    from composer_plugins.core.plugins import get_registry
+
+    registry = get_registry()
+    names = registry.names("executors")
+    if str(name).lower() not in names:
+        near = closest(str(name), names)
         hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise ComposerPluginsError(f"unknown executor {name!r}; available: {', '.join(EXECUTORS)}.{hint}")
-    if name == "local":
-        return LocalProcessExecutor(warm_restarts=warm_restarts)
+        raise ComposerPluginsError(
+            f"unknown executor {name!r}; available: {', '.join(names)}.{hint} (composer-plugins list executors)"
+        )
+    entry = registry.get("executors", name)
+    executor = entry.build(dcfg, log_dir=log_dir, warm_restarts=warm_restarts, name=entry.name)
+    if not isinstance(executor, ReplicaExecutor):
+        raise TypeError(
+            f"executor {name!r} ({entry.provider or entry.plugin}) built a {type(executor).__name__}, which has no "
+            "start(spec) -> handle: see composer_plugins.diloco.executor.ReplicaExecutor"
+        )
+    return executor
+
+
+def local_executor(
+    dcfg: DiLoCoConfig, *, log_dir: Any = None, warm_restarts: bool = False, name: str = "local"
+) -> LocalProcessExecutor:
+    """The ``local`` executor: one OS process group per replica on this host."""
+    return LocalProcessExecutor(warm_restarts=warm_restarts)
+
+
+def cloud_jobs(name: str, dcfg: DiLoCoConfig, warm_restarts: bool = False) -> JobsConfig:
+    """What every cloud executor checks before it is built, and its ``diloco.jobs:`` section: no
+    ``--warm-restarts`` (replicas are jobs, not forks here) and a transport whose replicas need no lighthouse."""
     if warm_restarts:
         raise ComposerPluginsError(
             f"--warm-restarts forks replicas on this host; --executor {name} starts each replica as a job. "
@@ -85,10 +123,21 @@ def make_executor(
             f"--executor {name} runs replicas as cloud jobs that cannot reach "
             "a torchft lighthouse: set -S diloco.transport=object_store -S diloco.store=s3://...",
         )
-    jobs = jobs_config(dcfg)
-    if name == "hf_jobs":
-        return HFJobsExecutor(jobs, log_dir=log_dir)
-    return ModalExecutor(jobs, log_dir=log_dir)
+    return jobs_config(dcfg)
+
+
+def hf_jobs_executor(
+    dcfg: DiLoCoConfig, *, log_dir: Any = None, warm_restarts: bool = False, name: str = "hf_jobs", api: Any = None
+) -> HFJobsExecutor:
+    """The ``hf_jobs`` executor: each replica a Hugging Face Job (``api``: an ``HfApi``, default from the env)."""
+    return HFJobsExecutor(cloud_jobs(name, dcfg, warm_restarts), log_dir=log_dir, api=api)
+
+
+def modal_executor(
+    dcfg: DiLoCoConfig, *, log_dir: Any = None, warm_restarts: bool = False, name: str = "modal"
+) -> ModalExecutor:
+    """The ``modal`` executor: each replica one call of a Modal function."""
+    return ModalExecutor(cloud_jobs(name, dcfg, warm_restarts), log_dir=log_dir)
 
 
 def remote_command(spec: ReplicaSpec) -> list[str]:

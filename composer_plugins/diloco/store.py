@@ -48,7 +48,6 @@ import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, one_line
 from composer_plugins.diloco.codecs import (
-    COMPRESSIONS,
     INT4_BLOCK,
     INT8_BLOCK,
     CorruptObjectError,
@@ -61,7 +60,6 @@ from composer_plugins.diloco.urls import SCHEMES, check_store_url, redact_url
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "COMPRESSIONS",
     "INT4_BLOCK",
     "INT8_BLOCK",
     "SCHEMES",

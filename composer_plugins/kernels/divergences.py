@@ -188,23 +188,27 @@ class TAIDKernel(Kernel):
     Target ``p_t = softmax((1-t)·stopgrad(zs) + t·zt)``; loss ``-Σ_v p_t(v) log q(v)`` with
     ``q = softmax(zs)``, where terms at infinite student logits are dropped (upstream's
     ``forward_kl``, after DistiLLM). This is the cross-entropy form of KL(p_t‖q): it differs
-    from the KL by ``H(p_t)``, which has no gradient with respect to the student.
+    from the KL by ``H(p_t)``, which has no gradient with respect to the student. Both sides' logits are
+    divided by ``temperature`` first.
     """
 
     t: float = 0.4
+    temperature: float = 1.0
     name: str = "taid"
 
     def value(self, zs: Tensor, zt: Tensor) -> Tensor:
-        t = self.t
-        mixed = (1 - t) * _up(zs.detach()) + t * _up(zt)
+        t, tau = self.t, self.temperature
+        mixed = (1 - t) * _scaled(_up(zs.detach()), tau) + t * _scaled(_up(zt), tau)
         p = torch.softmax(mixed, dim=-1, dtype=mixed.dtype)
-        logq = torch.log_softmax(_up(zs), dim=-1)
+        logq = torch.log_softmax(_scaled(_up(zs), tau), dim=-1)
         prod = torch.masked_fill(p * logq, torch.isinf(zs), 0)
         return -prod.sum(-1)
 
     def compute(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None = None, with_stats: bool = False) -> Computed:
-        t = self.t
+        t, tau = self.t, self.temperature
         zs, zt = _up(zs), _up(zt)
+        if tau != 1.0:  # both buffers are ours to overwrite
+            zs, zt = zs.div_(tau), zt.div_(tau)
         inf = torch.isinf(zs)
         if not bool(inf.any()):
             inf = None
@@ -223,7 +227,8 @@ class TAIDKernel(Kernel):
         if grad_out is not None:
             # d/dz_i [-Σ_j p_j log q_j] = q_i Σ_j p_j - p_i   (p_j zeroed where the term is dropped)
             g = logq.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p)
-            g.mul_(grad_out.to(val.dtype).unsqueeze(-1))
+            scale = grad_out.to(val.dtype).unsqueeze(-1)
+            g.mul_(scale / tau if tau != 1.0 else scale)
         return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
 
 

@@ -1,19 +1,23 @@
 """The loss-channel contract and the composer that sums channels.
 
-A channel declares the batch fields it needs (``requires``) and, optionally, alternative
+A channel declares the input fields it needs (``requires``) and, optionally, alternative
 groups of fields of which one must be complete (``input_options``, e.g. logits *or* hidden
-states + LM head). When a required field is absent from a batch the composer skips the
+states + LM head). When a required field is absent from the inputs the composer skips the
 channel and reports ``<name>/skipped = 1`` and ``<name>/missing = "..."`` instead of a fake
-zero loss. ``forward(model_outputs, batch)`` returns ``(loss, metrics)``; the composer returns
+zero loss. ``forward(inputs)`` returns ``(loss, metrics)``; the composer returns
 ``Σ weight_i · loss_i`` and every channel's metrics prefixed with its name.
 
-Fields are looked up in ``model_outputs`` first, then in ``batch`` (:meth:`LossChannel.get`).
+``inputs`` is one mapping per call: what the model computed with grad (log-probs, hidden states)
+and what the step record holds (masks, advantages, old log-probs) side by side, as the assembler
+(:func:`composer_plugins.training.assemble.assemble_inputs`) builds it. A key whose value is
+``None`` counts as absent (:meth:`LossChannel.get`, :func:`has_input`).
 Channel state that must survive a resume (e.g. TAID's schedule) lives in buffers, so
 ``ChannelComposer.state_dict()`` / ``load_state_dict()`` carry it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -24,11 +28,11 @@ from torch import Tensor, nn
 class LossChannel(nn.Module):
     """Base class of every loss channel (built-in or third-party).
 
-    Subclasses set ``requires`` (batch/model-output keys the channel reads) and implement
+    Subclasses set ``requires`` (the ``inputs`` keys the channel reads) and implement
     :meth:`forward`. ``weight`` scales the channel inside :class:`ChannelComposer`.
     """
 
-    #: Keys (in ``batch`` or ``model_outputs``) this channel reads; absent keys skip the channel.
+    #: Keys of ``inputs`` this channel reads; absent keys skip the channel.
     requires: ClassVar[tuple[str, ...]] = ()
     #: True when the channel needs a teacher forward pass (hint distillation).
     needs_teacher: ClassVar[bool] = False
@@ -50,29 +54,27 @@ class LossChannel(nn.Module):
         """Keys this channel needs for its current configuration (default: ``requires``)."""
         return tuple(self.requires)
 
-    def missing_inputs(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list[str]:
-        """Required keys found in neither ``batch`` nor ``model_outputs`` (or present but ``None``).
+    def missing_inputs(self, inputs: Mapping[str, Any]) -> list[str]:
+        """Required keys absent from ``inputs`` (or present but ``None``).
 
         With ``input_options``, an incomplete set of alternatives is reported as one entry
         ``"a+b|c+d"`` (every alternative, ``+`` joining the keys of one group).
         """
-        missing = [k for k in self.required_inputs() if not has_input(k, model_outputs, batch)]
+        missing = [k for k in self.required_inputs() if not has_input(k, inputs)]
         options = self.input_options
-        if options and not any(all(has_input(k, model_outputs, batch) for k in grp) for grp in options):
+        if options and not any(all(has_input(k, inputs) for k in grp) for grp in options):
             missing.append("|".join("+".join(grp) for grp in options))
         return missing
 
     @staticmethod
-    def get(key: str, model_outputs: Mapping[str, Any], batch: Mapping[str, Any], default: Any = None) -> Any:
-        """``model_outputs[key]`` if present and not None, else ``batch[key]``, else ``default``."""
-        v = model_outputs.get(key)
-        if v is None:
-            v = batch.get(key)
+    def get(key: str, inputs: Mapping[str, Any], *, default: Any = None) -> Any:
+        """``inputs[key]`` if present and not None, else ``default``."""
+        v = inputs.get(key)
         return default if v is None else v
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
-        """Return ``(scalar loss, metrics)`` for this batch."""
-        raise NotImplementedError(f"{type(self).__name__} must implement forward(model_outputs, batch)")
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        """Return ``(scalar loss, metrics)`` for these inputs."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward(inputs)")
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, weight={self.weight}"
@@ -83,6 +85,8 @@ class ChannelComposer(nn.Module):
 
     def __init__(self, channels: Sequence[LossChannel]) -> None:
         super().__init__()
+        for c in channels:
+            check_contract(type(c))
         names = [c.name for c in channels]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
@@ -144,19 +148,20 @@ class ChannelComposer(nn.Module):
             out += keys
         return tuple(dict.fromkeys(out))
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        """``(Σ weight · loss, metrics)`` over the live channels, each reading the one ``inputs`` mapping."""
         total: Tensor | None = None
         metrics: dict[str, Any] = {}
         for ch in self.channels:
             if ch.weight == 0.0:
                 metrics[f"{ch.name}/skipped"] = 1.0
                 continue
-            missing = ch.missing_inputs(model_outputs, batch)
+            missing = ch.missing_inputs(inputs)
             if missing:
                 metrics[f"{ch.name}/skipped"] = 1.0
                 metrics[f"{ch.name}/missing"] = ",".join(missing)
                 continue
-            loss, m = ch(model_outputs, batch)
+            loss, m = ch(inputs)
             metrics[f"{ch.name}/skipped"] = 0.0
             metrics[f"{ch.name}/loss"] = loss.detach()
             for k, v in m.items():
@@ -164,7 +169,7 @@ class ChannelComposer(nn.Module):
             term = ch.weight * loss
             total = term if total is None else total + term
         if total is None:
-            device = _first_tensor_device(model_outputs, batch)
+            device = _first_tensor_device(inputs)
             total = torch.zeros((), device=device, requires_grad=False)
         metrics["loss"] = total.detach()
         return total, metrics
@@ -180,14 +185,43 @@ def check_weight(cls: type, weight: float, name: str) -> None:
         )
 
 
-def has_input(key: str, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> bool:
-    """True when ``key`` is present (and not None) in ``model_outputs`` or ``batch``."""
-    return model_outputs.get(key) is not None or batch.get(key) is not None
+def check_contract(cls: type) -> None:
+    """Refuse a channel class whose ``forward`` does not take the one ``inputs`` mapping.
+
+    A channel written for the old two-mapping contract (``forward(model_outputs, batch)``) would
+    otherwise fail mid-step with a bare ``TypeError``; this names its file and line and the fix.
+    """
+    fwd = getattr(cls, "forward", None)
+    if fwd is None or fwd is LossChannel.forward:
+        return
+    try:
+        params = list(inspect.signature(fwd).parameters.values())[1:]  # drop self
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) <= 1 and (positional or varargs):
+        return
+    try:
+        where = f"{inspect.getsourcefile(fwd)}:{inspect.getsourcelines(fwd)[1]}: "
+    except (OSError, TypeError):
+        where = ""
+    sig = ", ".join(p.name for p in positional)
+    raise TypeError(
+        f"{where}loss channel {cls.__module__}.{cls.__qualname__}.forward({sig}) does not take one inputs mapping; "
+        f"the contract is forward(self, inputs) -> (loss, metrics), reading each field with "
+        f"self.get(key, inputs) (model outputs and record fields sit in the one mapping)"
+    )
 
 
-def _first_tensor_device(*maps: Mapping[str, Any]) -> torch.device:
-    for m in maps:
-        for v in m.values():
-            if isinstance(v, Tensor):
-                return v.device
+def has_input(key: str, inputs: Mapping[str, Any]) -> bool:
+    """True when ``key`` is present in ``inputs`` and not None."""
+    return inputs.get(key) is not None
+
+
+def _first_tensor_device(inputs: Mapping[str, Any]) -> torch.device:
+    for v in inputs.values():
+        if isinstance(v, Tensor):
+            return v.device
     return torch.device("cpu")

@@ -4,7 +4,7 @@ The teacher is the *same model* run with the hint in its context, without gradie
 forward passes score the tokens the student produced at the hinted turn; the divergence between
 the two next-token distributions is applied only where ``hint_mask`` is set.
 
-Inputs (``model_outputs`` first, then ``batch``):
+Inputs (keys of the one ``inputs`` mapping):
 
 ========================  ==========  =================================================================
 key                       shape       meaning
@@ -28,7 +28,14 @@ key                       shape       meaning
                                       else ``old_logprobs``; neither: on-policy, ratio 1)
 ``hint_rows``             (R,)        rows of ``logprobs`` that ``hint_mask``'s rows belong to (absent:
                                       ``hint_mask`` covers every row of ``logprobs``)
+``sampling_temperature``  float       optional: the rollout's sampling temperature, the distillation
+                                      temperature of a channel built with ``temperature=None`` (absent: 1)
 ========================  ==========  =================================================================
+
+Temperature has one owner here, the channel: the hidden states and logits it reads are the model's own
+(no caller divides them), and the channel divides both sides' logits by its temperature exactly once,
+inside the divergence kernel (or Liger's). ``temperature=None`` (the default) takes the rollout's
+``sampling_temperature``, so the divergence compares the distributions the rollout sampled from.
 
 When both hidden states and logits are present, the chunked hidden-state path is used.
 Positions: row ``t`` of the student tensors and row ``t`` of the teacher tensors must predict the
@@ -68,7 +75,7 @@ class HintDistillChannel(LossChannel):
 
     The loss is the mean over ``hint_mask`` tokens of the per-token divergence:
 
-    * ``jsd``: generalised JSD (TRL GKD; ``beta`` 0 = forward KL, 1 = reverse KL), at ``temperature``;
+    * ``jsd``: generalised JSD (TRL GKD; ``beta`` 0 = forward KL, 1 = reverse KL);
     * ``taid``: TAID's interpolated forward KL; the channel owns a :class:`TAIDScheduler` (saved in
       ``state_dict``) and steps it after each training forward (``auto_step``);
     * ``entropy_opd``: reverse KL + ``fkl_weight``·forward KL where the teacher's entropy exceeds
@@ -85,7 +92,10 @@ class HintDistillChannel(LossChannel):
     Args:
         weight: channel weight.
         criterion: ``jsd``, ``taid`` or ``entropy_opd``.
-        beta, temperature: JSD interpolation and softmax temperature (temperature also for entropy_opd).
+        beta: JSD interpolation.
+        temperature: softmax temperature of both sides, every criterion: the logits are divided by it once,
+            by this channel. ``None`` (default): the ``sampling_temperature`` input (the assembler passes the
+            rollout's), else 1.
         chunk_size: token rows per chunk on the hidden-state path (None: chosen from the vocabulary).
         t_start, t_end, alpha, taid_beta, adaptive, total_steps: TAID schedule (upstream defaults).
         auto_step: step the TAID schedule in ``forward`` while ``training``; set False to call
@@ -130,7 +140,7 @@ class HintDistillChannel(LossChannel):
         weight: float = 1.0,
         criterion: str = "jsd",
         beta: float = 0.5,
-        temperature: float = 1.0,
+        temperature: float | None = None,
         chunk_size: int | None = None,
         t_start: float = 0.4,
         t_end: float = 1.0,
@@ -186,8 +196,8 @@ class HintDistillChannel(LossChannel):
             raise ValueError(f"unknown hint_distill criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1], got {beta}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if temperature is not None and not float(temperature) > 0:
+            raise ValueError(f"temperature must be > 0 (or null: the sampling temperature), got {temperature}")
         if chunk_size is not None and int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1 (or null: chosen from the vocabulary), got {chunk_size}")
         if fkl_topk is not None and fkl_topk < 1:
@@ -206,7 +216,7 @@ class HintDistillChannel(LossChannel):
         super().__init__(weight=weight, name=label or name or "hint_distill")
         self.criterion = criterion
         self.beta = float(beta)
-        self.temperature = float(temperature)
+        self.temperature = None if temperature is None else float(temperature)
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.auto_step = bool(auto_step)
         self.entropy_threshold = float(entropy_threshold)
@@ -224,15 +234,27 @@ class HintDistillChannel(LossChannel):
                 t_start=t_start, t_end=t_end, alpha=alpha, beta=taid_beta, adaptive=adaptive, total_steps=total_steps
             )
 
-    def kernel(self) -> Kernel:
-        """The per-token divergence at the current state (TAID: the current ``t``), top-k wrapped with ``topk``."""
+    def distill_temperature(self, inputs: Mapping[str, Any] | None = None) -> float:
+        """The temperature both sides' logits are divided by: the channel's, else ``sampling_temperature``, else 1."""
+        if self.temperature is not None:
+            return self.temperature
+        t = self.get("sampling_temperature", inputs or {}, default=1.0)
+        t = float(t.item()) if isinstance(t, Tensor) else float(t)
+        if not t > 0:
+            raise ValueError(f"hint_distill: sampling_temperature must be > 0, got {t}")
+        return t
+
+    def kernel(self, temperature: float | None = None) -> Kernel:
+        """The per-token divergence at the current state (TAID: the current ``t``), top-k wrapped with ``topk``,
+        at ``temperature`` (default: :meth:`distill_temperature` without inputs)."""
+        temp = self.distill_temperature() if temperature is None else float(temperature)
         # with topk the wrapper applies the temperature to the vocabulary logits before the top-k
-        tau = 1.0 if self.topk is not None else self.temperature
+        tau = 1.0 if self.topk is not None else temp
         if self.criterion == "jsd":
             base = make_kernel("jsd", beta=self.beta, temperature=tau)
         elif self.criterion == "taid":
             assert self.scheduler is not None
-            return with_topk(make_kernel("taid", t=self.scheduler.value), self.topk)
+            base = make_kernel("taid", t=self.scheduler.value, temperature=tau)
         else:
             base = make_kernel(
                 "entropy_opd",
@@ -241,16 +263,14 @@ class HintDistillChannel(LossChannel):
                 top_k=self.fkl_topk,
                 temperature=tau,
             )
-        return with_topk(base, self.topk, self.temperature)
+        return with_topk(base, self.topk, temp)
 
     def required_inputs(self) -> tuple[str, ...]:
         """``hint_mask``, plus the policy's ``logprobs`` of the sampled tokens when ``is_clip`` weighs by them
         (the policy-gradient channel asks for them too; SDPO proper runs without it)."""
         return (*self.requires, "logprobs") if self.is_clip is not None else tuple(self.requires)
 
-    def importance_weights(
-        self, mask: Tensor, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]
-    ) -> tuple[Tensor | None, dict[str, Any]]:
+    def importance_weights(self, mask: Tensor, inputs: Mapping[str, Any]) -> tuple[Tensor | None, dict[str, Any]]:
         """SDPO's distillation IS weight on the hinted tokens: ``min(exp(clamp(lp - lp_old, ±20)), is_clip)``, detached.
 
         ``lp`` is ``logprobs`` (the current policy on the sampled tokens), ``lp_old`` the behaviour
@@ -261,16 +281,16 @@ class HintDistillChannel(LossChannel):
         if self.is_clip is None:
             return None, {}
         g = self.get
-        lp = g("logprobs", model_outputs, batch)
+        lp = g("logprobs", inputs)
         if lp is None:
             raise ValueError(
                 f"hint_distill is_clip={self.is_clip} needs the current policy's per-token 'logprobs' of the "
-                "sampled tokens in the model outputs (this backend provides none); set is_clip: null"
+                "sampled tokens in the inputs (this backend provides none); set is_clip: null"
             )
-        old = g("inference_logprobs", model_outputs, batch)
+        old = g("inference_logprobs", inputs)
         if old is None:
-            old = g("old_logprobs", model_outputs, batch)
-        rows = g("hint_rows", model_outputs, batch)
+            old = g("old_logprobs", inputs)
+        rows = g("hint_rows", inputs)
         lp = lp.detach()
         old = lp if old is None else old.detach()
         if rows is not None:
@@ -293,27 +313,28 @@ class HintDistillChannel(LossChannel):
         }
         return w, metrics
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
-        mask = g("hint_mask", model_outputs, batch).bool()
-        kernel = self.kernel()
+        mask = g("hint_mask", inputs).bool()
+        temperature = self.distill_temperature(inputs)
+        kernel = self.kernel(temperature)
         want_stats = bool(STAT_NAMES[self.criterion])
-        s_hidden = g("student_hidden", model_outputs, batch)
-        t_hidden = g("teacher_hidden", model_outputs, batch)
-        weight = g("lm_head_weight", model_outputs, batch)
+        s_hidden = g("student_hidden", inputs)
+        t_hidden = g("teacher_hidden", inputs)
+        weight = g("lm_head_weight", inputs)
         n_tokens = mask.sum()
         metrics: dict[str, Any] = {"tokens": n_tokens.detach()}
         if self.criterion == "taid":
             assert self.scheduler is not None
             metrics["taid_t"] = self.scheduler.value
-        tok_w, is_metrics = self.importance_weights(mask, model_outputs, batch)
+        tok_w, is_metrics = self.importance_weights(mask, inputs)
         metrics.update(is_metrics)
         uniform = tok_w is None or bool((tok_w[mask] == 1).all())
         hidden_path = s_hidden is not None and t_hidden is not None and weight is not None
         if hidden_path and uniform and self._use_liger(s_hidden):
             metrics["chunked"] = 1.0
             metrics["liger"] = 1.0
-            loss = self._liger_jsd(s_hidden, t_hidden, weight, mask, g("teacher_lm_head_weight", model_outputs, batch))
+            loss = self._liger_jsd(s_hidden, t_hidden, weight, mask, g("teacher_lm_head_weight", inputs), temperature)
             stats = None
         elif hidden_path:
             metrics["chunked"] = 1.0
@@ -323,7 +344,7 @@ class HintDistillChannel(LossChannel):
                 weight,
                 kernel,
                 mask,
-                teacher_lm_head_weight=g("teacher_lm_head_weight", model_outputs, batch),
+                teacher_lm_head_weight=g("teacher_lm_head_weight", inputs),
                 chunk_size=self.chunk_size,
                 reduction="batchmean",
                 return_stats=want_stats,
@@ -333,8 +354,8 @@ class HintDistillChannel(LossChannel):
             loss, stats = res if isinstance(res, tuple) else (res, None)
         else:
             metrics["chunked"] = 0.0
-            s_logits = g("student_logits", model_outputs, batch)
-            t_logits = g("teacher_logits", model_outputs, batch)
+            s_logits = g("student_logits", inputs)
+            t_logits = g("teacher_logits", inputs)
             if s_logits.shape != t_logits.shape or tuple(mask.shape) != tuple(s_logits.shape[:-1]):
                 raise ValueError(
                     f"hint_distill: student_logits {tuple(s_logits.shape)}, teacher_logits {tuple(t_logits.shape)} "
@@ -355,7 +376,7 @@ class HintDistillChannel(LossChannel):
             metrics["empty"] = 1.0
             return loss, metrics
         metrics["empty"] = 0.0
-        n_global = g("hint_tokens_in_batch", model_outputs, batch)
+        n_global = g("hint_tokens_in_batch", inputs)
         if n_global is not None:  # data parallel: the mean over every rank's hinted tokens (÷ world size)
             loss = loss * (n_tokens.to(loss.dtype) / max(float(n_global), 1.0))
         if stats is not None and stats.shape[1]:
@@ -366,8 +387,8 @@ class HintDistillChannel(LossChannel):
             assert self.scheduler is not None
             delta = self.scheduler.step(
                 loss.detach(),
-                global_step=_as_int(g("global_step", model_outputs, batch)),
-                total_steps=_as_int(g("total_steps", model_outputs, batch)),
+                global_step=_as_int(g("global_step", inputs)),
+                total_steps=_as_int(g("total_steps", inputs)),
             )
             metrics["taid_delta_t"] = delta
         return loss, metrics
@@ -380,7 +401,13 @@ class HintDistillChannel(LossChannel):
         return hidden.is_cuda and liger_available()
 
     def _liger_jsd(
-        self, s_hidden: Tensor, t_hidden: Tensor, weight: Tensor, mask: Tensor, t_weight: Tensor | None
+        self,
+        s_hidden: Tensor,
+        t_hidden: Tensor,
+        weight: Tensor,
+        mask: Tensor,
+        t_weight: Tensor | None,
+        temperature: float,
     ) -> Tensor:
         """Liger's fused linear generalised JSD over the masked tokens: the same token mean as the jsd kernel.
 
@@ -400,7 +427,7 @@ class HintDistillChannel(LossChannel):
             weight_hard_loss=0.0,
             weight_soft_loss=1.0,
             beta=self.beta,
-            temperature=self.temperature,
+            temperature=temperature,
             compiled=s_rows.is_cuda,
             chunk_size=self.chunk_size or 1024,
         )

@@ -1,6 +1,6 @@
 """RL policy-loss channels: the GRPO family (TRL semantics) and PRIME-RL's DPPO+KL.
 
-Inputs (looked up in ``model_outputs`` first, then ``batch``):
+Inputs (keys of the one ``inputs`` mapping):
 
 ===========================  ==========  ==================================================================
 key                          shape       meaning
@@ -67,15 +67,15 @@ class _LogprobInputs(LossChannel):
         self.temperature = float(temperature)
         self.chunk_size = None if chunk_size is None else int(chunk_size)
 
-    def policy_logprobs(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Tensor:
+    def policy_logprobs(self, inputs: Mapping[str, Any]) -> Tensor:
         """``logprobs`` if given, else :func:`chunked_logprobs` of ``hidden_states`` under ``lm_head_weight``."""
-        lp = self.get("logprobs", model_outputs, batch)
+        lp = self.get("logprobs", inputs)
         if lp is not None:
             return lp
-        hidden = self.get("hidden_states", model_outputs, batch)
-        weight = self.get("lm_head_weight", model_outputs, batch)
-        ids = self.get("completion_ids", model_outputs, batch)
-        mask = self.get("completion_mask", model_outputs, batch)
+        hidden = self.get("hidden_states", inputs)
+        weight = self.get("lm_head_weight", inputs)
+        ids = self.get("completion_ids", inputs)
+        mask = self.get("completion_mask", inputs)
         keep = mask.bool()
         out = LF.chunked_logprobs(
             hidden, weight, ids, mask=keep, chunk_size=self.chunk_size, temperature=self.temperature
@@ -84,7 +84,7 @@ class _LogprobInputs(LossChannel):
         # positions off the mask are not computed; give them the sampling-time value (ratio 1) rather
         # than 0, so no exp(0 - old) overflow can turn into inf·0 = NaN in a masked sum
         for key in self.fill_from:
-            ref = self.get(key, model_outputs, batch)
+            ref = self.get(key, inputs)
             if ref is not None:
                 return torch.where(keep, out, ref.detach().to(out.dtype))
         return out
@@ -166,37 +166,37 @@ class PolicyLossChannel(_LogprobInputs):
         req = (*self.requires, "ref_logprobs") if self.beta != 0.0 else tuple(self.requires)
         return (*req, "rewards") if self.rows == "correct" else req
 
-    def _mask(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Tensor:
-        mask = self.get("completion_mask", model_outputs, batch)
+    def _mask(self, inputs: Mapping[str, Any]) -> Tensor:
+        mask = self.get("completion_mask", inputs)
         if self.rows == "all":
             return mask
-        keep = (self.get("rewards", model_outputs, batch).reshape(-1) >= self.success_threshold).to(mask.dtype)
+        keep = (self.get("rewards", inputs).reshape(-1) >= self.success_threshold).to(mask.dtype)
         return mask * keep.unsqueeze(-1)
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
-        logprobs = self.policy_logprobs(model_outputs, batch)
+        logprobs = self.policy_logprobs(inputs)
         out = LF.policy_loss(
             logprobs,
-            g("old_logprobs", model_outputs, batch),
-            g("advantages", model_outputs, batch),
-            self._mask(model_outputs, batch),
+            g("old_logprobs", inputs),
+            g("advantages", inputs),
+            self._mask(inputs),
             loss_type=self.loss_type,  # type: ignore[arg-type]
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
             importance_sampling_level=self.importance_sampling_level,  # type: ignore[arg-type]
             beta=self.beta,
-            ref_logprobs=g("ref_logprobs", model_outputs, batch) if self.beta != 0.0 else None,
+            ref_logprobs=g("ref_logprobs", inputs) if self.beta != 0.0 else None,
             max_completion_length=(
                 self.max_completion_length
                 if self.max_completion_length is not None
-                else g("max_completion_length", model_outputs, batch)
+                else g("max_completion_length", inputs)
             ),
-            num_items_in_batch=g("num_items_in_batch", model_outputs, batch),
+            num_items_in_batch=g("num_items_in_batch", inputs),
             kl_estimator=self.kl_estimator,  # type: ignore[arg-type]
             use_bias_correction_kl=self.use_bias_correction_kl,
             delta=self.delta,
-            importance_sampling_ratio=g("importance_sampling_ratio", model_outputs, batch),
+            importance_sampling_ratio=g("importance_sampling_ratio", inputs),
         )
         return out.loss, out.metrics
 
@@ -251,17 +251,17 @@ class DPPOChannel(_LogprobInputs):
         self.kl_tau = float(kl_tau)
         self.normalize = normalize
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
-        logprobs = self.policy_logprobs(model_outputs, batch)
-        mask = g("completion_mask", model_outputs, batch).bool()
-        weights = g("loss_weights", model_outputs, batch)
+        logprobs = self.policy_logprobs(inputs)
+        mask = g("completion_mask", inputs).bool()
+        weights = g("loss_weights", inputs)
         if weights is not None:
             mask = mask & (weights != 0)
         out = LF.dppo_kl_loss(
             logprobs,
-            g("inference_logprobs", model_outputs, batch),
-            g("advantages", model_outputs, batch),
+            g("inference_logprobs", inputs),
+            g("advantages", inputs),
             mask,
             dppo_mask_low=self.dppo_mask_low,
             dppo_mask_high=self.dppo_mask_high,
@@ -271,7 +271,7 @@ class DPPOChannel(_LogprobInputs):
         )
         loss = out.loss
         if self.normalize == "tokens":
-            n = g("num_items_in_batch", model_outputs, batch)
+            n = g("num_items_in_batch", inputs)
             denom = mask.sum() if n is None else n
             loss = loss / (denom.clamp(min=1) if isinstance(denom, Tensor) else max(float(denom), 1.0))
         elif self.normalize == "sequences":

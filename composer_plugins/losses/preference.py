@@ -1,6 +1,6 @@
 """Replay preference channel: DPO (TRL semantics) or SimPO (princeton-nlp/SimPO) over chosen/rejected pairs.
 
-Inputs (``model_outputs`` first, then ``batch``), one entry per pair:
+Inputs (keys of the one ``inputs`` mapping), one entry per pair:
 
 =========================  =====  ==========================================================
 key                        shape  meaning
@@ -81,25 +81,25 @@ class ReplayPreferenceChannel(LossChannel):
     def required_inputs(self) -> tuple[str, ...]:
         return _DPO_KEYS if self.method == "dpo" else ()
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
         if self.method == "dpo":
             out = LF.dpo_loss(
-                *(g(k, model_outputs, batch) for k in _DPO_KEYS),
+                *(g(k, inputs) for k in _DPO_KEYS),
                 beta=self.beta,
                 loss_type=self.loss_type,  # type: ignore[arg-type]
                 label_smoothing=self.label_smoothing,
-                chosen_lengths=g("chosen_lengths", model_outputs, batch),
-                rejected_lengths=g("rejected_lengths", model_outputs, batch),
+                chosen_lengths=g("chosen_lengths", inputs),
+                rejected_lengths=g("rejected_lengths", inputs),
             )
         else:
-            chosen = g("chosen_avg_logps", model_outputs, batch)
-            rejected = g("rejected_avg_logps", model_outputs, batch)
+            chosen = g("chosen_avg_logps", inputs)
+            rejected = g("rejected_avg_logps", inputs)
             if chosen is None or rejected is None:
-                c_len = g("chosen_lengths", model_outputs, batch)
-                r_len = g("rejected_lengths", model_outputs, batch)
-                chosen = g("chosen_logps", model_outputs, batch) / c_len.clamp(min=1)
-                rejected = g("rejected_logps", model_outputs, batch) / r_len.clamp(min=1)
+                c_len = g("chosen_lengths", inputs)
+                r_len = g("rejected_lengths", inputs)
+                chosen = g("chosen_logps", inputs) / c_len.clamp(min=1)
+                rejected = g("rejected_logps", inputs) / r_len.clamp(min=1)
             out = LF.simpo_loss(
                 chosen,
                 rejected,

@@ -94,7 +94,7 @@ class TAIDScheduler(nn.Module):
         if total is None or int(total) <= 0:
             raise ValueError(
                 "TAIDScheduler needs total_steps (> 0): pass total_steps= to the scheduler / hint_distill channel, "
-                "or 'total_steps' in the batch"
+                "or 'total_steps' in the channel inputs"
             )
         gs = int(self.num_steps.item()) if global_step is None else int(global_step)
         self.num_steps += 1

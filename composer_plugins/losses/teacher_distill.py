@@ -6,7 +6,7 @@ server returns), combined into a weighted mixture over the union of their ids pl
 (:mod:`composer_plugins.kernels.teacher_topk`). ``reverse_kl`` (default: on-policy distillation's
 ``KL(student ‖ teacher)``), ``forward_kl`` or ``jsd`` with ``beta``.
 
-Inputs (``model_outputs`` first, then ``batch``):
+Inputs (keys of the one ``inputs`` mapping):
 
 =======================  ===========  ==============================================================
 key                      shape        meaning
@@ -136,22 +136,22 @@ class TeacherDistillChannel(LossChannel):
         self.teachers = list(teachers or [])
         self.deadline_s = None if deadline_s is None else float(deadline_s)
 
-    def forward(self, model_outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         g = self.get
-        scores = as_teacher_topk(g("teacher_scores", model_outputs, batch))
-        mask = g("completion_mask", model_outputs, batch).bool()
-        hidden = g("hidden_states", model_outputs, batch)
-        head = g("lm_head_weight", model_outputs, batch)
+        scores = as_teacher_topk(g("teacher_scores", inputs))
+        mask = g("completion_mask", inputs).bool()
+        hidden = g("hidden_states", inputs)
+        head = g("lm_head_weight", inputs)
         kw: dict[str, Any] = {"weights": self.weights, "min_agree": self.min_agree}
         if hidden is not None and head is not None:
             out = chunked_teacher_distill(hidden, head, scores, mask, self.kernel, chunk_size=self.chunk_size, **kw)
             chunked = 1.0
         else:
-            logits = g("completion_logits", model_outputs, batch)
+            logits = g("completion_logits", inputs)
             out = teacher_distill_reference(logits, scores, mask, self.kernel, **kw)
             chunked = 0.0
         loss = out.loss
-        n_global = g("teacher_tokens_in_batch", model_outputs, batch)
+        n_global = g("teacher_tokens_in_batch", inputs)
         if n_global is not None and out.tokens:
             loss = loss * (out.tokens / max(float(n_global), 1.0))
         scored = scores.mask.bool() & mask.unsqueeze(1)

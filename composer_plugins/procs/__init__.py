@@ -240,16 +240,21 @@ def describe(pids: Iterable[int]) -> list[str]:
 
 
 def kill_tree(
-    root: int | None = None, tag: str | None = None, sig: int = signal.SIGKILL, rounds: int = 10
+    root: int | None = None,
+    tag: str | None = None,
+    sig: int = signal.SIGKILL,
+    rounds: int = 10,
+    spare: Iterable[int] = (),
 ) -> list[int]:
     """Send ``sig`` to ``root``'s process group, everything below ``root`` and everything tagged ``tag``.
 
     Process groups of the processes found are signalled too (never this process's own group), and the
-    sweep repeats until nothing is found (a process may fork while it is being killed). Returns the pids
-    that were signalled.
+    sweep repeats until nothing is found (a process may fork while it is being killed). ``spare``: pids
+    (and their process groups) left alone. Returns the pids that were signalled.
     """
     own_group = os.getpgrp()
     me = os.getpid()
+    kept = set(spare)
     hit: set[int] = set()
     for _ in range(rounds):
         found: set[int] = set()
@@ -260,13 +265,18 @@ def kill_tree(
         if tag is not None:
             found.update(tagged_pids(tag))
         found.discard(me)
-        found = {p for p in found if _alive(p)}
+        found = {p for p in found if p not in kept and _alive(p)}
         if not found:
             break
         groups = set()
         for p in found:
             info = proc_info(p)
-            if info is not None and info.pgid not in (own_group, 0) and (info.pgid in found or info.pgid == root):
+            if (
+                info is not None
+                and info.pgid not in (own_group, 0)
+                and info.pgid not in kept
+                and (info.pgid in found or info.pgid == root)
+            ):
                 groups.add(info.pgid)
         for g in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -45,6 +45,7 @@ from composer_plugins.testing.conformance import (
     check_teacher,
     loss_batch,
 )
+from composer_plugins.testing.executors import check_executor
 from composer_plugins.testing.generators import check_generator
 from composer_plugins.testing.input_builders import check, check_input_builder
 from composer_plugins.testing.transports import check_transport
@@ -56,6 +57,7 @@ __all__ = [
     "check_builds",
     "check_callback",
     "check_env",
+    "check_executor",
     "check_generator",
     "check_hint_provider",
     "check_input_builder",

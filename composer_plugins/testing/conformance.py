@@ -4,8 +4,9 @@ Every check builds the component through the registry, as the training stack doe
 its side of the contract; a failure raises :class:`ConformanceError` naming the kind, the entry,
 its provider and what broke. :func:`check` dispatches on the kind.
 
-* losses: builds with ``weight``/``name``; a finite scalar loss and scalar metrics on a synthetic
-  batch; gradient reaches the inputs; padding (positions no mask selects) does not change the loss;
+* losses: builds with ``weight``/``name``; ``forward`` takes the one ``inputs`` mapping; a finite
+  scalar loss and scalar metrics on a synthetic batch; gradient reaches the inputs; padding
+  (positions no mask selects) does not change the loss;
   micro-batch invariance (rows in any order, micro-batches padded to any width); dtype (float64
   agrees with float32, bfloat16 stays finite).
 * envs: seeded ``sample_tasks`` (a ``prompt`` per task, same seed same tasks); ``reward`` gives one
@@ -54,6 +55,7 @@ from composer_plugins.testing.base import _entry, _fail
 def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> None:
     """Run the conformance checks of ``kind`` on the registered ``name`` (``build_kwargs`` go to its factory)."""
     from composer_plugins.core.registry import normalize_kind
+    from composer_plugins.testing.executors import check_executor
     from composer_plugins.testing.generators import check_generator
     from composer_plugins.testing.transports import check_transport
 
@@ -70,6 +72,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         "codecs": check_codec,
         "rollout_generators": check_generator,
         "transports": check_transport,
+        "executors": check_executor,
     }
     fn = checks.get(kind, check_builds)
     if fn is check_builds:
@@ -92,8 +95,8 @@ def check_builds(kind: str, name: str, registry: Any = None, **build_kwargs: Any
 
 def loss_batch(
     *, dtype: Any = None, pad_width: int = 0, perm: Any = None, noise_on_padding: bool = False, seed: int = 0
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(model_outputs, batch)`` holding every input a built-in channel can ask for, on 4 rows × 6 tokens.
+) -> dict[str, Any]:
+    """One ``inputs`` mapping holding every input a built-in channel can ask for, on 4 rows × 6 tokens.
 
     Rows 1 and 2 end in padding (``completion_mask`` 0); ``hint_mask`` selects rows 0 and 1.
     Policy log-probs, hidden states and logits derive from leaf tensors (``_leaves``) so gradients
@@ -145,7 +148,7 @@ def loss_batch(
     chosen = w[:2, :3].sum(-1) * 0.1 + pairs.to(dtype)  # one value per pair, from the LM-head leaf
     rejected = w[2:4, :3].sum(-1) * 0.1 + pairs.to(dtype) - 1.0
     mcl = mask.shape[1]
-    outputs = {
+    inputs = {
         "logprobs": logprobs,
         "hidden_states": h,
         "student_hidden": h,
@@ -168,7 +171,7 @@ def loss_batch(
     top = torch.log_softmax(t_logits, -1).topk(4, -1)
     scored = (mask > 0).unsqueeze(1).expand(-1, 3, -1).clone()
     teacher_scores = TeacherTopK(top.indices, top.values.to(dtype), scored, ("a", "b", "c"))
-    batch = {
+    inputs |= {
         "teacher_scores": teacher_scores,
         "completion_ids": ids,
         "completion_mask": mask.to(dtype),
@@ -184,18 +187,19 @@ def loss_batch(
         "rejected_lengths": torch.tensor([7.0, 7.0], dtype=dtype),
         "_leaves": (h, w),
     }
-    return outputs, batch
+    return inputs
 
 
-def _run_loss(channel: Any, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    return copy.deepcopy(channel)(outputs, batch)  # a fresh copy: stateful channels (schedules) do not drift
+def _run_loss(channel: Any, inputs: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    return copy.deepcopy(channel)(inputs)  # a fresh copy: stateful channels (schedules) do not drift
 
 
 def check_loss(name: str, registry: Any = None, inputs: Callable[..., Any] | None = None, **build_kwargs: Any) -> None:
-    """Loss-channel conformance (see the module docstring). ``inputs(**kw)`` may replace :func:`loss_batch`."""
+    """Loss-channel conformance (see the module docstring). ``inputs(**kw)`` may replace :func:`loss_batch`
+    (it returns the one inputs mapping the channel's ``forward(inputs)`` reads, with ``_leaves``)."""
     import torch
 
-    from composer_plugins.losses.base import LossChannel
+    from composer_plugins.losses.base import LossChannel, check_contract
 
     make = inputs or loss_batch
     entry = _entry("losses", name, registry)
@@ -204,11 +208,15 @@ def check_loss(name: str, registry: Any = None, inputs: Callable[..., Any] | Non
         raise _fail(entry, f"built a {type(ch).__name__}, not a LossChannel")
     if ch.weight != 0.5 or ch.name != "conformance":
         raise _fail(entry, "does not take weight= and name= (the composer sets both)")
-    outputs, batch = make()
-    missing = ch.missing_inputs(outputs, batch)
+    try:
+        check_contract(type(ch))
+    except TypeError as e:
+        raise _fail(entry, str(e)) from e
+    batch = make()
+    missing = ch.missing_inputs(batch)
     if missing:
         raise _fail(entry, f"needs inputs the conformance batch lacks: {missing}; pass inputs= with them")
-    loss, metrics = _run_loss(ch, outputs, batch)
+    loss, metrics = _run_loss(ch, batch)
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         raise _fail(entry, f"forward must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
     if not torch.isfinite(loss):
@@ -230,8 +238,7 @@ def check_loss(name: str, registry: Any = None, inputs: Callable[..., Any] | Non
     ref = float(loss.detach())
 
     def value(**kw: Any) -> float:
-        o, b = make(**kw)
-        return float(_run_loss(ch, o, b)[0].detach())
+        return float(_run_loss(ch, make(**kw))[0].detach())
 
     def close(a: float, b: float, tol: float) -> bool:
         return math.isclose(a, b, rel_tol=tol, abs_tol=tol)
@@ -248,8 +255,7 @@ def check_loss(name: str, registry: Any = None, inputs: Callable[..., Any] | Non
     got = value(dtype=torch.float64)
     if not close(got, ref, 1e-4):
         raise _fail(entry, f"float64 inputs give {got:.6g}, float32 {ref:.6g}")
-    o, b = make(dtype=torch.bfloat16)
-    low = _run_loss(ch, o, b)[0].detach()
+    low = _run_loss(ch, make(dtype=torch.bfloat16))[0].detach()
     if not bool(torch.isfinite(low)) or not close(float(low), ref, 0.1):
         raise _fail(entry, f"bfloat16 inputs give {float(low):.6g}, float32 {ref:.6g}")
 

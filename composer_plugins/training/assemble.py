@@ -121,7 +121,9 @@ class StepPolicy:
             ``None``: the policy itself, without gradient.
         reference: the frozen reference model (the pairs' reference log-probs); ``None``: the policy,
             without gradient.
-        temperature: the sampling temperature (log-probs and hint distributions are taken at it).
+        temperature: the sampling temperature: the log-prob builders take the policy's, reference's and hint
+            teacher's log-probs at it (they own it for those inputs); it is passed on as ``sampling_temperature``
+            for channels that own their temperature (``hint_distill`` divides its logits by it, once).
         chunk_size: LM-head rows per chunk (``None``: chosen from the vocabulary).
         rows_per_micro_batch: ``f(sequence length) -> rows`` per forward micro-batch (``None``: all rows).
         max_context_length: hinted-context tokens kept (from the right).

@@ -274,7 +274,7 @@ class StepComputer:
             needs = self.composer.needs_teacher
             extra = {**dp_normalisers(record.completion_mask, hinted if needs else None), **extra}
         inputs, stats = assemble_inputs(record, self.composer, policy, meta=meta, given=extra)
-        loss, metrics = self.composer(inputs, inputs)
+        loss, metrics = self.composer(inputs)
         stats.update(scalar_metrics(metrics))
         if record.rewards is not None:
             stats.update(reward_stats(record.rewards, record.num_generations, self.success_threshold))

@@ -19,7 +19,8 @@ from composer_plugins.training.assemble import Assembly
 
 
 def record_fields(asm: Assembly) -> dict[str, Any]:
-    """What the record and its meta hold as is: masks, ids, rewards, advantages, group layout, the step.
+    """What the record and its meta hold as is: masks, ids, rewards, advantages, group layout, the step, and
+    the sampling temperature (``sampling_temperature``: a channel that owns a temperature may default to it).
 
     A field the record lacks (``None``: a trainer that computes its advantages itself) is left out, and a
     channel that reads it fails with the located error."""
@@ -36,6 +37,7 @@ def record_fields(asm: Assembly) -> dict[str, Any]:
         "group_index": r.group_index,
         "global_step": m.step,
         "total_steps": m.total_steps,
+        "sampling_temperature": asm.policy.temperature,
     }
     return {k: v for k, v in out.items() if v is not None}
 
@@ -92,10 +94,11 @@ def reference_logprobs(asm: Assembly) -> dict[str, Any]:
 def hint_inputs(asm: Assembly) -> dict[str, Any]:
     """Student and teacher hidden states on the hinted rows' completion tokens, and the LM head(s).
 
-    The teacher is the policy conditioned on the hinted context (no grad), or the EMA teacher. Both
-    sides are divided by the sampling temperature, so the divergence compares the distributions the
-    rollout sampled from (``softmax(h W^T / T)``). ``hint/teacher_margin`` (the precondition: how much
-    likelier the teacher finds the student's tokens) goes to ``stats``.
+    The teacher is the policy conditioned on the hinted context (no grad), or the EMA teacher. The hidden
+    states are the models' own: the ``hint_distill`` channel owns the temperature and divides the logits by
+    it once (its ``temperature``, by default the ``sampling_temperature`` this assembler passes).
+    ``hint/teacher_margin`` (the precondition: how much likelier the teacher finds the student's tokens, at
+    the sampling temperature) goes to ``stats``.
     """
     from composer_plugins.losses.functional import chunked_logprobs
     from composer_plugins.models.generation import tokenize_prompts
@@ -138,9 +141,8 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
             completion_attention_mask=c_att,
             micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
         )
-    scale = 1.0 / T
-    out["student_hidden"] = student * scale if T != 1.0 else student
-    out["teacher_hidden"] = teacher * scale if T != 1.0 else teacher
+    out["student_hidden"] = student
+    out["teacher_hidden"] = teacher
     out["lm_head_weight"] = head
     out["hint_mask"] = c_mask.float()
     out["hint_rows"] = idx

@@ -26,8 +26,9 @@ BUILTINS: dict[str, tuple[tuple[str, ...], str]] = {
             "group_index",
             "global_step",
             "total_steps",
+            "sampling_temperature",
         ),
-        "The record's masks, ids, rewards, advantages and group layout, and the step meta, as they are.",
+        "The record's masks, ids, rewards, advantages and group layout, the step meta and sampling temperature.",
     ),
     "policy_logprobs": (
         ("logprobs", "old_logprobs", "inference_logprobs", "importance_sampling_ratio"),

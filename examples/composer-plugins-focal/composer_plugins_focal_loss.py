@@ -22,10 +22,10 @@ class FocalPolicyGradient(LossChannel):
         super().__init__(weight=weight, name=name)
         self.gamma = float(gamma)
 
-    def forward(self, model_outputs: Any, batch: Any) -> tuple[Tensor, dict[str, Any]]:
-        logp: Tensor = self.get("logprobs", model_outputs, batch)  # model_outputs first, then batch
-        adv: Tensor = batch["advantages"]
-        mask = batch["completion_mask"].to(logp.dtype)
+    def forward(self, inputs: Any) -> tuple[Tensor, dict[str, Any]]:
+        logp: Tensor = inputs["logprobs"]  # one mapping: the model's outputs and the step record's fields
+        adv: Tensor = inputs["advantages"]
+        mask = inputs["completion_mask"].to(logp.dtype)
         focal = (1.0 - logp.detach().exp()).clamp_min(0.0) ** self.gamma
         per_token = -adv.unsqueeze(-1) * focal * logp
         loss = (per_token * mask).sum() / mask.sum().clamp_min(1.0)

@@ -63,7 +63,7 @@ def score(p, pm, c, m):
 def distill(model, ch, p, pm, c, m, ts, mask=None):
     h = completion_hidden(model, p, pm, c, m)
     inputs = {"teacher_scores": ts, "completion_mask": m if mask is None else mask}
-    loss, _ = ch({"hidden_states": h, "lm_head_weight": lm_head_weight(model)}, inputs)
+    loss, _ = ch({**inputs, "hidden_states": h, "lm_head_weight": lm_head_weight(model)})
     return loss, h
 
 

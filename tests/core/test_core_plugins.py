@@ -171,10 +171,10 @@ class MaskedTokenPG:
         class _MaskedTokenPG(LossChannel):
             requires = ("logprobs", "advantages", "completion_mask")
 
-            def forward(self, model_outputs, batch):
-                lp = self.get("logprobs", model_outputs, batch)
-                m = batch["completion_mask"].to(lp.dtype)
-                loss = -(lp * batch["advantages"].unsqueeze(-1) * m).sum() / m.sum()
+            def forward(self, inputs):
+                lp = inputs["logprobs"]
+                m = inputs["completion_mask"].to(lp.dtype)
+                loss = -(lp * inputs["advantages"].unsqueeze(-1) * m).sum() / m.sum()
                 return loss, {"tokens": m.sum()}
 
         return _MaskedTokenPG(**kw)

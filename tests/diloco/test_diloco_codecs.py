@@ -154,3 +154,27 @@ def test_third_party_codec_is_listed_with_its_provider_and_carries_an_s3_run(mot
     )
     out = finish(bare, tmp_path / "bare", rc=2)
     assert "diloco.compress" in out and "Unknown codec 'fp16'" in out and "list codecs" in out, out
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 0.6, 0.9, 1.0])
+def test_sparse_codec_writes_whichever_form_is_smaller_per_vector(density):
+    """``sparse`` (a sparse codec's mean codec) picks, for each vector it encodes, the sparse form (bitmap and
+    values) when that is smaller than dense fp16 and the dense form otherwise; both decode to the same values."""
+    import zlib
+
+    import numpy as np
+
+    from composer_plugins.diloco.codecs import get_codec
+
+    n = 20_000
+    g = torch.Generator().manual_seed(int(density * 100))
+    vec = torch.randn(n, generator=g) * (torch.rand(n, generator=g) < density)
+    codec = get_codec("sparse")
+    header, body = codec.encode(vec)
+    nnz = int((vec != 0).sum())
+    sparse_size = len(zlib.compress(np.packbits((vec != 0).numpy()).tobytes(), 6)) + 2 * nnz
+    assert len(body) == min(sparse_size, 2 * n)
+    assert header["form"] == ("sparse" if sparse_size < 2 * n else "dense")
+    out = codec.decode(header, body, n)
+    assert bool((out[vec == 0] == 0).all())
+    torch.testing.assert_close(out, vec, atol=1e-3 * float(vec.abs().max().clamp_min(1e-30)), rtol=1e-3)

@@ -125,6 +125,17 @@ def test_cancel_stops_a_running_job(client, tmp_path):
     assert "training" in (tmp_path / "replica0.log").read_text()
 
 
+def test_the_registered_hf_jobs_executor_keeps_the_executor_contract(client):
+    """``check_executor`` over the ``hf_jobs`` entry as ``--executor hf_jobs`` builds it: replicas run as jobs on the
+    loopback Hub, an exit code and the logs come back, cancel stops one, ``--warm-restarts`` is refused."""
+    from composer_plugins.diloco.common import DiLoCoConfig
+    from composer_plugins.testing import check_executor
+
+    cfg = DiLoCoConfig(transport="object_store", store="file:///tmp/x", jobs={"image": "python:3.12", "poll_s": 0.05})
+    ex = check_executor("hf_jobs", config=cfg)
+    assert isinstance(ex, HFJobsExecutor) and ex.api.endpoint == client.endpoint
+
+
 def test_a_job_that_never_starts_is_cancelled_after_start_timeout(client, tmp_path):
     hub = client
     hub.hold()

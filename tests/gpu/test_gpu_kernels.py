@@ -107,10 +107,10 @@ def _distill(
     ch = HintDistillChannel(criterion="jsd", beta=0.5, temperature=1.0, topk=topk, kernels=kernels, chunk_size=256)
     mask = x["mask"].float()
     if hidden_path:
-        loss, metrics = ch({"student_hidden": h, "teacher_hidden": t, "lm_head_weight": w}, {"hint_mask": mask})
+        loss, metrics = ch({"student_hidden": h, "teacher_hidden": t, "lm_head_weight": w, "hint_mask": mask})
         assert metrics["chunked"] == 1.0 and metrics.get("liger", 0.0) == (1.0 if kernels == "liger" else 0.0)
     else:
-        loss, metrics = ch({"student_logits": h @ w.T, "teacher_logits": (t @ w.T).detach()}, {"hint_mask": mask})
+        loss, metrics = ch({"student_logits": h @ w.T, "teacher_logits": (t @ w.T).detach(), "hint_mask": mask})
         assert metrics["chunked"] == 0.0
     loss.backward()
     return [loss.detach().float(), h.grad.float(), w.grad.float()]

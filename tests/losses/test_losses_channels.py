@@ -85,8 +85,8 @@ def test_policy_channels_hidden_state_path_equals_logprob_path(name):
     kw = {"beta": 0.05} if name == "grpo" else {}
     ch = composer_plugins.build("losses", name, **kw)
     logprobs = LF.selective_log_softmax(hidden @ w.T, batch["completion_ids"])
-    loss_a, m_a = ch({"logprobs": logprobs}, batch)
-    loss_b, m_b = ch({"hidden_states": hidden, "lm_head_weight": w}, {**batch, "logprobs": None})
+    loss_a, m_a = ch({**batch, "logprobs": logprobs})
+    loss_b, m_b = ch({**batch, "logprobs": None, "hidden_states": hidden, "lm_head_weight": w})
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
     ga = torch.autograd.grad(loss_a, [hidden, w])
     gb = torch.autograd.grad(loss_b, [hidden, w])
@@ -116,7 +116,7 @@ def test_hidden_state_path_is_finite_when_padding_holds_extreme_old_logprobs():
     inf_lp = batch["inference_logprobs"].masked_fill(off, -1e4)
     outs = {"hidden_states": hidden, "lm_head_weight": w}
     for ch in (PolicyLossChannel(loss_type="dapo"), DPPOChannel()):
-        loss, _ = ch(outs, {**batch, "old_logprobs": old, "inference_logprobs": inf_lp})
+        loss, _ = ch({**batch, "old_logprobs": old, "inference_logprobs": inf_lp, **outs})
         assert torch.isfinite(loss)
         (g,) = torch.autograd.grad(loss, hidden)
         assert torch.isfinite(g).all()
@@ -128,9 +128,9 @@ def test_dppo_channel_normalisation():
     raw = LF.dppo_kl_loss(lp, batch["inference_logprobs"], batch["advantages"], batch["completion_mask"].bool())
     n = batch["completion_mask"].sum()
     for norm, div in (("tokens", n), ("sequences", B), ("none", 1)):
-        loss, _ = DPPOChannel(normalize=norm)({"logprobs": lp}, batch)
+        loss, _ = DPPOChannel(normalize=norm)({**batch, "logprobs": lp})
         torch.testing.assert_close(loss, raw.loss / div)
-    loss, _ = DPPOChannel()({"logprobs": lp}, {**batch, "num_items_in_batch": torch.tensor(100)})
+    loss, _ = DPPOChannel()({**batch, "num_items_in_batch": torch.tensor(100), "logprobs": lp})
     torch.testing.assert_close(loss, raw.loss / 100)
 
 
@@ -144,13 +144,13 @@ def test_dppo_channel_drops_zero_weight_tokens_from_mask_and_divisor():
     rl_mask = mask & (weights != 0)
     assert 0 < rl_mask.sum() < mask.sum()
     want = LF.dppo_kl_loss(lp, batch["inference_logprobs"], batch["advantages"], rl_mask, loss_weights=weights)
-    loss, metrics = DPPOChannel()({"logprobs": lp}, {**batch, "loss_weights": weights})
+    loss, metrics = DPPOChannel()({**batch, "loss_weights": weights, "logprobs": lp})
     torch.testing.assert_close(loss, want.loss / rl_mask.sum())
     assert int(metrics["tokens"]) == int(rl_mask.sum())
     for k in ("is_masked", "unmasked_mismatch_kl"):
         torch.testing.assert_close(metrics[k], want.metrics[k])
     # all weights zero: nothing to learn from, a zero loss (not a division by the unweighted count)
-    zero, _ = DPPOChannel()({"logprobs": lp}, {**batch, "loss_weights": torch.zeros_like(weights)})
+    zero, _ = DPPOChannel()({**batch, "loss_weights": torch.zeros_like(weights), "logprobs": lp})
     assert float(zero.detach()) == 0.0
 
 
@@ -161,8 +161,8 @@ def test_hint_distill_chunked_equals_materialised_and_teacher_gets_no_grad(crite
     t_hidden = batch["teacher_hidden"].clone().requires_grad_(True)
     kw = {"total_steps": 10, "auto_step": False} if criterion == "taid" else {}
     ch = HintDistillChannel(criterion=criterion, beta=0.3, temperature=1.2, chunk_size=2, grad_mode=grad_mode, **kw)
-    loss_c, m_c = ch({"student_hidden": hidden, "teacher_hidden": t_hidden, "lm_head_weight": w}, batch)
-    loss_m, m_m = ch({"student_logits": hidden @ w.T, "teacher_logits": t_hidden @ w.T}, batch)
+    loss_c, m_c = ch({**batch, "student_hidden": hidden, "teacher_hidden": t_hidden, "lm_head_weight": w})
+    loss_m, m_m = ch({**batch, "student_logits": hidden @ w.T, "teacher_logits": t_hidden @ w.T})
     assert m_c["chunked"] == 1.0 and m_m["chunked"] == 0.0
     torch.testing.assert_close(loss_c, loss_m, rtol=1e-5, atol=1e-6)
     gc = torch.autograd.grad(loss_c, [hidden, w, t_hidden], allow_unused=True)
@@ -183,7 +183,7 @@ def test_hint_distill_chunked_equals_materialised_and_teacher_gets_no_grad(crite
     zs, zt = hidden @ w.T, (batch["teacher_hidden"] @ w.T)
     ref = {
         "jsd": lambda: LF.generalized_jsd(zs, zt, mask, beta=0.3, temperature=1.2),
-        "taid": lambda: LF.taid_loss(zs, zt, mask, 0.4),
+        "taid": lambda: LF.taid_loss(zs / 1.2, zt / 1.2, mask, 0.4),  # the channel's temperature, every criterion
         "entropy_opd": lambda: LF.entropy_aware_opd(zs, zt, mask, temperature=1.2),
     }[criterion]()
     torch.testing.assert_close(loss_m, ref, rtol=1e-5, atol=1e-6)
@@ -192,7 +192,7 @@ def test_hint_distill_chunked_equals_materialised_and_teacher_gets_no_grad(crite
 def test_hint_distill_empty_mask_reports_empty_not_a_value():
     w, hidden, batch = toy(4)
     ch = HintDistillChannel()
-    loss, m = ch({"student_hidden": hidden, "lm_head_weight": w}, {**batch, "hint_mask": torch.zeros(B, T)})
+    loss, m = ch({**batch, "hint_mask": torch.zeros(B, T), "student_hidden": hidden, "lm_head_weight": w})
     assert m["empty"] == 1.0 and float(m["tokens"]) == 0
     loss.backward()  # still a valid graph
     assert float(loss.detach()) == 0.0
@@ -209,7 +209,7 @@ def test_taid_channel_steps_schedule_and_resumes_exactly_through_composer_state_
     a = make()
     ts = []
     for i, o in enumerate(steps[:4]):
-        _, m = a(o, {**batch, "global_step": i})
+        _, m = a({**batch, "global_step": i, **o})
         ts.append(float(m["hint/taid_t"]))
     assert ts[0] == ts[1] == pytest.approx(0.4)  # first call only records the loss
     assert ts[3] > 0.4
@@ -218,19 +218,19 @@ def test_taid_channel_steps_schedule_and_resumes_exactly_through_composer_state_
     b = make()
     b.load_state_dict(state)
     for i, o in enumerate(steps[4:], start=4):
-        la, ma = a(o, {**batch, "global_step": i})
-        lb, mb = b(o, {**batch, "global_step": i})
+        la, ma = a({**batch, "global_step": i, **o})
+        lb, mb = b({**batch, "global_step": i, **o})
         assert torch.equal(la, lb) and ma["hint/taid_t"] == mb["hint/taid_t"]
     # eval mode does not step
     b.eval()
     before = b["hint"].scheduler.value  # type: ignore[union-attr]
-    b(steps[0], {**batch, "global_step": 7})
+    b({**batch, "global_step": 7, **steps[0]})
     assert b["hint"].scheduler.value == before  # type: ignore[union-attr]
 
 
 def test_replay_channels():
     _, _, batch = toy(6)
-    loss, m = ReplayPreferenceChannel(method="dpo", beta=0.2)({}, batch)
+    loss, m = ReplayPreferenceChannel(method="dpo", beta=0.2)(batch)
     want = LF.dpo_loss(
         batch["chosen_logps"], batch["rejected_logps"], batch["ref_chosen_logps"], batch["ref_rejected_logps"], beta=0.2
     )
@@ -242,11 +242,11 @@ def test_replay_channels():
         "chosen_avg_logps": batch["chosen_logps"] / batch["chosen_lengths"],
         "rejected_avg_logps": batch["rejected_logps"] / batch["rejected_lengths"],
     }
-    l1, _ = sim({}, batch)
-    l2, _ = sim(avg, {})
+    l1, _ = sim(batch)
+    l2, _ = sim(avg)
     torch.testing.assert_close(l1, l2)
     torch.testing.assert_close(l2, LF.simpo_loss(avg["chosen_avg_logps"], avg["rejected_avg_logps"]).loss)
-    assert sim.missing_inputs({}, {"chosen_logps": batch["chosen_logps"]}) == [
+    assert sim.missing_inputs({"chosen_logps": batch["chosen_logps"]}) == [
         "chosen_avg_logps+rejected_avg_logps|chosen_logps+rejected_logps+chosen_lengths+rejected_lengths"
     ]
 
@@ -271,7 +271,7 @@ def test_composer_sums_weighted_losses_and_reports_skips():
     outs = {"logprobs": lp, "student_hidden": hidden, "lm_head_weight": w}
     # 1) no replay pairs, no ref log-probs: those channels are skipped, and say why
     partial = {k: v for k, v in batch.items() if k not in ("chosen_logps", "ref_logprobs")}
-    total, m = comp(outs, partial)
+    total, m = comp({**partial, **outs})
     assert m["replay_dpo/skipped"] == 1.0 and "chosen_logps" in m["replay_dpo/missing"]
     assert m["grpo_kl/skipped"] == 1.0 and m["grpo_kl/missing"] == "ref_logprobs"
     assert m["dppo/skipped"] == 1.0  # weight 0
@@ -280,23 +280,23 @@ def test_composer_sums_weighted_losses_and_reports_skips():
     torch.testing.assert_close(total.detach(), expect)
     assert m["dapo/skipped"] == 0.0 and "dapo/clip_ratio/high_mean" in m
     # 2) everything present
-    total, m = comp(outs, batch)
+    total, m = comp({**batch, **outs})
     expect = m["dapo/loss"] + 0.5 * m["grpo_kl/loss"] + 0.25 * m["hint_distill/loss"] + 2.0 * m["replay_dpo/loss"]
     torch.testing.assert_close(total.detach(), expect)
     total.backward()
     assert hidden.grad is not None and w.grad is not None
     # 3) nothing present -> zero total without grad and every channel reported skipped
-    total, m = comp({}, {})
+    total, m = comp({})
     assert float(total) == 0.0 and not total.requires_grad
     assert all(m[f"{n}/skipped"] == 1.0 for n in comp.names)
 
 
 def test_hint_channel_reports_missing_alternatives():
     ch = HintDistillChannel()
-    assert ch.missing_inputs({}, {"hint_mask": torch.ones(1, 1)}) == [
+    assert ch.missing_inputs({"hint_mask": torch.ones(1, 1)}) == [
         "student_hidden+teacher_hidden+lm_head_weight|student_logits+teacher_logits"
     ]
-    assert ch.missing_inputs({"student_logits": torch.zeros(1), "teacher_logits": torch.zeros(1)}, {}) == ["hint_mask"]
+    assert ch.missing_inputs({"student_logits": torch.zeros(1), "teacher_logits": torch.zeros(1)}) == ["hint_mask"]
 
 
 def test_example_focal_plugin_still_works_with_the_extended_base(discovery):
@@ -305,10 +305,48 @@ def test_example_focal_plugin_still_works_with_the_extended_base(discovery):
     w, hidden, batch = toy(8)
     lp = LF.selective_log_softmax(hidden @ w.T, batch["completion_ids"])
     comp = ChannelComposer([focal, composer_plugins.build("losses", "dapo")])
-    total, m = comp({"logprobs": lp}, batch)
+    total, m = comp({**batch, "logprobs": lp})
     assert m["focal_pg/skipped"] == 0.0 and torch.isfinite(total)
-    _, m = comp({}, {"advantages": batch["advantages"]})
+    _, m = comp({"advantages": batch["advantages"]})
     assert m["focal_pg/missing"] == "logprobs,completion_mask"
+
+
+def test_the_composer_hands_each_channel_the_one_inputs_mapping_it_was_given():
+    """One mapping per call, passed through as is: no second dict, no copy, no merge."""
+    seen = []
+
+    class Reads(LossChannel):
+        requires = ("logprobs",)
+
+        def forward(self, inputs):
+            seen.append(inputs)
+            return inputs["logprobs"].sum() * 0 + float(len(inputs)), {}
+
+    inputs = {"logprobs": torch.zeros(2, 3), "completion_mask": None}
+    comp = ChannelComposer([Reads(name="a"), Reads(name="b", weight=2.0)])
+    total, m = comp(inputs)
+    assert [x is inputs for x in seen] == [True, True]
+    assert float(total) == 6.0 and m["a/skipped"] == 0.0 and m["b/skipped"] == 0.0
+    # a None value counts as absent, for the composer's check and for LossChannel.get alike
+    assert Reads().missing_inputs({"logprobs": None}) == ["logprobs"]
+    assert LossChannel.get("completion_mask", inputs, default=7) == 7
+    with pytest.raises(TypeError):  # the default is keyword-only: a stale get(key, outputs, batch) is refused
+        LossChannel.get("logprobs", inputs, {})
+
+
+def test_a_channel_written_for_two_mappings_is_refused_where_it_is_defined():
+    class TwoDicts(LossChannel):
+        requires = ("logprobs",)
+
+        def forward(self, model_outputs, batch):
+            return model_outputs["logprobs"].sum(), {}
+
+    line = TwoDicts.forward.__code__.co_firstlineno
+    with pytest.raises(
+        TypeError,
+        match=rf"test_losses_channels.py:{line}: .*TwoDicts.forward\(model_outputs, batch\).*forward\(self, inputs\)",
+    ):
+        ChannelComposer([TwoDicts()])
 
 
 def test_channel_constructor_validation():

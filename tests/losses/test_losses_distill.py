@@ -436,7 +436,7 @@ def test_liger_fused_jsd_matches_the_chunked_kernel(beta, temperature):
         ch = HintDistillChannel(criterion="jsd", beta=beta, temperature=temperature, kernels=kernels)
         weight.grad = s_hidden.grad = None
         loss, metrics = ch(
-            {"student_hidden": s_hidden, "teacher_hidden": t_hidden, "lm_head_weight": weight}, {"hint_mask": mask}
+            {"student_hidden": s_hidden, "teacher_hidden": t_hidden, "lm_head_weight": weight, "hint_mask": mask}
         )
         loss.backward()
         assert metrics.get("liger", 0.0) == (1.0 if kernels == "liger" else 0.0)

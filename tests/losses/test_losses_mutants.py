@@ -44,14 +44,14 @@ def test_is_clip_refuses_log_probs_of_another_shape_than_the_hinted_mask():
     ch = HintDistillChannel(is_clip=2.0)
     mask = torch.ones(2, 3)
     ok = {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.full((2, 3), -1.0)}
-    w, _ = ch.importance_weights(mask, ok, {})
+    w, _ = ch.importance_weights(mask, ok)
     torch.testing.assert_close(w, torch.full((2, 3), 2.0))  # exp(1) clipped at 2
     for bad in (
         {"logprobs": torch.zeros(2, 4), "old_logprobs": torch.zeros(2, 3)},
         {"logprobs": torch.zeros(2, 3), "old_logprobs": torch.zeros(2, 4)},
     ):
         with pytest.raises(ValueError, match="must match hint_mask"):
-            ch.importance_weights(mask, bad, {})
+            ch.importance_weights(mask, bad)
 
 
 @pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
@@ -91,10 +91,10 @@ def test_teacher_tokens_in_batch_scales_this_ranks_mean_to_the_union_mean():
     scores = TeacherTopK(top.indices, top.values, mask.unsqueeze(1).clone(), ("a",))
     ch = TeacherDistillChannel()
     outputs = {"hidden_states": h, "lm_head_weight": w}
-    mean, m = ch(outputs, {"teacher_scores": scores, "completion_mask": mask})
+    mean, m = ch({**outputs, "teacher_scores": scores, "completion_mask": mask})
     assert m["tokens"] == 6.0
     # this rank distilled 6 of the 8 tokens all ranks did (8 / world size): its share is 6/8 of its mean
-    union, _ = ch(outputs, {"teacher_scores": scores, "completion_mask": mask, "teacher_tokens_in_batch": 8.0})
+    union, _ = ch({**outputs, "teacher_scores": scores, "completion_mask": mask, "teacher_tokens_in_batch": 8.0})
     torch.testing.assert_close(union, mean * 0.75)
 
 
@@ -111,13 +111,13 @@ def _hint_batch(seed: int = 0):
 def test_hint_tokens_in_batch_scales_this_ranks_mean_to_the_union_mean(n_global):
     outputs, batch = _hint_batch()
     ch = HintDistillChannel(criterion="jsd", chunk_size=2)
-    mean, m = ch(outputs, batch)
+    mean, m = ch({**batch, **outputs})
     n = float(batch["hint_mask"].sum())
     assert m["tokens"] == n and n > 2
-    union, _ = ch(outputs, {**batch, "hint_tokens_in_batch": n_global * n})
+    union, _ = ch({**batch, **outputs, "hint_tokens_in_batch": n_global * n})
     torch.testing.assert_close(union, mean / n_global)
     # fewer than one token in the whole batch per rank: the divisor is floored at 1, not below
-    tiny, _ = ch(outputs, {**batch, "hint_tokens_in_batch": 0.25})
+    tiny, _ = ch({**batch, **outputs, "hint_tokens_in_batch": 0.25})
     torch.testing.assert_close(tiny, mean * n)
 
 
@@ -185,7 +185,7 @@ def test_the_preference_channel_counts_at_full_weight_by_default():
 def test_liger_jsd_on_no_hinted_token_is_zero():
     outputs, batch = _hint_batch()
     loss, m = HintDistillChannel(criterion="jsd", kernels="liger")(
-        outputs, {**batch, "hint_mask": batch["hint_mask"] & False}
+        {**batch, **outputs, "hint_mask": batch["hint_mask"] & False}
     )
     assert float(loss.detach()) == 0.0 and m["empty"] == 1.0
 

@@ -306,14 +306,14 @@ def test_rows_correct_routes_only_the_correct_rows_to_the_policy_gradient():
     }
     srpo = PolicyLossChannel(loss_type="grpo", rows="correct")
     assert "rewards" in srpo.required_inputs()
-    loss, _ = srpo({"logprobs": logps}, batch)
+    loss, _ = srpo({**batch, "logprobs": logps})
     by_hand, _ = PolicyLossChannel(loss_type="grpo")(
-        {"logprobs": logps}, {**batch, "completion_mask": torch.tensor([[1.0], [0.0], [1.0], [0.0]]).expand(B, T)}
+        {**batch, "completion_mask": torch.tensor([[1.0], [0.0], [1.0], [0.0]]).expand(B, T), "logprobs": logps}
     )
     assert torch.allclose(loss, by_hand)
     (grad,) = torch.autograd.grad(loss, logps)
     assert grad[[1, 3]].abs().sum() == 0 and grad[[0, 2]].abs().sum() > 0
-    everyone, _ = PolicyLossChannel(loss_type="grpo")({"logprobs": logps}, batch)
+    everyone, _ = PolicyLossChannel(loss_type="grpo")({**batch, "logprobs": logps})
     assert not torch.allclose(loss, everyone)
     with pytest.raises(ValueError, match="rows"):
         PolicyLossChannel(rows="failed")

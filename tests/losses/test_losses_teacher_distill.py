@@ -113,7 +113,7 @@ def test_mixture_by_hand():
     scores = TeacherTopK(ids.view(1, 2, 1, 2), lps.view(1, 2, 1, 2), torch.ones(1, 2, 1, dtype=torch.bool))
     ch = TeacherDistillChannel(divergence="reverse_kl", weights={"teacher0": 3.0, "teacher1": 1.0})
     loss, m = ch(
-        {"completion_logits": p.log().view(1, 1, 5)}, {"teacher_scores": scores, "completion_mask": torch.ones(1, 1)}
+        {"completion_logits": p.log().view(1, 1, 5), "teacher_scores": scores, "completion_mask": torch.ones(1, 1)}
     )
     assert float(loss) == pytest.approx(want, rel=1e-9)
     assert m["teacher_topk_mass"] == pytest.approx(0.775)
@@ -152,7 +152,7 @@ def test_min_agree_by_hand():
     )
     mask = torch.ones(1, 4)
     _, m = TeacherDistillChannel(min_agree=3)(
-        {"hidden_states": h, "lm_head_weight": w}, {"teacher_scores": scores, "completion_mask": mask}
+        {"teacher_scores": scores, "completion_mask": mask, "hidden_states": h, "lm_head_weight": w}
     )
     assert m["tokens"] == 1.0 and m["coverage"] == 0.25
 
@@ -179,7 +179,7 @@ def test_teacher_side_is_tokens_times_k():
 def test_composer_skips_and_reports_without_teacher_scores():
     h, w, mask, _ = _leaves()
     comp = ChannelComposer.from_specs([{"name": "teacher_distill", "weight": 0.5}])
-    loss, m = comp({"hidden_states": h, "lm_head_weight": w}, {"completion_mask": mask.float()})
+    loss, m = comp({"hidden_states": h, "lm_head_weight": w, "completion_mask": mask.float()})
     assert m["teacher_distill/skipped"] == 1.0 and "teacher_scores" in m["teacher_distill/missing"]
     assert float(loss) == 0.0
 
@@ -210,7 +210,7 @@ def _channel(path, scores, mask, seed=3, **kw):
     """The channel's loss, metrics and gradient in the hidden states on ``path``."""
     h, w, _, _ = _leaves(seed)
     outputs = {"hidden_states": h, "lm_head_weight": w} if path == "hidden_states" else {"completion_logits": h @ w.T}
-    loss, m = TeacherDistillChannel(**kw)(outputs, {"teacher_scores": scores, "completion_mask": mask})
+    loss, m = TeacherDistillChannel(**kw)({"teacher_scores": scores, "completion_mask": mask, **outputs})
     (grad,) = torch.autograd.grad(loss, h) if loss.requires_grad else (torch.zeros_like(h),)
     return loss, m, grad
 

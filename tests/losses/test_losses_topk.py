@@ -111,7 +111,7 @@ def _run(ch, h, th, w, mask, path, batch_extra=None, outputs_extra=None):
     else:
         outputs.update(student_logits=h @ w.T, teacher_logits=(th @ w.T).detach())
     batch = {"hint_mask": mask.float(), **(batch_extra or {})}
-    return ch(outputs, batch)
+    return ch({**batch, **outputs})
 
 
 def _grads(loss, h, w):

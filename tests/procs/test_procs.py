@@ -228,6 +228,53 @@ def test_conftest_kills_and_reports_what_a_test_leaves_behind(tmp_path):
     assert "test test_leak.py::test_leaks left 1 process(es)" in out
 
 
+def test_conftest_spares_the_test_process_own_mpi_singleton_daemon(tmp_path):
+    """An MPI-linked import (seen on the GPU image) starts ``orted --singleton-died-pipe`` as a child of the test
+    process for the process's life, and the process exits 195 once it dies: the sweep must leave it alone (the
+    GPU tier once ended at the test after the first one that imported it), and still kill a real leftover."""
+    (tmp_path / "conftest.py").write_text((Path(__file__).parents[1] / "conftest.py").read_text())
+    pidfile = tmp_path / "pid"
+    (tmp_path / "test_mpi.py").write_text(
+        textwrap.dedent(f"""
+        import os, subprocess, sys, threading, time
+
+        DAEMON = None
+
+        def test_imports_an_mpi_library():
+            global DAEMON
+            # what OpenMPI's singleton does: a daemon child, and the parent exits 195 when it dies
+            DAEMON = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
+                                       "orted", "--hnp", "--singleton-died-pipe", "39"])
+            def watch():
+                DAEMON.wait()
+                os._exit(195)
+            threading.Thread(target=watch, daemon=True).start()
+            leak = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            open({str(pidfile)!r}, "w").write(f"{{DAEMON.pid}} {{leak.pid}}")
+
+        def test_next_one_still_runs():
+            time.sleep(0.5)
+            assert DAEMON.poll() is None
+    """)
+    )
+    res = subprocess.run(
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "test_mpi.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = res.stdout + res.stderr
+    daemon, leaked = read_pids(pidfile, 2)
+    try:
+        assert res.returncode == 0, out
+        assert "2 passed" in out, out
+        assert wait_gone([leaked]), out
+        assert "test_imports_an_mpi_library left 1 process(es)" in out, out
+    finally:
+        procs.kill_tree(daemon)
+
+
 def test_run_timeout_kills_the_whole_tree(tmp_path):
     out = tmp_path / "pids"
     t0 = time.monotonic()

@@ -83,7 +83,7 @@ class Reads(LossChannel):
         super().__init__(weight=weight, name=name)
         self.requires = tuple(names)  # type: ignore[misc]
 
-    def forward(self, model_outputs, batch):
+    def forward(self, inputs):
         return torch.zeros(()), {}
 
 
@@ -186,7 +186,7 @@ def _hinted(tiny):
 
 
 @pytest.mark.parametrize("T", [1.0, 0.5])
-def test_hint_inputs_are_the_hinted_rows_hidden_states_divided_by_the_temperature(tiny, T):
+def test_hint_inputs_are_the_hinted_rows_own_hidden_states_and_the_sampling_temperature(tiny, T):
     rec = _hinted(tiny)
     pol = StepPolicy(tiny.model, tiny.tok, temperature=T, max_context_length=6)
     inputs, stats = assemble_inputs(rec, ChannelComposer([Reads("logprobs", "student_hidden")]), pol)
@@ -198,8 +198,10 @@ def test_hint_inputs_are_the_hinted_rows_hidden_states_divided_by_the_temperatur
     with torch.no_grad():
         teacher = completion_hidden(tiny.model, h_ids, h_mask, c_ids, c_mask)
         student = completion_hidden(tiny.model, rec.prompt_ids[idx], rec.prompt_mask[idx], c_ids, c_mask)
-    torch.testing.assert_close(inputs["teacher_hidden"], teacher / T, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(inputs["student_hidden"].detach(), student / T, atol=1e-5, rtol=1e-5)
+    # the models' own hidden states: the channel divides the logits by the temperature, nobody before it
+    torch.testing.assert_close(inputs["teacher_hidden"], teacher, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(inputs["student_hidden"].detach(), student, atol=1e-5, rtol=1e-5)
+    assert inputs["sampling_temperature"] == T
     assert inputs["student_hidden"].requires_grad and not inputs["teacher_hidden"].requires_grad
     assert inputs["lm_head_weight"] is lm_head_weight(tiny.model)
     assert torch.equal(inputs["hint_mask"], c_mask.float())
@@ -226,11 +228,61 @@ def test_hint_inputs_without_the_policy_forward_and_with_an_ema_teacher(tiny):
     pol = StepPolicy(tiny.model, tiny.tok, teacher=ema, temperature=2.0)
     inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), pol)
     assert len(calls) == 1 and calls[0][1] == (2, C)
-    torch.testing.assert_close(inputs["teacher_hidden"], torch.full((2, C, 16), 0.125))
+    torch.testing.assert_close(inputs["teacher_hidden"], torch.full((2, C, 16), 0.25))  # as the EMA gave it
     assert torch.equal(inputs["teacher_lm_head_weight"], torch.ones(tiny.model.config.vocab_size, 16))
     with torch.no_grad():
         student = completion_hidden(tiny.model, rec.prompt_ids[idx], rec.prompt_mask[idx], c_ids, c_mask)
-    torch.testing.assert_close(inputs["student_hidden"].detach(), student / 2.0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(inputs["student_hidden"].detach(), student, atol=1e-5, rtol=1e-5)
+    assert inputs["sampling_temperature"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("criterion", "channel_t", "sampling_t"),
+    [
+        ("jsd", 0.7, 0.7),
+        ("jsd", None, 0.7),
+        ("jsd", 0.7, 1.0),
+        ("jsd", 1.5, 0.7),
+        ("taid", None, 0.7),
+        ("taid", 0.7, 0.7),
+    ],
+)
+def test_a_hint_distill_step_applies_the_temperature_once(tiny, criterion, channel_t, sampling_t):
+    """The assembled hint-distill loss equals a float64 restatement with the logits divided by the temperature
+    once: the channel's ``temperature``, else (``None``) the rollout's sampling temperature."""
+    from composer_plugins.losses.distill import HintDistillChannel
+
+    rec = _hinted(tiny)
+    pol = StepPolicy(tiny.model, tiny.tok, temperature=sampling_t, max_context_length=6)
+    ch = HintDistillChannel(criterion=criterion, beta=0.5, temperature=channel_t, kernels="torch").eval()
+    loss, metrics = ChannelComposer([ch])(assemble_inputs(rec, ChannelComposer([ch]), pol)[0])
+    assert metrics["hint_distill/skipped"] == 0.0
+    idx = torch.tensor([1, 3])
+    c_ids, c_mask = rec.completion_ids[idx], rec.completion_mask[idx]
+    h_ids, h_mask = tokenize_prompts(tiny.tok, rec.hinted_contexts, 6)
+    with torch.no_grad():
+        hs = completion_hidden(tiny.model, rec.prompt_ids[idx], rec.prompt_mask[idx], c_ids, c_mask).double()
+        ht = completion_hidden(tiny.model, h_ids, h_mask, c_ids, c_mask).double()
+    w = lm_head_weight(tiny.model).detach().double()
+    tau = sampling_t if channel_t is None else channel_t
+    keep = c_mask.bool()
+    want = _restated(criterion, (hs @ w.T)[keep], (ht @ w.T)[keep], tau)
+    assert float(loss.detach()) == pytest.approx(float(want), rel=1e-5)
+    if sampling_t != 1.0:  # the temperature applied twice (the assembler's, then the channel's) reads apart
+        twice = _restated(criterion, (hs @ w.T)[keep], (ht @ w.T)[keep], tau * sampling_t)
+        assert abs(float(twice) - float(want)) > 1e-3 * abs(float(want))
+
+
+def _restated(criterion: str, zs: torch.Tensor, zt: torch.Tensor, tau: float) -> torch.Tensor:
+    """The token mean of the divergence of ``softmax(z / tau)``'s, in float64 (TAID at its starting t = 0.4)."""
+    zs, zt = zs / tau, zt / tau
+    s, t = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    if criterion == "jsd":
+        m = torch.log(0.5 * s.exp() + 0.5 * t.exp())
+        per = 0.5 * (t.exp() * (t - m)).sum(-1) + 0.5 * (s.exp() * (s - m)).sum(-1)
+    else:  # the cross-entropy of the interpolated target against the student
+        per = -(torch.softmax(0.6 * zs + 0.4 * zt, -1) * s).sum(-1)
+    return per.mean()
 
 
 def test_no_hinted_row_reports_zeros_and_no_margin(tiny):

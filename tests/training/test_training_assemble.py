@@ -25,8 +25,8 @@ class LengthBonus(LossChannel):
         super().__init__(weight=weight, name=name)
         self.seen: list[torch.Tensor] = []
 
-    def forward(self, model_outputs, batch):
-        lengths = self.get("completion_lengths", model_outputs, batch)
+    def forward(self, inputs):
+        lengths = inputs["completion_lengths"]
         self.seen.append(lengths.detach().clone())
         return lengths.float().mean() * 0.0, {"mean_length": float(lengths.float().mean())}
 
@@ -241,9 +241,9 @@ def test_a_trainers_own_log_probs_come_with_the_records_sampling_time_ones():
     assert inputs["logprobs"] is lp and inputs["old_logprobs"] is rec.old_logprobs
     assert inputs["inference_logprobs"] is rec.old_logprobs
     assert inputs["global_step"] == 2 and inputs["total_steps"] == 5
-    loss, _ = composer(inputs, inputs)
+    loss, _ = composer(inputs)
     rec = rec.replace(old_logprobs=None)  # on-policy: the given log-probs, detached
     inputs, _ = assemble_inputs(rec, composer, StepPolicy(None, None), given={"logprobs": lp})
     assert torch.equal(inputs["old_logprobs"], lp.detach()) and not inputs["old_logprobs"].requires_grad
-    on_policy, _ = composer(inputs, inputs)
+    on_policy, _ = composer(inputs)
     assert not torch.allclose(loss, on_policy)  # the ratio against the sampling-time log-probs is live

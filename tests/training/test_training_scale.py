@@ -125,7 +125,7 @@ def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
             with torch.no_grad():
                 r = sequence_logprob(completion_forward(ref, p_ids, p_mask, c_ids, c_mask).logps, c_mask.float())
             batch.update(ref_chosen_logps=r[:k], ref_rejected_logps=r[k:])
-    loss, _ = module.composer(outputs, batch)
+    loss, _ = module.composer({**batch, **outputs})
     return loss
 
 

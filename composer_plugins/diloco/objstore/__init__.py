@@ -12,9 +12,9 @@ other. Layout of the run directory::
     rounds/<r>/grad-<i>-<k>           its index (slice bounds and checksums), created after the slices
     rounds/<r>/manifest.json          the participants of round r, created once (If-None-Match)
     rounds/<r>/mean-<j>               slice j of round r's mean pseudo-gradient (the run's codec), created once
-    state/<r>                         the global weights and outer optimizer state after round r: exact fp32, or
-                                      (``exact_every`` > 1, a lossy codec) a delta on the previous state through
-                                      the run's codec (:mod:`.deltas`)
+    state/<r>                         the global weights and outer optimizer state after round r, exact fp32; with
+                                      ``exact_every`` > 1 one due state in that many (the rounds between are
+                                      rebuilt from their kept means; its hash: :mod:`.statehash`)
 
 Every object but the pseudo-gradient slices (which their index's checksums name) carries the run id; an object of
 another run is refused with an error naming it, and a run never starts on a prefix that holds another run's

@@ -28,7 +28,7 @@ class AggregateMixin:
         mean = self._round_mean(r, manifest, own)
         if mean is None:
             return False
-        self._outer_step(mean, mix_local=mix_local, live=live, state_round=r)
+        self._outer_step(mean, mix_local=mix_local, live=live)
         self.round = r + 1
         return True
 
@@ -93,13 +93,22 @@ class AggregateMixin:
                 count += 1
             mean = total.div_(max(count, 1))
             # error feedback on the mean's own rounding (a lossy codec): what the stored mean of this slice left out
-            # is added to the next mean of it this replica writes
+            # is added to the next mean of it this replica writes, on that mean's entries only (the rest waits for a
+            # mean that has them): the mean of sparse updates keeps their support, so it stays sparse where that is
+            # smaller (the rounding error of every entry ever sent would make every later mean dense)
             key = (j, hi - lo)
             carry = self._mean_residual.pop(key, None) if codec.error_feedback else None
-            want = mean if carry is None else mean + carry
+            held = None
+            if carry is not None:
+                on = mean != 0
+                want, held = mean + torch.where(on, carry, 0.0), torch.where(on, 0.0, carry)
+            else:
+                want = mean
             stored, created = rs.put_mean(r, j, want, mean_codec, count)
             if created and codec.error_feedback:
-                self._mean_residual[key] = want - stored
+                self._mean_residual[key] = want - stored if held is None else held.add_(want - stored)
+            elif held is not None:  # another writer's mean: this carry stays for the next one written here
+                self._mean_residual[key] = carry
             return stored
 
         if own is not None:
@@ -186,16 +195,13 @@ class AggregateMixin:
             delay = min(delay * 1.5, c.poll_max_s)
 
     @torch.no_grad()
-    def _outer_step(
-        self, avg: torch.Tensor, *, mix_local: bool = True, live: bool = True, state_round: int | None = None
-    ) -> None:
+    def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True, live: bool = True) -> None:
         """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector:
         the outer optimizer steps the global weights with it as their gradient; then (``live``) the model takes
         the global weights, mixed with its local ones by ``fragment_update_alpha`` (``mix_local``).
 
         ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only;
-        ``live=False`` (the background sync of ``overlap: 1``) leaves the model's weights alone. ``state_round``:
-        the round this step closes (its state, when due, is taken at this point: :meth:`_state_point`).
+        ``live=False`` (the background sync of ``overlap: 1``) leaves the model's weights alone.
         """
         off = 0
         for g in self.global_params:
@@ -205,8 +211,6 @@ class AggregateMixin:
         opt = self.outer_optimizers[0]
         opt.step()
         opt.zero_grad()
-        if state_round is not None and self._state_due(state_round):
-            self._state_point(state_round)  # a delta state: the decoded state becomes the global state
         if not live:
             return
         for p, g in zip(self.params, self.global_params, strict=True):

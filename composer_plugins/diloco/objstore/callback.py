@@ -60,12 +60,10 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self._residual: torch.Tensor | None = None  # a lossy codec's error feedback (host, fp32)
         #: the same for the mean slices this replica wrote: (slice, values) -> what the stored mean left out
         self._mean_residual: dict[tuple[int, int], torch.Tensor] = {}
-        #: delta states: (key, vector, hash) of the last state (decoded), and what round r's state writes
-        self._chain: tuple[str, torch.Tensor, str] | None = None
-        self._state_obj: tuple[int, dict[str, Any]] | None = None
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
         self.bytes_states = 0  # bytes of global states this replica wrote (their share of ``bytes_written``)
         self._states_counted = 0
+        self._kinds_counted: dict[str, int] = {}  # ``RoundStore.bytes_by_kind`` at the last sync record
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
         self._background: concurrent.futures.ThreadPoolExecutor | None = None
@@ -343,6 +341,9 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
     ) -> dict[str, Any]:
         c = self.config
         states, self._states_counted = self.bytes_states - self._states_counted, self.bytes_states
+        kinds = dict(self.rounds.bytes_by_kind) if self.rounds is not None else {}
+        by_kind = {k: n - self._kinds_counted.get(k, 0) for k, n in kinds.items()}
+        self._kinds_counted = kinds
         rec: dict[str, Any] = {
             "replica": self.replica.index,
             "replica_id": self.replica.replica_id,
@@ -360,6 +361,9 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             "bytes_written": written,
             "bytes_read": read,
             "bytes_states": states,
+            # bytes_written split by what was created: pseudo-gradient, mean slices, exact and delta states, init (the
+            # rest of bytes_written is small objects: the manifest, run.json)
+            "bytes_by_kind": by_kind,
             "compress_error": err,
             "sync_seconds": seconds,
             "store_retries": retries,

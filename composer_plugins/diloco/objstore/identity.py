@@ -44,7 +44,7 @@ class RunIdentityMixin:
             "compress": self.config.compress,
             **(
                 {"state_every": self.config.state_every, "exact_every": self.config.exact_every}
-                if self._deltas()
+                if self._replay_points()
                 else {}
             ),
             "param_shapes": shapes,
@@ -72,7 +72,7 @@ class RunIdentityMixin:
                 "nothing in it was run). HINT: point diloco.store at a fresh prefix.",
                 key="diloco.store",
             ) from e
-        # a run with delta states pins state_every and exact_every: a replica without them is refused too
+        # a run with replay points pins state_every and exact_every: a replica without them is refused too
         pinned = [*mine, *(k for k in ("state_every", "exact_every") if k in theirs and k not in mine)]
         diff = [k for k in pinned if theirs.get(k) != mine.get(k)]
         if not diff:

@@ -7,14 +7,14 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, one_line
-from composer_plugins.diloco.objstore.deltas import apply_delta, flatten, state_hash, unflatten
+from composer_plugins.diloco.objstore.statehash import flatten, state_hash
 from composer_plugins.diloco.store import (
     CorruptObjectError,
     ObjectStore,
@@ -35,8 +35,8 @@ _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
 _UNNAMED = re.compile(r"\.(s\d{3}|blob-[0-9a-f]+)$")
 #: how many names ``grad-<i>-<k>`` a replica tries past its restart count (an older life or launch took some)
 _GRAD_TRIES = 64
-#: the longest chain of delta states a load follows back to an exact one
-_MAX_CHAIN = 4096
+#: the kinds of :attr:`RoundStore.bytes_by_kind`
+WRITE_KINDS = ("grad", "mean", "state", "init")
 
 
 def slice_bounds(numel: int, slices: int) -> list[tuple[int, int]]:
@@ -85,6 +85,15 @@ class RoundStore:
         # pseudo-gradient indexes read intact, by (round, name): each is created once (If-None-Match), and both the
         # close of a round and the making of its mean need them, so each is read from the store once
         self._indexes: dict[tuple[int, str], dict[str, Any]] = {}
+        #: bytes created here by kind (``grad``: pseudo-gradients, ``mean``: slices of a round's mean, ``state``:
+        #: global states, ``init``): what the sync log splits ``bytes_written`` into
+        self.bytes_by_kind: dict[str, int] = dict.fromkeys(WRITE_KINDS, 0)
+        self._lock = threading.Lock()  # the state writer thread counts too
+
+    def _count(self, kind: str, n: int) -> int:
+        with self._lock:
+            self.bytes_by_kind[kind] += n
+        return n
 
     @staticmethod
     def round_dir(r: int) -> str:
@@ -135,7 +144,7 @@ class RoundStore:
                     b"",
                 )
                 if self.store.put(f"{d}/{name}", idx, create=True):
-                    return name, nbytes + len(idx)
+                    return name, self._count("grad", nbytes + len(idx))
         last = restart + _GRAD_TRIES - 1
         raise StoreObjectError(
             f"{self._where(self.round_dir(r))}: grad-{index}-{restart}..{last} are all taken. "
@@ -244,11 +253,9 @@ class RoundStore:
         ``(the stored values, created)``. Whoever writes it, everyone applies the stored bits."""
         header, body = encode_vector(vec, compress)
         key = f"{self.round_dir(r)}/mean-{j:03d}"
-        if self.store.put(
-            key,
-            pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j, "count": count}, body),
-            create=True,
-        ):
+        data = pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j, "count": count}, body)
+        if self.store.put(key, data, create=True):
+            self._count("mean", len(data))
             return decode_vector(header, body), True
         stored = self.get_mean(r, j, vec.numel())
         if stored is None:  # pragma: no cover - a store that lost an object it said exists
@@ -346,81 +353,38 @@ class RoundStore:
         if digest is not None:
             header["hash"] = digest
         data = pack(header, body)
-        return len(data) if self.store.put(key, data, create=create) else 0
-
-    def put_delta_state(self, key: str, delta: dict[str, Any], create: bool = True) -> int:
-        """Write a delta state (:meth:`StatesMixin._state_point`'s ``delta``: its skeleton, base key and hash, its
-        own hash, the codec's header and body) under ``key``; bytes written (0: it existed)."""
-        tree, skel = encode_tree(delta["skeleton"], "state")
-        header = {
-            "kind": "state",
-            "run": self.run_id,
-            "tree": tree,
-            "hash": delta["hash"],
-            "delta": {"base": delta["base"], "base_hash": delta["base_hash"], "skeleton_bytes": len(skel)},
-            "codec": delta["header"],
-        }
-        data = pack(header, skel + delta["body"])
-        return len(data) if self.store.put(key, data, create=create) else 0
+        return (
+            self._count("init" if kind == "init" else "state", len(data))
+            if self.store.put(key, data, create=create)
+            else 0
+        )
 
     def get_state(self, key: str) -> dict[str, Any] | None:
         """The state under ``key``; ``None`` if absent; :class:`CorruptObjectError` (naming it) if not intact data."""
         data = self.store.get(key)
         if data is None:
             return None
-        return self._load_state(key, data, 0)[0]
+        return self._load_state(key, data)
 
-    def _load_state(self, key: str, data: bytes, depth: int) -> tuple[dict[str, Any], str | None]:
-        """``(state, its recorded hash)`` of the object ``data`` under ``key``; a delta state is rebuilt on its base
-        (walking back to the newest exact state) and checked against the hashes both record."""
+    def _load_state(self, key: str, data: bytes) -> dict[str, Any]:
+        """The state in the object ``data`` under ``key``, checked against the hash it records (if any)."""
         header, body = unpack(data, self._where(key))
         kind = key.split("/")[0]
         self._ours(key, header)
         if header.get("kind") != kind or "tree" not in header:
             raise CorruptObjectError(f"{self._where(key)}: not a DiLoCo {kind} object (kind {header.get('kind')!r})")
-        delta = header.get("delta")
-        if delta is None:
-            state = decode_tree(header["tree"], body, self._where(key))
-            if not isinstance(state, dict):
-                raise CorruptObjectError(f"{self._where(key)}: not a state mapping")
-            digest = header.get("hash")
-            if digest is not None and state_hash(flatten(state)[1]) != digest:
-                raise CorruptObjectError(f"{self._where(key)}: its vectors do not match the hash it records")
-            return state, digest
-        try:
-            base, cut = str(delta["base"]), int(delta["skeleton_bytes"])
-            skeleton = decode_tree(header["tree"], body[:cut], self._where(key))
-            codec = dict(header["codec"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptObjectError(f"{self._where(key)}: not a delta state ({one_line(e)})") from e
-        if depth >= _MAX_CHAIN or not base.startswith(f"{kind}/") or base >= key:
-            raise CorruptObjectError(f"{self._where(key)}: a delta on {base!r}, not on an older state of this run")
-        base_data = self.store.get(base)
-        if base_data is None:
+        if "delta" in header:
             raise CorruptObjectError(
-                f"{self._where(key)}: a delta on {self._where(base)}, which is missing (deleted, or never "
-                "written); refused, an older state is tried. HINT: keep_rounds must keep a delta's base (it does; "
-                "a lifecycle rule or a hand may have deleted it)"
+                f"{self._where(key)}: a delta state (written by an earlier version with diloco.exact_every > 1, which "
+                "this one neither writes nor reads). HINT: continue that run with the version that wrote it"
             )
-        try:
-            base_state, base_hash = self._load_state(base, base_data, depth + 1)
-        except CorruptObjectError as e:
-            raise CorruptObjectError(f"{self._where(key)}: a delta on a state that cannot be read: {e}") from e
-        _, chain = flatten(base_state)
-        if (base_hash or state_hash(chain)) != delta.get("base_hash"):
-            raise CorruptObjectError(
-                f"{self._where(key)}: a delta on {self._where(base)} with hash {delta.get('base_hash')!r}, but "
-                f"that state's hash is {base_hash or state_hash(chain)!r} (it was replaced); refused"
-            )
-        try:
-            flat = apply_delta(chain, codec, body[cut:])
-            state = unflatten(skeleton, flat, self._where(key))
-        except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
-            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
-            raise CorruptObjectError(msg) from e
-        if state_hash(flat) != header.get("hash") or not isinstance(state, dict):
-            raise CorruptObjectError(f"{self._where(key)}: rebuilt on {base}, its vectors do not match its hash")
-        return state, header["hash"]
+        state = decode_tree(header["tree"], body, self._where(key))
+        if not isinstance(state, dict):
+            raise CorruptObjectError(f"{self._where(key)}: not a state mapping")
+        digest = header.get("hash")
+        if digest is not None and state_hash(flatten(state)[1]) != digest:
+            raise CorruptObjectError(f"{self._where(key)}: its vectors do not match the hash it records")
+        return state
 
     def state_rounds(self) -> list[int]:
         """Rounds with a ``state/<r>`` object, newest first."""
@@ -449,19 +413,14 @@ class RoundStore:
     def exists(self, key: str) -> bool:
         return self.store.exists(key)
 
-    def collect_garbage(self, newest: int, keep_rounds: int, exact: Callable[[int], bool] | None = None) -> int:
-        """Delete states older than the newest ``keep_rounds`` and the pseudo-gradients of rounds those can no
-        longer rebuild (manifests stay). ``exact``: which rounds' states are exact (delta states are in use): the
-        kept ones' chain back to an exact state is kept too."""
+    def collect_garbage(self, newest: int, keep_rounds: int) -> int:
+        """Delete states older than the newest ``keep_rounds`` and the pseudo-gradients and means of rounds those
+        can no longer rebuild (manifests stay): a round after the oldest kept state keeps its mean, which a replica
+        rebuilding from that state replays (with replay points, ``exact_every``, that is every round since)."""
         states = [k for k in self.state_rounds() if k <= newest]
         if len(states) <= keep_rounds:
             return 0
         oldest_kept = states[keep_rounds - 1]
-        if exact is not None:
-            older = [k for k in states[keep_rounds - 1 :] if exact(k)]
-            if not older:
-                return 0
-            oldest_kept = older[0]
         n = 0
         for key in self.store.list("state"):
             name = key.rsplit("/", 1)[1]

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.diloco.codecs import get_codec
-from composer_plugins.diloco.objstore.deltas import encode_delta, flatten, state_hash, unflatten
 from composer_plugins.diloco.objstore.rounds import StoreObjectError
+from composer_plugins.diloco.objstore.statehash import flatten, state_hash
 from composer_plugins.diloco.store import CorruptObjectError, to_host
 
 log = logging.getLogger(__name__)
@@ -50,76 +49,40 @@ class StatesMixin:
         self.round = k + 1
         self.heal_count += 1
         self._healed_since_sync = True
-        if self._deltas():  # the state loaded is the chain the next delta state is taken against
-            flat = flatten(self._global_state())[1]
-            self._chain = (f"state/{k:08d}", flat, state_hash(flat))
 
-    # -- delta states (``exact_every``; see :mod:`.deltas`) ---------------------------------------------
-    def _deltas(self) -> bool:
-        """Whether states are written as deltas: a lossy codec and ``exact_every > 1``."""
-        return self.config.compress != "none" and self.config.exact_every > 1
+    # -- replay points (``exact_every``) -----------------------------------------------------------------
+    def _replay_points(self) -> bool:
+        """Whether only one due state in ``exact_every`` is written (``exact_every > 1``, any codec): the states
+        between are replay points, rebuilt from the rounds' stored means (see :meth:`_state_written`)."""
+        return self.config.exact_every > 1
 
-    def _state_exact(self, r: int) -> bool:
-        """Whether round ``r``'s state (a due one) is exact: the first of every ``exact_every`` states (by round:
-        ``r // state_every``), the same on every replica and in every launch of the run (it depends on the round
-        and the run's pinned settings only; the last round's state follows the same rule)."""
-        return not self._deltas() or (r // self.config.state_every) % self.config.exact_every == 0
-
-    def _state_point(self, r: int) -> None:
-        """After round ``r``'s outer step, on every replica, when its state is due and states are deltas: encode
-        the state against the chain (the decoded previous state), take the decoded state as the global state
-        (weights and outer optimizer: every replica computes the same bits) and keep what is written for it."""
-        if not self._deltas():
-            return
-        key = f"state/{r:08d}"
-        state = {**self._global_state(), "round": r + 1}
-        skeleton, flat = flatten(state)
-        if self._state_exact(r) or self._chain is None or self._chain[1].numel() != flat.numel():
-            if not self._state_exact(r):  # every replica tracks the chain from round 0 or a loaded state
-                log.warning("DiLoCo: no previous state held at round %d; its state is written exact", r)
-            digest = state_hash(flat)
-            self._chain = (key, flat, digest)
-            self._state_obj = (r, {"exact": state, "hash": digest})
-            return
-        base, chain, base_hash = self._chain
-        header, body, new = encode_delta(flat, chain, self._state_codec())
-        digest = state_hash(new)
-        decoded = unflatten(skeleton, new)
-        with torch.no_grad():
-            for g, saved in zip(self.global_params, decoded["global_params"], strict=True):
-                g.copy_(saved)
-        for opt, sd in zip(self.outer_optimizers, decoded["outer_optimizers"], strict=True):
-            opt.load_state_dict(sd)
-        self._chain = (key, new, digest)
-        delta = {"skeleton": skeleton, "base": base, "base_hash": base_hash, "hash": digest}
-        self._state_obj = (r, {"delta": {**delta, "header": header, "body": body}})
-
-    def _state_codec(self) -> str:
-        """The codec a delta state is written with: the run's mean codec (a sparse codec's mean keeps the union of
-        the replicas' entries, and with plain outer SGD that is the state's change), else the run's codec."""
-        return getattr(get_codec(self.config.compress), "mean_codec", None) or self.config.compress
+    def _state_written(self, r: int) -> bool:
+        """Whether round ``r``'s due state is written: always with ``exact_every: 1``; else the last of every
+        ``exact_every`` due states (by round: ``(r // state_every) % exact_every == exact_every - 1``, the last round
+        included, so a run of fewer rounds writes none and a reader rebuilds from ``init``). A state between carries
+        nothing the store does not hold already: it is the previous state plus the outer steps of the rounds'
+        means, which every replica applied and which are kept (``keep_rounds`` deletes a round's pseudo-gradients
+        and mean only once a newer written state exists); writing it again, exact or as a delta through the codec,
+        costs as much as the means themselves. The same on every replica and launch (round and pinned settings)."""
+        k, e = self.config.state_every, self.config.exact_every
+        return e <= 1 or (r // k) % e == e - 1
 
     def _put_state(self, r: int) -> Callable[[], None]:
-        """A job writing round ``r``'s global state as it is now (exact, or the delta :meth:`_state_point` made)."""
+        """A job writing round ``r``'s global state as it is now (exact fp32; with replay points recording its
+        hash, which a replica rebuilding the rounds after it can check against)."""
         assert self.rounds is not None
-        rs, key = self.rounds, f"state/{r:08d}"
-        obj = self._state_obj[1] if self._state_obj is not None and self._state_obj[0] == r else None
-        state = self._global_state() if obj is None else None
+        rs, key, hashed = self.rounds, f"state/{r:08d}", self._replay_points()
+        state = self._global_state()
 
         def put() -> None:
-            if obj is None:
-                n = rs.put_state(key, state, create=True)  # type: ignore[arg-type]
-            elif "delta" in obj:
-                n = rs.put_delta_state(key, obj["delta"], create=True)
-            else:
-                n = rs.put_state(key, obj["exact"], create=True, digest=obj["hash"])
-            self.bytes_states += n
+            digest = state_hash(flatten(state)[1]) if hashed else None
+            self.bytes_states += rs.put_state(key, state, create=True, digest=digest)
 
         return put
 
     def _collect(self, r: int) -> None:
         assert self.rounds is not None
-        self.rounds.collect_garbage(r, self.config.keep_rounds, self._state_exact if self._deltas() else None)
+        self.rounds.collect_garbage(r, self.config.keep_rounds)
 
     def _replica_state(self) -> dict[str, Any]:
         assert self._module is not None and self._inner is not None
@@ -286,10 +249,11 @@ class StatesMixin:
         return skip
 
     def _state_due(self, r: int) -> bool:
-        """Whether round ``r``'s global state is written: every ``state_every`` rounds and at the last round (the
-        rounds between are rebuilt from their manifests and pseudo-gradients)."""
+        """Whether round ``r``'s global state is written: every ``state_every`` rounds and at the last round, of
+        those one in ``exact_every`` (:meth:`_state_written`); the rounds between are rebuilt from their manifests
+        and stored means."""
         k = self.config.state_every
-        return r % k == k - 1 or (self._target is not None and r + 1 >= self._target)
+        return (r % k == k - 1 or (self._target is not None and r + 1 >= self._target)) and self._state_written(r)
 
     def _write_state_async(self) -> None:
         """Write ``state/<round-1>`` in the background (the next inner steps do not wait for it)."""

@@ -1,0 +1,43 @@
+"""A global state's hash (recorded in ``state/<r>`` with replay points, ``diloco.exact_every``): a SHA-256 of its
+vectors, the tensors of one or more dimensions (the weights, the outer momentum) in walk order; scalars (an
+optimizer's step) are not in it."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+#: a state's vector, in its skeleton: ``{SLOT: shape}`` (the values are in the flat vector, in walk order)
+SLOT = "__state_slot__"
+
+
+def flatten(state: Any) -> tuple[Any, torch.Tensor]:
+    """``(skeleton, flat fp32 vector)`` of a state: every floating tensor of one or more dimensions becomes
+    ``{SLOT: shape}`` in the skeleton and its values go, in walk order, into the flat vector."""
+    parts: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype == torch.float32:
+            parts.append(x.detach().reshape(-1))
+            return {SLOT: list(x.shape)}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return x
+
+    skeleton = walk(state)
+    flat = torch.cat(parts) if parts else torch.zeros(0)
+    return skeleton, flat
+
+
+def state_hash(flat: torch.Tensor) -> str:
+    """SHA-256 (hex) of a state's flat vector: equal exactly when the vectors are bitwise equal."""
+    t = flat.detach().to("cpu", torch.float32).contiguous()  # a state on the GPU is hashed from its host copy
+    return hashlib.sha256(
+        t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    ).hexdigest()  # device-ok: t is on the CPU
