@@ -28,6 +28,19 @@ def collect(evals_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return recs
 
 
+#: The external teacher's held-out evaluation (the ``eval_teacher`` stage), reported beside the variants.
+TEACHER_EVAL = "results/teacher.json"
+
+
+def teacher_metrics(path: str | os.PathLike[str] = TEACHER_EVAL) -> dict[str, float] | None:
+    """The held-out metrics of the positive control's external teacher (``None`` when it was not evaluated)."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    m = json.loads(p.read_text()).get("metrics") or {}
+    return {study.canonical_metric(k): float(v) for k, v in m.items() if is_num(v) and not k.startswith("sft/")}
+
+
 def report(
     params: Mapping[str, Any],
     evals_dir: str | os.PathLike[str] = PATHS["evals"],
@@ -35,8 +48,13 @@ def report(
     metrics_out: str | os.PathLike[str] = "metrics.json",
     plots_dir: str | os.PathLike[str] = "plots",
     table_out: str | os.PathLike[str] = "results/ablation.md",
+    teacher_eval: str | os.PathLike[str] = TEACHER_EVAL,
 ) -> dict[str, Any]:
-    """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table."""
+    """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table.
+
+    With ``teacher_eval`` (the external teacher's held-out evaluation) metrics.json gets a ``teacher`` row and
+    both tables a line naming its accuracy: the positive control's teacher is measured before it is used.
+    """
     recs = collect(evals_dir)
     if not recs:
         raise ConfigError(f"no evaluation results in {evals_dir}/; run the eval stages first")
@@ -71,8 +89,14 @@ def report(
     write_curves(Path(runs_dir), pdir / "train_curves.csv", pdir / "curves")
     table = study.format_table(rows, metrics_names, group_by=("variant", "channels"))
     header = "# Ablation: loss channels on/off × seeds (held-out, mean ± sample std over seeds)\n\n"
-    study.write_text(table_out, header + table + "\n")
-    paired_text = _paired_report(params, out, evals_dir, runs_dir, metrics_names)
+    teacher = teacher_metrics(teacher_eval)
+    note = ""
+    if teacher is not None:
+        out["teacher"] = {"n": 1, **{m: {"mean": _r(teacher[m]), "std": 0.0} for m in metrics_names if m in teacher}}
+        shown = ", ".join(f"{m} {teacher[m]:.3f}" for m in metrics_names if m in teacher)
+        note = f"\nThe external teacher of the teacher variants ({teacher_eval}, not a variant): {shown}.\n"
+    study.write_text(table_out, header + table + "\n" + note)
+    paired_text = _paired_report(params, out, evals_dir, runs_dir, metrics_names) + note
     atomic_write_json(metrics_out, out, sort_keys=True)
     paired_out = Path(table_out).with_name("paired.md")
     study.write_text(paired_out, paired_text)

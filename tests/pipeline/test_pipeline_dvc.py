@@ -28,7 +28,7 @@ BIN = Path(sys.executable).parent
 CI_PARAMS = Path(__file__).with_name("params.ci.yaml")
 RUN_RE = re.compile(r"Running stage '([^']+)'")
 
-UPSTREAM = {"prepare", "sft", "eval_sft", "rollout", "replay", "pairs"}
+UPSTREAM = {"prepare", "sft", "teacher", "eval_teacher", "eval_sft", "rollout", "replay", "pairs"}
 
 
 def _env(repo: Path) -> dict[str, str]:
@@ -116,11 +116,11 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
     assert ran_stages(log) == expected
 
     metrics = json.loads((path / "metrics.json").read_text())
-    assert set(metrics) == {"sft", *params["study"]["variants"]}
+    assert set(metrics) == {"sft", "teacher", *params["study"]["variants"]}  # the external teacher: measured
     for row in metrics.values():
         acc = row["gsm8k/accuracy"]["mean"]
         assert 0.0 <= acc <= 1.0
-        assert row["n"] == (1 if row is metrics["sft"] else len(params["study"]["seeds"]))
+        assert row["n"] == (1 if row in (metrics["sft"], metrics["teacher"]) else len(params["study"]["seeds"]))
         assert "code/pass_at_1" in row and "feature_deletion/mean_reward" in row
 
     for name in [f"{v}-s{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]:
@@ -138,6 +138,15 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
     cfg = yaml.safe_load((path / "runs" / "no_hint-s0" / "config.yaml").read_text())
     assert cfg["losses"]["hint_distill"]["weight"] == 0.0
     assert cfg["model"]["name_or_path"] == "models/sft/model" and cfg["sft"]["enabled"] is False
+    # the positive control's arm distils from the teacher stage's model (the student's SFT continued on train
+    # only), whose held-out accuracy the report shows beside the variants
+    cfg = yaml.safe_load((path / "runs" / "teacher_only-s0" / "config.yaml").read_text())
+    assert cfg["losses"]["grpo"]["weight"] == 0.0
+    assert cfg["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
+    assert (path / "models" / "teacher" / "model" / "config.json").exists()
+    teacher = json.loads((path / "results" / "teacher.json").read_text())["metrics"]
+    assert metrics["teacher"]["gsm8k/accuracy"]["mean"] == pytest.approx(teacher["gsm8k/accuracy"], abs=1e-6)
+    assert "external teacher" in (path / "results" / "paired.md").read_text()
 
     # data, teacher cache and pairs
     manifest = json.loads((path / "data" / "tasks" / "manifest.json").read_text())

@@ -43,7 +43,8 @@ def test_params_yaml_and_ci_params_are_consistent() -> None:
     merged = study.merge_params(base, ci)
     assert set(added_envs) <= set(stages.data_envs(merged)) and set(added_envs) <= set(stages.eval_envs(merged))
     assert not set(added_envs) & set(stages.eval_envs(base))  # the default table leaves them out
-    assert set(merged["study"]["variants"]) == {"full", "no_hint"}
+    assert set(merged["study"]["variants"]) == {"full", "no_hint", "teacher_only"}
+    assert merged["teacher"]["sft_steps"] < base["teacher"]["sft_steps"]  # the teacher stage shrinks too
     assert merged["train"]["optim"] == base["train"]["optim"]  # untouched keys survive
     assert merged["data"]["gsm8k"]["source"] == "embedded"
 
@@ -57,17 +58,18 @@ def test_merge_params_replace_marker() -> None:
 
 def test_train_config_merges_variant_and_wires_the_pipeline() -> None:
     params = loads_config((ROOT / "params.yaml").read_text(), source="params.yaml")
-    cfg = stages.train_config(params, "no_hint", 3)
+    cfg = stages.train_config(params, "grpo_teacher", 3)
     assert cfg["seed"] == 3
-    assert cfg["output_dir"] == "runs/no_hint-s3"
+    assert cfg["output_dir"] == "runs/grpo_teacher-s3"
     assert cfg["losses"]["hint_distill"]["weight"] == 0.0
+    assert cfg["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
     assert cfg["losses"]["grpo"] == params["train"]["losses"]["grpo"]
     assert cfg["model"]["name_or_path"] == "models/sft/model"
     assert cfg["sft"]["enabled"] is False
     assert cfg["data"]["train_path"] == "data/tasks/gsm8k/train.jsonl"
     assert cfg["replay"]["pairs_path"] == "data/pairs.jsonl"
-    assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+replay"
-    assert cfg["mlflow"]["run_name"] == "train@no_hint-s3"
+    assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+teacher_distill"
+    assert cfg["mlflow"]["run_name"] == "train@grpo_teacher-s3"
     # the effective config is a valid TrainConfig
     from composer_plugins.training.config import train_config_from_dict
 
@@ -91,9 +93,9 @@ def test_a_variant_replaces_a_component_it_marks_replace() -> None:
 def test_unknown_variant_is_a_located_error() -> None:
     params = loads_config((ROOT / "params.yaml").read_text(), source="params.yaml")
     with pytest.raises(ConfigError) as e:
-        stages.train_config(params, "no_hnt", 0)
+        stages.train_config(params, "rl_onyl", 0)
     msg = str(e.value)
-    assert "params.yaml:" in msg and "study.variants.no_hnt" in msg and "no_hint" in msg
+    assert "params.yaml:" in msg and "study.variants.rl_onyl" in msg and "rl_only" in msg
 
 
 def test_data_section_errors_name_the_key() -> None:
@@ -267,7 +269,7 @@ def test_secrets_stay_references_in_params(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "params.yaml").write_text(text)
     params = study.load_params(tmp_path / "params.yaml")  # does not need the variable
     assert params["replay"]["teachers"][-1]["api_key"] == {"$env": "PIPELINE_TEST_KEY"}
-    stages.train_config(params, "full", 0)
+    stages.train_config(params, "rl_only", 0)
     cfg = stages.replay_config(params)
     assert cfg["teachers"][-1]["api_key"] == {"$env": "PIPELINE_TEST_KEY"}  # a reference, never a value
     assert cfg["cache"]["path"] == "data/teacher_cache/cache.sqlite" and cfg["normalize"] == {"enabled": False}
@@ -289,3 +291,44 @@ def test_replay_stage_takes_its_consensus_from_pairs_k(tmp_path: Path) -> None:
     params["pairs"]["k"] = 2  # the default: two teachers must agree, and one is refused with the reason
     with pytest.raises(ConfigError, match=r"consensus.k.*only 1 teacher"):
         parse_config(Config(stages.replay_config(params), source=str(tmp_path / "config.yaml")))
+
+
+def test_the_default_study_holds_out_computations_and_prints_both_overlaps(tmp_path: Path) -> None:
+    """README/docs: the main job's prepare reports 0 test rows computing a train tuple, beside the line overlap."""
+    from click.testing import CliRunner
+
+    from composer_plugins.core.cli import load_commands
+
+    res = CliRunner().invoke(
+        load_commands(), ["prepare", "-p", str(ROOT / "params.yaml"), "--out", str(tmp_path / "tasks")]
+    )
+    assert res.exit_code == 0, res.output
+    assert "gsm8k: 3000 train, 400 test (embedded)" in res.output
+    assert "0 test rows (0 distinct) computing a train tuple" in res.output
+    assert "gsm8k: line overlap: 400/400 test first lines, 367/400 second lines" in res.output
+    manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())["envs"]["gsm8k"]
+    assert manifest["computation_overlap"] == 0 and manifest["second_line_overlap"] == 367
+    # what README.md and docs/pipeline.md say the main job's prepare prints is what it prints
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    docs = " ".join((ROOT / "docs" / "pipeline.md").read_text().split())
+    for claim in ("0 test rows (0 distinct) computing a train tuple", "367/400 second lines"):
+        assert claim in res.output and claim in readme and claim in docs, claim
+
+
+def test_the_readme_describes_the_default_study_params_yaml_runs() -> None:
+    """README's main job: the chain level, a 400-step SFT, a teacher 400 steps on, 3 arms x 2 seeds x 40 steps."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert params["train"]["env"]["difficulty"] == "chain" and "runs the `chain` level" in readme
+    assert params["train"]["sft"]["steps"] == 400 and "A 400-step SFT warm start" in readme
+    assert params["teacher"]["sft_steps"] == 400 and "that SFT continued 400 steps on train only" in readme
+    variants, seeds = params["study"]["variants"], params["study"]["seeds"]
+    assert list(variants) == ["rl_only", "teacher_only", "grpo_teacher"] and params["study"]["baseline"] == "rl_only"
+    steps = params["train"]["trainer"]["max_steps"]
+    assert f"three arms × {len(seeds)} seeds × {steps} RL steps" in readme
+    assert params["eval"]["envs"]["gsm8k"]["num_problems"] == params["data"]["gsm8k"]["test"] == 400
+    assert "evaluated greedily on all 400 held-out problems" in readme and params["eval"]["envs"]["gsm8k"]["k"] == 0
+    # both teacher arms distil from the teacher stage's model, and the full study's command is named
+    for v in ("teacher_only", "grpo_teacher"):
+        assert variants[v]["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
+    assert "`cd studies/calibrated && dvc repro`" in readme and "does **not** pass here" in readme
