@@ -577,9 +577,14 @@ def run_states(quick: bool = False, settings: dict[str, int] | None = None) -> d
     return out
 
 
-#: the fault mode (``--only faults``): replicas, a kill every this many rounds, the round timeout of both runs, warm
-#: restarts in both runs (like for like: the fault-free run starts the fork server too), rounds (quick / full) and H
+#: the fault mode (``--only faults``): replicas, a kill every this many rounds, the fault-free run's round timeout (no
+#: replica straggles there, so it never fires), warm restarts in both runs (like for like: the fault-free run starts
+#: the fork server too), rounds (quick / full) and H
 FAULT_REPLICAS, FAULT_KILL_EVERY, FAULT_ROUND_TIMEOUT_S, FAULT_WARM = 4, 4, 3.0, True
+#: the faulty run's round timeout, in fault-free rounds of the same invocation (``--fault-timeout-rounds``): a pause
+#: or a kill costs the survivors up to one timeout of waiting, so a timeout fixed in seconds makes the goodput a
+#: property of the machine's speed (3 s was ~1 round when this machine was loaded, ~4 rounds idle); 0 = fixed 3 s
+FAULT_TIMEOUT_ROUNDS = 2.0
 FAULT_ROUNDS, FAULT_H = {True: 12, False: 24}, {True: 32, False: 64}
 
 
@@ -604,10 +609,11 @@ def _run_faults(
     faulty: bool,
     env: dict[str, str] | None = None,
     warm: bool = FAULT_WARM,
+    round_timeout_s: float = FAULT_ROUND_TIMEOUT_S,
 ) -> dict[str, Any]:
     """``n`` replicas through ``store``; with ``faulty``, one replica (1, 2, ... in turn) SIGKILLed each time the run
     passes another ``FAULT_KILL_EVERY`` rounds (the launcher relaunches it, forked warm when ``warm``; it
-    rejoins from the store), and replica ``n - 1`` paused (SIGSTOP) past ``round_timeout_s`` once, at round 2.
+    rejoins from the store), and replica ``n - 1`` paused (SIGSTOP) for twice ``round_timeout_s`` once, at round 2.
 
     Goodput: inner steps that went into a committed round (every life of every replica; a replica that joined a
     round late took fewer than ``H``) per second. ``goodput_steps_per_s`` is the steady state: from the moment every
@@ -626,7 +632,7 @@ def _run_faults(
     overrides = [
         f"diloco.sync_every={h}",
         "diloco.transport=object_store",
-        f"diloco.round_timeout_s={FAULT_ROUND_TIMEOUT_S}",
+        f"diloco.round_timeout_s={round_timeout_s}",
         *(f"toy.{k}={v}" for k, v in toy.items()),
     ]
     argv = lambda i: replica_argv("toy", None, [*overrides, f"toy.output={log_dir}/result{i}.json"])  # noqa: E731
@@ -657,7 +663,7 @@ def _run_faults(
                     if h_ is not None and h_.pid is not None and h_.poll() is None:
                         os.kill(h_.pid, signal.SIGSTOP)
                         events.append(f"paused replica {n - 1} at round {at}")
-                        time.sleep(FAULT_ROUND_TIMEOUT_S * 2)
+                        time.sleep(round_timeout_s * 2)
                         os.kill(h_.pid, signal.SIGCONT)
                     paused = True
                 if at >= next_kill and at < rounds - 1:
@@ -710,6 +716,7 @@ def _run_faults(
         "goodput_whole_run_steps_per_s": useful / wall,
         "median_round_s": round_s,
         "rejoin_s": rejoin,
+        "round_timeout_s": round_timeout_s,
         "forked_warm": forked,
         "eval_loss": statistics.fmean(o["eval_loss"] for o in outs),
         "one_param_hash": len({o["param_hash"] for o in outs}) == 1,
@@ -718,9 +725,10 @@ def _run_faults(
     }
 
 
-def run_faults(quick: bool = False) -> dict[str, Any]:
+def run_faults(quick: bool = False, timeout_rounds: float = FAULT_TIMEOUT_ROUNDS) -> dict[str, Any]:
     """The fault mode alone (``--only faults``): the fault-free run and the faulty one, same shape, same invocation,
-    through ``file://`` and (when ``moto[server]`` is installed) moto's S3 server on loopback."""
+    through ``file://`` and (when ``moto[server]`` is installed) moto's S3 server on loopback. The faulty run's round
+    timeout is ``timeout_rounds`` times the fault-free run's median round (0: ``FAULT_ROUND_TIMEOUT_S`` seconds)."""
     h = FAULT_H[quick]
     steps = FAULT_ROUNDS[quick] * h
     toy = _toy(quick, steps)
@@ -730,7 +738,8 @@ def run_faults(quick: bool = False) -> dict[str, Any]:
         "toy": toy,
         "h": h,
         "kill_every_rounds": FAULT_KILL_EVERY,
-        "round_timeout_s": FAULT_ROUND_TIMEOUT_S,
+        "round_timeout_s_fault_free": FAULT_ROUND_TIMEOUT_S,
+        "round_timeout_rounds_faulty": timeout_rounds,
         "warm_restarts": FAULT_WARM,
     }
     ratios: dict[str, float] = {}
@@ -749,8 +758,11 @@ def run_faults(quick: bool = False) -> dict[str, Any]:
                     else f"s3://bench/faults-{faulty}-{os.getpid()}"
                 )
                 env = moto[1] if where == "s3" and moto is not None else None
+                timeout = FAULT_ROUND_TIMEOUT_S
+                if faulty and timeout_rounds > 0:
+                    timeout = round(timeout_rounds * results[f"{where}_faults_off"]["median_round_s"], 2)
                 results[f"{where}_faults_{'on' if faulty else 'off'}"] = _run_faults(
-                    FAULT_REPLICAS, h, toy, tmp / where, store, faulty=faulty, env=env
+                    FAULT_REPLICAS, h, toy, tmp / where, store, faulty=faulty, env=env, round_timeout_s=timeout
                 )
             off, on = results[f"{where}_faults_off"], results[f"{where}_faults_on"]
             ratios[f"{where}_goodput_faults_vs_fault_free"] = on["goodput_steps_per_s"] / off["goodput_steps_per_s"]
@@ -774,6 +786,7 @@ def run_faults(quick: bool = False) -> dict[str, Any]:
         if isinstance(r, dict) and "events" in r:
             print(
                 f"{k}: {r['wall_s']:.1f} s ({r['steady_s']:.1f} s steady), round {r['median_round_s']:.2f} s, "
+                f"round timeout {r['round_timeout_s']:.2f} s, "
                 f"{r['useful_inner_steps']} useful inner steps, restarts {r['restarts']} "
                 f"({r['forked_warm']} forked warm), rejoin {[round(x, 1) for x in r['rejoin_s']]} s; "
                 f"{'; '.join(r['events']) or 'no faults'}"
@@ -1095,6 +1108,13 @@ def main(argv: list[str] | None = None) -> None:
         help=f"with --only states: the state settings every run takes (default {STATES_SETTINGS['state_every']},"
         f"{STATES_SETTINGS['exact_every']})",
     )
+    p.add_argument(
+        "--fault-timeout-rounds",
+        type=float,
+        default=FAULT_TIMEOUT_ROUNDS,
+        help=f"with --only faults: the faulty run's round timeout in fault-free rounds of the same invocation "
+        f"(default {FAULT_TIMEOUT_ROUNDS}; 0 = a fixed {FAULT_ROUND_TIMEOUT_S} s)",
+    )
     a = p.parse_args(argv)
     if a.ddp_worker:
         rank, world, port, toy_json, out, timeout_s = a.ddp_worker
@@ -1102,6 +1122,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.only == "states" and a.state_settings:
         k, e = (int(x) for x in a.state_settings.split(","))
         res = run_states(quick=a.quick, settings={"state_every": k, "exact_every": e})
+    elif a.only == "faults":
+        res = run_faults(quick=a.quick, timeout_rounds=a.fault_timeout_rounds)
     else:
         only = {"overlap": run_overlap, "codecs": run_codecs, "faults": run_faults, "states": run_states}
         res = only.get(a.only or "", run)(quick=a.quick)
