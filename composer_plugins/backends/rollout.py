@@ -20,7 +20,7 @@ def generate(policy: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], seed
     from composer_plugins.training.rollouts import HFGenerator
 
     r = cfg.rollout
-    return HFGenerator().generate(
+    return HFGenerator(r.compile).generate(
         policy,
         tokenizer,
         list(prompts),

@@ -277,6 +277,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
 def _describe(tp: Any) -> str:
     if get_origin(tp) is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -3,16 +3,45 @@
 Rows of a :class:`Rollout` are grouped: rows ``[i*G, (i+1)*G)`` are the completions of
 prompt ``i``. The completion mask covers every generated token up to and including the
 first EOS; everything after is padding.
+
+``compile`` (``rollout.compile``, :data:`CompileMode`): ``on`` samples with a static KV cache (kept on the
+model between calls, sized for ``max_prompt_length + max_new_tokens`` so its shape stays the same) and HF's
+compiled decode step; ``auto`` does so on CUDA only. Where compilation fails, the model falls back to the
+eager dynamic-cache path for good, with one warning.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
+
+#: ``rollout.compile``: static KV cache + compiled decode step ``on``, ``off``, or ``auto`` (on for CUDA only).
+CompileMode = Literal["auto", "on", "off"]
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
+#: Models whose compiled decode step failed once: sampled eagerly from then on.
+_EAGER_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def compiles(mode: str, device: torch.device) -> bool:
+    """Whether ``compile=mode`` samples with the static cache and compiled decode step on ``device``."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def _static_kwargs(device: torch.device) -> dict[str, Any]:
+    """``generate`` settings of the compiled path: a static cache, HF's compiled decode step (CUDA graphs on CUDA)."""
+    from transformers import CompileConfig
+
+    cc = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
+    cc._compile_all_devices = device.type != "cuda"  # HF compiles only on accelerators unless told
+    return {"cache_implementation": "static", "compile_config": cc}
 
 
 @dataclass
@@ -133,6 +162,7 @@ def generate_completions(
     seed: int | None = None,
     max_prompt_length: int | None = None,
     prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    compile: CompileMode = "off",
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt (one batched ``generate`` call, KV cache on).
 
@@ -148,6 +178,7 @@ def generate_completions(
             is left untouched), so a step's rollouts depend only on ``seed``.
         max_prompt_length: truncate prompts from the left to this many tokens.
         prompt_token_ids: already tokenized prompts (multi-turn contexts), used instead of ``prompts``.
+        compile: :data:`CompileMode` (module docstring); the tokens equal the eager path's at ``do_sample=False``.
     """
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -173,14 +204,11 @@ def generate_completions(
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
     else:
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    static = compiles(compile, device) and model not in _EAGER_ONLY
     was_training = model.training
     model.eval()
     try:
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
+        out = _generate(model, ids, mask, gen_kwargs, seed, static, max_prompt_length, pad)
     finally:
         model.train(was_training)
     completion_ids = out[:, ids.shape[1] :]
@@ -198,3 +226,43 @@ def generate_completions(
         group_index=group,
         num_generations=num_generations,
     )
+
+
+def _generate(
+    model: Any,
+    ids: Tensor,
+    mask: Tensor,
+    gen_kwargs: dict[str, Any],
+    seed: int | None,
+    static: bool,
+    max_prompt_length: int | None,
+    pad: int,
+) -> Tensor:
+    """``model.generate`` (seeded on a private RNG stream); the compiled path falls back to eager once, warning."""
+    width = ids.shape[1]
+    kw = {**gen_kwargs, "disable_compile": True}
+    if static:  # one cache shape for every call: prompts left-padded to max_prompt_length (or a multiple of 64)
+        target = max(width, max_prompt_length or -(-width // 64) * 64)
+        ids, mask = (torch.nn.functional.pad(t, (target - width, 0), value=v) for t, v in ((ids, pad), (mask, 0)))
+        kw = {**gen_kwargs, **_static_kwargs(ids.device)}
+    devices = [ids.device] if ids.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return model.generate(input_ids=ids, attention_mask=mask, **kw)[:, ids.shape[1] - width :]
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        if not static:
+            raise
+        _EAGER_ONLY.add(model)
+        model.__dict__.pop("_cache", None)  # the static cache's memory
+        warnings.warn(
+            f"rollout.compile: the compiled decode step failed ({type(e).__name__}: {str(e)[:300]}); this model "
+            "samples eagerly from now on (set rollout.compile=off to skip the attempt).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        ids, mask = ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :]
+        return _generate(model, ids, mask, gen_kwargs, seed, False, max_prompt_length, pad)

@@ -34,10 +34,12 @@ def build_generator(cfg: TrainConfig, src: Config | None = None, env: Any = None
     ``multi_turn`` generator (:class:`~composer_plugins.training.multiturn.MultiTurnGenerator`).
     """
     from composer_plugins.core.config import build_component
-    from composer_plugins.training.rollouts import as_rollout_generator
+    from composer_plugins.training.rollouts import HFGenerator, as_rollout_generator
 
     spec = cfg.rollout.generator if cfg.rollout.generator is not None else "hf"
     gen = as_rollout_generator(build_component("rollout_generators", spec, key="rollout.generator", cfg=src), src=src)
+    if isinstance(gen, HFGenerator) and not (isinstance(spec, Mapping) and "compile" in spec):
+        gen.compile = cfg.rollout.compile
     if cfg.rollout.max_turns > 1 and hasattr(env, "reset") and hasattr(env, "step"):
         from composer_plugins.training.multiturn import MultiTurnGenerator
 

@@ -151,7 +151,20 @@ class RolloutServerError(ComposerPluginsError):
 
 
 class HFGenerator:
-    """Sampling with HF ``generate`` on the training policy (one batched call per step, KV cache on)."""
+    """Sampling with HF ``generate`` on the training policy (one batched call per step, KV cache on).
+
+    ``compile``: ``rollout.compile`` (``models.generation.CompileMode``: a static cache and a compiled decode
+    step ``on``, ``off``, ``auto`` = on CUDA only).
+    """
+
+    def __init__(self, compile: str = "auto") -> None:
+        from composer_plugins.models.generation import COMPILE_MODES
+
+        if isinstance(compile, bool):  # YAML reads a bare on/off as a boolean
+            compile = "on" if compile else "off"
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"HFGenerator(compile={compile!r}): expected one of {', '.join(COMPILE_MODES)}")
+        self.compile = compile
 
     def generate(
         self,
@@ -189,6 +202,7 @@ class HFGenerator:
             seed=seed,
             max_prompt_length=max_prompt_length,
             prompt_token_ids=prompt_token_ids,
+            compile=self.compile,
         )
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
+from composer_plugins.models.generation import CompileMode
 from composer_plugins.models.tiny import TinyModelConfig
 
 __all__ = [
@@ -226,6 +227,8 @@ class RolloutSection(Section):
     importance_sampling_max: float | None = 3.0
     #: Lower bound (``null``: none).
     importance_sampling_min: float | None = None
+    #: ``hf`` generator: a static KV cache and a compiled decode step ``on``, ``off`` or ``auto`` (on for CUDA).
+    compile: CompileMode | bool = "auto"
 
     def validate(self, src: Config, key: str = "rollout") -> None:
         """Counts >= 1, a temperature > 0, a registered ``generator`` (in-process for multi-turn), a known IS mode."""
@@ -243,6 +246,8 @@ class RolloutSection(Section):
                 f"multi-turn episodes (rollout.max_turns={self.max_turns}) are sampled in-process; "
                 "set rollout.generator=hf or rollout.max_turns=1.",
             )
+        if isinstance(self.compile, bool):  # YAML reads a bare on/off as a boolean
+            self.compile = "on" if self.compile else "off"
         if self.importance_sampling not in IS_MODES:
             raise src.error(f"{key}.importance_sampling", f"unknown mode {self.importance_sampling!r}.", valid=IS_MODES)
 
