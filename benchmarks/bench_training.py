@@ -75,8 +75,11 @@ class _Stream:
             yield {"index": self.offset + i, "tasks": b}
 
 
-def composed_steps(module: Any, cfg: Any, batches: list[list[dict[str, Any]]], offset: int) -> list[dict[str, float]]:
-    """Run ``batches`` through ``ComposerModule`` + the project's Trainer; per-step seconds and tokens."""
+def composed_steps(
+    module: Any, cfg: Any, batches: list[list[dict[str, Any]]], offset: int, callbacks: list[Any] | None = None
+) -> list[dict[str, float]]:
+    """Run ``batches`` through ``ComposerModule`` + the project's Trainer (one ``fit``, ``callbacks`` added);
+    per-step seconds and tokens."""
     from lightning.pytorch.callbacks import Callback
 
     from composer_plugins.training.trainer import build_trainer
@@ -98,7 +101,7 @@ def composed_steps(module: Any, cfg: Any, batches: list[list[dict[str, Any]]], o
 
     c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=len(batches)))
     module.cfg = c
-    trainer = build_trainer(c, extra_callbacks=[Timer()], logger=False, enable_model_summary=False)
+    trainer = build_trainer(c, extra_callbacks=[Timer(), *(callbacks or [])], logger=False, enable_model_summary=False)
     trainer.fit(module, train_dataloaders=_Stream(batches, offset))
     module.cfg = cfg
     return [{"s": marks[i + 1] - marks[i], "tokens": tokens[i]} for i in range(len(batches))]
@@ -187,11 +190,18 @@ def raw_steps(
 
 
 def trl_steps(
-    path: str, env: Any, cfg: Any, batches: list[list[dict[str, Any]]], device: str = "cpu"
+    path: str,
+    env: Any,
+    cfg: Any,
+    batches: list[list[dict[str, Any]]],
+    device: str = "cpu",
+    args: dict[str, Any] | None = None,
+    setup: Any = None,
 ) -> list[dict[str, float]] | str:
     """TRL ``GRPOTrainer`` on the same model and batch; per-step seconds and completion tokens.
 
-    ``device="cuda"`` trains on the GPU in bf16 mixed precision; otherwise on the CPU in fp32.
+    ``device="cuda"`` trains on the GPU in bf16 mixed precision; otherwise on the CPU in fp32. ``args``: more
+    ``GRPOConfig`` settings; ``setup(trainer)``: called once the trainer is built (callbacks, wrappers).
     """
     try:
         from datasets import Dataset
@@ -239,6 +249,7 @@ def trl_steps(
             max_grad_norm=cfg.trainer.gradient_clip_val,
             shuffle_dataset=False,
             seed=cfg.seed,
+            **(args or {}),
         )
         trainer = GRPOTrainer(
             model=path,
@@ -248,6 +259,8 @@ def trl_steps(
             processing_class=tok,
             callbacks=[Timer()],
         )
+        if setup is not None:
+            setup(trainer)
         trainer.train()
         logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     n = r.prompts_per_step * r.num_generations
