@@ -67,6 +67,8 @@ SHAPES = {
     "gpu-0.5b": {"model": "qwen2.5-0.5b", "prompts": 8, "generations": 8, "new_tokens": 128, "device": "cuda"},
     "cpu-tiny": {"model": "tiny", "prompts": 2, "generations": 2, "new_tokens": 8, "device": "cpu"},
 }
+#: Shapes whose rows run in the benchmark's own process (the CPU dry run: no per-row imports; no CUDA peaks).
+IN_PROCESS = ("cpu-tiny",)
 #: What the profile table keeps.
 PROFILE_ROWS = 15
 
@@ -228,8 +230,9 @@ eval: {{at_start: false, at_end: false}}
     return cfg
 
 
-def _wrap_builders(timer: PhaseTimer) -> None:
-    """The input builders of the teacher and replay channels (and the policy's own) run as phases."""
+def _wrap_builders(timer: PhaseTimer) -> Any:
+    """The input builders of the teacher and replay channels (and the policy's own) run as phases; returns the
+    original table getter (put back after the row)."""
     from composer_plugins.training import assemble
 
     phase = {
@@ -251,7 +254,9 @@ def _wrap_builders(timer: PhaseTimer) -> None:
             timer.wrap(holder, "f", label)
             wrapped[id(fn)] = holder.f
         table[name] = wrapped[id(fn)]
+    original = assemble.input_builders
     assemble.input_builders = lambda registry=None: table  # type: ignore[assignment]
+    return original
 
 
 def _composer_row(row: str, spec: dict[str, Any], cfg: Any, env: Any, n: int, warmup: int, profile: bool) -> Any:
@@ -271,7 +276,7 @@ def _composer_row(row: str, spec: dict[str, Any], cfg: Any, env: Any, n: int, wa
     timer.wrap(module.stepper, "loss", "forward")
     timer.wrap(module, "optimizer_step", "optimizer")
     timer.wrap(module, "update_ema_teacher", "ema")
-    _wrap_builders(timer)
+    original = _wrap_builders(timer)
     prof_out: dict[str, Any] = {}
 
     class Phases(Callback):
@@ -301,7 +306,12 @@ def _composer_row(row: str, spec: dict[str, Any], cfg: Any, env: Any, n: int, wa
                 self.prof = None
             self.i += 1
 
-    composed_steps(module, cfg, _tasks(env, cfg, total), 0, callbacks=[Phases()])
+    from composer_plugins.training import assemble
+
+    try:
+        composed_steps(module, cfg, _tasks(env, cfg, total), 0, callbacks=[Phases()])
+    finally:
+        assemble.input_builders = original
     attn = module.policy.config._attn_implementation
     return timer, prof_out, attn
 
@@ -397,7 +407,8 @@ def _prepare(tmp: Path, spec: dict[str, Any]) -> tuple[str, str]:
     from composer_plugins.training.config import loads_train_config
     from composer_plugins.training.policy import resolve_policy
 
-    cfg, _ = loads_train_config(f"cache_dir: {os.environ.get('COMPOSER_CACHE_DIR', '.composer_cache')}")
+    cache = os.environ.get("COMPOSER_CACHE_DIR", ".composer_cache")
+    cfg, _ = loads_train_config(f"cache_dir: {cache}\nsft: {{enabled: false}}")  # the tiny base, untrained
     return str(resolve_policy(cfg, build_env(cfg))), _pairs(tmp)
 
 
@@ -414,6 +425,15 @@ def _pairs(tmp: Path) -> str:
 
 
 def _spawn(row: str, shape: str, model: str, pairs: str, a: Any, timeout: float) -> dict[str, Any]:
+    if shape in IN_PROCESS:
+        spec = {**SHAPES[shape], **({"new_tokens": a.new_tokens} if a.new_tokens else {})}
+        t0 = time.perf_counter()
+        try:
+            res = child(row, spec, model, pairs, a.steps, a.warmup, a.compile)
+        except Exception as e:  # the row's error is its result; the other rows still run
+            return {"error": f"{type(e).__name__}: {e}"}
+        res["process_s"] = round(time.perf_counter() - t0, 1)
+        return res
     with tempfile.TemporaryDirectory() as td:
         out = Path(td) / "r.json"
         env = dict(os.environ)
@@ -468,6 +488,10 @@ def run(a: Any) -> dict[str, Any]:
     res.update(compile=a.compile, rows=list(a.rows), results={}, partial=True)
     path = Path(a.json) if a.json else None
     report = Path(a.report_dir) if a.report_dir else None
+    if report is not None and path is None:
+        path = report / "gpu.d" / "fair.json"  # where the report reads it
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as td:
         model, pairs = _prepare(Path(td), spec)
         for row in a.rows:
@@ -495,7 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=3600, help="seconds for every row together")
     p.add_argument("--row-timeout", type=float, default=600, help="seconds one row's process may take")
     p.add_argument("--min-row-s", type=float, default=20, help="a row is not started with less budget left")
-    p.add_argument("--json", default=None, help="write the results here (after each row)")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the results here after each row (default with --report-dir: DIR/gpu.d/fair.json)",
+    )
     p.add_argument("--report-dir", default=None, help="rewrite DIR/gpu.json and DIR/gpu.md after each row")
     p.add_argument("--child", default=None, choices=ROWS, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)

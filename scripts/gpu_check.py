@@ -78,6 +78,17 @@ STEP_IMPORTS: dict[str, list[str]] = {
         "trl",
         "datasets",
     ],
+    "fair": [
+        "torch",
+        "benchmarks.bench_gpu",
+        "benchmarks.bench_scale",
+        "benchmarks.bench_training",
+        "composer_plugins.training.module",
+        "composer_plugins.teachers.scoring",
+        "lightning",
+        "trl",
+        "datasets",
+    ],
     "report": ["json", "xml.etree.ElementTree"],
 }
 #: Top-level module -> the distribution whose wheel provides it (for modules whose names differ).
@@ -256,6 +267,7 @@ def build_report(out: Path) -> dict[str, Any]:
         "tier": _junit(d / "tier.xml"),
         "kernels": _json(d / "kernels.json"),
         "scale": {k: _json(d / f"scale-{k}.json") for k in ("0.5b", "1.5b")},
+        "fair": _json(d / "fair.json"),
     }
     git = d / "commit.txt"
     if git.exists():
@@ -320,15 +332,15 @@ def render_md(r: dict[str, Any]) -> str:
             lines.append(f"| {name} | {_fmt(v)} | {k.get('targets', {}).get(name, '–')} |")
         for name, ok in k.get("checks", {}).items():
             lines.append(f"| {name} | {'ok' if ok else 'MISMATCH'} | same loss and gradients |")
+    lines += render_fair(r.get("fair"))
     for shape, sc in r["scale"].items():
+        if not sc:
+            continue  # bench_scale is no longer a step of the check (the fair benchmark above replaces it)
         lines += [
             "",
             f"## Composed step vs TRL GRPOTrainer, Qwen2.5-{shape.upper()} shape (`benchmarks.bench_scale`)",
             "",
         ]
-        if not sc:
-            lines.append(f"No result (see the steps table and gpu.d/scale-{shape}.log).")
-            continue
         if sc.get("partial"):
             lines.append("Partial: the step stopped before every configuration ran.")
         lines += ["| configuration | step s | tokens/s | peak CUDA GiB | note |", "|---|---:|---:|---:|---|"]
@@ -349,6 +361,77 @@ def render_md(r: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {_fmt(v)} | {sc.get('targets', {}).get(name, '–')} |")
     lines += ["", "Logs of every step: `gpu.d/<step>.log`; everything above as JSON: `gpu.json`.", ""]
     return "\n".join(lines)
+
+
+#: The fair benchmark's phases, in its order (``benchmarks.bench_gpu.PHASES``; the report needs no torch).
+FAIR_PHASES = ("generation", "experience", "forward", "teacher", "replay", "backward", "optimizer", "ema", "other")
+
+
+def render_fair(f: dict[str, Any] | None) -> list[str]:
+    """The fair benchmark's section: one row per configuration, the phase split, the profile of ``full``."""
+    lines = ["", "## Fair benchmark: composed step vs TRL GRPOTrainer, steady state (`benchmarks.bench_gpu`)", ""]
+    if not f:
+        return [*lines, "No result (the step failed or did not run; see the steps table and gpu.d/fair.log)."]
+    if "error" in f:
+        return [*lines, f["error"]]
+    sp = f.get("spec", {})
+    lines.append(
+        f"Shape {f.get('shape')} ({sp.get('model')}): {sp.get('prompts')} prompts x {sp.get('generations')} "
+        f"generations x {sp.get('new_tokens')} new tokens on {sp.get('device')}; {f.get('warmup')} warm-up "
+        f"step(s) dropped, {f.get('steps')} timed steps in one fit/train per row; project rollout.compile="
+        f"{f.get('compile')}." + (" Partial: the step stopped before every row ran." if f.get("partial") else "")
+    )
+    res = f.get("results", {})
+    ratios = f.get("ratios", {})
+    lines += [
+        "",
+        "| row | step s (median) | min-max s | tokens/step | tokens/s | peak CUDA GiB | speed vs TRL | mem vs TRL "
+        "| settings / note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in f.get("rows", list(res)):
+        v = res.get(row)
+        if v is None:
+            lines.append(f"| {row} | | | | | | | | not reached |")
+            continue
+        if "error" in v:
+            note = v["error"][:200].replace("\n", " ").replace("|", "/")
+            lines.append(f"| {row} | | | | | | | | {note} |")
+            continue
+        st = v.get("settings", {})
+        note = ", ".join(f"{k}: {st[k]}" for k in ("attn_implementation", "optimizer", "generation") if k in st)
+        lines.append(
+            f"| {row} | {_fmt(v.get('step_s_median'))} | {_fmt(v.get('step_s_min'))}-{_fmt(v.get('step_s_max'))} | "
+            f"{_fmt(v.get('tokens_per_step'), '.0f')} | {_fmt(v.get('tokens_per_s'), '.1f')} | "
+            f"{_fmt(v.get('peak_cuda_gib'), '.2f')} | {_fmt(ratios.get(f'{row}_speed_vs_trl'))} | "
+            f"{_fmt(ratios.get(f'{row}_mem_vs_trl'))} | {note} |"
+        )
+    lines += [
+        "",
+        "Phase split: median seconds per step (peak CUDA GiB of the phase).",
+        "",
+        "| row | " + " | ".join(FAIR_PHASES) + " |",
+        "|---|" + "---:|" * len(FAIR_PHASES),
+    ]
+    for row, v in res.items():
+        if "phases" not in v:
+            continue
+        cells = []
+        for name in FAIR_PHASES:
+            ph = v["phases"].get(name, {})
+            peak = ph.get("peak_gib")
+            cells.append(_fmt(ph.get("s_median")) + (f" ({peak:.2f})" if isinstance(peak, int | float) else ""))
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    prof = (res.get("full") or {}).get("profile")
+    lines += ["", "Profile of one step of the full composition (top kernels):", ""]
+    if not prof:
+        lines.append("No profile (the full row did not finish).")
+    else:
+        lines += [f"| kernel | calls | {prof.get('by')} ms | share |", "|---|---:|---:|---:|"]
+        for k in prof.get("rows", []):
+            name = str(k.get("name", "")).replace("|", "/")
+            lines.append(f"| `{name}` | {k.get('calls')} | {_fmt(k.get('self_ms'), '.2f')} | {_fmt(k.get('share'))} |")
+    return lines
 
 
 def cmd_report(out: Path) -> int:

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The GPU check: the `gpu` test tier, the kernel benchmark against Liger and bench_scale's GPU half (ours vs TRL's
-# GRPOTrainer at the Qwen2.5-0.5B and 1.5B shapes), on one CUDA machine, in at most 9.5 minutes (every step under
-# `timeout`); writes results/gpu.json and results/gpu.md (with the device name) whatever step fails.
+# The GPU check, in at most 6 minutes on one H200 (every step under `timeout`): the fair benchmark first (the
+# composed step against TRL's GRPOTrainer in steady state, every row, a phase split and a profile:
+# benchmarks/bench_gpu.py), then the kernel benchmark against Liger and the `gpu` test tier. It writes
+# results/gpu.json and results/gpu.md (with the device name) after every row of the fair benchmark and at the
+# end, whatever step fails.
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine
-#   bash scripts/gpu_check.sh --dry-run       # anywhere: print every step's command and resolve its imports
+#   bash scripts/gpu_check.sh --dry-run       # anywhere: print every step's command, resolve its imports, and run
+#                                             # the fair benchmark at tiny sizes on the CPU (seconds) into a
+#                                             # temporary folder (DIR/dry-run with --out DIR)
 #   bash scripts/gpu_check.sh --out DIR       # write DIR/gpu.json, DIR/gpu.md, DIR/gpu.d/ (default: results)
 #
 # It uses the machine's Python as it is (PYTHON, default python3; torch with CUDA must be there already): the
 # project goes on PYTHONPATH (no install, torch untouched) and only the distributions that Python lacks are
 # installed, --no-deps and offline, from the wheels `bash scripts/gpu_wheels.sh` downloaded beforehand
 # (GPU_WHEELS, default .gpu_wheels) into a folder on PYTHONPATH (GPU_SITE, default .gpu_site).
-# Step budgets in seconds (GPU_CHECK_<STEP>_S): SETUP 20, TIER 190, KERNELS 75, SCALE05 170, SCALE15 100 (555 s;
-# sized on one H200, 2026-11-27: a 0.5B configuration takes 40-55 s with its model build, the 1.5B ones more).
+# Step budgets in seconds (GPU_CHECK_<STEP>_S): SETUP 15, FAIR 210, KERNELS 40, TIER 85, and 10 for the report
+# (360 s). FAIR: 6 rows, one process each (start, model build, 1 warm-up step with the decode step's
+# compilation, 5 timed steps; the full composition one more, profiled), each row at most 75 s.
 # GPU_CHECK_ALLOW_CPU=1 runs the steps without CUDA too (the tier then skips; the suite tests the script so).
 # Documented in benchmarks/README.md ("GPU check").
 set -uo pipefail
@@ -22,11 +27,12 @@ PY=${PYTHON:-python3}
 WHEELS=${GPU_WHEELS:-$ROOT/.gpu_wheels}
 SITE=${GPU_SITE:-$ROOT/.gpu_site}
 OUT=results
+OUT_GIVEN=0
 DRY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --out) OUT=${2:?--out needs a folder}; shift ;;
+    --out) OUT=${2:?--out needs a folder}; OUT_GIVEN=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option '$1' (valid: --dry-run, --out DIR, --help)" >&2; exit 2 ;;
   esac
@@ -85,23 +91,28 @@ if [ "$DRY" = 1 ]; then
   echo "[gpu_check] dry run: $PY ($("$PY" -c 'import platform; print(platform.python_version())')), wheels $WHEELS"
   "$PY" "$ROOT/scripts/gpu_check.py" install --wheels "$WHEELS" --target "$SITE" --dry-run || failed=1
 fi
-run_step setup "${GPU_CHECK_SETUP_S:-20}" "$PY" "$ROOT/scripts/gpu_check.py" install --wheels "$WHEELS" --target "$SITE"
-run_step tier "${GPU_CHECK_TIER_S:-190}" "$PY" -m pytest "$ROOT/tests/gpu" -m gpu -q -rA -p no:cacheprovider \
-  --timeout 150 --junitxml "$D/tier.xml"
-run_step kernels "${GPU_CHECK_KERNELS_S:-75}" "$PY" -m benchmarks.bench_losses --repeats 5 \
+run_step setup "${GPU_CHECK_SETUP_S:-15}" "$PY" "$ROOT/scripts/gpu_check.py" install --wheels "$WHEELS" --target "$SITE"
+FAIR_S=${GPU_CHECK_FAIR_S:-210}
+run_step fair "$FAIR_S" "$PY" -m benchmarks.bench_gpu --shape gpu-0.5b --steps 5 --warmup 1 \
+  --budget-s $((FAIR_S - 10)) --row-timeout 75 --json "$D/fair.json" --report-dir "$OUT"
+run_step kernels "${GPU_CHECK_KERNELS_S:-40}" "$PY" -m benchmarks.bench_losses --repeats 3 \
   --variants logprobs_materialised,logprobs_chunked,hint_distill_materialised,hint_distill_chunked,hint_distill_liger,hint_distill_chunked_topk100 \
   --out "$D/kernels.json"
-run_step scale-0.5b "${GPU_CHECK_SCALE05_S:-170}" "$PY" -m benchmarks.bench_scale --quick --shapes gpu-0.5b \
-  --variants grpo,grpo+hint+replay,trl_grpo --hint-all --hint-distill teacher=ema --hint-distill topk=100 \
-  --config-timeout 90 --json "$D/scale-0.5b.json"
-run_step scale-1.5b "${GPU_CHECK_SCALE15_S:-100}" "$PY" -m benchmarks.bench_scale --quick --shapes gpu-1.5b \
-  --variants grpo+hint+replay,trl_grpo --hint-all --hint-distill teacher=ema --hint-distill topk=100 \
-  --config-timeout 90 --json "$D/scale-1.5b.json"
+run_step tier "${GPU_CHECK_TIER_S:-85}" "$PY" -m pytest "$ROOT/tests/gpu" -m gpu -q -rA -p no:cacheprovider \
+  --timeout 60 --junitxml "$D/tier.xml"
 if [ "$DRY" = 1 ]; then
   echo "[gpu_check] step report: $PY scripts/gpu_check.py report $OUT"
   echo "[gpu_check] imports of every step, in one process:"
   "$PY" "$ROOT/scripts/gpu_check.py" imports "${dry_steps[@]}" report --wheels "$WHEELS" || failed=1
   [ "$failed" = 0 ] && echo "[gpu_check] dry run: every step's imports resolve" || echo "[gpu_check] dry run: MISSING imports above"
+  # the fair benchmark itself, at tiny sizes on the CPU: every row, the phase split and the profile
+  if [ "$OUT_GIVEN" = 1 ]; then DRY_OUT="$OUT/dry-run"; else DRY_OUT=$(mktemp -d); fi
+  mkdir -p "$DRY_OUT/gpu.d"
+  echo "[gpu_check] dry run of the fair benchmark (cpu-tiny) into $DRY_OUT"
+  timeout -k 10 "${GPU_CHECK_DRY_FAIR_S:-400}" "$PY" -m benchmarks.bench_gpu --shape cpu-tiny --steps 5 --warmup 1 \
+    --json "$DRY_OUT/gpu.d/fair.json" --report-dir "$DRY_OUT" > "$DRY_OUT/gpu.d/fair.log" 2>&1 || failed=1
+  tail -n 8 "$DRY_OUT/gpu.d/fair.log"
+  [ "$failed" = 0 ] && echo "[gpu_check] dry run: the fair benchmark wrote $DRY_OUT/gpu.md" || echo "[gpu_check] dry run: FAILED (see $DRY_OUT/gpu.d/fair.log)"
   exit "$failed"
 fi
 timeout 60 "$PY" "$ROOT/scripts/gpu_check.py" report "$OUT" || failed=1
