@@ -478,14 +478,30 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run(a: Any) -> dict[str, Any]:
+#: What the rows should reach on the GPU (steady state, against TRL's GRPOTrainer).
+TARGETS = {
+    "grpo_speed_vs_trl": ">= 1.0 (completion tokens/s vs TRL, steady state)",
+    "full_speed_vs_trl": ">= 1.0",
+    "full_mem_vs_trl": "<= 1.5 (peak CUDA memory vs TRL)",
+}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """``run_all``'s entry: every row at the GPU shape where CUDA is, else the CPU dry run's tiny shape."""
+    import torch
+
+    shape = "gpu-0.5b" if torch.cuda.is_available() else "cpu-tiny"
+    return run_rows(_parser().parse_args(["--shape", shape, "--steps", "5" if quick else "10"]))
+
+
+def run_rows(a: Any) -> dict[str, Any]:
     """Every row of ``a.rows`` within ``a.budget_s`` seconds; the results so far written after each."""
     t0 = time.perf_counter()
     spec = dict(SHAPES[a.shape])
     if a.new_tokens:
         spec["new_tokens"] = a.new_tokens
     res: dict[str, Any] = {"name": "fair", "shape": a.shape, "spec": spec, "steps": a.steps, "warmup": a.warmup}
-    res.update(compile=a.compile, rows=list(a.rows), results={}, partial=True)
+    res.update(compile=a.compile, rows=list(a.rows), results={}, ratios={}, targets=TARGETS, partial=True)
     path = Path(a.json) if a.json else None
     report = Path(a.report_dir) if a.report_dir else None
     if report is not None and path is None:
@@ -508,10 +524,9 @@ def run(a: Any) -> dict[str, Any]:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="gpu-0.5b", choices=sorted(SHAPES))
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--new-tokens", type=int, default=0, help="new tokens per completion (default: the shape's)")
@@ -528,6 +543,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", default=None, choices=ROWS, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--pairs", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rows", default=",".join(ROWS), type=_rows, help=f"comma-separated subset of {', '.join(ROWS)}")
+    return p
+
+
+def _rows(text: str) -> tuple[str, ...]:
+    rows = tuple(r.strip() for r in text.split(",") if r.strip())
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown rows {bad}; available: {', '.join(ROWS)}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     a = p.parse_args(argv)
     if a.child:
         spec = dict(SHAPES[a.shape])
@@ -536,13 +565,9 @@ def main(argv: list[str] | None = None) -> int:
         out = child(a.child, spec, a.model, a.pairs, a.steps, a.warmup, a.compile)
         Path(a.json).write_text(json.dumps(out))
         return 0
-    a.rows = tuple(r.strip() for r in a.rows.split(",") if r.strip())
-    bad = [r for r in a.rows if r not in ROWS]
-    if bad:
-        p.error(f"unknown --rows {bad}; available: {', '.join(ROWS)}")
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    res = run(a)
+    res = run_rows(a)
     for row, r in res["results"].items():
         if "error" in r:
             print(f"{row:<22} error: {r['error'][:300]}")

@@ -109,7 +109,7 @@ if [ "$DRY" = 1 ]; then
   if [ "$OUT_GIVEN" = 1 ]; then DRY_OUT="$OUT/dry-run"; else DRY_OUT=$(mktemp -d); fi
   mkdir -p "$DRY_OUT/gpu.d"
   echo "[gpu_check] dry run of the fair benchmark (cpu-tiny) into $DRY_OUT"
-  timeout -k 10 "${GPU_CHECK_DRY_FAIR_S:-400}" "$PY" -m benchmarks.bench_gpu --shape cpu-tiny --steps 5 --warmup 1 \
+  COMPOSER_CACHE_DIR="$DRY_OUT/gpu.d/cache" timeout -k 10 "${GPU_CHECK_DRY_FAIR_S:-400}" "$PY" -m benchmarks.bench_gpu --shape cpu-tiny --steps 5 --warmup 1 \
     --json "$DRY_OUT/gpu.d/fair.json" --report-dir "$DRY_OUT" > "$DRY_OUT/gpu.d/fair.log" 2>&1 || failed=1
   tail -n 8 "$DRY_OUT/gpu.d/fair.log"
   [ "$failed" = 0 ] && echo "[gpu_check] dry run: the fair benchmark wrote $DRY_OUT/gpu.md" || echo "[gpu_check] dry run: FAILED (see $DRY_OUT/gpu.d/fair.log)"

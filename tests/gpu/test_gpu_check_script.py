@@ -18,7 +18,9 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 
-STEPS = ("setup", "tier", "kernels", "scale-0.5b", "scale-1.5b")
+STEPS = ("setup", "fair", "kernels", "tier")
+#: The fair benchmark's rows and phases (what the dry run must show).
+ROWS = ("grpo", "trl_grpo", "full", "grpo+hint", "grpo+teacher_distill", "grpo+replay")
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -26,20 +28,49 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) ->
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=e, timeout=timeout)
 
 
-def test_dry_run_prints_every_step_and_resolves_its_imports(tmp_path):
+def test_dry_run_prints_every_step_resolves_its_imports_and_runs_the_fair_benchmark_on_the_cpu(tmp_path):
+    """The dry run: every step's command and imports, then the fair benchmark at tiny sizes on the CPU, whose
+    report has every row, the phase columns (each row's phases found) and the profile table."""
     out = tmp_path / "results"
-    p = _run("--dry-run", "--out", str(out), env={"GPU_WHEELS": str(tmp_path / "no-wheels")})
+    p = _run("--dry-run", "--out", str(out), env={"GPU_WHEELS": str(tmp_path / "no-wheels")}, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     for step in STEPS:
         assert f"[gpu_check] step {step} (timeout " in p.stdout, step
         assert f"  {step}:\n" in p.stdout, step  # its imports were resolved
     assert "-m pytest" in p.stdout and "tests/gpu -m gpu" in p.stdout
     assert "-m benchmarks.bench_losses" in p.stdout and "hint_distill_liger" in p.stdout
-    assert "--shapes gpu-0.5b" in p.stdout and "--shapes gpu-1.5b" in p.stdout and "topk=100" in p.stdout
-    assert "teacher=ema" in p.stdout and "trl_grpo" in p.stdout
+    assert "-m benchmarks.bench_gpu --shape gpu-0.5b --steps 5 --warmup 1" in p.stdout
     assert "MISSING" not in p.stdout and "every step's imports resolve" in p.stdout
     assert "no wheels in" in p.stdout  # the setup step says where the wheels would come from
-    assert not out.exists(), "a dry run writes nothing"
+    assert sorted(x.name for x in out.iterdir()) == ["dry-run"], "a dry run writes only its CPU run"
+    r = json.loads((out / "dry-run" / "gpu.json").read_text())
+    fair = r["fair"]
+    assert fair["shape"] == "cpu-tiny" and not fair["partial"] and fair["steps"] == 5
+    assert list(fair["results"]) == list(ROWS)
+    from benchmarks.bench_gpu import PHASES
+
+    assert gpu_check.FAIR_PHASES == PHASES
+    must = {"generation", "experience", "forward", "backward", "optimizer"}
+    extra = {"full": {"teacher", "replay", "ema"}, "grpo+hint": {"teacher", "ema"}, "grpo+teacher_distill": {"teacher"}}
+    extra["grpo+replay"] = {"replay"}
+    for row in ROWS:
+        v = fair["results"][row]
+        assert "error" not in v, (row, v.get("error"))
+        assert v["steps"] == 5 and len(v["per_step"]) == 5 and v["tokens_per_s"] > 0, row
+        assert set(v["phases"]) == set(PHASES), row
+        assert must | extra.get(row, set()) <= set(v["phases_seen"]), (row, v["phases_seen"])
+        for step in v["per_step"]:  # exclusive phases: they add up to the step (the rest is "other")
+            assert abs(sum(step["phases_s"].values()) - step["wall_s"]) < 1e-3 * max(1.0, step["wall_s"]), row
+        assert v["settings"]["attn_implementation"] and v["settings"]["optimizer"] == "AdamW", row
+    assert fair["ratios"]["full_speed_vs_trl"] > 0
+    prof = fair["results"]["full"]["profile"]
+    assert prof["by"] == "self CPU time" and len(prof["rows"]) >= 5
+    assert any("mm" in k["name"] for k in prof["rows"])
+    md = (out / "dry-run" / "gpu.md").read_text()
+    assert "## Fair benchmark" in md and "| row | generation | experience | forward | teacher | replay |" in md
+    for row in ROWS:
+        assert f"| {row} | " in md, row
+    assert "| kernel | calls | self CPU time ms | share |" in md and "`aten::" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA present the script runs for real")
@@ -126,25 +157,56 @@ def test_report_is_written_whatever_steps_failed_or_timed_out(tmp_path):
 
 
 def test_the_benchmark_options_in_the_script_exist(capsys):
-    """Every ``--variants`` / ``--shapes`` value the script passes is one the benchmark knows (and bad ones fail)."""
+    """Every ``--variants`` / ``--shape`` value the script passes is one the benchmarks know (and bad ones fail)."""
     import re
 
-    from benchmarks import bench_losses, bench_scale
+    from benchmarks import bench_gpu, bench_losses
 
     text = SCRIPT.read_text()
     losses = re.search(r"bench_losses .*?--variants (\S+)", text, re.S)
     assert losses and set(losses.group(1).split(",")) <= set(bench_losses.VARIANTS + bench_losses.EXTRA_VARIANTS)
     assert {"hint_distill_liger", "hint_distill_chunked"} <= set(losses.group(1).split(","))
-    scale = re.findall(r"bench_scale .*?--shapes (\S+) \\\s+--variants (\S+)", text, re.S)
-    assert [s for s, _ in scale] == ["gpu-0.5b", "gpu-1.5b"]
-    for shape, variants in scale:
-        assert shape in bench_scale.SHAPES and set(variants.split(",")) <= set(bench_scale.VARIANTS)
+    shapes = re.findall(r"bench_gpu --shape (\S+)", text)
+    assert shapes == ["gpu-0.5b", "cpu-tiny"] and set(shapes) <= set(bench_gpu.SHAPES)
     with pytest.raises(SystemExit):
-        bench_scale.main(["--shapes", "gpu-0.7b"])
-    assert "available: cpu, gpu-0.5b, gpu-1.5b" in capsys.readouterr().err
+        bench_gpu.main(["--rows", "grpo,dapo"])
+    assert "available: grpo, trl_grpo, full, grpo+hint, grpo+teacher_distill, grpo+replay" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_losses.main(["--variants", "hint_distill_triton"])
     assert "hint_distill_liger" in capsys.readouterr().err
+
+
+def test_phase_timer_counts_nested_phases_once(monkeypatch):
+    """A phase nested in another takes its own time out of the outer one; the rest of the step is ``other``;
+    steps outside ``record`` are dropped; the summary gives median, spread and each phase's median."""
+    from benchmarks import bench_gpu
+
+    clock = iter(range(0, 1000))
+    monkeypatch.setattr(bench_gpu.time, "perf_counter", lambda: float(next(clock)))
+    t = bench_gpu.PhaseTimer(cuda=False)
+
+    class Obj:
+        def inner(self):
+            return "x"
+
+    o = Obj()
+    t.wrap(o, "inner", "teacher")
+    for record in (False, True, True):
+        t.begin_step(record=record)
+        t.enter("forward")  # forward: 1 tick before the teacher, 1 after
+        assert o.inner() == "x"  # teacher: 1 tick
+        t.exit("forward")
+        t.end_step(tokens=10)
+    assert len(t.steps) == 2
+    for s in t.steps:
+        assert s["phases_s"] == {"other": 2.0, "forward": 2.0, "teacher": 1.0} and s["wall_s"] == 5.0
+    summary = bench_gpu.summarize(t.steps)
+    assert summary["step_s_median"] == 5.0 and summary["tokens_per_s"] == 2.0
+    assert summary["phases"]["forward"]["s_median"] == 2.0 and summary["phases"]["replay"]["s_median"] == 0.0
+    with pytest.raises(AssertionError, match="phase 'forward' closed while 'teacher' was open"):
+        t.begin_step()
+        t.enter("teacher")
+        t.exit("forward")
 
 
 def test_lzma_repacked_wheels_install_with_pip_unchanged(tmp_path, capsys):
@@ -208,7 +270,7 @@ def test_every_step_is_bounded_and_the_report_is_written_when_steps_time_out(tmp
     """The real flow on the CPU (``GPU_CHECK_ALLOW_CPU=1``): the tier runs (its gpu tests skip here), the
     benchmarks get a 2-second budget and are killed by ``timeout``; the report still says what happened."""
     out = tmp_path / "results"
-    budgets = {"GPU_CHECK_KERNELS_S": "2", "GPU_CHECK_SCALE05_S": "2", "GPU_CHECK_SCALE15_S": "2"}
+    budgets = {"GPU_CHECK_KERNELS_S": "2", "GPU_CHECK_FAIR_S": "2"}
     p = _run(
         "--out",
         str(out),
@@ -220,18 +282,13 @@ def test_every_step_is_bounded_and_the_report_is_written_when_steps_time_out(tmp
         },
         timeout=400,
     )
-    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # three steps timed out
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # two steps timed out
     r = json.loads((out / "gpu.json").read_text())
     status = {s["step"]: (s["rc"], s["timed_out"]) for s in r["steps"]}
-    assert status == {
-        "setup": (0, False),
-        "tier": (0, False),
-        "kernels": (124, True),
-        "scale-0.5b": (124, True),
-        "scale-1.5b": (124, True),
-    }, r["steps"]
-    assert r["tier"]["counts"] == {"skipped": 16} and r["machine"]["device"] == "no CUDA device"
+    assert status == {"setup": (0, False), "fair": (124, True), "kernels": (124, True), "tier": (0, False)}, r["steps"]
+    assert r["tier"]["counts"] == {"skipped": 17} and r["machine"]["device"] == "no CUDA device"
     md = (out / "gpu.md").read_text()
-    assert "Device: **no CUDA device**" in md and md.count("TIMED OUT") == 3
+    assert "Device: **no CUDA device**" in md and md.count("TIMED OUT") == 2
+    assert "No result (the step failed or did not run; see the steps table and gpu.d/fair.log)" in md
     for step in status:
         assert (out / "gpu.d" / f"{step}.log").exists()

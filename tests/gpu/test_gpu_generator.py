@@ -46,3 +46,25 @@ def test_hf_generator_samples_on_the_device_and_is_seeded(device, tiny_dir):
     lp = completion_logprobs(policy, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask)
     assert isinstance(lp, torch.Tensor) and lp.device.type == device
     assert torch.isfinite(lp).all() and (lp[a.completion_mask.bool()] <= 0).all()
+
+
+@pytest.mark.gpu
+def test_compiled_decode_on_cuda_gives_the_eager_tokens_at_temperature_0(tiny_dir):
+    """``rollout.compile: auto`` on CUDA: a static cache and HF's compiled decode step (really compiled here),
+    the eager path's tokens at temperature 0, no fallback warning."""
+    import warnings
+
+    from composer_plugins.models import generation as G
+
+    policy, tok = load_policy(tiny_dir)
+    policy.to("cuda")
+    prompts = ["Q: 3+4=? A:", "Q: 10+12=? A:"]
+    kw = {"do_sample": False, "max_new_tokens": 16, "max_prompt_length": 32}
+    eager = G.generate_completions(policy, tok, prompts, 2, compile="off", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed compile warns and falls back
+        compiled = G.generate_completions(policy, tok, prompts, 2, compile="auto", **kw)
+        again = G.generate_completions(policy, tok, prompts, 2, compile="auto", **kw)
+    assert hasattr(policy, "_compiled_call") and policy not in G._EAGER_ONLY
+    assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    assert torch.equal(again.completion_ids, eager.completion_ids)  # the cache reused, reset between calls
