@@ -292,3 +292,16 @@ def test_every_step_is_bounded_and_the_report_is_written_when_steps_time_out(tmp
     assert "No result (the step failed or did not run; see the steps table and gpu.d/fair.log)" in md
     for step in status:
         assert (out / "gpu.d" / f"{step}.log").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA present the steps would run for real")
+def test_gpu_check_steps_runs_only_the_named_steps(tmp_path):
+    """``GPU_CHECK_STEPS="setup"``: the other steps say they were skipped, and only setup is in the report."""
+    out = tmp_path / "results"
+    env = {"GPU_CHECK_ALLOW_CPU": "1", "GPU_CHECK_STEPS": "setup", "GPU_WHEELS": str(tmp_path / "none")}
+    p = _run("--out", str(out), env={**env, "GPU_SITE": str(tmp_path / "site")}, timeout=200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for step in ("fair", "kernels", "tier"):
+        assert f"[gpu_check] step {step}: not in GPU_CHECK_STEPS, skipped" in p.stdout
+    r = json.loads((out / "gpu.json").read_text())
+    assert [s["step"] for s in r["steps"]] == ["setup"] and r["fair"] is None
