@@ -9,6 +9,7 @@ what spans several (the prompts a step splits over data-parallel ranks, the ``lo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -45,6 +46,8 @@ SFT_HINT_KINDS = ("feedback", "demonstration", "step_check")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
 #: Strategy names this config accepts besides Lightning's registered ones.
 STRATEGY_SHORTHANDS: tuple[str, ...] = ("auto", "ddp", "fsdp")
+#: ``compute.gradient_checkpointing`` modes.
+Checkpointing = Literal["auto", "layer", "none"]
 
 
 def need(src: Config, key: str, ok: bool, value: Any, problem: str, fix: str) -> None:
@@ -260,6 +263,8 @@ class HintsSection(Section):
     )
     max_hinted_per_step: int | None = None
     max_context_length: int = 256
+    #: Log ``hint/teacher_margin`` (teacher − student log-prob per hinted token): one more LM-head pass of both.
+    teacher_margin: bool = False
 
     def validate(self, src: Config, key: str = "hints") -> None:
         """``provider`` names a registered hint provider (nothing is built)."""
@@ -292,6 +297,9 @@ class OptimSection(Section):
     scheduler: Literal["constant", "cosine", "linear"] = "cosine"
     #: Further keyword arguments of the optimizer (e.g. ``{amsgrad: true}``), passed as they are.
     args: dict[str, Any] = field(default_factory=dict)
+    #: ``auto``: a fused implementation (``fused=True``) on CUDA, ``foreach=True`` elsewhere, for optimizers that
+    #: take them; ``true``/``false``: ``fused`` as given. ``args`` win.
+    fused: Literal["auto"] | bool = "auto"
 
     def validate(self, src: Config, key: str = "optim") -> None:
         """A positive ``lr``, ``warmup_steps >= 0`` and a registered optimizer ``name``."""
@@ -345,6 +353,11 @@ class TrainerSection(Section):
     #: names, ``{name: ..., <kwargs>}`` or ``{class_path: ..., init_args: ...}``.
     callbacks: list[Any] = field(default_factory=list)
 
+    def compute_dtype(self) -> str | None:
+        """What ``precision`` computes in: ``bfloat16`` (``bf16-*``), ``float16`` (``16-*``); ``None``: the weights'."""
+        p = str(self.precision)
+        return "bfloat16" if p.startswith("bf16") else "float16" if p.startswith("16") else None
+
     def validate(self, src: Config, key: str = "trainer") -> None:
         """Step counts, checkpoint settings, a known ``strategy`` and registered ``callbacks``."""
         positive(src, key, self, "max_steps", "accumulate_grad_batches")
@@ -382,7 +395,7 @@ class ComputeSection(Section):
     """How one training step holds memory: micro-batches of rows, chunks of the LM head.
 
     The rollout batch's forward/backward runs ``micro_batch_size`` rows at a time (activation
-    checkpointing per micro-batch when there are several), and every log-prob, entropy and
+    checkpointing per decoder layer when there are several: ``gradient_checkpointing``), and every log-prob, entropy and
     divergence is computed from the final hidden states through the LM head ``chunk_size`` rows
     at a time: no ``rows × tokens × vocab`` tensor is built. The composed loss is the same as the
     one-shot loss (it is computed once, over the whole batch, from the hidden states).
@@ -394,8 +407,25 @@ class ComputeSection(Section):
     micro_batch_tokens: int = 4096
     #: LM-head rows per chunk (``null``: about 16M logits per chunk, e.g. 96 rows at a 151,936 vocabulary).
     chunk_size: int | None = None
-    #: Hugging Face gradient checkpointing inside each micro-batch (per decoder layer).
-    gradient_checkpointing: bool = False
+    #: Activation checkpointing per decoder layer (HF ``gradient_checkpointing_enable``, non-reentrant): ``layer``,
+    #: ``none`` (nothing recomputed), or ``auto``: on only when a step's rows need more than one micro-batch.
+    gradient_checkpointing: Checkpointing | bool = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gradient_checkpointing, bool):  # the form before 0.2: true (layer) / false (auto)
+            mode = "layer" if self.gradient_checkpointing else "auto"
+            warnings.warn(
+                f"compute.gradient_checkpointing: {str(self.gradient_checkpointing).lower()} (YAML's off/on too) is "
+                f"deprecated and means {mode}; write auto, layer or none",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self.gradient_checkpointing = mode
+
+    def checkpoint_layers(self, *forwards: tuple[int, int]) -> bool:
+        """Whether decoder layers are checkpointed for with-grad forwards of ``(rows, sequence length)``."""
+        mode = self.gradient_checkpointing
+        return mode == "layer" or (mode == "auto" and any(self.rows_per_micro_batch(t) < n for n, t in forwards))
 
     def rows_per_micro_batch(self, seq_len: int) -> int:
         """Rows of one micro-batch for sequences of ``seq_len`` tokens."""

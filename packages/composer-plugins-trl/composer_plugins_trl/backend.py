@@ -565,7 +565,7 @@ class TRLBackend(Backend):
             use_cpu=c.trainer.accelerator == "cpu",
             bf16=c.trainer.precision.startswith("bf16"),
             fp16=False,
-            gradient_checkpointing=c.compute.gradient_checkpointing,
+            gradient_checkpointing=c.compute.gradient_checkpointing == "layer",
             report_to="none",
             save_strategy="no",
             logging_steps=1,
