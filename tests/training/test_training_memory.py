@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from composer_plugins.models.logprobs import completion_hidden, decoder_body, micro_batches, sequence_inputs
 from composer_plugins.training.builders import build_env
 from composer_plugins.training.module import ComposerModule
-from composer_plugins.training.policy import apply_checkpointing, load_policy_for
+from composer_plugins.training.policy import load_policy_for
 
 BASE = ("sft.enabled=false", "rollout.prompts_per_step=3", "rollout.num_generations=4", "rollout.max_new_tokens=10")
 GRPO_ONLY = ("losses.hint_distill.enabled=false",)
@@ -103,6 +103,8 @@ def test_layer_checkpointing_holds_fewer_bytes_than_the_whole_body_and_keeps_gra
     """Several micro-batches: per-layer checkpointing (``auto``) holds each layer's input plus one layer's activations
     of one micro-batch at the peak; the whole body under one checkpoint held one micro-batch's activations of every
     layer. The gradients equal the plain (``none``) path's."""
+    from composer_plugins.training.policy import apply_checkpointing
+
     cfg, _, _, plain, _ = _policy(make_cfg, "compute.micro_batch_size=3")
     model = copy.deepcopy(plain).train()
     assert apply_checkpointing(model, cfg) and model.is_gradient_checkpointing  # auto: 12 rows need 4 micro-batches
