@@ -135,6 +135,12 @@ def ema_update(pairs: Iterable[tuple[Tensor, Tensor]], rate: float) -> None:
         torch._foreach_lerp_(teachers, sources, float(rate))
 
 
+def compute_dtype(precision: str) -> str | None:
+    """What a Lightning ``precision`` computes in: ``bfloat16`` (``bf16-*``), ``float16`` (``16-*``), else ``None``."""
+    p = str(precision)
+    return "bfloat16" if p.startswith("bf16") else "float16" if p.startswith("16") else None
+
+
 def teacher_from(channels: Iterable[Any]) -> tuple[str, float]:
     """The ``(teacher, ema_rate)`` setting of the live teacher-needing channels (``("live", 0)`` if none set it).
 

@@ -72,7 +72,7 @@ class ComposerModule(L.LightningModule):
         super().__init__()
         from composer_plugins.core.config import Config, redact, to_dict
         from composer_plugins.losses.base import ChannelComposer
-        from composer_plugins.training.ema import EMATeacher, teacher_from
+        from composer_plugins.training.ema import EMATeacher, compute_dtype, teacher_from
 
         cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
         self.cfg = cfg
@@ -98,7 +98,7 @@ class ComposerModule(L.LightningModule):
             raise (src if src is not None else Config()).error("losses", str(e)) from None
         #: The frozen EMA copy of the policy that scores the hinted contexts (``losses.<hint>.teacher: ema``),
         #: a submodule (checkpointed, sharded like the policy), in the step's compute dtype; ``None``: the live policy.
-        dt = cfg.trainer.compute_dtype()
+        dt = compute_dtype(cfg.trainer.precision)
         self.ema_teacher = EMATeacher(self.policy, ema_rate, dtype=dt) if teacher == "ema" else None
         self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
@@ -113,8 +113,7 @@ class ComposerModule(L.LightningModule):
         if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
             pairs = load_pairs(cfg.replay.pairs_path)
         self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
-        # The KL's frozen reference copy, outside the module tree: not optimised, not checkpointed (rebuilt on resume).
-        # The pairs' reference log-probs need none: computed once at the first step (:meth:`cache_pair_references`).
+        # The KL's frozen reference (not optimised, not checkpointed); the pairs' need none (cache_pair_references)
         self._reference: list[Any] = []
         self._pair_refs_due = bool(self.required_inputs & set(PAIR_REF_KEYS)) and bool(self.pairs)
         if self.needs_ref_tokens:
@@ -192,6 +191,7 @@ class ComposerModule(L.LightningModule):
             self._resume_rng = None
         for ref in self._reference:
             ref.to(self.device)
+        self.cache_pair_references()  # before a step (or a DiLoCo heal) moves the weights
 
     def step_seed(self, index: int, rank: int = 0, world_size: int = 1) -> int:
         """Sampling seed of step ``index`` on data-parallel ``rank`` (one process: ``(seed, 1, index)``)."""
@@ -313,16 +313,17 @@ class ComposerModule(L.LightningModule):
     def step_meta(self, seed: int) -> StepMeta:
         """This step's meta: the optimizer step (Trainer or not), the run length and ``seed``'s preference pairs."""
         step = self.global_step if self._trainer is not None else self.local_steps
-        if self._pair_refs_due:
-            self.cache_pair_references()
+        self.cache_pair_references()
         pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed) if self.needs_pairs else []
         return StepMeta(step, self.cfg.trainer.max_steps, tuple(pairs))
 
     def cache_pair_references(self) -> None:
-        """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs."""
+        """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once)."""
         from composer_plugins.training.input_builders import cache_pair_references
 
-        self.pairs, self._pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
+        if self._pair_refs_due:
+            with self.full_params():
+                self.pairs, self._pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
 
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs)."""
@@ -378,7 +379,7 @@ class ComposerModule(L.LightningModule):
             k0, k1 = PAIR_REF_KEYS
             self.pairs = [{**p, k0: c, k1: j} for p, (c, j) in zip(self.pairs, refs, strict=True)]
             self._pair_refs_due = False
-        elif self._pair_refs_due:  # a checkpoint without them: the weights are still the starting policy's here
+        else:  # a checkpoint without them: the weights are still the starting policy's here
             self.cache_pair_references()
         self._resume_rng = checkpoint.get("composer_rng")
         cached = checkpoint.get("composer_rollout_cache")

@@ -128,8 +128,9 @@ def apply_checkpointing(policy: Any, cfg: TrainConfig) -> bool:
     forwards = [(r.prompts_per_step * r.num_generations, r.max_prompt_length + r.max_new_tokens * r.max_turns)]
     if rp.pairs_path:
         forwards.append((2 * rp.pairs_per_step, r.max_prompt_length + rp.max_completion_length))
-    mode = cfg.compute.gradient_checkpointing
-    if not cfg.compute.checkpoint_layers(*forwards):
+    c = cfg.compute
+    mode = c.gradient_checkpointing
+    if mode == "none" or (mode == "auto" and all(c.rows_per_micro_batch(t) >= n for n, t in forwards)):
         return False
     if not getattr(policy, "supports_gradient_checkpointing", False):
         if mode == "auto":

@@ -297,8 +297,7 @@ class OptimSection(Section):
     scheduler: Literal["constant", "cosine", "linear"] = "cosine"
     #: Further keyword arguments of the optimizer (e.g. ``{amsgrad: true}``), passed as they are.
     args: dict[str, Any] = field(default_factory=dict)
-    #: ``auto``: a fused implementation (``fused=True``) on CUDA, ``foreach=True`` elsewhere, for optimizers that
-    #: take them; ``true``/``false``: ``fused`` as given. ``args`` win.
+    #: ``auto``: ``fused=True`` on CUDA, ``foreach=True`` elsewhere (optimizers taking them); a bool: ``fused``.
     fused: Literal["auto"] | bool = "auto"
 
     def validate(self, src: Config, key: str = "optim") -> None:
@@ -352,11 +351,6 @@ class TrainerSection(Section):
     #: Callbacks from plugins (``composer-plugins list callbacks``), added after the built-in ones:
     #: names, ``{name: ..., <kwargs>}`` or ``{class_path: ..., init_args: ...}``.
     callbacks: list[Any] = field(default_factory=list)
-
-    def compute_dtype(self) -> str | None:
-        """What ``precision`` computes in: ``bfloat16`` (``bf16-*``), ``float16`` (``16-*``); ``None``: the weights'."""
-        p = str(self.precision)
-        return "bfloat16" if p.startswith("bf16") else "float16" if p.startswith("16") else None
 
     def validate(self, src: Config, key: str = "trainer") -> None:
         """Step counts, checkpoint settings, a known ``strategy`` and registered ``callbacks``."""
@@ -412,20 +406,10 @@ class ComputeSection(Section):
     gradient_checkpointing: Checkpointing | bool = "auto"
 
     def __post_init__(self) -> None:
-        if isinstance(self.gradient_checkpointing, bool):  # the form before 0.2: true (layer) / false (auto)
-            mode = "layer" if self.gradient_checkpointing else "auto"
-            warnings.warn(
-                f"compute.gradient_checkpointing: {str(self.gradient_checkpointing).lower()} (YAML's off/on too) is "
-                f"deprecated and means {mode}; write auto, layer or none",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            self.gradient_checkpointing = mode
-
-    def checkpoint_layers(self, *forwards: tuple[int, int]) -> bool:
-        """Whether decoder layers are checkpointed for with-grad forwards of ``(rows, sequence length)``."""
-        mode = self.gradient_checkpointing
-        return mode == "layer" or (mode == "auto" and any(self.rows_per_micro_batch(t) < n for n, t in forwards))
+        if isinstance(old := self.gradient_checkpointing, bool):  # before 0.2: true (layer) / false (auto)
+            self.gradient_checkpointing = new = "layer" if old else "auto"
+            msg = f"{str(old).lower()} (YAML's on/off too) is deprecated and means {new}; write auto, layer or none"
+            warnings.warn(f"compute.gradient_checkpointing: {msg}", DeprecationWarning, stacklevel=3)
 
     def rows_per_micro_batch(self, seq_len: int) -> int:
         """Rows of one micro-batch for sequences of ``seq_len`` tokens."""

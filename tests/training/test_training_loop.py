@@ -78,6 +78,7 @@ def test_channel_turned_off_is_not_computed(make_cfg, pairs_file, off):
     policy, tok = load_policy_for(cfg_on, env)
     tasks = env.sample_tasks(2, "train", seed=11)
     on = ComposerModule(cfg_on, policy=policy, tokenizer=tok, env=env, src=src_on)
+    on.cache_pair_references()  # once per run (the pairs' reference log-probs), not per step
     n_on, stats_on = _count_policy_forwards(on, tasks, 5)
     assert stats_on[f"{off}/skipped"] == 0.0
 

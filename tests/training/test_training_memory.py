@@ -249,7 +249,7 @@ def _full(make_cfg, pairs_file, *over):
 
 @pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16)])
 def test_full_composition_holds_at_most_two_policy_copies(make_cfg, pairs_file, precision, dtype):
-    m, _ = _full(make_cfg, pairs_file, f"trainer.precision={precision}")
+    m, env = _full(make_cfg, pairs_file, f"trainer.precision={precision}")
     largest = max(p.numel() for p in m.policy.parameters())
     big = _large_storages(m, largest)
     assert len(big) == 2, [(t.shape, t.dtype) for t in big.values()]  # the policy's and the EMA teacher's
@@ -258,6 +258,13 @@ def test_full_composition_holds_at_most_two_policy_copies(make_cfg, pairs_file, 
     assert {p.dtype for p in m.policy.parameters()} == {torch.float32}
     # buffers (rotary frequencies) keep the policy's dtype
     assert [b.dtype for b in m.ema_teacher.buffers()] == [b.dtype for b in m.policy.buffers()]
+    # the composed step runs with the teacher in that dtype (under the precision's autocast)
+    rec = m.make_rollout_batch(env.sample_tasks(3, "train", seed=1), seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "32-true"):
+        loss, stats = m.loss_on(rec, seed=0)
+    loss.backward()
+    assert torch.isfinite(loss) and stats["hint/rows"] > 0 and stats["replay/pairs"] > 0
+    assert all(p.grad is not None for p in m.policy.parameters())
 
 
 def test_replay_reference_logprobs_are_the_starting_policys_cached_with_the_pair_and_resumed(make_cfg, pairs_file):

@@ -265,7 +265,7 @@ def test_training_step_never_builds_rows_tokens_vocab(make_cfg, pairs_file, wide
 
 
 def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_file):
-    """``compute.gradient_checkpointing: layer`` recomputes each decoder layer in backward: same loss, same gradients."""
+    """``compute.gradient_checkpointing: layer`` recomputes each decoder layer in backward: same loss and gradients."""
     over = _losses("grpo", "jsd", None)
     cfg, _ = make_cfg(PARITY.format(pairs=pairs_file), *over)
     env = build_env(cfg)
