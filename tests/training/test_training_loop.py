@@ -85,6 +85,7 @@ def test_channel_turned_off_is_not_computed(make_cfg, pairs_file, off):
     for switch in (f"losses.{off}.enabled=false", f"losses.{off}.weight=0"):
         cfg, src = make_cfg(CHANNELS.format(pairs=pairs_file), switch)
         mod = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+        mod.cache_pair_references()
         n_off, stats = _count_policy_forwards(mod, tasks, 5)
         assert n_off == n_on - 1, (switch, n_on, n_off)  # the teacher / pair forward is gone
         if switch.endswith("false"):
