@@ -128,13 +128,11 @@ def apply_checkpointing(policy: Any, cfg: TrainConfig) -> bool:
     forwards = [(r.prompts_per_step * r.num_generations, r.max_prompt_length + r.max_new_tokens * r.max_turns)]
     if rp.pairs_path:
         forwards.append((2 * rp.pairs_per_step, r.max_prompt_length + rp.max_completion_length))
-    c = cfg.compute
+    c, ok = cfg.compute, getattr(policy, "supports_gradient_checkpointing", False)
     mode = c.gradient_checkpointing
-    if mode == "none" or (mode == "auto" and all(c.rows_per_micro_batch(t) >= n for n, t in forwards)):
+    if mode == "none" or (mode == "auto" and (not ok or all(c.rows_per_micro_batch(t) >= n for n, t in forwards))):
         return False
-    if not getattr(policy, "supports_gradient_checkpointing", False):
-        if mode == "auto":
-            return False
+    if not ok:
         raise ValueError(
             f"compute.gradient_checkpointing: {type(policy).__name__} does not support per-layer checkpointing; "
             "set it to auto or none"
