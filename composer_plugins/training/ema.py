@@ -86,8 +86,9 @@ class EMATeacher(nn.Module):
             completion_attention_mask=completion_attention_mask,
             micro_batch_size=micro_batch_size,
         )
-        head = lm_head_weight(self.policy)
-        return hidden, head.detach().clone() if getattr(head, "_fsdp_flattened", False) else head.detach()
+        head = lm_head_weight(self.policy).detach()
+        sharded = any(getattr(p, "_fsdp_flattened", False) for p in self.parameters())  # FSDP's, or its units'
+        return hidden, head.clone() if sharded else head
 
 
 def ema_pairs(model: nn.Module, teacher_key: str, policy_key: str) -> list[tuple[Tensor, Tensor]]:
