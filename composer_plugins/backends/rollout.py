@@ -42,7 +42,7 @@ class LocalRun:
     ) -> None:
         from composer_plugins.training.batches import task_drawer
         from composer_plugins.training.builders import build_env
-        from composer_plugins.training.policy import load_policy_for
+        from composer_plugins.training.policy import apply_checkpointing, load_policy_for
 
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
@@ -53,6 +53,7 @@ class LocalRun:
         torch.manual_seed(cfg.seed)
         self.policy, self.tokenizer = policy, tokenizer
         self.policy.train()
+        apply_checkpointing(self.policy, cfg)
         self.draw = task_drawer(self.env, cfg, "train")
         from composer_plugins.training.optim import build_optimizer
 

@@ -6,9 +6,8 @@ Two paths:
   body (no LM head) micro-batch by micro-batch and returns the final hidden states that predict
   each completion token; :func:`completion_logprobs` turns them into log-probs through the LM head
   chunk by chunk (:func:`~composer_plugins.kernels.chunked.chunked_logprobs`). No tensor of
-  ``rows × tokens × vocab`` elements exists on this path; with gradients on and more than one
-  micro-batch, each micro-batch's body runs under activation checkpointing, so only one
-  micro-batch's activations are alive in backward.
+  ``rows × tokens × vocab`` elements exists on this path. Activation checkpointing is the model's
+  own, per decoder layer (``compute.gradient_checkpointing``), never of the whole body.
 * **materialised** (:func:`completion_forward`): the ``(N, C, V)`` logits at the completion
   positions (``logits_to_keep``); the reference the hidden-state path is tested against.
 
@@ -23,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -172,11 +170,9 @@ def completion_hidden(
 ) -> Tensor:
     """``(N, C, H)`` final hidden states at the positions predicting each completion token.
 
-    The body runs ``micro_batch_size`` rows at a time. When gradients are recorded and there is
-    more than one micro-batch, each runs under non-reentrant activation checkpointing: its
-    activations are dropped after the forward and recomputed, one micro-batch at a time, in
-    backward (the returned hidden states are the only per-row tensors kept). With one micro-batch
-    it is a plain forward.
+    The body runs ``micro_batch_size`` rows at a time, each a plain forward: what it keeps for backward
+    is the model's choice (with HF gradient checkpointing on, each decoder layer's input; its activations
+    are recomputed one layer at a time in backward).
     """
     input_ids, attention_mask, position_ids = sequence_inputs(
         prompt_ids, prompt_mask, completion_ids, completion_mask, completion_attention_mask
@@ -191,12 +187,7 @@ def completion_hidden(
     slices = micro_batches(input_ids.shape[0], micro_batch_size)
     if len(slices) == 1:
         return run(input_ids, attention_mask, position_ids)
-    recompute = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
-    parts = []
-    for sl in slices:
-        args = (input_ids[sl], attention_mask[sl], position_ids[sl])
-        parts.append(checkpoint(run, *args, use_reentrant=False) if recompute else run(*args))
-    return torch.cat(parts, dim=0)
+    return torch.cat([run(input_ids[sl], attention_mask[sl], position_ids[sl]) for sl in slices], dim=0)
 
 
 def completion_logprobs(

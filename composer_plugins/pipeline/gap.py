@@ -93,6 +93,7 @@ def _margins(
     from composer_plugins.training.policy import load_policy_for
 
     tc = train_config_from_dict(cfg)
+    tc.hints.teacher_margin = True  # what this measures
     policy, tok = load_policy_for(tc)
     module = ComposerModule(tc, policy=policy, tokenizer=tok)
     module.eval()

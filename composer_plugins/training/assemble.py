@@ -130,6 +130,7 @@ class StepPolicy:
         pair_prompt_length, pair_max_length: prompt and completion tokens kept per preference pair.
         importance_sampling: ``(mode, max, min)`` of the correction from a server's sampling log-probs
             (``rollout.importance_sampling``); ``None`` or mode ``off``: no correction.
+        teacher_margin: log ``hint/teacher_margin`` (``hints.teacher_margin``: one more LM-head pass per step).
         teacher_scoring: the ``teacher_distill`` scorers' pool: the ``teacher_scores`` builder waits for the
             futures the experience maker started up to its ``deadline_s`` (a teacher past it is skipped).
     """
@@ -145,6 +146,7 @@ class StepPolicy:
     pair_prompt_length: int = 256
     pair_max_length: int = 128
     importance_sampling: tuple[str, float, float | None] | None = None
+    teacher_margin: bool = False
     teacher_scoring: Any = None
 
     def micro_batch(self, *tensors: Tensor) -> int | None:

@@ -39,14 +39,20 @@ class EMATeacher(nn.Module):
         policy: the policy at train start (deep-copied; the copy's parameters are frozen).
         rate: the EMA rate in (0, 1] (1.0: the teacher is the policy of the last optimizer step).
         copy_policy: False to adopt ``policy`` itself (an independent copy the caller made).
+        dtype: the teacher's weights' dtype (or its name; the run's compute dtype, e.g. ``bfloat16`` under
+            ``bf16-mixed``: half the memory of an fp32 copy); ``None``: the policy's.
     """
 
-    def __init__(self, policy: nn.Module, rate: float, *, copy_policy: bool = True) -> None:
+    def __init__(
+        self, policy: nn.Module, rate: float, *, copy_policy: bool = True, dtype: torch.dtype | str | None = None
+    ) -> None:
         super().__init__()
         if not 0.0 < float(rate) <= 1.0:
             raise ValueError(f"ema_rate must be in (0, 1], got {rate!r}")
         self.rate = float(rate)
         self.policy = copy.deepcopy(policy) if copy_policy else policy
+        for p in self.policy.parameters() if dtype is not None else ():  # buffers (rotary frequencies) stay
+            p.data = p.data.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         for p in self.policy.parameters():
             p.requires_grad_(False)
         self.eval()
@@ -65,9 +71,9 @@ class EMATeacher(nn.Module):
         completion_attention_mask: Tensor | None = None,
         micro_batch_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Teacher hidden states on the completion tokens and a copy of the teacher's LM head weight.
+        """Teacher hidden states on the completion tokens and the teacher's LM head weight (detached).
 
-        The head is copied inside the forward because FSDP frees the gathered parameters after it.
+        Under FSDP the head is copied: FSDP frees the gathered parameters after the forward.
         """
         from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
 
@@ -80,7 +86,9 @@ class EMATeacher(nn.Module):
             completion_attention_mask=completion_attention_mask,
             micro_batch_size=micro_batch_size,
         )
-        return hidden, lm_head_weight(self.policy).detach().clone()
+        head = lm_head_weight(self.policy).detach()
+        sharded = any(getattr(p, "_fsdp_flattened", False) for p in self.parameters())  # FSDP's, or its units'
+        return hidden, head.clone() if sharded else head
 
 
 def ema_pairs(model: nn.Module, teacher_key: str, policy_key: str) -> list[tuple[Tensor, Tensor]]:
@@ -115,15 +123,23 @@ def ema_update(pairs: Iterable[tuple[Tensor, Tensor]], rate: float) -> None:
     """``teacher ← (1 − rate)·teacher + rate·policy`` in place, for every pair (a no-op copy at rate 1)."""
     teachers, sources = [], []
     for t, s in pairs:
-        if t.numel():
+        if t.numel() and t.dtype != s.dtype:  # a teacher in the compute dtype: one tensor cast at a time
+            t.lerp_(s.detach().to(t.dtype), float(rate))
+        elif t.numel():
             teachers.append(t)
-            sources.append(s.detach().to(t.dtype))
+            sources.append(s.detach())
     if not teachers:
         return
     if rate == 1.0:
         torch._foreach_copy_(teachers, sources)
     else:
         torch._foreach_lerp_(teachers, sources, float(rate))
+
+
+def compute_dtype(precision: str) -> str | None:
+    """What a Lightning ``precision`` computes in: ``bfloat16`` (``bf16-*``), ``float16`` (``16-*``), else ``None``."""
+    p = str(precision)
+    return "bfloat16" if p.startswith("bf16") else "float16" if p.startswith("16") else None
 
 
 def teacher_from(channels: Iterable[Any]) -> tuple[str, float]:

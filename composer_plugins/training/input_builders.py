@@ -9,7 +9,7 @@ lazily, each under the inputs it provides.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -97,6 +97,7 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
     The teacher is the policy conditioned on the hinted context (no grad), or the EMA teacher. The hidden
     states are the models' own: the ``hint_distill`` channel owns the temperature and divides the logits by
     it once (its ``temperature``, by default the ``sampling_temperature`` this assembler passes).
+    With ``teacher_margin`` on (``hints.teacher_margin``; one more LM-head pass of teacher and student),
     ``hint/teacher_margin`` (the precondition: how much likelier the teacher finds the student's tokens, at
     the sampling temperature) goes to ``stats``.
     """
@@ -108,7 +109,8 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
     rows = r.hint_rows
     n_in_batch = asm.values.get("hint_tokens_in_batch")
     if not rows:
-        asm.stats.update({"hint/rows": 0.0, "hint/fraction": 0.0, **_margin_stat(0.0, 0.0, n_in_batch)})
+        margin = _margin_stat(0.0, 0.0, n_in_batch) if p.teacher_margin else {}
+        asm.stats.update({"hint/rows": 0.0, "hint/fraction": 0.0, **margin})
         return {}
     T = p.temperature
     dev = r.completion_ids.device
@@ -149,6 +151,8 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
     asm.stats.update({"hint/rows": float(len(rows)), "hint/fraction": len(rows) / r.num_rows})
     for kind in sorted({k for k in r.hint_kinds if k}):  # each hint kind's share (a chain's members apart)
         asm.stats[f"hint/fraction/{kind}"] = sum(k == kind for k in r.hint_kinds) / r.num_rows
+    if not p.teacher_margin:
+        return out
     mask = c_mask.bool()
     with torch.no_grad():
         t_logps = chunked_logprobs(teacher, t_head, c_ids, mask=mask, temperature=T, chunk_size=p.chunk_size)
@@ -201,25 +205,54 @@ def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
     return {"hint_teacher_logprobs": ref}
 
 
-def pair_inputs(asm: Assembly) -> dict[str, Any]:
-    """Sequence log-probs of the record's preference pairs: the policy's (with grad), the reference's (without)."""
-    from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
-    from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad, sequence_logprob
+#: Where a preference pair caches its reference sequence log-probs (:func:`cache_pair_references`).
+PAIR_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
-    r, p, pairs = asm.record, asm.policy, asm.meta.pairs
-    if not pairs:
-        return {}
-    k = len(pairs)
-    dev = r.completion_ids.device
+
+def _pair_tensors(p: Any, pairs: Sequence[Mapping[str, Any]], dev: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(prompt ids, prompt mask, completion ids, completion mask)``: the chosen rows, then the rejected."""
+    from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
+
     prompts = [str(x["prompt"]) for x in pairs] * 2
     comps = [str(x["chosen"]) for x in pairs] + [str(x["rejected"]) for x in pairs]
     p_ids, p_mask = tokenize_prompts(p.tokenizer, prompts, p.pair_prompt_length, dev)
     c_ids, c_mask = tokenize_completions(p.tokenizer, comps, p.pair_max_length, dev)
-    mb, cs = p.micro_batch(p_ids, c_ids), p.chunk_size
-    logps = completion_logprobs(p.model, p_ids, p_mask, c_ids, c_mask, micro_batch_size=mb, chunk_size=cs)
+    return p_ids, p_mask, c_ids, c_mask
+
+
+def _sequence_logps(model: Any, p: Any, t: tuple[Tensor, Tensor, Tensor, Tensor], grad: bool) -> Tensor:
+    from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad, sequence_logprob
+
+    kw = {"micro_batch_size": p.micro_batch(t[0], t[2]), "chunk_size": p.chunk_size}
+    logps = (completion_logprobs if grad else completion_logprobs_no_grad)(model, *t, **kw)
     assert isinstance(logps, Tensor)
-    seq = sequence_logprob(logps, c_mask.float())
-    n = c_mask.sum(-1).float()
+    return sequence_logprob(logps, t[3].float())
+
+
+def cache_pair_references(p: Any, pairs: Sequence[Mapping[str, Any]], batch: int = 32) -> list[dict[str, Any]]:
+    """``pairs`` with their sequence log-probs under ``p.reference`` (else ``p.model``, without gradient) at
+    :data:`PAIR_REF_KEYS`: computed once, before the first optimizer step, so no copy of the policy is kept for them."""
+    from composer_plugins.models.logprobs import lm_head_weight
+
+    model = p.reference if p.reference is not None else p.model
+    out: list[dict[str, Any]] = []
+    for i in range(0, len(pairs), batch):
+        part = pairs[i : i + batch]
+        seq = _sequence_logps(model, p, _pair_tensors(p, part, lm_head_weight(model).device), False).tolist()
+        out += [{**x, PAIR_REF_KEYS[0]: seq[j], PAIR_REF_KEYS[1]: seq[len(part) + j]} for j, x in enumerate(part)]
+    return out
+
+
+def pair_inputs(asm: Assembly) -> dict[str, Any]:
+    """Sequence log-probs of the record's preference pairs: the policy's (with grad), the reference's (without:
+    the pairs' cached ones, :func:`cache_pair_references`, else ``reference``'s, else the policy's)."""
+    r, p, pairs = asm.record, asm.policy, asm.meta.pairs
+    if not pairs:
+        return {}
+    k = len(pairs)
+    t = _pair_tensors(p, pairs, r.completion_ids.device)
+    seq = _sequence_logps(p.model, p, t, True)
+    n = t[3].sum(-1).float()
     out = {
         "chosen_logps": seq[:k],
         "rejected_logps": seq[k:],
@@ -228,11 +261,12 @@ def pair_inputs(asm: Assembly) -> dict[str, Any]:
         "chosen_lengths": n[:k],
         "rejected_lengths": n[k:],
     }
-    if asm.wants("ref_chosen_logps") or asm.wants("ref_rejected_logps"):
-        ref = p.reference if p.reference is not None else p.model
-        ref_lp = completion_logprobs_no_grad(ref, p_ids, p_mask, c_ids, c_mask, micro_batch_size=mb, chunk_size=cs)
-        ref_seq = sequence_logprob(ref_lp, c_mask.float())
-        out.update(ref_chosen_logps=ref_seq[:k], ref_rejected_logps=ref_seq[k:])
+    if asm.wants(PAIR_REF_KEYS[0]) or asm.wants(PAIR_REF_KEYS[1]):
+        if all(key in x for x in pairs for key in PAIR_REF_KEYS):
+            out.update({key: torch.tensor([float(x[key]) for x in pairs], device=seq.device) for key in PAIR_REF_KEYS})
+        else:
+            ref_seq = _sequence_logps(p.reference if p.reference is not None else p.model, p, t, False)
+            out.update(ref_chosen_logps=ref_seq[:k], ref_rejected_logps=ref_seq[k:])
     return out
 
 

@@ -36,7 +36,8 @@ from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, fsdp_root, full_params, world
 from composer_plugins.training.evaluation import Validator
 from composer_plugins.training.experience import ExperienceMaker, StepComputer
-from composer_plugins.training.policy import load_policy_for
+from composer_plugins.training.input_builders import PAIR_REF_KEYS
+from composer_plugins.training.policy import apply_checkpointing, load_policy_for
 from composer_plugins.training.rollouts import EpisodeGenerator, WeightSyncing
 from composer_plugins.training.step import StepMeta, StepRecord, sample_pairs
 from composer_plugins.training.teacher_scores import build_teacher_scoring
@@ -71,7 +72,7 @@ class ComposerModule(L.LightningModule):
         super().__init__()
         from composer_plugins.core.config import Config, redact, to_dict
         from composer_plugins.losses.base import ChannelComposer
-        from composer_plugins.training.ema import EMATeacher, teacher_from
+        from composer_plugins.training.ema import EMATeacher, compute_dtype, teacher_from
 
         cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
         self.cfg = cfg
@@ -84,13 +85,7 @@ class ComposerModule(L.LightningModule):
         # (dropout on in training; generation and validation switch to eval mode themselves)
         self.policy = policy.train()
         self.tokenizer = tokenizer  # prompts rendered with model.chat_template (training.chat)
-        if cfg.compute.gradient_checkpointing:
-            if not getattr(policy, "supports_gradient_checkpointing", False):
-                raise ValueError(
-                    f"compute.gradient_checkpointing: {type(policy).__name__} does not support "
-                    "gradient checkpointing; set it to false"
-                )
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        apply_checkpointing(policy, cfg)
         self.env = env if env is not None else build_env(cfg, src)
         self.composer = ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
         self.teacher_scoring = build_teacher_scoring(self.composer.active, tokenizer)  # teacher_distill's scorers
@@ -102,8 +97,9 @@ class ComposerModule(L.LightningModule):
         except ValueError as e:
             raise (src if src is not None else Config()).error("losses", str(e)) from None
         #: The frozen EMA copy of the policy that scores the hinted contexts (``losses.<hint>.teacher: ema``),
-        #: a submodule (checkpointed, sharded like the policy); ``None`` when the teacher is the live policy.
-        self.ema_teacher: EMATeacher | None = EMATeacher(self.policy, ema_rate) if teacher == "ema" else None
+        #: a submodule (checkpointed, sharded like the policy), in the step's compute dtype; ``None``: the live policy.
+        dt = compute_dtype(cfg.trainer.precision)
+        self.ema_teacher = EMATeacher(self.policy, ema_rate, dtype=dt) if teacher == "ema" else None
         self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
         self.needs_pairs = bool(self.required_inputs & set(PAIR_INPUTS))
@@ -117,10 +113,10 @@ class ComposerModule(L.LightningModule):
         if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
             pairs = load_pairs(cfg.replay.pairs_path)
         self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
-        # A frozen reference copy outside the module tree: not optimised, not checkpointed (rebuilt on resume).
+        # The KL's frozen reference (not optimised, not checkpointed); the pairs' need none (cache_pair_references)
         self._reference: list[Any] = []
-        needs_ref_pairs = bool(self.required_inputs & {"ref_chosen_logps", "ref_rejected_logps"}) and bool(self.pairs)
-        if self.needs_ref_tokens or needs_ref_pairs:
+        self._pair_refs_due = bool(self.required_inputs & set(PAIR_REF_KEYS)) and bool(self.pairs)
+        if self.needs_ref_tokens:
             ref = copy.deepcopy(self.policy).eval()
             for p in ref.parameters():
                 p.requires_grad_(False)
@@ -195,6 +191,7 @@ class ComposerModule(L.LightningModule):
             self._resume_rng = None
         for ref in self._reference:
             ref.to(self.device)
+        self.cache_pair_references()  # before a step (or a DiLoCo heal) moves the weights
 
     def step_seed(self, index: int, rank: int = 0, world_size: int = 1) -> int:
         """Sampling seed of step ``index`` on data-parallel ``rank`` (one process: ``(seed, 1, index)``)."""
@@ -309,14 +306,24 @@ class ComposerModule(L.LightningModule):
             pair_prompt_length=r.max_prompt_length,
             pair_max_length=c.replay.max_completion_length,
             importance_sampling=(r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
+            teacher_margin=c.hints.teacher_margin,
             teacher_scoring=self.teacher_scoring,
         )
 
     def step_meta(self, seed: int) -> StepMeta:
         """This step's meta: the optimizer step (Trainer or not), the run length and ``seed``'s preference pairs."""
         step = self.global_step if self._trainer is not None else self.local_steps
+        self.cache_pair_references()
         pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed) if self.needs_pairs else []
         return StepMeta(step, self.cfg.trainer.max_steps, tuple(pairs))
+
+    def cache_pair_references(self) -> None:
+        """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once)."""
+        from composer_plugins.training.input_builders import cache_pair_references
+
+        if self._pair_refs_due:
+            with self.full_params():
+                self.pairs, self._pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
 
     def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs)."""
@@ -361,10 +368,19 @@ class ComposerModule(L.LightningModule):
         checkpoint["composer_rng"] = ranks[0]["rng"]
         if cache is not None:
             checkpoint["composer_rollout_cache"] = cache
+        if self.pairs and PAIR_REF_KEYS[0] in self.pairs[0]:
+            checkpoint["composer_pair_refs"] = [[p[k] for k in PAIR_REF_KEYS] for p in self.pairs]
         if len(ranks) > 1:
             checkpoint["composer_ranks"] = ranks
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        refs = checkpoint.get("composer_pair_refs")
+        if refs is not None and len(refs) == len(self.pairs):
+            k0, k1 = PAIR_REF_KEYS
+            self.pairs = [{**p, k0: c, k1: j} for p, (c, j) in zip(self.pairs, refs, strict=True)]
+            self._pair_refs_due = False
+        else:  # a checkpoint without them: the weights are still the starting policy's here
+            self.cache_pair_references()
         self._resume_rng = checkpoint.get("composer_rng")
         cached = checkpoint.get("composer_rollout_cache")
         rank, size = world()

@@ -67,19 +67,35 @@ def _settings(factory: Callable[..., Any], optim: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k in params}
 
 
+def implementation_kwargs(factory: Callable[..., Any], fused: Any, device_type: str) -> dict[str, bool]:
+    """``optim.fused``'s keyword for ``factory`` on ``device_type``: ``auto`` is ``fused=True`` on CUDA (one kernel
+    per step, no parameter-sized temporary) and ``foreach=True`` elsewhere; nothing for a factory that takes neither."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if fused != "auto":
+        return {"fused": bool(fused)} if "fused" in params else {}
+    key = "fused" if device_type == "cuda" else "foreach"
+    return {key: True} if key in params else {}
+
+
 def build_optimizer(optim: Any, params: Iterable[Any]) -> Any:
     """The optimizer named by ``optim.name`` over the parameters of ``params`` that require grad.
 
-    ``optim`` is an ``OptimSection`` (or any object with ``name`` and the :data:`SETTINGS`, and an
-    optional ``args`` mapping). An unknown name raises the registry's error with the available names
-    and the closest; extra ``args`` the optimizer does not take raise a :class:`ConfigError`.
+    ``optim`` is an ``OptimSection`` (or any object with ``name`` and the :data:`SETTINGS`, and optional
+    ``args`` and ``fused``: :func:`implementation_kwargs`). An unknown name raises the registry's error with the
+    available names and the closest; extra ``args`` the optimizer does not take raise a :class:`ConfigError`.
     """
     from composer_plugins.core.plugins import get_registry
 
     entry = get_registry().get("optimizers", str(optim.name))
     trainable = [p for p in params if getattr(p, "requires_grad", True)]
     extra: Mapping[str, Any] = getattr(optim, "args", None) or {}
-    kwargs = {**_settings(entry.factory, optim), **dict(extra)}
+    device = trainable[0].device.type if trainable and hasattr(trainable[0], "device") else "cpu"
+    fused = getattr(optim, "fused", "auto")
+    impl = {} if {"fused", "foreach"} & set(extra) else implementation_kwargs(entry.factory, fused, device)
+    kwargs = {**_settings(entry.factory, optim), **impl, **dict(extra)}
     try:
         return entry.build(trainable, **kwargs)
     except TypeError as e:

@@ -24,6 +24,7 @@ from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.sft import sft_train
 
 __all__ = [
+    "apply_checkpointing",
     "base_policy_path",
     "decoder_body",
     "lm_head_weight",
@@ -118,3 +119,23 @@ def load_policy_for(cfg: TrainConfig, env: Any = None) -> tuple[Any, Any]:
 
     model, tok = load_policy(resolve_policy(cfg, env), dtype=cfg.model.dtype)
     return model, install_chat_template(tok, cfg.model.chat_template)
+
+
+def apply_checkpointing(policy: Any, cfg: TrainConfig) -> bool:
+    """Per-decoder-layer activation checkpointing of ``policy`` as ``compute.gradient_checkpointing`` says
+    (``auto``: when the rollout rows or the replay pairs of a step need more than one micro-batch). Whether it is on."""
+    r, rp = cfg.rollout, cfg.replay
+    forwards = [(r.prompts_per_step * r.num_generations, r.max_prompt_length + r.max_new_tokens * r.max_turns)]
+    if rp.pairs_path:
+        forwards.append((2 * rp.pairs_per_step, r.max_prompt_length + rp.max_completion_length))
+    c, ok = cfg.compute, getattr(policy, "supports_gradient_checkpointing", False)
+    mode = c.gradient_checkpointing
+    if mode == "none" or (mode == "auto" and (not ok or all(c.rows_per_micro_batch(t) >= n for n, t in forwards))):
+        return False
+    if not ok:
+        raise ValueError(
+            f"compute.gradient_checkpointing: {type(policy).__name__} does not support per-layer checkpointing; "
+            "set it to auto or none"
+        )
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True

@@ -9,6 +9,7 @@ what spans several (the prompts a step splits over data-parallel ranks, the ``lo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,6 +47,8 @@ SFT_HINT_KINDS = ("feedback", "demonstration", "step_check")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
 #: Strategy names this config accepts besides Lightning's registered ones.
 STRATEGY_SHORTHANDS: tuple[str, ...] = ("auto", "ddp", "fsdp")
+#: ``compute.gradient_checkpointing`` modes.
+Checkpointing = Literal["auto", "layer", "none"]
 
 
 def need(src: Config, key: str, ok: bool, value: Any, problem: str, fix: str) -> None:
@@ -265,6 +268,8 @@ class HintsSection(Section):
     )
     max_hinted_per_step: int | None = None
     max_context_length: int = 256
+    #: Log ``hint/teacher_margin`` (teacher − student log-prob per hinted token): one more LM-head pass of both.
+    teacher_margin: bool = False
 
     def validate(self, src: Config, key: str = "hints") -> None:
         """``provider`` names a registered hint provider (nothing is built)."""
@@ -297,6 +302,8 @@ class OptimSection(Section):
     scheduler: Literal["constant", "cosine", "linear"] = "cosine"
     #: Further keyword arguments of the optimizer (e.g. ``{amsgrad: true}``), passed as they are.
     args: dict[str, Any] = field(default_factory=dict)
+    #: ``auto``: ``fused=True`` on CUDA, ``foreach=True`` elsewhere (optimizers taking them); a bool: ``fused``.
+    fused: Literal["auto"] | bool = "auto"
 
     def validate(self, src: Config, key: str = "optim") -> None:
         """A positive ``lr``, ``warmup_steps >= 0`` and a registered optimizer ``name``."""
@@ -387,7 +394,7 @@ class ComputeSection(Section):
     """How one training step holds memory: micro-batches of rows, chunks of the LM head.
 
     The rollout batch's forward/backward runs ``micro_batch_size`` rows at a time (activation
-    checkpointing per micro-batch when there are several), and every log-prob, entropy and
+    checkpointing per decoder layer when there are several: ``gradient_checkpointing``), and every log-prob, entropy and
     divergence is computed from the final hidden states through the LM head ``chunk_size`` rows
     at a time: no ``rows × tokens × vocab`` tensor is built. The composed loss is the same as the
     one-shot loss (it is computed once, over the whole batch, from the hidden states).
@@ -399,8 +406,15 @@ class ComputeSection(Section):
     micro_batch_tokens: int = 4096
     #: LM-head rows per chunk (``null``: about 16M logits per chunk, e.g. 96 rows at a 151,936 vocabulary).
     chunk_size: int | None = None
-    #: Hugging Face gradient checkpointing inside each micro-batch (per decoder layer).
-    gradient_checkpointing: bool = False
+    #: Activation checkpointing per decoder layer (HF ``gradient_checkpointing_enable``, non-reentrant): ``layer``,
+    #: ``none`` (nothing recomputed), or ``auto``: on only when a step's rows need more than one micro-batch.
+    gradient_checkpointing: Checkpointing | bool = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(old := self.gradient_checkpointing, bool):  # before 0.2: true (layer) / false (auto)
+            self.gradient_checkpointing = new = "layer" if old else "auto"
+            msg = f"{str(old).lower()} (YAML's on/off too) is deprecated and means {new}; write auto, layer or none"
+            warnings.warn(f"compute.gradient_checkpointing: {msg}", DeprecationWarning, stacklevel=3)
 
     def rows_per_micro_batch(self, seq_len: int) -> int:
         """Rows of one micro-batch for sequences of ``seq_len`` tokens."""

@@ -51,7 +51,8 @@ def _args(tmp_path, **kw):
 
 def _trainer(tiny_model_dir, tmp_path, **kw):
     model, tok = load_policy(tiny_model_dir)
-    extra = {k: kw.pop(k) for k in list(kw) if k in ("channels", "hint_provider", "pairs", "pairs_per_step")}
+    names = ("channels", "hint_provider", "pairs", "pairs_per_step", "hint_teacher_margin")
+    extra = {k: kw.pop(k) for k in list(kw) if k in names}
     return ComposerGRPOTrainer(
         model=model,
         reward_funcs=length_reward,
@@ -195,6 +196,7 @@ def test_ema_teacher_follows_the_policy_after_each_optimizer_step(tiny_model_dir
         loss_type="dapo",
         channels=channels,
         hint_provider=answer_hint,
+        hint_teacher_margin=True,
         gradient_accumulation_steps=2,
     )
     ema = tr.ema_teacher.policy

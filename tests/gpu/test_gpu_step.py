@@ -46,7 +46,7 @@ def test_grpo_hint_ema_top100_replay_step_at_the_real_vocabulary(device, tmp_pat
     model, pairs, vocab = _prepare(tmp_path, spec["shape"])
     assert vocab == QWEN_VOCAB
     cfg = _config(str(tmp_path), spec, model, pairs, "grpo+hint+replay", HINT)
-    cfg = dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, gradient_checkpointing=True))
+    cfg = dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, gradient_checkpointing="layer"))
     assert cfg.trainer.accelerator == ("gpu" if device == "cuda" else "cpu")
     torch.manual_seed(0)
     env = RandomRewardEnv(build_env(cfg), seed=0)

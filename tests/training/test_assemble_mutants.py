@@ -188,7 +188,7 @@ def _hinted(tiny):
 @pytest.mark.parametrize("T", [1.0, 0.5])
 def test_hint_inputs_are_the_hinted_rows_own_hidden_states_and_the_sampling_temperature(tiny, T):
     rec = _hinted(tiny)
-    pol = StepPolicy(tiny.model, tiny.tok, temperature=T, max_context_length=6)
+    pol = StepPolicy(tiny.model, tiny.tok, temperature=T, max_context_length=6, teacher_margin=True)
     inputs, stats = assemble_inputs(rec, ChannelComposer([Reads("logprobs", "student_hidden")]), pol)
     idx = torch.tensor([1, 3])
     assert torch.equal(inputs["hint_rows"], idx)
@@ -292,7 +292,8 @@ def test_no_hinted_row_reports_zeros_and_no_margin(tiny):
     assert "student_hidden" not in inputs
     assert stats == {"hint/rows": 0.0, "hint/fraction": 0.0}
     rec = _record(tiny, extras={"hint_tokens_in_batch": 4.0})  # other ranks hinted: this rank's share is 0
-    _, stats = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), StepPolicy(tiny.model, tiny.tok))
+    pol = StepPolicy(tiny.model, tiny.tok, teacher_margin=True)
+    _, stats = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), pol)
     assert stats["hint/teacher_margin"] == 0.0
 
 

@@ -31,6 +31,7 @@ losses:
   hint_distill: {weight: 0.5}
 """
 DP_OVERRIDES = [
+    "hints.teacher_margin=true",
     "env={class_path: dp_worker.VariedRewardEnv, init_args: {difficulty: trivial}}",
     "rollout.prompts_per_step=4",
     "rollout.num_generations=4",

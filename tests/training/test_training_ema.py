@@ -62,7 +62,9 @@ def test_ema_after_n_optimizer_steps_is_the_closed_form(make_cfg, over):
             seen["frozen"] = all(not p.requires_grad for p in pl_module.ema_teacher.parameters())
             seen["eval"] = not any(m.training for m in pl_module.ema_teacher.modules())
 
-    cfg, src = make_cfg(HINT.format(teacher="ema", rate=rate), "trainer.max_steps=3", *over)
+    cfg, src = make_cfg(
+        HINT.format(teacher="ema", rate=rate), "trainer.max_steps=3", "hints.teacher_margin=true", *over
+    )
     res = run_train(cfg, src, extra_callbacks=[Record()])
     assert sorted(thetas) == [0, 1, 2, 3] and len(res.history) == 3
     assert seen["frozen"] and seen["eval"]
@@ -79,7 +81,7 @@ def test_ema_after_n_optimizer_steps_is_the_closed_form(make_cfg, over):
 
 
 def _module(make_cfg, teacher: str, rate: float, policy=None, tok=None, env=None, *over: str):
-    cfg, src = make_cfg(HINT.format(teacher=teacher, rate=rate), *over)
+    cfg, src = make_cfg(HINT.format(teacher=teacher, rate=rate), "hints.teacher_margin=true", *over)
     env = env if env is not None else build_env(cfg, src)
     if policy is None:
         policy, tok = load_policy_for(cfg, env)

@@ -78,12 +78,14 @@ def test_channel_turned_off_is_not_computed(make_cfg, pairs_file, off):
     policy, tok = load_policy_for(cfg_on, env)
     tasks = env.sample_tasks(2, "train", seed=11)
     on = ComposerModule(cfg_on, policy=policy, tokenizer=tok, env=env, src=src_on)
+    on.cache_pair_references()  # once per run (the pairs' reference log-probs), not per step
     n_on, stats_on = _count_policy_forwards(on, tasks, 5)
     assert stats_on[f"{off}/skipped"] == 0.0
 
     for switch in (f"losses.{off}.enabled=false", f"losses.{off}.weight=0"):
         cfg, src = make_cfg(CHANNELS.format(pairs=pairs_file), switch)
         mod = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
+        mod.cache_pair_references()
         n_off, stats = _count_policy_forwards(mod, tasks, 5)
         assert n_off == n_on - 1, (switch, n_on, n_off)  # the teacher / pair forward is gone
         if switch.endswith("false"):
@@ -100,8 +102,12 @@ def test_channel_turned_off_is_not_computed(make_cfg, pairs_file, off):
     assert ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src).reference is None
 
 
-@pytest.mark.parametrize("num_iterations,stop_at,teacher", [(1, 2, "live"), (2, 3, "live"), (1, 2, "ema")])
-def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterations, stop_at, teacher):
+@pytest.mark.parametrize(
+    "num_iterations,stop_at,teacher,replay", [(1, 2, "live", False), (2, 3, "live", False), (1, 2, "ema", True)]
+)
+def test_resume_reproduces_the_uninterrupted_run(
+    make_cfg, tmp_path, pairs_file, num_iterations, stop_at, teacher, replay
+):
     from lightning.pytorch.callbacks import Callback
 
     class StopAfter(Callback):
@@ -117,6 +123,8 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
         f"losses.hint_distill.teacher={teacher}",
         "losses.hint_distill.ema_rate=0.2",
     )
+    # the replay pairs' reference log-probs: computed at the start, resumed from the checkpoint
+    over += (f"replay.pairs_path={pairs_file}", "losses.replay_dpo.weight=0.1") if replay else ()
     cfg_a, src_a = make_cfg("", *over, out=tmp_path / "a")
     full = run_train(cfg_a, src_a)
     cfg_b, src_b = make_cfg("", *over, out=tmp_path / "b")
@@ -130,6 +138,7 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
         "train/hint_distill/loss",
         "train/reward",
         "train/completion_tokens",
+        *(("train/replay_dpo/loss",) if replay else ()),
     )
     got = [[r["step"], *(r[k] for k in keys)] for r in resumed.history]
     want = [[r["step"], *(r[k] for k in keys)] for r in full.history]
@@ -140,6 +149,9 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path, num_iterati
     ckpt = [
         torch.load(f"{r.output_dir}/checkpoints/last.ckpt", weights_only=False)["state_dict"] for r in (full, resumed)
     ]
+    if replay:  # the six pairs' (chosen, rejected) reference log-probs travel in the checkpoint
+        raw = torch.load(f"{resumed.output_dir}/checkpoints/last.ckpt", weights_only=False)
+        assert len(raw["composer_pair_refs"]) == 6 and all(len(r) == 2 for r in raw["composer_pair_refs"])
     ema = [{k: v for k, v in c.items() if k.startswith("ema_teacher.")} for c in ckpt]
     assert bool(ema[0]) == (teacher == "ema") and ema[0].keys() == ema[1].keys()
     assert all(torch.equal(ema[0][k], ema[1][k]) for k in ema[0])

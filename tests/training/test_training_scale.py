@@ -265,13 +265,13 @@ def test_training_step_never_builds_rows_tokens_vocab(make_cfg, pairs_file, wide
 
 
 def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_file):
-    """``compute.gradient_checkpointing`` recomputes each decoder layer in backward: same loss, same gradients."""
+    """``compute.gradient_checkpointing: layer`` recomputes each decoder layer in backward: same loss and gradients."""
     over = _losses("grpo", "jsd", None)
     cfg, _ = make_cfg(PARITY.format(pairs=pairs_file), *over)
     env = build_env(cfg)
     tasks = env.sample_tasks(3, "train", seed=5)
     out = {}
-    for flag in ("false", "true"):
+    for flag in ("none", "layer"):
         base, tok = load_policy_for(cfg, env)
         c, s = make_cfg(
             PARITY.format(pairs=pairs_file),
@@ -281,14 +281,14 @@ def test_gradient_checkpointing_switch_keeps_loss_and_gradients(make_cfg, pairs_
         )
         m = ComposerModule(c, policy=base, tokenizer=tok, env=env, src=s)
         m.train()
-        assert base.is_gradient_checkpointing == (flag == "true")
+        assert base.is_gradient_checkpointing == (flag == "layer")
         rb = m.make_rollout_batch(tasks, 11)
         rb = rb.replace(advantages=torch.randn(rb.advantages.shape, generator=torch.Generator().manual_seed(0)))
         loss, _ = m.loss_on(rb, 11)
         loss.backward()
         out[flag] = (loss.detach(), _grads(m))
-    torch.testing.assert_close(out["true"][0], out["false"][0], rtol=1e-6, atol=1e-7)
-    _close(out["true"][1], out["false"][1], 1e-6)
+    torch.testing.assert_close(out["layer"][0], out["none"][0], rtol=1e-6, atol=1e-7)
+    _close(out["layer"][1], out["none"][1], 1e-6)
 
 
 def test_bf16_mixed_precision_trains_through_lightning(make_cfg, pairs_file):

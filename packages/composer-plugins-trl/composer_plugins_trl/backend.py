@@ -110,6 +110,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         hint_threshold: completions whose total reward is below it get a hint.
         max_hinted_per_step: at most this many hinted completions per generation batch.
         max_hint_length: teacher-context tokens kept (from the right).
+        hint_teacher_margin: log ``hint/teacher_margin`` (``hints.teacher_margin``; one more LM-head pass).
         pairs: preference pairs (``prompt``, ``chosen``, ``rejected``) or a JSONL path, for replay channels.
         pairs_per_step: pairs scored per micro-batch.
         pair_prompt_length: prompt tokens kept per pair (the native path's ``rollout.max_prompt_length``).
@@ -128,6 +129,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         hint_threshold: float = 1.0,
         max_hinted_per_step: int | None = None,
         max_hint_length: int = 256,
+        hint_teacher_margin: bool = False,
         pairs: Sequence[Mapping[str, str]] | str | None = None,
         pairs_per_step: int = 4,
         pair_prompt_length: int = 192,
@@ -161,6 +163,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             )
         self.hint_threshold = float(hint_threshold)
         self.max_hint_length = int(max_hint_length)
+        self.hint_teacher_margin = bool(hint_teacher_margin)
         self.chat_mode = str(chat_template)  # not `chat_template`: TRL keeps its Jinja override under that name
         from composer_plugins.training.batches import load_pairs, render_pairs
 
@@ -342,6 +345,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             reference=self.ref_model if self.ref_model is not None else self._pair_reference,
             temperature=self.temperature,
             max_context_length=self.max_hint_length,
+            teacher_margin=self.hint_teacher_margin,
             pair_prompt_length=self.pair_prompt_length,
             pair_max_length=self.pair_max_length,
             teacher_scoring=self.teacher_scoring,
@@ -565,7 +569,7 @@ class TRLBackend(Backend):
             use_cpu=c.trainer.accelerator == "cpu",
             bf16=c.trainer.precision.startswith("bf16"),
             fp16=False,
-            gradient_checkpointing=c.compute.gradient_checkpointing,
+            gradient_checkpointing=c.compute.gradient_checkpointing == "layer",
             report_to="none",
             save_strategy="no",
             logging_steps=1,
@@ -619,6 +623,7 @@ class TRLBackend(Backend):
             hint_threshold=c.rollout.success_threshold,
             max_hinted_per_step=c.hints.max_hinted_per_step,
             max_hint_length=c.hints.max_context_length,
+            hint_teacher_margin=c.hints.teacher_margin,
             pairs=pairs,
             pairs_per_step=c.replay.pairs_per_step,
             pair_prompt_length=c.rollout.max_prompt_length,
