@@ -282,8 +282,9 @@ class _TeacherDistill(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         stats = torch.empty((n, 2), dtype=acc, device=hidden.device)
+        cd = compute_dtype(weight)
         with _manual(weight):
-            wc = weight.detach().to(compute_dtype(weight))
+            wc = weight.detach().to(cd)
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
                 h = hidden[s:e]
