@@ -16,3 +16,9 @@ Below ``models`` and ``losses``, which both use them; imports only ``core`` and 
 The documented functional API re-exports the chunked functions from
 :mod:`composer_plugins.losses.functional`. Importing this package does not import torch.
 """
+
+from typing import Literal, get_args
+
+#: The ``compute.kernels`` settings (the one list of them; :mod:`composer_plugins.kernels.select` picks among them).
+KernelSetting = Literal["auto", "materialised", "chunked", "liger"]
+KERNEL_SETTINGS: tuple[str, ...] = get_args(KernelSetting)

@@ -175,9 +175,16 @@ def _dlogits_(w: Tensor, ssum: Tensor | None, ids: Tensor, g: Tensor, tau: float
 
 
 def _logprob_grads(
-    hidden: Tensor, weight: Tensor, ids: Tensor, lse: Tensor, grad: Tensor, bounds: list[tuple[int, int]], tau: float,
-    cd: torch.dtype, need: tuple[bool, bool],
-) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    bounds: list[tuple[int, int]],
+    tau: float,
+    cd: torch.dtype,
+    need: tuple[bool, bool],
+) -> tuple[Tensor | None, Tensor | None]:
     """dL/dhidden and dL/dW of per-token log-probs with upstream ``grad``, recomputing each chunk's logits."""
     grad_h = torch.empty_like(hidden) if need[0] else None
     grad_w = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device) if need[1] else None

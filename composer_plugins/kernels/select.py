@@ -3,7 +3,7 @@
 ``auto`` picks, for the device the step runs on and the tokens of one step:
 
 * ``liger`` — on CUDA when ``liger_kernel`` imports (the caller says, ``liger``): Liger's fused linear JSD for
-  ``hint_distill``'s ``jsd`` (a channel with ``kernels: auto``); every other LM-head path stays on this package's kernels;
+  ``hint_distill``'s ``jsd`` (a channel with ``kernels: auto``); every other LM-head path stays on these kernels;
 * ``materialised`` — when the logits of every token of a step fit the memory budget: one chunk of all of them;
 * ``chunked`` — otherwise: chunks of :func:`~composer_plugins.kernels.chunked.auto_chunk_size` rows.
 
@@ -13,16 +13,13 @@ The pick is reported in the run's log and its MLflow params (:meth:`KernelPick.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
 from composer_plugins.core.errors import closest
+from composer_plugins.kernels import KERNEL_SETTINGS
 from composer_plugins.kernels.chunked import CHUNK_BYTES_PER_LOGIT, CHUNK_ELEMENTS, MEMORY_FRACTION, auto_chunk_size
-
-#: The ``compute.kernels`` settings (the one list of them).
-KernelSetting = Literal["auto", "materialised", "chunked", "liger"]
-KERNEL_SETTINGS: tuple[str, ...] = get_args(KernelSetting)
 
 
 def check_kernels(setting: str) -> None:

@@ -62,9 +62,14 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
         hidden = completion_hidden(*args, completion_attention_mask=r.attention_mask, micro_batch_size=mb)
         asm.scratch["policy_hidden"] = hidden
         logps = fused_logprobs(
-            hidden, lm_head_weight(p.model), r.completion_ids, r.completion_mask, _readers_loss(asm, readers),
-            chunk_size=p.chunk_size, temperature=p.temperature,
-        )  # fmt: skip
+            hidden,
+            lm_head_weight(p.model),
+            r.completion_ids,
+            r.completion_mask,
+            _readers_loss(asm, readers),
+            chunk_size=p.chunk_size,
+            temperature=p.temperature,
+        )
     elif logps is None and asm.wants("logprobs"):
         kw = {"temperature": p.temperature, "completion_attention_mask": r.attention_mask, "micro_batch_size": mb}
         want_hidden = asm.wants("student_hidden") or asm.wants("hidden_states")

@@ -423,7 +423,7 @@ class ComputeSection(Section):
             "micro_batch_tokens",
             *(f for f in ("micro_batch_size", "chunk_size") if getattr(self, f) is not None),
         )
-        from composer_plugins.losses.functional import KERNEL_SETTINGS
+        from composer_plugins.losses import KERNEL_SETTINGS
 
         if self.kernels not in KERNEL_SETTINGS:
             raise src.error(f"{key}.kernels", f"unknown kernels {self.kernels!r}.", valid=KERNEL_SETTINGS)

@@ -95,9 +95,14 @@ def test_precomputed_divergence_three_student_matmuls_and_one_teacher_in_bf16():
     rec = HeadMatmuls()
     with torch.autocast("cpu", dtype=torch.bfloat16), rec:
         loss = C.chunked_distill(
-            hidden, t_hidden, weight, JSDKernel(beta=0.5), teacher_lm_head_weight=t_weight,
-            chunk_size=16, grad_mode="precompute",
-        )  # fmt: skip
+            hidden,
+            t_hidden,
+            weight,
+            JSDKernel(beta=0.5),
+            teacher_lm_head_weight=t_weight,
+            chunk_size=16,
+            grad_mode="precompute",
+        )
         loss.backward()
     assert len(rec.ops) == 2 * (3 + 1), rec.ops  # two chunks: logits, dL/dh, dL/dW + the teacher's logits
     assert _bf16_only(rec.ops), rec.ops
