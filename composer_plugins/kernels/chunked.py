@@ -100,6 +100,17 @@ def _logits(h: Tensor, wc: Tensor) -> Tensor:
     return _up(h.to(wc.dtype) @ wc.T)
 
 
+def scale_saved(ctx: Any, grad_total: Tensor, what: str, fix: str) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients a kernel formed in its forward (``ctx.grads``), scaled in place by ``grad_total`` (once)."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{what} supports one backward pass per forward; {fix}")
+    grads, ctx.grads = ctx.grads, None  # scaled in place: no second V×H buffer
+    for g in grads:
+        if g is not None:
+            g.mul_(grad_total.to(g.dtype))
+    return grads
+
+
 def _heads(weight: Tensor, t_weight: Tensor, cd: torch.dtype) -> tuple[Tensor, Tensor]:
     """The student's and the teacher's heads in the compute dtype (one copy when they share storage)."""
     wc = weight.detach().to(cd)
@@ -402,18 +413,8 @@ class _PrecomputedDistill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, grad_stats: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if ctx.grads is None:
-            raise RuntimeError(
-                "chunked distillation with grad_mode='precompute' supports one backward pass; "
-                "use grad_mode='recompute' to backpropagate through it more than once"
-            )
-        grad_h, grad_w = ctx.grads
-        ctx.grads = None  # scaled in place below: no second V×H buffer
-        if grad_h is not None:
-            grad_h.mul_(grad_total.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w.mul_(grad_total.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        fix = "use grad_mode='recompute' to backpropagate through it more than once"
+        return *scale_saved(ctx, grad_total, "chunked distillation with grad_mode='precompute'", fix), *[None] * 7
 
 
 def _reduce(per_token: Tensor, idx: Tensor | None, shape: torch.Size, reduction: str, vocab: int) -> Tensor:

@@ -46,6 +46,7 @@ from composer_plugins.kernels.chunked import (
     _manual,
     compute_dtype,
     resolve_chunk_size,
+    scale_saved,
 )
 from composer_plugins.kernels.divergences import (
     TAIL_FLOOR,
@@ -305,15 +306,7 @@ class _TeacherDistill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, grad_stats: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if ctx.grads is None:
-            raise RuntimeError("chunked teacher distillation supports one backward pass per forward")
-        grad_h, grad_w = ctx.grads
-        ctx.grads = None
-        if grad_h is not None:
-            grad_h.mul_(grad_total.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w.mul_(grad_total.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return *scale_saved(ctx, grad_total, "chunked teacher distillation", "call it again"), *[None] * 8
 
 
 @dataclass
