@@ -21,6 +21,7 @@ Public helpers: :func:`chunked_logprobs`, :func:`chunked_generalized_jsd`,
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -87,12 +88,14 @@ def _acc(weight: Tensor) -> torch.dtype:
 def compute_dtype(weight: Tensor) -> torch.dtype:
     """The matmul dtype: autocast's on ``weight``'s device when it is on (bf16), else ``weight``'s own."""
     dev = weight.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    return torch.get_autocast_dtype(dev) if on else weight.dtype
 
 
 def _manual(weight: Tensor) -> Any:
     """Autocast off inside a kernel: it casts its matmuls itself, and its element-wise math stays fp32."""
-    return torch.autocast(weight.device.type, enabled=False)
+    dev = weight.device.type
+    return torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else contextlib.nullcontext()
 
 
 def _logits(h: Tensor, wc: Tensor) -> Tensor:
