@@ -126,12 +126,15 @@ def _add_chunk_grads(
 ) -> None:
     """Back through ``z = h @ W.T`` for rows ``s:e`` (``g`` is dL/dz): write dL/dh, add dL/dW.
 
-    Both products run in the compute dtype ``wc.dtype``; dL/dW adds into ``grad_w``'s fp32 buffer.
+    Both products run in the compute dtype ``wc.dtype``; dL/dW adds into ``grad_w``'s fp32 buffer (a bf16
+    product under autocast; in place when the compute dtype is the buffer's).
     """
     gc = g.to(wc.dtype)
     if grad_h is not None:
         grad_h[s:e] = gc @ wc
-    if grad_w is not None:
+    if grad_w is not None and grad_w.dtype == wc.dtype:  # fp32 compute: in place, no V×H temporary
+        grad_w.addmm_(gc.T, h.to(wc.dtype))
+    elif grad_w is not None:
         grad_w.add_(gc.T @ h.to(wc.dtype))
 
 
