@@ -48,7 +48,7 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
 
     When every active channel reading ``logprobs`` declares ``row_separable``, their LM-head gradients are
     formed while the log-probs are computed (:func:`~composer_plugins.kernels.fused.fused_logprobs`, three
-    matmuls a chunk); otherwise (or with ``compute.kernels: materialised``'s one chunk alike) the generic path."""
+    matmuls a chunk); otherwise the generic path (four). ``compute.kernels: materialised`` makes either one chunk."""
     from composer_plugins.models.logprobs import completion_hidden, completion_logprobs, lm_head_weight
 
     r, p = asm.record, asm.policy
@@ -119,11 +119,10 @@ def _separable_readers(asm: Assembly) -> list[Any]:
 
 def _readers_loss(asm: Assembly, readers: list[Any]) -> Any:
     """``loss(logprobs)``: the readers' weighted losses, their other inputs built as the assembler would."""
-    names = {k for c in readers for k in c.required_inputs() if k not in _OWN}
+    for k in dict.fromkeys(k for c in readers for k in c.required_inputs() if k not in _OWN):
+        asm.get(k)  # now, outside the kernel (whose autocast is off)
 
     def loss(lp: Tensor) -> Tensor:
-        for k in names:
-            asm.get(k)
         vals = {**asm.values, **_sampling_inputs(asm, lp.detach(), report=False), "logprobs": lp}
         return sum((c.weight * c(vals)[0] for c in readers), lp.new_zeros(()))
 
