@@ -98,9 +98,12 @@ def _manual(weight: Tensor) -> Any:
     return torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else contextlib.nullcontext()
 
 
-def _logits(h: Tensor, wc: Tensor) -> Tensor:
-    """One chunk's logits ``h @ wc.T`` in the compute dtype ``wc.dtype``, upcast to fp32."""
-    return _up(h.to(wc.dtype) @ wc.T)
+def _logits(h: Tensor, wc: Tensor, tau: float = 1.0) -> Tensor:
+    """One chunk's logits ``h @ wc.T / tau`` in the compute dtype ``wc.dtype``, upcast to fp32 (one pass for both)."""
+    z = h.to(wc.dtype) @ wc.T
+    if tau == 1.0 or z.dtype in (torch.float32, torch.float64):
+        return _up(z).div_(tau) if tau != 1.0 else _up(z)
+    return torch.div(z, tau, out=torch.empty(z.shape, dtype=torch.float32, device=z.device))
 
 
 def scale_saved(ctx: Any, grad_total: Tensor, what: str, fix: str) -> tuple[Tensor | None, Tensor | None]:
@@ -165,9 +168,7 @@ def _chunk_logprobs(
     h: Tensor, wc: Tensor, ids: Tensor, tau: float, with_ent: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """One chunk: ``(exp(z - max) in the logits' buffer, its row sums, log-probs of ids, logsumexp, entropy)``."""
-    z = _logits(h, wc)
-    if tau != 1.0:
-        z.div_(tau)
+    z = _logits(h, wc, tau)
     picked = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     mx = z.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
@@ -208,12 +209,9 @@ def _logprob_grads(
     with _manual(weight):
         wc = weight.detach().to(cd)
         for s, e in bounds:
-            z = _logits(hidden[s:e], wc)
-            if tau != 1.0:
-                z.div_(tau)
-            p = z.sub_(lse[s:e].unsqueeze(-1)).exp_()
+            p = _logits(hidden[s:e], wc, tau).sub_(lse[s:e].unsqueeze(-1)).exp_()
             _add_chunk_grads(_dlogits_(p, None, ids[s:e], grad[s:e], tau), hidden[s:e], wc, grad_h, grad_w, s, e)
-            del z, p
+            del p
     return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None)
 
 
