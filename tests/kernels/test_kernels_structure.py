@@ -253,3 +253,20 @@ def test_chunk_size_on_the_cpu_is_small():
     assert all(C.auto_chunk_size(v) % 16 == 0 for v in (50_000, 128_256, 151_936, 300_000))
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         C.resolve_chunk_size(0, 100)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_fused_logprobs_with_no_gradient_or_no_token_use_the_saved_zeros():
+    hidden, weight, ids, mask, _ = _batch()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+
+    def flat(x):  # dL/dlogp = 0 everywhere
+        return (x * 0).sum()
+
+    flat(fused_logprobs(h, w, ids, mask, flat, chunk_size=4)).backward()
+    assert float(h.grad.abs().sum()) == 0.0 and float(w.grad.abs().sum()) == 0.0
+    h.grad = w.grad = None
+    lp = fused_logprobs(h, w, ids, torch.zeros_like(mask), lambda x: x.sum(), chunk_size=4)
+    assert lp.shape == ids.shape and float(lp.detach().abs().sum()) == 0.0
+    (lp.sum() + h.sum() * 0).backward()
+    assert float(w.grad.abs().sum()) == 0.0
