@@ -198,6 +198,9 @@ class ComposerModule(L.LightningModule):
         tokens = r.prompts_per_step * r.num_generations * r.max_new_tokens
         self.kernel_pick = self.cfg.compute.pick_kernels(int(lm_head_weight(self.policy).shape[0]), tokens, self.device)
         log_kernel_pick(self.logger, self.kernel_pick)
+        for ch in self.composer.active if self.kernel_pick.kernels != "liger" else ():
+            if getattr(ch, "kernels", None) == "auto":  # a channel on its own `kernels: auto` follows the pick
+                ch.kernels = "torch"
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)
             self._resume_rng = None

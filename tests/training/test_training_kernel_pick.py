@@ -70,7 +70,10 @@ def test_the_pick_reaches_the_runs_log_and_params(make_cfg, caplog, monkeypatch)
     tiny = TinyModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
     policy = Qwen2ForCausalLM(make_model_config(tiny, vocab_size=300, pad_id=0, bos_id=1, eos_id=2))
     logger = FakeLogger()
+    hint = SimpleNamespace(kernels="auto")  # a channel choosing Liger itself on CUDA: it follows the pick
+    composer = SimpleNamespace(active=[hint, SimpleNamespace(weight=1.0)])
     stub = SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), logger=logger, kernel_pick=None)
+    stub.composer = composer
     stub._resume_rng, stub._reference = None, []
     with caplog.at_level(logging.INFO, logger="composer_plugins.training"):
         M.ComposerModule.on_train_start(stub)
@@ -82,6 +85,7 @@ def test_the_pick_reaches_the_runs_log_and_params(make_cfg, caplog, monkeypatch)
     }
     assert "cpu" in logger.params["compute.kernels_reason"]
     assert "compute.kernels=auto: materialised (chunk 96 rows" in caplog.text
+    assert hint.kernels == "torch"
     stub.tokenizer = stub.ema_teacher = stub.reference = stub.teacher_scoring = None
     assert M.ComposerModule.step_policy(stub).chunk_size == 96  # the step's chunks follow the pick
 
