@@ -6,9 +6,13 @@ intermediates of a divergence multiply that several times. The functions here in
 the tokens in chunks of ``chunk_size`` rows inside a custom :class:`torch.autograd.Function`:
 
 * forward computes each chunk's logits, reduces them to per-token values and drops them;
-* backward **recomputes** each chunk's logits, forms ``dL/dlogits`` in closed form (checked
-  against autograd of the materialised path in the tests), and accumulates
-  ``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+* ``dL/dlogits`` is formed in closed form (checked against autograd of the materialised path in the
+  tests) while the logits are alive when the loss is known there (``grad_mode="precompute"``, the
+  teachers' top-k, :mod:`composer_plugins.kernels.fused`), else backward **recomputes** each chunk's
+  logits; then ``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+
+Every matmul runs in the autocast dtype (:func:`compute_dtype`; bf16 under ``torch.autocast``), with
+autocast off inside the kernel, so the element-wise math is fp32 and ``dL/dW`` adds into an fp32 buffer.
 
 Peak extra memory is therefore ``O(chunk_size × V)`` instead of ``O(T × V)``; gradients equal the
 materialised path's up to floating-point summation order. Only the rows selected by ``mask``
