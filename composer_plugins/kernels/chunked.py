@@ -103,11 +103,10 @@ def _manual(weight: Tensor) -> Any:
 
 
 def _logits(h: Tensor, wc: Tensor, tau: float = 1.0) -> Tensor:
-    """One chunk's logits ``h @ wc.T / tau`` in the compute dtype ``wc.dtype``, upcast to fp32 (one pass for both)."""
-    z = h.to(wc.dtype) @ wc.T
-    if tau == 1.0 or z.dtype in (torch.float32, torch.float64):
-        return _up(z).div_(tau) if tau != 1.0 else _up(z)
-    return torch.div(z, tau, out=torch.empty(z.shape, dtype=torch.float32, device=z.device))
+    """One chunk's logits ``h @ wc.T / tau``: the product in the compute dtype ``wc.dtype``, upcast to fp32 first
+    (a bf16 division writing into fp32 would round the quotient to bf16)."""
+    z = _up(h.to(wc.dtype) @ wc.T)
+    return z.div_(tau) if tau != 1.0 else z
 
 
 def scale_saved(ctx: Any, grad_total: Tensor, what: str, fix: str) -> tuple[Tensor | None, Tensor | None]:

@@ -270,3 +270,17 @@ def test_fused_logprobs_with_no_gradient_or_no_token_use_the_saved_zeros():
     assert lp.shape == ids.shape and float(lp.detach().abs().sum()) == 0.0
     (lp.sum() + h.sum() * 0).backward()
     assert float(w.grad.abs().sum()) == 0.0
+
+
+def test_under_autocast_only_the_matmul_is_bf16_the_rest_is_fp32():
+    """The chunk's logits are the bf16 product upcast, then divided by the temperature in fp32 (a bf16 division
+    would round the quotient again), and the log-softmax is fp32: the same as fp32 maths on the bf16 product."""
+    hidden, weight = _leaves(16, seed=3)
+    hidden = hidden.detach() * 4
+    ids = torch.randint(0, V, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = C.chunked_logprobs(hidden, weight.detach(), ids, chunk_size=8, temperature=0.7)
+    z = (hidden.bfloat16() @ weight.detach().bfloat16().T).float() / 0.7
+    ref = torch.log_softmax(z, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref, rtol=1e-6, atol=1e-6)
