@@ -29,15 +29,9 @@ from composer_plugins.kernels.chunked import (
 
 
 class _FusedLogProbs(torch.autograd.Function):
-    """Log-probs whose gradients are formed in the forward pass from a row-separable loss (three matmuls a chunk).
-
-    Each chunk holds whole rows; ``loss_of(s, e, logp_chunk)`` is the loss as a function of the chunk's
-    log-probs (the other rows held fixed), so its autograd gives the chunk's exact dL/dlogp, and
-    ``dL/dlogits = g · (onehot - p) / T`` is formed while the logits are alive. Backward checks that the
-    upstream gradient is the predicted one times a scalar (a loss scale, an accumulation divisor) and
-    scales the saved gradients; any other upstream gradient (a loss that is not row-separable) takes
-    the exact recompute path instead.
-    """
+    """:func:`fused_logprobs`'s kernel: ``loss_of(s, e, logp_chunk)`` gives a chunk's dL/dlogp in the forward;
+    backward scales the saved gradients when the upstream gradient is that one times a scalar (a loss scale, an
+    accumulation divisor), else (a loss that is not row-separable) recomputes them exactly."""
 
     @staticmethod
     def forward(  # type: ignore[override]
