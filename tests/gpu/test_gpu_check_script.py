@@ -230,7 +230,7 @@ def test_every_step_is_bounded_and_the_report_is_written_when_steps_time_out(tmp
         "scale-0.5b": (124, True),
         "scale-1.5b": (124, True),
     }, r["steps"]
-    assert r["tier"]["counts"] == {"skipped": 16} and r["machine"]["device"] == "no CUDA device"
+    assert r["tier"]["counts"] == {"skipped": 17} and r["machine"]["device"] == "no CUDA device"
     md = (out / "gpu.md").read_text()
     assert "Device: **no CUDA device**" in md and md.count("TIMED OUT") == 3
     for step in status:
