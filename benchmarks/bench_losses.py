@@ -68,8 +68,9 @@ VARIANTS = (
     "hint_distill_chunked",
     "hint_distill_chunked_recompute",
 )
-#: Measured only when asked for (``--variants``): Liger's fused linear JSD, and the top-100 divergence.
-EXTRA_VARIANTS = ("hint_distill_liger", "hint_distill_chunked_topk100")
+#: Measured only when asked for (``--variants``): Liger's fused linear JSD, the top-100 divergence, and the fused
+#: log-probs (one chunk per row at these B = 1 shapes).
+EXTRA_VARIANTS = ("hint_distill_liger", "hint_distill_chunked_topk100", "logprobs_fused")
 #: (ratio prefix, chunked variant, materialised baseline)
 COMPARISONS = (
     ("logprobs", "logprobs_chunked", "logprobs_materialised"),
@@ -80,6 +81,7 @@ COMPARISONS = (
 EXTRA_COMPARISONS = (
     ("hint_distill_vs_liger", "hint_distill_chunked", "hint_distill_liger", True),
     ("hint_distill_topk100", "hint_distill_chunked_topk100", "hint_distill_chunked", False),
+    ("logprobs_fused", "logprobs_fused", "logprobs_materialised", True),
 )
 TARGETS = {
     **{f"{p}_peak_mem_ratio": "<= 0.125 (chunked / materialised, all memory)" for p, _, _ in COMPARISONS},
@@ -181,6 +183,10 @@ def _worker(variant: str, shape: dict[str, int], chunk: int, threads: int, repea
         elif variant == "logprobs_chunked":
             lp = LF.chunked_logprobs(hidden, weight, ids, chunk_size=chunk)
             assert isinstance(lp, torch.Tensor)
+            loss = -(lp * adv).sum() / t
+        elif variant == "logprobs_fused":  # the training step's path for row-separable losses (whole rows a chunk)
+            mask = torch.ones_like(ids, dtype=torch.bool)
+            lp = LF.fused_logprobs(hidden, weight, ids, mask, lambda x: -(x * adv).sum() / t, chunk_size=chunk)
             loss = -(lp * adv).sum() / t
         elif variant == "hint_distill_materialised":
             with torch.no_grad():

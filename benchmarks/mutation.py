@@ -103,8 +103,9 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "kernels",
-            files=("kernels/chunked.py", "kernels/divergences.py", "kernels/teacher_topk.py"),
+            files=("kernels/chunked.py", "kernels/divergences.py", "kernels/teacher_topk.py", "kernels/fused.py"),
             tests=(
+                "tests/kernels/test_kernels_structure.py",
                 "tests/losses/test_kernels_mutants.py",
                 "tests/losses/test_losses_distill.py",
                 "tests/losses/test_losses_topk.py",

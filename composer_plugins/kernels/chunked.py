@@ -6,9 +6,13 @@ intermediates of a divergence multiply that several times. The functions here in
 the tokens in chunks of ``chunk_size`` rows inside a custom :class:`torch.autograd.Function`:
 
 * forward computes each chunk's logits, reduces them to per-token values and drops them;
-* backward **recomputes** each chunk's logits, forms ``dL/dlogits`` in closed form (checked
-  against autograd of the materialised path in the tests), and accumulates
-  ``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+* ``dL/dlogits`` is formed in closed form (checked against autograd of the materialised path in the
+  tests) while the logits are alive when the loss is known there (``grad_mode="precompute"``, the
+  teachers' top-k, :mod:`composer_plugins.kernels.fused`), else backward **recomputes** each chunk's
+  logits; then ``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+
+Every matmul runs in the autocast dtype (:func:`compute_dtype`; bf16 under ``torch.autocast``), with
+autocast off inside the kernel, so the element-wise math is fp32 and ``dL/dW`` adds into an fp32 buffer.
 
 Peak extra memory is therefore ``O(chunk_size × V)`` instead of ``O(T × V)``; gradients equal the
 materialised path's up to floating-point summation order. Only the rows selected by ``mask``
@@ -21,6 +25,7 @@ Public helpers: :func:`chunked_logprobs`, :func:`chunked_generalized_jsd`,
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -31,26 +36,48 @@ from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, Ke
 #: Rows per chunk used where a caller asks for a fixed size. At V=151,936 one fp32 chunk of logits is 155 MB.
 DEFAULT_CHUNK_SIZE = 256
 
-#: Logit elements one chunk may hold when the chunk size is chosen from the shape (64 MiB in fp32).
+#: Logit elements one chunk may hold on the CPU (64 MiB in fp32): 96 rows at V=151,936.
 CHUNK_ELEMENTS = 1 << 24
 
+#: Rows per chunk on an accelerator when the memory budget allows (Liger's size: matmuls near peak throughput).
+CHUNK_ROWS = 1024
 
-def auto_chunk_size(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
-    """Rows per chunk so that one ``(rows, vocab)`` logits block holds about ``elements`` values.
+#: Share of the accelerator's free memory one chunk's vocabulary-sized buffers may take.
+MEMORY_FRACTION = 0.25
 
-    A multiple of 16 in ``[16, 4096]``: 96 rows at V=151,936 (Qwen2.5), 128 at V=128,256 (Llama 3),
-    4,096 for small vocabularies, where a chunk is already tiny.
+#: Bytes per logit a chunk holds at its peak: fp32 logits, one fp32 gradient/probability buffer, a
+#: compute-dtype copy of the gradient and the kernels' temporaries.
+CHUNK_BYTES_PER_LOGIT = 16
+
+
+def auto_chunk_size(
+    vocab: int, device: Any = None, *, free_bytes: int | None = None, fraction: float = MEMORY_FRACTION
+) -> int:
+    """Rows per chunk for ``device`` and its memory: a multiple of 16, at least 16.
+
+    On CUDA (or with ``free_bytes`` given): as many rows as ``fraction`` of the free memory
+    (``torch.cuda.mem_get_info``) holds at :data:`CHUNK_BYTES_PER_LOGIT` bytes per logit, at most
+    :data:`CHUNK_ROWS` (1,024 on an H200 at V=151,936). On the CPU: small, :data:`CHUNK_ELEMENTS`
+    logits (96 rows at V=151,936), at most 256 rows.
     """
-    rows = max(16, min(4096, int(elements) // max(int(vocab), 1)))
-    return rows - rows % 16
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if free_bytes is None and dev.type == "cuda":
+        free_bytes = int(torch.cuda.mem_get_info(dev)[0])
+    if free_bytes is not None:
+        rows = min(CHUNK_ROWS, int(free_bytes * fraction) // (max(int(vocab), 1) * CHUNK_BYTES_PER_LOGIT))
+    else:
+        rows = min(256, CHUNK_ELEMENTS // max(int(vocab), 1))
+    return max(16, rows - rows % 16)
 
 
-def resolve_chunk_size(chunk_size: int | None, vocab: int) -> int:
-    """``chunk_size`` when given (must be >= 1), else :func:`auto_chunk_size` of ``vocab``."""
+def resolve_chunk_size(chunk_size: int | None, vocab: int, device: Any = None) -> int:
+    """``chunk_size`` when given (must be >= 1), else :func:`auto_chunk_size` for ``device``."""
     if chunk_size is None:
-        return auto_chunk_size(vocab)
+        return auto_chunk_size(vocab, device)
     if int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be >= 1 (or None for a size chosen from the vocabulary), got {chunk_size}")
+        raise ValueError(
+            f"chunk_size must be >= 1 (or None for a size chosen from the device's memory), got {chunk_size}"
+        )
     return int(chunk_size)
 
 
@@ -62,14 +89,59 @@ def _acc(weight: Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
+def compute_dtype(weight: Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's on ``weight``'s device when it is on (bf16), else ``weight``'s own."""
+    dev = weight.device.type
+    on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    return torch.get_autocast_dtype(dev) if on else weight.dtype
+
+
+def _manual(weight: Tensor) -> Any:
+    """Autocast off inside a kernel: it casts its matmuls itself, and its element-wise math stays fp32."""
+    dev = weight.device.type
+    return torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else contextlib.nullcontext()
+
+
+def _logits(h: Tensor, wc: Tensor, tau: float = 1.0) -> Tensor:
+    """One chunk's logits ``h @ wc.T / tau``: the product in the compute dtype ``wc.dtype``, upcast to fp32 first
+    (a bf16 division writing into fp32 would round the quotient to bf16)."""
+    z = _up(h.to(wc.dtype) @ wc.T)
+    return z.div_(tau) if tau != 1.0 else z
+
+
+def scale_saved(ctx: Any, grad_total: Tensor, what: str, fix: str) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients a kernel formed in its forward (``ctx.grads``), scaled in place by ``grad_total`` (once)."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{what} supports one backward pass per forward; {fix}")
+    grads, ctx.grads = ctx.grads, None  # scaled in place: no second V×H buffer
+    for g in grads:
+        if g is not None:
+            g.mul_(grad_total.to(g.dtype))
+    return grads
+
+
+def _heads(weight: Tensor, t_weight: Tensor, cd: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The student's and the teacher's heads in the compute dtype (one copy when they share storage)."""
+    wc = weight.detach().to(cd)
+    same = t_weight.data_ptr() == weight.data_ptr() and t_weight.shape == weight.shape
+    return wc, (wc if same else t_weight.to(cd))
+
+
 def _add_chunk_grads(
-    g: Tensor, h: Tensor, weight: Tensor, grad_h: Tensor | None, grad_w: Tensor | None, s: int, e: int
+    g: Tensor, h: Tensor, wc: Tensor, grad_h: Tensor | None, grad_w: Tensor | None, s: int, e: int
 ) -> None:
-    """Back through ``z = h @ weight.T`` for rows ``s:e`` (``g`` is dL/dz): write dL/dh, add dL/dweight."""
+    """Back through ``z = h @ W.T`` for rows ``s:e`` (``g`` is dL/dz): write dL/dh, add dL/dW.
+
+    Both products run in the compute dtype ``wc.dtype``; dL/dW adds into ``grad_w``'s fp32 buffer (a bf16
+    product under autocast; in place when the compute dtype is the buffer's).
+    """
+    gc = g.to(wc.dtype)
     if grad_h is not None:
-        grad_h[s:e] = g.to(weight.dtype) @ weight
-    if grad_w is not None:
-        grad_w.addmm_(g.T, h.to(grad_w.dtype))
+        grad_h[s:e] = gc @ wc
+    if grad_w is not None and grad_w.dtype == wc.dtype:  # fp32 compute: in place, no V×H temporary
+        grad_w.addmm_(gc.T, h.to(wc.dtype))
+    elif grad_w is not None:
+        grad_w.add_(gc.T @ h.to(wc.dtype))
 
 
 def _check_hidden(name: str, hidden: Tensor, weight: Tensor) -> None:
@@ -95,38 +167,80 @@ def _flat_rows(hidden: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | No
 # ----------------------------------------------------------------------------------------------
 # log-probs
 # ----------------------------------------------------------------------------------------------
+def _chunk_logprobs(
+    h: Tensor, wc: Tensor, ids: Tensor, tau: float, with_ent: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk: ``(exp(z - max) in the logits' buffer, its row sums, log-probs of ids, logsumexp, entropy)``."""
+    z = _logits(h, wc, tau)
+    picked = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    mx = z.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    z.sub_(mx)
+    ent = None
+    if with_ent:  # entropy = log S - <exp(z'), z'> / S  with z' = z - max, S = sum exp(z')
+        w = z.exp()
+        ssum = w.sum(-1)
+        ent = ssum.log() - _rowdot(w, z) / ssum
+        z = w
+    else:
+        ssum = z.exp_().sum(-1)
+    lse = ssum.log() + mx.squeeze(-1)
+    return z, ssum, picked - lse, lse, ent
+
+
+def _dlogits_(w: Tensor, ssum: Tensor | None, ids: Tensor, g: Tensor, tau: float) -> Tensor:
+    """``g · (onehot(ids) - p) / tau`` in ``w``'s buffer, ``p = w / ssum`` (``ssum`` None: ``w`` is ``p``)."""
+    gt = g.to(w.dtype) / tau if tau != 1.0 else g.to(w.dtype)
+    w.mul_((-gt if ssum is None else -gt / ssum).unsqueeze(-1))
+    return w.scatter_add_(-1, ids.unsqueeze(-1), gt.unsqueeze(-1))
+
+
+def _logprob_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    bounds: list[tuple[int, int]],
+    tau: float,
+    cd: torch.dtype,
+    need: tuple[bool, bool],
+) -> tuple[Tensor | None, Tensor | None]:
+    """dL/dhidden and dL/dW of per-token log-probs with upstream ``grad``, recomputing each chunk's logits."""
+    grad_h = torch.empty_like(hidden) if need[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device) if need[1] else None
+    with _manual(weight):
+        wc = weight.detach().to(cd)
+        for s, e in bounds:
+            p = _logits(hidden[s:e], wc, tau).sub_(lse[s:e].unsqueeze(-1)).exp_()
+            _add_chunk_grads(_dlogits_(p, None, ids[s:e], grad[s:e], tau), hidden[s:e], wc, grad_h, grad_w, s, e)
+            del p
+    return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None)
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
-    """Selected-token log-probs ``log softmax(h W^T / T)[ids]`` over row chunks; recomputes in backward."""
+    """Selected-token log-probs ``log softmax(h W^T / T)[ids]`` over row chunks; recomputes in backward.
+
+    For a generic per-token output, whose loss is unknown here: four matmuls per chunk (logits, their
+    recompute, dL/dh, dL/dW). :func:`fused_logprobs` needs three when the loss is row-separable.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, ids: Tensor, chunk_size: int, temperature: float, with_ent: bool
     ) -> tuple[Tensor, Tensor]:
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=_acc(weight), device=hidden.device)
-        ent = torch.empty(n if with_ent else 0, dtype=_acc(weight), device=hidden.device)
-        lse_all = torch.empty(n, dtype=_acc(weight), device=hidden.device)
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            z = _up(hidden[s:e] @ weight.T)
-            if temperature != 1.0:
-                z.div_(temperature)
-            picked = z.gather(-1, ids[s:e].unsqueeze(-1)).squeeze(-1)
-            # logsumexp in place (one (chunk, V) buffer): z <- z - max, then sum(exp)
-            mx = z.amax(-1, keepdim=True)
-            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-            z.sub_(mx)
-            if with_ent:  # entropy = log S - <exp(z'), z'> / S  with z' = z - max, S = sum exp(z')
-                w = z.exp()
-                ssum = w.sum(-1)
-                ent[s:e] = ssum.log() - _rowdot(w, z) / ssum
-                del w
-            else:
-                ssum = z.exp_().sum(-1)
-            lse = ssum.log() + mx.squeeze(-1)
-            lse_all[s:e] = lse
-            logp[s:e] = picked - lse
-            del z
+        n, acc = hidden.shape[0], _acc(weight)
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        ent = torch.empty(n if with_ent else 0, dtype=acc, device=hidden.device)
+        lse_all = torch.empty(n, dtype=acc, device=hidden.device)
+        ctx.cd = compute_dtype(weight)
+        with _manual(weight):
+            wc = weight.detach().to(ctx.cd)
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                _, _, logp[s:e], lse_all[s:e], en = _chunk_logprobs(hidden[s:e], wc, ids[s:e], temperature, with_ent)
+                if en is not None:
+                    ent[s:e] = en
         ctx.save_for_backward(hidden, weight, ids, lse_all)
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
@@ -136,28 +250,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, ids, lse_all = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cs, tau = ctx.chunk_size, ctx.temperature
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device) if need_w else None
-        n = hidden.shape[0]
-        for s in range(0, n, cs):
-            e = min(s + cs, n)
-            h = hidden[s:e]
-            z = _up(h @ weight.T)
-            if tau != 1.0:
-                z.div_(tau)
-            # d logp / dz = onehot - softmax(z);   g = grad * (onehot - p) / tau
-            g_out = grad_logp[s:e].to(z.dtype)
-            p = z.sub_(lse_all[s:e].unsqueeze(-1)).exp_()
-            g = p.mul_(-g_out.unsqueeze(-1))
-            g.scatter_add_(-1, ids[s:e].unsqueeze(-1), g_out.unsqueeze(-1))
-            if tau != 1.0:
-                g.div_(tau)
-            _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
-            del z, p, g
-        gw = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_h, gw, None, None, None, None
+        n, cs = hidden.shape[0], ctx.chunk_size
+        bounds = [(s, min(s + cs, n)) for s in range(0, n, cs)]
+        gh, gw = _logprob_grads(
+            hidden, weight, ids, lse_all, grad_logp, bounds, ctx.temperature, ctx.cd, ctx.needs_input_grad[:2]
+        )
+        return gh, gw, None, None, None, None
 
 
 def chunked_logprobs(
@@ -192,7 +290,7 @@ def chunked_logprobs(
         raise ValueError(f"ids shape {tuple(ids.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}")
     if mask is not None and mask.shape != ids.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} must equal ids shape {tuple(ids.shape)}")
-    chunk_size = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
+    chunk_size = resolve_chunk_size(chunk_size, lm_head_weight.shape[0], hidden.device)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rows, idx = _flat_rows(hidden, mask)
@@ -230,15 +328,15 @@ class _ChunkedDistill(torch.autograd.Function):
         n = s_hidden.shape[0]
         out = torch.empty(n, dtype=_acc(weight), device=s_hidden.device)
         stats_chunks: list[Tensor] = []
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            zs = _up(s_hidden[s:e] @ weight.T)
-            zt = _up(t_hidden[s:e] @ t_weight.T)
-            val, _, st = kernel.compute(zs, zt, None, with_stats)  # consumes zs, zt
-            out[s:e] = val
-            if st is not None:
-                stats_chunks.append(st)
-            del zs, zt
+        ctx.cd = cd = compute_dtype(weight)
+        with _manual(weight):
+            wc, twc = _heads(weight, t_weight, cd)
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                val, _, st = kernel.compute(_logits(s_hidden[s:e], wc), _logits(t_hidden[s:e], twc), None, with_stats)
+                out[s:e] = val
+                if st is not None:
+                    stats_chunks.append(st)
         stats = torch.cat(stats_chunks) if stats_chunks else out.new_zeros((n, 0))
         ctx.save_for_backward(s_hidden, weight, t_hidden, t_weight)
         ctx.kernel = kernel
@@ -255,16 +353,15 @@ class _ChunkedDistill(torch.autograd.Function):
         grad_h = torch.empty_like(s_hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=_acc(weight), device=weight.device) if need_w else None
         n = s_hidden.shape[0]
-        for s in range(0, n, cs):
-            e = min(s + cs, n)
-            h = s_hidden[s:e]
-            zs = _up(h @ weight.T)
-            zt = _up(t_hidden[s:e] @ t_weight.T)
-            _, g, _ = kernel.compute(zs, zt, grad_out[s:e])  # consumes zs, zt
-            del zs, zt
-            assert g is not None
-            _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
-            del g
+        with _manual(weight):
+            wc, twc = _heads(weight, t_weight, ctx.cd)
+            for s in range(0, n, cs):
+                e = min(s + cs, n)
+                h = s_hidden[s:e]
+                _, g, _ = kernel.compute(_logits(h, wc), _logits(t_hidden[s:e], twc), grad_out[s:e])  # consumes both
+                assert g is not None
+                _add_chunk_grads(g, h, wc, grad_h, grad_w, s, e)
+                del g
         gw = grad_w.to(weight.dtype) if grad_w is not None else None
         return grad_h, gw, None, None, None, None, None
 
@@ -299,23 +396,23 @@ class _PrecomputedDistill(torch.autograd.Function):
         grad_h = torch.empty_like(s_hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         stats_chunks: list[Tensor] = []
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            h = s_hidden[s:e]
-            zs = _up(h @ weight.T)
-            zt = _up(t_hidden[s:e] @ t_weight.T)
-            w = None if token_weight is None else token_weight[s:e].to(acc)
-            go = None
-            if need_h or need_w:
-                go = torch.full((e - s,), scale, dtype=acc, device=zs.device) if w is None else w * scale
-            val, g, st = kernel.compute(zs, zt, go, with_stats)  # consumes zs, zt
-            del zs, zt
-            if st is not None:
-                stats_chunks.append(st)
-            if g is not None:
-                _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
-                del g
-            total += (val.sum() if w is None else (val * w).sum()) * scale
+        cd = compute_dtype(weight)
+        with _manual(weight):
+            wc, twc = _heads(weight, t_weight, cd)
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                h = s_hidden[s:e]
+                w = None if token_weight is None else token_weight[s:e].to(acc)
+                go = None
+                if need_h or need_w:
+                    go = torch.full((e - s,), scale, dtype=acc, device=h.device) if w is None else w * scale
+                val, g, st = kernel.compute(_logits(h, wc), _logits(t_hidden[s:e], twc), go, with_stats)
+                if st is not None:
+                    stats_chunks.append(st)
+                if g is not None:
+                    _add_chunk_grads(g, h, wc, grad_h, grad_w, s, e)
+                    del g
+                total += (val.sum() if w is None else (val * w).sum()) * scale
         stats = torch.cat(stats_chunks) if stats_chunks else total.new_zeros((n, 0))
         ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
         ctx.mark_non_differentiable(stats)
@@ -323,18 +420,8 @@ class _PrecomputedDistill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, grad_stats: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if ctx.grads is None:
-            raise RuntimeError(
-                "chunked distillation with grad_mode='precompute' supports one backward pass; "
-                "use grad_mode='recompute' to backpropagate through it more than once"
-            )
-        grad_h, grad_w = ctx.grads
-        ctx.grads = None  # scaled in place below: no second V×H buffer
-        if grad_h is not None:
-            grad_h.mul_(grad_total.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w.mul_(grad_total.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        fix = "use grad_mode='recompute' to backpropagate through it more than once"
+        return *scale_saved(ctx, grad_total, "chunked distillation with grad_mode='precompute'", fix), *[None] * 7
 
 
 def _reduce(per_token: Tensor, idx: Tensor | None, shape: torch.Size, reduction: str, vocab: int) -> Tensor:
@@ -408,7 +495,7 @@ def chunked_distill(
         raise ValueError(
             f"mask shape {tuple(mask.shape)} must equal student_hidden.shape[:-1] = {tuple(student_hidden.shape[:-1])}"
         )
-    chunk_size = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
+    chunk_size = resolve_chunk_size(chunk_size, lm_head_weight.shape[0], student_hidden.device)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(_REDUCTIONS)}")
     if grad_mode not in ("recompute", "precompute"):

@@ -38,7 +38,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_plugins.kernels.chunked import _acc, _add_chunk_grads, _check_hidden, resolve_chunk_size
+from composer_plugins.kernels.chunked import (
+    _acc,
+    _add_chunk_grads,
+    _check_hidden,
+    _logits,
+    _manual,
+    compute_dtype,
+    resolve_chunk_size,
+    scale_saved,
+)
 from composer_plugins.kernels.divergences import (
     TAIL_FLOOR,
     TEACHER_LOGPROB_FLOOR,
@@ -274,40 +283,30 @@ class _TeacherDistill(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         stats = torch.empty((n, 2), dtype=acc, device=hidden.device)
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            h = hidden[s:e]
-            uid, lt, uvalid = merge_teachers(ids[s:e], lps[s:e], present[s:e], mix, V)
-            w = None if token_weight is None else token_weight[s:e].to(acc)
-            go = None
-            if need_h or need_w:
-                go = torch.full((e - s,), scale, dtype=acc, device=h.device) if w is None else w * scale
-            z = h @ weight.T
-            z = z if z.dtype in (torch.float32, torch.float64) else z.float()
-            if z.dtype != acc:
-                z = z.to(acc)
-            val, g, st = kernel.compute(z, uid, lt, uvalid, go)  # consumes z
-            del z
-            stats[s:e] = st.to(acc)
-            if g is not None:
-                _add_chunk_grads(g, h, weight, grad_h, grad_w, s, e)
-                del g
-            total += (val.sum() if w is None else (val * w).sum()) * scale
+        cd = compute_dtype(weight)
+        with _manual(weight):
+            wc = weight.detach().to(cd)
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                h = hidden[s:e]
+                uid, lt, uvalid = merge_teachers(ids[s:e], lps[s:e], present[s:e], mix, V)
+                w = None if token_weight is None else token_weight[s:e].to(acc)
+                go = None
+                if need_h or need_w:
+                    go = torch.full((e - s,), scale, dtype=acc, device=h.device) if w is None else w * scale
+                val, g, st = kernel.compute(_logits(h, wc).to(acc), uid, lt, uvalid, go)  # consumes the logits
+                stats[s:e] = st.to(acc)
+                if g is not None:
+                    _add_chunk_grads(g, h, wc, grad_h, grad_w, s, e)
+                    del g
+                total += (val.sum() if w is None else (val * w).sum()) * scale
         ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
         ctx.mark_non_differentiable(stats)
         return total, stats
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, grad_stats: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if ctx.grads is None:
-            raise RuntimeError("chunked teacher distillation supports one backward pass per forward")
-        grad_h, grad_w = ctx.grads
-        ctx.grads = None
-        if grad_h is not None:
-            grad_h.mul_(grad_total.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w.mul_(grad_total.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return *scale_saved(ctx, grad_total, "chunked teacher distillation", "call it again"), *[None] * 8
 
 
 @dataclass
@@ -368,7 +367,7 @@ def chunked_teacher_distill(
     tw = None if token_weight is None else token_weight.detach().reshape(-1).index_select(0, r.idx)
     n = int(r.idx.numel())
     denom = float(denominator) if denominator is not None else float(max(n, 1))
-    cs = resolve_chunk_size(chunk_size, lm_head_weight.shape[0])
+    cs = resolve_chunk_size(chunk_size, lm_head_weight.shape[0], hidden.device)
     total, cov = _TeacherDistill.apply(
         rows, lm_head_weight, r.ids, r.lps, r.present, mix, kernel, int(cs), 1.0 / max(denom, 1e-12), tw
     )

@@ -11,5 +11,10 @@
 * :mod:`composer_plugins.losses.policy`, :mod:`~composer_plugins.losses.distill`,
   :mod:`~composer_plugins.losses.preference` — the built-in channels.
 
-Importing this package does not import torch; import the submodules you need.
+Importing this package does not import torch; import the submodules you need. It names the ``compute.kernels``
+settings (:data:`KERNEL_SETTINGS`, owned by :mod:`composer_plugins.kernels`) for the config to check without torch.
 """
+
+from composer_plugins.kernels import KERNEL_SETTINGS
+
+__all__ = ["KERNEL_SETTINGS"]

@@ -43,6 +43,10 @@ class LossChannel(nn.Module):
     #: True for a channel whose loss is meant to be ascended (a negative ``weight``); every other channel
     #: refuses one, since ``weight < 0`` turns its descent into gradient ascent.
     allows_negative_weight: ClassVar[bool] = False
+    #: True when the channel's loss is a sum of per-row terms of ``logprobs`` (each row's term reads only its own
+    #: row; batch-wide constants such as token counts are fine): the training step may then form the LM-head
+    #: gradients of ``logprobs`` while computing them (three matmuls a chunk instead of four).
+    row_separable: ClassVar[bool] = False
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         super().__init__()

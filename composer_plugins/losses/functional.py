@@ -44,6 +44,8 @@ from composer_plugins.kernels.chunked import (
     chunked_taid_loss,
 )
 from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, TAIDKernel
+from composer_plugins.kernels.fused import fused_logprobs
+from composer_plugins.kernels.select import KERNEL_SETTINGS, KernelPick, pick_kernels
 from composer_plugins.losses.advantages import group_advantages, rloo_advantages
 from composer_plugins.losses.correction import IS_MODES, importance_sampling_correction
 from composer_plugins.losses.ops import LossOutput, _require_same, _shape, masked_mean, nanstd, selective_log_softmax
@@ -52,7 +54,9 @@ from composer_plugins.losses.taid import TAIDScheduler
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "IS_MODES",
+    "KERNEL_SETTINGS",
     "POLICY_LOSS_TYPES",
+    "KernelPick",
     "LossOutput",
     "TAIDScheduler",
     "chunked_distill",
@@ -63,12 +67,14 @@ __all__ = [
     "dpo_loss",
     "dppo_kl_loss",
     "entropy_aware_opd",
+    "fused_logprobs",
     "generalized_jsd",
     "group_advantages",
     "importance_sampling_correction",
     "kl_estimate",
     "masked_mean",
     "nanstd",
+    "pick_kernels",
     "policy_loss",
     "rloo_advantages",
     "selective_log_softmax",

@@ -57,6 +57,8 @@ class _LogprobInputs(LossChannel):
     """Shared: read ``logprobs`` or compute them chunked from hidden states."""
 
     input_options: ClassVar[tuple[tuple[str, ...], ...]] = _LOGPROB_OPTIONS
+    #: Per-token (and gspo's per-sequence) terms over batch-wide token/row counts: a sum over rows.
+    row_separable: ClassVar[bool] = True
     #: Where off-mask positions of hidden-state log-probs take their (ratio-1) value from.
     fill_from: ClassVar[tuple[str, ...]] = ("old_logprobs",)
 

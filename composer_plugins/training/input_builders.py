@@ -44,44 +44,89 @@ def record_fields(asm: Assembly) -> dict[str, Any]:
 
 def policy_logprobs(asm: Assembly) -> dict[str, Any]:
     """The policy's per-token log-probs of the completions (with grad, chunked from hidden states), the
-    sampling-time ones, and the importance-sampling correction from an inference server's."""
-    from composer_plugins.models.logprobs import completion_logprobs
+    sampling-time ones, and the importance-sampling correction from an inference server's.
+
+    When every active channel reading ``logprobs`` declares ``row_separable``, their LM-head gradients are
+    formed while the log-probs are computed (:func:`~composer_plugins.kernels.fused.fused_logprobs`, three
+    matmuls a chunk); otherwise the generic path (four). ``compute.kernels: materialised`` makes either one chunk."""
+    from composer_plugins.models.logprobs import completion_hidden, completion_logprobs, lm_head_weight
 
     r, p = asm.record, asm.policy
     logps = asm.values.get("logprobs")
     args = (p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-    kw = {
-        "temperature": p.temperature,
-        "completion_attention_mask": r.attention_mask,
-        "micro_batch_size": p.micro_batch(r.prompt_ids, r.completion_ids),
-        "chunk_size": p.chunk_size,
-    }
-    old = r.old_logprobs
-    if logps is None and asm.wants("logprobs"):
-        out = completion_logprobs(*args, return_hidden=asm.wants("student_hidden") or asm.wants("hidden_states"), **kw)
+    mb = p.micro_batch(r.prompt_ids, r.completion_ids)
+    readers = _separable_readers(asm)
+    if logps is None and asm.wants("logprobs") and readers:
+        from composer_plugins.losses.functional import fused_logprobs
+
+        hidden = completion_hidden(*args, completion_attention_mask=r.attention_mask, micro_batch_size=mb)
+        asm.scratch["policy_hidden"] = hidden
+        logps = fused_logprobs(
+            hidden,
+            lm_head_weight(p.model),
+            r.completion_ids,
+            r.completion_mask,
+            _readers_loss(asm, readers),
+            chunk_size=p.chunk_size,
+            temperature=p.temperature,
+        )
+    elif logps is None and asm.wants("logprobs"):
+        kw = {"temperature": p.temperature, "completion_attention_mask": r.attention_mask, "micro_batch_size": mb}
+        want_hidden = asm.wants("student_hidden") or asm.wants("hidden_states")
+        out = completion_logprobs(*args, return_hidden=want_hidden, chunk_size=p.chunk_size, **kw)
         logps, hidden = out if isinstance(out, tuple) else (out, None)
         asm.scratch["policy_hidden"] = hidden
-    if old is None and logps is not None:  # the sampling-time log-probs: this forward's, detached
-        old = logps.detach()
-    if old is None and asm.wants("old_logprobs"):
+    if r.old_logprobs is None and logps is None and asm.wants("old_logprobs"):
         fix = "make the record with ExperienceMaker.make(old_logprobs=True)"
         raise asm.lacking("old_logprobs", "old_logprobs", fix)
-    values: dict[str, Any] = {"logprobs": logps, "old_logprobs": old}
+    return {"logprobs": logps, **_sampling_inputs(asm, logps, report=True)}
+
+
+def _sampling_inputs(asm: Assembly, logps: Tensor | None, report: bool) -> dict[str, Any]:
+    """``old_logprobs`` (the record's, else ``logps`` detached), ``inference_logprobs`` and the IS ratio."""
+    r, p = asm.record, asm.policy
+    old = r.old_logprobs
+    if old is None and logps is not None:  # the sampling-time log-probs: this forward's, detached
+        old = logps.detach()
     sampling = r.sampling_logprobs
-    if sampling is None:
-        # HF generate samples from this policy: the inference engine's log-probs are the sampling-time ones
-        values["inference_logprobs"] = old
-        return values
-    values["inference_logprobs"] = sampling
+    if sampling is None:  # HF generate samples from this policy: the inference engine's log-probs are these
+        return {"old_logprobs": old, "inference_logprobs": old}
+    values: dict[str, Any] = {"old_logprobs": old, "inference_logprobs": sampling}
     mode = p.importance_sampling
     if mode is not None and mode[0] != "off" and old is not None:
         from composer_plugins.losses.functional import importance_sampling_correction
 
         ratio = importance_sampling_correction(old, sampling, r.completion_mask, mode[0], mode[1], mode[2])
         values["importance_sampling_ratio"] = ratio
-        m = r.completion_mask.float()
-        asm.stats["is_ratio"] = float((ratio.expand_as(m) * m).sum() / m.sum().clamp(min=1))
+        if report:
+            m = r.completion_mask.float()
+            asm.stats["is_ratio"] = float((ratio.expand_as(m) * m).sum() / m.sum().clamp(min=1))
     return values
+
+
+#: What the log-prob builder itself provides (a separable reader's loss gets them from the live log-probs).
+_OWN = ("logprobs", "old_logprobs", "inference_logprobs", "importance_sampling_ratio")
+
+
+def _separable_readers(asm: Assembly) -> list[Any]:
+    """The active channels that read ``logprobs``, when every one declares ``row_separable`` (else none)."""
+    from composer_plugins.training.assemble import _channel_inputs
+
+    chans = getattr(asm.composer, "active", None) or []
+    readers = [c for c in chans if "logprobs" in _channel_inputs(c)]
+    return readers if readers and all(getattr(c, "row_separable", False) for c in readers) else []
+
+
+def _readers_loss(asm: Assembly, readers: list[Any]) -> Any:
+    """``loss(logprobs)``: the readers' weighted losses, their other inputs built as the assembler would."""
+    for k in dict.fromkeys(k for c in readers for k in c.required_inputs() if k not in _OWN):
+        asm.get(k)  # now, outside the kernel (whose autocast is off)
+
+    def loss(lp: Tensor) -> Tensor:
+        vals = {**asm.values, **_sampling_inputs(asm, lp.detach(), report=False), "logprobs": lp}
+        return sum((c.weight * c(vals)[0] for c in readers), lp.new_zeros(()))
+
+    return loss
 
 
 def reference_logprobs(asm: Assembly) -> dict[str, Any]:

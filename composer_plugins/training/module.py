@@ -76,6 +76,7 @@ class ComposerModule(L.LightningModule):
 
         cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
         self.cfg = cfg
+        self.kernel_pick: Any = None  # the LM-head kernels picked for the device at the start of training
         self.save_hyperparameters(redact(to_dict(cfg)))
         if policy is None:
             policy, tokenizer = load_policy_for(cfg)
@@ -186,6 +187,16 @@ class ComposerModule(L.LightningModule):
         barrier()
 
     def on_train_start(self) -> None:
+        from composer_plugins.models.logprobs import lm_head_weight
+        from composer_plugins.training.tracking import log_kernel_pick
+
+        r = self.cfg.rollout
+        tokens = r.prompts_per_step * r.num_generations * r.max_new_tokens
+        self.kernel_pick = self.cfg.compute.pick_kernels(int(lm_head_weight(self.policy).shape[0]), tokens, self.device)
+        log_kernel_pick(self.logger, self.kernel_pick)
+        for ch in self.composer.active if self.kernel_pick.kernels != "liger" else ():
+            if getattr(ch, "kernels", None) == "auto":  # a channel on its own `kernels: auto` follows the pick
+                ch.kernels = "torch"
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)
             self._resume_rng = None
@@ -300,7 +311,7 @@ class ComposerModule(L.LightningModule):
             teacher=self.ema_teacher,
             reference=self.reference,
             temperature=r.temperature,
-            chunk_size=c.compute.chunk_size,
+            chunk_size=c.compute.chunk_size if self.kernel_pick is None else self.kernel_pick.chunk_size,
             rows_per_micro_batch=c.compute.rows_per_micro_batch,
             max_context_length=c.hints.max_context_length,
             pair_prompt_length=r.max_prompt_length,

@@ -404,8 +404,11 @@ class ComputeSection(Section):
     micro_batch_size: int | None = None
     #: Token budget of one micro-batch, rows × (prompt + completion length), when ``micro_batch_size`` is null.
     micro_batch_tokens: int = 4096
-    #: LM-head rows per chunk (``null``: about 16M logits per chunk, e.g. 96 rows at a 151,936 vocabulary).
+    #: LM-head rows per chunk (``null``: from the device's free memory, ~1,024 on a GPU, 96 on the CPU at V=151,936).
     chunk_size: int | None = None
+    #: LM-head kernels: ``auto`` (picked per device and memory at the start of training, logged), ``materialised``
+    #: (one chunk of all a step's tokens), ``chunked`` or ``liger`` (``composer_plugins.kernels.select``).
+    kernels: str = "auto"
     #: Activation checkpointing per decoder layer (HF ``gradient_checkpointing_enable``, non-reentrant): ``layer``,
     #: ``none`` (nothing recomputed), or ``auto``: on only when a step's rows need more than one micro-batch.
     gradient_checkpointing: Checkpointing | bool = "auto"
@@ -416,6 +419,14 @@ class ComputeSection(Section):
             msg = f"{str(old).lower()} (YAML's on/off too) is deprecated and means {new}; write auto, layer or none"
             warnings.warn(f"compute.gradient_checkpointing: {msg}", DeprecationWarning, stacklevel=3)
 
+    def pick_kernels(self, vocab: int, tokens: int, device: Any = None, free_bytes: int | None = None) -> Any:
+        """The :class:`~composer_plugins.kernels.select.KernelPick` of ``kernels`` for steps of ``tokens`` tokens."""
+        from composer_plugins.losses.distill import liger_available
+        from composer_plugins.losses.functional import pick_kernels
+
+        kw = {"device": device, "chunk_size": self.chunk_size, "free_bytes": free_bytes, "liger": liger_available()}
+        return pick_kernels(self.kernels, vocab=vocab, tokens=tokens, **kw)
+
     def rows_per_micro_batch(self, seq_len: int) -> int:
         """Rows of one micro-batch for sequences of ``seq_len`` tokens."""
         if self.micro_batch_size is not None:
@@ -423,7 +434,7 @@ class ComputeSection(Section):
         return max(1, int(self.micro_batch_tokens) // max(1, int(seq_len)))
 
     def validate(self, src: Config, key: str = "compute") -> None:
-        """``micro_batch_tokens`` and, when set, ``micro_batch_size`` and ``chunk_size`` >= 1."""
+        """``micro_batch_tokens``, ``micro_batch_size`` and ``chunk_size`` (when set) >= 1; ``kernels`` a known one."""
         positive(
             src,
             key,
@@ -431,6 +442,10 @@ class ComputeSection(Section):
             "micro_batch_tokens",
             *(f for f in ("micro_batch_size", "chunk_size") if getattr(self, f) is not None),
         )
+        from composer_plugins.losses import KERNEL_SETTINGS
+
+        if self.kernels not in KERNEL_SETTINGS:
+            raise src.error(f"{key}.kernels", f"unknown kernels {self.kernels!r}.", valid=KERNEL_SETTINGS)
 
 
 @dataclass

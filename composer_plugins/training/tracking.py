@@ -275,3 +275,20 @@ def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str,
         else:
             out[key] = v
     return out
+
+
+def log_kernel_pick(logger: Any, pick: Any) -> dict[str, str]:
+    """Report the LM-head kernels a run picked (:class:`~composer_plugins.kernels.select.KernelPick`): one line in
+    the run's log and its params in the experiment logger (MLflow's, when ``logger`` has ``log_hyperparams``)."""
+    import logging
+
+    params = pick.params()
+    logging.getLogger("composer_plugins.training").info(
+        "compute.kernels=%s: %s (chunk %d rows; %s)", pick.setting, pick.kernels, pick.chunk_size, pick.reason
+    )
+    if logger is not None and hasattr(logger, "log_hyperparams"):
+        try:
+            logger.log_hyperparams(params)
+        except Exception as exc:  # a resumed MLflow run refuses a changed value: the log line still has it
+            logging.getLogger("composer_plugins.training").warning("kernel pick not logged as params: %s", exc)
+    return params

@@ -94,6 +94,37 @@ def test_chunked_logprobs_equal_the_materialised_logits(device, dtype):
         assert err_chunked <= max(2.0 * err_plain, 2e-2), (name, err_chunked, err_plain)
 
 
+def _fused_step(x: dict[str, torch.Tensor], fused: bool, autocast: bool) -> list[torch.Tensor]:
+    """The training step's log-probs under ``torch.autocast`` (fp32 parameters, as Lightning's bf16-mixed)."""
+    w = x["weight"].detach().float().clone().requires_grad_(True)
+    h = x["hidden"].detach().float().clone().requires_grad_(True)
+    mask = x["mask"]
+    adv = torch.linspace(-1.0, 1.0, mask.shape[0], device=mask.device).unsqueeze(-1)
+
+    def loss_fn(lp: torch.Tensor) -> torch.Tensor:
+        return -(lp.float() * adv * mask).sum() / mask.sum()
+
+    with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=autocast):
+        if fused:  # chunk size from the device's free memory (1,024 rows on an idle H200)
+            lp = LF.fused_logprobs(h, w, x["ids"], mask, loss_fn, temperature=0.9)
+        else:
+            lp = LF.selective_log_softmax(h @ w.T, x["ids"], temperature=0.9) * mask
+        loss = loss_fn(lp)
+    loss.backward()
+    return [loss.detach().float(), h.grad.float(), w.grad.float()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_logprobs_under_bf16_autocast_stay_within_the_materialised_paths_rounding(device):
+    x = _inputs(device, torch.float32)
+    fused, plain = _fused_step(x, True, True), _fused_step(x, False, True)
+    exact = _fused_step(x, False, False)
+    sync(device)
+    for name, a, b, ref in zip(("loss", "grad_hidden", "grad_weight"), fused, plain, exact, strict=True):
+        err_fused, err_plain = _rel_err(a, ref), _rel_err(b, ref)
+        assert err_fused <= max(2.0 * err_plain, 2e-2), (name, err_fused, err_plain)
+
+
 def _distill(
     x: dict[str, torch.Tensor], topk: int | None, hidden_path: bool, kernels: str = "torch", upcast: bool = False
 ) -> list[torch.Tensor]:
