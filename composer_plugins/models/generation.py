@@ -16,14 +16,13 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from torch import Tensor
 
-#: ``rollout.compile``: static KV cache + compiled decode step ``on``, ``off``, or ``auto`` (on for CUDA only).
-CompileMode = Literal["auto", "on", "off"]
-COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
+from composer_plugins.models import COMPILE_MODES, CompileMode
+
 #: Models whose compiled decode step failed once: sampled eagerly from then on.
 _EAGER_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
 

@@ -158,7 +158,7 @@ class HFGenerator:
     """
 
     def __init__(self, compile: str = "auto") -> None:
-        from composer_plugins.models.generation import COMPILE_MODES
+        from composer_plugins.models import COMPILE_MODES
 
         if isinstance(compile, bool):  # YAML reads a bare on/off as a boolean
             compile = "on" if compile else "off"

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.models.generation import CompileMode
+from composer_plugins.models import CompileMode
 from composer_plugins.models.tiny import TinyModelConfig
 
 __all__ = [

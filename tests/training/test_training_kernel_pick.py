@@ -74,7 +74,7 @@ def test_the_pick_reaches_the_runs_log_and_params(make_cfg, caplog, monkeypatch)
     composer = SimpleNamespace(active=[hint, SimpleNamespace(weight=1.0)])
     stub = SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), logger=logger, kernel_pick=None)
     stub.composer = composer
-    stub._resume_rng, stub._reference = None, []
+    stub._resume_rng, stub._reference, stub.cache_pair_references = None, [], lambda: None
     with caplog.at_level(logging.INFO, logger="composer_plugins.training"):
         M.ComposerModule.on_train_start(stub)
     # 2 prompts x 4 generations x 12 tokens at V=300: a few KiB of logits -> one chunk of all of them
