@@ -119,11 +119,17 @@ def ema_pairs(model: nn.Module, teacher_key: str, policy_key: str) -> list[tuple
 
 
 @torch.no_grad()
-def ema_update(pairs: Iterable[tuple[Tensor, Tensor]], rate: float) -> None:
-    """``teacher ← (1 − rate)·teacher + rate·policy`` in place, for every pair (a no-op copy at rate 1)."""
+def ema_update(pairs: Iterable[tuple[Tensor, Tensor]], rate: float, salt: int = 0) -> None:
+    """``teacher ← (1 − rate)·teacher + rate·policy`` in place, for every pair (a no-op copy at rate 1).
+
+    A bf16 teacher is updated in fp32 and rounded back stochastically (:func:`_dithered_bf16`; ``salt``, e.g. the
+    optimizer step, varies the rounding from one update to the next), so updates below half a bf16 step are not lost.
+    """
     teachers, sources = [], []
     for t, s in pairs:
-        if t.numel() and t.dtype != s.dtype:  # a teacher in the compute dtype: one tensor cast at a time
+        if t.numel() and t.dtype == torch.bfloat16 != s.dtype:  # a bf16 teacher: fp32 math, one tensor at a time
+            t.copy_(_dithered_bf16(t.float().lerp_(s.detach().float(), float(rate)), s.detach(), salt))
+        elif t.numel() and t.dtype != s.dtype:
             t.lerp_(s.detach().to(t.dtype), float(rate))
         elif t.numel():
             teachers.append(t)
@@ -134,6 +140,27 @@ def ema_update(pairs: Iterable[tuple[Tensor, Tensor]], rate: float) -> None:
         torch._foreach_copy_(teachers, sources)
     else:
         torch._foreach_lerp_(teachers, sources, float(rate))
+
+
+#: murmur3's 32-bit finaliser: (shift, multiplier) rounds.
+_MIX = ((16, 0x85EBCA6B), (13, 0xC2B2AE35))
+
+
+def _dithered_bf16(x: Tensor, src: Tensor, salt: int = 0) -> Tensor:
+    """``x`` (fp32) rounded to bf16 stochastically: unbiased, so updates below half a bf16 step still accumulate.
+
+    The 16 dropped bits get a pseudo-random carry hashed from the value, the policy's bits (``src``) and ``salt``:
+    no RNG stream is consumed and a resumed run rounds exactly as the uninterrupted one did.
+    """
+    bits = x.view(torch.int32)
+    k = salt & 0xFFFFFFFF
+    for shift, mul in _MIX:  # the salt mixed first: consecutive salts must not give correlated carries
+        k = ((k ^ (k >> shift)) * mul) & 0xFFFFFFFF
+    h = bits ^ src.float().view(torch.int32).bitwise_left_shift(16) ^ (k - (1 << 32) * (k >> 31))
+    for shift, mul in _MIX:  # as int32 (wrapping products; logical shifts by masking)
+        h = (h ^ h.bitwise_right_shift(shift).bitwise_and((1 << (32 - shift)) - 1)) * (mul - (1 << 32))
+    noise = (h ^ h.bitwise_right_shift(16)).bitwise_and(0xFFFF)
+    return (bits + noise).bitwise_and(-65536).view(torch.float32).to(torch.bfloat16)
 
 
 def compute_dtype(precision: str) -> str | None:

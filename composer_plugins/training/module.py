@@ -359,7 +359,7 @@ class ComposerModule(L.LightningModule):
         if self._ema_pairs is None:
             root = fsdp_root(self._trainer)
             self._ema_pairs = ema_pairs(root if root is not None else self, "ema_teacher.policy", "policy")
-        ema_update(self._ema_pairs, self.ema_teacher.rate)
+        ema_update(self._ema_pairs, self.ema_teacher.rate, salt=self.global_step)
 
     # -- evaluation (composer_plugins.training.evaluation) -----------------------------------
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:

@@ -155,3 +155,28 @@ def test_teacher_margin_and_fraction_equal_a_full_logits_computation(make_cfg):
     assert abs(want) > 1e-3  # the hint changes what the policy expects
     assert stats["hint/fraction"] == len(rb.hint_rows) / ro.completion_ids.shape[0]
     assert stats["hint/rows"] == len(rb.hint_rows)
+
+
+def test_a_bf16_ema_teacher_follows_updates_below_half_a_bf16_step():
+    """A bf16 teacher (``bf16-mixed``) still moves when each update is below half a bf16 step: a plain bf16 lerp
+    rounds every one of them away and stays where it started; the dithered rounding is unbiased, deterministic
+    for a given salt (resume-exact) and varies with it."""
+    from composer_plugins.training.ema import ema_update
+
+    torch.manual_seed(0)
+    start = torch.randn(20_000, dtype=torch.float64).float() + 4.0  # bf16 steps of 1/32 in [4, 8)
+    policy = start.to(torch.bfloat16).float() + 0.005  # 0.005 ahead: each rate-0.01 update moves 5e-5
+    plain, dithered = start.to(torch.bfloat16), start.to(torch.bfloat16)
+    for step in range(1500):
+        plain.lerp_(policy.to(torch.bfloat16), 0.01)
+        ema_update([(dithered, policy)], 0.01, salt=step)
+    assert (plain.float() - policy).mean().item() == pytest.approx(-0.005, abs=1e-4)  # stuck
+    gap = (dithered.float() - policy).mean().item()
+    assert abs(gap) < 0.005 * (1 - 0.01) ** 1500 + 5e-4  # followed like the fp32 EMA, within rounding noise
+    a, b = start.to(torch.bfloat16), start.to(torch.bfloat16)
+    ema_update([(a, policy)], 0.01, salt=7)
+    ema_update([(b, policy)], 0.01, salt=7)
+    assert torch.equal(a, b)
+    ema_update([(b, policy)], 0.01, salt=8)
+    ema_update([(a, policy)], 0.01, salt=9)
+    assert not torch.equal(a, b)
