@@ -10,7 +10,7 @@ env and optimises the composed channels; a Lightning ``Trainer`` (built by
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from composer_plugins.backends.base import Backend
 
@@ -29,6 +29,7 @@ class LightningBackend(Backend):
     upstream = "lightning>=2.6,<2.7"
     runs_here = "everything (all channels, tiny model on CPU)"
     needs_gpu = "nothing (set trainer.accelerator=gpu for GPUs)"
+    support: ClassVar[dict[str, Any]] = {"lightning": None}
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from monarch.actor import Actor, ActorError, current_rank, current_size, endpoint, this_host
@@ -268,6 +268,7 @@ class MonarchBackend(Backend):
     upstream = "torchmonarch>=0.7,<0.8"
     runs_here = "the three actor roles in separate processes of a local CPU process mesh, real training steps"
     needs_gpu = "nothing; on GPU hosts the same actors run with per_host={'gpus': N} and CUDA policies"
+    support: ClassVar[dict[str, Any]] = {"monarch": None}
 
     def __init__(
         self,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -54,8 +54,9 @@ from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.training.assemble import PAIR_INPUTS
 from composer_plugins.training.step import Rollout, StepMeta, StepRecord, sample_pairs
 
-#: TRL loss types the composed trainer reproduces (``gspo`` is TRL's ``grpo`` at sequence level).
-SUPPORTED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+#: TRL loss types the composed trainer reproduces: our policy loss types but ``gspo`` (TRL's ``grpo`` at
+#: sequence level, ``importance_sampling_level="sequence"``).
+SUPPORTED_LOSS_TYPES: tuple[str, ...] = tuple(t for t in LF.POLICY_LOSS_TYPES if t != "gspo")
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -525,6 +526,7 @@ class TRLBackend(Backend):
     upstream = "trl>=1.16,<1.17"
     runs_here = "ComposerGRPOTrainer training steps on the tiny model (all channels), loss parity with GRPOTrainer"
     needs_gpu = "nothing (vLLM generation, use_vllm=True, needs a GPU)"
+    support: ClassVar[dict[str, Any]] = {"trl": None}
 
     def __init__(
         self,
