@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
+from composer_plugins.losses.correction import IS_MODES
 from composer_plugins.models.tiny import TinyModelConfig
 
 __all__ = [
-    "IS_MODES",
     "SFT_HINT_KINDS",
     "STRATEGY_SHORTHANDS",
     "ComputeSection",
@@ -41,8 +41,6 @@ __all__ = [
 
 #: What a hinted SFT example can carry (``sft.hint_kinds``).
 SFT_HINT_KINDS = ("feedback", "demonstration", "step_check")
-#: ``rollout.importance_sampling`` modes (TRL's ``vllm_importance_sampling_mode``, and ``off``).
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
 #: Strategy names this config accepts besides Lightning's registered ones.
 STRATEGY_SHORTHANDS: tuple[str, ...] = ("auto", "ddp", "fsdp")
 
@@ -243,8 +241,9 @@ class RolloutSection(Section):
                 f"multi-turn episodes (rollout.max_turns={self.max_turns}) are sampled in-process; "
                 "set rollout.generator=hf or rollout.max_turns=1.",
             )
-        if self.importance_sampling not in IS_MODES:
-            raise src.error(f"{key}.importance_sampling", f"unknown mode {self.importance_sampling!r}.", valid=IS_MODES)
+        if self.importance_sampling not in (*IS_MODES, "off"):
+            valid = (*IS_MODES, "off")
+            raise src.error(f"{key}.importance_sampling", f"unknown mode {self.importance_sampling!r}.", valid=valid)
 
 
 @dataclass
