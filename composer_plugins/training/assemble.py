@@ -40,7 +40,6 @@ from composer_plugins.training.step import StepMeta, StepRecord
 
 __all__ = [
     "ALWAYS",
-    "HINT_INPUTS",
     "PAIR_INPUTS",
     "Assembly",
     "InputBuilder",
@@ -56,26 +55,14 @@ InputBuilder = Callable[["Assembly"], Mapping[str, Any]]
 
 #: Inputs built beside an input a channel declares, which the channels that declare it read when present
 #: (the policy channels' sampling-time log-probs and importance-sampling ratio).
-COMPANIONS: dict[str, tuple[str, ...]] = {
-    "logprobs": ("old_logprobs", "inference_logprobs", "importance_sampling_ratio")
-}
+COMPANIONS: dict[str, tuple[str, ...]] = {"logprobs": BUILTINS["policy_logprobs"][0][1:]}
 
 #: Inputs built for every step whatever the channels declare (cheap: read from the record and its meta): what the
 #: built-in ``record_fields`` builder provides (:data:`composer_plugins.training.input_plugin.BUILTINS`).
 ALWAYS: tuple[str, ...] = BUILTINS["record_fields"][0]
 
-HINT_INPUTS = ("student_hidden", "teacher_hidden", "lm_head_weight", "teacher_lm_head_weight", "hint_mask", "hint_rows")
-
-PAIR_INPUTS = (
-    "chosen_logps",
-    "rejected_logps",
-    "chosen_avg_logps",
-    "rejected_avg_logps",
-    "chosen_lengths",
-    "rejected_lengths",
-    "ref_chosen_logps",
-    "ref_rejected_logps",
-)
+#: The preference-pair inputs (what the built-in ``pair_inputs`` builder provides).
+PAIR_INPUTS: tuple[str, ...] = BUILTINS["pair_inputs"][0]
 
 
 #: registry -> its input-builder table (resolved once per registry: ``module:attr`` targets import once).

@@ -21,6 +21,7 @@ the client as ``monarch.actor.ActorError``. Tested with torchmonarch 0.7.0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
 from composer_plugins.backends.base import Backend, optimizer_step, scalar_metrics
+from composer_plugins.models.generation import Rollout
 from composer_plugins.training import module as _module  # noqa: F401
 from composer_plugins.training import run as _run  # noqa: F401
 
@@ -62,15 +64,15 @@ def _threads(cfg: Any) -> None:
     torch.set_num_threads(int(cfg.trainer.num_threads or 1))
 
 
+#: What a rollout carries between actors: the :class:`Rollout`'s own fields, read from its annotations, but the
+#: group layout (rebuilt from ``num_generations``) and the extras.
+_WIRE = tuple(f.name for f in dataclasses.fields(Rollout) if f.name not in ("group_index", "extra"))
+
+
 def _rollout_to_wire(ro: Any) -> dict[str, Any]:
+    out = {k: getattr(ro, k) for k in _WIRE}
     return {
-        "prompt_ids": ro.prompt_ids.cpu(),
-        "prompt_mask": ro.prompt_mask.cpu(),
-        "completion_ids": ro.completion_ids.cpu(),
-        "completion_mask": ro.completion_mask.cpu(),
-        "completions": list(ro.completions),
-        "prompts": list(ro.prompts),
-        "num_generations": ro.num_generations,
+        k: v.cpu() if isinstance(v, Tensor) else list(v) if isinstance(v, list | tuple) else v for k, v in out.items()
     }
 
 
@@ -93,20 +95,8 @@ def merge_rollouts(
 
 
 def _rollout_from_wire(w: Mapping[str, Any]) -> Any:
-    from composer_plugins.training.step import Rollout
-
-    G = int(w["num_generations"])
-    n = w["completion_ids"].shape[0]
-    return Rollout(
-        prompt_ids=w["prompt_ids"],
-        prompt_mask=w["prompt_mask"],
-        completion_ids=w["completion_ids"],
-        completion_mask=w["completion_mask"],
-        completions=list(w["completions"]),
-        prompts=list(w["prompts"]),
-        group_index=torch.arange(n // G).repeat_interleave(G),
-        num_generations=G,
-    )
+    G, n = int(w["num_generations"]), w["completion_ids"].shape[0]
+    return Rollout(**{k: w[k] for k in _WIRE}, group_index=torch.arange(n // G).repeat_interleave(G))
 
 
 class GeneratorActor(Actor):
