@@ -30,7 +30,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.training.metrics import scalar_metrics
 
-__all__ = ["Backend", "optimizer_step", "resolve_config", "scalar_metrics", "write_history"]
+__all__ = ["Backend", "optimizer_step", "resolve_config", "write_history"]
 
 
 def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from composer_plugins.core.config import Config, redact
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.training.config import CHANNEL_KEYS, TrainConfig, channel_spec
+from composer_plugins.training.config import TrainConfig, channel_spec
+from composer_plugins.training.loss_specs import CHANNEL_KEYS
 
 
 def build_env(cfg: TrainConfig, src: Config | None = None) -> Any:

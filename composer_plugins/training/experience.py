@@ -32,7 +32,7 @@ from composer_plugins.training.metrics import reward_stats, scalar_metrics
 from composer_plugins.training.step import Rollout, StepMeta, StepRecord, hint_candidates
 from composer_plugins.training.teacher_scores import score_requests
 
-__all__ = ["ExperienceMaker", "StepComputer", "add_hint_contexts", "hint_fields"]
+__all__ = ["ExperienceMaker", "StepComputer", "hint_fields"]
 
 
 def hint_fields(
@@ -79,11 +79,6 @@ def hint_fields(
     for i, c, k in zip(rows, contexts, kinds, strict=True):
         out_c[i], out_k[i] = c, (k if c is not None else None)
     return {"groups": groups, "hint_contexts": out_c, "hint_kinds": out_k}
-
-
-def add_hint_contexts(record: StepRecord, env: Any, provider: Any, **kw: Any) -> StepRecord:
-    """A new record: ``record`` with its :func:`hint_fields` (keyword arguments as there)."""
-    return record.replace(**hint_fields(record, env, provider, **kw))
 
 
 @dataclass

@@ -33,10 +33,11 @@ from monarch.actor import Actor, ActorError, current_rank, current_size, endpoin
 from torch import Tensor
 
 from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
-from composer_plugins.backends.base import Backend, optimizer_step, scalar_metrics
-from composer_plugins.models.generation import Rollout
+from composer_plugins.backends.base import Backend, optimizer_step
 from composer_plugins.training import module as _module  # noqa: F401
 from composer_plugins.training import run as _run  # noqa: F401
+from composer_plugins.training.metrics import scalar_metrics
+from composer_plugins.training.step import Rollout
 
 #: Actors placed in the same process are constructed concurrently; their (lazy) imports of
 #: lightning/transformers modules must not interleave (Python raises _DeadlockError), so the

@@ -45,11 +45,12 @@ import torch
 from torch import Tensor
 
 from composer_plugins.backends import support
-from composer_plugins.backends.base import Backend, scalar_metrics
+from composer_plugins.backends.base import Backend
 from composer_plugins.backends.support import CLIP_OPTIONS, LIMITS, REFUSED, Cell
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
 from composer_plugins.losses.policy import POLICY_KINDS
+from composer_plugins.training.metrics import scalar_metrics
 
 #: VeRL policy-loss name -> our loss type.
 POLICY_LOSSES: dict[str, str] = {f"composer_{t}": t for t in POLICY_KINDS}
