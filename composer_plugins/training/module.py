@@ -29,15 +29,14 @@ import torch
 from torch import Tensor
 
 from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy
-from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, render_pairs, task_prompt
-from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
+from composer_plugins.training.batches import derive_seed, load_pairs, render_pairs
+from composer_plugins.training.builders import build_channels, build_env, build_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, fsdp_root, full_params, world
 from composer_plugins.training.evaluation import Validator
-from composer_plugins.training.experience import ExperienceMaker, StepComputer
+from composer_plugins.training.experience import ExperienceMaker, Sampler, StepComputer
 from composer_plugins.training.policy import load_policy_for
-from composer_plugins.training.rollouts import EpisodeGenerator, WeightSyncing
 from composer_plugins.training.step import StepMeta, StepRecord, sample_pairs
 from composer_plugins.training.teacher_scores import build_teacher_scoring
 
@@ -125,8 +124,8 @@ class ComposerModule(L.LightningModule):
             for p in ref.parameters():
                 p.requires_grad_(False)
             self._reference.append(ref)
-        #: What samples the training rollouts (``rollout.generator``; HF ``generate`` by default).
-        self.generator = build_generator(cfg, src, self.env)
+        #: The one sampler of the training rollouts (``rollout.generator``; HF ``generate`` by default).
+        self.sampler = Sampler.from_config(cfg, src, self.env)
         #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
         uplift = self.hint_provider
         if uplift is None and cfg.eval.hint_uplift:
@@ -151,6 +150,11 @@ class ComposerModule(L.LightningModule):
             teacher_scoring=self.teacher_scoring,
         )
         self.stepper = StepComputer(self.composer, self.step_policy, success_threshold=cfg.rollout.success_threshold)
+
+    @property
+    def generator(self) -> Any:
+        """The sampler's rollout generator."""
+        return self.sampler.generator
 
     @property
     def reference(self) -> Any:
@@ -179,14 +183,11 @@ class ComposerModule(L.LightningModule):
         """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
         from composer_plugins.training.distributed import barrier
 
-        gen, step = self.generator, self.global_step
-        if not isinstance(gen, WeightSyncing) or not gen.wants_sync(step):
+        step = self.global_step
+        if not self.sampler.due(step):
             return
-        rank, _ = world()
         with self.full_params(recurse=True):
-            if rank == 0:
-                gen.sync(self.policy, self.tokenizer, step, out_dir=self.cfg.output_dir)
-        gen.last_synced = step
+            self.sampler.sync(self.policy, self.tokenizer, step, self.cfg.output_dir, push=world()[0] == 0)
         barrier()
 
     def on_train_start(self) -> None:
@@ -253,22 +254,8 @@ class ComposerModule(L.LightningModule):
 
     def rollout(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Any, list[float], list[Any]]:
         """``(rollout, rewards, feedback)`` of ``tasks`` from the configured generator and the env."""
-        r = self.cfg.rollout
-        sampling = {
-            "temperature": r.temperature,
-            "top_p": r.top_p,
-            "top_k": r.top_k,
-            "max_new_tokens": r.max_new_tokens,
-            "max_prompt_length": r.max_prompt_length,
-        }
         with self.full_params():
-            gen, G = self.generator, r.num_generations
-            if isinstance(gen, EpisodeGenerator):  # the multi_turn generator: the env scores every turn
-                return gen.episodes(self.policy, self.tokenizer, self.env, tasks, G, seed=seed, **sampling)
-            prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
-            ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
-        rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)
-        return ro, rewards, [None] * len(rewards)
+            return self.sampler.sample(self.policy, self.tokenizer, self.env, tasks, seed)
 
     def make_rollout_batch(
         self, tasks: Sequence[Mapping[str, Any]], seed: int, old_logprobs: bool = False

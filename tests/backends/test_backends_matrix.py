@@ -480,3 +480,55 @@ def test_a_third_party_backend_declares_its_own_cells(tmp_path, monkeypatch):
             support.check_channels("pairs_only:fast", [grpo])
     finally:
         plugins.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# the one sampler: rollout.generator is honoured or refused at its line, in every mode
+# ----------------------------------------------------------------------------------------------
+#: The modes that sample through the one Sampler (the Lightning module, the backends' local modes).
+SAMPLED_HERE = {"lightning", "verl:local", "prime_rl:local"}
+
+
+@pytest.fixture(scope="module")
+def rollout_server(tiny_model_dir):
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
+
+    with RolloutServerProcess(model=tiny_model_dir) as srv:
+        yield srv
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_server_generator_is_honoured_or_refused_at_its_line(mode, make_config, rollout_server, tmp_path):
+    """``rollout.generator: server`` samples from the server (its weights pushed first) where the one sampler
+    runs, and is refused at its YAML line, naming the mode, where the mode samples on its own."""
+    import yaml
+
+    cfg = make_config(("dppo",), f"server-{mode.replace(':', '_')}")
+    cfg["rollout"]["generator"] = {"name": "server", "base_url": rollout_server.base_url}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    backend, _, sub = mode.partition(":")
+    opts: dict[str, Any] = {"mode": sub} if sub else {}
+    if backend == "monarch":
+        opts["generators"] = 1
+
+    def make():
+        if backend == "prime_rl":
+            from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+            return PrimeRLBackend(str(path), **opts)
+        return build("backends", backend, config=str(path), **opts)
+
+    if mode not in SAMPLED_HERE:
+        line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.strip().startswith("generator:"))
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert (err.value.key, err.value.file, err.value.line) == ("rollout.generator", str(path), line)
+        assert f"the {backend} backend" in str(err.value) and "samples on its own" in str(err.value)
+        return
+    before = rollout_server.stats()
+    res = make().train()
+    after = rollout_server.stats()
+    assert len(res.history) == 1 and after["reloads"] == before["reloads"] + 1  # the policy's weights went first
+    assert after["requests"] > before["requests"]  # and the rollouts came from the server

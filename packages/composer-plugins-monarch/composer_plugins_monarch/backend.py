@@ -36,6 +36,7 @@ from composer_plugins.backends import rollout as _rollout  # noqa: F401  (import
 from composer_plugins.backends.base import Backend, optimizer_step
 from composer_plugins.training import module as _module  # noqa: F401
 from composer_plugins.training import run as _run  # noqa: F401
+from composer_plugins.training.experience import Sampler, refuse_own_sampling
 from composer_plugins.training.metrics import scalar_metrics
 from composer_plugins.training.step import Rollout
 
@@ -112,17 +113,16 @@ class GeneratorActor(Actor):
             self.policy, self.tokenizer = load_policy(model_dir, dtype=self.cfg.model.dtype)
             self.policy.eval()
             self.version = 0
+            self.sampler = Sampler.from_config(self.cfg)
 
     @endpoint
     async def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
         """Sample ``G`` completions for prompts ``rank::size`` (this replica's shard)."""
-        from composer_plugins.backends.rollout import generate
-
         rank, size = current_rank().rank, _mesh_size()
         mine = prompts[rank::size]
         if not mine:
             return {"completion_ids": torch.zeros(0, 0, dtype=torch.long), "rank": rank}
-        ro = generate(self.policy, self.tokenizer, self.cfg, mine, seed * 1009 + rank)
+        ro = self.sampler.generate(self.policy, self.tokenizer, mine, seed * 1009 + rank)
         return {**_rollout_to_wire(ro), "rank": rank, "version": self.version, "pid": os.getpid()}
 
     @endpoint
@@ -272,6 +272,7 @@ class MonarchBackend(Backend):
         max_steps: int | None = None,
     ) -> None:
         super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
+        refuse_own_sampling(self.config, self.src, "the monarch backend (generator actors, each with a policy copy)")
         self.generators = max(1, int(generators))
         self.colocate = bool(colocate)
 

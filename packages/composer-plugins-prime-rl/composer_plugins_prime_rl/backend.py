@@ -59,6 +59,7 @@ from composer_plugins.backends.support import CLIP_OPTIONS, LIMITS, REFUSED, RUN
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
 from composer_plugins.losses.policy import POLICY_KINDS
+from composer_plugins.training.experience import refuse_own_sampling
 
 #: The PRIME-RL commit the per-sample contract was read from.
 PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
@@ -369,6 +370,8 @@ class PrimeRLBackend(Backend):
         if mode not in ("local", "prime-rl"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "prime-rl"])
         self.mode = mode
+        if mode == "prime-rl":
+            refuse_own_sampling(self.config, self.src, "the prime_rl backend with mode='prime-rl' (its vLLM server)")
         self.model_name = model_name
         #: ``(teacher, ema_rate)`` of the hint channel (``losses.hint_distill.teacher``; local mode runs ``ema``).
         self.hint_teacher: tuple[str, float] = ("live", 0.0)

@@ -52,6 +52,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.training.assemble import PAIR_INPUTS
+from composer_plugins.training.experience import refuse_own_sampling
 from composer_plugins.training.step import Rollout, StepMeta, StepRecord, sample_pairs
 
 #: TRL loss types the composed trainer reproduces: our policy loss types but ``gspo`` (TRL's ``grpo`` at
@@ -538,6 +539,7 @@ class TRLBackend(Backend):
         grpo_args: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
+        refuse_own_sampling(self.config, self.src, "the trl backend (GRPOTrainer's own generation)")
         self.grpo_args = dict(grpo_args or {})
 
     def grpo_config(self, policy: Any) -> GRPOConfig:

@@ -50,6 +50,7 @@ from composer_plugins.backends.support import CLIP_OPTIONS, LIMITS, REFUSED, Cel
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
 from composer_plugins.losses.policy import POLICY_KINDS
+from composer_plugins.training.experience import refuse_own_sampling
 from composer_plugins.training.metrics import scalar_metrics
 
 #: VeRL policy-loss name -> our loss type.
@@ -394,6 +395,8 @@ class VeRLBackend(Backend):
                 f"unknown advantage estimator {adv_estimator!r}", key="adv_estimator", valid=list(ADV_ESTIMATORS)
             )
         self.mode = mode
+        if mode == "ray":
+            refuse_own_sampling(self.config, self.src, "the verl backend with mode='ray' (VeRL's rollout workers)")
         self.loss_type, self.channel_kwargs = self._policy_channel()
         self.loss_mode = f"composer_{self.loss_type}"
         self.loss_agg_mode = loss_agg_mode or MATCHING_AGG_MODE[self.loss_type]
