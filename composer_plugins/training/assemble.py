@@ -134,6 +134,23 @@ class StepPolicy:
     importance_sampling: tuple[str, float, float | None] | None = None
     teacher_scoring: Any = None
 
+    @classmethod
+    def from_config(cls, cfg: Any, **parts: Any) -> StepPolicy:
+        """The settings a :class:`~composer_plugins.training.config.TrainConfig` gives, the one way every trainer
+        path builds them; ``parts``: the built models (``model``, ``tokenizer``, ``teacher``, ``reference``,
+        ``teacher_scoring``), or a setting a path overrides."""
+        r, c = cfg.rollout, cfg.compute
+        settings: dict[str, Any] = {
+            "temperature": r.temperature,
+            "chunk_size": c.chunk_size,
+            "rows_per_micro_batch": c.rows_per_micro_batch,
+            "max_context_length": cfg.hints.max_context_length,
+            "pair_prompt_length": r.max_prompt_length,
+            "pair_max_length": cfg.replay.max_completion_length,
+            "importance_sampling": (r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
+        }
+        return cls(**{**settings, **parts})
+
     def micro_batch(self, *tensors: Tensor) -> int | None:
         """Rows per micro-batch for sequences as long as the concatenated ``tensors``."""
         if self.rows_per_micro_batch is None:

@@ -282,20 +282,12 @@ class ComposerModule(L.LightningModule):
 
     def step_policy(self) -> StepPolicy:
         """The models and settings the assembler builds channel inputs with."""
-        c = self.cfg
-        r = c.rollout
-        return StepPolicy(
+        return StepPolicy.from_config(
+            self.cfg,
             model=self.policy,
             tokenizer=self.tokenizer,
             teacher=self.ema_teacher,
             reference=self.reference,
-            temperature=r.temperature,
-            chunk_size=c.compute.chunk_size,
-            rows_per_micro_batch=c.compute.rows_per_micro_batch,
-            max_context_length=c.hints.max_context_length,
-            pair_prompt_length=r.max_prompt_length,
-            pair_max_length=c.replay.max_completion_length,
-            importance_sampling=(r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
             teacher_scoring=self.teacher_scoring,
         )
 

@@ -246,3 +246,23 @@ def test_a_trainers_own_log_probs_come_with_the_records_sampling_time_ones():
     assert torch.equal(inputs["old_logprobs"], lp.detach()) and not inputs["old_logprobs"].requires_grad
     on_policy, _ = composer(inputs)
     assert not torch.allclose(loss, on_policy)  # the ratio against the sampling-time log-probs is live
+
+
+def test_step_policy_from_config_reads_every_setting_and_takes_the_built_parts(make_cfg):
+    """The one way from a config to the assembler's settings (the module and the backends' local modes use it)."""
+    from composer_plugins.training.assemble import StepPolicy
+
+    cfg, _ = make_cfg(
+        "",
+        "compute.chunk_size=7",
+        "hints.max_context_length=33",
+        "replay.max_completion_length=21",
+        "rollout.importance_sampling=token_mask",
+        "rollout.temperature=0.7",
+    )
+    model, tok = object(), object()
+    sp = StepPolicy.from_config(cfg, model=model, tokenizer=tok, temperature=0.5)
+    assert (sp.model, sp.tokenizer, sp.teacher, sp.reference) == (model, tok, None, None)
+    assert (sp.chunk_size, sp.max_context_length, sp.pair_max_length, sp.temperature) == (7, 33, 21, 0.5)
+    assert sp.pair_prompt_length == cfg.rollout.max_prompt_length and sp.importance_sampling[0] == "token_mask"
+    assert sp.micro_batch(torch.zeros(1, 8)) == cfg.compute.rows_per_micro_batch(8)

@@ -505,13 +505,8 @@ class PrimeRLBackend(Backend):
             hint_provider=hint_provider,
             teacher_scoring=scoring,
         )
-        policy = StepPolicy(
-            model=run.policy,
-            tokenizer=run.tokenizer,
-            teacher=ema,
-            temperature=c.rollout.temperature,
-            max_context_length=c.hints.max_context_length,
-            teacher_scoring=scoring,
+        policy = StepPolicy.from_config(
+            c, model=run.policy, tokenizer=run.tokenizer, teacher=ema, teacher_scoring=scoring
         )
         # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
         # (or, with a teacher channel, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)

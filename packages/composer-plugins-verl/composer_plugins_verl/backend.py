@@ -492,7 +492,7 @@ class VeRLBackend(Backend):
             c, policy=run.policy, tokenizer=run.tokenizer, env=run.env, advantage_kwargs=None
         )
 
-        policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, temperature=c.rollout.temperature)
+        policy = StepPolicy.from_config(c, model=run.policy, tokenizer=run.tokenizer)
 
         def loss_of(record: Any, step: int) -> tuple[Tensor, dict[str, float]]:
             inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)  # the record's, through the assembler
