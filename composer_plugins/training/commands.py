@@ -20,10 +20,11 @@ from composer_plugins.core.cli import all_overrides, command_errors, set_option
 from composer_plugins.core.hookspecs import hookimpl
 
 
-def _config_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--config``, ``--section``, ``--print-config``, ``--no-progress``, ``-S key.sub=value`` (and positional
-    ones, an alias): the command is called with the loaded ``(cfg, src)`` first (``--print-config`` prints the
-    config and stops there); a :class:`ComposerPluginsError` it raises, loading included, is reported."""
+def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A command on a train config: ``--config``, ``--section``, ``--print-config``, ``--no-progress``,
+    ``-S key.sub=value`` (and positional ones, an alias). The command is called with the loaded ``(cfg, src)``
+    first (``--print-config`` prints the config and stops there); a :class:`ComposerPluginsError` it raises,
+    loading included, is reported."""
 
     @functools.wraps(command)
     @command_errors
@@ -111,7 +112,7 @@ def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
 
 
 @click.command(name="train")
-@_config_options
+@config_options
 @click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
 @click.option(
     "--overwrite",
@@ -155,7 +156,7 @@ def train_cmd(cfg: Any, src: Any, resume: str | None, overwrite: bool) -> None:
 
 
 @click.command(name="sft")
-@_config_options
+@config_options
 def sft_cmd(cfg: Any, src: Any) -> None:
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
     _check_inputs(cfg, src)
@@ -167,7 +168,7 @@ def sft_cmd(cfg: Any, src: Any) -> None:
 
 
 @click.command(name="eval")
-@_config_options
+@config_options
 @click.option("--checkpoint", default=None, help="A Lightning .ckpt, a save_pretrained dir or a hub id.")
 @click.option("--output", "-o", default=None, help="Write the metrics JSON here.")
 def eval_cmd(cfg: Any, src: Any, checkpoint: str | None, output: str | None) -> None:
