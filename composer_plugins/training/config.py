@@ -36,18 +36,7 @@ from composer_plugins.training.sections import (
 
 __all__ = [
     "DEFAULT_CONFIG",
-    "ComputeSection",
-    "DataSection",
-    "EvalSection",
-    "HintsSection",
-    "MLflowSection",
-    "ModelSection",
-    "OptimSection",
-    "ReplaySection",
-    "RolloutSection",
-    "SFTSection",
     "TrainConfig",
-    "TrainerSection",
     "channel_spec",
     "config_to_yaml",
     "load_train_config",

@@ -64,13 +64,10 @@ class RolloutGenerator(Protocol):
         num_generations: int,
         *,
         seed: int | None,
-        temperature: float,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 32,
-        max_prompt_length: int | None = None,
+        **sampling: Any,
     ) -> Rollout:
-        """``num_generations`` completions per prompt, sampled with these settings (same seed: same tokens)."""
+        """``num_generations`` completions per prompt (same seed: same tokens), sampled with the keyword settings
+        ``temperature``, ``top_p`` (1.0), ``top_k`` (0), ``max_new_tokens`` and ``max_prompt_length`` (``None``)."""
         ...
 
 
