@@ -36,14 +36,13 @@ class LightningBackend(Backend):
         config: Any = None,
         overrides: Sequence[str] = (),
         *,
-        output_dir: str | None = None,
-        max_steps: int | None = None,
         resume: str | None = None,
         strategy: Any = None,
         extra_callbacks: Sequence[Any] = (),
         logger: Any = None,
+        **common: Any,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
+        super().__init__(config, overrides, **common)
         self.resume, self.strategy, self.extra_callbacks, self.logger = resume, strategy, list(extra_callbacks), logger
 
     def train(self) -> Any:
