@@ -532,3 +532,48 @@ def test_a_server_generator_is_honoured_or_refused_at_its_line(mode, make_config
     after = rollout_server.stats()
     assert len(res.history) == 1 and after["reloads"] == before["reloads"] + 1  # the policy's weights went first
     assert after["requests"] > before["requests"]  # and the rollouts came from the server
+
+
+_THIRD_PARTY_GENERATOR = """
+from composer_plugins import hookimpl
+from composer_plugins.training.rollouts import HFGenerator
+
+CALLS = []
+
+
+class Greedy(HFGenerator):
+    def generate(self, policy, tokenizer, prompts, num_generations, **sampling):
+        CALLS.append(sampling["seed"])
+        return super().generate(policy, tokenizer, prompts, num_generations, **{**sampling, "do_sample": False})
+
+
+class Plugin:
+    __name__ = "greedy_plugin"
+
+    @hookimpl
+    def register_rollout_generators(self, register):
+        register("greedy", "greedy_generator:Greedy", "Greedy decoding, a third party's generator.")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_third_party_generator_samples_a_backends_local_mode(make_config, tmp_path, monkeypatch):
+    """A generator in a package of its own, named in ``rollout.generator``, samples VeRL's local mode: the one
+    sampler is built from config there too, the core untouched."""
+    import importlib
+
+    from composer_plugins.core import plugins
+
+    (tmp_path / "greedy_generator.py").write_text(_THIRD_PARTY_GENERATOR)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("greedy_generator")
+    pm = plugins.make_plugin_manager()
+    pm.register(mod.Plugin(), name="greedy_plugin")
+    plugins.use_plugin_manager(pm)
+    try:
+        cfg = make_config(("grpo",), "greedy")
+        cfg["rollout"]["generator"] = "greedy"
+        res = build("backends", "verl", config=cfg, mode="local").train()
+    finally:
+        plugins.reset()
+    assert len(res.history) == 1 and len(mod.CALLS) == 1
