@@ -46,8 +46,9 @@ def build_generator(cfg: TrainConfig, src: Config | None = None, env: Any = None
     return gen
 
 
-def build_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
-    """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``)."""
+def configured_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
+    """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``), on the request contract
+    (:func:`composer_plugins.envs.hints.build_hint_provider` builds one from a spec or an object)."""
     from composer_plugins.core.config import build_component
     from composer_plugins.envs.hints import as_hint_provider
 

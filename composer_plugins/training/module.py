@@ -30,7 +30,7 @@ from torch import Tensor
 
 from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy
 from composer_plugins.training.batches import derive_seed, load_pairs, render_pairs
-from composer_plugins.training.builders import build_channels, build_env, build_hint_provider
+from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, fsdp_root, full_params, world
@@ -107,12 +107,12 @@ class ComposerModule(L.LightningModule):
         self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
         self.needs_pairs = bool(self.required_inputs & set(PAIR_INPUTS))
         if hint_provider is not None:
-            from composer_plugins.envs.hints import build_hint_provider as hint_provider_from
+            from composer_plugins.envs.hints import build_hint_provider
 
-            hint_provider = hint_provider_from(hint_provider, key="hint_provider")
+            hint_provider = build_hint_provider(hint_provider, key="hint_provider")
         self.hint_provider = hint_provider
         if self.needs_teacher and self.hint_provider is None:
-            self.hint_provider = build_hint_provider(cfg, src)
+            self.hint_provider = configured_hint_provider(cfg, src)
         if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
             pairs = load_pairs(cfg.replay.pairs_path)
         self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
@@ -129,7 +129,7 @@ class ComposerModule(L.LightningModule):
         #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
         uplift = self.hint_provider
         if uplift is None and cfg.eval.hint_uplift:
-            uplift = build_hint_provider(cfg, src)
+            uplift = configured_hint_provider(cfg, src)
         self.validator = Validator(cfg, self.tokenizer, self.env, uplift)
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, StepRecord] | None = None

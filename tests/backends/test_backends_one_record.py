@@ -56,7 +56,7 @@ def _trl_trainer(config, module):
     from datasets import Dataset
 
     from composer_plugins.losses.base import ChannelComposer
-    from composer_plugins.training.builders import build_channels, build_hint_provider
+    from composer_plugins.training.builders import build_channels, configured_hint_provider
     from composer_plugins.training.policy import load_policy_for
 
     backend = TRLBackend(config)
@@ -73,7 +73,7 @@ def _trl_trainer(config, module):
         train_dataset=Dataset.from_list(tasks),
         processing_class=tok,
         channels=ChannelComposer(channels),
-        hint_provider=build_hint_provider(c, backend.src),
+        hint_provider=configured_hint_provider(c, backend.src),
         hint_env=module.env,
         hint_threshold=c.rollout.success_threshold,
         pairs=PAIRS,

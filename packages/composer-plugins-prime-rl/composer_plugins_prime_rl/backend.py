@@ -494,9 +494,9 @@ class PrimeRLBackend(Backend):
             scoring = build_teacher_scoring(build_channels(c, self.src), run.tokenizer)
         hint_provider = None
         if hinted:
-            from composer_plugins.training.builders import build_hint_provider
+            from composer_plugins.training.builders import configured_hint_provider
 
-            hint_provider = build_hint_provider(c, self.src)
+            hint_provider = configured_hint_provider(c, self.src)
         maker = ExperienceMaker.from_config(
             c,
             policy=run.policy,

@@ -590,7 +590,7 @@ class TRLBackend(Backend):
         from datasets import Dataset
 
         from composer_plugins.training.batches import load_pairs, task_drawer
-        from composer_plugins.training.builders import build_channels, build_env, build_hint_provider
+        from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
         from composer_plugins.training.policy import load_policy_for
 
         c = self.config
@@ -607,7 +607,7 @@ class TRLBackend(Backend):
         composer = ChannelComposer(channels)
         policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
         args = self.grpo_config(policy)
-        hint_provider = build_hint_provider(c, self.src) if composer.needs_teacher else None
+        hint_provider = configured_hint_provider(c, self.src) if composer.needs_teacher else None
         needs_pairs = bool(set(PAIR_INPUTS) & set(composer.required_inputs()))
         pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None
         t0 = time.perf_counter()
