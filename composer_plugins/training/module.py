@@ -137,8 +137,6 @@ class ComposerModule(L.LightningModule):
         #: The step record and meta the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
         self.last_meta: StepMeta | None = None
-        #: Optimizer steps taken without a ``Trainer`` (its loop, e.g. Monarch's trainer actor, adds 1 after each)
-        self.local_steps = 0
         #: The one experience maker (the whole step record) and the one step computer (its composed loss).
         self.experience = ExperienceMaker.from_config(
             cfg,
@@ -291,15 +289,18 @@ class ComposerModule(L.LightningModule):
             teacher_scoring=self.teacher_scoring,
         )
 
-    def step_meta(self, seed: int) -> StepMeta:
-        """This step's meta: the optimizer step (Trainer or not), the run length and ``seed``'s preference pairs."""
-        step = self.global_step if self._trainer is not None else self.local_steps
+    def step_meta(self, seed: int, step: int | None = None) -> StepMeta:
+        """This step's meta: the optimizer step (``step``, else the Trainer's; 0 without one), the run length and
+        ``seed``'s preference pairs."""
+        if step is None:
+            step = self.global_step if self._trainer is not None else 0
         pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed) if self.needs_pairs else []
         return StepMeta(step, self.cfg.trainer.max_steps, tuple(pairs))
 
-    def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
-        """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs)."""
-        self.last_rollout, self.last_meta = rec, self.step_meta(seed)
+    def loss_on(self, rec: StepRecord, seed: int, step: int | None = None) -> tuple[Tensor, dict[str, float]]:
+        """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs; ``step``:
+        the optimizer step of a loop without a Trainer, e.g. Monarch's trainer actor)."""
+        self.last_rollout, self.last_meta = rec, self.step_meta(seed, step)
         return self.stepper.loss(rec, self.last_meta)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

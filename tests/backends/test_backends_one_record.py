@@ -125,7 +125,7 @@ def test_one_record_gives_the_same_composed_loss_in_lightning_monarch_and_trl(co
     # sent over the wire; the trainer actor's own step on a module of the same config
     shards = [_rollout_to_wire(rec.select(rows)) | {"rank": r} for r, rows in enumerate([[0, 1, 2, 3], [4, 5, 6, 7]])]
     wire = _interleave(shards, n_prompts=2, pad=0, tasks=list(tasks))
-    actor = SimpleNamespace(module=_module(config))
+    actor = SimpleNamespace(module=_module(config), steps=0)
     monarch, _ = TrainerActor._loss(actor, list(tasks), _rollout_from_wire(wire), rec.rewards.tolist(), 11)
     remade = actor.module.last_rollout
     assert torch.equal(remade.completion_ids, rec.completion_ids) and remade.hint_contexts == rec.hint_contexts

@@ -196,7 +196,7 @@ class TrainerActor(Actor):
     def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict]:
         # the native step on the rollout we were sent: the experience maker's record, then the step computer
         m = self.module
-        return m.loss_on(m.make_experience(tasks, ro, rewards), seed)
+        return m.loss_on(m.make_experience(tasks, ro, rewards), seed, step=self.steps)
 
     @endpoint
     async def train_step(
@@ -211,8 +211,6 @@ class TrainerActor(Actor):
         params = self.module.policy.parameters()
         norm = optimizer_step(self.optimizer, params, loss, self.cfg.trainer.gradient_clip_val)
         self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
-        # no Lightning Trainer here: the module's step counter is ours to advance (TAID's t, step-scheduled hints)
-        self.module.local_steps += 1
         self.steps += 1
         out = scalar_metrics(stats)
         out.update(
