@@ -279,7 +279,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     import torch
 
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.builders import build_channels, build_env, build_hint_provider
+    from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
     from composer_plugins.training.module import ComposerModule
     from composer_plugins.training.policy import resolve_policy
 
@@ -300,7 +300,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             module = ComposerModule(cfg, policy=p1, tokenizer=t1, env=env)
             p2, t2 = load_policy(path)
             chans = build_channels(cfg)
-            hp = build_hint_provider(cfg) if hint else None
+            hp = configured_hint_provider(cfg) if hint else None
             opt = torch.optim.AdamW(p2.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas))
             # warm-up (not timed)
             composed_steps(module, cfg, batches[:1], 0)

@@ -30,7 +30,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.training.metrics import scalar_metrics
 
-__all__ = ["Backend", "optimizer_step", "resolve_config", "scalar_metrics", "write_history"]
+__all__ = ["Backend", "optimizer_step", "resolve_config", "write_history"]
 
 
 def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
@@ -76,6 +76,10 @@ class Backend:
     #: What runs on a CPU-only machine, and what needs GPUs (shown by ``composer-plugins backends info``).
     runs_here: ClassVar[str] = ""
     needs_gpu: ClassVar[str] = ""
+    #: The channel × mode cells this backend declares (:mod:`~composer_plugins.backends.support`):
+    #: ``{mode: {channel kind: Cell}}``, a mode being ``<name>`` or ``<name>:<mode=>``; ``None`` for a mode that
+    #: composes the channel objects themselves (every channel runs).
+    support: ClassVar[Mapping[str, Mapping[str, Any] | None]] = {}
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ env and optimises the composed channels; a Lightning ``Trainer`` (built by
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from composer_plugins.backends.base import Backend
 
@@ -29,20 +29,20 @@ class LightningBackend(Backend):
     upstream = "lightning>=2.6,<2.7"
     runs_here = "everything (all channels, tiny model on CPU)"
     needs_gpu = "nothing (set trainer.accelerator=gpu for GPUs)"
+    support: ClassVar[dict[str, Any]] = {"lightning": None}
 
     def __init__(
         self,
         config: Any = None,
         overrides: Sequence[str] = (),
         *,
-        output_dir: str | None = None,
-        max_steps: int | None = None,
         resume: str | None = None,
         strategy: Any = None,
         extra_callbacks: Sequence[Any] = (),
         logger: Any = None,
+        **common: Any,
     ) -> None:
-        super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
+        super().__init__(config, overrides, **common)
         self.resume, self.strategy, self.extra_callbacks, self.logger = resume, strategy, list(extra_callbacks), logger
 
     def train(self) -> Any:

@@ -61,18 +61,10 @@ def register_commands(cli: Any) -> None:
             out.append(row)
         click.echo(json.dumps(out, indent=2))
 
-    def _build(
-        name: str,
-        config_path: str | None,
-        section: str | None,
-        overrides: tuple[str, ...],
-        options: tuple[str, ...],
-        need_upstream: bool = True,
-    ) -> Any:
+    def _build(name: str, loaded: tuple[Any, Any], options: tuple[str, ...], need_upstream: bool = True) -> Any:
         import yaml
 
         from composer_plugins.core.plugins import get_registry
-        from composer_plugins.training.config import load_train_config
 
         kw: dict[str, Any] = {}
         for opt in options:
@@ -80,17 +72,14 @@ def register_commands(cli: Any) -> None:
             if not sep:
                 raise click.BadParameter(f"expected KEY=VALUE, got {opt!r}", param_hint="--opt")
             kw[key.strip()] = yaml.safe_load(value)
-        loaded = load_train_config(config_path, list(overrides), section=section)
         entry = get_registry().get("backends", name)
         if need_upstream:
             return entry.build(config=loaded, **kw)
         return entry.factory(config=loaded, **kw)  # exporting a launch config does not import the upstream
 
     def _common(f: Any) -> Any:
-        from composer_plugins.core.cli import set_option
+        from composer_plugins.training.commands import config_options
 
-        f = click.argument("overrides", nargs=-1, metavar="[KEY.SUB=VALUE]...")(f)
-        f = set_option(f)
         f = click.option(
             "--opt",
             "options",
@@ -98,61 +87,26 @@ def register_commands(cli: Any) -> None:
             metavar="KEY=VALUE",
             help="Backend option (e.g. mode=local, generators=2, max_steps=5).",
         )(f)
-        f = click.option("--section", default=None, help="Use this top-level key of the file as the config.")(f)
-        f = click.option(
-            "--config",
-            "-c",
-            "config_path",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="Training config YAML (default: the packaged configs/default.yaml).",
-        )(f)
-        return click.argument("name")(f)
+        return click.argument("name")(config_options(f))
 
     @backend.command(name="run")
     @_common
-    def run(
-        name: str,
-        config_path: str | None,
-        section: str | None,
-        options: tuple[str, ...],
-        set_overrides: tuple[str, ...],
-        overrides: tuple[str, ...],
-    ) -> None:
+    def run(cfg: Any, src: Any, name: str, options: tuple[str, ...]) -> None:
         """Train the config's channels with backend NAME; print the final metrics as JSON."""
         import json
 
-        from composer_plugins.core.cli import report_error
-        from composer_plugins.core.errors import ComposerPluginsError
-
-        try:
-            res = _build(name, config_path, section, (*overrides, *set_overrides), options).train()
-        except ComposerPluginsError as e:
-            report_error(e)
+        res = _build(name, (cfg, src), options).train()
         click.echo(json.dumps(res.metrics, indent=2, sort_keys=True, default=str))
         click.echo(f"model: {res.model_dir}")
 
     @backend.command(name="export")
     @_common
-    def export(
-        name: str,
-        config_path: str | None,
-        section: str | None,
-        options: tuple[str, ...],
-        set_overrides: tuple[str, ...],
-        overrides: tuple[str, ...],
-    ) -> None:
+    def export(cfg: Any, src: Any, name: str, options: tuple[str, ...]) -> None:
         """Print what launches the config in the upstream trainer (VeRL command line, PRIME-RL TOML)."""
         import shlex
 
-        from composer_plugins.core.cli import report_error
-        from composer_plugins.core.errors import ComposerPluginsError
-
-        try:
-            b = _build(name, config_path, section, (*overrides, *set_overrides), options, need_upstream=False)
-            launch = shlex.join(b.command()) if hasattr(b, "command") else b.toml() if hasattr(b, "toml") else None
-        except ComposerPluginsError as e:
-            report_error(e)
+        b = _build(name, (cfg, src), options, need_upstream=False)
+        launch = shlex.join(b.command()) if hasattr(b, "command") else b.toml() if hasattr(b, "toml") else None
         if launch is not None:
             click.echo(launch, nl=hasattr(b, "command"))
         else:

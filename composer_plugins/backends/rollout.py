@@ -1,4 +1,4 @@
-"""The in-process pieces the upstream backends share: policy, env, seeded task draws, rollouts, optimizer.
+"""The in-process pieces the upstream backends share: policy, env, seeded task draws, the one sampler, optimizer.
 
 Built from the same :class:`~composer_plugins.training.config.TrainConfig` helpers the native
 Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``,
@@ -8,30 +8,11 @@ backend differs from the native path only in the trainer, never in the data or t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
-
-
-def generate(policy: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], seed: int) -> Any:
-    """Sample ``cfg.rollout.num_generations`` completions per prompt with the config's sampling settings."""
-    from composer_plugins.training.rollouts import HFGenerator
-
-    r = cfg.rollout
-    return HFGenerator(r.compile).generate(
-        policy,
-        tokenizer,
-        list(prompts),
-        r.num_generations,
-        seed=seed,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        max_prompt_length=r.max_prompt_length,
-    )
 
 
 class LocalRun:
@@ -58,6 +39,10 @@ class LocalRun:
         from composer_plugins.training.optim import build_optimizer
 
         self.optimizer = build_optimizer(cfg.optim, self.policy.parameters())
+        from composer_plugins.training.experience import Sampler
+
+        #: The one sampler (``rollout.generator``, sampling, multi-turn), as the Lightning module's.
+        self.sampler = Sampler.from_config(cfg, src, self.env)
 
     def tasks(self, step: int) -> list[dict[str, Any]]:
         """The prompts of ``step`` (depend only on ``cfg.seed`` and ``step``)."""
@@ -66,14 +51,13 @@ class LocalRun:
         return self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))
 
     def rollout(self, step: int) -> tuple[list[dict[str, Any]], Any, list[float], list[Any]]:
-        """``(tasks, rollout, rewards, feedback)`` of ``step``."""
-        from composer_plugins.training.batches import derive_seed, env_rewards, task_prompt
+        """``(tasks, rollout, rewards, feedback)`` of ``step``, from the one sampler (weights pushed when due)."""
+        from composer_plugins.training.batches import derive_seed
 
         tasks = self.tasks(step)
-        prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
-        ro = generate(self.policy, self.tokenizer, self.cfg, prompts, derive_seed(self.cfg.seed, 1, step))
-        rewards = env_rewards(self.env, tasks, ro.completions, self.cfg.rollout.num_generations)
-        return tasks, ro, rewards, [None] * len(rewards)
+        self.sampler.sync(self.policy, self.tokenizer, step, self.cfg.output_dir)
+        seed = derive_seed(self.cfg.seed, 1, step)
+        return (tasks, *self.sampler.sample(self.policy, self.tokenizer, self.env, tasks, seed))
 
     def optimizer_step(self, loss: Tensor) -> float:
         """:func:`~composer_plugins.backends.base.optimizer_step` of the policy (``trainer.gradient_clip_val``)."""

@@ -19,11 +19,21 @@ The tokenizer is duck-typed (``chat_template`` and ``apply_chat_template``); not
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["CHAT_MODES", "content_text", "is_conversation", "plain_prompt", "read_chat_template", "render_prompt"]
+__all__ = [
+    "CHAT_MODES",
+    "content_text",
+    "is_conversation",
+    "plain_prompt",
+    "read_chat_template",
+    "render_action",
+    "render_messages",
+    "render_prompt",
+]
 
 #: The named values of ``model.chat_template`` (anything else is a path to a Jinja file).
 CHAT_MODES = ("auto", "none")
@@ -50,21 +60,53 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
-def plain_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
-    """A conversation as text without a chat template.
+def render_action(message: Mapping[str, Any] | str | None) -> str:
+    """Flat text of an assistant action: its content, then each tool call as a JSON line.
 
-    A lone user message is its content, unchanged (what a text-prompted policy reads); anything
-    longer is ``<|role|>``-tagged turns followed by an ``<|assistant|>`` header.
+    Thinking (``thinking`` / ``reasoning_content``) is not part of the rendered action.
     """
-    if len(messages) == 1 and messages[0].get("role") == "user":
-        return content_text(messages[0].get("content"))
+    if message is None:
+        return ""
+    if isinstance(message, str):
+        return message
+    parts: list[str] = []
+    content = message.get("content")
+    if isinstance(content, str):
+        if content:
+            parts.append(content)
+    elif isinstance(content, list):  # content parts
+        parts.extend(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("text"))
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", call) if isinstance(call, Mapping) else {}
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        parts.append(json.dumps({"tool": fn.get("name", ""), "arguments": args}, ensure_ascii=False))
+    return "\n".join(parts)
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Flat text of a conversation: ``<|role|>`` headers followed by each message's text (an assistant
+    message: :func:`render_action`; a tool result: ``<|tool:<call id>|>``)."""
     chunks = []
     for m in messages:
         role = str(m.get("role", "user"))
+        body = render_action(m) if role == "assistant" else content_text(m.get("content"))
         if role == "tool" and m.get("tool_call_id"):
             role = f"tool:{m['tool_call_id']}"
-        chunks.append(f"<|{role}|>\n{content_text(m.get('content'))}")
-    return "\n".join(chunks) + "\n<|assistant|>\n"
+        chunks.append(f"<|{role}|>\n{body}")
+    return "\n".join(chunks)
+
+
+def plain_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A conversation as text without a chat template: the one prompt renderer (policies, teachers, pairs).
+
+    A lone user message is its content, unchanged (what a text-prompted policy reads); anything
+    longer is :func:`render_messages` followed by an ``<|assistant|>`` header.
+    """
+    if len(messages) == 1 and messages[0].get("role") == "user":
+        return content_text(messages[0].get("content"))
+    return render_messages(messages) + "\n<|assistant|>\n"
 
 
 @functools.lru_cache(maxsize=16)

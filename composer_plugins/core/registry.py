@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer_plugins.core import hookspecs
 from composer_plugins.core.errors import (
     DuplicatePluginError,
     MissingDependencyError,
@@ -21,21 +22,10 @@ from composer_plugins.core.errors import (
     UnknownPluginError,
 )
 
-#: Kind name -> hook that fills it. The order is the order ``composer-plugins list`` prints.
+#: Kind name -> hook that fills it, read from the hookspecs' :func:`~composer_plugins.core.hookspecs.fills`
+#: marks. The order is the order ``composer-plugins list`` prints.
 KINDS: dict[str, str] = {
-    "losses": "register_loss_channels",
-    "teachers": "register_teachers",
-    "scorers": "register_teacher_scorers",
-    "envs": "register_envs",
-    "hints": "register_hint_providers",
-    "backends": "register_backends",
-    "optimizers": "register_optimizers",
-    "callbacks": "register_callbacks",
-    "rollout_generators": "register_rollout_generators",
-    "codecs": "register_codecs",
-    "transports": "register_transports",
-    "input_builders": "register_input_builders",
-    "executors": "register_executors",
+    spec.registry_kind: name for name, spec in vars(hookspecs).items() if hasattr(spec, "registry_kind")
 }
 
 _KIND_ALIASES = {

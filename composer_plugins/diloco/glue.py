@@ -44,6 +44,17 @@ class DiLoCoCallbackBase(pl.Callback):
         self._step_cap: int | None = None  # how far max_steps may grow to make up missed rounds
         self._stop = False
 
+    # -- the heal counters: written here only -------------------------------------------------
+    def _healed(self) -> None:
+        """A heal (a state loaded, rounds replayed, a round caught up): counted, and reported by the next sync."""
+        self.heal_count += 1
+        self._healed_since_sync = True
+
+    def _take_healed(self) -> bool:
+        """Whether a heal happened since the last sync record; the next record starts afresh."""
+        healed, self._healed_since_sync = self._healed_since_sync, False
+        return healed
+
     # -- what a transport provides ---------------------------------------------------------
     def attach(self, module: nn.Module, inner_optimizer: torch.optim.Optimizer) -> DiLoCoCallbackBase:
         raise NotImplementedError

@@ -100,48 +100,30 @@ def _obstore() -> Any:
     return obstore
 
 
-def _permanent_errors() -> tuple[type[BaseException], ...]:
-    ex = _obstore().exceptions
-    return (
-        ex.NotFoundError,
-        ex.AlreadyExistsError,
-        ex.PreconditionError,
-        ex.PermissionDeniedError,
-        ex.UnauthenticatedError,
-        ex.InvalidPathError,
-        ex.NotSupportedError,
-        ex.UnknownConfigurationKeyError,
-    )
+class _Obstore:
+    """The store operations through obstore (the schemes of :data:`SCHEMES`)."""
 
-
-class ObjectStore:
-    """One run directory in an object store (``url``), with retries and byte counters.
-
-    Args:
-        url: ``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``file:///path`` or ``memory://``.
-        retry_s: total time one operation is retried through transient errors before :class:`StoreError`.
-        request_timeout_s: per-request timeout (a hung request counts as a transient error).
-    """
-
-    def __init__(
-        self, url: str, *, retry_s: float = 120.0, request_timeout_s: float = 10.0, part_bytes: int = PART_BYTES
-    ) -> None:
-        check_store_url(url, lambda msg: StoreError(msg))
-        self.url = url.rstrip("/")
-        self.part_bytes = part_bytes
-        self.retry_s = retry_s
-        self.bytes_written = 0
-        self._count_lock = threading.Lock()  # the state writer counts from its own thread
-        self.bytes_read = 0
-        self.retries = 0
-        obs = _obstore()
+    def __init__(self, url: str, request_timeout_s: float) -> None:
+        self.obs = obs = _obstore()
+        ex = obs.exceptions
+        self.missing = (ex.NotFoundError, FileNotFoundError)
+        self.permanent: tuple[type[BaseException], ...] = (
+            ex.NotFoundError,
+            ex.AlreadyExistsError,
+            ex.PreconditionError,
+            ex.PermissionDeniedError,
+            ex.UnauthenticatedError,
+            ex.InvalidPathError,
+            ex.NotSupportedError,
+            ex.UnknownConfigurationKeyError,
+        )
         scheme = url.split("://", 1)[0]
         kwargs: dict[str, Any] = {}
         if scheme == "file":
             os.makedirs(url.split("://", 1)[1], exist_ok=True)
             kwargs["mkdir"] = True
         elif scheme != "memory":
-            # obstore retries a little on its own; the bounded loop in _call does the rest
+            # obstore retries a little on its own; the bounded loop in ObjectStore._call does the rest
             kwargs["retry_config"] = {
                 "max_retries": 1,
                 "retry_timeout": timedelta(seconds=request_timeout_s),
@@ -163,8 +145,119 @@ class ObjectStore:
                     log.warning("AWS_PROFILE is set but boto3 is not installed; using the environment's credentials")
                 else:
                     kwargs["credential_provider"] = Boto3CredentialProvider(boto3.Session())
+        self.store = obs.store.from_url(url, **kwargs)
+
+    def put(self, key: str, data: Any, create: bool, part: int) -> bool:
+        ex = self.obs.exceptions
         try:
-            self._store = obs.store.from_url(url, **kwargs)
+            self.obs.put(
+                self.store,
+                key,
+                data,
+                mode="create" if create else "overwrite",
+                use_multipart=len(data) > part,
+                chunk_size=part,
+                max_concurrency=4,
+            )
+        except (ex.AlreadyExistsError, ex.PreconditionError):
+            return False
+        return True
+
+    def head_part(self, key: str, part: int) -> tuple[bytes, int]:
+        try:
+            res = self.obs.get(self.store, key, options={"range": (0, part)})
+        except self.missing:
+            raise
+        except Exception as e:  # an empty object has no range 0..part on some stores
+            if "range" not in str(e).lower():
+                raise
+            res = self.obs.get(self.store, key)
+        return bytes(res.bytes()), int(res.meta["size"])
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return bytes(self.obs.get_range(self.store, key, start=start, end=end))
+
+    def head(self, key: str) -> None:
+        self.obs.head(self.store, key)
+
+    def delete(self, key: str) -> None:
+        self.obs.delete(self.store, key)
+
+    def list(self, prefix: str) -> list[str]:
+        return [m["path"] for chunk in self.obs.list(self.store, prefix=prefix) for m in chunk]
+
+
+class _Fsspec:
+    """The store operations through an fsspec filesystem: any scheme registered with fsspec that obstore does not
+    reach (a conditional create is an exclusive open, ``xb``)."""
+
+    missing = (FileNotFoundError,)
+    permanent: tuple[type[BaseException], ...] = (FileNotFoundError, FileExistsError, PermissionError)
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.fs, self.root = fsspec.url_to_fs(url)
+        self.root = self.root.rstrip("/")
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def put(self, key: str, data: Any, create: bool, part: int) -> bool:
+        path = self._path(key)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        try:
+            with self.fs.open(path, "xb" if create else "wb") as f:
+                f.write(bytes(data))
+        except FileExistsError:
+            return False
+        return True
+
+    def head_part(self, key: str, part: int) -> tuple[bytes, int]:
+        path = self._path(key)
+        return bytes(self.fs.cat_file(path, start=0, end=part)), int(self.fs.size(path))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return bytes(self.fs.cat_file(self._path(key), start=start, end=end))
+
+    def head(self, key: str) -> None:
+        if not self.fs.exists(self._path(key)):
+            raise FileNotFoundError(key)
+
+    def delete(self, key: str) -> None:
+        self.fs.rm_file(self._path(key))
+
+    def list(self, prefix: str) -> list[str]:
+        base = len(self.root) + 1
+        return [p[base:] for p in self.fs.find(self._path(prefix))]
+
+
+class ObjectStore:
+    """One run directory in an object store (``url``), with retries and byte counters.
+
+    Args:
+        url: ``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``file:///path`` or ``memory://`` (obstore), or
+            a URL of any other scheme registered with fsspec.
+        retry_s: total time one operation is retried through transient errors before :class:`StoreError`.
+        request_timeout_s: per-request timeout (a hung request counts as a transient error).
+    """
+
+    def __init__(
+        self, url: str, *, retry_s: float = 120.0, request_timeout_s: float = 10.0, part_bytes: int = PART_BYTES
+    ) -> None:
+        check_store_url(url, lambda msg: StoreError(msg))
+        self.url = url.rstrip("/")
+        self.part_bytes = part_bytes
+        self.retry_s = retry_s
+        self.bytes_written = 0
+        self._count_lock = threading.Lock()  # the state writer counts from its own thread
+        self.bytes_read = 0
+        self.retries = 0
+        try:
+            obstore_scheme = url.split("://", 1)[0] in SCHEMES
+            self._io: Any = _Obstore(url, request_timeout_s) if obstore_scheme else _Fsspec(url)
+        except ComposerPluginsError:
+            raise
         except Exception as e:
             raise StoreError(f"cannot open store {redact_url(self.url)}: {one_line(e)}") from e
 
@@ -180,13 +273,12 @@ class ObjectStore:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.retry_s
         delay = 0.1
-        permanent = _permanent_errors()
         attempt = 0
         while True:
             attempt += 1
             try:
                 return fn()
-            except permanent:
+            except self._io.permanent:
                 raise
             except Exception as e:  # transient: 5xx, SlowDown, timeouts, refused/dropped connections
                 left = deadline - time.monotonic()
@@ -204,6 +296,17 @@ class ObjectStore:
                 time.sleep(min(delay * (0.5 + random.random()), left))
                 delay = min(delay * 2, 2.0)
 
+    def _missing_ok(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """``fn()`` with retries, ``default`` when the object is not there."""
+
+        def op() -> T:
+            try:
+                return fn()
+            except self._io.missing:
+                return default
+
+        return self._call(what, op)
+
     # -- operations ----------------------------------------------------------------------
     def put(self, key: str, data: bytes, *, create: bool = False) -> bool:
         """Write ``key``. With ``create``, only if absent (If-None-Match): ``False`` when it already exists.
@@ -214,11 +317,11 @@ class ObjectStore:
         if len(data) <= self.part_bytes:
             ok = self._put_one(key, data, create)
         elif not create:
-            self._put_multipart(key, data)
+            self._put_one(key, memoryview(data), False)
             ok = True
         else:
             blob = f"{key}.blob-{os.urandom(6).hex()}"
-            self._put_multipart(blob, data)
+            self._put_one(blob, memoryview(data), False)
             ref = pack(
                 {
                     "kind": REF,
@@ -236,28 +339,9 @@ class ObjectStore:
                 self.bytes_written += len(data)
         return ok
 
-    def _put_one(self, key: str, data: bytes, create: bool) -> bool:
-        obs = _obstore()
-
-        def op() -> bool:
-            try:
-                obs.put(self._store, key, data, mode="create" if create else "overwrite", use_multipart=False)
-            except obs.exceptions.AlreadyExistsError:
-                return False
-            except obs.exceptions.PreconditionError:
-                return False
-            return True
-
-        return self._call(f"put {key}", op)
-
-    def _put_multipart(self, key: str, data: bytes) -> None:
-        obs = _obstore()
-        view = memoryview(data)
-
-        def op() -> None:
-            obs.put(self._store, key, view, use_multipart=True, chunk_size=self.part_bytes, max_concurrency=4)
-
-        self._call(f"multipart put {key} ({len(data)} bytes)", op)
+    def _put_one(self, key: str, data: Any, create: bool) -> bool:
+        what = f"put {key}" if len(data) <= self.part_bytes else f"multipart put {key} ({len(data)} bytes)"
+        return self._call(what, lambda: self._io.put(key, data, create, self.part_bytes))
 
     def get(self, key: str) -> bytes | None:
         """The bytes of ``key``, or ``None`` when it does not exist (a reference is followed, see :meth:`put`).
@@ -289,21 +373,8 @@ class ObjectStore:
         return data
 
     def _get_ranged(self, key: str) -> bytes | None:
-        obs = _obstore()
         part = self.part_bytes
-
-        def first() -> tuple[bytes, int] | None:
-            try:
-                res = obs.get(self._store, key, options={"range": (0, part)})
-            except (obs.exceptions.NotFoundError, FileNotFoundError):
-                return None
-            except Exception as e:  # an empty object has no range 0..part on some stores
-                if "range" not in str(e).lower():
-                    raise
-                res = obs.get(self._store, key)
-            return bytes(res.bytes()), int(res.meta["size"])
-
-        got = self._call(f"get {key}", first)
+        got = self._missing_ok(f"get {key}", lambda: self._io.head_part(key, part), None)
         if got is None:
             return None
         head, size = got
@@ -315,50 +386,22 @@ class ObjectStore:
             end = min(size, start + part)
 
             def op(start: int = start, end: int = end) -> bytes:
-                return bytes(obs.get_range(self._store, key, start=start, end=end))
+                return self._io.get_range(key, start, end)
 
             buf[start:end] = self._call(f"get {key} bytes {start}-{end}", op)
         return bytes(buf)
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists (a HEAD request)."""
-        obs = _obstore()
-
-        def op() -> bool:
-            try:
-                obs.head(self._store, key)
-            except (obs.exceptions.NotFoundError, FileNotFoundError):
-                return False
-            return True
-
-        return self._call(f"head {key}", op)
+        return self._missing_ok(f"head {key}", lambda: self._io.head(key) is None, False)
 
     def delete(self, key: str) -> None:
         """Delete ``key`` (absent: nothing to do)."""
-        obs = _obstore()
-
-        def op() -> None:
-            try:
-                obs.delete(self._store, key)
-            except (obs.exceptions.NotFoundError, FileNotFoundError):
-                pass
-
-        self._call(f"delete {key}", op)
+        self._missing_ok(f"delete {key}", lambda: self._io.delete(key), None)
 
     def list(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (a directory, no trailing slash), sorted."""
-        obs = _obstore()
-
-        def op() -> list[str]:
-            try:
-                out: list[str] = []
-                for chunk in obs.list(self._store, prefix=prefix.rstrip("/") + "/"):
-                    out.extend(m["path"] for m in chunk)
-                return sorted(out)
-            except (obs.exceptions.NotFoundError, FileNotFoundError):
-                return []
-
-        return self._call(f"list {prefix}/", op)
+        return sorted(self._missing_ok(f"list {prefix}/", lambda: self._io.list(prefix.rstrip("/") + "/"), []))
 
 
 # -- the envelope of every object ---------------------------------------------------------

@@ -341,8 +341,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         self._inner.load_state_dict(state["inner_optimizer"])
         for sched, sd in zip(self._schedulers(), state.get("lr_schedulers", []), strict=False):
             sched.load_state_dict(sd)
-        self.heal_count += 1
-        self._healed_since_sync = True
+        self._healed()
         # torchft set its step to the peers' step before calling us; a sync commits if it moves past it.
         self._last_step = int(self.manager.current_step())
         log.info("DiLoCo: healed from a peer at torchft step %d", self._last_step)
@@ -455,11 +454,10 @@ class DiLoCoCallback(DiLoCoCallbackBase):
             "committed": committed,
             "participants": int(m.num_participants()),
             "fragment": fragment,
-            "healed": self._healed_since_sync,
+            "healed": self._take_healed(),
             "bytes_allreduced": self.bytes_allreduced,
             "time": time.time(),
         }
-        self._healed_since_sync = False
         if self.replica.restart > 0 and self.heal_count == 0 and len(self.history) == 0:
             self.history.append(rec)
             self._post("gone", "no live peer")

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Literal, get_args
 
-from composer_plugins.losses.ops import _require_same
+if TYPE_CHECKING:
+    from torch import Tensor
 
-__all__ = ["IS_MODES", "importance_sampling_correction"]
+__all__ = ["IS_MODES", "ISMode", "importance_sampling_correction"]
 
 
-#: Modes of :func:`importance_sampling_correction` (TRL's ``vllm_importance_sampling_mode``).
-IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+#: Modes of :func:`importance_sampling_correction` (TRL's ``vllm_importance_sampling_mode``): the one place
+#: they are written (``rollout.importance_sampling`` accepts these and ``off``). Importing them imports no torch.
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+IS_MODES: tuple[str, ...] = get_args(ISMode)
 
 
 def importance_sampling_correction(
@@ -38,6 +40,10 @@ def importance_sampling_correction(
     """
     if mode not in IS_MODES:
         raise ValueError(f"unknown importance-sampling mode {mode!r}; valid: {', '.join(IS_MODES)}")
+    import torch
+
+    from composer_plugins.losses.ops import _require_same
+
     _require_same("logprobs", logprobs, "sampling_logprobs", sampling_logprobs)
     diff = torch.nan_to_num((logprobs.detach().float() - sampling_logprobs.float()) * mask.float(), nan=0.0)
     if mode.startswith("sequence"):

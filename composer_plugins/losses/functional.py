@@ -29,7 +29,7 @@ importance-sampling correction (:mod:`composer_plugins.losses.correction`), the 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -82,10 +82,9 @@ __all__ = [
     "taid_loss",
 ]
 
-#: Loss types accepted by :func:`policy_loss`.
-POLICY_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo")
-
+#: Loss types accepted by :func:`policy_loss`: the one place they are written.
 PolicyLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo"]
+POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
 
 # ----------------------------------------------------------------------------------------------

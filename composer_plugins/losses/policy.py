@@ -35,6 +35,9 @@ from torch import Tensor
 from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import LossChannel
 
+#: Every policy-gradient channel kind: the functional loss types, then the DPPO+KL channel.
+POLICY_KINDS: tuple[str, ...] = (*LF.POLICY_LOSS_TYPES, "dppo")
+
 #: Per loss type: (epsilon_low, epsilon_high) used by the channels when not given.
 #: grpo/bnpo/dr_grpo: TRL defaults; dapo: DAPO paper's clip-higher 0.28; cispo: ε_max=5.0
 #: (ScaleRL, recommended in TRL's docs); gspo: the GSPO paper's 3e-4 / 4e-4.

@@ -38,7 +38,7 @@ def rollout(
     from composer_plugins.models.generation import generate_completions
     from composer_plugins.models.tiny import load_policy
     from composer_plugins.training.batches import env_rewards, task_prompt
-    from composer_plugins.training.chat import install_chat_template, task_conversation
+    from composer_plugins.training.chat import PROMPT_KEYS, install_chat_template, task_conversation
 
     r = section(params, "rollout")
     unknown = sorted(set(r) - set(ROLLOUT_KEYS))
@@ -83,7 +83,7 @@ def rollout(
         for j, (comp, rew) in enumerate(zip(ro.completions, rs, strict=True)):
             i = b0 + j // G
             task = tasks[i]
-            meta = {k: v for k, v in task.items() if k not in ("prompt", "question")}
+            meta = {k: v for k, v in task.items() if k not in PROMPT_KEYS}
             meta.update(task_index=i, sample=j % G, reward=rew, correct=rew >= thr, env=env_name)
             rows.append(
                 {

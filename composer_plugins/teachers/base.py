@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from composer_plugins.core.chat import content_text
 from composer_plugins.core.errors import ComposerPluginsError
 
 Message = dict[str, Any]
@@ -284,58 +283,6 @@ class TeacherInfo:
     kind: str
     model: str
     params: dict[str, Any] = field(default_factory=dict)
-
-
-def render_action(message: Mapping[str, Any] | str | None) -> str:
-    """Flat text of an assistant action: its content, then each tool call as a JSON line.
-
-    Thinking (``thinking`` / ``reasoning_content``) is not part of the rendered action.
-    """
-    if message is None:
-        return ""
-    if isinstance(message, str):
-        return message
-    parts: list[str] = []
-    content = message.get("content")
-    if isinstance(content, str):
-        if content:
-            parts.append(content)
-    elif isinstance(content, list):  # content parts
-        parts.extend(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("text"))
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function", call) if isinstance(call, Mapping) else {}
-        args = fn.get("arguments", "")
-        if not isinstance(args, str):
-            args = json.dumps(args, ensure_ascii=False)
-        parts.append(json.dumps({"tool": fn.get("name", ""), "arguments": args}, ensure_ascii=False))
-    return "\n".join(parts)
-
-
-def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Flat text of a conversation: ``<|role|>`` headers followed by each message's rendered content.
-
-    Used for the ``prompt`` field of pairs and by teachers without a chat template.
-    """
-    chunks = []
-    for m in messages:
-        role = str(m.get("role", "user"))
-        body = render_action(m) if role == "assistant" else content_text(m.get("content"))
-        if role == "tool" and m.get("tool_call_id"):
-            role = f"tool:{m['tool_call_id']}"
-        chunks.append(f"<|{role}|>\n{body}")
-    return "\n".join(chunks)
-
-
-def prompt_text(messages: Sequence[Mapping[str, Any]]) -> str:
-    """The flat prompt of a conversation, as a text-completion policy would be fed it.
-
-    A conversation that is a single user message is that message's text, unchanged (what a
-    policy rolled out on raw prompts saw). Anything longer is :func:`render_messages` followed
-    by an ``<|assistant|>`` header (consumers with a chat template should use the messages).
-    """
-    if len(messages) == 1 and messages[0].get("role") == "user":
-        return content_text(messages[0].get("content"))
-    return render_messages(messages) + "\n<|assistant|>\n"
 
 
 def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]], extra: Any = None) -> int:

@@ -2,7 +2,7 @@
 
 The model and tokenizer load lazily on the first call (``local_files_only`` by default, so
 a run never reaches the hub). Prompts use the tokenizer's chat template when it has one,
-else :func:`~composer_plugins.teachers.base.prompt_text` (a lone user message verbatim, as the
+else :func:`~composer_plugins.core.chat.plain_prompt` (a lone user message verbatim, as the
 policy saw it in single-turn rollouts; longer conversations with ``<|role|>`` headers).
 Generation runs in a worker thread (one at a time per teacher) so the event loop keeps
 serving the other teachers.
@@ -24,7 +24,6 @@ from composer_plugins.teachers.base import (
     TeacherResponse,
     assistant_message,
     check_number,
-    prompt_text,
 )
 
 
@@ -131,10 +130,7 @@ class HFTeacher(Teacher):
         from composer_plugins.core.chat import render_prompt
 
         _, tok = self.load()
-        msgs = [dict(m) for m in messages]
-        if getattr(tok, "chat_template", None):
-            return render_prompt(msgs, tok, "auto")
-        return prompt_text(msgs)
+        return render_prompt([dict(m) for m in messages], tok, "auto")
 
     def _generate(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, int, int]:
         import torch

@@ -23,6 +23,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from composer_plugins.core.chat import render_action
 from composer_plugins.core.config import Secret
 from composer_plugins.teachers.base import (
     Teacher,
@@ -33,7 +34,6 @@ from composer_plugins.teachers.base import (
     check_number,
     estimate_prompt_tokens,
     looks_like_key,
-    render_action,
     scrub_secret,
 )
 

@@ -10,7 +10,7 @@ order, wrote it), ``rejected`` = the student's action.
 Pair record (one JSON object per line; see ``docs/replay.md``)::
 
     state_id, trace_id, step, source        where the step came from
-    prompt                                   the conversation as flat text (base.prompt_text: a lone
+    prompt                                   the conversation as flat text (core.chat.plain_prompt: a lone
                                              user message verbatim, else <|role|>-tagged turns)
     messages                                 the conversation, OpenAI chat messages
     chosen, rejected                         the two actions as flat text
@@ -31,7 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from composer_plugins.teachers.base import TeacherResponse, prompt_text, render_action
+from composer_plugins.core.chat import plain_prompt, render_action
+from composer_plugins.teachers.base import TeacherResponse
 from composer_plugins.teachers.traces import TraceState
 
 Compare = Literal["text", "final_answer"]
@@ -236,7 +237,7 @@ def extract_pairs(
                 "trace_id": s.trace_id,
                 "step": s.step,
                 "source": f"{s.source}:{s.line}" if s.source else "",
-                "prompt": prompt_text(s.messages),
+                "prompt": plain_prompt(s.messages),
                 "messages": s.messages,
                 "chosen": best.text,
                 "rejected": s.student_text,

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from composer_plugins.core.chat import render_action
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.io import iter_jsonl
-from composer_plugins.teachers.base import Message, render_action
+from composer_plugins.teachers.base import Message
 
 TraceFormat = Literal["auto", "openai", "claude_code"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

@@ -40,7 +40,6 @@ from composer_plugins.training.step import StepMeta, StepRecord
 
 __all__ = [
     "ALWAYS",
-    "HINT_INPUTS",
     "PAIR_INPUTS",
     "Assembly",
     "InputBuilder",
@@ -56,26 +55,14 @@ InputBuilder = Callable[["Assembly"], Mapping[str, Any]]
 
 #: Inputs built beside an input a channel declares, which the channels that declare it read when present
 #: (the policy channels' sampling-time log-probs and importance-sampling ratio).
-COMPANIONS: dict[str, tuple[str, ...]] = {
-    "logprobs": ("old_logprobs", "inference_logprobs", "importance_sampling_ratio")
-}
+COMPANIONS: dict[str, tuple[str, ...]] = {"logprobs": BUILTINS["policy_logprobs"][0][1:]}
 
 #: Inputs built for every step whatever the channels declare (cheap: read from the record and its meta): what the
 #: built-in ``record_fields`` builder provides (:data:`composer_plugins.training.input_plugin.BUILTINS`).
 ALWAYS: tuple[str, ...] = BUILTINS["record_fields"][0]
 
-HINT_INPUTS = ("student_hidden", "teacher_hidden", "lm_head_weight", "teacher_lm_head_weight", "hint_mask", "hint_rows")
-
-PAIR_INPUTS = (
-    "chosen_logps",
-    "rejected_logps",
-    "chosen_avg_logps",
-    "rejected_avg_logps",
-    "chosen_lengths",
-    "rejected_lengths",
-    "ref_chosen_logps",
-    "ref_rejected_logps",
-)
+#: The preference-pair inputs (what the built-in ``pair_inputs`` builder provides).
+PAIR_INPUTS: tuple[str, ...] = BUILTINS["pair_inputs"][0]
 
 
 #: registry -> its input-builder table (resolved once per registry: ``module:attr`` targets import once).
@@ -148,6 +135,24 @@ class StepPolicy:
     importance_sampling: tuple[str, float, float | None] | None = None
     teacher_margin: bool = False
     teacher_scoring: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, **parts: Any) -> StepPolicy:
+        """The settings a :class:`~composer_plugins.training.config.TrainConfig` gives, the one way every trainer
+        path builds them; ``parts``: the built models (``model``, ``tokenizer``, ``teacher``, ``reference``,
+        ``teacher_scoring``), or a setting a path overrides."""
+        r, c = cfg.rollout, cfg.compute
+        settings: dict[str, Any] = {
+            "temperature": r.temperature,
+            "chunk_size": c.chunk_size,
+            "rows_per_micro_batch": c.rows_per_micro_batch,
+            "max_context_length": cfg.hints.max_context_length,
+            "pair_prompt_length": r.max_prompt_length,
+            "pair_max_length": cfg.replay.max_completion_length,
+            "importance_sampling": (r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
+            "teacher_margin": cfg.hints.teacher_margin,
+        }
+        return cls(**{**settings, **parts})
 
     def micro_batch(self, *tensors: Tensor) -> int | None:
         """Rows per micro-batch for sequences as long as the concatenated ``tensors``."""

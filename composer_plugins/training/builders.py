@@ -17,7 +17,8 @@ from typing import Any
 
 from composer_plugins.core.config import Config, redact
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.training.config import CHANNEL_KEYS, TrainConfig, channel_spec
+from composer_plugins.training.config import TrainConfig, channel_spec
+from composer_plugins.training.loss_specs import CHANNEL_KEYS
 
 
 def build_env(cfg: TrainConfig, src: Config | None = None) -> Any:
@@ -47,8 +48,9 @@ def build_generator(cfg: TrainConfig, src: Config | None = None, env: Any = None
     return gen
 
 
-def build_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
-    """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``)."""
+def configured_hint_provider(cfg: TrainConfig, src: Config | None = None) -> Any:
+    """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``), on the request contract
+    (:func:`composer_plugins.envs.hints.build_hint_provider` builds one from a spec or an object)."""
     from composer_plugins.core.config import build_component
     from composer_plugins.envs.hints import as_hint_provider
 

@@ -8,6 +8,7 @@ Heavy imports (torch, lightning, transformers) happen only when a command runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -19,8 +20,31 @@ from composer_plugins.core.cli import all_overrides, command_errors, set_option
 from composer_plugins.core.hookspecs import hookimpl
 
 
-def _config_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``--config``, ``--section``, ``--print-config``, ``-S key.sub=value`` (and positional ones, an alias)."""
+def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A command on a train config: ``--config``, ``--section``, ``--print-config``, ``--no-progress``,
+    ``-S key.sub=value`` (and positional ones, an alias). The command is called with the loaded ``(cfg, src)``
+    first (``--print-config`` prints the config and stops there); a :class:`ComposerPluginsError` it raises,
+    loading included, is reported."""
+
+    @functools.wraps(command)
+    @command_errors
+    def f(
+        config_path: str | None,
+        section: str | None,
+        print_config: bool,
+        overrides: tuple[str, ...],
+        set_overrides: tuple[str, ...],
+        no_progress: bool,
+        **options: Any,
+    ) -> None:
+        cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
+        if print_config:
+            from composer_plugins.training.config import config_to_yaml
+
+            click.echo(config_to_yaml(cfg), nl=False)
+            return
+        command(cfg, src, **options)
+
     f = click.argument("overrides", nargs=-1, metavar="[KEY.SUB=VALUE]...")(f)
     f = set_option(f)
     f = click.option("--no-progress", is_flag=True, help="No progress bars at all (ours, transformers', the Hub's).")(f)
@@ -88,7 +112,7 @@ def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
 
 
 @click.command(name="train")
-@_config_options
+@config_options
 @click.option("--resume", default=None, help="'last' or a .ckpt path: continue a run exactly where it stopped.")
 @click.option(
     "--overwrite",
@@ -96,31 +120,15 @@ def _located_policy(cfg: Any, src: Any) -> Iterator[None]:
     help="Start over in an output_dir that holds an earlier run's checkpoints (they and its history.csv "
     "are deleted); without it (or --resume) such a directory is refused.",
 )
-@command_errors
-def train_cmd(
-    config_path: str | None,
-    section: str | None,
-    print_config: bool,
-    overrides: tuple[str, ...],
-    set_overrides: tuple[str, ...],
-    no_progress: bool,
-    resume: str | None,
-    overwrite: bool,
-) -> None:
+def train_cmd(cfg: Any, src: Any, resume: str | None, overwrite: bool) -> None:
     """RL training: generate rollouts, score them with the env and optimise the composed loss channels.
 
     Ctrl-C stops it with exit status 130, naming the step and the last checkpoint (continue with --resume last).
 
     Example: composer-plugins train -c run.yaml -S trainer.max_steps=20 -S losses.hint_distill.enabled=false
     """
-    from composer_plugins.training.config import config_to_yaml
-
     if resume and overwrite:
         raise click.UsageError("--resume continues the run in output_dir and --overwrite deletes it: give one.")
-    cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
-    if print_config:
-        click.echo(config_to_yaml(cfg), nl=False)
-        return
     _check_inputs(cfg, src)
     if overwrite:
         _clear_run(cfg.output_dir)
@@ -148,23 +156,9 @@ def train_cmd(
 
 
 @click.command(name="sft")
-@_config_options
-@command_errors
-def sft_cmd(
-    config_path: str | None,
-    section: str | None,
-    print_config: bool,
-    overrides: tuple[str, ...],
-    set_overrides: tuple[str, ...],
-    no_progress: bool,
-) -> None:
+@config_options
+def sft_cmd(cfg: Any, src: Any) -> None:
     """Supervised warm start on the env's worked solutions (cached by config hash); writes <output_dir>/model."""
-    from composer_plugins.training.config import config_to_yaml
-
-    cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
-    if print_config:
-        click.echo(config_to_yaml(cfg), nl=False)
-        return
     _check_inputs(cfg, src)
     from composer_plugins.training.run import run_sft  # torch, Lightning, transformers: after the config is good
 
@@ -174,27 +168,11 @@ def sft_cmd(
 
 
 @click.command(name="eval")
-@_config_options
+@config_options
 @click.option("--checkpoint", default=None, help="A Lightning .ckpt, a save_pretrained dir or a hub id.")
 @click.option("--output", "-o", default=None, help="Write the metrics JSON here.")
-@command_errors
-def eval_cmd(
-    config_path: str | None,
-    section: str | None,
-    print_config: bool,
-    overrides: tuple[str, ...],
-    set_overrides: tuple[str, ...],
-    no_progress: bool,
-    checkpoint: str | None,
-    output: str | None,
-) -> None:
+def eval_cmd(cfg: Any, src: Any, checkpoint: str | None, output: str | None) -> None:
     """Held-out evaluation (accuracy, pass_at_<k>, mean_reward) of a checkpoint or of the configured policy."""
-    from composer_plugins.training.config import config_to_yaml
-
-    cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
-    if print_config:
-        click.echo(config_to_yaml(cfg), nl=False)
-        return
     _check_inputs(cfg, src, checkpoint)
     from composer_plugins.training.run import run_eval  # torch, Lightning, transformers: after the config is good
 

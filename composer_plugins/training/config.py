@@ -18,12 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
-from composer_plugins.training.loss_specs import CHANNEL_KEYS as CHANNEL_KEYS  # re-exported: their old home
-from composer_plugins.training.loss_specs import ChannelSpec as ChannelSpec
 from composer_plugins.training.loss_specs import channel_spec, check_channel, losses_as_mapping
-from composer_plugins.training.sections import (  # re-exported: the sections' old home
-    STRATEGY_SHORTHANDS as STRATEGY_SHORTHANDS,
-)
 from composer_plugins.training.sections import (
     ComputeSection,
     DataSection,
@@ -38,23 +33,10 @@ from composer_plugins.training.sections import (
     SFTSection,
     TrainerSection,
 )
-from composer_plugins.training.sections import strategy_names as strategy_names
-from composer_plugins.training.sections import unknown_strategy as unknown_strategy
 
 __all__ = [
     "DEFAULT_CONFIG",
-    "ComputeSection",
-    "DataSection",
-    "EvalSection",
-    "HintsSection",
-    "MLflowSection",
-    "ModelSection",
-    "OptimSection",
-    "ReplaySection",
-    "RolloutSection",
-    "SFTSection",
     "TrainConfig",
-    "TrainerSection",
     "channel_spec",
     "config_to_yaml",
     "load_train_config",

@@ -25,7 +25,8 @@ from composer_plugins.training.batches import derive_seed, env_rewards, sibling_
 from composer_plugins.training.metrics import PassAtK, Ratio
 
 if TYPE_CHECKING:
-    from composer_plugins.training.config import EvalSection, TrainConfig
+    from composer_plugins.training.config import TrainConfig
+    from composer_plugins.training.sections import EvalSection
 
 __all__ = ["Validator"]
 

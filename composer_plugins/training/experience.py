@@ -32,7 +32,84 @@ from composer_plugins.training.metrics import reward_stats, scalar_metrics
 from composer_plugins.training.step import Rollout, StepMeta, StepRecord, hint_candidates
 from composer_plugins.training.teacher_scores import score_requests
 
-__all__ = ["ExperienceMaker", "StepComputer", "add_hint_contexts", "hint_fields"]
+__all__ = ["ExperienceMaker", "Sampler", "StepComputer", "hint_fields", "refuse_own_sampling"]
+
+
+@dataclass
+class Sampler:
+    """The one sampler of a step's rollouts, built once from config: the generator ``rollout.generator`` names
+    (HF ``generate`` by default; with ``rollout.max_turns > 1`` and a tool-using env, multi-turn episodes), the
+    sampling settings and ``model.chat_template``. The Lightning module and the backends' local modes sample
+    through it; a path that samples otherwise refuses the settings it cannot honour (:func:`refuse_own_sampling`).
+    """
+
+    generator: Any
+    num_generations: int
+    sampling: Mapping[str, Any]
+    chat_template: str = "auto"
+
+    @classmethod
+    def from_config(cls, cfg: Any, src: Any = None, env: Any = None) -> Sampler:
+        """The sampler ``cfg.rollout`` describes (``env``: the run's env, for multi-turn episodes)."""
+        from composer_plugins.training.builders import build_generator
+
+        r = cfg.rollout
+        names = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_length")
+        sampling = {k: getattr(r, k) for k in names}
+        return cls(build_generator(cfg, src, env), r.num_generations, sampling, cfg.model.chat_template)
+
+    def sample(
+        self, policy: Any, tokenizer: Any, env: Any, tasks: Sequence[Mapping[str, Any]], seed: int
+    ) -> tuple[Rollout, list[float], list[Any]]:
+        """``(rollout, rewards, feedback)``: ``G`` completions of each task, scored by ``env`` (episodes score
+        every turn themselves)."""
+        from composer_plugins.training.batches import env_rewards, task_prompt
+        from composer_plugins.training.rollouts import EpisodeGenerator
+
+        if isinstance(self.generator, EpisodeGenerator):
+            return self.generator.episodes(
+                policy, tokenizer, env, tasks, self.num_generations, seed=seed, **self.sampling
+            )
+        ro = self.generate(policy, tokenizer, [task_prompt(t, tokenizer, self.chat_template) for t in tasks], seed)
+        rewards = env_rewards(env, tasks, ro.completions, self.num_generations)
+        return ro, rewards, [None] * len(rewards)
+
+    def generate(self, policy: Any, tokenizer: Any, prompts: Sequence[str], seed: int) -> Rollout:
+        """``G`` completions of each of ``prompts`` (already rendered), unscored."""
+        return self.generator.generate(
+            policy, tokenizer, list(prompts), self.num_generations, seed=seed, **self.sampling
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether the generator's engine wants the policy's weights before sampling ``step``."""
+        from composer_plugins.training.rollouts import WeightSyncing
+
+        return isinstance(self.generator, WeightSyncing) and self.generator.wants_sync(step)
+
+    def sync(self, policy: Any, tokenizer: Any, step: int, out_dir: str | None = None, *, push: bool = True) -> None:
+        """Push the policy's weights to the generator's engine when :meth:`due` (``push``: this rank pushes; every
+        rank records the step)."""
+        if not self.due(step):
+            return
+        if push:
+            self.generator.sync(policy, tokenizer, step, out_dir=out_dir)
+        self.generator.last_synced = step
+
+
+def refuse_own_sampling(cfg: Any, src: Any, where: str) -> None:
+    """Refuse, at its config line, a rollout setting a path that samples on its own (an upstream trainer's
+    generation, actors with their own policy copies) cannot honour: ``rollout.generator`` other than ``hf``
+    and multi-turn episodes (``rollout.max_turns > 1``). ``where``: the path, in words."""
+    from composer_plugins.core.config import Config
+
+    src = src if src is not None else Config()
+    r = cfg.rollout
+    gen = r.generator.get("name") if isinstance(r.generator, Mapping) else r.generator
+    fix = "run it with the lightning backend or a local mode (they sample through the one Sampler)"
+    if gen not in (None, "hf"):
+        raise src.error("rollout.generator", f"{where} samples on its own, not with generator {gen!r}: {fix}.")
+    if r.max_turns > 1:
+        raise src.error("rollout.max_turns", f"{where} samples single-turn completions only: {fix}, or set 1.")
 
 
 def hint_fields(
@@ -79,11 +156,6 @@ def hint_fields(
     for i, c, k in zip(rows, contexts, kinds, strict=True):
         out_c[i], out_k[i] = c, (k if c is not None else None)
     return {"groups": groups, "hint_contexts": out_c, "hint_kinds": out_k}
-
-
-def add_hint_contexts(record: StepRecord, env: Any, provider: Any, **kw: Any) -> StepRecord:
-    """A new record: ``record`` with its :func:`hint_fields` (keyword arguments as there)."""
-    return record.replace(**hint_fields(record, env, provider, **kw))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError, closest
 from composer_plugins.core.io import iter_jsonl
+from composer_plugins.training.chat import PROMPT_KEYS
 
 if TYPE_CHECKING:
     from composer_plugins.training.config import TrainConfig
@@ -38,8 +39,6 @@ __all__ = [
     "hub_unreachable",
 ]
 
-#: Fields a task row may carry its prompt in (as :func:`composer_plugins.training.module.task_prompt` reads).
-TASK_PROMPT_KEYS = ("prompt", "question")
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 
 
@@ -89,9 +88,9 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
     for lineno, row in iter_jsonl(p, path, error=error):
         n += 1
         if kind == "tasks":
-            if not any(k in row for k in TASK_PROMPT_KEYS):
+            if not any(k in row for k in PROMPT_KEYS):
                 keys = sorted(map(str, row))
-                near = [c for k in keys for c in closest(k, TASK_PROMPT_KEYS)]
+                near = [c for k in keys for c in closest(k, PROMPT_KEYS)]
                 sugg = f" Did you mean: {near[0]!r}?" if near else ""
                 raise ConfigError(
                     f'missing — every task of {key} needs a "prompt" (or "question") field; this line has '

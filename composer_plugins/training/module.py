@@ -29,16 +29,15 @@ import torch
 from torch import Tensor
 
 from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy
-from composer_plugins.training.batches import derive_seed, env_rewards, load_pairs, render_pairs, task_prompt
-from composer_plugins.training.builders import build_channels, build_env, build_generator, build_hint_provider
+from composer_plugins.training.batches import derive_seed, load_pairs, render_pairs
+from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, fsdp_root, full_params, world
 from composer_plugins.training.evaluation import Validator
-from composer_plugins.training.experience import ExperienceMaker, StepComputer
+from composer_plugins.training.experience import ExperienceMaker, Sampler, StepComputer
 from composer_plugins.training.input_builders import PAIR_REF_KEYS
 from composer_plugins.training.policy import apply_checkpointing, load_policy_for
-from composer_plugins.training.rollouts import EpisodeGenerator, WeightSyncing
 from composer_plugins.training.step import StepMeta, StepRecord, sample_pairs
 from composer_plugins.training.teacher_scores import build_teacher_scoring
 
@@ -105,12 +104,12 @@ class ComposerModule(L.LightningModule):
         self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
         self.needs_pairs = bool(self.required_inputs & set(PAIR_INPUTS))
         if hint_provider is not None:
-            from composer_plugins.envs.hints import build_hint_provider as hint_provider_from
+            from composer_plugins.envs.hints import build_hint_provider
 
-            hint_provider = hint_provider_from(hint_provider, key="hint_provider")
+            hint_provider = build_hint_provider(hint_provider, key="hint_provider")
         self.hint_provider = hint_provider
         if self.needs_teacher and self.hint_provider is None:
-            self.hint_provider = build_hint_provider(cfg, src)
+            self.hint_provider = configured_hint_provider(cfg, src)
         if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
             pairs = load_pairs(cfg.replay.pairs_path)
         self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
@@ -122,12 +121,12 @@ class ComposerModule(L.LightningModule):
             for p in ref.parameters():
                 p.requires_grad_(False)
             self._reference.append(ref)
-        #: What samples the training rollouts (``rollout.generator``; HF ``generate`` by default).
-        self.generator = build_generator(cfg, src, self.env)
+        #: The one sampler of the training rollouts (``rollout.generator``; HF ``generate`` by default).
+        self.sampler = Sampler.from_config(cfg, src, self.env)
         #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
         uplift = self.hint_provider
         if uplift is None and cfg.eval.hint_uplift:
-            uplift = build_hint_provider(cfg, src)
+            uplift = configured_hint_provider(cfg, src)
         self.validator = Validator(cfg, self.tokenizer, self.env, uplift)
         self._resume_rng: dict[str, Any] | None = None
         self._rollout_cache: tuple[int, StepRecord] | None = None
@@ -135,8 +134,6 @@ class ComposerModule(L.LightningModule):
         #: The step record and meta the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
         self.last_meta: StepMeta | None = None
-        #: Optimizer steps taken without a ``Trainer`` (its loop, e.g. Monarch's trainer actor, adds 1 after each)
-        self.local_steps = 0
         #: The one experience maker (the whole step record) and the one step computer (its composed loss).
         self.experience = ExperienceMaker.from_config(
             cfg,
@@ -148,6 +145,11 @@ class ComposerModule(L.LightningModule):
             teacher_scoring=self.teacher_scoring,
         )
         self.stepper = StepComputer(self.composer, self.step_policy, success_threshold=cfg.rollout.success_threshold)
+
+    @property
+    def generator(self) -> Any:
+        """The sampler's rollout generator."""
+        return self.sampler.generator
 
     @property
     def reference(self) -> Any:
@@ -176,14 +178,11 @@ class ComposerModule(L.LightningModule):
         """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
         from composer_plugins.training.distributed import barrier
 
-        gen, step = self.generator, self.global_step
-        if not isinstance(gen, WeightSyncing) or not gen.wants_sync(step):
+        step = self.global_step
+        if not self.sampler.due(step):
             return
-        rank, _ = world()
         with self.full_params(recurse=True):
-            if rank == 0:
-                gen.sync(self.policy, self.tokenizer, step, out_dir=self.cfg.output_dir)
-        gen.last_synced = step
+            self.sampler.sync(self.policy, self.tokenizer, step, self.cfg.output_dir, push=world()[0] == 0)
         barrier()
 
     def on_train_start(self) -> None:
@@ -261,22 +260,8 @@ class ComposerModule(L.LightningModule):
 
     def rollout(self, tasks: Sequence[Mapping[str, Any]], seed: int) -> tuple[Any, list[float], list[Any]]:
         """``(rollout, rewards, feedback)`` of ``tasks`` from the configured generator and the env."""
-        r = self.cfg.rollout
-        sampling = {
-            "temperature": r.temperature,
-            "top_p": r.top_p,
-            "top_k": r.top_k,
-            "max_new_tokens": r.max_new_tokens,
-            "max_prompt_length": r.max_prompt_length,
-        }
         with self.full_params():
-            gen, G = self.generator, r.num_generations
-            if isinstance(gen, EpisodeGenerator):  # the multi_turn generator: the env scores every turn
-                return gen.episodes(self.policy, self.tokenizer, self.env, tasks, G, seed=seed, **sampling)
-            prompts = [task_prompt(t, self.tokenizer, self.cfg.model.chat_template) for t in tasks]
-            ro = self.generator.generate(self.policy, self.tokenizer, prompts, r.num_generations, seed=seed, **sampling)
-        rewards = env_rewards(self.env, tasks, ro.completions, r.num_generations)
-        return ro, rewards, [None] * len(rewards)
+            return self.sampler.sample(self.policy, self.tokenizer, self.env, tasks, seed)
 
     def make_rollout_batch(
         self, tasks: Sequence[Mapping[str, Any]], seed: int, old_logprobs: bool = False
@@ -303,27 +288,21 @@ class ComposerModule(L.LightningModule):
 
     def step_policy(self) -> StepPolicy:
         """The models and settings the assembler builds channel inputs with."""
-        c = self.cfg
-        r = c.rollout
-        return StepPolicy(
+        return StepPolicy.from_config(
+            self.cfg,
             model=self.policy,
             tokenizer=self.tokenizer,
             teacher=self.ema_teacher,
             reference=self.reference,
-            temperature=r.temperature,
-            chunk_size=c.compute.chunk_size if self.kernel_pick is None else self.kernel_pick.chunk_size,
-            rows_per_micro_batch=c.compute.rows_per_micro_batch,
-            max_context_length=c.hints.max_context_length,
-            pair_prompt_length=r.max_prompt_length,
-            pair_max_length=c.replay.max_completion_length,
-            importance_sampling=(r.importance_sampling, r.importance_sampling_max, r.importance_sampling_min),
-            teacher_margin=c.hints.teacher_margin,
+            chunk_size=self.cfg.compute.chunk_size if self.kernel_pick is None else self.kernel_pick.chunk_size,
             teacher_scoring=self.teacher_scoring,
         )
 
-    def step_meta(self, seed: int) -> StepMeta:
-        """This step's meta: the optimizer step (Trainer or not), the run length and ``seed``'s preference pairs."""
-        step = self.global_step if self._trainer is not None else self.local_steps
+    def step_meta(self, seed: int, step: int | None = None) -> StepMeta:
+        """This step's meta: the optimizer step (``step``, else the Trainer's; 0 without one), the run length and
+        ``seed``'s preference pairs."""
+        if step is None:
+            step = self.global_step if self._trainer is not None else 0
         self.cache_pair_references()
         pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed) if self.needs_pairs else []
         return StepMeta(step, self.cfg.trainer.max_steps, tuple(pairs))
@@ -336,9 +315,10 @@ class ComposerModule(L.LightningModule):
             with self.full_params():
                 self.pairs, self._pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
 
-    def loss_on(self, rec: StepRecord, seed: int) -> tuple[Tensor, dict[str, float]]:
-        """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs)."""
-        self.last_rollout, self.last_meta = rec, self.step_meta(seed)
+    def loss_on(self, rec: StepRecord, seed: int, step: int | None = None) -> tuple[Tensor, dict[str, float]]:
+        """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs; ``step``:
+        the optimizer step of a loop without a Trainer, e.g. Monarch's trainer actor)."""
+        self.last_rollout, self.last_meta = rec, self.step_meta(seed, step)
         return self.stepper.loss(rec, self.last_meta)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

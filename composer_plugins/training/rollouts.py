@@ -64,13 +64,10 @@ class RolloutGenerator(Protocol):
         num_generations: int,
         *,
         seed: int | None,
-        temperature: float,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 32,
-        max_prompt_length: int | None = None,
+        **sampling: Any,
     ) -> Rollout:
-        """``num_generations`` completions per prompt, sampled with these settings (same seed: same tokens)."""
+        """``num_generations`` completions per prompt (same seed: same tokens), sampled with the keyword settings
+        ``temperature``, ``top_p`` (1.0), ``top_k`` (0), ``max_new_tokens`` and ``max_prompt_length`` (``None``)."""
         ...
 
 
@@ -167,43 +164,14 @@ class HFGenerator:
         self.compile = compile
 
     def generate(
-        self,
-        policy: Any,
-        tokenizer: Any,
-        prompts: Sequence[str],
-        num_generations: int,
-        *,
-        seed: int | None,
-        temperature: float,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 32,
-        max_prompt_length: int | None = None,
-        do_sample: bool = True,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        self, policy: Any, tokenizer: Any, prompts: Sequence[str] | None, num_generations: int, **sampling: Any
     ) -> Any:
-        """``num_generations`` completions per prompt (``models.generation.generate_completions``).
-
-        ``prompt_token_ids``: already tokenized prompts (``prompts`` is then ``None``), as the
-        multi-turn generator continues a trajectory from its token ids.
-        """
+        """``num_generations`` completions per prompt: :func:`~composer_plugins.models.generation.generate_completions`
+        with the :class:`RolloutGenerator` settings (``seed``, ``temperature`` ...); ``prompt_token_ids``: already
+        tokenized prompts (``prompts`` is then ``None``), as the multi-turn generator continues a trajectory."""
         from composer_plugins.models.generation import generate_completions
 
-        return generate_completions(
-            policy,
-            tokenizer,
-            prompts,
-            num_generations,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            do_sample=do_sample,
-            seed=seed,
-            max_prompt_length=max_prompt_length,
-            prompt_token_ids=prompt_token_ids,
-            compile=self.compile,
-        )
+        return generate_completions(policy, tokenizer, prompts, num_generations, compile=self.compile, **sampling)
 
     def close(self) -> None:
         """Nothing to release."""

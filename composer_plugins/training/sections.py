@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from composer_plugins.core.config import Config
-from composer_plugins.core.errors import ConfigError
+from composer_plugins.losses.correction import IS_MODES
 from composer_plugins.models import CompileMode
 from composer_plugins.models.tiny import TinyModelConfig
 
 __all__ = [
-    "IS_MODES",
     "SFT_HINT_KINDS",
-    "STRATEGY_SHORTHANDS",
     "ComputeSection",
     "DataSection",
     "EvalSection",
@@ -37,16 +35,11 @@ __all__ = [
     "TrainerSection",
     "need",
     "positive",
-    "strategy_names",
-    "unknown_strategy",
 ]
 
 #: What a hinted SFT example can carry (``sft.hint_kinds``).
 SFT_HINT_KINDS = ("feedback", "demonstration", "step_check")
-#: ``rollout.importance_sampling`` modes (TRL's ``vllm_importance_sampling_mode``, and ``off``).
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
 #: Strategy names this config accepts besides Lightning's registered ones.
-STRATEGY_SHORTHANDS: tuple[str, ...] = ("auto", "ddp", "fsdp")
 #: ``compute.gradient_checkpointing`` modes.
 Checkpointing = Literal["auto", "layer", "none"]
 
@@ -251,8 +244,9 @@ class RolloutSection(Section):
             )
         if isinstance(self.compile, bool):  # YAML reads a bare on/off as a boolean
             self.compile = "on" if self.compile else "off"
-        if self.importance_sampling not in IS_MODES:
-            raise src.error(f"{key}.importance_sampling", f"unknown mode {self.importance_sampling!r}.", valid=IS_MODES)
+        if self.importance_sampling not in (*IS_MODES, "off"):
+            valid = (*IS_MODES, "off")
+            raise src.error(f"{key}.importance_sampling", f"unknown mode {self.importance_sampling!r}.", valid=valid)
 
 
 @dataclass
@@ -377,6 +371,8 @@ class TrainerSection(Section):
             "use -1 to keep every checkpoint, or how many to keep",
         )
         strat = self.strategy
+        from composer_plugins.training.strategy_names import STRATEGY_SHORTHANDS, strategy_names, unknown_strategy
+
         if (
             isinstance(strat, str)
             and "." not in strat
@@ -500,20 +496,3 @@ class MLflowSection(Section):
     run_name: str | None = None
     tags: dict[str, Any] = field(default_factory=dict)
     log_checkpoints: bool = True
-
-
-def strategy_names() -> list[str]:
-    """Every name ``trainer.strategy`` accepts (Lightning's registry + ``auto``/``ddp``/``fsdp``)."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    return sorted({*STRATEGY_SHORTHANDS, *StrategyRegistry.available_strategies()})
-
-
-def unknown_strategy(name: str, src: Config, key: str) -> ConfigError:
-    """The located error of a ``trainer.strategy`` no one registered (valid names, did-you-mean, class paths)."""
-    from composer_plugins.core.errors import closest
-
-    valid = strategy_names()
-    sugg = closest(name.strip().lower(), valid)
-    hint = f" Did you mean: {', '.join(repr(x) for x in sugg)}?" if sugg else ""
-    return src.error(key, f"unknown strategy {name!r}.{hint} Or give a class path (a.b.MyStrategy).", valid=valid)

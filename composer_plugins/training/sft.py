@@ -30,7 +30,7 @@ from composer_plugins.models.logprobs import (
 )
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.batches import env_tasks
-from composer_plugins.training.builders import build_hint_provider
+from composer_plugins.training.builders import configured_hint_provider
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.trainer import lightning_trainer, progress_bar, quiet_lightning, set_threads
 
@@ -103,8 +103,7 @@ def _hint_augment(
     (``hints.provider`` if it does, else the default ``demonstration`` provider), so the context shows
     the problem's worked solution as a successful sibling. The target stays the worked solution.
     """
-    from composer_plugins.envs.hints import build_hint_provider as hint_provider_from
-    from composer_plugins.envs.hints import reads_groups, sibling_groups
+    from composer_plugins.envs.hints import build_hint_provider, reads_groups, sibling_groups
     from composer_plugins.training.batches import derive_seed, teacher_contexts
 
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
@@ -120,7 +119,7 @@ def _hint_augment(
     else:  # drawn from their own stream, so {feedback: 1} keeps today's examples exactly
         krng = random.Random(derive_seed(cfg.sft.seed, 92))
         kind = {i: krng.choices(names, weights)[0] for i in picked}
-    provider = build_hint_provider(cfg)
+    provider = configured_hint_provider(cfg)
     chat = {"tokenizer": tokenizer, "chat_template": cfg.model.chat_template}
     out = list(pairs)
     fb_rows = [i for i in picked if kind[i] == "feedback"]
@@ -136,7 +135,7 @@ def _hint_augment(
         sc = (
             provider
             if _provider_name(cfg.hints.provider) == "step_check"
-            else hint_provider_from({"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")
+            else build_hint_provider({"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")
         )
         wrong = {i: false_step_attempt(pairs[i][1], rng) for i in step_rows}
         step_rows = [i for i in step_rows if wrong[i] is not None]
@@ -146,7 +145,7 @@ def _hint_augment(
                 out[i] = (ctx, pairs[i][1])
     demo_rows = [i for i in picked if kind[i] == "demonstration"]
     if demo_rows:
-        demo = provider if reads_groups(provider) else hint_provider_from("demonstration", key="sft.hint_kinds")
+        demo = provider if reads_groups(provider) else build_hint_provider("demonstration", key="sft.hint_kinds")
         groups = []
         for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
             groups += sibling_groups([str(attempts[i]), pairs[i][1]], [0.0, 1.0], 2, 1.0)[:1]

@@ -10,7 +10,7 @@ advantages): a channel that reads it fails with the assembler's located ``Missin
 
 As verl's ``DataProto`` and OpenRLHF's ``Experience``: row ``i`` of every per-row field is the same completion,
 checked at construction; row ``i`` answers ``tasks[group_index[i]]``; the row operations :meth:`StepRecord.select`,
-:meth:`~StepRecord.split`, :meth:`~StepRecord.concat` and :meth:`~StepRecord.to` make new records (indexing
+:meth:`~StepRecord.concat` and :meth:`~StepRecord.to` make new records (indexing
 ``(N, C)`` tensors, never vocabulary-sized ones). The per-step meta (optimizer step, run length, the step's
 preference pairs) is a :class:`StepMeta` apart from the per-row fields.
 """
@@ -34,22 +34,10 @@ from composer_plugins.models.generation import Rollout
 
 __all__ = ["RecordFrozenError", "Rollout", "StepMeta", "StepRecord", "hint_candidates", "sample_pairs"]
 
-#: Per-row tensor fields: ``(N, ...)``.
-ROW_TENSORS = (
-    "prompt_ids",
-    "prompt_mask",
-    "completion_ids",
-    "completion_mask",
-    "rewards",
-    "advantages",
-    "group_index",
-    "attention_mask",
-    "sampling_logprobs",
-    "old_logprobs",
-    "ref_logprobs",
-)
-#: Per-row list fields (empty: not computed).
-ROW_LISTS = ("prompts", "completions", "feedback", "groups", "hint_contexts", "hint_kinds")
+#: The annotation of a per-row list field (``RowList[str]``: one entry per row; empty: not computed). With
+#: ``Tensor`` (every tensor field is per row, ``(N, ...)``) it is what :data:`ROW_TENSORS` and :data:`ROW_LISTS`
+#: are read from: a field added to :class:`StepRecord` is selected, concatenated, moved and checked by its type.
+RowList = Sequence
 
 
 class RecordFrozenError(ComposerPluginsError, AttributeError):
@@ -106,8 +94,8 @@ class StepRecord:
     """
 
     tasks: Sequence[Mapping[str, Any]]
-    prompts: Sequence[str]
-    completions: Sequence[str]
+    prompts: RowList[str]
+    completions: RowList[str]
     prompt_ids: Tensor
     prompt_mask: Tensor
     completion_ids: Tensor
@@ -116,10 +104,10 @@ class StepRecord:
     advantages: Tensor | None = None
     num_generations: int = 1
     group_index: Tensor | None = None
-    feedback: Sequence[Any] = ()
-    groups: Sequence[Any] = ()
-    hint_contexts: Sequence[str | None] = ()
-    hint_kinds: Sequence[str | None] = ()
+    feedback: RowList[Any] = ()
+    groups: RowList[Any] = ()
+    hint_contexts: RowList[str | None] = ()
+    hint_kinds: RowList[str | None] = ()
     attention_mask: Tensor | None = None
     sampling_logprobs: Tensor | None = None
     old_logprobs: Tensor | None = None
@@ -247,15 +235,6 @@ class StepRecord:
         extras = {k: _select_extra(v, idx, self.num_rows) for k, v in self.extras.items()}
         return dataclasses.replace(self, teacher_scores=scores, extras=extras, **out)
 
-    def split(self, size: int) -> list[StepRecord]:
-        """Consecutive records of ``size`` rows (the last may be smaller)."""
-        n = self.num_rows
-        return [self.select(range(s, min(s + size, n))) for s in range(0, n, max(1, int(size)))]
-
-    def chunk(self, chunks: int) -> list[StepRecord]:
-        """``chunks`` consecutive records of (nearly) equal size."""
-        return self.split(-(-self.num_rows // max(1, int(chunks))))
-
     @classmethod
     def concat(cls, records: Sequence[StepRecord], pad_id: int = 0) -> StepRecord:
         """The records' rows in order, one record: prompts re-left-padded, completions re-right-padded,
@@ -326,15 +305,15 @@ class StepRecord:
     def from_state(cls, state: Mapping[str, Any]) -> StepRecord:
         """The record :meth:`state` wrote."""
         names = {f.name for f in fields(cls)}
-        state = {k: v for k, v in state.items() if k not in _OLD_META}  # checkpoints from before StepMeta
         unknown = sorted(set(state) - names)
         if unknown:
             raise ValueError(f"not fields of a StepRecord: {unknown} (fields: {sorted(names)})")
         return cls(**state)
 
 
-#: Fields a record held before the per-step meta moved to :class:`StepMeta` (dropped when read back).
-_OLD_META = ("step", "total_steps", "pairs")
+#: Per-row tensor fields, ``(N, ...)``, and per-row list fields, read from :class:`StepRecord`'s annotations.
+ROW_TENSORS: tuple[str, ...] = tuple(f.name for f in fields(StepRecord) if str(f.type).startswith("Tensor"))
+ROW_LISTS: tuple[str, ...] = tuple(f.name for f in fields(StepRecord) if str(f.type).startswith("RowList["))
 
 
 def _pad(x: Tensor, width: int, value: int, left: bool) -> Tensor:

@@ -2,7 +2,7 @@
 
 :func:`build_strategy` turns the config value into a strategy object; FSDP wraps each decoder layer
 (:func:`decoder_layer_classes`) and the EMA teacher. The names the config accepts are checked when the
-config is loaded (:func:`composer_plugins.training.config.strategy_names`).
+config is loaded (:func:`composer_plugins.training.strategy_names.strategy_names`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from composer_plugins.core.config import Config
-from composer_plugins.training.config import TrainConfig, strategy_names, unknown_strategy
+from composer_plugins.training.config import TrainConfig
+from composer_plugins.training.strategy_names import strategy_names, unknown_strategy
 
 
 def decoder_layer_classes(policy: Any) -> set[type]:

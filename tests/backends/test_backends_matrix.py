@@ -45,6 +45,24 @@ POLICY_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "dppo")
 ON_POLICY_ZERO = {"grpo", "bnpo", "dr_grpo", "dapo", "gspo", "dppo"}
 
 
+def _with_backends(fn):
+    """``fn()`` with the backend distributions' entry points loaded (at collection, before any fixture runs)."""
+    from composer_plugins.core import plugins
+    from composer_plugins.core.registry import BACKEND_DISTRIBUTIONS
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(plugins.LOAD_ENV, ",".join(BACKEND_DISTRIBUTIONS.values()))
+        plugins.reset()
+        try:
+            return fn()
+        finally:
+            plugins.reset()
+
+
+#: The modes the installed backends declare, and those that compose channels.
+MODES, COMPOSING = _with_backends(lambda: (support.MODES, support.COMPOSING))
+
+
 # ----------------------------------------------------------------------------------------------
 # shared fixtures (module scope: each backend mode trains at most a few one-step runs)
 # ----------------------------------------------------------------------------------------------
@@ -247,7 +265,7 @@ def _prime_upstream(runs: Runs, name: str) -> None:
 
 
 def _check_runs(runs: Runs, mode: str, name: str) -> None:
-    if mode in support.COMPOSING:
+    if mode in COMPOSING:
         _composed(runs, mode, name)
     elif mode == "verl:local":
         _verl_local(runs, name)
@@ -283,7 +301,7 @@ def _check_refused(make_config, tmp_path: Path, mode: str, name: str, cell: supp
     assert re.search(r"It runs in: (lightning|trl|monarch)", text), text
 
 
-@pytest.mark.parametrize("mode", support.MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", BUILTIN)
 def test_cell(name, mode, runs, make_config, tmp_path):
     """One cell of the table: it runs (one step, a finite loss from this channel) or is refused at build time."""
@@ -307,15 +325,17 @@ UNCARRIED = {
 
 @pytest.mark.parametrize(
     ("mode", "name"),
-    [
-        (m, n)
-        for m in support.MODES
-        if m not in support.COMPOSING
-        for n in BUILTIN
-        if support.cell(
-            m, "hint" if n == "hint_distill" else "teacher" if n == "teacher_distill" else f"policy:{n}"
-        ).runs
-    ],
+    _with_backends(
+        lambda: [
+            (m, n)
+            for m in MODES
+            if m not in COMPOSING
+            for n in BUILTIN
+            if support.cell(
+                m, "hint" if n == "hint_distill" else "teacher" if n == "teacher_distill" else f"policy:{n}"
+            ).runs
+        ]
+    ),
 )
 def test_an_option_the_mode_does_not_carry_is_refused_at_its_line(mode, name, make_config, tmp_path):
     """In a mode that re-implements the loss, an option it would drop is refused, located; a carried one is not."""
@@ -345,7 +365,7 @@ def test_an_option_the_mode_does_not_carry_is_refused_at_its_line(mode, name, ma
     with pytest.raises(ConfigError) as err:
         make(bad)
     assert err.value.key == f"losses.{name}.{opt}" and err.value.file == str(bad) and err.value.line, str(err.value)
-    assert "does not carry this option" in str(err.value) and "lightning, trl, monarch" in str(err.value)
+    assert "does not carry this option" in str(err.value) and "lightning, monarch, trl" in str(err.value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,17 +406,17 @@ def test_a_third_party_channel_gets_an_answer_from_what_it_declares(env_vars):
         requires = ("hint_mask",)
 
     assert support.channel_kind(Focal()) == "custom" and support.channel_kind(Hinted()) == "hint"
-    assert [support.cell(m, Focal()).status for m in support.MODES] == [
-        "runs",
-        "runs",
-        "refused",
-        "refused",
-        "refused",
-        "refused",
-        "runs",
-    ]
+    assert {m: support.cell(m, Focal()).status for m in support.MODES} == {
+        "lightning": "runs",
+        "monarch": "runs",
+        "prime_rl:local": "refused",
+        "prime_rl:prime-rl": "refused",
+        "trl": "runs",
+        "verl:local": "refused",
+        "verl:ray": "refused",
+    }
     assert support.cell("prime_rl:local", Hinted()).status == "limits"
-    with pytest.raises(ConfigError, match=r"losses\.Focal: .*It runs in: lightning, trl, monarch"):
+    with pytest.raises(ConfigError, match=r"losses\.Focal: .*It runs in: lightning, monarch, trl"):
         support.check_channels("verl:local", [Focal()])
     assert support.check_channels("trl", [Focal(), Hinted()]) == [
         ("Focal", support.Cell("runs")),
@@ -404,3 +424,156 @@ def test_a_third_party_channel_gets_an_answer_from_what_it_declares(env_vars):
     ]
     with pytest.raises(ConfigError, match="unknown backend mode 'verl:fsdp'"):
         support.cell("verl:fsdp", Focal())
+
+
+_THIRD_PARTY_BACKEND = """
+from composer_plugins import hookimpl
+from composer_plugins.backends.base import Backend
+from composer_plugins.backends.support import LIMITS, REFUSED, Cell
+
+
+class PairsOnly(Backend):
+    name = "pairs_only"
+    support = {
+        "pairs_only:fast": {"pairs": Cell(LIMITS, "sigmoid loss only", frozenset({"beta"}))},
+        "pairs_only:all": None,
+    }
+
+
+class Plugin:
+    __name__ = "pairs_only_plugin"
+
+    @hookimpl
+    def register_backends(self, register):
+        register("pairs_only", "pairs_only_backend:PairsOnly", "Preference pairs, a third party's backend.")
+"""
+
+
+def test_a_third_party_backend_declares_its_own_cells(tmp_path, monkeypatch):
+    """A backend in a package of its own gets its columns in the table and its refusals, the core untouched."""
+    import importlib
+
+    from composer_plugins.core import plugins
+
+    (tmp_path / "pairs_only_backend.py").write_text(_THIRD_PARTY_BACKEND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pm = plugins.make_plugin_manager(entrypoints=False)
+    pm.register(importlib.import_module("pairs_only_backend").Plugin(), name="pairs_only_plugin")
+    plugins.use_plugin_manager(pm)
+    try:
+        assert support.MODES == ("lightning", "pairs_only:fast", "pairs_only:all")
+        assert support.COMPOSING == ("lightning", "pairs_only:all")
+        table = support.markdown_table()
+        assert "| channel | lightning | pairs_only (mode=fast) | pairs_only (mode=all) |" in table
+        assert "| `replay_dpo` | runs | limits [2] | runs |" in table and "2. sigmoid loss only." in table
+        assert "| `grpo` | runs | refused [1] | runs |" in table
+        dpo = plugins.get_registry().build("losses", "replay_dpo")
+        assert support.check_channels("pairs_only:fast", [dpo]) == [
+            ("replay_dpo", support.cell("pairs_only:fast", dpo))
+        ]
+        grpo = plugins.get_registry().build("losses", "grpo")
+        with pytest.raises(
+            ConfigError,
+            match=r"losses\.grpo: .*pairs_only backend \(mode='fast'\).*It runs in: "
+            r"lightning, pairs_only \(mode=all\)",
+        ):
+            support.check_channels("pairs_only:fast", [grpo])
+    finally:
+        plugins.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# the one sampler: rollout.generator is honoured or refused at its line, in every mode
+# ----------------------------------------------------------------------------------------------
+#: The modes that sample through the one Sampler (the Lightning module, the backends' local modes).
+SAMPLED_HERE = {"lightning", "verl:local", "prime_rl:local"}
+
+
+@pytest.fixture(scope="module")
+def rollout_server(tiny_model_dir):
+    from composer_plugins.testing.loopback_server import RolloutServerProcess
+
+    with RolloutServerProcess(model=tiny_model_dir) as srv:
+        yield srv
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_server_generator_is_honoured_or_refused_at_its_line(mode, make_config, rollout_server, tmp_path):
+    """``rollout.generator: server`` samples from the server (its weights pushed first) where the one sampler
+    runs, and is refused at its YAML line, naming the mode, where the mode samples on its own."""
+    import yaml
+
+    cfg = make_config(("dppo",), f"server-{mode.replace(':', '_')}")
+    cfg["rollout"]["generator"] = {"name": "server", "base_url": rollout_server.base_url}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    backend, _, sub = mode.partition(":")
+    opts: dict[str, Any] = {"mode": sub} if sub else {}
+    if backend == "monarch":
+        opts["generators"] = 1
+
+    def make():
+        if backend == "prime_rl":
+            from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+            return PrimeRLBackend(str(path), **opts)
+        return build("backends", backend, config=str(path), **opts)
+
+    if mode not in SAMPLED_HERE:
+        line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.strip().startswith("generator:"))
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert (err.value.key, err.value.file, err.value.line) == ("rollout.generator", str(path), line)
+        assert f"the {backend} backend" in str(err.value) and "samples on its own" in str(err.value)
+        return
+    before = rollout_server.stats()
+    res = make().train()
+    after = rollout_server.stats()
+    assert len(res.history) == 1 and after["reloads"] == before["reloads"] + 1  # the policy's weights went first
+    assert after["requests"] > before["requests"]  # and the rollouts came from the server
+
+
+_THIRD_PARTY_GENERATOR = """
+from composer_plugins import hookimpl
+from composer_plugins.training.rollouts import HFGenerator
+
+CALLS = []
+
+
+class Greedy(HFGenerator):
+    def generate(self, policy, tokenizer, prompts, num_generations, **sampling):
+        CALLS.append(sampling["seed"])
+        return super().generate(policy, tokenizer, prompts, num_generations, **{**sampling, "do_sample": False})
+
+
+class Plugin:
+    __name__ = "greedy_plugin"
+
+    @hookimpl
+    def register_rollout_generators(self, register):
+        register("greedy", "greedy_generator:Greedy", "Greedy decoding, a third party's generator.")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_third_party_generator_samples_a_backends_local_mode(make_config, tmp_path, monkeypatch):
+    """A generator in a package of its own, named in ``rollout.generator``, samples VeRL's local mode: the one
+    sampler is built from config there too, the core untouched."""
+    import importlib
+
+    from composer_plugins.core import plugins
+
+    (tmp_path / "greedy_generator.py").write_text(_THIRD_PARTY_GENERATOR)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("greedy_generator")
+    pm = plugins.make_plugin_manager()
+    pm.register(mod.Plugin(), name="greedy_plugin")
+    plugins.use_plugin_manager(pm)
+    try:
+        cfg = make_config(("grpo",), "greedy")
+        cfg["rollout"]["generator"] = "greedy"
+        res = build("backends", "verl", config=cfg, mode="local").train()
+    finally:
+        plugins.reset()
+    assert len(res.history) == 1 and len(mod.CALLS) == 1

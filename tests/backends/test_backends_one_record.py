@@ -56,7 +56,7 @@ def _trl_trainer(config, module):
     from datasets import Dataset
 
     from composer_plugins.losses.base import ChannelComposer
-    from composer_plugins.training.builders import build_channels, build_hint_provider
+    from composer_plugins.training.builders import build_channels, configured_hint_provider
     from composer_plugins.training.policy import load_policy_for
 
     backend = TRLBackend(config)
@@ -73,7 +73,7 @@ def _trl_trainer(config, module):
         train_dataset=Dataset.from_list(tasks),
         processing_class=tok,
         channels=ChannelComposer(channels),
-        hint_provider=build_hint_provider(c, backend.src),
+        hint_provider=configured_hint_provider(c, backend.src),
         hint_env=module.env,
         hint_threshold=c.rollout.success_threshold,
         pairs=PAIRS,
@@ -125,7 +125,7 @@ def test_one_record_gives_the_same_composed_loss_in_lightning_monarch_and_trl(co
     # sent over the wire; the trainer actor's own step on a module of the same config
     shards = [_rollout_to_wire(rec.select(rows)) | {"rank": r} for r, rows in enumerate([[0, 1, 2, 3], [4, 5, 6, 7]])]
     wire = _interleave(shards, n_prompts=2, pad=0, tasks=list(tasks))
-    actor = SimpleNamespace(module=_module(config))
+    actor = SimpleNamespace(module=_module(config), steps=0)
     monarch, _ = TrainerActor._loss(actor, list(tasks), _rollout_from_wire(wire), rec.rewards.tolist(), 11)
     remade = actor.module.last_rollout
     assert torch.equal(remade.completion_ids, rec.completion_ids) and remade.hint_contexts == rec.hint_contexts

@@ -184,7 +184,7 @@ def test_trl_pairs_keep_the_native_prompt_length(make_config, monkeypatch):
 
 
 def test_monarch_trainer_actor_advances_the_step_schedules(make_config):
-    """Monarch drives ComposerModule without a Lightning Trainer: the module counts its optimizer steps, so the
+    """Monarch drives ComposerModule without a Lightning Trainer: its trainer actor passes its optimizer step, so the
     step record's ``step`` advances and TAID's linear schedule (``adaptive: false``) moves with it."""
     import asyncio
 

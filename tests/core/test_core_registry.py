@@ -127,3 +127,19 @@ def test_entries_filter_by_pattern_natural_sort_and_exclude():
     assert [e.name for e in reg.entries("envs", "m*")] == ["m1", "m2", "m10"]
     assert [e.name for e in reg.entries("envs", "!m*")] == ["other"]
     assert [e.name for e in reg.entries("envs", "th")] == ["other"]
+
+
+def test_the_kinds_are_read_from_the_hookspecs():
+    """Every ``register_*(register)`` hookspec fills one kind, in the hookspecs' order; ``KINDS`` repeats nothing."""
+    import inspect
+
+    from composer_plugins.core import hookspecs
+    from composer_plugins.core.registry import KINDS
+
+    specs = [
+        n
+        for n, f in vars(hookspecs).items()
+        if n.startswith("register_") and "register" in inspect.signature(f).parameters
+    ]
+    assert list(KINDS.values()) == specs
+    assert all(getattr(hookspecs, h).registry_kind == k for k, h in KINDS.items())

@@ -12,8 +12,10 @@ import hashlib
 import json
 import logging
 
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 from composer_plugins.diloco.objstore import RoundStore, StoreObjectError, encode_slices, slice_bounds
 from composer_plugins.diloco.store import CorruptObjectError, ObjectStore, encode_vector, pack, unpack
@@ -21,9 +23,32 @@ from composer_plugins.diloco.store import CorruptObjectError, ObjectStore, encod
 LOG = "composer_plugins.diloco.objstore"
 
 
-@pytest.fixture
-def rs(tmp_path):
-    return RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+class ThirdPartyFS(MemoryFileSystem):
+    """A filesystem only fsspec knows (registered at run time, as a third-party package would): obstore cannot
+    open ``thirdparty://``, so the store goes through fsspec."""
+
+    protocol = ("thirdparty",)
+    store: dict = {}
+    pseudo_dirs: list = [""]
+
+
+@pytest.fixture(params=["file", "thirdparty"])
+def rs(tmp_path, request):
+    if request.param == "file":
+        return RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+    fsspec.register_implementation("thirdparty", ThirdPartyFS, clobber=True)
+    ThirdPartyFS.store.clear()
+    return RoundStore(ObjectStore(f"thirdparty://bucket/{tmp_path.name}"))
+
+
+def test_a_store_url_of_a_third_party_fsspec_scheme_is_accepted_and_an_unknown_one_refused(rs):
+    from composer_plugins.diloco.store import StoreError
+
+    store = ObjectStore(rs.store.url, part_bytes=64)  # a large object: multipart, ranged reads, a reference
+    assert store.put("a/big", b"x" * 200, create=True) and not store.put("a/big", b"y", create=True)
+    assert store.get("a/big") == b"x" * 200 and store.list("a")[0] == "a/big"
+    with pytest.raises(StoreError, match="unknown store scheme 'nosuchfs'.*registered with fsspec"):
+        ObjectStore("nosuchfs://bucket/run")
 
 
 def test_slice_bounds_cover_the_vector_in_contiguous_slices():

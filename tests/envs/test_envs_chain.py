@@ -160,7 +160,7 @@ def test_full_demonstration_first_then_step_check_uses_both_and_names_each_kind(
     import torch
     import yaml
 
-    from composer_plugins.training.experience import add_hint_contexts
+    from composer_plugins.training.experience import hint_fields
     from composer_plugins.training.step import StepRecord
 
     env = GSM8KEnv(difficulty="chain")
@@ -190,13 +190,13 @@ def test_full_demonstration_first_then_step_check_uses_both_and_names_each_kind(
         advantages=torch.zeros(4),
         num_generations=2,
     )
-    hinted = add_hint_contexts(rec, env, chain, success_threshold=1.0)  # a new record: the first is read-only
+    hinted = rec.replace(**hint_fields(rec, env, chain, success_threshold=1.0))  # a new record: rec is read-only
     assert hinted.hint_rows == [0, 2, 3]
     assert list(hinted.hint_kinds) == ["demonstration", None, "step_check", "step_check"]
     assert "Correct solution:" in hinted.hint_contexts[0] and "Step 1:" in hinted.hint_contexts[2]
     # the other order: step_check answers every failure, the demonstration is never used
     rev = build_hint_provider({"name": "chain", "providers": spec["providers"][::-1]})
-    hinted = add_hint_contexts(rec, env, rev, success_threshold=1.0)
+    hinted = rec.replace(**hint_fields(rec, env, rev, success_threshold=1.0))
     assert list(hinted.hint_kinds) == ["step_check", None, "step_check", "step_check"]
     # the calibrated study's `full` names its channels in the order that uses both
     root = Path(__file__).resolve().parents[2]

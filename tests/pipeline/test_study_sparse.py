@@ -13,7 +13,7 @@ from composer_plugins.envs.base import Feedback
 from composer_plugins.envs.gsm8k import GSM8KEnv
 from composer_plugins.envs.hints import HintRequest
 from composer_plugins.pipeline import stages, study
-from composer_plugins.training.builders import build_hint_provider
+from composer_plugins.training.builders import configured_hint_provider
 from composer_plugins.training.config import train_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,6 +146,6 @@ def test_feedback_variant_hints_without_revealing_the_answer() -> None:
     answer = train_config_from_dict(stages.train_config(params, "hint_answer", 0))
     feedback = train_config_from_dict(stages.train_config(params, "hint_feedback", 0))
     fb = Feedback("wrong_answer", "The final answer 12 is wrong.", {"expected": "216", "got": "12"}, 0.0)
-    assert build_hint_provider(answer).hint(HintRequest(feedback=fb)) == "The answer is 216."
-    h = build_hint_provider(feedback).hint(HintRequest(feedback=fb))
+    assert configured_hint_provider(answer).hint(HintRequest(feedback=fb)) == "The answer is 216."
+    h = configured_hint_provider(feedback).hint(HintRequest(feedback=fb))
     assert h == "The final answer 12 is wrong." and "216" not in h

@@ -1,5 +1,5 @@
-"""The read-only step record, its row operations, and the one assembler of channel inputs with its builders
-registered through the ``register_input_builders`` hook (``training/step.py``, ``training/assemble.py``)."""
+"""The one assembler of channel inputs with its builders registered through the ``register_input_builders`` hook
+(``training/assemble.py``); the record it reads is tested in ``test_step.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from composer_plugins.core.hookspecs import hookimpl
 from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.training.assemble import MissingInputError, StepPolicy, assemble_inputs
 from composer_plugins.training.builders import build_env
-from composer_plugins.training.step import RecordFrozenError, StepMeta, StepRecord
+from composer_plugins.training.step import StepMeta, StepRecord
 
 
 class LengthBonus(LossChannel):
@@ -133,77 +133,6 @@ def test_an_input_nothing_builds_is_refused_naming_the_channel_and_the_fix():
     assert "Did you mean: 'completion_lengths'" not in msg  # not registered in this process: not suggested
 
 
-def test_the_step_record_round_trips_through_a_checkpoint_state():
-    rec = _record(hint_contexts=[None, "ctx", None, "ctx2"], extras={"note": "kept"})
-    back = StepRecord.from_state(rec.state())
-    assert (
-        back.hint_rows == [1, 3] and back.hinted_contexts == ["ctx", "ctx2"] and dict(back.extras) == {"note": "kept"}
-    )
-    assert torch.equal(back.completion_mask, rec.completion_mask) and dict(back.teacher_scores) == {}
-    assert back.row_groups == [0, 0, 0, 0]
-    with pytest.raises(ValueError, match="not fields of a StepRecord"):
-        StepRecord.from_state({**rec.state(), "rollout": {}})
-    old = {**rec.state(), "step": 3, "total_steps": 9, "pairs": []}  # a checkpoint from before StepMeta
-    assert StepRecord.from_state(old).num_rows == 4
-
-
-def test_the_record_refuses_writes_once_made_naming_the_line_and_the_fix():
-    rec = _record()
-    with pytest.raises(RecordFrozenError) as e:
-        rec.advantages = torch.ones(4)
-    assert f"{__file__}:" in str(e.value) and "ExperienceMaker.make" in str(e.value)
-    with pytest.raises(RecordFrozenError, match="StepMeta"):
-        rec.step = 3  # per-step meta is a StepMeta, never a record field
-    with pytest.raises(TypeError):
-        rec.extras["x"] = 1  # type: ignore[index]
-    with pytest.raises(AttributeError):
-        rec.hint_contexts.append("x")  # type: ignore[attr-defined]
-    assert torch.equal(rec.advantages, torch.zeros(4))
-    with pytest.raises(ValueError, match="rewards has 3 rows"):
-        _record(rewards=torch.zeros(3))  # the consistency check at construction
-
-
-def test_row_operations_select_split_concat_and_to():
-    rec = _record(hint_contexts=[None, "a", None, "b"], teacher_scores={"t": [1, 2, 3, 4]})
-    sub = rec.select([3, 1])
-    assert sub.num_rows == 2 and sub.rewards.tolist() == [3.0, 1.0] and list(sub.hint_contexts) == ["b", "a"]
-    assert sub.teacher_scores["t"] == [4, 2] and sub.completion_ids.data_ptr() != rec.completion_ids.data_ptr()
-    parts = rec.split(3)
-    assert [p.num_rows for p in parts] == [3, 1] and [p.num_rows for p in rec.chunk(2)] == [2, 2]
-    a = _record(2, 3)
-    b = StepRecord(
-        tasks=[{"prompt": "q"}],
-        prompts=["q"] * 2,
-        completions=["d"] * 2,
-        prompt_ids=torch.full((2, 4), 7),
-        prompt_mask=torch.ones(2, 4, dtype=torch.long),
-        completion_ids=torch.full((2, 6), 8),
-        completion_mask=torch.ones(2, 6, dtype=torch.long),
-        rewards=torch.tensor([5.0, 6.0]),
-        advantages=torch.zeros(2),
-        num_generations=2,
-    )
-    both = StepRecord.concat([a, b], pad_id=0)
-    assert both.prompt_ids.shape == (4, 4) and both.completion_ids.shape == (4, 6)
-    assert both.prompt_mask[:2].tolist() == [[0, 0, 1, 1]] * 2  # prompts re-left-padded
-    assert both.completion_mask[:2, 3:].sum() == 0 and both.completion_ids[2:].eq(8).all()  # completions right-padded
-    assert both.group_index.tolist() == [0, 0, 1, 1] and [t["prompt"] for t in both.tasks] == ["p", "q"]
-    assert both.task_of(3)["prompt"] == "q" and both.rewards.tolist() == [0.0, 1.0, 5.0, 6.0]
-    with pytest.raises(ValueError, match="before teacher scoring"):
-        StepRecord.concat([rec, rec])
-    moved = rec.to("meta")
-    assert moved.completion_ids.device.type == "meta" and moved.rewards.device.type == "meta"
-
-
-def test_a_future_of_teacher_scores_is_selected_when_it_resolves():
-    import concurrent.futures as cf
-
-    fut: cf.Future = cf.Future()
-    sub = _record(teacher_scores={"t": fut}).select([2, 0])
-    fut.set_result(["r0", "r1", "r2", "r3"])
-    assert sub.teacher_scores["t"].result(timeout=1) == ["r2", "r0"]
-
-
 def test_a_field_the_trainer_lacks_is_refused_by_the_channel_that_reads_it():
     """No placeholder: a record without advantages (VeRL's own) fails where a channel reads them."""
     from composer_plugins import build
@@ -247,3 +176,23 @@ def test_a_trainers_own_log_probs_come_with_the_records_sampling_time_ones():
     assert torch.equal(inputs["old_logprobs"], lp.detach()) and not inputs["old_logprobs"].requires_grad
     on_policy, _ = composer(inputs)
     assert not torch.allclose(loss, on_policy)  # the ratio against the sampling-time log-probs is live
+
+
+def test_step_policy_from_config_reads_every_setting_and_takes_the_built_parts(make_cfg):
+    """The one way from a config to the assembler's settings (the module and the backends' local modes use it)."""
+    from composer_plugins.training.assemble import StepPolicy
+
+    cfg, _ = make_cfg(
+        "",
+        "compute.chunk_size=7",
+        "hints.max_context_length=33",
+        "replay.max_completion_length=21",
+        "rollout.importance_sampling=token_mask",
+        "rollout.temperature=0.7",
+    )
+    model, tok = object(), object()
+    sp = StepPolicy.from_config(cfg, model=model, tokenizer=tok, temperature=0.5)
+    assert (sp.model, sp.tokenizer, sp.teacher, sp.reference) == (model, tok, None, None)
+    assert (sp.chunk_size, sp.max_context_length, sp.pair_max_length, sp.temperature) == (7, 33, 21, 0.5)
+    assert sp.pair_prompt_length == cfg.rollout.max_prompt_length and sp.importance_sampling[0] == "token_mask"
+    assert sp.micro_batch(torch.zeros(1, 8)) == cfg.compute.rows_per_micro_batch(8)

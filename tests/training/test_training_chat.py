@@ -210,3 +210,23 @@ def test_the_sft_warm_start_cache_knows_the_chat_template(case, tmp_path):
     assert "chat_template" not in keys[0]  # auto: the keys of earlier configs (and their cached warm starts) hold
     assert keys[1]["chat_template"] == "none" and keys[2]["chat_template"].startswith(str(f) + "@")
     assert len({repr(k) for k in keys}) == 3
+
+
+def test_one_prompt_renderer_for_policies_teachers_and_pairs():
+    """A conversation with a tool call renders the same for a policy without a template and for a replay pair."""
+    from composer_plugins.core.chat import plain_prompt
+    from composer_plugins.teachers import pairs
+
+    msgs = [
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "ls", "arguments": {"d": "."}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+    ]
+    text = plain_prompt(msgs)
+    assert text == (
+        '<|user|>\nlist files\n<|assistant|>\n{"tool": "ls", "arguments": "{\\"d\\": \\".\\"}"}\n'
+        "<|tool:c1|>\na.py\n<|assistant|>\n"
+    )
+    import composer_plugins.teachers.base as teacher_base
+
+    assert pairs.plain_prompt is plain_prompt and not hasattr(teacher_base, "prompt_text")

@@ -227,17 +227,17 @@ def test_unknown_env_and_hint_provider_are_located(tmp_path):
 
 def test_switching_a_provider_by_name_on_the_command_line_shows_the_whole_spec_form():
     """``-S hints.provider.name=demonstration`` over a provider with arguments: the error shows the form that works."""
-    from composer_plugins.training.builders import build_hint_provider
+    from composer_plugins.training.builders import configured_hint_provider
     from composer_plugins.training.config import load_train_config
 
     cfg, src = load_train_config(None, ["hints.provider.name=demonstration"])
     with pytest.raises(ConfigError) as e:
-        build_hint_provider(cfg, src)
+        configured_hint_provider(cfg, src)
     msg = str(e.value)
     assert "hints.provider.reveal_answer" in msg and "'hints.provider.name=demonstration'" in msg
     assert "-S 'hints.provider={name: demonstration}'" in msg
     cfg, src = load_train_config(None, ["hints.provider={name: demonstration, rows: all}"])
-    assert build_hint_provider(cfg, src).rows == "all"  # the form the error shows builds
+    assert configured_hint_provider(cfg, src).rows == "all"  # the form the error shows builds
 
 
 # -- each section validates itself ---------------------------------------------------------------

@@ -9,8 +9,9 @@ import torch
 from composer_plugins import hookimpl
 from composer_plugins.core import plugins
 from composer_plugins.core.errors import ConfigError, UnknownPluginError
-from composer_plugins.training.config import OptimSection, loads_train_config
+from composer_plugins.training.config import loads_train_config
 from composer_plugins.training.optim import build_optimization, build_optimizer
+from composer_plugins.training.sections import OptimSection
 from composer_plugins.training.trainer import build_trainer
 
 MINIMAL = "losses: {grpo: {weight: 1.0}}\n"

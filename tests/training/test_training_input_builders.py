@@ -13,7 +13,7 @@ import torch
 from composer_plugins.core import plugins
 from composer_plugins.core.hookspecs import hookimpl
 from composer_plugins.testing import ConformanceError, check, check_input_builder
-from composer_plugins.training.assemble import ALWAYS, HINT_INPUTS, PAIR_INPUTS
+from composer_plugins.training.assemble import ALWAYS, PAIR_INPUTS
 
 
 @pytest.mark.parametrize("name", sorted(plugins.get_registry().names("input_builders")))
@@ -75,7 +75,7 @@ def test_the_plugin_registers_every_builtin_input_once():
 
     names = [n for provided, _ in BUILTINS.values() for n in provided]
     assert len(names) == len(set(names))
-    assert set(ALWAYS) | set(HINT_INPUTS) | set(PAIR_INPUTS) <= set(names)
+    assert set(ALWAYS) | set(PAIR_INPUTS) <= set(names)
     assert all(callable(getattr(input_builders, attr)) for attr in BUILTINS)
 
 

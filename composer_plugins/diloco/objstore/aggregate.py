@@ -29,7 +29,7 @@ class AggregateMixin:
         if mean is None:
             return False
         self._outer_step(mean, mix_local=mix_local, live=live)
-        self.round = r + 1
+        self._at_round(r + 1)
         return True
 
     def _round_mean(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None) -> torch.Tensor | None:

@@ -73,6 +73,10 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
     def outer_step(self) -> int:
         return self.round
 
+    def _at_round(self, r: int) -> None:
+        """Round ``r`` is the next to sync (``r`` outer steps applied): the one place the round moves."""
+        self.round = r
+
     @property
     def bytes_allreduced(self) -> int:
         """Bytes of pseudo-gradients this replica wrote (the torchft path's counter of the same name)."""
@@ -353,7 +357,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             "committed": committed,
             "participants": participants,
             "fragment": 0,
-            "healed": self._healed_since_sync,
+            "healed": self._take_healed(),
             "bytes_allreduced": self.bytes_allreduced,
             "time": time.time(),
             "transport": self.transport,
@@ -370,7 +374,6 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         }
         if background is not None:  # overlap: 1 -- where the background sync's time went (publish, close, ...)
             rec["background_s"] = background
-        self._healed_since_sync = False
         if self._target is not None and self.round >= self._target:
             self._stop = True
         if stop_file_says_stop(c.stop_file or self.replica.stop_file, self.round):

@@ -46,9 +46,8 @@ class StatesMixin:
             raise StoreObjectError(
                 f"{self.store.where if self.store else ''}/state/{k:08d} does not fit this model: {e}"
             ) from e
-        self.round = k + 1
-        self.heal_count += 1
-        self._healed_since_sync = True
+        self._at_round(k + 1)
+        self._healed()
 
     # -- replay points (``exact_every``) -----------------------------------------------------------------
     def _replay_points(self) -> bool:
@@ -138,8 +137,7 @@ class StatesMixin:
                     g.copy_(saved)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise StoreObjectError(f"{self.rounds.store.where}/init does not fit this model: {e}") from e
-        self.heal_count += 1
-        self._healed_since_sync = True
+        self._healed()
 
     def _replay_closed_rounds(self) -> int:
         """Rebuild every round closed after the state held here from its manifest's pseudo-gradients (the same
@@ -153,8 +151,7 @@ class StatesMixin:
             if not self._apply_round(r, m, None, mix_local=False):
                 break
             n += 1
-            self.heal_count += 1
-            self._healed_since_sync = True
+            self._healed()
             key = f"state/{r:08d}"
             if self._state_due(r) and not self.rounds.exists(key):
                 self._put_state(r)()
@@ -193,8 +190,7 @@ class StatesMixin:
         assert self.rounds is not None
         log.warning("DiLoCo: left out of round %d (late); catching up", r)
         if (r > 0 or self._take_init_globals()) and self._apply_round(r, manifest, None, mix_local=False):
-            self.heal_count += 1
-            self._healed_since_sync = True
+            self._healed()
             self._replay_closed_rounds()
             self._align_to_others()
             return

@@ -21,20 +21,24 @@ the client as ``monarch.actor.ActorError``. Tested with torchmonarch 0.7.0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from monarch.actor import Actor, ActorError, current_rank, current_size, endpoint, this_host
 from torch import Tensor
 
 from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
-from composer_plugins.backends.base import Backend, optimizer_step, scalar_metrics
+from composer_plugins.backends.base import Backend, optimizer_step
 from composer_plugins.training import module as _module  # noqa: F401
 from composer_plugins.training import run as _run  # noqa: F401
+from composer_plugins.training.experience import Sampler, refuse_own_sampling
+from composer_plugins.training.metrics import scalar_metrics
+from composer_plugins.training.step import Rollout
 
 #: Actors placed in the same process are constructed concurrently; their (lazy) imports of
 #: lightning/transformers modules must not interleave (Python raises _DeadlockError), so the
@@ -62,15 +66,15 @@ def _threads(cfg: Any) -> None:
     torch.set_num_threads(int(cfg.trainer.num_threads or 1))
 
 
+#: What a rollout carries between actors: the :class:`Rollout`'s own fields, read from its annotations, but the
+#: group layout (rebuilt from ``num_generations``) and the extras.
+_WIRE = tuple(f.name for f in dataclasses.fields(Rollout) if f.name not in ("group_index", "extra"))
+
+
 def _rollout_to_wire(ro: Any) -> dict[str, Any]:
+    out = {k: getattr(ro, k) for k in _WIRE}
     return {
-        "prompt_ids": ro.prompt_ids.cpu(),
-        "prompt_mask": ro.prompt_mask.cpu(),
-        "completion_ids": ro.completion_ids.cpu(),
-        "completion_mask": ro.completion_mask.cpu(),
-        "completions": list(ro.completions),
-        "prompts": list(ro.prompts),
-        "num_generations": ro.num_generations,
+        k: v.cpu() if isinstance(v, Tensor) else list(v) if isinstance(v, list | tuple) else v for k, v in out.items()
     }
 
 
@@ -93,20 +97,8 @@ def merge_rollouts(
 
 
 def _rollout_from_wire(w: Mapping[str, Any]) -> Any:
-    from composer_plugins.training.step import Rollout
-
-    G = int(w["num_generations"])
-    n = w["completion_ids"].shape[0]
-    return Rollout(
-        prompt_ids=w["prompt_ids"],
-        prompt_mask=w["prompt_mask"],
-        completion_ids=w["completion_ids"],
-        completion_mask=w["completion_mask"],
-        completions=list(w["completions"]),
-        prompts=list(w["prompts"]),
-        group_index=torch.arange(n // G).repeat_interleave(G),
-        num_generations=G,
-    )
+    G, n = int(w["num_generations"]), w["completion_ids"].shape[0]
+    return Rollout(**{k: w[k] for k in _WIRE}, group_index=torch.arange(n // G).repeat_interleave(G))
 
 
 class GeneratorActor(Actor):
@@ -121,17 +113,16 @@ class GeneratorActor(Actor):
             self.policy, self.tokenizer = load_policy(model_dir, dtype=self.cfg.model.dtype)
             self.policy.eval()
             self.version = 0
+            self.sampler = Sampler.from_config(self.cfg)
 
     @endpoint
     async def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
         """Sample ``G`` completions for prompts ``rank::size`` (this replica's shard)."""
-        from composer_plugins.backends.rollout import generate
-
         rank, size = current_rank().rank, _mesh_size()
         mine = prompts[rank::size]
         if not mine:
             return {"completion_ids": torch.zeros(0, 0, dtype=torch.long), "rank": rank}
-        ro = generate(self.policy, self.tokenizer, self.cfg, mine, seed * 1009 + rank)
+        ro = self.sampler.generate(self.policy, self.tokenizer, mine, seed * 1009 + rank)
         return {**_rollout_to_wire(ro), "rank": rank, "version": self.version, "pid": os.getpid()}
 
     @endpoint
@@ -205,7 +196,7 @@ class TrainerActor(Actor):
     def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict]:
         # the native step on the rollout we were sent: the experience maker's record, then the step computer
         m = self.module
-        return m.loss_on(m.make_experience(tasks, ro, rewards), seed)
+        return m.loss_on(m.make_experience(tasks, ro, rewards), seed, step=self.steps)
 
     @endpoint
     async def train_step(
@@ -220,8 +211,6 @@ class TrainerActor(Actor):
         params = self.module.policy.parameters()
         norm = optimizer_step(self.optimizer, params, loss, self.cfg.trainer.gradient_clip_val)
         self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
-        # no Lightning Trainer here: the module's step counter is ours to advance (TAID's t, step-scheduled hints)
-        self.module.local_steps += 1
         self.steps += 1
         out = scalar_metrics(stats)
         out.update(
@@ -268,6 +257,7 @@ class MonarchBackend(Backend):
     upstream = "torchmonarch>=0.7,<0.8"
     runs_here = "the three actor roles in separate processes of a local CPU process mesh, real training steps"
     needs_gpu = "nothing; on GPU hosts the same actors run with per_host={'gpus': N} and CUDA policies"
+    support: ClassVar[dict[str, Any]] = {"monarch": None}
 
     def __init__(
         self,
@@ -280,6 +270,7 @@ class MonarchBackend(Backend):
         max_steps: int | None = None,
     ) -> None:
         super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
+        refuse_own_sampling(self.config, self.src, "the monarch backend (generator actors, each with a policy copy)")
         self.generators = max(1, int(generators))
         self.colocate = bool(colocate)
 

@@ -48,15 +48,18 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from composer_plugins.backends import support
 from composer_plugins.backends.base import Backend
+from composer_plugins.backends.support import CLIP_OPTIONS, LIMITS, REFUSED, RUNS, Cell
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
+from composer_plugins.losses.policy import POLICY_KINDS
+from composer_plugins.training.experience import refuse_own_sampling
 
 #: The PRIME-RL commit the per-sample contract was read from.
 PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
@@ -64,6 +67,52 @@ PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
 IMPORT_PATH = "composer_plugins_prime_rl.loss_fn"
 #: Policy losses usable per sample (their aggregate is a token sum, which PRIME-RL normalises).
 POLICIES: tuple[str, ...] = ("dppo", "dapo", "cispo", "gspo")
+
+# -- the channel x mode cells this backend declares (composer_plugins.backends.support) ----------
+_SUM = (
+    "the sample's token sum ÷ PRIME-RL's loss-token count; of the channel's options only the clip range is "
+    "carried (`beta`, `delta`, `rows` ... are refused); one policy channel per run"
+)
+_UPSTREAM_REF = (
+    "at PRIME-RL 559b447 a sample carries `ref_logprobs` only under `orchestrator.algo` `opsd`/`opd`, which "
+    "route the sampled tokens to PRIME-RL's own `ref_kl` loss, never to the custom loss; run it with "
+    "mode='local' (sampled-token form), or with PRIME-RL's own `{algo}` algorithm (its loss, not this channel)"
+)
+_POLICY_REFUSED = Cell(
+    REFUSED,
+    "its normaliser (per-sequence mean, local batch tokens or B × max length) does not fit PRIME-RL's "
+    f"per-sample token sum ÷ global token count; use {', '.join(f'`{t}`' for t in POLICIES)} here",
+)
+_COMMON: dict[str, Cell] = {
+    **{f"policy:{t}": _POLICY_REFUSED for t in POLICY_KINDS if t not in POLICIES},
+    "policy:dppo": Cell(RUNS, "PRIME-RL's default loss (DPPO+KL), exactly", CLIP_OPTIONS | {"adv_tau", "kl_tau"}),
+    "policy:dapo": Cell(LIMITS, _SUM, CLIP_OPTIONS),
+    "policy:cispo": Cell(LIMITS, _SUM, CLIP_OPTIONS),
+    "policy:gspo": Cell(LIMITS, "sequence-level ratio, but not GSPO's per-sequence mean: " + _SUM, CLIP_OPTIONS),
+    "pairs": Cell(REFUSED, "PRIME-RL's per-sample log-prob contract carries no chosen/rejected pairs"),
+}
+SUPPORT_LOCAL: dict[str, Cell] = {
+    **_COMMON,
+    "hint": Cell(
+        LIMITS,
+        "a sampled-token KL estimate (`k3`) against the policy scoring the hinted context (PRIME-RL's `opsd` "
+        "stream), not the channel's full-vocabulary divergence (its options other than `teacher` and `ema_rate` "
+        "are refused); not together with `teacher_distill`",
+        frozenset({"teacher", "ema_rate"}),
+    ),
+    "teacher": Cell(
+        LIMITS,
+        "one teacher; each token a two-way distribution (the sampled token, the rest) from the teacher's "
+        "log-prob of the sampled token, not its top-k (options other than `teachers`, `divergence`, `beta` and "
+        "`deadline_s` are refused); not together with `hint_distill`",
+        frozenset({"teachers", "divergence", "beta", "deadline_s"}),
+    ),
+}
+SUPPORT_UPSTREAM: dict[str, Cell] = {
+    **_COMMON,
+    "hint": Cell(REFUSED, _UPSTREAM_REF.format(algo="opsd")),
+    "teacher": Cell(REFUSED, _UPSTREAM_REF.format(algo="opd")),
+}
 
 
 @dataclass
@@ -305,6 +354,7 @@ class PrimeRLBackend(Backend):
     upstream = f"prime-rl @ git+https://github.com/PrimeIntellect-ai/prime-rl@{PRIME_RL_COMMIT}"
     runs_here = "the custom loss_fn on stand-in LossInputs, PRIME-RL's per-sample aggregation on the tiny model"
     needs_gpu = "`rl @ config.toml` (vLLM inference server + FSDP trainer; Python 3.12)"
+    support: ClassVar[dict[str, Any]] = {"prime_rl:local": SUPPORT_LOCAL, "prime_rl:prime-rl": SUPPORT_UPSTREAM}
 
     def __init__(
         self,
@@ -320,6 +370,8 @@ class PrimeRLBackend(Backend):
         if mode not in ("local", "prime-rl"):
             raise ConfigError(f"unknown mode {mode!r}", key="mode", valid=["local", "prime-rl"])
         self.mode = mode
+        if mode == "prime-rl":
+            refuse_own_sampling(self.config, self.src, "the prime_rl backend with mode='prime-rl' (its vLLM server)")
         self.model_name = model_name
         #: ``(teacher, ema_rate)`` of the hint channel (``losses.hint_distill.teacher``; local mode runs ``ema``).
         self.hint_teacher: tuple[str, float] = ("live", 0.0)
@@ -442,9 +494,9 @@ class PrimeRLBackend(Backend):
             scoring = build_teacher_scoring(build_channels(c, self.src), run.tokenizer)
         hint_provider = None
         if hinted:
-            from composer_plugins.training.builders import build_hint_provider
+            from composer_plugins.training.builders import configured_hint_provider
 
-            hint_provider = build_hint_provider(c, self.src)
+            hint_provider = configured_hint_provider(c, self.src)
         maker = ExperienceMaker.from_config(
             c,
             policy=run.policy,
@@ -453,13 +505,8 @@ class PrimeRLBackend(Backend):
             hint_provider=hint_provider,
             teacher_scoring=scoring,
         )
-        policy = StepPolicy(
-            model=run.policy,
-            tokenizer=run.tokenizer,
-            teacher=ema,
-            temperature=c.rollout.temperature,
-            max_context_length=c.hints.max_context_length,
-            teacher_scoring=scoring,
+        policy = StepPolicy.from_config(
+            c, model=run.policy, tokenizer=run.tokenizer, teacher=ema, teacher_scoring=scoring
         )
         # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
         # (or, with a teacher channel, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -52,10 +52,12 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.training.assemble import PAIR_INPUTS
+from composer_plugins.training.experience import refuse_own_sampling
 from composer_plugins.training.step import Rollout, StepMeta, StepRecord, sample_pairs
 
-#: TRL loss types the composed trainer reproduces (``gspo`` is TRL's ``grpo`` at sequence level).
-SUPPORTED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+#: TRL loss types the composed trainer reproduces: our policy loss types but ``gspo`` (TRL's ``grpo`` at
+#: sequence level, ``importance_sampling_level="sequence"``).
+SUPPORTED_LOSS_TYPES: tuple[str, ...] = tuple(t for t in LF.POLICY_LOSS_TYPES if t != "gspo")
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -529,6 +531,7 @@ class TRLBackend(Backend):
     upstream = "trl>=1.16,<1.17"
     runs_here = "ComposerGRPOTrainer training steps on the tiny model (all channels), loss parity with GRPOTrainer"
     needs_gpu = "nothing (vLLM generation, use_vllm=True, needs a GPU)"
+    support: ClassVar[dict[str, Any]] = {"trl": None}
 
     def __init__(
         self,
@@ -540,6 +543,7 @@ class TRLBackend(Backend):
         grpo_args: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
+        refuse_own_sampling(self.config, self.src, "the trl backend (GRPOTrainer's own generation)")
         self.grpo_args = dict(grpo_args or {})
 
     def grpo_config(self, policy: Any) -> GRPOConfig:
@@ -590,7 +594,7 @@ class TRLBackend(Backend):
         from datasets import Dataset
 
         from composer_plugins.training.batches import load_pairs, task_drawer
-        from composer_plugins.training.builders import build_channels, build_env, build_hint_provider
+        from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
         from composer_plugins.training.policy import load_policy_for
 
         c = self.config
@@ -607,7 +611,7 @@ class TRLBackend(Backend):
         composer = ChannelComposer(channels)
         policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
         args = self.grpo_config(policy)
-        hint_provider = build_hint_provider(c, self.src) if composer.needs_teacher else None
+        hint_provider = configured_hint_provider(c, self.src) if composer.needs_teacher else None
         needs_pairs = bool(set(PAIR_INPUTS) & set(composer.required_inputs()))
         pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None
         t0 = time.perf_counter()

@@ -39,25 +39,49 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from composer_plugins.backends import support
-from composer_plugins.backends.base import Backend, scalar_metrics
+from composer_plugins.backends.base import Backend
+from composer_plugins.backends.support import CLIP_OPTIONS, LIMITS, REFUSED, Cell
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.losses import functional as F
+from composer_plugins.losses.policy import POLICY_KINDS
+from composer_plugins.training.experience import refuse_own_sampling
+from composer_plugins.training.metrics import scalar_metrics
 
 #: VeRL policy-loss name -> our loss type.
-POLICY_LOSSES: dict[str, str] = {
-    "composer_grpo": "grpo",
-    "composer_bnpo": "bnpo",
-    "composer_dr_grpo": "dr_grpo",
-    "composer_dapo": "dapo",
-    "composer_cispo": "cispo",
-    "composer_gspo": "gspo",
-    "composer_dppo": "dppo",
+POLICY_LOSSES: dict[str, str] = {f"composer_{t}": t for t in POLICY_KINDS}
+
+# -- the channel x mode cells this backend declares (composer_plugins.backends.support) ----------
+_POLICY_CELL = Cell(
+    LIMITS,
+    "VeRL's `ppo_loss` with the registered `composer_<type>` loss, aggregated by VeRL's `agg_loss` "
+    "(`loss_agg_mode`); of the channel's options only the clip range is carried (`beta`, `delta`, `rows` ... "
+    "are refused: VeRL's `use_kl_loss` and entropy settings apply); one policy channel per run",
+    CLIP_OPTIONS,
+)
+_NO_CHANNEL = Cell(
+    REFUSED,
+    "VeRL's actor runs one registered policy loss on (old, new) log-probs, advantages and a response mask; "
+    "it has no hinted teacher, external teacher scores, preference pairs or channel object to feed",
+)
+SUPPORT_LOCAL: dict[str, Cell] = {
+    **{f"policy:{t}": _POLICY_CELL for t in POLICY_LOSSES.values()},
+    "hint": _NO_CHANNEL,
+    "teacher": _NO_CHANNEL,
+    "pairs": _NO_CHANNEL,
+}
+SUPPORT_RAY: dict[str, Cell] = {
+    **SUPPORT_LOCAL,
+    "hint": Cell(
+        REFUSED,
+        "VeRL's distillation losses see the teacher's sampled-token or top-k log-probs of the student's own "
+        "prompt; the hint channel needs the policy conditioned on prompt + hint, with full logits",
+    ),
 }
 
 #: ``loss_agg_mode`` under which a VeRL loss equals our functional loss of the same type
@@ -346,6 +370,7 @@ class VeRLBackend(Backend):
         "ppo_loss on the tiny model (mode=local)"
     )
     needs_gpu = "python -m verl.trainer.main_ppo (Ray workers, FSDP/Megatron engine, vLLM/SGLang rollout)"
+    support: ClassVar[dict[str, Any]] = {"verl:local": SUPPORT_LOCAL, "verl:ray": SUPPORT_RAY}
 
     def __init__(
         self,
@@ -370,6 +395,8 @@ class VeRLBackend(Backend):
                 f"unknown advantage estimator {adv_estimator!r}", key="adv_estimator", valid=list(ADV_ESTIMATORS)
             )
         self.mode = mode
+        if mode == "ray":
+            refuse_own_sampling(self.config, self.src, "the verl backend with mode='ray' (VeRL's rollout workers)")
         self.loss_type, self.channel_kwargs = self._policy_channel()
         self.loss_mode = f"composer_{self.loss_type}"
         self.loss_agg_mode = loss_agg_mode or MATCHING_AGG_MODE[self.loss_type]
@@ -465,7 +492,7 @@ class VeRLBackend(Backend):
             c, policy=run.policy, tokenizer=run.tokenizer, env=run.env, advantage_kwargs=None
         )
 
-        policy = StepPolicy(model=run.policy, tokenizer=run.tokenizer, temperature=c.rollout.temperature)
+        policy = StepPolicy.from_config(c, model=run.policy, tokenizer=run.tokenizer)
 
         def loss_of(record: Any, step: int) -> tuple[Tensor, dict[str, float]]:
             inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)  # the record's, through the assembler
