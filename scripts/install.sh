@@ -13,7 +13,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first, on its own, so nothing later can resolve a CUDA build.
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
 if [ "${1:-}" = "dev" ]; then
-  extra_pkgs=(./examples/composer-plugins-focal ./examples/composer-plugins-reverse)
+  # editable, as the backends: the example plugins a plugin author copies follow their source without a reinstall
+  extra_pkgs=(-e ./examples/composer-plugins-focal -e ./examples/composer-plugins-reverse)
   # the backend distributions hold the trl/verl/prime_rl/monarch adapters: editable, so edits need no reinstall
   for p in packages/*/; do [ -f "$p/pyproject.toml" ] && extra_pkgs+=(-e "./$p"); done
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[all,dev]" "${extra_pkgs[@]}"

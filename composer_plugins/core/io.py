@@ -178,3 +178,10 @@ def atomic_write_jsonl(path: str | os.PathLike[str], records: Iterable[Mapping[s
     lines = [json.dumps(r, **dumps) for r in records]
     atomic_write_text(path, "".join(line + "\n" for line in lines))
     return len(lines)
+
+
+def is_wall_clock(key: str) -> bool:
+    """A statistic read off the clock (``.../seconds``, ``..._s``): two runs of the same computation differ in it,
+    so the files DVC pins (``history.csv``, ``metrics.json``, stage stats) leave it out; MLflow still logs it."""
+    last = key.rsplit("/", 1)[-1]
+    return last == "seconds" or last.endswith("_s")

@@ -363,7 +363,8 @@ class FeatureDeletionEnv(Env):
         return {
             "task_id": task_id,
             "prompt": self._prompt(sym, mode, deleted, f2p),
-            "repo": str(self.repo),
+            # the shipped fixture by its name: a task file does not depend on where the package is installed
+            "repo": "fixtures/textkit" if self.repo == FIXTURE_REPO.resolve() else str(self.repo),
             "file": sym.file,
             "symbol": sym.qualname,
             "kind": sym.kind,

@@ -266,7 +266,8 @@ def study_gap_cmd(
 @_params_option
 @click.option("--variant", default=None, help="A key of study.variants (omit with --baseline).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--baseline", is_flag=True, help="Evaluate the SFT start (--model) as the 'sft' row.")
+@click.option("--baseline", is_flag=True, help="Evaluate --model outside the study's cells (the SFT start by default).")
+@click.option("--name", default="sft", show_default=True, help="The --baseline row's name, e.g. teacher.")
 @click.option("--model", default=None, help="Policy to evaluate (default: runs/<variant>-s<seed>/model).")
 @click.option("--out", default=None, help="Result JSON (default: evals/<variant>-s<seed>.json or evals/sft.json).")
 @command_errors
@@ -276,6 +277,7 @@ def study_eval_cmd(
     variant: str | None,
     seed: int,
     baseline: bool,
+    name: str,
     model: str | None,
     out: str | None,
 ) -> None:
@@ -288,13 +290,14 @@ def study_eval_cmd(
 
     if baseline == bool(variant):
         raise click.UsageError("give either --variant (a trained cell) or --baseline (the SFT start)")
-    name = run_name(variant, seed) if variant else "sft"
+    name = run_name(variant, seed) if variant else name
     model = model or (f"{PATHS['runs']}/{name}/model" if variant else PATHS["sft_model"])
     out = out or f"{PATHS['evals']}/{name}.json"
     hist = f"{PATHS['runs']}/{name}/history.csv" if variant else None
     # the SFT baseline run also records the warm start's own metrics (sft/loss)
     tm = f"{PATHS['runs']}/{name}/metrics.json" if variant else str(Path(model).parent / "metrics.json")
-    res = evaluate(_load(params_path, overrides), variant, seed, model, out, history=hist, train_metrics=tm)
+    params = _load(params_path, overrides)
+    res = evaluate(params, variant, seed, model, out, history=hist, train_metrics=tm, baseline=name)
     held_out = {k: v for k, v in sorted(res["metrics"].items()) if not k.startswith(("train/", "sft/"))}
     click.echo(summary_line(f"eval@{name}", held_out, out))
 

@@ -48,10 +48,12 @@ def evaluate(
     data_dir: str = PATHS["data"],
     history: str | os.PathLike[str] | None = None,
     train_metrics: str | os.PathLike[str] | None = None,
+    baseline: str = "sft",
 ) -> dict[str, Any]:
     """Evaluate ``model`` on the held-out split of every ``eval.envs`` entry; write ``out`` (JSON).
 
-    ``variant=None`` evaluates the SFT start (the study's baseline row). Logs one MLflow run
+    ``variant=None`` evaluates a model outside the study's cells under the row name ``baseline``: the SFT
+    start (``sft``, the study's baseline row) or the positive control's teacher (``teacher``). Logs one MLflow run
     (tags: DVC stage, git commit, variant, seed; params: the effective train config and
     ``study.*``; metrics: held-out and final train metrics; artifacts: the result JSON and the
     training curves).
@@ -59,7 +61,7 @@ def evaluate(
     from composer_plugins.training.config import train_config_from_dict
     from composer_plugins.training.run import run_eval
 
-    name = study.run_name(variant, seed) if variant else "sft"
+    name = study.run_name(variant, seed) if variant else baseline
     cfg = train_config(params, variant, seed)
     flags = channel_flags(cfg) if variant else dict.fromkeys(channel_flags(cfg), False)
     import tempfile
@@ -106,7 +108,7 @@ def evaluate(
         )
     result = {
         "run": name,
-        "variant": variant or "sft",
+        "variant": variant or baseline,
         "seed": seed,
         "channels": channels_label(flags),
         "channel_flags": flags,

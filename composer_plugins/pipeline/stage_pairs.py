@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from composer_plugins.core.io import atomic_write_json
+from composer_plugins.core.io import atomic_write_json, is_wall_clock
 from composer_plugins.pipeline.common import param_error, section
 
 PAIRS_KEYS = ("k", "compare", "normalize", "recipe")
@@ -68,5 +68,17 @@ def pairs(
         rc = parse_config(src)
         summary = run_replay(rc, src)
     stats_path = Path(out).with_suffix(".stats.json")
-    atomic_write_json(stats_path, summary, sort_keys=True, default=str)
+    atomic_write_json(stats_path, _pinned(summary), sort_keys=True, default=str)
     return summary
+
+
+def _pinned(obj: Any) -> Any:
+    """``obj`` as the stage's DVC-pinned stats file holds it: no wall-clock field, paths relative to the stage's
+    directory, so a repeated run in another clone writes the same bytes (docs/pipeline.md, "Reproducibility")."""
+    if isinstance(obj, dict):
+        return {
+            k: os.path.relpath(v) if k == "recipe" and os.path.isabs(str(v)) else _pinned(v)
+            for k, v in obj.items()
+            if not is_wall_clock(k)
+        }
+    return [_pinned(v) for v in obj] if isinstance(obj, list) else obj

@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from composer_plugins.core.io import is_wall_clock
 from composer_plugins.training.builders import build_logger
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.strategy import build_strategy
@@ -186,6 +187,9 @@ def build_trainer(
 class HistoryCallback(Callback):
     """Writes one CSV row per optimizer step (``step`` + the module's step statistics) to ``path``.
 
+    Wall-clock statistics (:func:`~composer_plugins.core.io.is_wall_clock`) go to MLflow only: the CSV (and the
+    run's ``metrics.json``, its last row) hold what the step computed, the same in a repeated run.
+
     Columns carry the same names as the MLflow metrics (``train/reward``, ``train/grpo/loss``,
     docs/metrics.md); ``step`` is the number of optimizer steps completed (1 for the first row),
     the step MLflow records the row's metrics at. On resume, rows of the interrupted run up to the
@@ -213,7 +217,7 @@ class HistoryCallback(Callback):
             return
         stats = getattr(pl_module, "last_step_stats", {}) or {}
         row: dict[str, float] = {"step": int(trainer.global_step)}
-        row.update({f"train/{k}": float(v) for k, v in stats.items()})
+        row.update({f"train/{k}": float(v) for k, v in stats.items() if not is_wall_clock(k)})
         self.rows.append(row)
         if trainer.global_rank == 0:
             self.write(append=True)

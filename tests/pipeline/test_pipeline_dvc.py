@@ -114,6 +114,9 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
     cells = [f"{v}-{s}" for v in params["study"]["variants"] for s in params["study"]["seeds"]]
     expected = UPSTREAM | {"report"} | {f"train@{c}" for c in cells} | {f"eval@{c}" for c in cells}
     assert ran_stages(log) == expected
+    # each baseline evaluation under its own label: the teacher's is not printed as the SFT start's
+    assert re.search(r"^eval@teacher: ", log, re.M) and len(re.findall(r"^eval@sft: ", log, re.M)) == 1
+    assert json.loads((path / "results" / "teacher.json").read_text())["run"] == "teacher"
 
     metrics = json.loads((path / "metrics.json").read_text())
     assert set(metrics) == {"sft", "teacher", *params["study"]["variants"]}  # the external teacher: measured

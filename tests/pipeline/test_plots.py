@@ -97,3 +97,32 @@ def test_plots_before_any_data_says_run_dvc_repro(repo: Path) -> None:
     os.chdir(repo / "studies" / "sparse")
     res = CliRunner().invoke(load_commands(), ["plots", "--no-svg"])
     assert res.exit_code != 0 and "run `dvc repro` first" in res.output
+
+
+def test_a_study_as_its_own_dvc_project_leaves_the_root_plots_alone(tmp_path: Path, monkeypatch) -> None:
+    """With each study its own DVC project (`dvc init --subdir`), a bare `dvc plots show` at the root lists only
+    the root's plots, and the study's from its directory."""
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
+    _write_study(tmp_path, 1.0)
+    _write_study(tmp_path / "studies" / "chain", 2.0)
+    monkeypatch.chdir(tmp_path)
+    assert any(k.startswith("studies/chain/") for k in _shown())  # the problem, before
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--subdir", "-q"], cwd=tmp_path / "studies/chain", check=True)
+    root = sorted(_shown())
+    assert root == ["Accuracy per variant (mean)", "curves/train.loss.csv", "curves/train.reward.csv"]
+    os.chdir(tmp_path / "studies" / "chain")
+    assert sorted(_shown()) == root  # the same plot ids, from the study's own files
+
+
+def test_every_study_is_its_own_dvc_project() -> None:
+    """This repository's studies/<name>/ each hold a DVC project of their own, with the root's plot templates, so
+    the root collects none of them and `cd studies/<name> && dvc repro` / `dvc plots show` work there."""
+    root = Path(__file__).resolve().parents[2]
+    studies = sorted(p.parent for p in (root / "studies").glob("*/dvc.yaml"))
+    assert studies
+    for study in studies:
+        assert (study / ".dvc" / "config").is_file(), f"{study}: run `dvc init --subdir` there"
+        templates = {p.name for p in (study / ".dvc" / "plots").glob("*.json")}
+        assert templates == {p.name for p in (root / ".dvc" / "plots").glob("*.json")}, study
