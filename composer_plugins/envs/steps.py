@@ -5,7 +5,7 @@ One parser for two uses:
 * :func:`computation_key` names *what a problem computes* (its equations' operands and operators,
   without the results), so a held-out split can keep every computed tuple out of train
   (:mod:`.arith`, ``composer-plugins prepare``'s overlap report);
-* :func:`check_steps` recomputes every equation a completion states, for the ``step_check`` hint
+* :func:`parse_steps` / :func:`parse_columns` read what a completion states, for the ``step_check`` hint
   provider (:mod:`.step_check`).
 
 An equation is ``a op b = c`` with ``op`` one of ``+ - * / x × ÷ −``, optionally written GSM8K-style
@@ -27,7 +27,6 @@ from fractions import Fraction
 __all__ = [
     "Column",
     "Step",
-    "check_steps",
     "computation_key",
     "first_false_step",
     "format_value",
@@ -147,11 +146,6 @@ def parse_columns(text: str) -> list[Column]:
 def computation_key(solution: str) -> str:
     """What ``solution`` computes: its equations' ``a op b`` joined by ``;`` (``""`` when it states none)."""
     return ";".join(s.key for s in parse_steps(solution))
-
-
-def check_steps(text: str) -> list[tuple[Step, bool]]:
-    """Each stated equation with whether it holds."""
-    return [(s, s.holds) for s in parse_steps(text)]
 
 
 def first_false_step(text: str) -> tuple[int, Step] | None:
