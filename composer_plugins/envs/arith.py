@@ -15,6 +15,8 @@ Difficulty levels (``difficulty=`` an int or a name):
  5    hard         four or five steps, larger numbers, money
  6    chain        two chained steps on one quantity (+, -, x by 2-4), 1-digit operands, one
                    equation per line: the worked-steps level the embedded policy can learn
+ 7    columns      a procedure: two 3-digit numbers added column by column, one line per
+                   column from the ones (``8+5+0=13``: digit, digit, carry in = sum)
 ====  ===========  =====================================================================
 
 Levels 0-5 assign each question *text* to a split by a hash (10% test): a test question never
@@ -22,6 +24,11 @@ appears in train, but the same sum may, rephrased (``trivial`` has 81 operand pa
 Level 6 (``chain``) splits by *what is computed*: the hash of its equations' operands and
 operators (:func:`composer_plugins.envs.steps.computation_key`, e.g. ``7+3;10*2``), so no test
 computation occurs in train and the held-out set tests composition, not recall.
+Level 7 (``columns``) holds out *numbers*: a stable hash puts 20% of all integers in the held-out
+set; a test problem's operands, its intermediate result (what its two lower columns add up to) and
+its answer are all held out, a train problem's none, so no number of a test problem occurs anywhere
+in train, while every single-step fact a test line states (``7+6+1=14``: 200 in all) occurs in
+train. Only the procedure transfers (:func:`column_numbers`; ``prepare`` reports each level).
 The same ``(n, difficulty, split, seed)`` always gives the same problems.
 """
 
@@ -43,6 +50,7 @@ DIFFICULTIES: dict[str, int] = {
     "multi_step": 4,
     "hard": 5,
     "chain": 6,
+    "columns": 7,
 }
 #: The highest level.
 MAX_LEVEL = max(DIFFICULTIES.values())
@@ -333,6 +341,38 @@ def _chain(rng: random.Random, annotate: bool) -> ArithProblem:
     return ArithProblem(" ".join(q), "\n".join(s) + f"\n#### {value}", value, 6)
 
 
+def column_numbers(a: int, b: int) -> dict[str, tuple[int, ...]]:
+    """The numbers adding ``a`` and ``b`` column by column involves, by role (level 7's held-out unit)."""
+    return {"operands": (a, b), "intermediate": (a % 100 + b % 100,), "answer": (a + b,)}
+
+
+def _columns(rng: random.Random, want: str, frac: float) -> ArithProblem:
+    """Level 7: ``a + b`` (3 digits each) with every number of the problem held out (test) or none (train)."""
+    held = want == "test"
+    while True:
+        a, b = (rng.choice(_held_pool(frac, held)) for _ in range(2))
+        rest = column_numbers(a, b)
+        if all((split_of(f"n{n}", frac) == "test") == held for n in (*rest["intermediate"], *rest["answer"])):
+            break
+    lines, carry = [], 0
+    for da, db in zip(reversed(str(a)), reversed(str(b)), strict=True):
+        total = int(da) + int(db) + carry
+        lines.append(f"{da}+{db}+{carry}={total}")
+        carry = total // 10
+    return ArithProblem(f"Add {a} and {b}.", "\n".join(lines) + f"\n#### {a + b}", a + b, 7)
+
+
+_POOLS: dict[tuple[float, bool], list[int]] = {}
+
+
+def _held_pool(frac: float, held: bool) -> list[int]:
+    """The 3-digit numbers the hash holds out (``held``) or leaves to train."""
+    key = (frac, held)
+    if key not in _POOLS:
+        _POOLS[key] = [n for n in range(100, 1000) if (split_of(f"n{n}", frac) == "test") == held]
+    return _POOLS[key]
+
+
 def _make(rng: random.Random, difficulty: int, annotate: bool) -> ArithProblem:
     if difficulty == 6:
         return _chain(rng, annotate)
@@ -361,7 +401,7 @@ def generate_problems(
 
     ``annotations`` adds GSM8K's ``<<a+b=c>>`` calculator annotations; by default only at
     difficulties 2-5 (the lowest levels and ``chain`` stay short so a tiny model can learn them).
-    ``test_fraction`` (default 0.1, 0.2 at ``chain``) is the share of keys assigned to test. At
+    ``test_fraction`` (default 0.1, 0.2 at ``chain`` and ``columns``) is the share of keys assigned to test. At
     ``chain`` no two test problems compute the same thing (every test row is a distinct computation).
     """
     from composer_plugins.envs.steps import computation_key
@@ -372,13 +412,19 @@ def generate_problems(
     want = "test" if split != "train" else "train"
     annotate = 2 <= d < 6 if annotations is None else annotations
     by_computation = d in COMPUTATION_SPLIT_LEVELS
-    frac = (0.2 if by_computation else 0.1) if test_fraction is None else float(test_fraction)
+    frac = (0.2 if by_computation or d == 7 else 0.1) if test_fraction is None else float(test_fraction)
     rng = random.Random(f"arith|{d}|{want}|{seed}")
     out: list[ArithProblem] = []
     seen: set[str] = set()
     attempts = 0
     while len(out) < n:
         attempts += 1
+        if d == 7:
+            p = _columns(rng, want, frac)
+            if p.question not in seen or attempts >= 50 * (n + 10):
+                seen.add(p.question)
+                out.append(p)
+            continue
         p = _make(rng, d, annotate)
         key = computation_key(p.solution) if by_computation else p.question
         if split_of(key, frac) != want:

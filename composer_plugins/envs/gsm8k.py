@@ -3,7 +3,7 @@
 Sources (``source=``):
 
 * ``"generator"`` (default): GSM8K-format problems from :mod:`composer_plugins.envs.arith`,
-  seeded, with difficulty levels 0-6. Needs no network.
+  seeded, with difficulty levels 0-7. Needs no network.
 * ``"hf"``: the real dataset through ``datasets.load_dataset("openai/gsm8k", "main")``.
 * a path: a GSM8K-format ``.jsonl``/``.jsonl.gz``/``.json``/``.parquet`` file (rows with
   ``question`` and ``answer``, the answer ending in ``#### <number>``), a directory laid out
@@ -162,7 +162,7 @@ class GSM8KEnv(Env):
 
     Args:
         source: ``"generator"`` (default), ``"hf"``, a file/directory path, or ``{"train": ..., "test": ...}``.
-        difficulty: generator level 0-6 or name (``trivial``, ``easy`` ...; see :mod:`.arith`).
+        difficulty: generator level 0-7 or name (``trivial``, ``easy`` ...; see :mod:`.arith`).
         annotations: generator ``<<a+b=c>>`` annotations (default: from difficulty 2 up).
         prompt_template: how a question becomes the prompt (``{question}``).
         chat: give each prompt as chat messages (``[{role: system, ...}, {role: user, content: <prompt_template>}]``)

@@ -14,7 +14,13 @@ When every stated step holds but the answer is still wrong, the mistake is in *w
 and the env can tell where when the task carries its own worked solution (the generator's tasks and
 GSM8K's do): the first step whose operator or operands differ from the solution's is named
 (``Step 1 uses 5 where the question gives 4.``, ``Step 2 should subtract, not add.``), as are a
-missing step and a final line that does not repeat the last step's result. Otherwise (no equation
+missing step and a final line that does not repeat the last step's result.
+
+At the ``columns`` level (a sum written column by column, ``8+5+0=13`` per line) the hint names the
+first wrong column and what it is computed from, never a result: ``Column 2 (tens) adds the tens
+digits 7 and 6, not 7 and 5.``, ``Column 2 (tens): its carry in is the tens digit of column 1's sum,
+not 0.``, ``Column 3 (hundreds): 4+3+1 is not 9.``, a missing column, and an answer not read off the
+column sums. Otherwise (no equation
 in the completion, no worked solution in the task, no answer at all) the hint of the configured
 ``fallback`` provider is used (``none``: no hint).
 
@@ -36,7 +42,7 @@ from typing import Any
 from composer_plugins.envs.answers import extract_answer_value
 from composer_plugins.envs.base import prompt_text
 from composer_plugins.envs.hints import HintProvider, HintRequest, build_hint_provider
-from composer_plugins.envs.steps import Step, format_value, parse_steps
+from composer_plugins.envs.steps import Column, Step, format_value, parse_columns, parse_steps
 
 __all__ = ["StepCheckHintProvider", "false_step_attempt", "locate_mistake"]
 
@@ -81,6 +87,32 @@ def _used_wrongly(i: int, got: Step, want: Step) -> str | None:
     return None
 
 
+_PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands")
+
+
+def _column_mistake(got: list[Column], want: list[Column], completion: str) -> str | None:
+    """The first wrong column of a column-by-column sum, and what it is computed from (never its result)."""
+    for i, (c, w) in enumerate(zip(got, want, strict=False), 1):
+        name = f"Column {i} ({_PLACES[min(i, len(_PLACES)) - 1]})"
+        if (c.a, c.b) != (w.a, w.b):
+            place = _PLACES[min(i, len(_PLACES)) - 1]
+            return f"{name} adds the {place} digits {w.a} and {w.b}, not {c.a} and {c.b}."
+        if c.carry != w.carry:
+            if i == 1:
+                return f"{name} has no carry in: 0, not {c.carry}."
+            return f"{name}: its carry in is the tens digit of column {i - 1}'s sum, not {c.carry}."
+        if c.stated != c.a + c.b + c.carry:
+            return f"{name}: {c.a}+{c.b}+{c.carry} is not {c.stated}."
+    if len(got) < len(want):
+        place = _PLACES[min(len(got) + 1, len(_PLACES)) - 1]
+        return f"Column {len(got) + 1} ({place}) is missing: add the {place} digits and the carry in."
+    final = extract_answer_value(completion[completion.find("####") :]) if "####" in completion else None
+    last = want[-1].a + want[-1].b + want[-1].carry
+    if final == int(str(last) + "".join(str((c.a + c.b + c.carry) % 10) for c in reversed(want[:-1]))):
+        return None
+    return "The answer is the last column's sum followed by the last digit of each column before it, last to first."
+
+
 def locate_mistake(
     completion: str,
     task: Mapping[str, Any] | None,
@@ -89,6 +121,11 @@ def locate_mistake(
 ) -> str | None:
     """The hint that locates the first mistake of ``completion`` for ``task``, or ``None`` if none can be named."""
     worked = _worked(completion)
+    solution = (task or {}).get("solution") or (task or {}).get("target")
+    want = parse_columns(_worked(solution)) if isinstance(solution, str) else []
+    if want:
+        got = parse_columns(worked)
+        return _column_mistake(got, want, completion) if got else None
     steps = parse_steps(worked)
     gold_steps, gold = _gold(task)
     for i, s in enumerate(steps, 1):
@@ -121,6 +158,17 @@ def false_step_attempt(solution: str, rng: Any) -> str | None:
     answer becomes what the carried-on steps give. ``None`` when the solution states no equation.
     A training example of the mistake ``step_check`` locates (``sft.hint_kinds: {step_check: ...}``).
     """
+    columns = parse_columns(_worked(solution))
+    if columns:  # one column's sum made false, the later carries and the answer carried on from it
+        k, carry, lines, digits = rng.randrange(len(columns)), 0, [], []
+        for i, c in enumerate(columns):
+            total = c.a + c.b + carry
+            if i == k:
+                total = rng.choice([t for t in range(max(0, total - 3), total + 4) if t != total])
+            lines.append(f"{c.a}+{c.b}+{carry}={total}")
+            digits.append(str(total % 10))
+            carry = total // 10
+        return " " + "\n".join(lines) + f"\n#### {int(str(carry) + ''.join(reversed(digits)))}"
     steps = parse_steps(_worked(solution))
     if not steps:
         return None

@@ -5,7 +5,7 @@ One parser for two uses:
 * :func:`computation_key` names *what a problem computes* (its equations' operands and operators,
   without the results), so a held-out split can keep every computed tuple out of train
   (:mod:`.arith`, ``composer-plugins prepare``'s overlap report);
-* :func:`check_steps` recomputes every equation a completion states, for the ``step_check`` hint
+* :func:`parse_steps` / :func:`parse_columns` read what a completion states, for the ``step_check`` hint
   provider (:mod:`.step_check`).
 
 An equation is ``a op b = c`` with ``op`` one of ``+ - * / x × ÷ −``, optionally written GSM8K-style
@@ -24,7 +24,15 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["Step", "check_steps", "computation_key", "first_false_step", "format_value", "parse_steps"]
+__all__ = [
+    "Column",
+    "Step",
+    "computation_key",
+    "first_false_step",
+    "format_value",
+    "parse_columns",
+    "parse_steps",
+]
 
 _N = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
 _OP = r"[-+*/x×÷−]"
@@ -34,6 +42,9 @@ _EQ = re.compile(
 )
 #: A bare calculator annotation ``<<a op b=c>>`` not followed by the plain-text result.
 _ANN = re.compile(rf"<<\s*(?P<a>{_N})\s*(?P<op>{_OP})\s*(?P<b>{_N})\s*=\s*(?P<c>-?(?:{_N}))\s*>>")
+_CHAINED = frozenset("+-*/×÷−")
+#: One column of a column-by-column addition: ``digit + digit + carry in = sum``.
+_COLUMN = re.compile(r"(?<![\w.+])(\d)\s*\+\s*(\d)\s*\+\s*(\d)\s*=\s*(\d+)(?![\w])")
 _CANON = {"+": "+", "-": "-", "−": "-", "*": "*", "x": "*", "×": "*", "/": "/", "÷": "/"}
 _SHOW = {"+": "+", "-": "-", "*": "×", "/": "÷"}
 
@@ -96,6 +107,8 @@ def parse_steps(text: str) -> list[Step]:
     found: list[Step] = []
     covered: list[tuple[int, int]] = []
     for m in _EQ.finditer(text):
+        if text[: m.start()].rstrip()[-1:] in _CHAINED:
+            continue  # the tail of a longer sum (``8+5+1=14``: a column line, :func:`parse_columns`), not a step
         found.append(_step(m, text))
         covered.append(m.span())
     for m in _ANN.finditer(text):
@@ -110,14 +123,29 @@ def _step(m: re.Match[str], text: str) -> Step:
     return Step(_num(m["a"]), _CANON[m["op"]], _num(m["b"]), _num(m["c"]), m.start(), " ".join(m.group(0).split()))
 
 
+@dataclass(frozen=True)
+class Column:
+    """One stated column line ``a+b+carry=stated`` (single digits, the carry in from the column before)."""
+
+    a: int
+    b: int
+    carry: int
+    stated: int
+
+    @property
+    def fact(self) -> str:
+        """``7+6+1=14`` with the true sum: the single-step fact the line applies."""
+        return f"{self.a}+{self.b}+{self.carry}={self.a + self.b + self.carry}"
+
+
+def parse_columns(text: str) -> list[Column]:
+    """Every column line ``text`` states, in order (level ``columns`` of :mod:`.arith`)."""
+    return [Column(*(int(g) for g in m.groups())) for m in _COLUMN.finditer(text)]
+
+
 def computation_key(solution: str) -> str:
     """What ``solution`` computes: its equations' ``a op b`` joined by ``;`` (``""`` when it states none)."""
     return ";".join(s.key for s in parse_steps(solution))
-
-
-def check_steps(text: str) -> list[tuple[Step, bool]]:
-    """Each stated equation with whether it holds."""
-    return [(s, s.holds) for s in parse_steps(text)]
 
 
 def first_false_step(text: str) -> tuple[int, Step] | None:

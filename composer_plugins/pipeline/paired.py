@@ -194,6 +194,7 @@ def study_report(
     delta: float = DEFAULT_DELTA,
     fractions: Sequence[str] = (),
     gap: Mapping[str, Any] | None = None,
+    margin: float | None = None,
 ) -> str:
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
 
@@ -210,7 +211,7 @@ def study_report(
         se = f" (held-out se {heldout_se(sft[0][metric], heldout_n):.4f})" if heldout_n else ""
         out.append(f"SFT start: {metric} = {sft[0][metric]:.4f}{se}\n")
     start = sft[0].get(metric) if sft else None
-    fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start)
+    fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin)
     parts = list(fam.values())
     flat = [e for t in parts for e in t]
     sig, curve = "train/groups_with_signal", fam.get("curve", [])
@@ -218,7 +219,13 @@ def study_report(
     out.append(
         f"Verdicts: Holm's family-wise correction over the {m} tests of this report (every table below; "
         f"family-wise error {ALPHA}). *helps*/*hurts* only where the Holm-adjusted p is below {ALPHA}, i.e. the "
-        "interval at the test's Holm level excludes zero; the 95% CI column is the uncorrected per-test interval.\n"
+        "interval at the test's Holm level excludes zero; the 95% CI column is the uncorrected per-test interval."
+        + (
+            f" Otherwise an accuracy test is *equivalent within ±{margin:g}* where its Holm-level interval lies inside "
+            f"(-{margin:g}, {margin:g}) (two one-sided tests, δ = study.equivalence_margin), else *inconclusive*.\n"
+            if margin is not None
+            else "\n"
+        )
     )
     out.append(format_paired(parts[0], "markdown", heldout_n=heldout_n))
     k = 1

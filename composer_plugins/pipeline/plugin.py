@@ -83,6 +83,12 @@ def prepare_cmd(params_path: str, overrides: tuple[str, ...], out: str) -> None:
                 f"{k}: line overlap: {e['first_line_overlap']}/{n} test first lines, {e['second_line_overlap']}/"
                 f"{e['second_line_rows']} second lines and {e['answer_overlap']}/{n} answers occur verbatim in train"
             )
+        if "fact_overlap" in e:
+            click.echo(
+                f"{k}: procedure overlap: {e['fact_overlap']}/{e['fact_rows']} test rows use only train facts; "
+                f"{e['operand_overlap']} an operand, {e['intermediate_overlap']} an intermediate result, "
+                f"{e['answer_number_overlap']} an answer that is a number of some train problem"
+            )
 
 
 @click.command(name="rollout")

@@ -160,7 +160,42 @@ def split_overlap(train: Path, test: Path) -> dict[str, Any]:
         "test_distinct": len({task_prompt(t) for t in test_rows}),
         "test_distinct_computations": len(set(test_comps)),
         **line_overlap(train_rows, test_rows),
+        **procedure_overlap(train_rows, test_rows),
     }
+
+
+def _column_roles(task: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]]] | None:
+    """A ``columns`` task's single-step facts and its numbers by role (``None`` for a task of another level)."""
+    from composer_plugins.envs.arith import column_numbers
+    from composer_plugins.envs.steps import parse_columns
+
+    cols = parse_columns(str(task.get("solution") or task.get("target") or ""))
+    if not cols:
+        return None
+    a, b = (int("".join(str(getattr(c, k)) for c in reversed(cols))) for k in ("a", "b"))
+    return [c.fact for c in cols], column_numbers(a, b)
+
+
+def procedure_overlap(
+    train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]
+) -> dict[str, int]:
+    """At the ``columns`` level, how much of each test problem occurs in train, level by level (``{}`` elsewhere).
+
+    ``fact_overlap``: test rows every single-step fact of which (a column line with its true sum) is one of
+    train's (of ``fact_rows``); ``operand_overlap`` / ``intermediate_overlap`` / ``answer_number_overlap``: test
+    rows with an operand / intermediate result / answer that is any number (operand, intermediate, answer) of a
+    train problem. The split is meant to give ``fact_rows`` / 0 / 0 / 0: only the procedure transfers.
+    """
+    train = [r for r in map(_column_roles, train_rows) if r]
+    test = [r for r in map(_column_roles, test_rows) if r]
+    if not train or not test:
+        return {}
+    facts = {f for fs, _ in train for f in fs}
+    numbers = {n for _, roles in train for ns in roles.values() for n in ns}
+    out = {"fact_overlap": sum(set(fs) <= facts for fs, _ in test), "fact_rows": len(test)}
+    for role, key in (("operands", "operand"), ("intermediate", "intermediate"), ("answer", "answer_number")):
+        out[f"{key}_overlap"] = sum(any(n in numbers for n in roles[role]) for _, roles in test)
+    return out
 
 
 def solution_lines(task: Mapping[str, Any]) -> list[str]:

@@ -157,7 +157,9 @@ def _paired_report(
     sft = [r for r in recs if r["variant"] == "sft"]
     start = sft[0].get(metric) if sft else None
     # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
-    for part, effects in paired.study_effects(recs, hist, base, metric, delta=delta, start=start).items():
+    margin = study.equivalence_margin(params)
+    fam = paired.study_effects(recs, hist, base, metric, delta=delta, start=start, margin=margin)
+    for part, effects in fam.items():
         for e in effects:
             if e.variant not in out:
                 continue
@@ -169,6 +171,7 @@ def _paired_report(
                 "high": _r(e.high),
                 "p": _r(e.p),
                 "p_holm": _r(e.p_adjusted),
+                "verdict": e.verdict,
                 "variant_mean": _r(e.variant_mean),
                 "baseline_mean": _r(e.baseline_mean),
             }
@@ -197,6 +200,7 @@ def _paired_report(
         delta=delta,
         fractions=fractions,
         gap=gap,
+        margin=margin,
     )
     return title + text + "\n"
 

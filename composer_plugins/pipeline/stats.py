@@ -80,6 +80,9 @@ class PairedEffect:
     p_adjusted: float = math.nan
     adj_low: float = math.nan
     adj_high: float = math.nan
+    #: The equivalence margin δ (``study.equivalence_margin``; NaN: none): a test that is not significant is
+    #: *equivalent within ±δ* when its Holm-level interval lies inside (-δ, δ), else *inconclusive*.
+    margin: float = math.nan
 
     @property
     def n(self) -> int:
@@ -91,8 +94,11 @@ class PairedEffect:
             return verdict(self.low, self.high, lower_is_better=self.lower_is_better)
         if math.isnan(self.p_adjusted):
             return "too few seeds"
-        if self.p_adjusted >= ALPHA:
+        if self.p_adjusted >= ALPHA and math.isnan(self.margin):
             return "no measurable effect"
+        if self.p_adjusted >= ALPHA:  # two one-sided tests at the Holm level: the interval inside (-δ, δ)
+            inside = -self.margin < self.adj_low and self.adj_high < self.margin
+            return f"equivalent within ±{self.margin:g}" if inside else "inconclusive"
         better = (self.mean < 0) if self.lower_is_better else (self.mean > 0)
         return "helps" if better else "hurts"
 
@@ -387,8 +393,13 @@ def study_effects(
     metric: str = "gsm8k/accuracy",
     delta: float = DEFAULT_DELTA,
     start: float | None = None,
+    margin: float | None = None,
 ) -> dict[str, list[PairedEffect]]:
     """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
+
+    ``margin`` (an accuracy difference) makes the accuracy tests' verdicts four-valued (*helps*, *hurts*,
+    *equivalent within ±margin*, *inconclusive*: :attr:`PairedEffect.verdict`); the others (signal, steps to
+    the threshold) are *inconclusive* where not significant.
 
     ``final``: ``metric`` per variant; ``signal``: the run mean of ``train/groups_with_signal``;
     ``curve``: the held-out curve's final value, AUC from step 0 and time to threshold (:func:`curve_effects`).
@@ -405,6 +416,9 @@ def study_effects(
     curve = curve_effects(hist, baseline, delta=delta, start=start)
     if curve:
         tables["curve"] = curve
+    if margin is not None:
+        for k, t in tables.items():
+            tables[k] = [replace(e, margin=0.0 if k == "signal" or e.lower_is_better else margin) for e in t]
     flat = holm([e for t in tables.values() for e in t])
     out: dict[str, list[PairedEffect]] = {}
     i = 0

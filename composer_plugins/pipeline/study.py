@@ -179,6 +179,17 @@ def threshold_delta(params: Mapping[str, Any]) -> float:
     return float(d)
 
 
+def equivalence_margin(params: Mapping[str, Any]) -> float | None:
+    """``study.equivalence_margin`` δ (``None``: unset): a non-significant accuracy effect is *equivalent within ±δ*
+    when its Holm-level interval lies inside (-δ, δ), else *inconclusive*. Fixed before the study runs."""
+    d = (params.get("study") or {}).get("equivalence_margin")
+    if d is not None and (isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1):
+        raise _err(
+            params, "study.equivalence_margin", f"must be a number in (0, 1) (an accuracy difference), got {d!r}"
+        )
+    return None if d is None else float(d)
+
+
 def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]:
     """The ``train`` overrides of ``variant``; a located error naming the valid variants otherwise."""
     v = variants(params)

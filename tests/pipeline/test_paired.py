@@ -257,3 +257,36 @@ def test_a_variant_that_needs_more_steps_to_reach_the_target_hurts() -> None:
     assert faster.high < 0 and faster.verdict == "helps"
     assert paired.verdict(-0.05, -0.01, lower_is_better=True) == "helps"
     assert paired.verdict(-0.01, 0.02, lower_is_better=True) == "no measurable effect"
+
+
+def test_an_equivalence_margin_makes_four_verdicts_by_hand() -> None:
+    """study.equivalence_margin δ: not significant and the Holm-level interval inside (-δ, δ): equivalent; else
+    inconclusive; steps to a threshold and the signal table (not accuracies) are never called equivalent."""
+    rl = {s: 0.40 + 0.001 * s for s in range(16)}
+    near = {s: rl[s] + (0.004 if s % 2 else -0.002) for s in range(16)}  # mean +0.001, sd 0.003
+    noisy = {s: rl[s] + (0.06 if s % 2 else -0.058) for s in range(16)}  # mean +0.001, sd 0.06
+    far = {s: rl[s] + 0.10 + 0.001 * (s % 3) for s in range(16)}
+    recs = [
+        {"variant": v, "seed": s, "gsm8k/accuracy": x}
+        for v, t in (("rl_only", rl), ("near", near), ("noisy", noisy), ("far", far))
+        for s, x in t.items()
+    ]
+    got = {e.variant: e.verdict for e in paired.study_effects(recs, {}, "rl_only", margin=0.03)["final"]}
+    assert got == {"near": "equivalent within ±0.03", "noisy": "inconclusive", "far": "helps"}
+    plain = {e.variant: e.verdict for e in paired.study_effects(recs, {}, "rl_only")["final"]}
+    assert plain == {"near": "no measurable effect", "noisy": "no measurable effect", "far": "helps"}
+    steps = replace(paired.paired_effect(near, rl), lower_is_better=True)
+    e = paired.holm([replace(steps, margin=0.0)])[0]
+    assert e.verdict == "inconclusive"
+
+
+def test_equivalence_margin_is_checked_where_it_is_set() -> None:
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.pipeline.study import equivalence_margin
+
+    assert (
+        equivalence_margin({"study": {}}) is None
+        and equivalence_margin({"study": {"equivalence_margin": 0.03}}) == 0.03
+    )
+    with pytest.raises(ConfigError, match="study.equivalence_margin"):
+        equivalence_margin({"study": {"equivalence_margin": 3}})

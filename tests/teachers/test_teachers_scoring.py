@@ -98,6 +98,31 @@ def test_local_scorer_is_the_models_top_k(tiny):
         torch.testing.assert_close(s.sampled, own, rtol=1e-5, atol=1e-5)  # the student's own token
 
 
+def test_local_scorer_rows_in_one_head_pass_match_each_row_alone(tiny):
+    """The head, log-softmax and top-k run once over every row's tokens; each row equals its own plain forward,
+    a row without a prompt (its first token unscored) and an empty completion included."""
+    from transformers import AutoTokenizer
+
+    a, _ = tiny
+    tok = AutoTokenizer.from_pretrained(a)
+    enc = [tok(x, add_special_tokens=False)["input_ids"] for x in (*PROMPTS[:2], *ANSWERS[:3])]
+    rows = [(enc[0], enc[2]), ([], enc[3]), (enc[1], []), (enc[1], enc[4])]
+    sc = LocalScorer(a, topk=4, chunk_size=5)
+    for (p, c), (actual, ids, lps) in zip(rows, sc._forward_topk(rows), strict=True):
+        if not c:
+            assert actual == [] and ids.shape[0] == 0
+            continue
+        lp = _direct(a, p or c[:1], c if p else c[1:])
+        want = lp.topk(4, -1)
+        got_ids, got_v = (ids, lps) if p else (ids[1:], lps[1:])
+        torch.testing.assert_close(got_ids, want.indices)
+        torch.testing.assert_close(got_v, want.values, rtol=1e-5, atol=1e-5)
+        own = lp.gather(-1, torch.tensor(c if p else c[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(actual if p else actual[1:]), own, rtol=1e-5, atol=1e-5)
+        if not p:
+            assert math.isnan(actual[0]) and (ids[0] == -1).all()
+
+
 def test_server_scorer_vllm_and_sglang_shapes_match_the_local_model(tiny, server, tmp_path):
     from transformers import AutoTokenizer
 

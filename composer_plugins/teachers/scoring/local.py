@@ -95,31 +95,33 @@ class LocalScorer(TeacherScorer):
             att[b, : len(seq)] = 1
         body = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         head = model.get_output_embeddings().weight
-        out = []
-        with torch.no_grad():
+        # position t predicts token t + 1; a row without a prompt has nothing predicting its first token
+        firsts = [0 if p else 1 for p, _ in rows]
+        lens = [max(len(c) - f, 0) for (_, c), f in zip(rows, firsts, strict=True)]
+        at = [b * width + len(p) - 1 + j for b, (p, c) in enumerate(rows) for j in range(firsts[b], len(c))]
+        target = torch.tensor([t for (_, c), f in zip(rows, firsts, strict=True) for t in c[f:]], dtype=torch.long)
+        k = min(self.topk, head.shape[0])
+        vals, idxs, act = [], [], []
+        with torch.no_grad():  # every row's tokens in one head matmul, log-softmax and top-k per chunk
             hidden = body(input_ids=ids.to(self.device), attention_mask=att.to(self.device)).last_hidden_state
-            for b, (p, c) in enumerate(rows):
-                if not c:
-                    out.append(([], torch.zeros((0, self.topk), dtype=torch.long), torch.zeros((0, self.topk))))
-                    continue
-                start = max(len(p) - 1, 0)
-                h = hidden[b, start : start + len(c)]  # position t predicts token t + 1
-                target = torch.tensor(c, device=h.device)
-                if not p:  # nothing predicts the first token: it is not scored
-                    h, target = hidden[b, : len(c) - 1], target[1:]
-                vals, idxs, act = [], [], []
-                for s in range(0, h.shape[0], self.chunk_size):
-                    z = (h[s : s + self.chunk_size] @ head.T).float().log_softmax(-1)
-                    v, i = z.topk(min(self.topk, z.shape[-1]), -1)
-                    vals.append(v.cpu())
-                    idxs.append(i.cpu())
-                    act.append(z.gather(-1, target[s : s + self.chunk_size, None]).squeeze(-1).cpu())
-                v, i, a = torch.cat(vals), torch.cat(idxs), torch.cat(act)
-                if not p:
-                    v = torch.cat([torch.zeros(1, v.shape[1], device=v.device), v])
-                    i = torch.cat([torch.full((1, i.shape[1]), -1, dtype=torch.long, device=i.device), i])
-                    a = torch.cat([torch.full((1,), math.nan, device=a.device), a])
-                out.append((a.tolist(), i, v))
+            h = hidden.reshape(-1, hidden.shape[-1])[torch.tensor(at, dtype=torch.long, device=hidden.device)]
+            target = target.to(h.device)
+            for s in range(0, h.shape[0], self.chunk_size):
+                z = (h[s : s + self.chunk_size] @ head.T).float().log_softmax(-1)
+                v, i = z.topk(k, -1)
+                vals.append(v.cpu())
+                idxs.append(i.cpu())
+                act.append(z.gather(-1, target[s : s + self.chunk_size, None]).squeeze(-1).cpu())
+        v_all = torch.cat(vals) if vals else torch.zeros((0, k))
+        i_all = torch.cat(idxs) if idxs else torch.zeros((0, k), dtype=torch.long)
+        a_all = torch.cat(act) if act else torch.zeros(0)
+        out = []
+        for (p, c), v, i, a in zip(rows, v_all.split(lens), i_all.split(lens), a_all.split(lens), strict=True):
+            if c and not p:
+                v = torch.cat([torch.zeros(1, k), v])
+                i = torch.cat([torch.full((1, k), -1, dtype=torch.long), i])
+                a = torch.cat([torch.full((1,), math.nan), a])
+            out.append((a.tolist(), i, v))
         return out
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[TeacherScores | None]:
