@@ -75,30 +75,14 @@ def build_instruct_model(
 ) -> Path:
     """Write a tiny Qwen2-architecture instruct checkpoint (tokenizer with ``template``) to ``out_dir``."""
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from composer_plugins.models.tokenizer import PRETOKENIZE_REGEX
+    from composer_plugins.models.tokenizer import train_bpe
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     corpus = [f"{r['question']}\n{r['answer']}" for r in gsm8k_like_rows(200, seed)]
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
+    tok = train_bpe(corpus, vocab_size, SPECIAL_TOKENS)
     fast: Any = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|endoftext|>",
