@@ -9,7 +9,6 @@ Errors name the file, the line and the dotted key, and list the valid keys with 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import types
 import typing
@@ -20,6 +19,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 import yaml
 
 from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.registry import import_object
 
 T = TypeVar("T")
 
@@ -370,9 +370,8 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
     kw.update(extra)
     if target.startswith("class_path:"):
         path = target.split(":", 1)[1]
-        mod, _, attr = path.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(mod), attr)
+            cls = import_object(path)
         except (ImportError, AttributeError, ValueError) as e:
             raise cfg.error(f"{key}.class_path" if key else "class_path", f"cannot import {path!r}: {e}") from e
         return cls(**kw)

@@ -7,6 +7,7 @@ Entries are added only through the ``register`` callbacks handed to plugin hooks
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import importlib.util
 import inspect
 import re
@@ -149,15 +150,20 @@ class NotInstalledEntry(RegistryEntry):
         raise MissingDependencyError(self.kind, self.name, self.missing, self.install or "")
 
 
+def import_object(path: str) -> Any:
+    """The object named ``module:attr.sub`` or ``module.attr``; ``ImportError``/``AttributeError``/``ValueError``."""
+    module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _resolve(target: str, what: str) -> Callable[..., Any]:
-    module, _, attr = target.partition(":")
     try:
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        return import_object(target)
     except (ImportError, AttributeError) as e:
         raise ImportError(f"{what}: cannot import factory {target!r}: {type(e).__name__}: {e}") from e
-    return obj
 
 
 def _natural_key(s: str) -> list[Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from composer_plugins.core.config import Config, component_spec, from_dict
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.core.registry import import_object
 from composer_plugins.diloco import env as _env
 
 if TYPE_CHECKING:  # torch is imported where it is used, so loading a config (and its errors) never waits for it
@@ -375,9 +375,8 @@ def build_outer_optimizer(config: DiLoCoConfig, params: Iterable[nn.Parameter]) 
     path = target.removeprefix("class_path:")
     if "." not in path:
         path = f"torch.optim.{path}"
-    mod, _, attr = path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(mod), attr)
+        cls = import_object(path)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"cannot import outer optimizer {path!r}: {e}", key="diloco.outer_optimizer") from e
     return cls(params, **kw)

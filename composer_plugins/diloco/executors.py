@@ -168,10 +168,35 @@ def _forward(names: list[str], what: str) -> dict[str, str]:
     return {n: os.environ[n] for n in names}
 
 
+class _RemoteHandle:
+    """What a remote replica's handle shares: no local pid, ``terminate`` = ``kill`` = cancel, ``wait`` polls."""
+
+    _rc: int | None
+    pid: int | None = None
+    poll: Any
+    _cancel: Any
+    _wait_s = 0.5  #: seconds between polls in :meth:`wait`
+
+    def terminate(self) -> None:
+        if self._rc is None:
+            with contextlib.suppress(Exception):
+                self._cancel()
+
+    kill = terminate
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(self._wait_s)
+        return rc
+
+
 # -- Hugging Face Jobs ----------------------------------------------------------------------
 
 
-class HFJobHandle:
+class HFJobHandle(_RemoteHandle):
     """One replica running as a Hugging Face Job (``inspect_job`` for its state, ``cancel_job`` to stop it)."""
 
     def __init__(self, executor: HFJobsExecutor, spec: ReplicaSpec, job: Any) -> None:
@@ -185,10 +210,7 @@ class HFJobHandle:
         self._stage = "SCHEDULING"
         self.message: str | None = None
         self._failing_since: float | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return None
+        self._wait_s = min(0.2, executor.jobs.poll_s)
 
     def __repr__(self) -> str:
         return f"HFJobHandle(replica={self.spec.index}, job={self.job_id}, stage={self._stage})"
@@ -228,20 +250,8 @@ class HFJobHandle:
         self._rc = rc
         self.executor.save_logs(self)
 
-    def terminate(self) -> None:
-        if self._rc is None:
-            with contextlib.suppress(Exception):
-                self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
-
-    kill = terminate
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (rc := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            time.sleep(min(0.2, self.executor.jobs.poll_s))
-        return rc
+    def _cancel(self) -> None:
+        self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
 
 
 class HFJobsExecutor:
@@ -318,16 +328,12 @@ class HFJobsExecutor:
 # -- Modal ----------------------------------------------------------------------------------
 
 
-class ModalHandle:
+class ModalHandle(_RemoteHandle):
     """One replica running as a Modal function call (``FunctionCall``: ``get(timeout=0)`` polls, ``cancel``)."""
 
     def __init__(self, executor: ModalExecutor, spec: ReplicaSpec, call: Any) -> None:
         self.spec, self.executor, self.call = spec, executor, call
         self._rc: int | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return None
 
     def poll(self) -> int | None:
         if self._rc is not None:
@@ -345,20 +351,8 @@ class ModalHandle:
                 f.write(str(out.get("output", "")))
         return self._rc
 
-    def terminate(self) -> None:
-        if self._rc is None:
-            with contextlib.suppress(Exception):
-                self.call.cancel()
-
-    kill = terminate
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (rc := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            time.sleep(0.5)
-        return rc
+    def _cancel(self) -> None:
+        self.call.cancel()
 
 
 def _modal_replica(argv: list[str], env: dict[str, str]) -> dict[str, Any]:  # pragma: no cover - runs on Modal

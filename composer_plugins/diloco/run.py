@@ -6,7 +6,6 @@ says which replica it is and where the others are (a torchft lighthouse or an ob
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ from typing import Any
 
 from composer_plugins.core.config import Config, apply_overrides, load_config, loads_config
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
+from composer_plugins.core.registry import import_object
 from composer_plugins.diloco.common import DiLoCoConfig
 from composer_plugins.diloco.env import ENV_INDEX, ENV_RESTART, ENV_SYNC_LOG
 
@@ -69,10 +69,9 @@ def _run_target(target: str, config: str | None, overrides: Sequence[str], secti
         from composer_plugins.diloco.toy import run_toy
 
         return run_toy(cfg)
-    mod, _, attr = target.partition(":")
-    if not attr:
+    if not target.partition(":")[2]:
         raise ConfigError(f"--target must be 'train', 'toy' or 'module:function', got {target!r}")
-    return getattr(importlib.import_module(mod), attr)(cfg)
+    return import_object(target)(cfg)
 
 
 def summary_path(sync_log: str | os.PathLike[str] | None) -> Path | None:

@@ -186,12 +186,7 @@ def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: S
         accelerator="cpu",
         devices=1,
         max_steps=toy.max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
-        num_sanity_val_steps=0,
     )
     t0 = time.perf_counter()
     trainer.fit(model, loader)

@@ -16,12 +16,12 @@ them with their providers; :func:`composer_plugins.testing.check_transport` chec
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from collections.abc import Callable
 from typing import Any, Literal
 
 from composer_plugins.core.errors import ComposerPluginsError, closest
+from composer_plugins.core.registry import import_object
 from composer_plugins.diloco import env as _env
 
 #: a :class:`~composer_plugins.diloco.common.DiLoCoConfig` (not imported: common imports this module)
@@ -78,8 +78,7 @@ class Transport:
 
     def callback(self, config: DiLoCoConfig, replica: ReplicaInfo | None = None) -> Any:
         """This transport's Lightning callback for one replica."""
-        mod, _, cls = self.callback_path.partition(":")
-        return getattr(importlib.import_module(mod), cls)(config, replica)
+        return import_object(self.callback_path)(config, replica)
 
 
 class ObjectStoreTransport(Transport):

@@ -154,6 +154,17 @@ def prompt_text(prompt: Any) -> str:
 _TRAINER_KWARGS = frozenset({"trainer_state", "completion_ids", "log_extra", "log_metric", "prompts", "completions"})
 
 
+def sample_cycling(pool: Sequence[Mapping[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` of ``pool``'s tasks, a fresh shuffle each pass (``[]`` for an empty pool), deterministic in ``seed``."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    while pool and len(out) < n:
+        order = list(range(len(pool)))
+        rng.shuffle(order)
+        out.extend(dict(pool[i]) for i in order[: n - len(out)])
+    return out
+
+
 def _task_key(completion: str, task: Mapping[str, Any]) -> str:
     blob = json.dumps({"c": completion, "t": task}, sort_keys=True, default=repr)
     return hashlib.sha1(blob.encode("utf-8", "replace")).hexdigest()

@@ -23,7 +23,6 @@ import importlib.util
 import json
 import math
 import os
-import random
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any, Literal
 
 from composer_plugins.core.errors import ConfigError, MissingDependencyError
 from composer_plugins.core.io import iter_jsonl
-from composer_plugins.envs.base import Env, Feedback
+from composer_plugins.envs.base import Env, Feedback, sample_cycling
 from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
 
 __all__ = ["CodeEnv", "build_program", "extract_code", "load_code_tasks", "load_humaneval"]
@@ -294,13 +293,7 @@ class CodeEnv(Env):
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split`` (cycling through shuffles), deterministic in ``seed``."""
         pool = self.tasks(split)
-        rng = random.Random(seed)
-        out: list[dict[str, Any]] = []
-        while pool and len(out) < n:
-            order = list(range(len(pool)))
-            rng.shuffle(order)
-            out.extend(dict(pool[i]) for i in order[: n - len(out)])
-        return out
+        return sample_cycling(pool, n, seed)
 
     # -- scoring -------------------------------------------------------------------------------
     def _mode_for(self, task: Mapping[str, Any]) -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.envs.base import Env, Feedback
+from composer_plugins.envs.base import Env, Feedback, sample_cycling
 from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
 from composer_plugins.envs.symbols import (
     _TEST_DIRS,
@@ -418,13 +418,7 @@ class FeatureDeletionEnv(Env):
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split`` (cycling through shuffles; all tasks if a split is empty)."""
         pool = self.tasks(split) or self.tasks("all")
-        rng = random.Random(seed)
-        out: list[dict[str, Any]] = []
-        while pool and len(out) < n:
-            order = list(range(len(pool)))
-            rng.shuffle(order)
-            out.extend(dict(pool[i]) for i in order[: n - len(out)])
-        return out
+        return sample_cycling(pool, n, seed)
 
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
         need = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")

@@ -20,7 +20,6 @@ import glob
 import gzip
 import json
 import os
-import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 from composer_plugins.core.io import atomic_write_jsonl, iter_jsonl
 from composer_plugins.envs.answers import extract_answer_value, format_number
 from composer_plugins.envs.arith import generate_problems, resolve_difficulty
-from composer_plugins.envs.base import Env, Feedback
+from composer_plugins.envs.base import Env, Feedback, sample_cycling
 
 __all__ = ["GSM8KEnv", "load_gsm8k_file", "load_gsm8k_hf"]
 
@@ -274,16 +273,7 @@ class GSM8KEnv(Env):
                     )
                 )
             return out
-        pool = self.tasks(split)
-        if not pool:
-            return []
-        rng = random.Random(seed)
-        out = []
-        while len(out) < n:
-            order = list(range(len(pool)))
-            rng.shuffle(order)
-            out.extend(dict(pool[i]) for i in order[: n - len(out)])
-        return out
+        return sample_cycling(self.tasks(split), n, seed)
 
     # -- reward -------------------------------------------------------------------------------
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:

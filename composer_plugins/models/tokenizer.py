@@ -10,6 +10,7 @@ the same path a real model's tokenizer takes.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -39,11 +40,26 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequen
         A ``transformers.PreTrainedTokenizerFast`` with ``pad``/``bos``/``eos``/``unk`` tokens
         (ids 0-3) and left padding (what batched generation needs).
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet plus special tokens; use at least 260")
+    tok = train_bpe(texts, vocab_size, SPECIAL_TOKENS, min_frequency=min_frequency)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="left",
+    )
+    return fast
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str], *, min_frequency: int = 0) -> Any:
+    """A raw ``tokenizers.Tokenizer``: byte-level BPE with the Qwen2 split (:data:`PRETOKENIZE_REGEX`), NFC."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -56,17 +72,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequen
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        padding_side="left",
-    )
-    return fast
+    return tok

@@ -12,13 +12,13 @@ state metadata and returns the answer (``None`` to abstain).
 from __future__ import annotations
 
 import ast
-import importlib
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from composer_plugins.core.registry import import_object
 from composer_plugins.teachers.base import (
     Teacher,
     TeacherCallError,
@@ -108,11 +108,8 @@ def _resolve_solver(solver: Solver | str | None) -> Solver | None:
     if solver is None or callable(solver):
         return solver
     if isinstance(solver, str) and ":" in solver:
-        mod, _, attr = solver.partition(":")
         try:
-            obj: Any = importlib.import_module(mod)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
+            obj = import_object(solver)
         except (ImportError, AttributeError) as e:
             raise TeacherError(f"oracle teacher: cannot import solver {solver!r}: {e}") from e
         if not callable(obj):

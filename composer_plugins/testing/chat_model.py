@@ -75,30 +75,15 @@ def build_instruct_model(
 ) -> Path:
     """Write a tiny Qwen2-architecture instruct checkpoint (tokenizer with ``template``) to ``out_dir``."""
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    from composer_plugins.models.tokenizer import PRETOKENIZE_REGEX
+    from composer_plugins.models.tiny import TinyModelConfig, make_model_config
+    from composer_plugins.models.tokenizer import train_bpe
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     corpus = [f"{r['question']}\n{r['answer']}" for r in gsm8k_like_rows(200, seed)]
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
+    tok = train_bpe(corpus, vocab_size, SPECIAL_TOKENS)
     fast: Any = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|endoftext|>",
@@ -108,19 +93,9 @@ def build_instruct_model(
         padding_side="left",
     )
     fast.chat_template = template
-    cfg = Qwen2Config(
-        vocab_size=len(fast),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=None,
-        eos_token_id=fast.eos_token_id,
-    )
+    shape = TinyModelConfig(hidden_size=hidden_size, intermediate_size=hidden_size * 2, num_layers=layers)
+    shape.num_heads, shape.num_kv_heads, shape.max_position_embeddings = heads, kv_heads, 1024
+    cfg = make_model_config(shape, len(fast), fast.pad_token_id, None, fast.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)

@@ -43,7 +43,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -269,14 +268,6 @@ class FakeJobsHub:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
                 self._signal(job, signal.SIGKILL)
-
-    def wait_all(self, timeout: float = 60.0) -> None:
-        """Wait until every job submitted so far has finished."""
-        deadline = time.monotonic() + timeout
-        while any(not j.finished for j in list(self.jobs.values())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"jobs still running: {[j.id for j in self.jobs.values() if not j.finished]}")
-            time.sleep(0.05)
 
     # -- HTTP -----------------------------------------------------------------------------
     def _handler(self) -> type[BaseHTTPRequestHandler]:

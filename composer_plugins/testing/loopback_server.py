@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from composer_plugins.testing.teacher_loopback import LoopbackProcess, LoopbackServer, ServerConfig
+from composer_plugins.testing.teacher_loopback import LoopbackProcess, LoopbackServer, ServerConfig, serve_forever
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -246,20 +246,6 @@ class RolloutLoopbackServer(LoopbackServer):
         return app
 
 
-async def _serve(config: ServerConfig, model_path: str, host: str, port: int, threads: int) -> None:
-    from aiohttp import web
-
-    server = RolloutLoopbackServer(config, model_path, threads)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    print(f"LISTENING {sock.getsockname()[1]}", flush=True)
-    while True:
-        await asyncio.sleep(3600)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (``python -m composer_plugins.testing.loopback_server``)."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -272,12 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ServerConfig()
     for k, v in json.loads(a.config or "{}").items():
         setattr(cfg, k, v)
-    if a.host not in ("127.0.0.1", "localhost", "::1"):
-        raise SystemExit("the loopback server only binds to 127.0.0.1/localhost")
-    try:
-        asyncio.run(_serve(cfg, a.model, a.host, a.port, a.threads))
-    except KeyboardInterrupt:  # pragma: no cover
-        pass
+    serve_forever(lambda: RolloutLoopbackServer(cfg, a.model, a.threads).app(), a.host, a.port)
 
 
 class RolloutServerProcess(LoopbackProcess):

@@ -362,17 +362,27 @@ class LoopbackServer:
         return app
 
 
-async def _serve(config: ServerConfig, host: str, port: int) -> None:
-    from aiohttp import web
+def serve_forever(make_app: Any, host: str, port: int) -> None:
+    """Serve the aiohttp app ``make_app()`` on ``host:port`` (loopback only) and print ``LISTENING <port>``."""
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit("the loopback server only binds to 127.0.0.1/localhost")
 
-    runner = web.AppRunner(LoopbackServer(config).app(), access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
-    await site.start()
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    print(f"LISTENING {sock.getsockname()[1]}", flush=True)
-    while True:
-        await asyncio.sleep(3600)
+    async def run() -> None:
+        from aiohttp import web
+
+        runner = web.AppRunner(make_app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        print(f"LISTENING {sock.getsockname()[1]}", flush=True)
+        while True:
+            await asyncio.sleep(3600)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # pragma: no cover
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -388,12 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.config:
         for k, v in json.loads(a.config).items():
             setattr(cfg, k, v)
-    if a.host not in ("127.0.0.1", "localhost", "::1"):
-        raise SystemExit("the loopback server only binds to 127.0.0.1/localhost")
-    try:
-        asyncio.run(_serve(cfg, a.host, a.port))
-    except KeyboardInterrupt:  # pragma: no cover
-        pass
+    serve_forever(LoopbackServer(cfg).app, a.host, a.port)
 
 
 class LoopbackProcess:

@@ -17,9 +17,9 @@ Failures raise :class:`~composer_plugins.testing.base.ConformanceError` naming t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
+from composer_plugins.core.registry import import_object
 from composer_plugins.testing.base import _entry, _fail
 
 __all__ = ["check_transport"]
@@ -95,9 +95,8 @@ def check_transport(name: str, registry: Any = None, **build_kwargs: Any) -> Any
                 raise _fail(entry, f"needs a store, but its error is not located at diloco.store: {e}") from e
         else:
             raise _fail(entry, "needs a store, but starts without one")
-    mod, _, cls_name = t.callback_path.partition(":")
     try:
-        cls = getattr(importlib.import_module(mod), cls_name)
+        cls = import_object(t.callback_path)
     except (ImportError, AttributeError, ValueError) as e:
         raise _fail(entry, f"its callback {t.callback_path!r} does not import: {type(e).__name__}: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, DiLoCoCallbackBase)):

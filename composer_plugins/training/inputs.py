@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError, closest
 from composer_plugins.core.io import iter_jsonl
+from composer_plugins.core.registry import import_object
 from composer_plugins.training.chat import PROMPT_KEYS
 
 if TYPE_CHECKING:
@@ -161,11 +162,8 @@ def env_task_fields(cfg: TrainConfig, src: Config) -> tuple[tuple[str | tuple[st
     try:
         target, _ = component_spec(cfg.env, "env", src)
         if target.startswith("class_path:"):
-            import importlib
-
-            mod, _, attr = target.split(":", 1)[1].rpartition(".")
-            factory = getattr(importlib.import_module(mod), attr)
-            label = f"env {attr!r}"
+            factory = import_object(target.split(":", 1)[1])
+            label = f"env {target.rpartition('.')[2]!r}"
         else:
             factory = get_registry().get("envs", target).factory
             label = f"env {target!r}"

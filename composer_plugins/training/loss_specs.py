@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from composer_plugins.core.config import Config
+from composer_plugins.core.registry import import_object
 
 CHANNEL_KEYS = ("enabled", "weight", "name")
 
@@ -162,7 +163,6 @@ class DeclaredChannel(NamedTuple):
 
 def declared_channels(losses: Mapping[str, Any], src: Config | None = None) -> list[DeclaredChannel]:
     """The enabled channels of a ``losses`` section with their declarations (located errors for unknown names)."""
-    import importlib
 
     from composer_plugins.core.errors import UnknownPluginError
     from composer_plugins.core.plugins import get_registry
@@ -176,8 +176,7 @@ def declared_channels(losses: Mapping[str, Any], src: Config | None = None) -> l
         preset: dict[str, Any] = {}
         if "class_path" in ch.kwargs:
             path = str(ch.kwargs["class_path"])
-            mod, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-            cls: Any = getattr(importlib.import_module(mod), attr)
+            cls: Any = import_object(path)
         else:
             try:
                 entry = get_registry().get("losses", ch.name)

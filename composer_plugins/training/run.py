@@ -282,10 +282,6 @@ def run_eval(
     trainer = lightning_trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=bar is not None,
-        enable_model_summary=False,
         callbacks=[bar] if bar else [],
     )
     if cfg.eval.predictions:

@@ -274,14 +274,9 @@ def sft_train(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
         precision=cfg.trainer.precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=bar is not None,
-        enable_model_summary=False,
         gradient_clip_val=1.0,
         log_every_n_steps=10,
         callbacks=[_Losses(), *extra_callbacks, *([bar] if bar else [])],
-        num_sanity_val_steps=0,
     )
     with quiet_lightning():
         trainer.fit(module, train_dataloaders=loader)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from composer_plugins.core.config import Config
+from composer_plugins.core.registry import import_object
 from composer_plugins.training.config import TrainConfig
 from composer_plugins.training.strategy_names import strategy_names, unknown_strategy
 
@@ -57,12 +58,9 @@ def build_strategy(cfg: TrainConfig, policy: Any = None, src: Config | None = No
     if isinstance(spec, str):
         spec = {"class_path": spec}
     if isinstance(spec, Mapping) and "class_path" in spec:
-        import importlib
-
         path = str(spec["class_path"])
-        mod, _, attr = path.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(mod), attr)
+            cls = import_object(path)
         except (ImportError, AttributeError, ValueError) as e:
             raise src.error("trainer.strategy", f"cannot import {path!r} ({e}).") from None
         return cls(**dict(spec.get("init_args") or {}))

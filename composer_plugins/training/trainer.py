@@ -83,13 +83,16 @@ def progress_bar(phase: str, configured: bool) -> Any:
 def lightning_trainer(*, callbacks: Sequence[Any] = (), **kwargs: Any) -> Any:
     """The one place a ``lightning.Trainer`` is constructed (RL run, SFT, eval, the DiLoCo toy LM).
 
-    Project defaults (no logger, no model summary, no sanity validation) under ``kwargs``, which may
-    override any of them; :func:`build_trainer` is the RL run's use of it.
+    Project defaults (no logger, checkpoints, model summary or sanity validation; a progress bar only when
+    ``callbacks`` hold one) under ``kwargs``, which may override any of them; :func:`build_trainer` is the RL
+    run's use of it.
     """
     import lightning as L
+    from lightning.pytorch.callbacks import ProgressBar
 
+    bar = any(isinstance(c, ProgressBar) for c in callbacks)
     kw: dict[str, Any] = {"logger": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
-    kw.update(kwargs)
+    kw.update({"enable_checkpointing": False, "enable_progress_bar": bar, **kwargs})
     return L.Trainer(callbacks=list(callbacks), **kw)
 
 
@@ -161,10 +164,7 @@ def build_trainer(
         "gradient_clip_val": t.gradient_clip_val,
         "gradient_clip_algorithm": t.gradient_clip_algorithm,
         "log_every_n_steps": t.log_every_n_steps,
-        "enable_progress_bar": bar is not None,
         "enable_checkpointing": ckpt is not None,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
         "deterministic": t.deterministic,
         "logger": build_logger(cfg) if logger is None else logger,
         "callbacks": callbacks,

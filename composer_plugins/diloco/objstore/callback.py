@@ -233,29 +233,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         else:
             committed = False
             self._catch_up(r, manifest)
-        self._record_round(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
-
-    def _record_round(
-        self,
-        r: int,
-        committed: bool,
-        participants: int,
-        err: float | None,
-        seconds: float,
-        *,
-        digest: tuple[str, float] | None = None,
-        background: dict[str, float] | None = None,
-    ) -> None:
-        assert self.store is not None
-        # since the last record: the state written in the background after a sync counts in the next one
-        w0, r0, n0 = self._counted
-        now = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
-        self._counted = now
-        self._record(
-            r, committed, participants, err, seconds, now[0] - w0, now[1] - r0, now[2] - n0, digest, background
-        )
-        if self._trainer is not None and self._stop:
-            self._trainer.should_stop = True
+        self._record(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
 
     def _launch_overlapped(self, r: int, t0: float) -> None:
         """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
@@ -320,7 +298,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
                 p.add_(g - s)
         else:
             self._catch_up(r, manifest)
-        self._record_round(
+        self._record(
             r,
             committed,
             len(manifest["participants"]),
@@ -337,13 +315,15 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         participants: int,
         err: float | None,
         seconds: float,
-        written: int,
-        read: int,
-        retries: int,
         digest: tuple[str, float] | None = None,
         background: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         c = self.config
+        assert self.store is not None
+        # since the last record: the state written in the background after a sync counts in the next one
+        w0, r0, n0 = self._counted
+        self._counted = (self.store.bytes_written, self.store.bytes_read, self.store.retries)
+        written, read, retries = self._counted[0] - w0, self._counted[1] - r0, self._counted[2] - n0
         states, self._states_counted = self.bytes_states - self._states_counted, self.bytes_states
         kinds = dict(self.rounds.bytes_by_kind) if self.rounds is not None else {}
         by_kind = {k: n - self._kinds_counted.get(k, 0) for k, n in kinds.items()}
@@ -395,4 +375,6 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         if sync_log:
             with open(sync_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+        if self._trainer is not None and self._stop:
+            self._trainer.should_stop = True
         return rec

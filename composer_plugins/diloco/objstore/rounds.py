@@ -278,13 +278,17 @@ class RoundStore:
             if vec.numel() != numel or not bool(torch.isfinite(vec).all()):
                 raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {numel}, or not finite")
         except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
-            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
-            raise StoreObjectError(
-                f"{msg}: refused (nothing in it was run); round {r}'s aggregate cannot be "
-                "replaced. HINT: resume the run from a copy of the prefix without "
-                f"rounds/{r:08d} and later."
-            ) from e
+            why = f"refused (nothing in it was run); round {r}'s aggregate cannot be replaced"
+            raise self._for_good(r, key, e, why) from e
         return vec
+
+    def _for_good(self, r: int, key: str, e: Exception | None, why: str) -> StoreObjectError:
+        """The error for a round object that is not intact and cannot be replaced (it was created once)."""
+        msg = self._where(key) if e is None else str(e)
+        if e is not None and not msg.startswith(self.store.where):
+            msg = f"{self._where(key)}: {one_line(e)}"
+        hint = f"HINT: resume the run from a copy of the prefix without rounds/{r:08d} and later."
+        return StoreObjectError(f"{msg}: {why}. {hint}")
 
     # -- the manifest -----------------------------------------------------------------
     def manifest(self, r: int) -> dict[str, Any] | None:
@@ -310,17 +314,10 @@ class RoundStore:
                 )
             )
         except (CorruptObjectError, ValueError, TypeError) as e:
-            msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
-            raise StoreObjectError(
-                f"{msg}: round {r}'s manifest is not a DiLoCo data object and cannot be replaced "
-                "(it was created once). HINT: resume the run from a copy of the prefix without "
-                f"rounds/{r:08d} and later."
-            ) from e
+            why = f"round {r}'s manifest is not a DiLoCo data object and cannot be replaced (it was created once)"
+            raise self._for_good(r, key, e, why) from e
         if not ok:
-            raise StoreObjectError(
-                f"{self._where(key)}: not a manifest of round {r}. HINT: resume the run from a "
-                f"copy of the prefix without rounds/{r:08d} and later."
-            )
+            raise self._for_good(r, key, None, f"not a manifest of round {r}")
         return m
 
     def close_round(self, r: int, grads: dict[int, str], closer: int, slices: int = 1) -> tuple[dict[str, Any], bool]:
