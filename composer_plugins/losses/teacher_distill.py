@@ -39,6 +39,7 @@ from composer_plugins.kernels.teacher_topk import (
     sampled_token_divergence,
     sampled_token_scored,
     teacher_distill_reference,
+    usable_entries,
 )
 from composer_plugins.losses.base import LossChannel
 
@@ -164,9 +165,11 @@ class TeacherDistillChannel(LossChannel):
             # fraction of the completion tokens distilled (min_agree, unscored positions and positions only
             # weight-0 teachers scored drop the rest)
             "coverage": out.tokens / max(float(mask.sum()), 1.0),
-            # teacher entries left out: a NaN / +inf log-prob, an id outside the student's vocabulary
+            # teacher entries left out: a NaN / +inf log-prob, an id outside the student's vocabulary; teacher
+            # positions left out: probabilities summing above 1 (a log-prob above 0, duplicate ids)
             "nonfinite": float(out.nonfinite),
             "out_of_vocab": float(out.out_of_vocab),
+            "invalid": float(out.invalid),
             # teachers the weights name that the batch lacks (missed the deadline): the mixture renormalises
             "teachers_absent": float(len(absent)),
         }
@@ -189,12 +192,10 @@ def teacher_tokens(
     scores: TeacherTopK, mask: Tensor, vocab: int | None = None, weights: Mapping[str, float] | None = None
 ) -> Tensor:
     """Number of completion tokens at least one teacher scored with a usable entry (the channel's denominator
-    without ``min_agree``): an id in ``[0, vocab)`` with a log-prob that is not NaN / ``+inf``, from a teacher
-    whose weight (``weights``, by name; default all) is > 0."""
-    ids, lps = scores.ids, scores.logprobs
-    ok = (ids >= 0) & ~torch.isnan(lps) & (lps != math.inf)
-    if vocab is not None:
-        ok &= ids < int(vocab)
+    without ``min_agree``): an id in ``[0, vocab)`` with a log-prob that is not NaN / ``+inf``, at a position
+    whose probabilities sum to at most 1 + ε, from a teacher whose weight (``weights``, by name; default all) is
+    > 0."""
+    ok = usable_entries(scores.ids, scores.logprobs, None if vocab is None else int(vocab))[0]
     present = scores.mask.bool() & ok.any(-1)
     if weights is not None:
         on = torch.tensor([float(weights.get(n, 0.0)) > 0 for n in scores.names], device=present.device)
