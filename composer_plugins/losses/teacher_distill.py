@@ -175,6 +175,11 @@ class TeacherDistillChannel(LossChannel):
         }
         for name in absent:
             metrics[f"absent/{name}"] = 1.0
+        rows = mask.any(-1)  # a teacher that scored nothing of a row is absent there (a failed or missing row)
+        for i, name in enumerate(scores.names):
+            gone = float((rows & ~scores.mask[:, i].bool().any(-1)).sum())
+            if gone:
+                metrics[f"absent/{name}"] = gone / max(float(rows.sum()), 1.0)
         for i, name in enumerate(scores.names):
             metrics[f"scored/{name}"] = float(scored[:, i].sum()) / max(float(mask.sum()), 1.0)
         if out.tokens:
