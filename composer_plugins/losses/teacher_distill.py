@@ -98,6 +98,19 @@ class TeacherDistillChannel(LossChannel):
         ("completion_logits",),
     )
 
+    @classmethod
+    def check_spec(cls, kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+        """``(field, problem and fix)`` for a config entry this channel cannot train with, read when the config
+        loads (before any stage runs); ``None`` when it can."""
+        teachers = kwargs.get("teachers")
+        if teachers is not None and not (isinstance(teachers, list | tuple) and teachers):
+            return "teachers", (
+                f"teacher_distill needs at least one teacher, got teachers: {teachers!r} (every step would distil "
+                "nothing). HINT: name one, e.g. teachers: [{kind: causal_lm, id: big, model_path: Qwen/Qwen3-1.7B}], "
+                "or turn the channel off (enabled: false)."
+            )
+        return None
+
     def __init__(
         self,
         weight: float = 1.0,
@@ -124,6 +137,9 @@ class TeacherDistillChannel(LossChannel):
             bad = {k: v for k, v in weights.items() if not _weight_ok(v)}
             if bad:
                 raise ValueError(f"teacher weights must be finite numbers >= 0, got {bad}")
+        problem = self.check_spec({"teachers": teachers})
+        if problem:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
         if chunk_size is not None and int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1 (or null), got {chunk_size}")
         if deadline_s is not None and not float(deadline_s) > 0:
