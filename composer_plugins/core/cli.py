@@ -199,8 +199,18 @@ def report_error(e: BaseException) -> NoReturn:
     sys.exit(2)
 
 
+def report_interrupt(e: BaseException) -> NoReturn:
+    """The one Ctrl-C handler: ``interrupted: <what was saved>; <how to continue>`` (an
+    :class:`~composer_plugins.core.errors.Interrupted`'s message) in yellow on stderr, exit status 130 (128 +
+    SIGINT, what a shell reports for a process Ctrl-C stopped)."""
+    msg = str(e) if str(e).startswith("interrupted") else "interrupted before anything was saved; run it again"
+    click.secho(msg, err=True, fg="yellow")
+    sys.exit(130)
+
+
 def command_errors(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a click command so a :class:`ComposerPluginsError` it raises goes to :func:`report_error`."""
+    """Decorate a click command so a :class:`ComposerPluginsError` it raises goes to :func:`report_error`, and
+    Ctrl-C to :func:`report_interrupt`."""
     from composer_plugins.core.errors import ComposerPluginsError
 
     @functools.wraps(f)
@@ -209,6 +219,8 @@ def command_errors(f: Callable[..., Any]) -> Callable[..., Any]:
             return f(*args, **kwargs)
         except ComposerPluginsError as e:
             report_error(e)
+        except KeyboardInterrupt as e:
+            report_interrupt(e)
 
     return wrapper
 

@@ -10,6 +10,14 @@ class ComposerPluginsError(Exception):
     """Base class for every error this package raises on purpose."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a long-running command, saying what was saved and how to continue; every command
+    prints it and exits 130 (:func:`composer_plugins.core.cli.report_interrupt`)."""
+
+    def __init__(self, saved: str, then: str) -> None:
+        super().__init__(f"interrupted: {saved}; {then}")
+
+
 def closest(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.6) -> list[str]:
     """Return up to ``n`` candidates close to ``name`` (case-insensitive), best first."""
     lowered = {c.lower(): c for c in candidates}
