@@ -284,8 +284,13 @@ def sft_train(
         callbacks=[_Losses(), *extra_callbacks, *([bar] if bar else [])],
         num_sanity_val_steps=0,
     )
-    with quiet_lightning():
-        trainer.fit(module, train_dataloaders=loader)
+    try:
+        with quiet_lightning():
+            trainer.fit(module, train_dataloaders=loader)
+    except SystemExit:  # Lightning's answer to Ctrl-C: tear down, then sys.exit(1)
+        if not trainer.interrupted:
+            raise
+        raise KeyboardInterrupt from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
