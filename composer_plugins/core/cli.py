@@ -95,6 +95,8 @@ def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
         desc = e.description
         if not e.available:
             desc = f"[not installed: {e.install or 'pip install ' + ' '.join(e.missing)}] {desc}"
+        elif e.contract_problem:
+            desc = f"[FAILS its contract check: {e.contract_problem}] {desc}"
         rows.append([e.name, e.kind, desc, e.provider or e.plugin])
     if not rows:
         click.echo(f"No {kind or 'components'} match{' ' + repr(pattern) if pattern else ''}.")
@@ -124,6 +126,7 @@ def _entry_json(e: Any) -> dict[str, Any]:
         "plugin": e.plugin,
         "available": e.available,
         **({"install": e.install or "pip install " + " ".join(e.missing)} if not e.available else {}),
+        **({"contract_problem": e.contract_problem} if e.available and e.contract_problem else {}),
     }
 
 
@@ -132,11 +135,16 @@ def _entry_json(e: Any) -> dict[str, Any]:
 @click.option("--hook", "hooks", multiple=True, help="Only plugins implementing this hook.")
 @click.option("--requirements", is_flag=True, help="Print pinned distributions (name==version) instead.")
 def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> None:
-    """Print installed plugins as JSON: distribution, version, hooks implemented, and what failed."""
+    """Print installed plugins as JSON: distribution, version, hooks implemented, and what failed (loading, or a
+    registered component's contract check: ``"contract": "FAILED"`` with the reasons)."""
     from composer_plugins.core.plugins import get_plugin_manager, get_registry
 
-    get_registry()  # registering finds name clashes; they are listed with the plugin that made them
+    reg = get_registry()  # registering finds name clashes; they are listed with the plugin that made them
     infos = get_plugin_manager().plugin_infos(include_defaults=include_all)
+    for i in infos:  # each registered entry's contract check; a plugin with a failing one is marked
+        for e in reg.entries():
+            if e.plugin == i.name and e.contract_problem:
+                i.contract_failures[f"{e.kind}/{e.name}"] = e.contract_problem
     if hooks:
         infos = [i for i in infos if set(hooks) & set(i.hooks)]
     if requirements:

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Iterable, Sequence
 
 
 class ComposerPluginsError(Exception):
     """Base class for every error this package raises on purpose."""
+
+
+class PluginDeprecationWarning(DeprecationWarning):
+    """A plugin uses a contract form served through an adapter until a later release (docs/plugins.md
+    "Versions and deprecations"); shown once per place by default, unlike other ``DeprecationWarning``s."""
+
+
+warnings.filterwarnings("default", category=PluginDeprecationWarning)
 
 
 class Interrupted(KeyboardInterrupt):

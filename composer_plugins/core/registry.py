@@ -131,6 +131,20 @@ class RegistryEntry:
         """True when every optional requirement is importable."""
         return not self.missing
 
+    @property
+    def contract_problem(self) -> str | None:
+        """Why this entry does not keep its kind's contract, or ``None``: its factory resolves, and a factory
+        that declares ``contract_problem()`` (a loss channel's class) finds nothing wrong with itself. An entry
+        whose optional requirements are missing is not imported (``missing`` says so)."""
+        if self.missing:
+            return None
+        try:
+            factory = self.factory
+        except ImportError as e:
+            return str(e)
+        check = getattr(factory, "contract_problem", None)
+        return check() if callable(check) else None
+
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """Call the factory with the preset ``init_params`` updated by ``kwargs``."""
         missing = self.missing

@@ -30,6 +30,12 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
         entry = get_registry().get("losses", ch.name)
     except UnknownPluginError as e:
         raise src.error(f"{where}.name" if ch.name != key else where, str(e)) from e
+    broken = entry.contract_problem  # a plugin that fails its contract check: refused here, before any stage
+    if broken:
+        raise src.error(
+            where if ch.name == key else f"{where}.name",
+            f"{entry.kind} {ch.name!r} ({entry.provider or entry.plugin}) fails its contract check: {broken}",
+        )
     check = getattr(entry.factory, "check_spec", None)  # a channel that declares what it cannot train with
     problem = check(ch.kwargs) if callable(check) else None
     if problem:
