@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -378,3 +379,25 @@ def test_channel_constructor_validation():
         ReplayPreferenceChannel(method="kto")
     with pytest.raises(ValueError, match="share the name"):
         ChannelComposer([PolicyLossChannel(loss_type="dapo"), PolicyLossChannel(loss_type="dapo")])
+
+
+def test_an_optional_input_is_declared_beside_an_empty_alternative():
+    """docs/losses.md "Optional inputs": ``input_options = (("old_logprobs",), ())`` asks the assembler for the
+    input (the first group is built) and never skips the channel without it; ``self.get`` reads ``None`` then."""
+
+    class Ratio(LossChannel):
+        requires = ("logprobs",)
+        input_options = (("old_logprobs",), ())
+
+        def forward(self, inputs):
+            old = self.get("old_logprobs", inputs)
+            lp = inputs["logprobs"]
+            return (lp - (lp.detach() if old is None else old)).exp().mean(), {"had_old": float(old is not None)}
+
+    comp = ChannelComposer([Ratio(name="ratio")])
+    assert comp.required_inputs() == ("logprobs", "old_logprobs")
+    lp = torch.zeros(2, 3)
+    _, m = comp({"logprobs": lp})
+    assert m["ratio/skipped"] == 0.0 and m["ratio/had_old"] == 0.0
+    loss, m = comp({"logprobs": lp, "old_logprobs": torch.full((2, 3), -1.0)})
+    assert m["ratio/had_old"] == 1.0 and abs(float(loss) - math.e) < 1e-6
