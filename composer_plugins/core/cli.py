@@ -95,8 +95,8 @@ def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
         desc = e.description
         if not e.available:
             desc = f"[not installed: {e.install or 'pip install ' + ' '.join(e.missing)}] {desc}"
-        elif e.contract_problem:
-            desc = f"[FAILS its contract check: {e.contract_problem}] {desc}"
+        elif e.contract_problem(load=False):
+            desc = f"[FAILS its contract check: {e.contract_problem(load=False)}] {desc}"
         rows.append([e.name, e.kind, desc, e.provider or e.plugin])
     if not rows:
         click.echo(f"No {kind or 'components'} match{' ' + repr(pattern) if pattern else ''}.")
@@ -126,7 +126,7 @@ def _entry_json(e: Any) -> dict[str, Any]:
         "plugin": e.plugin,
         "available": e.available,
         **({"install": e.install or "pip install " + " ".join(e.missing)} if not e.available else {}),
-        **({"contract_problem": e.contract_problem} if e.available and e.contract_problem else {}),
+        **({"contract_problem": e.contract_problem(load=False)} if e.contract_problem(load=False) else {}),
     }
 
 
@@ -141,10 +141,11 @@ def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> No
 
     reg = get_registry()  # registering finds name clashes; they are listed with the plugin that made them
     infos = get_plugin_manager().plugin_infos(include_defaults=include_all)
-    for i in infos:  # each registered entry's contract check; a plugin with a failing one is marked
-        for e in reg.entries():
-            if e.plugin == i.name and e.contract_problem:
-                i.contract_failures[f"{e.kind}/{e.name}"] = e.contract_problem
+    shown = {i.name: i for i in infos}
+    for e in reg.entries():  # each registered entry's contract check; a plugin with a failing one is marked
+        why = e.contract_problem() if e.plugin in shown else None
+        if why:
+            shown[e.plugin].contract_failures[f"{e.kind}/{e.name}"] = why
     if hooks:
         infos = [i for i in infos if set(hooks) & set(i.hooks)]
     if requirements:

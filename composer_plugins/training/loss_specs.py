@@ -30,7 +30,7 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
         entry = get_registry().get("losses", ch.name)
     except UnknownPluginError as e:
         raise src.error(f"{where}.name" if ch.name != key else where, str(e)) from e
-    broken = entry.contract_problem  # a plugin that fails its contract check: refused here, before any stage
+    broken = entry.contract_problem()  # a plugin that fails its contract check: refused here, before any stage
     if broken:
         raise src.error(
             where if ch.name == key else f"{where}.name",
