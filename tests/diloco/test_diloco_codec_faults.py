@@ -89,3 +89,36 @@ def test_a_replica_whose_codec_fails_stops_and_the_others_do_not_wait(nan_codec,
         _replicas(f"file://{tmp_path}/nan", 2, 3, compress="nanonce", round_timeout_s=60.0, keep_rounds=0)
     # the healthy replica closed every round without the failed one, well inside one round_timeout_s
     assert time.monotonic() - t0 < 30
+
+
+def test_a_lone_replica_whose_pseudo_gradient_is_not_finite_waits_two_timeouts_then_names_the_round(tmp_path):
+    """Replica 0 of 2 publishes nothing (its pseudo-gradient is NaN: ``refused-0``) and replica 1 never comes: it
+    waits ``2 × round_timeout_s`` for a readable pseudo-gradient, then stops naming the round, not earlier."""
+    from composer_plugins.core.errors import ComposerPluginsError
+    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+    from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = DiLoCoConfig(
+        transport="object_store",
+        store=f"file://{tmp_path}/lone",
+        run_id="lone",
+        sync_every=1,
+        outer_steps=2,
+        round_timeout_s=1.0,
+        poll_s=0.01,
+        init_sync=False,
+    )
+    cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=0, num_replicas=2, run_id="lone"))
+    cb.attach(model, opt)
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    t0 = time.monotonic()
+    with pytest.raises(
+        ComposerPluginsError, match=r"round 0: no readable pseudo-gradient .* 2 x diloco.round_timeout_s=1s"
+    ):
+        opt.step()
+    assert time.monotonic() - t0 >= 1.9
+    assert cb.rounds is not None and cb.rounds.refused(0) == {0: "its pseudo-gradient is not finite"}
+    cb.close()
