@@ -95,8 +95,8 @@ def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
         desc = e.description
         if not e.available:
             desc = f"[not installed: {e.install or 'pip install ' + ' '.join(e.missing)}] {desc}"
-        elif e.contract_problem(load=False):
-            desc = f"[FAILS its contract check: {e.contract_problem(load=False)}] {desc}"
+        elif bad := e.contract_problem(load=False):
+            desc = f"[FAILS its contract check: {bad}] {desc}"
         rows.append([e.name, e.kind, desc, e.provider or e.plugin])
     if not rows:
         click.echo(f"No {kind or 'components'} match{' ' + repr(pattern) if pattern else ''}.")
@@ -117,6 +117,7 @@ list_cmd.help = (list_cmd.help or "").replace("{kinds}", kinds_text())
 
 
 def _entry_json(e: Any) -> dict[str, Any]:
+    bad = e.contract_problem(load=False)
     return {
         "name": e.name,
         "kind": e.kind,
@@ -126,7 +127,7 @@ def _entry_json(e: Any) -> dict[str, Any]:
         "plugin": e.plugin,
         "available": e.available,
         **({"install": e.install or "pip install " + " ".join(e.missing)} if not e.available else {}),
-        **({"contract_problem": e.contract_problem(load=False)} if e.contract_problem(load=False) else {}),
+        **({"contract_problem": bad} if bad else {}),
     }
 
 
