@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from composer_plugins.core.hookspecs import hookimpl
-from composer_plugins.core.version import __version__
+from composer_plugins.core.version import PLUGIN_API_VERSION, __version__
 
-__all__ = ["__version__", "build", "get_plugin_manager", "get_registry", "hookimpl", "list_names"]
+__all__ = ["PLUGIN_API_VERSION", "__version__", "build", "get_plugin_manager", "get_registry", "hookimpl", "list_names"]
 
 
 def get_registry() -> Any:

@@ -95,6 +95,8 @@ def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
         desc = e.description
         if not e.available:
             desc = f"[not installed: {e.install or 'pip install ' + ' '.join(e.missing)}] {desc}"
+        elif bad := e.contract_problem(load=False):
+            desc = f"[FAILS its contract check: {bad}] {desc}"
         rows.append([e.name, e.kind, desc, e.provider or e.plugin])
     if not rows:
         click.echo(f"No {kind or 'components'} match{' ' + repr(pattern) if pattern else ''}.")
@@ -115,6 +117,7 @@ list_cmd.help = (list_cmd.help or "").replace("{kinds}", kinds_text())
 
 
 def _entry_json(e: Any) -> dict[str, Any]:
+    bad = e.contract_problem(load=False)
     return {
         "name": e.name,
         "kind": e.kind,
@@ -124,6 +127,7 @@ def _entry_json(e: Any) -> dict[str, Any]:
         "plugin": e.plugin,
         "available": e.available,
         **({"install": e.install or "pip install " + " ".join(e.missing)} if not e.available else {}),
+        **({"contract_problem": bad} if bad else {}),
     }
 
 
@@ -132,11 +136,17 @@ def _entry_json(e: Any) -> dict[str, Any]:
 @click.option("--hook", "hooks", multiple=True, help="Only plugins implementing this hook.")
 @click.option("--requirements", is_flag=True, help="Print pinned distributions (name==version) instead.")
 def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> None:
-    """Print installed plugins as JSON: distribution, version, hooks implemented, and what failed."""
+    """Print installed plugins as JSON: distribution, version, hooks implemented, and what failed (loading, or a
+    registered component's contract check: ``"contract": "FAILED"`` with the reasons)."""
     from composer_plugins.core.plugins import get_plugin_manager, get_registry
 
-    get_registry()  # registering finds name clashes; they are listed with the plugin that made them
+    reg = get_registry()  # registering finds name clashes; they are listed with the plugin that made them
     infos = get_plugin_manager().plugin_infos(include_defaults=include_all)
+    shown = {i.name: i for i in infos}
+    for e in reg.entries():  # each registered entry's contract check; a plugin with a failing one is marked
+        why = e.contract_problem() if e.plugin in shown else None
+        if why:
+            shown[e.plugin].contract_failures[f"{e.kind}/{e.name}"] = why
     if hooks:
         infos = [i for i in infos if set(hooks) & set(i.hooks)]
     if requirements:
@@ -199,8 +209,18 @@ def report_error(e: BaseException) -> NoReturn:
     sys.exit(2)
 
 
+def report_interrupt(e: BaseException) -> NoReturn:
+    """The one Ctrl-C handler: ``interrupted: <what was saved>; <how to continue>`` (an
+    :class:`~composer_plugins.core.errors.Interrupted`'s message) in yellow on stderr, exit status 130 (128 +
+    SIGINT, what a shell reports for a process Ctrl-C stopped)."""
+    msg = str(e) if str(e).startswith("interrupted") else "interrupted before anything was saved; run it again"
+    click.secho(msg, err=True, fg="yellow")
+    sys.exit(130)
+
+
 def command_errors(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a click command so a :class:`ComposerPluginsError` it raises goes to :func:`report_error`."""
+    """Decorate a click command so a :class:`ComposerPluginsError` it raises goes to :func:`report_error`, and
+    Ctrl-C to :func:`report_interrupt`."""
     from composer_plugins.core.errors import ComposerPluginsError
 
     @functools.wraps(f)
@@ -209,6 +229,8 @@ def command_errors(f: Callable[..., Any]) -> Callable[..., Any]:
             return f(*args, **kwargs)
         except ComposerPluginsError as e:
             report_error(e)
+        except KeyboardInterrupt as e:
+            report_interrupt(e)
 
     return wrapper
 

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Iterable, Sequence
 
 
 class ComposerPluginsError(Exception):
     """Base class for every error this package raises on purpose."""
+
+
+class PluginDeprecationWarning(DeprecationWarning):
+    """A plugin uses a contract form served through an adapter until a later release (docs/plugins.md
+    "Versions and deprecations"); shown once per place by default, unlike other ``DeprecationWarning``s."""
+
+
+warnings.filterwarnings("default", category=PluginDeprecationWarning)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a long-running command, saying what was saved and how to continue; every command
+    prints it and exits 130 (:func:`composer_plugins.core.cli.report_interrupt`)."""
+
+    def __init__(self, saved: str, then: str) -> None:
+        super().__init__(f"interrupted: {saved}; {then}")
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.6) -> list[str]:

@@ -30,6 +30,7 @@ import pluggy
 from composer_plugins.core import hookspecs
 from composer_plugins.core.errors import DuplicatePluginError, PluginLoadError, closest
 from composer_plugins.core.registry import KINDS, Registry
+from composer_plugins.core.version import api_problem
 
 #: ``register`` keywords that only the plugin manager sets (from the entry point), never the plugin.
 PROVENANCE_KEYS = frozenset({"plugin", "distribution", "version"})
@@ -73,6 +74,8 @@ class PluginInfo:
     error: str | None = None
     #: registrations of a loaded plugin that were refused (name clashes, provenance keywords)
     problems: list[str] = field(default_factory=list)
+    #: ``{"<kind>/<name>": reason}``: registered components that fail their contract check
+    contract_failures: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "distribution": self.distribution, "version": self.version}
@@ -81,6 +84,10 @@ class PluginInfo:
             d["error"] = self.error
         if self.problems:
             d["problems"] = self.problems
+        if not self.error:
+            d["contract"] = "FAILED" if self.contract_failures else "ok"
+        if self.contract_failures:
+            d["contract_failures"] = self.contract_failures
         return d
 
 
@@ -247,6 +254,16 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
     cpm = pm if isinstance(pm, ComposerPluginManager) else None
     provenance = getattr(pm, "provenance", {})
     failures = getattr(pm, "failures", {})
+    for name, plugin in pm.list_name_plugin():  # the plugin API version a plugin declares it needs
+        why = api_problem(getattr(plugin, "COMPOSER_PLUGINS_API", None))
+        if why and name not in failures:
+            dname, dver = provenance.get(name, ("", ""))
+            err = PluginLoadError(f"{name} (from {dname} {dver})" if dname else name, why)
+            if _strict():
+                raise err
+            failures[name] = err
+            if cpm is not None:
+                cpm._warn_once(str(err))
     for kind, hook_name in KINDS.items():
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             if impl.plugin_name in failures:

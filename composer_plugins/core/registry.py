@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,22 @@ class RegistryEntry:
     def available(self) -> bool:
         """True when every optional requirement is importable."""
         return not self.missing
+
+    def contract_problem(self, load: bool = True) -> str | None:
+        """Why this entry does not keep its kind's contract, or ``None``: its factory resolves, and a factory
+        that declares ``contract_problem()`` (a loss channel's class) finds nothing wrong with itself. An entry
+        whose optional requirements are missing is not imported (``missing`` says so); with ``load=False``
+        neither is one registered by an import path whose module is not imported yet (``list`` stays cheap)."""
+        if self.missing:
+            return None
+        if not load and isinstance(self.target, str) and self.target.partition(":")[0] not in sys.modules:
+            return None
+        try:
+            factory = self.factory
+        except ImportError as e:
+            return str(e)
+        check = getattr(factory, "contract_problem", None)
+        return check() if callable(check) else None
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """Call the factory with the preset ``init_params`` updated by ``kwargs``."""

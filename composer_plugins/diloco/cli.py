@@ -155,8 +155,16 @@ def register_commands(cli: Any) -> None:
                 run_id=run_id,
             )
         except KeyboardInterrupt:
-            click.secho("interrupted: all replicas terminated", err=True, fg="yellow")
-            sys.exit(130)
+            from composer_plugins.core.cli import report_interrupt
+            from composer_plugins.core.errors import Interrupted
+            from composer_plugins.diloco.store import redact_url
+
+            if store is None:
+                saved, then = f"all replicas terminated (their logs are in {log_dir})", "run it again to start over"
+            else:
+                saved = f"all replicas terminated; the run's global states are kept in {redact_url(store)}"
+                then = f"continue it with the same command and --run-id {run_id or '<the run id printed above>'}"
+            report_interrupt(Interrupted(saved, then))
         finally:
             close = getattr(runner, "close", None)
             if close is not None:

@@ -39,7 +39,17 @@ import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, one_line
 
-__all__ = ["Codec", "CorruptObjectError", "decode_vector", "encode_vector", "get_codec", "host_tensor"]
+__all__ = [
+    "Codec",
+    "CodecError",
+    "CorruptObjectError",
+    "check_decoded",
+    "codec_label",
+    "decode_vector",
+    "encode_vector",
+    "get_codec",
+    "host_tensor",
+]
 
 INT8_BLOCK = 4096
 INT4_BLOCK = 256
@@ -47,6 +57,40 @@ INT4_BLOCK = 256
 
 class CorruptObjectError(ComposerPluginsError, ValueError):
     """An object's bytes do not match its checksum (torn write, truncation, bit rot)."""
+
+
+class CodecError(CorruptObjectError):
+    """A codec returned what its contract forbids (wrong shape or dtype, or non-finite values from finite input):
+    the codec is at fault, not the object, so the replica that decoded it stops at once, naming it."""
+
+    def __init__(self, what: str, compress: str) -> None:
+        super().__init__(
+            f"{what} (diloco.compress={compress!r}). HINT: fix that codec's decode, or set diloco.compress to a "
+            "built-in codec (none, bf16, int8, int4)."
+        )
+
+
+def codec_label(name: str) -> str:
+    """``codec 'x' (dist version (plugin 'p'))``: the codec and the package that registered it."""
+    from composer_plugins.core.errors import UnknownPluginError
+    from composer_plugins.core.plugins import get_registry
+
+    try:
+        entry = get_registry().get("codecs", name)
+    except UnknownPluginError:  # a label only; an unknown name is reported where it is built
+        return f"codec {name!r}"
+    who = f"{entry.provider} " if entry.provider else ""
+    return f"codec {name!r} ({who}plugin {entry.plugin!r})"
+
+
+def check_decoded(src: torch.Tensor, decoded: torch.Tensor, compress: str) -> None:
+    """Raise :class:`CodecError` when ``decoded`` (what ``compress`` gave back for ``src``) is not finite where
+    ``src`` is."""
+    bad = int((torch.isfinite(src) & ~torch.isfinite(decoded)).sum())
+    if bad:
+        raise CodecError(
+            f"{codec_label(compress)} decoded {bad} of {src.numel()} finite pseudo-gradient values to NaN/inf", compress
+        )
 
 
 # -- host tensors only --------------------------------------------------------------------
@@ -217,7 +261,7 @@ def decode_vector(header: dict[str, Any], body: bytes, codec: Codec | None = Non
             if isinstance(vec, torch.Tensor)
             else f"a {type(vec).__name__}"
         )
-        raise CorruptObjectError(f"codec {name!r} decoded {what} for {n} values (a plain fp32 CPU tensor)")
+        raise CodecError(f"{codec_label(name)} decoded {what} for {n} values (a plain fp32 CPU tensor)", name)
     return vec.reshape(-1)
 
 

@@ -15,7 +15,9 @@ repeated within one teacher's top-k (several teacher tokens aligned to one stude
 of its entries' probabilities, for one teacher as for many.
 
 Bad scores never reach the loss: an entry whose id is ``-1`` or ``>= V`` or whose log-prob is NaN or
-``+inf`` is absent (its mass is in the tail), counted in :class:`TeacherDistillOutput`; a teacher with
+``+inf`` is absent (its mass is in the tail), and so is every entry of a teacher's position whose probabilities
+sum above ``1 + MASS_TOLERANCE`` (a log-prob above 0, duplicate ids summing above 1), counted in
+:class:`TeacherDistillOutput`; a teacher with
 mixture weight 0 is absent everywhere, so a token only weight-0 teachers scored is not distilled. A
 log-prob below ``log 1e-30`` (:data:`~composer_plugins.kernels.divergences.TEACHER_LOGPROB_FLOOR`,
 ``-inf`` included) is read as ``log 1e-30``: an id a teacher ranks with probability 0 would make the
@@ -217,10 +219,29 @@ def merge_teachers(
     return uid, torch.cat([logq, tail], -1), uvalid
 
 
+#: a teacher position whose entries' probabilities (duplicate ids merged: their sum) exceed ``1 + MASS_TOLERANCE``
+#: is invalid (a log-prob above 0, a top-k summing above 1): left out of the loss and counted
+MASS_TOLERANCE = 1e-2
+
+
+def usable_entries(ids: Tensor, logprobs: Tensor, vocab: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(ok, nonfinite, invalid)`` for ``(..., K)`` teacher entries: ``ok`` the entries that can be distilled (an
+    id in ``[0, vocab)``, a log-prob that is not NaN / ``+inf``, at a valid position), ``nonfinite`` the entries
+    with such a log-prob, ``invalid`` ``(...)`` the positions whose probability mass exceeds
+    ``1 + MASS_TOLERANCE`` (every entry there is left out)."""
+    real = (ids >= 0) if vocab is None else (ids >= 0) & (ids < vocab)
+    nonfinite = real & (torch.isnan(logprobs) | (logprobs == math.inf))
+    ok = real & ~nonfinite
+    mass = torch.where(ok, logprobs.float().exp(), torch.zeros((), device=ids.device)).sum(-1)
+    invalid = mass > 1.0 + MASS_TOLERANCE
+    return ok & ~invalid.unsqueeze(-1), nonfinite, invalid
+
+
 @dataclass
 class _Rows:
     """The positions to distil, flat: row index, ``ids``/``lps`` ``(n, N, K)``, ``present`` ``(n, N)``, and what
-    was left out of the completion tokens' scores (non-finite log-probs, ids outside the vocabulary)."""
+    was left out of the completion tokens' scores (non-finite log-probs, ids outside the vocabulary, positions of
+    more than all the probability)."""
 
     idx: Tensor
     ids: Tensor
@@ -228,6 +249,7 @@ class _Rows:
     present: Tensor
     nonfinite: int
     out_of_vocab: int
+    invalid: int
 
 
 def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None, vocab: int, mix: Tensor) -> _Rows:
@@ -238,14 +260,13 @@ def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None, voca
     over the completion tokens. A teacher is present at a token when it scored it, has an entry there and
     its mixture weight is > 0; a token is distilled where a teacher is present (and ``min_agree`` holds).
     """
-    real = (scores.ids >= 0) & (scores.ids < vocab)
-    bad = real & (torch.isnan(scores.logprobs) | (scores.logprobs == math.inf))
-    ok = real & ~bad
+    ok, bad, wrong = usable_entries(scores.ids, scores.logprobs, vocab)
     ids = torch.where(ok, scores.ids, torch.full_like(scores.ids, -1))
     lps = torch.where(ok, scores.logprobs, torch.zeros_like(scores.logprobs))
-    counted = (scores.mask.bool() & mask.bool().unsqueeze(1)).unsqueeze(-1)
-    nonfinite = int((bad & counted).sum())
-    out_of_vocab = int(((scores.ids >= vocab) & counted).sum())
+    counted = scores.mask.bool() & mask.bool().unsqueeze(1)
+    nonfinite = int((bad & counted.unsqueeze(-1)).sum())
+    out_of_vocab = int(((scores.ids >= vocab) & counted.unsqueeze(-1)).sum())
+    invalid = int((wrong & counted).sum())
     weighted = (mix > 0).to(scores.mask.device).view(1, -1, 1)
     present = scores.mask.bool() & ok.any(-1) & weighted  # (B, N, T)
     sel = mask.bool() & present.any(1)
@@ -256,7 +277,7 @@ def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None, voca
     flat_ids = ids.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
     flat_lps = lps.transpose(1, 2).reshape(B * T, N, K).index_select(0, idx)
     pres = present.transpose(1, 2).reshape(B * T, N).index_select(0, idx)
-    return _Rows(idx, flat_ids, flat_lps, pres, nonfinite, out_of_vocab)
+    return _Rows(idx, flat_ids, flat_lps, pres, nonfinite, out_of_vocab, invalid)
 
 
 class _TeacherDistill(torch.autograd.Function):
@@ -321,6 +342,8 @@ class TeacherDistillOutput:
     nonfinite: int = 0
     #: teacher entries at completion tokens left out because their id is ``>= V`` (outside the student's vocabulary)
     out_of_vocab: int = 0
+    #: teacher positions at completion tokens left out because their probabilities sum above 1 + MASS_TOLERANCE
+    invalid: int = 0
 
 
 def _check_scores(scores: TeacherTopK, mask: Tensor) -> None:
@@ -371,7 +394,7 @@ def chunked_teacher_distill(
     total, cov = _TeacherDistill.apply(
         rows, lm_head_weight, r.ids, r.lps, r.present, mix, kernel, int(cs), 1.0 / max(denom, 1e-12), tw
     )
-    return TeacherDistillOutput(total, n, cov, r.nonfinite, r.out_of_vocab)
+    return TeacherDistillOutput(total, n, cov, r.nonfinite, r.out_of_vocab, r.invalid)
 
 
 def teacher_distill_reference(
@@ -398,12 +421,14 @@ def teacher_distill_reference(
     denom = float(denominator) if denominator is not None else float(max(n, 1))
     with torch.no_grad():
         _, _, cov = kernel.compute(z.detach().clone(), uid, lt, uvalid)
-    return TeacherDistillOutput(per.sum() / denom, n, cov, r.nonfinite, r.out_of_vocab)
+    return TeacherDistillOutput(per.sum() / denom, n, cov, r.nonfinite, r.out_of_vocab, r.invalid)
 
 
 def sampled_token_scored(teacher_logprobs: Tensor) -> Tensor:
-    """Where a sampled-token teacher stream holds a score (finite, or ``-inf``): NaN and ``+inf`` are none."""
-    return torch.isfinite(teacher_logprobs) | (teacher_logprobs == float("-inf"))
+    """Where a sampled-token teacher stream holds a score (finite, or ``-inf``): NaN, ``+inf`` and a probability
+    above ``1 + MASS_TOLERANCE`` are none."""
+    t = teacher_logprobs
+    return (torch.isfinite(t) & (t <= math.log1p(MASS_TOLERANCE))) | (t == float("-inf"))
 
 
 def sampled_token_divergence(student_logprobs: Tensor, teacher_logprobs: Tensor, kernel: TeacherTopKKernel) -> Tensor:

@@ -24,6 +24,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from composer_plugins.core.errors import PluginDeprecationWarning
+from composer_plugins.core.version import ADAPTERS_REMOVED_IN, adapters_served
+
 
 class LossChannel(nn.Module):
     """Base class of every loss channel (built-in or third-party).
@@ -75,6 +78,16 @@ class LossChannel(nn.Module):
         """``inputs[key]`` if present and not None, else ``default``."""
         v = inputs.get(key)
         return default if v is None else v
+
+    @classmethod
+    def contract_problem(cls) -> str | None:
+        """Why this class does not keep the channel contract (:func:`check_contract`), or ``None``: what
+        ``composer-plugins plugins``/``list`` and the config's loader ask of a registered channel."""
+        try:
+            check_contract(cls)
+        except TypeError as e:
+            return str(e)
+        return None
 
     def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         """Return ``(scalar loss, metrics)`` for these inputs."""
@@ -192,11 +205,13 @@ def check_weight(cls: type, weight: float, name: str) -> None:
 def check_contract(cls: type) -> None:
     """Refuse a channel class whose ``forward`` does not take the one ``inputs`` mapping.
 
-    A channel written for the old two-mapping contract (``forward(model_outputs, batch)``) would
-    otherwise fail mid-step with a bare ``TypeError``; this names its file and line and the fix.
+    A channel written for the previous contract (plugin API 1, ``forward(model_outputs, batch)``) is adapted
+    while the package serves that contract (:func:`composer_plugins.core.version.adapters_served`): its
+    ``forward`` is called with the one mapping as both arguments, after one ``DeprecationWarning`` naming its
+    file:line and the fix. Any other shape (and that one from 0.3.0 on) is refused, naming the same.
     """
     fwd = getattr(cls, "forward", None)
-    if fwd is None or fwd is LossChannel.forward:
+    if fwd is None or fwd is LossChannel.forward or "_api1_forward" in vars(cls):
         return
     try:
         params = list(inspect.signature(fwd).parameters.values())[1:]  # drop self
@@ -212,10 +227,31 @@ def check_contract(cls: type) -> None:
     except (OSError, TypeError):
         where = ""
     sig = ", ".join(p.name for p in positional)
+    if len(required) == 2 and len(positional) == 2 and adapters_served():
+        _adapt_two_mappings(cls, fwd, where, sig)
+        return
     raise TypeError(
         f"{where}loss channel {cls.__module__}.{cls.__qualname__}.forward({sig}) does not take one inputs mapping; "
         f"the contract is forward(self, inputs) -> (loss, metrics), reading each field with "
         f"self.get(key, inputs) (model outputs and record fields sit in the one mapping)"
+    )
+
+
+def _adapt_two_mappings(cls: type, fwd: Any, where: str, sig: str) -> None:
+    """Serve a plugin-API-1 channel (``forward(model_outputs, batch)``): both arguments get the one mapping."""
+    import warnings
+
+    def forward(self: Any, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        return fwd(self, inputs, inputs)
+
+    cls._api1_forward = fwd  # type: ignore[attr-defined]
+    cls.forward = forward  # type: ignore[attr-defined]
+    warnings.warn(
+        f"{where}loss channel {cls.__module__}.{cls.__qualname__}.forward({sig}) uses the plugin API 1 contract, "
+        f"served through an adapter until composer-plugins {ADAPTERS_REMOVED_IN}. Fix: "
+        f"def forward(self, inputs): read each field with self.get(key, inputs) (one mapping).",
+        PluginDeprecationWarning,
+        stacklevel=2,
     )
 
 

@@ -39,6 +39,7 @@ from composer_plugins.kernels.teacher_topk import (
     sampled_token_divergence,
     sampled_token_scored,
     teacher_distill_reference,
+    usable_entries,
 )
 from composer_plugins.losses.base import LossChannel
 
@@ -97,6 +98,19 @@ class TeacherDistillChannel(LossChannel):
         ("completion_logits",),
     )
 
+    @classmethod
+    def check_spec(cls, kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+        """``(field, problem and fix)`` for a config entry this channel cannot train with, read when the config
+        loads (before any stage runs); ``None`` when it can."""
+        teachers = kwargs.get("teachers")
+        if teachers is not None and not (isinstance(teachers, list | tuple) and teachers):
+            return "teachers", (
+                f"teacher_distill needs at least one teacher, got teachers: {teachers!r} (every step would distil "
+                "nothing). HINT: name one, e.g. teachers: [{kind: causal_lm, id: big, model_path: Qwen/Qwen3-1.7B}], "
+                "or turn the channel off (enabled: false)."
+            )
+        return None
+
     def __init__(
         self,
         weight: float = 1.0,
@@ -123,6 +137,9 @@ class TeacherDistillChannel(LossChannel):
             bad = {k: v for k, v in weights.items() if not _weight_ok(v)}
             if bad:
                 raise ValueError(f"teacher weights must be finite numbers >= 0, got {bad}")
+        problem = self.check_spec({"teachers": teachers})
+        if problem:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
         if chunk_size is not None and int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1 (or null), got {chunk_size}")
         if deadline_s is not None and not float(deadline_s) > 0:
@@ -164,14 +181,21 @@ class TeacherDistillChannel(LossChannel):
             # fraction of the completion tokens distilled (min_agree, unscored positions and positions only
             # weight-0 teachers scored drop the rest)
             "coverage": out.tokens / max(float(mask.sum()), 1.0),
-            # teacher entries left out: a NaN / +inf log-prob, an id outside the student's vocabulary
+            # teacher entries left out: a NaN / +inf log-prob, an id outside the student's vocabulary; teacher
+            # positions left out: probabilities summing above 1 (a log-prob above 0, duplicate ids)
             "nonfinite": float(out.nonfinite),
             "out_of_vocab": float(out.out_of_vocab),
+            "invalid": float(out.invalid),
             # teachers the weights name that the batch lacks (missed the deadline): the mixture renormalises
             "teachers_absent": float(len(absent)),
         }
         for name in absent:
             metrics[f"absent/{name}"] = 1.0
+        rows = mask.any(-1)  # a teacher that scored nothing of a row is absent there (a failed or missing row)
+        for i, name in enumerate(scores.names):
+            gone = float((rows & ~scores.mask[:, i].bool().any(-1)).sum())
+            if gone:
+                metrics[f"absent/{name}"] = gone / max(float(rows.sum()), 1.0)
         for i, name in enumerate(scores.names):
             metrics[f"scored/{name}"] = float(scored[:, i].sum()) / max(float(mask.sum()), 1.0)
         if out.tokens:
@@ -189,12 +213,10 @@ def teacher_tokens(
     scores: TeacherTopK, mask: Tensor, vocab: int | None = None, weights: Mapping[str, float] | None = None
 ) -> Tensor:
     """Number of completion tokens at least one teacher scored with a usable entry (the channel's denominator
-    without ``min_agree``): an id in ``[0, vocab)`` with a log-prob that is not NaN / ``+inf``, from a teacher
-    whose weight (``weights``, by name; default all) is > 0."""
-    ids, lps = scores.ids, scores.logprobs
-    ok = (ids >= 0) & ~torch.isnan(lps) & (lps != math.inf)
-    if vocab is not None:
-        ok &= ids < int(vocab)
+    without ``min_agree``): an id in ``[0, vocab)`` with a log-prob that is not NaN / ``+inf``, at a position
+    whose probabilities sum to at most 1 + ε, from a teacher whose weight (``weights``, by name; default all) is
+    > 0."""
+    ok = usable_entries(scores.ids, scores.logprobs, None if vocab is None else int(vocab))[0]
     present = scores.mask.bool() & ok.any(-1)
     if weights is not None:
         on = torch.tensor([float(weights.get(n, 0.0)) > 0 for n in scores.names], device=present.device)

@@ -213,8 +213,19 @@ def study_train_cmd(
     from composer_plugins.pipeline.stage_train import train_cell
     from composer_plugins.pipeline.study import run_name
 
-    res = train_cell(_load(params_path, overrides), variant, seed, pairs=pairs or None, model=model)
     cell = f"{PATHS['runs']}/{run_name(variant, seed)}"
+    try:
+        res = train_cell(_load(params_path, overrides), variant, seed, pairs=pairs or None, model=model)
+    except KeyboardInterrupt as e:
+        from composer_plugins.core.errors import Interrupted
+
+        step = getattr(e, "checkpoint_step", None)
+        raise Interrupted(
+            f"the cell {cell} stopped; " + (f"its last checkpoint is at step {step}" if step else "no checkpoint"),
+            f"continue it with `composer-plugins train -c {cell}/config.yaml --resume last`"
+            if step
+            else "run the same command again to train it from the start",
+        ) from None
     keys = ("train/reward_mean_over_steps", "train/reward", "train/loss", "val/accuracy")
     click.echo(
         summary_line(

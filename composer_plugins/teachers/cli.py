@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from composer_plugins.core.cli import report_error, set_option
+from composer_plugins.core.cli import report_error, report_interrupt, set_option
 from composer_plugins.core.errors import ComposerPluginsError
 
 #: Exit status of ``replay run`` when more calls went unanswered than ``max_unanswered`` allows.
@@ -60,6 +60,8 @@ def run_cmd(
     except ComposerPluginsError as e:
         report_error(e)
         return
+    except KeyboardInterrupt as e:
+        report_interrupt(e)
     except OSError as e:  # a file problem the checks did not foresee: a message, not a traceback
         report_error(ComposerPluginsError(f"{type(e).__name__}: {e}"))
         return

@@ -258,6 +258,15 @@ def run_replay(
             seed=rc.seed,
         )
         result = engine.run(states)
+    except KeyboardInterrupt:
+        from composer_plugins.core.errors import Interrupted
+
+        if cache is None:
+            raise Interrupted("nothing saved (cache.enabled: false)", "run the same command again") from None
+        raise Interrupted(
+            f"{len(cache)} answer(s) saved in {rc.cache.path}",
+            "run the same command again to continue (the answers in the cache are not paid again)",
+        ) from None
     finally:
         if cache is not None:
             cache.close()

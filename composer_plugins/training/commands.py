@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
-from composer_plugins.core.cli import all_overrides, command_errors, set_option
+from composer_plugins.core.cli import all_overrides, command_errors, report_interrupt, set_option
+from composer_plugins.core.errors import Interrupted
 from composer_plugins.core.hookspecs import hookimpl
 
 
@@ -137,16 +137,14 @@ def train_cmd(cfg: Any, src: Any, resume: str | None, overwrite: bool) -> None:
 
         check_fresh_output_dir(cfg, src)
     try:
-        from composer_plugins.training.run import RunInterrupted, run_train  # torch, Lightning: the config is good
+        from composer_plugins.training.run import run_train  # torch, Lightning: the config is good
 
         with _located_policy(cfg, src):
             res = run_train(cfg, src, resume=resume)
-    except KeyboardInterrupt:
-        click.secho("interrupted before the first step; nothing to resume", err=True, fg="yellow")
-        sys.exit(130)
-    except RunInterrupted as e:
-        click.secho(str(e), err=True, fg="yellow")
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # RunInterrupted names the step and the checkpoint
+        if not isinstance(e, Interrupted):
+            e = Interrupted("nothing saved (before the first step)", "run the same command again")
+        report_interrupt(e)
     if not res.is_global_zero:  # trainer.devices > 1: every rank runs this command; rank 0 reports
         return
     click.echo(json.dumps(res.metrics, indent=2, sort_keys=True))
@@ -162,8 +160,15 @@ def sft_cmd(cfg: Any, src: Any) -> None:
     _check_inputs(cfg, src)
     from composer_plugins.training.run import run_sft  # torch, Lightning, transformers: after the config is good
 
-    with _located_policy(cfg, src):
-        model = run_sft(cfg, src)
+    try:
+        with _located_policy(cfg, src):
+            model = run_sft(cfg, src)
+    except KeyboardInterrupt:
+        where = cfg.cache_dir if cfg.sft.cache else f"{cfg.output_dir}/sft"
+        raise Interrupted(
+            f"nothing saved (the warm start is kept in {where} only once it finishes)",
+            "run the same command again to train it from the start",
+        ) from None
     click.echo(f"model: {model}")
 
 

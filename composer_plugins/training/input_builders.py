@@ -345,6 +345,7 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
 
     from composer_plugins.losses.teacher_distill import TeacherTopK
     from composer_plugins.teachers.scoring import ScoringJob
+    from composer_plugins.teachers.scoring.pool import fit_rows
     from composer_plugins.training.teacher_scores import report_teacher_failures
 
     r, pool = asm.record, asm.policy.teacher_scoring
@@ -364,6 +365,8 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
     if not scores:
         return {}
     packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
+    if packed is None:
+        scores = {k: fit_rows(k, v, int(r.completion_ids.shape[0])) for k, v in scores.items()}
     if packed is None:
         packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
     n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())

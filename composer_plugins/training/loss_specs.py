@@ -3,7 +3,8 @@
 :func:`channel_spec` is the one parser of a ``losses.<key>`` entry (the native loop, the backends and the
 pipeline all use it); :func:`losses_mapping` turns the list form of docs/losses.md
 (``- {name: grpo, weight: 1.0, label: ...}``) into the mapping form; :func:`check_channel` refuses, when
-the config is read, a channel naming no registered loss or a negative weight its class does not declare.
+the config is read, a channel naming no registered loss, a negative weight its class does not declare, or
+an entry its class's ``check_spec`` refuses.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
         entry = get_registry().get("losses", ch.name)
     except UnknownPluginError as e:
         raise src.error(f"{where}.name" if ch.name != key else where, str(e)) from e
+    broken = entry.contract_problem()  # a plugin that fails its contract check: refused here, before any stage
+    if broken:
+        raise src.error(
+            where if ch.name == key else f"{where}.name",
+            f"{entry.kind} {ch.name!r} ({entry.provider or entry.plugin}) fails its contract check: {broken}",
+        )
+    check = getattr(entry.factory, "check_spec", None)  # a channel that declares what it cannot train with
+    problem = check(ch.kwargs) if callable(check) else None
+    if problem:
+        raise src.error(f"{where}.{problem[0]}", problem[1])
     if ch.weight < 0:
         from composer_plugins.losses.base import check_weight
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, redact
+from composer_plugins.core.errors import Interrupted
 from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.batches import TaskStream, eval_batches, task_drawer
@@ -49,7 +50,7 @@ class RunResult:
     is_global_zero: bool = True
 
 
-class RunInterrupted(Exception):
+class RunInterrupted(Interrupted):
     """Ctrl-C during :func:`run_train`: the step it stopped at and where to continue from (the CLI exits 130)."""
 
     def __init__(self, step: int, checkpoint_step: int | None, checkpoint_dir: Path | None) -> None:
@@ -60,7 +61,7 @@ class RunInterrupted(Exception):
             then = "this run writes no checkpoints (trainer.checkpoint_every_n_steps: 0); start over with `--overwrite`"
         else:
             then = "no checkpoint written yet; start over with `--overwrite`"
-        super().__init__(f"interrupted at step {step}; {then}")
+        KeyboardInterrupt.__init__(self, f"interrupted at step {step}; {then}")
 
 
 def _interrupted(trainer: Any, ckpt_dir: Path | None) -> RunInterrupted:

@@ -278,8 +278,13 @@ def sft_train(
         log_every_n_steps=10,
         callbacks=[_Losses(), *extra_callbacks, *([bar] if bar else [])],
     )
-    with quiet_lightning():
-        trainer.fit(module, train_dataloaders=loader)
+    try:
+        with quiet_lightning():
+            trainer.fit(module, train_dataloaders=loader)
+    except SystemExit:  # Lightning's answer to Ctrl-C: tear down, then sys.exit(1)
+        if not trainer.interrupted:
+            raise
+        raise KeyboardInterrupt from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -55,6 +55,7 @@ def test_plugins_json_reports_distribution_version_hooks(discovery):
         "distribution": "composer-plugins-focal",
         "version": "0.1.0",
         "hooks": ["register_loss_channels"],
+        "contract": "ok",
     }
     r = run("plugins", "--all", "--hook", "register_envs")
     names = [d["name"] for d in json.loads(r.output)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_plugins import hookimpl
+from composer_plugins import __version__, hookimpl
 from composer_plugins.core import plugins
 from composer_plugins.core.errors import PluginLoadError, UnknownPluginError
 from composer_plugins.core.plugins import PluginLoadWarning, build_registry, make_plugin_manager
@@ -387,7 +387,7 @@ def test_a_name_clash_breaks_only_that_name_and_names_both_providers(bad_site):
     assert "composer-plugins" in clash_msgs[0]  # the built-in provider is named too
     with pytest.raises(PluginConflictError) as ei:
         reg.get("losses", "grpo")
-    assert "cp-clash 1.5" in str(ei.value) and "composer-plugins 0.1.0" in str(ei.value)
+    assert "cp-clash 1.5" in str(ei.value) and f"composer-plugins {__version__}" in str(ei.value)
     assert "COMPOSER_PLUGINS_LOAD" in str(ei.value)
     assert reg.get("losses", "clash_fine").provider == "cp-clash 1.5"  # the plugin's other names work
     assert reg.get("losses", "dapo").distribution == "composer-plugins"  # and so do the other built-ins

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import warnings
 
 import pytest
 import torch
@@ -334,19 +336,38 @@ def test_the_composer_hands_each_channel_the_one_inputs_mapping_it_was_given():
         LossChannel.get("logprobs", inputs, {})
 
 
-def test_a_channel_written_for_two_mappings_is_refused_where_it_is_defined():
-    class TwoDicts(LossChannel):
-        requires = ("logprobs",)
+def test_a_channel_written_for_two_mappings_is_adapted_once_then_refused_where_it_is_defined(monkeypatch):
+    """Plugin API 1 (``forward(model_outputs, batch)``): served through an adapter in 0.2.x with one
+    ``DeprecationWarning`` naming its file:line; refused there once the adapter is removed (0.3.0)."""
+    from composer_plugins.losses import base
 
-        def forward(self, model_outputs, batch):
-            return model_outputs["logprobs"].sum(), {}
+    def make():
+        class TwoDicts(LossChannel):
+            requires = ("logprobs",)
 
-    line = TwoDicts.forward.__code__.co_firstlineno
+            def forward(self, model_outputs, batch):
+                return model_outputs["logprobs"].sum() * batch["scale"], {}
+
+        return TwoDicts
+
+    old = make()
+    line = old.forward.__code__.co_firstlineno
+    with pytest.warns(
+        DeprecationWarning, match=rf"test_losses_channels.py:{line}: .*TwoDicts.forward\(model_outputs, batch\)"
+    ):
+        comp = ChannelComposer([old()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ChannelComposer([old()])  # once per class
+        loss, _ = comp({"logprobs": torch.ones(2, 3), "scale": 2.0})
+    assert float(loss) == 12.0
+    monkeypatch.setattr(base, "adapters_served", lambda: False)
+    refused = make()
     with pytest.raises(
         TypeError,
         match=rf"test_losses_channels.py:{line}: .*TwoDicts.forward\(model_outputs, batch\).*forward\(self, inputs\)",
     ):
-        ChannelComposer([TwoDicts()])
+        ChannelComposer([refused()])
 
 
 def test_channel_constructor_validation():
@@ -358,3 +379,25 @@ def test_channel_constructor_validation():
         ReplayPreferenceChannel(method="kto")
     with pytest.raises(ValueError, match="share the name"):
         ChannelComposer([PolicyLossChannel(loss_type="dapo"), PolicyLossChannel(loss_type="dapo")])
+
+
+def test_an_optional_input_is_declared_beside_an_empty_alternative():
+    """docs/losses.md "Optional inputs": ``input_options = (("old_logprobs",), ())`` asks the assembler for the
+    input (the first group is built) and never skips the channel without it; ``self.get`` reads ``None`` then."""
+
+    class Ratio(LossChannel):
+        requires = ("logprobs",)
+        input_options = (("old_logprobs",), ())
+
+        def forward(self, inputs):
+            old = self.get("old_logprobs", inputs)
+            lp = inputs["logprobs"]
+            return (lp - (lp.detach() if old is None else old)).exp().mean(), {"had_old": float(old is not None)}
+
+    comp = ChannelComposer([Ratio(name="ratio")])
+    assert comp.required_inputs() == ("logprobs", "old_logprobs")
+    lp = torch.zeros(2, 3)
+    _, m = comp({"logprobs": lp})
+    assert m["ratio/skipped"] == 0.0 and m["ratio/had_old"] == 0.0
+    loss, m = comp({"logprobs": lp, "old_logprobs": torch.full((2, 3), -1.0)})
+    assert m["ratio/had_old"] == 1.0 and abs(float(loss) - math.e) < 1e-6

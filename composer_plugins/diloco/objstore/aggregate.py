@@ -180,7 +180,21 @@ class AggregateMixin:
                         continue
                     good[i] = name
                     break
-            if len(good) >= n or (good and time.monotonic() > deadline):
+            # a replica that said it has nothing for this round (refused-<i>) is not waited for
+            if len(good) < n:
+                said = {**self._stopped, **rs.refused(r)}
+                self._stopped.update({i: why for i, why in said.items() if why.startswith("stopped")})
+                said = {i: why for i, why in said.items() if i not in good}
+            else:
+                said = {}
+            if len(good) + len(said) >= n and not good:
+                raise ComposerPluginsError(
+                    f"round {r}: no replica has a pseudo-gradient ({rs.store.where}/{rs.round_dir(r)}): "
+                    + "; ".join(f"replica {i}: {why}" for i, why in sorted(said.items()))
+                    + ". HINT: a codec at fault is named above (diloco.compress); non-finite pseudo-gradients: "
+                    "lower the learning rate."
+                )
+            if len(good) + len(said) >= n or (good and time.monotonic() > deadline):
                 missing = sorted(set(range(n)) - set(good))
                 if missing:
                     log.warning("DiLoCo round %d: closing without replica(s) %s (missing, late or refused)", r, missing)
@@ -188,8 +202,7 @@ class AggregateMixin:
             if not good and time.monotonic() > deadline + c.round_timeout_s:
                 raise ComposerPluginsError(
                     f"round {r}: no readable pseudo-gradient in {rs.store.where}/{rs.round_dir(r)} within "
-                    f"2 x diloco.round_timeout_s={c.round_timeout_s:.0f}s (this replica's own was not published: "
-                    "not finite). HINT: see the log for the refused objects; lower the learning rate."
+                    f"2 x diloco.round_timeout_s={c.round_timeout_s:.0f}s. HINT: see the log for the refused objects."
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, c.poll_max_s)

@@ -16,7 +16,7 @@ from torch import nn
 
 from composer_plugins.core.errors import ConfigError, one_line
 from composer_plugins.diloco import env as _env
-from composer_plugins.diloco.codecs import get_codec
+from composer_plugins.diloco.codecs import CodecError, get_codec
 from composer_plugins.diloco.common import (
     DiLoCoConfig,
     ReplicaInfo,
@@ -58,6 +58,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self.bytes_pseudograd = 0
         self.run_id: str | None = None
         self._residual: torch.Tensor | None = None  # a lossy codec's error feedback (host, fp32)
+        #: replicas that said they stopped (their codec broke its contract): not waited for in later rounds
+        self._stopped: dict[int, str] = {}
         #: the same for the mean slices this replica wrote: (slice, values) -> what the stored mean left out
         self._mean_residual: dict[tuple[int, int], torch.Tensor] = {}
         self._counted = (0, 0, 0)  # the store's byte and retry counters at the last sync record
@@ -202,12 +204,17 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         if self._residual is not None:  # error feedback: what the last round's rounding left out (decayed)
             decay = float(getattr(codec, "feedback_decay", 1.0))
             pseudo = pseudo + (self._residual if decay == 1.0 else decay * self._residual)
-        parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
+        try:
+            parts, mine = encode_slices(pseudo, c.compress, self.replica.num_replicas)
+        except CodecError as e:  # tell the others first, so they close the round without waiting for this one
+            self.rounds.put_refused(r, self.replica.index, f"stopped: {e}")
+            raise
         err = float((mine - pseudo).norm() / pseudo.norm().clamp_min(1e-30)) if c.compress != "none" else 0.0
         if codec.error_feedback:
             self._residual = pseudo - mine
         if not bool(torch.isfinite(mine).all()):
             log.error("DiLoCo round %d: this replica's pseudo-gradient is not finite; not published (left out)", r)
+            self.rounds.put_refused(r, self.replica.index, "its pseudo-gradient is not finite")
             return None, mine, err
         name, nbytes = self.rounds.put_grad(r, self.replica.index, self.replica.restart, parts)
         self.bytes_pseudograd += nbytes

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, one_line
+from composer_plugins.diloco.codecs import CodecError, check_decoded
 from composer_plugins.diloco.objstore.statehash import flatten, state_hash
 from composer_plugins.diloco.store import (
     CorruptObjectError,
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 
 _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
+_REFUSED = re.compile(r"refused-(\d+)$")
 #: objects that carry no run id of their own: a pseudo-gradient's slices (its index's checksums name them) and the
 #: blob behind a large object (its reference names it)
 _UNNAMED = re.compile(r"\.(s\d{3}|blob-[0-9a-f]+)$")
@@ -55,6 +57,7 @@ def encode_slices(
         header, body = encode_vector(vec[lo:hi].contiguous(), compress)
         out.append((header, body))
         decoded.append(decode_vector(header, body))
+        check_decoded(vec[lo:hi], decoded[-1], compress)
     return out, torch.cat(decoded)
 
 
@@ -160,6 +163,28 @@ class RoundStore:
                 seen.setdefault(int(m.group(1)), []).append((int(m.group(2)), key.rsplit("/", 1)[1]))
         return {i: [n for _, n in sorted(v, reverse=True)] for i, v in seen.items()}
 
+    def put_refused(self, r: int, index: int, reason: str) -> None:
+        """Record that replica ``index`` has no pseudo-gradient for round ``r`` (``reason``), so the others close
+        the round without waiting for it."""
+        body = json.dumps({"reason": reason}).encode()
+        data = pack({"kind": "refused", "run": self.run_id, "round": r, "replica": index}, body)
+        self.store.put(f"{self.round_dir(r)}/refused-{index}", data, create=True)
+
+    def refused(self, r: int) -> dict[int, str]:
+        """``{replica: reason}`` of the replicas that said they have no pseudo-gradient for round ``r``."""
+        out: dict[int, str] = {}
+        for key in self.store.list(self.round_dir(r)):
+            m = _REFUSED.search(key)
+            data = self.store.get(key) if m else None
+            if data is not None:
+                try:
+                    header, body = unpack(data, self._where(key))
+                    self._ours(key, header)
+                    out[int(m.group(1))] = str(json.loads(body)["reason"])  # type: ignore[union-attr]
+                except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
+                    self._refuse(r, key, e)
+        return out
+
     def _refuse(self, r: int, key: str, e: Exception) -> None:
         msg = str(e) if str(e).startswith(self.store.where) else f"{self._where(key)}: {one_line(e)}"
         log.warning("round %d: %s; refused (nothing in it was run), treated as missing", r, msg)
@@ -231,6 +256,8 @@ class RoundStore:
             vec = decode_vector(header, body)
             if vec.numel() != hi - lo:
                 raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {hi - lo}")
+        except CodecError:  # the codec broke its contract: stop here, naming it
+            raise
         except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
             self._refuse(r, key, e)
             return None
@@ -252,11 +279,13 @@ class RoundStore:
         """Create slice ``j`` of round ``r``'s mean pseudo-gradient (encoded with ``compress``) unless it exists:
         ``(the stored values, created)``. Whoever writes it, everyone applies the stored bits."""
         header, body = encode_vector(vec, compress)
+        mine = decode_vector(header, body)
+        check_decoded(vec, mine, compress)
         key = f"{self.round_dir(r)}/mean-{j:03d}"
         data = pack({**header, "kind": "mean", "run": self.run_id, "round": r, "slice": j, "count": count}, body)
         if self.store.put(key, data, create=True):
             self._count("mean", len(data))
-            return decode_vector(header, body), True
+            return mine, True
         stored = self.get_mean(r, j, vec.numel())
         if stored is None:  # pragma: no cover - a store that lost an object it said exists
             raise StoreObjectError(f"{self._where(key)} exists but cannot be read")
@@ -277,6 +306,8 @@ class RoundStore:
             vec = decode_vector(header, body)
             if vec.numel() != numel or not bool(torch.isfinite(vec).all()):
                 raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {numel}, or not finite")
+        except CodecError:  # the codec broke its contract: stop here, naming it
+            raise
         except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
             why = f"refused (nothing in it was run); round {r}'s aggregate cannot be replaced"
             raise self._for_good(r, key, e, why) from e
@@ -432,7 +463,7 @@ class RoundStore:
                 len(parts) >= 2
                 and parts[-2].isdigit()
                 and int(parts[-2]) <= oldest_kept
-                and ("grad-" in parts[-1] or "mean-" in parts[-1])
+                and any(k in parts[-1] for k in ("grad-", "mean-", "refused-"))
             ):
                 self.store.delete(key)
                 n += 1

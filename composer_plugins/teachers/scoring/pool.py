@@ -15,6 +15,28 @@ from composer_plugins.teachers.scoring.contract import ScoreRequest, TeacherScor
 log = logging.getLogger(__name__)
 
 
+_warned: set[str] = set()
+
+
+def fit_rows(name: str, rows: Any, n: int) -> list[TeacherScores | None]:
+    """A scorer's results for a batch of ``n`` rows. A scorer that returned another number of rows cannot be
+    matched to them: it is absent for the whole batch (warned once per teacher, with the counts)."""
+    out = list(rows) if isinstance(rows, Sequence) else []
+    if len(out) == n:
+        return out
+    if name not in _warned:
+        _warned.add(name)
+        log.warning(
+            "teacher %r returned %d score rows for the %d asked: absent for those rows (reported as absent/%s). "
+            "HINT: a scorer's score() returns one entry per request, None for a row it could not score",
+            name,
+            len(out),
+            n,
+            name,
+        )
+    return [None] * n
+
+
 @dataclass
 class ScoringJob:
     """The scorers' futures for one batch (from :meth:`ScoringPool.submit`)."""

@@ -1,0 +1,79 @@
+"""Tests for the losses-group survivors a fresh mutation seed found (issue 51): each asserts the behaviour the
+mutant changed, from a formula written here (not from the code under test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from composer_plugins.losses import functional as LF
+from composer_plugins.losses.base import ChannelComposer
+from composer_plugins.losses.correction import importance_sampling_correction
+from composer_plugins.losses.distill import HintDistillChannel
+from composer_plugins.losses.policy import PolicyLossChannel
+
+torch.set_num_threads(1)
+
+
+def test_entropy_aware_opd_is_the_reverse_kl_plus_the_gated_forward_kl_by_hand():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
+    t = torch.randn(2, 3, 7, generator=g, dtype=torch.float64) * 0.3  # high-entropy teacher at some tokens
+    t[0, 0] *= 20  # a confident teacher token: no forward-KL term there
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    ls, lt = s.log_softmax(-1), t.log_softmax(-1)
+    rkl = (ls.exp() * (ls - lt)).sum(-1)
+    fkl = (lt.exp() * (lt - ls)).sum(-1)
+    ent = -(lt.exp() * lt).sum(-1)
+    want = (rkl + 0.5 * (ent > 1.5).double() * fkl)[mask].mean()
+    got = LF.entropy_aware_opd(s, t, mask, entropy_threshold=1.5, fkl_weight=0.5)
+    assert bool((ent > 1.5).any()) and bool((ent <= 1.5).any())
+    assert float(got) > 0
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_needs_teacher_only_for_a_live_channel_that_needs_one():
+    grpo, hint = PolicyLossChannel(loss_type="grpo", name="grpo"), HintDistillChannel(weight=0.0, name="hint")
+    assert not ChannelComposer([grpo, hint]).needs_teacher  # the teacher channel is off
+    assert not ChannelComposer([grpo]).needs_teacher
+    assert ChannelComposer([grpo, HintDistillChannel(weight=0.5, name="hint")]).needs_teacher
+
+
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask", "token_truncate"])
+def test_importance_sampling_ignores_padding_in_the_sequence_sum(mode):
+    lp = torch.tensor([[-1.0, -1.2, -3.0, -4.0]])
+    samp = torch.tensor([[-1.1, -1.0, -9.0, -0.5]])  # the padded positions differ a lot
+    mask = torch.tensor([[1, 1, 0, 0]])
+    got = importance_sampling_correction(lp, samp, mask, mode=mode, clip_max=10.0, clip_min=0.0)
+    if mode.startswith("sequence"):
+        assert got.shape == (1, 1)
+        assert math.isclose(float(got), math.exp(0.1 - 0.2), rel_tol=1e-6)
+    else:
+        want = torch.tensor([[math.exp(0.1), math.exp(-0.2), 1.0, 1.0]])
+        torch.testing.assert_close(got, want)
+
+
+def test_dr_grpo_divides_by_the_max_completion_length_given_or_the_inputs():
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    inputs = {"logprobs": lp, "old_logprobs": lp.detach(), "advantages": adv, "completion_mask": mask}
+    # at ratio 1 the per-token loss is -A: the sum over the mask is -(2·1 - 3·0.5) = -0.5
+    mine = PolicyLossChannel(loss_type="dr_grpo", max_completion_length=10, name="p")(inputs)[0]
+    assert math.isclose(float(mine), -0.5 / (2 * 10), rel_tol=1e-6)
+    theirs = PolicyLossChannel(loss_type="dr_grpo", name="p")({**inputs, "max_completion_length": 5})[0]
+    assert math.isclose(float(theirs), -0.5 / (2 * 5), rel_tol=1e-6)
+    neither = PolicyLossChannel(loss_type="dr_grpo", name="p")(inputs)[0]
+    assert math.isclose(float(neither), -0.5 / (2 * 3), rel_tol=1e-6)
+
+
+def test_group_advantages_takes_the_rloo_branch_only_for_rloo():
+    r = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    grpo = LF.group_advantages(r, 3, estimator="grpo", scale="none")
+    torch.testing.assert_close(grpo, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0]))
+    rloo = LF.group_advantages(r, 3, estimator="rloo")
+    torch.testing.assert_close(rloo, torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="unknown estimator 'ppo'; valid: 'grpo', 'rloo'"):
+        LF.group_advantages(r, 3, estimator="ppo")  # type: ignore[arg-type]
