@@ -29,3 +29,18 @@ def test_every_hook_has_a_test():
     tests = "".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
     missing = [h for h in HOOKS if not re.search(rf"def test_hook_{h}\b", tests)]
     assert not missing, f"hooks without a test_hook_<name>: {missing}"
+
+
+def test_the_changelog_heads_with_this_version_and_names_the_channel_contract_change():
+    """CHANGELOG.md's newest release is the package's version, with Keep a Changelog's sections, and its Deprecated
+    section names the two-argument channel form that 0.2 still serves (the plugin contract's change)."""
+    import composer_plugins
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[([^\]]+)\]", text, flags=re.M)
+    assert releases and releases[0] == composer_plugins.__version__
+    newest = text.split("\n## [", 2)[1]
+    assert {"Added", "Changed", "Deprecated", "Removed", "Fixed"} <= set(re.findall(r"^### (\w+)", newest, flags=re.M))
+    deprecated = newest.split("### Deprecated", 1)[1].split("\n### ", 1)[0]
+    assert "forward(model_outputs, batch)" in deprecated and "3.0" in deprecated
