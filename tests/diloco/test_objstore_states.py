@@ -202,11 +202,15 @@ def test_a_replica_starting_from_init_takes_its_model_optimizer_and_learning_rat
         "lr_schedulers": [src_sched.state_dict()],
         "global_params": [p.detach().clone() for p in src.parameters()],
     }
+    looks = iter(range(10))  # init appears at the third look (the wait backs off between looks)
     me = _replica(
         global_params=[torch.zeros_like(p) for p in dst.parameters()],
         replica=SimpleNamespace(index=1),
         config=SimpleNamespace(barrier_timeout_s=60.0, poll_s=0.0, poll_max_s=0.0),
-        rounds=SimpleNamespace(get_state=lambda key: init if key == "init" else None),
+        rounds=SimpleNamespace(
+            get_state=lambda key: init if key == "init" and next(looks) >= 2 else None,
+            store=SimpleNamespace(where="file:///run"),
+        ),
         _module=dst,
         _inner=dst_opt,
         _trainer=SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=dst_sched)]),
@@ -216,3 +220,31 @@ def test_a_replica_starting_from_init_takes_its_model_optimizer_and_learning_rat
     for a, b, g in zip(dst.parameters(), src.parameters(), me.global_params, strict=True):
         assert torch.equal(a, b) and torch.equal(g, b)
     assert me.calls == ["healed"]
+    # an init holding fewer global parameters than the model has is refused, naming it
+    init["global_params"] = init["global_params"][:1]
+    looks = iter(range(2, 10))
+    with pytest.raises(StoreObjectError, match=r"/init does not fit this model"):
+        StatesMixin._init_sync(me)
+
+
+def test_a_replica_joining_a_round_late_takes_only_the_inner_steps_left(monkeypatch, caplog):
+    import logging
+
+    from composer_plugins.diloco.objstore import states
+
+    times = {2: 99.6, 3: 100.0}  # the last round took 0.4 s over H = 4 steps: 0.1 s a step
+    me = SimpleNamespace(
+        config=SimpleNamespace(sync_every=4),
+        round=4,
+        _since_sync=0,
+        replica=SimpleNamespace(index=1),
+        rounds=SimpleNamespace(manifest=lambda r: {"time": times[r]} if r in times else None),
+    )
+    monkeypatch.setattr(states.time, "time", lambda: 100.35)  # 0.35 s after the others' last sync
+    with caplog.at_level(logging.INFO, logger="composer_plugins.diloco.objstore"):
+        assert StatesMixin._align_to_others(me) == 3
+    assert me._since_sync == 3
+    assert any("joins round 4" in m and "1 of its 4 inner steps" in m for m in caplog.messages), caplog.messages
+    monkeypatch.setattr(states.time, "time", lambda: 100.45)  # a whole round late: it starts the round whole
+    me._since_sync = 0
+    assert StatesMixin._align_to_others(me) == 0 and me._since_sync == 0
