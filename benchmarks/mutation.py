@@ -135,6 +135,7 @@ GROUPS: dict[str, Group] = {
             ),
             tests=(
                 "tests/diloco/test_objstore_mutants.py",
+                "tests/diloco/test_objstore_states.py",
                 "tests/diloco/test_diloco_aggregate.py",
                 "tests/diloco/test_diloco_store_io.py",
                 "tests/diloco/test_diloco_hygiene.py",

@@ -92,6 +92,22 @@ def test_every_name_taken_is_refused_with_the_range_tried(rs):
     with pytest.raises(StoreObjectError, match=r"grad-0-0\.\.63 are all taken"):
         rs.put_grad(0, 0, 0, slices)
     assert rs.put_grad(0, 0, 64, slices)[0] == "grad-0-64"
+    for k in range(65, 64 + 65):  # from a later restart: the range named starts there
+        rs.store.put(f"{rs.round_dir(0)}/grad-0-{k}.s000", b"x", create=True)
+    with pytest.raises(StoreObjectError, match=r"grad-0-65\.\.128 are all taken"):
+        rs.put_grad(0, 0, 65, slices)
+
+
+def test_a_state_whose_vectors_do_not_match_its_recorded_hash_is_refused(rs):
+    from composer_plugins.diloco.objstore.statehash import flatten, state_hash
+
+    state = {"round": 3, "global_params": [torch.arange(4.0)]}
+    rs.put_state("state/00000003", state, digest=state_hash(flatten(state)[1]))
+    assert torch.equal(rs.get_state("state/00000003")["global_params"][0], torch.arange(4.0))
+    other = {"round": 3, "global_params": [torch.ones(4)]}
+    rs.put_state("state/00000004", other, digest=state_hash(flatten(state)[1]))
+    with pytest.raises(CorruptObjectError, match=r"state/00000004: its vectors do not match the hash it records"):
+        rs.get_state("state/00000004")
 
 
 def _index(rs, r, name, header):
@@ -173,6 +189,9 @@ def test_slices_that_are_missing_forged_of_another_kind_or_size_are_refused(rs, 
         h4, b4 = encode_vector(torch.ones(4), "none")
         assert rs.read_grad_slice(0, name, forge(pack({**h4, "kind": "grad-slice"}, b4)), 1) is None
         assert any("4 values for 3" in m for m in caplog.messages)
+        h2, b2 = encode_vector(torch.ones(2), "none")  # a short slice too
+        assert rs.read_grad_slice(0, name, forge(pack({**h2, "kind": "grad-slice"}, b2)), 1) is None
+        assert any("2 values for 3" in m for m in caplog.messages)
         hn, bn = encode_vector(torch.tensor([1.0, float("inf"), 2.0]), "none")
         assert rs.read_grad_slice(0, name, forge(pack({**hn, "kind": "grad-slice"}, bn)), 1) is None
         assert any("non-finite" in m for m in caplog.messages)

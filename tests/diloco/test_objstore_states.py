@@ -1,0 +1,250 @@
+"""``StatesMixin`` (``diloco/objstore/states.py``) method by method, in process, on a stand-in replica: which
+states are written with replay points, a saved state that does not fit, catching up when the pseudo-gradients
+are gone, replaying closed rounds, the host copies the state writer encodes.
+
+Written against the ``diloco/objstore`` mutants of seed 9192 that only the subprocess DiLoCo runs reached.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.diloco.objstore.rounds import StoreObjectError
+from composer_plugins.diloco.objstore.states import StatesMixin, _host_tree
+
+
+def test_with_replay_points_only_the_last_of_every_exact_every_due_states_is_written():
+    me = SimpleNamespace(config=SimpleNamespace(state_every=2, exact_every=3))
+    # due states at rounds 0-1 (block 0), 2-3 (1), 4-5 (2), ...: the third block of every three is written
+    assert [r for r in range(14) if StatesMixin._state_written(me, r)] == [4, 5, 10, 11]
+    me.config.exact_every = 1
+    assert all(StatesMixin._state_written(me, r) for r in range(6))
+
+
+def test_the_host_copy_of_a_cpu_tensor_does_not_share_its_storage():
+    t = torch.arange(4.0)
+    tree = _host_tree({"a": [t], "b": (t, 3)})
+    t.add_(10.0)  # the optimizer keeps stepping while the writer encodes the copy
+    assert torch.equal(tree["a"][0], torch.arange(4.0)) and torch.equal(tree["b"][0], torch.arange(4.0))
+    assert tree["b"][1] == 3
+
+
+def _replica(**over):
+    g = [torch.zeros(3)]
+    me = SimpleNamespace(
+        global_params=g,
+        params=[torch.zeros(3)],
+        outer_optimizers=[torch.optim.SGD(g, lr=0.7, momentum=0.9)],
+        store=SimpleNamespace(where="file:///run"),
+        calls=[],
+    )
+    me._at_round = lambda k: setattr(me, "round", k)
+    me._healed = lambda: me.calls.append("healed")
+    for k, v in over.items():
+        setattr(me, k, v)
+    return me
+
+
+def test_a_saved_state_of_another_shape_is_refused_naming_its_key_and_one_that_fits_is_taken():
+    me = _replica()
+    bad = {"global_params": [torch.ones(4)], "outer_optimizers": [me.outer_optimizers[0].state_dict()]}
+    with pytest.raises(StoreObjectError, match=r"file:///run/state/00000003 does not fit this model: .*shape \[4\]"):
+        StatesMixin._apply_state(me, 3, bad)
+    assert not hasattr(me, "round")
+    good = {"global_params": [torch.ones(3)], "outer_optimizers": [me.outer_optimizers[0].state_dict()]}
+    StatesMixin._apply_state(me, 3, good)
+    assert me.round == 4 and me.calls == ["healed"]
+    assert torch.equal(me.global_params[0], torch.ones(3)) and torch.equal(me.params[0], torch.ones(3))
+
+
+def _late(found, timeout_s=60.0):
+    me = _replica()
+    me.config = SimpleNamespace(round_timeout_s=timeout_s, poll_s=0.0)
+    polls = []
+
+    def newest_valid_state(at_least):
+        polls.append(at_least)
+        return found if len(polls) >= 2 else None  # the state appears at the second look
+
+    me.rounds = SimpleNamespace(newest_valid_state=newest_valid_state, store=me.store)
+    me._apply_round = lambda *a, **k: False  # the round's pseudo-gradients are unreadable
+    me._take_init_globals = lambda: True
+    me._apply_state = lambda k, s: me.calls.append(("state", k, s))
+    me._replay_closed_rounds = lambda: me.calls.append("replay")
+    me._align_to_others = lambda: me.calls.append("align")
+    return me, polls
+
+
+def test_a_replica_left_out_with_the_round_unreadable_waits_for_a_newer_state_and_takes_it():
+    me, polls = _late((5, "S"))
+    StatesMixin._catch_up(me, 4, {"grads": {}})
+    assert polls == [4, 4] and me.calls == [("state", 5, "S"), "replay", "align"]
+    me, _ = _late(None, timeout_s=0.0)
+    with pytest.raises(ComposerPluginsError, match=r"round 4 closed without this replica.*round_timeout_s=0s"):
+        StatesMixin._catch_up(me, 4, {"grads": {}})
+
+
+def test_every_closed_round_with_a_manifest_is_replayed_in_order():
+    me = _replica(round=1, replica=SimpleNamespace(index=0))
+    applied = []
+
+    def apply_round(r, m, local, mix_local):
+        applied.append((r, m["n"], mix_local))
+        me.round = r + 1
+        return True
+
+    me._apply_round = apply_round
+    me._state_due = lambda r: False
+    me.rounds = SimpleNamespace(manifest=lambda r: {"n": r} if r in (1, 2) else None, store=me.store)
+    assert StatesMixin._replay_closed_rounds(me) == 2
+    assert applied == [(1, 1, False), (2, 2, False)] and me.round == 3 and me.calls == ["healed", "healed"]
+
+
+def test_run_json_pins_state_every_and_exact_every_only_with_replay_points():
+    from composer_plugins.diloco.objstore.identity import RunIdentityMixin
+
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    me = SimpleNamespace(
+        params=[p],
+        run_id="ref",
+        replica=SimpleNamespace(num_replicas=2),
+        config=SimpleNamespace(sync_every=4, compress="none", state_every=2, exact_every=1),
+        outer_optimizers=[torch.optim.SGD([p], lr=0.7)],
+        _inner=torch.optim.SGD([p], lr=0.1),
+    )
+    me._replay_points = lambda: StatesMixin._replay_points(me)
+    plain = RunIdentityMixin._run_identity(me)
+    assert "state_every" not in plain and "exact_every" not in plain and plain["param_shapes"] == [[2, 3]]
+    me.config.exact_every = 3
+    pinned = RunIdentityMixin._run_identity(me)
+    assert pinned["state_every"] == 2 and pinned["exact_every"] == 3
+
+
+def test_closing_without_an_own_pseudo_gradient_checks_an_older_one_of_its_own_and_refuses_it():
+    """This replica published nothing this round (``mine_name`` None: refused) but the round holds an unreadable
+    pseudo-gradient under its index from an earlier launch: it is read like anyone's, refused, and the round
+    closes with the other replica's."""
+    from composer_plugins.diloco.objstore.aggregate import AggregateMixin
+
+    read, closed = [], []
+
+    def read_grad_index(r, name, numel):
+        read.append(name)
+        return None if name == "grad-0-1" else {"numel": numel}
+
+    rs = SimpleNamespace(
+        manifest=lambda r: None,
+        grads_present=lambda r: {0: ["grad-0-1"], 1: ["grad-1-0"]},
+        read_grad_index=read_grad_index,
+        refused=lambda r: {0: "refused: non-finite pseudo-gradient"},
+        close_round=lambda r, good, me, slices: closed.append((r, dict(good), me, slices)) or ({"grads": good}, True),
+        store=SimpleNamespace(where="file:///run"),
+    )
+    me = SimpleNamespace(
+        rounds=rs,
+        config=SimpleNamespace(round_timeout_s=60.0, poll_s=0.0, poll_max_s=0.0),
+        replica=SimpleNamespace(num_replicas=2),
+        params=[torch.zeros(5)],
+        _stopped={},
+    )
+    manifest, created = AggregateMixin._close(me, 3, 0, None)
+    assert manifest == {"grads": {1: "grad-1-0"}}
+    assert created and closed == [(3, {1: "grad-1-0"}, 0, 2)] and sorted(read) == ["grad-0-1", "grad-1-0"]
+    # its own pseudo-gradient of this round is taken without reading its index back
+    read.clear()
+    rs.grads_present = lambda r: {0: ["grad-0-2"], 1: ["grad-1-0"]}
+    closed.clear()
+    AggregateMixin._close(me, 3, 0, "grad-0-2")
+    assert read == ["grad-1-0"] and closed == [(3, {0: "grad-0-2", 1: "grad-1-0"}, 0, 2)]
+
+
+def test_an_overlapped_round_closed_without_this_replica_is_not_applied_as_its_own():
+    """``overlap: 1``: the replica published, but the round closed without it (late): the background job must
+    not take the outer step as a participant; the foreground catches up instead."""
+    from composer_plugins.diloco.objstore.callback import ObjectStoreDiLoCoCallback
+
+    applied = []
+    me = SimpleNamespace(
+        replica=SimpleNamespace(index=0, num_replicas=2, sync_log=False),
+        config=SimpleNamespace(init_sync=False, sync_log=False, log_param_hash=False),
+        params=[torch.zeros(3)],
+        rounds=SimpleNamespace(manifest=lambda r: None),
+        _publish=lambda r, snapshot: ("grad-0-2", torch.zeros(3), None),
+        _close=lambda r, i, name: ({"grads": {"1": "grad-1-2"}, "participants": [1]}, True),
+        _apply_round=lambda *a, **k: applied.append(a) or True,
+        _state_due=lambda r: False,
+        _background=None,
+    )
+    ObjectStoreDiLoCoCallback._launch_overlapped(me, 2, 0.0)
+    try:
+        manifest, committed = me._overlapped[1].result(timeout=30)
+    finally:
+        me._background.shutdown()
+    assert manifest["participants"] == [1] and not committed and applied == []
+
+
+def test_a_replica_starting_from_init_takes_its_model_optimizer_and_learning_rate_schedule():
+    torch.manual_seed(0)
+    src, dst = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    src_opt, dst_opt = torch.optim.SGD(src.parameters(), lr=0.1), torch.optim.SGD(dst.parameters(), lr=0.1)
+    src_sched = torch.optim.lr_scheduler.StepLR(src_opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        src_opt.step()
+        src_sched.step()
+    dst_sched = torch.optim.lr_scheduler.StepLR(dst_opt, step_size=1, gamma=0.5)
+    init = {
+        "model": src.state_dict(),
+        "inner_optimizer": src_opt.state_dict(),
+        "lr_schedulers": [src_sched.state_dict()],
+        "global_params": [p.detach().clone() for p in src.parameters()],
+    }
+    looks = iter(range(10))  # init appears at the third look (the wait backs off between looks)
+    me = _replica(
+        global_params=[torch.zeros_like(p) for p in dst.parameters()],
+        replica=SimpleNamespace(index=1),
+        config=SimpleNamespace(barrier_timeout_s=60.0, poll_s=0.0, poll_max_s=0.0),
+        rounds=SimpleNamespace(
+            get_state=lambda key: init if key == "init" and next(looks) >= 2 else None,
+            store=SimpleNamespace(where="file:///run"),
+        ),
+        _module=dst,
+        _inner=dst_opt,
+        _trainer=SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=dst_sched)]),
+    )
+    StatesMixin._init_sync(me)
+    assert dst_sched.last_epoch == 3 and dst_sched.get_last_lr() == src_sched.get_last_lr()
+    for a, b, g in zip(dst.parameters(), src.parameters(), me.global_params, strict=True):
+        assert torch.equal(a, b) and torch.equal(g, b)
+    assert me.calls == ["healed"]
+    # an init holding fewer global parameters than the model has is refused, naming it
+    init["global_params"] = init["global_params"][:1]
+    looks = iter(range(2, 10))
+    with pytest.raises(StoreObjectError, match=r"/init does not fit this model"):
+        StatesMixin._init_sync(me)
+
+
+def test_a_replica_joining_a_round_late_takes_only_the_inner_steps_left(monkeypatch, caplog):
+    import logging
+
+    from composer_plugins.diloco.objstore import states
+
+    times = {2: 99.6, 3: 100.0}  # the last round took 0.4 s over H = 4 steps: 0.1 s a step
+    me = SimpleNamespace(
+        config=SimpleNamespace(sync_every=4),
+        round=4,
+        _since_sync=0,
+        replica=SimpleNamespace(index=1),
+        rounds=SimpleNamespace(manifest=lambda r: {"time": times[r]} if r in times else None),
+    )
+    monkeypatch.setattr(states.time, "time", lambda: 100.35)  # 0.35 s after the others' last sync
+    with caplog.at_level(logging.INFO, logger="composer_plugins.diloco.objstore"):
+        assert StatesMixin._align_to_others(me) == 3
+    assert me._since_sync == 3
+    assert any("joins round 4" in m and "1 of its 4 inner steps" in m for m in caplog.messages), caplog.messages
+    monkeypatch.setattr(states.time, "time", lambda: 100.45)  # a whole round late: it starts the round whole
+    me._since_sync = 0
+    assert StatesMixin._align_to_others(me) == 0 and me._since_sync == 0
