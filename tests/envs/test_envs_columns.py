@@ -106,7 +106,7 @@ def test_false_column_attempts_teach_the_hint_sft_shows():
 
 
 def test_a_sibling_demonstration_first_then_the_column_check():
-    from composer_plugins.training.experience import add_hint_contexts
+    from composer_plugins.training.experience import hint_fields
     from composer_plugins.training.step import StepRecord
 
     env = GSM8KEnv(difficulty="columns")
@@ -133,7 +133,7 @@ def test_a_sibling_demonstration_first_then_the_column_check():
         advantages=torch.zeros(4),
         num_generations=2,
     )
-    hinted = add_hint_contexts(rec, env, build_hint_provider(spec), success_threshold=1.0)
+    hinted = rec.replace(**hint_fields(rec, env, build_hint_provider(spec), success_threshold=1.0))
     assert list(hinted.hint_kinds) == ["demonstration", None, "step_check", "step_check"]
     assert task["solution"].splitlines()[0] in hinted.hint_contexts[0]  # the sibling's worked columns
     c = cols[1]
