@@ -248,3 +248,187 @@ def test_a_replica_joining_a_round_late_takes_only_the_inner_steps_left(monkeypa
     monkeypatch.setattr(states.time, "time", lambda: 100.45)  # a whole round late: it starts the round whole
     me._since_sync = 0
     assert StatesMixin._align_to_others(me) == 0 and me._since_sync == 0
+
+
+# --- the survivors of held-out seeds 9301/9302 (benchmarks/README.md, "Mutation testing") ---
+
+
+def test_put_state_counts_init_bytes_as_init_and_a_global_state_as_state(tmp_path):
+    from composer_plugins.diloco.objstore import RoundStore
+    from composer_plugins.diloco.store import ObjectStore
+
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+    n_init = rs.put_state("init", {"global_params": [torch.ones(3)]})
+    assert n_init > 0 and rs.bytes_by_kind["init"] == n_init and rs.bytes_by_kind["state"] == 0
+    n_state = rs.put_state("state/00000002", {"global_params": [torch.ones(5)]})
+    assert n_state > 0 and rs.bytes_by_kind["state"] == n_state and rs.bytes_by_kind["init"] == n_init
+
+
+def test_from_round_0_the_closed_rounds_are_replayed_when_round_0_has_a_manifest():
+    me = _replica(round=0, replica=SimpleNamespace(index=0))
+    me._take_init_globals = lambda: True
+    me._state_due = lambda r: False
+
+    def apply_round(r, m, local, mix_local):
+        me.round = r + 1
+        return True
+
+    me._apply_round = apply_round
+    me.rounds = SimpleNamespace(manifest=lambda r: {"n": r} if r == 0 else None, store=me.store)
+    assert StatesMixin._replay_closed_rounds(me) == 1 and me.round == 1
+    # no manifest of round 0 (only of round 1): nothing is replayed from init
+    me.round = 0
+    me.rounds.manifest = lambda r: {"n": r} if r == 1 else None
+    assert StatesMixin._replay_closed_rounds(me) == 0 and me.round == 0
+
+
+def test_aligning_skips_no_inner_step_before_round_2_or_without_two_manifests_or_their_times():
+    def me_at(r, h=4, times=None):
+        return SimpleNamespace(
+            config=SimpleNamespace(sync_every=h),
+            round=r,
+            _since_sync=0,
+            replica=SimpleNamespace(index=1),
+            rounds=SimpleNamespace(manifest=lambda k: None if times is None or k not in times else times[k]),
+        )
+
+    assert StatesMixin._align_to_others(me_at(1, times={0: {"time": 1.0}})) == 0
+    assert StatesMixin._align_to_others(me_at(4, h=1, times={2: {"time": 1.0}, 3: {"time": 2.0}})) == 0
+    assert StatesMixin._align_to_others(me_at(4, times={3: {"time": 2.0}})) == 0
+    assert StatesMixin._align_to_others(me_at(4, times={2: {}, 3: {"time": 2.0}})) == 0
+    assert StatesMixin._align_to_others(me_at(4, times={2: {"time": 9.0}, 3: {"time": 2.0}})) == 0
+
+
+def test_a_round_where_every_replica_refused_raises_naming_each_refusal_and_the_hint():
+    from composer_plugins.diloco.objstore.aggregate import AggregateMixin
+
+    rs = SimpleNamespace(
+        manifest=lambda r: None,
+        grads_present=lambda r: {},
+        read_grad_index=lambda r, name, numel: None,
+        refused=lambda r: {0: "stopped: codec x failed", 1: "its pseudo-gradient is not finite"},
+        store=SimpleNamespace(where="file:///run"),
+        round_dir=lambda r: f"rounds/{r:08d}",
+    )
+    me = SimpleNamespace(
+        rounds=rs,
+        config=SimpleNamespace(round_timeout_s=60.0, poll_s=0.0, poll_max_s=0.0),
+        replica=SimpleNamespace(num_replicas=2),
+        params=[torch.zeros(5)],
+        _stopped={},
+    )
+    with pytest.raises(ComposerPluginsError) as e:
+        AggregateMixin._close(me, 3, 0, None)
+    msg = str(e.value)
+    assert "round 3: no replica has a pseudo-gradient (file:///run/rounds/00000003)" in msg
+    assert "replica 0: stopped: codec x failed; replica 1: its pseudo-gradient is not finite. HINT:" in msg
+    assert msg.endswith("lower the learning rate.") and me._stopped == {0: "stopped: codec x failed"}
+
+
+def test_a_live_round_already_settled_makes_no_partial_mean_when_a_slice_is_gone():
+    """The round has a state (its participants applied it and ``keep_rounds`` collected it): a missing slice of
+    another replica's pseudo-gradient yields no mean at all, even with this replica's own in hand."""
+    from composer_plugins.diloco.objstore.aggregate import AggregateMixin
+
+    written = []
+    rs = SimpleNamespace(
+        read_grad_index=lambda r, name, numel: None,
+        put_mean=lambda r, j, vec, codec, count: written.append((j, count)) or (vec, True),
+        get_mean=lambda r, j, n: None,
+    )
+    me = SimpleNamespace(
+        rounds=rs,
+        config=SimpleNamespace(compress="none", round_timeout_s=60.0, poll_s=0.0, poll_max_s=0.0),
+        replica=SimpleNamespace(index=0),
+        params=[torch.zeros(4)],
+        _mean_residual={},
+        _round_settled=lambda r: True,
+    )
+    manifest = {"participants": [0, 1], "slices": 1, "grads": {"0": "grad-0-0", "1": "grad-1-0"}}
+    assert AggregateMixin._round_mean(me, 3, manifest, torch.ones(4)) is None and written == []
+    # not settled (live): the slice is left out and the mean is made of this replica's own
+    me._round_settled = lambda r: False
+    assert torch.equal(AggregateMixin._round_mean(me, 3, manifest, torch.ones(4)), torch.ones(4))
+    assert written == [(0, 1)]
+
+
+def test_a_codec_feedback_decay_below_one_scales_the_carried_residual(monkeypatch):
+    from composer_plugins.diloco.objstore import callback
+
+    codec = SimpleNamespace(feedback_decay=0.5, error_feedback=False)
+    monkeypatch.setattr(callback, "get_codec", lambda name: codec)
+    put = []
+    me = SimpleNamespace(
+        config=SimpleNamespace(compress="none", init_sync=False),
+        replica=SimpleNamespace(num_replicas=1, index=0, restart=0),
+        global_params=[torch.full((4,), 3.0)],
+        params=[torch.ones(4)],
+        _residual=torch.full((4,), 2.0),
+        bytes_pseudograd=0,
+        rounds=SimpleNamespace(put_grad=lambda r, i, k, parts: put.append(parts) or ("grad-0-0", 7)),
+    )
+    name, mine, err = callback.ObjectStoreDiLoCoCallback._publish(me, 2, [torch.ones(4)])
+    assert name == "grad-0-0" and err == 0.0 and me.bytes_pseudograd == 7
+    assert torch.equal(mine, torch.full((4,), 3.0))  # (3 - 1) + 0.5 * 2
+    codec.feedback_decay = 1.0
+    _, mine, _ = callback.ObjectStoreDiLoCoCallback._publish(me, 2, [torch.ones(4)])
+    assert torch.equal(mine, torch.full((4,), 4.0))
+
+
+def _recorder(tmp_path, **over):
+    me = SimpleNamespace(
+        config=SimpleNamespace(sync_log=None, log_param_hash=False, stop_file=None, overlap=0),
+        replica=SimpleNamespace(index=0, replica_id="r0", restart=0, stop_file=None, sync_log=None),
+        store=SimpleNamespace(bytes_written=10, bytes_read=4, retries=0),
+        _counted=(0, 0, 0),
+        bytes_states=0,
+        _states_counted=0,
+        rounds=None,
+        _kinds_counted={},
+        round=3,
+        _inner_steps=12,
+        _take_healed=lambda: False,
+        bytes_allreduced=0,
+        transport="objstore",
+        _target=None,
+        _stop=False,
+        history=[],
+        _trainer=SimpleNamespace(should_stop=False),
+    )
+    for k, v in over.items():
+        setattr(me, k, v)
+    return me
+
+
+def test_a_stop_file_stops_the_run_at_the_round_it_names(tmp_path):
+    from composer_plugins.diloco.objstore.callback import ObjectStoreDiLoCoCallback
+
+    stop = tmp_path / "STOP"
+    stop.write_text("5")
+    me = _recorder(tmp_path)
+    me.config.stop_file = str(stop)
+    rec = ObjectStoreDiLoCoCallback._record(me, 2, True, 2, 0.0, 0.1)
+    assert rec["stop"] is False and not me._trainer.should_stop and rec["bytes_written"] == 10
+    me.round = 5
+    rec = ObjectStoreDiLoCoCallback._record(me, 4, True, 2, 0.0, 0.1)
+    assert rec["stop"] is True and me._stop and me._trainer.should_stop
+
+
+def test_settling_a_round_closed_without_this_replica_records_it_not_committed_with_its_duration():
+    import time
+
+    from composer_plugins.diloco.objstore.callback import ObjectStoreDiLoCoCallback
+
+    recorded, caught = [], []
+    me = SimpleNamespace(
+        replica=SimpleNamespace(index=0),
+        _apply_round=lambda *a, **k: True,
+        _catch_up=lambda r, m: caught.append(r),
+        _record=lambda *a: recorded.append(a),
+    )
+    manifest = {"grads": {"1": "grad-1-0"}, "participants": [1]}
+    t0 = time.perf_counter()
+    ObjectStoreDiLoCoCallback._settle(me, 4, manifest, False, "grad-0-0", torch.zeros(3), 0.0, t0)
+    ((r, committed, participants, err, seconds),) = recorded
+    assert caught == [4] and (r, committed, participants, err) == (4, False, 1, 0.0)
+    assert 0.0 <= seconds < 0.5
