@@ -112,14 +112,15 @@ def channel_kind(channel: Any) -> str:
     return "custom"
 
 
-def cell(mode: str, channel: Any) -> Cell:
-    """The cell of ``channel`` (a built channel, or its kind from :func:`channel_kind`) in ``mode``."""
+def cell(mode: str, channel: Any, support: Mapping[str, Any] | None = None) -> Cell:
+    """The cell of ``channel`` (a built channel, or its kind from :func:`channel_kind`) in ``mode``; ``support``: the
+    declaring backend's own cells (a backend checking itself, whatever registry the caller built it from)."""
     from composer_plugins.core.errors import ConfigError
     from composer_plugins.core.plugins import get_registry
 
     backend = mode.split(":", 1)[0]
     entry = next((e for e in get_registry().entries("backends") if e.name == backend), None)
-    modes = _declared_by(entry) if entry is not None else {}
+    modes = support if support is not None else _declared_by(entry) if entry is not None else {}
     if mode not in modes:
         raise ConfigError(f"unknown backend mode {mode!r}", key="mode", valid=list(declared()))
     kind = channel if isinstance(channel, str) else channel_kind(channel)
@@ -142,7 +143,9 @@ def _mode_words(mode: str) -> str:
     return f"the {backend} backend (mode={sub!r})" if sub else f"the {backend} backend"
 
 
-def check_channels(mode: str, channels: Any, src: Any = None) -> list[tuple[str, Cell]]:
+def check_channels(
+    mode: str, channels: Any, src: Any = None, support: Mapping[str, Any] | None = None
+) -> list[tuple[str, Cell]]:
     """Refuse, at build time, a channel ``mode`` cannot run; return ``[(channel name, cell)]`` otherwise.
 
     ``channels``: a :class:`~composer_plugins.training.config.TrainConfig` (its enabled channels are built
@@ -166,7 +169,7 @@ def check_channels(mode: str, channels: Any, src: Any = None) -> list[tuple[str,
         if getattr(ch, "weight", 1.0) == 0.0:
             continue
         kind = channel_kind(ch)
-        c = cell(mode, kind)
+        c = cell(mode, kind, support)
         fix = "(docs/backends.md, 'Which channel runs where')."
         if not c.runs:
             where = _elsewhere(kind, mode)

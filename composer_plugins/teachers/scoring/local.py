@@ -118,9 +118,9 @@ class LocalScorer(TeacherScorer):
         out = []
         for (p, c), v, i, a in zip(rows, v_all.split(lens), i_all.split(lens), a_all.split(lens), strict=True):
             if c and not p:
-                v = torch.cat([torch.zeros(1, k), v])
-                i = torch.cat([torch.full((1, k), -1, dtype=torch.long), i])
-                a = torch.cat([torch.full((1,), math.nan), a])
+                v = torch.cat([v.new_zeros(1, k), v])
+                i = torch.cat([i.new_full((1, k), -1), i])
+                a = torch.cat([a.new_full((1,), math.nan), a])
             out.append((a.tolist(), i, v))
         return out
 

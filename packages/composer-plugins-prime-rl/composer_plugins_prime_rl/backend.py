@@ -383,7 +383,9 @@ class PrimeRLBackend(Backend):
         stream, the one reading teachers' scores the teacher stream; any other is refused, located."""
         from composer_plugins.training.loss_specs import declared_channels
 
-        support.check_channels(f"prime_rl:{self.mode}", self.config, self.src)  # refused here, never dropped later
+        support.check_channels(
+            f"prime_rl:{self.mode}", self.config, self.src, type(self).support
+        )  # refused here, never dropped later
         kwargs: dict[str, Any] = {}
         policies = []
         for ch in declared_channels(self.config.losses, self.src):
@@ -440,7 +442,9 @@ class PrimeRLBackend(Backend):
     # -- PRIME-RL run --------------------------------------------------------------------
     def toml(self) -> str:
         """A PRIME-RL ``rl`` config selecting our loss (model, batch, sampling and optimizer from the config)."""
-        support.check_channels("prime_rl:prime-rl", self.config, self.src)  # the TOML is the upstream run
+        support.check_channels(
+            "prime_rl:prime-rl", self.config, self.src, type(self).support
+        )  # the TOML is the upstream run
         c = self.config
         model = self.model_name or c.model.name_or_path
         kw = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.loss_kwargs.items())

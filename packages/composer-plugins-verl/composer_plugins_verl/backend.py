@@ -408,7 +408,9 @@ class VeRLBackend(Backend):
         class declares the group advantages and a loss VeRL's registry holds (never chosen by its name)."""
         from composer_plugins.training.loss_specs import declared_channels
 
-        support.check_channels(f"verl:{self.mode}", self.config, self.src)  # a channel VeRL cannot run is refused
+        support.check_channels(
+            f"verl:{self.mode}", self.config, self.src, type(self).support
+        )  # a channel VeRL cannot run is refused
         found = []
         for ch in declared_channels(self.config.losses, self.src):
             if ch.is_policy and (ch.loss_type or ch.name) in POLICY_LOSSES.values():
