@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.training.metrics import scalar_metrics
+from composer_plugins.training.optim import optimizer_step
 
 __all__ = ["Backend", "optimizer_step", "resolve_config", "write_history"]
 
@@ -169,22 +170,6 @@ class Backend:
             final.update({f"train/{k}": v for k, v in history[-1].items() if k != "step"})
         atomic_write_json(out / "metrics.json", final, default=str)
         return RunResult(metrics=final, output_dir=str(out), model_dir=str(model_dir), history=history)
-
-
-def optimizer_step(optimizer: Any, params: Iterable[Any], loss: Any, clip: float | None = None) -> float:
-    """The one local optimizer step: zero the gradients, ``loss.backward()``, clip the norm of ``params``
-    (``clip``: ``trainer.gradient_clip_val``; ``None``/0: measured, not clipped), step; returns the norm."""
-    import torch
-
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
-        optimizer.step()
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip else float("inf"))
-    optimizer.step()
-    return float(norm)
 
 
 def write_history(path: Path, rows: list[dict[str, float]]) -> None:

@@ -13,13 +13,13 @@ One training step (one micro-batch of prompts) is four arrows, each one function
    step's :class:`~composer_plugins.training.step.StepMeta` (step, run length, preference pairs);
 4. :class:`~composer_plugins.losses.base.ChannelComposer` sums ``weight · loss`` over the live channels.
 
-Monarch's trainer actor runs the same two calls (``make_experience``, ``loss_on``). Held-out evaluation is the
+Every piece is built by :meth:`~composer_plugins.training.components.StepComponents.from_config` (Monarch and
+the backends build theirs there too); the module holds them and calls them. Held-out evaluation is the
 module's :class:`~composer_plugins.training.evaluation.Validator`; what a step is fed: ``training.batches``.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,18 +28,16 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from composer_plugins.training.assemble import PAIR_INPUTS, StepPolicy
-from composer_plugins.training.batches import derive_seed, load_pairs, render_pairs
-from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
+from composer_plugins.training.assemble import StepPolicy
+from composer_plugins.training.batches import derive_seed
+from composer_plugins.training.builders import configured_hint_provider
 from composer_plugins.training.checkpoints import rng_state, set_rng_state
+from composer_plugins.training.components import StepComponents
 from composer_plugins.training.config import TrainConfig, train_config_from_dict
 from composer_plugins.training.distributed import all_gather_objects, fsdp_root, full_params, world
 from composer_plugins.training.evaluation import Validator
-from composer_plugins.training.experience import ExperienceMaker, Sampler, StepComputer
 from composer_plugins.training.input_builders import PAIR_REF_KEYS
-from composer_plugins.training.policy import apply_checkpointing, load_policy_for
-from composer_plugins.training.step import StepMeta, StepRecord, sample_pairs
-from composer_plugins.training.teacher_scores import build_teacher_scoring
+from composer_plugins.training.step import StepMeta, StepRecord
 
 
 class ComposerModule(L.LightningModule):
@@ -69,60 +67,31 @@ class ComposerModule(L.LightningModule):
         src: Any = None,
     ) -> None:
         super().__init__()
-        from composer_plugins.core.config import Config, redact, to_dict
-        from composer_plugins.losses.base import ChannelComposer
-        from composer_plugins.training.ema import EMATeacher, compute_dtype, teacher_from
+        from composer_plugins.core.config import redact, to_dict
 
         cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
         self.cfg = cfg
         self.kernel_pick: Any = None  # the LM-head kernels picked for the device at the start of training
         self.save_hyperparameters(redact(to_dict(cfg)))
-        if policy is None:
-            policy, tokenizer = load_policy_for(cfg)
-        if tokenizer is None:
-            raise ValueError("pass tokenizer= together with policy=")
-        # from_pretrained returns eval mode; Lightning trains modules in the mode it finds them in
-        # (dropout on in training; generation and validation switch to eval mode themselves)
-        self.policy = policy.train()
-        self.tokenizer = tokenizer  # prompts rendered with model.chat_template (training.chat)
-        apply_checkpointing(policy, cfg)
-        self.env = env if env is not None else build_env(cfg, src)
-        self.composer = ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
-        self.teacher_scoring = build_teacher_scoring(self.composer.active, tokenizer)  # teacher_distill's scorers
-        #: What the live channels read (:meth:`ChannelComposer.required_inputs`).
-        self.required_inputs = set(self.composer.required_inputs())
-        self.needs_teacher = self.composer.needs_teacher
-        try:
-            teacher, ema_rate = teacher_from(self.composer.active)
-        except ValueError as e:
-            raise (src if src is not None else Config()).error("losses", str(e)) from None
-        #: The frozen EMA copy of the policy that scores the hinted contexts (``losses.<hint>.teacher: ema``),
-        #: a submodule (checkpointed, sharded like the policy), in the step's compute dtype; ``None``: the live policy.
-        dt = compute_dtype(cfg.trainer.precision)
-        self.ema_teacher = EMATeacher(self.policy, ema_rate, dtype=dt) if teacher == "ema" else None
-        self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
+        #: Everything the step is made of, from the one path from config (:class:`StepComponents`).
+        self.parts = parts = StepComponents.from_config(
+            cfg,
+            src,
+            policy=policy,
+            tokenizer=tokenizer,
+            env=env,
+            channels=channels,
+            hint_provider=hint_provider,
+            pairs=pairs,
+        )
+        # the modules Lightning moves, checkpoints and shards (the EMA teacher in the step's compute dtype)
+        self.policy, self.composer, self.ema_teacher = parts.policy, parts.composer, parts.ema_teacher
+        self.tokenizer, self.env, self.sampler = parts.tokenizer, parts.env, parts.sampler
+        self.experience, self.stepper, self.teacher_scoring = parts.experience, parts.stepper, parts.teacher_scoring
+        self.hint_provider, self.required_inputs = parts.hint_provider, parts.required_inputs
+        self.needs_teacher, self.needs_pairs = self.composer.needs_teacher, parts.needs_pairs
         self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
-        self.needs_pairs = bool(self.required_inputs & set(PAIR_INPUTS))
-        if hint_provider is not None:
-            from composer_plugins.envs.hints import build_hint_provider
-
-            hint_provider = build_hint_provider(hint_provider, key="hint_provider")
-        self.hint_provider = hint_provider
-        if self.needs_teacher and self.hint_provider is None:
-            self.hint_provider = configured_hint_provider(cfg, src)
-        if self.needs_pairs and pairs is None and cfg.replay.pairs_path:
-            pairs = load_pairs(cfg.replay.pairs_path)
-        self.pairs: list[Mapping[str, str]] = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
-        # The KL's frozen reference (not optimised, not checkpointed); the pairs' need none (cache_pair_references)
-        self._reference: list[Any] = []
-        self._pair_refs_due = bool(self.required_inputs & set(PAIR_REF_KEYS)) and bool(self.pairs)
-        if self.needs_ref_tokens:
-            ref = copy.deepcopy(self.policy).eval()
-            for p in ref.parameters():
-                p.requires_grad_(False)
-            self._reference.append(ref)
-        #: The one sampler of the training rollouts (``rollout.generator``; HF ``generate`` by default).
-        self.sampler = Sampler.from_config(cfg, src, self.env)
+        self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
         uplift = self.hint_provider
         if uplift is None and cfg.eval.hint_uplift:
@@ -134,17 +103,23 @@ class ComposerModule(L.LightningModule):
         #: The step record and meta the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
         self.last_meta: StepMeta | None = None
-        #: The one experience maker (the whole step record) and the one step computer (its composed loss).
-        self.experience = ExperienceMaker.from_config(
-            cfg,
-            policy=self.policy,
-            tokenizer=tokenizer,
-            env=self.env,
-            hint_provider=self.hint_provider if self.needs_teacher else None,
-            reference=self.reference if self.needs_ref_tokens else None,
-            teacher_scoring=self.teacher_scoring,
-        )
-        self.stepper = StepComputer(self.composer, self.step_policy, success_threshold=cfg.rollout.success_threshold)
+
+    @property
+    def pairs(self) -> list[Mapping[str, Any]]:
+        """The replay pairs, rendered (with their reference log-probs once cached)."""
+        return self.parts.pairs
+
+    @pairs.setter
+    def pairs(self, value: list[Mapping[str, Any]]) -> None:
+        self.parts.pairs = value
+
+    @property
+    def _pair_refs_due(self) -> bool:
+        return self.parts.pair_refs_due
+
+    @_pair_refs_due.setter
+    def _pair_refs_due(self, value: bool) -> None:
+        self.parts.pair_refs_due = value
 
     @property
     def generator(self) -> Any:
@@ -154,7 +129,7 @@ class ComposerModule(L.LightningModule):
     @property
     def reference(self) -> Any:
         """The frozen reference policy, or ``None`` when no live channel needs one."""
-        return self._reference[0] if self._reference else None
+        return self.parts.reference
 
     def full_params(self, recurse: bool = False) -> Any:
         """:func:`~composer_plugins.training.distributed.full_params` under this module's trainer."""
@@ -193,14 +168,15 @@ class ComposerModule(L.LightningModule):
         tokens = r.prompts_per_step * r.num_generations * r.max_new_tokens
         self.kernel_pick = self.cfg.compute.pick_kernels(int(lm_head_weight(self.policy).shape[0]), tokens, self.device)
         log_kernel_pick(self.logger, self.kernel_pick)
+        self.parts.chunk_size = self.kernel_pick.chunk_size
         for ch in self.composer.active if self.kernel_pick.kernels != "liger" else ():
             if getattr(ch, "kernels", None) == "auto":  # a channel on its own `kernels: auto` follows the pick
                 ch.kernels = "torch"
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)
             self._resume_rng = None
-        for ref in self._reference:
-            ref.to(self.device)
+        if self.reference is not None:
+            self.reference.to(self.device)
         self.cache_pair_references()  # before a step (or a DiLoCo heal) moves the weights
 
     def step_seed(self, index: int, rank: int = 0, world_size: int = 1) -> int:
@@ -288,36 +264,22 @@ class ComposerModule(L.LightningModule):
 
     def step_policy(self) -> StepPolicy:
         """The models and settings the assembler builds channel inputs with."""
-        return StepPolicy.from_config(
-            self.cfg,
-            model=self.policy,
-            tokenizer=self.tokenizer,
-            teacher=self.ema_teacher,
-            reference=self.reference,
-            chunk_size=self.cfg.compute.chunk_size if self.kernel_pick is None else self.kernel_pick.chunk_size,
-            teacher_scoring=self.teacher_scoring,
-        )
+        return self.parts.step_policy()
 
     def step_meta(self, seed: int, step: int | None = None) -> StepMeta:
         """This step's meta: the optimizer step (``step``, else the Trainer's; 0 without one), the run length and
         ``seed``'s preference pairs."""
         if step is None:
             step = self.global_step if self._trainer is not None else 0
-        self.cache_pair_references()
-        pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed) if self.needs_pairs else []
-        return StepMeta(step, self.cfg.trainer.max_steps, tuple(pairs))
+        return self.parts.step_meta(seed, step, self.full_params)
 
     def cache_pair_references(self) -> None:
         """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once)."""
-        from composer_plugins.training.input_builders import cache_pair_references
-
-        if self._pair_refs_due:
-            with self.full_params():
-                self.pairs, self._pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
+        self.parts.cache_pair_references(self.full_params)
 
     def loss_on(self, rec: StepRecord, seed: int, step: int | None = None) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs; ``step``:
-        the optimizer step of a loop without a Trainer, e.g. Monarch's trainer actor)."""
+        the optimizer step, by default the Trainer's)."""
         self.last_rollout, self.last_meta = rec, self.step_meta(seed, step)
         return self.stepper.loss(rec, self.last_meta)
 

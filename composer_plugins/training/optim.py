@@ -133,3 +133,19 @@ def build_optimization(optim: Any, params: Iterable[Any], total_steps: int) -> d
     opt = build_optimizer(optim, params)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(optim.scheduler, optim.warmup_steps, max(1, total_steps)))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def optimizer_step(optimizer: Any, params: Iterable[Any], loss: Any, clip: float | None = None) -> float:
+    """The one local optimizer step: zero the gradients, ``loss.backward()``, clip the norm of ``params``
+    (``clip``: ``trainer.gradient_clip_val``; ``None``/0: measured, not clipped), step; returns the norm."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        optimizer.step()
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip else float("inf"))
+    optimizer.step()
+    return float(norm)
