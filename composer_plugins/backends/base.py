@@ -22,7 +22,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -113,30 +113,23 @@ class Backend:
 
     # -- the local loop shared by the backends ------------------------------------------
     def run_local(
-        self,
-        run: Any,
-        maker: Any,
-        loss_of: Callable[[Any, int], tuple[Any, Mapping[str, Any]]],
-        *,
-        old_logprobs: bool = False,
-        after_step: Callable[[], None] | None = None,
+        self, run: Any, loss_of: Callable[[Any, int], tuple[Any, Mapping[str, Any]]], *, old_logprobs: bool = False
     ) -> Any:
         """Train ``trainer.max_steps`` steps in this process; returns the ``RunResult``.
 
-        Each step: ``run.rollout(step)`` (a :class:`~composer_plugins.backends.rollout.LocalRun`), the record
-        ``maker`` (an :class:`~composer_plugins.training.experience.ExperienceMaker`) makes of it (with the
-        no-grad sampling-time log-probs when ``old_logprobs``), ``loss_of(record, step) -> (loss, metrics)``,
-        :func:`optimizer_step`, ``after_step()`` (an EMA update), and a history row.
+        Each step: ``run.rollout(step)`` (a :class:`~composer_plugins.backends.rollout.LocalRun`), the record its
+        one experience maker makes of it (with the no-grad sampling-time log-probs when ``old_logprobs``),
+        ``loss_of(record, step) -> (loss, metrics)``, the components' optimizer step
+        (:meth:`~composer_plugins.training.components.StepComponents.optimize`: the EMA teacher's update
+        included), and a history row.
         """
         history: list[dict[str, float]] = []
         for step in range(self.config.trainer.max_steps):
             t0 = time.perf_counter()
             tasks, ro, rewards, feedback = run.rollout(step)
-            record = maker.make(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
+            record = run.parts.experience.make(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
             loss, metrics = loss_of(record, step)
-            grad_norm = run.optimizer_step(loss)
-            if after_step is not None:
-                after_step()
+            grad_norm = run.parts.optimize(loss)
             scored = [float(r) for r in rewards if not math.isnan(float(r))]  # unscorable rows (NaN) left out
             row = {
                 "step": float(step + 1),

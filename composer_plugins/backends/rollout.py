@@ -1,9 +1,8 @@
-"""The in-process pieces the upstream backends share: policy, env, seeded task draws, the one sampler, optimizer.
+"""The in-process pieces the upstream backends share: the step's components, seeded task draws, weights on the wire.
 
-Built from the same :class:`~composer_plugins.training.config.TrainConfig` helpers the native
-Lightning path uses (``load_policy_for``, ``build_env``, ``task_drawer``, ``env_rewards``,
-``training.optim.build_optimizer``), so a
-backend differs from the native path only in the trainer, never in the data or the reward.
+Built by the one path the native Lightning path uses
+(:meth:`~composer_plugins.training.components.StepComponents.from_config`, ``task_drawer``), so a backend
+differs from the native path only in the trainer, never in the data or the reward.
 """
 
 from __future__ import annotations
@@ -16,33 +15,28 @@ from torch import Tensor
 
 
 class LocalRun:
-    """Policy, tokenizer, env, task stream and optimizer of one in-process run."""
+    """The step's components (:class:`~composer_plugins.training.components.StepComponents`) and the task stream
+    of one in-process run. ``parts``: :meth:`StepComponents.from_config` arguments (``channels``, ``advantage_kwargs``
+    ...)."""
 
-    def __init__(
-        self, cfg: Any, src: Any = None, *, policy: Any = None, tokenizer: Any = None, env: Any = None
-    ) -> None:
+    def __init__(self, cfg: Any, src: Any = None, *, policy: Any = None, env: Any = None, **parts: Any) -> None:
         from composer_plugins.training.batches import task_drawer
         from composer_plugins.training.builders import build_env
-        from composer_plugins.training.policy import apply_checkpointing, load_policy_for
+        from composer_plugins.training.components import StepComponents
+        from composer_plugins.training.policy import load_policy_for
 
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         self.cfg = cfg
-        self.env = env if env is not None else build_env(cfg, src)
+        env = env if env is not None else build_env(cfg, src)
         if policy is None:
-            policy, tokenizer = load_policy_for(cfg, self.env)
+            policy, parts["tokenizer"] = load_policy_for(cfg, env)
         torch.manual_seed(cfg.seed)
-        self.policy, self.tokenizer = policy, tokenizer
-        self.policy.train()
-        apply_checkpointing(self.policy, cfg)
+        #: The one path from config to the step's pieces, as the Lightning module's.
+        self.parts = StepComponents.from_config(cfg, src, policy=policy, env=env, **parts)
+        self.policy, self.tokenizer, self.env = self.parts.policy, self.parts.tokenizer, self.parts.env
+        self.sampler = self.parts.sampler
         self.draw = task_drawer(self.env, cfg, "train")
-        from composer_plugins.training.optim import build_optimizer
-
-        self.optimizer = build_optimizer(cfg.optim, self.policy.parameters())
-        from composer_plugins.training.experience import Sampler
-
-        #: The one sampler (``rollout.generator``, sampling, multi-turn), as the Lightning module's.
-        self.sampler = Sampler.from_config(cfg, src, self.env)
 
     def tasks(self, step: int) -> list[dict[str, Any]]:
         """The prompts of ``step`` (depend only on ``cfg.seed`` and ``step``)."""
@@ -58,12 +52,6 @@ class LocalRun:
         self.sampler.sync(self.policy, self.tokenizer, step, self.cfg.output_dir)
         seed = derive_seed(self.cfg.seed, 1, step)
         return (tasks, *self.sampler.sample(self.policy, self.tokenizer, self.env, tasks, seed))
-
-    def optimizer_step(self, loss: Tensor) -> float:
-        """:func:`~composer_plugins.backends.base.optimizer_step` of the policy (``trainer.gradient_clip_val``)."""
-        from composer_plugins.backends.base import optimizer_step
-
-        return optimizer_step(self.optimizer, self.policy.parameters(), loss, self.cfg.trainer.gradient_clip_val)
 
 
 def state_dict_cpu(model: Any) -> dict[str, Tensor]:

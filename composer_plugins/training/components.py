@@ -75,12 +75,13 @@ class StepComponents:
         channels: Sequence[Any] | None = None,
         hint_provider: Any = None,
         pairs: Sequence[Mapping[str, str]] | None = None,
-        copies: bool = True,
+        own_models: bool = True,
         **maker: Any,
     ) -> StepComponents:
         """The components ``cfg`` describes. ``policy``/``tokenizer``, ``env``, ``channels``, ``hint_provider``,
         ``pairs``: already built ones (by default built from ``cfg``: the policy with ``from_pretrained``, the rest
-        from the registry). ``copies=False``: no EMA teacher or reference copy (a trainer that keeps its own, TRL).
+        from the registry). ``own_models=False``: a trainer that prepares the model-bound pieces itself (TRL: the
+        policy's mode and checkpointing, the EMA and reference copies, the teacher scorers on its tokenizer).
         ``maker``: :meth:`ExperienceMaker.from_config` overrides (``advantage_kwargs=None``: the trainer's own)."""
         from composer_plugins.core.config import Config
         from composer_plugins.envs.hints import build_hint_provider
@@ -97,8 +98,9 @@ class StepComponents:
         if tokenizer is None:
             raise ValueError("pass tokenizer= together with policy=")
         # from_pretrained returns eval mode; the step trains (generation and validation switch to eval themselves)
-        policy.train()
-        apply_checkpointing(policy, cfg)
+        if own_models:
+            policy.train()
+            apply_checkpointing(policy, cfg)
         composer = channels if isinstance(channels, ChannelComposer) else None
         composer = composer or ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
         required = set(composer.required_inputs())
@@ -107,9 +109,9 @@ class StepComponents:
         except ValueError as e:
             raise (src if src is not None else Config()).error("losses", str(e)) from None
         ema = reference = None
-        if copies and teacher == "ema":  # in the step's compute dtype
+        if own_models and teacher == "ema":  # in the step's compute dtype
             ema = EMATeacher(policy, ema_rate, dtype=compute_dtype(cfg.trainer.precision))
-        if copies and "ref_logprobs" in required:  # the KL's frozen reference (the pairs' need none)
+        if own_models and "ref_logprobs" in required:  # the KL's frozen reference (the pairs' need none)
             reference = copy.deepcopy(policy).eval()
             for p in reference.parameters():
                 p.requires_grad_(False)
@@ -121,7 +123,7 @@ class StepComponents:
         if needs_pairs and pairs is None and cfg.replay.pairs_path:
             pairs = load_pairs(cfg.replay.pairs_path)
         rendered = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
-        scoring = build_teacher_scoring(composer.active, tokenizer)
+        scoring = build_teacher_scoring(composer.active, tokenizer) if own_models else None
         experience = ExperienceMaker.from_config(
             cfg,
             **{

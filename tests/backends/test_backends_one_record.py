@@ -125,9 +125,8 @@ def test_one_record_gives_the_same_composed_loss_in_lightning_monarch_and_trl(co
     # sent over the wire; the trainer actor's own step on a module of the same config
     shards = [_rollout_to_wire(rec.select(rows)) | {"rank": r} for r, rows in enumerate([[0, 1, 2, 3], [4, 5, 6, 7]])]
     wire = _interleave(shards, n_prompts=2, pad=0, tasks=list(tasks))
-    actor = SimpleNamespace(module=_module(config), steps=0)
-    monarch, _ = TrainerActor._loss(actor, list(tasks), _rollout_from_wire(wire), rec.rewards.tolist(), 11)
-    remade = actor.module.last_rollout
+    actor = SimpleNamespace(parts=_module(config).parts)
+    monarch, _, remade = TrainerActor._loss(actor, list(tasks), _rollout_from_wire(wire), rec.rewards.tolist(), 11)
     assert torch.equal(remade.completion_ids, rec.completion_ids) and remade.hint_contexts == rec.hint_contexts
     torch.testing.assert_close(remade.advantages, rec.advantages)
 
@@ -173,9 +172,9 @@ def test_verl_local_record_has_no_advantages_and_its_loss_runs(config, monkeypat
 
     seen = {}
 
-    def capture(self, run, maker, loss_of, **kw):
+    def capture(self, run, loss_of, **kw):
         tasks, ro, rewards, feedback = run.rollout(0)
-        record = maker.make(tasks, ro, rewards, feedback, old_logprobs=kw.get("old_logprobs", False))
+        record = run.parts.experience.make(tasks, ro, rewards, feedback, old_logprobs=kw.get("old_logprobs", False))
         seen["record"], seen["loss"] = record, loss_of(record, 0)[0]
 
     monkeypatch.setattr(Backend, "run_local", capture)

@@ -6,11 +6,11 @@ One training step, driven by :class:`MonarchBackend` from the client process:
 2. the :class:`GeneratorActor` mesh (``generators`` processes; each samples its shard of the
    prompts with HF ``generate``) returns the rollout;
 3. the :class:`RewarderActor` scores the completions with the env plugin (``env.reward``);
-4. the :class:`TrainerActor` makes the step's read-only record with the one experience maker
-   (:meth:`~composer_plugins.training.module.ComposerModule.make_experience`: group advantages, hinted
-   contexts, teacher scoring started), computes the composed loss with the one step computer
-   (:meth:`~composer_plugins.training.module.ComposerModule.loss_on`) and takes the backends' one
-   optimizer step (:func:`~composer_plugins.backends.base.optimizer_step`);
+4. the :class:`TrainerActor` holds the step's components
+   (:meth:`~composer_plugins.training.components.StepComponents.from_config`, as the Lightning module's): it makes
+   the step's read-only record with the one experience maker (group advantages, hinted contexts, teacher scoring
+   started), computes the composed loss with the one step computer and takes the one local optimizer step
+   (:meth:`~composer_plugins.training.components.StepComponents.optimize`, which counts the steps);
 5. the trainer's new weights are sent back to every generator (``load_weights``).
 
 Every actor runs in its own OS process of a local process mesh
@@ -33,8 +33,8 @@ from monarch.actor import Actor, ActorError, current_rank, current_size, endpoin
 from torch import Tensor
 
 from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
-from composer_plugins.backends.base import Backend, optimizer_step
-from composer_plugins.training import module as _module  # noqa: F401
+from composer_plugins.backends.base import Backend
+from composer_plugins.training import components as _components  # noqa: F401
 from composer_plugins.training import run as _run  # noqa: F401
 from composer_plugins.training.experience import Sampler, refuse_own_sampling
 from composer_plugins.training.metrics import scalar_metrics
@@ -179,8 +179,7 @@ class TrainerActor(Actor):
     """Applies the composed loss to a received rollout and steps the optimizer; serves its weights."""
 
     def __init__(self, config: dict[str, Any], model_dir: str) -> None:
-        from composer_plugins.training.module import ComposerModule
-        from composer_plugins.training.optim import build_optimizer
+        from composer_plugins.training.components import StepComponents
         from composer_plugins.training.policy import load_policy
 
         with _INIT_LOCK:
@@ -188,15 +187,13 @@ class TrainerActor(Actor):
             _threads(self.cfg)
             torch.manual_seed(self.cfg.seed)
             policy, tok = load_policy(model_dir, dtype=self.cfg.model.dtype)
-            self.module = ComposerModule(self.cfg, policy=policy, tokenizer=tok)
-            self.module.policy.train()
-            self.optimizer = build_optimizer(self.cfg.optim, self.module.policy.parameters())
-            self.steps = 0
+            #: The step's components, from the one path from config (they count the steps they take).
+            self.parts = StepComponents.from_config(self.cfg, policy=policy, tokenizer=tok)
 
-    def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict]:
+    def _loss(self, tasks: list[dict[str, Any]], ro: Any, rewards: list[float], seed: int) -> tuple[Tensor, dict, Any]:
         # the native step on the rollout we were sent: the experience maker's record, then the step computer
-        m = self.module
-        return m.loss_on(m.make_experience(tasks, ro, rewards), seed, step=self.steps)
+        record = self.parts.experience.make(tasks, ro, rewards)
+        return (*self.parts.loss_on(record, seed), record)
 
     @endpoint
     async def train_step(
@@ -206,19 +203,15 @@ class TrainerActor(Actor):
         from composer_plugins.training.batches import derive_seed
 
         t0 = time.perf_counter()
-        ro = _rollout_from_wire(rollout)
-        loss, stats = self._loss(tasks, ro, rewards, derive_seed(self.cfg.seed, 1, step))
-        params = self.module.policy.parameters()
-        norm = optimizer_step(self.optimizer, params, loss, self.cfg.trainer.gradient_clip_val)
-        self.module.update_ema_teacher()  # losses.hint_distill.teacher: ema (no-op with the live teacher)
-        self.steps += 1
+        loss, stats, _ = self._loss(tasks, _rollout_from_wire(rollout), rewards, derive_seed(self.cfg.seed, 1, step))
+        norm = self.parts.optimize(loss)  # the components' optimizer step (and EMA teacher update)
         out = scalar_metrics(stats)
         out.update(
             loss=float(loss.detach()),
             grad_norm=float(norm),
             trainer_step_time=time.perf_counter() - t0,
             trainer_pid=float(os.getpid()),
-            record_step=float(self.module.last_meta.step),
+            record_step=float(self.parts.last_meta.step),
         )
         return out
 
@@ -227,17 +220,18 @@ class TrainerActor(Actor):
         """A CPU copy of the policy weights (sent to the generators)."""
         from composer_plugins.backends.rollout import state_dict_cpu
 
-        return state_dict_cpu(self.module.policy)
+        return state_dict_cpu(self.parts.policy)
 
     @endpoint
     async def checksum(self) -> float:
         """Sum of all weights."""
-        return float(sum(p.detach().double().sum() for p in self.module.policy.parameters()))
+        return float(sum(p.detach().double().sum() for p in self.parts.policy.parameters()))
 
     @endpoint
     async def save(self, path: str) -> str:
         """``save_pretrained`` the policy and tokenizer to ``path``."""
-        self.module.export_pretrained(path)
+        self.parts.policy.save_pretrained(path)
+        self.parts.tokenizer.save_pretrained(path)
         return path
 
 

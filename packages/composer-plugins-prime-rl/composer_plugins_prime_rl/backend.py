@@ -373,8 +373,6 @@ class PrimeRLBackend(Backend):
         if mode == "prime-rl":
             refuse_own_sampling(self.config, self.src, "the prime_rl backend with mode='prime-rl' (its vLLM server)")
         self.model_name = model_name
-        #: ``(teacher, ema_rate)`` of the hint channel (``losses.hint_distill.teacher``; local mode runs ``ema``).
-        self.hint_teacher: tuple[str, float] = ("live", 0.0)
         self.loss_kwargs = self._loss_kwargs()
 
     def _loss_kwargs(self) -> dict[str, Any]:
@@ -406,7 +404,6 @@ class PrimeRLBackend(Backend):
                     raise self.src.error(f"losses.{key}.teacher", f"unknown teacher {teacher!r}.", valid=TEACHERS)
                 if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 < rate <= 1.0:
                     raise self.src.error(f"losses.{key}.ema_rate", f"must be a number in (0, 1], got {rate!r}.")
-                self.hint_teacher = (teacher, float(rate) if teacher == "ema" else 0.0)
             elif ch.reads_teacher_scores:
                 # PRIME-RL scores the sampled tokens with its own teacher: one stream, one teacher
                 kwargs["teacher_weight"] = float(weight)
@@ -476,42 +473,12 @@ class PrimeRLBackend(Backend):
 
     def _train_local(self) -> Any:
         from composer_plugins.backends import rollout as R
-        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
-        from composer_plugins.training.experience import ExperienceMaker
+        from composer_plugins.training.assemble import Needs, assemble_inputs
 
-        c = self.config
-        run = R.LocalRun(c, self.src)
-        ema, ema_pairs_ = None, None
-        hinted = bool(self.loss_kwargs.get("hint_weight"))
-        if hinted and self.hint_teacher[0] == "ema":
-            from torch import nn
-
-            from composer_plugins.training.ema import EMATeacher, ema_pairs
-
-            ema = EMATeacher(run.policy, self.hint_teacher[1])
-            ema_pairs_ = ema_pairs(nn.ModuleDict({"ema": ema, "policy": run.policy}), "ema.policy", "policy")
-        scoring = None
-        if self.loss_kwargs.get("teacher_weight"):  # the teacher channel: the config's scorers give the stream
-            from composer_plugins.training.builders import build_channels
-            from composer_plugins.training.teacher_scores import build_teacher_scoring
-
-            scoring = build_teacher_scoring(build_channels(c, self.src), run.tokenizer)
-        hint_provider = None
-        if hinted:
-            from composer_plugins.training.builders import configured_hint_provider
-
-            hint_provider = configured_hint_provider(c, self.src)
-        maker = ExperienceMaker.from_config(
-            c,
-            policy=run.policy,
-            tokenizer=run.tokenizer,
-            env=run.env,
-            hint_provider=hint_provider,
-            teacher_scoring=scoring,
-        )
-        policy = StepPolicy.from_config(
-            c, model=run.policy, tokenizer=run.tokenizer, teacher=ema, teacher_scoring=scoring
-        )
+        # the config's channels give the hint provider, the EMA teacher (``teacher: ema``) and the teacher scorers
+        run = R.LocalRun(self.config, self.src)
+        policy = run.parts.step_policy()
+        hinted, scoring = bool(self.loss_kwargs.get("hint_weight")), run.parts.teacher_scoring
         # PRIME-RL's loss reads the trainer's log-probs (with grad), the inference engine's and the opsd reference
         # (or, with a teacher channel, the teacher's log-prob of each sampled token: PRIME-RL's teacher_logprobs)
         ref_name = "hint_teacher_logprobs" if hinted else ("teacher_logprobs" if scoring else None)
@@ -526,12 +493,7 @@ class PrimeRLBackend(Backend):
             loss, metrics = aggregate(samples, loss_fn, **self.loss_kwargs)
             return loss, {k: v.float().mean() for k, v in metrics.items() if v.numel()}
 
-        def update_ema() -> None:
-            from composer_plugins.training.ema import ema_update
-
-            ema_update(ema_pairs_, ema.rate)
-
-        return self.run_local(run, maker, loss_of, after_step=update_ema if ema is not None else None)
+        return self.run_local(run, loss_of)
 
 
 def _toml_value(v: Any) -> str:

@@ -593,8 +593,9 @@ class TRLBackend(Backend):
         """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.training.run.RunResult`."""
         from datasets import Dataset
 
-        from composer_plugins.training.batches import load_pairs, task_drawer
-        from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
+        from composer_plugins.training.batches import task_drawer
+        from composer_plugins.training.builders import build_env
+        from composer_plugins.training.components import StepComponents
         from composer_plugins.training.policy import load_policy_for
 
         c = self.config
@@ -607,13 +608,11 @@ class TRLBackend(Backend):
             raise ConfigError("the env's tasks need a 'prompt' field for TRL", key="env")
         task_keys = [k for k in tasks[0] if k != "prompt"]
         dataset = Dataset.from_list([{k: t.get(k) for k in ["prompt", *task_keys]} for t in trl_prompts(tasks, tok, c)])
-        channels = build_channels(c, self.src)
-        composer = ChannelComposer(channels)
-        policy = next((ch for ch in channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
+        # the channels, hint provider and pairs from the one path from config; the trainer binds the models itself
+        parts = StepComponents.from_config(c, self.src, policy=model, tokenizer=tok, env=env, own_models=False)
+        composer = parts.composer
+        policy = next((ch for ch in composer.channels if getattr(ch, "loss_type", None) in LF.POLICY_LOSS_TYPES), None)
         args = self.grpo_config(policy)
-        hint_provider = configured_hint_provider(c, self.src) if composer.needs_teacher else None
-        needs_pairs = bool(set(PAIR_INPUTS) & set(composer.required_inputs()))
-        pairs = load_pairs(c.replay.pairs_path) if needs_pairs and c.replay.pairs_path else None
         t0 = time.perf_counter()
         trainer = ComposerGRPOTrainer(
             model=model,
@@ -622,13 +621,13 @@ class TRLBackend(Backend):
             train_dataset=dataset,
             processing_class=tok,
             channels=composer,
-            hint_provider=hint_provider,
+            hint_provider=parts.hint_provider,
             hint_env=env,
             hint_threshold=c.rollout.success_threshold,
             max_hinted_per_step=c.hints.max_hinted_per_step,
             max_hint_length=c.hints.max_context_length,
             hint_teacher_margin=c.hints.teacher_margin,
-            pairs=pairs,
+            pairs=parts.pairs or None,
             pairs_per_step=c.replay.pairs_per_step,
             pair_prompt_length=c.rollout.max_prompt_length,
             pair_max_length=c.replay.max_completion_length,

@@ -473,11 +473,13 @@ class VeRLBackend(Backend):
 
     def _train_local(self) -> Any:
         from composer_plugins.backends import rollout as R
-        from composer_plugins.training.assemble import Needs, StepPolicy, assemble_inputs
-        from composer_plugins.training.experience import ExperienceMaker
+        from composer_plugins.training.assemble import Needs, assemble_inputs
 
         c = self.config
-        run = R.LocalRun(c, self.src)
+        # VeRL's loss is its own (no channel objects); it computes the advantages itself (compute_advantage), so
+        # the record has none; the experience maker gives the sampling-time log-probs its ppo_loss reads
+        run = R.LocalRun(c, self.src, channels=[], advantage_kwargs=None)
+        policy = run.parts.step_policy()
         scale = c.rollout.max_new_tokens if self.loss_type == "dr_grpo" else None
         eps_low, eps_high = clip_range(self.loss_type, self.channel_kwargs)
         actor_cfg = make_actor_config(
@@ -488,13 +490,6 @@ class VeRLBackend(Backend):
             loss_scale_factor=scale,
         )
         algo_cfg = make_algo_config(self.adv_estimator, self.config.rollout.advantage_kwargs)
-        # the record: VeRL computes the advantages itself (compute_advantage), so the record has none; the
-        # experience maker gives the sampling-time log-probs its ppo_loss reads
-        maker = ExperienceMaker.from_config(
-            c, policy=run.policy, tokenizer=run.tokenizer, env=run.env, advantage_kwargs=None
-        )
-
-        policy = StepPolicy.from_config(c, model=run.policy, tokenizer=run.tokenizer)
 
         def loss_of(record: Any, step: int) -> tuple[Tensor, dict[str, float]]:
             inputs, _ = assemble_inputs(record, Needs("old_logprobs"), policy)  # the record's, through the assembler
@@ -508,7 +503,7 @@ class VeRLBackend(Backend):
                 old_log_probs=inputs["old_logprobs"],
             )
 
-        return self.run_local(run, maker, loss_of, old_logprobs=True)
+        return self.run_local(run, loss_of, old_logprobs=True)
 
 
 # ----------------------------------------------------------------------------------------------
