@@ -82,7 +82,7 @@ class StepComponents:
         ``pairs``: already built ones (by default built from ``cfg``: the policy with ``from_pretrained``, the rest
         from the registry). ``own_models=False``: a trainer that prepares the model-bound pieces itself (TRL: the
         policy's mode and checkpointing, the EMA and reference copies, the teacher scorers on its tokenizer).
-        ``maker``: :meth:`ExperienceMaker.from_config` overrides (``advantage_kwargs=None``: the trainer's own)."""
+        ``maker``: :class:`ExperienceMaker` settings to override (``advantage_kwargs=None``: the trainer's own)."""
         from composer_plugins.core.config import Config
         from composer_plugins.envs.hints import build_hint_provider
         from composer_plugins.losses.base import ChannelComposer
@@ -124,34 +124,18 @@ class StepComponents:
             pairs = load_pairs(cfg.replay.pairs_path)
         rendered = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
         scoring = build_teacher_scoring(composer.active, tokenizer) if own_models else None
-        experience = ExperienceMaker.from_config(
-            cfg,
-            **{
-                "policy": policy,
-                "tokenizer": tokenizer,
-                "env": env,
-                "hint_provider": hint_provider if composer.needs_teacher else None,
-                "reference": reference,
-                "teacher_scoring": scoring,
-                **maker,
-            },
-        )
+        r, c = cfg.rollout, cfg.compute
+        settings = {"advantage_kwargs": dict(r.advantage_kwargs), "temperature": r.temperature}
+        settings.update(chunk_size=c.chunk_size, rows_per_micro_batch=c.rows_per_micro_batch)
+        settings.update(success_threshold=r.success_threshold, max_hinted=cfg.hints.max_hinted_per_step)
+        settings.update(chat_template=cfg.model.chat_template)
+        hinting = hint_provider if composer.needs_teacher else None
+        experience = ExperienceMaker(policy, tokenizer, env, hinting, reference, scoring, **(settings | maker))
         return cls(
-            cfg,
-            policy,
-            tokenizer,
-            env,
-            composer,
-            Sampler.from_config(cfg, src, env),
-            experience,
-            hint_provider=hint_provider,
-            teacher_scoring=scoring,
-            ema_teacher=ema,
-            reference=reference,
-            pairs=rendered,
-            pair_refs_due=bool(required & set(PAIR_REF_KEYS)) and bool(rendered),
-            chunk_size=cfg.compute.chunk_size,
-        )
+            cfg, policy, tokenizer, env, composer, Sampler.from_config(cfg, src, env), experience, hint_provider,
+            scoring, ema, reference, rendered, bool(required & set(PAIR_REF_KEYS)) and bool(rendered),
+            cfg.compute.chunk_size,
+        )  # fmt: skip (the fields in declaration order, packed)
 
     @property
     def required_inputs(self) -> set[str]:
@@ -164,15 +148,9 @@ class StepComponents:
 
     def step_policy(self) -> StepPolicy:
         """The models and settings the assembler builds channel inputs with."""
-        return StepPolicy.from_config(
-            self.cfg,
-            model=self.policy,
-            tokenizer=self.tokenizer,
-            teacher=self.ema_teacher,
-            reference=self.reference,
-            chunk_size=self.chunk_size,
-            teacher_scoring=self.teacher_scoring,
-        )
+        models = {"model": self.policy, "tokenizer": self.tokenizer, "teacher": self.ema_teacher}
+        models.update(reference=self.reference, chunk_size=self.chunk_size, teacher_scoring=self.teacher_scoring)
+        return StepPolicy.from_config(self.cfg, **models)
 
     def cache_pair_references(self, gather: Gather = nullcontext) -> None:
         """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once;

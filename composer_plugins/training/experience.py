@@ -160,7 +160,8 @@ def hint_fields(
 
 @dataclass
 class ExperienceMaker:
-    """Makes a step's whole :class:`~composer_plugins.training.step.StepRecord` (see the module docstring).
+    """Makes a step's whole :class:`~composer_plugins.training.step.StepRecord` (see the module docstring); built
+    from config by :meth:`~composer_plugins.training.components.StepComponents.from_config`.
 
     Attributes:
         policy: the policy (the no-grad sampling-time log-probs, when asked for).
@@ -201,24 +202,6 @@ class ExperienceMaker:
         """Whether the hint provider reads the rollout group (a trainer whose groups span processes gathers
         the siblings then, and gives them to :meth:`make` as ``groups``)."""
         return reads_groups(self.hint_provider)
-
-    @classmethod
-    def from_config(cls, cfg: Any, **parts: Any) -> ExperienceMaker:
-        """The maker a :class:`~composer_plugins.training.config.TrainConfig` describes; ``parts``: the built
-        models and components (``policy``, ``tokenizer``, ``env``, ``hint_provider``, ``reference``,
-        ``teacher_scoring``), and ``advantage_kwargs=None`` for a trainer with its own advantages."""
-        r = cfg.rollout
-        kw: dict[str, Any] = {
-            "advantage_kwargs": dict(r.advantage_kwargs),
-            "temperature": r.temperature,
-            "chunk_size": cfg.compute.chunk_size,
-            "rows_per_micro_batch": cfg.compute.rows_per_micro_batch,
-            "success_threshold": r.success_threshold,
-            "max_hinted": cfg.hints.max_hinted_per_step,
-            "chat_template": cfg.model.chat_template,
-        }
-        kw.update(parts)
-        return cls(**kw)
 
     def make(
         self,

@@ -45,27 +45,13 @@ class ComposerModule(L.LightningModule):
 
     Args:
         config: a :class:`~composer_plugins.training.config.TrainConfig` (or its dict form).
-        policy, tokenizer: an already loaded policy; by default loaded with
-            ``from_pretrained`` from ``config.model`` (the tiny default is built and cached).
-        env, channels, hint_provider: already built components; by default built from the
-            registry by the names in ``config``.
-        pairs: preference pairs for the replay channel; by default read from
-            ``config.replay.pairs_path`` when a live channel needs them.
         src: the loaded :class:`~composer_plugins.core.config.Config`, used to locate errors.
+        parts: already built ``policy``/``tokenizer``, ``env``, ``channels``, ``hint_provider``, ``pairs``
+            (:meth:`~composer_plugins.training.components.StepComponents.from_config`; by default built from
+            ``config``).
     """
 
-    def __init__(
-        self,
-        config: Any,
-        *,
-        policy: Any = None,
-        tokenizer: Any = None,
-        env: Any = None,
-        channels: Sequence[Any] | None = None,
-        hint_provider: Any = None,
-        pairs: Sequence[Mapping[str, str]] | None = None,
-        src: Any = None,
-    ) -> None:
+    def __init__(self, config: Any, *, src: Any = None, **parts: Any) -> None:
         super().__init__()
         from composer_plugins.core.config import redact, to_dict
 
@@ -73,24 +59,16 @@ class ComposerModule(L.LightningModule):
         self.cfg = cfg
         self.kernel_pick: Any = None  # the LM-head kernels picked for the device at the start of training
         self.save_hyperparameters(redact(to_dict(cfg)))
-        #: Everything the step is made of, from the one path from config (:class:`StepComponents`).
-        self.parts = parts = StepComponents.from_config(
-            cfg,
-            src,
-            policy=policy,
-            tokenizer=tokenizer,
-            env=env,
-            channels=channels,
-            hint_provider=hint_provider,
-            pairs=pairs,
-        )
+        #: Everything the step is made of, from the one path from config.
+        self.parts = p = StepComponents.from_config(cfg, src, **parts)
         # the modules Lightning moves, checkpoints and shards (the EMA teacher in the step's compute dtype)
-        self.policy, self.composer, self.ema_teacher = parts.policy, parts.composer, parts.ema_teacher
-        self.tokenizer, self.env, self.sampler = parts.tokenizer, parts.env, parts.sampler
-        self.experience, self.stepper, self.teacher_scoring = parts.experience, parts.stepper, parts.teacher_scoring
-        self.hint_provider, self.required_inputs = parts.hint_provider, parts.required_inputs
-        self.needs_teacher, self.needs_pairs = self.composer.needs_teacher, parts.needs_pairs
-        self.needs_ref_tokens = "ref_logprobs" in self.required_inputs
+        self.policy, self.composer, self.ema_teacher = p.policy, p.composer, p.ema_teacher
+        self.tokenizer, self.env, self.sampler, self.experience, self.stepper = (
+            p.tokenizer, p.env, p.sampler, p.experience, p.stepper
+        )  # fmt: skip (aliases of the components, packed)
+        self.hint_provider, self.teacher_scoring = p.hint_provider, p.teacher_scoring
+        self.required_inputs, self.needs_pairs = p.required_inputs, p.needs_pairs
+        self.needs_teacher = self.composer.needs_teacher
         self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
         uplift = self.hint_provider
@@ -103,23 +81,6 @@ class ComposerModule(L.LightningModule):
         #: The step record and meta the last training step optimised on (this rank's share under data parallel).
         self.last_rollout: StepRecord | None = None
         self.last_meta: StepMeta | None = None
-
-    @property
-    def pairs(self) -> list[Mapping[str, Any]]:
-        """The replay pairs, rendered (with their reference log-probs once cached)."""
-        return self.parts.pairs
-
-    @pairs.setter
-    def pairs(self, value: list[Mapping[str, Any]]) -> None:
-        self.parts.pairs = value
-
-    @property
-    def _pair_refs_due(self) -> bool:
-        return self.parts.pair_refs_due
-
-    @_pair_refs_due.setter
-    def _pair_refs_due(self, value: bool) -> None:
-        self.parts.pair_refs_due = value
 
     @property
     def generator(self) -> Any:
@@ -242,24 +203,13 @@ class ComposerModule(L.LightningModule):
     def make_rollout_batch(
         self, tasks: Sequence[Mapping[str, Any]], seed: int, old_logprobs: bool = False
     ) -> StepRecord:
-        """The step record of ``tasks``: sampled with ``seed``, then made whole by :meth:`make_experience`.
+        """The step record of ``tasks``: sampled with ``seed``, then made whole by the one experience maker.
 
         With ``old_logprobs`` the sampling-time log-probs are computed now (no grad), for
         ``rollout.num_iterations > 1`` where the same rollouts are optimised on several times;
         otherwise they equal the first forward's detached log-probs and cost nothing extra.
         """
         ro, rewards, feedback = self.rollout(tasks, seed)
-        return self.make_experience(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
-
-    def make_experience(
-        self,
-        tasks: Sequence[Mapping[str, Any]],
-        ro: Any,
-        rewards: Sequence[float],
-        feedback: Sequence[Any] | None = None,
-        old_logprobs: bool = False,
-    ) -> StepRecord:
-        """The read-only step record of a rollout already sampled and scored (here, or by Monarch's actors)."""
         return self.experience.make(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
 
     def step_policy(self) -> StepPolicy:
@@ -321,17 +271,17 @@ class ComposerModule(L.LightningModule):
         checkpoint["composer_rng"] = ranks[0]["rng"]
         if cache is not None:
             checkpoint["composer_rollout_cache"] = cache
-        if self.pairs and PAIR_REF_KEYS[0] in self.pairs[0]:
-            checkpoint["composer_pair_refs"] = [[p[k] for k in PAIR_REF_KEYS] for p in self.pairs]
+        if self.parts.pairs and PAIR_REF_KEYS[0] in self.parts.pairs[0]:
+            checkpoint["composer_pair_refs"] = [[p[k] for k in PAIR_REF_KEYS] for p in self.parts.pairs]
         if len(ranks) > 1:
             checkpoint["composer_ranks"] = ranks
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         refs = checkpoint.get("composer_pair_refs")
-        if refs is not None and len(refs) == len(self.pairs):
+        if refs is not None and len(refs) == len(self.parts.pairs):
             k0, k1 = PAIR_REF_KEYS
-            self.pairs = [{**p, k0: c, k1: j} for p, (c, j) in zip(self.pairs, refs, strict=True)]
-            self._pair_refs_due = False
+            self.parts.pairs = [{**p, k0: c, k1: j} for p, (c, j) in zip(self.parts.pairs, refs, strict=True)]
+            self.parts.pair_refs_due = False
         else:  # a checkpoint without them: the weights are still the starting policy's here
             self.cache_pair_references()
         self._resume_rng = checkpoint.get("composer_rng")

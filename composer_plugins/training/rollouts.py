@@ -57,14 +57,7 @@ class RolloutGenerator(Protocol):
     """What samples the ``G`` completions of a step: rows ``[i*G, (i+1)*G)`` of the rollout are prompt ``i``'s."""
 
     def generate(
-        self,
-        policy: Any,
-        tokenizer: Any,
-        prompts: Sequence[str],
-        num_generations: int,
-        *,
-        seed: int | None,
-        **sampling: Any,
+        self, policy: Any, tokenizer: Any, prompts: Sequence[str], num_generations: int, *, seed: int | None, **kw: Any
     ) -> Rollout:
         """``num_generations`` completions per prompt (same seed: same tokens), sampled with the keyword settings
         ``temperature``, ``top_p`` (1.0), ``top_k`` (0), ``max_new_tokens`` and ``max_prompt_length`` (``None``)."""
@@ -94,18 +87,10 @@ class EpisodeGenerator(Protocol):
     """A generator of multi-turn episodes: the env's ``reset``/``step`` score every turn."""
 
     def episodes(
-        self,
-        policy: Any,
-        tokenizer: Any,
-        env: Any,
-        tasks: Sequence[Mapping[str, Any]],
-        num_generations: int,
-        *,
-        seed: int,
-        max_prompt_length: int | None = None,
-        **sampling: Any,
+        self, policy: Any, tokenizer: Any, env: Any, tasks: Sequence[Mapping[str, Any]], num_generations: int, **kw: Any
     ) -> tuple[Rollout, list[float], list[Any]]:
-        """``(rollout, rewards, feedback)`` of the ``num_generations`` episodes of each task."""
+        """``(rollout, rewards, feedback)`` of the ``num_generations`` episodes of each task (keywords: ``seed``,
+        ``max_prompt_length`` and the sampling settings, as :meth:`RolloutGenerator.generate`)."""
         ...
 
 

@@ -282,7 +282,7 @@ def test_replay_reference_logprobs_are_the_starting_policys_cached_with_the_pair
         return inputs[PAIR_REF_KEYS[0]], inputs[PAIR_REF_KEYS[1]]
 
     want = ref_inputs(m)  # computed now from the starting policy and kept with the pairs
-    assert all(isinstance(p[k], float) for p in m.pairs for k in PAIR_REF_KEYS)
+    assert all(isinstance(p[k], float) for p in m.parts.pairs for k in PAIR_REF_KEYS)
     with torch.no_grad():
         for p in m.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -291,7 +291,7 @@ def test_replay_reference_logprobs_are_the_starting_policys_cached_with_the_pair
         assert torch.equal(a, b)  # the cache: not the moved policy's
     # a step record with a reference copy passed explicitly gives the same values from the copy (uncached pairs)
     fresh, _ = _full(make_cfg, pairs_file)
-    fresh._pair_refs_due = False
+    fresh.parts.pair_refs_due = False
     for a, b in zip(ref_inputs(fresh, reference=start), want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # resume: the checkpoint carries them (a module rebuilt on other weights restores, not recomputes, them)
@@ -302,7 +302,7 @@ def test_replay_reference_logprobs_are_the_starting_policys_cached_with_the_pair
         for p in other.policy.parameters():
             p.mul_(0.5)
     other.on_load_checkpoint(ckpt)
-    assert other.pairs == m.pairs and not other._pair_refs_due
+    assert other.parts.pairs == m.parts.pairs and not other.parts.pair_refs_due
 
 
 def test_ema_teacher_head_is_not_copied_and_the_margin_stat_is_opt_in(make_cfg, pairs_file):

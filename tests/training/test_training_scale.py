@@ -101,11 +101,11 @@ def _materialised_loss(module: ComposerModule, rb, seed: int) -> torch.Tensor:
             )
         outputs.update(student_logits=fwd.logits[idx], teacher_logits=t.logits)
         batch["hint_mask"] = mask[idx]
-    if module.needs_pairs and module.pairs:
+    if module.needs_pairs and module.parts.pairs:
         import random
 
-        k = min(module.cfg.replay.pairs_per_step, len(module.pairs))
-        pairs = [module.pairs[i] for i in random.Random(seed).sample(range(len(module.pairs)), k)]
+        k = min(module.cfg.replay.pairs_per_step, len(module.parts.pairs))
+        pairs = [module.parts.pairs[i] for i in random.Random(seed).sample(range(len(module.parts.pairs)), k)]
         p_ids, p_mask = tokenize_prompts(
             module.tokenizer, [p["prompt"] for p in pairs] * 2, module.cfg.rollout.max_prompt_length, "cpu"
         )
