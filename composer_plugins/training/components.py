@@ -131,11 +131,9 @@ class StepComponents:
         settings.update(chat_template=cfg.model.chat_template)
         hinting = hint_provider if composer.needs_teacher else None
         experience = ExperienceMaker(policy, tokenizer, env, hinting, reference, scoring, **(settings | maker))
-        return cls(
-            cfg, policy, tokenizer, env, composer, Sampler.from_config(cfg, src, env), experience, hint_provider,
-            scoring, ema, reference, rendered, bool(required & set(PAIR_REF_KEYS)) and bool(rendered),
-            cfg.compute.chunk_size,
-        )  # fmt: skip (the fields in declaration order, packed)
+        parts = (policy, tokenizer, env, composer, Sampler.from_config(cfg, src, env), experience, hint_provider)
+        due = bool(required & set(PAIR_REF_KEYS)) and bool(rendered)
+        return cls(cfg, *parts, scoring, ema, reference, rendered, due, c.chunk_size)
 
     @property
     def required_inputs(self) -> set[str]:

@@ -63,9 +63,8 @@ class ComposerModule(L.LightningModule):
         self.parts = p = StepComponents.from_config(cfg, src, **parts)
         # the modules Lightning moves, checkpoints and shards (the EMA teacher in the step's compute dtype)
         self.policy, self.composer, self.ema_teacher = p.policy, p.composer, p.ema_teacher
-        self.tokenizer, self.env, self.sampler, self.experience, self.stepper = (
-            p.tokenizer, p.env, p.sampler, p.experience, p.stepper
-        )  # fmt: skip (aliases of the components, packed)
+        self.tokenizer, self.env, self.sampler = p.tokenizer, p.env, p.sampler
+        self.experience, self.stepper = p.experience, p.stepper
         self.hint_provider, self.teacher_scoring = p.hint_provider, p.teacher_scoring
         self.required_inputs, self.needs_pairs = p.required_inputs, p.needs_pairs
         self.needs_teacher = self.composer.needs_teacher

@@ -166,24 +166,9 @@ class StepRecord:
         **kw: Any,
     ) -> StepRecord:
         """A record from a generator's :class:`~composer_plugins.models.generation.Rollout` and its scores."""
-        ex = rollout.extra
-        return cls(
-            tasks=tasks,
-            prompts=rollout.prompts,
-            completions=rollout.completions,
-            prompt_ids=rollout.prompt_ids,
-            prompt_mask=rollout.prompt_mask,
-            completion_ids=rollout.completion_ids,
-            completion_mask=rollout.completion_mask,
-            rewards=rewards,
-            advantages=advantages,
-            num_generations=rollout.num_generations,
-            group_index=rollout.group_index,
-            feedback=feedback or (),
-            attention_mask=ex.get("attention_mask"),
-            sampling_logprobs=ex.get("sampling_logprobs"),
-            **kw,
-        )
+        own = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.name != "extra"}
+        ex = {k: rollout.extra.get(k) for k in ("attention_mask", "sampling_logprobs")}
+        return cls(tasks=tasks, rewards=rewards, advantages=advantages, feedback=feedback or (), **own, **ex, **kw)
 
     def replace(self, **changes: Any) -> StepRecord:
         """A new record with ``changes`` (checked as at construction; tensors shared, not copied)."""
