@@ -75,18 +75,9 @@ class MultiTurnGenerator:
             return None
         return self.inner.sync(policy, tokenizer, step, out_dir=out_dir)
 
-    def generate(
-        self,
-        policy: Any,
-        tokenizer: Any,
-        prompts: Sequence[str],
-        num_generations: int,
-        *,
-        seed: int | None,
-        **sampling: Any,
-    ) -> Rollout:
+    def generate(self, policy: Any, tokenizer: Any, prompts: Sequence[str], num_generations: int, **kw: Any) -> Rollout:
         """One turn: the wrapped generator's ``generate``."""
-        return self.inner.generate(policy, tokenizer, prompts, num_generations, seed=seed, **sampling)
+        return self.inner.generate(policy, tokenizer, prompts, num_generations, **kw)
 
     def close(self) -> None:
         """Close the wrapped generator (when it has something to release)."""
