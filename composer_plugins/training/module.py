@@ -211,20 +211,26 @@ class ComposerModule(L.LightningModule):
         ro, rewards, feedback = self.rollout(tasks, seed)
         return self.experience.make(tasks, ro, rewards, feedback, old_logprobs=old_logprobs)
 
+    @property
+    def live_parts(self) -> StepComponents:
+        """:attr:`parts` with the modules as Lightning holds them now (an FSDP strategy wraps them in place)."""
+        self.parts.policy, self.parts.ema_teacher = self.policy, self.ema_teacher
+        return self.parts
+
     def step_policy(self) -> StepPolicy:
         """The models and settings the assembler builds channel inputs with."""
-        return self.parts.step_policy()
+        return self.live_parts.step_policy()
 
     def step_meta(self, seed: int, step: int | None = None) -> StepMeta:
         """This step's meta: the optimizer step (``step``, else the Trainer's; 0 without one), the run length and
         ``seed``'s preference pairs."""
         if step is None:
             step = self.global_step if self._trainer is not None else 0
-        return self.parts.step_meta(seed, step, self.full_params)
+        return self.live_parts.step_meta(seed, step, self.full_params)
 
     def cache_pair_references(self) -> None:
         """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once)."""
-        self.parts.cache_pair_references(self.full_params)
+        self.live_parts.cache_pair_references(self.full_params)
 
     def loss_on(self, rec: StepRecord, seed: int, step: int | None = None) -> tuple[Tensor, dict[str, float]]:
         """The composed loss of the current policy on the step record ``rec`` (``seed`` picks replay pairs; ``step``:
