@@ -10,7 +10,7 @@ A backend is the trainer a set of loss channels runs in. All of them read the sa
 native path does.
 
 What every backend's local mode shares lives here once: the ``max_steps`` override (:class:`Backend`),
-the optimizer step (:func:`optimizer_step`: backward, clip, step) and the local loop
+the optimizer step (:func:`optimizer_step`, from :mod:`composer_plugins.training.optim`) and the local loop
 (:meth:`Backend.run_local`: rollout → the one experience maker's read-only record → the backend's loss →
 optimizer step → one history row per step).
 """

@@ -1,14 +1,8 @@
-"""The one path from a :class:`~composer_plugins.training.config.TrainConfig` to everything a step needs.
-
-:meth:`StepComponents.from_config` builds, once, what every trainer path uses: the env, the loss channels'
-:class:`~composer_plugins.losses.base.ChannelComposer`, the hint provider, the ``teacher_distill`` scorers, the
-EMA teacher and the frozen reference (when a live channel reads them), the preference pairs, the one
-:class:`~composer_plugins.training.experience.Sampler`, the one
-:class:`~composer_plugins.training.experience.ExperienceMaker` and the one
-:class:`~composer_plugins.training.experience.StepComputer`. The Lightning module holds one and calls it; the
-backends' local modes (:class:`~composer_plugins.backends.rollout.LocalRun`), Monarch's trainer actor and the TRL
-backend build theirs here too. A loop without a Trainer steps through :meth:`StepComponents.optimize`, which
-counts the steps it took.
+"""The one path from a config to everything a step needs: :meth:`StepComponents.from_config` builds the env, the
+channels' composer, the hint provider, the teacher scorers, the EMA teacher and reference (when a live channel reads
+them), the preference pairs, the one sampler, experience maker and step computer (:mod:`.experience`). The Lightning
+module holds them; the backends' local modes, Monarch's trainer actor and the TRL backend build theirs here too. A
+loop without a Trainer steps through :meth:`StepComponents.optimize`, which counts the steps it took.
 """
 
 from __future__ import annotations
@@ -182,14 +176,20 @@ class StepComponents:
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.cfg.optim, self.policy.parameters())
         norm = optimizer_step(self.optimizer, self.policy.parameters(), loss, self.cfg.trainer.gradient_clip_val)
-        if self.ema_teacher is not None:
-            from torch import nn
-
-            from composer_plugins.training.ema import ema_pairs, ema_update
-
-            if self._ema_pairs is None:
-                both = nn.ModuleDict({"ema": self.ema_teacher, "policy": self.policy})
-                self._ema_pairs = ema_pairs(both, "ema.policy", "policy")
-            ema_update(self._ema_pairs, self.ema_teacher.rate)
+        self.update_ema()
         self.steps += 1
         return norm
+
+    def update_ema(self, root: Any = None, salt: int = 0) -> None:
+        """``teacher ← (1 − rate)·teacher + rate·policy`` (nothing without an EMA teacher). ``root``: the module
+        holding both copies as ``ema_teacher`` and ``policy`` (the Lightning module, or its FSDP root)."""
+        from composer_plugins.training.ema import ema_pairs, ema_update
+
+        if self.ema_teacher is None:
+            return
+        if self._ema_pairs is None:
+            from torch import nn
+
+            root = root if root is not None else nn.ModuleDict({"ema_teacher": self.ema_teacher, "policy": self.policy})
+            self._ema_pairs = ema_pairs(root, "ema_teacher.policy", "policy")
+        ema_update(self._ema_pairs, self.ema_teacher.rate, salt=salt)

@@ -68,7 +68,6 @@ class ComposerModule(L.LightningModule):
         self.hint_provider, self.teacher_scoring = p.hint_provider, p.teacher_scoring
         self.required_inputs, self.needs_pairs = p.required_inputs, p.needs_pairs
         self.needs_teacher = self.composer.needs_teacher
-        self._ema_pairs: list[tuple[Tensor, Tensor]] | None = None
         #: Held-out evaluation (its metrics and predictions); ``eval.hint_uplift`` evaluates the training provider.
         uplift = self.hint_provider
         if uplift is None and cfg.eval.hint_uplift:
@@ -141,9 +140,7 @@ class ComposerModule(L.LightningModule):
 
     def step_seed(self, index: int, rank: int = 0, world_size: int = 1) -> int:
         """Sampling seed of step ``index`` on data-parallel ``rank`` (one process: ``(seed, 1, index)``)."""
-        if world_size == 1:
-            return derive_seed(self.cfg.seed, 1, index)
-        return derive_seed(self.cfg.seed, 1, index, rank)
+        return derive_seed(self.cfg.seed, 1, index, *((rank,) if world_size > 1 else ()))
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
         from composer_plugins.training.distributed import reduce_stats
@@ -244,19 +241,10 @@ class ComposerModule(L.LightningModule):
         self.update_ema_teacher()
 
     def update_ema_teacher(self) -> None:
-        """``teacher ← (1 − rate)·teacher + rate·policy`` (nothing without an EMA teacher).
-
-        Under FSDP the pairs are the two copies' local shards (the teacher is sharded as the policy);
-        under DDP every rank applies the same update to the same weights.
-        """
-        if self.ema_teacher is None:
-            return
-        from composer_plugins.training.ema import ema_pairs, ema_update
-
-        if self._ema_pairs is None:
-            root = fsdp_root(self._trainer)
-            self._ema_pairs = ema_pairs(root if root is not None else self, "ema_teacher.policy", "policy")
-        ema_update(self._ema_pairs, self.ema_teacher.rate, salt=self.global_step)
+        """The EMA teacher's update (:meth:`StepComponents.update_ema`); under FSDP the pairs are the two copies'
+        local shards (the teacher is sharded as the policy), under DDP every rank updates the same weights."""
+        root = fsdp_root(self._trainer)
+        self.parts.update_ema(root if root is not None else self, salt=self.global_step)
 
     # -- evaluation (composer_plugins.training.evaluation) -----------------------------------
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
