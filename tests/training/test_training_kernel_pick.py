@@ -74,7 +74,8 @@ def test_the_pick_reaches_the_runs_log_and_params(make_cfg, caplog, monkeypatch)
     composer = SimpleNamespace(active=[hint, SimpleNamespace(weight=1.0)])
     stub = SimpleNamespace(cfg=cfg, policy=policy, device=torch.device("cpu"), logger=logger, kernel_pick=None)
     stub.composer = composer
-    stub._resume_rng, stub._reference, stub.cache_pair_references = None, [], lambda: None
+    stub._resume_rng, stub.reference, stub.cache_pair_references = None, None, lambda: None
+    stub.parts = SimpleNamespace(chunk_size=None)  # the step's components take the pick's chunk size
     with caplog.at_level(logging.INFO, logger="composer_plugins.training"):
         M.ComposerModule.on_train_start(stub)
     # 2 prompts x 4 generations x 12 tokens at V=300: a few KiB of logits -> one chunk of all of them
@@ -83,11 +84,14 @@ def test_the_pick_reaches_the_runs_log_and_params(make_cfg, caplog, monkeypatch)
         "compute.kernels_chunk_size": "96",
         "compute.kernels_reason": logger.params["compute.kernels_reason"],
     }
-    assert "cpu" in logger.params["compute.kernels_reason"]
+    assert "cpu" in logger.params["compute.kernels_reason"] and stub.parts.chunk_size == 96
     assert "compute.kernels=auto: materialised (chunk 96 rows" in caplog.text
     assert hint.kernels == "torch"
-    stub.tokenizer = stub.ema_teacher = stub.reference = stub.teacher_scoring = None
-    assert M.ComposerModule.step_policy(stub).chunk_size == 96  # the step's chunks follow the pick
+    from composer_plugins.training.components import StepComponents
+
+    parts = SimpleNamespace(**vars(stub.parts), cfg=cfg, policy=policy, tokenizer=None, ema_teacher=None)
+    parts.reference = parts.teacher_scoring = None
+    assert StepComponents.step_policy(parts).chunk_size == 96  # the step's chunks follow the pick
 
 
 def test_a_logger_that_refuses_the_params_leaves_the_log_line(caplog):
