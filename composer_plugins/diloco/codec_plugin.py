@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer_plugins.core.hookspecs import hookimpl
+from composer_plugins.core.registry import register_builtins
 
 _MODULE = "composer_plugins.diloco.codecs"
 
@@ -42,5 +43,4 @@ BUILTIN_CODECS: dict[str, tuple[str, str, dict[str, Any]]] = {
 @hookimpl
 def register_codecs(register: Any) -> None:
     """The built-in codecs."""
-    for name, (cls, description, params) in BUILTIN_CODECS.items():
-        register(name, f"{_MODULE}:{cls}", description=description, **params)
+    register_builtins(register, _MODULE, BUILTIN_CODECS)

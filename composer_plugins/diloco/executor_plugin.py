@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer_plugins.core.hookspecs import hookimpl
+from composer_plugins.core.registry import register_builtins
 
 _MODULE = "composer_plugins.diloco.executors"
 
@@ -30,5 +31,4 @@ BUILTIN_EXECUTORS: dict[str, tuple[str, str]] = {
 @hookimpl
 def register_executors(register: Any) -> None:
     """The built-in executors (each factory is called with ``dcfg``, ``log_dir=``, ``warm_restarts=``, ``name=``)."""
-    for name, (factory, description) in BUILTIN_EXECUTORS.items():
-        register(name, f"{_MODULE}:{factory}", description=description)
+    register_builtins(register, _MODULE, BUILTIN_EXECUTORS)

@@ -19,38 +19,28 @@ Modules: ``base`` (the env contract), ``answers`` (answer checking), the envs (`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from composer_plugins.core import lazy_exports
 
+#: submodule -> the names imported lazily from it
 _EXPORTS = {
-    "Env": "base",
-    "Feedback": "base",
-    "Observation": "base",
-    "StepResult": "base",
-    "GSM8KEnv": "gsm8k",
-    "CodeEnv": "code_env",
-    "FeatureDeletionEnv": "feature_deletion",
-    "OpenEnvEnv": "openenv_env",
-    "Sandbox": "sandbox",
-    "SandboxLimits": "sandbox",
-    "SandboxResult": "sandbox",
-    "TemplateHintProvider": "hints",
-    "RawErrorHintProvider": "hints",
-    "LLMTeacherHintProvider": "hints",
-    "ChainHintProvider": "hints",
-    "DemonstrationHintProvider": "hints",
-    "SiblingGroup": "hints",
-    "build_teacher_context": "hints",
-    "extract_answer": "answers",
-    "answers_match": "answers",
+    "base": ("Env", "Feedback", "Observation", "StepResult"),
+    "gsm8k": ("GSM8KEnv",),
+    "code_env": ("CodeEnv",),
+    "feature_deletion": ("FeatureDeletionEnv",),
+    "openenv_env": ("OpenEnvEnv",),
+    "sandbox": ("Sandbox", "SandboxLimits", "SandboxResult"),
+    "hints": (
+        "TemplateHintProvider",
+        "RawErrorHintProvider",
+        "LLMTeacherHintProvider",
+        "ChainHintProvider",
+        "DemonstrationHintProvider",
+        "SiblingGroup",
+        "build_teacher_context",
+    ),
+    "answers": ("extract_answer", "answers_match"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(n for names in _EXPORTS.values() for n in names)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

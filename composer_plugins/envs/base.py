@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
+from composer_plugins.core.chat import content_text
+
 __all__ = [
     "FEEDBACK_KINDS",
     "UNJUDGED_KINDS",
@@ -121,33 +123,25 @@ class StepResult(NamedTuple):
     info: dict[str, Any]
 
 
+def _message_text(x: Any) -> str:
+    return str(x.get("content", "")) if isinstance(x, Mapping) else content_text(x)
+
+
 def completion_text(completion: Any) -> str:
     """A completion as text: a string, a message dict, or a list of messages (last assistant turn)."""
-    if completion is None:
-        return ""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Mapping):
-        return str(completion.get("content", ""))
-    if isinstance(completion, Sequence):
+    if isinstance(completion, Sequence) and not isinstance(completion, str):
         for msg in reversed(list(completion)):
             if isinstance(msg, Mapping) and msg.get("role", "assistant") == "assistant":
                 return str(msg.get("content", ""))
         return "".join(completion_text(m) for m in completion)
-    return str(completion)
+    return _message_text(completion)
 
 
 def prompt_text(prompt: Any) -> str:
     """A prompt as text: a string, or the concatenated contents of a list of messages."""
-    if prompt is None:
-        return ""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Mapping):
-        return str(prompt.get("content", ""))
-    if isinstance(prompt, Sequence):
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str):
         return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in prompt)
-    return str(prompt)
+    return _message_text(prompt)
 
 
 #: Keyword arguments trainers pass to reward functions that are not task fields.

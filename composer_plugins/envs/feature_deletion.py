@@ -29,7 +29,6 @@ import difflib
 import json
 import os
 import random
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from typing import Any, Literal
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.envs.base import Env, Feedback, sample_cycling
 from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
+from composer_plugins.envs.sandbox.host import probe_interpreter
 from composer_plugins.envs.symbols import (
     _TEST_DIRS,
     Symbol,
@@ -62,20 +62,6 @@ __all__ = [
 FIXTURE_REPO = Path(__file__).with_name("fixtures") / "textkit"
 
 
-def _interpreter_probe(python: str, code: str) -> Any:
-    out = subprocess.run(
-        [python, "-I", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
-    )
-    if out.returncode != 0:
-        raise SandboxError(f"cannot inspect interpreter {python}: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout)
-
-
 def find_installed_copies(python: str, packages: Iterable[str], repo: str | os.PathLike[str]) -> list[str]:
     """Where ``python`` would import ``packages`` from outside ``repo`` (site-packages copies, editable links)."""
     names = sorted(set(packages))
@@ -93,7 +79,7 @@ def find_installed_copies(python: str, packages: Iterable[str], repo: str | os.P
         "        out[n] = list(s.submodule_search_locations or []) or [s.origin]\n"
         "print(json.dumps(out))\n"
     )
-    found = _interpreter_probe(python, code)
+    found = probe_interpreter(python, code)
     repo_r = os.path.realpath(repo)
     copies = []
     for locs in found.values():

@@ -214,8 +214,8 @@ class StepCheckHintProvider(HintProvider):
         self.fallback = None if fallback in (None, "none") else build_hint_provider(fallback)
 
     def hint(self, request: HintRequest) -> str | None:
-        feedback, completion = request.feedback, request.completion
-        if feedback is None or not feedback.needs_hint:
+        feedback, completion = request.failure, request.completion
+        if feedback is None:
             return None
         text = None
         if completion is not None and feedback.kind == "wrong_answer":

@@ -541,6 +541,12 @@ def chunked_distill(
     return out
 
 
+def _chunked_scalar(hs: Tensor, ht: Tensor, w: Tensor, kernel: Kernel, mask: Tensor | None, **kw: Any) -> Tensor:
+    out = chunked_distill(hs, ht, w, kernel, mask, **kw)
+    assert isinstance(out, Tensor)
+    return out
+
+
 def chunked_generalized_jsd(
     student_hidden: Tensor,
     teacher_hidden: Tensor,
@@ -549,34 +555,20 @@ def chunked_generalized_jsd(
     *,
     beta: float = 0.5,
     temperature: float = 1.0,
-    reduction: str = "batchmean",
-    chunk_size: int | None = None,
-    teacher_lm_head_weight: Tensor | None = None,
-    grad_mode: str = "recompute",
+    **kw: Any,
 ) -> Tensor:
     """:func:`~composer_plugins.losses.functional.generalized_jsd` from hidden states, chunked.
 
     Same value and gradients as ``generalized_jsd(student_hidden @ W.T, (teacher_hidden @ W.T).detach(),
-    mask, beta, temperature, reduction)`` with ``O(chunk_size × V)`` peak memory. ``grad_mode``: see
-    :func:`chunked_distill`.
+    mask, beta, temperature, reduction)`` with ``O(chunk_size × V)`` peak memory. ``kw``: ``reduction``,
+    ``chunk_size``, ``teacher_lm_head_weight`` and ``grad_mode`` of :func:`chunked_distill` (as in the two below).
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    out = chunked_distill(
-        student_hidden,
-        teacher_hidden,
-        lm_head_weight,
-        JSDKernel(beta=float(beta), temperature=float(temperature)),
-        mask,
-        teacher_lm_head_weight=teacher_lm_head_weight,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        grad_mode=grad_mode,
-    )
-    assert isinstance(out, Tensor)
-    return out
+    kernel = JSDKernel(beta=float(beta), temperature=float(temperature))
+    return _chunked_scalar(student_hidden, teacher_hidden, lm_head_weight, kernel, mask, **kw)
 
 
 def chunked_taid_loss(
@@ -585,27 +577,12 @@ def chunked_taid_loss(
     lm_head_weight: Tensor,
     mask: Tensor | None,
     t: float | Tensor,
-    *,
-    chunk_size: int | None = None,
-    teacher_lm_head_weight: Tensor | None = None,
-    grad_mode: str = "recompute",
+    **kw: Any,
 ) -> Tensor:
     """:func:`~composer_plugins.losses.functional.taid_loss` from hidden states, chunked (token mean over ``mask``)."""
     if mask is None:
         mask = torch.ones(student_hidden.shape[:-1], dtype=torch.bool, device=student_hidden.device)
-    out = chunked_distill(
-        student_hidden,
-        teacher_hidden,
-        lm_head_weight,
-        TAIDKernel(t=float(t)),
-        mask,
-        teacher_lm_head_weight=teacher_lm_head_weight,
-        chunk_size=chunk_size,
-        reduction="batchmean",
-        grad_mode=grad_mode,
-    )
-    assert isinstance(out, Tensor)
-    return out
+    return _chunked_scalar(student_hidden, teacher_hidden, lm_head_weight, TAIDKernel(t=float(t)), mask, **kw)
 
 
 def chunked_entropy_aware_opd(
@@ -618,27 +595,13 @@ def chunked_entropy_aware_opd(
     fkl_weight: float = 1.0,
     top_k: int | None = None,
     temperature: float = 1.0,
-    reduction: str = "batchmean",
-    chunk_size: int | None = None,
-    teacher_lm_head_weight: Tensor | None = None,
-    grad_mode: str = "recompute",
+    **kw: Any,
 ) -> Tensor:
     """:func:`~composer_plugins.losses.functional.entropy_aware_opd` from hidden states, chunked."""
-    out = chunked_distill(
-        student_hidden,
-        teacher_hidden,
-        lm_head_weight,
-        EntropyOPDKernel(
-            entropy_threshold=float(entropy_threshold),
-            fkl_weight=float(fkl_weight),
-            top_k=top_k,
-            temperature=float(temperature),
-        ),
-        mask,
-        teacher_lm_head_weight=teacher_lm_head_weight,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        grad_mode=grad_mode,
+    kernel = EntropyOPDKernel(
+        entropy_threshold=float(entropy_threshold),
+        fkl_weight=float(fkl_weight),
+        top_k=top_k,
+        temperature=float(temperature),
     )
-    assert isinstance(out, Tensor)
-    return out
+    return _chunked_scalar(student_hidden, teacher_hidden, lm_head_weight, kernel, mask, **kw)

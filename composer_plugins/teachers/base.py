@@ -256,17 +256,7 @@ class TeacherResponse:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (what the cache stores, minus ``cached``)."""
-        return {
-            "text": self.text,
-            "message": self.message,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cost_usd": self.cost_usd,
-            "latency_s": self.latency_s,
-            "model": self.model,
-            "teacher": self.teacher,
-            "finish_reason": self.finish_reason,
-        }
+        return {k: v for k, v in vars(self).items() if k != "cached"}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], cached: bool = False) -> TeacherResponse:

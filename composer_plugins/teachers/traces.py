@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from composer_plugins.core.chat import render_action
+from composer_plugins.core.chat import content_text, render_action
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.io import iter_jsonl
 from composer_plugins.teachers.base import Message
@@ -76,16 +76,7 @@ class TraceState:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
-        return {
-            "state_id": self.state_id,
-            "messages": self.messages,
-            "student_action": self.student_action,
-            "trace_id": self.trace_id,
-            "step": self.step,
-            "source": self.source,
-            "line": self.line,
-            "metadata": self.metadata,
-        }
+        return dict(vars(self))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TraceState:
@@ -199,22 +190,18 @@ def load_openai_jsonl(path: str | os.PathLike[str], skipped: Skipped | None = No
 
 
 def _block_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for b in content:
-            if isinstance(b, dict):
-                if b.get("type") == "text":
-                    parts.append(str(b.get("text", "")))
-                elif b.get("type") == "image":
-                    parts.append("[image]")
-            elif isinstance(b, str):
-                parts.append(b)
-        return "\n".join(parts)
-    return str(content)
+    if not isinstance(content, list):
+        return content_text(content)
+    parts = []
+    for b in content:
+        if isinstance(b, dict):
+            if b.get("type") == "text":
+                parts.append(str(b.get("text", "")))
+            elif b.get("type") == "image":
+                parts.append("[image]")
+        elif isinstance(b, str):
+            parts.append(b)
+    return "\n".join(parts)
 
 
 @dataclass
