@@ -164,9 +164,7 @@ def _flat_rows(hidden: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | No
     return flat.index_select(0, idx), idx
 
 
-# ----------------------------------------------------------------------------------------------
-# log-probs
-# ----------------------------------------------------------------------------------------------
+# -- log-probs -------------------------------------------------------------------------------------
 def _chunk_logprobs(
     h: Tensor, wc: Tensor, ids: Tensor, tau: float, with_ent: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
@@ -308,9 +306,7 @@ def chunked_logprobs(
     return logp
 
 
-# ----------------------------------------------------------------------------------------------
-# distillation divergences
-# ----------------------------------------------------------------------------------------------
+# -- distillation divergences ----------------------------------------------------------------------
 class _ChunkedDistill(torch.autograd.Function):
     """Per-token ``kernel(student_logits, teacher_logits)`` over row chunks; recomputes in backward."""
 

@@ -1,45 +1,19 @@
 """Hint self-distillation channel: the student learns, on its own tokens, what it would say with a hint.
 
-The teacher is the *same model* run with the hint in its context, without gradient. Both
-forward passes score the tokens the student produced at the hinted turn; the divergence between
-the two next-token distributions is applied only where ``hint_mask`` is set.
-
-Inputs (keys of the one ``inputs`` mapping):
-
-========================  ==========  =================================================================
-key                       shape       meaning
-========================  ==========  =================================================================
-``hint_mask``             (B, T)      1 on the student's own tokens at the hinted turn (the only tokens
-                                      that are distilled)
-``student_hidden``        (B, T, H)   chunked path: student final hidden states predicting each token
-``teacher_hidden``        (B, T, H)   teacher (hinted-context) hidden states aligned to the same tokens
-``lm_head_weight``        (V, H)      the LM head (shared by student and teacher; the teacher side is
-                                      detached)
-``teacher_lm_head_weight`` (V, H)     optional, when the teacher's head differs
-``student_logits``        (B, T, V)   materialised path (reference): student logits
-``teacher_logits``        (B, T, V)   materialised path: teacher logits (detached)
-``hint_tokens_in_batch``  scalar      optional: hinted tokens of all data-parallel ranks / world size; the
-                                      rank's mean is rescaled to its share of the union-batch mean
-``global_step``           int         optional (TAID): optimizer step for the linear target
-``total_steps``           int         optional (TAID): total optimizer steps (else the channel's)
-``logprobs``              (B, T)      ``is_clip`` only: the current policy's log-probs of the sampled
-                                      tokens (all rows; ``hint_rows`` picks the hinted ones)
-``inference_logprobs``    (B, T)      ``is_clip`` only: the behaviour policy's log-probs (the sampler's;
-                                      else ``old_logprobs``; neither: on-policy, ratio 1)
-``hint_rows``             (R,)        rows of ``logprobs`` that ``hint_mask``'s rows belong to (absent:
-                                      ``hint_mask`` covers every row of ``logprobs``)
-``sampling_temperature``  float       optional: the rollout's sampling temperature, the distillation
-                                      temperature of a channel built with ``temperature=None`` (absent: 1)
-========================  ==========  =================================================================
+The teacher is the *same model* run with the hint in its context, without gradient. Both forward passes
+score the tokens the student produced at the hinted turn; the divergence between the two next-token
+distributions is applied only where ``hint_mask`` is set. The input keys (``hint_mask``, the chunked
+``student_hidden``/``teacher_hidden``/``lm_head_weight`` or the reference ``student_logits``/``teacher_logits``,
+and the optional TAID, ``is_clip`` and temperature keys) are listed in docs/losses.md ("Input keys"); when
+both hidden states and logits are present, the chunked hidden-state path is used.
 
 Temperature has one owner here, the channel: the hidden states and logits it reads are the model's own
 (no caller divides them), and the channel divides both sides' logits by its temperature exactly once,
 inside the divergence kernel (or Liger's). ``temperature=None`` (the default) takes the rollout's
 ``sampling_temperature``, so the divergence compares the distributions the rollout sampled from.
 
-When both hidden states and logits are present, the chunked hidden-state path is used.
-Positions: row ``t`` of the student tensors and row ``t`` of the teacher tensors must predict the
-*same* token (the caller aligns the teacher's positions, which are shifted by the hint's length).
+Positions: row ``t`` of the student tensors and row ``t`` of the teacher tensors must predict the *same*
+token (the caller aligns the teacher's positions, which are shifted by the hint's length).
 """
 
 from __future__ import annotations

@@ -87,9 +87,7 @@ PolicyLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo"]
 POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
 
-# ----------------------------------------------------------------------------------------------
-# policy losses
-# ----------------------------------------------------------------------------------------------
+# -- policy losses ---------------------------------------------------------------------------------
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
     """Per-token estimate of KL(π‖π_ref) from sampled-token log-probs (Schulman's k1/k2/k3).
 
@@ -374,9 +372,7 @@ def dppo_kl_loss(
     return LossOutput(loss, metrics)
 
 
-# ----------------------------------------------------------------------------------------------
-# distillation (materialised reference path)
-# ----------------------------------------------------------------------------------------------
+# -- distillation (materialised reference path) ----------------------------------------------------
 def _check_logits(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None) -> None:
     _require_same("teacher_logits", teacher_logits, "student_logits", student_logits)
     if student_logits.dim() < 2:
@@ -497,9 +493,7 @@ def entropy_aware_opd(
     return _reduce_tokens(per_token, mask, reduction, student_logits.shape[-1])
 
 
-# ----------------------------------------------------------------------------------------------
-# preference losses
-# ----------------------------------------------------------------------------------------------
+# -- preference losses -----------------------------------------------------------------------------
 def dpo_loss(
     chosen_logps: Tensor,
     rejected_logps: Tensor,

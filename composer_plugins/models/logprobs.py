@@ -108,9 +108,7 @@ def completion_forward(
     return CompletionForward(logps=logps, logits=logits if return_logits else None)
 
 
-# ---------------------------------------------------------------------------------------
-# hidden-state path
-# ---------------------------------------------------------------------------------------
+# -- hidden-state path -----------------------------------------------------------------------------
 
 
 def lm_head_weight(model: Any) -> Tensor:
