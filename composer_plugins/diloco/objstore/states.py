@@ -28,7 +28,7 @@ class StatesMixin:
         return {
             "round": self.round,
             "global_params": [to_host(g).clone() for g in self.global_params],
-            "outer_optimizers": [map_leaves(_host_copy, o.state_dict()) for o in self.outer_optimizers],
+            "outer_optimizers": [_host_tree(o.state_dict()) for o in self.outer_optimizers],
         }
 
     def _apply_state(self, k: int, state: dict[str, Any]) -> None:
@@ -86,14 +86,13 @@ class StatesMixin:
     def _replica_state(self) -> dict[str, Any]:
         assert self._module is not None and self._inner is not None
         scheds = [cfg.scheduler.state_dict() for cfg in self._trainer.lr_scheduler_configs] if self._trainer else []
-        return map_leaves(
-            _host_copy,
+        return _host_tree(
             {
                 "model": self._module.state_dict(),
                 "inner_optimizer": self._inner.state_dict(),
                 "lr_schedulers": scheds,
                 "global_params": list(self.global_params),
-            },
+            }
         )
 
     def _init_sync(self) -> None:
@@ -280,8 +279,12 @@ class StatesMixin:
         self._pending = []
 
 
+def _host_tree(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the host (a plain CPU tensor), for the data codec."""
+    return map_leaves(_host_copy, obj)
+
+
 def _host_copy(x: Any) -> Any:
-    """A tensor copied to the host (a plain CPU tensor), for the data codec; anything else as it is."""
     if not isinstance(x, torch.Tensor):
         return x
     t = to_host(x)
