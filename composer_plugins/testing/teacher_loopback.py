@@ -4,32 +4,18 @@ Run it as its own process (so client and server do not share a core)::
 
     python -m composer_plugins.testing.teacher_loopback --port 0 --latency 0.05
 
-It prints ``LISTENING <port>`` once ready. Answers are deterministic functions of the
-model name and the last user message: arithmetic is solved (``#### 42``; a model whose
-name contains ``wrong`` answers one more), anything else gets ``echo:<hash>``; a model
-whose name contains ``tool`` answers with a tool call whose argument JSON is formatted
-differently per model (same call after canonicalisation). Usage is reported with
-``prompt_tokens = ceil(request bytes / 4)``.
+It prints ``LISTENING <port>`` once ready. Answers are deterministic functions of the model name and the
+last user message: arithmetic is solved (``#### 42``; a model whose name contains ``wrong`` answers one
+more), anything else gets ``echo:<hash>``; a model whose name contains ``tool`` answers with a tool call
+whose argument JSON is formatted differently per model. Usage: ``prompt_tokens = ceil(request bytes / 4)``.
 
-Faults are planned per request identity (model + messages): for the identities selected
-by ``fault_rate`` the n-th attempt gets ``plan[n]``; later attempts succeed. With
-``fault_mode: "attempt"`` every attempt instead draws its own fault with probability
-``fault_rate`` (kind: one of ``plan``, deterministic per identity and attempt number).
-Fault kinds: ``429`` (with ``Retry-After``), ``500``/``502``/``503``, ``timeout`` (hang
-``hang_s`` then 504), ``malformed`` (a truncated 200 body), ``slow`` (``slow_s`` extra
-latency then a normal answer), ``drop`` (the connection is closed without an answer),
-``billed_drop`` (billed, then closed), ``empty`` (billed 200 whose ``choices`` is empty),
-``slow_body`` (billed; half the body, ``slow_s`` pause, the rest) and ``echo`` (a
-malformed 200 that echoes the bare key of the received ``Authorization`` header after
-``echo_pad`` filler characters, like a leaky proxy). Successful answers are *billed*, and so are
-``billed_drop``, ``empty`` and ``slow_body``; ``undelivered`` counts billed answers the
-client cannot have used (a call paid twice because of those is unavoidable).
-
-A wrong key gets a 401 whose body echoes the received ``Authorization`` header (after
-``echo_pad`` filler characters), as some gateways do.
-
-Control endpoints: ``GET /_stats`` (counts, billed usage per identity), ``POST /_config``
-(update latency/faults), ``POST /_reset`` (clear counters).
+Faults are planned per request identity (model + messages): for the identities selected by ``fault_rate``
+the n-th attempt gets ``plan[n]``, later attempts succeed; with ``fault_mode: "attempt"`` every attempt
+draws its own. The fault kinds (``429``, ``5xx``, ``timeout``, ``malformed``, ``slow``, ``drop``,
+``billed_drop``, ``empty``, ``slow_body``, ``echo``) are listed in docs/replay.md; which of them are billed
+is counted, and ``undelivered`` counts billed answers the client cannot have used. A wrong key gets a 401
+echoing the received ``Authorization`` header (after ``echo_pad`` filler), as some gateways do. Control:
+``GET /_stats``, ``POST /_config`` (latency, faults), ``POST /_reset``.
 """
 
 from __future__ import annotations
