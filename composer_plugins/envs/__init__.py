@@ -1,20 +1,11 @@
 """Built-in envs, the code sandbox and hint providers (registered by :mod:`composer_plugins.envs.plugin`).
 
-Public API (imported lazily, so ``import composer_plugins.envs`` stays cheap):
-
-* :class:`~composer_plugins.envs.base.Env`, :class:`~composer_plugins.envs.base.Feedback`,
-  :class:`~composer_plugins.envs.base.Observation`, :class:`~composer_plugins.envs.base.StepResult`;
-* envs: ``GSM8KEnv``, ``CodeEnv``, ``FeatureDeletionEnv``, ``OpenEnvEnv``;
-* ``Sandbox``, ``SandboxLimits``, ``SandboxResult``;
-* hints: ``TemplateHintProvider``, ``RawErrorHintProvider``, ``LLMTeacherHintProvider``,
-  ``ChainHintProvider``, ``DemonstrationHintProvider`` (and its ``SiblingGroup``), ``build_teacher_context``;
-* ``extract_answer``, ``answers_match``.
-
-Modules: ``base`` (the env contract), ``answers`` (answer checking), the envs (``gsm8k`` with its seeded
-``arith`` problems, ``code_env``, ``feature_deletion`` with its source surgery in ``symbols``, ``openenv_env``),
-``hints/`` (the hint-provider contract and the built-in providers, one module each), ``step_check`` (the
-``step_check`` provider, over ``steps``: the worked steps of a solution), ``sandbox/`` (a package of its own:
-``runner``, ``tree``, ``host``, ``types``), ``cli`` and ``plugin`` (registration). See ``docs/envs.md``.
+The public API is ``_EXPORTS`` below (imported lazily, so ``import composer_plugins.envs`` stays cheap). Modules:
+``base`` (the env contract), ``answers`` (answer checking), the envs (``gsm8k`` with its seeded ``arith``
+problems, ``code_env``, ``feature_deletion`` with its source surgery in ``symbols``, ``openenv_env``),
+``hints/`` (the hint-provider contract and the built-in providers), ``step_check`` (over ``steps``: the worked
+steps of a solution), ``sandbox/`` (a package of its own), ``cli`` and ``plugin`` (registration). See
+``docs/envs.md``.
 """
 
 from __future__ import annotations
