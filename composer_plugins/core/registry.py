@@ -363,8 +363,14 @@ def _match(name: str, pattern: str) -> bool:
     return not hit if negate else hit
 
 
-def register_builtins(register: Any, module: str, table: Mapping[str, tuple[Any, ...]]) -> None:
-    """Register each ``name: (attr, description[, params])`` of a built-in table with the lazy factory
-    ``"module:attr"`` (so listing never imports ``module``)."""
-    for name, (attr, description, *params) in table.items():
-        register(name, f"{module}:{attr}", description=description, **(params[0] if params else {}))
+def builtin_hook(module: str, table: Mapping[str, tuple[Any, ...]]) -> Callable[[Any], None]:
+    """A ``register_<kind>(register)`` hook implementation registering each ``name: (attr, description[,
+    params])`` of a built-in table with the lazy factory ``"module:attr"`` (so listing never imports
+    ``module``). Assign it to the hook's name in a plugin module."""
+
+    @hookspecs.hookimpl
+    def hook(register: Any) -> None:
+        for name, (attr, description, *params) in table.items():
+            register(name, f"{module}:{attr}", description=description, **(params[0] if params else {}))
+
+    return hook

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_plugins.core.hookspecs import hookimpl
-from composer_plugins.core.registry import register_builtins
+from composer_plugins.core.registry import builtin_hook
 
 _MODULE = "composer_plugins.diloco.codecs"
 
@@ -40,7 +39,5 @@ BUILTIN_CODECS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-@hookimpl
-def register_codecs(register: Any) -> None:
-    """The built-in codecs."""
-    register_builtins(register, _MODULE, BUILTIN_CODECS)
+#: The built-in codecs.
+register_codecs = builtin_hook(_MODULE, BUILTIN_CODECS)
