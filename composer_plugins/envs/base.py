@@ -1,17 +1,10 @@
 """The env contract: tasks, a verifiable reward, structured feedback, and an OpenEnv-like loop.
 
-An env plugin is any object with this interface (subclass :class:`Env` to get most of it):
-
-* ``sample_tasks(n, split="train", seed=0) -> list[dict]``: task dicts, each with a ``prompt``
-  string plus the fields its reward needs (``answer``, ``tests`` ...).
-* ``reward(prompts, completions, **task_fields) -> list[float | None]``: TRL's reward-function
-  shape; ``task_fields`` are columns (lists aligned with ``completions``); ``None`` means the
-  item cannot be scored. Unknown keyword arguments (``trainer_state`` ...) are ignored.
-* ``feedback(prompt, completion, **task) -> Feedback``: what went wrong, for hint providers.
-* ``score(completion, task) -> Feedback``: one item (reward + feedback in one pass); subclasses of
-  :class:`Env` implement ``_score`` (uncached) and inherit ``score``, ``reward`` and ``feedback``.
-* ``reset(task=None, seed=None, split="train") -> Observation``, ``step(action) -> StepResult``
-  (unpacks as ``observation, reward, done, info``) and ``close()``, after OpenEnv/Gym.
+An env plugin is any object with ``sample_tasks(n, split, seed)`` (task dicts with a ``prompt`` and what the
+reward needs), ``reward(prompts, completions, **task_fields)`` (TRL's reward-function shape; ``None``: not
+scorable), ``feedback(prompt, completion, **task)``, ``score(completion, task)`` (reward and feedback in one
+pass) and the OpenEnv/Gym loop ``reset``/``step``/``close``; the contract is tabled in docs/envs.md ("The env
+contract"). Subclasses of :class:`Env` implement ``_score`` (uncached) and inherit the rest.
 """
 
 from __future__ import annotations
