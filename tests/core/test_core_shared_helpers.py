@@ -1,0 +1,62 @@
+"""The small helpers several packages share instead of keeping copies: lazy exports, ``key=value`` options,
+a built-in table's register hook and the located config's key walk."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import click
+import pytest
+
+from composer_plugins.core import lazy_exports
+from composer_plugins.core.cli import key_values
+from composer_plugins.core.config import Config
+from composer_plugins.core.registry import builtin_hook
+
+
+def test_lazy_exports_imports_on_first_use_keeps_the_value_and_refuses_unknown_names(monkeypatch):
+    pkg = types.ModuleType("cp_lazy_pkg")
+    sub = types.ModuleType("cp_lazy_pkg.sub")
+    sub.thing = object()
+    monkeypatch.setitem(sys.modules, "cp_lazy_pkg", pkg)
+    monkeypatch.setitem(sys.modules, "cp_lazy_pkg.sub", sub)
+    pkg.__getattr__ = lazy_exports("cp_lazy_pkg", {"sub": ("thing",)})
+    assert pkg.thing is sub.thing and vars(pkg)["thing"] is sub.thing  # kept on the package
+    with pytest.raises(AttributeError, match="'cp_lazy_pkg' has no attribute 'other'"):
+        pkg.__getattr__("other")
+
+
+def test_envs_and_teachers_export_lazily():
+    import composer_plugins.envs as envs
+    import composer_plugins.teachers as teachers
+    from composer_plugins.envs.hints.contract import SiblingGroup
+    from composer_plugins.teachers.runner import run_replay
+
+    assert envs.SiblingGroup is SiblingGroup and teachers.run_replay is run_replay
+    assert "GSM8KEnv" in envs.__all__ and "ReplayEngine" in teachers.__all__
+
+
+def test_key_values_reads_yaml_values_and_names_the_option():
+    assert key_values(("a=1", "b = x", "c=", "d=[1, 2]"), "--set") == {"a": 1, "b": "x", "c": "", "d": [1, 2]}
+    with pytest.raises(click.BadParameter, match="'oops' must look like key=value") as e:
+        key_values(("oops",), "--env-arg")
+    assert e.value.param_hint == "--env-arg"
+
+
+def test_builtin_hook_registers_each_row_lazily():
+    calls = []
+    hook = builtin_hook("pkg.mod", {"a": ("A", "first"), "b": ("B", "second", {"x": 1})})
+    hook(lambda name, target, **kw: calls.append((name, target, kw)))
+    assert calls[0] == ("a", "pkg.mod:A", {"description": "first"})
+    assert calls[1] == ("b", "pkg.mod:B", {"description": "second", "x": 1})
+    assert hasattr(hook, "composer_plugins_impl")  # a pluggy hook implementation
+
+
+def test_config_names_the_closest_source_of_a_key():
+    cfg = Config({}, source="c.yaml", lines={"a": 1, "a.b": 2})
+    cfg.overrides = {"a": "a={}", "x": "x=1"}
+    assert cfg.line_of("a.b.c") == 2 and cfg.line_of("x.y") is None
+    assert cfg.override_of("x.y") == "x=1"  # set by an override only
+    assert cfg.override_of("a.b.c") is None  # the file gives a.b more precisely than the override of a
+    assert cfg.override_of("a") == "a={}"
