@@ -1,19 +1,11 @@
 """Trace ingestion: recorded agent sessions → one :class:`TraceState` per student step.
 
-Two formats are read:
-
-* **OpenAI messages JSONL** (``format: openai``): one conversation per line, either
-  ``{"id": ..., "messages": [...], "metadata": {...}}`` or a bare list of messages. Every
-  assistant message is a student step; the state is every message before it.
-* **Claude Code session JSONL** (``format: claude_code``): the event log Claude Code
-  writes (``~/.claude/projects/<project>/<session>.jsonl``). Assistant events that share a
-  ``message.id`` (Claude Code writes one line per content block) are merged into one turn;
-  ``text`` blocks become content, ``tool_use`` blocks OpenAI ``tool_calls``, ``tool_result``
-  blocks ``tool`` messages. ``thinking`` blocks stay in the student's action (field
-  ``thinking``) but never reach the teachers. Sidechain (subagent) events, meta events and
-  non-message events (summaries, snapshots) are skipped.
-
-Errors name the file and line (:class:`TraceFormatError`).
+Two formats are read (described in docs/replay.md): **OpenAI messages JSONL** (``format: openai``: one
+conversation per line, every assistant message a student step whose state is every message before it) and
+**Claude Code session JSONL** (``format: claude_code``: the event log Claude Code writes; one assistant turn's
+content blocks are merged, ``tool_use``/``tool_result`` become OpenAI tool calls and ``tool`` messages,
+``thinking`` stays in the student's action but never reaches the teachers, sidechain and meta events are
+skipped). Errors name the file and line (:class:`TraceFormatError`).
 """
 
 from __future__ import annotations
