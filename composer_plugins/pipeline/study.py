@@ -1,18 +1,10 @@
 """The study: variants (loss channels on/off) × seeds, and the ablation table over them.
 
-``params.yaml`` holds a ``study`` section::
-
-    study:
-      seeds: [0, 1]
-      variants:                 # each variant is a set of overrides of the ``train`` section
-        full: {}
-        no_hint: {losses: {hint_distill: {weight: 0}}}
-        no_replay: {losses: {replay: {weight: 0}}}
-
-DVC expands the ``train`` and ``eval`` stages over ``variant × seed`` (``matrix:``). Run
-``<variant>-s<seed>`` trains with ``train`` deep-merged with ``study.variants.<variant>`` and
-``seed: <seed>``. :func:`ablation_rows` aggregates held-out metrics per variant over seeds
-(mean ± sample std), which both ``composer-plugins report`` and ``composer-plugins compare`` print.
+``params.yaml``'s ``study`` section holds the ``seeds`` and the ``variants``, each a set of overrides of the
+``train`` section (an example: docs/pipeline.md). DVC expands the ``train`` and ``eval`` stages over
+``variant × seed`` (``matrix:``); run ``<variant>-s<seed>`` trains with ``train`` deep-merged with
+``study.variants.<variant>`` and ``seed: <seed>``. :func:`ablation_rows` aggregates held-out metrics per
+variant over seeds (mean ± sample std), which both ``composer-plugins report`` and ``compare`` print.
 """
 
 from __future__ import annotations
