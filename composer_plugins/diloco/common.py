@@ -198,10 +198,9 @@ class DiLoCoConfig:
         def bad(field: str, msg: str) -> ConfigError:
             return cfg.error(f"{key}.{field}", msg)
 
-        if self.sync_every < 1:
-            raise bad("sync_every", f"must be >= 1, got {self.sync_every}.")
-        if self.num_fragments < 1:
-            raise bad("num_fragments", f"must be >= 1, got {self.num_fragments}.")
+        for name in ("sync_every", "num_fragments", "min_replica_size", "checkpoint_every", "state_every"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)}.")
         if self.sync_every % self.num_fragments:
             raise bad(
                 "num_fragments",
@@ -215,16 +214,10 @@ class DiLoCoConfig:
             )
         if not 0.0 <= self.fragment_update_alpha <= 1.0:
             raise bad("fragment_update_alpha", f"must be in [0, 1], got {self.fragment_update_alpha}.")
-        if self.min_replica_size < 1:
-            raise bad("min_replica_size", f"must be >= 1, got {self.min_replica_size}.")
         if self.outer_steps is not None and self.outer_steps < 1:
             raise bad("outer_steps", f"must be >= 1, got {self.outer_steps}.")
-        if self.checkpoint_every < 1:
-            raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
         if self.rejoin_timeout_s < 0:
             raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
-        if self.state_every < 1:
-            raise bad("state_every", f"must be >= 1, got {self.state_every}.")
         if self.exact_every < 1 or isinstance(self.exact_every, bool):
             raise bad("exact_every", f"must be >= 1, got {self.exact_every!r}.")
         if self.overlap not in (0, 1) or isinstance(self.overlap, bool):
