@@ -1,26 +1,19 @@
 """Memory-efficient log-probs and distillation divergences straight from hidden states.
 
-The materialised path computes ``logits = hidden @ W.T`` for every token at once: ``B×T×V``
-floats per model (1.2 GB per sequence of 2,048 tokens at V=151,936 in fp32), and the softmax
-intermediates of a divergence multiply that several times. The functions here instead walk
-the tokens in chunks of ``chunk_size`` rows inside a custom :class:`torch.autograd.Function`:
-
-* forward computes each chunk's logits, reduces them to per-token values and drops them;
-* ``dL/dlogits`` is formed in closed form (checked against autograd of the materialised path in the
-  tests) while the logits are alive when the loss is known there (``grad_mode="precompute"``, the
-  teachers' top-k, :mod:`composer_plugins.kernels.fused`), else backward **recomputes** each chunk's
-  logits; then ``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+The materialised path computes ``logits = hidden @ W.T`` for every token at once: ``B×T×V`` floats per model
+(1.2 GB per sequence of 2,048 tokens at V=151,936 in fp32), and a divergence's softmax intermediates multiply
+that several times. The functions here (:func:`chunked_logprobs`, :func:`chunked_distill` and its
+per-criterion forms) instead walk the tokens in chunks of ``chunk_size`` rows inside a custom
+:class:`torch.autograd.Function`: forward computes each chunk's logits, reduces them to per-token values and
+drops them; ``dL/dlogits`` is formed in closed form (checked against autograd of the materialised path) while
+the logits are alive when the loss is known there (``grad_mode="precompute"``, the teachers' top-k,
+:mod:`composer_plugins.kernels.fused`), else backward **recomputes** each chunk's logits; then
+``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
 
 Every matmul runs in the autocast dtype (:func:`compute_dtype`; bf16 under ``torch.autocast``), with
 autocast off inside the kernel, so the element-wise math is fp32 and ``dL/dW`` adds into an fp32 buffer.
-
-Peak extra memory is therefore ``O(chunk_size × V)`` instead of ``O(T × V)``; gradients equal the
-materialised path's up to floating-point summation order. Only the rows selected by ``mask``
-are computed at all (prompt/padding tokens cost nothing).
-
-Public helpers: :func:`chunked_logprobs`, :func:`chunked_generalized_jsd`,
-:func:`chunked_taid_loss`, :func:`chunked_entropy_aware_opd`, and the generic
-:func:`chunked_distill` they share.
+Peak extra memory is ``O(chunk_size × V)`` instead of ``O(T × V)``; gradients equal the materialised path's up
+to floating-point summation order. Only the rows selected by ``mask`` are computed at all.
 """
 
 from __future__ import annotations
