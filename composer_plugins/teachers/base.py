@@ -228,6 +228,16 @@ class TeacherCallError(ComposerPluginsError):
 
 
 @dataclass
+class CallCounts:
+    """The counters every teacher kind keeps: calls sent, answers served from a cache, failed rows, spend."""
+
+    calls: int = 0
+    cache_hits: int = 0
+    failures: int = 0
+    spent_usd: float = 0.0
+
+
+@dataclass
 class TeacherResponse:
     """What a teacher returned for one state.
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from composer_plugins.teachers.base import TeacherError, check_number
+from composer_plugins.teachers.base import CallCounts, TeacherError, check_number
 
 
 @dataclass
@@ -72,16 +72,12 @@ class ScoreRequest:
 
 
 @dataclass
-class ScorerStats:
-    """Per-scorer counters (reported as metrics)."""
+class ScorerStats(CallCounts):
+    """Per-scorer counters (reported as metrics); ``failures`` counts rows."""
 
     rows: int = 0
-    calls: int = 0
-    cache_hits: int = 0
-    failures: int = 0
     skipped_batches: int = 0
     bytes_received: int = 0
-    spent_usd: float = 0.0
     seconds: float = 0.0
 
 
