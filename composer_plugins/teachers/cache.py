@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.io import json_bytes
 
 #: Bump when the key recipe changes (old entries then simply stop matching).
 KEY_VERSION = 1
@@ -55,18 +56,6 @@ CREATE INDEX IF NOT EXISTS ledger_run ON ledger (run_id, status);
 
 class CacheError(ComposerPluginsError):
     """The cache file cannot be opened or is locked by another run."""
-
-
-try:  # orjson serialises responses several times faster; the stored text is plain JSON either way
-    import orjson as _orjson
-
-    def _dump_response(response: Mapping[str, Any]) -> str:
-        return _orjson.dumps(response).decode("utf-8")
-
-except ImportError:  # pragma: no cover - depends on the environment
-
-    def _dump_response(response: Mapping[str, Any]) -> str:
-        return json.dumps(dict(response), ensure_ascii=False, separators=(",", ":"))
 
 
 def cache_key(teacher: str, kind: str, model: str, params: Mapping[str, Any], messages: Sequence[Any]) -> str:
@@ -252,7 +241,7 @@ class ReplayCache:
     @staticmethod
     def put_stmts(key: str, teacher: str, model: str, response: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
         """Statements that store one response."""
-        blob = _dump_response(response)
+        blob = json_bytes(response).decode("utf-8")
         return [
             (
                 "INSERT OR REPLACE INTO responses (key, teacher, model, response, created) VALUES (?, ?, ?, ?, ?)",

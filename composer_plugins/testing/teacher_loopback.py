@@ -35,22 +35,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-try:
-    import orjson
-
-    def _loads(b: bytes) -> Any:
-        return orjson.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return orjson.dumps(o)
-
-except ImportError:  # pragma: no cover
-
-    def _loads(b: bytes) -> Any:
-        return json.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return json.dumps(o).encode()
+from composer_plugins.core.io import json_bytes, json_loads
 
 
 @dataclass
@@ -180,12 +165,12 @@ class LoopbackServer:
             # echo what was received, like some gateways do: clients must scrub it from errors
             got = request.headers.get("Authorization", "")
             pad = "." * self.config.echo_pad
-            body = _dumps(
+            body = json_bytes(
                 {"error": {"message": f"Incorrect API key provided{pad}: {got}", "type": "invalid_request_error"}}
             )
             return web.Response(status=401, body=body, content_type="application/json")
         try:
-            req = _loads(raw)
+            req = json_loads(raw)
             model, messages = req["model"], req["messages"]
         except Exception:
             self.by_status["400"] += 1
@@ -213,7 +198,7 @@ class LoopbackServer:
         if tool_calls:
             message["tool_calls"] = tool_calls
         prompt_tokens = math.ceil(len(raw) / 4)
-        completion_tokens = max(1, math.ceil(len(_dumps(message)) / 4))
+        completion_tokens = max(1, math.ceil(len(json_bytes(message)) / 4))
         max_tokens = req.get("max_tokens") or req.get("max_completion_tokens")
         if isinstance(max_tokens, int):
             completion_tokens = min(completion_tokens, max_tokens)
@@ -231,7 +216,7 @@ class LoopbackServer:
             self.by_status["empty"] += 1
             self._lost(ident, prompt_tokens, completion_tokens)
             empty = {"id": f"chatcmpl-{ident[:12]}-{attempt}", "model": model, "choices": [], "usage": usage}
-            return web.Response(body=_dumps(empty), content_type="application/json")
+            return web.Response(body=json_bytes(empty), content_type="application/json")
         self.by_status["200"] += 1
         body = {
             "id": f"chatcmpl-{ident[:12]}-{attempt}",
@@ -242,8 +227,8 @@ class LoopbackServer:
             "usage": usage,
         }
         if fault == "slow_body":
-            return await self._slow_body(request, ident, _dumps(body), prompt_tokens, completion_tokens)
-        return web.Response(body=_dumps(body), content_type="application/json")
+            return await self._slow_body(request, ident, json_bytes(body), prompt_tokens, completion_tokens)
+        return web.Response(body=json_bytes(body), content_type="application/json")
 
     async def inject_fault(self, request: Any, fault: str | None, truncated_body: bytes) -> Any:
         """Apply the latency and the request-level ``fault`` (429/5xx, hang, malformed, slow, drop).
@@ -319,17 +304,17 @@ class LoopbackServer:
             "kinds": dict(self.kinds),
             "config": asdict(self.config),
         }
-        return web.Response(body=_dumps(data), content_type="application/json")
+        return web.Response(body=json_bytes(data), content_type="application/json")
 
     async def set_config(self, request: Any) -> Any:
         from aiohttp import web
 
-        upd = _loads(await request.read())
+        upd = json_loads(await request.read())
         for k, v in upd.items():
             if not hasattr(self.config, k):
                 return web.Response(status=400, text=f"unknown config key {k!r}")
             setattr(self.config, k, v)
-        return web.Response(body=_dumps(asdict(self.config)), content_type="application/json")
+        return web.Response(body=json_bytes(asdict(self.config)), content_type="application/json")
 
     async def do_reset(self, request: Any) -> Any:
         from aiohttp import web

@@ -60,3 +60,34 @@ def test_config_names_the_closest_source_of_a_key():
     assert cfg.override_of("x.y") == "x=1"  # set by an override only
     assert cfg.override_of("a.b.c") is None  # the file gives a.b more precisely than the override of a
     assert cfg.override_of("a") == "a={}"
+
+
+def test_json_bytes_is_compact_utf8_and_the_json_fallback_writes_the_same_bytes(monkeypatch):
+    import importlib
+
+    import composer_plugins.core.io as io_mod
+
+    obj = {"a": [1, 2.5, None, True], "é": "ü\n", "n": {"x": ""}}
+    fast = io_mod.json_bytes(obj)
+    assert io_mod.json_loads(fast) == obj and io_mod.json_loads(fast.decode()) == obj
+    monkeypatch.setitem(sys.modules, "orjson", None)  # import orjson now fails: the json fallback
+    try:
+        plain = importlib.reload(io_mod)
+        assert plain.json_bytes(obj) == fast == '{"a":[1,2.5,null,true],"é":"ü\\n","n":{"x":""}}'.encode()
+        assert plain.json_loads(fast) == obj
+    finally:
+        monkeypatch.undo()
+        importlib.reload(io_mod)
+
+
+def test_replay_stats_count_adds_to_the_run_and_the_teacher():
+    from composer_plugins.teachers.base import CallCounts
+    from composer_plugins.teachers.engine import ReplayStats, TeacherStats
+    from composer_plugins.teachers.scoring import ScorerStats
+
+    stats = ReplayStats(by_teacher={"a": TeacherStats(), "b": TeacherStats()})
+    stats.count("a", "calls")
+    stats.count("a", "failures", 3)
+    assert (stats.calls, stats.failures, stats.by_teacher["a"].failures, stats.by_teacher["b"].calls) == (1, 3, 3, 0)
+    assert issubclass(ScorerStats, CallCounts) and issubclass(ReplayStats, TeacherStats)
+    assert {"calls", "cache_hits", "failures", "spent_usd", "total_spent_usd"} <= set(stats.to_dict())
