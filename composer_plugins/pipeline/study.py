@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, load_config
-from composer_plugins.core.errors import ConfigError
+from composer_plugins.pipeline.common import param_error
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
 #: Names follow the one scheme of docs/metrics.md (MLflow-safe, the same in every sink).
@@ -129,7 +129,7 @@ def variants(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if v is None:
         return {"full": {}}
     if not isinstance(v, Mapping) or not v:
-        raise _err(params, "study.variants", "must be a non-empty mapping of variant name -> train overrides")
+        raise param_error(params, "study.variants", "must be a non-empty mapping of variant name -> train overrides")
     return {str(k): dict(x or {}) for k, x in v.items()}
 
 
@@ -139,7 +139,7 @@ def seeds(params: Mapping[str, Any]) -> list[int]:
     if s is None:
         return [int((params.get("train") or {}).get("seed", 0))]
     if not isinstance(s, list) or not all(isinstance(x, int) for x in s):
-        raise _err(params, "study.seeds", f"must be a list of integers, got {s!r}")
+        raise param_error(params, "study.seeds", f"must be a list of integers, got {s!r}")
     return list(s)
 
 
@@ -150,7 +150,7 @@ def baseline(params: Mapping[str, Any]) -> str | None:
         return None
     names = list(variants(params))
     if str(b) not in names:
-        raise _err(params, "study.baseline", f"{b!r} is not a variant of study.variants.", valid=names)
+        raise param_error(params, "study.baseline", f"{b!r} is not a variant of study.variants.", valid=names)
     return str(b)
 
 
@@ -167,7 +167,7 @@ def threshold_delta(params: Mapping[str, Any]) -> float:
     if d is None:
         return DEFAULT_THRESHOLD_DELTA
     if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1:
-        raise _err(params, "study.threshold_delta", f"must be a number in (0, 1) (an accuracy gain), got {d!r}")
+        raise param_error(params, "study.threshold_delta", f"must be a number in (0, 1) (an accuracy gain), got {d!r}")
     return float(d)
 
 
@@ -176,7 +176,7 @@ def equivalence_margin(params: Mapping[str, Any]) -> float | None:
     when its Holm-level interval lies inside (-δ, δ), else *inconclusive*. Fixed before the study runs."""
     d = (params.get("study") or {}).get("equivalence_margin")
     if d is not None and (isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1):
-        raise _err(
+        raise param_error(
             params, "study.equivalence_margin", f"must be a number in (0, 1) (an accuracy difference), got {d!r}"
         )
     return None if d is None else float(d)
@@ -186,14 +186,8 @@ def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]
     """The ``train`` overrides of ``variant``; a located error naming the valid variants otherwise."""
     v = variants(params)
     if variant not in v:
-        raise _err(params, f"study.variants.{variant}", "unknown variant.", valid=list(v))
+        raise param_error(params, f"study.variants.{variant}", "unknown variant.", valid=list(v))
     return v[variant]
-
-
-def _err(params: Mapping[str, Any], key: str, msg: str, valid: Sequence[str] | None = None) -> ConfigError:
-    if isinstance(params, Config):
-        return params.error(key, msg, valid)
-    return ConfigError(msg, key=key, valid=valid)
 
 
 # -- aggregation ------------------------------------------------------------------------------
