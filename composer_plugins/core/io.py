@@ -29,23 +29,6 @@ from composer_plugins.core.errors import ComposerPluginsError, ConfigError
 ErrorFactory = Callable[[str, "int | None", str], Exception]
 
 
-try:  # orjson is optional: it reads and writes JSON several times faster; the text is plain JSON either way
-    import orjson
-
-    def json_bytes(obj: Any) -> bytes:
-        """``obj`` as compact UTF-8 JSON (orjson when installed)."""
-        return orjson.dumps(obj)
-
-    json_loads: Callable[[bytes | str], Any] = orjson.loads
-except ImportError:  # pragma: no cover - depends on the environment
-
-    def json_bytes(obj: Any) -> bytes:
-        """``obj`` as compact UTF-8 JSON (orjson when installed)."""
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-    json_loads = json.loads
-
-
 def _config_error(file: str, line: int | None, message: str) -> Exception:
     return ConfigError(message, file=file, line=line)
 

@@ -14,7 +14,7 @@ import asyncio
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -225,6 +225,23 @@ class TeacherCallError(ComposerPluginsError):
         self.retry_after = retry_after
         self.billed = billed
         self.kind = kind
+
+
+try:  # orjson is optional: it reads and writes JSON several times faster; the text is plain JSON either way
+    import orjson
+
+    def json_bytes(obj: Any) -> bytes:
+        """``obj`` as compact UTF-8 JSON (orjson when installed)."""
+        return orjson.dumps(obj)
+
+    json_loads: Callable[[bytes | str], Any] = orjson.loads
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def json_bytes(obj: Any) -> bytes:
+        """``obj`` as compact UTF-8 JSON (orjson when installed)."""
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    json_loads = json.loads
 
 
 @dataclass

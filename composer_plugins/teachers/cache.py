@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.core.io import json_bytes
+from composer_plugins.teachers.base import json_bytes
 
 #: Bump when the key recipe changes (old entries then simply stop matching).
 KEY_VERSION = 1

@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 from composer_plugins.core.chat import render_action
 from composer_plugins.core.config import Secret
-from composer_plugins.core.io import json_bytes, json_loads
 from composer_plugins.teachers.base import (
     Teacher,
     TeacherCallError,
@@ -34,6 +33,8 @@ from composer_plugins.teachers.base import (
     assistant_message,
     check_number,
     estimate_prompt_tokens,
+    json_bytes,
+    json_loads,
     looks_like_key,
     scrub_secret,
 )

@@ -35,7 +35,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composer_plugins.core.io import json_bytes, json_loads
+from composer_plugins.teachers.base import json_bytes, json_loads
 
 
 @dataclass
