@@ -1,19 +1,12 @@
 """The one renderer of a prompt into the text a model reads: chat messages through a chat template.
 
-A prompt is either text (used exactly as it is) or a conversation, a list of ``{role, content}``
-messages. :func:`render_prompt` turns a conversation into text for one tokenizer:
-
-* ``template="auto"`` — the tokenizer's own chat template, with the generation prompt added
-  (``apply_chat_template(..., add_generation_prompt=True)``); a tokenizer without one gets
-  :func:`plain_prompt`;
-* ``template="none"`` — :func:`plain_prompt` (a lone user message verbatim; longer conversations
-  with ``<|role|>`` headers and a final ``<|assistant|>`` header);
-* anything else — the path of a Jinja chat-template file (read once), applied as the template.
-
-It lives here, below every package that feeds a model (the training loop and its backends, the
-teachers that render a conversation with their own tokenizer), so there is one implementation:
-``training.chat`` applies it to every student and hinted-teacher input, ``teachers`` to their own.
-The tokenizer is duck-typed (``chat_template`` and ``apply_chat_template``); nothing is imported.
+A prompt is either text (used exactly as it is) or a conversation, a list of ``{role, content}`` messages.
+:func:`render_prompt` turns a conversation into text for one tokenizer with ``template="auto"`` (the
+tokenizer's own chat template with the generation prompt; without one, :func:`plain_prompt`), ``"none"``
+(:func:`plain_prompt`: a lone user message verbatim, longer conversations with ``<|role|>`` headers) or the
+path of a Jinja chat-template file. It lives here, below every package that feeds a model (the training loop
+and its backends, the teachers with their own tokenizer), so there is one implementation; the tokenizer is
+duck-typed (``chat_template`` and ``apply_chat_template``), nothing is imported.
 """
 
 from __future__ import annotations

@@ -32,6 +32,19 @@ def all_overrides(positional: tuple[str, ...] | list[str], set_overrides: tuple[
     return [*positional, *set_overrides]
 
 
+def key_values(options: tuple[str, ...] | list[str], param_hint: str) -> dict[str, Any]:
+    """``key=value`` options as a dict, each value read as YAML (an empty one stays ``""``)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for opt in options:
+        if "=" not in opt:
+            raise click.BadParameter(f"{opt!r} must look like key=value", param_hint=param_hint)
+        k, _, v = opt.partition("=")
+        out[k.strip()] = yaml.safe_load(v) if v.strip() else v
+    return out
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="composer-plugins")
 @click.option("--no-progress", is_flag=True, help="No progress bars in any command (ours, transformers', the Hub's).")

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin
 
@@ -51,6 +51,12 @@ class Secret(str):
         return repr(self)
 
 
+def _key_and_parents(key: str) -> Iterator[str]:
+    """``a.b.c``, then ``a.b``, then ``a``."""
+    parts = key.split(".")
+    return (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+
+
 class Config(dict[str, Any]):
     """A loaded config: plain nested dicts plus where each dotted key came from."""
 
@@ -64,26 +70,14 @@ class Config(dict[str, Any]):
         self.overrides: dict[str, str] = {}
 
     def override_of(self, key: str) -> str | None:
-        """The command-line override that set ``key`` (or a parent of it), if any."""
-        parts = key.split(".")
-        while parts:
-            k = ".".join(parts)
-            if k in self.overrides:
-                return self.overrides[k]
-            if k in self.lines:  # the file gives this key (or a parent) more precisely than any override
-                return None
-            parts.pop()
-        return None
+        """The command-line override that set ``key`` (or a parent of it), if any: the closest key the file or
+        an override gives decides (the file gives a key more precisely than an override of its parent)."""
+        k = next((k for k in _key_and_parents(key) if k in self.overrides or k in self.lines), None)
+        return self.overrides.get(k) if k is not None else None
 
     def line_of(self, key: str) -> int | None:
         """Line of ``key`` (or of its closest parent) in :attr:`source`."""
-        parts = key.split(".")
-        while parts:
-            k = ".".join(parts)
-            if k in self.lines:
-                return self.lines[k]
-            parts.pop()
-        return None
+        return next((self.lines[k] for k in _key_and_parents(key) if k in self.lines), None)
 
     def error(self, key: str, message: str, valid: Sequence[str] | None = None) -> ConfigError:
         """A :class:`ConfigError` located at ``key`` (its file line, or the override that set it)."""

@@ -1,17 +1,12 @@
 """Plugin manager: default plugins, entry-point discovery, validation and the registry.
 
-Nothing loads at import time. :func:`get_registry` and :func:`get_plugin_manager` load
-plugins once, on first use. ``COMPOSER_PLUGINS_LOAD`` restricts which third-party
-plugins load (``''`` loads none, ``'a,b'`` loads only the entry points or
-distributions named); built-in default plugins always load. A plugin that fails to
-import, that implements a hook that does not exist, or whose hook raises, is left out and
-named with its distribution and version, once, in a :class:`PluginLoadWarning`, in
-``composer-plugins plugins`` and in later "unknown name" errors; the other plugins load as
-usual. A name that two plugins register is unusable (:class:`PluginConflictError` names both
-providers) while every other name works, so only the commands that need it fail. Provenance
-(distribution, version) comes from the entry point; a ``register`` call that passes
-``plugin``/``distribution``/``version`` itself is refused and reported. Set
-``COMPOSER_PLUGINS_STRICT=1`` to turn all of these into exceptions.
+Nothing loads at import time: :func:`get_registry` and :func:`get_plugin_manager` load plugins once, on first
+use, built-in default plugins always and third-party ones as ``COMPOSER_PLUGINS_LOAD`` allows. A plugin that
+fails to import, implements a hook that does not exist or whose hook raises is left out and named (with its
+distribution and version) once, while the others load; a name two plugins register is unusable
+(:class:`PluginConflictError` names both) while every other name works; provenance comes from the entry
+point. ``COMPOSER_PLUGINS_STRICT=1`` turns all of these into exceptions (docs/plugins.md, "Loading,
+filtering and failures").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,3 +361,16 @@ def _match(name: str, pattern: str) -> bool:
         pat = f"*{pat}*"
     hit = fnmatch.fnmatch(name, pat.lower())
     return not hit if negate else hit
+
+
+def builtin_hook(module: str, table: Mapping[str, tuple[Any, ...]]) -> Callable[[Any], None]:
+    """A ``register_<kind>(register)`` hook implementation registering each ``name: (attr, description[,
+    params])`` of a built-in table with the lazy factory ``"module:attr"`` (so listing never imports
+    ``module``). Assign it to the hook's name in a plugin module."""
+
+    @hookspecs.hookimpl
+    def hook(register: Any) -> None:
+        for name, (attr, description, *params) in table.items():
+            register(name, f"{module}:{attr}", description=description, **(params[0] if params else {}))
+
+    return hook

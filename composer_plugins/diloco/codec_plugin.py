@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_plugins.core.hookspecs import hookimpl
+from composer_plugins.core.registry import builtin_hook
 
 _MODULE = "composer_plugins.diloco.codecs"
 
@@ -39,8 +39,5 @@ BUILTIN_CODECS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-@hookimpl
-def register_codecs(register: Any) -> None:
-    """The built-in codecs."""
-    for name, (cls, description, params) in BUILTIN_CODECS.items():
-        register(name, f"{_MODULE}:{cls}", description=description, **params)
+#: The built-in codecs.
+register_codecs = builtin_hook(_MODULE, BUILTIN_CODECS)

@@ -3,28 +3,8 @@
 A codec turns a flat fp32 CPU vector into header fields (JSON values) and a body (bytes), and back. The
 object-store transport writes every pseudo-gradient slice and every slice of a round's mean through one
 (:func:`composer_plugins.diloco.store.encode_vector` / ``decode_vector`` add ``codec`` and ``numel`` to the
-header and check what a codec returns). The built-ins (``none``, ``bf16``, ``int8``, ``int4``) register through
-the same hook a third party implements::
-
-    from composer_plugins import hookimpl
-    from composer_plugins.diloco.codecs import Codec
-
-    class FP16(Codec):
-        '''fp16 values (half the fp32 bytes).'''
-        tolerance = 1e-3
-
-        def encode(self, vec):
-            return {}, vec.to(torch.float16).numpy().tobytes()
-
-        def decode(self, header, body, numel):
-            if len(body) != 2 * numel:
-                raise CorruptObjectError(f"fp16 body of {len(body)} bytes for {numel} values")
-            return torch.frombuffer(bytearray(body), dtype=torch.float16).to(torch.float32)
-
-    @hookimpl
-    def register_codecs(register):
-        register("fp16", FP16)
-
+header and check what a codec returns). The built-ins register through the same hook a third party
+implements (an example codec: docs/plugins.md, ``register_codecs``).
 :func:`composer_plugins.testing.conformance.check_codec` is the contract: a round trip within ``tolerance``
 (bitwise at 0), :class:`~composer_plugins.diloco.store.CorruptObjectError` (with what is wrong) for a body that
 is not what its header says, plain fp32 CPU tensors in and out, and the same bytes for the same vector.

@@ -72,78 +72,8 @@ class JobsConfig:
 
 @dataclasses.dataclass
 class DiLoCoConfig:
-    """The ``diloco:`` config section. Every field has a sensible default.
-
-    Attributes:
-        sync_every: ``H``, inner steps between syncs of the whole model (with ``num_fragments`` > 1,
-            one fragment syncs every ``H / num_fragments`` steps).
-        outer_lr, outer_momentum, outer_nesterov: the default outer optimizer, ``torch.optim.SGD``.
-        outer_optimizer: instead, ``{class_path: ..., init_args: {...}}`` of any ``torch.optim`` class.
-        num_fragments: Streaming DiLoCo fragments (contiguous parameter groups of about equal size).
-        fragment_sync_delay: inner steps between starting a fragment's all-reduce and applying it.
-        fragment_update_alpha: mix of local into global weights after a fragment sync (0 = global only).
-        outer_steps: stop once the torchft step (committed syncs; with fragments, fragment syncs) reaches
-            this (default ``trainer.max_steps // (sync_every / num_fragments)``); a healed replica has
-            the peers' step, so it stops together with them.
-        min_replica_size: a sync commits only with at least this many replicas in the quorum.
-        lighthouse: lighthouse address; default ``$TORCHFT_LIGHTHOUSE``.
-        hostname: host the manager advertises to the lighthouse and peers.
-        store_host: address of this replica group's ``TCPStore``.
-        timeout_s, quorum_timeout_s, connect_timeout_s: torchft timeouts; the quorum one must exceed the
-            time between syncs (a joining replica waits up to one round for the others).
-        init_sync: heal everyone from one replica at step 0 (needed when replicas initialise differently).
-        checkpoint_transport: how live-recovery state travels: over the replicas' gloo process group
-            (``pg``, torchft's ``PGTransport``; no extra server) or torchft's ``http`` checkpoint server.
-        checkpoint_dir, checkpoint_every: write ``diloco-outer<step>.ckpt`` every N committed syncs
-            (participating rank 0 only).
-        sync_log: JSONL file, one line per sync (default ``$COMPOSER_DILOCO_SYNC_LOG``).
-        stop_file: if this file exists at a sync, stop (when it holds a number: once the torchft step
-            reaches it). Default ``$COMPOSER_DILOCO_STOP_FILE``.
-        use_bucketization, bucket_cap_mb: torchft's bucketed all-reduce of pseudo-gradients.
-        max_retries: raise after this many consecutive failed commits (``None``: retry forever).
-        barrier_timeout_s: how long a first-generation replica waits for the others at the start barrier.
-        rejoin_timeout_s: how long a replica that reached its last sync waits for a peer the launcher is
-            restarting (so the peer can heal from it and both end together) before it stops anyway.
-        replicas: default for ``composer-plugins diloco --replicas``.
-        log_param_hash: put a SHA-256 of the trainable (synced) parameters in each sync-log line (reads
-            them once per sync).
-        transport: how the outer sync travels: ``torchft`` (a lighthouse and a gloo all-reduce between the
-            replicas) or ``object_store`` (the replicas meet only through ``store``; see :mod:`.objstore`).
-        store: with ``object_store``, the run's directory in an object store: ``s3://bucket/prefix``,
-            ``gs://...``, ``az://...`` or ``file:///path`` (default ``$COMPOSER_DILOCO_STORE``, which the
-            launcher sets). S3 credentials and endpoint come from the standard AWS variables and profiles.
-        compress: what a replica writes per sync, a registered codec (``composer-plugins list codecs``;
-            :mod:`.codecs`): ``none`` (fp32), ``bf16``, ``int8`` (per-block absmax int8, deflated) or ``int4``
-            (blocks of 256, log scales, deflated, with error feedback: the rounding error is added to the
-            replica's next pseudo-gradient), or a plugin's; the error it adds is measured and logged
-            (``compress_error``).
-        round_timeout_s: with ``object_store``, how long a replica waits for the others' pseudo-gradients
-            at a sync before the round is closed without the missing ones.
-        store_retry_s: with ``object_store``, how long one store operation is retried (bounded exponential
-            backoff) through 5xx, SlowDown, timeouts and dropped connections before the replica fails.
-        poll_s, poll_max_s: with ``object_store``, how often a waiting replica looks at the store: first after
-            ``poll_s``, then backing off by 1.5x up to ``poll_max_s``.
-        request_timeout_s: with ``object_store``, the limit of one store request (one part of a multipart
-            upload or one ranged read, ``8 MiB``), not of a whole object.
-        run_id: the run to start, join or continue (``composer-plugins diloco --run-id``; default: the
-            launcher mints one). A replica started without the launcher must name it.
-        keep_rounds: with ``object_store``, keep this many newest global states (and the rounds they can
-            rebuild); older states, rounds and pseudo-gradients are deleted. ``0`` keeps everything.
-        state_every: with ``object_store``, the closer writes the global state (fp32 weights + outer
-            momentum) every this many rounds and at the last one; the rounds between are replayed from their
-            manifests and pseudo-gradients by whoever needs them.
-        exact_every: with ``object_store``, one due state in this many is written (exact fp32, the last of
-            every ``exact_every``, the last round's by the same rule); the states between are replay points: the
-            previous written state (or ``init``) plus the outer steps of the rounds' stored means, which every
-            replica applied and ``keep_rounds`` keeps, so nothing is written for them and a restart rebuilds them
-            bit for bit. Training does not depend on it. ``1`` (default): every due state written.
-        overlap: with ``object_store``, ``1`` runs the outer sync of round ``r`` in a background thread while
-            the inner steps of round ``r + 1`` proceed, and applies its result one round late (the model takes
-            the new global weights plus the inner steps taken since; Streaming DiLoCo's delayed outer update).
-            ``0`` (default) syncs in the foreground (bitwise equal to ``torchft``).
-        jobs: how ``--executor hf_jobs|modal`` runs each replica (image, flavor/GPU, secrets, timeouts;
-            :class:`JobsConfig`, validated with this section).
-    """
+    """The ``diloco:`` config section. Every field has a sensible default; each is described, with its default,
+    in docs/diloco.md's table ("Configuration"), and :meth:`validate` refuses a bad value naming its key."""
 
     sync_every: int = 50
     outer_lr: float = 0.7
@@ -198,10 +128,9 @@ class DiLoCoConfig:
         def bad(field: str, msg: str) -> ConfigError:
             return cfg.error(f"{key}.{field}", msg)
 
-        if self.sync_every < 1:
-            raise bad("sync_every", f"must be >= 1, got {self.sync_every}.")
-        if self.num_fragments < 1:
-            raise bad("num_fragments", f"must be >= 1, got {self.num_fragments}.")
+        for name in ("sync_every", "num_fragments", "min_replica_size", "checkpoint_every", "state_every"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)}.")
         if self.sync_every % self.num_fragments:
             raise bad(
                 "num_fragments",
@@ -215,16 +144,10 @@ class DiLoCoConfig:
             )
         if not 0.0 <= self.fragment_update_alpha <= 1.0:
             raise bad("fragment_update_alpha", f"must be in [0, 1], got {self.fragment_update_alpha}.")
-        if self.min_replica_size < 1:
-            raise bad("min_replica_size", f"must be >= 1, got {self.min_replica_size}.")
         if self.outer_steps is not None and self.outer_steps < 1:
             raise bad("outer_steps", f"must be >= 1, got {self.outer_steps}.")
-        if self.checkpoint_every < 1:
-            raise bad("checkpoint_every", f"must be >= 1, got {self.checkpoint_every}.")
         if self.rejoin_timeout_s < 0:
             raise bad("rejoin_timeout_s", f"must be >= 0, got {self.rejoin_timeout_s}.")
-        if self.state_every < 1:
-            raise bad("state_every", f"must be >= 1, got {self.state_every}.")
         if self.exact_every < 1 or isinstance(self.exact_every, bool):
             raise bad("exact_every", f"must be >= 1, got {self.exact_every!r}.")
         if self.overlap not in (0, 1) or isinstance(self.overlap, bool):

@@ -7,9 +7,7 @@ listing the executors imports nothing of :mod:`composer_plugins.diloco.executors
 
 from __future__ import annotations
 
-from typing import Any
-
-from composer_plugins.core.hookspecs import hookimpl
+from composer_plugins.core.registry import builtin_hook
 
 _MODULE = "composer_plugins.diloco.executors"
 
@@ -27,8 +25,5 @@ BUILTIN_EXECUTORS: dict[str, tuple[str, str]] = {
 }
 
 
-@hookimpl
-def register_executors(register: Any) -> None:
-    """The built-in executors (each factory is called with ``dcfg``, ``log_dir=``, ``warm_restarts=``, ``name=``)."""
-    for name, (factory, description) in BUILTIN_EXECUTORS.items():
-        register(name, f"{_MODULE}:{factory}", description=description)
+#: The built-in executors (each factory is called with ``dcfg``, ``log_dir=``, ``warm_restarts=``, ``name=``).
+register_executors = builtin_hook(_MODULE, BUILTIN_EXECUTORS)

@@ -3,10 +3,8 @@
 ``ReplicaExecutor`` protocol (``start(spec) -> handle`` with ``poll``/``terminate``/``kill``/``wait``), so
 restarts (``--max-restarts``), timeouts and clean-up work the same everywhere.
 
-Executors are a plugin kind (the ``register_executors`` hook; the built-ins register through
-:mod:`.executor_plugin`): ``--executor NAME`` builds the registered entry with :func:`make_executor`, which
-calls its factory as ``factory(dcfg, log_dir=..., warm_restarts=..., name=NAME)``. ``composer-plugins list
-executors`` shows them with their providers; :func:`composer_plugins.testing.check_executor` checks one.
+Executors are a plugin kind (the ``register_executors`` hook, docs/plugins.md): ``--executor NAME`` builds
+the registered entry with :func:`make_executor`; :func:`composer_plugins.testing.check_executor` checks one.
 
 The cloud executors send only what the launcher set for the replica (``spec.job_env``: replica index,
 number of replicas, run id, store URL, seed) plus the variables named in ``diloco.jobs.env``; credentials

@@ -1,15 +1,12 @@
 """A warm start for relaunched replicas: a fork server, ``python -m composer_plugins.diloco.forkserver --target T``.
 
-The local executor (:class:`~composer_plugins.diloco.executor.LocalProcessExecutor` with ``warm_restarts``) starts
-it beside the first replica. It imports what a replica of target ``T`` imports (torch, Lightning, the target, the
-plugin registry, the transport's callback), once, and then serves assignments on its stdin: one JSON line each, with
-the replica's ``argv`` (``python -m composer_plugins.diloco.run ...``), ``env``, ``cwd`` and ``log_path``. For each
-it forks a child that becomes that replica (a session of its own, its environment and directory, its output to the
-replica's log, SIGKILLed if the server dies) and runs the replica's entry point
-(:func:`composer_plugins.diloco.run.main`); the server answers ``started <pid>`` on its stdout, and
-``exit <pid> <code>`` when the child ends (the code as ``Popen.returncode`` gives it: ``-N`` for signal ``N``).
-A relaunched replica so skips the interpreter start and the imports (seconds of CPU, every time) and is left with
-what it must do anyway: load the run's newest state and train.
+The local executor (:class:`~composer_plugins.diloco.executor.LocalProcessExecutor` with ``warm_restarts``)
+starts it beside the first replica. It imports what a replica of target ``T`` imports (torch, Lightning, the
+target, the plugin registry, the transport's callback) once, then serves assignments on its stdin, one JSON
+line each (the replica's ``argv``, ``env``, ``cwd`` and ``log_path``): it forks a child that becomes that
+replica (its own session, environment, directory and log; SIGKILLed if the server dies) and runs
+:func:`composer_plugins.diloco.run.main`, answering ``started <pid>`` and later ``exit <pid> <code>`` (as
+``Popen.returncode`` gives it). A relaunched replica so skips the interpreter start and the imports.
 
 The server is single-threaded (it forks with no other thread alive: nothing is held by a thread the child lacks),
 polls its children between reads, and exits 0 when its stdin closes. It carries the group's environment (its

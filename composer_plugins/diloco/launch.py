@@ -1,25 +1,13 @@
 """Start a torchft lighthouse and N DiLoCo replica groups on this machine, and stop them cleanly.
 
 This module is import-light (no torch at import time): it is the default plugin that adds the
-``composer-plugins diloco`` command, so it is imported by every CLI invocation.
-
-Pieces (each in its own module, re-exported here):
-
-* :class:`ReplicaExecutor` / :class:`ReplicaHandle` (:mod:`.executor`) — the seam for *where* a replica runs:
-  :class:`LocalProcessExecutor` (one OS process group per replica on this host) there, the cloud executors
-  (replicas launched as jobs that meet through object storage) in :mod:`.executors`; nothing else in the
-  launcher changes.
-* :class:`Lighthouse` (:mod:`.coordination`) — the torchft lighthouse, run in-process
-  (``torchft.coordination.LighthouseServer``) on ``127.0.0.1`` with a free port, or an existing one given by
-  address (a cluster).
-* :class:`StartBarrier` (:mod:`.coordination`) — a ``TCPStore`` the first generation of replicas meets at *after*
-  their torchft managers are heartbeating, so the first quorum has every replica in it (without it, the fastest
-  replica forms a quorum of one and trains alone until the others catch up). A replica that exits
-  before arriving is marked gone there by the launcher, so the others stop waiting for it at once.
-* :class:`ReplicaGroup` (here) — starts the replicas, restarts crashed ones (``max_restarts``) or, with
-  ``wait(fail_fast=True)``, stops at the first one that fails, naming it; terminates every child process
-  group on exit, on Ctrl-C and on SIGTERM. Replicas are SIGKILLed if the launcher dies without cleaning
-  up, and carry a tag (:mod:`composer_plugins.procs`) so that nothing they started outlives them.
+``composer-plugins diloco`` command, so it is imported by every CLI invocation. Its pieces live in their own
+modules and are re-exported here: the executors' seam (:class:`ReplicaExecutor`, :mod:`.executor`; the cloud
+ones in :mod:`.executors`), the :class:`Lighthouse` and the :class:`StartBarrier` (:mod:`.coordination`: the
+first generation meets after its managers heartbeat, so the first quorum has every replica in it). Here:
+:class:`ReplicaGroup`, which starts the replicas, restarts crashed ones (``max_restarts``) or stops at the
+first failure naming it (``wait(fail_fast=True)``), and leaves no replica process behind on exit, Ctrl-C,
+SIGTERM or its own death (:mod:`composer_plugins.procs`).
 """
 
 from __future__ import annotations

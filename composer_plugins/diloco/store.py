@@ -1,33 +1,22 @@
 """The object store the ``object_store`` transport meets through, and what is written into it.
 
-The store library is `obstore <https://developmental-seed.github.io/obstore>`_ (Rust ``object_store`` under a
-small Python API): one dependency reaches S3 and every S3-compatible service, GCS, Azure and local files
-(``file://``), it implements conditional creates (``put(mode="create")``, S3's ``If-None-Match: *``) that the
-round manifest needs, and it reads the standard cloud environment itself (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ALLOW_HTTP`` for
-an ``http://`` endpoint). A named AWS profile (``$AWS_PROFILE``, ``~/.aws/config``) is resolved through
-boto3 when boto3 is installed. Credentials are never logged: messages name the store URL only.
+The store library is `obstore <https://developmental-seed.github.io/obstore>`_: one dependency reaches S3 and
+S3-compatible services, GCS, Azure and ``file://``, implements the conditional creates the round manifest needs
+(S3's ``If-None-Match: *``) and reads the standard cloud environment itself (``AWS_*``; a named profile is
+resolved through boto3 when installed). Credentials are never logged: messages name the store URL only.
 
-:class:`ObjectStore` adds what the transport needs on top: bounded retries with exponential backoff for
-transient errors (5xx, 503 SlowDown, timeouts, refused or dropped connections), byte counters, and
-``create`` returning ``False`` instead of raising when the object already exists.
+:class:`ObjectStore` adds bounded retries with exponential backoff for transient errors (5xx, SlowDown,
+timeouts, dropped connections), byte counters, and ``create`` returning ``False`` when the object exists.
+:func:`pack` / :func:`unpack` wrap every object (a header with the SHA-256 of the body; a torn or corrupt one
+raises :class:`CorruptObjectError`); :func:`encode_vector` / :func:`decode_vector` encode pseudo-gradients
+through the registered codecs (:mod:`.codecs`).
 
-:func:`pack` / :func:`unpack` wrap every object written (a header with the SHA-256 of the body); a torn or
-corrupt object raises :class:`CorruptObjectError` and the reader treats it as missing.
-:func:`encode_vector` / :func:`decode_vector` (from :mod:`.codecs`, the registered codec kind) encode the
-pseudo-gradients (built in: ``none``, ``bf16``, ``int8``, ``int4``).
-
-**Nothing executable crosses the store.** Every object is data: a JSON header and raw tensor bytes.
-:func:`encode_tree` / :func:`decode_tree` carry nested state (state dicts, optimizer states) as a JSON tree of
-``None``/bool/int/float/str, lists, tuples and maps whose tensors are entries of a table (dtype, shape, offset)
-into the body; the decoder builds only those types, so a pickle (or anything else) planted in the store is
-refused with :class:`CorruptObjectError` naming the object, and never run. ``pickle``/``torch.load`` are not
-used on store bytes.
-
-**Size.** Objects above ``part_bytes`` (8 MiB) are written as multipart uploads and read as ranged GETs of
-``part_bytes`` each, so ``request_timeout_s`` bounds one request (one part), not the whole object. A
-conditional create of a large object writes its bytes under ``<key>.blob-<nonce>`` first, then creates
-``<key>`` as a small reference to it (S3 has no conditional multipart create in obstore).
+**Nothing executable crosses the store**: :func:`encode_tree` / :func:`decode_tree` carry nested state as a
+JSON tree of plain values whose tensors are entries of a table into the body, and the decoder builds only
+those types, so a planted pickle is refused by name and never run. **Size**: objects above ``part_bytes``
+(8 MiB) go up as multipart uploads and are read as ranged GETs, so ``request_timeout_s`` bounds one part; a
+large conditional create writes ``<key>.blob-<nonce>`` first, then creates ``<key>`` as a reference to it.
+See docs/diloco.md ("What a team can trust the store with").
 """
 
 from __future__ import annotations

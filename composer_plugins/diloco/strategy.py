@@ -1,50 +1,18 @@
 """DiLoCo for the Lightning training loop, built on torchft (``torchft.local_sgd.DiLoCo``).
 
-Design
-------
-DiLoCo (Douillard et al., arXiv 2311.08105) runs ``H`` inner optimizer steps locally on every replica,
-then averages the *pseudo-gradient* (``global weights - local weights``) across replicas and applies it
-with an outer optimizer (SGD, lr 0.7, momentum 0.9, Nesterov by default). All of that — the backup copy
-of the global weights, the all-reduce, the outer step, streaming fragments, rolling back a failed sync —
-is torchft's own implementation; this module only wires it into Lightning.
+DiLoCo (Douillard et al., arXiv 2311.08105) runs ``H`` inner optimizer steps on every replica, then averages
+the pseudo-gradient (``global - local`` weights) and applies it with an outer optimizer. The backup of the
+global weights, the all-reduce, the outer step, streaming fragments and the rollback of a failed sync are
+torchft's own; this module only wires them into Lightning, as a **callback** (:class:`DiLoCoCallback`), not a
+``Strategy``: each replica is an ordinary single-process run and torchft attaches to its one inner optimizer
+through optimizer step hooks, so any ``LightningModule`` with one optimizer works unchanged.
 
-It is a Lightning **callback** (:class:`DiLoCoCallback`), not a ``Strategy``: each replica is an ordinary
-single-process Lightning run (``SingleDeviceStrategy``), and torchft's ``DiLoCo`` attaches itself to the
-run's one inner optimizer through optimizer step hooks. So it works with any ``LightningModule`` that has
-one optimizer, composes with any precision/logging setup, and needs no change to the training loop. On
-``on_train_start`` the callback creates, per replica:
-
-* a ``TCPStore`` master for the replica group (torchft requires one before the ``Manager``),
-* ``torchft.ProcessGroupGloo`` (reconfigured by torchft on every quorum change),
-* ``torchft.Manager(use_async_quorum=False, min_replica_size=...)`` talking to the lighthouse
-  (``diloco.lighthouse`` or ``$TORCHFT_LIGHTHOUSE``) and advertising ``hostname`` (``localhost`` for
-  loopback runs), with the model + inner optimizer state registered for live recovery,
-* ``torchft.local_sgd.DiLoCo(manager, fragments, inner_optimizer, outer_optimizers, sync_every=H)``.
-
-Fault tolerance is torchft's: a replica that dies stops heartbeating, the lighthouse drops it from the
-next quorum, and the others keep training (``num_participants()`` falls). A restarted replica
-(``$COMPOSER_DILOCO_RESTART`` > 0) asks for a quorum after one local step; it is behind (torchft step 0),
-so it *heals*: torchft fetches model, inner optimizer, global weights and outer optimizer state from a
-live peer (``recover_src_replica_rank``) and it continues from the current weights instead of from
-scratch. The launcher posts each restart on a :class:`~composer_plugins.diloco.coordination.RejoinBoard`; a
-survivor does not take its last sync, nor stop, while a restarted peer is still on its way back (at most
-``rejoin_timeout_s``), so the peer has someone to heal from and both end on the same torchft step. A
-restarted replica that finds no live peer stops with an error instead of training an independent run.
-
-Checkpoints: only the replica with participating rank 0 in the current quorum writes, and only right
-after a committed sync, into ``checkpoint_dir/diloco-outer<step>.ckpt`` where ``<step>`` is the torchft
-step. At that point all replicas hold the same global weights, so one writer is enough, and the rank-0
-role moves to a survivor if replica 0 dies. The checkpoint carries this callback's state (torchft step,
-global weights, outer optimizer state) so a resumed job restarts DiLoCo where it stopped.
-
-Sync log: with ``sync_log`` (or ``$COMPOSER_DILOCO_SYNC_LOG``) set, every sync appends one JSON line with
-the torchft step, whether it committed, the number of participants, whether this replica healed, and a
-SHA-256 of the parameters — tests compare those across replicas.
-
-The config, the fragment split and the outer optimizer are in :mod:`.common` (shared with the
-object-store transport, :mod:`.objstore`). ``python -m composer_plugins.diloco.run --target toy`` runs one
-replica; ``composer-plugins diloco --replicas N`` (see :mod:`composer_plugins.diloco.launch`) starts the
-lighthouse and the replicas.
+Fault tolerance (a dead replica leaves the quorum; a restarted one heals from a live peer, which waits for it
+on the :class:`~composer_plugins.diloco.coordination.RejoinBoard`), checkpoints (participating rank 0, right
+after a committed sync) and the sync log are described in docs/diloco.md ("Design", "Fault tolerance",
+"Sync log"). The config, the fragment split and the outer optimizer are in :mod:`.common`, shared with the
+object-store transport (:mod:`.objstore`); ``composer-plugins diloco --replicas N`` (:mod:`.launch`) starts
+the lighthouse and the replicas.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_plugins.core.hookspecs import hookimpl
+from composer_plugins.core.registry import builtin_hook
 
 _MODULE = "composer_plugins.diloco.transports"
 
@@ -60,8 +60,5 @@ BUILTIN_TRANSPORTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-@hookimpl
-def register_transports(register: Any) -> None:
-    """The built-in transports (each factory is called with ``name=`` its registered name as well)."""
-    for name, (cls, description, params) in BUILTIN_TRANSPORTS.items():
-        register(name, f"{_MODULE}:{cls}", description=description, **params)
+#: The built-in transports (each factory is called with ``name=`` its registered name as well).
+register_transports = builtin_hook(_MODULE, BUILTIN_TRANSPORTS)

@@ -4,13 +4,10 @@ transport name is compared.
 A :class:`Transport` says what the config must hold (:meth:`~Transport.validate`, including the ``diloco.*``
 keys it ignores, refused when set), what the launcher must provide (``needs``: a torchft ``lighthouse`` or a
 ``store``), whether cloud executors can run its replicas, and the callback it builds
-(:meth:`~Transport.callback`). Import-light (no torch): the launcher and the CLI read it.
-
-Built in (registered by :mod:`.transport_plugin` through the same hook a third party implements): ``torchft``
-(a lighthouse and a gloo all-reduce between the replicas, :class:`~composer_plugins.diloco.strategy.DiLoCoCallback`)
-and ``object_store`` (the replicas meet only through an object store,
-:class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`). ``composer-plugins list transports`` shows
-them with their providers; :func:`composer_plugins.testing.check_transport` checks one.
+(:meth:`~Transport.callback`). Import-light (no torch): the launcher and the CLI read it. The built-ins,
+``torchft`` (:class:`~composer_plugins.diloco.strategy.DiLoCoCallback`) and ``object_store``
+(:class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`), register through
+:mod:`.transport_plugin` as a third party would; ``composer-plugins list transports`` shows them.
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
 """A seeded generator of GSM8K-format arithmetic word problems with known answers.
 
-Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these.
-Each problem has a question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's
-format, optionally with ``<<a+b=c>>`` calculator annotations) and the answer.
+Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these. Each problem has a
+question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's format, optionally with ``<<a+b=c>>``
+calculator annotations) and the answer. ``difficulty=`` a level 0-7 or its name: ``trivial``, ``easy``,
+``medium``, ``two_step``, ``multi_step``, ``hard``, ``chain`` (two chained steps on one quantity, one
+equation per line: the worked-steps level the embedded policy can learn) and ``columns`` (two 3-digit numbers
+added column by column, one line per column).
 
-Difficulty levels (``difficulty=`` an int or a name):
-
-====  ===========  =====================================================================
- 0    trivial      one addition of two single-digit numbers, one phrasing
- 1    easy         one addition of 1-2 digit numbers, three phrasings (tiny-model level)
- 2    medium       one step: +, -, x or exact division, 1-2 digit numbers
- 3    two_step     two chained steps (+, -, groups of, times)
- 4    multi_step   three steps, adds percentages and a money question
- 5    hard         four or five steps, larger numbers, money
- 6    chain        two chained steps on one quantity (+, -, x by 2-4), 1-digit operands, one
-                   equation per line: the worked-steps level the embedded policy can learn
- 7    columns      a procedure: two 3-digit numbers added column by column, one line per
-                   column from the ones (``8+5+0=13``: digit, digit, carry in = sum)
-====  ===========  =====================================================================
-
-Levels 0-5 assign each question *text* to a split by a hash (10% test): a test question never
-appears in train, but the same sum may, rephrased (``trivial`` has 81 operand pairs in all).
-Level 6 (``chain``) splits by *what is computed*: the hash of its equations' operands and
-operators (:func:`composer_plugins.envs.steps.computation_key`, e.g. ``7+3;10*2``), so no test
-computation occurs in train and the held-out set tests composition, not recall.
-Level 7 (``columns``) holds out *numbers*: a stable hash puts 20% of all integers in the held-out
-set; a test problem's operands, its intermediate result (what its two lower columns add up to) and
-its answer are all held out, a train problem's none, so no number of a test problem occurs anywhere
-in train, while every single-step fact a test line states (``7+6+1=14``: 200 in all) occurs in
-train. Only the procedure transfers (:func:`column_numbers`; ``prepare`` reports each level).
-The same ``(n, difficulty, split, seed)`` always gives the same problems.
+Each level keeps its test split out of train by what it must not recall: levels 0-5 by a hash of the
+question *text*; ``chain`` by *what is computed* (:func:`composer_plugins.envs.steps.computation_key`), so
+the held-out set tests composition; ``columns`` by *numbers* (a stable hash holds out 20% of all integers:
+no operand, intermediate result or answer of a test problem occurs in train, while every single-step fact
+does), so only the procedure transfers (:func:`column_numbers`). Details and the measured overlaps:
+docs/envs.md ("Generator levels"). The same ``(n, difficulty, split, seed)`` always gives the same problems.
 """
 
 from __future__ import annotations

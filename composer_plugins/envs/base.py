@@ -1,17 +1,10 @@
 """The env contract: tasks, a verifiable reward, structured feedback, and an OpenEnv-like loop.
 
-An env plugin is any object with this interface (subclass :class:`Env` to get most of it):
-
-* ``sample_tasks(n, split="train", seed=0) -> list[dict]``: task dicts, each with a ``prompt``
-  string plus the fields its reward needs (``answer``, ``tests`` ...).
-* ``reward(prompts, completions, **task_fields) -> list[float | None]``: TRL's reward-function
-  shape; ``task_fields`` are columns (lists aligned with ``completions``); ``None`` means the
-  item cannot be scored. Unknown keyword arguments (``trainer_state`` ...) are ignored.
-* ``feedback(prompt, completion, **task) -> Feedback``: what went wrong, for hint providers.
-* ``score(completion, task) -> Feedback``: one item (reward + feedback in one pass); subclasses of
-  :class:`Env` implement ``_score`` (uncached) and inherit ``score``, ``reward`` and ``feedback``.
-* ``reset(task=None, seed=None, split="train") -> Observation``, ``step(action) -> StepResult``
-  (unpacks as ``observation, reward, done, info``) and ``close()``, after OpenEnv/Gym.
+An env plugin is any object with ``sample_tasks(n, split, seed)`` (task dicts with a ``prompt`` and what the
+reward needs), ``reward(prompts, completions, **task_fields)`` (TRL's reward-function shape; ``None``: not
+scorable), ``feedback(prompt, completion, **task)``, ``score(completion, task)`` (reward and feedback in one
+pass) and the OpenEnv/Gym loop ``reset``/``step``/``close``; the contract is tabled in docs/envs.md ("The env
+contract"). Subclasses of :class:`Env` implement ``_score`` (uncached) and inherit the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
+
+from composer_plugins.core.chat import content_text
 
 __all__ = [
     "FEEDBACK_KINDS",
@@ -121,33 +116,25 @@ class StepResult(NamedTuple):
     info: dict[str, Any]
 
 
+def _message_text(x: Any) -> str:
+    return str(x.get("content", "")) if isinstance(x, Mapping) else content_text(x)
+
+
 def completion_text(completion: Any) -> str:
     """A completion as text: a string, a message dict, or a list of messages (last assistant turn)."""
-    if completion is None:
-        return ""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Mapping):
-        return str(completion.get("content", ""))
-    if isinstance(completion, Sequence):
+    if isinstance(completion, Sequence) and not isinstance(completion, str):
         for msg in reversed(list(completion)):
             if isinstance(msg, Mapping) and msg.get("role", "assistant") == "assistant":
                 return str(msg.get("content", ""))
         return "".join(completion_text(m) for m in completion)
-    return str(completion)
+    return _message_text(completion)
 
 
 def prompt_text(prompt: Any) -> str:
     """A prompt as text: a string, or the concatenated contents of a list of messages."""
-    if prompt is None:
-        return ""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Mapping):
-        return str(prompt.get("content", ""))
-    if isinstance(prompt, Sequence):
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str):
         return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in prompt)
-    return str(prompt)
+    return _message_text(prompt)
 
 
 #: Keyword arguments trainers pass to reward functions that are not task fields.

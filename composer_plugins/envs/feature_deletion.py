@@ -1,23 +1,13 @@
 """``feature_deletion``: synthetic "reimplement the deleted feature" tasks from any repo with pytest tests.
 
-The recipe (after Cursor's synthetic tasks):
-
-1. run the repository's tests in the sandbox and keep the ones that pass;
-2. for each chosen symbol (function, method or class), delete its body (the docstring stays,
-   the body becomes ``raise NotImplementedError``; ``mode="body"``) or the whole definition
-   (``mode="symbol"``), and run the tests again;
-3. keep the deletion when some tests now fail (``fail_to_pass``) while others still pass
-   (``pass_to_pass``); record the deleted symbols and the golden diff (deleted -> original);
-4. the task: "reimplement ``name``", with the file as it is after the deletion.
-
-Reward: the fraction of ``fail_to_pass`` tests that pass once the completion's definition is
-put back, and 0 if any ``pass_to_pass`` test regresses. Every run happens in the
-:class:`~composer_plugins.envs.sandbox.Sandbox` on a cleaned copy of the repository (no
-bytecode, type-checker caches, ``.git`` history, build output) that is mounted read-only,
-with the original checkout and any installed copy of its packages hidden, so the deleted
-code cannot be recovered from leftovers. By default (``sandbox_expose="allowlist"``) nothing else of
-the host is visible either (no other checkout, cache or backup of the repository); ``sandbox_expose="all"``
-widens the view to every host path the env does not know to hide.
+The recipe (after Cursor's synthetic tasks; step by step in docs/envs.md): keep the tests that pass, delete a
+symbol's body (``mode="body"``) or whole definition (``mode="symbol"``), keep the deletion when some tests
+now fail (``fail_to_pass``) while others still pass (``pass_to_pass``), and ask for the definition back.
+Reward: the fraction of ``fail_to_pass`` tests that pass once the completion's definition is put back, and 0
+if any ``pass_to_pass`` test regresses. Every run happens in the :class:`~composer_plugins.envs.sandbox.Sandbox`
+on a cleaned, read-only copy of the repository with the original checkout and any installed copy of its
+packages hidden, and by default (``sandbox_expose="allowlist"``) nothing else of the host visible, so the
+deleted code cannot be recovered from leftovers.
 
 This module owns the env (building, caching and scoring tasks, what the sandbox hides); the source
 surgery (finding, deleting and splicing back definitions) is :mod:`composer_plugins.envs.symbols`.
@@ -29,7 +19,6 @@ import difflib
 import json
 import os
 import random
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +28,7 @@ from typing import Any, Literal
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.envs.base import Env, Feedback, sample_cycling
 from composer_plugins.envs.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxResult
+from composer_plugins.envs.sandbox.host import probe_interpreter
 from composer_plugins.envs.symbols import (
     _TEST_DIRS,
     Symbol,
@@ -62,20 +52,6 @@ __all__ = [
 FIXTURE_REPO = Path(__file__).with_name("fixtures") / "textkit"
 
 
-def _interpreter_probe(python: str, code: str) -> Any:
-    out = subprocess.run(
-        [python, "-I", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
-    )
-    if out.returncode != 0:
-        raise SandboxError(f"cannot inspect interpreter {python}: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout)
-
-
 def find_installed_copies(python: str, packages: Iterable[str], repo: str | os.PathLike[str]) -> list[str]:
     """Where ``python`` would import ``packages`` from outside ``repo`` (site-packages copies, editable links)."""
     names = sorted(set(packages))
@@ -93,7 +69,7 @@ def find_installed_copies(python: str, packages: Iterable[str], repo: str | os.P
         "        out[n] = list(s.submodule_search_locations or []) or [s.origin]\n"
         "print(json.dumps(out))\n"
     )
-    found = _interpreter_probe(python, code)
+    found = probe_interpreter(python, code)
     repo_r = os.path.realpath(repo)
     copies = []
     for locs in found.values():

@@ -1,17 +1,9 @@
 """``gsm8k``: grade-school math word problems with an exact-match reward on the final number.
 
-Sources (``source=``):
-
-* ``"generator"`` (default): GSM8K-format problems from :mod:`composer_plugins.envs.arith`,
-  seeded, with difficulty levels 0-7. Needs no network.
-* ``"hf"``: the real dataset through ``datasets.load_dataset("openai/gsm8k", "main")``.
-* a path: a GSM8K-format ``.jsonl``/``.jsonl.gz``/``.json``/``.parquet`` file (rows with
-  ``question`` and ``answer``, the answer ending in ``#### <number>``), a directory laid out
-  like the hub repository (``main/train-*.parquet``, ``main/test-*.parquet``, or
-  ``train.jsonl``/``test.jsonl``), or a mapping ``{"train": path, "test": path}``.
-
-Malformed files raise :class:`~composer_plugins.core.errors.ConfigError` naming the file and
-the line (jsonl) or row (parquet).
+Sources (``source=``, tabled in docs/envs.md): ``"generator"`` (default; seeded GSM8K-format problems from
+:mod:`composer_plugins.envs.arith`, no network), ``"hf"`` (``openai/gsm8k`` through ``datasets``) or a local
+file, directory or ``{"train": path, "test": path}`` mapping in GSM8K's format. Malformed files raise
+:class:`~composer_plugins.core.errors.ConfigError` naming the file and the line (jsonl) or row (parquet).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """``openenv``: drive any environment that speaks the OpenEnv protocol as an env plugin; and the reverse.
 
-* :class:`OpenEnvEnv` connects to an OpenEnv server (``/ws`` WebSocket sessions) through
-  ``openenv-core``'s :class:`~openenv.core.GenericEnvClient` and exposes it through the env
-  contract: ``reset``/``step``/``close`` for multi-turn rollouts, ``sample_tasks`` (one reset
-  per task, the seed recorded) and ``reward`` (reset with the task's seed, step with the
-  completion, read the reward) for single-turn training. The text the policy sees is taken
-  from the observation's ``prompt``/``text``/... field; the completion is sent as
-  ``{action_key: completion}``.
-* :class:`ComposerEnvironment` + :func:`create_openenv_app` serve any composer env (``gsm8k``,
-  ``code`` ...) as an OpenEnv server (``create_app`` FastAPI app with ``/ws`` and ``/health``),
-  and :func:`serve` runs such an app with uvicorn on loopback.
-
-Single-turn ``reward`` needs an environment whose ``reset(seed=...)`` is deterministic.
+:class:`OpenEnvEnv` connects to an OpenEnv server (``/ws`` sessions, ``openenv-core``'s
+:class:`~openenv.core.GenericEnvClient`) and exposes it through the env contract: ``reset``/``step``/``close``
+for multi-turn rollouts, ``sample_tasks`` (one reset per task, the seed recorded) and ``reward`` (reset with
+the task's seed, step with the completion) for single-turn training, which needs a deterministic
+``reset(seed=...)``; usage in docs/envs.md. :class:`ComposerEnvironment` + :func:`create_openenv_app` serve any
+composer env as an OpenEnv server (``/ws`` and ``/health``), and :func:`serve` runs one with uvicorn on
+loopback.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """``step_check``: a hint that locates the mistake in a worked arithmetic solution (registry kind ``hints``).
 
-The verifier of a GSM8K-format env only says the final number is wrong. This provider reads the
-completion's worked steps (every ``a op b = c`` it states, with or without a calculator annotation
-``<<a*b=c>>``; :mod:`.steps`), recomputes each one and names the first false one with its true
-value::
-
-    Step 2: 7 × 2 = 14, not 15.
-
-It never states the problem's final answer: when the true value of the false step *is* the final
-answer, the hint says only that the step is wrong (``Step 2: 7 + 12 is not 18.``).
-
-When every stated step holds but the answer is still wrong, the mistake is in *what* was computed,
-and the env can tell where when the task carries its own worked solution (the generator's tasks and
-GSM8K's do): the first step whose operator or operands differ from the solution's is named
-(``Step 1 uses 5 where the question gives 4.``, ``Step 2 should subtract, not add.``), as are a
-missing step and a final line that does not repeat the last step's result.
-
-At the ``columns`` level (a sum written column by column, ``8+5+0=13`` per line) the hint names the
-first wrong column and what it is computed from, never a result: ``Column 2 (tens) adds the tens
-digits 7 and 6, not 7 and 5.``, ``Column 2 (tens): its carry in is the tens digit of column 1's sum,
-not 0.``, ``Column 3 (hundreds): 4+3+1 is not 9.``, a missing column, and an answer not read off the
-column sums. Otherwise (no equation
-in the completion, no worked solution in the task, no answer at all) the hint of the configured
-``fallback`` provider is used (``none``: no hint).
+The verifier of a GSM8K-format env only says the final number is wrong. This provider recomputes every step
+the completion states (``a op b = c``, with or without ``<<a*b=c>>``; :mod:`.steps`) and names the first false
+one with its true value (``Step 2: 7 × 2 = 14, not 15.``), never the problem's final answer (then only that
+the step is wrong). When every step holds but the answer is wrong, it compares the steps with the task's own
+worked solution and names the first operator or operand that differs, a missing step or a final line that
+does not repeat the last result; at the ``columns`` level, the first wrong column and what it is computed
+from, never a result. Otherwise (no equation, no worked solution, no answer) the ``fallback`` provider's hint
+is used. Examples of every hint: docs/envs.md ("Hints", ``columns``).
 
 Args:
     fallback: the provider used when the steps cannot locate the mistake (name, config dict or
@@ -214,8 +199,8 @@ class StepCheckHintProvider(HintProvider):
         self.fallback = None if fallback in (None, "none") else build_hint_provider(fallback)
 
     def hint(self, request: HintRequest) -> str | None:
-        feedback, completion = request.feedback, request.completion
-        if feedback is None or not feedback.needs_hint:
+        feedback, completion = request.failure, request.completion
+        if feedback is None:
             return None
         text = None
         if completion is not None and feedback.kind == "wrong_answer":

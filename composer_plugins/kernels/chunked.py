@@ -1,26 +1,19 @@
 """Memory-efficient log-probs and distillation divergences straight from hidden states.
 
-The materialised path computes ``logits = hidden @ W.T`` for every token at once: ``B×T×V``
-floats per model (1.2 GB per sequence of 2,048 tokens at V=151,936 in fp32), and the softmax
-intermediates of a divergence multiply that several times. The functions here instead walk
-the tokens in chunks of ``chunk_size`` rows inside a custom :class:`torch.autograd.Function`:
-
-* forward computes each chunk's logits, reduces them to per-token values and drops them;
-* ``dL/dlogits`` is formed in closed form (checked against autograd of the materialised path in the
-  tests) while the logits are alive when the loss is known there (``grad_mode="precompute"``, the
-  teachers' top-k, :mod:`composer_plugins.kernels.fused`), else backward **recomputes** each chunk's
-  logits; then ``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+The materialised path computes ``logits = hidden @ W.T`` for every token at once: ``B×T×V`` floats per model
+(1.2 GB per sequence of 2,048 tokens at V=151,936 in fp32), and a divergence's softmax intermediates multiply
+that several times. The functions here (:func:`chunked_logprobs`, :func:`chunked_distill` and its
+per-criterion forms) instead walk the tokens in chunks of ``chunk_size`` rows inside a custom
+:class:`torch.autograd.Function`: forward computes each chunk's logits, reduces them to per-token values and
+drops them; ``dL/dlogits`` is formed in closed form (checked against autograd of the materialised path) while
+the logits are alive when the loss is known there (``grad_mode="precompute"``, the teachers' top-k,
+:mod:`composer_plugins.kernels.fused`), else backward **recomputes** each chunk's logits; then
+``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
 
 Every matmul runs in the autocast dtype (:func:`compute_dtype`; bf16 under ``torch.autocast``), with
 autocast off inside the kernel, so the element-wise math is fp32 and ``dL/dW`` adds into an fp32 buffer.
-
-Peak extra memory is therefore ``O(chunk_size × V)`` instead of ``O(T × V)``; gradients equal the
-materialised path's up to floating-point summation order. Only the rows selected by ``mask``
-are computed at all (prompt/padding tokens cost nothing).
-
-Public helpers: :func:`chunked_logprobs`, :func:`chunked_generalized_jsd`,
-:func:`chunked_taid_loss`, :func:`chunked_entropy_aware_opd`, and the generic
-:func:`chunked_distill` they share.
+Peak extra memory is ``O(chunk_size × V)`` instead of ``O(T × V)``; gradients equal the materialised path's up
+to floating-point summation order. Only the rows selected by ``mask`` are computed at all.
 """
 
 from __future__ import annotations
@@ -164,9 +157,7 @@ def _flat_rows(hidden: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | No
     return flat.index_select(0, idx), idx
 
 
-# ----------------------------------------------------------------------------------------------
-# log-probs
-# ----------------------------------------------------------------------------------------------
+# -- log-probs -------------------------------------------------------------------------------------
 def _chunk_logprobs(
     h: Tensor, wc: Tensor, ids: Tensor, tau: float, with_ent: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
@@ -308,9 +299,7 @@ def chunked_logprobs(
     return logp
 
 
-# ----------------------------------------------------------------------------------------------
-# distillation divergences
-# ----------------------------------------------------------------------------------------------
+# -- distillation divergences ----------------------------------------------------------------------
 class _ChunkedDistill(torch.autograd.Function):
     """Per-token ``kernel(student_logits, teacher_logits)`` over row chunks; recomputes in backward."""
 
@@ -541,6 +530,12 @@ def chunked_distill(
     return out
 
 
+def _chunked_scalar(hs: Tensor, ht: Tensor, w: Tensor, kernel: Kernel, mask: Tensor | None, **kw: Any) -> Tensor:
+    out = chunked_distill(hs, ht, w, kernel, mask, **kw)
+    assert isinstance(out, Tensor)
+    return out
+
+
 def chunked_generalized_jsd(
     student_hidden: Tensor,
     teacher_hidden: Tensor,
@@ -549,34 +544,20 @@ def chunked_generalized_jsd(
     *,
     beta: float = 0.5,
     temperature: float = 1.0,
-    reduction: str = "batchmean",
-    chunk_size: int | None = None,
-    teacher_lm_head_weight: Tensor | None = None,
-    grad_mode: str = "recompute",
+    **kw: Any,
 ) -> Tensor:
     """:func:`~composer_plugins.losses.functional.generalized_jsd` from hidden states, chunked.
 
     Same value and gradients as ``generalized_jsd(student_hidden @ W.T, (teacher_hidden @ W.T).detach(),
-    mask, beta, temperature, reduction)`` with ``O(chunk_size × V)`` peak memory. ``grad_mode``: see
-    :func:`chunked_distill`.
+    mask, beta, temperature, reduction)`` with ``O(chunk_size × V)`` peak memory. ``kw``: ``reduction``,
+    ``chunk_size``, ``teacher_lm_head_weight`` and ``grad_mode`` of :func:`chunked_distill` (as in the two below).
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    out = chunked_distill(
-        student_hidden,
-        teacher_hidden,
-        lm_head_weight,
-        JSDKernel(beta=float(beta), temperature=float(temperature)),
-        mask,
-        teacher_lm_head_weight=teacher_lm_head_weight,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        grad_mode=grad_mode,
-    )
-    assert isinstance(out, Tensor)
-    return out
+    kernel = JSDKernel(beta=float(beta), temperature=float(temperature))
+    return _chunked_scalar(student_hidden, teacher_hidden, lm_head_weight, kernel, mask, **kw)
 
 
 def chunked_taid_loss(
@@ -585,27 +566,12 @@ def chunked_taid_loss(
     lm_head_weight: Tensor,
     mask: Tensor | None,
     t: float | Tensor,
-    *,
-    chunk_size: int | None = None,
-    teacher_lm_head_weight: Tensor | None = None,
-    grad_mode: str = "recompute",
+    **kw: Any,
 ) -> Tensor:
     """:func:`~composer_plugins.losses.functional.taid_loss` from hidden states, chunked (token mean over ``mask``)."""
     if mask is None:
         mask = torch.ones(student_hidden.shape[:-1], dtype=torch.bool, device=student_hidden.device)
-    out = chunked_distill(
-        student_hidden,
-        teacher_hidden,
-        lm_head_weight,
-        TAIDKernel(t=float(t)),
-        mask,
-        teacher_lm_head_weight=teacher_lm_head_weight,
-        chunk_size=chunk_size,
-        reduction="batchmean",
-        grad_mode=grad_mode,
-    )
-    assert isinstance(out, Tensor)
-    return out
+    return _chunked_scalar(student_hidden, teacher_hidden, lm_head_weight, TAIDKernel(t=float(t)), mask, **kw)
 
 
 def chunked_entropy_aware_opd(
@@ -618,27 +584,13 @@ def chunked_entropy_aware_opd(
     fkl_weight: float = 1.0,
     top_k: int | None = None,
     temperature: float = 1.0,
-    reduction: str = "batchmean",
-    chunk_size: int | None = None,
-    teacher_lm_head_weight: Tensor | None = None,
-    grad_mode: str = "recompute",
+    **kw: Any,
 ) -> Tensor:
     """:func:`~composer_plugins.losses.functional.entropy_aware_opd` from hidden states, chunked."""
-    out = chunked_distill(
-        student_hidden,
-        teacher_hidden,
-        lm_head_weight,
-        EntropyOPDKernel(
-            entropy_threshold=float(entropy_threshold),
-            fkl_weight=float(fkl_weight),
-            top_k=top_k,
-            temperature=float(temperature),
-        ),
-        mask,
-        teacher_lm_head_weight=teacher_lm_head_weight,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        grad_mode=grad_mode,
+    kernel = EntropyOPDKernel(
+        entropy_threshold=float(entropy_threshold),
+        fkl_weight=float(fkl_weight),
+        top_k=top_k,
+        temperature=float(temperature),
     )
-    assert isinstance(out, Tensor)
-    return out
+    return _chunked_scalar(student_hidden, teacher_hidden, lm_head_weight, kernel, mask, **kw)

@@ -459,9 +459,7 @@ def with_topk(kernel: Kernel, k: int | None, temperature: float = 1.0) -> Kernel
     return TopKTailKernel(base=kernel, k=int(k), temperature=float(temperature))
 
 
-# ------------------------------------------------------------------------------------------------
-# the teacher's top-k: ids given by the teacher(s), not taken from the student
-# ------------------------------------------------------------------------------------------------
+# -- the teacher's top-k: ids given by the teacher(s), not taken from the student ------------------
 #: Divergences of the ``teacher_distill`` channel and the generalised-JSD ``beta`` each one is.
 TEACHER_DIVERGENCES: dict[str, float | None] = {"reverse_kl": 1.0, "forward_kl": 0.0, "jsd": None}
 

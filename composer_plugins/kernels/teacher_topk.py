@@ -1,33 +1,20 @@
 """Distillation from teachers that send only their top-k log-probs per token (on-policy distillation).
 
-The teacher side of a batch is :class:`TeacherTopK`: for ``N`` teachers, per row and student token,
-each teacher's ``K`` most likely token ids and their log-probs, and a mask of the positions it
-scored. Nothing of size ``rows × tokens × vocab`` exists on the teacher side; at most
-``tokens × K`` ids and log-probs per teacher.
+The teacher side of a batch is :class:`TeacherTopK`: for ``N`` teachers, per row and student token, each
+teacher's ``K`` most likely ids, their log-probs and a mask of the positions it scored; nothing of size
+``rows × tokens × vocab`` exists on the teacher side. Several teachers are merged per token, inside each
+chunk (:func:`merge_teachers`), into their weighted mixture over the union of their ids plus a tail bucket
+(an id outside a teacher's own top-k counts 0 for it, its mass staying in the tail, so the tail is exactly
+``1 - Σ_union q``); :func:`agreement_mask` keeps the positions where ``k`` teachers' top-1 agree. Bad
+scores never reach the loss (an id ``-1`` or ``>= V``, a NaN or ``+inf`` log-prob, a position whose mass
+exceeds ``1 + MASS_TOLERANCE``; counted in :class:`TeacherDistillOutput`), a log-prob below
+:data:`~composer_plugins.kernels.divergences.TEACHER_LOGPROB_FLOOR` is read as the floor, and a teacher of
+weight 0 is absent. The rules: docs/losses.md ("Several teachers").
 
-Several teachers are combined **per token, inside each chunk** (:func:`merge_teachers`) into one
-distribution over the union of their ids plus a tail bucket: the weighted mixture of their
-probabilities. A teacher's probability of an id that is in another teacher's top-k but not in its
-own is unknown (it lies somewhere in its tail): it counts as 0 there, and its whole tail mass stays
-in the mixture's tail. The mixture's tail is therefore exactly ``1 - Σ_union q``.
-:func:`agreement_mask` keeps the positions where at least ``k`` teachers' top-1 ids agree. An id
-repeated within one teacher's top-k (several teacher tokens aligned to one student id) holds the sum
-of its entries' probabilities, for one teacher as for many.
-
-Bad scores never reach the loss: an entry whose id is ``-1`` or ``>= V`` or whose log-prob is NaN or
-``+inf`` is absent (its mass is in the tail), and so is every entry of a teacher's position whose probabilities
-sum above ``1 + MASS_TOLERANCE`` (a log-prob above 0, duplicate ids summing above 1), counted in
-:class:`TeacherDistillOutput`; a teacher with
-mixture weight 0 is absent everywhere, so a token only weight-0 teachers scored is not distilled. A
-log-prob below ``log 1e-30`` (:data:`~composer_plugins.kernels.divergences.TEACHER_LOGPROB_FLOOR`,
-``-inf`` included) is read as ``log 1e-30``: an id a teacher ranks with probability 0 would make the
-reverse KL infinite.
-
-:func:`chunked_teacher_distill` walks the student's hidden states in chunks of rows (the student's
-``(chunk, V)`` logits are the only vocabulary-sized buffer), evaluates
-:class:`~composer_plugins.kernels.divergences.TeacherTopKKernel` and forms the gradients during
-the forward pass; :func:`teacher_distill_reference` is the same loss from materialised logits,
-differentiated by autograd (the plain path it is tested against).
+:func:`chunked_teacher_distill` walks the student's hidden states in chunks of rows (the ``(chunk, V)``
+logits are the only vocabulary-sized buffer) and forms the gradients during the forward pass;
+:func:`teacher_distill_reference` is the same loss from materialised logits, differentiated by autograd
+(the plain path it is tested against).
 """
 
 from __future__ import annotations

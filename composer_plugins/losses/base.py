@@ -1,18 +1,12 @@
-"""The loss-channel contract and the composer that sums channels.
+"""The loss-channel contract and the composer that sums channels (docs/losses.md, "The channel contract").
 
-A channel declares the input fields it needs (``requires``) and, optionally, alternative
-groups of fields of which one must be complete (``input_options``, e.g. logits *or* hidden
-states + LM head). When a required field is absent from the inputs the composer skips the
-channel and reports ``<name>/skipped = 1`` and ``<name>/missing = "..."`` instead of a fake
-zero loss. ``forward(inputs)`` returns ``(loss, metrics)``; the composer returns
-``Σ weight_i · loss_i`` and every channel's metrics prefixed with its name.
-
-``inputs`` is one mapping per call: what the model computed with grad (log-probs, hidden states)
-and what the step record holds (masks, advantages, old log-probs) side by side, as the assembler
-(:func:`composer_plugins.training.assemble.assemble_inputs`) builds it. A key whose value is
-``None`` counts as absent (:meth:`LossChannel.get`, :func:`has_input`).
-Channel state that must survive a resume (e.g. TAID's schedule) lives in buffers, so
-``ChannelComposer.state_dict()`` / ``load_state_dict()`` carry it.
+A channel declares the input fields it needs (``requires``) and, optionally, alternative groups of which one
+must be complete (``input_options``: logits *or* hidden states + LM head); a channel whose inputs are absent is
+skipped and reported (``<name>/skipped``, ``<name>/missing``) instead of giving a fake zero loss.
+``forward(inputs)`` takes the one mapping the assembler builds (what the model computed with grad beside the
+step record's fields; a ``None`` value counts as absent) and returns ``(loss, metrics)``; the composer returns
+``Σ weight_i · loss_i`` and every channel's metrics prefixed with its name. Channel state that must survive a
+resume (e.g. TAID's schedule) lives in buffers, so ``ChannelComposer.state_dict()`` carries it.
 """
 
 from __future__ import annotations

@@ -1,45 +1,19 @@
 """Hint self-distillation channel: the student learns, on its own tokens, what it would say with a hint.
 
-The teacher is the *same model* run with the hint in its context, without gradient. Both
-forward passes score the tokens the student produced at the hinted turn; the divergence between
-the two next-token distributions is applied only where ``hint_mask`` is set.
-
-Inputs (keys of the one ``inputs`` mapping):
-
-========================  ==========  =================================================================
-key                       shape       meaning
-========================  ==========  =================================================================
-``hint_mask``             (B, T)      1 on the student's own tokens at the hinted turn (the only tokens
-                                      that are distilled)
-``student_hidden``        (B, T, H)   chunked path: student final hidden states predicting each token
-``teacher_hidden``        (B, T, H)   teacher (hinted-context) hidden states aligned to the same tokens
-``lm_head_weight``        (V, H)      the LM head (shared by student and teacher; the teacher side is
-                                      detached)
-``teacher_lm_head_weight`` (V, H)     optional, when the teacher's head differs
-``student_logits``        (B, T, V)   materialised path (reference): student logits
-``teacher_logits``        (B, T, V)   materialised path: teacher logits (detached)
-``hint_tokens_in_batch``  scalar      optional: hinted tokens of all data-parallel ranks / world size; the
-                                      rank's mean is rescaled to its share of the union-batch mean
-``global_step``           int         optional (TAID): optimizer step for the linear target
-``total_steps``           int         optional (TAID): total optimizer steps (else the channel's)
-``logprobs``              (B, T)      ``is_clip`` only: the current policy's log-probs of the sampled
-                                      tokens (all rows; ``hint_rows`` picks the hinted ones)
-``inference_logprobs``    (B, T)      ``is_clip`` only: the behaviour policy's log-probs (the sampler's;
-                                      else ``old_logprobs``; neither: on-policy, ratio 1)
-``hint_rows``             (R,)        rows of ``logprobs`` that ``hint_mask``'s rows belong to (absent:
-                                      ``hint_mask`` covers every row of ``logprobs``)
-``sampling_temperature``  float       optional: the rollout's sampling temperature, the distillation
-                                      temperature of a channel built with ``temperature=None`` (absent: 1)
-========================  ==========  =================================================================
+The teacher is the *same model* run with the hint in its context, without gradient. Both forward passes
+score the tokens the student produced at the hinted turn; the divergence between the two next-token
+distributions is applied only where ``hint_mask`` is set. The input keys (``hint_mask``, the chunked
+``student_hidden``/``teacher_hidden``/``lm_head_weight`` or the reference ``student_logits``/``teacher_logits``,
+and the optional TAID, ``is_clip`` and temperature keys) are listed in docs/losses.md ("Input keys"); when
+both hidden states and logits are present, the chunked hidden-state path is used.
 
 Temperature has one owner here, the channel: the hidden states and logits it reads are the model's own
 (no caller divides them), and the channel divides both sides' logits by its temperature exactly once,
 inside the divergence kernel (or Liger's). ``temperature=None`` (the default) takes the rollout's
 ``sampling_temperature``, so the divergence compares the distributions the rollout sampled from.
 
-When both hidden states and logits are present, the chunked hidden-state path is used.
-Positions: row ``t`` of the student tensors and row ``t`` of the teacher tensors must predict the
-*same* token (the caller aligns the teacher's positions, which are shifted by the hint's length).
+Positions: row ``t`` of the student tensors and row ``t`` of the teacher tensors must predict the *same*
+token (the caller aligns the teacher's positions, which are shifted by the hint's length).
 """
 
 from __future__ import annotations
@@ -73,21 +47,14 @@ def liger_available() -> bool:
 class HintDistillChannel(LossChannel):
     """Hint self-distillation on the student's hinted-turn tokens (criterion jsd | taid | entropy_opd).
 
-    The loss is the mean over ``hint_mask`` tokens of the per-token divergence:
-
-    * ``jsd``: generalised JSD (TRL GKD; ``beta`` 0 = forward KL, 1 = reverse KL);
-    * ``taid``: TAID's interpolated forward KL; the channel owns a :class:`TAIDScheduler` (saved in
-      ``state_dict``) and steps it after each training forward (``auto_step``);
-    * ``entropy_opd``: reverse KL + ``fkl_weight``·forward KL where the teacher's entropy exceeds
-      ``entropy_threshold`` (optionally over the teacher's ``fkl_topk`` most likely tokens).
-
-    With ``topk: K`` every criterion is evaluated on ``K + 1``-way distributions instead of the
-    vocabulary (SDPO's top-k distillation, Hübotter et al. 2026): per token, the student's ``K``
-    most likely tokens with each side's own probabilities of them, plus one tail bucket holding the
-    rest of each side's mass (:class:`~composer_plugins.kernels.divergences.TopKTailKernel`). With
-    ``is_clip: c`` each hinted token's divergence is weighted by the detached importance ratio
-    ``min(exp(logp_current - logp_behaviour), c)`` of the sampled token (SDPO's ``is_clip``), for
-    rollouts optimised off-policy; on-policy the ratio is 1.
+    The loss is the mean over ``hint_mask`` tokens of the per-token divergence: ``jsd`` (generalised JSD, TRL
+    GKD; ``beta`` 0 = forward KL, 1 = reverse KL), ``taid`` (TAID's interpolated forward KL; the channel owns a
+    :class:`TAIDScheduler`, saved in ``state_dict``, and steps it after each training forward) or ``entropy_opd``
+    (reverse KL + ``fkl_weight``·forward KL where the teacher's entropy exceeds ``entropy_threshold``). With
+    ``topk: K`` every criterion is taken on ``K + 1``-way distributions (the student's top-k plus a tail bucket,
+    SDPO's top-k distillation; :class:`~composer_plugins.kernels.divergences.TopKTailKernel`); with ``is_clip: c``
+    each token's divergence is weighted by the detached importance ratio ``min(exp(logp_current -
+    logp_behaviour), c)`` (SDPO). Both are described in docs/losses.md ("Top-k distillation with a tail bucket").
 
     Args:
         weight: channel weight.
@@ -101,30 +68,23 @@ class HintDistillChannel(LossChannel):
         auto_step: step the TAID schedule in ``forward`` while ``training``; set False to call
             ``channel.scheduler.step(loss, global_step, total_steps)`` yourself.
         entropy_threshold, fkl_weight, fkl_topk: entropy-aware OPD parameters (``fkl_topk``: the teacher's
-            top-k of the forward-KL term, not the ``topk`` below). ``top_k`` is its old name, accepted with
-            a deprecation warning.
-        topk: ``K`` for top-k distillation with a tail bucket (None: the full vocabulary). The top-k
-            ids are the student's (as SDPO); the teacher is gathered at them. ``jsd``: the generalised
-            JSD of the two ``K+1``-way distributions; ``taid``: TAID's target and cross-entropy on
-            them (target ``∝ p_s^(1-t) p_t^t`` over the buckets); ``entropy_opd``: reverse KL, forward
-            KL and the teacher's entropy (the gate) all over the buckets. Taken per chunk from the
-            chunk's logits (extra memory ``(chunk, K+1)``); the Liger path is not used with ``topk``.
+            top-k of the forward-KL term, not ``topk``). ``top_k`` is its old name, accepted with a deprecation
+            warning.
+        topk: ``K`` for top-k distillation with a tail bucket (None: the full vocabulary); the ids are the
+            student's, the teacher is gathered at them, per chunk (extra memory ``(chunk, K+1)``; not on Liger).
         is_clip: cap of the distillation importance ratio (None: off). Needs ``logprobs`` and, for
             off-policy rows, ``inference_logprobs`` or ``old_logprobs``.
-        grad_mode: hidden-state path only. ``"precompute"`` (default): the chunked pass forms the
-            gradients during the forward (backward only scales them; no logits recomputed — faster
-            than the materialised path, one backward pass per forward); ``"recompute"``: backward
-            recomputes each chunk's logits (supports repeated backward, costs two extra matmuls per
-            chunk). Both keep peak memory at ``O(chunk_size × V)`` and give identical gradients.
+        grad_mode: hidden-state path only. ``"precompute"`` (default): gradients formed in the forward (one
+            backward pass per forward, no logits recomputed); ``"recompute"``: backward recomputes each chunk's
+            logits (repeated backward allowed). Same peak memory ``O(chunk_size × V)``, identical gradients.
         teacher: whose weights score the hinted context (read by the training loop, not by the loss):
             ``"live"`` (default) the current policy; ``"ema"`` a frozen exponential moving average of
             the policy's weights, updated after each optimizer step (SDPO's teacher).
         ema_rate: with ``teacher="ema"``, the update ``teacher ← (1 − ema_rate)·teacher +
             ema_rate·student`` after each optimizer step; in (0, 1] (1.0 = the policy of the last step).
-        kernels: hidden-state path only. ``"auto"`` (default): Liger-Kernel's fused linear JSD when the
-            criterion is ``jsd``, the hidden states are on CUDA and the ``liger`` extra is installed,
-            else the project's chunked kernels; ``"liger"``: always Liger (``jsd`` only; eager on CPU,
-            ``torch.compile``-d chunks on CUDA); ``"torch"``: always the project's kernels.
+        kernels: hidden-state path only. ``"auto"`` (default): Liger-Kernel's fused linear JSD for ``jsd`` on
+            CUDA with the ``liger`` extra, else the project's chunked kernels; ``"liger"`` (``jsd`` only) or
+            ``"torch"`` always.
         name / label: channel name (``label`` usable from config).
     """
 

@@ -1,30 +1,17 @@
 """Functional loss API of composer-plugins: exact restatements of the upstream losses users trust.
 
-Everything here is a pure function of tensors (no modules, no registry), typed and shape-checked.
+Everything here is a pure function of tensors (no modules, no registry), typed and shape-checked, each
+naming the upstream code it restates: the RL losses (:func:`policy_loss`: TRL 1.16 ``GRPOTrainer._compute_loss``
+for ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo`` and ``gspo``; :func:`dppo_kl_loss`: PRIME-RL's
+default), the distillation divergences (:func:`generalized_jsd`: TRL GKD; :func:`taid_loss`: SakanaAI/TAID;
+:func:`entropy_aware_opd`) and the preference losses (:func:`dpo_loss`: TRL ``DPOTrainer``;
+:func:`simpo_loss`: princeton-nlp/SimPO). Functions that also report metrics return a :class:`LossOutput`
+``(loss, metrics)`` whose values are detached 0-d tensors (no device sync is forced).
 
-RL on verifiable rewards
-    :func:`group_advantages` (TRL ``GRPOTrainer`` / ``RLOOTrainer`` advantage semantics),
-    :func:`importance_sampling_correction` (TRL's vLLM IS weights),
-    :func:`policy_loss` (TRL 1.16 ``GRPOTrainer._compute_loss`` for ``grpo``, ``bnpo``, ``dr_grpo``,
-    ``dapo``, ``cispo`` and ``gspo`` = sequence-level importance sampling), :func:`kl_estimate`,
-    :func:`dppo_kl_loss` (PRIME-RL's default loss).
-Distillation
-    :func:`generalized_jsd` (TRL ``GKDTrainer.generalized_jsd_loss``), :func:`taid_loss` with
-    :class:`TAIDScheduler` (SakanaAI/TAID), :func:`entropy_aware_opd`, plus the memory-efficient
-    hidden-state versions :func:`chunked_generalized_jsd`, :func:`chunked_taid_loss`,
-    :func:`chunked_entropy_aware_opd` and :func:`chunked_logprobs`.
-Preferences
-    :func:`dpo_loss` (TRL ``DPOTrainer``: sigmoid / ipo / hinge) and :func:`simpo_loss` (princeton-nlp/SimPO).
-Utilities
-    :func:`selective_log_softmax`, :func:`masked_mean`, :func:`nanstd`.
-
-Functions that also report metrics return a :class:`LossOutput` ``(loss, metrics)`` named tuple;
-metric values are detached 0-d tensors (no device sync is forced).
-
-This module owns the loss functions (policy, DPPO, distillation, preference) and is the one import
-for the whole API: it re-exports the advantages (:mod:`composer_plugins.losses.advantages`), the
-importance-sampling correction (:mod:`composer_plugins.losses.correction`), the tensor helpers
-(:mod:`composer_plugins.losses.ops`) and the chunked kernels (:mod:`composer_plugins.kernels.chunked`).
+It is the one import for the whole API: it re-exports the advantages (:mod:`composer_plugins.losses.advantages`),
+the importance-sampling correction (:mod:`composer_plugins.losses.correction`), the tensor helpers
+(:mod:`composer_plugins.losses.ops`), the TAID schedule and the chunked hidden-state kernels
+(:mod:`composer_plugins.kernels.chunked`).
 """
 
 from __future__ import annotations
@@ -87,9 +74,7 @@ PolicyLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo"]
 POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
 
-# ----------------------------------------------------------------------------------------------
-# policy losses
-# ----------------------------------------------------------------------------------------------
+# -- policy losses ---------------------------------------------------------------------------------
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
     """Per-token estimate of KL(π‖π_ref) from sampled-token log-probs (Schulman's k1/k2/k3).
 
@@ -374,9 +359,7 @@ def dppo_kl_loss(
     return LossOutput(loss, metrics)
 
 
-# ----------------------------------------------------------------------------------------------
-# distillation (materialised reference path)
-# ----------------------------------------------------------------------------------------------
+# -- distillation (materialised reference path) ----------------------------------------------------
 def _check_logits(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None) -> None:
     _require_same("teacher_logits", teacher_logits, "student_logits", student_logits)
     if student_logits.dim() < 2:
@@ -497,9 +480,7 @@ def entropy_aware_opd(
     return _reduce_tokens(per_token, mask, reduction, student_logits.shape[-1])
 
 
-# ----------------------------------------------------------------------------------------------
-# preference losses
-# ----------------------------------------------------------------------------------------------
+# -- preference losses -----------------------------------------------------------------------------
 def dpo_loss(
     chosen_logps: Tensor,
     rejected_logps: Tensor,

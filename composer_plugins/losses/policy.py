@@ -1,27 +1,10 @@
 """RL policy-loss channels: the GRPO family (TRL semantics) and PRIME-RL's DPPO+KL.
 
-Inputs (keys of the one ``inputs`` mapping):
-
-===========================  ==========  ==================================================================
-key                          shape       meaning
-===========================  ==========  ==================================================================
-``logprobs``                 (B, T)      current-policy log-probs of the completion tokens (with grad)
-``hidden_states``            (B, T, H)   alternative to ``logprobs``: final hidden states predicting each
-``lm_head_weight``           (V, H)      completion token + the LM head + ``completion_ids`` (B, T); the
-``completion_ids``           (B, T)      log-probs are then computed chunked (never materialising B×T×V)
-``completion_mask``          (B, T)      1 on completion tokens that count in the loss
-``advantages``               (B,)/(B,T)  advantages (e.g. from ``functional.group_advantages``)
-``old_logprobs``             (B, T)      optional: log-probs at sampling time (default: ``logprobs.detach()``)
-``ref_logprobs``             (B, T)      reference-model log-probs; required when ``beta != 0``
-``inference_logprobs``       (B, T)      ``dppo`` only: log-probs reported by the inference engine
-``importance_sampling_ratio`` (B, T)     optional: vLLM truncated-IS correction (TRL)
-``loss_weights``             (B, T)      optional, ``dppo`` only: per-token weights
-``num_items_in_batch``       scalar      optional: active-token count of the whole accumulated batch
-                                         (``dapo``/``cispo``/``dppo`` normaliser under grad accumulation;
-                                         under data parallel the global count / world size, as TRL)
-``max_completion_length``    int         optional: ``dr_grpo`` constant when the channel sets none
-                                         (data parallel: the widest completion over all ranks)
-===========================  ==========  ==================================================================
+The input keys (``logprobs``, or ``hidden_states`` + ``lm_head_weight`` + ``completion_ids`` for log-probs
+computed chunked; ``completion_mask``, ``advantages`` and the optional ones) are tabled in docs/losses.md
+("Input keys"). Under data parallel ``num_items_in_batch`` (the ``dapo``/``cispo``/``dppo`` normaliser) is
+the global active-token count / world size, as TRL, and ``max_completion_length`` (``dr_grpo``'s constant
+when the channel sets none) is the widest completion over all ranks.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Replay preference channel: DPO (TRL semantics) or SimPO (princeton-nlp/SimPO) over chosen/rejected pairs.
 
-Inputs (keys of the one ``inputs`` mapping), one entry per pair:
-
-=========================  =====  ==========================================================
-key                        shape  meaning
-=========================  =====  ==========================================================
-``chosen_logps``           (N,)   policy log-prob of the chosen completion (sum over tokens)
-``rejected_logps``         (N,)   policy log-prob of the rejected completion (sum)
-``ref_chosen_logps``       (N,)   reference-model log-prob of the chosen completion (dpo)
-``ref_rejected_logps``     (N,)   reference-model log-prob of the rejected completion (dpo)
-``chosen_lengths``         (N,)   optional: completion lengths (ipo length normalisation; simpo
-``rejected_lengths``       (N,)   averages when ``*_avg_logps`` are absent)
-``chosen_avg_logps``       (N,)   simpo: length-averaged policy log-prob of the chosen completion
-``rejected_avg_logps``     (N,)   simpo: length-averaged log-prob of the rejected completion
-=========================  =====  ==========================================================
+Inputs, one entry per pair (tabled in docs/losses.md, "Input keys"): the policy's summed log-probs of the
+chosen and rejected completions (``chosen_logps``, ``rejected_logps``), the reference model's for dpo
+(``ref_chosen_logps``, ``ref_rejected_logps``), optional lengths (ipo length normalisation; simpo averages
+with them when the length-averaged ``*_avg_logps`` are absent).
 """
 
 from __future__ import annotations

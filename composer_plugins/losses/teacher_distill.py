@@ -4,23 +4,9 @@ Per completion token of the student's rollout, a divergence between the student'
 distribution and the teachers' — given as each teacher's top-``K`` log-probs (what an inference
 server returns), combined into a weighted mixture over the union of their ids plus a tail bucket
 (:mod:`composer_plugins.kernels.teacher_topk`). ``reverse_kl`` (default: on-policy distillation's
-``KL(student ‖ teacher)``), ``forward_kl`` or ``jsd`` with ``beta``.
-
-Inputs (keys of the one ``inputs`` mapping):
-
-=======================  ===========  ==============================================================
-key                      shape        meaning
-=======================  ===========  ==============================================================
-``teacher_scores``       —            :class:`~composer_plugins.kernels.teacher_topk.TeacherTopK`:
-                                      ids / log-probs ``(B, N, T, K)`` and mask ``(B, N, T)``, ids in
-                                      the student's vocabulary (aligned by the scorer)
-``completion_mask``      (B, T)       completion tokens that count
-``hidden_states``        (B, T, H)    chunked path: the policy's final hidden states predicting each
-``lm_head_weight``       (V, H)       completion token, and its LM head
-``completion_logits``    (B, T, V)    materialised (reference) path
-``teacher_tokens_in_batch`` scalar    optional: distilled tokens of all data-parallel ranks / world
-                                      size (the rank's mean becomes its share of the union mean)
-=======================  ===========  ==============================================================
+``KL(student ‖ teacher)``), ``forward_kl`` or ``jsd`` with ``beta``. The input keys (``teacher_scores``,
+``completion_mask``, the chunked ``hidden_states`` + ``lm_head_weight`` or the reference
+``completion_logits``, the optional ``teacher_tokens_in_batch``) are tabled in docs/losses.md ("Input keys").
 """
 
 from __future__ import annotations

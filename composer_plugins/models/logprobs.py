@@ -1,18 +1,12 @@
 """Per-token log-probabilities of completions under a causal LM (utilities, not losses).
 
-Two paths:
-
-* **hidden states** (what training uses): :func:`completion_hidden` runs the model's decoder
-  body (no LM head) micro-batch by micro-batch and returns the final hidden states that predict
-  each completion token; :func:`completion_logprobs` turns them into log-probs through the LM head
-  chunk by chunk (:func:`~composer_plugins.kernels.chunked.chunked_logprobs`). No tensor of
-  ``rows × tokens × vocab`` elements exists on this path. Activation checkpointing is the model's
-  own, per decoder layer (``compute.gradient_checkpointing``), never of the whole body.
-* **materialised** (:func:`completion_forward`): the ``(N, C, V)`` logits at the completion
-  positions (``logits_to_keep``); the reference the hidden-state path is tested against.
-
-Position ids are derived from the attention mask exactly as HF ``generate`` does for left-padded
-prompts, so training-time log-probs match sampling-time ones.
+Two paths: **hidden states** (what training uses): :func:`completion_hidden` runs the decoder body (no LM
+head) micro-batch by micro-batch and :func:`completion_logprobs` takes the log-probs through the LM head
+chunk by chunk (:func:`~composer_plugins.kernels.chunked.chunked_logprobs`), so no ``rows × tokens × vocab``
+tensor exists, and activation checkpointing is the model's own, per decoder layer; **materialised**
+(:func:`completion_forward`): the ``(N, C, V)`` logits at the completion positions, the reference the
+hidden-state path is tested against. Position ids are derived from the attention mask exactly as HF
+``generate`` does for left-padded prompts, so training-time log-probs match sampling-time ones.
 """
 
 from __future__ import annotations
@@ -108,9 +102,7 @@ def completion_forward(
     return CompletionForward(logps=logps, logits=logits if return_logits else None)
 
 
-# ---------------------------------------------------------------------------------------
-# hidden-state path
-# ---------------------------------------------------------------------------------------
+# -- hidden-state path -----------------------------------------------------------------------------
 
 
 def lm_head_weight(model: Any) -> Tensor:

@@ -1,33 +1,16 @@
 """The study's statistics: per-seed paired effects, Holm's correction, curve AUC and time to threshold with censoring.
 
-Every variant of a study runs on the same seeds, from the same SFT model and on the same task
-order (the order depends on the seed only), so the runs of one seed form a pair and the seed's
-own luck cancels in ``metric(variant, seed) - metric(baseline, seed)``. Over the ``n`` seeds
-both variants share, :func:`paired_effect` reports the mean difference, its standard error
-``sd / sqrt(n)`` and the two-sided 95% interval ``mean ± t(0.975, n - 1) · se`` (Student t).
-
-The held-out set has its own sampling error: an accuracy ``p`` measured on ``m`` problems has
-standard error ``sqrt(p (1 - p) / m)`` (:func:`heldout_se`); a claimed effect should be larger
-than it. :func:`verdict` reads an interval as *helps* (all above zero), *hurts* (all below) or
-*no measurable effect* (it holds zero).
-
-A report makes many tests at once (every variant × every metric); :func:`holm` corrects the whole
-family (Holm's step-down, family-wise error 0.05): each effect gets its two-sided t p-value, its
-Holm-adjusted p-value and the interval at its Holm step's level, and its verdict reads *helps* or
-*hurts* only where the adjusted p-value is below 0.05 (the interval at its step's level then excludes
-zero). :func:`study_report` names the correction and the family's size.
-
-With a held-out learning curve (``eval.every_n_steps``: history.csv column
-``train/heldout/accuracy``, step 0 the starting policy: ``heldout_curve.csv``) two more paired measures
-of *speed* join final accuracy: :func:`curve_auc`, the area under the held-out accuracy curve from step
-0 divided by the run's length (its mean held-out accuracy, so a variant that gets there sooner scores
-higher), and :func:`time_to_threshold`, the first evaluated step at which a run reaches a fixed
-threshold, the start's value plus ``delta`` (``study.threshold_delta``, chosen before the study). The
-threshold is the same for both arms, and a run of either arm that never reaches it counts as censored
-at its last step plus one evaluation interval (the censored counts of both arms are reported).
-:func:`curve_effects` pairs them by seed.
-
-The tables and the report built from them are in :mod:`.paired`.
+Every variant runs on the same seeds, from the same SFT model and task order, so the runs of one seed form a
+pair and the seed's own luck cancels in ``metric(variant, seed) - metric(baseline, seed)``:
+:func:`paired_effect` gives the mean difference, its standard error and the Student-t 95% interval, which
+:func:`verdict` reads as *helps*, *hurts* or *no measurable effect*; :func:`heldout_se` is the held-out set's
+own sampling error, which a claimed effect should exceed. A report tests every variant × metric at once, so
+:func:`holm` corrects the family (Holm's step-down, family-wise error 0.05) and a verdict says *helps* or
+*hurts* only where the adjusted p-value is below 0.05. With a held-out learning curve two paired measures of
+speed join final accuracy: :func:`curve_auc` (the curve's area over the run's length) and
+:func:`time_to_threshold` (the first evaluated step reaching the start's value plus ``study.threshold_delta``;
+a run that never does is censored at its last step plus one interval); :func:`curve_effects` pairs them by
+seed. What the report shows: docs/pipeline.md; the tables: :mod:`.paired`.
 """
 
 from __future__ import annotations

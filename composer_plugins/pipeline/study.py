@@ -1,18 +1,10 @@
 """The study: variants (loss channels on/off) × seeds, and the ablation table over them.
 
-``params.yaml`` holds a ``study`` section::
-
-    study:
-      seeds: [0, 1]
-      variants:                 # each variant is a set of overrides of the ``train`` section
-        full: {}
-        no_hint: {losses: {hint_distill: {weight: 0}}}
-        no_replay: {losses: {replay: {weight: 0}}}
-
-DVC expands the ``train`` and ``eval`` stages over ``variant × seed`` (``matrix:``). Run
-``<variant>-s<seed>`` trains with ``train`` deep-merged with ``study.variants.<variant>`` and
-``seed: <seed>``. :func:`ablation_rows` aggregates held-out metrics per variant over seeds
-(mean ± sample std), which both ``composer-plugins report`` and ``composer-plugins compare`` print.
+``params.yaml``'s ``study`` section holds the ``seeds`` and the ``variants``, each a set of overrides of the
+``train`` section (an example: docs/pipeline.md). DVC expands the ``train`` and ``eval`` stages over
+``variant × seed`` (``matrix:``); run ``<variant>-s<seed>`` trains with ``train`` deep-merged with
+``study.variants.<variant>`` and ``seed: <seed>``. :func:`ablation_rows` aggregates held-out metrics per
+variant over seeds (mean ± sample std), which both ``composer-plugins report`` and ``compare`` print.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, load_config
-from composer_plugins.core.errors import ConfigError
+from composer_plugins.pipeline.common import param_error
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
 #: Names follow the one scheme of docs/metrics.md (MLflow-safe, the same in every sink).
@@ -137,7 +129,7 @@ def variants(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if v is None:
         return {"full": {}}
     if not isinstance(v, Mapping) or not v:
-        raise _err(params, "study.variants", "must be a non-empty mapping of variant name -> train overrides")
+        raise param_error(params, "study.variants", "must be a non-empty mapping of variant name -> train overrides")
     return {str(k): dict(x or {}) for k, x in v.items()}
 
 
@@ -147,7 +139,7 @@ def seeds(params: Mapping[str, Any]) -> list[int]:
     if s is None:
         return [int((params.get("train") or {}).get("seed", 0))]
     if not isinstance(s, list) or not all(isinstance(x, int) for x in s):
-        raise _err(params, "study.seeds", f"must be a list of integers, got {s!r}")
+        raise param_error(params, "study.seeds", f"must be a list of integers, got {s!r}")
     return list(s)
 
 
@@ -158,7 +150,7 @@ def baseline(params: Mapping[str, Any]) -> str | None:
         return None
     names = list(variants(params))
     if str(b) not in names:
-        raise _err(params, "study.baseline", f"{b!r} is not a variant of study.variants.", valid=names)
+        raise param_error(params, "study.baseline", f"{b!r} is not a variant of study.variants.", valid=names)
     return str(b)
 
 
@@ -175,7 +167,7 @@ def threshold_delta(params: Mapping[str, Any]) -> float:
     if d is None:
         return DEFAULT_THRESHOLD_DELTA
     if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1:
-        raise _err(params, "study.threshold_delta", f"must be a number in (0, 1) (an accuracy gain), got {d!r}")
+        raise param_error(params, "study.threshold_delta", f"must be a number in (0, 1) (an accuracy gain), got {d!r}")
     return float(d)
 
 
@@ -184,7 +176,7 @@ def equivalence_margin(params: Mapping[str, Any]) -> float | None:
     when its Holm-level interval lies inside (-δ, δ), else *inconclusive*. Fixed before the study runs."""
     d = (params.get("study") or {}).get("equivalence_margin")
     if d is not None and (isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1):
-        raise _err(
+        raise param_error(
             params, "study.equivalence_margin", f"must be a number in (0, 1) (an accuracy difference), got {d!r}"
         )
     return None if d is None else float(d)
@@ -194,14 +186,8 @@ def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]
     """The ``train`` overrides of ``variant``; a located error naming the valid variants otherwise."""
     v = variants(params)
     if variant not in v:
-        raise _err(params, f"study.variants.{variant}", "unknown variant.", valid=list(v))
+        raise param_error(params, f"study.variants.{variant}", "unknown variant.", valid=list(v))
     return v[variant]
-
-
-def _err(params: Mapping[str, Any], key: str, msg: str, valid: Sequence[str] | None = None) -> ConfigError:
-    if isinstance(params, Config):
-        return params.error(key, msg, valid)
-    return ConfigError(msg, key=key, valid=valid)
 
 
 # -- aggregation ------------------------------------------------------------------------------

@@ -1,26 +1,15 @@
 """Child processes that cannot hang their parent and do not outlive it (Linux-first, stdlib only).
 
 A package of its own below every package that starts children (the code sandbox of ``envs``, the DiLoCo
-launcher), beside the plugin kernel and importing nothing but the stdlib. Used also by the benchmarks
-(``benchmarks/run_all.py``, the DDP baseline of ``bench_diloco``) and the tests. The pieces:
-
-* :func:`die_with_parent` — a ``preexec_fn`` that sets ``PR_SET_PDEATHSIG``: the child gets a signal
-  (default ``SIGKILL``) as soon as the thread that started it exits, even when the parent was
-  SIGKILLed and ran no cleanup code. :func:`set_pdeathsig` does the same from inside a running child.
-* **tags** — :func:`tag_env` adds a tag to ``$COMPOSER_PROC_TAGS`` in a child's environment; every
-  process started below it inherits the tag, even one that left the process group (``setsid``) or was
-  re-parented to init, so :func:`tagged_pids` / :func:`kill_tree` still find and kill it.
-* :class:`Children` — named children in their own sessions, output to log files; :meth:`Children.wait`
-  fails *at once* when one exits non-zero (naming it, with the tail of its log), bounds the whole wait
-  by a deadline and the gap between the first and the last exit, and asks a stuck child for its
-  Python stacks (``SIGUSR1`` + ``faulthandler``) before killing it. Leaving the ``with`` block kills
-  whatever is left, including grandchildren.
-* :class:`StoreRendezvous` — members meet over a ``torch.distributed`` store; a member that the parent
-  saw exit is marked *gone*, so the others fail (or go on) immediately with a message naming it
-  instead of waiting for a timeout; a timeout names the members that never arrived.
-* :func:`run` — ``subprocess.run`` whose timeout (required) and interruption kill the whole tree.
-* :func:`waiting_for` — writes what this process is blocked on to ``$COMPOSER_WAIT_STATUS_FILE`` so a
-  supervisor that times out (``run_all``) can say what it was waiting for.
+launcher), beside the plugin kernel and importing nothing but the stdlib; the benchmarks and the tests use it
+too. The pieces, each documented where it is defined: :func:`die_with_parent` / :func:`set_pdeathsig`
+(``PR_SET_PDEATHSIG``: a child dies with the thread that started it, even after a SIGKILL), process tags
+(:func:`tag_env`, :func:`tagged_pids`, :func:`kill_tree`: found and killed even after ``setsid`` or
+re-parenting), :class:`Children` (named children whose wait fails at once on the first failure, naming it,
+bounds every wait and asks a stuck child for its stacks), :class:`StoreRendezvous` (a member seen to exit is
+marked *gone*, so the others do not wait for a timeout), :func:`run` (``subprocess.run`` whose timeout and
+interruption kill the whole tree) and :func:`waiting_for` (what this process is blocked on, for a supervisor
+that times out).
 """
 
 from __future__ import annotations

@@ -13,39 +13,23 @@ Everything is imported lazily, so ``import composer_plugins.teachers`` stays che
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from composer_plugins.core import lazy_exports
 
+#: submodule -> the names imported lazily from it
 _EXPORTS = {
-    "Teacher": "base",
-    "TeacherResponse": "base",
-    "TeacherCallError": "base",
-    "TeacherError": "base",
-    "OpenAITeacher": "openai_compat",
-    "HFTeacher": "hf",
-    "OracleTeacher": "oracle",
-    "TraceState": "traces",
-    "TraceFormatError": "traces",
-    "load_traces": "traces",
-    "ReplayCache": "cache",
-    "Budget": "budget",
-    "ReplayEngine": "engine",
-    "ReplayResult": "engine",
-    "RetryPolicy": "engine",
-    "replay": "engine",
-    "extract_pairs": "pairs",
-    "normalize_action": "pairs",
-    "normalize_pairs": "normalize",
-    "run_from_file": "runner",
-    "run_replay": "runner",
-    "ReplayConfig": "runner",
+    "base": ("Teacher", "TeacherResponse", "TeacherCallError", "TeacherError"),
+    "openai_compat": ("OpenAITeacher",),
+    "hf": ("HFTeacher",),
+    "oracle": ("OracleTeacher",),
+    "traces": ("TraceState", "TraceFormatError", "load_traces"),
+    "cache": ("ReplayCache",),
+    "budget": ("Budget",),
+    "engine": ("ReplayEngine", "ReplayResult", "RetryPolicy", "replay"),
+    "pairs": ("extract_pairs", "normalize_action"),
+    "normalize": ("normalize_pairs",),
+    "runner": ("run_from_file", "run_replay", "ReplayConfig"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(n for names in _EXPORTS.values() for n in names)
 
-
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'composer_plugins.teachers' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"composer_plugins.teachers.{mod}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,33 +1,15 @@
 """Mapping a teacher's per-token distributions onto the student's tokens when their tokenizers differ.
 
-Both sides tokenize the same completion text; each token covers a span of characters. The spans'
-**end offsets** that both sides share cut the text into *blocks*: the smallest pieces of text that
-each side covers with whole tokens. In each block, with the teacher's log-probs of its own tokens
-(``actual``) and its top-k at every position:
-
-* **one student token, one teacher token** (the same text): the teacher's top-k at that position,
-  each id mapped to the student token with the same text (:class:`VocabMap`); ids without a
-  student twin are dropped (their mass goes to the tail bucket);
-* **one student token, several teacher tokens** (the student's token is merged from the teacher's):
-  the student's token gets the teacher's probability of the whole block's text by the tokenization
-  seen, ``Σ actual log-probs`` (the chain rule), and the alternatives are the teacher's top-k at the
-  block's first position (other than the first piece), mapped as above. An alternative that maps to
-  the student's own token (the teacher could write the block's text as one token) adds its
-  probability to the student token's: both are tokenizations of the same text. These are disjoint
-  events, so the total stays ``<= 1``;
-* **several student tokens** in a block (the teacher's token is merged from the student's, or
-  both split it differently): the teacher's top-k does not say how likely the student's first
-  piece is, so these positions are **not scored** (mask 0; the channel's ``coverage`` metric counts
-  them). Neither are positions whose text the teacher did not cover.
-
-Each scored position keeps the ``k`` most probable entries, and always the student's own token.
-
-Limits: a student token covered by several teacher tokens gets the probability of the tokenization
-seen plus that of a one-token tokenization when the teacher's top-k at the block's first position
-holds it; tokenizations of its text outside that top-k, or of two or more other pieces, are not
-counted (so the value is a lower bound on the teacher's probability of the text). Alternatives that
-span several student tokens are dropped. With identical tokenizers every block is one-to-one and the mapping is the
-identity.
+Both sides tokenize the same completion text; the end offsets both share cut it into *blocks*, the smallest
+pieces each side covers with whole tokens. One student token and one teacher token: the teacher's top-k, each
+id mapped to the student token with the same text (:class:`VocabMap`; no twin: tail). One student token and
+several teacher tokens: the student's token gets ``Σ actual log-probs`` of the pieces (the chain rule) plus
+an alternative at the block's first position that maps to it (disjoint tokenizations of the same text, so
+the total stays ``<= 1``); the other alternatives there are mapped as above. Several student tokens in a
+block: not scored (the teacher's top-k says nothing about the student's first piece). Each scored position
+keeps the ``k`` most probable entries and always the student's own token. The rules, their limits (a lower
+bound on the teacher's probability of the text) and how they are tested: docs/losses.md ("Across
+tokenizers"). With identical tokenizers the mapping is the identity.
 """
 
 from __future__ import annotations

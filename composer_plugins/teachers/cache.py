@@ -1,22 +1,13 @@
 """The persistent replay cache and spend ledger (one sqlite file, WAL mode).
 
-* ``responses``: one row per completed teacher call, keyed on a hash of
-  ``(teacher id, provider, model, params, messages)``. A response is committed (WAL,
-  ``synchronous=FULL`` by default, so it is fsynced) *before* the engine uses it, so a run
-  killed at any point resumes and re-sends only the calls whose answers never landed.
-* ``ledger``: per run, one ``paid`` row per completed call (committed in the same
-  transaction as its response), one ``maybe`` row per call that got no answer after its
-  request was sent (timeouts, dropped connections, unreadable answers), and one ``lease``
-  row per process: a durable upper bound of the worst-case cost of the calls it has sent
-  and not yet recorded. The lease is raised (and committed) *before* a call that it does
-  not cover is sent, and lowered by a call's worst case in the same transaction as that
-  call's ``paid``/``maybe`` row, so every call is counted exactly once: by its row, or by
-  its share of the lease. A resumed run starts from the ledger's total and counts a dead
-  process's lease as possibly spent, so the dollar ceiling holds across ``kill -9`` without
-  counting a settled call twice.
-
-Writes go through one writer thread that commits whatever is queued in a single
-transaction (group commit), so durability costs one fsync per batch, not per call.
+``responses`` holds one row per completed teacher call, keyed on a hash of ``(teacher id, provider, model,
+params, messages)``, committed (fsynced) *before* the engine uses it, so a run killed at any point resumes and
+re-sends only the calls whose answers never landed. The ``ledger`` holds per run one ``paid`` row per
+completed call (in the same transaction as its response), one ``maybe`` row per call sent without an answer,
+and one ``lease`` row per process: a durable upper bound of the worst case of its calls in flight, raised
+before a call it does not cover is sent and lowered in the transaction that records the call, so every call
+is counted exactly once and the dollar ceiling holds across ``kill -9`` (docs/replay.md, "Cache and
+ledger"). Writes go through one writer thread that group-commits whatever is queued: one fsync per batch.
 """
 
 from __future__ import annotations
@@ -37,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.teachers.base import json_bytes
 
 #: Bump when the key recipe changes (old entries then simply stop matching).
 KEY_VERSION = 1
@@ -64,18 +56,6 @@ CREATE INDEX IF NOT EXISTS ledger_run ON ledger (run_id, status);
 
 class CacheError(ComposerPluginsError):
     """The cache file cannot be opened or is locked by another run."""
-
-
-try:  # orjson serialises responses several times faster; the stored text is plain JSON either way
-    import orjson as _orjson
-
-    def _dump_response(response: Mapping[str, Any]) -> str:
-        return _orjson.dumps(response).decode("utf-8")
-
-except ImportError:  # pragma: no cover - depends on the environment
-
-    def _dump_response(response: Mapping[str, Any]) -> str:
-        return json.dumps(dict(response), ensure_ascii=False, separators=(",", ":"))
 
 
 def cache_key(teacher: str, kind: str, model: str, params: Mapping[str, Any], messages: Sequence[Any]) -> str:
@@ -261,7 +241,7 @@ class ReplayCache:
     @staticmethod
     def put_stmts(key: str, teacher: str, model: str, response: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
         """Statements that store one response."""
-        blob = _dump_response(response)
+        blob = json_bytes(response).decode("utf-8")
         return [
             (
                 "INSERT OR REPLACE INTO responses (key, teacher, model, response, created) VALUES (?, ?, ?, ?, ?)",

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from composer_plugins.core.cli import report_error, report_interrupt, set_option
+from composer_plugins.core.cli import key_values, report_error, report_interrupt, set_option
 from composer_plugins.core.errors import ComposerPluginsError
 
 #: Exit status of ``replay run`` when more calls went unanswered than ``max_unanswered`` allows.
@@ -141,16 +141,9 @@ def record_cmd(
     no_progress: bool,
 ) -> None:
     """Record traces of POLICY rolling out in ENV (ready for `replay run`)."""
-    import yaml
-
     from composer_plugins.teachers.record import record_to_file
 
-    kwargs: dict[str, Any] = {}
-    for a in env_args:
-        if "=" not in a:
-            raise click.BadParameter(f"{a!r} must look like key=value", param_hint="--env-arg")
-        k, _, v = a.partition("=")
-        kwargs[k.strip()] = yaml.safe_load(v) if v.strip() else v
+    kwargs = key_values(env_args, "--env-arg")
     try:
         summary = record_to_file(
             policy,

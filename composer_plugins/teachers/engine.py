@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composer_plugins.teachers.base import Teacher, TeacherCallError, TeacherError, TeacherResponse
+from composer_plugins.teachers.base import CallCounts, Teacher, TeacherCallError, TeacherError, TeacherResponse
 from composer_plugins.teachers.budget import Budget
 from composer_plugins.teachers.cache import CacheError, ReplayCache, cache_key
 from composer_plugins.teachers.traces import TraceState
@@ -71,36 +71,25 @@ class CallFailure:
 
 
 @dataclass
-class TeacherStats:
-    """Per-teacher counters."""
+class TeacherStats(CallCounts):
+    """Per-teacher counters: ``calls`` counts attempts actually sent (HTTP requests for ``openai``, retries
+    included), ``completed`` the calls that returned an answer, ``cache_hits`` answers served from the cache."""
 
-    calls: int = 0
     completed: int = 0
-    cache_hits: int = 0
     retries: int = 0
-    failures: int = 0
-    spent_usd: float = 0.0
 
 
 @dataclass
-class ReplayStats:
-    """Counters of a run.
+class ReplayStats(TeacherStats):
+    """Counters of a run: the per-teacher ones summed (:meth:`count` adds to both), and the run's own.
 
-    ``calls`` counts attempts actually sent (HTTP requests for ``openai``, retries included),
-    ``completed`` the calls that returned an answer, ``cache_hits`` answers served from the cache.
     ``lease_waits`` counts calls that had to wait for a spend-lease write before they could be sent.
     """
 
     jobs: int = 0
-    calls: int = 0
-    completed: int = 0
-    cache_hits: int = 0
     deduplicated: int = 0
-    retries: int = 0
-    failures: int = 0
     skipped_budget: int = 0
     lease_waits: int = 0
-    spent_usd: float = 0.0
     uncertain_usd: float = 0.0
     prior_spent_usd: float = 0.0
     prior_uncertain_usd: float = 0.0
@@ -112,6 +101,12 @@ class ReplayStats:
     def total_spent_usd(self) -> float:
         """Spend of the run including earlier (resumed) processes and uncertain calls."""
         return self.spent_usd + self.uncertain_usd + self.prior_spent_usd + self.prior_uncertain_usd
+
+    def count(self, teacher: str, field: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``field`` of the run and of ``teacher``."""
+        setattr(self, field, getattr(self, field) + n)
+        st = self.by_teacher[teacher]
+        setattr(st, field, getattr(st, field) + n)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -281,8 +276,7 @@ class ReplayEngine:
                     resp = TeacherResponse.from_dict(data, cached=True)
                     for s in (job.state, *job.followers):
                         responses[s.state_id][t.id] = resp
-                        stats.cache_hits += 1
-                        stats.by_teacher[t.id].cache_hits += 1
+                        stats.count(t.id, "cache_hits")
             queues[t.id] = list(jobs.values()) + plain
         return queues
 
@@ -308,8 +302,7 @@ class ReplayEngine:
                 else:
                     failures.append(CallFailure(s.state_id, t.id, result.kind, result.message, result.attempts))
             if not isinstance(result, TeacherResponse):
-                stats.failures += len(group)
-                stats.by_teacher[t.id].failures += len(group)
+                stats.count(t.id, "failures", len(group))
                 if result.kind == "budget":
                     stats.skipped_budget += len(group)
             if bar is not None:
@@ -520,7 +513,6 @@ class ReplayEngine:
     async def _call(self, t: Teacher, job: _Job) -> _Answer | CallFailure:
         """Send ``job`` to ``t`` (with retries); an answer is returned uncommitted, with its reservation held."""
         state, key = job.state, job.key
-        st = self._stats.by_teacher[t.id]
         retry = 0
         while True:
             wait = self._pause_until[t.id] - time.monotonic()
@@ -544,8 +536,7 @@ class ReplayEngine:
                 if reserve > 0 and self._use_lease:
                     await self._ensure_lease(reserve)
                     leased = True
-                self._stats.calls += 1
-                st.calls += 1
+                self._stats.count(t.id, "calls")
                 sent = True
                 resp = await t.complete(state.messages, metadata=state.metadata)
             except TeacherCallError as e:
@@ -560,8 +551,7 @@ class ReplayEngine:
                         self._pause_until[t.id] = max(self._pause_until[t.id], until)
                     delay = self.retry.delay(retry, e.retry_after, self._rng)
                     retry += 1
-                    self._stats.retries += 1
-                    st.retries += 1
+                    self._stats.count(t.id, "retries")
                     await asyncio.sleep(delay)
                     continue
                 return CallFailure(state.state_id, t.id, e.kind, t.scrub(str(e)), retry + 1)
@@ -625,10 +615,8 @@ class ReplayEngine:
             finally:
                 self._pending_rows_usd -= ans.reserve
         self._budget.settle(ans.reserve, resp.cost_usd)
-        st = self._stats.by_teacher[t.id]
-        self._stats.completed += 1
-        st.completed += 1
-        st.spent_usd += resp.cost_usd
+        self._stats.count(t.id, "completed")
+        self._stats.by_teacher[t.id].spent_usd += resp.cost_usd
         await self._notify_budget()
         return failure if failure is not None else resp
 

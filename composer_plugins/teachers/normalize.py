@@ -45,13 +45,7 @@ class NormalizeReport:
     elapsed_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "recipe": self.recipe,
-            "n_in": self.n_in,
-            "n_out": self.n_out,
-            "dropped": self.dropped,
-            "elapsed_s": round(self.elapsed_s, 3),
-        }
+        return {**vars(self), "elapsed_s": round(self.elapsed_s, 3)}
 
 
 def to_dj_record(pair: Mapping[str, Any], columns: Sequence[str] = ()) -> dict[str, Any]:

@@ -33,28 +33,11 @@ from composer_plugins.teachers.base import (
     assistant_message,
     check_number,
     estimate_prompt_tokens,
+    json_bytes,
+    json_loads,
     looks_like_key,
     scrub_secret,
 )
-
-try:  # orjson is optional; it parses responses ~5x faster than json
-    import orjson as _orjson
-
-    def _loads(data: bytes) -> Any:
-        return _orjson.loads(data)
-
-    def _dumps(obj: Any) -> bytes:
-        return _orjson.dumps(obj)
-
-except ImportError:  # pragma: no cover - depends on the environment
-    import json as _json
-
-    def _loads(data: bytes) -> Any:
-        return _json.loads(data)
-
-    def _dumps(obj: Any) -> bytes:
-        return _json.dumps(obj, ensure_ascii=False).encode("utf-8")
-
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
 
@@ -342,7 +325,7 @@ class OpenAITeacher(Teacher):
 
     def _parse(self, raw: bytes, messages: Sequence[Mapping[str, Any]], latency: float) -> TeacherResponse:
         try:
-            data = _loads(raw)
+            data = json_loads(raw)
             choice = data["choices"][0]
             msg = choice["message"]
             content = msg.get("content")
@@ -401,7 +384,7 @@ class OpenAITeacher(Teacher):
     async def complete(
         self, messages: Sequence[Mapping[str, Any]], *, metadata: Mapping[str, Any] | None = None
     ) -> TeacherResponse:
-        payload = _dumps(self.build_request(messages))
+        payload = json_bytes(self.build_request(messages))
         headers = self._headers()
         t0 = time.perf_counter()
         status, body, retry_after = await self._post(payload, headers)
@@ -417,13 +400,13 @@ class OpenAITeacher(Teacher):
         the same client and the same error mapping as :meth:`complete`: a
         :class:`TeacherCallError` that says whether a retry may help.
         """
-        payload = _dumps(dict(body))
+        payload = json_bytes(dict(body))
         headers = self._headers()
         status, raw, retry_after = await self._post(payload, headers, url)
         if status != 200:
             raise self._status_error(status, raw, retry_after, url)
         try:
-            return _loads(raw)
+            return json_loads(raw)
         except Exception:
             raise TeacherCallError(
                 f"teacher {self.id!r}: malformed JSON from {url}: {self._snippet(raw, MALFORMED_BODY_CHARS)!r}",

@@ -5,22 +5,10 @@ JSON arguments canonicalised, thinking ignored), grouped, and the largest group 
 consensus when at least ``k`` teachers are in it (a tie for the largest group is no
 consensus). When the student's normalised action differs from the consensus a pair is
 emitted: ``chosen`` = the consensus action (as the first agreeing teacher, in configured
-order, wrote it), ``rejected`` = the student's action.
-
-Pair record (one JSON object per line; see ``docs/replay.md``)::
-
-    state_id, trace_id, step, source        where the step came from
-    prompt                                   the conversation as flat text (core.chat.plain_prompt: a lone
-                                             user message verbatim, else <|role|>-tagged turns)
-    messages                                 the conversation, OpenAI chat messages
-    chosen, rejected                         the two actions as flat text
-    chosen_message, rejected_message         the two actions as assistant messages
-                                             (rejected_message keeps the student's thinking)
-    teachers                                 ids of the teachers in the consensus
-    k, n_teachers, agreement                 threshold, teachers that answered, |teachers|/n_teachers
-    dissent                                  {teacher id: action text} of the others
-    compare                                  the comparison mode (text | final_answer)
-    metadata                                 the trace's metadata
+order, wrote it), ``rejected`` = the student's action. The pair record (one JSON object per line:
+where the step came from, the prompt and messages, both actions as text and as messages, the consensus's
+teachers, ``k``/``agreement``, the ``dissent``, the comparison mode and the trace's metadata) is tabled in
+docs/replay.md.
 """
 
 from __future__ import annotations

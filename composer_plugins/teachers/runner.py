@@ -1,30 +1,8 @@
 """The ``replay`` pipeline from a YAML config: traces → teachers → pairs → data-juicer → JSONL.
 
-Example config (every key but ``traces`` and ``teachers`` is optional)::
-
-    run_id: gsm8k-replay-v1            # names the run in the spend ledger (default: from output.pairs)
-    traces:
-      - path: traces/student.jsonl     # OpenAI-messages or Claude Code JSONL (format: auto)
-    teachers:
-      - name: openai                   # registry name
-        id: llama70b                   # the teacher's name in pairs and the cache key
-        model: meta-llama/llama-3.3-70b-instruct
-        base_url: https://openrouter.ai/api/v1
-        api_key_env: OPENROUTER_API_KEY
-        prompt_usd_per_token: 1.2e-7
-        completion_usd_per_token: 3.0e-7
-        max_tokens: 512
-        max_concurrency: 16
-      - name: oracle
-    consensus: {k: 2, compare: final_answer}
-    budget: {max_usd: 5.0}
-    cache: {path: .replay/cache.sqlite}
-    retry: {max_retries: 6, backoff_base_s: 0.5, backoff_max_s: 30}
-    output: {pairs: data/pairs.jsonl, responses: data/responses.jsonl}
-    normalize: {enabled: true}         # recipe: path to a data-juicer recipe (default: the shipped one)
-    max_unanswered: 0.0                # fraction of calls that may end without an answer (else exit 3)
-
-Relative paths are relative to the working directory (what DVC stages expect).
+Every key but ``traces`` and ``teachers`` is optional: ``run_id``, ``consensus``, ``budget``, ``cache``,
+``retry``, ``output``, ``normalize``, ``max_unanswered`` ... (:class:`ReplayConfig`; a commented example of
+every key: docs/replay.md). Relative paths are relative to the working directory (what DVC stages expect).
 """
 
 from __future__ import annotations

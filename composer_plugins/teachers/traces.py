@@ -1,19 +1,11 @@
 """Trace ingestion: recorded agent sessions → one :class:`TraceState` per student step.
 
-Two formats are read:
-
-* **OpenAI messages JSONL** (``format: openai``): one conversation per line, either
-  ``{"id": ..., "messages": [...], "metadata": {...}}`` or a bare list of messages. Every
-  assistant message is a student step; the state is every message before it.
-* **Claude Code session JSONL** (``format: claude_code``): the event log Claude Code
-  writes (``~/.claude/projects/<project>/<session>.jsonl``). Assistant events that share a
-  ``message.id`` (Claude Code writes one line per content block) are merged into one turn;
-  ``text`` blocks become content, ``tool_use`` blocks OpenAI ``tool_calls``, ``tool_result``
-  blocks ``tool`` messages. ``thinking`` blocks stay in the student's action (field
-  ``thinking``) but never reach the teachers. Sidechain (subagent) events, meta events and
-  non-message events (summaries, snapshots) are skipped.
-
-Errors name the file and line (:class:`TraceFormatError`).
+Two formats are read (described in docs/replay.md): **OpenAI messages JSONL** (``format: openai``: one
+conversation per line, every assistant message a student step whose state is every message before it) and
+**Claude Code session JSONL** (``format: claude_code``: the event log Claude Code writes; one assistant turn's
+content blocks are merged, ``tool_use``/``tool_result`` become OpenAI tool calls and ``tool`` messages,
+``thinking`` stays in the student's action but never reaches the teachers, sidechain and meta events are
+skipped). Errors name the file and line (:class:`TraceFormatError`).
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from composer_plugins.core.chat import render_action
+from composer_plugins.core.chat import content_text, render_action
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.io import iter_jsonl
 from composer_plugins.teachers.base import Message
@@ -76,16 +68,7 @@ class TraceState:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
-        return {
-            "state_id": self.state_id,
-            "messages": self.messages,
-            "student_action": self.student_action,
-            "trace_id": self.trace_id,
-            "step": self.step,
-            "source": self.source,
-            "line": self.line,
-            "metadata": self.metadata,
-        }
+        return dict(vars(self))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TraceState:
@@ -199,22 +182,18 @@ def load_openai_jsonl(path: str | os.PathLike[str], skipped: Skipped | None = No
 
 
 def _block_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for b in content:
-            if isinstance(b, dict):
-                if b.get("type") == "text":
-                    parts.append(str(b.get("text", "")))
-                elif b.get("type") == "image":
-                    parts.append("[image]")
-            elif isinstance(b, str):
-                parts.append(b)
-        return "\n".join(parts)
-    return str(content)
+    if not isinstance(content, list):
+        return content_text(content)
+    parts = []
+    for b in content:
+        if isinstance(b, dict):
+            if b.get("type") == "text":
+                parts.append(str(b.get("text", "")))
+            elif b.get("type") == "image":
+                parts.append("[image]")
+        elif isinstance(b, str):
+            parts.append(b)
+    return "\n".join(parts)
 
 
 @dataclass

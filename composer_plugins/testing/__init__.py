@@ -1,29 +1,15 @@
 """What a plugin author imports in their tests: conformance checks per kind and plugin-manager fixtures.
 
-One line runs every conformance check over the entries a plugin registers::
+``test_conformance = conformance_test(my_plugin)`` registers the plugin on a fresh plugin manager beside the
+built-ins and generates one test per entry it registers (``kind:name``), each running :func:`check`; the
+project's own tests run the same checks over every registered entry. ``fresh_pm`` (built-in plugins only) is
+a pytest fixture to import in a ``conftest.py``. See docs/plugins.md ("Testing a plugin in-process").
 
-    # tests/test_conformance.py of your plugin
-    from composer_plugins.testing import conformance_test
-    import my_plugin
-
-    test_conformance = conformance_test(my_plugin)
-
-The plugin module (or object) is registered on a fresh plugin manager beside the built-ins, and a
-test is generated per entry it registers (``kind:name``), each running :func:`check`. The project's
-own tests run the same checks over every registered entry. ``fresh_pm`` (a plugin manager with the
-built-in plugins only) is a pytest fixture: ``from composer_plugins.testing import fresh_pm`` in a
-``conftest.py`` makes it available.
-
-Test doubles live here too: :mod:`composer_plugins.testing.loopback_server` (a real HTTP inference server
-over HF ``generate`` for the ``server`` rollout generator, in its own process),
-:mod:`composer_plugins.testing.teacher_loopback` (the teachers' OpenAI-compatible loopback server with
-fault injection) and :mod:`composer_plugins.testing.teacher_data` (a tiny local chat model, sample traces).
-``composer_plugins.testing.hf_jobs_hub.FakeJobsHub`` (imported on its own) is a loopback stand-in for the
-Hugging Face Hub's jobs endpoints that runs each job as a local process (``--executor hf_jobs`` without an
-account).
-
-Imports point down only: ``core`` and the kinds it checks (losses, envs, teachers, backends, and the
-training stack's optimizers and callbacks).
+Test doubles: ``loopback_server`` (an HTTP inference server over HF ``generate`` for the ``server`` rollout
+generator), ``teacher_loopback`` (the teachers' OpenAI-compatible server with fault injection),
+``teacher_data`` (a tiny local chat model, sample traces) and ``hf_jobs_hub.FakeJobsHub`` (imported on its
+own: the Hub's jobs endpoints, each job a local process). Imports point down only: ``core`` and the kinds it
+checks (losses, envs, teachers, backends, and the training stack's optimizers and callbacks).
 """
 
 from __future__ import annotations

@@ -1,43 +1,11 @@
 """Conformance checks: one function per kind, each run over a registry entry (built-in or third-party).
 
-Every check builds the component through the registry, as the training stack does, and asserts
-its side of the contract; a failure raises :class:`ConformanceError` naming the kind, the entry,
-its provider and what broke. :func:`check` dispatches on the kind.
-
-* losses: builds with ``weight``/``name``; ``forward`` takes the one ``inputs`` mapping; a finite
-  scalar loss and scalar metrics on a synthetic batch; gradient reaches the inputs; padding
-  (positions no mask selects) does not change the loss;
-  micro-batch invariance (rows in any order, micro-batches padded to any width); dtype (float64
-  agrees with float32, bfloat16 stays finite).
-* envs: seeded ``sample_tasks`` (a ``prompt`` per task, same seed same tasks); ``reward`` gives one
-  finite float or ``None`` per completion, also for empty and non-string completions; ``reset`` /
-  ``step`` give results :func:`composer_plugins.core.steps.step_result` reads, and the episode ends.
-* hints: through the one request contract (older provider shapes adapted once, as training builds
-  them), ``hints(requests)`` gives ``None`` or a string for a failed and a passed completion, without
-  and with each row's rollout group in its :class:`~composer_plugins.envs.hints.HintRequest`; no hint
-  repeats the row's own completion (a teacher conditioned on it teaches the student to copy itself),
-  and the same rows give the same hints.
-* teachers: an answer through the replay engine with a cache: cost within the worst-case
-  reservation (the budget's bound) and equal to the usage priced; the same states again are all
-  cache hits and cost nothing; ``cache_params`` is JSON and the same for the same settings; a
-  failing call raises :class:`~composer_plugins.teachers.base.TeacherCallError`.
-* scorers (teachers that score a student's tokens): bound to a student tokenizer, two rows give one
-  ``TeacherScores`` (or ``None``) each: ids ``[T, K]`` within the student's vocabulary (``-1`` for
-  none), log-probs ``<= 0`` whose probabilities sum to at most 1 per token, a ``[T]`` mask; the same
-  rows again give the same scores.
-* backends: the entry declares the import names it needs and an install command for them, and
-  builds when they are present.
-* optimizers, callbacks: build over a parameter / as a ``lightning.pytorch.Callback``.
-* rollout generators: :mod:`composer_plugins.testing.generators` (the typed protocol, the rollout's shape
-  contract, reproducible seeds, weight syncing and episodes where the generator has them).
-* transports (DiLoCo outer sync): :mod:`composer_plugins.testing.transports` (the name it carries, the keys it
-  ignores refused when set, the default config valid, a located error without a store it needs, its callback).
-* codecs (DiLoCo pseudo-gradients): through ``store.encode_vector``/``decode_vector`` as the transport uses
-  them, a round trip of vectors of 0, 1, 255 and 10,007 values (standard normal, zeros, a huge range) within
-  the codec's ``tolerance`` (bitwise at 0); the same bytes for the same vector; a
-  :class:`~composer_plugins.diloco.store.CorruptObjectError` naming the codec for a truncated, padded or
-  empty body and for a header of another size; plain fp32 CPU tensors out; a tensor on another device (the
-  ``meta`` device) refused before the codec sees it.
+Every check builds the component through the registry, as the training stack does, and asserts its side of
+the contract; a failure raises :class:`ConformanceError` naming the kind, the entry, its provider and what
+broke. :func:`check` dispatches on the kind. What each kind is checked for is tabled in docs/plugins.md
+(losses, envs, hints, teachers, scorers, backends, optimizers, callbacks; rollout generators in
+:mod:`composer_plugins.testing.generators`, DiLoCo transports in :mod:`composer_plugins.testing.transports`,
+codecs in :func:`check_codec`).
 """
 
 from __future__ import annotations

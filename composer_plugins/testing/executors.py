@@ -1,24 +1,14 @@
 """Conformance of DiLoCo replica executors (the ``register_executors`` hook), for their authors' tests.
 
 :func:`check_executor` builds the registered entry as :func:`~composer_plugins.diloco.executors.make_executor`
-does (``factory(config, log_dir=..., warm_restarts=..., name=<registered name>)``) and asserts its side of the
-contract:
-
-* it builds a :class:`~composer_plugins.diloco.executor.ReplicaExecutor` (``start(spec) -> handle``);
-* ``--warm-restarts`` is either refused with a :class:`~composer_plugins.core.errors.ComposerPluginsError`
-  (the replicas are not forked on this host) or honoured (the executor's ``warm_restarts`` is True), never
-  dropped in silence;
-* with ``run=True`` (default) it runs three real replicas, each this interpreter with ``-c`` code, as
-  handles (:class:`~composer_plugins.diloco.executor.ReplicaHandle`): one that exits 3 gives a non-zero code from
-  ``wait`` and ``poll`` (the launcher restarts a replica on it), with its output in the replica's log file;
-  one that exits 0 gives 0 (a finished replica is not restarted); one that would sleep for minutes stops on
-  ``terminate`` (``wait`` gives a non-zero code), and ``kill`` after the end is harmless; ``close()``, where
-  the executor has one, ends it.
-
-An executor that needs a service to run replicas (a cloud) is checked against a stand-in of that service
-(``build_kwargs`` reach its factory, e.g. ``api=`` for ``hf_jobs`` with
-:class:`~composer_plugins.testing.hf_jobs_hub.FakeJobsHub`), or with ``run=False`` where there is none.
-Failures raise :class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
+does and asserts its side of the contract (docs/plugins.md, ``register_executors``): it builds a
+:class:`~composer_plugins.diloco.executor.ReplicaExecutor`; ``--warm-restarts`` is refused with a
+:class:`~composer_plugins.core.errors.ComposerPluginsError` or honoured, never dropped in silence; with
+``run=True`` (default) three real replicas run through it: one that exits 3 gives a non-zero code from
+``wait`` and ``poll`` with its output in its log, one that exits 0 gives 0, one that would sleep stops on
+``terminate``. An executor that needs a service is checked against a stand-in of it (``build_kwargs``, e.g.
+``api=`` with :class:`~composer_plugins.testing.hf_jobs_hub.FakeJobsHub`), or with ``run=False``. Failures
+raise :class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
 """
 
 from __future__ import annotations

@@ -2,19 +2,11 @@
 
 :func:`check_generator` builds the entry through the registry, as ``rollout.generator`` does, and runs it on
 a tiny local chat model (or the ``model_path`` it is given: the model a server generator's server serves):
-
-* it keeps :class:`~composer_plugins.training.rollouts.RolloutGenerator` (a ``generate`` method);
-* ``generate`` of two prompts with ``G = 2`` gives a :class:`~composer_plugins.models.generation.Rollout`
-  of ``2 × G`` rows: ids and masks of one shape each, masks of 0/1, a real prompt token per row, at most
-  ``max_new_tokens`` completion tokens, one text per row, ``group_index`` ``[0, 0, 1, 1]``,
-  ``num_generations = G``, every tensor on the policy's device; ``extra["sampling_logprobs"]``, when
-  given, shaped as the completions, finite and ``<= 0`` on real tokens;
-* the same seed gives the same tokens;
-* a :class:`~composer_plugins.training.rollouts.WeightSyncing` generator has an integer ``sync_every >= 0``
-  and ``wants_sync(step)`` answers a bool;
-* an :class:`~composer_plugins.training.rollouts.EpisodeGenerator` gives ``(rollout, rewards, feedback)``
-  of ``2 × G`` episodes on an env with ``reset``/``step`` (the built-in ``gsm8k``, or ``env``), each
-  reward a float (NaN: unscorable).
+the :class:`~composer_plugins.training.rollouts.RolloutGenerator` protocol, the rollout's shape contract for
+two prompts × ``G = 2``, the same tokens for the same seed, and, where the generator has them, weight
+syncing (:class:`~composer_plugins.training.rollouts.WeightSyncing`) and episodes on an env
+(:class:`~composer_plugins.training.rollouts.EpisodeGenerator`). Each check is listed in docs/plugins.md
+("rollout_generators").
 """
 
 from __future__ import annotations

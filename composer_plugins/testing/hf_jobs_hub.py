@@ -9,28 +9,19 @@ logs and cancels as it would on the Hub::
         subprocess.run(["composer-plugins", "diloco", "--executor", "hf_jobs", ...], env={**os.environ, **env})
 
 The routes are those ``huggingface_hub.HfApi`` calls (``run_job``, ``inspect_job``, ``fetch_job_logs``,
-``cancel_job``, ``list_jobs``, ``whoami``):
+``cancel_job``, ``list_jobs``, ``whoami``): ``GET /api/whoami-v2``; ``POST /api/jobs/<ns>`` (create from the
+client's job spec, answer its ``JobInfo``); ``GET /api/jobs/<ns>[/<id>]`` (``status.stage``: ``SCHEDULING``
+→ ``RUNNING`` → ``COMPLETED`` | ``ERROR`` | ``CANCELED``); ``GET /api/jobs/<ns>/<id>/logs`` (server-sent
+events, one per output line, as the client's ``follow=False`` read); ``POST /api/jobs/<ns>/<id>/cancel``
+(SIGTERM to the job's process group, SIGKILL after 5 s).
 
-* ``GET  /api/whoami-v2`` — the token's user (``namespace``);
-* ``POST /api/jobs/<ns>`` — create a job from the client's job spec (``command``, ``environment``,
-  ``secrets``, ``flavor``, ``timeoutSeconds``, ``labels``, ``dockerImage``); answers its ``JobInfo``;
-* ``GET  /api/jobs/<ns>`` and ``GET /api/jobs/<ns>/<id>`` — the ``JobInfo`` (``status.stage``:
-  ``SCHEDULING`` → ``RUNNING`` → ``COMPLETED`` | ``ERROR`` | ``CANCELED``);
-* ``GET  /api/jobs/<ns>/<id>/logs`` — server-sent events, one ``data: {"timestamp": ..., "data": line}`` per
-  line of output after a ``===== Job started ... =====`` event, then the stream ends (the client's
-  ``follow=False`` read);
-* ``POST /api/jobs/<ns>/<id>/cancel`` — SIGTERM to the job's process group (SIGKILL after 5 s): ``CANCELED``.
-
-A job's command runs as a subprocess in its own session: ``python`` is this interpreter (the "image" has
-composer-plugins installed because this host does), the environment is the image's (``image_env``: by
-default ``PATH``, ``PYTHONPATH``, ``HOME``, ``TMPDIR``, ``LANG``, ``VIRTUAL_ENV`` of this process) plus the
-job's ``environment`` and ``secrets`` — nothing else of this process, as in a container. Output lines are
-its logs. Exit 0 → ``COMPLETED``; otherwise ``ERROR`` with the exit code in ``status.message``; past
-``timeoutSeconds`` it is killed and ``ERROR``-ed. ``hold`` keeps new jobs in ``SCHEDULING`` (a job that
-never starts) until :meth:`release`. A wrong or missing token gets ``401``, an unknown job ``404``.
-
-Every request is recorded in :attr:`requests` (method, path, JSON body); secret values are kept only in the
-job (:attr:`FakeJob.spec`) and answered as ``"***"``.
+A job's command runs as a subprocess in its own session: ``python`` is this interpreter, the environment is
+the image's (``image_env``: ``PATH``, ``PYTHONPATH``, ``HOME`` ... of this process) plus the job's
+``environment`` and ``secrets``, nothing else, as in a container. Exit 0 → ``COMPLETED``, else ``ERROR`` with
+the code in ``status.message``; past ``timeoutSeconds`` it is killed and ``ERROR``-ed. ``hold`` keeps new
+jobs in ``SCHEDULING`` until :meth:`release`. A wrong or missing token gets ``401``, an unknown job ``404``.
+Every request is recorded in :attr:`requests`; secret values stay in the job (:attr:`FakeJob.spec`) and are
+answered as ``"***"``.
 """
 
 from __future__ import annotations

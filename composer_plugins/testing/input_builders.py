@@ -1,18 +1,11 @@
 """Conformance check for channel input builders (the ``input_builders`` kind, ``register_input_builders`` hook).
 
 :func:`check_input_builder` runs a registered builder the way the assembler does, on a small step record of a
-tiny random Llama (hinted rows, reference log-probs, one preference pair in the step meta), and checks the
-contract every builder keeps:
-
-* its factory is a callable taking the :class:`~composer_plugins.training.assemble.Assembly`;
-* it returns a mapping of input names (strings) to values, and it never writes the record (the record is
-  read-only: a write raises, and is reported here with the builder's provider);
-* no tensor it returns (or makes another builder return) holds ``rows × tokens × vocabulary`` elements: inputs
-  come from hidden states through the LM head in chunks, never from materialised logits;
-* a second assembly of the same record gives the same values (builders keep no state between steps).
-
-Run it over every registered builder (``composer_plugins.testing.check("input_builders", name)``: :func:`check`
-is the kit's dispatcher with this kind added), built-ins and installed third-party plugins alike.
+tiny random Llama (hinted rows, reference log-probs, one preference pair in the step meta): its factory takes
+the :class:`~composer_plugins.training.assemble.Assembly`; it returns a mapping of input names, never writes
+the (read-only) record, builds no ``rows × tokens × vocabulary`` tensor, and gives the same values for the
+same record (docs/plugins.md, ``register_input_builders``). :func:`check` is the kit's dispatcher with this
+kind added, for every registered builder, built-in or third-party.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """A loopback inference server for the ``server`` rollout generator (tests, benchmarks, demos).
 
-It speaks the parts of vLLM's and SGLang's HTTP APIs the generator uses, over HF ``generate`` on a
-local policy, in its own process::
+It speaks the parts of vLLM's and SGLang's HTTP APIs the generator and the scorers use, over HF ``generate``
+on a local policy, in its own process (``python -m composer_plugins.testing.loopback_server --model PATH
+--port 0``; it prints ``LISTENING <port>`` once ready, and :class:`RolloutServerProcess` starts and stops it):
 
-    python -m composer_plugins.testing.loopback_server --model PATH --port 0
-
-* ``POST /v1/completions`` — ``prompt`` as a list of token ids, ``n``, ``max_tokens``,
-  ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``; each choice carries ``token_ids``
-  (vLLM ``return_token_ids``), ``logprobs.tokens`` spelled ``token_id:<id>`` (vLLM
-  ``return_tokens_as_token_ids``) and ``logprobs.token_logprobs`` (the sampled tokens' log-probs at
-  the request's temperature, as vLLM's ``processed_logprobs``). The ``n`` completions of a request
-  are :func:`~composer_plugins.models.generation.generate_completions` of the prompt with the
-  request's seed, so the same seed gives the same tokens as sampling in-process.
-* Scoring (the ``teacher_distill`` channel's teachers): ``POST /v1/completions`` with
-  ``prompt_logprobs: K`` returns vLLM's ``choices[0].prompt_logprobs`` (``None`` for the first token,
-  then per token ``{id: {logprob, rank, decoded_token}}`` with the top-K and the token itself) and
-  generates nothing; ``POST /generate`` (SGLang) with ``return_logprob`` and ``top_logprobs_num``
-  returns ``meta_info.input_token_logprobs`` / ``input_top_logprobs``.
-* ``POST /update_weights_from_disk`` — ``{"model_path": dir}`` (SGLang's route): load the
-  ``save_pretrained`` folder and serve it from the next request on.
-* The teachers' loopback control routes and fault injection (``GET /_stats``, ``POST /_config``,
-  ``POST /_reset``; faults ``429``, ``500``/``502``/``503``, ``timeout``, ``malformed``, ``drop``
-  planned per request identity, see :mod:`composer_plugins.testing.teacher_loopback`).
-
-It prints ``LISTENING <port>`` once ready; :class:`RolloutServerProcess` starts and stops it.
+* ``POST /v1/completions`` with a token-id ``prompt``: ``n`` completions with vLLM's ``token_ids`` and
+  ``token_id:<id>`` log-probs at the request's temperature, made by
+  :func:`~composer_plugins.models.generation.generate_completions` with the request's seed (so the same seed
+  gives the same tokens as in-process sampling); with ``prompt_logprobs: K``, vLLM's prompt log-probs and
+  nothing generated;
+* ``POST /generate`` (SGLang) with ``return_logprob`` and ``top_logprobs_num``: the input token log-probs;
+* ``POST /update_weights_from_disk`` (SGLang's route): serve a ``save_pretrained`` folder from then on;
+* the teachers' loopback control routes and planned faults (:mod:`composer_plugins.testing.teacher_loopback`).
 """
 
 from __future__ import annotations

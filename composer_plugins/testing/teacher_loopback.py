@@ -4,32 +4,18 @@ Run it as its own process (so client and server do not share a core)::
 
     python -m composer_plugins.testing.teacher_loopback --port 0 --latency 0.05
 
-It prints ``LISTENING <port>`` once ready. Answers are deterministic functions of the
-model name and the last user message: arithmetic is solved (``#### 42``; a model whose
-name contains ``wrong`` answers one more), anything else gets ``echo:<hash>``; a model
-whose name contains ``tool`` answers with a tool call whose argument JSON is formatted
-differently per model (same call after canonicalisation). Usage is reported with
-``prompt_tokens = ceil(request bytes / 4)``.
+It prints ``LISTENING <port>`` once ready. Answers are deterministic functions of the model name and the
+last user message: arithmetic is solved (``#### 42``; a model whose name contains ``wrong`` answers one
+more), anything else gets ``echo:<hash>``; a model whose name contains ``tool`` answers with a tool call
+whose argument JSON is formatted differently per model. Usage: ``prompt_tokens = ceil(request bytes / 4)``.
 
-Faults are planned per request identity (model + messages): for the identities selected
-by ``fault_rate`` the n-th attempt gets ``plan[n]``; later attempts succeed. With
-``fault_mode: "attempt"`` every attempt instead draws its own fault with probability
-``fault_rate`` (kind: one of ``plan``, deterministic per identity and attempt number).
-Fault kinds: ``429`` (with ``Retry-After``), ``500``/``502``/``503``, ``timeout`` (hang
-``hang_s`` then 504), ``malformed`` (a truncated 200 body), ``slow`` (``slow_s`` extra
-latency then a normal answer), ``drop`` (the connection is closed without an answer),
-``billed_drop`` (billed, then closed), ``empty`` (billed 200 whose ``choices`` is empty),
-``slow_body`` (billed; half the body, ``slow_s`` pause, the rest) and ``echo`` (a
-malformed 200 that echoes the bare key of the received ``Authorization`` header after
-``echo_pad`` filler characters, like a leaky proxy). Successful answers are *billed*, and so are
-``billed_drop``, ``empty`` and ``slow_body``; ``undelivered`` counts billed answers the
-client cannot have used (a call paid twice because of those is unavoidable).
-
-A wrong key gets a 401 whose body echoes the received ``Authorization`` header (after
-``echo_pad`` filler characters), as some gateways do.
-
-Control endpoints: ``GET /_stats`` (counts, billed usage per identity), ``POST /_config``
-(update latency/faults), ``POST /_reset`` (clear counters).
+Faults are planned per request identity (model + messages): for the identities selected by ``fault_rate``
+the n-th attempt gets ``plan[n]``, later attempts succeed; with ``fault_mode: "attempt"`` every attempt
+draws its own. The fault kinds (``429``, ``5xx``, ``timeout``, ``malformed``, ``slow``, ``drop``,
+``billed_drop``, ``empty``, ``slow_body``, ``echo``) are listed in docs/replay.md; which of them are billed
+is counted, and ``undelivered`` counts billed answers the client cannot have used. A wrong key gets a 401
+echoing the received ``Authorization`` header (after ``echo_pad`` filler), as some gateways do. Control:
+``GET /_stats``, ``POST /_config`` (latency, faults), ``POST /_reset``.
 """
 
 from __future__ import annotations
@@ -49,22 +35,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-try:
-    import orjson
-
-    def _loads(b: bytes) -> Any:
-        return orjson.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return orjson.dumps(o)
-
-except ImportError:  # pragma: no cover
-
-    def _loads(b: bytes) -> Any:
-        return json.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return json.dumps(o).encode()
+from composer_plugins.teachers.base import json_bytes, json_loads
 
 
 @dataclass
@@ -194,12 +165,12 @@ class LoopbackServer:
             # echo what was received, like some gateways do: clients must scrub it from errors
             got = request.headers.get("Authorization", "")
             pad = "." * self.config.echo_pad
-            body = _dumps(
+            body = json_bytes(
                 {"error": {"message": f"Incorrect API key provided{pad}: {got}", "type": "invalid_request_error"}}
             )
             return web.Response(status=401, body=body, content_type="application/json")
         try:
-            req = _loads(raw)
+            req = json_loads(raw)
             model, messages = req["model"], req["messages"]
         except Exception:
             self.by_status["400"] += 1
@@ -227,7 +198,7 @@ class LoopbackServer:
         if tool_calls:
             message["tool_calls"] = tool_calls
         prompt_tokens = math.ceil(len(raw) / 4)
-        completion_tokens = max(1, math.ceil(len(_dumps(message)) / 4))
+        completion_tokens = max(1, math.ceil(len(json_bytes(message)) / 4))
         max_tokens = req.get("max_tokens") or req.get("max_completion_tokens")
         if isinstance(max_tokens, int):
             completion_tokens = min(completion_tokens, max_tokens)
@@ -245,7 +216,7 @@ class LoopbackServer:
             self.by_status["empty"] += 1
             self._lost(ident, prompt_tokens, completion_tokens)
             empty = {"id": f"chatcmpl-{ident[:12]}-{attempt}", "model": model, "choices": [], "usage": usage}
-            return web.Response(body=_dumps(empty), content_type="application/json")
+            return web.Response(body=json_bytes(empty), content_type="application/json")
         self.by_status["200"] += 1
         body = {
             "id": f"chatcmpl-{ident[:12]}-{attempt}",
@@ -256,8 +227,8 @@ class LoopbackServer:
             "usage": usage,
         }
         if fault == "slow_body":
-            return await self._slow_body(request, ident, _dumps(body), prompt_tokens, completion_tokens)
-        return web.Response(body=_dumps(body), content_type="application/json")
+            return await self._slow_body(request, ident, json_bytes(body), prompt_tokens, completion_tokens)
+        return web.Response(body=json_bytes(body), content_type="application/json")
 
     async def inject_fault(self, request: Any, fault: str | None, truncated_body: bytes) -> Any:
         """Apply the latency and the request-level ``fault`` (429/5xx, hang, malformed, slow, drop).
@@ -333,17 +304,17 @@ class LoopbackServer:
             "kinds": dict(self.kinds),
             "config": asdict(self.config),
         }
-        return web.Response(body=_dumps(data), content_type="application/json")
+        return web.Response(body=json_bytes(data), content_type="application/json")
 
     async def set_config(self, request: Any) -> Any:
         from aiohttp import web
 
-        upd = _loads(await request.read())
+        upd = json_loads(await request.read())
         for k, v in upd.items():
             if not hasattr(self.config, k):
                 return web.Response(status=400, text=f"unknown config key {k!r}")
             setattr(self.config, k, v)
-        return web.Response(body=_dumps(asdict(self.config)), content_type="application/json")
+        return web.Response(body=json_bytes(asdict(self.config)), content_type="application/json")
 
     async def do_reset(self, request: Any) -> Any:
         from aiohttp import web

@@ -1,17 +1,13 @@
 """Conformance of DiLoCo outer-sync transports (the ``register_transports`` hook), for their authors' tests.
 
 :func:`check_transport` builds the registered entry as :func:`~composer_plugins.diloco.transports.get_transport`
-does (the factory called with ``name=`` its registered name) and asserts its side of the contract:
-
-* it is a :class:`~composer_plugins.diloco.transports.Transport` that carries its registered name, needs a
-  ``lighthouse`` or a ``store``, and says (a bool) whether cloud executors can run its replicas;
-* every key it ignores is a ``diloco.*`` setting, and each one set to something other than its default is
-  refused by :meth:`~composer_plugins.diloco.transports.Transport.validate` with an error naming the key;
-* the default config with ``diloco.transport`` set to it validates (the config's own checks included);
-* a transport that needs a store refuses to start without one: a located ``ConfigError`` on ``diloco.store``;
-* its callback path imports, and names a :class:`~composer_plugins.diloco.glue.DiLoCoCallbackBase` subclass.
-
-Failures raise :class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
+does and asserts its side of the contract (docs/plugins.md, ``register_transports``): a
+:class:`~composer_plugins.diloco.transports.Transport` carrying its registered name, needing a ``lighthouse``
+or a ``store`` and saying whether cloud executors can run it; every ignored key a ``diloco.*`` setting that
+:meth:`~composer_plugins.diloco.transports.Transport.validate` refuses, naming it, when set; the default config
+valid; a located ``ConfigError`` on ``diloco.store`` when it needs a store and has none; a callback path that
+names a :class:`~composer_plugins.diloco.glue.DiLoCoCallbackBase` subclass. Failures raise
+:class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ import logging
 import re
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +29,7 @@ from composer_plugins.diloco.store import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 _GRAD = re.compile(r"grad-(\d+)-(\d+)$")
@@ -294,24 +296,32 @@ class RoundStore:
     def get_mean(self, r: int, j: int, numel: int) -> torch.Tensor | None:
         """Slice ``j`` of round ``r``'s stored mean; ``None`` if not written yet; :class:`StoreObjectError` if it
         is not intact data (it was created once and cannot be replaced)."""
-        key = f"{self.round_dir(r)}/mean-{j:03d}"
+
+        def parse(key: str, header: dict[str, Any], body: bytes) -> torch.Tensor:
+            if header.get("kind") != "mean" or header.get("round") != r or header.get("slice") != j:
+                raise CorruptObjectError(f"{self._where(key)}: not slice {j} of round {r}'s mean")
+            vec = decode_vector(header, body)
+            if vec.numel() != numel or not bool(torch.isfinite(vec).all()):
+                raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {numel}, or not finite")
+            return vec
+
+        why = f"refused (nothing in it was run); round {r}'s aggregate cannot be replaced"
+        return self._round_object(r, f"{self.round_dir(r)}/mean-{j:03d}", parse, why)
+
+    def _round_object(self, r: int, key: str, parse: Callable[[str, dict[str, Any], bytes], T], why: str) -> T | None:
+        """``parse(key, header, body)`` of this run's round object ``key``; ``None`` if absent; an object that is
+        not intact or that ``parse`` refuses raises :class:`StoreObjectError` (it was created once)."""
         data = self.store.get(key)
         if data is None:
             return None
         try:
             header, body = unpack(data, self._where(key))
             self._ours(key, header)
-            if header.get("kind") != "mean" or header.get("round") != r or header.get("slice") != j:
-                raise CorruptObjectError(f"{self._where(key)}: not slice {j} of round {r}'s mean")
-            vec = decode_vector(header, body)
-            if vec.numel() != numel or not bool(torch.isfinite(vec).all()):
-                raise CorruptObjectError(f"{self._where(key)}: {vec.numel()} values for {numel}, or not finite")
+            return parse(key, header, body)
         except CodecError:  # the codec broke its contract: stop here, naming it
             raise
         except (CorruptObjectError, ValueError, KeyError, TypeError) as e:
-            why = f"refused (nothing in it was run); round {r}'s aggregate cannot be replaced"
             raise self._for_good(r, key, e, why) from e
-        return vec
 
     def _for_good(self, r: int, key: str, e: Exception | None, why: str) -> StoreObjectError:
         """The error for a round object that is not intact and cannot be replaced (it was created once)."""
@@ -323,13 +333,7 @@ class RoundStore:
 
     # -- the manifest -----------------------------------------------------------------
     def manifest(self, r: int) -> dict[str, Any] | None:
-        key = f"{self.round_dir(r)}/manifest.json"
-        data = self.store.get(key)
-        if data is None:
-            return None
-        try:
-            header, body = unpack(data, self._where(key))
-            self._ours(key, header)
+        def parse(key: str, header: dict[str, Any], body: bytes) -> dict[str, Any]:
             m = json.loads(body)
             ok = (
                 header.get("kind") == "manifest"
@@ -344,12 +348,12 @@ class RoundStore:
                     isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i for i, n in m["grads"].items()
                 )
             )
-        except (CorruptObjectError, ValueError, TypeError) as e:
-            why = f"round {r}'s manifest is not a DiLoCo data object and cannot be replaced (it was created once)"
-            raise self._for_good(r, key, e, why) from e
-        if not ok:
-            raise self._for_good(r, key, None, f"not a manifest of round {r}")
-        return m
+            if not ok:
+                raise self._for_good(r, key, None, f"not a manifest of round {r}")
+            return m
+
+        why = f"round {r}'s manifest is not a DiLoCo data object and cannot be replaced (it was created once)"
+        return self._round_object(r, f"{self.round_dir(r)}/manifest.json", parse, why)
 
     def close_round(self, r: int, grads: dict[int, str], closer: int, slices: int = 1) -> tuple[dict[str, Any], bool]:
         """Create round ``r``'s manifest naming ``grads`` unless one exists; ``(manifest, created)``."""

@@ -13,24 +13,29 @@ import torch
 SLOT = "__state_slot__"
 
 
+def map_leaves(fn: Any, x: Any) -> Any:
+    """``x`` with each leaf (what is not a list, tuple or dict) replaced by ``fn(leaf)``, in walk order."""
+    if isinstance(x, list):
+        return [map_leaves(fn, v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(map_leaves(fn, v) for v in x)
+    if isinstance(x, dict):
+        return {k: map_leaves(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
 def flatten(state: Any) -> tuple[Any, torch.Tensor]:
     """``(skeleton, flat fp32 vector)`` of a state: every floating tensor of one or more dimensions becomes
     ``{SLOT: shape}`` in the skeleton and its values go, in walk order, into the flat vector."""
     parts: list[torch.Tensor] = []
 
-    def walk(x: Any) -> Any:
+    def slot(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype == torch.float32:
             parts.append(x.detach().reshape(-1))
             return {SLOT: list(x.shape)}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
         return x
 
-    skeleton = walk(state)
+    skeleton = map_leaves(slot, state)
     flat = torch.cat(parts) if parts else torch.zeros(0)
     return skeleton, flat
 

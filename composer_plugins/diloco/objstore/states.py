@@ -13,7 +13,7 @@ import torch
 
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.diloco.objstore.rounds import StoreObjectError
-from composer_plugins.diloco.objstore.statehash import flatten, state_hash
+from composer_plugins.diloco.objstore.statehash import flatten, map_leaves, state_hash
 from composer_plugins.diloco.store import CorruptObjectError, to_host
 
 log = logging.getLogger(__name__)
@@ -281,13 +281,11 @@ class StatesMixin:
 
 def _host_tree(obj: Any) -> Any:
     """``obj`` with every tensor copied to the host (a plain CPU tensor), for the data codec."""
-    if isinstance(obj, torch.Tensor):
-        t = to_host(obj)
-        return t.clone() if t.data_ptr() == obj.data_ptr() else t
-    if isinstance(obj, list):
-        return [_host_tree(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_host_tree(v) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _host_tree(v) for k, v in obj.items()}
-    return obj
+    return map_leaves(_host_copy, obj)
+
+
+def _host_copy(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = to_host(x)
+    return t.clone() if t.data_ptr() == x.data_ptr() else t

@@ -90,6 +90,11 @@ class HintRequest:
     reward: float | None = None
     group: SiblingGroup | None = None
 
+    @property
+    def failure(self) -> Feedback | None:
+        """:attr:`feedback` when it asks for a hint (:attr:`Feedback.needs_hint`), else ``None``."""
+        return self.feedback if self.feedback is not None and self.feedback.needs_hint else None
+
 
 class HintProvider:
     """Base class of hint providers: ``hint(request) -> str | None`` per row, ``hints(requests)`` per batch.

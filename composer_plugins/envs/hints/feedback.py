@@ -86,10 +86,8 @@ class TemplateHintProvider(HintProvider):
         self.default = default
 
     def hint(self, request: HintRequest) -> str | None:
-        feedback = request.feedback
-        if feedback is None or not feedback.needs_hint:
-            return None
-        tpl = self.templates.get(feedback.kind, self.default)
+        feedback = request.failure
+        tpl = None if feedback is None else self.templates.get(feedback.kind, self.default)
         if tpl is None:
             return None
         text = string.Formatter().vformat(tpl, (), _fields(feedback, self.reveal_answer))
@@ -112,8 +110,8 @@ class RawErrorHintProvider(HintProvider):
         self.reveal_answer = reveal_answer
 
     def hint(self, request: HintRequest) -> str | None:
-        feedback = request.feedback
-        if feedback is None or not feedback.needs_hint:
+        feedback = request.failure
+        if feedback is None:
             return None
         d = feedback.details or {}
         parts: list[str] = []

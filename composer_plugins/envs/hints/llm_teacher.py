@@ -109,8 +109,8 @@ class LLMTeacherHintProvider(HintProvider):
         return _result_text(await asyncio.to_thread(generate, messages))
 
     async def ahint(self, request: HintRequest) -> str | None:
-        feedback = request.feedback
-        if feedback is None or not feedback.needs_hint:
+        feedback = request.failure
+        if feedback is None:
             return None
         messages = hint_request_messages(
             feedback,

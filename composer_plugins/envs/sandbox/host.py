@@ -21,6 +21,21 @@ from composer_plugins.envs.sandbox.tree import _real
 from composer_plugins.envs.sandbox.types import SandboxError
 
 
+def probe_interpreter(python: str, code: str) -> Any:
+    """What ``code`` prints (one JSON value) when ``python`` runs it isolated (``-I``), from ``/``."""
+    out = subprocess.run(
+        [python, "-I", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    if out.returncode != 0:
+        raise SandboxError(f"cannot inspect interpreter {python}: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
 def _procs_of_uid(uid: int) -> int:
     n = 0
     for entry in os.scandir("/proc"):
@@ -68,17 +83,7 @@ def interpreter_paths(python: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             "print(json.dumps([[sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix],"
             " [p for p in sys.path if p]]))"
         )
-        out = subprocess.run(
-            [python, "-I", "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin"},
-        )
-        if out.returncode != 0:
-            raise SandboxError(f"cannot run the interpreter {python}: {out.stderr.strip()[-300:]}")
-        pre, pp = json.loads(out.stdout)
+        pre, pp = probe_interpreter(python, code)
         prefixes, paths = set(pre), set(pp)
     prefixes.add(os.path.dirname(os.path.dirname(python)))
     prefixes.add(os.path.dirname(os.path.dirname(_real(python))))

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from composer_plugins.teachers.base import check_number
+from composer_plugins.teachers.base import CallCounts, TeacherError, check_number
 
 
 @dataclass
@@ -72,16 +72,12 @@ class ScoreRequest:
 
 
 @dataclass
-class ScorerStats:
-    """Per-scorer counters (reported as metrics)."""
+class ScorerStats(CallCounts):
+    """Per-scorer counters (reported as metrics); ``failures`` counts rows."""
 
     rows: int = 0
-    calls: int = 0
-    cache_hits: int = 0
-    failures: int = 0
     skipped_batches: int = 0
     bytes_received: int = 0
-    spent_usd: float = 0.0
     seconds: float = 0.0
 
 
@@ -102,6 +98,8 @@ class TeacherScorer:
         self.student_tokenizer: Any = None
         #: The last failed call's reason (what the console warning and the end-of-run summary quote).
         self.last_error = ""
+        #: What :meth:`bind` maps the teacher's tokens to the student's with (set by a subclass's ``bind``).
+        self._aligner: _Aligner | None = None
 
     @property
     def endpoint(self) -> str | None:
@@ -118,6 +116,13 @@ class TeacherScorer:
 
     def close(self) -> None:
         """Release the model / connections."""
+
+    def _aligned(self, requests: Sequence[ScoreRequest]) -> tuple[_Aligner, list[Any]]:
+        """The aligner :meth:`bind` made and each request's teacher tokens (refused before :meth:`bind`)."""
+        al = self._aligner
+        if al is None:
+            raise TeacherError(f"{self.kind} scorer {self.id!r}: bind(student_tokenizer) before score()")
+        return al, [al.teacher_tokens(r) for r in requests]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, topk={self.topk})"

@@ -52,7 +52,6 @@ class LocalScorer(TeacherScorer):
         self.batch_size, self.chunk_size, self.local_files_only = int(batch_size), int(chunk_size), local_files_only
         self._model: Any = None
         self._tok: Any = None
-        self._aligner: _Aligner | None = None
         self._lock = threading.Lock()
 
     def load(self) -> tuple[Any, Any]:
@@ -125,11 +124,8 @@ class LocalScorer(TeacherScorer):
         return out
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[TeacherScores | None]:
-        if self._aligner is None:
-            raise TeacherError(f"causal_lm scorer {self.id!r}: bind(student_tokenizer) before score()")
         t0 = time.perf_counter()
-        al = self._aligner
-        toks = [al.teacher_tokens(r) for r in requests]
+        al, toks = self._aligned(requests)
         results: list[TeacherScores | None] = []
         with self._lock:
             for s in range(0, len(requests), self.batch_size):

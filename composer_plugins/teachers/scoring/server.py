@@ -215,7 +215,6 @@ class ServerScorer(TeacherScorer):
         self.tokenizer_path, self.cache_path, self.max_usd, self.run_id = tokenizer, cache, max_usd, run_id
         self.max_retries = int(max_retries)
         self._cache: Any = None
-        self._aligner: _Aligner | None = None
 
     def bind(self, student_tokenizer: Any) -> None:
         super().bind(student_tokenizer)
@@ -244,11 +243,8 @@ class ServerScorer(TeacherScorer):
         from composer_plugins.teachers.engine import ReplayEngine, RetryPolicy
         from composer_plugins.teachers.traces import TraceState
 
-        if self._aligner is None:
-            raise TeacherError(f"scorer {self.id!r}: bind(student_tokenizer) before score()")
         t0 = time.perf_counter()
-        al = self._aligner
-        toks = [al.teacher_tokens(r) for r in requests]
+        al, toks = self._aligned(requests)
         states = [
             TraceState(
                 state_id=str(i),
