@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo, stop_file_says_stop
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ class DiLoCoCallbackBase(pl.Callback):
         self._stop = False
 
     # -- the heal counters: written here only -------------------------------------------------
+    def stop_file_says_stop(self, step: int) -> bool:
+        """This replica's STOP file (``stop_file`` in its config, else the launcher's) says stop at ``step``."""
+        return stop_file_says_stop(self.config.stop_file or self.replica.stop_file, step)
+
     def _healed(self) -> None:
         """A heal (a state loaded, rounds replayed, a round caught up): counted, and reported by the next sync."""
         self.heal_count += 1

@@ -38,7 +38,6 @@ from composer_plugins.diloco.common import (
     build_outer_optimizer,
     param_digest,
     split_fragments,
-    stop_file_says_stop,
 )
 from composer_plugins.diloco.glue import DiLoCoCallbackBase
 
@@ -440,7 +439,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
                 self._checkpoint_due = step  # written in on_train_batch_end, once the step has finished
             if self._target is not None and step >= self._target and not self._defer_stop(step):
                 self._stop = True
-            if stop_file_says_stop(self.config.stop_file or self.replica.stop_file, step):
+            if self.stop_file_says_stop(step):
                 self._stop = True
         else:
             log.warning("DiLoCo: sync at torchft step %d did not commit; weights rolled back", step)

@@ -376,6 +376,8 @@ def test_a_codec_feedback_decay_below_one_scales_the_carried_residual(monkeypatc
 
 
 def _recorder(tmp_path, **over):
+    from composer_plugins.diloco.glue import DiLoCoCallbackBase
+
     me = SimpleNamespace(
         config=SimpleNamespace(sync_log=None, log_param_hash=False, stop_file=None, overlap=0),
         replica=SimpleNamespace(index=0, replica_id="r0", restart=0, stop_file=None, sync_log=None),
@@ -395,6 +397,7 @@ def _recorder(tmp_path, **over):
         history=[],
         _trainer=SimpleNamespace(should_stop=False),
     )
+    me.stop_file_says_stop = lambda step: DiLoCoCallbackBase.stop_file_says_stop(me, step)
     for k, v in over.items():
         setattr(me, k, v)
     return me

@@ -23,7 +23,6 @@ from composer_plugins.diloco.common import (
     build_outer_optimizer,
     param_digest,
     split_fragments,
-    stop_file_says_stop,
 )
 from composer_plugins.diloco.glue import DiLoCoCallbackBase
 from composer_plugins.diloco.objstore.aggregate import AggregateMixin
@@ -363,7 +362,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             rec["background_s"] = background
         if self._target is not None and self.round >= self._target:
             self._stop = True
-        if stop_file_says_stop(c.stop_file or self.replica.stop_file, self.round):
+        if self.stop_file_says_stop(self.round):
             self._stop = True
         rec["writes_checkpoint"] = False
         rec["stop"] = self._stop
