@@ -31,7 +31,7 @@ def test_columns_level_writes_each_column_with_its_carry():
 
 
 def test_columns_split_holds_out_every_number_of_a_test_problem():
-    train = generate_problems(3000, "columns", seed=0)
+    train = generate_problems(30000, "columns", seed=0)
     test = generate_problems(400, "columns", seed=0, split="test")
     assert len({p.question for p in test}) == 400
 
@@ -52,7 +52,7 @@ def test_prepare_reports_the_overlap_at_each_level_of_the_procedure(tmp_path):
     from composer_plugins.pipeline.stages import prepare
 
     params = {
-        "data": {"seed": 0, "gsm8k": {"train": 3000, "test": 400}},
+        "data": {"seed": 0, "gsm8k": {"train": 30000, "test": 400}},
         "train": {"env": {"name": "gsm8k", "difficulty": "columns"}},
     }
     entry = prepare(params, tmp_path)["envs"]["gsm8k"]

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 T=data/tasks/gsm8k
-cp ../params.yaml params.yaml
+[ -n "${KEEP_PARAMS:-}" ] || cp ../params.yaml params.yaml
 case "${1:-}" in
 base)
   composer-plugins prepare --out data/tasks
