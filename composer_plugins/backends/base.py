@@ -1,18 +1,9 @@
 """What every backend shares: the config it reads, the result it returns, its run history.
 
-A backend is the trainer a set of loss channels runs in. All of them read the same
-:class:`~composer_plugins.training.config.TrainConfig` (``env``, ``losses``, ``hints``, ``replay``,
-``rollout``, ``optim``, ``model`` ...) and take their own options as keyword arguments, so
-``composer_plugins.build("backends", "trl", config="train.yaml", max_steps=2)`` and
-``build("backends", "monarch", config=cfg)`` run the *same* channels in different trainers.
-``train()`` returns a :class:`~composer_plugins.training.run.RunResult` and writes
-``<output_dir>/model`` (``save_pretrained``), ``history.csv`` and ``metrics.json`` like the
-native path does.
-
-What every backend's local mode shares lives here once: the ``max_steps`` override (:class:`Backend`),
-the optimizer step (:func:`optimizer_step`, from :mod:`composer_plugins.training.optim`) and the local loop
-(:meth:`Backend.run_local`: rollout → the one experience maker's read-only record → the backend's loss →
-optimizer step → one history row per step).
+Every backend reads the same :class:`~composer_plugins.training.config.TrainConfig`, takes its own options as
+keyword arguments and returns a :class:`~composer_plugins.training.run.RunResult` (writing ``model``,
+``history.csv`` and ``metrics.json`` like the native path). Every local mode shares :class:`Backend`'s
+``max_steps`` override and :meth:`Backend.run_local` loop, and :func:`optimizer_step`. See docs/backends.md.
 """
 
 from __future__ import annotations
