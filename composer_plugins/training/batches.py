@@ -1,11 +1,9 @@
 """What a training or validation step is fed: task streams, prompts, rewards, hinted contexts, pairs.
 
-:class:`TaskStream` (seeded, resumable, sharded by data-parallel rank) and :class:`StaticBatches` are the
-train and validation "dataloaders"; :func:`task_drawer` / :func:`eval_batches` build them from the config
-(env generator or JSONL). :func:`task_prompt` (from :mod:`~composer_plugins.training.chat`),
-:func:`env_rewards`, :func:`teacher_contexts`, :func:`rollout_groups`, :func:`load_pairs` and :func:`render_pairs` are
-the task-level helpers the native loop and the backends share; one step's scored rollouts are a
-:class:`~composer_plugins.training.step.StepRecord`.
+:class:`TaskStream` and :class:`StaticBatches` are the train and validation "dataloaders" (built by
+:func:`task_drawer` / :func:`eval_batches`); the task-level helpers (:func:`env_rewards`,
+:func:`teacher_contexts`, :func:`rollout_groups`, :func:`load_pairs`, :func:`render_pairs`) are shared by
+the native loop and the backends.
 """
 
 from __future__ import annotations
