@@ -3,7 +3,7 @@
 Every backend reads the same :class:`~composer_plugins.training.config.TrainConfig`, takes its own options as
 keyword arguments and returns a :class:`~composer_plugins.training.run.RunResult` (writing ``model``,
 ``history.csv`` and ``metrics.json`` like the native path). Every local mode shares :class:`Backend`'s
-``max_steps`` override and :meth:`Backend.run_local` loop, and :func:`optimizer_step`. See docs/backends.md.
+``max_steps`` override and its one loop :meth:`Backend.run_local`. See docs/backends.md.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.training.metrics import scalar_metrics
-from composer_plugins.training.optim import optimizer_step
 
-__all__ = ["Backend", "optimizer_step", "resolve_config", "write_history"]
+__all__ = ["Backend", "resolve_config", "write_history"]
 
 
 def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
