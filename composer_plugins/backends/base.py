@@ -1,18 +1,9 @@
 """What every backend shares: the config it reads, the result it returns, its run history.
 
-A backend is the trainer a set of loss channels runs in. All of them read the same
-:class:`~composer_plugins.training.config.TrainConfig` (``env``, ``losses``, ``hints``, ``replay``,
-``rollout``, ``optim``, ``model`` ...) and take their own options as keyword arguments, so
-``composer_plugins.build("backends", "trl", config="train.yaml", max_steps=2)`` and
-``build("backends", "monarch", config=cfg)`` run the *same* channels in different trainers.
-``train()`` returns a :class:`~composer_plugins.training.run.RunResult` and writes
-``<output_dir>/model`` (``save_pretrained``), ``history.csv`` and ``metrics.json`` like the
-native path does.
-
-What every backend's local mode shares lives here once: the ``max_steps`` override (:class:`Backend`),
-the optimizer step (:func:`optimizer_step`, from :mod:`composer_plugins.training.optim`) and the local loop
-(:meth:`Backend.run_local`: rollout → the one experience maker's read-only record → the backend's loss →
-optimizer step → one history row per step).
+Every backend reads the same :class:`~composer_plugins.training.config.TrainConfig`, takes its own options as
+keyword arguments and returns a :class:`~composer_plugins.training.run.RunResult` (writing ``model``,
+``history.csv`` and ``metrics.json`` like the native path). Every local mode shares :class:`Backend`'s
+``max_steps`` override and its one loop :meth:`Backend.run_local`. See docs/backends.md.
 """
 
 from __future__ import annotations
@@ -29,9 +20,8 @@ from typing import Any, ClassVar
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.training.metrics import scalar_metrics
-from composer_plugins.training.optim import optimizer_step
 
-__all__ = ["Backend", "optimizer_step", "resolve_config", "write_history"]
+__all__ = ["Backend", "resolve_config", "write_history"]
 
 
 def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[Any, Any]:

@@ -1,10 +1,7 @@
 """The ``lightning`` backend: the native path, registered like every other backend.
 
-:class:`~composer_plugins.training.module.ComposerModule` samples rollouts, scores them with the
-env and optimises the composed channels; a Lightning ``Trainer`` (built by
-:func:`~composer_plugins.training.trainer.build_trainer`) runs it. This is exactly
-:func:`composer_plugins.training.run.run_train`; the backend object only gives it the same
-``build("backends", name, config=...).train()`` interface as TRL, VeRL, PRIME-RL and Monarch.
+It is exactly :func:`composer_plugins.training.run.run_train` (``ComposerModule`` under a Lightning
+``Trainer``), behind the same ``build("backends", name, config=...).train()`` interface as the others.
 """
 
 from __future__ import annotations

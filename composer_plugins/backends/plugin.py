@@ -1,12 +1,8 @@
 """Default plugin: the ``lightning`` backend and the ``composer-plugins backend`` commands.
 
-Backends that need an upstream library ship in their own distributions (``packages/``):
-``composer-plugins-trl``, ``-verl``, ``-prime-rl`` and ``-monarch`` each register their backend
-through their own ``composer_plugins`` entry point, lazily (a ``"module:attr"`` string), so
-``composer-plugins list backends`` never imports an upstream library. A known backend whose
-distribution is not installed is still listed, as ``[not installed: pip install ./packages/composer-plugins-<name>]``
-(:data:`~composer_plugins.core.registry.KNOWN_BACKENDS`), and asking for it by name raises an
-"unknown backend" error with the same command.
+Upstream backends register from their own distributions (``packages/``), lazily, so listing backends never
+imports an upstream library; a known one not installed is listed with its pip command
+(:data:`~composer_plugins.core.registry.KNOWN_BACKENDS`). See docs/backends.md "Packaging and the version matrix".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Which loss channel runs in which backend mode: collected from what each backend declares, checked when it is built.
 
-Each backend class declares its own modes and cells in ``support`` (``{mode: {channel kind: Cell}}``; a
-mode is ``backend`` or ``backend:mode``, ``backend`` being its registry name); this module only collects,
-checks and renders them, so a third-party backend gets its rows without editing the core. A mode either
-*composes* channels (``None``: the channel objects themselves run, on inputs built by the one assembler:
-``lightning``, ``trl``, ``monarch``) or *re-implements* a fixed set of losses inside an upstream loss
-contract (VeRL's registered ``composer_<type>`` policy losses; PRIME-RL's per-sample ``loss_fn``). What a
-channel is, for this table, is read from what it declares, never from its registry name (:func:`channel_kind`):
-
-* ``hint``: it needs a teacher forward pass (``needs_teacher``: hint self-distillation);
-* ``teacher``: it reads ``teacher_scores`` (external teachers' top-k log-probs);
-* ``pairs``: it reads chosen/rejected pair log-probs (``PAIR_INPUTS``: replay DPO / SimPO);
-* ``policy:<type>``: a policy-gradient channel of that loss type (``loss_type``; the DPPO+KL channel is ``dppo``);
-* ``custom``: anything else (a third-party channel): it runs where channels are composed, and nowhere else.
-
-Each cell is ``runs`` (the channel as it is), ``limits`` (it runs, as a narrower loss: the note says what
-differs) or ``refused`` (the note says why and where it runs instead); a kind a re-implementing mode does
-not declare is refused. A refused channel is refused when the backend is built (:func:`check_channels`, a
-:class:`~composer_plugins.core.errors.ConfigError` located at ``losses.<key>``, naming the mode and the
-modes that run it), never dropped during the run. ``docs/backends.md`` holds :func:`markdown_table` of the
-built-in channels; a test keeps the two equal.
+Each backend class declares ``support`` (``{mode: {channel kind: Cell}}``); this module only collects, checks
+and renders it, so a third-party backend gets its rows without editing the core. A channel's kind is read from
+what it declares, never its name (:func:`channel_kind`); a refused cell is refused when the backend is built
+(:func:`check_channels`), never dropped during the run. docs/backends.md "Which channel runs where" holds
+:func:`markdown_table` of the built-in channels; a test keeps the two equal.
 """
 
 from __future__ import annotations

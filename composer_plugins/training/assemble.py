@@ -1,27 +1,10 @@
 """The one assembler of channel inputs: a read-only :class:`~composer_plugins.training.step.StepRecord`, its
 :class:`~composer_plugins.training.step.StepMeta` and a policy in, each active channel's inputs out.
 
-:func:`assemble_inputs` asks the composer which inputs its active channels read
-(:meth:`~composer_plugins.losses.base.ChannelComposer.required_inputs`) and builds exactly those, each by the
-input builder registered for it through the ``register_input_builders`` hook (built-ins:
-:mod:`composer_plugins.training.input_builders`; ``composer-plugins list input_builders`` shows every one
-with its provider). A trainer that already holds an input (TRL's per-token log-probs and token normaliser)
-passes it as ``given`` and its builder does not run. The assembler never writes the record: what the record
-lacks (``None``) and a channel reads fails with a located :class:`MissingInputError`.
-
-Adding a channel input is one hook implementation and the name in the channel's ``requires``::
-
-    @hookimpl
-    def register_input_builders(register):
-        register("my_scores", my_scores)
-
-    def my_scores(asm):  # asm: an Assembly
-        return {"my_scores": asm.record.rewards * 2}
-
-A builder receives the :class:`Assembly` (the record, the step meta, the policy, inputs built so far through
-:meth:`Assembly.get`, ``stats`` to report into) and returns a dict of inputs; one builder may provide several
-names (registered under each: the hint builder gives the student and teacher hidden states, the LM head and
-the mask) and runs once per assembly.
+:func:`assemble_inputs` builds exactly the inputs the active channels read, each by the builder registered
+through ``register_input_builders`` (one builder may provide several names and runs once per assembly); a
+trainer's own inputs arrive as ``given``. It never writes the record: an input the record lacks fails with a
+located :class:`MissingInputError`. Writing a builder: docs/plugins.md ``register_input_builders``.
 """
 
 from __future__ import annotations

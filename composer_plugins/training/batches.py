@@ -1,11 +1,9 @@
 """What a training or validation step is fed: task streams, prompts, rewards, hinted contexts, pairs.
 
-:class:`TaskStream` (seeded, resumable, sharded by data-parallel rank) and :class:`StaticBatches` are the
-train and validation "dataloaders"; :func:`task_drawer` / :func:`eval_batches` build them from the config
-(env generator or JSONL). :func:`task_prompt` (from :mod:`~composer_plugins.training.chat`),
-:func:`env_rewards`, :func:`teacher_contexts`, :func:`rollout_groups`, :func:`load_pairs` and :func:`render_pairs` are
-the task-level helpers the native loop and the backends share; one step's scored rollouts are a
-:class:`~composer_plugins.training.step.StepRecord`.
+:class:`TaskStream` and :class:`StaticBatches` are the train and validation "dataloaders" (built by
+:func:`task_drawer` / :func:`eval_batches`); the task-level helpers (:func:`env_rewards`,
+:func:`teacher_contexts`, :func:`rollout_groups`, :func:`load_pairs`, :func:`render_pairs`) are shared by
+the native loop and the backends.
 """
 
 from __future__ import annotations
@@ -37,16 +35,11 @@ def derive_seed(*parts: int) -> int:
 class TaskStream:
     """A resumable, length-known stream of prompt batches for Lightning.
 
-    Batch ``i`` is ``{"index": i, "tasks": [...], "rank": r, "world_size": W}`` where the step's
-    ``batch_size`` tasks are drawn by ``draw(n, seed)`` with a seed derived from ``(seed, epoch, i)``
-    and data-parallel rank ``r`` of ``W`` keeps its contiguous share of them
-    (:func:`~composer_plugins.training.distributed.rank_share`): the content of a batch depends
-    only on its position and the rank, the ranks' shares are disjoint and their union is the
-    one-process batch. ``rank``/``world_size`` default to the ``torch.distributed`` group's at
-    iteration time (Lightning initialises it before it iterates). ``state_dict``/``load_state_dict``
-    record the position, which every rank shares, so Lightning's ``ckpt_path=...`` resumes each rank
-    at its exact next share (Lightning stores the state of stateful iterables in the checkpoint's
-    ``loops`` section); a resume under another world size re-splits the same step batches.
+    Batch ``i`` is ``{"index": i, "tasks": [...], "rank": r, "world_size": W}``: ``batch_size`` tasks drawn by
+    ``draw(n, seed)`` from ``(seed, epoch, i)``, rank ``r`` keeping its contiguous share
+    (:func:`~composer_plugins.training.distributed.rank_share`; ``rank``/``world_size`` default to the
+    ``torch.distributed`` group's at iteration time). ``state_dict`` records the position, so Lightning's
+    ``ckpt_path=...`` resumes each rank at its exact next share, under any world size.
     """
 
     def __init__(

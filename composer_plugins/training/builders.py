@@ -1,10 +1,8 @@
 """Components built from a :class:`~composer_plugins.training.config.TrainConfig`: one function per part.
 
-The env (``env``), the rollout generator (``rollout.generator``), the hint provider (``hints.provider``)
-and the loss channels (``losses``) come from the plugin registry through
-:func:`~composer_plugins.core.config.build_component`; the MLflow settings, provenance tags, default run
-name and Lightning's ``MLFlowLogger`` come from ``mlflow``. The optimizer is built by
-:mod:`composer_plugins.training.optim`, the strategy by :mod:`composer_plugins.training.strategy`.
+The env, the rollout generator, the hint provider and the loss channels come from the plugin registry
+(:func:`~composer_plugins.core.config.build_component`); the MLflow settings, tags, run name and logger from
+``mlflow``. The optimizer and strategy have modules of their own (``optim``, ``strategy``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Lightning callbacks from plugins (registry kind ``callbacks``), chosen by ``trainer.callbacks``.
 
-The training run's ``Trainer`` (:func:`composer_plugins.training.trainer.build_trainer`) adds, after its
-own callbacks (checkpoints, history, progress bar), one callback per entry of ``trainer.callbacks``:
-a registered name, ``{name: ..., <kwargs>}`` or ``{class_path: ..., init_args: ...}``. A plugin adds
-names with the ``register_callbacks`` hook::
-
-    @hookimpl
-    def register_callbacks(register):
-        register("grad_norm", "my_pkg.callbacks:GradNormLogger", description="log the gradient norm")
-
-The factory is called with the entry's keyword arguments and returns a ``lightning.pytorch.Callback``.
+:func:`composer_plugins.training.trainer.build_trainer` adds one callback per entry (a registered name,
+``{name: ..., <kwargs>}`` or ``{class_path: ..., init_args: ...}``) after its own. See docs/plugins.md
+``register_callbacks``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Chat templates, applied in one place for every model input of the training stack.
 
-A task's prompt is text or a list of chat messages. Whatever the model reads — the student's rollout
-and evaluation prompts, the hinted teacher's context, the prompts of replay pairs, the SFT examples, the
-conversations handed to external teachers — is made here, with ``model.chat_template`` (``auto``,
-``none`` or a Jinja file; :func:`composer_plugins.core.chat.render_prompt` is the renderer):
-
-* :func:`task_prompt` — the text the model reads for a task (text prompts unchanged);
-* :func:`task_conversation` — the task's messages (``None`` for a text prompt), for teachers that
-  render the conversation with their own template;
-* :func:`hinted_context` — the hint inserted where docs/envs.md says (text: before the answer cue;
-  messages: appended to the last user turn, :func:`~composer_plugins.envs.hints.build_teacher_context`),
-  then rendered like the student's prompt;
-* :func:`pair_prompt` — a preference pair's prompt (its ``messages`` rendered when a template applies);
-* :func:`install_chat_template` — a ``model.chat_template`` file set on a loaded tokenizer, so
-  generation engines that template for themselves (TRL, vLLM) and the exported model agree.
+Whatever the model reads (rollout and evaluation prompts, hinted teacher contexts, replay pairs' prompts,
+SFT examples, conversations for external teachers) is made here with ``model.chat_template``
+(:func:`composer_plugins.core.chat.render_prompt` renders). See docs/training.md "Chat models".
 """
 
 from __future__ import annotations

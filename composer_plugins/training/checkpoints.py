@@ -1,17 +1,9 @@
 """Checkpoints that survive a kill, and a resume that says what is wrong before anything is built.
 
-* :class:`AtomicCheckpointIO` — Lightning's ``TorchCheckpointIO`` writing to a temporary file in the
-  same directory, flushed to disk, then renamed over the target (``os.replace``). A kill during a save
-  leaves the previous ``last.ckpt`` (or none) and a ``.tmp`` file, never a half-written checkpoint;
-  leftover ``.tmp`` files of dead writers are removed by the next save into that directory.
-* :func:`checkpoint_problem` — what is wrong with a ``.ckpt`` file without unpickling it: missing,
-  a directory, empty, truncated, not a PyTorch zip archive, or a member whose CRC does not match.
-* :func:`resolve_resume` — ``--resume last`` / ``--resume PATH`` to a checked path, or a
-  :class:`CheckpointError` naming the file, what is wrong, and the newest good checkpoint beside it.
-* :func:`safe_load` — every local checkpoint is read with ``torch.load(weights_only=True)``: tensors,
-  containers and numbers only, so a checkpoint never runs code when it is read (what this module and the
-  module's hooks write — optimizer states, RNG states as a tensor and lists — loads that way). A resume
-  checks the file so before Lightning reads it, whatever the strategy's own loader.
+:class:`AtomicCheckpointIO` writes to a temporary file and renames it over the target, so a kill never leaves
+a half-written checkpoint; :func:`checkpoint_problem` says what is wrong with a ``.ckpt`` without unpickling
+it; :func:`resolve_resume` checks ``--resume``; :func:`safe_load` reads with ``weights_only=True``, so a
+checkpoint never runs code. See docs/training.md "Trainer, checkpoints and exact resume".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The training config: the schema of ``composer-plugins train|sft|eval --config``, its loading and validation.
 
-:class:`TrainConfig` is what a YAML file may say: one section per top-level key
-(:mod:`composer_plugins.training.sections`, each a dataclass with one comment per field that validates itself)
-plus the component specs (``env``, ``losses``). :func:`load_train_config` / :func:`loads_train_config` read YAML
-with dotted ``key.sub=value`` overrides and ``$env`` secrets, fill the default component specs and validate
-(:meth:`TrainConfig.validate`: every section, then what spans sections), raising a located
-:class:`~composer_plugins.core.errors.ConfigError` (file:line, key, valid keys, did-you-mean).
-:mod:`composer_plugins.training.loss_specs` parses the ``losses`` section (:func:`channel_spec`, the list form).
+:class:`TrainConfig` holds one self-validating section per top-level key (:mod:`composer_plugins.training.sections`)
+plus the component specs (``env``, ``losses``, parsed by :mod:`composer_plugins.training.loss_specs`);
+:func:`load_train_config` reads YAML with ``key.sub=value`` overrides and ``$env`` secrets and raises a located
+:class:`~composer_plugins.core.errors.ConfigError`. See docs/training.md "Config".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Held-out learning curves during RL (``eval.every_n_steps``): greedy accuracy on a fixed held-out subset.
 
-:class:`HeldoutCurve` is a Lightning callback. Every ``eval.every_n_steps`` optimizer steps (and at
-the last one) it decodes the first ``eval.curve_problems`` held-out problems greedily with the
-module's :meth:`~composer_plugins.training.evaluation.Validator.greedy_accuracy` (no sampled pass@k,
-no hint uplift: one greedy completion per problem) and records the accuracy as the step statistic
-``heldout/accuracy``: ``history.csv`` gets the column ``train/heldout/accuracy`` (empty at steps not
-evaluated) and the loggers (MLflow) the metric of that name at that step. The starting policy's value
-is logged at step 0; history.csv rows start at step 1, so every point, step 0 included, is also written
-to ``<output_dir>/heldout_curve.csv`` (``step,value``). ``eval.curve_early_every`` /
-``eval.curve_early_until`` evaluate densely early (e.g. every 3 steps to step 18, then every
-``every_n_steps``), where most of RL's gain happens. The pipeline's report turns the curve into
-``plots/curves/train.heldout.accuracy.csv`` (``dvc plots show``), and the paired report into the area
-under the curve from step 0 and the time to a fixed threshold (:mod:`composer_plugins.pipeline.paired`).
-
-The subset is the same for every step, variant and seed (``data.test_path``'s first rows, else the
-env's test generator at ``eval.seed``), so curves pair across variants.
+:class:`HeldoutCurve` records ``heldout/accuracy`` on the first ``eval.curve_problems`` held-out problems
+(the same subset for every step, variant and seed, so curves pair), from step 0, also into
+``<output_dir>/heldout_curve.csv``; ``eval.curve_early_every`` / ``curve_early_until`` evaluate densely early.
+See docs/metrics.md (``train/heldout/accuracy``) and docs/results.md.
 """
 
 from __future__ import annotations

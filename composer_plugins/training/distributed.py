@@ -1,23 +1,9 @@
 """Data parallel that divides the work: which share of a step each rank draws, and global reductions.
 
-With ``W`` data-parallel ranks (Lightning DDP/FSDP, any ``torch.distributed`` process group) every
-optimizer step still has ``rollout.prompts_per_step`` prompts: the step's prompts are drawn once,
-deterministically from ``(seed, epoch, step)``, and rank ``r`` keeps the ``r``-th contiguous share
-(:func:`rank_share`), so ranks never repeat each other's prompts and a group of ``G`` completions
-never spans two ranks. Each rank samples with a seed mixed from ``(seed, step, rank)``.
-
-The loss must be the single-process loss on the union batch. DDP averages gradients over ranks, so
-each rank's loss is its share of ``W ×`` the union loss: token-count normalisers that are global in
-the single-process loss are all-reduced (:func:`dp_normalisers`) and handed to the channels through
-the batch (``num_items_in_batch`` = global loss-token count ``/ W``, as TRL does;
-``max_completion_length`` = the longest completion over all ranks, ``dr_grpo``'s default constant).
-Per-sequence means (``grpo``, ``gspo``) need nothing: every rank holds the same number of rows.
-
-Step statistics are reduced over ranks before they are logged once (:func:`reduce_stats`): counts
-are summed, everything else averaged.
-
-Everything here is a no-op (no collective) when ``torch.distributed`` is not initialised or the
-world has one rank.
+Rank ``r`` keeps the ``r``-th contiguous share of the step's prompts (:func:`rank_share`); token-count
+normalisers are all-reduced (:func:`dp_normalisers`) so each rank's loss is its share of the single-process
+loss on the union batch; step statistics are reduced before logging (:func:`reduce_stats`). Everything is a
+no-op without an initialised multi-rank process group. See docs/training.md "Data parallel that divides the work".
 """
 
 from __future__ import annotations

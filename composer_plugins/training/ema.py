@@ -1,22 +1,8 @@
 """The EMA self-teacher: a frozen exponential moving average of the policy's weights (SDPO's teacher).
 
-:class:`EMATeacher` holds a second instance of the policy (the same config and architecture, its own
-parameter tensors, ``requires_grad`` off, eval mode) and runs the hint teacher's forward with them.
-It is a submodule of the training module, so:
-
-* its weights are in the module's ``state_dict``: Lightning saves them in every checkpoint and a
-  resume restores them exactly (DiLoCo replicas checkpoint their module, so it is per replica);
-* data parallel (DDP) ignores it for gradients (nothing requires grad) and every rank applies the
-  same update to the same weights, so the ranks' copies stay equal;
-* under FSDP it is an FSDP unit of its own with its decoder layers nested units (the project's
-  FSDP wrap policy lists :class:`EMATeacher`), so its parameters are sharded exactly as the policy's:
-  each rank updates its shard from the policy's shard, and its forward gathers them as the policy's does.
-
-Why a second module instance rather than ``torch.func.functional_call`` with a dict of EMA tensors:
-the memory is the same (one more copy of the weights; buffers such as rotary frequencies are
-tiny), but a module is checkpointed, moved to the device, and sharded by FSDP with no extra code,
-and its forward is the decoder's ordinary forward (FSDP units gather their shards in their own
-forward; ``functional_call`` cannot substitute the flat shards FSDP holds).
+:class:`EMATeacher` is a second instance of the policy held as a submodule, so it is checkpointed, moved and
+sharded by FSDP (as a unit of its own) with no extra code. Why a module rather than ``functional_call``: see
+docs/training.md "The hint teacher: live or EMA".
 """
 
 from __future__ import annotations

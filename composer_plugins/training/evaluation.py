@@ -1,14 +1,8 @@
 """Held-out evaluation: a :class:`Validator` that is given what it reads and owns what it accumulates.
 
-It is built from the config, the tokenizer, the env and the hint provider ``eval.hint_uplift`` evaluates, and
-owns its torchmetrics (greedy accuracy, mean reward, pass@k, the hint-uplift ratios) and the per-problem
-predictions. The policy is passed to each call (under data parallel it is the module's, wrapped or not):
-:meth:`Validator.evaluate` (greedy accuracy and reward, ``eval.num_samples`` sampled completions per task for
-pass@k, and :meth:`Validator.hint_uplift`: does a hint fix what the policy gets wrong?) and
-:meth:`Validator.validation_step` (one batch into the metrics, logged through the ``log`` it is given). The
-Lightning module holds one as a submodule (so Lightning finds and syncs its metrics) and calls it from
-``validation_step``; the held-out curve (:mod:`composer_plugins.training.curves`) calls :meth:`evaluate` with
-sampling and uplift off.
+It owns its torchmetrics (greedy accuracy, mean reward, pass@k, hint uplift) and per-problem predictions; the
+policy is passed to each call (under data parallel, the module's as it is wrapped). The Lightning module holds
+one as a submodule so Lightning syncs its metrics. See docs/training.md "Evaluation".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The one experience maker, and the one step computer that reads what it made.
 
-:class:`ExperienceMaker` (OpenRLHF's experience maker) turns a scored rollout into the whole
-:class:`~composer_plugins.training.step.StepRecord` in one place: rewards → group advantages → teacher scoring
-started (in the background, so the scorers overlap the forwards below) → no-grad old/reference log-probs →
-the rollout groups and hinted teacher contexts. The record is then read-only. The Lightning module, Monarch's
-trainer actor, the TRL adapter and the VeRL / PRIME-RL local modes all make their records here; a trainer
-that computes a field itself hands it in (TRL's advantages and log-probs), one that has no such field leaves
-it ``None`` (never a placeholder).
-
-:class:`StepComputer` is the one local step: a record and a :class:`~composer_plugins.training.step.StepMeta`
-in, the assembled channel inputs (:func:`~composer_plugins.training.assemble.assemble_inputs`), the composed
-loss and the step's statistics out.
+:class:`ExperienceMaker` turns a scored rollout into the whole read-only
+:class:`~composer_plugins.training.step.StepRecord` in one place, for every trainer path;
+:class:`StepComputer` is the one local step: record and meta in, assembled inputs, composed loss and
+statistics out. See docs/training.md "One training step".
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The built-in channel input builders, registered through the ``register_input_builders`` hook.
 
 Each is ``builder(assembly) -> {input name: value}`` (:class:`~composer_plugins.training.assemble.Assembly`):
-it reads the read-only record and its meta, and computes the with-grad inputs (the policy's log-probs and
-hidden states from one forward, the hinted teacher's hidden states, the pairs' sequence log-probs) and the
-teachers' collected scores. :mod:`composer_plugins.training.input_plugin` (a default plugin) registers them,
-lazily, each under the inputs it provides.
+it reads the read-only record and computes with-grad inputs or collects the teachers' scores. The default
+plugin :mod:`composer_plugins.training.input_plugin` registers them lazily under the inputs each provides.
 """
 
 from __future__ import annotations

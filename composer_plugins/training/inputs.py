@@ -1,15 +1,9 @@
-"""Input files and paths named by a train config, checked when the config is loaded (before any model).
+"""Input files and paths named by a train config, checked when a command starts (before any model).
 
-Task files (``data.train_path``, ``data.test_path``) and preference pairs (``replay.pairs_path``) are read
-through the one JSONL reader (:mod:`composer_plugins.core.io`); every problem is reported as
-``<file>:<line>: <key>: <problem> — <fix>``, with where the key is set (config file and line, or the
-command-line override). A local ``model.name_or_path`` that does not exist is refused the same way instead
-of reaching ``transformers`` as a malformed hub id.
-
-These are the run's inputs on disk, checked when a command starts (``train``, ``sft``, ``eval``), not values:
-a config's values are checked when it is loaded, each section by itself
-(:meth:`composer_plugins.training.sections.Section.validate`), so ``--print-config`` and the study's
-config stages need none of these files.
+Task files, preference pairs and a local ``model.name_or_path`` are checked through the one JSONL reader;
+each problem reads ``<file>:<line>: <key>: <problem> — <fix>`` with where the key is set. Values are checked
+apart, when the config loads (:meth:`composer_plugins.training.sections.Section.validate`), so
+``--print-config`` needs none of these files.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The ``losses`` section of the training config: one channel spec parsed, the list form, names and weights.
 
-:func:`channel_spec` is the one parser of a ``losses.<key>`` entry (the native loop, the backends and the
-pipeline all use it); :func:`losses_mapping` turns the list form of docs/losses.md
-(``- {name: grpo, weight: 1.0, label: ...}``) into the mapping form; :func:`check_channel` refuses, when
-the config is read, a channel naming no registered loss, a negative weight its class does not declare, or
-an entry its class's ``check_spec`` refuses.
+:func:`channel_spec` is the one parser of a ``losses.<key>`` entry; :func:`losses_mapping` turns the list form
+(docs/losses.md) into the mapping; :func:`check_channel` refuses, when the config is read, an unregistered
+loss, an undeclared negative weight or an entry the class's ``check_spec`` refuses.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """``ComposerModule``: the Lightning glue of RL post-training with composed loss channels.
 
-One training step (one micro-batch of prompts) is four arrows, each one function with one owner:
-
-1. rollout — the configured generator (:mod:`~composer_plugins.training.rollouts`; tool-using envs'
-   episodes through the ``multi_turn`` generator, :mod:`~composer_plugins.training.multiturn`) samples
-   ``G`` completions per prompt and the env scores them;
-2. the read-only :class:`~composer_plugins.training.step.StepRecord`, made whole by the one experience
-   maker (:class:`~composer_plugins.training.experience.ExperienceMaker`: group advantages, teacher scoring
-   started, no-grad old/reference log-probs, the hinted teacher contexts of failed rows);
-3. the one step computer (:class:`~composer_plugins.training.experience.StepComputer`) assembles the inputs
-   the live channels read (:func:`~composer_plugins.training.assemble.assemble_inputs`; only those) with the
-   step's :class:`~composer_plugins.training.step.StepMeta` (step, run length, preference pairs);
-4. :class:`~composer_plugins.losses.base.ChannelComposer` sums ``weight · loss`` over the live channels.
-
-Every piece is built by :meth:`~composer_plugins.training.components.StepComponents.from_config` (Monarch and
-the backends build theirs there too); the module holds them and calls them. Held-out evaluation is the
-module's :class:`~composer_plugins.training.evaluation.Validator`; what a step is fed: ``training.batches``.
+A step is rollout → the read-only :class:`~composer_plugins.training.step.StepRecord` (the one experience
+maker) → the step computer's assembled inputs → :class:`~composer_plugins.losses.base.ChannelComposer`.
+Every piece is built by :meth:`~composer_plugins.training.components.StepComponents.from_config`; the module
+holds and calls them. See docs/training.md "One training step".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The ``multi_turn`` rollout generator: tool-using envs' ``reset``/``step`` episodes.
 
-It wraps the configured generator (``rollout.generator``, ``hf`` by default) and samples each turn
-with it, so sampling settings, seeding and weight syncing are the configured generator's. The module
-uses it when ``rollout.max_turns > 1`` and the env has ``reset``/``step``
-(:func:`~composer_plugins.training.builders.build_generator` wraps the configured one); as any
-generator it also has the one-turn ``generate``. It keeps :class:`~composer_plugins.training.rollouts.EpisodeGenerator`
-(the module asks ``isinstance(generator, EpisodeGenerator)``) and, by delegation to the wrapped generator,
-:class:`~composer_plugins.training.rollouts.WeightSyncing`.
+It wraps the configured generator and samples each turn with it (sampling, seeding and weight syncing are
+the wrapped one's); :func:`~composer_plugins.training.builders.build_generator` wraps it when
+``rollout.max_turns > 1`` and the env has ``reset``/``step``. It keeps
+:class:`~composer_plugins.training.rollouts.EpisodeGenerator`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The one optimizer builder (registry kind ``optimizers``) and the learning-rate schedules.
 
-``optim.name`` in the config picks a registered optimizer; the built-ins are ``adamw``, ``adam``
-and ``sgd`` (``torch.optim``), and a plugin adds more with the ``register_optimizers`` hook::
-
-    @hookimpl
-    def register_optimizers(register):
-        register("lion", "my_pkg.lion:Lion", description="Lion (Chen et al. 2023)")
-
-An optimizer factory is called as ``factory(params, **settings)``: ``params`` are the trainable
-parameters, ``settings`` the ``optim`` section's ``lr``, ``weight_decay``, ``betas`` (a tuple),
-``eps`` and ``momentum`` that the factory's signature accepts, then everything in ``optim.args``
-(passed as is). So a ``torch.optim.Optimizer`` subclass registers directly, as the built-ins do.
-The Lightning module (``ComposerModule``, SFT) and the in-process backends all build through
-:func:`build_optimizer`.
+``optim.name`` picks a registered optimizer (built-ins ``adamw``, ``adam``, ``sgd``); a factory is called as
+``factory(params, **settings)`` with the ``optim`` settings its signature accepts, then ``optim.args``, so a
+``torch.optim.Optimizer`` subclass registers directly. Every trainer path builds through
+:func:`build_optimizer`. See docs/plugins.md ``register_optimizers``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Which policy a run starts from: ``model.name_or_path``, the embedded tiny default, the SFT warm start.
 
-:func:`resolve_policy` turns the config into a directory or hub id: ``tiny`` builds the embedded default
-(tokenizer + model, cached by config hash), and ``sft.enabled`` adds the SFT warm start
-(:func:`composer_plugins.training.sft.sft_train`), cached under :func:`sft_cache_key`;
-:func:`load_policy_for` loads it with ``from_pretrained``. ``load_policy``, ``decoder_body`` and
-``lm_head_weight`` (from :mod:`composer_plugins.models`) are the policy functions backends use through here.
+:func:`resolve_policy` gives a directory or hub id (``tiny`` and the SFT warm start built and cached by config
+hash); :func:`load_policy_for` loads it. Backends reach ``load_policy``, ``decoder_body`` and ``lm_head_weight``
+(from :mod:`composer_plugins.models`) through here. See docs/training.md "The embedded default (no hub)".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The one progress bar of training, SFT and evaluation: optimizer steps, throughput and reward.
 
-It replaces Lightning's bars (which counted batches of an "epoch", showed ``v_num`` and a
-"Validation DataLoader 0" bar). One line per phase, in the units a user asks about::
-
-    train:  45%|████▌     | 18/40 [00:41<00:50, step] reward=0.41 loss=0.093 rollouts/s=3.1 tokens/s=57
-    sft:   100%|██████████| 140/140 [00:20<00:00, step] loss=0.82 examples/s=224
-    eval:  100%|██████████| 200/200 [00:05<00:00, problem] accuracy=0.62
-
-``trainer.enable_progress_bar: false`` (``sft.progress`` for the warm start) or the one switch
-``--no-progress`` / ``COMPOSER_PROGRESS=0`` (:mod:`composer_plugins.core.progress`) turn it off.
+It replaces Lightning's bars with one line per phase in the units a user asks about; turned off by
+``trainer.enable_progress_bar: false`` or ``--no-progress`` / ``COMPOSER_PROGRESS=0``. See docs/training.md
+"Progress".
 """
 
 from __future__ import annotations

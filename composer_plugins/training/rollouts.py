@@ -1,28 +1,10 @@
 """Rollout generators: what samples the ``G`` completions of a step (registry kind ``rollout_generators``).
 
-Chosen by ``rollout.generator`` in the config (a name or ``{name: ..., **kwargs}``):
-
-* ``hf`` (default): HF ``generate`` on the policy inside the training process (batched, KV cache).
-* ``server``: an OpenAI-compatible ``/v1/completions`` endpoint that returns token ids and
-  log-probs (vLLM's ``vllm serve``, SGLang's ``sglang.launch_server``), called concurrently, one
-  request of ``n = G`` per prompt, each retried like the teachers' replay engine (429/5xx,
-  timeouts, dropped connections, malformed bodies; the teachers' transport, error mapping and
-  :class:`~composer_plugins.teachers.engine.RetryPolicy`). Every ``sync_every`` optimizer steps
-  the policy is saved (``save_pretrained``) and the server is asked to load it from disk
-  (SGLang's documented ``POST /update_weights_from_disk {"model_path": ...}``; ``reload_path``
-  names another route). The server reports each sampled token's log-prob; the module corrects
-  the lag between the server's weights and the trained policy with truncated importance sampling
-  on them (``rollout.importance_sampling``, TRL's ``vllm_importance_sampling_correction``).
-
-A generator keeps the :class:`RolloutGenerator` protocol: ``generate(policy, tokenizer, prompts,
-num_generations, *, seed, temperature, top_p, top_k, max_new_tokens, max_prompt_length) -> Rollout``.
-Two capabilities are protocols of their own, checked with ``isinstance`` (never by probing attributes):
-:class:`WeightSyncing` (``sync_every``, ``last_synced``, ``wants_sync(step)``, ``sync(policy, tokenizer,
-step, out_dir)``: weights pushed to an engine outside the process) and :class:`EpisodeGenerator`
-(``episodes(policy, tokenizer, env, tasks, num_generations, *, seed, ...)``: the env scores every turn).
-A rollout whose ``extra["sampling_logprobs"]`` holds the engine's ``(N, C)`` log-probs of the sampled
-tokens gets the importance-sampling correction. Third parties register more with the
-``register_rollout_generators`` hook; ``composer_plugins.testing.check_generator`` is their conformance check.
+Chosen by ``rollout.generator``: ``hf`` (default, HF ``generate`` in process) or ``server`` (an
+OpenAI-compatible ``/v1/completions`` endpoint, weights reloaded every ``sync_every`` steps, its log-probs
+used for the importance-sampling correction). The :class:`RolloutGenerator` protocol and the capability
+protocols :class:`WeightSyncing` and :class:`EpisodeGenerator` are checked with ``isinstance``; see
+docs/training.md "Rollouts from an inference server" and docs/plugins.md ``register_rollout_generators``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The runs the CLI commands call: :func:`run_sft`, :func:`run_train`, :func:`run_eval` (and :class:`RunResult`).
 
-Each checks the config's input files first (:mod:`composer_plugins.training.inputs`), builds the
-components (:mod:`~composer_plugins.training.builders`), resolves the policy
-(:mod:`~composer_plugins.training.policy`), and drives a Lightning ``Trainer``
-(:mod:`~composer_plugins.training.trainer`) over the module (:mod:`~composer_plugins.training.module`);
-it then writes ``metrics.json``, ``history.csv``, the exported model and the MLflow run.
+Each checks the input files, builds the components, resolves the policy and drives a Lightning ``Trainer``
+over the module, then writes ``metrics.json``, ``history.csv``, the exported model and the MLflow run.
 """
 
 from __future__ import annotations

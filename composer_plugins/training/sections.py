@@ -1,10 +1,8 @@
 """The sections of a train config, each validating itself: one dataclass per top-level key, one comment per field.
 
-Every section is a :class:`Section`: :meth:`Section.validate` checks its own values (ranges, names of registered
-components, values against each other within the section) and raises a located
-:class:`~composer_plugins.core.errors.ConfigError` (``file:line: key: problem — fix``, or the command-line
-override that set the key). :class:`~composer_plugins.training.config.TrainConfig` validates each section, then
-what spans several (the prompts a step splits over data-parallel ranks, the ``losses`` channels).
+:meth:`Section.validate` checks a section's own values and raises a located
+:class:`~composer_plugins.core.errors.ConfigError`; :class:`~composer_plugins.training.config.TrainConfig`
+checks what spans sections. See docs/training.md "Config".
 """
 
 from __future__ import annotations

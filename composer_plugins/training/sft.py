@@ -1,11 +1,8 @@
 """The supervised warm start (``sft``): its data, its Lightning module and its training run.
 
-:func:`sft_pairs` draws ``(prompt, worked solution)`` pairs from the env (or ``data.train_path``), and
-replaces ``sft.hint_fraction`` of the prompts by hinted teacher contexts (``sft.hint_kinds``);
-:class:`SFTModule` and :func:`sft_collate` train on them (loss on the solution tokens only);
-:func:`sft_train` runs it and writes a ``save_pretrained`` directory. Which warm start a run uses (and
-its cache) is :mod:`composer_plugins.training.policy`; the ``sft`` command is
-:func:`composer_plugins.training.run.run_sft`.
+:func:`sft_pairs` draws ``(prompt, worked solution)`` pairs, hinting ``sft.hint_fraction`` of them;
+:class:`SFTModule` trains on the solution tokens only; :func:`sft_train` writes a ``save_pretrained``
+directory. Which warm start a run uses (and its cache): :mod:`composer_plugins.training.policy`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """One RL step's data as one read-only record: :class:`StepRecord`, and the step's meta: :class:`StepMeta`.
 
-The one experience maker (:class:`~composer_plugins.training.experience.ExperienceMaker`) makes the record —
-rollout (prompts, completions, token tensors) → env scores (``rewards``, ``feedback``) → group ``advantages`` →
-no-grad old/reference log-probs → the rollout ``groups`` and hinted teacher contexts → teacher scoring started —
-and after that nobody writes it: an assignment raises :class:`RecordFrozenError` naming the file and line that
-tried. The one assembler of channel inputs (:func:`composer_plugins.training.assemble.assemble_inputs`) only
-reads it. What a trainer lacks stays ``None`` (TRL's rewards from a reward model, VeRL's and PRIME-RL's own
-advantages): a channel that reads it fails with the assembler's located ``MissingInputError``.
-
-As verl's ``DataProto`` and OpenRLHF's ``Experience``: row ``i`` of every per-row field is the same completion,
-checked at construction; row ``i`` answers ``tasks[group_index[i]]``; the row operations :meth:`StepRecord.select`,
-:meth:`~StepRecord.concat` and :meth:`~StepRecord.to` make new records (indexing
-``(N, C)`` tensors, never vocabulary-sized ones). The per-step meta (optimizer step, run length, the step's
-preference pairs) is a :class:`StepMeta` apart from the per-row fields.
+The one experience maker makes the record and after that nobody writes it: an assignment raises
+:class:`RecordFrozenError` naming the file and line that tried; the assembler only reads it, and what a
+trainer lacks stays ``None``. As verl's ``DataProto``: row ``i`` of every per-row field is the same
+completion (checked at construction), the row operations make new records, and the per-step meta is a
+:class:`StepMeta` apart. See docs/training.md "One training step".
 """
 
 from __future__ import annotations

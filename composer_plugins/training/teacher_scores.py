@@ -1,18 +1,10 @@
 """The ``teacher_distill`` channel's inputs: external teachers score the step's rollouts, in the background.
 
-* :func:`build_teacher_scoring` — a :class:`~composer_plugins.teachers.scoring.ScoringPool` of the
-  scorers the live ``teacher_distill`` channels name (``teachers:``), bound to the student's tokenizer;
-* :func:`score_requests` — the rows of a record as scoring requests: the experience maker
-  (:class:`~composer_plugins.training.experience.ExperienceMaker`) submits them to every scorer as soon as
-  the rollouts are scored and makes the record with the **futures** in ``record.teacher_scores``; scoring
-  then runs while the trainer computes the no-grad log-probs, the policy's forward and the other inputs;
-* the ``teacher_scores`` input builder (:mod:`composer_plugins.training.input_builders`) runs the
-  policy's forward first (the ``hidden_states`` builder), then collects the futures with
-  ``StepPolicy.teacher_deadline_s``: a teacher not done by then is skipped for this batch and reported
-  (``teacher/<id>/skipped``); the scores are packed as a ``TeacherTopK`` in the student's vocabulary.
-
-A trainer that holds teacher scores already (PRIME-RL's ``teacher_logprobs``; a precomputed file)
-hands the per-row lists, or a ``TeacherTopK``, to the experience maker (``extras``).
+:func:`build_teacher_scoring` pools the scorers the live ``teacher_distill`` channels name;
+:func:`score_requests` turns a record's rows into requests, which the experience maker submits as soon as the
+rollouts are scored (the record holds the futures), so scoring overlaps the forwards. The ``teacher_scores``
+input builder collects them up to ``StepPolicy.teacher_deadline_s`` (a late teacher is skipped and reported).
+See docs/losses.md "On-policy distillation from external teachers".
 """
 
 from __future__ import annotations

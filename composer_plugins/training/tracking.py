@@ -1,21 +1,9 @@
-"""MLflow helpers shared by every stage that trains or evaluates.
+"""MLflow helpers shared by every stage that trains or evaluates (nothing imports mlflow at import time).
 
-All stages of one study log into **one** MLflow experiment in a local sqlite store at the
-repository root (``sqlite:///mlflow.db``, ignored by git). :func:`run_tags` gives the tags
-that tie a run to the code and the pipeline: the git commit, the DVC stage that ran it
-(``DVC_STAGE``, which DVC sets for every stage command), the DVC experiment name and the
-study variant/seed; :func:`provenance_tags` add which plugin distribution supplied each channel and
-the env. Run names say what a run is (:func:`run_name`); new experiments keep their artifacts next
-to the store (:func:`artifact_location`). :func:`client` opens a store and :func:`ensure_experiment`
-creates an experiment under one file lock per sqlite store, so study cells started together on a fresh
-``mlflow.db`` neither race on its schema nor create the experiment twice. Nothing here imports mlflow at
-import time.
-
-Environment variables (each overrides the matching ``mlflow:`` entry of ``params.yaml``):
-
-- ``MLFLOW_TRACKING_URI``: tracking store (default ``sqlite:///<repo root>/mlflow.db``).
-- ``MLFLOW_EXPERIMENT_NAME``: experiment (default ``composer-plugins``).
-- ``COMPOSER_MLFLOW=0``: disable MLflow logging entirely.
+Every stage of a study logs into one experiment of a local sqlite store (``sqlite:///mlflow.db``);
+:func:`run_tags` and :func:`provenance_tags` tie a run to the code, the DVC stage and the plugins;
+:func:`ensure_experiment` creates an experiment under one file lock per store. ``MLFLOW_TRACKING_URI``,
+``MLFLOW_EXPERIMENT_NAME`` and ``COMPOSER_MLFLOW=0`` override ``params.yaml``: see docs/training.md "MLflow".
 """
 
 from __future__ import annotations

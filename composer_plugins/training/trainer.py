@@ -187,13 +187,9 @@ def build_trainer(
 class HistoryCallback(Callback):
     """Writes one CSV row per optimizer step (``step`` + the module's step statistics) to ``path``.
 
-    Wall-clock statistics (:func:`~composer_plugins.core.io.is_wall_clock`) go to MLflow only: the CSV (and the
-    run's ``metrics.json``, its last row) hold what the step computed, the same in a repeated run.
-
-    Columns carry the same names as the MLflow metrics (``train/reward``, ``train/grpo/loss``,
-    docs/metrics.md); ``step`` is the number of optimizer steps completed (1 for the first row),
-    the step MLflow records the row's metrics at. On resume, rows of the interrupted run up to the
-    restored step are kept.
+    Columns are named as the MLflow metrics (docs/metrics.md) minus wall-clock ones
+    (:func:`~composer_plugins.core.io.is_wall_clock`: MLflow only, so a repeated run writes the same CSV);
+    ``step`` counts completed optimizer steps (1 first). On resume, rows up to the restored step are kept.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
