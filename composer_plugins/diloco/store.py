@@ -412,6 +412,8 @@ def unpack(data: bytes, what: str = "object") -> tuple[dict[str, Any], bytes]:
         header = json.loads(data[8 : 8 + n])
     except ValueError as e:
         raise CorruptObjectError(f"{what}: unreadable header") from e
+    if not isinstance(header, dict):
+        raise CorruptObjectError(f"{what}: its header is a JSON {type(header).__name__}, not an object")
     body = data[8 + n :]
     if len(body) != header.get("length") or hashlib.sha256(body).hexdigest() != header.get("sha256"):
         raise CorruptObjectError(f"{what}: checksum mismatch ({len(body)} of {header.get('length')} bytes)")

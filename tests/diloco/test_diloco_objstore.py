@@ -243,6 +243,18 @@ def test_pseudo_gradient_codecs_checksums_and_int8_size():
     assert sizes["bf16"] <= sizes["none"] / 2 + 200, sizes
 
 
+def test_an_object_whose_header_is_json_but_not_an_object_is_corrupt_naming_what_it_is():
+    """A header that parses as JSON but is a list, a number or a string is a corrupt object (was AttributeError)."""
+    import struct
+
+    from composer_plugins.diloco.store import MAGIC, CorruptObjectError, unpack
+
+    for header in (b"[1, 2]", b"7", b'"x"', b"null"):
+        data = MAGIC + struct.pack("<I", len(header)) + header + b"body"
+        with pytest.raises(CorruptObjectError, match=r"round 3/mean: its header is a JSON \w+, not an object"):
+            unpack(data, "round 3/mean")
+
+
 def test_ten_second_store_outage_is_survived_with_retries(moto, tmp_path):
     """A fault-injecting proxy in front of moto: 5 s of ``503 SlowDown`` then 5 s of dropped connections (open
     ones cut too) after a few syncs; both replicas wait it out (store_retry_s > the outage) and end equal."""
