@@ -50,3 +50,34 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         max_position_embeddings=128,
     )
     return str(build_tiny_model(cfg, CORPUS, tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def toy_config(tiny_model_dir, tmp_path):
+    """``toy_config(losses, pairs, **sections)``: the backend tests' train config (see :func:`toy_train_config`)."""
+    return lambda losses, pairs, **sections: toy_train_config(tiny_model_dir, tmp_path, losses, pairs, **sections)
+
+
+def toy_train_config(model_dir: str, tmp_path, losses, pairs, **sections) -> dict:
+    """The backend tests' train config: the toy add env, its answer hints, ``pairs`` written as the replay file,
+    then ``sections`` merged over each section (``rollout={"temperature": 0.8}`` keeps the other rollout keys)."""
+    import json
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    cfg = {
+        "seed": 0,
+        "output_dir": str(tmp_path / "out"),
+        "cache_dir": str(tmp_path / "cache"),
+        "model": {"name_or_path": model_dir},
+        "env": {"class_path": "backend_envs.ToyAddEnv"},
+        "sft": {"enabled": False},
+        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6},
+        "losses": losses,
+        "hints": {"provider": {"class_path": "backend_envs.AnswerHints"}},
+        "replay": {"pairs_path": str(path), "pairs_per_step": 1},
+        "trainer": {"max_steps": 1, "num_threads": 1, "enable_progress_bar": False},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(cfg.get(key), dict) and isinstance(value, dict) else value
+    return cfg

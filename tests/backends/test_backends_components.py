@@ -4,7 +4,6 @@ Monarch's trainer actor all get their step's pieces from ``StepComponents.from_c
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -17,23 +16,8 @@ CHANNELS = {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 0.5, "teacher": 
 
 
 @pytest.fixture
-def config(tiny_model_dir, tmp_path):
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"prompt": "Q: 1+1=? A:", "chosen": " 2", "rejected": " 3"}) + "\n")
-    return {
-        "seed": 0,
-        "output_dir": str(tmp_path / "out"),
-        "cache_dir": str(tmp_path / "cache"),
-        "model": {"name_or_path": tiny_model_dir},
-        "env": {"class_path": "backend_envs.ToyAddEnv"},
-        "sft": {"enabled": False},
-        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6},
-        "losses": CHANNELS,
-        "hints": {"provider": {"class_path": "backend_envs.AnswerHints"}},
-        "replay": {"pairs_path": str(pairs), "pairs_per_step": 1},
-        "optim": {"lr": 3e-2},
-        "trainer": {"max_steps": 1, "num_threads": 1, "enable_progress_bar": False},
-    }
+def config(toy_config):
+    return toy_config(CHANNELS, [{"prompt": "Q: 1+1=? A:", "chosen": " 2", "rejected": " 3"}], optim={"lr": 3e-2})
 
 
 @pytest.fixture

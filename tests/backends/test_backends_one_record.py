@@ -4,7 +4,6 @@ Lightning module, Monarch's trainer step and the TRL adapter; it refuses writes;
 from __future__ import annotations
 
 import ast
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,23 +21,15 @@ PAIRS = [
 
 
 @pytest.fixture
-def config(tiny_model_dir, tmp_path):
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    return {
-        "seed": 0,
-        "output_dir": str(tmp_path / "out"),
-        "cache_dir": str(tmp_path / "cache"),
-        "model": {"name_or_path": tiny_model_dir},
-        "env": {"class_path": "backend_envs.ToyAddEnv"},
-        "sft": {"enabled": False},
-        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6, "temperature": 0.8},
-        "losses": CHANNELS,
-        "hints": {"provider": {"class_path": "backend_envs.AnswerHints"}},
-        # every pair in every step: each trainer samples them in its own order, the DPO mean is the same
-        "replay": {"pairs_path": str(pairs), "pairs_per_step": len(PAIRS)},
-        "trainer": {"max_steps": 3, "num_threads": 1, "enable_progress_bar": False},
-    }
+def config(toy_config):
+    # every pair in every step: each trainer samples them in its own order, the DPO mean is the same
+    return toy_config(
+        CHANNELS,
+        PAIRS,
+        rollout={"temperature": 0.8},
+        replay={"pairs_per_step": len(PAIRS)},
+        trainer={"max_steps": 3},
+    )
 
 
 def _module(config):
