@@ -1,12 +1,16 @@
-"""The Lightning glue both DiLoCo callbacks share (:class:`DiLoCoCallbackBase`): one optimizer checked, the
-round target derived from ``max_steps``, the ``diloco/*`` metrics logged, the stop flag honoured and
-:meth:`close` called on teardown or on an exception. A transport's callback adds :meth:`attach` (wire the
+"""The Lightning glue both DiLoCo callbacks share (:class:`DiLoCoCallbackBase`): the config defaulted by
+transport, one optimizer checked, the round target derived from ``max_steps``, the sync record's common fields
+and its writing (history, sync log, parameter hashes), the ``diloco/*`` metrics logged, the stop flag honoured
+and :meth:`close` called on teardown or on an exception. A transport's callback adds :meth:`attach` (wire the
 outer sync to a model and its inner optimizer) and :meth:`close`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,7 +18,7 @@ import torch
 from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo, stop_file_says_stop
+from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo, param_digest, stop_file_says_stop
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +31,13 @@ class DiLoCoCallbackBase(pl.Callback):
     #: the transport's registered name (:mod:`.transports`)
     transport = ""
 
-    def __init__(self, config: DiLoCoConfig, replica: ReplicaInfo | None = None) -> None:
+    def __init__(self, config: DiLoCoConfig | None = None, replica: ReplicaInfo | None = None) -> None:
         super().__init__()
-        self.config = config.validate()
+        self.config = (config or DiLoCoConfig(transport=self.transport)).validate()
         self.replica = replica or ReplicaInfo.from_env()
+        #: the trainable parameters in groups synced together, and one outer optimizer for each (set by :meth:`attach`)
+        self.fragments: list[nn.Module] = []
+        self.outer_optimizers: list[torch.optim.Optimizer] = []
         self.history: list[dict[str, Any]] = []
         self.heal_count = 0
         self._module: nn.Module | None = None
@@ -58,6 +65,46 @@ class DiLoCoCallbackBase(pl.Callback):
         """Whether a heal happened since the last sync record; the next record starts afresh."""
         healed, self._healed_since_sync = self._healed_since_sync, False
         return healed
+
+    # -- the sync log: one record per sync, finished and written here only ----------------------
+    def _sync_record(self, outer_step: int, committed: bool, participants: int, fragment: int) -> dict[str, Any]:
+        """The fields every transport's sync record starts with (docs/diloco.md "Sync log")."""
+        return {
+            "replica": self.replica.index,
+            "replica_id": self.replica.replica_id,
+            "restart": self.replica.restart,
+            "outer_step": outer_step,
+            "inner_step": self._inner_steps,
+            "committed": committed,
+            "participants": participants,
+            "fragment": fragment,
+            "healed": self._take_healed(),
+            "bytes_allreduced": self.bytes_allreduced,
+            "time": time.time(),
+        }
+
+    def _keep_sync(
+        self, rec: dict[str, Any], synced: Sequence[torch.Tensor] | None = None, digest: tuple[str, float] | None = None
+    ) -> None:
+        """Finish ``rec`` and keep it: ``stop``; with a sync log and ``log_param_hash``, the hash of the synced
+        weights (``synced``, default the trainable parameters: a frozen EMA hint teacher is per-replica local
+        state; ``digest`` if they were hashed already) and of the fragment synced; then into ``history`` and the
+        sync log, and the trainer told to stop when the run is over."""
+        rec["stop"] = self._stop
+        sync_log = self.config.sync_log or self.replica.sync_log
+        if sync_log and self.config.log_param_hash:
+            assert self._module is not None
+            weights = synced if synced is not None else (p for p in self._module.parameters() if p.requires_grad)
+            rec["param_hash"], rec["param_sum"] = digest or param_digest(weights)
+            whole = len(self.fragments) == 1  # one fragment: the synced weights themselves
+            fragment = self.fragments[rec["fragment"]].parameters()
+            rec["fragment_hash"] = rec["param_hash"] if whole else param_digest(fragment)[0]
+        self.history.append(rec)
+        if sync_log:
+            with open(sync_log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self._stop and self._trainer is not None:
+            self._trainer.should_stop = True
 
     # -- what a transport provides ---------------------------------------------------------
     def attach(self, module: nn.Module, inner_optimizer: torch.optim.Optimizer) -> DiLoCoCallbackBase:

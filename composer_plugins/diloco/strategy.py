@@ -17,7 +17,6 @@ the lighthouse and the replicas.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -36,21 +35,13 @@ from composer_plugins.diloco.common import (
     DiLoCoConfig,
     ReplicaInfo,
     build_outer_optimizer,
-    param_digest,
     split_fragments,
 )
 from composer_plugins.diloco.glue import DiLoCoCallbackBase
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "DiLoCoCallback",
-    "DiLoCoConfig",
-    "ReplicaInfo",
-    "make_process_group",
-    "param_digest",
-    "split_fragments",
-]
+__all__ = ["DiLoCoCallback", "make_process_group"]
 
 
 def make_process_group(timeout: timedelta) -> Any:
@@ -112,12 +103,10 @@ class DiLoCoCallback(DiLoCoCallbackBase):
     transport = "torchft"
 
     def __init__(self, config: DiLoCoConfig | None = None, replica: ReplicaInfo | None = None) -> None:
-        super().__init__(config or DiLoCoConfig(), replica)
+        super().__init__(config, replica)
         self.manager: Any = None
         self.diloco: Any = None
         self.process_group: Any = None
-        self.outer_optimizers: list[torch.optim.Optimizer] = []
-        self.fragments: list[nn.Module] = []
         self._store: Any = None
         self._last_step = 0
         self._checkpoint_due: int | None = None
@@ -412,19 +401,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         committed = step > self._last_step
         fragment = (step - 1 if committed else step) % c.num_fragments
         self._last_step = step
-        rec: dict[str, Any] = {
-            "replica": self.replica.index,
-            "replica_id": self.replica.replica_id,
-            "restart": self.replica.restart,
-            "outer_step": step,
-            "inner_step": self._inner_steps,
-            "committed": committed,
-            "participants": int(m.num_participants()),
-            "fragment": fragment,
-            "healed": self._take_healed(),
-            "bytes_allreduced": self.bytes_allreduced,
-            "time": time.time(),
-        }
+        rec = self._sync_record(step, committed, int(m.num_participants()), fragment)
         if self.replica.restart > 0 and self.heal_count == 0 and len(self.history) == 0:
             self.history.append(rec)
             self._post("gone", "no live peer")
@@ -444,20 +421,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         else:
             log.warning("DiLoCo: sync at torchft step %d did not commit; weights rolled back", step)
         rec["writes_checkpoint"] = self._checkpoint_due == step
-        rec["stop"] = self._stop
-        sync_log = c.sync_log or self.replica.sync_log
-        if sync_log and c.log_param_hash:
-            assert self._module is not None
-            # the synced (trainable) weights: a frozen EMA hint teacher is per-replica local state
-            synced = (p for p in self._module.parameters() if p.requires_grad)
-            rec["param_hash"], rec["param_sum"] = param_digest(synced)
-            rec["fragment_hash"] = param_digest(self.fragments[fragment].parameters())[0]
-        self.history.append(rec)
-        if sync_log:
-            with open(sync_log, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if self._stop and self._trainer is not None:
-            self._trainer.should_stop = True
+        self._keep_sync(rec)
 
 
 def _quiet_torchft() -> None:

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo, param_digest
 from composer_plugins.diloco.launch import Lighthouse
-from composer_plugins.diloco.strategy import DiLoCoCallback, DiLoCoConfig, ReplicaInfo, param_digest
+from composer_plugins.diloco.strategy import DiLoCoCallback
 
 
 class MLP(pl.LightningModule):

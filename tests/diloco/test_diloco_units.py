@@ -80,7 +80,7 @@ def test_config_outer_optimizer_class_path():
     ],
 )
 def test_config_errors_name_the_key_and_line(text, key):
-    from composer_plugins.diloco.strategy import DiLoCoConfig
+    from composer_plugins.diloco.common import DiLoCoConfig
 
     cfg = loads_config("seed: 1\n" + text, source="run.yaml")
     with pytest.raises(ConfigError) as e:
@@ -110,7 +110,8 @@ def test_callback_from_config_only_in_a_replica(monkeypatch):
 
 
 def test_attach_without_lighthouse_says_how_to_fix(monkeypatch):
-    from composer_plugins.diloco.strategy import DiLoCoCallback, ReplicaInfo
+    from composer_plugins.diloco.common import ReplicaInfo
+    from composer_plugins.diloco.strategy import DiLoCoCallback
 
     monkeypatch.delenv(launch.ENV_LIGHTHOUSE, raising=False)
     m = nn.Linear(2, 2)
@@ -133,7 +134,7 @@ class _Tied(nn.Module):
 
 
 def test_split_fragments_share_parameters_and_cover_each_once():
-    from composer_plugins.diloco.strategy import split_fragments
+    from composer_plugins.diloco.common import split_fragments
 
     m = _Tied()
     trainable = [p for p in m.parameters() if p.requires_grad]
@@ -149,7 +150,7 @@ def test_split_fragments_share_parameters_and_cover_each_once():
 
 
 def test_split_fragments_balances_sizes():
-    from composer_plugins.diloco.strategy import split_fragments
+    from composer_plugins.diloco.common import split_fragments
 
     m = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
     sizes = [sum(p.numel() for p in f.parameters()) for f in split_fragments(m, 4)]
@@ -157,7 +158,7 @@ def test_split_fragments_balances_sizes():
 
 
 def test_param_digest_is_bitwise():
-    from composer_plugins.diloco.strategy import param_digest
+    from composer_plugins.diloco.common import param_digest
 
     a = [torch.ones(3), torch.zeros(2, 2)]
     b = [t.clone() for t in a]

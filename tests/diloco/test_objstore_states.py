@@ -397,7 +397,8 @@ def _recorder(tmp_path, **over):
         history=[],
         _trainer=SimpleNamespace(should_stop=False),
     )
-    me.stop_file_says_stop = lambda step: DiLoCoCallbackBase.stop_file_says_stop(me, step)
+    for name in ("stop_file_says_stop", "_sync_record", "_keep_sync"):
+        setattr(me, name, getattr(DiLoCoCallbackBase, name).__get__(me))
     for k, v in over.items():
         setattr(me, k, v)
     return me

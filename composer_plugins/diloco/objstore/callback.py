@@ -5,7 +5,6 @@ round's aggregate are in :mod:`.identity`, :mod:`.states` and :mod:`.aggregate`.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
 import time
@@ -45,11 +44,9 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
     transport = "object_store"
 
     def __init__(self, config: DiLoCoConfig | None = None, replica: ReplicaInfo | None = None) -> None:
-        super().__init__(config or DiLoCoConfig(transport="object_store"), replica)
+        super().__init__(config, replica)
         self.store: ObjectStore | None = None
         self.rounds: RoundStore | None = None
-        self.fragments: list[nn.Module] = []
-        self.outer_optimizers: list[torch.optim.Optimizer] = []
         self.params: list[nn.Parameter] = []
         self.global_params: list[torch.Tensor] = []
         self.round = 0  # the next round to sync; == outer steps applied so far
@@ -334,18 +331,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         kinds = dict(self.rounds.bytes_by_kind) if self.rounds is not None else {}
         by_kind = {k: n - self._kinds_counted.get(k, 0) for k, n in kinds.items()}
         self._kinds_counted = kinds
-        rec: dict[str, Any] = {
-            "replica": self.replica.index,
-            "replica_id": self.replica.replica_id,
-            "restart": self.replica.restart,
-            "outer_step": self.round,
-            "inner_step": self._inner_steps,
-            "committed": committed,
-            "participants": participants,
-            "fragment": 0,
-            "healed": self._take_healed(),
-            "bytes_allreduced": self.bytes_allreduced,
-            "time": time.time(),
+        rec = self._sync_record(self.round, committed, participants, 0)
+        rec |= {
             "transport": self.transport,
             "round": r,
             "bytes_written": written,
@@ -365,22 +352,10 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         if self.stop_file_says_stop(self.round):
             self._stop = True
         rec["writes_checkpoint"] = False
-        rec["stop"] = self._stop
-        sync_log = c.sync_log or self.replica.sync_log
-        if sync_log and c.log_param_hash:
-            # the synced (trainable) weights: a frozen EMA hint teacher is per-replica local state
+        if c.overlap and not self._stop:
             # with overlap: 1 the model carries its own steps since the last snapshot: the global weights are synced
-            if c.overlap and not self._stop:
-                # the background job hashed them already (``digest``) unless this round was caught up here
-                rec["param_hash"], rec["param_sum"] = digest or param_digest(self.global_params)
-            else:
-                synced = (p for p in self._module.parameters() if p.requires_grad)  # type: ignore[union-attr]
-                rec["param_hash"], rec["param_sum"] = param_digest(synced)
-            rec["fragment_hash"] = rec["param_hash"]
-        self.history.append(rec)
-        if sync_log:
-            with open(sync_log, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if self._trainer is not None and self._stop:
-            self._trainer.should_stop = True
+            # (the background job hashed them already, ``digest``, unless this round was caught up here)
+            self._keep_sync(rec, self.global_params, digest)
+        else:
+            self._keep_sync(rec)
         return rec
