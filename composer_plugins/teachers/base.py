@@ -377,6 +377,31 @@ class Teacher:
     def _prompt_extra(self) -> Any:
         return None
 
+    def response(
+        self,
+        text: str,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        *,
+        message: Message | None = None,
+        latency_s: float = 0.0,
+        model: str | None = None,
+        finish_reason: str | None = None,
+    ) -> TeacherResponse:
+        """This teacher's answer ``text`` (``message``: default a plain assistant message of it), its usage priced
+        by :meth:`cost`, stamped with the teacher's id and the model that answered (default this teacher's)."""
+        return TeacherResponse(
+            text,
+            assistant_message(text) if message is None else message,
+            prompt_tokens,
+            completion_tokens,
+            self.cost(prompt_tokens, completion_tokens),
+            latency_s,
+            self.model if model is None else model,
+            self.id,
+            finish_reason,
+        )
+
     # -- identity ----------------------------------------------------------------------
     def cache_params(self) -> dict[str, Any]:
         """Everything besides the messages that changes the answer (sampling params, tools ...)."""

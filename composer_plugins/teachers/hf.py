@@ -22,7 +22,6 @@ from composer_plugins.teachers.base import (
     TeacherCallError,
     TeacherError,
     TeacherResponse,
-    assistant_message,
     check_number,
 )
 
@@ -176,14 +175,5 @@ class HFTeacher(Teacher):
             raise TeacherCallError(
                 f"teacher {self.id!r}: generation failed: {type(e).__name__}: {e}", retryable=False, kind="generate"
             ) from e
-        return TeacherResponse(
-            text=text,
-            message=assistant_message(text),
-            prompt_tokens=pt,
-            completion_tokens=ct,
-            cost_usd=self.cost(pt, ct),
-            latency_s=time.perf_counter() - t0,
-            model=self.model_path,
-            teacher=self.id,
-            finish_reason="stop" if ct < self.max_tokens else "length",
-        )
+        finish = "stop" if ct < self.max_tokens else "length"
+        return self.response(text, pt, ct, latency_s=time.perf_counter() - t0, finish_reason=finish)

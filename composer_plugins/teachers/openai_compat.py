@@ -350,17 +350,8 @@ class OpenAITeacher(Teacher):
             pt = estimate_prompt_tokens(messages, self.tools)
         if not isinstance(ct, int):
             ct = min(self.max_tokens, len(text.encode("utf-8")) + 1)
-        return TeacherResponse(
-            text=text,
-            message=message,
-            prompt_tokens=pt,
-            completion_tokens=ct,
-            cost_usd=self.cost(pt, ct),
-            latency_s=latency,
-            model=str(data.get("model") or self.model),
-            teacher=self.id,
-            finish_reason=choice.get("finish_reason"),
-        )
+        model, finish = str(data.get("model") or self.model), choice.get("finish_reason")
+        return self.response(text, pt, ct, message=message, latency_s=latency, model=model, finish_reason=finish)
 
     def _status_error(
         self, status: int, body: bytes, retry_after: str | None, url: str | None = None

@@ -24,7 +24,6 @@ from composer_plugins.teachers.base import (
     TeacherCallError,
     TeacherError,
     TeacherResponse,
-    assistant_message,
 )
 
 Solver = Callable[[Sequence[Mapping[str, Any]], Mapping[str, Any]], Any]
@@ -169,5 +168,4 @@ class OracleTeacher(Teacher):
                 retryable=False,
                 kind="abstain",
             )
-        text = self.template.format(answer=answer)
-        return TeacherResponse(text=text, message=assistant_message(text), model="oracle", teacher=self.id)
+        return self.response(self.template.format(answer=answer))

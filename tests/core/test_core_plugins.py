@@ -182,7 +182,7 @@ class MaskedTokenPG:
 
 def echo_teacher(**kw):
     """A teacher that answers with the last user message, priced per token (a real Teacher)."""
-    from composer_plugins.teachers.base import Teacher, TeacherResponse, assistant_message, estimate_prompt_tokens
+    from composer_plugins.teachers.base import Teacher, estimate_prompt_tokens
 
     class Echo(Teacher):
         kind = "echo"
@@ -194,9 +194,7 @@ def echo_teacher(**kw):
                 raise TeacherCallError("echo: nothing to echo", retryable=False)
             text = str(messages[-1].get("content", ""))[: self.max_tokens]
             p, c = estimate_prompt_tokens(messages), min(len(text.split()), self.max_tokens)
-            return TeacherResponse(
-                text, assistant_message(text), p, c, self.cost(p, c), model=self.model, teacher=self.id
-            )
+            return self.response(text, p, c)
 
     return Echo(model="echo", max_tokens=16, prompt_usd_per_token=1e-6, completion_usd_per_token=2e-6, **kw)
 

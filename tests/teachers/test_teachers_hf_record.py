@@ -40,6 +40,21 @@ class ArithEnv:
         return None, reward, True, {}
 
 
+def test_a_teachers_response_is_priced_and_stamped_by_the_teacher():
+    """``Teacher.response``: the one place a teacher's answer gets its cost, its id and its model."""
+    from composer_plugins.teachers.openai_compat import OpenAITeacher
+    from composer_plugins.teachers.oracle import OracleTeacher
+
+    t = OpenAITeacher("m", api_key_env=None, id="a", prompt_usd_per_token=1e-6, completion_usd_per_token=4e-6)
+    r = t.response("hi", 10, 2, latency_s=0.5, finish_reason="stop")
+    assert (r.text, r.message, r.cost_usd) == ("hi", {"role": "assistant", "content": "hi"}, pytest.approx(18e-6))
+    assert (r.teacher, r.model, r.latency_s, r.finish_reason, r.cached) == ("a", "m", 0.5, "stop", False)
+    served = t.response("", 3, message={"role": "assistant", "content": None}, model="m-0613")
+    assert served.message["content"] is None and served.model == "m-0613" and served.cost_usd == pytest.approx(3e-6)
+    oracle = OracleTeacher().act([{"role": "user", "content": "What is 6 * 7?"}])
+    assert (oracle.text, oracle.model, oracle.teacher, oracle.cost_usd) == ("#### 42", "oracle", "oracle", 0.0)
+
+
 def test_hf_teacher_from_registry(tiny_model):
     import composer_plugins
 

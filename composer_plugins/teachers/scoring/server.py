@@ -146,16 +146,7 @@ class ScoringClient(Teacher):
             "content": None,
             "scores": {"skipped": skipped, "actual": actual, "ids": ids, "logprobs": lps},
         }
-        return TeacherResponse(
-            text="",
-            message=msg,
-            prompt_tokens=pt,
-            completion_tokens=0,
-            cost_usd=self.cost(pt, 0),
-            latency_s=time.perf_counter() - t0,
-            model=self.model,
-            teacher=self.id,
-        )
+        return self.response("", pt, message=msg, latency_s=time.perf_counter() - t0)
 
     async def aclose(self) -> None:
         await self.http.aclose()
