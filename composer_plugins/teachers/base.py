@@ -196,6 +196,18 @@ def check_number(
     return value
 
 
+def check_sampling(who: str, temperature: Any, top_p: Any, seed: Any, *, required: bool = False) -> tuple[Any, ...]:
+    """``(temperature, top_p, seed)`` as given, once checked: ``temperature >= 0``, ``top_p`` in (0, 1], a whole
+    ``seed``; None keeps the provider's default unless ``required``. Else a :class:`TeacherError` naming the field."""
+    if temperature is not None or required:
+        check_number(temperature, "temperature", who, minimum=0, example="0")
+    if top_p is not None or required:
+        check_number(top_p, "top_p", who, above=0, maximum=1, example="0.95")
+    if seed is not None or required:
+        check_number(seed, "seed", who, integer=True, example="0")
+    return temperature, top_p, seed
+
+
 class TeacherCallError(ComposerPluginsError):
     """One call to a teacher failed.
 

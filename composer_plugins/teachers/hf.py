@@ -23,6 +23,7 @@ from composer_plugins.teachers.base import (
     TeacherError,
     TeacherResponse,
     check_number,
+    check_sampling,
 )
 
 
@@ -62,9 +63,7 @@ class HFTeacher(Teacher):
         path = os.fspath(model_path)
         who = f"hf teacher {id or os.path.basename(path.rstrip('/')) or 'hf'!r}"
         check_number(max_new_tokens, "max_new_tokens", who, integer=True, minimum=1, example="64")
-        check_number(temperature, "temperature", who, minimum=0, example="0")
-        check_number(top_p, "top_p", who, above=0, maximum=1, example="1.0")
-        check_number(seed, "seed", who, integer=True, example="0")
+        self.temperature, self.top_p, self.seed = check_sampling(who, temperature, top_p, seed, required=True)
         super().__init__(
             id=id or os.path.basename(path.rstrip("/")) or "hf",
             model=path,
@@ -76,9 +75,6 @@ class HFTeacher(Teacher):
         if dtype not in ("float32", "bfloat16", "float16"):
             raise TeacherError(f"hf teacher {self.id!r}: dtype must be float32, bfloat16 or float16, got {dtype!r}")
         self.model_path = path
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.seed = int(seed)
         self.dtype = dtype
         self.device = device
         self.local_files_only = local_files_only
@@ -89,8 +85,8 @@ class HFTeacher(Teacher):
     def cache_params(self) -> dict[str, Any]:
         return {
             "max_new_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
             "seed": self.seed,
             "dtype": self.dtype,
         }

@@ -32,6 +32,7 @@ from composer_plugins.teachers.base import (
     TeacherResponse,
     assistant_message,
     check_number,
+    check_sampling,
     estimate_prompt_tokens,
     json_bytes,
     json_loads,
@@ -223,12 +224,7 @@ class OpenAITeacher(Teacher):
                     f"{who}: do not pass the key in headers; set api_key_env to the variable name", field="headers"
                 )
         check_number(timeout_s, "timeout_s", who, above=0, example="60 (seconds per attempt)")
-        if temperature is not None:
-            check_number(temperature, "temperature", who, minimum=0, example="0")
-        if top_p is not None:
-            check_number(top_p, "top_p", who, above=0, maximum=1, example="0.95")
-        if seed is not None:
-            check_number(seed, "seed", who, integer=True, example="0")
+        self.temperature, self.top_p, self.seed = check_sampling(who, temperature, top_p, seed)
         if not isinstance(max_tokens_param, str) or not max_tokens_param:
             raise TeacherError(
                 f"{who}: max_tokens_param must be a field name such as max_tokens or max_completion_tokens",
@@ -237,9 +233,6 @@ class OpenAITeacher(Teacher):
         self.base_url = check_base_url(base_url, who)
         self.url = self.base_url + "/chat/completions"
         self.api_key_env = api_key_env
-        self.temperature = temperature
-        self.top_p = top_p
-        self.seed = seed
         self.stop = stop
         self.tools = tools
         self.extra_body = dict(extra_body or {})

@@ -55,6 +55,36 @@ def test_a_teachers_response_is_priced_and_stamped_by_the_teacher():
     assert (oracle.text, oracle.model, oracle.teacher, oracle.cost_usd) == ("#### 42", "oracle", "oracle", 0.0)
 
 
+def test_both_sampling_teachers_check_temperature_top_p_and_seed_by_one_rule(tiny_model):
+    """``check_sampling``: ``temperature >= 0``, ``top_p`` in (0, 1], a whole ``seed``, for ``openai`` (None: the
+    endpoint's default) and ``hf`` (required) alike; ``hf``'s cache key keeps its numbers as floats."""
+    from composer_plugins.teachers.base import check_sampling
+    from composer_plugins.teachers.hf import HFTeacher
+    from composer_plugins.teachers.openai_compat import OpenAITeacher
+
+    assert check_sampling("t", None, None, None) == (None, None, None)
+    with pytest.raises(TeacherError, match="t: temperature must be a number"):
+        check_sampling("t", None, 1.0, 0, required=True)
+    cases = [
+        ({"temperature": -0.5}, "temperature", "must be >= 0"),
+        ({"top_p": 0}, "top_p", "must be > 0"),
+        ({"top_p": 1.5}, "top_p", "must be <= 1"),
+        ({"seed": 1.5}, "seed", "must be a whole number"),
+    ]
+    for kw, field, why in cases:
+        for make in (
+            lambda kw: OpenAITeacher("m", api_key_env=None, id="o", **kw),
+            lambda kw: HFTeacher(str(tiny_model), id="h", **kw),
+        ):
+            with pytest.raises(TeacherError, match=f"teacher '[oh]': {field} {why}") as e:
+                make(kw)
+            assert e.value.field == field
+    o = OpenAITeacher("m", api_key_env=None, temperature=None, top_p=0.9, seed=7)
+    assert (o.temperature, o.top_p, o.seed) == (None, 0.9, 7) and "temperature" not in o.cache_params()
+    h = HFTeacher(str(tiny_model), temperature=1, top_p=1, seed=3).cache_params()
+    assert (h["temperature"], h["top_p"], h["seed"]) == (1.0, 1.0, 3) and isinstance(h["temperature"], float)
+
+
 def test_hf_teacher_from_registry(tiny_model):
     import composer_plugins
 
