@@ -2,10 +2,10 @@
 
 Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these. Each problem has a
 question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's format, optionally with ``<<a+b=c>>``
-calculator annotations) and the answer. ``difficulty=`` a level 0-7 or its name: ``trivial``, ``easy``,
+calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name: ``trivial``, ``easy``,
 ``medium``, ``two_step``, ``multi_step``, ``hard``, ``chain`` (two chained steps on one quantity, one
 equation per line: the worked-steps level the embedded policy can learn) and ``columns`` (two 3-digit numbers
-added column by column, one line per column).
+added column by column, one line per column) and ``long_columns`` (the same with 3- to 5-digit numbers).
 
 Each level keeps its test split out of train by what it must not recall: levels 0-5 by a hash of the
 question *text*; ``chain`` by *what is computed* (:func:`composer_plugins.envs.steps.computation_key`), so
@@ -34,7 +34,10 @@ DIFFICULTIES: dict[str, int] = {
     "hard": 5,
     "chain": 6,
     "columns": 7,
+    "long_columns": 8,
 }
+#: The operand lengths of the column levels (both operands of a problem have the same length).
+COLUMN_DIGITS: dict[int, tuple[int, ...]] = {7: (3,), 8: (3, 4, 5)}
 #: The highest level.
 MAX_LEVEL = max(DIFFICULTIES.values())
 #: Levels split by computation (operands and operators), not question text.
@@ -325,15 +328,21 @@ def _chain(rng: random.Random, annotate: bool) -> ArithProblem:
 
 
 def column_numbers(a: int, b: int) -> dict[str, tuple[int, ...]]:
-    """The numbers adding ``a`` and ``b`` column by column involves, by role (level 7's held-out unit)."""
-    return {"operands": (a, b), "intermediate": (a % 100 + b % 100,), "answer": (a + b,)}
+    """The numbers adding ``a`` and ``b`` column by column involves, by role (the column levels' held-out unit).
+
+    The intermediate results are the sums of the last ``k`` digits for ``k`` from 2 to one less than the length.
+    """
+    inter = tuple(a % 10**k + b % 10**k for k in range(2, len(str(max(a, b)))))
+    return {"operands": (a, b), "intermediate": inter, "answer": (a + b,)}
 
 
-def _columns(rng: random.Random, want: str, frac: float) -> ArithProblem:
-    """Level 7: ``a + b`` (3 digits each) with every number of the problem held out (test) or none (train)."""
+def _columns(rng: random.Random, want: str, frac: float, level: int) -> ArithProblem:
+    """``a + b`` (same length) with every number of the problem held out (test) or none (train)."""
     held = want == "test"
+    lengths = COLUMN_DIGITS[level]
+    digits = lengths[0] if len(lengths) == 1 else rng.choice(lengths)  # before the draw: test lengths as train's
     while True:
-        a, b = (rng.choice(_held_pool(frac, held)) for _ in range(2))
+        a, b = (rng.choice(_held_pool(frac, held, digits)) for _ in range(2))
         rest = column_numbers(a, b)
         if all((split_of(f"n{n}", frac) == "test") == held for n in (*rest["intermediate"], *rest["answer"])):
             break
@@ -342,17 +351,18 @@ def _columns(rng: random.Random, want: str, frac: float) -> ArithProblem:
         total = int(da) + int(db) + carry
         lines.append(f"{da}+{db}+{carry}={total}")
         carry = total // 10
-    return ArithProblem(f"Add {a} and {b}.", "\n".join(lines) + f"\n#### {a + b}", a + b, 7)
+    return ArithProblem(f"Add {a} and {b}.", "\n".join(lines) + f"\n#### {a + b}", a + b, level)
 
 
-_POOLS: dict[tuple[float, bool], list[int]] = {}
+_POOLS: dict[tuple[float, bool, int], list[int]] = {}
 
 
-def _held_pool(frac: float, held: bool) -> list[int]:
-    """The 3-digit numbers the hash holds out (``held``) or leaves to train."""
-    key = (frac, held)
+def _held_pool(frac: float, held: bool, digits: int) -> list[int]:
+    """The ``digits``-digit numbers the hash holds out (``held``) or leaves to train."""
+    key = (frac, held, digits)
     if key not in _POOLS:
-        _POOLS[key] = [n for n in range(100, 1000) if (split_of(f"n{n}", frac) == "test") == held]
+        span = range(10 ** (digits - 1), 10**digits)
+        _POOLS[key] = [n for n in span if (split_of(f"n{n}", frac) == "test") == held]
     return _POOLS[key]
 
 
@@ -395,15 +405,15 @@ def generate_problems(
     want = "test" if split != "train" else "train"
     annotate = 2 <= d < 6 if annotations is None else annotations
     by_computation = d in COMPUTATION_SPLIT_LEVELS
-    frac = (0.2 if by_computation or d == 7 else 0.1) if test_fraction is None else float(test_fraction)
+    frac = (0.2 if by_computation or d in COLUMN_DIGITS else 0.1) if test_fraction is None else float(test_fraction)
     rng = random.Random(f"arith|{d}|{want}|{seed}")
     out: list[ArithProblem] = []
     seen: set[str] = set()
     attempts = 0
     while len(out) < n:
         attempts += 1
-        if d == 7:
-            p = _columns(rng, want, frac)
+        if d in COLUMN_DIGITS:
+            p = _columns(rng, want, frac, d)
             if p.question not in seen or attempts >= 50 * (n + 10):
                 seen.add(p.question)
                 out.append(p)

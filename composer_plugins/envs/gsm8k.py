@@ -153,7 +153,7 @@ class GSM8KEnv(Env):
 
     Args:
         source: ``"generator"`` (default), ``"hf"``, a file/directory path, or ``{"train": ..., "test": ...}``.
-        difficulty: generator level 0-7 or name (``trivial``, ``easy`` ...; see :mod:`.arith`).
+        difficulty: generator level 0-8 or name (``trivial``, ``easy`` ...; see :mod:`.arith`).
         annotations: generator ``<<a+b=c>>`` annotations (default: from difficulty 2 up).
         prompt_template: how a question becomes the prompt (``{question}``).
         chat: give each prompt as chat messages (``[{role: system, ...}, {role: user, content: <prompt_template>}]``)

@@ -48,6 +48,7 @@ class StepComponents:
     pair_refs_due: bool = False
     chunk_size: int | None = None
     optimizer: Any = None
+    scheduler: Any = None
     steps: int = 0
     last_meta: StepMeta | None = None
 
@@ -169,13 +170,16 @@ class StepComponents:
 
     def optimize(self, loss: Tensor) -> float:
         """The local optimizer step of a loop without a Trainer (backward, clip to ``trainer.gradient_clip_val``,
-        step; the optimizer built from ``optim`` on first use), the EMA teacher's update, one more step counted.
+        step; the optimizer and its ``optim.scheduler`` schedule over ``trainer.max_steps`` built on first use, as
+        the Lightning path's ``configure_optimizers``), the EMA teacher's update, one more step counted.
         Returns the gradient norm."""
-        from composer_plugins.training.optim import build_optimizer, optimizer_step
+        from composer_plugins.training.optim import build_optimization, optimizer_step
 
         if self.optimizer is None:
-            self.optimizer = build_optimizer(self.cfg.optim, self.policy.parameters())
+            built = build_optimization(self.cfg.optim, self.policy.parameters(), self.cfg.trainer.max_steps)
+            self.optimizer, self.scheduler = built["optimizer"], built["lr_scheduler"]["scheduler"]
         norm = optimizer_step(self.optimizer, self.policy.parameters(), loss, self.cfg.trainer.gradient_clip_val)
+        self.scheduler.step()
         self.update_ema()
         self.steps += 1
         return norm

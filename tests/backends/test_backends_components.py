@@ -11,6 +11,7 @@ import torch
 
 from composer_plugins.backends.base import Backend, resolve_config
 from composer_plugins.training.components import StepComponents
+from composer_plugins.training.optim import schedule
 
 CHANNELS = {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 0.5, "teacher": "ema", "ema_rate": 0.5}}
 
@@ -112,3 +113,6 @@ def test_monarch_trainer_actor_steps_its_components_without_a_module(config, bui
         assert parts.steps == step + 1  # counted by the object that steps
     moved = [not torch.equal(a, b) for a, b in zip(ema, parts.ema_teacher.parameters(), strict=True)]
     assert any(moved)  # the EMA teacher followed the policy (ema_rate 0.5) inside optimize
+    # the learning rate follows optim's warm-up and schedule as under Lightning (it was constant here)
+    want = schedule(cfg.optim.scheduler, cfg.optim.warmup_steps, cfg.trainer.max_steps)(2) * cfg.optim.lr
+    assert parts.optimizer.param_groups[0]["lr"] == pytest.approx(want) and want != cfg.optim.lr

@@ -1,10 +1,12 @@
-"""The ``columns`` level (a procedure held out by number), its overlap report and ``step_check``'s column hints."""
+"""The column levels (a procedure held out by number), their overlap report and ``step_check``'s column hints."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 
+import pytest
 import torch
 
 from composer_plugins.envs.arith import column_numbers, generate_problems, split_of
@@ -17,9 +19,10 @@ from composer_plugins.envs.steps import parse_columns, parse_steps
 TASK = {"solution": "8+5+0=13\n7+6+1=14\n4+3+1=8\n#### 843", "answer": "843"}
 
 
-def test_columns_level_writes_each_column_with_its_carry():
-    probs = generate_problems(300, "columns", seed=0)
-    assert probs == generate_problems(300, 7, seed=0)
+@pytest.mark.parametrize(("level", "number"), [("columns", 7), ("long_columns", 8)])
+def test_columns_level_writes_each_column_with_its_carry(level, number):
+    probs = generate_problems(300, level, seed=0)
+    assert probs == generate_problems(300, number, seed=0)
     for p in probs:
         a, b = (int(n) for n in p.question.removeprefix("Add ").rstrip(".").split(" and "))
         cols = parse_columns(p.solution)
@@ -30,10 +33,15 @@ def test_columns_level_writes_each_column_with_its_carry():
         assert parse_steps(p.solution) == []  # a column line is not read as a two-operand step (``5+0=13``)
 
 
-def test_columns_split_holds_out_every_number_of_a_test_problem():
-    train = generate_problems(30000, "columns", seed=0)
-    test = generate_problems(400, "columns", seed=0, split="test")
+@pytest.mark.parametrize(("level", "lengths"), [("columns", {3}), ("long_columns", {3, 4, 5})])
+def test_columns_split_holds_out_every_number_of_a_test_problem(level, lengths):
+    train = generate_problems(30000, level, seed=0)
+    test = generate_problems(400, level, seed=0, split="test")
     assert len({p.question for p in test}) == 400
+    # the held-out rule must not skew the test lengths: each length is drawn before the numbers, as in train
+    for probs in (train, test):
+        share = Counter(len(p.question.split()[1]) for p in probs)
+        assert set(share) == lengths and min(share.values()) > 0.8 * len(probs) / len(lengths)
 
     def numbers(p):
         cols = parse_columns(p.solution)
@@ -46,14 +54,20 @@ def test_columns_split_holds_out_every_number_of_a_test_problem():
     assert len(facts) == 200  # every digit + digit + carry (0/1) fact, so every test fact is in train
 
 
-def test_prepare_reports_the_overlap_at_each_level_of_the_procedure(tmp_path):
+def test_the_intermediate_results_are_the_sums_of_the_last_columns():
+    assert column_numbers(384, 497) == {"operands": (384, 497), "intermediate": (181,), "answer": (881,)}
+    assert column_numbers(12345, 67890)["intermediate"] == (45 + 90, 345 + 890, 2345 + 7890)
+
+
+@pytest.mark.parametrize("level", ["columns", "long_columns"])
+def test_prepare_reports_the_overlap_at_each_level_of_the_procedure(tmp_path, level):
     """What docs/envs.md and studies/procedural/README.md claim of the split: every test row's facts (and so its
     lines) occur in train; no test operand, intermediate result or answer is any number of a train problem."""
     from composer_plugins.pipeline.stages import prepare
 
     params = {
         "data": {"seed": 0, "gsm8k": {"train": 30000, "test": 400}},
-        "train": {"env": {"name": "gsm8k", "difficulty": "columns"}},
+        "train": {"env": {"name": "gsm8k", "difficulty": level}},
     }
     entry = prepare(params, tmp_path)["envs"]["gsm8k"]
     got = {k: entry[k] for k in ("fact_overlap", "fact_rows", "first_line_overlap", "answer_overlap", "overlap")}
