@@ -637,8 +637,9 @@ def replay(
 
 
 def responses_table(result: ReplayResult) -> list[dict[str, Any]]:
-    """One JSON-able row per state: every teacher's action text (for inspection / DVC outputs)."""
-    rows = []
-    for sid, by_t in result.responses.items():
-        rows.append({"state_id": sid, "teachers": {tid: r.text for tid, r in by_t.items()}})
-    return rows
+    """One JSON-able row per state: every teacher's action text, by teacher id in sorted order (for inspection
+    and DVC outputs: the same bytes whichever teacher answered first)."""
+    return [
+        {"state_id": sid, "teachers": {tid: by_t[tid].text for tid in sorted(by_t)}}
+        for sid, by_t in result.responses.items()
+    ]

@@ -195,3 +195,18 @@ def test_cache_roundtrip_keys_and_durability(tmp_path):
             with pytest.raises(Exception, match="another replay process"):
                 with other.run_lock("r"):
                     pass
+
+
+def test_responses_table_lists_teachers_by_id_whichever_answered_first():
+    """The replay stage's responses.jsonl is a DVC output: its bytes must not follow the teachers' finishing order."""
+    from composer_plugins.teachers.engine import ReplayResult, ReplayStats, responses_table
+
+    def answers(order):
+        return {t: TeacherResponse(f"#### {t}", {"role": "assistant", "content": t}, teacher=t) for t in order}
+
+    rows = [
+        responses_table(ReplayResult({"s#0": answers(order)}, [], ReplayStats(), ["b", "a", "c"]))
+        for order in (["c", "a", "b"], ["b", "c", "a"])
+    ]
+    assert rows[0] == rows[1] == [{"state_id": "s#0", "teachers": {"a": "#### a", "b": "#### b", "c": "#### c"}}]
+    assert [json.dumps(r) for r in rows[0]] == [json.dumps(r) for r in rows[1]]  # the same bytes, key order included
