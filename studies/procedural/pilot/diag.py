@@ -23,7 +23,7 @@ def split_accuracy(model_dir: str, rows: list[dict], batch: int = 50) -> dict[st
         chunk = rows[i : i + batch]
         enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True)
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=36, do_sample=False, pad_token_id=tok.pad_token_id)
+            out = model.generate(**enc, max_new_tokens=60, do_sample=False, pad_token_id=tok.pad_token_id)
         for r, o in zip(chunk, out, strict=True):
             text = tok.decode(o[enc.input_ids.shape[1] :], skip_special_tokens=True)
             c = text.split("####")[0].strip() == r["solution"].split("####")[0].strip()
