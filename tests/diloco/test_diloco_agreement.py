@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -85,6 +86,19 @@ def test_paused_replica_never_writes_a_partial_mean_of_a_collected_round(tmp_pat
     assert "not making a partial mean" in logs(log_dir)
 
 
+_PIN = ("--total-replicas", "2", "--run-id", "pin", "toy.max_steps=16", "-S", "diloco.round_timeout_s=1")
+
+
+@pytest.fixture(scope="module")
+def pinned_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store whose run ``pin`` replica 0 started and finished: ``run.json`` pins its optimizers (one run for
+    every case below; each case refuses on a copy of it)."""
+    tmp_path = tmp_path_factory.mktemp("pinned")
+    url = store_url("file", tmp_path, "pin")
+    finish(cli(tmp_path, "a", "--first-index", "0", *_PIN, *_objstore(url), replicas=1), tmp_path / "a")
+    return _store_dir(url)
+
+
 @pytest.mark.parametrize(
     ("override", "named"),
     [
@@ -98,25 +112,18 @@ def test_paused_replica_never_writes_a_partial_mean_of_a_collected_round(tmp_pat
         ("toy.lr=0.001", "inner_optimizer.lr is 0.003 in the run, 0.001 here"),
     ],
 )
-def test_replica_with_another_optimizer_setting_is_refused_naming_it(tmp_path, override, named):
+def test_replica_with_another_optimizer_setting_is_refused_naming_it(tmp_path, pinned_store, override, named):
     url = store_url("file", tmp_path, "pin")
-    common = (
-        "--total-replicas",
-        "2",
-        "--run-id",
-        "pin",
-        "toy.max_steps=16",
-        *_objstore(url),
-        "-S",
-        "diloco.round_timeout_s=1",
-    )
-    first = cli(tmp_path, "a", "--first-index", "0", *common, replicas=1)
-    finish(first, tmp_path / "a")
-    second = cli(tmp_path, "b", "--first-index", "1", *common, "-S", override, replicas=1)
+    shutil.copytree(pinned_store, _store_dir(url))
+    second = cli(tmp_path, "b", "--first-index", "1", *_PIN, *_objstore(url), "-S", override, replicas=1)
     finish(second, tmp_path / "b", rc=1)
     text = logs(tmp_path / "b")
     assert named in text and "run.json" in text and "differ" in text, text
     assert not (tmp_path / "b" / "result1.json").exists() and not records(tmp_path / "b", 1)
+    # the same replica with the run's own settings joins the copied run (so the refusal above is the override's)
+    if override.startswith("toy."):
+        again = cli(tmp_path, "c", "--first-index", "1", *_PIN, *_objstore(url), replicas=1)
+        finish(again, tmp_path / "c")
 
 
 def test_fresh_run_never_adopts_states_of_a_run_whose_run_json_is_gone(tmp_path):
