@@ -8,7 +8,8 @@ written by hand, so the stages stay the one definition in dvc.yaml:
 * ``dvc.yaml``: the repository's, with the package paths its stages depend on rebased
   (``composer_plugins/...`` -> ``../../composer_plugins/...``); every other path is the study's own.
 * ``params.yaml``: the repository's params.yaml merged with ``studies/<name>/overrides.yaml``
-  (:func:`composer_plugins.pipeline.study.merge_params`).
+  (:func:`composer_plugins.pipeline.study.merge_params`); an overrides file whose ``_base`` names another
+  study applies on top of that study's (a second SFT warm start of the same design: ``procedural_b``).
 
     .venv/bin/python scripts/studies.py          # rewrite every studies/*/{dvc.yaml,params.yaml}
     .venv/bin/python scripts/studies.py --check  # exit 1 when one is out of date
@@ -47,11 +48,23 @@ def study_dvc_yaml(study: Path) -> str:
     return header(study.name, "../../dvc.yaml") + _DEP.sub(rf"\g<1>{up}/{PACKAGE}\g<2>", text)
 
 
-def study_params_yaml(study: Path) -> str:
-    """The repository's params.yaml merged with ``study/overrides.yaml``."""
-    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+def study_overrides(study: Path) -> tuple[dict, list[str]]:
+    """``study/overrides.yaml``, on top of the study its ``_base`` names (a second warm start of the same study)."""
     over = yaml.safe_load((study / "overrides.yaml").read_text()) or {}
-    what = f"../../params.yaml + studies/{study.name}/overrides.yaml"
+    base = over.pop("_base", None)
+    if base is None:
+        return over, [f"studies/{study.name}/overrides.yaml"]
+    if not (STUDIES / str(base) / "overrides.yaml").is_file():
+        raise SystemExit(f"studies/{study.name}/overrides.yaml: _base {base!r} is not a study under studies/")
+    inner, what = study_overrides(STUDIES / str(base))
+    return merge_params(inner, over), [*what, f"studies/{study.name}/overrides.yaml"]
+
+
+def study_params_yaml(study: Path) -> str:
+    """The repository's params.yaml merged with ``study/overrides.yaml`` (and the overrides of its ``_base``)."""
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    over, files = study_overrides(study)
+    what = " + ".join(["../../params.yaml", *files])
     return header(study.name, what) + yaml.safe_dump(merge_params(base, over), sort_keys=False)
 
 

@@ -146,13 +146,31 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
 
 
 def read_study_dir(
-    root: str | Path, evals: str | Path = "evals", runs: str | Path = "runs"
+    root: str | Path | Sequence[str | Path], evals: str | Path = "evals", runs: str | Path = "runs"
 ) -> tuple[list[dict[str, Any]], Histories]:
     """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir.
 
     ``evals`` and ``runs`` are relative to ``root`` (the stage layout of dvc.yaml: ``evals/*.json``,
-    ``runs/<variant>-s<seed>/history.csv``).
+    ``runs/<variant>-s<seed>/history.csv``). Several roots (one study per SFT warm start, ``study.warm_starts``)
+    are pooled: each record names its ``warm_start`` (the root), and a seed may occur in one root only.
     """
+    if not isinstance(root, str | Path):
+        roots = [Path(r) for r in root]
+        parts = [read_study_dir(r, evals, runs) for r in roots]
+        owner: dict[int, Path] = {}
+        for r, (recs, _) in zip(roots, parts, strict=True):
+            for s in {x["seed"] for x in recs if x["seed"] is not None}:
+                if s in owner:
+                    raise ValueError(
+                        f"seed {s} has cells in both {owner[s]} and {r}: each SFT warm start's study needs seeds of "
+                        "its own (study.seeds in its overrides.yaml), so that cells pair by seed"
+                    )
+                owner[s] = r
+        hist: Histories = {}
+        for _, h in parts:
+            for v, by_seed in h.items():
+                hist.setdefault(v, {}).update(by_seed)
+        return [x for recs, _ in parts for x in recs], hist
     from composer_plugins.pipeline.study import canonical_metric, history_column, parse_run_name
 
     root = Path(root)
@@ -163,7 +181,9 @@ def read_study_dir(
         else:
             v, s = parse_run_name(f.stem)
         m = json.loads(f.read_text()).get("metrics", {})
-        recs.append({"variant": v, "seed": s, **{canonical_metric(k): x for k, x in m.items()}})
+        recs.append(
+            {"variant": v, "seed": s, "warm_start": root.as_posix(), **{canonical_metric(k): x for k, x in m.items()}}
+        )
     hist: Histories = {}
     for f in sorted((root / runs).glob("*/history.csv")):
         try:
@@ -182,6 +202,18 @@ def read_study_dir(
                 rows.insert(0, {"step": 0.0, CURVE: zero[0]})
         hist.setdefault(v, {})[s] = rows
     return recs, hist
+
+
+def warm_start_values(recs: Sequence[Mapping[str, Any]], metric: str) -> float | dict[int, float] | None:
+    """The SFT start's ``metric``: one value, or ``{seed: value}`` when the records pool several warm starts."""
+    sft = {r.get("warm_start"): r[metric] for r in recs if r["variant"] == "sft" and metric in r}
+    if len(sft) <= 1:
+        return next(iter(sft.values()), None)
+    return {
+        int(r["seed"]): float(sft[r.get("warm_start")])
+        for r in recs
+        if r["variant"] != "sft" and r.get("seed") is not None and r.get("warm_start") in sft
+    }
 
 
 def study_report(
@@ -205,12 +237,12 @@ def study_report(
     (:mod:`.gap`, ``results/gap.json``), listed beside each variant's final effect with their correlation.
     """
     recs, hist = read_study_dir(root, evals, runs)
-    sft = [r for r in recs if r["variant"] == "sft"]
     out = []
-    if sft and metric in sft[0]:
-        se = f" (held-out se {heldout_se(sft[0][metric], heldout_n):.4f})" if heldout_n else ""
-        out.append(f"SFT start: {metric} = {sft[0][metric]:.4f}{se}\n")
-    start = sft[0].get(metric) if sft else None
+    start = warm_start_values(recs, metric)
+    for r in (r for r in recs if r["variant"] == "sft" and metric in r):
+        se = f" (held-out se {heldout_se(r[metric], heldout_n):.4f})" if heldout_n else ""
+        where = f" (warm start {r['warm_start']})" if isinstance(start, Mapping) else ""
+        out.append(f"SFT start{where}: {metric} = {r[metric]:.4f}{se}\n")
     fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin)
     parts = list(fam.values())
     flat = [e for t in parts for e in t]
@@ -264,6 +296,13 @@ def study_report(
                 cells = [f"{sum(p[t]) / len(p[t]):.3f}" if t in p else "" for p in pts.values()]
                 lines.append("| " + " | ".join([str(t), *cells]) + " |")
             out += ["", f"{CURVE} per evaluated step (mean over seeds):", "", *lines]
+    if "start" in fam:
+        out += [
+            "",
+            f"Does RL move the start? {baseline} minus its seed's SFT warm start ({metric}; in the family above):",
+            "",
+            format_paired(fam["start"], "markdown", heldout_n=heldout_n),
+        ]
     cols = [c for c in fractions if any(c in r for by_seed in hist.values() for rows in by_seed.values() for r in rows)]
     if cols:
         head = ["variant", *cols]

@@ -55,7 +55,8 @@ def report(
     With ``teacher_eval`` (the external teacher's held-out evaluation) metrics.json gets a ``teacher`` row and
     both tables a line naming its accuracy: the positive control's teacher is measured before it is used.
     """
-    recs = collect(evals_dir)
+    roots = [Path("."), *study.warm_starts(params)]  # this warm start's study, then the pooled ones
+    recs = [r for root in roots for r in collect(root / evals_dir)]
     if not recs:
         raise ConfigError(f"no evaluation results in {evals_dir}/; run the eval stages first")
     order = {"sft": -1, **{v: i for i, v in enumerate(study.variants(params))}}
@@ -86,7 +87,7 @@ def report(
                     *[_r(row[m][1]) for m in metrics_names],
                 ]
             )
-    write_curves(Path(runs_dir), pdir / "train_curves.csv", pdir / "curves")
+    write_curves([root / runs_dir for root in roots], pdir / "train_curves.csv", pdir / "curves")
     table = study.format_table(rows, metrics_names, group_by=("variant", "channels"))
     header = "# Ablation: loss channels on/off × seeds (held-out, mean ± sample std over seeds)\n\n"
     teacher = teacher_metrics(teacher_eval)
@@ -126,7 +127,8 @@ def _paired_report(
     """
     from composer_plugins.pipeline import paired
 
-    recs, hist = paired.read_study_dir(".", evals_dir, runs_dir)
+    roots = [Path("."), *study.warm_starts(params)]
+    recs, hist = paired.read_study_dir(roots if len(roots) > 1 else ".", evals_dir, runs_dir)
     signal = paired.run_means(hist, SIGNAL)
     for col in RUN_MEANS:  # run means over steps, mean/std over seeds
         for v, by_seed in (signal if col == SIGNAL else paired.run_means(hist, col)).items():
@@ -154,8 +156,7 @@ def _paired_report(
                     "p": _r(e.p),
                 }
     delta = study.threshold_delta(params)
-    sft = [r for r in recs if r["variant"] == "sft"]
-    start = sft[0].get(metric) if sft else None
+    start = paired.warm_start_values(recs, metric)
     # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
     margin = study.equivalence_margin(params)
     fam = paired.study_effects(recs, hist, base, metric, delta=delta, start=start, margin=margin)
@@ -163,7 +164,13 @@ def _paired_report(
         for e in effects:
             if e.variant not in out:
                 continue
-            key = metric if part == "final" else SIGNAL if part == "signal" else "curve/" + e.metric.split(" ", 1)[1]
+            key = (
+                metric
+                if part in ("final", "start")
+                else SIGNAL
+                if part == "signal"
+                else "curve/" + e.metric.split(" ", 1)[1]
+            )
             row = {
                 "diff": _r(e.mean),
                 "se": _r(e.se),
@@ -176,7 +183,7 @@ def _paired_report(
                 "baseline_mean": _r(e.baseline_mean),
             }
             row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
-            out[e.variant].setdefault(f"paired_vs_{base}", {})[key] = row
+            out[e.variant].setdefault("minus_sft" if part == "start" else f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
     fractions = sorted(
         {
@@ -191,7 +198,7 @@ def _paired_report(
     gap_file = Path(GAP_FILE)  # `composer-plugins study gap` (before RL), when it was run
     gap = json.loads(gap_file.read_text()) if gap_file.exists() else None
     text = paired.study_report(
-        ".",
+        roots if len(roots) > 1 else ".",
         base,
         metric,
         heldout_n=heldout_n,
@@ -252,7 +259,7 @@ def curve_file(metric: str) -> str:
     return metric.replace("/", ".") + ".csv"
 
 
-def write_curves(runs_dir: Path, out: Path, curves_dir: Path | None = None) -> int:
+def write_curves(runs_dir: Path | Sequence[Path], out: Path, curves_dir: Path | None = None) -> int:
     """Per-step curves of every run for DVC plots; returns the number of rows of ``out``.
 
     ``out`` (``plots/train_curves.csv``) is the long table ``step, run, variant, seed`` + every
@@ -263,7 +270,8 @@ def write_curves(runs_dir: Path, out: Path, curves_dir: Path | None = None) -> i
     """
     rows: list[dict[str, Any]] = []
     seen: list[str] = []
-    for hist in sorted(runs_dir.glob("*/history.csv")):
+    dirs = [runs_dir] if isinstance(runs_dir, Path) else list(runs_dir)
+    for hist in sorted(h for d in dirs for h in d.glob("*/history.csv")):
         name = hist.parent.name
         try:
             variant, seed = study.parse_run_name(name)

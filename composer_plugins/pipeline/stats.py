@@ -312,18 +312,29 @@ def curve_start(points: Sequence[tuple[int, float]]) -> float | None:
     return points[0][1] if points and points[0][0] == 0 else None
 
 
+def start_of(
+    start: float | Mapping[int, float] | None, seed: int, points: Sequence[tuple[int, float]] = ()
+) -> float | None:
+    """Seed ``seed``'s starting value: its curve's step 0 when recorded, else ``start`` (one value, or per seed)."""
+    recorded = curve_start(points)
+    if recorded is not None:
+        return recorded
+    return start.get(seed) if isinstance(start, Mapping) else start
+
+
 def curve_effects(
     hist: Histories,
     baseline: str,
     column: str = CURVE,
     confidence: float = 0.95,
     delta: float = DEFAULT_DELTA,
-    start: float | None = None,
+    start: float | Mapping[int, float] | None = None,
 ) -> list[PairedEffect]:
     """Per variant against ``baseline``, paired by seed: final curve value, AUC from step 0, time to threshold.
 
-    The threshold is ``start + delta``, the same for both arms: ``start`` is the curve's step-0 value (the
-    shared starting policy's, recorded by every run; the argument is used where no run recorded one).
+    The threshold is ``start + delta``, the same for both arms of a seed: ``start`` is the curve's step-0
+    value (the starting policy's, recorded by every run; the argument, one value or ``{seed: value}`` when
+    seeds start from different SFT warm starts, is used where no run recorded one).
     Each time-to-threshold effect's ``extra`` holds ``threshold`` and the censored seeds of each arm
     (``censored`` for the variant, ``censored_baseline``); a censored run counts at its last step plus one
     evaluation interval, in either arm.
@@ -332,24 +343,24 @@ def curve_effects(
     curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
     if baseline not in curves or not curves[baseline]:
         return []
-    starts = [x for by_seed in curves.values() for p in by_seed.values() if (x := curve_start(p)) is not None]
-    s0 = starts[0] if starts else start
+    s0 = {s: start_of(start, s, curves[baseline][s]) for s in curves[baseline]}  # each seed's step-0 value
     out: list[PairedEffect] = []
     names = [v for v in curves if v != baseline and curves[v]]
     base_final = {s: p[-1][1] for s, p in curves[baseline].items()}
-    base_auc = {s: curve_auc(p, None if curve_start(p) is not None else s0) for s, p in curves[baseline].items()}
-    threshold = None if s0 is None else s0 + float(delta)
-    base_reach = {s: time_to_threshold(p, threshold) for s, p in curves[baseline].items()} if threshold else {}
+    base_auc = {s: curve_auc(p, None if curve_start(p) is not None else s0[s]) for s, p in curves[baseline].items()}
+    thr = {s: x + float(delta) for s, x in s0.items() if x is not None}
+    threshold = sum(thr.values()) / len(thr) if thr and len(thr) == len(s0) else None
+    base_reach = {s: time_to_threshold(p, thr[s]) for s, p in curves[baseline].items()} if threshold else {}
     for v in names:
         shared = [s for s in curves[v] if s in base_final]
         if not shared:
             continue
         final = {s: curves[v][s][-1][1] for s in shared}
-        auc = {s: curve_auc(curves[v][s], None if curve_start(curves[v][s]) is not None else s0) for s in shared}
+        auc = {s: curve_auc(curves[v][s], None if curve_start(curves[v][s]) is not None else s0[s]) for s in shared}
         tables = [("final", final, base_final), ("auc", auc, base_auc)]
         reach = {}
         if threshold is not None:
-            reach = {s: time_to_threshold(curves[v][s], threshold) for s in shared}
+            reach = {s: time_to_threshold(curves[v][s], thr[s]) for s in shared}
             tables.append(
                 ("time_to_threshold", {s: r[0] for s, r in reach.items()}, {s: r[0] for s, r in base_reach.items()})
             )
@@ -360,11 +371,13 @@ def curve_effects(
             if metric == "time_to_threshold":
                 e = replace(e, lower_is_better=True)
                 e.extra.update(
-                    threshold=threshold,
+                    threshold=threshold,  # the mean over seeds where their warm starts differ (``thresholds``)
                     delta=float(delta),
                     censored=sum(not reach[s][1] for s in e.seeds),
                     censored_baseline=sum(not base_reach[s][1] for s in e.seeds),
                 )
+                if len(set(thr.values())) > 1:
+                    e.extra["thresholds"] = {s: thr[s] for s in e.seeds}
             out.append(e)
     return out
 
@@ -375,7 +388,7 @@ def study_effects(
     baseline: str,
     metric: str = "gsm8k/accuracy",
     delta: float = DEFAULT_DELTA,
-    start: float | None = None,
+    start: float | Mapping[int, float] | None = None,
     margin: float | None = None,
 ) -> dict[str, list[PairedEffect]]:
     """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
@@ -385,7 +398,9 @@ def study_effects(
     the threshold) are *inconclusive* where not significant.
 
     ``final``: ``metric`` per variant; ``signal``: the run mean of ``train/groups_with_signal``;
-    ``curve``: the held-out curve's final value, AUC from step 0 and time to threshold (:func:`curve_effects`).
+    ``curve``: the held-out curve's final value, AUC from step 0 and time to threshold (:func:`curve_effects`);
+    ``start`` (the SFT warm start's ``metric``: one value, or ``{seed: value}`` over several warm starts) adds
+    ``start``: the baseline minus its seed's warm start (the positive control's "RL moves the start").
     """
     tables: dict[str, list[PairedEffect]] = {"final": paired_rows(recs, metric, baseline)}
     sig = "train/groups_with_signal"
@@ -399,9 +414,13 @@ def study_effects(
     curve = curve_effects(hist, baseline, delta=delta, start=start)
     if curve:
         tables["curve"] = curve
+    base = by_variant_seed(recs, metric).get(baseline, {})
+    sft = {s: x for s in base if (x := start_of(start, s)) is not None}
+    if len(sft) > 1:
+        tables["start"] = [paired_effect(base, sft, name=baseline, baseline_name="sft", metric=metric)]
     if margin is not None:
         for k, t in tables.items():
-            tables[k] = [replace(e, margin=0.0 if k == "signal" or e.lower_is_better else margin) for e in t]
+            tables[k] = [replace(e, margin=0.0 if k in ("signal", "start") or e.lower_is_better else margin) for e in t]
     flat = holm([e for t in tables.values() for e in t])
     out: dict[str, list[PairedEffect]] = {}
     i = 0

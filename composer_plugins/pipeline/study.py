@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, load_config
-from composer_plugins.pipeline.common import param_error
+from composer_plugins.pipeline.common import PATHS, param_error
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
 #: Names follow the one scheme of docs/metrics.md (MLflow-safe, the same in every sink).
@@ -141,6 +141,23 @@ def seeds(params: Mapping[str, Any]) -> list[int]:
     if not isinstance(s, list) or not all(isinstance(x, int) for x in s):
         raise param_error(params, "study.seeds", f"must be a list of integers, got {s!r}")
     return list(s)
+
+
+def warm_starts(params: Mapping[str, Any]) -> list[Path]:
+    """``study.warm_starts``: the studies of the other SFT warm starts, pooled into this one's report.
+
+    Each is a study directory (relative to this one) running the same variants from its own SFT start, with
+    seeds of its own; the report pairs every cell by seed and tests each baseline cell against its own start.
+    """
+    ws = (params.get("study") or {}).get("warm_starts") or []
+    if not isinstance(ws, list) or not all(isinstance(w, str) and w for w in ws):
+        raise param_error(params, "study.warm_starts", f"must be a list of study directories, got {ws!r}")
+    missing = [w for w in ws if not (Path(w) / PATHS["evals"]).is_dir()]
+    if missing:
+        raise param_error(
+            params, "study.warm_starts", f"{missing} hold no {PATHS['evals']}/: run those studies' cells first"
+        )
+    return [Path(w) for w in ws]
 
 
 def baseline(params: Mapping[str, Any]) -> str | None:

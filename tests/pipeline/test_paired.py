@@ -148,6 +148,7 @@ def test_curve_auc_and_steps_to_target_by_hand() -> None:
 
 
 def _curve_study(tmp_path, curves, start=0.2):
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "evals").mkdir()
     for (v, s), ys in curves.items():
         (tmp_path / "evals" / f"{v}-s{s}.json").write_text(json.dumps({"metrics": {"gsm8k/accuracy": ys[-1]}}))
@@ -290,3 +291,35 @@ def test_equivalence_margin_is_checked_where_it_is_set() -> None:
     )
     with pytest.raises(ConfigError, match="study.equivalence_margin"):
         equivalence_margin({"study": {"equivalence_margin": 3}})
+
+
+def test_two_warm_starts_pool_by_seed_each_against_its_own_start(tmp_path) -> None:
+    """study.warm_starts: each SFT warm start is a study of its own seeds; the report pools them by seed, tests
+    the baseline against *its seed's* start (rl_only − SFT) and puts each seed's threshold at its own start + δ."""
+    a = {("rl_only", 0): (0.3, 0.4, 0.5), ("rl_only", 1): (0.3, 0.4, 0.4), ("fast", 0): (0.5, 0.5, 0.6)}
+    a[("fast", 1)] = (0.4, 0.5, 0.6)
+    b = {("rl_only", 2): (0.1, 0.2, 0.3), ("rl_only", 3): (0.2, 0.2, 0.3), ("fast", 2): (0.3, 0.4, 0.4)}
+    b[("fast", 3)] = (0.2, 0.3, 0.4)
+    _curve_study(tmp_path / "a", a, start=0.3)
+    _curve_study(tmp_path / "b", b, start=0.1)
+    for root, acc in (("a", 0.3), ("b", 0.1)):
+        (tmp_path / root / "evals" / "sft.json").write_text(json.dumps({"metrics": {"gsm8k/accuracy": acc}}))
+    recs, hist = paired.read_study_dir([tmp_path / "a", tmp_path / "b"])
+    assert paired.warm_start_values(recs, "gsm8k/accuracy") == {0: 0.3, 1: 0.3, 2: 0.1, 3: 0.1}
+    fam = paired.study_effects(recs, hist, "rl_only", delta=0.1, start=paired.warm_start_values(recs, "gsm8k/accuracy"))
+    (control,) = fam["start"]  # rl_only's final accuracy minus its own warm start, seed by seed
+    assert (control.variant, control.baseline) == ("rl_only", "sft")
+    assert control.diffs == pytest.approx([0.2, 0.1, 0.2, 0.2])
+    ttt = next(e for e in fam["curve"] if e.variant == "fast" and "threshold" in e.metric)
+    # thresholds 0.4 (a) and 0.2 (b): rl_only reaches them at 20, 20, 20, 10; fast at 10, 10, 10, 10 (one shared
+    # threshold, 0.3 + 0.1 from a's start, would have put every b seed of both arms among the censored)
+    assert ttt.extra["thresholds"] == pytest.approx({0: 0.4, 1: 0.4, 2: 0.2, 3: 0.2})
+    assert ttt.diffs == [-10.0, -10.0, -10.0, 0.0] and ttt.extra["censored"] == ttt.extra["censored_baseline"] == 0
+    text = paired.study_report([tmp_path / "a", tmp_path / "b"], "rl_only", delta=0.1)
+    assert f"SFT start (warm start {(tmp_path / 'a').as_posix()}): gsm8k/accuracy = 0.3000" in text
+    assert "Does RL move the start? rl_only minus its seed's SFT warm start" in text
+    assert "| rl_only | sft | gsm8k/accuracy | 4 |" in text
+    # a seed run from both warm starts cannot pair: the error names both directories and the fix
+    _curve_study(tmp_path / "c", {("rl_only", 0): (0.1, 0.1, 0.1)}, start=0.1)
+    with pytest.raises(ValueError, match=r"seed 0 has cells in both .*a and .*c.*study.seeds"):
+        paired.read_study_dir([tmp_path / "a", tmp_path / "c"])

@@ -332,3 +332,43 @@ def test_the_readme_describes_the_default_study_params_yaml_runs() -> None:
     for v in ("teacher_only", "grpo_teacher"):
         assert variants[v]["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
     assert "`cd studies/calibrated && dvc repro`" in readme and "does **not** pass here" in readme
+
+
+def test_the_report_pools_a_second_warm_start_and_tests_rl_against_each_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`study.warm_starts`: the report stage reads the other warm start's evals and runs beside its own, writes one
+    pooled table, and puts rl_only − SFT (per seed, against its own start) into metrics.json and paired.md."""
+    from composer_plugins.pipeline.stage_report import report
+
+    accs = {"a": (0.30, {0: (0.40, 0.50), 1: (0.42, 0.55)}), "b": (0.20, {2: (0.31, 0.44), 3: (0.29, 0.40)})}
+    for d, (sft, cells) in accs.items():
+        (tmp_path / d / "evals").mkdir(parents=True)
+        (tmp_path / d / "evals" / "sft.json").write_text(
+            json.dumps({"run": "sft", "variant": "sft", "seed": 0, "channels": "", "metrics": {"gsm8k/accuracy": sft}})
+        )
+        for s, pair in cells.items():
+            for v, acc in zip(("rl_only", "teacher_only"), pair, strict=True):
+                rec = {"run": f"{v}-s{s}", "variant": v, "seed": s, "channels": v, "metrics": {"gsm8k/accuracy": acc}}
+                (tmp_path / d / "evals" / f"{v}-s{s}.json").write_text(json.dumps(rec))
+                run = tmp_path / d / "runs" / f"{v}-s{s}"
+                run.mkdir(parents=True)
+                run.joinpath("history.csv").write_text("step,train/groups_with_signal\n1,0.5\n2,0.25\n")
+    params = {"study": {"seeds": [0, 1], "baseline": "rl_only", "warm_starts": ["../b"]}}
+    params["study"]["variants"] = {"rl_only": {}, "teacher_only": {}}
+    monkeypatch.chdir(tmp_path / "a")
+    res = report(params)
+    m = json.loads(Path("metrics.json").read_text())
+    assert m["rl_only"]["n"] == 4 and m["sft"]["n"] == 2  # both warm starts' cells and starts
+    control = m["rl_only"]["minus_sft"]["gsm8k/accuracy"]
+    assert control["diff"] == pytest.approx((0.10 + 0.12 + 0.11 + 0.09) / 4)  # each seed against its own start
+    gap = m["teacher_only"]["paired_vs_rl_only"]["gsm8k/accuracy"]
+    assert gap["diff"] == pytest.approx((0.10 + 0.13 + 0.13 + 0.11) / 4)
+    assert "SFT start (warm start ../b): gsm8k/accuracy = 0.2000" in res["paired"]
+    assert "| rl_only | sft | gsm8k/accuracy | 4 |" in res["paired"]
+    rows = Path("plots/train_curves.csv").read_text().splitlines()
+    assert len(rows) == 1 + 8 * 2  # every run of both warm starts, two steps each
+    # a warm start whose cells have not run is named with the fix
+    params["study"]["warm_starts"] = ["../c"]
+    with pytest.raises(ConfigError, match=r"study.warm_starts.*\['../c'\] hold no evals/"):
+        report(params)
