@@ -6,7 +6,8 @@
 # runner is how the committed results were produced (README.md here, docs/results.md):
 #   1. the upstream stages of both warm starts side by side, one core each (prepare, sft, teacher, eval_teacher,
 #      eval_sft, rollout, replay, pairs), with `dvc repro`;
-#   2. every `composer-plugins study train/eval` cell exactly as dvc.yaml writes it, J at a time, seed by seed
+#   2. the gap predictor (`composer-plugins study gap`: results/gap.json, before any RL), then
+#      every `composer-plugins study train/eval` cell exactly as dvc.yaml writes it, J at a time, seed by seed
 #      alternating the warm starts, so whatever has finished at a deadline is complete, paired seeds;
 #   3. `dvc commit` of the finished cells into each dvc.lock, then the reports: ../procedural_b's (its warm start
 #      alone), then this one's, which pools both (`study.warm_starts`).
@@ -26,6 +27,9 @@ for d in "${DIRS[@]}"; do
 done
 wait
 lap "upstream stages (both warm starts)"
+# the gap predictor (before RL, this warm start's SFT policy): results/gap.json, listed beside each effect
+composer-plugins study gap > logs/gap.log 2>&1
+lap "gap predictor"
 cells() {  # "dir variant seed", seed by seed, the two warm starts alternating
   local n i d
   n=$(python -c 'import yaml; print(len(yaml.safe_load(open("params.yaml"))["study"]["seeds"]))')

@@ -145,10 +145,11 @@ def test_restart_before_round_0_and_a_late_replica_0_start_from_init(moto, tmp_p
     assert "replica 1: exit codes [-9, 0] (restarts 1)" in out, out
     assert "own weights" not in logs(log_dir)
     _same_weights(log_dir, 32)
-    # replica 1 died before its first sync: its first record is its restart's, which took init (or, when round 0
-    # had closed without it, rebuilt round 0 from init and the manifest)
+    # replica 1 died before its first sync: its first record is its restart's, which took init (or, when rounds
+    # had closed without it, rebuilt them from init and the manifests). Which round that is depends on how long
+    # the restart took (round 0 or 1 on an idle machine, later under load), so the round is not asserted.
     first = records(log_dir, 1)[0]
-    assert first["restart"] == 1 and first["healed"] and first["round"] <= 1, first
+    assert first["restart"] == 1 and first["healed"], first
 
 
 def _wait_for(proc: subprocess.Popen[str], log_dir: Path, what: str, pred: Any) -> None:
