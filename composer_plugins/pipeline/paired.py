@@ -272,6 +272,13 @@ def study_report(
                 f"δ = {thr['delta']:.3f}, the same for both arms; a run of either arm that never reaches it is "
                 "censored at its last step + one interval)"
             )
+            if thr and "thresholds" not in thr
+            else (
+                f"and the first evaluated step reaching its seed's threshold (that seed's step-0 value + δ = "
+                f"{thr['delta']:.3f}, the same for both arms; per seed: "
+                + ", ".join(f"{s} {x:.3f}" for s, x in sorted(thr["thresholds"].items()))
+                + "; a run of either arm that never reaches it is censored at its last step + one interval)"
+            )
             if thr
             else "(no step-0 value: no time to threshold)"
         )

@@ -319,6 +319,7 @@ def test_two_warm_starts_pool_by_seed_each_against_its_own_start(tmp_path) -> No
     assert f"SFT start (warm start {(tmp_path / 'a').as_posix()}): gsm8k/accuracy = 0.3000" in text
     assert "Does RL move the start? rl_only minus its seed's SFT warm start" in text
     assert "| rl_only | sft | gsm8k/accuracy | 4 |" in text
+    assert "per seed: 0 0.400, 1 0.400, 2 0.200, 3 0.200;" in text
     # a seed run from both warm starts cannot pair: the error names both directories and the fix
     _curve_study(tmp_path / "c", {("rl_only", 0): (0.1, 0.1, 0.1)}, start=0.1)
     with pytest.raises(ValueError, match=r"seed 0 has cells in both .*a and .*c.*study.seeds"):
