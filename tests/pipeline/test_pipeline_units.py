@@ -293,8 +293,9 @@ def test_replay_stage_takes_its_consensus_from_pairs_k(tmp_path: Path) -> None:
         parse_config(Config(stages.replay_config(params), source=str(tmp_path / "config.yaml")))
 
 
-def test_the_default_study_holds_out_computations_and_prints_both_overlaps(tmp_path: Path) -> None:
-    """README/docs: the main job's prepare reports 0 test rows computing a train tuple, beside the line overlap."""
+def test_the_default_study_holds_out_numbers_and_prints_every_overlap_level(tmp_path: Path) -> None:
+    """README/docs: the main job's prepare reports the `columns` split at each level (fact, line, operand,
+    intermediate result, answer): every fact shared, no number of a test problem in train."""
     from click.testing import CliRunner
 
     from composer_plugins.core.cli import load_commands
@@ -303,35 +304,40 @@ def test_the_default_study_holds_out_computations_and_prints_both_overlaps(tmp_p
         load_commands(), ["prepare", "-p", str(ROOT / "params.yaml"), "--out", str(tmp_path / "tasks")]
     )
     assert res.exit_code == 0, res.output
-    assert "gsm8k: 3000 train, 400 test (embedded)" in res.output
-    assert "0 test rows (0 distinct) computing a train tuple" in res.output
-    assert "gsm8k: line overlap: 400/400 test first lines, 367/400 second lines" in res.output
+    assert "gsm8k: 30000 train, 400 test (embedded)" in res.output
+    procedure = "400/400 test rows use only train facts; 0 an operand, 0 an intermediate result, 0 an answer"
+    lines = "400/400 test first lines, 400/400 second lines and 0/400 answers occur verbatim in train"
     manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())["envs"]["gsm8k"]
-    assert manifest["computation_overlap"] == 0 and manifest["second_line_overlap"] == 367
+    assert manifest["env"]["difficulty"] == "columns" and manifest["fact_overlap"] == manifest["fact_rows"] == 400
+    assert manifest["operand_overlap"] == manifest["intermediate_overlap"] == manifest["answer_number_overlap"] == 0
     # what README.md and docs/pipeline.md say the main job's prepare prints is what it prints
     readme = " ".join((ROOT / "README.md").read_text().split())
     docs = " ".join((ROOT / "docs" / "pipeline.md").read_text().split())
-    for claim in ("0 test rows (0 distinct) computing a train tuple", "367/400 second lines"):
+    for claim in (procedure, lines):
         assert claim in res.output and claim in readme and claim in docs, claim
 
 
 def test_the_readme_describes_the_default_study_params_yaml_runs() -> None:
-    """README's main job: the chain level, a 400-step SFT, a teacher 400 steps on, 3 arms x 2 seeds x 40 steps."""
+    """README's main job: the columns level, a 500-step SFT, a teacher 300 steps on, 3 arms x 2 seeds x 32 steps."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert params["train"]["env"]["difficulty"] == "chain" and "runs the `chain` level" in readme
-    assert params["train"]["sft"]["steps"] == 400 and "A 400-step SFT warm start" in readme
-    assert params["teacher"]["sft_steps"] == 400 and "that SFT continued 400 steps on train only" in readme
+    assert params["train"]["env"]["difficulty"] == "columns" and "runs the `columns` level" in readme
+    assert params["train"]["sft"]["steps"] == 500 and "A 500-step SFT warm start" in readme
+    assert params["teacher"]["sft_steps"] == 300 and "that SFT continued 300 steps on train only" in readme
     variants, seeds = params["study"]["variants"], params["study"]["seeds"]
     assert list(variants) == ["rl_only", "teacher_only", "grpo_teacher"] and params["study"]["baseline"] == "rl_only"
     steps = params["train"]["trainer"]["max_steps"]
     assert f"three arms × {len(seeds)} seeds × {steps} RL steps" in readme
     assert params["eval"]["envs"]["gsm8k"]["num_problems"] == params["data"]["gsm8k"]["test"] == 400
     assert "evaluated greedily on all 400 held-out problems" in readme and params["eval"]["envs"]["gsm8k"]["k"] == 0
-    # both teacher arms distil from the teacher stage's model, and the full study's command is named
+    # both teacher arms distil from the teacher stage's model; every arm at the procedural study's GRPO settings
     for v in ("teacher_only", "grpo_teacher"):
         assert variants[v]["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
-    assert "`cd studies/calibrated && dvc repro`" in readme and "does **not** pass here" in readme
+        assert "optim" not in variants[v] and "rollout" not in variants[v]
+    study = yaml.safe_load((ROOT / "studies" / "procedural" / "params.yaml").read_text())["train"]["optim"]
+    assert {k: params["train"]["optim"][k] for k in ("lr", "warmup_steps")} == {"lr": 1e-4, "warmup_steps": 10}
+    assert study["lr"] == params["train"]["optim"]["lr"] and study["warmup_steps"] == 10
+    assert "`cd studies/procedural && J=2 bash run_study.sh`" in readme and "does **not** pass" in readme
 
 
 def test_the_report_pools_a_second_warm_start_and_tests_rl_against_each_start(
