@@ -48,15 +48,20 @@ def study_dvc_yaml(study: Path) -> str:
     return header(study.name, "../../dvc.yaml") + _DEP.sub(rf"\g<1>{up}/{PACKAGE}\g<2>", text)
 
 
-def study_overrides(study: Path) -> tuple[dict, list[str]]:
+def study_overrides(study: Path, chain: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
     """``study/overrides.yaml``, on top of the study its ``_base`` names (a second warm start of the same study)."""
     over = yaml.safe_load((study / "overrides.yaml").read_text()) or {}
     base = over.pop("_base", None)
     if base is None:
         return over, [f"studies/{study.name}/overrides.yaml"]
+    where = f"studies/{study.name}/overrides.yaml: _base {base!r}"
     if not (STUDIES / str(base) / "overrides.yaml").is_file():
-        raise SystemExit(f"studies/{study.name}/overrides.yaml: _base {base!r} is not a study under studies/")
-    inner, what = study_overrides(STUDIES / str(base))
+        studies = sorted(p.parent.name for p in STUDIES.glob("*/overrides.yaml"))
+        raise SystemExit(f"{where} is not a study under studies/ (studies: {', '.join(studies)})")
+    if str(base) in (*chain, study.name):
+        loop = " -> ".join([*chain, study.name, str(base)])
+        raise SystemExit(f"{where} makes a cycle ({loop}): name a study that does not lead back here")
+    inner, what = study_overrides(STUDIES / str(base), (*chain, study.name))
     return merge_params(inner, over), [*what, f"studies/{study.name}/overrides.yaml"]
 
 

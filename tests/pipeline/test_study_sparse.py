@@ -95,6 +95,26 @@ def test_study_files_are_derived_from_the_repository_pipeline() -> None:
         (STUDY / "params.yaml").write_text(text)
 
 
+def test_a_base_chain_that_loops_or_names_no_study_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/studies.py: ``_base`` stacks a study's overrides on another's; a loop or an unknown name is an error
+    naming the file, the loop and the studies there are (not a RecursionError or a silent fork)."""
+    mod = _studies_script()
+    for name, body in {"a": "_base: b\nx: 1\n", "b": "_base: c\ny: 2\n", "c": "z: 3\n", "d": "_base: d\n"}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "overrides.yaml").write_text(body)
+    monkeypatch.setattr(mod, "STUDIES", tmp_path)
+    over, files = mod.study_overrides(tmp_path / "a")
+    assert over == {"z": 3, "y": 2, "x": 1} and files == [f"studies/{n}/overrides.yaml" for n in "cba"]
+    with pytest.raises(SystemExit, match=r"studies/d/overrides.yaml: _base 'd' makes a cycle \(d -> d\)"):
+        mod.study_overrides(tmp_path / "d")
+    (tmp_path / "c" / "overrides.yaml").write_text("_base: a\n")
+    with pytest.raises(SystemExit, match=r"_base 'a' makes a cycle \(a -> b -> c -> a\)"):
+        mod.study_overrides(tmp_path / "a")
+    (tmp_path / "c" / "overrides.yaml").write_text("_base: nope\n")
+    with pytest.raises(SystemExit, match=r"_base 'nope' is not a study under studies/ \(studies: a, b, c, d\)"):
+        mod.study_overrides(tmp_path / "a")
+
+
 def test_sparse_params_load_with_paired_variants_on_five_seeds() -> None:
     params = study.load_params(STUDY / "params.yaml")
     assert study.seeds(params) == [0, 1, 2, 3, 4]
