@@ -217,7 +217,7 @@ def warm_start_values(recs: Sequence[Mapping[str, Any]], metric: str) -> float |
 
 
 def study_report(
-    root: str | Path,
+    root: str | Path | Sequence[str | Path],
     baseline: str = "rl_only",
     metric: str = "gsm8k/accuracy",
     heldout_n: int | None = None,

@@ -56,7 +56,6 @@ def report(
     both tables a line naming its accuracy: the positive control's teacher is measured before it is used.
     """
     roots = [Path("."), *study.warm_starts(params)]  # this warm start's study, then the pooled ones
-    pooled: Path | list[Path] = roots if len(roots) > 1 else roots[0]  # what paired.py reads: one root or several
     recs = [r for root in roots for r in collect(root / evals_dir)]
     if not recs:
         raise ConfigError(f"no evaluation results in {evals_dir}/; run the eval stages first")
@@ -98,7 +97,7 @@ def report(
         shown = ", ".join(f"{m} {teacher[m]:.3f}" for m in metrics_names if m in teacher)
         note = f"\nThe external teacher of the teacher variants ({teacher_eval}, not a variant): {shown}.\n"
     study.write_text(table_out, header + table + "\n" + note)
-    paired_text = _paired_report(params, out, pooled, evals_dir, runs_dir, metrics_names) + note
+    paired_text = _paired_report(params, out, roots, evals_dir, runs_dir, metrics_names) + note
     atomic_write_json(metrics_out, out, sort_keys=True)
     paired_out = Path(table_out).with_name("paired.md")
     study.write_text(paired_out, paired_text)
@@ -115,7 +114,7 @@ RUN_MEANS = (SIGNAL, "train/hint/teacher_margin", "train/hint/fraction", "train/
 def _paired_report(
     params: Mapping[str, Any],
     out: dict[str, Any],
-    pooled: Path | list[Path],
+    roots: Sequence[Path],
     evals_dir: str | os.PathLike[str],
     runs_dir: str | os.PathLike[str],
     metrics_names: Sequence[str],
@@ -125,12 +124,13 @@ def _paired_report(
     ``out`` is metrics.json's ``{variant: {...}}``: each variant gets the run mean of
     ``train/groups_with_signal`` (mean/std over seeds) and, when ``study.baseline`` names a variant,
     ``paired_vs_<baseline>``: ``{metric: {diff, se, low, high}}`` (per-seed differences, Student t 95%
-    interval; :mod:`.paired`). ``pooled`` is the study directory, or every warm start's (``study.warm_starts``),
-    as :func:`.paired.read_study_dir` reads it. Returns the markdown of ``results/paired.md``.
+    interval; :mod:`.paired`). ``roots``: the study directory, then every pooled warm start's
+    (``study.warm_starts``), as :func:`.paired.read_study_dir` reads them. Returns the markdown of
+    ``results/paired.md``.
     """
     from composer_plugins.pipeline import paired
 
-    recs, hist = paired.read_study_dir(pooled, evals_dir, runs_dir)
+    recs, hist = paired.read_study_dir(roots, evals_dir, runs_dir)
     signal = paired.run_means(hist, SIGNAL)
     for col in RUN_MEANS:  # run means over steps, mean/std over seeds
         for v, by_seed in (signal if col == SIGNAL else paired.run_means(hist, col)).items():
@@ -200,7 +200,7 @@ def _paired_report(
     gap_file = Path(GAP_FILE)  # `composer-plugins study gap` (before RL), when it was run
     gap = json.loads(gap_file.read_text()) if gap_file.exists() else None
     text = paired.study_report(
-        pooled,
+        roots,
         base,
         metric,
         heldout_n=heldout_n,
