@@ -58,8 +58,7 @@ def register_commands(cli: Any) -> None:
         click.echo(json.dumps(out, indent=2))
 
     def _build(name: str, loaded: tuple[Any, Any], options: tuple[str, ...], need_upstream: bool = True) -> Any:
-        import yaml
-
+        from composer_plugins.core.config import yaml_load
         from composer_plugins.core.plugins import get_registry
 
         kw: dict[str, Any] = {}
@@ -67,7 +66,7 @@ def register_commands(cli: Any) -> None:
             key, sep, value = opt.partition("=")
             if not sep:
                 raise click.BadParameter(f"expected KEY=VALUE, got {opt!r}", param_hint="--opt")
-            kw[key.strip()] = yaml.safe_load(value)
+            kw[key.strip()] = yaml_load(value)
         entry = get_registry().get("backends", name)
         if need_upstream:
             return entry.build(config=loaded, **kw)

@@ -34,14 +34,14 @@ def all_overrides(positional: tuple[str, ...] | list[str], set_overrides: tuple[
 
 def key_values(options: tuple[str, ...] | list[str], param_hint: str) -> dict[str, Any]:
     """``key=value`` options as a dict, each value read as YAML (an empty one stays ``""``)."""
-    import yaml
+    from composer_plugins.core.config import yaml_load
 
     out: dict[str, Any] = {}
     for opt in options:
         if "=" not in opt:
             raise click.BadParameter(f"{opt!r} must look like key=value", param_hint=param_hint)
         k, _, v = opt.partition("=")
-        out[k.strip()] = yaml.safe_load(v) if v.strip() else v
+        out[k.strip()] = yaml_load(v) if v.strip() else v
     return out
 
 

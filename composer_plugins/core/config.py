@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -22,6 +23,21 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.registry import import_object
 
 T = TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-3`` as the float it is in YAML 1.2 (and to DVC, whose ruamel reads
+    params.yaml that way). PyYAML's YAML 1.1 resolver wants a dot (``1.0e-3``) and would hand a config a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` with YAML 1.2's exponent floats (``lr: 1e-3`` is 0.001): every config read goes here."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class Secret(str):
@@ -139,7 +155,7 @@ def loads_config(
     """Like :func:`load_config` for YAML text."""
     try:
         node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
     except yaml.YAMLError as e:
         raise _yaml_error(e, source) from e
     if data is None:
@@ -181,7 +197,7 @@ def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str]) -> None:
         key, _, raw = ov.partition("=")
         key = key.strip().lstrip("-")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
+            value = yaml_load(raw) if raw.strip() else raw
         except yaml.YAMLError:
             value = raw
         node: dict[str, Any] = cfg

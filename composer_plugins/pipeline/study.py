@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from composer_plugins.core.config import Config, load_config
+from composer_plugins.core.config import Config, load_config, yaml_load
 from composer_plugins.pipeline.common import PATHS, param_error
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
@@ -103,8 +103,8 @@ def write_merged_params(
     """Write ``base`` (YAML) merged with ``override`` (YAML, :func:`merge_params` rules) to ``out``."""
     import yaml
 
-    b = yaml.safe_load(Path(base).read_text()) or {}
-    o = yaml.safe_load(Path(override).read_text()) or {}
+    b = yaml_load(Path(base).read_text()) or {}
+    o = yaml_load(Path(override).read_text()) or {}
     text = f"# {Path(base).name} merged with {Path(override).name}\n"
     text += yaml.safe_dump(merge_params(b, o), sort_keys=False)
     return write_text(out, text)

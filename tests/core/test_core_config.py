@@ -81,6 +81,24 @@ def test_dotted_overrides_parse_yaml_values():
         apply_overrides({"steps": 1}, ["steps.x=1"])
 
 
+def test_exponent_floats_without_a_dot_are_floats_in_files_overrides_and_merged_params(tmp_path):
+    # PyYAML alone reads `1e-3` as the string '1e-3' (YAML 1.1 wants `1.0e-3`); DVC reads it as 0.001
+    cfg = loads_config("optim: {lr: 1e-3}\nsteps: 3\n", overrides=["new.beta=5E-2", "new.big=+2e5", "new.s=1e3x"])
+    assert cfg["optim"]["lr"] == 0.001 and isinstance(cfg["optim"]["lr"], float)
+    assert cfg["new"] == {"beta": 0.05, "big": 200000.0, "s": "1e3x"} and cfg["steps"] == 3
+    t = from_dict(TrainCfg, {"steps": 3, "optim": loads_config("lr: 1e-4")}, cfg)
+    assert t.optim.lr == 1e-4
+
+    from composer_plugins.core.cli import key_values
+    from composer_plugins.pipeline.study import write_merged_params
+
+    assert key_values(("lr=1e-3", "n=2"), "-S") == {"lr": 0.001, "n": 2}
+    (tmp_path / "base.yaml").write_text("train: {optim: {lr: 3.0e-4}}\n")
+    (tmp_path / "over.yaml").write_text("train: {optim: {lr: 1e-3}}\n")
+    out = write_merged_params(tmp_path / "base.yaml", tmp_path / "over.yaml", tmp_path / "params.yaml")
+    assert load_config(out)["train"]["optim"]["lr"] == 0.001  # not the quoted string '1e-3'
+
+
 def test_invalid_yaml_reports_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("a: 1\nb: [1, 2\nc: 3\n")
