@@ -130,6 +130,17 @@ def env_rewards(
     return [float(unscorable) if r is None else float(r) for r in rewards]
 
 
+def reference_completion(task: Mapping[str, Any]) -> str | None:
+    """A task's reference completion (the dataset's output): its ``target``, else its worked ``solution`` after
+    one space (as the prompt's ``Answer:`` is followed); ``None`` when it carries neither. SFT and off-policy
+    steps (``rollout.on_policy_fraction``) read it here."""
+    if task.get("target") is not None:
+        return str(task["target"])
+    if task.get("solution") is not None:
+        return " " + str(task["solution"]).lstrip()
+    return None
+
+
 def env_feedback(env: Any, task: Mapping[str, Any], completion: str) -> Any:
     """``env.feedback(prompt, completion, **task)`` (free after ``reward``), or ``None`` if the env has none."""
     fn = getattr(env, "feedback", None)

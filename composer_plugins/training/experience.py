@@ -40,6 +40,9 @@ class Sampler:
     num_generations: int
     sampling: Mapping[str, Any]
     chat_template: str = "auto"
+    #: Share of steps whose completions the policy samples (TRL GKD's ``lmbda``); the others read each task's
+    #: reference completion once (the dataset's output, a group of one), drawn per step from its seed.
+    on_policy_fraction: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: Any, src: Any = None, env: Any = None) -> Sampler:
@@ -49,7 +52,17 @@ class Sampler:
         r = cfg.rollout
         names = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_length")
         sampling = {k: getattr(r, k) for k in names}
-        return cls(build_generator(cfg, src, env), r.num_generations, sampling, cfg.model.chat_template)
+        gen = build_generator(cfg, src, env)
+        return cls(gen, r.num_generations, sampling, cfg.model.chat_template, float(r.on_policy_fraction))
+
+    def on_policy(self, seed: int) -> bool:
+        """Whether the step sampled with ``seed`` samples the policy (else it reads the dataset's completions)."""
+        import random
+
+        from composer_plugins.training.batches import derive_seed
+
+        f = self.on_policy_fraction
+        return f >= 1 or (f > 0 and random.Random(derive_seed(seed, 17)).random() < f)
 
     def sample(
         self, policy: Any, tokenizer: Any, env: Any, tasks: Sequence[Mapping[str, Any]], seed: int
@@ -59,12 +72,39 @@ class Sampler:
         from composer_plugins.training.batches import env_rewards, task_prompt
         from composer_plugins.training.rollouts import EpisodeGenerator
 
+        if not self.on_policy(seed):
+            return self.dataset(policy, tokenizer, env, tasks)
         if isinstance(self.generator, EpisodeGenerator):
             return self.generator.episodes(
                 policy, tokenizer, env, tasks, self.num_generations, seed=seed, **self.sampling
             )
         ro = self.generate(policy, tokenizer, [task_prompt(t, tokenizer, self.chat_template) for t in tasks], seed)
         rewards = env_rewards(env, tasks, ro.completions, self.num_generations)
+        return ro, rewards, [None] * len(rewards)
+
+    def dataset(
+        self, policy: Any, tokenizer: Any, env: Any, tasks: Sequence[Mapping[str, Any]]
+    ) -> tuple[Rollout, list[float], list[Any]]:
+        """An off-policy step's ``(rollout, rewards, feedback)``: each task once (``G = 1``) with its reference
+        completion as the completion, scored by ``env`` as a sample would be."""
+        from composer_plugins.core.errors import ConfigError
+        from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
+        from composer_plugins.training.batches import env_rewards, reference_completion, task_prompt
+
+        texts = [reference_completion(t) for t in tasks]
+        if any(x is None for x in texts):
+            raise ConfigError(
+                "rollout.on_policy_fraction < 1 trains on each task's reference completion, but the env's tasks "
+                "carry no 'target' or 'solution'. HINT: set rollout.on_policy_fraction: 1.0",
+                key="rollout.on_policy_fraction",
+            )
+        prompts = [task_prompt(t, tokenizer, self.chat_template) for t in tasks]
+        dev = next(policy.parameters()).device
+        p_ids, p_mask = tokenize_prompts(tokenizer, prompts, self.sampling.get("max_prompt_length"), dev)
+        c_ids, c_mask = tokenize_completions(tokenizer, texts, int(self.sampling["max_new_tokens"]), dev)
+        index = torch.arange(len(tasks), device=dev)
+        ro = Rollout(p_ids, p_mask, c_ids, c_mask, list(texts), prompts, index, 1, extra={"on_policy": False})
+        rewards = env_rewards(env, tasks, ro.completions, 1)
         return ro, rewards, [None] * len(rewards)
 
     def generate(self, policy: Any, tokenizer: Any, prompts: Sequence[str], seed: int) -> Rollout:
@@ -103,6 +143,8 @@ def refuse_own_sampling(cfg: Any, src: Any, where: str) -> None:
         raise src.error("rollout.generator", f"{where} samples on its own, not with generator {gen!r}: {fix}.")
     if r.max_turns > 1:
         raise src.error("rollout.max_turns", f"{where} samples single-turn completions only: {fix}, or set 1.")
+    if r.on_policy_fraction < 1:
+        raise src.error("rollout.on_policy_fraction", f"{where} samples every step on its own: {fix}, or set 1.0.")
 
 
 def hint_fields(

@@ -206,6 +206,8 @@ class RolloutSection(Section):
     #: Optimizer steps per rollout batch (PPO-style epochs, TRL's ``num_iterations``); > 1 keeps the
     #: sampling-time log-probs as ``old_logprobs`` so the clipped importance ratio is live.
     num_iterations: int = 1
+    #: Share of steps the policy samples (TRL GKD's ``lmbda``); the rest train on each task's reference completion.
+    on_policy_fraction: float = 1.0
     #: Reward at or above which a completion counts as correct (accuracy; no hint below it).
     success_threshold: float = 1.0
     #: Extra keyword arguments of ``losses.functional.group_advantages``.
@@ -229,6 +231,8 @@ class RolloutSection(Section):
         positive(src, key, self, "num_generations", "prompts_per_step", "max_new_tokens", "num_iterations")
         if self.temperature <= 0:
             raise src.error(f"{key}.temperature", f"must be > 0, got {self.temperature}.")
+        f, why = self.on_policy_fraction, "must be in [0, 1], and 1 with multi-turn episodes (rollout.max_turns > 1)"
+        need(src, f"{key}.on_policy_fraction", f == 1 or (0 <= f < 1 and self.max_turns == 1), f, why, "e.g. 0.5")
         from composer_plugins.core.config import check_component_name
 
         check_component_name("rollout_generators", self.generator, f"{key}.generator", src)

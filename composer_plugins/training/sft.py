@@ -38,7 +38,7 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
     The prompts are the text the model reads (chat messages rendered for ``tokenizer`` with
     ``model.chat_template``, :mod:`composer_plugins.training.chat`), as in the RL rollouts.
     """
-    from composer_plugins.training.batches import task_prompt
+    from composer_plugins.training.batches import reference_completion, task_prompt
 
     if cfg.data.train_path:
         tasks = read_jsonl(cfg.data.train_path)[: cfg.sft.num_examples]
@@ -46,9 +46,7 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
         tasks = env_tasks(env, cfg.data.train_split, cfg.sft.num_examples, derive_seed_sft(cfg))
     out = []
     for t in tasks:
-        sol = t.get("target")
-        if sol is None and t.get("solution") is not None:
-            sol = " " + str(t["solution"]).lstrip()
+        sol = reference_completion(t)
         if sol is None:
             raise ConfigError(
                 "the env's tasks carry no worked 'solution'; SFT needs one. HINT: set sft.enabled=false "
