@@ -146,11 +146,6 @@ def _number_fix(field: str, value: Any, integer: bool, example: str) -> str:
         except ValueError:
             num = None
         if num is not None and math.isfinite(num):
-            low = v.lower()
-            if "e" in low and "." not in low.split("e")[0]:
-                mant, _, exp = low.partition("e")
-                fixed = f"{mant}.0e{exp}"
-                return f"YAML reads {v} (exponent form without a decimal point) as text. HINT: write {field}: {fixed}"
             if not integer or num.is_integer():
                 plain = int(num) if integer else v
                 return f"It is quoted, so YAML reads it as text. HINT: write {field}: {plain} (no quotes)"

@@ -400,7 +400,12 @@ def _write(tmp_path: Path, srv, **kw) -> Path:
     ("field", "value", "expect"),
     [
         ("max_tokens", "lots", "max_tokens must be a whole number, got 'lots'"),
-        ("completion_price", "2e-6", "HINT: write completion_usd_per_token: 2.0e-6"),
+        # `2e-6` unquoted is the float (YAML 1.2, tests/core/test_core_config.py); quoted it is text
+        (
+            "completion_price",
+            "'2e-6'",
+            "It is quoted, so YAML reads it as text. HINT: write completion_usd_per_token: 2e-6",
+        ),
         ("prompt_price", "-1.0e-6", "prompt_usd_per_token must be >= 0"),
         ("timeout", "-1", "timeout_s must be > 0, got -1"),
     ],
