@@ -534,6 +534,37 @@ def test_a_server_generator_is_honoured_or_refused_at_its_line(mode, make_config
     assert after["requests"] > before["requests"]  # and the rollouts came from the server
 
 
+#: The modes that sample on their own and refuse a setting only the one sampler honours.
+OWN_SAMPLING = [m for m in MODES if m not in SAMPLED_HERE and m.partition(":")[0] in ("trl", "prime_rl", "monarch")]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", OWN_SAMPLING)
+def test_an_off_policy_share_is_refused_at_its_line_where_the_mode_samples_on_its_own(mode, make_config, tmp_path):
+    """``rollout.on_policy_fraction < 1`` reads the dataset's completions on some steps, which only the one sampler
+    does (tests/training/test_training_on_policy_fraction.py): a mode sampling on its own refuses it at its line."""
+    import yaml
+
+    cfg = make_config(("dppo",), f"lmbda-{mode.replace(':', '_')}")
+    cfg["rollout"]["on_policy_fraction"] = 0.5
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    backend, _, sub = mode.partition(":")
+    opts: dict[str, Any] = {"mode": sub} if sub else {}
+    if backend == "monarch":
+        opts["generators"] = 1
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "on_policy_fraction" in t)
+    with pytest.raises(ConfigError) as err:
+        if backend == "prime_rl":
+            from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+            PrimeRLBackend(str(path), **opts)
+        else:
+            build("backends", backend, config=str(path), **opts)
+    assert (err.value.key, err.value.file, err.value.line) == ("rollout.on_policy_fraction", str(path), line)
+    assert f"the {backend} backend" in str(err.value) and "samples every step on its own" in str(err.value)
+
+
 _THIRD_PARTY_GENERATOR = """
 from composer_plugins import hookimpl
 from composer_plugins.training.rollouts import HFGenerator
