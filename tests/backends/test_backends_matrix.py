@@ -497,6 +497,19 @@ def rollout_server(tiny_model_dir):
         yield srv
 
 
+def _build_mode(mode: str, path: Path) -> Any:
+    """The backend of ``mode`` (``backend[:sub-mode]``) built from the config file ``path``."""
+    backend, _, sub = mode.partition(":")
+    opts: dict[str, Any] = {"mode": sub} if sub else {}
+    if backend == "monarch":
+        opts["generators"] = 1
+    if backend == "prime_rl":
+        from composer_plugins_prime_rl.backend import PrimeRLBackend
+
+        return PrimeRLBackend(str(path), **opts)
+    return build("backends", backend, config=str(path), **opts)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_server_generator_is_honoured_or_refused_at_its_line(mode, make_config, rollout_server, tmp_path):
@@ -508,38 +521,23 @@ def test_a_server_generator_is_honoured_or_refused_at_its_line(mode, make_config
     cfg["rollout"]["generator"] = {"name": "server", "base_url": rollout_server.base_url}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    backend, _, sub = mode.partition(":")
-    opts: dict[str, Any] = {"mode": sub} if sub else {}
-    if backend == "monarch":
-        opts["generators"] = 1
-
-    def make():
-        if backend == "prime_rl":
-            from composer_plugins_prime_rl.backend import PrimeRLBackend
-
-            return PrimeRLBackend(str(path), **opts)
-        return build("backends", backend, config=str(path), **opts)
-
+    backend = mode.partition(":")[0]
     if mode not in SAMPLED_HERE:
         line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.strip().startswith("generator:"))
         with pytest.raises(ConfigError) as err:
-            make()
+            _build_mode(mode, path)
         assert (err.value.key, err.value.file, err.value.line) == ("rollout.generator", str(path), line)
         assert f"the {backend} backend" in str(err.value) and "samples on its own" in str(err.value)
         return
     before = rollout_server.stats()
-    res = make().train()
+    res = _build_mode(mode, path).train()
     after = rollout_server.stats()
     assert len(res.history) == 1 and after["reloads"] == before["reloads"] + 1  # the policy's weights went first
     assert after["requests"] > before["requests"]  # and the rollouts came from the server
 
 
-#: The modes that sample on their own and refuse a setting only the one sampler honours.
-OWN_SAMPLING = [m for m in MODES if m not in SAMPLED_HERE and m.partition(":")[0] in ("trl", "prime_rl", "monarch")]
-
-
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", OWN_SAMPLING)
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in SAMPLED_HERE])
 def test_an_off_policy_share_is_refused_at_its_line_where_the_mode_samples_on_its_own(mode, make_config, tmp_path):
     """``rollout.on_policy_fraction < 1`` reads the dataset's completions on some steps, which only the one sampler
     does (tests/training/test_training_on_policy_fraction.py): a mode sampling on its own refuses it at its line."""
@@ -549,18 +547,10 @@ def test_an_off_policy_share_is_refused_at_its_line_where_the_mode_samples_on_it
     cfg["rollout"]["on_policy_fraction"] = 0.5
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    backend, _, sub = mode.partition(":")
-    opts: dict[str, Any] = {"mode": sub} if sub else {}
-    if backend == "monarch":
-        opts["generators"] = 1
+    backend = mode.partition(":")[0]
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "on_policy_fraction" in t)
     with pytest.raises(ConfigError) as err:
-        if backend == "prime_rl":
-            from composer_plugins_prime_rl.backend import PrimeRLBackend
-
-            PrimeRLBackend(str(path), **opts)
-        else:
-            build("backends", backend, config=str(path), **opts)
+        _build_mode(mode, path)
     assert (err.value.key, err.value.file, err.value.line) == ("rollout.on_policy_fraction", str(path), line)
     assert f"the {backend} backend" in str(err.value) and "samples every step on its own" in str(err.value)
 
