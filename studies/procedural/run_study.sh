@@ -11,9 +11,10 @@
 #      alternating the warm starts, so whatever has finished at a deadline is complete, paired seeds;
 #   3. `dvc commit` of the finished cells into each dvc.lock, then the reports: ../procedural_b's (its warm start
 #      alone), then this one's, which pools both (`study.warm_starts`).
-# Every part's wall-clock time and the whole run's CPU-seconds go to logs/study.time.
+# Every part's wall-clock time and the whole run's CPU-seconds go to logs/study.time. FORCE=1 reruns the
+# upstream stages even where DVC finds nothing changed (a whole run timed from scratch).
 #
-#   J=2 bash run_study.sh
+#   J=2 [FORCE=1] bash run_study.sh
 set -euo pipefail
 cd "$(dirname "$0")"
 J="${J:-2}"
@@ -23,7 +24,7 @@ t0=$(date +%s)
 lap() { echo "$1: $(($(date +%s) - t0)) s since the start ($(date -u +%H:%M:%S) UTC)" | tee -a logs/study.time; }
 : > logs/study.time
 for d in "${DIRS[@]}"; do
-  (cd "$d" && mkdir -p logs && dvc repro pairs eval_sft eval_teacher > logs/upstream.log 2>&1) &
+  (cd "$d" && mkdir -p logs && dvc repro ${FORCE:+--force} pairs eval_sft eval_teacher > logs/upstream.log 2>&1) &
 done
 wait
 lap "upstream stages (both warm starts)"
