@@ -12,7 +12,9 @@
 #   3. `dvc commit` of the finished cells into each dvc.lock, then the reports: ../procedural_b's (its warm start
 #      alone), then this one's, which pools both (`study.warm_starts`).
 # Every part's wall-clock time and the whole run's CPU-seconds go to logs/study.time. FORCE=1 reruns the
-# upstream stages even where DVC finds nothing changed (a whole run timed from scratch).
+# upstream stages even where DVC finds nothing changed; the `sft` and `teacher` stages still reuse a model that
+# the project's cache (.composer_cache/ in each directory) holds for the same settings, so a run timed from
+# scratch moves .composer_cache/ and models/ away first (the third run did, README.md).
 #
 #   J=2 [FORCE=1] bash run_study.sh
 set -euo pipefail
