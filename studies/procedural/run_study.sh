@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run the procedural study (issue 49) on a shared 2-core machine: both SFT warm starts, every cell, both reports.
 #
-# Each warm start is a DVC study of its own (this directory: SFT seed 0, RL seeds 0-2; ../procedural_b: SFT seed 1,
-# RL seeds 3-5). `dvc repro` in each runs the same stages one after another (the reproducible command); this
+# Each warm start is a DVC study of its own (this directory and ../procedural_b; each one's SFT seed and length and
+# its RL seeds are in its overrides.yaml). `dvc repro` in each runs the same stages one after another (the reproducible command); this
 # runner is how the committed results were produced (README.md here, docs/results.md):
 #   1. the upstream stages of both warm starts side by side, one core each (prepare, sft, teacher, eval_teacher,
 #      eval_sft, rollout, replay, pairs), with `dvc repro`;
