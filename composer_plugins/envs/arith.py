@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DIFFICULTIES", "ArithProblem", "generate_problems", "resolve_difficulty"]
+__all__ = ["DIFFICULTIES", "ArithProblem", "dropped_carry", "generate_problems", "resolve_difficulty"]
 
 DIFFICULTIES: dict[str, int] = {
     "trivial": 0,
@@ -352,6 +352,30 @@ def _columns(rng: random.Random, want: str, frac: float, level: int) -> ArithPro
         lines.append(f"{da}+{db}+{carry}={total}")
         carry = total // 10
     return ArithProblem(f"Add {a} and {b}.", "\n".join(lines) + f"\n#### {a + b}", a + b, level)
+
+
+def dropped_carry(solution: str) -> str | None:
+    """``solution`` (a column level's worked solution) with its final carry dropped from the answer, else ``None``.
+
+    The slip a careless demonstrator makes: every column line is right, but the answer line leaves out the carry
+    out of the last column (``4+7+1=12`` over ``245``'s columns is answered ``#### 245``, not ``#### 1245``).
+    ``None`` when the last column does not carry, or when ``solution`` is not a column solution. ``sft.slip_rate``
+    trains a warm start on such demonstrations (:func:`composer_plugins.training.sft.sft_pairs`).
+    """
+    *lines, last = solution.rstrip("\n").split("\n")
+    if not lines or not last.strip().startswith("#### "):
+        return None
+    cols = []
+    for line in lines:
+        left, eq, total = line.strip().partition("=")
+        terms = left.split("+")
+        if not eq or len(terms) != 3 or not all(t.isdigit() and len(t) == 1 for t in terms) or not total.isdigit():
+            return None
+        cols.append(int(total))
+    answer = last.strip()[5:].strip()
+    if cols[-1] < 10 or not answer.isdigit() or answer[0] != "1" or len(answer) != len(cols) + 1:
+        return None
+    return "\n".join(lines) + f"\n#### {answer[1:]}"
 
 
 _POOLS: dict[tuple[float, bool, int], list[int]] = {}

@@ -76,6 +76,8 @@ def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
     sft.pop("progress")
     if sft.get("hint_kinds") is None:
         sft.pop("hint_kinds")  # the default: configs from before the option keep their cached warm start
+    if not sft.get("slip_rate"):
+        sft.pop("slip_rate", None)  # likewise: no slips is the warm start from before the option
     key = {
         "base": base,
         "tiny": asdict(cfg.model.tiny) if cfg.model.name_or_path == "tiny" else None,

@@ -143,6 +143,12 @@ class SFTSection(Section):
     #: ``step_check`` (the worked solution with one false step, hinted by the ``step_check`` provider).
     #: ``null``: ``{demonstration: 1}`` when ``hints.provider`` is ``demonstration``, else ``{feedback: 1}``.
     hint_kinds: dict[str, float] | None = None
+    #: Share of the plain (unhinted) demonstrations given with the env's systematic slip, a careless
+    #: demonstrator's: at the column levels the answer drops the last column's carry
+    #: (:func:`composer_plugins.envs.arith.dropped_carry`; rows whose last column does not carry are kept).
+    #: A warm start whose greedy answer slips where its samples sometimes do not: room for RL, and a fault
+    #: a teacher or a hint can name. Hinted demonstrations stay correct. ``0``: none (the default).
+    slip_rate: float = 0.0
     #: Use the cache (``cache_dir``) for the SFT checkpoint.
     cache: bool = True
     #: Show a progress bar.
@@ -174,6 +180,14 @@ class SFTSection(Section):
                 ok = isinstance(v, int | float) and v >= 0
                 need(src, f"{key}.hint_kinds.{k}", ok, v, "a share must be a number >= 0", "use e.g. 0.5")
             need(src, f"{key}.hint_kinds", sum(kinds.values()) > 0, kinds, "the shares sum to 0", "give one share > 0")
+        need(
+            src,
+            f"{key}.slip_rate",
+            isinstance(self.slip_rate, int | float) and 0.0 <= self.slip_rate <= 1.0,
+            self.slip_rate,
+            "a share must be in [0, 1]",
+            "use e.g. 0.7, or 0 for correct demonstrations",
+        )
         for f in ("batch_size", "num_examples", "max_length"):
             v = getattr(self, f)
             need(src, f"{key}.{f}", v >= 1, v, "must be >= 1", "use a positive integer")

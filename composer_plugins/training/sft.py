@@ -54,8 +54,35 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
                 key="sft.enabled",
             )
         out.append((task_prompt(t, tokenizer, cfg.model.chat_template), str(sol)))
+    plain = list(out)
     if cfg.sft.hint_fraction > 0 and cfg.hints.provider is not None:
         out = _hint_augment(env, cfg, tasks, out, tokenizer)
+    if cfg.sft.slip_rate > 0:
+        out = _slip(cfg, plain, out)
+    return out
+
+
+def _slip(cfg: TrainConfig, plain: Sequence[tuple[str, str]], pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``sft.slip_rate`` of the plain rows that can slip, their target given with the slip (hinted rows kept)."""
+    from composer_plugins.envs.arith import dropped_carry
+    from composer_plugins.training.batches import derive_seed
+
+    rng = random.Random(derive_seed(cfg.sft.seed, 93))
+    out, can = list(pairs), 0
+    for i, ((prompt, target), (plain_prompt, _)) in enumerate(zip(pairs, plain, strict=True)):
+        draw = rng.random()  # one draw a row, so the slipped rows do not depend on which others can slip
+        slipped = dropped_carry(target) if prompt == plain_prompt else None
+        if slipped is None:
+            continue
+        can += 1
+        if draw < cfg.sft.slip_rate:
+            out[i] = (prompt, slipped)
+    if not can:
+        raise ConfigError(
+            "sft.slip_rate > 0, but none of the plain SFT demonstrations has a slip to make: the slip is the column "
+            "levels' dropped carry (env gsm8k, difficulty columns or long_columns). HINT: set sft.slip_rate=0",
+            key="sft.slip_rate",
+        )
     return out
 
 
