@@ -134,20 +134,12 @@ class SFTSection(Section):
     num_examples: int = 4000
     max_length: int = 256
     seed: int = 0
-    #: Fraction of examples whose prompt is a hinted teacher context (hint for a wrong attempt,
-    #: from ``hints.provider``), so the policy learns to use hints before hint distillation.
+    #: Fraction of examples whose prompt is a hinted teacher context (so the policy learns to use hints).
     hint_fraction: float = 0.5
-    #: What the hinted examples carry, as shares: ``feedback`` (the hint ``hints.provider`` gives for a
-    #: wrong attempt) and ``demonstration`` (a worked solution of the same problem, shown as a successful
-    #: sibling through the ``demonstration`` provider: the policy learns to use a solution in context).
-    #: ``step_check`` (the worked solution with one false step, hinted by the ``step_check`` provider).
-    #: ``null``: ``{demonstration: 1}`` when ``hints.provider`` is ``demonstration``, else ``{feedback: 1}``.
+    #: Shares of ``feedback``, ``demonstration``, ``step_check`` among hinted examples (docs/training.md).
+    #: ``null``: ``{demonstration: 1}`` if ``hints.provider`` is ``demonstration``, else ``{feedback: 1}``.
     hint_kinds: dict[str, float] | None = None
-    #: Share of the plain (unhinted) demonstrations given with the env's systematic slip, a careless
-    #: demonstrator's: at the column levels the answer drops the last column's carry
-    #: (:func:`composer_plugins.envs.arith.dropped_carry`; rows whose last column does not carry are kept).
-    #: A warm start whose greedy answer slips where its samples sometimes do not: room for RL, and a fault
-    #: a teacher or a hint can name. Hinted demonstrations stay correct. ``0``: none (the default).
+    #: Share of plain demonstrations given with the env's slip (at the column levels the dropped last carry).
     slip_rate: float = 0.0
     #: Use the cache (``cache_dir``) for the SFT checkpoint.
     cache: bool = True
@@ -180,14 +172,8 @@ class SFTSection(Section):
                 ok = isinstance(v, int | float) and v >= 0
                 need(src, f"{key}.hint_kinds.{k}", ok, v, "a share must be a number >= 0", "use e.g. 0.5")
             need(src, f"{key}.hint_kinds", sum(kinds.values()) > 0, kinds, "the shares sum to 0", "give one share > 0")
-        need(
-            src,
-            f"{key}.slip_rate",
-            isinstance(self.slip_rate, int | float) and 0.0 <= self.slip_rate <= 1.0,
-            self.slip_rate,
-            "a share must be in [0, 1]",
-            "use e.g. 0.7, or 0 for correct demonstrations",
-        )
+        ok = isinstance(self.slip_rate, int | float) and 0.0 <= self.slip_rate <= 1.0
+        need(src, f"{key}.slip_rate", ok, self.slip_rate, "a share must be in [0, 1]", "use e.g. 0.7, or 0: none")
         for f in ("batch_size", "num_examples", "max_length"):
             v = getattr(self, f)
             need(src, f"{key}.{f}", v >= 1, v, "must be >= 1", "use a positive integer")
