@@ -1,6 +1,7 @@
 """Greedy answers of a slipped warm start, split three ways (pilot round 10, ../../README.md).
 
-python round10/slipdiag.py MODEL_DIR [MODEL_DIR ...]   # from pilot/: the 200 pilot problems (data/tasks/gsm8k/test.jsonl)
+python round10/slipdiag.py MODEL_DIR [MODEL_DIR ...]   # from pilot/: the 200 pilot problems
+(the first 200 rows of data/tasks/gsm8k/test.jsonl)
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def split(model_dir: str, rows: list[dict], batch: int = 50) -> dict[str, float]
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    n = {"right": 0, "columns_right_answer_slipped": 0, "columns_right_answer_other": 0, "columns_wrong": 0, "carry_rows": 0}
+    keys = ("right", "columns_right_answer_slipped", "columns_right_answer_other", "columns_wrong", "carry_rows")
+    n = dict.fromkeys(keys, 0)
     for i in range(0, len(rows), batch):
         chunk = rows[i : i + batch]
         enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True)
