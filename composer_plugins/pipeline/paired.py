@@ -65,6 +65,7 @@ __all__ = [
     "plot_study",
     "read_study_dir",
     "run_means",
+    "seed_blocks",
     "step_means",
     "step_values",
     "steps_to_target",
@@ -216,6 +217,11 @@ def warm_start_values(recs: Sequence[Mapping[str, Any]], metric: str) -> float |
     }
 
 
+def seed_blocks(recs: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    """``{seed: warm start}`` of a pooled study's records (:func:`read_study_dir` names each record's root)."""
+    return {int(r["seed"]): str(r.get("warm_start", ".")) for r in recs if r.get("seed") is not None}
+
+
 def study_report(
     root: str | Path | Sequence[str | Path],
     baseline: str = "rl_only",
@@ -227,8 +233,12 @@ def study_report(
     fractions: Sequence[str] = (),
     gap: Mapping[str, Any] | None = None,
     margin: float | None = None,
+    blocking: bool = False,
 ) -> str:
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
+
+    ``blocking`` (``study.blocking: warm_start``) blocks every test by the seed's warm start
+    (:func:`.stats.paired_effect`'s ``blocks``) and adds a table of each start's mean difference.
 
     Every test the report makes (each variant × final ``metric``, run-mean signal, curve final, AUC and
     time to threshold) is one family: :func:`holm` adjusts them together and the report says so.
@@ -243,7 +253,8 @@ def study_report(
         se = f" (held-out se {heldout_se(r[metric], heldout_n):.4f})" if heldout_n else ""
         where = f" (warm start {r['warm_start']})" if isinstance(start, Mapping) else ""
         out.append(f"SFT start{where}: {metric} = {r[metric]:.4f}{se}\n")
-    fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin)
+    blocks = seed_blocks(recs) if blocking else None
+    fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin, blocks=blocks)
     parts = list(fam.values())
     flat = [e for t in parts for e in t]
     sig, curve = "train/groups_with_signal", fam.get("curve", [])
@@ -259,6 +270,14 @@ def study_report(
             else "\n"
         )
     )
+    if blocks is not None and len(set(blocks.values())) > 1:
+        out.append(
+            f"Blocked by warm start (study.blocking): each effect is the mean of the {len(set(blocks.values()))} "
+            "starts' mean differences, each start weighing the same; its se comes from the seeds' spread around "
+            "their own start's mean (pooled within-start variance, seeds − starts degrees of freedom). A difference "
+            "between the starts is part of the effect, not of its noise: the verdicts are about these warm starts, "
+            "not SFT starts in general. Each start's mean difference is listed after the tables.\n"
+        )
     out.append(format_paired(parts[0], "markdown", heldout_n=heldout_n))
     k = 1
     if "signal" in fam:
@@ -310,6 +329,15 @@ def study_report(
             "",
             format_paired(fam["start"], "markdown", heldout_n=heldout_n),
         ]
+    per_start = [e for part in ("final", "start") for e in fam.get(part, []) if "blocks" in e.extra]
+    if per_start:
+        starts = list(per_start[0].extra["blocks"])
+        head = ["variant", "vs", *(f"{b} (seeds {per_start[0].extra['blocks'][b]['seeds']})" for b in starts), "effect"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for e in per_start:
+            cells = [_f(e.extra["blocks"].get(b, {}).get("mean", math.nan), sign=True) for b in starts]
+            lines.append("| " + " | ".join([e.variant, e.baseline, *cells, _f(e.mean, sign=True)]) + " |")
+        out += ["", f"Each warm start's mean difference ({metric}; the blocked effect is their mean):", "", *lines]
     cols = [c for c in fractions if any(c in r for by_seed in hist.values() for rows in by_seed.values() for r in rows)]
     if cols:
         head = ["variant", *cols]

@@ -131,6 +131,8 @@ def _paired_report(
     from composer_plugins.pipeline import paired
 
     recs, hist = paired.read_study_dir(roots, evals_dir, runs_dir)
+    blocked = study.blocking(params)  # study.blocking: warm_start blocks every test by the seed's warm start
+    blocks = paired.seed_blocks(recs) if blocked else None
     signal = paired.run_means(hist, SIGNAL)
     for col in RUN_MEANS:  # run means over steps, mean/std over seeds
         for v, by_seed in (signal if col == SIGNAL else paired.run_means(hist, col)).items():
@@ -149,7 +151,7 @@ def _paired_report(
             continue
         for v in names:
             if v in table and v in out:
-                e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m)
+                e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m, blocks=blocks)
                 out[v].setdefault(f"paired_vs_{base}", {})[m] = {
                     "diff": _r(e.mean),
                     "se": _r(e.se),
@@ -161,7 +163,7 @@ def _paired_report(
     start = paired.warm_start_values(recs, metric)
     # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
     margin = study.equivalence_margin(params)
-    fam = paired.study_effects(recs, hist, base, metric, delta=delta, start=start, margin=margin)
+    fam = paired.study_effects(recs, hist, base, metric, delta=delta, start=start, margin=margin, blocks=blocks)
     for part, effects in fam.items():
         for e in effects:
             if e.variant not in out:
@@ -210,6 +212,7 @@ def _paired_report(
         fractions=fractions,
         gap=gap,
         margin=margin,
+        blocking=blocked,
     )
     return title + text + "\n"
 

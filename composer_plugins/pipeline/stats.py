@@ -66,10 +66,17 @@ class PairedEffect:
     #: The equivalence margin δ (``study.equivalence_margin``; NaN: none): a test that is not significant is
     #: *equivalent within ±δ* when its Holm-level interval lies inside (-δ, δ), else *inconclusive*.
     margin: float = math.nan
+    #: The t test's degrees of freedom: ``n - 1`` paired seeds, or ``n - B`` when the seeds are blocked by warm
+    #: start (:func:`paired_effect`'s ``blocks``); ``None`` means ``n - 1``.
+    df: int | None = None
 
     @property
     def n(self) -> int:
         return len(self.diffs)
+
+    @property
+    def dof(self) -> int:
+        return self.n - 1 if self.df is None else self.df
 
     @property
     def verdict(self) -> str:
@@ -108,11 +115,19 @@ def paired_effect(
     name: str = "variant",
     baseline_name: str = "baseline",
     metric: str = "",
+    blocks: Mapping[int, str] | None = None,
 ) -> PairedEffect:
     """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and t interval.
 
     With one shared seed the standard error and interval are NaN (no spread to estimate);
     with none, ``ValueError`` names the seeds of each side.
+
+    ``blocks`` (``{seed: warm start}``, ``study.blocking: warm_start``) makes it a blocked test when the seeds
+    span two or more blocks: the effect is the mean of the per-block mean differences (each warm start
+    weighs the same), its standard error comes from the spread of the seeds around their own block's mean
+    (the pooled within-block variance, ``n - B`` degrees of freedom), so a difference *between* warm starts
+    is part of the estimand, not of the noise. The inference is then about these warm starts, not about
+    SFT starts in general. ``extra["blocks"]`` holds each block's seeds and mean difference.
     """
     seeds = sorted(set(variant) & set(baseline))
     if not seeds:
@@ -122,6 +137,12 @@ def paired_effect(
         )
     diffs = [float(variant[s]) - float(baseline[s]) for s in seeds]
     n = len(diffs)
+    if blocks is not None:
+        unblocked = [s for s in seeds if s not in blocks]
+        if unblocked:
+            raise ValueError(f"seed(s) {unblocked} of {name!r} vs {baseline_name!r} belong to no warm start (blocks)")
+        if len({blocks[s] for s in seeds}) > 1:
+            return _blocked_effect(variant, baseline, seeds, diffs, blocks, confidence, name, baseline_name, metric)
     mean = sum(diffs) / n
     if n < 2:
         se = low = high = p = math.nan
@@ -144,6 +165,55 @@ def paired_effect(
         variant_mean=sum(float(variant[s]) for s in seeds) / n,
         baseline_mean=sum(float(baseline[s]) for s in seeds) / n,
         p=p,
+    )
+
+
+def _blocked_effect(
+    variant: Mapping[int, float],
+    baseline: Mapping[int, float],
+    seeds: list[int],
+    diffs: list[float],
+    blocks: Mapping[int, str],
+    confidence: float,
+    name: str,
+    baseline_name: str,
+    metric: str,
+) -> PairedEffect:
+    """:func:`paired_effect` over seeds blocked by warm start (its ``blocks``): mean of block means, within-block se."""
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(seeds):
+        groups.setdefault(str(blocks[s]), []).append(i)
+    k, n = len(groups), len(diffs)
+    block_mean = {b: sum(diffs[i] for i in ix) / len(ix) for b, ix in groups.items()}
+    mean = sum(block_mean.values()) / k
+    df = n - k
+    if df < 1:  # every block has one seed: no within-block spread to estimate
+        se = low = high = p = math.nan
+    else:
+        within = sum((diffs[i] - block_mean[b]) ** 2 for b, ix in groups.items() for i in ix) / df
+        se = math.sqrt(within * sum(1.0 / len(ix) for ix in groups.values())) / k
+        half = t_critical(df, confidence) * se
+        low, high = mean - half, mean + half
+        p = t_pvalue(mean, se, df)
+
+    def side(values: Mapping[int, float]) -> float:
+        return sum(sum(float(values[seeds[i]]) for i in ix) / len(ix) for ix in groups.values()) / k
+
+    return PairedEffect(
+        variant=name,
+        baseline=baseline_name,
+        metric=metric,
+        seeds=seeds,
+        diffs=diffs,
+        mean=mean,
+        se=se,
+        low=low,
+        high=high,
+        variant_mean=side(variant),
+        baseline_mean=side(baseline),
+        p=p,
+        df=df,
+        extra={"blocks": {b: {"seeds": [seeds[i] for i in ix], "mean": block_mean[b]} for b, ix in groups.items()}},
     )
 
 
@@ -171,7 +241,7 @@ def holm(effects: Sequence[PairedEffect], alpha: float = ALPHA) -> list[PairedEf
     for rank, i in enumerate(sorted(idx, key=lambda k: effects[k].p)):
         e = effects[i]
         running = max(running, min(1.0, (m - rank) * e.p))
-        half = t_critical(e.n - 1, 1.0 - alpha / (m - rank)) * e.se
+        half = t_critical(e.dof, 1.0 - alpha / (m - rank)) * e.se
         out[i] = replace(
             e, correction="holm", family=m, p_adjusted=running, adj_low=e.mean - half, adj_high=e.mean + half
         )
@@ -209,8 +279,10 @@ def paired_rows(
     baseline: str,
     variants: Sequence[str] | None = None,
     confidence: float = 0.95,
+    blocks: Mapping[int, str] | None = None,
 ) -> list[PairedEffect]:
-    """Every variant (but the baseline and the SFT start) against ``baseline`` on ``metric``, paired by seed."""
+    """Every variant (but the baseline and the SFT start) against ``baseline`` on ``metric``, paired by seed
+    (blocked by warm start with ``blocks``: :func:`paired_effect`)."""
     table = by_variant_seed(records, metric)
     if baseline not in table:
         raise ValueError(f"baseline variant {baseline!r} has no runs with {metric!r}; variants: {sorted(table)}")
@@ -219,7 +291,15 @@ def paired_rows(
     if missing:
         raise ValueError(f"variant(s) {missing} have no runs with {metric!r}; variants: {sorted(table)}")
     return [
-        paired_effect(table[v], table[baseline], confidence=confidence, name=v, baseline_name=baseline, metric=metric)
+        paired_effect(
+            table[v],
+            table[baseline],
+            confidence=confidence,
+            name=v,
+            baseline_name=baseline,
+            metric=metric,
+            blocks=blocks,
+        )
         for v in names
     ]
 
@@ -329,8 +409,10 @@ def curve_effects(
     confidence: float = 0.95,
     delta: float = DEFAULT_DELTA,
     start: float | Mapping[int, float] | None = None,
+    blocks: Mapping[int, str] | None = None,
 ) -> list[PairedEffect]:
     """Per variant against ``baseline``, paired by seed: final curve value, AUC from step 0, time to threshold.
+    ``blocks``: seeds blocked by warm start (:func:`paired_effect`).
 
     The threshold is ``start + delta``, the same for both arms of a seed: ``start`` is the curve's step-0
     value (the starting policy's, recorded by every run; the argument, one value or ``{seed: value}`` when
@@ -366,7 +448,13 @@ def curve_effects(
             )
         for metric, table, base in tables:
             e = paired_effect(
-                table, base, confidence=confidence, name=v, baseline_name=baseline, metric=f"{column} {metric}"
+                table,
+                base,
+                confidence=confidence,
+                name=v,
+                baseline_name=baseline,
+                metric=f"{column} {metric}",
+                blocks=blocks,
             )
             if metric == "time_to_threshold":
                 e = replace(e, lower_is_better=True)
@@ -390,8 +478,12 @@ def study_effects(
     delta: float = DEFAULT_DELTA,
     start: float | Mapping[int, float] | None = None,
     margin: float | None = None,
+    blocks: Mapping[int, str] | None = None,
 ) -> dict[str, list[PairedEffect]]:
     """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
+
+    ``blocks`` (``{seed: warm start}``; ``study.blocking: warm_start``) blocks every test by warm start
+    (:func:`paired_effect`).
 
     ``margin`` (an accuracy difference) makes the accuracy tests' verdicts four-valued (*helps*, *hurts*,
     *equivalent within ±margin*, *inconclusive*: :attr:`PairedEffect.verdict`); the others (signal, steps to
@@ -402,22 +494,24 @@ def study_effects(
     ``start`` (the SFT warm start's ``metric``: one value, or ``{seed: value}`` over several warm starts) adds
     ``start``: the baseline minus its seed's warm start (the positive control's "RL moves the start").
     """
-    tables: dict[str, list[PairedEffect]] = {"final": paired_rows(recs, metric, baseline)}
+    tables: dict[str, list[PairedEffect]] = {"final": paired_rows(recs, metric, baseline, blocks=blocks)}
     sig = "train/groups_with_signal"
     means = run_means(hist, sig)
     if baseline in means:
         tables["signal"] = [
-            paired_effect(means[v], means[baseline], name=v, baseline_name=baseline, metric=sig + " (run mean)")
+            paired_effect(
+                means[v], means[baseline], name=v, baseline_name=baseline, metric=sig + " (run mean)", blocks=blocks
+            )
             for v in means
             if v != baseline
         ]
-    curve = curve_effects(hist, baseline, delta=delta, start=start)
+    curve = curve_effects(hist, baseline, delta=delta, start=start, blocks=blocks)
     if curve:
         tables["curve"] = curve
     base = by_variant_seed(recs, metric).get(baseline, {})
     sft = {s: x for s in base if (x := start_of(start, s)) is not None}
     if len(sft) > 1:
-        tables["start"] = [paired_effect(base, sft, name=baseline, baseline_name="sft", metric=metric)]
+        tables["start"] = [paired_effect(base, sft, name=baseline, baseline_name="sft", metric=metric, blocks=blocks)]
     if margin is not None:
         for k, t in tables.items():
             tables[k] = [replace(e, margin=0.0 if k in ("signal", "start") or e.lower_is_better else margin) for e in t]

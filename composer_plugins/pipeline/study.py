@@ -199,6 +199,22 @@ def equivalence_margin(params: Mapping[str, Any]) -> float | None:
     return None if d is None else float(d)
 
 
+#: ``study.blocking``'s values: ``none`` pools every seed as one sample; ``warm_start`` blocks them by warm start.
+BLOCKING = ("none", "warm_start")
+
+
+def blocking(params: Mapping[str, Any]) -> bool:
+    """``study.blocking`` (default ``none``): ``warm_start`` makes the pooled report's tests blocked by warm start.
+
+    A pooled study (``study.warm_starts``) then judges the mean of each start's effect against the seeds' spread
+    within their own start (:func:`.stats.paired_effect`'s ``blocks``). Fixed before the study runs.
+    """
+    b = (params.get("study") or {}).get("blocking", "none")
+    if b not in BLOCKING:
+        raise param_error(params, "study.blocking", f"unknown blocking {b!r}.", valid=list(BLOCKING))
+    return b == "warm_start"
+
+
 def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]:
     """The ``train`` overrides of ``variant``; a located error naming the valid variants otherwise."""
     v = variants(params)

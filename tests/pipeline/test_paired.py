@@ -324,3 +324,65 @@ def test_two_warm_starts_pool_by_seed_each_against_its_own_start(tmp_path) -> No
     _curve_study(tmp_path / "c", {("rl_only", 0): (0.1, 0.1, 0.1)}, start=0.1)
     with pytest.raises(ValueError, match=r"seed 0 has cells in both .*a and .*c.*study.seeds"):
         paired.read_study_dir([tmp_path / "a", tmp_path / "c"])
+
+
+def test_blocked_effect_is_the_mean_of_start_means_with_the_within_start_se_by_hand() -> None:
+    """study.blocking: warm_start: two starts whose effects differ (0.31 and 0.12) are one effect, 0.215, whose
+    noise is the seeds' spread around their own start's mean, not the gap between the starts."""
+    base = dict.fromkeys(range(6), 0.2)
+    var = {0: 0.50, 1: 0.52, 2: 0.51, 3: 0.30, 4: 0.32, 5: 0.34}
+    blocks = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "b"}
+    e = paired.paired_effect(var, base, name="teacher_only", baseline_name="rl_only", blocks=blocks)
+    # block means 0.31, 0.12: mean 0.215; within SS 0.0002 + 0.0008 = 0.001 on 6 - 2 = 4 df: s² 0.00025;
+    # se = sqrt(s² (1/3 + 1/3)) / 2 = 0.0064550; t(0.975, 4) = 2.7764451
+    assert e.mean == pytest.approx(0.215) and e.dof == 4
+    assert e.se == pytest.approx(math.sqrt(0.00025 * 2 / 3) / 2)
+    assert e.low == pytest.approx(0.215 - 2.7764451 * e.se) and e.high == pytest.approx(0.215 + 2.7764451 * e.se)
+    assert e.variant_mean - e.baseline_mean == pytest.approx(e.mean)
+    assert e.extra["blocks"]["a"] == {"seeds": [0, 1, 2], "mean": pytest.approx(0.31)}
+    pooled = paired.paired_effect(var, base)  # the same seeds as one sample: the gap between starts is noise
+    assert pooled.mean == pytest.approx(0.215) and pooled.se > 6 * e.se and pooled.dof == 5
+    # Holm's interval takes the blocked test's degrees of freedom (4, not 5)
+    (h,) = paired.holm([e])
+    assert h.adj_high - h.mean == pytest.approx(paired.t_critical(4, 0.95) * e.se)
+    # one start only: the plain paired test; unequal starts weigh the same, not by their seed count
+    assert paired.paired_effect(var, base, blocks=dict.fromkeys(range(6), "a")) == pooled
+    u = paired.paired_effect({0: 0.3, 1: 0.5, 2: 0.7}, {0: 0.2, 1: 0.2, 2: 0.2}, blocks={0: "a", 1: "a", 2: "b"})
+    # block means 0.2 and 0.5: mean 0.35; within SS 0.02 on 1 df; se = sqrt(0.02 (1/2 + 1)) / 2
+    assert u.mean == pytest.approx(0.35) and u.dof == 1 and u.se == pytest.approx(math.sqrt(0.03) / 2)
+    # one seed a start: no within-start spread, no interval; a seed of no start is an error naming it
+    assert math.isnan(paired.paired_effect({0: 0.3, 1: 0.5}, {0: 0.2, 1: 0.2}, blocks={0: "a", 1: "b"}).se)
+    with pytest.raises(ValueError, match=r"seed\(s\) \[1\]"):
+        paired.paired_effect({0: 0.3, 1: 0.5}, {0: 0.2, 1: 0.2}, blocks={0: "a"})
+
+
+def test_study_report_blocks_by_warm_start_when_asked(tmp_path) -> None:
+    a = {("rl_only", 0): (0.3, 0.4, 0.5), ("rl_only", 1): (0.3, 0.4, 0.4), ("fast", 0): (0.5, 0.5, 0.9)}
+    a[("fast", 1)] = (0.4, 0.5, 0.8)
+    b = {("rl_only", 2): (0.1, 0.2, 0.3), ("rl_only", 3): (0.2, 0.2, 0.3), ("fast", 2): (0.3, 0.4, 0.4)}
+    b[("fast", 3)] = (0.2, 0.3, 0.5)
+    _curve_study(tmp_path / "a", a, start=0.3)
+    _curve_study(tmp_path / "b", b, start=0.1)
+    for root, acc in (("a", 0.3), ("b", 0.1)):
+        (tmp_path / root / "evals" / "sft.json").write_text(json.dumps({"metrics": {"gsm8k/accuracy": acc}}))
+    roots = [tmp_path / "a", tmp_path / "b"]
+    recs, _ = paired.read_study_dir(roots)
+    assert paired.seed_blocks(recs) == {
+        s: (tmp_path / r).as_posix() for s, r in ((0, "a"), (1, "a"), (2, "b"), (3, "b"))
+    }
+    plain = paired.study_report(roots, "rl_only", delta=0.1)
+    text = paired.study_report(roots, "rl_only", delta=0.1, blocking=True)
+    assert "Blocked by warm start" not in plain and "Blocked by warm start (study.blocking)" in text
+    assert "Each warm start's mean difference" in text
+    # fast − rl_only: a's seeds +0.4, +0.4 and b's +0.1, +0.2: each start's mean, then their mean +0.275
+    row = next(line for line in text.splitlines() if line.startswith("| fast | rl_only | +"))
+    assert row.rstrip(" |").split(" | ")[2:5] == ["+0.400", "+0.150", "+0.275"]
+
+
+def test_study_blocking_is_checked_where_it_is_set() -> None:
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.pipeline.study import blocking
+
+    assert blocking({"study": {}}) is False and blocking({"study": {"blocking": "warm_start"}}) is True
+    with pytest.raises(ConfigError, match=r"study.blocking.*warm_start"):
+        blocking({"study": {"blocking": "warmstart"}})
