@@ -41,11 +41,53 @@ def header(name: str, what: str) -> str:
     )
 
 
+def external_deps(params: dict) -> dict[str, list[str]]:
+    """``{stage: [path]}``: what a study's stages read from other studies, as deps (``../<study>/...`` paths).
+
+    ``train``: every ``../`` path in ``study.variants`` or ``train`` (a teacher model another study built).
+    ``report``: each pooled warm start's ``evals``, ``runs`` and ``results`` (``study.warm_starts``), and the
+    ``results`` of every study whose teacher a cell used (its measured accuracy, named in the report).
+    """
+    reads: set[str] = set()
+
+    def walk(value: object) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+        elif isinstance(value, str) and value.startswith("../"):
+            reads.add(value)
+
+    study = params.get("study") or {}
+    walk(study.get("variants") or {})
+    walk(params.get("train") or {})
+    report = {f"{ws}/{sub}" for ws in study.get("warm_starts") or [] for sub in ("evals", "runs", "results")}
+    report |= {f"../{Path(r).parts[1]}/results" for r in reads if len(Path(r).parts) > 2}
+    return {"train": sorted(reads), "report": sorted(report)}
+
+
+def add_deps(text: str, stage: str, paths: list[str]) -> str:
+    """``text`` (a dvc.yaml) with ``paths`` added at the top of ``stage``'s deps."""
+    if not paths:
+        return text
+    pattern = re.compile(rf"(^  {stage}:\n(?:    .*\n|\s*\n)*?    deps:\n)", re.M)
+    lines = "".join(f"      - {p}  # read from another study (scripts/studies.py)\n" for p in paths)
+    new, n = pattern.subn(lambda m: m.group(1) + lines, text, count=1)
+    if n != 1:
+        raise SystemExit(f"dvc.yaml: stage {stage!r} has no deps list to add {paths} to")
+    return new
+
+
 def study_dvc_yaml(study: Path) -> str:
-    """The repository's dvc.yaml with its package dependencies rebased onto ``study``."""
+    """The repository's dvc.yaml with its package dependencies rebased onto ``study``, plus its cross-study reads."""
     up = Path(os.path.relpath(ROOT, study)).as_posix()
-    text = (ROOT / "dvc.yaml").read_text()
-    return header(study.name, "../../dvc.yaml") + _DEP.sub(rf"\g<1>{up}/{PACKAGE}\g<2>", text)
+    text = _DEP.sub(rf"\g<1>{up}/{PACKAGE}\g<2>", (ROOT / "dvc.yaml").read_text())
+    params = merge_params(yaml.safe_load((ROOT / "params.yaml").read_text()), study_overrides(study)[0])
+    for stage, paths in external_deps(params).items():
+        text = add_deps(text, stage, paths)
+    return header(study.name, "../../dvc.yaml") + text
 
 
 def study_overrides(study: Path, chain: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
