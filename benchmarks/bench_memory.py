@@ -10,6 +10,8 @@
    (a ``TorchDispatchMode`` count) with ``foreach`` (CPU default now) and ``fused`` (CUDA default now).
 3. **Policy-sized weight copies** of grpo + EMA hint teacher + replay DPO: fp32 policy, EMA teacher (fp32 before,
    the compute dtype now) and the DPO reference copy (before; now the pairs' cached log-probs).
+4. **The TRL backend's copies** (issue 67): the same composition in ``ComposerGRPOTrainer`` under ``bf16``, the
+   parameter bytes its module attributes hold besides the policy, against the policy's own (fp32) bytes.
 
 Run: ``python -m benchmarks.bench_memory [--quick]``.
 """
@@ -159,6 +161,59 @@ def copies() -> dict[str, float]:
     }
 
 
+def trl_copies() -> dict[str, Any]:
+    """Parameter bytes a built ``ComposerGRPOTrainer`` (grpo + EMA hint teacher + replay DPO, ``bf16``) holds in its
+    module attributes besides the policy's own storages."""
+    import tempfile
+
+    try:
+        from composer_plugins_trl.backend import ComposerGRPOTrainer
+        from datasets import Dataset
+        from trl import GRPOConfig
+    except ImportError as e:
+        return {"skipped": f"{e} (pip install composer-plugins-trl)"}
+    from composer_plugins.models.tiny import TinyModelConfig, build_tiny_model, load_policy
+
+    def hint(feedback: Any, prompt: str = "", completion: str = "", task: Any = None) -> str:
+        return "The answer is even."
+
+    pairs = [{"prompt": f"Q: {a}+{a}=? A:", "chosen": f" {2 * a}", "rejected": f" {2 * a + 1}"} for a in range(8)]
+    with tempfile.TemporaryDirectory() as d:  # the tiny Qwen2 shape of the cases above
+        model, tok = load_policy(build_tiny_model(TinyModelConfig(), [x["prompt"] + x["chosen"] for x in pairs], d))
+        args = GRPOConfig(
+            output_dir=d,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            use_cpu=True,
+            bf16=True,
+            report_to="none",
+            disable_tqdm=True,
+        )
+        ema = {"name": "hint_distill", "weight": 0.5, "teacher": "ema", "ema_rate": 0.05}
+        tr = ComposerGRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **k: [float(len(c) % 3) for c in completions],
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": x["prompt"]} for x in pairs]),
+            processing_class=tok,
+            channels=["policy", ema, {"name": "replay_dpo", "weight": 0.1}],
+            hint_provider=hint,
+            pairs=pairs,
+        )
+        held = {
+            p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+            for m in vars(tr).values()
+            if isinstance(m, torch.nn.Module)
+            for p in m.parameters()
+        }
+        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        return {
+            "policy": sum(n for k, n in held.items() if k in own),
+            "copies": sum(n for k, n in held.items() if k not in own),
+        }
+
+
 def qwen_extrapolation(a: float, b: float, rows: int = 64, seq: int = 292, mb_rows: int = 14) -> dict[str, float]:
     """Qwen2.5-0.5B in bf16 (2 bytes), ``rows`` rows of ``seq`` tokens, micro-batches of ``mb_rows`` (arithmetic)."""
     s = MODEL_SHAPES["qwen2.5-0.5b"]
@@ -192,6 +247,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "per_token_layer_elements": {"a_hidden": a, "b_intermediate": b},
         "adamw": adam,
         "copies": copies(),
+        "trl_copies": (trl := trl_copies()),
         "qwen2.5-0.5b_arithmetic": qwen_extrapolation(a, b),
     }
     ratios = {
@@ -199,6 +255,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         "fused_vs_foreach_step_bytes": adam["fused"]["bytes"] / max(adam["foreach"]["bytes"], 1),
     }
     targets = {"layer_vs_whole_body_peak": "< 1", "fused_vs_foreach_step_bytes": "< 1"}
+    if "copies" in trl:  # a bf16 EMA teacher (half the policy's fp32 bytes) and no reference copy: 0.5
+        ratios["trl_copies_vs_policy"] = trl["copies"] / trl["policy"]
+        targets["trl_copies_vs_policy"] = "<= 0.5"
     return {"name": "memory", "results": results, "ratios": ratios, "targets": targets}
 
 

@@ -9,7 +9,7 @@ statistics out. See docs/training.md "One training step".
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from composer_plugins.training.metrics import reward_stats, scalar_metrics
 from composer_plugins.training.step import Rollout, StepMeta, StepRecord, hint_candidates
 from composer_plugins.training.teacher_scores import score_requests
 
-__all__ = ["ExperienceMaker", "Sampler", "StepComputer", "hint_fields", "refuse_own_sampling"]
+__all__ = ["OWN_PATH_SETTINGS", "ExperienceMaker", "Sampler", "StepComputer", "hint_fields", "refuse_own_sampling"]
 
 
 @dataclass
@@ -129,10 +129,16 @@ class Sampler:
         self.generator.last_synced = step
 
 
-def refuse_own_sampling(cfg: Any, src: Any, where: str) -> None:
-    """Refuse, at its config line, a rollout setting a path that samples on its own (an upstream trainer's
-    generation, actors with their own policy copies) cannot honour: ``rollout.generator`` other than ``hf``
-    and multi-turn episodes (``rollout.max_turns > 1``). ``where``: the path, in words."""
+#: Settings only the native path honours in full (the one sampler's compile, the Lightning module's kernel pick, the
+#: one optimizer builder): a path that samples or optimises on its own refuses any value but the field's default.
+OWN_PATH_SETTINGS = ("rollout.compile", "compute.kernels", "optim.fused")
+
+
+def refuse_own_sampling(cfg: Any, src: Any, where: str, honours: Sequence[str] = ()) -> None:
+    """Refuse, at its config line, a setting a path that samples or optimises on its own (an upstream trainer,
+    actors with their own policy copies) cannot honour: ``rollout.generator`` other than ``hf``, multi-turn
+    episodes, an off-policy share, and any of :data:`OWN_PATH_SETTINGS` not in ``honours`` set to other than its
+    default. ``where``: the path, in words."""
     from composer_plugins.core.config import Config
 
     src = src if src is not None else Config()
@@ -145,6 +151,13 @@ def refuse_own_sampling(cfg: Any, src: Any, where: str) -> None:
         raise src.error("rollout.max_turns", f"{where} samples single-turn completions only: {fix}, or set 1.")
     if r.on_policy_fraction < 1:
         raise src.error("rollout.on_policy_fraction", f"{where} samples every step on its own: {fix}, or set 1.0.")
+    for key in (k for k in OWN_PATH_SETTINGS if k not in honours):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        default = next(f.default for f in fields(getattr(cfg, section)) if f.name == name)
+        if value != default:
+            msg = f"{where} samples and optimises on its own and does not honour {name}={value!r}"
+            raise src.error(key, f"{msg}: run it with the lightning backend, or leave it {default!r}.")
 
 
 def hint_fields(

@@ -555,6 +555,40 @@ def test_an_off_policy_share_is_refused_at_its_line_where_the_mode_samples_on_it
     assert f"the {backend} backend" in str(err.value) and "samples every step on its own" in str(err.value)
 
 
+#: A non-default value of each setting only the native path honours in full (``OWN_PATH_SETTINGS``), and the ones a
+#: mode sampling on its own honours all the same: Monarch's generators sample through the one Sampler, its trainer
+#: steps the one optimizer builder.
+OWN_PATH_VALUES = {"rollout.compile": "on", "compute.kernels": "chunked", "optim.fused": False}
+HONOURED = {"monarch": ("rollout.compile", "optim.fused")}
+
+
+@pytest.mark.parametrize("key", list(OWN_PATH_VALUES))
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in SAMPLED_HERE])
+def test_a_setting_a_mode_sampling_on_its_own_ignores_is_refused_at_its_line(mode, key, make_config, tmp_path):
+    """``rollout.compile``, ``compute.kernels`` and ``optim.fused`` set to other than their default are honoured or
+    refused at their YAML line, naming the mode and the key, by every mode that samples or optimises on its own."""
+    import yaml
+
+    from composer_plugins.training.experience import OWN_PATH_SETTINGS, Sampler
+
+    assert set(OWN_PATH_VALUES) == set(OWN_PATH_SETTINGS)
+    cfg = make_config(("dppo",), f"own-{mode.replace(':', '_')}")
+    section, name = key.split(".")
+    cfg.setdefault(section, {})[name] = OWN_PATH_VALUES[key]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if key in HONOURED.get(mode, ()):
+        backend = _build_mode(mode, path)
+        if key == "rollout.compile":  # the sampler the generator actors build from the config compiles
+            assert Sampler.from_config(backend.config).generator.compile == "on"
+        return
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.strip().startswith(f"{name}:"))
+    with pytest.raises(ConfigError) as err:
+        _build_mode(mode, path)
+    assert (err.value.key, err.value.file, err.value.line) == (key, str(path), line)
+    assert f"the {mode.partition(':')[0]} backend" in str(err.value) and "does not honour" in str(err.value)
+
+
 _THIRD_PARTY_GENERATOR = """
 from composer_plugins import hookimpl
 from composer_plugins.training.rollouts import HFGenerator

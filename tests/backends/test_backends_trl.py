@@ -152,8 +152,40 @@ def test_training_steps_with_every_channel_live(tiny_model_dir, tmp_path):
         assert torch.isfinite(torch.tensor(r["loss"]))
     changed = [k for k, v in tr.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "no weight moved"
-    # after one update the policy differs from the replay reference: the DPO loss is no longer log 2
+    # the pairs' cached reference log-probs are the starting policy's: log 2 at the first step, not after an update
+    assert logs[0]["composer/replay_dpo/loss"] == pytest.approx(0.6931472, abs=1e-5)
     assert abs(logs[-1]["composer/replay_dpo/loss"] - 0.6931472) > 1e-5
+
+
+def test_ema_teacher_in_the_compute_dtype_and_no_reference_copy_for_cached_pairs(tiny_model_dir, tmp_path):
+    """As the native path: under bf16 the EMA teacher's weights are bf16 (its buffers the policy's), and the replay
+    pairs' reference log-probs are cached when the trainer is built, so the policy and the teacher are the only
+    policy-sized weights the trainer holds; it trains with both."""
+    from torch import nn
+
+    from composer_plugins.training.input_builders import PAIR_REF_KEYS
+
+    ema = {"name": "hint_distill", "weight": 0.5, "teacher": "ema", "ema_rate": 0.5}
+    channels = ["policy", ema, {"name": "replay_dpo", "weight": 0.2}]
+    kw = dict(channels=channels, hint_provider=answer_hint, pairs=PAIRS, pairs_per_step=2, loss_type="dapo")
+    tr = _trainer(tiny_model_dir, tmp_path, bf16=True, learning_rate=1e-3, **kw)
+    assert {p.dtype for p in tr.ema_teacher.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in tr.model.parameters()} == {torch.float32}
+    assert [b.dtype for b in tr.ema_teacher.buffers()] == [b.dtype for b in tr.model.buffers()]
+    assert tr.ref_model is None and all(set(PAIR_REF_KEYS) <= set(p) for p in tr.pairs)
+    largest = max(p.numel() for p in tr.model.parameters())
+    held = {
+        p.untyped_storage().data_ptr()
+        for m in vars(tr).values()
+        if isinstance(m, nn.Module)
+        for p in m.parameters()
+        if p.numel() >= largest
+    }
+    assert len(held) == 2  # the policy's and the EMA teacher's
+    tr.train()
+    (log,) = [r for r in tr.state.log_history if "loss" in r]
+    assert log["composer/replay_dpo/pairs"] == 2.0 and log["composer/hint/rows"] > 0
+    assert torch.isfinite(torch.tensor(log["loss"]))
 
 
 class GroupRecorder:

@@ -264,7 +264,9 @@ class MonarchBackend(Backend):
         max_steps: int | None = None,
     ) -> None:
         super().__init__(config, overrides, output_dir=output_dir, max_steps=max_steps)
-        refuse_own_sampling(self.config, self.src, "the monarch backend (generator actors, each with a policy copy)")
+        # the generators sample through the one Sampler (rollout.compile), the trainer steps the one optimizer
+        where = "the monarch backend (generator actors, each with a policy copy)"
+        refuse_own_sampling(self.config, self.src, where, honours=("rollout.compile", "optim.fused"))
         self.generators = max(1, int(generators))
         self.colocate = bool(colocate)
 

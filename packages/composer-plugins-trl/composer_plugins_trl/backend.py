@@ -21,9 +21,9 @@ step computer's (:class:`~composer_plugins.training.experience.StepComputer`), a
   conditioned on the hinted prompt, scores the student's tokens without gradient, and the
   ``hint_distill`` channel distils it into the student on those tokens (from hidden states, the LM
   head in chunks, both sides at TRL's sampling temperature, as the native path);
-* replay: ``pairs_per_step`` preference pairs per micro-batch are scored by the policy (with grad)
-  and the reference (TRL's ``ref_model``, or a frozen copy of the initial policy) for the
-  ``replay_dpo`` / ``replay_simpo`` channels.
+* replay: ``pairs_per_step`` preference pairs per micro-batch are scored by the policy (with grad) for the
+  ``replay_dpo`` / ``replay_simpo`` channels, against the pairs' reference log-probs under the starting policy,
+  cached once when the trainer is built (no reference copy is kept for them, as in the native path).
 
 The rewards the hints are chosen by are recorded by wrapping the reward functions (TRL's public
 reward-function surface; with a reward model among them the record has no rewards, and hint channels are
@@ -53,6 +53,7 @@ from composer_plugins.losses import functional as LF
 from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.training.assemble import PAIR_INPUTS
 from composer_plugins.training.experience import refuse_own_sampling
+from composer_plugins.training.input_builders import PAIR_REF_KEYS, cache_pair_references
 from composer_plugins.training.step import Rollout, StepMeta, StepRecord, sample_pairs
 
 #: TRL loss types the composed trainer reproduces: our policy loss types but ``gspo`` (TRL's ``grpo`` at
@@ -178,9 +179,6 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.pairs_per_step = int(pairs_per_step)
         self.pair_prompt_length = int(pair_prompt_length)
         self.pair_max_length = int(pair_max_length)
-        self._pair_reference: Any = None
-        if self.needs_pairs and self.ref_model is None:
-            self._pair_reference = self._frozen_copy(self.accelerator.unwrap_model(self.model))
         self._loss_calls = 0
         self.ema_teacher = self._build_ema_teacher(live)
         # teacher_distill: external teachers score each generation batch's completions (in the background,
@@ -201,13 +199,18 @@ class ComposerGRPOTrainer(GRPOTrainer):
             chat_template=self.chat_mode,
         )
         self.hint_provider = self.experience.hint_provider
+        if set(PAIR_REF_KEYS) & set(self.composer.required_inputs()) and self.pairs:
+            # the pairs' reference log-probs under the starting policy, cached once: no reference copy is kept
+            policy = self.step_policy(self.accelerator.unwrap_model(self.model))
+            self.pairs = cache_pair_references(policy, self.pairs)
         #: The one step computer (TRL gives its own token normaliser: no data-parallel normalisers here).
         self.stepper = StepComputer(self.composer, self.step_policy(self.model), data_parallel=False)
         #: The record of the last generation batch, per mode (an eval batch never replaces a buffered train one).
         self._records: dict[str, StepRecord] = {}
 
     def _build_ema_teacher(self, live: Sequence[Any]) -> Any:
-        """The frozen EMA copy of the policy when a hint channel asks for ``teacher: ema`` (else ``None``)."""
+        """The frozen EMA copy of the policy when a hint channel asks for ``teacher: ema`` (else ``None``), its
+        weights in the compute dtype (``bf16``/``fp16``: half an fp32 copy), as the native path's."""
         from torch import nn
         from transformers import TrainerCallback
 
@@ -220,13 +223,14 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if teacher != "ema" or not self.needs_teacher:
             return None
         policy = self.accelerator.unwrap_model(self.model)
-        ema = EMATeacher(self._frozen_copy(policy), rate, copy_policy=False)
+        dtype = "bfloat16" if self.args.bf16 else "float16" if self.args.fp16 else None
+        ema = EMATeacher(self._frozen_copy(policy), rate, copy_policy=False, dtype=dtype)
         holder = nn.ModuleDict({"ema": ema, "policy": policy})  # both copies, matched by parameter name
         pairs = ema_pairs(holder, "ema.policy", "policy")
 
         class _UpdateEMA(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                ema_update(pairs, rate)  # HF calls it once per optimizer step, after accumulation
+                ema_update(pairs, rate, salt=state.global_step)  # once per optimizer step, after accumulation
 
         self.add_callback(_UpdateEMA())
         return ema
@@ -344,7 +348,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             model=model,
             tokenizer=self.processing_class,
             teacher=self.ema_teacher,
-            reference=self.ref_model if self.ref_model is not None else self._pair_reference,
+            reference=self.ref_model,
             temperature=self.temperature,
             max_context_length=self.max_hint_length,
             teacher_margin=self.hint_teacher_margin,
