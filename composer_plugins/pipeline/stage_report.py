@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -41,6 +42,163 @@ def teacher_metrics(path: str | os.PathLike[str] = TEACHER_EVAL) -> dict[str, fl
     return {study.canonical_metric(k): float(v) for k, v in m.items() if is_num(v) and not k.startswith("sft/")}
 
 
+def teacher_eval_file(model: str | os.PathLike[str]) -> Path | None:
+    """The held-out eval of the teacher model at ``model`` (a path from here): ``<d>/results/teacher.json`` of the
+    study ``d`` above it whose eval names this model (``../b/models/teacher/model`` -> ``../b/results/teacher.json``);
+    ``None``: not measured."""
+    p = Path(os.path.normpath(model))
+    for d in p.parents:
+        f = d / TEACHER_EVAL
+        if f.is_file() and os.path.normpath(d / str(json.loads(f.read_text()).get("model", ""))) == str(p):
+            return f
+    return None
+
+
+def policy(fraction: float) -> str:
+    """``rollout.on_policy_fraction`` in words: 1 on-policy, 0 off-policy, else mixed."""
+    return "on-policy" if fraction >= 1 else "off-policy" if fraction <= 0 else f"mixed ({fraction:g} on-policy)"
+
+
+def cell_used(params: Mapping[str, Any], root: Path, variant: str, metric: str) -> dict[str, Any]:
+    """What ``variant``'s cells of the study at ``root`` (a path from here, ``params`` its params) train with, read
+    from their own config as the train stage builds it (:func:`.stage_train.train_config`): the channels, on- or
+    off-policy, each teacher distilled from (its path from here, its measured ``metric`` or "not measured") and
+    the warm start (its model, SFT seed and steps, and ``metric`` from ``<root>/evals/sft.json``)."""
+    from composer_plugins.pipeline.stage_train import channel_flags, train_config
+    from composer_plugins.training.loss_specs import losses_mapping
+
+    cfg = train_config(params, variant, study.seeds(params)[0], pairs=None)
+    flags = channel_flags(cfg)
+    on = [k for k, v in flags.items() if v]
+    frac = float((cfg.get("rollout") or {}).get("on_policy_fraction", 1.0))
+    kind = "distillation" if on and all(c.endswith("distill") for c in on) else "RL"
+    losses = losses_mapping(cfg.get("losses"), pre="train.") or {}
+    teachers = []
+    for t in (t for k in on if isinstance(losses.get(k), Mapping) for t in losses[k].get("teachers") or []):
+        path = t.get("model_path")
+        model = os.path.normpath(root / path) if path else str(t.get("id") or t.get("kind"))
+        ev = teacher_eval_file(model) if path else None
+        acc = (teacher_metrics(ev) or {}).get(metric) if ev else None
+        teachers.append({"model": model, metric: "not measured" if acc is None else _r(acc)})
+    sft = json.loads(f.read_text()) if (f := root / PATHS["evals"] / "sft.json").is_file() else {}
+    acc = (sft.get("metrics") or {}).get(metric)
+    return {
+        "description": f"{policy(frac)} {kind}",
+        "channels": "+".join(on) or "none",
+        "on_policy_fraction": frac,
+        "trains_on": "its own samples"
+        if frac >= 1
+        else "the dataset's reference completions"
+        if frac <= 0
+        else f"its own samples on {frac:g} of the steps, the dataset's reference completions on the rest",
+        "teachers": teachers,
+        "start": {
+            "study": root.as_posix(),
+            "model": os.path.normpath(root / cfg["model"]["name_or_path"]),
+            "sft_seed": int((cfg.get("sft") or {}).get("seed", 0)),
+            "sft_steps": (cfg.get("sft") or {}).get("steps"),
+            metric: None if acc is None else _r(acc),
+        },
+    }
+
+
+def cells_used(
+    params: Mapping[str, Any], roots: Sequence[Path], metric: str
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """``({variant: arm}, starts)``: :func:`cell_used` of every variant over the warm starts' studies ``roots``
+    (each with its own ``params.yaml``; ``params`` for ``.``). A field the starts disagree on lists each value."""
+    cells: dict[str, list[dict[str, Any]]] = {}
+    starts = []
+    for root in roots:
+        own = root == Path(".") or not (root / "params.yaml").is_file()
+        rp = params if own else study.load_params(root / "params.yaml")
+        mine = {v: cell_used(rp, root, v, metric) for v in study.variants(params) if v in study.variants(rp)}
+        for v, c in mine.items():
+            cells.setdefault(v, []).append(c)
+        starts += [c["start"] for c in list(mine.values())[:1]]
+    arms = {}
+    for v, cs in cells.items():
+        arm = {k: _one([c[k] for c in cs]) for k in ("description", "channels", "on_policy_fraction", "trains_on")}
+        seen = {t["model"]: t for c in cs for t in c["teachers"]}
+        arms[v] = {**arm, "teachers": list(seen.values()), "starts": [c["start"]["study"] for c in cs]}
+    return arms, starts
+
+
+def _one(xs: Sequence[Any]) -> Any:
+    return xs[0] if all(x == xs[0] for x in xs) else list(dict.fromkeys(xs))
+
+
+def _s(x: Any) -> str:
+    """A table cell: a number to 3 places, ``None`` as "not measured", a list joined."""
+    if isinstance(x, list):
+        return "; ".join(_s(y) for y in x)
+    return "not measured" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def _md(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def used_md(arms: Mapping[str, Mapping[str, Any]], starts: Sequence[Mapping[str, Any]], metric: str) -> str:
+    """Markdown: what each arm trained with (:func:`cells_used`) and each warm start, for results/paired.md."""
+    head = ["variant", "what it does", "channels", "trains on", f"teacher ({metric})", "warm starts"]
+    teachers = {v: ", ".join(f"{t['model']} ({_s(t[metric])})" for t in a["teachers"]) for v, a in arms.items()}
+    rows = [
+        [v, _s(a["description"]), _s(a["channels"]), _s(a["trains_on"]), teachers[v] or "none", ", ".join(a["starts"])]
+        for v, a in arms.items()
+    ]
+    head2 = ["warm start", "model", "SFT seed", "SFT steps", metric, "RL seeds"]
+    rows2 = [[s["study"], s["model"], *map(str, (s["sft_seed"], s["sft_steps"])), _s(s[metric])] for s in starts]
+    rows2 = [[*r, ", ".join(map(str, s.get("seeds", [])))] for r, s in zip(rows2, starts, strict=True)]
+    return (
+        f"What each arm trained with (each cell's own train config):\n\n{_md(head, rows)}\n\n"
+        f"The warm starts:\n\n{_md(head2, rows2)}\n\n"
+    )
+
+
+def paired_summary(
+    params: Mapping[str, Any],
+    fam: Mapping[str, Sequence[Any]],
+    arms: Mapping[str, Mapping[str, Any]],
+    starts: Sequence[Mapping[str, Any]],
+    metric: str,
+    effects_csv: Path | None = None,
+) -> dict[str, Any]:
+    """``results/paired.json``: the warm starts, the arms (:func:`cells_used`), every test of the report's Holm family
+    (``variant``, ``vs``, ``metric``, ``effect``, ``lo``/``hi``: its Holm-level interval, ``verdict``) and the
+    control's ``bars`` (``study.bars``; ``passes``: the test's ``lo`` is at or above its bar). ``effects_csv`` gets
+    the tests as the forest plot's rows (``test`` names the arm by what it does)."""
+    bars = study.bars(params)
+    tests = []
+    for e in (e for part in fam.values() for e in part):
+        lo, hi = (e.low, e.high) if math.isnan(e.adj_low) else (e.adj_low, e.adj_high)
+        t = {"variant": e.variant, "vs": e.baseline, "metric": e.metric, "effect": _r(e.mean), "lo": _r(lo)}
+        t.update(hi=_r(hi), p=_r(e.p), p_holm=_r(e.p_adjusted), verdict=e.verdict, n=e.n)
+        if e.metric == metric and e.variant in bars:
+            t.update(bar=bars[e.variant], passes=bool(lo >= bars[e.variant]))
+        tests.append(t)
+    if effects_csv is not None:
+        with effects_csv.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["test", "metric", "effect", "lo", "hi", "verdict", "bar"])
+            for t in tests:
+                what = _s(arms.get(t["variant"], {}).get("description", ""))
+                name = f"{t['variant']} ({what}) − {t['vs']}" if what else f"{t['variant']} − {t['vs']}"
+                w.writerow([name, t["metric"], t["effect"], t["lo"], t["hi"], t["verdict"], t.get("bar", "")])
+    keys = ("variant", "vs", "metric", "bar", "lo", "passes")
+    return {
+        "metric": metric,
+        "task": (params.get("train") or {}).get("env"),
+        "baseline": study.baseline(params),
+        "family": next((e.family for part in fam.values() for e in part), 0),  # Holm's m
+        "starts": list(starts),
+        "arms": dict(arms),
+        "bars": [{k: t[k] for k in keys} for t in tests if "bar" in t],
+        "tests": tests,
+    }
+
+
 def report(
     params: Mapping[str, Any],
     evals_dir: str | os.PathLike[str] = PATHS["evals"],
@@ -52,11 +210,15 @@ def report(
 ) -> dict[str, Any]:
     """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table.
 
-    With ``teacher_eval`` (the external teacher's held-out evaluation) metrics.json gets a ``teacher`` row and
-    both tables a line naming its accuracy: the positive control's teacher is measured before it is used.
+    Each variant's ``used`` (metrics.json) and results/paired.md's first tables say what its cells trained with,
+    read from their own config (:func:`cells_used`): the teacher distilled from (and its measured accuracy), the
+    warm starts, on- or off-policy. metrics.json's ``teacher`` row is the one teacher the cells used, where it was
+    measured; ``teacher_eval``, this study's own teacher stage, is named as unused when no cell used it.
+    results/paired.json (:func:`paired_summary`), plots/effects.csv (the forest plot) and plots/heldout.csv (the
+    held-out bars with ± s.e.) carry the evidence.
     """
     roots = [Path("."), *study.warm_starts(params)]  # this warm start's study, then the pooled ones
-    recs = [r for root in roots for r in collect(root / evals_dir)]
+    recs = [{**r, "root": root.as_posix()} for root in roots for r in collect(root / evals_dir)]
     if not recs:
         raise ConfigError(f"no evaluation results in {evals_dir}/; run the eval stages first")
     order = {"sft": -1, **{v: i for i, v in enumerate(study.variants(params))}}
@@ -87,21 +249,59 @@ def report(
                     *[_r(row[m][1]) for m in metrics_names],
                 ]
             )
-    write_curves([root / runs_dir for root in roots], pdir / "train_curves.csv", pdir / "curves")
+    metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
+    arms, starts = cells_used(params, roots, metric)
+    for st in starts:  # the RL seeds each start's cells ran
+        st["seeds"] = sorted({r["seed"] for r in recs if r["variant"] != "sft" and r["root"] == st["study"]})
+    label = {v: f"{v} ({_s(a['description'])})" for v, a in arms.items()}
+    write_curves([root / runs_dir for root in roots], pdir / "train_curves.csv", pdir / "curves", label)
+    note = ""
+    used = {
+        t["model"]: [v for v, a in arms.items() if t in a["teachers"]] for a in arms.values() for t in a["teachers"]
+    }
+    for model, who in used.items():
+        ev = teacher_eval_file(model)
+        t = teacher_metrics(ev) if ev else None
+        shown = f"{', '.join(f'{m} {t[m]:.3f}' for m in metrics_names if m in t)} ({ev})" if t else "not measured"
+        note += f"\n{', '.join(who)} distilled from the teacher {model}: {shown}.\n"
+        if t and len(used) == 1:  # the one teacher every teacher cell used, measured
+            out["teacher"] = {
+                "n": 1,
+                "model": model,
+                **{m: {"mean": _r(t[m]), "std": 0.0} for m in metrics_names if m in t},
+            }
+    own = teacher_metrics(teacher_eval)
+    if own and not any(teacher_eval_file(m) == Path(os.path.normpath(teacher_eval)) for m in used):
+        note += (
+            f"\nThis study's own teacher stage ({teacher_eval}: {metric} {_s(own.get(metric))}) is used by no cell.\n"
+        )
+    for v, a in arms.items():
+        if v in out:
+            out[v]["used"] = a
+    with (pdir / "heldout.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "accuracy", "lo", "hi", "n"])
+        for row in (r for r in rows if metric in r):
+            mean, std = row[metric]
+            se = std / math.sqrt(row["n"]) if row["n"] > 1 else 0.0
+            name = label.get(row["variant"], f"{row['variant']} ({row['n']} warm starts)" if se else row["variant"])
+            w.writerow([name, _r(mean), _r(mean - se), _r(mean + se), row["n"]])
+        if "teacher" in out and metric in out["teacher"]:
+            x = out["teacher"][metric]["mean"]
+            w.writerow([f"teacher {out['teacher']['model']}", x, x, x, 1])
     table = study.format_table(rows, metrics_names, group_by=("variant", "channels"))
     header = "# Ablation: loss channels on/off × seeds (held-out, mean ± sample std over seeds)\n\n"
-    teacher = teacher_metrics(teacher_eval)
-    note = ""
-    if teacher is not None:
-        out["teacher"] = {"n": 1, **{m: {"mean": _r(teacher[m]), "std": 0.0} for m in metrics_names if m in teacher}}
-        shown = ", ".join(f"{m} {teacher[m]:.3f}" for m in metrics_names if m in teacher)
-        note = f"\nThe external teacher of the teacher variants ({teacher_eval}, not a variant): {shown}.\n"
     study.write_text(table_out, header + table + "\n" + note)
-    paired_text = _paired_report(params, out, roots, evals_dir, runs_dir, metrics_names) + note
+    paired_text, fam = _paired_report(
+        params, out, roots, evals_dir, runs_dir, metrics_names, used_md(arms, starts, metric)
+    )
+    paired_text += note
     atomic_write_json(metrics_out, out, sort_keys=True)
     paired_out = Path(table_out).with_name("paired.md")
     study.write_text(paired_out, paired_text)
-    _log_report(params, out, [metrics_out, table_out, paired_out, pdir])
+    summary = paired_summary(params, fam, arms, starts, metric, pdir / "effects.csv")
+    atomic_write_json(paired_out.with_suffix(".json"), summary)
+    _log_report(params, out, [metrics_out, table_out, paired_out, paired_out.with_suffix(".json"), pdir])
     return {"metrics": out, "table": table, "rows": rows, "paired": paired_text}
 
 
@@ -118,7 +318,8 @@ def _paired_report(
     evals_dir: str | os.PathLike[str],
     runs_dir: str | os.PathLike[str],
     metrics_names: Sequence[str],
-) -> str:
+    used: str = "",
+) -> tuple[str, dict[str, list[Any]]]:
     """Add ``train/groups_with_signal`` and the paired effects against ``study.baseline`` to ``out``.
 
     ``out`` is metrics.json's ``{variant: {...}}``: each variant gets the run mean of
@@ -126,7 +327,7 @@ def _paired_report(
     ``paired_vs_<baseline>``: ``{metric: {diff, se, low, high}}`` (per-seed differences, Student t 95%
     interval; :mod:`.paired`). ``roots``: the study directory, then every pooled warm start's
     (``study.warm_starts``), as :func:`.paired.read_study_dir` reads them. Returns the markdown of
-    ``results/paired.md``.
+    ``results/paired.md`` (``used``, what the cells used, after its title) and the family of tests.
     """
     from composer_plugins.pipeline import paired
 
@@ -140,9 +341,9 @@ def _paired_report(
                 mean, std = study.mean_std(list(by_seed.values()))
                 out[v][col] = {"mean": _r(mean), "std": _r(std)}
     base = study.baseline(params)
-    title = "# Paired effects: each variant minus the baseline, per seed (docs/results.md)\n\n"
+    title = "# Paired effects: each variant minus the baseline, per seed (docs/results.md)\n\n" + used
     if base is None:
-        return title + "No paired baseline: set `study.baseline` to a variant of `study.variants`.\n"
+        return title + "No paired baseline: set `study.baseline` to a variant of `study.variants`.\n", {}
     names = [v for v in study.variants(params) if v != base]
     metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
     for m in [*metrics_names, SIGNAL]:
@@ -214,7 +415,7 @@ def _paired_report(
         margin=margin,
         blocking=blocked,
     )
-    return title + text + "\n"
+    return title + text + "\n", fam
 
 
 #: The gap predictor's result (``composer-plugins study gap``), read by the report when present.
@@ -264,13 +465,18 @@ def curve_file(metric: str) -> str:
     return metric.replace("/", ".") + ".csv"
 
 
-def write_curves(runs_dir: Path | Sequence[Path], out: Path, curves_dir: Path | None = None) -> int:
+def write_curves(
+    runs_dir: Path | Sequence[Path],
+    out: Path,
+    curves_dir: Path | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> int:
     """Per-step curves of every run for DVC plots; returns the number of rows of ``out``.
 
-    ``out`` (``plots/train_curves.csv``) is the long table ``step, run, variant, seed`` + every
+    ``out`` (``plots/train_curves.csv``) is the long table ``step, run, variant, seed, arm`` + every
     curve column; ``curves_dir`` (``plots/curves/``) gets one ``<metric>.csv`` per curve
-    (``step, run, variant, seed, <metric>``), which dvc.yaml plots as a directory: a channel that
-    logs ``<channel>/loss`` gets its plot without any change to dvc.yaml. Reads
+    (``step, run, variant, seed, arm, <metric>``; ``arm``: ``labels[variant]``), which dvc.yaml plots as a
+    directory: a channel that logs ``<channel>/loss`` gets its plot without any change to dvc.yaml. Reads
     ``<runs_dir>/<variant>-s<seed>/history.csv`` (old unprefixed columns are read under their current names).
     """
     rows: list[dict[str, Any]] = []
@@ -287,10 +493,11 @@ def write_curves(runs_dir: Path | Sequence[Path], out: Path, curves_dir: Path | 
                 vals = {study.history_column(k): v for k, v in r.items() if k}
                 seen += [k for k in vals if k not in seen]
                 row: dict[str, Any] = {"step": int(float(vals["step"])), "run": name, "variant": variant, "seed": seed}
+                row["arm"] = (labels or {}).get(variant, variant)
                 row.update({k: _r(v) for k, v in vals.items() if k != "step" and v not in ("", None)})
                 rows.append(row)
     cols = curve_columns(seen)
-    keys = ["step", "run", "variant", "seed"]
+    keys = ["step", "run", "variant", "seed", "arm"]
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=[*keys, *cols], extrasaction="ignore")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, load_config, yaml_load
-from composer_plugins.pipeline.common import PATHS, param_error
+from composer_plugins.pipeline.common import PATHS, is_num, param_error
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
 #: Names follow the one scheme of docs/metrics.md (MLflow-safe, the same in every sink).
@@ -197,6 +197,21 @@ def equivalence_margin(params: Mapping[str, Any]) -> float | None:
             params, "study.equivalence_margin", f"must be a number in (0, 1) (an accuracy difference), got {d!r}"
         )
     return None if d is None else float(d)
+
+
+def bars(params: Mapping[str, Any]) -> dict[str, float]:
+    """``study.bars`` (``{}`` when unset): the positive control's bars, ``{variant: bar}``. The control passes a bar
+    when the Holm-level lower bound of the variant's final-accuracy effect is at or above it (the baseline's own
+    bar: its effect over its SFT start). Fixed before the study runs; results/paired.json and the forest plot show
+    them."""
+    b = (params.get("study") or {}).get("bars") or {}
+    if not isinstance(b, Mapping) or not all(is_num(x) and -1 < float(x) < 1 for x in b.values()):
+        raise param_error(params, "study.bars", f"must map variants to accuracy differences in (-1, 1), got {b!r}")
+    names = list(variants(params))
+    for v in b:
+        if v not in names:
+            raise param_error(params, f"study.bars.{v}", "is not a variant of study.variants.", valid=names)
+    return {str(k): float(x) for k, x in b.items()}
 
 
 #: ``study.blocking``'s values: ``none`` pools every seed as one sample; ``warm_start`` blocks them by warm start.

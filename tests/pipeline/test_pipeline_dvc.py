@@ -149,7 +149,8 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
     assert (path / "models" / "teacher" / "model" / "config.json").exists()
     teacher = json.loads((path / "results" / "teacher.json").read_text())["metrics"]
     assert metrics["teacher"]["gsm8k/accuracy"]["mean"] == pytest.approx(teacher["gsm8k/accuracy"], abs=1e-6)
-    assert "external teacher" in (path / "results" / "paired.md").read_text()
+    assert metrics["teacher"]["model"] == "models/teacher/model"  # the teacher the cells used, measured
+    assert "distilled from the teacher models/teacher/model" in (path / "results" / "paired.md").read_text()
 
     # data, teacher cache and pairs
     manifest = json.loads((path / "data" / "tasks" / "manifest.json").read_text())
@@ -161,7 +162,7 @@ def test_repro_runs_every_stage_and_writes_metrics(repo: tuple[Path, str]) -> No
 
     # plots and the ablation table
     curves = (path / "plots" / "train_curves.csv").read_text().splitlines()
-    assert curves[0].startswith("step,run,variant,seed,train/reward,train/loss")
+    assert curves[0].startswith("step,run,variant,seed,arm,train/reward,train/loss")
     assert len(curves) == 1 + len(cells) * params["train"]["trainer"]["max_steps"]
     # one plot per channel series: each channel's loss, replay pairs, hint rows, groups_with_signal
     per_curve = {p.name for p in (path / "plots" / "curves").iterdir()}

@@ -110,13 +110,15 @@ def test_a_plot_per_channel_series_third_party_channels_included(tmp_path):
     # the project's own dvc.yaml plots definition renders every file of the directory
     plots = yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"]
     (repo / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}))
+    (repo / "params.yaml").write_text("train: {env: {difficulty: columns}}\n")  # the held-out bars' title reads it
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots", dirs_exist_ok=True)
     out = _dvc(repo, "plots", "show", "--json")
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)["data"]
     assert {f"plots/curves/{f}" for f in files} <= set(shown)
     rendered = shown["plots/curves/train.focal_pg.loss.csv"][0]["content"]
-    assert rendered["encoding"]["y"]["field"] == "train/focal_pg/loss"  # y: the file's last column
+    assert rendered["layer"][1]["encoding"]["y"]["field"] == "train/focal_pg/loss"  # y: the file's last column
+    assert rendered["layer"][1]["encoding"]["y"]["aggregate"] == "mean"  # each variant's mean over seeds
     assert {v["run"] for v in rendered["data"]["values"]} == {"full-s0"}
 
 
