@@ -275,9 +275,10 @@ def report(
         note += (
             f"\nThis study's own teacher stage ({teacher_eval}: {metric} {_s(own.get(metric))}) is used by no cell.\n"
         )
-    for v, a in arms.items():
+    for v, a in arms.items():  # as strings: `dvc metrics show` drops lists
+        teachers = "; ".join(f"{t['model']} ({_s(t[metric])})" for t in a["teachers"]) or "none"
         if v in out:
-            out[v]["used"] = a
+            out[v]["used"] = {**a, "teachers": teachers, "starts": ", ".join(a["starts"])}
     with (pdir / "heldout.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["variant", "accuracy", "lo", "hi", "n"])
