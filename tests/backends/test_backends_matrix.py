@@ -598,3 +598,70 @@ def test_a_third_party_generator_samples_a_backends_local_mode(make_config, tmp_
     finally:
         plugins.reset()
     assert len(res.history) == 1 and len(mod.CALLS) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# a channel's configured advantage estimator (the table's `losses.<key>.advantage` row)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", _with_backends(lambda: [m for m in MODES if not support.cell(m, "advantage").runs]))
+def test_an_advantage_estimator_is_refused_at_its_line_where_the_mode_cannot_honour_it(mode, make_config, tmp_path):
+    import yaml
+
+    cfg = make_config(("dppo",), f"adv-{mode.replace(':', '_')}")
+    cfg["losses"]["dppo"]["advantage"] = {"name": "rloo"}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.strip().startswith("advantage:"))
+    with pytest.raises(ConfigError) as err:
+        _build_mode(mode, path)
+    assert (err.value.key, err.value.file, err.value.line) == ("losses.dppo.advantage", str(path), line)
+    assert "cannot honour" in str(err.value) and "run it in: lightning, monarch, trl" in str(err.value)
+
+
+_THIRD_PARTY_ESTIMATOR = """
+import torch
+from composer_plugins import hookimpl
+
+CALLS = []
+
+
+class FixedBaseline:
+    def __init__(self, baseline=0.5):
+        self.baseline = baseline
+
+    def __call__(self, rewards, group_size):
+        CALLS.append(torch.nan_to_num(rewards - self.baseline))
+        return CALLS[-1]
+
+
+class Plugin:
+    __name__ = "reinforce_plugin"
+
+    @hookimpl
+    def register_advantage_estimators(self, register):
+        register("reinforce", FixedBaseline, "REINFORCE with a fixed baseline.")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_trl_honours_a_third_party_advantage_estimator(make_config, tmp_path, monkeypatch):
+    """The table's `runs` for trl: its channels read the configured estimator's advantages, not TRL's own (at the
+    first, on-policy step the grpo loss is -mean(A))."""
+    import importlib
+
+    from composer_plugins.core import plugins
+
+    (tmp_path / "reinforce_estimator.py").write_text(_THIRD_PARTY_ESTIMATOR)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("reinforce_estimator")
+    pm = plugins.make_plugin_manager()
+    pm.register(mod.Plugin(), name="reinforce_plugin")
+    plugins.use_plugin_manager(pm)
+    try:
+        cfg = make_config(("grpo",), "trl-reinforce")
+        cfg["losses"]["grpo"]["advantage"] = {"name": "reinforce", "baseline": 0.2}
+        res = build("backends", "trl", config=cfg).train()
+    finally:
+        plugins.reset()
+    assert len(res.history) == 1 and mod.CALLS and float(mod.CALLS[0].mean()) != 0.0
+    assert res.history[0]["composer/grpo/loss"] == pytest.approx(-float(mod.CALLS[0].mean()), abs=2e-3)
