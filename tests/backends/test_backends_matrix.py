@@ -622,46 +622,48 @@ _THIRD_PARTY_ESTIMATOR = """
 import torch
 from composer_plugins import hookimpl
 
-CALLS = []
 
-
-class FixedBaseline:
-    def __init__(self, baseline=0.5):
-        self.baseline = baseline
+class Constant:
+    def __init__(self, value=0.0):
+        self.value = value
 
     def __call__(self, rewards, group_size):
-        CALLS.append(torch.nan_to_num(rewards - self.baseline))
-        return CALLS[-1]
+        return torch.full_like(rewards, self.value)
 
 
-class Plugin:
-    __name__ = "reinforce_plugin"
-
-    @hookimpl
-    def register_advantage_estimators(self, register):
-        register("reinforce", FixedBaseline, "REINFORCE with a fixed baseline.")
+@hookimpl
+def register_advantage_estimators(register):
+    register("constant", Constant, "The same advantage for every row.")
 """
 
 
 @pytest.mark.timeout(600)
-def test_trl_honours_a_third_party_advantage_estimator(make_config, tmp_path, monkeypatch):
-    """The table's `runs` for trl: its channels read the configured estimator's advantages, not TRL's own (at the
-    first, on-policy step the grpo loss is -mean(A))."""
-    import importlib
-
+@pytest.mark.parametrize("mode", COMPOSING)
+def test_a_composing_mode_honours_a_third_party_advantage_estimator(mode, make_config, tmp_path, monkeypatch):
+    """The table's `runs` for the composing modes: the channel reads its configured composition of the built-in
+    `group` and a third party's `constant` estimator (its distribution's entry point, loaded in every actor too): at
+    the first, on-policy step (ratio 1) the grpo loss is -mean(A) = -(0.5·0 + 0.5·0.6)."""
     from composer_plugins.core import plugins
 
-    (tmp_path / "reinforce_estimator.py").write_text(_THIRD_PARTY_ESTIMATOR)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    mod = importlib.import_module("reinforce_estimator")
-    pm = plugins.make_plugin_manager()
-    pm.register(mod.Plugin(), name="reinforce_plugin")
-    plugins.use_plugin_manager(pm)
-    try:
-        cfg = make_config(("grpo",), "trl-reinforce")
-        cfg["losses"]["grpo"]["advantage"] = {"name": "reinforce", "baseline": 0.2}
-        res = build("backends", "trl", config=cfg).train()
-    finally:
-        plugins.reset()
-    assert len(res.history) == 1 and mod.CALLS and float(mod.CALLS[0].mean()) != 0.0
-    assert res.history[0]["composer/grpo/loss"] == pytest.approx(-float(mod.CALLS[0].mean()), abs=2e-3)
+    info = tmp_path / "site" / "cp_advconst-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cp-advconst\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[composer_plugins]\nadvconst = cp_advconst\n")
+    (tmp_path / "site" / "cp_advconst.py").write_text(_THIRD_PARTY_ESTIMATOR)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(plugins.LOAD_ENV, os.environ[plugins.LOAD_ENV] + ",cp-advconst")
+    plugins.reset()
+    cfg = make_config(("grpo",), f"adv-{mode}")
+    parts = [{"name": "group", "weight": 0.5}, {"name": "constant", "weight": 0.5, "value": 0.6}]
+    cfg["losses"]["grpo"]["advantage"] = {"compose": parts}
+    res = _build_mode(mode, _write(tmp_path / "run.yaml", cfg)).train()
+    prefix = {"lightning": "train/", "trl": "composer/", "monarch": ""}[mode]
+    assert res.history[0][f"{prefix}grpo/loss"] == pytest.approx(-0.3, abs=1e-3)
+
+
+def _write(path: Path, cfg: dict[str, Any]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
