@@ -45,19 +45,25 @@ def register_advantage_estimators(register):
 """
 
 
+def _install(site: Path, dist: str, module: str, code: str, monkeypatch, plugins) -> None:
+    """``module`` (``code``) in an installed-looking distribution ``dist`` with a ``composer_plugins`` entry point,
+    loaded alone (besides the built-ins)."""
+    info = site / f"{dist.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[composer_plugins]\n{module} = {module}\n")
+    (site / f"{module}.py").write_text(textwrap.dedent(code))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv(plugins.LOAD_ENV, module)
+    sys.modules.pop(module, None)
+    plugins.reset()
+
+
 @pytest.fixture
 def reinforce(tmp_path, monkeypatch, isolated_plugins):
-    """The third party's distribution installed (dist-info, ``composer_plugins`` entry point), loaded alone."""
-    info = tmp_path / "site" / "cp_reinforce-0.1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cp-reinforce\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text("[composer_plugins]\nreinforce = cp_reinforce\n")
-    (tmp_path / "site" / "cp_reinforce.py").write_text(textwrap.dedent(REINFORCE))
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setenv(isolated_plugins.LOAD_ENV, "reinforce")
-    sys.modules.pop("cp_reinforce", None)
-    isolated_plugins.reset()
-    yield sys.modules.get("cp_reinforce") or __import__("cp_reinforce")
+    """The third party's distribution (``cp-reinforce``) installed and loaded."""
+    _install(tmp_path / "site", "cp-reinforce", "cp_reinforce", REINFORCE, monkeypatch, isolated_plugins)
+    yield __import__("cp_reinforce")
     sys.modules.pop("cp_reinforce", None)
 
 
@@ -157,6 +163,23 @@ def test_rollout_advantage_kwargs_still_works_with_a_deprecation_warning_naming_
     assert parts.experience.advantage_kwargs == {"estimator": "rloo", "scale": "batch"}
 
 
-def test_the_doc_shows_the_third_party_estimator_it_tests():
+def test_the_docs_example_estimator_and_config_build_what_they_say(tmp_path, monkeypatch, isolated_plugins):
+    """docs/plugins.md's third-party estimator, installed as its own package, and its YAML example."""
+    import re
+
+    from composer_plugins.training.builders import build_channels
+    from composer_plugins.training.config import loads_train_config
+
     doc = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
-    assert "### register_advantage_estimators(register)" in doc and "class FixedBaseline" in doc
+    section = doc.split("### register_advantage_estimators(register)\n", 1)[1].split("\n### ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    _install(tmp_path / "site", "cp-reinforce-doc", "composer_plugins_reinforce", code, monkeypatch, isolated_plugins)
+    try:
+        cfg, src = loads_train_config(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+        chans = {c.name: c for c in build_channels(cfg, src)}
+    finally:
+        sys.modules.pop("composer_plugins_reinforce", None)
+    r = REWARDS.clone()
+    assert torch.equal(chans["grpo"].advantage_estimator(r, 4), rloo_advantages(r, 4, normalize=True))
+    want = 0.7 * group_advantages(r, 4) + 0.3 * torch.nan_to_num(r - 0.5)
+    assert torch.allclose(chans["dapo"].advantage_estimator(r, 4), want, atol=1e-7)
