@@ -92,7 +92,8 @@ def warn_advantage_kwargs(kwargs: Mapping[str, Any], key: str, src: Config) -> N
 
     kw = dict(kwargs)
     name = "rloo" if kw.pop("estimator", "grpo") == "rloo" else "group"
-    fix = f"set losses.<key>.advantage: {{name: {name}, **{kw}}} on the policy channel"
+    spec = ", ".join(f"{k}: {v}" for k, v in {"name": name, **kw}.items())
+    fix = f"set losses.<key>.advantage: {{{spec}}} on the policy channel"
     msg = f"is deprecated (removed in composer-plugins {ADAPTERS_REMOVED_IN}). Fix: {fix}."
     warnings.warn(str(src.error(key, msg)), PluginDeprecationWarning, stacklevel=3)
 

@@ -157,7 +157,7 @@ def test_rollout_advantage_kwargs_still_works_with_a_deprecation_warning_naming_
         cfg, src = make_cfg("", "rollout.advantage_kwargs={estimator: rloo, scale: batch}")
     msgs = [str(w.message) for w in seen if issubclass(w.category, PluginDeprecationWarning)]
     assert msgs and "rollout.advantage_kwargs: is deprecated" in msgs[0], msgs
-    assert "losses.<key>.advantage: {name: rloo, **{'scale': 'batch'}}" in msgs[0], msgs
+    assert "set losses.<key>.advantage: {name: rloo, scale: batch} on the policy channel" in msgs[0], msgs
     assert cfg.rollout.advantage_kwargs == {"estimator": "rloo", "scale": "batch"}
     parts = StepComponents.from_config(cfg, src)  # the old key still drives the record's advantages
     assert parts.experience.advantage_kwargs == {"estimator": "rloo", "scale": "batch"}
