@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ADVANTAGE",
     "CLIP_OPTIONS",
     "NEUTRAL_OPTIONS",
     "Cell",
@@ -27,6 +28,9 @@ __all__ = [
 ]
 
 RUNS, LIMITS, REFUSED = "runs", "limits", "refused"
+#: The row (and cell kind) of a channel's configured advantage estimator (``losses.<key>.advantage``): a composing
+#: mode honours it (``ChannelComposer`` computes the channel's advantages); a declaring one says so in its cells.
+ADVANTAGE = "advantage"
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ def cell(mode: str, channel: Any, support: Mapping[str, Any] | None = None) -> C
     found = Cell(RUNS) if cells is None else cells.get(kind)
     if found is not None:
         return found
+    if kind == ADVANTAGE:
+        return Cell(REFUSED, f"{backend}'s loss reads the advantages its trainer computes, not a configured estimator")
     return Cell(REFUSED, f"{backend} runs only the losses it re-implements, not a channel object")
 
 
@@ -165,6 +171,15 @@ def check_channels(
                 f"— disable it here (`enabled: false`) or pick one of those {fix}",
             )
         for opt, value in options.get(ch.name, {}).items():
+            a = cell(mode, ADVANTAGE, support) if opt == ADVANTAGE else None
+            if a is not None and not a.runs:
+                raise src.error(
+                    f"losses.{ch.name}.{opt}",
+                    f"{_mode_words(mode)} cannot honour channel {ch.name!r}'s advantage estimator ({a.note}); remove "
+                    f"it (the group default) or run it in: {', '.join(map(_label, _elsewhere(ADVANTAGE, mode)))} {fix}",
+                )
+            if a is not None:
+                continue
             default = _default(ch, opt)
             if c.carries is None or opt in c.carries or opt in NEUTRAL_OPTIONS or value == default:
                 continue
@@ -205,10 +220,13 @@ def builtin_channels() -> dict[str, Any]:
 
 
 def support_table(channels: Mapping[str, Any] | None = None) -> dict[str, dict[str, Cell]]:
-    """``{channel name: {mode: Cell}}`` for ``channels`` (default: the built-in ones)."""
+    """``{channel name: {mode: Cell}}`` for ``channels`` (default: the built-in ones, then the estimator row)."""
     chans = builtin_channels() if channels is None else channels
     modes = tuple(declared())
-    return {name: {m: cell(m, ch) for m in modes} for name, ch in chans.items()}
+    table = {name: {m: cell(m, ch) for m in modes} for name, ch in chans.items()}
+    if channels is None:  # the built-in table's last row: a channel's configured advantage estimator
+        table[f"losses.<key>.{ADVANTAGE}"] = {m: cell(m, ADVANTAGE) for m in modes}
+    return table
 
 
 def markdown_table(channels: Mapping[str, Any] | None = None) -> str:

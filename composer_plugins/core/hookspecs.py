@@ -35,6 +35,12 @@ def register_loss_channels(register: Any) -> None:
 
 
 @hookspec
+@fills("advantage_estimators")
+def register_advantage_estimators(register: Any) -> None:
+    """Register advantage estimators (``losses.<key>.advantage``) with ``register(name, factory, **init_params)``."""
+
+
+@hookspec
 @fills("teachers")
 def register_teachers(register: Any) -> None:
     """Register teacher providers with ``register(name, factory, description=None, **init_params)``."""

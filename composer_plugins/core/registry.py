@@ -35,6 +35,8 @@ _KIND_ALIASES = {
     "loss_channels": "losses",
     "loss_channel": "losses",
     "channels": "losses",
+    "advantages": "advantage_estimators",
+    "advantage_estimator": "advantage_estimators",
     "teacher": "teachers",
     "scorer": "scorers",
     "teacher_scorers": "scorers",

@@ -1,8 +1,9 @@
-"""Group-relative advantages from per-completion rewards (TRL ``GRPOTrainer`` / ``RLOOTrainer`` semantics)."""
+"""Group-relative advantages from per-completion rewards (TRL ``GRPOTrainer`` / ``RLOOTrainer`` semantics), and the
+built-in advantage estimators (registry kind ``advantage_estimators``): ``est(rewards, group_size) -> (N,)``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from composer_plugins.losses.ops import _shape, nanstd
 
-__all__ = ["group_advantages", "rloo_advantages"]
+__all__ = ["ComposedAdvantage", "GroupAdvantage", "RLOOAdvantage", "group_advantages", "rloo_advantages"]
 
 
 def _rewards_tensor(
@@ -120,3 +121,36 @@ def rloo_advantages(
     if normalize:
         adv = (adv - torch.nanmean(adv)) / (nanstd(adv) + eps)
     return torch.nan_to_num(adv, nan=0.0)
+
+
+class GroupAdvantage:
+    """GRPO's estimator (``group``): :func:`group_advantages` with ``scale`` (``group``|``batch``|``none``) and
+    ``eps``; with the defaults it is what a channel without ``advantage:`` reads."""
+
+    scales: tuple[str, ...] = ("group", "batch", "none")
+    estimator = "grpo"
+
+    def __init__(self, scale: str | None = None, eps: float = 1e-4) -> None:
+        if scale is not None and scale not in self.scales:
+            raise ValueError(f"scale {scale!r} is not one of {list(self.scales)}")
+        self.scale, self.eps = scale, float(eps)
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        return group_advantages(rewards, group_size, self.scale, estimator=self.estimator, eps=self.eps)  # type: ignore[arg-type]
+
+
+class RLOOAdvantage(GroupAdvantage):
+    """RLOO's estimator (``rloo``): leave-one-out baselines, ``scale: batch`` normalising over the batch."""
+
+    scales = ("none", "batch")
+    estimator = "rloo"
+
+
+class ComposedAdvantage:
+    """``Σ weight_i · est_i(rewards, group_size)`` (``advantage: {compose: [{name: ..., weight: ...}, ...]}``)."""
+
+    def __init__(self, parts: Sequence[tuple[float, Callable[[Tensor, int], Tensor]]]) -> None:
+        self.parts = list(parts)
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        return sum((w * est(rewards, group_size).float() for w, est in self.parts), torch.zeros_like(rewards))

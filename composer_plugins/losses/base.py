@@ -172,7 +172,7 @@ class ChannelComposer(nn.Module):
                 metrics[f"{ch.name}/skipped"] = 1.0
                 metrics[f"{ch.name}/missing"] = ",".join(missing)
                 continue
-            loss, m = ch(inputs)
+            loss, m = ch(inputs_for(ch, inputs))
             metrics[f"{ch.name}/skipped"] = 0.0
             metrics[f"{ch.name}/loss"] = loss.detach()
             for k, v in m.items():
@@ -184,6 +184,21 @@ class ChannelComposer(nn.Module):
             total = torch.zeros((), device=device, requires_grad=False)
         metrics["loss"] = total.detach()
         return total, metrics
+
+
+def inputs_for(channel: Any, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``inputs`` as ``channel`` reads them: with its own ``advantages`` when it has an estimator (set from
+    ``losses.<key>.advantage`` as ``advantage_estimator``), computed from the step's rewards (NaN: unscorable)."""
+    est = getattr(channel, "advantage_estimator", None)
+    if est is None:
+        return inputs
+    r = inputs.get("rewards")
+    if r is None:
+        raise ValueError(
+            f"loss channel {channel.name!r} has an advantage estimator (losses.{channel.name}.advantage) but this "
+            f"step has no rewards to estimate from (a trainer that records none): remove its advantage setting"
+        )
+    return {**inputs, "advantages": est(r.float(), int(inputs["num_generations"])).to(r.device).float()}
 
 
 def check_weight(cls: type, weight: float, name: str) -> None:

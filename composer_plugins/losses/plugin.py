@@ -1,4 +1,4 @@
-"""Default plugin: registers the built-in losses through the public ``register_loss_channels`` hook.
+"""Default plugin: registers the built-in losses and advantage estimators through the public hooks.
 
 Factories are lazy ``"module:attr"`` strings, so listing the channels never imports torch.
 """
@@ -10,6 +10,7 @@ from typing import Any
 from composer_plugins.core.hookspecs import hookimpl
 
 _POLICY = "composer_plugins.losses.policy:PolicyLossChannel"
+_ADV = "composer_plugins.losses.advantages"
 
 #: name -> one-line description of each clipped policy-gradient channel.
 POLICY_CHANNELS: dict[str, str] = {
@@ -54,3 +55,10 @@ def register_loss_channels(register: Any) -> None:
         description="Replay SimPO on chosen/rejected pairs (princeton-nlp/SimPO).",
         method="simpo",
     )
+
+
+@hookimpl
+def register_advantage_estimators(register: Any) -> None:
+    """Register the built-in advantage estimators."""
+    register("group", f"{_ADV}:GroupAdvantage", description="GRPO: r - mean(group), ÷ std (scale: group|batch|none).")
+    register("rloo", f"{_ADV}:RLOOAdvantage", description="RLOO: r - mean of the siblings (scale: none|batch).")

@@ -3,7 +3,7 @@
 Every check builds the component through the registry, as the training stack does, and asserts its side of
 the contract; a failure raises :class:`ConformanceError` naming the kind, the entry, its provider and what
 broke. :func:`check` dispatches on the kind. What each kind is checked for is tabled in docs/plugins.md
-(losses, envs, hints, teachers, scorers, backends, optimizers, callbacks; rollout generators in
+(losses, advantage estimators, envs, hints, teachers, scorers, backends, optimizers, callbacks; rollout generators in
 :mod:`composer_plugins.testing.generators`, DiLoCo transports in :mod:`composer_plugins.testing.transports`,
 codecs in :func:`check_codec`).
 """
@@ -30,6 +30,7 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
     kind = normalize_kind(kind)
     checks: dict[str, Callable[..., None]] = {
         "losses": check_loss,
+        "advantage_estimators": check_advantage_estimator,
         "envs": check_env,
         "hints": check_hint_provider,
         "teachers": check_teacher,
@@ -47,6 +48,27 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         fn(kind, name, registry, **build_kwargs)
     else:
         fn(name, registry, **build_kwargs)
+
+
+def check_advantage_estimator(name: str, registry: Any = None, **build_kwargs: Any) -> None:
+    """Advantage-estimator conformance: ``est(rewards, group_size)`` returns one finite float per row (an
+    unscorable NaN reward included) and leaves the rewards as they were."""
+    import torch
+
+    entry = _entry("advantage_estimators", name, registry)
+    est = entry.build(**build_kwargs)
+    rewards = torch.tensor([1.0, 0.0, float("nan"), 0.5, 1.0, 1.0, 1.0, 1.0])
+    given = rewards.clone()
+    try:
+        out = est(given, 4)
+    except Exception as e:
+        raise _fail(entry, f"raised {type(e).__name__}: {e} on rewards {rewards.tolist()} in groups of 4") from e
+    if not isinstance(out, torch.Tensor) or out.shape != rewards.shape or not out.is_floating_point():
+        raise _fail(entry, f"returned {out!r}, not a float tensor of shape {tuple(rewards.shape)}")
+    if not bool(torch.isfinite(out).all()):
+        raise _fail(entry, f"returned non-finite advantages {out.tolist()} (an unscorable row's must be finite)")
+    if not torch.equal(given.nan_to_num(-9.0), rewards.nan_to_num(-9.0)):
+        raise _fail(entry, "changed the rewards it was given (in place)")
 
 
 def check_builds(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> Any:

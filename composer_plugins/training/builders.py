@@ -16,7 +16,7 @@ from typing import Any
 from composer_plugins.core.config import Config, redact
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.training.config import TrainConfig, channel_spec
-from composer_plugins.training.loss_specs import CHANNEL_KEYS
+from composer_plugins.training.loss_specs import CHANNEL_KEYS, advantage_estimator
 
 
 def build_env(cfg: TrainConfig, src: Config | None = None) -> Any:
@@ -63,12 +63,14 @@ def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
 
     from composer_plugins.core.errors import UnknownPluginError
     from composer_plugins.core.plugins import get_registry
+    from composer_plugins.training.assemble import _channel_inputs
 
     src = src if src is not None else Config()
     reg = get_registry()
     out = []
     for key, spec in cfg.losses.items():
         enabled, name, weight, kw = channel_spec(key, spec, src)
+        kw.pop("advantage", None)  # not the channel's: its advantage estimator, attached below
         if not enabled:
             continue
         where = f"losses.{key}"
@@ -104,6 +106,12 @@ def build_channels(cfg: TrainConfig, src: Config | None = None) -> list[Any]:
         from composer_plugins.core.config import build_located
 
         out.append(build_located(entry, {**kw, "weight": weight, "name": key}, where, src))
+    for ch in out:  # the channel's own advantages (losses.<key>.advantage), read by ChannelComposer
+        adv = channel_spec(ch.name, cfg.losses[ch.name], src).kwargs.get("advantage")
+        if adv is not None and "advantages" not in _channel_inputs(ch):
+            raise src.error(f"losses.{ch.name}.advantage", "this channel reads no advantages; remove its estimator.")
+        if adv is not None:
+            ch.advantage_estimator = advantage_estimator(adv, f"losses.{ch.name}.advantage", src)
     return out
 
 

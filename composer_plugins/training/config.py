@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
-from composer_plugins.training.loss_specs import channel_spec, check_channel, losses_as_mapping
+from composer_plugins.training.loss_specs import channel_spec, check_channel, losses_as_mapping, warn_advantage_kwargs
 from composer_plugins.training.sections import (
     ComputeSection,
     DataSection,
@@ -87,6 +87,8 @@ class TrainConfig:
                     f"{k} prompts per step cannot be split over trainer.devices={devices} data-parallel ranks; "
                     f"use a multiple of {devices} (each rank draws prompts_per_step / devices).",
                 )
+        if self.rollout.advantage_kwargs:
+            warn_advantage_kwargs(self.rollout.advantage_kwargs, pre + "rollout.advantage_kwargs", src)
         if not isinstance(self.losses, Mapping) or not self.losses:
             raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
         for name, spec in self.losses.items():

@@ -117,12 +117,14 @@ def _separable_readers(asm: Assembly) -> list[Any]:
 
 def _readers_loss(asm: Assembly, readers: list[Any]) -> Any:
     """``loss(logprobs)``: the readers' weighted losses, their other inputs built as the assembler would."""
+    from composer_plugins.losses.base import inputs_for
+
     for k in dict.fromkeys(k for c in readers for k in c.required_inputs() if k not in _OWN):
         asm.get(k)  # now, outside the kernel (whose autocast is off)
 
     def loss(lp: Tensor) -> Tensor:
         vals = {**asm.values, **_sampling_inputs(asm, lp.detach(), report=False), "logprobs": lp}
-        return sum((c.weight * c(vals)[0] for c in readers), lp.new_zeros(()))
+        return sum((c.weight * c(inputs_for(c, vals))[0] for c in readers), lp.new_zeros(()))
 
     return loss
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from composer_plugins.core.config import Config
 from composer_plugins.core.registry import import_object
 
-CHANNEL_KEYS = ("enabled", "weight", "name")
+CHANNEL_KEYS = ("enabled", "weight", "name", "advantage")
 
 
 def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
@@ -24,6 +24,8 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
     from composer_plugins.core.plugins import get_registry
 
     where = f"{pre}losses.{key}"
+    if "advantage" in ch.kwargs:
+        advantage_estimator(ch.kwargs["advantage"], f"{where}.advantage", src, build=False)
     if "class_path" in ch.kwargs:
         return
     try:
@@ -49,6 +51,51 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
             check_weight(entry.factory, ch.weight, key)
         except ValueError as e:
             raise src.error(f"{where}.weight", str(e)) from e
+
+
+def advantage_estimator(spec: Any, key: str, src: Config | None = None, build: bool = True) -> Any:
+    """A channel's ``advantage:`` (registry kind ``advantage_estimators``): a name, ``{name: ..., <settings>}``, or
+    ``{compose: [{name: ..., weight: w, <settings>}, ...]}`` (``Σ w·A``); ``build=False`` only checks the names.
+    Errors are located at ``key`` (``<key>.compose.<i>.name`` ...) in ``src``'s file and line."""
+    from composer_plugins.core.config import build_component, check_component_name
+
+    src, kind = (src if src is not None else Config()), "advantage_estimators"
+    if not (isinstance(spec, Mapping) and "compose" in spec):
+        return build_component(kind, spec, key, src) if build else check_component_name(kind, spec, key, src)
+    parts, extra = spec["compose"], sorted(set(spec) - {"compose"})
+    if extra or not isinstance(parts, list) or not parts:
+        where, got = (f"{key}.{extra[0]}", "a key next to compose") if extra else (f"{key}.compose", repr(parts))
+        raise src.error(
+            where, f"expected compose: [{{name: group, weight: 0.7}}, {{name: rloo, weight: 0.3}}], got {got}"
+        )
+    out = []
+    for i, part in enumerate(parts):
+        part = dict(part) if isinstance(part, Mapping) else part
+        weight = part.pop("weight", 1.0) if isinstance(part, dict) else 1.0
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise src.error(f"{key}.compose.{i}.weight", f"expected a number, got {weight!r}.")
+        out.append((float(weight), advantage_estimator(part, f"{key}.compose.{i}", src, build)))
+    if build:
+        from composer_plugins.losses.advantages import ComposedAdvantage
+
+        return ComposedAdvantage(out)
+    return None
+
+
+def warn_advantage_kwargs(kwargs: Mapping[str, Any], key: str, src: Config) -> None:
+    """The deprecated ``rollout.advantage_kwargs`` (still honoured until 0.3): a warning located at ``key``,
+    naming the policy channel's ``advantage`` spec that replaces it."""
+    import warnings
+
+    from composer_plugins.core.errors import PluginDeprecationWarning
+    from composer_plugins.core.version import ADAPTERS_REMOVED_IN
+
+    kw = dict(kwargs)
+    name = "rloo" if kw.pop("estimator", "grpo") == "rloo" else "group"
+    spec = ", ".join(f"{k}: {v}" for k, v in {"name": name, **kw}.items())
+    fix = f"set losses.<key>.advantage: {{{spec}}} on the policy channel"
+    msg = f"is deprecated (removed in composer-plugins {ADAPTERS_REMOVED_IN}). Fix: {fix}."
+    warnings.warn(str(src.error(key, msg)), PluginDeprecationWarning, stacklevel=3)
 
 
 class ChannelSpec(NamedTuple):

@@ -210,7 +210,7 @@ class RolloutSection(Section):
     on_policy_fraction: float = 1.0
     #: Reward at or above which a completion counts as correct (accuracy; no hint below it).
     success_threshold: float = 1.0
-    #: Extra keyword arguments of ``losses.functional.group_advantages``.
+    #: Deprecated (0.2, removed in 0.3): ``group_advantages`` kwargs; use ``losses.<key>.advantage``.
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)
     #: What samples the completions (registry kind ``rollout_generators``): ``hf`` (HF ``generate``
     #: in the training process) or ``{name: server, base_url: http://host:port/v1, ...}`` (vLLM/SGLang).

@@ -632,3 +632,72 @@ def test_a_third_party_generator_samples_a_backends_local_mode(make_config, tmp_
     finally:
         plugins.reset()
     assert len(res.history) == 1 and len(mod.CALLS) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# a channel's configured advantage estimator (the table's `losses.<key>.advantage` row)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", _with_backends(lambda: [m for m in MODES if not support.cell(m, "advantage").runs]))
+def test_an_advantage_estimator_is_refused_at_its_line_where_the_mode_cannot_honour_it(mode, make_config, tmp_path):
+    import yaml
+
+    cfg = make_config(("dppo",), f"adv-{mode.replace(':', '_')}")
+    cfg["losses"]["dppo"]["advantage"] = {"name": "rloo"}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.strip().startswith("advantage:"))
+    with pytest.raises(ConfigError) as err:
+        _build_mode(mode, path)
+    assert (err.value.key, err.value.file, err.value.line) == ("losses.dppo.advantage", str(path), line)
+    assert "cannot honour" in str(err.value) and "run it in: lightning, monarch, trl" in str(err.value)
+
+
+_THIRD_PARTY_ESTIMATOR = """
+import torch
+from composer_plugins import hookimpl
+
+
+class Constant:
+    def __init__(self, value=0.0):
+        self.value = value
+
+    def __call__(self, rewards, group_size):
+        return torch.full_like(rewards, self.value)
+
+
+@hookimpl
+def register_advantage_estimators(register):
+    register("constant", Constant, "The same advantage for every row.")
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", COMPOSING)
+def test_a_composing_mode_honours_a_third_party_advantage_estimator(mode, make_config, tmp_path, monkeypatch):
+    """The table's `runs` for the composing modes: the channel reads its configured composition of the built-in
+    `group` and a third party's `constant` estimator (its distribution's entry point, loaded in every actor too): at
+    the first, on-policy step (ratio 1) the grpo loss is -mean(A) = -(0.5·0 + 0.5·0.6)."""
+    from composer_plugins.core import plugins
+
+    info = tmp_path / "site" / "cp_advconst-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cp-advconst\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[composer_plugins]\nadvconst = cp_advconst\n")
+    (tmp_path / "site" / "cp_advconst.py").write_text(_THIRD_PARTY_ESTIMATOR)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(plugins.LOAD_ENV, os.environ[plugins.LOAD_ENV] + ",cp-advconst")
+    plugins.reset()
+    cfg = make_config(("grpo",), f"adv-{mode}")
+    parts = [{"name": "group", "weight": 0.5}, {"name": "constant", "weight": 0.5, "value": 0.6}]
+    cfg["losses"]["grpo"]["advantage"] = {"compose": parts}
+    res = _build_mode(mode, _write(tmp_path / "run.yaml", cfg)).train()
+    prefix = {"lightning": "train/", "trl": "composer/", "monarch": ""}[mode]
+    assert res.history[0][f"{prefix}grpo/loss"] == pytest.approx(-0.3, abs=1e-3)
+
+
+def _write(path: Path, cfg: dict[str, Any]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
