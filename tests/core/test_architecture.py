@@ -27,21 +27,41 @@ KINDS = {"losses", "models", "envs", "teachers", "backends"}
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "procs": {"core"},  # child processes that never outlive their parent: beside the kernel, below its users
+    "chat": {"core"},  # prompts rendered for a model, env-step results read: below envs, teachers and training
+    "catalog": {"core"},  # the `list` and `plugins` commands over the registry
     "kernels": {"core"},  # the chunked LM-head kernels: below models and losses, which both import them
     "losses": {"core", "kernels"},
     "models": {"core", "kernels"},
-    "envs": {"core", "procs"},
-    "teachers": {"core", "procs"},
-    "training": {"core", "procs", "losses", "models", "envs", "teachers"},
+    "envs": {"core", "procs", "chat"},
+    "teachers": {"core", "procs", "chat"},
+    "training": {"core", "procs", "chat", "losses", "models", "envs", "teachers"},
     "diloco": {"core", "procs", "training"},
     "backends": {"core", "procs", "losses", "training"},  # models and envs through training's public functions
-    "testing": {"core", "procs", *KINDS, "training", "diloco"},  # the optimizers', callbacks' and codecs' kinds
-    "pipeline": {"core", "procs", "kernels", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
+    "testing": {"core", "procs", "chat", *KINDS, "training", "diloco"},  # the optimizers', callbacks' and codecs' kinds
+    "pipeline": {
+        "core",
+        "procs",
+        "chat",
+        "kernels",
+        "losses",
+        "models",
+        "envs",
+        "teachers",
+        "training",
+        "diloco",
+        "backends",
+    },
 }
 #: third-party modules the kernel may import
 KERNEL_THIRD_PARTY = {"pluggy", "yaml", "click"}
 #: packages that may import only the stdlib (and these third-party modules) besides the project packages above
-STDLIB_ONLY: dict[str, set[str]] = {"core": KERNEL_THIRD_PARTY, "procs": set(), "kernels": {"torch"}}
+STDLIB_ONLY: dict[str, set[str]] = {
+    "core": KERNEL_THIRD_PARTY,
+    "procs": set(),
+    "chat": set(),
+    "catalog": {"click"},
+    "kernels": {"torch"},
+}
 
 
 def _package(rel: Path) -> str:
@@ -382,3 +402,48 @@ def test_channel_inputs_are_assembled_in_one_place():
         assert not helpers.search(source), f"{path.relative_to(ROOT)} defines its own channel-input helper"
     monarch = next(DISTS.glob("*/composer_plugins_monarch/backend.py")).read_text()
     assert ".loss_on(" in monarch  # the native module's step: record, then the assembler
+
+
+#: The most lines ``core/`` (the plugin kernel) may have, and any package's ``__init__.py``.
+CORE_LINES = 2000
+INIT_LINES = 150
+
+
+def test_the_kernel_and_every_package_init_are_small():
+    """``core/`` holds the plugin kernel only (at most 2,000 lines: what is not the kernel lives with its users),
+    and no ``__init__.py`` is over 150 lines (a package's modules are split by purpose, not kept in its init)."""
+    core = sum(len(p.read_text().splitlines()) for p in (PKG / "core").glob("*.py"))
+    assert core <= CORE_LINES, f"composer_plugins/core/ is {core} lines (at most {CORE_LINES})"
+    big = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted(PKG.rglob("__init__.py"))
+        if (n := len(p.read_text().splitlines())) > INIT_LINES
+    ]
+    assert not big, f"__init__.py over {INIT_LINES} lines:\n  " + "\n  ".join(big)
+
+
+#: Modules that moved out of the kernel: the old path serves each name with a PluginDeprecationWarning until 0.3.0.
+MOVED = {
+    "composer_plugins.core.chat": ("composer_plugins.chat.render", "render_prompt"),
+    "composer_plugins.core.steps": ("composer_plugins.chat.env_step", "step_result"),
+}
+
+
+def test_moved_modules_warn_and_name_their_new_home():
+    import importlib
+    import warnings
+
+    import pytest
+
+    from composer_plugins.core.errors import PluginDeprecationWarning
+
+    for old, (new, name) in MOVED.items():
+        src = (PKG.parent / (old.replace(".", "/") + ".py")).read_text()
+        assert "import" not in src.split("moved_module", 1)[1], f"{old} must only point to {new}"
+        with pytest.warns(PluginDeprecationWarning, match=rf"{old}\.{name} moved to {new}\.{name}") as rec:
+            value = getattr(importlib.import_module(old), name)
+        assert value is getattr(importlib.import_module(new), name)
+        assert rec[0].filename == __file__  # the warning points at the caller's line
+        with warnings.catch_warnings(), pytest.raises(AttributeError, match="nope"):
+            warnings.simplefilter("ignore")
+            importlib.import_module(old).nope  # noqa: B018
