@@ -14,6 +14,7 @@ of ``composer_plugins`` at all.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ KINDS = {"losses", "models", "envs", "teachers", "backends"}
 #: package -> the project packages it may import (besides itself), from the ground up.
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
-    "procs": {"core"},  # child processes that never outlive their parent: beside the kernel, below its users
+    "procs": set(),  # child processes that never outlive their parent: stdlib only, beside the kernel, below its users
     "chat": {"core"},  # prompts rendered for a model, env-step results read: below envs, teachers and training
     "catalog": {"core"},  # the `list` and `plugins` commands over the registry
     "kernels": {"core"},  # the chunked LM-head kernels: below models and losses, which both import them
@@ -447,3 +448,30 @@ def test_moved_modules_warn_and_name_their_new_home():
         with warnings.catch_warnings(), pytest.raises(AttributeError, match="nope"):
             warnings.simplefilter("ignore")
             importlib.import_module(old).nope  # noqa: B018
+
+
+def docs_map(text: str) -> dict[str, set[str]]:
+    """``{package: the project packages its "may import" cell names}`` from the table of docs/architecture.md."""
+    section = text.split("## Packages, from the ground up", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            pkg = cells[0].strip("`/")
+            out[pkg] = {w for w in re.findall(r"[a-z_]+", cells[2]) if w in ALLOWED and w != pkg}
+    return out
+
+
+def test_docs_architecture_table_is_the_map():
+    """docs/architecture.md's "may import" column says what :data:`ALLOWED` enforces, row for row."""
+    have = docs_map((ROOT / "docs" / "architecture.md").read_text())
+    assert set(have) == set(ALLOWED), (
+        f"rows missing: {set(ALLOWED) - set(have)}; not packages: {set(have) - set(ALLOWED)}"
+    )
+    wrong = [
+        f"{p}: docs say {sorted(have[p])}, the test allows {sorted(ALLOWED[p])}"
+        for p in ALLOWED
+        if have[p] != ALLOWED[p]
+    ]
+    assert not wrong, "docs/architecture.md disagrees with ALLOWED:\n  " + "\n  ".join(wrong)
+    assert docs_map("## Packages, from the ground up\n| `x/` | owns | core, y (z) |\n") == {"x": {"core"}}
