@@ -5,30 +5,3 @@ a model reads, for the training stack and its backends, the teachers with their 
 envs; :mod:`.env_step`: the one reader of an ``env.step(...)`` result, for the rollouts, the trace recorder
 and the conformance checks. Imports only the stdlib and ``core`` (``tests/core/test_architecture.py``).
 """
-
-from __future__ import annotations
-
-from .env_step import EnvStepError, step_result
-from .render import (
-    CHAT_MODES,
-    content_text,
-    is_conversation,
-    plain_prompt,
-    read_chat_template,
-    render_action,
-    render_messages,
-    render_prompt,
-)
-
-__all__ = [
-    "CHAT_MODES",
-    "EnvStepError",
-    "content_text",
-    "is_conversation",
-    "plain_prompt",
-    "read_chat_template",
-    "render_action",
-    "render_messages",
-    "render_prompt",
-    "step_result",
-]

@@ -14,14 +14,17 @@ from typing import Any
 
 
 def lazy_exports(package: str, exports: Mapping[str, tuple[str, ...]]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``package``: a name listed under a submodule in ``exports`` is imported
-    from it on first use (and kept), so importing the package itself stays cheap."""
+    """A module ``__getattr__`` for ``package``: a name listed under a module in ``exports`` (a submodule's
+    name, or a dotted path) is imported from it on first use (and kept; a name may be a submodule of that
+    module), so importing ``package`` stays cheap."""
     home = {name: module for module, names in exports.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         if name not in home:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{home[name]}"), name)
+        module = home[name] if "." in home[name] or home[name] == "composer_plugins" else f"{package}.{home[name]}"
+        mod = importlib.import_module(module)
+        value = getattr(mod, name) if hasattr(mod, name) else importlib.import_module(f"{module}.{name}")
         setattr(sys.modules[package], name, value)
         return value
 

@@ -1,4 +1,4 @@
-"""The one env step-result reader (``chat.step_result``), including where the two old copies disagreed."""
+"""The one env step-result reader (``chat.env_step.step_result``), including where the two old copies disagreed."""
 
 from __future__ import annotations
 

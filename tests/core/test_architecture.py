@@ -39,19 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     "diloco": {"core", "procs", "training"},
     "backends": {"core", "procs", "losses", "training"},  # models and envs through training's public functions
     "testing": {"core", "procs", "chat", *KINDS, "training", "diloco"},  # the optimizers', callbacks' and codecs' kinds
-    "pipeline": {
-        "core",
-        "procs",
-        "chat",
-        "kernels",
-        "losses",
-        "models",
-        "envs",
-        "teachers",
-        "training",
-        "diloco",
-        "backends",
-    },
+    "api": {"core", *KINDS, "training", "diloco"},  # the plugin surface: every contract, from where it lives
+    "pipeline": {"core", "procs", "chat", "kernels", *KINDS, "training", "diloco"},
 }
 #: third-party modules the kernel may import
 KERNEL_THIRD_PARTY = {"pluggy", "yaml", "click"}
@@ -66,8 +55,9 @@ STDLIB_ONLY: dict[str, set[str]] = {
 
 
 def _package(rel: Path) -> str:
-    """``core`` for ``core/x.py`` and for the package root's own modules (the public facade)."""
-    return rel.parts[0] if len(rel.parts) > 1 else "core"
+    """``core`` for ``core/x.py`` and for the package root's own modules (the public facade); ``api`` for
+    ``api.py``, the plugin surface."""
+    return rel.parts[0] if len(rel.parts) > 1 else (rel.stem if rel.stem in ALLOWED else "core")
 
 
 def _private(name: str) -> bool:
@@ -81,7 +71,7 @@ def violations(rel: Path, source: str, external: str | None = None) -> list[str]
     checked as a backend outside the core: every ``composer_plugins`` package it imports is foreign to it.
     """
     pkg = "backends" if external else _package(rel)
-    allowed = ALLOWED[pkg] | ({pkg} if external else set())
+    allowed = ALLOWED[pkg] | ({pkg, "api"} if external else set())
     modparts = [*([] if external else ["composer_plugins"]), *rel.with_suffix("").parts]
     label = f"{external}/{rel.as_posix()}" if external else f"composer_plugins/{rel.as_posix()}"
     if modparts[-1] == "__init__":
@@ -391,15 +381,16 @@ def test_formatter_skips_are_few_and_give_a_reason():
 
 
 def test_channel_inputs_are_assembled_in_one_place():
-    """The backend adapters build channel inputs through the one assembler (``training/assemble.py``): each
-    imports it, and none defines its own padding or hint/pair input helpers."""
-    import re
-
+    """The backend adapters build channel inputs through the one assembler (``training/assemble.py``, reached
+    through the backend surface): each imports it, and none defines its own padding or hint/pair input helpers."""
     helpers = re.compile(r"^\s*def (_?(right|left)_pad|_hint_inputs|_pair_inputs|_all_inputs)\b", re.M)
     for dist in ("trl", "verl", "prime_rl"):
         (path,) = DISTS.glob(f"*/composer_plugins_{dist}/backend.py")
         source = path.read_text()
-        assert "composer_plugins.training.assemble import" in source, f"{path.relative_to(ROOT)} bypasses the assembler"
+        uses = re.search(
+            r"from composer_plugins\.backends\.surface import [^)]*\b(assemble_inputs|StepPolicy)\b", source
+        )
+        assert uses, f"{path.relative_to(ROOT)} bypasses the assembler"
         assert not helpers.search(source), f"{path.relative_to(ROOT)} defines its own channel-input helper"
     monarch = next(DISTS.glob("*/composer_plugins_monarch/backend.py")).read_text()
     assert ".loss_on(" in monarch  # the native module's step: record, then the assembler
@@ -457,7 +448,7 @@ def docs_map(text: str) -> dict[str, set[str]]:
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| `") and len(cells) == 3:
-            pkg = cells[0].strip("`/")
+            pkg = cells[0].strip("`/").removesuffix(".py")
             out[pkg] = {w for w in re.findall(r"[a-z_]+", cells[2]) if w in ALLOWED and w != pkg}
     return out
 
@@ -475,3 +466,57 @@ def test_docs_architecture_table_is_the_map():
     ]
     assert not wrong, "docs/architecture.md disagrees with ALLOWED:\n  " + "\n  ".join(wrong)
     assert docs_map("## Packages, from the ground up\n| `x/` | owns | core, y (z) |\n") == {"x": {"core"}}
+
+
+#: The two modules a backend distribution under ``packages/`` may import: the plugin contracts and the backend surface.
+SURFACE = ("composer_plugins.api", "composer_plugins.backends.surface")
+
+
+def surface_violations(label: str, source: str) -> list[str]:
+    """Every import in ``source`` of a ``composer_plugins`` module other than the two of :data:`SURFACE`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            targets = [node.module or ""]
+        for t in targets:
+            if t.split(".")[0] == "composer_plugins" and t not in SURFACE:
+                out.append(f"{label}:{node.lineno}: imports {t} (a backend imports only {' and '.join(SURFACE)})")
+    return out
+
+
+def test_backend_distributions_import_only_the_declared_surface():
+    found = []
+    for path in sorted(DISTS.glob("*/composer_plugins_*/**/*.py")):
+        found += surface_violations(str(path.relative_to(ROOT)), path.read_text())
+    assert not found, "imports outside the declared surface:\n  " + "\n  ".join(found)
+    bad = "import composer_plugins.training.step\nfrom composer_plugins import build\n"
+    bad += "from composer_plugins.api import hookimpl\nfrom composer_plugins_x import y\n"
+    assert [v.split(": ")[1] for v in surface_violations("x.py", bad)] == [
+        "imports composer_plugins.training.step (a backend imports only composer_plugins.api and "
+        "composer_plugins.backends.surface)",
+        "imports composer_plugins (a backend imports only composer_plugins.api and composer_plugins.backends.surface)",
+    ]
+
+
+def test_the_surfaces_reexport_each_name_from_a_room_they_may_import():
+    """``api`` and ``backends.surface`` re-export names lazily (by module path, not by ``import``): each path is
+    in a room its module may import, each name is the object at its home, and none is private."""
+    import importlib
+
+    from composer_plugins.core import hookspecs
+
+    for module, room in (("composer_plugins.api", "api"), ("composer_plugins.backends.surface", "backends")):
+        mod = importlib.import_module(module)
+        for home, names in mod._EXPORTS.items():
+            parts = home.split(".")
+            if parts[0] == "composer_plugins" and len(parts) > 1:
+                assert parts[1] in ALLOWED[room] | {room}, f"{module} re-exports from {home} ({room} may not import it)"
+            for n in names:
+                assert not _private(n) and getattr(mod, n) is getattr(importlib.import_module(home), n), (module, n)
+        assert set(mod.__all__) == {n for names in mod._EXPORTS.values() for n in names}
+    hooks = {n for n in vars(hookspecs) if n.startswith("register_")}
+    api = importlib.import_module("composer_plugins.api")
+    assert set(api.CONTRACTS) == hooks, (
+        f"hooks without a contract in composer_plugins.api: {hooks - set(api.CONTRACTS)}"
+    )
