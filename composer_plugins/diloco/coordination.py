@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from composer_plugins.diloco.env import LOOPBACK
-from composer_plugins.diloco.rendezvous import StoreRendezvous
 from composer_plugins.diloco.executor import LaunchError
+from composer_plugins.diloco.rendezvous import StoreRendezvous
 
 
 class Lighthouse:

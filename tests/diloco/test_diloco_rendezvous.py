@@ -1,4 +1,4 @@
-"""The DiLoCo replicas' rendezvous over a store: it names who is missing, and a member seen to exit is not waited for."""
+"""The DiLoCo replicas' rendezvous over a store: it names who is missing, and does not wait for one that exited."""
 
 from __future__ import annotations
 
