@@ -119,7 +119,8 @@ def ddp_worker(rank: int, world: int, port: int, toy_json: str, out: str, timeou
     import faulthandler
     from datetime import timedelta
 
-    from composer_plugins.procs import StoreRendezvous, set_pdeathsig
+    from composer_plugins.diloco.rendezvous import StoreRendezvous
+    from composer_plugins.procs import set_pdeathsig
 
     set_pdeathsig(signal.SIGKILL)  # also set by the parent's preexec_fn; harmless twice
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before killing us
@@ -225,7 +226,7 @@ def _run_ddp(
 
     from torch.distributed import TCPStore
 
-    from composer_plugins.procs import StoreRendezvous
+    from composer_plugins.diloco.rendezvous import StoreRendezvous
 
     store = TCPStore(
         "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
-import shutil
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -57,123 +55,6 @@ def cli(no_progress: bool) -> None:
         from composer_plugins.core import progress
 
         progress.silence()
-
-
-def _table(rows: list[list[str]], headers: list[str]) -> str:
-    width = shutil.get_terminal_size((120, 20)).columns
-    cols = list(zip(headers, *rows, strict=False))
-    widths = [max(len(str(c)) for c in col) for col in cols]
-    # shrink the description column (index 2) to fit the terminal
-    fixed = sum(w for i, w in enumerate(widths) if i != 2) + 2 * (len(widths) - 1)
-    widths[2] = max(20, min(widths[2], width - fixed))
-    lines = []
-    for r in [headers, ["-" * w for w in widths], *rows]:
-        cells = []
-        for i, c in enumerate(r):
-            c = str(c)
-            if len(c) > widths[i]:
-                c = c[: widths[i] - 1] + "…"
-            cells.append(c.ljust(widths[i]))
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-@cli.command(name="list")
-@click.argument("kind", required=False)
-@click.argument("pattern", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def list_cmd(kind: str | None, pattern: str | None, as_json: bool) -> None:
-    """List registered components, optionally of one KIND and matching PATTERN.
-
-    KIND is one of {kinds}. PATTERN is an fnmatch
-    pattern (a plain word matches as a substring; a leading ! excludes).
-    """
-    from composer_plugins.core.errors import UnknownPluginError
-    from composer_plugins.core.plugins import get_registry
-    from composer_plugins.core.registry import KINDS
-
-    reg = get_registry()
-    try:
-        entries = sorted(
-            [*reg.entries(kind, pattern), *reg.not_installed(kind, pattern)],
-            key=lambda e: (list(KINDS).index(e.kind), e.name),
-        )
-    except UnknownPluginError as e:
-        raise click.UsageError(str(e)) from e
-    if as_json:
-        click.echo(json.dumps([_entry_json(e) for e in entries], indent=2))
-        return
-    rows = []
-    for e in entries:
-        desc = e.description
-        if not e.available:
-            desc = f"[not installed: {e.install or 'pip install ' + ' '.join(e.missing)}] {desc}"
-        elif bad := e.contract_problem(load=False):
-            desc = f"[FAILS its contract check: {bad}] {desc}"
-        rows.append([e.name, e.kind, desc, e.provider or e.plugin])
-    if not rows:
-        click.echo(f"No {kind or 'components'} match{' ' + repr(pattern) if pattern else ''}.")
-        return
-    click.echo(_table(rows, ["NAME", "KIND", "DESCRIPTION", "PROVIDER"]))
-    for msg in reg.broken:
-        click.secho(f"warning: {msg}", err=True, fg="yellow")
-
-
-def kinds_text() -> str:
-    """The registry's kinds as the CLI and README.md name them: ``losses, teachers, ...`` (one source, ``KINDS``)."""
-    from composer_plugins.core.registry import KINDS
-
-    return ", ".join(KINDS)
-
-
-list_cmd.help = (list_cmd.help or "").replace("{kinds}", kinds_text())
-
-
-def _entry_json(e: Any) -> dict[str, Any]:
-    bad = e.contract_problem(load=False)
-    return {
-        "name": e.name,
-        "kind": e.kind,
-        "description": e.description,
-        "distribution": e.distribution,
-        "version": e.version,
-        "plugin": e.plugin,
-        "available": e.available,
-        **({"install": e.install or "pip install " + " ".join(e.missing)} if not e.available else {}),
-        **({"contract_problem": bad} if bad else {}),
-    }
-
-
-@cli.command()
-@click.option("--all", "include_all", is_flag=True, help="Include the built-in default plugins.")
-@click.option("--hook", "hooks", multiple=True, help="Only plugins implementing this hook.")
-@click.option("--requirements", is_flag=True, help="Print pinned distributions (name==version) instead.")
-def plugins(include_all: bool, hooks: tuple[str, ...], requirements: bool) -> None:
-    """Print installed plugins as JSON: distribution, version, hooks implemented, and what failed (loading, or a
-    registered component's contract check: ``"contract": "FAILED"`` with the reasons)."""
-    from composer_plugins.core.plugins import get_plugin_manager, get_registry
-
-    reg = get_registry()  # registering finds name clashes; they are listed with the plugin that made them
-    infos = get_plugin_manager().plugin_infos(include_defaults=include_all)
-    shown = {i.name: i for i in infos}
-    for e in reg.entries():  # each registered entry's contract check; a plugin with a failing one is marked
-        why = e.contract_problem() if e.plugin in shown else None
-        if why:
-            shown[e.plugin].contract_failures[f"{e.kind}/{e.name}"] = why
-    if hooks:
-        infos = [i for i in infos if set(hooks) & set(i.hooks)]
-    if requirements:
-        for d in sorted({(i.distribution, i.version) for i in infos if i.distribution and not i.default}):
-            click.echo(f"{d[0]}=={d[1]}")
-        return
-    click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
-    if not infos and not include_all and not hooks:
-        click.secho(
-            "No third-party plugins are installed; `composer-plugins plugins --all` lists the built-in ones "
-            "too (`composer-plugins list` lists every component).",
-            err=True,
-            fg="yellow",
-        )
 
 
 _commands_loaded = False
@@ -246,42 +127,6 @@ def command_errors(f: Callable[..., Any]) -> Callable[..., Any]:
             report_interrupt(e)
 
     return wrapper
-
-
-def cli_reference(width: int = 100) -> str:
-    """``docs/cli.md``: the ``--help`` of every built-in command, as the commands print it.
-
-    ``python scripts/cli_docs.py`` writes it; ``tests/core/test_core_cli_docs.py`` fails when the file and
-    the commands disagree. Commands added by third-party plugins are left out.
-    """
-    from click.testing import CliRunner
-
-    group = load_commands()
-    out = [
-        "# Command-line reference",
-        "",
-        "<!-- generated by `python scripts/cli_docs.py` from the commands' own --help; do not edit -->",
-        "",
-        "Every command that reads a config takes `-S key.sub=value` (repeatable) to override it, as",
-        "`dvc exp run -S` does; positional `key.sub=value` arguments are accepted too (an alias).",
-        "`python -m composer_plugins` is the same command line as `composer-plugins`, and",
-        "`composer-plugins --no-progress <command>` (or `COMPOSER_PROGRESS=0`) silences every progress bar.",
-        "",
-    ]
-
-    def walk(cmd: click.Command, path: tuple[str, ...]) -> None:
-        mod = getattr(cmd.callback, "__module__", "") or ""
-        if path and mod.split(".")[0] != "composer_plugins":  # not composer_plugins_<third party>
-            return
-        res = CliRunner().invoke(group, [*path, "--help"], terminal_width=width, prog_name="composer-plugins")
-        title = " ".join(("composer-plugins", *path))
-        out.extend([f"## `{title}`", "", "```console", f"$ {title} --help", res.output.rstrip(), "```", ""])
-        if isinstance(cmd, click.Group):
-            for name in sorted(cmd.commands):
-                walk(cmd.commands[name], (*path, name))
-
-    walk(group, ())
-    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -30,34 +30,18 @@ KINDS: dict[str, str] = {
     spec.registry_kind: name for name, spec in vars(hookspecs).items() if hasattr(spec, "registry_kind")
 }
 
+#: Other names of the kinds, in the singular (each is accepted in the plural too, as is a kind's own singular).
 _KIND_ALIASES = {
     "loss": "losses",
-    "loss_channels": "losses",
     "loss_channel": "losses",
-    "channels": "losses",
-    "advantages": "advantage_estimators",
-    "advantage_estimator": "advantage_estimators",
-    "teacher": "teachers",
-    "scorer": "scorers",
-    "teacher_scorers": "scorers",
+    "channel": "losses",
+    "advantage": "advantage_estimators",
     "teacher_scorer": "scorers",
-    "env": "envs",
-    "environments": "envs",
     "environment": "envs",
-    "hint": "hints",
-    "hint_providers": "hints",
-    "backend": "backends",
-    "optimizer": "optimizers",
+    "hint_provider": "hints",
     "optim": "optimizers",
-    "callback": "callbacks",
-    "rollout_generator": "rollout_generators",
-    "generators": "rollout_generators",
     "generator": "rollout_generators",
-    "codec": "codecs",
-    "transport": "transports",
-    "executor": "executors",
-    "input_builder": "input_builders",
-    "inputs": "input_builders",
+    "input": "input_builders",
 }
 
 #: Backends shipped as separate distributions (in this repository's ``packages/``): name -> distribution.
@@ -77,6 +61,8 @@ def normalize_kind(kind: str) -> str:
     """Map ``'loss'``, ``'Losses'``, ``'env'`` ... to the canonical kind name, or raise."""
     k = kind.strip().lower().replace("-", "_")
     k = _KIND_ALIASES.get(k, k)
+    if k not in KINDS:  # a plural alias, or a kind's singular
+        k = _KIND_ALIASES.get(k.removesuffix("s"), k.removesuffix("s") + "s")
     if k not in KINDS:
         raise UnknownPluginError("kind", kind, list(KINDS))
     return k

@@ -10,9 +10,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from composer_plugins import procs
 from composer_plugins.diloco.env import LOOPBACK
 from composer_plugins.diloco.executor import LaunchError
+from composer_plugins.diloco.rendezvous import StoreRendezvous
 
 
 class Lighthouse:
@@ -94,7 +94,7 @@ class StartBarrier:
         self.size = size
         self._store: Any = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.address = f"{host}:{self._store.port}"
-        self.rendezvous = procs.StoreRendezvous(self._store, range(first, first + size), name=self.NAME, what="replica")
+        self.rendezvous = StoreRendezvous(self._store, range(first, first + size), name=self.NAME, what="replica")
         self.rendezvous.publish()
 
     @property

@@ -71,7 +71,7 @@ def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
     """
     from torch.distributed import TCPStore
 
-    from composer_plugins.procs import RendezvousError, StoreRendezvous
+    from composer_plugins.diloco.rendezvous import RendezvousError, StoreRendezvous
 
     host, _, port = address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))

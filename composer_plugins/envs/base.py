@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from composer_plugins.core.chat import content_text
+from composer_plugins.chat.render import content_text
 
 __all__ = [
     "FEEDBACK_KINDS",

@@ -4,14 +4,14 @@ built-in advantage estimators (registry kind ``advantage_estimators``): ``est(re
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from composer_plugins.losses.ops import _shape, nanstd
 
-__all__ = ["ComposedAdvantage", "GroupAdvantage", "RLOOAdvantage", "group_advantages", "rloo_advantages"]
+__all__ = ["AdvantageEstimator", "ComposedAdvantage", "GroupAdvantage", "RLOOAdvantage", "group_advantages", "rloo_advantages"]
 
 
 def _rewards_tensor(
@@ -121,6 +121,14 @@ def rloo_advantages(
     if normalize:
         adv = (adv - torch.nanmean(adv)) / (nanstd(adv) + eps)
     return torch.nan_to_num(adv, nan=0.0)
+
+
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """The contract of ``register_advantage_estimators``: ``est(rewards, group_size)`` -> one finite float per row
+    (``rewards``: the step's float tensor, NaN for an unscorable row, rows grouped ``group_size`` at a time)."""
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor: ...
 
 
 class GroupAdvantage:

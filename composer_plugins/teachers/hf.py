@@ -2,7 +2,7 @@
 
 The model and tokenizer load lazily on the first call (``local_files_only`` by default, so
 a run never reaches the hub). Prompts use the tokenizer's chat template when it has one,
-else :func:`~composer_plugins.core.chat.plain_prompt` (a lone user message verbatim, as the
+else :func:`~composer_plugins.chat.render.plain_prompt` (a lone user message verbatim, as the
 policy saw it in single-turn rollouts; longer conversations with ``<|role|>`` headers).
 Generation runs in a worker thread (one at a time per teacher) so the event loop keeps
 serving the other teachers.
@@ -122,7 +122,7 @@ class HFTeacher(Teacher):
 
     def prompt_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The text fed to the model for ``messages``."""
-        from composer_plugins.core.chat import render_prompt
+        from composer_plugins.chat.render import render_prompt
 
         _, tok = self.load()
         return render_prompt([dict(m) for m in messages], tok, "auto")

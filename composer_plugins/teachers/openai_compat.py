@@ -23,7 +23,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from composer_plugins.core.chat import render_action
+from composer_plugins.chat.render import render_action
 from composer_plugins.core.config import Secret
 from composer_plugins.teachers.base import (
     Teacher,

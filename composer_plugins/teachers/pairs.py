@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from composer_plugins.core.chat import plain_prompt, render_action
+from composer_plugins.chat.render import plain_prompt, render_action
 from composer_plugins.teachers.base import TeacherResponse
 from composer_plugins.teachers.traces import TraceState
 

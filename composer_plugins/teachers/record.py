@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from composer_plugins.chat.env_step import step_result
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.core.steps import step_result
 from composer_plugins.teachers.base import Message
 
 _TEXT_KEYS = ("prompt", "question", "text", "content", "observation", "instruction")

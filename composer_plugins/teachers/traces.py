@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from composer_plugins.core.chat import content_text, render_action
+from composer_plugins.chat.render import content_text, render_action
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.io import iter_jsonl
 from composer_plugins.teachers.base import Message

@@ -255,7 +255,7 @@ def check_loss(name: str, registry: Any = None, inputs: Callable[..., Any] | Non
 
 def check_env(name: str, registry: Any = None, **build_kwargs: Any) -> None:
     """Env conformance (see the module docstring)."""
-    from composer_plugins.core.steps import step_result
+    from composer_plugins.chat.env_step import step_result
 
     entry = _entry("envs", name, registry)
     env = entry.build(**build_kwargs)

@@ -2,7 +2,7 @@
 
 Whatever the model reads (rollout and evaluation prompts, hinted teacher contexts, replay pairs' prompts,
 SFT examples, conversations for external teachers) is made here with ``model.chat_template``
-(:func:`composer_plugins.core.chat.render_prompt` renders). See docs/training.md "Chat models".
+(:func:`composer_plugins.chat.render.render_prompt` renders). See docs/training.md "Chat models".
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from composer_plugins.core.chat import CHAT_MODES, is_conversation, read_chat_template, render_prompt
+from composer_plugins.chat.render import CHAT_MODES, is_conversation, read_chat_template, render_prompt
 
 __all__ = [
     "PROMPT_KEYS",

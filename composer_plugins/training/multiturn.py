@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from composer_plugins.core.steps import step_result
+from composer_plugins.chat.env_step import step_result
 from composer_plugins.training.rollouts import WeightSyncing
 
 if TYPE_CHECKING:

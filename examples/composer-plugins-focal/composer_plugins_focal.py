@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_plugins import hookimpl
+from composer_plugins.api import hookimpl
 
 
 @hookimpl

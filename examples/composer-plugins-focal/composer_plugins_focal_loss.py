@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from composer_plugins.losses.base import LossChannel
+from composer_plugins.api import LossChannel
 
 
 class FocalPolicyGradient(LossChannel):

@@ -14,8 +14,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from composer_plugins import hookimpl
-from composer_plugins.envs.base import Env, Feedback
+from composer_plugins.api import Env, Feedback, hookimpl
 
 #: Letters the words are made of (short words keep the tiny default policy's vocabulary small).
 LETTERS = "abcdefghij"

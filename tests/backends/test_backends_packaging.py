@@ -100,13 +100,13 @@ def test_missing_upstream_shows_the_install_command_in_list_and_build(monkeypatc
         )
     monkeypatch.setattr(plugins, "_registry", reg)
     monkeypatch.setattr(plugins, "_pm", pm)
-    res = CliRunner().invoke(cli.cli, ["list", "backends", "--json"])
+    res = CliRunner().invoke(cli.load_commands(), ["list", "backends", "--json"])
     rows = {r["name"]: r for r in json.loads(res.output)}
     for name in ("trl", "verl", "monarch"):
         assert rows[name]["available"] is False and rows[name]["install"] == KNOWN_BACKENDS[name]
         with pytest.raises(MissingDependencyError, match=KNOWN_BACKENDS[name].replace("-", r"\-")):
             reg.get("backends", name).build()
-    wide = CliRunner().invoke(cli.cli, ["list", "backends"], terminal_width=400, env={"COLUMNS": "400"})
+    wide = CliRunner().invoke(cli.load_commands(), ["list", "backends"], terminal_width=400, env={"COLUMNS": "400"})
     assert "[not installed: pip install ./packages/composer-plugins-trl]" in wide.output
 
 
@@ -228,7 +228,7 @@ def _wheel(src: Path, parts: list[str], tmp: Path) -> tuple[set[str], str]:
 def test_the_core_wheel_holds_no_upstream_adapter_and_each_package_wheel_holds_its_own(tmp_path):
     core, core_eps = _wheel(ROOT, ["composer_plugins", "pyproject.toml", "README.md"], tmp_path / "core")
     backends = {f.rsplit("/", 1)[-1] for f in core if f.startswith("composer_plugins/backends/")}
-    assert backends == {"__init__.py", "base.py", "lightning.py", "plugin.py", "rollout.py", "support.py"}
+    assert backends == {"__init__.py", "base.py", "lightning.py", "plugin.py", "rollout.py", "support.py", "surface.py"}
     assert "[composer_plugins]" not in core_eps
     for dist, (module, _upstream, _name) in DISTRIBUTIONS.items():
         src = ROOT / "packages" / dist

@@ -14,6 +14,7 @@ of ``composer_plugins`` at all.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -26,27 +27,37 @@ KINDS = {"losses", "models", "envs", "teachers", "backends"}
 #: package -> the project packages it may import (besides itself), from the ground up.
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
-    "procs": {"core"},  # child processes that never outlive their parent: beside the kernel, below its users
+    "procs": set(),  # child processes that never outlive their parent: stdlib only, beside the kernel, below its users
+    "chat": {"core"},  # prompts rendered for a model, env-step results read: below envs, teachers and training
+    "catalog": {"core"},  # the `list` and `plugins` commands over the registry
     "kernels": {"core"},  # the chunked LM-head kernels: below models and losses, which both import them
     "losses": {"core", "kernels"},
     "models": {"core", "kernels"},
-    "envs": {"core", "procs"},
-    "teachers": {"core", "procs"},
-    "training": {"core", "procs", "losses", "models", "envs", "teachers"},
+    "envs": {"core", "procs", "chat"},
+    "teachers": {"core", "procs", "chat"},
+    "training": {"core", "procs", "chat", "losses", "models", "envs", "teachers"},
     "diloco": {"core", "procs", "training"},
     "backends": {"core", "procs", "losses", "training"},  # models and envs through training's public functions
-    "testing": {"core", "procs", *KINDS, "training", "diloco"},  # the optimizers', callbacks' and codecs' kinds
-    "pipeline": {"core", "procs", "kernels", "losses", "models", "envs", "teachers", "training", "diloco", "backends"},
+    "testing": {"core", "procs", "chat", *KINDS, "training", "diloco"},  # the optimizers', callbacks' and codecs' kinds
+    "api": {"core", *KINDS, "training", "diloco"},  # the plugin surface: every contract, from where it lives
+    "pipeline": {"core", "procs", "chat", "kernels", *KINDS, "training", "diloco"},
 }
 #: third-party modules the kernel may import
 KERNEL_THIRD_PARTY = {"pluggy", "yaml", "click"}
 #: packages that may import only the stdlib (and these third-party modules) besides the project packages above
-STDLIB_ONLY: dict[str, set[str]] = {"core": KERNEL_THIRD_PARTY, "procs": set(), "kernels": {"torch"}}
+STDLIB_ONLY: dict[str, set[str]] = {
+    "core": KERNEL_THIRD_PARTY,
+    "procs": set(),
+    "chat": set(),
+    "catalog": {"click"},
+    "kernels": {"torch"},
+}
 
 
 def _package(rel: Path) -> str:
-    """``core`` for ``core/x.py`` and for the package root's own modules (the public facade)."""
-    return rel.parts[0] if len(rel.parts) > 1 else "core"
+    """``core`` for ``core/x.py`` and for the package root's own modules (the public facade); ``api`` for
+    ``api.py``, the plugin surface."""
+    return rel.parts[0] if len(rel.parts) > 1 else (rel.stem if rel.stem in ALLOWED else "core")
 
 
 def _private(name: str) -> bool:
@@ -60,7 +71,7 @@ def violations(rel: Path, source: str, external: str | None = None) -> list[str]
     checked as a backend outside the core: every ``composer_plugins`` package it imports is foreign to it.
     """
     pkg = "backends" if external else _package(rel)
-    allowed = ALLOWED[pkg] | ({pkg} if external else set())
+    allowed = ALLOWED[pkg] | ({pkg, "api"} if external else set())
     modparts = [*([] if external else ["composer_plugins"]), *rel.with_suffix("").parts]
     label = f"{external}/{rel.as_posix()}" if external else f"composer_plugins/{rel.as_posix()}"
     if modparts[-1] == "__init__":
@@ -370,15 +381,142 @@ def test_formatter_skips_are_few_and_give_a_reason():
 
 
 def test_channel_inputs_are_assembled_in_one_place():
-    """The backend adapters build channel inputs through the one assembler (``training/assemble.py``): each
-    imports it, and none defines its own padding or hint/pair input helpers."""
-    import re
-
+    """The backend adapters build channel inputs through the one assembler (``training/assemble.py``, reached
+    through the backend surface): each imports it, and none defines its own padding or hint/pair input helpers."""
     helpers = re.compile(r"^\s*def (_?(right|left)_pad|_hint_inputs|_pair_inputs|_all_inputs)\b", re.M)
     for dist in ("trl", "verl", "prime_rl"):
         (path,) = DISTS.glob(f"*/composer_plugins_{dist}/backend.py")
         source = path.read_text()
-        assert "composer_plugins.training.assemble import" in source, f"{path.relative_to(ROOT)} bypasses the assembler"
+        uses = re.search(
+            r"from composer_plugins\.backends\.surface import [^)]*\b(assemble_inputs|StepPolicy)\b", source
+        )
+        assert uses, f"{path.relative_to(ROOT)} bypasses the assembler"
         assert not helpers.search(source), f"{path.relative_to(ROOT)} defines its own channel-input helper"
     monarch = next(DISTS.glob("*/composer_plugins_monarch/backend.py")).read_text()
     assert ".loss_on(" in monarch  # the native module's step: record, then the assembler
+
+
+#: The most lines ``core/`` (the plugin kernel) may have, and any package's ``__init__.py``.
+CORE_LINES = 2000
+INIT_LINES = 150
+
+
+def test_the_kernel_and_every_package_init_are_small():
+    """``core/`` holds the plugin kernel only (at most 2,000 lines: what is not the kernel lives with its users),
+    and no ``__init__.py`` is over 150 lines (a package's modules are split by purpose, not kept in its init)."""
+    core = sum(len(p.read_text().splitlines()) for p in (PKG / "core").glob("*.py"))
+    assert core <= CORE_LINES, f"composer_plugins/core/ is {core} lines (at most {CORE_LINES})"
+    big = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted(PKG.rglob("__init__.py"))
+        if (n := len(p.read_text().splitlines())) > INIT_LINES
+    ]
+    assert not big, f"__init__.py over {INIT_LINES} lines:\n  " + "\n  ".join(big)
+
+
+#: Modules that moved out of the kernel: the old path serves each name with a PluginDeprecationWarning until 0.3.0.
+MOVED = {
+    "composer_plugins.core.chat": ("composer_plugins.chat.render", "render_prompt"),
+    "composer_plugins.core.steps": ("composer_plugins.chat.env_step", "step_result"),
+}
+
+
+def test_moved_modules_warn_and_name_their_new_home():
+    import importlib
+    import warnings
+
+    import pytest
+
+    from composer_plugins.core.errors import PluginDeprecationWarning
+
+    for old, (new, name) in MOVED.items():
+        src = (PKG.parent / (old.replace(".", "/") + ".py")).read_text()
+        assert "import" not in src.split("moved_module", 1)[1], f"{old} must only point to {new}"
+        with pytest.warns(PluginDeprecationWarning, match=rf"{old}\.{name} moved to {new}\.{name}") as rec:
+            value = getattr(importlib.import_module(old), name)
+        assert value is getattr(importlib.import_module(new), name)
+        assert rec[0].filename == __file__  # the warning points at the caller's line
+        with warnings.catch_warnings(), pytest.raises(AttributeError, match="nope"):
+            warnings.simplefilter("ignore")
+            importlib.import_module(old).nope  # noqa: B018
+
+
+def docs_map(text: str) -> dict[str, set[str]]:
+    """``{package: the project packages its "may import" cell names}`` from the table of docs/architecture.md."""
+    section = text.split("## Packages, from the ground up", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            pkg = cells[0].strip("`/").removesuffix(".py")
+            out[pkg] = {w for w in re.findall(r"[a-z_]+", cells[2]) if w in ALLOWED and w != pkg}
+    return out
+
+
+def test_docs_architecture_table_is_the_map():
+    """docs/architecture.md's "may import" column says what :data:`ALLOWED` enforces, row for row."""
+    have = docs_map((ROOT / "docs" / "architecture.md").read_text())
+    assert set(have) == set(ALLOWED), (
+        f"rows missing: {set(ALLOWED) - set(have)}; not packages: {set(have) - set(ALLOWED)}"
+    )
+    wrong = [
+        f"{p}: docs say {sorted(have[p])}, the test allows {sorted(ALLOWED[p])}"
+        for p in ALLOWED
+        if have[p] != ALLOWED[p]
+    ]
+    assert not wrong, "docs/architecture.md disagrees with ALLOWED:\n  " + "\n  ".join(wrong)
+    assert docs_map("## Packages, from the ground up\n| `x/` | owns | core, y (z) |\n") == {"x": {"core"}}
+
+
+#: The two modules a backend distribution under ``packages/`` may import: the plugin contracts and the backend surface.
+SURFACE = ("composer_plugins.api", "composer_plugins.backends.surface")
+
+
+def surface_violations(label: str, source: str) -> list[str]:
+    """Every import in ``source`` of a ``composer_plugins`` module other than the two of :data:`SURFACE`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            targets = [node.module or ""]
+        for t in targets:
+            if t.split(".")[0] == "composer_plugins" and t not in SURFACE:
+                out.append(f"{label}:{node.lineno}: imports {t} (a backend imports only {' and '.join(SURFACE)})")
+    return out
+
+
+def test_backend_distributions_import_only_the_declared_surface():
+    found = []
+    for path in sorted(DISTS.glob("*/composer_plugins_*/**/*.py")):
+        found += surface_violations(str(path.relative_to(ROOT)), path.read_text())
+    assert not found, "imports outside the declared surface:\n  " + "\n  ".join(found)
+    bad = "import composer_plugins.training.step\nfrom composer_plugins import build\n"
+    bad += "from composer_plugins.api import hookimpl\nfrom composer_plugins_x import y\n"
+    assert [v.split(": ")[1] for v in surface_violations("x.py", bad)] == [
+        "imports composer_plugins.training.step (a backend imports only composer_plugins.api and "
+        "composer_plugins.backends.surface)",
+        "imports composer_plugins (a backend imports only composer_plugins.api and composer_plugins.backends.surface)",
+    ]
+
+
+def test_the_surfaces_reexport_each_name_from_a_room_they_may_import():
+    """``api`` and ``backends.surface`` re-export names lazily (by module path, not by ``import``): each path is
+    in a room its module may import, each name is the object at its home, and none is private."""
+    import importlib
+
+    from composer_plugins.core import hookspecs
+
+    for module, room in (("composer_plugins.api", "api"), ("composer_plugins.backends.surface", "backends")):
+        mod = importlib.import_module(module)
+        for home, names in mod._EXPORTS.items():
+            parts = home.split(".")
+            if parts[0] == "composer_plugins" and len(parts) > 1:
+                assert parts[1] in ALLOWED[room] | {room}, f"{module} re-exports from {home} ({room} may not import it)"
+            for n in names:
+                assert not _private(n) and getattr(mod, n) is getattr(importlib.import_module(home), n), (module, n)
+        assert set(mod.__all__) == {n for names in mod._EXPORTS.values() for n in names}
+    hooks = {n for n in vars(hookspecs) if n.startswith("register_")}
+    api = importlib.import_module("composer_plugins.api")
+    assert set(api.CONTRACTS) == hooks, (
+        f"hooks without a contract in composer_plugins.api: {hooks - set(api.CONTRACTS)}"
+    )

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from composer_plugins import __version__
 from composer_plugins.core import plugins
-from composer_plugins.core.cli import cli, load_commands
+from composer_plugins.core.cli import load_commands
 
 
 def run(*args: str):
@@ -42,7 +42,7 @@ def test_list_pattern_and_json(discovery):
 
 
 def test_list_unknown_kind_is_a_usage_error(isolated_plugins):
-    r = CliRunner().invoke(cli, ["list", "widgetz"])
+    r = CliRunner().invoke(load_commands(), ["list", "widgetz"])
     assert r.exit_code == 2 and "Unknown kind 'widgetz'" in r.output and "losses" in r.output
 
 

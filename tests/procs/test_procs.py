@@ -1,4 +1,4 @@
-"""``composer_plugins.procs``: bounded waits on children, no orphans, rendezvous that name who is missing."""
+"""``composer_plugins.procs``: bounded waits on children, no orphans, and runs whose timeout kills the whole tree."""
 
 from __future__ import annotations
 
@@ -148,49 +148,6 @@ def test_wait_announces_what_it_waits_for(tmp_path, monkeypatch):
         kids.wait(30)
     assert seen and seen[0].startswith("w0 (pid ")
     assert status.read_text() == ""  # cleared once the wait is over
-
-
-class FakeStore:
-    """The part of a torch.distributed store the rendezvous uses."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, k: str, v: str) -> None:
-        self.data[k] = v.encode()
-
-    def get(self, k: str) -> bytes:
-        return self.data[k]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-
-def test_rendezvous_fails_at_once_naming_a_member_that_exited():
-    store = FakeStore()
-    rdv = procs.StoreRendezvous(store, 3, name="demo", what="worker")
-    rdv.arrive(2)
-    rdv.mark_gone(0, "was killed by SIGKILL")
-    t0 = time.monotonic()
-    with pytest.raises(procs.RendezvousError, match=r"demo: worker 0 was killed by SIGKILL before arriving"):
-        rdv.wait(1, timeout_s=60)
-    assert time.monotonic() - t0 < 5
-    # allow_gone: the others go on, and learn who is missing
-    assert rdv.wait(1, timeout_s=60, allow_gone=True) == {0: "was killed by SIGKILL"}
-
-
-def test_rendezvous_timeout_names_the_members_that_never_arrived():
-    rdv = procs.StoreRendezvous(FakeStore(), [4, 5, 6], name="demo", what="replica")
-    rdv.arrive(6)
-    with pytest.raises(procs.RendezvousError, match=r"replica\(s\) \[5\] did not arrive within 0s"):
-        rdv.wait(4, timeout_s=0.3)
-
-
-def test_rendezvous_reads_published_members():
-    store = FakeStore()
-    procs.StoreRendezvous(store, [2, 3], name="x").publish()
-    other = procs.StoreRendezvous(store, None, name="x")
-    assert other.members == [2, 3]
 
 
 def test_conftest_kills_and_reports_what_a_test_leaves_behind(tmp_path):

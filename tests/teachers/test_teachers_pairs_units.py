@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from composer_plugins.core.chat import render_action
+from composer_plugins.chat.render import render_action
 from composer_plugins.teachers.base import TeacherCallError, TeacherResponse, estimate_prompt_tokens
 from composer_plugins.teachers.budget import Budget
 from composer_plugins.teachers.cache import ReplayCache, cache_key

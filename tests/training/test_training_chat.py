@@ -15,7 +15,7 @@ import pytest
 import torch
 from chat_case import HINT_TEMPLATES, HINTED_TEXT, QUESTION, STUDENT_TEXT, TEACHER_TEXT, Inputs, build_case, env_spec
 
-from composer_plugins.core.chat import render_prompt
+from composer_plugins.chat.render import render_prompt
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.training.batches import task_prompt, teacher_contexts
 from composer_plugins.training.config import loads_train_config, train_config_from_dict
@@ -214,7 +214,7 @@ def test_the_sft_warm_start_cache_knows_the_chat_template(case, tmp_path):
 
 def test_one_prompt_renderer_for_policies_teachers_and_pairs():
     """A conversation with a tool call renders the same for a policy without a template and for a replay pair."""
-    from composer_plugins.core.chat import plain_prompt
+    from composer_plugins.chat.render import plain_prompt
     from composer_plugins.teachers import pairs
 
     msgs = [

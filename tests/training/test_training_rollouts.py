@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from composer_plugins.core.cli import cli
+from composer_plugins.core.cli import load_commands
 from composer_plugins.core.hookspecs import hookimpl
 
 
@@ -52,12 +52,12 @@ def test_hook_register_rollout_generators(fresh_pm, make_cfg):
         assert reg.get("rollout_generators", "counting").plugin == "ip_rollouts"
         assert {"hf", "server", "counting"} <= set(reg.names("rollout_generators"))
         # listed with provenance beside the built-ins, which register through the same hook
-        listed = json.loads(CliRunner().invoke(cli, ["list", "generators", "--json"]).output)
+        listed = json.loads(CliRunner().invoke(load_commands(), ["list", "generators", "--json"]).output)
         by = {d["name"]: d for d in listed}
         assert set(by) == {"counting", "hf", "multi_turn", "server"} and by["counting"]["plugin"] == "ip_rollouts"
         assert by["hf"]["distribution"] == "composer-plugins" and by["counting"]["description"] == "Counts its calls."
         hooks = json.loads(
-            CliRunner().invoke(cli, ["plugins", "--all", "--hook", "register_rollout_generators"]).output
+            CliRunner().invoke(load_commands(), ["plugins", "--all", "--hook", "register_rollout_generators"]).output
         )
         assert {"composer_plugins.training.rollouts", "ip_rollouts"} <= {d["name"] for d in hooks}
         cfg, src = make_cfg("", "sft.enabled=false", "rollout.generator.name=counting", "rollout.generator.tag=x")

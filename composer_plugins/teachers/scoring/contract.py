@@ -61,7 +61,7 @@ class ScoreRequest:
 
     ``messages``: the conversation the student's prompt was rendered from (chat prompts only); a
     teacher whose tokenizer has a chat template renders it with its own template
-    (:func:`composer_plugins.core.chat.render_prompt`) instead of reading the student's prompt.
+    (:func:`composer_plugins.chat.render.render_prompt`) instead of reading the student's prompt.
     """
 
     prompt: str
@@ -157,7 +157,7 @@ class _Aligner:
         """
         own = None
         if req.messages and getattr(self.teacher, "chat_template", None):
-            from composer_plugins.core.chat import render_prompt
+            from composer_plugins.chat.render import render_prompt
 
             own = self.teacher(render_prompt(list(req.messages), self.teacher), add_special_tokens=False)["input_ids"]
         if self.same:

@@ -32,13 +32,10 @@ import torch
 from monarch.actor import Actor, ActorError, current_rank, current_size, endpoint, this_host
 from torch import Tensor
 
-from composer_plugins.backends import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
-from composer_plugins.backends.base import Backend
-from composer_plugins.training import components as _components  # noqa: F401
-from composer_plugins.training import run as _run  # noqa: F401
-from composer_plugins.training.experience import Sampler, refuse_own_sampling
-from composer_plugins.training.metrics import scalar_metrics
-from composer_plugins.training.step import Rollout
+from composer_plugins.backends.surface import Backend, Rollout, Sampler, refuse_own_sampling, scalar_metrics
+from composer_plugins.backends.surface import StepComponents as _StepComponents  # noqa: F401
+from composer_plugins.backends.surface import rollout as _rollout  # noqa: F401  (imported here, once: see _INIT_LOCK)
+from composer_plugins.backends.surface import run_train as _run_train  # noqa: F401
 
 #: Actors placed in the same process are constructed concurrently; their (lazy) imports of
 #: lightning/transformers modules must not interleave (Python raises _DeadlockError), so the
@@ -57,7 +54,7 @@ __all__ = [
 
 
 def _config(config: Mapping[str, Any]) -> Any:
-    from composer_plugins.training.config import train_config_from_dict
+    from composer_plugins.backends.surface import train_config_from_dict
 
     return train_config_from_dict(config)
 
@@ -85,7 +82,7 @@ def merge_rollouts(
     (:meth:`~composer_plugins.training.step.StepRecord.concat`: prompts re-left-padded, completions re-right-padded).
     ``tasks``: each part's tasks (its rows answer them); the record holds no scores: the trainer's experience
     maker makes the step's record."""
-    from composer_plugins.training.step import StepRecord
+    from composer_plugins.backends.surface import StepRecord
 
     per_part = list(tasks) if tasks is not None else [()] * len(parts)
     recs = [
@@ -105,7 +102,7 @@ class GeneratorActor(Actor):
     """Holds a copy of the policy and samples completions for its shard of the prompts."""
 
     def __init__(self, config: dict[str, Any], model_dir: str) -> None:
-        from composer_plugins.training.policy import load_policy
+        from composer_plugins.backends.surface import load_policy
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -128,7 +125,7 @@ class GeneratorActor(Actor):
     @endpoint
     async def load_weights(self, weights: dict[str, Tensor], version: int) -> int:
         """Replace the policy weights with the trainer's; returns the new version."""
-        from composer_plugins.backends.rollout import load_weights
+        from composer_plugins.backends.surface import load_weights
 
         load_weights(self.policy, weights)
         self.version = int(version)
@@ -151,8 +148,7 @@ class RewarderActor(Actor):
     """Owns the env plugin: draws the seeded tasks of each step and scores completions with ``env.reward``."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        from composer_plugins.training.batches import task_drawer
-        from composer_plugins.training.builders import build_env
+        from composer_plugins.backends.surface import build_env, task_drawer
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -163,14 +159,14 @@ class RewarderActor(Actor):
     @endpoint
     async def tasks(self, step: int) -> list[dict[str, Any]]:
         """The tasks of ``step`` (seeded by ``config.seed`` and ``step``)."""
-        from composer_plugins.training.batches import derive_seed
+        from composer_plugins.backends.surface import derive_seed
 
         return [dict(t) for t in self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))]
 
     @endpoint
     async def score(self, tasks: list[dict[str, Any]], completions: list[str]) -> list[float]:
         """``env.reward`` of each completion (``G`` per task, in order)."""
-        from composer_plugins.training.batches import env_rewards
+        from composer_plugins.backends.surface import env_rewards
 
         return env_rewards(self.env, tasks, completions, self.cfg.rollout.num_generations)
 
@@ -179,8 +175,7 @@ class TrainerActor(Actor):
     """Applies the composed loss to a received rollout and steps the optimizer; serves its weights."""
 
     def __init__(self, config: dict[str, Any], model_dir: str) -> None:
-        from composer_plugins.training.components import StepComponents
-        from composer_plugins.training.policy import load_policy
+        from composer_plugins.backends.surface import StepComponents, load_policy
 
         with _INIT_LOCK:
             self.cfg = _config(config)
@@ -200,7 +195,7 @@ class TrainerActor(Actor):
         self, tasks: list[dict[str, Any]], rollout: dict[str, Any], rewards: list[float], step: int
     ) -> dict[str, float]:
         """One optimizer step of the composed loss on ``rollout``; returns the step's statistics."""
-        from composer_plugins.training.batches import derive_seed
+        from composer_plugins.backends.surface import derive_seed
 
         t0 = time.perf_counter()
         loss, stats, _ = self._loss(tasks, _rollout_from_wire(rollout), rewards, derive_seed(self.cfg.seed, 1, step))
@@ -218,7 +213,7 @@ class TrainerActor(Actor):
     @endpoint
     async def weights(self) -> dict[str, Tensor]:
         """A CPU copy of the policy weights (sent to the generators)."""
-        from composer_plugins.backends.rollout import state_dict_cpu
+        from composer_plugins.backends.surface import state_dict_cpu
 
         return state_dict_cpu(self.parts.policy)
 
@@ -295,8 +290,7 @@ class MonarchSession:
         self._meshes: list[Any] = []
 
     async def __aenter__(self) -> MonarchSession:
-        from composer_plugins.core.config import to_dict
-        from composer_plugins.training.policy import load_policy, resolve_policy
+        from composer_plugins.backends.surface import load_policy, resolve_policy, to_dict
 
         b = self.backend
         model_dir = resolve_policy(b.config)  # base / SFT warm start, built once here, loaded by every actor
@@ -312,7 +306,7 @@ class MonarchSession:
         self.generators = procs.spawn("generator", GeneratorActor, wire, model_dir)
         self.rewarder = rew_procs.spawn("rewarder", RewarderActor, wire)
         self.trainer = trn_procs.spawn("trainer", TrainerActor, wire, model_dir)
-        from composer_plugins.training.chat import install_chat_template
+        from composer_plugins.backends.surface import install_chat_template
 
         tok = self.tokenizer = install_chat_template(load_policy(model_dir)[1], b.config.model.chat_template)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -327,7 +321,7 @@ class MonarchSession:
 
     async def step(self, step: int) -> dict[str, float]:
         """Tasks (rewarder) -> rollout (generators) -> rewards (rewarder) -> update (trainer) -> weights back."""
-        from composer_plugins.training.batches import derive_seed, task_prompt
+        from composer_plugins.backends.surface import derive_seed, task_prompt
 
         c = self.backend.config
         t0 = time.perf_counter()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_plugins import hookimpl
-from composer_plugins.core.registry import KNOWN_BACKENDS
+from composer_plugins.api import hookimpl
+from composer_plugins.backends.surface import KNOWN_BACKENDS
 
 
 @hookimpl

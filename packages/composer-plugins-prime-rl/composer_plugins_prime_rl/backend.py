@@ -53,13 +53,20 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from composer_plugins.backends import support
-from composer_plugins.backends.base import Backend
-from composer_plugins.backends.support import CLIP_OPTIONS, LIMITS, REFUSED, RUNS, Cell
-from composer_plugins.core.errors import ComposerPluginsError, ConfigError
-from composer_plugins.losses import functional as F
-from composer_plugins.losses.policy import POLICY_KINDS
-from composer_plugins.training.experience import refuse_own_sampling
+from composer_plugins.backends.surface import (
+    CLIP_OPTIONS,
+    LIMITS,
+    POLICY_KINDS,
+    REFUSED,
+    RUNS,
+    Backend,
+    Cell,
+    ComposerPluginsError,
+    ConfigError,
+    refuse_own_sampling,
+    support,
+)
+from composer_plugins.backends.surface import functional as F
 
 #: The PRIME-RL commit the per-sample contract was read from.
 PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
@@ -254,7 +261,7 @@ def loss_fn(
         if teacher is None:
             teacher = getattr(inputs, "ref_logprobs", None)
         if teacher is not None:
-            from composer_plugins.losses.teacher_distill import (
+            from composer_plugins.backends.surface import (
                 TeacherTopKKernel,
                 sampled_token_divergence,
                 sampled_token_scored,
@@ -379,7 +386,7 @@ class PrimeRLBackend(Backend):
         """The loss kwargs of the enabled channels, each placed by what its class declares (never by its name):
         the channel reading the group advantages is the policy, the one needing a hinted teacher is the opsd
         stream, the one reading teachers' scores the teacher stream; any other is refused, located."""
-        from composer_plugins.training.loss_specs import declared_channels
+        from composer_plugins.backends.surface import declared_channels
 
         support.check_channels(
             f"prime_rl:{self.mode}", self.config, self.src, type(self).support
@@ -396,7 +403,7 @@ class PrimeRLBackend(Backend):
                     if k in kw:
                         kwargs[k] = kw[k]
             elif ch.needs_teacher:
-                from composer_plugins.losses.distill import TEACHERS
+                from composer_plugins.backends.surface import TEACHERS
 
                 kwargs["hint_weight"] = float(weight)
                 teacher, rate = kw.get("teacher", "live"), kw.get("ema_rate", 0.05)
@@ -472,8 +479,8 @@ class PrimeRLBackend(Backend):
         return self._train_local()
 
     def _train_local(self) -> Any:
-        from composer_plugins.backends import rollout as R
-        from composer_plugins.training.assemble import Needs, assemble_inputs
+        from composer_plugins.backends.surface import Needs, assemble_inputs
+        from composer_plugins.backends.surface import rollout as R
 
         # the config's channels give the hint provider, the EMA teacher (``teacher: ema``) and the teacher scorers
         run = R.LocalRun(self.config, self.src)

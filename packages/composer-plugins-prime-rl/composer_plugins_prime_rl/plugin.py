@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_plugins import hookimpl
+from composer_plugins.api import hookimpl
 
 #: PRIME-RL is not on PyPI; it installs from its source tree with uv (Python 3.12), and this
 #: distribution goes into that environment (run at the root of this repository's clone).

@@ -47,14 +47,21 @@ import torch
 from torch import Tensor
 from trl import GRPOConfig, GRPOTrainer
 
-from composer_plugins.backends.base import Backend
-from composer_plugins.core.errors import ConfigError
-from composer_plugins.losses import functional as LF
-from composer_plugins.losses.base import ChannelComposer, LossChannel
-from composer_plugins.training.assemble import PAIR_INPUTS
-from composer_plugins.training.experience import refuse_own_sampling
-from composer_plugins.training.input_builders import PAIR_REF_KEYS, cache_pair_references
-from composer_plugins.training.step import Rollout, StepMeta, StepRecord, sample_pairs
+from composer_plugins.backends.surface import (
+    PAIR_INPUTS,
+    PAIR_REF_KEYS,
+    Backend,
+    ChannelComposer,
+    ConfigError,
+    LossChannel,
+    Rollout,
+    StepMeta,
+    StepRecord,
+    cache_pair_references,
+    refuse_own_sampling,
+    sample_pairs,
+)
+from composer_plugins.backends.surface import functional as LF
 
 #: TRL loss types the composed trainer reproduces: our policy loss types but ``gspo`` (TRL's ``grpo`` at
 #: sequence level, ``importance_sampling_level="sequence"``).
@@ -75,7 +82,7 @@ _MULTIMODAL_KEYS = (
 
 def policy_channel_from_args(args: GRPOConfig, weight: float = 1.0, name: str = "policy") -> LossChannel:
     """Our policy channel configured exactly like TRL's loss for ``args`` (loss type, clip range, β, IS level)."""
-    from composer_plugins import build
+    from composer_plugins.backends.surface import build
 
     lt = args.loss_type
     if lt not in SUPPORTED_LOSS_TYPES:
@@ -168,7 +175,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.max_hint_length = int(max_hint_length)
         self.hint_teacher_margin = bool(hint_teacher_margin)
         self.chat_mode = str(chat_template)  # not `chat_template`: TRL keeps its Jinja override under that name
-        from composer_plugins.training.batches import load_pairs, render_pairs
+        from composer_plugins.backends.surface import load_pairs, render_pairs
 
         if isinstance(pairs, str):
             pairs = load_pairs(pairs)
@@ -183,8 +190,12 @@ class ComposerGRPOTrainer(GRPOTrainer):
         self.ema_teacher = self._build_ema_teacher(live)
         # teacher_distill: external teachers score each generation batch's completions (in the background,
         # while the assembler computes the student's hidden states); the record carries their futures
-        from composer_plugins.training.experience import ExperienceMaker, StepComputer
-        from composer_plugins.training.teacher_scores import build_teacher_scoring, teacher_channels
+        from composer_plugins.backends.surface import (
+            ExperienceMaker,
+            StepComputer,
+            build_teacher_scoring,
+            teacher_channels,
+        )
 
         self.teacher_scoring = build_teacher_scoring(teacher_channels(live), self.processing_class)
         #: The one experience maker (TRL computes the advantages and log-probs; the maker adds the rest).
@@ -214,7 +225,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         from torch import nn
         from transformers import TrainerCallback
 
-        from composer_plugins.training.ema import EMATeacher, ema_pairs, ema_update, teacher_from
+        from composer_plugins.backends.surface import EMATeacher, ema_pairs, ema_update, teacher_from
 
         try:
             teacher, rate = teacher_from(live)
@@ -328,7 +339,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def _sibling_groups(self, texts: list[str], rewards: Tensor) -> list[Any]:
         """Each row's rollout group, for a provider that reads it: TRL lays a generation batch out as G
         consecutive rows per prompt across every process, so the group's texts and rewards are gathered."""
-        from composer_plugins.training.batches import rollout_groups
+        from composer_plugins.backends.surface import rollout_groups
 
         every, all_rewards = list(texts), rewards
         if self.accelerator.num_processes > 1:
@@ -342,7 +353,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def step_policy(self, model: Any) -> Any:
         """The models and settings the assembler builds channel inputs with (as the native module's)."""
-        from composer_plugins.training.assemble import StepPolicy
+        from composer_plugins.backends.surface import StepPolicy
 
         return StepPolicy(
             model=model,
@@ -509,7 +520,7 @@ def trl_prompts(tasks: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any)
     chat template, the text :func:`composer_plugins.training.chat.task_prompt` makes), except where TRL
     cannot template them as the config says (``model.chat_template: none``, or a tokenizer without a
     template): those are rendered here, by the one function the native path uses."""
-    from composer_plugins.training.chat import task_conversation, task_prompt
+    from composer_plugins.backends.surface import task_conversation, task_prompt
 
     mode = config.model.chat_template
     plain = mode == "none" or not getattr(tokenizer, "chat_template", None)
@@ -597,10 +608,7 @@ class TRLBackend(Backend):
         """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.training.run.RunResult`."""
         from datasets import Dataset
 
-        from composer_plugins.training.batches import task_drawer
-        from composer_plugins.training.builders import build_env
-        from composer_plugins.training.components import StepComponents
-        from composer_plugins.training.policy import load_policy_for
+        from composer_plugins.backends.surface import StepComponents, build_env, load_policy_for, task_drawer
 
         c = self.config
         if c.trainer.num_threads:

@@ -44,14 +44,20 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from composer_plugins.backends import support
-from composer_plugins.backends.base import Backend
-from composer_plugins.backends.support import CLIP_OPTIONS, LIMITS, REFUSED, Cell
-from composer_plugins.core.errors import ComposerPluginsError, ConfigError
-from composer_plugins.losses import functional as F
-from composer_plugins.losses.policy import POLICY_KINDS
-from composer_plugins.training.experience import refuse_own_sampling
-from composer_plugins.training.metrics import scalar_metrics
+from composer_plugins.backends.surface import (
+    CLIP_OPTIONS,
+    LIMITS,
+    POLICY_KINDS,
+    REFUSED,
+    Backend,
+    Cell,
+    ComposerPluginsError,
+    ConfigError,
+    refuse_own_sampling,
+    scalar_metrics,
+    support,
+)
+from composer_plugins.backends.surface import functional as F
 
 #: VeRL policy-loss name -> our loss type.
 POLICY_LOSSES: dict[str, str] = {f"composer_{t}": t for t in POLICY_KINDS}
@@ -406,7 +412,7 @@ class VeRLBackend(Backend):
     def _policy_channel(self) -> tuple[str, dict[str, Any]]:
         """The policy channel of ``config.losses`` (the only channel a VeRL policy loss carries): the one whose
         class declares the group advantages and a loss VeRL's registry holds (never chosen by its name)."""
-        from composer_plugins.training.loss_specs import declared_channels
+        from composer_plugins.backends.surface import declared_channels
 
         support.check_channels(
             f"verl:{self.mode}", self.config, self.src, type(self).support
@@ -472,8 +478,8 @@ class VeRLBackend(Backend):
         return self._train_local()
 
     def _train_local(self) -> Any:
-        from composer_plugins.backends import rollout as R
-        from composer_plugins.training.assemble import Needs, assemble_inputs
+        from composer_plugins.backends.surface import Needs, assemble_inputs
+        from composer_plugins.backends.surface import rollout as R
 
         c = self.config
         # VeRL's loss is its own (no channel objects); it computes the advantages itself (compute_advantage), so
@@ -515,7 +521,7 @@ def clip_range(loss_type: str, channel_kwargs: Mapping[str, Any] | None = None) 
     ``cispo``'s channel ``epsilon_high`` is the absolute ratio cap (TRL), VeRL's is ``1 + clip_ratio_high``;
     ``dppo``'s masks are ``dppo_mask_low``/``dppo_mask_high``.
     """
-    from composer_plugins.losses.policy import CHANNEL_EPSILONS
+    from composer_plugins.backends.surface import CHANNEL_EPSILONS
 
     kw = dict(channel_kwargs or {})
     if loss_type == "dppo":
@@ -612,8 +618,7 @@ def verl_batch(ro: Any, rewards: Sequence[float], old_log_probs: Tensor, adv_est
 
 def nested_log_probs(model: Any, td: Any, temperature: float = 1.0) -> Tensor:
     """Log-probs in VeRL's no-padding layout: entry ``t`` of a sequence is ``log p(token_{t+1} | ≤ t)``."""
-    from composer_plugins.losses.functional import chunked_logprobs
-    from composer_plugins.training.policy import decoder_body, lm_head_weight
+    from composer_plugins.backends.surface import chunked_logprobs, decoder_body, lm_head_weight
 
     body, head = decoder_body(model), lm_head_weight(model)
     ids = td["input_ids"]
@@ -650,7 +655,7 @@ def verl_actor_step(
 
     old = old_log_probs
     if old is None:  # the experience maker's no-grad sampling-time log-probs
-        from composer_plugins.training.experience import ExperienceMaker
+        from composer_plugins.backends.surface import ExperienceMaker
 
         old = (
             ExperienceMaker(policy=policy, temperature=temperature)

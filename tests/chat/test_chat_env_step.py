@@ -1,4 +1,4 @@
-"""The one env step-result reader (``core.steps.step_result``), including where the two old copies disagreed."""
+"""The one env step-result reader (``chat.env_step.step_result``), including where the two old copies disagreed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from composer_plugins.core.steps import EnvStepError, step_result
+from composer_plugins.chat.env_step import EnvStepError, step_result
 from composer_plugins.envs.base import StepResult
 
 
