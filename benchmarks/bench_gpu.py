@@ -197,7 +197,7 @@ def profile_table(prof: Any, cuda: bool) -> dict[str, Any]:
 
 # -- one row, in its own process ---------------------------------------------------------------------------
 def _config(tmp: str, spec: dict[str, Any], model: str, pairs: str, row: str, compile: str) -> Any:
-    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.config.train import loads_train_config
 
     gpu = spec["device"] == "cuda"
     ch = CHANNELS[row]
@@ -233,7 +233,7 @@ eval: {{at_start: false, at_end: false}}
 def _wrap_builders(timer: PhaseTimer) -> Any:
     """The input builders of the teacher and replay channels (and the policy's own) run as phases; returns the
     original table getter (put back after the row)."""
-    from composer_plugins.training import assemble
+    from composer_plugins.training.step import assemble
 
     phase = {
         "policy_logprobs": "forward",
@@ -265,7 +265,7 @@ def _composer_row(row: str, spec: dict[str, Any], cfg: Any, env: Any, n: int, wa
 
     from benchmarks.bench_scale import RandomRewardEnv
     from benchmarks.bench_training import _tasks, composed_steps
-    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.lightning.module import ComposerModule
 
     cuda = spec["device"] == "cuda"
     timer = PhaseTimer(cuda)
@@ -306,7 +306,7 @@ def _composer_row(row: str, spec: dict[str, Any], cfg: Any, env: Any, n: int, wa
                 self.prof = None
             self.i += 1
 
-    from composer_plugins.training import assemble
+    from composer_plugins.training.step import assemble
 
     try:
         composed_steps(module, cfg, _tasks(env, cfg, total), 0, callbacks=[Phases()])
@@ -369,7 +369,7 @@ def child(row: str, spec: dict[str, Any], model: str, pairs: str, n: int, warmup
     """One row in this process."""
     import torch
 
-    from composer_plugins.training.builders import build_env
+    from composer_plugins.training.step.builders import build_env
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -403,9 +403,9 @@ def _prepare(tmp: Path, spec: dict[str, Any]) -> tuple[str, str]:
     if spec["model"] != "tiny":
         model, pairs, _ = prepare_shaped(tmp, spec["model"])
         return model, pairs
-    from composer_plugins.training.builders import build_env
-    from composer_plugins.training.config import loads_train_config
-    from composer_plugins.training.policy import resolve_policy
+    from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.policy import resolve_policy
 
     cache = os.environ.get("COMPOSER_CACHE_DIR", ".composer_cache")
     cfg, _ = loads_train_config(f"cache_dir: {cache}\nsft: {{enabled: false}}")  # the tiny base, untrained
@@ -414,8 +414,8 @@ def _prepare(tmp: Path, spec: dict[str, Any]) -> tuple[str, str]:
 
 def _pairs(tmp: Path) -> str:
     from composer_plugins.core.io import atomic_write_jsonl
-    from composer_plugins.training.builders import build_env
-    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.step.builders import build_env
 
     cfg, _ = loads_train_config("sft: {enabled: false}")
     tasks = build_env(cfg).sample_tasks(8, "train", seed=3)

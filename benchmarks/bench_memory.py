@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from composer_plugins.models.logprobs import completion_hidden, decoder_body, micro_batches, sequence_inputs
 from composer_plugins.models.tiny import MODEL_SHAPES
-from composer_plugins.training.ema import EMATeacher
+from composer_plugins.training.step.ema import EMATeacher
 
 GIB = 2**30
 

@@ -13,7 +13,7 @@ Configurations: composer ``grpo``; ``grpo + hint_distill`` (every row fails, so 
 hinted and gets a teacher forward); ``grpo + hint_distill + replay`` (4 DPO pairs per step); TRL
 ``GRPOTrainer`` (``loss_type="grpo"``, ``beta=0``). Both sides score completions with the same
 seeded random reward in [0, 1), so every group has non-zero advantages. Composer runs through the
-project's Lightning ``Trainer`` (:func:`~composer_plugins.training.trainer.build_trainer`).
+project's Lightning ``Trainer`` (:func:`~composer_plugins.training.lightning.trainer.build_trainer`).
 
 Ratios: peak RSS / one fp32 logits tensor of the batch (``rows × (prompt + completion) × vocab``
 floats, what one plain forward of the batch returns), peak RSS / TRL's, tokens/s / TRL's.
@@ -82,7 +82,7 @@ def _trl_reward(rng: random.Random) -> Any:
 def _config(
     tmp: str, spec: dict[str, Any], model_dir: str, pairs: str, variant: str, hint_options: dict[str, Any] | None = None
 ) -> Any:
-    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.config.train import loads_train_config
 
     gpu = spec["device"] == "cuda"
     hint = variant in ("grpo+hint", "grpo+hint+replay", HINT_OPTS)
@@ -129,7 +129,7 @@ def child(
     import torch
 
     from benchmarks.bench_training import _tasks, composed_steps, trl_steps
-    from composer_plugins.training.builders import build_env
+    from composer_plugins.training.step.builders import build_env
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +144,7 @@ def child(
                 return {"error": res}
             timed = res[1:]
         else:
-            from composer_plugins.training.module import ComposerModule
+            from composer_plugins.training.lightning.module import ComposerModule
 
             module = ComposerModule(cfg, env=env)
             composed_steps(module, cfg, batches[:1], 0)
@@ -165,9 +165,9 @@ def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
     """The shaped model (random weights, tiny tokenizer) and a replay pairs file; returns (model, pairs, vocab)."""
     from composer_plugins.core.io import atomic_write_jsonl
     from composer_plugins.models.tiny import MODEL_SHAPES, build_shaped_model
-    from composer_plugins.training.builders import build_env
-    from composer_plugins.training.config import loads_train_config
-    from composer_plugins.training.policy import resolve_policy
+    from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.policy import resolve_policy
 
     cfg, _ = loads_train_config(
         f"cache_dir: {os.environ.get('COMPOSER_CACHE_DIR', '.composer_cache')}\nsft: {{enabled: false}}"

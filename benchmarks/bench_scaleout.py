@@ -87,8 +87,8 @@ def worker(spec_path: str, rank: int) -> None:
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from composer_plugins.training.config import loads_train_config
-    from composer_plugins.training.run import run_train
+    from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.runs.run import run_train
 
     torch.set_num_threads(1)
     starts: list[float] = []
@@ -159,9 +159,9 @@ def _timed_run(tmp: Path, model: str | None, scale: dict[str, Any], world: int, 
 def _models(tmp: Path) -> dict[str, str | None]:
     """``{scale: model path}``: the tiny default (SFT warm start, cached) and the CPU proxy (random weights)."""
     from composer_plugins.models.tiny import build_shaped_model
-    from composer_plugins.training.builders import build_env
-    from composer_plugins.training.config import loads_train_config
-    from composer_plugins.training.policy import resolve_policy
+    from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.policy import resolve_policy
 
     cfg, _ = loads_train_config(_yaml(None))
     tiny = resolve_policy(cfg, build_env(cfg))
@@ -175,10 +175,10 @@ def _rollouts(tmp: Path, model: str, quick: bool) -> dict[str, Any]:
 
     from composer_plugins.models.tiny import load_policy
     from composer_plugins.testing.loopback_server import RolloutServerProcess
-    from composer_plugins.training.batches import task_prompt
-    from composer_plugins.training.builders import build_env
-    from composer_plugins.training.config import loads_train_config
-    from composer_plugins.training.rollouts import HFGenerator, ServerGenerator
+    from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.rollout.rewards import task_prompt
+    from composer_plugins.training.rollout.rollouts import HFGenerator, ServerGenerator
+    from composer_plugins.training.step.builders import build_env
 
     torch.set_num_threads(1)
     cfg, _ = loads_train_config(_yaml(None))

@@ -5,8 +5,8 @@ same group size, sampling settings and completion budget. Per step they generate
 per prompt (HF ``generate``, KV cache), score them with the env, compute group advantages, run the
 policy forward/backward on the loss and take an optimizer step.
 
-* ``composed``: :class:`~composer_plugins.training.module.ComposerModule` driven by the project's
-  Lightning ``Trainer`` (:func:`~composer_plugins.training.trainer.build_trainer`: checkpoints off,
+* ``composed``: :class:`~composer_plugins.training.lightning.module.ComposerModule` driven by the project's
+  Lightning ``Trainer`` (:func:`~composer_plugins.training.lightning.trainer.build_trainer`: checkpoints off,
   progress bar off, grad clipping on); the step time is measured between consecutive batch starts,
   so Lightning's loop overhead (logging, hooks) is included.
 * ``raw``: the same computation written as a plain loop over the primitives (generate, reward,
@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _cfg(tmp: str, quick: bool, hint: bool) -> Any:
-    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.config.train import loads_train_config
 
     losses = "grpo: {weight: 1.0}\n  hint_distill: {weight: 0.5, enabled: %s}" % ("true" if hint else "false")
     text = f"""
@@ -57,7 +57,7 @@ sft: {{progress: false}}
 
 
 def _tasks(env: Any, cfg: Any, steps: int) -> list[list[dict[str, Any]]]:
-    from composer_plugins.training.batches import derive_seed, task_drawer
+    from composer_plugins.training.rollout.rewards import derive_seed, task_drawer
 
     draw = task_drawer(env, cfg, "train")
     return [draw(cfg.rollout.prompts_per_step, derive_seed(cfg.seed, 0, i)) for i in range(steps)]
@@ -82,7 +82,7 @@ def composed_steps(
     per-step seconds and tokens."""
     from lightning.pytorch.callbacks import Callback
 
-    from composer_plugins.training.trainer import build_trainer
+    from composer_plugins.training.lightning.trainer import build_trainer
 
     marks: list[float] = []
     tokens: list[float] = []
@@ -124,7 +124,7 @@ def raw_steps(
     from composer_plugins.losses import functional as F
     from composer_plugins.models.generation import generate_completions, tokenize_prompts
     from composer_plugins.models.logprobs import completion_hidden, completion_logprobs, lm_head_weight
-    from composer_plugins.training.batches import derive_seed, env_rewards, task_prompt, teacher_contexts
+    from composer_plugins.training.rollout.rewards import derive_seed, env_rewards, task_prompt, teacher_contexts
 
     r = cfg.rollout
     out = []
@@ -279,9 +279,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     import torch
 
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.builders import build_channels, build_env, configured_hint_provider
-    from composer_plugins.training.module import ComposerModule
-    from composer_plugins.training.policy import resolve_policy
+    from composer_plugins.training.lightning.module import ComposerModule
+    from composer_plugins.training.step.builders import build_channels, build_env, configured_hint_provider
+    from composer_plugins.training.step.policy import resolve_policy
 
     torch.set_num_threads(1)
     rounds = 2 if quick else 3

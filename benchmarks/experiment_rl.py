@@ -38,8 +38,8 @@ def _metrics_of(trainer_metrics: dict[str, float], prefix: str) -> dict[str, flo
 
 def run_seed(seed: int, config: str | None, overrides: list[str], out_root: Path) -> dict[str, Any]:
     """SFT start + both RL arms for one seed; returns ``{arm: {accuracy, pass@k, mean_reward, ...}}``."""
-    from composer_plugins.training.config import load_train_config
-    from composer_plugins.training.run import run_train
+    from composer_plugins.training.config.train import load_train_config
+    from composer_plugins.training.runs.run import run_train
 
     base = [f"seed={seed}", f"sft.seed={seed}", *overrides]
     row: dict[str, Any] = {"seed": seed}

@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight", type=float, default=1.0, help="the teacher_distill channel's weight")
     p.add_argument("--set", nargs="*", default=[], help="config overrides for every run (key=value)")
     a = p.parse_args(argv)
-    from composer_plugins.training.config import load_train_config
-    from composer_plugins.training.policy import resolve_policy
-    from composer_plugins.training.run import run_eval, run_train
+    from composer_plugins.training.config.train import load_train_config
+    from composer_plugins.training.runs.run import run_eval, run_train
+    from composer_plugins.training.step.policy import resolve_policy
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

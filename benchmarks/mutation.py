@@ -118,9 +118,9 @@ GROUPS: dict[str, Group] = {
             target=85.0,
         ),
         Group(
-            "training/assemble",
-            files=("training/assemble.py", "training/input_builders.py"),
-            tests=("tests/training/test_assemble_mutants.py", "tests/training/test_training_assemble.py"),
+            "training/step/assemble",
+            files=("training/step/assemble.py", "training/step/input_builders.py"),
+            tests=("tests/training/step/test_assemble_mutants.py", "tests/training/step/test_training_assemble.py"),
             target=85.0,
             sample=40,
         ),

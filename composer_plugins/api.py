@@ -25,7 +25,7 @@ CONTRACTS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "register_backends": {"composer_plugins.backends.base": ("Backend",)},
     "register_rollout_generators": {
-        "composer_plugins.training.rollouts": ("RolloutGenerator", "EpisodeGenerator", "WeightSyncing"),
+        "composer_plugins.training.rollout.rollouts": ("RolloutGenerator", "EpisodeGenerator", "WeightSyncing"),
         "composer_plugins.models.generation": ("Rollout",),
     },
     "register_optimizers": {"torch.optim": ("Optimizer",)},
@@ -36,7 +36,7 @@ CONTRACTS: dict[str, dict[str, tuple[str, ...]]] = {
         "composer_plugins.diloco.glue": ("DiLoCoCallbackBase",),
     },
     "register_executors": {"composer_plugins.diloco.executor": ("ReplicaExecutor", "ReplicaHandle")},
-    "register_input_builders": {"composer_plugins.training.assemble": ("Assembly", "MissingInputError")},
+    "register_input_builders": {"composer_plugins.training.step.assemble": ("Assembly", "MissingInputError")},
     "register_commands": {},  # a click command added to the group the hook is given
 }
 _EXPORTS: dict[str, tuple[str, ...]] = {

@@ -38,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from composer_plugins.pipeline import stages
-    from composer_plugins.training.batches import TaskStream, task_drawer
-    from composer_plugins.training.builders import build_env
-    from composer_plugins.training.config import train_config_from_dict
-    from composer_plugins.training.module import ComposerModule
-    from composer_plugins.training.policy import load_policy_for
+    from composer_plugins.training.config.train import train_config_from_dict
+    from composer_plugins.training.lightning.module import ComposerModule
+    from composer_plugins.training.rollout.rewards import TaskStream, task_drawer
+    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.policy import load_policy_for
 
     params = yaml.safe_load(Path(a.params).read_text())
     cfg = train_config_from_dict(stages.train_config(params, a.variant, a.seed))

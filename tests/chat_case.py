@@ -1,6 +1,6 @@
 """One templated GSM8K task, and the exact text the student, the hinted teacher and an external teacher read.
 
-Shared by the Lightning test (tests/training/test_training_chat.py) and the TRL one
+Shared by the Lightning test (tests/training/rollout/test_training_chat.py) and the TRL one
 (tests/backends/test_backends_trl_chat.py): both must feed the models these token ids.
 
 * the student: a Qwen2-architecture model whose tokenizer carries a Qwen2.5-style chat template

@@ -1,7 +1,7 @@
 """What every backend shares: the config it reads, the result it returns, its run history.
 
-Every backend reads the same :class:`~composer_plugins.training.config.TrainConfig`, takes its own options as
-keyword arguments and returns a :class:`~composer_plugins.training.run.RunResult` (writing ``model``,
+Every backend reads the same :class:`~composer_plugins.training.config.train.TrainConfig`, takes its own options as
+keyword arguments and returns a :class:`~composer_plugins.training.runs.run.RunResult` (writing ``model``,
 ``history.csv`` and ``metrics.json`` like the native path). Every local mode shares :class:`Backend`'s
 ``max_steps`` override and its one loop :meth:`Backend.run_local`. See docs/backends.md.
 """
@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
-from composer_plugins.training.metrics import scalar_metrics
+from composer_plugins.training.step.metrics import scalar_metrics
 
 __all__ = ["Backend", "resolve_config", "write_history"]
 
@@ -30,7 +30,7 @@ def resolve_config(config: Any = None, overrides: Sequence[str] = ()) -> tuple[A
     An already loaded ``(TrainConfig, Config)`` pair (from ``load_train_config``) is returned as is.
     """
     from composer_plugins.core.config import Config
-    from composer_plugins.training.config import TrainConfig, load_train_config, train_config_from_dict
+    from composer_plugins.training.config.train import TrainConfig, load_train_config, train_config_from_dict
 
     if isinstance(config, tuple) and len(config) == 2 and isinstance(config[0], TrainConfig):
         return config[0], config[1]
@@ -53,7 +53,7 @@ class Backend:
     """Base class of the built-in backends.
 
     Args:
-        config: the shared training config (:class:`~composer_plugins.training.config.TrainConfig`,
+        config: the shared training config (:class:`~composer_plugins.training.config.train.TrainConfig`,
             a mapping, a YAML path, or ``None`` for the packaged default).
         overrides: dotted ``key=value`` overrides applied to a file/mapping config.
         output_dir: overrides ``config.output_dir``.
@@ -93,7 +93,7 @@ class Backend:
         return Path(self.config.output_dir)
 
     def train(self) -> Any:  # pragma: no cover - abstract
-        """Run training; return a :class:`~composer_plugins.training.run.RunResult`."""
+        """Run training; return a :class:`~composer_plugins.training.runs.run.RunResult`."""
         raise NotImplementedError
 
     @classmethod
@@ -110,7 +110,7 @@ class Backend:
         Each step: ``run.rollout(step)`` (a :class:`~composer_plugins.backends.rollout.LocalRun`), the record its
         one experience maker makes of it (with the no-grad sampling-time log-probs when ``old_logprobs``),
         ``loss_of(record, step) -> (loss, metrics)``, the components' optimizer step
-        (:meth:`~composer_plugins.training.components.StepComponents.optimize`: the EMA teacher's update
+        (:meth:`~composer_plugins.training.step.components.StepComponents.optimize`: the EMA teacher's update
         included), and a history row.
         """
         history: list[dict[str, float]] = []
@@ -138,7 +138,7 @@ class Backend:
         self, history: list[dict[str, float]], metrics: dict[str, float], model: Any = None, tokenizer: Any = None
     ) -> Any:
         """Write ``history.csv``, ``metrics.json`` and (when given) ``model/``; return a ``RunResult``."""
-        from composer_plugins.training.run import RunResult
+        from composer_plugins.training.runs.run import RunResult
 
         out = self.output_dir
         out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The ``lightning`` backend: the native path, registered like every other backend.
 
-It is exactly :func:`composer_plugins.training.run.run_train` (``ComposerModule`` under a Lightning
+It is exactly :func:`composer_plugins.training.runs.run.run_train` (``ComposerModule`` under a Lightning
 ``Trainer``), behind the same ``build("backends", name, config=...).train()`` interface as the others.
 """
 
@@ -13,13 +13,13 @@ from composer_plugins.backends.base import Backend
 
 
 class LightningBackend(Backend):
-    """Train with :class:`~composer_plugins.training.module.ComposerModule` and a Lightning ``Trainer``.
+    """Train with :class:`~composer_plugins.training.lightning.module.ComposerModule` and a Lightning ``Trainer``.
 
     Args:
         config, overrides, output_dir: see :class:`~composer_plugins.backends.base.Backend`.
         max_steps: overrides ``trainer.max_steps``.
         resume: ``"last"`` or a checkpoint path (passed to ``run_train``).
-        strategy, extra_callbacks, logger: passed to :func:`~composer_plugins.training.run.run_train`.
+        strategy, extra_callbacks, logger: passed to :func:`~composer_plugins.training.runs.run.run_train`.
     """
 
     name = "lightning"
@@ -43,8 +43,8 @@ class LightningBackend(Backend):
         self.resume, self.strategy, self.extra_callbacks, self.logger = resume, strategy, list(extra_callbacks), logger
 
     def train(self) -> Any:
-        """:func:`~composer_plugins.training.run.run_train` on the config; returns its ``RunResult``."""
-        from composer_plugins.training.run import run_train
+        """:func:`~composer_plugins.training.runs.run.run_train` on the config; returns its ``RunResult``."""
+        from composer_plugins.training.runs.run import run_train
 
         return run_train(
             self.config,

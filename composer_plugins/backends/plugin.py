@@ -73,7 +73,7 @@ def register_commands(cli: Any) -> None:
         return entry.factory(config=loaded, **kw)  # exporting a launch config does not import the upstream
 
     def _common(f: Any) -> Any:
-        from composer_plugins.training.commands import config_options
+        from composer_plugins.training.runs.commands import config_options
 
         f = click.option(
             "--opt",

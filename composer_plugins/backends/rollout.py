@@ -1,7 +1,7 @@
 """The in-process pieces the upstream backends share: the step's components, seeded task draws, weights on the wire.
 
 Built by the one path the native Lightning path uses
-(:meth:`~composer_plugins.training.components.StepComponents.from_config`, ``task_drawer``), so a backend
+(:meth:`~composer_plugins.training.step.components.StepComponents.from_config`, ``task_drawer``), so a backend
 differs from the native path only in the trainer, never in the data or the reward.
 """
 
@@ -15,15 +15,15 @@ from torch import Tensor
 
 
 class LocalRun:
-    """The step's components (:class:`~composer_plugins.training.components.StepComponents`) and the task stream
+    """The step's components (:class:`~composer_plugins.training.step.components.StepComponents`) and the task stream
     of one in-process run. ``parts``: :meth:`StepComponents.from_config` arguments (``channels``, ``advantage_kwargs``
     ...)."""
 
     def __init__(self, cfg: Any, src: Any = None, *, policy: Any = None, env: Any = None, **parts: Any) -> None:
-        from composer_plugins.training.batches import task_drawer
-        from composer_plugins.training.builders import build_env
-        from composer_plugins.training.components import StepComponents
-        from composer_plugins.training.policy import load_policy_for
+        from composer_plugins.training.rollout.rewards import task_drawer
+        from composer_plugins.training.step.builders import build_env
+        from composer_plugins.training.step.components import StepComponents
+        from composer_plugins.training.step.policy import load_policy_for
 
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
@@ -40,13 +40,13 @@ class LocalRun:
 
     def tasks(self, step: int) -> list[dict[str, Any]]:
         """The prompts of ``step`` (depend only on ``cfg.seed`` and ``step``)."""
-        from composer_plugins.training.batches import derive_seed
+        from composer_plugins.training.rollout.rewards import derive_seed
 
         return self.draw(self.cfg.rollout.prompts_per_step, derive_seed(self.cfg.seed, 0, step))
 
     def rollout(self, step: int) -> tuple[list[dict[str, Any]], Any, list[float], list[Any]]:
         """``(tasks, rollout, rewards, feedback)`` of ``step``, from the one sampler (weights pushed when due)."""
-        from composer_plugins.training.batches import derive_seed
+        from composer_plugins.training.rollout.rewards import derive_seed
 
         tasks = self.tasks(step)
         self.sampler.sync(self.policy, self.tokenizer, step, self.cfg.output_dir)

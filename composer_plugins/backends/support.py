@@ -86,7 +86,7 @@ def __getattr__(name: str) -> Any:
 def channel_kind(channel: Any) -> str:
     """What ``channel`` is for this table, read from its declarations (see the module docstring)."""
     from composer_plugins.losses.policy import DPPOChannel
-    from composer_plugins.training.assemble import PAIR_INPUTS
+    from composer_plugins.training.step.assemble import PAIR_INPUTS
 
     declared = set(channel.required_inputs()) | {k for grp in channel.input_options for k in grp}
     if channel.needs_teacher:
@@ -139,7 +139,7 @@ def check_channels(
 ) -> list[tuple[str, Cell]]:
     """Refuse, at build time, a channel ``mode`` cannot run; return ``[(channel name, cell)]`` otherwise.
 
-    ``channels``: a :class:`~composer_plugins.training.config.TrainConfig` (its enabled channels are built
+    ``channels``: a :class:`~composer_plugins.training.config.train.TrainConfig` (its enabled channels are built
     here, and an option of one that the mode does not carry, set to other than its default, is refused
     too), or already built channels (their names are their ``losses.<key>``).
     ``src``: the :class:`~composer_plugins.core.config.Config` the error is located in (file and line).
@@ -150,8 +150,8 @@ def check_channels(
     src = src if src is not None else Config()
     options: dict[str, dict[str, Any]] = {}
     if not isinstance(channels, Sequence):
-        from composer_plugins.training.builders import build_channels
-        from composer_plugins.training.config import channel_spec
+        from composer_plugins.training.config.train import channel_spec
+        from composer_plugins.training.step.builders import build_channels
 
         options = {key: dict(channel_spec(key, spec, src)[3]) for key, spec in channels.losses.items()}
         channels = build_channels(channels, src)

@@ -46,7 +46,7 @@ def preload(target: str, store: bool) -> None:
     if target == "toy":
         mods.append("composer_plugins.diloco.toy")
     elif target == "train":
-        mods.append("composer_plugins.training.run")
+        mods.append("composer_plugins.training.runs.run")
     elif ":" in target:
         mods.append(target.partition(":")[0])
     for m in mods:

@@ -58,8 +58,8 @@ def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
 def run_project_train(config: str | None, overrides: Sequence[str] = (), *, section: str | None = None) -> Any:
     """One replica of the project's ``train`` run (``ComposerModule``) with :class:`DiLoCoCallback` added."""
     try:
-        from composer_plugins.training.config import load_train_config
-        from composer_plugins.training.run import run_train
+        from composer_plugins.training.config.train import load_train_config
+        from composer_plugins.training.runs.run import run_train
     except ImportError as e:
         raise ComposerPluginsError(f"the project's training module is not available ({e}). HINT: --target toy") from e
     replica = ReplicaInfo.from_env()

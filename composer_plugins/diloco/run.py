@@ -44,7 +44,7 @@ def check_replica_config(
     Raises the located :class:`ConfigError` a replica would raise (file:line or override, key, fix).
     """
     if target == "train":
-        from composer_plugins.training.config import load_train_config
+        from composer_plugins.training.config.train import load_train_config
 
         _, src = load_train_config(config, list(overrides), section=section)
         return DiLoCoConfig.from_config(src)

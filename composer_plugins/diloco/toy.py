@@ -180,7 +180,7 @@ def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: S
     model = toy_model(toy)
     loader = torch.utils.data.DataLoader(toy_stream(toy, replica.index), batch_size=None)
     callbacks = [*extra_callbacks, *([cb] if cb is not None else [])]
-    from composer_plugins.training.trainer import lightning_trainer
+    from composer_plugins.training.lightning.trainer import lightning_trainer
 
     trainer = lightning_trainer(
         accelerator="cpu",

@@ -11,7 +11,14 @@ from torch import Tensor
 
 from composer_plugins.losses.ops import _shape, nanstd
 
-__all__ = ["AdvantageEstimator", "ComposedAdvantage", "GroupAdvantage", "RLOOAdvantage", "group_advantages", "rloo_advantages"]
+__all__ = [
+    "AdvantageEstimator",
+    "ComposedAdvantage",
+    "GroupAdvantage",
+    "RLOOAdvantage",
+    "group_advantages",
+    "rloo_advantages",
+]
 
 
 def _rewards_tensor(

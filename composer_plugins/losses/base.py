@@ -149,7 +149,7 @@ class ChannelComposer(nn.Module):
 
         Each active channel's :meth:`LossChannel.required_inputs` and, where it offers alternatives
         (``input_options``), the keys of its first (preferred) alternative. This is what an assembler
-        of channel inputs builds (:func:`composer_plugins.training.assemble.assemble_inputs`).
+        of channel inputs builds (:func:`composer_plugins.training.step.assemble.assemble_inputs`).
         """
         out: list[str] = []
         for c in self.active:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from composer_plugins.pipeline import study
-from composer_plugins.training import tracking
+from composer_plugins.training.lightning import tracking
 
 #: MLflow param names written by the eval stage (and read back here).
 P_CHANNELS = "study.channels"

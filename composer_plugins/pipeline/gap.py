@@ -59,8 +59,8 @@ def teachers_of(train_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def _eval(cfg: dict[str, Any], checkpoint: str, tasks_path: str, n: int, hint_uplift: bool) -> tuple[dict, list]:
     from composer_plugins.core.io import read_jsonl
-    from composer_plugins.training.config import train_config_from_dict
-    from composer_plugins.training.run import run_eval
+    from composer_plugins.training.config.train import train_config_from_dict
+    from composer_plugins.training.runs.run import run_eval
 
     c = json.loads(json.dumps(cfg))
     c["data"] = {**c.get("data", {}), "test_path": tasks_path}
@@ -88,9 +88,9 @@ def _margins(
 
     from composer_plugins.models.logprobs import completion_logprobs_no_grad
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.config import train_config_from_dict
-    from composer_plugins.training.module import ComposerModule
-    from composer_plugins.training.policy import load_policy_for
+    from composer_plugins.training.config.train import train_config_from_dict
+    from composer_plugins.training.lightning.module import ComposerModule
+    from composer_plugins.training.step.policy import load_policy_for
 
     tc = train_config_from_dict(cfg)
     tc.hints.teacher_margin = True  # what this measures

@@ -413,7 +413,7 @@ def compare_cmd(
 
     from composer_plugins.pipeline import compare, study
     from composer_plugins.pipeline.stage_eval import unmlflow_key
-    from composer_plugins.training import tracking
+    from composer_plugins.training.lightning import tracking
 
     params: dict[str, Any] = {}
     if Path(params_path).exists():

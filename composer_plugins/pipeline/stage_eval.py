@@ -13,7 +13,7 @@ from composer_plugins.pipeline import study
 from composer_plugins.pipeline.common import PATHS, is_num, param_error, section
 from composer_plugins.pipeline.stage_prepare import env_spec_for, line_novelty
 from composer_plugins.pipeline.stage_train import channel_flags, channels_label, train_config
-from composer_plugins.training import tracking
+from composer_plugins.training.lightning import tracking
 
 EVAL_KEYS = ("envs", "max_new_tokens", "batch_size", "seed", "hint_uplift", "hint_uplift_samples")
 
@@ -58,8 +58,8 @@ def evaluate(
     ``study.*``; metrics: held-out and final train metrics; artifacts: the result JSON and the
     training curves).
     """
-    from composer_plugins.training.config import train_config_from_dict
-    from composer_plugins.training.run import run_eval
+    from composer_plugins.training.config.train import train_config_from_dict
+    from composer_plugins.training.runs.run import run_eval
 
     name = study.run_name(variant, seed) if variant else baseline
     cfg = train_config(params, variant, seed)
@@ -160,8 +160,8 @@ def log_eval_run(
     if tags[tracking.TAG_STAGE] == "manual":
         tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
     from composer_plugins.core.errors import ComposerPluginsError
-    from composer_plugins.training.builders import config_components
-    from composer_plugins.training.config import train_config_from_dict
+    from composer_plugins.training.config.train import train_config_from_dict
+    from composer_plugins.training.step.builders import config_components
 
     try:  # provenance of the evaluated config's env and channels; the eval itself never depends on it
         tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))

@@ -146,7 +146,7 @@ def split_overlap(train: Path, test: Path) -> dict[str, Any]:
     distinct such computations; ``test_distinct`` / ``test_distinct_computations``: distinct test prompts
     and computations (a test row without equations counts by its prompt).
     """
-    from composer_plugins.training.batches import task_prompt
+    from composer_plugins.training.rollout.rewards import task_prompt
 
     train_rows, test_rows = read_jsonl(train), read_jsonl(test)
     prompts = {task_prompt(t) for t in train_rows}

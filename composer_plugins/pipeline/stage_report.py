@@ -15,7 +15,7 @@ from composer_plugins.core.io import atomic_write_json
 from composer_plugins.pipeline import study
 from composer_plugins.pipeline.common import PATHS, is_num
 from composer_plugins.pipeline.stage_eval import eval_envs
-from composer_plugins.training import tracking
+from composer_plugins.training.lightning import tracking
 
 
 def collect(evals_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -65,7 +65,7 @@ def cell_used(params: Mapping[str, Any], root: Path, variant: str, metric: str) 
     off-policy, each teacher distilled from (its path from here, its measured ``metric`` or "not measured") and
     the warm start (its model, SFT seed and steps, and ``metric`` from ``<root>/evals/sft.json``)."""
     from composer_plugins.pipeline.stage_train import channel_flags, train_config
-    from composer_plugins.training.loss_specs import losses_mapping
+    from composer_plugins.training.config.loss_specs import losses_mapping
 
     cfg = train_config(params, variant, study.seeds(params)[0], pairs=None)
     flags = channel_flags(cfg)

@@ -37,8 +37,8 @@ def rollout(
 
     from composer_plugins.models.generation import generate_completions
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.batches import env_rewards, task_prompt
-    from composer_plugins.training.chat import PROMPT_KEYS, install_chat_template, task_conversation
+    from composer_plugins.training.rollout.chat import PROMPT_KEYS, install_chat_template, task_conversation
+    from composer_plugins.training.rollout.rewards import env_rewards, task_prompt
 
     r = section(params, "rollout")
     unknown = sorted(set(r) - set(ROLLOUT_KEYS))

@@ -305,7 +305,7 @@ def paired_rows(
 
 
 CURVE = "train/heldout/accuracy"
-#: Every point of a run's held-out curve, step 0 (the starting policy) included (training/curves.py).
+#: Every point of a run's held-out curve, step 0 (the starting policy) included (training/lightning/curves.py).
 CURVE_FILE = "heldout_curve.csv"
 
 #: ``{variant: {seed: history rows}}``

@@ -482,7 +482,7 @@ def check_optimizer(name: str, registry: Any = None, **build_kwargs: Any) -> Non
 
     import torch
 
-    from composer_plugins.training.optim import build_optimizer
+    from composer_plugins.training.step.optim import build_optimizer
 
     entry = _entry("optimizers", name, registry)
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))

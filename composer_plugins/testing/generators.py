@@ -2,10 +2,10 @@
 
 :func:`check_generator` builds the entry through the registry, as ``rollout.generator`` does, and runs it on
 a tiny local chat model (or the ``model_path`` it is given: the model a server generator's server serves):
-the :class:`~composer_plugins.training.rollouts.RolloutGenerator` protocol, the rollout's shape contract for
+the :class:`~composer_plugins.training.rollout.rollouts.RolloutGenerator` protocol, the rollout's shape contract for
 two prompts × ``G = 2``, the same tokens for the same seed, and, where the generator has them, weight
-syncing (:class:`~composer_plugins.training.rollouts.WeightSyncing`) and episodes on an env
-(:class:`~composer_plugins.training.rollouts.EpisodeGenerator`). Each check is listed in docs/plugins.md
+syncing (:class:`~composer_plugins.training.rollout.rollouts.WeightSyncing`) and episodes on an env
+(:class:`~composer_plugins.training.rollout.rollouts.EpisodeGenerator`). Each check is listed in docs/plugins.md
 ("rollout_generators").
 """
 
@@ -101,7 +101,7 @@ def check_generator(
     server must serve the same model); default a tiny chat model. ``env``: the env of the episode check
     (default the built-in ``gsm8k`` at difficulty 0). ``build_kwargs`` go to the entry's factory.
     """
-    from composer_plugins.training.rollouts import EpisodeGenerator, RolloutGenerator, WeightSyncing
+    from composer_plugins.training.rollout.rollouts import EpisodeGenerator, RolloutGenerator, WeightSyncing
 
     entry = _entry("rollout_generators", name, registry)
     try:

@@ -2,7 +2,7 @@
 
 :func:`check_input_builder` runs a registered builder the way the assembler does, on a small step record of a
 tiny random Llama (hinted rows, reference log-probs, one preference pair in the step meta): its factory takes
-the :class:`~composer_plugins.training.assemble.Assembly`; it returns a mapping of input names, never writes
+the :class:`~composer_plugins.training.step.assemble.Assembly`; it returns a mapping of input names, never writes
 the (read-only) record, builds no ``rows × tokens × vocabulary`` tensor, and gives the same values for the
 same record (docs/plugins.md, ``register_input_builders``). :func:`check` is the kit's dispatcher with this
 kind added, for every registered builder, built-in or third-party.
@@ -48,9 +48,9 @@ def _tiny() -> tuple[Any, Any]:
 
 def conformance_step() -> tuple[Any, Any, Any]:
     """``(record, meta, policy)``: the step a builder is checked on (4 rows of 5 tokens, 2 hinted, 1 pair)."""
-    from composer_plugins.training.assemble import StepPolicy
-    from composer_plugins.training.experience import ExperienceMaker
-    from composer_plugins.training.step import StepMeta, StepRecord
+    from composer_plugins.training.step.assemble import StepPolicy
+    from composer_plugins.training.step.experience import ExperienceMaker
+    from composer_plugins.training.step.record import StepMeta, StepRecord
 
     model, tok = _tiny()
     g = torch.Generator().manual_seed(0)
@@ -79,8 +79,8 @@ def conformance_step() -> tuple[Any, Any, Any]:
 def check_input_builder(name: str, registry: Any = None, **_: Any) -> None:
     """Run the conformance checks of the input builder registered as ``name`` (see the module docstring)."""
     from composer_plugins.core.plugins import get_registry
-    from composer_plugins.training.assemble import Assembly, input_builders
-    from composer_plugins.training.step import RecordFrozenError
+    from composer_plugins.training.step.assemble import Assembly, input_builders
+    from composer_plugins.training.step.record import RecordFrozenError
 
     registry = registry or get_registry()
     entry = registry.get("input_builders", name)

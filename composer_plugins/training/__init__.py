@@ -1,6 +1,92 @@
-"""The training stack: config (``config``, ``sections``, ``loss_specs``), components (``builders``,
-``components``), task streams (``batches``), rollout generators (``rollouts``, ``multiturn``), the read-only
-step record (``step``), the experience maker and step computer (``experience``), the input assembler
-(``assemble``, ``input_builders``), the Lightning glue (``module``), evaluation, SFT, tracking, runs and
-commands. Imports point down: ``core``, ``procs``, ``losses``, ``models``, ``envs`` and ``teachers`` only.
+"""The training stack, in sub-packages by job (imports point down this list; tests/core/test_architecture.py checks it):
+
+* :mod:`~composer_plugins.training.config`: the dataclasses of every section and the parsed loss specs.
+* :mod:`~composer_plugins.training.rollout`: task streams, env rewards, rollout generators, chat templates.
+* :mod:`~composer_plugins.training.step`: one RL step: the experience maker, the step record, the assembler and
+  its input builders, the policy, optimizers and EMA teacher, and the builders of a step's components.
+* :mod:`~composer_plugins.training.lightning`: ``ComposerModule``, the ``Trainer`` factory, callbacks,
+  checkpoints, validation, curves and MLflow tracking.
+* :mod:`~composer_plugins.training.runs`: ``run_train``/``run_eval``, SFT and the training CLI commands.
+
+``training`` imports ``core``, ``procs``, ``losses``, ``models``, ``envs`` and ``teachers`` only.
+
+The flat module paths of 0.2 (``composer_plugins.training.assemble``, ``...input_builders``, ...) still import, with a
+:class:`~composer_plugins.core.errors.PluginDeprecationWarning` naming the new path; they go in 0.3.0.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+#: 0.2's flat module name -> its module now (``config`` and ``step`` are sub-packages that forward their names).
+MOVED: dict[str, str] = {
+    "sections": "config.sections",
+    "loss_specs": "config.loss_specs",
+    "strategy_names": "config.strategy_names",
+    "inputs": "config.inputs",
+    "rollouts": "rollout.rollouts",
+    "multiturn": "rollout.multiturn",
+    "batches": "rollout.rewards",
+    "chat": "rollout.chat",
+    "distributed": "rollout.distributed",
+    "experience": "step.experience",
+    "assemble": "step.assemble",
+    "input_builders": "step.input_builders",
+    "input_plugin": "step.input_plugin",
+    "teacher_scores": "step.teacher_scores",
+    "components": "step.components",
+    "builders": "step.builders",
+    "metrics": "step.metrics",
+    "policy": "step.policy",
+    "ema": "step.ema",
+    "optim": "step.optim",
+    "module": "lightning.module",
+    "trainer": "lightning.trainer",
+    "strategy": "lightning.strategy",
+    "callbacks": "lightning.callbacks",
+    "checkpoints": "lightning.checkpoints",
+    "progress": "lightning.progress",
+    "tracking": "lightning.tracking",
+    "evaluation": "lightning.evaluation",
+    "curves": "lightning.curves",
+    "run": "runs.run",
+    "commands": "runs.commands",
+    "sft": "runs.sft",
+}
+
+
+def moved_warning(old: str, new: str) -> None:
+    """Warn once per call site that ``old`` (a 0.2 import path) is now ``new``."""
+    from composer_plugins.core.errors import PluginDeprecationWarning
+
+    warnings.warn(
+        f"{old} moved to {new} in 0.2.1: import it from there (the old path is refused from 0.3.0)",
+        PluginDeprecationWarning,
+        stacklevel=3,
+    )
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``composer_plugins.training.<old>`` as the module it moved to, with the warning."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        head, _, tail = fullname.rpartition(".")
+        if head == __name__ and tail in MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        new = f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}"
+        moved_warning(spec.name, new)
+        return importlib.import_module(new)
+
+    def exec_module(self, module) -> None:
+        return None
+
+
+if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedFinder())

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from composer_plugins.backends.base import Backend, resolve_config
-from composer_plugins.training.components import StepComponents
-from composer_plugins.training.optim import schedule
+from composer_plugins.training.step.components import StepComponents
+from composer_plugins.training.step.optim import schedule
 
 CHANNELS = {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 0.5, "teacher": "ema", "ema_rate": 0.5}}
 
@@ -36,7 +36,7 @@ def built(monkeypatch):
 
 
 def test_the_lightning_module_holds_the_components_from_config(config, built):
-    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.lightning.module import ComposerModule
 
     cfg, src = resolve_config(config)
     module = ComposerModule(cfg, src=src)
@@ -92,7 +92,7 @@ def test_monarch_trainer_actor_steps_its_components_without_a_module(config, bui
     from composer_plugins_monarch.backend import TrainerActor
 
     from composer_plugins.core.config import to_dict
-    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.lightning.module import ComposerModule
 
     def refuse(*a, **kw):
         raise AssertionError("Monarch's trainer actor built a ComposerModule")

@@ -540,7 +540,8 @@ def test_a_server_generator_is_honoured_or_refused_at_its_line(mode, make_config
 @pytest.mark.parametrize("mode", [m for m in MODES if m not in SAMPLED_HERE])
 def test_an_off_policy_share_is_refused_at_its_line_where_the_mode_samples_on_its_own(mode, make_config, tmp_path):
     """``rollout.on_policy_fraction < 1`` reads the dataset's completions on some steps, which only the one sampler
-    does (tests/training/test_training_on_policy_fraction.py): a mode sampling on its own refuses it at its line."""
+    does (tests/training/step/test_training_on_policy_fraction.py): a mode sampling on its own refuses it at its
+    line."""
     import yaml
 
     cfg = make_config(("dppo",), f"lmbda-{mode.replace(':', '_')}")
@@ -569,7 +570,7 @@ def test_a_setting_a_mode_sampling_on_its_own_ignores_is_refused_at_its_line(mod
     refused at their YAML line, naming the mode and the key, by every mode that samples or optimises on its own."""
     import yaml
 
-    from composer_plugins.training.experience import OWN_PATH_SETTINGS, Sampler
+    from composer_plugins.training.step.experience import OWN_PATH_SETTINGS, Sampler
 
     assert set(OWN_PATH_VALUES) == set(OWN_PATH_SETTINGS)
     cfg = make_config(("dppo",), f"own-{mode.replace(':', '_')}")
@@ -591,7 +592,7 @@ def test_a_setting_a_mode_sampling_on_its_own_ignores_is_refused_at_its_line(mod
 
 _THIRD_PARTY_GENERATOR = """
 from composer_plugins import hookimpl
-from composer_plugins.training.rollouts import HFGenerator
+from composer_plugins.training.rollout.rollouts import HFGenerator
 
 CALLS = []
 

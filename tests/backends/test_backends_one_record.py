@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from composer_plugins.training.step import RecordFrozenError, StepRecord
+from composer_plugins.training.step.record import RecordFrozenError, StepRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANNELS = {"grpo": {"weight": 1.0}, "hint_distill": {"weight": 0.5}, "replay_dpo": {"weight": 0.2}}
@@ -34,7 +34,7 @@ def config(toy_config):
 
 def _module(config):
     from composer_plugins.backends.base import resolve_config
-    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.lightning.module import ComposerModule
 
     cfg, src = resolve_config(config)
     torch.manual_seed(0)
@@ -47,8 +47,8 @@ def _trl_trainer(config, module):
     from datasets import Dataset
 
     from composer_plugins.losses.base import ChannelComposer
-    from composer_plugins.training.builders import build_channels, configured_hint_provider
-    from composer_plugins.training.policy import load_policy_for
+    from composer_plugins.training.step.builders import build_channels, configured_hint_provider
+    from composer_plugins.training.step.policy import load_policy_for
 
     backend = TRLBackend(config)
     c = backend.config

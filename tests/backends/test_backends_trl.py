@@ -163,7 +163,7 @@ def test_ema_teacher_in_the_compute_dtype_and_no_reference_copy_for_cached_pairs
     policy-sized weights the trainer holds; it trains with both."""
     from torch import nn
 
-    from composer_plugins.training.input_builders import PAIR_REF_KEYS
+    from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
 
     ema = {"name": "hint_distill", "weight": 0.5, "teacher": "ema", "ema_rate": 0.5}
     channels = ["policy", ema, {"name": "replay_dpo", "weight": 0.2}]
@@ -328,7 +328,7 @@ def test_unscorable_rows_are_left_out_the_same_way_natively_and_in_trl(tiny_mode
     from composer_plugins_trl.backend import env_reward_func
 
     from composer_plugins.losses.functional import group_advantages
-    from composer_plugins.training.batches import env_rewards
+    from composer_plugins.training.rollout.rewards import env_rewards
 
     env = SometimesUnscorable()
     model, tok = load_policy(tiny_model_dir)

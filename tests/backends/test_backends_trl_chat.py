@@ -2,8 +2,8 @@
 
 ``ComposerGRPOTrainer`` on the Qwen2-architecture stand-in (Qwen2.5-style template): TRL templates the
 conversational prompt itself; the hinted teacher's context and the external teacher's conversation come
-from :mod:`composer_plugins.training.chat`. The ids each model is fed are those of
-tests/training/test_training_chat.py (tests/chat_case.py), and ``model.chat_template: none`` gives TRL
+from :mod:`composer_plugins.training.rollout.chat`. The ids each model is fed are those of
+tests/training/rollout/test_training_chat.py (tests/chat_case.py), and ``model.chat_template: none`` gives TRL
 the plain text the native path reads.
 """
 
@@ -29,7 +29,7 @@ def test_trl_feeds_the_student_hinted_teacher_and_external_teacher_the_same_ids(
 
     from composer_plugins.envs.gsm8k import GSM8KEnv
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.config import train_config_from_dict
+    from composer_plugins.training.config.train import train_config_from_dict
 
     model, tok = load_policy(case["student"])
     env = GSM8KEnv(**{k: v for k, v in env_spec(case["data"]).items() if k != "name"})
@@ -101,8 +101,8 @@ def test_trl_gets_plain_text_under_none_and_text_prompts_as_they_are(case):
     from composer_plugins_trl.backend import trl_prompts
 
     from composer_plugins.models.tiny import load_policy
-    from composer_plugins.training.chat import task_prompt
-    from composer_plugins.training.config import train_config_from_dict
+    from composer_plugins.training.config.train import train_config_from_dict
+    from composer_plugins.training.rollout.chat import task_prompt
 
     _, tok = load_policy(case["student"])
     conv = {"prompt": [{"role": "user", "content": "Q?"}], "answer": "7"}

@@ -338,7 +338,7 @@ def test_training_files_are_small():
     """Every file of ``training/`` is at most 500 lines, and ``module.py`` (``ComposerModule``, the Lightning
     step only) at most 400: rollout, multi-turn, step record, input assembly and evaluation have their own."""
     big = []
-    for path in sorted((PKG / "training").glob("*.py")):
+    for path in sorted((PKG / "training").rglob("*.py")):
         n = len(path.read_text().splitlines())
         limit = MODULE_FILE_LINES if path.name == "module.py" else TRAINING_FILE_LINES
         if n > limit:
@@ -357,7 +357,7 @@ def test_package_files_are_small():
     along its purposes (the size is the formatted size: ``ruff format --check`` runs in CI)."""
     big = []
     for path in sorted(PKG.rglob("*.py")):
-        if path.parent == PKG / "training":
+        if PKG / "training" in path.parents:
             continue
         n = len(path.read_text().splitlines())
         if n > PACKAGE_FILE_LINES:
@@ -381,7 +381,7 @@ def test_formatter_skips_are_few_and_give_a_reason():
 
 
 def test_channel_inputs_are_assembled_in_one_place():
-    """The backend adapters build channel inputs through the one assembler (``training/assemble.py``, reached
+    """The backend adapters build channel inputs through the one assembler (``training/step/assemble.py``, reached
     through the backend surface): each imports it, and none defines its own padding or hint/pair input helpers."""
     helpers = re.compile(r"^\s*def (_?(right|left)_pad|_hint_inputs|_pair_inputs|_all_inputs)\b", re.M)
     for dist in ("trl", "verl", "prime_rl"):
@@ -490,10 +490,10 @@ def test_backend_distributions_import_only_the_declared_surface():
     for path in sorted(DISTS.glob("*/composer_plugins_*/**/*.py")):
         found += surface_violations(str(path.relative_to(ROOT)), path.read_text())
     assert not found, "imports outside the declared surface:\n  " + "\n  ".join(found)
-    bad = "import composer_plugins.training.step\nfrom composer_plugins import build\n"
+    bad = "import composer_plugins.training.step.record\nfrom composer_plugins import build\n"
     bad += "from composer_plugins.api import hookimpl\nfrom composer_plugins_x import y\n"
     assert [v.split(": ")[1] for v in surface_violations("x.py", bad)] == [
-        "imports composer_plugins.training.step (a backend imports only composer_plugins.api and "
+        "imports composer_plugins.training.step.record (a backend imports only composer_plugins.api and "
         "composer_plugins.backends.surface)",
         "imports composer_plugins (a backend imports only composer_plugins.api and composer_plugins.backends.surface)",
     ]
@@ -520,3 +520,49 @@ def test_the_surfaces_reexport_each_name_from_a_room_they_may_import():
     assert set(api.CONTRACTS) == hooks, (
         f"hooks without a contract in composer_plugins.api: {hooks - set(api.CONTRACTS)}"
     )
+
+
+#: ``training/``'s sub-packages, from the ground up: each imports only those before it.
+TRAINING_ORDER = ("config", "rollout", "step", "lightning", "runs")
+#: The upward imports inside ``training/`` that are left, each with its reason (module, imported sub-package).
+TRAINING_UPWARD = {
+    ("config/inputs.py", "rollout"): "PROMPT_KEYS: the chat-template keys a channel input may name",
+    ("config/sections.py", "rollout"): "a section checks its chat template (lazy)",
+    ("config/sections.py", "step"): "a section checks its optimizer name against the registry (lazy)",
+    ("config/sections.py", "lightning"): "a section checks its callback names against the registry (lazy)",
+    ("step/builders.py", "lightning"): "the MLflow logger of a run is built beside the other components (lazy)",
+    ("step/policy.py", "runs"): "a missing warm start is built by SFT before the step loads it",
+}
+#: The most modules a sub-package of ``training/`` may hold (``__init__.py`` aside).
+TRAINING_SUBPACKAGE_MODULES = 12
+
+
+def test_training_is_split_by_job_and_points_down():
+    """``training/`` holds only sub-packages (each with a docstring saying what it owns, at most 12 modules), and
+    a sub-package imports only those below it in :data:`TRAINING_ORDER`, except the listed, reasoned imports."""
+    tr = PKG / "training"
+    assert [p.name for p in tr.glob("*.py")] == ["__init__.py"], "training/ holds sub-packages only"
+    subs = sorted(p.name for p in tr.iterdir() if (p / "__init__.py").is_file())
+    assert subs == sorted(TRAINING_ORDER)
+    found, used = [], set()
+    for sub in TRAINING_ORDER:
+        init = tr / sub / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} says what it owns"
+        modules = [p for p in (tr / sub).glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= TRAINING_SUBPACKAGE_MODULES, f"training/{sub}: {len(modules)} modules"
+        for path in modules:
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for name in names:
+                    parts = name.split(".")
+                    if parts[:2] != ["composer_plugins", "training"] or len(parts) < 3 or parts[2] == sub:
+                        continue
+                    key = (f"{sub}/{path.name}", parts[2])
+                    if TRAINING_ORDER.index(parts[2]) > TRAINING_ORDER.index(sub):
+                        if key in TRAINING_UPWARD:
+                            used.add(key)
+                        else:
+                            found.append(f"training/{key[0]}:{node.lineno}: {sub} imports {name}")
+    assert not found, "imports inside training/ point down only:\n  " + "\n  ".join(found)
+    assert used == set(TRAINING_UPWARD), f"no longer needed, drop from TRAINING_UPWARD: {set(TRAINING_UPWARD) - used}"

@@ -15,7 +15,7 @@ from serverless_support import cli, finish, result, store_url
 from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
 from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
 from composer_plugins.diloco.toy import ToyConfig, toy_model, toy_stream
-from composer_plugins.training.progress import StepProgressBar
+from composer_plugins.training.lightning.progress import StepProgressBar
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -82,7 +82,7 @@ def test_replica_summary_of_a_train_run_names_its_model_dir(tmp_path):
     from composer_plugins.diloco.env import ENV_INDEX, ENV_SYNC_LOG
     from composer_plugins.diloco.launch import summary_table
     from composer_plugins.diloco.run import write_replica_summary
-    from composer_plugins.training.run import RunResult
+    from composer_plugins.training.runs.run import RunResult
 
     sync = tmp_path / "replica3.sync.jsonl"
     sync.write_text(json.dumps({"outer_step": 5, "param_hash": "ab" * 32}) + "\n")

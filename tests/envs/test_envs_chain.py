@@ -160,8 +160,8 @@ def test_full_demonstration_first_then_step_check_uses_both_and_names_each_kind(
     import torch
     import yaml
 
-    from composer_plugins.training.experience import hint_fields
-    from composer_plugins.training.step import StepRecord
+    from composer_plugins.training.step.experience import hint_fields
+    from composer_plugins.training.step.record import StepRecord
 
     env = GSM8KEnv(difficulty="chain")
     task = env.sample_tasks(1, "train", seed=0)[0]

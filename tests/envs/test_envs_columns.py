@@ -120,8 +120,8 @@ def test_false_column_attempts_teach_the_hint_sft_shows():
 
 
 def test_a_sibling_demonstration_first_then_the_column_check():
-    from composer_plugins.training.experience import hint_fields
-    from composer_plugins.training.step import StepRecord
+    from composer_plugins.training.step.experience import hint_fields
+    from composer_plugins.training.step.record import StepRecord
 
     env = GSM8KEnv(difficulty="columns")
     task = env.sample_tasks(1, "train", seed=0)[0]

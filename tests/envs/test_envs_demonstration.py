@@ -19,7 +19,7 @@ from composer_plugins.envs.hints import (
     reads_groups,
     sibling_groups,
 )
-from composer_plugins.training.batches import rollout_groups, teacher_contexts
+from composer_plugins.training.rollout.rewards import rollout_groups, teacher_contexts
 
 WRONG = Feedback("wrong_answer", "The final answer 3 is wrong.", {"expected": "10", "got": "3"}, 0.0)
 TASK = {
@@ -251,7 +251,7 @@ def test_hints_of_kinds_the_env_could_not_judge_are_none():
 
 
 def test_demonstration_rows_all_gives_successful_rows_a_siblings_demonstration():
-    from composer_plugins.training.step import hint_candidates
+    from composer_plugins.training.step.record import hint_candidates
 
     ok_row = _group(index=1)  # succeeded; row 3 succeeded too
     alone = _group(index=1, rewards=(0.0, 1.0, 0.0, 0.0))  # succeeded, no other success

@@ -28,7 +28,7 @@ def tiny_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("device", DEVICES)
 def test_hf_generator_samples_on_the_device_and_is_seeded(device, tiny_dir):
     from composer_plugins.models.logprobs import completion_logprobs
-    from composer_plugins.training.rollouts import HFGenerator
+    from composer_plugins.training.rollout.rollouts import HFGenerator
 
     policy, tok = load_policy(tiny_dir)
     policy.to(device)

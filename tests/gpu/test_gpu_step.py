@@ -37,8 +37,8 @@ def test_grpo_hint_ema_top100_replay_step_at_the_real_vocabulary(device, tmp_pat
     from benchmarks.bench_scale import RandomRewardEnv, _config, _prepare
     from benchmarks.bench_training import _tasks, composed_steps
     from composer_plugins.models.tiny import MODEL_SHAPES
-    from composer_plugins.training.builders import build_env
-    from composer_plugins.training.module import ComposerModule
+    from composer_plugins.training.lightning.module import ComposerModule
+    from composer_plugins.training.step.builders import build_env
 
     monkeypatch.setenv("COMPOSER_CACHE_DIR", str(tmp_path / "cache"))
     spec = SPECS[device]

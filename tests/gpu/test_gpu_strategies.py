@@ -1,6 +1,6 @@
 """DDP and FSDP with one process on CUDA, through the user's command (``python -m composer_plugins train``).
 
-The CPU side of both strategies (gloo, two processes) is covered in ``tests/training/test_training_dp.py``;
+The CPU side of both strategies (gloo, two processes) is covered in ``tests/training/step/test_training_dp.py``;
 here the NCCL process group, the CUDA placement of the policy and of the EMA teacher (FSDP wraps it as its own
 unit) and a checkpoint written under each strategy are what is new.
 """

@@ -157,7 +157,7 @@ def _curve_study(tmp_path, curves, start=0.2):
         lines = ["step,train/reward,train/heldout/accuracy"]
         lines += [f"{t},0.5,{ys[t // 10 - 1] if t % 10 == 0 else ''}" for t in range(1, 31)]
         run.joinpath("history.csv").write_text("\n".join(lines) + "\n")
-        if start is not None:  # what training/curves.py writes: every curve point, step 0 included
+        if start is not None:  # what training/lightning/curves.py writes: every curve point, step 0 included
             pts = [(0, start), *((10 * (i + 1), y) for i, y in enumerate(ys))]
             run.joinpath(paired.CURVE_FILE).write_text("step,value\n" + "".join(f"{t},{y}\n" for t, y in pts))
     return paired.read_study_dir(tmp_path)[1]

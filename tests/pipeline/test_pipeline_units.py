@@ -15,7 +15,7 @@ import yaml
 from composer_plugins.core.config import loads_config
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.pipeline import compare, stages, study
-from composer_plugins.training import tracking
+from composer_plugins.training.lightning import tracking
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_train_config_merges_variant_and_wires_the_pipeline() -> None:
     assert cfg["mlflow"]["tags"]["study.channels"] == "grpo+teacher_distill"
     assert cfg["mlflow"]["run_name"] == "train@grpo_teacher-s3"
     # the effective config is a valid TrainConfig
-    from composer_plugins.training.config import train_config_from_dict
+    from composer_plugins.training.config.train import train_config_from_dict
 
     train_config_from_dict(cfg)
 
@@ -85,7 +85,7 @@ def test_a_variant_replaces_a_component_it_marks_replace() -> None:
     assert cfg["losses"]["hint_distill"]["teacher"] == "ema" and cfg["losses"]["hint_distill"]["topk"] == 100
     merged = stages.train_config(params, "hint_answer", 0)  # without the marker a variant still merges
     assert merged["hints"]["provider"] == params["train"]["hints"]["provider"]
-    from composer_plugins.training.config import train_config_from_dict
+    from composer_plugins.training.config.train import train_config_from_dict
 
     train_config_from_dict(cfg)
 

@@ -12,7 +12,7 @@ import yaml
 
 from composer_plugins.core.io import is_wall_clock
 from composer_plugins.pipeline.stage_pairs import _pinned
-from composer_plugins.training.trainer import HistoryCallback
+from composer_plugins.training.lightning.trainer import HistoryCallback
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from composer_plugins.testing import ConformanceError, check_generator, plugin_r
 
 
 def _hf(*args: Any, **kw: Any) -> Any:
-    from composer_plugins.training.rollouts import HFGenerator
+    from composer_plugins.training.rollout.rollouts import HFGenerator
 
     return HFGenerator().generate(*args, **kw)
 
@@ -64,8 +64,8 @@ def broken():
 
 
 def test_the_builtin_generators_pass_and_declare_their_protocols(broken):
-    from composer_plugins.training.multiturn import MultiTurnGenerator
-    from composer_plugins.training.rollouts import (
+    from composer_plugins.training.rollout.multiturn import MultiTurnGenerator
+    from composer_plugins.training.rollout.rollouts import (
         EpisodeGenerator,
         HFGenerator,
         RolloutGenerator,
@@ -119,8 +119,8 @@ class _Syncing:
 
 
 def test_multi_turn_syncs_through_what_it_wraps_without_attribute_forwarding():
-    from composer_plugins.training.multiturn import MultiTurnGenerator
-    from composer_plugins.training.rollouts import WeightSyncing
+    from composer_plugins.training.rollout.multiturn import MultiTurnGenerator
+    from composer_plugins.training.rollout.rollouts import WeightSyncing
 
     assert "__getattr__" not in MultiTurnGenerator.__dict__
     inner = _Syncing()

@@ -42,7 +42,7 @@ def tiny_yaml(tiny_cache) -> str:
 @pytest.fixture
 def make_cfg(tiny_cache, tmp_path):
     """``make_cfg(extra_yaml, *overrides) -> (TrainConfig, Config)`` on the tiny base, output in ``tmp_path``."""
-    from composer_plugins.training.config import loads_train_config
+    from composer_plugins.training.config.train import loads_train_config
 
     def make(extra: str = "", *overrides: str, out: Path | None = None):
         text = TINY.format(cache=tiny_cache) + textwrap.dedent(extra)

@@ -64,8 +64,8 @@ def test_discovered_by_name_and_typos_answered(registry):
 
 
 def test_trains_with_grpo_and_hint_distillation(registry, tmp_path):
-    from composer_plugins.training.config import loads_train_config
-    from composer_plugins.training.run import run_train
+    from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.runs.run import run_train
 
     cfg, src = loads_train_config(
         f"""

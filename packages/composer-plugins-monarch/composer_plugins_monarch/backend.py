@@ -7,10 +7,10 @@ One training step, driven by :class:`MonarchBackend` from the client process:
    prompts with HF ``generate``) returns the rollout;
 3. the :class:`RewarderActor` scores the completions with the env plugin (``env.reward``);
 4. the :class:`TrainerActor` holds the step's components
-   (:meth:`~composer_plugins.training.components.StepComponents.from_config`, as the Lightning module's): it makes
+   (:meth:`~composer_plugins.training.step.components.StepComponents.from_config`, as the Lightning module's): it makes
    the step's read-only record with the one experience maker (group advantages, hinted contexts, teacher scoring
    started), computes the composed loss with the one step computer and takes the one local optimizer step
-   (:meth:`~composer_plugins.training.components.StepComponents.optimize`, which counts the steps);
+   (:meth:`~composer_plugins.training.step.components.StepComponents.optimize`, which counts the steps);
 5. the trainer's new weights are sent back to every generator (``load_weights``).
 
 Every actor runs in its own OS process of a local process mesh
@@ -79,7 +79,8 @@ def merge_rollouts(
     parts: Sequence[Mapping[str, Any]], pad_id: int, tasks: Sequence[Sequence[Mapping[str, Any]]] | None = None
 ) -> Any:
     """The wire rollouts (in order) as one rollout record, by the record's row operation
-    (:meth:`~composer_plugins.training.step.StepRecord.concat`: prompts re-left-padded, completions re-right-padded).
+    (:meth:`~composer_plugins.training.step.record.StepRecord.concat`: prompts re-left-padded, completions
+    re-right-padded).
     ``tasks``: each part's tasks (its rows answer them); the record holds no scores: the trainer's experience
     maker makes the step's record."""
     from composer_plugins.backends.surface import StepRecord
@@ -270,7 +271,7 @@ class MonarchBackend(Backend):
         return MonarchSession(self)
 
     def train(self) -> Any:
-        """Run the actor loop; returns a :class:`~composer_plugins.training.run.RunResult`."""
+        """Run the actor loop; returns a :class:`~composer_plugins.training.runs.run.RunResult`."""
         return asyncio.run(self.run())
 
     async def run(self) -> Any:

@@ -463,7 +463,7 @@ class PrimeRLBackend(Backend):
         )
 
     def train(self) -> Any:
-        """Train (see the class docstring); returns a :class:`~composer_plugins.training.run.RunResult`."""
+        """Train (see the class docstring); returns a :class:`~composer_plugins.training.runs.run.RunResult`."""
         if self.mode == "prime-rl":
             exe = shutil.which("rl")
             if importlib.util.find_spec("prime_rl") is None or exe is None:

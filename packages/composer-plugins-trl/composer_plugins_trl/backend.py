@@ -4,11 +4,11 @@
 and sampler, generation (transformers or vLLM), reward functions, group advantages, old/reference
 log-probs, logging — and computes the loss in ``compute_loss`` (the ``Trainer``'s public hook) with
 :class:`~composer_plugins.losses.base.ChannelComposer` over our channels. After TRL scores a generation
-batch, the one experience maker (:class:`~composer_plugins.training.experience.ExperienceMaker`) makes its
-read-only :class:`~composer_plugins.training.step.StepRecord` from TRL's own fields (advantages, old/reference
+batch, the one experience maker (:class:`~composer_plugins.training.step.experience.ExperienceMaker`) makes its
+read-only :class:`~composer_plugins.training.step.record.StepRecord` from TRL's own fields (advantages, old/reference
 log-probs, the recorded rewards), adds the hinted contexts and starts teacher scoring; each micro-batch is the
 record's rows (``select``, by a row index TRL shuffles and splits with the batch), and its loss is the one
-step computer's (:class:`~composer_plugins.training.experience.StepComputer`), as in the native module:
+step computer's (:class:`~composer_plugins.training.step.experience.StepComputer`), as in the native module:
 
 * the policy channel reads TRL's per-token log-probs (computed by TRL's own fused-head path),
   ``old_per_token_logps``, ``ref_per_token_logps``, the advantages and TRL's token normaliser, so
@@ -126,7 +126,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         pair_prompt_length: prompt tokens kept per pair (the native path's ``rollout.max_prompt_length``).
         pair_max_length: completion tokens kept per pair side.
         chat_template: how conversational prompts become text for the hinted teacher and the replay pairs
-            (``model.chat_template``: ``auto``, ``none`` or a Jinja file; :mod:`composer_plugins.training.chat`);
+            (``model.chat_template``: ``auto``, ``none`` or a Jinja file;
+            :mod:`composer_plugins.training.rollout.chat`);
             TRL renders the student's prompts itself with the tokenizer's template, which is the same text.
     """
 
@@ -517,7 +518,7 @@ def env_reward_func(env: Any, task_keys: Sequence[str]) -> Callable[..., list[fl
 
 def trl_prompts(tasks: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
     """The tasks with the prompts TRL is given: conversations stay conversations (TRL applies the tokenizer's
-    chat template, the text :func:`composer_plugins.training.chat.task_prompt` makes), except where TRL
+    chat template, the text :func:`composer_plugins.training.rollout.chat.task_prompt` makes), except where TRL
     cannot template them as the config says (``model.chat_template: none``, or a tokenizer without a
     template): those are rendered here, by the one function the native path uses."""
     from composer_plugins.backends.surface import task_conversation, task_prompt
@@ -605,7 +606,7 @@ class TRLBackend(Backend):
         return GRPOConfig(**kw)
 
     def train(self) -> Any:
-        """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.training.run.RunResult`."""
+        """Run ``ComposerGRPOTrainer.train()``; returns a :class:`~composer_plugins.training.runs.run.RunResult`."""
         from datasets import Dataset
 
         from composer_plugins.backends.surface import StepComponents, build_env, load_policy_for, task_drawer

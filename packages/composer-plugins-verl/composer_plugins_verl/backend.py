@@ -462,7 +462,7 @@ class VeRLBackend(Backend):
 
     # -- train ----------------------------------------------------------------------------
     def train(self) -> Any:
-        """Train (see the class docstring); returns a :class:`~composer_plugins.training.run.RunResult`."""
+        """Train (see the class docstring); returns a :class:`~composer_plugins.training.runs.run.RunResult`."""
         if self.mode == "ray":
             if not torch.cuda.is_available():
                 raise ComposerPluginsError(

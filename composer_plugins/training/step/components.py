@@ -1,0 +1,199 @@
+"""The one path from a config to everything a step needs: :meth:`StepComponents.from_config` builds the env, the
+channels' composer, the hint provider, the teacher scorers, the EMA teacher and reference (when a live channel reads
+them), the preference pairs, the one sampler, experience maker and step computer (:mod:`.experience`). The Lightning
+module holds them; the backends' local modes, Monarch's trainer actor and the TRL backend build theirs here too. A
+loop without a Trainer steps through :meth:`StepComponents.optimize`, which counts the steps it took.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from composer_plugins.training.step.assemble import PAIR_INPUTS, StepPolicy
+from composer_plugins.training.step.experience import ExperienceMaker, Sampler, StepComputer
+from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
+from composer_plugins.training.step.record import StepMeta, StepRecord, sample_pairs
+
+__all__ = ["StepComponents"]
+
+Gather = Callable[[], AbstractContextManager[Any]]
+
+
+@dataclass(eq=False)
+class StepComponents:
+    """What one step is made of (see the module docstring); build it with :meth:`from_config`.
+
+    ``chunk_size``: LM-head rows per chunk of the step's inputs (the Lightning module sets the kernel pick's);
+    ``steps``: optimizer steps taken through :meth:`optimize`; ``last_meta``: the meta of the last :meth:`loss_on`.
+    """
+
+    cfg: Any
+    policy: Any
+    tokenizer: Any
+    env: Any
+    composer: Any
+    sampler: Sampler
+    experience: ExperienceMaker
+    hint_provider: Any = None
+    teacher_scoring: Any = None
+    ema_teacher: Any = None
+    reference: Any = None
+    pairs: list[Mapping[str, Any]] = field(default_factory=list)
+    pair_refs_due: bool = False
+    chunk_size: int | None = None
+    optimizer: Any = None
+    scheduler: Any = None
+    steps: int = 0
+    last_meta: StepMeta | None = None
+
+    def __post_init__(self) -> None:
+        self.stepper = StepComputer(
+            self.composer, self.step_policy, success_threshold=self.cfg.rollout.success_threshold
+        )
+        self._ema_pairs: Any = None
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Any,
+        src: Any = None,
+        *,
+        policy: Any = None,
+        tokenizer: Any = None,
+        env: Any = None,
+        channels: Sequence[Any] | None = None,
+        hint_provider: Any = None,
+        pairs: Sequence[Mapping[str, str]] | None = None,
+        own_models: bool = True,
+        **maker: Any,
+    ) -> StepComponents:
+        """The components ``cfg`` describes. ``policy``/``tokenizer``, ``env``, ``channels``, ``hint_provider``,
+        ``pairs``: already built ones (by default built from ``cfg``: the policy with ``from_pretrained``, the rest
+        from the registry). ``own_models=False``: a trainer that prepares the model-bound pieces itself (TRL: the
+        policy's mode and checkpointing, the EMA and reference copies, the teacher scorers on its tokenizer).
+        ``maker``: :class:`ExperienceMaker` settings to override (``advantage_kwargs=None``: the trainer's own)."""
+        from composer_plugins.core.config import Config
+        from composer_plugins.envs.hints import build_hint_provider
+        from composer_plugins.losses.base import ChannelComposer
+        from composer_plugins.training.rollout.rewards import load_pairs, render_pairs
+        from composer_plugins.training.step.builders import build_channels, build_env, configured_hint_provider
+        from composer_plugins.training.step.ema import EMATeacher, compute_dtype, teacher_from
+        from composer_plugins.training.step.policy import apply_checkpointing, load_policy_for
+        from composer_plugins.training.step.teacher_scores import build_teacher_scoring
+
+        env = env if env is not None else build_env(cfg, src)
+        if policy is None:
+            policy, tokenizer = load_policy_for(cfg, env)
+        if tokenizer is None:
+            raise ValueError("pass tokenizer= together with policy=")
+        # from_pretrained returns eval mode; the step trains (generation and validation switch to eval themselves)
+        if own_models:
+            policy.train()
+            apply_checkpointing(policy, cfg)
+        composer = channels if isinstance(channels, ChannelComposer) else None
+        composer = composer or ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
+        required = set(composer.required_inputs())
+        try:
+            teacher, ema_rate = teacher_from(composer.active)
+        except ValueError as e:
+            raise (src if src is not None else Config()).error("losses", str(e)) from None
+        ema = reference = None
+        if own_models and teacher == "ema":  # in the step's compute dtype
+            ema = EMATeacher(policy, ema_rate, dtype=compute_dtype(cfg.trainer.precision))
+        if own_models and "ref_logprobs" in required:  # the KL's frozen reference (the pairs' need none)
+            reference = copy.deepcopy(policy).eval()
+            for p in reference.parameters():
+                p.requires_grad_(False)
+        if hint_provider is not None:
+            hint_provider = build_hint_provider(hint_provider, key="hint_provider")
+        elif composer.needs_teacher:
+            hint_provider = configured_hint_provider(cfg, src)
+        needs_pairs = bool(required & set(PAIR_INPUTS))
+        if needs_pairs and pairs is None and cfg.replay.pairs_path:
+            pairs = load_pairs(cfg.replay.pairs_path)
+        rendered = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
+        scoring = build_teacher_scoring(composer.active, tokenizer) if own_models else None
+        r, c = cfg.rollout, cfg.compute
+        settings = {"advantage_kwargs": dict(r.advantage_kwargs), "temperature": r.temperature}
+        settings.update(chunk_size=c.chunk_size, rows_per_micro_batch=c.rows_per_micro_batch)
+        settings.update(success_threshold=r.success_threshold, max_hinted=cfg.hints.max_hinted_per_step)
+        settings.update(chat_template=cfg.model.chat_template)
+        hinting = hint_provider if composer.needs_teacher else None
+        experience = ExperienceMaker(policy, tokenizer, env, hinting, reference, scoring, **(settings | maker))
+        parts = (policy, tokenizer, env, composer, Sampler.from_config(cfg, src, env), experience, hint_provider)
+        due = bool(required & set(PAIR_REF_KEYS)) and bool(rendered)
+        return cls(cfg, *parts, scoring, ema, reference, rendered, due, c.chunk_size)
+
+    @property
+    def required_inputs(self) -> set[str]:
+        """What the live channels read (:meth:`ChannelComposer.required_inputs`)."""
+        return set(self.composer.required_inputs())
+
+    @property
+    def needs_pairs(self) -> bool:
+        return bool(self.required_inputs & set(PAIR_INPUTS))
+
+    def step_policy(self) -> StepPolicy:
+        """The models and settings the assembler builds channel inputs with."""
+        models = {"model": self.policy, "tokenizer": self.tokenizer, "teacher": self.ema_teacher}
+        models.update(reference=self.reference, chunk_size=self.chunk_size, teacher_scoring=self.teacher_scoring)
+        return StepPolicy.from_config(self.cfg, **models)
+
+    def cache_pair_references(self, gather: Gather = nullcontext) -> None:
+        """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once;
+        ``gather``: the context that makes the whole parameters available, e.g. under FSDP)."""
+        from composer_plugins.training.step.input_builders import cache_pair_references
+
+        if self.pair_refs_due:
+            with gather():
+                self.pairs, self.pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
+
+    def step_meta(self, seed: int, step: int, gather: Gather = nullcontext) -> StepMeta:
+        """The meta of optimizer step ``step``: the run length and ``seed``'s preference pairs."""
+        self.cache_pair_references(gather)
+        pairs = sample_pairs(self.pairs, self.cfg.replay.pairs_per_step, seed) if self.needs_pairs else []
+        return StepMeta(step, self.cfg.trainer.max_steps, tuple(pairs))
+
+    def loss_on(
+        self, rec: StepRecord, seed: int, step: int | None = None, gather: Gather = nullcontext
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The composed loss of the current policy on ``rec`` at optimizer step ``step`` (default: :attr:`steps`;
+        ``seed`` picks the replay pairs)."""
+        self.last_meta = self.step_meta(seed, self.steps if step is None else step, gather)
+        return self.stepper.loss(rec, self.last_meta)
+
+    def optimize(self, loss: Tensor) -> float:
+        """The local optimizer step of a loop without a Trainer (backward, clip to ``trainer.gradient_clip_val``,
+        step; the optimizer and its ``optim.scheduler`` schedule over ``trainer.max_steps`` built on first use, as
+        the Lightning path's ``configure_optimizers``), the EMA teacher's update, one more step counted.
+        Returns the gradient norm."""
+        from composer_plugins.training.step.optim import build_optimization, optimizer_step
+
+        if self.optimizer is None:
+            built = build_optimization(self.cfg.optim, self.policy.parameters(), self.cfg.trainer.max_steps)
+            self.optimizer, self.scheduler = built["optimizer"], built["lr_scheduler"]["scheduler"]
+        norm = optimizer_step(self.optimizer, self.policy.parameters(), loss, self.cfg.trainer.gradient_clip_val)
+        self.scheduler.step()
+        self.update_ema()
+        self.steps += 1
+        return norm
+
+    def update_ema(self, root: Any = None, salt: int = 0) -> None:
+        """``teacher ← (1 − rate)·teacher + rate·policy`` (nothing without an EMA teacher). ``root``: the module
+        holding both copies as ``ema_teacher`` and ``policy`` (the Lightning module, or its FSDP root)."""
+        from composer_plugins.training.step.ema import ema_pairs, ema_update
+
+        if self.ema_teacher is None:
+            return
+        if self._ema_pairs is None:
+            from torch import nn
+
+            root = root if root is not None else nn.ModuleDict({"ema_teacher": self.ema_teacher, "policy": self.policy})
+            self._ema_pairs = ema_pairs(root, "ema_teacher.policy", "policy")
+        ema_update(self._ema_pairs, self.ema_teacher.rate, salt=salt)
