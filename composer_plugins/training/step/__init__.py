@@ -23,4 +23,5 @@ def __getattr__(name: str) -> Any:
     if name.startswith("__") or not hasattr(module, name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     moved_warning(f"{__name__}.{name}", f"{__name__}.record.{name}")
-    return getattr(module, name)
+    globals()[name] = value = getattr(module, name)  # `from pkg import name` looks a name up twice: warn once
+    return value

@@ -1,0 +1,61 @@
+"""0.2.0's flat ``composer_plugins.training.<module>`` paths still import in 0.2.x, warning once with the new path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from composer_plugins.training import MOVED
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize("old", ["assemble", "input_builders", "batches", "module"])
+def test_an_old_module_path_is_the_new_module_with_a_warning(old):
+    new = f"composer_plugins.training.{MOVED[old]}"
+    code = (
+        "import importlib, warnings\n"
+        f"new = importlib.import_module({new!r})\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module('composer_plugins.training.{old}')\n"
+        "assert old is new, (old, new)\n"
+        "from composer_plugins.core.errors import PluginDeprecationWarning\n"
+        "msgs = [str(x.message) for x in w if issubclass(x.category, PluginDeprecationWarning)]\n"
+        f"assert len(msgs) == 1 and {new!r} in msgs[0] and '0.3.0' in msgs[0], msgs\n"
+    )
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+
+
+def test_names_of_the_old_config_and_step_modules_resolve_from_their_packages_with_a_warning():
+    """``config`` and ``step`` were modules and are now sub-packages: their names still resolve there, warning."""
+    code = (
+        "import warnings\n"
+        "from composer_plugins.core.errors import PluginDeprecationWarning\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from composer_plugins.training.config import TrainConfig\n"
+        "    from composer_plugins.training.step import StepRecord\n"
+        "from composer_plugins.training.config.train import TrainConfig as T2\n"
+        "from composer_plugins.training.step.record import StepRecord as S2\n"
+        "assert TrainConfig is T2 and StepRecord is S2\n"
+        "msgs = [str(x.message) for x in w if issubclass(x.category, PluginDeprecationWarning)]\n"
+        "assert len(msgs) == 2, msgs\n"
+        "assert 'config.train.TrainConfig' in msgs[0] and 'step.record.StepRecord' in msgs[1], msgs\n"
+        "import composer_plugins.training.config as c\n"
+        "try:\n"
+        "    c.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchName' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('an unknown name resolved')\n"
+    )
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
