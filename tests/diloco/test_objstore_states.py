@@ -88,6 +88,23 @@ def test_a_replica_left_out_with_the_round_unreadable_waits_for_a_newer_state_an
         StatesMixin._catch_up(me, 4, {"grads": {}})
 
 
+def test_a_replica_left_out_of_a_readable_round_rebuilds_it_without_waiting_for_a_state():
+    me, polls = _late((5, "S"), timeout_s=0.0)
+    me._apply_round = lambda r, m, local, mix_local: me.calls.append(("round", r, mix_local)) is None
+    StatesMixin._catch_up(me, 4, {"grads": {}})
+    assert polls == [] and me.calls == [("round", 4, False), "healed", "replay", "align"]
+    # round 0 with init_sync: only once init's global weights are taken; without init, it waits for a state
+    me, polls = _late((0, "S"), timeout_s=60.0)
+    me._apply_round = lambda r, m, local, mix_local: me.calls.append(("round", r, mix_local)) is None
+    StatesMixin._catch_up(me, 0, {"grads": {}})
+    assert polls == [] and me.calls[0] == ("round", 0, False)
+    me, polls = _late((0, "S"), timeout_s=60.0)
+    me._take_init_globals = lambda: False
+    me._apply_round = lambda *a, **k: pytest.fail("round 0 rebuilt without init's weights")
+    StatesMixin._catch_up(me, 0, {"grads": {}})
+    assert polls == [0, 0] and me.calls == [("state", 0, "S"), "replay", "align"]
+
+
 def test_every_closed_round_with_a_manifest_is_replayed_in_order():
     me = _replica(round=1, replica=SimpleNamespace(index=0))
     applied = []
@@ -245,6 +262,12 @@ def test_a_replica_joining_a_round_late_takes_only_the_inner_steps_left(monkeypa
         assert StatesMixin._align_to_others(me) == 3
     assert me._since_sync == 3
     assert any("joins round 4" in m and "1 of its 4 inner steps" in m for m in caplog.messages), caplog.messages
+    me.config.sync_every, me._since_sync = 8, 0  # H = 8, 0.05 s a step, 0.1 s late: 6 of its 8 steps
+    with caplog.at_level(logging.INFO, logger="composer_plugins.diloco.objstore"):
+        monkeypatch.setattr(states.time, "time", lambda: 100.1 + 1e-9)
+        assert StatesMixin._align_to_others(me) == 2
+    assert any("joins round 4" in m and "6 of its 8 inner steps" in m for m in caplog.messages), caplog.messages
+    me.config.sync_every = 4
     monkeypatch.setattr(states.time, "time", lambda: 100.45)  # a whole round late: it starts the round whole
     me._since_sync = 0
     assert StatesMixin._align_to_others(me) == 0 and me._since_sync == 0

@@ -77,3 +77,39 @@ def test_group_advantages_takes_the_rloo_branch_only_for_rloo():
     torch.testing.assert_close(rloo, torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0, 0.0]))
     with pytest.raises(ValueError, match="unknown estimator 'ppo'; valid: 'grpo', 'rloo'"):
         LF.group_advantages(r, 3, estimator="ppo")  # type: ignore[arg-type]
+
+
+# --- issue 67: survivors of seed 6262 (benchmarks/README.md, "Mutation testing") ---
+
+
+@pytest.mark.parametrize("path", ["hidden_states", "completion_logits"])
+def test_each_teacher_reports_the_rows_it_missed_and_the_share_of_tokens_it_scored(path):
+    """Two teachers over 2 rows of 5 tokens (row 1's last two masked): ``b`` scored nothing of row 1 and 2
+    tokens of row 0; ``a`` everything but one token of row 0. Counted here from the masks."""
+    from composer_plugins.kernels.teacher_topk import TeacherTopK
+    from composer_plugins.losses.teacher_distill import TeacherDistillChannel
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    t = torch.log_softmax(torch.randn(2, 2, 5, 13, generator=g, dtype=torch.float64), -1).topk(3, -1)
+    present = torch.ones(2, 2, 5, dtype=torch.bool)
+    present[0, 0, 4] = False  # a: all of row 0 but token 4
+    present[0, 1, 2:] = False  # b: tokens 0-1 of row 0 ...
+    present[1, 1] = False  # ... and nothing of row 1
+    scores = TeacherTopK(t.indices.clone(), t.values.clone(), present, ("a", "b"))
+    h = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(13, 4, generator=g, dtype=torch.float64)
+    outputs = {"hidden_states": h, "lm_head_weight": w} if path == "hidden_states" else {"completion_logits": h @ w.T}
+    _, m = TeacherDistillChannel()({"teacher_scores": scores, "completion_mask": mask, **outputs})
+    assert m["absent/b"] == 0.5 and "absent/a" not in m  # b missed one of the two rows
+    assert m["scored/a"] == pytest.approx(7 / 8) and m["scored/b"] == pytest.approx(2 / 8)
+
+
+@pytest.mark.parametrize("loss_type", ["sppo_hard", "simple", "t"])
+def test_an_unknown_loss_type_sorting_after_sigmoid_is_refused_not_taken_as_sigmoid(loss_type):
+    x = torch.tensor([-1.0, -2.0])
+    with pytest.raises(ValueError, match=rf"unknown DPO loss_type '{loss_type}'"):
+        LF.dpo_loss(x, x - 1, x, x, loss_type=loss_type)
+    with pytest.raises(ValueError, match=rf"unknown SimPO loss_type '{loss_type}'"):
+        LF.simpo_loss(x, x - 1, loss_type=loss_type)

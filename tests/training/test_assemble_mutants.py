@@ -357,6 +357,25 @@ def test_pair_inputs_sum_average_and_the_reference(tiny):
     assert "chosen_logps" not in inputs
 
 
+def test_cached_pair_references_are_each_pairs_own_in_every_batch(tiny):
+    from composer_plugins.training.input_builders import PAIR_REF_KEYS, cache_pair_references
+
+    pairs = [
+        {"prompt": "What is 2 + 2?", "chosen": "2 + 2 = 4", "rejected": "2 + 2 = 5 #### 5"},
+        {"prompt": "What is 7 * 8?", "chosen": "56", "rejected": "7 * 8 = 54"},
+        {"prompt": "What is 9 - 3?", "chosen": "6", "rejected": "9 - 3 = 5"},
+    ]
+    pol = StepPolicy(tiny.model, tiny.tok, reference=tiny.ref, pair_prompt_length=4, pair_max_length=6)
+    cached = cache_pair_references(pol, pairs, batch=2)  # batches of 2 and 1
+    for x, c in zip(pairs, cached, strict=True):
+        p_ids, p_mask = tokenize_prompts(tiny.tok, [x["prompt"]] * 2, 4)
+        c_ids, c_mask = tokenize_completions(tiny.tok, [x["chosen"], x["rejected"]], 6)
+        ref = (completion_logprobs_no_grad(tiny.ref, p_ids, p_mask, c_ids, c_mask) * c_mask).sum(-1)
+        assert {k: c[k] for k in x} == x
+        assert c[PAIR_REF_KEYS[0]] == pytest.approx(float(ref[0]), abs=1e-4)
+        assert c[PAIR_REF_KEYS[1]] == pytest.approx(float(ref[1]), abs=1e-4)
+
+
 def test_hidden_states_share_the_log_prob_forward(tiny):
     rec = _record(tiny)
     pol = StepPolicy(tiny.model, tiny.tok)
