@@ -459,3 +459,59 @@ def test_settling_a_round_closed_without_this_replica_records_it_not_committed_w
     ((r, committed, participants, err, seconds),) = recorded
     assert caught == [4] and (r, committed, participants, err) == (4, False, 1, 0.0)
     assert 0.0 <= seconds < 0.5
+
+
+# --- the survivors of seed 6704 (issue 67; benchmarks/README.md, "Mutation testing") ---
+
+
+def test_rebuilding_round_0_takes_inits_global_weights_and_refuses_a_damaged_init(tmp_path):
+    from composer_plugins.diloco.objstore import RoundStore
+    from composer_plugins.diloco.store import ObjectStore
+
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+    me = _replica(rounds=rs, config=SimpleNamespace(init_sync=True), replica=SimpleNamespace(num_replicas=2))
+    assert StatesMixin._take_init_globals(me) is False  # no init yet: nothing taken
+    assert torch.equal(me.global_params[0], torch.zeros(3)) and torch.equal(me.params[0], torch.zeros(3))
+    rs.put_state("init", {"global_params": [torch.arange(3.0)]})
+    assert StatesMixin._take_init_globals(me) is True
+    assert torch.equal(me.global_params[0], torch.arange(3.0)) and torch.equal(me.params[0], torch.arange(3.0))
+    rs.store.put("init", b"junk")
+    with pytest.raises(StoreObjectError, match=r"run/init: not a DiLoCo store object.*refused"):
+        StatesMixin._take_init_globals(me)
+    me.replica.num_replicas = 1  # one replica: round 0 started from its own weights
+    assert StatesMixin._take_init_globals(me) is True
+
+
+def test_a_state_written_with_replay_points_records_the_hash_of_its_vectors(tmp_path):
+    from composer_plugins.diloco.objstore import RoundStore
+    from composer_plugins.diloco.objstore.statehash import flatten, state_hash
+    from composer_plugins.diloco.store import ObjectStore, unpack
+
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+    state = {"round": 4, "global_params": [torch.arange(3.0)]}
+    for hashed, key in ((True, "state/00000003"), (False, "state/00000005")):
+        r = int(key[-1])
+        me = SimpleNamespace(rounds=rs, bytes_states=0, _replay_points=lambda h=hashed: h, _global_state=lambda: state)
+        StatesMixin._put_state(me, r)()
+        header, _ = unpack(rs.store.get(key))
+        assert header.get("hash") == (state_hash(flatten(state)[1]) if hashed else None)
+        assert me.bytes_states == len(rs.store.get(key)) and rs.get_state(key)["round"] == 4
+
+
+def test_a_sync_record_counts_the_bytes_of_each_kind_written_since_the_last(tmp_path):
+    from composer_plugins.diloco.objstore.callback import ObjectStoreDiLoCoCallback
+
+    me = _recorder(tmp_path, rounds=SimpleNamespace(bytes_by_kind={"grad": 100, "mean": 12, "state": 0}))
+    me._kinds_counted = {"grad": 40, "mean": 12}
+    rec = ObjectStoreDiLoCoCallback._record(me, 2, True, 2, 0.0, 0.1)
+    assert rec["bytes_by_kind"] == {"grad": 60, "mean": 0, "state": 0}
+    assert me._kinds_counted == {"grad": 100, "mean": 12, "state": 0}
+
+
+def test_a_new_replica_has_written_no_pseudo_gradient_bytes(tmp_path):
+    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+    from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
+
+    config = DiLoCoConfig(transport="object_store", store=f"file://{tmp_path}/run", run_id="r")
+    cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=0, num_replicas=2, run_id="r"))
+    assert cb.bytes_allreduced == 0
