@@ -106,10 +106,73 @@ def test_each_teacher_reports_the_rows_it_missed_and_the_share_of_tokens_it_scor
     assert m["scored/a"] == pytest.approx(7 / 8) and m["scored/b"] == pytest.approx(2 / 8)
 
 
-@pytest.mark.parametrize("loss_type", ["sppo_hard", "simple", "t"])
-def test_an_unknown_loss_type_sorting_after_sigmoid_is_refused_not_taken_as_sigmoid(loss_type):
+@pytest.mark.parametrize("loss_type", ["sppo_hard", "simple", "t", "bco_pair", "aot"])
+def test_an_unknown_loss_type_is_refused_not_taken_for_the_one_it_sorts_beside(loss_type):
     x = torch.tensor([-1.0, -2.0])
     with pytest.raises(ValueError, match=rf"unknown DPO loss_type '{loss_type}'"):
         LF.dpo_loss(x, x - 1, x, x, loss_type=loss_type)
     with pytest.raises(ValueError, match=rf"unknown SimPO loss_type '{loss_type}'"):
         LF.simpo_loss(x, x - 1, loss_type=loss_type)
+
+
+# --- issue 67: survivors of seed 6701 ---
+
+
+def test_several_reward_functions_without_weights_sum_each_rows_columns():
+    from composer_plugins.losses.advantages import group_advantages
+
+    rows = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]]  # 4 rows, 2 reward functions: totals 1, 0, 2, 1
+    got = group_advantages(rows, group_size=2, scale="none")
+    assert got.tolist() == [0.5, -0.5, 0.5, -0.5]
+
+
+def test_a_batch_of_two_rewards_is_scaled_by_its_standard_deviation():
+    from composer_plugins.losses.advantages import group_advantages
+
+    got = group_advantages([0.0, 2.0], group_size=2, scale="batch", eps=0.0)
+    sd = math.sqrt(((0.0 - 1.0) ** 2 + (2.0 - 1.0) ** 2) / (2 - 1))  # Bessel-corrected, as TRL's nanstd
+    torch.testing.assert_close(got, torch.tensor([-1.0 / sd, 1.0 / sd]))
+
+
+def test_a_policy_channel_with_beta_1_reads_the_reference_and_adds_its_kl():
+    g = torch.Generator().manual_seed(0)
+    lp, ref = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+    inputs = {"logprobs": lp, "ref_logprobs": ref, "advantages": torch.zeros(2), "completion_mask": torch.ones(2, 3)}
+    loss, _ = PolicyLossChannel(loss_type="bnpo", beta=1.0)(inputs)
+    k3 = ((ref - lp).exp() - (ref - lp) - 1).mean()  # zero advantages: the loss is beta * KL (k3 by default)
+    torch.testing.assert_close(loss, k3)
+
+
+def test_teacher_distill_spec_and_deadline_checks():
+    from composer_plugins.losses.teacher_distill import TeacherDistillChannel
+
+    assert TeacherDistillChannel.check_spec({"teachers": [{"kind": "causal_lm", "id": "big"}]}) is None
+    assert TeacherDistillChannel.check_spec({"teachers": ({"kind": "causal_lm", "id": "big"},)}) is None
+    assert TeacherDistillChannel.check_spec({"teachers": []})[0] == "teachers"
+    assert TeacherDistillChannel.check_spec({"teachers": "big"})[0] == "teachers"
+    assert TeacherDistillChannel(deadline_s=0.5) is not None  # under a second is a deadline too
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="deadline_s must be > 0 seconds"):
+            TeacherDistillChannel(deadline_s=bad)
+
+
+def test_teacher_distill_reports_which_path_it_took():
+    from composer_plugins.kernels.teacher_topk import TeacherTopK
+    from composer_plugins.losses.teacher_distill import TeacherDistillChannel
+
+    g = torch.Generator().manual_seed(1)
+    t = torch.log_softmax(torch.randn(1, 1, 3, 7, generator=g, dtype=torch.float64), -1).topk(2, -1)
+    scores = TeacherTopK(t.indices.clone(), t.values.clone(), torch.ones(1, 1, 3, dtype=torch.bool), ("a",))
+    h = torch.randn(1, 3, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    base = {"teacher_scores": scores, "completion_mask": torch.ones(1, 3, dtype=torch.bool)}
+    _, m = TeacherDistillChannel()({**base, "hidden_states": h, "lm_head_weight": w})
+    assert m["chunked"] == 1.0
+    _, m = TeacherDistillChannel()({**base, "completion_logits": h @ w.T})
+    assert m["chunked"] == 0.0
+
+
+def test_a_negative_kl_coefficient_without_reference_log_probs_is_refused():
+    lp = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="beta != 0 needs ref_logprobs"):
+        LF.policy_loss(lp, None, torch.zeros(2), torch.ones(2, 3), beta=-0.1)
