@@ -216,3 +216,24 @@ def test_teacher_topk_kernel_takes_every_beta_of_the_closed_interval(beta):
 def test_teacher_topk_kernel_refuses_a_beta_outside_zero_one(beta):
     with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
         TeacherTopKKernel("jsd", beta)
+
+
+# --- issue 67: survivors of seed 6702 ---
+
+
+def test_a_device_other_than_cuda_gets_the_cpu_chunk_rule_without_asking_cuda():
+    from composer_plugins.kernels.chunked import auto_chunk_size
+
+    for dev in ("cpu", "meta"):  # "meta" sorts after "cuda": it is still not a CUDA device
+        rows = auto_chunk_size(151_936, torch.device(dev))
+        assert rows == 96, (dev, rows)  # 2**24 logits // V = 110 rows, down to a multiple of 16
+
+
+def test_the_default_jsd_is_the_symmetric_one_by_hand():
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    p, q = zs.softmax(-1), zt.softmax(-1)
+    m = 0.5 * p + 0.5 * q
+    want = 0.5 * (q * (q / m).log()).sum(-1) + 0.5 * (p * (p / m).log()).sum(-1)
+    torch.testing.assert_close(JSDKernel().value(zs, zt), want)
+    torch.testing.assert_close(JSDKernel().compute(zs, zt)[0], want)
