@@ -120,7 +120,11 @@ GROUPS: dict[str, Group] = {
         Group(
             "training/assemble",
             files=("training/assemble.py", "training/input_builders.py"),
-            tests=("tests/training/test_assemble_mutants.py", "tests/training/test_training_assemble.py"),
+            tests=(
+                "tests/training/test_assemble_mutants.py",
+                "tests/training/test_training_assemble.py",
+                "tests/training/test_training_fused_logprobs.py",
+            ),
             target=85.0,
             sample=40,
         ),

@@ -176,3 +176,38 @@ def test_a_negative_kl_coefficient_without_reference_log_probs_is_refused():
     lp = torch.randn(2, 3)
     with pytest.raises(ValueError, match="beta != 0 needs ref_logprobs"):
         LF.policy_loss(lp, None, torch.zeros(2), torch.ones(2, 3), beta=-0.1)
+
+
+# --- issue 67: survivors of seed 6712 ---
+
+
+def test_the_hint_is_weight_statistic_is_the_mean_clipped_ratio_by_hand():
+    lp = torch.tensor([[0.0, -1.0, -2.0]])
+    old = torch.tensor([[-0.5, -1.0, -1.0]])  # ratios e^0.5, 1, e^-1
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    w, m = HintDistillChannel(is_clip=1.5).importance_weights(mask, {"logprobs": lp, "old_logprobs": old})
+    want = (1.5 + 1.0 + math.exp(-1.0)) / 3  # e^0.5 = 1.65 clipped to 1.5
+    assert float(m["is_weight"]) == pytest.approx(want) and 0 < want < 1.5
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, math.exp(-1.0)]]))
+
+
+def test_hint_distill_refuses_a_jsd_beta_outside_0_1():
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
+            HintDistillChannel(criterion="jsd", beta=bad)
+    assert HintDistillChannel(criterion="jsd", beta=0.0) is not None
+
+
+def test_an_unknown_kl_estimator_is_refused():
+    lp = torch.zeros(1, 2)
+    for bad in ("k4", "kl"):
+        with pytest.raises(ValueError, match="unknown KL estimator"):
+            LF.kl_estimate(lp, lp, bad)
+
+
+def test_dpo_replay_takes_ipo_and_simpo_replay_does_not():
+    from composer_plugins.losses.preference import ReplayPreferenceChannel
+
+    assert ReplayPreferenceChannel(method="dpo", loss_type="ipo").loss_type == "ipo"
+    with pytest.raises(ValueError, match="unknown simpo loss_type 'ipo'"):
+        ReplayPreferenceChannel(method="simpo", loss_type="ipo")

@@ -297,6 +297,18 @@ def test_no_hinted_row_reports_zeros_and_no_margin(tiny):
     assert stats["hint/teacher_margin"] == 0.0
 
 
+def test_each_hint_kinds_share_of_the_rows_is_reported(tiny):
+    rec = _record(
+        tiny,
+        hint_contexts=[None, "What is 3 + 4?", "Think again", "What is 12 * 9? The answer"],
+        hint_kinds=[None, "".join(["feed", "back"]), "retry", "".join(["feed", "back"])],  # equal, not one object
+    )
+    _, stats = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), StepPolicy(tiny.model, tiny.tok))
+    assert stats["hint/rows"] == 3.0 and stats["hint/fraction"] == 0.75
+    assert stats["hint/fraction/feedback"] == 0.5 and stats["hint/fraction/retry"] == 0.25
+    assert not any(k.startswith("hint/fraction/") and k.endswith("None") for k in stats)
+
+
 def test_margin_stat_divides_by_the_batchs_tokens_when_given():
     assert _margin_stat(6.0, 3.0, None) == {"hint/teacher_margin": 2.0}
     assert _margin_stat(6.0, 3.0, 4) == {"hint/teacher_margin": 1.5}
@@ -479,6 +491,13 @@ def test_missing_input_message_names_only_active_readers_and_the_closest_input()
     assert "loss channel 'reader' reads the input 'advantage'" in msg and "'off'" not in msg
     assert "Did you mean: 'advantages'" in msg and "Inputs with a builder: " in msg
 
+    class Ascended(Reads):
+        allows_negative_weight = True
+
+    neg = Ascended("advantage", name="ascended", weight=-0.5)  # a live channel too, though its weight is < 0
+    with pytest.raises(MissingInputError, match="loss channel 'ascended' reads the input 'advantage'"):
+        assemble_inputs(_plain(), ChannelComposer([neg]), StepPolicy(None, None))
+
 
 def _plain() -> StepRecord:
     return StepRecord(
@@ -504,6 +523,9 @@ def test_teacher_scores_are_handed_over_with_the_scored_fraction():
     inputs, stats = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
     assert inputs["teacher_scores"] is packed
     assert stats["teacher/scored_fraction"] == pytest.approx(2 / 5)
+    one = rec.replace(completion_mask=torch.tensor([[0, 0, 1], [0, 0, 0]]))  # one completion token, scored
+    _, stats = assemble_inputs(one, Needs("teacher_scores"), StepPolicy(None, None))
+    assert stats["teacher/scored_fraction"] == 1.0
     rec = rec.replace(teacher_scores={"b": None})
     inputs, _ = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
     assert "teacher_scores" not in inputs
