@@ -211,3 +211,38 @@ def test_dpo_replay_takes_ipo_and_simpo_replay_does_not():
     assert ReplayPreferenceChannel(method="dpo", loss_type="ipo").loss_type == "ipo"
     with pytest.raises(ValueError, match="unknown simpo loss_type 'ipo'"):
         ReplayPreferenceChannel(method="simpo", loss_type="ipo")
+
+
+# --- issue 67: survivors of seed 6721 ---
+
+
+def test_hint_distill_refuses_a_non_positive_sampling_temperature_and_a_zero_chunk():
+    ch = HintDistillChannel()
+    assert ch.distill_temperature({"sampling_temperature": 0.5}) == 0.5
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="sampling_temperature must be > 0"):
+            ch.distill_temperature({"sampling_temperature": bad})
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        HintDistillChannel(chunk_size=0)
+
+
+def test_dppo_refuses_advantages_of_neither_shape():
+    lp = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"advantages shape \(3,\) must be \(B,\) or equal"):
+        LF.dppo_kl_loss(lp, lp, torch.zeros(3), torch.ones(2, 4))
+
+
+def test_a_channel_taking_its_inputs_as_star_args_keeps_the_contract():
+    from composer_plugins.losses.base import LossChannel, check_contract
+
+    class StarArgs(LossChannel):
+        def forward(self, *args):
+            return args[0]["x"].sum(), {}
+
+    check_contract(StarArgs)  # one mapping, passed positionally: no adapter, no error
+    assert "_api1_forward" not in vars(StarArgs) and StarArgs.contract_problem() is None
+
+
+def test_a_policy_channel_names_its_rows_only_when_not_all():
+    assert "rows='correct'" in repr(PolicyLossChannel(rows="correct"))
+    assert "rows=" not in repr(PolicyLossChannel()) and "beta=0.0" in repr(PolicyLossChannel())

@@ -309,6 +309,24 @@ def test_each_hint_kinds_share_of_the_rows_is_reported(tiny):
     assert not any(k.startswith("hint/fraction/") and k.endswith("None") for k in stats)
 
 
+def test_step_policy_defaults_and_the_pair_inputs():
+    from composer_plugins.training.assemble import PAIR_INPUTS
+
+    pol = StepPolicy(None, None)
+    assert pol.teacher_margin is False and pol.max_context_length == 256
+    assert {"chosen_logps", "rejected_logps", "chosen_lengths"} <= set(PAIR_INPUTS)
+
+
+def test_the_teacher_margin_without_the_policys_log_probs_and_without_a_hinted_row(tiny):
+    rec = _hinted(tiny)
+    pol = StepPolicy(tiny.model, tiny.tok, max_context_length=6, teacher_margin=True)
+    _, with_lp = assemble_inputs(rec, ChannelComposer([Reads("logprobs", "student_hidden")]), pol)
+    _, without = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), pol)  # from the hidden states
+    assert without["hint/teacher_margin"] == pytest.approx(with_lp["hint/teacher_margin"], rel=1e-4, abs=1e-5)
+    _, none = assemble_inputs(_record(tiny), ChannelComposer([Reads("student_hidden")]), pol)
+    assert "hint/teacher_margin" not in none  # no hinted token anywhere: no margin
+
+
 def test_margin_stat_divides_by_the_batchs_tokens_when_given():
     assert _margin_stat(6.0, 3.0, None) == {"hint/teacher_margin": 2.0}
     assert _margin_stat(6.0, 3.0, 4) == {"hint/teacher_margin": 1.5}
