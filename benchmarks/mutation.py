@@ -118,9 +118,13 @@ GROUPS: dict[str, Group] = {
             target=85.0,
         ),
         Group(
-            "training/step/assemble",
+            "training/assemble",
             files=("training/step/assemble.py", "training/step/input_builders.py"),
-            tests=("tests/training/step/test_assemble_mutants.py", "tests/training/step/test_training_assemble.py"),
+            tests=(
+                "tests/training/step/test_assemble_mutants.py",
+                "tests/training/step/test_training_assemble.py",
+                "tests/training/step/test_training_fused_logprobs.py",
+            ),
             target=85.0,
             sample=40,
         ),

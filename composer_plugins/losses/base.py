@@ -216,8 +216,9 @@ def check_contract(cls: type) -> None:
 
     A channel written for the previous contract (plugin API 1, ``forward(model_outputs, batch)``) is adapted
     while the package serves that contract (:func:`composer_plugins.core.version.adapters_served`): its
-    ``forward`` is called with the one mapping as both arguments, after one ``DeprecationWarning`` naming its
-    file:line and the fix. Any other shape (and that one from 0.3.0 on) is refused, naming the same.
+    ``forward`` is called with the one mapping as both arguments (and its API-1 ``self.get(key, model_outputs,
+    batch, default=None)`` reads that mapping), after one ``DeprecationWarning`` naming its file:line and the
+    fix. Any other shape (and that one from 0.3.0 on) is refused, naming the same.
     """
     fwd = getattr(cls, "forward", None)
     if fwd is None or fwd is LossChannel.forward or "_api1_forward" in vars(cls):
@@ -253,8 +254,14 @@ def _adapt_two_mappings(cls: type, fwd: Any, where: str, sig: str) -> None:
     def forward(self: Any, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
         return fwd(self, inputs, inputs)
 
+    def get(key: str, inputs: Mapping[str, Any], batch: Any = None, default: Any = None) -> Any:
+        # API 1's documented get(key, model_outputs, batch, default=None): both mappings are the one mapping
+        return LossChannel.get(key, inputs, default=default)
+
     cls._api1_forward = fwd  # type: ignore[attr-defined]
     cls.forward = forward  # type: ignore[attr-defined]
+    if cls.get is LossChannel.get:  # a channel with its own get keeps it
+        cls.get = staticmethod(get)  # type: ignore[attr-defined]
     warnings.warn(
         f"{where}loss channel {cls.__module__}.{cls.__qualname__}.forward({sig}) uses the plugin API 1 contract, "
         f"served through an adapter until composer-plugins {ADAPTERS_REMOVED_IN}. Fix: "

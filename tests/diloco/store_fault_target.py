@@ -2,7 +2,9 @@
 
 * ``STRAGGLE_REPLICA``/``STRAGGLE_STEP``/``STRAGGLE_S``: that replica sleeps after that inner step, so it misses
   the round's deadline;
-* ``LATE_REPLICA``/``LATE_S``: that replica sleeps before its first inner step (starts late);
+* ``LATE_REPLICA``/``LATE_S``: that replica sleeps before its first inner step (starts late); with
+  ``LATE_AFTER=<file>`` it first waits until ``$FAULT_DIR/<file>`` exists (an event, not a guess at a time);
+* every life writes ``$FAULT_DIR/started-<index>-<restart>`` as it starts training (with ``FAULT_DIR`` set);
 * ``DIE_REPLICA``/``DIE_STEP``: that replica kills itself (SIGKILL) after that inner step;
 * ``DIE_AFTER_MANIFEST_ROUND``: whichever replica creates that round's manifest kills itself (SIGKILL) at once,
   before it writes the round's global state;
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,7 +37,15 @@ def _is(var: str) -> bool:
 
 class _Faults(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        fault_dir = os.environ.get("FAULT_DIR")
+        if fault_dir:
+            restart = os.environ.get("COMPOSER_DILOCO_RESTART", "0")
+            Path(fault_dir, f"started-{_me()}-{restart}").write_text(str(os.getpid()))
         if _is("LATE_REPLICA"):
+            if "LATE_AFTER" in os.environ:
+                event, deadline = Path(os.environ["FAULT_DIR"], os.environ["LATE_AFTER"]), time.monotonic() + 300
+                while not event.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             time.sleep(float(os.environ["LATE_S"]))
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -62,8 +73,6 @@ def _die_after_manifest(r_kill: int) -> None:
 
 
 def _pause_after_publish(r_pause: int) -> None:
-    from pathlib import Path
-
     from composer_plugins.diloco.objstore import RoundStore
 
     put = RoundStore.put_grad

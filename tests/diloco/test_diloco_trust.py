@@ -124,10 +124,18 @@ def test_pickles_in_every_object_kind_are_refused_and_never_run(moto, tmp_path):
 
 
 def test_restart_before_round_0_and_a_late_replica_0_start_from_init(moto, tmp_path):
-    """Replica 1 is killed at inner step 3 (before round 0 closes) and restarted; replica 0 starts 5 s late,
-    beyond ``round_timeout_s`` = 2: both wait for ``init`` and every replica ends with the same weights."""
-    log_dir = tmp_path / "logs"
-    env = _fault_env(moto, DIE_REPLICA=1, DIE_STEP=3, LATE_REPLICA=0, LATE_S=5)
+    """Replica 1 is killed at inner step 3 (before round 0 closes) and restarted; replica 0 starts only once that
+    restart has begun training, and 5 s later still (beyond ``round_timeout_s`` = 2): the restarted replica 1
+    waits for ``init`` at round 0, both start from it, and every replica ends with the same weights.
+
+    Replica 0 waits on the event (``$FAULT_DIR/started-1-1``, written by replica 1's restart), not on a time
+    guessed for it: under load a restart takes longer, and a fixed delay let replica 0 close rounds alone first.
+    """
+    log_dir, fault_dir = tmp_path / "logs", tmp_path / "faults"
+    fault_dir.mkdir()
+    env = _fault_env(
+        moto, DIE_REPLICA=1, DIE_STEP=3, LATE_REPLICA=0, LATE_S=5, LATE_AFTER="started-1-1", FAULT_DIR=fault_dir
+    )
     url = store_url("s3", tmp_path, "early")
     proc = cli(
         tmp_path,
@@ -143,13 +151,13 @@ def test_restart_before_round_0_and_a_late_replica_0_start_from_init(moto, tmp_p
     )
     out = finish(proc, log_dir)
     assert "replica 1: exit codes [-9, 0] (restarts 1)" in out, out
+    assert sorted(p.name for p in fault_dir.glob("started-*")) == ["started-0-0", "started-1-0", "started-1-1"]
     assert "own weights" not in logs(log_dir)
     _same_weights(log_dir, 32)
-    # replica 1 died before its first sync: its first record is its restart's, which took init (or, when rounds
-    # had closed without it, rebuilt them from init and the manifests). Which round that is depends on how long
-    # the restart took (round 0 or 1 on an idle machine, later under load), so the round is not asserted.
+    # replica 1 died before its first sync; its restart reached round 0's sync before replica 0 had written
+    # init, so its first record is round 0's, started from init
     first = records(log_dir, 1)[0]
-    assert first["restart"] == 1 and first["healed"], first
+    assert first["restart"] == 1 and first["healed"] and first["round"] == 0, first
 
 
 def _wait_for(proc: subprocess.Popen[str], log_dir: Path, what: str, pred: Any) -> None:

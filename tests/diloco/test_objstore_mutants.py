@@ -85,6 +85,13 @@ def test_a_pseudo_gradient_round_trips_and_its_index_records_every_slice(rs):
     assert rs.grads_present(2) == {1: ["grad-1-4"]} and rs.grads_present(3) == {}
 
 
+def test_a_pseudo_gradient_index_records_its_slices_codec(rs):
+    slices, decoded = encode_slices(torch.linspace(-1.0, 1.0, 9), "bf16", 2)
+    name, _ = rs.put_grad(1, 0, 0, slices)
+    assert rs.read_grad_index(1, name)["codec"] == "bf16"
+    assert torch.equal(rs.read_grad(1, name, 9), decoded)
+
+
 def test_every_name_taken_is_refused_with_the_range_tried(rs):
     slices, _ = encode_slices(torch.ones(2), "none", 1)
     for k in range(64):
@@ -227,6 +234,44 @@ def test_a_mean_that_is_not_intact_data_stops_the_run_naming_its_key(rs, header_
         rs.get_mean(5, 0, 3)
 
 
+@pytest.mark.parametrize("header", [b"[1, 2]", b"7", b"null"])
+def test_an_object_whose_header_is_json_but_not_an_object_is_refused_where_it_is_read(rs, caplog, header):
+    """Issue 67 item 3: one junk object in the run's prefix (its header valid JSON, not an object) is a located
+    refusal for every reader, never an ``AttributeError``."""
+    import struct
+
+    from composer_plugins.diloco.store import MAGIC
+
+    junk = MAGIC + struct.pack("<I", len(header)) + header + b"body"
+    what = r"its header is a JSON \w+, not an object"
+    rs.store.put(f"{rs.round_dir(2)}/mean-000", junk)
+    with pytest.raises(StoreObjectError, match=rf"{rs.store.where}/rounds/00000002/mean-000: {what}"):
+        rs.get_mean(2, 0, 3)
+    rs.store.put(f"{rs.round_dir(2)}/manifest.json", junk)
+    with pytest.raises(StoreObjectError, match=rf"rounds/00000002/manifest\.json: {what}"):
+        rs.manifest(2)
+    rs.store.put("state/00000004", junk)
+    with pytest.raises(CorruptObjectError, match=rf"state/00000004: {what}"):
+        rs.get_state("state/00000004")
+    rs.store.put(f"{rs.round_dir(2)}/grad-1-0", junk)
+    rs.store.put(f"{rs.round_dir(2)}/refused-1", junk)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert rs.read_grad_index(2, "grad-1-0") is None and rs.refused(2) == {}
+    for key in ("grad-1-0", "refused-1"):
+        assert any(f"rounds/00000002/{key}: its header is a JSON" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_replica_finding_a_run_json_whose_header_is_not_an_object_is_refused_naming_it(tmp_path):
+    import struct
+
+    from composer_plugins.core.errors import ConfigError
+    from composer_plugins.diloco.store import MAGIC
+
+    ObjectStore(f"file://{tmp_path}/run").put("run.json", MAGIC + struct.pack("<I", 6) + b"[1, 2]" + b"{}")
+    with pytest.raises(ConfigError, match=r"run/run\.json: .*its header is a JSON list, not an object.*damaged"):
+        _attach(f"file://{tmp_path}/run")
+
+
 def test_manifests_are_created_once_and_validated(rs):
     m, created = rs.close_round(3, {1: "grad-1-0", 0: "grad-0-2"}, closer=1, slices=2)
     assert created and m["participants"] == [0, 1] and m["grads"] == {"0": "grad-0-2", "1": "grad-1-0"}
@@ -247,6 +292,7 @@ def test_manifests_are_created_once_and_validated(rs):
         ({"kind": "manifest"}, {**good, "slices": "1"}),
         ({"kind": "manifest"}, {**good, "participants": [1]}),
         ({"kind": "manifest"}, {**good, "grads": {"0": "grad-1-0"}}),
+        ({"kind": "manifest"}, {**good, "participants": [1], "grads": {"1": "grad-0-0"}}),
         ({"kind": "manifest"}, {**good, "grads": {"0": "mean-000"}}),
     ]
     for header, body in bad:
@@ -544,6 +590,13 @@ def test_a_replica_with_other_settings_is_refused_naming_each_difference(tmp_pat
     with pytest.raises(ConfigError, match=r"another model \(parameter shapes differ\)") as e:
         _attach(url, d_out=4)
     assert "--run-id" not in str(e.value)
+    pinned = f"file://{tmp_path}/pinned"  # a run with replay points pins state_every and exact_every
+    _attach(pinned, state_every=2, exact_every=3)[0].close()
+    with pytest.raises(ConfigError, match=r"exact_every is 3 in the run, 2 here") as e:
+        _attach(pinned, state_every=2, exact_every=2)
+    assert str(e.value).count("exact_every is") == 1 and "state_every is" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=r"state_every is 2 in the run, None here; exact_every is 3 in the run"):
+        _attach(pinned, state_every=2)  # no replay points here: still held to the run's
 
 
 def test_a_replica_catches_up_from_the_newest_intact_state(tmp_path, caplog):

@@ -88,6 +88,23 @@ def test_a_replica_left_out_with_the_round_unreadable_waits_for_a_newer_state_an
         StatesMixin._catch_up(me, 4, {"grads": {}})
 
 
+def test_a_replica_left_out_of_a_readable_round_rebuilds_it_without_waiting_for_a_state():
+    me, polls = _late((5, "S"), timeout_s=0.0)
+    me._apply_round = lambda r, m, local, mix_local: me.calls.append(("round", r, mix_local)) is None
+    StatesMixin._catch_up(me, 4, {"grads": {}})
+    assert polls == [] and me.calls == [("round", 4, False), "healed", "replay", "align"]
+    # round 0 with init_sync: only once init's global weights are taken; without init, it waits for a state
+    me, polls = _late((0, "S"), timeout_s=60.0)
+    me._apply_round = lambda r, m, local, mix_local: me.calls.append(("round", r, mix_local)) is None
+    StatesMixin._catch_up(me, 0, {"grads": {}})
+    assert polls == [] and me.calls[0] == ("round", 0, False)
+    me, polls = _late((0, "S"), timeout_s=60.0)
+    me._take_init_globals = lambda: False
+    me._apply_round = lambda *a, **k: pytest.fail("round 0 rebuilt without init's weights")
+    StatesMixin._catch_up(me, 0, {"grads": {}})
+    assert polls == [0, 0] and me.calls == [("state", 0, "S"), "replay", "align"]
+
+
 def test_every_closed_round_with_a_manifest_is_replayed_in_order():
     me = _replica(round=1, replica=SimpleNamespace(index=0))
     applied = []
@@ -245,6 +262,12 @@ def test_a_replica_joining_a_round_late_takes_only_the_inner_steps_left(monkeypa
         assert StatesMixin._align_to_others(me) == 3
     assert me._since_sync == 3
     assert any("joins round 4" in m and "1 of its 4 inner steps" in m for m in caplog.messages), caplog.messages
+    me.config.sync_every, me._since_sync = 8, 0  # H = 8, 0.05 s a step, 0.1 s late: 6 of its 8 steps
+    with caplog.at_level(logging.INFO, logger="composer_plugins.diloco.objstore"):
+        monkeypatch.setattr(states.time, "time", lambda: 100.1 + 1e-9)
+        assert StatesMixin._align_to_others(me) == 2
+    assert any("joins round 4" in m and "6 of its 8 inner steps" in m for m in caplog.messages), caplog.messages
+    me.config.sync_every = 4
     monkeypatch.setattr(states.time, "time", lambda: 100.45)  # a whole round late: it starts the round whole
     me._since_sync = 0
     assert StatesMixin._align_to_others(me) == 0 and me._since_sync == 0
@@ -436,3 +459,59 @@ def test_settling_a_round_closed_without_this_replica_records_it_not_committed_w
     ((r, committed, participants, err, seconds),) = recorded
     assert caught == [4] and (r, committed, participants, err) == (4, False, 1, 0.0)
     assert 0.0 <= seconds < 0.5
+
+
+# --- the survivors of seed 6704 (issue 67; benchmarks/README.md, "Mutation testing") ---
+
+
+def test_rebuilding_round_0_takes_inits_global_weights_and_refuses_a_damaged_init(tmp_path):
+    from composer_plugins.diloco.objstore import RoundStore
+    from composer_plugins.diloco.store import ObjectStore
+
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+    me = _replica(rounds=rs, config=SimpleNamespace(init_sync=True), replica=SimpleNamespace(num_replicas=2))
+    assert StatesMixin._take_init_globals(me) is False  # no init yet: nothing taken
+    assert torch.equal(me.global_params[0], torch.zeros(3)) and torch.equal(me.params[0], torch.zeros(3))
+    rs.put_state("init", {"global_params": [torch.arange(3.0)]})
+    assert StatesMixin._take_init_globals(me) is True
+    assert torch.equal(me.global_params[0], torch.arange(3.0)) and torch.equal(me.params[0], torch.arange(3.0))
+    rs.store.put("init", b"junk")
+    with pytest.raises(StoreObjectError, match=r"run/init: not a DiLoCo store object.*refused"):
+        StatesMixin._take_init_globals(me)
+    me.replica.num_replicas = 1  # one replica: round 0 started from its own weights
+    assert StatesMixin._take_init_globals(me) is True
+
+
+def test_a_state_written_with_replay_points_records_the_hash_of_its_vectors(tmp_path):
+    from composer_plugins.diloco.objstore import RoundStore
+    from composer_plugins.diloco.objstore.statehash import flatten, state_hash
+    from composer_plugins.diloco.store import ObjectStore, unpack
+
+    rs = RoundStore(ObjectStore(f"file://{tmp_path}/run"))
+    state = {"round": 4, "global_params": [torch.arange(3.0)]}
+    for hashed, key in ((True, "state/00000003"), (False, "state/00000005")):
+        r = int(key[-1])
+        me = SimpleNamespace(rounds=rs, bytes_states=0, _replay_points=lambda h=hashed: h, _global_state=lambda: state)
+        StatesMixin._put_state(me, r)()
+        header, _ = unpack(rs.store.get(key))
+        assert header.get("hash") == (state_hash(flatten(state)[1]) if hashed else None)
+        assert me.bytes_states == len(rs.store.get(key)) and rs.get_state(key)["round"] == 4
+
+
+def test_a_sync_record_counts_the_bytes_of_each_kind_written_since_the_last(tmp_path):
+    from composer_plugins.diloco.objstore.callback import ObjectStoreDiLoCoCallback
+
+    me = _recorder(tmp_path, rounds=SimpleNamespace(bytes_by_kind={"grad": 100, "mean": 12, "state": 0}))
+    me._kinds_counted = {"grad": 40, "mean": 12}
+    rec = ObjectStoreDiLoCoCallback._record(me, 2, True, 2, 0.0, 0.1)
+    assert rec["bytes_by_kind"] == {"grad": 60, "mean": 0, "state": 0}
+    assert me._kinds_counted == {"grad": 100, "mean": 12, "state": 0}
+
+
+def test_a_new_replica_has_written_no_pseudo_gradient_bytes(tmp_path):
+    from composer_plugins.diloco.common import DiLoCoConfig, ReplicaInfo
+    from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
+
+    config = DiLoCoConfig(transport="object_store", store=f"file://{tmp_path}/run", run_id="r")
+    cb = ObjectStoreDiLoCoCallback(config, ReplicaInfo(index=0, num_replicas=2, run_id="r"))
+    assert cb.bytes_allreduced == 0

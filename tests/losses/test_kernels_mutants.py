@@ -216,3 +216,64 @@ def test_teacher_topk_kernel_takes_every_beta_of_the_closed_interval(beta):
 def test_teacher_topk_kernel_refuses_a_beta_outside_zero_one(beta):
     with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
         TeacherTopKKernel("jsd", beta)
+
+
+# --- issue 67: survivors of seed 6702 ---
+
+
+def test_a_device_other_than_cuda_gets_the_cpu_chunk_rule_without_asking_cuda():
+    from composer_plugins.kernels.chunked import auto_chunk_size
+
+    for dev in ("cpu", "meta"):  # "meta" sorts after "cuda": it is still not a CUDA device
+        rows = auto_chunk_size(151_936, torch.device(dev))
+        assert rows == 96, (dev, rows)  # 2**24 logits // V = 110 rows, down to a multiple of 16
+
+
+def test_the_default_jsd_is_the_symmetric_one_by_hand():
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    p, q = zs.softmax(-1), zt.softmax(-1)
+    m = 0.5 * p + 0.5 * q
+    want = 0.5 * (q * (q / m).log()).sum(-1) + 0.5 * (p * (p / m).log()).sum(-1)
+    torch.testing.assert_close(JSDKernel().value(zs, zt), want)
+    torch.testing.assert_close(JSDKernel().compute(zs, zt)[0], want)
+
+
+# --- issue 67: survivors of seed 6713 ---
+
+
+def test_a_sampled_token_stream_scores_finite_log_probs_and_minus_inf_only():
+    from composer_plugins.kernels.teacher_topk import sampled_token_scored
+
+    t = torch.tensor([0.0, -1.0, float("-inf"), float("nan"), float("inf"), 0.5])
+    assert sampled_token_scored(t).tolist() == [True, True, True, False, False, False]
+
+
+def test_chunked_teacher_distill_refuses_hidden_states_shorter_than_the_mask():
+    scores = TeacherTopK(
+        torch.zeros(2, 1, 5, 2, dtype=torch.long), torch.full((2, 1, 5, 2), -1.0), torch.ones(2, 1, 5, dtype=torch.bool)
+    )
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"hidden \(2, 4, 3\) must be \(B, T, H\) with \(B, T\) = mask \(2, 5\)"):
+        chunked_teacher_distill(torch.randn(2, 4, 3), torch.randn(7, 3), scores, mask, TeacherTopKKernel())
+
+
+def test_teacher_topk_from_rows_keeps_every_token_of_a_row_with_fewer_entries_than_tokens():
+    from types import SimpleNamespace
+
+    row = SimpleNamespace(  # 3 tokens, 2 entries each
+        token_ids=torch.tensor([[1, 2], [3, 4], [5, 6]]), logprobs=torch.full((3, 2), -1.0), mask=torch.ones(3).bool()
+    )
+    packed = TeacherTopK.from_rows({"a": [row]}, 5)
+    assert packed.ids[0, 0, :3].tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert packed.mask[0, 0].tolist() == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("tau", [0.5, 2.0])
+def test_taid_computes_its_value_at_every_temperature(tau):
+    from composer_plugins.kernels.divergences import TAIDKernel
+
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    k = TAIDKernel(t=0.3, temperature=tau)
+    torch.testing.assert_close(k.compute(zs.clone(), zt.clone())[0], k.value(zs, zt))

@@ -370,6 +370,33 @@ def test_a_channel_written_for_two_mappings_is_adapted_once_then_refused_where_i
         ChannelComposer([refused()])
 
 
+def test_an_adapted_two_mapping_channel_reads_with_the_0_1_get_signature():
+    """0.1's documented ``self.get(key, model_outputs, batch, default=None)`` reads the one mapping; a channel
+    with its own ``get`` keeps it; new-form channels keep the keyword-only default."""
+
+    class Old(LossChannel):
+        requires = ("logprobs",)
+
+        def forward(self, model_outputs, batch):
+            scale = self.get("scale", model_outputs, batch, 3.0) + self.get("bias", model_outputs, batch, default=1.0)
+            return self.get("logprobs", model_outputs, batch).sum() * scale, {}
+
+    class OwnGet(LossChannel):
+        def get(self, key, a, b):
+            return 5.0
+
+        def forward(self, model_outputs, batch):
+            return torch.tensor(self.get("x", model_outputs, batch)), {}
+
+    with pytest.warns(DeprecationWarning, match="Old.forward"):
+        comp = ChannelComposer([Old(name="a")])
+    assert float(comp({"logprobs": torch.ones(2), "bias": 2.0})[0]) == 10.0  # (3 + 2) * 2
+    with pytest.warns(DeprecationWarning, match="OwnGet.forward"):
+        assert float(ChannelComposer([OwnGet()])({})[0]) == 5.0
+    with pytest.raises(TypeError):
+        LossChannel.get("logprobs", {}, {})
+
+
 def test_channel_constructor_validation():
     with pytest.raises(ValueError, match="unknown loss_type"):
         PolicyLossChannel(loss_type="ppo")

@@ -155,6 +155,10 @@ def test_min_agree_by_hand():
         {"teacher_scores": scores, "completion_mask": mask, "hidden_states": h, "lm_head_weight": w}
     )
     assert m["tokens"] == 1.0 and m["coverage"] == 0.25
+    _, m = TeacherDistillChannel(min_agree=2)(
+        {"teacher_scores": scores, "completion_mask": mask, "hidden_states": h, "lm_head_weight": w}
+    )
+    assert m["tokens"] == 3.0 and m["coverage"] == 0.75  # position 2 (no two agree) is left out
 
 
 def test_sampled_token_only_is_a_two_way_distribution():

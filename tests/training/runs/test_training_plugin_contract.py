@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -118,6 +119,42 @@ def test_an_api_1_channel_trains_with_one_deprecation_warning_naming_its_line(pa
     assert "DeprecationWarning" in warned[0] and where in warned[0], warned
     assert "Fix: def forward(self, inputs)" in warned[0] and "until composer-plugins 0.3.0" in warned[0]
     assert json.loads(r.stdout[: r.stdout.rindex("}") + 1])["train/old_pg/skipped"] == 0.0
+
+
+FOCAL_0_1 = Path(__file__).parent.parent / "plugin_api1" / "composer_plugins_focal_loss.py"
+
+
+def test_the_0_1_focal_example_unchanged_trains_two_steps_with_one_deprecation_warning(tmp_path, tiny_yaml):
+    """The focal example as 0.1 shipped it (``git show 5c3fb90:examples/composer-plugins-focal/
+    composer_plugins_focal_loss.py``, committed unchanged): its ``forward(model_outputs, batch)`` reads with 0.1's
+    documented ``self.get(key, model_outputs, batch)``; through the Lightning path it trains two steps, warned
+    once."""
+    assert 'self.get("logprobs", model_outputs, batch)' in FOCAL_0_1.read_text()
+    cfg = tmp_path / "run.yaml"
+    spec = "{class_path: composer_plugins_focal_loss.FocalPolicyGradient, init_args: {gamma: 2.0}}"
+    cfg.write_text(tiny_yaml + f"output_dir: {tmp_path / 'run'}\nlosses:\n  focal_pg: {spec}\n")
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSER_PLUGINS_LOAD"}
+    env.update(PYTHONPATH=os.pathsep.join([str(FOCAL_0_1.parent), env.get("PYTHONPATH", "")]), COMPOSER_MLFLOW="0")
+    env["COMPOSER_PLUGINS_LOAD"] = ""  # the installed 0.2 focal example stays out; the 0.1 file shadows it
+    args = ["train", "-c", str(cfg), "-S", "sft.enabled=false", "-S", "trainer.max_steps=2"]
+    r = subprocess.run(
+        [sys.executable, "-W", "always::DeprecationWarning", "-m", "composer_plugins", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    warned = [s for s in r.stderr.splitlines() if "PluginDeprecationWarning" in s]
+    assert len(warned) == 1, r.stderr[-3000:]
+    assert f"{FOCAL_0_1}:{_line_of(FOCAL_0_1, 'def forward')}" in warned[0], warned
+    assert "FocalPolicyGradient.forward(model_outputs, batch) uses the plugin API 1 contract" in warned[0]
+    out = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
+    assert out["train/focal_pg/skipped"] == 0.0 and out["train/focal_pg/focal_weight"] > 0, out
+    with open(tmp_path / "run" / "history.csv") as f:
+        steps = [row["step"] for row in csv.DictReader(f)]
+    assert steps == ["1", "2"] and "focal_pg/focal_weight" in open(tmp_path / "run" / "history.csv").readline()
 
 
 def test_plugins_and_list_mark_a_failing_plugin_and_a_config_naming_it_is_refused_at_load(

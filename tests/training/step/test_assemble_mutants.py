@@ -1,7 +1,7 @@
 """The input builders (``training/step/input_builders.py``, assembled by ``training/step/assemble.py``) checked value by
 value on a tiny Llama.
 
-Written against the mutants that survived ``python -m benchmarks.mutation --only training/step/assemble``: each
+Written against the mutants that survived ``python -m benchmarks.mutation --only training/assemble``: each
 builder's output is compared with the same quantity computed here directly (the model's log-probs and
 hidden states through ``models.logprobs``, the importance ratio, the margin statistic), so a wrong
 operator, a swapped condition or a dropped scale in a builder changes a number these tests read.
@@ -297,6 +297,36 @@ def test_no_hinted_row_reports_zeros_and_no_margin(tiny):
     assert stats["hint/teacher_margin"] == 0.0
 
 
+def test_each_hint_kinds_share_of_the_rows_is_reported(tiny):
+    rec = _record(
+        tiny,
+        hint_contexts=[None, "What is 3 + 4?", "Think again", "What is 12 * 9? The answer"],
+        hint_kinds=[None, "".join(["feed", "back"]), "retry", "".join(["feed", "back"])],  # equal, not one object
+    )
+    _, stats = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), StepPolicy(tiny.model, tiny.tok))
+    assert stats["hint/rows"] == 3.0 and stats["hint/fraction"] == 0.75
+    assert stats["hint/fraction/feedback"] == 0.5 and stats["hint/fraction/retry"] == 0.25
+    assert not any(k.startswith("hint/fraction/") and k.endswith("None") for k in stats)
+
+
+def test_step_policy_defaults_and_the_pair_inputs():
+    from composer_plugins.training.assemble import PAIR_INPUTS
+
+    pol = StepPolicy(None, None)
+    assert pol.teacher_margin is False and pol.max_context_length == 256
+    assert {"chosen_logps", "rejected_logps", "chosen_lengths"} <= set(PAIR_INPUTS)
+
+
+def test_the_teacher_margin_without_the_policys_log_probs_and_without_a_hinted_row(tiny):
+    rec = _hinted(tiny)
+    pol = StepPolicy(tiny.model, tiny.tok, max_context_length=6, teacher_margin=True)
+    _, with_lp = assemble_inputs(rec, ChannelComposer([Reads("logprobs", "student_hidden")]), pol)
+    _, without = assemble_inputs(rec, ChannelComposer([Reads("student_hidden")]), pol)  # from the hidden states
+    assert without["hint/teacher_margin"] == pytest.approx(with_lp["hint/teacher_margin"], rel=1e-4, abs=1e-5)
+    _, none = assemble_inputs(_record(tiny), ChannelComposer([Reads("student_hidden")]), pol)
+    assert "hint/teacher_margin" not in none  # no hinted token anywhere: no margin
+
+
 def test_margin_stat_divides_by_the_batchs_tokens_when_given():
     assert _margin_stat(6.0, 3.0, None) == {"hint/teacher_margin": 2.0}
     assert _margin_stat(6.0, 3.0, 4) == {"hint/teacher_margin": 1.5}
@@ -355,6 +385,25 @@ def test_pair_inputs_sum_average_and_the_reference(tiny):
     assert "ref_chosen_logps" not in inputs
     inputs, _ = assemble_inputs(rec, ChannelComposer([Reads("chosen_logps")]), pol)
     assert "chosen_logps" not in inputs
+
+
+def test_cached_pair_references_are_each_pairs_own_in_every_batch(tiny):
+    from composer_plugins.training.input_builders import PAIR_REF_KEYS, cache_pair_references
+
+    pairs = [
+        {"prompt": "What is 2 + 2?", "chosen": "2 + 2 = 4", "rejected": "2 + 2 = 5 #### 5"},
+        {"prompt": "What is 7 * 8?", "chosen": "56", "rejected": "7 * 8 = 54"},
+        {"prompt": "What is 9 - 3?", "chosen": "6", "rejected": "9 - 3 = 5"},
+    ]
+    pol = StepPolicy(tiny.model, tiny.tok, reference=tiny.ref, pair_prompt_length=4, pair_max_length=6)
+    cached = cache_pair_references(pol, pairs, batch=2)  # batches of 2 and 1
+    for x, c in zip(pairs, cached, strict=True):
+        p_ids, p_mask = tokenize_prompts(tiny.tok, [x["prompt"]] * 2, 4)
+        c_ids, c_mask = tokenize_completions(tiny.tok, [x["chosen"], x["rejected"]], 6)
+        ref = (completion_logprobs_no_grad(tiny.ref, p_ids, p_mask, c_ids, c_mask) * c_mask).sum(-1)
+        assert {k: c[k] for k in x} == x
+        assert c[PAIR_REF_KEYS[0]] == pytest.approx(float(ref[0]), abs=1e-4)
+        assert c[PAIR_REF_KEYS[1]] == pytest.approx(float(ref[1]), abs=1e-4)
 
 
 def test_hidden_states_share_the_log_prob_forward(tiny):
@@ -460,6 +509,13 @@ def test_missing_input_message_names_only_active_readers_and_the_closest_input()
     assert "loss channel 'reader' reads the input 'advantage'" in msg and "'off'" not in msg
     assert "Did you mean: 'advantages'" in msg and "Inputs with a builder: " in msg
 
+    class Ascended(Reads):
+        allows_negative_weight = True
+
+    neg = Ascended("advantage", name="ascended", weight=-0.5)  # a live channel too, though its weight is < 0
+    with pytest.raises(MissingInputError, match="loss channel 'ascended' reads the input 'advantage'"):
+        assemble_inputs(_plain(), ChannelComposer([neg]), StepPolicy(None, None))
+
 
 def _plain() -> StepRecord:
     return StepRecord(
@@ -485,6 +541,9 @@ def test_teacher_scores_are_handed_over_with_the_scored_fraction():
     inputs, stats = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
     assert inputs["teacher_scores"] is packed
     assert stats["teacher/scored_fraction"] == pytest.approx(2 / 5)
+    one = rec.replace(completion_mask=torch.tensor([[0, 0, 1], [0, 0, 0]]))  # one completion token, scored
+    _, stats = assemble_inputs(one, Needs("teacher_scores"), StepPolicy(None, None))
+    assert stats["teacher/scored_fraction"] == 1.0
     rec = rec.replace(teacher_scores={"b": None})
     inputs, _ = assemble_inputs(rec, Needs("teacher_scores"), StepPolicy(None, None))
     assert "teacher_scores" not in inputs
