@@ -130,6 +130,7 @@ def test_prime_rl_local_mode_with_an_ema_hint_teacher(make_config):
         PrimeRLBackend(make_config({"dppo": 1.0, "hint_distill": {"teacher": "ema"}}), mode="prime-rl")
 
 
+@pytest.mark.slow
 def test_monarch_actors_train_on_a_local_process_mesh(make_config, tiny_model_dir):
     """The backend's own session (what ``train()`` runs): 2 steps, an actor failure, the final sync check."""
     import asyncio
@@ -183,6 +184,7 @@ def test_trl_pairs_keep_the_native_prompt_length(make_config, monkeypatch):
     assert seen["policy"].max_context_length == 300
 
 
+@pytest.mark.slow
 def test_monarch_trainer_actor_advances_the_step_schedules(make_config):
     """Monarch drives ComposerModule without a Lightning Trainer: its trainer actor passes its optimizer step, so the
     step record's ``step`` advances and TAID's linear schedule (``adaptive: false``) moves with it."""

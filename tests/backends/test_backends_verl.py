@@ -227,6 +227,7 @@ def test_registration_is_idempotent_and_refuses_foreign_names():
     assert get_policy_loss_fn("composer_grpo") is CV.POLICY_LOSS_FNS["composer_grpo"]
 
 
+@pytest.mark.slow
 def test_plain_import_verl_registers_through_the_distributions_entry_point():
     """`pip install composer-plugins-verl` is all it takes: VeRL loads our module via `verl.plugins`.
 

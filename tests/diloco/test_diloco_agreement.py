@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from serverless_support import HERE, WAIT_S, cli, finish, logs, records, result, store_url
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
 def _objstore(url: str) -> tuple[str, ...]:

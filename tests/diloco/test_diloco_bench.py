@@ -26,6 +26,7 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_ddp_worker_fails_the_benchmark_fast_naming_it_with_its_output(tmp_path: Path) -> None:
     toy = _toy(True, 10**7)  # would train for hours: only the kill can end it

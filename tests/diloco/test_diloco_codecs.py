@@ -85,6 +85,7 @@ def test_builtin_codecs_keep_the_codec_contract(name):
     check("codecs", name)
 
 
+@pytest.mark.slow
 def test_third_party_codec_is_listed_with_its_provider_and_carries_an_s3_run(moto, tmp_path):
     # this suite turns third-party autoload off (COMPOSER_PLUGINS_LOAD=''); the user's switch loads the one plugin
     env = {

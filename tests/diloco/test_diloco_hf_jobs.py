@@ -21,7 +21,7 @@ from composer_plugins.diloco.launch import ENV_INDEX, ENV_STORE, ReplicaSpec
 from composer_plugins.testing.hf_jobs_hub import FakeJobsHub
 
 pytest.importorskip("huggingface_hub")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SECRET = "s3cr3t-value-never-logged"
 

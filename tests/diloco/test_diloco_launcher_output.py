@@ -17,7 +17,7 @@ from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
 from composer_plugins.diloco.toy import ToyConfig, toy_model, toy_stream
 from composer_plugins.training.lightning.progress import StepProgressBar
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
 class _SeenBar(StepProgressBar):

@@ -25,7 +25,7 @@ from composer_plugins import procs
 
 HERE = Path(__file__).parent
 WAIT_S = 240.0
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def records(log_dir: Path, index: int) -> list[dict[str, Any]]:

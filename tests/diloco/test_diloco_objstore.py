@@ -23,7 +23,7 @@ from serverless_support import HERE, WAIT_S, FaultyProxy, cli, finish, logs, rec
 
 from composer_plugins import procs
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
 def test_object_store_run_equals_torchft_run_bitwise(tmp_path):

@@ -19,6 +19,8 @@ from composer_plugins.diloco.objstore.rounds import RoundStore
 from composer_plugins.diloco.objstore.statehash import flatten, state_hash
 from composer_plugins.diloco.store import CorruptObjectError, ObjectStore, pack, unpack
 
+pytestmark = pytest.mark.slow
+
 H_IN, D_IN, D_HID = 2, 16, 128
 
 

@@ -18,6 +18,8 @@ import pytest
 
 from composer_plugins.diloco.launch import ReplicaGroup, replica_argv
 
+pytestmark = pytest.mark.slow
+
 WAIT_S = 150.0  # generous: replicas import torch + lightning on a busy machine
 
 

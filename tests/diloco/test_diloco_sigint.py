@@ -7,7 +7,10 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 from serverless_support import cli, logs, records, store_url
+
+pytestmark = pytest.mark.slow
 
 
 def test_ctrl_c_says_where_the_run_is_kept_and_how_to_continue_and_exits_130(tmp_path):

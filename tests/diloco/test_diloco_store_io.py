@@ -13,7 +13,7 @@ import torch
 from serverless_support import FaultyProxy, store_url
 from torch import nn
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 class OnDevice(torch.Tensor):

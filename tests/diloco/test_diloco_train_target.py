@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from composer_plugins.diloco.launch import ReplicaGroup, replica_argv
+
+pytestmark = pytest.mark.slow
 
 
 def test_project_train_config_as_two_replicas(tmp_path: Path):

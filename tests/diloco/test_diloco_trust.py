@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from serverless_support import HERE, WAIT_S, cli, finish, logs, records, result, store_url
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
 def _fault_env(moto: dict[str, str], **faults: object) -> dict[str, str]:

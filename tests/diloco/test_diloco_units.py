@@ -319,6 +319,7 @@ def test_start_barrier_timeout_names_the_missing_replica(caplog):
     assert "replica(s) [1] did not arrive within 0s" in caplog.text and "going on" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_group_marks_a_dead_replica_gone_at_the_start_barrier(tmp_path):
     """End to end: replica 1 dies before the barrier; replica 0, waiting there, is told within seconds."""
@@ -449,6 +450,7 @@ def test_replicas_default_from_config(tmp_path):
         check_replica_config("toy", str(p), ["diloco.replicas=0"], "toy")
 
 
+@pytest.mark.slow
 def test_restart_is_posted_on_the_rejoin_board_and_not_done_once_the_peers_finished(tmp_path):
     """A restarted replica is ``pending`` on the board its peers read; none is restarted with nobody left."""
     reader = (

@@ -15,7 +15,7 @@ from composer_plugins.diloco.common import DiLoCoConfig
 from composer_plugins.diloco.executors import make_executor
 from composer_plugins.diloco.launch import LaunchError, LocalProcessExecutor, ReplicaGroup, replica_argv
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
 def _records(path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from composer_plugins.core.cli import load_commands
@@ -54,6 +55,7 @@ def test_sandbox_check():
     assert "isolation:" in res.output and "FAIL" not in res.output
 
 
+@pytest.mark.slow
 def test_env_score_feature_deletion_hides_another_checkout_by_default(tmp_path):
     """``composer-plugins env score feature_deletion``: a completion that copies the deleted function from
     another checkout on the disk scores 0 by default, and 1 once the view is widened (``sandbox_expose=all``)."""

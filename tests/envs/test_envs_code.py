@@ -38,6 +38,7 @@ def test_embedded_tasks_and_splits(env):
     assert len(env.sample_tasks(20)) == 20
 
 
+@pytest.mark.slow
 def test_canonical_solutions_score_one_in_both_modes(env, asserts_env):
     ts = env.tasks("train") + env.tasks("test")
     sols = [t["canonical_solution"] for t in ts]

@@ -59,6 +59,7 @@ def test_the_intermediate_results_are_the_sums_of_the_last_columns():
     assert column_numbers(12345, 67890)["intermediate"] == (45 + 90, 345 + 890, 2345 + 7890)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["columns", "long_columns"])
 def test_prepare_reports_the_overlap_at_each_level_of_the_procedure(tmp_path, level):
     """What docs/envs.md and studies/procedural/README.md claim of the split: every test row's facts (and so its

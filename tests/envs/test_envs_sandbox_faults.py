@@ -173,6 +173,7 @@ def test_sigkill_of_the_scorer_leaves_nothing_running_and_the_next_start_cleans_
     assert not (tmp_path / sid).exists(), "the next sandbox start did not remove the leftover directory"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", [pytest.param("namespaces", marks=needs_ns), "guard"])
 def test_wall_limit_is_enforced_inside_when_the_scorer_cannot(mode, tmp_path):

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 sys.path.insert(0, str(ROOT / "scripts"))

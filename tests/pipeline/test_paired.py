@@ -94,6 +94,7 @@ def test_study_report_reads_evals_and_histories(tmp_path) -> None:
         paired.main([str(tmp_path), "--plots", str(tmp_path / "img"), "--prefix"])
 
 
+@pytest.mark.slow
 def test_compare_paired_cli_reads_mlflow(tmp_path, monkeypatch) -> None:
     from click.testing import CliRunner
     from mlflow.tracking import MlflowClient

@@ -9,7 +9,11 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from composer_plugins import procs
+
+pytestmark = pytest.mark.slow
 
 TINY = """
 seed: 0

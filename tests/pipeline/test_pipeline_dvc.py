@@ -23,6 +23,8 @@ import yaml
 
 from composer_plugins import procs
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CI_PARAMS = Path(__file__).with_name("params.ci.yaml")

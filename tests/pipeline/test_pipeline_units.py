@@ -170,6 +170,7 @@ def test_run_tags(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+@pytest.mark.slow
 def test_compare_reads_mlflow_dedupes_and_aggregates(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -339,6 +340,7 @@ def test_the_readme_describes_the_default_study_params_yaml_runs() -> None:
     assert "`cd studies/procedural && J=2 bash run_study.sh`" in readme and "does **not** pass" in readme
 
 
+@pytest.mark.slow
 def test_the_report_pools_a_second_warm_start_and_tests_rl_against_each_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -157,6 +157,7 @@ def _eval_run(uri: str, variant: str, seed: int, lr: float, acc: float) -> str |
     return stages.log_eval_run(params, train_cfg, result)
 
 
+@pytest.mark.slow
 def test_compare_shows_the_baseline_beside_each_experiment(tmp_path, monkeypatch):
     import mlflow
 

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from composer_plugins.core.cli import load_commands
 from composer_plugins.pipeline import plots
 
+pytestmark = pytest.mark.slow
+
 DVC_YAML = {
     "plots": [
         {"curves": {"x": "step"}},  # a directory plot: one chart per file

@@ -150,6 +150,7 @@ def test_wait_announces_what_it_waits_for(tmp_path, monkeypatch):
     assert status.read_text() == ""  # cleared once the wait is over
 
 
+@pytest.mark.slow
 def test_conftest_kills_and_reports_what_a_test_leaves_behind(tmp_path):
     """The suite's safety net: a process a test forgot is killed once the test is over, with a warning."""
     (tmp_path / "conftest.py").write_text((Path(__file__).parents[1] / "conftest.py").read_text())
@@ -185,6 +186,7 @@ def test_conftest_kills_and_reports_what_a_test_leaves_behind(tmp_path):
     assert "test test_leak.py::test_leaks left 1 process(es)" in out
 
 
+@pytest.mark.slow
 def test_conftest_spares_the_test_process_own_mpi_singleton_daemon(tmp_path):
     """An MPI-linked import (seen on the GPU image) starts ``orted --singleton-died-pipe`` as a child of the test
     process for the process's life, and the process exits 195 once it dies: the sweep must leave it alone (the

@@ -11,6 +11,8 @@ from click.testing import CliRunner
 from composer_plugins.teachers.normalize import DEFAULT_RECIPE, NormalizeError, normalize_pairs
 from composer_plugins.teachers.pairs import validate_pair
 
+pytestmark = pytest.mark.slow
+
 
 def _pair(sid: str, question: str, chosen: str = "#### 4", rejected: str = "#### 5", **kw) -> dict:
     messages = [{"role": "system", "content": "Solve."}, {"role": "user", "content": question}]

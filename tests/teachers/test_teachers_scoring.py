@@ -123,6 +123,7 @@ def test_local_scorer_rows_in_one_head_pass_match_each_row_alone(tiny):
             assert math.isnan(actual[0]) and (ids[0] == -1).all()
 
 
+@pytest.mark.slow
 def test_server_scorer_vllm_and_sglang_shapes_match_the_local_model(tiny, server, tmp_path):
     from transformers import AutoTokenizer
 
@@ -147,6 +148,7 @@ def test_server_scorer_vllm_and_sglang_shapes_match_the_local_model(tiny, server
         sc.close()
 
 
+@pytest.mark.slow
 def test_kill_the_server_mid_run_nothing_scored_twice_and_budget_held(tiny, server, tmp_path):
     from transformers import AutoTokenizer
 

@@ -130,6 +130,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_kill_during_save_leaves_a_good_last_ckpt(tmp_path):
     last = tmp_path / "checkpoints" / "last.ckpt"

@@ -11,6 +11,8 @@ import pytest
 from composer_plugins.training.lightning import tracking
 from composer_plugins.training.runs.run import run_train
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def store(tmp_path, monkeypatch) -> str:

@@ -178,6 +178,7 @@ def _rows(ro):
     return [ro.completion_ids[j][ro.completion_mask[j].bool()].tolist() for j in range(ro.completion_ids.shape[0])]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_server_same_seed_same_tokens_and_weight_reload_changes_samples(tiny_policy, tmp_path):
     import torch
@@ -215,6 +216,7 @@ def test_server_same_seed_same_tokens_and_weight_reload_changes_samples(tiny_pol
         assert _rows(after) == _in_process(policy, tok, prompts, G, 5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_server_faults_lose_no_request(tiny_policy):
     from composer_plugins.testing.loopback_server import RolloutServerProcess
@@ -244,6 +246,7 @@ def test_server_faults_lose_no_request(tiny_policy):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_training_from_the_server_syncs_weights_and_corrects_the_lag(make_cfg, tiny_policy, tmp_path):
     from composer_plugins.testing.loopback_server import RolloutServerProcess

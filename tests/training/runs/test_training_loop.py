@@ -164,6 +164,7 @@ def test_resume_reproduces_the_uninterrupted_run(
         assert full.history[1]["train/grpo/ratio_mean"] != 1.0 and full.history[0]["train/grpo/ratio_mean"] == 1.0
 
 
+@pytest.mark.slow
 def test_mlflow_run_has_params_metrics_and_checkpoints(make_cfg, tmp_path, monkeypatch):
     import mlflow
 

@@ -23,6 +23,8 @@ from composer_plugins import PLUGIN_API_VERSION, __version__
 from composer_plugins.core import version
 from composer_plugins.losses import base
 
+pytestmark = pytest.mark.slow
+
 OLD = """
 from composer_plugins import hookimpl
 from composer_plugins.losses.base import LossChannel

@@ -92,6 +92,7 @@ def _train(cfg: Path, *args: str, **kw) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_names_the_step_and_the_checkpoint_exits_130_and_a_rerun_must_choose(tmp_path: Path, tiny_yaml: str):
     """A real ``train`` process sent SIGINT (what Ctrl-C sends) once it has checkpoints: it says where it stopped and

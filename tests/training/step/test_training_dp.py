@@ -16,6 +16,8 @@ import torch
 
 from composer_plugins.procs import Children
 
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("dp_worker.py")
 if str(WORKER.parent) not in sys.path:  # the env class of the test, importable as the ranks import it
     sys.path.insert(0, str(WORKER.parent))
