@@ -4,6 +4,7 @@ name the stages they pin (docs/pipeline.md, "Reproducibility"; .ci/run reproduce
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -67,9 +68,31 @@ def test_locks_pin_the_main_job_and_its_ci_size() -> None:
     assert _lock_stages(ci_lock) == _stage_names(ci), "regenerate tests/pipeline/dvc.ci.lock (docs/pipeline.md)"
 
 
-def test_every_main_job_output_is_ignored_by_git() -> None:
+def _uncached_patterns() -> list[re.Pattern[str]]:
+    """dvc.yaml's ``cache: false`` outs and metrics, as patterns over the lock's paths (``${...}`` matches anything)."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    found = []
+    for stage in stages.values():
+        for entry in [*stage.get("outs", []), *stage.get("metrics", [])]:
+            if isinstance(entry, dict):
+                ((path, opts),) = entry.items()
+                if (opts or {}).get("cache") is False:
+                    found.append(re.compile("^" + re.sub(r"\\\$\\\{[^}]*\\\}", ".+", re.escape(path)) + "$"))
+    return found
+
+
+def test_cached_outputs_are_ignored_and_uncached_ones_committed() -> None:
+    """The cached outputs (models, data, runs) are ignored by git; the uncached ones (metrics, evals, plots data,
+    reports) are committed with the lock, so `dvc metrics diff HEAD` and `dvc exp show` have main to compare with."""
     lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
     outs = sorted({o["path"] for stage in lock.values() for o in stage.get("outs", [])})
-    assert "metrics.json" in outs and "models/sft" in outs
-    res = subprocess.run(["git", "check-ignore", "--no-index", *outs], cwd=ROOT, capture_output=True, text=True)
-    assert sorted(res.stdout.split()) == outs, f"not ignored by git: {sorted(set(outs) - set(res.stdout.split()))}"
+    uncached = [o for o in outs if any(p.match(o) for p in _uncached_patterns())]
+    cached = [o for o in outs if o not in uncached]
+    assert "metrics.json" in uncached and "results/paired.json" in uncached and "models/sft" in cached
+    res = subprocess.run(["git", "check-ignore", "--no-index", *cached], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(res.stdout.split()) == cached, f"not ignored by git: {sorted(set(cached) - set(res.stdout.split()))}"
+    res = subprocess.run(["git", "check-ignore", "--no-index", *uncached], cwd=ROOT, capture_output=True, text=True)
+    assert res.stdout.split() == [], f"ignored by git, so not committed: {res.stdout.split()}"
+    tracked = subprocess.run(["git", "ls-files", "--", *uncached], cwd=ROOT, capture_output=True, text=True).stdout
+    missing = [o for o in uncached if not any(line == o or line.startswith(o + "/") for line in tracked.split())]
+    assert not missing, f"commit them with dvc.lock: {missing}"
