@@ -362,8 +362,9 @@ def test_study_directory_runs_as_a_dvc_experiment(study_repo: tuple[Path, str]) 
     # dvc plots: accuracy and groups_with_signal per variant over steps
     plots = json.loads(run(study_dir, str(BIN / "dvc"), "plots", "show", "--json").stdout)
     ids = set(plots["data"])  # the study's own plots are "dvc.yaml::<title>" from its directory
-    assert any(i.startswith("dvc.yaml::Groups with reward signal per variant") for i in ids), sorted(ids)
-    assert any(i.startswith("dvc.yaml::Rollout accuracy per variant") for i in ids), sorted(ids)
+    assert any(i.startswith("dvc.yaml::Groups with reward signal per step") for i in ids), sorted(ids)
+    assert any(i.startswith("dvc.yaml::Rollout accuracy per step") for i in ids), sorted(ids)
+    assert any(i.startswith("dvc.yaml::Paired effects against the baseline") for i in ids), sorted(ids)
     # MLflow (the repository's one store, its own experiment): runs carry variant, seed and the dvc exp;
     # compare --paired, run by a person in the study directory, finds the same store and prints the table
     from mlflow.tracking import MlflowClient
