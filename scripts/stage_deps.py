@@ -11,13 +11,13 @@ A stage's deps are written by hand in dvc.yaml; this derives what they must hold
   is taken, and a static walk cannot know which paths are). Each module's file must lie under one of the
   stage's deps (a directory dep covers everything under it).
 * **Paths read from another study.** A study's cells may read a teacher model from another study's directory
-  (``model_path: ../procedural_b/models/teacher/model``) and its report may pool other studies
+  (``model_path: ../confirm/models/teacher/model``) and its report may pool other studies
   (``study.warm_starts``): each such ``../`` path in the study's params must lie under one of the deps of the
   stage that reads it (``train`` for a variant's paths; ``report`` for each warm start's ``evals`` and ``runs``
   and the ``results/teacher.json`` of every study whose teacher a cell used).
 
     .venv/bin/python scripts/stage_deps.py                    # root dvc.yaml and every studies/*/dvc.yaml
-    .venv/bin/python scripts/stage_deps.py studies/procedural # one project
+    .venv/bin/python scripts/stage_deps.py studies/confirm    # one project
     .venv/bin/python scripts/stage_deps.py --json ...         # what each stage imports, as JSON
 
 Exits 1 naming each stage and what its deps miss. tests/pipeline/test_stage_deps.py runs it.

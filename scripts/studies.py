@@ -9,7 +9,7 @@ written by hand, so the stages stay the one definition in dvc.yaml:
   (``composer_plugins/...`` -> ``../../composer_plugins/...``); every other path is the study's own.
 * ``params.yaml``: the repository's params.yaml merged with ``studies/<name>/overrides.yaml``
   (:func:`composer_plugins.pipeline.study.merge_params`); an overrides file whose ``_base`` names another
-  study applies on top of that study's (a second SFT warm start of the same design: ``procedural_b``).
+  study applies on top of that study's (another SFT warm start of the same design: ``confirm_b``).
 
     .venv/bin/python scripts/studies.py          # rewrite every studies/*/{dvc.yaml,params.yaml}
     .venv/bin/python scripts/studies.py --check  # exit 1 when one is out of date
@@ -44,28 +44,28 @@ def header(name: str, what: str) -> str:
 def external_deps(params: dict) -> dict[str, list[str]]:
     """``{stage: [path]}``: what a study's stages read from other studies, as deps (``../<study>/...`` paths).
 
+    ``prepare``: every ``../`` path in ``data`` (a pilot's problems that ``data.<env>.exclude`` keeps out).
     ``train``: every ``../`` path in ``study.variants`` or ``train`` (a teacher model another study built).
     ``report``: each pooled warm start's ``evals``, ``runs`` and ``results`` (``study.warm_starts``), and the
     ``results`` of every study whose teacher a cell used (its measured accuracy, named in the report).
     """
-    reads: set[str] = set()
 
-    def walk(value: object) -> None:
+    def walk(value: object, reads: set[str]) -> set[str]:
         if isinstance(value, dict):
             for v in value.values():
-                walk(v)
+                walk(v, reads)
         elif isinstance(value, list):
             for v in value:
-                walk(v)
+                walk(v, reads)
         elif isinstance(value, str) and value.startswith("../"):
             reads.add(value)
+        return reads
 
     study = params.get("study") or {}
-    walk(study.get("variants") or {})
-    walk(params.get("train") or {})
+    reads = walk(params.get("train") or {}, walk(study.get("variants") or {}, set()))
     report = {f"{ws}/{sub}" for ws in study.get("warm_starts") or [] for sub in ("evals", "runs", "results")}
     report |= {f"../{Path(r).parts[1]}/results" for r in reads if len(Path(r).parts) > 2}
-    return {"train": sorted(reads), "report": sorted(report)}
+    return {"prepare": sorted(walk(params.get("data") or {}, set())), "train": sorted(reads), "report": sorted(report)}
 
 
 def add_deps(text: str, stage: str, paths: list[str]) -> str:

@@ -181,9 +181,16 @@ def read_study_dir(
             v, s = "sft", None
         else:
             v, s = parse_run_name(f.stem)
-        m = json.loads(f.read_text()).get("metrics", {})
+        data = json.loads(f.read_text())
+        m = data.get("metrics", {})
         recs.append(
-            {"variant": v, "seed": s, "warm_start": root.as_posix(), **{canonical_metric(k): x for k, x in m.items()}}
+            {
+                "variant": v,
+                "seed": s,
+                "warm_start": root.as_posix(),
+                "correct": dict(data.get("correct") or {}),
+                **{canonical_metric(k): x for k, x in m.items()},
+            }
         )
     hist: Histories = {}
     for f in sorted((root / runs).glob("*/history.csv")):
@@ -217,6 +224,26 @@ def warm_start_values(recs: Sequence[Mapping[str, Any]], metric: str) -> float |
     }
 
 
+def problem_scores(recs: Sequence[Mapping[str, Any]], metric: str) -> dict[str, dict[int, list[float]]]:
+    """``{variant: {seed: per-problem 0/1}}`` for ``metric``'s env (``gsm8k/accuracy`` -> ``gsm8k``) from each
+    eval's ``correct`` string; the SFT start's under ``"sft"``, keyed by every seed run from it."""
+    env = metric.split("/", 1)[0]
+
+    def bits(r: Mapping[str, Any]) -> list[float] | None:
+        c = (r.get("correct") or {}).get(env)
+        return [1.0 if ch == "1" else 0.0 for ch in c] if isinstance(c, str) and c else None
+
+    out: dict[str, dict[int, list[float]]] = {}
+    sft = {r.get("warm_start"): b for r in recs if r["variant"] == "sft" and (b := bits(r)) is not None}
+    for r in recs:
+        if r["variant"] == "sft" or r.get("seed") is None or (b := bits(r)) is None:
+            continue
+        out.setdefault(str(r["variant"]), {})[int(r["seed"])] = b
+        if r.get("warm_start") in sft:
+            out.setdefault("sft", {})[int(r["seed"])] = sft[r.get("warm_start")]
+    return out
+
+
 def seed_blocks(recs: Sequence[Mapping[str, Any]]) -> dict[int, str]:
     """``{seed: warm start}`` of a pooled study's records (:func:`read_study_dir` names each record's root)."""
     return {int(r["seed"]): str(r.get("warm_start", ".")) for r in recs if r.get("seed") is not None}
@@ -233,7 +260,8 @@ def study_report(
     fractions: Sequence[str] = (),
     gap: Mapping[str, Any] | None = None,
     margin: float | None = None,
-    blocking: bool = False,
+    blocking: bool | str = False,
+    each_start: Sequence[str] = (),
 ) -> str:
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
 
@@ -253,8 +281,21 @@ def study_report(
         se = f" (held-out se {heldout_se(r[metric], heldout_n):.4f})" if heldout_n else ""
         where = f" (warm start {r['warm_start']})" if isinstance(start, Mapping) else ""
         out.append(f"SFT start{where}: {metric} = {r[metric]:.4f}{se}\n")
-    blocks = seed_blocks(recs) if blocking else None
-    fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin, blocks=blocks)
+    mode = ("warm_start" if blocking else "none") if isinstance(blocking, bool) else blocking
+    blocks = seed_blocks(recs) if mode != "none" else None
+    problems = problem_scores(recs, metric) if mode == "random_start" else None
+    fam = study_effects(
+        recs,
+        hist,
+        baseline,
+        metric,
+        delta=delta,
+        start=start,
+        margin=margin,
+        blocks=blocks,
+        problems=problems,
+        each_start=each_start,
+    )
     parts = list(fam.values())
     flat = [e for t in parts for e in t]
     sig, curve = "train/groups_with_signal", fam.get("curve", [])
@@ -270,7 +311,17 @@ def study_report(
             else "\n"
         )
     )
-    if blocks is not None and len(set(blocks.values())) > 1:
+    if problems is not None:
+        out.append(
+            f"Starts and problems random (study.blocking: random_start): each effect is the mean over the "
+            f"{len(set(blocks.values())) if blocks else 0} warm starts of each start's mean paired difference; its "
+            "se adds the starts' sampling variance (the per-start means' variance over the number of starts) and "
+            "the held-out problems' (the per-problem differences' variance over the number of problems), t on "
+            "starts − 1 degrees of freedom. The verdicts are about SFT starts built by this recipe and problems drawn "
+            "by this generator. Only the final accuracy tests and the baseline's move from its start form the "
+            "family. Each start's mean difference is listed after the tables.\n"
+        )
+    elif blocks is not None and len(set(blocks.values())) > 1:
         out.append(
             f"Blocked by warm start (study.blocking): each effect is the mean of the {len(set(blocks.values()))} "
             "starts' mean differences, each start weighing the same; its se comes from the seeds' spread around "
@@ -328,6 +379,16 @@ def study_report(
             f"Does RL move the start? {baseline} minus its seed's SFT warm start ({metric}; in the family above):",
             "",
             format_paired(fam["start"], "markdown", heldout_n=heldout_n),
+        ]
+    if fam.get("each_start"):
+        out += [
+            "",
+            f"The positive control within each warm start (study.control: each_start; {metric}, the held-out "
+            "problems as the sample, in the family above):",
+            "",
+            format_paired(fam["each_start"], "markdown", heldout_n=heldout_n),
+            "",
+            "Starts, in the order of the rows: " + ", ".join(e.extra["start"] for e in fam["each_start"]) + ".",
         ]
     per_start = [e for part in ("final", "start") for e in fam.get(part, []) if "blocks" in e.extra]
     if per_start:

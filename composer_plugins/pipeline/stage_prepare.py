@@ -14,7 +14,7 @@ from composer_plugins.core.io import read_jsonl
 from composer_plugins.pipeline.common import SPLITS, env_key, file_sha256, param_error, section, write_jsonl
 
 #: Keys of one ``data.<env>`` entry.
-DATA_KEYS = ("env", "source", "train", "test", "hf_id", "hf_config", "path", "test_path", "seed")
+DATA_KEYS = ("env", "source", "train", "test", "hf_id", "hf_config", "path", "test_path", "seed", "exclude")
 SOURCES = ("embedded", "hf", "file")
 
 
@@ -43,6 +43,14 @@ def data_envs(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             n = v.get(split, 0)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise param_error(params, f"data.{k}.{split}", f"must be an integer >= 0, got {n!r}.")
+        ex = v.get("exclude") or []
+        if not isinstance(ex, list) or not all(isinstance(x, str) and x for x in ex):
+            raise param_error(params, f"data.{k}.exclude", f"must be a list of JSONL paths, got {ex!r}.")
+        for i, x in enumerate(ex):
+            if not Path(x).is_file():
+                raise param_error(
+                    params, f"data.{k}.exclude[{i}]", f"{x!r} is not a file (relative to {os.getcwd()}).", valid=None
+                )
         out[str(k)] = {"seed": int(data.get("seed", 0)), **dict(v)}
     return out
 
@@ -92,6 +100,12 @@ def sample_tasks(env: Any, n: int, split: str, seed: int) -> list[dict[str, Any]
     return [dict(t) for t in fn(n, split=split, seed=seed)]
 
 
+def excluded_questions(paths: Sequence[str]) -> set[str]:
+    """The ``question`` of every task in the JSONL files ``data.<env>.exclude`` names (a pilot's problems, a
+    benchmark that must not leak): prepare draws none of them, in any split."""
+    return {str(t.get("question")) for p in paths for t in read_jsonl(p)}
+
+
 def prepare(params: Mapping[str, Any], out_dir: str | os.PathLike[str] = "data/tasks") -> dict[str, Any]:
     """Write ``<out_dir>/<env>/{train,test}.jsonl`` for every env in ``params['data']``; returns the manifest.
 
@@ -106,13 +120,19 @@ def prepare(params: Mapping[str, Any], out_dir: str | os.PathLike[str] = "data/t
         spec = source_spec(env_spec_for(params, key, s), s)
         env = build_env(spec)
         entry: dict[str, Any] = {"env": spec, "source": s.get("source", "embedded")}
+        banned = excluded_questions(s.get("exclude") or [])
+        if banned:
+            entry["exclude"] = {"files": list(s["exclude"]), "questions": len(banned)}
         for split in SPLITS:
             n = int(s.get(split, 0))
             seed = int(s.get("seed", 0))
             if entry["source"] == "embedded":
-                tasks = sample_tasks(env, n, split, seed) if n else []
+                # the generator's stream is deterministic: drawing n + |excluded| and dropping the excluded keeps
+                # the first n of the rest (the same tasks whatever else the stream holds)
+                tasks = sample_tasks(env, n + len(banned), split, seed) if n else []
+                tasks = [t for t in tasks if str(t.get("question")) not in banned][:n]
             else:
-                tasks = [dict(t) for t in env.tasks(split)]
+                tasks = [dict(t) for t in env.tasks(split) if str(t.get("question")) not in banned]
                 random.Random(seed).shuffle(tasks)
                 tasks = tasks[:n] if n else tasks
             path = out / key / f"{split}.jsonl"

@@ -177,7 +177,16 @@ def paired_summary(
         t.update(hi=_r(hi), p=_r(e.p), p_holm=_r(e.p_adjusted), verdict=e.verdict, n=e.n)
         if e.metric == metric and e.variant in bars:
             t.update(bar=bars[e.variant], passes=bool(lo >= bars[e.variant]))
+        if "blocks" in e.extra:  # each warm start's mean difference
+            t["per_start"] = {b: _r(x["mean"]) for b, x in e.extra["blocks"].items()}
+        if "start" in e.extra:  # a test within one warm start (study.control: each_start)
+            t["start"] = e.extra["start"]
         tests.append(t)
+    control = control_result(bars, tests)
+    if control["passes"] is False:  # a control that fails its bars calibrates nothing: say so on every channel
+        for t in tests:
+            if t["variant"] not in bars and t["metric"] == metric:
+                t["verdict"] = f"uncalibrated: {t['verdict']}"
     if effects_csv is not None:
         with effects_csv.open("w", newline="") as f:
             w = csv.writer(f)
@@ -186,7 +195,7 @@ def paired_summary(
                 what = _s(arms.get(t["variant"], {}).get("description", ""))
                 name = f"{t['variant']} ({what}) − {t['vs']}" if what else f"{t['variant']} − {t['vs']}"
                 w.writerow([name, t["metric"], t["effect"], t["lo"], t["hi"], t["verdict"], t.get("bar", "")])
-    keys = ("variant", "vs", "metric", "bar", "lo", "passes")
+    keys = ("variant", "vs", "metric", "bar", "lo", "passes", "start")
     return {
         "metric": metric,
         "task": (params.get("train") or {}).get("env"),
@@ -194,9 +203,43 @@ def paired_summary(
         "family": next((e.family for part in fam.values() for e in part), 0),  # Holm's m
         "starts": list(starts),
         "arms": dict(arms),
-        "bars": [{k: t[k] for k in keys} for t in tests if "bar" in t],
+        "bars": [{k: t[k] for k in keys if k in t} for t in tests if "bar" in t],
+        "control": control,
         "tests": tests,
     }
+
+
+def control_result(bars: Mapping[str, float], tests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The positive control's outcome: ``passes`` is ``None`` without ``study.bars``, else whether every bar has a
+    test whose Holm-level lower bound reaches it; ``text`` says so (and that the channels' verdicts are then
+    uncalibrated)."""
+    if not bars:
+        return {"passes": None, "text": "No positive control (study.bars is empty)."}
+    got: dict[str, list[Mapping[str, Any]]] = {}
+    for t in (t for t in tests if "bar" in t):
+        got.setdefault(t["variant"], []).append(t)
+    for v, ts in got.items():  # bars applied to each start (study.control: each_start) judge on those tests
+        if any("start" in t for t in ts):
+            got[v] = [t for t in ts if "start" in t]
+    parts = []
+    for v, bar in bars.items():
+        if v not in got:
+            parts.append(f"{v}: no test (fails)")
+            continue
+        ts = got[v]
+        where = f" on each of {len(ts)} starts" if "start" in ts[0] else ""
+        low = min(ts, key=lambda t: t["lo"] if t["lo"] is not None else -math.inf)
+        ok_v = all(t["passes"] for t in ts)
+        parts.append(
+            f"{v} − {ts[0]['vs']}{where}: Holm-level lower bound {_s(low['lo'])}"
+            + (f" (lowest, {low['start']})" if where else "")
+            + f" against {bar:+.2f}"
+            + (" (passes)" if ok_v else " (fails)")
+        )
+    ok = all(v in got and all(t["passes"] for t in got[v]) for v in bars)
+    head = "The positive control passes" if ok else "The positive control fails"
+    tail = "." if ok else "; every channel's verdict below is uncalibrated."
+    return {"passes": ok, "text": f"{head}: {'; '.join(parts)}{tail}"}
 
 
 def report(
@@ -299,8 +342,11 @@ def report(
     paired_text += note
     atomic_write_json(metrics_out, out, sort_keys=True)
     paired_out = Path(table_out).with_name("paired.md")
-    study.write_text(paired_out, paired_text)
     summary = paired_summary(params, fam, arms, starts, metric, pdir / "effects.csv")
+    if summary["control"]["passes"] is not None:
+        head, sep, rest = paired_text.partition("\n\n")
+        paired_text = f"{head}{sep}**{summary['control']['text']}**\n\n{rest}"
+    study.write_text(paired_out, paired_text)
     atomic_write_json(paired_out.with_suffix(".json"), summary)
     _log_report(params, out, [metrics_out, table_out, paired_out, paired_out.with_suffix(".json"), pdir])
     return {"metrics": out, "table": table, "rows": rows, "paired": paired_text}
@@ -333,8 +379,10 @@ def _paired_report(
     from composer_plugins.pipeline import paired
 
     recs, hist = paired.read_study_dir(roots, evals_dir, runs_dir)
-    blocked = study.blocking(params)  # study.blocking: warm_start blocks every test by the seed's warm start
-    blocks = paired.seed_blocks(recs) if blocked else None
+    blocked = study.blocking(params)  # study.blocking: warm_start / random_start (by the seed's warm start)
+    blocks = paired.seed_blocks(recs) if blocked != "none" else None
+    problems = paired.problem_scores(recs, metrics_names[0] if metrics_names else "gsm8k/accuracy")
+    each_start = list(study.bars(params)) if study.control(params) == "each_start" else []
     signal = paired.run_means(hist, SIGNAL)
     for col in RUN_MEANS:  # run means over steps, mean/std over seeds
         for v, by_seed in (signal if col == SIGNAL else paired.run_means(hist, col)).items():
@@ -365,14 +413,25 @@ def _paired_report(
     start = paired.warm_start_values(recs, metric)
     # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
     margin = study.equivalence_margin(params)
-    fam = paired.study_effects(recs, hist, base, metric, delta=delta, start=start, margin=margin, blocks=blocks)
+    fam = paired.study_effects(
+        recs,
+        hist,
+        base,
+        metric,
+        delta=delta,
+        start=start,
+        margin=margin,
+        blocks=blocks,
+        problems=problems if blocked == "random_start" else None,
+        each_start=each_start,
+    )
     for part, effects in fam.items():
         for e in effects:
             if e.variant not in out:
                 continue
             key = (
                 metric
-                if part in ("final", "start")
+                if part in ("final", "start", "each_start")
                 else SIGNAL
                 if part == "signal"
                 else "curve/" + e.metric.split(" ", 1)[1]
@@ -389,6 +448,9 @@ def _paired_report(
                 "baseline_mean": _r(e.baseline_mean),
             }
             row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
+            if part == "each_start":  # one start's test: {vs: {start: row}} (study.control: each_start)
+                out[e.variant].setdefault("each_start", {}).setdefault(e.baseline, {})[e.extra["start"]] = row
+                continue
             out[e.variant].setdefault("minus_sft" if part == "start" else f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
     fractions = sorted(
@@ -415,6 +477,7 @@ def _paired_report(
         gap=gap,
         margin=margin,
         blocking=blocked,
+        each_start=each_start,
     )
     return title + text + "\n", fam
 

@@ -215,19 +215,38 @@ def bars(params: Mapping[str, Any]) -> dict[str, float]:
 
 
 #: ``study.blocking``'s values: ``none`` pools every seed as one sample; ``warm_start`` blocks them by warm start.
-BLOCKING = ("none", "warm_start")
+BLOCKING = ("none", "warm_start", "random_start")
 
 
-def blocking(params: Mapping[str, Any]) -> bool:
-    """``study.blocking`` (default ``none``): ``warm_start`` makes the pooled report's tests blocked by warm start.
+def blocking(params: Mapping[str, Any]) -> str:
+    """``study.blocking`` (default ``none``), one of :data:`BLOCKING`, fixed before the study runs.
 
-    A pooled study (``study.warm_starts``) then judges the mean of each start's effect against the seeds' spread
-    within their own start (:func:`.stats.paired_effect`'s ``blocks``). Fixed before the study runs.
+    ``warm_start``: a pooled study (``study.warm_starts``) judges the mean of each start's effect against the
+    seeds' spread within their own start (:func:`.stats.paired_effect`'s ``blocks``): a statement about these
+    starts. ``random_start``: the starts and the held-out problems are both samples (:func:`.stats.crossed_effect`,
+    from each cell's per-problem results): a statement about starts built by the study's recipe.
     """
     b = (params.get("study") or {}).get("blocking", "none")
     if b not in BLOCKING:
         raise param_error(params, "study.blocking", f"unknown blocking {b!r}.", valid=list(BLOCKING))
-    return b == "warm_start"
+    return str(b)
+
+
+#: ``study.control``'s values: where the positive control's bars apply.
+CONTROL = ("pooled", "each_start")
+
+
+def control(params: Mapping[str, Any]) -> str:
+    """``study.control`` (default ``pooled``): ``each_start`` applies every ``study.bars`` bar to each warm start
+    separately (that start's paired difference over the held-out problems, :func:`.stats.start_effect`, in the
+    report's Holm family): the control passes only where it holds on every start. Needs
+    ``study.blocking: random_start`` (the per-problem results). Fixed before the study runs."""
+    c = (params.get("study") or {}).get("control", "pooled")
+    if c not in CONTROL:
+        raise param_error(params, "study.control", f"unknown control {c!r}.", valid=list(CONTROL))
+    if c == "each_start" and blocking(params) != "random_start":
+        raise param_error(params, "study.control", "each_start needs study.blocking: random_start.")
+    return str(c)
 
 
 def variant_overrides(params: Mapping[str, Any], variant: str) -> dict[str, Any]:

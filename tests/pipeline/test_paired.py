@@ -384,6 +384,6 @@ def test_study_blocking_is_checked_where_it_is_set() -> None:
     from composer_plugins.core.errors import ConfigError
     from composer_plugins.pipeline.study import blocking
 
-    assert blocking({"study": {}}) is False and blocking({"study": {"blocking": "warm_start"}}) is True
+    assert blocking({"study": {}}) == "none" and blocking({"study": {"blocking": "warm_start"}}) == "warm_start"
     with pytest.raises(ConfigError, match=r"study.blocking.*warm_start"):
         blocking({"study": {"blocking": "warmstart"}})

@@ -334,10 +334,10 @@ def test_the_readme_describes_the_default_study_params_yaml_runs() -> None:
     for v in ("teacher_only", "grpo_teacher"):
         assert variants[v]["losses"]["teacher_distill"]["teachers"][0]["model_path"] == "models/teacher/model"
         assert "optim" not in variants[v] and "rollout" not in variants[v]
-    study = yaml.safe_load((ROOT / "studies" / "procedural" / "params.yaml").read_text())["train"]["optim"]
+    study = yaml.safe_load((ROOT / "studies" / "confirm" / "params.yaml").read_text())["train"]["optim"]
     assert {k: params["train"]["optim"][k] for k in ("lr", "warmup_steps")} == {"lr": 1e-4, "warmup_steps": 10}
     assert study["lr"] == params["train"]["optim"]["lr"] and study["warmup_steps"] == 10
-    assert "`cd studies/procedural && J=2 bash run_study.sh`" in readme and "does **not** pass" in readme
+    assert "`cd studies/confirm && J=2 bash run_study.sh`" in readme and "does **not** pass" in readme
 
 
 @pytest.mark.slow
