@@ -284,18 +284,12 @@ def study_report(
     mode = ("warm_start" if blocking else "none") if isinstance(blocking, bool) else blocking
     blocks = seed_blocks(recs) if mode != "none" else None
     problems = problem_scores(recs, metric) if mode == "random_start" else None
-    fam = study_effects(
-        recs,
-        hist,
-        baseline,
-        metric,
-        delta=delta,
-        start=start,
-        margin=margin,
-        blocks=blocks,
-        problems=problems,
-        each_start=each_start,
-    )
+    if problems is not None:
+        from composer_plugins.pipeline.crossed import crossed_family
+
+        fam = crossed_family(problems, baseline, metric, blocks or {}, margin, each_start)
+    else:
+        fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin, blocks=blocks)
     parts = list(fam.values())
     flat = [e for t in parts for e in t]
     sig, curve = "train/groups_with_signal", fam.get("curve", [])

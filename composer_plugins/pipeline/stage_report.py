@@ -413,18 +413,12 @@ def _paired_report(
     start = paired.warm_start_values(recs, metric)
     # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
     margin = study.equivalence_margin(params)
-    fam = paired.study_effects(
-        recs,
-        hist,
-        base,
-        metric,
-        delta=delta,
-        start=start,
-        margin=margin,
-        blocks=blocks,
-        problems=problems if blocked == "random_start" else None,
-        each_start=each_start,
-    )
+    if blocked == "random_start":
+        from composer_plugins.pipeline.crossed import crossed_family
+
+        fam = crossed_family(problems, base, metric, blocks or {}, margin, each_start)
+    else:
+        fam = paired.study_effects(recs, hist, base, metric, delta=delta, start=start, margin=margin, blocks=blocks)
     for part, effects in fam.items():
         for e in effects:
             if e.variant not in out:

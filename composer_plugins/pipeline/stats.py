@@ -217,92 +217,6 @@ def _blocked_effect(
     )
 
 
-def crossed_effect(
-    variant: Mapping[int, Sequence[float]],
-    baseline: Mapping[int, Sequence[float]],
-    blocks: Mapping[int, str],
-    *,
-    confidence: float = 0.95,
-    name: str = "variant",
-    baseline_name: str = "baseline",
-    metric: str = "",
-) -> PairedEffect:
-    """The warm starts *and* the held-out problems as random samples (``study.blocking: random_start``).
-
-    ``variant``/``baseline``: ``{seed: per-problem scores}`` (one score per held-out problem, the same problems
-    in the same order on both sides; a seed of the SFT side may repeat its start's one evaluation). The effect
-    is the mean over warm starts of each start's mean paired difference. Its standard error adds the two
-    sampling variances the estimate carries: the starts' (the variance of the per-start means, over the number
-    of starts) and the problems' (the variance of the per-problem differences, averaged over the cells of each
-    start and then over the starts, over the number of problems; the analytic form of a paired bootstrap over
-    problems). The t interval has ``starts - 1`` degrees of freedom. Read it as a statement about SFT starts
-    built by the study's recipe and problems drawn by its generator, not about these starts and problems.
-    """
-    seeds = sorted(set(variant) & set(baseline))
-    if not seeds:
-        raise ValueError(
-            f"{name!r} and {baseline_name!r} share no seed (seeds {sorted(variant)} vs {sorted(baseline)}); "
-            "a paired comparison needs both variants run on the same seeds"
-        )
-    lengths = {len(variant[s]) for s in seeds} | {len(baseline[s]) for s in seeds}
-    if len(lengths) != 1:
-        raise ValueError(f"{name!r} vs {baseline_name!r}: the cells scored different numbers of problems {lengths}")
-    (m,) = lengths
-    missing = [s for s in seeds if s not in blocks]
-    if missing:
-        raise ValueError(f"seed(s) {missing} of {name!r} vs {baseline_name!r} belong to no warm start (blocks)")
-    groups: dict[str, list[int]] = {}
-    for s in seeds:
-        groups.setdefault(str(blocks[s]), []).append(s)
-    k = len(groups)
-    per_problem = [0.0] * m  # per-problem difference, mean over each start's seeds, then over starts
-    block_mean: dict[str, float] = {}
-    for b, ss in groups.items():
-        acc = [0.0] * m
-        for s in ss:
-            for i, (x, y) in enumerate(zip(variant[s], baseline[s], strict=True)):
-                acc[i] += (float(x) - float(y)) / len(ss)
-        block_mean[b] = sum(acc) / m
-        for i in range(m):
-            per_problem[i] += acc[i] / k
-    diffs = [sum(float(x) for x in variant[s]) / m - sum(float(y) for y in baseline[s]) / m for s in seeds]
-    mean = sum(block_mean.values()) / k
-    if k < 2 or m < 2:
-        se = low = high = p = se_starts = se_problems = math.nan
-    else:
-        se_starts = math.sqrt(sum((x - mean) ** 2 for x in block_mean.values()) / (k - 1) / k)
-        se_problems = math.sqrt(sum((d - mean) ** 2 for d in per_problem) / (m - 1) / m)
-        se = math.sqrt(se_starts**2 + se_problems**2)
-        half = t_critical(k - 1, confidence) * se
-        low, high = mean - half, mean + half
-        p = t_pvalue(mean, se, k - 1)
-
-    def side(values: Mapping[int, Sequence[float]]) -> float:
-        return sum(sum(sum(float(x) for x in values[s]) / m for s in ss) / len(ss) for ss in groups.values()) / k
-
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=seeds,
-        diffs=diffs,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=side(variant),
-        baseline_mean=side(baseline),
-        p=p,
-        df=k - 1,
-        extra={
-            "blocks": {b: {"seeds": ss, "mean": block_mean[b]} for b, ss in groups.items()},
-            "se_starts": se_starts,
-            "se_problems": se_problems,
-            "problems": m,
-        },
-    )
-
-
 def t_pvalue(mean: float, se: float, df: int) -> float:
     """Two-sided p-value of a paired t-test of ``mean = 0`` (``se`` 0: 0 when the mean is not 0, else 1)."""
     if se == 0:
@@ -565,14 +479,9 @@ def study_effects(
     start: float | Mapping[int, float] | None = None,
     margin: float | None = None,
     blocks: Mapping[int, str] | None = None,
-    problems: Mapping[str, Mapping[int, Sequence[float]]] | None = None,
-    each_start: Sequence[str] = (),
 ) -> dict[str, list[PairedEffect]]:
     """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
 
-    ``problems`` (``{variant: {seed: per-problem scores}}``, the SFT start under ``"sft"`` keyed by each seed it
-    started; ``study.blocking: random_start``) makes the family the final ``metric`` per variant and the
-    baseline minus its start only, each a :func:`crossed_effect` (warm starts and problems both random).
 
     ``blocks`` (``{seed: warm start}``; ``study.blocking: warm_start``) blocks every test by warm start
     (:func:`paired_effect`).
@@ -586,9 +495,6 @@ def study_effects(
     ``start`` (the SFT warm start's ``metric``: one value, or ``{seed: value}`` over several warm starts) adds
     ``start``: the baseline minus its seed's warm start (the positive control's "RL moves the start").
     """
-    if problems is not None:
-        tables = crossed_tables(problems, baseline, metric, blocks or {}, each_start)
-        return _holm_tables(tables, margin)
     tables: dict[str, list[PairedEffect]] = {"final": paired_rows(recs, metric, baseline, blocks=blocks)}
     sig = "train/groups_with_signal"
     means = run_means(hist, sig)
@@ -607,93 +513,10 @@ def study_effects(
     sft = {s: x for s in base if (x := start_of(start, s)) is not None}
     if len(sft) > 1:
         tables["start"] = [paired_effect(base, sft, name=baseline, baseline_name="sft", metric=metric, blocks=blocks)]
-    return _holm_tables(tables, margin)
+    return holm_tables(tables, margin)
 
 
-def crossed_tables(
-    problems: Mapping[str, Mapping[int, Sequence[float]]],
-    baseline: str,
-    metric: str,
-    blocks: Mapping[int, str],
-    each_start: Sequence[str] = (),
-) -> dict[str, list[PairedEffect]]:
-    """``final`` (each variant minus ``baseline``) and ``start`` (``baseline`` minus the SFT start) as
-    :func:`crossed_effect` tests, from per-problem scores (:func:`study_effects`'s ``problems``).
-
-    ``each_start`` (the positive control's variants, ``study.control: each_start``) adds ``each_start``: the same
-    test of each of those variants (``baseline`` itself: its move from the SFT start) within every warm start
-    separately (:func:`start_effect`), so a bar can be applied to every start.
-    """
-    if baseline not in problems:
-        raise ValueError(f"baseline variant {baseline!r} has no per-problem scores; variants: {sorted(problems)}")
-    base = problems[baseline]
-    tables = {
-        "final": [
-            crossed_effect(problems[v], base, blocks, name=v, baseline_name=baseline, metric=metric)
-            for v in problems
-            if v not in (baseline, "sft")
-        ]
-    }
-    if problems.get("sft"):
-        tables["start"] = [
-            crossed_effect(base, problems["sft"], blocks, name=baseline, baseline_name="sft", metric=metric)
-        ]
-    pairs = [(v, baseline) if v != baseline else (baseline, "sft") for v in each_start]
-    tables["each_start"] = [
-        start_effect(problems[v], problems[b], [s for s in sorted(blocks) if blocks[s] == st], st, v, b, metric)
-        for v, b in pairs
-        if v in problems and b in problems
-        for st in dict.fromkeys(blocks[s] for s in sorted(blocks))
-        if any(blocks[s] == st and s in problems[v] and s in problems[b] for s in blocks)
-    ]
-    if not tables["each_start"]:
-        del tables["each_start"]
-    return tables
-
-
-def start_effect(
-    variant: Mapping[int, Sequence[float]],
-    baseline: Mapping[int, Sequence[float]],
-    seeds: Sequence[int],
-    start: str,
-    name: str,
-    baseline_name: str,
-    metric: str = "",
-) -> PairedEffect:
-    """One warm start's paired difference over the held-out problems (its seeds averaged per problem): the
-    problems are the sample (se = their differences' SD / sqrt(n), n − 1 degrees of freedom). ``extra['start']``
-    names the start."""
-    seeds = [s for s in seeds if s in variant and s in baseline]
-    m = len(variant[seeds[0]])
-    d = [sum(float(variant[s][i]) - float(baseline[s][i]) for s in seeds) / len(seeds) for i in range(m)]
-    mean = sum(d) / m
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (m - 1)) if m > 1 else math.nan
-    se = sd / math.sqrt(m)
-    if m < 2 or se == 0:
-        low = high = mean
-        p = 1.0 if mean == 0 else 0.0
-    else:
-        half = t_critical(m - 1) * se
-        low, high, p = mean - half, mean + half, t_pvalue(mean, se, m - 1)
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=list(seeds),
-        diffs=d,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=sum(sum(float(x) for x in variant[s]) / m for s in seeds) / len(seeds),
-        baseline_mean=sum(sum(float(x) for x in baseline[s]) / m for s in seeds) / len(seeds),
-        p=p,
-        df=m - 1,
-        extra={"start": start},
-    )
-
-
-def _holm_tables(tables: dict[str, list[PairedEffect]], margin: float | None) -> dict[str, list[PairedEffect]]:
+def holm_tables(tables: dict[str, list[PairedEffect]], margin: float | None) -> dict[str, list[PairedEffect]]:
     """``tables`` with Holm's correction over all their tests (accuracy tests four-valued with ``margin``)."""
     if margin is not None:
         for k, t in tables.items():

@@ -223,7 +223,7 @@ def blocking(params: Mapping[str, Any]) -> str:
 
     ``warm_start``: a pooled study (``study.warm_starts``) judges the mean of each start's effect against the
     seeds' spread within their own start (:func:`.stats.paired_effect`'s ``blocks``): a statement about these
-    starts. ``random_start``: the starts and the held-out problems are both samples (:func:`.stats.crossed_effect`,
+    starts. ``random_start``: the starts and the held-out problems are both samples (:func:`.crossed.crossed_effect`,
     from each cell's per-problem results): a statement about starts built by the study's recipe.
     """
     b = (params.get("study") or {}).get("blocking", "none")
@@ -238,7 +238,7 @@ CONTROL = ("pooled", "each_start")
 
 def control(params: Mapping[str, Any]) -> str:
     """``study.control`` (default ``pooled``): ``each_start`` applies every ``study.bars`` bar to each warm start
-    separately (that start's paired difference over the held-out problems, :func:`.stats.start_effect`, in the
+    separately (that start's paired difference over the held-out problems, :func:`.crossed.start_effect`, in the
     report's Holm family): the control passes only where it holds on every start. Needs
     ``study.blocking: random_start`` (the per-problem results). Fixed before the study runs."""
     c = (params.get("study") or {}).get("control", "pooled")

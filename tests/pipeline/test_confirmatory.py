@@ -12,8 +12,9 @@ import yaml
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.pipeline import paired, stage_report, study
+from composer_plugins.pipeline.crossed import crossed_effect
 from composer_plugins.pipeline.stage_prepare import prepare
-from composer_plugins.pipeline.stats import crossed_effect, t_critical
+from composer_plugins.pipeline.stats import t_critical
 
 
 def test_crossed_effect_adds_the_starts_and_the_problems_variance_by_hand() -> None:
