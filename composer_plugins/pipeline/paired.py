@@ -244,6 +244,29 @@ def problem_scores(recs: Sequence[Mapping[str, Any]], metric: str) -> dict[str, 
     return out
 
 
+def report_family(
+    recs: Sequence[Mapping[str, Any]],
+    hist: Histories,
+    baseline: str,
+    metric: str,
+    mode: str,
+    *,
+    delta: float = DEFAULT_DELTA,
+    start: float | Mapping[int, float] | None = None,
+    margin: float | None = None,
+    each_start: Sequence[str] = (),
+) -> dict[str, list[PairedEffect]]:
+    """Every test of a study report, Holm-corrected as one family, for ``study.blocking`` ``mode``: the per-seed
+    tables (:func:`study_effects`; blocked by warm start with ``warm_start``), or with ``random_start`` the tests with
+    starts and problems random (:func:`.crossed.crossed_family`, from each eval's per-problem results)."""
+    blocks = seed_blocks(recs) if mode != "none" else None
+    if mode == "random_start":
+        from composer_plugins.pipeline.crossed import crossed_family
+
+        return crossed_family(problem_scores(recs, metric), baseline, metric, blocks or {}, margin, each_start)
+    return study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin, blocks=blocks)
+
+
 def seed_blocks(recs: Sequence[Mapping[str, Any]]) -> dict[int, str]:
     """``{seed: warm start}`` of a pooled study's records (:func:`read_study_dir` names each record's root)."""
     return {int(r["seed"]): str(r.get("warm_start", ".")) for r in recs if r.get("seed") is not None}
@@ -283,13 +306,9 @@ def study_report(
         out.append(f"SFT start{where}: {metric} = {r[metric]:.4f}{se}\n")
     mode = ("warm_start" if blocking else "none") if isinstance(blocking, bool) else blocking
     blocks = seed_blocks(recs) if mode != "none" else None
-    problems = problem_scores(recs, metric) if mode == "random_start" else None
-    if problems is not None:
-        from composer_plugins.pipeline.crossed import crossed_family
-
-        fam = crossed_family(problems, baseline, metric, blocks or {}, margin, each_start)
-    else:
-        fam = study_effects(recs, hist, baseline, metric, delta=delta, start=start, margin=margin, blocks=blocks)
+    fam = report_family(
+        recs, hist, baseline, metric, mode, delta=delta, start=start, margin=margin, each_start=each_start
+    )
     parts = list(fam.values())
     flat = [e for t in parts for e in t]
     sig, curve = "train/groups_with_signal", fam.get("curve", [])
@@ -305,7 +324,7 @@ def study_report(
             else "\n"
         )
     )
-    if problems is not None:
+    if mode == "random_start":
         out.append(
             f"Starts and problems random (study.blocking: random_start): each effect is the mean over the "
             f"{len(set(blocks.values())) if blocks else 0} warm starts of each start's mean paired difference; its "

@@ -381,7 +381,6 @@ def _paired_report(
     recs, hist = paired.read_study_dir(roots, evals_dir, runs_dir)
     blocked = study.blocking(params)  # study.blocking: warm_start / random_start (by the seed's warm start)
     blocks = paired.seed_blocks(recs) if blocked != "none" else None
-    problems = paired.problem_scores(recs, metrics_names[0] if metrics_names else "gsm8k/accuracy")
     each_start = list(study.bars(params)) if study.control(params) == "each_start" else []
     signal = paired.run_means(hist, SIGNAL)
     for col in RUN_MEANS:  # run means over steps, mean/std over seeds
@@ -413,12 +412,9 @@ def _paired_report(
     start = paired.warm_start_values(recs, metric)
     # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
     margin = study.equivalence_margin(params)
-    if blocked == "random_start":
-        from composer_plugins.pipeline.crossed import crossed_family
-
-        fam = crossed_family(problems, base, metric, blocks or {}, margin, each_start)
-    else:
-        fam = paired.study_effects(recs, hist, base, metric, delta=delta, start=start, margin=margin, blocks=blocks)
+    fam = paired.report_family(
+        recs, hist, base, metric, blocked, delta=delta, start=start, margin=margin, each_start=each_start
+    )
     for part, effects in fam.items():
         for e in effects:
             if e.variant not in out:
