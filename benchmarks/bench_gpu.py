@@ -369,7 +369,7 @@ def child(row: str, spec: dict[str, Any], model: str, pairs: str, n: int, warmup
     """One row in this process."""
     import torch
 
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -404,7 +404,7 @@ def _prepare(tmp: Path, spec: dict[str, Any]) -> tuple[str, str]:
         model, pairs, _ = prepare_shaped(tmp, spec["model"])
         return model, pairs
     from composer_plugins.training.config.train import loads_train_config
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import resolve_policy
 
     cache = os.environ.get("COMPOSER_CACHE_DIR", ".composer_cache")
@@ -415,7 +415,7 @@ def _prepare(tmp: Path, spec: dict[str, Any]) -> tuple[str, str]:
 def _pairs(tmp: Path) -> str:
     from composer_plugins.core.io import atomic_write_jsonl
     from composer_plugins.training.config.train import loads_train_config
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     cfg, _ = loads_train_config("sft: {enabled: false}")
     tasks = build_env(cfg).sample_tasks(8, "train", seed=3)

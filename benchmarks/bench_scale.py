@@ -129,7 +129,7 @@ def child(
     import torch
 
     from benchmarks.bench_training import _tasks, composed_steps, trl_steps
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +166,7 @@ def _prepare(tmp: Path, shape: str) -> tuple[str, str, int]:
     from composer_plugins.core.io import atomic_write_jsonl
     from composer_plugins.models.tiny import MODEL_SHAPES, build_shaped_model
     from composer_plugins.training.config.train import loads_train_config
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import resolve_policy
 
     cfg, _ = loads_train_config(

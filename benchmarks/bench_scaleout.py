@@ -160,7 +160,7 @@ def _models(tmp: Path) -> dict[str, str | None]:
     """``{scale: model path}``: the tiny default (SFT warm start, cached) and the CPU proxy (random weights)."""
     from composer_plugins.models.tiny import build_shaped_model
     from composer_plugins.training.config.train import loads_train_config
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import resolve_policy
 
     cfg, _ = loads_train_config(_yaml(None))
@@ -178,7 +178,7 @@ def _rollouts(tmp: Path, model: str, quick: bool) -> dict[str, Any]:
     from composer_plugins.training.config.train import loads_train_config
     from composer_plugins.training.rollout.rewards import task_prompt
     from composer_plugins.training.rollout.rollouts import HFGenerator, ServerGenerator
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     torch.set_num_threads(1)
     cfg, _ = loads_train_config(_yaml(None))

@@ -280,7 +280,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     from composer_plugins.models.tiny import load_policy
     from composer_plugins.training.lightning.module import ComposerModule
-    from composer_plugins.training.step.builders import build_channels, build_env, configured_hint_provider
+    from composer_plugins.training.step.components import build_channels, build_env, configured_hint_provider
     from composer_plugins.training.step.policy import resolve_policy
 
     torch.set_num_threads(1)

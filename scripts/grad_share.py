@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from composer_plugins.training.config.train import train_config_from_dict
     from composer_plugins.training.lightning.module import ComposerModule
     from composer_plugins.training.rollout.rewards import TaskStream, task_drawer
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import load_policy_for
 
     params = yaml.safe_load(Path(a.params).read_text())

@@ -21,8 +21,7 @@ class LocalRun:
 
     def __init__(self, cfg: Any, src: Any = None, *, policy: Any = None, env: Any = None, **parts: Any) -> None:
         from composer_plugins.training.rollout.rewards import task_drawer
-        from composer_plugins.training.step.builders import build_env
-        from composer_plugins.training.step.components import StepComponents
+        from composer_plugins.training.step.components import StepComponents, build_env
         from composer_plugins.training.step.policy import load_policy_for
 
         if cfg.trainer.num_threads:

@@ -84,8 +84,28 @@ def __getattr__(name: str) -> Any:
 
 
 def channel_kind(channel: Any) -> str:
-    """What ``channel`` is for this table, read from its declarations (see the module docstring)."""
-    from composer_plugins.losses.policy import DPPOChannel
+    """``channel``'s row in this table: the ``kind`` it declares (``LossChannel.kind``; a policy channel's row is
+    ``policy:<loss_type>``). A channel that declares none (written before 0.2.3) is read from its inputs, with a
+    :class:`~composer_plugins.core.errors.PluginDeprecationWarning` naming the ``kind`` to declare (until 0.3.0)."""
+    kind = getattr(channel, "kind", None)
+    if kind is None:
+        kind = _inferred_kind(channel)
+        if kind != "custom":
+            import warnings
+
+            from composer_plugins.core.errors import PluginDeprecationWarning
+
+            warnings.warn(
+                f"loss channel {type(channel).__qualname__} declares no kind; it reads as {kind!r}: declare "
+                f"`kind = {kind!r}` on the class (read from its inputs until 0.3.0)",
+                PluginDeprecationWarning,
+                stacklevel=2,
+            )
+    loss_type = getattr(channel, "loss_type", None)
+    return f"policy:{loss_type}" if kind == "policy" and isinstance(loss_type, str) else kind
+
+
+def _inferred_kind(channel: Any) -> str:
     from composer_plugins.training.step.assemble import PAIR_INPUTS
 
     declared = set(channel.required_inputs()) | {k for grp in channel.input_options for k in grp}
@@ -95,9 +115,8 @@ def channel_kind(channel: Any) -> str:
         return "teacher"
     if declared & set(PAIR_INPUTS):
         return "pairs"
-    loss_type = "dppo" if isinstance(channel, DPPOChannel) else getattr(channel, "loss_type", None)
-    if isinstance(loss_type, str) and {"advantages", "completion_mask"} <= declared:
-        return f"policy:{loss_type}"
+    if isinstance(getattr(channel, "loss_type", None), str) and {"advantages", "completion_mask"} <= declared:
+        return "policy"
     return "custom"
 
 
@@ -150,10 +169,9 @@ def check_channels(
     src = src if src is not None else Config()
     options: dict[str, dict[str, Any]] = {}
     if not isinstance(channels, Sequence):
-        from composer_plugins.training.config.train import channel_spec
-        from composer_plugins.training.step.builders import build_channels
+        from composer_plugins.training.step.components import build_channels
 
-        options = {key: dict(channel_spec(key, spec, src)[3]) for key, spec in channels.losses.items()}
+        options = {spec.key: dict(spec.options) for spec in channels.channels}
         channels = build_channels(channels, src)
     out: list[tuple[str, Cell]] = []
     for ch in channels:

@@ -371,8 +371,11 @@ def component_spec(value: Any, key: str = "", cfg: Config | None = None) -> tupl
     )
 
 
-def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = None, **extra: Any) -> Any:
-    """Build a component of ``kind`` from config ``value`` (see :func:`component_spec`)."""
+def build_component(
+    kind: str, value: Any, key: str = "", cfg: Config | None = None, *, spec_keys: Sequence[str] = (), **extra: Any
+) -> Any:
+    """Build a component of ``kind`` from config ``value`` (see :func:`component_spec`); ``extra``: arguments
+    the caller adds; ``spec_keys``: keys the caller's spec reads itself (listed as valid beside the arguments)."""
     from composer_plugins.core.plugins import get_registry
 
     cfg = cfg if cfg is not None else Config()
@@ -405,10 +408,11 @@ def build_component(kind: str, value: Any, key: str = "", cfg: Config | None = N
                         f"it is an argument of the component that the override {switched!r} replaced, and -S "
                         f"cannot remove it: set the whole spec instead, e.g. {whole}"
                     )
+                what = kind[:-2] if kind.endswith("sses") else kind.removesuffix("s")
                 raise cfg.error(
                     f"{key}.{k}" if key else k,
-                    f"unknown argument of {kind.removesuffix('s')} {target!r} — {fix}.",
-                    valid=sorted(accepted),
+                    f"unknown argument of {what} {target!r} — {fix}.",
+                    valid=[*spec_keys, *sorted(accepted - set(spec_keys))],
                 )
     return build_located(entry, kw, key or kind, cfg)
 

@@ -21,6 +21,9 @@ from torch import Tensor, nn
 from composer_plugins.core.errors import PluginDeprecationWarning
 from composer_plugins.core.version import ADAPTERS_REMOVED_IN, adapters_served
 
+#: The kinds a channel declares (``LossChannel.kind``); backends answer per kind (``policy`` per loss type).
+CHANNEL_KINDS = ("policy", "hint", "teacher", "pairs", "custom")
+
 
 class LossChannel(nn.Module):
     """Base class of every loss channel (built-in or third-party).
@@ -29,6 +32,11 @@ class LossChannel(nn.Module):
     :meth:`forward`. ``weight`` scales the channel inside :class:`ChannelComposer`.
     """
 
+    #: What the channel is, for the channel × backend table (:data:`CHANNEL_KINDS`): ``policy`` (a policy-gradient
+    #: loss over the group advantages; its row is ``policy:<loss_type>``), ``hint`` (hint self-distillation),
+    #: ``teacher`` (external teachers' scores), ``pairs`` (preference pairs) or ``custom``. ``None`` (a channel
+    #: written before 0.2.3): read from its inputs, with a deprecation warning, until 0.3.0.
+    kind: ClassVar[str | None] = None
     #: Keys of ``inputs`` this channel reads; absent keys skip the channel.
     requires: ClassVar[tuple[str, ...]] = ()
     #: True when the channel needs a teacher forward pass (hint distillation).
@@ -220,6 +228,9 @@ def check_contract(cls: type) -> None:
     batch, default=None)`` reads that mapping), after one ``DeprecationWarning`` naming its file:line and the
     fix. Any other shape (and that one from 0.3.0 on) is refused, naming the same.
     """
+    kind = getattr(cls, "kind", None)
+    if kind is not None and kind not in CHANNEL_KINDS:
+        raise TypeError(f"loss channel {cls.__qualname__} declares kind = {kind!r}; valid: {', '.join(CHANNEL_KINDS)}")
     fwd = getattr(cls, "forward", None)
     if fwd is None or fwd is LossChannel.forward or "_api1_forward" in vars(cls):
         return

@@ -88,6 +88,7 @@ class HintDistillChannel(LossChannel):
         name / label: channel name (``label`` usable from config).
     """
 
+    kind: ClassVar[str] = "hint"
     needs_teacher: ClassVar[bool] = True
     requires: ClassVar[tuple[str, ...]] = ("hint_mask",)
     input_options: ClassVar[tuple[tuple[str, ...], ...]] = (

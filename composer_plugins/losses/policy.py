@@ -104,6 +104,7 @@ class PolicyLossChannel(_LogprobInputs):
         success_threshold: the reward at or above which a row counts as correct (``rows: correct``).
     """
 
+    kind: ClassVar[str] = "policy"
     requires: ClassVar[tuple[str, ...]] = ("advantages", "completion_mask")
 
     def __init__(
@@ -206,6 +207,8 @@ class DPPOChannel(_LogprobInputs):
     (rl_w != 0)``: they add nothing to the KL term, the metrics or the token count that divides the loss.
     """
 
+    kind: ClassVar[str] = "policy"
+    loss_type: ClassVar[str] = "dppo"
     requires: ClassVar[tuple[str, ...]] = ("inference_logprobs", "advantages", "completion_mask")
     fill_from: ClassVar[tuple[str, ...]] = ("inference_logprobs",)
 

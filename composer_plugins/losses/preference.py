@@ -37,6 +37,7 @@ class ReplayPreferenceChannel(LossChannel):
         name / label: channel name (``label`` usable from config).
     """
 
+    kind: ClassVar[str] = "pairs"
     requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(

@@ -78,6 +78,7 @@ class TeacherDistillChannel(LossChannel):
             batch and reported.
     """
 
+    kind: ClassVar[str] = "teacher"
     requires: ClassVar[tuple[str, ...]] = ("teacher_scores", "completion_mask")
     input_options: ClassVar[tuple[tuple[str, ...], ...]] = (
         ("hidden_states", "lm_head_weight"),

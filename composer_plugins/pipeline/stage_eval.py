@@ -161,7 +161,7 @@ def log_eval_run(
         tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
     from composer_plugins.core.errors import ComposerPluginsError
     from composer_plugins.training.config.train import train_config_from_dict
-    from composer_plugins.training.step.builders import config_components
+    from composer_plugins.training.lightning.tracking import config_components
 
     try:  # provenance of the evaluated config's env and channels; the eval itself never depends on it
         tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))

@@ -10,8 +10,9 @@
 
 ``training`` imports ``core``, ``procs``, ``losses``, ``models``, ``envs`` and ``teachers`` only.
 
-The flat module paths of 0.2 (``composer_plugins.training.assemble``, ``...input_builders``, ...) still import, with a
-:class:`~composer_plugins.core.errors.PluginDeprecationWarning` naming the new path; they go in 0.3.0.
+The flat module paths of 0.2 (``composer_plugins.training.assemble``, ``...input_builders``, ...) and 0.2.1's
+``training.step.builders`` still import, with a :class:`~composer_plugins.core.errors.PluginDeprecationWarning` naming
+the new path; they go in 0.3.0.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
-#: 0.2's flat module name -> its module now (``config`` and ``step`` are sub-packages that forward their names).
-MOVED: dict[str, str] = {
+#: 0.2's module name (below ``training``) -> its module now, or the modules its names went to (``config`` and ``step``
+#: are sub-packages that forward their names).
+MOVED: dict[str, str | tuple[str, ...]] = {
     "sections": "config.sections",
     "loss_specs": "config.loss_specs",
     "strategy_names": "config.strategy_names",
@@ -39,7 +42,8 @@ MOVED: dict[str, str] = {
     "input_plugin": "step.input_plugin",
     "teacher_scores": "step.teacher_scores",
     "components": "step.components",
-    "builders": "step.builders",
+    "builders": ("step.components", "lightning.tracking"),
+    "step.builders": ("step.components", "lightning.tracking"),
     "metrics": "step.metrics",
     "policy": "step.policy",
     "ema": "step.ema",
@@ -64,7 +68,7 @@ def moved_warning(old: str, new: str) -> None:
     from composer_plugins.core.errors import PluginDeprecationWarning
 
     warnings.warn(
-        f"{old} moved to {new} in 0.2.1: import it from there (the old path is refused from 0.3.0)",
+        f"{old} moved to {new}: import it from there (the old path is refused from 0.3.0)",
         PluginDeprecationWarning,
         stacklevel=3,
     )
@@ -74,18 +78,30 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves ``composer_plugins.training.<old>`` as the module it moved to, with the warning."""
 
     def find_spec(self, fullname, path=None, target=None):
-        head, _, tail = fullname.rpartition(".")
-        if head == __name__ and tail in MOVED:
+        if fullname.startswith(f"{__name__}.") and fullname[len(__name__) + 1 :] in MOVED:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
     def create_module(self, spec):
-        new = f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}"
-        moved_warning(spec.name, new)
-        return importlib.import_module(new)
+        new = MOVED[spec.name[len(__name__) + 1 :]]
+        homes = [f"{__name__}.{m}" for m in ((new,) if isinstance(new, str) else new)]
+        moved_warning(spec.name, " and ".join(homes))
+        if len(homes) == 1:
+            return importlib.import_module(homes[0])
+        module = types.ModuleType(spec.name, f"Moved to {' and '.join(homes)}.")
+        module.__getattr__ = lambda name: _from_homes(homes, name)  # type: ignore[attr-defined]
+        return module
 
     def exec_module(self, module) -> None:
         return None
+
+
+def _from_homes(homes: list[str], name: str) -> object:
+    for home in homes:
+        module = importlib.import_module(home)
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"none of {homes} has {name!r}")
 
 
 if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):

@@ -16,6 +16,7 @@ from composer_plugins.api import LossChannel
 class FocalPolicyGradient(LossChannel):
     """Focal-weighted token policy gradient: -A · (1-p)^γ · log p over completion tokens."""
 
+    kind = "custom"  # its own policy gradient: composing backends run it, re-implementing ones refuse it
     requires = ("logprobs", "advantages", "completion_mask")
 
     def __init__(self, weight: float = 1.0, gamma: float = 2.0, name: str | None = "focal_pg") -> None:

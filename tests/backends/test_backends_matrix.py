@@ -399,9 +399,11 @@ def test_a_third_party_channel_gets_an_answer_from_what_it_declares(env_vars):
     from composer_plugins.losses.base import LossChannel
 
     class Focal(LossChannel):
+        kind = "custom"
         requires = ("logprobs", "advantages", "completion_mask")
 
     class Hinted(LossChannel):
+        kind = "hint"
         needs_teacher = True
         requires = ("hint_mask",)
 
@@ -702,3 +704,40 @@ def _write(path: Path, cfg: dict[str, Any]) -> Path:
 
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def test_a_channel_is_read_by_the_kind_it_declares_and_an_undeclared_one_warns(env_vars):
+    """The row is the declared ``kind`` (whatever the inputs suggest); a channel from before 0.2.3 that declares
+    none is read from its inputs with a deprecation warning naming the line to add; a bad kind is refused."""
+    import pytest
+
+    from composer_plugins.core.errors import PluginDeprecationWarning
+    from composer_plugins.losses.base import LossChannel, check_contract
+
+    class ReadsAdvantagesButIsHint(LossChannel):
+        kind = "hint"
+        requires = ("advantages", "completion_mask")
+
+    class OldHinted(LossChannel):
+        needs_teacher = True
+        requires = ("hint_mask",)
+
+    class OldGRPO(LossChannel):
+        loss_type = "grpo"
+        requires = ("logprobs", "advantages", "completion_mask")
+
+    assert support.channel_kind(ReadsAdvantagesButIsHint()) == "hint"
+    with pytest.warns(PluginDeprecationWarning, match=r"declare `kind = 'hint'`"):
+        assert support.channel_kind(OldHinted()) == "hint"
+    with pytest.warns(PluginDeprecationWarning, match=r"declare `kind = 'policy'`"):
+        assert support.channel_kind(OldGRPO()) == "policy:grpo"
+    from composer_plugins.losses.policy import DPPOChannel, PolicyLossChannel
+
+    assert support.channel_kind(DPPOChannel()) == "policy:dppo"
+    assert support.channel_kind(PolicyLossChannel(loss_type="cispo")) == "policy:cispo"
+
+    class Typo(LossChannel):
+        kind = "polcy"
+
+    with pytest.raises(TypeError, match="declares kind = 'polcy'; valid: policy, hint"):
+        check_contract(Typo)

@@ -47,7 +47,7 @@ def _trl_trainer(config, module):
     from datasets import Dataset
 
     from composer_plugins.losses.base import ChannelComposer
-    from composer_plugins.training.step.builders import build_channels, configured_hint_provider
+    from composer_plugins.training.step.components import build_channels, configured_hint_provider
     from composer_plugins.training.step.policy import load_policy_for
 
     backend = TRLBackend(config)

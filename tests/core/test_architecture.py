@@ -530,7 +530,6 @@ TRAINING_UPWARD = {
     ("config/sections.py", "rollout"): "a section checks its chat template (lazy)",
     ("config/sections.py", "step"): "a section checks its optimizer name against the registry (lazy)",
     ("config/sections.py", "lightning"): "a section checks its callback names against the registry (lazy)",
-    ("step/builders.py", "lightning"): "the MLflow logger of a run is built beside the other components (lazy)",
     ("step/policy.py", "runs"): "a missing warm start is built by SFT before the step loads it",
 }
 #: The most modules a sub-package of ``training/`` may hold (``__init__.py`` aside).

@@ -103,7 +103,7 @@ def test_valid_keys_are_listed_once():
     err = ConfigError("unknown key.", key="losses.grpo.wieght", valid=["name", "weight", "enabled", "name", "weight"])
     assert "Valid keys: enabled, name, weight." in str(err) and "Did you mean: 'weight'?" in str(err)
     from composer_plugins.training.config.train import loads_train_config
-    from composer_plugins.training.step.builders import build_channels
+    from composer_plugins.training.step.components import build_channels
 
     cfg, src = loads_train_config("losses: {grpo: {weight: 1.0, beta_typo: 0.1}}\n")
     with pytest.raises(ConfigError) as ei:

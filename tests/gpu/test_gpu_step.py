@@ -38,7 +38,7 @@ def test_grpo_hint_ema_top100_replay_step_at_the_real_vocabulary(device, tmp_pat
     from benchmarks.bench_training import _tasks, composed_steps
     from composer_plugins.models.tiny import MODEL_SHAPES
     from composer_plugins.training.lightning.module import ComposerModule
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     monkeypatch.setenv("COMPOSER_CACHE_DIR", str(tmp_path / "cache"))
     spec = SPECS[device]

@@ -14,7 +14,7 @@ from composer_plugins.envs.gsm8k import GSM8KEnv
 from composer_plugins.envs.hints import HintRequest
 from composer_plugins.pipeline import stages, study
 from composer_plugins.training.config.train import train_config_from_dict
-from composer_plugins.training.step.builders import configured_hint_provider
+from composer_plugins.training.step.components import configured_hint_provider
 
 ROOT = Path(__file__).resolve().parents[2]
 CALC = re.compile(r"<<([^=<>]+)=([-0-9.]+)>>")

@@ -59,3 +59,30 @@ def test_names_of_the_old_config_and_step_modules_resolve_from_their_packages_wi
     )
     r = _run(code)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("old", ["step.builders", "builders"])
+def test_the_builders_module_split_between_components_and_tracking_still_imports(old):
+    """0.2.1's ``training.step.builders`` (0.2.0's ``training.builders``) went to ``step.components`` (the step's
+    parts) and ``lightning.tracking`` (the run's MLflow logger): each name resolves from its home, one warning."""
+    code = (
+        "import warnings\n"
+        "from composer_plugins.core.errors import PluginDeprecationWarning\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    from composer_plugins.training.{old} import build_channels, build_logger\n"
+        "from composer_plugins.training.step.components import build_channels as c\n"
+        "from composer_plugins.training.lightning.tracking import build_logger as t\n"
+        "assert build_channels is c and build_logger is t\n"
+        "msgs = [str(x.message) for x in w if issubclass(x.category, PluginDeprecationWarning)]\n"
+        "assert len(msgs) == 1 and 'step.components' in msgs[0] and 'lightning.tracking' in msgs[0], msgs\n"
+        f"import composer_plugins.training.{old} as m\n"
+        "try:\n"
+        "    m.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchName' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('an unknown name resolved')\n"
+    )
+    r = _run(code)
+    assert r.returncode == 0, r.stderr

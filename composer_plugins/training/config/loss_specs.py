@@ -24,8 +24,8 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
     from composer_plugins.core.plugins import get_registry
 
     where = f"{pre}losses.{key}"
-    if "advantage" in ch.kwargs:
-        advantage_estimator(ch.kwargs["advantage"], f"{where}.advantage", src, build=False)
+    if ch.advantage is not None:
+        advantage_estimator(ch.advantage, f"{where}.advantage", src, build=False)
     if "class_path" in ch.kwargs:
         return
     try:
@@ -41,7 +41,7 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
             f"{entry.kind} {ch.name!r} ({entry.provider or entry.plugin}) fails its contract check: {broken}",
         )
     check = getattr(entry.factory, "check_spec", None)  # a channel that declares what it cannot train with
-    problem = check(ch.kwargs) if callable(check) else None
+    problem = check(ch.options) if callable(check) else None
     if problem:
         raise src.error(f"{where}.{problem[0]}", problem[1])
     if ch.weight < 0:
@@ -99,17 +99,33 @@ def warn_advantage_kwargs(kwargs: Mapping[str, Any], key: str, src: Config) -> N
 
 
 class ChannelSpec(NamedTuple):
-    """One ``losses.<key>`` entry, parsed: whether it is on, its registry name, weight and other kwargs."""
+    """One ``losses.<key>`` entry, parsed: whether it is on, its registry name, weight, the channel's own kwargs
+    (``class_path``/``init_args`` for a class given by path), its key and its advantage estimator's spec."""
 
     enabled: bool
     name: str
     weight: float
     kwargs: dict[str, Any]
+    key: str = ""
+    #: ``losses.<key>.advantage``: the estimator of the advantages it reads (not an argument of the channel)
+    advantage: Any = None
 
     @property
     def active(self) -> bool:
         """Enabled and with a non-zero weight (what the study counts as a channel that is on)."""
         return self.enabled and self.weight != 0.0
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Every option the entry sets besides ``enabled``/``weight``/``name``: its kwargs and ``advantage``."""
+        return self.kwargs if self.advantage is None else {**self.kwargs, "advantage": self.advantage}
+
+    def component(self) -> Any:
+        """The channel's component spec for :func:`~composer_plugins.core.config.build_component`: its name (with
+        its kwargs), or its ``class_path``/``init_args``."""
+        if "class_path" in self.kwargs or (self.name == self.key and not self.kwargs):
+            return dict(self.kwargs) or self.name
+        return {"name": self.name, **self.kwargs}
 
 
 def channel_spec(key: str, spec: Any, src: Config | None = None, pre: str = "") -> ChannelSpec:
@@ -122,9 +138,9 @@ def channel_spec(key: str, spec: Any, src: Config | None = None, pre: str = "") 
     src = src if src is not None else Config()
     where = f"{pre}losses.{key}"
     if spec is None or isinstance(spec, bool):
-        return ChannelSpec(bool(spec), key, 1.0, {})
+        return ChannelSpec(bool(spec), key, 1.0, {}, key)
     if isinstance(spec, int | float):
-        return ChannelSpec(True, key, float(spec), {})
+        return ChannelSpec(True, key, float(spec), {}, key)
     if not isinstance(spec, Mapping):
         raise src.error(where, f"expected a mapping like {{weight: 1.0}}, true/false or a weight; got {spec!r}.")
     spec = dict(spec)
@@ -134,8 +150,8 @@ def channel_spec(key: str, spec: Any, src: Config | None = None, pre: str = "") 
     weight = spec.pop("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise src.error(f"{where}.weight", f"expected a number, got {weight!r}.")
-    name = str(spec.pop("name", key))
-    return ChannelSpec(enabled, name, float(weight), spec)
+    name, advantage = str(spec.pop("name", key)), spec.pop("advantage", None)
+    return ChannelSpec(enabled, name, float(weight), spec, key, advantage)
 
 
 def losses_mapping(items: Any, src: Config | None = None, pre: str = "") -> Any:
@@ -249,7 +265,7 @@ def declared_channels(losses: Mapping[str, Any], src: Config | None = None) -> l
                 key,
                 ch.name,
                 ch.weight,
-                dict(ch.kwargs),
+                dict(ch.options),
                 frozenset(inputs),
                 bool(getattr(cls, "needs_teacher", False)),
                 None if loss_type is None else str(loss_type),

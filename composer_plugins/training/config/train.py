@@ -17,6 +17,7 @@ from typing import Any
 
 from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
 from composer_plugins.training.config.loss_specs import (
+    ChannelSpec,
     channel_spec,
     check_channel,
     losses_as_mapping,
@@ -97,10 +98,25 @@ class TrainConfig:
             warn_advantage_kwargs(self.rollout.advantage_kwargs, pre + "rollout.advantage_kwargs", src)
         if not isinstance(self.losses, Mapping) or not self.losses:
             raise src.error(pre + "losses", "give at least one loss channel, e.g. {grpo: {weight: 1.0}}.")
-        for name, spec in self.losses.items():
-            ch = channel_spec(name, spec, src, pre)
+        self._parse_channels(src, pre)
+        for ch in self.channels:
             if ch.enabled:
-                check_channel(name, ch, src, pre)
+                check_channel(ch.key, ch, src, pre)
+
+    @property
+    def channels(self) -> tuple[ChannelSpec, ...]:
+        """``losses`` parsed into one :class:`ChannelSpec` per entry, in config order (parsed once, by
+        :meth:`validate`, with its errors located; again only if ``losses`` changed since): what the step's
+        builders, the backends' checks, the MLflow tags and run names read."""
+        if getattr(self, "_parsed", (None,))[0] != self.losses:
+            self._parse_channels(Config())
+        return self._parsed[1]
+
+    def _parse_channels(self, src: Config, pre: str = "") -> None:
+        import copy
+
+        specs = tuple(channel_spec(k, spec, src, pre) for k, spec in self.losses.items())
+        self._parsed = (copy.deepcopy(self.losses), specs)
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"

@@ -22,8 +22,7 @@ from composer_plugins.training.lightning.evaluation import Validator
 from composer_plugins.training.rollout.distributed import all_gather_objects, fsdp_root, full_params, world
 from composer_plugins.training.rollout.rewards import derive_seed
 from composer_plugins.training.step.assemble import StepPolicy
-from composer_plugins.training.step.builders import configured_hint_provider
-from composer_plugins.training.step.components import StepComponents
+from composer_plugins.training.step.components import StepComponents, configured_hint_provider
 from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
 from composer_plugins.training.step.record import StepMeta, StepRecord
 

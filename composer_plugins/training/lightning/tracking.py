@@ -280,3 +280,61 @@ def log_kernel_pick(logger: Any, pick: Any) -> dict[str, str]:
         except Exception as exc:  # a resumed MLflow run refuses a changed value: the log line still has it
             logging.getLogger("composer_plugins.training").warning("kernel pick not logged as params: %s", exc)
     return params
+
+
+# -- a training run's MLflow logger, from its TrainConfig ------------------------------------------------------
+
+
+def mlflow_settings(cfg: Any) -> dict[str, Any] | None:
+    """``{tracking_uri, experiment, tags}`` of a :class:`~composer_plugins.training.config.train.TrainConfig` when
+    MLflow logging is on (:func:`mlflow_enabled`)."""
+    from dataclasses import asdict
+
+    from composer_plugins.core.config import redact
+
+    params = {"mlflow": {k: v for k, v in asdict(cfg.mlflow).items() if v is not None}}
+    if not mlflow_enabled(params):
+        return None
+    tags = run_tags(seed=cfg.seed)
+    tags.update(provenance_tags(config_components(cfg)))
+    tags.update({str(k): str(v) for k, v in redact(cfg.mlflow.tags).items()})
+    return {"tracking_uri": tracking_uri(params), "experiment": experiment_name(params), "tags": tags}
+
+
+def config_components(cfg: Any) -> dict[str, tuple[str, str]]:
+    """``{slot: (kind, name)}`` of the env and the active loss channels (for provenance tags)."""
+    out: dict[str, tuple[str, str]] = {}
+    env = cfg.env
+    if isinstance(env, Mapping):
+        out["env"] = ("envs", str(env.get("name") or env.get("class_path") or "?"))
+    elif isinstance(env, str):
+        out["env"] = ("envs", env)
+    for ch in cfg.channels:
+        if ch.active:
+            out[f"losses.{ch.key}"] = ("losses", str(ch.kwargs.get("class_path") or ch.name))
+    return out
+
+
+def default_run_name(cfg: Any) -> str:
+    """``train@<output_dir name>-s<seed> (<active channel keys joined by +, or none>)``: a plain ``train`` run."""
+    channels = "+".join(ch.key for ch in cfg.channels if ch.active) or "none"
+    return f"train@{Path(cfg.output_dir).name}-s{cfg.seed} ({channels})"
+
+
+def build_logger(cfg: Any) -> Any:
+    """Lightning's ``MLFlowLogger`` for ``cfg.mlflow``, or ``False`` when MLflow is off."""
+    s = mlflow_settings(cfg)
+    if s is None:
+        return False
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    # the store and experiment exist before Lightning's logger looks them up (cells started together)
+    ensure_experiment(client(s["tracking_uri"]), s["experiment"], s["tracking_uri"])
+    return MLFlowLogger(
+        experiment_name=s["experiment"],
+        tracking_uri=s["tracking_uri"],
+        run_name=run_name(default_run_name(cfg), given=cfg.mlflow.run_name),
+        tags=s["tags"],
+        log_model=cfg.mlflow.log_checkpoints,
+        artifact_location=artifact_location(s["tracking_uri"]),
+    )

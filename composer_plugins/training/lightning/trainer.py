@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from composer_plugins.core.io import is_wall_clock
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.lightning.strategy import build_strategy
-from composer_plugins.training.step.builders import build_logger
+from composer_plugins.training.lightning.tracking import build_logger
 
 
 def set_threads(cfg: TrainConfig) -> None:

@@ -1,7 +1,7 @@
 """The ``multi_turn`` rollout generator: tool-using envs' ``reset``/``step`` episodes.
 
 It wraps the configured generator and samples each turn with it (sampling, seeding and weight syncing are
-the wrapped one's); :func:`~composer_plugins.training.step.builders.build_generator` wraps it when
+the wrapped one's); :func:`build_generator` (the configured generator, the one the step's sampler uses) wraps it when
 ``rollout.max_turns > 1`` and the env has ``reset``/``step``. It keeps
 :class:`~composer_plugins.training.rollout.rollouts.EpisodeGenerator`.
 """
@@ -24,7 +24,23 @@ if TYPE_CHECKING:
     from composer_plugins.models.generation import Rollout
     from composer_plugins.training.rollout.rollouts import RolloutGenerator
 
-__all__ = ["MultiTurnGenerator"]
+__all__ = ["MultiTurnGenerator", "build_generator"]
+
+
+def build_generator(cfg: Any, src: Any = None, env: Any = None) -> Any:
+    """The rollout generator named by ``rollout.generator`` (registry kind ``rollout_generators``) of a
+    :class:`~composer_plugins.training.config.train.TrainConfig`; with ``rollout.max_turns > 1`` and an ``env``
+    that has ``reset``/``step``, wrapped in :class:`MultiTurnGenerator`."""
+    from composer_plugins.core.config import build_component
+    from composer_plugins.training.rollout.rollouts import HFGenerator, as_rollout_generator
+
+    spec = cfg.rollout.generator if cfg.rollout.generator is not None else "hf"
+    gen = as_rollout_generator(build_component("rollout_generators", spec, key="rollout.generator", cfg=src), src=src)
+    if isinstance(gen, HFGenerator) and not (isinstance(spec, Mapping) and "compile" in spec):
+        gen.compile = cfg.rollout.compile
+    if cfg.rollout.max_turns > 1 and hasattr(env, "reset") and hasattr(env, "step"):
+        gen = MultiTurnGenerator(gen, max_turns=cfg.rollout.max_turns)
+    return gen
 
 
 class MultiTurnGenerator:

@@ -19,6 +19,7 @@ from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.lightning.strategy import build_strategy
+from composer_plugins.training.lightning.tracking import mlflow_settings
 from composer_plugins.training.lightning.trainer import (
     HistoryCallback,
     build_trainer,
@@ -28,7 +29,7 @@ from composer_plugins.training.lightning.trainer import (
     set_threads,
 )
 from composer_plugins.training.rollout.rewards import TaskStream, eval_batches, task_drawer
-from composer_plugins.training.step.builders import build_env, mlflow_settings
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import load_policy_for, resolve_policy
 from composer_plugins.training.step.teacher_scores import teacher_summary
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
+from composer_plugins.envs.hints import build_hint_provider
 from composer_plugins.models.logprobs import (
     decoder_body,
     lm_head_weight,
@@ -29,7 +30,6 @@ from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.lightning.trainer import lightning_trainer, progress_bar, quiet_lightning, set_threads
 from composer_plugins.training.rollout.rewards import env_tasks
-from composer_plugins.training.step.builders import configured_hint_provider
 
 
 def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[str, str]]:
@@ -125,7 +125,7 @@ def _hint_augment(
     (``hints.provider`` if it does, else the default ``demonstration`` provider), so the context shows
     the problem's worked solution as a successful sibling. The target stays the worked solution.
     """
-    from composer_plugins.envs.hints import build_hint_provider, reads_groups, sibling_groups
+    from composer_plugins.envs.hints import reads_groups, sibling_groups
     from composer_plugins.training.rollout.rewards import derive_seed, teacher_contexts
 
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
@@ -141,7 +141,7 @@ def _hint_augment(
     else:  # drawn from their own stream, so {feedback: 1} keeps today's examples exactly
         krng = random.Random(derive_seed(cfg.sft.seed, 92))
         kind = {i: krng.choices(names, weights)[0] for i in picked}
-    provider = configured_hint_provider(cfg)
+    provider = build_hint_provider(cfg.hints.provider, key="hints.provider")
     chat = {"tokenizer": tokenizer, "chat_template": cfg.model.chat_template}
     out = list(pairs)
     fb_rows = [i for i in picked if kind[i] == "feedback"]

@@ -1,8 +1,8 @@
 """One RL step: the read-only step record (``record``), the experience maker (``experience``), the assembler of
 with-grad channel inputs and its input builders (``assemble``, ``input_builders``, ``input_plugin``), teacher
 scoring (``teacher_scores``), the policy and its settings (``policy``), the optimizers (``optim``), the EMA
-teacher (``ema``), the step's metrics (``metrics``) and the builders of a step's components from config
-(``builders``, ``components``), used by the Lightning module and every backend alike.
+teacher (``ema``), the step's metrics (``metrics``) and the one place a config becomes a step's components
+(``components``), used by the Lightning module and every backend alike.
 
 Imports ``training.config`` and ``training.rollout``.
 """

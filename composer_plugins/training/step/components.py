@@ -1,8 +1,18 @@
-"""The one path from a config to everything a step needs: :meth:`StepComponents.from_config` builds the env, the
-channels' composer, the hint provider, the teacher scorers, the EMA teacher and reference (when a live channel reads
-them), the preference pairs, the one sampler, experience maker and step computer (:mod:`.experience`). The Lightning
-module holds them; the backends' local modes, Monarch's trainer actor and the TRL backend build theirs here too. A
-loop without a Trainer steps through :meth:`StepComponents.optimize`, which counts the steps it took.
+"""The one place a config becomes everything a step needs, read top to bottom in :meth:`StepComponents.from_config`:
+
+1. the env (registry kind ``envs``, :func:`build_env`);
+2. the policy and its tokenizer (``from_pretrained``, :func:`~.policy.load_policy_for`);
+3. the loss channels, each built from its parsed spec (``TrainConfig.channels``) through
+   :func:`~composer_plugins.core.config.build_component` with its advantage estimator (:func:`build_channels`),
+   and their :class:`~composer_plugins.losses.base.ChannelComposer`;
+4. the models the live channels read: the EMA teacher, the frozen reference, the teachers' scorers;
+5. the hint provider (:func:`configured_hint_provider`) and the preference pairs;
+6. the one sampler (:meth:`~.experience.Sampler.from_config`) and the experience maker.
+
+The Lightning module holds the result; the backends' local modes, Monarch's trainer actor and the TRL backend
+build theirs here too. A loop without a Trainer steps through :meth:`StepComponents.optimize`, which counts the
+steps it took. The run around a step (optimizer, strategy, logger, ``Trainer``) is wired by
+:func:`~composer_plugins.training.lightning.trainer.build_trainer`.
 """
 
 from __future__ import annotations
@@ -15,14 +25,52 @@ from typing import Any
 
 from torch import Tensor
 
+from composer_plugins.core.config import Config, build_component
+from composer_plugins.training.config.loss_specs import CHANNEL_KEYS, advantage_estimator
 from composer_plugins.training.step.assemble import PAIR_INPUTS, StepPolicy
 from composer_plugins.training.step.experience import ExperienceMaker, Sampler, StepComputer
 from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
 from composer_plugins.training.step.record import StepMeta, StepRecord, sample_pairs
 
-__all__ = ["StepComponents"]
+__all__ = ["StepComponents", "build_channels", "build_env", "configured_hint_provider"]
 
 Gather = Callable[[], AbstractContextManager[Any]]
+
+
+def build_env(cfg: Any, src: Config | None = None) -> Any:
+    """The env named by ``cfg.env`` (registry kind ``envs``)."""
+    return build_component("envs", cfg.env, key="env", cfg=src)
+
+
+def configured_hint_provider(cfg: Any, src: Config | None = None) -> Any:
+    """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``), on the request contract
+    (:func:`composer_plugins.envs.hints.build_hint_provider` builds one from a spec or an object)."""
+    from composer_plugins.envs.hints import as_hint_provider
+
+    if cfg.hints.provider is None:
+        raise (src or Config()).error("hints.provider", "a hint-distillation channel is on but no provider is set.")
+    return as_hint_provider(build_component("hints", cfg.hints.provider, key="hints.provider", cfg=src))
+
+
+def build_channels(cfg: Any, src: Config | None = None) -> list[Any]:
+    """The enabled loss channels of ``cfg.channels`` (disabled ones are not built at all), each named by its key
+    and carrying its ``losses.<key>.advantage`` estimator as ``advantage_estimator`` (read by ``ChannelComposer``)."""
+    from composer_plugins.training.step.assemble import _channel_inputs
+
+    src = src if src is not None else Config()
+    out = []
+    for spec in cfg.channels:
+        if not spec.enabled:
+            continue
+        where = f"losses.{spec.key}"
+        built = {"weight": spec.weight, "name": spec.key, "spec_keys": CHANNEL_KEYS}
+        ch = build_component("losses", spec.component(), key=where, cfg=src, **built)
+        if spec.advantage is not None:
+            if "advantages" not in _channel_inputs(ch):
+                raise src.error(f"{where}.advantage", "this channel reads no advantages; remove its estimator.")
+            ch.advantage_estimator = advantage_estimator(spec.advantage, f"{where}.advantage", src)
+        out.append(ch)
+    return out
 
 
 @dataclass(eq=False)
@@ -78,57 +126,73 @@ class StepComponents:
         from the registry). ``own_models=False``: a trainer that prepares the model-bound pieces itself (TRL: the
         policy's mode and checkpointing, the EMA and reference copies, the teacher scorers on its tokenizer).
         ``maker``: :class:`ExperienceMaker` settings to override (``advantage_kwargs=None``: the trainer's own)."""
-        from composer_plugins.core.config import Config
         from composer_plugins.envs.hints import build_hint_provider
         from composer_plugins.losses.base import ChannelComposer
         from composer_plugins.training.rollout.rewards import load_pairs, render_pairs
-        from composer_plugins.training.step.builders import build_channels, build_env, configured_hint_provider
         from composer_plugins.training.step.ema import EMATeacher, compute_dtype, teacher_from
         from composer_plugins.training.step.policy import apply_checkpointing, load_policy_for
         from composer_plugins.training.step.teacher_scores import build_teacher_scoring
 
+        src = src if src is not None else Config()
+        # 1-2. the env, the policy and its tokenizer (from_pretrained returns eval mode; the step trains)
         env = env if env is not None else build_env(cfg, src)
         if policy is None:
             policy, tokenizer = load_policy_for(cfg, env)
         if tokenizer is None:
             raise ValueError("pass tokenizer= together with policy=")
-        # from_pretrained returns eval mode; the step trains (generation and validation switch to eval themselves)
         if own_models:
             policy.train()
             apply_checkpointing(policy, cfg)
-        composer = channels if isinstance(channels, ChannelComposer) else None
-        composer = composer or ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
-        required = set(composer.required_inputs())
+        # 3. the loss channels and their composer
+        if not isinstance(channels, ChannelComposer):
+            channels = ChannelComposer(list(channels) if channels is not None else build_channels(cfg, src))
+        required = set(channels.required_inputs())
+        # 4. the models the live channels read (the teachers' scorers come after the pairs, below)
         try:
-            teacher, ema_rate = teacher_from(composer.active)
+            teacher, ema_rate = teacher_from(channels.active)
         except ValueError as e:
-            raise (src if src is not None else Config()).error("losses", str(e)) from None
-        ema = reference = None
+            raise src.error("losses", str(e)) from None
+        ema = reference = scoring = None
         if own_models and teacher == "ema":  # in the step's compute dtype
             ema = EMATeacher(policy, ema_rate, dtype=compute_dtype(cfg.trainer.precision))
         if own_models and "ref_logprobs" in required:  # the KL's frozen reference (the pairs' need none)
             reference = copy.deepcopy(policy).eval()
             for p in reference.parameters():
                 p.requires_grad_(False)
+        # 5. the hint provider and the preference pairs
         if hint_provider is not None:
             hint_provider = build_hint_provider(hint_provider, key="hint_provider")
-        elif composer.needs_teacher:
+        elif channels.needs_teacher:
             hint_provider = configured_hint_provider(cfg, src)
-        needs_pairs = bool(required & set(PAIR_INPUTS))
-        if needs_pairs and pairs is None and cfg.replay.pairs_path:
+        if required & set(PAIR_INPUTS) and pairs is None and cfg.replay.pairs_path:
             pairs = load_pairs(cfg.replay.pairs_path)
         rendered = render_pairs(pairs or [], tokenizer, cfg.model.chat_template)
-        scoring = build_teacher_scoring(composer.active, tokenizer) if own_models else None
+        if own_models:  # the external teachers' scorers, on the policy's tokenizer
+            scoring = build_teacher_scoring(channels.active, tokenizer)
+        # 6. the sampler and the experience maker
         r, c = cfg.rollout, cfg.compute
         settings = {"advantage_kwargs": dict(r.advantage_kwargs), "temperature": r.temperature}
         settings.update(chunk_size=c.chunk_size, rows_per_micro_batch=c.rows_per_micro_batch)
         settings.update(success_threshold=r.success_threshold, max_hinted=cfg.hints.max_hinted_per_step)
         settings.update(chat_template=cfg.model.chat_template)
-        hinting = hint_provider if composer.needs_teacher else None
+        hinting = hint_provider if channels.needs_teacher else None
         experience = ExperienceMaker(policy, tokenizer, env, hinting, reference, scoring, **(settings | maker))
-        parts = (policy, tokenizer, env, composer, Sampler.from_config(cfg, src, env), experience, hint_provider)
-        due = bool(required & set(PAIR_REF_KEYS)) and bool(rendered)
-        return cls(cfg, *parts, scoring, ema, reference, rendered, due, c.chunk_size)
+        return cls(
+            cfg=cfg,
+            policy=policy,
+            tokenizer=tokenizer,
+            env=env,
+            composer=channels,
+            sampler=Sampler.from_config(cfg, src, env),
+            experience=experience,
+            hint_provider=hint_provider,
+            teacher_scoring=scoring,
+            ema_teacher=ema,
+            reference=reference,
+            pairs=rendered,
+            pair_refs_due=bool(required & set(PAIR_REF_KEYS)) and bool(rendered),
+            chunk_size=c.chunk_size,
+        )
 
     @property
     def required_inputs(self) -> set[str]:

@@ -47,7 +47,7 @@ class Sampler:
     @classmethod
     def from_config(cls, cfg: Any, src: Any = None, env: Any = None) -> Sampler:
         """The sampler ``cfg.rollout`` describes (``env``: the run's env, for multi-turn episodes)."""
-        from composer_plugins.training.step.builders import build_generator
+        from composer_plugins.training.rollout.multiturn import build_generator
 
         r = cfg.rollout
         names = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_length")

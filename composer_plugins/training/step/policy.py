@@ -12,14 +12,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from composer_plugins.core.config import redact, to_dict
+from composer_plugins.core.config import build_component, redact, to_dict
 from composer_plugins.core.io import read_jsonl
 from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import build_cached, cache_dir_for, load_policy, tiny_model_dir
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.rollout.rewards import env_tasks, task_prompt
 from composer_plugins.training.runs.sft import sft_train
-from composer_plugins.training.step.builders import build_env
 
 __all__ = [
     "apply_checkpointing",
@@ -54,7 +53,7 @@ def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
     """``model.name_or_path``, or the cached directory of the embedded tiny model when it is ``tiny``."""
     if cfg.model.name_or_path != "tiny":
         return cfg.model.name_or_path
-    env = env if env is not None else build_env(cfg)
+    env = env if env is not None else build_component("envs", cfg.env, key="env")
     tcfg = cfg.model.tiny
 
     def corpus() -> Iterator[str]:
@@ -95,7 +94,7 @@ def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
 
 def resolve_policy(cfg: TrainConfig, env: Any = None) -> str:
     """The path/id the RL policy is loaded from: base policy, plus the cached SFT warm start if enabled."""
-    env = env if env is not None else build_env(cfg)
+    env = env if env is not None else build_component("envs", cfg.env, key="env")
     base = base_policy_path(cfg, env)
     if not cfg.sft.enabled:
         return base

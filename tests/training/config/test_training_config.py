@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from composer_plugins.core.cli import load_commands
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.training.config.train import DEFAULT_CONFIG, TrainConfig, load_train_config
-from composer_plugins.training.step.builders import build_channels
+from composer_plugins.training.step.components import build_channels
 
 
 def write(tmp_path, text: str):
@@ -211,7 +211,7 @@ def test_overrides_edit_the_default_channel_set(tmp_path):
 
 
 def test_unknown_env_and_hint_provider_are_located(tmp_path):
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     p = write(tmp_path, "seed: 0\nenv: {name: gsm8kk, difficulty: trivial}\n")
     cfg, src = load_train_config(p)
@@ -228,7 +228,7 @@ def test_unknown_env_and_hint_provider_are_located(tmp_path):
 def test_switching_a_provider_by_name_on_the_command_line_shows_the_whole_spec_form():
     """``-S hints.provider.name=demonstration`` over a provider with arguments: the error shows the form that works."""
     from composer_plugins.training.config.train import load_train_config
-    from composer_plugins.training.step.builders import configured_hint_provider
+    from composer_plugins.training.step.components import configured_hint_provider
 
     cfg, src = load_train_config(None, ["hints.provider.name=demonstration"])
     with pytest.raises(ConfigError) as e:

@@ -26,7 +26,7 @@ def _yaml_blocks(doc: Path) -> list[tuple[int, str]]:
 
 
 def test_every_yaml_example_of_docs_losses_md_loads_and_builds():
-    from composer_plugins.training.step.builders import build_channels
+    from composer_plugins.training.step.components import build_channels
 
     blocks = _yaml_blocks(ROOT / "docs" / "losses.md")
     assert len(blocks) >= 2  # the list-form channel example and the teacher_distill example

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import load_policy_for
 
 

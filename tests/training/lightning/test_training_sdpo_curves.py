@@ -96,7 +96,7 @@ def test_sft_step_check_examples_show_a_false_step_named_by_step_check(make_cfg)
     cfg, _ = make_cfg(
         "", "env.difficulty=chain", "sft.hint_fraction=1.0", "sft.hint_kinds={step_check: 1}", "sft.num_examples=20"
     )
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     pairs = sft_pairs(build_env(cfg), cfg)
     assert len(pairs) == 20

@@ -172,7 +172,7 @@ def test_text_prompt_hint_contexts_are_unchanged_and_chat_ones_go_in_the_convers
 def test_sft_examples_and_pairs_read_as_the_rollouts(case, tmp_path):
     from composer_plugins.models.tiny import load_policy
     from composer_plugins.training.runs.sft import sft_pairs
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     cfg = chat_config(case, tmp_path, sft={"enabled": True, "num_examples": 1, "hint_fraction": 0.0})
     _, tok = load_policy(case["student"])

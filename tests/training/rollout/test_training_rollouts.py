@@ -35,7 +35,8 @@ class _CountingGenerator:
 def test_hook_register_rollout_generators(fresh_pm, make_cfg):
     from composer_plugins.core import plugins
     from composer_plugins.training.lightning.module import ComposerModule
-    from composer_plugins.training.step.builders import build_env, build_generator
+    from composer_plugins.training.rollout.multiturn import build_generator
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import load_policy_for
 
     class P:
@@ -78,7 +79,7 @@ def test_hook_register_rollout_generators(fresh_pm, make_cfg):
 def test_unknown_generator_is_located(make_cfg, tmp_path):
     from composer_plugins.core.errors import ComposerPluginsError, ConfigError
     from composer_plugins.training.config.train import load_train_config
-    from composer_plugins.training.step.builders import build_generator
+    from composer_plugins.training.rollout.multiturn import build_generator
 
     # refused when the config is read (before any model), with the names there are and the closest one
     with pytest.raises(ConfigError) as e:
@@ -102,7 +103,7 @@ def test_unknown_generator_is_located(make_cfg, tmp_path):
 def test_a_registered_object_without_generate_is_refused_at_rollout_generator(fresh_pm, make_cfg):
     from composer_plugins.core import plugins
     from composer_plugins.core.errors import ConfigError
-    from composer_plugins.training.step.builders import build_generator
+    from composer_plugins.training.rollout.multiturn import build_generator
 
     class NoGenerate:
         """Registered as a generator, but has nothing to sample with."""
@@ -136,7 +137,7 @@ def tiny_policy(make_cfg):
     """``(path, policy, tokenizer, prompts)``: the tiny SFT-started policy and a few train prompts."""
     from composer_plugins.models.tiny import load_policy
     from composer_plugins.training.rollout.rewards import task_prompt
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import resolve_policy
 
     cfg, src = make_cfg("")

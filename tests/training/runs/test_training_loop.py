@@ -13,7 +13,7 @@ from composer_plugins.core.cli import load_commands
 from composer_plugins.training.lightning.module import ComposerModule
 from composer_plugins.training.rollout.rewards import derive_seed, eval_batches
 from composer_plugins.training.runs.run import run_train
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import load_policy_for, resolve_policy
 
 CHANNELS = """

@@ -26,7 +26,7 @@ def test_dropped_carry_drops_only_the_last_columns_carry():
 def test_sft_slip_rate_slips_plain_carry_rows_only(make_cfg):
     from composer_plugins.envs.arith import dropped_carry
     from composer_plugins.training.runs.sft import sft_pairs
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import sft_cache_key
 
     base = ("", "env.difficulty=long_columns", "sft.num_examples=400")
@@ -52,7 +52,7 @@ def test_sft_slip_rate_slips_plain_carry_rows_only(make_cfg):
 def test_sft_slip_rate_errors_are_located(make_cfg):
     from composer_plugins.core.errors import ConfigError
     from composer_plugins.training.runs.sft import sft_pairs
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     with pytest.raises(ConfigError, match=r"sft\.slip_rate: a share must be in \[0, 1\]"):
         make_cfg("", "sft.slip_rate=1.5")

@@ -137,7 +137,7 @@ def test_an_unknown_estimator_is_refused_at_its_line_with_the_closest_name(make_
     assert "Did you mean: 'group'" in str(err.value)
     with pytest.raises(ConfigError, match="compose: \\[") as err:
         make_cfg(text.replace("compose:\n        - {name: group, weight: 0.7}", "compose: []"))
-    from composer_plugins.training.step.builders import build_channels
+    from composer_plugins.training.step.components import build_channels
 
     cfg, src = make_cfg("losses:\n  grpo: 1.0\n  hint_distill:\n    advantage: rloo\n")
     with pytest.raises(ConfigError, match="reads no advantages") as err:  # not a policy channel
@@ -168,7 +168,7 @@ def test_the_docs_example_estimator_and_config_build_what_they_say(tmp_path, mon
     import re
 
     from composer_plugins.training.config.train import loads_train_config
-    from composer_plugins.training.step.builders import build_channels
+    from composer_plugins.training.step.components import build_channels
 
     doc = (Path(__file__).resolve().parents[3] / "docs" / "plugins.md").read_text()
     section = doc.split("### register_advantage_estimators(register)\n", 1)[1].split("\n### ", 1)[0]

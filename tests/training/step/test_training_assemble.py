@@ -12,7 +12,7 @@ from composer_plugins.core import plugins
 from composer_plugins.core.hookspecs import hookimpl
 from composer_plugins.losses.base import ChannelComposer, LossChannel
 from composer_plugins.training.step.assemble import MissingInputError, StepPolicy, assemble_inputs
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.record import StepMeta, StepRecord
 
 
@@ -80,7 +80,7 @@ def test_a_third_party_input_reaches_its_channel_in_lightning(make_cfg, lengths_
     cfg, src = make_cfg("", "losses.hint_distill.enabled=false")
     env = build_env(cfg, src)
     bonus = LengthBonus()
-    from composer_plugins.training.step.builders import build_channels
+    from composer_plugins.training.step.components import build_channels
 
     m = ComposerModule(cfg, env=env, src=src, channels=[*build_channels(cfg, src), bonus])
     assert "completion_lengths" in m.composer.required_inputs()

@@ -99,8 +99,8 @@ def test_auto_compiles_on_cuda_only_and_modes_are_checked():
 def test_rollout_compile_config_field_and_the_built_generator():
     from composer_plugins.core.errors import ConfigError
     from composer_plugins.training.config.train import loads_train_config
+    from composer_plugins.training.rollout.multiturn import build_generator
     from composer_plugins.training.rollout.rollouts import HFGenerator
-    from composer_plugins.training.step.builders import build_generator
 
     for text, want in (("", "auto"), ("{compile: on}", "on"), ("{compile: off}", "off"), ("{compile: auto}", "auto")):
         cfg, src = loads_train_config(f"rollout: {text or '{}'}")

@@ -80,7 +80,7 @@ def _run_ranks(
 def test_two_ranks_divide_the_step_and_match_one_process_on_the_union(make_cfg, tiny_yaml, tmp_path):
     from composer_plugins.training.lightning.module import ComposerModule
     from composer_plugins.training.rollout.rewards import TaskStream, task_drawer
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import load_policy_for, resolve_policy
     from composer_plugins.training.step.record import StepRecord
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from composer_plugins.training.lightning.module import ComposerModule
 from composer_plugins.training.runs.run import run_train
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import load_policy_for
 
 HINT = """

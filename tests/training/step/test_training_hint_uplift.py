@@ -24,7 +24,7 @@ class HintNothing(HintProvider):
 
 def test_make_rollout_batch_gives_the_provider_each_rows_group(make_cfg):
     from composer_plugins.training.lightning.module import ComposerModule
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     cfg, src = make_cfg("", "rollout.prompts_per_step=4", "hints.provider=demonstration")
     m = ComposerModule(cfg, env=build_env(cfg, src), src=src)
@@ -59,7 +59,7 @@ def test_make_rollout_batch_gives_the_provider_each_rows_group(make_cfg):
 
 def test_sft_demonstration_contexts(make_cfg):
     from composer_plugins.training.runs.sft import sft_hint_kinds, sft_pairs
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
     from composer_plugins.training.step.policy import sft_cache_key
 
     cfg, src = make_cfg("", "sft.num_examples=40", "hints.provider=demonstration")
@@ -202,7 +202,7 @@ def test_multi_turn_episodes_give_demonstrations_from_their_group(make_cfg):
     import torch
 
     from composer_plugins.training.lightning.module import ComposerModule
-    from composer_plugins.training.step.builders import build_env
+    from composer_plugins.training.step.components import build_env
 
     demo = "hints.provider={name: demonstration, fallback: none}"
     cfg, src = make_cfg(

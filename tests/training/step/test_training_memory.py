@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from composer_plugins.models.logprobs import completion_hidden, decoder_body, micro_batches, sequence_inputs
 from composer_plugins.training.lightning.module import ComposerModule
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import load_policy_for
 
 BASE = ("sft.enabled=false", "rollout.prompts_per_step=3", "rollout.num_generations=4", "rollout.max_new_tokens=10")

@@ -19,7 +19,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.models.generation import tokenize_completions
 from composer_plugins.training.rollout.rewards import env_tasks, reference_completion
 from composer_plugins.training.runs.run import run_train
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.experience import Sampler
 from composer_plugins.training.step.policy import base_policy_path, load_policy_for
 

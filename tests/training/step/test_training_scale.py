@@ -21,7 +21,7 @@ from composer_plugins.models.generation import tokenize_completions, tokenize_pr
 from composer_plugins.models.logprobs import completion_forward, sequence_logprob
 from composer_plugins.training.lightning.module import ComposerModule
 from composer_plugins.training.rollout.rewards import derive_seed
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import load_policy_for
 
 POLICY_LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "dppo"]

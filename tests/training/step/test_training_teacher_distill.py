@@ -18,7 +18,7 @@ from composer_plugins.losses.teacher_distill import TeacherDistillChannel
 from composer_plugins.teachers.scoring import TeacherScorer
 from composer_plugins.training.lightning.module import ComposerModule
 from composer_plugins.training.runs.run import run_train
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import base_policy_path, load_policy_for
 
 FOUR = """

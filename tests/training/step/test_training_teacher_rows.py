@@ -12,7 +12,7 @@ from composer_plugins.losses.policy import PolicyLossChannel
 from composer_plugins.losses.teacher_distill import TeacherDistillChannel
 from composer_plugins.teachers.scoring import TeacherScorer, TeacherScores
 from composer_plugins.training.lightning.module import ComposerModule
-from composer_plugins.training.step.builders import build_env
+from composer_plugins.training.step.components import build_env
 from composer_plugins.training.step.policy import load_policy_for
 
 
