@@ -3,7 +3,7 @@ them without importing the package root (which imports them: a circle)."""
 
 from __future__ import annotations
 
-__version__ = "0.2.2"
+__version__ = "0.2.3"
 
 #: The plugin contract's version (docs/plugins.md "Versions and deprecations"): a new minor adds to it, a new
 #: major changes it, the previous major served through adapters until ADAPTERS_REMOVED_IN. 2.0: ``forward(inputs)``.

@@ -188,7 +188,7 @@ def test_plugins_and_list_mark_a_failing_plugin_and_a_config_naming_it_is_refuse
 
 
 def test_api_versions_and_the_adapter_after_its_release(monkeypatch):
-    assert version.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "2.0" and __version__ == "0.2.2"
+    assert version.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "2.0" and __version__ == "0.2.3"
     assert version.api_problem(None) is None and version.api_problem("2") is None and version.api_problem("2.0") is None
     assert version.api_problem("1") is None  # served through adapters in 0.2.x
     assert "needs plugin API 2.1" in version.api_problem("2.1")
