@@ -268,7 +268,7 @@ def test_a_third_party_input_reaches_its_channel_in_trl(tiny_model_dir, tmp_path
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training" / "step"))
     try:
         from test_training_assemble import LengthBonus, LengthsPlugin
     finally:

@@ -224,11 +224,13 @@ class DeclaredChannel(NamedTuple):
     needs_teacher: bool
     #: the policy-gradient loss it computes (``loss_type`` preset by its registry entry or given), if any
     loss_type: str | None
+    #: the kind the class declares (``LossChannel.kind``), ``None`` for a class from before 0.2.3
+    kind: str | None = None
 
     @property
     def is_policy(self) -> bool:
-        """A policy-gradient channel: it reads the group advantages."""
-        return "advantages" in self.inputs
+        """A policy-gradient channel: declared ``policy`` (undeclared: it reads the group advantages)."""
+        return self.kind == "policy" if self.kind is not None else "advantages" in self.inputs
 
     @property
     def reads_teacher_scores(self) -> bool:
@@ -236,16 +238,18 @@ class DeclaredChannel(NamedTuple):
         return "teacher_scores" in self.inputs
 
 
-def declared_channels(losses: Mapping[str, Any], src: Config | None = None) -> list[DeclaredChannel]:
-    """The enabled channels of a ``losses`` section with their declarations (located errors for unknown names)."""
+def declared_channels(losses: Any, src: Config | None = None) -> list[DeclaredChannel]:
+    """The enabled channels of a :class:`~composer_plugins.training.config.train.TrainConfig` (its parsed
+    ``channels``) or of a ``losses`` mapping, with their declarations (located errors for unknown names)."""
 
     from composer_plugins.core.errors import UnknownPluginError
     from composer_plugins.core.plugins import get_registry
 
     src = src if src is not None else Config()
     out = []
-    for key, spec in losses.items():
-        ch = channel_spec(key, spec, src)
+    specs = losses.channels if hasattr(losses, "channels") else [channel_spec(k, v, src) for k, v in losses.items()]
+    for ch in specs:
+        key = ch.key
         if not ch.enabled:
             continue
         preset: dict[str, Any] = {}
@@ -269,6 +273,7 @@ def declared_channels(losses: Mapping[str, Any], src: Config | None = None) -> l
                 frozenset(inputs),
                 bool(getattr(cls, "needs_teacher", False)),
                 None if loss_type is None else str(loss_type),
+                getattr(cls, "kind", None),
             )
         )
     return out

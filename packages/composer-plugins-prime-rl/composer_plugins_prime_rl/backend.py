@@ -393,7 +393,7 @@ class PrimeRLBackend(Backend):
         )  # refused here, never dropped later
         kwargs: dict[str, Any] = {}
         policies = []
-        for ch in declared_channels(self.config.losses, self.src):
+        for ch in declared_channels(self.config, self.src):
             key, weight, kw = ch.key, ch.weight, ch.kwargs
             kind = ch.loss_type or ch.name
             if ch.is_policy and kind in POLICIES:

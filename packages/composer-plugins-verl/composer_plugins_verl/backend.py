@@ -418,7 +418,7 @@ class VeRLBackend(Backend):
             f"verl:{self.mode}", self.config, self.src, type(self).support
         )  # a channel VeRL cannot run is refused
         found = []
-        for ch in declared_channels(self.config.losses, self.src):
+        for ch in declared_channels(self.config, self.src):
             if ch.is_policy and (ch.loss_type or ch.name) in POLICY_LOSSES.values():
                 found.append((str(ch.loss_type or ch.name), ch.kwargs))
         if len(found) != 1:
