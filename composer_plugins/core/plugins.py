@@ -36,7 +36,7 @@ STRICT_ENV = "COMPOSER_PLUGINS_STRICT"
 
 #: Built-in plugins, registered through the same hooks third parties implement.
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "composer_plugins.catalog.commands",
+    "composer_plugins.catalog.plugin",
     "composer_plugins.losses.plugin",
     "composer_plugins.teachers.plugin",
     "composer_plugins.envs.plugin",
