@@ -41,16 +41,12 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.teachers.plugin",
     "composer_plugins.envs.plugin",
     "composer_plugins.backends.plugin",
-    "composer_plugins.training.runs.commands",
-    "composer_plugins.training.step.optim",
-    "composer_plugins.training.lightning.callbacks",
-    "composer_plugins.training.rollout.rollouts",
+    "composer_plugins.training.runs.plugin",
     "composer_plugins.pipeline.plugin",
     "composer_plugins.diloco.cli",
     "composer_plugins.diloco.codec_plugin",
     "composer_plugins.diloco.transport_plugin",
     "composer_plugins.diloco.executor_plugin",
-    "composer_plugins.training.step.input_plugin",
 )
 
 
