@@ -43,10 +43,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.backends.plugin",
     "composer_plugins.training.runs.plugin",
     "composer_plugins.pipeline.plugin",
-    "composer_plugins.diloco.cli",
-    "composer_plugins.diloco.codec_plugin",
-    "composer_plugins.diloco.transport_plugin",
-    "composer_plugins.diloco.executor_plugin",
+    "composer_plugins.diloco.plugin",
 )
 
 
