@@ -34,7 +34,8 @@ ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 LOAD_ENV = "COMPOSER_PLUGINS_LOAD"
 STRICT_ENV = "COMPOSER_PLUGINS_STRICT"
 
-#: Built-in plugins, registered through the same hooks third parties implement.
+#: Built-in plugins, registered through the same hooks third parties implement: each top-level package's one
+#: ``plugin.py`` (``training``'s is ``training/runs/plugin.py``), the only modules with ``@hookimpl`` functions.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "composer_plugins.catalog.plugin",
     "composer_plugins.losses.plugin",
