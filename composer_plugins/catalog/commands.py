@@ -1,6 +1,6 @@
 """The catalogue's commands: ``composer-plugins list`` (every registered component, with its provider and any
-failed contract check) and ``composer-plugins plugins`` (every plugin, with what failed), added through
-``register_commands`` like every other command."""
+failed contract check) and ``composer-plugins plugins`` (every plugin, with what failed), added by
+:mod:`.plugin` through ``register_commands`` like every other command."""
 
 from __future__ import annotations
 
@@ -11,15 +11,8 @@ from typing import Any
 import click
 
 from composer_plugins.core.errors import UnknownPluginError
-from composer_plugins.core.hookspecs import hookimpl
 from composer_plugins.core.plugins import get_plugin_manager, get_registry
 from composer_plugins.core.registry import KINDS
-
-
-@hookimpl
-def register_commands(cli: click.Group) -> None:
-    cli.add_command(list_cmd)
-    cli.add_command(plugins)
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:

@@ -34,23 +34,17 @@ ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 LOAD_ENV = "COMPOSER_PLUGINS_LOAD"
 STRICT_ENV = "COMPOSER_PLUGINS_STRICT"
 
-#: Built-in plugins, registered through the same hooks third parties implement.
+#: Built-in plugins, registered through the same hooks third parties implement: each top-level package's one
+#: ``plugin.py`` (``training``'s is ``training/runs/plugin.py``), the only modules with ``@hookimpl`` functions.
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "composer_plugins.catalog.commands",
+    "composer_plugins.catalog.plugin",
     "composer_plugins.losses.plugin",
     "composer_plugins.teachers.plugin",
     "composer_plugins.envs.plugin",
     "composer_plugins.backends.plugin",
-    "composer_plugins.training.runs.commands",
-    "composer_plugins.training.step.optim",
-    "composer_plugins.training.lightning.callbacks",
-    "composer_plugins.training.rollout.rollouts",
+    "composer_plugins.training.runs.plugin",
     "composer_plugins.pipeline.plugin",
-    "composer_plugins.diloco.cli",
-    "composer_plugins.diloco.codec_plugin",
-    "composer_plugins.diloco.transport_plugin",
-    "composer_plugins.diloco.executor_plugin",
-    "composer_plugins.training.step.input_plugin",
+    "composer_plugins.diloco.plugin",
 )
 
 

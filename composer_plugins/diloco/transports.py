@@ -7,7 +7,7 @@ keys it ignores, refused when set), what the launcher must provide (``needs``: a
 (:meth:`~Transport.callback`). Import-light (no torch): the launcher and the CLI read it. The built-ins,
 ``torchft`` (:class:`~composer_plugins.diloco.strategy.DiLoCoCallback`) and ``object_store``
 (:class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`), register through
-:mod:`.transport_plugin` as a third party would; ``composer-plugins list transports`` shows them.
+:mod:`.plugin` as a third party would; ``composer-plugins list transports`` shows them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
   its input builders, the policy, optimizers and EMA teacher, and the builders of a step's components.
 * :mod:`~composer_plugins.training.lightning`: ``ComposerModule``, the ``Trainer`` factory, callbacks,
   checkpoints, validation, curves and MLflow tracking.
-* :mod:`~composer_plugins.training.runs`: ``run_train``/``run_eval``, SFT and the training CLI commands.
+* :mod:`~composer_plugins.training.runs`: ``run_train``/``run_eval``, SFT, the training CLI commands and the
+  default plugin registering every built-in of ``training`` (``runs/plugin.py``).
 
 ``training`` imports ``core``, ``procs``, ``losses``, ``models``, ``envs`` and ``teachers`` only.
 

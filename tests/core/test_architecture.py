@@ -565,3 +565,93 @@ def test_training_is_split_by_job_and_points_down():
                             found.append(f"training/{key[0]}:{node.lineno}: {sub} imports {name}")
     assert not found, "imports inside training/ point down only:\n  " + "\n  ".join(found)
     assert used == set(TRAINING_UPWARD), f"no longer needed, drop from TRAINING_UPWARD: {set(TRAINING_UPWARD) - used}"
+
+
+def hookimpl_lines(source: str) -> list[int]:
+    """The lines where ``source`` defines a hook implementation pluggy would register from the module: a module- or
+    class-level function decorated with ``hookimpl`` (``@hookimpl``, ``@hookimpl(...)``, ``@hookspecs.hookimpl``) or
+    a name bound to ``hookimpl(...)``/``builtin_hook(...)``. A function made inside another one (``builtin_hook``'s
+    own) is no module's registration; ``pytest.hookimpl`` is pytest's."""
+
+    def ours(expr: ast.expr) -> bool:
+        expr = expr.func if isinstance(expr, ast.Call) else expr
+        if isinstance(expr, ast.Name):
+            return expr.id in ("hookimpl", "builtin_hook")
+        root = expr
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        pytest_marker = isinstance(root, ast.Name) and root.id == "pytest"
+        return isinstance(expr, ast.Attribute) and expr.attr in ("hookimpl", "builtin_hook") and not pytest_marker
+
+    out: list[int] = []
+    body = list(ast.parse(source).body)
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(map(ours, node.decorator_list)):
+            out.append(node.lineno)
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call) and ours(node.value):
+            out.append(node.lineno)
+        elif isinstance(node, ast.ClassDef | ast.If | ast.Try):
+            body += [*node.body, *getattr(node, "orelse", [])]
+    return sorted(out)
+
+
+def plugin_module_problems(sources: dict[Path, str], defaults: tuple[str, ...]) -> list[str]:
+    """What breaks "one registration module per package" in ``{path under composer_plugins/: source}``: a hook
+    implementation outside a module named ``plugin.py``, two such modules in one top-level package, or
+    ``defaults`` (``DEFAULT_PLUGINS``) other than exactly those modules."""
+    out: list[str] = []
+    modules: dict[str, list[str]] = {}
+    for rel, source in sorted(sources.items()):
+        lines = hookimpl_lines(source)
+        if not lines:
+            continue
+        if rel.name != "plugin.py":
+            out += [f"composer_plugins/{rel.as_posix()}:{n}: a hookimpl outside the package's plugin.py" for n in lines]
+            continue
+        modules.setdefault(rel.parts[0], []).append(".".join(["composer_plugins", *rel.with_suffix("").parts]))
+    for pkg, names in sorted(modules.items()):
+        if len(names) > 1:
+            out.append(f"{pkg}: {len(names)} registration modules ({', '.join(names)}), one plugin.py at most")
+    found = {n for names in modules.values() for n in names}
+    twice = sorted({d for d in defaults if defaults.count(d) > 1})
+    if set(defaults) != found or twice:
+        out.append(
+            f"DEFAULT_PLUGINS lists exactly the registration modules: missing {sorted(found - set(defaults))}, "
+            f"registering nothing {sorted(set(defaults) - found)}, listed twice {twice}"
+        )
+    return out
+
+
+def test_one_registration_module_per_package():
+    """Every ``@hookimpl`` of the project lives in its package's one ``plugin.py`` (``training``'s is
+    ``training/runs/plugin.py``: ``training/`` holds sub-packages only), and ``DEFAULT_PLUGINS`` lists exactly those."""
+    from composer_plugins.core.plugins import DEFAULT_PLUGINS
+
+    sources = {p.relative_to(PKG): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+    found = plugin_module_problems(sources, DEFAULT_PLUGINS)
+    assert not found, "built-in registration outside one plugin.py per package:\n  " + "\n  ".join(found)
+
+
+def test_the_registration_check_catches_stray_hookimpls():
+    """The check itself: each kind of hook implementation is found (with its line), and each breach is reported."""
+    src = (
+        "from x import hookimpl, builtin_hook\n"
+        "@hookimpl\ndef register_envs(register): ...\n"  # line 3 (the def)
+        "@hookspecs.hookimpl(tryfirst=True)\ndef register_commands(cli): ...\n"  # 5
+        "register_codecs = builtin_hook('m', {})\n"  # 6
+        "class P:\n    @hookimpl\n    def register_teachers(self, register): ...\n"  # 9
+        "@pytest.hookimpl(wrapper=True)\ndef pytest_runtest_call(item): ...\n"  # pytest's
+    )
+    factory = "def builtin_hook(m, t):\n    @hookspecs.hookimpl\n    def hook(register): ...\n    return hook\n"
+    assert hookimpl_lines(src) == [3, 5, 6, 9] and hookimpl_lines(factory) == []
+    ok = {Path("envs/plugin.py"): src, Path("envs/x.py"): "def f(): ...\n", Path("core/registry.py"): factory}
+    defaults = ("composer_plugins.envs.plugin",)
+    assert plugin_module_problems(ok, defaults) == []
+    stray = plugin_module_problems({**ok, Path("envs/sub/cli.py"): src}, defaults)
+    assert len(stray) == 4 and all(s.startswith("composer_plugins/envs/sub/cli.py:") for s in stray)
+    two = plugin_module_problems({**ok, Path("envs/sub/plugin.py"): src}, defaults)
+    assert len(two) == 2 and "envs: 2 registration modules" in two[0] and "composer_plugins.envs.sub.plugin" in two[1]
+    assert plugin_module_problems(ok, (*defaults, "composer_plugins.envs.x"))  # lists a module that registers nothing
+    assert plugin_module_problems(ok, ())  # lacks one
+    assert plugin_module_problems(ok, defaults * 2)  # names one twice

@@ -71,7 +71,7 @@ def with_codecs(isolated_plugins):
 def test_hook_register_codecs(with_codecs):
     reg = plugins.get_registry()
     assert set(BUILTINS) | {"lenient", "noisy"} <= set(reg.names("codecs"))
-    assert reg.get("codecs", "int4").plugin == "composer_plugins.diloco.codec_plugin"
+    assert reg.get("codecs", "int4").plugin == "composer_plugins.diloco.plugin"
     assert reg.get("codecs", "lenient").plugin == "codec_test_plugin"
     with pytest.raises(ConformanceError, match=r"codecs 'lenient'.*body decoded without an error"):
         check_codec("lenient")

@@ -171,7 +171,7 @@ def with_executors(isolated_plugins):
 def test_hook_register_executors(with_executors, tmp_path):
     reg = plugins.get_registry()
     assert {"local", "hf_jobs", "modal", "tagged"} <= set(reg.names("executors"))
-    assert reg.get("executors", "hf_jobs").plugin == "composer_plugins.diloco.executor_plugin"
+    assert reg.get("executors", "hf_jobs").plugin == "composer_plugins.diloco.plugin"
     assert reg.get("executors", "local").provider.startswith("composer-plugins")
     assert reg.get("executors", "tagged").plugin == "executor_test_plugin"
     # --executor picks the registered entry: the third party's runs the replica, with its preset tag
@@ -191,11 +191,11 @@ def test_list_and_plugins_show_the_executors_with_their_provider(with_executors)
     assert r.exit_code == 0, r.output
     rows = {d["name"]: d for d in json.loads(r.output[r.output.index("[") :])}
     assert {"local", "hf_jobs", "modal", "tagged"} <= set(rows) and all(d["kind"] == "executors" for d in rows.values())
-    assert rows["local"]["plugin"] == "composer_plugins.diloco.executor_plugin"
+    assert rows["local"]["plugin"] == "composer_plugins.diloco.plugin"
     assert rows["local"]["distribution"] == "composer-plugins" and rows["tagged"]["plugin"] == "executor_test_plugin"
     r = CliRunner().invoke(load_commands(), ["plugins", "--all"], catch_exceptions=False)
     data = {d["name"]: d for d in json.loads(r.output[r.output.index("[") :])}
-    assert "register_executors" in data["composer_plugins.diloco.executor_plugin"]["hooks"]
+    assert "register_executors" in data["composer_plugins.diloco.plugin"]["hooks"]
     assert "register_executors" in data["executor_test_plugin"]["hooks"]
 
 

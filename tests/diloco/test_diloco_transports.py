@@ -22,7 +22,7 @@ from composer_plugins.diloco.objstore import ObjectStoreDiLoCoCallback
 from composer_plugins.diloco.transports import ObjectStoreTransport, Transport, get_transport
 from composer_plugins.testing import ConformanceError, check_transport
 
-BUILTIN = "composer_plugins.diloco.transport_plugin"
+BUILTIN = "composer_plugins.diloco.plugin"
 STORE_CB = "composer_plugins.diloco.objstore:ObjectStoreDiLoCoCallback"
 
 

@@ -429,9 +429,9 @@ def test_cli_command_is_registered_and_documented():
     def cli() -> None:
         pass
 
-    from composer_plugins.diloco import cli as diloco_cli
+    from composer_plugins.diloco import plugin
 
-    diloco_cli.register_commands(cli)
+    plugin.register_commands(cli)
     out = CliRunner().invoke(cli, ["diloco", "--help"])
     assert out.exit_code == 0, out.output
     for opt in ("--replicas", "--config", "--target", "--lighthouse", "--max-restarts", "STOP", "--executor"):

@@ -10,23 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from composer_plugins.core.hookspecs import hookimpl
-
-
-@hookimpl
-def register_callbacks(register: Any) -> None:
-    """Register Lightning's own general-purpose callbacks (imported only when one is built)."""
-    register(
-        "lr_monitor",
-        "lightning.pytorch.callbacks:LearningRateMonitor",
-        description="Log the learning rate of every optimizer step (needs a logger: mlflow.enabled).",
-    )
-    register(
-        "model_summary",
-        "lightning.pytorch.callbacks:ModelSummary",
-        description="Print the policy's layers and parameter counts when training starts.",
-    )
-
 
 def build_callbacks(specs: Sequence[Any], src: Any = None, key: str = "trainer.callbacks") -> list[Any]:
     """The callbacks of ``specs`` (names, ``{name: ...}`` or ``{class_path: ...}``), in order.

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from composer_plugins.core.errors import ComposerPluginsError
-from composer_plugins.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from composer_plugins.core.config import Config
@@ -87,26 +86,6 @@ def as_rollout_generator(obj: Any, key: str = "rollout.generator", src: Config |
         f"{type(obj).__module__}.{type(obj).__qualname__} is not a rollout generator: it has no "
         "generate(policy, tokenizer, prompts, num_generations, *, seed, temperature, ...) method — register a "
         "class that keeps composer_plugins.training.rollout.rollouts.RolloutGenerator.",
-    )
-
-
-@hookimpl
-def register_rollout_generators(register: Any) -> None:
-    """Register the built-in rollout generators."""
-    register(
-        "hf",
-        "composer_plugins.training.rollout.rollouts:HFGenerator",
-        description="HF generate on the policy in the training process (batched, KV cache).",
-    )
-    register(
-        "server",
-        "composer_plugins.training.rollout.rollouts:ServerGenerator",
-        description="An OpenAI-compatible /v1/completions server returning token ids and log-probs (vLLM, SGLang).",
-    )
-    register(
-        "multi_turn",
-        "composer_plugins.training.rollout.multiturn:MultiTurnGenerator",
-        description="Tool-using envs' reset/step episodes, each turn sampled by the wrapped generator (hf).",
     )
 
 

@@ -1,8 +1,6 @@
-"""Default plugin that adds the built-in training subcommands: ``train``, ``sft`` and ``eval``.
-
-Each subcommand lives next to the feature it drives and is attached here through the
-public ``register_commands(cli)`` hook, the same way a third-party plugin adds one.
-Heavy imports (torch, lightning, transformers) happen only when a command runs.
+"""The built-in training subcommands ``train``, ``sft`` and ``eval``, which :mod:`.plugin` attaches through the
+public ``register_commands(cli)`` hook, the same way a third-party plugin adds one. Heavy imports (torch,
+lightning, transformers) happen only when a command runs.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import click
 
 from composer_plugins.core.cli import all_overrides, command_errors, report_interrupt, set_option
 from composer_plugins.core.errors import Interrupted
-from composer_plugins.core.hookspecs import hookimpl
 
 
 def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -184,11 +181,3 @@ def eval_cmd(cfg: Any, src: Any, checkpoint: str | None, output: str | None) -> 
     with _located_policy(cfg, src):
         metrics = run_eval(cfg, src, checkpoint=checkpoint, output=output)
     click.echo(json.dumps(metrics, indent=2, sort_keys=True))
-
-
-@hookimpl
-def register_commands(cli: Any) -> None:
-    """Attach the built-in training subcommands."""
-    for cmd in (train_cmd, sft_cmd, eval_cmd):
-        if cmd.name not in cli.commands:
-            cli.add_command(cmd)

@@ -2,7 +2,7 @@
 
 Each is ``builder(assembly) -> {input name: value}`` (:class:`~composer_plugins.training.step.assemble.Assembly`):
 it reads the read-only record and computes with-grad inputs or collects the teachers' scores. The default
-plugin :mod:`composer_plugins.training.step.input_plugin` registers them lazily under the inputs each provides.
+plugin :mod:`composer_plugins.training.runs.plugin` registers them lazily under the inputs each provides.
 """
 
 from __future__ import annotations

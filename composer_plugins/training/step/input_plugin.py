@@ -1,17 +1,7 @@
-"""Default plugin: registers the built-in channel input builders through the public ``register_input_builders`` hook.
-
-Targets are lazy ``"module:attr"`` strings, so loading the plugins or listing the builders never imports torch;
-the builders are :mod:`composer_plugins.training.step.input_builders`. A builder that provides several inputs is
-registered under each of them (it runs once per assembly).
-"""
+"""The built-in channel input builders' table (torch-free): :mod:`composer_plugins.training.runs.plugin` registers
+each builder of :mod:`composer_plugins.training.step.input_builders` lazily under every input it provides."""
 
 from __future__ import annotations
-
-from typing import Any
-
-from composer_plugins.core.hookspecs import hookimpl
-
-_MODULE = "composer_plugins.training.step.input_builders"
 
 #: builder (in :mod:`composer_plugins.training.step.input_builders`) -> (the inputs it provides, one-line description);
 #: tests/training/step/test_training_input_builders.py checks every assembler input is here once.
@@ -65,11 +55,3 @@ BUILTINS: dict[str, tuple[tuple[str, ...], str]] = {
         "The external teachers' top-k scores of the rows (futures awaited up to the deadline), packed.",
     ),
 }
-
-
-@hookimpl
-def register_input_builders(register: Any) -> None:
-    """The built-in input builders, one entry per input name."""
-    for attr, (names, description) in BUILTINS.items():
-        for name in names:
-            register(name, f"{_MODULE}:{attr}", description=description)

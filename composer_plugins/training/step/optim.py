@@ -14,18 +14,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from composer_plugins.core.errors import ConfigError, UnknownPluginError
-from composer_plugins.core.hookspecs import hookimpl
 
 #: the ``optim`` fields offered to every optimizer factory (each only if its signature takes it)
 SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum")
-
-
-@hookimpl
-def register_optimizers(register: Any) -> None:
-    """Register the built-in optimizers (``torch.optim``; imported only when one is built)."""
-    register("adamw", "torch.optim:AdamW", description="AdamW (decoupled weight decay); the default.")
-    register("adam", "torch.optim:Adam", description="Adam.")
-    register("sgd", "torch.optim:SGD", description="SGD with optional momentum.")
 
 
 def optimizer_names() -> list[str]:

@@ -60,7 +60,7 @@ def test_hook_register_rollout_generators(fresh_pm, make_cfg):
         hooks = json.loads(
             CliRunner().invoke(load_commands(), ["plugins", "--all", "--hook", "register_rollout_generators"]).output
         )
-        assert {"composer_plugins.training.rollout.rollouts", "ip_rollouts"} <= {d["name"] for d in hooks}
+        assert {"composer_plugins.training.runs.plugin", "ip_rollouts"} <= {d["name"] for d in hooks}
         cfg, src = make_cfg("", "sft.enabled=false", "rollout.generator.name=counting", "rollout.generator.tag=x")
         gen = build_generator(cfg, src)
         assert isinstance(gen, _CountingGenerator) and gen.kw == {"tag": "x"}

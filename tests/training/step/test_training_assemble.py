@@ -70,7 +70,7 @@ def test_hook_register_input_builders(lengths_builder):
     names = set(reg.names("input_builders"))
     assert {"completion_lengths", "expensive_input", "logprobs", "hint_mask", "teacher_scores"} <= names
     assert reg.get("input_builders", "completion_lengths").plugin == "lengths_plugin"
-    assert reg.get("input_builders", "logprobs").plugin == "composer_plugins.training.step.input_plugin"
+    assert reg.get("input_builders", "logprobs").plugin == "composer_plugins.training.runs.plugin"
     assert reg.get("input_builders", "expensive_input").description == "An input no live channel reads."
 
 
