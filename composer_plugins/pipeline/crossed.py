@@ -12,7 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from composer_plugins.pipeline.stats import PairedEffect, holm_tables, t_critical, t_pvalue
+from composer_plugins.pipeline.stats import (
+    PairedEffect,
+    check_blocks,
+    holm_tables,
+    paired_seeds,
+    t_critical,
+    t_effect,
+    t_pvalue,
+)
 
 __all__ = ["crossed_effect", "crossed_family", "crossed_tables", "start_effect"]
 
@@ -38,19 +46,12 @@ def crossed_effect(
     problems). The t interval has ``starts - 1`` degrees of freedom. Read it as a statement about SFT starts
     built by the study's recipe and problems drawn by its generator, not about these starts and problems.
     """
-    seeds = sorted(set(variant) & set(baseline))
-    if not seeds:
-        raise ValueError(
-            f"{name!r} and {baseline_name!r} share no seed (seeds {sorted(variant)} vs {sorted(baseline)}); "
-            "a paired comparison needs both variants run on the same seeds"
-        )
+    seeds = paired_seeds(variant, baseline, name, baseline_name)
     lengths = {len(variant[s]) for s in seeds} | {len(baseline[s]) for s in seeds}
     if len(lengths) != 1:
         raise ValueError(f"{name!r} vs {baseline_name!r}: the cells scored different numbers of problems {lengths}")
     (m,) = lengths
-    missing = [s for s in seeds if s not in blocks]
-    if missing:
-        raise ValueError(f"seed(s) {missing} of {name!r} vs {baseline_name!r} belong to no warm start (blocks)")
+    check_blocks(seeds, blocks, name, baseline_name)
     groups: dict[str, list[int]] = {}
     for s in seeds:
         groups.setdefault(str(blocks[s]), []).append(s)
@@ -68,38 +69,23 @@ def crossed_effect(
     diffs = [sum(float(x) for x in variant[s]) / m - sum(float(y) for y in baseline[s]) / m for s in seeds]
     mean = sum(block_mean.values()) / k
     if k < 2 or m < 2:
-        se = low = high = p = se_starts = se_problems = math.nan
+        se = se_starts = se_problems = math.nan
     else:
         se_starts = math.sqrt(sum((x - mean) ** 2 for x in block_mean.values()) / (k - 1) / k)
         se_problems = math.sqrt(sum((d - mean) ** 2 for d in per_problem) / (m - 1) / m)
         se = math.sqrt(se_starts**2 + se_problems**2)
-        half = t_critical(k - 1, confidence) * se
-        low, high = mean - half, mean + half
-        p = t_pvalue(mean, se, k - 1)
 
     def side(values: Mapping[int, Sequence[float]]) -> float:
         return sum(sum(sum(float(x) for x in values[s]) / m for s in ss) / len(ss) for ss in groups.values()) / k
 
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=seeds,
-        diffs=diffs,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=side(variant),
-        baseline_mean=side(baseline),
-        p=p,
-        df=k - 1,
-        extra={
-            "blocks": {b: {"seeds": ss, "mean": block_mean[b]} for b, ss in groups.items()},
-            "se_starts": se_starts,
-            "se_problems": se_problems,
-            "problems": m,
-        },
+    extra = {
+        "blocks": {b: {"seeds": ss, "mean": block_mean[b]} for b, ss in groups.items()},
+        "se_starts": se_starts,
+        "se_problems": se_problems,
+        "problems": m,
+    }
+    return t_effect(
+        name, baseline_name, metric, seeds, diffs, mean, se, confidence, side(variant), side(baseline), k - 1, extra
     )
 
 

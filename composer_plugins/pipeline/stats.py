@@ -129,29 +129,64 @@ def paired_effect(
     is part of the estimand, not of the noise. The inference is then about these warm starts, not about
     SFT starts in general. ``extra["blocks"]`` holds each block's seeds and mean difference.
     """
+    seeds = paired_seeds(variant, baseline, name, baseline_name)
+    diffs = [float(variant[s]) - float(baseline[s]) for s in seeds]
+    n = len(diffs)
+    if blocks is not None:
+        check_blocks(seeds, blocks, name, baseline_name)
+        if len({blocks[s] for s in seeds}) > 1:
+            return _blocked_effect(variant, baseline, seeds, diffs, blocks, confidence, name, baseline_name, metric)
+    mean = sum(diffs) / n
+    if n < 2:
+        se = math.nan
+    else:
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+        se = sd / math.sqrt(n)
+    variant_mean = sum(float(variant[s]) for s in seeds) / n
+    baseline_mean = sum(float(baseline[s]) for s in seeds) / n
+    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, confidence, variant_mean, baseline_mean)
+
+
+def paired_seeds(variant: Mapping[int, Any], baseline: Mapping[int, Any], name: str, baseline_name: str) -> list[int]:
+    """The seeds both sides ran, sorted; ``ValueError`` naming each side's seeds when they share none."""
     seeds = sorted(set(variant) & set(baseline))
     if not seeds:
         raise ValueError(
             f"{name!r} and {baseline_name!r} share no seed (seeds {sorted(variant)} vs {sorted(baseline)}); "
             "a paired comparison needs both variants run on the same seeds"
         )
-    diffs = [float(variant[s]) - float(baseline[s]) for s in seeds]
-    n = len(diffs)
-    if blocks is not None:
-        unblocked = [s for s in seeds if s not in blocks]
-        if unblocked:
-            raise ValueError(f"seed(s) {unblocked} of {name!r} vs {baseline_name!r} belong to no warm start (blocks)")
-        if len({blocks[s] for s in seeds}) > 1:
-            return _blocked_effect(variant, baseline, seeds, diffs, blocks, confidence, name, baseline_name, metric)
-    mean = sum(diffs) / n
-    if n < 2:
-        se = low = high = p = math.nan
-    else:
-        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-        se = sd / math.sqrt(n)
-        half = t_critical(n - 1, confidence) * se
-        low, high = mean - half, mean + half
-        p = t_pvalue(mean, se, n - 1)
+    return seeds
+
+
+def check_blocks(seeds: Sequence[int], blocks: Mapping[int, str], name: str, baseline_name: str) -> None:
+    """``ValueError`` naming the seeds that ``blocks`` (``{seed: warm start}``) gives no warm start."""
+    unblocked = [s for s in seeds if s not in blocks]
+    if unblocked:
+        raise ValueError(f"seed(s) {unblocked} of {name!r} vs {baseline_name!r} belong to no warm start (blocks)")
+
+
+def t_effect(
+    name: str,
+    baseline_name: str,
+    metric: str,
+    seeds: list[int],
+    diffs: list[float],
+    mean: float,
+    se: float,
+    confidence: float,
+    variant_mean: float,
+    baseline_mean: float,
+    df: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> PairedEffect:
+    """The :class:`PairedEffect` of a mean difference ``mean`` with standard error ``se``: its Student-t interval at
+    ``confidence`` and two-sided p-value on the effect's degrees of freedom (``df``; None: ``n - 1``), NaN when
+    ``se`` is (too few samples to estimate a spread)."""
+    dof = len(diffs) - 1 if df is None else df  # as PairedEffect.dof reads it
+    low = high = p = math.nan
+    if not math.isnan(se):
+        half = t_critical(dof, confidence) * se
+        low, high, p = mean - half, mean + half, t_pvalue(mean, se, dof)
     return PairedEffect(
         variant=name,
         baseline=baseline_name,
@@ -162,9 +197,11 @@ def paired_effect(
         se=se,
         low=low,
         high=high,
-        variant_mean=sum(float(variant[s]) for s in seeds) / n,
-        baseline_mean=sum(float(baseline[s]) for s in seeds) / n,
+        variant_mean=variant_mean,
+        baseline_mean=baseline_mean,
+        extra={} if extra is None else extra,
         p=p,
+        df=df,
     )
 
 
@@ -188,32 +225,17 @@ def _blocked_effect(
     mean = sum(block_mean.values()) / k
     df = n - k
     if df < 1:  # every block has one seed: no within-block spread to estimate
-        se = low = high = p = math.nan
+        se = math.nan
     else:
         within = sum((diffs[i] - block_mean[b]) ** 2 for b, ix in groups.items() for i in ix) / df
         se = math.sqrt(within * sum(1.0 / len(ix) for ix in groups.values())) / k
-        half = t_critical(df, confidence) * se
-        low, high = mean - half, mean + half
-        p = t_pvalue(mean, se, df)
 
     def side(values: Mapping[int, float]) -> float:
         return sum(sum(float(values[seeds[i]]) for i in ix) / len(ix) for ix in groups.values()) / k
 
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=seeds,
-        diffs=diffs,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=side(variant),
-        baseline_mean=side(baseline),
-        p=p,
-        df=df,
-        extra={"blocks": {b: {"seeds": [seeds[i] for i in ix], "mean": block_mean[b]} for b, ix in groups.items()}},
+    extra = {"blocks": {b: {"seeds": [seeds[i] for i in ix], "mean": block_mean[b]} for b, ix in groups.items()}}
+    return t_effect(
+        name, baseline_name, metric, seeds, diffs, mean, se, confidence, side(variant), side(baseline), df, extra
     )
 
 

@@ -24,6 +24,8 @@ import importlib.util
 import sys
 import types
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 #: 0.2's module name (below ``training``) -> its module now, or the modules its names went to (``config`` and ``step``
 #: are sub-packages that forward their names).
@@ -73,6 +75,22 @@ def moved_warning(old: str, new: str) -> None:
         PluginDeprecationWarning,
         stacklevel=3,
     )
+
+
+def forward_names(package: str, module: str) -> Callable[[str], Any]:
+    """A sub-package's module ``__getattr__`` when 0.2.0's ``package`` was the module now at ``package.module``: its
+    names still resolve on the package, with a deprecation warning naming the new path (until 0.3.0)."""
+
+    def __getattr__(name: str) -> Any:
+        target = importlib.import_module(f"{package}.{module}")
+        if name.startswith("__") or not hasattr(target, name):
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        moved_warning(f"{package}.{name}", f"{package}.{module}.{name}")
+        value = getattr(target, name)
+        setattr(sys.modules[package], name, value)  # `from pkg import name` looks a name up twice: warn once
+        return value
+
+    return __getattr__
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -9,19 +9,8 @@ Imports ``training.config`` and ``training.rollout``.
 
 from __future__ import annotations
 
-from typing import Any
+from composer_plugins.training import forward_names
 
-
-def __getattr__(name: str) -> Any:
-    """0.2.0's ``composer_plugins.training.step`` was the module now at ``.record``: its names still resolve here, with
-    a deprecation warning naming the new path (until 0.3.0)."""
-    import importlib
-
-    from composer_plugins.training import moved_warning
-
-    module = importlib.import_module(f"{__name__}.record")
-    if name.startswith("__") or not hasattr(module, name):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    moved_warning(f"{__name__}.{name}", f"{__name__}.record.{name}")
-    globals()[name] = value = getattr(module, name)  # `from pkg import name` looks a name up twice: warn once
-    return value
+#: 0.2.0's ``composer_plugins.training.step`` was the module now at ``.record``: its names still resolve here, with a
+#: deprecation warning naming the new path (until 0.3.0).
+__getattr__ = forward_names(__name__, "record")
