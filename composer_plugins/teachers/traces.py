@@ -26,6 +26,7 @@ TraceFormat = Literal["auto", "openai", "claude_code"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 #: Message fields teachers see; everything else (thinking, reasoning, provider extras) is dropped.
 VISIBLE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name")
+THINKING_FIELDS = ("thinking", "reasoning_content", "reasoning")
 
 
 class TraceFormatError(ComposerPluginsError, ValueError):
