@@ -17,7 +17,7 @@ from composer_plugins.core.cli import set_option
 from composer_plugins.diloco.launch import launch
 
 
-@click.command(name="diloco", context_settings={"ignore_unknown_options": True})
+@click.command(name="diloco", context_settings={"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]})
 @click.option("--replicas", "-n", type=int, default=None, help="Replica groups (default: diloco.replicas or 2).")
 @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="Training config (YAML).")
 @click.option("--section", default=None, help="Use this top-level key of the config file as the config.")
