@@ -16,6 +16,19 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _refuses_unknown_names(module: str) -> str:
+    """Code that fails unless ``module`` raises ``AttributeError`` naming an unknown name."""
+    return (
+        f"import {module} as m\n"
+        "try:\n"
+        "    m.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchName' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('an unknown name resolved')\n"
+    )
+
+
 @pytest.mark.parametrize("old", ["assemble", "input_builders", "batches", "module"])
 def test_an_old_module_path_is_the_new_module_with_a_warning(old):
     new = f"composer_plugins.training.{MOVED[old]}"
@@ -49,14 +62,7 @@ def test_names_of_the_old_config_and_step_modules_resolve_from_their_packages_wi
         "msgs = [str(x.message) for x in w if issubclass(x.category, PluginDeprecationWarning)]\n"
         "assert len(msgs) == 2, msgs\n"
         "assert 'config.train.TrainConfig' in msgs[0] and 'step.record.StepRecord' in msgs[1], msgs\n"
-        "import composer_plugins.training.config as c\n"
-        "try:\n"
-        "    c.NoSuchName\n"
-        "except AttributeError as e:\n"
-        "    assert 'NoSuchName' in str(e)\n"
-        "else:\n"
-        "    raise SystemExit('an unknown name resolved')\n"
-    )
+    ) + _refuses_unknown_names("composer_plugins.training.config")
     r = _run(code)
     assert r.returncode == 0, r.stderr
 
@@ -76,13 +82,6 @@ def test_the_builders_module_split_between_components_and_tracking_still_imports
         "assert build_channels is c and build_logger is t\n"
         "msgs = [str(x.message) for x in w if issubclass(x.category, PluginDeprecationWarning)]\n"
         "assert len(msgs) == 1 and 'step.components' in msgs[0] and 'lightning.tracking' in msgs[0], msgs\n"
-        f"import composer_plugins.training.{old} as m\n"
-        "try:\n"
-        "    m.NoSuchName\n"
-        "except AttributeError as e:\n"
-        "    assert 'NoSuchName' in str(e)\n"
-        "else:\n"
-        "    raise SystemExit('an unknown name resolved')\n"
-    )
+    ) + _refuses_unknown_names(f"composer_plugins.training.{old}")
     r = _run(code)
     assert r.returncode == 0, r.stderr
