@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from composer_plugins.core.errors import ComposerPluginsError
@@ -49,29 +50,9 @@ _BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s\"'\\,;]+")
 #: Prefixes of common provider keys (OpenAI, Anthropic, Hugging Face, Groq, GitHub, GitLab, xAI,
 #: Replicate, NVIDIA, Perplexity, Slack, AWS, Google ...).
 _KEY_PREFIXES = (
-    "sk-",
-    "sk_",
-    "hf_",
-    "gsk_",
-    "ghp_",
-    "gho_",
-    "ghu_",
-    "ghs_",
-    "github_pat_",
-    "glpat-",
-    "xai-",
-    "r8_",
-    "nvapi-",
-    "pplx-",
-    "xoxb-",
-    "xoxp-",
-    "AKIA",
-    "AIza",
-    "fw_",
-    "tgp_",
-    "csk-",
-    "or-",
-)
+    "sk- sk_ hf_ gsk_ ghp_ gho_ ghu_ ghs_ github_pat_ glpat- xai- r8_ "
+    "nvapi- pplx- xoxb- xoxp- AKIA AIza fw_ tgp_ csk- or-"
+).split()
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -176,18 +157,11 @@ def check_number(
             f"{who}: {field} must be {what}, got {_shown(value)}. {_number_fix(field, value, integer, example)}",
             field=field,
         )
-    if minimum is not None and value < minimum:
-        raise TeacherError(
-            f"{who}: {field} must be >= {minimum:g}, got {value!r}. HINT: e.g. {field}: {example}", field=field
-        )
-    if above is not None and value <= above:
-        raise TeacherError(
-            f"{who}: {field} must be > {above:g}, got {value!r}. HINT: e.g. {field}: {example}", field=field
-        )
-    if maximum is not None and value > maximum:
-        raise TeacherError(
-            f"{who}: {field} must be <= {maximum:g}, got {value!r}. HINT: e.g. {field}: {example}", field=field
-        )
+    for op, bound, ok in ((">=", minimum, operator.ge), (">", above, operator.gt), ("<=", maximum, operator.le)):
+        if bound is not None and not ok(value, bound):
+            raise TeacherError(
+                f"{who}: {field} must be {op} {bound:g}, got {value!r}. HINT: e.g. {field}: {example}", field=field
+            )
     return value
 
 
@@ -299,16 +273,6 @@ class TeacherResponse:
         return cls(**known, cached=cached)
 
 
-@dataclass
-class TeacherInfo:
-    """A light description of a teacher (for reports and pair provenance)."""
-
-    id: str
-    kind: str
-    model: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-
 def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]], extra: Any = None) -> int:
     """An upper bound on the prompt tokens of ``messages`` for byte-level BPE tokenizers.
 
@@ -413,10 +377,6 @@ class Teacher:
     def cache_params(self) -> dict[str, Any]:
         """Everything besides the messages that changes the answer (sampling params, tools ...)."""
         return {"max_tokens": self.max_tokens}
-
-    def info(self) -> TeacherInfo:
-        """A :class:`TeacherInfo` for reports."""
-        return TeacherInfo(self.id, self.kind, self.model, self.cache_params())
 
     def check(self) -> None:
         """Fail fast on misconfiguration (missing key variable, missing model) before a run starts."""

@@ -96,10 +96,9 @@ def check_base_url(base_url: object, who: str) -> str:
         parts = urllib.parse.urlsplit(url)
         host, _port = parts.hostname, parts.port
     except ValueError as e:
-        if "@" in url or "?" in url:
-            raise TeacherError(f"{who}: base_url is not a valid URL ({e}). HINT: {example}", field="base_url") from None
+        shown = "" if "@" in url or "?" in url else f" {url!r}"
         raise TeacherError(
-            f"{who}: base_url {url!r} is not a valid URL ({e}). HINT: {example}", field="base_url"
+            f"{who}: base_url{shown} is not a valid URL ({e}). HINT: {example}", field="base_url"
         ) from None
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
         raise TeacherError(
@@ -127,9 +126,7 @@ def check_base_url(base_url: object, who: str) -> str:
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date); ``None`` if absent/bad."""
-    if value is None:
-        return None
-    value = value.strip()
+    value = (value or "").strip()
     if not value:
         return None
     try:
@@ -139,8 +136,6 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     try:
         dt = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
-        return None
-    if dt is None:
         return None
     return max(0.0, dt.timestamp() - (now if now is not None else time.time()))
 
@@ -245,12 +240,12 @@ class OpenAITeacher(Teacher):
         self._session_loop: Any = None
 
     # -- identity ------------------------------------------------------------------------
+    def _sampling(self) -> dict[str, Any]:
+        """The sampling fields that are set (sent with every request, part of the cache key)."""
+        return {k: v for k in ("temperature", "top_p", "seed", "stop", "tools") if (v := getattr(self, k)) is not None}
+
     def cache_params(self) -> dict[str, Any]:
-        p: dict[str, Any] = {"max_tokens": self.max_tokens}
-        for k in ("temperature", "top_p", "seed", "stop", "tools"):
-            v = getattr(self, k)
-            if v is not None:
-                p[k] = v
+        p: dict[str, Any] = {"max_tokens": self.max_tokens, **self._sampling()}
         if self.extra_body:
             p["extra_body"] = self.extra_body
         return p
@@ -281,12 +276,9 @@ class OpenAITeacher(Teacher):
     def check(self) -> None:
         self._key()
 
-    def _scrub(self, text: str) -> str:
+    def scrub(self, text: str) -> str:
         key = self._api_key
         return scrub_secret(text, key.reveal() if key is not None else None)
-
-    def scrub(self, text: str) -> str:
-        return self._scrub(text)
 
     def _snippet(self, body: bytes, limit: int) -> str:
         """The first ``limit`` characters of ``body``, scrubbed *before* the cut.
@@ -296,7 +288,7 @@ class OpenAITeacher(Teacher):
         key = self._api_key
         extra = 2 * len(key.reveal()) if key is not None else 0
         text = body[: 4 * limit + extra + 64].decode("utf-8", "replace")
-        return self._scrub(text)[:limit]
+        return self.scrub(text)[:limit]
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json", **self.extra_headers}
@@ -308,13 +300,8 @@ class OpenAITeacher(Teacher):
     # -- request / response --------------------------------------------------------------
     def build_request(self, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """The JSON body sent for ``messages``."""
-        body: dict[str, Any] = {"model": self.model, "messages": list(messages), self.max_tokens_param: self.max_tokens}
-        for k in ("temperature", "top_p", "seed", "stop", "tools"):
-            v = getattr(self, k)
-            if v is not None:
-                body[k] = v
-        body.update(self.extra_body)
-        return body
+        head = {"model": self.model, "messages": list(messages), self.max_tokens_param: self.max_tokens}
+        return {**head, **self._sampling(), **self.extra_body}
 
     def _parse(self, raw: bytes, messages: Sequence[Mapping[str, Any]], latency: float) -> TeacherResponse:
         try:
@@ -369,13 +356,9 @@ class OpenAITeacher(Teacher):
         self, messages: Sequence[Mapping[str, Any]], *, metadata: Mapping[str, Any] | None = None
     ) -> TeacherResponse:
         payload = json_bytes(self.build_request(messages))
-        headers = self._headers()
         t0 = time.perf_counter()
-        status, body, retry_after = await self._post(payload, headers)
-        latency = time.perf_counter() - t0
-        if status != 200:
-            raise self._status_error(status, body, retry_after)
-        return self._parse(body, messages, latency)
+        body = await self._post(payload)
+        return self._parse(body, messages, time.perf_counter() - t0)
 
     async def post_json(self, url: str, body: Mapping[str, Any]) -> Any:
         """POST ``body`` as JSON to ``url`` over this endpoint's transport (key, session, limits); the decoded answer.
@@ -384,11 +367,7 @@ class OpenAITeacher(Teacher):
         the same client and the same error mapping as :meth:`complete`: a
         :class:`TeacherCallError` that says whether a retry may help.
         """
-        payload = json_bytes(dict(body))
-        headers = self._headers()
-        status, raw, retry_after = await self._post(payload, headers, url)
-        if status != 200:
-            raise self._status_error(status, raw, retry_after, url)
+        raw = await self._post(json_bytes(dict(body)), url)
         try:
             return json_loads(raw)
         except Exception:
@@ -409,7 +388,7 @@ class OpenAITeacher(Teacher):
         import asyncio
 
         loop = asyncio.get_running_loop()
-        if self._session is not None and self._session_loop is loop and not self._session_closed():
+        if self._session is not None and self._session_loop is loop and not getattr(self._session, "closed", False):
             return self._session
         import aiohttp
 
@@ -423,75 +402,55 @@ class OpenAITeacher(Teacher):
         self._session_loop = loop
         return self._session
 
-    def _session_closed(self) -> bool:
-        return bool(getattr(self._session, "closed", False))
-
     def _failed(self, e: BaseException, sent: bool, *, kind: str | None = None) -> TeacherCallError:
         """The :class:`TeacherCallError` of an attempt that got no HTTP response."""
-        what = f"{type(e).__name__}: {self._scrub(str(e))}"
-        if kind == "timeout":
-            return self._timeout_error(sent)
-        if not sent:
-            return TeacherCallError(
-                f"teacher {self.id!r}: cannot send to {self.url} (nothing was sent, nothing billed): {what}",
-                retryable=kind != "client",
-                billed="no",
-                kind="connect" if kind != "client" else "client",
+        what = f"{type(e).__name__}: {self.scrub(str(e))}"
+        client, nothing = kind == "client", "(nothing was sent, nothing billed)"
+        if kind == "timeout" and not sent:
+            text, label = f"could not connect to {self.base_url} within {self.timeout_s:g}s {nothing}", "connect"
+        elif kind == "timeout":
+            text, label = f"no response from {self.url} within {self.timeout_s:g}s", "timeout"
+        elif not sent:
+            text, label = f"cannot send to {self.url} {nothing}: {what}", "client" if client else "connect"
+        else:
+            text, label = (
+                f"connection to {self.base_url} failed mid-request: {what}",
+                "client" if client else "disconnect",
             )
         return TeacherCallError(
-            f"teacher {self.id!r}: connection to {self.base_url} failed mid-request: {what}",
-            retryable=kind != "client",
-            billed="maybe",
-            kind="disconnect" if kind != "client" else "client",
+            f"teacher {self.id!r}: {text}", retryable=not client, billed="maybe" if sent else "no", kind=label
         )
 
-    async def _post(
-        self, payload: bytes, headers: dict[str, str], url: str | None = None
-    ) -> tuple[int, bytes, str | None]:
+    async def _post(self, payload: bytes, url: str | None = None) -> bytes:
+        """POST ``payload`` (JSON bytes) to ``url`` (default: chat completions); the body of a 200 answer."""
         import aiohttp
 
+        headers = self._headers()
         session = self._loop_session()
         flag = _Sent()
         token = _ATTEMPT.set(flag)
         try:
             async with session.post(url or self.url, data=payload, headers=headers) as resp:
-                body = await resp.read()
-                return resp.status, body, resp.headers.get("Retry-After")
+                status, body, retry_after = resp.status, await resp.read(), resp.headers.get("Retry-After")
         except TimeoutError as e:  # also aiohttp's ConnectionTimeoutError (before sending)
             raise self._failed(e, flag.sent, kind="timeout") from None
         except (aiohttp.InvalidURL, getattr(aiohttp, "NonHttpUrlClientError", aiohttp.InvalidURL)):
-            raise self._bad_url() from None
+            raise TeacherCallError(
+                f"teacher {self.id!r}: the HTTP client refused the URL {self.url!r} (nothing was sent, nothing "
+                "billed). HINT: base_url must look like https://host[:port]/v1",
+                retryable=False,
+                billed="no",
+                kind="bad_url",
+            ) from None
         except aiohttp.ClientError as e:
             raise self._failed(e, flag.sent) from None
         except Exception as e:  # anything else from the client (a bad header value ...): not worth retrying
             raise self._failed(e, flag.sent, kind="client") from None
         finally:
             _ATTEMPT.reset(token)
-
-    def _bad_url(self) -> TeacherCallError:
-        return TeacherCallError(
-            f"teacher {self.id!r}: the HTTP client refused the URL {self.url!r} (nothing was sent, nothing billed). "
-            "HINT: base_url must look like https://host[:port]/v1",
-            retryable=False,
-            billed="no",
-            kind="bad_url",
-        )
-
-    def _timeout_error(self, sent: bool = True) -> TeacherCallError:
-        if not sent:
-            return TeacherCallError(
-                f"teacher {self.id!r}: could not connect to {self.base_url} within {self.timeout_s:g}s "
-                "(nothing was sent, nothing billed)",
-                retryable=True,
-                billed="no",
-                kind="connect",
-            )
-        return TeacherCallError(
-            f"teacher {self.id!r}: no response from {self.url} within {self.timeout_s:g}s",
-            retryable=True,
-            billed="maybe",
-            kind="timeout",
-        )
+        if status != 200:
+            raise self._status_error(status, body, retry_after, url)
+        return body
 
     async def aclose(self) -> None:
         s, self._session, self._session_loop = self._session, None, None
