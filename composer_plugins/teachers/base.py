@@ -49,10 +49,10 @@ _BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s\"'\\,;]+")
 
 #: Prefixes of common provider keys (OpenAI, Anthropic, Hugging Face, Groq, GitHub, GitLab, xAI,
 #: Replicate, NVIDIA, Perplexity, Slack, AWS, Google ...).
-_KEY_PREFIXES = (
+_KEY_PREFIXES = tuple(
     "sk- sk_ hf_ gsk_ ghp_ gho_ ghu_ ghs_ github_pat_ glpat- xai- r8_ "
-    "nvapi- pplx- xoxb- xoxp- AKIA AIza fw_ tgp_ csk- or-"
-).split()
+    "nvapi- pplx- xoxb- xoxp- AKIA AIza fw_ tgp_ csk- or-".split()
+)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

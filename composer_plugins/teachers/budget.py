@@ -39,10 +39,6 @@ class Budget:
         """Spent, uncertain and reserved together: what the ceiling is checked against."""
         return self.spent_usd + self.uncertain_usd + self.reserved_usd
 
-    @property
-    def remaining_usd(self) -> float | None:
-        return None if self.max_usd is None else max(0.0, self.max_usd - self.committed_usd)
-
     def try_reserve(self, amount: float) -> bool:
         """Reserve ``amount``; ``False`` (and :attr:`exhausted`) when it would pass the ceiling."""
         amount = max(0.0, float(amount))

@@ -88,7 +88,8 @@ class RunTotals:
 _Op = tuple[list[tuple[str, tuple[Any, ...]]], Any]
 
 
-def _resolve_async(items: list[asyncio.Future], err: BaseException | None) -> None:
+def _resolve(items: list[Any], err: BaseException | None) -> None:
+    """Settle the futures (concurrent or asyncio) of one batch: done, or failed with ``err``."""
     for fut in items:
         if not fut.done():
             if err is None:
@@ -221,14 +222,10 @@ class ReplayCache:
             for _, fut in batch:
                 if isinstance(fut, tuple):  # (loop, asyncio future): resolved on its loop, once per batch
                     by_loop.setdefault(fut[0], []).append(fut[1])
-                elif not fut.cancelled():
-                    if err is None:
-                        fut.set_result(None)
-                    else:
-                        fut.set_exception(err)
+            _resolve([fut for _, fut in batch if not isinstance(fut, tuple)], err)
             for loop, items in by_loop.items():
                 with contextlib.suppress(RuntimeError):  # loop already closed
-                    loop.call_soon_threadsafe(_resolve_async, items, err)
+                    loop.call_soon_threadsafe(_resolve, items, err)
         con.close()
 
     def submit(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> cf.Future:

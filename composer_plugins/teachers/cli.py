@@ -129,34 +129,14 @@ def _print_summary(s: dict[str, Any]) -> None:
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output OpenAI-messages JSONL.")
 @click.option("--no-progress", is_flag=True)
 def record_cmd(
-    policy: str,
-    env_name: str,
-    env_args: tuple[str, ...],
-    episodes: int,
-    max_turns: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    out_path: str,
-    no_progress: bool,
+    policy: str, env_name: str, env_args: tuple[str, ...], out_path: str, no_progress: bool, **settings: Any
 ) -> None:
     """Record traces of POLICY rolling out in ENV (ready for `replay run`)."""
     from composer_plugins.teachers.record import record_to_file
 
     kwargs = key_values(env_args, "--env-arg")
     try:
-        summary = record_to_file(
-            policy,
-            env_name,
-            out_path,
-            env_args=kwargs,
-            episodes=episodes,
-            max_turns=max_turns,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            progress=not no_progress,
-        )
+        summary = record_to_file(policy, env_name, out_path, env_args=kwargs, progress=not no_progress, **settings)
     except ComposerPluginsError as e:
         report_error(e)
         return

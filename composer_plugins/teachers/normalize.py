@@ -150,18 +150,8 @@ def _run_executor(recipe: Path, in_path: Path, out_path: Path, work_dir: Path) -
         raise NormalizeError(
             f"pair normalisation needs data-juicer ({e}). HINT: pip install 'composer-plugins[replay]'"
         ) from e
-    args = [
-        "--config",
-        str(recipe),
-        "--dataset_path",
-        str(in_path),
-        "--export_path",
-        str(out_path),
-        "--work_dir",
-        str(work_dir),
-        "--skip_op_error",
-        "false",
-    ]
+    flags = {"config": recipe, "dataset_path": in_path, "export_path": out_path, "work_dir": work_dir}
+    args = [arg for k, v in {**flags, "skip_op_error": "false"}.items() for arg in (f"--{k}", str(v))]
     try:
         cfg = init_configs(args=args, load_configs_only=True)
     except SystemExit as e:  # jsonargparse exits on a bad recipe

@@ -19,29 +19,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from composer_plugins.chat.render import plain_prompt, render_action
+from composer_plugins.chat.render import content_text, plain_prompt, render_action
 from composer_plugins.teachers.base import TeacherResponse
 from composer_plugins.teachers.traces import TraceState
 
 Compare = Literal["text", "final_answer"]
-PAIR_FIELDS = (
-    "state_id",
-    "trace_id",
-    "step",
-    "source",
-    "prompt",
-    "messages",
-    "chosen",
-    "rejected",
-    "chosen_message",
-    "rejected_message",
-    "teachers",
-    "k",
-    "n_teachers",
-    "agreement",
-    "dissent",
-    "compare",
-    "metadata",
+PAIR_FIELDS = tuple(
+    "state_id trace_id step source prompt messages chosen rejected chosen_message rejected_message teachers k "
+    "n_teachers agreement dissent compare metadata".split()
 )
 
 _WS = re.compile(r"\s+")
@@ -69,11 +54,7 @@ def _maybe_json(text: str) -> str | None:
 
 
 def _normalize_content(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-    text = str(content)
+    text = content_text(content)
     return _maybe_json(text) or normalize_whitespace(text)
 
 
@@ -124,10 +105,7 @@ def normalize_action(action: Mapping[str, Any] | str | None, compare: Compare = 
     """
     if action is None:
         return ""
-    if isinstance(action, str):
-        msg: Mapping[str, Any] = {"content": action}
-    else:
-        msg = action
+    msg: Mapping[str, Any] = {"content": action} if isinstance(action, str) else action
     if compare == "final_answer":
         ans = final_answer(render_action({"content": msg.get("content")}))
         if ans is not None and not msg.get("tool_calls"):

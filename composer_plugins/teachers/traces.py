@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +26,6 @@ TraceFormat = Literal["auto", "openai", "claude_code"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 #: Message fields teachers see; everything else (thinking, reasoning, provider extras) is dropped.
 VISIBLE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name")
-THINKING_FIELDS = ("thinking", "reasoning_content", "reasoning")
 
 
 class TraceFormatError(ComposerPluginsError, ValueError):
@@ -81,17 +80,10 @@ def visible_message(m: Mapping[str, Any]) -> Message:
     return {k: m[k] for k in VISIBLE_FIELDS if k in m}
 
 
-# -- reading lines -------------------------------------------------------------------------
-
-
-def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    return iter_jsonl(path, objects=False, error=TraceFormatError)
-
-
 def detect_format(path: str | os.PathLike[str]) -> Literal["openai", "claude_code"]:
     """Guess a trace file's format from its first non-empty line."""
     p = Path(path)
-    for lineno, obj in _iter_json_lines(p):
+    for lineno, obj in iter_jsonl(p, objects=False, error=TraceFormatError):
         if isinstance(obj, list) or (isinstance(obj, dict) and "messages" in obj):
             return "openai"
         if isinstance(obj, dict) and ("sessionId" in obj or "uuid" in obj or obj.get("type") in ("user", "assistant")):
@@ -141,7 +133,7 @@ def load_openai_jsonl(path: str | os.PathLike[str], skipped: Skipped | None = No
     """
     p = Path(path)
     states: list[TraceState] = []
-    for lineno, obj in _iter_json_lines(p):
+    for lineno, obj in iter_jsonl(p, objects=False, error=TraceFormatError):
         if isinstance(obj, list):
             messages, trace_id, meta = obj, None, {}
         elif isinstance(obj, dict):
@@ -310,7 +302,7 @@ def load_claude_code_jsonl(path: str | os.PathLike[str], skipped: Skipped | None
             steps[tid] = step + 1
         history.append(t.visible())
 
-    for lineno, ev in _iter_json_lines(p):
+    for lineno, ev in iter_jsonl(p, objects=False, error=TraceFormatError):
         if not isinstance(ev, dict):
             raise TraceFormatError(p, lineno, f"expected a session event object, got {type(ev).__name__}")
         kind = ev.get("type")
@@ -340,6 +332,8 @@ def load_claude_code_jsonl(path: str | os.PathLike[str], skipped: Skipped | None
 
 # -- entry point -------------------------------------------------------------------------------
 
+_LOADERS = {"openai": load_openai_jsonl, "claude_code": load_claude_code_jsonl}
+
 
 def load_traces(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str] | Mapping[str, Any]],
@@ -367,14 +361,10 @@ def load_traces(
     out: list[TraceState] = []
     seen: dict[str, TraceState] = {}
     for p, fmt in entries:
-        f = detect_format(p) if fmt == "auto" else fmt
-        if f == "openai":
-            states = load_openai_jsonl(p, skipped)
-        elif f == "claude_code":
-            states = load_claude_code_jsonl(p, skipped)
-        else:
+        load = _LOADERS.get(detect_format(p) if fmt == "auto" else fmt)
+        if load is None:
             raise TraceFormatError(p, None, f"unknown trace format {fmt!r}; use auto, openai or claude_code")
-        for s in states:
+        for s in load(p, skipped):
             if s.state_id in seen:
                 o = seen[s.state_id]
                 raise TraceFormatError(

@@ -140,11 +140,7 @@ class ScoringPool:
 
     def stats(self) -> dict[str, float]:
         """Cumulative per-teacher counters, as metrics."""
-        out: dict[str, float] = {}
-        for s in self.scorers:
-            for k, v in vars(s.stats).items():
-                out[f"teacher/{s.id}/{k}"] = float(v)
-        return out
+        return {f"teacher/{s.id}/{k}": float(v) for s in self.scorers for k, v in vars(s.stats).items()}
 
     def close(self) -> None:
         for p in self._pools.values():
