@@ -101,14 +101,9 @@ def looks_like_key(value: str) -> bool:
         return True
     if any(value.startswith(p) and len(value) >= len(p) + 16 for p in _KEY_PREFIXES):
         return True
-    for part in value.split("_"):
-        if len(part) >= 16:
-            has_digit = any(c.isdigit() for c in part)
-            has_lower = any(c.islower() for c in part)
-            has_upper = any(c.isupper() for c in part)
-            if (has_digit and (has_lower or has_upper)) or (has_lower and has_upper):
-                return True
-    return False
+    # a long part holding at least two of: digits, lower case, upper case
+    kinds = (str.isdigit, str.islower, str.isupper)
+    return any(len(part) >= 16 and sum(any(map(k, part)) for k in kinds) >= 2 for part in value.split("_"))
 
 
 def _shown(value: Any) -> str:
@@ -280,16 +275,11 @@ def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]], extra: Any = N
     serialized messages (plus per-message and per-request overheads for role markers) bounds
     the real count from above. ``extra`` (e.g. a tool schema sent along) is counted too.
     """
-    total = REQUEST_OVERHEAD_TOKENS
+    total = REQUEST_OVERHEAD_TOKENS + MESSAGE_OVERHEAD_TOKENS * len(messages)
     for m in messages:
-        total += MESSAGE_OVERHEAD_TOKENS
         for k, v in m.items():
-            if k == "role":
-                continue
-            if isinstance(v, str):
-                total += len(v.encode("utf-8"))
-            elif v is not None:
-                total += len(json.dumps(v, ensure_ascii=False).encode("utf-8"))
+            if k != "role" and v is not None:
+                total += len((v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)).encode("utf-8"))
     if extra:
         total += len(json.dumps(extra, ensure_ascii=False).encode("utf-8"))
     return total

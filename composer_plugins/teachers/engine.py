@@ -22,7 +22,7 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -259,8 +259,8 @@ class ReplayEngine:
         for t in self.teachers:
             jobs: dict[str, _Job] = {}
             plain: list[_Job] = []
+            stats.jobs += len(states)
             for s in states:
-                stats.jobs += 1
                 if self.cache is None or not t.cacheable:
                     plain.append(_Job(None, s))
                     continue
@@ -320,12 +320,8 @@ class ReplayEngine:
             finally:
                 committing[t.id].release()
 
-        async def worker(t: Teacher, q: asyncio.Queue[_Job]) -> None:
-            while True:
-                try:
-                    job = q.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
+        async def worker(t: Teacher, jobs: Iterator[_Job]) -> None:
+            for job in jobs:  # shared by the teacher's workers: each takes the next job when it is free
                 result = await self._call(t, job)
                 if isinstance(result, _Answer):
                     # the commit runs off this worker's slot: the teacher's concurrency is spent on requests
@@ -339,11 +335,9 @@ class ReplayEngine:
         tasks: list[asyncio.Task[None]] = []
         try:
             for t in self.teachers:
-                q: asyncio.Queue[_Job] = asyncio.Queue()
-                for j in queues[t.id]:
-                    q.put_nowait(j)
-                n = min(t.max_concurrency, max(1, q.qsize()))
-                tasks += [asyncio.create_task(worker(t, q), name=f"replay-{t.id}-{i}") for i in range(n)]
+                jobs = iter(queues[t.id])
+                n = min(t.max_concurrency, max(1, len(queues[t.id])))
+                tasks += [asyncio.create_task(worker(t, jobs), name=f"replay-{t.id}-{i}") for i in range(n)]
             await asyncio.gather(*tasks)
             while finishing:
                 await asyncio.gather(*list(finishing))

@@ -135,11 +135,9 @@ class HFTeacher(Teacher):
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
         ids = enc["input_ids"].to(self.device)
         mask = enc["attention_mask"].to(self.device)
-        kw: dict[str, Any] = {
-            "max_new_tokens": self.max_tokens,
-            "pad_token_id": tok.pad_token_id,
-            "eos_token_id": tok.eos_token_id,
-        }
+        kw: dict[str, Any] = dict(
+            max_new_tokens=self.max_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+        )
         if self.temperature > 0:
             kw.update(do_sample=True, temperature=self.temperature, top_p=self.top_p)
         else:

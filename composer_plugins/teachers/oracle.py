@@ -67,7 +67,7 @@ def _eval(node: ast.AST) -> Fraction:
 
 def format_number(value: Fraction | float | int) -> str:
     """``42`` for integral values, otherwise a short decimal (``2.5``)."""
-    f = Fraction(value) if not isinstance(value, Fraction) else value
+    f = Fraction(value)
     if f.denominator == 1:
         return str(f.numerator)
     return f"{float(f):.6g}"

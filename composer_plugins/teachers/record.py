@@ -55,8 +55,7 @@ def observation_messages(obs: Any, env_name: str = "env") -> tuple[list[Message]
         raise RecordError(f"env {env_name!r}: a list observation must be chat messages with 'role'")
     if not isinstance(obs, Mapping):
         if hasattr(obs, "observation") and not hasattr(obs, "messages"):
-            msgs, inner = observation_messages(obs.observation, env_name)
-            return msgs, inner
+            return observation_messages(obs.observation, env_name)
         obs = {
             k: getattr(obs, k) for k in ("messages", *_TEXT_KEYS, *_META_KEYS, "metadata", "task") if hasattr(obs, k)
         }

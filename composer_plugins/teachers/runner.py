@@ -11,6 +11,7 @@ import inspect
 import logging
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -187,7 +188,7 @@ def _param_names(spec: Any) -> list[str] | None:
     name = spec.get("name") if isinstance(spec, dict) else spec
     try:
         factory = get_registry().get("teachers", str(name)).factory
-        return ["name", *[p for p in inspect.signature(factory).parameters if p not in ("self",)]]
+        return ["name", *[p for p in inspect.signature(factory).parameters if p != "self"]]
     except Exception:
         return None
 
@@ -315,9 +316,7 @@ def build_summary(
 ) -> dict[str, Any]:
     """The JSON summary of a run (no secrets: teachers appear by id, kind, model and params)."""
     st = result.stats
-    kinds: dict[str, int] = {}
-    for f in result.failures:
-        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    kinds = dict(Counter(f.kind for f in result.failures))
     unanswered = sum(n for k, n in kinds.items() if k not in ANSWER_KINDS)
     frac = unanswered / st.jobs if st.jobs else 0.0
     return redact(
