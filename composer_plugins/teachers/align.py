@@ -31,10 +31,8 @@ def token_spans(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int
     text = ""
     for j in range(len(ids)):
         text = tokenizer.decode(list(ids[: j + 1]), skip_special_tokens=True)
-        if "\ufffd" in text[prev:]:  # an incomplete character: wait for the byte(s) that finish it
-            end = prev
-        else:
-            end = len(text)
+        # an incomplete character: wait for the byte(s) that finish it
+        end = prev if "\ufffd" in text[prev:] else len(text)
         spans.append((prev, end))
         prev = end
     if spans and spans[-1][1] < len(text):
@@ -109,20 +107,16 @@ def align_scores(
         if j == j0:
             probs: dict[int, float] = {}
             sid = int(student_ids[j])
-            if i == i0:
-                for tid, lp in zip(teacher_top_ids[i0], teacher_top_logprobs[i0], strict=False):
-                    s = map_id(int(tid))
-                    if s is not None:
-                        probs[s] = probs.get(s, 0.0) + math.exp(float(lp))
-                if sid not in probs:
-                    probs[sid] = math.exp(float(teacher_actual[i0]))
-            else:
+            # several teacher tokens: the chain rule for the student's token; the first one is no alternative
+            skip = int(teacher_ids[i0]) if i > i0 else None
+            if i > i0:
                 probs[sid] = math.exp(sum(float(teacher_actual[x]) for x in range(i0, i + 1)))
-                first = int(teacher_ids[i0])
-                for tid, lp in zip(teacher_top_ids[i0], teacher_top_logprobs[i0], strict=False):
-                    s = map_id(int(tid))
-                    if s is not None and int(tid) != first:
-                        probs[s] = probs.get(s, 0.0) + math.exp(float(lp))
+            for tid, lp in zip(teacher_top_ids[i0], teacher_top_logprobs[i0], strict=False):
+                s = map_id(int(tid))
+                if s is not None and int(tid) != skip:
+                    probs[s] = probs.get(s, 0.0) + math.exp(float(lp))
+            if sid not in probs:
+                probs[sid] = math.exp(float(teacher_actual[i0]))
             top = sorted(probs.items(), key=lambda kv: -kv[1])[:k]
             if sid not in dict(top):  # the student's own token keeps its (exactly known) teacher probability
                 top = [*top[: k - 1], (sid, probs[sid])]

@@ -131,7 +131,6 @@ class ReplayCache:
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
         self._locks: list[Any] = []
-        self.commits = 0
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
@@ -162,10 +161,6 @@ class ReplayCache:
 
     def __len__(self) -> int:
         return int(self._read.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
-
-    def keys(self) -> list[str]:
-        """All cached keys."""
-        return [r[0] for r in self._read.execute("SELECT key FROM responses")]
 
     def run_totals(self, run_id: str) -> RunTotals:
         """Ledger totals of ``run_id`` (``pending`` rows count as uncertain)."""
@@ -212,7 +207,6 @@ class ReplayCache:
                     for sql, params in stmts:
                         con.execute(sql, params)
                 con.execute("COMMIT")
-                self.commits += 1
                 err: BaseException | None = None
             except BaseException as e:  # report to every waiter; keep serving later batches
                 with contextlib.suppress(sqlite3.Error):

@@ -206,12 +206,10 @@ class _Turn:
             if not isinstance(b, dict):
                 raise TraceFormatError(path, lineno, "assistant content blocks must be objects")
             t = b.get("type")
-            if t == "text":
-                if b.get("text"):
-                    self.texts.append(str(b["text"]))
-            elif t == "thinking":
-                if b.get("thinking"):
-                    self.thinking.append(str(b["thinking"]))
+            if t == "text" and b.get("text"):
+                self.texts.append(str(b["text"]))
+            elif t == "thinking" and b.get("thinking"):
+                self.thinking.append(str(b["thinking"]))
             elif t in ("tool_use", "server_tool_use"):
                 if not isinstance(b.get("name"), str):
                     raise TraceFormatError(path, lineno, f"{t} block without a 'name'")

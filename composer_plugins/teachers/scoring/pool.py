@@ -88,6 +88,8 @@ class ScoringPool:
             raise TeacherError(f"scoring teachers need distinct ids; duplicated: {dupes}. HINT: give each an `id:`")
         self.scorers = list(scorers)
         self._pools = {s.id: cf.ThreadPoolExecutor(1, thread_name_prefix=f"score-{s.id}") for s in scorers}
+        self._seen = dict.fromkeys(ids, (0, 0))  # (failures, rows) of each scorer at the last step_report
+        self._bad_steps = dict.fromkeys(ids, 0)
 
     def bind(self, student_tokenizer: Any) -> None:
         for s in self.scorers:
@@ -103,11 +105,7 @@ class ScoringPool:
         Called once per step; each line names the teacher, its endpoint (no secrets), the failed rows of
         the step and the reason. The counts also add up to :meth:`summary`.
         """
-        reasons = dict(reasons or {})
-        seen = getattr(self, "_seen", None)
-        if seen is None:
-            seen = self._seen = {s.id: (0, 0) for s in self.scorers}
-            self._bad_steps = dict.fromkeys(seen, 0)
+        reasons, seen = dict(reasons or {}), self._seen
         lines = []
         for s in self.scorers:
             f0, r0 = seen[s.id]
@@ -126,7 +124,7 @@ class ScoringPool:
 
     def summary(self) -> list[str]:
         """One line per teacher that failed at least once over the run: failed rows, steps and the last reason."""
-        bad = getattr(self, "_bad_steps", {})
+        bad = self._bad_steps
         lines = []
         for s in self.scorers:
             if not s.stats.failures and not bad.get(s.id):
