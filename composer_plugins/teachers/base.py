@@ -314,11 +314,9 @@ class Teacher:
         who = f"{self.kind} teacher {self.id!r}"
         check_number(max_concurrency, "max_concurrency", who, integer=True, minimum=1, example="8")
         check_number(max_tokens, "max_tokens", who, integer=True, minimum=1, example="512")
-        for name, price in (
-            ("prompt_usd_per_token", prompt_usd_per_token),
-            ("completion_usd_per_token", completion_usd_per_token),
-        ):
-            check_number(price, name, who, minimum=0, example="1.5e-7 (dollars per token)")
+        price = "1.5e-7 (dollars per token)"
+        check_number(prompt_usd_per_token, "prompt_usd_per_token", who, minimum=0, example=price)
+        check_number(completion_usd_per_token, "completion_usd_per_token", who, minimum=0, example=price)
         self.max_tokens = int(max_tokens)
         self.max_concurrency = int(max_concurrency)
         self.prompt_usd_per_token = float(prompt_usd_per_token)

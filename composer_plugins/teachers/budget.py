@@ -1,14 +1,9 @@
 """The dollar ceiling of a replay run.
 
-Before a paid call is sent its worst-case cost is *reserved*; a call whose reservation
-would take ``spent + uncertain + reserved`` past the ceiling is not sent. When the call
-ends the reservation becomes the actual cost (``settle``), is dropped (``release``: the
-provider provably charged nothing, e.g. an HTTP 429/5xx, or the request never left this
-process: a bad URL, a refused connection) or stays at the worst case as *uncertain* spend
-(``mark_uncertain``: a timeout, dropped connection or unreadable answer *after* the request
-was sent, which the provider may have billed). The invariant ``spent + uncertain + reserved <= max_usd`` therefore holds
-at every moment, as long as a provider never bills more than the worst case (prompt-byte
-upper bound and ``max_tokens``).
+A paid call's worst-case cost is *reserved* before it is sent (refused when it would pass the ceiling); when
+the call ends the reservation becomes its cost (``settle``), is dropped (``release``: provably not billed) or
+stays as *uncertain* spend (``mark_uncertain``: may have been billed). So ``spent + uncertain + reserved <=
+max_usd`` holds at every moment (docs/replay.md, "The replay engine").
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The persistent replay cache and spend ledger (one sqlite file, WAL mode).
 
 ``responses`` holds one row per completed teacher call, keyed on a hash of ``(teacher id, provider, model,
-params, messages)``, committed (fsynced) *before* the engine uses it, so a run killed at any point resumes and
-re-sends only the calls whose answers never landed. The ``ledger`` holds per run one ``paid`` row per
+params, messages)`` and committed before the engine uses it. The ``ledger`` holds per run one ``paid`` row per
 completed call (in the same transaction as its response), one ``maybe`` row per call sent without an answer,
-and one ``lease`` row per process: a durable upper bound of the worst case of its calls in flight, raised
-before a call it does not cover is sent and lowered in the transaction that records the call, so every call
-is counted exactly once and the dollar ceiling holds across ``kill -9`` (docs/replay.md, "Cache and
-ledger"). Writes go through one writer thread that group-commits whatever is queued: one fsync per batch.
+and one ``lease`` row per process covering its calls in flight, so the ceiling holds across ``kill -9``
+(docs/replay.md, "Cache and ledger"). One writer thread group-commits whatever is queued: one fsync per batch.
 """
 
 from __future__ import annotations

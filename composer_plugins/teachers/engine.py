@@ -1,15 +1,9 @@
 """The replay engine: every state through every teacher, async, cached, budgeted, resumable.
 
-For each ``(state, teacher)`` the engine first looks in the :class:`ReplayCache`; only
-misses are sent. Identical requests (same teacher, params and messages) are sent once.
-Each teacher has its own concurrency limit (``teacher.max_concurrency`` workers).
-
-A call is sent only after its worst-case cost is reserved against the ceiling (and, with a
-cache and a ceiling, covered by the durable spend lease in the ledger). Retryable failures (HTTP 429/5xx,
-timeouts, dropped connections, malformed bodies) are retried with exponential backoff and
-jitter, never sooner than the server's ``Retry-After`` (which also pauses that teacher's
-other workers). A successful answer is committed to the cache (with its ledger entry, in
-one transaction) before it is used; that commit runs off the teacher's concurrency slot.
+Only cache misses are sent, identical requests once, each teacher with ``max_concurrency`` workers. A call is
+sent once its worst case is reserved under the ceiling (and covered by the durable spend lease); retryable
+failures back off with jitter, never sooner than ``Retry-After``; an answer is committed with its ledger row
+before it is used. The rules in full: docs/replay.md, "The replay engine".
 """
 
 from __future__ import annotations

@@ -6,10 +6,7 @@ named by ``api_key_env`` and held as a :class:`~composer_plugins.core.config.Sec
 only revealed to build the ``Authorization`` header and is scrubbed from every error text.
 
 One HTTP transport, ``aiohttp``, with one mapping of its failures to :class:`TeacherCallError`
-(retryable or not, billed or not). It was chosen by the loopback benchmark
-(``python -m benchmarks.bench_replay --quick``): at 64 concurrent requests aiohttp made
-3,924 calls/s against httpx's 112 (35x), and the engine on aiohttp 1,563 against 82, so the
-httpx transport was removed (``http_client: httpx`` is refused with that reason).
+(retryable or not, billed or not); why aiohttp and not httpx: docs/replay.md.
 """
 
 from __future__ import annotations
@@ -88,24 +85,25 @@ def check_base_url(base_url: object, who: str) -> str:
     A URL that carries credentials (``user:pass@``) or a query string is refused without being
     echoed: it may hold a key.
     """
+
+    def bad(problem: str) -> TeacherError:
+        return TeacherError(f"{who}: base_url {problem}", field="base_url")
+
     example = "e.g. base_url: https://api.openai.com/v1 or http://127.0.0.1:8000/v1"
     if not isinstance(base_url, str) or not base_url.strip():
-        raise TeacherError(f"{who}: base_url must be a URL ({example}).", field="base_url")
+        raise bad(f"must be a URL ({example}).")
     url = base_url.strip()
     try:
         parts = urllib.parse.urlsplit(url)
         host, _port = parts.hostname, parts.port
     except ValueError as e:
-        shown = "" if "@" in url or "?" in url else f" {url!r}"
-        raise TeacherError(
-            f"{who}: base_url{shown} is not a valid URL ({e}). HINT: {example}", field="base_url"
-        ) from None
+        shown = "" if "@" in url or "?" in url else f"{url!r} "
+        raise bad(f"{shown}is not a valid URL ({e}). HINT: {example}") from None
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        raise TeacherError(
-            f"{who}: base_url must not carry credentials (user:password@), a query (?...) or a fragment "
-            "(not shown: it may hold a key). HINT: put the key in an environment variable and name it in "
-            "api_key_env; base_url is only the endpoint root, e.g. https://openrouter.ai/api/v1",
-            field="base_url",
+        raise bad(
+            "must not carry credentials (user:password@), a query (?...) or a fragment (not shown: it may hold a "
+            "key). HINT: put the key in an environment variable and name it in api_key_env; base_url is only the "
+            "endpoint root, e.g. https://openrouter.ai/api/v1"
         )
     if "://" not in url or parts.scheme.lower() not in ("http", "https"):
         fix = (
@@ -113,14 +111,11 @@ def check_base_url(base_url: object, who: str) -> str:
             if "://" not in url
             else "use http:// (a local server) or https:// (a remote provider)"
         )
-        raise TeacherError(
-            f"{who}: base_url {url!r} has no http:// or https:// scheme, so no request can be sent to it. HINT: {fix}",
-            field="base_url",
-        )
+        raise bad(f"{url!r} has no http:// or https:// scheme, so no request can be sent to it. HINT: {fix}")
     if not host:
-        raise TeacherError(f"{who}: base_url {url!r} has no host. HINT: {example}", field="base_url")
+        raise bad(f"{url!r} has no host. HINT: {example}")
     if any(c.isspace() for c in url):
-        raise TeacherError(f"{who}: base_url {url!r} contains whitespace. HINT: {example}", field="base_url")
+        raise bad(f"{url!r} contains whitespace. HINT: {example}")
     return url.rstrip("/")
 
 
@@ -324,12 +319,9 @@ class OpenAITeacher(Teacher):
         usage = data.get("usage") or {}
         message = assistant_message(content, tool_calls)
         text = render_action(message)
-        pt = usage.get("prompt_tokens")
-        ct = usage.get("completion_tokens")
-        if not isinstance(pt, int):
-            pt = estimate_prompt_tokens(messages, self.tools)
-        if not isinstance(ct, int):
-            ct = min(self.max_tokens, len(text.encode("utf-8")) + 1)
+        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        pt = pt if isinstance(pt, int) else estimate_prompt_tokens(messages, self.tools)
+        ct = ct if isinstance(ct, int) else min(self.max_tokens, len(text.encode("utf-8")) + 1)
         model, finish = str(data.get("model") or self.model), choice.get("finish_reason")
         return self.response(text, pt, ct, message=message, latency_s=latency, model=model, finish_reason=finish)
 
@@ -379,11 +371,8 @@ class OpenAITeacher(Teacher):
             ) from None
 
     # -- the transport -------------------------------------------------------------------
-    # Each attempt carries a ``_Sent`` flag the HTTP client sets once the request can go out (a
-    # connection is held). A failure before that (bad
-    # URL, DNS, refused connection, TLS, connect timeout, pool wait) cannot have been billed:
-    # ``billed="no"``. After it, a failure without an answer may have been: ``billed="maybe"``, and
-    # the engine books the worst case as uncertain spend.
+    # A failure before an attempt's ``_Sent`` flag is set (bad URL, DNS, refused connection, TLS, pool wait) cannot
+    # have been billed: ``billed="no"``; after it, one without an answer may have been: ``billed="maybe"``.
     def _loop_session(self) -> Any:
         import asyncio
 

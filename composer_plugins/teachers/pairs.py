@@ -1,14 +1,9 @@
 """Preference pairs from teacher agreement.
 
-For each state the teachers' actions are normalised (whitespace collapsed, tool-call and
-JSON arguments canonicalised, thinking ignored), grouped, and the largest group is the
-consensus when at least ``k`` teachers are in it (a tie for the largest group is no
-consensus). When the student's normalised action differs from the consensus a pair is
-emitted: ``chosen`` = the consensus action (as the first agreeing teacher, in configured
-order, wrote it), ``rejected`` = the student's action. The pair record (one JSON object per line:
-where the step came from, the prompt and messages, both actions as text and as messages, the consensus's
-teachers, ``k``/``agreement``, the ``dissent``, the comparison mode and the trace's metadata) is tabled in
-docs/replay.md.
+For each state the teachers' normalised actions are grouped; the largest group is the consensus when at least
+``k`` teachers are in it and no other group ties it. When the student's action differs from the consensus a pair
+is emitted: ``chosen`` = the consensus action (as the first agreeing teacher, in configured order, wrote it),
+``rejected`` = the student's action. The pair record's fields are tabled in docs/replay.md ("Pairs").
 """
 
 from __future__ import annotations

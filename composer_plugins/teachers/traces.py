@@ -69,11 +69,6 @@ class TraceState:
         """A JSON-able dict."""
         return dict(vars(self))
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TraceState:
-        """Inverse of :meth:`to_dict`."""
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
 
 def visible_message(m: Mapping[str, Any]) -> Message:
     """``m`` as a teacher may see it: only standard fields, thinking removed."""
