@@ -1,15 +1,9 @@
 """Mapping a teacher's per-token distributions onto the student's tokens when their tokenizers differ.
 
-Both sides tokenize the same completion text; the end offsets both share cut it into *blocks*, the smallest
-pieces each side covers with whole tokens. One student token and one teacher token: the teacher's top-k, each
-id mapped to the student token with the same text (:class:`VocabMap`; no twin: tail). One student token and
-several teacher tokens: the student's token gets ``Σ actual log-probs`` of the pieces (the chain rule) plus
-an alternative at the block's first position that maps to it (disjoint tokenizations of the same text, so
-the total stays ``<= 1``); the other alternatives there are mapped as above. Several student tokens in a
-block: not scored (the teacher's top-k says nothing about the student's first piece). Each scored position
-keeps the ``k`` most probable entries and always the student's own token. The rules, their limits (a lower
-bound on the teacher's probability of the text) and how they are tested: docs/losses.md ("Across
-tokenizers"). With identical tokenizers the mapping is the identity.
+Both sides tokenize the same completion text; the end offsets both share cut it into *blocks*. A block of one
+student token is scored (ids mapped by :class:`VocabMap`; several teacher tokens: the chain rule), a block of
+several is not; each scored position keeps the ``k`` most probable entries and always the student's own token.
+The rules, their limits and how they are tested: docs/losses.md ("Across tokenizers").
 """
 
 from __future__ import annotations
@@ -107,7 +101,7 @@ def align_scores(
         if j == j0:
             probs: dict[int, float] = {}
             sid = int(student_ids[j])
-            # several teacher tokens: the chain rule for the student's token; the first one is no alternative
+            # several teacher tokens: the chain rule for the student's token, the first piece is no alternative
             skip = int(teacher_ids[i0]) if i > i0 else None
             if i > i0:
                 probs[sid] = math.exp(sum(float(teacher_actual[x]) for x in range(i0, i + 1)))

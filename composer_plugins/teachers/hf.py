@@ -1,11 +1,8 @@
 """The ``hf`` teacher: a local ``transformers`` causal LM loaded with ``from_pretrained``.
 
-The model and tokenizer load lazily on the first call (``local_files_only`` by default, so
-a run never reaches the hub). Prompts use the tokenizer's chat template when it has one,
-else :func:`~composer_plugins.chat.render.plain_prompt` (a lone user message verbatim, as the
-policy saw it in single-turn rollouts; longer conversations with ``<|role|>`` headers).
-Generation runs in a worker thread (one at a time per teacher) so the event loop keeps
-serving the other teachers.
+The model and tokenizer load lazily on the first call (``local_files_only`` by default). Prompts go through
+:func:`~composer_plugins.chat.render.render_prompt` (the chat template when the tokenizer has one); generation
+runs in a worker thread, one at a time per teacher, so the event loop keeps serving the other teachers.
 """
 
 from __future__ import annotations

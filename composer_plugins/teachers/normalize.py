@@ -1,12 +1,8 @@
 """Normalise preference pairs with data-juicer's own executor and ops (YAML recipe).
 
-Pairs are flattened for data-juicer (flat text fields for the ops, the full record as a
-JSON ``_payload`` column so nested chat messages and provenance round-trip exactly), run
-through ``data_juicer.core.DefaultExecutor`` with the recipe (default:
-``composer_plugins/teachers/recipes/pairs.yaml``), and restored from the payload.
-
-data-juicer's config default ``skip_op_error: True`` would swallow op errors and drop the
-affected samples silently; it is always forced off here (and checked on every op).
+Pairs reach data-juicer's ``DefaultExecutor`` as flat text columns plus the full record as a JSON ``_payload``
+column they are restored from; ``skip_op_error`` is always forced off, on every op (docs/replay.md,
+"Normalisation with data-juicer").
 """
 
 from __future__ import annotations
@@ -109,7 +105,6 @@ def normalize_pairs(
     *,
     work_dir: str | os.PathLike[str] | None = None,
     columns: Sequence[str] = (),
-    quiet: bool = True,
 ) -> tuple[list[dict[str, Any]], NormalizeReport]:
     """Run the data-juicer ``recipe`` over ``pairs``; returns the kept pairs (unchanged) and a report.
 
@@ -118,7 +113,6 @@ def normalize_pairs(
         recipe: a data-juicer YAML recipe (default: the shipped ``recipes/pairs.yaml``).
         work_dir: where data-juicer writes its files (default: a temporary directory, removed after).
         columns: more top-level pair fields to expose to the recipe as columns (e.g. ``agreement``).
-        quiet: silence data-juicer's logging and progress bars.
     """
     recipe_path = Path(recipe) if recipe is not None else DEFAULT_RECIPE
     if not recipe_path.is_file():
@@ -132,8 +126,7 @@ def normalize_pairs(
         wd.mkdir(parents=True, exist_ok=True)
         in_path, out_path = wd / "pairs_in.jsonl", wd / "out" / "pairs_out.jsonl"
         atomic_write_jsonl(in_path, [to_dj_record(p, columns) for p in pairs])
-        quiet_ctx = _quiet_data_juicer() if quiet else contextlib.nullcontext()
-        with quiet_ctx:
+        with _quiet_data_juicer():
             _run_executor(recipe_path, in_path, out_path, wd / "dj")
         rows = read_jsonl(out_path) if out_path.exists() else []
     kept = [from_dj_record(r) for r in rows]

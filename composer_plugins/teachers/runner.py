@@ -211,7 +211,7 @@ def run_replay(
     fresh_budget: bool | None = None,
 ) -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (also written to ``output.summary`` if set)."""
-    from composer_plugins.core.io import atomic_write_jsonl, atomic_write_text
+    from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl
     from composer_plugins.teachers.cache import ReplayCache
     from composer_plugins.teachers.pairs import extract_pairs
     from composer_plugins.teachers.traces import load_traces
@@ -267,9 +267,7 @@ def run_replay(
     if skipped:  # some conversations are usable: the run goes on, and says how many were not
         summary["skipped"] = {"no_student_step": len(skipped), "where": [_at(f, n) for f, n in skipped[:10]]}
     if rc.output.summary:
-        import json
-
-        atomic_write_text(rc.output.summary, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        atomic_write_json(rc.output.summary, summary, sort_keys=True)
     return summary
 
 

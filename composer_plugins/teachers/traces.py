@@ -1,11 +1,9 @@
 """Trace ingestion: recorded agent sessions → one :class:`TraceState` per student step.
 
-Two formats are read (described in docs/replay.md): **OpenAI messages JSONL** (``format: openai``: one
-conversation per line, every assistant message a student step whose state is every message before it) and
-**Claude Code session JSONL** (``format: claude_code``: the event log Claude Code writes; one assistant turn's
-content blocks are merged, ``tool_use``/``tool_result`` become OpenAI tool calls and ``tool`` messages,
-``thinking`` stays in the student's action but never reaches the teachers, sidechain and meta events are
-skipped). Errors name the file and line (:class:`TraceFormatError`).
+Two formats are read, as docs/replay.md ("Traces") describes: **OpenAI messages JSONL** (``format: openai``,
+one conversation per line) and **Claude Code session JSONL** (``format: claude_code``, the event log Claude Code
+writes). Thinking stays in the student's action and never reaches the teachers. Errors name the file and line
+(:class:`TraceFormatError`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Teachers that **score** the student's rollout: top-k log-probs per completion token (on-policy distillation).
 
-A scorer is given, per row, the prompt and the student's completion (text and token ids) and returns
-:class:`TeacherScores`: per completion token, the teacher's ``K`` most likely next tokens (ids in the
-**student's** vocabulary), their log-probs and a mask of the positions it scored. Kinds (``composer-plugins
-list scorers``; third parties add more with ``register_teacher_scorers``): ``causal_lm`` (:class:`LocalScorer`
-in ``local``: a frozen local model, top-k taken chunk by chunk through its LM head) and ``vllm`` / ``sglang``
-(:class:`ServerScorer` in ``server``: prompt log-probs from a server, through the replay engine's transport,
-cache, budget and retries). The contract is in ``contract``; a teacher with another tokenizer is mapped by
-:mod:`composer_plugins.teachers.align`; :class:`ScoringPool` (``pool``) runs the scorers in the background
-and collects them with a deadline. Details: docs/losses.md ("Teachers that score", "Asynchronous"). Import
-from this package.
+A scorer turns rows (prompt and student completion) into :class:`TeacherScores`: per completion token the
+teacher's ``K`` most likely next tokens in the **student's** vocabulary, their log-probs and a mask. The contract
+is in ``contract``; kinds (``register_teacher_scorers``): ``causal_lm`` (:class:`LocalScorer`, ``local``) and
+``vllm`` / ``sglang`` (:class:`ServerScorer`, ``server``: through the replay engine); :class:`ScoringPool`
+(``pool``) runs them in the background with a deadline. Details: docs/losses.md ("Teachers that score",
+"Asynchronous"). Import from this package.
 """
 
 from __future__ import annotations
