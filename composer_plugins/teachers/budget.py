@@ -44,24 +44,21 @@ class Budget:
         self.in_flight += 1
         return True
 
-    def _drop(self, reserved: float) -> None:
+    def release(self, reserved: float) -> None:
+        """Drop a reservation: the call provably cost nothing (the other endings call this first)."""
         self.in_flight = max(0, self.in_flight - 1)
         # exact zero when nothing is in flight, so float residue never blocks a reservation
         self.reserved_usd = max(0.0, self.reserved_usd - reserved) if self.in_flight else 0.0
 
     def settle(self, reserved: float, actual: float) -> None:
         """A reserved call completed and cost ``actual``."""
-        self._drop(reserved)
+        self.release(reserved)
         self.spent_usd += actual
         if actual > reserved + 1e-12:
             self.overruns += 1
             log.warning("a call cost $%.6f, more than its worst-case reservation $%.6f", actual, reserved)
 
-    def release(self, reserved: float) -> None:
-        """A reserved call provably cost nothing."""
-        self._drop(reserved)
-
     def mark_uncertain(self, reserved: float) -> None:
         """A reserved call ended without an answer but may have been billed: keep its worst case."""
-        self._drop(reserved)
+        self.release(reserved)
         self.uncertain_usd += reserved

@@ -127,7 +127,6 @@ class ReplayCache:
         self._q: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
-        self._locks: list[Any] = []
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)

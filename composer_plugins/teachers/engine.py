@@ -196,10 +196,6 @@ class ReplayEngine:
         return await self._arun(states)
 
     # -- internals ------------------------------------------------------------------------------
-    def key_for(self, teacher: Teacher, state: TraceState) -> str:
-        """The cache key of ``state`` under ``teacher``."""
-        return cache_key(teacher.id, teacher.kind, teacher.model, teacher.cache_params(), state.messages)
-
     def _setup(self, stats: ReplayStats) -> None:
         budget = Budget(self.max_usd)
         if self.cache is not None:
@@ -258,7 +254,7 @@ class ReplayEngine:
                 if self.cache is None or not t.cacheable:
                     plain.append(_Job(None, s))
                     continue
-                k = self.key_for(t, s)
+                k = cache_key(t.id, t.kind, t.model, t.cache_params(), s.messages)
                 if k in jobs:
                     jobs[k].followers.append(s)
                     stats.deduplicated += 1
@@ -502,6 +498,10 @@ class ReplayEngine:
         """Send ``job`` to ``t`` (with retries); an answer is returned uncommitted, with its reservation held."""
         state, key = job.state, job.key
         retry = 0
+
+        def failure(kind: str, message: str, attempts: int) -> CallFailure:
+            return CallFailure(state.state_id, t.id, kind, message, attempts)
+
         while True:
             wait = self._pause_until[t.id] - time.monotonic()
             if wait > 0:
@@ -509,15 +509,10 @@ class ReplayEngine:
             try:
                 reserve = t.max_cost(state.messages)
             except Exception as e:
-                return CallFailure(state.state_id, t.id, "estimate", t.scrub(f"{type(e).__name__}: {e}"), retry)
+                return failure("estimate", t.scrub(f"{type(e).__name__}: {e}"), retry)
             if not await self._reserve(reserve):
-                return CallFailure(
-                    state.state_id,
-                    t.id,
-                    "budget",
-                    f"skipped: worst-case cost ${reserve:.6f} does not fit under max_usd={self.max_usd}",
-                    retry,
-                )
+                fits = f"skipped: worst-case cost ${reserve:.6f} does not fit under max_usd={self.max_usd}"
+                return failure("budget", fits, retry)
             attempt = f"{self._nonce}-{next(self._attempts)}"
             leased = sent = False
             try:
@@ -542,14 +537,14 @@ class ReplayEngine:
                     self._stats.count(t.id, "retries")
                     await asyncio.sleep(delay)
                     continue
-                return CallFailure(state.state_id, t.id, e.kind, t.scrub(str(e)), retry + 1)
+                return failure(e.kind, t.scrub(str(e)), retry + 1)
             except TeacherError:
                 self._release(reserve, leased)
                 raise
             except Exception as e:
                 self._release(reserve, leased)
                 await self._notify_budget()
-                return CallFailure(state.state_id, t.id, "error", t.scrub(f"{type(e).__name__}: {e}"), retry + 1)
+                return failure("error", t.scrub(f"{type(e).__name__}: {e}"), retry + 1)
             except BaseException:  # cancelled
                 if sent:  # mid-call: it may have been billed; its share stays on the lease
                     self._interrupted += 1

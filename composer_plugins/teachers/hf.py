@@ -24,6 +24,16 @@ from composer_plugins.teachers.base import (
 )
 
 
+def load_causal_lm(path: str, dtype: str, device: str, local_files_only: bool) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` loaded with ``from_pretrained`` from ``path``, the model on ``device`` in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=local_files_only)
+    return model.to(device).eval(), tok
+
+
 class HFTeacher(Teacher):
     """A teacher backed by a local Hugging Face causal LM.
 
@@ -98,20 +108,13 @@ class HFTeacher(Teacher):
     def load(self) -> tuple[Any, Any]:
         """Load (once) and return ``(model, tokenizer)``."""
         if self._model is None:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
             try:
-                tok = AutoTokenizer.from_pretrained(self.model_path, local_files_only=self.local_files_only)
-                model = AutoModelForCausalLM.from_pretrained(
-                    self.model_path, dtype=getattr(torch, self.dtype), local_files_only=self.local_files_only
-                )
+                model, tok = load_causal_lm(self.model_path, self.dtype, self.device, self.local_files_only)
             except (OSError, ValueError) as e:
                 raise TeacherError(
                     f"hf teacher {self.id!r}: cannot load a model from {self.model_path!r}: {e}. "
                     "HINT: model_path must be a directory written by save_pretrained."
                 ) from e
-            model.to(self.device).eval()
             if tok.pad_token_id is None:
                 tok.pad_token = tok.eos_token
             self._model, self._tok = model, tok

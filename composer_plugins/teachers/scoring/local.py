@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from composer_plugins.teachers.base import TeacherError, check_number
+from composer_plugins.teachers.hf import load_causal_lm
 from composer_plugins.teachers.scoring.contract import ScoreRequest, TeacherScorer, TeacherScores, _Aligner
 
 
@@ -57,21 +58,14 @@ class LocalScorer(TeacherScorer):
     def load(self) -> tuple[Any, Any]:
         """Load (once) the frozen model and its tokenizer."""
         if self._model is None:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
             if self.local_files_only and not os.path.isdir(self.model_path):
                 raise TeacherError(
                     f"causal_lm scorer {self.id!r}: model_path {self.model_path!r} is not a directory. HINT: point it "
                     "at a save_pretrained folder, or set local_files_only: false to load a hub id",
                     field="model_path",
                 )
-            tok = AutoTokenizer.from_pretrained(self.model_path, local_files_only=self.local_files_only)
-            model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=getattr(torch, self.dtype), local_files_only=self.local_files_only
-            )
-            model.to(self.device).eval().requires_grad_(False)
-            self._model, self._tok = model, tok
+            model, tok = load_causal_lm(self.model_path, self.dtype, self.device, self.local_files_only)
+            self._model, self._tok = model.requires_grad_(False), tok
         return self._model, self._tok
 
     def bind(self, student_tokenizer: Any) -> None:
