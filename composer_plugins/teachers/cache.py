@@ -289,10 +289,8 @@ class ReplayCache:
     def mark_orphans(self, run_id: str) -> int:
         """Turn ``pending``/``lease`` rows of ``run_id`` (left by a dead process) into ``maybe``; returns how many.
 
-        A lease holds exactly the worst cases of the calls its process sent and never recorded
-        (plus a few spare worst cases it had raised ahead): the calls that may have been billed
-        unseen. Calls the process did record left the lease in the same transaction as their
-        row, so nothing is counted twice. Empty (0) leases are dropped.
+        A dead process's lease covers exactly its calls sent and never recorded (and its spare), so nothing
+        is counted twice. Empty (0) leases are dropped.
         """
         self._read.execute("DELETE FROM ledger WHERE run_id = ? AND status = 'lease' AND amount <= 0", (run_id,))
         cur = self._read.execute(

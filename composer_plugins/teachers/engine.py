@@ -231,14 +231,11 @@ class ReplayEngine:
         self._lease_task: asyncio.Task[None] | None = None
         self._pending_rows_usd = 0.0  # reservations of calls whose row is submitted, budget not yet settled
         slots = sum(t.max_concurrency for t in self.teachers)
-        #: spare worst cases the lease holds beyond what is in flight (so calls start without waiting for
-        #: a write); capped at a tenth of the room left under the ceiling (see _start_raise). Doubled (up
-        #: to HEADROOM_GROWTH times) each time the spare runs out before its top-up is committed: a slow
-        #: disk (fsync) then costs a larger spare, not calls waiting with a concurrency slot held.
+        #: spare worst cases the lease holds beyond what is in flight, so calls start without waiting for a write;
+        #: doubled (up to HEADROOM_GROWTH times) each time the spare runs out before its top-up is committed
         self._headroom_calls = max(2, slots)
         self._headroom_max = HEADROOM_GROWTH * self._headroom_calls
         self._grown_for: asyncio.Task[None] | None = None
-        self._interrupted = 0
 
     def _lookup(
         self, states: Sequence[TraceState], responses: dict[str, dict[str, TeacherResponse]]
@@ -547,7 +544,6 @@ class ReplayEngine:
                 return failure("error", t.scrub(f"{type(e).__name__}: {e}"), retry + 1)
             except BaseException:  # cancelled
                 if sent:  # mid-call: it may have been billed; its share stays on the lease
-                    self._interrupted += 1
                     self._budget.mark_uncertain(reserve)
                 else:
                     self._release(reserve, leased)

@@ -1,9 +1,8 @@
 """The ``openai`` teacher: any OpenAI-compatible chat-completions endpoint over async HTTP.
 
-Works with OpenAI, OpenRouter, vLLM, llama.cpp / a local server: anything that serves
-``POST {base_url}/chat/completions``. The API key is read from the environment variable
-named by ``api_key_env`` and held as a :class:`~composer_plugins.core.config.Secret`; it is
-only revealed to build the ``Authorization`` header and is scrubbed from every error text.
+Anything that serves ``POST {base_url}/chat/completions``. The API key comes from the variable named by
+``api_key_env``, is held as a :class:`~composer_plugins.core.config.Secret` and is scrubbed from every error text
+(docs/replay.md, "API keys").
 
 One HTTP transport, ``aiohttp``, with one mapping of its failures to :class:`TeacherCallError`
 (retryable or not, billed or not); why aiohttp and not httpx: docs/replay.md.

@@ -1,12 +1,9 @@
 """The ``oracle`` teacher: a deterministic, free, rule-based teacher for verifiable tasks.
 
-For GSM8K-format arithmetic problems it computes the answer and replies in GSM8K style
-(``#### 42``). Where a state carries the ground truth (``metadata["answer"]`` in the trace)
-that answer is used; otherwise the arithmetic in the last user message is evaluated safely
-(numbers, ``+ - * / % **``, parentheses, and the words *plus*, *minus*, *times*,
-*multiplied by*, *divided by*). Pass ``solver=`` (a callable or a ``"module:attr"`` string,
-e.g. an environment's own checker) to handle other tasks: it receives the messages and the
-state metadata and returns the answer (``None`` to abstain).
+It replies in GSM8K style (``#### 42``) with the state's ``metadata["answer"]`` when the trace carries one, else
+with the arithmetic of the last user message evaluated safely (numbers, ``+ - * / % **``, parentheses, *plus*,
+*minus*, *times*, *multiplied by*, *divided by*). ``solver=`` (a callable or ``"module:attr"``) handles other
+tasks: ``solver(messages, metadata)`` returns the answer (``None`` to abstain).
 """
 
 from __future__ import annotations

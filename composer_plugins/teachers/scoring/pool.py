@@ -100,11 +100,8 @@ class ScoringPool:
         return ScoringJob({s.id: self._pools[s.id].submit(s.score, reqs) for s in self.scorers})
 
     def step_report(self, reasons: Mapping[str, str] | None = None) -> list[str]:
-        """One line per teacher that failed rows (or was left out: ``reasons``) since the last report.
-
-        Called once per step; each line names the teacher, its endpoint (no secrets), the failed rows of
-        the step and the reason. The counts also add up to :meth:`summary`.
-        """
+        """One line per teacher that failed rows (or was left out: ``reasons``) since the last report (once a step);
+        its endpoint (no secrets), the failed rows and the reason."""
         reasons, seen = dict(reasons or {}), self._seen
         lines = []
         for s in self.scorers:
