@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from composer_plugins.core.cli import key_values, report_error, report_interrupt, set_option
+from composer_plugins.core.cli import command_errors, key_values, set_option
 from composer_plugins.core.errors import ComposerPluginsError
 
 #: Exit status of ``replay run`` when more calls went unanswered than ``max_unanswered`` allows.
@@ -37,6 +37,7 @@ def replay() -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bars at all (ours, transformers', the Hub's).")
 @click.option("--fresh-budget", is_flag=True, help="Forget what earlier runs with this run_id spent.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON only.")
+@command_errors
 def run_cmd(
     config_path: str,
     overrides: tuple[str, ...],
@@ -57,14 +58,10 @@ def run_cmd(
         summary = run_from_file(
             config_path, list(overrides), progress=False if no_progress else None, fresh_budget=fresh_budget or None
         )
-    except ComposerPluginsError as e:
-        report_error(e)
-        return
-    except KeyboardInterrupt as e:
-        report_interrupt(e)
+    except ComposerPluginsError:
+        raise
     except OSError as e:  # a file problem the checks did not foresee: a message, not a traceback
-        report_error(ComposerPluginsError(f"{type(e).__name__}: {e}"))
-        return
+        raise ComposerPluginsError(f"{type(e).__name__}: {e}") from None
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
     else:
@@ -128,6 +125,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output OpenAI-messages JSONL.")
 @click.option("--no-progress", is_flag=True)
+@command_errors
 def record_cmd(
     policy: str, env_name: str, env_args: tuple[str, ...], out_path: str, no_progress: bool, **settings: Any
 ) -> None:
@@ -135,11 +133,7 @@ def record_cmd(
     from composer_plugins.teachers.record import record_to_file
 
     kwargs = key_values(env_args, "--env-arg")
-    try:
-        summary = record_to_file(policy, env_name, out_path, env_args=kwargs, progress=not no_progress, **settings)
-    except ComposerPluginsError as e:
-        report_error(e)
-        return
+    summary = record_to_file(policy, env_name, out_path, env_args=kwargs, progress=not no_progress, **settings)
     click.echo(json.dumps(summary, sort_keys=True))
 
 
@@ -148,15 +142,12 @@ def record_cmd(
 @click.option("--format", "fmt", default="auto", type=click.Choice(["auto", "openai", "claude_code"]))
 @click.option("--limit", default=None, type=int)
 @click.option("--jsonl", is_flag=True, help="Print every state as JSON lines instead of a summary.")
+@command_errors
 def states_cmd(paths: tuple[str, ...], fmt: str, limit: int | None, jsonl: bool) -> None:
     """Show the student steps read from trace files."""
     from composer_plugins.teachers.traces import load_traces
 
-    try:
-        states = load_traces(list(paths), format=fmt, limit=limit)  # type: ignore[arg-type]
-    except ComposerPluginsError as e:
-        report_error(e)
-        return
+    states = load_traces(list(paths), format=fmt, limit=limit)  # type: ignore[arg-type]
     if jsonl:
         for s in states:
             click.echo(json.dumps(s.to_dict(), ensure_ascii=False))
@@ -176,15 +167,12 @@ def states_cmd(paths: tuple[str, ...], fmt: str, limit: int | None, jsonl: bool)
     type=click.Path(exists=True, dir_okay=False),
     help="data-juicer recipe (default: the shipped recipes/pairs.yaml).",
 )
+@command_errors
 def normalize_cmd(in_path: str, out_path: str, recipe: str | None) -> None:
     """Run the data-juicer recipe over a pairs JSONL file."""
     from composer_plugins.core.io import atomic_write_jsonl, read_jsonl
     from composer_plugins.teachers.normalize import normalize_pairs
 
-    try:
-        kept, report = normalize_pairs(read_jsonl(in_path), recipe)
-    except ComposerPluginsError as e:
-        report_error(e)
-        return
+    kept, report = normalize_pairs(read_jsonl(in_path), recipe)
     atomic_write_jsonl(out_path, kept)
     click.echo(json.dumps(report.to_dict(), sort_keys=True))
