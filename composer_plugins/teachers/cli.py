@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from composer_plugins.core.cli import command_errors, key_values, set_option
+from composer_plugins.core.cli import all_overrides, command_errors, key_values, set_option
 from composer_plugins.core.errors import ComposerPluginsError
 
 #: Exit status of ``replay run`` when more calls went unanswered than ``max_unanswered`` allows.
@@ -49,14 +49,14 @@ def run_cmd(
     """Run the replay described by --config (-S key.sub=value overrides; positional ones are an alias)."""
     from composer_plugins.teachers.runner import run_from_file
 
-    overrides = (*overrides, *set_overrides)
+    every = all_overrides(overrides, set_overrides)
     if no_progress:
         from composer_plugins.core import progress
 
         progress.silence()
     try:
         summary = run_from_file(
-            config_path, list(overrides), progress=False if no_progress else None, fresh_budget=fresh_budget or None
+            config_path, every, progress=False if no_progress else None, fresh_budget=fresh_budget or None
         )
     except ComposerPluginsError:
         raise

@@ -190,10 +190,8 @@ class ReplayEngine:
 
     async def arun(self, states: Sequence[TraceState]) -> ReplayResult:
         """Replay ``states`` through every teacher."""
-        if self.cache is not None:
-            with self.cache.run_lock(self.run_id):
-                return await self._arun(states)
-        return await self._arun(states)
+        with self.cache.run_lock(self.run_id) if self.cache is not None else contextlib.nullcontext():
+            return await self._arun(states)
 
     # -- internals ------------------------------------------------------------------------------
     def _setup(self, stats: ReplayStats) -> None:

@@ -17,6 +17,7 @@ import os
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from composer_plugins.chat.render import render_action
@@ -43,13 +44,11 @@ ERROR_BODY_CHARS = 300
 MALFORMED_BODY_CHARS = 200
 
 
+@dataclass(slots=True)
 class _Sent:
     """Set by the HTTP client once request bytes may have left this process."""
 
-    __slots__ = ("sent",)
-
-    def __init__(self) -> None:
-        self.sent = False
+    sent: bool = False
 
 
 #: The attempt in progress in this task (aiohttp runs the connector in the caller's task).
@@ -307,14 +306,7 @@ class OpenAITeacher(Teacher):
             if content is not None and not isinstance(content, str):
                 raise TypeError("message.content is not a string")
         except Exception as e:
-            raise TeacherCallError(
-                f"teacher {self.id!r}: malformed response body from {self.url} ({type(e).__name__}): "
-                f"{self._snippet(raw, MALFORMED_BODY_CHARS)!r}",
-                retryable=True,
-                status=200,
-                billed="maybe",
-                kind="malformed",
-            ) from None
+            raise self._malformed(f"response body from {self.url} ({type(e).__name__})", raw, status=200) from None
         usage = data.get("usage") or {}
         message = assistant_message(content, tool_calls)
         text = render_action(message)
@@ -362,12 +354,17 @@ class OpenAITeacher(Teacher):
         try:
             return json_loads(raw)
         except Exception:
-            raise TeacherCallError(
-                f"teacher {self.id!r}: malformed JSON from {url}: {self._snippet(raw, MALFORMED_BODY_CHARS)!r}",
-                retryable=True,
-                billed="maybe",
-                kind="malformed",
-            ) from None
+            raise self._malformed(f"JSON from {url}", raw) from None
+
+    def _malformed(self, what: str, raw: bytes, status: int | None = None) -> TeacherCallError:
+        """An unreadable answer (retryable; it may have been billed), quoting the start of the scrubbed body."""
+        return TeacherCallError(
+            f"teacher {self.id!r}: malformed {what}: {self._snippet(raw, MALFORMED_BODY_CHARS)!r}",
+            retryable=True,
+            status=status,
+            billed="maybe",
+            kind="malformed",
+        )
 
     # -- the transport -------------------------------------------------------------------
     # A failure before an attempt's ``_Sent`` flag is set (bad URL, DNS, refused connection, TLS, pool wait) cannot
