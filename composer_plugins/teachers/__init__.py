@@ -4,9 +4,8 @@
 * :func:`load_traces` → :class:`TraceState` per student step (OpenAI messages / Claude Code JSONL).
 * :class:`ReplayEngine`: async, per-teacher concurrency, retries, budget, persistent cache.
 * :func:`extract_pairs` → preference pairs; :func:`normalize_pairs` runs the data-juicer recipe.
-* ``scoring/``: teachers that score the student's rollout (on-policy distillation), a package: the contract
-  (``contract``), the ``causal_lm`` scorer (``local``), the ``vllm``/``sglang`` scorers (``server``) and the
-  background pool with its deadline (``pool``); a teacher with another tokenizer is mapped by ``align``.
+* ``scoring/``: teachers that score the student's rollout (on-policy distillation), a package of its own;
+  a teacher with another tokenizer is mapped by ``align``.
 
 Everything is imported lazily, so ``import composer_plugins.teachers`` stays cheap.
 """

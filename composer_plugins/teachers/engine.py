@@ -281,12 +281,13 @@ class ReplayEngine:
 
         def record(t: Teacher, job: _Job, result: TeacherResponse | CallFailure) -> None:
             group = (job.state, *job.followers)
-            for s in group:
-                if isinstance(result, TeacherResponse):
+            if isinstance(result, TeacherResponse):
+                for s in group:
                     responses[s.state_id][t.id] = result
-                else:
-                    failures.append(CallFailure(s.state_id, t.id, result.kind, result.message, result.attempts))
-            if not isinstance(result, TeacherResponse):
+            else:
+                failures.extend(
+                    CallFailure(s.state_id, t.id, result.kind, result.message, result.attempts) for s in group
+                )
                 stats.count(t.id, "failures", len(group))
                 if result.kind == "budget":
                     stats.skipped_budget += len(group)
@@ -330,9 +331,7 @@ class ReplayEngine:
             for task in [*tasks, *finishing]:
                 task.cancel()
             await asyncio.gather(*tasks, *finishing, return_exceptions=True)
-            # shrink the lease to the shares of calls that were sent but never recorded (cut off
-            # mid-flight, or answered and not committed): only those may have been billed unseen.
-            # None: the lease row goes (otherwise the next run would count it as spent).
+            # the lease shrinks to the calls that may have been billed unseen (none: the row goes)
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await self._settle_lease()
             for t in self.teachers:

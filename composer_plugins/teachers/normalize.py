@@ -51,13 +51,8 @@ def to_dj_record(pair: Mapping[str, Any], columns: Sequence[str] = ()) -> dict[s
     rejected = str(pair.get("rejected", ""))
     compare = pair.get("compare", "text")
     compare = compare if compare in ("text", "final_answer") else "text"
-    dedup = "\x1e".join(
-        [
-            prompt,
-            normalize_action(pair.get("chosen_message") or chosen, compare),
-            normalize_action(pair.get("rejected_message") or rejected, compare),
-        ]
-    )
+    chosen_key = normalize_action(pair.get("chosen_message") or chosen, compare)
+    rejected_key = normalize_action(pair.get("rejected_message") or rejected, compare)
     extra = {c: pair.get(c) for c in columns if c not in _RESERVED}
     return {
         **extra,
@@ -66,7 +61,7 @@ def to_dj_record(pair: Mapping[str, Any], columns: Sequence[str] = ()) -> dict[s
         "chosen": chosen,
         "rejected": rejected,
         "state_id": str(pair.get("state_id", "")),
-        "dedup_text": dedup,
+        "dedup_text": "\x1e".join([prompt, chosen_key, rejected_key]),
         PAYLOAD_KEY: json.dumps(dict(pair), ensure_ascii=False),
     }
 

@@ -206,11 +206,10 @@ class OpenAITeacher(Teacher):
                 "variable's name here; if a real key was pasted into a file, rotate it",
                 field="api_key_env",
             )
-        for h in headers or {}:
-            if h.lower() in ("authorization", "api-key", "x-api-key", "proxy-authorization"):
-                raise TeacherError(
-                    f"{who}: do not pass the key in headers; set api_key_env to the variable name", field="headers"
-                )
+        if any(h.lower() in ("authorization", "api-key", "x-api-key", "proxy-authorization") for h in headers or {}):
+            raise TeacherError(
+                f"{who}: do not pass the key in headers; set api_key_env to the variable name", field="headers"
+            )
         check_number(timeout_s, "timeout_s", who, above=0, example="60 (seconds per attempt)")
         self.temperature, self.top_p, self.seed = check_sampling(who, temperature, top_p, seed)
         if not isinstance(max_tokens_param, str) or not max_tokens_param:
@@ -346,9 +345,7 @@ class OpenAITeacher(Teacher):
     async def post_json(self, url: str, body: Mapping[str, Any]) -> Any:
         """POST ``body`` as JSON to ``url`` over this endpoint's transport (key, session, limits); the decoded answer.
 
-        Other OpenAI-compatible routes (``/completions``, a server's weight-reload route) go through
-        the same client and the same error mapping as :meth:`complete`: a
-        :class:`TeacherCallError` that says whether a retry may help.
+        Other routes (``/completions``, a server's weight-reload route) get the error mapping of :meth:`complete`.
         """
         raw = await self._post(json_bytes(dict(body)), url)
         try:

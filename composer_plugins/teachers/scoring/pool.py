@@ -56,11 +56,11 @@ class ScoringJob:
         scores: dict[str, list[TeacherScores | None]] = {}
         metrics: dict[str, float] = {"teacher/wait_s": time.monotonic() - self.started}
         for name, fut in self.futures.items():
-            if fut in done and fut.exception() is None:
+            ok = fut in done and fut.exception() is None
+            metrics[f"teacher/{name}/skipped"] = 0.0 if ok else 1.0
+            if ok:
                 scores[name] = fut.result()
-                metrics[f"teacher/{name}/skipped"] = 0.0
-                continue
-            if fut in done:
+            elif fut in done:
                 log.warning("teacher %r failed to score this batch; its term is skipped: %s", name, fut.exception())
                 self.reasons[name] = f"failed: {type(fut.exception()).__name__}: {fut.exception()}"
             else:
@@ -69,7 +69,6 @@ class ScoringJob:
                 )
                 self.reasons[name] = f"missed the {deadline_s or 0.0:.3g}s deadline"
                 fut.cancel()
-            metrics[f"teacher/{name}/skipped"] = 1.0
         return scores, metrics
 
 

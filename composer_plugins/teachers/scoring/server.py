@@ -141,11 +141,8 @@ class ScoringClient(Teacher):
         skipped = len(c) - len(targets)  # no prompt: nothing predicts the first token
         usage = data.get("usage") or {}
         pt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else len(p) + len(c)
-        msg = {
-            "role": "assistant",
-            "content": None,
-            "scores": {"skipped": skipped, "actual": actual, "ids": ids, "logprobs": lps},
-        }
+        scores = {"skipped": skipped, "actual": actual, "ids": ids, "logprobs": lps}
+        msg = {"role": "assistant", "content": None, "scores": scores}
         return self.response("", pt, message=msg, latency_s=time.perf_counter() - t0)
 
     async def aclose(self) -> None:
