@@ -216,10 +216,6 @@ class _Turn:
                 )
             # redacted_thinking and unknown block types carry nothing a teacher can compare
 
-    @property
-    def empty(self) -> bool:
-        return not self.texts and not self.tool_calls
-
     def visible(self) -> Message:
         m: Message = {"role": "assistant", "content": "\n".join(self.texts) if self.texts else None}
         if self.tool_calls:
@@ -271,10 +267,8 @@ def load_claude_code_jsonl(path: str | os.PathLike[str], skipped: Skipped | None
 
     def close() -> None:
         nonlocal turn
-        if turn is None:
-            return
         t, turn = turn, None
-        if t.empty:
+        if t is None or (not t.texts and not t.tool_calls):  # nothing the student said or did
             return
         tid = session or p.stem
         step = steps.get(tid, 0)
