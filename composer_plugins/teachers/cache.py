@@ -49,6 +49,17 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_run ON ledger (run_id, status);
 """
+#: The statements the writer thread runs (each method below returns them with their values).
+_PUT = "INSERT OR REPLACE INTO responses (key, teacher, model, response, created) VALUES (?, ?, ?, ?, ?)"
+_SET_LEDGER = (
+    "INSERT OR REPLACE INTO ledger (attempt, run_id, key, teacher, status, amount, updated) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_RAISE_LEASE = (
+    "INSERT INTO ledger (attempt, run_id, key, teacher, status, amount, updated) VALUES (?, ?, '', '*', 'lease', ?, ?) "
+    "ON CONFLICT(attempt) DO UPDATE SET amount = amount + excluded.amount, updated = excluded.updated"
+)
+_LOWER_LEASE = "UPDATE ledger SET amount = MAX(0.0, amount - ?), updated = ? WHERE attempt = ?"
 
 
 class CacheError(ComposerPluginsError):
@@ -228,13 +239,7 @@ class ReplayCache:
     @staticmethod
     def put_stmts(key: str, teacher: str, model: str, response: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
         """Statements that store one response."""
-        blob = json_bytes(response).decode("utf-8")
-        return [
-            (
-                "INSERT OR REPLACE INTO responses (key, teacher, model, response, created) VALUES (?, ?, ?, ?, ?)",
-                (key, teacher, model, blob, time.time()),
-            )
-        ]
+        return [(_PUT, (key, teacher, model, json_bytes(response).decode("utf-8"), time.time()))]
 
     @staticmethod
     def ledger_stmts(
@@ -243,13 +248,7 @@ class ReplayCache:
         """Statements that set a ledger row (``status='released'`` deletes it)."""
         if status == "released":
             return [("DELETE FROM ledger WHERE attempt = ?", (attempt,))]
-        return [
-            (
-                "INSERT OR REPLACE INTO ledger (attempt, run_id, key, teacher, status, amount, updated) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (attempt, run_id, key, teacher, status, float(amount), time.time()),
-            )
-        ]
+        return [(_SET_LEDGER, (attempt, run_id, key, teacher, status, float(amount), time.time()))]
 
     @staticmethod
     def lease_add_stmts(lease: str, run_id: str, delta: float) -> list[tuple[str, tuple[Any, ...]]]:
@@ -257,22 +256,9 @@ class ReplayCache:
 
         Relative updates commute, so a raise and a lowering queued in either order end at the same total.
         """
-        now = time.time()
         if delta >= 0:
-            return [
-                (
-                    "INSERT INTO ledger (attempt, run_id, key, teacher, status, amount, updated) "
-                    "VALUES (?, ?, '', '*', 'lease', ?, ?) "
-                    "ON CONFLICT(attempt) DO UPDATE SET amount = amount + excluded.amount, updated = excluded.updated",
-                    (lease, run_id, float(delta), now),
-                )
-            ]
-        return [
-            (
-                "UPDATE ledger SET amount = MAX(0.0, amount - ?), updated = ? WHERE attempt = ?",
-                (float(-delta), now, lease),
-            )
-        ]
+            return [(_RAISE_LEASE, (lease, run_id, float(delta), time.time()))]
+        return [(_LOWER_LEASE, (float(-delta), time.time(), lease))]
 
     def put(self, key: str, teacher: str, model: str, response: Mapping[str, Any]) -> None:
         """Store a response and wait until it is committed."""

@@ -239,30 +239,28 @@ class ReplayEngine:
         self, states: Sequence[TraceState], responses: dict[str, dict[str, TeacherResponse]]
     ) -> dict[str, list[_Job]]:
         """Serve cache hits; return the remaining jobs per teacher (identical requests merged)."""
-        stats = self._stats
+        stats, cache = self._stats, self.cache
         queues: dict[str, list[_Job]] = {}
         for t in self.teachers:
-            jobs: dict[str, _Job] = {}
-            plain: list[_Job] = []
             stats.jobs += len(states)
+            if cache is None or not t.cacheable:
+                queues[t.id] = [_Job(None, s) for s in states]
+                continue
+            jobs: dict[str, _Job] = {}
             for s in states:
-                if self.cache is None or not t.cacheable:
-                    plain.append(_Job(None, s))
-                    continue
                 k = cache_key(t.id, t.kind, t.model, t.cache_params(), s.messages)
                 if k in jobs:
                     jobs[k].followers.append(s)
                     stats.deduplicated += 1
                 else:
                     jobs[k] = _Job(k, s)
-            if jobs and self.cache is not None:
-                for k, data in self.cache.get_many(jobs).items():
-                    job = jobs.pop(k)
-                    resp = TeacherResponse.from_dict(data, cached=True)
-                    for s in (job.state, *job.followers):
-                        responses[s.state_id][t.id] = resp
-                        stats.count(t.id, "cache_hits")
-            queues[t.id] = list(jobs.values()) + plain
+            for k, data in cache.get_many(jobs).items():
+                job = jobs.pop(k)
+                resp = TeacherResponse.from_dict(data, cached=True)
+                for s in (job.state, *job.followers):
+                    responses[s.state_id][t.id] = resp
+                    stats.count(t.id, "cache_hits")
+            queues[t.id] = list(jobs.values())
         return queues
 
     async def _arun(self, states: Sequence[TraceState]) -> ReplayResult:

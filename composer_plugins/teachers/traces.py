@@ -247,10 +247,8 @@ def _user_messages(path: Path, lineno: int, content: Any) -> list[Message]:
             if b.get("is_error"):
                 body = "[error] " + body
             out.append({"role": "tool", "tool_call_id": str(b["tool_use_id"]), "content": body})
-        elif t == "text":
-            texts.append(str(b.get("text", "")))
-        elif t == "image":
-            texts.append("[image]")
+        elif t in ("text", "image"):
+            texts.append(_block_text([b]))
     if texts:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
