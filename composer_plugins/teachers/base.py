@@ -78,15 +78,11 @@ def scrub_secret(text: str, secret: str | None, min_chars: int = SCRUB_MIN_CHARS
                 spans[-1][1] = i + n
             else:
                 spans.append([i, i + n])
-    if not spans:
-        return text
     out, last = [], 0
     for a, b in spans:
-        out.append(text[last:a])
-        out.append("****")
+        out += [text[last:a], "****"]
         last = b
-    out.append(text[last:])
-    return "".join(out)
+    return "".join([*out, text[last:]])
 
 
 def looks_like_key(value: str) -> bool:

@@ -66,8 +66,7 @@ def run_cmd(
         click.echo(json.dumps(summary, sort_keys=True))
     else:
         _print_summary(summary)
-    if summary.get("skipped"):
-        sk = summary["skipped"]
+    if sk := summary.get("skipped"):
         more = (
             f" and {sk['no_student_step'] - len(sk['where'])} more" if sk["no_student_step"] > len(sk["where"]) else ""
         )
@@ -106,8 +105,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"  pairs {p['pairs']}  student agrees {p['student_agrees']}  no consensus {p['no_consensus']}  "
         f"ties {p['ties']}  too few answers {p['too_few_answers']}"
     )
-    if s.get("normalize"):
-        n = s["normalize"]
+    if n := s.get("normalize"):
         click.echo(f"  data-juicer kept {n['n_out']}/{n['n_in']} pairs")
     click.echo(f"  wrote {s['output']}")
     if s["failures"]["total"]:

@@ -98,14 +98,11 @@ class ReplayStats(TeacherStats):
 
     def count(self, teacher: str, field: str, n: int = 1) -> None:
         """Add ``n`` to counter ``field`` of the run and of ``teacher``."""
-        setattr(self, field, getattr(self, field) + n)
-        st = self.by_teacher[teacher]
-        setattr(st, field, getattr(st, field) + n)
+        for counters in (self, self.by_teacher[teacher]):
+            setattr(counters, field, getattr(counters, field) + n)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["total_spent_usd"] = self.total_spent_usd
-        return d
+        return {**asdict(self), "total_spent_usd": self.total_spent_usd}
 
 
 @dataclass
@@ -273,7 +270,11 @@ class ReplayEngine:
         for t in self.teachers:  # fail fast (missing key variable ...) for teachers that will be called
             if queues[t.id] and not (self.max_usd == 0 and t.max_cost(queues[t.id][0].state.messages) > 0):
                 t.check()
-        bar = self._make_bar(stats)
+        bar: Any = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=stats.jobs, initial=stats.cache_hits, desc="replay", unit="call", dynamic_ncols=True)
         self._last_postfix = 0.0
         finishing: set[asyncio.Task[None]] = set()
 
@@ -345,13 +346,6 @@ class ReplayEngine:
                 self._postfix(bar, stats, force=True)
                 bar.close()
         return ReplayResult(responses, failures, stats, [t.id for t in self.teachers])
-
-    def _make_bar(self, stats: ReplayStats) -> Any:
-        if not self.progress:
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(total=stats.jobs, initial=stats.cache_hits, desc="replay", unit="call", dynamic_ncols=True)
 
     def _postfix(self, bar: Any, stats: ReplayStats, force: bool = False) -> None:
         now = time.monotonic()

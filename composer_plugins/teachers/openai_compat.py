@@ -319,7 +319,6 @@ class OpenAITeacher(Teacher):
         self, status: int, body: bytes, retry_after: str | None, url: str | None = None
     ) -> TeacherCallError:
         snippet = self._snippet(body, ERROR_BODY_CHARS)
-        retryable = status in RETRYABLE_STATUS
         hint = ""
         if status in (401, 403):
             hint = f" HINT: check the key in ${self.api_key_env}." if self.api_key_env else " HINT: set api_key_env."
@@ -327,7 +326,7 @@ class OpenAITeacher(Teacher):
             hint = f" HINT: check base_url ({self.base_url}) and model ({self.model!r})."
         return TeacherCallError(
             f"teacher {self.id!r}: HTTP {status} from {url or self.url}: {snippet!r}.{hint}",
-            retryable=retryable,
+            retryable=status in RETRYABLE_STATUS,
             status=status,
             retry_after=parse_retry_after(retry_after),
             billed="no",
@@ -436,6 +435,5 @@ class OpenAITeacher(Teacher):
 
     async def aclose(self) -> None:
         s, self._session, self._session_loop = self._session, None, None
-        if s is None:
-            return
-        await s.close()
+        if s is not None:
+            await s.close()

@@ -65,9 +65,7 @@ def _eval(node: ast.AST) -> Fraction:
 def format_number(value: Fraction | float | int) -> str:
     """``42`` for integral values, otherwise a short decimal (``2.5``)."""
     f = Fraction(value)
-    if f.denominator == 1:
-        return str(f.numerator)
-    return f"{float(f):.6g}"
+    return str(f.numerator) if f.denominator == 1 else f"{float(f):.6g}"
 
 
 def solve_arithmetic(text: str) -> str | None:

@@ -341,8 +341,7 @@ def load_traces(
             entries.extend((f, fmt) for f in sorted(p.glob("*.jsonl")))
         else:
             entries.append((p, fmt))
-    out: list[TraceState] = []
-    seen: dict[str, TraceState] = {}
+    seen: dict[str, TraceState] = {}  # in reading order
     for p, fmt in entries:
         load = _LOADERS.get(detect_format(p) if fmt == "auto" else fmt)
         if load is None:
@@ -357,7 +356,6 @@ def load_traces(
                     "HINT: give each conversation a distinct 'id' (or do not list a file twice)",
                 )
             seen[s.state_id] = s
-            out.append(s)
-            if limit is not None and len(out) >= limit:
-                return out
-    return out
+            if limit is not None and len(seen) >= limit:
+                return list(seen.values())
+    return list(seen.values())

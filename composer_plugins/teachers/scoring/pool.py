@@ -120,15 +120,14 @@ class ScoringPool:
 
     def summary(self) -> list[str]:
         """One line per teacher that failed at least once over the run: failed rows, steps and the last reason."""
-        bad = self._bad_steps
         lines = []
         for s in self.scorers:
-            if not s.stats.failures and not bad.get(s.id):
+            if not s.stats.failures and not self._bad_steps[s.id]:
                 continue
             last = f"; last error: {s.last_error}" if s.last_error else ""
             lines.append(
                 f"teacher {s.id!r}{_at(s)}: {s.stats.failures} of {s.stats.rows} rows failed over the run, "
-                f"in {bad.get(s.id, 0)} steps{last}"
+                f"in {self._bad_steps[s.id]} steps{last}"
             )
         return lines
 
