@@ -297,8 +297,7 @@ class ReplayCache:
 
         digest = hashlib.sha256(run_id.encode()).hexdigest()[:12]
         lock_path = self.path.with_name(f"{self.path.name}.{digest}.lock")
-        fh = open(lock_path, "w")
-        try:
+        with open(lock_path, "w") as fh:
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -307,8 +306,6 @@ class ReplayCache:
                     "HINT: wait for it, or give this run a different run_id"
                 ) from None
             yield
-        finally:
-            fh.close()
 
     def close(self) -> None:
         """Flush pending writes and close."""
