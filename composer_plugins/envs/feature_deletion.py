@@ -16,6 +16,7 @@ surgery (finding, deleting and splicing back definitions) is :mod:`composer_plug
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import random
@@ -284,17 +285,19 @@ class FeatureDeletionEnv(Env):
         candidates = self._candidates()
         jobs = [(sym, mode) for sym in candidates for mode in self.modes]
         built: list[dict[str, Any]] = []
-        bar = _progress(len(jobs), "feature_deletion: verifying deletions", self.progress)
-        try:
-            with ThreadPoolExecutor(self.num_workers) as pool:
-                for task in pool.map(lambda j: self._make_task(j[0], j[1], passing), jobs):
-                    bar.update(1)
-                    if task is not None:
-                        built.append(task)
-                    if self.max_tasks is not None and len(built) >= self.max_tasks:
-                        break
-        finally:
-            bar.close()
+        from tqdm.auto import tqdm
+
+        desc = "feature_deletion: verifying deletions"
+        with (
+            tqdm(total=len(jobs), desc=desc, leave=False, disable=not self.progress) as bar,
+            ThreadPoolExecutor(self.num_workers) as pool,
+        ):
+            for task in pool.map(lambda j: self._make_task(j[0], j[1], passing), jobs):
+                bar.update(1)
+                if task is not None:
+                    built.append(task)
+                if self.max_tasks is not None and len(built) >= self.max_tasks:
+                    break
         if self.max_tasks is not None:
             built = built[: self.max_tasks]
         self._built = built
@@ -397,9 +400,8 @@ class FeatureDeletionEnv(Env):
         return sample_cycling(pool, n, seed)
 
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
-        need = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")
-        if any(task.get(k) is None for k in need):
-            return Feedback("unscorable", f"the task lacks one of {need}", {}, None)
+        if any(task.get(k) is None for k in self.task_fields):
+            return Feedback("unscorable", f"the task lacks one of {self.task_fields}", {}, None)
         f2p, p2p = list(task["fail_to_pass"]), list(task["pass_to_pass"])
         try:
             new_source = splice_completion(str(task["deleted_source"]), task, completion)
@@ -442,7 +444,7 @@ class FeatureDeletionEnv(Env):
         first = still_failing[0]
         msg = messages.get(first) or (collect_errors[0] if collect_errors else "not run")
         details.update(test=first, message=msg)
-        if res.killed in ("timeout", "cpu_limit"):
+        if res.timed_out:
             return Feedback("timeout", f"The tests timed out; {len(fixed)}/{len(f2p)} pass.", details, reward)
         return Feedback(
             "test_failure",
@@ -453,25 +455,4 @@ class FeatureDeletionEnv(Env):
 
 
 def _frac_hash(text: str) -> float:
-    import hashlib
-
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "big") / 2**32
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc=desc, leave=False)
-    except ImportError:  # pragma: no cover
-        return _NoBar()
