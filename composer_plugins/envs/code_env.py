@@ -71,10 +71,10 @@ def _validate_task(row: dict[str, Any]) -> dict[str, Any]:
         for i, c in enumerate(cases):
             if not isinstance(c, dict) or "expected" not in c or not isinstance(c.get("args", []), list):
                 raise ValueError(f"cases[{i}] must be an object with 'args' (a list) and 'expected'")
-    if not _parses(row["prompt"] + "\n    pass\n") and not _parses(row["prompt"]):
+    if not _parses(row["prompt"] + "\n    pass\n"):  # a prompt may end right after the signature
         try:
             ast.parse(row["prompt"])
-        except SyntaxError as e:  # a prompt may end right after the signature, hence the "pass" above
+        except SyntaxError as e:
             raise ValueError(f"field 'prompt' is not valid Python: {e.msg} (prompt line {e.lineno})") from None
     row.setdefault("task_id", row["entry_point"])
     return row
@@ -83,9 +83,9 @@ def _validate_task(row: dict[str, Any]) -> dict[str, Any]:
 def _parses(code: str) -> bool:
     try:
         ast.parse(code)
-        return True
     except SyntaxError:
         return False
+    return True
 
 
 def load_humaneval(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
@@ -109,9 +109,7 @@ def extract_code(completion: str, entry_point: str | None = None) -> tuple[str, 
     if blocks:
         chosen = next((b for b in reversed(blocks) if entry_point and _defines(b, entry_point)), blocks[-1])
         return chosen, bool(entry_point and _defines(chosen, entry_point))
-    if entry_point and _defines(completion, entry_point):
-        return completion, True
-    return completion, False
+    return completion, bool(entry_point and _defines(completion, entry_point))
 
 
 def _defines(code: str, name: str) -> bool:
@@ -285,8 +283,7 @@ class CodeEnv(Env):
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split`` (cycling through shuffles), deterministic in ``seed``."""
-        pool = self.tasks(split)
-        return sample_cycling(pool, n, seed)
+        return sample_cycling(self.tasks(split), n, seed)
 
     # -- scoring -------------------------------------------------------------------------------
     def _mode_for(self, task: Mapping[str, Any]) -> str:
@@ -340,7 +337,7 @@ class CodeEnv(Env):
                 0.0,
             )
         if start is None:
-            if res.killed in ("timeout", "cpu_limit"):
+            if res.timed_out:
                 return Feedback("timeout", "The program timed out before any test ran.", base, 0.0)
             return Feedback("sandbox_error", f"The test harness did not start: {res.tail(500)}", base, None)
         n = int(start.get("n") or 0)
@@ -427,7 +424,7 @@ class CodeEnv(Env):
             return Feedback("correct", f"All {n} tests pass.", details, 1.0)
         first = failures[0]
         details.update({k: first.get(k) for k in ("test", "error", "message", "expected", "actual")})
-        if res.killed in ("timeout", "cpu_limit") or first.get("error") == "Timeout":
+        if res.timed_out or first.get("error") == "Timeout":
             return Feedback("timeout", f"Timed out; {passed}/{n} tests pass.", details, reward)
         if res.killed in ("output_limit", "memory_limit", "file_size_limit"):
             return Feedback("resource_limit", f"Stopped: {res.killed}; {passed}/{n} tests pass.", details, reward)
