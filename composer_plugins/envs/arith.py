@@ -21,7 +21,6 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["DIFFICULTIES", "ArithProblem", "dropped_carry", "generate_problems", "resolve_difficulty"]
 
@@ -80,23 +79,11 @@ _ITEMS = [
     "bottles",
 ]
 _FRIENDS = ["her brother", "his sister", "a friend", "the teacher", "a neighbor", "the class"]
-_HE = {
-    "Tom": "He",
-    "Ben": "He",
-    "Sam": "He",
-    "Liam": "He",
-    "Noah": "He",
-    "Lucas": "He",
-    "Omar": "He",
-    "Kenji": "He",
-    "Diego": "He",
-    "Leo": "He",
-    "Ivan": "He",
-}
+_HE = {"Tom", "Ben", "Sam", "Liam", "Noah", "Lucas", "Omar", "Kenji", "Diego", "Leo", "Ivan"}
 
 
 def _pron(name: str) -> str:
-    return _HE.get(name, "She")
+    return "He" if name in _HE else "She"
 
 
 def resolve_difficulty(difficulty: int | str) -> int:
@@ -125,10 +112,6 @@ class ArithProblem:
     solution: str
     answer: int
     difficulty: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data."""
-        return {"question": self.question, "solution": self.solution, "answer": str(self.answer)}
 
 
 def _calc(expr: str, value: int, annotate: bool) -> str:
