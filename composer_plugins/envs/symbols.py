@@ -74,6 +74,10 @@ def _start_line(node: ast.AST) -> int:
     return min([d.lineno for d in decos] + [node.lineno])  # type: ignore[attr-defined]
 
 
+def _symbol(rel: str, qualname: str, kind: Literal["function", "class", "method"], node: ast.stmt) -> Symbol:
+    return Symbol(rel, qualname, kind, _start_line(node), node.end_lineno or node.lineno, " " * node.col_offset)
+
+
 def _deletable(node: ast.AST, min_body_lines: int) -> bool:
     body = getattr(node, "body", [])
     if not body or body[0].lineno == node.lineno:  # type: ignore[attr-defined]
@@ -112,7 +116,7 @@ def find_symbols(
                     continue
                 kind: Literal["function", "class"] = "class" if isinstance(node, ast.ClassDef) else "function"
                 if _deletable(node, min_body_lines):
-                    out.append(Symbol(rel, node.name, kind, _start_line(node), node.end_lineno or node.lineno, ""))
+                    out.append(_symbol(rel, node.name, kind, node))
                 if isinstance(node, ast.ClassDef):
                     for sub in node.body:
                         if not isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -123,17 +127,7 @@ def find_symbols(
                         ):
                             continue
                         if _deletable(sub, 1):
-                            indent = " " * sub.col_offset
-                            out.append(
-                                Symbol(
-                                    rel,
-                                    f"{node.name}.{sub.name}",
-                                    "method",
-                                    _start_line(sub),
-                                    sub.end_lineno or sub.lineno,
-                                    indent,
-                                )
-                            )
+                            out.append(_symbol(rel, f"{node.name}.{sub.name}", "method", sub))
     return out
 
 
@@ -192,11 +186,6 @@ def delete_symbol(
     return "".join(new_lines), info
 
 
-def _completion_code(completion: str) -> str:
-    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
-    return blocks[-1] if blocks else completion
-
-
 def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: str) -> str:
     """Put the completion's definition of the task's symbol back into ``deleted_source``.
 
@@ -204,20 +193,16 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
     definition (or before its class, for a method). Raises ``ValueError`` when the
     completion defines no such symbol and ``SyntaxError`` when it does not parse.
     """
-    code = textwrap.dedent(_completion_code(completion))
-    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
-    if blocks:
-        # prefer the block that defines the symbol
-        name = str(task["symbol"]).rsplit(".", 1)[-1]
-        for b in reversed(blocks):
-            with contextlib.suppress(SyntaxError):
-                if any(getattr(n, "name", None) == name for n in ast.walk(ast.parse(textwrap.dedent(b)))):
-                    code = textwrap.dedent(b)
-                    break
-    tree = ast.parse(code)
-    qual = str(task["symbol"])
-    parts = qual.split(".")
+    parts = str(task["symbol"]).split(".")
     name = parts[-1]
+    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
+    code = textwrap.dedent(blocks[-1] if blocks else completion)
+    for b in reversed(blocks):  # prefer the block that defines the symbol
+        with contextlib.suppress(SyntaxError):
+            if any(getattr(n, "name", None) == name for n in ast.walk(ast.parse(textwrap.dedent(b)))):
+                code = textwrap.dedent(b)
+                break
+    tree = ast.parse(code)
     is_method = task.get("kind") == "method"
     target: ast.AST | None = None
     for n in tree.body:
