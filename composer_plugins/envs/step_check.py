@@ -78,9 +78,9 @@ _PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands")
 def _column_mistake(got: list[Column], want: list[Column], completion: str) -> str | None:
     """The first wrong column of a column-by-column sum, and what it is computed from (never its result)."""
     for i, (c, w) in enumerate(zip(got, want, strict=False), 1):
-        name = f"Column {i} ({_PLACES[min(i, len(_PLACES)) - 1]})"
+        place = _PLACES[min(i, len(_PLACES)) - 1]
+        name = f"Column {i} ({place})"
         if (c.a, c.b) != (w.a, w.b):
-            place = _PLACES[min(i, len(_PLACES)) - 1]
             return f"{name} adds the {place} digits {w.a} and {w.b}, not {c.a} and {c.b}."
         if c.carry != w.carry:
             if i == 1:

@@ -253,20 +253,18 @@ def hint_requests(
     for what, col in (("prompts", prompts), ("completions", completions), ("tasks", tasks), ("groups", groups)):
         if col is not None and len(col) != n:
             raise ValueError(f"{len(col)} {what} for {n} rows")
-    out = []
-    for i in range(n):
-        g = groups[i] if groups is not None else None
-        out.append(
-            HintRequest(
-                prompt=prompts[i] if prompts is not None else None,
-                completion=completions[i] if completions is not None else None,
-                feedback=feedbacks[i],
-                task=tasks[i] if tasks is not None else None,
-                reward=g.reward if g is not None else None,
-                group=g,
-            )
+    gs = groups if groups is not None else [None] * n
+    return [
+        HintRequest(
+            prompt=prompts[i] if prompts is not None else None,
+            completion=completions[i] if completions is not None else None,
+            feedback=feedbacks[i],
+            task=tasks[i] if tasks is not None else None,
+            reward=g.reward if g is not None else None,
+            group=g,
         )
-    return out
+        for i, g in enumerate(gs)
+    ]
 
 
 def build_hint_provider(spec: Any, key: str = "hints") -> HintProvider:
