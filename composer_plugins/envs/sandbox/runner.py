@@ -113,7 +113,6 @@ class Sandbox:
         self.hide_tmp = hide_tmp
         self.audit_guard = audit_guard
         self.tmp_dir = tmp_dir
-        self._requested = isolation
         info = isolation_info(self.python) if isolation != "guard" else None
         if isolation == "namespaces" and info is not None and not info.namespaces:
             raise SandboxError(f"namespace isolation is not available here: {info.reason}")
@@ -179,7 +178,7 @@ class Sandbox:
             scrub_tree(work)
             for name in ("sitecustomize", "_cp_channel", "launcher", *scripts):
                 shutil.copyfile(_FILES_DIR / f"{name}.py", os.path.join(harness, f"{name}.py"))
-            uid = self._sandbox_uid()
+            uid = _fresh_uid() if self._sandbox_uid_needed() else None
             if uid is not None:
                 for dirpath, _dirnames, filenames in os.walk(root):
                     if _inside(dirpath, harness):
@@ -307,9 +306,6 @@ class Sandbox:
 
     def _sandbox_uid_needed(self) -> bool:
         return self.isolation == "namespaces" and os.geteuid() == 0
-
-    def _sandbox_uid(self) -> int | None:
-        return _fresh_uid() if self._sandbox_uid_needed() else None
 
     def _hidden_and_kept(self, root: str, extra: list[str]) -> tuple[list[str], list[str]]:
         hidden = list(extra)
@@ -545,12 +541,19 @@ def isolation_info(python: str | None = None) -> IsolationInfo:
     probe_dir = tempfile.mkdtemp(prefix="cp-sandbox-probe-")
     try:
         Path(probe_dir, "secret.txt").write_text("probe")
-        sb = Sandbox.__new__(Sandbox)
-        sb.limits = SandboxLimits(wall_time_s=20, memory_mb=None)
-        sb.python, sb.network, sb.hide, sb.hide_home, sb.hide_tmp = python, False, [_real(probe_dir)], False, False
-        sb.allow_subprocess, sb.audit_guard, sb.tmp_dir, sb._requested = True, False, None, "namespaces"
-        sb.expose, sb.allow = "all", []
-        sb.isolation, sb.block_ctypes = "namespaces", False
+        # built in guard mode (which does not probe), then switched to namespaces for the probe run
+        sb = Sandbox(
+            SandboxLimits(wall_time_s=20, memory_mb=None),
+            isolation="guard",
+            hide=[probe_dir],
+            hide_home=False,
+            hide_tmp=False,
+            python=python,
+            allow_subprocess=True,
+            audit_guard=False,
+            block_ctypes=False,
+        )
+        sb.isolation, sb._unshare = "namespaces", unshare
         code = (
             "import os, socket\n"
             f"print('hidden-empty', os.listdir({probe_dir!r}) == [])\n"
@@ -558,7 +561,6 @@ def isolation_info(python: str | None = None) -> IsolationInfo:
             "try:\n    s.connect(('127.0.0.1', 9)); print('net', 'open')\n"
             "except OSError:\n    print('net', 'closed')\n"
         )
-        sb._unshare = unshare
         try:
             res = sb.run_code(code)
         except SandboxError as e:

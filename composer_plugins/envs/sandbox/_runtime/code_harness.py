@@ -133,10 +133,11 @@ def _trivial_assert(node):
     return isinstance(node, ast.Assert) and isinstance(node.test, ast.Constant) and bool(node.test.value)
 
 
-def _run_unit(code, ns, timeout):
+def _timed(timeout, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with a SIGALRM (:class:`UnitTimeout`) after ``timeout`` seconds."""
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        exec(code, ns)
+        return fn(*args, **kwargs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
@@ -150,12 +151,7 @@ def _actual_value(stmt, ns, timeout):
     try:
         expr = ast.Expression(stmt.test.left)
         ast.fix_missing_locations(expr)
-        code = compile(expr, "<test>", "eval")
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            value = eval(code, ns)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        value = _timed(timeout, eval, compile(expr, "<test>", "eval"), ns)
         expected = None
         try:
             exp_code = compile(ast.fix_missing_locations(ast.Expression(stmt.test.comparators[0])), "<test>", "eval")
@@ -209,24 +205,18 @@ def main():
             units.append((_has_assert(stmt), code, stmt, src))
     n_tests = sum(1 for u in units if u[0]) if mode == "asserts" else len(spec.get("cases", []))
     send({"kind": "start", "n": n_tests})
+    failed = None
     try:
-        code = compile(program, "solution.py", "exec")
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            exec(code, ns)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        _timed(timeout, exec, compile(program, "solution.py", "exec"), ns)
         candidate = ns[entry]
     except UnitTimeout:
-        send({"kind": "load", "ok": False, "error": "Timeout", "message": "defining the solution timed out"})
-        send({"kind": "done", "n": n_tests})
-        return
+        failed = {"error": "Timeout", "message": "defining the solution timed out"}
     except KeyError:
-        send({"kind": "load", "ok": False, "error": "NameError", "message": f"the solution does not define {entry!r}"})
-        send({"kind": "done", "n": n_tests})
-        return
+        failed = {"error": "NameError", "message": f"the solution does not define {entry!r}"}
     except BaseException as e:
-        send({"kind": "load", "ok": False, **_error_record(e, "solution.py")})
+        failed = _error_record(e, "solution.py")
+    if failed is not None:
+        send({"kind": "load", "ok": False, **failed})
         send({"kind": "done", "n": n_tests})
         return
     send({"kind": "load", "ok": True})
@@ -235,11 +225,7 @@ def main():
             args = copy.deepcopy(case.get("args", []))
             kwargs = copy.deepcopy(case.get("kwargs", {}))
             try:
-                signal.setitimer(signal.ITIMER_REAL, timeout)
-                try:
-                    out = candidate(*args, **kwargs)
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
+                out = _timed(timeout, candidate, *args, **kwargs)
                 send({"kind": "case", "i": i, "ok": True, "output": _jsonable(out)})
             except UnitTimeout:
                 send({"kind": "case", "i": i, "ok": False, "error": "Timeout", "message": "timed out"})
@@ -249,13 +235,13 @@ def main():
         ns[param] = candidate
         ns.update(_cp_eq=_cp_eq, _cp_true=_cp_true, _cp_false=_cp_false)
         try:
-            _run_unit(setup_code, ns, timeout)
+            _timed(timeout, exec, setup_code, ns)
         except BaseException as e:
             send({"kind": "setup", "ok": False, **_error_record(e, "<test>")})
         i = 0
         for is_test, code, stmt, src in units:
             try:
-                _run_unit(code, ns, timeout)
+                _timed(timeout, exec, code, ns)
                 ok, rec = True, {}
             except UnitTimeout:
                 ok, rec = False, {"error": "Timeout", "message": f"timed out after {timeout:g}s"}
