@@ -205,6 +205,10 @@ def _call_repr(entry: str, case: Mapping[str, Any]) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+#: What a failed test reports besides its name (``test``).
+_FAILURE_FIELDS = ("error", "message", "expected", "actual")
+
+
 def _kind_of_error(error: str | None) -> str:
     if error in ("SyntaxError", "IndentationError", "TabError"):
         return "syntax_error"
@@ -345,20 +349,11 @@ class CodeEnv(Env):
             return Feedback("unscorable", "the task has no countable tests", base, None)
         load = next((r for r in recs if r.get("kind") == "load"), None)
         if load is not None and not load.get("ok"):
-            kind = _kind_of_error(load.get("error"))
-            msg = f"{load.get('error')}: {load.get('message')}"
+            error = {k: load.get(k) for k in ("error", "message", "lineno", "traceback")}
             return Feedback(
-                kind,
-                f"The code does not load: {msg}",
-                {
-                    **base,
-                    "error": load.get("error"),
-                    "message": load.get("message"),
-                    "lineno": load.get("lineno"),
-                    "traceback": load.get("traceback"),
-                    "passed": 0,
-                    "total": n,
-                },
+                _kind_of_error(load.get("error")),
+                f"The code does not load: {load.get('error')}: {load.get('message')}",
+                {**base, **error, "passed": 0, "total": n},
                 0.0,
             )
         results: dict[int, dict[str, Any]] = {}
@@ -374,56 +369,30 @@ class CodeEnv(Env):
         )
         for i in range(n):
             r = results.get(i)
-            if mode == "cases":
-                case = task["cases"][i]
-                call = _call_repr(entry, case)
-                if r is None:
-                    failures.append({"test": call, "error": "NotRun", "message": stopped})
-                    continue
-                if not r.get("ok"):
-                    failures.append(
-                        {
-                            "test": call,
-                            "error": r.get("error"),
-                            "message": r.get("message"),
-                            "expected": repr(_decode(case["expected"])),
-                        }
-                    )
-                    continue
-                actual, expected = _decode(r.get("output")), _decode(case["expected"])
-                if values_equal(actual, expected):
+            test = _call_repr(entry, task["cases"][i]) if mode == "cases" else f"test #{i + 1}"
+            if r is None:
+                failures.append({"test": test, "error": "NotRun", "message": stopped})
+            elif mode != "cases":
+                if r.get("ok"):
                     passed += 1
                 else:
-                    failures.append(
-                        {
-                            "test": call,
-                            "error": "AssertionError",
-                            "message": "wrong return value",
-                            "expected": repr(expected),
-                            "actual": repr(actual),
-                        }
-                    )
+                    failures.append({"test": r.get("source"), **{k: r.get(k) for k in _FAILURE_FIELDS}})
             else:
-                if r is None:
-                    failures.append({"test": f"test #{i + 1}", "error": "NotRun", "message": stopped})
-                elif r.get("ok"):
+                expected = _decode(task["cases"][i]["expected"])
+                if not r.get("ok"):
+                    error = {"error": r.get("error"), "message": r.get("message")}
+                    failures.append({"test": test, **error, "expected": repr(expected)})
+                elif values_equal(actual := _decode(r.get("output")), expected):
                     passed += 1
                 else:
-                    failures.append(
-                        {
-                            "test": r.get("source"),
-                            "error": r.get("error"),
-                            "message": r.get("message"),
-                            "expected": r.get("expected"),
-                            "actual": r.get("actual"),
-                        }
-                    )
+                    error = {"error": "AssertionError", "message": "wrong return value"}
+                    failures.append({"test": test, **error, "expected": repr(expected), "actual": repr(actual)})
         reward = passed / n
         details = {**base, "passed": passed, "total": n, "failures": failures[:5]}
         if not failures:
             return Feedback("correct", f"All {n} tests pass.", details, 1.0)
         first = failures[0]
-        details.update({k: first.get(k) for k in ("test", "error", "message", "expected", "actual")})
+        details.update({k: first.get(k) for k in ("test", *_FAILURE_FIELDS)})
         if res.timed_out or first.get("error") == "Timeout":
             return Feedback("timeout", f"Timed out; {passed}/{n} tests pass.", details, reward)
         if res.killed in ("output_limit", "memory_limit", "file_size_limit"):

@@ -204,8 +204,7 @@ class Sandbox:
                 "protected_packages": list(protected_packages),
                 "writable": root,
             }
-            extra_env = dict(env or {})
-            child_env = safe_env(root, self.python, extra_env)
+            child_env = safe_env(root, self.python, env)
             pp = [harness] + [_real(os.path.join(work, p)) for p in pythonpath]
             child_env["PYTHONPATH"] = os.pathsep.join(pp)
             child_env["CP_SANDBOX_CHANNEL"] = str(pipes.chan_w)
