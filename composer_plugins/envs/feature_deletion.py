@@ -72,15 +72,10 @@ def find_installed_copies(python: str, packages: Iterable[str], repo: str | os.P
     )
     found = probe_interpreter(python, code)
     repo_r = os.path.realpath(repo)
-    copies = []
-    for locs in found.values():
-        for loc in locs:
-            if not loc or loc in ("built-in", "frozen"):
-                continue
-            r = os.path.realpath(loc)
-            if not (r == repo_r or r.startswith(repo_r + os.sep)) and os.path.exists(r):
-                copies.append(r)
-    return sorted(set(copies))
+    real = {
+        os.path.realpath(loc) for locs in found.values() for loc in locs if loc and loc not in ("built-in", "frozen")
+    }
+    return sorted(r for r in real if not (r == repo_r or r.startswith(repo_r + os.sep)) and os.path.exists(r))
 
 
 def top_level_packages(repo: str | os.PathLike[str]) -> tuple[list[str], list[str]]:

@@ -136,10 +136,7 @@ def _files_for_split(directory: str, split: str) -> list[str]:
         hits = sorted(glob.glob(os.path.join(directory, pat)))
         if hits:
             return hits
-    raise ConfigError(
-        f"no {s} split found in directory (looked for {', '.join(pats)})",
-        file=directory,
-    )
+    raise ConfigError(f"no {s} split found in directory (looked for {', '.join(pats)})", file=directory)
 
 
 class GSM8KEnv(Env):

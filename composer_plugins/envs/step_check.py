@@ -181,11 +181,7 @@ class StepCheckHintProvider(HintProvider):
     name = "step_check"
 
     def __init__(
-        self,
-        *,
-        fallback: Any = "raw_error",
-        template: str = FALSE_STEP,
-        hidden_template: str = FALSE_STEP_HIDDEN,
+        self, *, fallback: Any = "raw_error", template: str = FALSE_STEP, hidden_template: str = FALSE_STEP_HIDDEN
     ) -> None:
         for what, tpl in (("template", template), ("hidden_template", hidden_template)):
             try:
