@@ -97,10 +97,8 @@ def _docstring_node(node: ast.AST) -> ast.Expr | None:
     return None
 
 
-def find_symbols(
-    repo: str | os.PathLike[str], *, min_body_lines: int = 2, include_private: bool = False
-) -> list[Symbol]:
-    """Top-level functions and classes, and methods of top-level classes, outside the tests."""
+def find_symbols(repo: str | os.PathLike[str], *, min_body_lines: int = 2) -> list[Symbol]:
+    """Public top-level functions and classes, and the public methods and ``__init__`` of those classes (no tests)."""
     repo_p = Path(repo)
     out: list[Symbol] = []
     for rel in _python_files(repo_p):
@@ -112,21 +110,18 @@ def find_symbols(
             continue
         for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                if node.name.startswith("_") and not include_private:
+                if node.name.startswith("_"):
                     continue
                 kind: Literal["function", "class"] = "class" if isinstance(node, ast.ClassDef) else "function"
                 if _deletable(node, min_body_lines):
                     out.append(_symbol(rel, node.name, kind, node))
                 if isinstance(node, ast.ClassDef):
                     for sub in node.body:
-                        if not isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
-                            continue
-                        dunder = sub.name.startswith("__") and sub.name.endswith("__")
-                        if (dunder and sub.name != "__init__") or (
-                            sub.name.startswith("_") and not dunder and not include_private
+                        if (
+                            isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef)
+                            and (sub.name == "__init__" or not sub.name.startswith("_"))
+                            and _deletable(sub, 1)
                         ):
-                            continue
-                        if _deletable(sub, 1):
                             out.append(_symbol(rel, f"{node.name}.{sub.name}", "method", sub))
     return out
 
