@@ -419,16 +419,13 @@ def generate_problems(
     attempts = 0
     while len(out) < n:
         attempts += 1
-        if d in COLUMN_DIGITS:
+        if d in COLUMN_DIGITS:  # drawn for the split: no hash to check
             p = _columns(rng, want, frac, d)
-            if p.question not in seen or attempts >= 50 * (n + 10):
-                seen.add(p.question)
-                out.append(p)
-            continue
-        p = _make(rng, d, annotate)
-        key = computation_key(p.solution) if by_computation else p.question
-        if split_of(key, frac) != want:
-            continue
+        else:
+            p = _make(rng, d, annotate)
+            key = computation_key(p.solution) if by_computation else p.question
+            if split_of(key, frac) != want:
+                continue
         unique = key if by_computation and want == "test" else p.question
         if unique in seen and attempts < 50 * (n + 10):
             continue

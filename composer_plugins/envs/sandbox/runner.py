@@ -52,11 +52,6 @@ class _Pipes:
     def child_fds(self) -> tuple[int, ...]:
         return tuple(fd for fd in (self.chan_w, self.nonce_r, self.fork_r) if fd is not None)
 
-    def close_child_ends(self) -> None:
-        for fd in self.child_fds():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
 
 class Sandbox:
     """Runs commands on untrusted code in a fresh, isolated, resource-limited temp directory.
@@ -161,8 +156,7 @@ class Sandbox:
         if parent_dir not in _swept:
             _swept.add(parent_dir)
             remove_leftover_sandboxes(parent_dir)
-        base = tempfile.mkdtemp(prefix="cp-sandbox-", dir=self.tmp_dir)
-        root = _real(base)
+        root = _real(tempfile.mkdtemp(prefix="cp-sandbox-", dir=self.tmp_dir))
         with open(os.path.join(root, OWNER_FILE), "w") as f:
             f.write(_owner_stamp(os.getpid()))
         work, harness = os.path.join(root, "work"), os.path.join(root, "harness")
@@ -229,7 +223,9 @@ class Sandbox:
                 # namespace's init) dies with it, and with it every process of the sandbox
                 preexec_fn=procs.die_with_parent(),
             )
-            pipes.close_child_ends()
+            for fd in pipes.child_fds():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             with contextlib.suppress(OSError):
                 os.write(pipes.nonce_w, nonce + b"\n")
             os.close(pipes.nonce_w)

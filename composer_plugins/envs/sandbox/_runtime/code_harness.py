@@ -181,15 +181,11 @@ def main():
     param = "candidate"
     if mode == "asserts":
         tree = ast.parse(test_src, "<test>")
-        check = None
-        rest = []
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name == "check":
-                check = node
-            else:
-                rest.append(node)
-        if check is None:
+        checks = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+        rest = [n for n in tree.body if n not in checks]
+        if not checks:
             raise SystemExit("test code defines no check(candidate) function")
+        check = checks[-1]
         if check.args.args:
             param = check.args.args[0].arg
         setup_code = compile(ast.Module(rest, []), "<test>", "exec")
