@@ -395,8 +395,9 @@ class FeatureDeletionEnv(Env):
         return sample_cycling(pool, n, seed)
 
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
-        if any(task.get(k) is None for k in self.task_fields):
-            return Feedback("unscorable", f"the task lacks one of {self.task_fields}", {}, None)
+        need = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")
+        if any(task.get(k) is None for k in need):
+            return Feedback("unscorable", f"the task lacks one of {need}", {}, None)
         f2p, p2p = list(task["fail_to_pass"]), list(task["pass_to_pass"])
         try:
             new_source = splice_completion(str(task["deleted_source"]), task, completion)
