@@ -206,6 +206,4 @@ def answers_match(prediction: str | None, gold: str | int | float | None, rel_to
         g = extract_answer_value(str(gold)) if gold is not None else None
     if p is None or g is None:
         return False
-    if p == g:
-        return True
-    return rel_tol > 0 and abs(p - g) <= rel_tol * max(abs(g), Fraction(1))
+    return p == g or (rel_tol > 0 and abs(p - g) <= rel_tol * max(abs(g), Fraction(1)))

@@ -92,9 +92,9 @@ def _leaky_dir(path: str, name: str, top: bool) -> bool:
 
 def _leaky_file(name: str, siblings: set[str]) -> bool:
     """A :data:`LEAKY_FILES` name, or a compiled twin (``mod.cpython-311-x86_64-linux-gnu.so`` next to ``mod.py``)."""
-    if any(fnmatch.fnmatch(name, g) for g in LEAKY_FILES):
-        return True
-    return name.endswith((".so", ".pyd")) and f"{name.split('.', 1)[0]}.py" in siblings
+    return any(fnmatch.fnmatch(name, g) for g in LEAKY_FILES) or (
+        name.endswith((".so", ".pyd")) and f"{name.split('.', 1)[0]}.py" in siblings
+    )
 
 
 def copy_clean_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
