@@ -287,19 +287,16 @@ def _chain(rng: random.Random, annotate: bool) -> ArithProblem:
         if step == 0 and value >= 2:
             ops.append("sub")
         op = rng.choice(ops)
+        if op == "sub" and value < 2:
+            op = "add"  # nothing to give away
         if op == "add":
             x = rng.randint(1, 9)
             q.append(f"{he} {rng.choice(['buys', 'finds', 'gets'])} {x} more.")
             expr, new = f"{value} + {x}", value + x
         elif op == "sub":
-            x = rng.randint(1, min(9, value - 1)) if value >= 2 else 0
-            if x == 0:
-                x = rng.randint(1, 9)
-                q.append(f"{he} {rng.choice(['buys', 'finds', 'gets'])} {x} more.")
-                expr, new = f"{value} + {x}", value + x
-            else:
-                q.append(f"{he} gives {x} away.")
-                expr, new = f"{value} - {x}", value - x
+            x = rng.randint(1, min(9, value - 1))
+            q.append(f"{he} gives {x} away.")
+            expr, new = f"{value} - {x}", value - x
         else:
             k = rng.randint(2, 4)
             q.append(f"Then {he.lower()} {({2: 'doubles', 3: 'triples', 4: 'quadruples'})[k]} them.")

@@ -314,8 +314,7 @@ class FeatureDeletionEnv(Env):
                     )
                 chosen.extend(hits)
             return chosen
-        rng = random.Random(self.seed)
-        rng.shuffle(found)
+        random.Random(self.seed).shuffle(found)
         return found
 
     def _make_task(self, sym: Symbol, mode: str, passing: list[str]) -> dict[str, Any] | None:
@@ -383,11 +382,8 @@ class FeatureDeletionEnv(Env):
     # -- Env API ------------------------------------------------------------------------------
     def tasks(self, split: str = "train") -> list[dict[str, Any]]:
         """Built tasks of ``split`` (``"all"`` for every task)."""
-        built = self.build_tasks()
-        if split == "all":
-            return [dict(t) for t in built]
         want = "test" if split in ("test", "validation", "eval") else "train"
-        return [dict(t) for t in built if t["split"] == want]
+        return [dict(t) for t in self.build_tasks() if split == "all" or t["split"] == want]
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split`` (cycling through shuffles; all tasks if a split is empty)."""

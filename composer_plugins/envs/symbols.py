@@ -235,13 +235,10 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
         new = [*lines[:at], definition, *(["\n"] if at < len(lines) else []), *lines[at:]]
     else:
         s, e = task["span"]
-        new = [*lines[: s - 1], definition, *lines[e:]]
+        at = int(s) - 1
+        new = [*lines[:at], definition, *lines[e:]]
     if extra_text:
-        anchor = (
-            int(task["class_line"]) - 1
-            if is_method
-            else (int(task["insert_at"]) if task.get("mode") == "symbol" else int(task["span"][0]) - 1)
-        )
+        anchor = int(task["class_line"]) - 1 if is_method else at
         # for body mode the stub was replaced in place, so line numbers before it are unchanged
         new = [*new[:anchor], extra_text, "\n\n", *new[anchor:]]
     result = "".join(new)
