@@ -116,12 +116,9 @@ class FeatureDeletionEnv(Env):
         timeout_s: wall-clock limit of one test run. ``isolation``: sandbox isolation.
         num_workers: test runs in parallel (building and scoring).
         cache_path: optional JSON file to store/load the built tasks (holds golden code: keep it private).
-        sandbox_expose: ``"allowlist"`` (default) shows the sandbox only what the task needs: the interpreter,
-            its site-packages, system libraries, the sandbox's copy of the repository and ``sandbox_allow``.
-            ``"all"`` widens it to every host path except ``repo``, installed copies of its packages and the
-            cache: **any other copy of the repository on the machine (another checkout, a DVC cache, a
-            backup) is then readable from the sandbox and gives the deleted code away** — use it only where
-            no such copy exists and the tests need host paths that ``sandbox_allow`` cannot list.
+        sandbox_expose: ``"allowlist"`` (default) shows the sandbox only the interpreter, system libraries, its
+            copy of the repository and ``sandbox_allow``; ``"all"`` every host path but the hidden ones, where **any
+            other copy of the repository gives the deleted code away** (docs/envs.md, "Other copies").
         sandbox_allow: extra host paths visible in ``"allowlist"`` mode (e.g. data the tests read).
     """
 

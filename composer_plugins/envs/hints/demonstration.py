@@ -47,11 +47,8 @@ def _choice(value: str, valid: Sequence[str], what: str) -> str:
 class DemonstrationHintProvider(HintProvider):
     """A successful sibling's completion from the same rollout group as the hint (SDPO's self-teacher).
 
-    For a failed row the hint shows another completion of the same prompt that succeeded
-    (reward ``>= success_threshold``), never the row's own, through ``template``; with
-    ``include_feedback`` the env's feedback on the failed attempt follows it. When no sibling
-    succeeded (or no group is given) the hint is the feedback alone (``fallback: feedback``) or
-    nothing (``fallback: none``).
+    For a failed row the hint shows another completion of the same prompt that succeeded, never the row's own,
+    through ``template``; when none did (or no group is given), what ``fallback`` says.
 
     Args:
         success_threshold: reward at or above which a sibling counts as successful (SDPO: 0.5);
