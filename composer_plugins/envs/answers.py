@@ -19,14 +19,7 @@ import re
 from collections.abc import Iterator
 from fractions import Fraction
 
-__all__ = [
-    "answers_match",
-    "extract_answer",
-    "extract_answer_value",
-    "extract_boxed",
-    "format_number",
-    "parse_number",
-]
+__all__ = ["answers_match", "extract_answer", "extract_answer_value", "extract_boxed", "format_number", "parse_number"]
 
 _NUM = re.compile(
     r"""

@@ -25,15 +25,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = [
-    "Column",
-    "Step",
-    "computation_key",
-    "first_false_step",
-    "format_value",
-    "parse_columns",
-    "parse_steps",
-]
+__all__ = ["Column", "Step", "computation_key", "first_false_step", "format_value", "parse_columns", "parse_steps"]
 
 _N = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
 _OP = r"[-+*/x×÷−]"
