@@ -234,20 +234,16 @@ def _level01(rng: random.Random, difficulty: int, annotate: bool) -> ArithProble
 def _level2(rng: random.Random, annotate: bool) -> ArithProblem:
     st = _Story(rng, annotate, small=False)
     op = rng.choice(["add", "sub", "times", "share"])
-    a = rng.randint(2, 99)
-    st.value = a
-    st.q.append(f"{st.name} has {a} {st.item}.")
+    st.value = rng.randint(2, 99)
     if op == "share":
-        k = rng.randint(2, 9)
-        per = rng.randint(1, 11)
-        a = k * per
-        st.q[-1] = f"{st.name} has {a} {st.item}."
+        k, per = rng.randint(2, 9), rng.randint(1, 11)
+        st.q.append(f"{st.name} has {k * per} {st.item}.")
         st.q.append(f"{st.he} shares them equally among {k} friends. How many {st.item} does each friend get?")
-        st.s.append(f"Each friend gets {st.calc(f'{a} / {k}', per)} {st.item}.")
+        st.s.append(f"Each friend gets {st.calc(f'{k * per} / {k}', per)} {st.item}.")
         return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {per}", per, 2)
     if op == "times":
         st.value = rng.randint(2, 30)
-        st.q[-1] = f"{st.name} has {st.value} {st.item}."
+    st.q.append(f"{st.name} has {st.value} {st.item}.")
     _STEPS[op](st, 1, 99)
     st.q.append(_how_many(st))
     return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {st.value}", st.value, 2)

@@ -160,8 +160,7 @@ class FeatureDeletionEnv(Env):
         if not self.repo.is_dir():
             raise ConfigError(f"repository not found: {self.repo}", key="repo")
         modes_t = (modes,) if isinstance(modes, str) else tuple(modes)
-        bad = [m for m in modes_t if m not in ("body", "symbol")]
-        if bad or not modes_t:
+        if not modes_t or not set(modes_t) <= {"body", "symbol"}:
             raise ConfigError(
                 f"modes must be 'body' and/or 'symbol', got {list(modes_t)}", key="modes", valid=["body", "symbol"]
             )
