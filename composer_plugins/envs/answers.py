@@ -75,8 +75,7 @@ def _clean(text: str) -> str:
     text = re.sub(r"\\(?:text|mathrm|textbf|mathbf|operatorname)\s*\{([^{}]*)\}", r" \1 ", text)
     text = text.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     text = text.replace("\\left", "").replace("\\right", "").replace("\\cdot", "*").replace("\\times", "*")
-    text = text.replace("£", "").replace("€", "").replace("¥", "")
-    return text
+    return text.replace("£", "").replace("€", "").replace("¥", "")
 
 
 def parse_number(text: str) -> Fraction | None:

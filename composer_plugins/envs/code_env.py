@@ -131,8 +131,7 @@ def build_program(prompt: str, completion: str, entry_point: str) -> str:
         except SyntaxError:
             return code
     m = _STOP.search(code)
-    body = code[: m.start()] if m else code
-    return prompt + body
+    return prompt + (code[: m.start()] if m else code)
 
 
 def _decode(v: Any) -> Any:

@@ -273,8 +273,7 @@ class FeatureDeletionEnv(Env):
             )
         self.baseline = outcomes
         passing = sorted(n for n, o in outcomes.items() if o == "passed")
-        candidates = self._candidates()
-        jobs = [(sym, mode) for sym in candidates for mode in self.modes]
+        jobs = [(sym, mode) for sym in self._candidates() for mode in self.modes]
         built: list[dict[str, Any]] = []
         from tqdm.auto import tqdm
 
@@ -314,8 +313,7 @@ class FeatureDeletionEnv(Env):
         return found
 
     def _make_task(self, sym: Symbol, mode: str, passing: list[str]) -> dict[str, Any] | None:
-        path = self.repo / sym.file
-        source = path.read_text(encoding="utf-8")
+        source = (self.repo / sym.file).read_text(encoding="utf-8")
         deleted, info = delete_symbol(source, sym.qualname, mode, self.keep_docstring)  # type: ignore[arg-type]
         res = self.run_tests({sym.file: deleted}, passing)
         outcomes, _, _ = self.outcomes(res)
@@ -383,8 +381,7 @@ class FeatureDeletionEnv(Env):
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split`` (cycling through shuffles; all tasks if a split is empty)."""
-        pool = self.tasks(split) or self.tasks("all")
-        return sample_cycling(pool, n, seed)
+        return sample_cycling(self.tasks(split) or self.tasks("all"), n, seed)
 
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
         need = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")

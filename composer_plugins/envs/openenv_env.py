@@ -119,8 +119,7 @@ class OpenEnvServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the OpenEnv server did not start on {host}:{port}")
             time.sleep(0.02)
-        sock = self.server.servers[0].sockets[0]
-        self.host, self.port = sock.getsockname()[:2]
+        self.host, self.port = self.server.servers[0].sockets[0].getsockname()[:2]
 
     @property
     def url(self) -> str:
@@ -282,8 +281,7 @@ class OpenEnvEnv(Env):
             kwargs = {"seed": seed * 100003 + i + self.seed_offset}
             if split != "train":
                 kwargs["split"] = split
-            res = self._reset_raw(**kwargs)
-            obs = dict(res.observation or {})
+            obs = dict(self._reset_raw(**kwargs).observation or {})
             out.append(
                 {
                     "task_id": f"openenv-{split}-{seed}-{i}",

@@ -85,8 +85,7 @@ def _deletable(node: ast.AST, min_body_lines: int) -> bool:
     stmts = body[1:] if _docstring_node(node) is not None else body
     if not stmts:
         return False
-    span = stmts[-1].end_lineno - stmts[0].lineno + 1
-    return span >= min_body_lines
+    return stmts[-1].end_lineno - stmts[0].lineno + 1 >= min_body_lines
 
 
 def _docstring_node(node: ast.AST) -> ast.Expr | None:
@@ -151,8 +150,7 @@ def delete_symbol(
     and ``original`` (the deleted definition's source).
     """
     lines = source.splitlines(keepends=True)
-    tree = ast.parse(source)
-    node, cls = _locate(tree, qualname)
+    node, cls = _locate(ast.parse(source), qualname)
     start, end = _start_line(node), node.end_lineno or node.lineno  # type: ignore[attr-defined]
     indent = " " * node.col_offset  # type: ignore[attr-defined]
     original = "".join(lines[start - 1 : end])
@@ -224,8 +222,7 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
         if isinstance(n, ast.Import | ast.ImportFrom):
             extras.append(ast.get_source_segment(code, n) or "")
         elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name not in existing:
-            seg = "".join(code_lines[_start_line(n) - 1 : n.end_lineno])
-            extras.append(textwrap.dedent(seg))
+            extras.append(textwrap.dedent("".join(code_lines[_start_line(n) - 1 : n.end_lineno])))
         elif isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) and t.id not in existing for t in n.targets):
             extras.append(ast.get_source_segment(code, n) or "")
     extra_text = "".join(e if e.endswith("\n") else e + "\n" for e in extras if e)

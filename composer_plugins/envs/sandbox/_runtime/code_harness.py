@@ -70,8 +70,7 @@ def _jsonable(value, depth=0):
 
 
 def _error_record(exc, filename):
-    tb = traceback.extract_tb(exc.__traceback__)
-    frames = [f for f in tb if f.filename == filename]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
     line = frames[-1].lineno if frames else getattr(exc, "lineno", None)
     return {
         "error": type(exc).__name__,
