@@ -406,16 +406,12 @@ class CodeEnv(Env):
 
 
 def _duplicates(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a record the harness sends once (start, load, done, each test or case) came twice."""
     seen: set[tuple[str, int]] = set()
-    kinds = {"start": 0, "load": 0, "done": 0}
     for r in records:
         k = r.get("kind")
-        if k in kinds:
-            kinds[k] += 1
-            if kinds[k] > 1:
-                return True
-        if k in ("test", "case"):
-            key = (str(k), int(r.get("i", -1)))
+        if k in ("start", "load", "done", "test", "case"):
+            key = (k, int(r.get("i", -1)) if k in ("test", "case") else 0)
             if key in seen:
                 return True
             seen.add(key)

@@ -477,25 +477,22 @@ def _feed(pipe: Any, data: bytes) -> None:
 
 
 def _parse_channel(data: bytes, nonce: bytes) -> tuple[list[dict[str, Any]], int]:
-    records: list[dict[str, Any]] = []
-    forged = 0
-    for line in data.split(b"\n"):
-        if not line:
-            continue
-        prefix, sep, payload = line.partition(b"\t")
-        if not sep or not secrets.compare_digest(prefix, nonce):
-            forged += 1
-            continue
-        try:
-            rec = json.loads(payload)
-        except ValueError:
-            forged += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            forged += 1
-    return records, forged
+    """The authenticated records, and how many lines were not (forged)."""
+    parsed = [_record(line, nonce) for line in data.split(b"\n") if line]
+    records = [r for r in parsed if r is not None]
+    return records, len(parsed) - len(records)
+
+
+def _record(line: bytes, nonce: bytes) -> dict[str, Any] | None:
+    """The JSON object of a ``<nonce>\\t<json>`` line; ``None`` for anything else."""
+    prefix, sep, payload = line.partition(b"\t")
+    if not sep or not secrets.compare_digest(prefix, nonce):
+        return None
+    try:
+        rec = json.loads(payload)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 def _killed_by(rc: int | None, stderr: str) -> str | None:
