@@ -143,18 +143,16 @@ def _timed(timeout, fn, /, *args, **kwargs):
 
 def _actual_value(stmt, ns, timeout):
     """For ``assert f(x) == y`` that failed, the value ``f(x)`` returned (for feedback)."""
-    if not (isinstance(stmt, ast.Assert) and isinstance(stmt.test, ast.Compare) and len(stmt.test.ops) == 1):
-        return None
-    if not isinstance(stmt.test.ops[0], ast.Eq | ast.Is):
+    t = stmt.test if isinstance(stmt, ast.Assert) else None
+    if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq | ast.Is)):
         return None
     try:
-        expr = ast.Expression(stmt.test.left)
-        ast.fix_missing_locations(expr)
-        value = _timed(timeout, eval, compile(expr, "<test>", "eval"), ns)
+        left = compile(ast.fix_missing_locations(ast.Expression(t.left)), "<test>", "eval")
+        value = _timed(timeout, eval, left, ns)
         expected = None
         try:
-            exp_code = compile(ast.fix_missing_locations(ast.Expression(stmt.test.comparators[0])), "<test>", "eval")
-            expected = _safe_repr(eval(exp_code, ns))
+            right = compile(ast.fix_missing_locations(ast.Expression(t.comparators[0])), "<test>", "eval")
+            expected = _safe_repr(eval(right, ns))
         except BaseException:
             pass
         return {"actual": _safe_repr(value), "expected": expected}
