@@ -2,10 +2,8 @@
 
 Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these. Each problem has a
 question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's format, optionally with ``<<a+b=c>>``
-calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name: ``trivial``, ``easy``,
-``medium``, ``two_step``, ``multi_step``, ``hard``, ``chain`` (two chained steps on one quantity, one
-equation per line: the worked-steps level the embedded policy can learn) and ``columns`` (two 3-digit numbers
-added column by column, one line per column) and ``long_columns`` (the same with 3- to 5-digit numbers).
+calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name (:data:`DIFFICULTIES`; what
+each level asks: docs/envs.md, "Generator levels").
 
 Each level keeps its test split out of train by what it must not recall: levels 0-5 by a hash of the
 question *text*; ``chain`` by *what is computed* (:func:`composer_plugins.envs.steps.computation_key`), so
