@@ -452,10 +452,8 @@ class Sandbox:
     def _kill(self, proc: subprocess.Popen[bytes], root: str) -> None:
         """Kill the run's whole process group (and, in guard mode, any process that left it)."""
         for _ in range(5):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             if self.isolation == "namespaces":
                 return  # the PID namespace dies with its first process
             stray = _find_sandbox_processes(proc.pid, os.path.basename(root))

@@ -13,6 +13,7 @@ Each record goes through the nonce-authenticated channel (``_cp_channel``).
 """
 
 import ast
+import contextlib
 import copy
 import json
 import math
@@ -150,11 +151,9 @@ def _actual_value(stmt, ns, timeout):
         left = compile(ast.fix_missing_locations(ast.Expression(t.left)), "<test>", "eval")
         value = _timed(timeout, eval, left, ns)
         expected = None
-        try:
+        with contextlib.suppress(BaseException):
             right = compile(ast.fix_missing_locations(ast.Expression(t.comparators[0])), "<test>", "eval")
             expected = _safe_repr(eval(right, ns))
-        except BaseException:
-            pass
         return {"actual": _safe_repr(value), "expected": expected}
     except BaseException:
         return None
