@@ -180,9 +180,7 @@ class FeatureDeletionEnv(Env):
         hide = [str(self.repo), *self.installed_copies]
         if self.cache_path is not None:
             hide.append(str(self.cache_path.resolve()))
-        if getattr(sys, "pycache_prefix", None):
-            hide.append(str(sys.pycache_prefix))
-        if os.environ.get("PYTHONPYCACHEPREFIX"):
+        if os.environ.get("PYTHONPYCACHEPREFIX"):  # (the Sandbox hides sys.pycache_prefix itself)
             hide.append(os.environ["PYTHONPYCACHEPREFIX"])
         self.sandbox = Sandbox(
             SandboxLimits(wall_time_s=timeout_s, memory_mb=memory_mb, max_processes=64, max_output_bytes=1_000_000),
