@@ -72,8 +72,7 @@ class ComposerEnvironment(Environment[TextAction, TextObservation, State]):
         self._state = State(episode_id=None, step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> TextObservation:
-        task = kwargs.get("task")
-        obs = self.env.reset(task=task, seed=seed, split=kwargs.get("split", self.split))
+        obs = self.env.reset(task=kwargs.get("task"), seed=seed, split=kwargs.get("split", self.split))
         self._state = State(episode_id=episode_id or str(uuid.uuid4()), step_count=0)
         return TextObservation(prompt=obs.text, task_id=obs.task.get("task_id"), done=False, reward=None)
 

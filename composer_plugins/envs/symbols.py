@@ -89,10 +89,9 @@ def _deletable(node: ast.AST, min_body_lines: int) -> bool:
 
 
 def _docstring_node(node: ast.AST) -> ast.Expr | None:
-    body = getattr(node, "body", [])
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        if isinstance(body[0].value.value, str):
-            return body[0]
+    first = next(iter(getattr(node, "body", [])), None)
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first
     return None
 
 

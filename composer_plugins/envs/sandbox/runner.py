@@ -285,8 +285,7 @@ class Sandbox:
 
     def run_code(self, code: str, *, filename: str = "main.py", **kwargs: Any) -> SandboxResult:
         """Write ``code`` to ``filename`` and run it with the sandbox interpreter."""
-        files = dict(kwargs.pop("files", None) or {})
-        files[filename] = code
+        files = {**(kwargs.pop("files", None) or {}), filename: code}
         return self.run(["python", "-B", filename], files=files, **kwargs)
 
     # ------------------------------------------------------------------------------------
