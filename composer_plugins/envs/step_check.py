@@ -1,13 +1,10 @@
 """``step_check``: a hint that locates the mistake in a worked arithmetic solution (registry kind ``hints``).
 
 The verifier of a GSM8K-format env only says the final number is wrong. This provider recomputes every step
-the completion states (``a op b = c``, with or without ``<<a*b=c>>``; :mod:`.steps`) and names the first false
-one with its true value (``Step 2: 7 × 2 = 14, not 15.``), never the problem's final answer (then only that
-the step is wrong). When every step holds but the answer is wrong, it compares the steps with the task's own
-worked solution and names the first operator or operand that differs, a missing step or a final line that
-does not repeat the last result; at the ``columns`` level, the first wrong column and what it is computed
-from, never a result. Otherwise (no equation, no worked solution, no answer) the ``fallback`` provider's hint
-is used. Examples of every hint: docs/envs.md ("Hints", ``columns``).
+the completion states (:mod:`.steps`) and names the first false one with its true value (``Step 2: 7 × 2 = 14,
+not 15.``), never the final answer; when every step holds, where the steps depart from the task's worked
+solution (at the ``columns`` level, the first wrong column); otherwise the ``fallback`` provider's hint.
+Every hint, with examples: docs/envs.md ("Hints", ``columns``).
 
 Args:
     fallback: the provider used when the steps cannot locate the mistake (name, config dict or
