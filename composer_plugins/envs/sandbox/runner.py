@@ -118,7 +118,6 @@ class Sandbox:
         self.block_ctypes = (self.isolation == "guard") if block_ctypes is None else block_ctypes
         self.allow_subprocess = (self.isolation == "namespaces") if allow_subprocess is None else allow_subprocess
 
-    # ------------------------------------------------------------------------------------
     def run(
         self,
         argv: Sequence[str],
@@ -288,7 +287,6 @@ class Sandbox:
         files = {**(kwargs.pop("files", None) or {}), filename: code}
         return self.run(["python", "-B", filename], files=files, **kwargs)
 
-    # ------------------------------------------------------------------------------------
     @staticmethod
     def _write(work: str, rel: str, content: str | bytes) -> None:
         p = os.path.normpath(os.path.join(work, rel))
