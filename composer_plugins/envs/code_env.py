@@ -361,11 +361,8 @@ class CodeEnv(Env):
                 results[r["i"]] = r
         passed = 0
         failures: list[dict[str, Any]] = []
-        stopped = (
-            f"did not run: the program stopped first (exit code {res.returncode}"
-            + (f", {res.killed}" if res.killed else "")
-            + ")"
-        )
+        killed = f", {res.killed}" if res.killed else ""
+        stopped = f"did not run: the program stopped first (exit code {res.returncode}{killed})"
         for i in range(n):
             r = results.get(i)
             test = _call_repr(entry, task["cases"][i]) if mode == "cases" else f"test #{i + 1}"
