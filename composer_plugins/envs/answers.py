@@ -16,16 +16,10 @@ True
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from fractions import Fraction
 
-__all__ = [
-    "answers_match",
-    "extract_answer",
-    "extract_answer_value",
-    "extract_boxed",
-    "format_number",
-    "parse_number",
-]
+__all__ = ["answers_match", "extract_answer", "extract_answer_value", "extract_boxed", "format_number", "parse_number"]
 
 _NUM = re.compile(
     r"""
@@ -36,10 +30,7 @@ _NUM = re.compile(
     """,
     re.VERBOSE,
 )
-_ANSWER_IS = re.compile(
-    r"(?:final\s+answer|answer)\s*(?:is|:|=|was|would\s+be|will\s+be)?\s*[:=]?\s*",
-    re.IGNORECASE,
-)
+_ANSWER_IS = re.compile(r"(?:final\s+answer|answer)\s*(?:is|:|=|was|would\s+be|will\s+be)?\s*[:=]?\s*", re.IGNORECASE)
 _WORDS = {
     "zero": 0,
     "one": 1,
@@ -84,8 +75,7 @@ def _clean(text: str) -> str:
     text = re.sub(r"\\(?:text|mathrm|textbf|mathbf|operatorname)\s*\{([^{}]*)\}", r" \1 ", text)
     text = text.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     text = text.replace("\\left", "").replace("\\right", "").replace("\\cdot", "*").replace("\\times", "*")
-    text = text.replace("£", "").replace("€", "").replace("¥", "")
-    return text
+    return text.replace("£", "").replace("€", "").replace("¥", "")
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -140,34 +130,32 @@ def extract_boxed(text: str) -> str | None:
     return text[start:]
 
 
+def _answer_spans(text: str) -> Iterator[str]:
+    """The places a final answer is stated, in the order they are tried (lazily: the first number wins)."""
+    # 1. GSM8K's "#### <answer>": the first one (a model that keeps generating often writes more).
+    pos = text.find("####")
+    if pos >= 0:
+        yield text[pos + 4 :].strip().split("\n", 1)[0]
+    # 2. \boxed{...}: the last one.
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        yield boxed
+    # 3. "the answer is X" / "Answer: X": the last such phrase followed by a number.
+    for m in reversed(list(_ANSWER_IS.finditer(text))):
+        yield text[m.end() : m.end() + 80].split("\n", 1)[0]
+
+
 def extract_answer_value(text: str | None) -> Fraction | None:
     """The final numeric answer of ``text`` (see :func:`extract_answer`), as a Fraction."""
     if not text:
         return None
-    # 1. GSM8K's "#### <answer>": the first one (a model that keeps generating often writes more).
-    pos = text.find("####")
-    if pos >= 0:
-        line = text[pos + 4 :].strip().split("\n", 1)[0]
-        v = parse_number(line)
-        if v is not None:
-            return v
-    # 2. \boxed{...}: the last one.
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        v = parse_number(boxed)
-        if v is not None:
-            return v
-    # 3. "the answer is X" / "Answer: X": the last such phrase followed by a number.
-    for m in reversed(list(_ANSWER_IS.finditer(text))):
-        tail = text[m.end() : m.end() + 80].split("\n", 1)[0]
-        v = parse_number(tail)
+    for span in _answer_spans(text):
+        v = parse_number(span)
         if v is not None:
             return v
     # 4. The last number anywhere; then a number word.
     nums = _numbers(text)
-    if nums:
-        return nums[-1]
-    return _word_number(text)
+    return nums[-1] if nums else _word_number(text)
 
 
 def format_number(value: Fraction) -> str:
@@ -210,6 +198,4 @@ def answers_match(prediction: str | None, gold: str | int | float | None, rel_to
         g = extract_answer_value(str(gold)) if gold is not None else None
     if p is None or g is None:
         return False
-    if p == g:
-        return True
-    return rel_tol > 0 and abs(p - g) <= rel_tol * max(abs(g), Fraction(1))
+    return p == g or (rel_tol > 0 and abs(p - g) <= rel_tol * max(abs(g), Fraction(1)))

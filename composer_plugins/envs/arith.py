@@ -2,10 +2,8 @@
 
 Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these. Each problem has a
 question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's format, optionally with ``<<a+b=c>>``
-calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name: ``trivial``, ``easy``,
-``medium``, ``two_step``, ``multi_step``, ``hard``, ``chain`` (two chained steps on one quantity, one
-equation per line: the worked-steps level the embedded policy can learn) and ``columns`` (two 3-digit numbers
-added column by column, one line per column) and ``long_columns`` (the same with 3- to 5-digit numbers).
+calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name (:data:`DIFFICULTIES`; what
+each level asks: docs/envs.md, "Generator levels").
 
 Each level keeps its test split out of train by what it must not recall: levels 0-5 by a hash of the
 question *text*; ``chain`` by *what is computed* (:func:`composer_plugins.envs.steps.computation_key`), so
@@ -21,7 +19,6 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["DIFFICULTIES", "ArithProblem", "dropped_carry", "generate_problems", "resolve_difficulty"]
 
@@ -80,23 +77,11 @@ _ITEMS = [
     "bottles",
 ]
 _FRIENDS = ["her brother", "his sister", "a friend", "the teacher", "a neighbor", "the class"]
-_HE = {
-    "Tom": "He",
-    "Ben": "He",
-    "Sam": "He",
-    "Liam": "He",
-    "Noah": "He",
-    "Lucas": "He",
-    "Omar": "He",
-    "Kenji": "He",
-    "Diego": "He",
-    "Leo": "He",
-    "Ivan": "He",
-}
+_HE = {"Tom", "Ben", "Sam", "Liam", "Noah", "Lucas", "Omar", "Kenji", "Diego", "Leo", "Ivan"}
 
 
 def _pron(name: str) -> str:
-    return _HE.get(name, "She")
+    return "He" if name in _HE else "She"
 
 
 def resolve_difficulty(difficulty: int | str) -> int:
@@ -125,10 +110,6 @@ class ArithProblem:
     solution: str
     answer: int
     difficulty: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data."""
-        return {"question": self.question, "solution": self.solution, "answer": str(self.answer)}
 
 
 def _calc(expr: str, value: int, annotate: bool) -> str:
@@ -251,20 +232,16 @@ def _level01(rng: random.Random, difficulty: int, annotate: bool) -> ArithProble
 def _level2(rng: random.Random, annotate: bool) -> ArithProblem:
     st = _Story(rng, annotate, small=False)
     op = rng.choice(["add", "sub", "times", "share"])
-    a = rng.randint(2, 99)
-    st.value = a
-    st.q.append(f"{st.name} has {a} {st.item}.")
+    st.value = rng.randint(2, 99)
     if op == "share":
-        k = rng.randint(2, 9)
-        per = rng.randint(1, 11)
-        a = k * per
-        st.q[-1] = f"{st.name} has {a} {st.item}."
+        k, per = rng.randint(2, 9), rng.randint(1, 11)
+        st.q.append(f"{st.name} has {k * per} {st.item}.")
         st.q.append(f"{st.he} shares them equally among {k} friends. How many {st.item} does each friend get?")
-        st.s.append(f"Each friend gets {st.calc(f'{a} / {k}', per)} {st.item}.")
+        st.s.append(f"Each friend gets {st.calc(f'{k * per} / {k}', per)} {st.item}.")
         return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {per}", per, 2)
     if op == "times":
         st.value = rng.randint(2, 30)
-        st.q[-1] = f"{st.name} has {st.value} {st.item}."
+    st.q.append(f"{st.name} has {st.value} {st.item}.")
     _STEPS[op](st, 1, 99)
     st.q.append(_how_many(st))
     return ArithProblem(" ".join(st.q), "\n".join(st.s) + f"\n#### {st.value}", st.value, 2)
@@ -304,19 +281,16 @@ def _chain(rng: random.Random, annotate: bool) -> ArithProblem:
         if step == 0 and value >= 2:
             ops.append("sub")
         op = rng.choice(ops)
+        if op == "sub" and value < 2:
+            op = "add"  # nothing to give away
         if op == "add":
             x = rng.randint(1, 9)
             q.append(f"{he} {rng.choice(['buys', 'finds', 'gets'])} {x} more.")
             expr, new = f"{value} + {x}", value + x
         elif op == "sub":
-            x = rng.randint(1, min(9, value - 1)) if value >= 2 else 0
-            if x == 0:
-                x = rng.randint(1, 9)
-                q.append(f"{he} {rng.choice(['buys', 'finds', 'gets'])} {x} more.")
-                expr, new = f"{value} + {x}", value + x
-            else:
-                q.append(f"{he} gives {x} away.")
-                expr, new = f"{value} - {x}", value - x
+            x = rng.randint(1, min(9, value - 1))
+            q.append(f"{he} gives {x} away.")
+            expr, new = f"{value} - {x}", value - x
         else:
             k = rng.randint(2, 4)
             q.append(f"Then {he.lower()} {({2: 'doubles', 3: 'triples', 4: 'quadruples'})[k]} them.")
@@ -436,16 +410,13 @@ def generate_problems(
     attempts = 0
     while len(out) < n:
         attempts += 1
-        if d in COLUMN_DIGITS:
+        if d in COLUMN_DIGITS:  # drawn for the split: no hash to check
             p = _columns(rng, want, frac, d)
-            if p.question not in seen or attempts >= 50 * (n + 10):
-                seen.add(p.question)
-                out.append(p)
-            continue
-        p = _make(rng, d, annotate)
-        key = computation_key(p.solution) if by_computation else p.question
-        if split_of(key, frac) != want:
-            continue
+        else:
+            p = _make(rng, d, annotate)
+            key = computation_key(p.solution) if by_computation else p.question
+            if split_of(key, frac) != want:
+                continue
         unique = key if by_computation and want == "test" else p.question
         if unique in seen and attempts < 50 * (n + 10):
             continue

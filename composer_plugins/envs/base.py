@@ -224,15 +224,14 @@ class Env(ABC):
     def score_batch(self, prompts: Sequence[Any], completions: Sequence[Any], **task_fields: Any) -> list[Feedback]:
         """:meth:`score` for a batch in TRL's column layout (in parallel for ``num_workers > 1``)."""
         n = len(completions)
-        tasks = []
-        for i in range(n):
-            task = {
-                k: v[i]
-                for k, v in task_fields.items()
-                if isinstance(v, list | tuple) and len(v) == n and k not in _TRAINER_KWARGS
-            }
+        cols = {
+            k: v
+            for k, v in task_fields.items()
+            if k not in _TRAINER_KWARGS and isinstance(v, list | tuple) and len(v) == n
+        }
+        tasks = [{k: v[i] for k, v in cols.items()} for i in range(n)]
+        for i, task in enumerate(tasks):
             task.setdefault("prompt", prompts[i] if i < len(prompts) else "")
-            tasks.append(task)
         if self.num_workers > 1 and n > 1:
             with ThreadPoolExecutor(self.num_workers) as pool:
                 return list(pool.map(self.score, completions, tasks))

@@ -59,18 +59,14 @@ def score_cmd(name: str, seed: int, split: str, options: tuple[str, ...], hint_p
         fb = env.score(completion, task)
         request = HintRequest(prompt=task["prompt"], completion=completion, feedback=fb, task=task, reward=fb.reward)
         hint = build_hint_provider(hint_provider, key="--hint").hint(request)
-        click.echo(
-            json.dumps(
-                {
-                    "task_id": task.get("task_id"),
-                    "reward": fb.reward,
-                    "kind": fb.kind,
-                    "message": fb.message,
-                    "hint": hint,
-                },
-                indent=2,
-            )
-        )
+        out = {
+            "task_id": task.get("task_id"),
+            "reward": fb.reward,
+            "kind": fb.kind,
+            "message": fb.message,
+            "hint": hint,
+        }
+        click.echo(json.dumps(out, indent=2))
     finally:
         env.close()
 
@@ -90,10 +86,9 @@ def sandbox_check_cmd() -> None:
         " if n.startswith('.ssh')] else 'FAIL')\nexcept OSError:\n    print('ok')",
         "secrets scrubbed": "import os\nprint('FAIL' if any('KEY' in k or 'TOKEN' in k for k in os.environ) else 'ok')",
     }
-    bad = 0
+    failed = False
     for label, code in checks.items():
-        res = sb.run_code(code)
-        ok = res.stdout.strip().endswith("ok")
-        bad += not ok
+        ok = sb.run_code(code).stdout.strip().endswith("ok")
+        failed |= not ok
         click.echo(f"  {'ok  ' if ok else 'FAIL'} {label}")
-    sys.exit(1 if bad else 0)
+    sys.exit(1 if failed else 0)

@@ -71,10 +71,10 @@ def _validate_task(row: dict[str, Any]) -> dict[str, Any]:
         for i, c in enumerate(cases):
             if not isinstance(c, dict) or "expected" not in c or not isinstance(c.get("args", []), list):
                 raise ValueError(f"cases[{i}] must be an object with 'args' (a list) and 'expected'")
-    if not _parses(row["prompt"] + "\n    pass\n") and not _parses(row["prompt"]):
+    if not _parses(row["prompt"] + "\n    pass\n"):  # a prompt may end right after the signature
         try:
             ast.parse(row["prompt"])
-        except SyntaxError as e:  # a prompt may end right after the signature, hence the "pass" above
+        except SyntaxError as e:
             raise ValueError(f"field 'prompt' is not valid Python: {e.msg} (prompt line {e.lineno})") from None
     row.setdefault("task_id", row["entry_point"])
     return row
@@ -83,9 +83,9 @@ def _validate_task(row: dict[str, Any]) -> dict[str, Any]:
 def _parses(code: str) -> bool:
     try:
         ast.parse(code)
-        return True
     except SyntaxError:
         return False
+    return True
 
 
 def load_humaneval(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
@@ -109,9 +109,7 @@ def extract_code(completion: str, entry_point: str | None = None) -> tuple[str, 
     if blocks:
         chosen = next((b for b in reversed(blocks) if entry_point and _defines(b, entry_point)), blocks[-1])
         return chosen, bool(entry_point and _defines(chosen, entry_point))
-    if entry_point and _defines(completion, entry_point):
-        return completion, True
-    return completion, False
+    return completion, bool(entry_point and _defines(completion, entry_point))
 
 
 def _defines(code: str, name: str) -> bool:
@@ -133,8 +131,7 @@ def build_program(prompt: str, completion: str, entry_point: str) -> str:
         except SyntaxError:
             return code
     m = _STOP.search(code)
-    body = code[: m.start()] if m else code
-    return prompt + body
+    return prompt + (code[: m.start()] if m else code)
 
 
 def _decode(v: Any) -> Any:
@@ -205,6 +202,10 @@ def _call_repr(entry: str, case: Mapping[str, Any]) -> str:
     parts = [repr(a) for a in case.get("args", [])] + [f"{k}={v!r}" for k, v in (case.get("kwargs") or {}).items()]
     text = f"{entry}({', '.join(parts)})"
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+#: What a failed test reports besides its name (``test``).
+_FAILURE_FIELDS = ("error", "message", "expected", "actual")
 
 
 def _kind_of_error(error: str | None) -> str:
@@ -285,8 +286,7 @@ class CodeEnv(Env):
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split`` (cycling through shuffles), deterministic in ``seed``."""
-        pool = self.tasks(split)
-        return sample_cycling(pool, n, seed)
+        return sample_cycling(self.tasks(split), n, seed)
 
     # -- scoring -------------------------------------------------------------------------------
     def _mode_for(self, task: Mapping[str, Any]) -> str:
@@ -340,7 +340,7 @@ class CodeEnv(Env):
                 0.0,
             )
         if start is None:
-            if res.killed in ("timeout", "cpu_limit"):
+            if res.timed_out:
                 return Feedback("timeout", "The program timed out before any test ran.", base, 0.0)
             return Feedback("sandbox_error", f"The test harness did not start: {res.tail(500)}", base, None)
         n = int(start.get("n") or 0)
@@ -348,20 +348,11 @@ class CodeEnv(Env):
             return Feedback("unscorable", "the task has no countable tests", base, None)
         load = next((r for r in recs if r.get("kind") == "load"), None)
         if load is not None and not load.get("ok"):
-            kind = _kind_of_error(load.get("error"))
-            msg = f"{load.get('error')}: {load.get('message')}"
+            error = {k: load.get(k) for k in ("error", "message", "lineno", "traceback")}
             return Feedback(
-                kind,
-                f"The code does not load: {msg}",
-                {
-                    **base,
-                    "error": load.get("error"),
-                    "message": load.get("message"),
-                    "lineno": load.get("lineno"),
-                    "traceback": load.get("traceback"),
-                    "passed": 0,
-                    "total": n,
-                },
+                _kind_of_error(load.get("error")),
+                f"The code does not load: {load.get('error')}: {load.get('message')}",
+                {**base, **error, "passed": 0, "total": n},
                 0.0,
             )
         results: dict[int, dict[str, Any]] = {}
@@ -370,64 +361,35 @@ class CodeEnv(Env):
                 results[r["i"]] = r
         passed = 0
         failures: list[dict[str, Any]] = []
-        stopped = (
-            f"did not run: the program stopped first (exit code {res.returncode}"
-            + (f", {res.killed}" if res.killed else "")
-            + ")"
-        )
+        killed = f", {res.killed}" if res.killed else ""
+        stopped = f"did not run: the program stopped first (exit code {res.returncode}{killed})"
         for i in range(n):
             r = results.get(i)
-            if mode == "cases":
-                case = task["cases"][i]
-                call = _call_repr(entry, case)
-                if r is None:
-                    failures.append({"test": call, "error": "NotRun", "message": stopped})
-                    continue
-                if not r.get("ok"):
-                    failures.append(
-                        {
-                            "test": call,
-                            "error": r.get("error"),
-                            "message": r.get("message"),
-                            "expected": repr(_decode(case["expected"])),
-                        }
-                    )
-                    continue
-                actual, expected = _decode(r.get("output")), _decode(case["expected"])
-                if values_equal(actual, expected):
+            test = _call_repr(entry, task["cases"][i]) if mode == "cases" else f"test #{i + 1}"
+            if r is None:
+                failures.append({"test": test, "error": "NotRun", "message": stopped})
+            elif mode != "cases":
+                if r.get("ok"):
                     passed += 1
                 else:
-                    failures.append(
-                        {
-                            "test": call,
-                            "error": "AssertionError",
-                            "message": "wrong return value",
-                            "expected": repr(expected),
-                            "actual": repr(actual),
-                        }
-                    )
+                    failures.append({"test": r.get("source"), **{k: r.get(k) for k in _FAILURE_FIELDS}})
             else:
-                if r is None:
-                    failures.append({"test": f"test #{i + 1}", "error": "NotRun", "message": stopped})
-                elif r.get("ok"):
+                expected = _decode(task["cases"][i]["expected"])
+                if not r.get("ok"):
+                    error = {"error": r.get("error"), "message": r.get("message")}
+                    failures.append({"test": test, **error, "expected": repr(expected)})
+                elif values_equal(actual := _decode(r.get("output")), expected):
                     passed += 1
                 else:
-                    failures.append(
-                        {
-                            "test": r.get("source"),
-                            "error": r.get("error"),
-                            "message": r.get("message"),
-                            "expected": r.get("expected"),
-                            "actual": r.get("actual"),
-                        }
-                    )
+                    error = {"error": "AssertionError", "message": "wrong return value"}
+                    failures.append({"test": test, **error, "expected": repr(expected), "actual": repr(actual)})
         reward = passed / n
         details = {**base, "passed": passed, "total": n, "failures": failures[:5]}
         if not failures:
             return Feedback("correct", f"All {n} tests pass.", details, 1.0)
         first = failures[0]
-        details.update({k: first.get(k) for k in ("test", "error", "message", "expected", "actual")})
-        if res.killed in ("timeout", "cpu_limit") or first.get("error") == "Timeout":
+        details.update({k: first.get(k) for k in ("test", *_FAILURE_FIELDS)})
+        if res.timed_out or first.get("error") == "Timeout":
             return Feedback("timeout", f"Timed out; {passed}/{n} tests pass.", details, reward)
         if res.killed in ("output_limit", "memory_limit", "file_size_limit"):
             return Feedback("resource_limit", f"Stopped: {res.killed}; {passed}/{n} tests pass.", details, reward)
@@ -441,16 +403,12 @@ class CodeEnv(Env):
 
 
 def _duplicates(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a record the harness sends once (start, load, done, each test or case) came twice."""
     seen: set[tuple[str, int]] = set()
-    kinds = {"start": 0, "load": 0, "done": 0}
     for r in records:
         k = r.get("kind")
-        if k in kinds:
-            kinds[k] += 1
-            if kinds[k] > 1:
-                return True
-        if k in ("test", "case"):
-            key = (str(k), int(r.get("i", -1)))
+        if k in ("start", "load", "done", "test", "case"):
+            key = (k, int(r.get("i", -1)) if k in ("test", "case") else 0)
             if key in seen:
                 return True
             seen.add(key)

@@ -16,6 +16,7 @@ surgery (finding, deleting and splicing back definitions) is :mod:`composer_plug
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import random
@@ -71,15 +72,10 @@ def find_installed_copies(python: str, packages: Iterable[str], repo: str | os.P
     )
     found = probe_interpreter(python, code)
     repo_r = os.path.realpath(repo)
-    copies = []
-    for locs in found.values():
-        for loc in locs:
-            if not loc or loc in ("built-in", "frozen"):
-                continue
-            r = os.path.realpath(loc)
-            if not (r == repo_r or r.startswith(repo_r + os.sep)) and os.path.exists(r):
-                copies.append(r)
-    return sorted(set(copies))
+    real = {
+        os.path.realpath(loc) for locs in found.values() for loc in locs if loc and loc not in ("built-in", "frozen")
+    }
+    return sorted(r for r in real if not (r == repo_r or r.startswith(repo_r + os.sep)) and os.path.exists(r))
 
 
 def top_level_packages(repo: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
@@ -120,12 +116,9 @@ class FeatureDeletionEnv(Env):
         timeout_s: wall-clock limit of one test run. ``isolation``: sandbox isolation.
         num_workers: test runs in parallel (building and scoring).
         cache_path: optional JSON file to store/load the built tasks (holds golden code: keep it private).
-        sandbox_expose: ``"allowlist"`` (default) shows the sandbox only what the task needs: the interpreter,
-            its site-packages, system libraries, the sandbox's copy of the repository and ``sandbox_allow``.
-            ``"all"`` widens it to every host path except ``repo``, installed copies of its packages and the
-            cache: **any other copy of the repository on the machine (another checkout, a DVC cache, a
-            backup) is then readable from the sandbox and gives the deleted code away** — use it only where
-            no such copy exists and the tests need host paths that ``sandbox_allow`` cannot list.
+        sandbox_expose: ``"allowlist"`` (default) shows the sandbox only the interpreter, system libraries, its
+            copy of the repository and ``sandbox_allow``; ``"all"`` every host path but the hidden ones, where **any
+            other copy of the repository gives the deleted code away** (docs/envs.md, "Other copies").
         sandbox_allow: extra host paths visible in ``"allowlist"`` mode (e.g. data the tests read).
     """
 
@@ -167,8 +160,7 @@ class FeatureDeletionEnv(Env):
         if not self.repo.is_dir():
             raise ConfigError(f"repository not found: {self.repo}", key="repo")
         modes_t = (modes,) if isinstance(modes, str) else tuple(modes)
-        bad = [m for m in modes_t if m not in ("body", "symbol")]
-        if bad or not modes_t:
+        if not modes_t or not set(modes_t) <= {"body", "symbol"}:
             raise ConfigError(
                 f"modes must be 'body' and/or 'symbol', got {list(modes_t)}", key="modes", valid=["body", "symbol"]
             )
@@ -188,9 +180,7 @@ class FeatureDeletionEnv(Env):
         hide = [str(self.repo), *self.installed_copies]
         if self.cache_path is not None:
             hide.append(str(self.cache_path.resolve()))
-        if getattr(sys, "pycache_prefix", None):
-            hide.append(str(sys.pycache_prefix))
-        if os.environ.get("PYTHONPYCACHEPREFIX"):
+        if os.environ.get("PYTHONPYCACHEPREFIX"):  # (the Sandbox hides sys.pycache_prefix itself)
             hide.append(os.environ["PYTHONPYCACHEPREFIX"])
         self.sandbox = Sandbox(
             SandboxLimits(wall_time_s=timeout_s, memory_mb=memory_mb, max_processes=64, max_output_bytes=1_000_000),
@@ -281,20 +271,21 @@ class FeatureDeletionEnv(Env):
             )
         self.baseline = outcomes
         passing = sorted(n for n, o in outcomes.items() if o == "passed")
-        candidates = self._candidates()
-        jobs = [(sym, mode) for sym in candidates for mode in self.modes]
+        jobs = [(sym, mode) for sym in self._candidates() for mode in self.modes]
         built: list[dict[str, Any]] = []
-        bar = _progress(len(jobs), "feature_deletion: verifying deletions", self.progress)
-        try:
-            with ThreadPoolExecutor(self.num_workers) as pool:
-                for task in pool.map(lambda j: self._make_task(j[0], j[1], passing), jobs):
-                    bar.update(1)
-                    if task is not None:
-                        built.append(task)
-                    if self.max_tasks is not None and len(built) >= self.max_tasks:
-                        break
-        finally:
-            bar.close()
+        from tqdm.auto import tqdm
+
+        desc = "feature_deletion: verifying deletions"
+        with (
+            tqdm(total=len(jobs), desc=desc, leave=False, disable=not self.progress) as bar,
+            ThreadPoolExecutor(self.num_workers) as pool,
+        ):
+            for task in pool.map(lambda j: self._make_task(j[0], j[1], passing), jobs):
+                bar.update(1)
+                if task is not None:
+                    built.append(task)
+                if self.max_tasks is not None and len(built) >= self.max_tasks:
+                    break
         if self.max_tasks is not None:
             built = built[: self.max_tasks]
         self._built = built
@@ -316,13 +307,11 @@ class FeatureDeletionEnv(Env):
                     )
                 chosen.extend(hits)
             return chosen
-        rng = random.Random(self.seed)
-        rng.shuffle(found)
+        random.Random(self.seed).shuffle(found)
         return found
 
     def _make_task(self, sym: Symbol, mode: str, passing: list[str]) -> dict[str, Any] | None:
-        path = self.repo / sym.file
-        source = path.read_text(encoding="utf-8")
+        source = (self.repo / sym.file).read_text(encoding="utf-8")
         deleted, info = delete_symbol(source, sym.qualname, mode, self.keep_docstring)  # type: ignore[arg-type]
         res = self.run_tests({sym.file: deleted}, passing)
         outcomes, _, _ = self.outcomes(res)
@@ -385,16 +374,12 @@ class FeatureDeletionEnv(Env):
     # -- Env API ------------------------------------------------------------------------------
     def tasks(self, split: str = "train") -> list[dict[str, Any]]:
         """Built tasks of ``split`` (``"all"`` for every task)."""
-        built = self.build_tasks()
-        if split == "all":
-            return [dict(t) for t in built]
         want = "test" if split in ("test", "validation", "eval") else "train"
-        return [dict(t) for t in built if t["split"] == want]
+        return [dict(t) for t in self.build_tasks() if split == "all" or t["split"] == want]
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split`` (cycling through shuffles; all tasks if a split is empty)."""
-        pool = self.tasks(split) or self.tasks("all")
-        return sample_cycling(pool, n, seed)
+        return sample_cycling(self.tasks(split) or self.tasks("all"), n, seed)
 
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:
         need = ("file", "symbol", "deleted_source", "fail_to_pass", "pass_to_pass")
@@ -442,7 +427,7 @@ class FeatureDeletionEnv(Env):
         first = still_failing[0]
         msg = messages.get(first) or (collect_errors[0] if collect_errors else "not run")
         details.update(test=first, message=msg)
-        if res.killed in ("timeout", "cpu_limit"):
+        if res.timed_out:
             return Feedback("timeout", f"The tests timed out; {len(fixed)}/{len(f2p)} pass.", details, reward)
         return Feedback(
             "test_failure",
@@ -453,25 +438,4 @@ class FeatureDeletionEnv(Env):
 
 
 def _frac_hash(text: str) -> float:
-    import hashlib
-
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "big") / 2**32
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc=desc, leave=False)
-    except ImportError:  # pragma: no cover
-        return _NoBar()

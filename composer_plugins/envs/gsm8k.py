@@ -12,7 +12,7 @@ import glob
 import gzip
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ def load_gsm8k_file(
     p = str(path)
     if not os.path.isfile(p):
         raise ConfigError(f"GSM8K file not found: {p}", file=p)
-    tasks: list[dict[str, Any]] = []
+    rows: Iterable[tuple[str, int | None, Any]]  # (where, line, row), read lazily
     if p.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -75,33 +75,27 @@ def load_gsm8k_file(
                 f"(found {table.column_names})",
                 file=p,
             )
-        for i, row in enumerate(table.to_pylist()):
+        rows = ((f"row {i + 1}", None, row) for i, row in enumerate(table.to_pylist()))
+    else:
+        opener = gzip.open if p.endswith(".gz") else open
+        with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+            text = f.read()
+        if p.endswith(".json") and text.lstrip().startswith("["):
             try:
-                tasks.append(_row_to_task(row, f"row {i + 1}", template, i, split))
-            except ValueError as e:
-                raise ConfigError(str(e), file=p) from None
-        return tasks
-    opener = gzip.open if p.endswith(".gz") else open
-    with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]
-        text = f.read()
-    if p.endswith(".json") and text.lstrip().startswith("["):
+                items = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"invalid JSON: {e.msg}", file=p, line=e.lineno) from None
+            rows = ((f"item {i}", None, row) for i, row in enumerate(items))
+        else:
+            rows = (("line", lineno, row) for lineno, row in iter_jsonl(text.splitlines(), p))
+    tasks: list[dict[str, Any]] = []
+    for where, line, row in rows:
+        if not isinstance(row, Mapping):  # a JSON array's item (jsonl and parquet rows are objects)
+            raise ConfigError(f"{where} must be an object with 'question' and 'answer'", file=p)
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"invalid JSON: {e.msg}", file=p, line=e.lineno) from None
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise ConfigError(f"item {i} must be an object with 'question' and 'answer'", file=p)
-            try:
-                tasks.append(_row_to_task(row, f"item {i}", template, i, split))
-            except ValueError as e:
-                raise ConfigError(str(e), file=p) from None
-        return tasks
-    for lineno, row in iter_jsonl(text.splitlines(), p):
-        try:
-            tasks.append(_row_to_task(row, "line", template, len(tasks), split))
+            tasks.append(_row_to_task(row, where, template, len(tasks), split))
         except ValueError as e:
-            raise ConfigError(str(e).removeprefix("line: "), file=p, line=lineno) from None
+            raise ConfigError(str(e).removeprefix("line: "), file=p, line=line) from None
     return tasks
 
 
@@ -142,10 +136,7 @@ def _files_for_split(directory: str, split: str) -> list[str]:
         hits = sorted(glob.glob(os.path.join(directory, pat)))
         if hits:
             return hits
-    raise ConfigError(
-        f"no {s} split found in directory (looked for {', '.join(pats)})",
-        file=directory,
-    )
+    raise ConfigError(f"no {s} split found in directory (looked for {', '.join(pats)})", file=directory)
 
 
 class GSM8KEnv(Env):
@@ -247,25 +238,25 @@ class GSM8KEnv(Env):
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
         """``n`` tasks of ``split``, deterministic in ``seed``."""
-        if self.source == "generator":
-            out = []
-            for i, p in enumerate(generate_problems(n, self.difficulty, seed, _split_name(split), self.annotations)):
-                out.append(
-                    self._as_chat(
-                        {
-                            "task_id": f"arith-d{self.difficulty}-{_split_name(split)}-{seed}-{i}",
-                            "prompt": self.prompt_template.format(question=p.question),
-                            "question": p.question,
-                            "answer": str(p.answer),
-                            "solution": p.solution,
-                            "target": " " + p.solution,
-                            "difficulty": p.difficulty,
-                            "source": "generator",
-                        }
-                    )
-                )
-            return out
-        return sample_cycling(self.tasks(split), n, seed)
+        if self.source != "generator":
+            return sample_cycling(self.tasks(split), n, seed)
+        s = _split_name(split)
+        problems = generate_problems(n, self.difficulty, seed, s, self.annotations)
+        return [
+            self._as_chat(
+                {
+                    "task_id": f"arith-d{self.difficulty}-{s}-{seed}-{i}",
+                    "prompt": self.prompt_template.format(question=p.question),
+                    "question": p.question,
+                    "answer": str(p.answer),
+                    "solution": p.solution,
+                    "target": " " + p.solution,
+                    "difficulty": p.difficulty,
+                    "source": "generator",
+                }
+            )
+            for i, p in enumerate(problems)
+        ]
 
     # -- reward -------------------------------------------------------------------------------
     def _score(self, completion: str, task: Mapping[str, Any]) -> Feedback:

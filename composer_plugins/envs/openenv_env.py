@@ -72,8 +72,7 @@ class ComposerEnvironment(Environment[TextAction, TextObservation, State]):
         self._state = State(episode_id=None, step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> TextObservation:
-        task = kwargs.get("task")
-        obs = self.env.reset(task=task, seed=seed, split=kwargs.get("split", self.split))
+        obs = self.env.reset(task=kwargs.get("task"), seed=seed, split=kwargs.get("split", self.split))
         self._state = State(episode_id=episode_id or str(uuid.uuid4()), step_count=0)
         return TextObservation(prompt=obs.text, task_id=obs.task.get("task_id"), done=False, reward=None)
 
@@ -119,8 +118,7 @@ class OpenEnvServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the OpenEnv server did not start on {host}:{port}")
             time.sleep(0.02)
-        sock = self.server.servers[0].sockets[0]
-        self.host, self.port = sock.getsockname()[:2]
+        self.host, self.port = self.server.servers[0].sockets[0].getsockname()[:2]
 
     @property
     def url(self) -> str:
@@ -282,8 +280,7 @@ class OpenEnvEnv(Env):
             kwargs = {"seed": seed * 100003 + i + self.seed_offset}
             if split != "train":
                 kwargs["split"] = split
-            res = self._reset_raw(**kwargs)
-            obs = dict(res.observation or {})
+            obs = dict(self._reset_raw(**kwargs).observation or {})
             out.append(
                 {
                     "task_id": f"openenv-{split}-{seed}-{i}",

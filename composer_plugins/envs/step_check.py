@@ -1,13 +1,10 @@
 """``step_check``: a hint that locates the mistake in a worked arithmetic solution (registry kind ``hints``).
 
 The verifier of a GSM8K-format env only says the final number is wrong. This provider recomputes every step
-the completion states (``a op b = c``, with or without ``<<a*b=c>>``; :mod:`.steps`) and names the first false
-one with its true value (``Step 2: 7 × 2 = 14, not 15.``), never the problem's final answer (then only that
-the step is wrong). When every step holds but the answer is wrong, it compares the steps with the task's own
-worked solution and names the first operator or operand that differs, a missing step or a final line that
-does not repeat the last result; at the ``columns`` level, the first wrong column and what it is computed
-from, never a result. Otherwise (no equation, no worked solution, no answer) the ``fallback`` provider's hint
-is used. Examples of every hint: docs/envs.md ("Hints", ``columns``).
+the completion states (:mod:`.steps`) and names the first false one with its true value (``Step 2: 7 × 2 = 14,
+not 15.``), never the final answer; when every step holds, where the steps depart from the task's worked
+solution (at the ``columns`` level, the first wrong column); otherwise the ``fallback`` provider's hint.
+Every hint, with examples: docs/envs.md ("Hints", ``columns``).
 
 Args:
     fallback: the provider used when the steps cannot locate the mistake (name, config dict or
@@ -78,9 +75,9 @@ _PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands")
 def _column_mistake(got: list[Column], want: list[Column], completion: str) -> str | None:
     """The first wrong column of a column-by-column sum, and what it is computed from (never its result)."""
     for i, (c, w) in enumerate(zip(got, want, strict=False), 1):
-        name = f"Column {i} ({_PLACES[min(i, len(_PLACES)) - 1]})"
+        place = _PLACES[min(i, len(_PLACES)) - 1]
+        name = f"Column {i} ({place})"
         if (c.a, c.b) != (w.a, w.b):
-            place = _PLACES[min(i, len(_PLACES)) - 1]
             return f"{name} adds the {place} digits {w.a} and {w.b}, not {c.a} and {c.b}."
         if c.carry != w.carry:
             if i == 1:
@@ -181,11 +178,7 @@ class StepCheckHintProvider(HintProvider):
     name = "step_check"
 
     def __init__(
-        self,
-        *,
-        fallback: Any = "raw_error",
-        template: str = FALSE_STEP,
-        hidden_template: str = FALSE_STEP_HIDDEN,
+        self, *, fallback: Any = "raw_error", template: str = FALSE_STEP, hidden_template: str = FALSE_STEP_HIDDEN
     ) -> None:
         for what, tpl in (("template", template), ("hidden_template", hidden_template)):
             try:

@@ -20,19 +20,12 @@ Numbers are integers or decimals (thousands separators allowed).
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = [
-    "Column",
-    "Step",
-    "computation_key",
-    "first_false_step",
-    "format_value",
-    "parse_columns",
-    "parse_steps",
-]
+__all__ = ["Column", "Step", "computation_key", "first_false_step", "format_value", "parse_columns", "parse_steps"]
 
 _N = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
 _OP = r"[-+*/x×÷−]"
@@ -47,6 +40,7 @@ _CHAINED = frozenset("+-*/×÷−")
 _COLUMN = re.compile(r"(?<![\w.+])(\d)\s*\+\s*(\d)\s*\+\s*(\d)\s*=\s*(\d+)(?![\w])")
 _CANON = {"+": "+", "-": "-", "−": "-", "*": "*", "x": "*", "×": "*", "/": "/", "÷": "/"}
 _SHOW = {"+": "+", "-": "-", "*": "×", "/": "÷"}
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def _num(text: str) -> Fraction:
@@ -77,13 +71,7 @@ class Step:
     @property
     def value(self) -> Fraction | None:
         """The true value of ``a op b`` (``None`` for a division by zero)."""
-        if self.op == "+":
-            return self.a + self.b
-        if self.op == "-":
-            return self.a - self.b
-        if self.op == "*":
-            return self.a * self.b
-        return None if self.b == 0 else self.a / self.b
+        return None if self.op == "/" and self.b == 0 else _APPLY[self.op](self.a, self.b)
 
     @property
     def holds(self) -> bool:

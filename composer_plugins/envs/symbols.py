@@ -74,6 +74,10 @@ def _start_line(node: ast.AST) -> int:
     return min([d.lineno for d in decos] + [node.lineno])  # type: ignore[attr-defined]
 
 
+def _symbol(rel: str, qualname: str, kind: Literal["function", "class", "method"], node: ast.stmt) -> Symbol:
+    return Symbol(rel, qualname, kind, _start_line(node), node.end_lineno or node.lineno, " " * node.col_offset)
+
+
 def _deletable(node: ast.AST, min_body_lines: int) -> bool:
     body = getattr(node, "body", [])
     if not body or body[0].lineno == node.lineno:  # type: ignore[attr-defined]
@@ -81,22 +85,18 @@ def _deletable(node: ast.AST, min_body_lines: int) -> bool:
     stmts = body[1:] if _docstring_node(node) is not None else body
     if not stmts:
         return False
-    span = stmts[-1].end_lineno - stmts[0].lineno + 1
-    return span >= min_body_lines
+    return stmts[-1].end_lineno - stmts[0].lineno + 1 >= min_body_lines
 
 
 def _docstring_node(node: ast.AST) -> ast.Expr | None:
-    body = getattr(node, "body", [])
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        if isinstance(body[0].value.value, str):
-            return body[0]
+    first = next(iter(getattr(node, "body", [])), None)
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first
     return None
 
 
-def find_symbols(
-    repo: str | os.PathLike[str], *, min_body_lines: int = 2, include_private: bool = False
-) -> list[Symbol]:
-    """Top-level functions and classes, and methods of top-level classes, outside the tests."""
+def find_symbols(repo: str | os.PathLike[str], *, min_body_lines: int = 2) -> list[Symbol]:
+    """Public top-level functions and classes, and the public methods and ``__init__`` of those classes (no tests)."""
     repo_p = Path(repo)
     out: list[Symbol] = []
     for rel in _python_files(repo_p):
@@ -108,32 +108,19 @@ def find_symbols(
             continue
         for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                if node.name.startswith("_") and not include_private:
+                if node.name.startswith("_"):
                     continue
                 kind: Literal["function", "class"] = "class" if isinstance(node, ast.ClassDef) else "function"
                 if _deletable(node, min_body_lines):
-                    out.append(Symbol(rel, node.name, kind, _start_line(node), node.end_lineno or node.lineno, ""))
+                    out.append(_symbol(rel, node.name, kind, node))
                 if isinstance(node, ast.ClassDef):
                     for sub in node.body:
-                        if not isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
-                            continue
-                        dunder = sub.name.startswith("__") and sub.name.endswith("__")
-                        if (dunder and sub.name != "__init__") or (
-                            sub.name.startswith("_") and not dunder and not include_private
+                        if (
+                            isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef)
+                            and (sub.name == "__init__" or not sub.name.startswith("_"))
+                            and _deletable(sub, 1)
                         ):
-                            continue
-                        if _deletable(sub, 1):
-                            indent = " " * sub.col_offset
-                            out.append(
-                                Symbol(
-                                    rel,
-                                    f"{node.name}.{sub.name}",
-                                    "method",
-                                    _start_line(sub),
-                                    sub.end_lineno or sub.lineno,
-                                    indent,
-                                )
-                            )
+                            out.append(_symbol(rel, f"{node.name}.{sub.name}", "method", sub))
     return out
 
 
@@ -162,8 +149,7 @@ def delete_symbol(
     and ``original`` (the deleted definition's source).
     """
     lines = source.splitlines(keepends=True)
-    tree = ast.parse(source)
-    node, cls = _locate(tree, qualname)
+    node, cls = _locate(ast.parse(source), qualname)
     start, end = _start_line(node), node.end_lineno or node.lineno  # type: ignore[attr-defined]
     indent = " " * node.col_offset  # type: ignore[attr-defined]
     original = "".join(lines[start - 1 : end])
@@ -192,11 +178,6 @@ def delete_symbol(
     return "".join(new_lines), info
 
 
-def _completion_code(completion: str) -> str:
-    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
-    return blocks[-1] if blocks else completion
-
-
 def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: str) -> str:
     """Put the completion's definition of the task's symbol back into ``deleted_source``.
 
@@ -204,20 +185,16 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
     definition (or before its class, for a method). Raises ``ValueError`` when the
     completion defines no such symbol and ``SyntaxError`` when it does not parse.
     """
-    code = textwrap.dedent(_completion_code(completion))
-    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
-    if blocks:
-        # prefer the block that defines the symbol
-        name = str(task["symbol"]).rsplit(".", 1)[-1]
-        for b in reversed(blocks):
-            with contextlib.suppress(SyntaxError):
-                if any(getattr(n, "name", None) == name for n in ast.walk(ast.parse(textwrap.dedent(b)))):
-                    code = textwrap.dedent(b)
-                    break
-    tree = ast.parse(code)
-    qual = str(task["symbol"])
-    parts = qual.split(".")
+    parts = str(task["symbol"]).split(".")
     name = parts[-1]
+    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
+    code = textwrap.dedent(blocks[-1] if blocks else completion)
+    for b in reversed(blocks):  # prefer the block that defines the symbol
+        with contextlib.suppress(SyntaxError):
+            if any(getattr(n, "name", None) == name for n in ast.walk(ast.parse(textwrap.dedent(b)))):
+                code = textwrap.dedent(b)
+                break
+    tree = ast.parse(code)
     is_method = task.get("kind") == "method"
     target: ast.AST | None = None
     for n in tree.body:
@@ -244,8 +221,7 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
         if isinstance(n, ast.Import | ast.ImportFrom):
             extras.append(ast.get_source_segment(code, n) or "")
         elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name not in existing:
-            seg = "".join(code_lines[_start_line(n) - 1 : n.end_lineno])
-            extras.append(textwrap.dedent(seg))
+            extras.append(textwrap.dedent("".join(code_lines[_start_line(n) - 1 : n.end_lineno])))
         elif isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) and t.id not in existing for t in n.targets):
             extras.append(ast.get_source_segment(code, n) or "")
     extra_text = "".join(e if e.endswith("\n") else e + "\n" for e in extras if e)
@@ -255,13 +231,10 @@ def splice_completion(deleted_source: str, task: Mapping[str, Any], completion: 
         new = [*lines[:at], definition, *(["\n"] if at < len(lines) else []), *lines[at:]]
     else:
         s, e = task["span"]
-        new = [*lines[: s - 1], definition, *lines[e:]]
+        at = int(s) - 1
+        new = [*lines[:at], definition, *lines[e:]]
     if extra_text:
-        anchor = (
-            int(task["class_line"]) - 1
-            if is_method
-            else (int(task["insert_at"]) if task.get("mode") == "symbol" else int(task["span"][0]) - 1)
-        )
+        anchor = int(task["class_line"]) - 1 if is_method else at
         # for body mode the stub was replaced in place, so line numbers before it are unchanged
         new = [*new[:anchor], extra_text, "\n\n", *new[anchor:]]
     result = "".join(new)

@@ -8,14 +8,9 @@ writes it; falls back to ``template``), ``chain`` (the first of several that giv
 (a successful sibling's completion, SDPO's self-teacher); ``step_check`` is in
 :mod:`composer_plugins.envs.step_check`.
 
-One contract (as simonw/llm's register hooks: one call shape, older shapes adapted once): a provider gets
-one :class:`HintRequest` per row — prompt, completion, the env's feedback, the task, the reward and the row's
-rollout group (:class:`SiblingGroup`) — and implements ``hints(requests) -> list[str | None]``
-(:meth:`HintProvider.hint` per row is the simple form); one that reads the group sets ``reads_groups =
-True``. Older providers (``hint(feedback, *, prompt, completion, task[, group])`` or ``hints(feedbacks,
-prompts, completions, tasks[, groups=])``, objects or plain callables) are adapted once when the provider is
-built (:func:`build_hint_provider` / :func:`as_hint_provider`, in ``contract``); nothing inspects a signature
-per call. Import from this package.
+One contract (``contract``): a provider gets one :class:`HintRequest` per row, with the row's rollout group
+(:class:`SiblingGroup`), and implements ``hints(requests) -> list[str | None]`` (or ``hint(request)``); older
+shapes are adapted once, when :func:`build_hint_provider` builds the provider. Import from this package.
 """
 
 from __future__ import annotations

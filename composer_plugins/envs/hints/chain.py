@@ -37,8 +37,7 @@ class ChainHintProvider(HintProvider):
             if not todo:
                 break
             hs = p.hints([requests[i] for i in todo])
-            ks = p.kinds(hs)
-            for i, h, k in zip(todo, hs, ks, strict=True):
+            for i, h, k in zip(todo, hs, p.kinds(hs), strict=True):
                 if h:
                     out[i], kinds[i] = h, k
             todo = [i for i in todo if not out[i]]

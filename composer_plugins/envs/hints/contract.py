@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -131,45 +131,41 @@ class HintProvider:
         return [self.name if h else None for h in hints]
 
 
-# -- older provider shapes, adapted once when the provider is built ---------------------------------
-class _LegacyRows(HintProvider):
-    """A ``hint(feedback, *, prompt, completion, task[, group])`` callable behind the request contract."""
+# -- providers not on the request contract (older shapes, duck-typed objects), adapted once when built -------
+class _Adapted(HintProvider):
+    """A provider behind the request contract: ``batch`` maps the list of requests to their hints."""
 
-    name = "legacy"
-
-    def __init__(self, fn: Any, with_group: bool, source: Any) -> None:
-        self.fn, self.with_group, self.source = fn, with_group, source
-        self.reads_groups = with_group  # type: ignore[misc]
-
-    def hint(self, request: HintRequest) -> str | None:
-        kw: dict[str, Any] = {"prompt": request.prompt, "completion": request.completion, "task": request.task}
-        if self.with_group:
-            kw["group"] = request.group
-        return self.fn(request.feedback, **kw)  # type: ignore[no-any-return]
-
-
-class _LegacyBatch(HintProvider):
-    """A ``hints(feedbacks, prompts, completions, tasks[, groups=])`` method behind the request contract."""
-
-    name = "legacy"
-
-    def __init__(self, fn: Any, with_groups: bool, source: Any) -> None:
-        self.fn, self.with_groups, self.source = fn, with_groups, source
-        self.reads_groups = with_groups  # type: ignore[misc]
+    def __init__(self, source: Any, batch: Callable[[list[HintRequest]], Any], reads: bool, name: str) -> None:
+        self.source, self._batch, self.name = source, batch, name  # type: ignore[misc]
+        self.reads_groups = reads  # type: ignore[misc]
 
     def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
-        cols = (
-            [r.feedback for r in requests],
-            [r.prompt for r in requests],
-            [r.completion for r in requests],
-            [r.task for r in requests],
-        )
-        if self.with_groups:
-            return list(self.fn(*cols, groups=[r.group for r in requests]))
-        return list(self.fn(*cols))
+        return list(self._batch(list(requests)))
 
     def hint(self, request: HintRequest) -> str | None:
         return self.hints([request])[0]
+
+
+def _legacy_rows(fn: Any, source: Any) -> HintProvider:
+    """A ``hint(feedback, *, prompt, completion, task[, group])`` callable behind the request contract."""
+    with_group = _takes(_params(fn), "group")
+
+    def row(r: HintRequest) -> str | None:
+        group = {"group": r.group} if with_group else {}
+        return fn(r.feedback, prompt=r.prompt, completion=r.completion, task=r.task, **group)  # type: ignore[no-any-return]
+
+    return _Adapted(source, lambda requests: [row(r) for r in requests], with_group, "legacy")
+
+
+def _legacy_batch(fn: Any, source: Any) -> HintProvider:
+    """A ``hints(feedbacks, prompts, completions, tasks[, groups=])`` method behind the request contract."""
+    with_groups = _takes(_params(fn), "groups")
+
+    def batch(requests: list[HintRequest]) -> Any:
+        cols = [[getattr(r, k) for r in requests] for k in ("feedback", "prompt", "completion", "task")]
+        return fn(*cols, groups=[r.group for r in requests]) if with_groups else fn(*cols)
+
+    return _Adapted(source, batch, with_groups, "legacy")
 
 
 def _params(fn: Any) -> list[inspect.Parameter]:
@@ -201,39 +197,22 @@ def as_hint_provider(obj: Any) -> HintProvider:
         own_hints = cls.hints is not HintProvider.hints
         own_hint = cls.hint is not HintProvider.hint
         if own_hints and not _first_is(_params(obj.hints), "requests"):
-            return _LegacyBatch(obj.hints, _takes(_params(obj.hints), "groups"), obj)
+            return _legacy_batch(obj.hints, obj)
         if own_hint and not own_hints and not _first_is(_params(obj.hint), "request"):
-            return _LegacyRows(obj.hint, _takes(_params(obj.hint), "group"), obj)
+            return _legacy_rows(obj.hint, obj)
         return obj
+    reads = bool(getattr(obj, "reads_groups", False))
     hints_fn = getattr(obj, "hints", None)
     if callable(hints_fn):
         if _first_is(_params(hints_fn), "requests"):
-            return _Wrapped(obj, batch=hints_fn)
-        return _LegacyBatch(hints_fn, _takes(_params(hints_fn), "groups"), obj)
+            return _Adapted(obj, hints_fn, reads, "wrapped")
+        return _legacy_batch(hints_fn, obj)
     fn = getattr(obj, "hint", None) or obj
     if not callable(fn):
         raise TypeError(f"{obj!r} is not a hint provider: give an object with hints(requests) or hint(request)")
     if _first_is(_params(fn), "request"):
-        return _Wrapped(obj, row=fn)
-    return _LegacyRows(fn, _takes(_params(fn), "group"), obj)
-
-
-class _Wrapped(HintProvider):
-    """A duck-typed provider (not a :class:`HintProvider` subclass) already on the request contract."""
-
-    name = "wrapped"
-
-    def __init__(self, source: Any, *, batch: Any = None, row: Any = None) -> None:
-        self.source, self._batch, self._row = source, batch, row
-        self.reads_groups = bool(getattr(source, "reads_groups", False))  # type: ignore[misc]
-
-    def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
-        if self._batch is not None:
-            return list(self._batch(list(requests)))
-        return [self._row(r) for r in requests]
-
-    def hint(self, request: HintRequest) -> str | None:
-        return self.hints([request])[0]
+        return _Adapted(obj, lambda requests: [fn(r) for r in requests], reads, "wrapped")
+    return _legacy_rows(fn, obj)
 
 
 def reads_groups(provider: Any) -> bool:
@@ -253,20 +232,18 @@ def hint_requests(
     for what, col in (("prompts", prompts), ("completions", completions), ("tasks", tasks), ("groups", groups)):
         if col is not None and len(col) != n:
             raise ValueError(f"{len(col)} {what} for {n} rows")
-    out = []
-    for i in range(n):
-        g = groups[i] if groups is not None else None
-        out.append(
-            HintRequest(
-                prompt=prompts[i] if prompts is not None else None,
-                completion=completions[i] if completions is not None else None,
-                feedback=feedbacks[i],
-                task=tasks[i] if tasks is not None else None,
-                reward=g.reward if g is not None else None,
-                group=g,
-            )
+    gs = groups if groups is not None else [None] * n
+    return [
+        HintRequest(
+            prompt=prompts[i] if prompts is not None else None,
+            completion=completions[i] if completions is not None else None,
+            feedback=feedbacks[i],
+            task=tasks[i] if tasks is not None else None,
+            reward=g.reward if g is not None else None,
+            group=g,
         )
-    return out
+        for i, g in enumerate(gs)
+    ]
 
 
 def build_hint_provider(spec: Any, key: str = "hints") -> HintProvider:

@@ -16,20 +16,11 @@ from composer_plugins.envs.hints.contract import HintProvider, HintRequest, Sibl
 #: SDPO's reprompting defaults (Hübotter et al. 2026), worded for the ``Hint: ...`` block of a teacher context.
 #: ``{feedback}`` is empty, or the rendered ``feedback_template`` after a blank line.
 DEMONSTRATION_TEMPLATE = "Correct solution:\n{demonstration}{feedback}\n\nCorrectly solve the original question."
-
-
 FEEDBACK_TEMPLATE = "The following is feedback from your unsuccessful earlier attempt:\n{feedback}"
 
-
 _PICKS = ("first", "shortest", "random")
-
-
 _FALLBACKS = ("feedback", "none")
-
-
 _ROWS = ("failed", "all")
-
-
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -56,11 +47,8 @@ def _choice(value: str, valid: Sequence[str], what: str) -> str:
 class DemonstrationHintProvider(HintProvider):
     """A successful sibling's completion from the same rollout group as the hint (SDPO's self-teacher).
 
-    For a failed row the hint shows another completion of the same prompt that succeeded
-    (reward ``>= success_threshold``), never the row's own, through ``template``; with
-    ``include_feedback`` the env's feedback on the failed attempt follows it. When no sibling
-    succeeded (or no group is given) the hint is the feedback alone (``fallback: feedback``) or
-    nothing (``fallback: none``).
+    For a failed row the hint shows another completion of the same prompt that succeeded, never the row's own,
+    through ``template``; when none did (or no group is given), what ``fallback`` says.
 
     Args:
         success_threshold: reward at or above which a sibling counts as successful (SDPO: 0.5);
@@ -143,9 +131,6 @@ class DemonstrationHintProvider(HintProvider):
         text = text.strip()
         return text if len(text) <= self.max_chars else text[: self.max_chars - 3].rstrip() + "..."
 
-    def _feedback_text(self, request: HintRequest) -> str | None:
-        return self.feedback_provider.hints([request])[0]
-
     def hint(self, request: HintRequest) -> str | None:
         feedback, group = request.feedback, request.group
         succeeded = group is not None and group.reward >= self._threshold(group)
@@ -157,10 +142,10 @@ class DemonstrationHintProvider(HintProvider):
         if j is None:
             if succeeded or self.fallback == "none" or feedback is None:
                 return None
-            return self._feedback_text(request)
+            return self.feedback_provider.hints([request])[0]
         fb = ""
         if self.include_feedback and feedback is not None and not succeeded:
-            text = self._feedback_text(request)
+            text = self.feedback_provider.hints([request])[0]
             fb = "\n\n" + self.feedback_template.format(feedback=text) if text else ""
         demo = self._demonstration(group.completions[j])  # type: ignore[union-attr]
         if not demo:

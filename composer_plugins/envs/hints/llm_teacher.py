@@ -150,14 +150,13 @@ class LLMTeacherHintProvider(HintProvider):
         return self._run(self.ahint(request))  # type: ignore[no-any-return]
 
     def hints(self, requests: Sequence[HintRequest]) -> list[str | None]:
-        sem_holder: dict[str, asyncio.Semaphore] = {}
-
-        async def one(r: HintRequest) -> str | None:
-            sem = sem_holder.setdefault("s", asyncio.Semaphore(self.max_concurrency))
-            async with sem:
-                return await self.ahint(r)
-
         async def all_() -> list[str | None]:
+            sem = asyncio.Semaphore(self.max_concurrency)
+
+            async def one(r: HintRequest) -> str | None:
+                async with sem:
+                    return await self.ahint(r)
+
             return list(await asyncio.gather(*(one(r) for r in requests)))
 
         return self._run(all_())  # type: ignore[no-any-return]

@@ -52,11 +52,6 @@ class _Pipes:
     def child_fds(self) -> tuple[int, ...]:
         return tuple(fd for fd in (self.chan_w, self.nonce_r, self.fork_r) if fd is not None)
 
-    def close_child_ends(self) -> None:
-        for fd in self.child_fds():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
 
 class Sandbox:
     """Runs commands on untrusted code in a fresh, isolated, resource-limited temp directory.
@@ -113,7 +108,6 @@ class Sandbox:
         self.hide_tmp = hide_tmp
         self.audit_guard = audit_guard
         self.tmp_dir = tmp_dir
-        self._requested = isolation
         info = isolation_info(self.python) if isolation != "guard" else None
         if isolation == "namespaces" and info is not None and not info.namespaces:
             raise SandboxError(f"namespace isolation is not available here: {info.reason}")
@@ -124,7 +118,6 @@ class Sandbox:
         self.block_ctypes = (self.isolation == "guard") if block_ctypes is None else block_ctypes
         self.allow_subprocess = (self.isolation == "namespaces") if allow_subprocess is None else allow_subprocess
 
-    # ------------------------------------------------------------------------------------
     def run(
         self,
         argv: Sequence[str],
@@ -162,8 +155,7 @@ class Sandbox:
         if parent_dir not in _swept:
             _swept.add(parent_dir)
             remove_leftover_sandboxes(parent_dir)
-        base = tempfile.mkdtemp(prefix="cp-sandbox-", dir=self.tmp_dir)
-        root = _real(base)
+        root = _real(tempfile.mkdtemp(prefix="cp-sandbox-", dir=self.tmp_dir))
         with open(os.path.join(root, OWNER_FILE), "w") as f:
             f.write(_owner_stamp(os.getpid()))
         work, harness = os.path.join(root, "work"), os.path.join(root, "harness")
@@ -179,7 +171,7 @@ class Sandbox:
             scrub_tree(work)
             for name in ("sitecustomize", "_cp_channel", "launcher", *scripts):
                 shutil.copyfile(_FILES_DIR / f"{name}.py", os.path.join(harness, f"{name}.py"))
-            uid = self._sandbox_uid()
+            uid = _fresh_uid() if self._sandbox_uid_needed() else None
             if uid is not None:
                 for dirpath, _dirnames, filenames in os.walk(root):
                     if _inside(dirpath, harness):
@@ -205,8 +197,7 @@ class Sandbox:
                 "protected_packages": list(protected_packages),
                 "writable": root,
             }
-            extra_env = dict(env or {})
-            child_env = safe_env(root, self.python, extra_env)
+            child_env = safe_env(root, self.python, env)
             pp = [harness] + [_real(os.path.join(work, p)) for p in pythonpath]
             child_env["PYTHONPATH"] = os.pathsep.join(pp)
             child_env["CP_SANDBOX_CHANNEL"] = str(pipes.chan_w)
@@ -231,7 +222,9 @@ class Sandbox:
                 # namespace's init) dies with it, and with it every process of the sandbox
                 preexec_fn=procs.die_with_parent(),
             )
-            pipes.close_child_ends()
+            for fd in pipes.child_fds():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             with contextlib.suppress(OSError):
                 os.write(pipes.nonce_w, nonce + b"\n")
             os.close(pipes.nonce_w)
@@ -291,11 +284,9 @@ class Sandbox:
 
     def run_code(self, code: str, *, filename: str = "main.py", **kwargs: Any) -> SandboxResult:
         """Write ``code`` to ``filename`` and run it with the sandbox interpreter."""
-        files = dict(kwargs.pop("files", None) or {})
-        files[filename] = code
+        files = {**(kwargs.pop("files", None) or {}), filename: code}
         return self.run(["python", "-B", filename], files=files, **kwargs)
 
-    # ------------------------------------------------------------------------------------
     @staticmethod
     def _write(work: str, rel: str, content: str | bytes) -> None:
         p = os.path.normpath(os.path.join(work, rel))
@@ -307,9 +298,6 @@ class Sandbox:
 
     def _sandbox_uid_needed(self) -> bool:
         return self.isolation == "namespaces" and os.geteuid() == 0
-
-    def _sandbox_uid(self) -> int | None:
-        return _fresh_uid() if self._sandbox_uid_needed() else None
 
     def _hidden_and_kept(self, root: str, extra: list[str]) -> tuple[list[str], list[str]]:
         hidden = list(extra)
@@ -461,10 +449,8 @@ class Sandbox:
     def _kill(self, proc: subprocess.Popen[bytes], root: str) -> None:
         """Kill the run's whole process group (and, in guard mode, any process that left it)."""
         for _ in range(5):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             if self.isolation == "namespaces":
                 return  # the PID namespace dies with its first process
             stray = _find_sandbox_processes(proc.pid, os.path.basename(root))
@@ -486,25 +472,22 @@ def _feed(pipe: Any, data: bytes) -> None:
 
 
 def _parse_channel(data: bytes, nonce: bytes) -> tuple[list[dict[str, Any]], int]:
-    records: list[dict[str, Any]] = []
-    forged = 0
-    for line in data.split(b"\n"):
-        if not line:
-            continue
-        prefix, sep, payload = line.partition(b"\t")
-        if not sep or not secrets.compare_digest(prefix, nonce):
-            forged += 1
-            continue
-        try:
-            rec = json.loads(payload)
-        except ValueError:
-            forged += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            forged += 1
-    return records, forged
+    """The authenticated records, and how many lines were not (forged)."""
+    parsed = [_record(line, nonce) for line in data.split(b"\n") if line]
+    records = [r for r in parsed if r is not None]
+    return records, len(parsed) - len(records)
+
+
+def _record(line: bytes, nonce: bytes) -> dict[str, Any] | None:
+    """The JSON object of a ``<nonce>\\t<json>`` line; ``None`` for anything else."""
+    prefix, sep, payload = line.partition(b"\t")
+    if not sep or not secrets.compare_digest(prefix, nonce):
+        return None
+    try:
+        rec = json.loads(payload)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 def _killed_by(rc: int | None, stderr: str) -> str | None:
@@ -545,12 +528,19 @@ def isolation_info(python: str | None = None) -> IsolationInfo:
     probe_dir = tempfile.mkdtemp(prefix="cp-sandbox-probe-")
     try:
         Path(probe_dir, "secret.txt").write_text("probe")
-        sb = Sandbox.__new__(Sandbox)
-        sb.limits = SandboxLimits(wall_time_s=20, memory_mb=None)
-        sb.python, sb.network, sb.hide, sb.hide_home, sb.hide_tmp = python, False, [_real(probe_dir)], False, False
-        sb.allow_subprocess, sb.audit_guard, sb.tmp_dir, sb._requested = True, False, None, "namespaces"
-        sb.expose, sb.allow = "all", []
-        sb.isolation, sb.block_ctypes = "namespaces", False
+        # built in guard mode (which does not probe), then switched to namespaces for the probe run
+        sb = Sandbox(
+            SandboxLimits(wall_time_s=20, memory_mb=None),
+            isolation="guard",
+            hide=[probe_dir],
+            hide_home=False,
+            hide_tmp=False,
+            python=python,
+            allow_subprocess=True,
+            audit_guard=False,
+            block_ctypes=False,
+        )
+        sb.isolation, sb._unshare = "namespaces", unshare
         code = (
             "import os, socket\n"
             f"print('hidden-empty', os.listdir({probe_dir!r}) == [])\n"
@@ -558,7 +548,6 @@ def isolation_info(python: str | None = None) -> IsolationInfo:
             "try:\n    s.connect(('127.0.0.1', 9)); print('net', 'open')\n"
             "except OSError:\n    print('net', 'closed')\n"
         )
-        sb._unshare = unshare
         try:
             res = sb.run_code(code)
         except SandboxError as e:

@@ -40,10 +40,8 @@ LEAKY_DIRS: frozenset[str] = frozenset(
     }
 )
 
-
 #: Directory names dropped only at the top of a copied tree (build output, virtualenvs).
 LEAKY_TOP_DIRS: frozenset[str] = frozenset({"build", "dist", ".venv", "venv", "env", "wheelhouse"})
-
 
 #: File name patterns dropped anywhere (bytecode, backups, coverage data, packaged copies, secrets).
 LEAKY_FILES: tuple[str, ...] = (
@@ -71,10 +69,7 @@ LEAKY_FILES: tuple[str, ...] = (
     ".git-credentials",
 )
 
-
 _LEAKY_DIR_GLOBS = ("*.egg-info", "*.dist-info")
-
-
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE", "SESSION")
 
 
@@ -86,21 +81,20 @@ def _real(p: str | os.PathLike[str]) -> str:
     return os.path.realpath(os.fspath(p))
 
 
-def _leaky(name: str, is_dir: bool, top: bool) -> bool:
-    if is_dir:
-        return (
-            name in LEAKY_DIRS
-            or (top and name in LEAKY_TOP_DIRS)
-            or any(fnmatch.fnmatch(name, g) for g in _LEAKY_DIR_GLOBS)
-        )
-    return any(fnmatch.fnmatch(name, g) for g in LEAKY_FILES)
+def _leaky_dir(path: str, name: str, top: bool) -> bool:
+    return (
+        name in LEAKY_DIRS
+        or (top and name in LEAKY_TOP_DIRS)
+        or any(fnmatch.fnmatch(name, g) for g in _LEAKY_DIR_GLOBS)
+        or os.path.exists(os.path.join(path, "pyvenv.cfg"))
+    )
 
 
-def _compiled_twin(name: str, siblings: set[str]) -> bool:
-    """``mod.cpython-311-x86_64-linux-gnu.so`` next to ``mod.py``: a compiled copy of the source."""
-    if not (name.endswith(".so") or name.endswith(".pyd")):
-        return False
-    return f"{name.split('.', 1)[0]}.py" in siblings
+def _leaky_file(name: str, siblings: set[str]) -> bool:
+    """A :data:`LEAKY_FILES` name, or a compiled twin (``mod.cpython-311-x86_64-linux-gnu.so`` next to ``mod.py``)."""
+    return any(fnmatch.fnmatch(name, g) for g in LEAKY_FILES) or (
+        name.endswith((".so", ".pyd")) and f"{name.split('.', 1)[0]}.py" in siblings
+    )
 
 
 def copy_clean_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
@@ -119,9 +113,7 @@ def copy_clean_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
         keep_dirs = []
         for d in sorted(dirnames):
             full = os.path.join(dirpath, d)
-            if _leaky(d, True, top) or os.path.exists(os.path.join(full, "pyvenv.cfg")):
-                dropped.append(os.path.normpath(os.path.join(rel, d)))
-            elif os.path.islink(full) and not _inside(_real(full), src_r):
+            if _leaky_dir(full, d, top) or (os.path.islink(full) and not _inside(_real(full), src_r)):
                 dropped.append(os.path.normpath(os.path.join(rel, d)))
             else:
                 keep_dirs.append(d)
@@ -132,15 +124,10 @@ def copy_clean_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
         for f in sorted(filenames):
             full = os.path.join(dirpath, f)
             relf = os.path.normpath(os.path.join(rel, f))
-            if _leaky(f, False, top) or _compiled_twin(f, names):
+            if _leaky_file(f, names) or (os.path.islink(full) and not _inside(_real(full), src_r)):
                 dropped.append(relf)
-                continue
-            if os.path.islink(full) and not _inside(_real(full), src_r):
-                dropped.append(relf)
-                continue
-            if not os.path.isfile(full):
-                continue
-            shutil.copyfile(full, out_dir / f)
+            elif os.path.isfile(full):
+                shutil.copyfile(full, out_dir / f)
     return dropped
 
 
@@ -150,16 +137,15 @@ def scrub_tree(root: str | os.PathLike[str]) -> list[str]:
     removed: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root_r, topdown=True):
         rel = os.path.relpath(dirpath, root_r)
-        top = rel == "."
         for d in list(dirnames):
             full = os.path.join(dirpath, d)
-            if _leaky(d, True, top) or os.path.exists(os.path.join(full, "pyvenv.cfg")):
+            if _leaky_dir(full, d, rel == "."):
                 shutil.rmtree(full, ignore_errors=True)
                 dirnames.remove(d)
                 removed.append(os.path.normpath(os.path.join(rel, d)))
         names = set(filenames)
         for f in filenames:
-            if _leaky(f, False, top) or _compiled_twin(f, names):
+            if _leaky_file(f, names):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(dirpath, f))
                 removed.append(os.path.normpath(os.path.join(rel, f)))

@@ -67,8 +67,7 @@ class SandboxResult:
 
     def tail(self, n: int = 2000) -> str:
         """The last ``n`` characters of stderr (or stdout when stderr is empty)."""
-        text = self.stderr or self.stdout
-        return text[-n:]
+        return (self.stderr or self.stdout)[-n:]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ Each record goes through the nonce-authenticated channel (``_cp_channel``).
 """
 
 import ast
+import contextlib
 import copy
 import json
 import math
@@ -70,8 +71,7 @@ def _jsonable(value, depth=0):
 
 
 def _error_record(exc, filename):
-    tb = traceback.extract_tb(exc.__traceback__)
-    frames = [f for f in tb if f.filename == filename]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
     line = frames[-1].lineno if frames else getattr(exc, "lineno", None)
     return {
         "error": type(exc).__name__,
@@ -133,35 +133,27 @@ def _trivial_assert(node):
     return isinstance(node, ast.Assert) and isinstance(node.test, ast.Constant) and bool(node.test.value)
 
 
-def _run_unit(code, ns, timeout):
+def _timed(timeout, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with a SIGALRM (:class:`UnitTimeout`) after ``timeout`` seconds."""
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        exec(code, ns)
+        return fn(*args, **kwargs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def _actual_value(stmt, ns, timeout):
     """For ``assert f(x) == y`` that failed, the value ``f(x)`` returned (for feedback)."""
-    if not (isinstance(stmt, ast.Assert) and isinstance(stmt.test, ast.Compare) and len(stmt.test.ops) == 1):
-        return None
-    if not isinstance(stmt.test.ops[0], ast.Eq | ast.Is):
+    t = stmt.test if isinstance(stmt, ast.Assert) else None
+    if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq | ast.Is)):
         return None
     try:
-        expr = ast.Expression(stmt.test.left)
-        ast.fix_missing_locations(expr)
-        code = compile(expr, "<test>", "eval")
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            value = eval(code, ns)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        left = compile(ast.fix_missing_locations(ast.Expression(t.left)), "<test>", "eval")
+        value = _timed(timeout, eval, left, ns)
         expected = None
-        try:
-            exp_code = compile(ast.fix_missing_locations(ast.Expression(stmt.test.comparators[0])), "<test>", "eval")
-            expected = _safe_repr(eval(exp_code, ns))
-        except BaseException:
-            pass
+        with contextlib.suppress(BaseException):
+            right = compile(ast.fix_missing_locations(ast.Expression(t.comparators[0])), "<test>", "eval")
+            expected = _safe_repr(eval(right, ns))
         return {"actual": _safe_repr(value), "expected": expected}
     except BaseException:
         return None
@@ -185,15 +177,11 @@ def main():
     param = "candidate"
     if mode == "asserts":
         tree = ast.parse(test_src, "<test>")
-        check = None
-        rest = []
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name == "check":
-                check = node
-            else:
-                rest.append(node)
-        if check is None:
+        checks = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+        rest = [n for n in tree.body if n not in checks]
+        if not checks:
             raise SystemExit("test code defines no check(candidate) function")
+        check = checks[-1]
         if check.args.args:
             param = check.args.args[0].arg
         setup_code = compile(ast.Module(rest, []), "<test>", "exec")
@@ -209,24 +197,18 @@ def main():
             units.append((_has_assert(stmt), code, stmt, src))
     n_tests = sum(1 for u in units if u[0]) if mode == "asserts" else len(spec.get("cases", []))
     send({"kind": "start", "n": n_tests})
+    failed = None
     try:
-        code = compile(program, "solution.py", "exec")
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            exec(code, ns)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        _timed(timeout, exec, compile(program, "solution.py", "exec"), ns)
         candidate = ns[entry]
     except UnitTimeout:
-        send({"kind": "load", "ok": False, "error": "Timeout", "message": "defining the solution timed out"})
-        send({"kind": "done", "n": n_tests})
-        return
+        failed = {"error": "Timeout", "message": "defining the solution timed out"}
     except KeyError:
-        send({"kind": "load", "ok": False, "error": "NameError", "message": f"the solution does not define {entry!r}"})
-        send({"kind": "done", "n": n_tests})
-        return
+        failed = {"error": "NameError", "message": f"the solution does not define {entry!r}"}
     except BaseException as e:
-        send({"kind": "load", "ok": False, **_error_record(e, "solution.py")})
+        failed = _error_record(e, "solution.py")
+    if failed is not None:
+        send({"kind": "load", "ok": False, **failed})
         send({"kind": "done", "n": n_tests})
         return
     send({"kind": "load", "ok": True})
@@ -235,11 +217,7 @@ def main():
             args = copy.deepcopy(case.get("args", []))
             kwargs = copy.deepcopy(case.get("kwargs", {}))
             try:
-                signal.setitimer(signal.ITIMER_REAL, timeout)
-                try:
-                    out = candidate(*args, **kwargs)
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
+                out = _timed(timeout, candidate, *args, **kwargs)
                 send({"kind": "case", "i": i, "ok": True, "output": _jsonable(out)})
             except UnitTimeout:
                 send({"kind": "case", "i": i, "ok": False, "error": "Timeout", "message": "timed out"})
@@ -249,13 +227,13 @@ def main():
         ns[param] = candidate
         ns.update(_cp_eq=_cp_eq, _cp_true=_cp_true, _cp_false=_cp_false)
         try:
-            _run_unit(setup_code, ns, timeout)
+            _timed(timeout, exec, setup_code, ns)
         except BaseException as e:
             send({"kind": "setup", "ok": False, **_error_record(e, "<test>")})
         i = 0
         for is_test, code, stmt, src in units:
             try:
-                _run_unit(code, ns, timeout)
+                _timed(timeout, exec, code, ns)
                 ok, rec = True, {}
             except UnitTimeout:
                 ok, rec = False, {"error": "Timeout", "message": f"timed out after {timeout:g}s"}

@@ -22,7 +22,6 @@ _WATCHED = [
     (_pytest.python.Function, "setup"),
     (_pytest.runner, "call_and_report"),
     (_pytest.runner, "call_runtest_hook"),
-    (_pytest.runner, "call_and_report"),
     (_pytest.runner, "check_interactive_exception"),
     (_pytest.runner, "runtestprotocol"),
     (_pytest.runner.CallInfo, "from_call"),

@@ -30,22 +30,17 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_REMOUNT = 32
-MS_NOEXEC = 8
-MS_NOATIME = 1024
-MS_NODIRATIME = 2048
 MS_BIND = 4096
 MS_REC = 16384
-MS_RELATIME = 1 << 21
-MS_STRICTATIME = 1 << 24
-#: mount options that must be kept when remounting (a user namespace may not clear locked ones)
+#: mount options that must be kept when remounting (a user namespace may not clear locked ones): their MS_* flags
 _KEEP_FLAGS = {
     "nosuid": MS_NOSUID,
     "nodev": MS_NODEV,
-    "noexec": MS_NOEXEC,
-    "noatime": MS_NOATIME,
-    "nodiratime": MS_NODIRATIME,
-    "relatime": MS_RELATIME,
-    "strictatime": MS_STRICTATIME,
+    "noexec": 8,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+    "strictatime": 1 << 24,
 }
 
 PR_SET_PDEATHSIG = 1
