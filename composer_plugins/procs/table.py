@@ -125,12 +125,8 @@ def descendants(pid: int) -> list[int]:
 
 def describe(pids: Iterable[int]) -> list[str]:
     """One line per live pid: state, CPU time and command line."""
-    lines = []
-    for p in sorted(set(pids)):
-        info = proc_info(p)
-        if info is not None and info.state != "Z":
-            lines.append(info.line())
-    return lines
+    infos = (proc_info(p) for p in sorted(set(pids)))
+    return [info.line() for info in infos if info is not None and info.state != "Z"]
 
 
 def kill_tree(
