@@ -132,12 +132,7 @@ def render_prompt(prompt: Any, tokenizer: Any = None, template: str = "auto") ->
     messages = [dict(m) for m in prompt]
     if template == "none" or tokenizer is None:
         return plain_prompt(messages)
-    if template == "auto":
-        if not getattr(tokenizer, "chat_template", None):
-            return plain_prompt(messages)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, chat_template=read_chat_template(template)
-        )
-    return str(text)
+    if template == "auto" and not getattr(tokenizer, "chat_template", None):
+        return plain_prompt(messages)
+    own = {} if template == "auto" else {"chat_template": read_chat_template(template)}
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **own))

@@ -324,13 +324,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, cfg: Config | None =
 
 
 def _dataclass_in(tp: Any) -> type | None:
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return tp
-    if get_origin(tp) in (Union, types.UnionType):
-        for a in get_args(tp):
-            if dataclasses.is_dataclass(a) and isinstance(a, type):
-                return a
-    return None
+    options = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+    return next((a for a in options if dataclasses.is_dataclass(a) and isinstance(a, type)), None)
 
 
 def to_dict(obj: Any) -> Any:
@@ -364,8 +359,7 @@ def component_spec(value: Any, key: str = "", cfg: Config | None = None) -> tupl
                 )
             return "class_path:" + str(value["class_path"]), dict(value.get("init_args") or {})
         if "name" in value:
-            kw = {k: v for k, v in value.items() if k != "name"}
-            return str(value["name"]), kw
+            return str(value["name"]), {k: v for k, v in value.items() if k != "name"}
     raise cfg.error(
         key, f"expected a name, {{name: ..., <args>}} or {{class_path: ..., init_args: ...}}; got {value!r}"
     )
