@@ -84,7 +84,7 @@ class FakeJob:
             "command": s.get("command"),
             "arguments": s.get("arguments", []),
             "environment": s.get("environment", {}),
-            "secrets": {k: "***" for k in s.get("secrets") or {}},
+            "secrets": dict.fromkeys(s.get("secrets") or {}, "***"),
             "flavor": s.get("flavor"),
             "labels": s.get("labels"),
             "status": {"stage": self.stage, "message": self.message},

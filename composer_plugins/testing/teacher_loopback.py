@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -354,10 +355,8 @@ def serve_forever(make_app: Any, host: str, port: int) -> None:
         while True:
             await asyncio.sleep(3600)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # pragma: no cover
         asyncio.run(run())
-    except KeyboardInterrupt:  # pragma: no cover
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -404,16 +403,13 @@ class LoopbackProcess:
 
     def start(self, timeout: float = 60.0) -> LoopbackProcess:
         cmd = [sys.executable, "-m", self.module, "--port", "0", *self.args]
-        cfg = dict(self.config)
-        if cfg:
-            cmd += ["--config", json.dumps(cfg)]
+        if self.config:
+            cmd += ["--config", json.dumps(dict(self.config))]
         env = {**os.environ, **(self.env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         if self.cpu is not None and hasattr(os, "sched_setaffinity"):
-            try:
+            with contextlib.suppress(OSError):
                 os.sched_setaffinity(self.proc.pid, {self.cpu})
-            except OSError:
-                pass
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         line = ""
