@@ -21,7 +21,6 @@ import pytest
 
 from composer_plugins.testing.conformance import (
     ConformanceError,
-    check,
     check_backend,
     check_builds,
     check_callback,
@@ -34,7 +33,7 @@ from composer_plugins.testing.conformance import (
 )
 from composer_plugins.testing.executors import check_executor
 from composer_plugins.testing.generators import check_generator
-from composer_plugins.testing.input_builders import check_input_builder
+from composer_plugins.testing.input_builders import check, check_input_builder
 from composer_plugins.testing.transports import check_transport
 
 __all__ = [

@@ -25,7 +25,6 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
     from composer_plugins.core.registry import normalize_kind
     from composer_plugins.testing.executors import check_executor
     from composer_plugins.testing.generators import check_generator
-    from composer_plugins.testing.input_builders import check_input_builder
     from composer_plugins.testing.transports import check_transport
 
     kind = normalize_kind(kind)
@@ -43,7 +42,6 @@ def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> No
         "rollout_generators": check_generator,
         "transports": check_transport,
         "executors": check_executor,
-        "input_builders": check_input_builder,
     }
     fn = checks.get(kind, check_builds)
     if fn is check_builds:

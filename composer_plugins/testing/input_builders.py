@@ -4,8 +4,8 @@
 tiny random Llama (hinted rows, reference log-probs, one preference pair in the step meta): its factory takes
 the :class:`~composer_plugins.training.step.assemble.Assembly`; it returns a mapping of input names, never writes
 the (read-only) record, builds no ``rows × tokens × vocabulary`` tensor, and gives the same values for the
-same record (docs/plugins.md, ``register_input_builders``), for every registered builder, built-in or
-third-party; :func:`~composer_plugins.testing.conformance.check` dispatches the kind here.
+same record (docs/plugins.md, ``register_input_builders``). :func:`check` is the kit's dispatcher with this
+kind added, for every registered builder, built-in or third-party.
 """
 
 from __future__ import annotations
@@ -18,10 +18,20 @@ from typing import Any
 
 import torch
 
+from composer_plugins.testing import conformance
 from composer_plugins.testing.base import _entry, _fail
-from composer_plugins.testing.conformance import check as check  # re-exported: its old home
 
 __all__ = ["check", "check_input_builder", "conformance_step"]
+
+
+def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> None:
+    """:func:`composer_plugins.testing.conformance.check`, with the ``input_builders`` kind's check."""
+    from composer_plugins.core.registry import normalize_kind
+
+    if normalize_kind(kind) == "input_builders":
+        check_input_builder(name, registry, **build_kwargs)
+    else:
+        conformance.check(kind, name, registry, **build_kwargs)
 
 
 @functools.lru_cache(maxsize=1)
