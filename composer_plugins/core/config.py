@@ -19,7 +19,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError, UnknownPluginError
 from composer_plugins.core.registry import import_object
 
 T = TypeVar("T")
@@ -382,8 +382,6 @@ def build_component(
         except (ImportError, AttributeError, ValueError) as e:
             raise cfg.error(f"{key}.class_path" if key else "class_path", f"cannot import {path!r}: {e}") from e
         return cls(**kw)
-    from composer_plugins.core.errors import UnknownPluginError
-
     name_key = f"{key}.name" if key and isinstance(value, Mapping) and "name" in value else key or kind
     try:
         entry = get_registry().get(kind, target)
@@ -415,8 +413,6 @@ def build_located(entry: Any, kw: Mapping[str, Any], key: str, cfg: Config | Non
     """``entry.build(**kw)``; a value the component refuses (``ValueError``/``TypeError``) becomes a
     :class:`ConfigError` at ``<key>.<argument>`` (the argument its message names, else ``key``) in ``cfg``'s
     file and line."""
-    from composer_plugins.core.errors import ComposerPluginsError
-
     cfg = cfg if cfg is not None else Config()
     try:
         return entry.build(**kw)
@@ -440,7 +436,6 @@ def check_component_name(kind: str, value: Any, key: str, cfg: Config | None = N
     Nothing is built: a typo in a component that is built late (or only by some commands) is
     reported when the config is read, as ``file:line: key: Unknown <kind> ... Did you mean ...``.
     """
-    from composer_plugins.core.errors import UnknownPluginError
     from composer_plugins.core.plugins import get_registry
 
     cfg = cfg if cfg is not None else Config()
@@ -476,8 +471,6 @@ def _find_name(node: Any, name: str, path: str = "") -> str | None:
 
 def _locate_nested(e: ConfigError, kw: Mapping[str, Any], key: str, cfg: Config) -> ConfigError:
     """An unlocated error of a component built inside ``key``'s component (a ``chain``'s providers), located."""
-    from composer_plugins.core.errors import UnknownPluginError
-
     cause = e.__cause__
     if isinstance(cause, UnknownPluginError):
         where = _find_name(dict(kw), cause.name)

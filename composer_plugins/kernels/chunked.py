@@ -332,14 +332,11 @@ def chunked_logprobs(
     logp, ent = _ChunkedLogProbs.apply(
         rows, lm_head_weight, flat_ids.long(), int(chunk_size), float(temperature), bool(return_entropy)
     )
-    if idx is not None:
-        logp = logp.new_zeros(ids.numel()).index_put((idx,), logp)
-        if return_entropy:
-            ent = ent.new_zeros(ids.numel()).index_put((idx,), ent)
-    logp = logp.reshape(ids.shape)
-    if return_entropy:
-        return logp, ent.reshape(ids.shape)
-    return logp
+
+    def placed(v: Tensor) -> Tensor:  # back at the rows' places (0 off the mask), in the shape of ids
+        return (v if idx is None else v.new_zeros(ids.numel()).index_put((idx,), v)).reshape(ids.shape)
+
+    return (placed(logp), placed(ent)) if return_entropy else placed(logp)
 
 
 # -- distillation divergences ----------------------------------------------------------------------
@@ -435,7 +432,7 @@ class _PrecomputedDistill(torch.autograd.Function):
         return *scale_saved(ctx, grad_total, "chunked distillation with grad_mode='precompute'", fix), *[None] * 7
 
 
-def _denominator(reduction: str, n: int, masked: bool, shape: torch.Size, vocab: int) -> int:
+def reduction_denominator(reduction: str, n: int, masked: bool, shape: torch.Size, vocab: int) -> int:
     """What the scalar ``reduction`` divides the sum of ``n`` per-token values by (``masked``: a mask chose them)."""
     if reduction == "batchmean":
         # TRL GKD semantics: with a mask, the number of masked tokens (at least 1); without one, the batch dimension
@@ -451,7 +448,7 @@ def _reduce(per_token: Tensor, idx: Tensor | None, shape: torch.Size, reduction:
         return per_token.reshape(shape)
     if reduction == "sum":
         return per_token.sum()
-    return per_token.sum() / _denominator(reduction, per_token.shape[0], idx is not None, shape, vocab)
+    return per_token.sum() / reduction_denominator(reduction, per_token.shape[0], idx is not None, shape, vocab)
 
 
 def chunked_distill(
@@ -526,7 +523,7 @@ def chunked_distill(
                 f"grad_mode='precompute' needs a scalar reduction (batchmean, sum, mean), not {reduction!r}"
             )
         shape, vocab = student_hidden.shape[:-1], lm_head_weight.shape[0]
-        denom = _denominator(reduction, s_rows.shape[0], idx is not None, shape, vocab)
+        denom = reduction_denominator(reduction, s_rows.shape[0], idx is not None, shape, vocab)
         total, stats = _PrecomputedDistill.apply(
             s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats), 1.0 / denom, w_rows
         )

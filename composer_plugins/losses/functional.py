@@ -24,12 +24,12 @@ from torch import Tensor
 
 from composer_plugins.kernels.chunked import (
     DEFAULT_CHUNK_SIZE,
-    _denominator,
     chunked_distill,
     chunked_entropy_aware_opd,
     chunked_generalized_jsd,
     chunked_logprobs,
     chunked_taid_loss,
+    reduction_denominator,
 )
 from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, TAIDKernel
 from composer_plugins.kernels.fused import fused_logprobs
@@ -377,7 +377,7 @@ def _reduce_tokens(per_token: Tensor, mask: Tensor | None, reduction: str, vocab
     vals = per_token if mask is None else per_token[mask.bool()]
     if reduction == "sum":
         return vals.sum()
-    return vals.sum() / _denominator(reduction, vals.numel(), mask is not None, per_token.shape, vocab)
+    return vals.sum() / reduction_denominator(reduction, vals.numel(), mask is not None, per_token.shape, vocab)
 
 
 def generalized_jsd(
