@@ -64,9 +64,8 @@ def render_action(message: Mapping[str, Any] | str | None) -> str:
         return message
     parts: list[str] = []
     content = message.get("content")
-    if isinstance(content, str):
-        if content:
-            parts.append(content)
+    if isinstance(content, str) and content:
+        parts.append(content)
     elif isinstance(content, list):  # content parts
         parts.extend(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("text"))
     for call in message.get("tool_calls") or ():

@@ -231,13 +231,9 @@ class _Rows:
 
 
 def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None, vocab: int, mix: Tensor) -> _Rows:
-    """The entries that can be distilled, as flat rows.
-
-    An entry counts when its id is in ``[0, vocab)`` and its log-prob is not NaN or ``+inf`` (``-inf``,
-    probability 0, is floored to ``log 1e-30``); the others are treated as absent (``-1``) and counted
-    over the completion tokens. A teacher is present at a token when it scored it, has an entry there and
-    its mixture weight is > 0; a token is distilled where a teacher is present (and ``min_agree`` holds).
-    """
+    """The entries that can be distilled (:func:`usable_entries`; the others count as absent, ``-1``), as flat
+    rows. A teacher is present at a token when it scored it, has an entry there and its mixture weight is > 0;
+    a token is distilled where a teacher is present (and ``min_agree`` holds)."""
     ok, bad, wrong = usable_entries(scores.ids, scores.logprobs, vocab)
     ids = torch.where(ok, scores.ids, torch.full_like(scores.ids, -1))
     lps = torch.where(ok, scores.logprobs, torch.zeros_like(scores.logprobs))
