@@ -157,9 +157,7 @@ class Backend:
 
 def write_history(path: Path, rows: list[dict[str, float]]) -> None:
     """One CSV row per optimizer step; columns are the union of the rows' keys, ``step`` first."""
-    keys: list[str] = ["step"]
-    for r in rows:
-        keys += [k for k in r if k not in keys]
+    keys = list(dict.fromkeys(["step", *(k for r in rows for k in r)]))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)

@@ -50,10 +50,8 @@ def register_commands(cli: Any) -> None:
         out = []
         for e in entries:
             row: dict[str, Any] = {"name": e.name, "available": e.available, "install": e.install}
-            if e.available:
-                cls = e.factory
-                if hasattr(cls, "info"):
-                    row.update({k: v for k, v in cls.info().items() if k != "name"})
+            if e.available and hasattr(e.factory, "info"):
+                row.update({k: v for k, v in e.factory.info().items() if k != "name"})
             out.append(row)
         click.echo(json.dumps(out, indent=2))
 

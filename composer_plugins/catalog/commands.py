@@ -15,6 +15,11 @@ from composer_plugins.core.plugins import get_plugin_manager, get_registry
 from composer_plugins.core.registry import KINDS
 
 
+def _fit(cell: Any, width: int) -> str:
+    text = str(cell)
+    return (text if len(text) <= width else text[: width - 1] + "…").ljust(width)
+
+
 def _table(rows: list[list[str]], headers: list[str]) -> str:
     width = shutil.get_terminal_size((120, 20)).columns
     cols = list(zip(headers, *rows, strict=False))
@@ -22,16 +27,8 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
     # shrink the description column (index 2) to fit the terminal
     fixed = sum(w for i, w in enumerate(widths) if i != 2) + 2 * (len(widths) - 1)
     widths[2] = max(20, min(widths[2], width - fixed))
-    lines = []
-    for r in [headers, ["-" * w for w in widths], *rows]:
-        cells = []
-        for i, c in enumerate(r):
-            c = str(c)
-            if len(c) > widths[i]:
-                c = c[: widths[i] - 1] + "…"
-            cells.append(c.ljust(widths[i]))
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+    lines = [headers, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(_fit(c, widths[i]) for i, c in enumerate(r)).rstrip() for r in lines)
 
 
 @click.command(name="list")

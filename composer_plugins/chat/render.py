@@ -64,9 +64,8 @@ def render_action(message: Mapping[str, Any] | str | None) -> str:
         return message
     parts: list[str] = []
     content = message.get("content")
-    if isinstance(content, str):
-        if content:
-            parts.append(content)
+    if isinstance(content, str) and content:
+        parts.append(content)
     elif isinstance(content, list):  # content parts
         parts.extend(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("text"))
     for call in message.get("tool_calls") or ():
@@ -132,12 +131,7 @@ def render_prompt(prompt: Any, tokenizer: Any = None, template: str = "auto") ->
     messages = [dict(m) for m in prompt]
     if template == "none" or tokenizer is None:
         return plain_prompt(messages)
-    if template == "auto":
-        if not getattr(tokenizer, "chat_template", None):
-            return plain_prompt(messages)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, chat_template=read_chat_template(template)
-        )
-    return str(text)
+    if template == "auto" and not getattr(tokenizer, "chat_template", None):
+        return plain_prompt(messages)
+    own = {} if template == "auto" else {"chat_template": read_chat_template(template)}
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **own))

@@ -94,6 +94,8 @@ def report_error(e: BaseException) -> NoReturn:
     With ``COMPOSER_PLUGINS_STRICT=1`` the whole traceback is printed instead (the failing
     plugin's own frames included). Commands reach it through :func:`command_errors`.
     """
+    from composer_plugins.core.plugins import _strict
+
     if _strict():
         import traceback
 
@@ -137,14 +139,6 @@ def main(argv: list[str] | None = None) -> Any:
         return load_commands().main(args=argv, prog_name="composer-plugins", standalone_mode=True)
     except ComposerPluginsError as e:  # raised outside a command (e.g. while loading plugins)
         report_error(e)
-
-
-def _strict() -> bool:
-    import os
-
-    from composer_plugins.core.plugins import STRICT_ENV
-
-    return os.environ.get(STRICT_ENV, "").strip() not in ("", "0")
 
 
 if __name__ == "__main__":  # pragma: no cover

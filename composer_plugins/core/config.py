@@ -19,7 +19,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError, UnknownPluginError
 from composer_plugins.core.registry import import_object
 
 T = TypeVar("T")
@@ -324,13 +324,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, cfg: Config | None =
 
 
 def _dataclass_in(tp: Any) -> type | None:
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return tp
-    if get_origin(tp) in (Union, types.UnionType):
-        for a in get_args(tp):
-            if dataclasses.is_dataclass(a) and isinstance(a, type):
-                return a
-    return None
+    options = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+    return next((a for a in options if dataclasses.is_dataclass(a) and isinstance(a, type)), None)
 
 
 def to_dict(obj: Any) -> Any:
@@ -364,8 +359,7 @@ def component_spec(value: Any, key: str = "", cfg: Config | None = None) -> tupl
                 )
             return "class_path:" + str(value["class_path"]), dict(value.get("init_args") or {})
         if "name" in value:
-            kw = {k: v for k, v in value.items() if k != "name"}
-            return str(value["name"]), kw
+            return str(value["name"]), {k: v for k, v in value.items() if k != "name"}
     raise cfg.error(
         key, f"expected a name, {{name: ..., <args>}} or {{class_path: ..., init_args: ...}}; got {value!r}"
     )
@@ -388,8 +382,6 @@ def build_component(
         except (ImportError, AttributeError, ValueError) as e:
             raise cfg.error(f"{key}.class_path" if key else "class_path", f"cannot import {path!r}: {e}") from e
         return cls(**kw)
-    from composer_plugins.core.errors import UnknownPluginError
-
     name_key = f"{key}.name" if key and isinstance(value, Mapping) and "name" in value else key or kind
     try:
         entry = get_registry().get(kind, target)
@@ -421,8 +413,6 @@ def build_located(entry: Any, kw: Mapping[str, Any], key: str, cfg: Config | Non
     """``entry.build(**kw)``; a value the component refuses (``ValueError``/``TypeError``) becomes a
     :class:`ConfigError` at ``<key>.<argument>`` (the argument its message names, else ``key``) in ``cfg``'s
     file and line."""
-    from composer_plugins.core.errors import ComposerPluginsError
-
     cfg = cfg if cfg is not None else Config()
     try:
         return entry.build(**kw)
@@ -446,7 +436,6 @@ def check_component_name(kind: str, value: Any, key: str, cfg: Config | None = N
     Nothing is built: a typo in a component that is built late (or only by some commands) is
     reported when the config is read, as ``file:line: key: Unknown <kind> ... Did you mean ...``.
     """
-    from composer_plugins.core.errors import UnknownPluginError
     from composer_plugins.core.plugins import get_registry
 
     cfg = cfg if cfg is not None else Config()
@@ -482,8 +471,6 @@ def _find_name(node: Any, name: str, path: str = "") -> str | None:
 
 def _locate_nested(e: ConfigError, kw: Mapping[str, Any], key: str, cfg: Config) -> ConfigError:
     """An unlocated error of a component built inside ``key``'s component (a ``chain``'s providers), located."""
-    from composer_plugins.core.errors import UnknownPluginError
-
     cause = e.__cause__
     if isinstance(cause, UnknownPluginError):
         where = _find_name(dict(kw), cause.name)

@@ -62,8 +62,7 @@ class UnknownPluginError(ComposerPluginsError, KeyError):
             lines.append("Did you mean: " + ", ".join(repr(s) for s in self.suggestions) + "?")
         plural = kind if kind.endswith("s") else kind + "s"
         lines.append(f"Available {plural}: " + (", ".join(self.available) if self.available else "(none)") + ".")
-        for b in broken:
-            lines.append(f"Note: {b}")
+        lines += [f"Note: {b}" for b in broken]
         super().__init__("\n".join(lines))
 
     def __str__(self) -> str:  # KeyError would quote the message

@@ -25,7 +25,7 @@ import pluggy
 from composer_plugins.core import hookspecs
 from composer_plugins.core.errors import DuplicatePluginError, PluginLoadError, closest
 from composer_plugins.core.registry import KINDS, Registry
-from composer_plugins.core.version import api_problem
+from composer_plugins.core.version import __version__, api_problem
 
 #: ``register`` keywords that only the plugin manager sets (from the entry point), never the plugin.
 PROVENANCE_KEYS = frozenset({"plugin", "distribution", "version"})
@@ -97,8 +97,6 @@ class ComposerPluginManager(pluggy.PluginManager):
     # -- loading ------------------------------------------------------------------
     def load_defaults(self, modules: Iterable[str] = DEFAULT_PLUGINS) -> None:
         """Import and register the built-in plugin modules."""
-        from composer_plugins.core.version import __version__
-
         for modname in modules:
             mod = importlib.import_module(modname)
             if self.is_registered(mod):

@@ -302,13 +302,12 @@ class Registry:
         A pattern without wildcards matches as a substring; a leading ``!`` excludes.
         """
         kinds = [normalize_kind(kind)] if kind else list(KINDS)
-        out: list[RegistryEntry] = []
-        for k in kinds:
-            for n in sorted(self._entries[k], key=_natural_key):
-                if pattern and not _match(n, pattern):
-                    continue
-                out.append(self._entries[k][n])
-        return out
+        return [
+            self._entries[k][n]
+            for k in kinds
+            for n in sorted(self._entries[k], key=_natural_key)
+            if not pattern or _match(n, pattern)
+        ]
 
     def not_installed(self, kind: str | None = None, pattern: str | None = None) -> list[NotInstalledEntry]:
         """Known backends (:data:`KNOWN_BACKENDS`) that no loaded plugin registered, with their install command.

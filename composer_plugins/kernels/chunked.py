@@ -137,6 +137,49 @@ def _add_chunk_grads(
         grad_w.add_(gc.T @ h.to(wc.dtype))
 
 
+def _precomputed(
+    ctx: Any,
+    hidden: Tensor,
+    weight: Tensor,
+    t_weight: Tensor,
+    chunk_size: int,
+    scale: float,
+    token_weight: Tensor | None,
+    chunk: Any,
+) -> tuple[Tensor, list[Tensor]]:
+    """``scale · Σ_rows token_weight · value`` over row chunks of ``hidden``, with the gradients formed meanwhile
+    into ``ctx.grads`` (backward only scales them: :func:`scale_saved`), and each chunk's stats.
+
+    ``chunk(s, e, wc, twc, go)`` gives rows ``s:e``'s ``(values, dL/dlogits or None, stats or None)`` from the
+    student's and the teacher's heads in the compute dtype (:func:`_heads`) and ``go``, the rows' upstream
+    gradient (None when no gradient is needed).
+    """
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    n, acc = hidden.shape[0], _acc(weight)
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    stats: list[Tensor] = []
+    cd = compute_dtype(weight)
+    with _manual(weight):
+        wc, twc = _heads(weight, t_weight, cd)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            w = None if token_weight is None else token_weight[s:e].to(acc)
+            go = None
+            if need_h or need_w:
+                go = torch.full((e - s,), scale, dtype=acc, device=hidden.device) if w is None else w * scale
+            val, g, st = chunk(s, e, wc, twc, go)
+            if st is not None:
+                stats.append(st)
+            if g is not None:
+                _add_chunk_grads(g, hidden[s:e], wc, grad_h, grad_w, s, e)
+                del g
+            total += (val.sum() if w is None else (val * w).sum()) * scale
+    ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+    return total, stats
+
+
 def _check_hidden(name: str, hidden: Tensor, weight: Tensor) -> None:
     if hidden.dim() < 2:
         raise ValueError(f"{name} must be (..., H) hidden states, got shape {tuple(hidden.shape)}")
@@ -289,14 +332,11 @@ def chunked_logprobs(
     logp, ent = _ChunkedLogProbs.apply(
         rows, lm_head_weight, flat_ids.long(), int(chunk_size), float(temperature), bool(return_entropy)
     )
-    if idx is not None:
-        logp = logp.new_zeros(ids.numel()).index_put((idx,), logp)
-        if return_entropy:
-            ent = ent.new_zeros(ids.numel()).index_put((idx,), ent)
-    logp = logp.reshape(ids.shape)
-    if return_entropy:
-        return logp, ent.reshape(ids.shape)
-    return logp
+
+    def placed(v: Tensor) -> Tensor:  # back at the rows' places (0 off the mask), in the shape of ids
+        return (v if idx is None else v.new_zeros(ids.numel()).index_put((idx,), v)).reshape(ids.shape)
+
+    return (placed(logp), placed(ent)) if return_entropy else placed(logp)
 
 
 # -- distillation divergences ----------------------------------------------------------------------
@@ -378,32 +418,11 @@ class _PrecomputedDistill(torch.autograd.Function):
         scale: float,
         token_weight: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n = s_hidden.shape[0]
-        acc = _acc(weight)
-        total = torch.zeros((), dtype=acc, device=s_hidden.device)
-        grad_h = torch.empty_like(s_hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        stats_chunks: list[Tensor] = []
-        cd = compute_dtype(weight)
-        with _manual(weight):
-            wc, twc = _heads(weight, t_weight, cd)
-            for s in range(0, n, chunk_size):
-                e = min(s + chunk_size, n)
-                h = s_hidden[s:e]
-                w = None if token_weight is None else token_weight[s:e].to(acc)
-                go = None
-                if need_h or need_w:
-                    go = torch.full((e - s,), scale, dtype=acc, device=h.device) if w is None else w * scale
-                val, g, st = kernel.compute(_logits(h, wc), _logits(t_hidden[s:e], twc), go, with_stats)
-                if st is not None:
-                    stats_chunks.append(st)
-                if g is not None:
-                    _add_chunk_grads(g, h, wc, grad_h, grad_w, s, e)
-                    del g
-                total += (val.sum() if w is None else (val * w).sum()) * scale
-        stats = torch.cat(stats_chunks) if stats_chunks else total.new_zeros((n, 0))
-        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        def chunk(s: int, e: int, wc: Tensor, twc: Tensor, go: Tensor | None) -> Any:
+            return kernel.compute(_logits(s_hidden[s:e], wc), _logits(t_hidden[s:e], twc), go, with_stats)
+
+        total, chunks = _precomputed(ctx, s_hidden, weight, t_weight, chunk_size, scale, token_weight, chunk)
+        stats = torch.cat(chunks) if chunks else total.new_zeros((s_hidden.shape[0], 0))
         ctx.mark_non_differentiable(stats)
         return total, stats
 
@@ -413,26 +432,23 @@ class _PrecomputedDistill(torch.autograd.Function):
         return *scale_saved(ctx, grad_total, "chunked distillation with grad_mode='precompute'", fix), *[None] * 7
 
 
-def _reduce(per_token: Tensor, idx: Tensor | None, shape: torch.Size, reduction: str, vocab: int) -> Tensor:
-    n = per_token.shape[0]
+def reduction_denominator(reduction: str, n: int, masked: bool, shape: torch.Size, vocab: int) -> int:
+    """What the scalar ``reduction`` divides the sum of ``n`` per-token values by (``masked``: a mask chose them)."""
     if reduction == "batchmean":
-        # TRL GKD semantics: with a mask, divide by the number of masked tokens (at least 1);
-        # without one, by the leading (batch) dimension.
-        denom = max(n, 1) if idx is not None else max(int(shape[0]) if len(shape) else 1, 1)
-        return per_token.sum() / denom
+        # TRL GKD semantics: with a mask, the number of masked tokens (at least 1); without one, the batch dimension
+        return max(n, 1) if masked else max(int(shape[0]) if len(shape) else 1, 1)
+    # mean: element-wise over (tokens × vocabulary), as F.kl_div(reduction="mean") / TRL
+    return max(n * vocab, 1) if reduction == "mean" else 1
+
+
+def _reduce(per_token: Tensor, idx: Tensor | None, shape: torch.Size, reduction: str, vocab: int) -> Tensor:
+    if reduction in ("token", "none"):
+        if idx is not None:
+            per_token = per_token.new_zeros(int(torch.Size(shape).numel())).index_put((idx,), per_token)
+        return per_token.reshape(shape)
     if reduction == "sum":
         return per_token.sum()
-    if reduction == "mean":
-        # element-wise mean over (tokens × vocabulary), as F.kl_div(reduction="mean") / TRL
-        return per_token.sum() / max(n * vocab, 1)
-    if reduction in ("token", "none"):
-        full = per_token.new_zeros(int(torch.Size(shape).numel()))
-        if idx is None:
-            full = per_token
-        else:
-            full = full.index_put((idx,), per_token)
-        return full.reshape(shape)
-    raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(_REDUCTIONS)}")
+    return per_token.sum() / reduction_denominator(reduction, per_token.shape[0], idx is not None, shape, vocab)
 
 
 def chunked_distill(
@@ -501,24 +517,17 @@ def chunked_distill(
             )
         flat_w = token_weight.detach().reshape(-1)
         w_rows = flat_w if idx is None else flat_w.index_select(0, idx)
-    if grad_mode == "precompute" and reduction in ("batchmean", "sum", "mean"):
-        n, vocab = s_rows.shape[0], lm_head_weight.shape[0]
-        if reduction == "batchmean":
-            denom = (
-                max(n, 1)
-                if idx is not None
-                else max(int(student_hidden.shape[0]) if student_hidden.dim() > 1 else 1, 1)
+    if grad_mode == "precompute":
+        if reduction not in ("batchmean", "sum", "mean"):
+            raise ValueError(
+                f"grad_mode='precompute' needs a scalar reduction (batchmean, sum, mean), not {reduction!r}"
             )
-        elif reduction == "mean":
-            denom = max(n * vocab, 1)
-        else:
-            denom = 1
+        shape, vocab = student_hidden.shape[:-1], lm_head_weight.shape[0]
+        denom = reduction_denominator(reduction, s_rows.shape[0], idx is not None, shape, vocab)
         total, stats = _PrecomputedDistill.apply(
             s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats), 1.0 / denom, w_rows
         )
         return (total, stats) if return_stats else total
-    if grad_mode == "precompute":
-        raise ValueError(f"grad_mode='precompute' needs a scalar reduction (batchmean, sum, mean), not {reduction!r}")
     per_token, stats = _ChunkedDistill.apply(
         s_rows, lm_head_weight, t_rows, t_weight, kernel, int(chunk_size), bool(return_stats)
     )

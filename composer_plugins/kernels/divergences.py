@@ -69,6 +69,17 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
 
 
+def _scale_grad_(g: Tensor, grad_out: Tensor, dtype: torch.dtype, tau: float) -> None:
+    """``g *= grad_out[:, None] / tau`` in place (the chain rule through the temperature)."""
+    scale = grad_out.to(dtype).unsqueeze(-1)
+    g.mul_(scale / tau if tau != 1.0 else scale)
+
+
+def _no_stats(val: Tensor, with_stats: bool) -> Tensor | None:
+    """The ``(n, 0)`` stats of a kernel that reports none (``None`` when not asked for)."""
+    return val.new_zeros((val.shape[0], 0)) if with_stats else None
+
+
 def _own(z: Tensor) -> Tensor:
     """A float32/64 tensor the kernel may overwrite (copies only when it must)."""
     d = z.detach()
@@ -152,9 +163,8 @@ class JSDKernel(Kernel):
             if grad_out is not None:
                 g = d.sub_(val.unsqueeze(-1)).mul_(p)  # p (d - <p, d>)
         if g is not None and grad_out is not None:
-            scale = grad_out.to(val.dtype).unsqueeze(-1)
-            g.mul_(scale / tau if tau != 1.0 else scale)
-        return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
+            _scale_grad_(g, grad_out, val.dtype, tau)
+        return val, g, _no_stats(val, with_stats)
 
     def _compute_mixed(self, zs: Tensor, zt: Tensor, grad_out: Tensor | None, with_stats: bool) -> Computed:
         """``0 < beta < 1`` with three transcendentals per element: one exp per side, one log for M.
@@ -178,7 +188,7 @@ class JSDKernel(Kernel):
             # dL/dp = (1-b)(s - m)  =>  dL/dz = (1-b) p ((s-m) - <p, s-m>), times grad_out / tau
             scale = grad_out.to(val.dtype).unsqueeze(-1) * ((1 - b) / tau)
             g = sm.sub_(ks.unsqueeze(-1)).mul_(p).mul_(scale)
-        return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
+        return val, g, _no_stats(val, with_stats)
 
 
 @dataclass
@@ -227,9 +237,8 @@ class TAIDKernel(Kernel):
         if grad_out is not None:
             # d/dz_i [-Σ_j p_j log q_j] = q_i Σ_j p_j - p_i   (p_j zeroed where the term is dropped)
             g = logq.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p)
-            scale = grad_out.to(val.dtype).unsqueeze(-1)
-            g.mul_(scale / tau if tau != 1.0 else scale)
-        return val, g, (val.new_zeros((val.shape[0], 0)) if with_stats else None)
+            _scale_grad_(g, grad_out, val.dtype, tau)
+        return val, g, _no_stats(val, with_stats)
 
 
 @dataclass
@@ -303,21 +312,17 @@ class EntropyOPDKernel(Kernel):
                 assert idx is not None
                 g.add_(p.mul_(gate.unsqueeze(-1)))  # top-k forward KL: p - q̃ (q̃ zero off the top-k)
                 g.scatter_add_(-1, idx, -qk * gate.unsqueeze(-1))
-            scale = grad_out.to(val.dtype).unsqueeze(-1)
-            g.mul_(scale / tau if tau != 1.0 else scale)
+            _scale_grad_(g, grad_out, val.dtype, tau)
         st = torch.stack([ent, high, rkl, fkl], dim=-1) if with_stats else None
         return val, g, st
 
 
 def make_kernel(criterion: str, **params: float | int | None) -> Kernel:
     """Build the kernel for ``criterion`` in ``{"jsd", "taid", "entropy_opd"}``."""
-    if criterion == "jsd":
-        return JSDKernel(**params)  # type: ignore[arg-type]
-    if criterion == "taid":
-        return TAIDKernel(**params)  # type: ignore[arg-type]
-    if criterion == "entropy_opd":
-        return EntropyOPDKernel(**params)  # type: ignore[arg-type]
-    raise ValueError(f"unknown distillation criterion {criterion!r}; valid: 'jsd', 'taid', 'entropy_opd'")
+    kernels = {"jsd": JSDKernel, "taid": TAIDKernel, "entropy_opd": EntropyOPDKernel}
+    if criterion not in kernels:
+        raise ValueError(f"unknown distillation criterion {criterion!r}; valid: 'jsd', 'taid', 'entropy_opd'")
+    return kernels[criterion](**params)  # type: ignore[arg-type]
 
 
 #: Top-k mass above ``exp(-TAIL_FLOOR)`` counts as the whole distribution: the tail bucket is then

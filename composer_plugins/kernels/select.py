@@ -73,14 +73,10 @@ def pick_kernels(
         free_bytes = int(torch.cuda.mem_get_info(dev)[0])
     rows = int(chunk_size) if chunk_size is not None else auto_chunk_size(vocab, dev, free_bytes=free_bytes)
     tokens = max(int(tokens), 1)
-    if setting == "materialised":
-        return KernelPick(setting, "materialised", tokens, "asked for")
-    if setting == "chunked":
-        return KernelPick(setting, "chunked", rows, "asked for")
-    if setting == "liger":
-        if not liger:
-            raise ImportError("compute.kernels: liger needs Liger-Kernel: pip install 'composer-plugins[liger]'")
-        return KernelPick(setting, "liger", rows, "asked for")
+    if setting == "liger" and not liger:
+        raise ImportError("compute.kernels: liger needs Liger-Kernel: pip install 'composer-plugins[liger]'")
+    if setting != "auto":
+        return KernelPick(setting, setting, tokens if setting == "materialised" else rows, "asked for")
     if cuda and liger:
         return KernelPick(setting, "liger", rows, "cuda with liger_kernel installed")
     if chunk_size is not None:

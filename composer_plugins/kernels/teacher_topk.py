@@ -27,16 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_plugins.kernels.chunked import (
-    _acc,
-    _add_chunk_grads,
-    _check_hidden,
-    _logits,
-    _manual,
-    compute_dtype,
-    resolve_chunk_size,
-    scale_saved,
-)
+from composer_plugins.kernels.chunked import _acc, _check_hidden, _logits, _precomputed, resolve_chunk_size, scale_saved
 from composer_plugins.kernels.divergences import (
     TAIL_FLOOR,
     TEACHER_LOGPROB_FLOOR,
@@ -240,13 +231,9 @@ class _Rows:
 
 
 def _teacher_rows(scores: TeacherTopK, mask: Tensor, min_agree: int | None, vocab: int, mix: Tensor) -> _Rows:
-    """The entries that can be distilled, as flat rows.
-
-    An entry counts when its id is in ``[0, vocab)`` and its log-prob is not NaN or ``+inf`` (``-inf``,
-    probability 0, is floored to ``log 1e-30``); the others are treated as absent (``-1``) and counted
-    over the completion tokens. A teacher is present at a token when it scored it, has an entry there and
-    its mixture weight is > 0; a token is distilled where a teacher is present (and ``min_agree`` holds).
-    """
+    """The entries that can be distilled (:func:`usable_entries`; the others count as absent, ``-1``), as flat
+    rows. A teacher is present at a token when it scored it, has an entry there and its mixture weight is > 0;
+    a token is distilled where a teacher is present (and ``min_agree`` holds)."""
     ok, bad, wrong = usable_entries(scores.ids, scores.logprobs, vocab)
     ids = torch.where(ok, scores.ids, torch.full_like(scores.ids, -1))
     lps = torch.where(ok, scores.logprobs, torch.zeros_like(scores.logprobs))
@@ -284,31 +271,14 @@ class _TeacherDistill(torch.autograd.Function):
         scale: float,
         token_weight: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n, V = hidden.shape[0], weight.shape[0]
         acc = _acc(weight)
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        stats = torch.empty((n, 2), dtype=acc, device=hidden.device)
-        cd = compute_dtype(weight)
-        with _manual(weight):
-            wc = weight.detach().to(cd)
-            for s in range(0, n, chunk_size):
-                e = min(s + chunk_size, n)
-                h = hidden[s:e]
-                uid, lt, uvalid = merge_teachers(ids[s:e], lps[s:e], present[s:e], mix, V)
-                w = None if token_weight is None else token_weight[s:e].to(acc)
-                go = None
-                if need_h or need_w:
-                    go = torch.full((e - s,), scale, dtype=acc, device=h.device) if w is None else w * scale
-                val, g, st = kernel.compute(_logits(h, wc).to(acc), uid, lt, uvalid, go)  # consumes the logits
-                stats[s:e] = st.to(acc)
-                if g is not None:
-                    _add_chunk_grads(g, h, wc, grad_h, grad_w, s, e)
-                    del g
-                total += (val.sum() if w is None else (val * w).sum()) * scale
-        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+
+        def chunk(s: int, e: int, wc: Tensor, _twc: Tensor, go: Tensor | None) -> Any:
+            uid, lt, uvalid = merge_teachers(ids[s:e], lps[s:e], present[s:e], mix, weight.shape[0])
+            return kernel.compute(_logits(hidden[s:e], wc).to(acc), uid, lt, uvalid, go)  # consumes the logits
+
+        total, chunks = _precomputed(ctx, hidden, weight, weight, chunk_size, scale, token_weight, chunk)
+        stats = torch.cat(chunks).to(acc) if chunks else total.new_zeros((0, 2))
         ctx.mark_non_differentiable(stats)
         return total, stats
 

@@ -161,10 +161,7 @@ class ChannelComposer(nn.Module):
         """
         out: list[str] = []
         for c in self.active:
-            keys = list(c.required_inputs())
-            if c.input_options:
-                keys += list(c.input_options[0])
-            out += keys
+            out += [*c.required_inputs(), *(c.input_options[0] if c.input_options else ())]
         return tuple(dict.fromkeys(out))
 
     def forward(self, inputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
@@ -188,8 +185,7 @@ class ChannelComposer(nn.Module):
             term = ch.weight * loss
             total = term if total is None else total + term
         if total is None:
-            device = _first_tensor_device(inputs)
-            total = torch.zeros((), device=device, requires_grad=False)
+            total = torch.zeros((), device=_first_tensor_device(inputs), requires_grad=False)
         metrics["loss"] = total.detach()
         return total, metrics
 
@@ -288,7 +284,4 @@ def has_input(key: str, inputs: Mapping[str, Any]) -> bool:
 
 
 def _first_tensor_device(inputs: Mapping[str, Any]) -> torch.device:
-    for v in inputs.values():
-        if isinstance(v, Tensor):
-            return v.device
-    return torch.device("cpu")
+    return next((v.device for v in inputs.values() if isinstance(v, Tensor)), torch.device("cpu"))

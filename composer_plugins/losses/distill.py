@@ -212,19 +212,17 @@ class HintDistillChannel(LossChannel):
         # with topk the wrapper applies the temperature to the vocabulary logits before the top-k
         tau = 1.0 if self.topk is not None else temp
         if self.criterion == "jsd":
-            base = make_kernel("jsd", beta=self.beta, temperature=tau)
+            params: dict[str, Any] = {"beta": self.beta}
         elif self.criterion == "taid":
             assert self.scheduler is not None
-            base = make_kernel("taid", t=self.scheduler.value, temperature=tau)
+            params = {"t": self.scheduler.value}
         else:
-            base = make_kernel(
-                "entropy_opd",
-                entropy_threshold=self.entropy_threshold,
-                fkl_weight=self.fkl_weight,
-                top_k=self.fkl_topk,
-                temperature=tau,
-            )
-        return with_topk(base, self.topk, temp)
+            params = {
+                "entropy_threshold": self.entropy_threshold,
+                "fkl_weight": self.fkl_weight,
+                "top_k": self.fkl_topk,
+            }
+        return with_topk(make_kernel(self.criterion, temperature=tau, **params), self.topk, temp)
 
     def required_inputs(self) -> tuple[str, ...]:
         """``hint_mask``, plus the policy's ``logprobs`` of the sampled tokens when ``is_clip`` weighs by them

@@ -29,6 +29,7 @@ from composer_plugins.kernels.chunked import (
     chunked_generalized_jsd,
     chunked_logprobs,
     chunked_taid_loss,
+    reduction_denominator,
 )
 from composer_plugins.kernels.divergences import EntropyOPDKernel, JSDKernel, TAIDKernel
 from composer_plugins.kernels.fused import fused_logprobs
@@ -369,23 +370,14 @@ def _check_logits(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor |
 
 
 def _reduce_tokens(per_token: Tensor, mask: Tensor | None, reduction: str, vocab: int) -> Tensor:
-    if mask is not None:
-        m = mask.bool()
-        vals = per_token[m]
-        n = vals.shape[0]
-    else:
-        vals = per_token
-        n = per_token.numel()
-    if reduction == "batchmean":
-        denom = max(n, 1) if mask is not None else max(per_token.shape[0] if per_token.dim() else 1, 1)
-        return vals.sum() / denom
-    if reduction == "sum":
-        return vals.sum()
-    if reduction == "mean":
-        return vals.sum() / max(n * vocab, 1)
     if reduction in ("token", "none"):
         return per_token * mask.to(per_token.dtype) if mask is not None else per_token
-    raise ValueError(f"unknown reduction {reduction!r}; valid: batchmean, sum, mean, token")
+    if reduction not in ("batchmean", "sum", "mean"):
+        raise ValueError(f"unknown reduction {reduction!r}; valid: batchmean, sum, mean, token")
+    vals = per_token if mask is None else per_token[mask.bool()]
+    if reduction == "sum":
+        return vals.sum()
+    return vals.sum() / reduction_denominator(reduction, vals.numel(), mask is not None, per_token.shape, vocab)
 
 
 def generalized_jsd(

@@ -87,13 +87,9 @@ class PolicyLossChannel(_LogprobInputs):
     Args:
         weight: channel weight in the composer.
         loss_type: one of ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, ``gspo``.
-        epsilon_low, epsilon_high: clip range (``cispo``: ``epsilon_high`` is the ratio cap ε_max).
-        importance_sampling_level: ``token``/``sequence`` (default: sequence for gspo, else token).
-        beta: KL-to-reference coefficient (needs ``ref_logprobs`` in the batch when non-zero).
-        kl_estimator: ``k1``/``k2``/``k3`` (TRL: k3).
-        use_bias_correction_kl: multiply the KL by the importance ratio (TRL default True).
-        max_completion_length: ``dr_grpo`` normaliser (default: the batch's T).
-        delta: optional upper cap on the ratio (two-sided GRPO, INTELLECT-2).
+        epsilon_low, epsilon_high, importance_sampling_level, beta, kl_estimator, use_bias_correction_kl, delta:
+            as :func:`~composer_plugins.losses.functional.policy_loss` (``beta != 0`` needs ``ref_logprobs``).
+        max_completion_length: ``dr_grpo`` normaliser (default: the ``max_completion_length`` input, else T).
         temperature: sampling temperature, used when log-probs are computed from hidden states.
         chunk_size: token rows per chunk for the hidden-state path (None: chosen from the vocabulary).
         name / label: the channel's name (metrics prefix); ``label`` is the same, usable from config

@@ -100,8 +100,7 @@ class TAIDScheduler(nn.Module):
             return 0.0
         relative_change = (self.prev_loss - loss_t) / (self.prev_loss + 1e-15)
         self.momentum.copy_(self.beta * self.momentum + (1 - self.beta) * relative_change)
-        adaptive_delta = torch.sigmoid(self.momentum)
-        delta_t = self.alpha * adaptive_delta * (1 - self.t)
+        delta_t = self.alpha * torch.sigmoid(self.momentum) * (1 - self.t)
         if self.adaptive:
             cand = self.t + delta_t
             new_t = cand if bool(cand > t_target) else torch.tensor(t_target, dtype=torch.float32)

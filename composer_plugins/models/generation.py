@@ -105,15 +105,7 @@ def tokenize_prompts(
     rows = [list(ids) for ids in enc["input_ids"]]
     if max_prompt_length is not None:
         rows = [r[-max_prompt_length:] for r in rows]
-    width = max((len(r) for r in rows), default=0)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
+    return left_pad(rows, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, device)
 
 
 def tokenize_completions(

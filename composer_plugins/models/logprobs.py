@@ -80,9 +80,7 @@ def completion_forward(
 
     Returns log-probs of each completion token (at ``temperature``) and optionally the
     ``(N, C, V)`` logits at those positions (temperature-scaled), e.g. for distillation losses.
-    ``completion_attention_mask`` (default: ``completion_mask``) is what the model attends to
-    in the completion part; multi-turn trajectories attend to observation tokens that the loss
-    mask excludes.
+    ``completion_attention_mask``: as in :func:`sequence_inputs`.
     """
     input_ids, attention_mask, position_ids = sequence_inputs(
         prompt_ids, prompt_mask, completion_ids, completion_mask, completion_attention_mask

@@ -101,6 +101,19 @@ def make_model_config(cfg: TinyModelConfig, vocab_size: int, pad_id: int, bos_id
     )
 
 
+def save_policy(model: Any, tok: Any, out_dir: str | os.PathLike[str], bos_token_id: int | None) -> Path:
+    """``save_pretrained`` ``model`` and ``tok`` into ``out_dir``, the model's generation config given the
+    tokenizer's pad and EOS ids and ``bos_token_id``."""
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = bos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def build_tiny_model(cfg: TinyModelConfig, corpus: Iterable[str], out_dir: str | os.PathLike[str]) -> Path:
     """Train a tokenizer on ``corpus``, initialise a tiny causal LM, ``save_pretrained`` both to ``out_dir``."""
     import torch
@@ -108,19 +121,12 @@ def build_tiny_model(cfg: TinyModelConfig, corpus: Iterable[str], out_dir: str |
 
     from composer_plugins.models.tokenizer import train_bpe_tokenizer
 
-    out = Path(out_dir)
     tok: Any = train_bpe_tokenizer(corpus, vocab_size=cfg.vocab_size)
     mcfg = make_model_config(cfg, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         model = AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.bos_token_id = tok.bos_token_id
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_policy(model, tok, out_dir, tok.bos_token_id)
 
 
 def tiny_model_dir(
@@ -256,11 +262,4 @@ def build_shaped_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(mcfg, dtype=torch_dtype)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.bos_token_id = tok.bos_token_id
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_policy(model, tok, out_dir, tok.bos_token_id)

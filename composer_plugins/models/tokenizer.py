@@ -45,7 +45,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequen
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet plus special tokens; use at least 260")
     tok = train_bpe(texts, vocab_size, SPECIAL_TOKENS, min_frequency=min_frequency)
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
@@ -53,7 +53,6 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequen
         unk_token=UNK_TOKEN,
         padding_side="left",
     )
-    return fast
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str], *, min_frequency: int = 0) -> Any:

@@ -36,8 +36,7 @@ def tail(path: str | os.PathLike[str] | None, lines: int = 30, max_chars: int = 
         text = Path(path).read_text(errors="replace")
     except OSError:
         return ""
-    out = "\n".join(text.rstrip().splitlines()[-lines:])
-    return out[-max_chars:]
+    return "\n".join(text.rstrip().splitlines()[-lines:])[-max_chars:]
 
 
 class ChildFailed(RuntimeError):

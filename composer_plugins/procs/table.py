@@ -125,12 +125,8 @@ def descendants(pid: int) -> list[int]:
 
 def describe(pids: Iterable[int]) -> list[str]:
     """One line per live pid: state, CPU time and command line."""
-    lines = []
-    for p in sorted(set(pids)):
-        info = proc_info(p)
-        if info is not None and info.state != "Z":
-            lines.append(info.line())
-    return lines
+    infos = (proc_info(p) for p in sorted(set(pids)))
+    return [info.line() for info in infos if info is not None and info.state != "Z"]
 
 
 def kill_tree(
@@ -162,16 +158,8 @@ def kill_tree(
         found = {p for p in found if p not in kept and _alive(p)}
         if not found:
             break
-        groups = set()
-        for p in found:
-            info = proc_info(p)
-            if (
-                info is not None
-                and info.pgid not in (own_group, 0)
-                and info.pgid not in kept
-                and (info.pgid in found or info.pgid == root)
-            ):
-                groups.add(info.pgid)
+        infos = [info for info in map(proc_info, found) if info is not None]
+        groups = {i.pgid for i in infos if i.pgid not in (own_group, 0, *kept) and (i.pgid in found or i.pgid == root)}
         for g in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(g, sig)

@@ -26,3 +26,11 @@ def _entry(kind: str, name: str, registry: Any = None) -> Any:
 def _fail(entry: Any, what: str) -> ConformanceError:
     who = f"{entry.kind} {entry.name!r} ({entry.provider or 'plugin ' + repr(entry.plugin)})"
     return ConformanceError(f"{who}: {what}")
+
+
+def _build(entry: Any, **build_kwargs: Any) -> Any:
+    """``entry`` built with ``build_kwargs``; a failure is a :class:`ConformanceError` naming them."""
+    try:
+        return entry.build(**build_kwargs)
+    except Exception as e:
+        raise _fail(entry, f"does not build with {build_kwargs}: {type(e).__name__}: {e}") from e

@@ -77,11 +77,9 @@ def build_instruct_model(
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    from composer_plugins.models.tiny import TinyModelConfig, make_model_config
+    from composer_plugins.models.tiny import TinyModelConfig, make_model_config, save_policy
     from composer_plugins.models.tokenizer import train_bpe
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     corpus = [f"{r['question']}\n{r['answer']}" for r in gsm8k_like_rows(200, seed)]
     tok = train_bpe(corpus, vocab_size, SPECIAL_TOKENS)
     fast: Any = PreTrainedTokenizerFast(
@@ -99,9 +97,4 @@ def build_instruct_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
-    model.generation_config.pad_token_id = fast.pad_token_id
-    model.generation_config.eos_token_id = fast.eos_token_id
-    model.generation_config.bos_token_id = None
-    model.save_pretrained(out)
-    fast.save_pretrained(out)
-    return out
+    return save_policy(model, fast, out_dir, None)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from composer_plugins.testing.base import ConformanceError as ConformanceError  # re-exported: its old home
-from composer_plugins.testing.base import _entry, _fail
+from composer_plugins.testing.base import _build, _entry, _fail
 
 
 def check(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> None:
@@ -73,11 +73,7 @@ def check_advantage_estimator(name: str, registry: Any = None, **build_kwargs: A
 
 def check_builds(kind: str, name: str, registry: Any = None, **build_kwargs: Any) -> Any:
     """The least any entry must do: its factory resolves and builds."""
-    entry = _entry(kind, name, registry)
-    try:
-        return entry.build(**build_kwargs)
-    except Exception as e:
-        raise _fail(entry, f"does not build with {build_kwargs}: {type(e).__name__}: {e}") from e
+    return _build(_entry(kind, name, registry), **build_kwargs)
 
 
 # -- losses ---------------------------------------------------------------------------------------
@@ -470,10 +466,7 @@ def check_backend(name: str, registry: Any = None, **build_kwargs: Any) -> None:
         raise _fail(entry, f"requires {list(entry.requires)} but declares no install command (install=...)")
     if not entry.available:
         return  # MissingDependencyError with the install command is the documented behaviour
-    try:
-        entry.build(**build_kwargs)
-    except Exception as e:
-        raise _fail(entry, f"does not build with {build_kwargs}: {type(e).__name__}: {e}") from e
+    _build(entry, **build_kwargs)
 
 
 def check_optimizer(name: str, registry: Any = None, **build_kwargs: Any) -> None:

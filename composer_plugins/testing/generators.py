@@ -15,7 +15,7 @@ import functools
 import math
 from typing import Any
 
-from composer_plugins.testing.base import _entry, _fail
+from composer_plugins.testing.base import _build, _entry, _fail
 
 __all__ = ["check_generator"]
 
@@ -104,10 +104,7 @@ def check_generator(
     from composer_plugins.training.rollout.rollouts import EpisodeGenerator, RolloutGenerator, WeightSyncing
 
     entry = _entry("rollout_generators", name, registry)
-    try:
-        gen = entry.build(**build_kwargs)
-    except Exception as e:
-        raise _fail(entry, f"does not build with {build_kwargs}: {type(e).__name__}: {e}") from e
+    gen = _build(entry, **build_kwargs)
     if not isinstance(gen, RolloutGenerator):
         raise _fail(entry, f"built a {type(gen).__name__}, which has no generate(policy, tokenizer, prompts, ...)")
     policy, tok = _policy(model_path)

@@ -71,10 +71,10 @@ class FakeJob:
     def finished(self) -> bool:
         return self.stage in ("COMPLETED", "ERROR", "CANCELED", "DELETED")
 
-    def info(self, endpoint: str, owner: str) -> dict[str, Any]:
+    def info(self, owner: str) -> dict[str, Any]:
         """The job as the Hub's API answers it (camelCase ``JobInfo``)."""
         s = self.spec
-        out: dict[str, Any] = {
+        return {
             "id": self.id,
             "createdAt": self.created_at,
             "startedAt": self.started_at,
@@ -84,13 +84,12 @@ class FakeJob:
             "command": s.get("command"),
             "arguments": s.get("arguments", []),
             "environment": s.get("environment", {}),
-            "secrets": {k: "***" for k in s.get("secrets") or {}},
+            "secrets": dict.fromkeys(s.get("secrets") or {}, "***"),
             "flavor": s.get("flavor"),
             "labels": s.get("labels"),
             "status": {"stage": self.stage, "message": self.message},
             "owner": {"id": "0" * 24, "name": owner, "type": "user"},
         }
-        return out
 
 
 class FakeJobsHub:
@@ -185,10 +184,8 @@ class FakeJobsHub:
         return argv
 
     def _run(self, job: FakeJob) -> None:
-        while not self._released.wait(0.05):
-            if job.cancel_requested.is_set():
-                self._end(job, "CANCELED", None)
-                return
+        while not self._released.wait(0.05) and not job.cancel_requested.is_set():
+            pass
         if job.cancel_requested.is_set():
             self._end(job, "CANCELED", None)
             return
@@ -319,9 +316,9 @@ class FakeJobsHub:
                             self._send(400, {"error": "a job needs a command"})
                             return
                         job = hub._create(ns, body)
-                        self._send(200, job.info(hub.endpoint, hub.namespace))
+                        self._send(200, job.info(hub.namespace))
                     else:
-                        self._send(200, [j.info(hub.endpoint, hub.namespace) for j in hub.jobs.values()])
+                        self._send(200, [j.info(hub.namespace) for j in hub.jobs.values()])
                     return
                 job = hub.jobs.get(parts[3])
                 if job is None:
@@ -329,7 +326,7 @@ class FakeJobsHub:
                     return
                 rest = parts[4:]
                 if not rest and method == "GET":
-                    self._send(200, job.info(hub.endpoint, hub.namespace))
+                    self._send(200, job.info(hub.namespace))
                 elif rest == ["cancel"] and method == "POST":
                     threading.Thread(target=hub._cancel, args=(job,), daemon=True).start()
                     self._send(200, {})

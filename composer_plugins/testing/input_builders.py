@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from composer_plugins.testing import conformance
-from composer_plugins.testing.conformance import ConformanceError
+from composer_plugins.testing.base import _entry, _fail
 
 __all__ = ["check", "check_input_builder", "conformance_step"]
 
@@ -83,18 +83,17 @@ def check_input_builder(name: str, registry: Any = None, **_: Any) -> None:
     from composer_plugins.training.step.record import RecordFrozenError
 
     registry = registry or get_registry()
-    entry = registry.get("input_builders", name)
-    who = f"input_builders {entry.name!r} ({entry.provider or 'plugin ' + repr(entry.plugin)})"
+    entry = _entry("input_builders", name, registry)
     try:
         fn = entry.factory
     except Exception as e:
-        raise ConformanceError(f"{who}: its builder does not import: {type(e).__name__}: {e}") from e
+        raise _fail(entry, f"its builder does not import: {type(e).__name__}: {e}") from e
     if not callable(fn):
-        raise ConformanceError(f"{who}: the builder is not callable: {fn!r}")
+        raise _fail(entry, f"the builder is not callable: {fn!r}")
     try:
         inspect.signature(fn).bind(object())
     except TypeError as e:
-        raise ConformanceError(f"{who}: the builder must take one argument (the Assembly): {e}") from e
+        raise _fail(entry, f"the builder must take one argument (the Assembly): {e}") from e
     except ValueError:  # no signature (a builtin): called below
         pass
     record, meta, policy = conformance_step()
@@ -105,23 +104,24 @@ def check_input_builder(name: str, registry: Any = None, **_: Any) -> None:
         try:
             out = fn(asm)
         except RecordFrozenError as e:
-            raise ConformanceError(f"{who}: the builder wrote the step record ({e})") from e
+            raise _fail(entry, f"the builder wrote the step record ({e})") from e
         except Exception as e:
-            raise ConformanceError(f"{who}: raised on the conformance step: {type(e).__name__}: {e}") from e
+            raise _fail(entry, f"raised on the conformance step: {type(e).__name__}: {e}") from e
         if not isinstance(out, Mapping) or not all(isinstance(k, str) for k in out):
-            raise ConformanceError(f"{who}: must return a mapping of input names to values, got {type(out).__name__}")
+            raise _fail(entry, f"must return a mapping of input names to values, got {type(out).__name__}")
         runs.append({**asm.values, **out})
     rows, tokens = record.completion_ids.shape
     vocab = int(policy.model.config.vocab_size)
     for key, value in runs[0].items():
         if isinstance(value, torch.Tensor) and value.numel() >= rows * tokens * vocab:
-            raise ConformanceError(
-                f"{who}: {key!r} holds {tuple(value.shape)} = rows × tokens × vocabulary elements or more; build "
-                "inputs from hidden states through the LM head in chunks (composer_plugins.kernels)"
+            raise _fail(
+                entry,
+                f"{key!r} holds {tuple(value.shape)} = rows × tokens × vocabulary elements or more; build "
+                "inputs from hidden states through the LM head in chunks (composer_plugins.kernels)",
             )
     for key, value in runs[0].items():
         again = runs[1].get(key)
         if isinstance(value, torch.Tensor) and isinstance(again, torch.Tensor):
             same = value.shape == again.shape and torch.allclose(value.detach().float(), again.detach().float())
             if not same:
-                raise ConformanceError(f"{who}: {key!r} differs between two assemblies of the same record")
+                raise _fail(entry, f"{key!r} differs between two assemblies of the same record")

@@ -166,11 +166,7 @@ class RolloutLoopbackServer(LoopbackServer):
             self.by_status["400"] += 1
             return web.Response(status=400, body=_json_bytes({"error": {"message": f"bad request: {e}"}}))
         ident = hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:24]
-        attempt = self.attempts[ident]
-        self.attempts[ident] += 1
-        self.times[ident].append(time.monotonic())
-        fault = self._fault(ident, attempt)
-        self.kinds[ident].append(fault or "ok")
+        attempt, fault = self._attempt(ident)
         failed = await self.inject_fault(request, fault, b'{"id": "x", "choices": [{"token_ids": [1, 2')
         if failed is not None:
             return failed

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -130,6 +131,15 @@ class LoopbackServer:
             return cfg.plan[(h // 10_000) % len(cfg.plan)]
         return cfg.plan[attempt] if self._faulty(ident) and attempt < len(cfg.plan) else None
 
+    def _attempt(self, ident: str) -> tuple[int, str | None]:
+        """Count one more attempt at ``ident``: ``(its index, the fault it gets or None)``."""
+        attempt = self.attempts[ident]
+        self.attempts[ident] += 1
+        self.times[ident].append(time.monotonic())
+        fault = self._fault(ident, attempt)
+        self.kinds[ident].append(fault or "ok")
+        return attempt, fault
+
     def _bill(self, ident: str, prompt_tokens: int, completion_tokens: int) -> None:
         b = self.billed[ident]
         b[0] += 1
@@ -178,19 +188,14 @@ class LoopbackServer:
                 status=400, body=b'{"error":{"message":"bad request"}}', content_type="application/json"
             )
         ident = request_identity(model, messages)
-        attempt = self.attempts[ident]
-        self.attempts[ident] += 1
-        self.times[ident].append(time.monotonic())
-        cfg = self.config
-        fault = self._fault(ident, attempt)
-        self.kinds[ident].append(fault or "ok")
+        attempt, fault = self._attempt(ident)
         failed = await self.inject_fault(request, fault, b'{"id": "x", "choices": [{"message": {"role": "assis')
         if failed is not None:
             return failed
         if fault == "echo":
             self.by_status["echo"] += 1
             got = request.headers.get("Authorization", "").removeprefix("Bearer ")  # the bare key
-            pad = "." * cfg.echo_pad
+            pad = "." * self.config.echo_pad
             leaky = f'{{"upstream": "{pad}{got}", "choi'.encode()
             return web.Response(status=200, body=leaky, content_type="application/json")
         content, tool_calls = scripted_answer(model, messages)
@@ -295,9 +300,9 @@ class LoopbackServer:
             "in_flight": self.in_flight,
             "by_status": dict(self.by_status),
             "billed_calls": sum(v[0] for v in self.billed.values()),
-            "billed": {k: v for k, v in self.billed.items()},
+            "billed": dict(self.billed),
             "undelivered": dict(self.undelivered),
-            "undelivered_usage": {k: v for k, v in self.undelivered_usage.items()},
+            "undelivered_usage": dict(self.undelivered_usage),
             "attempts": dict(self.attempts),
             "faulty": [k for k in self.attempts if self._faulty(k)],
             "times": dict(self.times),
@@ -350,10 +355,8 @@ def serve_forever(make_app: Any, host: str, port: int) -> None:
         while True:
             await asyncio.sleep(3600)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # pragma: no cover
         asyncio.run(run())
-    except KeyboardInterrupt:  # pragma: no cover
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -400,16 +403,13 @@ class LoopbackProcess:
 
     def start(self, timeout: float = 60.0) -> LoopbackProcess:
         cmd = [sys.executable, "-m", self.module, "--port", "0", *self.args]
-        cfg = dict(self.config)
-        if cfg:
-            cmd += ["--config", json.dumps(cfg)]
+        if self.config:
+            cmd += ["--config", json.dumps(dict(self.config))]
         env = {**os.environ, **(self.env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         if self.cpu is not None and hasattr(os, "sched_setaffinity"):
-            try:
+            with contextlib.suppress(OSError):
                 os.sched_setaffinity(self.proc.pid, {self.cpu})
-            except OSError:
-                pass
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         line = ""

@@ -62,18 +62,15 @@ def check_transport(name: str, registry: Any = None, **build_kwargs: Any) -> Any
     if unknown:
         raise _fail(entry, f"ignores {unknown}, which are not diloco.* settings (available: {', '.join(fields)})")
 
-    def bad(field: str, message: str) -> Exception:
-        return _Refused(field, message)
-
     base = DiLoCoConfig(transport=entry.name)
     try:
-        t.validate(base, bad)
+        t.validate(base, _Refused)
     except _Refused as e:
         raise _fail(entry, f"refuses the default config: {e}") from e
     for key in t.ignored:
         cfg = dataclasses.replace(base, **{key: _other_value(fields[key])})
         try:
-            t.validate(cfg, bad)
+            t.validate(cfg, _Refused)
         except _Refused as e:
             if e.field != key and key not in str(e):
                 raise _fail(entry, f"setting the ignored diloco.{key} is refused naming another key: {e}") from e
