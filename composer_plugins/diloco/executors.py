@@ -27,9 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, from_dict
-from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
+from composer_plugins.core.errors import ComposerPluginsError, one_line
 from composer_plugins.diloco.common import DiLoCoConfig, JobsConfig
-from composer_plugins.diloco.executor import LaunchError, LocalProcessExecutor, ReplicaExecutor, ReplicaSpec
+from composer_plugins.diloco.executor import (
+    LaunchError,
+    LocalProcessExecutor,
+    ReplicaExecutor,
+    ReplicaSpec,
+    wait_polling,
+)
 
 __all__ = [
     "HFJobsExecutor",
@@ -64,31 +70,15 @@ def project_root() -> Path:
     return root
 
 
-def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
-    """The ``diloco.jobs:`` section, read and validated (:meth:`JobsConfig.validate`)."""
-    c = cfg if cfg is not None else Config()
-    jobs = from_dict(JobsConfig, dcfg.jobs or {}, c, "diloco.jobs")
-    jobs.validate(c, "diloco.jobs")
-    return jobs
-
-
 def make_executor(
     name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, warm_restarts: bool = False
 ) -> ReplicaExecutor:
     """The executor registered as ``name`` (``register_executors``; built in: ``local``, ``hf_jobs``, ``modal``)
     configured from ``dcfg``; ``warm_restarts``: fork restarted replicas from a warm process (``--warm-restarts``,
     the local executor's; the others refuse it). Unknown names list the available ones and the closest."""
-    from composer_plugins.core.plugins import get_registry
+    from composer_plugins.diloco.transports import registered
 
-    registry = get_registry()
-    names = registry.names("executors")
-    if str(name).lower() not in names:
-        near = closest(str(name), names)
-        hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise ComposerPluginsError(
-            f"unknown executor {name!r}; available: {', '.join(names)}.{hint} (composer-plugins list executors)"
-        )
-    entry = registry.get("executors", name)
+    entry = registered("executors", name, ComposerPluginsError, " (composer-plugins list executors)")
     executor = entry.build(dcfg, log_dir=log_dir, warm_restarts=warm_restarts, name=entry.name)
     if not isinstance(executor, ReplicaExecutor):
         raise TypeError(
@@ -121,7 +111,7 @@ def cloud_jobs(name: str, dcfg: DiLoCoConfig, warm_restarts: bool = False) -> Jo
             f"--executor {name} runs replicas as cloud jobs that cannot reach "
             "a torchft lighthouse: set -S diloco.transport=object_store -S diloco.store=s3://...",
         )
-    return jobs_config(dcfg)
+    return from_dict(JobsConfig, dcfg.jobs or {}, Config(), "diloco.jobs").validate(Config(), "diloco.jobs")
 
 
 def hf_jobs_executor(
@@ -183,12 +173,7 @@ class _RemoteHandle:
     kill = terminate
 
     def wait(self, timeout: float | None = None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (rc := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            time.sleep(self._wait_s)
-        return rc
+        return wait_polling(self.poll, timeout, self._wait_s)
 
 
 # -- Hugging Face Jobs ----------------------------------------------------------------------
