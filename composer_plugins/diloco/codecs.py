@@ -470,11 +470,7 @@ class SparseCodec(Codec):
         if header.get("form") == "dense":
             if len(body) != 2 * numel:
                 raise CorruptObjectError(f"sparse (dense form) body of {len(body)} bytes for {numel} values")
-            return (
-                torch.frombuffer(bytearray(body), dtype=torch.float16).to(torch.float32) * scale
-                if numel
-                else (torch.zeros(0))
-            )
+            return _scaled_fp16(body, scale)
         nnz, nb = header.get("nnz"), header.get("bitmap")
         if header.get("form") != "sparse" or not isinstance(nnz, int) or not isinstance(nb, int) or nb < 0:
             raise CorruptObjectError(f"sparse body of form {header.get('form')!r}")
@@ -488,12 +484,13 @@ class SparseCodec(Codec):
             raise CorruptObjectError(f"sparse bitmap does not mark {nnz} of {numel} values")
         out = torch.zeros(numel)
         mask = torch.from_numpy(bits[:numel].astype(bool))
-        out[mask] = (
-            torch.frombuffer(bytearray(body[nb:]), dtype=torch.float16).to(torch.float32) * scale
-            if nnz
-            else (torch.zeros(0))
-        )
+        out[mask] = _scaled_fp16(body[nb:], scale)
         return out
+
+
+def _scaled_fp16(raw: bytes, scale: float) -> torch.Tensor:
+    """The fp32 values of fp16 bytes ``raw``, times ``scale``."""
+    return torch.frombuffer(bytearray(raw), dtype=torch.float16).to(torch.float32) * scale if raw else torch.zeros(0)
 
 
 _cache: dict[tuple[int, str], Codec] = {}

@@ -34,7 +34,6 @@ class Lighthouse:
         quorum_tick_ms: int = 100,
     ) -> None:
         self._server: Any = None
-        self.external = address is not None
         if address is not None:
             self.address = address if "://" in address else f"http://{address}"
             return

@@ -389,12 +389,7 @@ class ModalExecutor:
             "serialized": True,
             "secrets": [modal.Secret.from_name(s) for s in j.secrets],
         }
-        if j.gpu:
-            kwargs["gpu"] = j.gpu
-        if j.cpu:
-            kwargs["cpu"] = j.cpu
-        if j.memory_mb:
-            kwargs["memory"] = j.memory_mb
+        kwargs |= {k: v for k, v in (("gpu", j.gpu), ("cpu", j.cpu), ("memory", j.memory_mb)) if v}
         function = app.function(**kwargs)(_modal_replica)
         return app, image, function
 

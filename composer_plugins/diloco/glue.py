@@ -61,14 +61,11 @@ class DiLoCoCallbackBase(pl.Callback):
         self.heal_count += 1
         self._healed_since_sync = True
 
-    def _take_healed(self) -> bool:
-        """Whether a heal happened since the last sync record; the next record starts afresh."""
-        healed, self._healed_since_sync = self._healed_since_sync, False
-        return healed
-
     # -- the sync log: one record per sync, finished and written here only ----------------------
     def _sync_record(self, outer_step: int, committed: bool, participants: int, fragment: int) -> dict[str, Any]:
-        """The fields every transport's sync record starts with (docs/diloco.md "Sync log")."""
+        """The fields every transport's sync record starts with (docs/diloco.md "Sync log"); whether a heal happened
+        since the last one (the next starts afresh)."""
+        healed, self._healed_since_sync = self._healed_since_sync, False
         return {
             "replica": self.replica.index,
             "replica_id": self.replica.replica_id,
@@ -78,7 +75,7 @@ class DiLoCoCallbackBase(pl.Callback):
             "committed": committed,
             "participants": participants,
             "fragment": fragment,
-            "healed": self._take_healed(),
+            "healed": healed,
             "bytes_allreduced": self.bytes_allreduced,
             "time": time.time(),
         }

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import struct
@@ -434,19 +435,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 # -- nested state as data (no pickle) -----------------------------------------------------
 
 _DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
 
 
@@ -517,18 +507,8 @@ def decode_tree(tree: Any, body: bytes, what: str = "state") -> Any:
                 name, shape, off, nbytes = v
                 dtype = _DTYPES.get(name) if isinstance(name, str) else None
                 dims_ok = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                ok = (
-                    dtype is not None
-                    and dims_ok
-                    and isinstance(off, int)
-                    and isinstance(nbytes, int)
-                    and 0 <= off
-                    and off + nbytes <= len(buf)
-                )
-                numel = 1
-                for d in shape if ok else ():
-                    numel *= d
-                if not ok or numel * torch.empty((), dtype=dtype).element_size() != nbytes:
+                span_ok = isinstance(off, int) and isinstance(nbytes, int) and 0 <= off and off + nbytes <= len(buf)
+                if dtype is None or not (dims_ok and span_ok) or math.prod(shape) * dtype.itemsize != nbytes:
                     raise CorruptObjectError(f"{what}{path}: a bad tensor entry {v!r}")
                 if not nbytes:
                     return torch.empty(shape, dtype=dtype)

@@ -128,10 +128,6 @@ class DiLoCoCallback(DiLoCoCallbackBase):
     def bytes_allreduced(self) -> int:
         return int(getattr(self.process_group, "bytes_allreduced", 0))
 
-    @property
-    def inner_steps(self) -> int:
-        return self._inner_steps
-
     # -- Lightning hooks ---------------------------------------------------------------
     @property
     def attached(self) -> bool:
@@ -151,11 +147,11 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         """Checkpointed with the run: torchft step, global weights and outer optimizer state."""
         if self.manager is None:
             return {}
-        global_params: list[dict[str, torch.Tensor]] = []
-        for frag in getattr(self.diloco, "_fragments", []):
-            # torchft keeps the last global weights per fragment in ``original_parameters``.
-            orig = getattr(frag, "original_parameters", {})
-            global_params.append({k: v.detach().clone() for k, v in orig.items()})
+        # torchft keeps the last global weights per fragment in ``original_parameters``.
+        global_params = [
+            {k: v.detach().clone() for k, v in getattr(frag, "original_parameters", {}).items()}
+            for frag in getattr(self.diloco, "_fragments", [])
+        ]
         return {
             "manager": dict(self.manager.state_dict()),
             "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
@@ -185,7 +181,8 @@ class DiLoCoCallback(DiLoCoCallbackBase):
                 f"or set diloco.lighthouse / ${_env.ENV_LIGHTHOUSE} to a running `torchft_lighthouse`.",
                 key="diloco.lighthouse",
             )
-        _quiet_torchft()
+        # torchft warns on every quorum that it cannot reset the NCCL flight recorder (CPU runs); keep errors.
+        logging.getLogger("torchft.manager").setLevel(logging.ERROR)
         self._module, self._inner = module, inner_optimizer
         timeout = timedelta(seconds=c.timeout_s)
         self._store = TCPStore(c.store_host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -422,8 +419,3 @@ class DiLoCoCallback(DiLoCoCallbackBase):
             log.warning("DiLoCo: sync at torchft step %d did not commit; weights rolled back", step)
         rec["writes_checkpoint"] = self._checkpoint_due == step
         self._keep_sync(rec)
-
-
-def _quiet_torchft() -> None:
-    # torchft warns on every quorum that it cannot reset the NCCL flight recorder (CPU runs); keep errors.
-    logging.getLogger("torchft.manager").setLevel(logging.ERROR)

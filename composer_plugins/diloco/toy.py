@@ -182,12 +182,7 @@ def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: S
     callbacks = [*extra_callbacks, *([cb] if cb is not None else [])]
     from composer_plugins.training.lightning.trainer import lightning_trainer
 
-    trainer = lightning_trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=toy.max_steps,
-        callbacks=callbacks,
-    )
+    trainer = lightning_trainer(accelerator="cpu", devices=1, max_steps=toy.max_steps, callbacks=callbacks)
     t0 = time.perf_counter()
     trainer.fit(model, loader)
     out = {

@@ -414,7 +414,7 @@ class RoundStore:
         if not isinstance(state, dict):
             raise CorruptObjectError(f"{self._where(key)}: not a state mapping")
         digest = header.get("hash")
-        if digest is not None and state_hash(flatten(state)[1]) != digest:
+        if digest is not None and state_hash(flatten(state)) != digest:
             raise CorruptObjectError(f"{self._where(key)}: its vectors do not match the hash it records")
         return state
 
@@ -423,10 +423,6 @@ class RoundStore:
         return sorted(
             (int(k.rsplit("/", 1)[1]) for k in self.store.list("state") if k.rsplit("/", 1)[1].isdigit()), reverse=True
         )
-
-    def latest_state_round(self) -> int | None:
-        rounds = self.state_rounds()
-        return rounds[0] if rounds else None
 
     def newest_valid_state(self, at_least: int = 0) -> tuple[int, dict[str, Any]] | None:
         """``(r, state)`` of the newest ``state/<r>`` (``r >= at_least``) that is intact data; refused ones logged."""
@@ -441,9 +437,6 @@ class RoundStore:
             if state is not None:
                 return k, state
         return None
-
-    def exists(self, key: str) -> bool:
-        return self.store.exists(key)
 
     def collect_garbage(self, newest: int, keep_rounds: int) -> int:
         """Delete states older than the newest ``keep_rounds`` and the pseudo-gradients and means of rounds those

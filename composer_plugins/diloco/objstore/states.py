@@ -74,7 +74,7 @@ class StatesMixin:
         state = self._global_state()
 
         def put() -> None:
-            digest = state_hash(flatten(state)[1]) if hashed else None
+            digest = state_hash(flatten(state)) if hashed else None
             self.bytes_states += rs.put_state(key, state, create=True, digest=digest)
 
         return put
@@ -153,7 +153,7 @@ class StatesMixin:
             n += 1
             self._healed()
             key = f"state/{r:08d}"
-            if self._state_due(r) and not self.rounds.exists(key):
+            if self._state_due(r) and not self.rounds.store.exists(key):
                 self._put_state(r)()
                 log.warning(
                     "DiLoCo: rebuilt %s/%s from round %d's manifest (its closer did not write it)",
