@@ -1,16 +1,11 @@
 """Where replicas run: this host (:class:`~.executor.LocalProcessExecutor`), Hugging Face Jobs
-(:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`). All three implement the launcher's
-``ReplicaExecutor`` protocol (``start(spec) -> handle`` with ``poll``/``terminate``/``kill``/``wait``), so
-restarts (``--max-restarts``), timeouts and clean-up work the same everywhere.
+(:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`), all behind the launcher's ``ReplicaExecutor``
+protocol, so restarts, timeouts and clean-up work the same everywhere. Executors are a plugin kind (the
+``register_executors`` hook, docs/plugins.md), built by name with :func:`make_executor`.
 
-Executors are a plugin kind (the ``register_executors`` hook, docs/plugins.md): ``--executor NAME`` builds
-the registered entry with :func:`make_executor`; :func:`composer_plugins.testing.check_executor` checks one.
-
-The cloud executors send only what the launcher set for the replica (``spec.job_env``: replica index,
-number of replicas, run id, store URL, seed) plus the variables named in ``diloco.jobs.env``; credentials
-travel as the platform's secrets (``diloco.jobs.secrets``), never in the command line or the logs. The
-replica command is ``python -m composer_plugins.diloco.run ...`` inside ``diloco.jobs.image``, which must
-have composer-plugins installed. Their SDKs are optional extras, imported when the executor is built::
+The cloud executors send only ``spec.job_env`` plus the variables named in ``diloco.jobs.env``; credentials
+travel as the platform's secrets (``diloco.jobs.secrets``), never in the command line or the logs (docs/diloco.md,
+"What ran where"). Their SDKs are optional extras, imported when the executor is built::
 
     pip install 'composer-plugins[hf_jobs]'    # huggingface_hub
     pip install 'composer-plugins[modal]'      # modal

@@ -1,12 +1,7 @@
-"""Start a torchft lighthouse and N DiLoCo replica groups on this machine, and stop them cleanly.
+"""Start a torchft lighthouse and N DiLoCo replica groups, and stop them cleanly (import-light: no torch).
 
-This module is import-light (no torch at import time): it is the default plugin that adds the
-``composer-plugins diloco`` command, so it is imported by every CLI invocation. Its pieces live in their own
-modules and are re-exported here: the executors' seam (:class:`ReplicaExecutor`, :mod:`.executor`; the cloud
-ones in :mod:`.executors`), the :class:`Lighthouse` and the :class:`StartBarrier` (:mod:`.coordination`: the
-first generation meets after its managers heartbeat, so the first quorum has every replica in it). Here:
-:class:`ReplicaGroup`, which starts the replicas, restarts crashed ones (``max_restarts``) or stops at the
-first failure naming it (``wait(fail_fast=True)``), and leaves no replica process behind on exit, Ctrl-C,
+:class:`ReplicaGroup` starts the replicas through an executor, restarts crashed ones (``max_restarts``) or stops
+at the first failure naming it (``wait(fail_fast=True)``), and leaves no replica process behind on exit, Ctrl-C,
 SIGTERM or its own death (:mod:`composer_plugins.procs`).
 """
 
@@ -25,8 +20,6 @@ from typing import Any
 
 from composer_plugins import procs
 from composer_plugins.diloco.coordination import Lighthouse, RejoinBoard, StartBarrier
-
-#: the replica environment contract lives in :mod:`.env`; re-exported here for older imports
 from composer_plugins.diloco.env import (
     ENV_BARRIER,
     ENV_BARRIER_SIZE,
@@ -53,8 +46,8 @@ from composer_plugins.diloco.executor import (
     ReplicaSpec,
 )
 
-#: the executors' seam, the meeting points and the replica environment contract live in their own modules; these
-#: names are re-exported here for older imports
+#: the executors' seam (:mod:`.executor`), the meeting points (:mod:`.coordination`) and the replica environment
+#: contract (:mod:`.env`) live in their own modules; their names are re-exported here for older imports
 __all__ = [
     "ENV_BARRIER",
     "ENV_BARRIER_SIZE",
@@ -215,13 +208,9 @@ class ReplicaGroup:
         """The job-wide replica index of local slot ``index``."""
         return self.index_offset + index
 
-    def log_path(self, index: int) -> Path | None:
-        gi = self.global_index(index)
-        return self.log_dir / f"replica{gi}.log" if self.log_dir is not None else None
-
-    def sync_log_path(self, index: int) -> Path | None:
-        gi = self.global_index(index)
-        return self.log_dir / f"replica{gi}.sync.jsonl" if self.log_dir is not None else None
+    def log_path(self, index: int, suffix: str = ".log") -> Path | None:
+        """Replica ``index``'s log (``suffix=".sync.jsonl"``: its sync log) in ``log_dir``."""
+        return self.log_dir / f"replica{self.global_index(index)}{suffix}" if self.log_dir is not None else None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> ReplicaGroup:
@@ -281,7 +270,7 @@ class ReplicaGroup:
             env[ENV_REJOIN] = self.barrier.address
         if self.stop_file is not None:
             env[ENV_STOP_FILE] = str(self.stop_file)
-        sync_log = self.sync_log_path(index)
+        sync_log = self.log_path(index, ".sync.jsonl")
         if sync_log is not None:
             env[ENV_SYNC_LOG] = str(sync_log)
         env.update(self.extra_env)
@@ -332,10 +321,7 @@ class ReplicaGroup:
 
     def poll(self) -> dict[int, int | None]:
         """Exit code (or ``None`` while running) of each replica's current run."""
-        out: dict[int, int | None] = {}
-        for r in self.replicas:
-            out[r.index] = r.handle.poll() if r.handle is not None else None
-        return out
+        return {r.index: r.handle.poll() if r.handle is not None else None for r in self.replicas}
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.2, *, fail_fast: bool = False) -> LaunchResult:
         """Supervise until every replica has exited for good; restart crashed ones up to ``max_restarts``.

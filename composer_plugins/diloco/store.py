@@ -1,22 +1,11 @@
 """The object store the ``object_store`` transport meets through, and what is written into it.
 
-The store library is `obstore <https://developmental-seed.github.io/obstore>`_: one dependency reaches S3 and
-S3-compatible services, GCS, Azure and ``file://``, implements the conditional creates the round manifest needs
-(S3's ``If-None-Match: *``) and reads the standard cloud environment itself (``AWS_*``; a named profile is
-resolved through boto3 when installed). Credentials are never logged: messages name the store URL only.
-
-:class:`ObjectStore` adds bounded retries with exponential backoff for transient errors (5xx, SlowDown,
-timeouts, dropped connections), byte counters, and ``create`` returning ``False`` when the object exists.
-:func:`pack` / :func:`unpack` wrap every object (a header with the SHA-256 of the body; a torn or corrupt one
-raises :class:`CorruptObjectError`); :func:`encode_vector` / :func:`decode_vector` encode pseudo-gradients
-through the registered codecs (:mod:`.codecs`).
-
-**Nothing executable crosses the store**: :func:`encode_tree` / :func:`decode_tree` carry nested state as a
-JSON tree of plain values whose tensors are entries of a table into the body, and the decoder builds only
-those types, so a planted pickle is refused by name and never run. **Size**: objects above ``part_bytes``
-(8 MiB) go up as multipart uploads and are read as ranged GETs, so ``request_timeout_s`` bounds one part; a
-large conditional create writes ``<key>.blob-<nonce>`` first, then creates ``<key>`` as a reference to it.
-See docs/diloco.md ("What a team can trust the store with").
+:class:`ObjectStore` opens a URL with `obstore <https://developmental-seed.github.io/obstore>`_ (S3 and
+S3-compatible services, GCS, Azure, ``file://``; conditional creates, the standard cloud environment) or fsspec,
+and adds bounded retries for transient errors, byte counters, multipart uploads and ranged reads above
+``part_bytes``. :func:`pack` / :func:`unpack` wrap every object with the SHA-256 of its body;
+:func:`encode_tree` / :func:`decode_tree` carry nested state as plain data, so nothing executable crosses the
+store. Credentials are never logged. See docs/diloco.md ("What a team can trust the store with").
 """
 
 from __future__ import annotations

@@ -7,12 +7,8 @@ torchft's own; this module only wires them into Lightning, as a **callback** (:c
 ``Strategy``: each replica is an ordinary single-process run and torchft attaches to its one inner optimizer
 through optimizer step hooks, so any ``LightningModule`` with one optimizer works unchanged.
 
-Fault tolerance (a dead replica leaves the quorum; a restarted one heals from a live peer, which waits for it
-on the :class:`~composer_plugins.diloco.coordination.RejoinBoard`), checkpoints (participating rank 0, right
-after a committed sync) and the sync log are described in docs/diloco.md ("Design", "Fault tolerance",
-"Sync log"). The config, the fragment split and the outer optimizer are in :mod:`.common`, shared with the
-object-store transport (:mod:`.objstore`); ``composer-plugins diloco --replicas N`` (:mod:`.launch`) starts
-the lighthouse and the replicas.
+Fault tolerance, checkpoints and the sync log: docs/diloco.md ("Design", "Fault tolerance", "Sync log"). The
+config, the fragment split and the outer optimizer are in :mod:`.common`, shared with :mod:`.objstore`.
 """
 
 from __future__ import annotations
