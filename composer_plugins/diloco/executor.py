@@ -223,9 +223,8 @@ class _ForkServer:
         """Ask the server to fork ``spec``'s replica (it does once its imports are done); ``None`` when it is gone."""
         if not self.alive() or self.proc.stdin is None:
             return None
-        job = {"argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "log_path": None}
-        if spec.log_path is not None:
-            job["log_path"] = str(spec.log_path)
+        log_path = str(spec.log_path) if spec.log_path is not None else None
+        job = {"argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "log_path": log_path}
         handle = ForkedReplicaHandle(spec, self)
         with self._lock:
             try:

@@ -82,8 +82,9 @@ def become(job: dict[str, object]) -> int:
     os.dup2(null, 0)
     os.close(null)
     log = job.get("log_path")
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if isinstance(log, str) else -1
-    if out < 0:
+    if isinstance(log, str):
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    else:
         out = os.open(os.devnull, os.O_WRONLY)
     os.dup2(out, 1)
     os.dup2(out, 2)

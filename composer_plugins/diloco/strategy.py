@@ -266,9 +266,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
                 self.manager.shutdown(wait=False)
             except Exception as e:  # pragma: no cover - best effort on the way out
                 log.warning("torchft manager shutdown: %s", e)
-        self.manager = None
-        self.diloco = None
-        self._store = None
+        self.manager = self.diloco = self._store = None
 
     # -- torchft state (live recovery) ----------------------------------------------------
     def _schedulers(self) -> list[Any]:

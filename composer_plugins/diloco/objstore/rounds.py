@@ -211,14 +211,8 @@ class RoundStore:
                 )
             lo = 0
             for e in entries:
-                if not (
-                    isinstance(e, list)
-                    and len(e) == 3
-                    and e[0] == lo
-                    and isinstance(e[1], int)
-                    and e[1] >= lo
-                    and isinstance(e[2], str)
-                ):
+                row_ok = isinstance(e, list) and len(e) == 3 and e[0] == lo and isinstance(e[2], str)
+                if not (row_ok and isinstance(e[1], int) and e[1] >= lo):
                     raise CorruptObjectError(f"{self._where(key)}: malformed slice table")
                 lo = e[1]
             if lo != header.get("numel"):
@@ -335,20 +329,13 @@ class RoundStore:
     def manifest(self, r: int) -> dict[str, Any] | None:
         def parse(key: str, header: dict[str, Any], body: bytes) -> dict[str, Any]:
             m = json.loads(body)
-            ok = (
-                header.get("kind") == "manifest"
-                and isinstance(m, dict)
-                and m.get("round") == r
-                and isinstance(m.get("participants"), list)
-                and isinstance(m.get("grads"), dict)
-                and isinstance(m.get("slices"), int)
-                and m["slices"] >= 1
-                and sorted(int(i) for i in m["grads"]) == m["participants"]
-                and all(
-                    isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i for i, n in m["grads"].items()
-                )
-            )
-            if not ok:
+            ok = header.get("kind") == "manifest" and isinstance(m, dict) and m.get("round") == r
+            ok = ok and isinstance(m.get("participants"), list) and isinstance(m.get("grads"), dict)
+            ok = ok and isinstance(m.get("slices"), int) and m["slices"] >= 1
+            ok = ok and sorted(int(i) for i in m["grads"]) == m["participants"]
+            if not ok or not all(
+                isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i for i, n in m["grads"].items()
+            ):
                 raise self._for_good(r, key, None, f"not a manifest of round {r}")
             return m
 

@@ -57,12 +57,8 @@ class StatesMixin:
 
     def _state_written(self, r: int) -> bool:
         """Whether round ``r``'s due state is written: always with ``exact_every: 1``; else the last of every
-        ``exact_every`` due states (by round: ``(r // state_every) % exact_every == exact_every - 1``, the last round
-        included, so a run of fewer rounds writes none and a reader rebuilds from ``init``). A state between carries
-        nothing the store does not hold already: it is the previous state plus the outer steps of the rounds'
-        means, which every replica applied and which are kept (``keep_rounds`` deletes a round's pseudo-gradients
-        and mean only once a newer written state exists); writing it again, exact or as a delta through the codec,
-        costs as much as the means themselves. The same on every replica and launch (round and pinned settings)."""
+        ``exact_every`` due states, by round, the same on every replica and launch (docs/diloco.md, "States: replay
+        points": a state between is the previous one plus the outer steps of the rounds' kept means)."""
         k, e = self.config.state_every, self.config.exact_every
         return e <= 1 or (r // k) % e == e - 1
 
