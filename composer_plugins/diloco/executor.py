@@ -269,10 +269,8 @@ class LocalProcessExecutor:
     Linux it is SIGKILLed as soon as the thread that started it ends (the launcher died or was killed
     without cleaning up: ``PR_SET_PDEATHSIG``), so a replica blocked in a collective is not left behind.
 
-    ``warm_restarts``: beside the first replica, start a fork server (:mod:`composer_plugins.diloco.forkserver`, from
-    that replica's command and environment) that imports what a replica imports once; a replica started again
-    (``spec.restart > 0``) is forked from it instead of a fresh interpreter (no interpreter start, no imports). Only
-    replicas run as ``python -m composer_plugins.diloco.run`` can be forked; the others start as usual.
+    ``warm_restarts``: a replica started again is forked from a fork server started beside the first replica
+    (:mod:`composer_plugins.diloco.forkserver`); only ``python -m composer_plugins.diloco.run`` replicas can be.
     """
 
     def __init__(self, pdeathsig: int = signal.SIGKILL, warm_restarts: bool = False) -> None:

@@ -33,15 +33,10 @@ class AggregateMixin:
         return True
 
     def _round_mean(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None) -> torch.Tensor | None:
-        """Round ``r``'s mean pseudo-gradient, as stored in ``rounds/<r>/mean-<j>`` (one object per slice).
-
-        Slice ``j`` belongs to participant ``participants[j % P]``: it reads slice ``j`` of the others'
-        pseudo-gradients (its own from ``own``, never from the store), sums them in index order, divides by
-        their number, and creates ``mean-<j>`` with the run's codec. Everyone then applies the stored bits
-        (identical whoever wrote them: a create happens once), so each replica reads about ``2 (N-1)/N``
-        compressed pseudo-gradients per round whatever ``N``. A slice its owner has not written within
-        ``round_timeout_s`` (or at once, for a round already closed: ``own`` is ``None``) is computed and
-        created by whoever needs it. ``None`` when a round rebuilt later lacks a listed slice.
+        """Round ``r``'s mean pseudo-gradient, as stored in ``rounds/<r>/mean-<j>`` (one object per slice; see
+        docs/diloco.md, "One aggregate per round"): this replica makes its own slices (its pseudo-gradient from
+        ``own``), reads the others', and makes one whose owner has not written it within ``round_timeout_s`` (at once
+        for a closed round, ``own=None``). ``None`` when a round rebuilt later lacks a listed slice.
         """
         assert self.rounds is not None
         c, rs, me = self.config, self.rounds, self.replica.index

@@ -240,13 +240,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
 
     def _launch_overlapped(self, r: int, t0: float) -> None:
         """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
-        outer step on the global weights in a background thread; the model's weights are left to the inner steps
-        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground.
-
-        The training thread only copies the weights (the snapshot, one ``clone`` per parameter); every store
-        request (the manifest check included), the codec, the checksums, the mean, the outer step and the sync
-        log's parameter hash run in the background thread (torch's kernels, ``hashlib`` and ``zlib`` release the
-        GIL on large buffers; the waits sleep with backoff, ``poll_s`` to ``poll_max_s``)."""
+        outer step on the global weights in a background thread, while the model goes on with round ``r + 1``
+        (:meth:`_finish_overlapped`; docs/diloco.md, "overlap: 1"). ``init_sync`` (round 0) stays in the foreground."""
         me = self.replica.index
         c = self.config
         if r == 0 and c.init_sync and self.replica.num_replicas > 1:
