@@ -38,7 +38,6 @@ class AggregateMixin:
         ``own``), reads the others', and makes one whose owner has not written it within ``round_timeout_s`` (at once
         for a closed round, ``own=None``). ``None`` when a round rebuilt later lacks a listed slice.
         """
-        assert self.rounds is not None
         c, rs, me = self.config, self.rounds, self.replica.index
         parts = list(manifest["participants"])
         numel = sum(p.numel() for p in self.params)
@@ -145,7 +144,6 @@ class AggregateMixin:
 
         ``keep_rounds`` deletes a round's pseudo-gradients and mean only after a newer state is written (and keeps
         that state), so a listed pseudo-gradient that is gone while no such state exists was never collected."""
-        assert self.rounds is not None
         return any(k >= r for k in self.rounds.state_rounds())
 
     def _close(self, r: int, me: int, mine_name: str | None) -> tuple[dict[str, Any], bool]:
@@ -153,7 +151,6 @@ class AggregateMixin:
 
         Only the pseudo-gradients' indexes are read here (a few hundred bytes each): the data is read slice by
         slice when the round's mean is made (:meth:`_round_mean`)."""
-        assert self.rounds is not None
         c, rs, n = self.config, self.rounds, self.replica.num_replicas
         numel = sum(p.numel() for p in self.params)
         deadline = time.monotonic() + c.round_timeout_s

@@ -270,7 +270,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             if created and self._state_due(r):
                 self._put_state(r)()
                 if self.config.keep_rounds:
-                    self._collect(r)
+                    self.rounds.collect_garbage(r, self.config.keep_rounds)
                 times["state"] = time.perf_counter() - t
             times["cpu"] = time.thread_time() - cpu  # this thread's CPU time for the round (the rest is waiting)
             return manifest, True
