@@ -14,7 +14,7 @@ import sys
 import click
 
 from composer_plugins.core.cli import set_option
-from composer_plugins.diloco.launch import launch
+from composer_plugins.diloco.launch import launch, summary_table
 
 
 @click.command(name="diloco", context_settings={"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]})
@@ -166,8 +166,6 @@ def diloco_cmd(
             close()
     for i, codes in sorted(res.exit_codes.items()):
         click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
-    from composer_plugins.diloco.launch import summary_table
-
     click.echo(summary_table(log_dir, [first_index + i for i in sorted(res.exit_codes)]))
     if not res.ok:
         click.secho(f"some replicas failed; see {log_dir}/replica<i>.log", err=True, fg="red")

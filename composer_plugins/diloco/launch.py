@@ -255,9 +255,7 @@ class ReplicaGroup:
             own[ENV_STORE] = self.store
         if self.base_seed is not None:
             own[ENV_SEED] = str(self.base_seed + gi)
-        env = dict(os.environ)
-        for k in REPLICA_VARS:
-            env.pop(k, None)
+        env = {k: v for k, v in os.environ.items() if k not in REPLICA_VARS}
         env.update(own)
         env.setdefault("RUST_LOG", "warn")
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
@@ -268,11 +266,9 @@ class ReplicaGroup:
             env[ENV_BARRIER_SIZE] = str(self.barrier.size)
         if self.barrier is not None:
             env[ENV_REJOIN] = self.barrier.address
-        if self.stop_file is not None:
+        if self.log_dir is not None:
             env[ENV_STOP_FILE] = str(self.stop_file)
-        sync_log = self.log_path(index, ".sync.jsonl")
-        if sync_log is not None:
-            env[ENV_SYNC_LOG] = str(sync_log)
+            env[ENV_SYNC_LOG] = str(self.log_path(index, ".sync.jsonl"))
         env.update(self.extra_env)
         own.update(self.extra_env)
         env = procs.tag_env(self.tag, env)

@@ -108,8 +108,7 @@ class AggregateMixin:
         if own is not None:
             for j in range(len(bounds)):
                 if parts[j % len(parts)] == me:
-                    got = make(j)
-                    if got is None:
+                    if (got := make(j)) is None:
                         return None
                     out[j] = got
         deadline = time.monotonic() + (c.round_timeout_s if own is not None else 0.0)
@@ -130,8 +129,7 @@ class AggregateMixin:
                                 r,
                                 j,
                             )
-                        got = make(j)
-                        if got is None:
+                        if (got := make(j)) is None:
                             return None
                         out[j] = got
                 break
