@@ -1,10 +1,5 @@
 """``composer-plugins diloco`` (added by :mod:`.plugin`): validate the config once, then start the replicas where
-``--executor`` says.
-
-Executors (the ``register_executors`` hook; ``composer-plugins list executors``): built in ``local`` (processes on
-this host, :class:`~composer_plugins.diloco.executor.LocalProcessExecutor`), ``hf_jobs`` (Hugging Face Jobs) and
-``modal`` (Modal functions), see :mod:`.executors`. The cloud ones need ``diloco.transport=object_store``: their
-replicas meet through ``diloco.store`` only.
+``--executor`` says (a registered executor, :mod:`.executors`).
 """
 
 from __future__ import annotations

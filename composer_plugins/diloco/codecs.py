@@ -1,10 +1,8 @@
 """Pseudo-gradient codecs (``diloco.compress``): a registered plugin kind, ``codecs``.
 
-A codec turns a flat fp32 CPU vector into header fields (JSON values) and a body (bytes), and back. The
-object-store transport writes every pseudo-gradient slice and every slice of a round's mean through one
-(:func:`composer_plugins.diloco.store.encode_vector` / ``decode_vector`` add ``codec`` and ``numel`` to the
-header and check what a codec returns). The built-ins register through the same hook a third party
-implements (an example codec: docs/plugins.md, ``register_codecs``).
+A codec turns a flat fp32 CPU vector into header fields (JSON values) and a body (bytes), and back
+(:class:`Codec`); the object-store transport writes every pseudo-gradient slice and every slice of a round's mean
+through :func:`encode_vector` / :func:`decode_vector`. An example codec: docs/plugins.md, ``register_codecs``.
 :func:`composer_plugins.testing.conformance.check_codec` is the contract: a round trip within ``tolerance``
 (bitwise at 0), :class:`~composer_plugins.diloco.store.CorruptObjectError` (with what is wrong) for a body that
 is not what its header says, plain fp32 CPU tensors in and out, and the same bytes for the same vector.

@@ -1,8 +1,5 @@
 """The executor seam: what one replica is (:class:`ReplicaSpec`), the handle and executor protocols every executor
-implements (:class:`ReplicaHandle`, :class:`ReplicaExecutor`), and the local one (:class:`LocalProcessExecutor`:
-one OS process group per replica on this host). The cloud executors (Hugging Face Jobs, Modal) are in
-:mod:`.executors`; the launcher that supervises the replicas in :mod:`.launch`.
-
+implements (:class:`ReplicaHandle`, :class:`ReplicaExecutor`), and the local one (:class:`LocalProcessExecutor`).
 Import-light (no torch): the ``composer-plugins diloco`` command imports it on every CLI invocation.
 """
 

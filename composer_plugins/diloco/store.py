@@ -71,20 +71,15 @@ class StoreError(ComposerPluginsError, RuntimeError):
     """A store operation failed for good (not transient, or still failing after ``store_retry_s``)."""
 
 
-def _obstore() -> Any:
-    try:
-        import obstore
-    except ImportError as e:
-        raise ComposerPluginsError(f"diloco.transport=object_store needs obstore. HINT: {INSTALL_HINT}") from e
-    return obstore
-
-
 class _Obstore:
     """The store operations through obstore (the schemes of :data:`SCHEMES`)."""
 
     def __init__(self, url: str, request_timeout_s: float) -> None:
-        self.obs = obs = _obstore()
-        ex = obs.exceptions
+        try:
+            import obstore as obs
+        except ImportError as e:
+            raise ComposerPluginsError(f"diloco.transport=object_store needs obstore. HINT: {INSTALL_HINT}") from e
+        self.obs, ex = obs, obs.exceptions
         self.missing = (ex.NotFoundError, FileNotFoundError)
         self.permanent: tuple[type[BaseException], ...] = (
             ex.NotFoundError,
@@ -301,14 +296,9 @@ class ObjectStore:
         else:
             blob = f"{key}.blob-{os.urandom(6).hex()}"
             self._put_one(blob, memoryview(data), False)
+            digest = hashlib.sha256(data).hexdigest()
             ref = pack(
-                {
-                    "kind": REF,
-                    "blob": blob.rsplit("/", 1)[-1],
-                    "blob_sha256": hashlib.sha256(data).hexdigest(),
-                    "blob_length": len(data),
-                },
-                b"",
+                {"kind": REF, "blob": blob.rsplit("/", 1)[-1], "blob_sha256": digest, "blob_length": len(data)}, b""
             )
             ok = self._put_one(key, ref, True)
             if not ok:

@@ -1,13 +1,8 @@
 """DiLoCo's outer-sync transports, as registered objects (the ``register_transports`` hook): the one place a
 transport name is compared.
 
-A :class:`Transport` says what the config must hold (:meth:`~Transport.validate`, including the ``diloco.*``
-keys it ignores, refused when set), what the launcher must provide (``needs``: a torchft ``lighthouse`` or a
-``store``), whether cloud executors can run its replicas, and the callback it builds
-(:meth:`~Transport.callback`). Import-light (no torch): the launcher and the CLI read it. The built-ins,
-``torchft`` (:class:`~composer_plugins.diloco.strategy.DiLoCoCallback`) and ``object_store``
-(:class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`), register through
-:mod:`.plugin` as a third party would; ``composer-plugins list transports`` shows them.
+Import-light (no torch): the launcher and the CLI read it. The built-ins, ``torchft`` and ``object_store``,
+register through :mod:`.plugin` as a third party would; ``composer-plugins list transports`` shows them.
 """
 
 from __future__ import annotations

@@ -114,13 +114,9 @@ class RoundStore:
 
     # -- pseudo-gradients (sliced) and the round's aggregate ---------------------------
     def put_grad(self, r: int, index: int, restart: int, slices: list[tuple[dict[str, Any], bytes]]) -> tuple[str, int]:
-        """Create this replica's pseudo-gradient of round ``r`` from its encoded slices
-        (:func:`encode_slices`): ``(name, bytes)``.
-
-        Each slice is its own object ``<name>.s<j>``; the index ``<name>`` (slice bounds and checksums) is
-        created last, so a listed index always has its slices. The name is ``grad-<index>-<k>`` with the first
-        ``k >= restart`` not taken (an earlier life of this replica, or of an earlier launch, may hold a smaller one).
-        """
+        """Create this replica's pseudo-gradient of round ``r`` from its encoded slices (:func:`encode_slices`), its
+        index last (so a listed index has its slices), as ``grad-<index>-<k>`` with the first ``k >= restart`` not
+        taken (an earlier life may hold a smaller one): ``(name, bytes)``."""
         d = self.round_dir(r)
         for k in range(restart, restart + _GRAD_TRIES):
             name = f"grad-{index}-{k}"
