@@ -453,32 +453,18 @@ def summary_table(log_dir: str | os.PathLike[str], indices: Sequence[int]) -> st
             with contextlib.suppress(ValueError, IndexError):
                 last = json.loads(lines[-1])
                 got = {"rounds": last.get("outer_step"), "param_hash": last.get("param_hash")}
-        h = got.get("param_hash")
-        if h:
-            hashes.add(h)
-        loss = got.get("loss")
-        rows.append(
-            [
-                str(i),
-                "-" if got.get("rounds") is None else str(got["rounds"]),
-                "-" if loss is None else f"{loss:.4f}",
-                h[:12] if h else "-",
-                got.get("model_path") or "-",
-            ]
-        )
+        rounds, loss, h = got.get("rounds"), got.get("loss"), got.get("param_hash")
+        hashes |= {h} if h else set()
+        cells = ["-" if rounds is None else str(rounds), "-" if loss is None else f"{loss:.4f}", h[:12] if h else "-"]
+        rows.append([str(i), *cells, got.get("model_path") or "-"])
     names = {
         json.loads(p.read_text()).get("loss_name")
         for p in Path(log_dir).glob("replica*.result.json")
         if p.stat().st_size
     }
     names.discard(None)
-    head = [
-        "replica",
-        "rounds",
-        f"final loss ({names.pop()})" if len(names) == 1 else "final loss",
-        "param hash",
-        "model path",
-    ]
+    loss_head = f"final loss ({names.pop()})" if len(names) == 1 else "final loss"
+    head = ["replica", "rounds", loss_head, "param hash", "model path"]
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
     if len(hashes) == 1 and all(r[3] != "-" for r in rows):

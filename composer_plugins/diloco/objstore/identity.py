@@ -103,23 +103,19 @@ class RunIdentityMixin:
                 ]
             else:
                 settings.append(f"{k} is {a!r} in the run, {b!r} here")
-        fix = {
-            "sync_every": "diloco.sync_every",
-            "compress": "diloco.compress",
-            "state_every": "diloco.state_every",
-            "exact_every": "diloco.exact_every",
+        fix = {  # the rest: diloco.<key>
             "num_replicas": "--replicas / --total-replicas",
             "outer_optimizer": "diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov "
             "or diloco.outer_optimizer",
             "inner_optimizer": "the training config's optimizer (its learning rate "
             "and hyper-parameters; a replica joining before round 0 would otherwise take the run's)",
         }
+        fixes = "; ".join(fix.get(k, f"diloco.{k}") for k in diff)
         raise ConfigError(
             f"this replica's settings differ from those of run {theirs.get('run_id')!r} "
             f"({self.store.where}/run.json): {'; '.join(settings)}. Every replica of a run must share them (the "
             f"outer step and the pseudo-gradients are only the same computation with the same settings). HINT: set "
-            f"{'; '.join(fix[k] for k in diff if k in fix)} to the run's values, or start another run on a fresh "
-            "prefix.",
+            f"{fixes} to the run's values, or start another run on a fresh prefix.",
             key="diloco.store",
         )
 
