@@ -127,8 +127,7 @@ def _int4_scale_codes(absmax: torch.Tensor) -> torch.Tensor:
 
 def _int4_scales(codes: torch.Tensor) -> torch.Tensor:
     """The fp32 scale of each code (0 for code 0, NaN for code 255)."""
-    k = codes.to(torch.float32)
-    s = torch.exp2((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS)
+    s = torch.exp2((codes.to(torch.float32) - INT4_SCALE_BIAS) / INT4_SCALE_STEPS)
     s = torch.where(codes == 0, torch.zeros_like(s), s)
     return torch.where(codes == 255, torch.full_like(s, float("nan")), s)
 
@@ -278,8 +277,7 @@ class Int4Codec(Codec):
 
     def encode(self, v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         n = v.numel()
-        pad = (-n) % INT4_BLOCK
-        blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
+        blocks = torch.nn.functional.pad(v, (0, (-n) % INT4_BLOCK)).view(-1, INT4_BLOCK)
         codes = _int4_scale_codes(blocks.abs().amax(dim=1))
         scale = _int4_scales(codes)
         safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
@@ -289,8 +287,7 @@ class Int4Codec(Codec):
         z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
         deflated = z.compress(packed) + z.flush()
         flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
-        body = bytes([flag]) + codes.numpy().tobytes() + payload  # device-ok: v is encode_vector's host copy
-        return {}, body
+        return {}, bytes([flag]) + codes.numpy().tobytes() + payload  # device-ok: v is encode_vector's host copy
 
     def decode(self, header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
         nb = -(-n // INT4_BLOCK)

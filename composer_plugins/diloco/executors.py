@@ -385,8 +385,7 @@ class ModalExecutor:
             "secrets": [modal.Secret.from_name(s) for s in j.secrets],
         }
         kwargs |= {k: v for k, v in (("gpu", j.gpu), ("cpu", j.cpu), ("memory", j.memory_mb)) if v}
-        function = app.function(**kwargs)(_modal_replica)
-        return app, image, function
+        return app, image, app.function(**kwargs)(_modal_replica)
 
     def start(self, spec: ReplicaSpec) -> ModalHandle:
         with self._lock:

@@ -137,8 +137,7 @@ class DiLoCoCallbackBase(pl.Callback):
             log.warning("DiLoCo: manual optimization; syncs happen on the optimizer's step() calls")
         self._trainer = trainer
         if self._target is None and trainer.max_steps and trainer.max_steps > 0:
-            per_sync = self.config.sync_every // self.config.num_fragments
-            self._target = max(1, trainer.max_steps // per_sync)
+            self._target = max(1, trainer.max_steps // (self.config.sync_every // self.config.num_fragments))
             # The shared outer step decides when to stop, not this replica's own count: a replica whose sync
             # did not commit, or that waits for a restarted peer, makes those syncs up (bounded: at most
             # max_steps more inner steps). ``max_steps`` grows only when that happens (:meth:`_make_up`), so a

@@ -373,8 +373,7 @@ class ReplicaGroup:
         return self.result()
 
     def _describe(self, r: ReplicaState) -> str:
-        pid = r.handle.pid if r.handle is not None else None
-        return f"{self.global_index(r.index)} (pid {pid})"
+        return f"{self.global_index(r.index)} (pid {r.handle.pid if r.handle is not None else None})"
 
     def _log_tail(self, index: int, lines: int = 30) -> str:
         path = self.log_path(index)

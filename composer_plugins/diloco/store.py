@@ -458,8 +458,7 @@ def encode_tree(obj: Any, what: str = "state") -> tuple[Any, bytes]:
             "lists, tuples and dicts only)"
         )
 
-    tree = walk(obj, "")
-    return tree, b"".join(chunks)
+    return walk(obj, ""), b"".join(chunks)
 
 
 def decode_tree(tree: Any, body: bytes, what: str = "state") -> Any:

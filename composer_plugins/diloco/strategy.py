@@ -187,8 +187,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         if c.checkpoint_transport == "pg":
             from torchft.checkpointing.pg_transport import PGTransport
 
-            device = next(module.parameters()).device
-            transport = PGTransport(self.process_group, timeout=timeout, device=device)
+            transport = PGTransport(self.process_group, timeout=timeout, device=next(module.parameters()).device)
         self.manager = Manager(
             pg=self.process_group,
             load_state_dict=self._load_replica_state,
@@ -234,8 +233,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         if self.replica.restart > 0:
             # A restarted replica's local steps are thrown away when it heals, so it asks for its quorum
             # after one step instead of H: it heals at the peers' next sync.
-            per = c.sync_every // c.num_fragments
-            first = per - c.fragment_sync_delay - 1
+            first = c.sync_every // c.num_fragments - c.fragment_sync_delay - 1
             self.diloco._local_step = first
             self._since_sync = first
             self._post("ready")

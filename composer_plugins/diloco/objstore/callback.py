@@ -277,8 +277,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
 
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-overlap")
-        future = self._background.submit(job)
-        self._overlapped = (r, future, snapshot, result, time.perf_counter() - t0)
+        self._overlapped = (r, self._background.submit(job), snapshot, result, time.perf_counter() - t0)
 
     @torch.no_grad()
     def _finish_overlapped(self) -> None:
@@ -290,7 +289,6 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self._overlapped = None
         t0 = time.perf_counter()
         manifest, committed = future.result()
-        err = result.get("err")
         if committed:
             for p, g, s in zip(self.params, self.global_params, snapshot, strict=True):
                 p.add_(g - s)
@@ -300,7 +298,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             r,
             committed,
             len(manifest["participants"]),
-            err,
+            result.get("err"),
             launch_s + time.perf_counter() - t0,
             digest=result.get("digest") if committed else None,
             background=result.get("background_s"),
@@ -316,7 +314,6 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         digest: tuple[str, float] | None = None,
         background: dict[str, float] | None = None,
     ) -> dict[str, Any]:
-        c = self.config
         assert self.store is not None
         # since the last record: the state written in the background after a sync counts in the next one
         w0, r0, n0 = self._counted
@@ -342,12 +339,10 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         }
         if background is not None:  # overlap: 1 -- where the background sync's time went (publish, close, ...)
             rec["background_s"] = background
-        if self._target is not None and self.round >= self._target:
-            self._stop = True
-        if self.stop_file_says_stop(self.round):
+        if (self._target is not None and self.round >= self._target) or self.stop_file_says_stop(self.round):
             self._stop = True
         rec["writes_checkpoint"] = False
-        if c.overlap and not self._stop:
+        if self.config.overlap and not self._stop:
             # with overlap: 1 the model carries its own steps since the last snapshot: the global weights are synced
             # (the background job hashed them already, ``digest``, unless this round was caught up here)
             self._keep_sync(rec, self.global_params, digest)
