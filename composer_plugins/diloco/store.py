@@ -11,6 +11,7 @@ store. Credentials are never logged. See docs/diloco.md ("What a team can trust 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -247,9 +249,7 @@ class ObjectStore:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.retry_s
         delay = 0.1
-        attempt = 0
-        while True:
-            attempt += 1
+        for attempt in itertools.count(1):
             try:
                 return fn()
             except self._io.permanent:
@@ -353,11 +353,7 @@ class ObjectStore:
         buf[: len(head)] = head
         for start in range(len(head), size, part):
             end = min(size, start + part)
-
-            def op(start: int = start, end: int = end) -> bytes:
-                return self._io.get_range(key, start, end)
-
-            buf[start:end] = self._call(f"get {key} bytes {start}-{end}", op)
+            buf[start:end] = self._call(f"get {key} bytes {start}-{end}", partial(self._io.get_range, key, start, end))
         return bytes(buf)
 
     def exists(self, key: str) -> bool:

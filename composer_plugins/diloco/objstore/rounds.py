@@ -439,12 +439,8 @@ class RoundStore:
             parts = key.split("/")
             # pseudo-gradients only: a manifest (a few hundred bytes) stays, so a straggler still in that round
             # finds it closed and never closes it a second time
-            if (
-                len(parts) >= 2
-                and parts[-2].isdigit()
-                and int(parts[-2]) <= oldest_kept
-                and any(k in parts[-1] for k in ("grad-", "mean-", "refused-"))
-            ):
+            in_old_round = len(parts) >= 2 and parts[-2].isdigit() and int(parts[-2]) <= oldest_kept
+            if in_old_round and any(k in parts[-1] for k in ("grad-", "mean-", "refused-")):
                 self.store.delete(key)
                 n += 1
         return n
