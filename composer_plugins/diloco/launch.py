@@ -406,8 +406,7 @@ class ReplicaGroup:
             h.terminate()
         deadline = time.monotonic() + self.grace_s
         for h in running:
-            left = max(0.0, deadline - time.monotonic())
-            if h.wait(left) is None:
+            if h.wait(max(0.0, deadline - time.monotonic())) is None:
                 h.kill()
                 h.wait(5.0)
         # A replica that already exited may have left children in its group, or in sessions of their own
