@@ -208,14 +208,14 @@ class HFJobHandle(_RemoteHandle):
                 self.message = f"cannot read the job's status for {POLL_ERRORS_S:.0f}s: {one_line(e)}; cancelled"
                 # it may still be running: cancel it before the launcher starts another copy of this replica
                 with contextlib.suppress(Exception):
-                    self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
+                    self._cancel()
                 self._finish(1)
             return self._rc
         self._failing_since = None
         self._stage, self.message = str(info.status.stage), info.status.message
         stage = self._stage.rsplit(".", 1)[-1]
         if stage == "SCHEDULING" and now - self.started_at > self.executor.jobs.start_timeout_s:
-            self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
+            self._cancel()
             self.message = f"did not start within diloco.jobs.start_timeout_s={self.executor.jobs.start_timeout_s:g}s"
             self._finish(1)
         elif stage == "COMPLETED":
