@@ -1,10 +1,5 @@
 """``composer-plugins diloco`` (added by :mod:`.plugin`): validate the config once, then start the replicas where
-``--executor`` says.
-
-Executors (the ``register_executors`` hook; ``composer-plugins list executors``): built in ``local`` (processes on
-this host, :class:`~composer_plugins.diloco.executor.LocalProcessExecutor`), ``hf_jobs`` (Hugging Face Jobs) and
-``modal`` (Modal functions), see :mod:`.executors`. The cloud ones need ``diloco.transport=object_store``: their
-replicas meet through ``diloco.store`` only.
+``--executor`` says (a registered executor, :mod:`.executors`).
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ import sys
 import click
 
 from composer_plugins.core.cli import set_option
-from composer_plugins.diloco.launch import launch
+from composer_plugins.diloco.launch import launch, summary_table
 
 
 @click.command(name="diloco", context_settings={"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]})
@@ -166,8 +161,6 @@ def diloco_cmd(
             close()
     for i, codes in sorted(res.exit_codes.items()):
         click.echo(f"replica {i}: exit codes {codes} (restarts {res.restarts[i]})")
-    from composer_plugins.diloco.launch import summary_table
-
     click.echo(summary_table(log_dir, [first_index + i for i in sorted(res.exit_codes)]))
     if not res.ok:
         click.secho(f"some replicas failed; see {log_dir}/replica<i>.log", err=True, fg="red")

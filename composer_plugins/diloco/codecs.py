@@ -1,10 +1,8 @@
 """Pseudo-gradient codecs (``diloco.compress``): a registered plugin kind, ``codecs``.
 
-A codec turns a flat fp32 CPU vector into header fields (JSON values) and a body (bytes), and back. The
-object-store transport writes every pseudo-gradient slice and every slice of a round's mean through one
-(:func:`composer_plugins.diloco.store.encode_vector` / ``decode_vector`` add ``codec`` and ``numel`` to the
-header and check what a codec returns). The built-ins register through the same hook a third party
-implements (an example codec: docs/plugins.md, ``register_codecs``).
+A codec turns a flat fp32 CPU vector into header fields (JSON values) and a body (bytes), and back
+(:class:`Codec`); the object-store transport writes every pseudo-gradient slice and every slice of a round's mean
+through :func:`encode_vector` / :func:`decode_vector`. An example codec: docs/plugins.md, ``register_codecs``.
 :func:`composer_plugins.testing.conformance.check_codec` is the contract: a round trip within ``tolerance``
 (bitwise at 0), :class:`~composer_plugins.diloco.store.CorruptObjectError` (with what is wrong) for a body that
 is not what its header says, plain fp32 CPU tensors in and out, and the same bytes for the same vector.
@@ -106,36 +104,6 @@ def encode_vector(vec: torch.Tensor, compress: str, codec: Codec | None = None) 
     return {**fields, "codec": compress, "numel": v.numel()}, bytes(body)
 
 
-def _builtin_encode(v: torch.Tensor, compress: str) -> tuple[dict[str, Any], bytes]:
-    """The built-in codecs' header fields and body for a flat fp32 CPU vector (``none`` | ``bf16`` | ``int8`` |
-    ``int4``).
-
-    ``int8``: blocks of 4096 values, each scaled by its absolute maximum / 127 (fp32 scales), rounded to
-    int8, then deflated (zlib), so the body is at most a quarter of the fp32 bytes on pseudo-gradients.
-    ``int4``: blocks of 256 values, each with a one-byte log-scale code (:func:`_int4_scale_codes`), rounded
-    to [-7, 7], two a byte, then entropy-coded (raw deflate, kept only when smaller): at most an eighth of
-    the fp32 bytes plus one byte a block (the sender carries the rounding error to its next round: error
-    feedback, in the callback).
-    """
-    n = v.numel()
-    if compress == "none":
-        return {"codec": "none", "numel": n}, v.numpy().tobytes()  # device-ok: encode_vector's host copy
-    if compress == "bf16":
-        bf16 = v.to(torch.bfloat16).view(torch.int16)
-        return {"codec": "bf16", "numel": n}, bf16.numpy().tobytes()  # device-ok: encode_vector's host copy
-    if compress == "int8":
-        pad = (-n) % INT8_BLOCK
-        blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT8_BLOCK)
-        scale = blocks.abs().amax(dim=1) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
-        body = scale.numpy().tobytes() + zlib.compress(q.numpy().tobytes(), 6)  # device-ok: encode_vector's host copy
-        return {"codec": "int8", "numel": n, "blocks": int(scale.numel())}, body
-    if compress == "int4":
-        return _encode_int4(v)
-    raise ValueError(f"{compress!r} is not one of the built-in codecs none, bf16, int8, int4 (get_codec: every one)")
-
-
 #: int4 scale codes: 0 = an all-zero block, 255 = a block holding NaN/inf (decoded as NaN, so the reader's
 #: finiteness check refuses it), k in 1..254 = a scale of 2 ** ((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS): 1/8
 #: octave apart (a step at most 9 % coarser than absmax / 7), from 2**-24 (fp16's smallest) up to about 195
@@ -159,59 +127,9 @@ def _int4_scale_codes(absmax: torch.Tensor) -> torch.Tensor:
 
 def _int4_scales(codes: torch.Tensor) -> torch.Tensor:
     """The fp32 scale of each code (0 for code 0, NaN for code 255)."""
-    k = codes.to(torch.float32)
-    s = torch.exp2((k - INT4_SCALE_BIAS) / INT4_SCALE_STEPS)
+    s = torch.exp2((codes.to(torch.float32) - INT4_SCALE_BIAS) / INT4_SCALE_STEPS)
     s = torch.where(codes == 0, torch.zeros_like(s), s)
     return torch.where(codes == 255, torch.full_like(s, float("nan")), s)
-
-
-def _encode_int4(v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
-    """The int4 body of ``v``: a flat fp32 tensor on the CPU (:func:`encode_vector` makes it with ``host_tensor``)."""
-    n = v.numel()
-    pad = (-n) % INT4_BLOCK
-    blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, INT4_BLOCK)
-    codes = _int4_scale_codes(blocks.abs().amax(dim=1))
-    scale = _int4_scales(codes)
-    safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
-    q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)[: n + n % 2]
-    # two values a byte; the last block's padding is not sent
-    packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # device-ok: v is encode_vector's host copy
-    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
-    deflated = z.compress(packed) + z.flush()
-    flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
-    body = bytes([flag]) + codes.numpy().tobytes() + payload  # device-ok: v is encode_vector's host copy
-    return {"codec": "int4", "numel": n}, body
-
-
-def _decode_int4(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
-    nb = -(-n // INT4_BLOCK)
-    if n < 0 or len(body) < 1 + nb:
-        raise CorruptObjectError(f"int4 body of {len(body)} bytes is shorter than its {nb} block scales for {n} values")
-    flag, want = body[0], (n + 1) // 2
-    payload = body[1 + nb :]
-    if flag == _INT4_DEFLATED:
-        z = zlib.decompressobj(-15)
-        try:
-            raw = z.decompress(payload, want + 1)
-        except zlib.error as e:
-            raise CorruptObjectError(f"int4 codes do not inflate ({e})") from e
-        if not z.eof or z.unconsumed_tail or z.unused_data:
-            raise CorruptObjectError(f"int4 codes: a deflate stream that does not end after {want} bytes")
-    elif flag == _INT4_RAW:
-        raw = payload
-    else:
-        raise CorruptObjectError(f"int4 body flag {flag} (0 raw or 1 deflated)")
-    if len(raw) != want:
-        raise CorruptObjectError(f"int4 codes of {2 * len(raw)} values for {n}")
-    codes = (
-        torch.frombuffer(bytearray(body[1 : 1 + nb]), dtype=torch.uint8) if nb else torch.zeros(0, dtype=torch.uint8)
-    )
-    packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if want else torch.zeros(0, dtype=torch.uint8)
-    q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)
-    if bool((q == 15).any()):
-        raise CorruptObjectError("int4 codes outside [-7, 7]")
-    vals = torch.nn.functional.pad(q.to(torch.float32) - 7.0, (0, nb * INT4_BLOCK - q.numel()))
-    return (vals.view(nb, INT4_BLOCK) * _int4_scales(codes)[:, None]).view(-1)[:n].contiguous()
 
 
 def decode_vector(header: dict[str, Any], body: bytes, codec: Codec | None = None) -> torch.Tensor:
@@ -243,43 +161,6 @@ def decode_vector(header: dict[str, Any], body: bytes, codec: Codec | None = Non
         )
         raise CodecError(f"{codec_label(name)} decoded {what} for {n} values (a plain fp32 CPU tensor)", name)
     return vec.reshape(-1)
-
-
-def _builtin_decode(header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
-    """The flat fp32 CPU vector of a built-in codec's body (``header["codec"]`` names it)."""
-    codec = header["codec"]
-    if codec == "none":
-        if len(body) != 4 * n:
-            raise CorruptObjectError(f"fp32 body of {len(body)} bytes for {n} values")
-        return torch.frombuffer(bytearray(body), dtype=torch.float32).clone() if n else torch.zeros(0)
-    if codec == "bf16":
-        if len(body) != 2 * n:
-            raise CorruptObjectError(f"bf16 body of {len(body)} bytes for {n} values")
-        if not n:
-            return torch.zeros(0)
-        return torch.frombuffer(bytearray(body), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
-    if codec == "int8":
-        nb = int(header["blocks"])
-        if nb != -(-n // INT8_BLOCK) or len(body) < 4 * nb:
-            raise CorruptObjectError(f"int8 header of {nb} blocks for {n} values")
-        scale = torch.frombuffer(bytearray(body[: 4 * nb]), dtype=torch.float32) if nb else torch.zeros(0)
-        z = zlib.decompressobj()
-        try:
-            raw = z.decompress(body[4 * nb :], n + 1)
-        except zlib.error as e:
-            raise CorruptObjectError(f"int8 body does not inflate ({e})") from e
-        if not z.eof or z.unconsumed_tail or z.unused_data:
-            raise CorruptObjectError(f"int8 body: a deflate stream that does not end after {n} values")
-        if len(raw) != n:
-            raise CorruptObjectError(f"int8 body of {len(raw)} values for {n}")
-        if not n:
-            return torch.zeros(0)
-        q = torch.frombuffer(bytearray(raw), dtype=torch.int8).to(torch.float32)
-        q = torch.nn.functional.pad(q, (0, nb * INT8_BLOCK - n)).view(nb, INT8_BLOCK)
-        return (q * scale[:, None]).view(-1)[:n].contiguous()
-    if codec == "int4":
-        return _decode_int4(header, body, n)
-    raise CorruptObjectError(f"unknown codec {codec!r}")
 
 
 # -- the codec plugin kind ---------------------------------------------------------------
@@ -316,39 +197,128 @@ class Codec:
         raise NotImplementedError
 
 
-class _Builtin(Codec):
-    name = ""
-
-    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
-        header, body = _builtin_encode(vec, self.name)
-        return {k: v for k, v in header.items() if k not in ("codec", "numel")}, body
-
-    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
-        return _builtin_decode({**header, "codec": self.name}, body, numel)
-
-
-class NoneCodec(_Builtin):
+class NoneCodec(Codec):
     """fp32 values as they are (lossless; the bitwise parity with torchft holds with it)."""
 
-    name, tolerance, error_feedback = "none", 0.0, False
+    error_feedback = False
+
+    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        return {}, vec.numpy().tobytes()  # device-ok: encode_vector's host copy
+
+    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
+        if len(body) != 4 * numel:
+            raise CorruptObjectError(f"fp32 body of {len(body)} bytes for {numel} values")
+        return torch.frombuffer(bytearray(body), dtype=torch.float32).clone() if numel else torch.zeros(0)
 
 
-class BF16Codec(_Builtin):
+class BF16Codec(Codec):
     """bf16 values: half the fp32 bytes, about 0.3 % relative error."""
 
-    name, tolerance, error_feedback = "bf16", 0.005, False
+    tolerance, error_feedback = 0.005, False
+
+    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        return {}, vec.to(torch.bfloat16).view(torch.int16).numpy().tobytes()  # device-ok: encode_vector's host copy
+
+    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
+        if len(body) != 2 * numel:
+            raise CorruptObjectError(f"bf16 body of {len(body)} bytes for {numel} values")
+        if not numel:
+            return torch.zeros(0)
+        return torch.frombuffer(bytearray(body), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
 
 
-class Int8Codec(_Builtin):
-    """int8 with a per-block absmax scale (blocks of 4096), deflated: at most a quarter of the fp32 bytes."""
+class Int8Codec(Codec):
+    """int8 with a per-block absmax scale (blocks of 4096), deflated: at most a quarter of the fp32 bytes.
 
-    name, tolerance, error_feedback = "int8", 0.02, False
+    Each block is scaled by its absolute maximum / 127 (fp32 scales), rounded to int8, then deflated (zlib).
+    """
+
+    tolerance, error_feedback = 0.02, False
+
+    def encode(self, vec: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        n = vec.numel()
+        blocks = torch.nn.functional.pad(vec, (0, (-n) % INT8_BLOCK)).view(-1, INT8_BLOCK)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
+        body = scale.numpy().tobytes() + zlib.compress(q.numpy().tobytes(), 6)  # device-ok: encode_vector's host copy
+        return {"blocks": int(scale.numel())}, body
+
+    def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
+        n, nb = numel, int(header["blocks"])
+        if nb != -(-n // INT8_BLOCK) or len(body) < 4 * nb:
+            raise CorruptObjectError(f"int8 header of {nb} blocks for {n} values")
+        scale = torch.frombuffer(bytearray(body[: 4 * nb]), dtype=torch.float32) if nb else torch.zeros(0)
+        z = zlib.decompressobj()
+        try:
+            raw = z.decompress(body[4 * nb :], n + 1)
+        except zlib.error as e:
+            raise CorruptObjectError(f"int8 body does not inflate ({e})") from e
+        if not z.eof or z.unconsumed_tail or z.unused_data:
+            raise CorruptObjectError(f"int8 body: a deflate stream that does not end after {n} values")
+        if len(raw) != n:
+            raise CorruptObjectError(f"int8 body of {len(raw)} values for {n}")
+        if not n:
+            return torch.zeros(0)
+        q = torch.frombuffer(bytearray(raw), dtype=torch.int8).to(torch.float32)
+        q = torch.nn.functional.pad(q, (0, nb * INT8_BLOCK - n)).view(nb, INT8_BLOCK)
+        return (q * scale[:, None]).view(-1)[:n].contiguous()
 
 
-class Int4Codec(_Builtin):
-    """int4 with a one-byte log scale per block of 256, deflated, with error feedback: about an eighth."""
+class Int4Codec(Codec):
+    """int4 with a one-byte log scale per block of 256, deflated, with error feedback: about an eighth.
 
-    name, tolerance, error_feedback = "int4", 0.2, True
+    Each block of 256 values has a one-byte log-scale code (:func:`_int4_scale_codes`); the values are rounded to
+    [-7, 7], two a byte, then entropy-coded (raw deflate, kept only when smaller): at most an eighth of the fp32
+    bytes plus one byte a block.
+    """
+
+    tolerance, error_feedback = 0.2, True
+
+    def encode(self, v: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        n = v.numel()
+        blocks = torch.nn.functional.pad(v, (0, (-n) % INT4_BLOCK)).view(-1, INT4_BLOCK)
+        codes = _int4_scale_codes(blocks.abs().amax(dim=1))
+        scale = _int4_scales(codes)
+        safe = torch.where((codes > 0) & (codes < 255), scale, torch.ones_like(scale))
+        q = (torch.round(blocks / safe[:, None]).clamp_(-7, 7) + 7).to(torch.uint8).view(-1)[: n + n % 2]
+        # two values a byte; the last block's padding is not sent
+        packed = ((q[0::2] << 4) | q[1::2]).numpy().tobytes()  # device-ok: v is encode_vector's host copy
+        z = zlib.compressobj(9, zlib.DEFLATED, -15, 9)
+        deflated = z.compress(packed) + z.flush()
+        flag, payload = (_INT4_DEFLATED, deflated) if len(deflated) < len(packed) else (_INT4_RAW, packed)
+        return {}, bytes([flag]) + codes.numpy().tobytes() + payload  # device-ok: v is encode_vector's host copy
+
+    def decode(self, header: dict[str, Any], body: bytes, n: int) -> torch.Tensor:
+        nb = -(-n // INT4_BLOCK)
+        if n < 0 or len(body) < 1 + nb:
+            raise CorruptObjectError(
+                f"int4 body of {len(body)} bytes is shorter than its {nb} block scales for {n} values"
+            )
+        flag, want = body[0], (n + 1) // 2
+        payload = body[1 + nb :]
+        if flag == _INT4_DEFLATED:
+            z = zlib.decompressobj(-15)
+            try:
+                raw = z.decompress(payload, want + 1)
+            except zlib.error as e:
+                raise CorruptObjectError(f"int4 codes do not inflate ({e})") from e
+            if not z.eof or z.unconsumed_tail or z.unused_data:
+                raise CorruptObjectError(f"int4 codes: a deflate stream that does not end after {want} bytes")
+        elif flag == _INT4_RAW:
+            raw = payload
+        else:
+            raise CorruptObjectError(f"int4 body flag {flag} (0 raw or 1 deflated)")
+        if len(raw) != want:
+            raise CorruptObjectError(f"int4 codes of {2 * len(raw)} values for {n}")
+        empty = torch.zeros(0, dtype=torch.uint8)
+        codes = torch.frombuffer(bytearray(body[1 : 1 + nb]), dtype=torch.uint8) if nb else empty
+        packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if want else empty
+        q = torch.stack([packed >> 4, packed & 15], dim=1).view(-1)
+        if bool((q == 15).any()):
+            raise CorruptObjectError("int4 codes outside [-7, 7]")
+        vals = torch.nn.functional.pad(q.to(torch.float32) - 7.0, (0, nb * INT4_BLOCK - q.numel()))
+        return (vals.view(nb, INT4_BLOCK) * _int4_scales(codes)[:, None]).view(-1)[:n].contiguous()
 
 
 class SparseLoCoCodec(Codec):
@@ -495,11 +465,7 @@ class SparseCodec(Codec):
         if header.get("form") == "dense":
             if len(body) != 2 * numel:
                 raise CorruptObjectError(f"sparse (dense form) body of {len(body)} bytes for {numel} values")
-            return (
-                torch.frombuffer(bytearray(body), dtype=torch.float16).to(torch.float32) * scale
-                if numel
-                else (torch.zeros(0))
-            )
+            return _scaled_fp16(body, scale)
         nnz, nb = header.get("nnz"), header.get("bitmap")
         if header.get("form") != "sparse" or not isinstance(nnz, int) or not isinstance(nb, int) or nb < 0:
             raise CorruptObjectError(f"sparse body of form {header.get('form')!r}")
@@ -513,12 +479,13 @@ class SparseCodec(Codec):
             raise CorruptObjectError(f"sparse bitmap does not mark {nnz} of {numel} values")
         out = torch.zeros(numel)
         mask = torch.from_numpy(bits[:numel].astype(bool))
-        out[mask] = (
-            torch.frombuffer(bytearray(body[nb:]), dtype=torch.float16).to(torch.float32) * scale
-            if nnz
-            else (torch.zeros(0))
-        )
+        out[mask] = _scaled_fp16(body[nb:], scale)
         return out
+
+
+def _scaled_fp16(raw: bytes, scale: float) -> torch.Tensor:
+    """The fp32 values of fp16 bytes ``raw``, times ``scale``."""
+    return torch.frombuffer(bytearray(raw), dtype=torch.float16).to(torch.float32) * scale if raw else torch.zeros(0)
 
 
 _cache: dict[tuple[int, str], Codec] = {}

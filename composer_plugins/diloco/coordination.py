@@ -34,7 +34,6 @@ class Lighthouse:
         quorum_tick_ms: int = 100,
     ) -> None:
         self._server: Any = None
-        self.external = address is not None
         if address is not None:
             self.address = address if "://" in address else f"http://{address}"
             return
@@ -115,12 +114,9 @@ class StartBarrier:
 class RejoinBoard:
     """Where a restarted replica's way back into the job is posted (a ``TCPStore``, the start barrier's).
 
-    Key ``diloco/rejoin/<index>`` (job-wide index) holds one of ``pending <restart>`` (the launcher started
-    it again), ``ready <restart>`` (its torchft manager is up), ``joined <restart> <step>`` (it healed from
-    a live peer at torchft step ``step``) or ``gone <restart> <reason>`` (it exited). The survivors read it
-    before they stop: a replica never finishes while a restarted peer is still ``pending``/``ready``
-    (bounded by ``diloco.rejoin_timeout_s``), so the peer has someone to heal from and both end on the same
-    torchft step with the same weights.
+    Key ``diloco/rejoin/<index>`` (job-wide index) holds ``pending``, ``ready``, ``joined <step>`` or ``gone
+    <reason>``, each after the replica's restart count; the survivors do not finish while a peer is ``pending`` or
+    ``ready`` (docs/diloco.md, "Fault tolerance").
     """
 
     PREFIX = "diloco/rejoin"
@@ -156,9 +152,5 @@ class RejoinBoard:
 
     def outstanding(self, indices: Sequence[int]) -> dict[int, str]:
         """``{index: state}`` of the replicas among ``indices`` on their way back (``pending`` or ``ready``)."""
-        out: dict[int, str] = {}
-        for i in indices:
-            st = self.state(i)
-            if st is not None and st[0] in ("pending", "ready"):
-                out[i] = st[0]
-        return out
+        states = {i: self.state(i) for i in indices}
+        return {i: st[0] for i, st in states.items() if st is not None and st[0] in ("pending", "ready")}

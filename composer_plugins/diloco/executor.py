@@ -1,8 +1,5 @@
 """The executor seam: what one replica is (:class:`ReplicaSpec`), the handle and executor protocols every executor
-implements (:class:`ReplicaHandle`, :class:`ReplicaExecutor`), and the local one (:class:`LocalProcessExecutor`:
-one OS process group per replica on this host). The cloud executors (Hugging Face Jobs, Modal) are in
-:mod:`.executors`; the launcher that supervises the replicas in :mod:`.launch`.
-
+implements (:class:`ReplicaHandle`, :class:`ReplicaExecutor`), and the local one (:class:`LocalProcessExecutor`).
 Import-light (no torch): the ``composer-plugins diloco`` command imports it on every CLI invocation.
 """
 
@@ -17,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Protocol, runtime_checkable
 
@@ -77,7 +75,35 @@ class ReplicaExecutor(Protocol):
     def start(self, spec: ReplicaSpec) -> ReplicaHandle: ...
 
 
-class LocalProcessHandle:
+def wait_polling(poll: Callable[[], int | None], timeout: float | None, interval: float) -> int | None:
+    """The exit code once ``poll()`` has one (asked every ``interval`` seconds); ``None`` after ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (rc := poll()) is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(interval)
+    return rc
+
+
+class _SessionHandle:
+    """A replica in a session of its own: its signals go to its whole process group (its children too)."""
+
+    pid: int | None
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)  # type: ignore[arg-type]  # the session leader's pid is its group's
+
+    def terminate(self) -> None:
+        """SIGTERM to the replica's whole process group."""
+        self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the replica's whole process group."""
+        self._signal_group(signal.SIGKILL)
+
+
+class LocalProcessHandle(_SessionHandle):
     """A replica running as its own process group (``start_new_session``) on this host."""
 
     def __init__(self, spec: ReplicaSpec, proc: subprocess.Popen[bytes], log: IO[bytes] | None) -> None:
@@ -94,19 +120,6 @@ class LocalProcessHandle:
         if rc is not None:
             self._close_log()
         return rc
-
-    def _signal_group(self, sig: int) -> None:
-        # The child is a session leader, so its pgid is its pid; this also reaches its own children.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def terminate(self) -> None:
-        """SIGTERM to the replica's whole process group."""
-        self._signal_group(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL to the replica's whole process group."""
-        self._signal_group(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
@@ -127,7 +140,7 @@ class LocalProcessHandle:
 _OWN_VARS = frozenset({ENV_INDEX, ENV_REPLICA_ID, ENV_RESTART, ENV_SEED, ENV_SYNC_LOG, ENV_BARRIER, ENV_BARRIER_SIZE})
 
 
-class ForkedReplicaHandle:
+class ForkedReplicaHandle(_SessionHandle):
     """A replica forked by the warm fork server (:mod:`composer_plugins.diloco.forkserver`): a session of its own (its
     pid is its group), whose exit code the server reports. Its pid is known once the server has forked it (``None``
     before: a signal sent meanwhile is delivered then)."""
@@ -154,24 +167,10 @@ class ForkedReplicaHandle:
         if self._pid is None:
             self._deferred = sig if self._deferred != signal.SIGKILL else self._deferred
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._pid, sig)
-
-    def terminate(self) -> None:
-        """SIGTERM to the replica's whole process group."""
-        self._signal_group(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL to the replica's whole process group."""
-        self._signal_group(signal.SIGKILL)
+        super()._signal_group(sig)
 
     def wait(self, timeout: float | None = None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (rc := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            time.sleep(0.02)
-        return rc
+        return wait_polling(self.poll, timeout, 0.02)
 
 
 class _ForkServer:
@@ -221,9 +220,8 @@ class _ForkServer:
         """Ask the server to fork ``spec``'s replica (it does once its imports are done); ``None`` when it is gone."""
         if not self.alive() or self.proc.stdin is None:
             return None
-        job = {"argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "log_path": None}
-        if spec.log_path is not None:
-            job["log_path"] = str(spec.log_path)
+        log_path = str(spec.log_path) if spec.log_path is not None else None
+        job = {"argv": spec.argv, "env": spec.env, "cwd": spec.cwd, "log_path": log_path}
         handle = ForkedReplicaHandle(spec, self)
         with self._lock:
             try:
@@ -268,10 +266,8 @@ class LocalProcessExecutor:
     Linux it is SIGKILLed as soon as the thread that started it ends (the launcher died or was killed
     without cleaning up: ``PR_SET_PDEATHSIG``), so a replica blocked in a collective is not left behind.
 
-    ``warm_restarts``: beside the first replica, start a fork server (:mod:`composer_plugins.diloco.forkserver`, from
-    that replica's command and environment) that imports what a replica imports once; a replica started again
-    (``spec.restart > 0``) is forked from it instead of a fresh interpreter (no interpreter start, no imports). Only
-    replicas run as ``python -m composer_plugins.diloco.run`` can be forked; the others start as usual.
+    ``warm_restarts``: a replica started again is forked from a fork server started beside the first replica
+    (:mod:`composer_plugins.diloco.forkserver`); only ``python -m composer_plugins.diloco.run`` replicas can be.
     """
 
     def __init__(self, pdeathsig: int = signal.SIGKILL, warm_restarts: bool = False) -> None:
@@ -283,23 +279,13 @@ class LocalProcessExecutor:
 
     def start(self, spec: ReplicaSpec) -> LocalProcessHandle | ForkedReplicaHandle:
         if spec.restart > 0 and self._server is not None and runs_replica_entry(spec.argv):
-            if spec.log_path is not None:
-                spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(spec.log_path, "ab") as log:
-                    log.write(
-                        f"\n=== replica {spec.index} start (restart {spec.restart}, forked warm): "
-                        f"{shlex.join(spec.argv)}\n".encode()
-                    )
+            if (warm_log := _open_log(spec, ", forked warm")) is not None:
+                warm_log.close()
             handle = self._server.fork(spec)
             if handle is not None:
                 self.forked += 1
                 return handle
-        log: IO[bytes] | None = None
-        if spec.log_path is not None:
-            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(spec.log_path, "ab")
-            log.write(f"\n=== replica {spec.index} start (restart {spec.restart}): {shlex.join(spec.argv)}\n".encode())
-            log.flush()
+        log = _open_log(spec)
         try:
             proc = subprocess.Popen(
                 spec.argv,
@@ -325,3 +311,14 @@ class LocalProcessExecutor:
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+def _open_log(spec: ReplicaSpec, how: str = "") -> IO[bytes] | None:
+    """``spec``'s log (``None``: it has none), opened for appending, with a line saying this start began."""
+    if spec.log_path is None:
+        return None
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(spec.log_path, "ab")
+    log.write(f"\n=== replica {spec.index} start (restart {spec.restart}{how}): {shlex.join(spec.argv)}\n".encode())
+    log.flush()
+    return log

@@ -1,16 +1,11 @@
 """Where replicas run: this host (:class:`~.executor.LocalProcessExecutor`), Hugging Face Jobs
-(:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`). All three implement the launcher's
-``ReplicaExecutor`` protocol (``start(spec) -> handle`` with ``poll``/``terminate``/``kill``/``wait``), so
-restarts (``--max-restarts``), timeouts and clean-up work the same everywhere.
+(:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`), all behind the launcher's ``ReplicaExecutor``
+protocol, so restarts, timeouts and clean-up work the same everywhere. Executors are a plugin kind (the
+``register_executors`` hook, docs/plugins.md), built by name with :func:`make_executor`.
 
-Executors are a plugin kind (the ``register_executors`` hook, docs/plugins.md): ``--executor NAME`` builds
-the registered entry with :func:`make_executor`; :func:`composer_plugins.testing.check_executor` checks one.
-
-The cloud executors send only what the launcher set for the replica (``spec.job_env``: replica index,
-number of replicas, run id, store URL, seed) plus the variables named in ``diloco.jobs.env``; credentials
-travel as the platform's secrets (``diloco.jobs.secrets``), never in the command line or the logs. The
-replica command is ``python -m composer_plugins.diloco.run ...`` inside ``diloco.jobs.image``, which must
-have composer-plugins installed. Their SDKs are optional extras, imported when the executor is built::
+The cloud executors send only ``spec.job_env`` plus the variables named in ``diloco.jobs.env``; credentials
+travel as the platform's secrets (``diloco.jobs.secrets``), never in the command line or the logs (docs/diloco.md,
+"What ran where"). Their SDKs are optional extras, imported when the executor is built::
 
     pip install 'composer-plugins[hf_jobs]'    # huggingface_hub
     pip install 'composer-plugins[modal]'      # modal
@@ -27,9 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, from_dict
-from composer_plugins.core.errors import ComposerPluginsError, closest, one_line
+from composer_plugins.core.errors import ComposerPluginsError, one_line
 from composer_plugins.diloco.common import DiLoCoConfig, JobsConfig
-from composer_plugins.diloco.executor import LaunchError, LocalProcessExecutor, ReplicaExecutor, ReplicaSpec
+from composer_plugins.diloco.executor import (
+    LaunchError,
+    LocalProcessExecutor,
+    ReplicaExecutor,
+    ReplicaSpec,
+    wait_polling,
+)
 
 __all__ = [
     "HFJobsExecutor",
@@ -64,31 +65,15 @@ def project_root() -> Path:
     return root
 
 
-def jobs_config(dcfg: DiLoCoConfig, cfg: Config | None = None) -> JobsConfig:
-    """The ``diloco.jobs:`` section, read and validated (:meth:`JobsConfig.validate`)."""
-    c = cfg if cfg is not None else Config()
-    jobs = from_dict(JobsConfig, dcfg.jobs or {}, c, "diloco.jobs")
-    jobs.validate(c, "diloco.jobs")
-    return jobs
-
-
 def make_executor(
     name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, warm_restarts: bool = False
 ) -> ReplicaExecutor:
     """The executor registered as ``name`` (``register_executors``; built in: ``local``, ``hf_jobs``, ``modal``)
     configured from ``dcfg``; ``warm_restarts``: fork restarted replicas from a warm process (``--warm-restarts``,
     the local executor's; the others refuse it). Unknown names list the available ones and the closest."""
-    from composer_plugins.core.plugins import get_registry
+    from composer_plugins.diloco.transports import registered
 
-    registry = get_registry()
-    names = registry.names("executors")
-    if str(name).lower() not in names:
-        near = closest(str(name), names)
-        hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise ComposerPluginsError(
-            f"unknown executor {name!r}; available: {', '.join(names)}.{hint} (composer-plugins list executors)"
-        )
-    entry = registry.get("executors", name)
+    entry = registered("executors", name, ComposerPluginsError, " (composer-plugins list executors)")
     executor = entry.build(dcfg, log_dir=log_dir, warm_restarts=warm_restarts, name=entry.name)
     if not isinstance(executor, ReplicaExecutor):
         raise TypeError(
@@ -121,7 +106,7 @@ def cloud_jobs(name: str, dcfg: DiLoCoConfig, warm_restarts: bool = False) -> Jo
             f"--executor {name} runs replicas as cloud jobs that cannot reach "
             "a torchft lighthouse: set -S diloco.transport=object_store -S diloco.store=s3://...",
         )
-    return jobs_config(dcfg)
+    return from_dict(JobsConfig, dcfg.jobs or {}, Config(), "diloco.jobs").validate(Config(), "diloco.jobs")
 
 
 def hf_jobs_executor(
@@ -183,12 +168,7 @@ class _RemoteHandle:
     kill = terminate
 
     def wait(self, timeout: float | None = None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (rc := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            time.sleep(self._wait_s)
-        return rc
+        return wait_polling(self.poll, timeout, self._wait_s)
 
 
 # -- Hugging Face Jobs ----------------------------------------------------------------------
@@ -228,14 +208,14 @@ class HFJobHandle(_RemoteHandle):
                 self.message = f"cannot read the job's status for {POLL_ERRORS_S:.0f}s: {one_line(e)}; cancelled"
                 # it may still be running: cancel it before the launcher starts another copy of this replica
                 with contextlib.suppress(Exception):
-                    self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
+                    self._cancel()
                 self._finish(1)
             return self._rc
         self._failing_since = None
         self._stage, self.message = str(info.status.stage), info.status.message
         stage = self._stage.rsplit(".", 1)[-1]
         if stage == "SCHEDULING" and now - self.started_at > self.executor.jobs.start_timeout_s:
-            self.executor.api.cancel_job(job_id=self.job_id, namespace=self.executor.namespace)
+            self._cancel()
             self.message = f"did not start within diloco.jobs.start_timeout_s={self.executor.jobs.start_timeout_s:g}s"
             self._finish(1)
         elif stage == "COMPLETED":
@@ -404,14 +384,8 @@ class ModalExecutor:
             "serialized": True,
             "secrets": [modal.Secret.from_name(s) for s in j.secrets],
         }
-        if j.gpu:
-            kwargs["gpu"] = j.gpu
-        if j.cpu:
-            kwargs["cpu"] = j.cpu
-        if j.memory_mb:
-            kwargs["memory"] = j.memory_mb
-        function = app.function(**kwargs)(_modal_replica)
-        return app, image, function
+        kwargs |= {k: v for k, v in (("gpu", j.gpu), ("cpu", j.cpu), ("memory", j.memory_mb)) if v}
+        return app, image, app.function(**kwargs)(_modal_replica)
 
     def start(self, spec: ReplicaSpec) -> ModalHandle:
         with self._lock:

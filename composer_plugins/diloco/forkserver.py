@@ -32,10 +32,13 @@ def runs_replica_entry(argv: Sequence[str]) -> bool:
     return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] == RUN_MODULE
 
 
+def _target(argv: Sequence[str]) -> str:
+    return argv[argv.index("--target") + 1] if "--target" in argv[:-1] else "toy"
+
+
 def server_argv(template: Sequence[str]) -> list[str]:
     """The server's command for replicas started with ``template`` (it preloads the same ``--target``)."""
-    target = template[template.index("--target") + 1] if "--target" in template[:-1] else "toy"
-    return [sys.executable, "-m", "composer_plugins.diloco.forkserver", "--target", target]
+    return [sys.executable, "-m", "composer_plugins.diloco.forkserver", "--target", _target(template)]
 
 
 def preload(target: str, store: bool) -> None:
@@ -79,8 +82,9 @@ def become(job: dict[str, object]) -> int:
     os.dup2(null, 0)
     os.close(null)
     log = job.get("log_path")
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if isinstance(log, str) else -1
-    if out < 0:
+    if isinstance(log, str):
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    else:
         out = os.open(os.devnull, os.O_WRONLY)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -150,9 +154,7 @@ def serve(target: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    target = args[args.index("--target") + 1] if "--target" in args[:-1] else "toy"
-    return serve(target)
+    return serve(_target(list(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -61,14 +61,11 @@ class DiLoCoCallbackBase(pl.Callback):
         self.heal_count += 1
         self._healed_since_sync = True
 
-    def _take_healed(self) -> bool:
-        """Whether a heal happened since the last sync record; the next record starts afresh."""
-        healed, self._healed_since_sync = self._healed_since_sync, False
-        return healed
-
     # -- the sync log: one record per sync, finished and written here only ----------------------
     def _sync_record(self, outer_step: int, committed: bool, participants: int, fragment: int) -> dict[str, Any]:
-        """The fields every transport's sync record starts with (docs/diloco.md "Sync log")."""
+        """The fields every transport's sync record starts with (docs/diloco.md "Sync log"); whether a heal happened
+        since the last one (the next starts afresh)."""
+        healed, self._healed_since_sync = self._healed_since_sync, False
         return {
             "replica": self.replica.index,
             "replica_id": self.replica.replica_id,
@@ -78,7 +75,7 @@ class DiLoCoCallbackBase(pl.Callback):
             "committed": committed,
             "participants": participants,
             "fragment": fragment,
-            "healed": self._take_healed(),
+            "healed": healed,
             "bytes_allreduced": self.bytes_allreduced,
             "time": time.time(),
         }
@@ -140,8 +137,7 @@ class DiLoCoCallbackBase(pl.Callback):
             log.warning("DiLoCo: manual optimization; syncs happen on the optimizer's step() calls")
         self._trainer = trainer
         if self._target is None and trainer.max_steps and trainer.max_steps > 0:
-            per_sync = self.config.sync_every // self.config.num_fragments
-            self._target = max(1, trainer.max_steps // per_sync)
+            self._target = max(1, trainer.max_steps // (self.config.sync_every // self.config.num_fragments))
             # The shared outer step decides when to stop, not this replica's own count: a replica whose sync
             # did not commit, or that waits for a restarted peer, makes those syncs up (bounded: at most
             # max_steps more inner steps). ``max_steps`` grows only when that happens (:meth:`_make_up`), so a

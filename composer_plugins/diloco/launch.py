@@ -1,12 +1,7 @@
-"""Start a torchft lighthouse and N DiLoCo replica groups on this machine, and stop them cleanly.
+"""Start a torchft lighthouse and N DiLoCo replica groups, and stop them cleanly (import-light: no torch).
 
-This module is import-light (no torch at import time): it is the default plugin that adds the
-``composer-plugins diloco`` command, so it is imported by every CLI invocation. Its pieces live in their own
-modules and are re-exported here: the executors' seam (:class:`ReplicaExecutor`, :mod:`.executor`; the cloud
-ones in :mod:`.executors`), the :class:`Lighthouse` and the :class:`StartBarrier` (:mod:`.coordination`: the
-first generation meets after its managers heartbeat, so the first quorum has every replica in it). Here:
-:class:`ReplicaGroup`, which starts the replicas, restarts crashed ones (``max_restarts``) or stops at the
-first failure naming it (``wait(fail_fast=True)``), and leaves no replica process behind on exit, Ctrl-C,
+:class:`ReplicaGroup` starts the replicas through an executor, restarts crashed ones (``max_restarts``) or stops
+at the first failure naming it (``wait(fail_fast=True)``), and leaves no replica process behind on exit, Ctrl-C,
 SIGTERM or its own death (:mod:`composer_plugins.procs`).
 """
 
@@ -25,8 +20,6 @@ from typing import Any
 
 from composer_plugins import procs
 from composer_plugins.diloco.coordination import Lighthouse, RejoinBoard, StartBarrier
-
-#: the replica environment contract lives in :mod:`.env`; re-exported here for older imports
 from composer_plugins.diloco.env import (
     ENV_BARRIER,
     ENV_BARRIER_SIZE,
@@ -53,8 +46,8 @@ from composer_plugins.diloco.executor import (
     ReplicaSpec,
 )
 
-#: the executors' seam, the meeting points and the replica environment contract live in their own modules; these
-#: names are re-exported here for older imports
+#: the executors' seam (:mod:`.executor`), the meeting points (:mod:`.coordination`) and the replica environment
+#: contract (:mod:`.env`) live in their own modules; their names are re-exported here for older imports
 __all__ = [
     "ENV_BARRIER",
     "ENV_BARRIER_SIZE",
@@ -215,13 +208,9 @@ class ReplicaGroup:
         """The job-wide replica index of local slot ``index``."""
         return self.index_offset + index
 
-    def log_path(self, index: int) -> Path | None:
-        gi = self.global_index(index)
-        return self.log_dir / f"replica{gi}.log" if self.log_dir is not None else None
-
-    def sync_log_path(self, index: int) -> Path | None:
-        gi = self.global_index(index)
-        return self.log_dir / f"replica{gi}.sync.jsonl" if self.log_dir is not None else None
+    def log_path(self, index: int, suffix: str = ".log") -> Path | None:
+        """Replica ``index``'s log (``suffix=".sync.jsonl"``: its sync log) in ``log_dir``."""
+        return self.log_dir / f"replica{self.global_index(index)}{suffix}" if self.log_dir is not None else None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> ReplicaGroup:
@@ -266,9 +255,7 @@ class ReplicaGroup:
             own[ENV_STORE] = self.store
         if self.base_seed is not None:
             own[ENV_SEED] = str(self.base_seed + gi)
-        env = dict(os.environ)
-        for k in REPLICA_VARS:
-            env.pop(k, None)
+        env = {k: v for k, v in os.environ.items() if k not in REPLICA_VARS}
         env.update(own)
         env.setdefault("RUST_LOG", "warn")
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
@@ -279,11 +266,9 @@ class ReplicaGroup:
             env[ENV_BARRIER_SIZE] = str(self.barrier.size)
         if self.barrier is not None:
             env[ENV_REJOIN] = self.barrier.address
-        if self.stop_file is not None:
+        if self.log_dir is not None:
             env[ENV_STOP_FILE] = str(self.stop_file)
-        sync_log = self.sync_log_path(index)
-        if sync_log is not None:
-            env[ENV_SYNC_LOG] = str(sync_log)
+            env[ENV_SYNC_LOG] = str(self.log_path(index, ".sync.jsonl"))
         env.update(self.extra_env)
         own.update(self.extra_env)
         env = procs.tag_env(self.tag, env)
@@ -332,10 +317,7 @@ class ReplicaGroup:
 
     def poll(self) -> dict[int, int | None]:
         """Exit code (or ``None`` while running) of each replica's current run."""
-        out: dict[int, int | None] = {}
-        for r in self.replicas:
-            out[r.index] = r.handle.poll() if r.handle is not None else None
-        return out
+        return {r.index: r.handle.poll() if r.handle is not None else None for r in self.replicas}
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.2, *, fail_fast: bool = False) -> LaunchResult:
         """Supervise until every replica has exited for good; restart crashed ones up to ``max_restarts``.
@@ -391,8 +373,7 @@ class ReplicaGroup:
         return self.result()
 
     def _describe(self, r: ReplicaState) -> str:
-        pid = r.handle.pid if r.handle is not None else None
-        return f"{self.global_index(r.index)} (pid {pid})"
+        return f"{self.global_index(r.index)} (pid {r.handle.pid if r.handle is not None else None})"
 
     def _log_tail(self, index: int, lines: int = 30) -> str:
         path = self.log_path(index)
@@ -425,8 +406,7 @@ class ReplicaGroup:
             h.terminate()
         deadline = time.monotonic() + self.grace_s
         for h in running:
-            left = max(0.0, deadline - time.monotonic())
-            if h.wait(left) is None:
+            if h.wait(max(0.0, deadline - time.monotonic())) is None:
                 h.kill()
                 h.wait(5.0)
         # A replica that already exited may have left children in its group, or in sessions of their own
@@ -471,32 +451,18 @@ def summary_table(log_dir: str | os.PathLike[str], indices: Sequence[int]) -> st
             with contextlib.suppress(ValueError, IndexError):
                 last = json.loads(lines[-1])
                 got = {"rounds": last.get("outer_step"), "param_hash": last.get("param_hash")}
-        h = got.get("param_hash")
-        if h:
-            hashes.add(h)
-        loss = got.get("loss")
-        rows.append(
-            [
-                str(i),
-                "-" if got.get("rounds") is None else str(got["rounds"]),
-                "-" if loss is None else f"{loss:.4f}",
-                h[:12] if h else "-",
-                got.get("model_path") or "-",
-            ]
-        )
+        rounds, loss, h = got.get("rounds"), got.get("loss"), got.get("param_hash")
+        hashes |= {h} if h else set()
+        cells = ["-" if rounds is None else str(rounds), "-" if loss is None else f"{loss:.4f}", h[:12] if h else "-"]
+        rows.append([str(i), *cells, got.get("model_path") or "-"])
     names = {
         json.loads(p.read_text()).get("loss_name")
         for p in Path(log_dir).glob("replica*.result.json")
         if p.stat().st_size
     }
     names.discard(None)
-    head = [
-        "replica",
-        "rounds",
-        f"final loss ({names.pop()})" if len(names) == 1 else "final loss",
-        "param hash",
-        "model path",
-    ]
+    loss_head = f"final loss ({names.pop()})" if len(names) == 1 else "final loss"
+    head = ["replica", "rounds", loss_head, "param hash", "model path"]
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
     if len(hashes) == 1 and all(r[3] != "-" for r in rows):

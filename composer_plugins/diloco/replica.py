@@ -35,15 +35,9 @@ def diloco_callback_from_config(
 
 
 def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
-    """Overrides that make the project's ``train`` config one replica of a DiLoCo job.
-
-    * ``seed``: ``$COMPOSER_DILOCO_SEED`` or ``seed + index`` — each replica draws its own tasks (its data
-      shard) and samples with its own seed;
-    * ``output_dir``: ``<output_dir>/replica<i>`` (history, metrics, exported model per replica);
-    * Lightning's per-step ``ModelCheckpoint`` is turned off: DiLoCo checkpoints go to
-      ``diloco.checkpoint_dir`` (default ``<output_dir>/diloco_checkpoints``), written by one replica;
-    * evaluation runs on replica 0 only (all replicas hold the same weights after the last sync).
-    """
+    """Overrides that make the project's ``train`` config one replica of a DiLoCo job: its own seed (its data
+    shard) and ``output_dir``, DiLoCo checkpoints instead of Lightning's per-step ones, evaluation on replica 0 only
+    (docs/diloco.md, "Configuration")."""
     base = str(src.get_path("output_dir", "runs/default"))
     seed = replica.seed if replica.seed is not None else int(src.get_path("seed", 0) or 0) + replica.index
     out = [f"seed={seed}", f"output_dir={base}/replica{replica.index}", "trainer.checkpoint_every_n_steps=0"]

@@ -6,6 +6,7 @@ says which replica it is and where the others are (a torchft lighthouse or an ob
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -93,10 +94,8 @@ def write_replica_summary(res: Any, env: Mapping[str, str] | None = None) -> dic
     last: dict[str, Any] = {}
     if sync_log and os.path.exists(sync_log):
         for line in Path(sync_log).read_text().splitlines():
-            try:
+            with contextlib.suppress(ValueError):
                 last = json.loads(line)
-            except ValueError:
-                continue
     if isinstance(res, Mapping):
         found = dict(res)
         metrics = {k: v for k, v in found.items() if isinstance(v, (int, float)) and k.endswith("loss")}

@@ -1,29 +1,20 @@
 """The object store the ``object_store`` transport meets through, and what is written into it.
 
-The store library is `obstore <https://developmental-seed.github.io/obstore>`_: one dependency reaches S3 and
-S3-compatible services, GCS, Azure and ``file://``, implements the conditional creates the round manifest needs
-(S3's ``If-None-Match: *``) and reads the standard cloud environment itself (``AWS_*``; a named profile is
-resolved through boto3 when installed). Credentials are never logged: messages name the store URL only.
-
-:class:`ObjectStore` adds bounded retries with exponential backoff for transient errors (5xx, SlowDown,
-timeouts, dropped connections), byte counters, and ``create`` returning ``False`` when the object exists.
-:func:`pack` / :func:`unpack` wrap every object (a header with the SHA-256 of the body; a torn or corrupt one
-raises :class:`CorruptObjectError`); :func:`encode_vector` / :func:`decode_vector` encode pseudo-gradients
-through the registered codecs (:mod:`.codecs`).
-
-**Nothing executable crosses the store**: :func:`encode_tree` / :func:`decode_tree` carry nested state as a
-JSON tree of plain values whose tensors are entries of a table into the body, and the decoder builds only
-those types, so a planted pickle is refused by name and never run. **Size**: objects above ``part_bytes``
-(8 MiB) go up as multipart uploads and are read as ranged GETs, so ``request_timeout_s`` bounds one part; a
-large conditional create writes ``<key>.blob-<nonce>`` first, then creates ``<key>`` as a reference to it.
-See docs/diloco.md ("What a team can trust the store with").
+:class:`ObjectStore` opens a URL with `obstore <https://developmental-seed.github.io/obstore>`_ (S3 and
+S3-compatible services, GCS, Azure, ``file://``; conditional creates, the standard cloud environment) or fsspec,
+and adds bounded retries for transient errors, byte counters, multipart uploads and ranged reads above
+``part_bytes``. :func:`pack` / :func:`unpack` wrap every object with the SHA-256 of its body;
+:func:`encode_tree` / :func:`decode_tree` carry nested state as plain data, so nothing executable crosses the
+store. Credentials are never logged. See docs/diloco.md ("What a team can trust the store with").
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
 import random
 import struct
@@ -31,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -81,20 +73,15 @@ class StoreError(ComposerPluginsError, RuntimeError):
     """A store operation failed for good (not transient, or still failing after ``store_retry_s``)."""
 
 
-def _obstore() -> Any:
-    try:
-        import obstore
-    except ImportError as e:
-        raise ComposerPluginsError(f"diloco.transport=object_store needs obstore. HINT: {INSTALL_HINT}") from e
-    return obstore
-
-
 class _Obstore:
     """The store operations through obstore (the schemes of :data:`SCHEMES`)."""
 
     def __init__(self, url: str, request_timeout_s: float) -> None:
-        self.obs = obs = _obstore()
-        ex = obs.exceptions
+        try:
+            import obstore as obs
+        except ImportError as e:
+            raise ComposerPluginsError(f"diloco.transport=object_store needs obstore. HINT: {INSTALL_HINT}") from e
+        self.obs, ex = obs, obs.exceptions
         self.missing = (ex.NotFoundError, FileNotFoundError)
         self.permanent: tuple[type[BaseException], ...] = (
             ex.NotFoundError,
@@ -262,9 +249,7 @@ class ObjectStore:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.retry_s
         delay = 0.1
-        attempt = 0
-        while True:
-            attempt += 1
+        for attempt in itertools.count(1):
             try:
                 return fn()
             except self._io.permanent:
@@ -311,14 +296,9 @@ class ObjectStore:
         else:
             blob = f"{key}.blob-{os.urandom(6).hex()}"
             self._put_one(blob, memoryview(data), False)
+            digest = hashlib.sha256(data).hexdigest()
             ref = pack(
-                {
-                    "kind": REF,
-                    "blob": blob.rsplit("/", 1)[-1],
-                    "blob_sha256": hashlib.sha256(data).hexdigest(),
-                    "blob_length": len(data),
-                },
-                b"",
+                {"kind": REF, "blob": blob.rsplit("/", 1)[-1], "blob_sha256": digest, "blob_length": len(data)}, b""
             )
             ok = self._put_one(key, ref, True)
             if not ok:
@@ -373,11 +353,7 @@ class ObjectStore:
         buf[: len(head)] = head
         for start in range(len(head), size, part):
             end = min(size, start + part)
-
-            def op(start: int = start, end: int = end) -> bytes:
-                return self._io.get_range(key, start, end)
-
-            buf[start:end] = self._call(f"get {key} bytes {start}-{end}", op)
+            buf[start:end] = self._call(f"get {key} bytes {start}-{end}", partial(self._io.get_range, key, start, end))
         return bytes(buf)
 
     def exists(self, key: str) -> bool:
@@ -434,19 +410,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 # -- nested state as data (no pickle) -----------------------------------------------------
 
 _DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
 
 
@@ -489,8 +454,7 @@ def encode_tree(obj: Any, what: str = "state") -> tuple[Any, bytes]:
             "lists, tuples and dicts only)"
         )
 
-    tree = walk(obj, "")
-    return tree, b"".join(chunks)
+    return walk(obj, ""), b"".join(chunks)
 
 
 def decode_tree(tree: Any, body: bytes, what: str = "state") -> Any:
@@ -517,18 +481,8 @@ def decode_tree(tree: Any, body: bytes, what: str = "state") -> Any:
                 name, shape, off, nbytes = v
                 dtype = _DTYPES.get(name) if isinstance(name, str) else None
                 dims_ok = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                ok = (
-                    dtype is not None
-                    and dims_ok
-                    and isinstance(off, int)
-                    and isinstance(nbytes, int)
-                    and 0 <= off
-                    and off + nbytes <= len(buf)
-                )
-                numel = 1
-                for d in shape if ok else ():
-                    numel *= d
-                if not ok or numel * torch.empty((), dtype=dtype).element_size() != nbytes:
+                span_ok = isinstance(off, int) and isinstance(nbytes, int) and 0 <= off and off + nbytes <= len(buf)
+                if dtype is None or not (dims_ok and span_ok) or math.prod(shape) * dtype.itemsize != nbytes:
                     raise CorruptObjectError(f"{what}{path}: a bad tensor entry {v!r}")
                 if not nbytes:
                     return torch.empty(shape, dtype=dtype)

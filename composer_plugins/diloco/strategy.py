@@ -7,12 +7,8 @@ torchft's own; this module only wires them into Lightning, as a **callback** (:c
 ``Strategy``: each replica is an ordinary single-process run and torchft attaches to its one inner optimizer
 through optimizer step hooks, so any ``LightningModule`` with one optimizer works unchanged.
 
-Fault tolerance (a dead replica leaves the quorum; a restarted one heals from a live peer, which waits for it
-on the :class:`~composer_plugins.diloco.coordination.RejoinBoard`), checkpoints (participating rank 0, right
-after a committed sync) and the sync log are described in docs/diloco.md ("Design", "Fault tolerance",
-"Sync log"). The config, the fragment split and the outer optimizer are in :mod:`.common`, shared with the
-object-store transport (:mod:`.objstore`); ``composer-plugins diloco --replicas N`` (:mod:`.launch`) starts
-the lighthouse and the replicas.
+Fault tolerance, checkpoints and the sync log: docs/diloco.md ("Design", "Fault tolerance", "Sync log"). The
+config, the fragment split and the outer optimizer are in :mod:`.common`, shared with :mod:`.objstore`.
 """
 
 from __future__ import annotations
@@ -128,10 +124,6 @@ class DiLoCoCallback(DiLoCoCallbackBase):
     def bytes_allreduced(self) -> int:
         return int(getattr(self.process_group, "bytes_allreduced", 0))
 
-    @property
-    def inner_steps(self) -> int:
-        return self._inner_steps
-
     # -- Lightning hooks ---------------------------------------------------------------
     @property
     def attached(self) -> bool:
@@ -151,11 +143,11 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         """Checkpointed with the run: torchft step, global weights and outer optimizer state."""
         if self.manager is None:
             return {}
-        global_params: list[dict[str, torch.Tensor]] = []
-        for frag in getattr(self.diloco, "_fragments", []):
-            # torchft keeps the last global weights per fragment in ``original_parameters``.
-            orig = getattr(frag, "original_parameters", {})
-            global_params.append({k: v.detach().clone() for k, v in orig.items()})
+        # torchft keeps the last global weights per fragment in ``original_parameters``.
+        global_params = [
+            {k: v.detach().clone() for k, v in getattr(frag, "original_parameters", {}).items()}
+            for frag in getattr(self.diloco, "_fragments", [])
+        ]
         return {
             "manager": dict(self.manager.state_dict()),
             "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
@@ -185,7 +177,8 @@ class DiLoCoCallback(DiLoCoCallbackBase):
                 f"or set diloco.lighthouse / ${_env.ENV_LIGHTHOUSE} to a running `torchft_lighthouse`.",
                 key="diloco.lighthouse",
             )
-        _quiet_torchft()
+        # torchft warns on every quorum that it cannot reset the NCCL flight recorder (CPU runs); keep errors.
+        logging.getLogger("torchft.manager").setLevel(logging.ERROR)
         self._module, self._inner = module, inner_optimizer
         timeout = timedelta(seconds=c.timeout_s)
         self._store = TCPStore(c.store_host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -194,8 +187,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         if c.checkpoint_transport == "pg":
             from torchft.checkpointing.pg_transport import PGTransport
 
-            device = next(module.parameters()).device
-            transport = PGTransport(self.process_group, timeout=timeout, device=device)
+            transport = PGTransport(self.process_group, timeout=timeout, device=next(module.parameters()).device)
         self.manager = Manager(
             pg=self.process_group,
             load_state_dict=self._load_replica_state,
@@ -241,8 +233,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
         if self.replica.restart > 0:
             # A restarted replica's local steps are thrown away when it heals, so it asks for its quorum
             # after one step instead of H: it heals at the peers' next sync.
-            per = c.sync_every // c.num_fragments
-            first = per - c.fragment_sync_delay - 1
+            first = c.sync_every // c.num_fragments - c.fragment_sync_delay - 1
             self.diloco._local_step = first
             self._since_sync = first
             self._post("ready")
@@ -273,9 +264,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
                 self.manager.shutdown(wait=False)
             except Exception as e:  # pragma: no cover - best effort on the way out
                 log.warning("torchft manager shutdown: %s", e)
-        self.manager = None
-        self.diloco = None
-        self._store = None
+        self.manager = self.diloco = self._store = None
 
     # -- torchft state (live recovery) ----------------------------------------------------
     def _schedulers(self) -> list[Any]:
@@ -422,8 +411,3 @@ class DiLoCoCallback(DiLoCoCallbackBase):
             log.warning("DiLoCo: sync at torchft step %d did not commit; weights rolled back", step)
         rec["writes_checkpoint"] = self._checkpoint_due == step
         self._keep_sync(rec)
-
-
-def _quiet_torchft() -> None:
-    # torchft warns on every quorum that it cannot reset the NCCL flight recorder (CPU runs); keep errors.
-    logging.getLogger("torchft.manager").setLevel(logging.ERROR)

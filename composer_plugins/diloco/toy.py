@@ -7,6 +7,7 @@ adds the DiLoCo callback of ``diloco.transport`` when a lighthouse or a store is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -84,15 +85,13 @@ class ToyMarkovStream(torch.utils.data.IterableDataset):  # type: ignore[type-ar
 
     def batches(self, n: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         g = torch.Generator().manual_seed(self.sample_seed)
-        i = 0
-        while n is None or i < n:
+        for _ in range(n) if n is not None else itertools.count():
             tok = torch.randint(self.vocab_size, (self.batch_size,), generator=g)
             seq = [tok]
             for _ in range(self.seq_len):
                 tok = torch.multinomial(self.transition[tok], 1, generator=g).squeeze(1)
                 seq.append(tok)
             yield {"input_ids": torch.stack(seq, 1)}
-            i += 1
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self.batches()
@@ -182,12 +181,7 @@ def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: S
     callbacks = [*extra_callbacks, *([cb] if cb is not None else [])]
     from composer_plugins.training.lightning.trainer import lightning_trainer
 
-    trainer = lightning_trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=toy.max_steps,
-        callbacks=callbacks,
-    )
+    trainer = lightning_trainer(accelerator="cpu", devices=1, max_steps=toy.max_steps, callbacks=callbacks)
     t0 = time.perf_counter()
     trainer.fit(model, loader)
     out = {

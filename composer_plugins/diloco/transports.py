@@ -1,13 +1,8 @@
 """DiLoCo's outer-sync transports, as registered objects (the ``register_transports`` hook): the one place a
 transport name is compared.
 
-A :class:`Transport` says what the config must hold (:meth:`~Transport.validate`, including the ``diloco.*``
-keys it ignores, refused when set), what the launcher must provide (``needs``: a torchft ``lighthouse`` or a
-``store``), whether cloud executors can run its replicas, and the callback it builds
-(:meth:`~Transport.callback`). Import-light (no torch): the launcher and the CLI read it. The built-ins,
-``torchft`` (:class:`~composer_plugins.diloco.strategy.DiLoCoCallback`) and ``object_store``
-(:class:`~composer_plugins.diloco.objstore.ObjectStoreDiLoCoCallback`), register through
-:mod:`.plugin` as a third party would; ``composer-plugins list transports`` shows them.
+Import-light (no torch): the launcher and the CLI read it. The built-ins, ``torchft`` and ``object_store``,
+register through :mod:`.plugin` as a third party would; ``composer-plugins list transports`` shows them.
 """
 
 from __future__ import annotations
@@ -100,24 +95,28 @@ class ObjectStoreTransport(Transport):
         return config.store or os.environ.get(_env.ENV_STORE) or None
 
 
+def registered(kind: str, name: str, error: Callable[[str], Exception], tail: str = "") -> Any:
+    """The registry entry of ``kind`` named ``name``; an unknown name raises ``error(message)`` listing the
+    available ones (and the closest, then ``tail``)."""
+    from composer_plugins.core.plugins import get_registry
+
+    names = get_registry().names(kind)
+    if str(name).lower() not in names:
+        near = closest(str(name), names)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise error(f"unknown {kind.removesuffix('s')} {name!r}; available: {', '.join(names)}.{hint}{tail}")
+    return get_registry().get(kind, name)
+
+
 def get_transport(name: str, error: Callable[[str], Exception] | None = None) -> Transport:
     """The transport registered as ``name`` (``register_transports``), built once per registry; unknown names list
     the available ones (and the closest), raised as ``error(message)``."""
     from composer_plugins.core.plugins import get_registry
 
-    registry = get_registry()
-    key = (id(registry), name)
-    transport = _cache.get(key)
-    if transport is not None:
-        return transport
-    names = registry.names("transports")
-    if str(name).lower() not in names:
-        near = closest(str(name), names)
-        msg = f"unknown transport {name!r}; available: {', '.join(names)}." + (
-            f" Did you mean {near[0]!r}?" if near else ""
-        )
-        raise (error or ComposerPluginsError)(msg)
-    entry = registry.get("transports", name)
+    key = (id(get_registry()), name)
+    if key in _cache:
+        return _cache[key]
+    entry = registered("transports", name, error or ComposerPluginsError)
     transport = entry.build(name=entry.name)
     if not isinstance(transport, Transport):
         raise TypeError(

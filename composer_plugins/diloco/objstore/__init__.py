@@ -13,13 +13,9 @@ directory::
     state/<r>                         the global weights and outer optimizer state after round r (exact fp32,
                                       or a replay point: :mod:`.statehash`)
 
-Every object but the slices (which their index's checksums name) carries the run id, and another run's objects
-are refused by name. A round: write the pseudo-gradient; wait for the others or ``round_timeout_s``; the first
-to try creates the manifest (one per round); the mean is made slice by slice (a reduce-scatter through the
-store) and every replica applies the same stored bits with the torchft path's outer step; the manifest's
-creator writes the new global state (with ``overlap: 1``, in a background thread during the next round).
-Faults, the trust model and the sync log's extra fields: docs/diloco.md ("Serverless: replicas that meet
-through an object store"). Without faults an ``object_store`` run equals a ``torchft`` run of the same config.
+Every object but the slices (which their index's checksums name) carries the run id; another run's are refused.
+The round, faults, the trust model and the sync log's extra fields: docs/diloco.md ("Serverless: replicas that
+meet through an object store"). Without faults an ``object_store`` run equals a ``torchft`` run of the same config.
 """
 
 from composer_plugins.diloco.objstore.callback import ObjectStoreDiLoCoCallback

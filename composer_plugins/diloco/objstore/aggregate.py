@@ -33,17 +33,11 @@ class AggregateMixin:
         return True
 
     def _round_mean(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None) -> torch.Tensor | None:
-        """Round ``r``'s mean pseudo-gradient, as stored in ``rounds/<r>/mean-<j>`` (one object per slice).
-
-        Slice ``j`` belongs to participant ``participants[j % P]``: it reads slice ``j`` of the others'
-        pseudo-gradients (its own from ``own``, never from the store), sums them in index order, divides by
-        their number, and creates ``mean-<j>`` with the run's codec. Everyone then applies the stored bits
-        (identical whoever wrote them: a create happens once), so each replica reads about ``2 (N-1)/N``
-        compressed pseudo-gradients per round whatever ``N``. A slice its owner has not written within
-        ``round_timeout_s`` (or at once, for a round already closed: ``own`` is ``None``) is computed and
-        created by whoever needs it. ``None`` when a round rebuilt later lacks a listed slice.
+        """Round ``r``'s mean pseudo-gradient, as stored in ``rounds/<r>/mean-<j>`` (one object per slice; see
+        docs/diloco.md, "One aggregate per round"): this replica makes its own slices (its pseudo-gradient from
+        ``own``), reads the others', and makes one whose owner has not written it within ``round_timeout_s`` (at once
+        for a closed round, ``own=None``). ``None`` when a round rebuilt later lacks a listed slice.
         """
-        assert self.rounds is not None
         c, rs, me = self.config, self.rounds, self.replica.index
         parts = list(manifest["participants"])
         numel = sum(p.numel() for p in self.params)
@@ -114,8 +108,7 @@ class AggregateMixin:
         if own is not None:
             for j in range(len(bounds)):
                 if parts[j % len(parts)] == me:
-                    got = make(j)
-                    if got is None:
+                    if (got := make(j)) is None:
                         return None
                     out[j] = got
         deadline = time.monotonic() + (c.round_timeout_s if own is not None else 0.0)
@@ -136,8 +129,7 @@ class AggregateMixin:
                                 r,
                                 j,
                             )
-                        got = make(j)
-                        if got is None:
+                        if (got := make(j)) is None:
                             return None
                         out[j] = got
                 break
@@ -150,7 +142,6 @@ class AggregateMixin:
 
         ``keep_rounds`` deletes a round's pseudo-gradients and mean only after a newer state is written (and keeps
         that state), so a listed pseudo-gradient that is gone while no such state exists was never collected."""
-        assert self.rounds is not None
         return any(k >= r for k in self.rounds.state_rounds())
 
     def _close(self, r: int, me: int, mine_name: str | None) -> tuple[dict[str, Any], bool]:
@@ -158,7 +149,6 @@ class AggregateMixin:
 
         Only the pseudo-gradients' indexes are read here (a few hundred bytes each): the data is read slice by
         slice when the round's mean is made (:meth:`_round_mean`)."""
-        assert self.rounds is not None
         c, rs, n = self.config, self.rounds, self.replica.num_replicas
         numel = sum(p.numel() for p in self.params)
         deadline = time.monotonic() + c.round_timeout_s

@@ -240,13 +240,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
 
     def _launch_overlapped(self, r: int, t0: float) -> None:
         """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
-        outer step on the global weights in a background thread; the model's weights are left to the inner steps
-        of round ``r + 1`` (see :meth:`_finish_overlapped`). ``init_sync`` (round 0) stays in the foreground.
-
-        The training thread only copies the weights (the snapshot, one ``clone`` per parameter); every store
-        request (the manifest check included), the codec, the checksums, the mean, the outer step and the sync
-        log's parameter hash run in the background thread (torch's kernels, ``hashlib`` and ``zlib`` release the
-        GIL on large buffers; the waits sleep with backoff, ``poll_s`` to ``poll_max_s``)."""
+        outer step on the global weights in a background thread, while the model goes on with round ``r + 1``
+        (:meth:`_finish_overlapped`; docs/diloco.md, "overlap: 1"). ``init_sync`` (round 0) stays in the foreground."""
         me = self.replica.index
         c = self.config
         if r == 0 and c.init_sync and self.replica.num_replicas > 1:
@@ -275,15 +270,14 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             if created and self._state_due(r):
                 self._put_state(r)()
                 if self.config.keep_rounds:
-                    self._collect(r)
+                    self.rounds.collect_garbage(r, self.config.keep_rounds)
                 times["state"] = time.perf_counter() - t
             times["cpu"] = time.thread_time() - cpu  # this thread's CPU time for the round (the rest is waiting)
             return manifest, True
 
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-overlap")
-        future = self._background.submit(job)
-        self._overlapped = (r, future, snapshot, result, time.perf_counter() - t0)
+        self._overlapped = (r, self._background.submit(job), snapshot, result, time.perf_counter() - t0)
 
     @torch.no_grad()
     def _finish_overlapped(self) -> None:
@@ -295,7 +289,6 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self._overlapped = None
         t0 = time.perf_counter()
         manifest, committed = future.result()
-        err = result.get("err")
         if committed:
             for p, g, s in zip(self.params, self.global_params, snapshot, strict=True):
                 p.add_(g - s)
@@ -305,7 +298,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             r,
             committed,
             len(manifest["participants"]),
-            err,
+            result.get("err"),
             launch_s + time.perf_counter() - t0,
             digest=result.get("digest") if committed else None,
             background=result.get("background_s"),
@@ -321,7 +314,6 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         digest: tuple[str, float] | None = None,
         background: dict[str, float] | None = None,
     ) -> dict[str, Any]:
-        c = self.config
         assert self.store is not None
         # since the last record: the state written in the background after a sync counts in the next one
         w0, r0, n0 = self._counted
@@ -347,12 +339,10 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         }
         if background is not None:  # overlap: 1 -- where the background sync's time went (publish, close, ...)
             rec["background_s"] = background
-        if self._target is not None and self.round >= self._target:
-            self._stop = True
-        if self.stop_file_says_stop(self.round):
+        if (self._target is not None and self.round >= self._target) or self.stop_file_says_stop(self.round):
             self._stop = True
         rec["writes_checkpoint"] = False
-        if c.overlap and not self._stop:
+        if self.config.overlap and not self._stop:
             # with overlap: 1 the model carries its own steps since the last snapshot: the global weights are synced
             # (the background job hashed them already, ``digest``, unless this round was caught up here)
             self._keep_sync(rec, self.global_params, digest)

@@ -20,7 +20,6 @@ class RunIdentityMixin:
 
     def _probe_conditional_create(self) -> None:
         """Refuse a store that does not honour If-None-Match: the round manifest depends on it."""
-        assert self.store is not None
         key = f"probe/{self.replica.index}-{os.urandom(6).hex()}"
         first = self.store.put(key, b"probe", create=True)
         second = self.store.put(key, b"probe", create=True)
@@ -35,7 +34,6 @@ class RunIdentityMixin:
 
     def _run_identity(self) -> dict[str, Any]:
         """What ``run.json`` pins: who the run is and every setting its replicas must share (JSON values)."""
-        assert self._inner is not None
         shapes = [list(p.shape) for p in self.params]
         mine = {
             "run_id": self.run_id,
@@ -56,7 +54,6 @@ class RunIdentityMixin:
     def _check_run(self) -> None:
         """Claim the run directory (``run.json``) or check that it holds this run with this replica's settings;
         refuse another run's, and a prefix holding another run's objects whose ``run.json`` is gone."""
-        assert self.store is not None
         mine = self._run_identity()
         if self.store.put("run.json", pack({"kind": "run"}, json.dumps(mine).encode()), create=True):
             self._refuse_leftovers()
@@ -106,23 +103,19 @@ class RunIdentityMixin:
                 ]
             else:
                 settings.append(f"{k} is {a!r} in the run, {b!r} here")
-        fix = {
-            "sync_every": "diloco.sync_every",
-            "compress": "diloco.compress",
-            "state_every": "diloco.state_every",
-            "exact_every": "diloco.exact_every",
+        fix = {  # the rest: diloco.<key>
             "num_replicas": "--replicas / --total-replicas",
             "outer_optimizer": "diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov "
             "or diloco.outer_optimizer",
             "inner_optimizer": "the training config's optimizer (its learning rate "
             "and hyper-parameters; a replica joining before round 0 would otherwise take the run's)",
         }
+        fixes = "; ".join(fix.get(k, f"diloco.{k}") for k in diff)
         raise ConfigError(
             f"this replica's settings differ from those of run {theirs.get('run_id')!r} "
             f"({self.store.where}/run.json): {'; '.join(settings)}. Every replica of a run must share them (the "
             f"outer step and the pseudo-gradients are only the same computation with the same settings). HINT: set "
-            f"{'; '.join(fix[k] for k in diff if k in fix)} to the run's values, or start another run on a fresh "
-            "prefix.",
+            f"{fixes} to the run's values, or start another run on a fresh prefix.",
             key="diloco.store",
         )
 
@@ -130,7 +123,6 @@ class RunIdentityMixin:
         """This replica just created ``run.json``: refuse (and take it back) if the prefix already holds another
         run's objects (a lifecycle rule that deleted the oldest object first leaves states without their run).
         Each kind's newest object is looked at here; every object read later is checked as it is read."""
-        assert self.store is not None
         for sub in ("init", "state", "rounds"):
             keys = (["init"] if self.store.exists("init") else []) if sub == "init" else self.store.list(sub)
             # the objects that name their run (a pseudo-gradient's slices and a large object's blob do not)

@@ -114,13 +114,9 @@ class RoundStore:
 
     # -- pseudo-gradients (sliced) and the round's aggregate ---------------------------
     def put_grad(self, r: int, index: int, restart: int, slices: list[tuple[dict[str, Any], bytes]]) -> tuple[str, int]:
-        """Create this replica's pseudo-gradient of round ``r`` from its encoded slices
-        (:func:`encode_slices`): ``(name, bytes)``.
-
-        Each slice is its own object ``<name>.s<j>``; the index ``<name>`` (slice bounds and checksums) is
-        created last, so a listed index always has its slices. The name is ``grad-<index>-<k>`` with the first
-        ``k >= restart`` not taken (an earlier life of this replica, or of an earlier launch, may hold a smaller one).
-        """
+        """Create this replica's pseudo-gradient of round ``r`` from its encoded slices (:func:`encode_slices`), its
+        index last (so a listed index has its slices), as ``grad-<index>-<k>`` with the first ``k >= restart`` not
+        taken (an earlier life may hold a smaller one): ``(name, bytes)``."""
         d = self.round_dir(r)
         for k in range(restart, restart + _GRAD_TRIES):
             name = f"grad-{index}-{k}"
@@ -211,14 +207,8 @@ class RoundStore:
                 )
             lo = 0
             for e in entries:
-                if not (
-                    isinstance(e, list)
-                    and len(e) == 3
-                    and e[0] == lo
-                    and isinstance(e[1], int)
-                    and e[1] >= lo
-                    and isinstance(e[2], str)
-                ):
+                row_ok = isinstance(e, list) and len(e) == 3 and e[0] == lo and isinstance(e[2], str)
+                if not (row_ok and isinstance(e[1], int) and e[1] >= lo):
                     raise CorruptObjectError(f"{self._where(key)}: malformed slice table")
                 lo = e[1]
             if lo != header.get("numel"):
@@ -335,20 +325,13 @@ class RoundStore:
     def manifest(self, r: int) -> dict[str, Any] | None:
         def parse(key: str, header: dict[str, Any], body: bytes) -> dict[str, Any]:
             m = json.loads(body)
-            ok = (
-                header.get("kind") == "manifest"
-                and isinstance(m, dict)
-                and m.get("round") == r
-                and isinstance(m.get("participants"), list)
-                and isinstance(m.get("grads"), dict)
-                and isinstance(m.get("slices"), int)
-                and m["slices"] >= 1
-                and sorted(int(i) for i in m["grads"]) == m["participants"]
-                and all(
-                    isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i for i, n in m["grads"].items()
-                )
-            )
-            if not ok:
+            ok = header.get("kind") == "manifest" and isinstance(m, dict) and m.get("round") == r
+            ok = ok and isinstance(m.get("participants"), list) and isinstance(m.get("grads"), dict)
+            ok = ok and isinstance(m.get("slices"), int) and m["slices"] >= 1
+            ok = ok and sorted(int(i) for i in m["grads"]) == m["participants"]
+            if not ok or not all(
+                isinstance(n, str) and _GRAD.fullmatch(n) and n.split("-")[1] == i for i, n in m["grads"].items()
+            ):
                 raise self._for_good(r, key, None, f"not a manifest of round {r}")
             return m
 
@@ -414,7 +397,7 @@ class RoundStore:
         if not isinstance(state, dict):
             raise CorruptObjectError(f"{self._where(key)}: not a state mapping")
         digest = header.get("hash")
-        if digest is not None and state_hash(flatten(state)[1]) != digest:
+        if digest is not None and state_hash(flatten(state)) != digest:
             raise CorruptObjectError(f"{self._where(key)}: its vectors do not match the hash it records")
         return state
 
@@ -423,10 +406,6 @@ class RoundStore:
         return sorted(
             (int(k.rsplit("/", 1)[1]) for k in self.store.list("state") if k.rsplit("/", 1)[1].isdigit()), reverse=True
         )
-
-    def latest_state_round(self) -> int | None:
-        rounds = self.state_rounds()
-        return rounds[0] if rounds else None
 
     def newest_valid_state(self, at_least: int = 0) -> tuple[int, dict[str, Any]] | None:
         """``(r, state)`` of the newest ``state/<r>`` (``r >= at_least``) that is intact data; refused ones logged."""
@@ -441,9 +420,6 @@ class RoundStore:
             if state is not None:
                 return k, state
         return None
-
-    def exists(self, key: str) -> bool:
-        return self.store.exists(key)
 
     def collect_garbage(self, newest: int, keep_rounds: int) -> int:
         """Delete states older than the newest ``keep_rounds`` and the pseudo-gradients and means of rounds those
@@ -463,12 +439,8 @@ class RoundStore:
             parts = key.split("/")
             # pseudo-gradients only: a manifest (a few hundred bytes) stays, so a straggler still in that round
             # finds it closed and never closes it a second time
-            if (
-                len(parts) >= 2
-                and parts[-2].isdigit()
-                and int(parts[-2]) <= oldest_kept
-                and any(k in parts[-1] for k in ("grad-", "mean-", "refused-"))
-            ):
+            in_old_round = len(parts) >= 2 and parts[-2].isdigit() and int(parts[-2]) <= oldest_kept
+            if in_old_round and any(k in parts[-1] for k in ("grad-", "mean-", "refused-")):
                 self.store.delete(key)
                 n += 1
         return n

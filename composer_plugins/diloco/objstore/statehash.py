@@ -9,9 +9,6 @@ from typing import Any
 
 import torch
 
-#: a state's vector, in its skeleton: ``{SLOT: shape}`` (the values are in the flat vector, in walk order)
-SLOT = "__state_slot__"
-
 
 def map_leaves(fn: Any, x: Any) -> Any:
     """``x`` with each leaf (what is not a list, tuple or dict) replaced by ``fn(leaf)``, in walk order."""
@@ -24,20 +21,17 @@ def map_leaves(fn: Any, x: Any) -> Any:
     return fn(x)
 
 
-def flatten(state: Any) -> tuple[Any, torch.Tensor]:
-    """``(skeleton, flat fp32 vector)`` of a state: every floating tensor of one or more dimensions becomes
-    ``{SLOT: shape}`` in the skeleton and its values go, in walk order, into the flat vector."""
+def flatten(state: Any) -> torch.Tensor:
+    """The flat fp32 vector of a state: the values of its fp32 tensors of one or more dimensions, in walk order."""
     parts: list[torch.Tensor] = []
 
-    def slot(x: Any) -> Any:
+    def take(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype == torch.float32:
             parts.append(x.detach().reshape(-1))
-            return {SLOT: list(x.shape)}
         return x
 
-    skeleton = map_leaves(slot, state)
-    flat = torch.cat(parts) if parts else torch.zeros(0)
-    return skeleton, flat
+    map_leaves(take, state)
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def state_hash(flat: torch.Tensor) -> str:

@@ -57,34 +57,24 @@ class StatesMixin:
 
     def _state_written(self, r: int) -> bool:
         """Whether round ``r``'s due state is written: always with ``exact_every: 1``; else the last of every
-        ``exact_every`` due states (by round: ``(r // state_every) % exact_every == exact_every - 1``, the last round
-        included, so a run of fewer rounds writes none and a reader rebuilds from ``init``). A state between carries
-        nothing the store does not hold already: it is the previous state plus the outer steps of the rounds'
-        means, which every replica applied and which are kept (``keep_rounds`` deletes a round's pseudo-gradients
-        and mean only once a newer written state exists); writing it again, exact or as a delta through the codec,
-        costs as much as the means themselves. The same on every replica and launch (round and pinned settings)."""
+        ``exact_every`` due states, by round, the same on every replica and launch (docs/diloco.md, "States: replay
+        points": a state between is the previous one plus the outer steps of the rounds' kept means)."""
         k, e = self.config.state_every, self.config.exact_every
         return e <= 1 or (r // k) % e == e - 1
 
     def _put_state(self, r: int) -> Callable[[], None]:
         """A job writing round ``r``'s global state as it is now (exact fp32; with replay points recording its
         hash, which a replica rebuilding the rounds after it can check against)."""
-        assert self.rounds is not None
         rs, key, hashed = self.rounds, f"state/{r:08d}", self._replay_points()
         state = self._global_state()
 
         def put() -> None:
-            digest = state_hash(flatten(state)[1]) if hashed else None
+            digest = state_hash(flatten(state)) if hashed else None
             self.bytes_states += rs.put_state(key, state, create=True, digest=digest)
 
         return put
 
-    def _collect(self, r: int) -> None:
-        assert self.rounds is not None
-        self.rounds.collect_garbage(r, self.config.keep_rounds)
-
     def _replica_state(self) -> dict[str, Any]:
-        assert self._module is not None and self._inner is not None
         scheds = [cfg.scheduler.state_dict() for cfg in self._trainer.lr_scheduler_configs] if self._trainer else []
         return _host_tree(
             {
@@ -103,7 +93,6 @@ class StatesMixin:
         ``diloco.barrier_timeout_s`` and fail with a located error after that; nobody trains from its own
         weights.
         """
-        assert self.rounds is not None and self._module is not None and self._inner is not None
         if self.replica.index == 0 and self.rounds.put_state("init", self._replica_state(), create=True):
             return
         deadline = time.monotonic() + self.config.barrier_timeout_s
@@ -142,7 +131,6 @@ class StatesMixin:
     def _replay_closed_rounds(self) -> int:
         """Rebuild every round closed after the state held here from its manifest's pseudo-gradients (the same
         bits its participants computed), writing ``state/<r>`` where it is missing. Rounds replayed."""
-        assert self.rounds is not None
         n = 0
         if self.round == 0 and (self.rounds.manifest(0) is None or not self._take_init_globals()):
             return 0
@@ -153,7 +141,7 @@ class StatesMixin:
             n += 1
             self._healed()
             key = f"state/{r:08d}"
-            if self._state_due(r) and not self.rounds.exists(key):
+            if self._state_due(r) and not self.rounds.store.exists(key):
                 self._put_state(r)()
                 log.warning(
                     "DiLoCo: rebuilt %s/%s from round %d's manifest (its closer did not write it)",
@@ -169,7 +157,6 @@ class StatesMixin:
 
     def _take_init_globals(self) -> bool:
         """Before rebuilding round 0: the global weights round 0 started from (``init``'s, with ``init_sync``)."""
-        assert self.rounds is not None
         if not (self.config.init_sync and self.replica.num_replicas > 1):
             return True
         try:
@@ -187,7 +174,6 @@ class StatesMixin:
     def _catch_up(self, r: int, manifest: dict[str, Any]) -> None:
         """Left out of round ``r``: drop the local steps, rebuild round ``r`` (and any closed since) from the
         manifests, or load a newer global state when a listed pseudo-gradient is gone."""
-        assert self.rounds is not None
         log.warning("DiLoCo: left out of round %d (late); catching up", r)
         if (r > 0 or self._take_init_globals()) and self._apply_round(r, manifest, None, mix_local=False):
             self._healed()
@@ -217,7 +203,6 @@ class StatesMixin:
         (the time between its manifest and the one before, over ``H``), the lag the time since the last manifest.
         Nothing changes when the lag is not within one round (a run resumed later starts its rounds whole).
         Steps skipped."""
-        assert self.rounds is not None
         h, r = self.config.sync_every, self.round
         if r < 2 or h < 2:
             return 0
@@ -253,7 +238,6 @@ class StatesMixin:
 
     def _write_state_async(self) -> None:
         """Write ``state/<round-1>`` in the background (the next inner steps do not wait for it)."""
-        assert self.rounds is not None
         r = self.round - 1
         put = self._put_state(r)
         keep = self.config.keep_rounds
@@ -261,7 +245,7 @@ class StatesMixin:
         def job() -> None:
             put()
             if keep:
-                self._collect(r)
+                self.rounds.collect_garbage(r, keep)
 
         if self._writer is None:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-state")
