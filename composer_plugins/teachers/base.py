@@ -1,11 +1,7 @@
 """The teacher contract: what a teacher is given, what it returns, and how its calls fail.
 
-A teacher answers *one student step*: it is shown the chat messages up to that step
-(OpenAI message shape, thinking hidden) and returns the action it would have taken
-(:class:`TeacherResponse`: action text and assistant message, token usage, cost, latency).
-
-Teachers do a single attempt per :meth:`Teacher.complete` call; retries, the budget and
-the cache live in :class:`~composer_plugins.teachers.engine.ReplayEngine`.
+A teacher makes one attempt per :meth:`Teacher.complete` call; retries, the budget and the cache live in
+:class:`~composer_plugins.teachers.engine.ReplayEngine` (docs/plugins.md, "Writing a teacher provider").
 """
 
 from __future__ import annotations
@@ -32,9 +28,7 @@ REQUEST_OVERHEAD_TOKENS = 16
 class TeacherError(ComposerPluginsError):
     """A teacher is misconfigured (bad argument, missing key variable, unloadable model).
 
-    Attributes:
-        field: the teacher argument at fault (``max_tokens``, ``base_url`` ...), when one is;
-            config loaders use it to point at that key's line.
+    ``field``: the teacher argument at fault, when one is (config loaders point at that key's line).
     """
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
@@ -57,13 +51,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def scrub_secret(text: str, secret: str | None, min_chars: int = SCRUB_MIN_CHARS) -> str:
-    """``text`` with every run of ``secret``'s substrings of ``min_chars``+ characters, and every
-    ``Bearer <token>``, replaced by ``****``.
-
-    A run is masked when each of its ``min_chars``-character windows occurs somewhere in the
-    secret, so a key cut anywhere (by a proxy, a length limit, a log line) is masked as well as
-    a whole one. Keys shorter than ``min_chars`` are masked whole.
-    """
+    """``text`` with every ``Bearer <token>`` and every run of ``min_chars``+ characters of ``secret`` (a key cut
+    anywhere, or whole) replaced by ``****``; a shorter key is masked whole. See docs/replay.md, "API keys"."""
     if not text:
         return text
     text = _BEARER.sub(r"\1****", text)
@@ -86,18 +75,13 @@ def scrub_secret(text: str, secret: str | None, min_chars: int = SCRUB_MIN_CHARS
 
 
 def looks_like_key(value: str) -> bool:
-    """Whether ``value`` looks like a credential rather than an environment variable's name.
-
-    True for anything that is not a plain ``[A-Za-z_][A-Za-z0-9_]*`` name, for a known key
-    prefix (``sk-``, ``hf_``, ``gsk_``, ``AKIA`` ...) followed by 16+ characters, and for a
-    name with a 16+ character part (between ``_``) that mixes letters with digits or lower
-    with upper case (``OPENROUTER_API_KEY`` is a name; ``hf_AbC...`` is a key).
-    """
+    """Whether ``value`` looks like a credential rather than an environment variable's name: not a plain name, a
+    known key prefix (``sk-``, ``hf_`` ...) plus 16+ characters, or a 16+ character part (between ``_``) mixing
+    two of digits, lower and upper case (``OPENROUTER_API_KEY`` is a name; ``hf_AbC...`` is a key)."""
     if not _ENV_NAME.fullmatch(value):
         return True
     if any(value.startswith(p) and len(value) >= len(p) + 16 for p in _KEY_PREFIXES):
         return True
-    # a long part holding at least two of: digits, lower case, upper case
     kinds = (str.isdigit, str.islower, str.isupper)
     return any(len(part) >= 16 and sum(any(map(k, part)) for k in kinds) >= 2 for part in value.split("_"))
 
@@ -171,14 +155,9 @@ def check_sampling(who: str, temperature: Any, top_p: Any, seed: Any, *, require
 class TeacherCallError(ComposerPluginsError):
     """One call to a teacher failed.
 
-    Attributes:
-        retryable: ``True`` for 429, 5xx, timeouts, dropped connections and malformed bodies.
-        status: the HTTP status, if a response arrived.
-        retry_after: seconds the server asked to wait (``Retry-After``), if any.
-        billed: ``"no"`` when the provider cannot have charged for the call (it answered
-            with an error status before doing work), ``"maybe"`` when it may have (timeout
-            or dropped connection after sending, unreadable 200 body).
-        kind: a short machine-readable label (``http_429``, ``timeout``, ``malformed`` ...).
+    ``billed``: ``"no"`` when the provider cannot have charged for the call (an error status before any work),
+    ``"maybe"`` when it may have (timeout or dropped connection after sending, unreadable 200 body). ``kind``: a
+    short label (``http_429``, ``timeout``, ``malformed`` ...). Which failures are retryable: docs/replay.md.
     """
 
     def __init__(
@@ -210,7 +189,6 @@ try:  # orjson is optional: it reads and writes JSON several times faster; the t
 except ImportError:  # pragma: no cover - depends on the environment
 
     def json_bytes(obj: Any) -> bytes:
-        """``obj`` as compact UTF-8 JSON (orjson when installed)."""
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     json_loads = json.loads
@@ -230,16 +208,8 @@ class CallCounts:
 class TeacherResponse:
     """What a teacher returned for one state.
 
-    Attributes:
-        text: the action as flat text (content, then tool calls one JSON object per line).
-        message: the assistant message (``{"role": "assistant", "content": ..., "tool_calls": [...]}``).
-        prompt_tokens, completion_tokens: token usage (as reported by the provider when it does).
-        cost_usd: what the call cost, from usage × the teacher's per-token prices.
-        latency_s: wall time of the successful attempt.
-        model: the model that answered.
-        teacher: the teacher's id in the run.
-        finish_reason: the provider's finish reason, if any.
-        cached: ``True`` when served from the replay cache (``cost_usd`` is then what it cost originally).
+    ``text`` is the action flattened (content, then one JSON tool call per line), ``message`` the assistant
+    message; ``cost_usd`` is the usage × the teacher's prices (for a ``cached`` answer, what it cost originally).
     """
 
     text: str
@@ -265,12 +235,8 @@ class TeacherResponse:
 
 
 def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]], extra: Any = None) -> int:
-    """An upper bound on the prompt tokens of ``messages`` for byte-level BPE tokenizers.
-
-    A byte-level BPE token covers at least one UTF-8 byte, so the number of bytes of the
-    serialized messages (plus per-message and per-request overheads for role markers) bounds
-    the real count from above. ``extra`` (e.g. a tool schema sent along) is counted too.
-    """
+    """An upper bound on the prompt tokens of ``messages`` (and ``extra``, e.g. tool schemas) for byte-level BPE
+    tokenizers: their UTF-8 bytes plus overheads (docs/replay.md, "The replay engine", Budget)."""
     total = REQUEST_OVERHEAD_TOKENS + MESSAGE_OVERHEAD_TOKENS * len(messages)
     for m in messages:
         for k, v in m.items():
@@ -284,10 +250,7 @@ def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]], extra: Any = N
 class Teacher:
     """Base class of teacher providers.
 
-    Subclasses set :attr:`kind`, implement :meth:`complete` (one attempt) and, when they
-    cost money, set per-token prices so :meth:`max_cost` can reserve the worst case before
-    a call. :meth:`cache_params` lists everything besides the messages that changes the
-    answer; it is part of the cache key.
+    What a subclass sets and implements: docs/plugins.md, "Writing a teacher provider".
     """
 
     #: Registry name of the provider (``openai``, ``hf``, ``oracle`` ...).
