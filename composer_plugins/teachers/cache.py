@@ -1,10 +1,8 @@
 """The persistent replay cache and spend ledger (one sqlite file, WAL mode).
 
-``responses`` holds one row per completed teacher call, keyed on a hash of ``(teacher id, provider, model,
-params, messages)`` and committed before the engine uses it. The ``ledger`` holds per run one ``paid`` row per
-completed call (in the same transaction as its response), one ``maybe`` row per call sent without an answer,
-and one ``lease`` row per process covering its calls in flight, so the ceiling holds across ``kill -9``
-(docs/replay.md, "Cache and ledger"). One writer thread group-commits whatever is queued: one fsync per batch.
+``responses``: one row per answered call; ``ledger``: per run, a ``paid`` row per answer (in its response's
+transaction), a ``maybe`` row per call sent without one, a ``lease`` row per process. One writer thread
+group-commits. See docs/replay.md, "Cache and ledger".
 """
 
 from __future__ import annotations
@@ -107,12 +105,9 @@ def _resolve(items: list[Any], err: BaseException | None) -> None:
 
 
 class ReplayCache:
-    """Responses and the spend ledger in one sqlite file.
+    """Responses and the spend ledger in one sqlite file (created with its directory).
 
-    Args:
-        path: the sqlite file (created with its directory).
-        synchronous: ``"FULL"`` (fsync every commit: survives power loss) or ``"NORMAL"``
-            (survives a killed process, not an OS crash; faster on slow disks).
+    ``synchronous="NORMAL"`` survives a killed process but not an OS crash (faster on slow disks than ``FULL``).
     """
 
     def __init__(self, path: str | os.PathLike[str], synchronous: Literal["FULL", "NORMAL"] = "FULL") -> None:

@@ -1,9 +1,6 @@
 """The replay engine: every state through every teacher, async, cached, budgeted, resumable.
 
-Only cache misses are sent, identical requests once, each teacher with ``max_concurrency`` workers. A call is
-sent once its worst case is reserved under the ceiling (and covered by the durable spend lease); retryable
-failures back off with jitter, never sooner than ``Retry-After``; an answer is committed with its ledger row
-before it is used. The rules in full: docs/replay.md, "The replay engine".
+Concurrency, retries, the budget, the cache and the durable spend lease: docs/replay.md, "The replay engine".
 """
 
 from __future__ import annotations
@@ -33,11 +30,7 @@ HEADROOM_GROWTH = 16
 
 @dataclass
 class RetryPolicy:
-    """How failed calls are retried.
-
-    The n-th retry waits ``uniform(d/2, d)`` with ``d = min(backoff_max_s, backoff_base_s * 2**n)``
-    ("equal jitter"), and never less than the server's ``Retry-After`` (capped at ``retry_after_max_s``).
-    """
+    """How failed calls are retried (equal jitter, never sooner than ``Retry-After``; docs/replay.md, "Retries")."""
 
     max_retries: int = 6
     backoff_base_s: float = 0.5
@@ -75,10 +68,7 @@ class TeacherStats(CallCounts):
 
 @dataclass
 class ReplayStats(TeacherStats):
-    """Counters of a run: the per-teacher ones summed (:meth:`count` adds to both), and the run's own.
-
-    ``lease_waits`` counts calls that had to wait for a spend-lease write before they could be sent.
-    """
+    """Counters of a run: the per-teacher ones summed (:meth:`count` adds to both), and the run's own."""
 
     jobs: int = 0
     deduplicated: int = 0
@@ -135,18 +125,9 @@ class _Answer:
 class ReplayEngine:
     """Replays states through teachers.
 
-    Args:
-        teachers: teacher objects; their ``id`` must be unique.
-        cache: the persistent cache/ledger (``None``: nothing persisted, no resume).
-        max_usd: the dollar ceiling of the run (``None``: no ceiling).
-        retry: the :class:`RetryPolicy`.
-        run_id: names the run in the ledger; a rerun with the same id resumes its budget.
-        fresh_budget: forget the ledger of ``run_id`` first (start the ceiling from zero).
-        durable_reservations: keep a durable *lease* covering the worst case of every call in
-            flight (raised before sending when needed), so the ceiling holds across a
-            ``kill -9``. Only used with a cache and a ceiling.
-        progress: show a tqdm bar (calls, cache hits, spend, ETA).
-        seed: seeds the backoff jitter.
+    ``cache=None`` persists nothing (no resume), ``max_usd=None`` sets no ceiling; a rerun with the same ``run_id``
+    resumes its budget unless ``fresh_budget``; ``durable_reservations`` keeps the spend lease (with a cache and a
+    ceiling); ``seed`` seeds the backoff jitter. See docs/replay.md, "The replay engine".
     """
 
     def __init__(
