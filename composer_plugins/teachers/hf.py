@@ -1,8 +1,7 @@
 """The ``hf`` teacher: a local ``transformers`` causal LM loaded with ``from_pretrained``.
 
-The model and tokenizer load lazily on the first call (``local_files_only`` by default). Prompts go through
-:func:`~composer_plugins.chat.render.render_prompt` (the chat template when the tokenizer has one); generation
-runs in a worker thread, one at a time per teacher, so the event loop keeps serving the other teachers.
+Loaded on the first call; one generation at a time in a worker thread, so the event loop keeps serving the other
+teachers (docs/replay.md, "Teachers").
 """
 
 from __future__ import annotations
@@ -37,17 +36,8 @@ def load_causal_lm(path: str, dtype: str, device: str, local_files_only: bool) -
 class HFTeacher(Teacher):
     """A teacher backed by a local Hugging Face causal LM.
 
-    Args:
-        model_path: a directory written by ``save_pretrained`` (or a hub id with ``local_files_only=False``).
-        id: name in the run (default: the directory name).
-        max_new_tokens: generation cap.
-        temperature: 0 for greedy decoding; > 0 samples with ``seed``.
-        top_p: nucleus sampling when sampling.
-        seed: sampling seed (each call reseeds, so answers are reproducible).
-        dtype: ``float32`` (CPU default), ``bfloat16`` or ``float16``.
-        device: ``cpu``, ``cuda`` ...
-        local_files_only: never download (default).
-        prompt_usd_per_token, completion_usd_per_token: optional prices (e.g. GPU-hour amortisation).
+    ``model_path``: a ``save_pretrained`` directory (or a hub id with ``local_files_only=False``); ``id`` defaults
+    to its name. ``temperature=0`` decodes greedily; above, it samples, reseeded with ``seed`` at every call.
     """
 
     kind = "hf"

@@ -1,11 +1,7 @@
 """The ``openai`` teacher: any OpenAI-compatible chat-completions endpoint over async HTTP.
 
-Anything that serves ``POST {base_url}/chat/completions``. The API key comes from the variable named by
-``api_key_env``, is held as a :class:`~composer_plugins.core.config.Secret` and is scrubbed from every error text
-(docs/replay.md, "API keys").
-
-One HTTP transport, ``aiohttp``, with one mapping of its failures to :class:`TeacherCallError`
-(retryable or not, billed or not); why aiohttp and not httpx: docs/replay.md.
+One transport, ``aiohttp``, with one mapping of its failures to :class:`TeacherCallError`; why aiohttp, and how
+the key is held and scrubbed: docs/replay.md, "Teachers" and "API keys".
 """
 
 from __future__ import annotations
@@ -78,11 +74,7 @@ def _connector_class() -> Any:
 
 def check_base_url(base_url: object, who: str) -> str:
     """``base_url`` without a trailing ``/`` if it is an ``http(s)://host[:port][/path]`` URL; else a
-    :class:`TeacherError` naming ``base_url`` and the fix.
-
-    A URL that carries credentials (``user:pass@``) or a query string is refused without being
-    echoed: it may hold a key.
-    """
+    :class:`TeacherError` naming ``base_url`` and the fix (never echoing a URL that may hold a key)."""
 
     def bad(problem: str) -> TeacherError:
         return TeacherError(f"{who}: base_url {problem}", field="base_url")
@@ -136,21 +128,9 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 class OpenAITeacher(Teacher):
     """A teacher served by an OpenAI-compatible chat-completions endpoint (async HTTP).
 
-    Args:
-        model: the model name sent in the request.
-        base_url: endpoint root, e.g. ``https://openrouter.ai/api/v1`` or ``http://127.0.0.1:8000/v1``.
-        api_key_env: name of the environment variable holding the key (``None``: send no key).
-        id: the teacher's name in the run (defaults to ``model``).
-        prompt_usd_per_token, completion_usd_per_token: prices for cost accounting and the budget.
-        max_tokens: completion cap sent with every request (and used for the worst-case reservation).
-        temperature, top_p, seed, stop: sampling parameters (part of the cache key).
-        tools: OpenAI tool schemas sent with every request (so teachers can answer with tool calls).
-        extra_body: more JSON fields for the request (e.g. OpenRouter ``provider`` routing).
-        max_tokens_param: the request field for the cap (``max_completion_tokens`` for newer OpenAI models).
-        timeout_s: total time limit of one attempt.
-        max_concurrency: most requests in flight at once for this teacher.
-        http_client: ``"aiohttp"``, the one transport (kept as a field so old configs that name it load).
-        headers: extra HTTP headers (e.g. OpenRouter ``HTTP-Referer``); never put the key here.
+    ``api_key_env`` names the variable holding the key (``None``: send no key); ``id`` defaults to ``model``;
+    ``timeout_s`` bounds one attempt; ``http_client`` only accepts ``"aiohttp"`` (kept so old configs load). The
+    other arguments: docs/replay.md, "Teachers" and its example config.
     """
 
     kind = "openai"
@@ -273,10 +253,7 @@ class OpenAITeacher(Teacher):
         return scrub_secret(text, key.reveal() if key is not None else None)
 
     def _snippet(self, body: bytes, limit: int) -> str:
-        """The first ``limit`` characters of ``body``, scrubbed *before* the cut.
-
-        Enough is decoded that a key fragment crossing the cut is seen whole by the scrubber.
-        """
+        """The first ``limit`` characters of ``body``, scrubbed *before* the cut (a key crossing it is seen whole)."""
         key = self._api_key
         extra = 2 * len(key.reveal()) if key is not None else 0
         text = body[: 4 * limit + extra + 64].decode("utf-8", "replace")

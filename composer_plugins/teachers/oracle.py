@@ -1,9 +1,7 @@
 """The ``oracle`` teacher: a deterministic, free, rule-based teacher for verifiable tasks.
 
-It replies in GSM8K style (``#### 42``) with the state's ``metadata["answer"]`` when the trace carries one, else
-with the arithmetic of the last user message evaluated safely (numbers, ``+ - * / % **``, parentheses, *plus*,
-*minus*, *times*, *multiplied by*, *divided by*). ``solver=`` (a callable or ``"module:attr"``) handles other
-tasks: ``solver(messages, metadata)`` returns the answer (``None`` to abstain).
+What it answers and when it abstains: docs/replay.md, "Teachers". The arithmetic of the last user message is
+evaluated on the AST with fractions (never ``eval``).
 """
 
 from __future__ import annotations
@@ -115,11 +113,8 @@ def _resolve_solver(solver: Solver | str | None) -> Solver | None:
 class OracleTeacher(Teacher):
     """Deterministic rule-based teacher for verifiable tasks (GSM8K-format arithmetic by default).
 
-    Args:
-        id: name in the run (default ``oracle``).
-        solver: optional ``solver(messages, metadata) -> answer | None`` (callable or ``"module:attr"``).
-        answer_key: metadata field holding a known answer (used before solving).
-        template: how the answer is written (default ``"#### {answer}"``, GSM8K style).
+    ``solver(messages, metadata) -> answer | None`` (a callable or ``"module:attr"``) replaces the rules;
+    ``answer_key`` names the metadata field of a known answer.
     """
 
     kind = "oracle"
