@@ -103,11 +103,8 @@ def normalize_pairs(
 ) -> tuple[list[dict[str, Any]], NormalizeReport]:
     """Run the data-juicer ``recipe`` over ``pairs``; returns the kept pairs (unchanged) and a report.
 
-    Args:
-        pairs: pair records (see :mod:`composer_plugins.teachers.pairs`).
-        recipe: a data-juicer YAML recipe (default: the shipped ``recipes/pairs.yaml``).
-        work_dir: where data-juicer writes its files (default: a temporary directory, removed after).
-        columns: more top-level pair fields to expose to the recipe as columns (e.g. ``agreement``).
+    ``recipe`` defaults to the shipped ``recipes/pairs.yaml``, ``work_dir`` to a temporary directory (removed
+    after); ``columns`` are more top-level pair fields exposed to the recipe (e.g. ``agreement``).
     """
     recipe_path = Path(recipe) if recipe is not None else DEFAULT_RECIPE
     if not recipe_path.is_file():

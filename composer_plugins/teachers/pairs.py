@@ -1,9 +1,6 @@
 """Preference pairs from teacher agreement.
 
-For each state the teachers' normalised actions are grouped; the largest group is the consensus when at least
-``k`` teachers are in it and no other group ties it. When the student's action differs from the consensus a pair
-is emitted: ``chosen`` = the consensus action (as the first agreeing teacher, in configured order, wrote it),
-``rejected`` = the student's action. The pair record's fields are tabled in docs/replay.md ("Pairs").
+The consensus rule and the pair record's fields: docs/replay.md, "Pairs".
 """
 
 from __future__ import annotations
@@ -91,13 +88,8 @@ def _num(s: str) -> str:
 
 
 def normalize_action(action: Mapping[str, Any] | str | None, compare: Compare = "text") -> str:
-    """The comparison key of an action.
-
-    ``text``: content with whitespace collapsed (content that is JSON is canonicalised),
-    followed by each tool call as ``name(canonical args)``; call ids and thinking are ignored.
-    ``final_answer``: only the final answer (GSM8K ``####``, ``\\boxed{}`` or the last number),
-    falling back to ``text`` when there is none.
-    """
+    """The comparison key of an action (docs/replay.md, "Pairs"); ``final_answer`` falls back to ``text`` when
+    there is no final answer."""
     if action is None:
         return ""
     msg: Mapping[str, Any] = {"content": action} if isinstance(action, str) else action
@@ -162,12 +154,8 @@ def extract_pairs(
 ) -> tuple[list[dict[str, Any]], PairStats]:
     """Pairs (chosen = consensus of >= ``k`` teachers, rejected = student) where the student disagrees.
 
-    Args:
-        states: the replayed states.
-        responses: ``{state_id: {teacher_id: TeacherResponse}}`` (e.g. ``ReplayResult.responses``).
-        k: how many teachers must agree.
-        compare: ``text`` or ``final_answer`` (see :func:`normalize_action`).
-        teacher_order: preference order for picking the chosen text (default: answer order).
+    ``responses``: ``{state_id: {teacher_id: TeacherResponse}}``; ``teacher_order``: the preference order for
+    picking the chosen text (default: answer order).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")

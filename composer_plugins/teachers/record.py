@@ -1,13 +1,10 @@
 """Record student traces: a policy (a local HF model) rolling out in a registered env.
 
-The env is built from the registry (``composer_plugins.build("envs", name, **env_args)``) and driven through
-a small duck-typed protocol, so gym-style, OpenEnv-style and simple prompt/answer envs all work: ``reset``
-(with or without ``seed=``) gives the first observation; ``step(action_text)`` gives a gym 4- or 5-tuple or
-an object/dict with ``observation``, ``reward``, ``done``. An observation is a string (the user message), chat
-messages, a dict or object with ``messages`` / ``prompt`` / ``question`` / ``text`` (as
-:class:`composer_plugins.envs.base.Observation` has), or a step result wrapping one; when it repeats the
-whole conversation, only its new turns are appended. Episodes are written as OpenAI-messages JSONL with the
-rewards and any known answer in ``metadata``, ready for ``replay run``.
+See docs/replay.md, "Recording traces". The env protocol is duck-typed: ``reset`` (with or without ``seed=``), then
+``step(action_text)`` giving a gym 4- or 5-tuple or an object/dict with ``observation``, ``reward``, ``done``. An
+observation is a string (the user message), chat messages, a dict or object with ``messages`` / ``prompt`` /
+``question`` / ``text``, or a step result wrapping one; when it repeats the whole conversation, only its new
+turns are appended.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The ``replay`` pipeline from a YAML config: traces → teachers → pairs → data-juicer → JSONL.
 
-Every key but ``traces`` and ``teachers`` is optional: ``run_id``, ``consensus``, ``budget``, ``cache``,
-``retry``, ``output``, ``normalize``, ``max_unanswered`` ... (:class:`ReplayConfig`; a commented example of
-every key: docs/replay.md). Relative paths are relative to the working directory (what DVC stages expect).
+Every key but ``traces`` and ``teachers`` is optional (:class:`ReplayConfig`; a commented example of every key:
+docs/replay.md, "Quick start").
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ class ReplayConfig:
     limit: int | None = None
     progress: bool = True
     seed: int = 0
-    #: Largest fraction of (state, teacher) calls that may end without an answer (retries spent,
-    #: budget-skipped, errors; an oracle's abstention is an answer) before ``replay run`` fails.
+    #: Largest fraction of unanswered (state, teacher) calls before ``replay run`` fails (docs/replay.md "Exit status").
     max_unanswered: float = 0.0
     consensus: ConsensusConfig = field(default_factory=ConsensusConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)

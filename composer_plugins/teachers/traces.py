@@ -1,9 +1,7 @@
 """Trace ingestion: recorded agent sessions → one :class:`TraceState` per student step.
 
-Two formats are read, as docs/replay.md ("Traces") describes: **OpenAI messages JSONL** (``format: openai``,
-one conversation per line) and **Claude Code session JSONL** (``format: claude_code``, the event log Claude Code
-writes). Thinking stays in the student's action and never reaches the teachers. Errors name the file and line
-(:class:`TraceFormatError`).
+Formats (``openai``, ``claude_code``) and what reaches the teachers: docs/replay.md, "Traces". Errors name the
+file and line (:class:`TraceFormatError`).
 """
 
 from __future__ import annotations
@@ -39,14 +37,8 @@ class TraceFormatError(ComposerPluginsError, ValueError):
 class TraceState:
     """One student step of a recorded trace.
 
-    Attributes:
-        state_id: unique id (``<trace_id>#<step>``).
-        messages: the conversation up to this step, as teachers see it (OpenAI shape, no thinking).
-        student_action: the assistant message the student produced (thinking kept in ``thinking``).
-        trace_id: the conversation / session this step belongs to.
-        step: index of this assistant turn within its trace (0-based).
-        source: the file the step was read from; ``line`` its line (1-based).
-        metadata: the trace's metadata (e.g. ``{"answer": "42"}`` for verifiable tasks).
+    ``state_id`` is ``<trace_id>#<step>``; ``messages`` the conversation up to this step as teachers see it (no
+    thinking); ``student_action`` the student's assistant message (thinking kept in ``thinking``).
     """
 
     state_id: str
