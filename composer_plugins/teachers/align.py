@@ -78,13 +78,8 @@ def align_scores(
 ) -> Aligned:
     """Map the teacher's scores of its tokens onto the student's tokens (the rule in the module docstring).
 
-    Args:
-        student_ids, student_spans: the student's completion tokens and their character spans.
-        teacher_ids, teacher_spans: the teacher's tokens of the same text and their spans.
-        teacher_actual: the teacher's log-prob of each of its own tokens.
-        teacher_top_ids, teacher_top_logprobs: its top-k at each of its positions.
-        map_id: teacher id -> student id (or None).
-        k: how many entries to keep per student token (the largest).
+    Both sides tokenize the same text; ``teacher_actual`` is the teacher's log-prob of each of its own tokens,
+    ``map_id`` maps a teacher id to a student id (or None), ``k`` entries are kept per student token.
     """
     ns, nt = len(student_ids), len(teacher_ids)
     out = Aligned([[] for _ in range(ns)], [[] for _ in range(ns)], [False] * ns, [math.nan] * ns)

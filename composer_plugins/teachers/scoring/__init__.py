@@ -1,11 +1,8 @@
 """Teachers that **score** the student's rollout: top-k log-probs per completion token (on-policy distillation).
 
-A scorer turns rows (prompt and student completion) into :class:`TeacherScores`: per completion token the
-teacher's ``K`` most likely next tokens in the **student's** vocabulary, their log-probs and a mask. The contract
-is in ``contract``; kinds (``register_teacher_scorers``): ``causal_lm`` (:class:`LocalScorer`, ``local``) and
-``vllm`` / ``sglang`` (:class:`ServerScorer`, ``server``: through the replay engine); :class:`ScoringPool`
-(``pool``) runs them in the background with a deadline. Details: docs/losses.md ("Teachers that score",
-"Asynchronous"). Import from this package.
+The contract is in ``contract``; ``causal_lm`` is :class:`LocalScorer` (``local``), ``vllm`` / ``sglang``
+:class:`ServerScorer` (``server``); :class:`ScoringPool` (``pool``) runs them in the background. Details:
+docs/losses.md ("Teachers that score", "Asynchronous"). Import from this package.
 """
 
 from __future__ import annotations

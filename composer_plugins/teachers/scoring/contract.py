@@ -59,9 +59,8 @@ class TeacherScores:
 class ScoreRequest:
     """One row to score: the prompt text and the student's completion (text and token ids).
 
-    ``messages``: the conversation the student's prompt was rendered from (chat prompts only); a
-    teacher whose tokenizer has a chat template renders it with its own template
-    (:func:`composer_plugins.chat.render.render_prompt`) instead of reading the student's prompt.
+    ``messages``: the conversation the student's prompt was rendered from (chat prompts only; see
+    :meth:`_Aligner.teacher_tokens`).
     """
 
     prompt: str

@@ -17,15 +17,8 @@ from composer_plugins.teachers.scoring.contract import ScoreRequest, TeacherScor
 class LocalScorer(TeacherScorer):
     """A frozen local causal LM (``from_pretrained``: a directory or, with ``local_files_only: false``, an id).
 
-    Args:
-        model_path: the model to load.
-        id: the teacher's name (weights and metrics use it); default the directory name.
-        topk: ``K`` log-probs per student token.
-        device: where the teacher runs (``cpu``, ``cuda:1`` ... its own device; default: ``cpu``).
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
-        batch_size: rows per forward.
-        chunk_size: token rows per LM-head chunk when taking the top-k (never ``T × V`` at once).
-        local_files_only: never download (default).
+    ``id`` (default: the directory name) names it in weights and metrics; ``chunk_size`` token rows go through the
+    LM head at once when taking the top-k (never ``T × V``).
     """
 
     kind = "causal_lm"

@@ -47,11 +47,8 @@ class ScoringJob:
     reasons: dict[str, str] = field(default_factory=dict)
 
     def collect(self, deadline_s: float | None) -> tuple[dict[str, list[TeacherScores | None]], dict[str, float]]:
-        """Wait at most ``deadline_s`` (from now) for the scorers; ``(scores by teacher, metrics)``.
-
-        A scorer still running at the deadline, or one that failed, is left out of the scores (its
-        term is skipped for this batch), logged, and reported as ``teacher/<id>/skipped = 1``.
-        """
+        """Wait at most ``deadline_s`` (from now) for the scorers; ``(scores by teacher, metrics)``. A late or
+        failed scorer is left out (docs/losses.md, "Asynchronous")."""
         done, _ = cf.wait(list(self.futures.values()), timeout=deadline_s)
         scores: dict[str, list[TeacherScores | None]] = {}
         metrics: dict[str, float] = {"teacher/wait_s": time.monotonic() - self.started}
@@ -75,9 +72,8 @@ class ScoringJob:
 class ScoringPool:
     """Runs each scorer on its own worker thread, so scoring overlaps the trainer's work.
 
-    ``submit`` returns at once; ``ScoringJob.collect(deadline)`` gathers what finished. A scorer
-    that missed a deadline keeps its thread until it finishes (it is not interrupted); the next
-    batch queues behind it on that thread.
+    A scorer that missed a deadline is not interrupted: the next batch queues behind it (docs/losses.md,
+    "Asynchronous").
     """
 
     def __init__(self, scorers: Sequence[TeacherScorer]) -> None:

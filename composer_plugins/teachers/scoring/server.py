@@ -152,18 +152,9 @@ class ScoringClient(Teacher):
 class ServerScorer(TeacherScorer):
     """A teacher served by vLLM (``api: vllm``) or SGLang (``api: sglang``), scored through the replay engine.
 
-    Args:
-        model: the served model's name.
-        base_url: ``http://host:port/v1``.
-        api: ``vllm`` (``/v1/completions`` with ``prompt_logprobs``) or ``sglang`` (``/generate`` with
-            ``return_logprob`` and ``top_logprobs_num``).
-        tokenizer: a local directory with the teacher's tokenizer when it differs from the student's
-            (null: the student's; the prompt and completion are sent as the student's token ids).
-        cache: the sqlite cache/ledger file (null: no cache, no resume).
-        max_usd: the dollar ceiling over the whole run (the ledger carries it across restarts).
-        prompt_usd_per_token: price per scored token.
-        run_id: the ledger's run name (a restarted run with the same id resumes its budget).
-        max_retries, timeout_s, max_concurrency: as the replay engine's.
+    ``tokenizer``: a local directory with the teacher's tokenizer when it differs from the student's (null: the
+    student's ids are sent). ``cache``, ``max_usd``, ``run_id``: the replay engine's sqlite cache/ledger, ceiling
+    and run name (null cache: no resume). See docs/losses.md, "Teachers that score".
     """
 
     kind = "vllm"
