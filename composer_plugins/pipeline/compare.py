@@ -189,7 +189,7 @@ def compare_table(
             vals += [f"{r[m][i]:.6g}" for m in metrics for i in (0, 1)]
             lines.append(",".join(vals))
         return "\n".join(lines)
-    return study.format_table(rows, metrics, group_by, "markdown" if fmt == "markdown" else "text")
+    return study.format_table(rows, metrics, group_by, fmt)
 
 
 def _sortable(v: float) -> float:

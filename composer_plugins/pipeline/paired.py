@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from composer_plugins.pipeline.common import md_table, text_table
 from composer_plugins.pipeline.stats import (
     ALPHA,
     CURVE,
@@ -131,16 +132,7 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
         rows.append(row)
     if fmt == "csv":
         return "\n".join(",".join(c.replace(",", ";") for c in r) for r in [head, *rows])
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    out = [
-        "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
-        "  ".join("-" * w for w in widths),
-    ]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(out)
+    return md_table(head, rows) if fmt == "markdown" else text_table(head, rows)
 
 
 # -- a study directory (evals/*.json, runs/*/history.csv) without MLflow ------------------------
@@ -380,12 +372,10 @@ def study_report(
         pts = {v: step_values(by_seed, CURVE) for v, by_seed in hist.items()}
         steps_all = sorted({s for p in pts.values() for s in p})
         if steps_all:
-            head = ["step", *pts]
-            lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-            for t in steps_all:
-                cells = [f"{sum(p[t]) / len(p[t]):.3f}" if t in p else "" for p in pts.values()]
-                lines.append("| " + " | ".join([str(t), *cells]) + " |")
-            out += ["", f"{CURVE} per evaluated step (mean over seeds):", "", *lines]
+            rows = [
+                [str(t), *(f"{sum(p[t]) / len(p[t]):.3f}" if t in p else "" for p in pts.values())] for t in steps_all
+            ]
+            out += ["", f"{CURVE} per evaluated step (mean over seeds):", "", md_table(["step", *pts], rows)]
     if "start" in fam:
         out += [
             "",
@@ -407,35 +397,29 @@ def study_report(
     if per_start:
         starts = list(per_start[0].extra["blocks"])
         head = ["variant", "vs", *(f"{b} (seeds {per_start[0].extra['blocks'][b]['seeds']})" for b in starts), "effect"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        rows = []
         for e in per_start:
             cells = [_f(e.extra["blocks"].get(b, {}).get("mean", math.nan), sign=True) for b in starts]
-            lines.append("| " + " | ".join([e.variant, e.baseline, *cells, _f(e.mean, sign=True)]) + " |")
-        out += ["", f"Each warm start's mean difference ({metric}; the blocked effect is their mean):", "", *lines]
+            rows.append([e.variant, e.baseline, *cells, _f(e.mean, sign=True)])
+        out += ["", f"Each warm start's mean difference ({metric}; the blocked effect is their mean):", ""]
+        out.append(md_table(head, rows))
     cols = [c for c in fractions if any(c in r for by_seed in hist.values() for rows in by_seed.values() for r in rows)]
     if cols:
-        head = ["variant", *cols]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        rows = []
         for v in hist:
             rm = [run_means({v: hist[v]}, c, missing=0.0).get(v, {}) for c in cols]
-            cells = [_f(sum(x.values()) / len(x)) if x else "0.000" for x in rm]
-            lines.append("| " + " | ".join([v, *cells]) + " |")
-        out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", "", *lines]
+            rows.append([v, *(_f(sum(x.values()) / len(x)) if x else "0.000" for x in rm)])
+        out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", ""]
+        out.append(md_table(["variant", *cols], rows))
     if gap and gap.get("variants"):
         effects = {e.variant: e.mean for e in parts[0]}
         head = ["variant", "teacher", "margin (nats/token)", "fix rate", "coverage", f"final effect vs {baseline}"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        for v, teachers in gap["variants"].items():
-            for t, g in teachers.items():
-                cells = [
-                    v,
-                    t,
-                    _f(g.get("margin"), sign=True),
-                    _f(g.get("fix_rate")),
-                    _f(g.get("coverage")),
-                    _f(effects.get(v, math.nan), sign=True),
-                ]
-                lines.append("| " + " | ".join(cells) + " |")
+        eff = {v: _f(x, sign=True) for v, x in effects.items()}
+        rows = [
+            [v, t, _f(g.get("margin"), sign=True), _f(g.get("fix_rate")), _f(g.get("coverage")), eff.get(v, "n/a")]
+            for v, teachers in gap["variants"].items()
+            for t, g in teachers.items()
+        ]
         corr = [
             f"{k} r = {_f(gap_correlation(gap, effects, k)['pearson_r'], 2, sign=True)} "
             f"(n = {gap_correlation(gap, effects, k)['n']})"
@@ -447,18 +431,13 @@ def study_report(
             "each teacher's gap to the student beside the variant's final effect; correlation over the "
             "variants with a teacher (mean over its teachers): " + "; ".join(corr) + ".",
             "",
-            *lines,
+            md_table(head, rows),
         ]
     steps = step_means(hist, sig)
     if steps:
         n = max(len(x) for x in steps.values())
-        head = ["step", *steps]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        for i in range(n):
-            lines.append(
-                "| " + " | ".join([str(i + 1), *(f"{x[i]:.3f}" if i < len(x) else "" for x in steps.values())]) + " |"
-            )
-        out += ["", f"{sig} per step (mean over seeds):", "", *lines]
+        rows = [[str(i + 1), *(f"{x[i]:.3f}" if i < len(x) else "" for x in steps.values())] for i in range(n)]
+        out += ["", f"{sig} per step (mean over seeds):", "", md_table(["step", *steps], rows)]
     return "\n".join(out)
 
 

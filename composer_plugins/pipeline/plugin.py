@@ -477,7 +477,7 @@ def _print_paired(
 
             raise ComposerPluginsError(f"compare --paired: {e}") from None
     heldout = int(gsm["num_problems"]) if gsm.get("num_problems") and cols[0].startswith("gsm8k/") else None
-    click.echo(paired.format_paired(effects, "markdown" if fmt == "markdown" else fmt, heldout_n=heldout))
+    click.echo(paired.format_paired(effects, fmt, heldout_n=heldout))
 
 
 @hookimpl

@@ -184,7 +184,7 @@ def log_eval_run(
         items = [Param(k[:250], str(v)[:6000]) for k, v in flat.items()]
         for i in range(0, len(items), 100):
             client.log_batch(rid, params=items[i : i + 100])
-        ms = [Metric(_mlflow_key(k), float(v), 0, 0) for k, v in result["metrics"].items()]
+        ms = [Metric(study.canonical_metric(k), float(v), 0, 0) for k, v in result["metrics"].items()]
         for i in range(0, len(ms), 500):
             client.log_batch(rid, metrics=ms[i : i + 500])
         for a in artifacts:
@@ -195,11 +195,6 @@ def log_eval_run(
         client.set_terminated(rid, "FAILED")
         raise
     return rid
-
-
-def _mlflow_key(k: str) -> str:
-    # metric names are MLflow-safe already (docs/metrics.md); old spellings are mapped onto them
-    return study.canonical_metric(k)
 
 
 def unmlflow_key(k: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.pipeline import study
-from composer_plugins.pipeline.common import PATHS, is_num
+from composer_plugins.pipeline.common import PATHS, is_num, md_table
 from composer_plugins.pipeline.stage_eval import eval_envs
 from composer_plugins.training.lightning import tracking
 
@@ -135,11 +135,6 @@ def _s(x: Any) -> str:
     return "not measured" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
-def _md(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def used_md(arms: Mapping[str, Mapping[str, Any]], starts: Sequence[Mapping[str, Any]], metric: str) -> str:
     """Markdown: what each arm trained with (:func:`cells_used`) and each warm start, for results/paired.md."""
     head = ["variant", "what it does", "channels", "trains on", f"teacher ({metric})", "warm starts"]
@@ -152,8 +147,8 @@ def used_md(arms: Mapping[str, Mapping[str, Any]], starts: Sequence[Mapping[str,
     rows2 = [[s["study"], s["model"], *map(str, (s["sft_seed"], s["sft_steps"])), _s(s[metric])] for s in starts]
     rows2 = [[*r, ", ".join(map(str, s.get("seeds", [])))] for r, s in zip(rows2, starts, strict=True)]
     return (
-        f"What each arm trained with (each cell's own train config):\n\n{_md(head, rows)}\n\n"
-        f"The warm starts:\n\n{_md(head2, rows2)}\n\n"
+        f"What each arm trained with (each cell's own train config):\n\n{md_table(head, rows)}\n\n"
+        f"The warm starts:\n\n{md_table(head2, rows2)}\n\n"
     )
 
 

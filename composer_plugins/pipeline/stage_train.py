@@ -10,7 +10,7 @@ from typing import Any
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.pipeline import study
-from composer_plugins.pipeline.common import PATHS, env_key, section
+from composer_plugins.pipeline.common import PATHS, SPLITS, env_key, section
 from composer_plugins.training.lightning import tracking
 
 
@@ -30,23 +30,20 @@ def train_config(
     wiring: start from the SFT stage's model (SFT off), the prepared GSM8K files, the pairs of
     the replay stage, ``seed``, ``output_dir=runs/<variant>-s<seed>``, and MLflow settings/tags.
     """
-    base = section(params, "train")
+    over = study.variant_overrides(params, variant) if variant else {}
     # merge_params: a variant replaces a mapping it marks `_replace: true` (e.g. another hints.provider)
-    cfg = study.merge_params(base, study.variant_overrides(params, variant)) if variant else study.deep_merge(base, {})
+    cfg = study.merge_params(section(params, "train"), over)
     name = study.run_name(variant, seed) if variant else "sft"
     key = env_key(cfg.get("env", "gsm8k"))
-    data = dict(cfg.get("data") or {})
-    train_file = Path(data_dir) / key / "train.jsonl"
-    test_file = Path(data_dir) / key / "test.jsonl"
-    data.setdefault("train_path", train_file.as_posix())
-    data.setdefault("test_path", test_file.as_posix())
-    cfg["data"] = data
+    cfg["data"] = data = dict(cfg.get("data") or {})
+    for split in SPLITS:
+        data.setdefault(f"{split}_path", (Path(data_dir) / key / f"{split}.jsonl").as_posix())
     cfg["seed"] = int(seed)
     cfg["output_dir"] = (Path(runs_dir) / name).as_posix()
     cfg["model"] = {**(cfg.get("model") or {}), "name_or_path": model}
     cfg["sft"] = {**(cfg.get("sft") or {}), "enabled": False}
     if pairs is not None:  # a variant may name its own pairs file (study.variants.<v>.replay.pairs_path)
-        own = ((study.variant_overrides(params, variant).get("replay") or {}) if variant else {}).get("pairs_path")
+        own = (over.get("replay") or {}).get("pairs_path")
         cfg["replay"] = {**(cfg.get("replay") or {}), "pairs_path": own or pairs}
     flags = channel_flags(cfg)
     ml = section(params, "mlflow")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, load_config, yaml_load
-from composer_plugins.pipeline.common import PATHS, is_num, param_error
+from composer_plugins.pipeline.common import PATHS, is_num, md_table, param_error, text_table
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
 #: Names follow the one scheme of docs/metrics.md (MLflow-safe, the same in every sink).
@@ -66,22 +66,12 @@ def load_params(
     return load_config(path, overrides, resolve_secrets=resolve_secrets)
 
 
-def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``base`` with ``override`` merged in (mappings recursively, everything else replaced)."""
-    out = copy.deepcopy(dict(base))
-    for k, v in override.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 REPLACE_MARKER = "_replace"
 
 
 def merge_params(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`deep_merge` where an override mapping holding ``_replace: true`` replaces instead of merging.
+    """A copy of ``base`` with ``override`` merged in: mappings recursively, everything else replaced, and an
+    override mapping holding ``_replace: true`` replacing instead of merging.
 
     This is how ``tests/pipeline/params.ci.yaml`` shrinks ``params.yaml`` (e.g. keeps only two
     study variants) while every key it does not mention stays as in ``params.yaml``.
@@ -320,15 +310,7 @@ def format_table(
         ]
         for r in rows
     ]
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(headers)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in body]
-    return "\n".join(out)
+    return md_table(headers, body) if fmt == "markdown" else text_table(headers, body)
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> Path:
