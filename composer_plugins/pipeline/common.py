@@ -41,12 +41,16 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def section(params: Mapping[str, Any], key: str) -> dict[str, Any]:
+def section(params: Mapping[str, Any], key: str, known: Sequence[str] | None = None) -> dict[str, Any]:
+    """``params[key]`` as a dict (``{}`` when absent); with ``known``, a located error for a key outside it."""
     node = params.get(key)
     if node is None:
         return {}
     if not isinstance(node, Mapping):
         raise param_error(params, key, f"must be a mapping, got {type(node).__name__}")
+    unknown = sorted(set(node) - set(known)) if known is not None else []
+    if unknown:
+        raise param_error(params, f"{key}.{unknown[0]}", "unknown key.", valid=known)
     return dict(node)
 
 

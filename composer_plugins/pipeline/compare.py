@@ -53,9 +53,7 @@ def fetch_eval_records(
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
-    clauses = ["attributes.status = 'FINISHED'"]
-    for k, v in (filters or {}).items():
-        clauses.append(f"tags.`{k}` = '{v}'")
+    clauses = ["attributes.status = 'FINISHED'", *(f"tags.`{k}` = '{v}'" for k, v in (filters or {}).items())]
     runs = client.search_runs(
         [exp.experiment_id], filter_string=" and ".join(clauses), max_results=max_results, order_by=["start_time DESC"]
     )
@@ -75,10 +73,8 @@ def fetch_eval_records(
             "exp": r.data.tags.get(tracking.TAG_EXP, ""),
             "commit": r.data.tags.get(tracking.TAG_COMMIT, ""),
         }
-        for k, v in p.items():
-            rec[f"param:{k}"] = v
-        for k, v in r.data.metrics.items():
-            rec[k] = v
+        rec.update({f"param:{k}": v for k, v in p.items()})
+        rec.update(r.data.metrics)
         records.append(rec)
     if all_runs:
         return records
@@ -127,9 +123,7 @@ def _int(v: Any) -> int | None:
 
 
 def _group_value(rec: Mapping[str, Any], key: str) -> Any:
-    if key in rec:
-        return rec[key]
-    return rec.get(f"param:{key}")
+    return rec[key] if key in rec else rec.get(f"param:{key}")
 
 
 def compare_table(

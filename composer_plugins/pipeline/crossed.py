@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from composer_plugins.pipeline.stats import (
     PairedEffect,
     check_blocks,
     holm_tables,
     paired_seeds,
-    t_critical,
     t_effect,
-    t_pvalue,
 )
 
 __all__ = ["crossed_effect", "crossed_family", "crossed_tables", "start_effect"]
@@ -147,29 +146,14 @@ def start_effect(
     d = [sum(float(variant[s][i]) - float(baseline[s][i]) for s in seeds) / len(seeds) for i in range(m)]
     mean = sum(d) / m
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (m - 1)) if m > 1 else math.nan
-    se = sd / math.sqrt(m)
-    if m < 2 or se == 0:
-        low = high = mean
-        p = 1.0 if mean == 0 else 0.0
-    else:
-        half = t_critical(m - 1) * se
-        low, high, p = mean - half, mean + half, t_pvalue(mean, se, m - 1)
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=list(seeds),
-        diffs=d,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=sum(sum(float(x) for x in variant[s]) / m for s in seeds) / len(seeds),
-        baseline_mean=sum(sum(float(x) for x in baseline[s]) / m for s in seeds) / len(seeds),
-        p=p,
-        df=m - 1,
-        extra={"start": start},
+    v_mean, b_mean = (
+        sum(sum(float(x) for x in side[s]) / m for s in seeds) / len(seeds) for side in (variant, baseline)
     )
+    e = t_effect(
+        name, baseline_name, metric, seeds, d, mean, sd / math.sqrt(m), 0.95, v_mean, b_mean, m - 1, {"start": start}
+    )
+    # one problem: no spread, the interval is the point and p says whether it is 0 (t_effect's se = 0 case)
+    return e if m > 1 else replace(e, low=mean, high=mean, p=1.0 if mean == 0 else 0.0)
 
 
 def crossed_family(

@@ -512,23 +512,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
-    plots, prefix = None, "sparse"
-    for flag in ("--plots", "--prefix"):
+    opts = {"--plots": None, "--prefix": "sparse"}
+    for flag in opts:
         if flag in args:
             i = args.index(flag)
             if i + 1 >= len(args):
                 raise SystemExit(f"{flag} needs a value\n{USAGE}")
-            if flag == "--plots":
-                plots = args[i + 1]
-            else:
-                prefix = args[i + 1]
+            opts[flag] = args[i + 1]
             del args[i : i + 2]
     if not args:
         raise SystemExit(USAGE)
     base = args[1] if len(args) > 1 else "rl_only"
     print(study_report(args[0], base, heldout_n=int(args[2]) if len(args) > 2 else None))
-    if plots:
-        for p in plot_study(args[0], plots, prefix=prefix, baseline=base):
+    if opts["--plots"]:
+        for p in plot_study(args[0], opts["--plots"], prefix=opts["--prefix"], baseline=base):
             print(f"wrote {p}")
 
 

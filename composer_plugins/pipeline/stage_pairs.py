@@ -32,10 +32,7 @@ def pairs(
     from composer_plugins.core.config import resolve_env
     from composer_plugins.teachers.runner import parse_config, run_replay
 
-    p = section(params, "pairs")
-    unknown = sorted(set(p) - set(PAIRS_KEYS))
-    if unknown:
-        raise param_error(params, f"pairs.{unknown[0]}", "unknown key.", valid=PAIRS_KEYS)
+    p = section(params, "pairs", PAIRS_KEYS)
     replay = section(params, "replay")
     if not replay.get("teachers"):
         raise param_error(params, "replay.teachers", "at least one teacher is required (e.g. [{name: oracle}])")

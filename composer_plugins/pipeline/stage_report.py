@@ -264,29 +264,19 @@ def report(
     metrics_names = [m for m in study.HEADLINE_METRICS if any(m in r for r in recs)]
     rows = study.ablation_rows(recs, metrics_names, group_by=("variant", "channels"))
     # metrics.json: {variant: {metric: {mean, std}}, ...} (flattened by DVC as variant.metric.mean)
-    out: dict[str, Any] = {}
-    for row in rows:
-        out[row["variant"]] = {
-            "n": row["n"],
-            **{m: {"mean": _r(row[m][0]), "std": _r(row[m][1])} for m in metrics_names},
-        }
-    Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {
+        row["variant"]: {"n": row["n"], **{m: {"mean": _r(row[m][0]), "std": _r(row[m][1])} for m in metrics_names}}
+        for row in rows
+    }
     # plots: one bar per variant for the headline metric, and the curves of every run (long format)
     pdir = Path(plots_dir)
     pdir.mkdir(parents=True, exist_ok=True)
     with (pdir / "ablation.csv").open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "channels", "n", *[f"{m}" for m in metrics_names], *[f"{m} std" for m in metrics_names]])
+        w.writerow(["variant", "channels", "n", *metrics_names, *[f"{m} std" for m in metrics_names]])
         for row in rows:
-            w.writerow(
-                [
-                    row["variant"],
-                    row["channels"],
-                    row["n"],
-                    *[_r(row[m][0]) for m in metrics_names],
-                    *[_r(row[m][1]) for m in metrics_names],
-                ]
-            )
+            means, stds = ([_r(row[m][i]) for m in metrics_names] for i in (0, 1))
+            w.writerow([row["variant"], row["channels"], row["n"], *means, *stds])
     metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
     arms, starts = cells_used(params, roots, metric)
     for st in starts:  # the RL seeds each start's cells ran
@@ -396,13 +386,7 @@ def _paired_report(
         for v in names:
             if v in table and v in out:
                 e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m, blocks=blocks)
-                out[v].setdefault(f"paired_vs_{base}", {})[m] = {
-                    "diff": _r(e.mean),
-                    "se": _r(e.se),
-                    "low": _r(e.low),
-                    "high": _r(e.high),
-                    "p": _r(e.p),
-                }
+                out[v].setdefault(f"paired_vs_{base}", {})[m] = _effect_row(e)
     delta = study.threshold_delta(params)
     start = paired.warm_start_values(recs, metric)
     # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
@@ -414,40 +398,17 @@ def _paired_report(
         for e in effects:
             if e.variant not in out:
                 continue
-            key = (
-                metric
-                if part in ("final", "start", "each_start")
-                else SIGNAL
-                if part == "signal"
-                else "curve/" + e.metric.split(" ", 1)[1]
-            )
-            row = {
-                "diff": _r(e.mean),
-                "se": _r(e.se),
-                "low": _r(e.low),
-                "high": _r(e.high),
-                "p": _r(e.p),
-                "p_holm": _r(e.p_adjusted),
-                "verdict": e.verdict,
-                "variant_mean": _r(e.variant_mean),
-                "baseline_mean": _r(e.baseline_mean),
-            }
+            key = {"signal": SIGNAL, "curve": "curve/" + e.metric.partition(" ")[2]}.get(part, metric)
+            row = {**_effect_row(e), "p_holm": _r(e.p_adjusted), "verdict": e.verdict}
+            row.update(variant_mean=_r(e.variant_mean), baseline_mean=_r(e.baseline_mean))
             row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
             if part == "each_start":  # one start's test: {vs: {start: row}} (study.control: each_start)
                 out[e.variant].setdefault("each_start", {}).setdefault(e.baseline, {})[e.extra["start"]] = row
                 continue
             out[e.variant].setdefault("minus_sft" if part == "start" else f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
-    fractions = sorted(
-        {
-            c
-            for by_seed in hist.values()
-            for rows in by_seed.values()
-            for r in rows
-            for c in r
-            if c.startswith(FRACTION_COLUMNS)
-        }
-    )
+    columns = {c for by_seed in hist.values() for rows in by_seed.values() for r in rows for c in r}
+    fractions = sorted(c for c in columns if c.startswith(FRACTION_COLUMNS))
     gap_file = Path(GAP_FILE)  # `composer-plugins study gap` (before RL), when it was run
     gap = json.loads(gap_file.read_text()) if gap_file.exists() else None
     text = paired.study_report(
@@ -473,6 +434,11 @@ GAP_FILE = "results/gap.json"
 
 #: Per-step history columns of each channel's active-row fraction (the paired report lists their run means).
 FRACTION_COLUMNS = ("train/hint/fraction", "train/teacher_distill/fraction", "train/grpo/fraction")
+
+
+def _effect_row(e: Any) -> dict[str, Any]:
+    """A paired effect as metrics.json holds it: mean difference, se, interval and p, rounded."""
+    return {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p)}
 
 
 def _r(v: Any) -> Any:

@@ -40,10 +40,7 @@ def rollout(
     from composer_plugins.training.rollout.chat import PROMPT_KEYS, install_chat_template, task_conversation
     from composer_plugins.training.rollout.rewards import env_rewards, task_prompt
 
-    r = section(params, "rollout")
-    unknown = sorted(set(r) - set(ROLLOUT_KEYS))
-    if unknown:
-        raise param_error(params, f"rollout.{unknown[0]}", "unknown key.", valid=ROLLOUT_KEYS)
+    r = section(params, "rollout", ROLLOUT_KEYS)
     env_spec = r.get("env") or (params.get("train") or {}).get("env") or "gsm8k"
     env = build_env(env_spec)
     env_name = env_key(env_spec)

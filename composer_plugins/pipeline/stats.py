@@ -286,12 +286,8 @@ def by_variant_seed(records: Sequence[Mapping[str, Any]], metric: str) -> dict[s
     out: dict[str, dict[int, float]] = {}
     for r in records:
         v, s, x = r.get("variant"), r.get("seed"), r.get(metric)
-        if v is None or s is None or x is None:
-            continue
-        x = float(x)
-        if math.isnan(x):
-            continue
-        out.setdefault(str(v), {}).setdefault(int(s), x)  # records come newest first: keep the newest
+        if v is not None and s is not None and x is not None and not math.isnan(float(x)):
+            out.setdefault(str(v), {}).setdefault(int(s), float(x))  # records come newest first: keep the newest
     return out
 
 

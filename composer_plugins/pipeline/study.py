@@ -170,22 +170,20 @@ def threshold_delta(params: Mapping[str, Any]) -> float:
 
     A study setting, fixed before the study runs (the paired report's default when unset).
     """
-    d = (params.get("study") or {}).get("threshold_delta")
-    if d is None:
-        return DEFAULT_THRESHOLD_DELTA
-    if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1:
-        raise param_error(params, "study.threshold_delta", f"must be a number in (0, 1) (an accuracy gain), got {d!r}")
-    return float(d)
+    d = _fraction(params, "threshold_delta", "an accuracy gain")
+    return DEFAULT_THRESHOLD_DELTA if d is None else d
 
 
 def equivalence_margin(params: Mapping[str, Any]) -> float | None:
     """``study.equivalence_margin`` δ (``None``: unset): a non-significant accuracy effect is *equivalent within ±δ*
     when its Holm-level interval lies inside (-δ, δ), else *inconclusive*. Fixed before the study runs."""
-    d = (params.get("study") or {}).get("equivalence_margin")
-    if d is not None and (isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1):
-        raise param_error(
-            params, "study.equivalence_margin", f"must be a number in (0, 1) (an accuracy difference), got {d!r}"
-        )
+    return _fraction(params, "equivalence_margin", "an accuracy difference")
+
+
+def _fraction(params: Mapping[str, Any], key: str, what: str) -> float | None:
+    d = (params.get("study") or {}).get(key)
+    if d is not None and (not is_num(d) or not 0 < float(d) < 1):
+        raise param_error(params, f"study.{key}", f"must be a number in (0, 1) ({what}), got {d!r}")
     return None if d is None else float(d)
 
 
