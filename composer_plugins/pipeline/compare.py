@@ -28,19 +28,13 @@ P_VARIANT = "study.variant"
 P_SEED = "study.seed"
 
 
-def _client(uri: str) -> Any:
-    return tracking.client(uri)
-
-
 def fetch_eval_records(
     tracking_uri: str,
     experiment: str,
     *,
-    stage_prefix: str = "eval",
     filters: Mapping[str, str] | None = None,
     group_by: Sequence[str] = ("channels",),
     all_runs: bool = False,
-    max_results: int = 5000,
 ) -> list[dict[str, Any]]:
     """Flat records (one per finished eval run) from ``experiment`` in the store at ``tracking_uri``.
 
@@ -49,18 +43,18 @@ def fetch_eval_records(
     (``{"dvc.exp": "my-exp"}``). Unless ``all_runs``, only the newest run per
     (group, seed) is kept.
     """
-    client = _client(tracking_uri)
+    client = tracking.client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
     clauses = ["attributes.status = 'FINISHED'", *(f"tags.`{k}` = '{v}'" for k, v in (filters or {}).items())]
     runs = client.search_runs(
-        [exp.experiment_id], filter_string=" and ".join(clauses), max_results=max_results, order_by=["start_time DESC"]
+        [exp.experiment_id], filter_string=" and ".join(clauses), max_results=5000, order_by=["start_time DESC"]
     )
     records: list[dict[str, Any]] = []
     for r in runs:
         stage = r.data.tags.get(tracking.TAG_STAGE, "")
-        if not (stage == stage_prefix or stage.startswith((stage_prefix + "@", stage_prefix + "_"))):
+        if not (stage == "eval" or stage.startswith(("eval@", "eval_"))):
             continue
         p = r.data.params
         rec: dict[str, Any] = {
@@ -78,15 +72,10 @@ def fetch_eval_records(
         records.append(rec)
     if all_runs:
         return records
-    seen: set[tuple[Any, ...]] = set()
-    kept = []
-    for rec in records:  # newest first
-        key = (*[_group_value(rec, g) for g in group_by], rec["seed"])
-        if key in seen:
-            continue
-        seen.add(key)
-        kept.append(rec)
-    return kept
+    newest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for rec in records:  # newest first: each (group, seed) keeps its first
+        newest.setdefault((*[_group_value(rec, g) for g in group_by], rec["seed"]), rec)
+    return list(newest.values())
 
 
 #: Params that differ between the runs of one cell by construction (never a "varying param" column).

@@ -29,7 +29,6 @@ def crossed_effect(
     baseline: Mapping[int, Sequence[float]],
     blocks: Mapping[int, str],
     *,
-    confidence: float = 0.95,
     name: str = "variant",
     baseline_name: str = "baseline",
     metric: str = "",
@@ -83,9 +82,7 @@ def crossed_effect(
         "se_problems": se_problems,
         "problems": m,
     }
-    return t_effect(
-        name, baseline_name, metric, seeds, diffs, mean, se, confidence, side(variant), side(baseline), k - 1, extra
-    )
+    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, side(variant), side(baseline), k - 1, extra)
 
 
 def crossed_tables(
@@ -150,7 +147,7 @@ def start_effect(
         sum(sum(float(x) for x in side[s]) / m for s in seeds) / len(seeds) for side in (variant, baseline)
     )
     e = t_effect(
-        name, baseline_name, metric, seeds, d, mean, sd / math.sqrt(m), 0.95, v_mean, b_mean, m - 1, {"start": start}
+        name, baseline_name, metric, seeds, d, mean, sd / math.sqrt(m), v_mean, b_mean, m - 1, {"start": start}
     )
     # one problem: no spread, the interval is the point and p says whether it is 0 (t_effect's se = 0 case)
     return e if m > 1 else replace(e, low=mean, high=mean, p=1.0 if mean == 0 else 0.0)

@@ -179,7 +179,5 @@ def write_gap(result: Mapping[str, Any], out: str | os.PathLike[str]) -> Path:
     """Write ``result`` as JSON (atomically)."""
     from composer_plugins.core.io import atomic_write_json
 
-    p = Path(out)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(p, dict(result), sort_keys=True, default=str)
-    return p
+    atomic_write_json(out, dict(result), sort_keys=True, default=str)
+    return Path(out)

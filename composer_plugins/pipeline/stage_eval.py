@@ -71,12 +71,8 @@ def evaluate(
         settings.pop("env", None)
         c["data"] = {**c["data"], "test_path": (Path(data_dir) / env_key / "test.jsonl").as_posix()}
         e = {**(c.get("eval") or {}), "at_start": False, "at_end": False}
-        for k in ("max_new_tokens", "batch_size", "seed", "hint_uplift", "hint_uplift_samples"):
-            if k in ev:
-                e[k] = ev[k]
-        e.update(settings)
-        c["eval"] = e
-        c["eval"]["predictions"] = True  # per-problem correctness: committed, and split by line novelty
+        e.update({k: ev[k] for k in EVAL_KEYS if k != "envs" and k in ev})
+        c["eval"] = {**e, **settings, "predictions": True}  # per-problem correctness: committed, split by line novelty
         tc = train_config_from_dict(c)
         with tempfile.TemporaryDirectory(prefix="eval-") as td:
             res = run_eval(tc, checkpoint=model, output=f"{td}/eval.json")
@@ -95,13 +91,8 @@ def evaluate(
                 break
     if train_metrics and Path(train_metrics).exists():
         tm = json.loads(Path(train_metrics).read_text())
-        metrics.update(
-            {
-                study.canonical_metric(k): float(v)
-                for k, v in tm.items()
-                if k.startswith(("train/", "sft/")) and is_num(v)
-            }
-        )
+        tm = {k: v for k, v in tm.items() if k.startswith(("train/", "sft/")) and is_num(v)}
+        metrics.update({study.canonical_metric(k): float(v) for k, v in tm.items()})
     result = {
         "run": name,
         "variant": variant or baseline,
@@ -112,7 +103,6 @@ def evaluate(
         "metrics": metrics,
         "correct": correct,  # per env, one character per held-out problem in test.jsonl order (1: solved greedily)
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, result, sort_keys=True)
     run_id = log_eval_run(params, cfg, result, artifacts=[out, *([history] if history else [])])
     if run_id:

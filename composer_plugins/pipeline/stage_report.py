@@ -244,14 +244,13 @@ def report(
     metrics_out: str | os.PathLike[str] = "metrics.json",
     plots_dir: str | os.PathLike[str] = "plots",
     table_out: str | os.PathLike[str] = "results/ablation.md",
-    teacher_eval: str | os.PathLike[str] = TEACHER_EVAL,
 ) -> dict[str, Any]:
     """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table.
 
     Each variant's ``used`` (metrics.json) and results/paired.md's first tables say what its cells trained with,
     read from their own config (:func:`cells_used`): the teacher distilled from (and its measured accuracy), the
     warm starts, on- or off-policy. metrics.json's ``teacher`` row is the one teacher the cells used, where it was
-    measured; ``teacher_eval``, this study's own teacher stage, is named as unused when no cell used it.
+    measured; this study's own teacher stage (:data:`TEACHER_EVAL`) is named as unused when no cell used it.
     results/paired.json (:func:`paired_summary`), plots/effects.csv (the forest plot) and plots/heldout.csv (the
     held-out bars with ± s.e.) carry the evidence.
     """
@@ -298,10 +297,10 @@ def report(
                 "model": model,
                 **{m: {"mean": _r(t[m]), "std": 0.0} for m in metrics_names if m in t},
             }
-    own = teacher_metrics(teacher_eval)
-    if own and not any(teacher_eval_file(m) == Path(os.path.normpath(teacher_eval)) for m in used):
+    own = teacher_metrics(TEACHER_EVAL)
+    if own and not any(teacher_eval_file(m) == Path(TEACHER_EVAL) for m in used):
         note += (
-            f"\nThis study's own teacher stage ({teacher_eval}: {metric} {_s(own.get(metric))}) is used by no cell.\n"
+            f"\nThis study's own teacher stage ({TEACHER_EVAL}: {metric} {_s(own.get(metric))}) is used by no cell.\n"
         )
     for v, a in arms.items():  # as strings: `dvc metrics show` drops lists
         teachers = "; ".join(f"{t['model']} ({_s(t[metric])})" for t in a["teachers"]) or "none"

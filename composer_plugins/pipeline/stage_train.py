@@ -21,8 +21,6 @@ def train_config(
     *,
     pairs: str | None = PATHS["pairs"],
     model: str = PATHS["sft_model"],
-    data_dir: str = PATHS["data"],
-    runs_dir: str = PATHS["runs"],
 ) -> dict[str, Any]:
     """The effective ``train`` config (plain dict) of study cell ``variant × seed``.
 
@@ -37,9 +35,9 @@ def train_config(
     key = env_key(cfg.get("env", "gsm8k"))
     cfg["data"] = data = dict(cfg.get("data") or {})
     for split in SPLITS:
-        data.setdefault(f"{split}_path", (Path(data_dir) / key / f"{split}.jsonl").as_posix())
+        data.setdefault(f"{split}_path", (Path(PATHS["data"]) / key / f"{split}.jsonl").as_posix())
     cfg["seed"] = int(seed)
-    cfg["output_dir"] = (Path(runs_dir) / name).as_posix()
+    cfg["output_dir"] = (Path(PATHS["runs"]) / name).as_posix()
     cfg["model"] = {**(cfg.get("model") or {}), "name_or_path": model}
     cfg["sft"] = {**(cfg.get("sft") or {}), "enabled": False}
     if pairs is not None:  # a variant may name its own pairs file (study.variants.<v>.replay.pairs_path)
@@ -164,5 +162,4 @@ def channel_flags(train_cfg: Mapping[str, Any]) -> dict[str, bool]:
 
 def channels_label(flags: Mapping[str, bool]) -> str:
     """``grpo+hint_distill+replay`` (channels on, in config order) or ``none``."""
-    on = [k for k, v in flags.items() if v]
-    return "+".join(on) if on else "none"
+    return "+".join(k for k, v in flags.items() if v) or "none"

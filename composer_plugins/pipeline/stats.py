@@ -111,13 +111,12 @@ def paired_effect(
     variant: Mapping[int, float],
     baseline: Mapping[int, float],
     *,
-    confidence: float = 0.95,
     name: str = "variant",
     baseline_name: str = "baseline",
     metric: str = "",
     blocks: Mapping[int, str] | None = None,
 ) -> PairedEffect:
-    """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and t interval.
+    """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and 95% t interval.
 
     With one shared seed the standard error and interval are NaN (no spread to estimate);
     with none, ``ValueError`` names the seeds of each side.
@@ -135,16 +134,12 @@ def paired_effect(
     if blocks is not None:
         check_blocks(seeds, blocks, name, baseline_name)
         if len({blocks[s] for s in seeds}) > 1:
-            return _blocked_effect(variant, baseline, seeds, diffs, blocks, confidence, name, baseline_name, metric)
+            return _blocked_effect(variant, baseline, seeds, diffs, blocks, name, baseline_name, metric)
     mean = sum(diffs) / n
-    if n < 2:
-        se = math.nan
-    else:
-        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-        se = sd / math.sqrt(n)
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / math.sqrt(n) if n > 1 else math.nan
     variant_mean = sum(float(variant[s]) for s in seeds) / n
     baseline_mean = sum(float(baseline[s]) for s in seeds) / n
-    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, confidence, variant_mean, baseline_mean)
+    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, variant_mean, baseline_mean)
 
 
 def paired_seeds(variant: Mapping[int, Any], baseline: Mapping[int, Any], name: str, baseline_name: str) -> list[int]:
@@ -173,19 +168,18 @@ def t_effect(
     diffs: list[float],
     mean: float,
     se: float,
-    confidence: float,
     variant_mean: float,
     baseline_mean: float,
     df: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> PairedEffect:
-    """The :class:`PairedEffect` of a mean difference ``mean`` with standard error ``se``: its Student-t interval at
-    ``confidence`` and two-sided p-value on the effect's degrees of freedom (``df``; None: ``n - 1``), NaN when
-    ``se`` is (too few samples to estimate a spread)."""
+    """The :class:`PairedEffect` of a mean difference ``mean`` with standard error ``se``: its Student-t 95% interval
+    and two-sided p-value on the effect's degrees of freedom (``df``; None: ``n - 1``), NaN when ``se`` is (too few
+    samples to estimate a spread)."""
     dof = len(diffs) - 1 if df is None else df  # as PairedEffect.dof reads it
     low = high = p = math.nan
     if not math.isnan(se):
-        half = t_critical(dof, confidence) * se
+        half = t_critical(dof) * se
         low, high, p = mean - half, mean + half, t_pvalue(mean, se, dof)
     return PairedEffect(
         variant=name,
@@ -211,7 +205,6 @@ def _blocked_effect(
     seeds: list[int],
     diffs: list[float],
     blocks: Mapping[int, str],
-    confidence: float,
     name: str,
     baseline_name: str,
     metric: str,
@@ -234,9 +227,7 @@ def _blocked_effect(
         return sum(sum(float(values[seeds[i]]) for i in ix) / len(ix) for ix in groups.values()) / k
 
     extra = {"blocks": {b: {"seeds": [seeds[i] for i in ix], "mean": block_mean[b]} for b, ix in groups.items()}}
-    return t_effect(
-        name, baseline_name, metric, seeds, diffs, mean, se, confidence, side(variant), side(baseline), df, extra
-    )
+    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, side(variant), side(baseline), df, extra)
 
 
 def t_pvalue(mean: float, se: float, df: int) -> float:
@@ -295,8 +286,6 @@ def paired_rows(
     records: Sequence[Mapping[str, Any]],
     metric: str,
     baseline: str,
-    variants: Sequence[str] | None = None,
-    confidence: float = 0.95,
     blocks: Mapping[int, str] | None = None,
 ) -> list[PairedEffect]:
     """Every variant (but the baseline and the SFT start) against ``baseline`` on ``metric``, paired by seed
@@ -304,21 +293,10 @@ def paired_rows(
     table = by_variant_seed(records, metric)
     if baseline not in table:
         raise ValueError(f"baseline variant {baseline!r} has no runs with {metric!r}; variants: {sorted(table)}")
-    names = list(variants) if variants else [v for v in table if v not in (baseline, "sft")]
-    missing = [v for v in names if v not in table]
-    if missing:
-        raise ValueError(f"variant(s) {missing} have no runs with {metric!r}; variants: {sorted(table)}")
     return [
-        paired_effect(
-            table[v],
-            table[baseline],
-            confidence=confidence,
-            name=v,
-            baseline_name=baseline,
-            metric=metric,
-            blocks=blocks,
-        )
-        for v in names
+        paired_effect(table[v], table[baseline], name=v, baseline_name=baseline, metric=metric, blocks=blocks)
+        for v in table
+        if v not in (baseline, "sft")
     ]
 
 
@@ -423,8 +401,6 @@ def start_of(
 def curve_effects(
     hist: Histories,
     baseline: str,
-    column: str = CURVE,
-    confidence: float = 0.95,
     delta: float = DEFAULT_DELTA,
     start: float | Mapping[int, float] | None = None,
     blocks: Mapping[int, str] | None = None,
@@ -439,7 +415,7 @@ def curve_effects(
     (``censored`` for the variant, ``censored_baseline``); a censored run counts at its last step plus one
     evaluation interval, in either arm.
     """
-    curves = {v: {s: curve_points(rows, column) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
+    curves = {v: {s: curve_points(rows) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
     curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
     if baseline not in curves or not curves[baseline]:
         return []
@@ -465,15 +441,7 @@ def curve_effects(
                 ("time_to_threshold", {s: r[0] for s, r in reach.items()}, {s: r[0] for s, r in base_reach.items()})
             )
         for metric, table, base in tables:
-            e = paired_effect(
-                table,
-                base,
-                confidence=confidence,
-                name=v,
-                baseline_name=baseline,
-                metric=f"{column} {metric}",
-                blocks=blocks,
-            )
+            e = paired_effect(table, base, name=v, baseline_name=baseline, metric=f"{CURVE} {metric}", blocks=blocks)
             if metric == "time_to_threshold":
                 e = replace(e, lower_is_better=True)
                 e.extra.update(

@@ -287,9 +287,7 @@ def ablation_rows(
 
 def _cell(v: tuple[float, float]) -> str:
     m, s = v
-    if math.isnan(m):
-        return "n/a"
-    return f"{m:.3f} ± {s:.3f}"
+    return "n/a" if math.isnan(m) else f"{m:.3f} ± {s:.3f}"
 
 
 def format_table(
