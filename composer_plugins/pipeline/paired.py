@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -43,6 +44,7 @@ from composer_plugins.pipeline.stats import (
     time_to_threshold,
     verdict,
 )
+from composer_plugins.pipeline.study import canonical_metric, history_column, parse_run_name
 
 __all__ = [
     "ALPHA",
@@ -164,8 +166,6 @@ def read_study_dir(
             for v, by_seed in h.items():
                 hist.setdefault(v, {}).update(by_seed)
         return [x for recs, _ in parts for x in recs], hist
-    from composer_plugins.pipeline.study import canonical_metric, history_column, parse_run_name
-
     root = Path(root)
     recs: list[dict[str, Any]] = []
     for f in sorted((root / evals).glob("*.json")):
@@ -301,10 +301,8 @@ def study_report(
     fam = report_family(
         recs, hist, baseline, metric, mode, delta=delta, start=start, margin=margin, each_start=each_start
     )
-    parts = list(fam.values())
-    flat = [e for t in parts for e in t]
     sig, curve = "train/groups_with_signal", fam.get("curve", [])
-    m = flat[0].family if flat else 0
+    m = next((e.family for t in fam.values() for e in t), 0)
     out.append(
         f"Verdicts: Holm's family-wise correction over the {m} tests of this report (every table below; "
         f"family-wise error {ALPHA}). *helps*/*hurts* only where the Holm-adjusted p is below {ALPHA}, i.e. the "
@@ -334,11 +332,9 @@ def study_report(
             "between the starts is part of the effect, not of its noise: the verdicts are about these warm starts, "
             "not SFT starts in general. Each start's mean difference is listed after the tables.\n"
         )
-    out.append(format_paired(parts[0], "markdown", heldout_n=heldout_n))
-    k = 1
+    out.append(format_paired(fam["final"], "markdown", heldout_n=heldout_n))
     if "signal" in fam:
-        out += ["", format_paired(parts[k], "markdown")]
-        k += 1
+        out += ["", format_paired(fam["signal"], "markdown")]
     if curve:
         thr = next((e.extra for e in curve if "threshold" in e.extra), None)
         what = (
@@ -361,7 +357,7 @@ def study_report(
             f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve from "
             f"step 0 divided by the run's length, {what}."
         )
-        out += ["", head, "", format_paired(parts[k], "markdown")]
+        out += ["", head, "", format_paired(curve, "markdown")]
         cens = [(e.variant, e.extra["censored"], e.extra["censored_baseline"]) for e in curve if "censored" in e.extra]
         if cens:
             out += [
@@ -412,7 +408,7 @@ def study_report(
         out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", ""]
         out.append(md_table(["variant", *cols], rows))
     if gap and gap.get("variants"):
-        effects = {e.variant: e.mean for e in parts[0]}
+        effects = {e.variant: e.mean for e in fam["final"]}
         head = ["variant", "teacher", "margin (nats/token)", "fix rate", "coverage", f"final effect vs {baseline}"]
         eff = {v: _f(x, sign=True) for v, x in effects.items()}
         rows = [
@@ -509,8 +505,6 @@ USAGE = (
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] [--plots DIR]``."""
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     opts = {"--plots": None, "--prefix": "sparse"}
     for flag in opts:

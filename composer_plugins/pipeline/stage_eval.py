@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,6 @@ def evaluate(
     name = study.run_name(variant, seed) if variant else baseline
     cfg = train_config(params, variant, seed)
     flags = channel_flags(cfg) if variant else dict.fromkeys(channel_flags(cfg), False)
-    import tempfile
-
     ev = section(params, "eval")
     metrics: dict[str, float] = {}
     correct: dict[str, str] = {}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,9 +53,6 @@ def pairs(
         "run_id": "pipeline-pairs",
         "progress": False,
     }
-    import shutil
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="pairs-cache-") as td:
         # Work on a copy: the replay stage's cache is its DVC output and must stay byte-identical
         # (the engine writes a spend ledger and a lock file next to the database).

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import fnmatch
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -465,8 +467,6 @@ CURVE_PATTERNS: tuple[str, ...] = (
 
 def curve_columns(columns: Iterable[str]) -> list[str]:
     """The columns of :data:`CURVE_PATTERNS` among ``columns`` (full names), in pattern order."""
-    import fnmatch
-
     cols = list(dict.fromkeys(columns))
     out: list[str] = []
     for pat in CURVE_PATTERNS:
@@ -518,8 +518,6 @@ def write_curves(
         w.writeheader()
         w.writerows(rows)
     if curves_dir is not None:
-        import shutil
-
         if curves_dir.exists():
             shutil.rmtree(curves_dir)  # a channel switched off must not leave a stale curve behind
         curves_dir.mkdir(parents=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,6 @@ def rollout(
     install_chat_template(tok, chat)
     rows: list[dict[str, Any]] = []
     rewards: list[float] = []
-    import sys
-
     report_every = max(bs, -(-len(tasks) // 4 // bs) * bs)  # about four progress lines (a log, not a bar)
     for b0 in range(0, len(tasks), bs):
         if b0 and b0 % report_every == 0:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
@@ -110,10 +113,6 @@ def train_cell(
     Returns the final train metrics. The cell's directory ends up with ``config.yaml``,
     ``model/``, ``history.csv`` and ``metrics.json`` either way.
     """
-    import shutil
-
-    import yaml
-
     if pairs is not None and (not Path(pairs).exists() or Path(pairs).stat().st_size == 0):
         pairs = None  # no pairs (e.g. every student trace agreed with the teachers): replay channel is skipped
     cfg = train_config(params, variant, seed, pairs=pairs, model=model)

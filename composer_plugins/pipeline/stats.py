@@ -510,13 +510,8 @@ def holm_tables(tables: dict[str, list[PairedEffect]], margin: float | None) -> 
                 replace(e, margin=0.0 if k in ("signal", "start", "each_start") or e.lower_is_better else margin)
                 for e in t
             ]
-    flat = holm([e for t in tables.values() for e in t])
-    out: dict[str, list[PairedEffect]] = {}
-    i = 0
-    for k, t in tables.items():
-        out[k] = flat[i : i + len(t)]
-        i += len(t)
-    return out
+    corrected = iter(holm([e for t in tables.values() for e in t]))
+    return {k: list(itertools.islice(corrected, len(t))) for k, t in tables.items()}
 
 
 def gap_correlation(gap: Mapping[str, Any], effects: Mapping[str, float], key: str = "margin") -> dict[str, Any]:
