@@ -82,7 +82,21 @@ def crossed_effect(
         "se_problems": se_problems,
         "problems": m,
     }
-    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, side(variant), side(baseline), k - 1, extra)
+    vmean, bmean = side(variant), side(baseline)
+    e = PairedEffect(
+        name,
+        baseline_name,
+        metric,
+        seeds,
+        diffs,
+        mean,
+        se,
+        variant_mean=vmean,
+        baseline_mean=bmean,
+        df=k - 1,
+        extra=extra,
+    )
+    return t_effect(e)
 
 
 def crossed_tables(
@@ -143,14 +157,14 @@ def start_effect(
     d = [sum(float(variant[s][i]) - float(baseline[s][i]) for s in seeds) / len(seeds) for i in range(m)]
     mean = sum(d) / m
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (m - 1)) if m > 1 else math.nan
-    v_mean, b_mean = (
-        sum(sum(float(x) for x in side[s]) / m for s in seeds) / len(seeds) for side in (variant, baseline)
-    )
-    e = t_effect(
-        name, baseline_name, metric, seeds, d, mean, sd / math.sqrt(m), v_mean, b_mean, m - 1, {"start": start}
+    vmean, bmean = (sum(sum(float(x) for x in side[s]) / m for s in seeds) / len(seeds) for side in (variant, baseline))
+    se = sd / math.sqrt(m)
+    extra = {"start": start}
+    e = PairedEffect(
+        name, baseline_name, metric, seeds, d, mean, se, variant_mean=vmean, baseline_mean=bmean, df=m - 1, extra=extra
     )
     # one problem: no spread, the interval is the point and p says whether it is 0 (t_effect's se = 0 case)
-    return e if m > 1 else replace(e, low=mean, high=mean, p=1.0 if mean == 0 else 0.0)
+    return t_effect(e) if m > 1 else replace(e, low=mean, high=mean, p=1.0 if mean == 0 else 0.0)
 
 
 def crossed_family(

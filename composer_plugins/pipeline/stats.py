@@ -47,8 +47,9 @@ class PairedEffect:
     diffs: list[float]
     mean: float
     se: float
-    low: float
-    high: float
+    #: The Student-t 95% interval (:func:`t_effect`; NaN with fewer than 2 seeds).
+    low: float = math.nan
+    high: float = math.nan
     variant_mean: float = math.nan
     baseline_mean: float = math.nan
     extra: dict[str, Any] = field(default_factory=dict)
@@ -137,9 +138,9 @@ def paired_effect(
             return _blocked_effect(variant, baseline, seeds, diffs, blocks, name, baseline_name, metric)
     mean = sum(diffs) / n
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / math.sqrt(n) if n > 1 else math.nan
-    variant_mean = sum(float(variant[s]) for s in seeds) / n
-    baseline_mean = sum(float(baseline[s]) for s in seeds) / n
-    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, variant_mean, baseline_mean)
+    vmean, bmean = (sum(float(side[s]) for s in seeds) / n for side in (variant, baseline))
+    e = PairedEffect(name, baseline_name, metric, seeds, diffs, mean, se, variant_mean=vmean, baseline_mean=bmean)
+    return t_effect(e)
 
 
 def paired_seeds(variant: Mapping[int, Any], baseline: Mapping[int, Any], name: str, baseline_name: str) -> list[int]:
@@ -160,43 +161,13 @@ def check_blocks(seeds: Sequence[int], blocks: Mapping[int, str], name: str, bas
         raise ValueError(f"seed(s) {unblocked} of {name!r} vs {baseline_name!r} belong to no warm start (blocks)")
 
 
-def t_effect(
-    name: str,
-    baseline_name: str,
-    metric: str,
-    seeds: list[int],
-    diffs: list[float],
-    mean: float,
-    se: float,
-    variant_mean: float,
-    baseline_mean: float,
-    df: int | None = None,
-    extra: dict[str, Any] | None = None,
-) -> PairedEffect:
-    """The :class:`PairedEffect` of a mean difference ``mean`` with standard error ``se``: its Student-t 95% interval
-    and two-sided p-value on the effect's degrees of freedom (``df``; None: ``n - 1``), NaN when ``se`` is (too few
-    samples to estimate a spread)."""
-    dof = len(diffs) - 1 if df is None else df  # as PairedEffect.dof reads it
-    low = high = p = math.nan
-    if not math.isnan(se):
-        half = t_critical(dof) * se
-        low, high, p = mean - half, mean + half, t_pvalue(mean, se, dof)
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=seeds,
-        diffs=diffs,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=variant_mean,
-        baseline_mean=baseline_mean,
-        extra={} if extra is None else extra,
-        p=p,
-        df=df,
-    )
+def t_effect(e: PairedEffect) -> PairedEffect:
+    """``e`` with the Student-t 95% interval and two-sided p-value of its mean difference on its degrees of freedom
+    (:attr:`PairedEffect.dof`), left NaN when its ``se`` is (too few samples to estimate a spread)."""
+    if math.isnan(e.se):
+        return e
+    half = t_critical(e.dof) * e.se
+    return replace(e, low=e.mean - half, high=e.mean + half, p=t_pvalue(e.mean, e.se, e.dof))
 
 
 def _blocked_effect(
@@ -227,7 +198,11 @@ def _blocked_effect(
         return sum(sum(float(values[seeds[i]]) for i in ix) / len(ix) for ix in groups.values()) / k
 
     extra = {"blocks": {b: {"seeds": [seeds[i] for i in ix], "mean": block_mean[b]} for b, ix in groups.items()}}
-    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, side(variant), side(baseline), df, extra)
+    vmean, bmean = side(variant), side(baseline)
+    e = PairedEffect(
+        name, baseline_name, metric, seeds, diffs, mean, se, variant_mean=vmean, baseline_mean=bmean, df=df, extra=extra
+    )
+    return t_effect(e)
 
 
 def t_pvalue(mean: float, se: float, df: int) -> float:
