@@ -94,12 +94,9 @@ def varying_params(records: Sequence[Mapping[str, Any]]) -> list[str]:
     for r in records:
         cell = (r.get("channels"), r.get("seed"))
         for k, v in r.items():
-            if not k.startswith("param:"):
-                continue
-            name = k[len("param:") :]
-            if name in _RUN_PARAMS or name.startswith(_RUN_PREFIXES):
-                continue
-            values.setdefault(name, {}).setdefault(cell, set()).add(str(v))
+            name = k.removeprefix("param:")
+            if k.startswith("param:") and name not in _RUN_PARAMS and not name.startswith(_RUN_PREFIXES):
+                values.setdefault(name, {}).setdefault(cell, set()).add(str(v))
     # a param some runs did not log at all (written by an older version) is not a difference
     return sorted(n for n, cells in values.items() if any(len(vs) > 1 for vs in cells.values()))
 

@@ -169,19 +169,15 @@ def read_study_dir(
     root = Path(root)
     recs: list[dict[str, Any]] = []
     for f in sorted((root / evals).glob("*.json")):
-        if f.stem == "sft":
-            v, s = "sft", None
-        else:
-            v, s = parse_run_name(f.stem)
+        v, s = ("sft", None) if f.stem == "sft" else parse_run_name(f.stem)
         data = json.loads(f.read_text())
-        m = data.get("metrics", {})
         recs.append(
             {
                 "variant": v,
                 "seed": s,
                 "warm_start": root.as_posix(),
                 "correct": dict(data.get("correct") or {}),
-                **{canonical_metric(k): x for k, x in m.items()},
+                **{canonical_metric(k): x for k, x in data.get("metrics", {}).items()},
             }
         )
     hist: Histories = {}

@@ -135,25 +135,18 @@ def log_eval_run(
     if not tracking.mlflow_enabled(params):
         return None
     from composer_plugins.core.config import redact
-
-    uri = tracking.tracking_uri(params)
-    client = tracking.client(uri)
-    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
-    tags = tracking.run_tags(
-        variant=str(result["variant"]), seed=int(result["seed"]), extra={"study.channels": result["channels"]}
-    )
-    if tags[tracking.TAG_STAGE] == "manual":
-        tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
     from composer_plugins.core.errors import ComposerPluginsError
     from composer_plugins.training.config.train import train_config_from_dict
     from composer_plugins.training.lightning.tracking import config_components
 
+    tags = tracking.run_tags(
+        variant=str(result["variant"]), seed=int(result["seed"]), extra={"study.channels": result["channels"]}
+    )
     try:  # provenance of the evaluated config's env and channels; the eval itself never depends on it
         tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))
     except ComposerPluginsError:
         pass
-    run = client.create_run(exp_id, run_name=tracking.run_name(f"eval@{result['run']}"), tags=tags)
-    rid = run.info.run_id
+    client, rid = start_run(params, f"eval@{result['run']}", tags)
     try:
         flat = {f"train.{k}": v for k, v in tracking.flatten(redact(dict(train_cfg))).items()}
         flat.update(
@@ -180,6 +173,16 @@ def log_eval_run(
         client.set_terminated(rid, "FAILED")
         raise
     return rid
+
+
+def start_run(params: Mapping[str, Any], stage: str, tags: dict[str, str]) -> tuple[Any, str]:
+    """A new run named ``stage`` in the study's MLflow experiment (outside DVC also its stage tag): client, run id."""
+    uri = tracking.tracking_uri(params)
+    client = tracking.client(uri)
+    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
+    if tags[tracking.TAG_STAGE] == "manual":
+        tags[tracking.TAG_STAGE] = stage
+    return client, client.create_run(exp_id, run_name=tracking.run_name(stage), tags=tags).info.run_id
 
 
 def unmlflow_key(k: str) -> str:

@@ -16,7 +16,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.pipeline import study
 from composer_plugins.pipeline.common import PATHS, is_num, md_table
-from composer_plugins.pipeline.stage_eval import eval_envs
+from composer_plugins.pipeline.stage_eval import eval_envs, start_run
 from composer_plugins.training.lightning import tracking
 
 
@@ -532,14 +532,7 @@ def write_curves(
 def _log_report(params: Mapping[str, Any], metrics: Mapping[str, Any], artifacts: Sequence[Any]) -> str | None:
     if not tracking.mlflow_enabled(params):
         return None
-    uri = tracking.tracking_uri(params)
-    client = tracking.client(uri)
-    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
-    tags = tracking.run_tags()
-    if tags[tracking.TAG_STAGE] == "manual":
-        tags[tracking.TAG_STAGE] = "report"
-    run = client.create_run(exp_id, run_name=tracking.run_name("report"), tags=tags)
-    rid = run.info.run_id
+    client, rid = start_run(params, "report", tracking.run_tags())
     from mlflow.entities import Metric
 
     flat = tracking.flatten(metrics, sep="/")
