@@ -175,7 +175,5 @@ def crossed_family(
     margin: float | None = None,
     each_start: Sequence[str] = (),
 ) -> dict[str, list[PairedEffect]]:
-    """A random-start report's every test (:func:`crossed_tables`), Holm-corrected as one family (accuracy tests
-    four-valued with ``margin``): the final accuracy per variant, the baseline's move from its start, and with
-    ``each_start`` the control's tests within each start."""
+    """:func:`crossed_tables`, Holm-corrected as one family (accuracy tests four-valued with ``margin``)."""
     return holm_tables(crossed_tables(problems, baseline, metric, blocks, each_start), margin)

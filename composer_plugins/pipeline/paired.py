@@ -276,11 +276,8 @@ def study_report(
 ) -> str:
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
 
-    ``blocking`` (``study.blocking: warm_start``) blocks every test by the seed's warm start
-    (:func:`.stats.paired_effect`'s ``blocks``) and adds a table of each start's mean difference.
-
-    Every test the report makes (each variant × final ``metric``, run-mean signal, curve final, AUC and
-    time to threshold) is one family: :func:`holm` adjusts them together and the report says so.
+    ``blocking`` (``study.blocking``: :func:`report_family`) blocks every test by the seed's warm start and adds
+    a table of each start's mean difference; every test of the report is one Holm family, as the report says.
     ``fractions``: history columns (``train/hint/fraction`` ...) whose run means per variant it lists, so a
     variant whose channels are not active as named shows it. ``gap``: the gap predictor's result
     (:mod:`.gap`, ``results/gap.json``), listed beside each variant's final effect with their correlation.

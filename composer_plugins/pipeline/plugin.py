@@ -13,6 +13,7 @@ import click
 import yaml
 
 from composer_plugins.core.cli import command_errors
+from composer_plugins.core.errors import ComposerPluginsError, Interrupted
 from composer_plugins.core.hookspecs import hookimpl
 from composer_plugins.pipeline import study
 from composer_plugins.pipeline.common import PATHS, env_key, is_num
@@ -200,8 +201,6 @@ def study_train_cmd(
     try:
         res = train_cell(_load(params_path, overrides), variant, seed, pairs=pairs or None, model=model)
     except KeyboardInterrupt as e:
-        from composer_plugins.core.errors import Interrupted
-
         step = getattr(e, "checkpoint_step", None)
         raise Interrupted(
             f"the cell {cell} stopped; " + (f"its last checkpoint is at step {step}" if step else "no checkpoint"),
@@ -442,14 +441,10 @@ def _print_paired(
         raise click.ClickException(f"no finished eval runs in experiment {exp!r} at {uri}. HINT: run the study first.")
     gsm = ((params.get("eval") or {}).get("envs") or {}).get("gsm8k") or {}
     cols = [study.canonical_metric(m) for m in metrics] or ["gsm8k/accuracy"]
-    effects = []
-    for m in cols:
-        try:
-            effects += paired.paired_rows(recs, m, baseline_variant)
-        except ValueError as e:
-            from composer_plugins.core.errors import ComposerPluginsError
-
-            raise ComposerPluginsError(f"compare --paired: {e}") from None
+    try:
+        effects = [x for m in cols for x in paired.paired_rows(recs, m, baseline_variant)]
+    except ValueError as e:
+        raise ComposerPluginsError(f"compare --paired: {e}") from None
     heldout = int(gsm["num_problems"]) if gsm.get("num_problems") and cols[0].startswith("gsm8k/") else None
     click.echo(paired.format_paired(effects, fmt, heldout_n=heldout))
 

@@ -84,10 +84,8 @@ def evaluate(
         if train_file.exists() and preds:
             metrics.update(novelty_accuracy(read_jsonl(train_file), preds, env_key))
     for head, aliases in HEADLINE_ALIASES.items():
-        for a in aliases:
-            if a in metrics:
-                metrics.setdefault(head, metrics[a])
-                break
+        if found := [a for a in aliases if a in metrics]:
+            metrics.setdefault(head, metrics[found[0]])
     if train_metrics and Path(train_metrics).exists():
         tm = json.loads(Path(train_metrics).read_text())
         tm = {k: v for k, v in tm.items() if k.startswith(("train/", "sft/")) and is_num(v)}

@@ -160,7 +160,7 @@ def paired_summary(
     arms: Mapping[str, Mapping[str, Any]],
     starts: Sequence[Mapping[str, Any]],
     metric: str,
-    effects_csv: Path | None = None,
+    effects_csv: Path,
 ) -> dict[str, Any]:
     """``results/paired.json``: the warm starts, the arms (:func:`cells_used`), every test of the report's Holm family
     (``variant``, ``vs``, ``metric``, ``effect``, ``lo``/``hi``: its Holm-level interval, ``verdict``) and the
@@ -184,14 +184,13 @@ def paired_summary(
         for t in tests:
             if t["variant"] not in bars and t["metric"] == metric:
                 t["verdict"] = f"uncalibrated: {t['verdict']}"
-    if effects_csv is not None:
-        with effects_csv.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["test", "metric", "effect", "lo", "hi", "verdict", "bar"])
-            for t in tests:
-                what = _s(arms.get(t["variant"], {}).get("description", ""))
-                name = f"{t['variant']} ({what}) − {t['vs']}" if what else f"{t['variant']} − {t['vs']}"
-                w.writerow([name, t["metric"], t["effect"], t["lo"], t["hi"], t["verdict"], t.get("bar", "")])
+    with effects_csv.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["test", "metric", "effect", "lo", "hi", "verdict", "bar"])
+        for t in tests:
+            what = _s(arms.get(t["variant"], {}).get("description", ""))
+            name = f"{t['variant']} ({what}) − {t['vs']}" if what else f"{t['variant']} − {t['vs']}"
+            w.writerow([name, t["metric"], t["effect"], t["lo"], t["hi"], t["verdict"], t.get("bar", "")])
     keys = ("variant", "vs", "metric", "bar", "lo", "passes", "start")
     return {
         "metric": metric,
@@ -353,14 +352,9 @@ def _paired_report(
     metrics_names: Sequence[str],
     used: str = "",
 ) -> tuple[str, dict[str, list[Any]]]:
-    """Add ``train/groups_with_signal`` and the paired effects against ``study.baseline`` to ``out``.
-
-    ``out`` is metrics.json's ``{variant: {...}}``: each variant gets the run mean of
-    ``train/groups_with_signal`` (mean/std over seeds) and, when ``study.baseline`` names a variant,
-    ``paired_vs_<baseline>``: ``{metric: {diff, se, low, high}}`` (per-seed differences, Student t 95%
-    interval; :mod:`.paired`). ``roots``: the study directory, then every pooled warm start's
-    (``study.warm_starts``), as :func:`.paired.read_study_dir` reads them. Returns the markdown of
-    ``results/paired.md`` (``used``, what the cells used, after its title) and the family of tests.
+    """Add the run means of :data:`RUN_MEANS` and the paired effects against ``study.baseline`` to metrics.json's
+    ``out`` (``paired_vs_<baseline>``, ``minus_sft``, ``each_start``), reading the studies at ``roots``
+    (:func:`.paired.read_study_dir`). Returns results/paired.md (``used`` after its title) and the test family.
     """
     from composer_plugins.pipeline import paired
 
@@ -390,7 +384,6 @@ def _paired_report(
                 out[v].setdefault(f"paired_vs_{base}", {})[m] = _effect_row(e)
     delta = study.threshold_delta(params)
     start = paired.warm_start_values(recs, metric)
-    # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
     margin = study.equivalence_margin(params)
     fam = paired.report_family(
         recs, hist, base, metric, blocked, delta=delta, start=start, margin=margin, each_start=each_start

@@ -380,15 +380,12 @@ def curve_effects(
     start: float | Mapping[int, float] | None = None,
     blocks: Mapping[int, str] | None = None,
 ) -> list[PairedEffect]:
-    """Per variant against ``baseline``, paired by seed: final curve value, AUC from step 0, time to threshold.
-    ``blocks``: seeds blocked by warm start (:func:`paired_effect`).
+    """Per variant against ``baseline``, paired by seed (blocked with ``blocks``: :func:`paired_effect`): the
+    held-out curve's final value, AUC from step 0 and time to threshold (censored runs: :func:`time_to_threshold`).
 
-    The threshold is ``start + delta``, the same for both arms of a seed: ``start`` is the curve's step-0
-    value (the starting policy's, recorded by every run; the argument, one value or ``{seed: value}`` when
-    seeds start from different SFT warm starts, is used where no run recorded one).
-    Each time-to-threshold effect's ``extra`` holds ``threshold`` and the censored seeds of each arm
-    (``censored`` for the variant, ``censored_baseline``); a censored run counts at its last step plus one
-    evaluation interval, in either arm.
+    The threshold is ``start + delta``, the same for both arms of a seed: ``start`` is the curve's step-0 value
+    (:func:`start_of`: the run's own, else the argument's). Each time-to-threshold effect's ``extra`` holds
+    ``threshold`` and the censored seeds of each arm (``censored`` for the variant, ``censored_baseline``).
     """
     curves = {v: {s: curve_points(rows) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
     curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
@@ -441,11 +438,8 @@ def study_effects(
     margin: float | None = None,
     blocks: Mapping[int, str] | None = None,
 ) -> dict[str, list[PairedEffect]]:
-    """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
-
-
-    ``blocks`` (``{seed: warm start}``; ``study.blocking: warm_start``) blocks every test by warm start
-    (:func:`paired_effect`).
+    """Every test a study report makes, Holm-corrected as one family (:func:`holm`); ``blocks`` (``{seed: warm
+    start}``, ``study.blocking: warm_start``) blocks each by warm start (:func:`paired_effect`).
 
     ``margin`` (an accuracy difference) makes the accuracy tests' verdicts four-valued (*helps*, *hurts*,
     *equivalent within ±margin*, *inconclusive*: :attr:`PairedEffect.verdict`); the others (signal, steps to
@@ -491,15 +485,12 @@ def holm_tables(tables: dict[str, list[PairedEffect]], margin: float | None) -> 
 
 def gap_correlation(gap: Mapping[str, Any], effects: Mapping[str, float], key: str = "margin") -> dict[str, Any]:
     """Per variant its teachers' mean ``key`` beside its effect, and the Pearson correlation over the variants."""
-    xs, ys, rows = [], [], []
+    rows = []
     for v, teachers in (gap.get("variants") or {}).items():
         vals = [t[key] for t in teachers.values() if isinstance(t, Mapping) and _finite(t.get(key))]
-        if not vals or v not in effects:
-            continue
-        x = sum(vals) / len(vals)
-        rows.append((v, x, effects[v]))
-        xs.append(x)
-        ys.append(effects[v])
+        if vals and v in effects:
+            rows.append((v, sum(vals) / len(vals), effects[v]))
+    xs, ys = [x for _, x, _ in rows], [y for _, _, y in rows]
     r = math.nan
     if len(xs) >= 3:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

@@ -207,13 +207,9 @@ BLOCKING = ("none", "warm_start", "random_start")
 
 
 def blocking(params: Mapping[str, Any]) -> str:
-    """``study.blocking`` (default ``none``), one of :data:`BLOCKING`, fixed before the study runs.
-
-    ``warm_start``: a pooled study (``study.warm_starts``) judges the mean of each start's effect against the
-    seeds' spread within their own start (:func:`.stats.paired_effect`'s ``blocks``): a statement about these
-    starts. ``random_start``: the starts and the held-out problems are both samples (:func:`.crossed.crossed_effect`,
-    from each cell's per-problem results): a statement about starts built by the study's recipe.
-    """
+    """``study.blocking`` (default ``none``), one of :data:`BLOCKING`, fixed before the study runs: ``warm_start``
+    blocks a pooled study's seeds by warm start (:func:`.stats.paired_effect`), ``random_start`` takes the starts
+    and the held-out problems as samples (:func:`.crossed.crossed_effect`)."""
     b = (params.get("study") or {}).get("blocking", "none")
     if b not in BLOCKING:
         raise param_error(params, "study.blocking", f"unknown blocking {b!r}.", valid=list(BLOCKING))
