@@ -137,9 +137,6 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
     return md_table(head, rows) if fmt == "markdown" else text_table(head, rows)
 
 
-# -- a study directory (evals/*.json, runs/*/history.csv) without MLflow ------------------------
-
-
 def read_study_dir(
     root: str | Path | Sequence[str | Path], evals: str | Path = "evals", runs: str | Path = "runs"
 ) -> tuple[list[dict[str, Any]], Histories]:

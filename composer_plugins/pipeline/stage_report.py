@@ -248,10 +248,9 @@ def report(
 ) -> dict[str, Any]:
     """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table.
 
-    Each variant's ``used`` (metrics.json) and results/paired.md's first tables say what its cells trained with,
-    read from their own config (:func:`cells_used`): the teacher distilled from (and its measured accuracy), the
-    warm starts, on- or off-policy. metrics.json's ``teacher`` row is the one teacher the cells used, where it was
-    measured; this study's own teacher stage (:data:`TEACHER_EVAL`) is named as unused when no cell used it.
+    Each variant's ``used`` (metrics.json) and results/paired.md's first tables say what its cells trained with
+    (:func:`cells_used`). metrics.json's ``teacher`` row is the one teacher the cells used, where it was measured;
+    this study's own teacher stage (:data:`TEACHER_EVAL`) is named as unused when no cell used it.
     results/paired.json (:func:`paired_summary`), plots/effects.csv (the forest plot) and plots/heldout.csv (the
     held-out bars with ± s.e.) carry the evidence.
     """
