@@ -1,4 +1,4 @@
-"""What the DVC stages share: their paths, JSONL writing, file hashes and located params errors."""
+"""What the DVC stages share: their paths, JSONL writing, file hashes, located params errors and table text."""
 
 from __future__ import annotations
 
@@ -41,12 +41,16 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def section(params: Mapping[str, Any], key: str) -> dict[str, Any]:
+def section(params: Mapping[str, Any], key: str, known: Sequence[str] | None = None) -> dict[str, Any]:
+    """``params[key]`` as a dict (``{}`` when absent); with ``known``, a located error for a key outside it."""
     node = params.get(key)
     if node is None:
         return {}
     if not isinstance(node, Mapping):
         raise param_error(params, key, f"must be a mapping, got {type(node).__name__}")
+    unknown = sorted(set(node) - set(known)) if known is not None else []
+    if unknown:
+        raise param_error(params, f"{key}.{unknown[0]}", "unknown key.", valid=known)
     return dict(node)
 
 
@@ -68,3 +72,20 @@ def env_key(spec: Any) -> str:
 def is_num(v: Any) -> bool:
     """True for an int or float that is not a bool."""
     return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def md_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table: the header, its rule and one line per row."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def text_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: each column padded to its widest cell, a rule of dashes under the header."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    out = [
+        "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
+        "  ".join("-" * w for w in widths),
+    ]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(out)

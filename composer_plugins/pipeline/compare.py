@@ -28,19 +28,13 @@ P_VARIANT = "study.variant"
 P_SEED = "study.seed"
 
 
-def _client(uri: str) -> Any:
-    return tracking.client(uri)
-
-
 def fetch_eval_records(
     tracking_uri: str,
     experiment: str,
     *,
-    stage_prefix: str = "eval",
     filters: Mapping[str, str] | None = None,
     group_by: Sequence[str] = ("channels",),
     all_runs: bool = False,
-    max_results: int = 5000,
 ) -> list[dict[str, Any]]:
     """Flat records (one per finished eval run) from ``experiment`` in the store at ``tracking_uri``.
 
@@ -49,20 +43,18 @@ def fetch_eval_records(
     (``{"dvc.exp": "my-exp"}``). Unless ``all_runs``, only the newest run per
     (group, seed) is kept.
     """
-    client = _client(tracking_uri)
+    client = tracking.client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
-    clauses = ["attributes.status = 'FINISHED'"]
-    for k, v in (filters or {}).items():
-        clauses.append(f"tags.`{k}` = '{v}'")
+    clauses = ["attributes.status = 'FINISHED'", *(f"tags.`{k}` = '{v}'" for k, v in (filters or {}).items())]
     runs = client.search_runs(
-        [exp.experiment_id], filter_string=" and ".join(clauses), max_results=max_results, order_by=["start_time DESC"]
+        [exp.experiment_id], filter_string=" and ".join(clauses), max_results=5000, order_by=["start_time DESC"]
     )
     records: list[dict[str, Any]] = []
     for r in runs:
         stage = r.data.tags.get(tracking.TAG_STAGE, "")
-        if not (stage == stage_prefix or stage.startswith((stage_prefix + "@", stage_prefix + "_"))):
+        if not (stage == "eval" or stage.startswith(("eval@", "eval_"))):
             continue
         p = r.data.params
         rec: dict[str, Any] = {
@@ -75,22 +67,15 @@ def fetch_eval_records(
             "exp": r.data.tags.get(tracking.TAG_EXP, ""),
             "commit": r.data.tags.get(tracking.TAG_COMMIT, ""),
         }
-        for k, v in p.items():
-            rec[f"param:{k}"] = v
-        for k, v in r.data.metrics.items():
-            rec[k] = v
+        rec.update({f"param:{k}": v for k, v in p.items()})
+        rec.update(r.data.metrics)
         records.append(rec)
     if all_runs:
         return records
-    seen: set[tuple[Any, ...]] = set()
-    kept = []
-    for rec in records:  # newest first
-        key = (*[_group_value(rec, g) for g in group_by], rec["seed"])
-        if key in seen:
-            continue
-        seen.add(key)
-        kept.append(rec)
-    return kept
+    newest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for rec in records:  # newest first: each (group, seed) keeps its first
+        newest.setdefault((*[_group_value(rec, g) for g in group_by], rec["seed"]), rec)
+    return list(newest.values())
 
 
 #: Params that differ between the runs of one cell by construction (never a "varying param" column).
@@ -109,12 +94,9 @@ def varying_params(records: Sequence[Mapping[str, Any]]) -> list[str]:
     for r in records:
         cell = (r.get("channels"), r.get("seed"))
         for k, v in r.items():
-            if not k.startswith("param:"):
-                continue
-            name = k[len("param:") :]
-            if name in _RUN_PARAMS or name.startswith(_RUN_PREFIXES):
-                continue
-            values.setdefault(name, {}).setdefault(cell, set()).add(str(v))
+            name = k.removeprefix("param:")
+            if k.startswith("param:") and name not in _RUN_PARAMS and not name.startswith(_RUN_PREFIXES):
+                values.setdefault(name, {}).setdefault(cell, set()).add(str(v))
     # a param some runs did not log at all (written by an older version) is not a difference
     return sorted(n for n, cells in values.items() if any(len(vs) > 1 for vs in cells.values()))
 
@@ -127,9 +109,7 @@ def _int(v: Any) -> int | None:
 
 
 def _group_value(rec: Mapping[str, Any], key: str) -> Any:
-    if key in rec:
-        return rec[key]
-    return rec.get(f"param:{key}")
+    return rec[key] if key in rec else rec.get(f"param:{key}")
 
 
 def compare_table(
@@ -189,7 +169,7 @@ def compare_table(
             vals += [f"{r[m][i]:.6g}" for m in metrics for i in (0, 1)]
             lines.append(",".join(vals))
         return "\n".join(lines)
-    return study.format_table(rows, metrics, group_by, "markdown" if fmt == "markdown" else "text")
+    return study.format_table(rows, metrics, group_by, fmt)
 
 
 def _sortable(v: float) -> float:

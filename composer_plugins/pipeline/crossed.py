@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from composer_plugins.pipeline.stats import (
     PairedEffect,
     check_blocks,
     holm_tables,
     paired_seeds,
-    t_critical,
     t_effect,
-    t_pvalue,
 )
 
 __all__ = ["crossed_effect", "crossed_family", "crossed_tables", "start_effect"]
@@ -30,7 +29,6 @@ def crossed_effect(
     baseline: Mapping[int, Sequence[float]],
     blocks: Mapping[int, str],
     *,
-    confidence: float = 0.95,
     name: str = "variant",
     baseline_name: str = "baseline",
     metric: str = "",
@@ -84,9 +82,21 @@ def crossed_effect(
         "se_problems": se_problems,
         "problems": m,
     }
-    return t_effect(
-        name, baseline_name, metric, seeds, diffs, mean, se, confidence, side(variant), side(baseline), k - 1, extra
+    vmean, bmean = side(variant), side(baseline)
+    e = PairedEffect(
+        name,
+        baseline_name,
+        metric,
+        seeds,
+        diffs,
+        mean,
+        se,
+        variant_mean=vmean,
+        baseline_mean=bmean,
+        df=k - 1,
+        extra=extra,
     )
+    return t_effect(e)
 
 
 def crossed_tables(
@@ -147,29 +157,14 @@ def start_effect(
     d = [sum(float(variant[s][i]) - float(baseline[s][i]) for s in seeds) / len(seeds) for i in range(m)]
     mean = sum(d) / m
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (m - 1)) if m > 1 else math.nan
+    vmean, bmean = (sum(sum(float(x) for x in side[s]) / m for s in seeds) / len(seeds) for side in (variant, baseline))
     se = sd / math.sqrt(m)
-    if m < 2 or se == 0:
-        low = high = mean
-        p = 1.0 if mean == 0 else 0.0
-    else:
-        half = t_critical(m - 1) * se
-        low, high, p = mean - half, mean + half, t_pvalue(mean, se, m - 1)
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=list(seeds),
-        diffs=d,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=sum(sum(float(x) for x in variant[s]) / m for s in seeds) / len(seeds),
-        baseline_mean=sum(sum(float(x) for x in baseline[s]) / m for s in seeds) / len(seeds),
-        p=p,
-        df=m - 1,
-        extra={"start": start},
+    extra = {"start": start}
+    e = PairedEffect(
+        name, baseline_name, metric, seeds, d, mean, se, variant_mean=vmean, baseline_mean=bmean, df=m - 1, extra=extra
     )
+    # one problem: no spread, the interval is the point and p says whether it is 0 (t_effect's se = 0 case)
+    return t_effect(e) if m > 1 else replace(e, low=mean, high=mean, p=1.0 if mean == 0 else 0.0)
 
 
 def crossed_family(
@@ -180,7 +175,5 @@ def crossed_family(
     margin: float | None = None,
     each_start: Sequence[str] = (),
 ) -> dict[str, list[PairedEffect]]:
-    """A random-start report's every test (:func:`crossed_tables`), Holm-corrected as one family (accuracy tests
-    four-valued with ``margin``): the final accuracy per variant, the baseline's move from its start, and with
-    ``each_start`` the control's tests within each start."""
+    """:func:`crossed_tables`, Holm-corrected as one family (accuracy tests four-valued with ``margin``)."""
     return holm_tables(crossed_tables(problems, baseline, metric, blocks, each_start), margin)

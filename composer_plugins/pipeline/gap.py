@@ -35,7 +35,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from composer_plugins.core.io import atomic_write_json, read_jsonl
 from composer_plugins.pipeline.paired import gap_correlation
+from composer_plugins.pipeline.stage_train import channel_flags, train_config
 
 __all__ = ["gap_correlation", "measure_gap", "teachers_of"]
 
@@ -44,8 +46,6 @@ def teachers_of(train_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The teachers a variant's effective ``train`` config distils from: ``{"hint": provider spec}`` when
     ``hint_distill`` is active, and ``{"teacher:<id>": model_path}`` per ``causal_lm`` teacher of an active
     ``teacher_distill``."""
-    from composer_plugins.pipeline.stage_train import channel_flags
-
     flags = channel_flags(train_cfg)
     out: dict[str, Any] = {}
     if flags.get("hint_distill"):
@@ -58,7 +58,6 @@ def teachers_of(train_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _eval(cfg: dict[str, Any], checkpoint: str, tasks_path: str, n: int, hint_uplift: bool) -> tuple[dict, list]:
-    from composer_plugins.core.io import read_jsonl
     from composer_plugins.training.config.train import train_config_from_dict
     from composer_plugins.training.runs.run import run_eval
 
@@ -128,9 +127,6 @@ def measure_gap(
 ) -> dict[str, Any]:
     """``{variant: {teacher: {margin, fix_rate, coverage}}}`` on the first ``num_prompts`` tasks of ``tasks_path``
     (training prompts), from the policy at ``model``. Variants without a teacher get ``{}``."""
-    from composer_plugins.core.io import read_jsonl
-    from composer_plugins.pipeline.stage_train import train_config
-
     tasks = read_jsonl(tasks_path)[:num_prompts]
     out: dict[str, Any] = {"model": model, "tasks": tasks_path, "num_prompts": len(tasks), "variants": {}}
     student_preds: list[dict[str, Any]] | None = None
@@ -177,9 +173,5 @@ def measure_gap(
 
 def write_gap(result: Mapping[str, Any], out: str | os.PathLike[str]) -> Path:
     """Write ``result`` as JSON (atomically)."""
-    from composer_plugins.core.io import atomic_write_json
-
-    p = Path(out)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(p, dict(result), sort_keys=True, default=str)
-    return p
+    atomic_write_json(out, dict(result), sort_keys=True, default=str)
+    return Path(out)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from composer_plugins.pipeline.common import md_table, text_table
 from composer_plugins.pipeline.stats import (
     ALPHA,
     CURVE,
@@ -42,6 +44,7 @@ from composer_plugins.pipeline.stats import (
     time_to_threshold,
     verdict,
 )
+from composer_plugins.pipeline.study import canonical_metric, history_column, parse_run_name
 
 __all__ = [
     "ALPHA",
@@ -131,19 +134,7 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
         rows.append(row)
     if fmt == "csv":
         return "\n".join(",".join(c.replace(",", ";") for c in r) for r in [head, *rows])
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    out = [
-        "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
-        "  ".join("-" * w for w in widths),
-    ]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(out)
-
-
-# -- a study directory (evals/*.json, runs/*/history.csv) without MLflow ------------------------
+    return md_table(head, rows) if fmt == "markdown" else text_table(head, rows)
 
 
 def read_study_dir(
@@ -172,24 +163,18 @@ def read_study_dir(
             for v, by_seed in h.items():
                 hist.setdefault(v, {}).update(by_seed)
         return [x for recs, _ in parts for x in recs], hist
-    from composer_plugins.pipeline.study import canonical_metric, history_column, parse_run_name
-
     root = Path(root)
     recs: list[dict[str, Any]] = []
     for f in sorted((root / evals).glob("*.json")):
-        if f.stem == "sft":
-            v, s = "sft", None
-        else:
-            v, s = parse_run_name(f.stem)
+        v, s = ("sft", None) if f.stem == "sft" else parse_run_name(f.stem)
         data = json.loads(f.read_text())
-        m = data.get("metrics", {})
         recs.append(
             {
                 "variant": v,
                 "seed": s,
                 "warm_start": root.as_posix(),
                 "correct": dict(data.get("correct") or {}),
-                **{canonical_metric(k): x for k, x in m.items()},
+                **{canonical_metric(k): x for k, x in data.get("metrics", {}).items()},
             }
         )
     hist: Histories = {}
@@ -288,11 +273,8 @@ def study_report(
 ) -> str:
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
 
-    ``blocking`` (``study.blocking: warm_start``) blocks every test by the seed's warm start
-    (:func:`.stats.paired_effect`'s ``blocks``) and adds a table of each start's mean difference.
-
-    Every test the report makes (each variant × final ``metric``, run-mean signal, curve final, AUC and
-    time to threshold) is one family: :func:`holm` adjusts them together and the report says so.
+    ``blocking`` (``study.blocking``: :func:`report_family`) blocks every test by the seed's warm start and adds
+    a table of each start's mean difference; every test of the report is one Holm family, as the report says.
     ``fractions``: history columns (``train/hint/fraction`` ...) whose run means per variant it lists, so a
     variant whose channels are not active as named shows it. ``gap``: the gap predictor's result
     (:mod:`.gap`, ``results/gap.json``), listed beside each variant's final effect with their correlation.
@@ -309,10 +291,8 @@ def study_report(
     fam = report_family(
         recs, hist, baseline, metric, mode, delta=delta, start=start, margin=margin, each_start=each_start
     )
-    parts = list(fam.values())
-    flat = [e for t in parts for e in t]
     sig, curve = "train/groups_with_signal", fam.get("curve", [])
-    m = flat[0].family if flat else 0
+    m = next((e.family for t in fam.values() for e in t), 0)
     out.append(
         f"Verdicts: Holm's family-wise correction over the {m} tests of this report (every table below; "
         f"family-wise error {ALPHA}). *helps*/*hurts* only where the Holm-adjusted p is below {ALPHA}, i.e. the "
@@ -342,11 +322,9 @@ def study_report(
             "between the starts is part of the effect, not of its noise: the verdicts are about these warm starts, "
             "not SFT starts in general. Each start's mean difference is listed after the tables.\n"
         )
-    out.append(format_paired(parts[0], "markdown", heldout_n=heldout_n))
-    k = 1
+    out.append(format_paired(fam["final"], "markdown", heldout_n=heldout_n))
     if "signal" in fam:
-        out += ["", format_paired(parts[k], "markdown")]
-        k += 1
+        out += ["", format_paired(fam["signal"], "markdown")]
     if curve:
         thr = next((e.extra for e in curve if "threshold" in e.extra), None)
         what = (
@@ -369,7 +347,7 @@ def study_report(
             f"Held-out learning curve ({CURVE}, greedy, fixed subset): final value, area under the curve from "
             f"step 0 divided by the run's length, {what}."
         )
-        out += ["", head, "", format_paired(parts[k], "markdown")]
+        out += ["", head, "", format_paired(curve, "markdown")]
         cens = [(e.variant, e.extra["censored"], e.extra["censored_baseline"]) for e in curve if "censored" in e.extra]
         if cens:
             out += [
@@ -380,12 +358,10 @@ def study_report(
         pts = {v: step_values(by_seed, CURVE) for v, by_seed in hist.items()}
         steps_all = sorted({s for p in pts.values() for s in p})
         if steps_all:
-            head = ["step", *pts]
-            lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-            for t in steps_all:
-                cells = [f"{sum(p[t]) / len(p[t]):.3f}" if t in p else "" for p in pts.values()]
-                lines.append("| " + " | ".join([str(t), *cells]) + " |")
-            out += ["", f"{CURVE} per evaluated step (mean over seeds):", "", *lines]
+            rows = [
+                [str(t), *(f"{sum(p[t]) / len(p[t]):.3f}" if t in p else "" for p in pts.values())] for t in steps_all
+            ]
+            out += ["", f"{CURVE} per evaluated step (mean over seeds):", "", md_table(["step", *pts], rows)]
     if "start" in fam:
         out += [
             "",
@@ -407,35 +383,29 @@ def study_report(
     if per_start:
         starts = list(per_start[0].extra["blocks"])
         head = ["variant", "vs", *(f"{b} (seeds {per_start[0].extra['blocks'][b]['seeds']})" for b in starts), "effect"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        rows = []
         for e in per_start:
             cells = [_f(e.extra["blocks"].get(b, {}).get("mean", math.nan), sign=True) for b in starts]
-            lines.append("| " + " | ".join([e.variant, e.baseline, *cells, _f(e.mean, sign=True)]) + " |")
-        out += ["", f"Each warm start's mean difference ({metric}; the blocked effect is their mean):", "", *lines]
+            rows.append([e.variant, e.baseline, *cells, _f(e.mean, sign=True)])
+        out += ["", f"Each warm start's mean difference ({metric}; the blocked effect is their mean):", ""]
+        out.append(md_table(head, rows))
     cols = [c for c in fractions if any(c in r for by_seed in hist.values() for rows in by_seed.values() for r in rows)]
     if cols:
-        head = ["variant", *cols]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        rows = []
         for v in hist:
             rm = [run_means({v: hist[v]}, c, missing=0.0).get(v, {}) for c in cols]
-            cells = [_f(sum(x.values()) / len(x)) if x else "0.000" for x in rm]
-            lines.append("| " + " | ".join([v, *cells]) + " |")
-        out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", "", *lines]
+            rows.append([v, *(_f(sum(x.values()) / len(x)) if x else "0.000" for x in rm)])
+        out += ["", "Active rows per channel (run mean of each per-step fraction, mean over seeds):", ""]
+        out.append(md_table(["variant", *cols], rows))
     if gap and gap.get("variants"):
-        effects = {e.variant: e.mean for e in parts[0]}
+        effects = {e.variant: e.mean for e in fam["final"]}
         head = ["variant", "teacher", "margin (nats/token)", "fix rate", "coverage", f"final effect vs {baseline}"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        for v, teachers in gap["variants"].items():
-            for t, g in teachers.items():
-                cells = [
-                    v,
-                    t,
-                    _f(g.get("margin"), sign=True),
-                    _f(g.get("fix_rate")),
-                    _f(g.get("coverage")),
-                    _f(effects.get(v, math.nan), sign=True),
-                ]
-                lines.append("| " + " | ".join(cells) + " |")
+        eff = {v: _f(x, sign=True) for v, x in effects.items()}
+        rows = [
+            [v, t, _f(g.get("margin"), sign=True), _f(g.get("fix_rate")), _f(g.get("coverage")), eff.get(v, "n/a")]
+            for v, teachers in gap["variants"].items()
+            for t, g in teachers.items()
+        ]
         corr = [
             f"{k} r = {_f(gap_correlation(gap, effects, k)['pearson_r'], 2, sign=True)} "
             f"(n = {gap_correlation(gap, effects, k)['n']})"
@@ -447,18 +417,13 @@ def study_report(
             "each teacher's gap to the student beside the variant's final effect; correlation over the "
             "variants with a teacher (mean over its teachers): " + "; ".join(corr) + ".",
             "",
-            *lines,
+            md_table(head, rows),
         ]
     steps = step_means(hist, sig)
     if steps:
         n = max(len(x) for x in steps.values())
-        head = ["step", *steps]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        for i in range(n):
-            lines.append(
-                "| " + " | ".join([str(i + 1), *(f"{x[i]:.3f}" if i < len(x) else "" for x in steps.values())]) + " |"
-            )
-        out += ["", f"{sig} per step (mean over seeds):", "", *lines]
+        rows = [[str(i + 1), *(f"{x[i]:.3f}" if i < len(x) else "" for x in steps.values())] for i in range(n)]
+        out += ["", f"{sig} per step (mean over seeds):", "", md_table(["step", *steps], rows)]
     return "\n".join(out)
 
 
@@ -530,26 +495,21 @@ USAGE = (
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m composer_plugins.pipeline.paired STUDY_DIR [BASELINE] [HELDOUT_N] [--plots DIR]``."""
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
-    plots, prefix = None, "sparse"
-    for flag in ("--plots", "--prefix"):
+    opts = {"--plots": None, "--prefix": "sparse"}
+    for flag in opts:
         if flag in args:
             i = args.index(flag)
             if i + 1 >= len(args):
                 raise SystemExit(f"{flag} needs a value\n{USAGE}")
-            if flag == "--plots":
-                plots = args[i + 1]
-            else:
-                prefix = args[i + 1]
+            opts[flag] = args[i + 1]
             del args[i : i + 2]
     if not args:
         raise SystemExit(USAGE)
     base = args[1] if len(args) > 1 else "rl_only"
     print(study_report(args[0], base, heldout_n=int(args[2]) if len(args) > 2 else None))
-    if plots:
-        for p in plot_study(args[0], plots, prefix=prefix, baseline=base):
+    if opts["--plots"]:
+        for p in plot_study(args[0], opts["--plots"], prefix=opts["--prefix"], baseline=base):
             print(f"wrote {p}")
 
 

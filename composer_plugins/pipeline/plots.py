@@ -30,7 +30,7 @@ _PAGE = """<!DOCTYPE html>
 <html>
 <head>
     <meta charset="utf-8">
-    {refresh_tag}
+    {{refresh_tag}}
     <title>{title}</title>
     <!-- vega, vega-lite {vl} and vega-embed bundled by vl-convert-python {vlc}: no network needed -->
     <script>{bundle}</script>
@@ -39,7 +39,7 @@ _PAGE = """<!DOCTYPE html>
     </style>
 </head>
 <body>
-    {plot_divs}
+    {{plot_divs}}
 </body>
 </html>
 """
@@ -89,14 +89,7 @@ def offline_template(path: str | Path, title: str = "composer-plugins plots") ->
     if out.is_file() and stamp in out.read_text(encoding="utf8"):
         return out
     bundle = vlc.javascript_bundle(vl_version=VEGA_LITE).replace("</script", "<\\/script")
-    page = _PAGE.format(
-        title=title,
-        vl=VEGA_LITE,
-        vlc=vlc.__version__,
-        bundle=bundle,
-        refresh_tag="{refresh_tag}",
-        plot_divs="{plot_divs}",
-    )
+    page = _PAGE.format(title=title, vl=VEGA_LITE, vlc=vlc.__version__, bundle=bundle)  # DVC fills the {{...}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf8")
     return out

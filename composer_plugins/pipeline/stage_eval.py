@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,7 @@ EVAL_KEYS = ("envs", "max_new_tokens", "batch_size", "seed", "hint_uplift", "hin
 
 def eval_envs(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``eval.envs`` as ``{env_key: overrides of the train config's eval section}``."""
-    e = section(params, "eval")
-    unknown = sorted(set(e) - set(EVAL_KEYS))
-    if unknown:
-        raise param_error(params, f"eval.{unknown[0]}", "unknown key.", valid=EVAL_KEYS)
-    envs = e.get("envs") or {"gsm8k": {}}
+    envs = section(params, "eval", EVAL_KEYS).get("envs") or {"gsm8k": {}}
     if not isinstance(envs, Mapping):
         raise param_error(params, "eval.envs", "must map env keys to settings, e.g. {gsm8k: {num_problems: 64}}")
     return {str(k): dict(v or {}) for k, v in envs.items()}
@@ -64,8 +61,6 @@ def evaluate(
     name = study.run_name(variant, seed) if variant else baseline
     cfg = train_config(params, variant, seed)
     flags = channel_flags(cfg) if variant else dict.fromkeys(channel_flags(cfg), False)
-    import tempfile
-
     ev = section(params, "eval")
     metrics: dict[str, float] = {}
     correct: dict[str, str] = {}
@@ -75,12 +70,8 @@ def evaluate(
         settings.pop("env", None)
         c["data"] = {**c["data"], "test_path": (Path(data_dir) / env_key / "test.jsonl").as_posix()}
         e = {**(c.get("eval") or {}), "at_start": False, "at_end": False}
-        for k in ("max_new_tokens", "batch_size", "seed", "hint_uplift", "hint_uplift_samples"):
-            if k in ev:
-                e[k] = ev[k]
-        e.update(settings)
-        c["eval"] = e
-        c["eval"]["predictions"] = True  # per-problem correctness: committed, and split by line novelty
+        e.update({k: ev[k] for k in EVAL_KEYS if k != "envs" and k in ev})
+        c["eval"] = {**e, **settings, "predictions": True}  # per-problem correctness: committed, split by line novelty
         tc = train_config_from_dict(c)
         with tempfile.TemporaryDirectory(prefix="eval-") as td:
             res = run_eval(tc, checkpoint=model, output=f"{td}/eval.json")
@@ -93,19 +84,12 @@ def evaluate(
         if train_file.exists() and preds:
             metrics.update(novelty_accuracy(read_jsonl(train_file), preds, env_key))
     for head, aliases in HEADLINE_ALIASES.items():
-        for a in aliases:
-            if a in metrics:
-                metrics.setdefault(head, metrics[a])
-                break
+        if found := [a for a in aliases if a in metrics]:
+            metrics.setdefault(head, metrics[found[0]])
     if train_metrics and Path(train_metrics).exists():
         tm = json.loads(Path(train_metrics).read_text())
-        metrics.update(
-            {
-                study.canonical_metric(k): float(v)
-                for k, v in tm.items()
-                if k.startswith(("train/", "sft/")) and is_num(v)
-            }
-        )
+        tm = {k: v for k, v in tm.items() if k.startswith(("train/", "sft/")) and is_num(v)}
+        metrics.update({study.canonical_metric(k): float(v) for k, v in tm.items()})
     result = {
         "run": name,
         "variant": variant or baseline,
@@ -116,7 +100,6 @@ def evaluate(
         "metrics": metrics,
         "correct": correct,  # per env, one character per held-out problem in test.jsonl order (1: solved greedily)
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, result, sort_keys=True)
     run_id = log_eval_run(params, cfg, result, artifacts=[out, *([history] if history else [])])
     if run_id:
@@ -150,25 +133,18 @@ def log_eval_run(
     if not tracking.mlflow_enabled(params):
         return None
     from composer_plugins.core.config import redact
-
-    uri = tracking.tracking_uri(params)
-    client = tracking.client(uri)
-    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
-    tags = tracking.run_tags(
-        variant=str(result["variant"]), seed=int(result["seed"]), extra={"study.channels": result["channels"]}
-    )
-    if tags[tracking.TAG_STAGE] == "manual":
-        tags[tracking.TAG_STAGE] = f"eval@{result['run']}"
     from composer_plugins.core.errors import ComposerPluginsError
     from composer_plugins.training.config.train import train_config_from_dict
     from composer_plugins.training.lightning.tracking import config_components
 
+    tags = tracking.run_tags(
+        variant=str(result["variant"]), seed=int(result["seed"]), extra={"study.channels": result["channels"]}
+    )
     try:  # provenance of the evaluated config's env and channels; the eval itself never depends on it
         tags.update(tracking.provenance_tags(config_components(train_config_from_dict(train_cfg))))
     except ComposerPluginsError:
         pass
-    run = client.create_run(exp_id, run_name=tracking.run_name(f"eval@{result['run']}"), tags=tags)
-    rid = run.info.run_id
+    client, rid = start_run(params, f"eval@{result['run']}", tags)
     try:
         flat = {f"train.{k}": v for k, v in tracking.flatten(redact(dict(train_cfg))).items()}
         flat.update(
@@ -184,7 +160,7 @@ def log_eval_run(
         items = [Param(k[:250], str(v)[:6000]) for k, v in flat.items()]
         for i in range(0, len(items), 100):
             client.log_batch(rid, params=items[i : i + 100])
-        ms = [Metric(_mlflow_key(k), float(v), 0, 0) for k, v in result["metrics"].items()]
+        ms = [Metric(study.canonical_metric(k), float(v), 0, 0) for k, v in result["metrics"].items()]
         for i in range(0, len(ms), 500):
             client.log_batch(rid, metrics=ms[i : i + 500])
         for a in artifacts:
@@ -197,9 +173,14 @@ def log_eval_run(
     return rid
 
 
-def _mlflow_key(k: str) -> str:
-    # metric names are MLflow-safe already (docs/metrics.md); old spellings are mapped onto them
-    return study.canonical_metric(k)
+def start_run(params: Mapping[str, Any], stage: str, tags: dict[str, str]) -> tuple[Any, str]:
+    """A new run named ``stage`` in the study's MLflow experiment (outside DVC also its stage tag): client, run id."""
+    uri = tracking.tracking_uri(params)
+    client = tracking.client(uri)
+    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
+    if tags[tracking.TAG_STAGE] == "manual":
+        tags[tracking.TAG_STAGE] = stage
+    return client, client.create_run(exp_id, run_name=tracking.run_name(stage), tags=tags).info.run_id
 
 
 def unmlflow_key(k: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,10 +34,7 @@ def pairs(
     from composer_plugins.core.config import resolve_env
     from composer_plugins.teachers.runner import parse_config, run_replay
 
-    p = section(params, "pairs")
-    unknown = sorted(set(p) - set(PAIRS_KEYS))
-    if unknown:
-        raise param_error(params, f"pairs.{unknown[0]}", "unknown key.", valid=PAIRS_KEYS)
+    p = section(params, "pairs", PAIRS_KEYS)
     replay = section(params, "replay")
     if not replay.get("teachers"):
         raise param_error(params, "replay.teachers", "at least one teacher is required (e.g. [{name: oracle}])")
@@ -54,9 +53,6 @@ def pairs(
         "run_id": "pipeline-pairs",
         "progress": False,
     }
-    import shutil
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="pairs-cache-") as td:
         # Work on a copy: the replay stage's cache is its DVC output and must stay byte-identical
         # (the engine writes a spend ledger and a lock file next to the database).

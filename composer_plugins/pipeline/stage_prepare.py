@@ -48,9 +48,7 @@ def data_envs(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             raise param_error(params, f"data.{k}.exclude", f"must be a list of JSONL paths, got {ex!r}.")
         for i, x in enumerate(ex):
             if not Path(x).is_file():
-                raise param_error(
-                    params, f"data.{k}.exclude[{i}]", f"{x!r} is not a file (relative to {os.getcwd()}).", valid=None
-                )
+                raise param_error(params, f"data.{k}.exclude[{i}]", f"{x!r} is not a file (relative to {os.getcwd()}).")
         out[str(k)] = {"seed": int(data.get("seed", 0)), **dict(v)}
     return out
 
@@ -233,11 +231,7 @@ def line_novelty(train_rows: Iterable[Mapping[str, Any]], test_rows: Sequence[Ma
     verbatim in train; a test row whose second line is new tests composition beyond recall of lines.
     """
     seen = {ln for t in train_rows for ln in solution_lines(t)}
-    out: list[bool | None] = []
-    for t in test_rows:
-        lines = solution_lines(t)
-        out.append(None if len(lines) < 2 else lines[1] not in seen)
-    return out
+    return [None if len(lines) < 2 else lines[1] not in seen for lines in map(solution_lines, test_rows)]
 
 
 def line_overlap(train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:

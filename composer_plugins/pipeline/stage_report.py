@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import fnmatch
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,8 @@ from typing import Any
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import atomic_write_json
 from composer_plugins.pipeline import study
-from composer_plugins.pipeline.common import PATHS, is_num
-from composer_plugins.pipeline.stage_eval import eval_envs
+from composer_plugins.pipeline.common import PATHS, is_num, md_table
+from composer_plugins.pipeline.stage_eval import eval_envs, start_run
 from composer_plugins.training.lightning import tracking
 
 
@@ -135,11 +137,6 @@ def _s(x: Any) -> str:
     return "not measured" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
-def _md(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def used_md(arms: Mapping[str, Mapping[str, Any]], starts: Sequence[Mapping[str, Any]], metric: str) -> str:
     """Markdown: what each arm trained with (:func:`cells_used`) and each warm start, for results/paired.md."""
     head = ["variant", "what it does", "channels", "trains on", f"teacher ({metric})", "warm starts"]
@@ -152,8 +149,8 @@ def used_md(arms: Mapping[str, Mapping[str, Any]], starts: Sequence[Mapping[str,
     rows2 = [[s["study"], s["model"], *map(str, (s["sft_seed"], s["sft_steps"])), _s(s[metric])] for s in starts]
     rows2 = [[*r, ", ".join(map(str, s.get("seeds", [])))] for r, s in zip(rows2, starts, strict=True)]
     return (
-        f"What each arm trained with (each cell's own train config):\n\n{_md(head, rows)}\n\n"
-        f"The warm starts:\n\n{_md(head2, rows2)}\n\n"
+        f"What each arm trained with (each cell's own train config):\n\n{md_table(head, rows)}\n\n"
+        f"The warm starts:\n\n{md_table(head2, rows2)}\n\n"
     )
 
 
@@ -163,7 +160,7 @@ def paired_summary(
     arms: Mapping[str, Mapping[str, Any]],
     starts: Sequence[Mapping[str, Any]],
     metric: str,
-    effects_csv: Path | None = None,
+    effects_csv: Path,
 ) -> dict[str, Any]:
     """``results/paired.json``: the warm starts, the arms (:func:`cells_used`), every test of the report's Holm family
     (``variant``, ``vs``, ``metric``, ``effect``, ``lo``/``hi``: its Holm-level interval, ``verdict``) and the
@@ -187,14 +184,13 @@ def paired_summary(
         for t in tests:
             if t["variant"] not in bars and t["metric"] == metric:
                 t["verdict"] = f"uncalibrated: {t['verdict']}"
-    if effects_csv is not None:
-        with effects_csv.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["test", "metric", "effect", "lo", "hi", "verdict", "bar"])
-            for t in tests:
-                what = _s(arms.get(t["variant"], {}).get("description", ""))
-                name = f"{t['variant']} ({what}) − {t['vs']}" if what else f"{t['variant']} − {t['vs']}"
-                w.writerow([name, t["metric"], t["effect"], t["lo"], t["hi"], t["verdict"], t.get("bar", "")])
+    with effects_csv.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["test", "metric", "effect", "lo", "hi", "verdict", "bar"])
+        for t in tests:
+            what = _s(arms.get(t["variant"], {}).get("description", ""))
+            name = f"{t['variant']} ({what}) − {t['vs']}" if what else f"{t['variant']} − {t['vs']}"
+            w.writerow([name, t["metric"], t["effect"], t["lo"], t["hi"], t["verdict"], t.get("bar", "")])
     keys = ("variant", "vs", "metric", "bar", "lo", "passes", "start")
     return {
         "metric": metric,
@@ -249,14 +245,12 @@ def report(
     metrics_out: str | os.PathLike[str] = "metrics.json",
     plots_dir: str | os.PathLike[str] = "plots",
     table_out: str | os.PathLike[str] = "results/ablation.md",
-    teacher_eval: str | os.PathLike[str] = TEACHER_EVAL,
 ) -> dict[str, Any]:
     """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table.
 
-    Each variant's ``used`` (metrics.json) and results/paired.md's first tables say what its cells trained with,
-    read from their own config (:func:`cells_used`): the teacher distilled from (and its measured accuracy), the
-    warm starts, on- or off-policy. metrics.json's ``teacher`` row is the one teacher the cells used, where it was
-    measured; ``teacher_eval``, this study's own teacher stage, is named as unused when no cell used it.
+    Each variant's ``used`` (metrics.json) and results/paired.md's first tables say what its cells trained with
+    (:func:`cells_used`). metrics.json's ``teacher`` row is the one teacher the cells used, where it was measured;
+    this study's own teacher stage (:data:`TEACHER_EVAL`) is named as unused when no cell used it.
     results/paired.json (:func:`paired_summary`), plots/effects.csv (the forest plot) and plots/heldout.csv (the
     held-out bars with ± s.e.) carry the evidence.
     """
@@ -269,29 +263,19 @@ def report(
     metrics_names = [m for m in study.HEADLINE_METRICS if any(m in r for r in recs)]
     rows = study.ablation_rows(recs, metrics_names, group_by=("variant", "channels"))
     # metrics.json: {variant: {metric: {mean, std}}, ...} (flattened by DVC as variant.metric.mean)
-    out: dict[str, Any] = {}
-    for row in rows:
-        out[row["variant"]] = {
-            "n": row["n"],
-            **{m: {"mean": _r(row[m][0]), "std": _r(row[m][1])} for m in metrics_names},
-        }
-    Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {
+        row["variant"]: {"n": row["n"], **{m: {"mean": _r(row[m][0]), "std": _r(row[m][1])} for m in metrics_names}}
+        for row in rows
+    }
     # plots: one bar per variant for the headline metric, and the curves of every run (long format)
     pdir = Path(plots_dir)
     pdir.mkdir(parents=True, exist_ok=True)
     with (pdir / "ablation.csv").open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "channels", "n", *[f"{m}" for m in metrics_names], *[f"{m} std" for m in metrics_names]])
+        w.writerow(["variant", "channels", "n", *metrics_names, *[f"{m} std" for m in metrics_names]])
         for row in rows:
-            w.writerow(
-                [
-                    row["variant"],
-                    row["channels"],
-                    row["n"],
-                    *[_r(row[m][0]) for m in metrics_names],
-                    *[_r(row[m][1]) for m in metrics_names],
-                ]
-            )
+            means, stds = ([_r(row[m][i]) for m in metrics_names] for i in (0, 1))
+            w.writerow([row["variant"], row["channels"], row["n"], *means, *stds])
     metric = metrics_names[0] if metrics_names else "gsm8k/accuracy"
     arms, starts = cells_used(params, roots, metric)
     for st in starts:  # the RL seeds each start's cells ran
@@ -313,10 +297,10 @@ def report(
                 "model": model,
                 **{m: {"mean": _r(t[m]), "std": 0.0} for m in metrics_names if m in t},
             }
-    own = teacher_metrics(teacher_eval)
-    if own and not any(teacher_eval_file(m) == Path(os.path.normpath(teacher_eval)) for m in used):
+    own = teacher_metrics(TEACHER_EVAL)
+    if own and not any(teacher_eval_file(m) == Path(TEACHER_EVAL) for m in used):
         note += (
-            f"\nThis study's own teacher stage ({teacher_eval}: {metric} {_s(own.get(metric))}) is used by no cell.\n"
+            f"\nThis study's own teacher stage ({TEACHER_EVAL}: {metric} {_s(own.get(metric))}) is used by no cell.\n"
         )
     for v, a in arms.items():  # as strings: `dvc metrics show` drops lists
         teachers = "; ".join(f"{t['model']} ({_s(t[metric])})" for t in a["teachers"]) or "none"
@@ -367,14 +351,9 @@ def _paired_report(
     metrics_names: Sequence[str],
     used: str = "",
 ) -> tuple[str, dict[str, list[Any]]]:
-    """Add ``train/groups_with_signal`` and the paired effects against ``study.baseline`` to ``out``.
-
-    ``out`` is metrics.json's ``{variant: {...}}``: each variant gets the run mean of
-    ``train/groups_with_signal`` (mean/std over seeds) and, when ``study.baseline`` names a variant,
-    ``paired_vs_<baseline>``: ``{metric: {diff, se, low, high}}`` (per-seed differences, Student t 95%
-    interval; :mod:`.paired`). ``roots``: the study directory, then every pooled warm start's
-    (``study.warm_starts``), as :func:`.paired.read_study_dir` reads them. Returns the markdown of
-    ``results/paired.md`` (``used``, what the cells used, after its title) and the family of tests.
+    """Add the run means of :data:`RUN_MEANS` and the paired effects against ``study.baseline`` to metrics.json's
+    ``out`` (``paired_vs_<baseline>``, ``minus_sft``, ``each_start``), reading the studies at ``roots``
+    (:func:`.paired.read_study_dir`). Returns results/paired.md (``used`` after its title) and the test family.
     """
     from composer_plugins.pipeline import paired
 
@@ -401,16 +380,9 @@ def _paired_report(
         for v in names:
             if v in table and v in out:
                 e = paired.paired_effect(table[v], table[base], name=v, baseline_name=base, metric=m, blocks=blocks)
-                out[v].setdefault(f"paired_vs_{base}", {})[m] = {
-                    "diff": _r(e.mean),
-                    "se": _r(e.se),
-                    "low": _r(e.low),
-                    "high": _r(e.high),
-                    "p": _r(e.p),
-                }
+                out[v].setdefault(f"paired_vs_{base}", {})[m] = _effect_row(e)
     delta = study.threshold_delta(params)
     start = paired.warm_start_values(recs, metric)
-    # the report's family of tests (final accuracy, signal, curve), Holm-corrected together
     margin = study.equivalence_margin(params)
     fam = paired.report_family(
         recs, hist, base, metric, blocked, delta=delta, start=start, margin=margin, each_start=each_start
@@ -419,40 +391,17 @@ def _paired_report(
         for e in effects:
             if e.variant not in out:
                 continue
-            key = (
-                metric
-                if part in ("final", "start", "each_start")
-                else SIGNAL
-                if part == "signal"
-                else "curve/" + e.metric.split(" ", 1)[1]
-            )
-            row = {
-                "diff": _r(e.mean),
-                "se": _r(e.se),
-                "low": _r(e.low),
-                "high": _r(e.high),
-                "p": _r(e.p),
-                "p_holm": _r(e.p_adjusted),
-                "verdict": e.verdict,
-                "variant_mean": _r(e.variant_mean),
-                "baseline_mean": _r(e.baseline_mean),
-            }
+            key = {"signal": SIGNAL, "curve": "curve/" + e.metric.partition(" ")[2]}.get(part, metric)
+            row = {**_effect_row(e), "p_holm": _r(e.p_adjusted), "verdict": e.verdict}
+            row.update(variant_mean=_r(e.variant_mean), baseline_mean=_r(e.baseline_mean))
             row.update({k: (_r(x) if isinstance(x, float) else x) for k, x in e.extra.items()})
             if part == "each_start":  # one start's test: {vs: {start: row}} (study.control: each_start)
                 out[e.variant].setdefault("each_start", {}).setdefault(e.baseline, {})[e.extra["start"]] = row
                 continue
             out[e.variant].setdefault("minus_sft" if part == "start" else f"paired_vs_{base}", {})[key] = row
     heldout_n = eval_envs(params).get("gsm8k", {}).get("num_problems")
-    fractions = sorted(
-        {
-            c
-            for by_seed in hist.values()
-            for rows in by_seed.values()
-            for r in rows
-            for c in r
-            if c.startswith(FRACTION_COLUMNS)
-        }
-    )
+    columns = {c for by_seed in hist.values() for rows in by_seed.values() for r in rows for c in r}
+    fractions = sorted(c for c in columns if c.startswith(FRACTION_COLUMNS))
     gap_file = Path(GAP_FILE)  # `composer-plugins study gap` (before RL), when it was run
     gap = json.loads(gap_file.read_text()) if gap_file.exists() else None
     text = paired.study_report(
@@ -480,6 +429,11 @@ GAP_FILE = "results/gap.json"
 FRACTION_COLUMNS = ("train/hint/fraction", "train/teacher_distill/fraction", "train/grpo/fraction")
 
 
+def _effect_row(e: Any) -> dict[str, Any]:
+    """A paired effect as metrics.json holds it: mean difference, se, interval and p, rounded."""
+    return {"diff": _r(e.mean), "se": _r(e.se), "low": _r(e.low), "high": _r(e.high), "p": _r(e.p)}
+
+
 def _r(v: Any) -> Any:
     if v is None:
         return None
@@ -505,8 +459,6 @@ CURVE_PATTERNS: tuple[str, ...] = (
 
 def curve_columns(columns: Iterable[str]) -> list[str]:
     """The columns of :data:`CURVE_PATTERNS` among ``columns`` (full names), in pattern order."""
-    import fnmatch
-
     cols = list(dict.fromkeys(columns))
     out: list[str] = []
     for pat in CURVE_PATTERNS:
@@ -558,8 +510,6 @@ def write_curves(
         w.writeheader()
         w.writerows(rows)
     if curves_dir is not None:
-        import shutil
-
         if curves_dir.exists():
             shutil.rmtree(curves_dir)  # a channel switched off must not leave a stale curve behind
         curves_dir.mkdir(parents=True)
@@ -574,14 +524,7 @@ def write_curves(
 def _log_report(params: Mapping[str, Any], metrics: Mapping[str, Any], artifacts: Sequence[Any]) -> str | None:
     if not tracking.mlflow_enabled(params):
         return None
-    uri = tracking.tracking_uri(params)
-    client = tracking.client(uri)
-    exp_id = tracking.ensure_experiment(client, tracking.experiment_name(params), uri)
-    tags = tracking.run_tags()
-    if tags[tracking.TAG_STAGE] == "manual":
-        tags[tracking.TAG_STAGE] = "report"
-    run = client.create_run(exp_id, run_name=tracking.run_name("report"), tags=tags)
-    rid = run.info.run_id
+    client, rid = start_run(params, "report", tracking.run_tags())
     from mlflow.entities import Metric
 
     flat = tracking.flatten(metrics, sep="/")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,7 @@ def rollout(
     from composer_plugins.training.rollout.chat import PROMPT_KEYS, install_chat_template, task_conversation
     from composer_plugins.training.rollout.rewards import env_rewards, task_prompt
 
-    r = section(params, "rollout")
-    unknown = sorted(set(r) - set(ROLLOUT_KEYS))
-    if unknown:
-        raise param_error(params, f"rollout.{unknown[0]}", "unknown key.", valid=ROLLOUT_KEYS)
+    r = section(params, "rollout", ROLLOUT_KEYS)
     env_spec = r.get("env") or (params.get("train") or {}).get("env") or "gsm8k"
     env = build_env(env_spec)
     env_name = env_key(env_spec)
@@ -60,8 +58,6 @@ def rollout(
     install_chat_template(tok, chat)
     rows: list[dict[str, Any]] = []
     rewards: list[float] = []
-    import sys
-
     report_every = max(bs, -(-len(tasks) // 4 // bs) * bs)  # about four progress lines (a log, not a bar)
     for b0 in range(0, len(tasks), bs):
         if b0 and b0 % report_every == 0:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.pipeline import study
-from composer_plugins.pipeline.common import PATHS, env_key, section
+from composer_plugins.pipeline.common import PATHS, SPLITS, env_key, section
 from composer_plugins.training.lightning import tracking
 
 
@@ -21,8 +24,6 @@ def train_config(
     *,
     pairs: str | None = PATHS["pairs"],
     model: str = PATHS["sft_model"],
-    data_dir: str = PATHS["data"],
-    runs_dir: str = PATHS["runs"],
 ) -> dict[str, Any]:
     """The effective ``train`` config (plain dict) of study cell ``variant × seed``.
 
@@ -30,23 +31,20 @@ def train_config(
     wiring: start from the SFT stage's model (SFT off), the prepared GSM8K files, the pairs of
     the replay stage, ``seed``, ``output_dir=runs/<variant>-s<seed>``, and MLflow settings/tags.
     """
-    base = section(params, "train")
+    over = study.variant_overrides(params, variant) if variant else {}
     # merge_params: a variant replaces a mapping it marks `_replace: true` (e.g. another hints.provider)
-    cfg = study.merge_params(base, study.variant_overrides(params, variant)) if variant else study.deep_merge(base, {})
+    cfg = study.merge_params(section(params, "train"), over)
     name = study.run_name(variant, seed) if variant else "sft"
     key = env_key(cfg.get("env", "gsm8k"))
-    data = dict(cfg.get("data") or {})
-    train_file = Path(data_dir) / key / "train.jsonl"
-    test_file = Path(data_dir) / key / "test.jsonl"
-    data.setdefault("train_path", train_file.as_posix())
-    data.setdefault("test_path", test_file.as_posix())
-    cfg["data"] = data
+    cfg["data"] = data = dict(cfg.get("data") or {})
+    for split in SPLITS:
+        data.setdefault(f"{split}_path", (Path(PATHS["data"]) / key / f"{split}.jsonl").as_posix())
     cfg["seed"] = int(seed)
-    cfg["output_dir"] = (Path(runs_dir) / name).as_posix()
+    cfg["output_dir"] = (Path(PATHS["runs"]) / name).as_posix()
     cfg["model"] = {**(cfg.get("model") or {}), "name_or_path": model}
     cfg["sft"] = {**(cfg.get("sft") or {}), "enabled": False}
     if pairs is not None:  # a variant may name its own pairs file (study.variants.<v>.replay.pairs_path)
-        own = ((study.variant_overrides(params, variant).get("replay") or {}) if variant else {}).get("pairs_path")
+        own = (over.get("replay") or {}).get("pairs_path")
         cfg["replay"] = {**(cfg.get("replay") or {}), "pairs_path": own or pairs}
     flags = channel_flags(cfg)
     ml = section(params, "mlflow")
@@ -115,10 +113,6 @@ def train_cell(
     Returns the final train metrics. The cell's directory ends up with ``config.yaml``,
     ``model/``, ``history.csv`` and ``metrics.json`` either way.
     """
-    import shutil
-
-    import yaml
-
     if pairs is not None and (not Path(pairs).exists() or Path(pairs).stat().st_size == 0):
         pairs = None  # no pairs (e.g. every student trace agreed with the teachers): replay channel is skipped
     cfg = train_config(params, variant, seed, pairs=pairs, model=model)
@@ -167,5 +161,4 @@ def channel_flags(train_cfg: Mapping[str, Any]) -> dict[str, bool]:
 
 def channels_label(flags: Mapping[str, bool]) -> str:
     """``grpo+hint_distill+replay`` (channels on, in config order) or ``none``."""
-    on = [k for k, v in flags.items() if v]
-    return "+".join(on) if on else "none"
+    return "+".join(k for k, v in flags.items() if v) or "none"

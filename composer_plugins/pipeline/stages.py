@@ -1,11 +1,5 @@
-"""The DVC stages' public names in one place: each stage lives in its own module, re-exported here.
-
-``composer_plugins/pipeline/``: :mod:`.common` (paths, JSONL, located params errors), :mod:`.stage_prepare`
-(tasks and the split's tuple- and line-level overlap), :mod:`.stage_rollout` (student traces),
-:mod:`.stage_replay` (the replay run's config), :mod:`.stage_pairs` (agreement-k pairs), :mod:`.stage_train`
-(one study cell's config and run), :mod:`.stage_eval` (held-out metrics, MLflow), :mod:`.stage_report`
-(metrics.json, plot files, ablation and paired tables).
-"""
+"""The DVC stages' public names in one place: each stage lives in its own ``stage_<name>`` module (what they
+share in :mod:`.common`), re-exported here."""
 
 from composer_plugins.pipeline.common import PATHS, PATHS_REPLAY, SPLITS, file_sha256, write_jsonl
 from composer_plugins.pipeline.stage_eval import (

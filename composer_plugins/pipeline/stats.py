@@ -47,8 +47,9 @@ class PairedEffect:
     diffs: list[float]
     mean: float
     se: float
-    low: float
-    high: float
+    #: The Student-t 95% interval (:func:`t_effect`; NaN with fewer than 2 seeds).
+    low: float = math.nan
+    high: float = math.nan
     variant_mean: float = math.nan
     baseline_mean: float = math.nan
     extra: dict[str, Any] = field(default_factory=dict)
@@ -111,13 +112,12 @@ def paired_effect(
     variant: Mapping[int, float],
     baseline: Mapping[int, float],
     *,
-    confidence: float = 0.95,
     name: str = "variant",
     baseline_name: str = "baseline",
     metric: str = "",
     blocks: Mapping[int, str] | None = None,
 ) -> PairedEffect:
-    """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and t interval.
+    """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and 95% t interval.
 
     With one shared seed the standard error and interval are NaN (no spread to estimate);
     with none, ``ValueError`` names the seeds of each side.
@@ -135,16 +135,12 @@ def paired_effect(
     if blocks is not None:
         check_blocks(seeds, blocks, name, baseline_name)
         if len({blocks[s] for s in seeds}) > 1:
-            return _blocked_effect(variant, baseline, seeds, diffs, blocks, confidence, name, baseline_name, metric)
+            return _blocked_effect(variant, baseline, seeds, diffs, blocks, name, baseline_name, metric)
     mean = sum(diffs) / n
-    if n < 2:
-        se = math.nan
-    else:
-        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-        se = sd / math.sqrt(n)
-    variant_mean = sum(float(variant[s]) for s in seeds) / n
-    baseline_mean = sum(float(baseline[s]) for s in seeds) / n
-    return t_effect(name, baseline_name, metric, seeds, diffs, mean, se, confidence, variant_mean, baseline_mean)
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / math.sqrt(n) if n > 1 else math.nan
+    vmean, bmean = (sum(float(side[s]) for s in seeds) / n for side in (variant, baseline))
+    e = PairedEffect(name, baseline_name, metric, seeds, diffs, mean, se, variant_mean=vmean, baseline_mean=bmean)
+    return t_effect(e)
 
 
 def paired_seeds(variant: Mapping[int, Any], baseline: Mapping[int, Any], name: str, baseline_name: str) -> list[int]:
@@ -165,44 +161,13 @@ def check_blocks(seeds: Sequence[int], blocks: Mapping[int, str], name: str, bas
         raise ValueError(f"seed(s) {unblocked} of {name!r} vs {baseline_name!r} belong to no warm start (blocks)")
 
 
-def t_effect(
-    name: str,
-    baseline_name: str,
-    metric: str,
-    seeds: list[int],
-    diffs: list[float],
-    mean: float,
-    se: float,
-    confidence: float,
-    variant_mean: float,
-    baseline_mean: float,
-    df: int | None = None,
-    extra: dict[str, Any] | None = None,
-) -> PairedEffect:
-    """The :class:`PairedEffect` of a mean difference ``mean`` with standard error ``se``: its Student-t interval at
-    ``confidence`` and two-sided p-value on the effect's degrees of freedom (``df``; None: ``n - 1``), NaN when
-    ``se`` is (too few samples to estimate a spread)."""
-    dof = len(diffs) - 1 if df is None else df  # as PairedEffect.dof reads it
-    low = high = p = math.nan
-    if not math.isnan(se):
-        half = t_critical(dof, confidence) * se
-        low, high, p = mean - half, mean + half, t_pvalue(mean, se, dof)
-    return PairedEffect(
-        variant=name,
-        baseline=baseline_name,
-        metric=metric,
-        seeds=seeds,
-        diffs=diffs,
-        mean=mean,
-        se=se,
-        low=low,
-        high=high,
-        variant_mean=variant_mean,
-        baseline_mean=baseline_mean,
-        extra={} if extra is None else extra,
-        p=p,
-        df=df,
-    )
+def t_effect(e: PairedEffect) -> PairedEffect:
+    """``e`` with the Student-t 95% interval and two-sided p-value of its mean difference on its degrees of freedom
+    (:attr:`PairedEffect.dof`), left NaN when its ``se`` is (too few samples to estimate a spread)."""
+    if math.isnan(e.se):
+        return e
+    half = t_critical(e.dof) * e.se
+    return replace(e, low=e.mean - half, high=e.mean + half, p=t_pvalue(e.mean, e.se, e.dof))
 
 
 def _blocked_effect(
@@ -211,7 +176,6 @@ def _blocked_effect(
     seeds: list[int],
     diffs: list[float],
     blocks: Mapping[int, str],
-    confidence: float,
     name: str,
     baseline_name: str,
     metric: str,
@@ -234,9 +198,11 @@ def _blocked_effect(
         return sum(sum(float(values[seeds[i]]) for i in ix) / len(ix) for ix in groups.values()) / k
 
     extra = {"blocks": {b: {"seeds": [seeds[i] for i in ix], "mean": block_mean[b]} for b, ix in groups.items()}}
-    return t_effect(
-        name, baseline_name, metric, seeds, diffs, mean, se, confidence, side(variant), side(baseline), df, extra
+    vmean, bmean = side(variant), side(baseline)
+    e = PairedEffect(
+        name, baseline_name, metric, seeds, diffs, mean, se, variant_mean=vmean, baseline_mean=bmean, df=df, extra=extra
     )
+    return t_effect(e)
 
 
 def t_pvalue(mean: float, se: float, df: int) -> float:
@@ -286,12 +252,8 @@ def by_variant_seed(records: Sequence[Mapping[str, Any]], metric: str) -> dict[s
     out: dict[str, dict[int, float]] = {}
     for r in records:
         v, s, x = r.get("variant"), r.get("seed"), r.get(metric)
-        if v is None or s is None or x is None:
-            continue
-        x = float(x)
-        if math.isnan(x):
-            continue
-        out.setdefault(str(v), {}).setdefault(int(s), x)  # records come newest first: keep the newest
+        if v is not None and s is not None and x is not None and not math.isnan(float(x)):
+            out.setdefault(str(v), {}).setdefault(int(s), float(x))  # records come newest first: keep the newest
     return out
 
 
@@ -299,8 +261,6 @@ def paired_rows(
     records: Sequence[Mapping[str, Any]],
     metric: str,
     baseline: str,
-    variants: Sequence[str] | None = None,
-    confidence: float = 0.95,
     blocks: Mapping[int, str] | None = None,
 ) -> list[PairedEffect]:
     """Every variant (but the baseline and the SFT start) against ``baseline`` on ``metric``, paired by seed
@@ -308,21 +268,10 @@ def paired_rows(
     table = by_variant_seed(records, metric)
     if baseline not in table:
         raise ValueError(f"baseline variant {baseline!r} has no runs with {metric!r}; variants: {sorted(table)}")
-    names = list(variants) if variants else [v for v in table if v not in (baseline, "sft")]
-    missing = [v for v in names if v not in table]
-    if missing:
-        raise ValueError(f"variant(s) {missing} have no runs with {metric!r}; variants: {sorted(table)}")
     return [
-        paired_effect(
-            table[v],
-            table[baseline],
-            confidence=confidence,
-            name=v,
-            baseline_name=baseline,
-            metric=metric,
-            blocks=blocks,
-        )
-        for v in names
+        paired_effect(table[v], table[baseline], name=v, baseline_name=baseline, metric=metric, blocks=blocks)
+        for v in table
+        if v not in (baseline, "sft")
     ]
 
 
@@ -427,23 +376,18 @@ def start_of(
 def curve_effects(
     hist: Histories,
     baseline: str,
-    column: str = CURVE,
-    confidence: float = 0.95,
     delta: float = DEFAULT_DELTA,
     start: float | Mapping[int, float] | None = None,
     blocks: Mapping[int, str] | None = None,
 ) -> list[PairedEffect]:
-    """Per variant against ``baseline``, paired by seed: final curve value, AUC from step 0, time to threshold.
-    ``blocks``: seeds blocked by warm start (:func:`paired_effect`).
+    """Per variant against ``baseline``, paired by seed (blocked with ``blocks``: :func:`paired_effect`): the
+    held-out curve's final value, AUC from step 0 and time to threshold (censored runs: :func:`time_to_threshold`).
 
-    The threshold is ``start + delta``, the same for both arms of a seed: ``start`` is the curve's step-0
-    value (the starting policy's, recorded by every run; the argument, one value or ``{seed: value}`` when
-    seeds start from different SFT warm starts, is used where no run recorded one).
-    Each time-to-threshold effect's ``extra`` holds ``threshold`` and the censored seeds of each arm
-    (``censored`` for the variant, ``censored_baseline``); a censored run counts at its last step plus one
-    evaluation interval, in either arm.
+    The threshold is ``start + delta``, the same for both arms of a seed: ``start`` is the curve's step-0 value
+    (:func:`start_of`: the run's own, else the argument's). Each time-to-threshold effect's ``extra`` holds
+    ``threshold`` and the censored seeds of each arm (``censored`` for the variant, ``censored_baseline``).
     """
-    curves = {v: {s: curve_points(rows, column) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
+    curves = {v: {s: curve_points(rows) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
     curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
     if baseline not in curves or not curves[baseline]:
         return []
@@ -469,15 +413,7 @@ def curve_effects(
                 ("time_to_threshold", {s: r[0] for s, r in reach.items()}, {s: r[0] for s, r in base_reach.items()})
             )
         for metric, table, base in tables:
-            e = paired_effect(
-                table,
-                base,
-                confidence=confidence,
-                name=v,
-                baseline_name=baseline,
-                metric=f"{column} {metric}",
-                blocks=blocks,
-            )
+            e = paired_effect(table, base, name=v, baseline_name=baseline, metric=f"{CURVE} {metric}", blocks=blocks)
             if metric == "time_to_threshold":
                 e = replace(e, lower_is_better=True)
                 e.extra.update(
@@ -502,11 +438,8 @@ def study_effects(
     margin: float | None = None,
     blocks: Mapping[int, str] | None = None,
 ) -> dict[str, list[PairedEffect]]:
-    """Every test a study report makes, Holm-corrected as one family (:func:`holm`).
-
-
-    ``blocks`` (``{seed: warm start}``; ``study.blocking: warm_start``) blocks every test by warm start
-    (:func:`paired_effect`).
+    """Every test a study report makes, Holm-corrected as one family (:func:`holm`); ``blocks`` (``{seed: warm
+    start}``, ``study.blocking: warm_start``) blocks each by warm start (:func:`paired_effect`).
 
     ``margin`` (an accuracy difference) makes the accuracy tests' verdicts four-valued (*helps*, *hurts*,
     *equivalent within ±margin*, *inconclusive*: :attr:`PairedEffect.verdict`); the others (signal, steps to
@@ -546,26 +479,18 @@ def holm_tables(tables: dict[str, list[PairedEffect]], margin: float | None) -> 
                 replace(e, margin=0.0 if k in ("signal", "start", "each_start") or e.lower_is_better else margin)
                 for e in t
             ]
-    flat = holm([e for t in tables.values() for e in t])
-    out: dict[str, list[PairedEffect]] = {}
-    i = 0
-    for k, t in tables.items():
-        out[k] = flat[i : i + len(t)]
-        i += len(t)
-    return out
+    corrected = iter(holm([e for t in tables.values() for e in t]))
+    return {k: list(itertools.islice(corrected, len(t))) for k, t in tables.items()}
 
 
 def gap_correlation(gap: Mapping[str, Any], effects: Mapping[str, float], key: str = "margin") -> dict[str, Any]:
     """Per variant its teachers' mean ``key`` beside its effect, and the Pearson correlation over the variants."""
-    xs, ys, rows = [], [], []
+    rows = []
     for v, teachers in (gap.get("variants") or {}).items():
         vals = [t[key] for t in teachers.values() if isinstance(t, Mapping) and _finite(t.get(key))]
-        if not vals or v not in effects:
-            continue
-        x = sum(vals) / len(vals)
-        rows.append((v, x, effects[v]))
-        xs.append(x)
-        ys.append(effects[v])
+        if vals and v in effects:
+            rows.append((v, sum(vals) / len(vals), effects[v]))
+    xs, ys = [x for _, x, _ in rows], [y for _, _, y in rows]
     r = math.nan
     if len(xs) >= 3:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

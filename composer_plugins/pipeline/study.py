@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_plugins.core.config import Config, load_config, yaml_load
-from composer_plugins.pipeline.common import PATHS, is_num, param_error
+from composer_plugins.pipeline.common import PATHS, is_num, md_table, param_error, text_table
 
 #: Held-out metrics shown in the ablation table, in order (the first is the headline).
 #: Names follow the one scheme of docs/metrics.md (MLflow-safe, the same in every sink).
@@ -66,22 +66,12 @@ def load_params(
     return load_config(path, overrides, resolve_secrets=resolve_secrets)
 
 
-def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``base`` with ``override`` merged in (mappings recursively, everything else replaced)."""
-    out = copy.deepcopy(dict(base))
-    for k, v in override.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 REPLACE_MARKER = "_replace"
 
 
 def merge_params(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`deep_merge` where an override mapping holding ``_replace: true`` replaces instead of merging.
+    """A copy of ``base`` with ``override`` merged in: mappings recursively, everything else replaced, and an
+    override mapping holding ``_replace: true`` replacing instead of merging.
 
     This is how ``tests/pipeline/params.ci.yaml`` shrinks ``params.yaml`` (e.g. keeps only two
     study variants) while every key it does not mention stays as in ``params.yaml``.
@@ -180,22 +170,20 @@ def threshold_delta(params: Mapping[str, Any]) -> float:
 
     A study setting, fixed before the study runs (the paired report's default when unset).
     """
-    d = (params.get("study") or {}).get("threshold_delta")
-    if d is None:
-        return DEFAULT_THRESHOLD_DELTA
-    if isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1:
-        raise param_error(params, "study.threshold_delta", f"must be a number in (0, 1) (an accuracy gain), got {d!r}")
-    return float(d)
+    d = _fraction(params, "threshold_delta", "an accuracy gain")
+    return DEFAULT_THRESHOLD_DELTA if d is None else d
 
 
 def equivalence_margin(params: Mapping[str, Any]) -> float | None:
     """``study.equivalence_margin`` δ (``None``: unset): a non-significant accuracy effect is *equivalent within ±δ*
     when its Holm-level interval lies inside (-δ, δ), else *inconclusive*. Fixed before the study runs."""
-    d = (params.get("study") or {}).get("equivalence_margin")
-    if d is not None and (isinstance(d, bool) or not isinstance(d, int | float) or not 0 < float(d) < 1):
-        raise param_error(
-            params, "study.equivalence_margin", f"must be a number in (0, 1) (an accuracy difference), got {d!r}"
-        )
+    return _fraction(params, "equivalence_margin", "an accuracy difference")
+
+
+def _fraction(params: Mapping[str, Any], key: str, what: str) -> float | None:
+    d = (params.get("study") or {}).get(key)
+    if d is not None and (not is_num(d) or not 0 < float(d) < 1):
+        raise param_error(params, f"study.{key}", f"must be a number in (0, 1) ({what}), got {d!r}")
     return None if d is None else float(d)
 
 
@@ -219,13 +207,9 @@ BLOCKING = ("none", "warm_start", "random_start")
 
 
 def blocking(params: Mapping[str, Any]) -> str:
-    """``study.blocking`` (default ``none``), one of :data:`BLOCKING`, fixed before the study runs.
-
-    ``warm_start``: a pooled study (``study.warm_starts``) judges the mean of each start's effect against the
-    seeds' spread within their own start (:func:`.stats.paired_effect`'s ``blocks``): a statement about these
-    starts. ``random_start``: the starts and the held-out problems are both samples (:func:`.crossed.crossed_effect`,
-    from each cell's per-problem results): a statement about starts built by the study's recipe.
-    """
+    """``study.blocking`` (default ``none``), one of :data:`BLOCKING`, fixed before the study runs: ``warm_start``
+    blocks a pooled study's seeds by warm start (:func:`.stats.paired_effect`), ``random_start`` takes the starts
+    and the held-out problems as samples (:func:`.crossed.crossed_effect`)."""
     b = (params.get("study") or {}).get("blocking", "none")
     if b not in BLOCKING:
         raise param_error(params, "study.blocking", f"unknown blocking {b!r}.", valid=list(BLOCKING))
@@ -299,9 +283,7 @@ def ablation_rows(
 
 def _cell(v: tuple[float, float]) -> str:
     m, s = v
-    if math.isnan(m):
-        return "n/a"
-    return f"{m:.3f} ± {s:.3f}"
+    return "n/a" if math.isnan(m) else f"{m:.3f} ± {s:.3f}"
 
 
 def format_table(
@@ -320,15 +302,7 @@ def format_table(
         ]
         for r in rows
     ]
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(headers)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in body]
-    return "\n".join(out)
+    return md_table(headers, body) if fmt == "markdown" else text_table(headers, body)
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> Path:
