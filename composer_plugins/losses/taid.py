@@ -1,14 +1,10 @@
 """The TAID interpolation schedule (Shing et al., "TAID: Temporally Adaptive Interpolated Distillation", ICLR 2025).
 
 Semantics follow SakanaAI/TAID ``src/distil_losses/taid.py`` (``TAID.update_t``, commit
-a0628922c16169d1fca10ddf61849e0693289cf8): the first call only records the loss; afterwards
-``rel = (prev_loss - loss) / (prev_loss + 1e-15)``, ``momentum = beta·momentum + (1-beta)·rel``,
-``t_target = t_start + (t_end - t_start)·global_step / total_steps``, ``delta = alpha·sigmoid(momentum)·(1 - t)``
-and ``t = min(t_end, max(t_target, t + delta))`` (adaptive) or ``t = t_target`` (``adaptive=False``); then
-``prev_loss = loss``. All state lives in float32/int64 buffers, so ``state_dict()`` resumes the schedule
-exactly. One deliberate difference (docs/losses.md): a non-finite loss does not poison the state (upstream
-would turn ``momentum`` into NaN); that step takes ``t = min(t_end, max(t, t_target))`` and leaves
-``prev_loss`` and ``momentum`` untouched.
+a0628922c16169d1fca10ddf61849e0693289cf8); the update rule and the one deliberate difference (a non-finite
+loss leaves ``prev_loss`` and ``momentum`` untouched and takes ``t = min(t_end, max(t, t_target))``) are in
+docs/losses.md ("Distillation"). All state lives in float32/int64 buffers, so ``state_dict()`` resumes the
+schedule exactly.
 """
 
 from __future__ import annotations
