@@ -304,12 +304,9 @@ def chunked_logprobs(
     respect to ``hidden`` and ``lm_head_weight``) without materialising the ``(..., V)`` logits.
 
     Args:
-        hidden: ``(..., H)`` final hidden states at the positions that *predict* ``ids``.
-        lm_head_weight: ``(V, H)`` output-embedding matrix (``model.lm_head.weight``).
-        ids: ``(...)`` token ids to score (same leading shape as ``hidden``).
+        hidden: ``(..., H)`` final hidden states at the positions that *predict* ``ids`` (``(...)``).
         mask: optional ``(...)`` bool/0-1 mask; unmasked positions are not computed and return 0.
         chunk_size: rows of logits alive at once (None: :func:`auto_chunk_size` of the vocabulary).
-        temperature: logits are divided by it (sampling temperature), as in TRL.
         return_entropy: also return the per-token entropy of the distribution (no gradient).
 
     Returns:
@@ -466,11 +463,8 @@ def chunked_distill(
     The teacher side gets no gradient (``teacher_hidden`` and its weight are detached).
 
     Args:
-        student_hidden: ``(..., H)`` student hidden states predicting each token.
-        teacher_hidden: ``(..., H)`` teacher hidden states aligned to the same tokens.
-        lm_head_weight: ``(V, H)`` student LM head (receives gradients).
+        teacher_hidden: ``(..., H)`` aligned to the same tokens as ``student_hidden``.
         kernel: a per-token divergence from :mod:`composer_plugins.kernels.divergences`.
-        mask: ``(...)`` tokens to distil on (all when None).
         teacher_lm_head_weight: teacher LM head when different from the student's (default: same, detached).
         reduction: ``batchmean`` (sum / #masked tokens, or / batch size without a mask — TRL GKD),
             ``sum``, ``mean`` (sum / (#tokens × V)), or ``token``/``none`` (per-token ``(...)`` tensor, 0 off-mask).

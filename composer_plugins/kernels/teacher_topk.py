@@ -323,13 +323,9 @@ def chunked_teacher_distill(
     """Mean over the distilled tokens of ``kernel`` between the student (from hidden states) and the teachers.
 
     Args:
-        hidden: ``(B, T, H)`` the student's final hidden states predicting each completion token.
-        lm_head_weight: ``(V, H)`` the student's LM head.
-        scores: the teachers' top-k (:class:`TeacherTopK`, ids in the student's vocabulary).
         mask: ``(B, T)`` completion tokens that count; a token is distilled where at least one
             teacher scored it (and, with ``min_agree``, that many teachers' top-1 agree).
         weights: mixture weights by teacher name (or in order); default equal.
-        chunk_size: rows per chunk (None: from the vocabulary).
         token_weight: optional ``(B, T)`` per-token weights (no gradient).
         denominator: divide the sum by this instead of the number of distilled tokens.
     """

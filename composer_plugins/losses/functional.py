@@ -365,11 +365,8 @@ def generalized_jsd(
 ) -> Tensor:
     """Generalised Jensen–Shannon divergence (GKD, Agarwal et al. 2024, Eq. 1) with TRL semantics.
 
-    Same values as ``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss(student_logits,
-    teacher_logits, labels, beta, temperature, reduction)`` where ``labels != -100`` ⇔ ``mask``:
-    ``beta = 0`` is KL(teacher‖student), ``beta = 1`` is KL(student‖teacher), otherwise
-    ``beta·KL(teacher‖M) + (1-beta)·KL(student‖M)`` with ``M = (1-beta)·student + beta·teacher``;
-    logits are divided by ``temperature``.
+    Same values as ``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss`` with ``labels != -100`` ⇔
+    ``mask`` (``beta`` 0: forward KL, 1: reverse KL; docs/losses.md, "Distillation").
 
     Reductions: ``batchmean`` = sum over masked tokens / their number (at least 1; without a mask,
     / ``student_logits.shape[0]``), ``sum``, ``mean`` = sum / (tokens × V) (TRL's element mean),
@@ -392,13 +389,8 @@ def taid_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | Non
 
     ``p_t = softmax((1-t)·stopgrad(student_logits) + t·teacher_logits)`` (float32) and the loss is
     the masked token mean of ``-Σ_v p_t(v)·log_softmax(student_logits)(v)``, terms at infinite student
-    logits dropped (upstream ``forward_kl``). Differences from upstream: an empty mask gives 0, not
-    NaN; ``t`` comes from a :class:`TAIDScheduler` you step yourself (the ``hint_distill`` channel does).
-
-    Args:
-        student_logits, teacher_logits: ``(..., V)``.
-        mask: ``(...)`` tokens to distil on (None = all).
-        t: interpolation in [0, 1] (float or 0-d tensor).
+    logits dropped (upstream ``forward_kl``); an empty mask gives 0, not NaN. ``t`` in [0, 1] comes from a
+    :class:`TAIDScheduler` you step yourself (the ``hint_distill`` channel does).
     """
     _check_logits(student_logits, teacher_logits, mask)
     tv = float(t)
