@@ -269,12 +269,8 @@ def dppo_kl_loss(
     The result is the *sum* over samples of the summed token losses (docs/losses.md, "Policy losses"):
     divide it yourself (the ``dppo`` channel divides by the masked-token count by default).
 
-    Args:
-        trainer_logprobs: ``(B, T)`` or ``(T,)`` current-policy log-probs (with grad).
-        inference_logprobs: same shape, log-probs reported by the inference engine.
-        advantages: ``(B,)`` per sample or same shape as the log-probs (per token).
-        loss_mask: same shape, bool/0-1.
-        loss_weights: optional per-token weights (PRIME-RL's component weight stream).
+    ``trainer_logprobs`` is ``(B, T)`` or ``(T,)``; ``inference_logprobs``, ``loss_mask`` and the optional
+    ``loss_weights`` (PRIME-RL's component weight stream) have its shape, ``advantages`` it or ``(B,)``.
 
     Returns:
         :class:`LossOutput`; metrics follow PRIME-RL: ``masked_mismatch_kl``, ``unmasked_mismatch_kl``,

@@ -18,13 +18,9 @@ from torch import Tensor, nn
 class TAIDScheduler(nn.Module):
     """Adaptive (momentum-driven) or deterministic (linear) schedule of TAID's interpolation ``t``.
 
-    Args:
-        t_start: initial ``t`` (0 ≤ t_start < 1). Upstream default 0.4.
-        t_end: final ``t`` (0 < t_end ≤ 1).
-        alpha: adaptive step size (0 ≤ alpha ≤ 1). Upstream default 5e-4.
-        beta: momentum coefficient. Upstream default 0.99.
-        adaptive: ``False`` gives the deterministic linear schedule (upstream ``disable_adaptive``).
-        total_steps: number of training steps the linear target spans; may also be passed to :meth:`step`.
+    Requires ``0 ≤ t_start < 1``, ``0 < t_end ≤ 1`` and ``0 ≤ alpha ≤ 1`` (defaults: upstream's);
+    ``adaptive=False`` is upstream's ``disable_adaptive``; ``total_steps`` (the steps the linear target spans)
+    may also be passed to :meth:`step`.
     """
 
     t: Tensor
