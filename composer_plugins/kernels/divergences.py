@@ -468,11 +468,10 @@ def bucket_divergence(ls: Tensor, lt: Tensor, valid: Tensor, beta: float) -> tup
     """Per-row divergence of two distributions given as bucket log-probs, and its gradient in ``ls``.
 
     ``ls``, ``lt``: ``(n, m)`` student / teacher log-probs of the same buckets; ``valid``: ``(n, m)``
-    buckets that exist (the others count as absent on both sides). ``beta`` as
-    :class:`JSDKernel`: ``1`` reverse KL(p‖q), ``0`` forward KL(q‖p), otherwise
-    ``β·KL(q‖m) + (1-β)·KL(p‖m)``, ``m = (1-β)p + βq``. The gradient is taken with respect to the
-    log-probs themselves (a term ``c·p`` may be added or dropped: it vanishes once the tail is
-    folded in and the gradient is carried back to the logits). Differentiable by autograd too.
+    buckets that exist (the others count as absent on both sides); ``beta`` as :class:`JSDKernel`. The
+    gradient is taken with respect to the log-probs themselves (a term ``c·p`` may be added or dropped: it
+    vanishes once the tail is folded in and the gradient is carried back to the logits). Differentiable by
+    autograd too.
     """
     zero = torch.zeros((), dtype=ls.dtype, device=ls.device)
     s = torch.where(valid, ls, zero)

@@ -190,10 +190,8 @@ class HintDistillChannel(LossChannel):
     def importance_weights(self, mask: Tensor, inputs: Mapping[str, Any]) -> tuple[Tensor | None, dict[str, Any]]:
         """SDPO's distillation IS weight on the hinted tokens: ``min(exp(clamp(lp - lp_old, ±20)), is_clip)``, detached.
 
-        ``lp`` is ``logprobs`` (the current policy on the sampled tokens), ``lp_old`` the behaviour
-        policy's: ``inference_logprobs`` (the sampler's, e.g. an inference server's), else
-        ``old_logprobs`` (kept from rollout time when ``num_iterations > 1``), else ``lp`` itself
-        (on-policy: weight 1). ``(None, {})`` when ``is_clip`` is off.
+        ``lp_old`` is ``inference_logprobs``, else ``old_logprobs``, else ``lp`` (docs/losses.md, "IS clip").
+        ``(None, {})`` when ``is_clip`` is off.
         """
         if self.is_clip is None:
             return None, {}

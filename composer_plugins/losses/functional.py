@@ -383,10 +383,9 @@ def generalized_jsd(
 def taid_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None, t: float | Tensor) -> Tensor:
     """TAID distillation loss at interpolation ``t`` (SakanaAI/TAID ``TAID.compute_loss``).
 
-    ``p_t = softmax((1-t)·stopgrad(student_logits) + t·teacher_logits)`` (float32) and the loss is
-    the masked token mean of ``-Σ_v p_t(v)·log_softmax(student_logits)(v)``, terms at infinite student
-    logits dropped (upstream ``forward_kl``); an empty mask gives 0, not NaN. ``t`` in [0, 1] comes from a
-    :class:`TAIDScheduler` you step yourself (the ``hint_distill`` channel does).
+    The masked token mean of :class:`~composer_plugins.kernels.divergences.TAIDKernel`'s loss (float32); an
+    empty mask gives 0, not NaN. ``t`` in [0, 1] comes from a :class:`TAIDScheduler` you step yourself (the
+    ``hint_distill`` channel does).
     """
     _check_logits(student_logits, teacher_logits, mask)
     tv = float(t)

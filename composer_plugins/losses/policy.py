@@ -1,10 +1,9 @@
 """RL policy-loss channels: the GRPO family (TRL semantics) and PRIME-RL's DPPO+KL.
 
-The input keys (``logprobs``, or ``hidden_states`` + ``lm_head_weight`` + ``completion_ids`` for log-probs
-computed chunked; ``completion_mask``, ``advantages`` and the optional ones) are tabled in docs/losses.md
-("Input keys"). Under data parallel ``num_items_in_batch`` (the ``dapo``/``cispo``/``dppo`` normaliser) is
-the global active-token count / world size, as TRL, and ``max_completion_length`` (``dr_grpo``'s constant
-when the channel sets none) is the widest completion over all ranks.
+The input keys are tabled in docs/losses.md ("Input keys"). Under data parallel ``num_items_in_batch`` (the
+``dapo``/``cispo``/``dppo`` normaliser) is the global active-token count / world size, as TRL, and
+``max_completion_length`` (``dr_grpo``'s constant when the channel sets none) is the widest completion over all
+ranks.
 """
 
 from __future__ import annotations
