@@ -107,11 +107,9 @@ class Backend:
     ) -> Any:
         """Train ``trainer.max_steps`` steps in this process; returns the ``RunResult``.
 
-        Each step: ``run.rollout(step)`` (a :class:`~composer_plugins.backends.rollout.LocalRun`), the record its
-        one experience maker makes of it (with the no-grad sampling-time log-probs when ``old_logprobs``),
-        ``loss_of(record, step) -> (loss, metrics)``, the components' optimizer step
-        (:meth:`~composer_plugins.training.step.components.StepComponents.optimize`: the EMA teacher's update
-        included), and a history row.
+        ``loss_of(record, step) -> (loss, metrics)`` gets each step's record from ``run``'s experience maker
+        (with the no-grad sampling-time log-probs when ``old_logprobs``); the components' optimizer step (the
+        EMA teacher's update included) follows.
         """
         history: list[dict[str, float]] = []
         for step in range(self.config.trainer.max_steps):

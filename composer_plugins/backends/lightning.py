@@ -16,7 +16,6 @@ class LightningBackend(Backend):
     """Train with :class:`~composer_plugins.training.lightning.module.ComposerModule` and a Lightning ``Trainer``.
 
     Args:
-        config, overrides, output_dir, max_steps: see :class:`~composer_plugins.backends.base.Backend`.
         resume: ``"last"`` or a checkpoint path (passed to ``run_train``).
         strategy, extra_callbacks, logger: passed to :func:`~composer_plugins.training.runs.run.run_train`.
     """

@@ -2,15 +2,12 @@
 
 Reading: every JSONL file of the project (tasks, pairs, traces, replay output) goes through
 :func:`iter_jsonl` / :func:`read_jsonl`. A malformed line raises an error located at ``file:line`` with
-the column and the JSON parser's reason; with ``objects=True`` a line that is valid JSON but not an
-object is refused the same way. Blank lines are skipped (and still counted, so line numbers match an
-editor's).
+the column and the JSON parser's reason; blank lines are skipped and still counted (an editor's numbers).
 
 Writing: every result file (``metrics.json``, predictions, replay output, checkpoints) is written
 through :func:`atomic_file` — a temporary file in the same directory, flushed and fsynced, then
 renamed over the target (``os.replace``) and the directory fsynced — so a kill leaves the previous
-file or none, never half of one. :func:`atomic_write_text`, :func:`atomic_write_json` and
-:func:`atomic_write_jsonl` are its text, JSON and JSON-lines forms.
+file or none, never half of one; :func:`atomic_write_text` / ``_json`` / ``_jsonl`` are its forms.
 """
 
 from __future__ import annotations

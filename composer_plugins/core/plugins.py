@@ -1,12 +1,9 @@
 """Plugin manager: default plugins, entry-point discovery, validation and the registry.
 
 Nothing loads at import time: :func:`get_registry` and :func:`get_plugin_manager` load plugins once, on first
-use, built-in default plugins always and third-party ones as ``COMPOSER_PLUGINS_LOAD`` allows. A plugin that
-fails to import, implements a hook that does not exist or whose hook raises is left out and named (with its
-distribution and version) once, while the others load; a name two plugins register is unusable
-(:class:`PluginConflictError` names both) while every other name works; provenance comes from the entry
-point. ``COMPOSER_PLUGINS_STRICT=1`` turns all of these into exceptions (docs/plugins.md, "Loading,
-filtering and failures").
+use. A plugin that fails to load is left out and named while the others load, and a name two plugins register
+is unusable (:class:`PluginConflictError`); the rules and ``COMPOSER_PLUGINS_LOAD`` / ``COMPOSER_PLUGINS_STRICT``
+are in docs/plugins.md ("Loading, filtering and failures").
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Memory-efficient log-probs and distillation divergences straight from hidden states.
 
-The materialised path computes ``logits = hidden @ W.T`` for every token at once: ``B×T×V`` floats per model
-(1.2 GB per sequence of 2,048 tokens at V=151,936 in fp32), and a divergence's softmax intermediates multiply
-that several times. The functions here (:func:`chunked_logprobs`, :func:`chunked_distill` and its
-per-criterion forms) instead walk the tokens in chunks of ``chunk_size`` rows inside a custom
-:class:`torch.autograd.Function`: forward computes each chunk's logits, reduces them to per-token values and
-drops them; ``dL/dlogits`` is formed in closed form (checked against autograd of the materialised path) while
-the logits are alive when the loss is known there (``grad_mode="precompute"``, the teachers' top-k,
-:mod:`composer_plugins.kernels.fused`), else backward **recomputes** each chunk's logits; then
-``dL/dhidden = g @ W`` and ``dL/dW += gᵀ @ hidden``.
+:func:`chunked_logprobs`, :func:`chunked_distill` and its per-criterion forms walk the tokens in chunks of
+``chunk_size`` rows inside a custom :class:`torch.autograd.Function`, so no ``B×T×V`` logits are materialised;
+``dL/dlogits`` is closed-form, formed in the forward (``grad_mode="precompute"``, the teachers' top-k,
+:mod:`composer_plugins.kernels.fused`) or by recomputing each chunk's logits in backward. Why and how:
+docs/losses.md ("Memory-efficient (chunked) versions").
 
 Every matmul runs in the autocast dtype (:func:`compute_dtype`; bf16 under ``torch.autocast``), with
 autocast off inside the kernel, so the element-wise math is fp32 and ``dL/dW`` adds into an fp32 buffer.
@@ -308,12 +304,9 @@ def chunked_logprobs(
     respect to ``hidden`` and ``lm_head_weight``) without materialising the ``(..., V)`` logits.
 
     Args:
-        hidden: ``(..., H)`` final hidden states at the positions that *predict* ``ids``.
-        lm_head_weight: ``(V, H)`` output-embedding matrix (``model.lm_head.weight``).
-        ids: ``(...)`` token ids to score (same leading shape as ``hidden``).
+        hidden: ``(..., H)`` final hidden states at the positions that *predict* ``ids`` (``(...)``).
         mask: optional ``(...)`` bool/0-1 mask; unmasked positions are not computed and return 0.
         chunk_size: rows of logits alive at once (None: :func:`auto_chunk_size` of the vocabulary).
-        temperature: logits are divided by it (sampling temperature), as in TRL.
         return_entropy: also return the per-token entropy of the distribution (no gradient).
 
     Returns:
@@ -470,19 +463,14 @@ def chunked_distill(
     The teacher side gets no gradient (``teacher_hidden`` and its weight are detached).
 
     Args:
-        student_hidden: ``(..., H)`` student hidden states predicting each token.
-        teacher_hidden: ``(..., H)`` teacher hidden states aligned to the same tokens.
-        lm_head_weight: ``(V, H)`` student LM head (receives gradients).
+        teacher_hidden: ``(..., H)`` aligned to the same tokens as ``student_hidden``.
         kernel: a per-token divergence from :mod:`composer_plugins.kernels.divergences`.
-        mask: ``(...)`` tokens to distil on (all when None).
         teacher_lm_head_weight: teacher LM head when different from the student's (default: same, detached).
         reduction: ``batchmean`` (sum / #masked tokens, or / batch size without a mask — TRL GKD),
             ``sum``, ``mean`` (sum / (#tokens × V)), or ``token``/``none`` (per-token ``(...)`` tensor, 0 off-mask).
         return_stats: also return the kernel's per-token statistics ``(N, k)`` for the masked rows.
-        grad_mode: ``"recompute"`` (default): backward recomputes each chunk's logits;
-            ``"precompute"``: gradients are formed in the forward pass (no recompute, two fewer
-            matmuls per chunk; only for the scalar reductions ``batchmean``/``sum``/``mean``, and
-            it spends the gradient work even if no backward follows).
+        grad_mode: ``"recompute"`` (default) or ``"precompute"`` (scalar reductions only; one backward per
+            forward), docs/losses.md ("Memory-efficient (chunked) versions").
         token_weight: optional ``(...)`` per-token weights (no gradient; e.g. importance ratios): each
             token's divergence is multiplied by its weight before the reduction, whose denominator is
             unchanged (``batchmean``: still the number of masked tokens).

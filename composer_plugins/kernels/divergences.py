@@ -375,20 +375,11 @@ def _buckets_to_logits(logp: Tensor, idx: Tensor, h: Tensor, tau: float) -> Tens
 class TopKTailKernel(Kernel):
     """``base`` on the ``(k+1)``-way distributions: the student's top-``k`` tokens plus one tail bucket.
 
-    Per token, the ``k`` ids are those of the **student's** ``k`` largest logits (as SDPO, which
-    gathers the teacher's log-probs at the student's top-k indices); the top-k ids are not
-    differentiated. Each side keeps its own *unrenormalised* probabilities of those ``k`` tokens
-    (``log_softmax`` over the whole vocabulary at ``temperature``, then gathered) and adds one bucket
-    holding the rest of its mass, ``log(1 - Σ_k p) = log1mexp(logsumexp(top-k log-probs))``. The
-    ``base`` criterion (built with temperature 1) is then evaluated on these ``(n, k+1)``
-    log-probabilities as if they were logits (they are already normalised, so its softmax is the
-    identity). With ``k >= V`` the top-k is the whole vocabulary and there is no tail bucket: the
-    value is the full-vocabulary one.
-
-    ``compute`` forms the gradient in closed form from the base kernel's gradient ``g`` on the
-    buckets: with ``h_i = g_i - g_tail · exp(b_i - tail)`` (the tail's dependence on the top-k),
-    ``dL/dz = (scatter(h) - (Σ h) · softmax(z/τ)) / τ`` — one ``(n, V)`` buffer (the student
-    logits', reused) plus ``(n, k+1)`` ones.
+    The ``k`` ids are the **student's** largest logits (SDPO), not differentiated; the ``base`` criterion
+    (built with temperature 1) is evaluated on the ``(n, k+1)`` bucket log-probabilities as if they were
+    logits (already normalised, so its softmax is the identity). The buckets, the tail and the closed-form
+    gradient: docs/losses.md ("Top-k distillation with a tail bucket"); ``compute`` needs one ``(n, V)``
+    buffer (the student logits', reused) plus ``(n, k+1)`` ones.
     """
 
     base: Kernel
@@ -477,11 +468,10 @@ def bucket_divergence(ls: Tensor, lt: Tensor, valid: Tensor, beta: float) -> tup
     """Per-row divergence of two distributions given as bucket log-probs, and its gradient in ``ls``.
 
     ``ls``, ``lt``: ``(n, m)`` student / teacher log-probs of the same buckets; ``valid``: ``(n, m)``
-    buckets that exist (the others count as absent on both sides). ``beta`` as
-    :class:`JSDKernel`: ``1`` reverse KL(p‖q), ``0`` forward KL(q‖p), otherwise
-    ``β·KL(q‖m) + (1-β)·KL(p‖m)``, ``m = (1-β)p + βq``. The gradient is taken with respect to the
-    log-probs themselves (a term ``c·p`` may be added or dropped: it vanishes once the tail is
-    folded in and the gradient is carried back to the logits). Differentiable by autograd too.
+    buckets that exist (the others count as absent on both sides); ``beta`` as :class:`JSDKernel`. The
+    gradient is taken with respect to the log-probs themselves (a term ``c·p`` may be added or dropped: it
+    vanishes once the tail is folded in and the gradient is carried back to the logits). Differentiable by
+    autograd too.
     """
     zero = torch.zeros((), dtype=ls.dtype, device=ls.device)
     s = torch.where(valid, ls, zero)
@@ -503,16 +493,10 @@ class TeacherTopKKernel:
     """A divergence between the student's distribution and a teacher's given on **the teacher's** top-k ids.
 
     Per token the teacher side is ``ids`` ``(n, k)`` (``valid`` marks real entries; merged teachers
-    give rows of different lengths) and log-probs ``lt`` ``(n, k + 1)``: the teacher's log-probs of
-    those ids and, last, of its tail bucket (the rest of its mass). The student side is its own
-    full-vocabulary ``log_softmax(z / temperature)`` gathered at the same ids, plus its tail
-    ``log(1 - Σ p_ids)`` (floored as in :func:`_tail`, no gradient through the floor). The
-    divergence (:func:`bucket_divergence`) is taken on these ``k + 1``-way distributions. When the
-    ids of a row cover the whole vocabulary there is no tail on either side and the value is the
-    full-vocabulary divergence (loss and gradient).
-
-    Unlike :class:`TopKTailKernel` (the student's top-k, the teacher's full logits), the teacher is
-    never more than ``k`` numbers per token: what an inference server returns.
+    give rows of different lengths) and log-probs ``lt`` ``(n, k + 1)``: those ids' and, last, its tail
+    bucket's. The student's full-vocabulary ``log_softmax(z / temperature)`` is gathered at the same ids,
+    plus its tail (floored as in :func:`_tail`), and :func:`bucket_divergence` is taken on the ``k + 1``-way
+    distributions (docs/losses.md, "On-policy distillation from external teachers").
     """
 
     divergence: str = "reverse_kl"

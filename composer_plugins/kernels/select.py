@@ -1,13 +1,9 @@
 """Which LM-head kernels a step runs (``compute.kernels``) and with what chunk size, per device and memory.
 
-``auto`` picks, for the device the step runs on and the tokens of one step:
-
-* ``liger`` — on CUDA when ``liger_kernel`` imports (the caller says, ``liger``): Liger's fused linear JSD for
-  ``hint_distill``'s ``jsd`` (a channel with ``kernels: auto``); every other LM-head path stays on these kernels;
-* ``materialised`` — when the logits of every token of a step fit the memory budget: one chunk of all of them;
-* ``chunked`` — otherwise: chunks of :func:`~composer_plugins.kernels.chunked.auto_chunk_size` rows.
-
-The pick is reported in the run's log and its MLflow params (:meth:`KernelPick.params`).
+``auto`` picks, for the device the step runs on and the tokens of one step, ``liger`` (``hint_distill``'s
+``jsd`` only; every other LM-head path stays on these kernels), ``materialised`` (one chunk, when a step's
+logits fit the memory budget) or ``chunked``; the rule and the reported pick (:meth:`KernelPick.params`):
+docs/training.md (``compute.kernels``).
 """
 
 from __future__ import annotations

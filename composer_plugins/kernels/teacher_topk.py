@@ -3,13 +3,9 @@
 The teacher side of a batch is :class:`TeacherTopK`: for ``N`` teachers, per row and student token, each
 teacher's ``K`` most likely ids, their log-probs and a mask of the positions it scored; nothing of size
 ``rows × tokens × vocab`` exists on the teacher side. Several teachers are merged per token, inside each
-chunk (:func:`merge_teachers`), into their weighted mixture over the union of their ids plus a tail bucket
-(an id outside a teacher's own top-k counts 0 for it, its mass staying in the tail, so the tail is exactly
-``1 - Σ_union q``); :func:`agreement_mask` keeps the positions where ``k`` teachers' top-1 agree. Bad
-scores never reach the loss (an id ``-1`` or ``>= V``, a NaN or ``+inf`` log-prob, a position whose mass
-exceeds ``1 + MASS_TOLERANCE``; counted in :class:`TeacherDistillOutput`), a log-prob below
-:data:`~composer_plugins.kernels.divergences.TEACHER_LOGPROB_FLOOR` is read as the floor, and a teacher of
-weight 0 is absent. The rules: docs/losses.md ("Several teachers").
+chunk (:func:`merge_teachers`), into their weighted mixture over the union of their ids plus a tail bucket;
+:func:`agreement_mask` keeps the positions where ``k`` teachers' top-1 agree; bad scores are dropped and
+counted in :class:`TeacherDistillOutput`. The rules: docs/losses.md ("Several teachers").
 
 :func:`chunked_teacher_distill` walks the student's hidden states in chunks of rows (the ``(chunk, V)``
 logits are the only vocabulary-sized buffer) and forms the gradients during the forward pass;
@@ -327,13 +323,9 @@ def chunked_teacher_distill(
     """Mean over the distilled tokens of ``kernel`` between the student (from hidden states) and the teachers.
 
     Args:
-        hidden: ``(B, T, H)`` the student's final hidden states predicting each completion token.
-        lm_head_weight: ``(V, H)`` the student's LM head.
-        scores: the teachers' top-k (:class:`TeacherTopK`, ids in the student's vocabulary).
         mask: ``(B, T)`` completion tokens that count; a token is distilled where at least one
             teacher scored it (and, with ``min_agree``, that many teachers' top-1 agree).
         weights: mixture weights by teacher name (or in order); default equal.
-        chunk_size: rows per chunk (None: from the vocabulary).
         token_weight: optional ``(B, T)`` per-token weights (no gradient).
         denominator: divide the sum by this instead of the number of distilled tokens.
     """

@@ -1,7 +1,6 @@
 """Built-in losses of composer-plugins (registered by :mod:`composer_plugins.losses.plugin`).
 
-:mod:`composer_plugins.losses.functional` is the functional API, one import for all of it (the losses, and
-re-exported: the TAID schedule, the chunked kernels, ``advantages``, ``correction`` and ``ops``);
+:mod:`composer_plugins.losses.functional` is the functional API, one import for all of it;
 :mod:`composer_plugins.losses.base` holds the :class:`LossChannel` contract and :class:`ChannelComposer`;
 ``policy``, ``distill``, ``teacher_distill`` and ``preference`` the built-in channels.
 

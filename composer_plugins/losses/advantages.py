@@ -60,24 +60,13 @@ def group_advantages(
 ) -> Tensor:
     """Group-relative advantages with TRL semantics.
 
-    ``rewards`` holds ``N = num_prompts × group_size`` completions, grouped contiguously
-    (the ``group_size`` completions of prompt 0 first). A reward of ``None`` (or NaN) marks an
-    unscorable completion: it is left out of the baselines and statistics and its advantage is 0.
-    A 2-D ``(N, K)`` input holds one column per reward function, summed with ``reward_weights``
-    (TRL's ``sum_then_normalize``; a row is unscorable when every function returned ``None``).
-
-    ``estimator="grpo"`` (TRL ``GRPOTrainer``): ``A = r - mean_group(r)``, divided by
-    ``std + eps`` where std is the group's (``scale="group"``, default) or the whole batch's
-    (``"batch"``); ``"none"`` does not divide (Dr. GRPO).
-
-    ``estimator="rloo"`` (TRL ``RLOOTrainer``): ``A_i = r_i - mean_{j≠i} r_j`` over the scorable
-    siblings; ``scale="batch"`` then normalises by the batch mean and std (TRL
-    ``normalize_advantages=True``); ``"none"`` (default for rloo) leaves them.
-
-    Any NaN (unscorable rows, a group with a single scorable completion) becomes 0.
-
-    Returns:
-        ``(N,)`` float32 advantages.
+    ``rewards`` holds ``N = num_prompts × group_size`` completions, grouped contiguously (the
+    ``group_size`` completions of prompt 0 first); a ``None``/NaN reward is unscorable (advantage 0). A 2-D
+    ``(N, K)`` input holds one column per reward function, summed with ``reward_weights`` (a row is
+    unscorable when every function returned ``None``). ``estimator="grpo"``: ``A = r - mean_group(r)``,
+    divided by the group's (``scale="group"``, default) or batch's (``"batch"``) ``std + eps``, or not at all
+    (``"none"``, Dr. GRPO); ``"rloo"``: leave-one-out baseline (``scale`` default ``"none"``). The rules:
+    docs/losses.md ("Advantages"). Returns ``(N,)`` float32 advantages.
     """
     r = _rewards_tensor(rewards, reward_weights)
     if group_size < 1:

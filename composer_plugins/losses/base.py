@@ -1,12 +1,8 @@
 """The loss-channel contract and the composer that sums channels (docs/losses.md, "The channel contract").
 
-A channel declares the input fields it needs (``requires``) and, optionally, alternative groups of which one
-must be complete (``input_options``: logits *or* hidden states + LM head); a channel whose inputs are absent is
-skipped and reported (``<name>/skipped``, ``<name>/missing``) instead of giving a fake zero loss.
-``forward(inputs)`` takes the one mapping the assembler builds (what the model computed with grad beside the
-step record's fields; a ``None`` value counts as absent) and returns ``(loss, metrics)``; the composer returns
-``Σ weight_i · loss_i`` and every channel's metrics prefixed with its name. Channel state that must survive a
-resume (e.g. TAID's schedule) lives in buffers, so ``ChannelComposer.state_dict()`` carries it.
+:class:`LossChannel` declares its inputs and maps the one ``inputs`` mapping to ``(loss, metrics)``;
+:class:`ChannelComposer` returns ``Σ weight_i · loss_i``, skipping and reporting (``<name>/skipped``,
+``<name>/missing``) a channel whose inputs are absent instead of giving a fake zero loss.
 """
 
 from __future__ import annotations

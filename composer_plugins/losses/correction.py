@@ -31,12 +31,8 @@ def importance_sampling_correction(
     ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside it to 0. Tokens off ``mask`` and tokens
     whose sampling log-prob is unknown (NaN) get ratio 1. No gradient flows through the result.
 
-    Args:
-        logprobs: ``(B, T)`` log-probs of the sampled tokens under the policy at rollout time.
-        sampling_logprobs: ``(B, T)`` the same tokens' log-probs as the inference engine reported them.
-        mask: ``(B, T)`` 1 on completion tokens.
-        mode: one of :data:`IS_MODES`.
-        clip_max, clip_min: the bounds (TRL's ``vllm_importance_sampling_clip_max``/``_min``; cap 3.0).
+    ``logprobs`` (the policy's at rollout time), ``sampling_logprobs`` (the engine's) and ``mask`` are
+    ``(B, T)``; ``clip_max``/``clip_min`` are TRL's ``vllm_importance_sampling_clip_max``/``_min`` (cap 3.0).
     """
     if mode not in IS_MODES:
         raise ValueError(f"unknown importance-sampling mode {mode!r}; valid: {', '.join(IS_MODES)}")

@@ -1,19 +1,10 @@
 """Hint self-distillation channel: the student learns, on its own tokens, what it would say with a hint.
 
-The teacher is the *same model* run with the hint in its context, without gradient. Both forward passes
-score the tokens the student produced at the hinted turn; the divergence between the two next-token
-distributions is applied only where ``hint_mask`` is set. The input keys (``hint_mask``, the chunked
-``student_hidden``/``teacher_hidden``/``lm_head_weight`` or the reference ``student_logits``/``teacher_logits``,
-and the optional TAID, ``is_clip`` and temperature keys) are listed in docs/losses.md ("Input keys"); when
-both hidden states and logits are present, the chunked hidden-state path is used.
-
-Temperature has one owner here, the channel: the hidden states and logits it reads are the model's own
-(no caller divides them), and the channel divides both sides' logits by its temperature exactly once,
-inside the divergence kernel (or Liger's). ``temperature=None`` (the default) takes the rollout's
-``sampling_temperature``, so the divergence compares the distributions the rollout sampled from.
-
-Positions: row ``t`` of the student tensors and row ``t`` of the teacher tensors must predict the *same*
-token (the caller aligns the teacher's positions, which are shifted by the hint's length).
+The teacher is the *same model* run with the hint in its context, without gradient; the divergence between
+the two next-token distributions is applied only where ``hint_mask`` is set (when both hidden states and
+logits are present, the chunked hidden-state path is used). The input keys and the row alignment are in
+docs/losses.md ("Input keys"); this channel divides both sides' logits by its temperature exactly once
+(docs/losses.md, "Who divides by the temperature").
 """
 
 from __future__ import annotations
@@ -47,45 +38,12 @@ def liger_available() -> bool:
 class HintDistillChannel(LossChannel):
     """Hint self-distillation on the student's hinted-turn tokens (criterion jsd | taid | entropy_opd).
 
-    The loss is the mean over ``hint_mask`` tokens of the per-token divergence: ``jsd`` (generalised JSD, TRL
-    GKD; ``beta`` 0 = forward KL, 1 = reverse KL), ``taid`` (TAID's interpolated forward KL; the channel owns a
-    :class:`TAIDScheduler`, saved in ``state_dict``, and steps it after each training forward) or ``entropy_opd``
-    (reverse KL + ``fkl_weight``·forward KL where the teacher's entropy exceeds ``entropy_threshold``). With
-    ``topk: K`` every criterion is taken on ``K + 1``-way distributions (the student's top-k plus a tail bucket,
-    SDPO's top-k distillation; :class:`~composer_plugins.kernels.divergences.TopKTailKernel`); with ``is_clip: c``
-    each token's divergence is weighted by the detached importance ratio ``min(exp(logp_current -
-    logp_behaviour), c)`` (SDPO). Both are described in docs/losses.md ("Top-k distillation with a tail bucket").
-
-    Args:
-        weight: channel weight.
-        criterion: ``jsd``, ``taid`` or ``entropy_opd``.
-        beta: JSD interpolation.
-        temperature: softmax temperature of both sides, every criterion: the logits are divided by it once,
-            by this channel. ``None`` (default): the ``sampling_temperature`` input (the assembler passes the
-            rollout's), else 1.
-        chunk_size: token rows per chunk on the hidden-state path (None: chosen from the vocabulary).
-        t_start, t_end, alpha, taid_beta, adaptive, total_steps: TAID schedule (upstream defaults).
-        auto_step: step the TAID schedule in ``forward`` while ``training``; set False to call
-            ``channel.scheduler.step(loss, global_step, total_steps)`` yourself.
-        entropy_threshold, fkl_weight, fkl_topk: entropy-aware OPD parameters (``fkl_topk``: the teacher's
-            top-k of the forward-KL term, not ``topk``). ``top_k`` is its old name, accepted with a deprecation
-            warning.
-        topk: ``K`` for top-k distillation with a tail bucket (None: the full vocabulary); the ids are the
-            student's, the teacher is gathered at them, per chunk (extra memory ``(chunk, K+1)``; not on Liger).
-        is_clip: cap of the distillation importance ratio (None: off). Needs ``logprobs`` and, for
-            off-policy rows, ``inference_logprobs`` or ``old_logprobs``.
-        grad_mode: hidden-state path only. ``"precompute"`` (default): gradients formed in the forward (one
-            backward pass per forward, no logits recomputed); ``"recompute"``: backward recomputes each chunk's
-            logits (repeated backward allowed). Same peak memory ``O(chunk_size × V)``, identical gradients.
-        teacher: whose weights score the hinted context (read by the training loop, not by the loss):
-            ``"live"`` (default) the current policy; ``"ema"`` a frozen exponential moving average of
-            the policy's weights, updated after each optimizer step (SDPO's teacher).
-        ema_rate: with ``teacher="ema"``, the update ``teacher ← (1 − ema_rate)·teacher +
-            ema_rate·student`` after each optimizer step; in (0, 1] (1.0 = the policy of the last step).
-        kernels: hidden-state path only. ``"auto"`` (default): Liger-Kernel's fused linear JSD for ``jsd`` on
-            CUDA with the ``liger`` extra, else the project's chunked kernels; ``"liger"`` (``jsd`` only) or
-            ``"torch"`` always.
-        name / label: channel name (``label`` usable from config).
+    The loss is the mean over ``hint_mask`` tokens of the per-token divergence. With ``taid`` the channel owns
+    a :class:`TAIDScheduler` (saved in ``state_dict``) and steps it after each training forward unless
+    ``auto_step=False``. ``teacher`` and ``ema_rate`` are read by the training loop, not by the loss
+    (docs/training.md, "The hint teacher"); ``top_k`` is the old name of ``fkl_topk``, accepted with a
+    deprecation warning. Every parameter and metric: docs/losses.md ("Channel parameters", "Top-k
+    distillation with a tail bucket").
     """
 
     kind: ClassVar[str] = "hint"
@@ -232,10 +190,8 @@ class HintDistillChannel(LossChannel):
     def importance_weights(self, mask: Tensor, inputs: Mapping[str, Any]) -> tuple[Tensor | None, dict[str, Any]]:
         """SDPO's distillation IS weight on the hinted tokens: ``min(exp(clamp(lp - lp_old, ±20)), is_clip)``, detached.
 
-        ``lp`` is ``logprobs`` (the current policy on the sampled tokens), ``lp_old`` the behaviour
-        policy's: ``inference_logprobs`` (the sampler's, e.g. an inference server's), else
-        ``old_logprobs`` (kept from rollout time when ``num_iterations > 1``), else ``lp`` itself
-        (on-policy: weight 1). ``(None, {})`` when ``is_clip`` is off.
+        ``lp_old`` is ``inference_logprobs``, else ``old_logprobs``, else ``lp`` (docs/losses.md, "IS clip").
+        ``(None, {})`` when ``is_clip`` is off.
         """
         if self.is_clip is None:
             return None, {}

@@ -1,17 +1,10 @@
 """Functional loss API of composer-plugins: exact restatements of the upstream losses users trust.
 
-Everything here is a pure function of tensors (no modules, no registry), typed and shape-checked, each
-naming the upstream code it restates: the RL losses (:func:`policy_loss`: TRL 1.16 ``GRPOTrainer._compute_loss``
-for ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo`` and ``gspo``; :func:`dppo_kl_loss`: PRIME-RL's
-default), the distillation divergences (:func:`generalized_jsd`: TRL GKD; :func:`taid_loss`: SakanaAI/TAID;
-:func:`entropy_aware_opd`) and the preference losses (:func:`dpo_loss`: TRL ``DPOTrainer``;
-:func:`simpo_loss`: princeton-nlp/SimPO). Functions that also report metrics return a :class:`LossOutput`
-``(loss, metrics)`` whose values are detached 0-d tensors (no device sync is forced).
-
-It is the one import for the whole API: it re-exports the advantages (:mod:`composer_plugins.losses.advantages`),
-the importance-sampling correction (:mod:`composer_plugins.losses.correction`), the tensor helpers
-(:mod:`composer_plugins.losses.ops`), the TAID schedule and the chunked hidden-state kernels
-(:mod:`composer_plugins.kernels.chunked`).
+Pure functions of tensors (no modules, no registry), typed and shape-checked, each naming the upstream
+code it restates (the list: docs/losses.md, "Functional API"). Functions that also report metrics return a
+:class:`LossOutput` ``(loss, metrics)`` whose values are detached 0-d tensors (no device sync is forced).
+It is the one import for the whole API: it re-exports the advantages, the importance-sampling correction,
+the tensor helpers, the TAID schedule and the chunked hidden-state kernels.
 """
 
 from __future__ import annotations
@@ -124,28 +117,11 @@ def policy_loss(
     * plus ``beta·KL`` (``kl_estimator``, TRL uses ``k3``), multiplied by ``r`` when
       ``use_bias_correction_kl`` (TRL default True).
 
-    Aggregation (``M`` = mask): ``grpo``/``gspo``: mean over sequences of the per-sequence masked
-    mean; ``bnpo``: ``Σ loss·M / ΣM``; ``dr_grpo``: ``Σ loss·M / (B · max_completion_length)``
-    (default ``T``); ``dapo``/``cispo``: ``Σ loss·M / num_items_in_batch`` (default ``ΣM``; pass the
-    token count of the whole accumulated/global batch to match TRL under gradient accumulation).
-    The returned loss is *not* divided by the gradient-accumulation steps (TRL does that inside the
-    trainer for grpo/bnpo/dr_grpo).
-
-    Args:
-        logprobs: ``(B, T)`` current-policy log-probs of the completion tokens (with grad).
-        old_logprobs: ``(B, T)`` log-probs under the sampling-time policy; ``None`` = ``logprobs.detach()``.
-        advantages: ``(B,)`` or ``(B, T)``.
-        mask: ``(B, T)`` 1 on completion tokens that count.
-        loss_type: one of :data:`POLICY_LOSS_TYPES`.
-        epsilon_low, epsilon_high: clip range (``epsilon_high`` defaults to ``epsilon_low``).
-        importance_sampling_level: ``"token"`` or ``"sequence"``; default ``"sequence"`` for ``gspo``, else token.
-        beta: KL coefficient; needs ``ref_logprobs`` when non-zero.
-        max_completion_length: ``dr_grpo`` constant (default ``T``).
-
-    Returns:
-        :class:`LossOutput` with metrics ``ratio_mean``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
-        ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max`` (clipped types),
-        ``cispo_clip_ratio`` (cispo), ``kl`` (when ``beta != 0``), ``tokens``.
+    Each ``loss_type``'s aggregation, ``num_items_in_batch`` under gradient accumulation (the loss is not
+    divided by the accumulation steps) and the metrics: docs/losses.md ("Policy losses"). ``logprobs``,
+    ``old_logprobs`` (``None``: ``logprobs.detach()``) and ``mask`` are ``(B, T)``, ``advantages`` ``(B,)`` or
+    ``(B, T)``; ``epsilon_high`` defaults to ``epsilon_low``, ``importance_sampling_level`` to ``"sequence"``
+    for ``gspo`` (else token), ``max_completion_length`` to ``T``; ``beta != 0`` needs ``ref_logprobs``.
     """
     if loss_type not in POLICY_LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(POLICY_LOSS_TYPES)}")
@@ -290,16 +266,11 @@ def dppo_kl_loss(
     * ``loss_t = -keep·adv_tau·A·r + kl_tau·loss_mask·log_r²`` with ``keep = loss_mask & ~masked``;
     * times ``loss_weights`` when given; summed per sample and over the batch.
 
-    The result is the *sum* over samples of each sample's summed token loss, exactly what
-    PRIME-RL accumulates before dividing by its global loss-token count (``rl_scale``); divide
-    it yourself (the ``dppo`` channel divides by the masked-token count by default).
+    The result is the *sum* over samples of the summed token losses (docs/losses.md, "Policy losses"):
+    divide it yourself (the ``dppo`` channel divides by the masked-token count by default).
 
-    Args:
-        trainer_logprobs: ``(B, T)`` or ``(T,)`` current-policy log-probs (with grad).
-        inference_logprobs: same shape, log-probs reported by the inference engine.
-        advantages: ``(B,)`` per sample or same shape as the log-probs (per token).
-        loss_mask: same shape, bool/0-1.
-        loss_weights: optional per-token weights (PRIME-RL's component weight stream).
+    ``trainer_logprobs`` is ``(B, T)`` or ``(T,)``; ``inference_logprobs``, ``loss_mask`` and the optional
+    ``loss_weights`` (PRIME-RL's component weight stream) have its shape, ``advantages`` it or ``(B,)``.
 
     Returns:
         :class:`LossOutput`; metrics follow PRIME-RL: ``masked_mismatch_kl``, ``unmasked_mismatch_kl``,
@@ -390,11 +361,8 @@ def generalized_jsd(
 ) -> Tensor:
     """Generalised Jensen–Shannon divergence (GKD, Agarwal et al. 2024, Eq. 1) with TRL semantics.
 
-    Same values as ``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss(student_logits,
-    teacher_logits, labels, beta, temperature, reduction)`` where ``labels != -100`` ⇔ ``mask``:
-    ``beta = 0`` is KL(teacher‖student), ``beta = 1`` is KL(student‖teacher), otherwise
-    ``beta·KL(teacher‖M) + (1-beta)·KL(student‖M)`` with ``M = (1-beta)·student + beta·teacher``;
-    logits are divided by ``temperature``.
+    Same values as ``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss`` with ``labels != -100`` ⇔
+    ``mask`` (``beta`` 0: forward KL, 1: reverse KL; docs/losses.md, "Distillation").
 
     Reductions: ``batchmean`` = sum over masked tokens / their number (at least 1; without a mask,
     / ``student_logits.shape[0]``), ``sum``, ``mean`` = sum / (tokens × V) (TRL's element mean),
@@ -415,15 +383,9 @@ def generalized_jsd(
 def taid_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None, t: float | Tensor) -> Tensor:
     """TAID distillation loss at interpolation ``t`` (SakanaAI/TAID ``TAID.compute_loss``).
 
-    ``p_t = softmax((1-t)·stopgrad(student_logits) + t·teacher_logits)`` (float32) and the loss is
-    the masked token mean of ``-Σ_v p_t(v)·log_softmax(student_logits)(v)``, terms at infinite student
-    logits dropped (upstream ``forward_kl``). Differences from upstream: an empty mask gives 0, not
-    NaN; ``t`` comes from a :class:`TAIDScheduler` you step yourself (the ``hint_distill`` channel does).
-
-    Args:
-        student_logits, teacher_logits: ``(..., V)``.
-        mask: ``(...)`` tokens to distil on (None = all).
-        t: interpolation in [0, 1] (float or 0-d tensor).
+    The masked token mean of :class:`~composer_plugins.kernels.divergences.TAIDKernel`'s loss (float32); an
+    empty mask gives 0, not NaN. ``t`` in [0, 1] comes from a :class:`TAIDScheduler` you step yourself (the
+    ``hint_distill`` channel does).
     """
     _check_logits(student_logits, teacher_logits, mask)
     tv = float(t)
@@ -448,17 +410,12 @@ def entropy_aware_opd(
 ) -> Tensor:
     """Entropy-aware on-policy distillation (Jin et al., 2026, arXiv:2603.07079, Eq. 9–10).
 
-    Rule implemented, per token ``t`` with student ``p_t`` and teacher ``q_t`` (both at ``temperature``)::
+    Per token, with student ``p_t`` and teacher ``q_t`` at ``temperature``::
 
         loss_t = KL(p_t ‖ q_t) + fkl_weight · 1[H(q_t) > entropy_threshold] · KL(q_t ‖ p_t)
 
-    i.e. the usual reverse-KL OPD objective everywhere, *augmented* (not replaced) with the
-    mode-covering forward KL on the tokens where the teacher is uncertain (entropy in nats above
-    the threshold). The reverse KL is the exact full-vocabulary divergence (the paper's OPD term
-    estimates it from samples). ``top_k=k`` computes the forward KL over the teacher's top-k
-    tokens with the teacher renormalised over them (the paper's efficient estimate, Eq. 10);
-    ``None`` uses the whole vocabulary. Defaults ``entropy_threshold=0.8``, ``fkl_weight=1`` are ours
-    to tune (the paper treats τ as a hyperparameter). Reductions as :func:`generalized_jsd`.
+    ``top_k=k`` takes the forward KL over the teacher's renormalised top-k (Eq. 10). The rule and its
+    source: docs/losses.md ("Distillation"). Reductions as :func:`generalized_jsd`.
     """
     _check_logits(student_logits, teacher_logits, mask)
     if temperature <= 0:

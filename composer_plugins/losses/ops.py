@@ -49,13 +49,8 @@ def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
 def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
     """``log_softmax(logits / temperature)[..., ids]`` without materialising the full log-softmax.
 
-    Args:
-        logits: ``(..., V)``.
-        ids: ``(...)`` token ids (same leading shape).
-        temperature: logits are divided by it first (TRL's sampling-temperature convention).
-
-    Returns:
-        ``(...)`` log-probabilities in float32 (float64 stays float64).
+    ``logits`` is ``(..., V)``, ``ids`` its leading shape; returns float32 log-probabilities (float64 stays
+    float64).
     """
     if ids.shape != logits.shape[:-1]:
         raise ValueError(f"ids shape {_shape(ids)} must equal logits.shape[:-1] = {_shape(logits)[:-1]}")

@@ -1,10 +1,9 @@
 """RL policy-loss channels: the GRPO family (TRL semantics) and PRIME-RL's DPPO+KL.
 
-The input keys (``logprobs``, or ``hidden_states`` + ``lm_head_weight`` + ``completion_ids`` for log-probs
-computed chunked; ``completion_mask``, ``advantages`` and the optional ones) are tabled in docs/losses.md
-("Input keys"). Under data parallel ``num_items_in_batch`` (the ``dapo``/``cispo``/``dppo`` normaliser) is
-the global active-token count / world size, as TRL, and ``max_completion_length`` (``dr_grpo``'s constant
-when the channel sets none) is the widest completion over all ranks.
+The input keys are tabled in docs/losses.md ("Input keys"). Under data parallel ``num_items_in_batch`` (the
+``dapo``/``cispo``/``dppo`` normaliser) is the global active-token count / world size, as TRL, and
+``max_completion_length`` (``dr_grpo``'s constant when the channel sets none) is the widest completion over all
+ranks.
 """
 
 from __future__ import annotations
@@ -85,15 +84,11 @@ class PolicyLossChannel(_LogprobInputs):
     once per loss type; epsilons default to :data:`CHANNEL_EPSILONS` for the type.
 
     Args:
-        weight: channel weight in the composer.
-        loss_type: one of ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, ``gspo``.
         epsilon_low, epsilon_high, importance_sampling_level, beta, kl_estimator, use_bias_correction_kl, delta:
             as :func:`~composer_plugins.losses.functional.policy_loss` (``beta != 0`` needs ``ref_logprobs``).
         max_completion_length: ``dr_grpo`` normaliser (default: the ``max_completion_length`` input, else T).
         temperature: sampling temperature, used when log-probs are computed from hidden states.
         chunk_size: token rows per chunk for the hidden-state path (None: chosen from the vocabulary).
-        name / label: the channel's name (metrics prefix); ``label`` is the same, usable from config
-            where ``name`` selects the registered plugin.
         rows: ``all`` (every row) or ``correct``: only the rows whose reward is at least
             ``success_threshold`` (SRPO's routing: correct samples to the policy gradient, failed ones to
             hint distillation alone); the other rows' tokens are masked out of this channel.

@@ -27,14 +27,9 @@ _SIMPO_OPTIONS = (
 class ReplayPreferenceChannel(LossChannel):
     """Preference loss over replayed chosen/rejected pairs: ``dpo`` (sigmoid|ipo|hinge) or ``simpo``.
 
-    Args:
-        weight: channel weight.
-        method: ``dpo`` or ``simpo``.
-        beta: inverse temperature (default 0.1 for dpo, 2.0 for simpo).
-        loss_type: dpo: ``sigmoid``/``ipo``/``hinge``; simpo: ``sigmoid``/``hinge``.
-        label_smoothing: conservative-DPO / SimPO label smoothing ε.
-        gamma_beta_ratio: SimPO target margin γ/β.
-        name / label: channel name (``label`` usable from config).
+    ``beta`` defaults to 0.1 for dpo and 2.0 for simpo; ``loss_type`` is ``sigmoid``/``ipo``/``hinge`` for dpo,
+    ``sigmoid``/``hinge`` for simpo; ``gamma_beta_ratio`` is SimPO's target margin γ/β (docs/losses.md,
+    "Preferences").
     """
 
     kind: ClassVar[str] = "pairs"

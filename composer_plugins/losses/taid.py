@@ -1,14 +1,10 @@
 """The TAID interpolation schedule (Shing et al., "TAID: Temporally Adaptive Interpolated Distillation", ICLR 2025).
 
 Semantics follow SakanaAI/TAID ``src/distil_losses/taid.py`` (``TAID.update_t``, commit
-a0628922c16169d1fca10ddf61849e0693289cf8): the first call only records the loss; afterwards
-``rel = (prev_loss - loss) / (prev_loss + 1e-15)``, ``momentum = beta·momentum + (1-beta)·rel``,
-``t_target = t_start + (t_end - t_start)·global_step / total_steps``, ``delta = alpha·sigmoid(momentum)·(1 - t)``
-and ``t = min(t_end, max(t_target, t + delta))`` (adaptive) or ``t = t_target`` (``adaptive=False``); then
-``prev_loss = loss``. All state lives in float32/int64 buffers, so ``state_dict()`` resumes the schedule
-exactly. One deliberate difference (docs/losses.md): a non-finite loss does not poison the state (upstream
-would turn ``momentum`` into NaN); that step takes ``t = min(t_end, max(t, t_target))`` and leaves
-``prev_loss`` and ``momentum`` untouched.
+a0628922c16169d1fca10ddf61849e0693289cf8); the update rule and the one deliberate difference (a non-finite
+loss leaves ``prev_loss`` and ``momentum`` untouched and takes ``t = min(t_end, max(t, t_target))``) are in
+docs/losses.md ("Distillation"). All state lives in float32/int64 buffers, so ``state_dict()`` resumes the
+schedule exactly.
 """
 
 from __future__ import annotations
@@ -22,13 +18,9 @@ from torch import Tensor, nn
 class TAIDScheduler(nn.Module):
     """Adaptive (momentum-driven) or deterministic (linear) schedule of TAID's interpolation ``t``.
 
-    Args:
-        t_start: initial ``t`` (0 ≤ t_start < 1). Upstream default 0.4.
-        t_end: final ``t`` (0 < t_end ≤ 1).
-        alpha: adaptive step size (0 ≤ alpha ≤ 1). Upstream default 5e-4.
-        beta: momentum coefficient. Upstream default 0.99.
-        adaptive: ``False`` gives the deterministic linear schedule (upstream ``disable_adaptive``).
-        total_steps: number of training steps the linear target spans; may also be passed to :meth:`step`.
+    Requires ``0 ≤ t_start < 1``, ``0 < t_end ≤ 1`` and ``0 ≤ alpha ≤ 1`` (defaults: upstream's);
+    ``adaptive=False`` is upstream's ``disable_adaptive``; ``total_steps`` (the steps the linear target spans)
+    may also be passed to :meth:`step`.
     """
 
     t: Tensor

@@ -60,22 +60,10 @@ def _weight_ok(v: Any) -> bool:
 class TeacherDistillChannel(LossChannel):
     """Token-level distillation from N external teachers' top-k log-probs on the student's own tokens.
 
-    Args:
-        weight: channel weight (``γ`` in ``grpo + α·hint + β·replay + γ·teacher``).
-        divergence: ``reverse_kl`` (default), ``forward_kl`` or ``jsd``.
-        beta: the JSD's interpolation (``jsd`` only; 0 = forward KL, 1 = reverse KL).
-        temperature: the student's logits are divided by it (the teachers' log-probs are used as sent).
-        weights: mixture weight per teacher name (``{strong: 2, other: 1}``; teachers it does not name
-            weigh 0 and are not distilled; default equal). Renormalised per token over the teachers that
-            scored it: a named teacher missing from the batch (deadline) drops out of the mixture and is
-            reported as ``absent/<name>``; a token only weight-0 teachers scored is not distilled.
-        min_agree: distil only where at least this many teachers' top-1 ids agree (null: everywhere).
-        chunk_size: rows per chunk on the hidden-state path (null: from the vocabulary).
-        teachers: the scoring teachers' specs (read by the training loop, which scores the rollouts
-            with them; see docs/losses.md). Not used by the loss itself.
-        deadline_s: seconds a step waits for the teachers after its forward/backward is ready to
-            use them (read by the training loop); a teacher still scoring then is skipped for that
-            batch and reported.
+    ``temperature`` divides the student's logits only (the teachers' log-probs are used as sent);
+    ``teachers`` and ``deadline_s`` are read by the training loop, not by the loss. The loss, ``weights``
+    (renormalised per token over the teachers present; a missing one is reported as ``absent/<name>``),
+    ``min_agree`` and every parameter: docs/losses.md ("On-policy distillation from external teachers").
     """
 
     kind: ClassVar[str] = "teacher"

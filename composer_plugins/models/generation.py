@@ -158,13 +158,7 @@ def generate_completions(
     """Sample ``num_generations`` completions for each prompt (one batched ``generate`` call, KV cache on).
 
     Args:
-        model: a ``transformers`` causal LM.
-        tokenizer: its tokenizer (pad token set).
-        prompts: prompt strings (or ``None`` with ``prompt_token_ids``).
-        num_generations: completions per prompt (``G``).
-        max_new_tokens: generation budget.
-        temperature, top_p, top_k: sampling parameters (``top_k=0`` disables top-k).
-        do_sample: ``False`` for greedy decoding.
+        prompts: prompt strings (or ``None`` with ``prompt_token_ids``); ``top_k=0`` disables top-k.
         seed: when given, sampling uses a private RNG stream seeded with it (the global RNG
             is left untouched), so a step's rollouts depend only on ``seed``.
         max_prompt_length: truncate prompts from the left to this many tokens.

@@ -25,13 +25,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """``log softmax(logits / T)[labels]`` without materialising the full log-softmax tensor.
-
-    Args:
-        logits: ``(..., V)``.
-        labels: ``(...)`` token ids.
-        temperature: sampling temperature the logits are scaled by.
-    """
+    """``log softmax(logits / T)[labels]`` without materialising the full log-softmax tensor."""
     if temperature != 1.0:
         logits = logits / temperature
     logits = logits.float()

@@ -31,14 +31,8 @@ PRETOKENIZE_REGEX = (
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 2) -> object:
     """Train a byte-level BPE tokenizer on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
 
-    Args:
-        texts: the training corpus (e.g. generated problems and worked solutions).
-        vocab_size: target vocabulary size, special tokens and the 256 byte symbols included.
-        min_frequency: minimum pair frequency for a merge.
-
-    Returns:
-        A ``transformers.PreTrainedTokenizerFast`` with ``pad``/``bos``/``eos``/``unk`` tokens
-        (ids 0-3) and left padding (what batched generation needs).
+    ``vocab_size`` includes the special tokens and the 256 byte symbols. The tokenizer has
+    ``pad``/``bos``/``eos``/``unk`` tokens (ids 0-3) and left padding (what batched generation needs).
     """
     from transformers import PreTrainedTokenizerFast
 

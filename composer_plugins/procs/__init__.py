@@ -1,17 +1,10 @@
 """Child processes that cannot hang their parent and do not outlive it (Linux-first, stdlib only).
 
 A package of its own below every package that starts children (the code sandbox of ``envs``, the DiLoCo
-launcher), beside the plugin kernel and importing nothing but the stdlib; the benchmarks and the tests use it
-too. Its modules, each piece documented where it is defined:
-
-* :mod:`.lifetime`: :func:`die_with_parent` / :func:`set_pdeathsig` (``PR_SET_PDEATHSIG``: a child dies with
-  the thread that started it, even after a SIGKILL);
-* :mod:`.table`: process tags and the process table (:func:`tag_env`, :func:`tagged_pids`, :func:`kill_tree`:
-  found and killed even after ``setsid`` or re-parenting);
-* :mod:`.children`: :class:`Children` (named children whose wait fails at once on the first failure, naming
-  it, bounds every wait and asks a stuck child for its stacks) and :func:`run` (``subprocess.run`` whose
-  timeout and interruption kill the whole tree);
-* :mod:`.status`: :func:`waiting_for` (what this process is blocked on, for a supervisor that times out).
+launcher), beside the plugin kernel and importing nothing but the stdlib. Its modules, each piece documented
+where it is defined: :mod:`.lifetime` (:func:`die_with_parent`, :func:`set_pdeathsig`), :mod:`.table` (process
+tags, :func:`tagged_pids`, :func:`kill_tree`), :mod:`.children` (:class:`Children`, :func:`run`) and
+:mod:`.status` (:func:`waiting_for`).
 """
 
 from __future__ import annotations

@@ -5,11 +5,8 @@ built-ins and generates one test per entry it registers (``kind:name``), each ru
 project's own tests run the same checks over every registered entry. ``fresh_pm`` (built-in plugins only) is
 a pytest fixture to import in a ``conftest.py``. See docs/plugins.md ("Testing a plugin in-process").
 
-Test doubles: ``loopback_server`` (an HTTP inference server over HF ``generate`` for the ``server`` rollout
-generator), ``teacher_loopback`` (the teachers' OpenAI-compatible server with fault injection),
-``teacher_data`` (a tiny local chat model, sample traces) and ``hf_jobs_hub.FakeJobsHub`` (imported on its
-own: the Hub's jobs endpoints, each job a local process). Imports point down only: ``core`` and the kinds it
-checks (losses, envs, teachers, backends, and the training stack's optimizers and callbacks).
+The test doubles (``loopback_server``, ``teacher_loopback``, ``teacher_data``, ``chat_model``, and
+``hf_jobs_hub.FakeJobsHub``, imported on its own) and what this package may import: docs/architecture.md.
 """
 
 from __future__ import annotations

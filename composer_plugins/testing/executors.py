@@ -1,14 +1,10 @@
 """Conformance of DiLoCo replica executors (the ``register_executors`` hook), for their authors' tests.
 
 :func:`check_executor` builds the registered entry as :func:`~composer_plugins.diloco.executors.make_executor`
-does and asserts its side of the contract (docs/plugins.md, ``register_executors``): it builds a
-:class:`~composer_plugins.diloco.executor.ReplicaExecutor`; ``--warm-restarts`` is refused with a
-:class:`~composer_plugins.core.errors.ComposerPluginsError` or honoured, never dropped in silence; with
-``run=True`` (default) three real replicas run through it: one that exits 3 gives a non-zero code from
-``wait`` and ``poll`` with its output in its log, one that exits 0 gives 0, one that would sleep stops on
-``terminate``. An executor that needs a service is checked against a stand-in of it (``build_kwargs``, e.g.
-``api=`` with :class:`~composer_plugins.testing.hf_jobs_hub.FakeJobsHub`), or with ``run=False``. Failures
-raise :class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
+does and checks its side of the contract, running three real replicas through it unless ``run=False``; what
+is checked and how to pass a stand-in service (``build_kwargs``, e.g. ``api=`` with
+:class:`~composer_plugins.testing.hf_jobs_hub.FakeJobsHub`): docs/plugins.md (``register_executors``).
+Failures raise :class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Conformance of rollout generators (registry kind ``rollout_generators``), built-in or third-party.
 
 :func:`check_generator` builds the entry through the registry, as ``rollout.generator`` does, and runs it on
-a tiny local chat model (or the ``model_path`` it is given: the model a server generator's server serves):
-the :class:`~composer_plugins.training.rollout.rollouts.RolloutGenerator` protocol, the rollout's shape contract for
-two prompts × ``G = 2``, the same tokens for the same seed, and, where the generator has them, weight
-syncing (:class:`~composer_plugins.training.rollout.rollouts.WeightSyncing`) and episodes on an env
-(:class:`~composer_plugins.training.rollout.rollouts.EpisodeGenerator`). Each check is listed in docs/plugins.md
-("rollout_generators").
+a tiny local chat model (or the ``model_path`` it is given: the model a server generator's server serves);
+each check is listed in docs/plugins.md ("rollout_generators").
 """
 
 from __future__ import annotations

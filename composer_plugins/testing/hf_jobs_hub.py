@@ -1,12 +1,9 @@
 """A loopback stand-in for the Hugging Face Hub's Jobs endpoints: jobs run here, as local processes.
 
 It lets ``composer-plugins diloco --executor hf_jobs`` (and anything else built on ``huggingface_hub``'s
-jobs client) run end to end without an account: point the real client at it and it submits, polls, reads
-logs and cancels as it would on the Hub::
-
-    with FakeJobsHub() as hub:                      # http://127.0.0.1:<free port>, a thread of this process
-        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_OFFLINE": "0"}
-        subprocess.run(["composer-plugins", "diloco", "--executor", "hf_jobs", ...], env={**os.environ, **env})
+jobs client) run end to end without an account: point the real client at it (``HF_ENDPOINT=hub.endpoint``,
+``HF_TOKEN=hub.token``, ``HF_HUB_OFFLINE=0``; docs/diloco.md) and it submits, polls, reads logs and cancels
+as it would on the Hub, from a thread of this process on ``127.0.0.1:<free port>``.
 
 The routes are those ``huggingface_hub.HfApi`` calls (``run_job``, ``inspect_job``, ``fetch_job_logs``,
 ``cancel_job``, ``list_jobs``, ``whoami``): ``GET /api/whoami-v2``; ``POST /api/jobs/<ns>`` (create from the

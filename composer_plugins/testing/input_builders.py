@@ -1,11 +1,9 @@
 """Conformance check for channel input builders (the ``input_builders`` kind, ``register_input_builders`` hook).
 
 :func:`check_input_builder` runs a registered builder the way the assembler does, on a small step record of a
-tiny random Llama (hinted rows, reference log-probs, one preference pair in the step meta): its factory takes
-the :class:`~composer_plugins.training.step.assemble.Assembly`; it returns a mapping of input names, never writes
-the (read-only) record, builds no ``rows × tokens × vocabulary`` tensor, and gives the same values for the
-same record (docs/plugins.md, ``register_input_builders``). :func:`check` is the kit's dispatcher with this
-kind added, for every registered builder, built-in or third-party.
+tiny random Llama, and checks its side of the contract (docs/plugins.md, ``register_input_builders``).
+:func:`check` is the kit's dispatcher with this kind added, for every registered builder, built-in or
+third-party.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """A loopback OpenAI-compatible chat-completions server with fault injection (tests, benchmarks, demos).
 
-Run it as its own process (so client and server do not share a core)::
-
-    python -m composer_plugins.testing.teacher_loopback --port 0 --latency 0.05
-
-It prints ``LISTENING <port>`` once ready. Answers are deterministic functions of the model name and the
-last user message: arithmetic is solved (``#### 42``; a model whose name contains ``wrong`` answers one
-more), anything else gets ``echo:<hash>``; a model whose name contains ``tool`` answers with a tool call
-whose argument JSON is formatted differently per model. Usage: ``prompt_tokens = ceil(request bytes / 4)``.
-
-Faults are planned per request identity (model + messages): for the identities selected by ``fault_rate``
-the n-th attempt gets ``plan[n]``, later attempts succeed; with ``fault_mode: "attempt"`` every attempt
-draws its own. The fault kinds (``429``, ``5xx``, ``timeout``, ``malformed``, ``slow``, ``drop``,
-``billed_drop``, ``empty``, ``slow_body``, ``echo``) are listed in docs/replay.md; which of them are billed
-is counted, and ``undelivered`` counts billed answers the client cannot have used. A wrong key gets a 401
-echoing the received ``Authorization`` header (after ``echo_pad`` filler), as some gateways do. Control:
-``GET /_stats``, ``POST /_config`` (latency, faults), ``POST /_reset``.
+Run it as its own process (so client and server do not share a core): ``python -m
+composer_plugins.testing.teacher_loopback --port 0``; it prints ``LISTENING <port>`` once ready. Its
+deterministic answers, fault kinds and control routes (``/_stats``, ``/_config``, ``/_reset``): docs/replay.md
+("Testing without a provider"). Answers are functions of the model name and the last user message (a
+``tool`` model's argument JSON is formatted differently per model); ``prompt_tokens = ceil(request bytes / 4)``.
+A wrong key gets a 401 echoing the received ``Authorization`` header, as some gateways do. Faults are planned
+per request identity (model + messages): for the identities selected by ``fault_rate`` the n-th attempt gets
+``plan[n]``, later attempts succeed.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Conformance of DiLoCo outer-sync transports (the ``register_transports`` hook), for their authors' tests.
 
 :func:`check_transport` builds the registered entry as :func:`~composer_plugins.diloco.transports.get_transport`
-does and asserts its side of the contract (docs/plugins.md, ``register_transports``): a
-:class:`~composer_plugins.diloco.transports.Transport` carrying its registered name, needing a ``lighthouse``
-or a ``store`` and saying whether cloud executors can run it; every ignored key a ``diloco.*`` setting that
-:meth:`~composer_plugins.diloco.transports.Transport.validate` refuses, naming it, when set; the default config
-valid; a located ``ConfigError`` on ``diloco.store`` when it needs a store and has none; a callback path that
-names a :class:`~composer_plugins.diloco.glue.DiLoCoCallbackBase` subclass. Failures raise
-:class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
+does and checks its side of the contract (what is checked: docs/plugins.md, ``register_transports``).
+Failures raise :class:`~composer_plugins.testing.base.ConformanceError` naming the entry and its provider.
 """
 
 from __future__ import annotations
