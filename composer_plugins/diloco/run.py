@@ -40,10 +40,8 @@ def load_target_config(config: str | None, overrides: Sequence[str], section: st
 def check_replica_config(
     target: str, config: str | None, overrides: Sequence[str] = (), section: str | None = None
 ) -> DiLoCoConfig:
-    """Load and validate what every replica will read, once, before any starts; the ``diloco:`` section.
-
-    Raises the located :class:`ConfigError` a replica would raise (file:line or override, key, fix).
-    """
+    """Load and validate what every replica will read, once, before any starts (raising the located
+    :class:`ConfigError` a replica would raise); the ``diloco:`` section."""
     if target == "train":
         from composer_plugins.training.config.train import load_train_config
 
