@@ -60,8 +60,7 @@ def codec_label(name: str) -> str:
 
 
 def check_decoded(src: torch.Tensor, decoded: torch.Tensor, compress: str) -> None:
-    """Raise :class:`CodecError` when ``decoded`` (what ``compress`` gave back for ``src``) is not finite where
-    ``src`` is."""
+    """Raise :class:`CodecError` when ``decoded`` (the round trip of ``src``) is not finite where ``src`` is."""
     bad = int((torch.isfinite(src) & ~torch.isfinite(decoded)).sum())
     if bad:
         raise CodecError(
@@ -185,9 +184,8 @@ class Codec:
         raise NotImplementedError
 
     def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
-        """The fp32 CPU vector of ``numel`` values that ``body`` holds; raise
-        :class:`~composer_plugins.diloco.store.CorruptObjectError` (or ``ValueError``) saying what is wrong when
-        it is not what ``header`` says."""
+        """The fp32 CPU vector of ``numel`` values that ``body`` holds; :class:`CorruptObjectError` (or
+        ``ValueError``) saying what is wrong when it is not what ``header`` says."""
         raise NotImplementedError
 
 
@@ -422,9 +420,7 @@ class SparseLoCoCodec(Codec):
 
 class SparseCodec(Codec):
     """A mostly-zero vector's non-zero entries: a deflated bitmap of where they are and their values as fp16 scaled
-    by the vector's largest magnitude (fp32); dense scaled fp16 when that is smaller. The mean of sparse
-    pseudo-gradients (``sparseloco``'s ``mean_codec``) is written with it: the union of the replicas' entries, not
-    top-k'd a second time."""
+    by the vector's largest magnitude (fp32); dense scaled fp16 when that is smaller (``sparseloco``'s mean)."""
 
     tolerance = 1e-3
 

@@ -1,6 +1,5 @@
-"""What both outer-sync transports share: the ``diloco:`` config, who a replica is, the fragment split, the
-outer optimizer and the parameter digest. The torchft callback (:mod:`.strategy`) and the object-store
-callback (:mod:`.objstore`) build their outer step from these, so both apply the same update.
+"""What both outer-sync transports share (:mod:`.strategy`, :mod:`.objstore`), so both apply the same update: the
+``diloco:`` config, who a replica is, the fragment split, the outer optimizer and the parameter digest.
 """
 
 from __future__ import annotations

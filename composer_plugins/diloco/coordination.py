@@ -1,6 +1,5 @@
-"""Where the replicas of a torchft run meet: the torchft :class:`Lighthouse` (in-process or external), the
-:class:`StartBarrier` the first generation of replicas meets at, and the :class:`RejoinBoard` a restarted
-replica's way back is posted on. torch and torchft are imported when one is built, never at import time.
+"""Where the replicas of a torchft run meet: the :class:`Lighthouse`, the :class:`StartBarrier` and the
+:class:`RejoinBoard`. torch and torchft are imported when one is built, never at import time.
 """
 
 from __future__ import annotations

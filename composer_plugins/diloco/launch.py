@@ -1,8 +1,6 @@
-"""Start a torchft lighthouse and N DiLoCo replica groups, and stop them cleanly (import-light: no torch).
-
-:class:`ReplicaGroup` starts the replicas through an executor, restarts crashed ones (``max_restarts``) or stops
-at the first failure naming it (``wait(fail_fast=True)``), and leaves no replica process behind on exit, Ctrl-C,
-SIGTERM or its own death (:mod:`composer_plugins.procs`).
+"""Start a torchft lighthouse and N DiLoCo replica groups, and stop them cleanly (import-light: no torch):
+:class:`ReplicaGroup` leaves no replica process behind on exit, Ctrl-C, SIGTERM or its own death
+(docs/diloco.md, "Quick start").
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ from composer_plugins.diloco.executor import (
     ReplicaSpec,
 )
 
-#: the executors' seam (:mod:`.executor`), the meeting points (:mod:`.coordination`) and the replica environment
-#: contract (:mod:`.env`) live in their own modules; their names are re-exported here for older imports
+#: names of :mod:`.executor`, :mod:`.coordination` and :mod:`.env` are re-exported here for older imports
 __all__ = [
     "ENV_BARRIER",
     "ENV_BARRIER_SIZE",

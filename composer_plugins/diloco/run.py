@@ -1,7 +1,5 @@
-"""The replica process: ``python -m composer_plugins.diloco.run --target train|toy|module:function [--config C] k=v``.
-
-The launcher (:mod:`.launch`) and the cloud executors start this in every replica; the environment they set
-says which replica it is and where the others are (a torchft lighthouse or an object store).
+"""The replica process: ``python -m composer_plugins.diloco.run --target train|toy|module:function [--config C] k=v``,
+what every executor starts; the environment it sets says which replica this is (:mod:`.env`).
 """
 
 from __future__ import annotations

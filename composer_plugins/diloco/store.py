@@ -207,13 +207,10 @@ class _Fsspec:
 
 
 class ObjectStore:
-    """One run directory in an object store (``url``), with retries and byte counters.
+    """One run directory in an object store (``url``, see :mod:`.urls`), with retries and byte counters.
 
-    Args:
-        url: ``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``file:///path`` or ``memory://`` (obstore), or
-            a URL of any other scheme registered with fsspec.
-        retry_s: total time one operation is retried through transient errors before :class:`StoreError`.
-        request_timeout_s: per-request timeout (a hung request counts as a transient error).
+    ``retry_s``: how long one operation is retried through transient errors (a hung request, past
+    ``request_timeout_s``, is one) before :class:`StoreError`.
     """
 
     def __init__(

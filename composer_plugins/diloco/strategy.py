@@ -40,8 +40,6 @@ def make_process_group(timeout: timedelta) -> Any:
     from torchft.process_group import ProcessGroupGloo
 
     class CountingProcessGroupGloo(ProcessGroupGloo):
-        """torchft's reconfigurable gloo group; ``allreduce`` adds its tensors' sizes to a counter."""
-
         bytes_allreduced: int = 0
         allreduce_calls: int = 0
 
@@ -218,8 +216,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
             self._board = _coordination.RejoinBoard.connect(self.replica.rejoin)
             self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
         if self.replica.restart > 0:
-            # A restarted replica's local steps are thrown away when it heals, so it asks for its quorum
-            # after one step instead of H: it heals at the peers' next sync.
+            # its local steps are thrown away when it heals: ask for the quorum after one step, not H
             first = c.sync_every // c.num_fragments - c.fragment_sync_delay - 1
             self.diloco._local_step = first
             self._since_sync = first

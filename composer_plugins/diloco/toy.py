@@ -62,11 +62,8 @@ class ToyConfig:
 
 
 class ToyMarkovStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """Endless batches of token sequences from a fixed random sparse Markov chain.
-
-    The chain (``chain_seed``) is shared by every replica; the samples (``sample_seed``) are this replica's
-    own shard. The best achievable loss is the chain's entropy, about ``log(branching)``.
-    """
+    """Endless batches of token sequences from a fixed random sparse Markov chain (``chain_seed``: every replica's;
+    ``sample_seed``: this replica's shard). The best achievable loss is about ``log(branching)``."""
 
     def __init__(
         self, vocab_size: int, seq_len: int, batch_size: int, branching: int, chain_seed: int, sample_seed: int
