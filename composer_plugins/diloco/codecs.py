@@ -1,11 +1,9 @@
 """Pseudo-gradient codecs (``diloco.compress``): a registered plugin kind, ``codecs``.
 
-A codec turns a flat fp32 CPU vector into header fields (JSON values) and a body (bytes), and back
-(:class:`Codec`); the object-store transport writes every pseudo-gradient slice and every slice of a round's mean
-through :func:`encode_vector` / :func:`decode_vector`. An example codec: docs/plugins.md, ``register_codecs``.
-:func:`composer_plugins.testing.conformance.check_codec` is the contract: a round trip within ``tolerance``
-(bitwise at 0), :class:`~composer_plugins.diloco.store.CorruptObjectError` (with what is wrong) for a body that
-is not what its header says, plain fp32 CPU tensors in and out, and the same bytes for the same vector.
+A codec (:class:`Codec`) turns a flat fp32 CPU vector into header fields and a body, and back; the object-store
+transport writes every pseudo-gradient slice and mean slice through :func:`encode_vector` / :func:`decode_vector`.
+The contract (:func:`composer_plugins.testing.conformance.check_codec`) and an example: docs/plugins.md,
+"register_codecs".
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ def codec_label(name: str) -> str:
 
 
 def check_decoded(src: torch.Tensor, decoded: torch.Tensor, compress: str) -> None:
-    """Raise :class:`CodecError` when ``decoded`` (what ``compress`` gave back for ``src``) is not finite where
-    ``src`` is."""
+    """Raise :class:`CodecError` when ``decoded`` (the round trip of ``src``) is not finite where ``src`` is."""
     bad = int((torch.isfinite(src) & ~torch.isfinite(decoded)).sum())
     if bad:
         raise CodecError(
@@ -87,12 +84,8 @@ def host_tensor(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
 
 
 def encode_vector(vec: torch.Tensor, compress: str, codec: Codec | None = None) -> tuple[dict[str, Any], bytes]:
-    """Header fields and body for a flat fp32 CPU vector under the registered codec ``compress``
-    (:mod:`composer_plugins.diloco.codecs`; built in: ``none``, ``bf16``, ``int8``, ``int4``).
-
-    The header always holds ``codec`` (the name) and ``numel``; a codec adds its own fields. Every codec gets a
-    plain contiguous fp32 CPU tensor and must return ``bytes``.
-    """
+    """Header fields (``codec``, ``numel`` and the codec's own) and body of a flat fp32 CPU vector under the
+    registered codec ``compress``."""
     v = host_tensor(vec, "encode_vector").detach().to(torch.float32).contiguous().view(-1)
     codec = codec if codec is not None else get_codec(compress)
     fields, body = codec.encode(v)
@@ -191,9 +184,8 @@ class Codec:
         raise NotImplementedError
 
     def decode(self, header: dict[str, Any], body: bytes, numel: int) -> torch.Tensor:
-        """The fp32 CPU vector of ``numel`` values that ``body`` holds; raise
-        :class:`~composer_plugins.diloco.store.CorruptObjectError` (or ``ValueError``) saying what is wrong when
-        it is not what ``header`` says."""
+        """The fp32 CPU vector of ``numel`` values that ``body`` holds; :class:`CorruptObjectError` (or
+        ``ValueError``) saying what is wrong when it is not what ``header`` says."""
         raise NotImplementedError
 
 
@@ -228,10 +220,7 @@ class BF16Codec(Codec):
 
 
 class Int8Codec(Codec):
-    """int8 with a per-block absmax scale (blocks of 4096), deflated: at most a quarter of the fp32 bytes.
-
-    Each block is scaled by its absolute maximum / 127 (fp32 scales), rounded to int8, then deflated (zlib).
-    """
+    """int8 with a per-block absmax scale (blocks of 4096), deflated: at most a quarter of the fp32 bytes."""
 
     tolerance, error_feedback = 0.02, False
 
@@ -268,9 +257,7 @@ class Int8Codec(Codec):
 class Int4Codec(Codec):
     """int4 with a one-byte log scale per block of 256, deflated, with error feedback: about an eighth.
 
-    Each block of 256 values has a one-byte log-scale code (:func:`_int4_scale_codes`); the values are rounded to
-    [-7, 7], two a byte, then entropy-coded (raw deflate, kept only when smaller): at most an eighth of the fp32
-    bytes plus one byte a block.
+    The body is laid out as ``INT4_SCALE_*`` and ``_INT4_RAW`` say: at most an eighth of fp32 plus a byte a block.
     """
 
     tolerance, error_feedback = 0.2, True
@@ -327,9 +314,7 @@ class SparseLoCoCodec(Codec):
     Each chunk of ``chunk`` values sends its ``k = round(density * chunk)`` largest entries by magnitude: their
     indices in ascending order, ``ceil(log2 chunk)`` bits each, and one 2-bit code each (a sign bit and which
     half of ``[lo, hi]`` the magnitude falls in, decoded at that half's middle; ``lo``/``hi``, the chunk's
-    smallest and largest sent magnitude, are two fp16 numbers per chunk). Everything else is zero: the sender
-    carries it (and the rounding) to its next pseudo-gradient (error feedback), and the writer of a round's mean
-    carries the mean's own rounding to the next mean it writes.
+    smallest and largest sent magnitude, are two fp16 numbers per chunk). The rest is zero (error feedback).
     """
 
     error_feedback = True
@@ -435,9 +420,7 @@ class SparseLoCoCodec(Codec):
 
 class SparseCodec(Codec):
     """A mostly-zero vector's non-zero entries: a deflated bitmap of where they are and their values as fp16 scaled
-    by the vector's largest magnitude (fp32); dense scaled fp16 when that is smaller. The mean of sparse
-    pseudo-gradients (``sparseloco``'s ``mean_codec``) is written with it: the union of the replicas' entries, not
-    top-k'd a second time."""
+    by the vector's largest magnitude (fp32); dense scaled fp16 when that is smaller (``sparseloco``'s mean)."""
 
     tolerance = 1e-3
 

@@ -1,6 +1,5 @@
-"""What both outer-sync transports share: the ``diloco:`` config, who a replica is, the fragment split, the
-outer optimizer and the parameter digest. The torchft callback (:mod:`.strategy`) and the object-store
-callback (:mod:`.objstore`) build their outer step from these, so both apply the same update.
+"""What both outer-sync transports share (:mod:`.strategy`, :mod:`.objstore`), so both apply the same update: the
+``diloco:`` config, who a replica is, the fragment split, the outer optimizer and the parameter digest.
 """
 
 from __future__ import annotations
@@ -27,27 +26,20 @@ if TYPE_CHECKING:  # torch is imported where it is used, so loading a config (an
 
 @dataclasses.dataclass
 class JobsConfig:
-    """The ``diloco.jobs:`` section: how a cloud executor runs each replica.
+    """The ``diloco.jobs:`` section: how a cloud executor runs each replica (docs/diloco.md, "Configuration").
 
     Attributes:
-        image: container image with composer-plugins installed (HF Jobs: a Docker image or Space;
-            Modal: a registry image, or ``None`` for ``debian_slim`` plus ``pip``).
-        pip: Modal only, packages to ``pip install`` into the image (default ``composer-plugins[serverless]``).
-        flavor: HF Jobs hardware flavor (``cpu-basic``, ``a10g-small``, ``h100`` ...).
-        gpu: Modal GPU type (``T4``, ``A10G``, ``A100``, ``H100`` ...; ``None``: CPU).
-        cpu, memory_mb: Modal resources.
-        timeout_s: the platform's limit on one replica's run.
-        secrets: HF Jobs: names of environment variables whose values are sent as job secrets
-            (e.g. ``AWS_ACCESS_KEY_ID``); Modal: names of Modal secrets to attach.
-        env: names of environment variables to forward as plain job environment (e.g. ``AWS_ENDPOINT_URL``).
-        namespace: HF Jobs namespace (user or organisation; default: the token's user).
-        app_name: Modal app name.
+        image: container image with composer-plugins installed (HF Jobs: needed; Modal: a registry image).
+        pip: Modal, without ``image``: packages to install into ``debian_slim`` (neither: this project, from
+            the local source).
+        flavor, namespace: HF Jobs hardware flavor and namespace (default: the token's user).
+        gpu, cpu, memory_mb, app_name: Modal resources (``gpu=None``: CPU) and app name.
+        secrets: HF Jobs: environment variables sent as job secrets; Modal: names of Modal secrets to attach.
+        env: environment variables forwarded as plain job environment (e.g. ``AWS_ENDPOINT_URL``).
         start_timeout_s: a job still not running after this long is cancelled and counted as failed.
-        poll_s: how often job status is read.
     """
 
     image: str | None = None
-    #: with neither ``image`` nor ``pip``: this project is installed from the local source (Modal)
     pip: list[str] = dataclasses.field(default_factory=list)
     flavor: str = "cpu-basic"
     gpu: str | None = None
@@ -120,9 +112,8 @@ class DiLoCoConfig:
     jobs: dict[str, Any] | None = None
 
     def validate(self, src: Config | None = None, key: str = "diloco") -> DiLoCoConfig:
-        """Check the values against each other, then the transport's own rules and the ``jobs:`` subsection (each
-        section validates itself: :meth:`JobsConfig.validate`); errors name the key (located in ``src``) and the
-        fix."""
+        """Check the values, the transport's own rules and the ``jobs:`` subsection; errors name the key (located
+        in ``src``) and the fix."""
         cfg = src if src is not None else Config()
 
         def bad(field: str, msg: str) -> ConfigError:
@@ -249,10 +240,8 @@ def param_digest(params: Iterable[torch.Tensor]) -> tuple[str, float]:
 
 
 def split_fragments(module: nn.Module, num_fragments: int) -> list[nn.Module]:
-    """Split ``module``'s trainable parameters into ``num_fragments`` contiguous groups of similar size.
-
-    Each fragment is a module holding the *same* ``Parameter`` objects (tied weights appear once).
-    """
+    """Split ``module``'s trainable parameters into ``num_fragments`` contiguous groups of similar size, each a
+    module holding the *same* ``Parameter`` objects (tied weights appear once)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ComposerPluginsError(f"{type(module).__name__} has no trainable parameters for DiLoCo to sync")
@@ -280,7 +269,6 @@ def split_fragments(module: nn.Module, num_fragments: int) -> list[nn.Module]:
 
         def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
             super().__init__()
-            self.source_names = [n for n, _ in named]
             for i, (name, p) in enumerate(named):
                 self.register_parameter(f"p{i:04d}_{name.replace('.', '_')}", p)
 

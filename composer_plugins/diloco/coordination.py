@@ -1,6 +1,5 @@
-"""Where the replicas of a torchft run meet: the torchft :class:`Lighthouse` (in-process or external), the
-:class:`StartBarrier` the first generation of replicas meets at, and the :class:`RejoinBoard` a restarted
-replica's way back is posted on. torch and torchft are imported when one is built, never at import time.
+"""Where the replicas of a torchft run meet: the :class:`Lighthouse`, the :class:`StartBarrier` and the
+:class:`RejoinBoard`. torch and torchft are imported when one is built, never at import time.
 """
 
 from __future__ import annotations
@@ -16,12 +15,8 @@ from composer_plugins.diloco.rendezvous import StoreRendezvous
 
 
 class Lighthouse:
-    """The torchft lighthouse: started in-process on ``bind`` (default a free loopback port), or external.
-
-    ``Lighthouse(address="http://host:29510")`` only records an existing lighthouse (a cluster); nothing
-    is started or stopped. Otherwise a ``torchft.coordination.LighthouseServer`` runs in this process
-    until :meth:`shutdown`.
-    """
+    """The torchft lighthouse: a ``LighthouseServer`` in this process on ``bind`` (default a free loopback port)
+    until :meth:`shutdown`, or, given ``address``, an external one that is only recorded."""
 
     def __init__(
         self,
@@ -75,13 +70,8 @@ class Lighthouse:
 
 
 class StartBarrier:
-    """A ``TCPStore`` on ``127.0.0.1:<free port>`` that the first generation of replicas meets at.
-
-    The members are the replicas' job-wide indices ``first .. first + size - 1`` (published in the
-    store). The launcher calls :meth:`mark_gone` when a first-generation replica exits, so the others stop
-    waiting for it at once (they go on without it and log which one is missing) instead of after
-    ``diloco.barrier_timeout_s``.
-    """
+    """A ``TCPStore`` on ``127.0.0.1:<free port>`` where the first generation of replicas (job-wide indices
+    ``first .. first + size - 1``) meets; see docs/diloco.md, "Fault tolerance", "Start-up"."""
 
     NAME = "diloco/start"
 
@@ -112,12 +102,8 @@ class StartBarrier:
 
 
 class RejoinBoard:
-    """Where a restarted replica's way back into the job is posted (a ``TCPStore``, the start barrier's).
-
-    Key ``diloco/rejoin/<index>`` (job-wide index) holds ``pending``, ``ready``, ``joined <step>`` or ``gone
-    <reason>``, each after the replica's restart count; the survivors do not finish while a peer is ``pending`` or
-    ``ready`` (docs/diloco.md, "Fault tolerance").
-    """
+    """Where a restarted replica's way back into the job is posted (a ``TCPStore``, the start barrier's): key
+    ``diloco/rejoin/<index>`` holds ``<state> <restart> [detail]`` (docs/diloco.md, "Fault tolerance")."""
 
     PREFIX = "diloco/rejoin"
 

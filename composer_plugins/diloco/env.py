@@ -1,7 +1,5 @@
-"""The replica environment contract: the variables a launcher or executor sets and a replica reads.
-
-Import-light (no torch): the launcher, the executors and the replica side all read these names from here.
-:class:`~composer_plugins.diloco.common.ReplicaInfo` turns them into a replica's identity.
+"""The replica environment contract: the variables a launcher or executor sets and a replica reads
+(:class:`~composer_plugins.diloco.common.ReplicaInfo` turns them into its identity). Import-light: no torch.
 """
 
 from __future__ import annotations

@@ -141,9 +141,8 @@ _OWN_VARS = frozenset({ENV_INDEX, ENV_REPLICA_ID, ENV_RESTART, ENV_SEED, ENV_SYN
 
 
 class ForkedReplicaHandle(_SessionHandle):
-    """A replica forked by the warm fork server (:mod:`composer_plugins.diloco.forkserver`): a session of its own (its
-    pid is its group), whose exit code the server reports. Its pid is known once the server has forked it (``None``
-    before: a signal sent meanwhile is delivered then)."""
+    """A replica forked by the fork server (:mod:`.forkserver`), which reports its exit code; its pid is ``None``
+    until the fork (a signal sent meanwhile is delivered then)."""
 
     def __init__(self, spec: ReplicaSpec, server: _ForkServer) -> None:
         self.spec = spec
@@ -260,14 +259,11 @@ class _ForkServer:
 
 
 class LocalProcessExecutor:
-    """Runs each replica as a local subprocess in a new session; output goes to ``spec.log_path``.
+    """Runs each replica as a local subprocess in a session of its own (its signals reach its children),
+    SIGKILLed when the thread that started it ends (``PR_SET_PDEATHSIG``); output goes to ``spec.log_path``.
 
-    The replica is a session (and process group) leader, so stopping it reaches its own children too; on
-    Linux it is SIGKILLed as soon as the thread that started it ends (the launcher died or was killed
-    without cleaning up: ``PR_SET_PDEATHSIG``), so a replica blocked in a collective is not left behind.
-
-    ``warm_restarts``: a replica started again is forked from a fork server started beside the first replica
-    (:mod:`composer_plugins.diloco.forkserver`); only ``python -m composer_plugins.diloco.run`` replicas can be.
+    ``warm_restarts``: a replica started again is forked from the fork server (:mod:`.forkserver`); only
+    ``python -m composer_plugins.diloco.run`` replicas can be.
     """
 
     def __init__(self, pdeathsig: int = signal.SIGKILL, warm_restarts: bool = False) -> None:

@@ -1,14 +1,10 @@
 """Where replicas run: this host (:class:`~.executor.LocalProcessExecutor`), Hugging Face Jobs
-(:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`), all behind the launcher's ``ReplicaExecutor``
-protocol, so restarts, timeouts and clean-up work the same everywhere. Executors are a plugin kind (the
-``register_executors`` hook, docs/plugins.md), built by name with :func:`make_executor`.
+(:class:`HFJobsExecutor`) or Modal (:class:`ModalExecutor`), behind the launcher's ``ReplicaExecutor`` protocol;
+a plugin kind (docs/plugins.md, "register_executors"), built by name with :func:`make_executor`.
 
-The cloud executors send only ``spec.job_env`` plus the variables named in ``diloco.jobs.env``; credentials
-travel as the platform's secrets (``diloco.jobs.secrets``), never in the command line or the logs (docs/diloco.md,
-"What ran where"). Their SDKs are optional extras, imported when the executor is built::
-
-    pip install 'composer-plugins[hf_jobs]'    # huggingface_hub
-    pip install 'composer-plugins[modal]'      # modal
+The cloud executors send only ``spec.job_env`` plus ``diloco.jobs.env``; credentials travel as the platform's
+secrets, never in the command line or the logs (docs/diloco.md, the deployments under "Serverless"). Their SDKs
+(extras ``hf_jobs``, ``modal``) are imported when the executor is built.
 """
 
 from __future__ import annotations
@@ -68,9 +64,8 @@ def project_root() -> Path:
 def make_executor(
     name: str, dcfg: DiLoCoConfig, *, log_dir: str | os.PathLike[str] | None = None, warm_restarts: bool = False
 ) -> ReplicaExecutor:
-    """The executor registered as ``name`` (``register_executors``; built in: ``local``, ``hf_jobs``, ``modal``)
-    configured from ``dcfg``; ``warm_restarts``: fork restarted replicas from a warm process (``--warm-restarts``,
-    the local executor's; the others refuse it). Unknown names list the available ones and the closest."""
+    """The executor registered as ``name``, configured from ``dcfg``; unknown names list the available ones and
+    the closest."""
     from composer_plugins.diloco.transports import registered
 
     entry = registered("executors", name, ComposerPluginsError, " (composer-plugins list executors)")
@@ -91,8 +86,8 @@ def local_executor(
 
 
 def cloud_jobs(name: str, dcfg: DiLoCoConfig, warm_restarts: bool = False) -> JobsConfig:
-    """What every cloud executor checks before it is built, and its ``diloco.jobs:`` section: no
-    ``--warm-restarts`` (replicas are jobs, not forks here) and a transport whose replicas need no lighthouse."""
+    """The ``diloco.jobs:`` section, after the checks every cloud executor makes: no ``--warm-restarts`` and a
+    transport whose replicas need no lighthouse."""
     if warm_restarts:
         raise ComposerPluginsError(
             f"--warm-restarts forks replicas on this host; --executor {name} starts each replica as a job. "
@@ -342,12 +337,8 @@ def _modal_replica(argv: list[str], env: dict[str, str]) -> dict[str, Any]:  # p
 
 
 class ModalExecutor:
-    """Runs each replica as one call of a Modal function (``modal.App`` + ``Image`` + ``App.function``).
-
-    :meth:`build` makes the app, image and function from ``diloco.jobs`` (image, GPU type, secrets,
-    timeout) without contacting Modal; :meth:`start` runs the app (``app.run()``, once) and ``spawn``-s one
-    call per replica, passing the replica's command and its ``job_env`` (store URL, replica index ...).
-    """
+    """Runs each replica as one call of a Modal function (``modal.App`` + ``Image`` + ``App.function``); the app
+    runs from the first :meth:`start` until :meth:`close`."""
 
     def __init__(self, jobs: JobsConfig | None = None, *, log_dir: str | os.PathLike[str] | None = None) -> None:
         try:

@@ -1,16 +1,13 @@
 """A warm start for relaunched replicas: a fork server, ``python -m composer_plugins.diloco.forkserver --target T``.
 
-The local executor (:class:`~composer_plugins.diloco.executor.LocalProcessExecutor` with ``warm_restarts``)
-starts it beside the first replica. It imports what a replica of target ``T`` imports (torch, Lightning, the
-target, the plugin registry, the transport's callback) once, then serves assignments on its stdin, one JSON
-line each (the replica's ``argv``, ``env``, ``cwd`` and ``log_path``): it forks a child that becomes that
-replica (its own session, environment, directory and log; SIGKILLed if the server dies) and runs
-:func:`composer_plugins.diloco.run.main`, answering ``started <pid>`` and later ``exit <pid> <code>`` (as
-``Popen.returncode`` gives it). A relaunched replica so skips the interpreter start and the imports.
+The local executor starts it beside the first replica (``warm_restarts``; docs/diloco.md, "Goodput under
+failures"). It imports what a replica of target ``T`` imports once, then serves assignments on its stdin, one JSON
+line each (the replica's ``argv``, ``env``, ``cwd`` and ``log_path``): it forks a child that becomes that replica
+and runs :func:`composer_plugins.diloco.run.main`, answering ``started <pid>`` and later ``exit <pid> <code>`` (as
+``Popen.returncode`` gives it); it exits 0 when its stdin closes.
 
-The server is single-threaded (it forks with no other thread alive: nothing is held by a thread the child lacks),
-polls its children between reads, and exits 0 when its stdin closes. It carries the group's environment (its
-process tag included), so the group's clean-up finds it and its children like any replica.
+The server is single-threaded: it forks with no other thread alive, so nothing is held by a thread the child
+lacks. It carries the group's environment (its process tag included), so the group's clean-up finds it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The Lightning glue both DiLoCo callbacks share (:class:`DiLoCoCallbackBase`): the config defaulted by
-transport, one optimizer checked, the round target derived from ``max_steps``, the sync record's common fields
-and its writing (history, sync log, parameter hashes), the ``diloco/*`` metrics logged, the stop flag honoured
-and :meth:`close` called on teardown or on an exception. A transport's callback adds :meth:`attach` (wire the
-outer sync to a model and its inner optimizer) and :meth:`close`.
+"""The Lightning glue both DiLoCo callbacks share (:class:`DiLoCoCallbackBase`): one optimizer checked, the round
+target from ``max_steps``, the sync record and log, the ``diloco/*`` metrics, the stop flag and :meth:`close` on
+teardown (docs/diloco.md, "Design: a callback, not a strategy").
 """
 
 from __future__ import annotations
@@ -83,10 +81,9 @@ class DiLoCoCallbackBase(pl.Callback):
     def _keep_sync(
         self, rec: dict[str, Any], synced: Sequence[torch.Tensor] | None = None, digest: tuple[str, float] | None = None
     ) -> None:
-        """Finish ``rec`` and keep it: ``stop``; with a sync log and ``log_param_hash``, the hash of the synced
-        weights (``synced``, default the trainable parameters: a frozen EMA hint teacher is per-replica local
-        state; ``digest`` if they were hashed already) and of the fragment synced; then into ``history`` and the
-        sync log, and the trainer told to stop when the run is over."""
+        """Finish ``rec`` (``stop``, the hashes of the synced weights and fragment) and keep it in ``history`` and
+        the sync log. ``synced`` defaults to the trainable parameters (a frozen EMA hint teacher is per-replica
+        local state); ``digest``: their hash, if taken already."""
         rec["stop"] = self._stop
         sync_log = self.config.sync_log or self.replica.sync_log
         if sync_log and self.config.log_param_hash:
@@ -138,16 +135,13 @@ class DiLoCoCallbackBase(pl.Callback):
         self._trainer = trainer
         if self._target is None and trainer.max_steps and trainer.max_steps > 0:
             self._target = max(1, trainer.max_steps // (self.config.sync_every // self.config.num_fragments))
-            # The shared outer step decides when to stop, not this replica's own count: a replica whose sync
-            # did not commit, or that waits for a restarted peer, makes those syncs up (bounded: at most
-            # max_steps more inner steps). ``max_steps`` grows only when that happens (:meth:`_make_up`), so a
-            # progress bar's total is the real number of steps.
+            # the shared outer step decides when to stop: missed syncs are made up (:meth:`_make_up`)
             self._step_cap = 2 * trainer.max_steps
         self.attach(pl_module, optimizers[0])
 
     def _make_up(self, trainer: pl.Trainer) -> None:
         """At ``max_steps`` short of the round target (a sync that did not commit, a peer being waited for): one
-        more round of inner steps, up to twice the configured ``max_steps``."""
+        more round of inner steps, up to twice the configured ``max_steps`` (docs/diloco.md, "Fault tolerance")."""
         loop = trainer.fit_loop.epoch_loop
         if self._stop or self._step_cap is None or trainer.global_step < loop.max_steps:
             return

@@ -1,8 +1,6 @@
-"""Start a torchft lighthouse and N DiLoCo replica groups, and stop them cleanly (import-light: no torch).
-
-:class:`ReplicaGroup` starts the replicas through an executor, restarts crashed ones (``max_restarts``) or stops
-at the first failure naming it (``wait(fail_fast=True)``), and leaves no replica process behind on exit, Ctrl-C,
-SIGTERM or its own death (:mod:`composer_plugins.procs`).
+"""Start a torchft lighthouse and N DiLoCo replica groups, and stop them cleanly (import-light: no torch):
+:class:`ReplicaGroup` leaves no replica process behind on exit, Ctrl-C, SIGTERM or its own death
+(docs/diloco.md, "Quick start").
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ from composer_plugins.diloco.executor import (
     ReplicaSpec,
 )
 
-#: the executors' seam (:mod:`.executor`), the meeting points (:mod:`.coordination`) and the replica environment
-#: contract (:mod:`.env`) live in their own modules; their names are re-exported here for older imports
+#: names of :mod:`.executor`, :mod:`.coordination` and :mod:`.env` are re-exported here for older imports
 __all__ = [
     "ENV_BARRIER",
     "ENV_BARRIER_SIZE",
@@ -114,22 +111,18 @@ ArgvFactory = Callable[[int], Sequence[str]] | Sequence[str]
 class ReplicaGroup:
     """N replica groups plus (optionally) a local lighthouse; a context manager that always cleans up.
 
+    The CLI options these mirror are in docs/diloco.md ("Quick start", "On a cluster").
+
     Args:
         argv: the command each replica runs (a list), or ``index -> list`` for per-replica commands.
-        num_replicas: how many replica groups to start.
         lighthouse: an existing lighthouse address (cluster mode) or ``None`` to start one here.
         executor: where replicas run (default :class:`LocalProcessExecutor`).
-        max_restarts: how many times a replica that exits non-zero is started again (it rejoins the
-            quorum and heals from a live peer). ``0`` leaves it dead; the others keep training.
+        max_restarts: how many times a replica that exits non-zero is started again (``0``: it stays dead).
         log_dir: one ``replica<i>.log`` per replica (stdout+stderr), plus the ``STOP`` file path.
-        base_seed: replica ``i`` gets ``COMPOSER_DILOCO_SEED=base_seed + i`` (default: the target derives
-            it from its config, e.g. ``seed + i``).
+        base_seed: replica ``i`` gets ``COMPOSER_DILOCO_SEED=base_seed + i`` (default: the target's ``seed + i``).
         barrier: meet at a start barrier (default: only when the lighthouse is local).
-        env: extra environment for every replica.
         grace_s: seconds between SIGTERM and SIGKILL on shutdown.
         threads_per_replica: sets ``OMP_NUM_THREADS`` (default ``cpu_count // N``, at least 1) unless set.
-        warm_restarts: fork a replica that is started again from a warm process (the local executor's fork server:
-            a replica's imports done once), instead of starting a fresh interpreter.
         index_offset, total_replicas: on a cluster, the replicas started here are
             ``index_offset .. index_offset + N - 1`` of ``total_replicas`` (their ids, seeds and data shards).
     """
@@ -322,12 +315,8 @@ class ReplicaGroup:
     def wait(self, timeout: float | None = None, poll_s: float = 0.2, *, fail_fast: bool = False) -> LaunchResult:
         """Supervise until every replica has exited for good; restart crashed ones up to ``max_restarts``.
 
-        A replica's exit is noticed within ``poll_s``; a first-generation replica that exits is marked
-        gone at the start barrier, so its peers stop waiting for it. ``fail_fast``: a replica that exits
-        non-zero with no restarts left raises :class:`LaunchError` at once (naming it, with the end of its
-        log) instead of letting the others train on without it; leaving the ``with`` block then stops
-        them. ``timeout`` (seconds, ``None``: none) raises :class:`LaunchError` naming the replicas still
-        running.
+        :class:`LaunchError` (naming the replica, with the end of its log) when ``fail_fast`` and a replica exits
+        non-zero with no restarts left, or when ``timeout`` seconds pass (naming the replicas still running).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with procs.waiting_for(f"DiLoCo replicas {', '.join(self._describe(r) for r in self.replicas)}"):
@@ -433,9 +422,8 @@ class ReplicaGroup:
 
 
 def summary_table(log_dir: str | os.PathLike[str], indices: Sequence[int]) -> str:
-    """The launcher's closing table: each replica's rounds, final loss, parameter hash and model path, from the
-    ``replica<i>.result.json`` its last life wrote (:func:`~composer_plugins.diloco.run.write_replica_summary`),
-    else from its sync log; then whether every replica ended on one parameter hash."""
+    """The launcher's closing table (docs/diloco.md, "Quick start"), from each replica's ``replica<i>.result.json``
+    (:func:`~composer_plugins.diloco.run.write_replica_summary`), else from its sync log."""
     from composer_plugins.diloco.run import summary_path
 
     rows, hashes = [], set()
@@ -520,9 +508,7 @@ def launch(
 ) -> LaunchResult:
     """Run ``num_replicas`` replicas of ``target`` to completion (blocking); children are always cleaned up.
 
-    ``timeout``: seconds before the run is stopped with :class:`LaunchError` (``None``: as long as it
-    trains; the replicas' own waits are bounded by torchft's timeouts, see ``diloco.timeout_s``).
-    ``kwargs`` go to :class:`ReplicaGroup` (``lighthouse``, ``max_restarts``, ``log_dir``, ``base_seed`` ...).
+    ``timeout``: as :meth:`ReplicaGroup.wait`; ``kwargs`` go to :class:`ReplicaGroup`.
     """
     group = ReplicaGroup(replica_argv(target, config, overrides, section), num_replicas, **kwargs)
     with _sigterm_as_interrupt(), group:

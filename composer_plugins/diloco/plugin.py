@@ -1,9 +1,6 @@
 """Default plugin of ``diloco``: the ``diloco`` command (:mod:`.cli`) and the built-in pseudo-gradient codecs,
-outer-sync transports and replica executors, through the public hooks a third party implements.
-
-Factories are lazy ``"module:attr"`` strings, so loading the plugins, listing them or answering a config error
-imports nothing of :mod:`.codecs`, :mod:`.transports` or :mod:`.executors` (no torch, no cloud SDK) until one is
-built.
+outer-sync transports and replica executors, through the public hooks a third party implements. Factories are lazy
+``"module:attr"`` strings: nothing of torch or a cloud SDK is imported until one is built.
 """
 
 from __future__ import annotations

@@ -16,10 +16,8 @@ class RendezvousError(RuntimeError):
 class StoreRendezvous:
     """Members ``0..size-1`` (or the ids in ``members``) meet over a store with ``set``/``check``/``get``.
 
-    A member calls :meth:`wait` (arrive, then wait for the others); whoever watches the member processes
-    (the parent, which usually also runs the store) calls :meth:`mark_gone` when one exits, so the others
-    learn it at once instead of at a timeout. ``members=None`` reads the member ids the creator published
-    with :meth:`publish`.
+    A member calls :meth:`wait`; whoever watches the member processes calls :meth:`mark_gone` when one exits.
+    ``members=None`` reads the member ids the creator published with :meth:`publish`.
     """
 
     def __init__(
@@ -66,11 +64,8 @@ class StoreRendezvous:
         return arrived, gone, missing
 
     def wait(self, member: int, timeout_s: float, *, allow_gone: bool = False, poll_s: float = 0.05) -> dict[int, str]:
-        """Arrive as ``member`` and wait for every other member.
-
-        Raises :class:`RendezvousError` naming the members that exited before arriving (unless
-        ``allow_gone``: then returns them, ``{member: reason}``) or that did not arrive in ``timeout_s``.
-        """
+        """Arrive as ``member`` and wait for every other member; :class:`RendezvousError` names the members that
+        exited before arriving (unless ``allow_gone``: returned, ``{member: reason}``) or did not arrive in time."""
         self.arrive(member)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -21,11 +21,8 @@ __all__ = ["diloco_callback_from_config", "replica_train_overrides", "run_projec
 def diloco_callback_from_config(
     cfg: Config | Mapping[str, Any], env: Mapping[str, str] | None = None, *, force: bool = False
 ) -> DiLoCoCallbackBase | None:
-    """The DiLoCo callback for a training config, or ``None`` when this process is not a DiLoCo replica.
-
-    A process is a replica when a lighthouse or a store is known (``diloco.lighthouse``,
-    ``$TORCHFT_LIGHTHOUSE``, ``$COMPOSER_DILOCO_STORE``, which ``composer-plugins diloco`` sets) or ``force``
-    is true. The ``diloco:`` section configures it; ``diloco.transport`` picks the callback.
+    """The DiLoCo callback of ``diloco.transport`` for a training config, or ``None`` when this process is not a
+    replica: no lighthouse or store known (``diloco.lighthouse``, or the launcher's environment) and not ``force``.
     """
     dcfg = DiLoCoConfig.from_config(cfg)
     replica = ReplicaInfo.from_env(env)
@@ -35,9 +32,8 @@ def diloco_callback_from_config(
 
 
 def replica_train_overrides(src: Config, replica: ReplicaInfo) -> list[str]:
-    """Overrides that make the project's ``train`` config one replica of a DiLoCo job: its own seed (its data
-    shard) and ``output_dir``, DiLoCo checkpoints instead of Lightning's per-step ones, evaluation on replica 0 only
-    (docs/diloco.md, "Configuration")."""
+    """Overrides that make the project's ``train`` config one replica of a DiLoCo job (docs/diloco.md, the end of
+    "Configuration")."""
     base = str(src.get_path("output_dir", "runs/default"))
     seed = replica.seed if replica.seed is not None else int(src.get_path("seed", 0) or 0) + replica.index
     out = [f"seed={seed}", f"output_dir={base}/replica{replica.index}", "trainer.checkpoint_every_n_steps=0"]

@@ -1,7 +1,5 @@
-"""The replica process: ``python -m composer_plugins.diloco.run --target train|toy|module:function [--config C] k=v``.
-
-The launcher (:mod:`.launch`) and the cloud executors start this in every replica; the environment they set
-says which replica it is and where the others are (a torchft lighthouse or an object store).
+"""The replica process: ``python -m composer_plugins.diloco.run --target train|toy|module:function [--config C] k=v``,
+what every executor starts; the environment it sets says which replica this is (:mod:`.env`).
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ def load_target_config(config: str | None, overrides: Sequence[str], section: st
 def check_replica_config(
     target: str, config: str | None, overrides: Sequence[str] = (), section: str | None = None
 ) -> DiLoCoConfig:
-    """Load and validate what every replica will read, once, before any starts; the ``diloco:`` section.
-
-    Raises the located :class:`ConfigError` a replica would raise (file:line or override, key, fix).
-    """
+    """Load and validate what every replica will read, once, before any starts (raising the located
+    :class:`ConfigError` a replica would raise); the ``diloco:`` section."""
     if target == "train":
         from composer_plugins.training.config.train import load_train_config
 

@@ -1,11 +1,9 @@
 """The object store the ``object_store`` transport meets through, and what is written into it.
 
-:class:`ObjectStore` opens a URL with `obstore <https://developmental-seed.github.io/obstore>`_ (S3 and
-S3-compatible services, GCS, Azure, ``file://``; conditional creates, the standard cloud environment) or fsspec,
-and adds bounded retries for transient errors, byte counters, multipart uploads and ranged reads above
-``part_bytes``. :func:`pack` / :func:`unpack` wrap every object with the SHA-256 of its body;
-:func:`encode_tree` / :func:`decode_tree` carry nested state as plain data, so nothing executable crosses the
-store. Credentials are never logged. See docs/diloco.md ("What a team can trust the store with").
+:class:`ObjectStore` opens a URL with obstore or fsspec (:mod:`.urls`) and adds bounded retries, byte counters,
+multipart uploads and ranged reads; :func:`pack` / :func:`unpack` wrap every object with the SHA-256 of its body;
+:func:`encode_tree` / :func:`decode_tree` carry nested state as plain data. See docs/diloco.md ("Serverless", "What
+a team can trust the store with").
 """
 
 from __future__ import annotations
@@ -209,13 +207,10 @@ class _Fsspec:
 
 
 class ObjectStore:
-    """One run directory in an object store (``url``), with retries and byte counters.
+    """One run directory in an object store (``url``, see :mod:`.urls`), with retries and byte counters.
 
-    Args:
-        url: ``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``file:///path`` or ``memory://`` (obstore), or
-            a URL of any other scheme registered with fsspec.
-        retry_s: total time one operation is retried through transient errors before :class:`StoreError`.
-        request_timeout_s: per-request timeout (a hung request counts as a transient error).
+    ``retry_s``: how long one operation is retried through transient errors (a hung request, past
+    ``request_timeout_s``, is one) before :class:`StoreError`.
     """
 
     def __init__(
@@ -284,10 +279,7 @@ class ObjectStore:
     # -- operations ----------------------------------------------------------------------
     def put(self, key: str, data: bytes, *, create: bool = False) -> bool:
         """Write ``key``. With ``create``, only if absent (If-None-Match): ``False`` when it already exists.
-
-        Above ``part_bytes`` the bytes go up as a multipart upload (one request per part); a large create
-        uploads ``<key>.blob-<nonce>`` and then creates ``key`` as a small reference to it.
-        """
+        Above ``part_bytes``: a multipart upload; a large create uploads a blob, then ``key`` as a reference to it."""
         if len(data) <= self.part_bytes:
             ok = self._put_one(key, data, create)
         elif not create:
@@ -313,10 +305,8 @@ class ObjectStore:
         return self._call(what, lambda: self._io.put(key, data, create, self.part_bytes))
 
     def get(self, key: str) -> bytes | None:
-        """The bytes of ``key``, or ``None`` when it does not exist (a reference is followed, see :meth:`put`).
-
-        Read in ranged requests of ``part_bytes`` each, so no one request carries more than a part.
-        """
+        """The bytes of ``key`` (read in ranged requests of ``part_bytes``), or ``None`` when it does not exist (a
+        reference is followed, see :meth:`put`)."""
         data = self._get_ranged(key)
         if data is not None and data[:4] == MAGIC and len(data) < 4096:
             try:

@@ -1,14 +1,9 @@
-"""DiLoCo for the Lightning training loop, built on torchft (``torchft.local_sgd.DiLoCo``).
+"""DiLoCo for the Lightning training loop, built on torchft (``torchft.local_sgd.DiLoCo``): the ``torchft``
+transport's callback (:class:`DiLoCoCallback`). The all-reduce, the outer step, streaming fragments and the
+rollback of a failed sync are torchft's own; this module only wires them into Lightning.
 
-DiLoCo (Douillard et al., arXiv 2311.08105) runs ``H`` inner optimizer steps on every replica, then averages
-the pseudo-gradient (``global - local`` weights) and applies it with an outer optimizer. The backup of the
-global weights, the all-reduce, the outer step, streaming fragments and the rollback of a failed sync are
-torchft's own; this module only wires them into Lightning, as a **callback** (:class:`DiLoCoCallback`), not a
-``Strategy``: each replica is an ordinary single-process run and torchft attaches to its one inner optimizer
-through optimizer step hooks, so any ``LightningModule`` with one optimizer works unchanged.
-
-Fault tolerance, checkpoints and the sync log: docs/diloco.md ("Design", "Fault tolerance", "Sync log"). The
-config, the fragment split and the outer optimizer are in :mod:`.common`, shared with :mod:`.objstore`.
+Why a callback, fault tolerance, checkpoints and the sync log: docs/diloco.md ("Design: a callback, not a
+strategy", "Fault tolerance", "Sync log").
 """
 
 from __future__ import annotations
@@ -45,8 +40,6 @@ def make_process_group(timeout: timedelta) -> Any:
     from torchft.process_group import ProcessGroupGloo
 
     class CountingProcessGroupGloo(ProcessGroupGloo):
-        """torchft's reconfigurable gloo group; ``allreduce`` adds its tensors' sizes to a counter."""
-
         bytes_allreduced: int = 0
         allreduce_calls: int = 0
 
@@ -59,12 +52,8 @@ def make_process_group(timeout: timedelta) -> Any:
 
 
 def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
-    """Meet the other first-generation replicas at the launcher's start barrier (as replica ``index``).
-
-    Returns at once when the last one arrives, or when every missing one is known to have exited (the
-    launcher marks those; they are logged by index and exit code). After ``timeout_s`` it logs which
-    replicas never arrived and goes on without them: torchft lets them join a later quorum.
-    """
+    """Meet the other first-generation replicas at the launcher's start barrier (as replica ``index``); the
+    replicas that exited before arriving, logged (docs/diloco.md, "Fault tolerance", "Start-up")."""
     from torch.distributed import TCPStore
 
     from composer_plugins.diloco.rendezvous import RendezvousError, StoreRendezvous
@@ -88,12 +77,8 @@ def _wait_barrier(address: str, index: int, timeout_s: float) -> dict[int, str]:
 class DiLoCoCallback(DiLoCoCallbackBase):
     """Turn a single-optimizer Lightning run into one DiLoCo replica (torchft ``Manager`` + ``DiLoCo``).
 
-    Add it to the ``Trainer``'s callbacks in every replica process; the launcher
-    (:mod:`composer_plugins.diloco.launch`) sets the environment that says which replica this is. Outside
-    Lightning, call :meth:`attach` with the model and inner optimizer, and :meth:`close` at the end.
-
-    Attributes (after the first sync): ``outer_step`` (torchft step), ``num_participants``,
-    ``bytes_allreduced``, ``history`` (one dict per sync, as written to the sync log).
+    The launcher's environment says which replica this is; outside Lightning, :meth:`attach` then :meth:`close`.
+    After the first sync: ``outer_step`` (torchft step), ``num_participants``, ``bytes_allreduced``, ``history``.
     """
 
     transport = "torchft"
@@ -231,8 +216,7 @@ class DiLoCoCallback(DiLoCoCallbackBase):
             self._board = _coordination.RejoinBoard.connect(self.replica.rejoin)
             self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
         if self.replica.restart > 0:
-            # A restarted replica's local steps are thrown away when it heals, so it asks for its quorum
-            # after one step instead of H: it heals at the peers' next sync.
+            # its local steps are thrown away when it heals: ask for the quorum after one step, not H
             first = c.sync_every // c.num_fragments - c.fragment_sync_delay - 1
             self.diloco._local_step = first
             self._since_sync = first
@@ -328,11 +312,8 @@ class DiLoCoCallback(DiLoCoCallbackBase):
             return {}
 
     def _before_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Before the step whose sync would reach the target: wait (bounded) for a peer being restarted.
-
-        Waits until its torchft manager is up, so it can ask for the quorum of that last sync instead of
-        arriving after this replica has finished.
-        """
+        """Before the step whose sync would reach the target: wait (bounded) until no restarted peer is
+        ``pending``, so it can ask for the quorum of that last sync (docs/diloco.md, "Fault tolerance")."""
         if self.diloco is None or self._target is None or self.replica.restart > 0:
             return
         c = self.config

@@ -1,7 +1,5 @@
-"""The toy target of DiLoCo: a tiny causal LM on a synthetic Markov chain (tests, benchmark, smoke runs).
-
-``python -m composer_plugins.diloco.run --target toy`` trains it as one replica; :func:`run_toy`
-adds the DiLoCo callback of ``diloco.transport`` when a lighthouse or a store is known.
+"""The toy target of DiLoCo (``--target toy``): a tiny causal LM on a synthetic Markov chain (tests, benchmark,
+smoke runs); the ``toy:`` keys are in docs/diloco.md, "Quick start".
 """
 
 from __future__ import annotations
@@ -64,11 +62,8 @@ class ToyConfig:
 
 
 class ToyMarkovStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """Endless batches of token sequences from a fixed random sparse Markov chain.
-
-    The chain (``chain_seed``) is shared by every replica; the samples (``sample_seed``) are this replica's
-    own shard. The best achievable loss is the chain's entropy, about ``log(branching)``.
-    """
+    """Endless batches of token sequences from a fixed random sparse Markov chain (``chain_seed``: every replica's;
+    ``sample_seed``: this replica's shard). The best achievable loss is about ``log(branching)``."""
 
     def __init__(
         self, vocab_size: int, seq_len: int, batch_size: int, branching: int, chain_seed: int, sample_seed: int
@@ -164,11 +159,8 @@ def toy_eval_loss(model: ToyCausalLM, toy: ToyConfig) -> float:
 
 
 def run_toy(cfg: Config | Mapping[str, Any] | None = None, *, extra_callbacks: Sequence[pl.Callback] = ()) -> dict:
-    """Train the toy LM as one replica (DiLoCo when a lighthouse is known); returns a small summary.
-
-    Reads ``toy:`` (:class:`ToyConfig`) and ``diloco:`` (:class:`DiLoCoConfig`). The replica's seed is
-    ``$COMPOSER_DILOCO_SEED`` (else ``toy.seed + index``), its data shard its replica index.
-    """
+    """Train the toy LM as one replica (DiLoCo when a lighthouse or a store is known); returns a small summary.
+    The seed is ``$COMPOSER_DILOCO_SEED`` (else ``toy.seed + index``), the data shard the replica index."""
     c = cfg if isinstance(cfg, Config) else Config(dict(cfg or {}))
     toy = from_dict(ToyConfig, c.get("toy") or {}, c, "toy").validate(c, "toy")
     torch.set_num_threads(max(1, toy.threads))

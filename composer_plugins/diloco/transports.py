@@ -1,8 +1,5 @@
-"""DiLoCo's outer-sync transports, as registered objects (the ``register_transports`` hook): the one place a
-transport name is compared.
-
-Import-light (no torch): the launcher and the CLI read it. The built-ins, ``torchft`` and ``object_store``,
-register through :mod:`.plugin` as a third party would; ``composer-plugins list transports`` shows them.
+"""DiLoCo's outer-sync transports, as registered objects: the one place a transport name is compared
+(docs/plugins.md, "register_transports"). Import-light (no torch): the launcher and the CLI read it.
 """
 
 from __future__ import annotations

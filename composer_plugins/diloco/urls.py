@@ -1,8 +1,7 @@
 """Store URLs: which ones the storage libraries open, and how they appear in logs (import-light: no torch).
 
-A URL whose scheme obstore reaches (:data:`SCHEMES`) is opened with obstore; any other scheme an fsspec
-filesystem is registered for (``fsspec.available_protocols()``, third-party ones included) is opened with
-fsspec. Nothing else keeps a list of schemes.
+A URL whose scheme obstore reaches (:data:`SCHEMES`) is opened with obstore, any other scheme fsspec has a
+filesystem for with fsspec. Nothing else keeps a list of schemes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """DiLoCo whose outer sync travels through an object store (``diloco.transport: object_store``).
 
-Replicas never talk to each other: the store (``diloco.store``, an S3/GCS/Azure prefix or ``file://``) is their
-only meeting point, so they can run as serverless jobs that cannot open ports to each other. Layout of the run
-directory::
+The store (``diloco.store``) is the replicas' only meeting point. Layout of the run directory::
 
     run.json                          the run's identity and every setting its replicas must share
     init                              replica 0's state at the first sync (``init_sync``)
@@ -13,9 +11,8 @@ directory::
     state/<r>                         the global weights and outer optimizer state after round r (exact fp32,
                                       or a replay point: :mod:`.statehash`)
 
-Every object but the slices (which their index's checksums name) carries the run id; another run's are refused.
-The round, faults, the trust model and the sync log's extra fields: docs/diloco.md ("Serverless: replicas that
-meet through an object store"). Without faults an ``object_store`` run equals a ``torchft`` run of the same config.
+The round, faults, the trust model (each object but a slice carries the run id) and the sync log's extra fields:
+docs/diloco.md ("Serverless: replicas that meet through an object store").
 """
 
 from composer_plugins.diloco.objstore.callback import ObjectStoreDiLoCoCallback

@@ -33,11 +33,9 @@ class AggregateMixin:
         return True
 
     def _round_mean(self, r: int, manifest: dict[str, Any], own: torch.Tensor | None) -> torch.Tensor | None:
-        """Round ``r``'s mean pseudo-gradient, as stored in ``rounds/<r>/mean-<j>`` (one object per slice; see
-        docs/diloco.md, "One aggregate per round"): this replica makes its own slices (its pseudo-gradient from
-        ``own``), reads the others', and makes one whose owner has not written it within ``round_timeout_s`` (at once
-        for a closed round, ``own=None``). ``None`` when a round rebuilt later lacks a listed slice.
-        """
+        """Round ``r``'s mean pseudo-gradient as stored, slice by slice (docs/diloco.md, "One aggregate per round");
+        ``own``: this replica's pseudo-gradient (``None``: a closed round rebuilt, no waiting for slice owners).
+        ``None`` when a round rebuilt later lacks a listed slice."""
         c, rs, me = self.config, self.rounds, self.replica.index
         parts = list(manifest["participants"])
         numel = sum(p.numel() for p in self.params)
@@ -145,10 +143,8 @@ class AggregateMixin:
         return any(k >= r for k in self.rounds.state_rounds())
 
     def _close(self, r: int, me: int, mine_name: str | None) -> tuple[dict[str, Any], bool]:
-        """Wait for the others' pseudo-gradients (up to the deadline), then close the round or read its manifest.
-
-        Only the pseudo-gradients' indexes are read here (a few hundred bytes each): the data is read slice by
-        slice when the round's mean is made (:meth:`_round_mean`)."""
+        """Wait for the others' pseudo-gradients (their indexes only) up to the deadline, then close the round or
+        read its manifest."""
         c, rs, n = self.config, self.rounds, self.replica.num_replicas
         numel = sum(p.numel() for p in self.params)
         deadline = time.monotonic() + c.round_timeout_s
@@ -200,12 +196,9 @@ class AggregateMixin:
     @torch.no_grad()
     def _outer_step(self, avg: torch.Tensor, *, mix_local: bool = True, live: bool = True) -> None:
         """The outer step torchft's ``_StreamingDiLoCoFragment.perform_sync`` applies, on the averaged vector:
-        the outer optimizer steps the global weights with it as their gradient; then (``live``) the model takes
-        the global weights, mixed with its local ones by ``fragment_update_alpha`` (``mix_local``).
-
-        ``mix_local=False`` (a replica rebuilding a round it was not part of) keeps the global weights only;
-        ``live=False`` (the background sync of ``overlap: 1``) leaves the model's weights alone.
-        """
+        the outer optimizer steps the global weights with it as their gradient; then (``live``: not the background
+        sync of ``overlap: 1``) the model takes them, mixed with its local ones by ``fragment_update_alpha``
+        (``mix_local``: not a round rebuilt)."""
         off = 0
         for g in self.global_params:
             n = g.numel()

@@ -35,11 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, DiLoCoCallbackBase):
-    """One DiLoCo replica whose outer sync goes through an object store (see the module docstring).
-
-    Add it to a single-optimizer Lightning run in every replica process, as :class:`DiLoCoCallback`;
-    outside Lightning call :meth:`attach` with the model and the inner optimizer.
-    """
+    """One DiLoCo replica whose outer sync goes through an object store; used as :class:`DiLoCoCallback` is."""
 
     transport = "object_store"
 
@@ -239,9 +235,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
         self._record(r, committed, len(manifest["participants"]), err, time.perf_counter() - t0)
 
     def _launch_overlapped(self, r: int, t0: float) -> None:
-        """Snapshot the model's weights, then publish round ``r``'s pseudo-gradient, close the round and take its
-        outer step on the global weights in a background thread, while the model goes on with round ``r + 1``
-        (:meth:`_finish_overlapped`; docs/diloco.md, "overlap: 1"). ``init_sync`` (round 0) stays in the foreground."""
+        """``overlap: 1``: snapshot the weights and sync round ``r`` on the global weights in a background thread
+        (docs/diloco.md, "overlap: 1"); ``init_sync`` (round 0) stays in the foreground."""
         me = self.replica.index
         c = self.config
         if r == 0 and c.init_sync and self.replica.num_replicas > 1:
@@ -281,9 +276,8 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
 
     @torch.no_grad()
     def _finish_overlapped(self) -> None:
-        """Wait for the background sync of round ``r`` and apply it one round late: the model's weights become
-        the new global weights plus the inner steps taken since round ``r``'s snapshot (a delayed outer update,
-        as Streaming DiLoCo's overlap); a replica left out of round ``r`` catches up (dropping those steps)."""
+        """Wait for the background sync of round ``r`` and apply it one round late (``θ ← θ_global + θ − θ_snapshot``),
+        or catch up when left out of it."""
         assert self._overlapped is not None
         r, future, snapshot, result, launch_s = self._overlapped
         self._overlapped = None
@@ -330,9 +324,7 @@ class ObjectStoreDiLoCoCallback(RunIdentityMixin, StatesMixin, AggregateMixin, D
             "bytes_written": written,
             "bytes_read": read,
             "bytes_states": states,
-            # bytes_written split by what was created: pseudo-gradient, mean slices, exact and delta states, init (the
-            # rest of bytes_written is small objects: the manifest, run.json)
-            "bytes_by_kind": by_kind,
+            "bytes_by_kind": by_kind,  # docs/diloco.md, "Sync log"
             "compress_error": err,
             "sync_seconds": seconds,
             "store_retries": retries,

@@ -121,12 +121,10 @@ class RunIdentityMixin:
 
     def _refuse_leftovers(self) -> None:
         """This replica just created ``run.json``: refuse (and take it back) if the prefix already holds another
-        run's objects (a lifecycle rule that deleted the oldest object first leaves states without their run).
-        Each kind's newest object is looked at here; every object read later is checked as it is read."""
+        run's objects (a lifecycle rule that deleted the oldest object first leaves states without their run)."""
         for sub in ("init", "state", "rounds"):
             keys = (["init"] if self.store.exists("init") else []) if sub == "init" else self.store.list(sub)
-            # the objects that name their run (a pseudo-gradient's slices and a large object's blob do not)
-            keys = [k for k in keys if not _UNNAMED.search(k)]
+            keys = [k for k in keys if not _UNNAMED.search(k)]  # the newest that names its run is looked at
             if keys:
                 key = sorted(keys)[-1]
                 try:
@@ -149,9 +147,8 @@ _IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "d
 
 
 def optimizer_settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """What an optimizer computes, as JSON values: its class and each parameter group's hyper-parameters (the
-    learning rate a scheduler started from, ``initial_lr``, where one is attached). Group ``g > 0``'s keys are
-    prefixed ``group<g>.``."""
+    """What an optimizer computes, as JSON values: its class and each parameter group's hyper-parameters (``lr``:
+    the ``initial_lr`` a scheduler started from, if any), group ``g > 0``'s prefixed ``group<g>.``."""
     out: dict[str, Any] = {"class": f"{type(opt).__module__}.{type(opt).__qualname__}"}
     for g, group in enumerate(opt.param_groups):
         prefix = f"group{g}." if g else ""

@@ -69,8 +69,7 @@ class StoreObjectError(ComposerPluginsError, RuntimeError):
 
 class ForeignObjectError(CorruptObjectError):
     """An object in the run directory belongs to another run (its run id differs, or it carries none): refused
-    like a damaged one (a state: an older one is tried; a pseudo-gradient: left out; a manifest, a mean or
-    ``init``, which cannot be replaced: the replica stops, naming it)."""
+    like a damaged one (docs/diloco.md, "Resume and identity")."""
 
     def __init__(self, where: str, theirs: object, mine: object) -> None:
         super().__init__(
@@ -87,11 +86,9 @@ class RoundStore:
         self.store = store
         #: carried by every object written here; an object read here with another is refused
         self.run_id = run_id
-        # pseudo-gradient indexes read intact, by (round, name): each is created once (If-None-Match), and both the
-        # close of a round and the making of its mean need them, so each is read from the store once
+        # pseudo-gradient indexes read intact, by (round, name): each is created once, so read from the store once
         self._indexes: dict[tuple[int, str], dict[str, Any]] = {}
-        #: bytes created here by kind (``grad``: pseudo-gradients, ``mean``: slices of a round's mean, ``state``:
-        #: global states, ``init``): what the sync log splits ``bytes_written`` into
+        #: bytes created here by kind: the sync log's ``bytes_by_kind``
         self.bytes_by_kind: dict[str, int] = dict.fromkeys(WRITE_KINDS, 0)
         self._lock = threading.Lock()  # the state writer thread counts too
 
@@ -114,14 +111,12 @@ class RoundStore:
 
     # -- pseudo-gradients (sliced) and the round's aggregate ---------------------------
     def put_grad(self, r: int, index: int, restart: int, slices: list[tuple[dict[str, Any], bytes]]) -> tuple[str, int]:
-        """Create this replica's pseudo-gradient of round ``r`` from its encoded slices (:func:`encode_slices`), its
-        index last (so a listed index has its slices), as ``grad-<index>-<k>`` with the first ``k >= restart`` not
-        taken (an earlier life may hold a smaller one): ``(name, bytes)``."""
+        """Create this replica's pseudo-gradient of round ``r`` from its encoded slices, its index last (so a listed
+        index has its slices), as ``grad-<index>-<k>`` with the first free ``k >= restart``: ``(name, bytes)``."""
         d = self.round_dir(r)
         for k in range(restart, restart + _GRAD_TRIES):
             name = f"grad-{index}-{k}"
-            # no HEAD first: a name taken by an earlier life has its slices, so the first create fails (a store
-            # round trip less per round)
+            # no HEAD first: a name an earlier life took fails its first create (a store round trip less per round)
             nbytes, entries, lo = 0, [], 0
             for j, (h, body) in enumerate(slices):
                 data = pack({**h, "kind": "grad-slice", "round": r, "replica": index, "slice": j}, body)
@@ -361,7 +356,7 @@ class RoundStore:
     # -- states -----------------------------------------------------------------------
     def put_state(self, key: str, state: dict[str, Any], create: bool = True, *, digest: str | None = None) -> int:
         """Write ``state`` (nested tensors and numbers) as data under ``key``; bytes written (0: it existed).
-        ``digest``: the hash of its vectors (:func:`.deltas.state_hash`), recorded for the deltas built on it."""
+        ``digest``: the hash of its vectors (:func:`.statehash.state_hash`), recorded for the rounds replayed on it."""
         kind = key.split("/")[0]
         tree, body = encode_tree(state, f"{kind}")
         header: dict[str, Any] = {"kind": kind, "run": self.run_id, "tree": tree}
@@ -375,14 +370,11 @@ class RoundStore:
         )
 
     def get_state(self, key: str) -> dict[str, Any] | None:
-        """The state under ``key``; ``None`` if absent; :class:`CorruptObjectError` (naming it) if not intact data."""
+        """The state under ``key``; ``None`` if absent; :class:`CorruptObjectError` (naming it) if not intact data
+        or its vectors do not match the hash it records."""
         data = self.store.get(key)
         if data is None:
             return None
-        return self._load_state(key, data)
-
-    def _load_state(self, key: str, data: bytes) -> dict[str, Any]:
-        """The state in the object ``data`` under ``key``, checked against the hash it records (if any)."""
         header, body = unpack(data, self._where(key))
         kind = key.split("/")[0]
         self._ours(key, header)
@@ -423,8 +415,7 @@ class RoundStore:
 
     def collect_garbage(self, newest: int, keep_rounds: int) -> int:
         """Delete states older than the newest ``keep_rounds`` and the pseudo-gradients and means of rounds those
-        can no longer rebuild (manifests stay): a round after the oldest kept state keeps its mean, which a replica
-        rebuilding from that state replays (with replay points, ``exact_every``, that is every round since)."""
+        can no longer rebuild; manifests stay (docs/diloco.md, ``keep_rounds``)."""
         states = [k for k in self.state_rounds() if k <= newest]
         if len(states) <= keep_rounds:
             return 0
@@ -437,8 +428,7 @@ class RoundStore:
                 n += 1
         for key in self.store.list("rounds"):
             parts = key.split("/")
-            # pseudo-gradients only: a manifest (a few hundred bytes) stays, so a straggler still in that round
-            # finds it closed and never closes it a second time
+            # a manifest stays, so a straggler still in that round finds it closed and never closes it again
             in_old_round = len(parts) >= 2 and parts[-2].isdigit() and int(parts[-2]) <= oldest_kept
             if in_old_round and any(k in parts[-1] for k in ("grad-", "mean-", "refused-")):
                 self.store.delete(key)

@@ -51,20 +51,17 @@ class StatesMixin:
 
     # -- replay points (``exact_every``) -----------------------------------------------------------------
     def _replay_points(self) -> bool:
-        """Whether only one due state in ``exact_every`` is written (``exact_every > 1``, any codec): the states
-        between are replay points, rebuilt from the rounds' stored means (see :meth:`_state_written`)."""
+        """Whether only one due state in ``exact_every`` is written (docs/diloco.md, "States: replay points")."""
         return self.config.exact_every > 1
 
     def _state_written(self, r: int) -> bool:
-        """Whether round ``r``'s due state is written: always with ``exact_every: 1``; else the last of every
-        ``exact_every`` due states, by round, the same on every replica and launch (docs/diloco.md, "States: replay
-        points": a state between is the previous one plus the outer steps of the rounds' kept means)."""
+        """Whether round ``r``'s due state is written: the last of every ``exact_every`` due states, by round (the
+        same on every replica and launch)."""
         k, e = self.config.state_every, self.config.exact_every
         return e <= 1 or (r // k) % e == e - 1
 
     def _put_state(self, r: int) -> Callable[[], None]:
-        """A job writing round ``r``'s global state as it is now (exact fp32; with replay points recording its
-        hash, which a replica rebuilding the rounds after it can check against)."""
+        """A job writing round ``r``'s global state as it is now (with replay points, with its hash)."""
         rs, key, hashed = self.rounds, f"state/{r:08d}", self._replay_points()
         state = self._global_state()
 
@@ -86,13 +83,8 @@ class StatesMixin:
         )
 
     def _init_sync(self) -> None:
-        """Round 0 with ``init_sync``: every replica starts from the run's ``init`` (as torchft heals from one).
-
-        Replica 0 creates ``init`` from its state (a conditional create: a restarted replica 0, or a relaunch,
-        finds it there and takes it like the others). The others wait for it up to
-        ``diloco.barrier_timeout_s`` and fail with a located error after that; nobody trains from its own
-        weights.
-        """
+        """Round 0 with ``init_sync``: replica 0 creates the run's ``init``, every replica starts from it
+        (docs/diloco.md, "What a team can trust the store with", "One starting point")."""
         if self.replica.index == 0 and self.rounds.put_state("init", self._replica_state(), create=True):
             return
         deadline = time.monotonic() + self.config.barrier_timeout_s
@@ -197,12 +189,9 @@ class StatesMixin:
             time.sleep(self.config.poll_s)
 
     def _align_to_others(self) -> int:
-        """A replica that joins a round the others are already in (restarted, or caught up after it was left out)
-        takes only the inner steps they have left before this round's sync, so it is there when they close it
-        instead of keeping them waiting (or being left out again): the others' step time is the last round's
-        (the time between its manifest and the one before, over ``H``), the lag the time since the last manifest.
-        Nothing changes when the lag is not within one round (a run resumed later starts its rounds whole).
-        Steps skipped."""
+        """A replica joining a round the others are already in takes only the inner steps they have left (their
+        step time from the last two manifests, the lag since the last; nothing changes when the lag is a round or
+        more): docs/diloco.md, "Goodput under failures". Steps skipped."""
         h, r = self.config.sync_every, self.round
         if r < 2 or h < 2:
             return 0
@@ -231,8 +220,7 @@ class StatesMixin:
 
     def _state_due(self, r: int) -> bool:
         """Whether round ``r``'s global state is written: every ``state_every`` rounds and at the last round, of
-        those one in ``exact_every`` (:meth:`_state_written`); the rounds between are rebuilt from their manifests
-        and stored means."""
+        those one in ``exact_every`` (:meth:`_state_written`)."""
         k = self.config.state_every
         return (r % k == k - 1 or (self._target is not None and r + 1 >= self._target)) and self._state_written(r)
 
