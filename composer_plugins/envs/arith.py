@@ -5,12 +5,10 @@ question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's format, o
 calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name (:data:`DIFFICULTIES`; what
 each level asks: docs/envs.md, "Generator levels").
 
-Each level keeps its test split out of train by what it must not recall: levels 0-5 by a hash of the
-question *text*; ``chain`` by *what is computed* (:func:`composer_plugins.envs.steps.computation_key`), so
-the held-out set tests composition; ``columns`` by *numbers* (a stable hash holds out 20% of all integers:
-no operand, intermediate result or answer of a test problem occurs in train, while every single-step fact
-does), so only the procedure transfers (:func:`column_numbers`). Details and the measured overlaps:
-docs/envs.md ("Generator levels"). The same ``(n, difficulty, split, seed)`` always gives the same problems.
+Each level keeps its test split out of train by what it must not recall (question text, what is computed:
+:func:`composer_plugins.envs.steps.computation_key`, or numbers: :func:`column_numbers`); details and the
+measured overlaps: docs/envs.md, "Generator levels". The same ``(n, difficulty, split, seed)`` always gives the
+same problems.
 """
 
 from __future__ import annotations
@@ -302,10 +300,7 @@ def _chain(rng: random.Random, annotate: bool) -> ArithProblem:
 
 
 def column_numbers(a: int, b: int) -> dict[str, tuple[int, ...]]:
-    """The numbers adding ``a`` and ``b`` column by column involves, by role (the column levels' held-out unit).
-
-    The intermediate results are the sums of the last ``k`` digits for ``k`` from 2 to one less than the length.
-    """
+    """The numbers adding ``a`` and ``b`` column by column involves, by role (docs/envs.md, "Generator levels")."""
     inter = tuple(a % 10**k + b % 10**k for k in range(2, len(str(max(a, b)))))
     return {"operands": (a, b), "intermediate": inter, "answer": (a + b,)}
 
@@ -392,8 +387,7 @@ def generate_problems(
 
     ``annotations`` adds GSM8K's ``<<a+b=c>>`` calculator annotations; by default only at
     difficulties 2-5 (the lowest levels and ``chain`` stay short so a tiny model can learn them).
-    ``test_fraction`` (default 0.1, 0.2 at ``chain`` and ``columns``) is the share of keys assigned to test. At
-    ``chain`` no two test problems compute the same thing (every test row is a distinct computation).
+    ``test_fraction`` (default 0.1, 0.2 at ``chain`` and ``columns``) is the share of keys assigned to test.
     """
     from composer_plugins.envs.steps import computation_key
 

@@ -1,10 +1,7 @@
 """The env contract: tasks, a verifiable reward, structured feedback, and an OpenEnv-like loop.
 
-An env plugin is any object with ``sample_tasks(n, split, seed)`` (task dicts with a ``prompt`` and what the
-reward needs), ``reward(prompts, completions, **task_fields)`` (TRL's reward-function shape; ``None``: not
-scorable), ``feedback(prompt, completion, **task)``, ``score(completion, task)`` (reward and feedback in one
-pass) and the OpenEnv/Gym loop ``reset``/``step``/``close``; the contract is tabled in docs/envs.md ("The env
-contract"). Subclasses of :class:`Env` implement ``_score`` (uncached) and inherit the rest.
+The contract is tabled in docs/envs.md, "The env contract". Subclasses of :class:`Env` implement
+``sample_tasks`` and ``_score`` (uncached) and inherit the rest.
 """
 
 from __future__ import annotations
@@ -160,9 +157,7 @@ def _task_key(completion: str, task: Mapping[str, Any]) -> str:
 class Env(ABC):
     """Base class for env plugins. Subclasses implement :meth:`sample_tasks` and :meth:`_score`.
 
-    Everything else (the cached :meth:`score`, :meth:`score_batch`, the TRL-shaped :meth:`reward`,
-    :meth:`feedback`, :meth:`reset`/:meth:`step`/:meth:`close`) is built on those two; docs/envs.md
-    says what training reads from the tasks (``prompt``, and ``target`` or ``solution`` for SFT).
+    Everything else is built on those two (docs/envs.md, "Writing an env plugin").
 
     Args:
         max_turns: turns per episode for :meth:`reset`/:meth:`step`; a wrong answer before the
