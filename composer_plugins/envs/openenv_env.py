@@ -1,12 +1,8 @@
 """``openenv``: drive any environment that speaks the OpenEnv protocol as an env plugin; and the reverse.
 
-:class:`OpenEnvEnv` connects to an OpenEnv server (``/ws`` sessions, ``openenv-core``'s
-:class:`~openenv.core.GenericEnvClient`) and exposes it through the env contract: ``reset``/``step``/``close``
-for multi-turn rollouts, ``sample_tasks`` (one reset per task, the seed recorded) and ``reward`` (reset with
-the task's seed, step with the completion) for single-turn training, which needs a deterministic
-``reset(seed=...)``; usage in docs/envs.md. :class:`ComposerEnvironment` + :func:`create_openenv_app` serve any
-composer env as an OpenEnv server (``/ws`` and ``/health``), and :func:`serve` runs one with uvicorn on
-loopback.
+:class:`OpenEnvEnv` is the client (single-turn ``reward`` needs a deterministic ``reset(seed=...)``);
+:class:`ComposerEnvironment` + :func:`create_openenv_app` serve any composer env as an OpenEnv server, and
+:func:`serve` runs one with uvicorn on loopback. Usage: docs/envs.md, "``openenv``".
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 
 The hint is the "textual feedback" of targeted RL / hint self-distillation: it is inserted into the context
 at the failing turn (:func:`build_teacher_context`) to form the teacher context, under which the same model
-scores the student's attempt. Built-ins (registry kind ``hints``; docs/envs.md "Hints"): ``template`` (a
-fixed text per feedback kind), ``raw_error`` (the verifier's own words), ``llm_teacher`` (a teacher model
-writes it; falls back to ``template``), ``chain`` (the first of several that gives one) and ``demonstration``
-(a successful sibling's completion, SDPO's self-teacher); ``step_check`` is in
-:mod:`composer_plugins.envs.step_check`.
+scores the student's attempt. The built-ins (registry kind ``hints``) are tabled in docs/envs.md, "Hints";
+``step_check`` is in :mod:`composer_plugins.envs.step_check`.
 
 One contract (``contract``): a provider gets one :class:`HintRequest` per row, with the row's rollout group
 (:class:`SiblingGroup`), and implements ``hints(requests) -> list[str | None]`` (or ``hint(request)``); older
