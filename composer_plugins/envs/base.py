@@ -58,13 +58,8 @@ UNJUDGED_KINDS: frozenset[str] = frozenset({"sandbox_error", "unscorable"})
 class Feedback:
     """Structured verifier feedback for one completion.
 
-    Attributes:
-        kind: one of :data:`FEEDBACK_KINDS` (envs may add their own).
-        message: one human-readable line (``"expected 42, got 41"``).
-        details: machine-readable specifics: ``expected``/``got`` for answers; ``test``,
-            ``assertion``, ``actual``, ``error``, ``traceback`` for code; ``failed``/``regressed``
-            test ids for repositories.
-        reward: the reward this completion earned (None if unscorable).
+    ``kind`` is one of :data:`FEEDBACK_KINDS` (envs may add their own), ``message`` one human-readable line,
+    ``details`` the machine-readable specifics (docs/envs.md, "The env contract"), ``reward`` None if unscorable.
     """
 
     kind: str

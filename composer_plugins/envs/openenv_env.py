@@ -150,11 +150,7 @@ class OpenEnvEnv(Env):
 
     Args:
         base_url: the server (``http://host:port`` or ``ws://...``).
-        action_key: the action field the completion goes into (``{"message": completion}``).
-        action_fields: constant extra action fields.
-        text_keys: observation fields tried, in order, for the text shown to the policy.
-        feedback_keys: observation fields tried for the feedback text after a wrong step.
-        success_reward: a step reward at or above this counts as ``correct``.
+        action_key, action_fields, text_keys, feedback_keys, success_reward: docs/envs.md, "``openenv``".
         reset_kwargs: extra keyword arguments for every ``reset``.
         seed_offset: task ``i`` of ``sample_tasks(seed=s)`` resets with seed ``s * 100003 + i + seed_offset``.
         connect_timeout_s, message_timeout_s: client timeouts.
