@@ -326,10 +326,8 @@ def _columns(rng: random.Random, want: str, frac: float, level: int) -> ArithPro
 def dropped_carry(solution: str) -> str | None:
     """``solution`` (a column level's worked solution) with its final carry dropped from the answer, else ``None``.
 
-    The slip a careless demonstrator makes: every column line is right, but the answer line leaves out the carry
-    out of the last column (``4+7+1=12`` over ``245``'s columns is answered ``#### 245``, not ``#### 1245``).
-    ``None`` when the last column does not carry, or when ``solution`` is not a column solution. ``sft.slip_rate``
-    trains a warm start on such demonstrations (:func:`composer_plugins.training.runs.sft.sft_pairs`).
+    ``None`` when the last column does not carry, or when ``solution`` is not a column solution. The slip
+    ``sft.slip_rate`` trains a warm start on: docs/training.md.
     """
     *lines, last = solution.rstrip("\n").split("\n")
     if not lines or not last.strip().startswith("#### "):

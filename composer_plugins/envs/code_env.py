@@ -274,7 +274,6 @@ class CodeEnv(Env):
         return out
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
-        """``n`` tasks of ``split`` (cycling through shuffles), deterministic in ``seed``."""
         return sample_cycling(self.tasks(split), n, seed)
 
     # -- scoring -------------------------------------------------------------------------------

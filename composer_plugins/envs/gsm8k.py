@@ -228,7 +228,6 @@ class GSM8KEnv(Env):
         return tasks
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
-        """``n`` tasks of ``split``, deterministic in ``seed``."""
         if self.source != "generator":
             return sample_cycling(self.tasks(split), n, seed)
         s = _split_name(split)
