@@ -98,20 +98,17 @@ def top_level_packages(repo: str | os.PathLike[str]) -> tuple[list[str], list[st
 class FeatureDeletionEnv(Env):
     """Reimplement a function/class deleted from a real repo; reward = fail-to-pass tests fixed, no regression.
 
+    ``repo``, ``symbols``, ``modes``, ``cache_path`` (it holds the golden code: keep it private), ``sandbox_expose``
+    (``"all"`` gives the deleted code away wherever another copy of the repository is) and ``sandbox_allow``:
+    docs/envs.md, "``feature_deletion``". Besides them:
+
     Args:
-        repo: a Python repository with pytest tests (default: the shipped ``textkit`` fixture).
-        symbols: which symbols to delete (``"qualname"`` or ``"path.py::qualname"``); default:
-            every public function/method/class, shuffled with ``seed`` and capped by ``max_tasks``.
         max_tasks: how many verified tasks to build (None: all).
         min_pass_to_pass: a deletion is kept only if at least this many tests still pass.
         test_split: fraction of tasks in the ``test`` split (by a hash of the task id).
         python: interpreter that runs the tests (needs pytest); default: this one.
         timeout_s: wall-clock limit of one test run. ``isolation``: sandbox isolation.
         num_workers: test runs in parallel (building and scoring).
-        cache_path: optional JSON file to store/load the built tasks (holds golden code: keep it private).
-        sandbox_expose: ``"allowlist"`` (default) or ``"all"``, where **any other copy of the repository gives the
-            deleted code away** (docs/envs.md, "Other copies").
-        sandbox_allow: extra host paths visible in ``"allowlist"`` mode (e.g. data the tests read).
     """
 
     name = "feature_deletion"
