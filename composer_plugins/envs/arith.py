@@ -1,14 +1,10 @@
 """A seeded generator of GSM8K-format arithmetic word problems with known answers.
 
-Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these. Each problem has a
-question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's format, optionally with ``<<a+b=c>>``
-calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name (:data:`DIFFICULTIES`; what
-each level asks: docs/envs.md, "Generator levels").
-
-Each level keeps its test split out of train by what it must not recall (question text, what is computed:
-:func:`composer_plugins.envs.steps.computation_key`, or numbers: :func:`column_numbers`); details and the
-measured overlaps: docs/envs.md, "Generator levels". The same ``(n, difficulty, split, seed)`` always gives the
-same problems.
+Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these: a question, a worked
+solution ending in ``#### <answer>`` (optionally with ``<<a+b=c>>`` annotations) and the answer. What each level
+(:data:`DIFFICULTIES`) asks and keeps out of train (question text, what is computed:
+:func:`composer_plugins.envs.steps.computation_key`, or numbers: :func:`column_numbers`), with the measured
+overlaps: docs/envs.md, "Generator levels". The same ``(n, difficulty, split, seed)`` gives the same problems.
 """
 
 from __future__ import annotations

@@ -56,17 +56,14 @@ class _Pipes:
 class Sandbox:
     """Runs commands on untrusted code in a fresh, isolated, resource-limited temp directory.
 
-    The isolation modes, ``expose``/``allow`` and what each protection rests on: docs/envs.md, "The sandbox".
+    The ``isolation`` modes and their defaults (starting programs and ctypes refused in guard mode only:
+    ``allow_subprocess``, ``block_ctypes``), ``expose``/``allow`` and what each protection rests on: docs/envs.md,
+    "The sandbox".
 
     Args:
-        isolation: ``"auto"`` (namespaces when they work here, else guard), ``"namespaces"``
-            (raise if unavailable) or ``"guard"`` (audit hook only).
         hide: extra paths the sandboxed code must not see or read (an original repository ...).
         python: interpreter to run ``"python"`` commands with (default: this one).
-        allow_subprocess: default: yes with namespaces; no in guard mode, where a program started from
-            Python would escape the audit hook.
         audit_guard: install the ``sitecustomize`` audit-hook guard (also in namespace mode).
-        block_ctypes: refuse native calls through ctypes (default: only in guard mode).
     """
 
     def __init__(
