@@ -154,11 +154,8 @@ class Env(ABC):
 
     Everything else is built on those two (docs/envs.md, "Writing an env plugin").
 
-    Args:
-        max_turns: turns per episode for :meth:`reset`/:meth:`step`; a wrong answer before the
-            last turn returns the feedback as the next observation instead of ending the episode.
-        num_workers: completions scored in parallel by :meth:`reward` (sandboxed envs).
-        cache_size: scores remembered, so ``feedback()`` after ``reward()`` costs nothing.
+    ``max_turns`` (turns per :meth:`step` episode), ``num_workers`` (completions scored in parallel) and
+    ``cache_size`` (scores remembered for ``feedback()`` after ``reward()``): docs/envs.md, "The env contract".
     """
 
     #: Registry name (set by subclasses).
