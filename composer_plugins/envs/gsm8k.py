@@ -140,11 +140,8 @@ def _files_for_split(directory: str, split: str) -> list[str]:
 class GSM8KEnv(Env):
     """GSM8K math word problems (hub, local file or seeded generator); exact-match reward on the final number.
 
-    The arguments are tabled in docs/envs.md, "``gsm8k``"; besides them:
-
-    Args:
-        dataset_id, dataset_config: hub dataset for ``source="hf"``.
-        max_turns: turns per episode in :meth:`reset`/:meth:`step`.
+    The arguments are tabled in docs/envs.md, "``gsm8k``"; ``dataset_id``, ``dataset_config``: the hub dataset for
+    ``source="hf"``; ``max_turns``: :class:`~composer_plugins.envs.base.Env`'s.
     """
 
     name = "gsm8k"

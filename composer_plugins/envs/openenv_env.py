@@ -153,7 +153,6 @@ class OpenEnvEnv(Env):
         action_key, action_fields, text_keys, feedback_keys, success_reward: docs/envs.md, "``openenv``".
         reset_kwargs: extra keyword arguments for every ``reset``.
         seed_offset: task ``i`` of ``sample_tasks(seed=s)`` resets with seed ``s * 100003 + i + seed_offset``.
-        connect_timeout_s, message_timeout_s: client timeouts.
         max_turns: turns per episode before the adapter ends it (the server may end it earlier).
     """
 

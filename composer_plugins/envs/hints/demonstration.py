@@ -14,7 +14,6 @@ from composer_plugins.envs.base import prompt_text
 from composer_plugins.envs.hints.contract import HintProvider, HintRequest, SiblingGroup, build_hint_provider
 
 #: SDPO's reprompting defaults (Hübotter et al. 2026), worded for the ``Hint: ...`` block of a teacher context.
-#: ``{feedback}`` is empty, or the rendered ``feedback_template`` after a blank line.
 DEMONSTRATION_TEMPLATE = "Correct solution:\n{demonstration}{feedback}\n\nCorrectly solve the original question."
 FEEDBACK_TEMPLATE = "The following is feedback from your unsuccessful earlier attempt:\n{feedback}"
 

@@ -136,7 +136,7 @@ class Sandbox:
             hide: more paths to hide for this run only.
             readonly: paths, relative to the working directory, the code may not modify.
             protected_packages: top-level packages importable only from the working directory.
-            scripts: trusted programs from ``_sandbox/`` to make importable (``code_harness`` ...).
+            scripts: trusted programs from ``_runtime/`` to make importable (``code_harness`` ...).
             collect: relative paths of files to read back after the run (into ``result.files``).
         """
         lim = limits or self.limits
