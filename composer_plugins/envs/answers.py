@@ -1,9 +1,6 @@
 r"""Final-answer extraction for GSM8K-style math: ``#### 42``, ``\boxed{42}``, "the answer is 42", last number.
 
-Numbers are compared exactly as fractions after normalisation: thousands separators
-(``1,234``), currency and percent signs, units (``18 dollars``), negatives (``-5``, ``−5``),
-decimals (``3.50`` == ``3.5``), fractions (``3/4``, ``\frac{3}{4}``) and small number words
-("twelve") when a text has no digits at all.
+Numbers are compared exactly as fractions after normalisation (docs/envs.md, "Answer extraction").
 
 >>> extract_answer("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72")
 '72'

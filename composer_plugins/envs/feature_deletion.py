@@ -1,13 +1,7 @@
 """``feature_deletion``: synthetic "reimplement the deleted feature" tasks from any repo with pytest tests.
 
-The recipe (after Cursor's synthetic tasks; step by step in docs/envs.md): keep the tests that pass, delete a
-symbol's body (``mode="body"``) or whole definition (``mode="symbol"``), keep the deletion when some tests
-now fail (``fail_to_pass``) while others still pass (``pass_to_pass``), and ask for the definition back.
-Reward: the fraction of ``fail_to_pass`` tests that pass once the completion's definition is put back, and 0
-if any ``pass_to_pass`` test regresses. Every run happens in the :class:`~composer_plugins.envs.sandbox.Sandbox`
-on a cleaned, read-only copy of the repository with the original checkout and any installed copy of its
-packages hidden, and by default (``sandbox_expose="allowlist"``) nothing else of the host visible, so the
-deleted code cannot be recovered from leftovers.
+The recipe, the reward and what the sandbox hides (the deleted code must not be recoverable from leftovers):
+docs/envs.md, "``feature_deletion``".
 
 This module owns the env (building, caching and scoring tasks, what the sandbox hides); the source
 surgery (finding, deleting and splicing back definitions) is :mod:`composer_plugins.envs.symbols`.
@@ -104,22 +98,17 @@ def top_level_packages(repo: str | os.PathLike[str]) -> tuple[list[str], list[st
 class FeatureDeletionEnv(Env):
     """Reimplement a function/class deleted from a real repo; reward = fail-to-pass tests fixed, no regression.
 
+    ``repo``, ``symbols``, ``modes``, ``cache_path`` (it holds the golden code: keep it private), ``sandbox_expose``
+    (``"all"`` gives the deleted code away wherever another copy of the repository is) and ``sandbox_allow``:
+    docs/envs.md, "``feature_deletion``". Besides them:
+
     Args:
-        repo: a Python repository with pytest tests (default: the shipped ``textkit`` fixture).
-        symbols: which symbols to delete (``"qualname"`` or ``"path.py::qualname"``); default:
-            every public function/method/class, shuffled with ``seed`` and capped by ``max_tasks``.
-        modes: ``"body"`` and/or ``"symbol"`` deletions.
         max_tasks: how many verified tasks to build (None: all).
         min_pass_to_pass: a deletion is kept only if at least this many tests still pass.
         test_split: fraction of tasks in the ``test`` split (by a hash of the task id).
         python: interpreter that runs the tests (needs pytest); default: this one.
         timeout_s: wall-clock limit of one test run. ``isolation``: sandbox isolation.
         num_workers: test runs in parallel (building and scoring).
-        cache_path: optional JSON file to store/load the built tasks (holds golden code: keep it private).
-        sandbox_expose: ``"allowlist"`` (default) shows the sandbox only the interpreter, system libraries, its
-            copy of the repository and ``sandbox_allow``; ``"all"`` every host path but the hidden ones, where **any
-            other copy of the repository gives the deleted code away** (docs/envs.md, "Other copies").
-        sandbox_allow: extra host paths visible in ``"allowlist"`` mode (e.g. data the tests read).
     """
 
     name = "feature_deletion"

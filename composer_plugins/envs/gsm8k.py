@@ -1,9 +1,7 @@
 """``gsm8k``: grade-school math word problems with an exact-match reward on the final number.
 
-Sources (``source=``, tabled in docs/envs.md): ``"generator"`` (default; seeded GSM8K-format problems from
-:mod:`composer_plugins.envs.arith`, no network), ``"hf"`` (``openai/gsm8k`` through ``datasets``) or a local
-file, directory or ``{"train": path, "test": path}`` mapping in GSM8K's format. Malformed files raise
-:class:`~composer_plugins.core.errors.ConfigError` naming the file and the line (jsonl) or row (parquet).
+Sources (the seeded :mod:`composer_plugins.envs.arith` generator, the hub or local files) and the malformed-file
+errors: docs/envs.md, "``gsm8k``".
 """
 
 from __future__ import annotations
@@ -142,18 +140,8 @@ def _files_for_split(directory: str, split: str) -> list[str]:
 class GSM8KEnv(Env):
     """GSM8K math word problems (hub, local file or seeded generator); exact-match reward on the final number.
 
-    Args:
-        source: ``"generator"`` (default), ``"hf"``, a file/directory path, or ``{"train": ..., "test": ...}``.
-        difficulty: generator level 0-8 or name (``trivial``, ``easy`` ...; see :mod:`.arith`).
-        annotations: generator ``<<a+b=c>>`` annotations (default: from difficulty 2 up).
-        prompt_template: how a question becomes the prompt (``{question}``).
-        chat: give each prompt as chat messages (``[{role: system, ...}, {role: user, content: <prompt_template>}]``)
-            for instruct models, rendered by the trainer with the tokenizer's chat template
-            (``model.chat_template``); default: the text of ``prompt_template``.
-        system_prompt: the system message of chat prompts (none when empty).
-        strict_format: only accept answers given as ``#### <number>``.
-        dataset_id, dataset_config: hub dataset for ``source="hf"``.
-        max_turns: turns per episode in :meth:`reset`/:meth:`step`.
+    The arguments are tabled in docs/envs.md, "``gsm8k``"; ``dataset_id``, ``dataset_config``: the hub dataset for
+    ``source="hf"``; ``max_turns``: :class:`~composer_plugins.envs.base.Env`'s.
     """
 
     name = "gsm8k"
@@ -237,7 +225,6 @@ class GSM8KEnv(Env):
         return tasks
 
     def sample_tasks(self, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
-        """``n`` tasks of ``split``, deterministic in ``seed``."""
         if self.source != "generator":
             return sample_cycling(self.tasks(split), n, seed)
         s = _split_name(split)

@@ -1,12 +1,8 @@
 """``openenv``: drive any environment that speaks the OpenEnv protocol as an env plugin; and the reverse.
 
-:class:`OpenEnvEnv` connects to an OpenEnv server (``/ws`` sessions, ``openenv-core``'s
-:class:`~openenv.core.GenericEnvClient`) and exposes it through the env contract: ``reset``/``step``/``close``
-for multi-turn rollouts, ``sample_tasks`` (one reset per task, the seed recorded) and ``reward`` (reset with
-the task's seed, step with the completion) for single-turn training, which needs a deterministic
-``reset(seed=...)``; usage in docs/envs.md. :class:`ComposerEnvironment` + :func:`create_openenv_app` serve any
-composer env as an OpenEnv server (``/ws`` and ``/health``), and :func:`serve` runs one with uvicorn on
-loopback.
+:class:`OpenEnvEnv` is the client (single-turn ``reward`` needs a deterministic ``reset(seed=...)``);
+:class:`ComposerEnvironment` + :func:`create_openenv_app` serve any composer env as an OpenEnv server, and
+:func:`serve` runs one with uvicorn on loopback. Usage: docs/envs.md, "``openenv``".
 """
 
 from __future__ import annotations
@@ -154,14 +150,9 @@ class OpenEnvEnv(Env):
 
     Args:
         base_url: the server (``http://host:port`` or ``ws://...``).
-        action_key: the action field the completion goes into (``{"message": completion}``).
-        action_fields: constant extra action fields.
-        text_keys: observation fields tried, in order, for the text shown to the policy.
-        feedback_keys: observation fields tried for the feedback text after a wrong step.
-        success_reward: a step reward at or above this counts as ``correct``.
+        action_key, action_fields, text_keys, feedback_keys, success_reward: docs/envs.md, "``openenv``".
         reset_kwargs: extra keyword arguments for every ``reset``.
         seed_offset: task ``i`` of ``sample_tasks(seed=s)`` resets with seed ``s * 100003 + i + seed_offset``.
-        connect_timeout_s, message_timeout_s: client timeouts.
         max_turns: turns per episode before the adapter ends it (the server may end it earlier).
     """
 

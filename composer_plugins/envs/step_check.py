@@ -1,18 +1,9 @@
 """``step_check``: a hint that locates the mistake in a worked arithmetic solution (registry kind ``hints``).
 
-The verifier of a GSM8K-format env only says the final number is wrong. This provider recomputes every step
-the completion states (:mod:`.steps`) and names the first false one with its true value (``Step 2: 7 × 2 = 14,
-not 15.``), never the final answer; when every step holds, where the steps depart from the task's worked
-solution (at the ``columns`` level, the first wrong column); otherwise the ``fallback`` provider's hint.
-Every hint, with examples: docs/envs.md ("Hints", ``columns``).
-
-Args:
-    fallback: the provider used when the steps cannot locate the mistake (name, config dict or
-        object; default ``raw_error``; ``none`` for no hint).
-    template: the false-step hint, with ``{index}``, ``{equation}`` (``7 × 2 = 14``, the true value),
-        ``{stated}`` (the stated result) and ``{expression}`` (``7 × 2``).
-    hidden_template: the false-step hint when the true value is the final answer (same fields but no
-        true value in ``{equation}``).
+The verifier of a GSM8K-format env only says the final number is wrong; this provider recomputes the steps the
+completion states (:mod:`.steps`). Every hint, with examples, and the arguments (``fallback``: a name, config
+dict or object; ``template``; ``hidden_template``, used when the true value is the final answer, so
+``{equation}`` has none): docs/envs.md ("Hints", ``columns``).
 """
 
 from __future__ import annotations

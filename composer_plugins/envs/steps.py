@@ -1,12 +1,8 @@
 """The worked steps of an arithmetic solution: the equations ``a op b = c`` it states, and what it computes.
 
-One parser for two uses:
-
-* :func:`computation_key` names *what a problem computes* (its equations' operands and operators,
-  without the results), so a held-out split can keep every computed tuple out of train
-  (:mod:`.arith`, ``composer-plugins prepare``'s overlap report);
-* :func:`parse_steps` / :func:`parse_columns` read what a completion states, for the ``step_check`` hint
-  provider (:mod:`.step_check`).
+One parser for two uses: :func:`computation_key` names *what a problem computes* (operands and operators,
+without the results) for held-out splits (:mod:`.arith`, ``prepare``'s overlap report); :func:`parse_steps` /
+:func:`parse_columns` read what a completion states, for the ``step_check`` hint provider (:mod:`.step_check`).
 
 An equation is ``a op b = c`` with ``op`` one of ``+ - * / x × ÷ −``, optionally written GSM8K-style
 with a calculator annotation (``3 * 4 = <<3*4=12>>12``); a bare annotation (``<<3*4=12>>``) counts too.

@@ -142,8 +142,7 @@ def delete_symbol(
 ) -> tuple[str, dict[str, Any]]:
     """Delete ``qualname`` from ``source``. Returns the new source and where the definition goes back.
 
-    ``mode="body"`` keeps the signature (and docstring) and makes the body ``raise
-    NotImplementedError`` (``pass`` for a class); ``mode="symbol"`` removes the definition.
+    ``mode``: docs/envs.md, "``feature_deletion``", step 2.
     The info dict has ``span`` (1-based inclusive lines of the stub in the new source, body mode),
     ``insert_at`` (0-based line index, symbol mode), ``indent``, ``class_line`` (for methods),
     and ``original`` (the deleted definition's source).

@@ -1,16 +1,10 @@
 """Hint providers: turn an env's structured :class:`~composer_plugins.envs.base.Feedback` into a hint.
 
-The hint is the "textual feedback" of targeted RL / hint self-distillation: it is inserted into the context
-at the failing turn (:func:`build_teacher_context`) to form the teacher context, under which the same model
-scores the student's attempt. Built-ins (registry kind ``hints``; docs/envs.md "Hints"): ``template`` (a
-fixed text per feedback kind), ``raw_error`` (the verifier's own words), ``llm_teacher`` (a teacher model
-writes it; falls back to ``template``), ``chain`` (the first of several that gives one) and ``demonstration``
-(a successful sibling's completion, SDPO's self-teacher); ``step_check`` is in
-:mod:`composer_plugins.envs.step_check`.
-
-One contract (``contract``): a provider gets one :class:`HintRequest` per row, with the row's rollout group
-(:class:`SiblingGroup`), and implements ``hints(requests) -> list[str | None]`` (or ``hint(request)``); older
-shapes are adapted once, when :func:`build_hint_provider` builds the provider. Import from this package.
+The hint (the "textual feedback" of hint self-distillation) goes into the teacher context at the failing turn
+(:func:`build_teacher_context`). The built-ins are tabled in docs/envs.md, "Hints" (``step_check`` is in
+:mod:`composer_plugins.envs.step_check`); the one provider contract (``contract``: a :class:`HintRequest` per
+row, older shapes adapted once by :func:`build_hint_provider`) in docs/plugins.md, "register_hint_providers".
+Import from this package.
 """
 
 from __future__ import annotations

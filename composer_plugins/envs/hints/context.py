@@ -25,15 +25,9 @@ def build_teacher_context(
 ) -> str | list[dict[str, Any]]:
     """The teacher context: the student's context with the hint inserted at the failing turn.
 
-    * A text prompt: the hint goes before a final answer cue line (``...\\nAnswer:``) if there
-      is one, else at the end: ``"Question: ...\\nHint: ...\\nAnswer:"``.
-    * Chat messages: the context is cut right before the failing assistant turn
-      (``failing_turn``, an index into ``messages``; default: the last assistant message, or the
-      next turn if the last message is not the assistant's); the hint is appended to the
-      user/tool message just before it, or added as a new ``role`` message.
-
-    The student's (failing) completion is what the teacher then scores in this context.
-    With ``hint`` None or empty the context is returned unchanged.
+    Where the hint goes, for a text prompt and for chat messages: docs/envs.md, "Hints". ``failing_turn`` is an
+    index into ``messages`` (default: the last assistant message, or the next turn if the last message is not
+    the assistant's); a new hint message gets ``role``. With ``hint`` None or empty the context is unchanged.
     """
     if isinstance(prompt, str):
         if not hint:

@@ -14,12 +14,8 @@ from composer_plugins.envs.base import Feedback
 class SiblingGroup:
     """One row's view of its rollout group: the ``G`` completions sampled for the same prompt.
 
-    Attributes:
-        completions: every completion of the group, this row's included (text or chat messages).
-        rewards: their rewards, in the same order.
-        index: this row's position in the group.
-        success_threshold: reward at or above which a completion counts as successful (the
-            rollout's ``success_threshold``; a provider may apply its own).
+    Its fields (this row's ``index`` in ``completions`` and ``rewards`` ...): docs/plugins.md,
+    "register_hint_providers".
     """
 
     completions: tuple[Any, ...]
@@ -74,13 +70,7 @@ def sibling_groups(
 class HintRequest:
     """What a hint provider is asked about one row: a failed (or any) completion and its context.
 
-    Attributes:
-        prompt: the prompt the completion answers (text or chat messages).
-        completion: the student's completion (text or chat messages).
-        feedback: the env's :class:`~composer_plugins.envs.base.Feedback` on it (``None``: none).
-        task: the task dict (the env's fields: ``answer``, ``tests`` ...).
-        reward: the completion's reward.
-        group: the row's rollout group (its siblings and their rewards), ``None`` when not sampled.
+    Its fields: docs/plugins.md, "register_hint_providers"; ``group`` is ``None`` when not sampled.
     """
 
     prompt: Any = None
@@ -99,9 +89,8 @@ class HintRequest:
 class HintProvider:
     """Base class of hint providers: ``hint(request) -> str | None`` per row, ``hints(requests)`` per batch.
 
-    ``None`` means "no hint" (the completion was correct, or nothing useful can be said). Providers
-    that call models override :meth:`hints` (concurrent calls); providers that read the rollout
-    group set ``reads_groups = True`` (callers then gather the group's siblings across processes).
+    ``None`` means "no hint". The contract (concurrent :meth:`hints`, ``reads_groups``): docs/plugins.md,
+    "register_hint_providers".
     """
 
     name: ClassVar[str] = "hint"

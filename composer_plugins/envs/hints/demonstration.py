@@ -14,7 +14,6 @@ from composer_plugins.envs.base import prompt_text
 from composer_plugins.envs.hints.contract import HintProvider, HintRequest, SiblingGroup, build_hint_provider
 
 #: SDPO's reprompting defaults (Hübotter et al. 2026), worded for the ``Hint: ...`` block of a teacher context.
-#: ``{feedback}`` is empty, or the rendered ``feedback_template`` after a blank line.
 DEMONSTRATION_TEMPLATE = "Correct solution:\n{demonstration}{feedback}\n\nCorrectly solve the original question."
 FEEDBACK_TEMPLATE = "The following is feedback from your unsuccessful earlier attempt:\n{feedback}"
 
@@ -50,27 +49,11 @@ class DemonstrationHintProvider(HintProvider):
     For a failed row the hint shows another completion of the same prompt that succeeded, never the row's own,
     through ``template``; when none did (or no group is given), what ``fallback`` says.
 
-    Args:
-        success_threshold: reward at or above which a sibling counts as successful (SDPO: 0.5);
-            ``None`` uses the rollout's ``success_threshold`` carried by the group.
-        pick: which successful sibling: ``first`` (lowest index), ``shortest`` (fewest characters,
-            ties to the lowest index) or ``random`` (seeded by ``seed`` and the group's contents,
-            so the same rollout gets the same pick).
-        seed: seed of ``pick: random``.
-        max_chars: cut the demonstration to this many characters (its start is kept).
-        template: the hint, with ``{demonstration}`` and ``{feedback}`` (empty unless
-            ``include_feedback``; else a blank line and the rendered ``feedback_template``;
-            appended at the end when the template has no ``{feedback}``).
-        feedback_template: how the feedback is rendered, with ``{feedback}``.
-        include_feedback: add the feedback after the demonstration (SDPO's default is to use
-            feedback only when no sibling succeeded).
-        fallback: ``feedback`` or ``none`` when no sibling succeeded.
-        feedback: the provider that turns the env's feedback into text (name, config dict or
-            object; ``raw_error`` by default, ``template`` for the fixed texts).
-        strip_thinking: drop ``<think>...</think>`` blocks from the demonstration.
-        rows: which rows get a hint: ``failed`` (the rows below the success threshold) or ``all``
-            (SDPO's rule: every row with a successful sibling other than itself, successful rows
-            included; a row without one gets the feedback fallback only if it failed).
+    The arguments are tabled in docs/envs.md, "Hints"; beyond that: ``pick: shortest`` breaks ties to the lowest
+    index, ``pick: random`` is seeded by ``seed`` and the group's contents (the same rollout gets the same pick),
+    ``max_chars`` keeps the demonstration's start, ``{feedback}`` is empty unless ``include_feedback`` (else a
+    blank line and the rendered ``feedback_template``, appended when ``template`` has no ``{feedback}``), and
+    with ``rows: all`` a row without a successful sibling gets the fallback only if it failed.
     """
 
     name = "demonstration"

@@ -59,10 +59,8 @@ def _fields(feedback: Feedback, reveal_answer: bool, limit: int = 400) -> _Field
 class TemplateHintProvider(HintProvider):
     """Fixed hint text per feedback kind (no model calls).
 
-    Args:
-        templates: per-kind overrides of :data:`DEFAULT_TEMPLATES` (``str.format`` fields from the feedback).
-        reveal_answer: mention the expected answer in wrong-answer hints.
-        default: text for kinds without a template (None: no hint).
+    ``templates`` overrides :data:`DEFAULT_TEMPLATES` per kind; ``default`` is the text for kinds without a
+    template (None: no hint).
     """
 
     name = "template"
@@ -98,9 +96,7 @@ class TemplateHintProvider(HintProvider):
 class RawErrorHintProvider(HintProvider):
     """The verifier's raw error as the hint: assertion message, expected/actual, traceback, failing test.
 
-    Args:
-        max_chars: truncate the hint to this many characters (keeping the end of tracebacks).
-        reveal_answer: for wrong answers, say what the expected answer was.
+    ``max_chars`` truncates the hint (keeping the end of tracebacks).
     """
 
     name = "raw_error"

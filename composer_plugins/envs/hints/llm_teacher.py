@@ -60,14 +60,8 @@ def _result_text(result: Any) -> str:
 class LLMTeacherHintProvider(HintProvider):
     """A teacher model writes the hint from the task, the attempt and the verifier's feedback.
 
-    Args:
-        teacher: a registered teacher name (built with ``teacher_kwargs`` through the ``teachers``
-            registry) or an object with ``async def complete(messages)`` or ``generate(messages)``.
-        reveal_answer: let the teacher see the expected answer.
-        system_prompt: instructions for the teacher.
-        max_chars: truncate hints to this length.
-        fallback: provider used when the teacher fails or returns nothing (None: no hint).
-        max_concurrency: teacher calls in flight in :meth:`hints`.
+    ``teacher``, ``teacher_kwargs``, ``fallback`` (``None``: no hint), ``max_concurrency`` and ``reveal_answer``:
+    docs/envs.md, "Hints"; ``max_chars`` truncates hints.
     """
 
     name = "llm_teacher"

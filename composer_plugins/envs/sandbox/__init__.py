@@ -1,14 +1,8 @@
 """A sandbox for running untrusted (model-written) code, built so that rewards cannot be hacked.
 
-Every run gets a fresh temp directory and a subprocess isolated by new network, mount, PID, IPC and UTS
-namespaces where ``unshare`` works (``isolation="namespaces"``), else by an audit hook installed through
-``sitecustomize`` (``isolation="guard"``, :mod:`composer_plugins.envs.sandbox._runtime.sitecustomize`). It
-sees the host read-only or hidden (with ``expose="allowlist"`` only an allow-list), a scrubbed environment
-and cleaned copies of source trees (:func:`copy_clean_tree`: no caches, ``.git`` or compiled copies that leak
-deleted code); it has time, memory, process, file-size, disk and output limits, and dies with the process that
-started it. Results come back on a nonce-authenticated pipe, so printing "PASSED" or exiting 0 early scores
-nothing. What each guarantee rests on is tabled in docs/envs.md ("The sandbox"); ``composer-plugins env
-sandbox-check`` prints what works on this machine.
+Each protection and what it rests on (namespaces where ``unshare`` works, else the ``sitecustomize`` audit
+hook; results on a nonce-authenticated pipe, so printing "PASSED" scores nothing) is tabled in docs/envs.md,
+"The sandbox"; ``composer-plugins env sandbox-check`` prints what works on this machine.
 
 Modules: ``runner`` (:class:`Sandbox`, :func:`isolation_info`), ``tree`` (clean copies, the scrubbed
 environment), ``host`` (interpreter paths, the allow-list, owner records and leftover cleanup), ``types``

@@ -143,9 +143,7 @@ def _owner_stamp(pid: int) -> str:
 def remove_leftover_sandboxes(directory: str | os.PathLike[str]) -> list[str]:
     """Remove ``cp-sandbox-*`` directories in ``directory`` whose owner process is gone; return them.
 
-    Each sandbox directory records its owner (pid and start time); one whose owner died without
-    cleaning up (``kill -9`` of the scorer) is removed by the next sandbox run on the machine. A
-    directory without the record is left alone unless it is older than an hour.
+    A directory without an owner record (pid and start time) is left alone unless it is older than an hour.
     """
     removed = []
     with contextlib.suppress(OSError), os.scandir(directory) as entries:

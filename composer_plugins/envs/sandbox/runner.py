@@ -56,25 +56,14 @@ class _Pipes:
 class Sandbox:
     """Runs commands on untrusted code in a fresh, isolated, resource-limited temp directory.
 
+    The ``isolation`` modes and their defaults (starting programs and ctypes refused in guard mode only:
+    ``allow_subprocess``, ``block_ctypes``), ``expose``/``allow`` and what each protection rests on: docs/envs.md,
+    "The sandbox".
+
     Args:
-        limits: resource limits (:class:`SandboxLimits`).
-        isolation: ``"auto"`` (namespaces when they work here, else guard), ``"namespaces"``
-            (raise if unavailable) or ``"guard"`` (audit hook only).
-        network: allow network access (off by default; loopback is refused too).
         hide: extra paths the sandboxed code must not see or read (an original repository ...).
-        hide_home: hide the invoking user's home directory (API keys, ``~/.ssh`` ...).
-        hide_tmp: hide the system temp directory except the sandbox's own.
         python: interpreter to run ``"python"`` commands with (default: this one).
-        allow_subprocess: let the sandboxed code start programs. Default: yes with namespaces; no in
-            guard mode, where a program started from Python would escape the audit hook.
         audit_guard: install the ``sitecustomize`` audit-hook guard (also in namespace mode).
-        block_ctypes: refuse native calls through ctypes (default: only in guard mode).
-        tmp_dir: where sandbox directories are created (default: the system temp dir).
-        expose: ``"all"`` (every host path except the hidden ones, read-only) or ``"allowlist"``: only
-            :data:`SYSTEM_PATHS`, the interpreter's prefixes and import paths, ``allow`` and the sandbox's
-            own directory are visible; every other top-level directory is hidden (other checkouts of a
-            repository, DVC caches, data disks ...).
-        allow: extra host paths visible in ``allowlist`` mode (read-only).
     """
 
     def __init__(
@@ -147,7 +136,7 @@ class Sandbox:
             hide: more paths to hide for this run only.
             readonly: paths, relative to the working directory, the code may not modify.
             protected_packages: top-level packages importable only from the working directory.
-            scripts: trusted programs from ``_sandbox/`` to make importable (``code_harness`` ...).
+            scripts: trusted programs from ``_runtime/`` to make importable (``code_harness`` ...).
             collect: relative paths of files to read back after the run (into ``result.files``).
         """
         lim = limits or self.limits

@@ -100,10 +100,8 @@ def _leaky_file(name: str, siblings: set[str]) -> bool:
 def copy_clean_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
     """Copy ``src`` to ``dst`` without anything that could leak deleted code; return what was left out.
 
-    Left out: :data:`LEAKY_DIRS` anywhere (``__pycache__``, ``.mypy_cache``, ``.git`` ...),
-    :data:`LEAKY_TOP_DIRS` at the top (``build``, ``dist``, virtualenvs), any directory holding a
-    ``pyvenv.cfg``, :data:`LEAKY_FILES` (``*.pyc``, backups, wheels ...), compiled twins of
-    ``.py`` files, and symlinks that point outside ``src``.
+    Left out: :data:`LEAKY_DIRS` anywhere, :data:`LEAKY_TOP_DIRS` at the top, any directory holding a
+    ``pyvenv.cfg``, :data:`LEAKY_FILES`, compiled twins of ``.py`` files and symlinks pointing outside ``src``.
     """
     src_r, dst_p = _real(src), Path(dst)
     dropped: list[str] = []

@@ -1,15 +1,8 @@
 """Runs one HumanEval-format program and its tests inside the sandbox; reports each test.
 
 Reads ``task.json`` from the working directory and deletes it before any untrusted code
-runs. Two test styles:
-
-* ``asserts``: a ``check(candidate)`` function (HumanEval). Each top-level statement of its
-  body that contains an ``assert`` is one test; the others are set-up. Trivial asserts
-  (``assert True``) are not counted.
-* ``cases``: argument lists only. The harness calls the entry point and reports the outputs;
-  the parent compares them with the expected values, which never enter the sandbox.
-
-Each record goes through the nonce-authenticated channel (``_cp_channel``).
+runs. The two test styles (``asserts``, ``cases``): docs/envs.md, "``code``". Each record goes
+through the nonce-authenticated channel (``_cp_channel``).
 """
 
 import ast

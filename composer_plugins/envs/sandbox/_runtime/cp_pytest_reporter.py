@@ -2,8 +2,7 @@
 
 Loaded before the repository's code is imported, it opens the result channel, snapshots the
 pytest machinery that decides outcomes and, before every test and at the end of the session,
-checks that nothing replaced it (a completion that monkeypatches pytest to "pass" every
-test is reported as tampering, and the parent scores the run 0).
+checks that nothing replaced it (else it reports tampering: docs/envs.md, "``feature_deletion``").
 """
 
 import builtins

@@ -1,20 +1,12 @@
 """Sandbox launcher: the first (trusted) program that runs inside a sandbox.
 
 Run as ``python -I -S -B launcher.py '<json config>'``, either directly (guard mode) or
-under ``unshare`` (namespace mode, where it is PID 1 of a fresh PID namespace). In order:
-
-1. hide paths: a read-only tmpfs over each hidden directory (``/dev/null`` over a hidden file),
-   then bind the paths that must stay visible (the interpreter, the sandbox root) back in;
-2. bind read-only paths (the tests of a repo) read-only; then every other mount of the host read-only
-   (only the sandbox root stays writable) and a private, size-limited tmpfs on ``/dev/shm``;
-3. drop privileges: ``no_new_privs``; real root switches to an unprivileged uid, a user
-   namespace's root drops its bounding/ambient/inheritable capabilities so that it can no
-   longer unmount what step 1 mounted;
-4. apply rlimits (CPU, address space, processes, file size, open files, no core dumps);
-5. ask the kernel to SIGKILL us if our parent dies; fork the target (``chdir`` + ``execv``) and
-   stay as a minimal init that reaps orphans and exits with the target's status (``128 + N`` when
-   signal N killed it, like a shell). It also enforces the wall-clock limit itself (``wall_s``): when
-   it passes, every process of the sandbox is SIGKILLed even if the parent that started it is gone.
+under ``unshare`` (namespace mode, where it is PID 1 of a fresh PID namespace). In order: hide paths (a
+read-only tmpfs over each, ``/dev/null`` over a file, the kept paths bound back in); make the read-only paths
+and every other host mount read-only, ``/dev/shm`` a private tmpfs; drop privileges (after the mounts, so that
+nothing can unmount them); apply rlimits; fork the target and stay as a minimal init that reaps orphans, exits
+with the target's status (``128 + N`` for signal N, like a shell) and SIGKILLs the whole sandbox when its
+parent dies or ``wall_s`` passes. What each step guarantees: docs/envs.md, "The sandbox".
 
 Standard library only; it must not import anything from the sandboxed tree.
 """

@@ -1,18 +1,10 @@
 """Sandbox guard, imported by the sandboxed interpreter at start-up as ``sitecustomize``.
 
-Installs an audit hook (``sys.addaudithook``; it cannot be removed from Python code) that,
-according to the JSON in ``CP_SANDBOX_GUARD``:
-
-* refuses network sockets (IPv4/IPv6/raw), DNS look-ups and connections to Unix sockets
-  outside the sandbox;
-* refuses opening or listing hidden paths (the original repository, home directories, other
-  temp dirs, site-packages copies of the repo) and other processes' ``/proc`` entries;
-* refuses writes to read-only paths (a repository's tests), and any write outside the sandbox's own
-  directory (``writable``) except to ``/dev/null`` and the standard streams;
-* charges every fork/spawn to a shared token pipe (a process budget that also holds for root);
-* optionally refuses spawning programs at all, and native-code tricks through ctypes;
-* refuses ``gc`` object-graph walks (used to dig secrets out of the harness's memory);
-* restricts the repo's own top-level packages to the sandbox copy (no site-packages copy).
+Installs an audit hook (``sys.addaudithook``; it cannot be removed from Python code) configured by the JSON in
+``CP_SANDBOX_GUARD``. What it refuses (network, hidden paths and other processes' ``/proc``, writes to read-only
+paths or outside the sandbox, spawns beyond a token-pipe budget that holds for root too, ctypes, ``gc`` walks that
+dig secrets out of the harness's memory, the repo's packages from anywhere but the sandbox copy): docs/envs.md,
+"The sandbox".
 
 In namespace mode the kernel enforces the same rules; this hook is a second layer. In guard
 mode (no namespaces available) it is the only layer: a determined attacker with native code
