@@ -1,15 +1,8 @@
 """``composer-plugins compare``: the ablation table (channels on/off × seeds) from the MLflow store.
 
-Every ``eval`` stage run logs one MLflow run tagged ``dvc.stage=eval@<variant>-<seed>`` (the SFT
-baseline: ``eval_sft``, channels ``none``), with
-params ``study.channels`` (``rl+hint+replay``), ``study.variant``, ``study.seed`` and the held-out
-metrics. :func:`fetch_eval_records` reads them back, keeps the newest run per
-(group, seed) so repeated ``dvc repro``/``dvc exp run`` calls do not double-count, and
-:func:`~composer_plugins.pipeline.study.ablation_rows` aggregates mean ± std over seeds.
-
-By default the groups are the channels plus :func:`varying_params` (the params an experiment
-changed), so after ``dvc exp run -S train.optim.lr=...`` the baseline's row stays beside the
-experiment's, with the varying params as columns.
+It reads the eval stages' runs (tagged ``dvc.stage=eval@<variant>-<seed>`` or ``eval_sft``, params
+``study.channels``, ``study.variant``, ``study.seed``) back: :func:`fetch_eval_records`; the newest-run rule and
+the default groups (channels + :func:`varying_params`): docs/pipeline.md, "The ablation table".
 """
 
 from __future__ import annotations
@@ -38,10 +31,9 @@ def fetch_eval_records(
 ) -> list[dict[str, Any]]:
     """Flat records (one per finished eval run) from ``experiment`` in the store at ``tracking_uri``.
 
-    Each record has ``channels``, ``variant``, ``seed``, ``run_id``, ``start_time``, every
-    ``params.*`` (as ``param:<name>``) and every metric. ``filters`` are tag equalities
-    (``{"dvc.exp": "my-exp"}``). Unless ``all_runs``, only the newest run per
-    (group, seed) is kept.
+    Each record has ``channels``, ``variant``, ``seed``, ``run_id``, ``start_time``, every param (as
+    ``param:<name>``) and every metric. ``filters``: tag equalities. Unless ``all_runs``, the newest run per
+    (group, seed) only.
     """
     client = tracking.client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
@@ -84,12 +76,8 @@ _RUN_PREFIXES = ("train.mlflow.", "study.channel")
 
 
 def varying_params(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Logged params that take two values for the same channels and seed: what an experiment changed.
-
-    After ``dvc exp run -S train.optim.lr=4e-5`` the eval runs of the baseline and of the experiment
-    differ in ``train.optim.lr`` within every (channels, seed); params that follow the variant
-    (``train.losses.hint_distill.weight``) or the seed (``train.output_dir``) are not listed.
-    """
+    """Logged params that take two values for the same channels and seed: what an experiment changed (not the
+    params that follow the variant or the seed, ``train.output_dir``)."""
     values: dict[str, dict[tuple[Any, Any], set[str]]] = {}
     for r in records:
         cell = (r.get("channels"), r.get("seed"))

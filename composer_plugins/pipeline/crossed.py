@@ -35,14 +35,10 @@ def crossed_effect(
 ) -> PairedEffect:
     """The warm starts *and* the held-out problems as random samples (``study.blocking: random_start``).
 
-    ``variant``/``baseline``: ``{seed: per-problem scores}`` (one score per held-out problem, the same problems
-    in the same order on both sides; a seed of the SFT side may repeat its start's one evaluation). The effect
-    is the mean over warm starts of each start's mean paired difference. Its standard error adds the two
-    sampling variances the estimate carries: the starts' (the variance of the per-start means, over the number
-    of starts) and the problems' (the variance of the per-problem differences, averaged over the cells of each
-    start and then over the starts, over the number of problems; the analytic form of a paired bootstrap over
-    problems). The t interval has ``starts - 1`` degrees of freedom. Read it as a statement about SFT starts
-    built by the study's recipe and problems drawn by its generator, not about these starts and problems.
+    ``variant``/``baseline``: ``{seed: per-problem scores}``, the same problems in the same order on both sides
+    (a seed of the SFT side may repeat its start's one evaluation). The estimate, its two variances and its
+    ``starts - 1`` degrees of freedom: docs/pipeline.md, "The ablation table". The per-problem variance is
+    averaged over each start's cells, then over the starts (the analytic form of a paired bootstrap over problems).
     """
     seeds = paired_seeds(variant, baseline, name, baseline_name)
     lengths = {len(variant[s]) for s in seeds} | {len(baseline[s]) for s in seeds}
@@ -107,11 +103,9 @@ def crossed_tables(
     each_start: Sequence[str] = (),
 ) -> dict[str, list[PairedEffect]]:
     """``final`` (each variant minus ``baseline``) and ``start`` (``baseline`` minus the SFT start) as
-    :func:`crossed_effect` tests, from per-problem scores (:func:`study_effects`'s ``problems``).
-
-    ``each_start`` (the positive control's variants, ``study.control: each_start``) adds ``each_start``: the same
-    test of each of those variants (``baseline`` itself: its move from the SFT start) within every warm start
-    separately (:func:`start_effect`), so a bar can be applied to every start.
+    :func:`crossed_effect` tests, from per-problem scores. ``each_start`` (``study.control: each_start``) adds the
+    same test of each of those variants (``baseline``: its move from the SFT start) within every warm start
+    (:func:`start_effect`), so a bar can be applied to every start.
     """
     if baseline not in problems:
         raise ValueError(f"baseline variant {baseline!r} has no per-problem scores; variants: {sorted(problems)}")

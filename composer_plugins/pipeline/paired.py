@@ -140,12 +140,9 @@ def format_paired(effects: Sequence[PairedEffect], fmt: str = "markdown", heldou
 def read_study_dir(
     root: str | Path | Sequence[str | Path], evals: str | Path = "evals", runs: str | Path = "runs"
 ) -> tuple[list[dict[str, Any]], Histories]:
-    """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir.
-
-    ``evals`` and ``runs`` are relative to ``root`` (the stage layout of dvc.yaml: ``evals/*.json``,
-    ``runs/<variant>-s<seed>/history.csv``). Several roots (one study per SFT warm start, ``study.warm_starts``)
-    are pooled: each record names its ``warm_start`` (the root), and a seed may occur in one root only.
-    """
+    """Eval records (``variant``, ``seed``, metrics) and histories ``{variant: {seed: rows}}`` of a study dir
+    (``evals``, ``runs`` relative to it). Several roots (``study.warm_starts``) are pooled: each record names its
+    ``warm_start`` (the root), and a seed may occur in one root only."""
     if not isinstance(root, str | Path):
         roots = [Path(r) for r in root]
         parts = [read_study_dir(r, evals, runs) for r in roots]
@@ -241,9 +238,8 @@ def report_family(
     margin: float | None = None,
     each_start: Sequence[str] = (),
 ) -> dict[str, list[PairedEffect]]:
-    """Every test of a study report, Holm-corrected as one family, for ``study.blocking`` ``mode``: the per-seed
-    tables (:func:`study_effects`; blocked by warm start with ``warm_start``), or with ``random_start`` the tests with
-    starts and problems random (:func:`.crossed.crossed_family`, from each eval's per-problem results)."""
+    """Every test of a study report, Holm-corrected as one family, for ``study.blocking`` ``mode``:
+    :func:`study_effects`, or with ``random_start`` :func:`.crossed.crossed_family`."""
     blocks = seed_blocks(recs) if mode != "none" else None
     if mode == "random_start":
         from composer_plugins.pipeline.crossed import crossed_family
@@ -273,11 +269,8 @@ def study_report(
 ) -> str:
     """Markdown: the paired tables (``metric``, ``train/groups_with_signal``, the held-out curve), Holm-corrected.
 
-    ``blocking`` (``study.blocking``: :func:`report_family`) blocks every test by the seed's warm start and adds
-    a table of each start's mean difference; every test of the report is one Holm family, as the report says.
-    ``fractions``: history columns (``train/hint/fraction`` ...) whose run means per variant it lists, so a
-    variant whose channels are not active as named shows it. ``gap``: the gap predictor's result
-    (:mod:`.gap`, ``results/gap.json``), listed beside each variant's final effect with their correlation.
+    What they show: docs/pipeline.md, "The ablation table". ``blocking``: ``study.blocking`` (:func:`report_family`);
+    ``fractions``: history columns whose run means per variant it lists; ``gap``: ``results/gap.json`` (:mod:`.gap`).
     """
     recs, hist = read_study_dir(root, evals, runs)
     out = []

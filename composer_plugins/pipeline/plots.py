@@ -1,11 +1,7 @@
 """One dvc.yaml's plots and only its: an HTML page that renders offline and one SVG per plot beside it.
 
-DVC 3 collects the plots of every dvc.yaml under the repository, so a bare ``dvc plots show`` at the root
-mixes in every study's (``studies/*/dvc.yaml``), and its page loads vega, vega-lite and vega-embed from a
-CDN. :func:`render` asks DVC for exactly the plots of one file (targets ``dvc.yaml::<plot id>``, which DVC
-resolves against that file only), fills an HTML template that carries the three libraries inline (the
-bundle the ``vl-convert-python`` wheel ships, :func:`offline_template`) and writes each plot as an SVG
-too (rendered by the same wheel, no browser and no network).
+Why :func:`render` names one file's targets (:func:`targets`) and bundles vega inline (:func:`offline_template`)
+instead of a bare ``dvc plots show``: docs/pipeline.md, "Plots".
 """
 
 from __future__ import annotations
@@ -74,10 +70,8 @@ def _literal(text: str) -> str:
 
 
 def offline_template(path: str | Path, title: str = "composer-plugins plots") -> Path:
-    """Write (once per vl-convert version) DVC's HTML template with vega, vega-lite and vega-embed inline.
-
-    The template has no ``{scripts}`` placeholder, so DVC's CDN ``<script src>`` tags are never added.
-    """
+    """Write (once per vl-convert version) DVC's HTML template with vega, vega-lite and vega-embed inline; it has
+    no ``{scripts}`` placeholder, so DVC's CDN ``<script src>`` tags are never added."""
     try:
         import vl_convert as vlc
     except ImportError as e:  # pragma: no cover - the dvc extra installs it

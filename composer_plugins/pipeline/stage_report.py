@@ -162,10 +162,8 @@ def paired_summary(
     metric: str,
     effects_csv: Path,
 ) -> dict[str, Any]:
-    """``results/paired.json``: the warm starts, the arms (:func:`cells_used`), every test of the report's Holm family
-    (``variant``, ``vs``, ``metric``, ``effect``, ``lo``/``hi``: its Holm-level interval, ``verdict``) and the
-    control's ``bars`` (``study.bars``; ``passes``: the test's ``lo`` is at or above its bar). ``effects_csv`` gets
-    the tests as the forest plot's rows (``test`` names the arm by what it does)."""
+    """``results/paired.json`` (its fields: docs/pipeline.md, "Where results land"); ``effects_csv`` gets the tests
+    as the forest plot's rows (``test`` names the arm by what it does)."""
     bars = study.bars(params)
     tests = []
     for e in (e for part in fam.values() for e in part):
@@ -248,11 +246,7 @@ def report(
 ) -> dict[str, Any]:
     """Aggregate every study cell: ``metrics.json`` (per variant mean/std), plots and the ablation table.
 
-    Each variant's ``used`` (metrics.json) and results/paired.md's first tables say what its cells trained with
-    (:func:`cells_used`). metrics.json's ``teacher`` row is the one teacher the cells used, where it was measured;
-    this study's own teacher stage (:data:`TEACHER_EVAL`) is named as unused when no cell used it.
-    results/paired.json (:func:`paired_summary`), plots/effects.csv (the forest plot) and plots/heldout.csv (the
-    held-out bars with ± s.e.) carry the evidence.
+    What each file holds (``used``, the ``teacher`` row, results/paired.*): docs/pipeline.md, "Where results land".
     """
     roots = [Path("."), *study.warm_starts(params)]  # this warm start's study, then the pooled ones
     recs = [{**r, "root": root.as_posix()} for root in roots for r in collect(root / evals_dir)]
@@ -479,11 +473,8 @@ def write_curves(
 ) -> int:
     """Per-step curves of every run for DVC plots; returns the number of rows of ``out``.
 
-    ``out`` (``plots/train_curves.csv``) is the long table ``step, run, variant, seed, arm`` + every
-    curve column; ``curves_dir`` (``plots/curves/``) gets one ``<metric>.csv`` per curve
-    (``step, run, variant, seed, arm, <metric>``; ``arm``: ``labels[variant]``), which dvc.yaml plots as a
-    directory: a channel that logs ``<channel>/loss`` gets its plot without any change to dvc.yaml. Reads
-    ``<runs_dir>/<variant>-s<seed>/history.csv`` (old unprefixed columns are read under their current names).
+    From each run's ``history.csv``: ``out``, the table ``step, run, variant, seed, arm`` + every curve column;
+    ``curves_dir``, one ``<metric>.csv`` each; ``arm`` = ``labels[variant]`` (docs/pipeline.md, "Where results land").
     """
     rows: list[dict[str, Any]] = []
     seen: list[str] = []

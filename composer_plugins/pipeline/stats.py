@@ -1,16 +1,8 @@
 """The study's statistics: per-seed paired effects, Holm's correction, curve AUC and time to threshold with censoring.
 
 Every variant runs on the same seeds, from the same SFT model and task order, so the runs of one seed form a
-pair and the seed's own luck cancels in ``metric(variant, seed) - metric(baseline, seed)``:
-:func:`paired_effect` gives the mean difference, its standard error and the Student-t 95% interval, which
-:func:`verdict` reads as *helps*, *hurts* or *no measurable effect*; :func:`heldout_se` is the held-out set's
-own sampling error, which a claimed effect should exceed. A report tests every variant × metric at once, so
-:func:`holm` corrects the family (Holm's step-down, family-wise error 0.05) and a verdict says *helps* or
-*hurts* only where the adjusted p-value is below 0.05. With a held-out learning curve two paired measures of
-speed join final accuracy: :func:`curve_auc` (the curve's area over the run's length) and
-:func:`time_to_threshold` (the first evaluated step reaching the start's value plus ``study.threshold_delta``;
-a run that never does is censored at its last step plus one interval); :func:`curve_effects` pairs them by
-seed. What the report shows: docs/pipeline.md; the tables: :mod:`.paired`.
+pair and the seed's own luck cancels in ``metric(variant, seed) - metric(baseline, seed)``. The tests, the
+Holm family and the time-to-threshold censoring: docs/pipeline.md, "The ablation table"; the tables: :mod:`.paired`.
 """
 
 from __future__ import annotations
@@ -95,10 +87,7 @@ class PairedEffect:
 
 
 def verdict(low: float, high: float, *, lower_is_better: bool = False) -> str:
-    """``helps`` when the interval is above zero, ``hurts`` when below, else ``no measurable effect``.
-
-    With ``lower_is_better`` (e.g. steps to reach a target) the two are swapped.
-    """
+    """``helps`` when the interval is above zero, ``hurts`` when below (swapped with ``lower_is_better``)."""
     if math.isnan(low) or math.isnan(high):
         return "too few seeds"
     if low > 0:
@@ -119,15 +108,9 @@ def paired_effect(
 ) -> PairedEffect:
     """Per-seed differences ``variant[s] - baseline[s]`` over the seeds both have, with mean, se and 95% t interval.
 
-    With one shared seed the standard error and interval are NaN (no spread to estimate);
-    with none, ``ValueError`` names the seeds of each side.
-
-    ``blocks`` (``{seed: warm start}``, ``study.blocking: warm_start``) makes it a blocked test when the seeds
-    span two or more blocks: the effect is the mean of the per-block mean differences (each warm start
-    weighs the same), its standard error comes from the spread of the seeds around their own block's mean
-    (the pooled within-block variance, ``n - B`` degrees of freedom), so a difference *between* warm starts
-    is part of the estimand, not of the noise. The inference is then about these warm starts, not about
-    SFT starts in general. ``extra["blocks"]`` holds each block's seeds and mean difference.
+    One shared seed: se and interval NaN; none: ``ValueError``. ``blocks`` (``{seed: warm start}``) makes it the
+    blocked test of docs/pipeline.md ("The ablation table", ``study.blocking: warm_start``) when the seeds span two
+    or more blocks; ``extra["blocks"]`` then holds each block's seeds and mean difference.
     """
     seeds = paired_seeds(variant, baseline, name, baseline_name)
     diffs = [float(variant[s]) - float(baseline[s]) for s in seeds]
@@ -215,10 +198,9 @@ def t_pvalue(mean: float, se: float, df: int) -> float:
 
 
 def holm(effects: Sequence[PairedEffect], alpha: float = ALPHA) -> list[PairedEffect]:
-    """The effects (same order) with Holm's family-wise correction over all of them.
+    """The effects (same order) with Holm's family-wise correction over those with a p-value (NaN: too few seeds).
 
-    The family is every effect with a p-value (NaN: too few seeds, left out). Sorted by p, the
-    ``i``-th (0-based) of ``m`` is tested at ``alpha / (m - i)``; its adjusted p-value is
+    Sorted by p, the ``i``-th (0-based) of ``m`` is tested at ``alpha / (m - i)``; its adjusted p-value is
     ``max_{j <= i} min(1, (m - j) p_(j))`` (monotone, so a verdict needs every smaller p rejected too),
     and its interval is the t interval at confidence ``1 - alpha / (m - i)``.
     """
@@ -320,11 +302,7 @@ def curve_points(rows: Sequence[Mapping[str, float]], column: str = CURVE) -> li
 
 
 def curve_auc(points: Sequence[tuple[int, float]], start: float | None = None) -> float:
-    """Area under the curve ``points`` (trapezoids) divided by the steps it spans: its mean level.
-
-    ``start`` is the value at step 0 (the shared starting policy); without it the area starts at the
-    first measured step. One point: its value.
-    """
+    """Area under ``points`` (trapezoids, from step 0 at ``start`` if given) over the steps it spans: its mean level."""
     pts = ([(0, float(start))] if start is not None else []) + [(int(s), float(v)) for s, v in points]
     if not pts:
         return math.nan
@@ -339,11 +317,8 @@ DEFAULT_DELTA = DEFAULT_THRESHOLD_DELTA
 
 
 def time_to_threshold(points: Sequence[tuple[int, float]], threshold: float) -> tuple[float, bool]:
-    """``(first step with value >= threshold, reached)``; unreached: ``(last step + interval, False)`` (censored).
-
-    The interval is the run's last evaluation interval, so a censored run counts as reaching the threshold
-    at the next evaluation it did not have.
-    """
+    """``(first step with value >= threshold, reached)``; unreached: ``(last step + the run's last evaluation
+    interval, False)``, censored at the next evaluation it did not have."""
     for s, v in points:
         if v >= threshold - 1e-12:
             return float(s), True
@@ -380,12 +355,9 @@ def curve_effects(
     start: float | Mapping[int, float] | None = None,
     blocks: Mapping[int, str] | None = None,
 ) -> list[PairedEffect]:
-    """Per variant against ``baseline``, paired by seed (blocked with ``blocks``: :func:`paired_effect`): the
-    held-out curve's final value, AUC from step 0 and time to threshold (censored runs: :func:`time_to_threshold`).
-
-    The threshold is ``start + delta``, the same for both arms of a seed: ``start`` is the curve's step-0 value
-    (:func:`start_of`: the run's own, else the argument's). Each time-to-threshold effect's ``extra`` holds
-    ``threshold`` and the censored seeds of each arm (``censored`` for the variant, ``censored_baseline``).
+    """Per variant against ``baseline``, paired by seed: the held-out curve's final value, AUC from step 0 and time
+    to the threshold ``start + delta`` (:func:`start_of`). Time-to-threshold effects' ``extra`` holds ``threshold``
+    and each arm's censored count (``censored``, ``censored_baseline``).
     """
     curves = {v: {s: curve_points(rows) for s, rows in by_seed.items()} for v, by_seed in hist.items()}
     curves = {v: {s: p for s, p in by_seed.items() if p} for v, by_seed in curves.items()}
@@ -438,17 +410,11 @@ def study_effects(
     margin: float | None = None,
     blocks: Mapping[int, str] | None = None,
 ) -> dict[str, list[PairedEffect]]:
-    """Every test a study report makes, Holm-corrected as one family (:func:`holm`); ``blocks`` (``{seed: warm
-    start}``, ``study.blocking: warm_start``) blocks each by warm start (:func:`paired_effect`).
+    """Every test a study report makes, Holm-corrected as one family (docs/pipeline.md, "The ablation table").
 
-    ``margin`` (an accuracy difference) makes the accuracy tests' verdicts four-valued (*helps*, *hurts*,
-    *equivalent within ±margin*, *inconclusive*: :attr:`PairedEffect.verdict`); the others (signal, steps to
-    the threshold) are *inconclusive* where not significant.
-
-    ``final``: ``metric`` per variant; ``signal``: the run mean of ``train/groups_with_signal``;
-    ``curve``: the held-out curve's final value, AUC from step 0 and time to threshold (:func:`curve_effects`);
-    ``start`` (the SFT warm start's ``metric``: one value, or ``{seed: value}`` over several warm starts) adds
-    ``start``: the baseline minus its seed's warm start (the positive control's "RL moves the start").
+    Tables: ``final`` (``metric`` per variant), ``signal`` (run mean of ``train/groups_with_signal``), ``curve``
+    (:func:`curve_effects`) and, given the SFT ``start`` (one value or ``{seed: value}``), ``start``: the baseline
+    minus its seed's warm start. ``margin``: :func:`holm_tables`; ``blocks``: :func:`paired_effect`.
     """
     tables: dict[str, list[PairedEffect]] = {"final": paired_rows(recs, metric, baseline, blocks=blocks)}
     sig = "train/groups_with_signal"

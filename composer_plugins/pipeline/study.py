@@ -1,10 +1,7 @@
 """The study: variants (loss channels on/off) × seeds, and the ablation table over them.
 
-``params.yaml``'s ``study`` section holds the ``seeds`` and the ``variants``, each a set of overrides of the
-``train`` section (an example: docs/pipeline.md). DVC expands the ``train`` and ``eval`` stages over
-``variant × seed`` (``matrix:``); run ``<variant>-s<seed>`` trains with ``train`` deep-merged with
-``study.variants.<variant>`` and ``seed: <seed>``. :func:`ablation_rows` aggregates held-out metrics per
-variant over seeds (mean ± sample std), which both ``composer-plugins report`` and ``compare`` print.
+It reads ``params.yaml``'s ``study`` section (docs/pipeline.md, "Stages"); :func:`ablation_rows` aggregates
+held-out metrics per variant over seeds (mean ± sample std) for ``composer-plugins report`` and ``compare``.
 """
 
 from __future__ import annotations
@@ -38,11 +35,8 @@ _TOP = ("train", "sft", "val", "start")
 
 
 def canonical_metric(name: str) -> str:
-    """The name of a metric in the one naming scheme (docs/metrics.md); old spellings map onto it.
-
-    ``gsm8k/pass@1`` -> ``gsm8k/pass_at_1``; ``train/reward_mean_all`` -> ``train/reward_mean_over_steps``;
-    the report's old ``code_pass_at_1`` -> ``code/pass_at_1``. Current names come back unchanged.
-    """
+    """The name of a metric in the one naming scheme (docs/metrics.md); old spellings map onto it (``@`` ->
+    ``_at_``, then :data:`_RENAMED`). Current names come back unchanged."""
     name = name.replace("@", "_at_")
     return _RENAMED.get(name, name)
 
@@ -71,11 +65,7 @@ REPLACE_MARKER = "_replace"
 
 def merge_params(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``base`` with ``override`` merged in: mappings recursively, everything else replaced, and an
-    override mapping holding ``_replace: true`` replacing instead of merging.
-
-    This is how ``tests/pipeline/params.ci.yaml`` shrinks ``params.yaml`` (e.g. keeps only two
-    study variants) while every key it does not mention stays as in ``params.yaml``.
-    """
+    override mapping holding ``_replace: true`` replacing instead (docs/pipeline.md, "CI: the reduced params file")."""
     out = copy.deepcopy(dict(base))
     for k, v in override.items():
         if isinstance(v, Mapping) and v.get(REPLACE_MARKER):
@@ -134,11 +124,8 @@ def seeds(params: Mapping[str, Any]) -> list[int]:
 
 
 def warm_starts(params: Mapping[str, Any]) -> list[Path]:
-    """``study.warm_starts``: the studies of the other SFT warm starts, pooled into this one's report.
-
-    Each is a study directory (relative to this one) running the same variants from its own SFT start, with
-    seeds of its own; the report pairs every cell by seed and tests each baseline cell against its own start.
-    """
+    """``study.warm_starts``: the study directories (relative to this one) of the other SFT warm starts, each with
+    seeds of its own, pooled into this one's report."""
     ws = (params.get("study") or {}).get("warm_starts") or []
     if not isinstance(ws, list) or not all(isinstance(w, str) and w for w in ws):
         raise param_error(params, "study.warm_starts", f"must be a list of study directories, got {ws!r}")
@@ -166,10 +153,7 @@ DEFAULT_THRESHOLD_DELTA = 0.04
 
 
 def threshold_delta(params: Mapping[str, Any]) -> float:
-    """``study.threshold_delta``: time to threshold counts the steps to reach the start's held-out value + this.
-
-    A study setting, fixed before the study runs (the paired report's default when unset).
-    """
+    """``study.threshold_delta``: time to threshold counts the steps to reach the start's held-out value + this."""
     d = _fraction(params, "threshold_delta", "an accuracy gain")
     return DEFAULT_THRESHOLD_DELTA if d is None else d
 
@@ -188,10 +172,8 @@ def _fraction(params: Mapping[str, Any], key: str, what: str) -> float | None:
 
 
 def bars(params: Mapping[str, Any]) -> dict[str, float]:
-    """``study.bars`` (``{}`` when unset): the positive control's bars, ``{variant: bar}``. The control passes a bar
-    when the Holm-level lower bound of the variant's final-accuracy effect is at or above it (the baseline's own
-    bar: its effect over its SFT start). Fixed before the study runs; results/paired.json and the forest plot show
-    them."""
+    """``study.bars`` (``{}`` when unset): the positive control's bars, ``{variant: bar}``; when one passes:
+    docs/pipeline.md, "Where results land" (``results/paired.json``)."""
     b = (params.get("study") or {}).get("bars") or {}
     if not isinstance(b, Mapping) or not all(is_num(x) and -1 < float(x) < 1 for x in b.values()):
         raise param_error(params, "study.bars", f"must map variants to accuracy differences in (-1, 1), got {b!r}")
@@ -261,12 +243,8 @@ def ablation_rows(
     metrics: Sequence[str] = HEADLINE_METRICS,
     group_by: Sequence[str] = ("channels",),
 ) -> list[dict[str, Any]]:
-    """Aggregate per-run records over seeds.
-
-    Each record is a flat mapping with at least ``seed``, the ``group_by`` keys and the
-    ``metrics``. Returns one row per group (in first-seen order) with ``n`` (number of seeds),
-    ``seeds`` and ``<metric>`` -> ``(mean, std)``.
-    """
+    """Aggregate flat per-run records over seeds: one row per ``group_by`` group (in first-seen order) with ``n``
+    (number of seeds), ``seeds`` and ``<metric>`` -> ``(mean, std)``."""
     groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for r in records:
         groups.setdefault(tuple(r.get(k) for k in group_by), []).append(r)
