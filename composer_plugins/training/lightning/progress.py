@@ -49,10 +49,6 @@ class StepProgressBar(ProgressBar):
     def is_enabled(self) -> bool:
         return self._enabled and self.trainer.is_global_zero
 
-    @property
-    def is_disabled(self) -> bool:
-        return not self.is_enabled
-
     # -- training --------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self.is_enabled:

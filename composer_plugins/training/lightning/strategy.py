@@ -45,8 +45,7 @@ def build_strategy(cfg: TrainConfig, policy: Any = None, src: Config | None = No
     timeout = timedelta(seconds=float(cfg.trainer.dist_timeout_s))
     if isinstance(spec, str) and "." not in spec:
         name = spec.strip().lower()
-        valid = strategy_names()
-        if name not in valid:
+        if name not in strategy_names():
             raise unknown_strategy(spec, src, "trainer.strategy")
         if name == "ddp":
             from lightning.pytorch.strategies import DDPStrategy
@@ -86,7 +85,7 @@ def _fsdp_strategy(cfg: TrainConfig, policy: Any, timeout: Any) -> Any:
     if cfg.trainer.accelerator == "cpu":
         # Lightning refuses the "fsdp" name without a GPU; torch's FSDP runs on CPU over gloo
         kw.update(process_group_backend="gloo")
-        return _CPUFSDPStrategy(**kw)
+        return _cpu_fsdp_class()(**kw)
     return FSDPStrategy(**kw)
 
 
@@ -144,7 +143,3 @@ def _cpu_fsdp_class() -> Any:
                 return state
 
     return CPUFSDPStrategy
-
-
-def _CPUFSDPStrategy(**kw: Any) -> Any:  # builds the class lazily (lightning import)
-    return _cpu_fsdp_class()(**kw)

@@ -22,14 +22,17 @@ from torch import Tensor
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
 from composer_plugins.envs.hints import build_hint_provider
-from composer_plugins.models.logprobs import (
-    decoder_body,
-    lm_head_weight,
-)
+from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.lightning.trainer import lightning_trainer, progress_bar, quiet_lightning, set_threads
-from composer_plugins.training.rollout.rewards import env_tasks
+from composer_plugins.training.rollout.rewards import (
+    derive_seed,
+    env_tasks,
+    reference_completion,
+    task_prompt,
+    teacher_contexts,
+)
 
 
 def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[str, str]]:
@@ -38,12 +41,10 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
     The prompts are the text the model reads (chat messages rendered for ``tokenizer`` with
     ``model.chat_template``, :mod:`composer_plugins.training.rollout.chat`), as in the RL rollouts.
     """
-    from composer_plugins.training.rollout.rewards import reference_completion, task_prompt
-
     if cfg.data.train_path:
         tasks = read_jsonl(cfg.data.train_path)[: cfg.sft.num_examples]
     else:
-        tasks = env_tasks(env, cfg.data.train_split, cfg.sft.num_examples, derive_seed_sft(cfg))
+        tasks = env_tasks(env, cfg.data.train_split, cfg.sft.num_examples, derive_seed(cfg.sft.seed, 77))
     out = []
     for t in tasks:
         sol = reference_completion(t)
@@ -65,7 +66,6 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
 def _slip(cfg: TrainConfig, plain: Sequence[tuple[str, str]], pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """``sft.slip_rate`` of the plain rows that can slip, their target given with the slip (hinted rows kept)."""
     from composer_plugins.envs.arith import dropped_carry
-    from composer_plugins.training.rollout.rewards import derive_seed
 
     rng = random.Random(derive_seed(cfg.sft.seed, 93))
     out, can = list(pairs), 0
@@ -126,7 +126,6 @@ def _hint_augment(
     the problem's worked solution as a successful sibling. The target stays the worked solution.
     """
     from composer_plugins.envs.hints import reads_groups, sibling_groups
-    from composer_plugins.training.rollout.rewards import derive_seed, teacher_contexts
 
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
     picked = [i for i in range(len(pairs)) if rng.random() < cfg.sft.hint_fraction]
@@ -142,14 +141,18 @@ def _hint_augment(
         krng = random.Random(derive_seed(cfg.sft.seed, 92))
         kind = {i: krng.choices(names, weights)[0] for i in picked}
     provider = build_hint_provider(cfg.hints.provider, key="hints.provider")
-    chat = {"tokenizer": tokenizer, "chat_template": cfg.model.chat_template}
     out = list(pairs)
-    fb_rows = [i for i in picked if kind[i] == "feedback"]
-    if fb_rows:
-        ctxs = teacher_contexts(env, provider, [tasks[i] for i in fb_rows], [str(attempts[i]) for i in fb_rows], **chat)
-        for i, ctx in zip(fb_rows, ctxs, strict=True):
+
+    def hint(by: Any, rows: list[int], tried: Mapping[int, Any], **kw: Any) -> None:
+        kw.update(tokenizer=tokenizer, chat_template=cfg.model.chat_template)
+        ctxs = teacher_contexts(env, by, [tasks[i] for i in rows], [str(tried[i]) for i in rows], **kw)
+        for i, ctx in zip(rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])
+
+    fb_rows = [i for i in picked if kind[i] == "feedback"]
+    if fb_rows:
+        hint(provider, fb_rows, attempts)
     step_rows = [i for i in picked if kind[i] == "step_check"]
     if step_rows:  # a worked attempt with one false step, hinted by step_check (envs/step_check.py)
         from composer_plugins.envs.step_check import false_step_attempt
@@ -160,30 +163,15 @@ def _hint_augment(
             else build_hint_provider({"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")
         )
         wrong = {i: false_step_attempt(pairs[i][1], rng) for i in step_rows}
-        step_rows = [i for i in step_rows if wrong[i] is not None]
-        ctxs = teacher_contexts(env, sc, [tasks[i] for i in step_rows], [str(wrong[i]) for i in step_rows], **chat)
-        for i, ctx in zip(step_rows, ctxs, strict=True):
-            if ctx is not None:
-                out[i] = (ctx, pairs[i][1])
+        hint(sc, [i for i in step_rows if wrong[i] is not None], wrong)
     demo_rows = [i for i in picked if kind[i] == "demonstration"]
     if demo_rows:
         demo = provider if reads_groups(provider) else build_hint_provider("demonstration", key="sft.hint_kinds")
         groups = []
         for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
             groups += sibling_groups([str(attempts[i]), pairs[i][1]], [0.0, 1.0], 2, 1.0)[:1]
-        ctxs = teacher_contexts(
-            env, demo, [tasks[i] for i in demo_rows], [str(attempts[i]) for i in demo_rows], groups=groups, **chat
-        )
-        for i, ctx in zip(demo_rows, ctxs, strict=True):
-            if ctx is not None:
-                out[i] = (ctx, pairs[i][1])
+        hint(demo, demo_rows, attempts, groups=groups)
     return out
-
-
-def derive_seed_sft(cfg: TrainConfig) -> int:
-    from composer_plugins.training.rollout.rewards import derive_seed
-
-    return derive_seed(cfg.sft.seed, 77)
 
 
 class SFTModule(L.LightningModule):
@@ -259,9 +247,6 @@ def sft_train(
     cfg: TrainConfig, base: str, env: Any, out_dir: str | os.PathLike[str], extra_callbacks: Sequence[Any] = ()
 ) -> dict[str, float]:
     """Supervised warm start of ``base`` on the env's solutions; ``save_pretrained`` to ``out_dir``."""
-    import lightning as L
-    import torch
-
     set_threads(cfg)
     from composer_plugins.training.rollout.chat import install_chat_template
 
