@@ -14,6 +14,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.io import atomic_file
 
@@ -70,27 +72,23 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def _step_of(p: Path) -> int:
-    from composer_plugins.training.config.inputs import checkpoint_step
-
-    return checkpoint_step(p)
-
-
 def good_checkpoints(directory: str | os.PathLike[str], exclude: str | os.PathLike[str] | None = None) -> list[Path]:
     """The complete ``.ckpt`` files in ``directory``, newest first (by step in the name, then mtime)."""
+    from composer_plugins.training.config.inputs import checkpoint_step
+
     d = Path(directory)
     if not d.is_dir():
         return []
     ex = Path(exclude).resolve() if exclude is not None else None
     found = [p for p in d.glob("*.ckpt") if p.is_file() and p.resolve() != ex and checkpoint_problem(p) is None]
-    return sorted(found, key=lambda p: (_step_of(p), p.stat().st_mtime), reverse=True)
+    return sorted(found, key=lambda p: (checkpoint_step(p), p.stat().st_mtime), reverse=True)
 
 
 def _offer(bad: Path, directory: Path | None) -> str:
-    good = good_checkpoints(directory if directory is not None else bad.parent, exclude=bad)
+    where = directory if directory is not None else bad.parent
+    good = good_checkpoints(where, exclude=bad)
     if good:
         return f"resume from the previous good checkpoint: --resume {good[0]}"
-    where = directory if directory is not None else bad.parent
     return f"no good checkpoint in {where}; drop --resume to start a fresh run"
 
 
@@ -147,13 +145,7 @@ def safe_load(
         ) from None
 
 
-def _load_torch_io() -> Any:
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-    return TorchCheckpointIO
-
-
-class AtomicCheckpointIO(_load_torch_io()):  # type: ignore[misc]
+class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that never leaves a partly written checkpoint: temp file, fsync, rename; and reads
     one with a loader that runs no code (:func:`safe_load`)."""
 

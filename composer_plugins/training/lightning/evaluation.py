@@ -183,16 +183,12 @@ class Validator(nn.Module):
         out["hinted"] = len(hinted)
         if not hinted:
             return out
+        contexts = [c for _, c in hinted]  # decoded as the teacher reads them
         ro = self.generate(
-            policy,
-            [c for _, c in hinted],
-            1,
-            seed=None,
-            max_new_tokens=mnt,
-            max_prompt_length=cfg.hints.max_context_length,
-        )  # as the teacher reads it
+            policy, contexts, 1, seed=None, max_new_tokens=mnt, max_prompt_length=cfg.hints.max_context_length
+        )
         r_hint = self._rewards([tasks[i] for i, _ in hinted], ro.completions, 1)
-        out["fixed"] = sum(1 for v in r_hint if v >= thr)
+        out["fixed"] = sum(v >= thr for v in r_hint)
         for (i, ctx), comp, v in zip(hinted, ro.completions, r_hint, strict=True):
             out["rows"][i] = {"hint_context": ctx, "hinted_completion": comp, "hint_fixed": bool(v >= thr)}
         return out
