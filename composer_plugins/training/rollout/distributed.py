@@ -107,9 +107,7 @@ def reduce_stats(stats: Mapping[str, float]) -> dict[str, float]:
     every = all_gather_objects(dict(stats))
     if len(every) == 1:
         return dict(stats)
-    keys: list[str] = []
-    for s in every:
-        keys += [k for k in s if k not in keys]
+    keys = dict.fromkeys(k for s in every for k in s)
     out: dict[str, float] = {}
     for k in keys:
         vals = [float(s[k]) for s in every if k in s]

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
 
 from composer_plugins.chat.env_step import step_result
 from composer_plugins.training.rollout.rollouts import WeightSyncing
@@ -132,19 +131,8 @@ class MultiTurnGenerator:
                 p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 if max_prompt_length:
                     p_ids = p_ids[-max_prompt_length:]
-                episodes.append(
-                    {
-                        "env": e,
-                        "prompt": prompt,
-                        "prompt_ids": p_ids,
-                        "ids": [],
-                        "mask": [],
-                        "reward": 0.0,
-                        "done": False,
-                        "actions": [],
-                        "feedback": None,
-                    }
-                )
+                state = {"ids": [], "mask": [], "reward": 0.0, "done": False, "actions": [], "feedback": None}
+                episodes.append({"env": e, "prompt": prompt, "prompt_ids": p_ids, **state})
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e["done"]]
             if not live:
@@ -180,10 +168,12 @@ class MultiTurnGenerator:
         width = max(1, max(len(e["ids"]) for e in episodes))
         cids = torch.full((len(episodes), width), pad, dtype=torch.long, device=device)
         cmask = torch.zeros((len(episodes), width), dtype=torch.long, device=device)
+        attention = torch.zeros_like(cmask)  # every real token of a trajectory: actions and observations
         for i, e in enumerate(episodes):
             if e["ids"]:
                 cids[i, : len(e["ids"])] = torch.tensor(e["ids"], device=device)
                 cmask[i, : len(e["mask"])] = torch.tensor(e["mask"], device=device)
+                attention[i, : len(e["ids"])] = 1
         rollout = Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -194,16 +184,8 @@ class MultiTurnGenerator:
             group_index=torch.arange(len(tasks), device=device).repeat_interleave(G),
             num_generations=G,
         )
-        rollout.extra["attention_mask"] = _trajectory_attention(episodes, width, device)
+        rollout.extra["attention_mask"] = attention
         return rollout, [e["reward"] for e in episodes], [e["feedback"] for e in episodes]
-
-
-def _trajectory_attention(episodes: Sequence[Mapping[str, Any]], width: int, device: Any) -> Tensor:
-    """Attention over a multi-turn trajectory: every real token (actions and observations)."""
-    att = torch.zeros((len(episodes), width), dtype=torch.long, device=device)
-    for i, e in enumerate(episodes):
-        att[i, : len(e["ids"])] = 1
-    return att
 
 
 def _obs_text(obs: Any) -> str:

@@ -322,10 +322,8 @@ class ServerGenerator:
                 cids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
                 slp[j, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
         cmask = completion_mask_from_ids(cids, tokenizer.eos_token_id)
-        real = torch.zeros_like(cmask)
-        for j, t in enumerate(tokens):
-            real[j, : len(t)] = 1
-        cmask = cmask * real
+        for j, t in enumerate(tokens):  # the padding past a completion's last token
+            cmask[j, len(t) :] = 0
         cids = torch.where(cmask.bool(), cids, torch.full_like(cids, pad))
         G = num_generations
         ro = Rollout(

@@ -125,9 +125,6 @@ def optimizer_step(optimizer: Any, params: Iterable[Any], loss: Any, clip: float
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
-        optimizer.step()
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip else float("inf")) if with_grad else 0.0
     optimizer.step()
     return float(norm)

@@ -32,10 +32,6 @@ __all__ = [
 ]
 
 
-def _tiny_corpus_key(cfg: TrainConfig) -> Any:
-    return {"env": redact(cfg.env), "train_path": _file_digest(cfg.data.train_path)}
-
-
 def _file_digest(path: str | None) -> str | None:
     """``path@sha256`` of a data file, so a cache keyed on it notices new contents."""
     if not path:
@@ -57,7 +53,6 @@ def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
     tcfg = cfg.model.tiny
 
     def corpus() -> Iterator[str]:
-
         if cfg.data.train_path:
             tasks = read_jsonl(cfg.data.train_path)[: tcfg.tokenizer_corpus_size]
         else:
@@ -65,7 +60,8 @@ def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
         for t in tasks:
             yield task_prompt(t) + str(t.get("target", t.get("solution", "")))
 
-    return str(tiny_model_dir(tcfg, corpus, cfg.cache_dir, corpus_key=_tiny_corpus_key(cfg)))
+    corpus_key = {"env": redact(cfg.env), "train_path": _file_digest(cfg.data.train_path)}
+    return str(tiny_model_dir(tcfg, corpus, cfg.cache_dir, corpus_key=corpus_key))
 
 
 def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
