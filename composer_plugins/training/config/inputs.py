@@ -47,6 +47,13 @@ def _set_at(src: Config, key: str) -> str:
     return "the config"
 
 
+def _row_keys(row: Mapping[str, Any], names: Sequence[str], skip: Sequence[str] = ()) -> tuple[list[str], str]:
+    """A row's keys, sorted, and `` Did you mean: 'x'?`` for the first of them close to one of ``names``."""
+    keys = sorted(map(str, row))
+    near = [c for k in keys if k not in skip for c in closest(k, names)]
+    return keys, f" Did you mean: {near[0]!r}?" if near else ""
+
+
 def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", fields: Sequence[TaskField] = ()) -> int:
     """Read the JSONL file at ``path`` (``kind``: ``tasks`` or ``pairs``); return its row count, or raise.
 
@@ -84,9 +91,7 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
         n += 1
         if kind == "tasks":
             if not any(k in row for k in PROMPT_KEYS):
-                keys = sorted(map(str, row))
-                near = [c for k in keys for c in closest(k, PROMPT_KEYS)]
-                sugg = f" Did you mean: {near[0]!r}?" if near else ""
+                keys, sugg = _row_keys(row, PROMPT_KEYS)
                 raise ConfigError(
                     f'missing — every task of {key} needs a "prompt" (or "question") field; this line has '
                     f"{keys}.{sugg}",
@@ -102,9 +107,7 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
         else:
             missing = [k for k in PAIR_KEYS if k not in row]
             if missing:
-                keys = sorted(map(str, row))
-                near = [c for k in keys if k not in PAIR_KEYS for c in closest(k, missing)]
-                sugg = f" Did you mean: {near[0]!r}?" if near else ""
+                keys, sugg = _row_keys(row, missing, skip=PAIR_KEYS)
                 raise ConfigError(
                     f"missing — every pair of {key} needs prompt, chosen and rejected; this line has {keys}.{sugg}",
                     key=", ".join(missing),
@@ -132,9 +135,7 @@ def _missing_field(row: Mapping[str, Any], need: TaskField, path: str, lineno: i
     names = (field,) if isinstance(field, str) else tuple(field)
     if any(n in row for n in names):
         return None
-    keys = sorted(map(str, row))
-    near = [c for k in keys for c in closest(k, names)]
-    sugg = f" Did you mean: {near[0]!r}?" if near else ""
+    keys, sugg = _row_keys(row, names)
     spelled = " or ".join(f'"{n}"' for n in names)
     return ConfigError(
         f"missing — every task of {key} needs {spelled} for {why}; this line has {keys} — {fix}.{sugg}",
@@ -210,21 +211,13 @@ def check_hub_id(name: str, src: Config, key: str) -> None:
     if isinstance(hit, str):
         return
     ways = HUB_WAYS_OUT.format(name=name)
+    uncached = f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), and"
     if offline:
-        raise src.error(
-            key,
-            f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
-            "to download it now.",
-        )
-    unreachable = hub_unreachable()
-    if unreachable:  # fail now, not after a minute of the loader's retries
-        raise src.error(
-            key,
-            f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            f"and the hub cannot be reached ({unreachable}), so it cannot be downloaded — {ways}, "
-            "or check the network (HF_ENDPOINT, a proxy in HTTPS_PROXY).",
-        )
+        msg = f"HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE to download it now."
+        raise src.error(key, f"{uncached} {msg}")
+    if unreachable := hub_unreachable():  # fail now, not after a minute of the loader's retries
+        msg = f"the hub cannot be reached ({unreachable}), so it cannot be downloaded — {ways}"
+        raise src.error(key, f"{uncached} {msg}, or check the network (HF_ENDPOINT, a proxy in HTTPS_PROXY).")
 
 
 #: Seconds :func:`hub_unreachable` waits for a TCP connection to the hub.

@@ -48,6 +48,13 @@ def need(src: Config, key: str, ok: bool, value: Any, problem: str, fix: str) ->
         raise src.error(key, f"{problem}, got {value!r} — {fix}.")
 
 
+def _lr_and_warmup(src: Config, key: str, section: Any, example: str) -> None:
+    """Refuse a learning rate ``<= 0`` (``key.lr``) and a negative ``key.warmup_steps`` (the SFT and RL optimizers)."""
+    lr, warmup = section.lr, section.warmup_steps
+    need(src, f"{key}.lr", lr > 0, lr, "a learning rate must be > 0", f"use a small positive number such as {example}")
+    need(src, f"{key}.warmup_steps", warmup >= 0, warmup, "must be >= 0", "use 0 for no warmup")
+
+
 def positive(src: Config, key: str, section: Any, *names: str) -> None:
     """Refuse the first of ``section``'s fields ``names`` below 1: ``file:line: key.name: must be >= 1, got v.``"""
     for name in names:
@@ -147,15 +154,8 @@ class SFTSection(Section):
     progress: bool = True
 
     def validate(self, src: Config, key: str = "sft") -> None:
-        """A positive ``lr``, ``hint_kinds`` shares of known kinds, sizes >= 1, steps >= 0."""
-        need(
-            src,
-            f"{key}.lr",
-            self.lr > 0,
-            self.lr,
-            "a learning rate must be > 0",
-            "use a small positive number such as 0.003",
-        )
+        """A positive ``lr``, ``warmup_steps >= 0``, ``hint_kinds`` shares of known kinds, sizes >= 1, steps >= 0."""
+        _lr_and_warmup(src, key, self, "0.003")
         kinds = self.hint_kinds
         if kinds is not None:
             need(
@@ -184,9 +184,6 @@ class SFTSection(Section):
             self.steps,
             "must be >= 0",
             "use a number of optimizer steps, or sft.enabled: false to skip the warm start",
-        )
-        need(
-            src, f"{key}.warmup_steps", self.warmup_steps >= 0, self.warmup_steps, "must be >= 0", "use 0 for no warmup"
         )
 
 
@@ -303,17 +300,7 @@ class OptimSection(Section):
 
     def validate(self, src: Config, key: str = "optim") -> None:
         """A positive ``lr``, ``warmup_steps >= 0`` and a registered optimizer ``name``."""
-        need(
-            src,
-            f"{key}.lr",
-            self.lr > 0,
-            self.lr,
-            "a learning rate must be > 0",
-            "use a small positive number such as 2e-05",
-        )
-        need(
-            src, f"{key}.warmup_steps", self.warmup_steps >= 0, self.warmup_steps, "must be >= 0", "use 0 for no warmup"
-        )
+        _lr_and_warmup(src, key, self, "2e-05")
         from composer_plugins.training.step.optim import check_optimizer_name
 
         check_optimizer_name(self.name, src, f"{key}.name")
@@ -356,22 +343,11 @@ class TrainerSection(Section):
     def validate(self, src: Config, key: str = "trainer") -> None:
         """Step counts, checkpoint settings, a known ``strategy`` and registered ``callbacks``."""
         positive(src, key, self, "max_steps", "accumulate_grad_batches")
-        need(
-            src,
-            f"{key}.checkpoint_every_n_steps",
-            self.checkpoint_every_n_steps >= 0,
-            self.checkpoint_every_n_steps,
-            "must be >= 0",
-            "use 0 to write no checkpoints, or N to write one every N steps",
-        )
-        need(
-            src,
-            f"{key}.keep_checkpoints",
-            self.keep_checkpoints >= -1,
-            self.keep_checkpoints,
-            "must be >= -1",
-            "use -1 to keep every checkpoint, or how many to keep",
-        )
+        every, keep = self.checkpoint_every_n_steps, self.keep_checkpoints
+        fix = "use 0 to write no checkpoints, or N to write one every N steps"
+        need(src, f"{key}.checkpoint_every_n_steps", every >= 0, every, "must be >= 0", fix)
+        fix = "use -1 to keep every checkpoint, or how many to keep"
+        need(src, f"{key}.keep_checkpoints", keep >= -1, keep, "must be >= -1", fix)
         strat = self.strategy
         import composer_plugins.training.config.strategy_names as sn
 
