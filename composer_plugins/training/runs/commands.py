@@ -34,10 +34,14 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
         no_progress: bool,
         **options: Any,
     ) -> None:
-        cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
-        if print_config:
-            from composer_plugins.training.config.train import config_to_yaml
+        from composer_plugins.training.config.train import config_to_yaml, load_train_config
 
+        if no_progress:
+            from composer_plugins.core import progress
+
+            progress.silence()
+        cfg, src = load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
+        if print_config:
             click.echo(config_to_yaml(cfg), nl=False)
             return
         command(cfg, src, **options)
@@ -56,22 +60,6 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
         help="YAML config (default: the packaged configs/default.yaml).",
     )(f)
     return f
-
-
-def _load(
-    config_path: str | None,
-    section: str | None,
-    overrides: tuple[str, ...],
-    set_overrides: tuple[str, ...] = (),
-    no_progress: bool = False,
-) -> tuple[Any, Any]:
-    from composer_plugins.training.config.train import load_train_config
-
-    if no_progress:
-        from composer_plugins.core import progress
-
-        progress.silence()
-    return load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
 
 
 def _check_inputs(cfg: Any, src: Any, checkpoint: str | None = None) -> None:

@@ -164,12 +164,10 @@ def run_train(
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = build_env(cfg, src) if module is None else module.env
-    if module is None:
-        policy, tok = load_policy_for(cfg, env)
-        L.seed_everything(cfg.seed, verbose=False)
-        module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
-    else:
-        L.seed_everything(cfg.seed, verbose=False)
+    loaded = load_policy_for(cfg, env) if module is None else None
+    L.seed_everything(cfg.seed, verbose=False)
+    if loaded is not None:
+        module = ComposerModule(cfg, policy=loaded[0], tokenizer=loaded[1], env=env, src=src)
     stream = TaskStream(
         task_drawer(env, cfg, "train"),
         cfg.rollout.prompts_per_step,
@@ -213,8 +211,7 @@ def run_train(
     history = list(hist_cb.rows) if hist_cb else []
     metrics: dict[str, float] = {**start, **final}
     if history:
-        last = history[-1]
-        metrics.update({k: v for k, v in last.items() if k != "step"})
+        metrics.update({k: v for k, v in history[-1].items() if k != "step"})
         # train/reward is the last step's; this is the mean over every step of the run
         metrics["train/reward_mean_over_steps"] = sum(r.get("train/reward", 0.0) for r in history) / len(history)
     if trainer.logger:
@@ -266,12 +263,8 @@ def run_eval(
         check_checkpoint(checkpoint)
     set_threads(cfg)
     env = build_env(cfg, src)
-    ckpt_file: str | None = None
-    if checkpoint and str(checkpoint).endswith(".ckpt"):
-        ckpt_file = checkpoint
-        path = resolve_policy(cfg, env)
-    else:
-        path = checkpoint or resolve_policy(cfg, env)
+    ckpt_file = checkpoint if checkpoint and str(checkpoint).endswith(".ckpt") else None
+    path = checkpoint if checkpoint and not ckpt_file else resolve_policy(cfg, env)
     policy, tok = load_policy(path, dtype=cfg.model.dtype)
     module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, channels=[], src=src)
     if ckpt_file:  # the policy's weights, strictly: a checkpoint of another model fails, naming the keys
