@@ -271,9 +271,7 @@ class ExperienceMaker:
         trainer's (else computed here when configured). ``groups``: as :func:`hint_fields`.
         """
         dev = rollout.completion_ids.device
-        r = None
-        if rewards is not None:
-            r = torch.as_tensor(rewards, dtype=torch.float32).to(dev)
+        r = None if rewards is None else torch.as_tensor(rewards, dtype=torch.float32).to(dev)
         if advantages is None and r is not None and self.advantage_kwargs is not None:
             adv = group_advantages(r, rollout.num_generations, **self.advantage_kwargs)
             advantages = (adv[0] if isinstance(adv, tuple) else adv).detach().float()

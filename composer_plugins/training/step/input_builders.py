@@ -176,23 +176,11 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
             )
         t_head = head
     student = asm.scratch.get("policy_hidden")
-    if student is not None:
-        student = student[idx]
-    else:  # the trainer computed the log-probs itself: the hinted rows' hidden states, with grad
-        student = completion_hidden(
-            p.model,
-            r.prompt_ids[idx],
-            r.prompt_mask[idx],
-            c_ids,
-            c_mask,
-            completion_attention_mask=c_att,
-            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
-        )
-    out["student_hidden"] = student
-    out["teacher_hidden"] = teacher
-    out["lm_head_weight"] = head
-    out["hint_mask"] = c_mask.float()
-    out["hint_rows"] = idx
+    # the trainer computed the log-probs itself: the hinted rows' hidden states, with grad
+    student = student[idx] if student is not None else _policy_hidden(asm, idx)
+    out.update(
+        student_hidden=student, teacher_hidden=teacher, lm_head_weight=head, hint_mask=c_mask.float(), hint_rows=idx
+    )
     asm.stats.update({"hint/rows": float(len(rows)), "hint/fraction": len(rows) / r.num_rows})
     for kind in sorted({k for k in r.hint_kinds if k}):  # each hint kind's share (a chain's members apart)
         asm.stats[f"hint/fraction/{kind}"] = sum(k == kind for k in r.hint_kinds) / r.num_rows
@@ -231,9 +219,8 @@ def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
         return {"hint_teacher_logprobs": None}
     own = asm.get("old_logprobs")
     if own is None:
-        raise asm.lacking(
-            "old_logprobs", "old_logprobs", "make the record with ExperienceMaker.make(old_logprobs=True)"
-        )
+        fix = "make the record with ExperienceMaker.make(old_logprobs=True)"
+        raise asm.lacking("old_logprobs", "old_logprobs", fix)
     ref = own.clone()
     idx = torch.tensor(rows, device=r.completion_ids.device)
     h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, r.completion_ids.device)
@@ -321,22 +308,24 @@ def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
 
     Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
     """
-    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+    from composer_plugins.models.logprobs import lm_head_weight
 
-    r, p = asm.record, asm.policy
     asm.get("logprobs")
     hidden = asm.scratch.get("policy_hidden")
-    if hidden is None:
-        hidden = completion_hidden(
-            p.model,
-            r.prompt_ids,
-            r.prompt_mask,
-            r.completion_ids,
-            r.completion_mask,
-            completion_attention_mask=r.attention_mask,
-            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
-        )
-    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
+    hidden = hidden if hidden is not None else _policy_hidden(asm)
+    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(asm.policy.model)}
+
+
+def _policy_hidden(asm: Assembly, idx: Tensor | None = None) -> Tensor:
+    """The policy's final hidden states (with grad) at the completion positions of rows ``idx`` (``None``: all)."""
+    from composer_plugins.models.logprobs import completion_hidden
+
+    r, p = asm.record, asm.policy
+    rows = [r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.attention_mask]
+    if idx is not None:
+        rows = [None if t is None else t[idx] for t in rows]
+    mb = p.micro_batch(r.prompt_ids, r.completion_ids)
+    return completion_hidden(p.model, *rows[:4], completion_attention_mask=rows[4], micro_batch_size=mb)
 
 
 def teacher_scores(asm: Assembly) -> dict[str, Any]:
@@ -367,7 +356,6 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
     packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
     if packed is None:
         scores = {k: fit_rows(k, v, int(r.completion_ids.shape[0])) for k, v in scores.items()}
-    if packed is None:
         packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
     n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())
     asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)
