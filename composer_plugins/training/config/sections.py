@@ -97,22 +97,11 @@ class ModelSection(Section):
         ):
             v = getattr(tiny, f)
             need(src, f"{key}.tiny.{f}", v >= 1, v, "must be >= 1", "use a positive integer")
-        need(
-            src,
-            f"{key}.tiny.num_heads",
-            tiny.hidden_size % tiny.num_heads == 0,
-            tiny.num_heads,
-            f"must divide model.tiny.hidden_size ({tiny.hidden_size})",
-            f"use one of {[h for h in range(1, tiny.hidden_size + 1) if tiny.hidden_size % h == 0][:12]}",
-        )
-        need(
-            src,
-            f"{key}.tiny.num_kv_heads",
-            tiny.num_heads % tiny.num_kv_heads == 0,
-            tiny.num_kv_heads,
-            f"must divide model.tiny.num_heads ({tiny.num_heads})",
-            f"use one of {[h for h in range(1, tiny.num_heads + 1) if tiny.num_heads % h == 0]}",
-        )
+        for f, of, most in (("num_heads", "hidden_size", 12), ("num_kv_heads", "num_heads", None)):
+            n, total = getattr(tiny, f), getattr(tiny, of)
+            divisors = [h for h in range(1, total + 1) if total % h == 0][:most]
+            problem = f"must divide model.tiny.{of} ({total})"
+            need(src, f"{key}.tiny.{f}", total % n == 0, n, problem, f"use one of {divisors}")
         from composer_plugins.training.rollout.chat import check_chat_template
 
         check_chat_template(self.chat_template, src, f"{key}.chat_template")
@@ -158,14 +147,9 @@ class SFTSection(Section):
         _lr_and_warmup(src, key, self, "0.003")
         kinds = self.hint_kinds
         if kinds is not None:
-            need(
-                src,
-                f"{key}.hint_kinds",
-                isinstance(kinds, Mapping) and bool(kinds),
-                kinds,
-                "must map hint kinds to shares",
-                "e.g. {feedback: 0.5, demonstration: 0.5}",
-            )
+            ok = isinstance(kinds, Mapping) and bool(kinds)
+            fix = "e.g. {feedback: 0.5, demonstration: 0.5}"
+            need(src, f"{key}.hint_kinds", ok, kinds, "must map hint kinds to shares", fix)
             for k, v in kinds.items():
                 if k not in SFT_HINT_KINDS:
                     raise src.error(f"{key}.hint_kinds.{k}", "unknown hint kind.", valid=SFT_HINT_KINDS)
@@ -177,14 +161,8 @@ class SFTSection(Section):
         for f in ("batch_size", "num_examples", "max_length"):
             v = getattr(self, f)
             need(src, f"{key}.{f}", v >= 1, v, "must be >= 1", "use a positive integer")
-        need(
-            src,
-            f"{key}.steps",
-            self.steps >= 0,
-            self.steps,
-            "must be >= 0",
-            "use a number of optimizer steps, or sft.enabled: false to skip the warm start",
-        )
+        fix = "use a number of optimizer steps, or sft.enabled: false to skip the warm start"
+        need(src, f"{key}.steps", self.steps >= 0, self.steps, "must be >= 0", fix)
 
 
 @dataclass
@@ -409,13 +387,8 @@ class ComputeSection(Section):
 
     def validate(self, src: Config, key: str = "compute") -> None:
         """``micro_batch_tokens``, ``micro_batch_size`` and ``chunk_size`` (when set) >= 1; ``kernels`` a known one."""
-        positive(
-            src,
-            key,
-            self,
-            "micro_batch_tokens",
-            *(f for f in ("micro_batch_size", "chunk_size") if getattr(self, f) is not None),
-        )
+        optional = (f for f in ("micro_batch_size", "chunk_size") if getattr(self, f) is not None)
+        positive(src, key, self, "micro_batch_tokens", *optional)
         from composer_plugins.losses import KERNEL_SETTINGS
 
         if self.kernels not in KERNEL_SETTINGS:
