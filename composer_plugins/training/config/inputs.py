@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from composer_plugins.core.config import Config
-from composer_plugins.core.errors import ConfigError, closest
+from composer_plugins.core.config import Config, component_spec
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError, closest
 from composer_plugins.core.io import iter_jsonl
 from composer_plugins.core.registry import import_object
 from composer_plugins.training.rollout.chat import PROMPT_KEYS
@@ -150,8 +150,6 @@ def env_task_fields(cfg: TrainConfig, src: Config) -> tuple[tuple[str | tuple[st
 
     An env that cannot be resolved here gives no fields: building it reports that problem, located.
     """
-    from composer_plugins.core.config import component_spec
-    from composer_plugins.core.errors import ComposerPluginsError
     from composer_plugins.core.plugins import get_registry
 
     try:

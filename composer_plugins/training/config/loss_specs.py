@@ -11,7 +11,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from composer_plugins.core.config import Config
+from composer_plugins.core.config import Config, build_component, check_component_name
 from composer_plugins.core.registry import import_object
 
 CHANNEL_KEYS = ("enabled", "weight", "name", "advantage")
@@ -57,8 +57,6 @@ def advantage_estimator(spec: Any, key: str, src: Config | None = None, build: b
     """A channel's ``advantage:`` (registry kind ``advantage_estimators``): a name, ``{name: ..., <settings>}``, or
     ``{compose: [{name: ..., weight: w, <settings>}, ...]}`` (``Σ w·A``); ``build=False`` only checks the names.
     Errors are located at ``key`` (``<key>.compose.<i>.name`` ...) in ``src``'s file and line."""
-    from composer_plugins.core.config import build_component, check_component_name
-
     src, kind = (src if src is not None else Config()), "advantage_estimators"
     if not (isinstance(spec, Mapping) and "compose" in spec):
         return build_component(kind, spec, key, src) if build else check_component_name(kind, spec, key, src)

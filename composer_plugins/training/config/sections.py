@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from composer_plugins.core.config import Config
+from composer_plugins.core.config import Config, check_component_name
 from composer_plugins.losses.correction import IS_MODES
 from composer_plugins.models import CompileMode
 from composer_plugins.models.tiny import TinyModelConfig
@@ -208,8 +208,6 @@ class RolloutSection(Section):
             raise src.error(f"{key}.temperature", f"must be > 0, got {self.temperature}.")
         f, why = self.on_policy_fraction, "must be in [0, 1], and 1 with multi-turn episodes (rollout.max_turns > 1)"
         need(src, f"{key}.on_policy_fraction", f == 1 or (0 <= f < 1 and self.max_turns == 1), f, why, "e.g. 0.5")
-        from composer_plugins.core.config import check_component_name
-
         check_component_name("rollout_generators", self.generator, f"{key}.generator", src)
         gen = self.generator
         gen_name = gen.get("name") if isinstance(gen, Mapping) else gen
@@ -244,8 +242,6 @@ class HintsSection(Section):
 
     def validate(self, src: Config, key: str = "hints") -> None:
         """``provider`` names a registered hint provider (nothing is built)."""
-        from composer_plugins.core.config import check_component_name
-
         check_component_name("hints", self.provider, f"{key}.provider", src)
 
 

@@ -15,7 +15,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
+from composer_plugins.core.config import (
+    Config,
+    apply_overrides,
+    from_dict,
+    load_config,
+    loads_config,
+    redact,
+    resolve_env,
+    to_dict,
+)
 from composer_plugins.training.config.loss_specs import (
     ChannelSpec,
     channel_spec,
@@ -154,8 +163,6 @@ def _fill_component_defaults(src: Config) -> None:
 
 
 def _finish(src: Config, overrides: Sequence[str]) -> tuple[TrainConfig, Config]:
-    from composer_plugins.core.config import apply_overrides, resolve_env
-
     losses_as_mapping(src)
     _fill_component_defaults(src)
     apply_overrides(src, overrides)

@@ -19,7 +19,14 @@ from torch import Tensor
 from composer_plugins.training.config.train import TrainConfig, train_config_from_dict
 from composer_plugins.training.lightning.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.lightning.evaluation import Validator
-from composer_plugins.training.rollout.distributed import all_gather_objects, fsdp_root, full_params, world
+from composer_plugins.training.rollout.distributed import (
+    all_gather_objects,
+    barrier,
+    fsdp_root,
+    full_params,
+    reduce_stats,
+    world,
+)
 from composer_plugins.training.rollout.rewards import derive_seed
 from composer_plugins.training.step.assemble import StepPolicy
 from composer_plugins.training.step.components import StepComponents, configured_hint_provider
@@ -97,8 +104,6 @@ class ComposerModule(L.LightningModule):
 
     def sync_generator(self) -> None:
         """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
-        from composer_plugins.training.rollout.distributed import barrier
-
         step = self.global_step
         if not self.sampler.due(step):
             return
@@ -130,8 +135,6 @@ class ComposerModule(L.LightningModule):
         return derive_seed(self.cfg.seed, 1, index, *((rank,) if world_size > 1 else ()))
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
-        from composer_plugins.training.rollout.distributed import reduce_stats
-
         index = int(batch["index"])
         rank, size = int(batch.get("rank", 0)), int(batch.get("world_size", 1))
         mu = max(1, self.cfg.rollout.num_iterations)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
 from composer_plugins.core.io import is_wall_clock
 from composer_plugins.training.config.train import TrainConfig
@@ -88,7 +88,6 @@ def lightning_trainer(*, callbacks: Sequence[Any] = (), **kwargs: Any) -> Any:
     run's use of it.
     """
     import lightning as L
-    from lightning.pytorch.callbacks import ProgressBar
 
     bar = any(isinstance(c, ProgressBar) for c in callbacks)
     kw: dict[str, Any] = {"logger": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
@@ -118,8 +117,6 @@ def build_trainer(
     Plugin callbacks named in ``trainer.callbacks`` (hook ``register_callbacks``) follow
     ``extra_callbacks``.
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     t = cfg.trainer
     ckpt = (
         ModelCheckpoint(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_plugins.chat.env_step import step_result
-from composer_plugins.training.rollout.rollouts import WeightSyncing
+from composer_plugins.training.rollout.rollouts import HFGenerator, WeightSyncing, as_rollout_generator
 
 if TYPE_CHECKING:
     from composer_plugins.models.generation import Rollout
@@ -31,7 +31,6 @@ def build_generator(cfg: Any, src: Any = None, env: Any = None) -> Any:
     :class:`~composer_plugins.training.config.train.TrainConfig`; with ``rollout.max_turns > 1`` and an ``env``
     that has ``reset``/``step``, wrapped in :class:`MultiTurnGenerator`."""
     from composer_plugins.core.config import build_component
-    from composer_plugins.training.rollout.rollouts import HFGenerator, as_rollout_generator
 
     spec = cfg.rollout.generator if cfg.rollout.generator is not None else "hf"
     gen = as_rollout_generator(build_component("rollout_generators", spec, key="rollout.generator", cfg=src), src=src)
@@ -52,8 +51,6 @@ class MultiTurnGenerator:
     """
 
     def __init__(self, generator: Any = "hf", max_turns: int = 2) -> None:
-        from composer_plugins.training.rollout.rollouts import as_rollout_generator
-
         if isinstance(generator, str | Mapping):
             from composer_plugins.core.config import build_component
 

@@ -17,11 +17,11 @@ from typing import Any, Literal
 from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.core.io import read_jsonl
+from composer_plugins.core.io import iter_jsonl, read_jsonl
 from composer_plugins.envs.hints import HintProvider, SiblingGroup, hint_requests, sibling_groups
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.rollout.chat import PROMPT_KEYS, hinted_context, pair_prompt, prompt_field, task_prompt
-from composer_plugins.training.rollout.distributed import world
+from composer_plugins.training.rollout.distributed import rank_share, world
 
 
 def derive_seed(*parts: int) -> int:
@@ -65,8 +65,6 @@ class TaskStream:
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        from composer_plugins.training.rollout.distributed import rank_share
-
         rank, size = world()
         rank = rank if self.rank is None else int(self.rank)
         size = size if self.world_size is None else int(self.world_size)
@@ -204,8 +202,6 @@ def rollout_groups(
 
 def load_pairs(path: str | Path) -> list[dict[str, str]]:
     """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
-    from composer_plugins.core.io import iter_jsonl
-
     pairs = []
     for n, row in iter_jsonl(path):
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
-from composer_plugins.envs.hints import build_hint_provider
+from composer_plugins.envs.hints import build_hint_provider, reads_groups, sibling_groups
 from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.config.train import TrainConfig
@@ -125,8 +125,6 @@ def _hint_augment(
     (``hints.provider`` if it does, else the default ``demonstration`` provider), so the context shows
     the problem's worked solution as a successful sibling. The target stays the worked solution.
     """
-    from composer_plugins.envs.hints import reads_groups, sibling_groups
-
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
     picked = [i for i in range(len(pairs)) if rng.random() < cfg.sft.hint_fraction]
     attempts = {i: _wrong_attempt(tasks[i], rng) for i in picked}

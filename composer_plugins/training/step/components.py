@@ -23,13 +23,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from composer_plugins.core.config import Config, build_component
 from composer_plugins.training.config.loss_specs import CHANNEL_KEYS, advantage_estimator
-from composer_plugins.training.step.assemble import PAIR_INPUTS, StepPolicy
+from composer_plugins.training.step.assemble import PAIR_INPUTS, StepPolicy, _channel_inputs
 from composer_plugins.training.step.experience import ExperienceMaker, Sampler, StepComputer
-from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
+from composer_plugins.training.step.input_builders import PAIR_REF_KEYS, cache_pair_references
 from composer_plugins.training.step.record import StepMeta, StepRecord, sample_pairs
 
 __all__ = ["StepComponents", "build_channels", "build_env", "configured_hint_provider"]
@@ -55,8 +55,6 @@ def configured_hint_provider(cfg: Any, src: Config | None = None) -> Any:
 def build_channels(cfg: Any, src: Config | None = None) -> list[Any]:
     """The enabled loss channels of ``cfg.channels`` (disabled ones are not built at all), each named by its key
     and carrying its ``losses.<key>.advantage`` estimator as ``advantage_estimator`` (read by ``ChannelComposer``)."""
-    from composer_plugins.training.step.assemble import _channel_inputs
-
     src = src if src is not None else Config()
     out = []
     for spec in cfg.channels:
@@ -212,8 +210,6 @@ class StepComponents:
     def cache_pair_references(self, gather: Gather = nullcontext) -> None:
         """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once;
         ``gather``: the context that makes the whole parameters available, e.g. under FSDP)."""
-        from composer_plugins.training.step.input_builders import cache_pair_references
-
         if self.pair_refs_due:
             with gather():
                 self.pairs, self.pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
@@ -256,8 +252,6 @@ class StepComponents:
         if self.ema_teacher is None:
             return
         if self._ema_pairs is None:
-            from torch import nn
-
             root = root if root is not None else nn.ModuleDict({"ema_teacher": self.ema_teacher, "policy": self.policy})
             self._ema_pairs = ema_pairs(root, "ema_teacher.policy", "policy")
         ema_update(self._ema_pairs, self.ema_teacher.rate, salt=salt)

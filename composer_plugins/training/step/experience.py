@@ -19,7 +19,14 @@ from composer_plugins.envs.hints import build_hint_provider, reads_groups
 from composer_plugins.losses.functional import group_advantages
 from composer_plugins.models.logprobs import completion_logprobs_no_grad
 from composer_plugins.training.rollout.distributed import dp_normalisers
-from composer_plugins.training.rollout.rewards import rollout_groups, teacher_contexts
+from composer_plugins.training.rollout.rewards import (
+    derive_seed,
+    env_rewards,
+    reference_completion,
+    rollout_groups,
+    task_prompt,
+    teacher_contexts,
+)
 from composer_plugins.training.step.assemble import StepPolicy, assemble_inputs
 from composer_plugins.training.step.metrics import reward_stats, scalar_metrics
 from composer_plugins.training.step.record import Rollout, StepMeta, StepRecord, hint_candidates
@@ -59,8 +66,6 @@ class Sampler:
         """Whether the step sampled with ``seed`` samples the policy (else it reads the dataset's completions)."""
         import random
 
-        from composer_plugins.training.rollout.rewards import derive_seed
-
         f = self.on_policy_fraction
         return f >= 1 or (f > 0 and random.Random(derive_seed(seed, 17)).random() < f)
 
@@ -69,7 +74,6 @@ class Sampler:
     ) -> tuple[Rollout, list[float], list[Any]]:
         """``(rollout, rewards, feedback)``: ``G`` completions of each task, scored by ``env`` (episodes score
         every turn themselves)."""
-        from composer_plugins.training.rollout.rewards import env_rewards, task_prompt
         from composer_plugins.training.rollout.rollouts import EpisodeGenerator
 
         if not self.on_policy(seed):
@@ -89,7 +93,6 @@ class Sampler:
         completion as the completion, scored by ``env`` as a sample would be."""
         from composer_plugins.core.errors import ConfigError
         from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
-        from composer_plugins.training.rollout.rewards import env_rewards, reference_completion, task_prompt
 
         texts = [reference_completion(t) for t in tasks]
         if any(x is None for x in texts):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_plugins.training.step.assemble import Assembly
+from composer_plugins.training.step.assemble import Assembly, _channel_inputs
 
 
 def record_fields(asm: Assembly) -> dict[str, Any]:
@@ -108,8 +108,6 @@ _OWN = ("logprobs", "old_logprobs", "inference_logprobs", "importance_sampling_r
 
 def _separable_readers(asm: Assembly) -> list[Any]:
     """The active channels that read ``logprobs``, when every one declares ``row_separable`` (else none)."""
-    from composer_plugins.training.step.assemble import _channel_inputs
-
     chans = getattr(asm.composer, "active", None) or []
     readers = [c for c in chans if "logprobs" in _channel_inputs(c)]
     return readers if readers and all(getattr(c, "row_separable", False) for c in readers) else []
