@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import random
+import signal
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.io import atomic_file
+from composer_plugins.training.config.inputs import checkpoint_step
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -74,8 +81,6 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
 
 def good_checkpoints(directory: str | os.PathLike[str], exclude: str | os.PathLike[str] | None = None) -> list[Path]:
     """The complete ``.ckpt`` files in ``directory``, newest first (by step in the name, then mtime)."""
-    from composer_plugins.training.config.inputs import checkpoint_step
-
     d = Path(directory)
     if not d.is_dir():
         return []
@@ -130,9 +135,6 @@ def safe_load(
     """``torch.load(path, weights_only=True)`` on the CPU: a checkpoint holding anything but tensors and plain
     data (an object whose unpickling would run code) raises a :class:`CheckpointError` naming the file and
     what it holds, instead of being executed."""
-    import pickle
-
-    import torch
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -157,8 +159,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        import torch
-
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r}")
         target = Path(path)
@@ -176,9 +176,6 @@ def _sigint_deferred() -> Any:
     hides the ``KeyboardInterrupt`` (exit 1, no "interrupted at step N" message). Outside the main thread
     (where signal handlers cannot be set) the write runs as it is.
     """
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -211,10 +208,6 @@ def _remove_dead_temps(directory: Path) -> None:
 
 def rng_state() -> dict[str, Any]:
     """The torch, Python and NumPy global RNG states as plain data (for a checkpoint)."""
-    import random
-
-    import numpy as np
-    import torch
 
     np_state = np.random.get_state()
     py = random.getstate()
@@ -227,10 +220,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Any) -> None:
     """Restore what :func:`rng_state` returned."""
-    import random
-
-    import numpy as np
-    import torch
 
     torch.set_rng_state(state["torch"])
     v, s, g = state["python"]

@@ -13,6 +13,9 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from composer_plugins.core.io import read_jsonl
+from composer_plugins.training.rollout.rewards import env_tasks
+
 __all__ = ["CURVE_FILE", "CURVE_STAT", "HeldoutCurve", "heldout_curve"]
 
 #: The step statistic (history.csv column ``train/<CURVE_STAT>``).
@@ -44,9 +47,6 @@ class HeldoutCurve(Callback):
         self.points: list[tuple[int, float]] = []
 
     def _tasks(self, pl_module: Any) -> list[dict[str, Any]]:
-        from composer_plugins.core.io import read_jsonl
-        from composer_plugins.training.rollout.rewards import env_tasks
-
         cfg = pl_module.cfg
         if cfg.data.test_path:
             return [dict(t) for t in read_jsonl(cfg.data.test_path)[: self.num_problems]]

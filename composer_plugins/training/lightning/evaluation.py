@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from composer_plugins.envs.hints import reads_groups
+from composer_plugins.models.generation import generate_completions
 from composer_plugins.training.rollout.rewards import (
     derive_seed,
     env_rewards,
@@ -70,8 +72,6 @@ class Validator(nn.Module):
 
         ``temperature=None``: greedy; ``0`` is greedy too (``eval.temperature: 0``), never the rollout's.
         """
-        from composer_plugins.models.generation import generate_completions
-
         r = self.cfg.rollout
         greedy = temperature is None or temperature == 0
         return generate_completions(
@@ -144,8 +144,6 @@ class Validator(nn.Module):
         Returns the counts ``failures``, ``hinted`` (got a hint), ``fixed`` (hinted and then solved) and
         per-row details for the predictions file.
         """
-        from composer_plugins.envs.hints import reads_groups
-
         cfg = self.cfg
         e = settings if settings is not None else cfg.eval
         thr = cfg.rollout.success_threshold

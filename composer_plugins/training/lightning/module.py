@@ -16,9 +16,12 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from composer_plugins.core.config import redact, to_dict
+from composer_plugins.models.logprobs import lm_head_weight
 from composer_plugins.training.config.train import TrainConfig, train_config_from_dict
 from composer_plugins.training.lightning.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.lightning.evaluation import Validator
+from composer_plugins.training.lightning.tracking import log_kernel_pick
 from composer_plugins.training.rollout.distributed import (
     all_gather_objects,
     barrier,
@@ -31,6 +34,7 @@ from composer_plugins.training.rollout.rewards import derive_seed
 from composer_plugins.training.step.assemble import StepPolicy
 from composer_plugins.training.step.components import StepComponents, configured_hint_provider
 from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
+from composer_plugins.training.step.optim import build_optimization
 from composer_plugins.training.step.record import StepMeta, StepRecord
 
 
@@ -47,8 +51,6 @@ class ComposerModule(L.LightningModule):
 
     def __init__(self, config: Any, *, src: Any = None, **parts: Any) -> None:
         super().__init__()
-        from composer_plugins.core.config import redact, to_dict
-
         cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
         self.cfg = cfg
         self.kernel_pick: Any = None  # the LM-head kernels picked for the device at the start of training
@@ -112,9 +114,6 @@ class ComposerModule(L.LightningModule):
         barrier()
 
     def on_train_start(self) -> None:
-        from composer_plugins.models.logprobs import lm_head_weight
-        from composer_plugins.training.lightning.tracking import log_kernel_pick
-
         r = self.cfg.rollout
         tokens = r.prompts_per_step * r.num_generations * r.max_new_tokens
         self.kernel_pick = self.cfg.compute.pick_kernels(int(lm_head_weight(self.policy).shape[0]), tokens, self.device)
@@ -242,8 +241,6 @@ class ComposerModule(L.LightningModule):
 
     # -- optimisation / checkpoint state ---------------------------------------------
     def configure_optimizers(self) -> Any:
-        from composer_plugins.training.step.optim import build_optimization
-
         return build_optimization(self.cfg.optim, self.policy.parameters(), self.cfg.trainer.max_steps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_plugins.chat.env_step import step_result
+from composer_plugins.models.generation import Rollout, left_pad
+from composer_plugins.training.rollout.rewards import derive_seed
 from composer_plugins.training.rollout.rollouts import HFGenerator, WeightSyncing, as_rollout_generator
 
 if TYPE_CHECKING:
@@ -114,9 +116,6 @@ class MultiTurnGenerator:
         (observation tokens are masked out; ``extra["attention_mask"]`` attends to both). The episode
         reward is its last step's; the feedback of the last step goes to the hint provider.
         """
-        from composer_plugins.models.generation import Rollout, left_pad
-        from composer_plugins.training.rollout.rewards import derive_seed
-
         G = num_generations
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         device = next(policy.parameters()).device

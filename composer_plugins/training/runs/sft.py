@@ -12,6 +12,7 @@ import os
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -22,10 +23,12 @@ from torch import Tensor
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
 from composer_plugins.envs.hints import build_hint_provider, reads_groups, sibling_groups
+from composer_plugins.losses.functional import chunked_logprobs
 from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.lightning.trainer import lightning_trainer, progress_bar, quiet_lightning, set_threads
+from composer_plugins.training.rollout.chat import install_chat_template
 from composer_plugins.training.rollout.rewards import (
     derive_seed,
     env_tasks,
@@ -33,6 +36,7 @@ from composer_plugins.training.rollout.rewards import (
     task_prompt,
     teacher_contexts,
 )
+from composer_plugins.training.step.optim import build_optimizer, warmup_cosine
 
 
 def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[str, str]]:
@@ -193,8 +197,6 @@ class SFTModule(L.LightningModule):
 
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
         """Token-mean cross-entropy over the labelled tokens, chunked through the LM head from hidden states."""
-        from composer_plugins.losses.functional import chunked_logprobs
-
         body = decoder_body(self.policy)
         hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         labels = batch["labels"][:, 1:]
@@ -208,9 +210,6 @@ class SFTModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        from types import SimpleNamespace
-
-        from composer_plugins.training.step.optim import build_optimizer, warmup_cosine
 
         sft_optim = SimpleNamespace(name="adamw", lr=self.lr, weight_decay=self.weight_decay)
         opt = build_optimizer(sft_optim, self.policy.parameters())
@@ -246,8 +245,6 @@ def sft_train(
 ) -> dict[str, float]:
     """Supervised warm start of ``base`` on the env's solutions; ``save_pretrained`` to ``out_dir``."""
     set_threads(cfg)
-    from composer_plugins.training.rollout.chat import install_chat_template
-
     model, tok = load_policy(base, dtype=cfg.model.dtype)
     install_chat_template(tok, cfg.model.chat_template)
     pairs = sft_pairs(env, cfg, tok)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+
 #: What FSDP inserts into the parameter names of wrapped modules.
 _FSDP_PREFIX = "_fsdp_wrapped_module."
 
@@ -61,8 +63,6 @@ class EMATeacher(nn.Module):
 
         Under FSDP the head is copied: FSDP frees the gathered parameters after the forward.
         """
-        from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
-
         hidden = completion_hidden(
             self.policy,
             prompt_ids,

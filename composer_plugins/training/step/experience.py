@@ -8,6 +8,7 @@ statistics out. See docs/training.md "One training step".
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -15,8 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.core.errors import ConfigError
 from composer_plugins.envs.hints import build_hint_provider, reads_groups
 from composer_plugins.losses.functional import group_advantages
+from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
 from composer_plugins.models.logprobs import completion_logprobs_no_grad
 from composer_plugins.training.rollout.distributed import dp_normalisers
 from composer_plugins.training.rollout.rewards import (
@@ -27,6 +30,7 @@ from composer_plugins.training.rollout.rewards import (
     task_prompt,
     teacher_contexts,
 )
+from composer_plugins.training.rollout.rollouts import EpisodeGenerator, WeightSyncing
 from composer_plugins.training.step.assemble import StepPolicy, assemble_inputs
 from composer_plugins.training.step.metrics import reward_stats, scalar_metrics
 from composer_plugins.training.step.record import Rollout, StepMeta, StepRecord, hint_candidates
@@ -64,8 +68,6 @@ class Sampler:
 
     def on_policy(self, seed: int) -> bool:
         """Whether the step sampled with ``seed`` samples the policy (else it reads the dataset's completions)."""
-        import random
-
         f = self.on_policy_fraction
         return f >= 1 or (f > 0 and random.Random(derive_seed(seed, 17)).random() < f)
 
@@ -74,8 +76,6 @@ class Sampler:
     ) -> tuple[Rollout, list[float], list[Any]]:
         """``(rollout, rewards, feedback)``: ``G`` completions of each task, scored by ``env`` (episodes score
         every turn themselves)."""
-        from composer_plugins.training.rollout.rollouts import EpisodeGenerator
-
         if not self.on_policy(seed):
             return self.dataset(policy, tokenizer, env, tasks)
         if isinstance(self.generator, EpisodeGenerator):
@@ -91,9 +91,6 @@ class Sampler:
     ) -> tuple[Rollout, list[float], list[Any]]:
         """An off-policy step's ``(rollout, rewards, feedback)``: each task once (``G = 1``) with its reference
         completion as the completion, scored by ``env`` as a sample would be."""
-        from composer_plugins.core.errors import ConfigError
-        from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
-
         texts = [reference_completion(t) for t in tasks]
         if any(x is None for x in texts):
             raise ConfigError(
@@ -118,8 +115,6 @@ class Sampler:
 
     def due(self, step: int) -> bool:
         """Whether the generator's engine wants the policy's weights before sampling ``step``."""
-        from composer_plugins.training.rollout.rollouts import WeightSyncing
-
         return isinstance(self.generator, WeightSyncing) and self.generator.wants_sync(step)
 
     def sync(self, policy: Any, tokenizer: Any, step: int, out_dir: str | None = None, *, push: bool = True) -> None:

@@ -13,6 +13,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.losses.base import inputs_for
+from composer_plugins.losses.functional import chunked_logprobs
+from composer_plugins.losses.teacher_distill import TeacherTopK
+from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
+from composer_plugins.models.logprobs import (
+    completion_hidden,
+    completion_logprobs,
+    completion_logprobs_no_grad,
+    lm_head_weight,
+    sequence_logprob,
+)
 from composer_plugins.training.step.assemble import Assembly, _channel_inputs
 
 
@@ -47,8 +58,6 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
     When every active channel reading ``logprobs`` declares ``row_separable``, their LM-head gradients are
     formed while the log-probs are computed (:func:`~composer_plugins.kernels.fused.fused_logprobs`, three
     matmuls a chunk); otherwise the generic path (four). ``compute.kernels: materialised`` makes either one chunk."""
-    from composer_plugins.models.logprobs import completion_hidden, completion_logprobs, lm_head_weight
-
     r, p = asm.record, asm.policy
     logps = asm.values.get("logprobs")
     args = (p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
@@ -115,8 +124,6 @@ def _separable_readers(asm: Assembly) -> list[Any]:
 
 def _readers_loss(asm: Assembly, readers: list[Any]) -> Any:
     """``loss(logprobs)``: the readers' weighted losses, their other inputs built as the assembler would."""
-    from composer_plugins.losses.base import inputs_for
-
     for k in dict.fromkeys(k for c in readers for k in c.required_inputs() if k not in _OWN):
         asm.get(k)  # now, outside the kernel (whose autocast is off)
 
@@ -144,10 +151,6 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
     ``hint/teacher_margin`` (the precondition: how much likelier the teacher finds the student's tokens, at
     the sampling temperature) goes to ``stats``.
     """
-    from composer_plugins.losses.functional import chunked_logprobs
-    from composer_plugins.models.generation import tokenize_prompts
-    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
-
     r, p = asm.record, asm.policy
     rows = r.hint_rows
     n_in_batch = asm.values.get("hint_tokens_in_batch")
@@ -208,9 +211,6 @@ def _margin_stat(diff_sum: float, tokens: float, tokens_in_batch: float | None) 
 def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
     """Per-token log-probs of the sampled tokens under the hint teacher on the hinted rows, the policy's own
     (sampling-time) elsewhere: PRIME-RL's ``opsd`` reference stream. ``None`` when no row was hinted."""
-    from composer_plugins.models.generation import tokenize_prompts
-    from composer_plugins.models.logprobs import completion_logprobs_no_grad
-
     r, p = asm.record, asm.policy
     rows = r.hint_rows
     if not rows:
@@ -241,8 +241,6 @@ PAIR_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 def _pair_tensors(p: Any, pairs: Sequence[Mapping[str, Any]], dev: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(prompt ids, prompt mask, completion ids, completion mask)``: the chosen rows, then the rejected."""
-    from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
-
     prompts = [str(x["prompt"]) for x in pairs] * 2
     comps = [str(x["chosen"]) for x in pairs] + [str(x["rejected"]) for x in pairs]
     p_ids, p_mask = tokenize_prompts(p.tokenizer, prompts, p.pair_prompt_length, dev)
@@ -251,8 +249,6 @@ def _pair_tensors(p: Any, pairs: Sequence[Mapping[str, Any]], dev: Any) -> tuple
 
 
 def _sequence_logps(model: Any, p: Any, t: tuple[Tensor, Tensor, Tensor, Tensor], grad: bool) -> Tensor:
-    from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad, sequence_logprob
-
     kw = {"micro_batch_size": p.micro_batch(t[0], t[2]), "chunk_size": p.chunk_size}
     logps = (completion_logprobs if grad else completion_logprobs_no_grad)(model, *t, **kw)
     assert isinstance(logps, Tensor)
@@ -262,8 +258,6 @@ def _sequence_logps(model: Any, p: Any, t: tuple[Tensor, Tensor, Tensor, Tensor]
 def cache_pair_references(p: Any, pairs: Sequence[Mapping[str, Any]], batch: int = 32) -> list[dict[str, Any]]:
     """``pairs`` with their sequence log-probs under ``p.reference`` (else ``p.model``, without gradient) at
     :data:`PAIR_REF_KEYS`: computed once, before the first optimizer step, so no copy of the policy is kept for them."""
-    from composer_plugins.models.logprobs import lm_head_weight
-
     model = p.reference if p.reference is not None else p.model
     out: list[dict[str, Any]] = []
     for i in range(0, len(pairs), batch):
@@ -306,8 +300,6 @@ def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
 
     Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
     """
-    from composer_plugins.models.logprobs import lm_head_weight
-
     asm.get("logprobs")
     hidden = asm.scratch.get("policy_hidden")
     hidden = hidden if hidden is not None else _policy_hidden(asm)
@@ -316,8 +308,6 @@ def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
 
 def _policy_hidden(asm: Assembly, idx: Tensor | None = None) -> Tensor:
     """The policy's final hidden states (with grad) at the completion positions of rows ``idx`` (``None``: all)."""
-    from composer_plugins.models.logprobs import completion_hidden
-
     r, p = asm.record, asm.policy
     rows = [r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.attention_mask]
     if idx is not None:
@@ -330,7 +320,6 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
     """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
     import concurrent.futures as cf
 
-    from composer_plugins.losses.teacher_distill import TeacherTopK
     from composer_plugins.teachers.scoring import ScoringJob
     from composer_plugins.teachers.scoring.pool import fit_rows
     from composer_plugins.training.step.teacher_scores import report_teacher_failures
