@@ -9,13 +9,17 @@ apart, when the config loads (:meth:`composer_plugins.training.config.sections.S
 from __future__ import annotations
 
 import os
+import re
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from composer_plugins.core.config import Config, component_spec
 from composer_plugins.core.errors import ComposerPluginsError, ConfigError, closest
 from composer_plugins.core.io import iter_jsonl
+from composer_plugins.core.plugins import get_registry
 from composer_plugins.core.registry import import_object
 from composer_plugins.training.rollout.chat import PROMPT_KEYS
 
@@ -150,8 +154,6 @@ def env_task_fields(cfg: TrainConfig, src: Config) -> tuple[tuple[str | tuple[st
 
     An env that cannot be resolved here gives no fields: building it reports that problem, located.
     """
-    from composer_plugins.core.plugins import get_registry
-
     try:
         target, _ = component_spec(cfg.env, "env", src)
         if target.startswith("class_path:"):
@@ -228,8 +230,6 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     One connection attempt with a short timeout (the loader's own requests retry for about a minute).
     Behind a proxy (``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY``) nothing is probed: ``None``.
     """
-    import socket
-    from urllib.parse import urlsplit
 
     from huggingface_hub import constants
 
@@ -248,8 +248,6 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int:
     """The optimizer step in a checkpoint's name (``step=12.ckpt`` -> 12), or -1 (``last.ckpt``)."""
-    import re
-
     m = re.search(r"step=(\d+)", Path(path).name)
     return int(m.group(1)) if m else -1
 

@@ -8,11 +8,15 @@ loss, an undeclared negative weight or an entry the class's ``check_spec`` refus
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from composer_plugins.core.config import Config, build_component, check_component_name
+from composer_plugins.core.errors import PluginDeprecationWarning, UnknownPluginError
+from composer_plugins.core.plugins import get_registry
 from composer_plugins.core.registry import import_object
+from composer_plugins.core.version import ADAPTERS_REMOVED_IN
 
 CHANNEL_KEYS = ("enabled", "weight", "name", "advantage")
 
@@ -20,9 +24,6 @@ CHANNEL_KEYS = ("enabled", "weight", "name", "advantage")
 def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
     """An enabled channel names a registered loss (``--print-config`` included) and, when its weight is
     negative, one that declares ``allows_negative_weight``; located at ``losses.<key>[.name|.weight]``."""
-    from composer_plugins.core.errors import UnknownPluginError
-    from composer_plugins.core.plugins import get_registry
-
     where = f"{pre}losses.{key}"
     if ch.advantage is not None:
         advantage_estimator(ch.advantage, f"{where}.advantage", src, build=False)
@@ -83,10 +84,6 @@ def advantage_estimator(spec: Any, key: str, src: Config | None = None, build: b
 def warn_advantage_kwargs(kwargs: Mapping[str, Any], key: str, src: Config) -> None:
     """The deprecated ``rollout.advantage_kwargs`` (still honoured until 0.3): a warning located at ``key``,
     naming the policy channel's ``advantage`` spec that replaces it."""
-    import warnings
-
-    from composer_plugins.core.errors import PluginDeprecationWarning
-    from composer_plugins.core.version import ADAPTERS_REMOVED_IN
 
     kw = dict(kwargs)
     name = "rloo" if kw.pop("estimator", "grpo") == "rloo" else "group"
@@ -239,9 +236,6 @@ class DeclaredChannel(NamedTuple):
 def declared_channels(losses: Any, src: Config | None = None) -> list[DeclaredChannel]:
     """The enabled channels of a :class:`~composer_plugins.training.config.train.TrainConfig` (its parsed
     ``channels``) or of a ``losses`` mapping, with their declarations (located errors for unknown names)."""
-
-    from composer_plugins.core.errors import UnknownPluginError
-    from composer_plugins.core.plugins import get_registry
 
     src = src if src is not None else Config()
     out = []

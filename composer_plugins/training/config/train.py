@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -122,8 +123,6 @@ class TrainConfig:
         return self._parsed[1]
 
     def _parse_channels(self, src: Config, pre: str = "") -> None:
-        import copy
-
         specs = tuple(channel_spec(k, spec, src, pre) for k, spec in self.losses.items())
         self._parsed = (copy.deepcopy(self.losses), specs)
 
@@ -144,8 +143,6 @@ COMPONENT_DEFAULTS: tuple[str, ...] = ("env", "losses", "hints.provider")
 
 
 def _fill_component_defaults(src: Config) -> None:
-    import copy
-
     defaults = to_dict(TrainConfig())
     for key in COMPONENT_DEFAULTS:
         node: Any = src

@@ -9,11 +9,18 @@ Every stage of a study logs into one experiment of a local sqlite store (``sqlit
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from composer_plugins.core.config import redact
+from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.plugins import get_registry
+from composer_plugins.core.version import __version__
 
 DEFAULT_EXPERIMENT = "composer-plugins"
 DEFAULT_DB = "mlflow.db"
@@ -222,10 +229,6 @@ def provenance_tags(components: Mapping[str, tuple[str, str]]) -> dict[str, str]
     registry name is tagged ``<name> (<distribution> <version>)``, a class path as given. Also tags
     ``composer_plugins.version``.
     """
-    from composer_plugins.core.errors import ComposerPluginsError
-    from composer_plugins.core.plugins import get_registry
-    from composer_plugins.core.version import __version__
-
     reg = get_registry()
     tags = {"composer_plugins.version": __version__}
     for slot, (kind, name) in components.items():
@@ -253,8 +256,6 @@ def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str,
 def log_kernel_pick(logger: Any, pick: Any) -> dict[str, str]:
     """Report the LM-head kernels a run picked (:class:`~composer_plugins.kernels.select.KernelPick`): one line in
     the run's log and its params in the experiment logger (MLflow's, when ``logger`` has ``log_hyperparams``)."""
-    import logging
-
     params = pick.params()
     logging.getLogger("composer_plugins.training").info(
         "compute.kernels=%s: %s (chunk %d rows; %s)", pick.setting, pick.kernels, pick.chunk_size, pick.reason
@@ -273,9 +274,6 @@ def log_kernel_pick(logger: Any, pick: Any) -> dict[str, str]:
 def mlflow_settings(cfg: Any) -> dict[str, Any] | None:
     """``{tracking_uri, experiment, tags}`` of a :class:`~composer_plugins.training.config.train.TrainConfig` when
     MLflow logging is on (:func:`mlflow_enabled`)."""
-    from dataclasses import asdict
-
-    from composer_plugins.core.config import redact
 
     params = {"mlflow": {k: v for k, v in asdict(cfg.mlflow).items() if v is not None}}
     if not mlflow_enabled(params):

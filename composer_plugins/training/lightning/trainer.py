@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
+from composer_plugins.core import progress
 from composer_plugins.core.io import is_wall_clock
 from composer_plugins.training.config.train import TrainConfig
+from composer_plugins.training.lightning.curves import heldout_curve
+from composer_plugins.training.lightning.progress import StepProgressBar
 from composer_plugins.training.lightning.strategy import build_strategy
 from composer_plugins.training.lightning.tracking import build_logger
 
@@ -33,8 +39,6 @@ def set_threads(cfg: TrainConfig) -> None:
 
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
-    import logging
-    import warnings
 
     import transformers
 
@@ -67,16 +71,12 @@ def progress_bar(phase: str, configured: bool) -> Any:
     Off when the config says so or the ``--no-progress`` switch (``COMPOSER_PROGRESS=0``) is set; then
     transformers' and the Hub's own bars are silenced too.
     """
-    from composer_plugins.core import progress
-
     if not progress.enabled(configured):
         if not progress.enabled():
             progress.silence()
         else:
             progress.quiet_libraries()  # our bar is off: no library's bar alone in the log either
         return None
-    from composer_plugins.training.lightning.progress import StepProgressBar
-
     return StepProgressBar(phase)
 
 
@@ -87,8 +87,6 @@ def lightning_trainer(*, callbacks: Sequence[Any] = (), **kwargs: Any) -> Any:
     ``callbacks`` hold one) under ``kwargs``, which may override any of them; :func:`build_trainer` is the RL
     run's use of it.
     """
-    import lightning as L
-
     bar = any(isinstance(c, ProgressBar) for c in callbacks)
     kw: dict[str, Any] = {"logger": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
     kw.update({"enable_checkpointing": False, "enable_progress_bar": bar, **kwargs})
@@ -132,10 +130,6 @@ def build_trainer(
         if t.checkpoint_every_n_steps > 0
         else None
     )
-    from composer_plugins.training.lightning.curves import (
-        heldout_curve,  # before HistoryCallback: its value joins the row
-    )
-
     curve = heldout_curve(cfg.eval)
     callbacks: list[Any] = [c for c in (ckpt, curve, HistoryCallback(Path(cfg.output_dir) / "history.csv")) if c]
     callbacks += list(extra_callbacks)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_plugins.chat.env_step import step_result
+from composer_plugins.core.config import build_component
 from composer_plugins.models.generation import Rollout, left_pad
 from composer_plugins.training.rollout.rewards import derive_seed
 from composer_plugins.training.rollout.rollouts import HFGenerator, WeightSyncing, as_rollout_generator
@@ -32,8 +33,6 @@ def build_generator(cfg: Any, src: Any = None, env: Any = None) -> Any:
     """The rollout generator named by ``rollout.generator`` (registry kind ``rollout_generators``) of a
     :class:`~composer_plugins.training.config.train.TrainConfig`; with ``rollout.max_turns > 1`` and an ``env``
     that has ``reset``/``step``, wrapped in :class:`MultiTurnGenerator`."""
-    from composer_plugins.core.config import build_component
-
     spec = cfg.rollout.generator if cfg.rollout.generator is not None else "hf"
     gen = as_rollout_generator(build_component("rollout_generators", spec, key="rollout.generator", cfg=src), src=src)
     if isinstance(gen, HFGenerator) and not (isinstance(spec, Mapping) and "compile" in spec):

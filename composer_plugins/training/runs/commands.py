@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -74,9 +76,6 @@ def _check_inputs(cfg: Any, src: Any, checkpoint: str | None = None) -> None:
 
 def _clear_run(output_dir: str) -> None:
     """``train --overwrite``: remove an earlier run's checkpoints, history and metrics from ``output_dir``."""
-    import shutil
-    from pathlib import Path
-
     out = Path(output_dir)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     for name in ("history.csv", "metrics.json"):

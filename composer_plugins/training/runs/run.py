@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+
 from composer_plugins.core.config import Config, redact
 from composer_plugins.core.errors import Interrupted
 from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl
 from composer_plugins.models.tiny import load_policy
+from composer_plugins.training.config.inputs import check_checkpoint, check_inputs, checkpoint_step
 from composer_plugins.training.config.train import TrainConfig
+from composer_plugins.training.lightning import tracking
+from composer_plugins.training.lightning.checkpoints import good_checkpoints, load_policy_weights, resolve_resume
+from composer_plugins.training.lightning.module import ComposerModule
 from composer_plugins.training.lightning.strategy import build_strategy
 from composer_plugins.training.lightning.tracking import mlflow_settings
 from composer_plugins.training.lightning.trainer import (
@@ -63,9 +70,6 @@ class RunInterrupted(Interrupted):
 
 
 def _interrupted(trainer: Any, ckpt_dir: Path | None) -> RunInterrupted:
-    from composer_plugins.training.config.inputs import checkpoint_step
-    from composer_plugins.training.lightning.checkpoints import good_checkpoints
-
     steps = [checkpoint_step(p) for p in good_checkpoints(ckpt_dir)] if ckpt_dir is not None else []
     steps = [s for s in steps if s >= 0]
     return RunInterrupted(int(trainer.global_step), max(steps) if steps else None, ckpt_dir)
@@ -74,9 +78,6 @@ def _interrupted(trainer: Any, ckpt_dir: Path | None) -> RunInterrupted:
 @quiet_lightning()
 def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
     """Run (or reuse from cache) the SFT warm start; copy the policy to ``<output_dir>/model``."""
-    import shutil
-
-    from composer_plugins.training.config.inputs import check_inputs
 
     check_inputs(cfg, src or Config())  # files and paths first: no model is built for a run that cannot start
     env = build_env(cfg, src)
@@ -105,8 +106,6 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
     if settings is None:
         return None
     from mlflow.entities import Metric, Param
-
-    from composer_plugins.training.lightning import tracking
 
     client = tracking.client(settings["tracking_uri"])
     exp_id = tracking.ensure_experiment(client, settings["experiment"], settings["tracking_uri"])
@@ -146,11 +145,6 @@ def run_train(
     Writes ``<output_dir>/model`` (``save_pretrained``), ``history.csv``, ``metrics.json`` and
     ``checkpoints/``; logs params, per-channel metrics, reward, accuracy and checkpoints to MLflow.
     """
-    import lightning as L
-
-    from composer_plugins.training.config.inputs import check_inputs
-    from composer_plugins.training.lightning.checkpoints import resolve_resume
-    from composer_plugins.training.lightning.module import ComposerModule
 
     # checked before anything is built: a missing or broken input fails in a second, naming the file
     check_inputs(cfg, src or Config())
@@ -251,11 +245,6 @@ def run_eval(
     Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass_at_<k>", "<env>/mean_reward"}``,
     with ``eval.hint_uplift`` also ``<env>/hint_fix_rate``, ``<env>/hint_coverage`` and the ``<env>/hint_*`` counts.
     """
-    import lightning as L
-
-    from composer_plugins.training.config.inputs import check_checkpoint, check_inputs
-    from composer_plugins.training.lightning.checkpoints import load_policy_weights
-    from composer_plugins.training.lightning.module import ComposerModule
 
     if checkpoint is None:
         check_inputs(cfg, src or Config())

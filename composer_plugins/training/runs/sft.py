@@ -22,6 +22,7 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
+from composer_plugins.envs.arith import dropped_carry
 from composer_plugins.envs.hints import build_hint_provider, reads_groups, sibling_groups
 from composer_plugins.losses.functional import chunked_logprobs
 from composer_plugins.models.logprobs import decoder_body, lm_head_weight
@@ -69,8 +70,6 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
 
 def _slip(cfg: TrainConfig, plain: Sequence[tuple[str, str]], pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """``sft.slip_rate`` of the plain rows that can slip, their target given with the slip (hinted rows kept)."""
-    from composer_plugins.envs.arith import dropped_carry
-
     rng = random.Random(derive_seed(cfg.sft.seed, 93))
     out, can = list(pairs), 0
     for i, ((prompt, target), (plain_prompt, _)) in enumerate(zip(pairs, plain, strict=True)):

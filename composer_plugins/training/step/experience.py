@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.envs.hints import build_hint_provider, reads_groups
 from composer_plugins.losses.functional import group_advantages
 from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
 from composer_plugins.models.logprobs import completion_logprobs_no_grad
 from composer_plugins.training.rollout.distributed import dp_normalisers
+from composer_plugins.training.rollout.multiturn import build_generator
 from composer_plugins.training.rollout.rewards import (
     derive_seed,
     env_rewards,
@@ -58,8 +60,6 @@ class Sampler:
     @classmethod
     def from_config(cls, cfg: Any, src: Any = None, env: Any = None) -> Sampler:
         """The sampler ``cfg.rollout`` describes (``env``: the run's env, for multi-turn episodes)."""
-        from composer_plugins.training.rollout.multiturn import build_generator
-
         r = cfg.rollout
         names = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_length")
         sampling = {k: getattr(r, k) for k in names}
@@ -137,8 +137,6 @@ def refuse_own_sampling(cfg: Any, src: Any, where: str, honours: Sequence[str] =
     actors with their own policy copies) cannot honour: ``rollout.generator`` other than ``hf``, multi-turn
     episodes, an off-policy share, and any of :data:`OWN_PATH_SETTINGS` not in ``honours`` set to other than its
     default. ``where``: the path, in words."""
-    from composer_plugins.core.config import Config
-
     src = src if src is not None else Config()
     r = cfg.rollout
     gen = r.generator.get("name") if isinstance(r.generator, Mapping) else r.generator

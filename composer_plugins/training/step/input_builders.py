@@ -7,6 +7,7 @@ plugin :mod:`composer_plugins.training.runs.plugin` registers them lazily under 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from composer_plugins.models.logprobs import (
     sequence_logprob,
 )
 from composer_plugins.training.step.assemble import Assembly, _channel_inputs
+from composer_plugins.training.step.teacher_scores import report_teacher_failures
 
 
 def record_fields(asm: Assembly) -> dict[str, Any]:
@@ -318,11 +320,9 @@ def _policy_hidden(asm: Assembly, idx: Tensor | None = None) -> Tensor:
 
 def teacher_scores(asm: Assembly) -> dict[str, Any]:
     """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
-    import concurrent.futures as cf
 
     from composer_plugins.teachers.scoring import ScoringJob
     from composer_plugins.teachers.scoring.pool import fit_rows
-    from composer_plugins.training.step.teacher_scores import report_teacher_failures
 
     r, pool = asm.record, asm.policy.teacher_scoring
     if asm.wants("hidden_states"):
