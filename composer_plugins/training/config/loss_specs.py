@@ -29,10 +29,7 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
         advantage_estimator(ch.advantage, f"{where}.advantage", src, build=False)
     if "class_path" in ch.kwargs:
         return
-    try:
-        entry = get_registry().get("losses", ch.name)
-    except UnknownPluginError as e:
-        raise src.error(f"{where}.name" if ch.name != key else where, str(e)) from e
+    entry = _loss_entry(ch, src, where)
     if isinstance(entry.target, str) and entry.target.startswith("composer_plugins.") and "torch" not in sys.modules:
         return  # a built-in keeps its contract (CI checks it), and a config error or --print-config imports no torch
     broken = entry.contract_problem()  # a plugin that fails its contract check: refused here, before any stage
@@ -52,6 +49,14 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
             check_weight(entry.factory, ch.weight, key)
         except ValueError as e:
             raise src.error(f"{where}.weight", str(e)) from e
+
+
+def _loss_entry(ch: ChannelSpec, src: Config, where: str) -> Any:
+    """The registry entry of the loss ``ch`` names; an unknown name is refused at ``where`` (``.name`` if given)."""
+    try:
+        return get_registry().get("losses", ch.name)
+    except UnknownPluginError as e:
+        raise src.error(f"{where}.name" if ch.name != ch.key else where, str(e)) from e
 
 
 def advantage_estimator(spec: Any, key: str, src: Config | None = None, build: bool = True) -> Any:
@@ -241,31 +246,17 @@ def declared_channels(losses: Any, src: Config | None = None) -> list[DeclaredCh
     out = []
     specs = losses.channels if hasattr(losses, "channels") else [channel_spec(k, v, src) for k, v in losses.items()]
     for ch in specs:
-        key = ch.key
         if not ch.enabled:
             continue
         preset: dict[str, Any] = {}
         if "class_path" in ch.kwargs:
-            path = str(ch.kwargs["class_path"])
-            cls: Any = import_object(path)
+            cls: Any = import_object(str(ch.kwargs["class_path"]))
         else:
-            try:
-                entry = get_registry().get("losses", ch.name)
-            except UnknownPluginError as e:
-                raise src.error(f"losses.{key}.name" if ch.name != key else f"losses.{key}", str(e)) from e
+            entry = _loss_entry(ch, src, f"losses.{ch.key}")
             cls, preset = entry.factory, dict(entry.init_params)
-        inputs = {*getattr(cls, "requires", ()), *(k for grp in getattr(cls, "input_options", ()) for k in grp)}
+        inputs = frozenset({*getattr(cls, "requires", ()), *(k for g in getattr(cls, "input_options", ()) for k in g)})
         loss_type = ch.kwargs.get("loss_type", preset.get("loss_type"))
-        out.append(
-            DeclaredChannel(
-                key,
-                ch.name,
-                ch.weight,
-                dict(ch.options),
-                frozenset(inputs),
-                bool(getattr(cls, "needs_teacher", False)),
-                None if loss_type is None else str(loss_type),
-                getattr(cls, "kind", None),
-            )
-        )
+        loss_type = None if loss_type is None else str(loss_type)
+        teacher, kind = bool(getattr(cls, "needs_teacher", False)), getattr(cls, "kind", None)
+        out.append(DeclaredChannel(ch.key, ch.name, ch.weight, dict(ch.options), inputs, teacher, loss_type, kind))
     return out
