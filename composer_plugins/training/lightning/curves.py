@@ -9,6 +9,7 @@ See docs/metrics.md (``train/heldout/accuracy``) and docs/results.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
@@ -73,8 +74,6 @@ class HeldoutCurve(Callback):
         for lg in trainer.loggers or ():
             lg.log_metrics({f"train/{CURVE_STAT}": value}, step=step)
         if out_dir and trainer.is_global_zero:
-            from pathlib import Path
-
             path = Path(out_dir) / CURVE_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("step,value\n" + "".join(f"{s},{v}\n" for s, v in self.points))

@@ -19,27 +19,27 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
 from composer_plugins.core import progress
 from composer_plugins.core.io import is_wall_clock
 from composer_plugins.training.config.train import TrainConfig
+from composer_plugins.training.lightning.callbacks import build_callbacks
+from composer_plugins.training.lightning.checkpoints import AtomicCheckpointIO
 from composer_plugins.training.lightning.curves import heldout_curve
-from composer_plugins.training.lightning.progress import StepProgressBar
+from composer_plugins.training.lightning.progress import StepLines, StepProgressBar
 from composer_plugins.training.lightning.strategy import build_strategy
 from composer_plugins.training.lightning.tracking import build_logger
 
 
 def set_threads(cfg: TrainConfig) -> None:
     if cfg.trainer.num_threads:
-        import torch
-
         torch.set_num_threads(cfg.trainer.num_threads)
 
 
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
-
     import transformers
 
     names = (
@@ -134,19 +134,12 @@ def build_trainer(
     callbacks: list[Any] = [c for c in (ckpt, curve, HistoryCallback(Path(cfg.output_dir) / "history.csv")) if c]
     callbacks += list(extra_callbacks)
     if t.callbacks:
-        from composer_plugins.training.lightning.callbacks import build_callbacks
-
         callbacks += build_callbacks(t.callbacks)
     bar = progress_bar("train", t.enable_progress_bar)
     if bar is not None:
         callbacks.append(bar)
-    else:
-        from composer_plugins.core import progress
-
-        if progress.enabled() and t.progress_every_n_steps > 0:
-            from composer_plugins.training.lightning.progress import StepLines
-
-            callbacks.append(StepLines(f"train {cfg.output_dir}", t.progress_every_n_steps))
+    elif progress.enabled() and t.progress_every_n_steps > 0:
+        callbacks.append(StepLines(f"train {cfg.output_dir}", t.progress_every_n_steps))
     val_every = t.val_every_n_steps
     kw: dict[str, Any] = {
         "max_steps": t.max_steps,
@@ -170,8 +163,6 @@ def build_trainer(
     if strategy is not None:
         kw["strategy"] = strategy
     if ckpt is not None:
-        from composer_plugins.training.lightning.checkpoints import AtomicCheckpointIO
-
         kw["plugins"] = [AtomicCheckpointIO()]  # a kill while saving never leaves a half-written last.ckpt
     kw.update(overrides)
     return lightning_trainer(**kw)

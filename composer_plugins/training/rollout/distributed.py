@@ -113,8 +113,6 @@ def barrier() -> None:
     """Wait for every rank (no-op with one)."""
     _, size = world()
     if size > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 

@@ -53,8 +53,6 @@ class MultiTurnGenerator:
 
     def __init__(self, generator: Any = "hf", max_turns: int = 2) -> None:
         if isinstance(generator, str | Mapping):
-            from composer_plugins.core.config import build_component
-
             generator = build_component("rollout_generators", generator, key="rollout.generator")
         self.inner: RolloutGenerator = as_rollout_generator(generator, "rollout.generator")
         self.max_turns = max(1, int(max_turns))

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from composer_plugins.core import progress
 from composer_plugins.core.cli import all_overrides, command_errors, report_interrupt, set_option
 from composer_plugins.core.errors import Interrupted
 
@@ -39,8 +40,6 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
         from composer_plugins.training.config.train import config_to_yaml, load_train_config
 
         if no_progress:
-            from composer_plugins.core import progress
-
             progress.silence()
         cfg, src = load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
         if print_config:

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 
+from composer_plugins.core import progress
 from composer_plugins.core.config import Config, redact
 from composer_plugins.core.errors import Interrupted
 from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl
@@ -152,8 +153,6 @@ def run_train(
     ckpt_path = resolve_resume(resume, ckpt_dir)
     set_threads(cfg)
     if not cfg.trainer.enable_progress_bar:
-        from composer_plugins.core import progress
-
         progress.quiet_libraries()  # no "Loading weights" bar alone in a run whose own bar is off
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)

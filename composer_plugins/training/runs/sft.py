@@ -24,6 +24,7 @@ from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
 from composer_plugins.envs.arith import dropped_carry
 from composer_plugins.envs.hints import build_hint_provider, reads_groups, sibling_groups
+from composer_plugins.envs.step_check import false_step_attempt
 from composer_plugins.losses.functional import chunked_logprobs
 from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import load_policy
@@ -156,8 +157,6 @@ def _hint_augment(
         hint(provider, fb_rows, attempts)
     step_rows = [i for i in picked if kind[i] == "step_check"]
     if step_rows:  # a worked attempt with one false step, hinted by step_check (envs/step_check.py)
-        from composer_plugins.envs.step_check import false_step_attempt
-
         sc = (
             provider
             if _provider_name(cfg.hints.provider) == "step_check"
@@ -209,7 +208,6 @@ class SFTModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-
         sft_optim = SimpleNamespace(name="adamw", lr=self.lr, weight_decay=self.weight_decay)
         opt = build_optimizer(sft_optim, self.policy.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(self.warmup_steps, self.total_steps))
