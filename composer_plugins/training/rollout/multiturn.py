@@ -130,14 +130,9 @@ class MultiTurnGenerator:
             live = [e for e in episodes if not e["done"]]
             if not live:
                 break
+            contexts = [e["prompt_ids"] + e["ids"] for e in live]
             ro = self.inner.generate(
-                policy,
-                tokenizer,
-                None,
-                1,
-                seed=derive_seed(seed, turn),
-                prompt_token_ids=[e["prompt_ids"] + e["ids"] for e in live],
-                **sampling,
+                policy, tokenizer, None, 1, seed=derive_seed(seed, turn), prompt_token_ids=contexts, **sampling
             )
             for j, e in enumerate(live):
                 act_ids = ro.completion_ids[j][ro.completion_mask[j].bool()].tolist()

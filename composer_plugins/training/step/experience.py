@@ -284,18 +284,9 @@ class ExperienceMaker:
         elif self.reference is not None:
             fields["ref_logprobs"] = self.logprobs(self.reference, base)
         if self.hint_provider is not None and r is not None:
-            fields.update(
-                hint_fields(
-                    base,
-                    self.env,
-                    self.hint_provider,
-                    success_threshold=self.success_threshold,
-                    max_hinted=self.max_hinted,
-                    tokenizer=self.tokenizer,
-                    chat_template=self.chat_template,
-                    groups=groups,
-                )
-            )
+            kw = {"max_hinted": self.max_hinted, "tokenizer": self.tokenizer, "chat_template": self.chat_template}
+            kw.update(success_threshold=self.success_threshold, groups=groups)
+            fields.update(hint_fields(base, self.env, self.hint_provider, **kw))
         return base.replace(**fields) if fields else base
 
     def from_state(self, state: Mapping[str, Any]) -> StepRecord:
@@ -313,17 +304,9 @@ class ExperienceMaker:
         """``model``'s per-token log-probs of ``rec``'s completions, without gradient, chunked."""
         width = int(rec.prompt_ids.shape[1] + rec.completion_ids.shape[1])
         mb = self.rows_per_micro_batch(width) if self.rows_per_micro_batch is not None else None
-        return completion_logprobs_no_grad(
-            model,
-            rec.prompt_ids,
-            rec.prompt_mask,
-            rec.completion_ids,
-            rec.completion_mask,
-            temperature=self.temperature,
-            completion_attention_mask=rec.attention_mask,
-            micro_batch_size=mb,
-            chunk_size=self.chunk_size,
-        )
+        ids = (rec.prompt_ids, rec.prompt_mask, rec.completion_ids, rec.completion_mask)
+        kw = {"completion_attention_mask": rec.attention_mask, "micro_batch_size": mb, "chunk_size": self.chunk_size}
+        return completion_logprobs_no_grad(model, *ids, temperature=self.temperature, **kw)
 
 
 class StepComputer:

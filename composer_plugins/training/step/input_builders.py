@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from composer_plugins.losses.base import inputs_for
-from composer_plugins.losses.functional import chunked_logprobs, fused_logprobs, importance_sampling_correction
+from composer_plugins.losses.functional import chunked_logprobs
 from composer_plugins.losses.teacher_distill import TeacherTopK
 from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
 from composer_plugins.models.logprobs import (
@@ -66,6 +66,8 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
     mb = p.micro_batch(r.prompt_ids, r.completion_ids)
     readers = _separable_readers(asm)
     if logps is None and asm.wants("logprobs") and readers:
+        from composer_plugins.losses.functional import fused_logprobs
+
         hidden = completion_hidden(*args, completion_attention_mask=r.attention_mask, micro_batch_size=mb)
         asm.scratch["policy_hidden"] = hidden
         logps = fused_logprobs(
@@ -101,6 +103,8 @@ def _sampling_inputs(asm: Assembly, logps: Tensor | None, report: bool) -> dict[
     values: dict[str, Any] = {"old_logprobs": old, "inference_logprobs": sampling}
     mode = p.importance_sampling
     if mode is not None and mode[0] != "off" and old is not None:
+        from composer_plugins.losses.functional import importance_sampling_correction
+
         ratio = importance_sampling_correction(old, sampling, r.completion_mask, mode[0], mode[1], mode[2])
         values["importance_sampling_ratio"] = ratio
         if report:
