@@ -74,19 +74,11 @@ class Validator(nn.Module):
         """
         r = self.cfg.rollout
         greedy = temperature is None or temperature == 0
-        return generate_completions(
-            policy,
-            self.tokenizer,
-            list(prompts),
-            n,
-            max_new_tokens=max_new_tokens or r.max_new_tokens,
-            temperature=1.0 if greedy else float(temperature),
-            top_p=r.top_p,
-            top_k=r.top_k,
-            do_sample=not greedy,
-            seed=None if greedy else seed,
-            max_prompt_length=max_prompt_length or r.max_prompt_length,
-        )
+        kw = {"top_p": r.top_p, "top_k": r.top_k, "do_sample": not greedy, "seed": None if greedy else seed}
+        kw["max_new_tokens"] = max_new_tokens or r.max_new_tokens
+        kw["max_prompt_length"] = max_prompt_length or r.max_prompt_length
+        kw["temperature"] = 1.0 if greedy else float(temperature)
+        return generate_completions(policy, self.tokenizer, list(prompts), n, **kw)
 
     def _rewards(self, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], n: int) -> list[float]:
         return env_rewards(self.env, tasks, completions, n, unscorable=0.0)

@@ -182,8 +182,7 @@ class HistoryCallback(Callback):
         self._keys: list[str] = []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.rows = []
-        self._keys = []
+        self.rows, self._keys = [], []
         if trainer.ckpt_path and self.path.exists():
             with open(self.path) as f:
                 for r in csv.DictReader(f):
@@ -208,9 +207,7 @@ class HistoryCallback(Callback):
             with open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=self._keys).writerow(self.rows[-1])
             return
-        keys: list[str] = ["step"]
-        for r in self.rows:
-            keys += [k for k in r if k not in keys]
+        keys = list(dict.fromkeys(["step", *(k for r in self.rows for k in r)]))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)

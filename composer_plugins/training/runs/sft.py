@@ -221,10 +221,8 @@ def sft_collate(tokenizer: Any, examples: Sequence[tuple[str, str]], max_length:
     for prompt, completion in examples:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = (p + c)[:max_length]
-        lab = ([-100] * len(p) + c)[:max_length]
-        rows.append(ids)
-        labels.append(lab)
+        rows.append((p + c)[:max_length])
+        labels.append(([-100] * len(p) + c)[:max_length])
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)

@@ -63,15 +63,9 @@ class EMATeacher(nn.Module):
 
         Under FSDP the head is copied: FSDP frees the gathered parameters after the forward.
         """
-        hidden = completion_hidden(
-            self.policy,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            completion_attention_mask=completion_attention_mask,
-            micro_batch_size=micro_batch_size,
-        )
+        ids = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        kw = {"completion_attention_mask": completion_attention_mask, "micro_batch_size": micro_batch_size}
+        hidden = completion_hidden(self.policy, *ids, **kw)
         head = lm_head_weight(self.policy).detach()
         sharded = any(getattr(p, "_fsdp_flattened", False) for p in self.parameters())  # FSDP's, or its units'
         return hidden, head.clone() if sharded else head

@@ -340,11 +340,8 @@ class StepComputer:
         given: Mapping[str, Any] | None = None,
         policy: StepPolicy | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """``(loss, stats)``: every channel input built once from ``record`` and summed by the composer.
-
-        The policy's decoder body runs micro-batch by micro-batch, and every channel input comes from the
-        final hidden states through the LM head in chunks, so the loss equals the one-shot loss.
-        """
+        """``(loss, stats)``: every channel input built once from ``record`` (micro-batched forwards, chunked LM
+        head: ``compute``) and summed by the composer."""
         if policy is None:  # a trainer whose models change per call (TRL's wrapped model) passes its own
             policy = self.policy() if callable(self.policy) else self.policy
         extra = dict(given or {})

@@ -225,14 +225,9 @@ def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
     idx = torch.tensor(rows, device=r.completion_ids.device)
     h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, r.completion_ids.device)
     scorer = getattr(p.teacher, "policy", p.teacher) if p.teacher is not None else p.model
+    rows = (r.completion_ids[idx], r.completion_mask[idx])
     ref[idx] = completion_logprobs_no_grad(
-        scorer,
-        h_ids,
-        h_mask,
-        r.completion_ids[idx],
-        r.completion_mask[idx],
-        temperature=p.temperature,
-        chunk_size=p.chunk_size,
+        scorer, h_ids, h_mask, *rows, temperature=p.temperature, chunk_size=p.chunk_size
     )
     return {"hint_teacher_logprobs": ref}
 
