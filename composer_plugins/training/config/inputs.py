@@ -9,13 +9,17 @@ apart, when the config loads (:meth:`composer_plugins.training.config.sections.S
 from __future__ import annotations
 
 import os
+import re
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-from composer_plugins.core.config import Config
-from composer_plugins.core.errors import ConfigError, closest
+from composer_plugins.core.config import Config, component_spec
+from composer_plugins.core.errors import ComposerPluginsError, ConfigError, closest
 from composer_plugins.core.io import iter_jsonl
+from composer_plugins.core.plugins import get_registry
 from composer_plugins.core.registry import import_object
 from composer_plugins.training.rollout.chat import PROMPT_KEYS
 
@@ -45,6 +49,13 @@ def _set_at(src: Config, key: str) -> str:
     if src.source:
         return f"{src.source}:{line}" if line else str(src.source)
     return "the config"
+
+
+def _row_keys(row: Mapping[str, Any], names: Sequence[str], skip: Sequence[str] = ()) -> tuple[list[str], str]:
+    """A row's keys, sorted, and `` Did you mean: 'x'?`` for the first of them close to one of ``names``."""
+    keys = sorted(map(str, row))
+    near = [c for k in keys if k not in skip for c in closest(k, names)]
+    return keys, f" Did you mean: {near[0]!r}?" if near else ""
 
 
 def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", fields: Sequence[TaskField] = ()) -> int:
@@ -84,9 +95,7 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
         n += 1
         if kind == "tasks":
             if not any(k in row for k in PROMPT_KEYS):
-                keys = sorted(map(str, row))
-                near = [c for k in keys for c in closest(k, PROMPT_KEYS)]
-                sugg = f" Did you mean: {near[0]!r}?" if near else ""
+                keys, sugg = _row_keys(row, PROMPT_KEYS)
                 raise ConfigError(
                     f'missing — every task of {key} needs a "prompt" (or "question") field; this line has '
                     f"{keys}.{sugg}",
@@ -102,9 +111,7 @@ def check_data_file(path: str, src: Config, key: str, kind: str = "tasks", field
         else:
             missing = [k for k in PAIR_KEYS if k not in row]
             if missing:
-                keys = sorted(map(str, row))
-                near = [c for k in keys if k not in PAIR_KEYS for c in closest(k, missing)]
-                sugg = f" Did you mean: {near[0]!r}?" if near else ""
+                keys, sugg = _row_keys(row, missing, skip=PAIR_KEYS)
                 raise ConfigError(
                     f"missing — every pair of {key} needs prompt, chosen and rejected; this line has {keys}.{sugg}",
                     key=", ".join(missing),
@@ -132,9 +139,7 @@ def _missing_field(row: Mapping[str, Any], need: TaskField, path: str, lineno: i
     names = (field,) if isinstance(field, str) else tuple(field)
     if any(n in row for n in names):
         return None
-    keys = sorted(map(str, row))
-    near = [c for k in keys for c in closest(k, names)]
-    sugg = f" Did you mean: {near[0]!r}?" if near else ""
+    keys, sugg = _row_keys(row, names)
     spelled = " or ".join(f'"{n}"' for n in names)
     return ConfigError(
         f"missing — every task of {key} needs {spelled} for {why}; this line has {keys} — {fix}.{sugg}",
@@ -149,10 +154,6 @@ def env_task_fields(cfg: TrainConfig, src: Config) -> tuple[tuple[str | tuple[st
 
     An env that cannot be resolved here gives no fields: building it reports that problem, located.
     """
-    from composer_plugins.core.config import component_spec
-    from composer_plugins.core.errors import ComposerPluginsError
-    from composer_plugins.core.plugins import get_registry
-
     try:
         target, _ = component_spec(cfg.env, "env", src)
         if target.startswith("class_path:"):
@@ -210,21 +211,13 @@ def check_hub_id(name: str, src: Config, key: str) -> None:
     if isinstance(hit, str):
         return
     ways = HUB_WAYS_OUT.format(name=name)
+    uncached = f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), and"
     if offline:
-        raise src.error(
-            key,
-            f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            f"and HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE "
-            "to download it now.",
-        )
-    unreachable = hub_unreachable()
-    if unreachable:  # fail now, not after a minute of the loader's retries
-        raise src.error(
-            key,
-            f"{name!r} is a hub id that is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            f"and the hub cannot be reached ({unreachable}), so it cannot be downloaded — {ways}, "
-            "or check the network (HF_ENDPOINT, a proxy in HTTPS_PROXY).",
-        )
+        msg = f"HF_HUB_OFFLINE is set, so it cannot be downloaded — {ways}, or unset HF_HUB_OFFLINE to download it now."
+        raise src.error(key, f"{uncached} {msg}")
+    if unreachable := hub_unreachable():  # fail now, not after a minute of the loader's retries
+        msg = f"the hub cannot be reached ({unreachable}), so it cannot be downloaded — {ways}"
+        raise src.error(key, f"{uncached} {msg}, or check the network (HF_ENDPOINT, a proxy in HTTPS_PROXY).")
 
 
 #: Seconds :func:`hub_unreachable` waits for a TCP connection to the hub.
@@ -237,8 +230,6 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     One connection attempt with a short timeout (the loader's own requests retry for about a minute).
     Behind a proxy (``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY``) nothing is probed: ``None``.
     """
-    import socket
-    from urllib.parse import urlsplit
 
     from huggingface_hub import constants
 
@@ -257,8 +248,6 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int:
     """The optimizer step in a checkpoint's name (``step=12.ckpt`` -> 12), or -1 (``last.ckpt``)."""
-    import re
-
     m = re.search(r"step=(\d+)", Path(path).name)
     return int(m.group(1)) if m else -1
 

@@ -8,11 +8,15 @@ loss, an undeclared negative weight or an entry the class's ``check_spec`` refus
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from composer_plugins.core.config import Config
+from composer_plugins.core.config import Config, build_component, check_component_name
+from composer_plugins.core.errors import PluginDeprecationWarning, UnknownPluginError
+from composer_plugins.core.plugins import get_registry
 from composer_plugins.core.registry import import_object
+from composer_plugins.core.version import ADAPTERS_REMOVED_IN
 
 CHANNEL_KEYS = ("enabled", "weight", "name", "advantage")
 
@@ -20,18 +24,12 @@ CHANNEL_KEYS = ("enabled", "weight", "name", "advantage")
 def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
     """An enabled channel names a registered loss (``--print-config`` included) and, when its weight is
     negative, one that declares ``allows_negative_weight``; located at ``losses.<key>[.name|.weight]``."""
-    from composer_plugins.core.errors import UnknownPluginError
-    from composer_plugins.core.plugins import get_registry
-
     where = f"{pre}losses.{key}"
     if ch.advantage is not None:
         advantage_estimator(ch.advantage, f"{where}.advantage", src, build=False)
     if "class_path" in ch.kwargs:
         return
-    try:
-        entry = get_registry().get("losses", ch.name)
-    except UnknownPluginError as e:
-        raise src.error(f"{where}.name" if ch.name != key else where, str(e)) from e
+    entry = _loss_entry(ch, src, where)
     if isinstance(entry.target, str) and entry.target.startswith("composer_plugins.") and "torch" not in sys.modules:
         return  # a built-in keeps its contract (CI checks it), and a config error or --print-config imports no torch
     broken = entry.contract_problem()  # a plugin that fails its contract check: refused here, before any stage
@@ -53,12 +51,18 @@ def check_channel(key: str, ch: ChannelSpec, src: Config, pre: str) -> None:
             raise src.error(f"{where}.weight", str(e)) from e
 
 
+def _loss_entry(ch: ChannelSpec, src: Config, where: str) -> Any:
+    """The registry entry of the loss ``ch`` names; an unknown name is refused at ``where`` (``.name`` if given)."""
+    try:
+        return get_registry().get("losses", ch.name)
+    except UnknownPluginError as e:
+        raise src.error(f"{where}.name" if ch.name != ch.key else where, str(e)) from e
+
+
 def advantage_estimator(spec: Any, key: str, src: Config | None = None, build: bool = True) -> Any:
     """A channel's ``advantage:`` (registry kind ``advantage_estimators``): a name, ``{name: ..., <settings>}``, or
     ``{compose: [{name: ..., weight: w, <settings>}, ...]}`` (``Σ w·A``); ``build=False`` only checks the names.
     Errors are located at ``key`` (``<key>.compose.<i>.name`` ...) in ``src``'s file and line."""
-    from composer_plugins.core.config import build_component, check_component_name
-
     src, kind = (src if src is not None else Config()), "advantage_estimators"
     if not (isinstance(spec, Mapping) and "compose" in spec):
         return build_component(kind, spec, key, src) if build else check_component_name(kind, spec, key, src)
@@ -85,10 +89,6 @@ def advantage_estimator(spec: Any, key: str, src: Config | None = None, build: b
 def warn_advantage_kwargs(kwargs: Mapping[str, Any], key: str, src: Config) -> None:
     """The deprecated ``rollout.advantage_kwargs`` (still honoured until 0.3): a warning located at ``key``,
     naming the policy channel's ``advantage`` spec that replaces it."""
-    import warnings
-
-    from composer_plugins.core.errors import PluginDeprecationWarning
-    from composer_plugins.core.version import ADAPTERS_REMOVED_IN
 
     kw = dict(kwargs)
     name = "rloo" if kw.pop("estimator", "grpo") == "rloo" else "group"
@@ -242,38 +242,21 @@ def declared_channels(losses: Any, src: Config | None = None) -> list[DeclaredCh
     """The enabled channels of a :class:`~composer_plugins.training.config.train.TrainConfig` (its parsed
     ``channels``) or of a ``losses`` mapping, with their declarations (located errors for unknown names)."""
 
-    from composer_plugins.core.errors import UnknownPluginError
-    from composer_plugins.core.plugins import get_registry
-
     src = src if src is not None else Config()
     out = []
     specs = losses.channels if hasattr(losses, "channels") else [channel_spec(k, v, src) for k, v in losses.items()]
     for ch in specs:
-        key = ch.key
         if not ch.enabled:
             continue
         preset: dict[str, Any] = {}
         if "class_path" in ch.kwargs:
-            path = str(ch.kwargs["class_path"])
-            cls: Any = import_object(path)
+            cls: Any = import_object(str(ch.kwargs["class_path"]))
         else:
-            try:
-                entry = get_registry().get("losses", ch.name)
-            except UnknownPluginError as e:
-                raise src.error(f"losses.{key}.name" if ch.name != key else f"losses.{key}", str(e)) from e
+            entry = _loss_entry(ch, src, f"losses.{ch.key}")
             cls, preset = entry.factory, dict(entry.init_params)
-        inputs = {*getattr(cls, "requires", ()), *(k for grp in getattr(cls, "input_options", ()) for k in grp)}
+        inputs = frozenset({*getattr(cls, "requires", ()), *(k for g in getattr(cls, "input_options", ()) for k in g)})
         loss_type = ch.kwargs.get("loss_type", preset.get("loss_type"))
-        out.append(
-            DeclaredChannel(
-                key,
-                ch.name,
-                ch.weight,
-                dict(ch.options),
-                frozenset(inputs),
-                bool(getattr(cls, "needs_teacher", False)),
-                None if loss_type is None else str(loss_type),
-                getattr(cls, "kind", None),
-            )
-        )
+        loss_type = None if loss_type is None else str(loss_type)
+        teacher, kind = bool(getattr(cls, "needs_teacher", False)), getattr(cls, "kind", None)
+        out.append(DeclaredChannel(ch.key, ch.name, ch.weight, dict(ch.options), inputs, teacher, loss_type, kind))
     return out

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from composer_plugins.core.config import Config
+from composer_plugins.core.config import Config, check_component_name
 from composer_plugins.losses.correction import IS_MODES
 from composer_plugins.models import CompileMode
 from composer_plugins.models.tiny import TinyModelConfig
@@ -46,6 +46,13 @@ def need(src: Config, key: str, ok: bool, value: Any, problem: str, fix: str) ->
     """Refuse ``value`` at ``key`` unless ``ok``: ``file:line: key: <problem>, got <value> — <fix>.``"""
     if not ok:
         raise src.error(key, f"{problem}, got {value!r} — {fix}.")
+
+
+def _lr_and_warmup(src: Config, key: str, section: Any, example: str) -> None:
+    """Refuse a learning rate ``<= 0`` (``key.lr``) and a negative ``key.warmup_steps`` (the SFT and RL optimizers)."""
+    lr, warmup = section.lr, section.warmup_steps
+    need(src, f"{key}.lr", lr > 0, lr, "a learning rate must be > 0", f"use a small positive number such as {example}")
+    need(src, f"{key}.warmup_steps", warmup >= 0, warmup, "must be >= 0", "use 0 for no warmup")
 
 
 def positive(src: Config, key: str, section: Any, *names: str) -> None:
@@ -90,22 +97,11 @@ class ModelSection(Section):
         ):
             v = getattr(tiny, f)
             need(src, f"{key}.tiny.{f}", v >= 1, v, "must be >= 1", "use a positive integer")
-        need(
-            src,
-            f"{key}.tiny.num_heads",
-            tiny.hidden_size % tiny.num_heads == 0,
-            tiny.num_heads,
-            f"must divide model.tiny.hidden_size ({tiny.hidden_size})",
-            f"use one of {[h for h in range(1, tiny.hidden_size + 1) if tiny.hidden_size % h == 0][:12]}",
-        )
-        need(
-            src,
-            f"{key}.tiny.num_kv_heads",
-            tiny.num_heads % tiny.num_kv_heads == 0,
-            tiny.num_kv_heads,
-            f"must divide model.tiny.num_heads ({tiny.num_heads})",
-            f"use one of {[h for h in range(1, tiny.num_heads + 1) if tiny.num_heads % h == 0]}",
-        )
+        for f, of, most in (("num_heads", "hidden_size", 12), ("num_kv_heads", "num_heads", None)):
+            n, total = getattr(tiny, f), getattr(tiny, of)
+            divisors = [h for h in range(1, total + 1) if total % h == 0][:most]
+            problem = f"must divide model.tiny.{of} ({total})"
+            need(src, f"{key}.tiny.{f}", total % n == 0, n, problem, f"use one of {divisors}")
         from composer_plugins.training.rollout.chat import check_chat_template
 
         check_chat_template(self.chat_template, src, f"{key}.chat_template")
@@ -147,25 +143,13 @@ class SFTSection(Section):
     progress: bool = True
 
     def validate(self, src: Config, key: str = "sft") -> None:
-        """A positive ``lr``, ``hint_kinds`` shares of known kinds, sizes >= 1, steps >= 0."""
-        need(
-            src,
-            f"{key}.lr",
-            self.lr > 0,
-            self.lr,
-            "a learning rate must be > 0",
-            "use a small positive number such as 0.003",
-        )
+        """A positive ``lr``, ``warmup_steps >= 0``, ``hint_kinds`` shares of known kinds, sizes >= 1, steps >= 0."""
+        _lr_and_warmup(src, key, self, "0.003")
         kinds = self.hint_kinds
         if kinds is not None:
-            need(
-                src,
-                f"{key}.hint_kinds",
-                isinstance(kinds, Mapping) and bool(kinds),
-                kinds,
-                "must map hint kinds to shares",
-                "e.g. {feedback: 0.5, demonstration: 0.5}",
-            )
+            ok = isinstance(kinds, Mapping) and bool(kinds)
+            fix = "e.g. {feedback: 0.5, demonstration: 0.5}"
+            need(src, f"{key}.hint_kinds", ok, kinds, "must map hint kinds to shares", fix)
             for k, v in kinds.items():
                 if k not in SFT_HINT_KINDS:
                     raise src.error(f"{key}.hint_kinds.{k}", "unknown hint kind.", valid=SFT_HINT_KINDS)
@@ -177,17 +161,8 @@ class SFTSection(Section):
         for f in ("batch_size", "num_examples", "max_length"):
             v = getattr(self, f)
             need(src, f"{key}.{f}", v >= 1, v, "must be >= 1", "use a positive integer")
-        need(
-            src,
-            f"{key}.steps",
-            self.steps >= 0,
-            self.steps,
-            "must be >= 0",
-            "use a number of optimizer steps, or sft.enabled: false to skip the warm start",
-        )
-        need(
-            src, f"{key}.warmup_steps", self.warmup_steps >= 0, self.warmup_steps, "must be >= 0", "use 0 for no warmup"
-        )
+        fix = "use a number of optimizer steps, or sft.enabled: false to skip the warm start"
+        need(src, f"{key}.steps", self.steps >= 0, self.steps, "must be >= 0", fix)
 
 
 @dataclass
@@ -233,8 +208,6 @@ class RolloutSection(Section):
             raise src.error(f"{key}.temperature", f"must be > 0, got {self.temperature}.")
         f, why = self.on_policy_fraction, "must be in [0, 1], and 1 with multi-turn episodes (rollout.max_turns > 1)"
         need(src, f"{key}.on_policy_fraction", f == 1 or (0 <= f < 1 and self.max_turns == 1), f, why, "e.g. 0.5")
-        from composer_plugins.core.config import check_component_name
-
         check_component_name("rollout_generators", self.generator, f"{key}.generator", src)
         gen = self.generator
         gen_name = gen.get("name") if isinstance(gen, Mapping) else gen
@@ -269,8 +242,6 @@ class HintsSection(Section):
 
     def validate(self, src: Config, key: str = "hints") -> None:
         """``provider`` names a registered hint provider (nothing is built)."""
-        from composer_plugins.core.config import check_component_name
-
         check_component_name("hints", self.provider, f"{key}.provider", src)
 
 
@@ -303,17 +274,7 @@ class OptimSection(Section):
 
     def validate(self, src: Config, key: str = "optim") -> None:
         """A positive ``lr``, ``warmup_steps >= 0`` and a registered optimizer ``name``."""
-        need(
-            src,
-            f"{key}.lr",
-            self.lr > 0,
-            self.lr,
-            "a learning rate must be > 0",
-            "use a small positive number such as 2e-05",
-        )
-        need(
-            src, f"{key}.warmup_steps", self.warmup_steps >= 0, self.warmup_steps, "must be >= 0", "use 0 for no warmup"
-        )
+        _lr_and_warmup(src, key, self, "2e-05")
         from composer_plugins.training.step.optim import check_optimizer_name
 
         check_optimizer_name(self.name, src, f"{key}.name")
@@ -356,22 +317,11 @@ class TrainerSection(Section):
     def validate(self, src: Config, key: str = "trainer") -> None:
         """Step counts, checkpoint settings, a known ``strategy`` and registered ``callbacks``."""
         positive(src, key, self, "max_steps", "accumulate_grad_batches")
-        need(
-            src,
-            f"{key}.checkpoint_every_n_steps",
-            self.checkpoint_every_n_steps >= 0,
-            self.checkpoint_every_n_steps,
-            "must be >= 0",
-            "use 0 to write no checkpoints, or N to write one every N steps",
-        )
-        need(
-            src,
-            f"{key}.keep_checkpoints",
-            self.keep_checkpoints >= -1,
-            self.keep_checkpoints,
-            "must be >= -1",
-            "use -1 to keep every checkpoint, or how many to keep",
-        )
+        every, keep = self.checkpoint_every_n_steps, self.keep_checkpoints
+        fix = "use 0 to write no checkpoints, or N to write one every N steps"
+        need(src, f"{key}.checkpoint_every_n_steps", every >= 0, every, "must be >= 0", fix)
+        fix = "use -1 to keep every checkpoint, or how many to keep"
+        need(src, f"{key}.keep_checkpoints", keep >= -1, keep, "must be >= -1", fix)
         strat = self.strategy
         import composer_plugins.training.config.strategy_names as sn
 
@@ -433,13 +383,8 @@ class ComputeSection(Section):
 
     def validate(self, src: Config, key: str = "compute") -> None:
         """``micro_batch_tokens``, ``micro_batch_size`` and ``chunk_size`` (when set) >= 1; ``kernels`` a known one."""
-        positive(
-            src,
-            key,
-            self,
-            "micro_batch_tokens",
-            *(f for f in ("micro_batch_size", "chunk_size") if getattr(self, f) is not None),
-        )
+        optional = (f for f in ("micro_batch_size", "chunk_size") if getattr(self, f) is not None)
+        positive(src, key, self, "micro_batch_tokens", *optional)
         from composer_plugins.losses import KERNEL_SETTINGS
 
         if self.kernels not in KERNEL_SETTINGS:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from composer_plugins.core.config import Config
-from composer_plugins.core.errors import ConfigError
+from composer_plugins.core.errors import ConfigError, closest
 
 #: Strategy names known without importing Lightning.
 STRATEGY_SHORTHANDS: tuple[str, ...] = ("auto", "ddp", "fsdp")
@@ -18,8 +18,6 @@ def strategy_names() -> list[str]:
 
 def unknown_strategy(name: str, src: Config, key: str) -> ConfigError:
     """The located error of a ``trainer.strategy`` no one registered (valid names, did-you-mean, class paths)."""
-    from composer_plugins.core.errors import closest
-
     valid = strategy_names()
     sugg = closest(name.strip().lower(), valid)
     hint = f" Did you mean: {', '.join(repr(x) for x in sugg)}?" if sugg else ""

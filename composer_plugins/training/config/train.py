@@ -9,13 +9,23 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from composer_plugins.core.config import Config, from_dict, load_config, loads_config, redact, to_dict
+from composer_plugins.core.config import (
+    Config,
+    apply_overrides,
+    from_dict,
+    load_config,
+    loads_config,
+    redact,
+    resolve_env,
+    to_dict,
+)
 from composer_plugins.training.config.loss_specs import (
     ChannelSpec,
     channel_spec,
@@ -113,8 +123,6 @@ class TrainConfig:
         return self._parsed[1]
 
     def _parse_channels(self, src: Config, pre: str = "") -> None:
-        import copy
-
         specs = tuple(channel_spec(k, spec, src, pre) for k, spec in self.losses.items())
         self._parsed = (copy.deepcopy(self.losses), specs)
 
@@ -135,8 +143,6 @@ COMPONENT_DEFAULTS: tuple[str, ...] = ("env", "losses", "hints.provider")
 
 
 def _fill_component_defaults(src: Config) -> None:
-    import copy
-
     defaults = to_dict(TrainConfig())
     for key in COMPONENT_DEFAULTS:
         node: Any = src
@@ -154,8 +160,6 @@ def _fill_component_defaults(src: Config) -> None:
 
 
 def _finish(src: Config, overrides: Sequence[str]) -> tuple[TrainConfig, Config]:
-    from composer_plugins.core.config import apply_overrides, resolve_env
-
     losses_as_mapping(src)
     _fill_component_defaults(src)
     apply_overrides(src, overrides)

@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from composer_plugins.core.config import Config, build_component
+from composer_plugins.core.errors import UnknownPluginError
+from composer_plugins.core.plugins import get_registry
+
 
 def build_callbacks(specs: Sequence[Any], src: Any = None, key: str = "trainer.callbacks") -> list[Any]:
     """The callbacks of ``specs`` (names, ``{name: ...}`` or ``{class_path: ...}``), in order.
@@ -18,8 +22,6 @@ def build_callbacks(specs: Sequence[Any], src: Any = None, key: str = "trainer.c
     suggest the closest; an object that is not a Lightning callback is refused the same way.
     """
     from lightning.pytorch.callbacks import Callback
-
-    from composer_plugins.core.config import Config, build_component
 
     src = src if src is not None else Config()
     if not isinstance(specs, list | tuple):
@@ -36,10 +38,6 @@ def build_callbacks(specs: Sequence[Any], src: Any = None, key: str = "trainer.c
 
 def check_callback_names(specs: Any, src: Any = None, key: str = "trainer.callbacks") -> None:
     """At config load: every named entry of ``specs`` is registered (a located "did you mean" if not)."""
-    from composer_plugins.core.config import Config
-    from composer_plugins.core.errors import UnknownPluginError
-    from composer_plugins.core.plugins import get_registry
-
     src = src if src is not None else Config()
     if not isinstance(specs, list | tuple):
         raise src.error(key, f"expected a list of callbacks, got {specs!r}.")

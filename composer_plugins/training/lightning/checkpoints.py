@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import random
+import signal
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
 from composer_plugins.core.errors import ComposerPluginsError
 from composer_plugins.core.io import atomic_file
+from composer_plugins.training.config.inputs import checkpoint_step
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -70,12 +79,6 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def _step_of(p: Path) -> int:
-    from composer_plugins.training.config.inputs import checkpoint_step
-
-    return checkpoint_step(p)
-
-
 def good_checkpoints(directory: str | os.PathLike[str], exclude: str | os.PathLike[str] | None = None) -> list[Path]:
     """The complete ``.ckpt`` files in ``directory``, newest first (by step in the name, then mtime)."""
     d = Path(directory)
@@ -83,14 +86,14 @@ def good_checkpoints(directory: str | os.PathLike[str], exclude: str | os.PathLi
         return []
     ex = Path(exclude).resolve() if exclude is not None else None
     found = [p for p in d.glob("*.ckpt") if p.is_file() and p.resolve() != ex and checkpoint_problem(p) is None]
-    return sorted(found, key=lambda p: (_step_of(p), p.stat().st_mtime), reverse=True)
+    return sorted(found, key=lambda p: (checkpoint_step(p), p.stat().st_mtime), reverse=True)
 
 
 def _offer(bad: Path, directory: Path | None) -> str:
-    good = good_checkpoints(directory if directory is not None else bad.parent, exclude=bad)
+    where = directory if directory is not None else bad.parent
+    good = good_checkpoints(where, exclude=bad)
     if good:
         return f"resume from the previous good checkpoint: --resume {good[0]}"
-    where = directory if directory is not None else bad.parent
     return f"no good checkpoint in {where}; drop --resume to start a fresh run"
 
 
@@ -132,9 +135,6 @@ def safe_load(
     """``torch.load(path, weights_only=True)`` on the CPU: a checkpoint holding anything but tensors and plain
     data (an object whose unpickling would run code) raises a :class:`CheckpointError` naming the file and
     what it holds, instead of being executed."""
-    import pickle
-
-    import torch
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -147,13 +147,7 @@ def safe_load(
         ) from None
 
 
-def _load_torch_io() -> Any:
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-    return TorchCheckpointIO
-
-
-class AtomicCheckpointIO(_load_torch_io()):  # type: ignore[misc]
+class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that never leaves a partly written checkpoint: temp file, fsync, rename; and reads
     one with a loader that runs no code (:func:`safe_load`)."""
 
@@ -165,8 +159,6 @@ class AtomicCheckpointIO(_load_torch_io()):  # type: ignore[misc]
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        import torch
-
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r}")
         target = Path(path)
@@ -184,9 +176,6 @@ def _sigint_deferred() -> Any:
     hides the ``KeyboardInterrupt`` (exit 1, no "interrupted at step N" message). Outside the main thread
     (where signal handlers cannot be set) the write runs as it is.
     """
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -219,10 +208,6 @@ def _remove_dead_temps(directory: Path) -> None:
 
 def rng_state() -> dict[str, Any]:
     """The torch, Python and NumPy global RNG states as plain data (for a checkpoint)."""
-    import random
-
-    import numpy as np
-    import torch
 
     np_state = np.random.get_state()
     py = random.getstate()
@@ -235,10 +220,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Any) -> None:
     """Restore what :func:`rng_state` returned."""
-    import random
-
-    import numpy as np
-    import torch
 
     torch.set_rng_state(state["torch"])
     v, s, g = state["python"]

@@ -9,9 +9,13 @@ See docs/metrics.md (``train/heldout/accuracy``) and docs/results.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+
+from composer_plugins.core.io import read_jsonl
+from composer_plugins.training.rollout.rewards import env_tasks
 
 __all__ = ["CURVE_FILE", "CURVE_STAT", "HeldoutCurve", "heldout_curve"]
 
@@ -44,9 +48,6 @@ class HeldoutCurve(Callback):
         self.points: list[tuple[int, float]] = []
 
     def _tasks(self, pl_module: Any) -> list[dict[str, Any]]:
-        from composer_plugins.core.io import read_jsonl
-        from composer_plugins.training.rollout.rewards import env_tasks
-
         cfg = pl_module.cfg
         if cfg.data.test_path:
             return [dict(t) for t in read_jsonl(cfg.data.test_path)[: self.num_problems]]
@@ -67,13 +68,12 @@ class HeldoutCurve(Callback):
             return True
         return self.early_every > 0 and step <= self.early_until and step % self.early_every == 0
 
-    def _log(self, trainer: Any, step: int, value: float, out_dir: Any = None) -> None:
+    def _log(self, trainer: Any, pl_module: Any, step: int, value: float) -> None:
         self.points.append((step, value))
+        out_dir = getattr(getattr(pl_module, "cfg", None), "output_dir", None)
         for lg in trainer.loggers or ():
             lg.log_metrics({f"train/{CURVE_STAT}": value}, step=step)
         if out_dir and trainer.is_global_zero:
-            from pathlib import Path
-
             path = Path(out_dir) / CURVE_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("step,value\n" + "".join(f"{s},{v}\n" for s, v in self.points))
@@ -83,7 +83,7 @@ class HeldoutCurve(Callback):
         self.points = []
         if not self.tasks:
             raise ValueError("eval.every_n_steps: the held-out split holds no problems to draw a curve on")
-        self._log(trainer, int(trainer.global_step), self.accuracy(pl_module), _out_dir(pl_module))
+        self._log(trainer, pl_module, int(trainer.global_step), self.accuracy(pl_module))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop._should_accumulate():
@@ -96,11 +96,7 @@ class HeldoutCurve(Callback):
         stats = getattr(pl_module, "last_step_stats", None)
         if isinstance(stats, dict):
             stats[CURVE_STAT] = value  # HistoryCallback (after this one) writes it as train/heldout/accuracy
-        self._log(trainer, step, value, _out_dir(pl_module))
-
-
-def _out_dir(pl_module: Any) -> Any:
-    return getattr(getattr(pl_module, "cfg", None), "output_dir", None)
+        self._log(trainer, pl_module, step, value)
 
 
 def heldout_curve(eval_cfg: Mapping[str, Any] | Any) -> HeldoutCurve | None:

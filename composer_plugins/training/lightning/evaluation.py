@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from composer_plugins.envs.hints import reads_groups
+from composer_plugins.models.generation import generate_completions
 from composer_plugins.training.rollout.rewards import (
     derive_seed,
     env_rewards,
@@ -70,23 +72,13 @@ class Validator(nn.Module):
 
         ``temperature=None``: greedy; ``0`` is greedy too (``eval.temperature: 0``), never the rollout's.
         """
-        from composer_plugins.models.generation import generate_completions
-
         r = self.cfg.rollout
         greedy = temperature is None or temperature == 0
-        return generate_completions(
-            policy,
-            self.tokenizer,
-            list(prompts),
-            n,
-            max_new_tokens=max_new_tokens or r.max_new_tokens,
-            temperature=1.0 if greedy else float(temperature),
-            top_p=r.top_p,
-            top_k=r.top_k,
-            do_sample=not greedy,
-            seed=None if greedy else seed,
-            max_prompt_length=max_prompt_length or r.max_prompt_length,
-        )
+        kw = {"top_p": r.top_p, "top_k": r.top_k, "do_sample": not greedy, "seed": None if greedy else seed}
+        kw["max_new_tokens"] = max_new_tokens or r.max_new_tokens
+        kw["max_prompt_length"] = max_prompt_length or r.max_prompt_length
+        kw["temperature"] = 1.0 if greedy else float(temperature)
+        return generate_completions(policy, self.tokenizer, list(prompts), n, **kw)
 
     def _rewards(self, tasks: Sequence[Mapping[str, Any]], completions: Sequence[str], n: int) -> list[float]:
         return env_rewards(self.env, tasks, completions, n, unscorable=0.0)
@@ -144,8 +136,6 @@ class Validator(nn.Module):
         Returns the counts ``failures``, ``hinted`` (got a hint), ``fixed`` (hinted and then solved) and
         per-row details for the predictions file.
         """
-        from composer_plugins.envs.hints import reads_groups
-
         cfg = self.cfg
         e = settings if settings is not None else cfg.eval
         thr = cfg.rollout.success_threshold
@@ -183,16 +173,12 @@ class Validator(nn.Module):
         out["hinted"] = len(hinted)
         if not hinted:
             return out
+        contexts = [c for _, c in hinted]  # decoded as the teacher reads them
         ro = self.generate(
-            policy,
-            [c for _, c in hinted],
-            1,
-            seed=None,
-            max_new_tokens=mnt,
-            max_prompt_length=cfg.hints.max_context_length,
-        )  # as the teacher reads it
+            policy, contexts, 1, seed=None, max_new_tokens=mnt, max_prompt_length=cfg.hints.max_context_length
+        )
         r_hint = self._rewards([tasks[i] for i, _ in hinted], ro.completions, 1)
-        out["fixed"] = sum(1 for v in r_hint if v >= thr)
+        out["fixed"] = sum(v >= thr for v in r_hint)
         for (i, ctx), comp, v in zip(hinted, ro.completions, r_hint, strict=True):
             out["rows"][i] = {"hint_context": ctx, "hinted_completion": comp, "hint_fixed": bool(v >= thr)}
         return out

@@ -16,14 +16,25 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from composer_plugins.core.config import redact, to_dict
+from composer_plugins.models.logprobs import lm_head_weight
 from composer_plugins.training.config.train import TrainConfig, train_config_from_dict
 from composer_plugins.training.lightning.checkpoints import rng_state, set_rng_state
 from composer_plugins.training.lightning.evaluation import Validator
-from composer_plugins.training.rollout.distributed import all_gather_objects, fsdp_root, full_params, world
+from composer_plugins.training.lightning.tracking import log_kernel_pick
+from composer_plugins.training.rollout.distributed import (
+    all_gather_objects,
+    barrier,
+    fsdp_root,
+    full_params,
+    reduce_stats,
+    world,
+)
 from composer_plugins.training.rollout.rewards import derive_seed
 from composer_plugins.training.step.assemble import StepPolicy
 from composer_plugins.training.step.components import StepComponents, configured_hint_provider
 from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
+from composer_plugins.training.step.optim import build_optimization
 from composer_plugins.training.step.record import StepMeta, StepRecord
 
 
@@ -40,8 +51,6 @@ class ComposerModule(L.LightningModule):
 
     def __init__(self, config: Any, *, src: Any = None, **parts: Any) -> None:
         super().__init__()
-        from composer_plugins.core.config import redact, to_dict
-
         cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
         self.cfg = cfg
         self.kernel_pick: Any = None  # the LM-head kernels picked for the device at the start of training
@@ -97,8 +106,6 @@ class ComposerModule(L.LightningModule):
 
     def sync_generator(self) -> None:
         """Push the policy's weights to the rollout engine when it is due (rank 0 saves; every rank waits)."""
-        from composer_plugins.training.rollout.distributed import barrier
-
         step = self.global_step
         if not self.sampler.due(step):
             return
@@ -107,9 +114,6 @@ class ComposerModule(L.LightningModule):
         barrier()
 
     def on_train_start(self) -> None:
-        from composer_plugins.models.logprobs import lm_head_weight
-        from composer_plugins.training.lightning.tracking import log_kernel_pick
-
         r = self.cfg.rollout
         tokens = r.prompts_per_step * r.num_generations * r.max_new_tokens
         self.kernel_pick = self.cfg.compute.pick_kernels(int(lm_head_weight(self.policy).shape[0]), tokens, self.device)
@@ -130,8 +134,6 @@ class ComposerModule(L.LightningModule):
         return derive_seed(self.cfg.seed, 1, index, *((rank,) if world_size > 1 else ()))
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
-        from composer_plugins.training.rollout.distributed import reduce_stats
-
         index = int(batch["index"])
         rank, size = int(batch.get("rank", 0)), int(batch.get("world_size", 1))
         mu = max(1, self.cfg.rollout.num_iterations)
@@ -239,8 +241,6 @@ class ComposerModule(L.LightningModule):
 
     # -- optimisation / checkpoint state ---------------------------------------------
     def configure_optimizers(self) -> Any:
-        from composer_plugins.training.step.optim import build_optimization
-
         return build_optimization(self.cfg.optim, self.policy.parameters(), self.cfg.trainer.max_steps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+from tqdm.auto import tqdm
 
 
 def _fmt(v: float) -> str:
@@ -49,16 +50,10 @@ class StepProgressBar(ProgressBar):
     def is_enabled(self) -> bool:
         return self._enabled and self.trainer.is_global_zero
 
-    @property
-    def is_disabled(self) -> bool:
-        return not self.is_enabled
-
     # -- training --------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self.is_enabled:
             return
-        from tqdm.auto import tqdm
-
         self._t0, self._rows, self._tokens = time.monotonic(), 0, 0.0
         self._bar = tqdm(
             total=trainer.max_steps if trainer.max_steps > 0 else None,
@@ -119,8 +114,6 @@ class StepProgressBar(ProgressBar):
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not self.is_enabled or trainer.sanity_checking:
             return
-        from tqdm.auto import tqdm
-
         batches = getattr(trainer.val_dataloaders, "batches", None)  # StaticBatches of {"index", "tasks"}
         total = sum(len(b["tasks"]) for b in batches) if batches is not None else None
         self._vbar = tqdm(

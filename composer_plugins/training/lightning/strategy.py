@@ -8,12 +8,19 @@ config is loaded (:func:`composer_plugins.training.strategy_names.strategy_names
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from composer_plugins.core.config import Config
 from composer_plugins.core.registry import import_object
 from composer_plugins.training.config.strategy_names import strategy_names, unknown_strategy
 from composer_plugins.training.config.train import TrainConfig
+from composer_plugins.training.step.ema import EMATeacher
 
 
 def decoder_layer_classes(policy: Any) -> set[type]:
@@ -38,19 +45,14 @@ def build_strategy(cfg: TrainConfig, policy: Any = None, src: Config | None = No
     gloo backend); another registered name is handed to Lightning; a class path (or
     ``{class_path, init_args}``) is imported and built. Unknown names list the valid ones.
     """
-    from datetime import timedelta
-
     src = src if src is not None else Config()
     spec = cfg.trainer.strategy
     timeout = timedelta(seconds=float(cfg.trainer.dist_timeout_s))
     if isinstance(spec, str) and "." not in spec:
         name = spec.strip().lower()
-        valid = strategy_names()
-        if name not in valid:
+        if name not in strategy_names():
             raise unknown_strategy(spec, src, "trainer.strategy")
         if name == "ddp":
-            from lightning.pytorch.strategies import DDPStrategy
-
             return DDPStrategy(timeout=timeout)
         if name == "fsdp":
             return _fsdp_strategy(cfg, policy, timeout)
@@ -70,12 +72,8 @@ def build_strategy(cfg: TrainConfig, policy: Any = None, src: Config | None = No
 
 
 def _fsdp_strategy(cfg: TrainConfig, policy: Any, timeout: Any) -> Any:
-    from lightning.pytorch.strategies import FSDPStrategy
-
     if policy is None:
         raise ValueError("trainer.strategy=fsdp needs the policy to find its decoder layers")
-    from composer_plugins.training.step.ema import EMATeacher
-
     kw: dict[str, Any] = {
         # the EMA teacher (losses.hint_distill.teacher: ema) is a unit of its own, its layers nested units:
         # sharded as the policy is, shard for shard
@@ -86,65 +84,47 @@ def _fsdp_strategy(cfg: TrainConfig, policy: Any, timeout: Any) -> Any:
     if cfg.trainer.accelerator == "cpu":
         # Lightning refuses the "fsdp" name without a GPU; torch's FSDP runs on CPU over gloo
         kw.update(process_group_backend="gloo")
-        return _CPUFSDPStrategy(**kw)
+        return CPUFSDPStrategy(**kw)
     return FSDPStrategy(**kw)
 
 
-def _cpu_fsdp_class() -> Any:
-    from lightning.pytorch.strategies import FSDPStrategy
+class CPUFSDPStrategy(FSDPStrategy):
+    """FSDP over gloo on CPU ranks.
 
-    class CPUFSDPStrategy(FSDPStrategy):
-        """FSDP over gloo on CPU ranks.
+    Lightning checks for a GPU only on its own class, and hands FSDP ``device_id=None`` on CPU,
+    which torch's FSDP refuses; this wraps with ``device_id=cpu`` and lets Lightning do the rest.
+    """
 
-        Lightning checks for a GPU only on its own class, and hands FSDP ``device_id=None`` on CPU,
-        which torch's FSDP refuses; this wraps with ``device_id=cpu`` and lets Lightning do the rest.
-        """
-
-        def _setup_model(self, model: Any) -> Any:
-            import torch
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-                model = FullyShardedDataParallel(
-                    module=model,
-                    cpu_offload=self.cpu_offload,
-                    mixed_precision=self.mixed_precision_config,
-                    sharding_strategy=self.sharding_strategy,
-                    device_id=torch.device("cpu"),
-                    **self.kwargs,
-                )
-                self.kwargs.pop("auto_wrap_policy", None)
-            return super()._setup_model(model)
-
-        def _full_ctx(self) -> Any:
-            # Lightning's full state dicts offload to CPU, which on CPU-resident parameters crashes
-            # torch 2.13's FSDP clone of the gathered tensors (SIGSEGV); they are on the CPU already
-            from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            return FSDP.state_dict_type(
-                self.model,
-                StateDictType.FULL_STATE_DICT,
-                FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
-                FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+    def _setup_model(self, model: Any) -> Any:
+        if not any(isinstance(m, FSDP) for m in model.modules()):
+            model = FSDP(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=torch.device("cpu"),
+                **self.kwargs,
             )
+            self.kwargs.pop("auto_wrap_policy", None)
+        return super()._setup_model(model)
 
-        def lightning_module_state_dict(self) -> dict[str, Any]:
-            with self._full_ctx():
-                return self.model.state_dict()
+    def _full_ctx(self) -> Any:
+        # Lightning's full state dicts offload to CPU, which on CPU-resident parameters crashes
+        # torch 2.13's FSDP clone of the gathered tensors (SIGSEGV); they are on the CPU already
+        return FSDP.state_dict_type(
+            self.model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        )
 
-        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            from torch.distributed.fsdp import OptimStateKeyType
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._full_ctx():
+            return self.model.state_dict()
 
-            with self._full_ctx():
-                state = FSDP.optim_state_dict(self.model, optimizer)
-                if self.global_rank == 0:
-                    state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
-                return state
-
-    return CPUFSDPStrategy
-
-
-def _CPUFSDPStrategy(**kw: Any) -> Any:  # builds the class lazily (lightning import)
-    return _cpu_fsdp_class()(**kw)
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        with self._full_ctx():
+            state = FSDP.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:
+                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+            return state

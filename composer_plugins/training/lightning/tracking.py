@@ -9,11 +9,18 @@ Every stage of a study logs into one experiment of a local sqlite store (``sqlit
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from composer_plugins.core.config import redact
+from composer_plugins.core.errors import ComposerPluginsError
+from composer_plugins.core.plugins import get_registry
+from composer_plugins.core.version import __version__
 
 DEFAULT_EXPERIMENT = "composer-plugins"
 DEFAULT_DB = "mlflow.db"
@@ -38,13 +45,9 @@ def repo_root(start: str | os.PathLike[str] | None = None) -> Path:
     if env:
         return Path(env)
     here = Path(start or os.getcwd()).resolve()
-    for marker in (
-        lambda p: (p / ".dvc").is_dir(),
-        lambda p: (p / "dvc.yaml").is_file(),
-        lambda p: (p / ".git").exists(),
-    ):
+    for name, found in ((".dvc", Path.is_dir), ("dvc.yaml", Path.is_file), (".git", Path.exists)):
         for p in (here, *here.parents):
-            if marker(p):
+            if found(p / name):
                 return p
     return here
 
@@ -52,21 +55,18 @@ def repo_root(start: str | os.PathLike[str] | None = None) -> Path:
 def git_commit(root: str | os.PathLike[str] | None = None) -> tuple[str, bool]:
     """``(commit sha, dirty)`` of the git checkout at ``root``; ``("unknown", False)`` outside git."""
     cwd = str(root or repo_root())
+
+    def git(*args: str, timeout: float) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=True
+        ).stdout
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
+        sha = git("rev-parse", "HEAD", timeout=10).strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown", False
     try:
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
+        status = git("status", "--porcelain", "--untracked-files=no", timeout=20)
     except (OSError, subprocess.SubprocessError):
         status = ""
     return sha or "unknown", bool(status.strip())
@@ -126,21 +126,17 @@ def run_tags(
         TAG_DIRTY: str(dirty).lower(),
         "mlflow.source.git.commit": sha,
     }
-    exp = os.environ.get("DVC_EXP_NAME")
-    if exp:
+    if exp := os.environ.get("DVC_EXP_NAME"):
         tags[TAG_EXP] = exp
-    baseline = os.environ.get("DVC_EXP_BASELINE_REV")
-    if baseline:
+    if baseline := os.environ.get("DVC_EXP_BASELINE_REV"):
         tags["dvc.exp.baseline"] = baseline
-    variant = variant or os.environ.get("COMPOSER_VARIANT")
-    if variant:
+    if variant := variant or os.environ.get("COMPOSER_VARIANT"):
         tags[TAG_VARIANT] = variant
     if seed is None and os.environ.get("COMPOSER_SEED"):
         seed = int(os.environ["COMPOSER_SEED"])
     if seed is not None:
         tags[TAG_SEED] = str(seed)
-    for k, v in (extra or {}).items():
-        tags[str(k)] = str(v)
+    tags.update({str(k): str(v) for k, v in (extra or {}).items()})
     return tags
 
 
@@ -151,12 +147,8 @@ def artifact_location(uri: str) -> str | None:
     current directory, would scatter artifacts wherever a command happened to run). File stores keep
     artifacts inside themselves and servers (``http://``) choose their own: ``None`` there.
     """
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///") :])
-        if not db.is_absolute():
-            db = repo_root() / db
-        return (db.resolve().parent / "mlartifacts").as_uri()
-    return None
+    db = _sqlite_path(uri)
+    return (db.resolve().parent / "mlartifacts").as_uri() if db is not None else None
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -237,10 +229,6 @@ def provenance_tags(components: Mapping[str, tuple[str, str]]) -> dict[str, str]
     registry name is tagged ``<name> (<distribution> <version>)``, a class path as given. Also tags
     ``composer_plugins.version``.
     """
-    from composer_plugins.core.errors import ComposerPluginsError
-    from composer_plugins.core.plugins import get_registry
-    from composer_plugins.core.version import __version__
-
     reg = get_registry()
     tags = {"composer_plugins.version": __version__}
     for slot, (kind, name) in components.items():
@@ -268,8 +256,6 @@ def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str,
 def log_kernel_pick(logger: Any, pick: Any) -> dict[str, str]:
     """Report the LM-head kernels a run picked (:class:`~composer_plugins.kernels.select.KernelPick`): one line in
     the run's log and its params in the experiment logger (MLflow's, when ``logger`` has ``log_hyperparams``)."""
-    import logging
-
     params = pick.params()
     logging.getLogger("composer_plugins.training").info(
         "compute.kernels=%s: %s (chunk %d rows; %s)", pick.setting, pick.kernels, pick.chunk_size, pick.reason
@@ -288,9 +274,6 @@ def log_kernel_pick(logger: Any, pick: Any) -> dict[str, str]:
 def mlflow_settings(cfg: Any) -> dict[str, Any] | None:
     """``{tracking_uri, experiment, tags}`` of a :class:`~composer_plugins.training.config.train.TrainConfig` when
     MLflow logging is on (:func:`mlflow_enabled`)."""
-    from dataclasses import asdict
-
-    from composer_plugins.core.config import redact
 
     params = {"mlflow": {k: v for k, v in asdict(cfg.mlflow).items() if v is not None}}
     if not mlflow_enabled(params):

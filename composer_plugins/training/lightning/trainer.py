@@ -11,31 +11,35 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
+from composer_plugins.core import progress
 from composer_plugins.core.io import is_wall_clock
 from composer_plugins.training.config.train import TrainConfig
+from composer_plugins.training.lightning.callbacks import build_callbacks
+from composer_plugins.training.lightning.checkpoints import AtomicCheckpointIO
+from composer_plugins.training.lightning.curves import heldout_curve
+from composer_plugins.training.lightning.progress import StepLines, StepProgressBar
 from composer_plugins.training.lightning.strategy import build_strategy
 from composer_plugins.training.lightning.tracking import build_logger
 
 
 def set_threads(cfg: TrainConfig) -> None:
     if cfg.trainer.num_threads:
-        import torch
-
         torch.set_num_threads(cfg.trainer.num_threads)
 
 
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
-    import logging
-    import warnings
-
     import transformers
 
     names = (
@@ -67,16 +71,12 @@ def progress_bar(phase: str, configured: bool) -> Any:
     Off when the config says so or the ``--no-progress`` switch (``COMPOSER_PROGRESS=0``) is set; then
     transformers' and the Hub's own bars are silenced too.
     """
-    from composer_plugins.core import progress
-
     if not progress.enabled(configured):
         if not progress.enabled():
             progress.silence()
         else:
             progress.quiet_libraries()  # our bar is off: no library's bar alone in the log either
         return None
-    from composer_plugins.training.lightning.progress import StepProgressBar
-
     return StepProgressBar(phase)
 
 
@@ -87,9 +87,6 @@ def lightning_trainer(*, callbacks: Sequence[Any] = (), **kwargs: Any) -> Any:
     ``callbacks`` hold one) under ``kwargs``, which may override any of them; :func:`build_trainer` is the RL
     run's use of it.
     """
-    import lightning as L
-    from lightning.pytorch.callbacks import ProgressBar
-
     bar = any(isinstance(c, ProgressBar) for c in callbacks)
     kw: dict[str, Any] = {"logger": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
     kw.update({"enable_checkpointing": False, "enable_progress_bar": bar, **kwargs})
@@ -118,8 +115,6 @@ def build_trainer(
     Plugin callbacks named in ``trainer.callbacks`` (hook ``register_callbacks``) follow
     ``extra_callbacks``.
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     t = cfg.trainer
     ckpt = (
         ModelCheckpoint(
@@ -135,27 +130,16 @@ def build_trainer(
         if t.checkpoint_every_n_steps > 0
         else None
     )
-    from composer_plugins.training.lightning.curves import (
-        heldout_curve,  # before HistoryCallback: its value joins the row
-    )
-
     curve = heldout_curve(cfg.eval)
     callbacks: list[Any] = [c for c in (ckpt, curve, HistoryCallback(Path(cfg.output_dir) / "history.csv")) if c]
     callbacks += list(extra_callbacks)
     if t.callbacks:
-        from composer_plugins.training.lightning.callbacks import build_callbacks
-
         callbacks += build_callbacks(t.callbacks)
     bar = progress_bar("train", t.enable_progress_bar)
     if bar is not None:
         callbacks.append(bar)
-    else:
-        from composer_plugins.core import progress
-
-        if progress.enabled() and t.progress_every_n_steps > 0:
-            from composer_plugins.training.lightning.progress import StepLines
-
-            callbacks.append(StepLines(f"train {cfg.output_dir}", t.progress_every_n_steps))
+    elif progress.enabled() and t.progress_every_n_steps > 0:
+        callbacks.append(StepLines(f"train {cfg.output_dir}", t.progress_every_n_steps))
     val_every = t.val_every_n_steps
     kw: dict[str, Any] = {
         "max_steps": t.max_steps,
@@ -179,8 +163,6 @@ def build_trainer(
     if strategy is not None:
         kw["strategy"] = strategy
     if ckpt is not None:
-        from composer_plugins.training.lightning.checkpoints import AtomicCheckpointIO
-
         kw["plugins"] = [AtomicCheckpointIO()]  # a kill while saving never leaves a half-written last.ckpt
     kw.update(overrides)
     return lightning_trainer(**kw)
@@ -200,8 +182,7 @@ class HistoryCallback(Callback):
         self._keys: list[str] = []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.rows = []
-        self._keys = []
+        self.rows, self._keys = [], []
         if trainer.ckpt_path and self.path.exists():
             with open(self.path) as f:
                 for r in csv.DictReader(f):
@@ -226,9 +207,7 @@ class HistoryCallback(Callback):
             with open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=self._keys).writerow(self.rows[-1])
             return
-        keys: list[str] = ["step"]
-        for r in self.rows:
-            keys += [k for k in r if k not in keys]
+        keys = list(dict.fromkeys(["step", *(k for r in self.rows for k in r)]))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)

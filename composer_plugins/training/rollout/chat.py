@@ -7,10 +7,12 @@ SFT examples, conversations for external teachers) is made here with ``model.cha
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from composer_plugins.chat.render import CHAT_MODES, is_conversation, read_chat_template, render_prompt
+from composer_plugins.envs.hints import build_teacher_context
 
 __all__ = [
     "PROMPT_KEYS",
@@ -62,8 +64,6 @@ def hinted_context(prompt: Any, hint: str, tokenizer: Any = None, template: str 
     rendered with the same template as the student's prompt, so the teacher reads the student's
     context plus the hint and nothing else changes.
     """
-    from composer_plugins.envs.hints import build_teacher_context
-
     ctx = build_teacher_context(prompt if is_conversation(prompt) else str(prompt), hint)
     return render_prompt(ctx, tokenizer, template)
 
@@ -86,8 +86,6 @@ def pair_prompt(pair: Mapping[str, Any], tokenizer: Any = None, template: str = 
 
 def check_chat_template(value: Any, src: Any, key: str) -> None:
     """``model.chat_template`` at load: ``auto``, ``none`` or a readable Jinja file that parses (located errors)."""
-    import os
-
     if not isinstance(value, str) or not value.strip():
         raise src.error(key, f"expected auto, none or the path of a Jinja chat-template file, got {value!r}.")
     if value in CHAT_MODES:

@@ -8,8 +8,12 @@ no-op without an initialised multi-rank process group. See docs/training.md "Dat
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -19,8 +23,6 @@ SUM_STATS: frozenset[str] = frozenset({"completion_tokens", "hint/rows"})
 
 def world() -> tuple[int, int]:
     """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -50,18 +52,12 @@ def all_reduce(values: Sequence[float], op: str = "sum") -> list[float]:
     _, size = world()
     if size == 1:
         return [float(v) for v in values]
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return [float(v) for v in t.cpu().tolist()]
 
 
 def _collective_device() -> Any:
-    import torch
-    import torch.distributed as dist
-
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -95,8 +91,6 @@ def all_gather_objects(obj: Any) -> list[Any]:
     _, size = world()
     if size == 1:
         return [obj]
-    import torch.distributed as dist
-
     out: list[Any] = [None] * size
     dist.all_gather_object(out, obj)
     return out
@@ -107,9 +101,7 @@ def reduce_stats(stats: Mapping[str, float]) -> dict[str, float]:
     every = all_gather_objects(dict(stats))
     if len(every) == 1:
         return dict(stats)
-    keys: list[str] = []
-    for s in every:
-        keys += [k for k in s if k not in keys]
+    keys = dict.fromkeys(k for s in every for k in s)
     out: dict[str, float] = {}
     for k in keys:
         vals = [float(s[k]) for s in every if k in s]
@@ -121,8 +113,6 @@ def barrier() -> None:
     """Wait for every rank (no-op with one)."""
     _, size = world()
     if size > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
@@ -141,7 +131,6 @@ def full_params(trainer: Any, recurse: bool = False) -> Any:
     gather their own on each forward, as TRL samples under FSDP. ``recurse=True`` gathers all
     (saving the weights for an inference server).
     """
-    import contextlib
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

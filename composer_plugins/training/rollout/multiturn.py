@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
 
 from composer_plugins.chat.env_step import step_result
-from composer_plugins.training.rollout.rollouts import WeightSyncing
+from composer_plugins.core.config import build_component
+from composer_plugins.models.generation import Rollout, left_pad
+from composer_plugins.training.rollout.rewards import derive_seed
+from composer_plugins.training.rollout.rollouts import HFGenerator, WeightSyncing, as_rollout_generator
 
 if TYPE_CHECKING:
     from composer_plugins.models.generation import Rollout
@@ -31,9 +33,6 @@ def build_generator(cfg: Any, src: Any = None, env: Any = None) -> Any:
     """The rollout generator named by ``rollout.generator`` (registry kind ``rollout_generators``) of a
     :class:`~composer_plugins.training.config.train.TrainConfig`; with ``rollout.max_turns > 1`` and an ``env``
     that has ``reset``/``step``, wrapped in :class:`MultiTurnGenerator`."""
-    from composer_plugins.core.config import build_component
-    from composer_plugins.training.rollout.rollouts import HFGenerator, as_rollout_generator
-
     spec = cfg.rollout.generator if cfg.rollout.generator is not None else "hf"
     gen = as_rollout_generator(build_component("rollout_generators", spec, key="rollout.generator", cfg=src), src=src)
     if isinstance(gen, HFGenerator) and not (isinstance(spec, Mapping) and "compile" in spec):
@@ -53,11 +52,7 @@ class MultiTurnGenerator:
     """
 
     def __init__(self, generator: Any = "hf", max_turns: int = 2) -> None:
-        from composer_plugins.training.rollout.rollouts import as_rollout_generator
-
         if isinstance(generator, str | Mapping):
-            from composer_plugins.core.config import build_component
-
             generator = build_component("rollout_generators", generator, key="rollout.generator")
         self.inner: RolloutGenerator = as_rollout_generator(generator, "rollout.generator")
         self.max_turns = max(1, int(max_turns))
@@ -118,9 +113,6 @@ class MultiTurnGenerator:
         (observation tokens are masked out; ``extra["attention_mask"]`` attends to both). The episode
         reward is its last step's; the feedback of the last step goes to the hint provider.
         """
-        from composer_plugins.models.generation import Rollout, left_pad
-        from composer_plugins.training.rollout.rewards import derive_seed
-
         G = num_generations
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         device = next(policy.parameters()).device
@@ -132,31 +124,15 @@ class MultiTurnGenerator:
                 p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 if max_prompt_length:
                     p_ids = p_ids[-max_prompt_length:]
-                episodes.append(
-                    {
-                        "env": e,
-                        "prompt": prompt,
-                        "prompt_ids": p_ids,
-                        "ids": [],
-                        "mask": [],
-                        "reward": 0.0,
-                        "done": False,
-                        "actions": [],
-                        "feedback": None,
-                    }
-                )
+                state = {"ids": [], "mask": [], "reward": 0.0, "done": False, "actions": [], "feedback": None}
+                episodes.append({"env": e, "prompt": prompt, "prompt_ids": p_ids, **state})
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e["done"]]
             if not live:
                 break
+            contexts = [e["prompt_ids"] + e["ids"] for e in live]
             ro = self.inner.generate(
-                policy,
-                tokenizer,
-                None,
-                1,
-                seed=derive_seed(seed, turn),
-                prompt_token_ids=[e["prompt_ids"] + e["ids"] for e in live],
-                **sampling,
+                policy, tokenizer, None, 1, seed=derive_seed(seed, turn), prompt_token_ids=contexts, **sampling
             )
             for j, e in enumerate(live):
                 act_ids = ro.completion_ids[j][ro.completion_mask[j].bool()].tolist()
@@ -180,10 +156,12 @@ class MultiTurnGenerator:
         width = max(1, max(len(e["ids"]) for e in episodes))
         cids = torch.full((len(episodes), width), pad, dtype=torch.long, device=device)
         cmask = torch.zeros((len(episodes), width), dtype=torch.long, device=device)
+        attention = torch.zeros_like(cmask)  # every real token of a trajectory: actions and observations
         for i, e in enumerate(episodes):
             if e["ids"]:
                 cids[i, : len(e["ids"])] = torch.tensor(e["ids"], device=device)
                 cmask[i, : len(e["mask"])] = torch.tensor(e["mask"], device=device)
+                attention[i, : len(e["ids"])] = 1
         rollout = Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -194,16 +172,8 @@ class MultiTurnGenerator:
             group_index=torch.arange(len(tasks), device=device).repeat_interleave(G),
             num_generations=G,
         )
-        rollout.extra["attention_mask"] = _trajectory_attention(episodes, width, device)
+        rollout.extra["attention_mask"] = attention
         return rollout, [e["reward"] for e in episodes], [e["feedback"] for e in episodes]
-
-
-def _trajectory_attention(episodes: Sequence[Mapping[str, Any]], width: int, device: Any) -> Tensor:
-    """Attention over a multi-turn trajectory: every real token (actions and observations)."""
-    att = torch.zeros((len(episodes), width), dtype=torch.long, device=device)
-    for i, e in enumerate(episodes):
-        att[i, : len(e["ids"])] = 1
-    return att
 
 
 def _obs_text(obs: Any) -> str:

@@ -17,11 +17,11 @@ from typing import Any, Literal
 from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
-from composer_plugins.core.io import read_jsonl
+from composer_plugins.core.io import iter_jsonl, read_jsonl
 from composer_plugins.envs.hints import HintProvider, SiblingGroup, hint_requests, sibling_groups
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.rollout.chat import PROMPT_KEYS, hinted_context, pair_prompt, prompt_field, task_prompt
-from composer_plugins.training.rollout.distributed import world
+from composer_plugins.training.rollout.distributed import rank_share, world
 
 
 def derive_seed(*parts: int) -> int:
@@ -65,8 +65,6 @@ class TaskStream:
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        from composer_plugins.training.rollout.distributed import rank_share
-
         rank, size = world()
         rank = rank if self.rank is None else int(self.rank)
         size = size if self.world_size is None else int(self.world_size)
@@ -106,11 +104,7 @@ class StaticBatches:
 
 def task_kwargs(tasks: Sequence[Mapping[str, Any]], repeat: int = 1) -> dict[str, list[Any]]:
     """Column-wise task fields other than the prompt, each row repeated ``repeat`` times."""
-    keys: list[str] = []
-    for t in tasks:
-        for k in t:
-            if k not in PROMPT_KEYS and k not in keys:
-                keys.append(k)
+    keys = dict.fromkeys(k for t in tasks for k in t if k not in PROMPT_KEYS)
     return {k: [t.get(k) for t in tasks for _ in range(repeat)] for k in keys}
 
 
@@ -208,9 +202,6 @@ def rollout_groups(
 
 def load_pairs(path: str | Path) -> list[dict[str, str]]:
     """Preference pairs from a JSONL file with ``prompt``, ``chosen``, ``rejected`` per line."""
-    from composer_plugins.core.errors import ConfigError
-    from composer_plugins.core.io import iter_jsonl
-
     pairs = []
     for n, row in iter_jsonl(path):
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
@@ -251,11 +242,9 @@ def task_drawer(env: Any, cfg: TrainConfig, split: Literal["train", "test"]) -> 
 
 def eval_batches(env: Any, cfg: TrainConfig) -> Any:
     """The fixed held-out problems as validation batches ``{"index", "tasks"}``."""
-    path = cfg.data.test_path
-    if path:
-        tasks = read_jsonl(path)[: cfg.eval.num_problems]
+    if cfg.data.test_path:
+        tasks = read_jsonl(cfg.data.test_path)[: cfg.eval.num_problems]
     else:
         tasks = env_tasks(env, cfg.data.test_split, cfg.eval.num_problems, cfg.eval.seed)
     bs = cfg.eval.batch_size
-
     return StaticBatches([{"index": i, "tasks": tasks[s : s + bs]} for i, s in enumerate(range(0, len(tasks), bs))])

@@ -293,26 +293,15 @@ class ServerGenerator:
         device = next(policy.parameters()).device if policy is not None else torch.device("cpu")
         ids, mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, "cpu")
         rows = [ids[i][mask[i].bool()].tolist() for i in range(len(prompts))]
+        settings = dict(
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, do_sample=do_sample
+        )
         bodies = [
-            self.request_body(
-                r,
-                num_generations,
-                seed=prompt_seed(seed, i),
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-            )
-            for i, r in enumerate(rows)
+            self.request_body(r, num_generations, seed=prompt_seed(seed, i), **settings) for i, r in enumerate(rows)
         ]
         answers = asyncio.run(self._sample_all(bodies))
-        tokens: list[list[int]] = []
-        logps: list[list[float]] = []
-        for i, ans in enumerate(answers):
-            for ids_i, lp_i in parse_choices(ans, num_generations, where=f"prompt {i}"):
-                tokens.append(ids_i)
-                logps.append(lp_i)
+        choices = [c for i, ans in enumerate(answers) for c in parse_choices(ans, num_generations, where=f"prompt {i}")]
+        tokens, logps = [t for t, _ in choices], [lp for _, lp in choices]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         width = max(1, max(len(t) for t in tokens))
         cids = torch.full((len(tokens), width), pad, dtype=torch.long)
@@ -322,10 +311,8 @@ class ServerGenerator:
                 cids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
                 slp[j, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
         cmask = completion_mask_from_ids(cids, tokenizer.eos_token_id)
-        real = torch.zeros_like(cmask)
-        for j, t in enumerate(tokens):
-            real[j, : len(t)] = 1
-        cmask = cmask * real
+        for j, t in enumerate(tokens):  # the padding past a completion's last token
+            cmask[j, len(t) :] = 0
         cids = torch.where(cmask.bool(), cids, torch.full_like(cids, pad))
         G = num_generations
         ro = Rollout(

@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import click
 
+from composer_plugins.core import progress
 from composer_plugins.core.cli import all_overrides, command_errors, report_interrupt, set_option
 from composer_plugins.core.errors import Interrupted
 
@@ -34,10 +37,12 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
         no_progress: bool,
         **options: Any,
     ) -> None:
-        cfg, src = _load(config_path, section, overrides, set_overrides, no_progress)
-        if print_config:
-            from composer_plugins.training.config.train import config_to_yaml
+        from composer_plugins.training.config.train import config_to_yaml, load_train_config
 
+        if no_progress:
+            progress.silence()
+        cfg, src = load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
+        if print_config:
             click.echo(config_to_yaml(cfg), nl=False)
             return
         command(cfg, src, **options)
@@ -58,22 +63,6 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _load(
-    config_path: str | None,
-    section: str | None,
-    overrides: tuple[str, ...],
-    set_overrides: tuple[str, ...] = (),
-    no_progress: bool = False,
-) -> tuple[Any, Any]:
-    from composer_plugins.training.config.train import load_train_config
-
-    if no_progress:
-        from composer_plugins.core import progress
-
-        progress.silence()
-    return load_train_config(config_path, all_overrides(overrides, set_overrides), section=section)
-
-
 def _check_inputs(cfg: Any, src: Any, checkpoint: str | None = None) -> None:
     """The paths a run reads (and an uncached hub id, offline or unreachable), checked before torch is imported."""
     from composer_plugins.training.config.inputs import check_checkpoint, check_inputs
@@ -86,9 +75,6 @@ def _check_inputs(cfg: Any, src: Any, checkpoint: str | None = None) -> None:
 
 def _clear_run(output_dir: str) -> None:
     """``train --overwrite``: remove an earlier run's checkpoints, history and metrics from ``output_dir``."""
-    import shutil
-    from pathlib import Path
-
     out = Path(output_dir)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     for name in ("history.csv", "metrics.json"):

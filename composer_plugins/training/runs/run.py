@@ -8,16 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+
+from composer_plugins.core import progress
 from composer_plugins.core.config import Config, redact
 from composer_plugins.core.errors import Interrupted
 from composer_plugins.core.io import atomic_write_json, atomic_write_jsonl
 from composer_plugins.models.tiny import load_policy
+from composer_plugins.training.config.inputs import check_checkpoint, check_inputs, checkpoint_step
 from composer_plugins.training.config.train import TrainConfig
+from composer_plugins.training.lightning import tracking
+from composer_plugins.training.lightning.checkpoints import good_checkpoints, load_policy_weights, resolve_resume
+from composer_plugins.training.lightning.module import ComposerModule
 from composer_plugins.training.lightning.strategy import build_strategy
 from composer_plugins.training.lightning.tracking import mlflow_settings
 from composer_plugins.training.lightning.trainer import (
@@ -63,9 +71,6 @@ class RunInterrupted(Interrupted):
 
 
 def _interrupted(trainer: Any, ckpt_dir: Path | None) -> RunInterrupted:
-    from composer_plugins.training.config.inputs import checkpoint_step
-    from composer_plugins.training.lightning.checkpoints import good_checkpoints
-
     steps = [checkpoint_step(p) for p in good_checkpoints(ckpt_dir)] if ckpt_dir is not None else []
     steps = [s for s in steps if s >= 0]
     return RunInterrupted(int(trainer.global_step), max(steps) if steps else None, ckpt_dir)
@@ -74,9 +79,6 @@ def _interrupted(trainer: Any, ckpt_dir: Path | None) -> RunInterrupted:
 @quiet_lightning()
 def run_sft(cfg: TrainConfig, src: Config | None = None) -> str:
     """Run (or reuse from cache) the SFT warm start; copy the policy to ``<output_dir>/model``."""
-    import shutil
-
-    from composer_plugins.training.config.inputs import check_inputs
 
     check_inputs(cfg, src or Config())  # files and paths first: no model is built for a run that cannot start
     env = build_env(cfg, src)
@@ -105,8 +107,6 @@ def log_sft_run(cfg: TrainConfig, metrics: Mapping[str, float], history: Sequenc
     if settings is None:
         return None
     from mlflow.entities import Metric, Param
-
-    from composer_plugins.training.lightning import tracking
 
     client = tracking.client(settings["tracking_uri"])
     exp_id = tracking.ensure_experiment(client, settings["experiment"], settings["tracking_uri"])
@@ -146,11 +146,6 @@ def run_train(
     Writes ``<output_dir>/model`` (``save_pretrained``), ``history.csv``, ``metrics.json`` and
     ``checkpoints/``; logs params, per-channel metrics, reward, accuracy and checkpoints to MLflow.
     """
-    import lightning as L
-
-    from composer_plugins.training.config.inputs import check_inputs
-    from composer_plugins.training.lightning.checkpoints import resolve_resume
-    from composer_plugins.training.lightning.module import ComposerModule
 
     # checked before anything is built: a missing or broken input fails in a second, naming the file
     check_inputs(cfg, src or Config())
@@ -158,18 +153,14 @@ def run_train(
     ckpt_path = resolve_resume(resume, ckpt_dir)
     set_threads(cfg)
     if not cfg.trainer.enable_progress_bar:
-        from composer_plugins.core import progress
-
         progress.quiet_libraries()  # no "Loading weights" bar alone in a run whose own bar is off
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = build_env(cfg, src) if module is None else module.env
-    if module is None:
-        policy, tok = load_policy_for(cfg, env)
-        L.seed_everything(cfg.seed, verbose=False)
-        module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, src=src)
-    else:
-        L.seed_everything(cfg.seed, verbose=False)
+    loaded = load_policy_for(cfg, env) if module is None else None
+    L.seed_everything(cfg.seed, verbose=False)
+    if loaded is not None:
+        module = ComposerModule(cfg, policy=loaded[0], tokenizer=loaded[1], env=env, src=src)
     stream = TaskStream(
         task_drawer(env, cfg, "train"),
         cfg.rollout.prompts_per_step,
@@ -213,8 +204,7 @@ def run_train(
     history = list(hist_cb.rows) if hist_cb else []
     metrics: dict[str, float] = {**start, **final}
     if history:
-        last = history[-1]
-        metrics.update({k: v for k, v in last.items() if k != "step"})
+        metrics.update({k: v for k, v in history[-1].items() if k != "step"})
         # train/reward is the last step's; this is the mean over every step of the run
         metrics["train/reward_mean_over_steps"] = sum(r.get("train/reward", 0.0) for r in history) / len(history)
     if trainer.logger:
@@ -254,11 +244,6 @@ def run_eval(
     Returns (and writes to ``output`` if given) flat ``{"<env>/accuracy", "<env>/pass_at_<k>", "<env>/mean_reward"}``,
     with ``eval.hint_uplift`` also ``<env>/hint_fix_rate``, ``<env>/hint_coverage`` and the ``<env>/hint_*`` counts.
     """
-    import lightning as L
-
-    from composer_plugins.training.config.inputs import check_checkpoint, check_inputs
-    from composer_plugins.training.lightning.checkpoints import load_policy_weights
-    from composer_plugins.training.lightning.module import ComposerModule
 
     if checkpoint is None:
         check_inputs(cfg, src or Config())
@@ -266,12 +251,8 @@ def run_eval(
         check_checkpoint(checkpoint)
     set_threads(cfg)
     env = build_env(cfg, src)
-    ckpt_file: str | None = None
-    if checkpoint and str(checkpoint).endswith(".ckpt"):
-        ckpt_file = checkpoint
-        path = resolve_policy(cfg, env)
-    else:
-        path = checkpoint or resolve_policy(cfg, env)
+    ckpt_file = checkpoint if checkpoint and str(checkpoint).endswith(".ckpt") else None
+    path = checkpoint if checkpoint and not ckpt_file else resolve_policy(cfg, env)
     policy, tok = load_policy(path, dtype=cfg.model.dtype)
     module = ComposerModule(cfg, policy=policy, tokenizer=tok, env=env, channels=[], src=src)
     if ckpt_file:  # the policy's weights, strictly: a checkpoint of another model fails, naming the keys

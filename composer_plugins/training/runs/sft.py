@@ -12,6 +12,7 @@ import os
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -21,15 +22,23 @@ from torch import Tensor
 
 from composer_plugins.core.errors import ConfigError
 from composer_plugins.core.io import read_jsonl
-from composer_plugins.envs.hints import build_hint_provider
-from composer_plugins.models.logprobs import (
-    decoder_body,
-    lm_head_weight,
-)
+from composer_plugins.envs.arith import dropped_carry
+from composer_plugins.envs.hints import build_hint_provider, reads_groups, sibling_groups
+from composer_plugins.envs.step_check import false_step_attempt
+from composer_plugins.losses.functional import chunked_logprobs
+from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import load_policy
 from composer_plugins.training.config.train import TrainConfig
 from composer_plugins.training.lightning.trainer import lightning_trainer, progress_bar, quiet_lightning, set_threads
-from composer_plugins.training.rollout.rewards import env_tasks
+from composer_plugins.training.rollout.chat import install_chat_template
+from composer_plugins.training.rollout.rewards import (
+    derive_seed,
+    env_tasks,
+    reference_completion,
+    task_prompt,
+    teacher_contexts,
+)
+from composer_plugins.training.step.optim import build_optimizer, warmup_cosine
 
 
 def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[str, str]]:
@@ -38,12 +47,10 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
     The prompts are the text the model reads (chat messages rendered for ``tokenizer`` with
     ``model.chat_template``, :mod:`composer_plugins.training.rollout.chat`), as in the RL rollouts.
     """
-    from composer_plugins.training.rollout.rewards import reference_completion, task_prompt
-
     if cfg.data.train_path:
         tasks = read_jsonl(cfg.data.train_path)[: cfg.sft.num_examples]
     else:
-        tasks = env_tasks(env, cfg.data.train_split, cfg.sft.num_examples, derive_seed_sft(cfg))
+        tasks = env_tasks(env, cfg.data.train_split, cfg.sft.num_examples, derive_seed(cfg.sft.seed, 77))
     out = []
     for t in tasks:
         sol = reference_completion(t)
@@ -64,9 +71,6 @@ def sft_pairs(env: Any, cfg: TrainConfig, tokenizer: Any = None) -> list[tuple[s
 
 def _slip(cfg: TrainConfig, plain: Sequence[tuple[str, str]], pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """``sft.slip_rate`` of the plain rows that can slip, their target given with the slip (hinted rows kept)."""
-    from composer_plugins.envs.arith import dropped_carry
-    from composer_plugins.training.rollout.rewards import derive_seed
-
     rng = random.Random(derive_seed(cfg.sft.seed, 93))
     out, can = list(pairs), 0
     for i, ((prompt, target), (plain_prompt, _)) in enumerate(zip(pairs, plain, strict=True)):
@@ -125,9 +129,6 @@ def _hint_augment(
     (``hints.provider`` if it does, else the default ``demonstration`` provider), so the context shows
     the problem's worked solution as a successful sibling. The target stays the worked solution.
     """
-    from composer_plugins.envs.hints import reads_groups, sibling_groups
-    from composer_plugins.training.rollout.rewards import derive_seed, teacher_contexts
-
     rng = random.Random(derive_seed(cfg.sft.seed, 91))
     picked = [i for i in range(len(pairs)) if rng.random() < cfg.sft.hint_fraction]
     attempts = {i: _wrong_attempt(tasks[i], rng) for i in picked}
@@ -142,48 +143,35 @@ def _hint_augment(
         krng = random.Random(derive_seed(cfg.sft.seed, 92))
         kind = {i: krng.choices(names, weights)[0] for i in picked}
     provider = build_hint_provider(cfg.hints.provider, key="hints.provider")
-    chat = {"tokenizer": tokenizer, "chat_template": cfg.model.chat_template}
     out = list(pairs)
-    fb_rows = [i for i in picked if kind[i] == "feedback"]
-    if fb_rows:
-        ctxs = teacher_contexts(env, provider, [tasks[i] for i in fb_rows], [str(attempts[i]) for i in fb_rows], **chat)
-        for i, ctx in zip(fb_rows, ctxs, strict=True):
+
+    def hint(by: Any, rows: list[int], tried: Mapping[int, Any], **kw: Any) -> None:
+        kw.update(tokenizer=tokenizer, chat_template=cfg.model.chat_template)
+        ctxs = teacher_contexts(env, by, [tasks[i] for i in rows], [str(tried[i]) for i in rows], **kw)
+        for i, ctx in zip(rows, ctxs, strict=True):
             if ctx is not None:
                 out[i] = (ctx, pairs[i][1])
+
+    fb_rows = [i for i in picked if kind[i] == "feedback"]
+    if fb_rows:
+        hint(provider, fb_rows, attempts)
     step_rows = [i for i in picked if kind[i] == "step_check"]
     if step_rows:  # a worked attempt with one false step, hinted by step_check (envs/step_check.py)
-        from composer_plugins.envs.step_check import false_step_attempt
-
         sc = (
             provider
             if _provider_name(cfg.hints.provider) == "step_check"
             else build_hint_provider({"name": "step_check", "fallback": "none"}, key="sft.hint_kinds")
         )
         wrong = {i: false_step_attempt(pairs[i][1], rng) for i in step_rows}
-        step_rows = [i for i in step_rows if wrong[i] is not None]
-        ctxs = teacher_contexts(env, sc, [tasks[i] for i in step_rows], [str(wrong[i]) for i in step_rows], **chat)
-        for i, ctx in zip(step_rows, ctxs, strict=True):
-            if ctx is not None:
-                out[i] = (ctx, pairs[i][1])
+        hint(sc, [i for i in step_rows if wrong[i] is not None], wrong)
     demo_rows = [i for i in picked if kind[i] == "demonstration"]
     if demo_rows:
         demo = provider if reads_groups(provider) else build_hint_provider("demonstration", key="sft.hint_kinds")
         groups = []
         for i in demo_rows:  # the wrong attempt fails, the worked solution succeeds
             groups += sibling_groups([str(attempts[i]), pairs[i][1]], [0.0, 1.0], 2, 1.0)[:1]
-        ctxs = teacher_contexts(
-            env, demo, [tasks[i] for i in demo_rows], [str(attempts[i]) for i in demo_rows], groups=groups, **chat
-        )
-        for i, ctx in zip(demo_rows, ctxs, strict=True):
-            if ctx is not None:
-                out[i] = (ctx, pairs[i][1])
+        hint(demo, demo_rows, attempts, groups=groups)
     return out
-
-
-def derive_seed_sft(cfg: TrainConfig) -> int:
-    from composer_plugins.training.rollout.rewards import derive_seed
-
-    return derive_seed(cfg.sft.seed, 77)
 
 
 class SFTModule(L.LightningModule):
@@ -207,8 +195,6 @@ class SFTModule(L.LightningModule):
 
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
         """Token-mean cross-entropy over the labelled tokens, chunked through the LM head from hidden states."""
-        from composer_plugins.losses.functional import chunked_logprobs
-
         body = decoder_body(self.policy)
         hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         labels = batch["labels"][:, 1:]
@@ -222,10 +208,6 @@ class SFTModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        from types import SimpleNamespace
-
-        from composer_plugins.training.step.optim import build_optimizer, warmup_cosine
-
         sft_optim = SimpleNamespace(name="adamw", lr=self.lr, weight_decay=self.weight_decay)
         opt = build_optimizer(sft_optim, self.policy.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(self.warmup_steps, self.total_steps))
@@ -239,10 +221,8 @@ def sft_collate(tokenizer: Any, examples: Sequence[tuple[str, str]], max_length:
     for prompt, completion in examples:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = (p + c)[:max_length]
-        lab = ([-100] * len(p) + c)[:max_length]
-        rows.append(ids)
-        labels.append(lab)
+        rows.append((p + c)[:max_length])
+        labels.append(([-100] * len(p) + c)[:max_length])
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -259,12 +239,7 @@ def sft_train(
     cfg: TrainConfig, base: str, env: Any, out_dir: str | os.PathLike[str], extra_callbacks: Sequence[Any] = ()
 ) -> dict[str, float]:
     """Supervised warm start of ``base`` on the env's solutions; ``save_pretrained`` to ``out_dir``."""
-    import lightning as L
-    import torch
-
     set_threads(cfg)
-    from composer_plugins.training.rollout.chat import install_chat_template
-
     model, tok = load_policy(base, dtype=cfg.model.dtype)
     install_chat_template(tok, cfg.model.chat_template)
     pairs = sft_pairs(env, cfg, tok)

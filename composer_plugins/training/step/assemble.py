@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from composer_plugins.core.errors import ComposerPluginsError, closest
+from composer_plugins.core.plugins import get_registry
 from composer_plugins.training.step.input_plugin import BUILTINS
 from composer_plugins.training.step.record import StepMeta, StepRecord
 
@@ -55,8 +56,6 @@ _TABLES: weakref.WeakKeyDictionary[Any, dict[str, InputBuilder]] = weakref.WeakK
 def input_builders(registry: Any = None) -> dict[str, InputBuilder]:
     """Input name -> its builder, from the ``input_builders`` registry (``registry``: the process-wide one)."""
     if registry is None:
-        from composer_plugins.core.plugins import get_registry
-
         registry = get_registry()
     table = _TABLES.get(registry)
     if table is None:

@@ -23,14 +23,20 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from composer_plugins.core.config import Config, build_component
+from composer_plugins.envs.hints import as_hint_provider, build_hint_provider
+from composer_plugins.losses.base import ChannelComposer
 from composer_plugins.training.config.loss_specs import CHANNEL_KEYS, advantage_estimator
-from composer_plugins.training.step.assemble import PAIR_INPUTS, StepPolicy
+from composer_plugins.training.rollout.rewards import load_pairs, render_pairs
+from composer_plugins.training.step.assemble import PAIR_INPUTS, StepPolicy, _channel_inputs
+from composer_plugins.training.step.ema import EMATeacher, compute_dtype, ema_pairs, ema_update, teacher_from
 from composer_plugins.training.step.experience import ExperienceMaker, Sampler, StepComputer
-from composer_plugins.training.step.input_builders import PAIR_REF_KEYS
+from composer_plugins.training.step.input_builders import PAIR_REF_KEYS, cache_pair_references
+from composer_plugins.training.step.optim import build_optimization, optimizer_step
 from composer_plugins.training.step.record import StepMeta, StepRecord, sample_pairs
+from composer_plugins.training.step.teacher_scores import build_teacher_scoring
 
 __all__ = ["StepComponents", "build_channels", "build_env", "configured_hint_provider"]
 
@@ -45,8 +51,6 @@ def build_env(cfg: Any, src: Config | None = None) -> Any:
 def configured_hint_provider(cfg: Any, src: Config | None = None) -> Any:
     """The hint provider named by ``cfg.hints.provider`` (registry kind ``hints``), on the request contract
     (:func:`composer_plugins.envs.hints.build_hint_provider` builds one from a spec or an object)."""
-    from composer_plugins.envs.hints import as_hint_provider
-
     if cfg.hints.provider is None:
         raise (src or Config()).error("hints.provider", "a hint-distillation channel is on but no provider is set.")
     return as_hint_provider(build_component("hints", cfg.hints.provider, key="hints.provider", cfg=src))
@@ -55,8 +59,6 @@ def configured_hint_provider(cfg: Any, src: Config | None = None) -> Any:
 def build_channels(cfg: Any, src: Config | None = None) -> list[Any]:
     """The enabled loss channels of ``cfg.channels`` (disabled ones are not built at all), each named by its key
     and carrying its ``losses.<key>.advantage`` estimator as ``advantage_estimator`` (read by ``ChannelComposer``)."""
-    from composer_plugins.training.step.assemble import _channel_inputs
-
     src = src if src is not None else Config()
     out = []
     for spec in cfg.channels:
@@ -126,12 +128,7 @@ class StepComponents:
         from the registry). ``own_models=False``: a trainer that prepares the model-bound pieces itself (TRL: the
         policy's mode and checkpointing, the EMA and reference copies, the teacher scorers on its tokenizer).
         ``maker``: :class:`ExperienceMaker` settings to override (``advantage_kwargs=None``: the trainer's own)."""
-        from composer_plugins.envs.hints import build_hint_provider
-        from composer_plugins.losses.base import ChannelComposer
-        from composer_plugins.training.rollout.rewards import load_pairs, render_pairs
-        from composer_plugins.training.step.ema import EMATeacher, compute_dtype, teacher_from
         from composer_plugins.training.step.policy import apply_checkpointing, load_policy_for
-        from composer_plugins.training.step.teacher_scores import build_teacher_scoring
 
         src = src if src is not None else Config()
         # 1-2. the env, the policy and its tokenizer (from_pretrained returns eval mode; the step trains)
@@ -212,8 +209,6 @@ class StepComponents:
     def cache_pair_references(self, gather: Gather = nullcontext) -> None:
         """The replay pairs' reference sequence log-probs under the starting policy, kept with the pairs (once;
         ``gather``: the context that makes the whole parameters available, e.g. under FSDP)."""
-        from composer_plugins.training.step.input_builders import cache_pair_references
-
         if self.pair_refs_due:
             with gather():
                 self.pairs, self.pair_refs_due = cache_pair_references(self.step_policy(), self.pairs), False
@@ -237,8 +232,6 @@ class StepComponents:
         step; the optimizer and its ``optim.scheduler`` schedule over ``trainer.max_steps`` built on first use, as
         the Lightning path's ``configure_optimizers``), the EMA teacher's update, one more step counted.
         Returns the gradient norm."""
-        from composer_plugins.training.step.optim import build_optimization, optimizer_step
-
         if self.optimizer is None:
             built = build_optimization(self.cfg.optim, self.policy.parameters(), self.cfg.trainer.max_steps)
             self.optimizer, self.scheduler = built["optimizer"], built["lr_scheduler"]["scheduler"]
@@ -251,13 +244,9 @@ class StepComponents:
     def update_ema(self, root: Any = None, salt: int = 0) -> None:
         """``teacher ← (1 − rate)·teacher + rate·policy`` (nothing without an EMA teacher). ``root``: the module
         holding both copies as ``ema_teacher`` and ``policy`` (the Lightning module, or its FSDP root)."""
-        from composer_plugins.training.step.ema import ema_pairs, ema_update
-
         if self.ema_teacher is None:
             return
         if self._ema_pairs is None:
-            from torch import nn
-
             root = root if root is not None else nn.ModuleDict({"ema_teacher": self.ema_teacher, "policy": self.policy})
             self._ema_pairs = ema_pairs(root, "ema_teacher.policy", "policy")
         ema_update(self._ema_pairs, self.ema_teacher.rate, salt=salt)

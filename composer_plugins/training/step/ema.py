@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
+
 #: What FSDP inserts into the parameter names of wrapped modules.
 _FSDP_PREFIX = "_fsdp_wrapped_module."
 
@@ -61,17 +63,9 @@ class EMATeacher(nn.Module):
 
         Under FSDP the head is copied: FSDP frees the gathered parameters after the forward.
         """
-        from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
-
-        hidden = completion_hidden(
-            self.policy,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            completion_attention_mask=completion_attention_mask,
-            micro_batch_size=micro_batch_size,
-        )
+        ids = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        kw = {"completion_attention_mask": completion_attention_mask, "micro_batch_size": micro_batch_size}
+        hidden = completion_hidden(self.policy, *ids, **kw)
         head = lm_head_weight(self.policy).detach()
         sharded = any(getattr(p, "_fsdp_flattened", False) for p in self.parameters())  # FSDP's, or its units'
         return hidden, head.clone() if sharded else head

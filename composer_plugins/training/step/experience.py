@@ -8,6 +8,7 @@ statistics out. See docs/training.md "One training step".
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -15,11 +16,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_plugins.core.config import Config
+from composer_plugins.core.errors import ConfigError
 from composer_plugins.envs.hints import build_hint_provider, reads_groups
 from composer_plugins.losses.functional import group_advantages
+from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
 from composer_plugins.models.logprobs import completion_logprobs_no_grad
 from composer_plugins.training.rollout.distributed import dp_normalisers
-from composer_plugins.training.rollout.rewards import rollout_groups, teacher_contexts
+from composer_plugins.training.rollout.multiturn import build_generator
+from composer_plugins.training.rollout.rewards import (
+    derive_seed,
+    env_rewards,
+    reference_completion,
+    rollout_groups,
+    task_prompt,
+    teacher_contexts,
+)
+from composer_plugins.training.rollout.rollouts import EpisodeGenerator, WeightSyncing
 from composer_plugins.training.step.assemble import StepPolicy, assemble_inputs
 from composer_plugins.training.step.metrics import reward_stats, scalar_metrics
 from composer_plugins.training.step.record import Rollout, StepMeta, StepRecord, hint_candidates
@@ -47,8 +60,6 @@ class Sampler:
     @classmethod
     def from_config(cls, cfg: Any, src: Any = None, env: Any = None) -> Sampler:
         """The sampler ``cfg.rollout`` describes (``env``: the run's env, for multi-turn episodes)."""
-        from composer_plugins.training.rollout.multiturn import build_generator
-
         r = cfg.rollout
         names = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_length")
         sampling = {k: getattr(r, k) for k in names}
@@ -57,10 +68,6 @@ class Sampler:
 
     def on_policy(self, seed: int) -> bool:
         """Whether the step sampled with ``seed`` samples the policy (else it reads the dataset's completions)."""
-        import random
-
-        from composer_plugins.training.rollout.rewards import derive_seed
-
         f = self.on_policy_fraction
         return f >= 1 or (f > 0 and random.Random(derive_seed(seed, 17)).random() < f)
 
@@ -69,9 +76,6 @@ class Sampler:
     ) -> tuple[Rollout, list[float], list[Any]]:
         """``(rollout, rewards, feedback)``: ``G`` completions of each task, scored by ``env`` (episodes score
         every turn themselves)."""
-        from composer_plugins.training.rollout.rewards import env_rewards, task_prompt
-        from composer_plugins.training.rollout.rollouts import EpisodeGenerator
-
         if not self.on_policy(seed):
             return self.dataset(policy, tokenizer, env, tasks)
         if isinstance(self.generator, EpisodeGenerator):
@@ -87,10 +91,6 @@ class Sampler:
     ) -> tuple[Rollout, list[float], list[Any]]:
         """An off-policy step's ``(rollout, rewards, feedback)``: each task once (``G = 1``) with its reference
         completion as the completion, scored by ``env`` as a sample would be."""
-        from composer_plugins.core.errors import ConfigError
-        from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
-        from composer_plugins.training.rollout.rewards import env_rewards, reference_completion, task_prompt
-
         texts = [reference_completion(t) for t in tasks]
         if any(x is None for x in texts):
             raise ConfigError(
@@ -115,8 +115,6 @@ class Sampler:
 
     def due(self, step: int) -> bool:
         """Whether the generator's engine wants the policy's weights before sampling ``step``."""
-        from composer_plugins.training.rollout.rollouts import WeightSyncing
-
         return isinstance(self.generator, WeightSyncing) and self.generator.wants_sync(step)
 
     def sync(self, policy: Any, tokenizer: Any, step: int, out_dir: str | None = None, *, push: bool = True) -> None:
@@ -139,8 +137,6 @@ def refuse_own_sampling(cfg: Any, src: Any, where: str, honours: Sequence[str] =
     actors with their own policy copies) cannot honour: ``rollout.generator`` other than ``hf``, multi-turn
     episodes, an off-policy share, and any of :data:`OWN_PATH_SETTINGS` not in ``honours`` set to other than its
     default. ``where``: the path, in words."""
-    from composer_plugins.core.config import Config
-
     src = src if src is not None else Config()
     r = cfg.rollout
     gen = r.generator.get("name") if isinstance(r.generator, Mapping) else r.generator
@@ -271,9 +267,7 @@ class ExperienceMaker:
         trainer's (else computed here when configured). ``groups``: as :func:`hint_fields`.
         """
         dev = rollout.completion_ids.device
-        r = None
-        if rewards is not None:
-            r = torch.as_tensor(rewards, dtype=torch.float32).to(dev)
+        r = None if rewards is None else torch.as_tensor(rewards, dtype=torch.float32).to(dev)
         if advantages is None and r is not None and self.advantage_kwargs is not None:
             adv = group_advantages(r, rollout.num_generations, **self.advantage_kwargs)
             advantages = (adv[0] if isinstance(adv, tuple) else adv).detach().float()
@@ -290,18 +284,9 @@ class ExperienceMaker:
         elif self.reference is not None:
             fields["ref_logprobs"] = self.logprobs(self.reference, base)
         if self.hint_provider is not None and r is not None:
-            fields.update(
-                hint_fields(
-                    base,
-                    self.env,
-                    self.hint_provider,
-                    success_threshold=self.success_threshold,
-                    max_hinted=self.max_hinted,
-                    tokenizer=self.tokenizer,
-                    chat_template=self.chat_template,
-                    groups=groups,
-                )
-            )
+            kw = {"max_hinted": self.max_hinted, "tokenizer": self.tokenizer, "chat_template": self.chat_template}
+            kw.update(success_threshold=self.success_threshold, groups=groups)
+            fields.update(hint_fields(base, self.env, self.hint_provider, **kw))
         return base.replace(**fields) if fields else base
 
     def from_state(self, state: Mapping[str, Any]) -> StepRecord:
@@ -319,17 +304,9 @@ class ExperienceMaker:
         """``model``'s per-token log-probs of ``rec``'s completions, without gradient, chunked."""
         width = int(rec.prompt_ids.shape[1] + rec.completion_ids.shape[1])
         mb = self.rows_per_micro_batch(width) if self.rows_per_micro_batch is not None else None
-        return completion_logprobs_no_grad(
-            model,
-            rec.prompt_ids,
-            rec.prompt_mask,
-            rec.completion_ids,
-            rec.completion_mask,
-            temperature=self.temperature,
-            completion_attention_mask=rec.attention_mask,
-            micro_batch_size=mb,
-            chunk_size=self.chunk_size,
-        )
+        ids = (rec.prompt_ids, rec.prompt_mask, rec.completion_ids, rec.completion_mask)
+        kw = {"completion_attention_mask": rec.attention_mask, "micro_batch_size": mb, "chunk_size": self.chunk_size}
+        return completion_logprobs_no_grad(model, *ids, temperature=self.temperature, **kw)
 
 
 class StepComputer:
@@ -363,11 +340,8 @@ class StepComputer:
         given: Mapping[str, Any] | None = None,
         policy: StepPolicy | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """``(loss, stats)``: every channel input built once from ``record`` and summed by the composer.
-
-        The policy's decoder body runs micro-batch by micro-batch, and every channel input comes from the
-        final hidden states through the LM head in chunks, so the loss equals the one-shot loss.
-        """
+        """``(loss, stats)``: every channel input built once from ``record`` (micro-batched forwards, chunked LM
+        head: ``compute``) and summed by the composer."""
         if policy is None:  # a trainer whose models change per call (TRL's wrapped model) passes its own
             policy = self.policy() if callable(self.policy) else self.policy
         extra = dict(given or {})

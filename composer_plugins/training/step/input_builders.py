@@ -7,13 +7,26 @@ plugin :mod:`composer_plugins.training.runs.plugin` registers them lazily under 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from composer_plugins.training.step.assemble import Assembly
+from composer_plugins.losses.base import inputs_for
+from composer_plugins.losses.functional import chunked_logprobs
+from composer_plugins.losses.teacher_distill import TeacherTopK
+from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
+from composer_plugins.models.logprobs import (
+    completion_hidden,
+    completion_logprobs,
+    completion_logprobs_no_grad,
+    lm_head_weight,
+    sequence_logprob,
+)
+from composer_plugins.training.step.assemble import Assembly, _channel_inputs
+from composer_plugins.training.step.teacher_scores import report_teacher_failures
 
 
 def record_fields(asm: Assembly) -> dict[str, Any]:
@@ -47,8 +60,6 @@ def policy_logprobs(asm: Assembly) -> dict[str, Any]:
     When every active channel reading ``logprobs`` declares ``row_separable``, their LM-head gradients are
     formed while the log-probs are computed (:func:`~composer_plugins.kernels.fused.fused_logprobs`, three
     matmuls a chunk); otherwise the generic path (four). ``compute.kernels: materialised`` makes either one chunk."""
-    from composer_plugins.models.logprobs import completion_hidden, completion_logprobs, lm_head_weight
-
     r, p = asm.record, asm.policy
     logps = asm.values.get("logprobs")
     args = (p.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
@@ -108,8 +119,6 @@ _OWN = ("logprobs", "old_logprobs", "inference_logprobs", "importance_sampling_r
 
 def _separable_readers(asm: Assembly) -> list[Any]:
     """The active channels that read ``logprobs``, when every one declares ``row_separable`` (else none)."""
-    from composer_plugins.training.step.assemble import _channel_inputs
-
     chans = getattr(asm.composer, "active", None) or []
     readers = [c for c in chans if "logprobs" in _channel_inputs(c)]
     return readers if readers and all(getattr(c, "row_separable", False) for c in readers) else []
@@ -117,8 +126,6 @@ def _separable_readers(asm: Assembly) -> list[Any]:
 
 def _readers_loss(asm: Assembly, readers: list[Any]) -> Any:
     """``loss(logprobs)``: the readers' weighted losses, their other inputs built as the assembler would."""
-    from composer_plugins.losses.base import inputs_for
-
     for k in dict.fromkeys(k for c in readers for k in c.required_inputs() if k not in _OWN):
         asm.get(k)  # now, outside the kernel (whose autocast is off)
 
@@ -146,10 +153,6 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
     ``hint/teacher_margin`` (the precondition: how much likelier the teacher finds the student's tokens, at
     the sampling temperature) goes to ``stats``.
     """
-    from composer_plugins.losses.functional import chunked_logprobs
-    from composer_plugins.models.generation import tokenize_prompts
-    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
-
     r, p = asm.record, asm.policy
     rows = r.hint_rows
     n_in_batch = asm.values.get("hint_tokens_in_batch")
@@ -176,23 +179,11 @@ def hint_inputs(asm: Assembly) -> dict[str, Any]:
             )
         t_head = head
     student = asm.scratch.get("policy_hidden")
-    if student is not None:
-        student = student[idx]
-    else:  # the trainer computed the log-probs itself: the hinted rows' hidden states, with grad
-        student = completion_hidden(
-            p.model,
-            r.prompt_ids[idx],
-            r.prompt_mask[idx],
-            c_ids,
-            c_mask,
-            completion_attention_mask=c_att,
-            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
-        )
-    out["student_hidden"] = student
-    out["teacher_hidden"] = teacher
-    out["lm_head_weight"] = head
-    out["hint_mask"] = c_mask.float()
-    out["hint_rows"] = idx
+    # the trainer computed the log-probs itself: the hinted rows' hidden states, with grad
+    student = student[idx] if student is not None else _policy_hidden(asm, idx)
+    out.update(
+        student_hidden=student, teacher_hidden=teacher, lm_head_weight=head, hint_mask=c_mask.float(), hint_rows=idx
+    )
     asm.stats.update({"hint/rows": float(len(rows)), "hint/fraction": len(rows) / r.num_rows})
     for kind in sorted({k for k in r.hint_kinds if k}):  # each hint kind's share (a chain's members apart)
         asm.stats[f"hint/fraction/{kind}"] = sum(k == kind for k in r.hint_kinds) / r.num_rows
@@ -222,30 +213,21 @@ def _margin_stat(diff_sum: float, tokens: float, tokens_in_batch: float | None) 
 def hint_teacher_logprobs(asm: Assembly) -> dict[str, Any]:
     """Per-token log-probs of the sampled tokens under the hint teacher on the hinted rows, the policy's own
     (sampling-time) elsewhere: PRIME-RL's ``opsd`` reference stream. ``None`` when no row was hinted."""
-    from composer_plugins.models.generation import tokenize_prompts
-    from composer_plugins.models.logprobs import completion_logprobs_no_grad
-
     r, p = asm.record, asm.policy
     rows = r.hint_rows
     if not rows:
         return {"hint_teacher_logprobs": None}
     own = asm.get("old_logprobs")
     if own is None:
-        raise asm.lacking(
-            "old_logprobs", "old_logprobs", "make the record with ExperienceMaker.make(old_logprobs=True)"
-        )
+        fix = "make the record with ExperienceMaker.make(old_logprobs=True)"
+        raise asm.lacking("old_logprobs", "old_logprobs", fix)
     ref = own.clone()
     idx = torch.tensor(rows, device=r.completion_ids.device)
     h_ids, h_mask = tokenize_prompts(p.tokenizer, r.hinted_contexts, p.max_context_length, r.completion_ids.device)
     scorer = getattr(p.teacher, "policy", p.teacher) if p.teacher is not None else p.model
+    rows = (r.completion_ids[idx], r.completion_mask[idx])
     ref[idx] = completion_logprobs_no_grad(
-        scorer,
-        h_ids,
-        h_mask,
-        r.completion_ids[idx],
-        r.completion_mask[idx],
-        temperature=p.temperature,
-        chunk_size=p.chunk_size,
+        scorer, h_ids, h_mask, *rows, temperature=p.temperature, chunk_size=p.chunk_size
     )
     return {"hint_teacher_logprobs": ref}
 
@@ -256,8 +238,6 @@ PAIR_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 def _pair_tensors(p: Any, pairs: Sequence[Mapping[str, Any]], dev: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(prompt ids, prompt mask, completion ids, completion mask)``: the chosen rows, then the rejected."""
-    from composer_plugins.models.generation import tokenize_completions, tokenize_prompts
-
     prompts = [str(x["prompt"]) for x in pairs] * 2
     comps = [str(x["chosen"]) for x in pairs] + [str(x["rejected"]) for x in pairs]
     p_ids, p_mask = tokenize_prompts(p.tokenizer, prompts, p.pair_prompt_length, dev)
@@ -266,8 +246,6 @@ def _pair_tensors(p: Any, pairs: Sequence[Mapping[str, Any]], dev: Any) -> tuple
 
 
 def _sequence_logps(model: Any, p: Any, t: tuple[Tensor, Tensor, Tensor, Tensor], grad: bool) -> Tensor:
-    from composer_plugins.models.logprobs import completion_logprobs, completion_logprobs_no_grad, sequence_logprob
-
     kw = {"micro_batch_size": p.micro_batch(t[0], t[2]), "chunk_size": p.chunk_size}
     logps = (completion_logprobs if grad else completion_logprobs_no_grad)(model, *t, **kw)
     assert isinstance(logps, Tensor)
@@ -277,8 +255,6 @@ def _sequence_logps(model: Any, p: Any, t: tuple[Tensor, Tensor, Tensor, Tensor]
 def cache_pair_references(p: Any, pairs: Sequence[Mapping[str, Any]], batch: int = 32) -> list[dict[str, Any]]:
     """``pairs`` with their sequence log-probs under ``p.reference`` (else ``p.model``, without gradient) at
     :data:`PAIR_REF_KEYS`: computed once, before the first optimizer step, so no copy of the policy is kept for them."""
-    from composer_plugins.models.logprobs import lm_head_weight
-
     model = p.reference if p.reference is not None else p.model
     out: list[dict[str, Any]] = []
     for i in range(0, len(pairs), batch):
@@ -321,32 +297,27 @@ def policy_hidden_states(asm: Assembly) -> dict[str, Any]:
 
     Shared with the log-prob builder's forward when it ran (``policy_hidden``), else one forward now.
     """
-    from composer_plugins.models.logprobs import completion_hidden, lm_head_weight
-
-    r, p = asm.record, asm.policy
     asm.get("logprobs")
     hidden = asm.scratch.get("policy_hidden")
-    if hidden is None:
-        hidden = completion_hidden(
-            p.model,
-            r.prompt_ids,
-            r.prompt_mask,
-            r.completion_ids,
-            r.completion_mask,
-            completion_attention_mask=r.attention_mask,
-            micro_batch_size=p.micro_batch(r.prompt_ids, r.completion_ids),
-        )
-    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(p.model)}
+    hidden = hidden if hidden is not None else _policy_hidden(asm)
+    return {"hidden_states": hidden, "lm_head_weight": lm_head_weight(asm.policy.model)}
+
+
+def _policy_hidden(asm: Assembly, idx: Tensor | None = None) -> Tensor:
+    """The policy's final hidden states (with grad) at the completion positions of rows ``idx`` (``None``: all)."""
+    r, p = asm.record, asm.policy
+    rows = [r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.attention_mask]
+    if idx is not None:
+        rows = [None if t is None else t[idx] for t in rows]
+    mb = p.micro_batch(r.prompt_ids, r.completion_ids)
+    return completion_hidden(p.model, *rows[:4], completion_attention_mask=rows[4], micro_batch_size=mb)
 
 
 def teacher_scores(asm: Assembly) -> dict[str, Any]:
     """The teachers' top-k of the record's rows as a ``TeacherTopK`` (running scorers awaited up to the deadline)."""
-    import concurrent.futures as cf
 
-    from composer_plugins.losses.teacher_distill import TeacherTopK
     from composer_plugins.teachers.scoring import ScoringJob
     from composer_plugins.teachers.scoring.pool import fit_rows
-    from composer_plugins.training.step.teacher_scores import report_teacher_failures
 
     r, pool = asm.record, asm.policy.teacher_scoring
     if asm.wants("hidden_states"):
@@ -367,7 +338,6 @@ def teacher_scores(asm: Assembly) -> dict[str, Any]:
     packed = next((v for v in scores.values() if isinstance(v, TeacherTopK)), None)
     if packed is None:
         scores = {k: fit_rows(k, v, int(r.completion_ids.shape[0])) for k, v in scores.items()}
-    if packed is None:
         packed = TeacherTopK.from_rows(scores, int(r.completion_ids.shape[1]), device=asm.device)
     n = float((r.completion_mask.bool() & packed.mask.any(1)).sum())
     asm.stats["teacher/scored_fraction"] = n / max(float(r.completion_mask.sum()), 1.0)

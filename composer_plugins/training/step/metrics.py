@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from composer_plugins.losses.functional import nanstd
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al., 2021)."""
@@ -73,8 +75,6 @@ def reward_stats(rewards: Tensor, group_size: int, success_threshold: float) -> 
     """A step's ``reward`` (mean), ``accuracy`` (share at or above ``success_threshold``) and ``groups_with_signal``
     (groups whose rewards differ) over the scorable rows, and the ``unscorable`` share (NaN rewards: left out of
     these as out of the group advantages)."""
-    from composer_plugins.losses.functional import nanstd
-
     scorable = ~torch.isnan(rewards)
     r = rewards[scorable]
     return {

@@ -13,7 +13,9 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from composer_plugins.core.config import Config
 from composer_plugins.core.errors import ConfigError, UnknownPluginError
+from composer_plugins.core.plugins import get_registry
 
 #: the ``optim`` fields offered to every optimizer factory (each only if its signature takes it)
 SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum")
@@ -21,15 +23,11 @@ SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum")
 
 def optimizer_names() -> list[str]:
     """The registered optimizer names."""
-    from composer_plugins.core.plugins import get_registry
-
     return get_registry().names("optimizers")
 
 
 def check_optimizer_name(name: str, src: Any = None, key: str = "optim.name") -> None:
     """Raise a located error (``key`` in ``src``'s file) naming the optimizers and the closest if unknown."""
-    from composer_plugins.core.config import Config
-
     names = optimizer_names()
     if name not in names:
         msg = str(UnknownPluginError("optimizer", name, names))
@@ -69,8 +67,6 @@ def build_optimizer(optim: Any, params: Iterable[Any]) -> Any:
     ``args`` and ``fused``: :func:`implementation_kwargs`). An unknown name raises the registry's error with the
     available names and the closest; extra ``args`` the optimizer does not take raise a :class:`ConfigError`.
     """
-    from composer_plugins.core.plugins import get_registry
-
     entry = get_registry().get("optimizers", str(optim.name))
     trainable = [p for p in params if getattr(p, "requires_grad", True)]
     extra: Mapping[str, Any] = getattr(optim, "args", None) or {}
@@ -125,9 +121,6 @@ def optimizer_step(optimizer: Any, params: Iterable[Any], loss: Any, clip: float
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
-        optimizer.step()
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, clip if clip else float("inf")) if with_grad else 0.0
     optimizer.step()
     return float(norm)

@@ -7,6 +7,7 @@ hash); :func:`load_policy_for` loads it. Backends reach ``load_policy``, ``decod
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +18,7 @@ from composer_plugins.core.io import read_jsonl
 from composer_plugins.models.logprobs import decoder_body, lm_head_weight
 from composer_plugins.models.tiny import build_cached, cache_dir_for, load_policy, tiny_model_dir
 from composer_plugins.training.config.train import TrainConfig
+from composer_plugins.training.rollout.chat import install_chat_template
 from composer_plugins.training.rollout.rewards import env_tasks, task_prompt
 from composer_plugins.training.runs.sft import sft_train
 
@@ -32,16 +34,10 @@ __all__ = [
 ]
 
 
-def _tiny_corpus_key(cfg: TrainConfig) -> Any:
-    return {"env": redact(cfg.env), "train_path": _file_digest(cfg.data.train_path)}
-
-
 def _file_digest(path: str | None) -> str | None:
     """``path@sha256`` of a data file, so a cache keyed on it notices new contents."""
     if not path:
         return None
-    import hashlib
-
     try:
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
     except OSError:
@@ -57,7 +53,6 @@ def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
     tcfg = cfg.model.tiny
 
     def corpus() -> Iterator[str]:
-
         if cfg.data.train_path:
             tasks = read_jsonl(cfg.data.train_path)[: tcfg.tokenizer_corpus_size]
         else:
@@ -65,7 +60,8 @@ def base_policy_path(cfg: TrainConfig, env: Any = None) -> str:
         for t in tasks:
             yield task_prompt(t) + str(t.get("target", t.get("solution", "")))
 
-    return str(tiny_model_dir(tcfg, corpus, cfg.cache_dir, corpus_key=_tiny_corpus_key(cfg)))
+    corpus_key = {"env": redact(cfg.env), "train_path": _file_digest(cfg.data.train_path)}
+    return str(tiny_model_dir(tcfg, corpus, cfg.cache_dir, corpus_key=corpus_key))
 
 
 def sft_cache_key(cfg: TrainConfig, base: str) -> dict[str, Any]:
@@ -114,8 +110,6 @@ def load_policy_for(cfg: TrainConfig, env: Any = None) -> tuple[Any, Any]:
     A ``model.chat_template`` file is set on the tokenizer
     (:func:`~composer_plugins.training.rollout.chat.install_chat_template`).
     """
-    from composer_plugins.training.rollout.chat import install_chat_template
-
     model, tok = load_policy(resolve_policy(cfg, env), dtype=cfg.model.dtype)
     return model, install_chat_template(tok, cfg.model.chat_template)
 

@@ -250,9 +250,7 @@ class StepRecord:
         for k in ROW_LISTS:
             have = [bool(getattr(r, k)) for r in recs]
             out[k] = [x for r in recs for x in (getattr(r, k) or [None] * r.num_rows)] if any(have) else ()
-        extras: dict[str, Any] = {}
-        for r in recs:
-            extras.update(r.extras)
+        extras = {k: v for r in recs for k, v in r.extras.items()}
         tasks = [t for r in recs for t in r.tasks]
         return cls(tasks=tasks, num_generations=G.pop(), extras=extras, **out)
 

@@ -9,9 +9,13 @@ See docs/losses.md "On-policy distillation from external teachers".
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm import tqdm
+
+from composer_plugins.training.rollout.chat import task_conversation
 from composer_plugins.training.step.record import StepRecord
 
 __all__ = [
@@ -27,9 +31,6 @@ __all__ = [
 
 def console_warning(line: str) -> None:
     """``warning: <line>`` on stderr, above a running progress bar (``tqdm.write``), never a silent log record."""
-    import sys
-
-    from tqdm import tqdm
 
     tqdm.write(f"warning: {line}", file=sys.stderr)
 
@@ -68,8 +69,6 @@ def build_teacher_scoring(channels: Sequence[Any], tokenizer: Any) -> Any:
 
 def row_conversations(record: StepRecord) -> list[Any]:
     """Per row, the chat messages its prompt was rendered from (``None`` for a text prompt or unknown task)."""
-    from composer_plugins.training.rollout.chat import task_conversation
-
     if not record.tasks:
         return [None] * record.num_rows
     convs = [task_conversation(t) for t in record.tasks]
