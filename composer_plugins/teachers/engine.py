@@ -30,7 +30,11 @@ HEADROOM_GROWTH = 16
 
 @dataclass
 class RetryPolicy:
-    """How failed calls are retried (equal jitter, never sooner than ``Retry-After``; docs/replay.md, "Retries")."""
+    """How failed calls are retried (docs/replay.md, "Retries").
+
+    The n-th retry waits ``uniform(d/2, d)`` with ``d = min(backoff_max_s, backoff_base_s * 2**n)``
+    ("equal jitter"), and never less than the server's ``Retry-After`` (capped at ``retry_after_max_s``).
+    """
 
     max_retries: int = 6
     backoff_base_s: float = 0.5
@@ -68,7 +72,10 @@ class TeacherStats(CallCounts):
 
 @dataclass
 class ReplayStats(TeacherStats):
-    """Counters of a run: the per-teacher ones summed (:meth:`count` adds to both), and the run's own."""
+    """Counters of a run: the per-teacher ones summed (:meth:`count` adds to both), and the run's own.
+
+    ``lease_waits`` counts calls that had to wait for a spend-lease write before they could be sent.
+    """
 
     jobs: int = 0
     deduplicated: int = 0
